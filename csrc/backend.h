@@ -1,0 +1,74 @@
+/* backend.h - the only seam between the core and a device: a table of function pointers over
+ * device memory. The core calls nothing else device-specific; a backend calls nothing above it.
+ * All pointers named d_* are device pointers; h_* are host pointers. Matrices are row-major.
+ */
+#ifndef CMLP_BACKEND_H
+#define CMLP_BACKEND_H
+
+#include "cmlp.h"
+
+#ifndef CMLP_WITH_CUDA
+#define CMLP_WITH_CUDA 0
+#endif
+
+typedef struct cmlp_backend_i {
+    const char *name;
+
+    /* Per-device instance (streams, handles); NULL is fine for the CPU. */
+    cmlp_status (*open)(int index, void **ctx);
+    /* Physical memory of the device in bytes. */
+    int64_t (*total_memory)(void *ctx);
+
+    /* Raw memory, called only by the allocator. raw_alloc returns CMLP_ERR_OOM when the device
+     * has no memory left, with nothing recorded in the error buffer. */
+    cmlp_status (*raw_alloc)(void *ctx, size_t nbytes, void **out);
+    void (*raw_free)(void *ctx, void *ptr, size_t nbytes);
+
+    cmlp_status (*copy_h2d)(void *ctx, void *d_dst, const void *h_src, size_t nbytes);
+    cmlp_status (*copy_d2h)(void *ctx, void *h_dst, const void *d_src, size_t nbytes);
+    cmlp_status (*copy_d2d)(void *ctx, void *d_dst, const void *d_src, size_t nbytes);
+    cmlp_status (*fill_zero)(void *ctx, void *d_dst, size_t nbytes);
+
+    /* C[m,n] = alpha * op(A) op(B) + beta * C with op(A) [m,k], op(B) [k,n]. */
+    cmlp_status (*gemm)(void *ctx, int trans_a, int trans_b, int64_t m, int64_t n, int64_t k,
+                        float alpha, const float *d_a, int64_t lda, const float *d_b, int64_t ldb,
+                        float beta, float *d_c, int64_t ldc);
+    /* y[r, c] = act(y[r, c] + bias[c]); act is ReLU when relu != 0, identity otherwise. */
+    cmlp_status (*bias_act)(void *ctx, float *d_y, const float *d_bias, int64_t rows, int64_t cols,
+                            int relu);
+    /* dy[i] = h[i] > 0 ? dy[i] : 0 (the mask is recovered from the ReLU output). */
+    cmlp_status (*relu_backward)(void *ctx, float *d_dy, const float *d_h, int64_t count);
+    /* db[c] += sum_r dy[r, c]. */
+    cmlp_status (*bias_grad)(void *ctx, float *d_db, const float *d_dy, int64_t rows, int64_t cols);
+    /* Fused stable softmax cross-entropy over logits [rows, cols]. Adds the per-sample losses
+     * to *h_loss_sum and, when d_dlogits is not NULL, writes d_dlogits = grad_weight *
+     * (softmax - q), q = (1 - smoothing) onehot + smoothing / cols. When h_correct is not NULL
+     * adds the number of rows whose argmax equals the label. */
+    cmlp_status (*softmax_xent)(void *ctx, const float *d_logits, const int32_t *d_labels,
+                                int64_t rows, int64_t cols, float smoothing, float grad_weight,
+                                float *d_dlogits, double *h_loss_sum, int64_t *h_correct);
+    /* dst[r, :] = convert(src row idx[r]) (row start + r when idx is NULL) for r < rows, where
+     * src is host data [*, cols] of dtype; uint8 becomes v * scale + shift. Labels likewise. */
+    cmlp_status (*stage_rows)(void *ctx, float *d_dst, const void *h_src, cmlp_dtype dtype,
+                              int64_t cols, const int64_t *h_idx, int64_t start, int64_t rows,
+                              float scale, float shift);
+    cmlp_status (*stage_labels)(void *ctx, int32_t *d_dst, const int32_t *h_src,
+                                const int64_t *h_idx, int64_t start, int64_t rows);
+
+    /* Fused optimizers over flat buffers of n floats. Scalars precomputed by the core. */
+    cmlp_status (*adam)(void *ctx, float *d_p, const float *d_g, float *d_m, float *d_v, int64_t n,
+                        float step_size, float beta1, float beta2, float inv_bc2_sqrt, float eps,
+                        float weight_decay);
+    /* first != 0: buf = g (momentum's first step). d_buf may be NULL when momentum == 0. */
+    cmlp_status (*sgd)(void *ctx, float *d_p, const float *d_g, float *d_buf, int64_t n, float lr,
+                       float momentum, float dampening, int nesterov, float weight_decay, int first);
+    /* Waits for the device's queued work. */
+    cmlp_status (*synchronize)(void *ctx);
+} cmlp_backend_i;
+
+extern const cmlp_backend_i cmlp_backend_cpu;
+#if CMLP_WITH_CUDA
+extern const cmlp_backend_i cmlp_backend_cuda;
+#endif
+
+#endif /* CMLP_BACKEND_H */

@@ -1,0 +1,265 @@
+/* cmlp.h - the one public C API of cmlp: train multilayer perceptrons on the CPU or a GPU,
+ * with every byte taken from a per-device caching allocator.
+ *
+ * Usage:
+ *     cmlp_model *m = NULL;
+ *     cmlp_optim *opt = NULL;
+ *     int sizes[] = {784, 512, 256, 10};
+ *     if (cmlp_model_init(&m, sizes, 4, cmlp_cpu(), 0) != CMLP_OK) puts(cmlp_last_error());
+ *     cmlp_adam_config ac = cmlp_adam_defaults();
+ *     cmlp_optim_init_adam(&opt, m, &ac);
+ *     cmlp_data batch = {.x = images, .x_dtype = CMLP_DTYPE_F32, .y = labels, .n = 32};
+ *     double loss;
+ *     cmlp_model_zero_grad(m);
+ *     cmlp_model_forward_backward(m, &batch, 1.0f / 32, 0.0f, &loss);
+ *     cmlp_optim_step(opt);
+ *     cmlp_optim_free(opt);
+ *     cmlp_model_free(m);
+ *
+ * Conventions: every fallible call returns a cmlp_status; on failure cmlp_last_error() holds a
+ * thread-local "file:line: what happened" message and no output or state was changed unless
+ * the function says otherwise. *_free(NULL) is a no-op. Host pointers given to the library are
+ * only read during the call. Nothing here prints, exits or aborts.
+ */
+#ifndef CMLP_H
+#define CMLP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define CMLP_API __declspec(dllexport)
+#else
+#define CMLP_API __attribute__((visibility("default")))
+#endif
+
+/* ---- status ------------------------------------------------------------------------------ */
+
+typedef enum cmlp_status {
+    CMLP_OK = 0,
+    CMLP_ERR_INVALID = 1,     /* a bad argument: shape, size, range, value */
+    CMLP_ERR_NONFINITE = 2,   /* NaN or inf in an input that must be finite */
+    CMLP_ERR_OOM = 3,         /* the allocator could not satisfy a request */
+    CMLP_ERR_DEVICE = 4,      /* the device is unavailable or a device call failed */
+    CMLP_ERR_STATE = 5,       /* a call out of order (e.g. optimizer of another model) */
+    CMLP_ERR_INTERNAL = 6     /* a bug: an invariant did not hold */
+} cmlp_status;
+
+CMLP_API const char *cmlp_last_error(void);           /* thread-local; never NULL */
+CMLP_API const char *cmlp_status_name(cmlp_status s); /* "CMLP_ERR_OOM", ... */
+
+/* ---- devices ----------------------------------------------------------------------------- */
+
+typedef enum cmlp_device_type { CMLP_DEVICE_CPU = 0, CMLP_DEVICE_CUDA = 1 } cmlp_device_type;
+
+typedef struct cmlp_device {
+    cmlp_device_type type;
+    int index; /* 0 for the CPU */
+} cmlp_device;
+
+#define CMLP_MAX_CUDA_DEVICES 16
+
+CMLP_API cmlp_device cmlp_cpu(void);
+/* Parses "cpu", "cuda", "cuda:N". CMLP_ERR_INVALID for an unknown string; CMLP_ERR_DEVICE when
+ * the string is valid but the device is not there (the message says whether the build lacks
+ * CUDA or the machine lacks a GPU). */
+CMLP_API cmlp_status cmlp_device_parse(const char *s, cmlp_device *out);
+CMLP_API cmlp_status cmlp_device_check(cmlp_device d); /* same checks for a parsed device */
+CMLP_API int cmlp_cuda_compiled(void);                  /* 1 when built with the CUDA backend */
+CMLP_API int cmlp_cuda_device_count(void);              /* 0 without a usable driver/GPU */
+
+/* ---- memory: one allocator per device ---------------------------------------------------- */
+
+/* Statistics follow PyTorch's memory_stats: for each stat, for each pool (all, large, small),
+ * the current value, the peak, the total increase and the total decrease. */
+typedef enum cmlp_stat_kind {
+    CMLP_STAT_ALLOCATION = 0,
+    CMLP_STAT_ALLOCATED_BYTES,
+    CMLP_STAT_REQUESTED_BYTES,
+    CMLP_STAT_ACTIVE,
+    CMLP_STAT_ACTIVE_BYTES,
+    CMLP_STAT_SEGMENT,
+    CMLP_STAT_RESERVED_BYTES,
+    CMLP_STAT_INACTIVE_SPLIT,
+    CMLP_STAT_INACTIVE_SPLIT_BYTES,
+    CMLP_STAT_OVERSIZE_ALLOCATIONS, /* pool "all" only */
+    CMLP_STAT_OVERSIZE_SEGMENTS,    /* pool "all" only */
+    CMLP_STAT_KIND_COUNT
+} cmlp_stat_kind;
+
+typedef enum cmlp_pool { CMLP_POOL_ALL = 0, CMLP_POOL_LARGE = 1, CMLP_POOL_SMALL = 2, CMLP_POOL_COUNT } cmlp_pool;
+
+typedef struct cmlp_stat {
+    int64_t current, peak, allocated, freed;
+} cmlp_stat;
+
+typedef struct cmlp_memory_stats {
+    cmlp_stat stat[CMLP_STAT_KIND_COUNT][CMLP_POOL_COUNT];
+    int64_t num_alloc_retries;
+    int64_t num_ooms;
+    int64_t num_sync_all_streams;
+    int64_t num_device_alloc;
+    int64_t num_device_free;
+    int64_t max_split_size; /* -1: unlimited */
+    int64_t limit;          /* -1: no limit */
+    int64_t total_memory;   /* physical memory of the device */
+} cmlp_memory_stats;
+
+CMLP_API cmlp_status cmlp_memory_stats_get(cmlp_device d, cmlp_memory_stats *out);
+CMLP_API cmlp_status cmlp_memory_reset_peak(cmlp_device d);
+CMLP_API cmlp_status cmlp_memory_empty_cache(cmlp_device d);
+/* limit < 0 removes the limit. A limit below what is reserved now is allowed: later
+ * requests fail until enough is released. */
+CMLP_API cmlp_status cmlp_memory_set_limit(cmlp_device d, int64_t limit);
+/* A raw block from the device's allocator (PyTorch's caching_allocator_alloc). */
+CMLP_API cmlp_status cmlp_memory_alloc(cmlp_device d, size_t nbytes, void **out);
+CMLP_API cmlp_status cmlp_memory_free(cmlp_device d, void *ptr); /* INVALID if not ours */
+
+/* ---- data -------------------------------------------------------------------------------- */
+
+typedef enum cmlp_dtype { CMLP_DTYPE_F32 = 0, CMLP_DTYPE_U8 = 1 } cmlp_dtype;
+
+/* A batch or data set in host memory: x [n, features] row-major, y [n] or NULL.
+ * uint8 images are normalised on the fly: ((x / 255) - mean) / std. */
+typedef struct cmlp_data {
+    const void *x;
+    cmlp_dtype x_dtype;
+    const int32_t *y;
+    int64_t n;
+    float mean, std;
+} cmlp_data;
+
+/* ---- model ------------------------------------------------------------------------------- */
+
+typedef struct cmlp_model cmlp_model;
+
+/* Linear layers sizes[0] -> sizes[1] -> ... -> sizes[nsizes-1], ReLU between them.
+ * Parameters are initialised like nn.Linear, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), from seed. */
+CMLP_API cmlp_status cmlp_model_init(cmlp_model **out, const int *sizes, int nsizes, cmlp_device d,
+                                     uint64_t seed);
+CMLP_API void cmlp_model_free(cmlp_model *m);
+CMLP_API int cmlp_model_num_layers(const cmlp_model *m);  /* nsizes - 1 */
+CMLP_API int cmlp_model_size(const cmlp_model *m, int i); /* sizes[i] */
+CMLP_API int64_t cmlp_model_num_parameters(const cmlp_model *m);
+CMLP_API cmlp_device cmlp_model_device(const cmlp_model *m);
+/* Offsets into the flat parameter (and gradient) buffer: layer i's weight [out, in] starts at
+ * weight_offset(i), its bias [out] at bias_offset(i). Weights of all layers come first. */
+CMLP_API int64_t cmlp_model_weight_offset(const cmlp_model *m, int layer);
+CMLP_API int64_t cmlp_model_bias_offset(const cmlp_model *m, int layer);
+/* Copies between the flat buffers and host memory (num_parameters floats). set_params
+ * rejects non-finite values. */
+CMLP_API cmlp_status cmlp_model_get_params(const cmlp_model *m, float *host_out);
+CMLP_API cmlp_status cmlp_model_set_params(cmlp_model *m, const float *host_in);
+CMLP_API cmlp_status cmlp_model_get_grads(const cmlp_model *m, float *host_out);
+CMLP_API cmlp_status cmlp_model_zero_grad(cmlp_model *m);
+/* Moves parameters and gradients (not optimizer state; see cmlp_optim_to) to another device. */
+CMLP_API cmlp_status cmlp_model_to(cmlp_model *m, cmlp_device d);
+/* Releases the activation workspace kept between calls (it grows to the largest batch). */
+CMLP_API void cmlp_model_release_workspace(cmlp_model *m);
+
+/* logits_out: host [n, classes]. Inputs are processed in chunks of at most chunk rows. */
+CMLP_API cmlp_status cmlp_model_forward(cmlp_model *m, const cmlp_data *x, int64_t chunk,
+                                        float *logits_out);
+/* Mean cross-entropy (sum of per-sample losses in *loss_sum) and correct predictions. */
+CMLP_API cmlp_status cmlp_model_evaluate(cmlp_model *m, const cmlp_data *xy, int64_t chunk,
+                                         double *loss_sum, int64_t *correct);
+/* Forward and backward of one batch: ADDS grad_weight * (sum over samples of the gradient of
+ * each sample's loss) to the gradient buffer. grad_weight = loss_scale / n gives the gradient
+ * of loss_scale * mean loss. *loss_sum receives the unscaled sum of per-sample losses. */
+CMLP_API cmlp_status cmlp_model_forward_backward(cmlp_model *m, const cmlp_data *xy,
+                                                 float grad_weight, float label_smoothing,
+                                                 double *loss_sum);
+
+/* ---- optimizers -------------------------------------------------------------------------- */
+
+typedef struct cmlp_optim cmlp_optim;
+
+typedef struct cmlp_adam_config {
+    double lr, beta1, beta2, eps, weight_decay;
+} cmlp_adam_config;
+
+typedef struct cmlp_sgd_config {
+    double lr, momentum, dampening, weight_decay;
+    int nesterov;
+} cmlp_sgd_config;
+
+typedef enum cmlp_optim_kind { CMLP_OPTIM_ADAM = 0, CMLP_OPTIM_SGD = 1 } cmlp_optim_kind;
+
+CMLP_API cmlp_adam_config cmlp_adam_defaults(void); /* PyTorch's: 1e-3, 0.9, 0.999, 1e-8, 0 */
+CMLP_API cmlp_sgd_config cmlp_sgd_defaults(void);   /* lr 0.01, the rest 0 */
+/* Validation as PyTorch: INVALID for lr < 0, eps < 0, betas outside [0, 1), weight_decay < 0,
+ * momentum < 0, nesterov without momentum > 0 and dampening 0. The optimizer keeps a pointer to
+ * the model: free the optimizer first. */
+CMLP_API cmlp_status cmlp_optim_init_adam(cmlp_optim **out, cmlp_model *m, const cmlp_adam_config *c);
+CMLP_API cmlp_status cmlp_optim_init_sgd(cmlp_optim **out, cmlp_model *m, const cmlp_sgd_config *c);
+CMLP_API void cmlp_optim_free(cmlp_optim *o);
+/* Replaces the hyperparameters (same validation); the state is kept. */
+CMLP_API cmlp_status cmlp_optim_configure_adam(cmlp_optim *o, const cmlp_adam_config *c);
+CMLP_API cmlp_status cmlp_optim_configure_sgd(cmlp_optim *o, const cmlp_sgd_config *c);
+CMLP_API cmlp_optim_kind cmlp_optim_get_kind(const cmlp_optim *o);
+/* One update from the model's gradient buffer. State is created at the first step. */
+CMLP_API cmlp_status cmlp_optim_step(cmlp_optim *o);
+CMLP_API double cmlp_optim_get_lr(const cmlp_optim *o);
+CMLP_API cmlp_status cmlp_optim_set_lr(cmlp_optim *o, double lr);
+/* State: the step count and up to two flat state buffers (Adam: exp_avg, exp_avg_sq; SGD:
+ * momentum_buffer). nbuffers is 0 before the first step (or for plain SGD). */
+CMLP_API int64_t cmlp_optim_get_step(const cmlp_optim *o);
+CMLP_API int cmlp_optim_num_buffers(const cmlp_optim *o);
+CMLP_API cmlp_status cmlp_optim_get_buffer(const cmlp_optim *o, int i, float *host_out);
+/* Replaces the state: step count and nbuffers host buffers of num_parameters floats each
+ * (nbuffers must be 0 or what this optimizer keeps). */
+CMLP_API cmlp_status cmlp_optim_set_state(cmlp_optim *o, int64_t step, int nbuffers,
+                                          const float *const *host_buffers);
+CMLP_API cmlp_status cmlp_optim_to(cmlp_optim *o, cmlp_device d);
+
+/* ---- training loop ----------------------------------------------------------------------- */
+
+typedef struct cmlp_trainer cmlp_trainer;
+
+typedef struct cmlp_train_config {
+    int64_t batch_size;         /* samples per micro-batch the user asked for */
+    int64_t accumulation_steps; /* micro-batches per optimizer step */
+    int64_t microbatch_size;    /* rows computed at once; <= batch_size; 0 = batch_size */
+    int shuffle;
+    uint64_t seed;
+    float label_smoothing;
+} cmlp_train_config;
+
+typedef struct cmlp_epoch_state {
+    int64_t steps;       /* optimizer steps done this epoch */
+    int64_t samples;     /* samples consumed this epoch */
+    double loss_sum;     /* sum of per-sample losses this epoch */
+    int64_t total_steps; /* optimizer steps in the whole epoch */
+    int done;
+} cmlp_epoch_state;
+
+CMLP_API cmlp_status cmlp_trainer_init(cmlp_trainer **out, cmlp_model *m, cmlp_optim *o,
+                                       const cmlp_train_config *c);
+CMLP_API void cmlp_trainer_free(cmlp_trainer *t);
+CMLP_API int64_t cmlp_trainer_microbatch_size(const cmlp_trainer *t);
+CMLP_API cmlp_status cmlp_trainer_set_microbatch_size(cmlp_trainer *t, int64_t size);
+/* One optimizer step over all xy->n samples (the effective batch), computed in micro-batches
+ * and normalised by xy->n; zeroes the gradients first. *loss_mean: mean per-sample loss. */
+CMLP_API cmlp_status cmlp_trainer_step(cmlp_trainer *t, const cmlp_data *xy, double *loss_mean);
+/* The epoch loop: begin validates the data set once and draws this epoch's order (seeded by
+ * seed and the epoch number); the trainer keeps xy's pointers, which must stay valid until the
+ * epoch is done. run does up to max_steps optimizer steps (<= 0: to the end) and updates *st. Effective batches are batch_size * accumulation_steps samples; the last one
+ * may be shorter and is normalised by its own size. */
+CMLP_API cmlp_status cmlp_trainer_epoch_begin(cmlp_trainer *t, const cmlp_data *xy,
+                                              cmlp_epoch_state *st);
+CMLP_API cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, cmlp_epoch_state *st);
+
+/* ---- build ------------------------------------------------------------------------------- */
+
+CMLP_API const char *cmlp_version(void);
+CMLP_API const char *cmlp_blas_info(void); /* library, version and the kernel it runs */
+CMLP_API const char *cmlp_compiler_info(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* CMLP_H */

@@ -1,0 +1,144 @@
+/* device.c - parses device strings and keeps one context (backend instance + allocator) per
+ * device for the life of the process. Also the public memory functions, which only route.
+ */
+#include "internal.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static pthread_mutex_t registry_lock = PTHREAD_MUTEX_INITIALIZER;
+static cmlp_device_ctx *cpu_ctx;
+static cmlp_device_ctx *cuda_ctx[CMLP_MAX_CUDA_DEVICES];
+
+cmlp_device cmlp_cpu(void) { return (cmlp_device){CMLP_DEVICE_CPU, 0}; }
+
+int cmlp_cuda_compiled(void) { return CMLP_WITH_CUDA; }
+
+#if !CMLP_WITH_CUDA
+int cmlp_cuda_device_count(void) { return 0; }
+#endif
+
+cmlp_status cmlp_device_check(cmlp_device d) {
+    if (d.type == CMLP_DEVICE_CPU) {
+        if (d.index != 0) return CMLP_FAIL(CMLP_ERR_INVALID, "device cpu:%d does not exist; use \"cpu\"", d.index);
+        return CMLP_OK;
+    }
+    if (d.type != CMLP_DEVICE_CUDA) return CMLP_FAIL(CMLP_ERR_INVALID, "unknown device type %d", (int)d.type);
+    if (!cmlp_cuda_compiled())
+        return CMLP_FAIL(CMLP_ERR_DEVICE, "CUDA is not available: this build of cmlp has no CUDA backend "
+                                          "(rebuild with the CUDA toolkit installed, CMLP_CUDA=1)");
+    int count = cmlp_cuda_device_count();
+    if (count == 0)
+        return CMLP_FAIL(CMLP_ERR_DEVICE, "CUDA is not available: cmlp was built with CUDA but no usable "
+                                          "GPU or CUDA driver was found on this machine");
+    if (d.index < 0 || d.index >= count)
+        return CMLP_FAIL(CMLP_ERR_DEVICE, "cuda:%d does not exist: %d CUDA device(s) found", d.index, count);
+    return CMLP_OK;
+}
+
+cmlp_status cmlp_device_parse(const char *s, cmlp_device *out) {
+    if (!s) return CMLP_FAIL(CMLP_ERR_INVALID, "device must be a string such as \"cpu\" or \"cuda:0\"");
+    cmlp_device d = {CMLP_DEVICE_CPU, 0};
+    if (strcmp(s, "cpu") == 0) {
+        *out = d;
+        return CMLP_OK;
+    }
+    if (strncmp(s, "cuda", 4) != 0) goto bad;
+    d.type = CMLP_DEVICE_CUDA;
+    if (s[4] == ':') {
+        const char *p = s + 5;
+        if (*p < '0' || *p > '9') goto bad;
+        long v = 0;
+        for (; *p >= '0' && *p <= '9'; p++) {
+            v = v * 10 + (*p - '0');
+            if (v >= CMLP_MAX_CUDA_DEVICES) goto bad;
+        }
+        if (*p) goto bad;
+        d.index = (int)v;
+    } else if (s[4] != '\0') {
+        goto bad;
+    }
+    CMLP_TRY(cmlp_device_check(d));
+    *out = d;
+    return CMLP_OK;
+bad:
+    return CMLP_FAIL(CMLP_ERR_INVALID, "unknown device \"%.64s\": expected \"cpu\", \"cuda\" or \"cuda:N\" (N < %d)",
+                     s, CMLP_MAX_CUDA_DEVICES);
+}
+
+static cmlp_status ctx_create(cmlp_device d, cmlp_device_ctx **out) {
+    cmlp_device_ctx *c = calloc(1, sizeof *c);
+    if (!c) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory creating a device context");
+    c->device = d;
+    char name[32];
+#if CMLP_WITH_CUDA
+    c->backend = d.type == CMLP_DEVICE_CUDA ? &cmlp_backend_cuda : &cmlp_backend_cpu;
+#else
+    c->backend = &cmlp_backend_cpu;
+#endif
+    if (d.type == CMLP_DEVICE_CPU) snprintf(name, sizeof name, "cpu");
+    else snprintf(name, sizeof name, "cuda:%d", d.index);
+    void *bctx = NULL;
+    cmlp_status st = c->backend->open ? c->backend->open(d.index, &bctx) : CMLP_OK;
+    c->bctx = bctx;
+    if (st == CMLP_OK) st = cmlp_allocator_create(c->backend, bctx, name, &c->alloc);
+    if (st != CMLP_OK) {
+        free(c);
+        return st;
+    }
+    *out = c;
+    return CMLP_OK;
+}
+
+cmlp_status cmlp_device_get(cmlp_device d, cmlp_device_ctx **out) {
+    CMLP_TRY(cmlp_device_check(d));
+    cmlp_device_ctx **slot = d.type == CMLP_DEVICE_CPU ? &cpu_ctx : &cuda_ctx[d.index];
+    cmlp_status st = CMLP_OK;
+    pthread_mutex_lock(&registry_lock);
+    if (!*slot) st = ctx_create(d, slot);
+    *out = *slot;
+    pthread_mutex_unlock(&registry_lock);
+    return st;
+}
+
+cmlp_status cmlp_memory_stats_get(cmlp_device d, cmlp_memory_stats *out) {
+    cmlp_device_ctx *c;
+    CMLP_TRY(cmlp_device_get(d, &c));
+    cmlp_allocator_stats(c->alloc, out);
+    return CMLP_OK;
+}
+
+cmlp_status cmlp_memory_reset_peak(cmlp_device d) {
+    cmlp_device_ctx *c;
+    CMLP_TRY(cmlp_device_get(d, &c));
+    cmlp_allocator_reset_peak(c->alloc);
+    return CMLP_OK;
+}
+
+cmlp_status cmlp_memory_empty_cache(cmlp_device d) {
+    cmlp_device_ctx *c;
+    CMLP_TRY(cmlp_device_get(d, &c));
+    cmlp_allocator_empty_cache(c->alloc);
+    return CMLP_OK;
+}
+
+cmlp_status cmlp_memory_set_limit(cmlp_device d, int64_t limit) {
+    cmlp_device_ctx *c;
+    CMLP_TRY(cmlp_device_get(d, &c));
+    cmlp_allocator_set_limit(c->alloc, limit);
+    return CMLP_OK;
+}
+
+cmlp_status cmlp_memory_alloc(cmlp_device d, size_t nbytes, void **out) {
+    cmlp_device_ctx *c;
+    CMLP_TRY(cmlp_device_get(d, &c));
+    return cmlp_allocator_malloc(c->alloc, nbytes, out);
+}
+
+cmlp_status cmlp_memory_free(cmlp_device d, void *ptr) {
+    cmlp_device_ctx *c;
+    CMLP_TRY(cmlp_device_get(d, &c));
+    return cmlp_allocator_free(c->alloc, ptr);
+}

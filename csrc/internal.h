@@ -1,0 +1,105 @@
+/* internal.h - private declarations shared by the core's files: error recording, the device
+ * registry and the structs behind the public handles. Never installed, never included by users.
+ */
+#ifndef CMLP_INTERNAL_H
+#define CMLP_INTERNAL_H
+
+#include "cmlp.h"
+#include "backend.h"
+#include "alloc.h"
+
+#include <stdbool.h>
+
+#define CMLP_HIDDEN __attribute__((visibility("hidden")))
+
+/* Records "file:line: message" in the thread-local error buffer and returns the status. */
+CMLP_HIDDEN cmlp_status cmlp_set_error(cmlp_status s, const char *file, int line, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+#define CMLP_FAIL(status, ...) cmlp_set_error((status), __FILE__, __LINE__, __VA_ARGS__)
+
+/* Evaluates a cmlp_status expression; on failure records nothing new and returns it. */
+#define CMLP_TRY(expr)                        \
+    do {                                      \
+        cmlp_status cmlp_try_s_ = (expr);     \
+        if (cmlp_try_s_ != CMLP_OK) return cmlp_try_s_; \
+    } while (0)
+
+/* Same, but jumps to the function's single cleanup label with st set. */
+#define CMLP_TRY_GOTO(st, expr, label)        \
+    do {                                      \
+        (st) = (expr);                        \
+        if ((st) != CMLP_OK) goto label;      \
+    } while (0)
+
+/* ---- device registry ---- */
+
+typedef struct cmlp_device_ctx {
+    cmlp_device device;
+    const cmlp_backend_i *backend;
+    void *bctx; /* the backend's per-device instance */
+    cmlp_allocator *alloc;
+} cmlp_device_ctx;
+
+/* The context of a checked device (created on first use, lives for the process). */
+CMLP_HIDDEN cmlp_status cmlp_device_get(cmlp_device d, cmlp_device_ctx **out);
+/* Moves a device buffer of nbytes from one device to another (through host memory); on
+ * failure *buf is unchanged and still owned by `from`. */
+CMLP_HIDDEN cmlp_status cmlp_buffer_move(cmlp_device_ctx *from, cmlp_device_ctx *to, void **buf, size_t nbytes);
+
+/* ---- model ---- */
+
+#define CMLP_MAX_LAYERS 64
+
+/* Activation workspace for a capacity of `rows` samples, one allocation carved into views. */
+typedef struct cmlp_workspace {
+    void *block;
+    int64_t rows;
+    float *act[CMLP_MAX_LAYERS + 1]; /* act[0]: input [rows, sizes[0]]; act[i]: layer i output */
+    float *dact[2];                  /* ping-pong gradients [rows, max width] */
+    int32_t *labels;                 /* [rows] */
+} cmlp_workspace;
+
+struct cmlp_model {
+    cmlp_device_ctx *dev;
+    int nlayers;
+    int sizes[CMLP_MAX_LAYERS + 1];
+    int64_t nparams;
+    int64_t w_off[CMLP_MAX_LAYERS], b_off[CMLP_MAX_LAYERS];
+    float *params; /* [nparams]: weights of every layer [out, in], then biases */
+    float *grads;  /* [nparams], same layout */
+    cmlp_workspace ws;
+};
+
+CMLP_HIDDEN cmlp_status cmlp_workspace_reserve(cmlp_model *m, int64_t rows);
+/* Forward of rows [0, n) already in ws.act[0] (or in `input` when not NULL). */
+CMLP_HIDDEN cmlp_status cmlp_model_forward_rows(cmlp_model *m, const float *input, int64_t n);
+/* Stages rows idx[0..n) (or [start, start+n) when idx is NULL) of xy into the workspace and
+ * returns the float input to use (a view of the caller's data when no copy is needed). */
+CMLP_HIDDEN cmlp_status cmlp_model_stage(cmlp_model *m, const cmlp_data *xy, const int64_t *idx,
+                                         int64_t start, int64_t n, const float **input,
+                                         const int32_t **labels);
+/* Forward + backward of n staged rows, adding grad_weight * per-sample gradient sums. */
+CMLP_HIDDEN cmlp_status cmlp_model_fb_rows(cmlp_model *m, const float *input, const int32_t *labels,
+                                           int64_t n, float grad_weight, float smoothing,
+                                           double *loss_sum);
+CMLP_HIDDEN cmlp_status cmlp_data_validate(const cmlp_model *m, const cmlp_data *xy, bool need_labels);
+
+/* ---- floating-point environment: subnormals flushed while cmlp computes ---- */
+
+typedef struct cmlp_fpenv {
+    unsigned int saved;
+} cmlp_fpenv;
+CMLP_HIDDEN void cmlp_fpenv_enter(cmlp_fpenv *e);
+CMLP_HIDDEN void cmlp_fpenv_leave(const cmlp_fpenv *e);
+
+/* ---- random numbers ---- */
+
+typedef struct cmlp_rng {
+    uint64_t s[4];
+} cmlp_rng;
+CMLP_HIDDEN void cmlp_rng_seed(cmlp_rng *r, uint64_t seed);
+CMLP_HIDDEN uint64_t cmlp_rng_next(cmlp_rng *r);
+CMLP_HIDDEN double cmlp_rng_uniform(cmlp_rng *r);              /* [0, 1) with 53 bits */
+CMLP_HIDDEN uint64_t cmlp_rng_below(cmlp_rng *r, uint64_t n); /* uniform in [0, n), unbiased */
+
+#endif /* CMLP_INTERNAL_H */

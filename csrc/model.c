@@ -1,0 +1,340 @@
+/* model.c - the MLP: flat parameter and gradient buffers, nn.Linear initialisation, the
+ * activation workspace, forward, fused loss and backward. Compute goes through the backend.
+ */
+#include "internal.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_WIDTH (1 << 24)
+
+static const cmlp_backend_i *B(const cmlp_model *m) { return m->dev->backend; }
+static void *CTX(const cmlp_model *m) { return m->dev->bctx; }
+
+int cmlp_model_num_layers(const cmlp_model *m) { return m->nlayers; }
+int cmlp_model_size(const cmlp_model *m, int i) { return (i >= 0 && i <= m->nlayers) ? m->sizes[i] : 0; }
+int64_t cmlp_model_num_parameters(const cmlp_model *m) { return m->nparams; }
+cmlp_device cmlp_model_device(const cmlp_model *m) { return m->dev->device; }
+int64_t cmlp_model_weight_offset(const cmlp_model *m, int l) { return (l >= 0 && l < m->nlayers) ? m->w_off[l] : -1; }
+int64_t cmlp_model_bias_offset(const cmlp_model *m, int l) { return (l >= 0 && l < m->nlayers) ? m->b_off[l] : -1; }
+
+static cmlp_status dev_alloc(cmlp_device_ctx *d, size_t n, void **out) {
+    return cmlp_allocator_malloc(d->alloc, n, out);
+}
+
+static void dev_free(cmlp_device_ctx *d, void *p) {
+    if (p) (void)cmlp_allocator_free(d->alloc, p);
+}
+
+cmlp_status cmlp_model_init(cmlp_model **out, const int *sizes, int nsizes, cmlp_device d, uint64_t seed) {
+    if (!out) return CMLP_FAIL(CMLP_ERR_INVALID, "out must not be NULL");
+    *out = NULL;
+    if (!sizes || nsizes < 2 || nsizes > CMLP_MAX_LAYERS + 1)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "layer_sizes must list 2 to %d sizes (input, hidden..., output), got %d",
+                         CMLP_MAX_LAYERS + 1, nsizes);
+    for (int i = 0; i < nsizes; i++)
+        if (sizes[i] < 1 || sizes[i] > MAX_WIDTH)
+            return CMLP_FAIL(CMLP_ERR_INVALID, "layer_sizes[%d] = %d: every size must be in [1, %d]", i, sizes[i],
+                             MAX_WIDTH);
+    cmlp_device_ctx *dev;
+    CMLP_TRY(cmlp_device_get(d, &dev));
+    cmlp_model *m = calloc(1, sizeof *m);
+    if (!m) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory creating the model");
+    m->dev = dev;
+    m->nlayers = nsizes - 1;
+    memcpy(m->sizes, sizes, (size_t)nsizes * sizeof(int));
+    int64_t off = 0;
+    for (int l = 0; l < m->nlayers; l++) {
+        m->w_off[l] = off;
+        off += (int64_t)sizes[l] * sizes[l + 1];
+    }
+    for (int l = 0; l < m->nlayers; l++) {
+        m->b_off[l] = off;
+        off += sizes[l + 1];
+    }
+    m->nparams = off;
+    size_t bytes = (size_t)off * sizeof(float);
+    float *host = malloc(bytes);
+    cmlp_status st = host ? CMLP_OK : CMLP_FAIL(CMLP_ERR_OOM, "out of host memory for %lld initial parameters", (long long)off);
+    if (st != CMLP_OK) goto fail;
+    /* nn.Linear: weight then bias of each layer, both U(-1/sqrt(fan_in), 1/sqrt(fan_in)) */
+    cmlp_rng rng;
+    cmlp_rng_seed(&rng, seed);
+    for (int l = 0; l < m->nlayers; l++) {
+        double bound = 1.0 / sqrt((double)sizes[l]);
+        int64_t nw = (int64_t)sizes[l] * sizes[l + 1];
+        for (int64_t i = 0; i < nw; i++) host[m->w_off[l] + i] = (float)((2.0 * cmlp_rng_uniform(&rng) - 1.0) * bound);
+        for (int64_t i = 0; i < sizes[l + 1]; i++)
+            host[m->b_off[l] + i] = (float)((2.0 * cmlp_rng_uniform(&rng) - 1.0) * bound);
+    }
+    CMLP_TRY_GOTO(st, dev_alloc(dev, bytes, (void **)&m->params), fail);
+    CMLP_TRY_GOTO(st, dev_alloc(dev, bytes, (void **)&m->grads), fail);
+    CMLP_TRY_GOTO(st, B(m)->copy_h2d(CTX(m), m->params, host, bytes), fail);
+    CMLP_TRY_GOTO(st, B(m)->fill_zero(CTX(m), m->grads, bytes), fail);
+    free(host);
+    *out = m;
+    return CMLP_OK;
+fail:
+    free(host);
+    cmlp_model_free(m);
+    return st;
+}
+
+void cmlp_model_release_workspace(cmlp_model *m) {
+    if (!m) return;
+    dev_free(m->dev, m->ws.block);
+    memset(&m->ws, 0, sizeof m->ws);
+}
+
+void cmlp_model_free(cmlp_model *m) {
+    if (!m) return;
+    cmlp_model_release_workspace(m);
+    dev_free(m->dev, m->params);
+    dev_free(m->dev, m->grads);
+    free(m);
+}
+
+static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+/* Workspace for `rows` samples: inputs and every layer's output (kept for backward), two
+ * gradient buffers of the widest layer, labels. One allocation; grows, never shrinks. */
+cmlp_status cmlp_workspace_reserve(cmlp_model *m, int64_t rows) {
+    if (rows <= m->ws.rows) return CMLP_OK;
+    int maxw = 1;
+    for (int l = 1; l <= m->nlayers; l++)
+        if (m->sizes[l] > maxw) maxw = m->sizes[l];
+    size_t sz[CMLP_MAX_LAYERS + 4], total = 0;
+    int nv = 0;
+    for (int l = 0; l <= m->nlayers; l++) sz[nv++] = align64((size_t)rows * m->sizes[l] * sizeof(float));
+    sz[nv++] = align64((size_t)rows * maxw * sizeof(float));
+    sz[nv++] = align64((size_t)rows * maxw * sizeof(float));
+    sz[nv++] = align64((size_t)rows * sizeof(int32_t));
+    for (int i = 0; i < nv; i++) total += sz[i];
+    char *block;
+    CMLP_TRY(dev_alloc(m->dev, total, (void **)&block));
+    cmlp_model_release_workspace(m);
+    m->ws.block = block;
+    m->ws.rows = rows;
+    int v = 0;
+    for (int l = 0; l <= m->nlayers; l++, block += sz[v++]) m->ws.act[l] = (float *)block;
+    m->ws.dact[0] = (float *)block;
+    block += sz[v++];
+    m->ws.dact[1] = (float *)block;
+    block += sz[v++];
+    m->ws.labels = (int32_t *)block;
+    return CMLP_OK;
+}
+
+cmlp_status cmlp_data_validate(const cmlp_model *m, const cmlp_data *xy, bool need_labels) {
+    if (!xy || !xy->x) return CMLP_FAIL(CMLP_ERR_INVALID, "x must not be NULL");
+    if (xy->n < 1) return CMLP_FAIL(CMLP_ERR_INVALID, "x must hold at least one sample, got %lld", (long long)xy->n);
+    int64_t cols = m->sizes[0], classes = m->sizes[m->nlayers];
+    if (xy->x_dtype == CMLP_DTYPE_U8) {
+        if (!isfinite(xy->mean) || !isfinite(xy->std) || xy->std == 0.0f)
+            return CMLP_FAIL(CMLP_ERR_INVALID, "normalize=(mean, std) must be finite with std != 0, got (%g, %g)",
+                             (double)xy->mean, (double)xy->std);
+    } else if (xy->x_dtype == CMLP_DTYPE_F32) {
+        const float *x = xy->x;
+        int64_t total = xy->n * cols, bad = -1;
+        for (int64_t i = 0; i < total; i++)
+            if (!isfinite(x[i])) {
+                bad = i;
+                break;
+            }
+        if (bad >= 0)
+            return CMLP_FAIL(CMLP_ERR_NONFINITE, "x contains NaN or inf (first at sample %lld, feature %lld)",
+                             (long long)(bad / cols), (long long)(bad % cols));
+    } else {
+        return CMLP_FAIL(CMLP_ERR_INVALID, "unknown x dtype %d", (int)xy->x_dtype);
+    }
+    if (need_labels) {
+        if (!xy->y) return CMLP_FAIL(CMLP_ERR_INVALID, "labels must not be NULL");
+        for (int64_t i = 0; i < xy->n; i++)
+            if (xy->y[i] < 0 || xy->y[i] >= classes)
+                return CMLP_FAIL(CMLP_ERR_INVALID, "y[%lld] = %d is outside [0, %lld): labels must be class indices",
+                                 (long long)i, xy->y[i], (long long)classes);
+    }
+    return CMLP_OK;
+}
+
+cmlp_status cmlp_model_stage(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, int64_t start, int64_t n,
+                             const float **input, const int32_t **labels) {
+    bool host_is_device = m->dev->device.type == CMLP_DEVICE_CPU;
+    CMLP_TRY(cmlp_workspace_reserve(m, n));
+    if (host_is_device && !idx && xy->x_dtype == CMLP_DTYPE_F32) {
+        *input = (const float *)xy->x + start * m->sizes[0];
+    } else {
+        float scale = 1.0f / (255.0f * xy->std), shift = -xy->mean / xy->std;
+        CMLP_TRY(B(m)->stage_rows(CTX(m), m->ws.act[0], xy->x, xy->x_dtype, m->sizes[0], idx, start, n, scale, shift));
+        *input = m->ws.act[0];
+    }
+    if (!labels) return CMLP_OK;
+    if (host_is_device && !idx) {
+        *labels = xy->y + start;
+    } else {
+        CMLP_TRY(B(m)->stage_labels(CTX(m), m->ws.labels, xy->y, idx, start, n));
+        *labels = m->ws.labels;
+    }
+    return CMLP_OK;
+}
+
+cmlp_status cmlp_model_forward_rows(cmlp_model *m, const float *input, int64_t n) {
+    const float *a = input;
+    for (int l = 0; l < m->nlayers; l++) {
+        int64_t in = m->sizes[l], out = m->sizes[l + 1];
+        float *y = m->ws.act[l + 1];
+        CMLP_TRY(B(m)->gemm(CTX(m), 0, 1, n, out, in, 1.0f, a, in, m->params + m->w_off[l], in, 0.0f, y, out));
+        CMLP_TRY(B(m)->bias_act(CTX(m), y, m->params + m->b_off[l], n, out, l + 1 < m->nlayers));
+        a = y;
+    }
+    return CMLP_OK;
+}
+
+cmlp_status cmlp_model_fb_rows(cmlp_model *m, const float *input, const int32_t *labels, int64_t n,
+                               float grad_weight, float smoothing, double *loss_sum) {
+    int L = m->nlayers;
+    CMLP_TRY(cmlp_model_forward_rows(m, input, n));
+    float *cur = m->ws.dact[0], *other = m->ws.dact[1];
+    CMLP_TRY(B(m)->softmax_xent(CTX(m), m->ws.act[L], labels, n, m->sizes[L], smoothing, grad_weight, cur,
+                                loss_sum, NULL));
+    for (int l = L - 1; l >= 0; l--) {
+        int64_t in = m->sizes[l], out = m->sizes[l + 1];
+        const float *a = l == 0 ? input : m->ws.act[l];
+        /* dW [out, in] += dY^T [out, n] . A [n, in];  db += colsum(dY) */
+        CMLP_TRY(B(m)->gemm(CTX(m), 1, 0, out, in, n, 1.0f, cur, out, a, in, 1.0f, m->grads + m->w_off[l], in));
+        CMLP_TRY(B(m)->bias_grad(CTX(m), m->grads + m->b_off[l], cur, n, out));
+        if (l == 0) break;
+        /* dA [n, in] = dY [n, out] . W [out, in], then through the ReLU that produced A */
+        CMLP_TRY(B(m)->gemm(CTX(m), 0, 0, n, in, out, 1.0f, cur, out, m->params + m->w_off[l], in, 0.0f, other, in));
+        CMLP_TRY(B(m)->relu_backward(CTX(m), other, a, n * in));
+        float *t = cur;
+        cur = other;
+        other = t;
+    }
+    return CMLP_OK;
+}
+
+cmlp_status cmlp_model_forward(cmlp_model *m, const cmlp_data *x, int64_t chunk, float *logits_out) {
+    if (!m || !logits_out) return CMLP_FAIL(CMLP_ERR_INVALID, "model and logits_out must not be NULL");
+    CMLP_TRY(cmlp_data_validate(m, x, false));
+    if (chunk < 1) chunk = 1024;
+    if (chunk > x->n) chunk = x->n;
+    int64_t C = m->sizes[m->nlayers];
+    cmlp_fpenv fe;
+    cmlp_fpenv_enter(&fe);
+    cmlp_status st = CMLP_OK;
+    for (int64_t s = 0; s < x->n && st == CMLP_OK; s += chunk) {
+        int64_t k = x->n - s < chunk ? x->n - s : chunk;
+        const float *in;
+        st = cmlp_model_stage(m, x, NULL, s, k, &in, NULL);
+        if (st == CMLP_OK) st = cmlp_model_forward_rows(m, in, k);
+        if (st == CMLP_OK)
+            st = B(m)->copy_d2h(CTX(m), logits_out + s * C, m->ws.act[m->nlayers], (size_t)(k * C) * sizeof(float));
+    }
+    cmlp_fpenv_leave(&fe);
+    return st;
+}
+
+cmlp_status cmlp_model_evaluate(cmlp_model *m, const cmlp_data *xy, int64_t chunk, double *loss_sum,
+                                int64_t *correct) {
+    if (!m || !loss_sum || !correct) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
+    CMLP_TRY(cmlp_data_validate(m, xy, true));
+    if (chunk < 1) chunk = 1024;
+    if (chunk > xy->n) chunk = xy->n;
+    double loss = 0.0;
+    int64_t hits = 0;
+    cmlp_fpenv fe;
+    cmlp_fpenv_enter(&fe);
+    cmlp_status st = CMLP_OK;
+    for (int64_t s = 0; s < xy->n && st == CMLP_OK; s += chunk) {
+        int64_t k = xy->n - s < chunk ? xy->n - s : chunk;
+        const float *in;
+        const int32_t *lab;
+        st = cmlp_model_stage(m, xy, NULL, s, k, &in, &lab);
+        if (st == CMLP_OK) st = cmlp_model_forward_rows(m, in, k);
+        if (st == CMLP_OK)
+            st = B(m)->softmax_xent(CTX(m), m->ws.act[m->nlayers], lab, k, m->sizes[m->nlayers], 0.0f, 0.0f, NULL,
+                                    &loss, &hits);
+    }
+    cmlp_fpenv_leave(&fe);
+    if (st != CMLP_OK) return st;
+    *loss_sum = loss;
+    *correct = hits;
+    return CMLP_OK;
+}
+
+cmlp_status cmlp_model_forward_backward(cmlp_model *m, const cmlp_data *xy, float grad_weight,
+                                        float label_smoothing, double *loss_sum) {
+    if (!m || !loss_sum) return CMLP_FAIL(CMLP_ERR_INVALID, "model and loss_sum must not be NULL");
+    if (!isfinite(grad_weight)) return CMLP_FAIL(CMLP_ERR_INVALID, "the gradient weight (loss_scale / n) must be finite");
+    if (!(label_smoothing >= 0.0f && label_smoothing <= 1.0f))
+        return CMLP_FAIL(CMLP_ERR_INVALID, "label_smoothing must be in [0, 1], got %g", (double)label_smoothing);
+    CMLP_TRY(cmlp_data_validate(m, xy, true));
+    cmlp_fpenv fe;
+    cmlp_fpenv_enter(&fe);
+    const float *in;
+    const int32_t *lab;
+    double loss = 0.0;
+    cmlp_status st = cmlp_model_stage(m, xy, NULL, 0, xy->n, &in, &lab);
+    if (st == CMLP_OK) st = cmlp_model_fb_rows(m, in, lab, xy->n, grad_weight, label_smoothing, &loss);
+    cmlp_fpenv_leave(&fe);
+    if (st == CMLP_OK) *loss_sum = loss;
+    return st;
+}
+
+cmlp_status cmlp_model_zero_grad(cmlp_model *m) {
+    return B(m)->fill_zero(CTX(m), m->grads, (size_t)m->nparams * sizeof(float));
+}
+
+cmlp_status cmlp_model_get_params(const cmlp_model *m, float *host_out) {
+    return B(m)->copy_d2h(CTX(m), host_out, m->params, (size_t)m->nparams * sizeof(float));
+}
+
+cmlp_status cmlp_model_get_grads(const cmlp_model *m, float *host_out) {
+    return B(m)->copy_d2h(CTX(m), host_out, m->grads, (size_t)m->nparams * sizeof(float));
+}
+
+cmlp_status cmlp_model_set_params(cmlp_model *m, const float *host_in) {
+    for (int64_t i = 0; i < m->nparams; i++)
+        if (!isfinite(host_in[i]))
+            return CMLP_FAIL(CMLP_ERR_NONFINITE, "parameter %lld is NaN or inf: parameters must be finite", (long long)i);
+    return B(m)->copy_h2d(CTX(m), m->params, host_in, (size_t)m->nparams * sizeof(float));
+}
+
+/* Moves one device buffer of nbytes to another device through host memory. */
+cmlp_status cmlp_buffer_move(cmlp_device_ctx *from, cmlp_device_ctx *to, void **buf, size_t nbytes) {
+    if (!*buf) return CMLP_OK;
+    void *host = malloc(nbytes), *dst = NULL;
+    if (!host) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory moving %zu bytes", nbytes);
+    cmlp_status st = from->backend->copy_d2h(from->bctx, host, *buf, nbytes);
+    if (st == CMLP_OK) st = dev_alloc(to, nbytes, &dst);
+    if (st == CMLP_OK) st = to->backend->copy_h2d(to->bctx, dst, host, nbytes);
+    free(host);
+    if (st != CMLP_OK) {
+        dev_free(to, dst);
+        return st;
+    }
+    dev_free(from, *buf);
+    *buf = dst;
+    return CMLP_OK;
+}
+
+cmlp_status cmlp_model_to(cmlp_model *m, cmlp_device d) {
+    cmlp_device_ctx *to;
+    CMLP_TRY(cmlp_device_get(d, &to));
+    if (to == m->dev) return CMLP_OK;
+    size_t bytes = (size_t)m->nparams * sizeof(float);
+    void *p = m->params, *g = m->grads;
+    cmlp_model_release_workspace(m);
+    CMLP_TRY(cmlp_buffer_move(m->dev, to, &p, bytes));
+    cmlp_status st = cmlp_buffer_move(m->dev, to, &g, bytes);
+    if (st != CMLP_OK) {
+        (void)cmlp_buffer_move(to, m->dev, &p, bytes);
+        return st;
+    }
+    m->params = p;
+    m->grads = g;
+    m->dev = to;
+    return CMLP_OK;
+}

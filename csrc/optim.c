@@ -1,0 +1,218 @@
+/* optim.c - Adam and SGD with PyTorch's update rules over the model's flat buffers. State
+ * (one arena: Adam's exp_avg and exp_avg_sq, or SGD's momentum buffer) is created at the first
+ * step; a step that cannot allocate it changes nothing.
+ */
+#include "internal.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct cmlp_optim {
+    cmlp_optim_kind kind;
+    cmlp_model *model;
+    cmlp_device_ctx *dev; /* where the state lives: the model's device */
+    cmlp_adam_config adam;
+    cmlp_sgd_config sgd;
+    int64_t step;
+    float *state; /* NULL before the first step; [nbuffers * nparams] */
+};
+
+cmlp_adam_config cmlp_adam_defaults(void) { return (cmlp_adam_config){1e-3, 0.9, 0.999, 1e-8, 0.0}; }
+cmlp_sgd_config cmlp_sgd_defaults(void) { return (cmlp_sgd_config){0.01, 0.0, 0.0, 0.0, 0}; }
+
+static cmlp_status check_lr(double lr) {
+    if (!(lr >= 0.0) || !isfinite(lr)) return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid learning rate: %g (must be >= 0)", lr);
+    return CMLP_OK;
+}
+
+static cmlp_status optim_new(cmlp_optim **out, cmlp_model *m, cmlp_optim_kind kind) {
+    if (!out || !m) return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer and model must not be NULL");
+    cmlp_optim *o = calloc(1, sizeof *o);
+    if (!o) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory creating the optimizer");
+    o->kind = kind;
+    o->model = m;
+    o->dev = m->dev;
+    *out = o;
+    return CMLP_OK;
+}
+
+static cmlp_status check_adam(const cmlp_adam_config *c) {
+    CMLP_TRY(check_lr(c->lr));
+    if (!(c->eps >= 0.0)) return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid epsilon value: %g (must be >= 0)", c->eps);
+    if (!(c->beta1 >= 0.0 && c->beta1 < 1.0))
+        return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid beta parameter at index 0: %g (must be in [0, 1))", c->beta1);
+    if (!(c->beta2 >= 0.0 && c->beta2 < 1.0))
+        return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid beta parameter at index 1: %g (must be in [0, 1))", c->beta2);
+    if (!(c->weight_decay >= 0.0))
+        return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid weight_decay value: %g (must be >= 0)", c->weight_decay);
+    return CMLP_OK;
+}
+
+static cmlp_status check_sgd(const cmlp_sgd_config *c) {
+    CMLP_TRY(check_lr(c->lr));
+    if (!(c->momentum >= 0.0)) return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid momentum value: %g (must be >= 0)", c->momentum);
+    if (!(c->weight_decay >= 0.0))
+        return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid weight_decay value: %g (must be >= 0)", c->weight_decay);
+    if (!isfinite(c->dampening)) return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid dampening value: %g", c->dampening);
+    if (c->nesterov && (c->momentum <= 0.0 || c->dampening != 0.0))
+        return CMLP_FAIL(CMLP_ERR_INVALID, "Nesterov momentum requires a momentum and zero dampening");
+    return CMLP_OK;
+}
+
+cmlp_status cmlp_optim_init_adam(cmlp_optim **out, cmlp_model *m, const cmlp_adam_config *c) {
+    if (!c) return CMLP_FAIL(CMLP_ERR_INVALID, "config must not be NULL");
+    CMLP_TRY(check_adam(c));
+    CMLP_TRY(optim_new(out, m, CMLP_OPTIM_ADAM));
+    (*out)->adam = *c;
+    return CMLP_OK;
+}
+
+cmlp_status cmlp_optim_init_sgd(cmlp_optim **out, cmlp_model *m, const cmlp_sgd_config *c) {
+    if (!c) return CMLP_FAIL(CMLP_ERR_INVALID, "config must not be NULL");
+    CMLP_TRY(check_sgd(c));
+    CMLP_TRY(optim_new(out, m, CMLP_OPTIM_SGD));
+    (*out)->sgd = *c;
+    return CMLP_OK;
+}
+
+void cmlp_optim_free(cmlp_optim *o) {
+    if (!o) return;
+    if (o->state) (void)cmlp_allocator_free(o->dev->alloc, o->state);
+    free(o);
+}
+
+cmlp_optim_kind cmlp_optim_get_kind(const cmlp_optim *o) { return o->kind; }
+int64_t cmlp_optim_get_step(const cmlp_optim *o) { return o->step; }
+double cmlp_optim_get_lr(const cmlp_optim *o) { return o->kind == CMLP_OPTIM_ADAM ? o->adam.lr : o->sgd.lr; }
+
+cmlp_status cmlp_optim_set_lr(cmlp_optim *o, double lr) {
+    CMLP_TRY(check_lr(lr));
+    if (o->kind == CMLP_OPTIM_ADAM) o->adam.lr = lr;
+    else o->sgd.lr = lr;
+    return CMLP_OK;
+}
+
+/* Buffers this optimizer keeps once it has stepped. */
+static int buffers_of(const cmlp_optim *o) {
+    if (o->kind == CMLP_OPTIM_ADAM) return 2;
+    return o->sgd.momentum != 0.0 ? 1 : 0;
+}
+
+int cmlp_optim_num_buffers(const cmlp_optim *o) { return o->state ? buffers_of(o) : 0; }
+
+cmlp_status cmlp_optim_configure_adam(cmlp_optim *o, const cmlp_adam_config *c) {
+    if (o->kind != CMLP_OPTIM_ADAM) return CMLP_FAIL(CMLP_ERR_STATE, "this optimizer is not Adam");
+    CMLP_TRY(check_adam(c));
+    o->adam = *c;
+    return CMLP_OK;
+}
+
+cmlp_status cmlp_optim_configure_sgd(cmlp_optim *o, const cmlp_sgd_config *c) {
+    if (o->kind != CMLP_OPTIM_SGD) return CMLP_FAIL(CMLP_ERR_STATE, "this optimizer is not SGD");
+    CMLP_TRY(check_sgd(c));
+    bool had = buffers_of(o) > 0;
+    o->sgd = *c;
+    if (had && buffers_of(o) == 0 && o->state) { /* momentum turned off: its buffer goes */
+        (void)cmlp_allocator_free(o->dev->alloc, o->state);
+        o->state = NULL;
+    }
+    return CMLP_OK;
+}
+
+static cmlp_status check_model(const cmlp_optim *o) {
+    if (o->model->dev != o->dev)
+        return CMLP_FAIL(CMLP_ERR_STATE, "the model was moved to another device without its optimizer: "
+                                         "use model.to(device) through the optimizer (optimizer.to(device))");
+    return CMLP_OK;
+}
+
+static cmlp_status ensure_state(cmlp_optim *o) {
+    int nb = buffers_of(o);
+    if (o->state || nb == 0) return CMLP_OK;
+    size_t bytes = (size_t)nb * (size_t)o->model->nparams * sizeof(float);
+    float *s;
+    CMLP_TRY(cmlp_allocator_malloc(o->dev->alloc, bytes, (void **)&s));
+    cmlp_status st = o->dev->backend->fill_zero(o->dev->bctx, s, bytes);
+    if (st != CMLP_OK) {
+        (void)cmlp_allocator_free(o->dev->alloc, s);
+        return st;
+    }
+    o->state = s;
+    return CMLP_OK;
+}
+
+cmlp_status cmlp_optim_step(cmlp_optim *o) {
+    if (!o) return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer must not be NULL");
+    CMLP_TRY(check_model(o));
+    bool first = o->state == NULL;
+    CMLP_TRY(ensure_state(o));
+    cmlp_model *m = o->model;
+    const cmlp_backend_i *b = o->dev->backend;
+    int64_t n = m->nparams, t = o->step + 1;
+    cmlp_fpenv fe;
+    cmlp_fpenv_enter(&fe);
+    cmlp_status st;
+    if (o->kind == CMLP_OPTIM_ADAM) {
+        const cmlp_adam_config *c = &o->adam;
+        double bc1 = 1.0 - pow(c->beta1, (double)t), bc2 = 1.0 - pow(c->beta2, (double)t);
+        st = b->adam(o->dev->bctx, m->params, m->grads, o->state, o->state + n, n, (float)(c->lr / bc1),
+                     (float)c->beta1, (float)c->beta2, (float)sqrt(bc2), (float)c->eps, (float)c->weight_decay);
+    } else {
+        const cmlp_sgd_config *c = &o->sgd;
+        st = b->sgd(o->dev->bctx, m->params, m->grads, o->state, n, (float)c->lr, (float)c->momentum,
+                    (float)c->dampening, c->nesterov, (float)c->weight_decay, first);
+    }
+    cmlp_fpenv_leave(&fe);
+    if (st == CMLP_OK) o->step = t;
+    return st;
+}
+
+cmlp_status cmlp_optim_get_buffer(const cmlp_optim *o, int i, float *host_out) {
+    if (i < 0 || i >= cmlp_optim_num_buffers(o))
+        return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer buffer %d does not exist (%d kept)", i, cmlp_optim_num_buffers(o));
+    size_t n = (size_t)o->model->nparams;
+    return o->dev->backend->copy_d2h(o->dev->bctx, host_out, o->state + (size_t)i * n, n * sizeof(float));
+}
+
+cmlp_status cmlp_optim_set_state(cmlp_optim *o, int64_t step, int nbuffers, const float *const *host) {
+    if (step < 0) return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer step count must be >= 0, got %lld", (long long)step);
+    if (nbuffers != 0 && nbuffers != buffers_of(o))
+        return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer state has %d buffers; this optimizer keeps %d", nbuffers,
+                         buffers_of(o));
+    CMLP_TRY(check_model(o));
+    size_t n = (size_t)o->model->nparams;
+    for (int i = 0; i < nbuffers; i++)
+        for (size_t j = 0; j < n; j++)
+            if (!isfinite(host[i][j]))
+                return CMLP_FAIL(CMLP_ERR_NONFINITE, "optimizer state buffer %d holds NaN or inf at %zu", i, j);
+    float *s = NULL;
+    if (nbuffers) {
+        size_t bytes = (size_t)nbuffers * n * sizeof(float);
+        CMLP_TRY(cmlp_allocator_malloc(o->dev->alloc, bytes, (void **)&s));
+        for (int i = 0; i < nbuffers; i++) {
+            cmlp_status st = o->dev->backend->copy_h2d(o->dev->bctx, s + (size_t)i * n, host[i], n * sizeof(float));
+            if (st != CMLP_OK) {
+                (void)cmlp_allocator_free(o->dev->alloc, s);
+                return st;
+            }
+        }
+    }
+    if (o->state) (void)cmlp_allocator_free(o->dev->alloc, o->state);
+    o->state = s;
+    o->step = step;
+    return CMLP_OK;
+}
+
+cmlp_status cmlp_optim_to(cmlp_optim *o, cmlp_device d) {
+    cmlp_device_ctx *to;
+    CMLP_TRY(cmlp_device_get(d, &to));
+    if (to == o->dev) return CMLP_OK;
+    if (o->state) {
+        void *s = o->state;
+        CMLP_TRY(cmlp_buffer_move(o->dev, to, &s, (size_t)buffers_of(o) * (size_t)o->model->nparams * sizeof(float)));
+        o->state = s;
+    }
+    o->dev = to;
+    return CMLP_OK;
+}

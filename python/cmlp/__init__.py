@@ -1,0 +1,41 @@
+"""cmlp: train multilayer perceptrons from NumPy arrays on the CPU or an NVIDIA GPU, with every
+byte owned by a caching allocator, so that running out of memory is planned for and survived.
+
+    import cmlp
+    model = cmlp.MLP([784, 512, 256, 10], seed=0)
+    opt = cmlp.optim.Adam(model, lr=1e-3)
+    history = cmlp.Trainer(model, opt, batch_size=32).fit(x_train, y_train, epochs=5)
+"""
+from ._blas import preload as _preload
+
+_preload()
+
+from . import _cmlp  # noqa: E402
+from ._cmlp import OutOfMemoryError  # noqa: E402
+from . import cuda, datasets, memory, optim  # noqa: E402
+from .memory import empty_cache  # noqa: E402
+from .model import MLP  # noqa: E402
+from .trainer import Trainer  # noqa: E402
+
+__version__ = _cmlp.build_info()["version"]
+
+
+class MemoryWarning(UserWarning):
+    """Issued (once) when the trainer changes how it computes to stay within memory."""
+
+
+def build_info() -> dict:
+    """Version, BLAS (library and the kernel it runs), CUDA version or None, compiler."""
+    import platform
+
+    import numpy
+
+    info = dict(_cmlp.build_info())
+    info["cuda"] = None
+    info["python"] = platform.python_version()
+    info["numpy"] = numpy.__version__
+    return info
+
+
+__all__ = ["MLP", "Trainer", "OutOfMemoryError", "MemoryWarning", "build_info", "empty_cache",
+           "cuda", "datasets", "memory", "optim"]

@@ -1,0 +1,962 @@
+/* _cmlp.c - the CPython extension: thin handles over the C API (Model, Optimizer, Trainer),
+ * the memory functions, and the one place where a cmlp_status becomes a Python exception.
+ * Arrays arrive already converted by the Python layer and are checked again here, so no call
+ * can crash the interpreter. The GIL is released around every call that computes.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <pythread.h>
+
+#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
+#define PY_ARRAY_UNIQUE_SYMBOL cmlp_ARRAY_API
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wundef"
+#include <numpy/arrayobject.h>
+#pragma GCC diagnostic pop
+
+#include "cmlp.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    PyObject *oom_error;
+    PyTypeObject *model_type, *optim_type, *trainer_type;
+} module_state;
+
+static module_state *state_of(PyObject *module) { return (module_state *)PyModule_GetState(module); }
+
+/* ---- errors: the one mapping from cmlp_status to Python ---- */
+
+static PyObject *raise_status(module_state *ms, cmlp_status s) {
+    const char *msg = cmlp_last_error();
+    switch (s) {
+    case CMLP_ERR_INVALID:
+    case CMLP_ERR_NONFINITE: PyErr_SetString(PyExc_ValueError, msg); break;
+    case CMLP_ERR_OOM: PyErr_SetString(ms->oom_error, msg); break;
+    default: PyErr_SetString(PyExc_RuntimeError, msg); break;
+    }
+    return NULL;
+}
+
+/* ---- the model object; its lock serialises every C call on the model, its optimizer and
+ * its trainer (taken with the GIL released, so waiting never blocks other threads) ---- */
+
+typedef struct {
+    PyObject_HEAD
+    cmlp_model *m;
+    PyThread_type_lock lock;
+    module_state *ms;
+} ModelObject;
+
+#define RUN_LOCKED(model, stmt)                          \
+    do {                                                 \
+        Py_BEGIN_ALLOW_THREADS                           \
+        PyThread_acquire_lock((model)->lock, WAIT_LOCK); \
+        stmt;                                            \
+        PyThread_release_lock((model)->lock);            \
+        Py_END_ALLOW_THREADS                             \
+    } while (0)
+
+static int parse_device(module_state *ms, PyObject *obj, cmlp_device *out) {
+    if (!PyUnicode_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "device must be a str such as \"cpu\" or \"cuda:0\", got %R", obj);
+        return -1;
+    }
+    const char *s = PyUnicode_AsUTF8(obj);
+    if (!s) return -1;
+    cmlp_status st = cmlp_device_parse(s, out);
+    if (st != CMLP_OK) {
+        raise_status(ms, st);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *device_str(cmlp_device d) {
+    if (d.type == CMLP_DEVICE_CPU) return PyUnicode_FromString("cpu");
+    return PyUnicode_FromFormat("cuda:%d", d.index);
+}
+
+static int Model_init(ModelObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"sizes", "device", "seed", NULL};
+    PyObject *sizes_obj, *dev_obj;
+    unsigned long long seed = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOK", kwlist, &sizes_obj, &dev_obj, &seed)) return -1;
+    if (self->m) {
+        PyErr_SetString(PyExc_RuntimeError, "Model is already initialised");
+        return -1;
+    }
+    cmlp_device dev;
+    if (parse_device(self->ms, dev_obj, &dev) < 0) return -1;
+    PyObject *seq = PySequence_Fast(sizes_obj, "layer sizes must be a sequence of ints");
+    if (!seq) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    int sizes[66];
+    if (n > 65) {
+        Py_DECREF(seq);
+        PyErr_Format(PyExc_ValueError, "at most 65 layer sizes are supported, got %zd", n);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (v == -1 && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            return -1;
+        }
+        sizes[i] = v < 0 ? -1 : (v > (1L << 30) ? (1 << 30) : (int)v);
+    }
+    Py_DECREF(seq);
+    cmlp_status st;
+    cmlp_model *m = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    st = cmlp_model_init(&m, sizes, (int)n, dev, seed);
+    Py_END_ALLOW_THREADS
+    if (st != CMLP_OK) {
+        raise_status(self->ms, st);
+        return -1;
+    }
+    self->m = m;
+    return 0;
+}
+
+static PyObject *Model_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    (void)args;
+    (void)kw;
+    ModelObject *self = (ModelObject *)type->tp_alloc(type, 0);
+    if (!self) return NULL;
+    self->lock = PyThread_allocate_lock();
+    PyObject *mod = PyType_GetModule(type);
+    self->ms = mod ? state_of(mod) : NULL;
+    if (!self->lock || !self->ms) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    return (PyObject *)self;
+}
+
+static void Model_dealloc(ModelObject *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    cmlp_model_free(self->m);
+    if (self->lock) PyThread_free_lock(self->lock);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static int model_ready(ModelObject *self) {
+    if (!self->m) {
+        PyErr_SetString(PyExc_RuntimeError, "Model is not initialised");
+        return -1;
+    }
+    return 0;
+}
+
+/* A C-contiguous, aligned [n, features] array of float32 or uint8 (the Python layer converts). */
+static int as_data(PyObject *x, PyObject *y, int64_t features, float mean, float std, cmlp_data *out) {
+    if (!PyArray_Check(x)) {
+        PyErr_SetString(PyExc_TypeError, "x must be a numpy array");
+        return -1;
+    }
+    PyArrayObject *a = (PyArrayObject *)x;
+    int t = PyArray_TYPE(a);
+    if (PyArray_NDIM(a) != 2 || !PyArray_IS_C_CONTIGUOUS(a) || !PyArray_ISALIGNED(a) ||
+        (t != NPY_FLOAT32 && t != NPY_UINT8)) {
+        PyErr_SetString(PyExc_TypeError, "x must be a C-contiguous 2-D float32 or uint8 array");
+        return -1;
+    }
+    if (PyArray_DIM(a, 1) != features) {
+        PyErr_Format(PyExc_ValueError, "x has %zd features per sample; the model expects %lld",
+                     (Py_ssize_t)PyArray_DIM(a, 1), (long long)features);
+        return -1;
+    }
+    *out = (cmlp_data){.x = PyArray_DATA(a), .x_dtype = t == NPY_UINT8 ? CMLP_DTYPE_U8 : CMLP_DTYPE_F32,
+                       .n = PyArray_DIM(a, 0), .mean = mean, .std = std};
+    if (y && y != Py_None) {
+        PyArrayObject *b = (PyArrayObject *)y;
+        if (!PyArray_Check(y) || PyArray_NDIM(b) != 1 || PyArray_TYPE(b) != NPY_INT32 ||
+            !PyArray_IS_C_CONTIGUOUS(b) || !PyArray_ISALIGNED(b)) {
+            PyErr_SetString(PyExc_TypeError, "y must be a C-contiguous 1-D int32 array");
+            return -1;
+        }
+        if (PyArray_DIM(b, 0) != out->n) {
+            PyErr_Format(PyExc_ValueError, "y has %zd labels for %lld samples", (Py_ssize_t)PyArray_DIM(b, 0),
+                         (long long)out->n);
+            return -1;
+        }
+        out->y = PyArray_DATA(b);
+    }
+    return 0;
+}
+
+static PyObject *Model_num_parameters(ModelObject *self, PyObject *unused) {
+    (void)unused;
+    if (model_ready(self) < 0) return NULL;
+    return PyLong_FromLongLong(cmlp_model_num_parameters(self->m));
+}
+
+static PyObject *Model_sizes(ModelObject *self, PyObject *unused) {
+    (void)unused;
+    if (model_ready(self) < 0) return NULL;
+    int L = cmlp_model_num_layers(self->m);
+    PyObject *t = PyTuple_New(L + 1);
+    if (!t) return NULL;
+    for (int i = 0; i <= L; i++) PyTuple_SET_ITEM(t, i, PyLong_FromLong(cmlp_model_size(self->m, i)));
+    return t;
+}
+
+static PyObject *Model_device(ModelObject *self, PyObject *unused) {
+    (void)unused;
+    if (model_ready(self) < 0) return NULL;
+    return device_str(cmlp_model_device(self->m));
+}
+
+static PyObject *Model_offsets(ModelObject *self, PyObject *unused) {
+    (void)unused;
+    if (model_ready(self) < 0) return NULL;
+    int L = cmlp_model_num_layers(self->m);
+    PyObject *lst = PyList_New(L);
+    if (!lst) return NULL;
+    for (int l = 0; l < L; l++) {
+        PyObject *t = Py_BuildValue("(LL)", (long long)cmlp_model_weight_offset(self->m, l),
+                                    (long long)cmlp_model_bias_offset(self->m, l));
+        if (!t) {
+            Py_DECREF(lst);
+            return NULL;
+        }
+        PyList_SET_ITEM(lst, l, t);
+    }
+    return lst;
+}
+
+static PyObject *flat_out(ModelObject *self, int grads) {
+    if (model_ready(self) < 0) return NULL;
+    npy_intp n = (npy_intp)cmlp_model_num_parameters(self->m);
+    PyObject *arr = PyArray_SimpleNew(1, &n, NPY_FLOAT32);
+    if (!arr) return NULL;
+    float *dst = PyArray_DATA((PyArrayObject *)arr);
+    cmlp_status st;
+    RUN_LOCKED(self, st = grads ? cmlp_model_get_grads(self->m, dst) : cmlp_model_get_params(self->m, dst));
+    if (st != CMLP_OK) {
+        Py_DECREF(arr);
+        return raise_status(self->ms, st);
+    }
+    return arr;
+}
+
+static PyObject *Model_get_params(ModelObject *self, PyObject *unused) {
+    (void)unused;
+    return flat_out(self, 0);
+}
+
+static PyObject *Model_get_grads(ModelObject *self, PyObject *unused) {
+    (void)unused;
+    return flat_out(self, 1);
+}
+
+static int as_flat(PyObject *obj, int64_t n, const float **out) {
+    PyArrayObject *a = (PyArrayObject *)obj;
+    if (!PyArray_Check(obj) || PyArray_NDIM(a) != 1 || PyArray_TYPE(a) != NPY_FLOAT32 ||
+        !PyArray_IS_C_CONTIGUOUS(a) || !PyArray_ISALIGNED(a) || PyArray_DIM(a, 0) != n) {
+        PyErr_Format(PyExc_TypeError, "expected a contiguous 1-D float32 array of %lld values", (long long)n);
+        return -1;
+    }
+    *out = PyArray_DATA(a);
+    return 0;
+}
+
+static PyObject *Model_set_params(ModelObject *self, PyObject *arg) {
+    if (model_ready(self) < 0) return NULL;
+    const float *src;
+    if (as_flat(arg, cmlp_model_num_parameters(self->m), &src) < 0) return NULL;
+    cmlp_status st;
+    RUN_LOCKED(self, st = cmlp_model_set_params(self->m, src));
+    if (st != CMLP_OK) return raise_status(self->ms, st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Model_zero_grad(ModelObject *self, PyObject *unused) {
+    (void)unused;
+    if (model_ready(self) < 0) return NULL;
+    cmlp_status st;
+    RUN_LOCKED(self, st = cmlp_model_zero_grad(self->m));
+    if (st != CMLP_OK) return raise_status(self->ms, st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Model_release_workspace(ModelObject *self, PyObject *unused) {
+    (void)unused;
+    if (model_ready(self) < 0) return NULL;
+    RUN_LOCKED(self, cmlp_model_release_workspace(self->m));
+    Py_RETURN_NONE;
+}
+
+static PyObject *Model_forward(ModelObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"x", "mean", "std", "chunk", NULL};
+    PyObject *x;
+    float mean = 0.5f, std = 0.5f;
+    long long chunk = 1024;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|ffL", kwlist, &x, &mean, &std, &chunk)) return NULL;
+    if (model_ready(self) < 0) return NULL;
+    cmlp_data d;
+    if (as_data(x, NULL, cmlp_model_size(self->m, 0), mean, std, &d) < 0) return NULL;
+    npy_intp dims[2] = {(npy_intp)d.n, cmlp_model_size(self->m, cmlp_model_num_layers(self->m))};
+    PyObject *out = PyArray_SimpleNew(2, dims, NPY_FLOAT32);
+    if (!out) return NULL;
+    float *dst = PyArray_DATA((PyArrayObject *)out);
+    cmlp_status st;
+    RUN_LOCKED(self, st = cmlp_model_forward(self->m, &d, chunk, dst));
+    if (st != CMLP_OK) {
+        Py_DECREF(out);
+        return raise_status(self->ms, st);
+    }
+    return out;
+}
+
+static PyObject *Model_evaluate(ModelObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"x", "y", "mean", "std", "chunk", NULL};
+    PyObject *x, *y;
+    float mean = 0.5f, std = 0.5f;
+    long long chunk = 1024;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|ffL", kwlist, &x, &y, &mean, &std, &chunk)) return NULL;
+    if (model_ready(self) < 0) return NULL;
+    cmlp_data d;
+    if (as_data(x, y, cmlp_model_size(self->m, 0), mean, std, &d) < 0) return NULL;
+    if (!d.y) {
+        PyErr_SetString(PyExc_TypeError, "y must be an int32 array");
+        return NULL;
+    }
+    double loss = 0.0;
+    int64_t correct = 0;
+    cmlp_status st;
+    RUN_LOCKED(self, st = cmlp_model_evaluate(self->m, &d, chunk, &loss, &correct));
+    if (st != CMLP_OK) return raise_status(self->ms, st);
+    return Py_BuildValue("(dL)", loss, (long long)correct);
+}
+
+static PyObject *Model_forward_backward(ModelObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"x", "y", "grad_weight", "label_smoothing", "mean", "std", NULL};
+    PyObject *x, *y;
+    float gw = 1.0f, smoothing = 0.0f, mean = 0.5f, std = 0.5f;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOf|fff", kwlist, &x, &y, &gw, &smoothing, &mean, &std))
+        return NULL;
+    if (model_ready(self) < 0) return NULL;
+    cmlp_data d;
+    if (as_data(x, y, cmlp_model_size(self->m, 0), mean, std, &d) < 0) return NULL;
+    if (!d.y) {
+        PyErr_SetString(PyExc_TypeError, "y must be an int32 array");
+        return NULL;
+    }
+    double loss = 0.0;
+    cmlp_status st;
+    RUN_LOCKED(self, st = cmlp_model_forward_backward(self->m, &d, gw, smoothing, &loss));
+    if (st != CMLP_OK) return raise_status(self->ms, st);
+    return PyFloat_FromDouble(loss);
+}
+
+static PyObject *Model_to(ModelObject *self, PyObject *arg) {
+    if (model_ready(self) < 0) return NULL;
+    cmlp_device d;
+    if (parse_device(self->ms, arg, &d) < 0) return NULL;
+    cmlp_status st;
+    RUN_LOCKED(self, st = cmlp_model_to(self->m, d));
+    if (st != CMLP_OK) return raise_status(self->ms, st);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Model_methods[] = {
+    {"num_parameters", (PyCFunction)Model_num_parameters, METH_NOARGS, "number of parameters"},
+    {"sizes", (PyCFunction)Model_sizes, METH_NOARGS, "layer sizes as a tuple"},
+    {"device", (PyCFunction)Model_device, METH_NOARGS, "device string"},
+    {"offsets", (PyCFunction)Model_offsets, METH_NOARGS, "[(weight_offset, bias_offset)] per layer"},
+    {"get_params", (PyCFunction)Model_get_params, METH_NOARGS, "flat float32 copy of the parameters"},
+    {"set_params", (PyCFunction)Model_set_params, METH_O, "replace parameters from a flat float32 array"},
+    {"get_grads", (PyCFunction)Model_get_grads, METH_NOARGS, "flat float32 copy of the gradients"},
+    {"zero_grad", (PyCFunction)Model_zero_grad, METH_NOARGS, "zero the gradient buffer"},
+    {"release_workspace", (PyCFunction)Model_release_workspace, METH_NOARGS, "free the activation workspace"},
+    {"forward", (PyCFunction)(void (*)(void))Model_forward, METH_VARARGS | METH_KEYWORDS, "logits"},
+    {"evaluate", (PyCFunction)(void (*)(void))Model_evaluate, METH_VARARGS | METH_KEYWORDS, "(loss_sum, correct)"},
+    {"forward_backward", (PyCFunction)(void (*)(void))Model_forward_backward, METH_VARARGS | METH_KEYWORDS,
+     "loss sum; adds grad_weight * per-sample gradient sums"},
+    {"to", (PyCFunction)Model_to, METH_O, "move to a device"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot Model_slots[] = {
+    {Py_tp_new, Model_new},
+    {Py_tp_init, Model_init},
+    {Py_tp_dealloc, Model_dealloc},
+    {Py_tp_methods, Model_methods},
+    {Py_tp_doc, "C model handle (use cmlp.MLP)"},
+    {0, NULL},
+};
+
+static PyType_Spec Model_spec = {"cmlp._cmlp.Model", sizeof(ModelObject), 0, Py_TPFLAGS_DEFAULT, Model_slots};
+
+/* ---- optimizer ---- */
+
+typedef struct {
+    PyObject_HEAD
+    cmlp_optim *o;
+    ModelObject *model; /* strong reference: the optimizer points into it */
+} OptimObject;
+
+static int Optim_init(OptimObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"model", "kind", "lr", "beta1", "beta2", "eps", "weight_decay", "momentum",
+                             "dampening", "nesterov", NULL};
+    PyObject *model;
+    const char *kind;
+    cmlp_adam_config ac = cmlp_adam_defaults();
+    cmlp_sgd_config sc = cmlp_sgd_defaults();
+    double lr = -1.0, wd = 0.0;
+    int nesterov = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "Os|dddddddp", kwlist, &model, &kind, &lr, &ac.beta1, &ac.beta2,
+                                     &ac.eps, &wd, &sc.momentum, &sc.dampening, &nesterov))
+        return -1;
+    PyObject *mod = PyType_GetModule(Py_TYPE(self));
+    module_state *ms = state_of(mod);
+    if (!PyObject_TypeCheck(model, ms->model_type) || model_ready((ModelObject *)model) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "model must be a cmlp model");
+        return -1;
+    }
+    if (self->o) {
+        PyErr_SetString(PyExc_RuntimeError, "Optimizer is already initialised");
+        return -1;
+    }
+    ModelObject *mo = (ModelObject *)model;
+    cmlp_status st;
+    if (strcmp(kind, "adam") == 0) {
+        if (lr >= -0.5) ac.lr = lr;
+        ac.weight_decay = wd;
+        st = cmlp_optim_init_adam(&self->o, mo->m, &ac);
+    } else if (strcmp(kind, "sgd") == 0) {
+        if (lr >= -0.5) sc.lr = lr;
+        sc.weight_decay = wd;
+        sc.nesterov = nesterov;
+        st = cmlp_optim_init_sgd(&self->o, mo->m, &sc);
+    } else {
+        PyErr_Format(PyExc_ValueError, "unknown optimizer kind \"%s\": expected \"adam\" or \"sgd\"", kind);
+        return -1;
+    }
+    if (st != CMLP_OK) {
+        raise_status(ms, st);
+        return -1;
+    }
+    Py_INCREF(model);
+    self->model = mo;
+    return 0;
+}
+
+static void Optim_dealloc(OptimObject *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    cmlp_optim_free(self->o);
+    Py_XDECREF(self->model);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static int optim_ready(OptimObject *self) {
+    if (!self->o) {
+        PyErr_SetString(PyExc_RuntimeError, "Optimizer is not initialised");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *Optim_step(OptimObject *self, PyObject *unused) {
+    (void)unused;
+    if (optim_ready(self) < 0) return NULL;
+    cmlp_status st;
+    RUN_LOCKED(self->model, st = cmlp_optim_step(self->o));
+    if (st != CMLP_OK) return raise_status(self->model->ms, st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Optim_get_lr(OptimObject *self, void *closure) {
+    (void)closure;
+    if (optim_ready(self) < 0) return NULL;
+    return PyFloat_FromDouble(cmlp_optim_get_lr(self->o));
+}
+
+static int Optim_set_lr(OptimObject *self, PyObject *value, void *closure) {
+    (void)closure;
+    if (optim_ready(self) < 0) return -1;
+    if (!value) {
+        PyErr_SetString(PyExc_AttributeError, "lr cannot be deleted");
+        return -1;
+    }
+    double lr = PyFloat_AsDouble(value);
+    if (lr == -1.0 && PyErr_Occurred()) return -1;
+    cmlp_status st;
+    RUN_LOCKED(self->model, st = cmlp_optim_set_lr(self->o, lr));
+    if (st != CMLP_OK) {
+        raise_status(self->model->ms, st);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *Optim_get_state(OptimObject *self, PyObject *unused) {
+    (void)unused;
+    if (optim_ready(self) < 0) return NULL;
+    int nb = cmlp_optim_num_buffers(self->o);
+    npy_intp n = (npy_intp)cmlp_model_num_parameters(self->model->m);
+    PyObject *bufs = PyList_New(nb);
+    if (!bufs) return NULL;
+    for (int i = 0; i < nb; i++) {
+        PyObject *arr = PyArray_SimpleNew(1, &n, NPY_FLOAT32);
+        if (!arr) {
+            Py_DECREF(bufs);
+            return NULL;
+        }
+        PyList_SET_ITEM(bufs, i, arr);
+        cmlp_status st;
+        float *dst = PyArray_DATA((PyArrayObject *)arr);
+        RUN_LOCKED(self->model, st = cmlp_optim_get_buffer(self->o, i, dst));
+        if (st != CMLP_OK) {
+            Py_DECREF(bufs);
+            return raise_status(self->model->ms, st);
+        }
+    }
+    return Py_BuildValue("(LN)", (long long)cmlp_optim_get_step(self->o), bufs);
+}
+
+static PyObject *Optim_set_state(OptimObject *self, PyObject *args) {
+    long long step;
+    PyObject *bufs;
+    if (!PyArg_ParseTuple(args, "LO!", &step, &PyList_Type, &bufs)) return NULL;
+    if (optim_ready(self) < 0) return NULL;
+    Py_ssize_t nb = PyList_GET_SIZE(bufs);
+    if (nb > 2) {
+        PyErr_SetString(PyExc_ValueError, "optimizer state has at most 2 buffers");
+        return NULL;
+    }
+    const float *ptrs[2] = {NULL, NULL};
+    for (Py_ssize_t i = 0; i < nb; i++)
+        if (as_flat(PyList_GET_ITEM(bufs, i), cmlp_model_num_parameters(self->model->m), &ptrs[i]) < 0) return NULL;
+    cmlp_status st;
+    RUN_LOCKED(self->model, st = cmlp_optim_set_state(self->o, step, (int)nb, ptrs));
+    if (st != CMLP_OK) return raise_status(self->model->ms, st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Optim_configure(OptimObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"lr", "beta1", "beta2", "eps", "weight_decay", "momentum", "dampening", "nesterov", NULL};
+    cmlp_adam_config ac = cmlp_adam_defaults();
+    cmlp_sgd_config sc = cmlp_sgd_defaults();
+    double lr, wd = 0.0;
+    int nesterov = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "d|ddddddp", kwlist, &lr, &ac.beta1, &ac.beta2, &ac.eps, &wd,
+                                     &sc.momentum, &sc.dampening, &nesterov))
+        return NULL;
+    if (optim_ready(self) < 0) return NULL;
+    ac.lr = sc.lr = lr;
+    ac.weight_decay = sc.weight_decay = wd;
+    sc.nesterov = nesterov;
+    cmlp_status st;
+    if (cmlp_optim_get_kind(self->o) == CMLP_OPTIM_ADAM) RUN_LOCKED(self->model, st = cmlp_optim_configure_adam(self->o, &ac));
+    else RUN_LOCKED(self->model, st = cmlp_optim_configure_sgd(self->o, &sc));
+    if (st != CMLP_OK) return raise_status(self->model->ms, st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Optim_to(OptimObject *self, PyObject *arg) {
+    if (optim_ready(self) < 0) return NULL;
+    cmlp_device d;
+    if (parse_device(self->model->ms, arg, &d) < 0) return NULL;
+    cmlp_status st;
+    RUN_LOCKED(self->model, st = cmlp_optim_to(self->o, d));
+    if (st != CMLP_OK) return raise_status(self->model->ms, st);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Optim_methods[] = {
+    {"step", (PyCFunction)Optim_step, METH_NOARGS, "one update from the model's gradients"},
+    {"get_state", (PyCFunction)Optim_get_state, METH_NOARGS, "(step, [flat float32 buffers])"},
+    {"set_state", (PyCFunction)Optim_set_state, METH_VARARGS, "set_state(step, [buffers])"},
+    {"to", (PyCFunction)Optim_to, METH_O, "move the state to a device (after the model)"},
+    {"configure", (PyCFunction)(void (*)(void))Optim_configure, METH_VARARGS | METH_KEYWORDS,
+     "replace the hyperparameters, keeping the state"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Optim_getset[] = {
+    {"lr", (getter)Optim_get_lr, (setter)Optim_set_lr, "learning rate", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot Optim_slots[] = {
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_init, Optim_init},
+    {Py_tp_dealloc, Optim_dealloc},
+    {Py_tp_methods, Optim_methods},
+    {Py_tp_getset, Optim_getset},
+    {Py_tp_doc, "C optimizer handle (use cmlp.optim)"},
+    {0, NULL},
+};
+
+static PyType_Spec Optim_spec = {"cmlp._cmlp.Optimizer", sizeof(OptimObject), 0, Py_TPFLAGS_DEFAULT, Optim_slots};
+
+/* ---- trainer ---- */
+
+typedef struct {
+    PyObject_HEAD
+    cmlp_trainer *t;
+    OptimObject *optim; /* strong: keeps the optimizer and its model alive */
+    PyObject *epoch_x, *epoch_y; /* the arrays of the epoch in progress */
+} TrainerObject;
+
+static int Trainer_init(TrainerObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"optimizer", "batch_size", "accumulation_steps", "microbatch_size", "shuffle",
+                             "seed", "label_smoothing", NULL};
+    PyObject *opt;
+    long long batch = 32, accum = 1, micro = 0;
+    int shuffle = 1;
+    unsigned long long seed = 0;
+    float smoothing = 0.0f;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OL|LLpKf", kwlist, &opt, &batch, &accum, &micro, &shuffle, &seed,
+                                     &smoothing))
+        return -1;
+    module_state *ms = state_of(PyType_GetModule(Py_TYPE(self)));
+    if (!PyObject_TypeCheck(opt, ms->optim_type) || optim_ready((OptimObject *)opt) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "optimizer must be a cmlp optimizer");
+        return -1;
+    }
+    if (self->t) {
+        PyErr_SetString(PyExc_RuntimeError, "Trainer is already initialised");
+        return -1;
+    }
+    OptimObject *o = (OptimObject *)opt;
+    cmlp_train_config c = {.batch_size = batch, .accumulation_steps = accum, .microbatch_size = micro,
+                           .shuffle = shuffle, .seed = seed, .label_smoothing = smoothing};
+    cmlp_status st = cmlp_trainer_init(&self->t, o->model->m, o->o, &c);
+    if (st != CMLP_OK) {
+        raise_status(ms, st);
+        return -1;
+    }
+    Py_INCREF(opt);
+    self->optim = o;
+    return 0;
+}
+
+static void Trainer_dealloc(TrainerObject *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    cmlp_trainer_free(self->t);
+    Py_XDECREF(self->epoch_x);
+    Py_XDECREF(self->epoch_y);
+    Py_XDECREF(self->optim);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static int trainer_ready(TrainerObject *self) {
+    if (!self->t) {
+        PyErr_SetString(PyExc_RuntimeError, "Trainer is not initialised");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *Trainer_step(TrainerObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"x", "y", "mean", "std", NULL};
+    PyObject *x, *y;
+    float mean = 0.5f, std = 0.5f;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|ff", kwlist, &x, &y, &mean, &std)) return NULL;
+    if (trainer_ready(self) < 0) return NULL;
+    ModelObject *mo = self->optim->model;
+    cmlp_data d;
+    if (as_data(x, y, cmlp_model_size(mo->m, 0), mean, std, &d) < 0) return NULL;
+    if (!d.y) {
+        PyErr_SetString(PyExc_TypeError, "y must be an int32 array");
+        return NULL;
+    }
+    double loss = 0.0;
+    cmlp_status st;
+    RUN_LOCKED(mo, st = cmlp_trainer_step(self->t, &d, &loss));
+    if (st != CMLP_OK) return raise_status(mo->ms, st);
+    return PyFloat_FromDouble(loss);
+}
+
+static PyObject *Trainer_epoch_begin(TrainerObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"x", "y", "mean", "std", NULL};
+    PyObject *x, *y;
+    float mean = 0.5f, std = 0.5f;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|ff", kwlist, &x, &y, &mean, &std)) return NULL;
+    if (trainer_ready(self) < 0) return NULL;
+    ModelObject *mo = self->optim->model;
+    cmlp_data d;
+    if (as_data(x, y, cmlp_model_size(mo->m, 0), mean, std, &d) < 0) return NULL;
+    if (!d.y) {
+        PyErr_SetString(PyExc_TypeError, "y must be an int32 array");
+        return NULL;
+    }
+    cmlp_epoch_state es;
+    cmlp_status st;
+    RUN_LOCKED(mo, st = cmlp_trainer_epoch_begin(self->t, &d, &es));
+    if (st != CMLP_OK) return raise_status(mo->ms, st);
+    Py_INCREF(x);
+    Py_INCREF(y);
+    Py_XSETREF(self->epoch_x, x);
+    Py_XSETREF(self->epoch_y, y);
+    return PyLong_FromLongLong(es.total_steps);
+}
+
+static PyObject *Trainer_epoch_run(TrainerObject *self, PyObject *args) {
+    long long max_steps;
+    if (!PyArg_ParseTuple(args, "L", &max_steps)) return NULL;
+    if (trainer_ready(self) < 0) return NULL;
+    if (!self->epoch_x) {
+        PyErr_SetString(PyExc_RuntimeError, "epoch_run called before epoch_begin");
+        return NULL;
+    }
+    ModelObject *mo = self->optim->model;
+    cmlp_epoch_state es = {0};
+    cmlp_status st;
+    RUN_LOCKED(mo, st = cmlp_trainer_epoch_run(self->t, max_steps, &es));
+    if (es.done || st != CMLP_OK) {
+        Py_CLEAR(self->epoch_x);
+        Py_CLEAR(self->epoch_y);
+    }
+    if (st != CMLP_OK) return raise_status(mo->ms, st);
+    return Py_BuildValue("(LLdO)", (long long)es.steps, (long long)es.samples, es.loss_sum,
+                         es.done ? Py_True : Py_False);
+}
+
+static PyObject *Trainer_get_micro(TrainerObject *self, void *closure) {
+    (void)closure;
+    if (trainer_ready(self) < 0) return NULL;
+    return PyLong_FromLongLong(cmlp_trainer_microbatch_size(self->t));
+}
+
+static int Trainer_set_micro(TrainerObject *self, PyObject *value, void *closure) {
+    (void)closure;
+    if (trainer_ready(self) < 0) return -1;
+    if (!value) {
+        PyErr_SetString(PyExc_AttributeError, "microbatch_size cannot be deleted");
+        return -1;
+    }
+    long long v = PyLong_AsLongLong(value);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    cmlp_status st = cmlp_trainer_set_microbatch_size(self->t, v);
+    if (st != CMLP_OK) {
+        raise_status(self->optim->model->ms, st);
+        return -1;
+    }
+    return 0;
+}
+
+static PyMethodDef Trainer_methods[] = {
+    {"step", (PyCFunction)(void (*)(void))Trainer_step, METH_VARARGS | METH_KEYWORDS, "one optimizer step"},
+    {"epoch_begin", (PyCFunction)(void (*)(void))Trainer_epoch_begin, METH_VARARGS | METH_KEYWORDS,
+     "validate and shuffle; returns the epoch's step count"},
+    {"epoch_run", (PyCFunction)Trainer_epoch_run, METH_VARARGS, "(steps, samples, loss_sum, done)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Trainer_getset[] = {
+    {"microbatch_size", (getter)Trainer_get_micro, (setter)Trainer_set_micro, "rows computed at once", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot Trainer_slots[] = {
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_init, Trainer_init},
+    {Py_tp_dealloc, Trainer_dealloc},
+    {Py_tp_methods, Trainer_methods},
+    {Py_tp_getset, Trainer_getset},
+    {Py_tp_doc, "C training loop handle (use cmlp.Trainer)"},
+    {0, NULL},
+};
+
+static PyType_Spec Trainer_spec = {"cmlp._cmlp.Trainer", sizeof(TrainerObject), 0, Py_TPFLAGS_DEFAULT, Trainer_slots};
+
+/* ---- memory ---- */
+
+static const char *stat_names[CMLP_STAT_KIND_COUNT] = {
+    "allocation", "allocated_bytes", "requested_bytes", "active", "active_bytes", "segment",
+    "reserved_bytes", "inactive_split", "inactive_split_bytes", "oversize_allocations", "oversize_segments"};
+static const char *pool_names[CMLP_POOL_COUNT] = {"all", "large_pool", "small_pool"};
+
+static int put_int(PyObject *d, const char *key, long long v) {
+    PyObject *o = PyLong_FromLongLong(v);
+    if (!o) return -1;
+    int r = PyDict_SetItemString(d, key, o);
+    Py_DECREF(o);
+    return r;
+}
+
+static int put_stat(PyObject *d, const char *prefix, const cmlp_stat *s) {
+    char key[96];
+    const char *metric[4] = {"current", "peak", "allocated", "freed"};
+    long long v[4] = {s->current, s->peak, s->allocated, s->freed};
+    for (int i = 0; i < 4; i++) {
+        snprintf(key, sizeof key, "%s.%s", prefix, metric[i]);
+        if (put_int(d, key, v[i]) < 0) return -1;
+    }
+    return 0;
+}
+
+static PyObject *mod_memory_stats(PyObject *mod, PyObject *arg) {
+    cmlp_device d;
+    if (parse_device(state_of(mod), arg, &d) < 0) return NULL;
+    cmlp_memory_stats s;
+    cmlp_status st = cmlp_memory_stats_get(d, &s);
+    if (st != CMLP_OK) return raise_status(state_of(mod), st);
+    PyObject *dict = PyDict_New();
+    if (!dict) return NULL;
+    char prefix[64];
+    for (int k = 0; k < CMLP_STAT_KIND_COUNT; k++) {
+        int oversize = k == CMLP_STAT_OVERSIZE_ALLOCATIONS || k == CMLP_STAT_OVERSIZE_SEGMENTS;
+        for (int p = 0; p < (oversize ? 1 : CMLP_POOL_COUNT); p++) {
+            if (oversize) snprintf(prefix, sizeof prefix, "%s", stat_names[k]);
+            else snprintf(prefix, sizeof prefix, "%s.%s", stat_names[k], pool_names[p]);
+            if (put_stat(dict, prefix, &s.stat[k][p]) < 0) goto fail;
+        }
+    }
+    if (put_int(dict, "num_alloc_retries", s.num_alloc_retries) < 0 || put_int(dict, "num_ooms", s.num_ooms) < 0 ||
+        put_int(dict, "num_sync_all_streams", s.num_sync_all_streams) < 0 ||
+        put_int(dict, "num_device_alloc", s.num_device_alloc) < 0 ||
+        put_int(dict, "num_device_free", s.num_device_free) < 0 ||
+        put_int(dict, "max_split_size", s.max_split_size) < 0 || put_int(dict, "limit", s.limit) < 0 ||
+        put_int(dict, "total_memory", s.total_memory) < 0)
+        goto fail;
+    return dict;
+fail:
+    Py_DECREF(dict);
+    return NULL;
+}
+
+typedef cmlp_status (*device_fn)(cmlp_device);
+
+static PyObject *call_device_fn(PyObject *mod, PyObject *arg, device_fn fn) {
+    cmlp_device d;
+    if (parse_device(state_of(mod), arg, &d) < 0) return NULL;
+    cmlp_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = fn(d);
+    Py_END_ALLOW_THREADS
+    if (st != CMLP_OK) return raise_status(state_of(mod), st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_reset_peak(PyObject *mod, PyObject *arg) { return call_device_fn(mod, arg, cmlp_memory_reset_peak); }
+static PyObject *mod_empty_cache(PyObject *mod, PyObject *arg) { return call_device_fn(mod, arg, cmlp_memory_empty_cache); }
+
+static PyObject *mod_set_memory_limit(PyObject *mod, PyObject *args) {
+    PyObject *dev;
+    long long limit;
+    if (!PyArg_ParseTuple(args, "OL", &dev, &limit)) return NULL;
+    cmlp_device d;
+    if (parse_device(state_of(mod), dev, &d) < 0) return NULL;
+    cmlp_status st = cmlp_memory_set_limit(d, limit);
+    if (st != CMLP_OK) return raise_status(state_of(mod), st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_alloc(PyObject *mod, PyObject *args) {
+    PyObject *dev;
+    long long n;
+    if (!PyArg_ParseTuple(args, "OL", &dev, &n)) return NULL;
+    if (n < 0) {
+        PyErr_Format(PyExc_ValueError, "nbytes must be >= 0, got %lld", n);
+        return NULL;
+    }
+    cmlp_device d;
+    if (parse_device(state_of(mod), dev, &d) < 0) return NULL;
+    void *p = NULL;
+    cmlp_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = cmlp_memory_alloc(d, (size_t)n, &p);
+    Py_END_ALLOW_THREADS
+    if (st != CMLP_OK) return raise_status(state_of(mod), st);
+    return PyLong_FromVoidPtr(p);
+}
+
+static PyObject *mod_free(PyObject *mod, PyObject *args) {
+    PyObject *dev, *ptr;
+    if (!PyArg_ParseTuple(args, "OO", &dev, &ptr)) return NULL;
+    cmlp_device d;
+    if (parse_device(state_of(mod), dev, &d) < 0) return NULL;
+    void *p = PyLong_AsVoidPtr(ptr);
+    if (!p && PyErr_Occurred()) return NULL;
+    cmlp_status st = cmlp_memory_free(d, p);
+    if (st != CMLP_OK) return raise_status(state_of(mod), st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_parse_device(PyObject *mod, PyObject *arg) {
+    cmlp_device d;
+    if (parse_device(state_of(mod), arg, &d) < 0) return NULL;
+    return device_str(d);
+}
+
+static PyObject *mod_build_info(PyObject *mod, PyObject *unused) {
+    (void)mod;
+    (void)unused;
+    return Py_BuildValue("{s:s,s:s,s:s,s:O}", "version", cmlp_version(), "blas", cmlp_blas_info(), "compiler",
+                         cmlp_compiler_info(), "cuda_compiled", cmlp_cuda_compiled() ? Py_True : Py_False);
+}
+
+static PyObject *mod_cuda_device_count(PyObject *mod, PyObject *unused) {
+    (void)mod;
+    (void)unused;
+    return PyLong_FromLong(cmlp_cuda_device_count());
+}
+
+static PyMethodDef module_methods[] = {
+    {"memory_stats", mod_memory_stats, METH_O, "memory_stats(device) -> dict"},
+    {"reset_peak_memory_stats", mod_reset_peak, METH_O, "reset every peak to its current value"},
+    {"empty_cache", mod_empty_cache, METH_O, "release cached memory"},
+    {"set_memory_limit", mod_set_memory_limit, METH_VARARGS, "set_memory_limit(device, bytes or -1)"},
+    {"alloc", mod_alloc, METH_VARARGS, "alloc(device, nbytes) -> int"},
+    {"free", mod_free, METH_VARARGS, "free(device, ptr)"},
+    {"parse_device", mod_parse_device, METH_O, "canonical device string; raises when unavailable"},
+    {"build_info", mod_build_info, METH_NOARGS, "build facts"},
+    {"cuda_device_count", mod_cuda_device_count, METH_NOARGS, "number of usable CUDA devices"},
+    {NULL, NULL, 0, NULL},
+};
+
+static int module_exec(PyObject *mod) {
+    module_state *ms = state_of(mod);
+    if (_import_array() < 0) return -1;
+    ms->oom_error = PyErr_NewExceptionWithDoc("cmlp.OutOfMemoryError",
+                                              "A device ran out of memory (a RuntimeError, like PyTorch's).",
+                                              PyExc_RuntimeError, NULL);
+    if (!ms->oom_error || PyModule_AddObjectRef(mod, "OutOfMemoryError", ms->oom_error) < 0) return -1;
+    ms->model_type = (PyTypeObject *)PyType_FromModuleAndSpec(mod, &Model_spec, NULL);
+    if (!ms->model_type || PyModule_AddType(mod, ms->model_type) < 0) return -1;
+    ms->optim_type = (PyTypeObject *)PyType_FromModuleAndSpec(mod, &Optim_spec, NULL);
+    if (!ms->optim_type || PyModule_AddType(mod, ms->optim_type) < 0) return -1;
+    ms->trainer_type = (PyTypeObject *)PyType_FromModuleAndSpec(mod, &Trainer_spec, NULL);
+    if (!ms->trainer_type || PyModule_AddType(mod, ms->trainer_type) < 0) return -1;
+    return 0;
+}
+
+static int module_traverse(PyObject *mod, visitproc visit, void *arg) {
+    module_state *ms = state_of(mod);
+    Py_VISIT(ms->oom_error);
+    Py_VISIT(ms->model_type);
+    Py_VISIT(ms->optim_type);
+    Py_VISIT(ms->trainer_type);
+    return 0;
+}
+
+static int module_clear(PyObject *mod) {
+    module_state *ms = state_of(mod);
+    Py_CLEAR(ms->oom_error);
+    Py_CLEAR(ms->model_type);
+    Py_CLEAR(ms->optim_type);
+    Py_CLEAR(ms->trainer_type);
+    return 0;
+}
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
+    {0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "_cmlp", "cmlp's C core", sizeof(module_state), module_methods, module_slots,
+    module_traverse, module_clear, NULL,
+};
+
+PyMODINIT_FUNC PyInit__cmlp(void) { return PyModuleDef_Init(&module_def); }

@@ -1,0 +1,18 @@
+"""CUDA device queries, named as in torch.cuda."""
+from typing import Optional
+
+from . import _cmlp
+
+
+def is_available() -> bool:
+    """True when this build has the CUDA backend and a usable GPU is present."""
+    return device_count() > 0
+
+
+def device_count() -> int:
+    return _cmlp.cuda_device_count()
+
+
+def synchronize(device: Optional[str] = None) -> None:
+    """Waits for the device's queued work. Raises RuntimeError when CUDA is unavailable."""
+    _cmlp.parse_device("cuda" if device is None else device)

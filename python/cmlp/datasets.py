@@ -1,0 +1,217 @@
+"""Dataset loading for cmlp: the IDX file format (raw or gzip) and the MNIST and
+Fashion-MNIST sets, read from local files only. Nothing is downloaded and nothing is
+cached; every call reads the files again."""
+
+import gzip
+import math
+import os
+import zlib
+
+import numpy as np
+
+__all__ = ["load_idx", "mnist", "fashion_mnist"]
+
+# IDX type code -> big-endian dtype of the payload.
+_IDX_TYPES = {
+    0x08: np.dtype(">u1"),
+    0x09: np.dtype(">i1"),
+    0x0B: np.dtype(">i2"),
+    0x0C: np.dtype(">i4"),
+    0x0D: np.dtype(">f4"),
+    0x0E: np.dtype(">f8"),
+}
+_GZIP_MAGIC = b"\x1f\x8b"
+# Deflate cannot expand data by more than about 1032:1, so a gzip file of n bytes
+# decompresses to at most this many times n; used to reject absurd dims up front.
+_GZIP_MAX_RATIO = 1100
+_CHUNK = 1 << 22
+
+_MNIST_FILES = (
+    "train-images-idx3-ubyte",
+    "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte",
+    "t10k-labels-idx1-ubyte",
+)
+_FASHION_SYSTEM_DIR = "/usr/share/datasets/fashion-mnist"
+
+
+def _read_exact(f, n):
+    """Reads up to n bytes, growing the buffer only as data arrives (so a header that
+    lies about its size cannot force a huge allocation). Returns fewer on EOF."""
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = f.read(min(_CHUNK, n - len(buf)))
+        if not chunk:
+            break
+        buf += chunk
+    return buf
+
+
+def _parse_idx(f, path, stored_size, compressed):
+    """Reads an IDX stream whose stored (on-disk) size is stored_size bytes."""
+    head = f.read(4)
+    if len(head) < 4:
+        raise ValueError(
+            f"{path}: not an IDX file: expected a 4-byte header, found {len(head)} bytes")
+    if head[0] != 0 or head[1] != 0:
+        raise ValueError(
+            f"{path}: not an IDX file: expected the first two bytes to be 00 00, "
+            f"found {head[0]:02x} {head[1]:02x}")
+    code, ndim = head[2], head[3]
+    if code not in _IDX_TYPES:
+        known = ", ".join(f"0x{c:02X}" for c in _IDX_TYPES)
+        raise ValueError(f"{path}: unknown IDX type code 0x{code:02X} (expected one of {known})")
+    if ndim < 1:
+        raise ValueError(f"{path}: IDX header gives 0 dimensions (expected at least 1)")
+    raw_dims = f.read(4 * ndim)
+    if len(raw_dims) < 4 * ndim:
+        raise ValueError(
+            f"{path}: truncated IDX header: expected {4 * ndim} bytes of dimensions "
+            f"for ndim={ndim}, found {len(raw_dims)}")
+    dims = tuple(int(d) for d in np.frombuffer(raw_dims, dtype=">u4"))
+    dtype = _IDX_TYPES[code]
+    header = 4 + 4 * ndim
+    # Python ints: the product cannot overflow, and it is checked before allocating.
+    expected = math.prod(dims) * dtype.itemsize
+
+    if not compressed and header + expected != stored_size:
+        what = "truncated" if header + expected > stored_size else "trailing bytes"
+        raise ValueError(
+            f"{path}: {what}: shape {dims} of {dtype.name} needs {header + expected} bytes "
+            f"({header} header + {expected} data), found {stored_size} bytes")
+    if compressed and expected > _GZIP_MAX_RATIO * stored_size + 1024:
+        raise ValueError(
+            f"{path}: IDX header claims shape {dims} of {dtype.name} ({expected} bytes of "
+            f"data), more than a {stored_size}-byte gzip file can hold")
+
+    payload = _read_exact(f, expected)
+    if len(payload) < expected:
+        raise ValueError(
+            f"{path}: truncated: shape {dims} of {dtype.name} needs {expected} bytes of data "
+            f"after the {header}-byte header, found {len(payload)}")
+    if compressed and f.read(1):
+        raise ValueError(
+            f"{path}: trailing bytes after the {expected} bytes of data that shape {dims} "
+            f"of {dtype.name} needs")
+    arr = np.frombuffer(payload, dtype=dtype).reshape(dims)
+    # frombuffer on a bytearray is writable; convert only when the byte order differs.
+    return arr.astype(dtype.newbyteorder("="), copy=False)
+
+
+def load_idx(path):
+    """Reads an IDX file (the MNIST format), raw or gzip-compressed (detected by its
+    magic bytes, not its name), and returns a native-endian array of the stored shape.
+
+    Raises FileNotFoundError if path does not exist and ValueError if the file is not a
+    well-formed IDX file: bad magic, unknown type code, no dimensions, a size that does
+    not match the header exactly, or a corrupt gzip stream."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        stored_size = os.fstat(f.fileno()).st_size
+        compressed = f.read(2) == _GZIP_MAGIC
+        f.seek(0)
+        if not compressed:
+            return _parse_idx(f, path, stored_size, compressed=False)
+        try:
+            with gzip.GzipFile(fileobj=f, mode="rb") as gz:
+                return _parse_idx(gz, path, stored_size, compressed=True)
+        except (OSError, EOFError, zlib.error) as e:
+            raise ValueError(f"{path}: corrupt or truncated gzip data: {e}") from e
+
+
+def _find_dir(dirs):
+    """Returns (dir, {name: path}) for the first directory holding all four files, raw
+    or .gz (raw preferred), or (None, report) where report says what each dir lacked."""
+    report = []
+    for d in dirs:
+        found, missing = {}, []
+        for name in _MNIST_FILES:
+            for candidate in (name, name + ".gz"):
+                p = os.path.join(d, candidate)
+                if os.path.isfile(p):
+                    found[name] = p
+                    break
+            else:
+                missing.append(name)
+        if not missing:
+            return d, found
+        if not os.path.isdir(d):
+            report.append(f"  {d} (no such directory)")
+        elif found:
+            report.append(f"  {d} (missing {', '.join(missing)})")
+        else:
+            report.append(f"  {d} (none of the files)")
+    return None, report
+
+
+def _load_set(title, dirs, how_to_get, download):
+    dirs = [os.path.abspath(d) for d in dirs]
+    if download:
+        raise RuntimeError(
+            f"{title}: download=True is not supported; cmlp never fetches data from the "
+            f"internet. Searched, in order:\n" + "\n".join(f"  {d}" for d in dirs)
+            + f"\n{how_to_get}")
+    d, found = _find_dir(dirs)
+    if d is None:
+        raise FileNotFoundError(
+            f"{title} not found. Looked for {', '.join(_MNIST_FILES)} (each raw or .gz) "
+            f"in:\n" + "\n".join(found) + f"\n{how_to_get}")
+
+    def pair(images_name, labels_name):
+        x = load_idx(found[images_name])
+        y = load_idx(found[labels_name])
+        xp, yp = found[images_name], found[labels_name]
+        if x.dtype != np.uint8 or x.ndim != 3 or x.shape[1:] != (28, 28):
+            raise ValueError(
+                f"{xp}: expected uint8 images of shape [N, 28, 28], "
+                f"found {x.dtype} of shape {x.shape}")
+        if y.dtype != np.uint8 or y.ndim != 1:
+            raise ValueError(
+                f"{yp}: expected uint8 labels of shape [N], found {y.dtype} of shape {y.shape}")
+        if x.shape[0] != y.shape[0]:
+            raise ValueError(
+                f"{title}: {xp} has {x.shape[0]} images but {yp} has {y.shape[0]} labels")
+        if y.size and int(y.max()) >= 10:
+            raise ValueError(f"{yp}: labels must be in 0..9, found {int(y.max())}")
+        return x.reshape(x.shape[0], 28 * 28), y
+
+    return pair(*_MNIST_FILES[:2]), pair(*_MNIST_FILES[2:])
+
+
+def _candidate_dirs(root, subdirs):
+    root = os.fspath(root)
+    return [root] + [os.path.join(root, s) for s in subdirs]
+
+
+def mnist(root="data", download=False):
+    """Loads MNIST from root, root/mnist or root/MNIST/raw (the first holding all four
+    IDX files, raw or .gz). Returns (x_train, y_train), (x_test, y_test): images uint8
+    [N, 784], labels uint8 [N]. download=True raises RuntimeError (never fetches)."""
+    dirs = _candidate_dirs(root, ["mnist", os.path.join("MNIST", "raw")])
+    how = (f"Place the four MNIST IDX files ({', '.join(_MNIST_FILES)}, raw or .gz) "
+           f"in {os.path.abspath(root)}.")
+    return _load_set("MNIST", dirs, how, download)
+
+
+def fashion_mnist(root=None, download=False):
+    """Loads Fashion-MNIST. With root given, looks in root, root/fashion-mnist and
+    root/FashionMNIST/raw; with root=None, in $CMLP_DATA_DIR/fashion-mnist (if set),
+    ./data/fashion-mnist, ./data/FashionMNIST/raw, ~/.cache/cmlp/fashion-mnist and
+    /usr/share/datasets/fashion-mnist. Returns as mnist() does."""
+    if root is not None:
+        dirs = _candidate_dirs(root, ["fashion-mnist", os.path.join("FashionMNIST", "raw")])
+    else:
+        dirs = []
+        env = os.environ.get("CMLP_DATA_DIR")
+        if env:
+            dirs.append(os.path.join(env, "fashion-mnist"))
+        dirs += [
+            os.path.join("data", "fashion-mnist"),
+            os.path.join("data", "FashionMNIST", "raw"),
+            os.path.join(os.path.expanduser("~"), ".cache", "cmlp", "fashion-mnist"),
+            _FASHION_SYSTEM_DIR,
+        ]
+    how = (f"To get it: apt-get install dataset-fashion-mnist (installs into "
+           f"{_FASHION_SYSTEM_DIR}), or place the four IDX files ({', '.join(_MNIST_FILES)}, "
+           f"raw or .gz) in one of the directories above.")
+    return _load_set("Fashion-MNIST", dirs, how, download)

@@ -1,0 +1,190 @@
+"""cmlp.MLP: the model users hold. Parameters live in the C core's flat buffer; this class
+validates and converts inputs, names tensors as PyTorch does, and saves atomically."""
+import os
+import tempfile
+import weakref
+import zipfile
+from collections import OrderedDict
+from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
+
+import numpy as np
+
+from . import _cmlp
+from ._arrays import as_inputs, as_labels, as_normalize, check_amp
+
+_SIZES_KEY = "__layer_sizes__"
+
+
+def _as_sizes(layer_sizes: Any) -> Tuple[int, ...]:
+    if isinstance(layer_sizes, (str, bytes)) or not isinstance(layer_sizes, Iterable):
+        raise TypeError(f"layer_sizes must be a sequence of ints such as [784, 512, 256, 10], got {layer_sizes!r}")
+    sizes = tuple(layer_sizes)
+    for s in sizes:
+        if isinstance(s, bool) or not isinstance(s, (int, np.integer)):
+            raise TypeError(f"layer_sizes must hold ints, got {s!r} in {list(sizes)!r}")
+    if len(sizes) < 2:
+        raise ValueError(f"layer_sizes needs at least an input and an output size, got {list(sizes)!r}")
+    if any(s < 1 for s in sizes):
+        raise ValueError(f"every layer size must be >= 1, got {list(sizes)!r}")
+    return tuple(int(s) for s in sizes)
+
+
+class MLP:
+    """Linear layers with ReLU between them, initialised like nn.Linear from `seed`."""
+
+    def __init__(self, layer_sizes: Sequence[int], device: str = "cpu", seed: int = 0,
+                 normalize: Tuple[float, float] = (0.5, 0.5)) -> None:
+        sizes = _as_sizes(layer_sizes)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        if not isinstance(device, str):
+            raise TypeError(f"device must be a str such as 'cpu' or 'cuda:0', got {device!r}")
+        self.normalize = as_normalize(normalize)
+        self._c = _cmlp.Model(sizes, device, int(seed) & 0xFFFFFFFFFFFFFFFF)
+        self._sizes = self._c.sizes()
+        self._offsets = self._c.offsets()
+        self._optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+    # ---- facts ----
+    @property
+    def layer_sizes(self) -> Tuple[int, ...]:
+        return self._sizes
+
+    @property
+    def device(self) -> str:
+        return self._c.device()
+
+    def num_parameters(self) -> int:
+        return self._c.num_parameters()
+
+    def __repr__(self) -> str:
+        return f"MLP({list(self._sizes)}, device={self.device!r})"
+
+    # ---- compute ----
+    def forward(self, x: Any) -> np.ndarray:
+        """Logits, float32 [N, classes]."""
+        xa = as_inputs(x, self._sizes[0])
+        return self._c.forward(xa, *self.normalize, 1024)
+
+    __call__ = forward
+
+    def predict(self, x: Any) -> np.ndarray:
+        """Predicted classes, int64 [N]."""
+        return np.argmax(self.forward(x), axis=1).astype(np.int64)
+
+    def evaluate(self, x: Any, y: Any, batch_size: int = 1000) -> Dict[str, float]:
+        """Mean cross-entropy and accuracy over (x, y), computed batch_size rows at a time."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        xa = as_inputs(x, self._sizes[0])
+        ya = as_labels(y, xa.shape[0], self._sizes[-1])
+        loss_sum, correct = self._c.evaluate(xa, ya, *self.normalize, int(batch_size))
+        n = xa.shape[0]
+        return {"loss": loss_sum / n, "accuracy": correct / n}
+
+    def forward_backward(self, x: Any, y: Any, loss_scale: float = 1.0, amp: Optional[str] = None,
+                         label_smoothing: float = 0.0) -> float:
+        """Mean cross-entropy of the batch (unscaled). ADDS the gradient of loss_scale * loss to
+        the gradient buffer, like loss.backward()."""
+        check_amp(amp)
+        loss_scale = float(loss_scale)
+        if not np.isfinite(loss_scale):
+            raise ValueError(f"loss_scale must be finite, got {loss_scale}")
+        label_smoothing = float(label_smoothing)
+        if not 0.0 <= label_smoothing <= 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+        xa = as_inputs(x, self._sizes[0])
+        ya = as_labels(y, xa.shape[0], self._sizes[-1])
+        n = xa.shape[0]
+        loss_sum = self._c.forward_backward(xa, ya, loss_scale / n, label_smoothing, *self.normalize)
+        return loss_sum / n
+
+    def zero_grad(self) -> None:
+        self._c.zero_grad()
+
+    # ---- tensors by name ----
+    def _split(self, flat: np.ndarray) -> "OrderedDict[str, np.ndarray]":
+        out: "OrderedDict[str, np.ndarray]" = OrderedDict()
+        for i, (w, b) in enumerate(self._offsets):
+            fan_in, fan_out = self._sizes[i], self._sizes[i + 1]
+            out[f"fc{i + 1}.weight"] = flat[w:w + fan_in * fan_out].reshape(fan_out, fan_in)
+            out[f"fc{i + 1}.bias"] = flat[b:b + fan_out]
+        return out
+
+    def state_dict(self) -> "OrderedDict[str, np.ndarray]":
+        """Copies of the parameters: "fc1.weight" [out, in], "fc1.bias" [out], ..."""
+        return self._split(self._c.get_params())
+
+    def grads(self) -> "OrderedDict[str, np.ndarray]":
+        """Copies of the gradients, with state_dict's names and shapes."""
+        return self._split(self._c.get_grads())
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Replaces every parameter; names and shapes must match (a PyTorch SimpleMLP state_dict
+        converted with .numpy() does)."""
+        if not hasattr(state, "keys"):
+            raise TypeError(f"state_dict must be a mapping of names to arrays, got {type(state).__name__}")
+        flat = np.empty(self.num_parameters(), dtype=np.float32)
+        views = self._split(flat)
+        missing = [k for k in views if k not in state]
+        unexpected = [k for k in state.keys() if k not in views]
+        if missing or unexpected:
+            raise ValueError(f"state_dict does not match the model {list(self._sizes)}: missing keys {missing}, "
+                             f"unexpected keys {unexpected}")
+        for name, view in views.items():
+            arr = np.asarray(state[name])
+            if arr.dtype.kind not in "fiu":
+                raise TypeError(f"state_dict[{name!r}] must be numeric, got dtype {arr.dtype}")
+            if arr.shape != view.shape:
+                raise ValueError(f"state_dict[{name!r}] has shape {tuple(arr.shape)}; the model needs {view.shape}")
+            view[...] = arr
+        self._c.set_params(flat)
+
+    # ---- files ----
+    def save(self, path: "os.PathLike[str] | str") -> None:
+        """Writes an .npz of the state_dict and layer sizes; atomic: a crash leaves the old file."""
+        path = os.fspath(path)
+        directory = os.path.dirname(os.path.abspath(path))
+        arrays = dict(self.state_dict())
+        arrays[_SIZES_KEY] = np.asarray(self._sizes, dtype=np.int64)
+        fd, tmp = tempfile.mkstemp(prefix=".cmlp-", suffix=".tmp", dir=directory)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, **arrays)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+
+    @classmethod
+    def load(cls, path: "os.PathLike[str] | str", device: str = "cpu") -> "MLP":
+        """Reads a file written by save()."""
+        path = os.fspath(path)
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                arrays = {k: z[k] for k in z.files}
+        except FileNotFoundError:
+            raise
+        except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError) as e:
+            raise ValueError(f"{path} is not a readable cmlp model file (.npz): {e}") from None
+        if _SIZES_KEY not in arrays:
+            raise ValueError(f"{path} is not a cmlp model file: it has no {_SIZES_KEY!r} entry")
+        sizes = arrays.pop(_SIZES_KEY)
+        if sizes.ndim != 1 or sizes.dtype.kind not in "iu":
+            raise ValueError(f"{path}: {_SIZES_KEY!r} must be a 1-D integer array")
+        model = cls([int(s) for s in sizes], device=device)
+        model.load_state_dict(arrays)
+        return model
+
+    # ---- devices ----
+    def to(self, device: str) -> "MLP":
+        """Moves parameters, gradients and the state of every optimizer of this model."""
+        self._c.to(device)
+        for opt in list(self._optimizers):
+            opt._c.to(device)
+        return self

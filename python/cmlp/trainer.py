@@ -1,0 +1,128 @@
+"""cmlp.Trainer: the training loop users drive. The epoch loop itself runs in C with the GIL
+released (seeded shuffle, micro-batches, exact accumulation, optimizer step); Python only asks
+for a slice of steps at a time to draw the progress bar and collects the history."""
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from . import _cmlp, memory
+from ._arrays import as_inputs, as_labels, as_normalize, check_amp
+from ._progress import make_bar
+from .model import MLP
+from .optim import Optimizer
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return int(value)
+
+
+class Trainer:
+    """One optimizer step consumes batch_size * accumulation_steps samples as accumulation_steps
+    distinct micro-batches, each sample's gradient weighted by 1 / (samples in the step), so the
+    update equals one big batch (a short last batch is normalised by its own size)."""
+
+    def __init__(self, model: MLP, optimizer: Optimizer, batch_size: int = 32, accumulation_steps: int = 1,
+                 amp: Optional[str] = None, scaler: Any = None, auto_microbatch: bool = True,
+                 recompute: bool = False, shuffle: bool = True, seed: int = 0,
+                 normalize: Tuple[float, float] = (0.5, 0.5), microbatch_size: Optional[int] = None,
+                 label_smoothing: float = 0.0) -> None:
+        if not isinstance(model, MLP):
+            raise TypeError(f"model must be a cmlp.MLP, got {type(model).__name__}")
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f"optimizer must be a cmlp.optim optimizer, got {type(optimizer).__name__}")
+        if optimizer.model is not model:
+            raise ValueError("optimizer was created for another model")
+        check_amp(amp)
+        if scaler is not None:
+            raise ValueError("a scaler is only used with amp='fp16'")
+        if recompute:
+            raise NotImplementedError("recompute=True is not available in this version of cmlp")
+        self.model, self.optimizer = model, optimizer
+        self.batch_size = _positive_int("batch_size", batch_size)
+        self.accumulation_steps = _positive_int("accumulation_steps", accumulation_steps)
+        micro = self.batch_size if microbatch_size is None else _positive_int("microbatch_size", microbatch_size)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        label_smoothing = float(label_smoothing)
+        if not 0.0 <= label_smoothing <= 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+        self.amp, self.scaler = amp, scaler
+        self.auto_microbatch, self.recompute, self.shuffle = bool(auto_microbatch), bool(recompute), bool(shuffle)
+        self.seed = int(seed)
+        self.normalize = as_normalize(normalize)
+        self._c = _cmlp.Trainer(optimizer._c, self.batch_size, self.accumulation_steps, micro, bool(shuffle),
+                                self.seed, label_smoothing)
+
+    @property
+    def microbatch_size(self) -> int:
+        """Rows computed at once (batch_size unless set smaller)."""
+        return self._c.microbatch_size
+
+    @microbatch_size.setter
+    def microbatch_size(self, value: int) -> None:
+        self._c.microbatch_size = _positive_int("microbatch_size", value)
+
+    def _data(self, x: Any, y: Any, what: str) -> Tuple[np.ndarray, np.ndarray]:
+        sizes = self.model.layer_sizes
+        xa = as_inputs(x, sizes[0], f"{what} x")
+        return xa, as_labels(y, xa.shape[0], sizes[-1], f"{what} y")
+
+    def step(self, x_batch: Any, y_batch: Any) -> float:
+        """One optimizer step on the whole given (effective) batch; returns its mean loss."""
+        xa, ya = self._data(x_batch, y_batch, "batch")
+        return self._c.step(xa, ya, *self.normalize)
+
+    def fit(self, x: Any, y: Any, epochs: int = 5, validation_data: Optional[Tuple[Any, Any]] = None,
+            progress: bool = True) -> List[Dict[str, Any]]:
+        """Trains for `epochs` passes over (x, y); returns one dict per epoch."""
+        epochs = _positive_int("epochs", epochs)
+        xa, ya = self._data(x, y, "training")
+        val = None
+        if validation_data is not None:
+            try:
+                vx, vy = validation_data
+            except (TypeError, ValueError):
+                raise TypeError("validation_data must be a pair (x, y)") from None
+            val = self._data(vx, vy, "validation")
+        device = self.model.device
+        history: List[Dict[str, Any]] = []
+        for epoch in range(1, epochs + 1):
+            memory.reset_peak_memory_stats(device)
+            total = self._c.epoch_begin(xa, ya, *self.normalize)
+            bar = make_bar(total, f"epoch {epoch}/{epochs}", progress)
+            chunk = max(1, total // 200)
+            samples, loss_sum = 0, 0.0
+            start = time.perf_counter()
+            try:
+                done = False
+                while not done:
+                    steps, n, loss, done = self._c.epoch_run(chunk)
+                    samples += n
+                    loss_sum += loss
+                    if bar is not None:
+                        bar.set_postfix_str(f"loss {loss_sum / max(samples, 1):.4f}")
+                        bar.update(steps)
+            finally:
+                if bar is not None:
+                    bar.close()
+            seconds = time.perf_counter() - start
+            record: Dict[str, Any] = {
+                "epoch": epoch,
+                "loss": loss_sum / samples,
+                "val_loss": None,
+                "val_accuracy": None,
+                "seconds": seconds,
+                "samples_per_second": samples / seconds if seconds > 0 else float("inf"),
+                "peak_memory_bytes": memory.max_memory_allocated(device),
+                "microbatch_size": self.microbatch_size,
+                "skipped_steps": 0,
+            }
+            if val is not None:
+                loss_sum, correct = self.model._c.evaluate(val[0], val[1], *self.normalize, 1000)
+                record["val_loss"] = loss_sum / val[0].shape[0]
+                record["val_accuracy"] = correct / val[0].shape[0]
+            history.append(record)
+        return history

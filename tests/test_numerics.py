@@ -1,0 +1,212 @@
+"""cmlp's forward, loss and gradients against the float64 NumPy reference (tests/reference.py).
+
+Tolerances: logits, loss and every gradient tensor within 1e-5 norm-wise relative error of the
+reference. Inputs are drawn so that no ReLU pre-activation lies within 1e-4 of zero, so float32
+rounding cannot flip a ReLU and the comparison measures rounding only.
+"""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from reference import RefMLP, draw_batch, layer_names, rel_err  # noqa: E402
+
+import cmlp  # noqa: E402
+
+DEVICE = os.environ.get("CMLP_TEST_DEVICE", "cpu")
+TOL = 1e-5
+MARGIN = 1e-4
+CONFIGS = [[784, 512, 256, 10], [5, 3], [7, 16, 16, 16, 4], [1, 1]]
+BATCHES = [1, 3, 32]
+
+
+def sizes_id(sizes):
+    return "-".join(map(str, sizes))
+
+
+def make_case(sizes, n, seed=0):
+    """A cmlp model, the reference holding the same parameters, and a batch (x, y)."""
+    model = cmlp.MLP(sizes, device=DEVICE, seed=seed)
+    ref = RefMLP(sizes, model.state_dict())
+    x, y = draw_batch(ref, np.random.default_rng(100 + seed), n, MARGIN)
+    return model, ref, x, y
+
+
+def assert_loss_close(loss, expected):
+    assert isinstance(loss, float)
+    assert abs(loss - expected) <= TOL * abs(expected) + 1e-7, (loss, expected)
+
+
+def assert_grads_close(grads, expected, tol=TOL):
+    assert sorted(grads) == sorted(expected)
+    for name, g in grads.items():
+        assert g.dtype == np.float32, name
+        assert g.shape == expected[name].shape, name
+        err = rel_err(g, expected[name])
+        assert err < tol, "%s: relative error %.3g" % (name, err)
+
+
+@pytest.mark.parametrize("sizes", CONFIGS, ids=sizes_id)
+def test_state_dict_layout(sizes):
+    model = cmlp.MLP(sizes, device=DEVICE, seed=0)
+    sd = model.state_dict()
+    assert list(sd) == layer_names(len(sizes) - 1)
+    for i in range(len(sizes) - 1):
+        w, b = sd["fc%d.weight" % (i + 1)], sd["fc%d.bias" % (i + 1)]
+        assert w.shape == (sizes[i + 1], sizes[i]) and b.shape == (sizes[i + 1],)
+        assert w.dtype == np.float32 and b.dtype == np.float32
+    assert tuple(model.layer_sizes) == tuple(sizes)
+    assert model.num_parameters() == sum(v.size for v in sd.values())
+
+
+@pytest.mark.parametrize("n", BATCHES)
+@pytest.mark.parametrize("sizes", CONFIGS, ids=sizes_id)
+def test_forward(sizes, n):
+    model, ref, x, _ = make_case(sizes, n)
+    logits = model(x)
+    assert isinstance(logits, np.ndarray)
+    assert logits.dtype == np.float32 and logits.shape == (n, sizes[-1])
+    err = rel_err(logits, ref.forward(x))
+    assert err < TOL, err
+    np.testing.assert_array_equal(model.forward(x), logits)
+
+
+@pytest.mark.parametrize("n", BATCHES)
+@pytest.mark.parametrize("sizes", CONFIGS, ids=sizes_id)
+def test_forward_backward(sizes, n):
+    model, ref, x, y = make_case(sizes, n)
+    model.zero_grad()
+    loss = model.forward_backward(x, y)
+    ref_loss, ref_grads = ref.loss_and_grads(x, y)
+    assert_loss_close(loss, ref_loss)
+    assert_grads_close(model.grads(), ref_grads)
+    assert list(model.grads()) == list(model.state_dict())
+
+
+@pytest.mark.parametrize("scale", [8.0, 0.1, 1024.0])
+def test_loss_scale_multiplies_gradients(scale):
+    model, ref, x, y = make_case([7, 16, 16, 16, 4], 32, seed=1)
+    model.zero_grad()
+    loss = model.forward_backward(x, y, loss_scale=scale)
+    ref_loss, ref_grads = ref.loss_and_grads(x, y, loss_scale=scale)
+    assert_loss_close(loss, ref_loss)  # the returned loss is unscaled
+    assert_grads_close(model.grads(), ref_grads)
+
+
+def test_gradients_add_across_calls_and_zero_grad_clears():
+    sizes = [7, 16, 16, 16, 4]
+    model, ref, x1, y1 = make_case(sizes, 32, seed=2)
+    x2, y2 = draw_batch(ref, np.random.default_rng(7), 5, MARGIN)
+    _, g1 = ref.loss_and_grads(x1, y1)
+    _, g2 = ref.loss_and_grads(x2, y2, loss_scale=0.5)
+
+    model.zero_grad()
+    model.forward_backward(x1, y1)
+    model.forward_backward(x2, y2, loss_scale=0.5)
+    assert_grads_close(model.grads(), {k: g1[k] + g2[k] for k in g1})
+
+    model.zero_grad()
+    for name, g in model.grads().items():
+        assert not g.any(), name
+    model.forward_backward(x2, y2, loss_scale=0.5)
+    assert_grads_close(model.grads(), g2)
+
+
+def test_grads_returns_copies():
+    model, _, x, y = make_case([5, 3], 4)
+    model.zero_grad()
+    model.forward_backward(x, y)
+    before = model.grads()
+    mutated = model.grads()
+    for g in mutated.values():
+        g[...] = 123.0
+    for name, g in model.grads().items():
+        np.testing.assert_array_equal(g, before[name])
+
+
+@pytest.mark.parametrize("label_smoothing", [0.1, 0.3])
+@pytest.mark.parametrize("sizes", [[784, 512, 256, 10], [7, 16, 16, 16, 4]], ids=sizes_id)
+def test_label_smoothing(sizes, label_smoothing):
+    model, ref, x, y = make_case(sizes, 32, seed=3)
+    model.zero_grad()
+    loss = model.forward_backward(x, y, label_smoothing=label_smoothing)
+    ref_loss, ref_grads = ref.loss_and_grads(x, y, label_smoothing=label_smoothing)
+    assert_loss_close(loss, ref_loss)
+    assert_grads_close(model.grads(), ref_grads)
+
+
+def test_finite_differences_of_cmlp_itself():
+    """cmlp's analytic gradient against central differences of cmlp's own float32 loss.
+
+    h = 1e-2 keeps float32 rounding of the loss (~1e-7) small against 2h; inputs keep every
+    ReLU at least 0.2 from its kink, and coordinates whose +-h step would still change a ReLU
+    (checked with the reference) are skipped. Coordinates are chosen among the larger gradient
+    entries so that the difference quotient is not dominated by rounding.
+    """
+    sizes, h = [4, 6, 5, 3], 1e-2
+    model = cmlp.MLP(sizes, device=DEVICE, seed=4)
+    ref = RefMLP(sizes, model.state_dict())
+    x, y = draw_batch(ref, np.random.default_rng(5), 8, margin=0.2)
+    base = model.state_dict()
+    model.zero_grad()
+    model.forward_backward(x, y)
+    grads = model.grads()
+
+    def cmlp_loss(params):
+        model.load_state_dict(params)
+        model.zero_grad()
+        return model.forward_backward(x, y)
+
+    def relu_pattern(params):
+        return [z > 0 for z in RefMLP(sizes, params).preactivations(x)]
+
+    rng = np.random.default_rng(6)
+    pattern = relu_pattern(base)
+    checked = 0
+    for name in ref.names:
+        g = grads[name]
+        candidates = np.argwhere(np.abs(g) >= 0.1 * np.abs(g).max())
+        for idx in candidates[rng.permutation(len(candidates))[:3]]:
+            idx = tuple(idx)
+            plus = {k: v.copy() for k, v in base.items()}
+            minus = {k: v.copy() for k, v in base.items()}
+            plus[name][idx] += np.float32(h)
+            minus[name][idx] -= np.float32(h)
+            if any((a != b).any() for p in (plus, minus)
+                   for a, b in zip(relu_pattern(p), pattern)):
+                continue
+            step = float(plus[name][idx]) - float(minus[name][idx])
+            fd = (cmlp_loss(plus) - cmlp_loss(minus)) / step
+            assert abs(fd - g[idx]) <= 2e-2 * abs(g[idx]), (name, idx, fd, g[idx])
+            checked += 1
+    model.load_state_dict(base)
+    assert checked >= 2 * len(ref.names)
+
+
+@pytest.mark.parametrize("sizes", [[784, 512, 256, 10], [7, 16, 16, 16, 4]], ids=sizes_id)
+def test_predict_is_int64_argmax(sizes):
+    model, _, x, _ = make_case(sizes, 50, seed=5)
+    labels = model.predict(x)
+    assert isinstance(labels, np.ndarray)
+    assert labels.dtype == np.int64 and labels.shape == (50,)
+    np.testing.assert_array_equal(labels, np.argmax(model(x), axis=1))
+
+
+@pytest.mark.parametrize("sizes", [[784, 512, 256, 10], [7, 16, 16, 16, 4]], ids=sizes_id)
+def test_evaluate(sizes):
+    """Loss is the mean over all samples (not a mean of per-chunk means); accuracy a fraction."""
+    model, ref, x, y = make_case(sizes, 100, seed=6)
+    # labels the model gets right now and then, so accuracy is not trivially 0
+    y[::3] = np.argmax(ref.forward(x[::3]), axis=1)
+    expected = ref.evaluate(x, y)
+    top2 = np.sort(ref.forward(x), axis=1)[:, -2:]
+    ambiguous = int(np.sum(top2[:, 1] - top2[:, 0] < 1e-4))
+    for batch_size in (32, 1000):
+        out = model.evaluate(x, y, batch_size=batch_size)
+        assert out["loss"] == pytest.approx(expected["loss"], rel=TOL)
+        assert abs(out["accuracy"] - expected["accuracy"]) <= ambiguous / len(y)
+        assert out["accuracy"] == pytest.approx(np.mean(model.predict(x) == y), abs=1e-12)
+    assert 0.3 < expected["accuracy"] < 1.0

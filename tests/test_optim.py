@@ -1,0 +1,221 @@
+"""cmlp.optim.Adam and SGD against the float64 reference optimizers (tests/reference.py).
+
+20-step trajectories from identical parameters, a different batch each step: every parameter
+tensor must end within 1e-5 norm-wise relative error of the reference, and its displacement
+from the start (the sum of the updates, which is what a wrong update rule changes most)
+within 1e-4 of the reference displacement's norm plus 1e-6 of the parameter's norm (float32
+storage rounding).
+"""
+
+import copy
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from reference import RefAdam, RefMLP, RefSGD, draw_batch, rel_err  # noqa: E402
+
+import cmlp  # noqa: E402
+
+DEVICE = os.environ.get("CMLP_TEST_DEVICE", "cpu")
+SIZES = [20, 32, 16, 5]
+BATCH = 16
+STEPS = 20
+MARGIN = 1e-4
+
+ADAM_CASES = [
+    {},
+    {"weight_decay": 0.01},
+    {"betas": (0.8, 0.99), "eps": 1e-6},
+    {"lr": 3e-3, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.01},
+]
+SGD_CASES = [
+    {},
+    {"lr": 0.05},
+    {"lr": 0.02, "momentum": 0.9},
+    {"lr": 0.02, "momentum": 0.9, "dampening": 0.1},
+    {"lr": 0.02, "momentum": 0.9, "nesterov": True},
+    {"lr": 0.05, "weight_decay": 1e-3},
+    {"lr": 0.02, "momentum": 0.9, "weight_decay": 1e-3},
+]
+
+
+def case_id(kwargs):
+    return ",".join("%s=%s" % kv for kv in sorted(kwargs.items())) or "defaults"
+
+
+def has_tiny_entries(grads, params, weight_decay):
+    """True if some effective gradient entry is nonzero but below 1e-7: there Adam's update
+    g / (|g| + eps) turns float32 rounding into an O(lr) difference (exact zeros, from ReLUs
+    dead for the whole batch, are zero in float32 too)."""
+    for k, g in grads.items():
+        g = g + weight_decay * params[k]
+        if ((g != 0) & (np.abs(g) < 1e-7)).any():
+            return True
+    return False
+
+
+def reference_trajectory(params, ref_opt, steps, seed, guard_tiny=False):
+    """Runs the float64 reference; returns the batches it used and its final parameters.
+
+    Each batch keeps every ReLU pre-activation at least MARGIN from zero under the reference's
+    parameters at that step, so float32 and float64 runs take the same ReLU branches."""
+    ref = RefMLP(SIZES, params)
+    rng = np.random.default_rng(seed)
+    wd = getattr(ref_opt, "weight_decay", 0.0)
+    batches = []
+    for _ in range(steps):
+        for _ in range(100):
+            x, y = draw_batch(ref, rng, BATCH, MARGIN)
+            _, grads = ref.loss_and_grads(x, y)
+            if not (guard_tiny and has_tiny_entries(grads, ref.params, wd)):
+                break
+        else:
+            raise RuntimeError("no well-conditioned batch found")
+        batches.append((x, y))
+        ref_opt.step(ref.params, grads)
+    return batches, ref.params
+
+
+def cmlp_step(model, opt, x, y):
+    opt.zero_grad()
+    model.forward_backward(x, y)
+    opt.step()
+
+
+def assert_params_close(model, expected, start, tol=1e-5, disp_tol=1e-4):
+    final = model.state_dict()
+    for name, p in final.items():
+        assert p.dtype == np.float32, name
+        err = rel_err(p, expected[name])
+        assert err < tol, "%s: relative error %.3g" % (name, err)
+        # float32 storage rounds the parameters at every step (~1e-7 relative over 20 steps),
+        # which the displacement's error budget allows for in its second term
+        moved = expected[name] - start[name]
+        budget = disp_tol * np.linalg.norm(moved) + 1e-6 * np.linalg.norm(expected[name])
+        diff = np.linalg.norm(p.astype(np.float64) - start[name] - moved)
+        assert diff <= budget, "%s: displacement off by %.3g, allowed %.3g" % (name, diff, budget)
+
+
+def run_against_reference(make_opt, ref_opt, seed, guard_tiny):
+    model = cmlp.MLP(SIZES, device=DEVICE, seed=seed)
+    start = {k: v.astype(np.float64) for k, v in model.state_dict().items()}
+    batches, expected = reference_trajectory(start, ref_opt, STEPS, seed + 1000, guard_tiny)
+    opt = make_opt(model)
+    for x, y in batches:
+        cmlp_step(model, opt, x, y)
+    # The run must move the parameters well beyond the tolerances, or it proves nothing.
+    for name in start:
+        assert rel_err(expected[name], start[name]) > 1e-3, name
+    assert_params_close(model, expected, start)
+
+
+# ---- trajectories --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs", ADAM_CASES, ids=case_id)
+def test_adam_trajectory(kwargs):
+    run_against_reference(lambda m: cmlp.optim.Adam(m, **kwargs), RefAdam(**kwargs),
+                          seed=1, guard_tiny=True)
+
+
+@pytest.mark.parametrize("kwargs", SGD_CASES, ids=case_id)
+def test_sgd_trajectory(kwargs):
+    run_against_reference(lambda m: cmlp.optim.SGD(m, **kwargs), RefSGD(**kwargs),
+                          seed=2, guard_tiny=False)
+
+
+# ---- validation ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs", [
+    {"lr": -1e-3}, {"eps": -1e-8}, {"betas": (1.0, 0.999)}, {"betas": (-0.1, 0.999)},
+    {"betas": (0.9, 1.0)}, {"betas": (0.9, 1.5)}, {"weight_decay": -0.01},
+], ids=case_id)
+def test_adam_rejects_invalid_hyperparameters(kwargs):
+    model = cmlp.MLP(SIZES, device=DEVICE, seed=0)
+    with pytest.raises(ValueError):
+        cmlp.optim.Adam(model, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"lr": -0.1}, {"nesterov": True}, {"nesterov": True, "momentum": 0.9, "dampening": 0.1},
+    {"momentum": -0.5}, {"weight_decay": -1e-3},
+], ids=case_id)
+def test_sgd_rejects_invalid_hyperparameters(kwargs):
+    model = cmlp.MLP(SIZES, device=DEVICE, seed=0)
+    with pytest.raises(ValueError):
+        cmlp.optim.SGD(model, **kwargs)
+
+
+def test_boundary_hyperparameters_are_accepted():
+    model = cmlp.MLP(SIZES, device=DEVICE, seed=0)
+    cmlp.optim.Adam(model, lr=0.0, betas=(0.0, 0.0), eps=0.0, weight_decay=0.0)
+    cmlp.optim.SGD(model, lr=0.0, momentum=0.9, nesterov=True)
+
+
+# ---- learning rate -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["adam", "sgd"])
+def test_lr_is_readable_and_writable(kind):
+    if kind == "adam":
+        lr0, lr1 = 1e-3, 5e-3
+        make_opt, ref_opt = (lambda m: cmlp.optim.Adam(m, lr=lr0)), RefAdam(lr=lr0)
+    else:
+        lr0, lr1 = 0.02, 0.1
+        make_opt = lambda m: cmlp.optim.SGD(m, lr=lr0, momentum=0.9)  # noqa: E731
+        ref_opt = RefSGD(lr=lr0, momentum=0.9)
+    model = cmlp.MLP(SIZES, device=DEVICE, seed=3)
+    start = {k: v.astype(np.float64) for k, v in model.state_dict().items()}
+    opt = make_opt(model)
+    assert opt.lr == pytest.approx(lr0, rel=1e-12)
+
+    ref = RefMLP(SIZES, start)
+    rng = np.random.default_rng(4)
+    for step in range(6):
+        if step == 3:
+            opt.lr = lr1
+            ref_opt.lr = lr1
+            assert opt.lr == pytest.approx(lr1, rel=1e-12)
+        x, y = draw_batch(ref, rng, BATCH, MARGIN)
+        _, grads = ref.loss_and_grads(x, y)
+        ref_opt.step(ref.params, grads)
+        cmlp_step(model, opt, x, y)
+    assert_params_close(model, ref.params, start)
+
+
+# ---- optimizer state round trip ------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["adam", "sgd"])
+def test_state_dict_round_trip_continues_bitwise(kind):
+    if kind == "adam":
+        def make_opt(m):
+            return cmlp.optim.Adam(m, lr=2e-3, betas=(0.8, 0.99), weight_decay=0.01)
+    else:
+        def make_opt(m):
+            return cmlp.optim.SGD(m, lr=0.02, momentum=0.9, dampening=0.1, weight_decay=1e-3)
+    rng = np.random.default_rng(5)
+    batches = [(rng.standard_normal((BATCH, SIZES[0])).astype(np.float32),
+                rng.integers(0, SIZES[-1], BATCH).astype(np.int64)) for _ in range(10)]
+
+    a = cmlp.MLP(SIZES, device=DEVICE, seed=6)
+    opt_a = make_opt(a)
+    for x, y in batches[:5]:
+        cmlp_step(a, opt_a, x, y)
+
+    b = cmlp.MLP(SIZES, device=DEVICE, seed=7)
+    b.load_state_dict(a.state_dict())
+    opt_b = make_opt(b)
+    opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))
+    # same weights, fresh optimizer state: shows that the state matters
+    c = cmlp.MLP(SIZES, device=DEVICE, seed=7)
+    c.load_state_dict(a.state_dict())
+    opt_c = make_opt(c)
+
+    for x, y in batches[5:]:
+        for model, opt in ((a, opt_a), (b, opt_b), (c, opt_c)):
+            cmlp_step(model, opt, x, y)
+    pa, pb, pc = a.state_dict(), b.state_dict(), c.state_dict()
+    for name in pa:
+        np.testing.assert_array_equal(pb[name], pa[name], err_msg=name)
+    assert any(rel_err(pc[name], pa[name]) > 1e-5 for name in pa)
