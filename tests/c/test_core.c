@@ -1,0 +1,351 @@
+/* test_core.c - unit tests of the C core through its public header, built with
+ * AddressSanitizer and UndefinedBehaviorSanitizer: status codes and messages, the allocator's
+ * statistics and limit, gradients against finite differences (double), exact accumulation,
+ * optimizer rules, determinism. Exits non-zero when any check fails.
+ */
+#include "cmlp.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int passed, failed;
+
+#define CHECK(cond, ...)                                          \
+    do {                                                          \
+        if (cond) {                                               \
+            passed++;                                             \
+        } else {                                                  \
+            failed++;                                             \
+            printf("FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
+            printf(__VA_ARGS__);                                  \
+            printf("\n");                                         \
+        }                                                         \
+    } while (0)
+
+#define OK(expr) CHECK((expr) == CMLP_OK, "%s", cmlp_last_error())
+
+static int64_t allocated_now(void) {
+    cmlp_memory_stats s;
+    if (cmlp_memory_stats_get(cmlp_cpu(), &s) != CMLP_OK) return -1;
+    return s.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].current;
+}
+
+static float frand(unsigned *state) {
+    *state = *state * 1664525u + 1013904223u;
+    return (float)((*state >> 8) & 0xFFFF) / 65536.0f * 2.0f - 1.0f;
+}
+
+static void test_status_and_devices(void) {
+    cmlp_device d;
+    OK(cmlp_device_parse("cpu", &d));
+    CHECK(d.type == CMLP_DEVICE_CPU && d.index == 0, "cpu parsed as %d:%d", d.type, d.index);
+    CHECK(cmlp_device_parse("gpu", &d) == CMLP_ERR_INVALID, "gpu accepted");
+    CHECK(strstr(cmlp_last_error(), "unknown device") != NULL, "message: %s", cmlp_last_error());
+    CHECK(cmlp_device_parse("cuda:x", &d) == CMLP_ERR_INVALID, "cuda:x accepted");
+    CHECK(cmlp_device_parse(NULL, &d) == CMLP_ERR_INVALID, "NULL accepted");
+    cmlp_status s = cmlp_device_parse("cuda", &d);
+    CHECK(cmlp_cuda_compiled() ? (s == CMLP_OK || s == CMLP_ERR_DEVICE) : s == CMLP_ERR_DEVICE,
+          "cuda gave %s", cmlp_status_name(s));
+    CHECK(strcmp(cmlp_status_name(CMLP_ERR_OOM), "CMLP_ERR_OOM") == 0, "status name");
+    cmlp_model_free(NULL);
+    cmlp_optim_free(NULL);
+    cmlp_trainer_free(NULL);
+}
+
+static void test_bad_models(void) {
+    cmlp_model *m = (cmlp_model *)0x1;
+    int one[] = {5};
+    int zero[] = {5, 0, 3};
+    int neg[] = {5, -2, 3};
+    CHECK(cmlp_model_init(&m, one, 1, cmlp_cpu(), 0) == CMLP_ERR_INVALID && m == NULL, "1 size accepted");
+    CHECK(cmlp_model_init(&m, zero, 3, cmlp_cpu(), 0) == CMLP_ERR_INVALID, "size 0 accepted");
+    CHECK(strstr(cmlp_last_error(), "layer_sizes[1]") != NULL, "message: %s", cmlp_last_error());
+    CHECK(cmlp_model_init(&m, neg, 3, cmlp_cpu(), 0) == CMLP_ERR_INVALID, "negative size accepted");
+    CHECK(cmlp_model_init(&m, NULL, 3, cmlp_cpu(), 0) == CMLP_ERR_INVALID, "NULL sizes accepted");
+}
+
+/* Loss of the model on (x, y) in double from the float parameters, for finite differences. */
+static double loss_double(const int *sizes, int L, const float *p, const int64_t *woff, const int64_t *boff,
+                          const float *x, const int32_t *y, int n) {
+    double total = 0.0;
+    double a[64], z[64];
+    for (int r = 0; r < n; r++) {
+        for (int i = 0; i < sizes[0]; i++) a[i] = x[r * sizes[0] + i];
+        for (int l = 0; l < L; l++) {
+            for (int o = 0; o < sizes[l + 1]; o++) {
+                double s = p[boff[l] + o];
+                for (int i = 0; i < sizes[l]; i++) s += (double)p[woff[l] + (int64_t)o * sizes[l] + i] * a[i];
+                z[o] = (l + 1 < L && s < 0) ? 0.0 : s;
+            }
+            memcpy(a, z, sizeof(double) * (size_t)sizes[l + 1]);
+        }
+        int C = sizes[L];
+        double mx = a[0], sum = 0.0;
+        for (int c = 1; c < C; c++) mx = a[c] > mx ? a[c] : mx;
+        for (int c = 0; c < C; c++) sum += exp(a[c] - mx);
+        total += mx + log(sum) - a[y[r]];
+    }
+    return total / n;
+}
+
+static void test_gradients(void) {
+    int sizes[] = {6, 9, 7, 4};
+    const int L = 3, n = 5;
+    cmlp_model *m;
+    OK(cmlp_model_init(&m, sizes, 4, cmlp_cpu(), 42));
+    if (!m) return;
+    int64_t np_ = cmlp_model_num_parameters(m);
+    CHECK(np_ == 6 * 9 + 9 + 9 * 7 + 7 + 7 * 4 + 4, "num_parameters %lld", (long long)np_);
+    int64_t woff[3], boff[3];
+    for (int l = 0; l < L; l++) {
+        woff[l] = cmlp_model_weight_offset(m, l);
+        boff[l] = cmlp_model_bias_offset(m, l);
+    }
+    float x[5 * 6];
+    int32_t y[5] = {0, 3, 1, 2, 3};
+    unsigned rs = 7;
+    for (int i = 0; i < n * 6; i++) x[i] = frand(&rs);
+    cmlp_data d = {.x = x, .x_dtype = CMLP_DTYPE_F32, .y = y, .n = n};
+    double loss_sum = 0.0;
+    OK(cmlp_model_zero_grad(m));
+    OK(cmlp_model_forward_backward(m, &d, 1.0f / n, 0.0f, &loss_sum));
+    float *p = malloc(sizeof(float) * (size_t)np_), *g = malloc(sizeof(float) * (size_t)np_);
+    OK(cmlp_model_get_params(m, p));
+    OK(cmlp_model_get_grads(m, g));
+    double ref = loss_double(sizes, L, p, woff, boff, x, y, n);
+    CHECK(fabs(loss_sum / n - ref) < 1e-5, "loss %g vs %g", loss_sum / n, ref);
+    /* central differences in double on every parameter (the net is tiny) */
+    double err = 0.0, norm = 0.0;
+    for (int64_t i = 0; i < np_; i++) {
+        /* the step actually taken in float, so rounding of p + h does not bias the quotient */
+        float keep = p[i], hi = keep + 1e-4f, lo = keep - 1e-4f;
+        p[i] = hi;
+        double up = loss_double(sizes, L, p, woff, boff, x, y, n);
+        p[i] = lo;
+        double dn = loss_double(sizes, L, p, woff, boff, x, y, n);
+        p[i] = keep;
+        double fd = (up - dn) / ((double)hi - (double)lo);
+        err += (fd - g[i]) * (fd - g[i]);
+        norm += fd * fd;
+    }
+    CHECK(sqrt(err / norm) < 1e-3, "finite-difference relative error %g", sqrt(err / norm));
+    /* logits from forward equal what forward_backward used: loss again via evaluate */
+    double eloss = 0.0;
+    int64_t correct = -1;
+    OK(cmlp_model_evaluate(m, &d, 2, &eloss, &correct));
+    CHECK(fabs(eloss - loss_sum) < 1e-4, "evaluate loss %g vs %g", eloss, loss_sum);
+    CHECK(correct >= 0 && correct <= n, "correct %lld", (long long)correct);
+    /* bad inputs change nothing */
+    int32_t bad_y[5] = {0, 4, 1, 2, 3};
+    cmlp_data bd = d;
+    bd.y = bad_y;
+    CHECK(cmlp_model_forward_backward(m, &bd, 1.0f, 0.0f, &loss_sum) == CMLP_ERR_INVALID, "label 4 accepted");
+    float nanx[5 * 6];
+    memcpy(nanx, x, sizeof nanx);
+    nanx[13] = NAN;
+    bd = d;
+    bd.x = nanx;
+    CHECK(cmlp_model_forward_backward(m, &bd, 1.0f, 0.0f, &loss_sum) == CMLP_ERR_NONFINITE, "NaN accepted");
+    CHECK(strstr(cmlp_last_error(), "sample 2") != NULL, "message: %s", cmlp_last_error());
+    float *g2 = malloc(sizeof(float) * (size_t)np_);
+    OK(cmlp_model_get_grads(m, g2));
+    CHECK(memcmp(g, g2, sizeof(float) * (size_t)np_) == 0, "a rejected call changed the gradients");
+    free(p);
+    free(g);
+    free(g2);
+    cmlp_model_free(m);
+}
+
+/* One step over 10 samples equals micro-batches of 4 + 4 + 2 and accumulation 2 x 5. */
+static void test_accumulation(void) {
+    int sizes[] = {8, 16, 5};
+    float x[10 * 8];
+    int32_t y[10];
+    unsigned rs = 3;
+    for (int i = 0; i < 80; i++) x[i] = frand(&rs);
+    for (int i = 0; i < 10; i++) y[i] = i % 5;
+    cmlp_data d = {.x = x, .x_dtype = CMLP_DTYPE_F32, .y = y, .n = 10};
+    float *res[3];
+    int64_t micro[3] = {0, 4, 0}, accum[3] = {1, 1, 2}, batch[3] = {10, 10, 5};
+    int64_t np_ = 0;
+    for (int v = 0; v < 3; v++) {
+        cmlp_model *m;
+        cmlp_optim *o;
+        cmlp_trainer *t;
+        OK(cmlp_model_init(&m, sizes, 3, cmlp_cpu(), 1));
+        cmlp_sgd_config sc = cmlp_sgd_defaults();
+        sc.lr = 0.5;
+        OK(cmlp_optim_init_sgd(&o, m, &sc));
+        cmlp_train_config tc = {.batch_size = batch[v], .accumulation_steps = accum[v], .microbatch_size = micro[v]};
+        OK(cmlp_trainer_init(&t, m, o, &tc));
+        double loss;
+        if (v < 2) {
+            OK(cmlp_trainer_step(t, &d, &loss));
+        } else {
+            cmlp_epoch_state st;
+            OK(cmlp_trainer_epoch_begin(t, &d, &st));
+            CHECK(st.total_steps == 1, "total steps %lld", (long long)st.total_steps);
+            OK(cmlp_trainer_epoch_run(t, 0, &st));
+            CHECK(st.done && st.steps == 1 && st.samples == 10, "epoch state %lld %lld", (long long)st.steps,
+                  (long long)st.samples);
+        }
+        np_ = cmlp_model_num_parameters(m);
+        res[v] = malloc(sizeof(float) * (size_t)np_);
+        OK(cmlp_model_get_params(m, res[v]));
+        cmlp_trainer_free(t);
+        cmlp_optim_free(o);
+        cmlp_model_free(m);
+    }
+    for (int v = 1; v < 3; v++) {
+        double e = 0.0, nrm = 0.0;
+        for (int64_t i = 0; i < np_; i++) {
+            e += (res[v][i] - res[0][i]) * (double)(res[v][i] - res[0][i]);
+            nrm += res[0][i] * (double)res[0][i];
+        }
+        CHECK(sqrt(e / nrm) < 1e-6, "variant %d differs by %g", v, sqrt(e / nrm));
+    }
+    for (int v = 0; v < 3; v++) free(res[v]);
+}
+
+/* Adam's first step moves every parameter with a nonzero gradient by lr (sign of -g). */
+static void test_adam_first_step(void) {
+    int sizes[] = {3, 4, 2};
+    cmlp_model *m;
+    cmlp_optim *o;
+    OK(cmlp_model_init(&m, sizes, 3, cmlp_cpu(), 5));
+    cmlp_adam_config ac = cmlp_adam_defaults();
+    ac.lr = 0.01;
+    OK(cmlp_optim_init_adam(&o, m, &ac));
+    int64_t before = allocated_now();
+    float x[6] = {0.5f, -1.0f, 2.0f, 1.0f, 0.25f, -0.5f};
+    int32_t y[2] = {1, 0};
+    cmlp_data d = {.x = x, .x_dtype = CMLP_DTYPE_F32, .y = y, .n = 2};
+    double loss;
+    OK(cmlp_model_forward_backward(m, &d, 0.5f, 0.0f, &loss));
+    int64_t n = cmlp_model_num_parameters(m);
+    float *p0 = malloc(sizeof(float) * (size_t)n), *p1 = malloc(sizeof(float) * (size_t)n),
+          *g = malloc(sizeof(float) * (size_t)n);
+    OK(cmlp_model_get_params(m, p0));
+    OK(cmlp_model_get_grads(m, g));
+    CHECK(cmlp_optim_num_buffers(o) == 0, "state before the first step");
+    OK(cmlp_optim_step(o));
+    CHECK(cmlp_optim_num_buffers(o) == 2 && cmlp_optim_get_step(o) == 1, "state after the first step");
+    CHECK(allocated_now() - before >= 2 * n * 4, "Adam state not from the allocator");
+    OK(cmlp_model_get_params(m, p1));
+    int bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double expect = fabs(g[i]) > 1e-6 ? -0.01 * (g[i] > 0 ? 1 : -1) : 0.0;
+        if (fabs(g[i]) > 1e-6 && fabs((p1[i] - p0[i]) - expect) > 1e-5) bad++;
+    }
+    CHECK(bad == 0, "%d parameters moved by other than lr", bad);
+    cmlp_adam_config badc = ac;
+    badc.beta1 = 1.0;
+    cmlp_optim *o2 = NULL;
+    CHECK(cmlp_optim_init_adam(&o2, m, &badc) == CMLP_ERR_INVALID && o2 == NULL, "beta1 = 1 accepted");
+    cmlp_sgd_config sc = cmlp_sgd_defaults();
+    sc.nesterov = 1;
+    CHECK(cmlp_optim_init_sgd(&o2, m, &sc) == CMLP_ERR_INVALID, "nesterov without momentum accepted");
+    free(p0);
+    free(p1);
+    free(g);
+    cmlp_optim_free(o);
+    cmlp_model_free(m);
+}
+
+static void test_allocator(void) {
+    int64_t base = allocated_now();
+    void *p[200];
+    unsigned rs = 11;
+    size_t total = 0;
+    for (int i = 0; i < 200; i++) {
+        size_t n = 1 + ((unsigned)(frand(&rs) * 1e6f + 1e6f) % 3000000u);
+        OK(cmlp_memory_alloc(cmlp_cpu(), n, &p[i]));
+        total += (n + 511) / 512 * 512;
+        if (p[i]) memset(p[i], i & 0xFF, n);
+    }
+    CHECK(allocated_now() - base == (int64_t)total, "allocated %lld, expected %zu", (long long)(allocated_now() - base),
+          total);
+    for (int i = 0; i < 200; i += 2) OK(cmlp_memory_free(cmlp_cpu(), p[i]));
+    for (int i = 1; i < 200; i += 2) OK(cmlp_memory_free(cmlp_cpu(), p[i]));
+    CHECK(allocated_now() == base, "leak: %lld", (long long)(allocated_now() - base));
+    int dummy;
+    CHECK(cmlp_memory_free(cmlp_cpu(), &dummy) == CMLP_ERR_INVALID, "foreign pointer accepted");
+    void *z = (void *)0x1;
+    OK(cmlp_memory_alloc(cmlp_cpu(), 0, &z));
+    CHECK(z == NULL, "0 bytes gave a pointer");
+    /* the limit: an OOM that says why, counts, and leaves the allocator working */
+    cmlp_memory_stats s;
+    OK(cmlp_memory_stats_get(cmlp_cpu(), &s));
+    int64_t ooms = s.num_ooms;
+    int64_t reserved = s.stat[CMLP_STAT_RESERVED_BYTES][CMLP_POOL_ALL].current;
+    OK(cmlp_memory_set_limit(cmlp_cpu(), reserved + (1 << 20)));
+    void *big = NULL;
+    CHECK(cmlp_memory_alloc(cmlp_cpu(), 4 << 20, &big) == CMLP_ERR_OOM && big == NULL, "limit ignored");
+    CHECK(strstr(cmlp_last_error(), "out of memory") && strstr(cmlp_last_error(), "4.00 MiB"), "message: %s",
+          cmlp_last_error());
+    int sizes[] = {784, 512, 256, 10};
+    cmlp_model *m = NULL;
+    CHECK(cmlp_model_init(&m, sizes, 4, cmlp_cpu(), 0) == CMLP_ERR_OOM && m == NULL, "model under limit");
+    OK(cmlp_memory_stats_get(cmlp_cpu(), &s));
+    CHECK(s.num_ooms == ooms + 2, "num_ooms %lld", (long long)(s.num_ooms - ooms));
+    CHECK(allocated_now() == base, "leak after OOM: %lld", (long long)(allocated_now() - base));
+    OK(cmlp_memory_set_limit(cmlp_cpu(), -1));
+    OK(cmlp_memory_alloc(cmlp_cpu(), 4 << 20, &big));
+    OK(cmlp_memory_free(cmlp_cpu(), big));
+    OK(cmlp_memory_reset_peak(cmlp_cpu()));
+    OK(cmlp_memory_stats_get(cmlp_cpu(), &s));
+    CHECK(s.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].peak == s.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].current,
+          "peak not reset");
+}
+
+static void test_determinism(void) {
+    int sizes[] = {20, 30, 6};
+    float x[64 * 20];
+    int32_t y[64];
+    unsigned rs = 9;
+    for (int i = 0; i < 64 * 20; i++) x[i] = frand(&rs);
+    for (int i = 0; i < 64; i++) y[i] = (i * 7) % 6;
+    cmlp_data d = {.x = x, .x_dtype = CMLP_DTYPE_F32, .y = y, .n = 64};
+    float *out[2];
+    for (int v = 0; v < 2; v++) {
+        cmlp_model *m;
+        cmlp_optim *o;
+        cmlp_trainer *t;
+        OK(cmlp_model_init(&m, sizes, 3, cmlp_cpu(), 3));
+        cmlp_adam_config ac = cmlp_adam_defaults();
+        OK(cmlp_optim_init_adam(&o, m, &ac));
+        cmlp_train_config tc = {.batch_size = 8, .accumulation_steps = 1, .shuffle = 1, .seed = 17};
+        OK(cmlp_trainer_init(&t, m, o, &tc));
+        cmlp_epoch_state st;
+        for (int e = 0; e < 2; e++) {
+            OK(cmlp_trainer_epoch_begin(t, &d, &st));
+            while (!st.done) OK(cmlp_trainer_epoch_run(t, 3, &st));
+            CHECK(st.steps == 8 && st.samples == 64, "epoch %lld steps", (long long)st.steps);
+        }
+        out[v] = malloc(sizeof(float) * (size_t)cmlp_model_num_parameters(m));
+        OK(cmlp_model_get_params(m, out[v]));
+        int64_t n = cmlp_model_num_parameters(m);
+        cmlp_trainer_free(t);
+        cmlp_optim_free(o);
+        cmlp_model_free(m);
+        if (v == 1) CHECK(memcmp(out[0], out[1], sizeof(float) * (size_t)n) == 0, "same seed, different weights");
+    }
+    free(out[0]);
+    free(out[1]);
+}
+
+int main(void) {
+    int64_t base = allocated_now();
+    test_status_and_devices();
+    test_bad_models();
+    test_gradients();
+    test_accumulation();
+    test_adam_first_step();
+    test_allocator();
+    test_determinism();
+    CHECK(allocated_now() == base, "bytes left allocated: %lld", (long long)(allocated_now() - base));
+    printf("%d passed, %d failed\n", passed, failed);
+    return failed ? 1 : 0;
+}
