@@ -72,4 +72,5 @@ ext = Extension(
     depends=sorted(glob.glob("csrc/*.h")),
 )
 
-setup(ext_modules=[ext])
+setup(ext_modules=[ext], package_dir={"": "python"}, packages=["cmlp"],
+      package_data={"cmlp": ["py.typed", "*.pyi"]})
