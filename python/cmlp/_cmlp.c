@@ -407,9 +407,9 @@ static int Optim_init(OptimObject *self, PyObject *args, PyObject *kw) {
     const char *kind;
     cmlp_adam_config ac = cmlp_adam_defaults();
     cmlp_sgd_config sc = cmlp_sgd_defaults();
-    double lr = -1.0, wd = 0.0;
+    double lr, wd = 0.0;
     int nesterov = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "Os|dddddddp", kwlist, &model, &kind, &lr, &ac.beta1, &ac.beta2,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "Osd|ddddddp", kwlist, &model, &kind, &lr, &ac.beta1, &ac.beta2,
                                      &ac.eps, &wd, &sc.momentum, &sc.dampening, &nesterov))
         return -1;
     PyObject *mod = PyType_GetModule(Py_TYPE(self));
@@ -425,11 +425,11 @@ static int Optim_init(OptimObject *self, PyObject *args, PyObject *kw) {
     ModelObject *mo = (ModelObject *)model;
     cmlp_status st;
     if (strcmp(kind, "adam") == 0) {
-        if (lr >= -0.5) ac.lr = lr;
+        ac.lr = lr;
         ac.weight_decay = wd;
         st = cmlp_optim_init_adam(&self->o, mo->m, &ac);
     } else if (strcmp(kind, "sgd") == 0) {
-        if (lr >= -0.5) sc.lr = lr;
+        sc.lr = lr;
         sc.weight_decay = wd;
         sc.nesterov = nesterov;
         st = cmlp_optim_init_sgd(&self->o, mo->m, &sc);

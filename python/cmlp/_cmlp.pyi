@@ -27,7 +27,7 @@ class Model:
 
 class Optimizer:
     lr: float
-    def __init__(self, model: Model, kind: str, lr: float = ..., beta1: float = ..., beta2: float = ...,
+    def __init__(self, model: Model, kind: str, lr: float, beta1: float = ..., beta2: float = ...,
                  eps: float = ..., weight_decay: float = ..., momentum: float = ..., dampening: float = ...,
                  nesterov: bool = ...) -> None: ...
     def step(self) -> None: ...

@@ -166,7 +166,10 @@ class MLP:
         """Reads a file written by save()."""
         path = os.fspath(path)
         try:
-            with np.load(path, allow_pickle=False) as z:
+            loaded = np.load(path, allow_pickle=False)
+            if not isinstance(loaded, np.lib.npyio.NpzFile):
+                raise ValueError("it holds a single array, not an .npz archive")
+            with loaded as z:
                 arrays = {k: z[k] for k in z.files}
         except FileNotFoundError:
             raise

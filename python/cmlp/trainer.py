@@ -27,7 +27,7 @@ class Trainer:
     def __init__(self, model: MLP, optimizer: Optimizer, batch_size: int = 32, accumulation_steps: int = 1,
                  amp: Optional[str] = None, scaler: Any = None, auto_microbatch: bool = True,
                  recompute: bool = False, shuffle: bool = True, seed: int = 0,
-                 normalize: Tuple[float, float] = (0.5, 0.5), microbatch_size: Optional[int] = None,
+                 normalize: Optional[Tuple[float, float]] = None, microbatch_size: Optional[int] = None,
                  label_smoothing: float = 0.0) -> None:
         if not isinstance(model, MLP):
             raise TypeError(f"model must be a cmlp.MLP, got {type(model).__name__}")
@@ -52,7 +52,8 @@ class Trainer:
         self.amp, self.scaler = amp, scaler
         self.auto_microbatch, self.recompute, self.shuffle = bool(auto_microbatch), bool(recompute), bool(shuffle)
         self.seed = int(seed)
-        self.normalize = as_normalize(normalize)
+        # uint8 images: the model's normalisation unless the trainer is given its own
+        self.normalize = model.normalize if normalize is None else as_normalize(normalize)
         self._c = _cmlp.Trainer(optimizer._c, self.batch_size, self.accumulation_steps, micro, bool(shuffle),
                                 self.seed, label_smoothing)
 
@@ -87,6 +88,8 @@ class Trainer:
             except (TypeError, ValueError):
                 raise TypeError("validation_data must be a pair (x, y)") from None
             val = self._data(vx, vy, "validation")
+            if val[0].dtype == np.float32 and not np.isfinite(val[0]).all():
+                raise ValueError("validation x contains NaN or inf")
         device = self.model.device
         history: List[Dict[str, Any]] = []
         for epoch in range(1, epochs + 1):

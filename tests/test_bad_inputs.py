@@ -1,0 +1,572 @@
+"""Bad input raises the exception API.md names (ValueError or TypeError, with a message that
+names the argument or the problem), loses nothing (parameters, gradients and optimizer state
+are unchanged and the model keeps working), and never crashes the interpreter. The positive
+side: every array layout and dtype API.md allows is accepted, gives the same result as the
+C-contiguous float32 equivalent, and is never modified.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import cmlp
+
+F, H, C = 20, 16, 5
+SIZES = [F, H, C]
+N = 24
+REPO_PYTHON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")
+
+
+def data(n=N, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, F)).astype(np.float32)
+    y = (np.arange(n) % C).astype(np.int64)
+    return x, y
+
+
+class Ctx:
+    """A model that has done one optimizer step (so Adam has state) and holds a gradient."""
+
+    def __init__(self):
+        self.model = cmlp.MLP(SIZES, seed=1)
+        self.opt = cmlp.optim.Adam(self.model, lr=1e-2)
+        self.trainer = cmlp.Trainer(self.model, self.opt, batch_size=8, shuffle=True, seed=0)
+        self.x, self.y = data()
+        self.trainer.step(self.x, self.y)
+        self.model.forward_backward(self.x, self.y)
+
+
+@pytest.fixture
+def ctx():
+    return Ctx()
+
+
+def snapshot(c):
+    opt = c.opt.state_dict()["state"]
+    return (c.model.state_dict(), c.model.grads(),
+            {i: {k: np.array(v, copy=True) for k, v in e.items()} for i, e in opt.items()})
+
+
+def assert_same_state(before, after):
+    params0, grads0, opt0 = before
+    params1, grads1, opt1 = after
+    for k in params0:
+        np.testing.assert_array_equal(params1[k], params0[k], err_msg=f"parameter {k} changed")
+        np.testing.assert_array_equal(grads1[k], grads0[k], err_msg=f"gradient {k} changed")
+    assert opt1.keys() == opt0.keys()
+    for i in opt0:
+        for k in opt0[i]:
+            np.testing.assert_array_equal(opt1[i][k], opt0[i][k], err_msg=f"optimizer state {i}.{k} changed")
+
+
+def assert_still_works(c):
+    logits = c.model(c.x)
+    assert logits.shape == (N, C) and np.isfinite(logits).all()
+    assert np.isfinite(c.model.forward_backward(c.x, c.y))
+    before = c.model.state_dict()
+    assert np.isfinite(c.trainer.step(c.x, c.y))
+    assert any(not np.array_equal(v, before[k]) for k, v in c.model.state_dict().items())
+
+
+def X(shape, dtype=np.float32, fill=0.25):
+    return np.full(shape, fill, dtype=dtype)
+
+
+def with_value(value, dtype=np.float32, row=N - 1, col=F - 1):
+    x, _ = data()
+    x = x.astype(dtype)
+    x[row, col] = value
+    return x
+
+
+def fit(c, x, y, **kw):
+    return c.trainer.fit(x, y, epochs=1, progress=False, **kw)
+
+
+Y = (np.arange(N) % C).astype(np.int64)
+# every entry point that takes x (and y): (name, call(ctx, x, y))
+ENTRY_X = [
+    ("forward", lambda c, x, y: c.model(x)),
+    ("predict", lambda c, x, y: c.model.predict(x)),
+    ("forward_backward", lambda c, x, y: c.model.forward_backward(x, y)),
+    ("evaluate", lambda c, x, y: c.model.evaluate(x, y)),
+    ("trainer.step", lambda c, x, y: c.trainer.step(x, y)),
+    ("trainer.fit", lambda c, x, y: fit(c, x, y)),
+]
+ENTRY_XY = [e for e in ENTRY_X if e[0] not in ("forward", "predict")]
+
+
+def _cases():
+    cases = []
+    add = lambda name, call, exc, match: cases.append(pytest.param(call, exc, match, id=name))  # noqa: E731
+
+    for ep, call in ENTRY_X:
+        add(f"{ep}-features+1", lambda c, f=call: f(c, X((N, F + 1)), Y), ValueError, r"x has 21 features.*expects 20")
+        add(f"{ep}-features-1", lambda c, f=call: f(c, X((N, F - 1)), Y), ValueError, r"x has 19 features.*expects 20")
+        add(f"{ep}-1d", lambda c, f=call: f(c, X((F,)), Y[:1]), ValueError, r"x must be 2-D")
+        add(f"{ep}-3d", lambda c, f=call: f(c, X((N, F, 1)), Y), ValueError, r"x must be 2-D")
+        add(f"{ep}-0d", lambda c, f=call: f(c, np.float32(1.0), Y[:1]), ValueError, r"x must be 2-D")
+        add(f"{ep}-empty", lambda c, f=call: f(c, X((0, F)), Y[:0]), ValueError, r"x is empty")
+        add(f"{ep}-nan", lambda c, f=call: f(c, with_value(np.nan), Y), ValueError, r"NaN or inf")
+        add(f"{ep}-inf", lambda c, f=call: f(c, with_value(np.inf), Y), ValueError, r"NaN or inf")
+        add(f"{ep}-neginf", lambda c, f=call: f(c, with_value(-np.inf, row=0, col=0), Y), ValueError, r"NaN or inf")
+        add(f"{ep}-nan-float64", lambda c, f=call: f(c, with_value(np.nan, np.float64), Y), ValueError, r"NaN or inf")
+        add(f"{ep}-inf-float16", lambda c, f=call: f(c, with_value(np.inf, np.float16), Y), ValueError, r"NaN or inf")
+        for dt in (bool, object, complex, np.int32, np.int8, np.uint16):
+            add(f"{ep}-dtype-{np.dtype(dt).name}", lambda c, f=call, dt=dt: f(c, X((N, F), dt, 0), Y), TypeError,
+                r"x must be a floating-point array or uint8.*dtype")
+        add(f"{ep}-dtype-str", lambda c, f=call: f(c, np.full((N, F), "a"), Y), TypeError, r"x must be .*dtype")
+
+    x0 = data()[0]
+    for ep, call in ENTRY_XY:
+        bad_neg, bad_c = Y.copy(), Y.copy()
+        bad_neg[5], bad_c[7] = -1, C
+        add(f"{ep}-label-negative", lambda c, f=call, y=bad_neg: f(c, x0, y), ValueError,
+            r"y holds label -1, outside \[0, 5\)")
+        add(f"{ep}-label-eq-classes", lambda c, f=call, y=bad_c: f(c, x0, y), ValueError,
+            r"y holds label 5, outside \[0, 5\)")
+        add(f"{ep}-label-float", lambda c, f=call: f(c, x0, Y.astype(np.float32)), TypeError, r"y must hold integer")
+        add(f"{ep}-label-bool", lambda c, f=call: f(c, x0, Y > 2), TypeError, r"y must hold integer")
+        add(f"{ep}-label-count", lambda c, f=call: f(c, x0, Y[:-1]), ValueError, r"y has 23 labels for 24 samples")
+        add(f"{ep}-label-2d", lambda c, f=call: f(c, x0, Y[:, None]), ValueError, r"y must be 1-D")
+
+    for dev in ("gpu", "cuda:x", "cpu:1", "", "CPU", "cuda:-1"):
+        add(f"device-{dev!r}", lambda c, d=dev: cmlp.MLP(SIZES, device=d), ValueError, r"unknown device")
+        add(f"to-{dev!r}", lambda c, d=dev: c.model.to(d), ValueError, r"unknown device")
+        add(f"memory-{dev!r}", lambda c, d=dev: cmlp.memory.memory_allocated(d), ValueError, r"unknown device")
+    add("device-int", lambda c: cmlp.MLP(SIZES, device=3), TypeError, r"device must be a str")
+    add("to-int", lambda c: c.model.to(3), TypeError, r"device must be a str")
+    add("memory-device-int", lambda c: cmlp.memory.memory_allocated(3), TypeError, r"device must be a str")
+
+    for name, sizes, exc in [("empty", [], ValueError), ("one", [784], ValueError), ("zero", [784, 0, 10], ValueError),
+                             ("negative", [784, -1, 10], ValueError), ("float", [784, 2.5, 10], TypeError),
+                             ("bool", [784, True, 10], TypeError), ("str", "784", TypeError),
+                             ("none", None, TypeError), ("int", 784, TypeError)]:
+        add(f"layer_sizes-{name}", lambda c, s=sizes: cmlp.MLP(s), exc, r"layer")
+    add("seed-negative", lambda c: cmlp.MLP(SIZES, seed=-1), ValueError, r"seed")
+
+    Adam, SGD = cmlp.optim.Adam, cmlp.optim.SGD
+    for name, make, exc, match in [
+        ("adam-lr-negative", lambda m: Adam(m, lr=-1e-3), ValueError, r"learning rate"),
+        # BUG: the extension uses lr=-1.0 as its "not given" sentinel (`if (lr >= -0.5)` in
+        # Optim_init), so lr <= -0.5, -inf and NaN are silently replaced by the default lr
+        # (Adam 1e-3, SGD 0.01) instead of raising ValueError.
+        ("adam-lr-nan", lambda m: Adam(m, lr=float("nan")), ValueError, r"learning rate"),
+        ("adam-lr-minus-one", lambda m: Adam(m, lr=-1.0), ValueError, r"learning rate"),
+        ("adam-lr-minus-inf", lambda m: Adam(m, lr=float("-inf")), ValueError, r"learning rate"),
+        ("sgd-lr-nan", lambda m: SGD(m, lr=float("nan")), ValueError, r"learning rate"),
+        ("sgd-lr-minus-one", lambda m: SGD(m, lr=-1.0), ValueError, r"learning rate"),
+        ("adam-lr-inf", lambda m: Adam(m, lr=float("inf")), ValueError, r"learning rate"),
+        ("adam-lr-str", lambda m: Adam(m, lr="0.1"), TypeError, r"lr must be a number"),
+        ("adam-eps-negative", lambda m: Adam(m, eps=-1e-8), ValueError, r"epsilon"),
+        ("adam-beta1-one", lambda m: Adam(m, betas=(1.0, 0.999)), ValueError, r"beta parameter at index 0"),
+        ("adam-beta1-negative", lambda m: Adam(m, betas=(-0.1, 0.999)), ValueError, r"beta parameter at index 0"),
+        ("adam-beta2-one", lambda m: Adam(m, betas=(0.9, 1.0)), ValueError, r"beta parameter at index 1"),
+        ("adam-betas-scalar", lambda m: Adam(m, betas=0.9), TypeError, r"betas"),
+        ("adam-betas-triple", lambda m: Adam(m, betas=(0.9, 0.99, 0.999)), TypeError, r"betas"),
+        ("adam-weight_decay-negative", lambda m: Adam(m, weight_decay=-0.1), ValueError, r"weight_decay"),
+        ("adam-not-a-model", lambda m: Adam(object()), TypeError, r"cmlp.MLP"),
+        ("sgd-lr-negative", lambda m: SGD(m, lr=-0.1), ValueError, r"learning rate"),
+        ("sgd-momentum-negative", lambda m: SGD(m, momentum=-0.9), ValueError, r"momentum"),
+        ("sgd-weight_decay-negative", lambda m: SGD(m, weight_decay=-1.0), ValueError, r"weight_decay"),
+        ("sgd-nesterov-no-momentum", lambda m: SGD(m, nesterov=True), ValueError, r"Nesterov"),
+        ("sgd-nesterov-dampening", lambda m: SGD(m, momentum=0.9, dampening=0.1, nesterov=True), ValueError,
+         r"Nesterov"),
+        ("sgd-dampening-nan", lambda m: SGD(m, dampening=float("nan")), ValueError, r"dampening"),
+    ]:
+        add(name, lambda c, mk=make: mk(c.model), exc, match)
+
+    def set_lr(c, v):
+        c.opt.lr = v
+    add("opt-lr-set-negative", lambda c: set_lr(c, -1.0), ValueError, r"learning rate")
+    add("opt-lr-set-str", lambda c: set_lr(c, "1e-3"), TypeError, r"lr must be a number")
+
+    T = cmlp.Trainer
+    for name, make, exc, match in [
+        ("trainer-batch_size-0", lambda c: T(c.model, c.opt, batch_size=0), ValueError, r"batch_size"),
+        ("trainer-batch_size-negative", lambda c: T(c.model, c.opt, batch_size=-4), ValueError, r"batch_size"),
+        ("trainer-accumulation_steps-0", lambda c: T(c.model, c.opt, accumulation_steps=0), ValueError,
+         r"accumulation_steps"),
+        ("trainer-other-model", lambda c: T(cmlp.MLP(SIZES), c.opt), ValueError, r"another model"),
+        ("trainer-not-optimizer", lambda c: T(c.model, object()), TypeError, r"optimizer"),
+        ("trainer-not-model", lambda c: T(object(), c.opt), TypeError, r"model"),
+        ("trainer-seed-negative", lambda c: T(c.model, c.opt, seed=-1), ValueError, r"seed"),
+        ("trainer-normalize-std-0", lambda c: T(c.model, c.opt, normalize=(0.5, 0.0)), ValueError, r"normalize"),
+        ("trainer-normalize-scalar", lambda c: T(c.model, c.opt, normalize=0.5), TypeError, r"normalize"),
+        ("fit-epochs-0", lambda c: c.trainer.fit(c.x, c.y, epochs=0, progress=False), ValueError, r"epochs"),
+        ("fit-validation-not-pair", lambda c: c.trainer.fit(c.x, c.y, validation_data=c.x[:3], progress=False),
+         TypeError, r"validation_data"),
+        ("fit-validation-features",
+         lambda c: c.trainer.fit(c.x, c.y, validation_data=(X((4, F + 2)), Y[:4]), progress=False),
+         ValueError, r"validation x has 22 features"),
+        ("fit-validation-labels", lambda c: c.trainer.fit(c.x, c.y, validation_data=(c.x, Y + C), progress=False),
+         ValueError, r"validation y holds label"),
+        ("evaluate-batch_size-0", lambda c: c.model.evaluate(c.x, c.y, batch_size=0), ValueError, r"batch_size"),
+        ("forward_backward-loss_scale-nan", lambda c: c.model.forward_backward(c.x, c.y, loss_scale=float("nan")),
+         ValueError, r"loss_scale"),
+        ("forward_backward-amp-unknown", lambda c: c.model.forward_backward(c.x, c.y, amp="fp8"), ValueError, r"amp"),
+        ("load_state_dict-not-mapping", lambda c: c.model.load_state_dict([1, 2]), TypeError, r"state_dict"),
+    ]:
+        add(name, make, exc, match)
+    return cases
+
+
+@pytest.mark.parametrize("call,exc,match", _cases())
+def test_bad_input_raises_and_loses_nothing(ctx, call, exc, match):
+    before = snapshot(ctx)
+    with pytest.raises(exc, match=match):
+        call(ctx)
+    assert_same_state(before, snapshot(ctx))
+    assert_still_works(ctx)
+
+
+@pytest.mark.skipif(cmlp.cuda.is_available(), reason="CUDA is available here")
+@pytest.mark.parametrize("dev", ["cuda", "cuda:0", "cuda:3"])
+def test_cuda_without_gpu_is_runtime_error_saying_why(ctx, dev):
+    with pytest.raises(RuntimeError, match=r"CUDA.*(build|GPU|driver)"):
+        cmlp.MLP(SIZES, device=dev)
+    before = snapshot(ctx)
+    with pytest.raises(RuntimeError, match=r"CUDA"):
+        ctx.model.to(dev)
+    assert ctx.model.device == "cpu"
+    assert_same_state(before, snapshot(ctx))
+    assert_still_works(ctx)
+
+
+def test_nan_in_validation_data_is_rejected_before_training(ctx):
+    # BUG: fit() checks validation_data for NaN/inf only after training the epoch (in the final
+    # evaluate), so the epoch's updates are applied and lost history follows the ValueError; the
+    # message also says "x" instead of "validation x".
+    vx = with_value(np.nan, row=3, col=3)
+    before = snapshot(ctx)
+    with pytest.raises(ValueError, match=r"NaN or inf"):
+        fit(ctx, ctx.x, ctx.y, validation_data=(vx, ctx.y))
+    assert_same_state(before, snapshot(ctx))
+    assert_still_works(ctx)
+
+
+def test_float64_that_overflows_float32_is_rejected(ctx):
+    x = data()[0].astype(np.float64)
+    x[2, 2] = 1e300
+    before = snapshot(ctx)
+    with pytest.raises(ValueError, match=r"NaN or inf"):
+        ctx.model(x)
+    assert_same_state(before, snapshot(ctx))
+
+
+def test_ragged_list_is_value_error(ctx):
+    with pytest.raises(ValueError):
+        ctx.model([[0.0] * F, [0.0] * (F - 1)])
+    assert_still_works(ctx)
+
+
+# ---- model files ----
+
+@pytest.fixture
+def saved(tmp_path):
+    model = cmlp.MLP(SIZES, seed=5)
+    path = tmp_path / "model.npz"
+    model.save(path)
+    return path, model
+
+
+def _arrays(model, **change):
+    arrays = dict(model.state_dict())
+    arrays["__layer_sizes__"] = np.asarray(SIZES, dtype=np.int64)
+    arrays.update(change)
+    return {k: v for k, v in arrays.items() if v is not None}
+
+
+@pytest.mark.parametrize("content,match", [
+    pytest.param(b"", r"not a readable cmlp model file", id="empty-file"),
+    pytest.param(os.urandom(4096), r"not a readable cmlp model file", id="garbage"),
+    pytest.param(b"PK\x03\x04" + os.urandom(4096), r"not a readable cmlp model file", id="garbage-zip-magic"),
+    pytest.param(b"\x93NUMPY" + os.urandom(200), r"model file", id="garbage-npy-magic"),
+])
+def test_load_garbage_is_value_error(tmp_path, content, match):
+    path = tmp_path / "bad.npz"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=match):
+        cmlp.MLP.load(path)
+
+
+@pytest.mark.parametrize("fraction", [0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99])
+def test_load_truncated_is_value_error(saved, fraction):
+    path, _ = saved
+    raw = path.read_bytes()
+    path.write_bytes(raw[:int(len(raw) * fraction)])
+    with pytest.raises(ValueError, match=r"model\.npz"):
+        cmlp.MLP.load(path)
+
+
+@pytest.mark.parametrize("change,match", [
+    pytest.param({"fc2.bias": None}, r"missing keys \['fc2.bias'\]", id="missing-bias"),
+    pytest.param({"fc1.weight": None}, r"missing keys \['fc1.weight'\]", id="missing-weight"),
+    pytest.param({"__layer_sizes__": None}, r"__layer_sizes__", id="missing-sizes"),
+    pytest.param({"fc3.weight": np.zeros((3, 3), np.float32)}, r"unexpected keys \['fc3.weight'\]", id="extra-key"),
+    pytest.param({"fc2.bias": np.zeros(C + 1, np.float32)}, r"fc2.bias.*shape", id="bias-shape"),
+    pytest.param({"fc1.weight": np.zeros((F, H), np.float32)}, r"fc1.weight.*shape", id="weight-transposed"),
+    pytest.param({"__layer_sizes__": np.asarray([F, H + 1, C])}, r"shape", id="sizes-disagree"),
+    pytest.param({"__layer_sizes__": np.asarray([F, -H, C])}, r"layer size", id="sizes-negative"),
+    pytest.param({"__layer_sizes__": np.asarray([[F, H, C]])}, r"1-D integer", id="sizes-2d"),
+    pytest.param({"__layer_sizes__": np.asarray([F, H, C], dtype=np.float64)}, r"1-D integer", id="sizes-float"),
+    pytest.param({"fc1.bias": np.full(H, np.nan, np.float32)}, r"NaN or inf", id="nan-parameter"),
+    pytest.param({"fc1.bias": np.array([None] * H, dtype=object)}, r"model file", id="object-array"),
+])
+def test_load_bad_contents_is_value_error(tmp_path, change, match):
+    model = cmlp.MLP(SIZES, seed=5)
+    path = tmp_path / "bad.npz"
+    np.savez(path, **_arrays(model, **change))
+    with pytest.raises(ValueError, match=match):
+        cmlp.MLP.load(path)
+
+
+def test_load_plain_npy_is_value_error(tmp_path):
+    # BUG: a valid .npy (not .npz) makes np.load return an ndarray, which load() then uses as a
+    # context manager: TypeError "'numpy.ndarray' object does not support the context manager
+    # protocol" instead of a ValueError saying the file is not a cmlp model file.
+    path = tmp_path / "weights.npy"
+    np.save(path, np.zeros(10, np.float32))
+    with pytest.raises(ValueError, match=r"weights\.npy"):
+        cmlp.MLP.load(path)
+
+
+def test_load_missing_file_is_file_not_found(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"nope\.npz"):
+        cmlp.MLP.load(tmp_path / "nope.npz")
+
+
+def test_load_bad_device_is_value_error(saved):
+    path, _ = saved
+    with pytest.raises(ValueError, match=r"unknown device"):
+        cmlp.MLP.load(path, device="gpu")
+
+
+# ---- accepted layouts and dtypes: same results as C-contiguous float32, inputs untouched ----
+
+def run_everything(x, y):
+    """Logits, predictions, evaluate, forward_backward (loss, grads), one trainer step and one
+    shuffled epoch (parameters after each), all from the same fresh model."""
+    out = {}
+    model = cmlp.MLP(SIZES, seed=2)
+    out["logits"] = model(x)
+    out["predict"] = model.predict(x)
+    ev = model.evaluate(x, y, batch_size=7)
+    out["eval_loss"], out["eval_acc"] = np.float64(ev["loss"]), np.float64(ev["accuracy"])
+    out["fb_loss"] = np.float64(model.forward_backward(x, y))
+    for k, v in model.grads().items():
+        out[f"grad.{k}"] = v
+    opt = cmlp.optim.SGD(model, lr=0.1, momentum=0.9)
+    trainer = cmlp.Trainer(model, opt, batch_size=N, shuffle=False)
+    out["step_loss"] = np.float64(trainer.step(x, y))
+    for k, v in model.state_dict().items():
+        out[f"step.{k}"] = v
+    trainer2 = cmlp.Trainer(model, opt, batch_size=5, shuffle=True, seed=3)
+    out["fit_loss"] = np.float64(trainer2.fit(x, y, epochs=1, progress=False)[0]["loss"])
+    for k, v in model.state_dict().items():
+        out[f"fit.{k}"] = v
+    return out
+
+
+def assert_results(got, want, exact=True):
+    assert got.keys() == want.keys()
+    for k in want:
+        if exact or k == "predict":
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+        else:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-5, err_msg=k)
+
+
+def _float_variants():
+    x, _ = data()
+    wide = np.zeros((2 * N, 3 * F), np.float32)
+    wide[::2, ::3] = x
+    ro = x.copy()
+    ro.flags.writeable = False
+    ro64 = x.astype(np.float64)
+    ro64.flags.writeable = False
+    return {
+        "fortran": np.asfortranarray(x),
+        "strided": wide[::2, ::3],
+        "transposed-view": np.ascontiguousarray(x.T).T,
+        "negative-stride": x[::-1].copy()[::-1],
+        "float64": x.astype(np.float64),
+        "float64-fortran": np.asfortranarray(x.astype(np.float64)),
+        "big-endian": x.astype(">f4"),
+        "read-only": ro,
+        "read-only-float64": ro64,
+        "list": x.tolist(),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference_results():
+    x, y = data()
+    return run_everything(x, y)
+
+
+@pytest.mark.parametrize("name", list(_float_variants()))
+def test_float_layouts_match_c_contiguous_float32(name, reference_results):
+    x = _float_variants()[name]
+    y = data()[1]
+    keep = np.array(x, copy=True)
+    got = run_everything(x, y)
+    assert_results(got, reference_results)
+    np.testing.assert_array_equal(np.asarray(x), keep, err_msg="the input was modified")
+    if isinstance(x, np.ndarray):
+        assert x.dtype == keep.dtype
+
+
+def test_float16_matches_its_float32_values():
+    x16 = data()[0].astype(np.float16)
+    y = data()[1]
+    keep = x16.copy()
+    want = run_everything(x16.astype(np.float32), y)
+    assert_results(run_everything(x16, y), want)
+    assert_results(run_everything(np.asfortranarray(x16), y), want)
+    np.testing.assert_array_equal(x16, keep)
+
+
+def _uint8():
+    return np.random.default_rng(4).integers(0, 256, size=(N, F), dtype=np.uint8)
+
+
+@pytest.mark.parametrize("layout", ["c", "fortran", "strided", "read-only"])
+def test_uint8_matches_normalised_float32(layout):
+    u = _uint8()
+    y = data()[1]
+    manual = ((u.astype(np.float32) / 255.0 - 0.5) / 0.5).astype(np.float32)
+    if layout == "fortran":
+        u = np.asfortranarray(u)
+    elif layout == "strided":
+        wide = np.zeros((N, 2 * F), np.uint8)
+        wide[:, 1::2] = u
+        u = wide[:, 1::2]
+    elif layout == "read-only":
+        u.flags.writeable = False
+    keep = u.copy()
+    assert_results(run_everything(u, y), run_everything(manual, y), exact=False)
+    np.testing.assert_array_equal(u, keep)
+
+
+INT_DTYPES = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
+
+
+@pytest.mark.parametrize("dtype", INT_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_labels_of_every_integer_dtype(dtype, reference_results):
+    x, y = data()
+    yd = y.astype(dtype)
+    keep = yd.copy()
+    assert_results(run_everything(x, yd), reference_results)
+    np.testing.assert_array_equal(yd, keep)
+    assert yd.dtype == dtype
+
+
+@pytest.mark.parametrize("kind", ["strided", "read-only", "list", "big-endian"])
+def test_labels_layouts(kind, reference_results):
+    x, y = data()
+    if kind == "strided":
+        wide = np.zeros(2 * N, np.int64)
+        wide[::2] = y
+        yv = wide[::2]
+    elif kind == "read-only":
+        yv = y.copy()
+        yv.flags.writeable = False
+    elif kind == "list":
+        yv = y.tolist()
+    else:
+        yv = y.astype(">i4")
+    keep = np.array(yv, copy=True)
+    assert_results(run_everything(x, yv), reference_results)
+    np.testing.assert_array_equal(np.asarray(yv), keep)
+
+
+def test_outputs_are_new_arrays_owned_by_the_caller():
+    x, y = data()
+    model = cmlp.MLP(SIZES, seed=2)
+    a, b = model(x), model(x)
+    assert a.dtype == np.float32 and a.flags.writeable and a.flags.c_contiguous
+    assert not np.shares_memory(a, b) and not np.shares_memory(a, x)
+    a[...] = 123.0
+    np.testing.assert_array_equal(model(x), b)
+    p = model.predict(x)
+    assert p.dtype == np.int64 and p.shape == (N,)
+    sd = model.state_dict()
+    sd["fc1.weight"][...] = 7.0
+    assert not np.any(model.state_dict()["fc1.weight"] == 7.0)
+
+
+# ---- the interpreter survives a barrage of bad input ----
+
+SURVIVOR = textwrap.dedent(r"""
+    import gc, os, sys
+    import numpy as np
+    import cmlp
+
+    m = cmlp.MLP([20, 16, 5], seed=0)
+    opt = cmlp.optim.Adam(m)
+    t = cmlp.Trainer(m, opt, batch_size=4)
+    x = np.random.default_rng(0).standard_normal((8, 20)).astype(np.float32)
+    y = np.arange(8) % 5
+    p0 = m.state_dict()
+    nan = x.copy(); nan[4, 4] = np.nan
+    bad = [
+        lambda: m(None), lambda: m(object()), lambda: m("x"), lambda: m(3.0), lambda: m([]),
+        lambda: m(np.zeros((8, 21), np.float32)), lambda: m(np.zeros((0, 20), np.float32)),
+        lambda: m(np.zeros((8, 20, 1), np.float32)), lambda: m(np.zeros((8, 20), complex)),
+        lambda: m(np.zeros((8, 20), object)), lambda: m(nan), lambda: m([[0.0] * 20, [0.0] * 3]),
+        lambda: m.forward_backward(x, None), lambda: m.forward_backward(x, y[:3]),
+        lambda: m.forward_backward(x, y + 100), lambda: m.forward_backward(x, -y - 1),
+        lambda: m.forward_backward(x, np.full(8, 2**63 - 1, np.int64)),
+        lambda: m.forward_backward(x, np.full(8, 2**64 - 1, np.uint64)),
+        lambda: m.forward_backward(x, y.astype(float)), lambda: m.forward_backward(nan, y),
+        lambda: m.evaluate(x, y, batch_size=0), lambda: m.evaluate(x, y, batch_size=-5),
+        lambda: t.step(nan, y), lambda: t.step(x, y[:2]), lambda: t.fit(nan, y, progress=False),
+        lambda: t.fit(x, y, epochs=0, progress=False), lambda: t.fit(x, y, epochs=-1, progress=False),
+        lambda: m.load_state_dict({}), lambda: m.load_state_dict({"fc1.weight": np.zeros(3)}),
+        lambda: m.load_state_dict(None), lambda: m.to("gpu"), lambda: m.to(None),
+        lambda: cmlp.MLP([]), lambda: cmlp.MLP([20, 0, 5]), lambda: cmlp.MLP([20, 2**40, 5]),
+        lambda: cmlp.MLP([20, -3]), lambda: cmlp.MLP([20, 2.5, 5]), lambda: cmlp.MLP("20,5"),
+        lambda: cmlp.MLP([20, 5], device=""), lambda: cmlp.MLP([20, 5], device=b"cpu"),
+        lambda: cmlp.optim.Adam(m, lr=-0.01), lambda: cmlp.optim.Adam(m, betas=(2, 2)),
+        lambda: cmlp.optim.SGD(m, nesterov=True), lambda: cmlp.Trainer(m, opt, batch_size=0),
+        lambda: cmlp.Trainer(cmlp.MLP([20, 5]), opt),
+        lambda: cmlp.memory.caching_allocator_delete(12345), lambda: cmlp.memory.caching_allocator_alloc(-5),
+        lambda: cmlp.memory.caching_allocator_alloc("8"), lambda: cmlp.memory.set_memory_limit(-1),
+        lambda: cmlp.memory.set_memory_limit("1GB"), lambda: cmlp.memory.set_per_process_memory_fraction(2.0),
+        lambda: cmlp.memory.set_per_process_memory_fraction(1), lambda: cmlp.memory.memory_stats("tpu"),
+        lambda: cmlp.MLP.load(os.devnull), lambda: opt.load_state_dict({}), lambda: opt.load_state_dict(None),
+    ]
+    unexpected = []
+    for i, call in enumerate(bad):
+        try:
+            call()
+        except (ValueError, TypeError):
+            pass
+        except BaseException as e:  # noqa: BLE001
+            unexpected.append(f"case {i}: {type(e).__name__}: {e}")
+        else:
+            unexpected.append(f"case {i}: no exception")
+        gc.collect()
+    for k, v in m.state_dict().items():
+        if not np.array_equal(v, p0[k]):
+            unexpected.append(f"parameter {k} changed")
+    assert np.isfinite(t.step(x, y)) and np.isfinite(m(x)).all()
+    if unexpected:
+        print("\n".join(unexpected))
+        sys.exit(1)
+    print("survived", len(bad))
+""")
+
+
+def test_interpreter_survives_bad_inputs(tmp_path):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_PYTHON + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", SURVIVOR], capture_output=True, text=True, cwd=tmp_path, env=env,
+                       timeout=120)
+    assert r.returncode == 0, f"rc={r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    assert "survived" in r.stdout

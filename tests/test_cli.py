@@ -1,0 +1,121 @@
+"""The command line, run as users run it: `python -m cmlp info` and `python -m cmlp train`, in a
+fresh interpreter with the repository's python/ directory first on PYTHONPATH and a temporary
+working directory.
+"""
+
+import functools
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import cmlp
+
+REPO_PYTHON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")
+
+
+def run_cli(args, cwd, timeout=120):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_PYTHON + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return subprocess.run([sys.executable, "-m", "cmlp", *args], capture_output=True, text=True, cwd=cwd, env=env,
+                          timeout=timeout)
+
+
+@functools.lru_cache(maxsize=None)
+def have_fashion():
+    try:
+        cmlp.datasets.fashion_mnist()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+needs_fashion = pytest.mark.skipif(not have_fashion(), reason="Fashion-MNIST is not installed")
+
+
+def test_info(tmp_path):
+    r = run_cli(["info"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["version"] == cmlp.__version__
+    assert isinstance(info["blas"], str) and info["blas"]
+    assert "cuda" in info
+    assert info["cuda_available"] == cmlp.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    if not have_fashion():
+        pytest.skip("Fashion-MNIST is not installed")
+    cwd = tmp_path_factory.mktemp("cli")
+    r = run_cli(["train", "--epochs", "1", "--layers", "784,32,10", "--batch-size", "128", "--no-progress",
+                 "--save", "small.npz"], cwd)
+    return r, cwd
+
+
+@needs_fashion
+def test_train_reports_each_epoch(trained):
+    r, _ = trained
+    assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    out = r.stdout
+    assert "epoch 1/1" in out
+    assert "test accuracy" in out
+    assert "samples/s" in out
+    assert "peak memory" in out
+    assert "784-32-10" in out
+    assert r.stderr == "", "--no-progress must not draw a bar"
+    acc = float(re.search(r"epoch 1/1 .*test accuracy ([\d.]+)%", out).group(1))
+    assert 70.0 < acc <= 100.0
+
+
+@needs_fashion
+def test_train_save_writes_a_loadable_model(trained):
+    r, cwd = trained
+    assert r.returncode == 0, r.stderr
+    path = cwd / "small.npz"
+    assert path.is_file()
+    model = cmlp.MLP.load(path)
+    assert model.layer_sizes == (784, 32, 10)
+    _, (xte, yte) = cmlp.datasets.fashion_mnist()
+    printed = float(re.search(r"final test accuracy: ([\d.]+)%", r.stdout).group(1))
+    assert 100 * model.evaluate(xte, yte)["accuracy"] == pytest.approx(printed, abs=0.006)
+    assert [p for p in os.listdir(cwd) if p != "small.npz"] == []
+
+
+@pytest.mark.parametrize("args,pattern", [
+    (["train", "--layers", "784,x"], r"--layers"),
+    (["train", "--layers", "784,0,10", "--epochs", "1"], r"layer"),
+    (["train", "--batch-size", "0", "--layers", "784,10"], r"batch_size"),
+    (["train", "--memory-limit", "lots"], r"lots"),
+    (["train", "--optimizer", "rmsprop"], r"rmsprop"),
+    (["train", "--device", "gpu", "--layers", "784,10"], r"device"),
+    (["frobnicate"], r"frobnicate"),
+    ([], r"command|usage"),
+])
+def test_bad_arguments_exit_nonzero_with_a_message(tmp_path, args, pattern):
+    if "--batch-size" in args or "--device" in args or "784,0,10" in args:
+        if not have_fashion():
+            pytest.skip("these errors come after the data set is loaded")
+    r = run_cli(args, tmp_path)
+    assert r.returncode != 0
+    assert re.search(pattern, r.stderr), r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_train_without_data_says_where_it_looked(tmp_path):
+    r = run_cli(["train", "--dataset", "mnist", "--data-dir", str(tmp_path / "none"), "--epochs", "1"], tmp_path)
+    assert r.returncode != 0
+    assert "not found" in r.stderr and str(tmp_path / "none") in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_help(tmp_path):
+    r = run_cli(["train", "--help"], tmp_path)
+    assert r.returncode == 0
+    for flag in ("--epochs", "--batch-size", "--accumulation-steps", "--amp", "--device", "--optimizer", "--lr",
+                 "--layers", "--memory-limit", "--seed", "--save"):
+        assert flag in r.stdout, flag
+

@@ -1,0 +1,340 @@
+"""cmlp.memory on "cpu": every byte of a model, its gradients and its optimizer state shows in
+PyTorch-named statistics and is given back; raw blocks round to 512 bytes; a memory limit turns
+an allocation into cmlp.OutOfMemoryError without leaking; memory stays flat over many calls.
+Every test restores the memory limit, so other tests are unaffected.
+"""
+
+import gc
+
+import numpy as np
+import pytest
+
+import cmlp
+
+M = cmlp.memory
+DEV = "cpu"
+SIZES = [784, 512, 256, 10]
+NPARAMS = 535818
+ROUND = 512
+STATS = ["allocation", "allocated_bytes", "requested_bytes", "active", "active_bytes", "segment", "reserved_bytes",
+         "inactive_split", "inactive_split_bytes"]
+POOLS = ["all", "large_pool", "small_pool"]
+METRICS = ["current", "peak", "allocated", "freed"]
+SCALARS = ["num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free",
+           "max_split_size"]
+
+
+def rounded(n):
+    return max(ROUND, -(-n // ROUND) * ROUND)
+
+
+def fmt(n):
+    """PyTorch's size format: two decimals in B/KiB/MiB/GiB."""
+    v, units = float(n), ["B", "KiB", "MiB", "GiB", "TiB"]
+    u = 0
+    while u < 4 and v >= 1024.0:
+        v, u = v / 1024.0, u + 1
+    return f"{v:.2f} {units[u]}"
+
+
+@pytest.fixture(autouse=True)
+def no_limit_afterwards():
+    gc.collect()
+    M.set_memory_limit(None, DEV)
+    try:
+        yield
+    finally:
+        M.set_memory_limit(None, DEV)
+
+
+def allocated():
+    gc.collect()
+    return M.memory_allocated(DEV)
+
+
+def batch(n=32, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((n, 784)).astype(np.float32), rng.integers(0, 10, n)
+
+
+def test_default_device_is_cpu_here():
+    if cmlp.cuda.is_available():
+        pytest.skip("a GPU is the default device here")
+    assert M.memory_allocated() == M.memory_allocated(DEV)
+    assert M.memory_stats() == M.memory_stats(DEV)
+
+
+def test_model_memory_appears_and_is_given_back():
+    base = allocated()
+    model = cmlp.MLP(SIZES, seed=0)
+    grown = allocated() - base
+    assert grown >= rounded(2 * NPARAMS * 4), "parameters and gradients must come from the allocator"
+    assert grown < 2 * rounded(NPARAMS * 4) + 64 * 1024
+    opt = cmlp.optim.Adam(model)
+    assert allocated() - base == grown, "Adam's state must not exist before the first step"
+    trainer = cmlp.Trainer(model, opt, batch_size=32)
+    x, y = batch()
+    trainer.step(x, y)
+    assert allocated() - base >= grown + 2 * NPARAMS * 4
+    del model, opt, trainer
+    assert allocated() == base
+    assert M.memory_reserved(DEV) >= M.memory_allocated(DEV)
+
+
+def test_adam_state_appears_at_the_first_step():
+    base = allocated()
+    model = cmlp.MLP(SIZES, seed=0)
+    opt = cmlp.optim.Adam(model)
+    x, y = batch()
+    model.forward_backward(x, y)  # the activation workspace exists from here on
+    before_step = allocated()
+    assert opt.state_dict()["state"] == {}
+    opt.step()
+    state = allocated() - before_step
+    assert 2 * NPARAMS * 4 <= state <= 2 * rounded(NPARAMS * 4)
+    opt.step()
+    model.forward_backward(x, y)
+    opt.step()
+    assert allocated() - before_step == state, "later steps must not allocate"
+    sgd_model = cmlp.MLP(SIZES, seed=0)
+    sgd = cmlp.optim.SGD(sgd_model, lr=0.1, momentum=0.9)
+    sgd_model.forward_backward(x, y)
+    mid = allocated()
+    sgd.step()
+    assert NPARAMS * 4 <= allocated() - mid <= rounded(NPARAMS * 4), "SGD momentum buffer: one copy of the parameters"
+    del model, opt, sgd_model, sgd
+    assert allocated() == base
+
+
+def test_peaks_and_reset():
+    base = allocated()
+    ptr = M.caching_allocator_alloc(8 << 20, DEV)
+    M.caching_allocator_delete(ptr)
+    assert M.max_memory_allocated(DEV) >= base + (8 << 20)
+    assert M.max_memory_allocated(DEV) >= M.memory_allocated(DEV)
+    assert M.max_memory_reserved(DEV) >= M.memory_reserved(DEV)
+    M.reset_peak_memory_stats(DEV)
+    assert M.max_memory_allocated(DEV) == M.memory_allocated(DEV) == base
+    assert M.max_memory_reserved(DEV) == M.memory_reserved(DEV)
+    stats = M.memory_stats(DEV)
+    for key, value in stats.items():
+        if key.endswith(".peak"):
+            assert value == stats[key[:-len("peak")] + "current"], key
+    model = cmlp.MLP([100, 10])
+    assert M.max_memory_allocated(DEV) == M.memory_allocated(DEV) > base
+    del model
+    assert M.max_memory_allocated(DEV) > M.memory_allocated(DEV) == base
+
+
+def test_memory_stats_keys_and_consistency():
+    model = cmlp.MLP(SIZES, seed=0)  # something in both pools
+    ptr = M.caching_allocator_alloc(1000, DEV)
+    try:
+        stats = M.memory_stats(DEV)
+        expected = [f"{s}.{p}.{m}" for s in STATS for p in POOLS for m in METRICS]
+        expected += [f"oversize_{k}.{m}" for k in ("allocations", "segments") for m in METRICS]
+        expected += SCALARS
+        missing = [k for k in expected if k not in stats]
+        assert not missing, f"memory_stats lacks {missing}"
+        assert all(isinstance(v, int) for v in stats.values())
+        for s in STATS:
+            for m in ("current", "allocated", "freed"):
+                assert stats[f"{s}.all.{m}"] == stats[f"{s}.large_pool.{m}"] + stats[f"{s}.small_pool.{m}"], (s, m)
+            assert stats[f"{s}.all.current"] == stats[f"{s}.all.allocated"] - stats[f"{s}.all.freed"], s
+        assert stats["allocated_bytes.large_pool.current"] > 0 and stats["allocated_bytes.small_pool.current"] > 0
+        assert stats["max_split_size"] == -1
+        assert M.memory_allocated(DEV) == stats["allocated_bytes.all.current"]
+        assert M.memory_reserved(DEV) == stats["reserved_bytes.all.current"]
+        assert M.max_memory_allocated(DEV) == stats["allocated_bytes.all.peak"]
+        assert M.max_memory_reserved(DEV) == stats["reserved_bytes.all.peak"]
+        assert stats["reserved_bytes.all.current"] >= stats["allocated_bytes.all.current"]
+        assert stats["allocated_bytes.all.current"] >= stats["requested_bytes.all.current"]
+    finally:
+        M.caching_allocator_delete(ptr)
+        del model
+
+
+@pytest.mark.parametrize("nbytes", [1, 511, 512, 513, 1000, 4096 + 1, 1 << 20, (1 << 20) + 1, (3 << 20) + 7])
+def test_caching_allocator_alloc_rounds_to_512(nbytes):
+    before = M.memory_stats(DEV)
+    ptr = M.caching_allocator_alloc(nbytes, DEV)
+    assert isinstance(ptr, int) and ptr != 0
+    mid = M.memory_stats(DEV)
+    size = rounded(nbytes)
+    pool = "small_pool" if nbytes <= (1 << 20) else "large_pool"
+    assert mid["allocated_bytes.all.current"] - before["allocated_bytes.all.current"] == size
+    assert mid[f"allocated_bytes.{pool}.current"] - before[f"allocated_bytes.{pool}.current"] == size
+    assert mid["requested_bytes.all.current"] - before["requested_bytes.all.current"] == nbytes
+    assert mid["allocation.all.current"] - before["allocation.all.current"] == 1
+    M.caching_allocator_delete(ptr)
+    after = M.memory_stats(DEV)
+    for key in ("allocated_bytes.all.current", "requested_bytes.all.current", "allocation.all.current",
+                f"allocated_bytes.{pool}.current"):
+        assert after[key] == before[key], key
+    assert after["allocated_bytes.all.freed"] - before["allocated_bytes.all.freed"] == size
+
+
+def test_caching_allocator_block_is_usable_and_distinct():
+    import ctypes
+    a = M.caching_allocator_alloc(4096, DEV)
+    b = M.caching_allocator_alloc(4096, DEV)
+    try:
+        assert a != b and abs(a - b) >= 4096
+        ctypes.memset(a, 0xAB, 4096)
+        ctypes.memset(b, 0x00, 4096)
+        assert ctypes.string_at(a, 4096) == b"\xab" * 4096
+    finally:
+        M.caching_allocator_delete(a)
+        M.caching_allocator_delete(b)
+
+
+def test_caching_allocator_delete_unknown_pointer():
+    base = allocated()
+    with pytest.raises(ValueError, match=r"caching_allocator_alloc"):
+        M.caching_allocator_delete(0xDEADBEEF)
+    ptr = M.caching_allocator_alloc(100, DEV)
+    M.caching_allocator_delete(ptr)
+    with pytest.raises(ValueError, match=r"already"):
+        M.caching_allocator_delete(ptr)
+    with pytest.raises(ValueError, match=r"nbytes"):
+        M.caching_allocator_alloc(-1, DEV)
+    with pytest.raises(TypeError, match=r"nbytes"):
+        M.caching_allocator_alloc(1.5, DEV)
+    assert allocated() == base
+
+
+def test_memory_limit_oom_is_clean_and_recoverable():
+    big = [4096, 4096, 10]
+    big_params = 4096 * 4096 + 4096 + 4096 * 10 + 10
+    base = allocated()
+    ooms = M.memory_stats(DEV)["num_ooms"]
+    limit = M.memory_reserved(DEV) + (1 << 20) + 12345
+    M.set_memory_limit(limit, DEV)
+    assert M.get_memory_limit(DEV) == limit
+    with pytest.raises(cmlp.OutOfMemoryError) as info:
+        cmlp.MLP(big, seed=0)
+    err = info.value
+    assert isinstance(err, RuntimeError)
+    msg = str(err)
+    assert "out of memory" in msg
+    assert str(big_params * 4) in msg or fmt(big_params * 4) in msg, msg
+    assert str(limit) in msg or fmt(limit) in msg, msg
+    del info, err
+    assert M.memory_stats(DEV)["num_ooms"] == ooms + 1
+    assert allocated() == base
+    small = cmlp.MLP([10, 4])  # still fits under the limit
+    del small
+    M.set_memory_limit(None, DEV)
+    assert M.get_memory_limit(DEV) is None
+    model = cmlp.MLP(big, seed=0)
+    assert model.num_parameters() == big_params
+    del model
+    assert allocated() == base
+
+
+def test_oom_on_the_gradient_buffer_frees_the_parameters():
+    big = [2048, 2048, 10]
+    nbytes = rounded((2048 * 2048 + 2048 + 2048 * 10 + 10) * 4)
+    base = allocated()
+    M.set_memory_limit(M.memory_reserved(DEV) + nbytes + (1 << 20), DEV)
+    with pytest.raises(cmlp.OutOfMemoryError, match="out of memory"):
+        cmlp.MLP(big)
+    assert allocated() == base
+
+
+def test_oom_at_the_first_optimizer_step_changes_nothing():
+    model = cmlp.MLP(SIZES, seed=0)
+    opt = cmlp.optim.Adam(model)
+    x, y = batch()
+    model.forward_backward(x, y)
+    params = model.state_dict()
+    base = allocated()
+    M.set_memory_limit(M.memory_reserved(DEV) + NPARAMS * 4, DEV)
+    with pytest.raises(cmlp.OutOfMemoryError, match="out of memory"):
+        opt.step()
+    assert allocated() == base
+    for k, v in model.state_dict().items():
+        np.testing.assert_array_equal(v, params[k], err_msg=k)
+    assert opt.state_dict()["state"] == {}
+    M.set_memory_limit(None, DEV)
+    opt.step()
+    assert opt.state_dict()["state"][0]["step"] == 1.0
+
+
+def test_set_per_process_memory_fraction_validation():
+    with pytest.raises(TypeError, match=r"fraction"):
+        M.set_per_process_memory_fraction(1, DEV)
+    with pytest.raises(TypeError, match=r"fraction"):
+        M.set_per_process_memory_fraction("0.5", DEV)
+    with pytest.raises(ValueError, match=r"fraction"):
+        M.set_per_process_memory_fraction(1.5, DEV)
+    with pytest.raises(ValueError, match=r"fraction"):
+        M.set_per_process_memory_fraction(-0.1, DEV)
+    assert M.get_memory_limit(DEV) is None
+    M.set_per_process_memory_fraction(0.5, DEV)
+    total = M.memory_stats(DEV)["total_memory"]
+    assert total > 0
+    assert M.get_memory_limit(DEV) == int(0.5 * total)
+    M.set_per_process_memory_fraction(0.0, DEV)
+    with pytest.raises(cmlp.OutOfMemoryError):
+        cmlp.MLP([10, 4])
+
+
+def test_set_memory_limit_validation():
+    with pytest.raises(ValueError, match=r"nbytes"):
+        M.set_memory_limit(-1, DEV)
+    with pytest.raises(TypeError, match=r"nbytes"):
+        M.set_memory_limit("1GB", DEV)
+    with pytest.raises(TypeError, match=r"nbytes"):
+        M.set_memory_limit(1.5e9, DEV)
+    assert M.get_memory_limit(DEV) is None
+
+
+def test_memory_summary():
+    s = M.memory_summary(DEV)
+    assert isinstance(s, str)
+    for title in ("Allocated memory", "Active memory", "Reserved memory", "Non-releasable memory", "Allocations"):
+        assert title in s, title
+    model = cmlp.MLP(SIZES)
+    assert fmt(M.memory_allocated(DEV)) in M.memory_summary(DEV)
+    del model
+
+
+def test_empty_cache_is_safe():
+    base = allocated()
+    M.empty_cache(DEV)
+    cmlp.empty_cache()
+    assert allocated() == base
+    assert M.memory_reserved(DEV) >= M.memory_allocated(DEV)
+
+
+def test_memory_stays_flat_over_many_calls():
+    model = cmlp.MLP([784, 128, 64, 10], seed=0)  # small, so 200 rounds stay fast
+    opt = cmlp.optim.Adam(model)
+    trainer = cmlp.Trainer(model, opt, batch_size=64)
+    x, y = batch(64)
+    xu = np.random.default_rng(1).integers(0, 256, (64, 784), dtype=np.uint8)
+
+    def calls():
+        model(x)
+        model.forward_backward(x, y)
+        model.forward_backward(xu, y)
+        model.predict(xu)
+        model.evaluate(x, y, batch_size=64)
+        model.grads()
+        model.state_dict()
+        opt.zero_grad()
+        trainer.step(x, y)
+
+    calls()
+    gc.collect()
+    first = (M.memory_allocated(DEV), M.memory_reserved(DEV), M.memory_stats(DEV)["allocation.all.current"])
+    for i in range(200):
+        calls()
+        now = (M.memory_allocated(DEV), M.memory_reserved(DEV), M.memory_stats(DEV)["allocation.all.current"])
+        assert now == first, f"memory changed at call {i}: {now} != {first}"
+
+
+def test_oom_error_is_exported():
+    assert issubclass(cmlp.OutOfMemoryError, RuntimeError)
+    assert cmlp.OutOfMemoryError is cmlp._cmlp.OutOfMemoryError

@@ -1,0 +1,260 @@
+"""Model tensors and files: state_dict names, shapes and dtypes as PyTorch's SimpleMLP has them;
+nn.Linear's initialisation; seeds; load_state_dict (checks, float64, a real PyTorch
+state_dict); save/load round trips; atomic save; bitwise-deterministic training.
+"""
+
+import math
+import os
+
+import numpy as np
+import pytest
+
+import cmlp
+
+SIZES = [784, 512, 256, 10]
+NAMES = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "fc3.weight", "fc3.bias"]
+SHAPES = {"fc1.weight": (512, 784), "fc1.bias": (512,), "fc2.weight": (256, 512), "fc2.bias": (256,),
+          "fc3.weight": (10, 256), "fc3.bias": (10,)}
+FAN_IN = {"fc1": 784, "fc2": 512, "fc3": 256}
+
+
+def assert_params_equal(a, b):
+    assert list(a) == list(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def batch(n=64, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((n, 784)).astype(np.float32), rng.integers(0, 10, n)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return cmlp.MLP(SIZES, seed=0)
+
+
+def test_state_dict_names_shapes_dtypes(model):
+    sd = model.state_dict()
+    assert list(sd) == NAMES
+    for k, v in sd.items():
+        assert isinstance(v, np.ndarray)
+        assert v.shape == SHAPES[k], k
+        assert v.dtype == np.float32, k
+    assert model.layer_sizes == (784, 512, 256, 10)
+    assert model.device == "cpu"
+    assert list(model.grads()) == NAMES
+    assert all(g.shape == SHAPES[k] and g.dtype == np.float32 for k, g in model.grads().items())
+
+
+def test_num_parameters(model):
+    assert model.num_parameters() == 535818
+    assert sum(v.size for v in model.state_dict().values()) == 535818
+    assert cmlp.MLP([3, 2]).num_parameters() == 8
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_init_matches_nn_linear(model, name):
+    """U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weights AND biases (bounds 0.0357, 0.0442, 0.0625)."""
+    v = model.state_dict()[name].astype(np.float64).ravel()
+    bound = 1.0 / math.sqrt(FAN_IN[name.split(".")[0]])
+    n = v.size
+    assert np.abs(v).max() <= bound * (1 + 1e-7)  # float32 rounding of a draw just below the bound
+    # the largest of n uniform draws misses the bound by about bound / n
+    assert np.abs(v).max() >= bound * (1.0 - 8.0 / n)
+    std = bound / math.sqrt(3.0)
+    assert abs(v.mean()) <= 5.0 * std / math.sqrt(n)
+    if n >= 1000:
+        assert v.std() == pytest.approx(std, rel=0.03)
+        counts, _ = np.histogram(v, bins=10, range=(-bound, bound))
+        np.testing.assert_allclose(counts, n / 10, rtol=0.1)
+    assert len(np.unique(v)) >= 0.99 * n
+
+
+def test_same_seed_same_weights_different_seed_different(model):
+    assert_params_equal(cmlp.MLP(SIZES, seed=0).state_dict(), model.state_dict())
+    other = cmlp.MLP(SIZES, seed=1).state_dict()
+    for k, v in model.state_dict().items():
+        assert np.mean(other[k] == v) < 0.01, k
+    assert not np.array_equal(cmlp.MLP(SIZES, seed=2).state_dict()["fc1.weight"], other["fc1.weight"])
+
+
+def test_load_state_dict_round_trip(model):
+    x, _ = batch()
+    other = cmlp.MLP(SIZES, seed=7)
+    assert not np.array_equal(other(x), model(x))
+    other.load_state_dict(model.state_dict())
+    assert_params_equal(other.state_dict(), model.state_dict())
+    np.testing.assert_array_equal(other(x), model(x))
+
+
+def test_load_state_dict_copies_its_input():
+    m = cmlp.MLP([4, 3, 2], seed=0)
+    sd = m.state_dict()
+    src = {k: v.copy() for k, v in sd.items()}
+    m.load_state_dict(src)
+    src["fc1.weight"][...] = 5.0
+    assert_params_equal(m.state_dict(), sd)
+
+
+@pytest.mark.parametrize("change,match", [
+    pytest.param(lambda d: d.pop("fc2.bias"), r"missing keys \['fc2.bias'\]", id="missing"),
+    pytest.param(lambda d: d.update({"fc4.weight": np.zeros((1, 1), np.float32)}), r"unexpected keys \['fc4.weight'\]",
+                 id="unexpected"),
+    pytest.param(lambda d: d.update({"module.fc1.weight": d.pop("fc1.weight")}), r"missing keys \['fc1.weight'\]",
+                 id="prefixed"),
+    pytest.param(lambda d: d.update({"fc1.weight": d["fc1.weight"].T.copy()}), r"fc1.weight.*\(784, 512\)",
+                 id="transposed"),
+    pytest.param(lambda d: d.update({"fc3.bias": np.zeros(11, np.float32)}), r"fc3.bias.*\(11,\)", id="bias-shape"),
+    pytest.param(lambda d: d.update({"fc2.bias": np.zeros((256, 1), np.float32)}), r"fc2.bias.*\(256, 1\)",
+                 id="bias-2d"),
+    pytest.param(lambda d: d.update({"fc3.bias": np.full(10, np.nan, np.float32)}), r"NaN or inf", id="nan"),
+])
+def test_load_state_dict_rejects_and_keeps_parameters(change, match):
+    m = cmlp.MLP(SIZES, seed=3)
+    before = m.state_dict()
+    bad = dict(cmlp.MLP(SIZES, seed=4).state_dict())
+    change(bad)
+    with pytest.raises(ValueError, match=match):
+        m.load_state_dict(bad)
+    assert_params_equal(m.state_dict(), before)
+
+
+def test_load_state_dict_accepts_float64(model):
+    sd64 = {k: v.astype(np.float64) + 1e-3 for k, v in model.state_dict().items()}
+    m = cmlp.MLP(SIZES, seed=9)
+    m.load_state_dict(sd64)
+    for k, v in m.state_dict().items():
+        assert v.dtype == np.float32
+        np.testing.assert_array_equal(v, sd64[k].astype(np.float32), err_msg=k)
+
+
+def test_torch_state_dict_gives_torch_logits():
+    torch = pytest.importorskip("torch")
+    nn = torch.nn
+
+    class SimpleMLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = nn.Linear(784, 512)
+            self.fc2 = nn.Linear(512, 256)
+            self.fc3 = nn.Linear(256, 10)
+
+        def forward(self, x):
+            return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+    torch.manual_seed(0)
+    net = SimpleMLP().eval()
+    sd = {k: v.detach().numpy() for k, v in net.state_dict().items()}
+    assert list(sd) == NAMES
+    m = cmlp.MLP(SIZES, seed=0)
+    m.load_state_dict(sd)
+    x = np.random.default_rng(0).standard_normal((128, 784)).astype(np.float32)
+    with torch.no_grad():
+        want = net(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(m(x), want, rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(m.predict(x), want.argmax(1))
+    # a float64 copy (net.double()) loads too and gives the same
+    m64 = cmlp.MLP(SIZES, seed=1)
+    m64.load_state_dict({k: v.detach().numpy() for k, v in net.double().state_dict().items()})
+    np.testing.assert_allclose(m64(x), want, rtol=0, atol=1e-5)
+
+
+# ---- files ----
+
+@pytest.mark.parametrize("as_str", [False, True])
+def test_save_load_round_trip(tmp_path, model, as_str):
+    path = tmp_path / "m.npz"
+    model.save(str(path) if as_str else path)
+    loaded = cmlp.MLP.load(str(path) if as_str else path)
+    assert loaded.layer_sizes == model.layer_sizes
+    assert loaded.device == "cpu"
+    assert_params_equal(loaded.state_dict(), model.state_dict())
+    x, y = batch()
+    np.testing.assert_array_equal(loaded(x), model(x))
+    assert sorted(os.listdir(tmp_path)) == ["m.npz"]
+
+
+def test_save_load_other_sizes_and_trained(tmp_path):
+    m = cmlp.MLP([30, 7, 7, 7, 3], seed=11)
+    opt = cmlp.optim.SGD(m, lr=0.5)
+    x = np.random.default_rng(1).standard_normal((16, 30)).astype(np.float32)
+    cmlp.Trainer(m, opt, batch_size=4).fit(x, np.arange(16) % 3, epochs=2, progress=False)
+    path = tmp_path / "small.npz"
+    m.save(path)
+    loaded = cmlp.MLP.load(path, device="cpu")
+    assert loaded.layer_sizes == (30, 7, 7, 7, 3)
+    assert_params_equal(loaded.state_dict(), m.state_dict())
+
+
+def test_save_overwrites(tmp_path):
+    path = tmp_path / "m.npz"
+    cmlp.MLP([8, 4], seed=1).save(path)
+    second = cmlp.MLP([8, 4], seed=2)
+    second.save(path)
+    assert_params_equal(cmlp.MLP.load(path).state_dict(), second.state_dict())
+
+
+def _boom_savez(file, *args, **kwargs):
+    file.write(b"PK\x03\x04 half of a zip file")
+    raise OSError("disk full (simulated)")
+
+
+def _boom_replace(src, dst):
+    raise OSError("rename failed (simulated)")
+
+
+@pytest.mark.parametrize("target,fake", [("numpy.savez", _boom_savez), ("os.replace", _boom_replace)],
+                         ids=["savez-fails", "replace-fails"])
+def test_save_is_atomic(tmp_path, monkeypatch, target, fake):
+    path = tmp_path / "m.npz"
+    old = cmlp.MLP([8, 4], seed=1)
+    old.save(path)
+    old_bytes = path.read_bytes()
+    monkeypatch.setattr(target, fake)
+    with pytest.raises(OSError, match="simulated"):
+        cmlp.MLP([8, 4], seed=2).save(path)
+    monkeypatch.undo()
+    assert path.read_bytes() == old_bytes
+    assert sorted(os.listdir(tmp_path)) == ["m.npz"], "a temporary file was left behind"
+    assert_params_equal(cmlp.MLP.load(path).state_dict(), old.state_dict())
+    # a failed first save leaves nothing at all
+    fresh = tmp_path / "new.npz"
+    monkeypatch.setattr(target, fake)
+    with pytest.raises(OSError):
+        old.save(fresh)
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["m.npz"]
+
+
+# ---- determinism of training ----
+
+@pytest.fixture(scope="module")
+def fashion_subset():
+    try:
+        (x, y), _ = cmlp.datasets.fashion_mnist()
+    except FileNotFoundError:
+        pytest.skip("Fashion-MNIST is not installed")
+    return x[:3000], y[:3000]
+
+
+def train_one_epoch(data, model_seed=0, trainer_seed=0):
+    model = cmlp.MLP(SIZES, seed=model_seed)
+    opt = cmlp.optim.Adam(model, lr=1e-3)
+    hist = cmlp.Trainer(model, opt, batch_size=32, shuffle=True, seed=trainer_seed).fit(*data, epochs=1,
+                                                                                       progress=False)
+    return model.state_dict(), hist[0]["loss"]
+
+
+def test_training_is_bitwise_deterministic(fashion_subset):
+    a, loss_a = train_one_epoch(fashion_subset)
+    b, loss_b = train_one_epoch(fashion_subset)
+    assert_params_equal(a, b)
+    assert loss_a == loss_b
+    start = cmlp.MLP(SIZES, seed=0).state_dict()
+    assert not np.array_equal(a["fc1.weight"], start["fc1.weight"])
+    c, loss_c = train_one_epoch(fashion_subset, trainer_seed=1)
+    for k in a:
+        assert not np.array_equal(a[k], c[k]), f"{k}: another shuffle seed gave the same weights"
+    assert loss_c != loss_a

@@ -1,0 +1,249 @@
+"""cmlp.Trainer: fit's history (keys, values, validation), the progress bar with and without
+tqdm, the short last batch (its own step, normalised by its own size), accumulation equal to a
+big batch, uint8 normalisation, and the micro-batch size it reports.
+"""
+
+import math
+import sys
+
+import numpy as np
+import pytest
+
+import cmlp
+
+KEYS = {"loss", "val_loss", "val_accuracy", "seconds", "samples_per_second", "peak_memory_bytes",
+        "microbatch_size", "skipped_steps"}
+F, C = 20, 4
+SIZES = [F, 32, C]
+
+
+def teacher_data(n, seed=0):
+    """A learnable problem: labels from a fixed random linear teacher."""
+    rng = np.random.default_rng(seed)
+    w = np.random.default_rng(100).standard_normal((F, C))
+    x = rng.standard_normal((n, F)).astype(np.float32)
+    return x, np.argmax(x @ w, axis=1).astype(np.int64)
+
+
+def make(opt="sgd", seed=0, sizes=SIZES, **trainer_kw):
+    model = cmlp.MLP(sizes, seed=seed)
+    if opt == "sgd":
+        optimizer = cmlp.optim.SGD(model, lr=0.1, momentum=0.9)
+    else:
+        optimizer = cmlp.optim.Adam(model, lr=1e-2)
+    return model, optimizer, cmlp.Trainer(model, optimizer, **trainer_kw)
+
+
+def params(model):
+    return np.concatenate([v.ravel() for v in model.state_dict().values()]).astype(np.float64)
+
+
+def rel_err(a, b):
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def assert_params_equal(m1, m2):
+    for (k, a), b in zip(m1.state_dict().items(), m2.state_dict().values()):
+        np.testing.assert_array_equal(a, b, err_msg=k)
+
+
+# ---- history ----
+
+def test_history_keys_values_and_learning():
+    x, y = teacher_data(600)
+    vx, vy = teacher_data(200, seed=1)
+    model, opt, trainer = make("adam", batch_size=32)
+    history = trainer.fit(x, y, epochs=3, validation_data=(vx, vy), progress=False)
+    assert isinstance(history, list) and len(history) == 3
+    for i, h in enumerate(history):
+        assert isinstance(h, dict)
+        assert set(h) - {"epoch"} == KEYS, sorted(h)
+        if "epoch" in h:
+            assert h["epoch"] == i + 1
+        assert isinstance(h["loss"], float) and math.isfinite(h["loss"]) and h["loss"] > 0
+        assert isinstance(h["val_loss"], float) and math.isfinite(h["val_loss"])
+        assert 0.0 <= h["val_accuracy"] <= 1.0
+        assert h["seconds"] > 0
+        assert h["samples_per_second"] == pytest.approx(600 / h["seconds"], rel=0.01)
+        assert isinstance(h["peak_memory_bytes"], int)
+        assert h["peak_memory_bytes"] >= 2 * 4 * model.num_parameters()
+        assert h["microbatch_size"] == 32
+        assert h["skipped_steps"] == 0
+    losses = [h["loss"] for h in history]
+    assert losses[0] > losses[1] > losses[2], losses
+    assert history[-1]["val_loss"] < history[0]["val_loss"]
+    assert history[-1]["val_accuracy"] > 0.7
+    ev = model.evaluate(vx, vy)
+    assert history[-1]["val_loss"] == pytest.approx(ev["loss"], rel=1e-9)
+    assert history[-1]["val_accuracy"] == pytest.approx(ev["accuracy"], rel=1e-12)
+
+
+def test_history_without_validation_has_none():
+    x, y = teacher_data(100)
+    _, _, trainer = make(batch_size=16)
+    history = trainer.fit(x, y, epochs=2, progress=False)
+    assert len(history) == 2
+    for h in history:
+        assert set(h) - {"epoch"} == KEYS
+        assert h["val_loss"] is None and h["val_accuracy"] is None
+        assert math.isfinite(h["loss"])
+
+
+def test_fit_continues_from_where_it_was():
+    x, y = teacher_data(200)
+    m1, _, t1 = make("adam", batch_size=20)
+    t1.fit(x, y, epochs=2, progress=False)
+    m2, _, t2 = make("adam", batch_size=20)
+    t2.fit(x, y, epochs=1, progress=False)
+    t2.fit(x, y, epochs=1, progress=False)
+    assert_params_equal(m1, m2)
+
+
+# ---- progress ----
+
+def test_progress_with_tqdm(capsys):
+    pytest.importorskip("tqdm")
+    x, y = teacher_data(64)
+    _, _, trainer = make(batch_size=16)
+    trainer.fit(x, y, epochs=2, progress=True)
+    err = capsys.readouterr().err
+    assert "epoch 1/2" in err and "epoch 2/2" in err, err
+    assert "4/4" in err, err
+    assert "step" in err, "tqdm's unit is the optimizer step"
+
+
+def test_progress_without_tqdm(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    with pytest.raises(ImportError):
+        import tqdm.auto  # noqa: F401
+    x, y = teacher_data(64)
+    _, _, trainer = make(batch_size=16)
+    history = trainer.fit(x, y, epochs=2, progress=True)
+    assert len(history) == 2
+    err = capsys.readouterr().err
+    assert "epoch 1/2" in err and "epoch 2/2" in err, err
+    assert "4/4" in err and "#" * 30 in err, err
+    assert "loss" in err
+
+
+def test_no_progress_writes_nothing(capsys):
+    x, y = teacher_data(64)
+    _, _, trainer = make(batch_size=16)
+    trainer.fit(x, y, epochs=1, progress=False)
+    out = capsys.readouterr()
+    assert out.err == "" and out.out == ""
+
+
+# ---- the short last batch ----
+
+def test_short_last_batch_is_its_own_step_normalised_by_its_size():
+    n, bs = 100, 32
+    x, y = teacher_data(n)
+    model, _, trainer = make(batch_size=bs, shuffle=False)
+    history = trainer.fit(x, y, epochs=1, progress=False)
+
+    manual, _, mt = make(batch_size=bs, shuffle=False)
+    bounds = [(0, 32), (32, 64), (64, 96), (96, 100)]
+    assert len(bounds) == math.ceil(n / bs)
+    losses = [mt.step(x[a:b], y[a:b]) for a, b in bounds]
+    assert_params_equal(model, manual)
+    assert history[0]["loss"] == pytest.approx(sum(l * (b - a) for l, (a, b) in zip(losses, bounds)) / n, rel=1e-6)
+
+    dropped, _, dt = make(batch_size=bs, shuffle=False)
+    for a, b in bounds[:3]:
+        dt.step(x[a:b], y[a:b])
+    assert rel_err(params(dropped), params(model)) > 1e-4, "the last 4 samples must get a step"
+
+    # the same 4 samples normalised by 32 instead of 4 give another result
+    wrong, wopt, wt = make(batch_size=bs, shuffle=False)
+    for a, b in bounds[:3]:
+        wt.step(x[a:b], y[a:b])
+    wopt.zero_grad()
+    wrong.forward_backward(x[96:], y[96:], loss_scale=4 / 32)
+    wopt.step()
+    assert rel_err(params(wrong), params(model)) > 1e-4
+
+
+def test_adam_counts_one_step_per_batch():
+    x, y = teacher_data(100)
+    _, opt, trainer = make("adam", batch_size=32)
+    trainer.fit(x, y, epochs=1, progress=False)
+    assert opt.state_dict()["state"][0]["step"] == 4.0
+    trainer.fit(x, y, epochs=2, progress=False)
+    assert opt.state_dict()["state"][0]["step"] == 12.0
+
+
+# ---- accumulation ----
+
+@pytest.mark.parametrize("n", [64, 70])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_accumulation_equals_big_batch(n, shuffle):
+    x, y = teacher_data(n)
+    big, _, tb = make(batch_size=32, shuffle=shuffle, seed=3)
+    hb = tb.fit(x, y, epochs=2, progress=False)
+    acc, _, ta = make(batch_size=16, accumulation_steps=2, shuffle=shuffle, seed=3)
+    ha = ta.fit(x, y, epochs=2, progress=False)
+    assert rel_err(params(acc), params(big)) < 1e-6
+    assert ha[-1]["loss"] == pytest.approx(hb[-1]["loss"], rel=1e-6)
+    assert ta.microbatch_size == 16
+    # and it is not the same as plain batches of 16
+    small, _, ts = make(batch_size=16, shuffle=shuffle, seed=3)
+    ts.fit(x, y, epochs=2, progress=False)
+    assert rel_err(params(small), params(big)) > 1e-3
+
+
+def test_accumulation_counts_effective_batches():
+    x, y = teacher_data(64)
+    _, opt, trainer = make("adam", batch_size=16, accumulation_steps=2, shuffle=False)
+    trainer.fit(x, y, epochs=1, progress=False)
+    assert opt.state_dict()["state"][0]["step"] == 2.0
+
+
+def test_step_equals_fit_on_one_batch():
+    x, y = teacher_data(32)
+    m1, _, t1 = make(batch_size=32, shuffle=False)
+    t1.fit(x, y, epochs=1, progress=False)
+    m2, _, t2 = make(batch_size=8, accumulation_steps=4, shuffle=False)
+    loss = t2.step(x, y)
+    assert rel_err(params(m2), params(m1)) < 1e-6
+    assert loss == pytest.approx(cmlp.MLP(SIZES, seed=0).evaluate(x, y)["loss"], rel=1e-6)
+
+
+# ---- uint8 ----
+
+@pytest.mark.parametrize("normalize", [(0.5, 0.5), (0.2860, 0.3530)])
+def test_uint8_equals_float_normalised_by_hand(normalize):
+    rng = np.random.default_rng(5)
+    xu = rng.integers(0, 256, (96, 784), dtype=np.uint8)
+    y = rng.integers(0, 10, 96)
+    mean, std = normalize
+    xf = ((xu.astype(np.float32) / 255.0 - mean) / std).astype(np.float32)
+    sizes = [784, 32, 10]
+    mu, _, tu = make(sizes=sizes, batch_size=16, normalize=normalize)
+    hu = tu.fit(xu, y, epochs=1, progress=False)
+    mf, _, tf = make(sizes=sizes, batch_size=16, normalize=normalize)
+    hf = tf.fit(xf, y, epochs=1, progress=False)
+    assert rel_err(params(mu), params(mf)) < 1e-5
+    assert hu[0]["loss"] == pytest.approx(hf[0]["loss"], rel=1e-5)
+    # and the normalisation matters: without it the result is far off
+    mr, _, tr = make(sizes=sizes, batch_size=16, normalize=normalize)
+    tr.fit(xu.astype(np.float32), y, epochs=1, progress=False)
+    assert rel_err(params(mr), params(mf)) > 1e-2
+    step_u = make(sizes=sizes, batch_size=16, normalize=normalize)
+    step_f = make(sizes=sizes, batch_size=16, normalize=normalize)
+    lu = step_u[2].step(xu[:16], y[:16])
+    lf = step_f[2].step(xf[:16], y[:16])
+    assert lu == pytest.approx(lf, rel=1e-5)
+
+
+# ---- micro-batch size ----
+
+@pytest.mark.parametrize("bs,acc", [(32, 1), (48, 1), (16, 3), (1, 1)])
+def test_microbatch_size_defaults_to_batch_size(bs, acc):
+    x, y = teacher_data(50)
+    _, _, trainer = make(batch_size=bs, accumulation_steps=acc)
+    assert trainer.microbatch_size == bs
+    h = trainer.fit(x, y, epochs=1, progress=False)
+    assert h[0]["microbatch_size"] == bs
+    assert trainer.microbatch_size == bs
