@@ -1,20 +1,21 @@
-/* alloc.c - the allocator module: one instance per device, a lock, a table of live blocks and
- * PyTorch-style statistics. Each block is its own segment of the rounded size; the caching
- * layer (segments, pools, splitting) sits behind the same functions.
+/* alloc.c - the caching allocator, one per device, with PyTorch's rules: requests rounded to
+ * 512 bytes (or power-of-two divisions), a small pool of 2 MiB segments and a large pool of
+ * 20 MiB / 2 MiB-rounded segments, best fit by (size, address), split and merge, oversize
+ * blocks, garbage collection under a limit, expandable segments, and the allocation ladder
+ * (which, unlike PyTorch's, searches the cache again after each release).
  */
-#include "internal.h"
+#include "alloc_internal.h"
 
 #include <inttypes.h>
-#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-typedef struct block_entry {
-    uintptr_t ptr; /* 0: empty slot */
-    size_t size;   /* rounded, what the segment holds */
-    size_t requested;
-} block_entry;
+typedef struct {
+    uintptr_t key; /* 0: empty */
+    alloc_block *block;
+} table_slot;
 
 struct cmlp_allocator {
     pthread_mutex_t lock;
@@ -24,58 +25,19 @@ struct cmlp_allocator {
     int64_t limit; /* -1: none */
     int64_t total_memory;
     cmlp_memory_stats stats;
-    block_entry *table; /* open addressing, linear probing, power-of-two capacity */
+    alloc_pool pools[NPOOLS];
+    alloc_segment *segments;
+    table_slot *table; /* allocated blocks by address: open addressing, linear probing */
     size_t cap, count;
+    uint64_t tick;
+    int64_t fail_in; /* test hook: the fail_in-th raw call from now fails; 0: off */
+    uint64_t config_gen;
+    cmlp_alloc_settings cfg;
 };
 
-static size_t round_request(size_t n) {
-    if (n < CMLP_ALLOC_ROUND) return CMLP_ALLOC_ROUND;
-    return (n + CMLP_ALLOC_ROUND - 1) / CMLP_ALLOC_ROUND * CMLP_ALLOC_ROUND;
-}
+/* ---- statistics ---- */
 
-static size_t slot_of(uintptr_t p, size_t cap) {
-    uint64_t h = (uint64_t)p * 0x9E3779B97F4A7C15ull;
-    return (size_t)(h >> 20) & (cap - 1);
-}
-
-static cmlp_status table_grow(cmlp_allocator *a) {
-    size_t ncap = a->cap ? a->cap * 2 : 64;
-    block_entry *nt = calloc(ncap, sizeof *nt);
-    if (!nt) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory for the allocator's block table");
-    for (size_t i = 0; i < a->cap; i++) {
-        if (!a->table[i].ptr) continue;
-        size_t j = slot_of(a->table[i].ptr, ncap);
-        while (nt[j].ptr) j = (j + 1) & (ncap - 1);
-        nt[j] = a->table[i];
-    }
-    free(a->table);
-    a->table = nt;
-    a->cap = ncap;
-    return CMLP_OK;
-}
-
-static block_entry *table_find(cmlp_allocator *a, uintptr_t p) {
-    if (!a->cap) return NULL;
-    for (size_t j = slot_of(p, a->cap);; j = (j + 1) & (a->cap - 1)) {
-        if (!a->table[j].ptr) return NULL;
-        if (a->table[j].ptr == p) return &a->table[j];
-    }
-}
-
-/* Backward-shift deletion keeps probe chains intact without tombstones. */
-static void table_remove(cmlp_allocator *a, block_entry *e) {
-    size_t i = (size_t)(e - a->table), mask = a->cap - 1;
-    for (size_t j = (i + 1) & mask; a->table[j].ptr; j = (j + 1) & mask) {
-        size_t home = slot_of(a->table[j].ptr, a->cap);
-        /* move j into the hole at i when its home is not in (i, j] cyclically */
-        if (((j - home) & mask) >= ((j - i) & mask)) {
-            a->table[i] = a->table[j];
-            i = j;
-        }
-    }
-    a->table[i].ptr = 0;
-    a->count--;
-}
+static int spool(int pool) { return pool == POOL_SMALL ? CMLP_POOL_SMALL : CMLP_POOL_LARGE; }
 
 static void stat_add(cmlp_stat *s, int64_t d) {
     s->current += d;
@@ -84,22 +46,415 @@ static void stat_add(cmlp_stat *s, int64_t d) {
     if (s->current > s->peak) s->peak = s->current;
 }
 
-static void stat_pools(cmlp_allocator *a, cmlp_stat_kind k, int pool, int64_t d) {
+static void stat(cmlp_allocator *a, cmlp_stat_kind k, int pool, int64_t d) {
     stat_add(&a->stats.stat[k][CMLP_POOL_ALL], d);
-    stat_add(&a->stats.stat[k][pool], d);
+    if (k != CMLP_STAT_OVERSIZE_ALLOCATIONS && k != CMLP_STAT_OVERSIZE_SEGMENTS) stat_add(&a->stats.stat[k][spool(pool)], d);
 }
 
-/* One block is one segment: allocation/active/segment stats move together. */
-static void account(cmlp_allocator *a, size_t size, size_t requested, int sign) {
-    int pool = requested <= CMLP_ALLOC_SMALL_SIZE ? CMLP_POOL_SMALL : CMLP_POOL_LARGE;
-    int64_t s = sign * (int64_t)size, r = sign * (int64_t)requested;
-    stat_pools(a, CMLP_STAT_ALLOCATION, pool, sign);
-    stat_pools(a, CMLP_STAT_ACTIVE, pool, sign);
-    stat_pools(a, CMLP_STAT_SEGMENT, pool, sign);
-    stat_pools(a, CMLP_STAT_ALLOCATED_BYTES, pool, s);
-    stat_pools(a, CMLP_STAT_ACTIVE_BYTES, pool, s);
-    stat_pools(a, CMLP_STAT_RESERVED_BYTES, pool, s);
-    stat_pools(a, CMLP_STAT_REQUESTED_BYTES, pool, r);
+static int64_t reserved(const cmlp_allocator *a) { return a->stats.stat[CMLP_STAT_RESERVED_BYTES][CMLP_POOL_ALL].current; }
+
+static bool oversize(const cmlp_allocator *a, size_t size) {
+    return a->cfg.max_split_size >= 0 && size >= (size_t)a->cfg.max_split_size;
+}
+
+/* ---- the table of allocated blocks ---- */
+
+static size_t slot_of(uintptr_t p, size_t cap) { return (size_t)(((uint64_t)p * 0x9E3779B97F4A7C15ull) >> 20) & (cap - 1); }
+
+static bool table_reserve(cmlp_allocator *a) {
+    if (a->count + 1 <= a->cap / 2) return true;
+    size_t ncap = a->cap ? a->cap * 2 : 256;
+    table_slot *nt = calloc(ncap, sizeof *nt);
+    if (!nt) return false;
+    for (size_t i = 0; i < a->cap; i++) {
+        if (!a->table[i].key) continue;
+        size_t j = slot_of(a->table[i].key, ncap);
+        while (nt[j].key) j = (j + 1) & (ncap - 1);
+        nt[j] = a->table[i];
+    }
+    free(a->table);
+    a->table = nt;
+    a->cap = ncap;
+    return true;
+}
+
+static void table_put(cmlp_allocator *a, alloc_block *b) {
+    size_t j = slot_of((uintptr_t)b->ptr, a->cap);
+    while (a->table[j].key) j = (j + 1) & (a->cap - 1);
+    a->table[j] = (table_slot){(uintptr_t)b->ptr, b};
+    a->count++;
+}
+
+static alloc_block *table_take(cmlp_allocator *a, uintptr_t key) {
+    if (!a->cap || !key) return NULL;
+    size_t mask = a->cap - 1, i = slot_of(key, a->cap);
+    while (a->table[i].key && a->table[i].key != key) i = (i + 1) & mask;
+    if (!a->table[i].key) return NULL;
+    alloc_block *b = a->table[i].block;
+    /* backward-shift deletion keeps probe chains whole without tombstones */
+    for (size_t j = (i + 1) & mask; a->table[j].key; j = (j + 1) & mask) {
+        size_t home = slot_of(a->table[j].key, a->cap);
+        if (((j - home) & mask) >= ((j - i) & mask)) {
+            a->table[i] = a->table[j];
+            i = j;
+        }
+    }
+    a->table[i].key = 0;
+    a->count--;
+    return b;
+}
+
+/* ---- free blocks: the pools' trees, with inactive_split accounting ---- */
+
+static bool is_split(const alloc_block *b) { return b->prev || b->next; }
+
+static void pool_put(cmlp_allocator *a, alloc_block *b) {
+    b->tick = ++a->tick;
+    alloc_tree_insert(&a->pools[b->seg->pool], b);
+    if (is_split(b)) {
+        stat(a, CMLP_STAT_INACTIVE_SPLIT, b->seg->pool, 1);
+        stat(a, CMLP_STAT_INACTIVE_SPLIT_BYTES, b->seg->pool, (int64_t)b->size);
+    }
+}
+
+/* Must be called before the block's size or neighbours change. */
+static void pool_take(cmlp_allocator *a, alloc_block *b) {
+    alloc_tree_remove(&a->pools[b->seg->pool], b);
+    if (is_split(b)) {
+        stat(a, CMLP_STAT_INACTIVE_SPLIT, b->seg->pool, -1);
+        stat(a, CMLP_STAT_INACTIVE_SPLIT_BYTES, b->seg->pool, -(int64_t)b->size);
+    }
+}
+
+/* ---- raw memory ---- */
+
+static bool hook_fires(cmlp_allocator *a) {
+    a->stats.num_raw_alloc_calls++;
+    return a->fail_in > 0 && --a->fail_in == 0;
+}
+
+static alloc_segment *segment_new(cmlp_allocator *a, char *base, size_t size, size_t vsize, int pool, bool expandable) {
+    alloc_segment *s = calloc(1, sizeof *s);
+    if (!s) return NULL;
+    *s = (alloc_segment){.base = base, .size = size, .vsize = vsize, .pool = pool, .expandable = expandable};
+    s->next = a->segments;
+    if (a->segments) a->segments->prev = s;
+    a->segments = s;
+    return s;
+}
+
+static void segment_unlink(cmlp_allocator *a, alloc_segment *s) {
+    if (s->prev) s->prev->next = s->next;
+    else a->segments = s->next;
+    if (s->next) s->next->prev = s->prev;
+}
+
+static void account_segment(cmlp_allocator *a, alloc_segment *s, int sign) {
+    stat(a, CMLP_STAT_SEGMENT, s->pool, sign);
+    stat(a, CMLP_STAT_RESERVED_BYTES, s->pool, sign * (int64_t)s->size);
+    if (s->oversize) stat(a, CMLP_STAT_OVERSIZE_SEGMENTS, s->pool, sign);
+}
+
+/* A new segment for a rounded request: NULL when the limit or the device says no. */
+static alloc_block *new_segment(cmlp_allocator *a, int pool, size_t size) {
+    size_t seg_size = alloc_segment_size(size);
+    if (a->limit >= 0 && reserved(a) + (int64_t)seg_size > a->limit) return NULL;
+    if (hook_fires(a)) return NULL;
+    void *p = NULL;
+    if (a->backend->raw_alloc(a->bctx, seg_size, &p) != CMLP_OK || !p) return NULL;
+    alloc_segment *s = segment_new(a, p, seg_size, seg_size, pool, false);
+    alloc_block *b = s ? calloc(1, sizeof *b) : NULL;
+    if (!b) {
+        if (s) {
+            segment_unlink(a, s);
+            free(s);
+        }
+        a->backend->raw_free(a->bctx, p, seg_size);
+        return NULL;
+    }
+    *b = (alloc_block){.ptr = p, .size = seg_size, .seg = s};
+    s->first = b;
+    s->oversize = oversize(a, size);
+    a->stats.num_device_alloc++;
+    account_segment(a, s, +1);
+    return b;
+}
+
+static alloc_block *last_block(alloc_segment *s) {
+    alloc_block *b = s->first;
+    while (b && b->next) b = b->next;
+    return b;
+}
+
+/* Grows the pool's expandable segment so that its free tail holds `size` bytes. */
+static alloc_block *grow_expandable(cmlp_allocator *a, int pool, size_t size) {
+    const cmlp_backend_i *be = a->backend;
+    alloc_pool *p = &a->pools[pool];
+    if (!p->expandable) {
+        size_t vsize = (size_t)a->total_memory;
+        vsize = (vsize + K_ROUND_LARGE - 1) / K_ROUND_LARGE * K_ROUND_LARGE;
+        void *base = NULL;
+        if (vsize == 0 || be->vm_reserve(a->bctx, vsize, &base) != CMLP_OK) return NULL;
+        p->expandable = segment_new(a, base, 0, vsize, pool, true);
+        if (!p->expandable) {
+            be->vm_release(a->bctx, base, vsize);
+            return NULL;
+        }
+    }
+    alloc_segment *s = p->expandable;
+    alloc_block *tail = last_block(s);
+    size_t have = tail && !tail->allocated ? tail->size : 0;
+    size_t grow = (size - have + K_ROUND_LARGE - 1) / K_ROUND_LARGE * K_ROUND_LARGE;
+    if (s->size + grow > s->vsize) return NULL;
+    if (a->limit >= 0 && reserved(a) + (int64_t)grow > a->limit) return NULL;
+    alloc_block *nb = NULL;
+    if (!have && !(nb = calloc(1, sizeof *nb))) return NULL;
+    if (hook_fires(a) || be->vm_map(a->bctx, s->base + s->size, grow) != CMLP_OK) {
+        free(nb);
+        return NULL;
+    }
+    a->stats.num_device_alloc++;
+    if (s->size == 0) stat(a, CMLP_STAT_SEGMENT, pool, 1);
+    stat(a, CMLP_STAT_RESERVED_BYTES, pool, (int64_t)grow);
+    if (have) {
+        pool_take(a, tail);
+        tail->size += grow;
+        nb = tail;
+    } else {
+        *nb = (alloc_block){.ptr = s->base + s->size, .size = grow, .seg = s, .prev = tail};
+        if (tail) tail->next = nb;
+        else s->first = nb;
+    }
+    s->size += grow;
+    return nb;
+}
+
+/* Unmaps the whole pages of the expandable segment's free tail. */
+static size_t shrink_expandable(cmlp_allocator *a, alloc_segment *s) {
+    alloc_block *tail = last_block(s);
+    if (!tail || tail->allocated) return 0;
+    size_t off = (size_t)(tail->ptr - s->base);
+    size_t keep = (off + K_ROUND_LARGE - 1) / K_ROUND_LARGE * K_ROUND_LARGE;
+    if (keep >= s->size) return 0;
+    size_t cut = s->size - keep;
+    pool_take(a, tail);
+    a->backend->vm_unmap(a->bctx, s->base + keep, cut);
+    a->stats.num_device_free++;
+    if (keep == off) {
+        if (tail->prev) tail->prev->next = NULL;
+        else s->first = NULL;
+        free(tail);
+    } else {
+        tail->size -= cut;
+        pool_put(a, tail);
+    }
+    s->size -= cut;
+    stat(a, CMLP_STAT_RESERVED_BYTES, s->pool, -(int64_t)cut);
+    if (s->size == 0) stat(a, CMLP_STAT_SEGMENT, s->pool, -1);
+    return cut;
+}
+
+static bool whole_and_free(const alloc_segment *s) {
+    return !s->expandable && s->first && !s->first->allocated && !s->first->next;
+}
+
+static size_t release_segment(cmlp_allocator *a, alloc_segment *s) {
+    size_t size = s->size;
+    pool_take(a, s->first);
+    account_segment(a, s, -1);
+    segment_unlink(a, s);
+    a->backend->raw_free(a->bctx, s->base, s->size);
+    a->stats.num_device_free++;
+    free(s->first);
+    free(s);
+    return size;
+}
+
+/* Every whole free segment and every expandable tail goes back to the device. */
+static size_t release_cached(cmlp_allocator *a) {
+    size_t freed = 0;
+    for (alloc_segment *s = a->segments, *next; s; s = next) {
+        next = s->next;
+        if (whole_and_free(s)) freed += release_segment(a, s);
+        else if (s->expandable) freed += shrink_expandable(a, s);
+    }
+    return freed;
+}
+
+/* Oversize cached blocks first (PyTorch's release_available_cached_blocks): the smallest that
+ * covers the request, else the largest ones until the request is covered. */
+static size_t release_oversize(cmlp_allocator *a, size_t size) {
+    if (a->cfg.max_split_size < 0) return 0;
+    size_t freed = 0;
+    while (freed < size) {
+        alloc_segment *best = NULL, *largest = NULL;
+        for (alloc_segment *s = a->segments; s; s = s->next) {
+            if (!whole_and_free(s) || s->size < (size_t)a->cfg.max_split_size) continue;
+            if (s->size >= size && (!best || s->size < best->size)) best = s;
+            if (!largest || s->size > largest->size) largest = s;
+        }
+        if (!largest) break;
+        freed += release_segment(a, best ? best : largest);
+        if (best) break;
+    }
+    return freed;
+}
+
+/* Garbage collection under a limit: whole free large-pool segments unused longest go first,
+ * until reserved memory plus the coming segment fits under threshold x limit. */
+static void collect_garbage(cmlp_allocator *a, size_t coming) {
+    if (a->cfg.garbage_collection_threshold <= 0.0 || a->limit < 0) return;
+    double target = a->cfg.garbage_collection_threshold * (double)a->limit;
+    while ((double)(reserved(a) + (int64_t)coming) > target) {
+        alloc_segment *oldest = NULL;
+        for (alloc_segment *s = a->segments; s; s = s->next)
+            if (whole_and_free(s) && s->pool == POOL_LARGE && (!oldest || s->first->tick < oldest->first->tick))
+                oldest = s;
+        if (!oldest) break;
+        release_segment(a, oldest);
+    }
+}
+
+/* ---- the ladder ---- */
+
+static alloc_block *cached_block(cmlp_allocator *a, int pool, size_t size) {
+    alloc_block *b = alloc_tree_lower_bound(&a->pools[pool], size);
+    if (!b) return NULL;
+    if (a->cfg.max_split_size >= 0) {
+        size_t msz = (size_t)a->cfg.max_split_size;
+        if (size < msz && b->size >= msz) return NULL;            /* no oversize block for a small request */
+        if (size >= msz && b->size >= size + K_LARGE_BUFFER) return NULL; /* nor one far too large */
+    }
+    pool_take(a, b);
+    return b;
+}
+
+static alloc_block *new_memory(cmlp_allocator *a, int pool, size_t size) {
+    if (a->cfg.expandable_segments && a->backend->vm_reserve) return grow_expandable(a, pool, size);
+    collect_garbage(a, alloc_segment_size(size));
+    return new_segment(a, pool, size);
+}
+
+static bool should_split(const cmlp_allocator *a, const alloc_block *b, size_t size) {
+    size_t rest = b->size - size;
+    if (b->seg->pool == POOL_SMALL || b->seg->expandable) return rest >= K_MIN_BLOCK;
+    return !oversize(a, size) && rest > K_SMALL_SIZE;
+}
+
+static cmlp_status oom(cmlp_allocator *a, size_t nbytes, size_t size) {
+    char req[32], rnd[32], alc[32], res[32], cap[32], fre[32], big[32], unalloc[32];
+    int64_t r = reserved(a), al = a->stats.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].current;
+    int64_t total = a->limit >= 0 ? a->limit : a->total_memory;
+    alloc_block *m0 = alloc_tree_max(&a->pools[POOL_LARGE]), *m1 = alloc_tree_max(&a->pools[POOL_SMALL]);
+    int64_t largest = (int64_t)((m0 && (!m1 || m0->size > m1->size)) ? m0->size : m1 ? m1->size : 0);
+    double frag = r > 0 ? 100.0 * (double)(r - al) / (double)r : 0.0;
+    a->stats.num_ooms++;
+    cmlp_format_bytes(req, sizeof req, (int64_t)nbytes);
+    cmlp_format_bytes(rnd, sizeof rnd, (int64_t)size);
+    cmlp_format_bytes(alc, sizeof alc, al);
+    cmlp_format_bytes(res, sizeof res, r);
+    cmlp_format_bytes(unalloc, sizeof unalloc, r - al);
+    cmlp_format_bytes(cap, sizeof cap, total);
+    cmlp_format_bytes(fre, sizeof fre, total > r ? total - r : 0);
+    cmlp_format_bytes(big, sizeof big, largest);
+    const char *frag_hint = frag > 20.0 ? " Reserved but unallocated memory is large: try "
+                                          "configure(\"expandable_segments:True\") or a max_split_size_mb "
+                                          "to avoid fragmentation."
+                                        : "";
+    return CMLP_FAIL(CMLP_ERR_OOM,
+                     "%s out of memory. Tried to allocate %s (%zu bytes requested, rounded to %zu). %s %s is %s "
+                     "of which %s is free. Of the reserved memory %s is allocated by cmlp and %s is reserved but "
+                     "unallocated; the largest free block is %s (fragmentation %.1f%%).%s Try micro-batches "
+                     "(Trainer(auto_microbatch=True) or a smaller batch_size with accumulation_steps), "
+                     "amp=\"fp16\" or \"bf16\", or recompute=True.",
+                     a->name, rnd, nbytes, size, a->name, a->limit >= 0 ? "memory limit" : "total capacity", cap, fre,
+                     alc, unalloc, big, frag, frag_hint);
+}
+
+static void refresh_config(cmlp_allocator *a);
+
+static cmlp_status allocate(cmlp_allocator *a, size_t nbytes, void **out) {
+    refresh_config(a);
+    size_t size = alloc_round_size(&a->cfg, nbytes);
+    int pool = size <= K_SMALL_SIZE ? POOL_SMALL : POOL_LARGE;
+    if (!table_reserve(a)) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory for the allocator's block table");
+    alloc_block *b = cached_block(a, pool, size);
+    if (!b) b = new_memory(a, pool, size);
+    if (!b && release_oversize(a, size)) b = cached_block(a, pool, size);
+    if (!b && a->cfg.max_split_size >= 0) b = new_memory(a, pool, size);
+    if (!b) {
+        a->stats.num_alloc_retries++;
+        release_cached(a);
+        b = cached_block(a, pool, size);
+        if (!b) b = new_memory(a, pool, size);
+    }
+    if (!b) return oom(a, nbytes, size);
+    if (should_split(a, b, size)) {
+        alloc_block *rest = calloc(1, sizeof *rest);
+        if (rest) {
+            *rest = (alloc_block){.ptr = b->ptr + size, .size = b->size - size, .seg = b->seg, .prev = b, .next = b->next};
+            if (b->next) b->next->prev = rest;
+            b->next = rest;
+            b->size = size;
+            pool_put(a, rest);
+        } /* without host memory for the split the whole block is handed out: still correct */
+    }
+    b->allocated = true;
+    b->requested = nbytes;
+    table_put(a, b);
+    int p = b->seg->pool;
+    stat(a, CMLP_STAT_ALLOCATION, p, 1);
+    stat(a, CMLP_STAT_ACTIVE, p, 1);
+    stat(a, CMLP_STAT_ALLOCATED_BYTES, p, (int64_t)b->size);
+    stat(a, CMLP_STAT_ACTIVE_BYTES, p, (int64_t)b->size);
+    stat(a, CMLP_STAT_REQUESTED_BYTES, p, (int64_t)nbytes);
+    if (oversize(a, b->size)) stat(a, CMLP_STAT_OVERSIZE_ALLOCATIONS, p, 1);
+    *out = b->ptr;
+    return CMLP_OK;
+}
+
+static void release_block(cmlp_allocator *a, alloc_block *b) {
+    int p = b->seg->pool;
+    stat(a, CMLP_STAT_ALLOCATION, p, -1);
+    stat(a, CMLP_STAT_ACTIVE, p, -1);
+    stat(a, CMLP_STAT_ALLOCATED_BYTES, p, -(int64_t)b->size);
+    stat(a, CMLP_STAT_ACTIVE_BYTES, p, -(int64_t)b->size);
+    stat(a, CMLP_STAT_REQUESTED_BYTES, p, -(int64_t)b->requested);
+    if (oversize(a, b->size)) stat(a, CMLP_STAT_OVERSIZE_ALLOCATIONS, p, -1);
+    b->allocated = false;
+    b->requested = 0;
+    alloc_block *prev = b->prev, *next = b->next;
+    if (prev && !prev->allocated) { /* absorb b into its free predecessor */
+        pool_take(a, prev);
+        prev->size += b->size;
+        prev->next = next;
+        if (next) next->prev = prev;
+        free(b);
+        b = prev;
+    }
+    next = b->next;
+    if (next && !next->allocated) {
+        pool_take(a, next);
+        b->size += next->size;
+        b->next = next->next;
+        if (next->next) next->next->prev = b;
+        free(next);
+    }
+    pool_put(a, b);
+}
+
+/* ---- configuration and the public face ---- */
+
+static _Atomic uint64_t config_generation = 1;
+
+void alloc_config_changed(void) { atomic_fetch_add(&config_generation, 1); }
+
+static void refresh_config(cmlp_allocator *a) {
+    uint64_t gen = atomic_load(&config_generation);
+    if (gen == a->config_gen) return;
+    alloc_config_current(&a->cfg);
+    a->config_gen = gen;
+    a->stats.max_split_size = a->cfg.max_split_size;
 }
 
 void cmlp_format_bytes(char *buf, size_t cap, int64_t n) {
@@ -113,8 +468,7 @@ void cmlp_format_bytes(char *buf, size_t cap, int64_t n) {
     snprintf(buf, cap, "%.2f %s", v, units[u]);
 }
 
-cmlp_status cmlp_allocator_create(const cmlp_backend_i *b, void *bctx, const char *device_name,
-                                  cmlp_allocator **out) {
+cmlp_status cmlp_allocator_create(const cmlp_backend_i *b, void *bctx, const char *device_name, cmlp_allocator **out) {
     cmlp_allocator *a = calloc(1, sizeof *a);
     if (!a) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory creating the allocator");
     pthread_mutex_init(&a->lock, NULL);
@@ -123,61 +477,45 @@ cmlp_status cmlp_allocator_create(const cmlp_backend_i *b, void *bctx, const cha
     snprintf(a->name, sizeof a->name, "%s", device_name);
     a->limit = -1;
     a->total_memory = b->total_memory(bctx);
-    a->stats.max_split_size = -1;
+    a->pools[POOL_LARGE].seed = 0x2545F491u;
+    a->pools[POOL_SMALL].seed = 0x9E3779B9u;
+    refresh_config(a);
     *out = a;
     return CMLP_OK;
 }
 
-static cmlp_status oom(cmlp_allocator *a, size_t nbytes, size_t size, const char *why) {
-    char req[32], rnd[32], alloc[32], res[32], lim[32], fre[32];
-    int64_t reserved = a->stats.stat[CMLP_STAT_RESERVED_BYTES][CMLP_POOL_ALL].current;
-    int64_t allocated = a->stats.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].current;
-    int64_t cap = a->limit >= 0 ? a->limit : a->total_memory;
-    a->stats.num_ooms++;
-    cmlp_format_bytes(req, sizeof req, (int64_t)nbytes);
-    cmlp_format_bytes(rnd, sizeof rnd, (int64_t)size);
-    cmlp_format_bytes(alloc, sizeof alloc, allocated);
-    cmlp_format_bytes(res, sizeof res, reserved);
-    cmlp_format_bytes(lim, sizeof lim, cap);
-    cmlp_format_bytes(fre, sizeof fre, cap > reserved ? cap - reserved : 0);
-    return CMLP_FAIL(CMLP_ERR_OOM,
-                     "%s out of memory: tried to allocate %s (%zu bytes requested, rounded to %zu)"
-                     " (%s). Allocated: %s; reserved: %s; %s: %s, of which %s is free; largest "
-                     "free block: %s; fragmentation: 0.0%%. Try a smaller batch or micro-batches "
-                     "(Trainer auto_microbatch), amp=\"fp16\"/\"bf16\", or recompute=True.",
-                     a->name, req, nbytes, size, why, alloc, res,
-                     a->limit >= 0 ? "limit" : "total capacity", lim, fre, fre);
+void cmlp_allocator_destroy(cmlp_allocator *a) {
+    if (!a) return;
+    for (alloc_segment *s = a->segments, *next; s; s = next) {
+        next = s->next;
+        for (alloc_block *b = s->first, *bn; b; b = bn) {
+            bn = b->next;
+            free(b);
+        }
+        if (s->expandable) {
+            if (s->size) a->backend->vm_unmap(a->bctx, s->base, s->size);
+            a->backend->vm_release(a->bctx, s->base, s->vsize);
+        } else {
+            a->backend->raw_free(a->bctx, s->base, s->size);
+        }
+        free(s);
+    }
+    free(a->table);
+    pthread_mutex_destroy(&a->lock);
+    free(a);
 }
 
 cmlp_status cmlp_allocator_malloc(cmlp_allocator *a, size_t nbytes, void **out) {
     *out = NULL;
     if (nbytes == 0) return CMLP_OK;
-    if (nbytes > (SIZE_MAX >> 2)) return CMLP_FAIL(CMLP_ERR_OOM, "out of memory: request of %zu bytes is impossibly large", nbytes);
-    size_t size = round_request(nbytes);
-    cmlp_status st = CMLP_OK;
+    if (nbytes > ((size_t)1 << 56)) {
+        pthread_mutex_lock(&a->lock);
+        a->stats.num_ooms++;
+        pthread_mutex_unlock(&a->lock);
+        return CMLP_FAIL(CMLP_ERR_OOM, "%s out of memory: a request of %zu bytes is impossibly large", a->name, nbytes);
+    }
     pthread_mutex_lock(&a->lock);
-    int64_t reserved = a->stats.stat[CMLP_STAT_RESERVED_BYTES][CMLP_POOL_ALL].current;
-    if (a->limit >= 0 && reserved + (int64_t)size > a->limit) {
-        st = oom(a, nbytes, size, "the memory limit would be exceeded");
-        goto done;
-    }
-    if (a->count + 1 > a->cap / 2) {
-        st = table_grow(a);
-        if (st != CMLP_OK) goto done;
-    }
-    void *p = NULL;
-    if (a->backend->raw_alloc(a->bctx, size, &p) != CMLP_OK || !p) {
-        st = oom(a, nbytes, size, "the device has no more memory");
-        goto done;
-    }
-    a->stats.num_device_alloc++;
-    size_t j = slot_of((uintptr_t)p, a->cap);
-    while (a->table[j].ptr) j = (j + 1) & (a->cap - 1);
-    a->table[j] = (block_entry){(uintptr_t)p, size, nbytes};
-    a->count++;
-    account(a, size, nbytes, +1);
-    *out = p;
-done:
+    cmlp_status st = allocate(a, nbytes, out);
     pthread_mutex_unlock(&a->lock);
     return st;
 }
@@ -185,26 +523,23 @@ done:
 cmlp_status cmlp_allocator_free(cmlp_allocator *a, void *ptr) {
     if (!ptr) return CMLP_OK;
     pthread_mutex_lock(&a->lock);
-    block_entry *e = table_find(a, (uintptr_t)ptr);
-    if (!e) {
-        pthread_mutex_unlock(&a->lock);
+    alloc_block *b = table_take(a, (uintptr_t)ptr);
+    if (b) release_block(a, b);
+    pthread_mutex_unlock(&a->lock);
+    if (!b)
         return CMLP_FAIL(CMLP_ERR_INVALID, "pointer %p was not allocated by the %s allocator (or was already freed)",
                          ptr, a->name);
-    }
-    size_t size = e->size, requested = e->requested;
-    table_remove(a, e);
-    account(a, size, requested, -1);
-    a->backend->raw_free(a->bctx, ptr, size);
-    a->stats.num_device_free++;
-    pthread_mutex_unlock(&a->lock);
     return CMLP_OK;
 }
 
 void cmlp_allocator_stats(cmlp_allocator *a, cmlp_memory_stats *out) {
     pthread_mutex_lock(&a->lock);
+    refresh_config(a);
     *out = a->stats;
     out->limit = a->limit;
     out->total_memory = a->total_memory;
+    alloc_block *m0 = alloc_tree_max(&a->pools[POOL_LARGE]), *m1 = alloc_tree_max(&a->pools[POOL_SMALL]);
+    out->largest_free_block = (int64_t)((m0 && (!m1 || m0->size > m1->size)) ? m0->size : m1 ? m1->size : 0);
     pthread_mutex_unlock(&a->lock);
 }
 
@@ -216,12 +551,158 @@ void cmlp_allocator_reset_peak(cmlp_allocator *a) {
 }
 
 void cmlp_allocator_empty_cache(cmlp_allocator *a) {
-    /* Nothing is cached: every free goes straight back to the device. */
-    (void)a;
+    pthread_mutex_lock(&a->lock);
+    release_cached(a);
+    pthread_mutex_unlock(&a->lock);
 }
 
 void cmlp_allocator_set_limit(cmlp_allocator *a, int64_t limit) {
     pthread_mutex_lock(&a->lock);
     a->limit = limit < 0 ? -1 : limit;
     pthread_mutex_unlock(&a->lock);
+}
+
+void cmlp_allocator_fail_raw(cmlp_allocator *a, int64_t k) {
+    pthread_mutex_lock(&a->lock);
+    a->fail_in = k > 0 ? k : 0;
+    pthread_mutex_unlock(&a->lock);
+}
+
+/* ---- snapshot and validation ---- */
+
+static int by_address(const void *x, const void *y) {
+    uintptr_t a = (uintptr_t)(*(alloc_segment *const *)x)->base, b = (uintptr_t)(*(alloc_segment *const *)y)->base;
+    return a < b ? -1 : a > b;
+}
+
+/* Segments in address order (skipping an expandable segment with nothing mapped). */
+static alloc_segment **sorted_segments(cmlp_allocator *a, int64_t *n) {
+    int64_t count = 0;
+    for (alloc_segment *s = a->segments; s; s = s->next) count += s->size > 0;
+    alloc_segment **v = malloc((size_t)(count ? count : 1) * sizeof *v);
+    if (!v) return NULL;
+    int64_t i = 0;
+    for (alloc_segment *s = a->segments; s; s = s->next)
+        if (s->size > 0) v[i++] = s;
+    qsort(v, (size_t)count, sizeof *v, by_address);
+    *n = count;
+    return v;
+}
+
+cmlp_status cmlp_allocator_snapshot(cmlp_allocator *a, cmlp_segment_info **segs, int64_t *nseg, cmlp_block_info **blks,
+                                    int64_t *nblk) {
+    pthread_mutex_lock(&a->lock);
+    int64_t ns = 0, nb = 0;
+    alloc_segment **v = sorted_segments(a, &ns);
+    for (int64_t i = 0; v && i < ns; i++)
+        for (alloc_block *b = v[i]->first; b; b = b->next) nb++;
+    cmlp_segment_info *so = v ? calloc((size_t)(ns ? ns : 1), sizeof *so) : NULL;
+    cmlp_block_info *bo = so ? calloc((size_t)(nb ? nb : 1), sizeof *bo) : NULL;
+    if (!bo) {
+        pthread_mutex_unlock(&a->lock);
+        free(v);
+        free(so);
+        return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory for a memory snapshot");
+    }
+    int64_t k = 0;
+    for (int64_t i = 0; i < ns; i++) {
+        alloc_segment *s = v[i];
+        cmlp_segment_info *o = &so[i];
+        *o = (cmlp_segment_info){.address = (uint64_t)(uintptr_t)s->base, .total_size = (int64_t)s->size,
+                                 .pool = spool(s->pool), .expandable = s->expandable, .first_block = k};
+        for (alloc_block *b = s->first; b; b = b->next, k++) {
+            bo[k] = (cmlp_block_info){(uint64_t)(uintptr_t)b->ptr, (int64_t)b->size, (int64_t)b->requested, b->allocated};
+            if (b->allocated) {
+                o->allocated_size += (int64_t)b->size;
+                o->active_size += (int64_t)b->size;
+                o->requested_size += (int64_t)b->requested;
+            }
+        }
+        o->nblocks = k - o->first_block;
+    }
+    pthread_mutex_unlock(&a->lock);
+    free(v);
+    *segs = so;
+    *nseg = ns;
+    *blks = bo;
+    *nblk = nb;
+    return CMLP_OK;
+}
+
+static int64_t tree_check(const alloc_block *t, int pool, bool *ok) {
+    if (!t) return 0;
+    if (t->allocated || !t->seg || t->seg->pool != pool) *ok = false;
+    return 1 + tree_check(t->left, pool, ok) + tree_check(t->right, pool, ok);
+}
+
+#define INVARIANT(cond, ...)                                               \
+    do {                                                                   \
+        if (!(cond)) {                                                     \
+            st = CMLP_FAIL(CMLP_ERR_INTERNAL, "allocator invariant: " __VA_ARGS__); \
+            goto done;                                                     \
+        }                                                                  \
+    } while (0)
+
+cmlp_status cmlp_allocator_validate(cmlp_allocator *a) {
+    cmlp_status st = CMLP_OK;
+    pthread_mutex_lock(&a->lock);
+    int64_t seg[NPOOLS] = {0}, res[NPOOLS] = {0}, nal[NPOOLS] = {0}, bal[NPOOLS] = {0}, req[NPOOLS] = {0};
+    int64_t nsplit[NPOOLS] = {0}, bsplit[NPOOLS] = {0}, nfree[NPOOLS] = {0}, bfree[NPOOLS] = {0}, allocated = 0;
+    for (alloc_segment *s = a->segments; s; s = s->next) {
+        INVARIANT(s->size <= s->vsize, "segment %p maps more than it reserves", (void *)s->base);
+        if (s->size == 0) {
+            INVARIANT(s->expandable && !s->first, "an empty segment holds blocks");
+            continue;
+        }
+        seg[s->pool]++;
+        res[s->pool] += (int64_t)s->size;
+        char *expect = s->base;
+        INVARIANT(s->first && !s->first->prev, "segment %p has no first block", (void *)s->base);
+        for (alloc_block *b = s->first; b; b = b->next) {
+            INVARIANT(b->seg == s && b->ptr == expect && b->size > 0, "blocks do not tile segment %p at %p",
+                      (void *)s->base, (void *)b->ptr);
+            INVARIANT(!b->next || b->next->prev == b, "broken neighbour links at %p", (void *)b->ptr);
+            INVARIANT(b->allocated || !b->next || b->next->allocated, "free neighbours left unmerged at %p",
+                      (void *)b->ptr);
+            expect += b->size;
+            if (b->allocated) {
+                nal[s->pool]++;
+                bal[s->pool] += (int64_t)b->size;
+                req[s->pool] += (int64_t)b->requested;
+                allocated++;
+            } else {
+                nfree[s->pool]++;
+                bfree[s->pool] += (int64_t)b->size;
+                if (is_split(b)) {
+                    nsplit[s->pool]++;
+                    bsplit[s->pool] += (int64_t)b->size;
+                }
+            }
+        }
+        INVARIANT(expect == s->base + s->size, "blocks of segment %p do not add up to its size", (void *)s->base);
+    }
+    INVARIANT((int64_t)a->count == allocated, "table holds %zu blocks, segments %" PRId64, a->count, allocated);
+    for (int p = 0; p < NPOOLS; p++) {
+        bool ok = true;
+        int64_t in_tree = tree_check(a->pools[p].root, p, &ok);
+        INVARIANT(ok && in_tree == a->pools[p].count && in_tree == nfree[p] && (int64_t)a->pools[p].bytes == bfree[p],
+                  "pool %d holds %" PRId64 " blocks, %" PRId64 " are free", p, in_tree, nfree[p]);
+        const cmlp_stat(*S)[CMLP_POOL_COUNT] = a->stats.stat;
+        int sp = spool(p);
+        INVARIANT(S[CMLP_STAT_SEGMENT][sp].current == seg[p] && S[CMLP_STAT_RESERVED_BYTES][sp].current == res[p],
+                  "segment statistics of pool %d disagree with the segments", p);
+        INVARIANT(S[CMLP_STAT_ALLOCATION][sp].current == nal[p] && S[CMLP_STAT_ALLOCATED_BYTES][sp].current == bal[p] &&
+                      S[CMLP_STAT_ACTIVE_BYTES][sp].current == bal[p] && S[CMLP_STAT_REQUESTED_BYTES][sp].current == req[p],
+                  "allocation statistics of pool %d disagree with the blocks", p);
+        INVARIANT(S[CMLP_STAT_INACTIVE_SPLIT][sp].current == nsplit[p] &&
+                      S[CMLP_STAT_INACTIVE_SPLIT_BYTES][sp].current == bsplit[p],
+                  "inactive_split statistics of pool %d disagree with the blocks", p);
+    }
+    for (int k = 0; k < CMLP_STAT_OVERSIZE_ALLOCATIONS; k++)
+        INVARIANT(a->stats.stat[k][CMLP_POOL_ALL].current ==
+                      a->stats.stat[k][CMLP_POOL_LARGE].current + a->stats.stat[k][CMLP_POOL_SMALL].current,
+                  "statistic %d: all != large + small", k);
+done:
+    pthread_mutex_unlock(&a->lock);
+    return st;
 }

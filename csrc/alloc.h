@@ -1,6 +1,6 @@
-/* alloc.h - the allocator module: every byte of a device passes through one instance, which
- * keeps PyTorch-style statistics and enforces the device's memory limit. It is given the raw
- * alloc/free of its backend and knows nothing else about the device.
+/* alloc.h - the caching allocator: every byte of a device passes through one instance, which
+ * caches freed blocks, keeps PyTorch's statistics and enforces the device's memory limit. It is
+ * given the raw alloc/free (and virtual memory calls) of its backend and nothing else.
  */
 #ifndef CMLP_ALLOC_H
 #define CMLP_ALLOC_H
@@ -10,8 +10,6 @@
 
 typedef struct cmlp_allocator cmlp_allocator;
 
-#define CMLP_ALLOC_ROUND 512                 /* every request is a multiple of this */
-#define CMLP_ALLOC_SMALL_SIZE (1 << 20)      /* requests up to 1 MiB are "small pool" */
 
 __attribute__((visibility("hidden")))
 cmlp_status cmlp_allocator_create(const cmlp_backend_i *b, void *bctx, const char *device_name,
@@ -31,6 +29,16 @@ __attribute__((visibility("hidden")))
 void cmlp_allocator_empty_cache(cmlp_allocator *a);
 __attribute__((visibility("hidden")))
 void cmlp_allocator_set_limit(cmlp_allocator *a, int64_t limit);
+__attribute__((visibility("hidden")))
+void cmlp_allocator_destroy(cmlp_allocator *a);
+/* Test hook: the k-th raw device call (allocation or mapping) from now fails; 0 disables. */
+__attribute__((visibility("hidden")))
+void cmlp_allocator_fail_raw(cmlp_allocator *a, int64_t k);
+__attribute__((visibility("hidden")))
+cmlp_status cmlp_allocator_snapshot(cmlp_allocator *a, cmlp_segment_info **segs, int64_t *nseg,
+                                    cmlp_block_info **blks, int64_t *nblk);
+__attribute__((visibility("hidden")))
+cmlp_status cmlp_allocator_validate(cmlp_allocator *a);
 /* Formats n bytes as PyTorch does: "158.00 MiB". */
 __attribute__((visibility("hidden")))
 void cmlp_format_bytes(char *buf, size_t cap, int64_t n);

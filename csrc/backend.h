@@ -24,6 +24,14 @@ typedef struct cmlp_backend_i {
     cmlp_status (*raw_alloc)(void *ctx, size_t nbytes, void **out);
     void (*raw_free)(void *ctx, void *ptr, size_t nbytes);
 
+    /* Virtual memory for expandable segments (NULL where the device has none): reserve an
+     * address range, map (commit) and unmap pages inside it, release the range. vm_map
+     * returns CMLP_ERR_OOM, with nothing recorded, when the device has no memory left. */
+    cmlp_status (*vm_reserve)(void *ctx, size_t nbytes, void **out);
+    cmlp_status (*vm_map)(void *ctx, void *ptr, size_t nbytes);
+    void (*vm_unmap)(void *ctx, void *ptr, size_t nbytes);
+    void (*vm_release)(void *ctx, void *ptr, size_t nbytes);
+
     cmlp_status (*copy_h2d)(void *ctx, void *d_dst, const void *h_src, size_t nbytes);
     cmlp_status (*copy_d2h)(void *ctx, void *h_dst, const void *d_src, size_t nbytes);
     cmlp_status (*copy_d2d)(void *ctx, void *d_dst, const void *d_src, size_t nbytes);

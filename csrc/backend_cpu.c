@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <cblas.h>
@@ -63,6 +64,32 @@ static void cpu_raw_free(void *ctx, void *ptr, size_t nbytes) {
     (void)ctx;
     (void)nbytes;
     free(ptr);
+}
+
+/* Expandable segments on the CPU: an address range reserved without access, pages made
+ * accessible when mapped and returned to the kernel when unmapped. */
+static cmlp_status cpu_vm_reserve(void *ctx, size_t nbytes, void **out) {
+    (void)ctx;
+    void *p = mmap(NULL, nbytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return CMLP_ERR_OOM;
+    *out = p;
+    return CMLP_OK;
+}
+
+static cmlp_status cpu_vm_map(void *ctx, void *ptr, size_t nbytes) {
+    (void)ctx;
+    return mprotect(ptr, nbytes, PROT_READ | PROT_WRITE) == 0 ? CMLP_OK : CMLP_ERR_OOM;
+}
+
+static void cpu_vm_unmap(void *ctx, void *ptr, size_t nbytes) {
+    (void)ctx;
+    (void)madvise(ptr, nbytes, MADV_DONTNEED);
+    (void)mprotect(ptr, nbytes, PROT_NONE);
+}
+
+static void cpu_vm_release(void *ctx, void *ptr, size_t nbytes) {
+    (void)ctx;
+    (void)munmap(ptr, nbytes);
 }
 
 static cmlp_status cpu_copy(void *ctx, void *dst, const void *src, size_t nbytes) {
@@ -230,6 +257,10 @@ const cmlp_backend_i cmlp_backend_cpu = {
     .total_memory = cpu_total_memory,
     .raw_alloc = cpu_raw_alloc,
     .raw_free = cpu_raw_free,
+    .vm_reserve = cpu_vm_reserve,
+    .vm_map = cpu_vm_map,
+    .vm_unmap = cpu_vm_unmap,
+    .vm_release = cpu_vm_release,
     .copy_h2d = cpu_copy,
     .copy_d2h = cpu_copy,
     .copy_d2d = cpu_copy,

@@ -107,6 +107,8 @@ typedef struct cmlp_memory_stats {
     int64_t max_split_size; /* -1: unlimited */
     int64_t limit;          /* -1: no limit */
     int64_t total_memory;   /* physical memory of the device */
+    int64_t largest_free_block; /* bytes, in the cache */
+    int64_t num_raw_alloc_calls; /* raw device allocations attempted (the test hook counts these) */
 } cmlp_memory_stats;
 
 CMLP_API cmlp_status cmlp_memory_stats_get(cmlp_device d, cmlp_memory_stats *out);
@@ -115,6 +117,50 @@ CMLP_API cmlp_status cmlp_memory_empty_cache(cmlp_device d);
 /* limit < 0 removes the limit. A limit below what is reserved now is allowed: later
  * requests fail until enough is released. */
 CMLP_API cmlp_status cmlp_memory_set_limit(cmlp_device d, int64_t limit);
+/* Allocator settings, shared by every device (PyTorch's CachingAllocator options). */
+#define CMLP_ROUNDUP_INTERVALS 16
+typedef struct cmlp_alloc_settings {
+    int64_t max_split_size;               /* bytes; -1: unlimited */
+    double garbage_collection_threshold;  /* fraction of the limit; 0: off */
+    int roundup_power2_divisions[CMLP_ROUNDUP_INTERVALS]; /* per interval [2^i, 2^(i+1)) MiB */
+    int expandable_segments;
+} cmlp_alloc_settings;
+
+/* Parses "key:value,..." in PYTORCH_CUDA_ALLOC_CONF's syntax and replaces every setting (keys
+ * not given return to their defaults). CMLP_ERR_INVALID names an unknown key or bad value;
+ * nothing changes then. New settings apply to later requests; existing blocks stay. */
+CMLP_API cmlp_status cmlp_memory_configure(const char *conf);
+CMLP_API cmlp_status cmlp_memory_parse_settings(const char *conf, cmlp_alloc_settings *out);
+CMLP_API void cmlp_memory_get_settings(cmlp_alloc_settings *out);
+
+/* A snapshot: segments sorted by address, each owning blocks [first_block, first_block +
+ * nblocks) of the block array, in address order. Free both arrays with
+ * cmlp_memory_snapshot_free. */
+typedef struct cmlp_segment_info {
+    uint64_t address;
+    int64_t total_size, allocated_size, active_size, requested_size;
+    int pool; /* CMLP_POOL_LARGE or CMLP_POOL_SMALL */
+    int expandable;
+    int64_t first_block, nblocks;
+} cmlp_segment_info;
+
+typedef struct cmlp_block_info {
+    uint64_t address;
+    int64_t size, requested_size;
+    int allocated; /* 1: active_allocated, 0: inactive */
+} cmlp_block_info;
+
+CMLP_API cmlp_status cmlp_memory_snapshot(cmlp_device d, cmlp_segment_info **segments, int64_t *nsegments,
+                                          cmlp_block_info **blocks, int64_t *nblocks);
+CMLP_API void cmlp_memory_snapshot_free(cmlp_segment_info *segments, cmlp_block_info *blocks);
+/* Checks every invariant of the device's allocator (blocks tile segments, free neighbours are
+ * merged, pools hold exactly the free blocks, statistics equal the sums): CMLP_ERR_INTERNAL
+ * with the first violation otherwise. */
+CMLP_API cmlp_status cmlp_memory_validate(cmlp_device d);
+/* Test hook: the k-th raw device allocation from now fails as if the device were full
+ * (k = 1: the next one); k <= 0 disables it. */
+CMLP_API cmlp_status cmlp_memory_fail_raw_alloc(cmlp_device d, int64_t k);
+
 /* A raw block from the device's allocator (PyTorch's caching_allocator_alloc). */
 CMLP_API cmlp_status cmlp_memory_alloc(cmlp_device d, size_t nbytes, void **out);
 CMLP_API cmlp_status cmlp_memory_free(cmlp_device d, void *ptr); /* INVALID if not ours */

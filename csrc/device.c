@@ -131,6 +131,31 @@ cmlp_status cmlp_memory_set_limit(cmlp_device d, int64_t limit) {
     return CMLP_OK;
 }
 
+cmlp_status cmlp_memory_snapshot(cmlp_device d, cmlp_segment_info **segments, int64_t *nsegments,
+                                 cmlp_block_info **blocks, int64_t *nblocks) {
+    cmlp_device_ctx *c;
+    CMLP_TRY(cmlp_device_get(d, &c));
+    return cmlp_allocator_snapshot(c->alloc, segments, nsegments, blocks, nblocks);
+}
+
+void cmlp_memory_snapshot_free(cmlp_segment_info *segments, cmlp_block_info *blocks) {
+    free(segments);
+    free(blocks);
+}
+
+cmlp_status cmlp_memory_validate(cmlp_device d) {
+    cmlp_device_ctx *c;
+    CMLP_TRY(cmlp_device_get(d, &c));
+    return cmlp_allocator_validate(c->alloc);
+}
+
+cmlp_status cmlp_memory_fail_raw_alloc(cmlp_device d, int64_t k) {
+    cmlp_device_ctx *c;
+    CMLP_TRY(cmlp_device_get(d, &c));
+    cmlp_allocator_fail_raw(c->alloc, k);
+    return CMLP_OK;
+}
+
 cmlp_status cmlp_memory_alloc(cmlp_device d, size_t nbytes, void **out) {
     cmlp_device_ctx *c;
     CMLP_TRY(cmlp_device_get(d, &c));

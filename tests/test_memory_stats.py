@@ -28,6 +28,16 @@ def rounded(n):
     return max(ROUND, -(-n // ROUND) * ROUND)
 
 
+def segment(n):
+    """The segment the caching allocator reserves for a request of n bytes (PyTorch's rule)."""
+    r = rounded(n)
+    if r <= 1 << 20:
+        return 2 << 20
+    if r < 10 << 20:
+        return 20 << 20
+    return -(-r // (2 << 20)) * (2 << 20)
+
+
 def fmt(n):
     """PyTorch's size format: two decimals in B/KiB/MiB/GiB."""
     v, units = float(n), ["B", "KiB", "MiB", "GiB", "TiB"]
@@ -234,22 +244,27 @@ def test_memory_limit_oom_is_clean_and_recoverable():
 
 def test_oom_on_the_gradient_buffer_frees_the_parameters():
     big = [2048, 2048, 10]
-    nbytes = rounded((2048 * 2048 + 2048 + 2048 * 10 + 10) * 4)
+    nbytes = (2048 * 2048 + 2048 + 2048 * 10 + 10) * 4
     base = allocated()
-    M.set_memory_limit(M.memory_reserved(DEV) + nbytes + (1 << 20), DEV)
+    M.empty_cache(DEV)
+    # room for the parameters' segment, not for the gradients'
+    M.set_memory_limit(M.memory_reserved(DEV) + segment(nbytes) + (1 << 20), DEV)
     with pytest.raises(cmlp.OutOfMemoryError, match="out of memory"):
         cmlp.MLP(big)
     assert allocated() == base
 
 
 def test_oom_at_the_first_optimizer_step_changes_nothing():
-    model = cmlp.MLP(SIZES, seed=0)
+    # big enough that Adam's state cannot come from what the cache holds
+    model = cmlp.MLP([784, 4096, 10], seed=0)
+    nparams = model.num_parameters()
     opt = cmlp.optim.Adam(model)
     x, y = batch()
     model.forward_backward(x, y)
     params = model.state_dict()
     base = allocated()
-    M.set_memory_limit(M.memory_reserved(DEV) + NPARAMS * 4, DEV)
+    M.empty_cache(DEV)
+    M.set_memory_limit(M.memory_reserved(DEV) + nparams * 4, DEV)
     with pytest.raises(cmlp.OutOfMemoryError, match="out of memory"):
         opt.step()
     assert allocated() == base
@@ -277,7 +292,7 @@ def test_set_per_process_memory_fraction_validation():
     assert M.get_memory_limit(DEV) == int(0.5 * total)
     M.set_per_process_memory_fraction(0.0, DEV)
     with pytest.raises(cmlp.OutOfMemoryError):
-        cmlp.MLP([10, 4])
+        cmlp.MLP([4096, 4096, 10])  # larger than anything the cache can hold
 
 
 def test_set_memory_limit_validation():

@@ -258,15 +258,22 @@ static void test_allocator(void) {
     int64_t base = allocated_now();
     void *p[200];
     unsigned rs = 11;
-    size_t total = 0;
+    size_t total = 0, requested = 0;
+    cmlp_memory_stats s;
+    OK(cmlp_memory_stats_get(cmlp_cpu(), &s));
+    int64_t req0 = s.stat[CMLP_STAT_REQUESTED_BYTES][CMLP_POOL_ALL].current;
     for (int i = 0; i < 200; i++) {
         size_t n = 1 + ((unsigned)(frand(&rs) * 1e6f + 1e6f) % 3000000u);
         OK(cmlp_memory_alloc(cmlp_cpu(), n, &p[i]));
         total += (n + 511) / 512 * 512;
+        requested += n;
         if (p[i]) memset(p[i], i & 0xFF, n);
     }
-    CHECK(allocated_now() - base == (int64_t)total, "allocated %lld, expected %zu", (long long)(allocated_now() - base),
+    OK(cmlp_memory_stats_get(cmlp_cpu(), &s));
+    CHECK(s.stat[CMLP_STAT_REQUESTED_BYTES][CMLP_POOL_ALL].current - req0 == (int64_t)requested, "requested bytes");
+    CHECK(allocated_now() - base >= (int64_t)total, "allocated %lld, at least %zu", (long long)(allocated_now() - base),
           total);
+    OK(cmlp_memory_validate(cmlp_cpu()));
     for (int i = 0; i < 200; i += 2) OK(cmlp_memory_free(cmlp_cpu(), p[i]));
     for (int i = 1; i < 200; i += 2) OK(cmlp_memory_free(cmlp_cpu(), p[i]));
     CHECK(allocated_now() == base, "leak: %lld", (long long)(allocated_now() - base));
@@ -276,7 +283,7 @@ static void test_allocator(void) {
     OK(cmlp_memory_alloc(cmlp_cpu(), 0, &z));
     CHECK(z == NULL, "0 bytes gave a pointer");
     /* the limit: an OOM that says why, counts, and leaves the allocator working */
-    cmlp_memory_stats s;
+    OK(cmlp_memory_empty_cache(cmlp_cpu()));
     OK(cmlp_memory_stats_get(cmlp_cpu(), &s));
     int64_t ooms = s.num_ooms;
     int64_t reserved = s.stat[CMLP_STAT_RESERVED_BYTES][CMLP_POOL_ALL].current;
@@ -294,6 +301,7 @@ static void test_allocator(void) {
     OK(cmlp_memory_set_limit(cmlp_cpu(), -1));
     OK(cmlp_memory_alloc(cmlp_cpu(), 4 << 20, &big));
     OK(cmlp_memory_free(cmlp_cpu(), big));
+    OK(cmlp_memory_validate(cmlp_cpu()));
     OK(cmlp_memory_reset_peak(cmlp_cpu()));
     OK(cmlp_memory_stats_get(cmlp_cpu(), &s));
     CHECK(s.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].peak == s.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].current,
