@@ -14,6 +14,22 @@ from . import _cmlp  # noqa: E402
 from ._cmlp import OutOfMemoryError  # noqa: E402
 from . import cuda, datasets, memory, optim  # noqa: E402
 from .memory import empty_cache  # noqa: E402
+
+
+def _configure_from_environment() -> None:
+    import os
+
+    for var in ("CMLP_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        conf = os.environ.get(var)
+        if conf:
+            try:
+                memory.configure(conf)
+            except ValueError as e:
+                raise ValueError(f"{var}={conf!r}: {e}") from None
+            return
+
+
+_configure_from_environment()
 from .model import MLP  # noqa: E402
 from .trainer import Trainer  # noqa: E402
 

@@ -817,7 +817,9 @@ static PyObject *mod_memory_stats(PyObject *mod, PyObject *arg) {
         put_int(dict, "num_device_alloc", s.num_device_alloc) < 0 ||
         put_int(dict, "num_device_free", s.num_device_free) < 0 ||
         put_int(dict, "max_split_size", s.max_split_size) < 0 || put_int(dict, "limit", s.limit) < 0 ||
-        put_int(dict, "total_memory", s.total_memory) < 0)
+        put_int(dict, "total_memory", s.total_memory) < 0 ||
+        put_int(dict, "largest_free_block", s.largest_free_block) < 0 ||
+        put_int(dict, "num_raw_alloc_calls", s.num_raw_alloc_calls) < 0)
         goto fail;
     return dict;
 fail:
@@ -883,6 +885,89 @@ static PyObject *mod_free(PyObject *mod, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *block_dict(const cmlp_block_info *b) {
+    return Py_BuildValue("{s:K,s:L,s:L,s:s}", "address", (unsigned long long)b->address, "size", (long long)b->size,
+                         "requested_size", (long long)b->requested_size, "state",
+                         b->allocated ? "active_allocated" : "inactive");
+}
+
+static PyObject *mod_snapshot(PyObject *mod, PyObject *arg) {
+    cmlp_device d;
+    if (parse_device(state_of(mod), arg, &d) < 0) return NULL;
+    cmlp_segment_info *segs = NULL;
+    cmlp_block_info *blks = NULL;
+    int64_t ns = 0, nb = 0;
+    cmlp_status st = cmlp_memory_snapshot(d, &segs, &ns, &blks, &nb);
+    if (st != CMLP_OK) return raise_status(state_of(mod), st);
+    PyObject *list = PyList_New((Py_ssize_t)ns), *dev = device_str(d);
+    for (int64_t i = 0; list && dev && i < ns; i++) {
+        const cmlp_segment_info *s = &segs[i];
+        PyObject *blocks = PyList_New((Py_ssize_t)s->nblocks);
+        for (int64_t j = 0; blocks && j < s->nblocks; j++) {
+            PyObject *b = block_dict(&blks[s->first_block + j]);
+            if (!b) Py_CLEAR(blocks);
+            else PyList_SET_ITEM(blocks, (Py_ssize_t)j, b);
+        }
+        PyObject *seg = blocks ? Py_BuildValue("{s:K,s:O,s:L,s:L,s:L,s:L,s:s,s:O,s:N}", "address",
+                                               (unsigned long long)s->address, "device", dev, "total_size",
+                                               (long long)s->total_size, "allocated_size", (long long)s->allocated_size,
+                                               "active_size", (long long)s->active_size, "requested_size",
+                                               (long long)s->requested_size, "segment_type",
+                                               s->pool == CMLP_POOL_SMALL ? "small" : "large", "expandable",
+                                               s->expandable ? Py_True : Py_False, "blocks", blocks)
+                              : NULL;
+        if (!seg) {
+            Py_XDECREF(blocks);
+            Py_CLEAR(list);
+            break;
+        }
+        PyList_SET_ITEM(list, (Py_ssize_t)i, seg);
+    }
+    Py_XDECREF(dev);
+    cmlp_memory_snapshot_free(segs, blks);
+    return list;
+}
+
+static PyObject *mod_configure(PyObject *mod, PyObject *arg) {
+    if (!PyUnicode_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "the allocator configuration must be a str such as \"max_split_size_mb:128\"");
+        return NULL;
+    }
+    const char *s = PyUnicode_AsUTF8(arg);
+    if (!s) return NULL;
+    cmlp_status st = cmlp_memory_configure(s);
+    if (st != CMLP_OK) return raise_status(state_of(mod), st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_get_settings(PyObject *mod, PyObject *unused) {
+    (void)mod;
+    (void)unused;
+    cmlp_alloc_settings c;
+    cmlp_memory_get_settings(&c);
+    PyObject *div = PyList_New(CMLP_ROUNDUP_INTERVALS);
+    if (!div) return NULL;
+    for (int i = 0; i < CMLP_ROUNDUP_INTERVALS; i++) PyList_SET_ITEM(div, i, PyLong_FromLong(c.roundup_power2_divisions[i]));
+    return Py_BuildValue("{s:L,s:d,s:N,s:O}", "max_split_size", (long long)c.max_split_size,
+                         "garbage_collection_threshold", c.garbage_collection_threshold, "roundup_power2_divisions", div,
+                         "expandable_segments", c.expandable_segments ? Py_True : Py_False);
+}
+
+static PyObject *mod_validate(PyObject *mod, PyObject *arg) {
+    return call_device_fn(mod, arg, cmlp_memory_validate);
+}
+
+static PyObject *mod_fail_raw_alloc(PyObject *mod, PyObject *args) {
+    PyObject *dev;
+    long long k;
+    if (!PyArg_ParseTuple(args, "OL", &dev, &k)) return NULL;
+    cmlp_device d;
+    if (parse_device(state_of(mod), dev, &d) < 0) return NULL;
+    cmlp_status st = cmlp_memory_fail_raw_alloc(d, k);
+    if (st != CMLP_OK) return raise_status(state_of(mod), st);
+    Py_RETURN_NONE;
+}
+
 static PyObject *mod_parse_device(PyObject *mod, PyObject *arg) {
     cmlp_device d;
     if (parse_device(state_of(mod), arg, &d) < 0) return NULL;
@@ -909,6 +994,11 @@ static PyMethodDef module_methods[] = {
     {"set_memory_limit", mod_set_memory_limit, METH_VARARGS, "set_memory_limit(device, bytes or -1)"},
     {"alloc", mod_alloc, METH_VARARGS, "alloc(device, nbytes) -> int"},
     {"free", mod_free, METH_VARARGS, "free(device, ptr)"},
+    {"snapshot", mod_snapshot, METH_O, "segments with their blocks, by address"},
+    {"configure", mod_configure, METH_O, "set the allocator options (PyTorch syntax)"},
+    {"get_settings", mod_get_settings, METH_NOARGS, "the allocator options in force"},
+    {"validate", mod_validate, METH_O, "check the allocator's invariants"},
+    {"fail_raw_alloc", mod_fail_raw_alloc, METH_VARARGS, "test hook: fail the k-th raw device call from now"},
     {"parse_device", mod_parse_device, METH_O, "canonical device string; raises when unavailable"},
     {"build_info", mod_build_info, METH_NOARGS, "build facts"},
     {"cuda_device_count", mod_cuda_device_count, METH_NOARGS, "number of usable CUDA devices"},

@@ -2,7 +2,7 @@
 ("cpu" included). All numbers come from the device's allocator, which owns every byte."""
 import re
 import threading
-from typing import Dict, Optional, Union
+from typing import Any, Dict, List, Mapping, Optional, Union
 
 from . import _cmlp
 
@@ -99,6 +99,86 @@ def caching_allocator_delete(ptr: int) -> None:
     _cmlp.free(dev, ptr)
 
 
+def memory_snapshot(device: Optional[str] = None) -> List[Dict[str, Any]]:
+    """Every segment with its blocks, sorted by address: {address, total_size, allocated_size,
+    active_size, requested_size, segment_type "small"/"large", expandable, blocks: [{address,
+    size, requested_size, state "active_allocated"/"inactive"}]}. The statistics always equal
+    what the snapshot adds up to."""
+    return _cmlp.snapshot(_device(device))
+
+
+_INTERVALS = 16
+
+
+def _divisions_text(div: List[int]) -> str:
+    if all(d == div[0] for d in div):
+        return str(div[0])
+    # key 2^(i+1) MiB sets interval i ([2^i, 2^(i+1)) MiB); ">" the last one
+    items = [f"{1 << (i + 1)}:{d}" for i, d in enumerate(div[:-1])] + [f">:{div[-1]}"]
+    return "[" + ",".join(items) + "]"
+
+
+def get_config() -> Dict[str, Any]:
+    """The allocator options in force (shared by every device), in PyTorch's key names:
+    max_split_size_mb (None: unlimited), garbage_collection_threshold (0.0: off),
+    roundup_power2_divisions (divisions per power-of-two interval from 1 MiB; 0 or 1: none),
+    expandable_segments."""
+    s = _cmlp.get_settings()
+    return {
+        "max_split_size_mb": None if s["max_split_size"] < 0 else s["max_split_size"] >> 20,
+        "garbage_collection_threshold": s["garbage_collection_threshold"],
+        "roundup_power2_divisions": list(s["roundup_power2_divisions"]),
+        "expandable_segments": bool(s["expandable_segments"]),
+    }
+
+
+def _config_text(config: Mapping[str, Any]) -> str:
+    known = {"max_split_size_mb", "garbage_collection_threshold", "roundup_power2_divisions", "expandable_segments"}
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise ValueError(f"Unrecognized CachingAllocator option: {unknown[0]}")
+    parts = []
+    if config.get("max_split_size_mb") is not None:
+        parts.append(f"max_split_size_mb:{int(config['max_split_size_mb'])}")
+    if config.get("garbage_collection_threshold"):
+        parts.append(f"garbage_collection_threshold:{float(config['garbage_collection_threshold'])!r}")
+    div = config.get("roundup_power2_divisions")
+    if div is not None:
+        if isinstance(div, int) and not isinstance(div, bool):
+            div = [div] * _INTERVALS
+        div = list(div)
+        if len(div) != _INTERVALS:
+            raise ValueError(f"roundup_power2_divisions must be an int or {_INTERVALS} ints (one per interval)")
+        if any(div):
+            parts.append(f"roundup_power2_divisions:{_divisions_text([int(d) for d in div])}")
+    if config.get("expandable_segments"):
+        parts.append("expandable_segments:True")
+    return ",".join(parts)
+
+
+def configure(config: Union[str, Mapping[str, Any]]) -> None:
+    """Sets the allocator options from PYTORCH_CUDA_ALLOC_CONF's syntax, e.g.
+    "max_split_size_mb:128,garbage_collection_threshold:0.8,expandable_segments:True", or from a
+    dict as get_config() returns. Options not given return to their defaults. An unknown key
+    or bad value raises ValueError naming it, and nothing changes."""
+    if isinstance(config, Mapping):
+        config = _config_text(config)
+    if not isinstance(config, str):
+        raise TypeError(f"configure takes a str or a dict, got {type(config).__name__}")
+    _cmlp.configure(config)
+
+
+def _validate(device: Optional[str] = None) -> None:
+    """Checks every invariant of the device's allocator; RuntimeError names the first broken one."""
+    _cmlp.validate(_device(device))
+
+
+def _fail_raw_alloc(k: int, device: Optional[str] = None) -> None:
+    """Test hook: the k-th raw device allocation from now fails as if the device were full
+    (k = 1: the next one); k <= 0 disables it."""
+    _cmlp.fail_raw_alloc(_device(device), int(k))
+
+
 def _fmt(n: int) -> str:
     units = ["B", "KiB", "MiB", "GiB", "TiB"]
     v, u = float(n), 0
@@ -120,7 +200,7 @@ def memory_summary(device: Optional[str] = None) -> str:
     width = 75
     line = "|" + "=" * width + "|"
     out = [line, f"|{'cmlp memory summary, device ' + dev:^{width}}|", line,
-           f"| {'Metric':<26}| {'Cur Usage':>10} | {'Peak Usage':>10} | {'Tot Alloc':>10} | {'Tot Freed':>7} |",
+           f"| {'Metric':<26}| {'Cur Usage':>10} | {'Peak Usage':>10} | {'Tot Alloc':>10} | {'Tot Freed':>9} |",
            "|" + "-" * width + "|"]
     for title, key, is_bytes in rows:
         for pool, label in (("all", title), ("large_pool", "      from large pool"), ("small_pool", "      from small pool")):
@@ -129,8 +209,14 @@ def memory_summary(device: Optional[str] = None) -> str:
             out.append(f"| {label:<26}| {txt[0]:>10} | {txt[1]:>10} | {txt[2]:>10} | {txt[3]:>9} |")
         out.append("|" + "-" * width + "|")
     limit = s["limit"]
-    out.append(f"| {'Memory limit':<26}| {('none' if limit < 0 else _fmt(limit)):>10} |"
-               f" OOMs: {s['num_ooms']:<6} Retries: {s['num_alloc_retries']:<6} Device allocs: {s['num_device_alloc']:<6}|")
+    reserved, allocated = s["reserved_bytes.all.current"], s["allocated_bytes.all.current"]
+    frag = 100.0 * (reserved - allocated) / reserved if reserved else 0.0
+    tail = [f"Memory limit: {'none' if limit < 0 else _fmt(limit)}",
+            f"Largest free block: {_fmt(s['largest_free_block'])}",
+            f"Fragmentation (reserved but unallocated): {frag:.1f}%",
+            f"OOMs: {s['num_ooms']}   Alloc retries: {s['num_alloc_retries']}   "
+            f"Device allocs/frees: {s['num_device_alloc']}/{s['num_device_free']}"]
+    out += [f"| {t:<{width - 1}}|" for t in tail]
     out.append(line)
     return "\n".join(out)
 
