@@ -33,6 +33,7 @@ struct cmlp_allocator {
     int64_t fail_in; /* test hook: the fail_in-th raw call from now fails; 0: off */
     uint64_t config_gen;
     cmlp_alloc_settings cfg;
+    bool pytorch_ladder; /* benchmarks only: no second cache search after releasing */
 };
 
 /* ---- statistics ---- */
@@ -380,12 +381,12 @@ static cmlp_status allocate(cmlp_allocator *a, size_t nbytes, void **out) {
     if (!table_reserve(a)) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory for the allocator's block table");
     alloc_block *b = cached_block(a, pool, size);
     if (!b) b = new_memory(a, pool, size);
-    if (!b && release_oversize(a, size)) b = cached_block(a, pool, size);
+    if (!b && release_oversize(a, size) && !a->pytorch_ladder) b = cached_block(a, pool, size);
     if (!b && a->cfg.max_split_size >= 0) b = new_memory(a, pool, size);
     if (!b) {
         a->stats.num_alloc_retries++;
         release_cached(a);
-        b = cached_block(a, pool, size);
+        if (!a->pytorch_ladder) b = cached_block(a, pool, size);
         if (!b) b = new_memory(a, pool, size);
     }
     if (!b) return oom(a, nbytes, size);
@@ -559,6 +560,12 @@ void cmlp_allocator_empty_cache(cmlp_allocator *a) {
 void cmlp_allocator_set_limit(cmlp_allocator *a, int64_t limit) {
     pthread_mutex_lock(&a->lock);
     a->limit = limit < 0 ? -1 : limit;
+    pthread_mutex_unlock(&a->lock);
+}
+
+void cmlp_allocator_pytorch_ladder(cmlp_allocator *a, bool on) {
+    pthread_mutex_lock(&a->lock);
+    a->pytorch_ladder = on;
     pthread_mutex_unlock(&a->lock);
 }
 

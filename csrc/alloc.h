@@ -8,6 +8,8 @@
 #include "cmlp.h"
 #include "backend.h"
 
+#include <stdbool.h>
+
 typedef struct cmlp_allocator cmlp_allocator;
 
 
@@ -39,6 +41,10 @@ cmlp_status cmlp_allocator_snapshot(cmlp_allocator *a, cmlp_segment_info **segs,
                                     cmlp_block_info **blks, int64_t *nblk);
 __attribute__((visibility("hidden")))
 cmlp_status cmlp_allocator_validate(cmlp_allocator *a);
+/* Benchmarks only: follow PyTorch's ladder exactly (no cache search after releasing), to
+ * measure what cmlp's changes to it are worth. */
+__attribute__((visibility("hidden")))
+void cmlp_allocator_pytorch_ladder(cmlp_allocator *a, bool on);
 /* Formats n bytes as PyTorch does: "158.00 MiB". */
 __attribute__((visibility("hidden")))
 void cmlp_format_bytes(char *buf, size_t cap, int64_t n);

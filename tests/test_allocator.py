@@ -1,0 +1,288 @@
+"""The caching allocator seen from Python: statistics against snapshots, caching and
+empty_cache, settings (configure / get_config / environment), the OOM message, the retry ladder
+through the fault hook. The allocator's own C tests (tests/c/test_alloc.c) cover its rules
+and a randomised stress under sanitizers."""
+import gc
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import cmlp
+
+M = cmlp.memory
+DEV = "cpu"
+MIB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def clean_allocator():
+    M.configure("")
+    M.set_memory_limit(None, DEV)
+    M._fail_raw_alloc(0, DEV)
+    yield
+    M.configure("")
+    M.set_memory_limit(None, DEV)
+    M._fail_raw_alloc(0, DEV)
+    gc.collect()
+    M._validate(DEV)
+
+
+def snapshot_sums(snap):
+    """Per pool: segments, reserved, allocations, allocated, requested, inactive split blocks/bytes."""
+    out = {p: dict.fromkeys(["segment", "reserved_bytes", "allocation", "allocated_bytes", "requested_bytes",
+                             "inactive_split", "inactive_split_bytes"], 0) for p in ("large_pool", "small_pool")}
+    for seg in snap:
+        s = out["small_pool" if seg["segment_type"] == "small" else "large_pool"]
+        s["segment"] += 1
+        s["reserved_bytes"] += seg["total_size"]
+        assert seg["total_size"] == sum(b["size"] for b in seg["blocks"])
+        split = len(seg["blocks"]) > 1
+        for b in seg["blocks"]:
+            if b["state"] == "active_allocated":
+                s["allocation"] += 1
+                s["allocated_bytes"] += b["size"]
+                s["requested_bytes"] += b["requested_size"]
+            elif split:
+                s["inactive_split"] += 1
+                s["inactive_split_bytes"] += b["size"]
+    return out
+
+
+def assert_stats_match_snapshot():
+    gc.collect()
+    stats, snap = M.memory_stats(DEV), M.memory_snapshot(DEV)
+    addresses = [s["address"] for s in snap]
+    assert addresses == sorted(addresses)
+    for pool, sums in snapshot_sums(snap).items():
+        for key, value in sums.items():
+            assert stats[f"{key}.{pool}.current"] == value, (key, pool)
+    for key in ("segment", "reserved_bytes", "allocation", "allocated_bytes", "inactive_split_bytes"):
+        assert stats[f"{key}.all.current"] == stats[f"{key}.large_pool.current"] + stats[f"{key}.small_pool.current"]
+    M._validate(DEV)
+
+
+def test_statistics_equal_the_snapshot_through_a_model_lifetime():
+    gc.collect()
+    base = M.memory_allocated(DEV)
+    assert_stats_match_snapshot()
+    model = cmlp.MLP([784, 512, 256, 10], seed=0)
+    opt = cmlp.optim.Adam(model)
+    assert_stats_match_snapshot()
+    rng = np.random.default_rng(0)
+    x, y = rng.random((300, 784), dtype=np.float32), rng.integers(0, 10, 300)
+    trainer = cmlp.Trainer(model, opt, batch_size=64)
+    trainer.fit(x, y, epochs=1, progress=False)
+    assert_stats_match_snapshot()
+    del trainer, opt, model
+    gc.collect()
+    assert M.memory_allocated(DEV) == base
+    assert_stats_match_snapshot()
+
+
+def test_freed_blocks_are_cached_and_reused_without_a_device_call():
+    p = M.caching_allocator_alloc(3 * MIB, DEV)
+    M.caching_allocator_delete(p)
+    before = M.memory_stats(DEV)
+    q = M.caching_allocator_alloc(3 * MIB, DEV)
+    after = M.memory_stats(DEV)
+    assert q == p
+    assert after["num_device_alloc"] == before["num_device_alloc"]
+    assert after["reserved_bytes.all.current"] == before["reserved_bytes.all.current"]
+    M.caching_allocator_delete(q)
+
+
+def test_pools_and_segment_sizes():
+    M.empty_cache(DEV)
+    before = M.memory_stats(DEV)
+    small = M.caching_allocator_alloc(1000, DEV)  # 1024 bytes from a new 2 MiB small segment
+    large = M.caching_allocator_alloc(5 * MIB, DEV)  # a 20 MiB large segment
+    huge = M.caching_allocator_alloc(30 * MIB + 1, DEV)  # its own segment, 2 MiB rounded
+    s = M.memory_stats(DEV)
+    d = lambda k: s[k] - before[k]  # noqa: E731
+    assert d("allocated_bytes.small_pool.current") == 1024
+    assert d("requested_bytes.small_pool.current") == 1000
+    assert d("segment.small_pool.current") <= 1  # 0 when a cached small segment had room
+    assert d("reserved_bytes.large_pool.current") == 20 * MIB + 32 * MIB
+    assert d("segment.large_pool.current") == 2
+    for p in (small, large, huge):
+        M.caching_allocator_delete(p)
+    assert_stats_match_snapshot()
+
+
+def test_empty_cache_keeps_only_segments_in_use():
+    M.empty_cache(DEV)
+    gc.collect()
+    base_reserved = M.memory_reserved(DEV)
+    keep = M.caching_allocator_alloc(4 * MIB, DEV)
+    drop = M.caching_allocator_alloc(4 * MIB, DEV)  # same 20 MiB segment
+    gone = M.caching_allocator_alloc(40 * MIB, DEV)  # a segment of its own
+    M.caching_allocator_delete(drop)
+    M.caching_allocator_delete(gone)
+    assert M.memory_reserved(DEV) == base_reserved + 60 * MIB
+    M.empty_cache(DEV)
+    s = M.memory_stats(DEV)
+    assert s["reserved_bytes.all.current"] == base_reserved + 20 * MIB  # the partly used segment stays
+    # its free part is the non-releasable memory
+    seg = next(x for x in M.memory_snapshot(DEV) if x["address"] <= keep < x["address"] + x["total_size"])
+    free_part = sum(b["size"] for b in seg["blocks"] if b["state"] == "inactive")
+    assert free_part == 16 * MIB
+    assert s["inactive_split_bytes.all.current"] >= free_part
+    M.caching_allocator_delete(keep)
+    M.empty_cache(DEV)
+    assert M.memory_reserved(DEV) == base_reserved
+    assert_stats_match_snapshot()
+
+
+def test_limit_gives_a_detailed_out_of_memory_error_and_the_allocator_recovers():
+    M.empty_cache(DEV)
+    gc.collect()
+    base = M.memory_allocated(DEV)
+    ooms = M.memory_stats(DEV)["num_ooms"]
+    limit = M.memory_reserved(DEV) + 8 * MIB
+    M.set_memory_limit(limit, DEV)
+    with pytest.raises(cmlp.OutOfMemoryError) as info:
+        cmlp.MLP([4096, 1024, 10])  # 16 MiB of parameters
+    msg = str(info.value)
+    assert isinstance(info.value, RuntimeError)
+    for needle in ("out of memory", "Tried to allocate 16.04 MiB", "16822312 bytes requested", "memory limit",
+                   "allocated by cmlp", "largest free block", "fragmentation", "micro-batches", "amp", "recompute"):
+        assert needle in msg, (needle, msg)
+    s = M.memory_stats(DEV)
+    assert s["num_ooms"] == ooms + 1
+    assert M.memory_allocated(DEV) == base
+    M.set_memory_limit(None, DEV)
+    model = cmlp.MLP([4096, 1024, 10])
+    del model
+    assert_stats_match_snapshot()
+
+
+def test_fault_hook_drives_the_retry_ladder():
+    M.empty_cache(DEV)
+    cached = M.caching_allocator_alloc(30 * MIB, DEV)
+    M.caching_allocator_delete(cached)  # a cached 30 MiB segment that cannot serve 50 MiB
+    before = M.memory_stats(DEV)
+    M._fail_raw_alloc(1, DEV)  # the next device allocation fails once
+    p = M.caching_allocator_alloc(50 * MIB, DEV)
+    after = M.memory_stats(DEV)
+    assert after["num_alloc_retries"] == before["num_alloc_retries"] + 1
+    assert after["num_ooms"] == before["num_ooms"]
+    assert after["num_device_free"] == before["num_device_free"] + 1  # the cache was released first
+    assert after["num_raw_alloc_calls"] == before["num_raw_alloc_calls"] + 2
+    M.caching_allocator_delete(p)
+    assert_stats_match_snapshot()
+
+
+def test_configure_round_trips_and_resets_other_keys():
+    text = "max_split_size_mb:128,garbage_collection_threshold:0.8,roundup_power2_divisions:[256:1,512:2,1024:4,>:8]"
+    M.configure(text)
+    c = M.get_config()
+    assert c["max_split_size_mb"] == 128
+    assert c["garbage_collection_threshold"] == 0.8
+    assert c["roundup_power2_divisions"][:8] == [1] * 8  # below 256 MiB
+    assert c["roundup_power2_divisions"][8:11] == [2, 4, 8]
+    assert c["expandable_segments"] is False
+    assert M.memory_stats(DEV)["max_split_size"] == 128 * MIB
+    M.configure(c)
+    assert M.get_config() == c
+    M.configure("expandable_segments:True")
+    c2 = M.get_config()
+    assert c2["expandable_segments"] is True and c2["max_split_size_mb"] is None
+    assert c2["garbage_collection_threshold"] == 0.0
+    M.configure("roundup_power2_divisions:4")
+    assert M.get_config()["roundup_power2_divisions"] == [4] * 16
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("foo:1", "Unrecognized CachingAllocator option: foo"),
+    ("max_split_size_mb:20", "max_split_size_mb too small"),
+    ("max_split_size_mb:abc", "max_split_size_mb"),
+    ("garbage_collection_threshold:1.0", "garbage_collection_threshold"),
+    ("garbage_collection_threshold:0", "garbage_collection_threshold"),
+    ("roundup_power2_divisions:3", "power of 2"),
+    ("roundup_power2_divisions:[256:3]", "power of 2"),
+    ("roundup_power2_divisions:[300:2]", "powers of 2"),
+    ("expandable_segments:maybe", "expandable_segments"),
+    ("max_split_size_mb", "no value"),
+    ("backend:cudaMallocAsync", "backend"),
+])
+def test_configure_rejects_bad_settings_and_changes_nothing(text, needle):
+    M.configure("max_split_size_mb:64")
+    with pytest.raises(ValueError, match=needle):
+        M.configure(text)
+    assert M.get_config()["max_split_size_mb"] == 64
+    with pytest.raises(TypeError):
+        M.configure(42)
+    with pytest.raises(ValueError, match="Unrecognized"):
+        M.configure({"bogus": 1})
+
+
+def test_pytorch_only_host_options_are_accepted():
+    M.configure("pinned_use_cuda_host_register:True,backend:native,max_split_size_mb:40")
+    assert M.get_config()["max_split_size_mb"] == 40
+
+
+def _import_with(env_extra):
+    env = {k: v for k, v in os.environ.items() if k not in ("CMLP_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
+    env.update(env_extra)
+    code = "import cmlp, json; print(json.dumps(cmlp.memory.get_config()))"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_environment_settings_are_honoured_at_import():
+    r = _import_with({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:256,expandable_segments:True"})
+    assert r.returncode == 0, r.stderr
+    assert '"max_split_size_mb": 256' in r.stdout and '"expandable_segments": true' in r.stdout
+    r = _import_with({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:256", "CMLP_ALLOC_CONF": "max_split_size_mb:512"})
+    assert r.returncode == 0, r.stderr
+    assert '"max_split_size_mb": 512' in r.stdout  # cmlp's own variable wins
+    r = _import_with({"CMLP_ALLOC_CONF": "max_split_size_mb:1"})
+    assert r.returncode != 0
+    assert "ValueError" in r.stderr and "CMLP_ALLOC_CONF" in r.stderr and "max_split_size_mb" in r.stderr
+
+
+@pytest.mark.parametrize("conf", ["", "max_split_size_mb:40", "expandable_segments:True",
+                                  "roundup_power2_divisions:4", "garbage_collection_threshold:0.5"])
+def test_training_under_each_setting_is_identical_and_consistent(conf):
+    M.configure(conf)
+    if "garbage" in conf:
+        M.set_memory_limit(M.memory_reserved(DEV) + 256 * MIB, DEV)
+    rng = np.random.default_rng(1)
+    x, y = rng.random((256, 784), dtype=np.float32), rng.integers(0, 10, 256)
+    model = cmlp.MLP([784, 128, 10], seed=3)
+    cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=64, shuffle=False).fit(x, y, epochs=1, progress=False)
+    w = model.state_dict()["fc1.weight"]
+    assert_stats_match_snapshot()
+    del model
+    M.configure("")
+    M.set_memory_limit(None, DEV)
+    ref = cmlp.MLP([784, 128, 10], seed=3)
+    cmlp.Trainer(ref, cmlp.optim.Adam(ref), batch_size=64, shuffle=False).fit(x, y, epochs=1, progress=False)
+    np.testing.assert_array_equal(w, ref.state_dict()["fc1.weight"])
+
+
+def test_expandable_segments_grow_one_segment_and_release_its_tail():
+    M.configure("expandable_segments:True")
+    M.empty_cache(DEV)
+    before = M.memory_stats(DEV)
+    blocks = [M.caching_allocator_alloc(3 * MIB, DEV) for _ in range(5)]
+    s = M.memory_stats(DEV)
+    segs = [x for x in M.memory_snapshot(DEV) if x["expandable"] and x["segment_type"] == "large"]
+    assert len(segs) == 1
+    grown = s["reserved_bytes.large_pool.current"] - before["reserved_bytes.large_pool.current"]
+    assert 15 * MIB <= grown <= 16 * MIB  # 2 MiB pages, no 20 MiB segments
+    for p in blocks:
+        M.caching_allocator_delete(p)
+    M.empty_cache(DEV)
+    assert M.memory_stats(DEV)["reserved_bytes.large_pool.current"] <= before["reserved_bytes.large_pool.current"]
+    assert_stats_match_snapshot()
+
+
+def test_summary_reports_fragmentation_and_largest_free_block():
+    p = M.caching_allocator_alloc(4 * MIB, DEV)
+    text = M.memory_summary(DEV)
+    assert "Fragmentation" in text and "Largest free block" in text and "Non-releasable memory" in text
+    assert M.memory_stats(DEV)["largest_free_block"] >= 16 * MIB
+    M.caching_allocator_delete(p)
