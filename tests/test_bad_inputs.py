@@ -18,7 +18,8 @@ import cmlp
 F, H, C = 20, 16, 5
 SIZES = [F, H, C]
 N = 24
-REPO_PYTHON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")
+# where this process imported cmlp from (an in-place build or site-packages): subprocesses use the same
+REPO_PYTHON = os.path.dirname(os.path.dirname(os.path.abspath(cmlp.__file__)))
 
 
 def data(n=N, seed=0):

@@ -1,5 +1,5 @@
 """The command line, run as users run it: `python -m cmlp info` and `python -m cmlp train`, in a
-fresh interpreter with the repository's python/ directory first on PYTHONPATH and a temporary
+fresh interpreter that imports cmlp from where this process did, in a temporary
 working directory.
 """
 
@@ -14,7 +14,8 @@ import pytest
 
 import cmlp
 
-REPO_PYTHON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")
+# where this process imported cmlp from (an in-place build or site-packages): subprocesses use the same
+REPO_PYTHON = os.path.dirname(os.path.dirname(os.path.abspath(cmlp.__file__)))
 
 
 def run_cli(args, cwd, timeout=120):
