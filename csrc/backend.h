@@ -70,6 +70,12 @@ typedef struct cmlp_backend_i {
     /* first != 0: buf = g (momentum's first step). d_buf may be NULL when momentum == 0. */
     cmlp_status (*sgd)(void *ctx, float *d_p, const float *d_g, float *d_buf, int64_t n, float lr,
                        float momentum, float dampening, int nesterov, float weight_decay, int first);
+    /* Mixed precision. Conversions between fp32 and fp16/bf16 storage (dtype F16 or BF16). */
+    cmlp_status (*to_half)(void *ctx, uint16_t *d_dst, const float *d_src, int64_t n, cmlp_dtype dtype);
+    cmlp_status (*from_half)(void *ctx, float *d_dst, const uint16_t *d_src, int64_t n, cmlp_dtype dtype);
+    /* g[i] *= inv_scale for all i; *d_found_inf = 1 when any result is inf or NaN (it is never
+     * reset here). One pass over the flat gradient buffer. */
+    cmlp_status (*unscale)(void *ctx, float *d_g, int64_t n, float inv_scale, float *d_found_inf);
     /* Waits for the device's queued work. */
     cmlp_status (*synchronize)(void *ctx);
 } cmlp_backend_i;

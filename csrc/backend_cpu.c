@@ -246,6 +246,30 @@ static cmlp_status cpu_sgd(void *ctx, float *restrict p, const float *restrict g
     return CMLP_OK;
 }
 
+static cmlp_status cpu_to_half(void *ctx, uint16_t *dst, const float *src, int64_t n, cmlp_dtype dtype) {
+    (void)ctx;
+    return cmlp_convert_to_half(dst, src, n, dtype);
+}
+
+static cmlp_status cpu_from_half(void *ctx, float *dst, const uint16_t *src, int64_t n, cmlp_dtype dtype) {
+    (void)ctx;
+    return cmlp_convert_from_half(dst, src, n, dtype);
+}
+
+static cmlp_status cpu_unscale(void *ctx, float *restrict g, int64_t n, float inv, float *found_inf) {
+    (void)ctx;
+    uint32_t bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        float v = g[i] * inv;
+        uint32_t bits;
+        memcpy(&bits, &v, 4);
+        bad |= (bits & 0x7F800000u) == 0x7F800000u; /* exponent all ones: inf or NaN */
+        g[i] = v;
+    }
+    if (bad) *found_inf = 1.0f;
+    return CMLP_OK;
+}
+
 static cmlp_status cpu_synchronize(void *ctx) {
     (void)ctx;
     return CMLP_OK;
@@ -274,5 +298,8 @@ const cmlp_backend_i cmlp_backend_cpu = {
     .stage_labels = cpu_stage_labels,
     .adam = cpu_adam,
     .sgd = cpu_sgd,
+    .to_half = cpu_to_half,
+    .from_half = cpu_from_half,
+    .unscale = cpu_unscale,
     .synchronize = cpu_synchronize,
 };

@@ -167,7 +167,21 @@ CMLP_API cmlp_status cmlp_memory_free(cmlp_device d, void *ptr); /* INVALID if n
 
 /* ---- data -------------------------------------------------------------------------------- */
 
-typedef enum cmlp_dtype { CMLP_DTYPE_F32 = 0, CMLP_DTYPE_U8 = 1 } cmlp_dtype;
+typedef enum cmlp_dtype {
+    CMLP_DTYPE_F32 = 0,
+    CMLP_DTYPE_U8 = 1,
+    CMLP_DTYPE_F16 = 2,  /* IEEE binary16, stored as uint16_t */
+    CMLP_DTYPE_BF16 = 3  /* bfloat16, stored as uint16_t */
+} cmlp_dtype;
+
+/* Mixed precision: GEMM inputs and stored activations in half precision, fp32 accumulation,
+ * loss and softmax in fp32, master weights, gradients and optimizer state in fp32. */
+typedef enum cmlp_amp { CMLP_AMP_NONE = 0, CMLP_AMP_FP16 = 1, CMLP_AMP_BF16 = 2 } cmlp_amp;
+
+/* Host conversions with the library's rounding: round to nearest even, fp16 overflow to inf,
+ * subnormals kept, NaN stays NaN. dtype is CMLP_DTYPE_F16 or CMLP_DTYPE_BF16. */
+CMLP_API cmlp_status cmlp_convert_to_half(uint16_t *dst, const float *src, int64_t n, cmlp_dtype dtype);
+CMLP_API cmlp_status cmlp_convert_from_half(float *dst, const uint16_t *src, int64_t n, cmlp_dtype dtype);
 
 /* A batch or data set in host memory: x [n, features] row-major, y [n] or NULL.
  * uint8 images are normalised on the fly: ((x / 255) - mean) / std. */
@@ -202,6 +216,9 @@ CMLP_API cmlp_status cmlp_model_get_params(const cmlp_model *m, float *host_out)
 CMLP_API cmlp_status cmlp_model_set_params(cmlp_model *m, const float *host_in);
 CMLP_API cmlp_status cmlp_model_get_grads(const cmlp_model *m, float *host_out);
 CMLP_API cmlp_status cmlp_model_zero_grad(cmlp_model *m);
+/* Multiplies every gradient by inv_scale (one fused pass) and sets *found_inf to 1 when any
+ * result is inf or NaN, else 0. The gradients are unscaled either way (GradScaler.unscale_). */
+CMLP_API cmlp_status cmlp_model_unscale_grads(cmlp_model *m, float inv_scale, int *found_inf);
 /* Moves parameters and gradients (not optimizer state; see cmlp_optim_to) to another device. */
 CMLP_API cmlp_status cmlp_model_to(cmlp_model *m, cmlp_device d);
 /* Releases the activation workspace kept between calls (it grows to the largest batch). */
@@ -213,12 +230,12 @@ CMLP_API cmlp_status cmlp_model_forward(cmlp_model *m, const cmlp_data *x, int64
 /* Mean cross-entropy (sum of per-sample losses in *loss_sum) and correct predictions. */
 CMLP_API cmlp_status cmlp_model_evaluate(cmlp_model *m, const cmlp_data *xy, int64_t chunk,
                                          double *loss_sum, int64_t *correct);
-/* Forward and backward of one batch: ADDS grad_weight * (sum over samples of the gradient of
+/* Forward and backward of one batch (in fp32, or mixed precision with amp): ADDS grad_weight * (sum over samples of the gradient of
  * each sample's loss) to the gradient buffer. grad_weight = loss_scale / n gives the gradient
  * of loss_scale * mean loss. *loss_sum receives the unscaled sum of per-sample losses. */
 CMLP_API cmlp_status cmlp_model_forward_backward(cmlp_model *m, const cmlp_data *xy,
                                                  float grad_weight, float label_smoothing,
-                                                 double *loss_sum);
+                                                 cmlp_amp amp, double *loss_sum);
 
 /* ---- optimizers -------------------------------------------------------------------------- */
 
@@ -273,13 +290,25 @@ typedef struct cmlp_train_config {
     int shuffle;
     uint64_t seed;
     float label_smoothing;
+    cmlp_amp amp;
 } cmlp_train_config;
+
+/* Dynamic loss scaling for fp16 (PyTorch's GradScaler): gradients are computed for
+ * scale x loss, unscaled once per optimizer step, the step is skipped when any is inf or NaN,
+ * and the scale moves by PyTorch's rule. */
+typedef struct cmlp_scaler_state {
+    int enabled;
+    double scale; /* kept as a float32 value */
+    double growth_factor, backoff_factor;
+    int64_t growth_interval, growth_tracker;
+} cmlp_scaler_state;
 
 typedef struct cmlp_epoch_state {
     int64_t steps;       /* optimizer steps done this epoch */
     int64_t samples;     /* samples consumed this epoch */
     double loss_sum;     /* sum of per-sample losses this epoch */
     int64_t total_steps; /* optimizer steps in the whole epoch */
+    int64_t skipped;     /* steps skipped for inf/NaN gradients this epoch */
     int done;
 } cmlp_epoch_state;
 
@@ -287,6 +316,10 @@ CMLP_API cmlp_status cmlp_trainer_init(cmlp_trainer **out, cmlp_model *m, cmlp_o
                                        const cmlp_train_config *c);
 CMLP_API void cmlp_trainer_free(cmlp_trainer *t);
 CMLP_API int64_t cmlp_trainer_microbatch_size(const cmlp_trainer *t);
+/* The loss scaler the trainer applies (disabled by default); validated like GradScaler. */
+CMLP_API cmlp_status cmlp_trainer_set_scaler(cmlp_trainer *t, const cmlp_scaler_state *s);
+CMLP_API void cmlp_trainer_get_scaler(const cmlp_trainer *t, cmlp_scaler_state *out);
+CMLP_API int64_t cmlp_trainer_skipped_steps(const cmlp_trainer *t); /* since creation */
 CMLP_API cmlp_status cmlp_trainer_set_microbatch_size(cmlp_trainer *t, int64_t size);
 /* One optimizer step over all xy->n samples (the effective batch), computed in micro-batches
  * and normalised by xy->n; zeroes the gradients first. *loss_mean: mean per-sample loss. */

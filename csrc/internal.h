@@ -59,6 +59,18 @@ typedef struct cmlp_workspace {
     int32_t *labels;                 /* [rows] */
 } cmlp_workspace;
 
+/* The same under mixed precision (model_amp.c). */
+typedef struct cmlp_amp_workspace {
+    void *block;
+    int64_t rows, chunk;
+    uint16_t *act[CMLP_MAX_LAYERS]; /* act[l]: input of layer l [rows, sizes[l]], half */
+    float *logits, *dlogits;        /* [rows, classes], fp32 */
+    uint16_t *dact[2];              /* gradients between layers [rows, max width], half */
+    int32_t *labels;                /* [rows] */
+    float *scratch[3];              /* fp32 operands of one block of rows [chunk, max width] */
+    float *w32, *b32;               /* one layer's half weights and bias as fp32 */
+} cmlp_amp_workspace;
+
 struct cmlp_model {
     cmlp_device_ctx *dev;
     int nlayers;
@@ -67,7 +79,11 @@ struct cmlp_model {
     int64_t w_off[CMLP_MAX_LAYERS], b_off[CMLP_MAX_LAYERS];
     float *params; /* [nparams]: weights of every layer [out, in], then biases */
     float *grads;  /* [nparams], same layout */
+    float *found_inf; /* device scalar of the unscale check; NULL until first used */
+    uint16_t *params_h;   /* [nparams] half copy for amp GEMMs, refreshed after each update */
+    cmlp_dtype half_dtype; /* format of params_h (F16 or BF16) */
     cmlp_workspace ws;
+    cmlp_amp_workspace wsa;
 };
 
 CMLP_HIDDEN cmlp_status cmlp_workspace_reserve(cmlp_model *m, int64_t rows);
@@ -82,6 +98,16 @@ CMLP_HIDDEN cmlp_status cmlp_model_stage(cmlp_model *m, const cmlp_data *xy, con
 CMLP_HIDDEN cmlp_status cmlp_model_fb_rows(cmlp_model *m, const float *input, const int32_t *labels,
                                            int64_t n, float grad_weight, float smoothing,
                                            double *loss_sum);
+/* One forward + backward of rows idx[0..n) (or [start, start + n)) of xy, in fp32 or amp. */
+CMLP_HIDDEN cmlp_status cmlp_model_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, int64_t start,
+                                      int64_t n, float grad_weight, float smoothing, cmlp_amp amp, double *loss_sum);
+CMLP_HIDDEN cmlp_status cmlp_amp_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, int64_t start,
+                                    int64_t n, float grad_weight, float smoothing, cmlp_amp amp, double *loss_sum);
+CMLP_HIDDEN cmlp_dtype cmlp_amp_dtype(cmlp_amp amp);
+CMLP_HIDDEN void cmlp_amp_release(cmlp_model *m); /* the amp workspace */
+CMLP_HIDDEN void cmlp_amp_free(cmlp_model *m);    /* and the half weight copy */
+/* Re-derives the half weight copy from the fp32 master weights (no-op without one). */
+CMLP_HIDDEN cmlp_status cmlp_model_refresh_half(cmlp_model *m);
 CMLP_HIDDEN cmlp_status cmlp_data_validate(const cmlp_model *m, const cmlp_data *xy, bool need_labels);
 
 /* ---- floating-point environment: subnormals flushed while cmlp computes ---- */

@@ -85,11 +85,14 @@ void cmlp_model_release_workspace(cmlp_model *m) {
     if (!m) return;
     dev_free(m->dev, m->ws.block);
     memset(&m->ws, 0, sizeof m->ws);
+    cmlp_amp_release(m);
 }
 
 void cmlp_model_free(cmlp_model *m) {
     if (!m) return;
     cmlp_model_release_workspace(m);
+    cmlp_amp_free(m);
+    dev_free(m->dev, m->found_inf);
     dev_free(m->dev, m->params);
     dev_free(m->dev, m->grads);
     free(m);
@@ -264,22 +267,44 @@ cmlp_status cmlp_model_evaluate(cmlp_model *m, const cmlp_data *xy, int64_t chun
     return CMLP_OK;
 }
 
+cmlp_status cmlp_model_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, int64_t start, int64_t n,
+                          float grad_weight, float smoothing, cmlp_amp amp, double *loss_sum) {
+    if (amp != CMLP_AMP_NONE) return cmlp_amp_fb(m, xy, idx, start, n, grad_weight, smoothing, amp, loss_sum);
+    const float *in;
+    const int32_t *lab;
+    CMLP_TRY(cmlp_model_stage(m, xy, idx, start, n, &in, &lab));
+    return cmlp_model_fb_rows(m, in, lab, n, grad_weight, smoothing, loss_sum);
+}
+
 cmlp_status cmlp_model_forward_backward(cmlp_model *m, const cmlp_data *xy, float grad_weight,
-                                        float label_smoothing, double *loss_sum) {
+                                        float label_smoothing, cmlp_amp amp, double *loss_sum) {
     if (!m || !loss_sum) return CMLP_FAIL(CMLP_ERR_INVALID, "model and loss_sum must not be NULL");
     if (!isfinite(grad_weight)) return CMLP_FAIL(CMLP_ERR_INVALID, "the gradient weight (loss_scale / n) must be finite");
     if (!(label_smoothing >= 0.0f && label_smoothing <= 1.0f))
         return CMLP_FAIL(CMLP_ERR_INVALID, "label_smoothing must be in [0, 1], got %g", (double)label_smoothing);
+    if (amp != CMLP_AMP_NONE && amp != CMLP_AMP_FP16 && amp != CMLP_AMP_BF16)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "unknown amp mode %d", (int)amp);
     CMLP_TRY(cmlp_data_validate(m, xy, true));
     cmlp_fpenv fe;
     cmlp_fpenv_enter(&fe);
-    const float *in;
-    const int32_t *lab;
     double loss = 0.0;
-    cmlp_status st = cmlp_model_stage(m, xy, NULL, 0, xy->n, &in, &lab);
-    if (st == CMLP_OK) st = cmlp_model_fb_rows(m, in, lab, xy->n, grad_weight, label_smoothing, &loss);
+    cmlp_status st = cmlp_model_fb(m, xy, NULL, 0, xy->n, grad_weight, label_smoothing, amp, &loss);
     cmlp_fpenv_leave(&fe);
     if (st == CMLP_OK) *loss_sum = loss;
+    return st;
+}
+
+cmlp_status cmlp_model_unscale_grads(cmlp_model *m, float inv_scale, int *found_inf) {
+    if (!m || !found_inf) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
+    if (!m->found_inf) CMLP_TRY(dev_alloc(m->dev, sizeof(float), (void **)&m->found_inf));
+    float flag = 0.0f;
+    cmlp_fpenv fe;
+    cmlp_fpenv_enter(&fe);
+    cmlp_status st = B(m)->copy_h2d(CTX(m), m->found_inf, &flag, sizeof flag);
+    if (st == CMLP_OK) st = B(m)->unscale(CTX(m), m->grads, m->nparams, inv_scale, m->found_inf);
+    if (st == CMLP_OK) st = B(m)->copy_d2h(CTX(m), &flag, m->found_inf, sizeof flag);
+    cmlp_fpenv_leave(&fe);
+    if (st == CMLP_OK) *found_inf = flag != 0.0f;
     return st;
 }
 
@@ -299,7 +324,8 @@ cmlp_status cmlp_model_set_params(cmlp_model *m, const float *host_in) {
     for (int64_t i = 0; i < m->nparams; i++)
         if (!isfinite(host_in[i]))
             return CMLP_FAIL(CMLP_ERR_NONFINITE, "parameter %lld is NaN or inf: parameters must be finite", (long long)i);
-    return B(m)->copy_h2d(CTX(m), m->params, host_in, (size_t)m->nparams * sizeof(float));
+    CMLP_TRY(B(m)->copy_h2d(CTX(m), m->params, host_in, (size_t)m->nparams * sizeof(float)));
+    return cmlp_model_refresh_half(m);
 }
 
 /* Moves one device buffer of nbytes to another device through host memory. */
@@ -327,6 +353,9 @@ cmlp_status cmlp_model_to(cmlp_model *m, cmlp_device d) {
     size_t bytes = (size_t)m->nparams * sizeof(float);
     void *p = m->params, *g = m->grads;
     cmlp_model_release_workspace(m);
+    cmlp_amp_free(m); /* the half copy is made again on the new device when used */
+    dev_free(m->dev, m->found_inf);
+    m->found_inf = NULL;
     CMLP_TRY(cmlp_buffer_move(m->dev, to, &p, bytes));
     cmlp_status st = cmlp_buffer_move(m->dev, to, &g, bytes);
     if (st != CMLP_OK) {

@@ -163,6 +163,7 @@ cmlp_status cmlp_optim_step(cmlp_optim *o) {
         st = b->sgd(o->dev->bctx, m->params, m->grads, o->state, n, (float)c->lr, (float)c->momentum,
                     (float)c->dampening, c->nesterov, (float)c->weight_decay, first);
     }
+    if (st == CMLP_OK) st = cmlp_model_refresh_half(m);
     cmlp_fpenv_leave(&fe);
     if (st == CMLP_OK) o->step = t;
     return st;

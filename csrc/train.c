@@ -19,6 +19,8 @@ struct cmlp_trainer {
     int64_t order_cap;
     int64_t epoch;
     int64_t pos;
+    cmlp_scaler_state scaler;
+    int64_t skipped;
 };
 
 cmlp_status cmlp_trainer_init(cmlp_trainer **out, cmlp_model *m, cmlp_optim *o, const cmlp_train_config *c) {
@@ -28,6 +30,8 @@ cmlp_status cmlp_trainer_init(cmlp_trainer **out, cmlp_model *m, cmlp_optim *o, 
         return CMLP_FAIL(CMLP_ERR_INVALID, "accumulation_steps must be >= 1, got %lld", (long long)c->accumulation_steps);
     if (c->microbatch_size < 0)
         return CMLP_FAIL(CMLP_ERR_INVALID, "microbatch_size must be >= 1, got %lld", (long long)c->microbatch_size);
+    if (c->amp != CMLP_AMP_NONE && c->amp != CMLP_AMP_FP16 && c->amp != CMLP_AMP_BF16)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "unknown amp mode %d", (int)c->amp);
     if (!(c->label_smoothing >= 0.0f && c->label_smoothing <= 1.0f))
         return CMLP_FAIL(CMLP_ERR_INVALID, "label_smoothing must be in [0, 1], got %g", (double)c->label_smoothing);
     cmlp_trainer *t = calloc(1, sizeof *t);
@@ -47,6 +51,38 @@ void cmlp_trainer_free(cmlp_trainer *t) {
 }
 
 int64_t cmlp_trainer_microbatch_size(const cmlp_trainer *t) { return t->micro; }
+int64_t cmlp_trainer_skipped_steps(const cmlp_trainer *t) { return t->skipped; }
+void cmlp_trainer_get_scaler(const cmlp_trainer *t, cmlp_scaler_state *out) { *out = t->scaler; }
+
+cmlp_status cmlp_trainer_set_scaler(cmlp_trainer *t, const cmlp_scaler_state *s) {
+    if (s->enabled) {
+        if (!(s->scale > 0.0 && isfinite(s->scale)))
+            return CMLP_FAIL(CMLP_ERR_INVALID, "loss scale must be finite and > 0, got %g", s->scale);
+        if (!(s->growth_factor > 1.0)) return CMLP_FAIL(CMLP_ERR_INVALID, "growth_factor should be > 1");
+        if (!(s->backoff_factor > 0.0 && s->backoff_factor < 1.0))
+            return CMLP_FAIL(CMLP_ERR_INVALID, "backoff_factor should be in (0, 1)");
+        if (s->growth_interval < 1 || s->growth_tracker < 0)
+            return CMLP_FAIL(CMLP_ERR_INVALID, "growth_interval must be >= 1 and the tracker >= 0");
+    }
+    t->scaler = *s;
+    t->scaler.scale = (float)s->scale;
+    return CMLP_OK;
+}
+
+/* PyTorch's update: back off on inf/NaN (no lower bound), grow after growth_interval finite
+ * steps unless growing overflows float32. */
+static void scaler_update(cmlp_scaler_state *s, bool found_inf) {
+    if (found_inf) {
+        s->scale = (float)(s->scale * s->backoff_factor);
+        s->growth_tracker = 0;
+        return;
+    }
+    if (++s->growth_tracker == s->growth_interval) {
+        float grown = (float)(s->scale * s->growth_factor);
+        if (isfinite(grown)) s->scale = grown;
+        s->growth_tracker = 0;
+    }
+}
 
 cmlp_status cmlp_trainer_set_microbatch_size(cmlp_trainer *t, int64_t size) {
     if (size < 1) return CMLP_FAIL(CMLP_ERR_INVALID, "microbatch_size must be >= 1, got %lld", (long long)size);
@@ -54,21 +90,35 @@ cmlp_status cmlp_trainer_set_microbatch_size(cmlp_trainer *t, int64_t size) {
     return CMLP_OK;
 }
 
-/* One optimizer step over n samples: rows idx[0..n) of xy, or rows [start, start + n). */
+/* One optimizer step over n samples: rows idx[0..n) of xy, or rows [start, start + n). With a
+ * loss scaler the scale is the same for every micro-batch of the step, and the check, the skip
+ * and the update happen once. *skipped is set when the step was skipped. */
 static cmlp_status effective_step(cmlp_trainer *t, const cmlp_data *xy, const int64_t *idx, int64_t start,
-                                  int64_t n, double *loss_sum) {
+                                  int64_t n, double *loss_sum, bool *skipped) {
     cmlp_model *m = t->model;
+    *skipped = false;
     CMLP_TRY(cmlp_model_zero_grad(m));
-    const float w = (float)(1.0 / (double)n);
+    const double scale = t->scaler.enabled ? t->scaler.scale : 1.0;
+    const float w = (float)(scale / (double)n);
     double loss = 0.0;
     for (int64_t off = 0; off < n; off += t->micro) {
         int64_t k = n - off < t->micro ? n - off : t->micro;
-        const float *in;
-        const int32_t *lab;
-        CMLP_TRY(cmlp_model_stage(m, xy, idx ? idx + off : NULL, start + off, k, &in, &lab));
-        CMLP_TRY(cmlp_model_fb_rows(m, in, lab, k, w, t->cfg.label_smoothing, &loss));
+        CMLP_TRY(cmlp_model_fb(m, xy, idx ? idx + off : NULL, start + off, k, w, t->cfg.label_smoothing, t->cfg.amp,
+                               &loss));
+    }
+    if (t->scaler.enabled) {
+        int found = 0;
+        CMLP_TRY(cmlp_model_unscale_grads(m, (float)(1.0 / scale), &found));
+        if (found) {
+            scaler_update(&t->scaler, true);
+            t->skipped++;
+            *skipped = true;
+            *loss_sum += loss;
+            return CMLP_OK;
+        }
     }
     CMLP_TRY(cmlp_optim_step(t->optim));
+    if (t->scaler.enabled) scaler_update(&t->scaler, false);
     *loss_sum += loss;
     return CMLP_OK;
 }
@@ -79,7 +129,8 @@ cmlp_status cmlp_trainer_step(cmlp_trainer *t, const cmlp_data *xy, double *loss
     cmlp_fpenv fe;
     cmlp_fpenv_enter(&fe);
     double loss = 0.0;
-    cmlp_status st = effective_step(t, xy, NULL, 0, xy->n, &loss);
+    bool skipped;
+    cmlp_status st = effective_step(t, xy, NULL, 0, xy->n, &loss, &skipped);
     cmlp_fpenv_leave(&fe);
     if (st == CMLP_OK) *loss_mean = loss / (double)xy->n;
     return st;
@@ -128,8 +179,10 @@ cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, cmlp_epoc
         int64_t k = n - t->pos < eb ? n - t->pos : eb;
         double loss = 0.0;
         const int64_t *idx = t->cfg.shuffle ? t->order + t->pos : NULL;
-        s = effective_step(t, &t->data, idx, t->pos, k, &loss);
+        bool skipped;
+        s = effective_step(t, &t->data, idx, t->pos, k, &loss, &skipped);
         if (s != CMLP_OK) break;
+        st->skipped += skipped;
         t->pos += k;
         st->steps++;
         st->samples += k;

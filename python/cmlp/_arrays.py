@@ -53,9 +53,11 @@ def as_normalize(normalize: Any) -> Tuple[float, float]:
     return mean, std
 
 
-def check_amp(amp: Any) -> None:
-    if amp is None:
-        return
-    if amp not in ("fp16", "bf16"):
+_AMP_CODES = {None: 0, "fp16": 1, "bf16": 2}
+
+
+def check_amp(amp: Any) -> int:
+    """The C core's code for amp=None / "fp16" / "bf16"."""
+    if not (amp is None or isinstance(amp, str)) or amp not in _AMP_CODES:
         raise ValueError(f"amp must be None, 'fp16' or 'bf16', got {amp!r}")
-    raise NotImplementedError(f"amp={amp!r}: mixed precision is not available in this version of cmlp")
+    return _AMP_CODES[amp]

@@ -334,10 +334,11 @@ static PyObject *Model_evaluate(ModelObject *self, PyObject *args, PyObject *kw)
 }
 
 static PyObject *Model_forward_backward(ModelObject *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"x", "y", "grad_weight", "label_smoothing", "mean", "std", NULL};
+    static char *kwlist[] = {"x", "y", "grad_weight", "label_smoothing", "mean", "std", "amp", NULL};
     PyObject *x, *y;
     float gw = 1.0f, smoothing = 0.0f, mean = 0.5f, std = 0.5f;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOf|fff", kwlist, &x, &y, &gw, &smoothing, &mean, &std))
+    int amp = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOf|fffi", kwlist, &x, &y, &gw, &smoothing, &mean, &std, &amp))
         return NULL;
     if (model_ready(self) < 0) return NULL;
     cmlp_data d;
@@ -348,9 +349,20 @@ static PyObject *Model_forward_backward(ModelObject *self, PyObject *args, PyObj
     }
     double loss = 0.0;
     cmlp_status st;
-    RUN_LOCKED(self, st = cmlp_model_forward_backward(self->m, &d, gw, smoothing, &loss));
+    RUN_LOCKED(self, st = cmlp_model_forward_backward(self->m, &d, gw, smoothing, (cmlp_amp)amp, &loss));
     if (st != CMLP_OK) return raise_status(self->ms, st);
     return PyFloat_FromDouble(loss);
+}
+
+static PyObject *Model_unscale_grads(ModelObject *self, PyObject *arg) {
+    if (model_ready(self) < 0) return NULL;
+    double inv = PyFloat_AsDouble(arg);
+    if (inv == -1.0 && PyErr_Occurred()) return NULL;
+    int found = 0;
+    cmlp_status st;
+    RUN_LOCKED(self, st = cmlp_model_unscale_grads(self->m, (float)inv, &found));
+    if (st != CMLP_OK) return raise_status(self->ms, st);
+    return PyBool_FromLong(found);
 }
 
 static PyObject *Model_to(ModelObject *self, PyObject *arg) {
@@ -378,6 +390,8 @@ static PyMethodDef Model_methods[] = {
     {"forward_backward", (PyCFunction)(void (*)(void))Model_forward_backward, METH_VARARGS | METH_KEYWORDS,
      "loss sum; adds grad_weight * per-sample gradient sums"},
     {"to", (PyCFunction)Model_to, METH_O, "move to a device"},
+    {"unscale_grads", (PyCFunction)Model_unscale_grads, METH_O,
+     "multiply every gradient by inv_scale (a float32); True when any is inf or NaN"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -607,14 +621,14 @@ typedef struct {
 
 static int Trainer_init(TrainerObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"optimizer", "batch_size", "accumulation_steps", "microbatch_size", "shuffle",
-                             "seed", "label_smoothing", NULL};
+                             "seed", "label_smoothing", "amp", NULL};
     PyObject *opt;
     long long batch = 32, accum = 1, micro = 0;
-    int shuffle = 1;
+    int shuffle = 1, amp = 0;
     unsigned long long seed = 0;
     float smoothing = 0.0f;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OL|LLpKf", kwlist, &opt, &batch, &accum, &micro, &shuffle, &seed,
-                                     &smoothing))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OL|LLpKfi", kwlist, &opt, &batch, &accum, &micro, &shuffle, &seed,
+                                     &smoothing, &amp))
         return -1;
     module_state *ms = state_of(PyType_GetModule(Py_TYPE(self)));
     if (!PyObject_TypeCheck(opt, ms->optim_type) || optim_ready((OptimObject *)opt) < 0) {
@@ -627,7 +641,7 @@ static int Trainer_init(TrainerObject *self, PyObject *args, PyObject *kw) {
     }
     OptimObject *o = (OptimObject *)opt;
     cmlp_train_config c = {.batch_size = batch, .accumulation_steps = accum, .microbatch_size = micro,
-                           .shuffle = shuffle, .seed = seed, .label_smoothing = smoothing};
+                           .shuffle = shuffle, .seed = seed, .label_smoothing = smoothing, .amp = (cmlp_amp)amp};
     cmlp_status st = cmlp_trainer_init(&self->t, o->model->m, o->o, &c);
     if (st != CMLP_OK) {
         raise_status(ms, st);
@@ -717,8 +731,37 @@ static PyObject *Trainer_epoch_run(TrainerObject *self, PyObject *args) {
         Py_CLEAR(self->epoch_y);
     }
     if (st != CMLP_OK) return raise_status(mo->ms, st);
-    return Py_BuildValue("(LLdO)", (long long)es.steps, (long long)es.samples, es.loss_sum,
-                         es.done ? Py_True : Py_False);
+    return Py_BuildValue("(LLdOL)", (long long)es.steps, (long long)es.samples, es.loss_sum,
+                         es.done ? Py_True : Py_False, (long long)es.skipped);
+}
+
+static PyObject *Trainer_set_scaler(TrainerObject *self, PyObject *args) {
+    cmlp_scaler_state s = {0};
+    long long interval = 1, tracker = 0;
+    if (!PyArg_ParseTuple(args, "pdddLL", &s.enabled, &s.scale, &s.growth_factor, &s.backoff_factor, &interval,
+                          &tracker))
+        return NULL;
+    if (trainer_ready(self) < 0) return NULL;
+    s.growth_interval = interval;
+    s.growth_tracker = tracker;
+    cmlp_status st;
+    RUN_LOCKED(self->optim->model, st = cmlp_trainer_set_scaler(self->t, &s));
+    if (st != CMLP_OK) return raise_status(self->optim->model->ms, st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Trainer_get_scaler(TrainerObject *self, PyObject *unused) {
+    (void)unused;
+    if (trainer_ready(self) < 0) return NULL;
+    cmlp_scaler_state s;
+    cmlp_trainer_get_scaler(self->t, &s);
+    return Py_BuildValue("(dL)", s.scale, (long long)s.growth_tracker);
+}
+
+static PyObject *Trainer_skipped_steps(TrainerObject *self, PyObject *unused) {
+    (void)unused;
+    if (trainer_ready(self) < 0) return NULL;
+    return PyLong_FromLongLong(cmlp_trainer_skipped_steps(self->t));
 }
 
 static PyObject *Trainer_get_micro(TrainerObject *self, void *closure) {
@@ -748,7 +791,11 @@ static PyMethodDef Trainer_methods[] = {
     {"step", (PyCFunction)(void (*)(void))Trainer_step, METH_VARARGS | METH_KEYWORDS, "one optimizer step"},
     {"epoch_begin", (PyCFunction)(void (*)(void))Trainer_epoch_begin, METH_VARARGS | METH_KEYWORDS,
      "validate and shuffle; returns the epoch's step count"},
-    {"epoch_run", (PyCFunction)Trainer_epoch_run, METH_VARARGS, "(steps, samples, loss_sum, done)"},
+    {"epoch_run", (PyCFunction)Trainer_epoch_run, METH_VARARGS, "(steps, samples, loss_sum, done, skipped)"},
+    {"set_scaler", (PyCFunction)Trainer_set_scaler, METH_VARARGS,
+     "set_scaler(enabled, scale, growth_factor, backoff_factor, growth_interval, growth_tracker)"},
+    {"get_scaler", (PyCFunction)Trainer_get_scaler, METH_NOARGS, "(scale, growth_tracker)"},
+    {"skipped_steps", (PyCFunction)Trainer_skipped_steps, METH_NOARGS, "steps skipped for inf/NaN gradients"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -968,6 +1015,56 @@ static PyObject *mod_fail_raw_alloc(PyObject *mod, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static int half_dtype(PyObject *name, cmlp_dtype *out) {
+    const char *s = PyUnicode_Check(name) ? PyUnicode_AsUTF8(name) : NULL;
+    if (s && strcmp(s, "fp16") == 0) *out = CMLP_DTYPE_F16;
+    else if (s && strcmp(s, "bf16") == 0) *out = CMLP_DTYPE_BF16;
+    else {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "dtype must be 'fp16' or 'bf16', got %R", name);
+        return -1;
+    }
+    return 0;
+}
+
+/* to_half(float32 array, dtype) -> uint16 array of the same shape, and back. */
+static PyObject *convert(PyObject *args, int to_half) {
+    PyObject *obj, *name;
+    if (!PyArg_ParseTuple(args, "OO", &obj, &name)) return NULL;
+    cmlp_dtype dt;
+    if (half_dtype(name, &dt) < 0) return NULL;
+    PyArrayObject *src = (PyArrayObject *)PyArray_FROM_OTF(obj, to_half ? NPY_FLOAT32 : NPY_UINT16,
+                                                           NPY_ARRAY_IN_ARRAY | NPY_ARRAY_FORCECAST);
+    if (!src) return NULL;
+    PyObject *dst = PyArray_SimpleNew(PyArray_NDIM(src), PyArray_DIMS(src), to_half ? NPY_UINT16 : NPY_FLOAT32);
+    if (!dst) {
+        Py_DECREF(src);
+        return NULL;
+    }
+    int64_t n = (int64_t)PyArray_SIZE(src);
+    void *d = PyArray_DATA((PyArrayObject *)dst), *s = PyArray_DATA(src);
+    cmlp_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = to_half ? cmlp_convert_to_half(d, s, n, dt) : cmlp_convert_from_half(d, s, n, dt);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(src);
+    if (st != CMLP_OK) {
+        Py_DECREF(dst);
+        PyErr_SetString(PyExc_ValueError, cmlp_last_error());
+        return NULL;
+    }
+    return dst;
+}
+
+static PyObject *mod_to_half(PyObject *mod, PyObject *args) {
+    (void)mod;
+    return convert(args, 1);
+}
+
+static PyObject *mod_from_half(PyObject *mod, PyObject *args) {
+    (void)mod;
+    return convert(args, 0);
+}
+
 static PyObject *mod_parse_device(PyObject *mod, PyObject *arg) {
     cmlp_device d;
     if (parse_device(state_of(mod), arg, &d) < 0) return NULL;
@@ -999,6 +1096,8 @@ static PyMethodDef module_methods[] = {
     {"get_settings", mod_get_settings, METH_NOARGS, "the allocator options in force"},
     {"validate", mod_validate, METH_O, "check the allocator's invariants"},
     {"fail_raw_alloc", mod_fail_raw_alloc, METH_VARARGS, "test hook: fail the k-th raw device call from now"},
+    {"to_half", mod_to_half, METH_VARARGS, "to_half(float32 array, 'fp16'|'bf16') -> uint16 array"},
+    {"from_half", mod_from_half, METH_VARARGS, "from_half(uint16 array, 'fp16'|'bf16') -> float32 array"},
     {"parse_device", mod_parse_device, METH_O, "canonical device string; raises when unavailable"},
     {"build_info", mod_build_info, METH_NOARGS, "build facts"},
     {"cuda_device_count", mod_cuda_device_count, METH_NOARGS, "number of usable CUDA devices"},

@@ -86,7 +86,7 @@ class MLP:
                          label_smoothing: float = 0.0) -> float:
         """Mean cross-entropy of the batch (unscaled). ADDS the gradient of loss_scale * loss to
         the gradient buffer, like loss.backward()."""
-        check_amp(amp)
+        amp_code = check_amp(amp)
         loss_scale = float(loss_scale)
         if not np.isfinite(loss_scale):
             raise ValueError(f"loss_scale must be finite, got {loss_scale}")
@@ -96,7 +96,7 @@ class MLP:
         xa = as_inputs(x, self._sizes[0])
         ya = as_labels(y, xa.shape[0], self._sizes[-1])
         n = xa.shape[0]
-        loss_sum = self._c.forward_backward(xa, ya, loss_scale / n, label_smoothing, *self.normalize)
+        loss_sum = self._c.forward_backward(xa, ya, loss_scale / n, label_smoothing, *self.normalize, amp_code)
         return loss_sum / n
 
     def zero_grad(self) -> None:

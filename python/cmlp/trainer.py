@@ -35,9 +35,11 @@ class Trainer:
             raise TypeError(f"optimizer must be a cmlp.optim optimizer, got {type(optimizer).__name__}")
         if optimizer.model is not model:
             raise ValueError("optimizer was created for another model")
-        check_amp(amp)
-        if scaler is not None:
-            raise ValueError("a scaler is only used with amp='fp16'")
+        amp_code = check_amp(amp)
+        if scaler is None and amp == "fp16":
+            from .amp import GradScaler
+
+            scaler = GradScaler()
         if recompute:
             raise NotImplementedError("recompute=True is not available in this version of cmlp")
         self.model, self.optimizer = model, optimizer
@@ -55,7 +57,7 @@ class Trainer:
         # uint8 images: the model's normalisation unless the trainer is given its own
         self.normalize = model.normalize if normalize is None else as_normalize(normalize)
         self._c = _cmlp.Trainer(optimizer._c, self.batch_size, self.accumulation_steps, micro, bool(shuffle),
-                                self.seed, label_smoothing)
+                                self.seed, label_smoothing, amp_code)
 
     @property
     def microbatch_size(self) -> int:
@@ -66,6 +68,24 @@ class Trainer:
     def microbatch_size(self, value: int) -> None:
         self._c.microbatch_size = _positive_int("microbatch_size", value)
 
+    def _push_scaler(self) -> None:
+        """The scaler's state into the C loop, which scales, checks, skips and updates."""
+        s = self.scaler
+        if s is None or not s.is_enabled():
+            self._c.set_scaler(False, 1.0, 2.0, 0.5, 1, 0)
+            return
+        d = s.state_dict()
+        self._c.set_scaler(True, d["scale"], d["growth_factor"], d["backoff_factor"], d["growth_interval"],
+                           d["_growth_tracker"])
+
+    def _pull_scaler(self) -> None:
+        s = self.scaler
+        if s is None or not s.is_enabled():
+            return
+        d = s.state_dict()
+        d["scale"], d["_growth_tracker"] = self._c.get_scaler()
+        s.load_state_dict(d)
+
     def _data(self, x: Any, y: Any, what: str) -> Tuple[np.ndarray, np.ndarray]:
         sizes = self.model.layer_sizes
         xa = as_inputs(x, sizes[0], f"{what} x")
@@ -74,7 +94,11 @@ class Trainer:
     def step(self, x_batch: Any, y_batch: Any) -> float:
         """One optimizer step on the whole given (effective) batch; returns its mean loss."""
         xa, ya = self._data(x_batch, y_batch, "batch")
-        return self._c.step(xa, ya, *self.normalize)
+        self._push_scaler()
+        try:
+            return self._c.step(xa, ya, *self.normalize)
+        finally:
+            self._pull_scaler()
 
     def fit(self, x: Any, y: Any, epochs: int = 5, validation_data: Optional[Tuple[Any, Any]] = None,
             progress: bool = True) -> List[Dict[str, Any]]:
@@ -97,18 +121,21 @@ class Trainer:
             total = self._c.epoch_begin(xa, ya, *self.normalize)
             bar = make_bar(total, f"epoch {epoch}/{epochs}", progress)
             chunk = max(1, total // 200)
-            samples, loss_sum = 0, 0.0
+            samples, loss_sum, skipped = 0, 0.0, 0
             start = time.perf_counter()
+            self._push_scaler()
             try:
                 done = False
                 while not done:
-                    steps, n, loss, done = self._c.epoch_run(chunk)
+                    steps, n, loss, done, k = self._c.epoch_run(chunk)
                     samples += n
                     loss_sum += loss
+                    skipped += k
                     if bar is not None:
                         bar.set_postfix_str(f"loss {loss_sum / max(samples, 1):.4f}")
                         bar.update(steps)
             finally:
+                self._pull_scaler()
                 if bar is not None:
                     bar.close()
             seconds = time.perf_counter() - start
@@ -121,7 +148,7 @@ class Trainer:
                 "samples_per_second": samples / seconds if seconds > 0 else float("inf"),
                 "peak_memory_bytes": memory.max_memory_allocated(device),
                 "microbatch_size": self.microbatch_size,
-                "skipped_steps": 0,
+                "skipped_steps": skipped,
             }
             if val is not None:
                 loss_sum, correct = self.model._c.evaluate(val[0], val[1], *self.normalize, 1000)

@@ -110,7 +110,7 @@ static void test_gradients(void) {
     cmlp_data d = {.x = x, .x_dtype = CMLP_DTYPE_F32, .y = y, .n = n};
     double loss_sum = 0.0;
     OK(cmlp_model_zero_grad(m));
-    OK(cmlp_model_forward_backward(m, &d, 1.0f / n, 0.0f, &loss_sum));
+    OK(cmlp_model_forward_backward(m, &d, 1.0f / n, 0.0f, CMLP_AMP_NONE, &loss_sum));
     float *p = malloc(sizeof(float) * (size_t)np_), *g = malloc(sizeof(float) * (size_t)np_);
     OK(cmlp_model_get_params(m, p));
     OK(cmlp_model_get_grads(m, g));
@@ -141,13 +141,13 @@ static void test_gradients(void) {
     int32_t bad_y[5] = {0, 4, 1, 2, 3};
     cmlp_data bd = d;
     bd.y = bad_y;
-    CHECK(cmlp_model_forward_backward(m, &bd, 1.0f, 0.0f, &loss_sum) == CMLP_ERR_INVALID, "label 4 accepted");
+    CHECK(cmlp_model_forward_backward(m, &bd, 1.0f, 0.0f, CMLP_AMP_NONE, &loss_sum) == CMLP_ERR_INVALID, "label 4 accepted");
     float nanx[5 * 6];
     memcpy(nanx, x, sizeof nanx);
     nanx[13] = NAN;
     bd = d;
     bd.x = nanx;
-    CHECK(cmlp_model_forward_backward(m, &bd, 1.0f, 0.0f, &loss_sum) == CMLP_ERR_NONFINITE, "NaN accepted");
+    CHECK(cmlp_model_forward_backward(m, &bd, 1.0f, 0.0f, CMLP_AMP_NONE, &loss_sum) == CMLP_ERR_NONFINITE, "NaN accepted");
     CHECK(strstr(cmlp_last_error(), "sample 2") != NULL, "message: %s", cmlp_last_error());
     float *g2 = malloc(sizeof(float) * (size_t)np_);
     OK(cmlp_model_get_grads(m, g2));
@@ -223,7 +223,7 @@ static void test_adam_first_step(void) {
     int32_t y[2] = {1, 0};
     cmlp_data d = {.x = x, .x_dtype = CMLP_DTYPE_F32, .y = y, .n = 2};
     double loss;
-    OK(cmlp_model_forward_backward(m, &d, 0.5f, 0.0f, &loss));
+    OK(cmlp_model_forward_backward(m, &d, 0.5f, 0.0f, CMLP_AMP_NONE, &loss));
     int64_t n = cmlp_model_num_parameters(m);
     float *p0 = malloc(sizeof(float) * (size_t)n), *p1 = malloc(sizeof(float) * (size_t)n),
           *g = malloc(sizeof(float) * (size_t)n);

@@ -1,0 +1,179 @@
+/* model_amp.c - forward and backward under mixed precision. Stored activations, the gradients
+ * flowing between layers and the weight copy used by the GEMMs are fp16/bf16; products
+ * accumulate in fp32 (into the fp32 master gradients for dW); logits, softmax and loss stay
+ * fp32. Where the backend needs fp32 operands (the CPU), each layer's GEMMs run over blocks of
+ * rows converted into a bounded scratch, so the half-precision saving is real.
+ */
+#include "half.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define AMP_CHUNK 256 /* rows converted at a time */
+
+static const cmlp_backend_i *B(const cmlp_model *m) { return m->dev->backend; }
+static void *CTX(const cmlp_model *m) { return m->dev->bctx; }
+static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+cmlp_dtype cmlp_amp_dtype(cmlp_amp amp) { return amp == CMLP_AMP_BF16 ? CMLP_DTYPE_BF16 : CMLP_DTYPE_F16; }
+
+void cmlp_amp_release(cmlp_model *m) {
+    if (m->wsa.block) (void)cmlp_allocator_free(m->dev->alloc, m->wsa.block);
+    memset(&m->wsa, 0, sizeof m->wsa);
+}
+
+void cmlp_amp_free(cmlp_model *m) {
+    cmlp_amp_release(m);
+    if (m->params_h) (void)cmlp_allocator_free(m->dev->alloc, m->params_h);
+    m->params_h = NULL;
+    m->half_dtype = CMLP_DTYPE_F32;
+}
+
+cmlp_status cmlp_model_refresh_half(cmlp_model *m) {
+    if (!m->params_h) return CMLP_OK;
+    return B(m)->to_half(CTX(m), m->params_h, m->params, m->nparams, m->half_dtype);
+}
+
+/* The half-precision weight copy in the requested format (made on first use). */
+static cmlp_status ensure_half_params(cmlp_model *m, cmlp_dtype dt) {
+    if (m->params_h && m->half_dtype == dt) return CMLP_OK;
+    if (!m->params_h)
+        CMLP_TRY(cmlp_allocator_malloc(m->dev->alloc, (size_t)m->nparams * sizeof(uint16_t), (void **)&m->params_h));
+    m->half_dtype = dt;
+    return cmlp_model_refresh_half(m);
+}
+
+/* Activations [rows, sizes[l]] for l < L in half precision, logits and their gradient in fp32,
+ * two half gradient buffers of the widest layer, labels; then the fp32 scratch for one block
+ * of rows (three [chunk, widest]) and one layer's weights and bias. */
+static cmlp_status reserve(cmlp_model *m, int64_t rows) {
+    if (rows <= m->wsa.rows) return CMLP_OK;
+    int L = m->nlayers, C = m->sizes[L];
+    /* gradients flow between layers 1..L only; the scratch also holds layer 0's input */
+    int64_t maxg = 1, maxw = m->sizes[0], maxwt = 1, chunk = rows < AMP_CHUNK ? rows : AMP_CHUNK;
+    for (int l = 1; l <= L; l++) maxg = m->sizes[l] > maxg ? m->sizes[l] : maxg;
+    maxw = maxg > maxw ? maxg : maxw;
+    for (int l = 0; l < L; l++) {
+        int64_t w = (int64_t)m->sizes[l] * m->sizes[l + 1];
+        maxwt = w > maxwt ? w : maxwt;
+    }
+    size_t sz[CMLP_MAX_LAYERS + 12], total = 0;
+    int nv = 0;
+    for (int l = 0; l < L; l++) sz[nv++] = align64((size_t)rows * m->sizes[l] * sizeof(uint16_t));
+    sz[nv++] = align64((size_t)rows * C * sizeof(float));
+    sz[nv++] = align64((size_t)rows * C * sizeof(float));
+    sz[nv++] = align64((size_t)rows * maxg * sizeof(uint16_t));
+    sz[nv++] = align64((size_t)rows * maxg * sizeof(uint16_t));
+    sz[nv++] = align64((size_t)rows * sizeof(int32_t));
+    for (int i = 0; i < 3; i++) sz[nv++] = align64((size_t)chunk * maxw * sizeof(float));
+    sz[nv++] = align64((size_t)maxwt * sizeof(float));
+    sz[nv++] = align64((size_t)maxw * sizeof(float));
+    for (int i = 0; i < nv; i++) total += sz[i];
+    char *p;
+    CMLP_TRY(cmlp_allocator_malloc(m->dev->alloc, total, (void **)&p));
+    cmlp_amp_release(m);
+    cmlp_amp_workspace *w = &m->wsa;
+    w->block = p;
+    w->rows = rows;
+    w->chunk = chunk;
+    int v = 0;
+    for (int l = 0; l < L; l++, p += sz[v++]) w->act[l] = (uint16_t *)p;
+    w->logits = (float *)p, p += sz[v++];
+    w->dlogits = (float *)p, p += sz[v++];
+    w->dact[0] = (uint16_t *)p, p += sz[v++];
+    w->dact[1] = (uint16_t *)p, p += sz[v++];
+    w->labels = (int32_t *)p, p += sz[v++];
+    for (int i = 0; i < 3; i++) w->scratch[i] = (float *)p, p += sz[v++];
+    w->w32 = (float *)p, p += sz[v++];
+    w->b32 = (float *)p;
+    return CMLP_OK;
+}
+
+/* Rows of xy (through idx, or from start) into the half input buffer, a block at a time. */
+static cmlp_status stage(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, int64_t start, int64_t n,
+                         const int32_t **labels) {
+    cmlp_amp_workspace *w = &m->wsa;
+    int64_t in = m->sizes[0];
+    float scale = xy->x_dtype == CMLP_DTYPE_U8 ? 1.0f / (255.0f * xy->std) : 1.0f;
+    float shift = xy->x_dtype == CMLP_DTYPE_U8 ? -xy->mean / xy->std : 0.0f;
+    for (int64_t r = 0; r < n; r += w->chunk) {
+        int64_t k = n - r < w->chunk ? n - r : w->chunk;
+        CMLP_TRY(B(m)->stage_rows(CTX(m), w->scratch[0], xy->x, xy->x_dtype, in, idx ? idx + r : NULL, start + r, k,
+                                  scale, shift));
+        CMLP_TRY(B(m)->to_half(CTX(m), w->act[0] + r * in, w->scratch[0], k * in, m->half_dtype));
+    }
+    if (m->dev->device.type == CMLP_DEVICE_CPU && !idx) {
+        *labels = xy->y + start;
+        return CMLP_OK;
+    }
+    CMLP_TRY(B(m)->stage_labels(CTX(m), w->labels, xy->y, idx, start, n));
+    *labels = w->labels;
+    return CMLP_OK;
+}
+
+/* Layer l's half weights and bias as fp32 values, for backends that multiply in fp32. */
+static cmlp_status layer_weights(cmlp_model *m, int l) {
+    int64_t in = m->sizes[l], out = m->sizes[l + 1];
+    CMLP_TRY(B(m)->from_half(CTX(m), m->wsa.w32, m->params_h + m->w_off[l], in * out, m->half_dtype));
+    return B(m)->from_half(CTX(m), m->wsa.b32, m->params_h + m->b_off[l], out, m->half_dtype);
+}
+
+static cmlp_status forward(cmlp_model *m, int64_t n) {
+    cmlp_amp_workspace *w = &m->wsa;
+    const cmlp_backend_i *b = B(m);
+    int L = m->nlayers;
+    for (int l = 0; l < L; l++) {
+        int64_t in = m->sizes[l], out = m->sizes[l + 1];
+        bool last = l + 1 == L;
+        CMLP_TRY(layer_weights(m, l));
+        for (int64_t r = 0; r < n; r += w->chunk) {
+            int64_t k = n - r < w->chunk ? n - r : w->chunk;
+            float *z = last ? w->logits + r * out : w->scratch[1];
+            CMLP_TRY(b->from_half(CTX(m), w->scratch[0], w->act[l] + r * in, k * in, m->half_dtype));
+            CMLP_TRY(b->gemm(CTX(m), 0, 1, k, out, in, 1.0f, w->scratch[0], in, w->w32, in, 0.0f, z, out));
+            CMLP_TRY(b->bias_act(CTX(m), z, w->b32, k, out, !last));
+            if (!last) CMLP_TRY(b->to_half(CTX(m), w->act[l + 1] + r * out, z, k * out, m->half_dtype));
+        }
+    }
+    return CMLP_OK;
+}
+
+static cmlp_status backward(cmlp_model *m, int64_t n) {
+    cmlp_amp_workspace *w = &m->wsa;
+    const cmlp_backend_i *b = B(m);
+    int L = m->nlayers;
+    uint16_t *cur = w->dact[0], *other = w->dact[1];
+    CMLP_TRY(b->to_half(CTX(m), cur, w->dlogits, n * m->sizes[L], m->half_dtype));
+    float *dy = w->scratch[1], *a = w->scratch[0], *dx = w->scratch[2];
+    for (int l = L - 1; l >= 0; l--) {
+        int64_t in = m->sizes[l], out = m->sizes[l + 1];
+        CMLP_TRY(layer_weights(m, l));
+        for (int64_t r = 0; r < n; r += w->chunk) {
+            int64_t k = n - r < w->chunk ? n - r : w->chunk;
+            CMLP_TRY(b->from_half(CTX(m), dy, cur + r * out, k * out, m->half_dtype));
+            CMLP_TRY(b->from_half(CTX(m), a, w->act[l] + r * in, k * in, m->half_dtype));
+            CMLP_TRY(b->gemm(CTX(m), 1, 0, out, in, k, 1.0f, dy, out, a, in, 1.0f, m->grads + m->w_off[l], in));
+            CMLP_TRY(b->bias_grad(CTX(m), m->grads + m->b_off[l], dy, k, out));
+            if (l == 0) continue;
+            CMLP_TRY(b->gemm(CTX(m), 0, 0, k, in, out, 1.0f, dy, out, w->w32, in, 0.0f, dx, in));
+            CMLP_TRY(b->relu_backward(CTX(m), dx, a, k * in));
+            CMLP_TRY(b->to_half(CTX(m), other + r * in, dx, k * in, m->half_dtype));
+        }
+        uint16_t *t = cur;
+        cur = other;
+        other = t;
+    }
+    return CMLP_OK;
+}
+
+cmlp_status cmlp_amp_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, int64_t start, int64_t n,
+                        float grad_weight, float smoothing, cmlp_amp amp, double *loss_sum) {
+    CMLP_TRY(ensure_half_params(m, cmlp_amp_dtype(amp)));
+    CMLP_TRY(reserve(m, n));
+    const int32_t *labels;
+    CMLP_TRY(stage(m, xy, idx, start, n, &labels));
+    CMLP_TRY(forward(m, n));
+    CMLP_TRY(B(m)->softmax_xent(CTX(m), m->wsa.logits, labels, n, m->sizes[m->nlayers], smoothing, grad_weight,
+                                m->wsa.dlogits, loss_sum, NULL));
+    return backward(m, n);
+}

@@ -1,0 +1,216 @@
+"""cmlp.amp: dynamic loss scaling for fp16 training (torch.amp.GradScaler's rules, state and
+errors) and the library's fp16/bf16 conversions. The scale is a float32 value, as PyTorch keeps
+it in a float32 tensor; unscaling and the inf/NaN check are one fused pass in the C core."""
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+
+from . import _cmlp
+from .optim import Optimizer
+
+_STATE_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+_HALF_DTYPES = ("fp16", "bf16")
+
+
+def _f32(value: float) -> float:
+    """value rounded to float32 (overflow gives inf, as a C cast does), as a Python float."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(value))
+
+
+def _real(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _check_scale(name: str, value: Any, allow_zero: bool = False) -> float:
+    """A finite scale > 0; restored state may also hold 0.0, where repeated backoff (which has
+    no lower bound) ends once the float32 scale underflows."""
+    v = _f32(_real(name, value))
+    if not (np.isfinite(v) and (v > 0.0 or (allow_zero and v == 0.0))):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be a finite number {bound} in float32, got {value!r}")
+    return v
+
+
+def _check_factors(growth_factor: Any, backoff_factor: Any) -> Tuple[float, float]:
+    g = _real("growth_factor", growth_factor)
+    b = _real("backoff_factor", backoff_factor)
+    if not (np.isfinite(g) and g > 1.0):
+        raise ValueError(f"growth_factor must be a finite number > 1.0, got {growth_factor!r}")
+    if not 0.0 < b < 1.0:
+        raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
+    return g, b
+
+
+def _check_count(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+    return int(value)
+
+
+class GradScaler:
+    """Loss scaling with PyTorch's growth/backoff rule. Per iteration: forward_backward with
+    loss_scale=get_scale(), optionally unscale_(opt), step(opt) (skipped when a gradient is inf
+    or NaN), update()."""
+
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, enabled: bool = True) -> None:
+        self._enabled = bool(enabled)
+        self._scale = _check_scale("init_scale", init_scale)
+        self._growth_factor, self._backoff_factor = _check_factors(growth_factor, backoff_factor)
+        self._growth_interval = _check_count("growth_interval", growth_interval, 1)
+        self._growth_tracker = 0
+        # id(optimizer) -> {"unscaled", "stepped", "found_inf"}, for the current iteration only
+        self._per_optimizer: Dict[int, Dict[str, bool]] = {}
+
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    def get_scale(self) -> float:
+        """The current scale (a float32 value); 1.0 when disabled."""
+        return self._scale if self._enabled else 1.0
+
+    def scale(self, loss: Any) -> Any:
+        """loss * get_scale() (loss unchanged when disabled)."""
+        return loss * self._scale if self._enabled else loss
+
+    def _state_of(self, optimizer: Any) -> Dict[str, bool]:
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f"optimizer must be a cmlp.optim optimizer, got {type(optimizer).__name__}")
+        return self._per_optimizer.setdefault(id(optimizer), {"unscaled": False, "stepped": False,
+                                                              "found_inf": False})
+
+    def unscale_(self, optimizer: Optimizer) -> None:
+        """Divides the gradients of optimizer's model by the scale (multiplies by the float32
+        reciprocal computed in float64) and records whether any is inf or NaN. At most once
+        per optimizer between update()s, and not after step()."""
+        if not self._enabled:
+            return
+        state = self._state_of(optimizer)
+        if state["stepped"]:
+            raise RuntimeError("unscale_() is being called after step().")
+        if state["unscaled"]:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        with np.errstate(divide="ignore"):
+            inv_scale = _f32(1.0 / np.float64(self._scale))   # inf for a scale underflowed to 0
+        state["found_inf"] = bool(optimizer.model._c.unscale_grads(inv_scale))
+        state["unscaled"] = True
+
+    def step(self, optimizer: Optimizer) -> bool:
+        """Unscales (unless unscale_ was called), then runs optimizer.step() unless a gradient
+        was inf or NaN. Returns whether the step ran."""
+        if not self._enabled:
+            optimizer.step()
+            return True
+        state = self._state_of(optimizer)
+        if state["stepped"]:
+            raise RuntimeError("step() has already been called since the last update().")
+        if not state["unscaled"]:
+            self.unscale_(optimizer)
+        stepped = not state["found_inf"]
+        if stepped:
+            optimizer.step()
+        state["stepped"] = True
+        return stepped
+
+    def update(self, new_scale: Optional[Any] = None) -> None:
+        """Ends the iteration. With new_scale (a number or 1-element array): sets the scale,
+        tracker unchanged. Otherwise: any inf/NaN found since the last update -> scale *=
+        backoff_factor, tracker = 0; else tracker += 1, and at growth_interval the scale grows
+        by growth_factor if the result stays finite, tracker = 0."""
+        if not self._enabled:
+            return
+        if new_scale is not None:
+            arr = np.asarray(new_scale)
+            if arr.dtype == np.bool_ or arr.dtype.kind not in "iuf" or arr.size != 1:
+                raise TypeError(f"new_scale must be a number or a 1-element array, got {new_scale!r}")
+            self._scale = _check_scale("new_scale", arr.reshape(()).item())
+        else:
+            if not self._per_optimizer:
+                raise RuntimeError("No inf checks were recorded prior to update.")
+            if any(s["found_inf"] for s in self._per_optimizer.values()):
+                self._scale = _f32(self._scale * self._backoff_factor)
+                self._growth_tracker = 0
+            else:
+                self._growth_tracker += 1
+                if self._growth_tracker == self._growth_interval:
+                    grown = _f32(self._scale * self._growth_factor)
+                    if np.isfinite(grown):
+                        self._scale = grown
+                    self._growth_tracker = 0
+        self._per_optimizer = {}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """{scale, growth_factor, backoff_factor, growth_interval, _growth_tracker}; {} when
+        disabled."""
+        if not self._enabled:
+            return {}
+        return {"scale": self._scale, "growth_factor": self._growth_factor, "backoff_factor": self._backoff_factor,
+                "growth_interval": self._growth_interval, "_growth_tracker": self._growth_tracker}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restores all five entries of state_dict() (a no-op when disabled, as in PyTorch)."""
+        if not self._enabled:
+            return
+        if not hasattr(state_dict, "keys"):
+            raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+        if len(state_dict) == 0:
+            raise RuntimeError("The source state dict is empty, possibly because it was saved from a disabled "
+                               "instance of GradScaler.")
+        missing = [k for k in _STATE_KEYS if k not in state_dict]
+        if missing:
+            raise KeyError(f"GradScaler state_dict is missing {missing}; it needs {list(_STATE_KEYS)}")
+        scale = _check_scale("scale", state_dict["scale"], allow_zero=True)
+        factors = _check_factors(state_dict["growth_factor"], state_dict["backoff_factor"])
+        interval = _check_count("growth_interval", state_dict["growth_interval"], 1)
+        tracker = _check_count("_growth_tracker", state_dict["_growth_tracker"], 0)
+        self._scale, (self._growth_factor, self._backoff_factor) = scale, factors
+        self._growth_interval, self._growth_tracker = interval, tracker
+
+    # ---- for cmlp.Trainer, which runs the scaler's rule inside its C loop ----
+    def _get_state(self) -> Tuple[float, int]:
+        return self._scale, self._growth_tracker
+
+    def _set_state(self, scale: float, growth_tracker: int) -> None:
+        self._scale = _check_scale("scale", scale, allow_zero=True)
+        self._growth_tracker = _check_count("growth_tracker", growth_tracker, 0)
+
+
+def _half_dtype(dtype: Any) -> str:
+    if dtype not in _HALF_DTYPES:
+        raise ValueError(f"dtype must be 'fp16' or 'bf16', got {dtype!r}")
+    return dtype
+
+
+def to_half(x: Any, dtype: str = "fp16") -> np.ndarray:
+    """The uint16 bit patterns of x in fp16 (IEEE binary16) or bf16, same shape: round to
+    nearest even, fp16 overflow to inf, subnormals kept, NaN stays NaN. x is converted to
+    float32 first (the library rounds from float32 tensors), so a float64 input can differ
+    from a direct float64 -> fp16 rounding where the float32 rounding lands on a tie."""
+    dt = _half_dtype(dtype)
+    arr = np.asarray(x)
+    if arr.dtype == np.bool_ or arr.dtype.kind not in "iuf":
+        raise TypeError(f"x must be a real numeric array, got dtype {arr.dtype}")
+    with np.errstate(over="ignore"):
+        arr = np.asarray(arr, dtype=np.float32, order="C")
+    return _cmlp.to_half(arr, dt)
+
+
+def from_half(u16: Any, dtype: str = "fp16") -> np.ndarray:
+    """float32 values of fp16 or bf16 bit patterns given as a uint16 array (exact)."""
+    dt = _half_dtype(dtype)
+    arr = np.asarray(u16)
+    if arr.dtype != np.uint16:
+        if arr.dtype == np.bool_ or arr.dtype.kind not in "iu":
+            raise TypeError(f"u16 must hold uint16 bit patterns, got dtype {arr.dtype}")
+        if arr.size and (arr.min() < 0 or arr.max() > 0xFFFF):
+            raise ValueError("u16 holds values outside [0, 65535]: they are not 16-bit patterns")
+        arr = arr.astype(np.uint16)
+    return _cmlp.from_half(np.asarray(arr, order="C"), dt)
+
+
+__all__ = ["GradScaler", "to_half", "from_half"]

@@ -1,0 +1,499 @@
+"""cmlp.amp.GradScaler against PyTorch's rules (design/REFERENCE.md, "Mixed precision"), on a
+real cmlp model and optimizer: growth after exactly growth_interval finite steps, backoff on
+inf or NaN with no lower bound, no growth to inf, update(new_scale), the misuse errors and
+their messages, state_dict, the disabled scaler, exact unscaling, skipped steps that leave the
+parameters and the optimizer state bitwise unchanged, and a scaled training loop that equals
+the unscaled one.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+import cmlp
+import cmlp.amp  # noqa: F401  (a submodule file; __init__ may not import it yet)
+from cmlp import amp
+
+DEVICE = os.environ.get("CMLP_TEST_DEVICE", "cpu")
+SIZES = [6, 8, 3]
+FLT_MAX = float(np.finfo(np.float32).max)
+KEYS = ["scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"]
+
+
+def batch(seed=0, n=4):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, SIZES[0])).astype(np.float32)
+    return x, rng.integers(0, SIZES[-1], n)
+
+
+def make(opt="adam", seed=0):
+    model = cmlp.MLP(SIZES, seed=seed, device=DEVICE)
+    if opt == "adam":
+        return model, cmlp.optim.Adam(model, lr=1e-2)
+    return model, cmlp.optim.SGD(model, lr=0.1, momentum=0.9)
+
+
+def flat(d):
+    return np.concatenate([v.ravel() for v in d.values()])
+
+
+def finite_grads(model, scale, seed=0):
+    model.zero_grad()
+    model.forward_backward(*batch(seed), loss_scale=scale)
+    g = flat(model.grads())
+    assert np.isfinite(g).all()
+    return g
+
+
+def bad_grads(model, kind):
+    """Gradients with +-inf ("inf") or NaN ("nan") entries: large inputs times a loss scale
+    near float32's max overflow; adding the same with the opposite sign turns inf into NaN."""
+    x, y = batch(1)
+    model.zero_grad()
+    model.forward_backward(x * 1e6, y, loss_scale=3e38)
+    if kind == "nan":
+        model.forward_backward(x * 1e6, y, loss_scale=-3e38)
+    g = flat(model.grads())
+    if kind == "inf":
+        assert np.isinf(g).any() and not np.isnan(g).any()
+    else:
+        assert np.isnan(g).any()
+
+
+def iteration(scaler, model, opt, kind="finite"):
+    """One iteration; returns what step() returned."""
+    if kind == "finite":
+        finite_grads(model, scaler.get_scale())
+    else:
+        bad_grads(model, kind)
+    stepped = scaler.step(opt)
+    scaler.update()
+    return stepped
+
+
+def adam_state(opt):
+    sd = opt.state_dict()["state"]
+    return {(i, k): np.array(v) for i, e in sd.items() for k, v in e.items()}
+
+
+def same_bits(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+# ---- construction ----
+
+def test_defaults():
+    s = amp.GradScaler()
+    assert s.is_enabled()
+    assert s.get_scale() == 65536.0
+    assert s.state_dict() == {"scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+                              "growth_interval": 2000, "_growth_tracker": 0}
+    assert list(s.state_dict()) == KEYS
+    assert s.scale(1.5) == 1.5 * 65536.0
+    assert s._get_state() == (65536.0, 0)
+
+
+def test_init_scale_is_float32():
+    s = amp.GradScaler(init_scale=0.1)
+    assert s.get_scale() == float(np.float32(0.1)) != 0.1
+
+
+@pytest.mark.parametrize("kwargs, exc, words", [
+    ({"growth_factor": 1.0}, ValueError, "growth_factor"),
+    ({"growth_factor": 0.5}, ValueError, "growth_factor"),
+    ({"growth_factor": float("nan")}, ValueError, "growth_factor"),
+    ({"growth_factor": "2"}, TypeError, "growth_factor"),
+    ({"backoff_factor": 1.0}, ValueError, "backoff_factor"),
+    ({"backoff_factor": 0.0}, ValueError, "backoff_factor"),
+    ({"backoff_factor": -0.5}, ValueError, "backoff_factor"),
+    ({"backoff_factor": None}, TypeError, "backoff_factor"),
+    ({"growth_interval": 0}, ValueError, "growth_interval"),
+    ({"growth_interval": -3}, ValueError, "growth_interval"),
+    ({"growth_interval": 2.0}, TypeError, "growth_interval"),
+    ({"growth_interval": True}, TypeError, "growth_interval"),
+    ({"init_scale": 0.0}, ValueError, "init_scale"),
+    ({"init_scale": -1.0}, ValueError, "init_scale"),
+    ({"init_scale": float("inf")}, ValueError, "init_scale"),
+    ({"init_scale": float("nan")}, ValueError, "init_scale"),
+    ({"init_scale": "1"}, TypeError, "init_scale"),
+    ({"init_scale": 1e39}, ValueError, "init_scale"),      # inf in float32
+    ({"init_scale": 1e-50}, ValueError, "init_scale"),     # zero in float32
+])
+def test_bad_arguments(kwargs, exc, words):
+    with pytest.raises(exc, match=words):
+        amp.GradScaler(**kwargs)
+
+
+# ---- the growth / backoff rule ----
+
+def test_growth_after_exactly_growth_interval():
+    model, opt = make()
+    s = amp.GradScaler(init_scale=4.0, growth_interval=3)
+    seen = []
+    for _ in range(7):
+        assert iteration(s, model, opt) is True
+        seen.append(s._get_state())
+    assert seen == [(4.0, 1), (4.0, 2), (8.0, 0), (8.0, 1), (8.0, 2), (16.0, 0), (16.0, 1)]
+
+
+@pytest.mark.parametrize("kind", ["inf", "nan"])
+def test_backoff_resets_tracker(kind):
+    model, opt = make()
+    s = amp.GradScaler(init_scale=64.0, growth_interval=3)
+    iteration(s, model, opt)
+    iteration(s, model, opt)
+    assert s._get_state() == (64.0, 2)
+    assert iteration(s, model, opt, kind) is False
+    assert s._get_state() == (32.0, 0)
+    # growth needs growth_interval finite steps counted from the backoff
+    iteration(s, model, opt)
+    iteration(s, model, opt)
+    assert s._get_state() == (32.0, 2)
+    iteration(s, model, opt)
+    assert s._get_state() == (64.0, 0)
+
+
+def test_no_lower_bound():
+    model, opt = make()
+    s = amp.GradScaler(init_scale=4.0)
+    for k in range(1, 31):
+        iteration(s, model, opt, "inf")
+        assert s._get_state() == (4.0 * 0.5**k, 0)
+    assert s.get_scale() == 2.0**-28
+
+
+def test_backoff_underflows_to_zero():
+    """No lower bound: halving from 1.0 passes the float32 subnormals (2**-149 is the last) and
+    reaches 0.0; then unscaling multiplies by inf, every step is skipped, and the state still
+    round-trips (as a trainer does with it)."""
+    model, opt = make()
+    s = amp.GradScaler(init_scale=1.0, growth_interval=1)
+    for _ in range(149):
+        iteration(s, model, opt, "inf")
+    assert s.get_scale() == 2.0**-149
+    iteration(s, model, opt, "inf")                 # 2**-150 is a tie: to even, zero
+    assert s._get_state() == (0.0, 0)
+    p = flat(model.state_dict())
+    assert iteration(s, model, opt) is False
+    assert same_bits(flat(model.state_dict()), p)
+    assert s._get_state() == (0.0, 0)
+    t = amp.GradScaler()
+    t.load_state_dict(s.state_dict())
+    assert t.state_dict() == s.state_dict()
+    t._set_state(0.0, 0)
+
+
+def test_backoff_rounds_to_float32_each_time():
+    model, opt = make()
+    s = amp.GradScaler(init_scale=1000.0, backoff_factor=0.1)
+    expect = np.float32(1000.0)
+    for _ in range(12):
+        iteration(s, model, opt, "inf")
+        expect = np.float32(np.float64(expect) * 0.1)
+        assert s.get_scale() == float(expect)
+    assert s.get_scale() < 1e-8
+
+
+@pytest.mark.parametrize("init_scale, growth, expect", [
+    (2.0**127, 2.0, 2.0**127),            # 2**128 is inf in float32: no growth
+    (FLT_MAX, 2.0, FLT_MAX),
+    (2.0**126, 2.0, 2.0**127),            # the largest power of two is reachable
+    (2.0**127, 1.5, 1.5 * 2.0**127),      # finite: grows
+    (2.0**127, 2 - 3 * 2.0**-25, FLT_MAX),  # above FLT_MAX in float64, rounds to it in float32: grows
+    (2.0**127, 2 - 2.0**-25, 2.0**127),     # above FLT_MAX, rounds to inf in float32: no growth
+])
+def test_growth_stops_below_inf(init_scale, growth, expect):
+    model, opt = make()
+    s = amp.GradScaler(init_scale=init_scale, growth_factor=growth, growth_interval=2)
+    for _ in range(2):
+        model.zero_grad()
+        model.forward_backward(*batch(), loss_scale=1.0)   # tiny but finite after unscaling
+        assert s.step(opt) is True
+        s.update()
+    assert s._get_state() == (expect, 0)
+
+
+def test_update_new_scale_keeps_tracker():
+    model, opt = make()
+    s = amp.GradScaler(init_scale=8.0, growth_interval=3)
+    iteration(s, model, opt)
+    iteration(s, model, opt)
+    finite_grads(model, s.get_scale())
+    s.step(opt)
+    s.update(100.0)
+    assert s._get_state() == (100.0, 2)
+    iteration(s, model, opt)
+    assert s._get_state() == (200.0, 0)
+    # a 1-element array, rounded to float32; no step needed before update(new_scale)
+    s.update(np.array([0.1]))
+    assert s._get_state() == (float(np.float32(0.1)), 0)
+    s.update(7)
+    assert s.get_scale() == 7.0
+
+
+@pytest.mark.parametrize("value, exc", [(0.0, ValueError), (-2.0, ValueError), (float("inf"), ValueError),
+                                        (float("nan"), ValueError), (np.ones(2), TypeError),
+                                        ("2", TypeError), (True, TypeError)])
+def test_update_bad_new_scale(value, exc):
+    s = amp.GradScaler(init_scale=8.0)
+    with pytest.raises(exc, match="new_scale"):
+        s.update(value)
+    assert s._get_state() == (8.0, 0)
+
+
+def test_update_after_unscale_only_counts():
+    """PyTorch's update() uses every inf check recorded, also from unscale_ without step."""
+    model, opt = make()
+    s = amp.GradScaler(init_scale=8.0, growth_interval=5)
+    finite_grads(model, 8.0)
+    s.unscale_(opt)
+    s.update()
+    assert s._get_state() == (8.0, 1)
+    bad_grads(model, "inf")
+    s.unscale_(opt)
+    s.update()
+    assert s._get_state() == (4.0, 0)
+
+
+def test_two_optimizers_one_inf():
+    """The optimizer whose gradients overflowed skips its step; the other steps; update backs off."""
+    m1, o1 = make(seed=1)
+    m2, o2 = make(seed=2)
+    s = amp.GradScaler(init_scale=16.0)
+    finite_grads(m1, 16.0)
+    bad_grads(m2, "inf")
+    p1, p2 = flat(m1.state_dict()), flat(m2.state_dict())
+    assert s.step(o1) is True
+    assert s.step(o2) is False
+    assert not np.array_equal(flat(m1.state_dict()), p1)
+    assert same_bits(flat(m2.state_dict()), p2)
+    s.update()
+    assert s._get_state() == (8.0, 0)
+
+
+# ---- misuse ----
+
+def test_unscale_twice():
+    model, opt = make()
+    s = amp.GradScaler()
+    finite_grads(model, s.get_scale())
+    s.unscale_(opt)
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) has already been called on this optimizer since the "
+                                           r"last update\(\)\."):
+        s.unscale_(opt)
+
+
+def test_unscale_after_step():
+    model, opt = make()
+    s = amp.GradScaler()
+    finite_grads(model, s.get_scale())
+    s.step(opt)
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) is being called after step\(\)\."):
+        s.unscale_(opt)
+
+
+def test_step_twice():
+    model, opt = make()
+    s = amp.GradScaler()
+    finite_grads(model, s.get_scale())
+    s.step(opt)
+    p = flat(model.state_dict())
+    with pytest.raises(RuntimeError, match=r"step\(\) has already been called since the last update\(\)\."):
+        s.step(opt)
+    assert same_bits(flat(model.state_dict()), p)
+
+
+def test_update_without_step():
+    s = amp.GradScaler()
+    with pytest.raises(RuntimeError, match=r"No inf checks were recorded prior to update\."):
+        s.update()
+    model, opt = make()
+    iteration(s, model, opt)
+    with pytest.raises(RuntimeError, match="No inf checks"):
+        s.update()          # update() ended the iteration: nothing recorded since
+    assert s._get_state() == (65536.0, 1)
+
+
+def test_update_resets_the_iteration():
+    model, opt = make()
+    s = amp.GradScaler()
+    for _ in range(3):
+        finite_grads(model, s.get_scale())
+        s.unscale_(opt)
+        assert s.step(opt) is True
+        s.update()
+
+
+def test_step_needs_a_cmlp_optimizer():
+    s = amp.GradScaler()
+    with pytest.raises(TypeError, match="optimizer"):
+        s.step(object())
+    with pytest.raises(TypeError, match="optimizer"):
+        s.unscale_("adam")
+
+
+# ---- state_dict ----
+
+def test_state_dict_round_trip():
+    model, opt = make()
+    s = amp.GradScaler(init_scale=1024.0, growth_factor=3.0, backoff_factor=0.25, growth_interval=4)
+    for kind in ["finite", "finite", "inf", "finite", "finite"]:
+        iteration(s, model, opt, kind)
+    sd = s.state_dict()
+    assert list(sd) == KEYS
+    assert sd == {"scale": 256.0, "growth_factor": 3.0, "backoff_factor": 0.25, "growth_interval": 4,
+                  "_growth_tracker": 2}
+    t = amp.GradScaler()
+    t.load_state_dict(sd)
+    assert t.state_dict() == sd
+    for kind in ["finite", "finite", "inf", "finite"]:
+        iteration(s, model, opt, kind)
+        iteration(t, model, opt, kind)
+        assert t.state_dict() == s.state_dict()
+    sd["scale"] = 5.0     # the scaler holds no reference to a returned dict
+    assert s.get_scale() != 5.0
+
+
+def test_load_empty_state_dict():
+    s = amp.GradScaler()
+    with pytest.raises(RuntimeError, match="The source state dict is empty, possibly because it was saved from "
+                                           "a disabled instance of GradScaler."):
+        s.load_state_dict({})
+    assert s._get_state() == (65536.0, 0)
+
+
+def test_load_bad_state_dict():
+    s = amp.GradScaler()
+    good = amp.GradScaler(init_scale=2.0).state_dict()
+    with pytest.raises(KeyError, match="_growth_tracker"):
+        s.load_state_dict({k: v for k, v in good.items() if k != "_growth_tracker"})
+    with pytest.raises(ValueError, match="growth_factor"):
+        s.load_state_dict({**good, "growth_factor": 0.5})
+    with pytest.raises(ValueError, match="scale"):
+        s.load_state_dict({**good, "scale": -1.0})
+    assert s.state_dict() == amp.GradScaler().state_dict()   # nothing half-loaded
+
+
+# ---- disabled ----
+
+def test_disabled():
+    model, opt = make()
+    s = amp.GradScaler(init_scale=1024.0, enabled=False)
+    assert not s.is_enabled()
+    assert s.get_scale() == 1.0
+    assert s.state_dict() == {}
+    assert s.scale(2.5) == 2.5
+    g = finite_grads(model, 1.0)
+    s.unscale_(opt)
+    s.unscale_(opt)                                  # no-op, no error
+    assert same_bits(flat(model.grads()), g)
+    p = flat(model.state_dict())
+    assert s.step(opt) is True
+    assert not np.array_equal(flat(model.state_dict()), p)
+    assert s.step(opt) is True                       # no bookkeeping when disabled
+    s.update()
+    s.update()
+    s.load_state_dict({})                            # a no-op, as in PyTorch
+    assert s.get_scale() == 1.0 and s.state_dict() == {}
+
+
+def test_disabled_does_not_skip_nonfinite_steps():
+    model, opt = make()
+    s = amp.GradScaler(enabled=False)
+    bad_grads(model, "inf")
+    assert s.step(opt) is True
+    assert not np.isfinite(flat(model.state_dict())).all()
+
+
+# ---- unscaling and skipping ----
+
+@pytest.mark.parametrize("scale", [65536.0, 3.0, 1000.0, 0.1, 2.0**-20, 12345.678])
+def test_unscale_is_exact(scale):
+    """Every gradient is multiplied by float32(1 / float64(scale)), once."""
+    model, opt = make()
+    s = amp.GradScaler(init_scale=scale)
+    g = finite_grads(model, s.get_scale())
+    inv = np.float32(1.0 / np.float64(np.float32(scale)))
+    s.unscale_(opt)
+    assert same_bits(flat(model.grads()), g * inv)
+    s.step(opt)                                      # step does not unscale again
+    assert same_bits(flat(model.grads()), g * inv)
+
+
+@pytest.mark.parametrize("opt_kind", ["adam", "sgd"])
+@pytest.mark.parametrize("kind", ["inf", "nan"])
+@pytest.mark.parametrize("explicit_unscale", [False, True])
+def test_skipped_step_changes_nothing(opt_kind, kind, explicit_unscale):
+    model, opt = make(opt_kind)
+    s = amp.GradScaler(init_scale=256.0)
+    for _ in range(3):
+        assert iteration(s, model, opt) is True
+    p = flat(model.state_dict())
+    state = adam_state(opt)
+    if opt_kind == "adam":
+        assert state[(0, "step")] == 3.0
+    assert state and all(np.any(v != 0) for v in state.values())
+    bad_grads(model, kind)
+    if explicit_unscale:
+        s.unscale_(opt)
+    assert s.step(opt) is False
+    s.update()
+    assert same_bits(flat(model.state_dict()), p)
+    after = adam_state(opt)
+    assert after.keys() == state.keys()
+    assert all(same_bits(after[k], state[k]) for k in state)
+    assert s._get_state() == (128.0, 0)
+    assert iteration(s, model, opt) is True           # and training goes on
+    assert np.isfinite(flat(model.state_dict())).all()
+
+
+# ---- a training loop ----
+
+@pytest.mark.parametrize("opt_kind", ["adam", "sgd"])
+def test_scaled_loop_equals_unscaled(opt_kind):
+    """Powers-of-two scales make scale-then-unscale exact, so the scaled loop (with one
+    overflowing step skipped) follows the plain fp32 loop that skips the same step."""
+    steps, overflow_at = 12, 5
+    ma, oa = make(opt_kind)
+    mb, ob = make(opt_kind)
+    s = amp.GradScaler(init_scale=2.0**10, growth_interval=3)
+    scales = []
+    for i in range(steps):
+        x, y = batch(seed=100 + i, n=8)
+        ma.zero_grad()
+        mb.zero_grad()
+        if i == overflow_at:
+            ma.forward_backward(x * 1e6, y, loss_scale=3e38)
+            assert s.step(oa) is False
+        else:
+            la = ma.forward_backward(x, y, loss_scale=s.get_scale())
+            lb = mb.forward_backward(x, y)
+            assert la == lb                              # the returned loss is unscaled
+            assert s.step(oa) is True
+            ob.step()
+        s.update()
+        scales.append(s.get_scale())
+    assert scales == [2.0**10, 2.0**10, 2.0**11, 2.0**11, 2.0**11, 2.0**10, 2.0**10, 2.0**10, 2.0**11,
+                      2.0**11, 2.0**11, 2.0**12]
+    pa, pb = flat(ma.state_dict()), flat(mb.state_dict())
+    np.testing.assert_allclose(pa, pb, rtol=1e-6, atol=1e-7)
+    sa, sb = adam_state(oa), adam_state(ob)
+    for k in sb:
+        np.testing.assert_allclose(sa[k], sb[k], rtol=1e-6, atol=1e-9)
+
+
+# ---- trainer hooks ----
+
+def test_private_state_hooks():
+    s = amp.GradScaler()
+    s._set_state(0.1, 7)
+    assert s._get_state() == (float(np.float32(0.1)), 7)
+    assert s.state_dict()["_growth_tracker"] == 7
+    with pytest.raises(ValueError):
+        s._set_state(-1.0, 0)
+    with pytest.raises(ValueError):
+        s._set_state(float("inf"), 0)
+    with pytest.raises(ValueError):
+        s._set_state(1.0, -1)
