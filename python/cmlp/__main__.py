@@ -63,7 +63,8 @@ def _train(a: argparse.Namespace) -> int:
                       seed=a.seed)
     print(f"cmlp {build_info()['version']}: MLP {'-'.join(map(str, a.layers))} ({model.num_parameters():,} "
           f"parameters) on {model.device}, {a.optimizer} lr {opt.lr:g}, batch {a.batch_size} x "
-          f"{a.accumulation_steps}, {a.epochs} epochs, {a.dataset} {len(xtr):,} train / {len(xte):,} test")
+          f"{a.accumulation_steps}, {a.epochs} epochs, {a.amp or 'fp32'}, {a.dataset} {len(xtr):,} train / "
+          f"{len(xte):,} test")
     history = []
     for epoch in range(1, a.epochs + 1):
         h = trainer.fit(xtr, ytr, epochs=1, validation_data=(xte, yte), progress=not a.no_progress)[0]
@@ -71,7 +72,8 @@ def _train(a: argparse.Namespace) -> int:
         history.append(h)
         print(f"epoch {epoch}/{a.epochs}  loss {h['loss']:.4f}  test loss {h['val_loss']:.4f}  "
               f"test accuracy {100 * h['val_accuracy']:.2f}%  {h['samples_per_second']:,.0f} samples/s  "
-              f"peak memory {memory._fmt(h['peak_memory_bytes'])}  {h['seconds']:.1f} s", flush=True)
+              f"peak memory {memory._fmt(h['peak_memory_bytes'])}  {h['seconds']:.1f} s"
+              + (f"  skipped steps {h['skipped_steps']}" if h["skipped_steps"] else ""), flush=True)
     print(f"final test accuracy: {100 * history[-1]['val_accuracy']:.2f}%")
     if a.save:
         model.save(a.save)
