@@ -175,7 +175,7 @@ static alloc_block *new_segment(cmlp_allocator *a, int pool, size_t size) {
     }
     *b = (alloc_block){.ptr = p, .size = seg_size, .seg = s};
     s->first = b;
-    s->oversize = oversize(a, size);
+    s->oversize = oversize(a, seg_size);
     a->stats.num_device_alloc++;
     account_segment(a, s, +1);
     return b;
@@ -205,6 +205,10 @@ static alloc_block *grow_expandable(cmlp_allocator *a, int pool, size_t size) {
     alloc_segment *s = p->expandable;
     alloc_block *tail = last_block(s);
     size_t have = tail && !tail->allocated ? tail->size : 0;
+    if (have >= size) { /* the free tail already holds it */
+        pool_take(a, tail);
+        return tail;
+    }
     size_t grow = (size - have + K_ROUND_LARGE - 1) / K_ROUND_LARGE * K_ROUND_LARGE;
     if (s->size + grow > s->vsize) return NULL;
     if (a->limit >= 0 && reserved(a) + (int64_t)grow > a->limit) return NULL;
@@ -321,7 +325,8 @@ static void collect_garbage(cmlp_allocator *a, size_t coming) {
 static alloc_block *cached_block(cmlp_allocator *a, int pool, size_t size) {
     alloc_block *b = alloc_tree_lower_bound(&a->pools[pool], size);
     if (!b) return NULL;
-    if (a->cfg.max_split_size >= 0) {
+    /* oversize rules protect whole segments; an expandable segment always splits */
+    if (a->cfg.max_split_size >= 0 && !b->seg->expandable) {
         size_t msz = (size_t)a->cfg.max_split_size;
         if (size < msz && b->size >= msz) return NULL;            /* no oversize block for a small request */
         if (size >= msz && b->size >= size + K_LARGE_BUFFER) return NULL; /* nor one far too large */
@@ -381,8 +386,10 @@ static cmlp_status allocate(cmlp_allocator *a, size_t nbytes, void **out) {
     if (!table_reserve(a)) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory for the allocator's block table");
     alloc_block *b = cached_block(a, pool, size);
     if (!b) b = new_memory(a, pool, size);
-    if (!b && release_oversize(a, size) && !a->pytorch_ladder) b = cached_block(a, pool, size);
-    if (!b && a->cfg.max_split_size >= 0) b = new_memory(a, pool, size);
+    if (!b && release_oversize(a, size)) {
+        if (!a->pytorch_ladder) b = cached_block(a, pool, size);
+        if (!b) b = new_memory(a, pool, size);
+    }
     if (!b) {
         a->stats.num_alloc_retries++;
         release_cached(a);
@@ -409,7 +416,8 @@ static cmlp_status allocate(cmlp_allocator *a, size_t nbytes, void **out) {
     stat(a, CMLP_STAT_ALLOCATED_BYTES, p, (int64_t)b->size);
     stat(a, CMLP_STAT_ACTIVE_BYTES, p, (int64_t)b->size);
     stat(a, CMLP_STAT_REQUESTED_BYTES, p, (int64_t)nbytes);
-    if (oversize(a, b->size)) stat(a, CMLP_STAT_OVERSIZE_ALLOCATIONS, p, 1);
+    b->oversize = oversize(a, b->size); /* remembered: the setting may change before the free */
+    if (b->oversize) stat(a, CMLP_STAT_OVERSIZE_ALLOCATIONS, p, 1);
     *out = b->ptr;
     return CMLP_OK;
 }
@@ -421,8 +429,9 @@ static void release_block(cmlp_allocator *a, alloc_block *b) {
     stat(a, CMLP_STAT_ALLOCATED_BYTES, p, -(int64_t)b->size);
     stat(a, CMLP_STAT_ACTIVE_BYTES, p, -(int64_t)b->size);
     stat(a, CMLP_STAT_REQUESTED_BYTES, p, -(int64_t)b->requested);
-    if (oversize(a, b->size)) stat(a, CMLP_STAT_OVERSIZE_ALLOCATIONS, p, -1);
+    if (b->oversize) stat(a, CMLP_STAT_OVERSIZE_ALLOCATIONS, p, -1);
     b->allocated = false;
+    b->oversize = false;
     b->requested = 0;
     alloc_block *prev = b->prev, *next = b->next;
     if (prev && !prev->allocated) { /* absorb b into its free predecessor */

@@ -26,6 +26,7 @@ typedef struct alloc_block {
     size_t size;      /* bytes this block spans in its segment */
     size_t requested; /* what the caller asked for (allocated blocks) */
     bool allocated;
+    bool oversize;    /* counted in oversize_allocations when it was handed out */
     uint64_t tick;    /* when it last became free: the gc frees the oldest first */
     struct alloc_block *prev, *next; /* address neighbours in the segment */
     alloc_segment *seg;

@@ -1,0 +1,1804 @@
+/* test_alloc.c - unit and stress tests of the caching allocator (csrc/alloc.c) through its
+ * internal API (alloc.h), on a fake device: raw memory from posix_memalign with a capacity and
+ * failures on demand, virtual memory from real mmap/mprotect/madvise/munmap with every call
+ * checked (ranges inside a reservation, 2 MiB granules, nothing mapped twice). Covers PyTorch's
+ * rules from PyTorch's native allocator with exact numbers (rounding, pools, segment sizes, best fit, split,
+ * merge, max_split_size, roundup divisions, empty_cache, limit, garbage collection, expandable
+ * segments), the allocation ladder with fault injection, randomised stress per configuration
+ * (100,000 operations each) and four threads on one allocator. cmlp_allocator_validate and a
+ * snapshot-vs-statistics check run after every operation of the unit and stress tests. Built
+ * with ASan + UBSan; exits non-zero when any check fails.
+ */
+#include "alloc.h"
+
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+
+static atomic_int passed, failed;
+
+#define CHECK(cond, ...)                                           \
+    do {                                                           \
+        if (cond) {                                                \
+            atomic_fetch_add(&passed, 1);                          \
+        } else {                                                   \
+            atomic_fetch_add(&failed, 1);                          \
+            printf("FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
+            printf(__VA_ARGS__);                                   \
+            printf("\n");                                          \
+        }                                                          \
+    } while (0)
+
+#define OK(expr) CHECK((expr) == CMLP_OK, "%s", cmlp_last_error())
+
+#define KIB ((size_t)1 << 10)
+#define MB(x) ((size_t)(x) << 20)
+#define GB(x) ((size_t)(x) << 30)
+#define GRANULE MB(2)
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* ---- the fake device ---------------------------------------------------------------------- */
+
+typedef struct {
+    void *ptr;
+    size_t size;
+} raw_rec;
+
+typedef struct {
+    char *base;
+    size_t size;
+    unsigned char *mapped; /* one flag per 2 MiB granule */
+} vm_rec;
+
+#define MAX_VM 8
+
+typedef struct fake_dev {
+    pthread_mutex_t lock;
+    int64_t total;    /* what total_memory reports */
+    int64_t capacity; /* raw + mapped bytes the device can hold */
+    int64_t raw_bytes, mapped_bytes;
+    int fail_next;    /* the next N raw_alloc / vm_map calls fail with CMLP_ERR_OOM */
+    int fail_reserve; /* while set, vm_reserve fails */
+    int64_t n_raw_alloc, n_raw_ok, n_raw_free, n_map, n_unmap, n_reserve, n_release;
+    int64_t violations;
+    char violation[256];
+    raw_rec *raws;
+    size_t nraw, capraw;
+    vm_rec vms[MAX_VM];
+    int nvm;
+} fake_dev;
+
+static void violate(fake_dev *d, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void violate(fake_dev *d, const char *fmt, ...) {
+    if (d->violations++ == 0) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(d->violation, sizeof d->violation, fmt, ap);
+        va_end(ap);
+    }
+}
+
+static int64_t fake_total_memory(void *ctx) { return ((fake_dev *)ctx)->total; }
+
+static cmlp_status fake_raw_alloc(void *ctx, size_t n, void **out) {
+    fake_dev *d = ctx;
+    cmlp_status st = CMLP_ERR_OOM;
+    pthread_mutex_lock(&d->lock);
+    d->n_raw_alloc++;
+    if (n == 0 || n % 512) violate(d, "raw_alloc of %zu bytes", n);
+    if (d->fail_next > 0) {
+        d->fail_next--;
+    } else if (d->raw_bytes + d->mapped_bytes + (int64_t)n <= d->capacity) {
+        void *p = NULL;
+        if (posix_memalign(&p, 512, n) == 0) {
+            if (d->nraw == d->capraw) {
+                d->capraw = d->capraw ? d->capraw * 2 : 64;
+                d->raws = realloc(d->raws, d->capraw * sizeof *d->raws);
+                if (!d->raws) abort();
+            }
+            d->raws[d->nraw++] = (raw_rec){p, n};
+            d->raw_bytes += (int64_t)n;
+            d->n_raw_ok++;
+            *out = p;
+            st = CMLP_OK;
+        }
+    }
+    pthread_mutex_unlock(&d->lock);
+    return st;
+}
+
+static void fake_raw_free(void *ctx, void *ptr, size_t n) {
+    fake_dev *d = ctx;
+    pthread_mutex_lock(&d->lock);
+    d->n_raw_free++;
+    size_t i = 0;
+    while (i < d->nraw && d->raws[i].ptr != ptr) i++;
+    if (i == d->nraw) {
+        violate(d, "raw_free of %p, not a live raw allocation", ptr);
+    } else {
+        if (d->raws[i].size != n) violate(d, "raw_free of %p with %zu bytes, allocated %zu", ptr, n, d->raws[i].size);
+        d->raw_bytes -= (int64_t)d->raws[i].size;
+        d->raws[i] = d->raws[--d->nraw];
+        free(ptr);
+    }
+    pthread_mutex_unlock(&d->lock);
+}
+
+static cmlp_status fake_vm_reserve(void *ctx, size_t n, void **out) {
+    fake_dev *d = ctx;
+    cmlp_status st = CMLP_ERR_OOM;
+    pthread_mutex_lock(&d->lock);
+    d->n_reserve++;
+    if (n == 0 || n % GRANULE) violate(d, "vm_reserve of %zu bytes (not whole granules)", n);
+    if (!d->fail_reserve && d->nvm < MAX_VM && n % GRANULE == 0 && n) {
+        void *p = mmap(NULL, n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (p != MAP_FAILED) {
+            unsigned char *m = calloc(n / GRANULE, 1);
+            if (!m) abort();
+            d->vms[d->nvm++] = (vm_rec){p, n, m};
+            *out = p;
+            st = CMLP_OK;
+        }
+    }
+    pthread_mutex_unlock(&d->lock);
+    return st;
+}
+
+/* The reservation holding [p, p + n) at granule boundaries, or NULL (a violation is recorded). */
+static vm_rec *vm_find(fake_dev *d, const char *what, void *ptr, size_t n) {
+    char *p = ptr;
+    for (int i = 0; i < d->nvm; i++) {
+        vm_rec *v = &d->vms[i];
+        if (p < v->base || p >= v->base + v->size) continue;
+        size_t off = (size_t)(p - v->base);
+        if (n == 0 || n > v->size - off || off % GRANULE || n % GRANULE) {
+            violate(d, "%s(%p, %zu bytes): outside its reservation [%p, +%zu) or not whole granules", what, ptr, n,
+                    (void *)v->base, v->size);
+            return NULL;
+        }
+        return v;
+    }
+    violate(d, "%s(%p, %zu bytes): not in any reservation", what, ptr, n);
+    return NULL;
+}
+
+static cmlp_status fake_vm_map(void *ctx, void *ptr, size_t n) {
+    fake_dev *d = ctx;
+    cmlp_status st = CMLP_ERR_OOM;
+    pthread_mutex_lock(&d->lock);
+    d->n_map++;
+    vm_rec *v = vm_find(d, "vm_map", ptr, n);
+    if (!v) {
+        st = CMLP_ERR_INVALID;
+    } else if (d->fail_next > 0) {
+        d->fail_next--;
+    } else if (d->raw_bytes + d->mapped_bytes + (int64_t)n <= d->capacity) {
+        size_t g0 = (size_t)((char *)ptr - v->base) / GRANULE, g1 = g0 + n / GRANULE;
+        bool twice = false;
+        for (size_t g = g0; g < g1; g++) twice |= v->mapped[g] != 0;
+        if (twice) {
+            violate(d, "vm_map(%p, %zu bytes) maps a granule already mapped", ptr, n);
+            st = CMLP_ERR_INVALID;
+        } else if (mprotect(ptr, n, PROT_READ | PROT_WRITE) == 0) {
+            for (size_t g = g0; g < g1; g++) v->mapped[g] = 1;
+            d->mapped_bytes += (int64_t)n;
+            st = CMLP_OK;
+        }
+    }
+    pthread_mutex_unlock(&d->lock);
+    return st;
+}
+
+static void fake_vm_unmap(void *ctx, void *ptr, size_t n) {
+    fake_dev *d = ctx;
+    pthread_mutex_lock(&d->lock);
+    d->n_unmap++;
+    vm_rec *v = vm_find(d, "vm_unmap", ptr, n);
+    if (v) {
+        size_t g0 = (size_t)((char *)ptr - v->base) / GRANULE, g1 = g0 + n / GRANULE;
+        for (size_t g = g0; g < g1; g++) {
+            if (!v->mapped[g]) violate(d, "vm_unmap(%p, %zu bytes) of a granule not mapped", ptr, n);
+            else d->mapped_bytes -= (int64_t)GRANULE;
+            v->mapped[g] = 0;
+        }
+        (void)madvise(ptr, n, MADV_DONTNEED);
+        (void)mprotect(ptr, n, PROT_NONE);
+    }
+    pthread_mutex_unlock(&d->lock);
+}
+
+static void fake_vm_release(void *ctx, void *ptr, size_t n) {
+    fake_dev *d = ctx;
+    pthread_mutex_lock(&d->lock);
+    d->n_release++;
+    int i = 0;
+    while (i < d->nvm && d->vms[i].base != ptr) i++;
+    if (i == d->nvm || d->vms[i].size != n) {
+        violate(d, "vm_release(%p, %zu bytes) is not a reservation", ptr, n);
+    } else {
+        for (size_t g = 0; g < n / GRANULE; g++)
+            if (d->vms[i].mapped[g]) {
+                violate(d, "vm_release(%p) with granule %zu still mapped", ptr, g);
+                break;
+            }
+        (void)munmap(ptr, n);
+        free(d->vms[i].mapped);
+        d->vms[i] = d->vms[--d->nvm];
+    }
+    pthread_mutex_unlock(&d->lock);
+}
+
+static const cmlp_backend_i fake_backend = {
+    .name = "fake",
+    .total_memory = fake_total_memory,
+    .raw_alloc = fake_raw_alloc,
+    .raw_free = fake_raw_free,
+    .vm_reserve = fake_vm_reserve,
+    .vm_map = fake_vm_map,
+    .vm_unmap = fake_vm_unmap,
+    .vm_release = fake_vm_release,
+};
+
+static void fake_init(fake_dev *d, int64_t total) {
+    memset(d, 0, sizeof *d);
+    pthread_mutex_init(&d->lock, NULL);
+    d->total = total;
+    d->capacity = total;
+}
+
+/* ---- helpers ------------------------------------------------------------------------------- */
+
+#define CUR(s, k, p) ((s).stat[CMLP_STAT_##k][CMLP_POOL_##p].current)
+
+static cmlp_memory_stats stats_of(cmlp_allocator *a) {
+    cmlp_memory_stats s;
+    cmlp_allocator_stats(a, &s);
+    return s;
+}
+
+/* Off only where a test changes max_split_size while blocks are live. */
+static bool check_oversize = true;
+
+/* Snapshot sums (per pool) against the statistics, the device's own books against reserved
+ * memory, and the snapshot's structure. Returns false (with one message) on the first
+ * disagreement. */
+static bool consistent(cmlp_allocator *a, fake_dev *d, char *why, size_t cap) {
+    cmlp_segment_info *segs = NULL;
+    cmlp_block_info *blks = NULL;
+    int64_t ns = 0, nb = 0;
+    if (cmlp_allocator_snapshot(a, &segs, &ns, &blks, &nb) != CMLP_OK) {
+        snprintf(why, cap, "snapshot failed: %s", cmlp_last_error());
+        return false;
+    }
+    cmlp_memory_stats s = stats_of(a);
+    bool ok = false;
+    int64_t seg[3] = {0}, res[3] = {0}, nal[3] = {0}, bal[3] = {0}, req[3] = {0}, nsp[3] = {0}, bsp[3] = {0};
+    int64_t raw_res = 0, exp_res = 0, nraw = 0, largest = 0, over_alloc = 0, over_hi = 0, over_lo = 0;
+    int64_t next_block = 0;
+    uint64_t prev_end = 0;
+#define BAD(...)                             \
+    do {                                     \
+        snprintf(why, cap, __VA_ARGS__);     \
+        goto done;                           \
+    } while (0)
+    for (int64_t i = 0; i < ns; i++) {
+        const cmlp_segment_info *g = &segs[i];
+        int p = g->pool;
+        if (p != CMLP_POOL_LARGE && p != CMLP_POOL_SMALL) BAD("segment %" PRId64 " has pool %d", i, p);
+        if (g->address < prev_end) BAD("segments not sorted / overlapping at %#" PRIx64, g->address);
+        prev_end = g->address + (uint64_t)g->total_size;
+        if (g->first_block != next_block || g->nblocks < 1) BAD("segment %" PRId64 " block range wrong", i);
+        next_block += g->nblocks;
+        if (next_block > nb) BAD("blocks overflow the block array");
+        seg[p]++;
+        res[p] += g->total_size;
+        if (g->expandable) exp_res += g->total_size;
+        else {
+            raw_res += g->total_size;
+            nraw++;
+            if (s.max_split_size >= 0 && g->total_size >= s.max_split_size) over_hi++;
+            if (s.max_split_size >= 0 && g->total_size >= s.max_split_size + (int64_t)GRANULE) over_lo++;
+        }
+        uint64_t addr = g->address;
+        int64_t a_sz = 0, r_sz = 0;
+        int prev_free = 0;
+        for (int64_t k = g->first_block; k < g->first_block + g->nblocks; k++) {
+            const cmlp_block_info *b = &blks[k];
+            if (b->address != addr || b->size <= 0) BAD("blocks do not tile segment %#" PRIx64, g->address);
+            addr += (uint64_t)b->size;
+            if (b->allocated) {
+                nal[p]++;
+                bal[p] += b->size;
+                req[p] += b->requested_size;
+                a_sz += b->size;
+                r_sz += b->requested_size;
+                if (b->requested_size <= 0 || b->requested_size > b->size) BAD("block %#" PRIx64 " requested %" PRId64, b->address, b->requested_size);
+                if (s.max_split_size >= 0 && b->size >= s.max_split_size) over_alloc++;
+                prev_free = 0;
+            } else {
+                if (prev_free) BAD("two free neighbours at %#" PRIx64, b->address);
+                prev_free = 1;
+                if (g->nblocks > 1) {
+                    nsp[p]++;
+                    bsp[p] += b->size;
+                }
+                if (b->size > largest) largest = b->size;
+            }
+        }
+        if (addr != g->address + (uint64_t)g->total_size) BAD("blocks of %#" PRIx64 " do not add up", g->address);
+        if (a_sz != g->allocated_size || a_sz != g->active_size || r_sz != g->requested_size)
+            BAD("segment %#" PRIx64 " sizes disagree with its blocks", g->address);
+    }
+    if (next_block != nb) BAD("%" PRId64 " blocks in no segment", nb - next_block);
+    for (int p = CMLP_POOL_LARGE; p <= CMLP_POOL_SMALL; p++) {
+        if (s.stat[CMLP_STAT_SEGMENT][p].current != seg[p]) BAD("pool %d: %" PRId64 " segments, stat %" PRId64, p, seg[p], s.stat[CMLP_STAT_SEGMENT][p].current);
+        if (s.stat[CMLP_STAT_RESERVED_BYTES][p].current != res[p]) BAD("pool %d: reserved %" PRId64 ", stat %" PRId64, p, res[p], s.stat[CMLP_STAT_RESERVED_BYTES][p].current);
+        if (s.stat[CMLP_STAT_ALLOCATION][p].current != nal[p] || s.stat[CMLP_STAT_ACTIVE][p].current != nal[p])
+            BAD("pool %d: %" PRId64 " blocks allocated, stat %" PRId64, p, nal[p], s.stat[CMLP_STAT_ALLOCATION][p].current);
+        if (s.stat[CMLP_STAT_ALLOCATED_BYTES][p].current != bal[p] || s.stat[CMLP_STAT_ACTIVE_BYTES][p].current != bal[p])
+            BAD("pool %d: %" PRId64 " bytes allocated, stat %" PRId64, p, bal[p], s.stat[CMLP_STAT_ALLOCATED_BYTES][p].current);
+        if (s.stat[CMLP_STAT_REQUESTED_BYTES][p].current != req[p]) BAD("pool %d: requested %" PRId64 ", stat %" PRId64, p, req[p], s.stat[CMLP_STAT_REQUESTED_BYTES][p].current);
+        if (s.stat[CMLP_STAT_INACTIVE_SPLIT][p].current != nsp[p] || s.stat[CMLP_STAT_INACTIVE_SPLIT_BYTES][p].current != bsp[p])
+            BAD("pool %d: inactive_split %" PRId64 "/%" PRId64 ", stat %" PRId64 "/%" PRId64, p, nsp[p], bsp[p],
+                s.stat[CMLP_STAT_INACTIVE_SPLIT][p].current, s.stat[CMLP_STAT_INACTIVE_SPLIT_BYTES][p].current);
+    }
+    for (int k = 0; k < CMLP_STAT_KIND_COUNT; k++) {
+        for (int p = 0; p < CMLP_POOL_COUNT; p++) {
+            const cmlp_stat *t = &s.stat[k][p];
+            if (t->current != t->allocated - t->freed || t->current > t->peak ||
+                (t->current < 0 && (check_oversize || k < CMLP_STAT_OVERSIZE_ALLOCATIONS)))
+                BAD("stat %d pool %d: current %" PRId64 " peak %" PRId64 " allocated %" PRId64 " freed %" PRId64, k, p,
+                    t->current, t->peak, t->allocated, t->freed);
+        }
+        if (k < CMLP_STAT_OVERSIZE_ALLOCATIONS &&
+            s.stat[k][CMLP_POOL_ALL].current != s.stat[k][CMLP_POOL_LARGE].current + s.stat[k][CMLP_POOL_SMALL].current)
+            BAD("stat %d: all != large + small", k);
+    }
+    if (s.largest_free_block != largest) BAD("largest_free_block %" PRId64 ", snapshot %" PRId64, s.largest_free_block, largest);
+    if (check_oversize) {
+        if (CUR(s, OVERSIZE_ALLOCATIONS, ALL) != over_alloc)
+            BAD("oversize_allocations %" PRId64 ", snapshot %" PRId64, CUR(s, OVERSIZE_ALLOCATIONS, ALL), over_alloc);
+        /* the allocator flags a segment made for a request >= max_split_size; PyTorch counts
+         * segments >= max_split_size: the two agree outside the last 2 MiB below the limit */
+        if (CUR(s, OVERSIZE_SEGMENTS, ALL) < over_lo || CUR(s, OVERSIZE_SEGMENTS, ALL) > over_hi)
+            BAD("oversize_segments %" PRId64 ", snapshot between %" PRId64 " and %" PRId64, CUR(s, OVERSIZE_SEGMENTS, ALL), over_lo, over_hi);
+    }
+    pthread_mutex_lock(&d->lock);
+    int64_t rb = d->raw_bytes, mb = d->mapped_bytes, okn = d->n_raw_ok - d->n_raw_free, viol = d->violations;
+    pthread_mutex_unlock(&d->lock);
+    if (rb != raw_res || okn != nraw) BAD("device holds %" PRId64 " raw bytes in %" PRId64 " allocations, segments %" PRId64 " in %" PRId64, rb, okn, raw_res, nraw);
+    if (mb != exp_res) BAD("device maps %" PRId64 " bytes, expandable segments %" PRId64, mb, exp_res);
+    if (viol) BAD("device call violation: %s", d->violation);
+    ok = true;
+done:
+#undef BAD
+    free(segs);
+    free(blks);
+    return ok;
+}
+
+/* After every operation of the unit tests: the allocator's validator and the snapshot check. */
+static void step_check(cmlp_allocator *a, fake_dev *d, int line) {
+    cmlp_status st = cmlp_allocator_validate(a);
+    CHECK(st == CMLP_OK, "line %d: validate: %s", line, cmlp_last_error());
+    char why[512];
+    bool ok = consistent(a, d, why, sizeof why);
+    CHECK(ok, "line %d: %s", line, why);
+}
+
+static fake_dev *cur_dev; /* the fake device of the running unit test */
+
+static void *al_(cmlp_allocator *a, size_t n, int line) {
+    void *p = NULL;
+    cmlp_status st = cmlp_allocator_malloc(a, n, &p);
+    CHECK(st == CMLP_OK && p != NULL, "line %d: malloc(%zu): %s", line, n, cmlp_last_error());
+    step_check(a, cur_dev, line);
+    return p;
+}
+
+static void fr_(cmlp_allocator *a, void *p, int line) {
+    cmlp_status st = cmlp_allocator_free(a, p);
+    CHECK(st == CMLP_OK, "line %d: free(%p): %s", line, p, cmlp_last_error());
+    step_check(a, cur_dev, line);
+}
+
+static void ec_(cmlp_allocator *a, int line) {
+    cmlp_allocator_empty_cache(a);
+    step_check(a, cur_dev, line);
+}
+
+/* A request that must fail with CMLP_ERR_OOM. */
+static void oom_(cmlp_allocator *a, size_t n, int line) {
+    void *p = (void *)0x1;
+    cmlp_status st = cmlp_allocator_malloc(a, n, &p);
+    CHECK(st == CMLP_ERR_OOM && p == NULL, "line %d: malloc(%zu) gave %s", line, n, cmlp_status_name(st));
+    CHECK(strstr(cmlp_last_error(), "out of memory") != NULL, "line %d: message: %s", line, cmlp_last_error());
+    step_check(a, cur_dev, line);
+}
+
+#define al(a, n) al_((a), (n), __LINE__)
+#define fr(a, p) fr_((a), (p), __LINE__)
+#define ec(a) ec_((a), __LINE__)
+#define oom(a, n) oom_((a), (n), __LINE__)
+#define STEP(a) step_check((a), cur_dev, __LINE__)
+
+static cmlp_allocator *mk(fake_dev *d, const char *conf, int64_t total) {
+    cmlp_status st = cmlp_memory_configure(conf);
+    CHECK(st == CMLP_OK, "configure(\"%s\"): %s", conf, cmlp_last_error());
+    fake_init(d, total);
+    cur_dev = d;
+    cmlp_allocator *a = NULL;
+    OK(cmlp_allocator_create(&fake_backend, d, "fake", &a));
+    if (!a) abort();
+    STEP(a);
+    return a;
+}
+
+/* Destroys the allocator; the device must then hold nothing. */
+static void fin(cmlp_allocator *a, fake_dev *d) {
+    STEP(a);
+    cmlp_allocator_destroy(a);
+    CHECK(d->raw_bytes == 0 && d->nraw == 0, "device still holds %" PRId64 " raw bytes", d->raw_bytes);
+    CHECK(d->mapped_bytes == 0 && d->nvm == 0, "device still maps %" PRId64 " bytes in %d ranges", d->mapped_bytes, d->nvm);
+    CHECK(d->violations == 0, "device call violations: %s", d->violation);
+    for (int i = 0; i < d->nvm; i++) free(d->vms[i].mapped);
+    free(d->raws);
+    pthread_mutex_destroy(&d->lock);
+    cur_dev = NULL;
+}
+
+/* The snapshot's block at p: its size and segment's total size (0 when not found). */
+static int64_t block_size(cmlp_allocator *a, void *p, int64_t *seg_size, int *nblocks) {
+    cmlp_segment_info *segs = NULL;
+    cmlp_block_info *blks = NULL;
+    int64_t ns = 0, nb = 0, size = 0;
+    if (cmlp_allocator_snapshot(a, &segs, &ns, &blks, &nb) != CMLP_OK) return 0;
+    for (int64_t i = 0; i < ns; i++)
+        for (int64_t k = segs[i].first_block; k < segs[i].first_block + segs[i].nblocks; k++)
+            if (blks[k].address == (uint64_t)(uintptr_t)p) {
+                size = blks[k].size;
+                if (seg_size) *seg_size = segs[i].total_size;
+                if (nblocks) *nblocks = (int)segs[i].nblocks;
+            }
+    free(segs);
+    free(blks);
+    return size;
+}
+
+static int64_t nsegments(cmlp_allocator *a) { return CUR(stats_of(a), SEGMENT, ALL); }
+
+/* Whether the snapshot holds a segment of exactly this size. */
+static bool has_segment(cmlp_allocator *a, int64_t size) {
+    cmlp_segment_info *segs = NULL;
+    cmlp_block_info *blks = NULL;
+    int64_t ns = 0, nb = 0;
+    bool found = false;
+    if (cmlp_allocator_snapshot(a, &segs, &ns, &blks, &nb) != CMLP_OK) return false;
+    for (int64_t i = 0; i < ns; i++) found |= segs[i].total_size == size;
+    free(segs);
+    free(blks);
+    return found;
+}
+
+static char *addr(void *p, size_t off) { return (char *)p + off; }
+
+/* ---- 1. unit rules ------------------------------------------------------------------------- */
+
+static void test_rounding_and_small_pool(void) {
+    fake_dev d;
+    cmlp_allocator *a = mk(&d, "", (int64_t)GB(2));
+    void *z = (void *)0x1;
+    OK(cmlp_allocator_malloc(a, 0, &z));
+    CHECK(z == NULL, "malloc(0) gave %p", z);
+    OK(cmlp_allocator_free(a, NULL));
+    STEP(a);
+    cmlp_memory_stats s = stats_of(a);
+    CHECK(CUR(s, ALLOCATION, ALL) == 0 && s.num_device_alloc == 0 && d.n_raw_alloc == 0, "malloc(0) touched the device");
+
+    void *p1 = al(a, 1);
+    s = stats_of(a);
+    CHECK(CUR(s, ALLOCATED_BYTES, SMALL) == 512 && CUR(s, REQUESTED_BYTES, SMALL) == 1, "1 byte: allocated %" PRId64 " requested %" PRId64,
+          CUR(s, ALLOCATED_BYTES, SMALL), CUR(s, REQUESTED_BYTES, SMALL));
+    CHECK(CUR(s, RESERVED_BYTES, SMALL) == (int64_t)MB(2) && CUR(s, SEGMENT, SMALL) == 1 && CUR(s, SEGMENT, LARGE) == 0,
+          "small segment: reserved %" PRId64, CUR(s, RESERVED_BYTES, SMALL));
+    void *p2 = al(a, 513);
+    CHECK(p2 == addr(p1, 512), "513 bytes at %p, expected %p", p2, addr(p1, 512));
+    CHECK(block_size(a, p2, NULL, NULL) == 1024, "513 bytes -> block of %" PRId64, block_size(a, p2, NULL, NULL));
+    void *p3 = al(a, 1024);
+    CHECK(p3 == addr(p1, 1536) && block_size(a, p3, NULL, NULL) == 1024, "1024 bytes");
+    void *p4 = al(a, MB(1)); /* the largest small request shares the segment */
+    CHECK(p4 == addr(p1, 2560), "1 MiB at %p, expected %p", p4, addr(p1, 2560));
+    s = stats_of(a);
+    CHECK(s.num_device_alloc == 1 && d.n_raw_alloc == 1 && CUR(s, SEGMENT, SMALL) == 1, "small requests made %" PRId64 " device calls",
+          s.num_device_alloc);
+    CHECK(CUR(s, ALLOCATED_BYTES, SMALL) == (int64_t)(2560 + MB(1)) && CUR(s, REQUESTED_BYTES, SMALL) == (int64_t)(1 + 513 + 1024 + MB(1)),
+          "small pool bytes %" PRId64, CUR(s, ALLOCATED_BYTES, SMALL));
+    CHECK(CUR(s, INACTIVE_SPLIT, SMALL) == 1 && CUR(s, INACTIVE_SPLIT_BYTES, SMALL) == (int64_t)(MB(1) - 2560),
+          "small pool split remainder %" PRId64, CUR(s, INACTIVE_SPLIT_BYTES, SMALL));
+    void *p5 = al(a, MB(1) + 1); /* large pool */
+    s = stats_of(a);
+    CHECK(CUR(s, SEGMENT, LARGE) == 1 && CUR(s, RESERVED_BYTES, LARGE) == (int64_t)MB(20) && CUR(s, ALLOCATED_BYTES, LARGE) == (int64_t)(MB(1) + 512),
+          "1 MiB + 1: large reserved %" PRId64 " allocated %" PRId64, CUR(s, RESERVED_BYTES, LARGE), CUR(s, ALLOCATED_BYTES, LARGE));
+    void *p6 = al(a, MB(1) - 1000); /* small again; doesn't fit the 1 MiB - 2560 remainder */
+    s = stats_of(a);
+    CHECK(CUR(s, SEGMENT, SMALL) == 2 && s.num_device_alloc == 3, "second small segment: %" PRId64, CUR(s, SEGMENT, SMALL));
+    CHECK(block_size(a, p6, NULL, NULL) == (int64_t)MB(1) - 512, "1 MiB - 1000 rounds to %" PRId64, block_size(a, p6, NULL, NULL));
+
+    /* a pointer not handed out, an interior pointer, a double free */
+    CHECK(cmlp_allocator_free(a, addr(p1, 4096 * 1024)) == CMLP_ERR_INVALID, "foreign pointer freed");
+    CHECK(cmlp_allocator_free(a, addr(p2, 512)) == CMLP_ERR_INVALID, "interior pointer freed");
+    CHECK(strstr(cmlp_last_error(), "was not allocated") != NULL, "message: %s", cmlp_last_error());
+    STEP(a);
+    fr(a, p2);
+    CHECK(cmlp_allocator_free(a, p2) == CMLP_ERR_INVALID, "double free accepted");
+    STEP(a);
+    /* peaks stay, reset_peak brings them down */
+    s = stats_of(a);
+    int64_t peak = s.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].peak;
+    CHECK(peak > CUR(s, ALLOCATED_BYTES, ALL), "peak %" PRId64 " after a free", peak);
+    cmlp_allocator_reset_peak(a);
+    STEP(a);
+    s = stats_of(a);
+    CHECK(s.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].peak == CUR(s, ALLOCATED_BYTES, ALL), "reset_peak");
+    fr(a, p1);
+    fr(a, p3);
+    fr(a, p4);
+    fr(a, p5);
+    fr(a, p6);
+    s = stats_of(a);
+    CHECK(CUR(s, ALLOCATED_BYTES, ALL) == 0 && CUR(s, REQUESTED_BYTES, ALL) == 0 && CUR(s, ALLOCATION, ALL) == 0, "bytes left");
+    CHECK(CUR(s, INACTIVE_SPLIT, ALL) == 0, "whole free segments count as split: %" PRId64, CUR(s, INACTIVE_SPLIT, ALL));
+    ec(a);
+    CHECK(CUR(stats_of(a), RESERVED_BYTES, ALL) == 0 && stats_of(a).num_device_free == 3, "empty_cache left %" PRId64,
+          CUR(stats_of(a), RESERVED_BYTES, ALL));
+    fin(a, &d);
+}
+
+static void test_large_segments(void) {
+    fake_dev d;
+    cmlp_allocator *a = mk(&d, "", (int64_t)GB(2));
+    void *p = al(a, MB(5));
+    cmlp_memory_stats s = stats_of(a);
+    int64_t seg = 0;
+    CHECK(CUR(s, RESERVED_BYTES, LARGE) == (int64_t)MB(20) && block_size(a, p, &seg, NULL) == (int64_t)MB(5) && seg == (int64_t)MB(20),
+          "5 MiB: reserved %" PRId64, CUR(s, RESERVED_BYTES, LARGE));
+    CHECK(CUR(s, INACTIVE_SPLIT_BYTES, LARGE) == (int64_t)MB(15), "remainder %" PRId64, CUR(s, INACTIVE_SPLIT_BYTES, LARGE));
+    void *q = al(a, MB(5));
+    s = stats_of(a);
+    CHECK(q == addr(p, MB(5)), "second 5 MiB at %p, expected %p", q, addr(p, MB(5)));
+    CHECK(s.num_device_alloc == 1 && d.n_raw_alloc == 1 && CUR(s, SEGMENT, LARGE) == 1, "two 5 MiB requests: %" PRId64 " device calls", s.num_device_alloc);
+    void *r = al(a, MB(30));
+    s = stats_of(a);
+    CHECK(block_size(a, r, &seg, NULL) == (int64_t)MB(30) && seg == (int64_t)MB(30) && s.num_device_alloc == 2, "30 MiB: segment %" PRId64, seg);
+    void *t = al(a, MB(31) - 1); /* 32 MiB segment, 1 MiB - 1 left: not split (needs > 1 MiB) */
+    CHECK(block_size(a, t, &seg, NULL) == (int64_t)MB(32) && seg == (int64_t)MB(32), "31 MiB - 1: block %" PRId64 " segment %" PRId64,
+          block_size(a, t, NULL, NULL), seg);
+    s = stats_of(a);
+    CHECK(CUR(s, ALLOCATED_BYTES, LARGE) == (int64_t)MB(72) && CUR(s, REQUESTED_BYTES, LARGE) == (int64_t)(MB(71) - 1),
+          "allocated %" PRId64 " requested %" PRId64, CUR(s, ALLOCATED_BYTES, LARGE), CUR(s, REQUESTED_BYTES, LARGE));
+    void *v = al(a, MB(10) - 1024); /* < 10 MiB: the first segment's 10 MiB rest, whole (1 KiB would remain) */
+    CHECK(v == addr(p, MB(10)) && block_size(a, v, NULL, NULL) == (int64_t)MB(10), "10 MiB - 1 KiB at %p, expected the first segment's rest %p",
+          v, addr(p, MB(10)));
+    CHECK(stats_of(a).num_device_alloc == 3, "device calls %" PRId64, stats_of(a).num_device_alloc);
+    void *u = al(a, MB(10)); /* 10 MiB is not below kMinLargeAlloc: its own 10 MiB segment */
+    CHECK(block_size(a, u, &seg, NULL) == (int64_t)MB(10) && seg == (int64_t)MB(10), "10 MiB: segment %" PRId64, seg);
+    s = stats_of(a);
+    CHECK(s.num_device_alloc == 4 && CUR(s, SEGMENT, LARGE) == 4, "device calls %" PRId64, s.num_device_alloc);
+    void *w = al(a, MB(10) - 1024); /* nothing cached fits: a new 20 MiB segment */
+    CHECK(block_size(a, w, &seg, NULL) == (int64_t)(MB(10) - 1024) && seg == (int64_t)MB(20), "second 10 MiB - 1 KiB: block %" PRId64 " segment %" PRId64,
+          block_size(a, w, NULL, NULL), seg);
+    fr(a, p);
+    fr(a, q);
+    fr(a, r);
+    fr(a, t);
+    fr(a, u);
+    fr(a, v);
+    fr(a, w);
+    ec(a);
+    s = stats_of(a);
+    CHECK(CUR(s, RESERVED_BYTES, ALL) == 0 && s.num_device_free == 5 && d.n_raw_free == 5, "released %" PRId64, s.num_device_free);
+    fin(a, &d);
+}
+
+static void test_best_fit(void) {
+    fake_dev d;
+    cmlp_allocator *a = mk(&d, "", (int64_t)GB(2));
+    /* small pool: free blocks of 4, 8, 16, 8 KiB separated by live 512-byte blocks */
+    void *A = al(a, 4096), *s1 = al(a, 512), *B = al(a, 8192), *s2 = al(a, 512);
+    void *C = al(a, 16384), *s3 = al(a, 512), *D = al(a, 8192), *s4 = al(a, 512);
+    CHECK(s1 == addr(A, 4096) && B == addr(A, 4608) && C == addr(A, 13312) && D == addr(A, 30208) && s4 == addr(A, 38400),
+          "small blocks not consecutive");
+    fr(a, A);
+    fr(a, B);
+    fr(a, C);
+    fr(a, D);
+    CHECK(CUR(stats_of(a), INACTIVE_SPLIT, SMALL) == 5, "free blocks %" PRId64, CUR(stats_of(a), INACTIVE_SPLIT, SMALL));
+    void *x = al(a, 6000); /* 6144: the two 8 KiB blocks fit best; the lower address wins */
+    CHECK(x == B, "6000 bytes at %p, expected B %p", x, B);
+    void *y = al(a, 8192); /* exactly D (B's remainder is 2 KiB) */
+    CHECK(y == D, "8192 bytes at %p, expected D %p", y, D);
+    void *z = al(a, 12288); /* C, leaving 4 KiB */
+    CHECK(z == C, "12288 bytes at %p, expected C %p", z, C);
+    void *w = al(a, 3000); /* 3072: A (4 KiB) and C's rest (4 KiB) tie; A is lower */
+    CHECK(w == A, "3000 bytes at %p, expected A %p", w, A);
+    void *v = al(a, 4096); /* C's rest is the only 4 KiB block left */
+    CHECK(v == addr(C, 12288), "4096 bytes at %p, expected %p", v, addr(C, 12288));
+    void *u = al(a, 1024); /* A's 1 KiB rest beats B's 2 KiB rest and the big tail */
+    CHECK(u == addr(A, 3072), "1024 bytes at %p, expected %p", u, addr(A, 3072));
+    void *t = al(a, 1500); /* 1536: B's 2 KiB rest */
+    CHECK(t == addr(B, 6144), "1500 bytes at %p, expected %p", t, addr(B, 6144));
+    CHECK(stats_of(a).num_device_alloc == 1, "small best fit made new segments");
+    void *small[] = {s1, s2, s3, s4, x, y, z, w, v, u, t};
+    for (size_t i = 0; i < sizeof small / sizeof *small; i++) fr(a, small[i]);
+
+    /* large pool: whole free segments of 12, 16, 14 MiB */
+    void *g12 = al(a, MB(12)), *g16 = al(a, MB(16)), *g14 = al(a, MB(14));
+    fr(a, g12);
+    fr(a, g16);
+    fr(a, g14);
+    int64_t calls = stats_of(a).num_device_alloc;
+    void *m13 = al(a, MB(13)); /* 14 MiB segment: 1 MiB left, not split */
+    CHECK(m13 == g14 && block_size(a, m13, NULL, NULL) == (int64_t)MB(14), "13 MiB at %p, expected the 14 MiB segment %p", m13, g14);
+    void *m11 = al(a, MB(11));
+    CHECK(m11 == g12 && block_size(a, m11, NULL, NULL) == (int64_t)MB(12), "11 MiB at %p, expected the 12 MiB segment %p", m11, g12);
+    void *m15 = al(a, MB(15));
+    CHECK(m15 == g16, "15 MiB at %p, expected the 16 MiB segment %p", m15, g16);
+    CHECK(stats_of(a).num_device_alloc == calls, "large best fit made a new segment");
+    void *m1 = al(a, MB(1) + 512); /* nothing cached in the large pool: a new 20 MiB segment */
+    CHECK(stats_of(a).num_device_alloc == calls + 1, "1 MiB + 512 did not make a segment");
+    fr(a, m13);
+    fr(a, m11);
+    fr(a, m15);
+    fr(a, m1);
+    ec(a);
+    fin(a, &d);
+}
+
+static void test_split_rules(void) {
+    fake_dev d;
+    cmlp_allocator *a = mk(&d, "", (int64_t)GB(2));
+    /* small pool: split when >= 512 bytes remain */
+    void *X = al(a, MB(1));
+    void *Y = al(a, MB(1) - 512);
+    cmlp_memory_stats s = stats_of(a);
+    int nblocks = 0;
+    CHECK(Y == addr(X, MB(1)) && block_size(a, Y, NULL, &nblocks) == (int64_t)(MB(1) - 512) && nblocks == 3, "512 bytes left unsplit");
+    CHECK(CUR(s, INACTIVE_SPLIT, SMALL) == 1 && CUR(s, INACTIVE_SPLIT_BYTES, SMALL) == 512, "split remainder %" PRId64,
+          CUR(s, INACTIVE_SPLIT_BYTES, SMALL));
+    void *Z = al(a, 100); /* the 512-byte remainder exactly */
+    s = stats_of(a);
+    CHECK(Z == addr(X, MB(2) - 512) && CUR(s, INACTIVE_SPLIT, SMALL) == 0 && s.num_device_alloc == 1, "512-byte remainder not reused");
+    void *W = al(a, 1);
+    CHECK(stats_of(a).num_device_alloc == 2 && CUR(stats_of(a), SEGMENT, SMALL) == 2, "full small segment reused");
+    fr(a, Y);
+    void *V = al(a, MB(1) - 1024); /* Y's block less 512: the 512 remainder splits off */
+    CHECK(V == Y && block_size(a, V, NULL, NULL) == (int64_t)(MB(1) - 1024), "small split at 512 remaining");
+    fr(a, V);
+    void *U = al(a, MB(1) - 1000 + 1); /* rounds to Y's whole block: no remainder */
+    CHECK(U == Y && block_size(a, U, NULL, NULL) == (int64_t)(MB(1) - 512), "exact fit");
+    fr(a, U);
+    fr(a, X);
+    fr(a, Z);
+    fr(a, W);
+
+    /* large pool: split only when more than 1 MiB remains */
+    void *p = al(a, MB(5));
+    fr(a, p); /* a whole free 20 MiB segment */
+    int64_t calls = stats_of(a).num_device_alloc;
+    void *q = al(a, MB(19) + 512 * KIB); /* 19.5 MiB: 0.5 MiB would remain -> the whole block */
+    s = stats_of(a);
+    CHECK(q == p && s.num_device_alloc == calls, "19.5 MiB did not reuse the cached 20 MiB segment");
+    CHECK(CUR(s, ALLOCATED_BYTES, LARGE) == (int64_t)MB(20) && CUR(s, REQUESTED_BYTES, LARGE) == (int64_t)(MB(19) + 512 * KIB),
+          "19.5 MiB: allocated %" PRId64 " requested %" PRId64, CUR(s, ALLOCATED_BYTES, LARGE), CUR(s, REQUESTED_BYTES, LARGE));
+    CHECK(CUR(s, INACTIVE_SPLIT, LARGE) == 0 && block_size(a, q, NULL, &nblocks) == (int64_t)MB(20) && nblocks == 1, "19.5 MiB split");
+    fr(a, q);
+    void *r = al(a, MB(19)); /* exactly 1 MiB would remain: not split */
+    s = stats_of(a);
+    CHECK(r == p && CUR(s, ALLOCATED_BYTES, LARGE) == (int64_t)MB(20) && CUR(s, INACTIVE_SPLIT, LARGE) == 0, "19 MiB: allocated %" PRId64,
+          CUR(s, ALLOCATED_BYTES, LARGE));
+    fr(a, r);
+    void *t = al(a, MB(19) - 512); /* 1 MiB + 512 remains: split */
+    s = stats_of(a);
+    CHECK(t == p && CUR(s, ALLOCATED_BYTES, LARGE) == (int64_t)(MB(19) - 512) && CUR(s, INACTIVE_SPLIT, LARGE) == 1 &&
+              CUR(s, INACTIVE_SPLIT_BYTES, LARGE) == (int64_t)(MB(1) + 512),
+          "19 MiB - 512: allocated %" PRId64 " split %" PRId64, CUR(s, ALLOCATED_BYTES, LARGE), CUR(s, INACTIVE_SPLIT_BYTES, LARGE));
+    void *o = al(a, MB(1) + 1); /* the 1 MiB + 512 remainder, exactly */
+    CHECK(o == addr(p, MB(19) - 512) && stats_of(a).num_device_alloc == calls, "1 MiB + 1 did not take the remainder");
+    fr(a, t);
+    fr(a, o);
+    ec(a);
+    fin(a, &d);
+}
+
+static void test_merge(void) {
+    fake_dev d;
+    cmlp_allocator *a = mk(&d, "", (int64_t)GB(2));
+    void *a1 = al(a, MB(4)), *a2 = al(a, MB(4)), *a3 = al(a, MB(4));
+    CHECK(a2 == addr(a1, MB(4)) && a3 == addr(a1, MB(8)), "blocks not consecutive");
+    int nb = 0;
+    fr(a, a2);
+    block_size(a, a1, NULL, &nb);
+    cmlp_memory_stats s = stats_of(a);
+    CHECK(nb == 4 && CUR(s, INACTIVE_SPLIT, LARGE) == 2 && CUR(s, INACTIVE_SPLIT_BYTES, LARGE) == (int64_t)MB(12), "after freeing the middle: %d blocks", nb);
+    fr(a, a1);
+    int64_t seg = 0;
+    CHECK(block_size(a, a1, &seg, &nb) == (int64_t)MB(8) && nb == 3, "a1 + a2 merged into %" PRId64 " (%d blocks)", block_size(a, a1, NULL, NULL), nb);
+    fr(a, a3);
+    CHECK(block_size(a, a1, &seg, &nb) == (int64_t)MB(20) && nb == 1 && seg == (int64_t)MB(20), "segment not one block: %d", nb);
+    s = stats_of(a);
+    CHECK(CUR(s, INACTIVE_SPLIT, LARGE) == 0 && CUR(s, INACTIVE_SPLIT_BYTES, LARGE) == 0, "whole free segment counted as split");
+    /* small pool, freed in the order first, last, middle */
+    void *b1 = al(a, 700), *b2 = al(a, 3000), *b3 = al(a, 100);
+    fr(a, b1);
+    fr(a, b3);
+    block_size(a, b2, NULL, &nb);
+    CHECK(nb == 3, "small segment has %d blocks, expected free | b2 | free", nb);
+    fr(a, b2);
+    CHECK(block_size(a, b1, NULL, &nb) == (int64_t)MB(2) && nb == 1, "small segment not merged: %d blocks", nb);
+    ec(a);
+    fin(a, &d);
+}
+
+static void test_max_split(void) {
+    fake_dev d;
+    cmlp_allocator *a = mk(&d, "max_split_size_mb:40", (int64_t)GB(2));
+    cmlp_memory_stats s = stats_of(a);
+    CHECK(s.max_split_size == (int64_t)MB(40), "max_split_size %" PRId64, s.max_split_size);
+    void *p50 = al(a, MB(50));
+    s = stats_of(a);
+    CHECK(CUR(s, OVERSIZE_SEGMENTS, ALL) == 1 && CUR(s, OVERSIZE_ALLOCATIONS, ALL) == 1, "oversize stats %" PRId64 "/%" PRId64,
+          CUR(s, OVERSIZE_SEGMENTS, ALL), CUR(s, OVERSIZE_ALLOCATIONS, ALL));
+    fr(a, p50);
+    s = stats_of(a);
+    CHECK(CUR(s, OVERSIZE_ALLOCATIONS, ALL) == 0 && s.stat[CMLP_STAT_OVERSIZE_ALLOCATIONS][CMLP_POOL_ALL].freed == 1 &&
+              CUR(s, OVERSIZE_SEGMENTS, ALL) == 1,
+          "after free: oversize allocations %" PRId64, CUR(s, OVERSIZE_ALLOCATIONS, ALL));
+    void *p30 = al(a, MB(30)); /* below max_split: the cached 50 MiB block must not serve it */
+    s = stats_of(a);
+    CHECK(p30 != p50 && s.num_device_alloc == 2 && CUR(s, OVERSIZE_SEGMENTS, ALL) == 1, "30 MiB took the oversize block");
+    void *p45 = al(a, MB(45)); /* oversize, 50 < 45 + 20: reuses the 50 MiB block whole */
+    s = stats_of(a);
+    CHECK(p45 == p50 && s.num_device_alloc == 2, "45 MiB did not reuse the 50 MiB block");
+    CHECK(block_size(a, p45, NULL, NULL) == (int64_t)MB(50) && CUR(s, INACTIVE_SPLIT, LARGE) == 0, "oversize block split");
+    CHECK(CUR(s, ALLOCATED_BYTES, LARGE) == (int64_t)MB(80) && CUR(s, REQUESTED_BYTES, LARGE) == (int64_t)MB(75), "allocated %" PRId64,
+          CUR(s, ALLOCATED_BYTES, LARGE));
+    void *p70 = al(a, MB(70));
+    fr(a, p70); /* cached: a 70 MiB oversize block only */
+    void *r50 = al(a, MB(50)); /* 70 >= 50 + 20: not reused */
+    s = stats_of(a);
+    CHECK(r50 != p70 && s.num_device_alloc == 4, "50 MiB reused a 70 MiB block");
+    void *r51 = al(a, MB(51)); /* 70 < 51 + 20: reused, whole */
+    s = stats_of(a);
+    CHECK(r51 == p70 && s.num_device_alloc == 4 && block_size(a, r51, NULL, NULL) == (int64_t)MB(70), "51 MiB did not reuse the 70 MiB block");
+    CHECK(CUR(s, OVERSIZE_SEGMENTS, ALL) == 3 && CUR(s, OVERSIZE_ALLOCATIONS, ALL) == 3, "oversize stats %" PRId64 "/%" PRId64,
+          CUR(s, OVERSIZE_SEGMENTS, ALL), CUR(s, OVERSIZE_ALLOCATIONS, ALL));
+    fr(a, p30);
+    void *p20 = al(a, MB(20)); /* a non-oversize request splits a non-oversize block as usual */
+    s = stats_of(a);
+    CHECK(p20 == p30 && block_size(a, p20, NULL, NULL) == (int64_t)MB(20) && CUR(s, INACTIVE_SPLIT_BYTES, LARGE) == (int64_t)MB(10),
+          "20 MiB in the 30 MiB block");
+    void *p40 = al(a, MB(40)); /* exactly max_split: oversize, a new segment (the 10 MiB rest is too small) */
+    s = stats_of(a);
+    CHECK(CUR(s, OVERSIZE_SEGMENTS, ALL) == 4 && CUR(s, OVERSIZE_ALLOCATIONS, ALL) == 4, "40 MiB not oversize");
+    fr(a, p40);
+    void *q39 = al(a, MB(39)); /* below: the cached 40 MiB block is oversize, must not serve it */
+    CHECK(q39 != p40, "39 MiB took the cached 40 MiB oversize block");
+    fr(a, p45);
+    fr(a, r50);
+    fr(a, r51);
+    fr(a, p20);
+    fr(a, q39);
+    ec(a);
+    s = stats_of(a);
+    CHECK(CUR(s, OVERSIZE_SEGMENTS, ALL) == 0 && CUR(s, OVERSIZE_ALLOCATIONS, ALL) == 0 && CUR(s, RESERVED_BYTES, ALL) == 0,
+          "oversize stats after empty_cache %" PRId64, CUR(s, OVERSIZE_SEGMENTS, ALL));
+    fin(a, &d);
+    /* the setting is validated: minimum is above 20 */
+    CHECK(cmlp_memory_configure("max_split_size_mb:20") == CMLP_ERR_INVALID, "max_split_size_mb:20 accepted");
+}
+
+/* A segment made for a request just under max_split_size is rounded up to it: PyTorch counts
+ * oversize_segments by segment size (alloc_block: size >= max_split_size). */
+static void test_oversize_segment_edge(void) {
+    fake_dev d;
+    cmlp_allocator *a = mk(&d, "max_split_size_mb:40", (int64_t)GB(2));
+    check_oversize = false;
+    void *p = al(a, MB(39) + 1); /* rounds to 39 MiB + 512, segment 40 MiB, not split (< 1 MiB left) */
+    int64_t seg = 0;
+    cmlp_memory_stats s = stats_of(a);
+    CHECK(block_size(a, p, &seg, NULL) == (int64_t)MB(40) && seg == (int64_t)MB(40), "segment %" PRId64, seg);
+    CHECK(CUR(s, OVERSIZE_ALLOCATIONS, ALL) == 1, "oversize_allocations %" PRId64, CUR(s, OVERSIZE_ALLOCATIONS, ALL));
+    CHECK(CUR(s, OVERSIZE_SEGMENTS, ALL) == 1,
+          "a 40 MiB segment (max_split_size 40 MiB) made for a 39 MiB + 1 request is not counted in "
+          "oversize_segments (%" PRId64 "): the segment is flagged by the rounded request, PyTorch by the segment size",
+          CUR(s, OVERSIZE_SEGMENTS, ALL));
+    fr(a, p);
+    void *q = al(a, MB(30)); /* the 40 MiB block behaves as oversize: it does not serve 30 MiB */
+    CHECK(q != p, "30 MiB took the 40 MiB block");
+    fr(a, q);
+    ec(a);
+    fin(a, &d);
+    check_oversize = true;
+}
+
+/* oversize_allocations must return to 0 when every block is freed, even if max_split_size
+ * changed in between (a new setting applies to later requests; existing blocks stay). */
+static void test_oversize_reconfigure(void) {
+    fake_dev d;
+    cmlp_allocator *a = mk(&d, "max_split_size_mb:40", (int64_t)GB(2));
+    check_oversize = false;
+    void *big = al(a, MB(50));
+    CHECK(CUR(stats_of(a), OVERSIZE_ALLOCATIONS, ALL) == 1, "oversize allocation not counted");
+    OK(cmlp_memory_configure(""));
+    void *tiny = al(a, 1); /* the allocator reads the new settings */
+    CHECK(stats_of(a).max_split_size == -1, "max_split_size %" PRId64, stats_of(a).max_split_size);
+    fr(a, big);
+    fr(a, tiny);
+    cmlp_memory_stats s = stats_of(a);
+    CHECK(CUR(s, OVERSIZE_ALLOCATIONS, ALL) == 0,
+          "oversize_allocations.current is %" PRId64 " with nothing allocated: a 50 MiB block "
+          "allocated under max_split_size_mb:40 and freed after configure(\"\") is not subtracted",
+          CUR(s, OVERSIZE_ALLOCATIONS, ALL));
+    ec(a);
+    fin(a, &d);
+
+    a = mk(&d, "", (int64_t)GB(2));
+    big = al(a, MB(50));
+    OK(cmlp_memory_configure("max_split_size_mb:40"));
+    tiny = al(a, 1);
+    fr(a, big);
+    fr(a, tiny);
+    s = stats_of(a);
+    CHECK(CUR(s, OVERSIZE_ALLOCATIONS, ALL) == 0,
+          "oversize_allocations.current is %" PRId64 " (negative): a 50 MiB block allocated under the "
+          "default settings and freed under max_split_size_mb:40 is subtracted without ever being added",
+          CUR(s, OVERSIZE_ALLOCATIONS, ALL));
+    ec(a);
+    fin(a, &d);
+    check_oversize = true;
+}
+
+/* The allocated size of one request (the snapshot's block) after it is made; freed again. */
+static int64_t rounded(cmlp_allocator *a, size_t n) {
+    void *p = al(a, n);
+    int64_t size = block_size(a, p, NULL, NULL);
+    cmlp_memory_stats s = stats_of(a);
+    CHECK(CUR(s, REQUESTED_BYTES, ALL) == (int64_t)n, "requested %" PRId64 " for %zu", CUR(s, REQUESTED_BYTES, ALL), n);
+    fr(a, p);
+    ec(a);
+    return size;
+}
+
+static void test_roundup(void) {
+    fake_dev d;
+    cmlp_allocator *a = mk(&d, "roundup_power2_divisions:4", (int64_t)GB(2));
+    void *p = al(a, MB(1200));
+    int64_t seg = 0;
+    cmlp_memory_stats s = stats_of(a);
+    CHECK(CUR(s, ALLOCATED_BYTES, ALL) == (int64_t)MB(1280) && CUR(s, REQUESTED_BYTES, ALL) == (int64_t)MB(1200),
+          "1200 MiB with 4 divisions: allocated %" PRId64, CUR(s, ALLOCATED_BYTES, ALL));
+    CHECK(block_size(a, p, &seg, NULL) == (int64_t)MB(1280) && seg == (int64_t)MB(1280), "segment %" PRId64, seg);
+    fr(a, p);
+    ec(a);
+    int64_t r;
+    CHECK((r = rounded(a, 1100)) == 1536, "1100 -> %" PRId64 " (below 512 x 4: 512-byte rounding)", r);
+    CHECK((r = rounded(a, 2048)) == 2048, "2048 -> %" PRId64, r);
+    CHECK((r = rounded(a, 2049)) == 2560, "2049 -> %" PRId64, r);
+    CHECK((r = rounded(a, 4097)) == 5120, "4097 -> %" PRId64 " (512-byte rounding would give 4608)", r);
+    CHECK((r = rounded(a, 768 * KIB + 1)) == (int64_t)(896 * KIB), "768 KiB + 1 -> %" PRId64, r);
+    CHECK((r = rounded(a, MB(1) + 1)) == (int64_t)(MB(1) + 256 * KIB), "1 MiB + 1 -> %" PRId64, r);
+    CHECK((r = rounded(a, MB(8))) == (int64_t)MB(8), "8 MiB -> %" PRId64, r);
+    fin(a, &d);
+
+    a = mk(&d, "roundup_power2_divisions:8", (int64_t)GB(2));
+    CHECK((r = rounded(a, 2100)) == 2560, "2100 with 8 divisions -> %" PRId64 " (below 512 x 8)", r);
+    CHECK((r = rounded(a, 4097)) == 4608, "4097 with 8 divisions -> %" PRId64, r);
+    CHECK((r = rounded(a, MB(5) + 1)) == (int64_t)(MB(5) + 512 * KIB), "5 MiB + 1 with 8 divisions -> %" PRId64, r);
+    fin(a, &d);
+
+    /* the list form: below 256 MiB 1 division, [256, 512) 2, [512, 1024) 4, above 8 */
+    a = mk(&d, "roundup_power2_divisions:[256:1,512:2,1024:4,>:8]", (int64_t)GB(2));
+    CHECK((r = rounded(a, MB(100) + 1)) == (int64_t)(MB(100) + 512), "100 MiB + 1 -> %" PRId64, r);
+    CHECK((r = rounded(a, 4097)) == 4608, "4097 -> %" PRId64, r);
+    CHECK((r = rounded(a, MB(300))) == (int64_t)MB(384), "300 MiB -> %" PRId64 " MiB", r >> 20);
+    CHECK((r = rounded(a, MB(600))) == (int64_t)MB(640), "600 MiB -> %" PRId64 " MiB", r >> 20);
+    CHECK((r = rounded(a, MB(1100))) == (int64_t)MB(1152), "1100 MiB -> %" PRId64 " MiB", r >> 20);
+    fin(a, &d);
+
+    a = mk(&d, "roundup_power2_divisions:[2:4,>:8]", (int64_t)GB(2));
+    CHECK((r = rounded(a, 4097)) == 5120, "4097 -> %" PRId64, r);
+    CHECK((r = rounded(a, MB(1) + 1)) == (int64_t)(MB(1) + 256 * KIB), "1 MiB + 1 -> %" PRId64, r);
+    CHECK((r = rounded(a, MB(2) + 1)) == (int64_t)(MB(2) + 256 * KIB), "2 MiB + 1 -> %" PRId64, r);
+    CHECK((r = rounded(a, MB(4) + 1)) == (int64_t)(MB(4) + 512 * KIB), "4 MiB + 1 -> %" PRId64, r);
+    fin(a, &d);
+
+    /* configuring again resets the divisions */
+    a = mk(&d, "roundup_power2_divisions:4", (int64_t)GB(2));
+    CHECK((r = rounded(a, 4097)) == 5120, "4097 -> %" PRId64, r);
+    OK(cmlp_memory_configure(""));
+    CHECK((r = rounded(a, 4097)) == 4608, "4097 after configure(\"\") -> %" PRId64, r);
+    fin(a, &d);
+}
+
+static void test_empty_cache(void) {
+    fake_dev d;
+    cmlp_allocator *a = mk(&d, "", (int64_t)GB(2));
+    void *p = al(a, MB(5));  /* 20 MiB segment, 15 MiB free in it */
+    void *q = al(a, MB(30)); /* 30 MiB segment */
+    void *s1 = al(a, 1000);  /* small segment */
+    fr(a, q);
+    cmlp_memory_stats s = stats_of(a);
+    CHECK(CUR(s, INACTIVE_SPLIT_BYTES, LARGE) == (int64_t)MB(15) && CUR(s, INACTIVE_SPLIT_BYTES, SMALL) == (int64_t)(MB(2) - 1024),
+          "inactive_split_bytes %" PRId64 " / %" PRId64, CUR(s, INACTIVE_SPLIT_BYTES, LARGE), CUR(s, INACTIVE_SPLIT_BYTES, SMALL));
+    CHECK(CUR(s, RESERVED_BYTES, ALL) == (int64_t)MB(52), "reserved %" PRId64, CUR(s, RESERVED_BYTES, ALL));
+    ec(a);
+    s = stats_of(a);
+    CHECK(CUR(s, RESERVED_BYTES, ALL) == (int64_t)MB(22) && CUR(s, SEGMENT, ALL) == 2 && s.num_device_free == 1,
+          "empty_cache: reserved %" PRId64 ", %" PRId64 " device frees", CUR(s, RESERVED_BYTES, ALL), s.num_device_free);
+    CHECK(CUR(s, INACTIVE_SPLIT_BYTES, LARGE) == (int64_t)MB(15) && CUR(s, INACTIVE_SPLIT_BYTES, SMALL) == (int64_t)(MB(2) - 1024),
+          "non-releasable bytes changed: %" PRId64, CUR(s, INACTIVE_SPLIT_BYTES, ALL));
+    ec(a); /* nothing more to release */
+    CHECK(stats_of(a).num_device_free == 1 && CUR(stats_of(a), RESERVED_BYTES, ALL) == (int64_t)MB(22), "second empty_cache released");
+    fr(a, p);
+    ec(a);
+    s = stats_of(a);
+    CHECK(CUR(s, RESERVED_BYTES, ALL) == (int64_t)MB(2) && s.num_device_free == 2 && CUR(s, SEGMENT, SMALL) == 1, "reserved %" PRId64,
+          CUR(s, RESERVED_BYTES, ALL));
+    fr(a, s1);
+    ec(a);
+    s = stats_of(a);
+    CHECK(CUR(s, RESERVED_BYTES, ALL) == 0 && s.num_device_free == 3 && d.raw_bytes == 0, "reserved %" PRId64, CUR(s, RESERVED_BYTES, ALL));
+    fin(a, &d);
+}
+
+static void test_limit(void) {
+    fake_dev d;
+    cmlp_allocator *a = mk(&d, "", (int64_t)GB(2));
+    cmlp_allocator_set_limit(a, (int64_t)MB(50));
+    STEP(a);
+    CHECK(stats_of(a).limit == (int64_t)MB(50), "limit %" PRId64, stats_of(a).limit);
+    void *p = al(a, MB(30));
+    int64_t calls = d.n_raw_alloc;
+    oom(a, MB(30)); /* 30 + 30 > 50 */
+    const char *msg = cmlp_last_error();
+    CHECK(strstr(msg, "31457280 bytes requested") != NULL, "message lacks the request: %s", msg);
+    CHECK(strstr(msg, "memory limit is 50.00 MiB") != NULL, "message lacks the limit: %s", msg);
+    CHECK(strstr(msg, "Tried to allocate 30.00 MiB") != NULL, "message lacks the size: %s", msg);
+    cmlp_memory_stats s = stats_of(a);
+    CHECK(s.num_ooms == 1 && s.num_alloc_retries == 1, "ooms %" PRId64 " retries %" PRId64, s.num_ooms, s.num_alloc_retries);
+    CHECK(d.n_raw_alloc == calls && CUR(s, RESERVED_BYTES, ALL) == (int64_t)MB(30) && d.raw_bytes == (int64_t)MB(30),
+          "the limit let a device call through / leaked");
+    void *q = al(a, MB(10)); /* 40 <= 50 */
+    oom(a, MB(12));          /* 40 + 12 > 50 */
+    s = stats_of(a);
+    CHECK(s.num_ooms == 2 && s.num_alloc_retries == 2, "ooms %" PRId64 " retries %" PRId64, s.num_ooms, s.num_alloc_retries);
+    fr(a, p);
+    fr(a, q);
+    /* cached 30 + 10 MiB, nothing fits 45 MiB: the retry releases them and then it fits */
+    void *r = al(a, MB(45));
+    s = stats_of(a);
+    CHECK(s.num_alloc_retries == 3 && s.num_ooms == 2 && s.num_device_free == 2 && CUR(s, RESERVED_BYTES, ALL) == (int64_t)MB(46),
+          "retry under the limit: retries %" PRId64 " frees %" PRId64 " reserved %" PRId64, s.num_alloc_retries, s.num_device_free,
+          CUR(s, RESERVED_BYTES, ALL));
+    fr(a, r);
+    /* a limit below what is reserved: requests that need memory fail until it is released */
+    void *t = al(a, MB(4));
+    cmlp_allocator_set_limit(a, (int64_t)MB(10));
+    STEP(a);
+    oom(a, 100); /* small pool: 46 + 2 > 10, nothing whole to release */
+    void *u = al(a, MB(4)); /* still served from the cache */
+    CHECK(u == addr(t, MB(4)), "cached block refused under a low limit");
+    fr(a, t);
+    fr(a, u);
+    void *v = al(a, 100); /* release 46 MiB, then 2 MiB fits */
+    CHECK(CUR(stats_of(a), RESERVED_BYTES, ALL) == (int64_t)MB(2), "reserved %" PRId64, CUR(stats_of(a), RESERVED_BYTES, ALL));
+    fr(a, v);
+    cmlp_allocator_set_limit(a, -1);
+    STEP(a);
+    CHECK(stats_of(a).limit == -1, "limit not removed");
+    void *w = al(a, MB(100));
+    fr(a, w);
+    ec(a);
+    s = stats_of(a);
+    CHECK(CUR(s, RESERVED_BYTES, ALL) == 0 && d.raw_bytes == 0 && s.num_ooms == 3, "leaked %" PRId64, d.raw_bytes);
+    /* an impossible request */
+    oom(a, (size_t)1 << 60);
+    CHECK(stats_of(a).num_ooms == 4 && stats_of(a).num_alloc_retries == 5, "impossible request: ooms %" PRId64 " retries %" PRId64,
+          stats_of(a).num_ooms, stats_of(a).num_alloc_retries);
+    fin(a, &d);
+}
+
+/* live 10 MiB (its own segment) + whole free segments X (12) and Y (14), freed in that order
+ * unless y_first (36 MiB reserved); then a 16 MiB request under a 100 MiB limit. */
+static void gc_case(const char *conf, bool limit, bool y_first, int64_t want_free, bool x_left, bool y_left) {
+    fake_dev d;
+    cmlp_allocator *a = mk(&d, conf, (int64_t)GB(2));
+    if (limit) cmlp_allocator_set_limit(a, (int64_t)MB(100));
+    void *live = al(a, MB(10));
+    void *x = al(a, MB(12)), *y = al(a, MB(14));
+    if (y_first) {
+        fr(a, y);
+        fr(a, x);
+    } else {
+        fr(a, x);
+        fr(a, y);
+    }
+    void *z = al(a, MB(16));
+    cmlp_memory_stats s = stats_of(a);
+    CHECK(s.num_device_free == want_free && s.num_alloc_retries == 0 && s.num_ooms == 0,
+          "gc (%s, limit %d, y first %d): %" PRId64 " released (want %" PRId64 "), retries %" PRId64, conf, limit, y_first,
+          s.num_device_free, want_free, s.num_alloc_retries);
+    CHECK(has_segment(a, (int64_t)MB(12)) == x_left && has_segment(a, (int64_t)MB(14)) == y_left,
+          "gc (%s, y first %d): 12 MiB segment left %d (want %d), 14 MiB left %d (want %d)", conf, y_first, has_segment(a, (int64_t)MB(12)),
+          x_left, has_segment(a, (int64_t)MB(14)), y_left);
+    fr(a, live);
+    fr(a, z);
+    ec(a);
+    fin(a, &d);
+}
+
+static void test_gc(void) {
+    /* threshold 0.5 x 100 MiB: 36 + 16 > 50 -> the oldest goes (X: 24 + 16, or Y: 22 + 16, fits) */
+    gc_case("garbage_collection_threshold:0.5", true, false, 1, false, true);
+    gc_case("garbage_collection_threshold:0.5", true, true, 1, true, false);
+    /* 0.3: 30 MiB target: X goes (40 > 30 still), then Y (26 <= 30) */
+    gc_case("garbage_collection_threshold:0.3", true, false, 2, false, false);
+    /* no threshold, or no limit: nothing is released */
+    gc_case("", true, false, 0, true, true);
+    gc_case("garbage_collection_threshold:0.5", false, false, 0, true, true);
+
+    /* only large-pool segments are collected, and live segments never */
+    fake_dev d;
+    cmlp_allocator *a = mk(&d, "garbage_collection_threshold:0.5", (int64_t)GB(2));
+    cmlp_allocator_set_limit(a, (int64_t)MB(100));
+    void *live = al(a, MB(5));
+    void *sm = al(a, 100);
+    fr(a, sm); /* a whole free small segment */
+    void *big = al(a, MB(40)); /* 22 + 40 > 50: nothing collectable; 62 <= 100 */
+    cmlp_memory_stats s = stats_of(a);
+    CHECK(s.num_device_free == 0 && CUR(s, SEGMENT, SMALL) == 1 && CUR(s, RESERVED_BYTES, ALL) == (int64_t)MB(62),
+          "gc released %" PRId64 " segments (small pool or live)", s.num_device_free);
+    fr(a, big);
+    fr(a, live);
+    ec(a);
+    fin(a, &d);
+}
+
+static void test_expandable(void) {
+    fake_dev d;
+    cmlp_allocator *a = mk(&d, "expandable_segments:True", (int64_t)GB(2));
+    void *p1 = al(a, MB(5));
+    cmlp_memory_stats s = stats_of(a);
+    int nb = 0;
+    int64_t seg = 0;
+    CHECK(CUR(s, SEGMENT, LARGE) == 1 && CUR(s, RESERVED_BYTES, LARGE) == (int64_t)MB(6) && d.mapped_bytes == (int64_t)MB(6) && d.n_reserve == 1,
+          "5 MiB: reserved %" PRId64 " mapped %" PRId64, CUR(s, RESERVED_BYTES, LARGE), d.mapped_bytes);
+    CHECK(block_size(a, p1, &seg, &nb) == (int64_t)MB(5) && nb == 2 && d.raw_bytes == 0, "expandable block split");
+    void *p2 = al(a, MB(5));
+    s = stats_of(a);
+    CHECK(p2 == addr(p1, MB(5)) && CUR(s, SEGMENT, LARGE) == 1 && CUR(s, RESERVED_BYTES, LARGE) == (int64_t)MB(10) && d.n_reserve == 1,
+          "second 5 MiB: at %p (want %p), reserved %" PRId64, p2, addr(p1, MB(5)), CUR(s, RESERVED_BYTES, LARGE));
+    void *p3 = al(a, MB(3));
+    s = stats_of(a);
+    CHECK(p3 == addr(p1, MB(10)) && CUR(s, RESERVED_BYTES, LARGE) == (int64_t)MB(14) && CUR(s, SEGMENT, LARGE) == 1, "3 MiB: reserved %" PRId64,
+          CUR(s, RESERVED_BYTES, LARGE));
+    fr(a, p3);
+    CHECK(CUR(stats_of(a), RESERVED_BYTES, LARGE) == (int64_t)MB(14), "free unmapped eagerly");
+    int64_t frees = stats_of(a).num_device_free;
+    ec(a); /* the 4 MiB free tail is unmapped */
+    s = stats_of(a);
+    CHECK(CUR(s, RESERVED_BYTES, LARGE) == (int64_t)MB(10) && d.mapped_bytes == (int64_t)MB(10) && s.num_device_free == frees + 1,
+          "empty_cache: reserved %" PRId64, CUR(s, RESERVED_BYTES, LARGE));
+    fr(a, p2);
+    int64_t maps = d.n_map;
+    void *p4 = al(a, MB(4)); /* the freed space inside is reused, nothing mapped */
+    CHECK(p4 == p2 && d.n_map == maps && CUR(stats_of(a), RESERVED_BYTES, LARGE) == (int64_t)MB(10), "freed space not reused");
+    fr(a, p4);
+    ec(a); /* free tail [5, 10) MiB: pages from 6 MiB go */
+    s = stats_of(a);
+    CHECK(CUR(s, RESERVED_BYTES, LARGE) == (int64_t)MB(6) && d.mapped_bytes == (int64_t)MB(6), "shrunk to %" PRId64, CUR(s, RESERVED_BYTES, LARGE));
+    CHECK(block_size(a, addr(p1, MB(5)), NULL, &nb) == (int64_t)MB(1) && nb == 2, "tail not 1 MiB");
+    void *p5 = al(a, MB(2)); /* 1 MiB free tail + 2 MiB mapped */
+    s = stats_of(a);
+    CHECK(p5 == addr(p1, MB(5)) && CUR(s, RESERVED_BYTES, LARGE) == (int64_t)MB(8), "2 MiB: at %p reserved %" PRId64, p5, CUR(s, RESERVED_BYTES, LARGE));
+    void *p6 = al(a, MB(1));  /* small pool: its own expandable segment */
+    s = stats_of(a);
+    CHECK(CUR(s, SEGMENT, SMALL) == 1 && CUR(s, RESERVED_BYTES, SMALL) == (int64_t)MB(2) && CUR(s, SEGMENT, ALL) == 2 && d.n_reserve == 2,
+          "small expandable: %" PRId64 " segments", CUR(s, SEGMENT, SMALL));
+    void *p7 = al(a, MB(1));
+    s = stats_of(a);
+    CHECK(p7 == addr(p6, MB(1)) && CUR(s, RESERVED_BYTES, SMALL) == (int64_t)MB(2), "second small 1 MiB");
+    void *p8 = al(a, 512);
+    CHECK(p8 == addr(p6, MB(2)) && CUR(stats_of(a), RESERVED_BYTES, SMALL) == (int64_t)MB(4), "small segment grew to %" PRId64,
+          CUR(stats_of(a), RESERVED_BYTES, SMALL));
+    fr(a, p1);
+    fr(a, p5);
+    fr(a, p6);
+    fr(a, p7);
+    fr(a, p8);
+    ec(a);
+    s = stats_of(a);
+    CHECK(CUR(s, RESERVED_BYTES, ALL) == 0 && CUR(s, SEGMENT, ALL) == 0 && d.mapped_bytes == 0, "after empty_cache: reserved %" PRId64,
+          CUR(s, RESERVED_BYTES, ALL));
+
+    /* growth in 2 MiB steps: one segment */
+    void *blk[12];
+    for (int i = 0; i < 12; i++) {
+        blk[i] = al(a, MB(2));
+        s = stats_of(a);
+        CHECK(CUR(s, SEGMENT, LARGE) == 1 && CUR(s, RESERVED_BYTES, LARGE) == (int64_t)MB(2 * (i + 1)) && blk[i] == addr(blk[0], MB(2 * i)),
+              "step %d: %" PRId64 " segments, reserved %" PRId64, i, CUR(s, SEGMENT, LARGE), CUR(s, RESERVED_BYTES, LARGE));
+        memset(blk[i], i, MB(2)); /* mapped for real */
+    }
+    for (int i = 0; i < 12; i++) CHECK(((unsigned char *)blk[i])[MB(2) - 1] == i, "block %d lost its bytes", i);
+    for (int i = 11; i >= 6; i--) fr(a, blk[i]);
+    ec(a);
+    CHECK(CUR(stats_of(a), RESERVED_BYTES, LARGE) == (int64_t)MB(12) && d.mapped_bytes == (int64_t)MB(12), "tail not unmapped");
+    for (int i = 0; i < 6; i++) fr(a, blk[i]);
+    ec(a);
+    s = stats_of(a);
+    CHECK(CUR(s, RESERVED_BYTES, ALL) == 0 && d.mapped_bytes == 0 && d.n_reserve == 2 && d.nvm == 2, "reserved %" PRId64, CUR(s, RESERVED_BYTES, ALL));
+    fin(a, &d);
+    CHECK(d.n_release == 2, "destroy released %" PRId64 " ranges", d.n_release);
+
+    /* the limit applies to mapped bytes; the range is total_memory */
+    a = mk(&d, "expandable_segments:True", (int64_t)GB(1));
+    cmlp_allocator_set_limit(a, (int64_t)MB(10));
+    void *q = al(a, MB(8));
+    oom(a, MB(3)); /* 8 + 4 > 10 */
+    CHECK(stats_of(a).num_ooms == 1 && CUR(stats_of(a), RESERVED_BYTES, ALL) == (int64_t)MB(8), "limit: reserved %" PRId64,
+          CUR(stats_of(a), RESERVED_BYTES, ALL));
+    void *q2 = al(a, MB(2));
+    fr(a, q);
+    fr(a, q2);
+    cmlp_allocator_set_limit(a, -1);
+    int64_t calls = stats_of(a).num_raw_alloc_calls;
+    oom(a, MB(1100)); /* larger than the virtual range (1 GiB): no device call */
+    s = stats_of(a);
+    CHECK(s.num_ooms == 2 && s.num_raw_alloc_calls == calls, "over the range: ooms %" PRId64 " calls %" PRId64, s.num_ooms, s.num_raw_alloc_calls - calls);
+    void *q3 = al(a, MB(1000));
+    fr(a, q3);
+    ec(a);
+    fin(a, &d);
+}
+
+/* expandable segments with max_split_size: a free tail >= max_split_size cannot serve a smaller
+ * request, and growing the segment must still make sensible device calls. */
+static void test_expandable_max_split(void) {
+    fake_dev d;
+    cmlp_allocator *a = mk(&d, "expandable_segments:True,max_split_size_mb:40", (int64_t)GB(2));
+    void *live = al(a, MB(4));
+    void *p = al(a, MB(60));
+    fr(a, p); /* free tail of 60 MiB, from 4 MiB */
+    int64_t viol = d.violations;
+    void *q = NULL;
+    cmlp_status st = cmlp_allocator_malloc(a, MB(5), &q);
+    CHECK(st == CMLP_OK && q != NULL, "5 MiB: %s", cmlp_last_error());
+    cmlp_memory_stats s = stats_of(a);
+    CHECK(d.violations == viol,
+          "expandable_segments:True,max_split_size_mb:40, live 4 MiB + free 60 MiB tail, then "
+          "malloc(5 MiB): grow_expandable computes size - tail with tail > size (size_t wraps) and calls %s",
+          d.violation);
+    CHECK(s.num_alloc_retries == 0,
+          "the same 5 MiB request needed %" PRId64 " alloc retries (cache flushed) with no device "
+          "failure and no limit",
+          s.num_alloc_retries);
+    d.violations = 0; /* reported above; let the rest of the test run clean */
+    STEP(a);
+    if (q) fr(a, q);
+    fr(a, live);
+    ec(a);
+
+    /* the small pool: 41 x 1 MiB + 512 bytes map 42 MiB; all freed, one free block >= 40 MiB */
+    void *small[41];
+    for (int i = 0; i < 41; i++) small[i] = al(a, MB(1));
+    void *keep = al(a, 512);
+    for (int i = 0; i < 41; i++) fr(a, small[i]);
+    fr(a, keep);
+    int64_t retries = stats_of(a).num_alloc_retries;
+    keep = NULL;
+    st = cmlp_allocator_malloc(a, MB(1), &keep); /* the oversize free block does not serve it */
+    CHECK(st == CMLP_OK && keep != NULL, "1 MiB: %s", cmlp_last_error());
+    s = stats_of(a);
+    CHECK(d.violations == 0 && s.num_alloc_retries == retries,
+          "same in the small pool: expandable_segments:True,max_split_size_mb:40, a free small "
+          "expandable segment of 42 MiB, malloc(1 MiB) -> %" PRId64 " retries, %s",
+          s.num_alloc_retries - retries, d.violations ? d.violation : "no bad device call");
+    d.violations = 0;
+    STEP(a);
+    if (keep) fr(a, keep);
+    ec(a);
+    fin(a, &d);
+}
+
+/* ---- 2. the ladder and fault injection ------------------------------------------------------ */
+
+typedef struct {
+    int64_t calls, dev_calls, retries, ooms, frees;
+} ladder_mark;
+
+static ladder_mark mark(cmlp_allocator *a, fake_dev *d) {
+    cmlp_memory_stats s = stats_of(a);
+    return (ladder_mark){s.num_raw_alloc_calls, d->n_raw_alloc + d->n_map, s.num_alloc_retries, s.num_ooms, s.num_device_free};
+}
+
+#define LADDER(a, d, m0, dcalls, ddev, dretries, dooms, dfrees)                                                                 \
+    do {                                                                                                                        \
+        ladder_mark m1_ = mark((a), (d));                                                                                       \
+        CHECK(m1_.calls - (m0).calls == (dcalls) && m1_.dev_calls - (m0).dev_calls == (ddev) &&                                 \
+                  m1_.retries - (m0).retries == (dretries) && m1_.ooms - (m0).ooms == (dooms) && m1_.frees - (m0).frees == (dfrees), \
+              "raw calls +%" PRId64 " (want %d), device calls +%" PRId64 " (want %d), retries +%" PRId64 " (want %d), "       \
+              "ooms +%" PRId64 " (want %d), device frees +%" PRId64 " (want %d)",                                            \
+              m1_.calls - (m0).calls, (dcalls), m1_.dev_calls - (m0).dev_calls, (ddev), m1_.retries - (m0).retries, (dretries), \
+              m1_.ooms - (m0).ooms, (dooms), m1_.frees - (m0).frees, (dfrees));                                               \
+    } while (0)
+
+static void test_ladder_plain(void) {
+    fake_dev d;
+    cmlp_allocator *a = mk(&d, "", (int64_t)GB(2));
+    void *live = al(a, MB(5));
+    void *c30 = al(a, MB(30)), *c40 = al(a, MB(40));
+    fr(a, c30);
+    fr(a, c40);
+    /* a cached hit makes no raw call */
+    ladder_mark m = mark(a, &d);
+    void *h = al(a, MB(35));
+    CHECK(h == c40, "35 MiB not from the cached 40 MiB segment");
+    LADDER(a, &d, m, 0, 0, 0, 0, 0);
+    fr(a, h);
+    /* the hook counts raw calls only: a cached hit leaves it armed */
+    cmlp_allocator_fail_raw(a, 1);
+    m = mark(a, &d);
+    void *h2 = al(a, MB(4)); /* from the live segment's rest */
+    LADDER(a, &d, m, 0, 0, 0, 0, 0);
+    /* miss, the device says no once: release everything cached (30 + 40), retry */
+    void *n1 = al(a, MB(50));
+    LADDER(a, &d, m, 2, 1, 1, 0, 2);
+    CHECK(nsegments(a) == 2, "%" PRId64 " segments", nsegments(a));
+    fr(a, n1);
+    fr(a, h2);
+    /* fail_raw(2): the second raw call from now fails */
+    cmlp_allocator_fail_raw(a, 2);
+    m = mark(a, &d);
+    void *n2 = al(a, MB(60)); /* call 1: ok */
+    LADDER(a, &d, m, 1, 1, 0, 0, 0);
+    void *n3 = al(a, MB(70)); /* call 2 fails; retry releases the 50 MiB segment; call 3 ok */
+    LADDER(a, &d, m, 3, 2, 1, 0, 1);
+    fr(a, n2);
+    fr(a, n3);
+    cmlp_allocator_fail_raw(a, 1);
+    cmlp_allocator_fail_raw(a, 0); /* disarmed */
+    m = mark(a, &d);
+    void *n4 = al(a, MB(80));
+    LADDER(a, &d, m, 1, 1, 0, 0, 0);
+    fr(a, n4);
+    ec(a);
+
+    /* a full device: capacity 100 MiB; live 20, cached 30 + 40; 50 MiB needs the retry */
+    c30 = al(a, MB(30));
+    c40 = al(a, MB(40));
+    fr(a, c30);
+    fr(a, c40);
+    d.capacity = (int64_t)MB(100);
+    m = mark(a, &d);
+    void *big = al(a, MB(50));
+    LADDER(a, &d, m, 2, 2, 1, 0, 2);
+    CHECK(nsegments(a) == 2 && d.raw_bytes == (int64_t)MB(70), "segments %" PRId64 ", device %" PRId64, nsegments(a), d.raw_bytes);
+    fr(a, big);
+    /* 90 MiB cannot fit even after the retry: an OOM */
+    m = mark(a, &d);
+    oom(a, MB(90));
+    LADDER(a, &d, m, 2, 2, 1, 1, 1);
+    const char *msg = cmlp_last_error();
+    CHECK(strstr(msg, "total capacity is 2.00 GiB") != NULL && strstr(msg, "94371840 bytes requested") != NULL, "message: %s", msg);
+    CHECK(d.raw_bytes == (int64_t)MB(20) && CUR(stats_of(a), RESERVED_BYTES, ALL) == (int64_t)MB(20), "leak after OOM");
+    /* afterwards the allocator works */
+    void *after = al(a, MB(60));
+    fr(a, after);
+    /* a device that always fails: two raw calls, one retry, one OOM */
+    d.capacity = (int64_t)GB(2);
+    d.fail_next = 1000;
+    m = mark(a, &d);
+    oom(a, MB(100));
+    LADDER(a, &d, m, 2, 2, 1, 1, 1); /* the cached 60 MiB segment went in the retry */
+    d.fail_next = 0;
+    /* an impossible size makes no call and no retry */
+    m = mark(a, &d);
+    oom(a, (size_t)1 << 57);
+    LADDER(a, &d, m, 0, 0, 0, 1, 0);
+    fr(a, live);
+    ec(a);
+    fin(a, &d);
+}
+
+static void test_ladder_oversize(void) {
+    fake_dev d;
+    cmlp_allocator *a = mk(&d, "max_split_size_mb:40", (int64_t)GB(2));
+    void *live = al(a, MB(5));
+    void *o50 = al(a, MB(50)), *o60 = al(a, MB(60)), *c30 = al(a, MB(30));
+    fr(a, o50);
+    fr(a, o60);
+    fr(a, c30);
+    /* device: 160 MiB held, capacity 170. 35 MiB (36 MiB segment) does not fit: the smallest
+     * oversize block covering it (50) goes first, then it fits; no retry */
+    d.capacity = (int64_t)MB(170);
+    ladder_mark m = mark(a, &d);
+    void *r35 = al(a, MB(35));
+    LADDER(a, &d, m, 2, 2, 0, 0, 1);
+    CHECK(!has_segment(a, (int64_t)MB(50)) && has_segment(a, (int64_t)MB(60)) && has_segment(a, (int64_t)MB(30)),
+          "the 50 MiB oversize segment should be the one released");
+    fr(a, r35);
+    ec(a);
+    o50 = al(a, MB(50));
+    o60 = al(a, MB(60));
+    c30 = al(a, MB(30));
+    fr(a, o50);
+    fr(a, o60);
+    fr(a, c30);
+    /* 70 MiB: no oversize block covers it; the largest ones go until it is covered (60, 50) */
+    m = mark(a, &d);
+    void *r70 = al(a, MB(70));
+    LADDER(a, &d, m, 2, 2, 0, 0, 2);
+    CHECK(has_segment(a, (int64_t)MB(30)) && !has_segment(a, (int64_t)MB(50)) && !has_segment(a, (int64_t)MB(60)),
+          "only the oversize segments should be released");
+    fr(a, r70);
+    ec(a);
+    /* the device fails twice: oversize release, second call fails, full release, third ok */
+    d.capacity = (int64_t)GB(2);
+    o50 = al(a, MB(50));
+    c30 = al(a, MB(30));
+    fr(a, o50);
+    fr(a, c30);
+    d.fail_next = 2;
+    m = mark(a, &d);
+    void *r36 = al(a, MB(36));
+    LADDER(a, &d, m, 3, 3, 1, 0, 2);
+    fr(a, r36);
+    ec(a);
+    /* the hook: first call fails, oversize release, second call ok */
+    o50 = al(a, MB(50));
+    fr(a, o50);
+    cmlp_allocator_fail_raw(a, 1);
+    m = mark(a, &d);
+    void *r37 = al(a, MB(37));
+    LADDER(a, &d, m, 2, 1, 0, 0, 1);
+    fr(a, r37);
+    ec(a);
+    /* fails three times: an OOM after one retry */
+    o50 = al(a, MB(50));
+    fr(a, o50);
+    d.fail_next = 3;
+    m = mark(a, &d);
+    oom(a, MB(38));
+    LADDER(a, &d, m, 3, 3, 1, 1, 1);
+    d.fail_next = 0;
+    /* under a limit (no device call refused): live 20 + cached 50 + 30, limit 110: 36 MiB
+     * needs the oversize release only */
+    o50 = al(a, MB(50));
+    c30 = al(a, MB(30));
+    fr(a, o50);
+    fr(a, c30);
+    cmlp_allocator_set_limit(a, (int64_t)MB(110));
+    m = mark(a, &d);
+    void *r35b = al(a, MB(35));
+    LADDER(a, &d, m, 1, 1, 0, 0, 1);
+    CHECK(has_segment(a, (int64_t)MB(30)) && !has_segment(a, (int64_t)MB(50)), "limit: wrong segment released");
+    fr(a, r35b);
+    cmlp_allocator_set_limit(a, -1);
+    fr(a, live);
+    ec(a);
+    fin(a, &d);
+}
+
+static void test_ladder_expandable(void) {
+    fake_dev d;
+    cmlp_allocator *a = mk(&d, "expandable_segments:True", (int64_t)GB(2));
+    void *p = al(a, MB(5));
+    fr(a, p); /* 6 MiB mapped, all free */
+    cmlp_allocator_fail_raw(a, 1);
+    ladder_mark m = mark(a, &d);
+    void *q = al(a, MB(10)); /* grow fails; the retry unmaps the free tail, then maps 10 MiB */
+    LADDER(a, &d, m, 2, 1, 1, 0, 1);
+    CHECK(CUR(stats_of(a), RESERVED_BYTES, LARGE) == (int64_t)MB(10), "reserved %" PRId64, CUR(stats_of(a), RESERVED_BYTES, LARGE));
+    fr(a, q);
+    /* the device is full: the retry's unmapped tail makes room */
+    d.capacity = (int64_t)MB(14);
+    m = mark(a, &d);
+    void *r = al(a, MB(12)); /* 12 - 10 = 2 more: fits directly */
+    LADDER(a, &d, m, 1, 1, 0, 0, 0);
+    fr(a, r);
+    void *s1 = al(a, 100); /* small pool segment: 2 MiB -> 14 held */
+    m = mark(a, &d);
+    oom(a, MB(16)); /* 14 + 4 > 14; the retry unmaps the free 12 MiB (the small tail stays): 2 + 16 > 14 */
+    LADDER(a, &d, m, 2, 2, 1, 1, 1);
+    CHECK(CUR(stats_of(a), RESERVED_BYTES, LARGE) == 0 && d.mapped_bytes == (int64_t)MB(2), "after OOM: mapped %" PRId64, d.mapped_bytes);
+    void *r2 = al(a, MB(12)); /* now fits */
+    fr(a, r2);
+    fr(a, s1);
+    ec(a);
+    fin(a, &d);
+    /* no virtual range: an OOM, the allocator stays usable */
+    a = mk(&d, "expandable_segments:True", (int64_t)GB(2));
+    d.fail_reserve = 1;
+    m = mark(a, &d);
+    oom(a, MB(5));
+    LADDER(a, &d, m, 0, 0, 1, 1, 0);
+    d.fail_reserve = 0;
+    void *t = al(a, MB(5));
+    fr(a, t);
+    ec(a);
+    fin(a, &d);
+}
+
+/* ---- 3. randomised stress -------------------------------------------------------------------- */
+
+static uint64_t rnd(uint64_t *s) {
+    *s ^= *s >> 12;
+    *s ^= *s << 25;
+    *s ^= *s >> 27;
+    return *s * 0x2545F4914F6CDD1Dull;
+}
+
+static uint8_t pat(uint64_t id, size_t off) { return (uint8_t)((uint32_t)id * 151u ^ (uint32_t)off * 31u ^ (uint32_t)(off >> 9)); }
+
+/* Writes (or checks) the pattern of block `id` over its first and last 256 bytes and 64 bytes at
+ * every MiB (every 2 MiB granule of an expandable segment is touched): returns the number of
+ * wrong bytes. Overlaps are caught exactly by the live set; the pattern catches corruption. */
+static size_t fill(uint8_t *p, size_t n, uint64_t id, bool check) {
+    size_t bad = 0;
+    size_t head = n < 256 ? n : 256, tail_from = n > 512 ? n - 256 : head;
+    for (size_t o = 0; o < head; o++) {
+        if (check) bad += p[o] != pat(id, o);
+        else p[o] = pat(id, o);
+    }
+    for (size_t o = tail_from; o < n; o++) {
+        if (check) bad += p[o] != pat(id, o);
+        else p[o] = pat(id, o);
+    }
+    for (size_t o = MB(1); o + 64 <= tail_from; o += MB(1))
+        for (size_t k = o; k < o + 64; k++) {
+            if (check) bad += p[k] != pat(id, k);
+            else p[k] = pat(id, k);
+        }
+    return bad;
+}
+
+typedef struct {
+    uintptr_t p;
+    size_t n;
+    uint64_t id;
+} live_blk;
+
+typedef struct {
+    live_blk *v;
+    size_t n, cap;
+    size_t bytes;
+} live_set;
+
+/* Inserts in address order; false if the new block overlaps a live one. */
+static bool live_add(live_set *s, live_blk b) {
+    size_t lo = 0, hi = s->n;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (s->v[mid].p < b.p) lo = mid + 1;
+        else hi = mid;
+    }
+    bool ok = (lo == 0 || s->v[lo - 1].p + s->v[lo - 1].n <= b.p) && (lo == s->n || b.p + b.n <= s->v[lo].p);
+    if (s->n == s->cap) {
+        s->cap = s->cap ? s->cap * 2 : 64;
+        s->v = realloc(s->v, s->cap * sizeof *s->v);
+        if (!s->v) abort();
+    }
+    memmove(&s->v[lo + 1], &s->v[lo], (s->n - lo) * sizeof *s->v);
+    s->v[lo] = b;
+    s->n++;
+    s->bytes += b.n;
+    return ok;
+}
+
+static live_blk live_take(live_set *s, size_t i) {
+    live_blk b = s->v[i];
+    memmove(&s->v[i], &s->v[i + 1], (s->n - i - 1) * sizeof *s->v);
+    s->n--;
+    s->bytes -= b.n;
+    return b;
+}
+
+/* Removes the block at address p; false if it is not there. */
+static bool live_remove(live_set *s, uintptr_t p) {
+    size_t lo = 0, hi = s->n;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (s->v[mid].p < p) lo = mid + 1;
+        else hi = mid;
+    }
+    if (lo == s->n || s->v[lo].p != p) return false;
+    live_take(s, lo);
+    return true;
+}
+
+static size_t rand_size(uint64_t *r) {
+    unsigned k = (unsigned)(rnd(r) % 100);
+    if (k < 35) return 1 + rnd(r) % 4096;                     /* tiny */
+    if (k < 65) return 4096 + rnd(r) % (MB(1) - 4096 + 1);    /* small pool */
+    if (k < 90) return MB(1) + 1 + rnd(r) % MB(9);            /* a few MiB */
+    return MB(10) + rnd(r) % MB(70);                          /* tens of MiB */
+}
+
+typedef struct {
+    const char *conf;
+    int64_t limit;      /* -1: none; OOMs are allowed only with a limit */
+    size_t live_bytes;  /* cap on requested bytes live */
+} stress_cfg;
+
+#define STRESS_OPS 100000
+#define MAX_LIVE 192
+
+static void stress(const stress_cfg *c, uint64_t seed) {
+    double t0 = now();
+    fake_dev d;
+    cmlp_allocator *a = mk(&d, c->conf, (int64_t)GB(4));
+    if (c->limit >= 0) cmlp_allocator_set_limit(a, c->limit);
+    live_set L = {0}; /* by address: overlaps */
+    live_blk order[MAX_LIVE]; /* by age: which block to free does not depend on addresses */
+    size_t norder = 0;
+    uint64_t r = seed, next_id = 1;
+    int64_t ooms = 0, allocs = 0, frees = 0, empties = 0, hooks = 0, peak_reserved = 0;
+    int errors = 0; /* stop reporting after the first few */
+    char why[512];
+    for (int op = 0; op < STRESS_OPS && errors < 5; op++) {
+        unsigned k = (unsigned)(rnd(&r) % 2000);
+        if (k < 1) {
+            cmlp_allocator_empty_cache(a);
+            empties++;
+        } else if (k < 2) {
+            cmlp_allocator_fail_raw(a, 1 + (int64_t)(rnd(&r) % 4)); /* the retry must absorb one failure */
+            hooks++;
+        } else if (L.n == 0 || (k < 1040 && L.n < MAX_LIVE && L.bytes < c->live_bytes)) {
+            size_t n = rand_size(&r);
+            void *p = NULL;
+            int64_t ooms_before = stats_of(a).num_ooms;
+            cmlp_status st = cmlp_allocator_malloc(a, n, &p);
+            if (st == CMLP_OK) {
+                allocs++;
+                live_blk b = {(uintptr_t)p, n, next_id++};
+                order[norder++] = b;
+                if (!p || !live_add(&L, b)) {
+                    CHECK(0, "%s op %d: malloc(%zu) gave %p, overlapping a live block", c->conf, op, n, p);
+                    errors++;
+                }
+                if (p) fill(p, n, b.id, false);
+            } else {
+                ooms++;
+                bool fine = c->limit >= 0 && st == CMLP_ERR_OOM && p == NULL && strstr(cmlp_last_error(), "out of memory") &&
+                            stats_of(a).num_ooms == ooms_before + 1;
+                if (!fine) {
+                    CHECK(0, "%s op %d: malloc(%zu) gave %s: %s", c->conf, op, n, cmlp_status_name(st), cmlp_last_error());
+                    errors++;
+                }
+            }
+        } else {
+            size_t i = (size_t)(rnd(&r) % norder);
+            live_blk b = order[i];
+            order[i] = order[--norder];
+            if (!live_remove(&L, b.p)) {
+                CHECK(0, "%s op %d: block %#" PRIxPTR " lost from the live set", c->conf, op, b.p);
+                errors++;
+            }
+            size_t bad = fill((uint8_t *)b.p, b.n, b.id, true);
+            if (bad) {
+                CHECK(0, "%s op %d: block %#" PRIxPTR " (%zu bytes) has %zu bytes overwritten", c->conf, op, b.p, b.n, bad);
+                errors++;
+            }
+            cmlp_status st = cmlp_allocator_free(a, (void *)b.p);
+            if (st != CMLP_OK) {
+                CHECK(0, "%s op %d: free: %s", c->conf, op, cmlp_last_error());
+                errors++;
+            }
+            frees++;
+        }
+        { /* after every operation: the validator, the snapshot check, the limit, the live count */
+            if (cmlp_allocator_validate(a) != CMLP_OK) {
+                CHECK(0, "%s op %d: validate: %s", c->conf, op, cmlp_last_error());
+                errors++;
+            }
+            if (!consistent(a, &d, why, sizeof why)) {
+                CHECK(0, "%s op %d: %s", c->conf, op, why);
+                errors++;
+            }
+            cmlp_memory_stats s = stats_of(a);
+            if (CUR(s, RESERVED_BYTES, ALL) > peak_reserved) peak_reserved = CUR(s, RESERVED_BYTES, ALL);
+            if (c->limit >= 0 && CUR(s, RESERVED_BYTES, ALL) > c->limit) {
+                CHECK(0, "%s op %d: reserved %" PRId64 " over the limit", c->conf, op, CUR(s, RESERVED_BYTES, ALL));
+                errors++;
+            }
+            if (CUR(s, ALLOCATION, ALL) != (int64_t)L.n) {
+                CHECK(0, "%s op %d: %" PRId64 " allocations, %zu live", c->conf, op, CUR(s, ALLOCATION, ALL), L.n);
+                errors++;
+            }
+        }
+    }
+    CHECK(errors == 0, "%s: %d errors in the stress run", c->conf, errors);
+    cmlp_allocator_fail_raw(a, 0);
+    CHECK(norder == L.n, "%s: %zu blocks in age order, %zu by address", c->conf, norder, L.n);
+    while (L.n) {
+        live_blk b = live_take(&L, L.n - 1);
+        size_t bad = fill((uint8_t *)b.p, b.n, b.id, true);
+        CHECK(bad == 0, "%s: block %#" PRIxPTR " overwritten (%zu bytes)", c->conf, b.p, bad);
+        OK(cmlp_allocator_free(a, (void *)b.p));
+    }
+    free(L.v);
+    STEP(a);
+    cmlp_memory_stats s = stats_of(a);
+    CHECK(CUR(s, ALLOCATED_BYTES, ALL) == 0 && CUR(s, REQUESTED_BYTES, ALL) == 0 && CUR(s, ALLOCATION, ALL) == 0 &&
+              CUR(s, OVERSIZE_ALLOCATIONS, ALL) == 0,
+          "%s: left allocated %" PRId64, c->conf, CUR(s, ALLOCATED_BYTES, ALL));
+    CHECK(CUR(s, INACTIVE_SPLIT, ALL) == 0, "%s: split blocks with nothing allocated: %" PRId64, c->conf, CUR(s, INACTIVE_SPLIT, ALL));
+    CHECK(s.num_ooms == ooms, "%s: num_ooms %" PRId64 ", saw %" PRId64, c->conf, s.num_ooms, ooms);
+    ec(a);
+    s = stats_of(a);
+    CHECK(CUR(s, RESERVED_BYTES, ALL) == 0 && CUR(s, SEGMENT, ALL) == 0 && d.raw_bytes == 0 && d.mapped_bytes == 0,
+          "%s: after empty_cache reserved %" PRId64 ", device raw %" PRId64 " mapped %" PRId64, c->conf, CUR(s, RESERVED_BYTES, ALL),
+          d.raw_bytes, d.mapped_bytes);
+    printf("  stress %-40s %d ops: %" PRId64 " allocs, %" PRId64 " frees, %" PRId64 " empty_cache, %" PRId64 " hooks, %" PRId64
+           " OOMs, %" PRId64 " retries, %" PRId64 " device allocs, peak reserved %" PRId64 " MiB, %.1f s\n",
+           c->conf[0] ? c->conf : "(default)", STRESS_OPS, allocs, frees, empties, hooks, ooms, s.num_alloc_retries,
+           s.num_device_alloc, peak_reserved >> 20, now() - t0);
+    fin(a, &d);
+}
+
+static void test_stress(void) {
+    static const stress_cfg cfgs[] = {
+        {"", -1, MB(384)},
+        {"max_split_size_mb:40", -1, MB(384)},
+        {"garbage_collection_threshold:0.6", (int64_t)MB(256), MB(320)},
+        {"roundup_power2_divisions:4", -1, MB(384)},
+        {"expandable_segments:True", -1, MB(384)},
+    };
+    for (size_t i = 0; i < sizeof cfgs / sizeof *cfgs; i++) stress(&cfgs[i], 0x9E3779B97F4A7C15ull + i);
+}
+
+/* ---- 4. threads ------------------------------------------------------------------------------- */
+
+#define THREADS 4
+#define THREAD_OPS 20000
+
+typedef struct {
+    cmlp_allocator *a;
+    uint64_t seed;
+    int index;
+} thread_arg;
+
+static pthread_mutex_t shared_lock = PTHREAD_MUTEX_INITIALIZER;
+static live_set shared_live;
+static atomic_int thread_errors;
+static char thread_error[256];
+
+static void thread_fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void thread_fail(const char *fmt, ...) {
+    if (atomic_fetch_add(&thread_errors, 1) == 0) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(thread_error, sizeof thread_error, fmt, ap);
+        va_end(ap);
+    }
+}
+
+static void shared_remove(uintptr_t p) {
+    pthread_mutex_lock(&shared_lock);
+    bool found = live_remove(&shared_live, p);
+    pthread_mutex_unlock(&shared_lock);
+    if (!found) thread_fail("block %#" PRIxPTR " missing from the live set", p);
+}
+
+static void *thread_main(void *arg) {
+    thread_arg *t = arg;
+    uint64_t r = t->seed;
+    live_blk mine[32];
+    int n = 0;
+    for (int op = 0; op < THREAD_OPS; op++) {
+        unsigned k = (unsigned)(rnd(&r) % 1000);
+        if (k == 0) {
+            cmlp_allocator_empty_cache(t->a);
+        } else if (k < 4) {
+            if (cmlp_allocator_validate(t->a) != CMLP_OK) thread_fail("validate: %s", cmlp_last_error());
+        } else if (n == 0 || (k < 520 && n < 32)) {
+            size_t sz = rand_size(&r);
+            if (sz > MB(10) && rnd(&r) % 4) sz = 1 + rnd(&r) % 8192; /* fewer big blocks */
+            void *p = NULL;
+            if (cmlp_allocator_malloc(t->a, sz, &p) != CMLP_OK || !p) {
+                thread_fail("thread %d: malloc(%zu): %s", t->index, sz, cmlp_last_error());
+                continue;
+            }
+            live_blk b = {(uintptr_t)p, sz, ((uint64_t)t->index << 40) | (uint64_t)op};
+            pthread_mutex_lock(&shared_lock);
+            bool ok = live_add(&shared_live, b);
+            pthread_mutex_unlock(&shared_lock);
+            if (!ok) thread_fail("thread %d: malloc(%zu) gave %p, overlapping a live block", t->index, sz, p);
+            fill(p, sz, b.id, false);
+            mine[n++] = b;
+        } else {
+            int i = (int)(rnd(&r) % (uint64_t)n);
+            live_blk b = mine[i];
+            mine[i] = mine[--n];
+            size_t bad = fill((uint8_t *)b.p, b.n, b.id, true);
+            if (bad) thread_fail("thread %d: block %#" PRIxPTR " has %zu bytes overwritten", t->index, b.p, bad);
+            shared_remove(b.p);
+            if (cmlp_allocator_free(t->a, (void *)b.p) != CMLP_OK) thread_fail("thread %d: free: %s", t->index, cmlp_last_error());
+        }
+    }
+    while (n) {
+        live_blk b = mine[--n];
+        if (fill((uint8_t *)b.p, b.n, b.id, true)) thread_fail("thread %d: block %#" PRIxPTR " overwritten", t->index, b.p);
+        shared_remove(b.p);
+        if (cmlp_allocator_free(t->a, (void *)b.p) != CMLP_OK) thread_fail("thread %d: free: %s", t->index, cmlp_last_error());
+    }
+    return NULL;
+}
+
+static void test_threads(void) {
+    fake_dev d;
+    cmlp_allocator *a = mk(&d, "", (int64_t)GB(4));
+    pthread_t th[THREADS];
+    thread_arg args[THREADS];
+    for (int i = 0; i < THREADS; i++) {
+        args[i] = (thread_arg){a, 0x1234567ull * (uint64_t)(i + 1) + 99, i};
+        CHECK(pthread_create(&th[i], NULL, thread_main, &args[i]) == 0, "pthread_create %d", i);
+    }
+    for (int i = 0; i < THREADS; i++) pthread_join(th[i], NULL);
+    CHECK(atomic_load(&thread_errors) == 0, "%d thread errors, first: %s", atomic_load(&thread_errors), thread_error);
+    CHECK(shared_live.n == 0, "%zu blocks left in the live set", shared_live.n);
+    free(shared_live.v);
+    shared_live = (live_set){0};
+    STEP(a);
+    cmlp_memory_stats s = stats_of(a);
+    CHECK(CUR(s, ALLOCATED_BYTES, ALL) == 0 && CUR(s, ALLOCATION, ALL) == 0 && CUR(s, REQUESTED_BYTES, ALL) == 0,
+          "threads left %" PRId64 " bytes allocated", CUR(s, ALLOCATED_BYTES, ALL));
+    CHECK(s.stat[CMLP_STAT_ALLOCATION][CMLP_POOL_ALL].allocated >= THREADS * THREAD_OPS / 4, "only %" PRId64 " allocations",
+          s.stat[CMLP_STAT_ALLOCATION][CMLP_POOL_ALL].allocated);
+    ec(a);
+    CHECK(CUR(stats_of(a), RESERVED_BYTES, ALL) == 0 && d.raw_bytes == 0, "reserved after empty_cache");
+    fin(a, &d);
+}
+
+int main(void) {
+    double t0 = now();
+    test_rounding_and_small_pool();
+    test_large_segments();
+    test_best_fit();
+    test_split_rules();
+    test_merge();
+    test_max_split();
+    test_oversize_segment_edge();
+    test_oversize_reconfigure();
+    test_roundup();
+    test_empty_cache();
+    test_limit();
+    test_gc();
+    test_expandable();
+    test_expandable_max_split();
+    test_ladder_plain();
+    test_ladder_oversize();
+    test_ladder_expandable();
+    printf("  unit tests %.1f s\n", now() - t0);
+    test_stress();
+    double t1 = now();
+    test_threads();
+    printf("  threads %.1f s\n", now() - t1);
+    OK(cmlp_memory_configure(""));
+    printf("test_alloc: %.1f s\n", now() - t0);
+    printf("%d passed, %d failed\n", atomic_load(&passed), atomic_load(&failed));
+    return atomic_load(&failed) ? 1 : 0;
+}
