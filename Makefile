@@ -17,23 +17,20 @@ all: build
 build:
 	$(PYTHON) -m pip install --no-build-isolation -e .
 
-build/tests/test_core: tests/c/test_core.c $(CORE_SRC) $(CORE_HDR)
+C_TESTS := build/tests/test_core build/tests/test_alloc build/tests/test_half
+
+build/tests/%: tests/c/%.c $(CORE_SRC) $(CORE_HDR)
 	@test -n "$(BLAS_INC)" || { echo "scipy-openblas32 is not installed for $(PYTHON): run scripts/setup.sh"; exit 1; }
 	@mkdir -p build/tests
 	$(CC) -std=c11 -g -O1 $(SAN) $(WARN) $(DEFS) -fno-math-errno -Icsrc -I$(BLAS_INC) \
-	    tests/c/test_core.c $(CORE_SRC) -o $@ -L$(BLAS_LIB) -lscipy_openblas -Wl,-rpath,$(BLAS_LIB) -lm -lpthread
+	    $< $(CORE_SRC) -o $@ -L$(BLAS_LIB) -lscipy_openblas -Wl,-rpath,$(BLAS_LIB) -lm -lpthread
 
-build/tests/test_alloc: tests/c/test_alloc.c $(CORE_SRC) $(CORE_HDR)
-	@test -n "$(BLAS_INC)" || { echo "scipy-openblas32 is not installed for $(PYTHON): run scripts/setup.sh"; exit 1; }
-	@mkdir -p build/tests
-	$(CC) -std=c11 -g -O1 $(SAN) $(WARN) $(DEFS) -fno-math-errno -Icsrc -I$(BLAS_INC) \
-	    tests/c/test_alloc.c $(CORE_SRC) -o $@ -L$(BLAS_LIB) -lscipy_openblas -Wl,-rpath,$(BLAS_LIB) -lm -lpthread
-
-test-c: build/tests/test_core build/tests/test_alloc
-	ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
-	    OPENBLAS_NUM_THREADS=1 ./build/tests/test_core
-	ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
-	    OPENBLAS_NUM_THREADS=1 ./build/tests/test_alloc
+test-c: $(C_TESTS)
+	@for t in $(C_TESTS); do \
+	    echo "== $$t"; \
+	    ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
+	        OPENBLAS_NUM_THREADS=1 ./$$t || exit 1; \
+	done
 
 test-py:
 	$(PYTHON) -m pytest tests -q
