@@ -363,10 +363,12 @@ static cmlp_status oom(cmlp_allocator *a, size_t nbytes, size_t size) {
     cmlp_format_bytes(cap, sizeof cap, total);
     cmlp_format_bytes(fre, sizeof fre, total > r ? total - r : 0);
     cmlp_format_bytes(big, sizeof big, largest);
-    const char *frag_hint = frag > 20.0 ? " Reserved but unallocated memory is large: try "
-                                          "configure(\"expandable_segments:True\") or a max_split_size_mb "
-                                          "to avoid fragmentation."
-                                        : "";
+    const char *frag_hint = frag <= 20.0             ? ""
+                            : a->cfg.expandable_segments ? " Reserved but unallocated memory is large: "
+                                                           "empty_cache() returns free segments and tails."
+                                                         : " Reserved but unallocated memory is large: try "
+                                                           "configure(\"expandable_segments:True\") or a "
+                                                           "max_split_size_mb to avoid fragmentation.";
     return CMLP_FAIL(CMLP_ERR_OOM,
                      "%s out of memory. Tried to allocate %s (%zu bytes requested, rounded to %zu). %s %s is %s "
                      "of which %s is free. Of the reserved memory %s is allocated by cmlp and %s is reserved but "

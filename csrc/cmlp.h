@@ -291,6 +291,11 @@ typedef struct cmlp_train_config {
     uint64_t seed;
     float label_smoothing;
     cmlp_amp amp;
+    /* On out of memory inside a step: roll the step back, release cached memory, halve the
+     * micro-batch and retry the same effective batch (the update does not change). After
+     * grow_interval good steps a larger micro-batch (up to batch_size) is tried again. */
+    int auto_microbatch;
+    int64_t grow_interval; /* 0: 100 */
 } cmlp_train_config;
 
 /* Dynamic loss scaling for fp16 (PyTorch's GradScaler): gradients are computed for
@@ -320,7 +325,10 @@ CMLP_API int64_t cmlp_trainer_microbatch_size(const cmlp_trainer *t);
 CMLP_API cmlp_status cmlp_trainer_set_scaler(cmlp_trainer *t, const cmlp_scaler_state *s);
 CMLP_API void cmlp_trainer_get_scaler(const cmlp_trainer *t, cmlp_scaler_state *out);
 CMLP_API int64_t cmlp_trainer_skipped_steps(const cmlp_trainer *t); /* since creation */
+CMLP_API int64_t cmlp_trainer_oom_retries(const cmlp_trainer *t);   /* steps retried smaller */
 CMLP_API cmlp_status cmlp_trainer_set_microbatch_size(cmlp_trainer *t, int64_t size);
+/* Computes with a smaller micro-batch for now (auto micro-batching grows back to the set size). */
+CMLP_API cmlp_status cmlp_trainer_start_microbatch(cmlp_trainer *t, int64_t size);
 /* One optimizer step over all xy->n samples (the effective batch), computed in micro-batches
  * and normalised by xy->n; zeroes the gradients first. *loss_mean: mean per-sample loss. */
 CMLP_API cmlp_status cmlp_trainer_step(cmlp_trainer *t, const cmlp_data *xy, double *loss_mean);
@@ -331,6 +339,22 @@ CMLP_API cmlp_status cmlp_trainer_step(cmlp_trainer *t, const cmlp_data *xy, dou
 CMLP_API cmlp_status cmlp_trainer_epoch_begin(cmlp_trainer *t, const cmlp_data *xy,
                                               cmlp_epoch_state *st);
 CMLP_API cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, cmlp_epoch_state *st);
+
+/* ---- planning ---------------------------------------------------------------------------- */
+
+/* What a training run at micro-batch `batch` will hold, in requested bytes per category, and
+ * the peak allocated and reserved bytes the device's allocator will show for it (a replay of
+ * the run's requests under the current settings, on an empty cache). Resident data is 0:
+ * data sets stay in host memory. */
+typedef struct cmlp_plan {
+    int64_t parameters, gradients, optimizer_state, half_weights, activations, workspace, data;
+    int64_t peak_allocated, peak_reserved;
+} cmlp_plan;
+
+/* optimizer_buffers: 2 for Adam, 1 for SGD with momentum, 0 for plain SGD; loss_scaling: 1 with
+ * a GradScaler. */
+CMLP_API cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int optimizer_buffers,
+                                       cmlp_amp amp, int loss_scaling, cmlp_device d, cmlp_plan *out);
 
 /* ---- build ------------------------------------------------------------------------------- */
 

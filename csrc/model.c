@@ -100,19 +100,25 @@ void cmlp_model_free(cmlp_model *m) {
 
 static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
 
-/* Workspace for `rows` samples: inputs and every layer's output (kept for backward), two
- * gradient buffers of the widest layer, labels. One allocation; grows, never shrinks. */
-cmlp_status cmlp_workspace_reserve(cmlp_model *m, int64_t rows) {
-    if (rows <= m->ws.rows) return CMLP_OK;
-    int maxw = 1;
-    for (int l = 1; l <= m->nlayers; l++)
-        if (m->sizes[l] > maxw) maxw = m->sizes[l];
-    size_t sz[CMLP_MAX_LAYERS + 4], total = 0;
-    int nv = 0;
-    for (int l = 0; l <= m->nlayers; l++) sz[nv++] = align64((size_t)rows * m->sizes[l] * sizeof(float));
+/* Workspace for `rows` samples: inputs and every layer's output (kept for backward: the
+ * activations), two gradient buffers of the widest layer and labels (the workspace proper).
+ * One allocation; grows, never shrinks. The planner sizes it with the same function. */
+int cmlp_ws_layout(const int *sizes, int L, int64_t rows, size_t *sz, size_t *act_bytes) {
+    int maxw = 1, nv = 0;
+    for (int l = 1; l <= L; l++)
+        if (sizes[l] > maxw) maxw = sizes[l];
+    *act_bytes = 0;
+    for (int l = 0; l <= L; l++) *act_bytes += sz[nv++] = align64((size_t)rows * sizes[l] * sizeof(float));
     sz[nv++] = align64((size_t)rows * maxw * sizeof(float));
     sz[nv++] = align64((size_t)rows * maxw * sizeof(float));
     sz[nv++] = align64((size_t)rows * sizeof(int32_t));
+    return nv;
+}
+
+cmlp_status cmlp_workspace_reserve(cmlp_model *m, int64_t rows) {
+    if (rows <= m->ws.rows) return CMLP_OK;
+    size_t sz[CMLP_MAX_LAYERS + 4], total = 0, act;
+    int nv = cmlp_ws_layout(m->sizes, m->nlayers, rows, sz, &act);
     for (int i = 0; i < nv; i++) total += sz[i];
     char *block;
     CMLP_TRY(dev_alloc(m->dev, total, (void **)&block));

@@ -46,21 +46,20 @@ static cmlp_status ensure_half_params(cmlp_model *m, cmlp_dtype dt) {
 /* Activations [rows, sizes[l]] for l < L in half precision, logits and their gradient in fp32,
  * two half gradient buffers of the widest layer, labels; then the fp32 scratch for one block
  * of rows (three [chunk, widest]) and one layer's weights and bias. */
-static cmlp_status reserve(cmlp_model *m, int64_t rows) {
-    if (rows <= m->wsa.rows) return CMLP_OK;
-    int L = m->nlayers, C = m->sizes[L];
+int cmlp_amp_layout(const int *sizes, int L, int64_t rows, size_t *sz, size_t *act_bytes) {
+    int C = sizes[L];
     /* gradients flow between layers 1..L only; the scratch also holds layer 0's input */
-    int64_t maxg = 1, maxw = m->sizes[0], maxwt = 1, chunk = rows < AMP_CHUNK ? rows : AMP_CHUNK;
-    for (int l = 1; l <= L; l++) maxg = m->sizes[l] > maxg ? m->sizes[l] : maxg;
+    int64_t maxg = 1, maxw = sizes[0], maxwt = 1, chunk = rows < AMP_CHUNK ? rows : AMP_CHUNK;
+    for (int l = 1; l <= L; l++) maxg = sizes[l] > maxg ? sizes[l] : maxg;
     maxw = maxg > maxw ? maxg : maxw;
     for (int l = 0; l < L; l++) {
-        int64_t w = (int64_t)m->sizes[l] * m->sizes[l + 1];
+        int64_t w = (int64_t)sizes[l] * sizes[l + 1];
         maxwt = w > maxwt ? w : maxwt;
     }
-    size_t sz[CMLP_MAX_LAYERS + 12], total = 0;
     int nv = 0;
-    for (int l = 0; l < L; l++) sz[nv++] = align64((size_t)rows * m->sizes[l] * sizeof(uint16_t));
-    sz[nv++] = align64((size_t)rows * C * sizeof(float));
+    *act_bytes = 0;
+    for (int l = 0; l < L; l++) *act_bytes += sz[nv++] = align64((size_t)rows * sizes[l] * sizeof(uint16_t));
+    *act_bytes += sz[nv++] = align64((size_t)rows * C * sizeof(float));
     sz[nv++] = align64((size_t)rows * C * sizeof(float));
     sz[nv++] = align64((size_t)rows * maxg * sizeof(uint16_t));
     sz[nv++] = align64((size_t)rows * maxg * sizeof(uint16_t));
@@ -68,6 +67,15 @@ static cmlp_status reserve(cmlp_model *m, int64_t rows) {
     for (int i = 0; i < 3; i++) sz[nv++] = align64((size_t)chunk * maxw * sizeof(float));
     sz[nv++] = align64((size_t)maxwt * sizeof(float));
     sz[nv++] = align64((size_t)maxw * sizeof(float));
+    return nv;
+}
+
+static cmlp_status reserve(cmlp_model *m, int64_t rows) {
+    if (rows <= m->wsa.rows) return CMLP_OK;
+    size_t sz[CMLP_MAX_LAYERS + 12], total = 0, act;
+    int nv = cmlp_amp_layout(m->sizes, m->nlayers, rows, sz, &act);
+    int64_t chunk = rows < AMP_CHUNK ? rows : AMP_CHUNK;
+    int L = m->nlayers;
     for (int i = 0; i < nv; i++) total += sz[i];
     char *p;
     CMLP_TRY(cmlp_allocator_malloc(m->dev->alloc, total, (void **)&p));

@@ -5,6 +5,7 @@
 #include "internal.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -21,6 +22,8 @@ struct cmlp_trainer {
     int64_t pos;
     cmlp_scaler_state scaler;
     int64_t skipped;
+    int64_t oom_retries, good_steps;
+    int64_t target_micro; /* the micro-batch asked for; auto micro-batching grows back to it */
 };
 
 cmlp_status cmlp_trainer_init(cmlp_trainer **out, cmlp_model *m, cmlp_optim *o, const cmlp_train_config *c) {
@@ -40,6 +43,8 @@ cmlp_status cmlp_trainer_init(cmlp_trainer **out, cmlp_model *m, cmlp_optim *o, 
     t->optim = o;
     t->cfg = *c;
     t->micro = c->microbatch_size ? c->microbatch_size : c->batch_size;
+    if (!t->cfg.grow_interval) t->cfg.grow_interval = 100;
+    t->target_micro = t->micro;
     *out = t;
     return CMLP_OK;
 }
@@ -52,6 +57,7 @@ void cmlp_trainer_free(cmlp_trainer *t) {
 
 int64_t cmlp_trainer_microbatch_size(const cmlp_trainer *t) { return t->micro; }
 int64_t cmlp_trainer_skipped_steps(const cmlp_trainer *t) { return t->skipped; }
+int64_t cmlp_trainer_oom_retries(const cmlp_trainer *t) { return t->oom_retries; }
 void cmlp_trainer_get_scaler(const cmlp_trainer *t, cmlp_scaler_state *out) { *out = t->scaler; }
 
 cmlp_status cmlp_trainer_set_scaler(cmlp_trainer *t, const cmlp_scaler_state *s) {
@@ -66,6 +72,15 @@ cmlp_status cmlp_trainer_set_scaler(cmlp_trainer *t, const cmlp_scaler_state *s)
     }
     t->scaler = *s;
     t->scaler.scale = (float)s->scale;
+    return CMLP_OK;
+}
+
+cmlp_status cmlp_trainer_start_microbatch(cmlp_trainer *t, int64_t size) {
+    if (size < 1 || size > t->target_micro)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "a starting micro-batch must be in [1, %lld], got %lld",
+                         (long long)t->target_micro, (long long)size);
+    t->micro = size;
+    t->good_steps = 0;
     return CMLP_OK;
 }
 
@@ -86,7 +101,8 @@ static void scaler_update(cmlp_scaler_state *s, bool found_inf) {
 
 cmlp_status cmlp_trainer_set_microbatch_size(cmlp_trainer *t, int64_t size) {
     if (size < 1) return CMLP_FAIL(CMLP_ERR_INVALID, "microbatch_size must be >= 1, got %lld", (long long)size);
-    t->micro = size;
+    t->micro = t->target_micro = size;
+    t->good_steps = 0;
     return CMLP_OK;
 }
 
@@ -123,6 +139,56 @@ static cmlp_status effective_step(cmlp_trainer *t, const cmlp_data *xy, const in
     return CMLP_OK;
 }
 
+static int optimizer_buffers(const cmlp_trainer *t) {
+    cmlp_optim *o = t->optim;
+    if (cmlp_optim_get_kind(o) == CMLP_OPTIM_ADAM) return 2;
+    return cmlp_optim_num_buffers(o) ? 1 : 0;
+}
+
+/* Even one sample did not fit: say so, with what one sample needs. */
+static cmlp_status one_sample_oom(cmlp_trainer *t, const char *cause) {
+    char why[600];
+    snprintf(why, sizeof why, "%s", cause);
+    cmlp_model *m = t->model;
+    cmlp_plan p;
+    char b[7][32];
+    if (cmlp_plan_compute(m->sizes, m->nlayers + 1, 1, optimizer_buffers(t), t->cfg.amp, t->scaler.enabled,
+                          m->dev->device, &p) != CMLP_OK)
+        return CMLP_FAIL(CMLP_ERR_OOM, "even a micro-batch of 1 sample does not fit: %s", why);
+    int64_t v[7] = {p.parameters, p.gradients, p.optimizer_state, p.half_weights, p.activations, p.workspace,
+                    p.peak_allocated};
+    for (int i = 0; i < 7; i++) cmlp_format_bytes(b[i], sizeof b[i], v[i]);
+    return CMLP_FAIL(CMLP_ERR_OOM,
+                     "out of memory even with a micro-batch of 1 sample. The plan for one sample: parameters %s, "
+                     "gradients %s, optimizer state %s, half-precision weights %s, activations %s, workspace %s; "
+                     "peak %s. The last failure: %s",
+                     b[0], b[1], b[2], b[3], b[4], b[5], b[6], why);
+}
+
+/* effective_step, surviving out-of-memory by smaller micro-batches when allowed. A failed
+ * attempt changed nothing that matters: gradients are zeroed again, and the optimizer and the
+ * scaler move only after a step succeeds. */
+static cmlp_status robust_step(cmlp_trainer *t, const cmlp_data *xy, const int64_t *idx, int64_t start, int64_t n,
+                               double *loss_sum, bool *skipped) {
+    for (;;) {
+        cmlp_status st = effective_step(t, xy, idx, start, n, loss_sum, skipped);
+        if (st == CMLP_OK) {
+            if (t->micro < t->target_micro && ++t->good_steps >= t->cfg.grow_interval) {
+                t->micro = t->micro * 2 < t->target_micro ? t->micro * 2 : t->target_micro;
+                t->good_steps = 0;
+            }
+            return CMLP_OK;
+        }
+        if (st != CMLP_ERR_OOM || !t->cfg.auto_microbatch) return st;
+        cmlp_model_release_workspace(t->model);
+        cmlp_allocator_empty_cache(t->model->dev->alloc);
+        if (t->micro == 1) return one_sample_oom(t, cmlp_last_error());
+        t->micro /= 2;
+        t->good_steps = 0;
+        t->oom_retries++;
+    }
+}
+
 cmlp_status cmlp_trainer_step(cmlp_trainer *t, const cmlp_data *xy, double *loss_mean) {
     if (!t || !loss_mean) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
     CMLP_TRY(cmlp_data_validate(t->model, xy, true));
@@ -130,7 +196,7 @@ cmlp_status cmlp_trainer_step(cmlp_trainer *t, const cmlp_data *xy, double *loss
     cmlp_fpenv_enter(&fe);
     double loss = 0.0;
     bool skipped;
-    cmlp_status st = effective_step(t, xy, NULL, 0, xy->n, &loss, &skipped);
+    cmlp_status st = robust_step(t, xy, NULL, 0, xy->n, &loss, &skipped);
     cmlp_fpenv_leave(&fe);
     if (st == CMLP_OK) *loss_mean = loss / (double)xy->n;
     return st;
@@ -180,7 +246,7 @@ cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, cmlp_epoc
         double loss = 0.0;
         const int64_t *idx = t->cfg.shuffle ? t->order + t->pos : NULL;
         bool skipped;
-        s = effective_step(t, &t->data, idx, t->pos, k, &loss, &skipped);
+        s = robust_step(t, &t->data, idx, t->pos, k, &loss, &skipped);
         if (s != CMLP_OK) break;
         st->skipped += skipped;
         t->pos += k;

@@ -13,7 +13,7 @@ _preload()
 from . import _cmlp  # noqa: E402
 from ._cmlp import OutOfMemoryError  # noqa: E402
 from . import amp, cuda, datasets, memory, optim  # noqa: E402
-from .memory import empty_cache  # noqa: E402
+from .memory import MemoryWarning, empty_cache  # noqa: E402
 
 
 def _configure_from_environment() -> None:
@@ -34,10 +34,6 @@ from .model import MLP  # noqa: E402
 from .trainer import Trainer  # noqa: E402
 
 __version__ = _cmlp.build_info()["version"]
-
-
-class MemoryWarning(UserWarning):
-    """Issued (once) when the trainer changes how it computes to stay within memory."""
 
 
 def build_info() -> dict:

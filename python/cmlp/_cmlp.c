@@ -621,14 +621,14 @@ typedef struct {
 
 static int Trainer_init(TrainerObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"optimizer", "batch_size", "accumulation_steps", "microbatch_size", "shuffle",
-                             "seed", "label_smoothing", "amp", NULL};
+                             "seed", "label_smoothing", "amp", "auto_microbatch", "grow_interval", NULL};
     PyObject *opt;
-    long long batch = 32, accum = 1, micro = 0;
-    int shuffle = 1, amp = 0;
+    long long batch = 32, accum = 1, micro = 0, grow = 0;
+    int shuffle = 1, amp = 0, automb = 1;
     unsigned long long seed = 0;
     float smoothing = 0.0f;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OL|LLpKfi", kwlist, &opt, &batch, &accum, &micro, &shuffle, &seed,
-                                     &smoothing, &amp))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OL|LLpKfipL", kwlist, &opt, &batch, &accum, &micro, &shuffle, &seed,
+                                     &smoothing, &amp, &automb, &grow))
         return -1;
     module_state *ms = state_of(PyType_GetModule(Py_TYPE(self)));
     if (!PyObject_TypeCheck(opt, ms->optim_type) || optim_ready((OptimObject *)opt) < 0) {
@@ -641,7 +641,8 @@ static int Trainer_init(TrainerObject *self, PyObject *args, PyObject *kw) {
     }
     OptimObject *o = (OptimObject *)opt;
     cmlp_train_config c = {.batch_size = batch, .accumulation_steps = accum, .microbatch_size = micro,
-                           .shuffle = shuffle, .seed = seed, .label_smoothing = smoothing, .amp = (cmlp_amp)amp};
+                           .shuffle = shuffle, .seed = seed, .label_smoothing = smoothing, .amp = (cmlp_amp)amp,
+                           .auto_microbatch = automb, .grow_interval = grow};
     cmlp_status st = cmlp_trainer_init(&self->t, o->model->m, o->o, &c);
     if (st != CMLP_OK) {
         raise_status(ms, st);
@@ -758,6 +759,21 @@ static PyObject *Trainer_get_scaler(TrainerObject *self, PyObject *unused) {
     return Py_BuildValue("(dL)", s.scale, (long long)s.growth_tracker);
 }
 
+static PyObject *Trainer_start_microbatch(TrainerObject *self, PyObject *arg) {
+    if (trainer_ready(self) < 0) return NULL;
+    long long v = PyLong_AsLongLong(arg);
+    if (v == -1 && PyErr_Occurred()) return NULL;
+    cmlp_status st = cmlp_trainer_start_microbatch(self->t, v);
+    if (st != CMLP_OK) return raise_status(self->optim->model->ms, st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Trainer_oom_retries(TrainerObject *self, PyObject *unused) {
+    (void)unused;
+    if (trainer_ready(self) < 0) return NULL;
+    return PyLong_FromLongLong(cmlp_trainer_oom_retries(self->t));
+}
+
 static PyObject *Trainer_skipped_steps(TrainerObject *self, PyObject *unused) {
     (void)unused;
     if (trainer_ready(self) < 0) return NULL;
@@ -796,6 +812,8 @@ static PyMethodDef Trainer_methods[] = {
      "set_scaler(enabled, scale, growth_factor, backoff_factor, growth_interval, growth_tracker)"},
     {"get_scaler", (PyCFunction)Trainer_get_scaler, METH_NOARGS, "(scale, growth_tracker)"},
     {"skipped_steps", (PyCFunction)Trainer_skipped_steps, METH_NOARGS, "steps skipped for inf/NaN gradients"},
+    {"oom_retries", (PyCFunction)Trainer_oom_retries, METH_NOARGS, "steps retried with a smaller micro-batch"},
+    {"start_microbatch", (PyCFunction)Trainer_start_microbatch, METH_O, "compute with a smaller micro-batch for now"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1065,6 +1083,44 @@ static PyObject *mod_from_half(PyObject *mod, PyObject *args) {
     return convert(args, 0);
 }
 
+static PyObject *mod_plan(PyObject *mod, PyObject *args) {
+    PyObject *sizes_obj, *dev_obj;
+    long long batch;
+    int nbuf, amp, scaling;
+    if (!PyArg_ParseTuple(args, "OLiipO", &sizes_obj, &batch, &nbuf, &amp, &scaling, &dev_obj)) return NULL;
+    cmlp_device d;
+    if (parse_device(state_of(mod), dev_obj, &d) < 0) return NULL;
+    PyObject *seq = PySequence_Fast(sizes_obj, "layer sizes must be a sequence of ints");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    int sizes[66];
+    if (n > 65) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "at most 65 layer sizes are supported");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (v == -1 && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        sizes[i] = v < 0 ? -1 : (v > (1L << 30) ? (1 << 30) : (int)v);
+    }
+    Py_DECREF(seq);
+    cmlp_plan p;
+    cmlp_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = cmlp_plan_compute(sizes, (int)n, batch, nbuf, (cmlp_amp)amp, scaling, d, &p);
+    Py_END_ALLOW_THREADS
+    if (st != CMLP_OK) return raise_status(state_of(mod), st);
+    return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L}", "parameters", (long long)p.parameters, "gradients",
+                         (long long)p.gradients, "optimizer_state", (long long)p.optimizer_state, "half_weights",
+                         (long long)p.half_weights, "activations", (long long)p.activations, "workspace",
+                         (long long)p.workspace, "data", (long long)p.data, "peak_allocated",
+                         (long long)p.peak_allocated, "peak_reserved", (long long)p.peak_reserved);
+}
+
 static PyObject *mod_parse_device(PyObject *mod, PyObject *arg) {
     cmlp_device d;
     if (parse_device(state_of(mod), arg, &d) < 0) return NULL;
@@ -1098,6 +1154,7 @@ static PyMethodDef module_methods[] = {
     {"fail_raw_alloc", mod_fail_raw_alloc, METH_VARARGS, "test hook: fail the k-th raw device call from now"},
     {"to_half", mod_to_half, METH_VARARGS, "to_half(float32 array, 'fp16'|'bf16') -> uint16 array"},
     {"from_half", mod_from_half, METH_VARARGS, "from_half(uint16 array, 'fp16'|'bf16') -> float32 array"},
+    {"plan", mod_plan, METH_VARARGS, "plan(sizes, batch, optimizer_buffers, amp, loss_scaling, device) -> dict"},
     {"parse_device", mod_parse_device, METH_O, "canonical device string; raises when unavailable"},
     {"build_info", mod_build_info, METH_NOARGS, "build facts"},
     {"cuda_device_count", mod_cuda_device_count, METH_NOARGS, "number of usable CUDA devices"},

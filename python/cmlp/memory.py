@@ -2,9 +2,13 @@
 ("cpu" included). All numbers come from the device's allocator, which owns every byte."""
 import re
 import threading
-from typing import Any, Dict, List, Mapping, Optional, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 from . import _cmlp
+
+class MemoryWarning(UserWarning):
+    """Issued (once per trainer) when memory ran out and the trainer changed how it computes."""
+
 
 _raw_blocks: Dict[int, str] = {}
 _raw_lock = threading.Lock()
@@ -177,6 +181,92 @@ def _fail_raw_alloc(k: int, device: Optional[str] = None) -> None:
     """Test hook: the k-th raw device allocation from now fails as if the device were full
     (k = 1: the next one); k <= 0 disables it."""
     _cmlp.fail_raw_alloc(_device(device), int(k))
+
+
+_CATEGORIES = ("parameters", "gradients", "optimizer_state", "half_weights", "activations", "workspace", "data")
+
+
+class Plan:
+    """What a training run will hold. breakdown: requested bytes per category; peak_bytes: the
+    max_memory_allocated the run will show (allocator rounding included); reserved_bytes: its
+    max_memory_reserved on an empty cache."""
+
+    def __init__(self, layer_sizes: List[int], batch_size: int, optimizer: str, amp: Optional[str],
+                 recompute: bool, device: str, raw: Dict[str, int]) -> None:
+        self.layer_sizes, self.batch_size, self.optimizer = list(layer_sizes), batch_size, optimizer
+        self.amp, self.recompute, self.device = amp, recompute, device
+        self.breakdown: Dict[str, int] = {k: raw[k] for k in _CATEGORIES}
+        self.peak_bytes: int = raw["peak_allocated"]
+        self.reserved_bytes: int = raw["peak_reserved"]
+
+    def __repr__(self) -> str:
+        return (f"Plan(layers={self.layer_sizes}, batch_size={self.batch_size}, peak_bytes={self.peak_bytes}, "
+                f"reserved_bytes={self.reserved_bytes})")
+
+    def __str__(self) -> str:
+        head = (f"MLP {'-'.join(map(str, self.layer_sizes))}, batch {self.batch_size}, {self.optimizer}, "
+                f"{self.amp or 'fp32'}{', recompute' if self.recompute else ''}, {self.device}")
+        rows = [(k.replace("_", " "), v) for k, v in self.breakdown.items()]
+        rows += [("peak allocated", self.peak_bytes), ("peak reserved", self.reserved_bytes)]
+        width = max(len(r[0]) for r in rows)
+        lines = [head] + [f"  {name:<{width}}  {_fmt(v):>12}" for name, v in rows]
+        return "\n".join(lines)
+
+
+def _optimizer_buffers(optimizer: Any) -> Tuple[str, int]:
+    from .optim import SGD, Adam
+
+    if isinstance(optimizer, Adam):
+        return "adam", 2
+    if isinstance(optimizer, SGD):
+        return ("sgd", 1) if optimizer.momentum else ("sgd", 0)
+    names = {"adam": 2, "sgd": 0, "sgd_momentum": 1}
+    if optimizer not in names:
+        raise ValueError(f"optimizer must be 'adam', 'sgd', 'sgd_momentum' or a cmlp optimizer, got {optimizer!r}")
+    return optimizer, names[optimizer]
+
+
+def plan(layer_sizes: List[int], batch_size: int, optimizer: Any = "adam", amp: Optional[str] = None,
+         recompute: bool = False, device: str = "cpu", scaler: Optional[bool] = None) -> Plan:
+    """Predicts a training run's memory before anything is allocated (batch_size: rows computed at
+    once, i.e. the micro-batch). scaler defaults to amp == "fp16"."""
+    from ._arrays import check_amp
+    from .model import _as_sizes
+
+    sizes = _as_sizes(layer_sizes)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if recompute:
+        raise NotImplementedError("recompute=True is not available in this version of cmlp")
+    amp_code = check_amp(amp)
+    name, nbuf = _optimizer_buffers(optimizer)
+    scaling = amp == "fp16" if scaler is None else bool(scaler)
+    dev = _device(device)
+    raw = _cmlp.plan(list(sizes), batch_size, nbuf, amp_code, scaling, dev)
+    return Plan(list(sizes), batch_size, name, amp, recompute, dev, raw)
+
+
+def max_batch_size(layer_sizes: List[int], budget_bytes: int, optimizer: Any = "adam", amp: Optional[str] = None,
+                   recompute: bool = False, device: str = "cpu", limit: int = 1 << 24) -> int:
+    """The largest micro-batch whose planned reserved memory fits in budget_bytes (0 if none)."""
+    budget = parse_size(budget_bytes)
+
+    def fits(b: int) -> bool:
+        return plan(layer_sizes, b, optimizer, amp, recompute, device).reserved_bytes <= budget
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:  # fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _fmt(n: int) -> str:

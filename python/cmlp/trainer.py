@@ -2,6 +2,7 @@
 released (seeded shuffle, micro-batches, exact accumulation, optimizer step); Python only asks
 for a slice of steps at a time to draw the progress bar and collects the history."""
 import time
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -28,7 +29,7 @@ class Trainer:
                  amp: Optional[str] = None, scaler: Any = None, auto_microbatch: bool = True,
                  recompute: bool = False, shuffle: bool = True, seed: int = 0,
                  normalize: Optional[Tuple[float, float]] = None, microbatch_size: Optional[int] = None,
-                 label_smoothing: float = 0.0) -> None:
+                 label_smoothing: float = 0.0, grow_interval: int = 100) -> None:
         if not isinstance(model, MLP):
             raise TypeError(f"model must be a cmlp.MLP, got {type(model).__name__}")
         if not isinstance(optimizer, Optimizer):
@@ -42,6 +43,7 @@ class Trainer:
             scaler = GradScaler()
         if recompute:
             raise NotImplementedError("recompute=True is not available in this version of cmlp")
+        self._warned = False
         self.model, self.optimizer = model, optimizer
         self.batch_size = _positive_int("batch_size", batch_size)
         self.accumulation_steps = _positive_int("accumulation_steps", accumulation_steps)
@@ -54,10 +56,11 @@ class Trainer:
         self.amp, self.scaler = amp, scaler
         self.auto_microbatch, self.recompute, self.shuffle = bool(auto_microbatch), bool(recompute), bool(shuffle)
         self.seed = int(seed)
+        grow_interval = _positive_int("grow_interval", grow_interval)
         # uint8 images: the model's normalisation unless the trainer is given its own
         self.normalize = model.normalize if normalize is None else as_normalize(normalize)
         self._c = _cmlp.Trainer(optimizer._c, self.batch_size, self.accumulation_steps, micro, bool(shuffle),
-                                self.seed, label_smoothing, amp_code)
+                                self.seed, label_smoothing, amp_code, bool(auto_microbatch), int(grow_interval))
 
     @property
     def microbatch_size(self) -> int:
@@ -86,6 +89,38 @@ class Trainer:
         d["scale"], d["_growth_tracker"] = self._c.get_scaler()
         s.load_state_dict(d)
 
+    def _start_under_limit(self) -> None:
+        """Under a memory limit, start from the largest micro-batch (halving, as an OOM would)
+        that the planner says fits next to what is already allocated."""
+        device = self.model.device
+        limit = memory.get_memory_limit(device)
+        if limit is None or not self.auto_microbatch:
+            return
+        opt_state = self.optimizer._c.get_state()[1]
+        held = ("parameters", "gradients") + (("optimizer_state",) if opt_state else ())
+        room = limit - memory.memory_allocated(device)
+        b = self.microbatch_size
+        while b > 1:
+            p = memory.plan(list(self.model.layer_sizes), b, self.optimizer, self.amp,
+                            scaler=self.scaler is not None and self.scaler.is_enabled(), device=device)
+            if p.peak_bytes - sum(p.breakdown[k] for k in held) <= room:
+                break
+            b //= 2
+        if b < self.microbatch_size:
+            self._c.start_microbatch(b)
+            if not self._warned:
+                self._warned = True
+                warnings.warn(f"under the memory limit of {limit} bytes the planner fits micro-batches of {b}, not "
+                              f"{self.microbatch_size}: the trainer accumulates them (the update is the same)",
+                              memory.MemoryWarning, stacklevel=3)
+
+    def _warn_if_split(self, before: int) -> None:
+        if self._c.oom_retries() > before and not self._warned:
+            self._warned = True
+            warnings.warn(f"out of memory inside a training step: the trainer now computes it in micro-batches of "
+                          f"{self.microbatch_size} (the update is the same; see cmlp.memory.plan)",
+                          memory.MemoryWarning, stacklevel=3)
+
     def _data(self, x: Any, y: Any, what: str) -> Tuple[np.ndarray, np.ndarray]:
         sizes = self.model.layer_sizes
         xa = as_inputs(x, sizes[0], f"{what} x")
@@ -95,10 +130,12 @@ class Trainer:
         """One optimizer step on the whole given (effective) batch; returns its mean loss."""
         xa, ya = self._data(x_batch, y_batch, "batch")
         self._push_scaler()
+        retries = self._c.oom_retries()
         try:
             return self._c.step(xa, ya, *self.normalize)
         finally:
             self._pull_scaler()
+            self._warn_if_split(retries)
 
     def fit(self, x: Any, y: Any, epochs: int = 5, validation_data: Optional[Tuple[Any, Any]] = None,
             progress: bool = True) -> List[Dict[str, Any]]:
@@ -124,6 +161,9 @@ class Trainer:
             samples, loss_sum, skipped = 0, 0.0, 0
             start = time.perf_counter()
             self._push_scaler()
+            if epoch == 1:
+                self._start_under_limit()
+            retries = self._c.oom_retries()
             try:
                 done = False
                 while not done:
@@ -138,6 +178,7 @@ class Trainer:
                 self._pull_scaler()
                 if bar is not None:
                     bar.close()
+                self._warn_if_split(retries)
             seconds = time.perf_counter() - start
             record: Dict[str, Any] = {
                 "epoch": epoch,

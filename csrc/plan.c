@@ -1,0 +1,101 @@
+/* plan.c - predicts the memory of a training run before anything is allocated: the bytes of
+ * each category, from the same layout functions the model uses, and the peak allocated and
+ * reserved bytes from a replay of the run's requests on an allocator with the device's rules
+ * and settings over a device that only hands out addresses.
+ */
+#include "internal.h"
+
+#include <string.h>
+
+/* ---- a device of addresses: nothing is touched, so any size can be planned ---- */
+
+typedef struct {
+    uintptr_t next;
+    int64_t total;
+} paper_device;
+
+static int64_t paper_total(void *ctx) { return ((paper_device *)ctx)->total; }
+
+static cmlp_status paper_alloc(void *ctx, size_t n, void **out) {
+    paper_device *d = ctx;
+    *out = (void *)d->next;
+    d->next += (n + ((size_t)4 << 20)) & ~(((size_t)2 << 20) - 1); /* a gap between segments */
+    return CMLP_OK;
+}
+
+static void paper_free(void *ctx, void *p, size_t n) {
+    (void)ctx, (void)p, (void)n;
+}
+
+static cmlp_status paper_map(void *ctx, void *p, size_t n) {
+    (void)ctx, (void)p, (void)n;
+    return CMLP_OK;
+}
+
+static void paper_unmap(void *ctx, void *p, size_t n) {
+    (void)ctx, (void)p, (void)n;
+}
+
+static const cmlp_backend_i paper_backend = {
+    .name = "plan",
+    .total_memory = paper_total,
+    .raw_alloc = paper_alloc,
+    .raw_free = paper_free,
+    .vm_reserve = paper_alloc,
+    .vm_map = paper_map,
+    .vm_unmap = paper_unmap,
+    .vm_release = paper_free,
+};
+
+cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int optimizer_buffers, cmlp_amp amp,
+                              int loss_scaling, cmlp_device d, cmlp_plan *out) {
+    if (!sizes || !out || nsizes < 2 || nsizes > CMLP_MAX_LAYERS + 1)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "layer_sizes must list 2 to %d sizes", CMLP_MAX_LAYERS + 1);
+    for (int i = 0; i < nsizes; i++)
+        if (sizes[i] < 1) return CMLP_FAIL(CMLP_ERR_INVALID, "layer_sizes[%d] = %d must be >= 1", i, sizes[i]);
+    if (batch < 1) return CMLP_FAIL(CMLP_ERR_INVALID, "batch_size must be >= 1, got %lld", (long long)batch);
+    if (optimizer_buffers < 0 || optimizer_buffers > 2)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer state buffers must be 0, 1 or 2");
+    cmlp_device_ctx *dev;
+    CMLP_TRY(cmlp_device_get(d, &dev));
+    int L = nsizes - 1;
+    int64_t nparams = 0;
+    for (int l = 0; l < L; l++) nparams += (int64_t)sizes[l] * sizes[l + 1] + sizes[l + 1];
+    size_t sz[CMLP_MAX_LAYERS + 12], act = 0, ws = 0;
+    int nv = amp ? cmlp_amp_layout(sizes, L, batch, sz, &act) : cmlp_ws_layout(sizes, L, batch, sz, &act);
+    for (int i = 0; i < nv; i++) ws += sz[i];
+    memset(out, 0, sizeof *out);
+    out->parameters = nparams * 4;
+    out->gradients = nparams * 4;
+    out->optimizer_state = (int64_t)optimizer_buffers * nparams * 4;
+    out->half_weights = amp ? nparams * 2 : 0;
+    out->activations = (int64_t)act;
+    out->workspace = (int64_t)(ws - act) + (loss_scaling ? 4 : 0);
+
+    /* the run's requests in the order the library makes them */
+    size_t req[6];
+    int nreq = 0;
+    req[nreq++] = (size_t)out->parameters;
+    req[nreq++] = (size_t)out->gradients;
+    if (amp) req[nreq++] = (size_t)out->half_weights;
+    req[nreq++] = ws;
+    if (loss_scaling) req[nreq++] = sizeof(float);
+    if (optimizer_buffers) req[nreq++] = (size_t)out->optimizer_state;
+    paper_device pd = {.next = (uintptr_t)1 << 44, .total = dev->backend->total_memory(dev->bctx)};
+    if (pd.total <= 0) pd.total = INT64_MAX / 4;
+    cmlp_allocator *a;
+    CMLP_TRY(cmlp_allocator_create(&paper_backend, &pd, "plan", &a));
+    cmlp_status st = CMLP_OK;
+    for (int i = 0; i < nreq && st == CMLP_OK; i++) {
+        void *p;
+        st = cmlp_allocator_malloc(a, req[i], &p);
+    }
+    if (st == CMLP_OK) {
+        cmlp_memory_stats s;
+        cmlp_allocator_stats(a, &s);
+        out->peak_allocated = s.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].peak;
+        out->peak_reserved = s.stat[CMLP_STAT_RESERVED_BYTES][CMLP_POOL_ALL].peak;
+    }
+    cmlp_allocator_destroy(a);
+    return st;
+}
