@@ -193,6 +193,8 @@ class Trainer:
             }
             if val is not None:
                 loss_sum, correct = self.model._c.evaluate(val[0], val[1], *self.normalize, 1000)
+                # evaluation's 1000-row buffers go back to the cache: training keeps its own peak
+                self.model._c.release_workspace()
                 record["val_loss"] = loss_sum / val[0].shape[0]
                 record["val_accuracy"] = correct / val[0].shape[0]
             history.append(record)
