@@ -51,7 +51,7 @@ typedef struct cmlp_backend_i {
     /* Fused stable softmax cross-entropy over logits [rows, cols]. Adds the per-sample losses
      * to *h_loss_sum and, when d_dlogits is not NULL, writes d_dlogits = grad_weight *
      * (softmax - q), q = (1 - smoothing) onehot + smoothing / cols. When h_correct is not NULL
-     * adds the number of rows whose argmax equals the label. */
+     * adds the number of rows whose argmax equals the label. d_dlogits may be d_logits. */
     cmlp_status (*softmax_xent)(void *ctx, const float *d_logits, const int32_t *d_labels,
                                 int64_t rows, int64_t cols, float smoothing, float grad_weight,
                                 float *d_dlogits, double *h_loss_sum, int64_t *h_correct);

@@ -296,6 +296,8 @@ typedef struct cmlp_train_config {
      * grow_interval good steps a larger micro-batch (up to batch_size) is tried again. */
     int auto_microbatch;
     int64_t grow_interval; /* 0: 100 */
+    /* Keep only each micro-batch's input and recompute layer outputs in backward (fp32). */
+    int recompute;
 } cmlp_train_config;
 
 /* Dynamic loss scaling for fp16 (PyTorch's GradScaler): gradients are computed for
@@ -354,7 +356,8 @@ typedef struct cmlp_plan {
 /* optimizer_buffers: 2 for Adam, 1 for SGD with momentum, 0 for plain SGD; loss_scaling: 1 with
  * a GradScaler. */
 CMLP_API cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int optimizer_buffers,
-                                       cmlp_amp amp, int loss_scaling, cmlp_device d, cmlp_plan *out);
+                                       cmlp_amp amp, int recompute, int loss_scaling, cmlp_device d,
+                                       cmlp_plan *out);
 
 /* ---- build ------------------------------------------------------------------------------- */
 

@@ -71,6 +71,15 @@ typedef struct cmlp_amp_workspace {
     float *w32, *b32;               /* one layer's half weights and bias as fp32 */
 } cmlp_amp_workspace;
 
+/* The same with recomputation (model_recompute.c): the input and three buffers. */
+typedef struct cmlp_rc_workspace {
+    void *block;
+    int64_t rows;
+    float *input;  /* [rows, sizes[0]] */
+    float *buf[3]; /* [rows, max width of layers 1..L] */
+    int32_t *labels;
+} cmlp_rc_workspace;
+
 struct cmlp_model {
     cmlp_device_ctx *dev;
     int nlayers;
@@ -84,6 +93,7 @@ struct cmlp_model {
     cmlp_dtype half_dtype; /* format of params_h (F16 or BF16) */
     cmlp_workspace ws;
     cmlp_amp_workspace wsa;
+    cmlp_rc_workspace wsr;
 };
 
 CMLP_HIDDEN cmlp_status cmlp_workspace_reserve(cmlp_model *m, int64_t rows);
@@ -104,10 +114,15 @@ CMLP_HIDDEN cmlp_status cmlp_model_fb_rows(cmlp_model *m, const float *input, co
                                            double *loss_sum);
 /* One forward + backward of rows idx[0..n) (or [start, start + n)) of xy, in fp32 or amp. */
 CMLP_HIDDEN cmlp_status cmlp_model_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, int64_t start,
-                                      int64_t n, float grad_weight, float smoothing, cmlp_amp amp, double *loss_sum);
+                                      int64_t n, float grad_weight, float smoothing, cmlp_amp amp, int recompute,
+                                      double *loss_sum);
 CMLP_HIDDEN cmlp_status cmlp_amp_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, int64_t start,
                                     int64_t n, float grad_weight, float smoothing, cmlp_amp amp, double *loss_sum);
 CMLP_HIDDEN cmlp_dtype cmlp_amp_dtype(cmlp_amp amp);
+CMLP_HIDDEN cmlp_status cmlp_rc_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, int64_t start, int64_t n,
+                                   float grad_weight, float smoothing, double *loss_sum);
+CMLP_HIDDEN int cmlp_rc_layout(const int *sizes, int L, int64_t rows, size_t *sz, size_t *act_bytes);
+CMLP_HIDDEN void cmlp_rc_release(cmlp_model *m);
 CMLP_HIDDEN void cmlp_amp_release(cmlp_model *m); /* the amp workspace */
 CMLP_HIDDEN void cmlp_amp_free(cmlp_model *m);    /* and the half weight copy */
 /* Re-derives the half weight copy from the fp32 master weights (no-op without one). */

@@ -86,6 +86,7 @@ void cmlp_model_release_workspace(cmlp_model *m) {
     dev_free(m->dev, m->ws.block);
     memset(&m->ws, 0, sizeof m->ws);
     cmlp_amp_release(m);
+    cmlp_rc_release(m);
 }
 
 void cmlp_model_free(cmlp_model *m) {
@@ -274,8 +275,12 @@ cmlp_status cmlp_model_evaluate(cmlp_model *m, const cmlp_data *xy, int64_t chun
 }
 
 cmlp_status cmlp_model_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, int64_t start, int64_t n,
-                          float grad_weight, float smoothing, cmlp_amp amp, double *loss_sum) {
-    if (amp != CMLP_AMP_NONE) return cmlp_amp_fb(m, xy, idx, start, n, grad_weight, smoothing, amp, loss_sum);
+                          float grad_weight, float smoothing, cmlp_amp amp, int recompute, double *loss_sum) {
+    if (amp != CMLP_AMP_NONE) {
+        if (recompute) return CMLP_FAIL(CMLP_ERR_INVALID, "recompute with mixed precision is not supported yet");
+        return cmlp_amp_fb(m, xy, idx, start, n, grad_weight, smoothing, amp, loss_sum);
+    }
+    if (recompute) return cmlp_rc_fb(m, xy, idx, start, n, grad_weight, smoothing, loss_sum);
     const float *in;
     const int32_t *lab;
     CMLP_TRY(cmlp_model_stage(m, xy, idx, start, n, &in, &lab));
@@ -294,7 +299,7 @@ cmlp_status cmlp_model_forward_backward(cmlp_model *m, const cmlp_data *xy, floa
     cmlp_fpenv fe;
     cmlp_fpenv_enter(&fe);
     double loss = 0.0;
-    cmlp_status st = cmlp_model_fb(m, xy, NULL, 0, xy->n, grad_weight, label_smoothing, amp, &loss);
+    cmlp_status st = cmlp_model_fb(m, xy, NULL, 0, xy->n, grad_weight, label_smoothing, amp, 0, &loss);
     cmlp_fpenv_leave(&fe);
     if (st == CMLP_OK) *loss_sum = loss;
     return st;

@@ -48,7 +48,7 @@ static const cmlp_backend_i paper_backend = {
 };
 
 cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int optimizer_buffers, cmlp_amp amp,
-                              int loss_scaling, cmlp_device d, cmlp_plan *out) {
+                              int recompute, int loss_scaling, cmlp_device d, cmlp_plan *out) {
     if (!sizes || !out || nsizes < 2 || nsizes > CMLP_MAX_LAYERS + 1)
         return CMLP_FAIL(CMLP_ERR_INVALID, "layer_sizes must list 2 to %d sizes", CMLP_MAX_LAYERS + 1);
     for (int i = 0; i < nsizes; i++)
@@ -62,7 +62,10 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
     int64_t nparams = 0;
     for (int l = 0; l < L; l++) nparams += (int64_t)sizes[l] * sizes[l + 1] + sizes[l + 1];
     size_t sz[CMLP_MAX_LAYERS + 12], act = 0, ws = 0;
-    int nv = amp ? cmlp_amp_layout(sizes, L, batch, sz, &act) : cmlp_ws_layout(sizes, L, batch, sz, &act);
+    if (recompute && amp) return CMLP_FAIL(CMLP_ERR_INVALID, "recompute with mixed precision is not supported yet");
+    int nv = amp         ? cmlp_amp_layout(sizes, L, batch, sz, &act)
+             : recompute ? cmlp_rc_layout(sizes, L, batch, sz, &act)
+                         : cmlp_ws_layout(sizes, L, batch, sz, &act);
     for (int i = 0; i < nv; i++) ws += sz[i];
     memset(out, 0, sizeof *out);
     out->parameters = nparams * 4;

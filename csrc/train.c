@@ -35,6 +35,8 @@ cmlp_status cmlp_trainer_init(cmlp_trainer **out, cmlp_model *m, cmlp_optim *o, 
         return CMLP_FAIL(CMLP_ERR_INVALID, "microbatch_size must be >= 1, got %lld", (long long)c->microbatch_size);
     if (c->amp != CMLP_AMP_NONE && c->amp != CMLP_AMP_FP16 && c->amp != CMLP_AMP_BF16)
         return CMLP_FAIL(CMLP_ERR_INVALID, "unknown amp mode %d", (int)c->amp);
+    if (c->recompute && c->amp != CMLP_AMP_NONE)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "recompute=True with amp is not supported yet: choose one");
     if (!(c->label_smoothing >= 0.0f && c->label_smoothing <= 1.0f))
         return CMLP_FAIL(CMLP_ERR_INVALID, "label_smoothing must be in [0, 1], got %g", (double)c->label_smoothing);
     cmlp_trainer *t = calloc(1, sizeof *t);
@@ -120,7 +122,7 @@ static cmlp_status effective_step(cmlp_trainer *t, const cmlp_data *xy, const in
     for (int64_t off = 0; off < n; off += t->micro) {
         int64_t k = n - off < t->micro ? n - off : t->micro;
         CMLP_TRY(cmlp_model_fb(m, xy, idx ? idx + off : NULL, start + off, k, w, t->cfg.label_smoothing, t->cfg.amp,
-                               &loss));
+                               t->cfg.recompute, &loss));
     }
     if (t->scaler.enabled) {
         int found = 0;
@@ -152,8 +154,8 @@ static cmlp_status one_sample_oom(cmlp_trainer *t, const char *cause) {
     cmlp_model *m = t->model;
     cmlp_plan p;
     char b[7][32];
-    if (cmlp_plan_compute(m->sizes, m->nlayers + 1, 1, optimizer_buffers(t), t->cfg.amp, t->scaler.enabled,
-                          m->dev->device, &p) != CMLP_OK)
+    if (cmlp_plan_compute(m->sizes, m->nlayers + 1, 1, optimizer_buffers(t), t->cfg.amp, t->cfg.recompute,
+                          t->scaler.enabled, m->dev->device, &p) != CMLP_OK)
         return CMLP_FAIL(CMLP_ERR_OOM, "even a micro-batch of 1 sample does not fit: %s", why);
     int64_t v[7] = {p.parameters, p.gradients, p.optimizer_state, p.half_weights, p.activations, p.workspace,
                     p.peak_allocated};

@@ -1,6 +1,7 @@
 """The command line: `python -m cmlp train` trains the reference MLP (784-512-256-10, Adam
-lr 1e-3, batch 32, 5 epochs) on Fashion-MNIST and reports each epoch; `python -m cmlp info`
-prints what this build is made of."""
+lr 1e-3, batch 32, 5 epochs) on Fashion-MNIST and reports each epoch; `python -m cmlp plan`
+predicts a run's memory (and, given a budget, the largest batch that fits) before anything is
+allocated; `python -m cmlp info` prints what this build is made of."""
 import argparse
 import json
 import sys
@@ -43,6 +44,15 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--save", default=None, help="write the trained model here (.npz)")
     t.add_argument("--no-progress", action="store_true")
+    pl = sub.add_parser("plan", help="predict a training run's memory, by category, before allocating anything")
+    pl.add_argument("--layers", type=_layers, default=[784, 512, 256, 10])
+    pl.add_argument("--batch-size", type=int, default=32, help="rows computed at once (the micro-batch)")
+    pl.add_argument("--amp", choices=["fp16", "bf16"], default=None)
+    pl.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    pl.add_argument("--momentum", type=float, default=0.0, help="sgd only: a momentum buffer when not 0")
+    pl.add_argument("--device", default="cpu")
+    pl.add_argument("--budget", type=_size, default=None,
+                    help="e.g. 2GB: also print the largest batch whose planned reserved memory fits")
     sub.add_parser("info", help="print the build: version, BLAS, CUDA, devices")
     return p
 
@@ -81,6 +91,17 @@ def _train(a: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(a: argparse.Namespace) -> int:
+    optimizer = "sgd_momentum" if a.optimizer == "sgd" and a.momentum else a.optimizer
+    p = memory.plan(a.layers, a.batch_size, optimizer, a.amp, device=a.device)
+    print(p)
+    if a.budget is not None:
+        n = memory.max_batch_size(a.layers, a.budget, optimizer, a.amp, device=a.device)
+        why = "" if n else f" (one sample needs {memory._fmt(memory.plan(a.layers, 1, optimizer, a.amp, device=a.device).reserved_bytes)})"
+        print(f"largest batch that fits in {memory._fmt(a.budget)}: {n}{why}")
+    return 0
+
+
 def _info() -> int:
     info = build_info()
     info["cuda_available"] = cuda.is_available()
@@ -92,7 +113,9 @@ def _info() -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     a = _parser().parse_args(argv)
     try:
-        return _train(a) if a.command == "train" else _info()
+        if a.command == "train":
+            return _train(a)
+        return _plan(a) if a.command == "plan" else _info()
     except (ValueError, TypeError, FileNotFoundError, RuntimeError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

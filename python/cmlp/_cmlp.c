@@ -621,14 +621,14 @@ typedef struct {
 
 static int Trainer_init(TrainerObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"optimizer", "batch_size", "accumulation_steps", "microbatch_size", "shuffle",
-                             "seed", "label_smoothing", "amp", "auto_microbatch", "grow_interval", NULL};
+                             "seed", "label_smoothing", "amp", "auto_microbatch", "grow_interval", "recompute", NULL};
     PyObject *opt;
     long long batch = 32, accum = 1, micro = 0, grow = 0;
-    int shuffle = 1, amp = 0, automb = 1;
+    int shuffle = 1, amp = 0, automb = 1, recompute = 0;
     unsigned long long seed = 0;
     float smoothing = 0.0f;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OL|LLpKfipL", kwlist, &opt, &batch, &accum, &micro, &shuffle, &seed,
-                                     &smoothing, &amp, &automb, &grow))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OL|LLpKfipLp", kwlist, &opt, &batch, &accum, &micro, &shuffle, &seed,
+                                     &smoothing, &amp, &automb, &grow, &recompute))
         return -1;
     module_state *ms = state_of(PyType_GetModule(Py_TYPE(self)));
     if (!PyObject_TypeCheck(opt, ms->optim_type) || optim_ready((OptimObject *)opt) < 0) {
@@ -642,7 +642,7 @@ static int Trainer_init(TrainerObject *self, PyObject *args, PyObject *kw) {
     OptimObject *o = (OptimObject *)opt;
     cmlp_train_config c = {.batch_size = batch, .accumulation_steps = accum, .microbatch_size = micro,
                            .shuffle = shuffle, .seed = seed, .label_smoothing = smoothing, .amp = (cmlp_amp)amp,
-                           .auto_microbatch = automb, .grow_interval = grow};
+                           .auto_microbatch = automb, .grow_interval = grow, .recompute = recompute};
     cmlp_status st = cmlp_trainer_init(&self->t, o->model->m, o->o, &c);
     if (st != CMLP_OK) {
         raise_status(ms, st);
@@ -1086,8 +1086,9 @@ static PyObject *mod_from_half(PyObject *mod, PyObject *args) {
 static PyObject *mod_plan(PyObject *mod, PyObject *args) {
     PyObject *sizes_obj, *dev_obj;
     long long batch;
-    int nbuf, amp, scaling;
-    if (!PyArg_ParseTuple(args, "OLiipO", &sizes_obj, &batch, &nbuf, &amp, &scaling, &dev_obj)) return NULL;
+    int nbuf, amp, recompute, scaling;
+    if (!PyArg_ParseTuple(args, "OLiippO", &sizes_obj, &batch, &nbuf, &amp, &recompute, &scaling, &dev_obj))
+        return NULL;
     cmlp_device d;
     if (parse_device(state_of(mod), dev_obj, &d) < 0) return NULL;
     PyObject *seq = PySequence_Fast(sizes_obj, "layer sizes must be a sequence of ints");
@@ -1111,7 +1112,7 @@ static PyObject *mod_plan(PyObject *mod, PyObject *args) {
     cmlp_plan p;
     cmlp_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = cmlp_plan_compute(sizes, (int)n, batch, nbuf, (cmlp_amp)amp, scaling, d, &p);
+    st = cmlp_plan_compute(sizes, (int)n, batch, nbuf, (cmlp_amp)amp, recompute, scaling, d, &p);
     Py_END_ALLOW_THREADS
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
     return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L}", "parameters", (long long)p.parameters, "gradients",
@@ -1154,7 +1155,8 @@ static PyMethodDef module_methods[] = {
     {"fail_raw_alloc", mod_fail_raw_alloc, METH_VARARGS, "test hook: fail the k-th raw device call from now"},
     {"to_half", mod_to_half, METH_VARARGS, "to_half(float32 array, 'fp16'|'bf16') -> uint16 array"},
     {"from_half", mod_from_half, METH_VARARGS, "from_half(uint16 array, 'fp16'|'bf16') -> float32 array"},
-    {"plan", mod_plan, METH_VARARGS, "plan(sizes, batch, optimizer_buffers, amp, loss_scaling, device) -> dict"},
+    {"plan", mod_plan, METH_VARARGS,
+     "plan(sizes, batch, optimizer_buffers, amp, recompute, loss_scaling, device) -> dict"},
     {"parse_device", mod_parse_device, METH_O, "canonical device string; raises when unavailable"},
     {"build_info", mod_build_info, METH_NOARGS, "build facts"},
     {"cuda_device_count", mod_cuda_device_count, METH_NOARGS, "number of usable CUDA devices"},

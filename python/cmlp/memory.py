@@ -236,13 +236,13 @@ def plan(layer_sizes: List[int], batch_size: int, optimizer: Any = "adam", amp: 
     sizes = _as_sizes(layer_sizes)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    if recompute:
-        raise NotImplementedError("recompute=True is not available in this version of cmlp")
     amp_code = check_amp(amp)
+    if recompute and amp is not None:
+        raise ValueError("recompute=True with amp is not supported yet: choose one")
     name, nbuf = _optimizer_buffers(optimizer)
     scaling = amp == "fp16" if scaler is None else bool(scaler)
     dev = _device(device)
-    raw = _cmlp.plan(list(sizes), batch_size, nbuf, amp_code, scaling, dev)
+    raw = _cmlp.plan(list(sizes), batch_size, nbuf, amp_code, bool(recompute), scaling, dev)
     return Plan(list(sizes), batch_size, name, amp, recompute, dev, raw)
 
 

@@ -41,8 +41,8 @@ class Trainer:
             from .amp import GradScaler
 
             scaler = GradScaler()
-        if recompute:
-            raise NotImplementedError("recompute=True is not available in this version of cmlp")
+        if recompute and amp is not None:
+            raise ValueError("recompute=True with amp is not supported yet: choose one")
         self._warned = False
         self.model, self.optimizer = model, optimizer
         self.batch_size = _positive_int("batch_size", batch_size)
@@ -60,7 +60,8 @@ class Trainer:
         # uint8 images: the model's normalisation unless the trainer is given its own
         self.normalize = model.normalize if normalize is None else as_normalize(normalize)
         self._c = _cmlp.Trainer(optimizer._c, self.batch_size, self.accumulation_steps, micro, bool(shuffle),
-                                self.seed, label_smoothing, amp_code, bool(auto_microbatch), int(grow_interval))
+                                self.seed, label_smoothing, amp_code, bool(auto_microbatch), int(grow_interval),
+                                bool(recompute))
 
     @property
     def microbatch_size(self) -> int:
@@ -101,7 +102,7 @@ class Trainer:
         room = limit - memory.memory_allocated(device)
         b = self.microbatch_size
         while b > 1:
-            p = memory.plan(list(self.model.layer_sizes), b, self.optimizer, self.amp,
+            p = memory.plan(list(self.model.layer_sizes), b, self.optimizer, self.amp, self.recompute,
                             scaler=self.scaler is not None and self.scaler.is_enabled(), device=device)
             if p.peak_bytes - sum(p.breakdown[k] for k in held) <= room:
                 break
