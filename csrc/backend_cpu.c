@@ -2,7 +2,7 @@
  * GEMMs through CBLAS (OpenBLAS), everything else as plain loops the compiler vectorises.
  * "Device" memory is aligned host memory.
  */
-#include "internal.h"
+#include "half.h"
 
 #include <limits.h>
 #include <math.h>
@@ -246,14 +246,19 @@ static cmlp_status cpu_sgd(void *ctx, float *restrict p, const float *restrict g
     return CMLP_OK;
 }
 
+/* Called inside the core's floating-point environment: the loops directly. */
 static cmlp_status cpu_to_half(void *ctx, uint16_t *dst, const float *src, int64_t n, cmlp_dtype dtype) {
     (void)ctx;
-    return cmlp_convert_to_half(dst, src, n, dtype);
+    if (dtype == CMLP_DTYPE_F16) cmlp_f32_to_f16(dst, src, n);
+    else cmlp_f32_to_bf16(dst, src, n);
+    return CMLP_OK;
 }
 
 static cmlp_status cpu_from_half(void *ctx, float *dst, const uint16_t *src, int64_t n, cmlp_dtype dtype) {
     (void)ctx;
-    return cmlp_convert_from_half(dst, src, n, dtype);
+    if (dtype == CMLP_DTYPE_F16) cmlp_f16_to_f32(dst, src, n);
+    else cmlp_bf16_to_f32(dst, src, n);
+    return CMLP_OK;
 }
 
 static cmlp_status cpu_unscale(void *ctx, float *restrict g, int64_t n, float inv, float *found_inf) {

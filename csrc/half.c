@@ -16,6 +16,18 @@
 #define CMLP_HAVE_FLOAT16 0
 #endif
 
+/* The conversion instructions themselves, 16 or 8 values at a time (compilers emit them only
+ * one value at a time for _Float16 loops). */
+#if CMLP_HAVE_FLOAT16 && defined(__AVX512F__)
+#include <immintrin.h>
+#define CMLP_F16_SIMD 512
+#elif CMLP_HAVE_FLOAT16 && defined(__F16C__) && defined(__AVX__)
+#include <immintrin.h>
+#define CMLP_F16_SIMD 256
+#else
+#define CMLP_F16_SIMD 0
+#endif
+
 #if !CMLP_HAVE_FLOAT16
 static uint16_t f32_to_f16_bits(float f) {
     uint32_t x;
@@ -57,8 +69,18 @@ static float f16_bits_to_f32(uint16_t h) {
 
 void cmlp_f32_to_f16(uint16_t *restrict dst, const float *restrict src, int64_t n) {
 #if CMLP_HAVE_FLOAT16
+    int64_t i = 0;
+#if CMLP_F16_SIMD == 512
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(dst + i),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif CMLP_F16_SIMD == 256
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
     _Float16 *d = (_Float16 *)(void *)dst;
-    for (int64_t i = 0; i < n; i++) d[i] = (_Float16)src[i];
+    for (; i < n; i++) d[i] = (_Float16)src[i];
 #else
     for (int64_t i = 0; i < n; i++) dst[i] = f32_to_f16_bits(src[i]);
 #endif
@@ -66,8 +88,15 @@ void cmlp_f32_to_f16(uint16_t *restrict dst, const float *restrict src, int64_t 
 
 void cmlp_f16_to_f32(float *restrict dst, const uint16_t *restrict src, int64_t n) {
 #if CMLP_HAVE_FLOAT16
+    int64_t i = 0;
+#if CMLP_F16_SIMD == 512
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
+#elif CMLP_F16_SIMD == 256
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+#endif
     const _Float16 *s = (const _Float16 *)(const void *)src;
-    for (int64_t i = 0; i < n; i++) dst[i] = (float)s[i];
+    for (; i < n; i++) dst[i] = (float)s[i];
 #else
     for (int64_t i = 0; i < n; i++) dst[i] = f16_bits_to_f32(src[i]);
 #endif
@@ -90,18 +119,28 @@ void cmlp_bf16_to_f32(float *restrict dst, const uint16_t *restrict src, int64_t
     }
 }
 
+/* Both run in the floating-point environment training uses (subnormals flushed in fp32
+ * arithmetic), so what these return is what training stores. */
 cmlp_status cmlp_convert_to_half(uint16_t *dst, const float *src, int64_t n, cmlp_dtype dtype) {
     if (n < 0 || (n && (!dst || !src))) return CMLP_FAIL(CMLP_ERR_INVALID, "bad conversion arguments");
+    if (dtype != CMLP_DTYPE_F16 && dtype != CMLP_DTYPE_BF16)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "half-precision dtype must be fp16 or bf16, got %d", (int)dtype);
+    cmlp_fpenv fe;
+    cmlp_fpenv_enter(&fe);
     if (dtype == CMLP_DTYPE_F16) cmlp_f32_to_f16(dst, src, n);
-    else if (dtype == CMLP_DTYPE_BF16) cmlp_f32_to_bf16(dst, src, n);
-    else return CMLP_FAIL(CMLP_ERR_INVALID, "half-precision dtype must be fp16 or bf16, got %d", (int)dtype);
+    else cmlp_f32_to_bf16(dst, src, n);
+    cmlp_fpenv_leave(&fe);
     return CMLP_OK;
 }
 
 cmlp_status cmlp_convert_from_half(float *dst, const uint16_t *src, int64_t n, cmlp_dtype dtype) {
     if (n < 0 || (n && (!dst || !src))) return CMLP_FAIL(CMLP_ERR_INVALID, "bad conversion arguments");
+    if (dtype != CMLP_DTYPE_F16 && dtype != CMLP_DTYPE_BF16)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "half-precision dtype must be fp16 or bf16, got %d", (int)dtype);
+    cmlp_fpenv fe;
+    cmlp_fpenv_enter(&fe);
     if (dtype == CMLP_DTYPE_F16) cmlp_f16_to_f32(dst, src, n);
-    else if (dtype == CMLP_DTYPE_BF16) cmlp_bf16_to_f32(dst, src, n);
-    else return CMLP_FAIL(CMLP_ERR_INVALID, "half-precision dtype must be fp16 or bf16, got %d", (int)dtype);
+    else cmlp_bf16_to_f32(dst, src, n);
+    cmlp_fpenv_leave(&fe);
     return CMLP_OK;
 }
