@@ -52,7 +52,9 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
     if (!sizes || !out || nsizes < 2 || nsizes > CMLP_MAX_LAYERS + 1)
         return CMLP_FAIL(CMLP_ERR_INVALID, "layer_sizes must list 2 to %d sizes", CMLP_MAX_LAYERS + 1);
     for (int i = 0; i < nsizes; i++)
-        if (sizes[i] < 1) return CMLP_FAIL(CMLP_ERR_INVALID, "layer_sizes[%d] = %d must be >= 1", i, sizes[i]);
+        if (sizes[i] < 1 || sizes[i] > (1 << 24))
+            return CMLP_FAIL(CMLP_ERR_INVALID, "layer_sizes[%d] = %d: every size must be in [1, %d]", i, sizes[i],
+                             1 << 24);
     if (batch < 1) return CMLP_FAIL(CMLP_ERR_INVALID, "batch_size must be >= 1, got %lld", (long long)batch);
     if (optimizer_buffers < 0 || optimizer_buffers > 2)
         return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer state buffers must be 0, 1 or 2");

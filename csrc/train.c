@@ -172,6 +172,7 @@ static cmlp_status one_sample_oom(cmlp_trainer *t, const char *cause) {
  * scaler move only after a step succeeds. */
 static cmlp_status robust_step(cmlp_trainer *t, const cmlp_data *xy, const int64_t *idx, int64_t start, int64_t n,
                                double *loss_sum, bool *skipped) {
+    const int64_t micro_before = t->micro;
     for (;;) {
         cmlp_status st = effective_step(t, xy, idx, start, n, loss_sum, skipped);
         if (st == CMLP_OK) {
@@ -184,7 +185,10 @@ static cmlp_status robust_step(cmlp_trainer *t, const cmlp_data *xy, const int64
         if (st != CMLP_ERR_OOM || !t->cfg.auto_microbatch) return st;
         cmlp_model_release_workspace(t->model);
         cmlp_allocator_empty_cache(t->model->dev->alloc);
-        if (t->micro == 1) return one_sample_oom(t, cmlp_last_error());
+        if (t->micro == 1) {
+            t->micro = micro_before; /* nothing worked: the next step starts where this one did */
+            return one_sample_oom(t, cmlp_last_error());
+        }
         t->micro /= 2;
         t->good_steps = 0;
         t->oom_retries++;

@@ -1,4 +1,4 @@
-"""The article's PyTorch MNIST loop, written with cmlp.
+"""The classic PyTorch MNIST loop, written with cmlp.
 
 PyTorch (the original):
 
@@ -15,7 +15,7 @@ PyTorch (the original):
 Below, the same loop step by step with cmlp, then the same training with the C epoch loop
 (Trainer.fit), which is what you would normally write. Gradient accumulation is shown the
 correct way: four DISTINCT micro-batches of 8 whose gradients add up to one batch of 32 (the
-article's version reruns one batch four times).
+common recipe reruns one batch four times).
 
 Run: python examples/train_fashion_mnist.py [--epochs 5]
 """

@@ -1,7 +1,7 @@
 """Pure-NumPy float64 reference for cmlp: the test oracle.
 
 RefMLP (forward, cross-entropy loss, backward), RefAdam and RefSGD follow the facts in
-shared/design/REFERENCE.md, i.e. PyTorch's nn.Linear / CrossEntropyLoss / Adam / SGD semantics.
+PyTorch's nn.Linear / CrossEntropyLoss / Adam / SGD semantics.
 Everything is float64 so that cmlp's float32 results can be compared with stated tolerances.
 """
 
@@ -145,7 +145,7 @@ class RefMLP:
         gradient of loss_scale * loss with respect to every parameter, keyed like params.
 
         reduction="sum" gives the sum of the per-sample losses and of their gradients, the
-        building block of exact gradient accumulation (REFERENCE.md).
+        building block of exact gradient accumulation.
         """
         if reduction not in ("mean", "sum"):
             raise ValueError("reduction must be 'mean' or 'sum'")

@@ -1,9 +1,9 @@
 """Gradient accumulation and micro-batching: one optimizer step over an effective batch must
-equal one step on the whole batch, however it is split (REFERENCE.md: each micro-batch
+equal one step on the whole batch, however it is split (each micro-batch
 contributes the sum of its per-sample gradients / N).
 
 Parameters after the step are compared with norm-wise relative tolerance 1e-6 against the
-unsplit cmlp step and against the float64 reference. The seed article's "accumulation" (one
+unsplit cmlp step and against the float64 reference. The common "accumulation" recipe (one
 micro-batch run K times) must be detected as different.
 """
 
@@ -139,7 +139,7 @@ def test_dividing_by_k_is_wrong_for_uneven_splits():
 
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
 def test_rerunning_one_microbatch_is_not_accumulation(kind):
-    """The seed article's loop: K backward passes over the SAME micro-batch, loss / K."""
+    """The common recipe: K backward passes over the SAME micro-batch, loss / K."""
     x, y = batch(64)
     big, _, _ = trainer_step(kind, x, y, batch_size=64)
     same = manual_step(kind, x, y, [slice(0, 16)] * 4, [1 / 4] * 4)

@@ -1,7 +1,7 @@
-"""Bad input raises the exception API.md names (ValueError or TypeError, with a message that
+"""Bad input raises the documented exception (ValueError or TypeError, with a message that
 names the argument or the problem), loses nothing (parameters, gradients and optimizer state
 are unchanged and the model keeps working), and never crashes the interpreter. The positive
-side: every array layout and dtype API.md allows is accepted, gives the same result as the
+side: every array layout and dtype the API allows is accepted, gives the same result as the
 C-contiguous float32 equivalent, and is never modified.
 """
 
@@ -153,9 +153,7 @@ def _cases():
     Adam, SGD = cmlp.optim.Adam, cmlp.optim.SGD
     for name, make, exc, match in [
         ("adam-lr-negative", lambda m: Adam(m, lr=-1e-3), ValueError, r"learning rate"),
-        # BUG: the extension uses lr=-1.0 as its "not given" sentinel (`if (lr >= -0.5)` in
-        # Optim_init), so lr <= -0.5, -inf and NaN are silently replaced by the default lr
-        # (Adam 1e-3, SGD 0.01) instead of raising ValueError.
+        # any negative or NaN learning rate, however far from the default
         ("adam-lr-nan", lambda m: Adam(m, lr=float("nan")), ValueError, r"learning rate"),
         ("adam-lr-minus-one", lambda m: Adam(m, lr=-1.0), ValueError, r"learning rate"),
         ("adam-lr-minus-inf", lambda m: Adam(m, lr=float("-inf")), ValueError, r"learning rate"),
@@ -239,9 +237,7 @@ def test_cuda_without_gpu_is_runtime_error_saying_why(ctx, dev):
 
 
 def test_nan_in_validation_data_is_rejected_before_training(ctx):
-    # BUG: fit() checks validation_data for NaN/inf only after training the epoch (in the final
-    # evaluate), so the epoch's updates are applied and lost history follows the ValueError; the
-    # message also says "x" instead of "validation x".
+    # checked before the epoch trains, so nothing is applied and lost
     vx = with_value(np.nan, row=3, col=3)
     before = snapshot(ctx)
     with pytest.raises(ValueError, match=r"NaN or inf"):
@@ -327,9 +323,7 @@ def test_load_bad_contents_is_value_error(tmp_path, change, match):
 
 
 def test_load_plain_npy_is_value_error(tmp_path):
-    # BUG: a valid .npy (not .npz) makes np.load return an ndarray, which load() then uses as a
-    # context manager: TypeError "'numpy.ndarray' object does not support the context manager
-    # protocol" instead of a ValueError saying the file is not a cmlp model file.
+    # a valid .npy (one array, not an archive) is a ValueError naming the file
     path = tmp_path / "weights.npy"
     np.save(path, np.zeros(10, np.float32))
     with pytest.raises(ValueError, match=r"weights\.npy"):

@@ -1,4 +1,4 @@
-"""cmlp.amp.GradScaler against PyTorch's rules (design/REFERENCE.md, "Mixed precision"), on a
+"""cmlp.amp.GradScaler against PyTorch's rules, on a
 real cmlp model and optimizer: growth after exactly growth_interval finite steps, backoff on
 inf or NaN with no lower bound, no growth to inf, update(new_scale), the misuse errors and
 their messages, state_dict, the disabled scaler, exact unscaling, skipped steps that leave the

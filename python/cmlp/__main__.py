@@ -93,11 +93,13 @@ def _train(a: argparse.Namespace) -> int:
 
 def _plan(a: argparse.Namespace) -> int:
     optimizer = "sgd_momentum" if a.optimizer == "sgd" and a.momentum else a.optimizer
-    p = memory.plan(a.layers, a.batch_size, optimizer, a.amp, device=a.device)
-    print(p)
+    print(memory.plan(a.layers, a.batch_size, optimizer, a.amp, device=a.device))
     if a.budget is not None:
         n = memory.max_batch_size(a.layers, a.budget, optimizer, a.amp, device=a.device)
-        why = "" if n else f" (one sample needs {memory._fmt(memory.plan(a.layers, 1, optimizer, a.amp, device=a.device).reserved_bytes)})"
+        why = ""
+        if n == 0:
+            one = memory.plan(a.layers, 1, optimizer, a.amp, device=a.device)
+            why = f" (one sample needs {memory._fmt(one.reserved_bytes)} reserved)"
         print(f"largest batch that fits in {memory._fmt(a.budget)}: {n}{why}")
     return 0
 

@@ -97,8 +97,11 @@ class Trainer:
         limit = memory.get_memory_limit(device)
         if limit is None or not self.auto_microbatch:
             return
-        opt_state = self.optimizer._c.get_state()[1]
-        held = ("parameters", "gradients") + (("optimizer_state",) if opt_state else ())
+        stepped = bool(self.optimizer._c.get_state()[1]) or self.optimizer._c.get_state()[0] > 0
+        held = ("parameters", "gradients") + (("optimizer_state",) if stepped else ())
+        if stepped and self.amp is not None:
+            held += ("half_weights",)
+        self.model._c.release_workspace()  # the plan counts the workspace; it goes back to the cache
         room = limit - memory.memory_allocated(device)
         b = self.microbatch_size
         while b > 1:
@@ -107,12 +110,13 @@ class Trainer:
             if p.peak_bytes - sum(p.breakdown[k] for k in held) <= room:
                 break
             b //= 2
-        if b < self.microbatch_size:
+        asked = self.microbatch_size
+        if b < asked:
             self._c.start_microbatch(b)
             if not self._warned:
                 self._warned = True
                 warnings.warn(f"under the memory limit of {limit} bytes the planner fits micro-batches of {b}, not "
-                              f"{self.microbatch_size}: the trainer accumulates them (the update is the same)",
+                              f"{asked}: the trainer accumulates them (the update is the same)",
                               memory.MemoryWarning, stacklevel=3)
 
     def _warn_if_split(self, before: int) -> None:
@@ -133,10 +137,11 @@ class Trainer:
         self._push_scaler()
         retries = self._c.oom_retries()
         try:
-            return self._c.step(xa, ya, *self.normalize)
+            loss = self._c.step(xa, ya, *self.normalize)
         finally:
             self._pull_scaler()
-            self._warn_if_split(retries)
+        self._warn_if_split(retries)
+        return loss
 
     def fit(self, x: Any, y: Any, epochs: int = 5, validation_data: Optional[Tuple[Any, Any]] = None,
             progress: bool = True) -> List[Dict[str, Any]]:
@@ -179,7 +184,7 @@ class Trainer:
                 self._pull_scaler()
                 if bar is not None:
                     bar.close()
-                self._warn_if_split(retries)
+            self._warn_if_split(retries)
             seconds = time.perf_counter() - start
             record: Dict[str, Any] = {
                 "epoch": epoch,

@@ -1,0 +1,331 @@
+"""cmlp.memory.plan against the allocator: the predicted peak must equal what a training run
+measures (within 2%), over a grid of layer sizes, batch sizes, optimizers and precisions, on the
+CPU. The grid runs in one fresh interpreter (a clean allocator, default settings); the reserved
+peak is checked in a fresh interpreter per configuration. Also: the breakdown's categories and
+values, argument validation, max_batch_size, and `python -m cmlp plan`.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import cmlp
+
+M = cmlp.memory
+DEV = "cpu"
+MIB = 1 << 20
+
+# where this process imported cmlp from (an in-place build or site-packages): subprocesses use the same
+REPO_PYTHON = os.path.dirname(os.path.dirname(os.path.abspath(cmlp.__file__)))
+
+LAYERS = ([784, 512, 256, 10], [100, 300, 10], [784, 1024, 1024, 1024, 10])
+BATCHES = (1, 32, 500, 2048)
+OPTIMIZERS = ("adam", "sgd", "sgd_momentum")
+AMPS = (None, "fp16", "bf16")
+GRID = [(layers, b, o, a, False) for layers in LAYERS for b in BATCHES for o in OPTIMIZERS for a in AMPS]
+# recompute=True (float32 only) keeps each micro-batch's input and recomputes layer outputs
+GRID += [(layers, b, o, None, True) for layers in LAYERS for b in BATCHES for o in OPTIMIZERS]
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_PYTHON + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.pop("CMLP_ALLOC_CONF", None)  # the allocator's defaults, the same for the run and its plan
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    return env
+
+
+def _python(code, args=(), timeout=300):
+    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=_env(),
+                       timeout=timeout)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def _cli(args, cwd, timeout=60):
+    return subprocess.run([sys.executable, "-m", "cmlp", "plan", *args], capture_output=True, text=True, cwd=cwd,
+                          env=_env(), timeout=timeout)
+
+
+# One training run per configuration: fit one epoch of two batches (no validation data:
+# evaluation has buffers of its own), measured from a clean allocator state.
+_RUN = r'''
+import gc, json, sys
+import numpy as np
+import cmlp
+M = cmlp.memory
+
+def make_optimizer(model, name):
+    if name == "adam":
+        return cmlp.optim.Adam(model, lr=1e-3)
+    return cmlp.optim.SGD(model, lr=0.01, momentum=0.9 if name == "sgd_momentum" else 0.0)
+
+def run(layers, batch, opt_name, amp, recompute=False):
+    rng = np.random.default_rng(batch)
+    x = rng.standard_normal((2 * batch, layers[0]), dtype=np.float32)
+    y = rng.integers(0, layers[-1], 2 * batch)
+    gc.collect()
+    M.empty_cache("cpu")
+    base = M.memory_stats("cpu")
+    M.reset_peak_memory_stats("cpu")
+    model = cmlp.MLP(layers, seed=0)
+    opt = make_optimizer(model, opt_name)
+    cmlp.Trainer(model, opt, batch_size=batch, amp=amp, recompute=recompute, shuffle=False).fit(x, y, epochs=1,
+                                                                                               progress=False)
+    s = M.memory_stats("cpu")
+    p = M.plan(layers, batch, opt, amp, recompute)
+    out = {"layers": layers, "batch": batch, "optimizer": opt_name, "amp": amp, "recompute": recompute,
+           "planned": p.peak_bytes,
+           "measured": s["allocated_bytes.all.peak"] - base["allocated_bytes.all.current"],
+           "planned_reserved": p.reserved_bytes, "reserved_before": base["reserved_bytes.all.current"],
+           "max_reserved": s["reserved_bytes.all.peak"],
+           "requested": s["requested_bytes.all.peak"] - base["requested_bytes.all.current"],
+           "breakdown": p.breakdown, "plan_optimizer": p.optimizer, "num_parameters": model.num_parameters()}
+    del model, opt
+    return out
+
+for cfg in json.loads(sys.argv[1]):
+    print(json.dumps(run(*cfg)), flush=True)
+'''
+
+
+def _key(layers, batch, opt, amp, recompute):
+    return (tuple(layers), batch, opt, amp, recompute)
+
+
+@pytest.fixture(scope="module")
+def grid_runs():
+    out = _python(_RUN, [json.dumps(GRID)])
+    runs = [json.loads(line) for line in out.splitlines()]
+    assert len(runs) == len(GRID)
+    return {_key(r["layers"], r["batch"], r["optimizer"], r["amp"], r["recompute"]): r for r in runs}
+
+
+def _id(cfg):
+    layers, b, o, a, rc = cfg
+    return f"{'-'.join(map(str, layers))}-b{b}-{o}-{a or 'fp32'}{'-recompute' if rc else ''}"
+
+
+@pytest.mark.parametrize("cfg", GRID, ids=[_id(c) for c in GRID])
+def test_planned_peak_matches_the_measured_peak(grid_runs, cfg):
+    r = grid_runs[_key(*cfg)]
+    assert abs(r["measured"] - r["planned"]) <= 0.02 * r["measured"], r
+    # the categories are the bytes the run requests: at the peak every buffer is held
+    assert r["requested"] == sum(r["breakdown"].values()), r
+
+
+@pytest.mark.parametrize("cfg", GRID, ids=[_id(c) for c in GRID])
+def test_breakdown_categories_and_values(grid_runs, cfg):
+    layers, b, opt, amp, recompute = cfg
+    r = grid_runs[_key(*cfg)]
+    d, n = r["breakdown"], r["num_parameters"]
+    assert list(d) == ["parameters", "gradients", "optimizer_state", "half_weights", "activations", "workspace",
+                       "data"]
+    assert n == sum(i * o + o for i, o in zip(layers, layers[1:]))
+    assert r["plan_optimizer"] == ("adam" if opt == "adam" else "sgd")
+    assert d["parameters"] == 4 * n
+    assert d["gradients"] == 4 * n
+    assert d["optimizer_state"] == {"adam": 8, "sgd": 0, "sgd_momentum": 4}[opt] * n
+    assert d["half_weights"] == (2 * n if amp else 0)
+    assert d["data"] == 0  # float32 C-contiguous input is read in place on the CPU
+
+    def a64(v):
+        return (v + 63) // 64 * 64
+
+    widest = max(layers[1:])
+    if recompute:  # checked against the measured run above; less than storing every layer's output
+        stored = sum(a64(b * s * 4) for s in layers) + 2 * a64(b * widest * 4) + a64(b * 4)
+        assert 0 < d["activations"] + d["workspace"] <= stored
+    elif amp is None:  # every layer's output (the input included) for backward; two gradient buffers; labels
+        assert d["activations"] == sum(a64(b * s * 4) for s in layers)
+        assert d["workspace"] == 2 * a64(b * widest * 4) + a64(b * 4)
+    else:  # layer inputs in half precision, logits in float32
+        assert d["activations"] == sum(a64(b * s * 2) for s in layers[:-1]) + a64(b * layers[-1] * 4)
+        assert d["workspace"] > 0
+    assert all(v >= 0 for v in d.values())
+
+
+# fresh interpreters: every layer set, batch size, optimizer and precision at least once
+RESERVED = [([784, 512, 256, 10], 32, "adam", None, False), ([784, 512, 256, 10], 2048, "sgd", "fp16", False),
+            ([784, 512, 256, 10], 1, "sgd_momentum", "bf16", False),
+            ([100, 300, 10], 500, "sgd_momentum", None, False),
+            ([100, 300, 10], 2048, "adam", "bf16", False), ([100, 300, 10], 1, "sgd", "fp16", False),
+            ([784, 1024, 1024, 1024, 10], 2048, "sgd_momentum", None, False),
+            ([784, 1024, 1024, 1024, 10], 500, "adam", "fp16", False),
+            ([784, 1024, 1024, 1024, 10], 32, "sgd", "bf16", False),
+            ([784, 1024, 1024, 1024, 10], 2048, "adam", None, True)]
+
+
+def test_planned_reserved_matches_a_fresh_process():
+    procs = [subprocess.Popen([sys.executable, "-c", _RUN, json.dumps([cfg])], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=_env()) for cfg in RESERVED]
+    for cfg, p in zip(RESERVED, procs):
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        r = json.loads(out)
+        assert r["reserved_before"] == 0, r  # nothing is reserved before the model
+        assert abs(r["max_reserved"] - r["planned_reserved"]) <= 0.02 * r["max_reserved"], (cfg, r)
+        assert abs(r["measured"] - r["planned"]) <= 0.02 * r["measured"], (cfg, r)
+
+
+def test_plan_accepts_optimizer_objects_and_names():
+    model = cmlp.MLP([20, 30, 5], seed=0)
+    for opt, name in ((cmlp.optim.Adam(model), "adam"), (cmlp.optim.SGD(model, lr=0.1), "sgd"),
+                      (cmlp.optim.SGD(model, lr=0.1, momentum=0.9), "sgd_momentum")):
+        by_object, by_name = M.plan([20, 30, 5], 16, opt), M.plan([20, 30, 5], 16, name)
+        assert by_object.breakdown == by_name.breakdown
+        assert by_object.peak_bytes == by_name.peak_bytes and by_object.reserved_bytes == by_name.reserved_bytes
+    p = M.plan((20, 30, 5), 16)
+    assert p.layer_sizes == [20, 30, 5] and p.batch_size == 16 and p.optimizer == "adam" and p.amp is None
+    assert p.device == "cpu" and p.peak_bytes <= p.reserved_bytes
+    assert p.peak_bytes >= sum(p.breakdown.values())  # allocator rounding only adds
+    text = str(p)
+    for name in ("parameters", "gradients", "optimizer state", "activations", "workspace", "peak allocated",
+                 "peak reserved", "20-30-5", "batch 16"):
+        assert name in text, text
+
+
+def test_scaler_costs_four_bytes_of_workspace():
+    with_scaler = M.plan([784, 512, 256, 10], 64, "adam", "fp16")
+    without = M.plan([784, 512, 256, 10], 64, "adam", "fp16", scaler=False)
+    assert with_scaler.breakdown["workspace"] == without.breakdown["workspace"] + 4
+    assert M.plan([784, 512, 256, 10], 64, "adam", "bf16").breakdown["workspace"] == without.breakdown["workspace"]
+
+
+@pytest.mark.parametrize("layers", [[784], [], [784, 0, 10], [-1, 10], [784, 10, -5]])
+def test_plan_rejects_bad_layer_sizes(layers):
+    with pytest.raises(ValueError, match="layer"):
+        M.plan(layers, 32)
+
+
+@pytest.mark.parametrize("layers", ["784,10", 784, [784.0, 10], [784, None]])
+def test_plan_rejects_layer_sizes_of_the_wrong_type(layers):
+    with pytest.raises((TypeError, ValueError), match="layer"):
+        M.plan(layers, 32)
+
+
+@pytest.mark.parametrize("batch", [0, -1, 1.5, "32", None, True])
+def test_plan_rejects_bad_batch_sizes(batch):
+    with pytest.raises(ValueError, match="batch_size"):
+        M.plan([784, 10], batch)
+
+
+@pytest.mark.parametrize("opt", ["rmsprop", "Adam", "", None, 2])
+def test_plan_rejects_bad_optimizers(opt):
+    with pytest.raises(ValueError, match="optimizer"):
+        M.plan([784, 10], 32, optimizer=opt)
+
+
+@pytest.mark.parametrize("amp", ["fp8", "FP16", "float16", "", True])
+def test_plan_rejects_bad_amp(amp):
+    with pytest.raises(ValueError, match="amp"):
+        M.plan([784, 10], 32, amp=amp)
+
+
+def test_plan_rejects_unknown_devices():
+    with pytest.raises(ValueError, match="device"):
+        M.plan([784, 10], 32, device="tpu")
+
+
+def test_plan_of_a_layer_too_wide_is_refused_or_exact():
+    # a size the model cannot have is refused, never planned as some other size
+    wide = 2 ** 31
+    try:
+        p = M.plan([wide, 10], 1, "sgd")
+    except ValueError:
+        return
+    assert p.breakdown["parameters"] == 4 * (wide * 10 + 10), p.breakdown
+
+
+BUDGETS = [0, 1, MIB, 2 * MIB, 3 * MIB, 22 * MIB, 23 * MIB, 40 * MIB, 64 * MIB, 100 * MIB, 256 * MIB, 1 << 30]
+
+
+@pytest.mark.parametrize("layers, opt, amp", [([784, 512, 256, 10], "adam", None), ([100, 300, 10], "sgd", "bf16"),
+                                              ([784, 1024, 1024, 1024, 10], "sgd_momentum", "fp16")])
+def test_max_batch_size_is_monotonic_and_consistent(layers, opt, amp):
+    sizes = [M.max_batch_size(layers, b, opt, amp) for b in BUDGETS]
+    assert sizes == sorted(sizes), list(zip(BUDGETS, sizes))
+    for budget, n in zip(BUDGETS, sizes):
+        if n == 0:
+            assert M.plan(layers, 1, opt, amp).reserved_bytes > budget
+            continue
+        assert M.plan(layers, n, opt, amp).reserved_bytes <= budget < M.plan(layers, n + 1, opt, amp).reserved_bytes
+
+
+def test_max_batch_size_is_zero_when_nothing_fits():
+    one = M.plan([784, 512, 256, 10], 1).reserved_bytes
+    assert M.max_batch_size([784, 512, 256, 10], 0) == 0
+    assert M.max_batch_size([784, 512, 256, 10], one - 1) == 0
+    assert M.max_batch_size([784, 512, 256, 10], one) >= 1
+
+
+def test_max_batch_size_reads_sizes_and_rejects_bad_budgets():
+    assert M.max_batch_size([784, 512, 256, 10], "2GB") == M.max_batch_size([784, 512, 256, 10], 2 << 30)
+    assert M.max_batch_size([784, 512, 256, 10], "64 MiB", "sgd") == M.max_batch_size([784, 512, 256, 10],
+                                                                                        64 * MIB, "sgd")
+    for bad in (-1, "lots", "2XB", "-5MB"):
+        with pytest.raises(ValueError):
+            M.max_batch_size([784, 512, 256, 10], bad)
+    with pytest.raises(ValueError, match="optimizer"):
+        M.max_batch_size([784, 512, 256, 10], MIB, optimizer="rmsprop")
+
+
+# ---- python -m cmlp plan ----
+
+
+def test_cli_plan_prints_the_breakdown(tmp_path):
+    r = _cli(["--layers", "784,512,256,10", "--batch-size", "4096"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(M.plan([784, 512, 256, 10], 4096)).strip()
+    assert "largest batch" not in r.stdout
+
+
+def test_cli_plan_with_a_budget_prints_the_largest_batch(tmp_path):
+    r = _cli(["--layers", "784,512,256,10", "--batch-size", "4096", "--budget", "2GB"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    n = M.max_batch_size([784, 512, 256, 10], 2 << 30)
+    assert n > 4096
+    assert f"largest batch that fits in 2.00 GiB: {n}" in r.stdout.splitlines()
+    assert str(M.plan([784, 512, 256, 10], 4096)) in r.stdout
+
+
+@pytest.mark.parametrize("args, layers, batch, opt, amp", [
+    (["--amp", "fp16", "--optimizer", "sgd"], [784, 512, 256, 10], 32, "sgd", "fp16"),
+    (["--amp", "bf16", "--optimizer", "sgd", "--momentum", "0.9", "--batch-size", "100"], [784, 512, 256, 10], 100,
+     "sgd_momentum", "bf16"),
+    (["--layers", "100,300,10", "--batch-size", "7", "--device", "cpu"], [100, 300, 10], 7, "adam", None),
+])
+def test_cli_plan_options(tmp_path, args, layers, batch, opt, amp):
+    r = _cli([*args, "--budget", "64MB"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert str(M.plan(layers, batch, opt, amp)) in r.stdout
+    n = M.max_batch_size(layers, 64 * MIB, opt, amp)
+    assert f"largest batch that fits in 64.00 MiB: {n}" in r.stdout
+
+
+def test_cli_plan_when_nothing_fits(tmp_path):
+    r = _cli(["--budget", "1MB"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "largest batch that fits in 1.00 MiB: 0" in r.stdout
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--layers", "784,abc,10"], "--layers"),
+    (["--layers", "784,0,10"], "layer size"),
+    (["--layers", "784"], "layer_sizes"),
+    (["--batch-size", "0"], "batch_size"),
+    (["--batch-size", "many"], "--batch-size"),
+    (["--budget", "2XB"], "2XB"),
+    (["--budget", "-1GB"], "size"),
+    (["--amp", "fp8"], "--amp"),
+    (["--optimizer", "rmsprop"], "--optimizer"),
+    (["--device", "tpu"], "tpu"),
+])
+def test_cli_plan_errors_exit_2_with_a_message(tmp_path, args, needle):
+    r = _cli(args, tmp_path)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert needle in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert r.stdout == ""
