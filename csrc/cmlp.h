@@ -296,7 +296,7 @@ typedef struct cmlp_train_config {
      * grow_interval good steps a larger micro-batch (up to batch_size) is tried again. */
     int auto_microbatch;
     int64_t grow_interval; /* 0: 100 */
-    /* Keep only each micro-batch's input and recompute layer outputs in backward (fp32). */
+    /* Keep only each micro-batch's input and recompute layer outputs in backward. */
     int recompute;
 } cmlp_train_config;
 

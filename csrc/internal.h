@@ -65,7 +65,9 @@ typedef struct cmlp_amp_workspace {
     int64_t rows, chunk;
     uint16_t *act[CMLP_MAX_LAYERS]; /* act[l]: input of layer l [rows, sizes[l]], half */
     float *logits, *dlogits;        /* [rows, classes], fp32 */
-    uint16_t *dact[2];              /* gradients between layers [rows, max width], half */
+    uint16_t *dact[3];              /* gradients between layers [rows, max width], half (the third:
+                                     * recompute only) */
+    int recompute;
     int32_t *labels;                /* [rows] */
     float *scratch[3];              /* fp32 operands of one block of rows [chunk, max width] */
     float *w32, *b32;               /* one layer's half weights and bias as fp32 */
@@ -100,7 +102,8 @@ CMLP_HIDDEN cmlp_status cmlp_workspace_reserve(cmlp_model *m, int64_t rows);
 /* The pieces of a workspace for `rows` samples (fp32, or amp): fills sz[] (at most
  * CMLP_MAX_LAYERS + 12 entries), returns their count, and the bytes that are activations. */
 CMLP_HIDDEN int cmlp_ws_layout(const int *sizes, int L, int64_t rows, size_t *sz, size_t *act_bytes);
-CMLP_HIDDEN int cmlp_amp_layout(const int *sizes, int L, int64_t rows, size_t *sz, size_t *act_bytes);
+CMLP_HIDDEN int cmlp_amp_layout(const int *sizes, int L, int64_t rows, int recompute, size_t *sz,
+                                size_t *act_bytes);
 /* Forward of rows [0, n) already in ws.act[0] (or in `input` when not NULL). */
 CMLP_HIDDEN cmlp_status cmlp_model_forward_rows(cmlp_model *m, const float *input, int64_t n);
 /* Stages rows idx[0..n) (or [start, start+n) when idx is NULL) of xy into the workspace and
@@ -117,7 +120,8 @@ CMLP_HIDDEN cmlp_status cmlp_model_fb(cmlp_model *m, const cmlp_data *xy, const 
                                       int64_t n, float grad_weight, float smoothing, cmlp_amp amp, int recompute,
                                       double *loss_sum);
 CMLP_HIDDEN cmlp_status cmlp_amp_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, int64_t start,
-                                    int64_t n, float grad_weight, float smoothing, cmlp_amp amp, double *loss_sum);
+                                    int64_t n, float grad_weight, float smoothing, cmlp_amp amp, int recompute,
+                                    double *loss_sum);
 CMLP_HIDDEN cmlp_dtype cmlp_amp_dtype(cmlp_amp amp);
 CMLP_HIDDEN cmlp_status cmlp_rc_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, int64_t start, int64_t n,
                                    float grad_weight, float smoothing, double *loss_sum);

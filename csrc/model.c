@@ -276,10 +276,7 @@ cmlp_status cmlp_model_evaluate(cmlp_model *m, const cmlp_data *xy, int64_t chun
 
 cmlp_status cmlp_model_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, int64_t start, int64_t n,
                           float grad_weight, float smoothing, cmlp_amp amp, int recompute, double *loss_sum) {
-    if (amp != CMLP_AMP_NONE) {
-        if (recompute) return CMLP_FAIL(CMLP_ERR_INVALID, "recompute with mixed precision is not supported yet");
-        return cmlp_amp_fb(m, xy, idx, start, n, grad_weight, smoothing, amp, loss_sum);
-    }
+    if (amp != CMLP_AMP_NONE) return cmlp_amp_fb(m, xy, idx, start, n, grad_weight, smoothing, amp, recompute, loss_sum);
     if (recompute) return cmlp_rc_fb(m, xy, idx, start, n, grad_weight, smoothing, loss_sum);
     const float *in;
     const int32_t *lab;

@@ -46,7 +46,7 @@ static cmlp_status ensure_half_params(cmlp_model *m, cmlp_dtype dt) {
 /* Activations [rows, sizes[l]] for l < L in half precision, logits and their gradient in fp32,
  * two half gradient buffers of the widest layer, labels; then the fp32 scratch for one block
  * of rows (three [chunk, widest]) and one layer's weights and bias. */
-int cmlp_amp_layout(const int *sizes, int L, int64_t rows, size_t *sz, size_t *act_bytes) {
+int cmlp_amp_layout(const int *sizes, int L, int64_t rows, int recompute, size_t *sz, size_t *act_bytes) {
     int C = sizes[L];
     /* gradients flow between layers 1..L only; the scratch also holds layer 0's input */
     int64_t maxg = 1, maxw = sizes[0], maxwt = 1, chunk = rows < AMP_CHUNK ? rows : AMP_CHUNK;
@@ -58,11 +58,13 @@ int cmlp_amp_layout(const int *sizes, int L, int64_t rows, size_t *sz, size_t *a
     }
     int nv = 0;
     *act_bytes = 0;
-    for (int l = 0; l < L; l++) *act_bytes += sz[nv++] = align64((size_t)rows * sizes[l] * sizeof(uint16_t));
+    /* kept for backward: every layer's input, or with recompute the first one only */
+    for (int l = 0; l < (recompute ? 1 : L); l++)
+        *act_bytes += sz[nv++] = align64((size_t)rows * sizes[l] * sizeof(uint16_t));
     *act_bytes += sz[nv++] = align64((size_t)rows * C * sizeof(float));
     sz[nv++] = align64((size_t)rows * C * sizeof(float));
-    sz[nv++] = align64((size_t)rows * maxg * sizeof(uint16_t));
-    sz[nv++] = align64((size_t)rows * maxg * sizeof(uint16_t));
+    /* the gradients between layers (two buffers), plus one to recompute through */
+    for (int i = 0; i < (recompute ? 3 : 2); i++) sz[nv++] = align64((size_t)rows * maxg * sizeof(uint16_t));
     sz[nv++] = align64((size_t)rows * sizeof(int32_t));
     for (int i = 0; i < 3; i++) sz[nv++] = align64((size_t)chunk * maxw * sizeof(float));
     sz[nv++] = align64((size_t)maxwt * sizeof(float));
@@ -70,10 +72,10 @@ int cmlp_amp_layout(const int *sizes, int L, int64_t rows, size_t *sz, size_t *a
     return nv;
 }
 
-static cmlp_status reserve(cmlp_model *m, int64_t rows) {
-    if (rows <= m->wsa.rows) return CMLP_OK;
+static cmlp_status reserve(cmlp_model *m, int64_t rows, int recompute) {
+    if (rows <= m->wsa.rows && recompute == m->wsa.recompute) return CMLP_OK;
     size_t sz[CMLP_MAX_LAYERS + 12], total = 0, act;
-    int nv = cmlp_amp_layout(m->sizes, m->nlayers, rows, sz, &act);
+    int nv = cmlp_amp_layout(m->sizes, m->nlayers, rows, recompute, sz, &act);
     int64_t chunk = rows < AMP_CHUNK ? rows : AMP_CHUNK;
     int L = m->nlayers;
     for (int i = 0; i < nv; i++) total += sz[i];
@@ -84,12 +86,12 @@ static cmlp_status reserve(cmlp_model *m, int64_t rows) {
     w->block = p;
     w->rows = rows;
     w->chunk = chunk;
+    w->recompute = recompute;
     int v = 0;
-    for (int l = 0; l < L; l++, p += sz[v++]) w->act[l] = (uint16_t *)p;
+    for (int l = 0; l < (recompute ? 1 : L); l++, p += sz[v++]) w->act[l] = (uint16_t *)p;
     w->logits = (float *)p, p += sz[v++];
     w->dlogits = (float *)p, p += sz[v++];
-    w->dact[0] = (uint16_t *)p, p += sz[v++];
-    w->dact[1] = (uint16_t *)p, p += sz[v++];
+    for (int i = 0; i < (recompute ? 3 : 2); i++) w->dact[i] = (uint16_t *)p, p += sz[v++];
     w->labels = (int32_t *)p, p += sz[v++];
     for (int i = 0; i < 3; i++) w->scratch[i] = (float *)p, p += sz[v++];
     w->w32 = (float *)p, p += sz[v++];
@@ -126,26 +128,29 @@ static cmlp_status layer_weights(cmlp_model *m, int l) {
     return B(m)->from_half(CTX(m), m->wsa.b32, m->params_h + m->b_off[l], out, m->half_dtype);
 }
 
-static cmlp_status forward(cmlp_model *m, int64_t n) {
+/* Layers [0, upto): layer l reads acts[l] and writes acts[l + 1] (the last layer: the logits). */
+static cmlp_status forward(cmlp_model *m, int64_t n, int upto, uint16_t *const *acts) {
     cmlp_amp_workspace *w = &m->wsa;
     const cmlp_backend_i *b = B(m);
     int L = m->nlayers;
-    for (int l = 0; l < L; l++) {
+    for (int l = 0; l < upto; l++) {
         int64_t in = m->sizes[l], out = m->sizes[l + 1];
         bool last = l + 1 == L;
         CMLP_TRY(layer_weights(m, l));
         for (int64_t r = 0; r < n; r += w->chunk) {
             int64_t k = n - r < w->chunk ? n - r : w->chunk;
             float *z = last ? w->logits + r * out : w->scratch[1];
-            CMLP_TRY(b->from_half(CTX(m), w->scratch[0], w->act[l] + r * in, k * in, m->half_dtype));
+            CMLP_TRY(b->from_half(CTX(m), w->scratch[0], acts[l] + r * in, k * in, m->half_dtype));
             CMLP_TRY(b->gemm(CTX(m), 0, 1, k, out, in, 1.0f, w->scratch[0], in, w->w32, in, 0.0f, z, out));
             CMLP_TRY(b->bias_act(CTX(m), z, w->b32, k, out, !last));
-            if (!last) CMLP_TRY(b->to_half(CTX(m), w->act[l + 1] + r * out, z, k * out, m->half_dtype));
+            if (!last) CMLP_TRY(b->to_half(CTX(m), acts[l + 1] + r * out, z, k * out, m->half_dtype));
         }
     }
     return CMLP_OK;
 }
 
+/* With recompute, layer l's input is recomputed from the kept input through the two gradient
+ * buffers that do not hold the gradient flowing back. */
 static cmlp_status backward(cmlp_model *m, int64_t n) {
     cmlp_amp_workspace *w = &m->wsa;
     const cmlp_backend_i *b = B(m);
@@ -155,11 +160,22 @@ static cmlp_status backward(cmlp_model *m, int64_t n) {
     float *dy = w->scratch[1], *a = w->scratch[0], *dx = w->scratch[2];
     for (int l = L - 1; l >= 0; l--) {
         int64_t in = m->sizes[l], out = m->sizes[l + 1];
+        const uint16_t *al = w->act[l];
+        if (w->recompute && l > 0) {
+            uint16_t *pq[2], *acts[CMLP_MAX_LAYERS + 1];
+            for (int i = 0, j = 0; i < 3; i++)
+                if (w->dact[i] != cur) pq[j++] = w->dact[i];
+            acts[0] = w->act[0];
+            for (int j = 1; j <= l; j++) acts[j] = pq[(j - 1) % 2];
+            CMLP_TRY(forward(m, n, l, acts));
+            al = acts[l];
+            other = pq[0] == al ? pq[1] : pq[0];
+        }
         CMLP_TRY(layer_weights(m, l));
         for (int64_t r = 0; r < n; r += w->chunk) {
             int64_t k = n - r < w->chunk ? n - r : w->chunk;
             CMLP_TRY(b->from_half(CTX(m), dy, cur + r * out, k * out, m->half_dtype));
-            CMLP_TRY(b->from_half(CTX(m), a, w->act[l] + r * in, k * in, m->half_dtype));
+            CMLP_TRY(b->from_half(CTX(m), a, al + r * in, k * in, m->half_dtype));
             CMLP_TRY(b->gemm(CTX(m), 1, 0, out, in, k, 1.0f, dy, out, a, in, 1.0f, m->grads + m->w_off[l], in));
             CMLP_TRY(b->bias_grad(CTX(m), m->grads + m->b_off[l], dy, k, out));
             if (l == 0) continue;
@@ -175,12 +191,20 @@ static cmlp_status backward(cmlp_model *m, int64_t n) {
 }
 
 cmlp_status cmlp_amp_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, int64_t start, int64_t n,
-                        float grad_weight, float smoothing, cmlp_amp amp, double *loss_sum) {
+                        float grad_weight, float smoothing, cmlp_amp amp, int recompute, double *loss_sum) {
     CMLP_TRY(ensure_half_params(m, cmlp_amp_dtype(amp)));
-    CMLP_TRY(reserve(m, n));
+    CMLP_TRY(reserve(m, n, recompute));
     const int32_t *labels;
     CMLP_TRY(stage(m, xy, idx, start, n, &labels));
-    CMLP_TRY(forward(m, n));
+    if (recompute) {
+        /* to the logits through the gradient buffers, which are free until backward */
+        uint16_t *acts[CMLP_MAX_LAYERS + 1];
+        acts[0] = m->wsa.act[0];
+        for (int j = 1; j < m->nlayers; j++) acts[j] = m->wsa.dact[(j - 1) % 2];
+        CMLP_TRY(forward(m, n, m->nlayers, acts));
+    } else {
+        CMLP_TRY(forward(m, n, m->nlayers, m->wsa.act));
+    }
     CMLP_TRY(B(m)->softmax_xent(CTX(m), m->wsa.logits, labels, n, m->sizes[m->nlayers], smoothing, grad_weight,
                                 m->wsa.dlogits, loss_sum, NULL));
     return backward(m, n);

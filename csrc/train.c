@@ -35,8 +35,6 @@ cmlp_status cmlp_trainer_init(cmlp_trainer **out, cmlp_model *m, cmlp_optim *o, 
         return CMLP_FAIL(CMLP_ERR_INVALID, "microbatch_size must be >= 1, got %lld", (long long)c->microbatch_size);
     if (c->amp != CMLP_AMP_NONE && c->amp != CMLP_AMP_FP16 && c->amp != CMLP_AMP_BF16)
         return CMLP_FAIL(CMLP_ERR_INVALID, "unknown amp mode %d", (int)c->amp);
-    if (c->recompute && c->amp != CMLP_AMP_NONE)
-        return CMLP_FAIL(CMLP_ERR_INVALID, "recompute=True with amp is not supported yet: choose one");
     if (!(c->label_smoothing >= 0.0f && c->label_smoothing <= 1.0f))
         return CMLP_FAIL(CMLP_ERR_INVALID, "label_smoothing must be in [0, 1], got %g", (double)c->label_smoothing);
     cmlp_trainer *t = calloc(1, sizeof *t);

@@ -25,8 +25,8 @@ BATCHES = (1, 32, 500, 2048)
 OPTIMIZERS = ("adam", "sgd", "sgd_momentum")
 AMPS = (None, "fp16", "bf16")
 GRID = [(layers, b, o, a, False) for layers in LAYERS for b in BATCHES for o in OPTIMIZERS for a in AMPS]
-# recompute=True (float32 only) keeps each micro-batch's input and recomputes layer outputs
-GRID += [(layers, b, o, None, True) for layers in LAYERS for b in BATCHES for o in OPTIMIZERS]
+# recompute=True keeps each micro-batch's input and recomputes layer outputs
+GRID += [(layers, b, o, a, True) for layers in LAYERS for b in BATCHES for o in OPTIMIZERS for a in AMPS]
 
 
 def _env():
@@ -135,7 +135,10 @@ def test_breakdown_categories_and_values(grid_runs, cfg):
         return (v + 63) // 64 * 64
 
     widest = max(layers[1:])
-    if recompute:  # checked against the measured run above; less than storing every layer's output
+    if recompute and amp:  # only the half-precision input is kept, and the float32 logits
+        assert d["activations"] == a64(b * layers[0] * 2) + a64(b * layers[-1] * 4)
+        assert d["workspace"] > 0
+    elif recompute:  # checked against the measured run above; less than storing every layer's output
         stored = sum(a64(b * s * 4) for s in layers) + 2 * a64(b * widest * 4) + a64(b * 4)
         assert 0 < d["activations"] + d["workspace"] <= stored
     elif amp is None:  # every layer's output (the input included) for backward; two gradient buffers; labels

@@ -237,8 +237,6 @@ def plan(layer_sizes: List[int], batch_size: int, optimizer: Any = "adam", amp: 
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     amp_code = check_amp(amp)
-    if recompute and amp is not None:
-        raise ValueError("recompute=True with amp is not supported yet: choose one")
     name, nbuf = _optimizer_buffers(optimizer)
     scaling = amp == "fp16" if scaler is None else bool(scaler)
     dev = _device(device)

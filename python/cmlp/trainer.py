@@ -41,8 +41,6 @@ class Trainer:
             from .amp import GradScaler
 
             scaler = GradScaler()
-        if recompute and amp is not None:
-            raise ValueError("recompute=True with amp is not supported yet: choose one")
         self._warned = False
         self.model, self.optimizer = model, optimizer
         self.batch_size = _positive_int("batch_size", batch_size)
