@@ -140,7 +140,7 @@ def test_half_the_planned_peak_gives_the_same_weights(half_limit):
     # ... which is the unsplit step up to summation order
     assert rel_err(limited["first"], unlimited["first"]) <= TOL
     assert limited["history"][0]["loss"] == pytest.approx(unlimited["history"][0]["loss"], rel=1e-5)
-    # After two steps the brief asked for 1e-5 too, but the second step starts from weights
+    # After two steps 1e-5 cannot hold in general: the second step starts from weights
     # that differ in the last bits, and with 8192 x 768 ReLU pre-activations a step often has
     # one within rounding of zero that changes side (here one in layer 2); Adam turns that
     # gradient change into an update change of up to lr. Measured: 8e-5 with these data,
