@@ -19,7 +19,7 @@ build:
 
 C_TESTS := build/tests/test_core build/tests/test_alloc build/tests/test_half
 
-build/tests/%: tests/c/%.c $(CORE_SRC) $(CORE_HDR)
+build/tests/%: tests/c/%.c tests/c/check.h $(CORE_SRC) $(CORE_HDR)
 	@test -n "$(BLAS_INC)" || { echo "scipy-openblas32 is not installed for $(PYTHON): run scripts/setup.sh"; exit 1; }
 	@mkdir -p build/tests
 	$(CC) -std=c11 -g -O1 $(SAN) $(WARN) $(DEFS) -fno-math-errno -Icsrc -I$(BLAS_INC) \

@@ -22,21 +22,7 @@
 #include <sys/mman.h>
 #include <time.h>
 
-static atomic_int passed, failed;
-
-#define CHECK(cond, ...)                                           \
-    do {                                                           \
-        if (cond) {                                                \
-            atomic_fetch_add(&passed, 1);                          \
-        } else {                                                   \
-            atomic_fetch_add(&failed, 1);                          \
-            printf("FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-            printf(__VA_ARGS__);                                   \
-            printf("\n");                                          \
-        }                                                          \
-    } while (0)
-
-#define OK(expr) CHECK((expr) == CMLP_OK, "%s", cmlp_last_error())
+#include "check.h"
 
 #define KIB ((size_t)1 << 10)
 #define MB(x) ((size_t)(x) << 20)
@@ -1799,6 +1785,5 @@ int main(void) {
     printf("  threads %.1f s\n", now() - t1);
     OK(cmlp_memory_configure(""));
     printf("test_alloc: %.1f s\n", now() - t0);
-    printf("%d passed, %d failed\n", atomic_load(&passed), atomic_load(&failed));
-    return atomic_load(&failed) ? 1 : 0;
+    return check_summary();
 }

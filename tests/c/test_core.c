@@ -10,21 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int passed, failed;
-
-#define CHECK(cond, ...)                                          \
-    do {                                                          \
-        if (cond) {                                               \
-            passed++;                                             \
-        } else {                                                  \
-            failed++;                                             \
-            printf("FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-            printf(__VA_ARGS__);                                  \
-            printf("\n");                                         \
-        }                                                         \
-    } while (0)
-
-#define OK(expr) CHECK((expr) == CMLP_OK, "%s", cmlp_last_error())
+#include "check.h"
 
 static int64_t allocated_now(void) {
     cmlp_memory_stats s;
@@ -354,6 +340,5 @@ int main(void) {
     test_allocator();
     test_determinism();
     CHECK(allocated_now() == base, "bytes left allocated: %lld", (long long)(allocated_now() - base));
-    printf("%d passed, %d failed\n", passed, failed);
-    return failed ? 1 : 0;
+    return check_summary();
 }
