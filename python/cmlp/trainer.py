@@ -95,7 +95,8 @@ class Trainer:
         limit = memory.get_memory_limit(device)
         if limit is None or not self.auto_microbatch:
             return
-        stepped = bool(self.optimizer._c.get_state()[1]) or self.optimizer._c.get_state()[0] > 0
+        step, buffers = self.optimizer._c.get_state()
+        stepped = step > 0 or bool(buffers)
         held = ("parameters", "gradients") + (("optimizer_state",) if stepped else ())
         if stepped and self.amp is not None:
             held += ("half_weights",)
