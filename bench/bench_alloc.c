@@ -173,6 +173,7 @@ typedef struct {
     bool failed;        /* an allocation of this step failed: the rest of the step is skipped */
     int64_t live, peak_live, requested;
     int64_t peak_alloc, peak_res, allocs, ooms, steps_ok;
+    int64_t busy_steps, busy_last_phase; /* steps that called the device (map, unmap, alloc, free) */
 } replay;
 
 static size_t round512(size_t n) { return n < 512 ? 512 : (n + 511) / 512 * 512; }
@@ -293,8 +294,16 @@ static void run_trace(replay *r, cmlp_allocator *a, int64_t limit, const int64_t
     persistent(r);
     if (r->failed) die("persistent tensors under the limit");
     for (int s = 0; s < NSTEPS; s++) {
+        cmlp_memory_stats m0, m1;
+        if (a) cmlp_allocator_stats(a, &m0);
         step(r, batch[s]);
-        if (a && cmlp_allocator_validate(a) != CMLP_OK) die("validate");
+        if (!a) continue;
+        if (cmlp_allocator_validate(a) != CMLP_OK) die("validate");
+        cmlp_allocator_stats(a, &m1);
+        if (m1.num_device_alloc + m1.num_device_free != m0.num_device_alloc + m0.num_device_free) {
+            r->busy_steps++;
+            r->busy_last_phase += s >= NSTEPS - PHASE_STEPS;
+        }
     }
 }
 
@@ -352,13 +361,14 @@ static void bench_trace(void) {
     printf("### Fragmentation: %d training steps, %lld allocations, peak live %.1f MiB (requests rounded to 512 B)\n\n",
            NSTEPS, (long long)dry.allocs, mib(dry.peak_live));
     printf("| config | ladder | peak reserved MiB | peak allocated MiB | ratio | end reserved MiB | device allocs | "
-           "alloc retries |\n|---|---|---:|---:|---:|---:|---:|---:|\n");
+           "device frees | steps with device calls (last phase) | alloc retries |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for (int c = 0; c < NRUNS; c++) {
         result *x = &free_run[c];
         run_config(c, -1, batch, x);
-        printf("| %s | %s | %.1f | %.1f | %.3f | %.1f | %lld | %lld |\n", conf_name(c), ladder(c), mib(x->r.peak_res),
-               mib(x->r.peak_alloc), (double)x->r.peak_res / (double)x->r.peak_alloc,
+        printf("| %s | %s | %.1f | %.1f | %.3f | %.1f | %lld | %lld | %lld (%lld) | %lld |\n", conf_name(c), ladder(c),
+               mib(x->r.peak_res), mib(x->r.peak_alloc), (double)x->r.peak_res / (double)x->r.peak_alloc,
                mib(x->s.stat[CMLP_STAT_RESERVED_BYTES][CMLP_POOL_ALL].current), (long long)x->s.num_device_alloc,
+               (long long)x->s.num_device_free, (long long)x->r.busy_steps, (long long)x->r.busy_last_phase,
                (long long)x->s.num_alloc_retries);
     }
 

@@ -1,8 +1,9 @@
 /* alloc.c - the caching allocator, one per device, with PyTorch's rules: requests rounded to
  * 512 bytes (or power-of-two divisions), a small pool of 2 MiB segments and a large pool of
  * 20 MiB / 2 MiB-rounded segments, best fit by (size, address), split and merge, oversize
- * blocks, garbage collection under a limit, expandable segments, and the allocation ladder
- * (which, unlike PyTorch's, searches the cache again after each release).
+ * blocks, garbage collection under a limit, expandable segments (whose free pages anywhere move
+ * to where a request needs them before more is reserved), and the allocation ladder (which,
+ * unlike PyTorch's, searches the cache again after each release).
  */
 #include "alloc_internal.h"
 
@@ -105,26 +106,94 @@ static alloc_block *table_take(cmlp_allocator *a, uintptr_t key) {
     return b;
 }
 
+/* ---- pages of expandable segments ---- */
+
+#define PAGE K_ROUND_LARGE
+
+static bool pg_on(const alloc_segment *s, size_t i) { return i < s->hi && (s->map[i >> 6] >> (i & 63) & 1u); }
+static size_t pg_down(const alloc_segment *s, const char *p) { return (size_t)(p - s->base) / PAGE; }
+static size_t pg_up(const alloc_segment *s, const char *p) { return ((size_t)(p - s->base) + PAGE - 1) / PAGE; }
+
+typedef struct {
+    size_t bytes, largest, split_bytes;
+    uint32_t runs, split_runs;
+} span_info;
+
+/* The mapped bytes of [lo, hi) in a segment, as maximal runs of mapped pages; "split" runs are
+ * those that reach outside [lo, hi) (their pages hold other blocks too). */
+static span_info mapped_span(const alloc_segment *s, const char *lo, const char *hi) {
+    span_info r = {0, 0, 0, 0, 0};
+    size_t i = pg_down(s, lo), end = pg_up(s, hi);
+    if (end > s->hi) end = s->hi;
+    while (i < end) {
+        if (!pg_on(s, i)) {
+            i++;
+            continue;
+        }
+        size_t j = i;
+        while (j < end && pg_on(s, j)) j++;
+        const char *a = s->base + i * PAGE, *b = s->base + j * PAGE;
+        size_t n = (size_t)((b < hi ? b : hi) - (a > lo ? a : lo));
+        r.bytes += n;
+        r.runs++;
+        if (n > r.largest) r.largest = n;
+        if (a < lo || b > hi || (i > 0 && pg_on(s, i - 1)) || pg_on(s, j)) {
+            r.split_runs++;
+            r.split_bytes += n;
+        }
+        i = j;
+    }
+    return r;
+}
+
+static size_t unmapped_pages(const alloc_segment *s, size_t i, size_t j) {
+    size_t n = 0;
+    for (; i < j; i++) n += !pg_on(s, i);
+    return n;
+}
+
 /* ---- free blocks: the pools' trees, with inactive_split accounting ---- */
 
 static bool is_split(const alloc_block *b) { return b->prev || b->next; }
 
-static void pool_put(cmlp_allocator *a, alloc_block *b) {
-    b->tick = ++a->tick;
-    alloc_tree_insert(&a->pools[b->seg->pool], b);
-    if (is_split(b)) {
-        stat(a, CMLP_STAT_INACTIVE_SPLIT, b->seg->pool, 1);
-        stat(a, CMLP_STAT_INACTIVE_SPLIT_BYTES, b->seg->pool, (int64_t)b->size);
+/* inactive_split: free blocks with a neighbour. An expandable segment is seen (as in the
+ * snapshot) as one segment per run of mapped pages, so there it counts the mapped pieces of free
+ * blocks whose run holds other blocks too. */
+static void split_stat(cmlp_allocator *a, const alloc_block *b, int sign) {
+    int64_t n = 1, bytes = (int64_t)b->size;
+    if (b->seg->expandable) {
+        n = b->spieces;
+        bytes = (int64_t)b->sbytes;
+    } else if (!is_split(b)) {
+        return;
     }
+    stat(a, CMLP_STAT_INACTIVE_SPLIT, b->seg->pool, sign * n);
+    stat(a, CMLP_STAT_INACTIVE_SPLIT_BYTES, b->seg->pool, sign * bytes);
 }
 
-/* Must be called before the block's size or neighbours change. */
+static void pool_put(cmlp_allocator *a, alloc_block *b) {
+    b->tick = ++a->tick;
+    if (b->seg->expandable) {
+        span_info m = mapped_span(b->seg, b->ptr, b->ptr + b->size);
+        b->pmax = m.largest;
+        b->spieces = m.split_runs;
+        b->sbytes = m.split_bytes;
+    }
+    alloc_tree_insert(&a->pools[b->seg->pool], b);
+    split_stat(a, b, +1);
+}
+
+/* Must be called before the block's size, neighbours or mapped pages change. */
 static void pool_take(cmlp_allocator *a, alloc_block *b) {
     alloc_tree_remove(&a->pools[b->seg->pool], b);
-    if (is_split(b)) {
-        stat(a, CMLP_STAT_INACTIVE_SPLIT, b->seg->pool, -1);
-        stat(a, CMLP_STAT_INACTIVE_SPLIT_BYTES, b->seg->pool, -(int64_t)b->size);
-    }
+    split_stat(a, b, -1);
+}
+
+/* Back into its pool with its age kept. */
+static void pool_return(cmlp_allocator *a, alloc_block *b) {
+    uint64_t t = b->tick;
+    pool_put(a, b);
+    b->tick = t;
 }
 
 /* ---- raw memory ---- */
@@ -181,82 +250,116 @@ static alloc_block *new_segment(cmlp_allocator *a, int pool, size_t size) {
     return b;
 }
 
-static alloc_block *last_block(alloc_segment *s) {
-    alloc_block *b = s->first;
-    while (b && b->next) b = b->next;
-    return b;
+/* Maps the unmapped pages among [i, j) of an expandable segment, one device call per run. */
+static bool map_pages(cmlp_allocator *a, alloc_segment *s, size_t i, size_t j) {
+    while (i < j) {
+        if (pg_on(s, i)) {
+            i++;
+            continue;
+        }
+        size_t k = i;
+        while (k < j && !pg_on(s, k)) k++;
+        if (hook_fires(a) || a->backend->vm_map(a->bctx, s->base + i * PAGE, (k - i) * PAGE) != CMLP_OK) return false;
+        a->stats.num_device_alloc++;
+        int64_t runs = 1 - (i > 0 && pg_on(s, i - 1)) - pg_on(s, k);
+        for (size_t g = i; g < k; g++) s->map[g >> 6] |= (uint64_t)1 << (g & 63);
+        if (k > s->hi) s->hi = k;
+        s->size += (k - i) * PAGE;
+        stat(a, CMLP_STAT_RESERVED_BYTES, s->pool, (int64_t)((k - i) * PAGE));
+        stat(a, CMLP_STAT_SEGMENT, s->pool, runs);
+        i = k;
+    }
+    return true;
 }
 
-/* Grows the pool's expandable segment so that its free tail holds `size` bytes. */
-static alloc_block *grow_expandable(cmlp_allocator *a, int pool, size_t size) {
-    const cmlp_backend_i *be = a->backend;
-    alloc_pool *p = &a->pools[pool];
-    if (!p->expandable) {
-        size_t vsize = (size_t)a->total_memory;
-        vsize = (vsize + K_ROUND_LARGE - 1) / K_ROUND_LARGE * K_ROUND_LARGE;
-        void *base = NULL;
-        if (vsize == 0 || be->vm_reserve(a->bctx, vsize, &base) != CMLP_OK) return NULL;
-        p->expandable = segment_new(a, base, 0, vsize, pool, true);
-        if (!p->expandable) {
-            be->vm_release(a->bctx, base, vsize);
-            return NULL;
+/* Unmaps pages [i, j), all mapped and inside free blocks. */
+static void unmap_pages(cmlp_allocator *a, alloc_segment *s, size_t i, size_t j) {
+    a->backend->vm_unmap(a->bctx, s->base + i * PAGE, (j - i) * PAGE);
+    a->stats.num_device_free++;
+    int64_t runs = (int64_t)(i > 0 && pg_on(s, i - 1)) + pg_on(s, j) - 1;
+    for (size_t g = i; g < j; g++) s->map[g >> 6] &= ~((uint64_t)1 << (g & 63));
+    while (s->hi > 0 && !pg_on(s, s->hi - 1)) s->hi--; /* pg_on reads below hi only */
+    s->size -= (j - i) * PAGE;
+    stat(a, CMLP_STAT_RESERVED_BYTES, s->pool, -(int64_t)((j - i) * PAGE));
+    stat(a, CMLP_STAT_SEGMENT, s->pool, runs);
+}
+
+/* Whole mapped pages of free blocks in expandable segments, highest address first, up to
+ * `want` pages, are unmapped (or, when `dry`, only counted). `held` is a free block taken out of
+ * its pool for a request whose pages start at its first page and end before page `keep_hi`:
+ * only its pages from keep_hi on may go. Returns the number of pages. */
+static size_t reclaim_pages(cmlp_allocator *a, size_t want, const alloc_block *held, size_t keep_hi, bool dry) {
+    size_t got = 0;
+    for (alloc_segment *s = a->segments; s && got < want; s = s->next) {
+        if (!s->expandable || s->size == 0) continue;
+        alloc_block *c = s->first;
+        while (c->next) c = c->next;
+        for (; c && got < want; c = c->prev) {
+            if (c->allocated) continue;
+            size_t lo = pg_up(s, c->ptr), hi = pg_down(s, c->ptr + c->size);
+            if (c == held && lo < keep_hi) lo = keep_hi;
+            if (hi > s->hi) hi = s->hi;
+            if (lo >= hi) continue;
+            bool taken = false;
+            for (size_t j = hi; j > lo && got < want;) {
+                if (!pg_on(s, j - 1)) {
+                    j--;
+                    continue;
+                }
+                size_t i = j;
+                while (i > lo && pg_on(s, i - 1) && got + (j - i) < want) i--;
+                got += j - i;
+                if (!dry) {
+                    if (!taken && c != held) pool_take(a, c);
+                    taken = c != held;
+                    unmap_pages(a, s, i, j);
+                }
+                j = i;
+            }
+            if (taken) pool_return(a, c);
         }
     }
-    alloc_segment *s = p->expandable;
-    alloc_block *tail = last_block(s);
-    size_t have = tail && !tail->allocated ? tail->size : 0;
-    if (have >= size) { /* the free tail already holds it */
-        pool_take(a, tail);
-        return tail;
-    }
-    size_t grow = (size - have + K_ROUND_LARGE - 1) / K_ROUND_LARGE * K_ROUND_LARGE;
-    if (s->size + grow > s->vsize) return NULL;
-    if (a->limit >= 0 && reserved(a) + (int64_t)grow > a->limit) return NULL;
-    alloc_block *nb = NULL;
-    if (!have && !(nb = calloc(1, sizeof *nb))) return NULL;
-    if (hook_fires(a) || be->vm_map(a->bctx, s->base + s->size, grow) != CMLP_OK) {
-        free(nb);
-        return NULL;
-    }
-    a->stats.num_device_alloc++;
-    if (s->size == 0) stat(a, CMLP_STAT_SEGMENT, pool, 1);
-    stat(a, CMLP_STAT_RESERVED_BYTES, pool, (int64_t)grow);
-    if (have) {
-        pool_take(a, tail);
-        tail->size += grow;
-        nb = tail;
-    } else {
-        *nb = (alloc_block){.ptr = s->base + s->size, .size = grow, .seg = s, .prev = tail};
-        if (tail) tail->next = nb;
-        else s->first = nb;
-    }
-    s->size += grow;
-    return nb;
+    return got;
 }
 
-/* Unmaps the whole pages of the expandable segment's free tail. */
-static size_t shrink_expandable(cmlp_allocator *a, alloc_segment *s) {
-    alloc_block *tail = last_block(s);
-    if (!tail || tail->allocated) return 0;
-    size_t off = (size_t)(tail->ptr - s->base);
-    size_t keep = (off + K_ROUND_LARGE - 1) / K_ROUND_LARGE * K_ROUND_LARGE;
-    if (keep >= s->size) return 0;
-    size_t cut = s->size - keep;
-    pool_take(a, tail);
-    a->backend->vm_unmap(a->bctx, s->base + keep, cut);
-    a->stats.num_device_free++;
-    if (keep == off) {
-        if (tail->prev) tail->prev->next = NULL;
-        else s->first = NULL;
-        free(tail);
-    } else {
-        tail->size -= cut;
-        pool_put(a, tail);
+/* Makes the pages under the first `size` bytes of a free block of an expandable segment
+ * mapped. The physical memory comes from free pages elsewhere first (which are unmapped), so
+ * reserved memory grows only when no free page is left to give; the limit is checked first. */
+static bool map_block(cmlp_allocator *a, alloc_block *b, size_t size) {
+    alloc_segment *s = b->seg;
+    size_t i = pg_down(s, b->ptr), j = pg_up(s, b->ptr + size);
+    size_t need = unmapped_pages(s, i, j);
+    if (need == 0) return true;
+    size_t give = reclaim_pages(a, need, b, j, true);
+    if (a->limit >= 0 && reserved(a) + (int64_t)((need - give) * PAGE) > a->limit) return false;
+    if (give) reclaim_pages(a, give, b, j, false);
+    return map_pages(a, s, i, j);
+}
+
+/* The pool's expandable segment: a virtual range the size of the device's memory, one free
+ * block with nothing mapped. */
+static bool new_expandable(cmlp_allocator *a, int pool) {
+    const cmlp_backend_i *be = a->backend;
+    size_t vsize = ((size_t)a->total_memory + PAGE - 1) / PAGE * PAGE;
+    void *base = NULL;
+    if (vsize == 0 || be->vm_reserve(a->bctx, vsize, &base) != CMLP_OK) return false;
+    size_t npages = vsize / PAGE;
+    uint64_t *map = calloc((npages + 63) / 64, sizeof *map);
+    alloc_block *b = map ? calloc(1, sizeof *b) : NULL;
+    alloc_segment *s = b ? segment_new(a, base, 0, vsize, pool, true) : NULL;
+    if (!s) {
+        free(b);
+        free(map);
+        be->vm_release(a->bctx, base, vsize);
+        return false;
     }
-    s->size -= cut;
-    stat(a, CMLP_STAT_RESERVED_BYTES, s->pool, -(int64_t)cut);
-    if (s->size == 0) stat(a, CMLP_STAT_SEGMENT, s->pool, -1);
-    return cut;
+    s->map = map;
+    s->npages = npages;
+    *b = (alloc_block){.ptr = base, .size = vsize, .seg = s};
+    s->first = b;
+    a->pools[pool].expandable = s;
+    pool_put(a, b);
+    return true;
 }
 
 static bool whole_and_free(const alloc_segment *s) {
@@ -275,15 +378,14 @@ static size_t release_segment(cmlp_allocator *a, alloc_segment *s) {
     return size;
 }
 
-/* Every whole free segment and every expandable tail goes back to the device. */
+/* Every whole free segment and every free page of an expandable segment goes back. */
 static size_t release_cached(cmlp_allocator *a) {
     size_t freed = 0;
     for (alloc_segment *s = a->segments, *next; s; s = next) {
         next = s->next;
         if (whole_and_free(s)) freed += release_segment(a, s);
-        else if (s->expandable) freed += shrink_expandable(a, s);
     }
-    return freed;
+    return freed + reclaim_pages(a, SIZE_MAX, NULL, 0, false) * PAGE;
 }
 
 /* Oversize cached blocks first (PyTorch's release_available_cached_blocks): the smallest that
@@ -325,8 +427,29 @@ static void collect_garbage(cmlp_allocator *a, size_t coming) {
 static alloc_block *cached_block(cmlp_allocator *a, int pool, size_t size) {
     alloc_block *b = alloc_tree_lower_bound(&a->pools[pool], size);
     if (!b) return NULL;
+    if (b->seg->expandable) {
+        /* in an expandable segment, a fit whose pages are all mapped if one of the next few
+         * candidates is; else the best fit, mapped on demand (only while the setting is on) */
+        alloc_block *pick = NULL, *c = b;
+        for (int k = 0; c && c->seg->expandable && k < 8; k++, c = alloc_tree_next(&a->pools[pool], c))
+            if (unmapped_pages(c->seg, pg_down(c->seg, c->ptr), pg_up(c->seg, c->ptr + size)) == 0) {
+                pick = c;
+                break;
+            }
+        if (!pick && a->cfg.expandable_segments) pick = b;
+        if (pick) {
+            pool_take(a, pick);
+            if (!map_block(a, pick, size)) {
+                pool_return(a, pick);
+                return NULL;
+            }
+            return pick;
+        }
+        if (!c || c->seg->expandable) return NULL;
+        b = c; /* an ordinary segment's block, under the rules below */
+    }
     /* oversize rules protect whole segments; an expandable segment always splits */
-    if (a->cfg.max_split_size >= 0 && !b->seg->expandable) {
+    if (a->cfg.max_split_size >= 0) {
         size_t msz = (size_t)a->cfg.max_split_size;
         if (size < msz && b->size >= msz) return NULL;            /* no oversize block for a small request */
         if (size >= msz && b->size >= size + K_LARGE_BUFFER) return NULL; /* nor one far too large */
@@ -336,7 +459,11 @@ static alloc_block *cached_block(cmlp_allocator *a, int pool, size_t size) {
 }
 
 static alloc_block *new_memory(cmlp_allocator *a, int pool, size_t size) {
-    if (a->cfg.expandable_segments && a->backend->vm_reserve) return grow_expandable(a, pool, size);
+    if (a->cfg.expandable_segments && a->backend->vm_reserve) {
+        /* the pool's range is made once; after that the cache search has seen all of it */
+        if (a->pools[pool].expandable || !new_expandable(a, pool)) return NULL;
+        return cached_block(a, pool, size);
+    }
     collect_garbage(a, alloc_segment_size(size));
     return new_segment(a, pool, size);
 }
@@ -347,12 +474,22 @@ static bool should_split(const cmlp_allocator *a, const alloc_block *b, size_t s
     return !oversize(a, size) && rest > K_SMALL_SIZE;
 }
 
+/* The largest free block, counting the mapped pieces of an expandable segment's blocks. */
+static int64_t largest_free(const cmlp_allocator *a) {
+    size_t m = 0;
+    for (const alloc_segment *s = a->segments; s; s = s->next)
+        for (const alloc_block *b = s->first; b; b = b->next) {
+            size_t n = b->allocated ? 0 : s->expandable ? b->pmax : b->size;
+            if (n > m) m = n;
+        }
+    return (int64_t)m;
+}
+
 static cmlp_status oom(cmlp_allocator *a, size_t nbytes, size_t size) {
     char req[32], rnd[32], alc[32], res[32], cap[32], fre[32], big[32], unalloc[32];
     int64_t r = reserved(a), al = a->stats.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].current;
     int64_t total = a->limit >= 0 ? a->limit : a->total_memory;
-    alloc_block *m0 = alloc_tree_max(&a->pools[POOL_LARGE]), *m1 = alloc_tree_max(&a->pools[POOL_SMALL]);
-    int64_t largest = (int64_t)((m0 && (!m1 || m0->size > m1->size)) ? m0->size : m1 ? m1->size : 0);
+    int64_t largest = largest_free(a);
     double frag = r > 0 ? 100.0 * (double)(r - al) / (double)r : 0.0;
     a->stats.num_ooms++;
     cmlp_format_bytes(req, sizeof req, (int64_t)nbytes);
@@ -505,8 +642,14 @@ void cmlp_allocator_destroy(cmlp_allocator *a) {
             free(b);
         }
         if (s->expandable) {
-            if (s->size) a->backend->vm_unmap(a->bctx, s->base, s->size);
+            for (size_t i = 0; i < s->hi;) {
+                size_t j = i;
+                while (j < s->hi && pg_on(s, j)) j++;
+                if (j > i) a->backend->vm_unmap(a->bctx, s->base + i * PAGE, (j - i) * PAGE);
+                i = j + 1;
+            }
             a->backend->vm_release(a->bctx, s->base, s->vsize);
+            free(s->map);
         } else {
             a->backend->raw_free(a->bctx, s->base, s->size);
         }
@@ -550,8 +693,7 @@ void cmlp_allocator_stats(cmlp_allocator *a, cmlp_memory_stats *out) {
     *out = a->stats;
     out->limit = a->limit;
     out->total_memory = a->total_memory;
-    alloc_block *m0 = alloc_tree_max(&a->pools[POOL_LARGE]), *m1 = alloc_tree_max(&a->pools[POOL_SMALL]);
-    out->largest_free_block = (int64_t)((m0 && (!m1 || m0->size > m1->size)) ? m0->size : m1 ? m1->size : 0);
+    out->largest_free_block = largest_free(a);
     pthread_mutex_unlock(&a->lock);
 }
 
@@ -607,43 +749,86 @@ static alloc_segment **sorted_segments(cmlp_allocator *a, int64_t *n) {
     return v;
 }
 
+typedef struct {
+    cmlp_segment_info *segs;
+    cmlp_block_info *blks;
+    int64_t ns, nb;
+} snap_out;
+
+static void snap_piece(snap_out *o, const alloc_segment *s, const alloc_block *b, const char *lo, const char *hi) {
+    bool starts = !s->expandable ? lo == s->base
+                                 : (size_t)(lo - s->base) % PAGE == 0 && (lo == s->base || !pg_on(s, pg_down(s, lo) - 1));
+    if (starts) {
+        if (o->segs)
+            o->segs[o->ns] = (cmlp_segment_info){.address = (uint64_t)(uintptr_t)lo, .pool = spool(s->pool),
+                                                 .expandable = s->expandable, .first_block = o->nb};
+        o->ns++;
+    }
+    if (o->segs) {
+        cmlp_segment_info *g = &o->segs[o->ns - 1];
+        int64_t n = (int64_t)(hi - lo);
+        o->blks[o->nb] = (cmlp_block_info){(uint64_t)(uintptr_t)lo, n, (int64_t)b->requested, b->allocated};
+        g->total_size += n;
+        g->nblocks++;
+        if (b->allocated) {
+            g->allocated_size += n;
+            g->active_size += n;
+            g->requested_size += (int64_t)b->requested;
+        }
+    }
+    o->nb++;
+}
+
+/* One entry per segment, or per run of mapped pages of an expandable segment; its blocks are the
+ * mapped pieces of the blocks in it. */
+static void snap_walk(snap_out *o, alloc_segment **v, int64_t n) {
+    for (int64_t k = 0; k < n; k++) {
+        const alloc_segment *s = v[k];
+        for (const alloc_block *b = s->first; b; b = b->next) {
+            const char *end = b->ptr + b->size;
+            if (!s->expandable || b->allocated) {
+                snap_piece(o, s, b, b->ptr, end);
+                continue;
+            }
+            size_t i = pg_down(s, b->ptr), stop = pg_up(s, end) < s->hi ? pg_up(s, end) : s->hi;
+            while (i < stop) {
+                if (!pg_on(s, i)) {
+                    i++;
+                    continue;
+                }
+                size_t j = i;
+                while (j < stop && pg_on(s, j)) j++;
+                const char *lo = s->base + i * PAGE, *hi = s->base + j * PAGE;
+                snap_piece(o, s, b, lo > b->ptr ? lo : b->ptr, hi < end ? hi : end);
+                i = j;
+            }
+        }
+    }
+}
+
 cmlp_status cmlp_allocator_snapshot(cmlp_allocator *a, cmlp_segment_info **segs, int64_t *nseg, cmlp_block_info **blks,
                                     int64_t *nblk) {
     pthread_mutex_lock(&a->lock);
-    int64_t ns = 0, nb = 0;
-    alloc_segment **v = sorted_segments(a, &ns);
-    for (int64_t i = 0; v && i < ns; i++)
-        for (alloc_block *b = v[i]->first; b; b = b->next) nb++;
-    cmlp_segment_info *so = v ? calloc((size_t)(ns ? ns : 1), sizeof *so) : NULL;
-    cmlp_block_info *bo = so ? calloc((size_t)(nb ? nb : 1), sizeof *bo) : NULL;
-    if (!bo) {
+    int64_t n = 0;
+    alloc_segment **v = sorted_segments(a, &n);
+    snap_out count = {0};
+    if (v) snap_walk(&count, v, n);
+    snap_out o = {0};
+    o.segs = v ? calloc((size_t)(count.ns ? count.ns : 1), sizeof *o.segs) : NULL;
+    o.blks = o.segs ? calloc((size_t)(count.nb ? count.nb : 1), sizeof *o.blks) : NULL;
+    if (!o.blks) {
         pthread_mutex_unlock(&a->lock);
         free(v);
-        free(so);
+        free(o.segs);
         return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory for a memory snapshot");
     }
-    int64_t k = 0;
-    for (int64_t i = 0; i < ns; i++) {
-        alloc_segment *s = v[i];
-        cmlp_segment_info *o = &so[i];
-        *o = (cmlp_segment_info){.address = (uint64_t)(uintptr_t)s->base, .total_size = (int64_t)s->size,
-                                 .pool = spool(s->pool), .expandable = s->expandable, .first_block = k};
-        for (alloc_block *b = s->first; b; b = b->next, k++) {
-            bo[k] = (cmlp_block_info){(uint64_t)(uintptr_t)b->ptr, (int64_t)b->size, (int64_t)b->requested, b->allocated};
-            if (b->allocated) {
-                o->allocated_size += (int64_t)b->size;
-                o->active_size += (int64_t)b->size;
-                o->requested_size += (int64_t)b->requested;
-            }
-        }
-        o->nblocks = k - o->first_block;
-    }
+    snap_walk(&o, v, n);
     pthread_mutex_unlock(&a->lock);
     free(v);
-    *segs = so;
-    *nseg = ns;
-    *blks = bo;
-    *nblk = nb;
+    *segs = o.segs;
+    *nseg = o.ns;
+    *blks = o.blks;
+    *nblk = o.nb;
     return CMLP_OK;
 }
 
@@ -668,11 +853,14 @@ cmlp_status cmlp_allocator_validate(cmlp_allocator *a) {
     int64_t nsplit[NPOOLS] = {0}, bsplit[NPOOLS] = {0}, nfree[NPOOLS] = {0}, bfree[NPOOLS] = {0}, allocated = 0;
     for (alloc_segment *s = a->segments; s; s = s->next) {
         INVARIANT(s->size <= s->vsize, "segment %p maps more than it reserves", (void *)s->base);
-        if (s->size == 0) {
-            INVARIANT(s->expandable && !s->first, "an empty segment holds blocks");
-            continue;
+        if (s->expandable) {
+            span_info m = mapped_span(s, s->base, s->base + s->vsize);
+            INVARIANT(m.bytes == s->size && s->hi <= s->npages && (s->hi == 0 || pg_on(s, s->hi - 1)),
+                      "expandable segment %p: %zu bytes mapped, size says %zu", (void *)s->base, m.bytes, s->size);
+            seg[s->pool] += m.runs;
+        } else {
+            seg[s->pool]++;
         }
-        seg[s->pool]++;
         res[s->pool] += (int64_t)s->size;
         char *expect = s->base;
         INVARIANT(s->first && !s->first->prev, "segment %p has no first block", (void *)s->base);
@@ -683,6 +871,13 @@ cmlp_status cmlp_allocator_validate(cmlp_allocator *a) {
             INVARIANT(b->allocated || !b->next || b->next->allocated, "free neighbours left unmerged at %p",
                       (void *)b->ptr);
             expect += b->size;
+            span_info m = {b->size, b->size, b->size, 1, 1};
+            if (s->expandable) {
+                m = mapped_span(s, b->ptr, b->ptr + b->size);
+                INVARIANT(!b->allocated || m.bytes == b->size, "allocated block %p has unmapped pages", (void *)b->ptr);
+                INVARIANT(b->allocated || (m.split_bytes == b->sbytes && m.split_runs == b->spieces && m.largest == b->pmax),
+                          "free block %p: mapped pieces changed behind its pool's back", (void *)b->ptr);
+            }
             if (b->allocated) {
                 nal[s->pool]++;
                 bal[s->pool] += (int64_t)b->size;
@@ -691,13 +886,17 @@ cmlp_status cmlp_allocator_validate(cmlp_allocator *a) {
             } else {
                 nfree[s->pool]++;
                 bfree[s->pool] += (int64_t)b->size;
-                if (is_split(b)) {
+                if (s->expandable) {
+                    nsplit[s->pool] += m.split_runs;
+                    bsplit[s->pool] += (int64_t)m.split_bytes;
+                } else if (is_split(b)) {
                     nsplit[s->pool]++;
                     bsplit[s->pool] += (int64_t)b->size;
                 }
             }
         }
-        INVARIANT(expect == s->base + s->size, "blocks of segment %p do not add up to its size", (void *)s->base);
+        INVARIANT(expect == s->base + (s->expandable ? s->vsize : s->size), "blocks of segment %p do not add up to its size",
+                  (void *)s->base);
     }
     INVARIANT((int64_t)a->count == allocated, "table holds %zu blocks, segments %" PRId64, a->count, allocated);
     for (int p = 0; p < NPOOLS; p++) {

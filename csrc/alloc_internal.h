@@ -28,6 +28,11 @@ typedef struct alloc_block {
     bool allocated;
     bool oversize;    /* counted in oversize_allocations when it was handed out */
     uint64_t tick;    /* when it last became free: the gc frees the oldest first */
+    /* free blocks of an expandable segment (computed when the block enters its pool): the
+     * largest mapped piece, and the pieces that share their run of mapped pages with another
+     * block (inactive_split), their number and bytes */
+    size_t pmax, sbytes;
+    uint32_t spieces;
     struct alloc_block *prev, *next; /* address neighbours in the segment */
     alloc_segment *seg;
     struct alloc_block *left, *right; /* treap links while free */
@@ -40,6 +45,10 @@ struct alloc_segment {
     size_t vsize;     /* expandable: the virtual range; else == size */
     int pool;
     bool expandable;
+    /* expandable: blocks tile [base, base + vsize); one bit per K_ROUND_LARGE page, set while
+     * mapped; no page at or above `hi` is mapped */
+    uint64_t *map;
+    size_t npages, hi;
     bool oversize;    /* created for a request >= max_split_size */
     alloc_block *first;
     alloc_segment *prev, *next; /* all segments of the allocator */

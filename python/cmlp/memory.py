@@ -106,8 +106,9 @@ def caching_allocator_delete(ptr: int) -> None:
 def memory_snapshot(device: Optional[str] = None) -> List[Dict[str, Any]]:
     """Every segment with its blocks, sorted by address: {address, total_size, allocated_size,
     active_size, requested_size, segment_type "small"/"large", expandable, blocks: [{address,
-    size, requested_size, state "active_allocated"/"inactive"}]}. The statistics always equal
-    what the snapshot adds up to."""
+    size, requested_size, state "active_allocated"/"inactive"}]}. An expandable segment appears
+    as one entry per run of mapped pages. The statistics always equal what the snapshot adds
+    up to."""
     return _cmlp.snapshot(_device(device))
 
 

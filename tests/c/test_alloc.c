@@ -1160,6 +1160,59 @@ static void test_expandable(void) {
     fin(a, &d);
 }
 
+/* Holes: free pages inside the range give their memory to a request that fits no free block
+ * (they are unmapped, the new pages mapped), so reserved memory does not grow; the snapshot
+ * shows each run of mapped pages as a segment; a fit with all pages mapped is preferred; with
+ * the setting off the range only serves requests from pages already mapped. */
+static void test_expandable_holes(void) {
+    fake_dev d;
+    cmlp_allocator *a = mk(&d, "expandable_segments:True", (int64_t)GB(2));
+    void *p0 = al(a, MB(8)), *h1 = al(a, MB(8)), *p1 = al(a, MB(8)), *h2 = al(a, MB(8)), *p2 = al(a, MB(2));
+    CHECK(p2 == addr(p0, MB(32)) && CUR(stats_of(a), RESERVED_BYTES, LARGE) == (int64_t)MB(34), "layout");
+    fr(a, h1);
+    fr(a, h2);
+    cmlp_memory_stats s = stats_of(a);
+    CHECK(CUR(s, SEGMENT, LARGE) == 1 && CUR(s, INACTIVE_SPLIT, LARGE) == 2 && CUR(s, INACTIVE_SPLIT_BYTES, LARGE) == (int64_t)MB(16),
+          "two holes: %" PRId64 " segments, inactive_split %" PRId64, CUR(s, SEGMENT, LARGE), CUR(s, INACTIVE_SPLIT, LARGE));
+    int64_t maps = d.n_map, unmaps = d.n_unmap;
+    void *q = al(a, MB(16));
+    s = stats_of(a);
+    CHECK(q == addr(p0, MB(34)) && CUR(s, RESERVED_BYTES, LARGE) == (int64_t)MB(34) && d.mapped_bytes == (int64_t)MB(34),
+          "16 MiB past the holes: at +%td MiB, reserved %" PRId64 " (the holes' pages must move there)",
+          ((char *)q - (char *)p0) >> 20, CUR(s, RESERVED_BYTES, LARGE));
+    CHECK(d.n_map == maps + 1 && d.n_unmap == unmaps + 2, "maps +%" PRId64 " unmaps +%" PRId64, d.n_map - maps, d.n_unmap - unmaps);
+    CHECK(CUR(s, SEGMENT, LARGE) == 3 && CUR(s, INACTIVE_SPLIT, LARGE) == 0 && s.largest_free_block == 0,
+          "runs [0,8) [16,24) [32,50): %" PRId64 " segments, inactive_split %" PRId64 ", largest free %" PRId64,
+          CUR(s, SEGMENT, LARGE), CUR(s, INACTIVE_SPLIT, LARGE), s.largest_free_block);
+    int nb = 0;
+    int64_t seg = 0;
+    CHECK(block_size(a, q, &seg, &nb) == (int64_t)MB(16) && seg == (int64_t)MB(18) && nb == 2, "q's run: %" PRId64 " bytes, %d blocks", seg, nb);
+    memset(q, 7, MB(16));
+    fr(a, q);
+    maps = d.n_map;
+    void *r = al(a, MB(8)); /* the holes fit best but are unmapped; the mapped space after p2 fits */
+    CHECK(r == addr(p0, MB(34)) && d.n_map == maps, "8 MiB went to +%td MiB with %" PRId64 " maps", ((char *)r - (char *)p0) >> 20,
+          d.n_map - maps);
+    fr(a, r);
+    OK(cmlp_memory_configure(""));
+    s = stats_of(a);
+    void *t = al(a, MB(12)); /* mapped and free: [34, 50) */
+    CHECK(t == addr(p0, MB(34)) && stats_of(a).num_device_alloc == s.num_device_alloc, "setting off: mapped space not reused");
+    void *u = al(a, MB(8)); /* only 4 MiB mapped and free in the range: a new 20 MiB segment */
+    s = stats_of(a);
+    CHECK(d.raw_bytes == (int64_t)MB(20) && d.mapped_bytes == (int64_t)MB(34) && block_size(a, u, &seg, NULL) == (int64_t)MB(8) &&
+              seg == (int64_t)MB(20),
+          "setting off: raw %" PRId64 " mapped %" PRId64, d.raw_bytes, d.mapped_bytes);
+    STEP(a);
+    fr(a, t);
+    fr(a, u);
+    fr(a, p0);
+    fr(a, p1);
+    fr(a, p2);
+    ec(a);
+    fin(a, &d);
+}
+
 /* expandable segments with max_split_size: a free tail >= max_split_size cannot serve a smaller
  * request, and growing the segment must still make sensible device calls. */
 static void test_expandable_max_split(void) {
@@ -1775,6 +1828,7 @@ int main(void) {
     test_gc();
     test_expandable();
     test_expandable_max_split();
+    test_expandable_holes();
     test_ladder_plain();
     test_ladder_oversize();
     test_ladder_expandable();
