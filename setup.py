@@ -4,16 +4,26 @@ Environment:
   CMLP_PORTABLE=1   no -march=native (a wheel to run on other CPUs)
   CMLP_DEBUG=1      -O0 -g
   CMLP_BLAS=scipy|openblas   pick the BLAS (default: scipy-openblas32 when importable)
-  CMLP_CUDA=0|1     0 forces a CPU-only build. The CUDA backend is not part of this version,
-                    so 1 is refused with a clear error rather than silently ignored.
+  CMLP_CUDA=0|1     0 forces a CPU-only build; 1 makes a missing CUDA toolkit an error. Unset:
+                    the CUDA backend is built when the toolkit is found (CUDA_HOME, else nvcc
+                    on PATH).
+  CMLP_CUDA_ARCH    compute capabilities, e.g. "90" or "80;90" (default): machine code for
+                    each, plus PTX of the highest for later GPUs.
+
+The CUDA backend is its own shared library, cmlp/_cmlp_cuda.so (kernels/*.cu and
+csrc/backend_cuda.c, with the CUDA runtime linked statically and cuBLASLt), which the extension
+loads on first use: a CUDA build imports and runs on machines without a GPU or driver.
 """
 import glob
 import os
+import re
+import shutil
 import subprocess
 import sys
 
 import numpy
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 VERSION = "0.1.0"
 
@@ -42,15 +52,83 @@ def blas_config():
                 runtime_library_dirs=[], define_macros=[("CMLP_BLAS_OPENBLAS", "1")])
 
 
-def cuda_requested():
+def cuda_config():
     want = os.environ.get("CMLP_CUDA", "")
-    if want == "1":
-        sys.exit("CMLP_CUDA=1: this version of cmlp has no CUDA backend yet; build without CMLP_CUDA=1")
-    return False
+    if want not in ("", "0", "1"):
+        sys.exit(f"CMLP_CUDA={want!r}: use 0 (CPU only) or 1 (CUDA required)")
+    if want == "0":
+        return None
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    nvcc = os.path.join(home, "bin", "nvcc") if home else shutil.which("nvcc")
+    if not nvcc or not os.path.exists(nvcc):
+        if want == "1":
+            sys.exit("CMLP_CUDA=1 but no CUDA toolkit was found: set CUDA_HOME or put nvcc on PATH")
+        return None
+    home = home or os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    m = re.search(r"release (\d+\.\d+)", out)
+    if not m:
+        sys.exit(f"cannot read the CUDA version from {nvcc} --version")
+    libdir = next((d for d in (os.path.join(home, "lib64"), os.path.join(home, "targets", "x86_64-linux", "lib"))
+                   if os.path.exists(os.path.join(d, "libcublasLt.so"))), None)
+    if libdir is None:
+        sys.exit(f"the CUDA toolkit at {home} has no libcublasLt.so")
+    archs = [a.strip() for a in re.split(r"[;, ]+", os.environ.get("CMLP_CUDA_ARCH", "80;90")) if a.strip()]
+    if not archs or not all(a.isdigit() for a in archs):
+        sys.exit(f"CMLP_CUDA_ARCH={os.environ.get('CMLP_CUDA_ARCH')!r}: expected numbers such as 80;90")
+    return dict(nvcc=nvcc, home=home, version=m.group(1), libdir=libdir, archs=sorted(set(archs), key=int))
+
+
+def run(cmd):
+    print(" ".join(cmd), flush=True)
+    subprocess.check_call(cmd)
+
+
+class BuildExt(build_ext):
+    """Builds the extension, then (with CUDA) the backend library beside it."""
+
+    def run(self):
+        super().run()
+        if cuda:
+            self.build_cuda_library()
+
+    def build_cuda_library(self):
+        out = os.path.join(os.path.dirname(self.get_ext_fullpath("cmlp._cmlp")), "_cmlp_cuda.so")
+        cu = sorted(glob.glob("kernels/*.cu"))
+        deps = cu + glob.glob("kernels/*.h") + glob.glob("kernels/*.cuh") + ["csrc/backend_cuda.c", "csrc/backend.h",
+                                                                             "csrc/cmlp.h", "setup.py"]
+        if not self.force and os.path.exists(out) and all(os.path.getmtime(d) <= os.path.getmtime(out) for d in deps):
+            return
+        tmp = os.path.join(self.build_temp, "cuda")
+        os.makedirs(tmp, exist_ok=True)
+        gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in cuda["archs"]]
+        top = cuda["archs"][-1]
+        gencode.append(f"-gencode=arch=compute_{top},code=compute_{top}")
+        objs = []
+        for src in cu:
+            obj = os.path.join(tmp, os.path.basename(src) + ".o")
+            run([cuda["nvcc"], "-std=c++17", "-O3", "-Xcompiler", "-fPIC,-Wall,-Wextra,-fvisibility=hidden",
+                 "-Ikernels", *gencode, "-c", src, "-o", obj])
+            objs.append(obj)
+        obj = os.path.join(tmp, "backend_cuda.o")
+        cc = os.environ.get("CC", "cc")
+        run([cc, "-std=c11", "-O2", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wextra", "-Wundef",
+             "-Wno-missing-field-initializers", "-D_GNU_SOURCE=1", "-Icsrc", "-Ikernels", "-isystem",
+             os.path.join(cuda["home"], "include"), "-c", "csrc/backend_cuda.c", "-o", obj])
+        objs.append(obj)
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        run([cuda["nvcc"], "-shared", "-cudart", "static", *gencode, "-o", out, *objs, "-L" + cuda["libdir"],
+             "-lcublasLt", "-Xlinker", "-rpath=" + cuda["libdir"], "-lpthread", "-ldl", "-lrt"])
+
+    def get_outputs(self):
+        outs = super().get_outputs()
+        if cuda:
+            outs.append(os.path.join(os.path.dirname(self.get_ext_fullpath("cmlp._cmlp")), "_cmlp_cuda.so"))
+        return outs
 
 
 blas = blas_config()
-cuda_requested()
+cuda = cuda_config()
 debug = os.environ.get("CMLP_DEBUG") == "1"
 cflags = ["-std=c11", "-fvisibility=hidden", "-fno-math-errno", "-Wall", "-Wextra", "-Wundef",
           "-Wno-missing-field-initializers"]
@@ -58,19 +136,20 @@ cflags += ["-O0", "-g"] if debug else ["-O3"]
 if os.environ.get("CMLP_PORTABLE") != "1":
     cflags.append("-march=native")
 
-sources = sorted(glob.glob("csrc/*.c")) + ["python/cmlp/_cmlp.c"]
+sources = sorted(f for f in glob.glob("csrc/*.c") if not f.endswith("backend_cuda.c")) + ["python/cmlp/_cmlp.c"]
+cuda_macros = [("CMLP_WITH_CUDA", "1"), ("CMLP_CUDA_VERSION", f'"{cuda["version"]}"')] if cuda else \
+    [("CMLP_WITH_CUDA", "0")]
 ext = Extension(
     "cmlp._cmlp",
     sources=sources,
     include_dirs=["csrc", numpy.get_include()] + blas["include_dirs"],
     library_dirs=blas["library_dirs"],
-    libraries=blas["libraries"] + ["m", "pthread"],
+    libraries=blas["libraries"] + ["m", "pthread", "dl"],
     runtime_library_dirs=blas["runtime_library_dirs"],
-    define_macros=blas["define_macros"] + [("CMLP_WITH_CUDA", "0"), ("CMLP_VERSION", f'"{VERSION}"'),
-                                           ("_GNU_SOURCE", "1")],
+    define_macros=blas["define_macros"] + cuda_macros + [("CMLP_VERSION", f'"{VERSION}"'), ("_GNU_SOURCE", "1")],
     extra_compile_args=cflags,
     depends=sorted(glob.glob("csrc/*.h")),
 )
 
-setup(ext_modules=[ext], package_dir={"": "python"}, packages=["cmlp"],
+setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt}, package_dir={"": "python"}, packages=["cmlp"],
       package_data={"cmlp": ["py.typed", "*.pyi"]})

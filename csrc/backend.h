@@ -18,6 +18,10 @@ typedef struct cmlp_backend_i {
     cmlp_status (*open)(int index, void **ctx);
     /* Physical memory of the device in bytes. */
     int64_t (*total_memory)(void *ctx);
+    /* Device memory the backend needs for itself (GEMM workspace, reduction scratch), taken
+     * from the device's allocator after open and handed over once; NULL when none. */
+    size_t (*workspace_bytes)(void *ctx);
+    void (*set_workspace)(void *ctx, void *d_ptr, size_t nbytes);
 
     /* Raw memory, called only by the allocator. raw_alloc returns CMLP_ERR_OOM when the device
      * has no memory left, with nothing recorded in the error buffer. */
@@ -65,7 +69,7 @@ typedef struct cmlp_backend_i {
 
     /* Fused optimizers over flat buffers of n floats. Scalars precomputed by the core. */
     cmlp_status (*adam)(void *ctx, float *d_p, const float *d_g, float *d_m, float *d_v, int64_t n,
-                        float step_size, float beta1, float beta2, float inv_bc2_sqrt, float eps,
+                        float step_size, float beta1, float beta2, float bc2_sqrt, float eps,
                         float weight_decay);
     /* first != 0: buf = g (momentum's first step). d_buf may be NULL when momentum == 0. */
     cmlp_status (*sgd)(void *ctx, float *d_p, const float *d_g, float *d_buf, int64_t n, float lr,
@@ -81,8 +85,22 @@ typedef struct cmlp_backend_i {
 } cmlp_backend_i;
 
 extern const cmlp_backend_i cmlp_backend_cpu;
-#if CMLP_WITH_CUDA
-extern const cmlp_backend_i cmlp_backend_cuda;
-#endif
+
+/* The CUDA backend is its own shared library (_cmlp_cuda.so beside the extension), loaded on
+ * first use by cuda_loader.c: its one exported symbol, cmlp_cuda_entry, takes the core's error
+ * recorder and returns the module below. */
+typedef cmlp_status (*cmlp_error_fn)(cmlp_status s, const char *file, int line, const char *fmt, ...);
+
+#define CMLP_CUDA_ABI 1
+
+typedef struct cmlp_cuda_module {
+    int abi; /* CMLP_CUDA_ABI of the library */
+    const cmlp_backend_i *backend;
+    /* Number of usable devices; when 0, why (CUDA's words) is written to why[cap]. */
+    int (*device_count)(char *why, size_t cap);
+    int (*runtime_version)(void); /* e.g. 13000 */
+} cmlp_cuda_module;
+
+typedef const cmlp_cuda_module *(*cmlp_cuda_entry_fn)(cmlp_error_fn set_error);
 
 #endif /* CMLP_BACKEND_H */

@@ -71,6 +71,10 @@ CMLP_API cmlp_status cmlp_device_parse(const char *s, cmlp_device *out);
 CMLP_API cmlp_status cmlp_device_check(cmlp_device d); /* same checks for a parsed device */
 CMLP_API int cmlp_cuda_compiled(void);                  /* 1 when built with the CUDA backend */
 CMLP_API int cmlp_cuda_device_count(void);              /* 0 without a usable driver/GPU */
+CMLP_API const char *cmlp_cuda_version(void);           /* toolkit built with, e.g. "13.0"; NULL */
+CMLP_API int cmlp_cuda_runtime_version(void);           /* e.g. 13000; 0 when not loaded */
+/* Waits for the device's queued work. */
+CMLP_API cmlp_status cmlp_device_synchronize(cmlp_device d);
 
 /* ---- memory: one allocator per device ---------------------------------------------------- */
 

@@ -14,11 +14,6 @@ static cmlp_device_ctx *cuda_ctx[CMLP_MAX_CUDA_DEVICES];
 
 cmlp_device cmlp_cpu(void) { return (cmlp_device){CMLP_DEVICE_CPU, 0}; }
 
-int cmlp_cuda_compiled(void) { return CMLP_WITH_CUDA; }
-
-#if !CMLP_WITH_CUDA
-int cmlp_cuda_device_count(void) { return 0; }
-#endif
 
 cmlp_status cmlp_device_check(cmlp_device d) {
     if (d.type == CMLP_DEVICE_CPU) {
@@ -32,7 +27,8 @@ cmlp_status cmlp_device_check(cmlp_device d) {
     int count = cmlp_cuda_device_count();
     if (count == 0)
         return CMLP_FAIL(CMLP_ERR_DEVICE, "CUDA is not available: cmlp was built with CUDA but no usable "
-                                          "GPU or CUDA driver was found on this machine");
+                                          "GPU or CUDA driver was found on this machine (%s)",
+                         cmlp_cuda_unavailable_reason());
     if (d.index < 0 || d.index >= count)
         return CMLP_FAIL(CMLP_ERR_DEVICE, "cuda:%d does not exist: %d CUDA device(s) found", d.index, count);
     return CMLP_OK;
@@ -73,18 +69,25 @@ static cmlp_status ctx_create(cmlp_device d, cmlp_device_ctx **out) {
     if (!c) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory creating a device context");
     c->device = d;
     char name[32];
-#if CMLP_WITH_CUDA
-    c->backend = d.type == CMLP_DEVICE_CUDA ? &cmlp_backend_cuda : &cmlp_backend_cpu;
-#else
-    c->backend = &cmlp_backend_cpu;
-#endif
+    c->backend = d.type == CMLP_DEVICE_CUDA ? cmlp_cuda_backend() : &cmlp_backend_cpu;
+    if (!c->backend) {
+        free(c);
+        return CMLP_FAIL(CMLP_ERR_DEVICE, "CUDA is not available: %s", cmlp_cuda_unavailable_reason());
+    }
     if (d.type == CMLP_DEVICE_CPU) snprintf(name, sizeof name, "cpu");
     else snprintf(name, sizeof name, "cuda:%d", d.index);
     void *bctx = NULL;
     cmlp_status st = c->backend->open ? c->backend->open(d.index, &bctx) : CMLP_OK;
     c->bctx = bctx;
     if (st == CMLP_OK) st = cmlp_allocator_create(c->backend, bctx, name, &c->alloc);
+    if (st == CMLP_OK && c->backend->workspace_bytes) {
+        size_t n = c->backend->workspace_bytes(bctx);
+        void *ws = NULL;
+        st = cmlp_allocator_malloc(c->alloc, n, &ws);
+        if (st == CMLP_OK) c->backend->set_workspace(bctx, ws, n);
+    }
     if (st != CMLP_OK) {
+        if (c->alloc) cmlp_allocator_destroy(c->alloc);
         free(c);
         return st;
     }
@@ -101,6 +104,12 @@ cmlp_status cmlp_device_get(cmlp_device d, cmlp_device_ctx **out) {
     *out = *slot;
     pthread_mutex_unlock(&registry_lock);
     return st;
+}
+
+cmlp_status cmlp_device_synchronize(cmlp_device d) {
+    cmlp_device_ctx *c;
+    CMLP_TRY(cmlp_device_get(d, &c));
+    return c->backend->synchronize(c->bctx);
 }
 
 cmlp_status cmlp_memory_stats_get(cmlp_device d, cmlp_memory_stats *out) {

@@ -4,7 +4,9 @@
 #     Python is used, and Fashion-MNIST (dataset-fashion-mnist);
 #   - a virtual environment in .venv with NumPy, the OpenBLAS build (scipy-openblas32),
 #     pytest and tqdm;
-#   - cmlp itself, built from source into that environment.
+#   - cmlp itself, built from source into that environment, with the CUDA backend when the CUDA
+#     toolkit is found (nvcc on PATH, CUDA_HOME, or /usr/local/cuda); CMLP_CUDA=0 skips it and
+#     CMLP_CUDA=1 makes a missing toolkit an error.
 # Safe to run again: it skips what is already there. Needs root or sudo for apt-get.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +36,10 @@ fi
 VPY=.venv/bin/python
 $VPY -m pip install -q --upgrade pip
 $VPY -m pip install -q "numpy>=2.0" "scipy-openblas32>=0.3.27" "setuptools>=64" wheel pytest tqdm
+if [ -z "${CUDA_HOME:-}" ] && ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
+    export CUDA_HOME=/usr/local/cuda
+fi
 echo "setup: building cmlp"
 $VPY -m pip install -q --no-build-isolation --force-reinstall --no-deps .
-$VPY -c "import cmlp; print('setup: cmlp', cmlp.__version__, 'with', cmlp.build_info()['blas'])"
+$VPY -c "import cmlp; i = cmlp.build_info(); print('setup: cmlp', cmlp.__version__, 'with', i['blas'] + ',',
+         'CUDA ' + i['cuda'] if i['cuda'] else 'no CUDA backend')"

@@ -43,7 +43,6 @@ def build_info() -> dict:
     import numpy
 
     info = dict(_cmlp.build_info())
-    info["cuda"] = None
     info["python"] = platform.python_version()
     info["numpy"] = numpy.__version__
     return info

@@ -1131,8 +1131,21 @@ static PyObject *mod_parse_device(PyObject *mod, PyObject *arg) {
 static PyObject *mod_build_info(PyObject *mod, PyObject *unused) {
     (void)mod;
     (void)unused;
-    return Py_BuildValue("{s:s,s:s,s:s,s:O}", "version", cmlp_version(), "blas", cmlp_blas_info(), "compiler",
-                         cmlp_compiler_info(), "cuda_compiled", cmlp_cuda_compiled() ? Py_True : Py_False);
+    const char *cuda = cmlp_cuda_version();
+    return Py_BuildValue("{s:s,s:s,s:s,s:O,s:z}", "version", cmlp_version(), "blas", cmlp_blas_info(), "compiler",
+                         cmlp_compiler_info(), "cuda_compiled", cmlp_cuda_compiled() ? Py_True : Py_False, "cuda",
+                         cuda);
+}
+
+static PyObject *mod_synchronize(PyObject *mod, PyObject *arg) {
+    cmlp_device d;
+    if (parse_device(state_of(mod), arg, &d) < 0) return NULL;
+    cmlp_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = cmlp_device_synchronize(d);
+    Py_END_ALLOW_THREADS
+    if (st != CMLP_OK) return raise_status(state_of(mod), st);
+    Py_RETURN_NONE;
 }
 
 static PyObject *mod_cuda_device_count(PyObject *mod, PyObject *unused) {
@@ -1160,6 +1173,7 @@ static PyMethodDef module_methods[] = {
     {"parse_device", mod_parse_device, METH_O, "canonical device string; raises when unavailable"},
     {"build_info", mod_build_info, METH_NOARGS, "build facts"},
     {"cuda_device_count", mod_cuda_device_count, METH_NOARGS, "number of usable CUDA devices"},
+    {"synchronize", mod_synchronize, METH_O, "synchronize(device): waits for the device's queued work"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -15,4 +15,4 @@ def device_count() -> int:
 
 def synchronize(device: Optional[str] = None) -> None:
     """Waits for the device's queued work. Raises RuntimeError when CUDA is unavailable."""
-    _cmlp.parse_device("cuda" if device is None else device)
+    _cmlp.synchronize("cuda" if device is None else device)

@@ -1,0 +1,664 @@
+/* backend_cuda.c - the CUDA backend: one stream per device, GEMMs through cuBLASLt, the
+ * kernels of kernels/, raw memory from cudaMalloc and expandable segments on the driver's
+ * virtual memory API. It is built into its own shared library (_cmlp_cuda.so), which the core
+ * loads on first use (cuda_loader.c), so that cmlp imports where there is no CUDA at all.
+ *
+ * It calls nothing of the core but the error recorder handed to cmlp_cuda_entry. Every CUDA,
+ * driver and cuBLASLt call is checked; a failure becomes CMLP_ERR_DEVICE carrying CUDA's
+ * message (or CMLP_ERR_OOM, with nothing recorded, where the allocator expects that).
+ * CMLP_CUDA_SYNC=1 synchronises after every operation, so that an error names its operation.
+ */
+#include "backend.h"
+#include "kernels.h"
+
+#include <cublasLt.h>
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static cmlp_error_fn record_error;
+
+#define FAIL(st, ...) record_error((st), __FILE__, __LINE__, __VA_ARGS__)
+
+#define CU_TRY(call)                                                                                           \
+    do {                                                                                                       \
+        cudaError_t e_ = (call);                                                                               \
+        if (e_ != cudaSuccess) return cuda_fail(e_, #call, __FILE__, __LINE__);                                \
+    } while (0)
+
+#define LT_TRY(call)                                                                                           \
+    do {                                                                                                       \
+        cublasStatus_t s_ = (call);                                                                            \
+        if (s_ != CUBLAS_STATUS_SUCCESS)                                                                       \
+            return record_error(CMLP_ERR_DEVICE, __FILE__, __LINE__, "%s failed: %s (%s)", #call,             \
+                                cublasLtGetStatusString(s_), cublasLtGetStatusName(s_));                       \
+    } while (0)
+
+static cmlp_status cuda_fail(cudaError_t e, const char *what, const char *file, int line) {
+    (void)cudaGetLastError(); /* clears a non-sticky error; a sticky one stays and says so again */
+    return record_error(CMLP_ERR_DEVICE, file, line, "%s failed: %s (%s)", what, cudaGetErrorString(e),
+                        cudaGetErrorName(e));
+}
+
+/* ---- the driver's virtual memory API, reached through the runtime (no link to libcuda) ---- */
+
+typedef CUresult (*fn_mem_create)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *,
+                                  unsigned long long);
+typedef CUresult (*fn_mem_release)(CUmemGenericAllocationHandle);
+typedef CUresult (*fn_mem_map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
+typedef CUresult (*fn_mem_unmap)(CUdeviceptr, size_t);
+typedef CUresult (*fn_mem_set_access)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+typedef CUresult (*fn_mem_reserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+typedef CUresult (*fn_mem_free_range)(CUdeviceptr, size_t);
+typedef CUresult (*fn_mem_granularity)(size_t *, const CUmemAllocationProp *, CUmemAllocationGranularity_flags);
+typedef CUresult (*fn_get_error_string)(CUresult, const char **);
+
+static struct {
+    fn_mem_create create;
+    fn_mem_release release;
+    fn_mem_map map;
+    fn_mem_unmap unmap;
+    fn_mem_set_access set_access;
+    fn_mem_reserve reserve;
+    fn_mem_free_range free_range;
+    fn_mem_granularity granularity;
+    fn_get_error_string error_string;
+    bool ok;
+} vmm;
+
+static pthread_once_t vmm_once = PTHREAD_ONCE_INIT;
+
+static void *driver_symbol(const char *name) {
+    void *fn = NULL;
+    enum cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    return fn;
+}
+
+static void vmm_load(void) {
+    vmm.create = (fn_mem_create)driver_symbol("cuMemCreate");
+    vmm.release = (fn_mem_release)driver_symbol("cuMemRelease");
+    vmm.map = (fn_mem_map)driver_symbol("cuMemMap");
+    vmm.unmap = (fn_mem_unmap)driver_symbol("cuMemUnmap");
+    vmm.set_access = (fn_mem_set_access)driver_symbol("cuMemSetAccess");
+    vmm.reserve = (fn_mem_reserve)driver_symbol("cuMemAddressReserve");
+    vmm.free_range = (fn_mem_free_range)driver_symbol("cuMemAddressFree");
+    vmm.granularity = (fn_mem_granularity)driver_symbol("cuMemGetAllocationGranularity");
+    vmm.error_string = (fn_get_error_string)driver_symbol("cuGetErrorString");
+    vmm.ok = vmm.create && vmm.release && vmm.map && vmm.unmap && vmm.set_access && vmm.reserve && vmm.free_range &&
+             vmm.granularity;
+}
+
+static cmlp_status drv_fail(CUresult r, const char *what, const char *file, int line) {
+    const char *msg = NULL;
+    if (!vmm.error_string || vmm.error_string(r, &msg) != CUDA_SUCCESS || !msg) msg = "unknown driver error";
+    return record_error(CMLP_ERR_DEVICE, file, line, "%s failed: %s (CUresult %d)", what, msg, (int)r);
+}
+
+#define DRV_TRY(call)                                                                                          \
+    do {                                                                                                       \
+        CUresult r_ = (call);                                                                                  \
+        if (r_ != CUDA_SUCCESS) return drv_fail(r_, #call, __FILE__, __LINE__);                               \
+    } while (0)
+
+/* The page of expandable segments: the allocator maps and unmaps 2 MiB pages. */
+#define VM_PAGE ((size_t)2 << 20)
+
+/* ---- the per-device context ---- */
+
+typedef struct {
+    uint64_t key[8];
+    cublasLtMatmulDesc_t op;
+    cublasLtMatrixLayout_t a, b, c;
+    cublasLtMatmulAlgo_t algo;
+    bool used;
+} gemm_plan;
+
+#define NPLANS 64
+
+typedef struct {
+    int index;
+    cudaStream_t stream;
+    cublasLtHandle_t lt;
+    pthread_mutex_t lock; /* the scratch, the staging buffers and the plan cache */
+    void *ws;             /* from the allocator: the GEMM workspace, then the reduction scratch */
+    size_t ws_bytes;
+    double *d_acc;        /* [0] loss sum, [1] correct count (as unsigned long long) */
+    void *h_acc;          /* pinned, 16 bytes */
+    void *h_stage;        /* pinned staging for host data */
+    size_t h_stage_bytes;
+    bool vm_ok;
+    bool sync_each;
+    int tf32;
+    gemm_plan plans[NPLANS];
+    int next_plan;
+} cuda_ctx;
+
+#define GEMM_WORKSPACE ((size_t)8 << 20)
+#define ACC_BYTES ((size_t)256)
+
+static cmlp_status use(cuda_ctx *c) {
+    int cur = -1;
+    if (cudaGetDevice(&cur) != cudaSuccess || cur != c->index) CU_TRY(cudaSetDevice(c->index));
+    return CMLP_OK;
+}
+
+#define CMLP_TRY_USE(c)                                                                                        \
+    do {                                                                                                       \
+        cmlp_status u_ = use(c);                                                                               \
+        if (u_ != CMLP_OK) return u_;                                                                          \
+    } while (0)
+
+/* After enqueuing work: the launch error, or with CMLP_CUDA_SYNC=1 the execution error too. */
+static cmlp_status done(cuda_ctx *c, cudaError_t launch, const char *what) {
+    if (launch != cudaSuccess) return cuda_fail(launch, what, __FILE__, __LINE__);
+    if (c->sync_each) {
+        cudaError_t e = cudaStreamSynchronize(c->stream);
+        if (e != cudaSuccess) return cuda_fail(e, what, __FILE__, __LINE__);
+    }
+    return CMLP_OK;
+}
+
+#define KERNEL(c, call) done((c), (call), #call)
+
+static int env_flag(const char *name) {
+    const char *v = getenv(name);
+    return v && v[0] && strcmp(v, "0") != 0;
+}
+
+static cmlp_status cu_open(int index, void **out) {
+    cuda_ctx *c = calloc(1, sizeof *c);
+    if (!c) return FAIL(CMLP_ERR_OOM, "out of host memory opening cuda:%d", index);
+    c->index = index;
+    pthread_mutex_init(&c->lock, NULL);
+    c->sync_each = env_flag("CMLP_CUDA_SYNC");
+    c->tf32 = env_flag("CMLP_ALLOW_TF32");
+    cmlp_status st = CMLP_OK;
+    cudaError_t e = cudaSetDevice(index);
+    if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking);
+    if (e == cudaSuccess) e = cudaMallocHost(&c->h_acc, 16);
+    if (e != cudaSuccess) {
+        st = cuda_fail(e, "opening the device (cudaSetDevice, stream, pinned memory)", __FILE__, __LINE__);
+    } else {
+        cublasStatus_t s = cublasLtCreate(&c->lt);
+        if (s != CUBLAS_STATUS_SUCCESS)
+            st = FAIL(CMLP_ERR_DEVICE, "cublasLtCreate failed on cuda:%d: %s", index, cublasLtGetStatusString(s));
+    }
+    if (st == CMLP_OK) {
+        pthread_once(&vmm_once, vmm_load);
+        size_t gran = 0;
+        CUmemAllocationProp prop = {0};
+        prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        prop.location.id = index;
+        c->vm_ok = vmm.ok && vmm.granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) == CUDA_SUCCESS && gran &&
+                   VM_PAGE % gran == 0;
+    }
+    if (st != CMLP_OK) {
+        if (c->lt) cublasLtDestroy(c->lt);
+        if (c->h_acc) cudaFreeHost(c->h_acc);
+        if (c->stream) cudaStreamDestroy(c->stream);
+        pthread_mutex_destroy(&c->lock);
+        free(c);
+        return st;
+    }
+    *out = c;
+    return CMLP_OK;
+}
+
+static int64_t cu_total_memory(void *ctx) {
+    cuda_ctx *c = ctx;
+    size_t free_b = 0, total = 0;
+    if (use(c) != CMLP_OK || cudaMemGetInfo(&free_b, &total) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return (int64_t)total;
+}
+
+static size_t cu_workspace_bytes(void *ctx) {
+    (void)ctx;
+    return GEMM_WORKSPACE + ACC_BYTES;
+}
+
+static void cu_set_workspace(void *ctx, void *d_ptr, size_t nbytes) {
+    cuda_ctx *c = ctx;
+    c->ws = d_ptr;
+    c->ws_bytes = nbytes >= ACC_BYTES ? nbytes - ACC_BYTES : 0;
+    c->d_acc = d_ptr ? (double *)((char *)d_ptr + c->ws_bytes) : NULL;
+}
+
+/* ---- raw memory and virtual memory ---- */
+
+static cmlp_status cu_raw_alloc(void *ctx, size_t nbytes, void **out) {
+    cuda_ctx *c = ctx;
+    CMLP_TRY_USE(c);
+    cudaError_t e = cudaMalloc(out, nbytes);
+    if (e == cudaSuccess) return CMLP_OK;
+    (void)cudaGetLastError();
+    *out = NULL;
+    return CMLP_ERR_OOM; /* the allocator's ladder takes it from here */
+}
+
+static void cu_raw_free(void *ctx, void *ptr, size_t nbytes) {
+    (void)nbytes;
+    cuda_ctx *c = ctx;
+    if (use(c) == CMLP_OK && cudaFree(ptr) != cudaSuccess) (void)cudaGetLastError();
+}
+
+static cmlp_status cu_vm_reserve(void *ctx, size_t nbytes, void **out) {
+    cuda_ctx *c = ctx;
+    if (!c->vm_ok)
+        return FAIL(CMLP_ERR_DEVICE, "expandable segments need the driver's virtual memory API with 2 MiB pages, "
+                                     "which cuda:%d does not offer",
+                    c->index);
+    CMLP_TRY_USE(c);
+    CUdeviceptr p = 0;
+    DRV_TRY(vmm.reserve(&p, nbytes, VM_PAGE, 0, 0));
+    *out = (void *)(uintptr_t)p;
+    return CMLP_OK;
+}
+
+static void unmap_pages(cuda_ctx *c, char *ptr, size_t npages) {
+    for (size_t i = 0; i < npages; i++) (void)vmm.unmap((CUdeviceptr)(uintptr_t)(ptr + i * VM_PAGE), VM_PAGE);
+    (void)c;
+}
+
+/* One physical allocation per page, so that any page can be unmapped on its own later. */
+static cmlp_status cu_vm_map(void *ctx, void *ptr, size_t nbytes) {
+    cuda_ctx *c = ctx;
+    CMLP_TRY_USE(c);
+    CUmemAllocationProp prop = {0};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = c->index;
+    CUmemAccessDesc access = {0};
+    access.location = prop.location;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    size_t npages = nbytes / VM_PAGE;
+    for (size_t i = 0; i < npages; i++) {
+        CUdeviceptr at = (CUdeviceptr)(uintptr_t)((char *)ptr + i * VM_PAGE);
+        CUmemGenericAllocationHandle h = 0;
+        CUresult r = vmm.create(&h, VM_PAGE, &prop, 0);
+        if (r == CUDA_SUCCESS) {
+            r = vmm.map(at, VM_PAGE, 0, h, 0);
+            (void)vmm.release(h); /* the mapping keeps the memory */
+            if (r == CUDA_SUCCESS) {
+                r = vmm.set_access(at, VM_PAGE, &access, 1);
+                if (r != CUDA_SUCCESS) (void)vmm.unmap(at, VM_PAGE);
+            }
+        }
+        if (r != CUDA_SUCCESS) {
+            unmap_pages(c, ptr, i);
+            if (r == CUDA_ERROR_OUT_OF_MEMORY) return CMLP_ERR_OOM;
+            return drv_fail(r, "mapping a page of an expandable segment", __FILE__, __LINE__);
+        }
+    }
+    return CMLP_OK;
+}
+
+static void cu_vm_unmap(void *ctx, void *ptr, size_t nbytes) {
+    cuda_ctx *c = ctx;
+    if (use(c) != CMLP_OK) return;
+    /* queued kernels may still use the pages: unmapping does not wait for them */
+    if (cudaStreamSynchronize(c->stream) != cudaSuccess) (void)cudaGetLastError();
+    unmap_pages(c, ptr, nbytes / VM_PAGE);
+}
+
+static void cu_vm_release(void *ctx, void *ptr, size_t nbytes) {
+    cuda_ctx *c = ctx;
+    if (use(c) == CMLP_OK) (void)vmm.free_range((CUdeviceptr)(uintptr_t)ptr, nbytes);
+}
+
+/* ---- copies ---- */
+
+static cmlp_status cu_copy_h2d(void *ctx, void *d_dst, const void *h_src, size_t nbytes) {
+    cuda_ctx *c = ctx;
+    if (!nbytes) return CMLP_OK;
+    CMLP_TRY_USE(c);
+    /* from pageable memory the call returns once the source has been staged */
+    return done(c, cudaMemcpyAsync(d_dst, h_src, nbytes, cudaMemcpyHostToDevice, c->stream), "copy to the device");
+}
+
+static cmlp_status cu_copy_d2h(void *ctx, void *h_dst, const void *d_src, size_t nbytes) {
+    cuda_ctx *c = ctx;
+    if (!nbytes) return CMLP_OK;
+    CMLP_TRY_USE(c);
+    CU_TRY(cudaMemcpyAsync(h_dst, d_src, nbytes, cudaMemcpyDeviceToHost, c->stream));
+    CU_TRY(cudaStreamSynchronize(c->stream));
+    return CMLP_OK;
+}
+
+static cmlp_status cu_copy_d2d(void *ctx, void *d_dst, const void *d_src, size_t nbytes) {
+    cuda_ctx *c = ctx;
+    if (!nbytes) return CMLP_OK;
+    CMLP_TRY_USE(c);
+    return done(c, cudaMemcpyAsync(d_dst, d_src, nbytes, cudaMemcpyDeviceToDevice, c->stream), "device copy");
+}
+
+static cmlp_status cu_fill_zero(void *ctx, void *d_dst, size_t nbytes) {
+    cuda_ctx *c = ctx;
+    if (!nbytes) return CMLP_OK;
+    CMLP_TRY_USE(c);
+    return done(c, cudaMemsetAsync(d_dst, 0, nbytes, c->stream), "cudaMemsetAsync");
+}
+
+/* ---- GEMM: cuBLASLt, with a cache of plans per shape, layout and alignment ---- */
+
+static unsigned align_of(const void *p) {
+    uintptr_t a = (uintptr_t)p;
+    unsigned al = 256;
+    while (al > 4 && (a & (al - 1))) al >>= 1;
+    return al;
+}
+
+static void plan_free(gemm_plan *p) {
+    if (!p->used) return;
+    cublasLtMatmulDescDestroy(p->op);
+    cublasLtMatrixLayoutDestroy(p->a);
+    cublasLtMatrixLayoutDestroy(p->b);
+    cublasLtMatrixLayoutDestroy(p->c);
+    p->used = false;
+}
+
+/* Row-major C[m,n] = op(A) op(B) is column-major C^T[n,m] = op(B)^T op(A)^T: cuBLASLt's "A" is
+ * our B and its "B" is our A. */
+static cmlp_status plan_make(cuda_ctx *c, gemm_plan *p, const uint64_t key[8], int ta, int tb, int64_t m, int64_t n,
+                             int64_t k, int64_t lda, int64_t ldb, int64_t ldc, unsigned al_a, unsigned al_b,
+                             unsigned al_c) {
+    cublasComputeType_t ct = c->tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    cublasOperation_t op_l = tb ? CUBLAS_OP_T : CUBLAS_OP_N, op_r = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+    memset(p, 0, sizeof *p);
+    LT_TRY(cublasLtMatmulDescCreate(&p->op, ct, CUDA_R_32F));
+    p->used = true; /* from here plan_free releases what exists; the rest are NULL */
+    LT_TRY(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &op_l, sizeof op_l));
+    LT_TRY(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &op_r, sizeof op_r));
+    /* stored shapes (before op), column-major */
+    LT_TRY(cublasLtMatrixLayoutCreate(&p->a, CUDA_R_32F, tb ? (uint64_t)k : (uint64_t)n, tb ? (uint64_t)n : (uint64_t)k, ldb));
+    LT_TRY(cublasLtMatrixLayoutCreate(&p->b, CUDA_R_32F, ta ? (uint64_t)m : (uint64_t)k, ta ? (uint64_t)k : (uint64_t)m, lda));
+    LT_TRY(cublasLtMatrixLayoutCreate(&p->c, CUDA_R_32F, (uint64_t)n, (uint64_t)m, ldc));
+    cublasLtMatmulPreference_t pref = NULL;
+    LT_TRY(cublasLtMatmulPreferenceCreate(&pref));
+    size_t ws = c->ws_bytes;
+    uint32_t aa = al_b, ab = al_a, ac = al_c; /* cuBLASLt's A is our B */
+    cublasStatus_t s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
+    if (s == CUBLAS_STATUS_SUCCESS)
+        s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &aa, sizeof aa);
+    if (s == CUBLAS_STATUS_SUCCESS)
+        s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ab, sizeof ab);
+    if (s == CUBLAS_STATUS_SUCCESS)
+        s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ac, sizeof ac);
+    if (s == CUBLAS_STATUS_SUCCESS)
+        s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ac, sizeof ac);
+    cublasLtMatmulHeuristicResult_t h;
+    int found = 0;
+    if (s == CUBLAS_STATUS_SUCCESS)
+        s = cublasLtMatmulAlgoGetHeuristic(c->lt, p->op, p->a, p->b, p->c, p->c, pref, 1, &h, &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    if (s != CUBLAS_STATUS_SUCCESS || found == 0) {
+        plan_free(p);
+        return FAIL(CMLP_ERR_DEVICE, "cuBLASLt has no algorithm for a GEMM of %lld x %lld x %lld (%s)", (long long)m,
+                    (long long)n, (long long)k, s == CUBLAS_STATUS_SUCCESS ? "none found" : cublasLtGetStatusString(s));
+    }
+    p->algo = h.algo;
+    memcpy(p->key, key, sizeof p->key);
+    return CMLP_OK;
+}
+
+static cmlp_status cu_gemm(void *ctx, int ta, int tb, int64_t m, int64_t n, int64_t k, float alpha, const float *d_a,
+                           int64_t lda, const float *d_b, int64_t ldb, float beta, float *d_c, int64_t ldc) {
+    cuda_ctx *c = ctx;
+    if (m == 0 || n == 0) return CMLP_OK;
+    if (k <= 0) return FAIL(CMLP_ERR_INVALID, "GEMM with k = %lld", (long long)k);
+    CMLP_TRY_USE(c);
+    unsigned al_a = align_of(d_a), al_b = align_of(d_b), al_c = align_of(d_c);
+    uint64_t key[8] = {(uint64_t)m, (uint64_t)n, (uint64_t)k, (uint64_t)lda, (uint64_t)ldb, (uint64_t)ldc,
+                       (uint64_t)(ta != 0) | (uint64_t)(tb != 0) << 1 | (uint64_t)c->tf32 << 2,
+                       (uint64_t)al_a | (uint64_t)al_b << 16 | (uint64_t)al_c << 32};
+    pthread_mutex_lock(&c->lock);
+    gemm_plan *p = NULL;
+    for (int i = 0; i < NPLANS && !p; i++)
+        if (c->plans[i].used && memcmp(c->plans[i].key, key, sizeof key) == 0) p = &c->plans[i];
+    cmlp_status st = CMLP_OK;
+    if (!p) {
+        p = &c->plans[c->next_plan];
+        c->next_plan = (c->next_plan + 1) % NPLANS;
+        plan_free(p);
+        st = plan_make(c, p, key, ta, tb, m, n, k, lda, ldb, ldc, al_a, al_b, al_c);
+    }
+    if (st == CMLP_OK) {
+        cublasStatus_t s = cublasLtMatmul(c->lt, p->op, &alpha, d_b, p->a, d_a, p->b, &beta, d_c, p->c, d_c, p->c,
+                                          &p->algo, c->ws, c->ws_bytes, c->stream);
+        if (s != CUBLAS_STATUS_SUCCESS)
+            st = FAIL(CMLP_ERR_DEVICE, "cublasLtMatmul (%lld x %lld x %lld) failed: %s", (long long)m, (long long)n,
+                      (long long)k, cublasLtGetStatusString(s));
+    }
+    pthread_mutex_unlock(&c->lock);
+    if (st == CMLP_OK && c->sync_each) st = done(c, cudaSuccess, "cublasLtMatmul");
+    return st;
+}
+
+/* ---- elementwise, loss, staging ---- */
+
+static cmlp_status cu_bias_act(void *ctx, float *d_y, const float *d_bias, int64_t rows, int64_t cols, int relu) {
+    cuda_ctx *c = ctx;
+    CMLP_TRY_USE(c);
+    return KERNEL(c, cmlp_k_bias_act(d_y, d_bias, rows, cols, relu, c->stream));
+}
+
+static cmlp_status cu_relu_backward(void *ctx, float *d_dy, const float *d_h, int64_t count) {
+    cuda_ctx *c = ctx;
+    CMLP_TRY_USE(c);
+    return KERNEL(c, cmlp_k_relu_backward(d_dy, d_h, count, c->stream));
+}
+
+static cmlp_status cu_bias_grad(void *ctx, float *d_db, const float *d_dy, int64_t rows, int64_t cols) {
+    cuda_ctx *c = ctx;
+    CMLP_TRY_USE(c);
+    return KERNEL(c, cmlp_k_bias_grad(d_db, d_dy, rows, cols, c->stream));
+}
+
+static cmlp_status cu_softmax_xent(void *ctx, const float *d_logits, const int32_t *d_labels, int64_t rows,
+                                   int64_t cols, float smoothing, float grad_weight, float *d_dlogits,
+                                   double *h_loss_sum, int64_t *h_correct) {
+    cuda_ctx *c = ctx;
+    if (rows == 0) return CMLP_OK;
+    CMLP_TRY_USE(c);
+    if (!c->d_acc) return FAIL(CMLP_ERR_STATE, "cuda:%d has no scratch memory", c->index);
+    pthread_mutex_lock(&c->lock);
+    unsigned long long *d_hits = (unsigned long long *)(c->d_acc + 1);
+    cudaError_t e = cudaMemsetAsync(c->d_acc, 0, 16, c->stream);
+    if (e == cudaSuccess)
+        e = cmlp_k_softmax_xent(d_logits, d_labels, rows, cols, smoothing, grad_weight, d_dlogits, c->d_acc,
+                                h_correct ? d_hits : NULL, c->stream);
+    if (e == cudaSuccess) e = cudaMemcpyAsync(c->h_acc, c->d_acc, 16, cudaMemcpyDeviceToHost, c->stream);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(c->stream);
+    cmlp_status st = CMLP_OK;
+    if (e != cudaSuccess) {
+        st = cuda_fail(e, "softmax cross-entropy", __FILE__, __LINE__);
+    } else {
+        double loss;
+        unsigned long long hits;
+        memcpy(&loss, c->h_acc, 8);
+        memcpy(&hits, (char *)c->h_acc + 8, 8);
+        if (h_loss_sum) *h_loss_sum += loss;
+        if (h_correct) *h_correct += (int64_t)hits;
+    }
+    pthread_mutex_unlock(&c->lock);
+    return st;
+}
+
+/* Host data reaches the device through one pinned buffer; the stream is drained before the
+ * buffer is written again. Called with the lock held. */
+static cmlp_status stage_buffer(cuda_ctx *c, size_t nbytes, void **out) {
+    CU_TRY(cudaStreamSynchronize(c->stream));
+    if (nbytes > c->h_stage_bytes) {
+        size_t want = nbytes < ((size_t)1 << 20) ? ((size_t)1 << 20) : nbytes + nbytes / 2;
+        if (c->h_stage) CU_TRY(cudaFreeHost(c->h_stage));
+        c->h_stage = NULL;
+        c->h_stage_bytes = 0;
+        CU_TRY(cudaMallocHost(&c->h_stage, want));
+        c->h_stage_bytes = want;
+    }
+    *out = c->h_stage;
+    return CMLP_OK;
+}
+
+static cmlp_status cu_stage_rows(void *ctx, float *d_dst, const void *h_src, cmlp_dtype dtype, int64_t cols,
+                                 const int64_t *h_idx, int64_t start, int64_t rows, float scale, float shift) {
+    cuda_ctx *c = ctx;
+    if (rows == 0 || cols == 0) return CMLP_OK;
+    CMLP_TRY_USE(c);
+    size_t nbytes = (size_t)rows * (size_t)cols * sizeof(float);
+    pthread_mutex_lock(&c->lock);
+    void *buf = NULL;
+    cmlp_status st = stage_buffer(c, nbytes, &buf);
+    if (st == CMLP_OK) {
+        float *dst = buf;
+        for (int64_t r = 0; r < rows; r++) {
+            int64_t s = h_idx ? h_idx[r] : start + r;
+            float *d = dst + r * cols;
+            if (dtype == CMLP_DTYPE_U8) {
+                const uint8_t *u = (const uint8_t *)h_src + s * cols;
+                for (int64_t k = 0; k < cols; k++) d[k] = (float)u[k] * scale + shift;
+            } else {
+                memcpy(d, (const float *)h_src + s * cols, (size_t)cols * sizeof(float));
+            }
+        }
+        st = done(c, cudaMemcpyAsync(d_dst, buf, nbytes, cudaMemcpyHostToDevice, c->stream), "staging rows");
+    }
+    pthread_mutex_unlock(&c->lock);
+    return st;
+}
+
+static cmlp_status cu_stage_labels(void *ctx, int32_t *d_dst, const int32_t *h_src, const int64_t *h_idx, int64_t start,
+                                   int64_t rows) {
+    cuda_ctx *c = ctx;
+    if (rows == 0) return CMLP_OK;
+    CMLP_TRY_USE(c);
+    pthread_mutex_lock(&c->lock);
+    void *buf = NULL;
+    cmlp_status st = stage_buffer(c, (size_t)rows * sizeof(int32_t), &buf);
+    if (st == CMLP_OK) {
+        int32_t *dst = buf;
+        for (int64_t r = 0; r < rows; r++) dst[r] = h_src[h_idx ? h_idx[r] : start + r];
+        st = done(c, cudaMemcpyAsync(d_dst, buf, (size_t)rows * sizeof(int32_t), cudaMemcpyHostToDevice, c->stream),
+                  "staging labels");
+    }
+    pthread_mutex_unlock(&c->lock);
+    return st;
+}
+
+/* ---- optimizers and mixed precision ---- */
+
+static cmlp_status cu_adam(void *ctx, float *d_p, const float *d_g, float *d_m, float *d_v, int64_t n, float step_size,
+                           float beta1, float beta2, float bc2_sqrt, float eps, float weight_decay) {
+    cuda_ctx *c = ctx;
+    CMLP_TRY_USE(c);
+    return KERNEL(c, cmlp_k_adam(d_p, d_g, d_m, d_v, n, step_size, beta1, beta2, bc2_sqrt, eps, weight_decay, NULL,
+                                 c->stream));
+}
+
+static cmlp_status cu_sgd(void *ctx, float *d_p, const float *d_g, float *d_buf, int64_t n, float lr, float momentum,
+                          float dampening, int nesterov, float weight_decay, int first) {
+    cuda_ctx *c = ctx;
+    CMLP_TRY_USE(c);
+    return KERNEL(c, cmlp_k_sgd(d_p, d_g, d_buf, n, lr, momentum, dampening, nesterov, weight_decay, first, NULL,
+                                c->stream));
+}
+
+static cmlp_status cu_to_half(void *ctx, uint16_t *d_dst, const float *d_src, int64_t n, cmlp_dtype dtype) {
+    cuda_ctx *c = ctx;
+    CMLP_TRY_USE(c);
+    return KERNEL(c, cmlp_k_to_half(d_dst, d_src, n, dtype == CMLP_DTYPE_BF16, c->stream));
+}
+
+static cmlp_status cu_from_half(void *ctx, float *d_dst, const uint16_t *d_src, int64_t n, cmlp_dtype dtype) {
+    cuda_ctx *c = ctx;
+    CMLP_TRY_USE(c);
+    return KERNEL(c, cmlp_k_from_half(d_dst, d_src, n, dtype == CMLP_DTYPE_BF16, c->stream));
+}
+
+static cmlp_status cu_unscale(void *ctx, float *d_g, int64_t n, float inv_scale, float *d_found_inf) {
+    cuda_ctx *c = ctx;
+    CMLP_TRY_USE(c);
+    return KERNEL(c, cmlp_k_unscale(d_g, n, inv_scale, NULL, d_found_inf, c->stream));
+}
+
+static cmlp_status cu_synchronize(void *ctx) {
+    cuda_ctx *c = ctx;
+    CMLP_TRY_USE(c);
+    CU_TRY(cudaStreamSynchronize(c->stream));
+    return CMLP_OK;
+}
+
+static const cmlp_backend_i backend = {
+    .name = "cuda",
+    .open = cu_open,
+    .total_memory = cu_total_memory,
+    .workspace_bytes = cu_workspace_bytes,
+    .set_workspace = cu_set_workspace,
+    .raw_alloc = cu_raw_alloc,
+    .raw_free = cu_raw_free,
+    .vm_reserve = cu_vm_reserve,
+    .vm_map = cu_vm_map,
+    .vm_unmap = cu_vm_unmap,
+    .vm_release = cu_vm_release,
+    .copy_h2d = cu_copy_h2d,
+    .copy_d2h = cu_copy_d2h,
+    .copy_d2d = cu_copy_d2d,
+    .fill_zero = cu_fill_zero,
+    .gemm = cu_gemm,
+    .bias_act = cu_bias_act,
+    .relu_backward = cu_relu_backward,
+    .bias_grad = cu_bias_grad,
+    .softmax_xent = cu_softmax_xent,
+    .stage_rows = cu_stage_rows,
+    .stage_labels = cu_stage_labels,
+    .adam = cu_adam,
+    .sgd = cu_sgd,
+    .to_half = cu_to_half,
+    .from_half = cu_from_half,
+    .unscale = cu_unscale,
+    .synchronize = cu_synchronize,
+};
+
+/* ---- the library's entry ---- */
+
+static int cu_device_count(char *why, size_t cap) {
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        if (why && cap) snprintf(why, cap, "%s (%s)", cudaGetErrorString(e), cudaGetErrorName(e));
+        return 0;
+    }
+    if (n == 0 && why && cap) snprintf(why, cap, "the CUDA driver reports no device");
+    return n;
+}
+
+static int cu_runtime_version(void) {
+    int v = 0;
+    if (cudaRuntimeGetVersion(&v) != cudaSuccess) (void)cudaGetLastError();
+    return v;
+}
+
+static const cmlp_cuda_module module = {
+    .abi = CMLP_CUDA_ABI,
+    .backend = &backend,
+    .device_count = cu_device_count,
+    .runtime_version = cu_runtime_version,
+};
+
+__attribute__((visibility("default"))) const cmlp_cuda_module *cmlp_cuda_entry(cmlp_error_fn set_error) {
+    record_error = set_error;
+    return &module;
+}

@@ -1,0 +1,165 @@
+/* amp.cu - mixed precision on the device: fp32 <-> fp16 / bf16 storage casts (round to nearest
+ * even, subnormals kept), the fused gradient unscale and inf/NaN check, and PyTorch's
+ * loss-scale update, all without a host synchronisation.
+ */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "common.cuh"
+#include "kernels.h"
+
+/* ---- casts; half values are stored as their 16 bits ---- */
+
+template <bool BF16>
+__device__ __forceinline__ uint16_t to_half1(float f) {
+    if constexpr (BF16) return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+    else return __half_as_ushort(__float2half_rn(f));
+}
+
+template <bool BF16>
+__device__ __forceinline__ float from_half1(uint16_t h) {
+    if constexpr (BF16) return __bfloat162float(__ushort_as_bfloat16(h));
+    else return __half2float(__ushort_as_half(h));
+}
+
+template <bool BF16>
+struct to_half_op : cmlp_op_base {
+    uint16_t *dst;
+    const float *src;
+    __device__ __forceinline__ bool one(int64_t i) const {
+        dst[i] = to_half1<BF16>(src[i]);
+        return false;
+    }
+    __device__ __forceinline__ bool four(int64_t i) const {
+        const float4 f = *reinterpret_cast<const float4 *>(src + i);
+        uint2 h;
+        h.x = (uint32_t)to_half1<BF16>(f.x) | (uint32_t)to_half1<BF16>(f.y) << 16;
+        h.y = (uint32_t)to_half1<BF16>(f.z) | (uint32_t)to_half1<BF16>(f.w) << 16;
+        *reinterpret_cast<uint2 *>(dst + i) = h;
+        return false;
+    }
+};
+
+template <bool BF16>
+struct from_half_op : cmlp_op_base {
+    float *dst;
+    const uint16_t *src;
+    __device__ __forceinline__ bool one(int64_t i) const {
+        dst[i] = from_half1<BF16>(src[i]);
+        return false;
+    }
+    __device__ __forceinline__ bool four(int64_t i) const {
+        const uint2 h = *reinterpret_cast<const uint2 *>(src + i);
+        *reinterpret_cast<float4 *>(dst + i) =
+            make_float4(from_half1<BF16>((uint16_t)(h.x & 0xFFFFu)), from_half1<BF16>((uint16_t)(h.x >> 16)),
+                        from_half1<BF16>((uint16_t)(h.y & 0xFFFFu)), from_half1<BF16>((uint16_t)(h.y >> 16)));
+        return false;
+    }
+};
+
+extern "C" cudaError_t cmlp_k_to_half(uint16_t *dst, const float *src, int64_t n, int bf16, cudaStream_t stream) {
+    if (n < 0) return cudaErrorInvalidValue;
+    if (n == 0) return cudaSuccess;
+    const int mis[2] = {cmlp_misalign(dst, 2), cmlp_misalign(src, 4)};
+    if (bf16) {
+        to_half_op<true> op;
+        op.dst = dst;
+        op.src = src;
+        return cmlp_launch_map(op, n, mis, 2, stream);
+    }
+    to_half_op<false> op;
+    op.dst = dst;
+    op.src = src;
+    return cmlp_launch_map(op, n, mis, 2, stream);
+}
+
+extern "C" cudaError_t cmlp_k_from_half(float *dst, const uint16_t *src, int64_t n, int bf16, cudaStream_t stream) {
+    if (n < 0) return cudaErrorInvalidValue;
+    if (n == 0) return cudaSuccess;
+    const int mis[2] = {cmlp_misalign(dst, 4), cmlp_misalign(src, 2)};
+    if (bf16) {
+        from_half_op<true> op;
+        op.dst = dst;
+        op.src = src;
+        return cmlp_launch_map(op, n, mis, 2, stream);
+    }
+    from_half_op<false> op;
+    op.dst = dst;
+    op.src = src;
+    return cmlp_launch_map(op, n, mis, 2, stream);
+}
+
+/* ---- unscale ---- */
+
+struct unscale_op {
+    float *g;
+    float inv_scale;
+    const float *scale; /* when set, inv_scale becomes (float)(1 / *scale) in begin() */
+    float *found_inf;
+
+    __device__ __forceinline__ bool begin() {
+        if (scale) inv_scale = (float)(1.0 / (double)*scale);
+        return false;
+    }
+    __device__ __forceinline__ bool one(int64_t i) const {
+        const float v = f_mul(g[i], inv_scale);
+        g[i] = v;
+        return f_nonfinite(v);
+    }
+    __device__ __forceinline__ bool four(int64_t i) const {
+        const float s = inv_scale;
+        float4 v = *reinterpret_cast<const float4 *>(g + i);
+        v.x = f_mul(v.x, s);
+        v.y = f_mul(v.y, s);
+        v.z = f_mul(v.z, s);
+        v.w = f_mul(v.w, s);
+        *reinterpret_cast<float4 *>(g + i) = v;
+        return f_nonfinite(v.x) | f_nonfinite(v.y) | f_nonfinite(v.z) | f_nonfinite(v.w);
+    }
+    /* only threads that saw a non-finite value write, and they all write the same value */
+    __device__ __forceinline__ void finish(bool any) const {
+        if (any && found_inf) *found_inf = 1.0f;
+    }
+};
+
+extern "C" cudaError_t cmlp_k_unscale(float *g, int64_t n, float inv_scale, const float *scale, float *found_inf,
+                                      cudaStream_t stream) {
+    if (n < 0) return cudaErrorInvalidValue;
+    if (n == 0) return cudaSuccess;
+    unscale_op op;
+    op.g = g;
+    op.inv_scale = inv_scale;
+    op.scale = scale;
+    op.found_inf = found_inf;
+    const int mis[1] = {cmlp_misalign(g, 4)};
+    return cmlp_launch_map(op, n, mis, 1, stream);
+}
+
+/* ---- loss-scale update ----
+ * As torch's _amp_update_scale_: the products are formed in double and rounded to float, and
+ * growth is skipped (the tracker still resets) when the grown scale would not be finite. */
+
+__global__ void k_scale_update(float *scale, int32_t *growth_tracker, const float *found_inf, float growth_factor,
+                               float backoff_factor, int32_t growth_interval) {
+    if (found_inf && *found_inf != 0.0f) {
+        *scale = (float)((double)*scale * (double)backoff_factor);
+        *growth_tracker = 0;
+        return;
+    }
+    const int32_t successful = *growth_tracker + 1;
+    if (successful == growth_interval) {
+        const float grown = (float)((double)*scale * (double)growth_factor);
+        if (isfinite(grown)) *scale = grown;
+        *growth_tracker = 0;
+    } else {
+        *growth_tracker = successful;
+    }
+}
+
+extern "C" cudaError_t cmlp_k_scale_update(float *scale, int32_t *growth_tracker, const float *found_inf,
+                                           float growth_factor, float backoff_factor, int32_t growth_interval,
+                                           cudaStream_t stream) {
+    k_scale_update<<<1, 1, 0, stream>>>(scale, growth_tracker, found_inf, growth_factor, backoff_factor,
+                                        growth_interval);
+    return cudaGetLastError();
+}

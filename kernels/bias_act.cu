@@ -1,0 +1,142 @@
+/* bias_act.cu - the bias and ReLU kernels: bias add with optional ReLU after a GEMM, the ReLU
+ * mask in backward, and the bias gradient (column sums, reduced in a fixed order).
+ */
+#include "common.cuh"
+#include "kernels.h"
+
+/* ---- bias + activation ----
+ * Work is in units of U floats (U = 4 when every row starts 16-byte aligned, else 1). A thread
+ * finds its unit's column once and then steps it by the grid stride modulo the row width, so
+ * the loop has no division. */
+
+__device__ __forceinline__ float bias_act1(float y, float b, int relu) {
+    float v = f_add(y, b);
+    return relu ? (v > 0.0f ? v : 0.0f) : v;
+}
+
+template <int U>
+__global__ void __launch_bounds__(CMLP_K_THREADS)
+k_bias_act(float *y, const float *bias, int64_t units, int64_t ucols, int relu) {
+    const int64_t stride = cmlp_nthreads();
+    int64_t i = cmlp_tid();
+    if (i >= units) return;
+    int64_t c = i % ucols;
+    const int64_t dc = stride % ucols;
+    for (; i < units; i += stride) {
+        if (U == 4) {
+            float4 v = reinterpret_cast<float4 *>(y)[i];
+            const float4 b = reinterpret_cast<const float4 *>(bias)[c];
+            v.x = bias_act1(v.x, b.x, relu);
+            v.y = bias_act1(v.y, b.y, relu);
+            v.z = bias_act1(v.z, b.z, relu);
+            v.w = bias_act1(v.w, b.w, relu);
+            reinterpret_cast<float4 *>(y)[i] = v;
+        } else {
+            y[i] = bias_act1(y[i], bias[c], relu);
+        }
+        c += dc;
+        if (c >= ucols) c -= ucols;
+    }
+}
+
+extern "C" cudaError_t cmlp_k_bias_act(float *y, const float *bias, int64_t rows, int64_t cols, int relu,
+                                       cudaStream_t stream) {
+    if (rows < 0 || cols < 0) return cudaErrorInvalidValue;
+    if (rows == 0 || cols == 0) return cudaSuccess;
+    const bool vec = cols % 4 == 0 && ((uintptr_t)y | (uintptr_t)bias) % 16 == 0;
+    const int64_t ucols = vec ? cols / 4 : cols, units = rows * ucols;
+    const unsigned int blocks = cmlp_k_blocks(units, CMLP_K_THREADS);
+    if (vec) k_bias_act<4><<<blocks, CMLP_K_THREADS, 0, stream>>>(y, bias, units, ucols, relu);
+    else k_bias_act<1><<<blocks, CMLP_K_THREADS, 0, stream>>>(y, bias, units, ucols, relu);
+    return cudaGetLastError();
+}
+
+/* ---- ReLU backward ---- */
+
+struct relu_bwd_op : cmlp_op_base {
+    float *dy;
+    const float *h;
+    /* h > 0 with a subnormal h read as zero, as the CPU backend compares under DAZ; dy itself
+     * passes through untouched. */
+    __device__ __forceinline__ static float apply(float d, float hv) { return f_gt(hv, 0.0f) ? d : 0.0f; }
+    __device__ __forceinline__ bool one(int64_t i) const {
+        dy[i] = apply(dy[i], h[i]);
+        return false;
+    }
+    __device__ __forceinline__ bool four(int64_t i) const {
+        float4 d = *reinterpret_cast<const float4 *>(dy + i);
+        const float4 hv = *reinterpret_cast<const float4 *>(h + i);
+        d.x = apply(d.x, hv.x);
+        d.y = apply(d.y, hv.y);
+        d.z = apply(d.z, hv.z);
+        d.w = apply(d.w, hv.w);
+        *reinterpret_cast<float4 *>(dy + i) = d;
+        return false;
+    }
+};
+
+extern "C" cudaError_t cmlp_k_relu_backward(float *dy, const float *h, int64_t n, cudaStream_t stream) {
+    if (n < 0) return cudaErrorInvalidValue;
+    if (n == 0) return cudaSuccess;
+    relu_bwd_op op;
+    op.dy = dy;
+    op.h = h;
+    const int mis[2] = {cmlp_misalign(dy, 4), cmlp_misalign(h, 4)};
+    return cmlp_launch_map(op, n, mis, 2, stream);
+}
+
+/* ---- bias gradient ----
+ * No atomics: one block owns a tile of w adjacent columns (w = cols when cols <= 32, else 32,
+ * 16 or 8, narrower when that gives the GPU more blocks). Its threads form G = blockDim / w row
+ * groups, consecutive threads on consecutive columns (then on the next row), so a warp reads
+ * contiguous memory. Group g sums rows g, g + G, g + 2G, ... in order; the groups are then
+ * combined by a fixed pairwise tree in shared memory. The order depends only on (rows, cols). */
+
+#define BIAS_GRAD_THREADS 512
+
+__global__ void __launch_bounds__(BIAS_GRAD_THREADS)
+k_bias_grad(float *db, const float *dy, int64_t rows, int64_t cols, int64_t tile_w) {
+    __shared__ float part[BIAS_GRAD_THREADS];
+    const int64_t ntiles = (cols + tile_w - 1) / tile_w;
+    const int t = threadIdx.x;
+    for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+        const int64_t c0 = tile * tile_w;
+        const int w = (int)(cols - c0 < tile_w ? cols - c0 : tile_w);
+        const int G = BIAS_GRAD_THREADS / w, g = t / w, cw = t % w;
+        float acc = 0.0f;
+        if (g < G) {
+            const float *col = dy + c0 + cw;
+            int64_t r = g;
+            /* four loads in flight, added in row order */
+            for (; r + 3 * (int64_t)G < rows; r += 4 * (int64_t)G) {
+                const float a0 = col[r * cols], a1 = col[(r + G) * cols];
+                const float a2 = col[(r + 2 * (int64_t)G) * cols], a3 = col[(r + 3 * (int64_t)G) * cols];
+                acc = f_add(f_add(f_add(f_add(acc, a0), a1), a2), a3);
+            }
+            for (; r < rows; r += G) acc = f_add(acc, col[r * cols]);
+        }
+        part[t] = acc;
+        __syncthreads();
+        for (int h = 1; h < G; h *= 2) {
+            if (g < G && g % (2 * h) == 0 && g + h < G) part[t] = f_add(part[t], part[t + h * w]);
+            __syncthreads();
+        }
+        if (t < w) db[c0 + t] = f_add(db[c0 + t], part[t]);
+        __syncthreads(); /* part is reused by the next tile */
+    }
+}
+
+extern "C" cudaError_t cmlp_k_bias_grad(float *db, const float *dy, int64_t rows, int64_t cols,
+                                        cudaStream_t stream) {
+    if (rows < 0 || cols < 0) return cudaErrorInvalidValue;
+    if (rows == 0 || cols == 0) return cudaSuccess;
+    int64_t w = cols;
+    if (cols > 32) {
+        w = 32;
+        while (w > 8 && (cols + w - 1) / w < 128) w /= 2;
+    }
+    const int64_t ntiles = (cols + w - 1) / w;
+    const unsigned int blocks = (unsigned int)(ntiles < CMLP_K_MAX_BLOCKS ? ntiles : CMLP_K_MAX_BLOCKS);
+    k_bias_grad<<<blocks, BIAS_GRAD_THREADS, 0, stream>>>(db, dy, rows, cols, w);
+    return cudaGetLastError();
+}

@@ -1,0 +1,92 @@
+/* data.cu - gathering rows of a device-resident data set into a batch: uint8 or float32
+ * features scaled and shifted into float32, and int32 labels. Rows come from an index array or
+ * a contiguous range.
+ *
+ * Work is in units of U columns (U = 4 when every row of source and destination is 4-element
+ * aligned, else 1). A thread finds the (row, column) of its first unit once and then steps both
+ * by the grid stride, so the loop has no division.
+ */
+#include "common.cuh"
+#include "kernels.h"
+
+/* u8: v * scale + shift. f32 with scale 1 and shift 0: the bits themselves (the CPU backend
+ * copies float rows); otherwise v * scale + shift. */
+template <typename T>
+__device__ __forceinline__ float convert1(T v, float scale, float shift, bool copy) {
+    const float f = (float)v;
+    return copy ? f : f_add(f_mul(f, scale), shift);
+}
+
+template <typename T, int U>
+__global__ void __launch_bounds__(CMLP_K_THREADS)
+k_gather(float *dst, const T *src, const int64_t *idx, int64_t start, int64_t rows, int64_t ucols, float scale,
+         float shift, int copy) {
+    const int64_t total = rows * ucols, stride = cmlp_nthreads();
+    int64_t i = cmlp_tid();
+    if (i >= total) return;
+    int64_t r = i / ucols, c = i - r * ucols;
+    const int64_t dr = stride / ucols, dc = stride - dr * ucols;
+    for (; i < total; i += stride) {
+        const int64_t s = idx ? idx[r] : start + r;
+        const int64_t at = s * ucols + c; /* in units */
+        if constexpr (U == 4) {
+            float4 o;
+            if constexpr (sizeof(T) == 1) {
+                const uchar4 v = reinterpret_cast<const uchar4 *>(src)[at];
+                o = make_float4(convert1(v.x, scale, shift, copy), convert1(v.y, scale, shift, copy),
+                                convert1(v.z, scale, shift, copy), convert1(v.w, scale, shift, copy));
+            } else {
+                const float4 v = reinterpret_cast<const float4 *>(src)[at];
+                o = make_float4(convert1(v.x, scale, shift, copy), convert1(v.y, scale, shift, copy),
+                                convert1(v.z, scale, shift, copy), convert1(v.w, scale, shift, copy));
+            }
+            reinterpret_cast<float4 *>(dst)[i] = o;
+        } else {
+            dst[i] = convert1(src[at], scale, shift, copy);
+        }
+        c += dc;
+        r += dr;
+        if (c >= ucols) {
+            c -= ucols;
+            r++;
+        }
+    }
+}
+
+template <typename T>
+static cudaError_t gather(float *dst, const T *src, const int64_t *idx, int64_t start, int64_t rows, int64_t cols,
+                          float scale, float shift, int copy, cudaStream_t stream) {
+    if (rows < 0 || cols < 0) return cudaErrorInvalidValue;
+    if (rows == 0 || cols == 0) return cudaSuccess;
+    const bool vec = cols % 4 == 0 && (uintptr_t)dst % 16 == 0 && (uintptr_t)src % (4 * sizeof(T)) == 0;
+    const int64_t ucols = vec ? cols / 4 : cols;
+    const unsigned int blocks = cmlp_k_blocks(rows * ucols, CMLP_K_THREADS);
+    if (vec)
+        k_gather<T, 4><<<blocks, CMLP_K_THREADS, 0, stream>>>(dst, src, idx, start, rows, ucols, scale, shift, copy);
+    else
+        k_gather<T, 1><<<blocks, CMLP_K_THREADS, 0, stream>>>(dst, src, idx, start, rows, ucols, scale, shift, copy);
+    return cudaGetLastError();
+}
+
+extern "C" cudaError_t cmlp_k_gather_u8(float *dst, const uint8_t *src, const int64_t *idx, int64_t start,
+                                        int64_t rows, int64_t cols, float scale, float shift, cudaStream_t stream) {
+    return gather(dst, src, idx, start, rows, cols, scale, shift, 0, stream);
+}
+
+extern "C" cudaError_t cmlp_k_gather_f32(float *dst, const float *src, const int64_t *idx, int64_t start,
+                                         int64_t rows, int64_t cols, float scale, float shift, cudaStream_t stream) {
+    return gather(dst, src, idx, start, rows, cols, scale, shift, scale == 1.0f && shift == 0.0f, stream);
+}
+
+__global__ void __launch_bounds__(CMLP_K_THREADS)
+k_gather_labels(int32_t *dst, const int32_t *src, const int64_t *idx, int64_t start, int64_t rows) {
+    for (int64_t r = cmlp_tid(); r < rows; r += cmlp_nthreads()) dst[r] = src[idx ? idx[r] : start + r];
+}
+
+extern "C" cudaError_t cmlp_k_gather_labels(int32_t *dst, const int32_t *src, const int64_t *idx, int64_t start,
+                                            int64_t rows, cudaStream_t stream) {
+    if (rows < 0) return cudaErrorInvalidValue;
+    if (rows == 0) return cudaSuccess;
+    k_gather_labels<<<cmlp_k_blocks(rows, CMLP_K_THREADS), CMLP_K_THREADS, 0, stream>>>(dst, src, idx, start, rows);
+    return cudaGetLastError();
+}

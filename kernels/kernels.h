@@ -1,0 +1,107 @@
+/* kernels.h - the CUDA kernels of the CUDA backend, callable from C (csrc/backend_cuda.c).
+ *
+ *     cudaError_t e = cmlp_k_relu_backward(d_dy, d_h, n, stream);
+ *
+ * Every launcher enqueues its work on `stream`, never synchronises, and returns the launch's
+ * cudaError_t (cudaSuccess when n or rows is 0: nothing is launched; cudaErrorInvalidValue for
+ * a negative count). All pointers are device pointers aligned to their element type (16-byte
+ * alignment lets the kernels use vector accesses); matrices are row-major [rows, cols]. Counts
+ * are int64_t; a launcher splits work that exceeds one grid itself. Kernels never read or
+ * write outside the given extents.
+ *
+ * fp32 arithmetic is the CPU backend's, operation for operation: round to nearest, no FMA
+ * contraction, subnormals flushed (the core runs the CPU backend under FTZ/DAZ), so the
+ * elementwise kernels and the optimizers give the CPU's bits.
+ *
+ * Families: bias_act.cu (bias, ReLU), loss.cu (softmax cross-entropy), data.cu (gathering a
+ * device-resident data set), optim.cu (Adam, SGD), amp.cu (casts, unscale, loss scale).
+ */
+#ifndef CMLP_KERNELS_H
+#define CMLP_KERNELS_H
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- bias_act.cu ---- */
+
+/* y[r, c] = act(y[r, c] + bias[c]); act is ReLU when relu != 0, identity otherwise. */
+cudaError_t cmlp_k_bias_act(float *y, const float *bias, int64_t rows, int64_t cols, int relu, cudaStream_t stream);
+/* dy[i] = h[i] > 0 ? dy[i] : 0 for i < n (h is the ReLU's output). */
+cudaError_t cmlp_k_relu_backward(float *dy, const float *h, int64_t n, cudaStream_t stream);
+/* db[c] += sum over r of dy[r, c] (accumulates: the caller zeroes db when it must). The sum
+ * over rows is done in fp32 with a fixed order for given (rows, cols): deterministic. */
+cudaError_t cmlp_k_bias_grad(float *db, const float *dy, int64_t rows, int64_t cols, cudaStream_t stream);
+
+/* ---- loss.cu ---- */
+
+/* Fused, numerically stable softmax cross-entropy over logits [rows, cols], labels int32 in
+ * [0, cols). With q = (1 - smoothing) * onehot(label) + smoothing / cols and
+ * p = softmax(logits row), the row loss is -sum_c q_c log p_c (computed as
+ * logsumexp - sum_c q_c * logit_c, with the max subtracted).
+ *   - *loss_sum (double) += the sum of the row losses (device atomics; may be NULL).
+ *   - dlogits (may be NULL, may equal logits): dlogits[r, c] = grad_weight * (p_c - q_c).
+ *   - *correct (may be NULL) += the number of rows whose argmax (first maximum) is the label.
+ * One warp per row, read once when cols <= 128 (10 for the reference model), three times when
+ * wider; any cols >= 1 works (cols == 0 with rows > 0 is cudaErrorInvalidValue). A label
+ * outside [0, cols) reads nothing out of bounds: its row counts no hit and q has no one-hot. */
+cudaError_t cmlp_k_softmax_xent(const float *logits, const int32_t *labels, int64_t rows, int64_t cols, float smoothing,
+                                float grad_weight, float *dlogits, double *loss_sum, unsigned long long *correct,
+                                cudaStream_t stream);
+
+/* ---- data.cu ---- */
+
+/* dst[r, :] = src[i, :] * scale + shift for r < rows, i = idx ? idx[r] : start + r, where src
+ * is [*, cols] uint8 (u8 variant) or float32 (f32 variant: scale and shift also apply, except
+ * that with scale 1 and shift 0 the rows are copied bit for bit, as the CPU backend copies
+ * float rows). */
+cudaError_t cmlp_k_gather_u8(float *dst, const uint8_t *src, const int64_t *idx, int64_t start, int64_t rows,
+                             int64_t cols, float scale, float shift, cudaStream_t stream);
+cudaError_t cmlp_k_gather_f32(float *dst, const float *src, const int64_t *idx, int64_t start, int64_t rows,
+                              int64_t cols, float scale, float shift, cudaStream_t stream);
+/* dst[r] = src[idx ? idx[r] : start + r] for r < rows. */
+cudaError_t cmlp_k_gather_labels(int32_t *dst, const int32_t *src, const int64_t *idx, int64_t start, int64_t rows,
+                                 cudaStream_t stream);
+
+/* ---- optim.cu ---- */
+
+/* One fused Adam (PyTorch's rule, L2 weight decay added to the gradient) over n floats:
+ *   g' = g + weight_decay * p;  m = beta1 m + (1 - beta1) g';  v = beta2 v + (1 - beta2) g'^2
+ *   p -= step_size * m / (sqrt(v) / bc2_sqrt + eps)
+ * where step_size = lr / (1 - beta1^t) and bc2_sqrt = sqrt(1 - beta2^t), computed by the caller
+ * (the same float operations, in the same order, as the CPU backend). When found_inf is not
+ * NULL and *found_inf != 0 the kernel changes nothing. */
+cudaError_t cmlp_k_adam(float *p, const float *g, float *m, float *v, int64_t n, float step_size, float beta1,
+                        float beta2, float bc2_sqrt, float eps, float weight_decay, const float *found_inf,
+                        cudaStream_t stream);
+/* SGD with PyTorch's rule: g' = g + weight_decay * p; with momentum != 0:
+ *   buf = first ? g' : momentum * buf + (1 - dampening) * g';  d = nesterov ? g' + momentum * buf : buf
+ * else d = g'; then p -= lr * d. buf may be NULL when momentum == 0. found_inf as for Adam. */
+cudaError_t cmlp_k_sgd(float *p, const float *g, float *buf, int64_t n, float lr, float momentum, float dampening,
+                       int nesterov, float weight_decay, int first, const float *found_inf, cudaStream_t stream);
+
+/* ---- amp.cu ---- */
+
+/* fp32 <-> fp16 (bf16 == 0) or bf16 (bf16 != 0) storage, round to nearest even, subnormals
+ * kept; n elements. A NaN stays a NaN, but its payload bits may differ from the CPU's. */
+cudaError_t cmlp_k_to_half(uint16_t *dst, const float *src, int64_t n, int bf16, cudaStream_t stream);
+cudaError_t cmlp_k_from_half(float *dst, const uint16_t *src, int64_t n, int bf16, cudaStream_t stream);
+/* g[i] *= inv for i < n, where inv = scale ? (float)(1.0 / (double)*scale) : inv_scale; sets
+ * *found_inf = 1.0f when any result is inf or NaN (never resets it). One pass. */
+cudaError_t cmlp_k_unscale(float *g, int64_t n, float inv_scale, const float *scale, float *found_inf,
+                           cudaStream_t stream);
+/* PyTorch's loss-scale update (_amp_update_scale_), on the device (one thread): if
+ * *found_inf != 0 then *scale *= backoff_factor and *growth_tracker = 0; else if
+ * ++*growth_tracker == growth_interval then *scale *= growth_factor unless that product is not
+ * finite, and *growth_tracker = 0. Products are formed in double and rounded to float. */
+cudaError_t cmlp_k_scale_update(float *scale, int32_t *growth_tracker, const float *found_inf, float growth_factor,
+                                float backoff_factor, int32_t growth_interval, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* CMLP_KERNELS_H */

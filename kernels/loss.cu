@@ -1,0 +1,176 @@
+/* loss.cu - fused softmax cross-entropy with label smoothing: per-row loss, the gradient of
+ * the logits, and the count of correct argmaxes. One warp per row; rows up to 128 wide are
+ * read once into registers, wider rows are read three times (max, sums, gradient).
+ *
+ * The arithmetic follows the CPU backend operation for operation: the argmax is the first
+ * maximum (a NaN in column 0 makes column 0 the argmax and the max NaN; a NaN elsewhere never
+ * wins), the sums of exp and of the logits and the loss are in double, and
+ * p_c = expf(x_c - max) * (float)(1 / sum) in float, expf evaluated in double and rounded once
+ * (glibc's expf is within 0.502 ulp of exact; CUDA's expf is within 2). What differs is the
+ * order of the two row sums (a warp tree instead of left to right) and of the loss total.
+ */
+#include <math.h>
+
+#include "common.cuh"
+#include "kernels.h"
+
+#define XENT_THREADS 256
+#define XENT_WARPS (XENT_THREADS / 32)
+
+/* Running first maximum over (value, column) pairs, comparing as the CPU does under DAZ: a
+ * pair wins when strictly greater, or equal at a lower column (which matters only when lanes
+ * are combined: each lane visits its columns in increasing order). NaN values come in as -inf,
+ * so they never win. A total order, so the warp butterfly leaves every lane the same pair. */
+__device__ __forceinline__ void argmax_take(float &bv, int64_t &bi, float v, int64_t i) {
+    if (f_gt(v, bv) || (f_eq(v, bv) && i < bi)) {
+        bv = v;
+        bi = i;
+    }
+}
+
+struct xent_args {
+    const float *logits;
+    const int32_t *labels;
+    int64_t rows, cols;
+    float smoothing, grad_weight;
+    float *dlogits;
+    double *loss_sum;
+    unsigned long long *correct;
+};
+
+/* K > 0: each lane keeps columns lane + 32 k, k < K, in registers (cols <= 32 K).
+ * K == 0: any cols, three passes over global memory. Either way a lane only ever reads and
+ * writes its own columns, and reads each one before writing it, so dlogits may alias logits. */
+template <int K>
+__global__ void __launch_bounds__(XENT_THREADS) k_softmax_xent(xent_args a) {
+    __shared__ double s_loss[XENT_WARPS];
+    __shared__ unsigned long long s_hits[XENT_WARPS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t cols = a.cols;
+    const float off = f_div(a.smoothing, (float)cols), on = f_add(f_sub(1.0f, a.smoothing), off);
+    const double keep = 1.0 - (double)a.smoothing, spread = (double)a.smoothing / (double)cols;
+    double loss = 0.0;
+    unsigned long long hits = 0;
+
+    for (int64_t r = (int64_t)blockIdx.x * XENT_WARPS + warp; r < a.rows; r += (int64_t)gridDim.x * XENT_WARPS) {
+        const float *x = a.logits + r * cols;
+        const int32_t y = a.labels[r];
+        float xv[K > 0 ? K : 1];
+
+        /* max and first argmax */
+        float bv = -INFINITY;
+        int64_t bi = cols; /* no column yet */
+        int nan0 = 0;
+        if constexpr (K > 0) {
+#pragma unroll
+            for (int k = 0; k < K; k++) {
+                const int64_t c = lane + 32 * k;
+                xv[k] = c < cols ? x[c] : 0.0f;
+                if (c < cols) argmax_take(bv, bi, isnan(xv[k]) ? -INFINITY : xv[k], c);
+            }
+            nan0 = lane == 0 && isnan(xv[0]);
+        } else {
+            for (int64_t c = lane; c < cols; c += 32) {
+                const float v = x[c];
+                if (c == 0) nan0 = isnan(v);
+                argmax_take(bv, bi, isnan(v) ? -INFINITY : v, c);
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(CMLP_FULL_WARP, bv, o);
+            const int64_t oi = __shfl_xor_sync(CMLP_FULL_WARP, bi, o);
+            argmax_take(bv, bi, ov, oi);
+        }
+        nan0 = __shfl_sync(CMLP_FULL_WARP, nan0, 0);
+        const float mx = nan0 ? NAN : bv;
+        const int64_t arg = nan0 ? 0 : bi;
+
+        /* sum of exp(x - max) and of x, in double; the label's logit */
+        const double mxd = f_to_double(mx);
+        double sum = 0.0, xsum = 0.0;
+        float xl = 0.0f;
+        if constexpr (K > 0) {
+#pragma unroll
+            for (int k = 0; k < K; k++) {
+                const int64_t c = lane + 32 * k;
+                if (c < cols) {
+                    const double v = f_to_double(xv[k]);
+                    sum += exp(v - mxd);
+                    xsum += v;
+                    if (c == y) xl = xv[k];
+                }
+            }
+        } else {
+            for (int64_t c = lane; c < cols; c += 32) {
+                const float xc = x[c];
+                const double v = f_to_double(xc);
+                sum += exp(v - mxd);
+                xsum += v;
+                if (c == y) xl = xc;
+            }
+        }
+        sum = cmlp_warp_sum(sum);
+        xsum = cmlp_warp_sum(xsum);
+        const bool valid = y >= 0 && (int64_t)y < cols;
+        xl = __shfl_sync(CMLP_FULL_WARP, xl, valid ? (int)(y & 31) : 0);
+        if (!valid) xl = 0.0f;
+        /* lse - (1 - e) x_y - e / C sum_c x_c, products kept out of FMAs as on the CPU */
+        const double lse = mxd + log(sum);
+        loss += __dsub_rn(__dsub_rn(lse, __dmul_rn(keep, f_to_double(xl))), __dmul_rn(spread, xsum));
+        hits += arg == (int64_t)y;
+
+        /* dlogits = grad_weight * (p - q) */
+        if (a.dlogits) {
+            float *d = a.dlogits + r * cols;
+            const float inv = (float)(1.0 / sum);
+            if constexpr (K > 0) {
+#pragma unroll
+                for (int k = 0; k < K; k++) {
+                    const int64_t c = lane + 32 * k;
+                    if (c < cols) {
+                        const float p = f_mul(f_from_double(exp((double)f_sub(xv[k], mx))), inv);
+                        d[c] = f_mul(a.grad_weight, f_sub(p, c == y ? on : off));
+                    }
+                }
+            } else {
+                for (int64_t c = lane; c < cols; c += 32) {
+                    const float p = f_mul(f_from_double(exp((double)f_sub(x[c], mx))), inv);
+                    d[c] = f_mul(a.grad_weight, f_sub(p, c == y ? on : off));
+                }
+            }
+        }
+    }
+
+    /* one atomic per block for each total */
+    if (lane == 0) {
+        s_loss[warp] = loss;
+        s_hits[warp] = hits;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double l = 0.0;
+        unsigned long long h = 0;
+        for (int w = 0; w < XENT_WARPS; w++) {
+            l += s_loss[w];
+            h += s_hits[w];
+        }
+        if (a.loss_sum) atomicAdd(a.loss_sum, l);
+        if (a.correct && h) atomicAdd(a.correct, h);
+    }
+}
+
+extern "C" cudaError_t cmlp_k_softmax_xent(const float *logits, const int32_t *labels, int64_t rows, int64_t cols,
+                                           float smoothing, float grad_weight, float *dlogits, double *loss_sum,
+                                           unsigned long long *correct, cudaStream_t stream) {
+    if (rows < 0 || cols < 0) return cudaErrorInvalidValue;
+    if (rows == 0) return cudaSuccess;
+    if (cols == 0) return cudaErrorInvalidValue;
+    const xent_args a = {logits, labels, rows, cols, smoothing, grad_weight, dlogits, loss_sum, correct};
+    const unsigned int blocks = cmlp_k_blocks(rows, XENT_WARPS);
+    if (cols <= 32) k_softmax_xent<1><<<blocks, XENT_THREADS, 0, stream>>>(a);
+    else if (cols <= 64) k_softmax_xent<2><<<blocks, XENT_THREADS, 0, stream>>>(a);
+    else if (cols <= 128) k_softmax_xent<4><<<blocks, XENT_THREADS, 0, stream>>>(a);
+    else k_softmax_xent<0><<<blocks, XENT_THREADS, 0, stream>>>(a);
+    return cudaGetLastError();
+}

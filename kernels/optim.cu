@@ -1,0 +1,139 @@
+/* optim.cu - the fused optimizer steps over flat parameter buffers: Adam and SGD (PyTorch's
+ * rules). Each element is updated with the CPU backend's float operations in its order, so
+ * both backends give the same bits. With found_inf set (an inf or NaN gradient under loss
+ * scaling) the step changes nothing, decided on the device.
+ */
+#include "common.cuh"
+#include "kernels.h"
+
+/* ---- Adam ---- */
+
+struct adam_op {
+    float *p;
+    const float *g;
+    float *m, *v;
+    float step_size, beta1, beta2, one_b1, one_b2, bc2_sqrt, eps, wd;
+    const float *found_inf;
+
+    __device__ __forceinline__ bool begin() const { return found_inf && *found_inf != 0.0f; }
+    __device__ __forceinline__ void finish(bool) const {}
+
+    __device__ __forceinline__ void update(float &pi, float gi, float &mi, float &vi) const {
+        gi = f_add(gi, f_mul(wd, pi));
+        mi = f_add(f_mul(beta1, mi), f_mul(one_b1, gi));
+        vi = f_add(f_mul(beta2, vi), f_mul(f_mul(one_b2, gi), gi));
+        pi = f_sub(pi, f_div(f_mul(step_size, mi), f_add(f_div(f_sqrt(vi), bc2_sqrt), eps)));
+    }
+    __device__ __forceinline__ bool one(int64_t i) const {
+        float pi = p[i], mi = m[i], vi = v[i];
+        update(pi, g[i], mi, vi);
+        m[i] = mi;
+        v[i] = vi;
+        p[i] = pi;
+        return false;
+    }
+    __device__ __forceinline__ bool four(int64_t i) const {
+        float4 p4 = *reinterpret_cast<const float4 *>(p + i), m4 = *reinterpret_cast<const float4 *>(m + i);
+        float4 v4 = *reinterpret_cast<const float4 *>(v + i);
+        const float4 g4 = *reinterpret_cast<const float4 *>(g + i);
+        update(p4.x, g4.x, m4.x, v4.x);
+        update(p4.y, g4.y, m4.y, v4.y);
+        update(p4.z, g4.z, m4.z, v4.z);
+        update(p4.w, g4.w, m4.w, v4.w);
+        *reinterpret_cast<float4 *>(m + i) = m4;
+        *reinterpret_cast<float4 *>(v + i) = v4;
+        *reinterpret_cast<float4 *>(p + i) = p4;
+        return false;
+    }
+};
+
+extern "C" cudaError_t cmlp_k_adam(float *p, const float *g, float *m, float *v, int64_t n, float step_size,
+                                   float beta1, float beta2, float bc2_sqrt, float eps, float weight_decay,
+                                   const float *found_inf, cudaStream_t stream) {
+    if (n < 0) return cudaErrorInvalidValue;
+    if (n == 0) return cudaSuccess;
+    adam_op op;
+    op.p = p;
+    op.g = g;
+    op.m = m;
+    op.v = v;
+    op.step_size = step_size;
+    op.beta1 = beta1;
+    op.beta2 = beta2;
+    op.one_b1 = 1.0f - beta1; /* as cpu_adam: computed once, in float */
+    op.one_b2 = 1.0f - beta2;
+    op.bc2_sqrt = bc2_sqrt;
+    op.eps = eps;
+    op.wd = weight_decay;
+    op.found_inf = found_inf;
+    const int mis[4] = {cmlp_misalign(p, 4), cmlp_misalign(g, 4), cmlp_misalign(m, 4), cmlp_misalign(v, 4)};
+    return cmlp_launch_map(op, n, mis, 4, stream);
+}
+
+/* ---- SGD ---- */
+
+struct sgd_op {
+    float *p;
+    const float *g;
+    float *buf;
+    float lr, momentum, keep, wd;
+    int nesterov, first, plain; /* plain: momentum == 0, buf untouched */
+    const float *found_inf;
+
+    __device__ __forceinline__ bool begin() const { return found_inf && *found_inf != 0.0f; }
+    __device__ __forceinline__ void finish(bool) const {}
+
+    /* returns the new momentum buffer value (unused when plain) */
+    __device__ __forceinline__ float update(float &pi, float gi, float bi) const {
+        gi = f_add(gi, f_mul(wd, pi));
+        if (plain) {
+            pi = f_sub(pi, f_mul(lr, gi));
+            return bi;
+        }
+        const float b = first ? gi : f_add(f_mul(momentum, bi), f_mul(keep, gi));
+        pi = f_sub(pi, f_mul(lr, nesterov ? f_add(gi, f_mul(momentum, b)) : b));
+        return b;
+    }
+    __device__ __forceinline__ bool one(int64_t i) const {
+        float pi = p[i];
+        const float b = update(pi, g[i], plain || first ? 0.0f : buf[i]);
+        if (!plain) buf[i] = b;
+        p[i] = pi;
+        return false;
+    }
+    __device__ __forceinline__ bool four(int64_t i) const {
+        float4 p4 = *reinterpret_cast<const float4 *>(p + i);
+        const float4 g4 = *reinterpret_cast<const float4 *>(g + i);
+        float4 b4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (!plain && !first) b4 = *reinterpret_cast<const float4 *>(buf + i);
+        b4.x = update(p4.x, g4.x, b4.x);
+        b4.y = update(p4.y, g4.y, b4.y);
+        b4.z = update(p4.z, g4.z, b4.z);
+        b4.w = update(p4.w, g4.w, b4.w);
+        if (!plain) *reinterpret_cast<float4 *>(buf + i) = b4;
+        *reinterpret_cast<float4 *>(p + i) = p4;
+        return false;
+    }
+};
+
+extern "C" cudaError_t cmlp_k_sgd(float *p, const float *g, float *buf, int64_t n, float lr, float momentum,
+                                  float dampening, int nesterov, float weight_decay, int first,
+                                  const float *found_inf, cudaStream_t stream) {
+    if (n < 0) return cudaErrorInvalidValue;
+    if (n == 0) return cudaSuccess;
+    sgd_op op;
+    op.p = p;
+    op.g = g;
+    op.buf = buf;
+    op.lr = lr;
+    op.momentum = momentum;
+    op.keep = 1.0f - dampening; /* as cpu_sgd */
+    op.wd = weight_decay;
+    op.nesterov = nesterov;
+    op.first = first;
+    op.plain = momentum == 0.0f;
+    op.found_inf = found_inf;
+    /* buf takes part in the alignment only when it is touched */
+    const int mis[3] = {cmlp_misalign(p, 4), cmlp_misalign(g, 4), cmlp_misalign(op.plain ? p : buf, 4)};
+    return cmlp_launch_map(op, n, mis, 3, stream);
+}
