@@ -53,12 +53,15 @@ typedef struct cmlp_backend_i {
     /* db[c] += sum_r dy[r, c]. */
     cmlp_status (*bias_grad)(void *ctx, float *d_db, const float *d_dy, int64_t rows, int64_t cols);
     /* Fused stable softmax cross-entropy over logits [rows, cols]. Adds the per-sample losses
-     * to *h_loss_sum and, when d_dlogits is not NULL, writes d_dlogits = grad_weight *
-     * (softmax - q), q = (1 - smoothing) onehot + smoothing / cols. When h_correct is not NULL
-     * adds the number of rows whose argmax equals the label. d_dlogits may be d_logits. */
+     * to *d_loss_sum (a device double; NULL: not wanted) and, when d_dlogits is not NULL, writes
+     * d_dlogits = w * (softmax - q), q = (1 - smoothing) onehot + smoothing / cols, where w is
+     * *d_grad_weight when that is not NULL, else grad_weight. When d_correct is not NULL adds
+     * to it the number of rows whose argmax equals the label. d_dlogits may be d_logits.
+     * Nothing is read back: the results stay on the device. */
     cmlp_status (*softmax_xent)(void *ctx, const float *d_logits, const int32_t *d_labels,
                                 int64_t rows, int64_t cols, float smoothing, float grad_weight,
-                                float *d_dlogits, double *h_loss_sum, int64_t *h_correct);
+                                const float *d_grad_weight, float *d_dlogits, double *d_loss_sum,
+                                int64_t *d_correct);
     /* dst[r, :] = convert(src row idx[r]) (row start + r when idx is NULL) for r < rows, where
      * src is host data [*, cols] of dtype; uint8 becomes v * scale + shift. Labels likewise. */
     cmlp_status (*stage_rows)(void *ctx, float *d_dst, const void *h_src, cmlp_dtype dtype,
@@ -67,19 +70,37 @@ typedef struct cmlp_backend_i {
     cmlp_status (*stage_labels)(void *ctx, int32_t *d_dst, const int32_t *h_src,
                                 const int64_t *h_idx, int64_t start, int64_t rows);
 
-    /* Fused optimizers over flat buffers of n floats. Scalars precomputed by the core. */
+    /* Fused optimizers over flat buffers of n floats. Scalars precomputed by the core, or on the
+     * device: when d_found_inf is not NULL and *d_found_inf != 0 the step changes nothing; Adam
+     * reads step_size and bc2_sqrt from d_coef[0..1] when d_coef is not NULL. */
     cmlp_status (*adam)(void *ctx, float *d_p, const float *d_g, float *d_m, float *d_v, int64_t n,
                         float step_size, float beta1, float beta2, float bc2_sqrt, float eps,
-                        float weight_decay);
-    /* first != 0: buf = g (momentum's first step). d_buf may be NULL when momentum == 0. */
+                        float weight_decay, const float *d_found_inf, const float *d_coef);
+    /* first != 0: buf = g (momentum's first step); also when d_step is not NULL and
+     * *d_step == 1. d_buf may be NULL when momentum == 0. */
     cmlp_status (*sgd)(void *ctx, float *d_p, const float *d_g, float *d_buf, int64_t n, float lr,
-                       float momentum, float dampening, int nesterov, float weight_decay, int first);
+                       float momentum, float dampening, int nesterov, float weight_decay, int first,
+                       const float *d_found_inf, const int64_t *d_step);
+    /* Before a step whose skip is decided on the device: unless *d_found_inf != 0,
+     * t = ++*d_step and, for Adam, d_coef = {lr / (1 - beta1^t), sqrt(1 - beta2^t)} (in double,
+     * rounded to float). */
+    cmlp_status (*optim_prepare)(void *ctx, int64_t *d_step, float *d_coef, const float *d_found_inf,
+                                 double lr, double beta1, double beta2, int adam);
     /* Mixed precision. Conversions between fp32 and fp16/bf16 storage (dtype F16 or BF16). */
     cmlp_status (*to_half)(void *ctx, uint16_t *d_dst, const float *d_src, int64_t n, cmlp_dtype dtype);
     cmlp_status (*from_half)(void *ctx, float *d_dst, const uint16_t *d_src, int64_t n, cmlp_dtype dtype);
-    /* g[i] *= inv_scale for all i; *d_found_inf = 1 when any result is inf or NaN (it is never
-     * reset here). One pass over the flat gradient buffer. */
-    cmlp_status (*unscale)(void *ctx, float *d_g, int64_t n, float inv_scale, float *d_found_inf);
+    /* g[i] *= inv for all i, inv = d_scale ? (float)(1 / (double)*d_scale) : inv_scale;
+     * *d_found_inf = 1 when any result is inf or NaN (it is never reset here). One pass over
+     * the flat gradient buffer. */
+    cmlp_status (*unscale)(void *ctx, float *d_g, int64_t n, float inv_scale, const float *d_scale,
+                           float *d_found_inf);
+    /* PyTorch's loss-scale update on the device: back off (and ++*d_skipped) when
+     * *d_found_inf != 0, else grow after growth_interval finite steps unless that overflows. */
+    cmlp_status (*scale_update)(void *ctx, float *d_scale, int32_t *d_tracker, const float *d_found_inf,
+                                double growth_factor, double backoff_factor, int32_t growth_interval,
+                                int64_t *d_skipped);
+    /* *d_w = (float)((double)*d_scale / count): the gradient weight of a scaled step. */
+    cmlp_status (*grad_weight)(void *ctx, float *d_w, const float *d_scale, double count);
     /* Waits for the device's queued work. */
     cmlp_status (*synchronize)(void *ctx);
 } cmlp_backend_i;

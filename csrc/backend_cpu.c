@@ -149,9 +149,10 @@ static cmlp_status cpu_bias_grad(void *ctx, float *db, const float *dy, int64_t 
 }
 
 static cmlp_status cpu_softmax_xent(void *ctx, const float *logits, const int32_t *labels, int64_t rows,
-                                    int64_t cols, float smoothing, float grad_weight, float *dlogits,
-                                    double *loss_sum, int64_t *correct) {
+                                    int64_t cols, float smoothing, float grad_weight, const float *grad_weight_p,
+                                    float *dlogits, double *loss_sum, int64_t *correct) {
     (void)ctx;
+    if (grad_weight_p) grad_weight = *grad_weight_p;
     double total = 0.0;
     int64_t hits = 0;
     const float off = smoothing / (float)cols, on = 1.0f - smoothing + off;
@@ -183,7 +184,7 @@ static cmlp_status cpu_softmax_xent(void *ctx, const float *logits, const int32_
             }
         }
     }
-    *loss_sum += total;
+    if (loss_sum) *loss_sum += total;
     if (correct) *correct += hits;
     return CMLP_OK;
 }
@@ -214,8 +215,13 @@ static cmlp_status cpu_stage_labels(void *ctx, int32_t *dst, const int32_t *src,
 
 static cmlp_status cpu_adam(void *ctx, float *restrict p, const float *restrict g, float *restrict m,
                             float *restrict v, int64_t n, float step_size, float beta1, float beta2,
-                            float bc2_sqrt, float eps, float wd) {
+                            float bc2_sqrt, float eps, float wd, const float *found_inf, const float *coef) {
     (void)ctx;
+    if (found_inf && *found_inf != 0.0f) return CMLP_OK;
+    if (coef) {
+        step_size = coef[0];
+        bc2_sqrt = coef[1];
+    }
     const float one_b1 = 1.0f - beta1, one_b2 = 1.0f - beta2;
     for (int64_t i = 0; i < n; i++) {
         float gi = g[i] + wd * p[i];
@@ -230,8 +236,10 @@ static cmlp_status cpu_adam(void *ctx, float *restrict p, const float *restrict 
 
 static cmlp_status cpu_sgd(void *ctx, float *restrict p, const float *restrict g, float *restrict buf,
                            int64_t n, float lr, float momentum, float dampening, int nesterov, float wd,
-                           int first) {
+                           int first, const float *found_inf, const int64_t *step) {
     (void)ctx;
+    if (found_inf && *found_inf != 0.0f) return CMLP_OK;
+    if (step && *step == 1) first = 1;
     if (momentum == 0.0f) {
         for (int64_t i = 0; i < n; i++) p[i] -= lr * (g[i] + wd * p[i]);
         return CMLP_OK;
@@ -261,8 +269,46 @@ static cmlp_status cpu_from_half(void *ctx, float *dst, const uint16_t *src, int
     return CMLP_OK;
 }
 
-static cmlp_status cpu_unscale(void *ctx, float *restrict g, int64_t n, float inv, float *found_inf) {
+static cmlp_status cpu_optim_prepare(void *ctx, int64_t *step, float *coef, const float *found_inf, double lr,
+                                     double beta1, double beta2, int adam) {
     (void)ctx;
+    if (found_inf && *found_inf != 0.0f) return CMLP_OK;
+    int64_t t = ++*step;
+    if (adam) {
+        double bc1 = 1.0 - pow(beta1, (double)t), bc2 = 1.0 - pow(beta2, (double)t);
+        coef[0] = (float)(lr / bc1);
+        coef[1] = (float)sqrt(bc2);
+    }
+    return CMLP_OK;
+}
+
+static cmlp_status cpu_scale_update(void *ctx, float *scale, int32_t *tracker, const float *found_inf, double growth,
+                                    double backoff, int32_t interval, int64_t *skipped) {
+    (void)ctx;
+    if (found_inf && *found_inf != 0.0f) {
+        *scale = (float)((double)*scale * backoff);
+        *tracker = 0;
+        if (skipped) ++*skipped;
+        return CMLP_OK;
+    }
+    if (++*tracker == interval) {
+        float grown = (float)((double)*scale * growth);
+        if (isfinite(grown)) *scale = grown;
+        *tracker = 0;
+    }
+    return CMLP_OK;
+}
+
+static cmlp_status cpu_grad_weight(void *ctx, float *w, const float *scale, double count) {
+    (void)ctx;
+    *w = (float)((double)*scale / count);
+    return CMLP_OK;
+}
+
+static cmlp_status cpu_unscale(void *ctx, float *restrict g, int64_t n, float inv, const float *scale,
+                               float *found_inf) {
+    (void)ctx;
+    if (scale) inv = (float)(1.0 / (double)*scale);
     uint32_t bad = 0;
     for (int64_t i = 0; i < n; i++) {
         float v = g[i] * inv;
@@ -305,6 +351,9 @@ const cmlp_backend_i cmlp_backend_cpu = {
     .sgd = cpu_sgd,
     .to_half = cpu_to_half,
     .from_half = cpu_from_half,
+    .optim_prepare = cpu_optim_prepare,
     .unscale = cpu_unscale,
+    .scale_update = cpu_scale_update,
+    .grad_weight = cpu_grad_weight,
     .synchronize = cpu_synchronize,
 };

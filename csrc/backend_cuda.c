@@ -129,10 +129,8 @@ typedef struct {
     cudaStream_t stream;
     cublasLtHandle_t lt;
     pthread_mutex_t lock; /* the scratch, the staging buffers and the plan cache */
-    void *ws;             /* from the allocator: the GEMM workspace, then the reduction scratch */
+    void *ws;             /* the GEMM workspace, from the allocator */
     size_t ws_bytes;
-    double *d_acc;        /* [0] loss sum, [1] correct count (as unsigned long long) */
-    void *h_acc;          /* pinned, 16 bytes */
     void *h_stage;        /* pinned staging for host data */
     size_t h_stage_bytes;
     bool vm_ok;
@@ -143,7 +141,6 @@ typedef struct {
 } cuda_ctx;
 
 #define GEMM_WORKSPACE ((size_t)8 << 20)
-#define ACC_BYTES ((size_t)256)
 
 static cmlp_status use(cuda_ctx *c) {
     int cur = -1;
@@ -184,9 +181,8 @@ static cmlp_status cu_open(int index, void **out) {
     cmlp_status st = CMLP_OK;
     cudaError_t e = cudaSetDevice(index);
     if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking);
-    if (e == cudaSuccess) e = cudaMallocHost(&c->h_acc, 16);
     if (e != cudaSuccess) {
-        st = cuda_fail(e, "opening the device (cudaSetDevice, stream, pinned memory)", __FILE__, __LINE__);
+        st = cuda_fail(e, "opening the device (cudaSetDevice, stream)", __FILE__, __LINE__);
     } else {
         cublasStatus_t s = cublasLtCreate(&c->lt);
         if (s != CUBLAS_STATUS_SUCCESS)
@@ -204,7 +200,6 @@ static cmlp_status cu_open(int index, void **out) {
     }
     if (st != CMLP_OK) {
         if (c->lt) cublasLtDestroy(c->lt);
-        if (c->h_acc) cudaFreeHost(c->h_acc);
         if (c->stream) cudaStreamDestroy(c->stream);
         pthread_mutex_destroy(&c->lock);
         free(c);
@@ -226,14 +221,13 @@ static int64_t cu_total_memory(void *ctx) {
 
 static size_t cu_workspace_bytes(void *ctx) {
     (void)ctx;
-    return GEMM_WORKSPACE + ACC_BYTES;
+    return GEMM_WORKSPACE;
 }
 
 static void cu_set_workspace(void *ctx, void *d_ptr, size_t nbytes) {
     cuda_ctx *c = ctx;
     c->ws = d_ptr;
-    c->ws_bytes = nbytes >= ACC_BYTES ? nbytes - ACC_BYTES : 0;
-    c->d_acc = d_ptr ? (double *)((char *)d_ptr + c->ws_bytes) : NULL;
+    c->ws_bytes = d_ptr ? nbytes : 0;
 }
 
 /* ---- raw memory and virtual memory ---- */
@@ -467,33 +461,12 @@ static cmlp_status cu_bias_grad(void *ctx, float *d_db, const float *d_dy, int64
 }
 
 static cmlp_status cu_softmax_xent(void *ctx, const float *d_logits, const int32_t *d_labels, int64_t rows,
-                                   int64_t cols, float smoothing, float grad_weight, float *d_dlogits,
-                                   double *h_loss_sum, int64_t *h_correct) {
+                                   int64_t cols, float smoothing, float grad_weight, const float *d_grad_weight,
+                                   float *d_dlogits, double *d_loss_sum, int64_t *d_correct) {
     cuda_ctx *c = ctx;
-    if (rows == 0) return CMLP_OK;
     CMLP_TRY_USE(c);
-    if (!c->d_acc) return FAIL(CMLP_ERR_STATE, "cuda:%d has no scratch memory", c->index);
-    pthread_mutex_lock(&c->lock);
-    unsigned long long *d_hits = (unsigned long long *)(c->d_acc + 1);
-    cudaError_t e = cudaMemsetAsync(c->d_acc, 0, 16, c->stream);
-    if (e == cudaSuccess)
-        e = cmlp_k_softmax_xent(d_logits, d_labels, rows, cols, smoothing, grad_weight, d_dlogits, c->d_acc,
-                                h_correct ? d_hits : NULL, c->stream);
-    if (e == cudaSuccess) e = cudaMemcpyAsync(c->h_acc, c->d_acc, 16, cudaMemcpyDeviceToHost, c->stream);
-    if (e == cudaSuccess) e = cudaStreamSynchronize(c->stream);
-    cmlp_status st = CMLP_OK;
-    if (e != cudaSuccess) {
-        st = cuda_fail(e, "softmax cross-entropy", __FILE__, __LINE__);
-    } else {
-        double loss;
-        unsigned long long hits;
-        memcpy(&loss, c->h_acc, 8);
-        memcpy(&hits, (char *)c->h_acc + 8, 8);
-        if (h_loss_sum) *h_loss_sum += loss;
-        if (h_correct) *h_correct += (int64_t)hits;
-    }
-    pthread_mutex_unlock(&c->lock);
-    return st;
+    return KERNEL(c, cmlp_k_softmax_xent(d_logits, d_labels, rows, cols, smoothing, grad_weight, d_grad_weight,
+                                         d_dlogits, d_loss_sum, (unsigned long long *)d_correct, c->stream));
 }
 
 /* Host data reaches the device through one pinned buffer; the stream is drained before the
@@ -560,19 +533,43 @@ static cmlp_status cu_stage_labels(void *ctx, int32_t *d_dst, const int32_t *h_s
 /* ---- optimizers and mixed precision ---- */
 
 static cmlp_status cu_adam(void *ctx, float *d_p, const float *d_g, float *d_m, float *d_v, int64_t n, float step_size,
-                           float beta1, float beta2, float bc2_sqrt, float eps, float weight_decay) {
+                           float beta1, float beta2, float bc2_sqrt, float eps, float weight_decay,
+                           const float *d_found_inf, const float *d_coef) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_adam(d_p, d_g, d_m, d_v, n, step_size, beta1, beta2, bc2_sqrt, eps, weight_decay, NULL,
-                                 c->stream));
+    return KERNEL(c, cmlp_k_adam(d_p, d_g, d_m, d_v, n, step_size, beta1, beta2, bc2_sqrt, eps, weight_decay,
+                                 d_found_inf, d_coef, c->stream));
 }
 
 static cmlp_status cu_sgd(void *ctx, float *d_p, const float *d_g, float *d_buf, int64_t n, float lr, float momentum,
-                          float dampening, int nesterov, float weight_decay, int first) {
+                          float dampening, int nesterov, float weight_decay, int first, const float *d_found_inf,
+                          const int64_t *d_step) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_sgd(d_p, d_g, d_buf, n, lr, momentum, dampening, nesterov, weight_decay, first, NULL,
-                                c->stream));
+    return KERNEL(c, cmlp_k_sgd(d_p, d_g, d_buf, n, lr, momentum, dampening, nesterov, weight_decay, first,
+                                d_found_inf, d_step, c->stream));
+}
+
+static cmlp_status cu_optim_prepare(void *ctx, int64_t *d_step, float *d_coef, const float *d_found_inf, double lr,
+                                    double beta1, double beta2, int adam) {
+    cuda_ctx *c = ctx;
+    CMLP_TRY_USE(c);
+    return KERNEL(c, cmlp_k_optim_prepare(d_step, d_coef, d_found_inf, lr, beta1, beta2, adam, c->stream));
+}
+
+static cmlp_status cu_scale_update(void *ctx, float *d_scale, int32_t *d_tracker, const float *d_found_inf,
+                                   double growth_factor, double backoff_factor, int32_t growth_interval,
+                                   int64_t *d_skipped) {
+    cuda_ctx *c = ctx;
+    CMLP_TRY_USE(c);
+    return KERNEL(c, cmlp_k_scale_update(d_scale, d_tracker, d_found_inf, growth_factor, backoff_factor,
+                                         growth_interval, (long long *)d_skipped, c->stream));
+}
+
+static cmlp_status cu_grad_weight(void *ctx, float *d_w, const float *d_scale, double count) {
+    cuda_ctx *c = ctx;
+    CMLP_TRY_USE(c);
+    return KERNEL(c, cmlp_k_grad_weight(d_w, d_scale, count, c->stream));
 }
 
 static cmlp_status cu_to_half(void *ctx, uint16_t *d_dst, const float *d_src, int64_t n, cmlp_dtype dtype) {
@@ -587,10 +584,11 @@ static cmlp_status cu_from_half(void *ctx, float *d_dst, const uint16_t *d_src, 
     return KERNEL(c, cmlp_k_from_half(d_dst, d_src, n, dtype == CMLP_DTYPE_BF16, c->stream));
 }
 
-static cmlp_status cu_unscale(void *ctx, float *d_g, int64_t n, float inv_scale, float *d_found_inf) {
+static cmlp_status cu_unscale(void *ctx, float *d_g, int64_t n, float inv_scale, const float *d_scale,
+                              float *d_found_inf) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_unscale(d_g, n, inv_scale, NULL, d_found_inf, c->stream));
+    return KERNEL(c, cmlp_k_unscale(d_g, n, inv_scale, d_scale, d_found_inf, c->stream));
 }
 
 static cmlp_status cu_synchronize(void *ctx) {
@@ -627,7 +625,10 @@ static const cmlp_backend_i backend = {
     .sgd = cu_sgd,
     .to_half = cu_to_half,
     .from_half = cu_from_half,
+    .optim_prepare = cu_optim_prepare,
     .unscale = cu_unscale,
+    .scale_update = cu_scale_update,
+    .grad_weight = cu_grad_weight,
     .synchronize = cu_synchronize,
 };
 

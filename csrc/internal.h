@@ -86,6 +86,22 @@ typedef struct cmlp_rc_workspace {
     int32_t *labels;
 } cmlp_rc_workspace;
 
+/* Scalars of a model that stay on its device (one allocation, made on first use): what the
+ * steps of a call accumulate and decide there. The host writes them when a call begins and
+ * reads them when it ends, so steps in between need no synchronisation. */
+typedef struct cmlp_dscalars {
+    double loss;           /* loss sum of the call in progress */
+    double loss_mark;      /* `loss` when the effective step in progress began (for a retry) */
+    int64_t correct;       /* rows whose argmax is the label (evaluation) */
+    int64_t step;          /* the optimizer's step count, when skips are decided on the device */
+    int64_t skipped;       /* steps skipped for an inf or NaN gradient */
+    float found_inf;       /* 1 when the last unscale met an inf or NaN */
+    float scale;           /* the loss scale */
+    int32_t growth_tracker;
+    float grad_weight;     /* scale / samples of the step in progress */
+    float coef[2];         /* Adam's step size and sqrt(1 - beta2^t) of that step */
+} cmlp_dscalars;
+
 struct cmlp_model {
     cmlp_device_ctx *dev;
     int nlayers;
@@ -94,7 +110,7 @@ struct cmlp_model {
     int64_t w_off[CMLP_MAX_LAYERS], b_off[CMLP_MAX_LAYERS];
     float *params; /* [nparams]: weights of every layer [out, in], then biases */
     float *grads;  /* [nparams], same layout */
-    float *found_inf; /* device scalar of the unscale check; NULL until first used */
+    cmlp_dscalars *ds; /* device scalars, in the gradient allocation after the gradients */
     uint16_t *params_h;   /* [nparams] half copy for amp GEMMs, refreshed after each update */
     cmlp_dtype half_dtype; /* format of params_h (F16 or BF16) */
     cmlp_workspace ws;
@@ -115,20 +131,36 @@ CMLP_HIDDEN cmlp_status cmlp_model_forward_rows(cmlp_model *m, const float *inpu
 CMLP_HIDDEN cmlp_status cmlp_model_stage(cmlp_model *m, const cmlp_data *xy, const int64_t *idx,
                                          int64_t start, int64_t n, const float **input,
                                          const int32_t **labels);
-/* Forward + backward of n staged rows, adding grad_weight * per-sample gradient sums. */
+/* The gradient weight of a step: a host value, or a device scalar (d_weight, when not NULL). */
+typedef struct cmlp_gw {
+    float value;
+    const float *d_weight;
+} cmlp_gw;
+
+/* The model's device scalars. They share the gradients' allocation (cmlp_grads_bytes: the
+ * gradients, padded to 64 bytes, then the scalars), so they cost no allocation of their own. */
+CMLP_HIDDEN cmlp_status cmlp_model_scalars(cmlp_model *m, cmlp_dscalars **out);
+CMLP_HIDDEN size_t cmlp_grads_bytes(const cmlp_model *m);
+CMLP_HIDDEN cmlp_dscalars *cmlp_model_ds(const cmlp_model *m, float *grads);
+/* Forward + backward of n staged rows, adding w * per-sample gradient sums to the gradients
+ * and the loss sum to the device double *d_loss. */
 CMLP_HIDDEN cmlp_status cmlp_model_fb_rows(cmlp_model *m, const float *input, const int32_t *labels,
-                                           int64_t n, float grad_weight, float smoothing,
-                                           double *loss_sum);
+                                           int64_t n, cmlp_gw w, float smoothing, double *d_loss);
 /* One forward + backward of rows idx[0..n) (or [start, start + n)) of xy, in fp32 or amp. */
 CMLP_HIDDEN cmlp_status cmlp_model_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, int64_t start,
-                                      int64_t n, float grad_weight, float smoothing, cmlp_amp amp, int recompute,
-                                      double *loss_sum);
+                                      int64_t n, cmlp_gw w, float smoothing, cmlp_amp amp, int recompute,
+                                      double *d_loss);
 CMLP_HIDDEN cmlp_status cmlp_amp_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, int64_t start,
-                                    int64_t n, float grad_weight, float smoothing, cmlp_amp amp, int recompute,
-                                    double *loss_sum);
+                                    int64_t n, cmlp_gw w, float smoothing, cmlp_amp amp, int recompute,
+                                    double *d_loss);
 CMLP_HIDDEN cmlp_dtype cmlp_amp_dtype(cmlp_amp amp);
 CMLP_HIDDEN cmlp_status cmlp_rc_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, int64_t start, int64_t n,
-                                   float grad_weight, float smoothing, double *loss_sum);
+                                   cmlp_gw w, float smoothing, double *d_loss);
+/* An optimizer step whose skip and step count live on the device (loss scaling): skipped
+ * when *d_found_inf != 0; the host's step count is not moved (the caller reads d_step). */
+CMLP_HIDDEN cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int64_t *d_step,
+                                               float *d_coef);
+CMLP_HIDDEN void cmlp_optim_set_step(cmlp_optim *o, int64_t step);
 CMLP_HIDDEN int cmlp_rc_layout(const int *sizes, int L, int64_t rows, size_t *sz, size_t *act_bytes);
 CMLP_HIDDEN void cmlp_rc_release(cmlp_model *m);
 CMLP_HIDDEN void cmlp_amp_release(cmlp_model *m); /* the amp workspace */

@@ -69,9 +69,10 @@ cmlp_status cmlp_model_init(cmlp_model **out, const int *sizes, int nsizes, cmlp
             host[m->b_off[l] + i] = (float)((2.0 * cmlp_rng_uniform(&rng) - 1.0) * bound);
     }
     CMLP_TRY_GOTO(st, dev_alloc(dev, bytes, (void **)&m->params), fail);
-    CMLP_TRY_GOTO(st, dev_alloc(dev, bytes, (void **)&m->grads), fail);
+    CMLP_TRY_GOTO(st, dev_alloc(dev, cmlp_grads_bytes(m), (void **)&m->grads), fail);
+    m->ds = cmlp_model_ds(m, m->grads);
     CMLP_TRY_GOTO(st, B(m)->copy_h2d(CTX(m), m->params, host, bytes), fail);
-    CMLP_TRY_GOTO(st, B(m)->fill_zero(CTX(m), m->grads, bytes), fail);
+    CMLP_TRY_GOTO(st, B(m)->fill_zero(CTX(m), m->grads, cmlp_grads_bytes(m)), fail);
     free(host);
     *out = m;
     return CMLP_OK;
@@ -93,7 +94,6 @@ void cmlp_model_free(cmlp_model *m) {
     if (!m) return;
     cmlp_model_release_workspace(m);
     cmlp_amp_free(m);
-    dev_free(m->dev, m->found_inf);
     dev_free(m->dev, m->params);
     dev_free(m->dev, m->grads);
     free(m);
@@ -201,13 +201,26 @@ cmlp_status cmlp_model_forward_rows(cmlp_model *m, const float *input, int64_t n
     return CMLP_OK;
 }
 
-cmlp_status cmlp_model_fb_rows(cmlp_model *m, const float *input, const int32_t *labels, int64_t n,
-                               float grad_weight, float smoothing, double *loss_sum) {
+size_t cmlp_grads_bytes(const cmlp_model *m) {
+    return ((size_t)m->nparams * sizeof(float) + 63) / 64 * 64 + sizeof(cmlp_dscalars);
+}
+
+cmlp_dscalars *cmlp_model_ds(const cmlp_model *m, float *grads) {
+    return (cmlp_dscalars *)((char *)grads + cmlp_grads_bytes(m) - sizeof(cmlp_dscalars));
+}
+
+cmlp_status cmlp_model_scalars(cmlp_model *m, cmlp_dscalars **out) {
+    *out = m->ds;
+    return CMLP_OK;
+}
+
+cmlp_status cmlp_model_fb_rows(cmlp_model *m, const float *input, const int32_t *labels, int64_t n, cmlp_gw w,
+                               float smoothing, double *d_loss) {
     int L = m->nlayers;
     CMLP_TRY(cmlp_model_forward_rows(m, input, n));
     float *cur = m->ws.dact[0], *other = m->ws.dact[1];
-    CMLP_TRY(B(m)->softmax_xent(CTX(m), m->ws.act[L], labels, n, m->sizes[L], smoothing, grad_weight, cur,
-                                loss_sum, NULL));
+    CMLP_TRY(B(m)->softmax_xent(CTX(m), m->ws.act[L], labels, n, m->sizes[L], smoothing, w.value, w.d_weight, cur,
+                                d_loss, NULL));
     for (int l = L - 1; l >= 0; l--) {
         int64_t in = m->sizes[l], out = m->sizes[l + 1];
         const float *a = l == 0 ? input : m->ws.act[l];
@@ -252,8 +265,10 @@ cmlp_status cmlp_model_evaluate(cmlp_model *m, const cmlp_data *xy, int64_t chun
     CMLP_TRY(cmlp_data_validate(m, xy, true));
     if (chunk < 1) chunk = 1024;
     if (chunk > xy->n) chunk = xy->n;
-    double loss = 0.0;
-    int64_t hits = 0;
+    cmlp_dscalars *ds, h;
+    CMLP_TRY(cmlp_model_scalars(m, &ds));
+    CMLP_TRY(B(m)->fill_zero(CTX(m), &ds->loss, sizeof ds->loss));
+    CMLP_TRY(B(m)->fill_zero(CTX(m), &ds->correct, sizeof ds->correct));
     cmlp_fpenv fe;
     cmlp_fpenv_enter(&fe);
     cmlp_status st = CMLP_OK;
@@ -265,23 +280,24 @@ cmlp_status cmlp_model_evaluate(cmlp_model *m, const cmlp_data *xy, int64_t chun
         if (st == CMLP_OK) st = cmlp_model_forward_rows(m, in, k);
         if (st == CMLP_OK)
             st = B(m)->softmax_xent(CTX(m), m->ws.act[m->nlayers], lab, k, m->sizes[m->nlayers], 0.0f, 0.0f, NULL,
-                                    &loss, &hits);
+                                    NULL, &ds->loss, &ds->correct);
     }
+    if (st == CMLP_OK) st = B(m)->copy_d2h(CTX(m), &h, ds, sizeof h);
     cmlp_fpenv_leave(&fe);
     if (st != CMLP_OK) return st;
-    *loss_sum = loss;
-    *correct = hits;
+    *loss_sum = h.loss;
+    *correct = h.correct;
     return CMLP_OK;
 }
 
-cmlp_status cmlp_model_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, int64_t start, int64_t n,
-                          float grad_weight, float smoothing, cmlp_amp amp, int recompute, double *loss_sum) {
-    if (amp != CMLP_AMP_NONE) return cmlp_amp_fb(m, xy, idx, start, n, grad_weight, smoothing, amp, recompute, loss_sum);
-    if (recompute) return cmlp_rc_fb(m, xy, idx, start, n, grad_weight, smoothing, loss_sum);
+cmlp_status cmlp_model_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, int64_t start, int64_t n, cmlp_gw w,
+                          float smoothing, cmlp_amp amp, int recompute, double *d_loss) {
+    if (amp != CMLP_AMP_NONE) return cmlp_amp_fb(m, xy, idx, start, n, w, smoothing, amp, recompute, d_loss);
+    if (recompute) return cmlp_rc_fb(m, xy, idx, start, n, w, smoothing, d_loss);
     const float *in;
     const int32_t *lab;
     CMLP_TRY(cmlp_model_stage(m, xy, idx, start, n, &in, &lab));
-    return cmlp_model_fb_rows(m, in, lab, n, grad_weight, smoothing, loss_sum);
+    return cmlp_model_fb_rows(m, in, lab, n, w, smoothing, d_loss);
 }
 
 cmlp_status cmlp_model_forward_backward(cmlp_model *m, const cmlp_data *xy, float grad_weight,
@@ -293,10 +309,15 @@ cmlp_status cmlp_model_forward_backward(cmlp_model *m, const cmlp_data *xy, floa
     if (amp != CMLP_AMP_NONE && amp != CMLP_AMP_FP16 && amp != CMLP_AMP_BF16)
         return CMLP_FAIL(CMLP_ERR_INVALID, "unknown amp mode %d", (int)amp);
     CMLP_TRY(cmlp_data_validate(m, xy, true));
+    cmlp_dscalars *ds;
+    CMLP_TRY(cmlp_model_scalars(m, &ds));
+    CMLP_TRY(B(m)->fill_zero(CTX(m), &ds->loss, sizeof ds->loss));
     cmlp_fpenv fe;
     cmlp_fpenv_enter(&fe);
     double loss = 0.0;
-    cmlp_status st = cmlp_model_fb(m, xy, NULL, 0, xy->n, grad_weight, label_smoothing, amp, 0, &loss);
+    cmlp_status st = cmlp_model_fb(m, xy, NULL, 0, xy->n, (cmlp_gw){grad_weight, NULL}, label_smoothing, amp, 0,
+                                   &ds->loss);
+    if (st == CMLP_OK) st = B(m)->copy_d2h(CTX(m), &loss, &ds->loss, sizeof loss);
     cmlp_fpenv_leave(&fe);
     if (st == CMLP_OK) *loss_sum = loss;
     return st;
@@ -304,13 +325,14 @@ cmlp_status cmlp_model_forward_backward(cmlp_model *m, const cmlp_data *xy, floa
 
 cmlp_status cmlp_model_unscale_grads(cmlp_model *m, float inv_scale, int *found_inf) {
     if (!m || !found_inf) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
-    if (!m->found_inf) CMLP_TRY(dev_alloc(m->dev, sizeof(float), (void **)&m->found_inf));
+    cmlp_dscalars *ds;
+    CMLP_TRY(cmlp_model_scalars(m, &ds));
     float flag = 0.0f;
     cmlp_fpenv fe;
     cmlp_fpenv_enter(&fe);
-    cmlp_status st = B(m)->copy_h2d(CTX(m), m->found_inf, &flag, sizeof flag);
-    if (st == CMLP_OK) st = B(m)->unscale(CTX(m), m->grads, m->nparams, inv_scale, m->found_inf);
-    if (st == CMLP_OK) st = B(m)->copy_d2h(CTX(m), &flag, m->found_inf, sizeof flag);
+    cmlp_status st = B(m)->fill_zero(CTX(m), &ds->found_inf, sizeof flag);
+    if (st == CMLP_OK) st = B(m)->unscale(CTX(m), m->grads, m->nparams, inv_scale, NULL, &ds->found_inf);
+    if (st == CMLP_OK) st = B(m)->copy_d2h(CTX(m), &flag, &ds->found_inf, sizeof flag);
     cmlp_fpenv_leave(&fe);
     if (st == CMLP_OK) *found_inf = flag != 0.0f;
     return st;
@@ -362,16 +384,15 @@ cmlp_status cmlp_model_to(cmlp_model *m, cmlp_device d) {
     void *p = m->params, *g = m->grads;
     cmlp_model_release_workspace(m);
     cmlp_amp_free(m); /* the half copy is made again on the new device when used */
-    dev_free(m->dev, m->found_inf);
-    m->found_inf = NULL;
     CMLP_TRY(cmlp_buffer_move(m->dev, to, &p, bytes));
-    cmlp_status st = cmlp_buffer_move(m->dev, to, &g, bytes);
+    cmlp_status st = cmlp_buffer_move(m->dev, to, &g, cmlp_grads_bytes(m));
     if (st != CMLP_OK) {
         (void)cmlp_buffer_move(to, m->dev, &p, bytes);
         return st;
     }
     m->params = p;
     m->grads = g;
+    m->ds = cmlp_model_ds(m, g);
     m->dev = to;
     return CMLP_OK;
 }

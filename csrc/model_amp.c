@@ -191,7 +191,7 @@ static cmlp_status backward(cmlp_model *m, int64_t n) {
 }
 
 cmlp_status cmlp_amp_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, int64_t start, int64_t n,
-                        float grad_weight, float smoothing, cmlp_amp amp, int recompute, double *loss_sum) {
+                        cmlp_gw w, float smoothing, cmlp_amp amp, int recompute, double *d_loss) {
     CMLP_TRY(ensure_half_params(m, cmlp_amp_dtype(amp)));
     CMLP_TRY(reserve(m, n, recompute));
     const int32_t *labels;
@@ -205,7 +205,7 @@ cmlp_status cmlp_amp_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, 
     } else {
         CMLP_TRY(forward(m, n, m->nlayers, m->wsa.act));
     }
-    CMLP_TRY(B(m)->softmax_xent(CTX(m), m->wsa.logits, labels, n, m->sizes[m->nlayers], smoothing, grad_weight,
-                                m->wsa.dlogits, loss_sum, NULL));
+    CMLP_TRY(B(m)->softmax_xent(CTX(m), m->wsa.logits, labels, n, m->sizes[m->nlayers], smoothing, w.value,
+                                w.d_weight, m->wsa.dlogits, d_loss, NULL));
     return backward(m, n);
 }

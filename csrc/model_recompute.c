@@ -58,7 +58,7 @@ static cmlp_status run_layers(cmlp_model *m, const float *input, int64_t n, int 
 }
 
 cmlp_status cmlp_rc_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, int64_t start, int64_t n,
-                       float grad_weight, float smoothing, double *loss_sum) {
+                       cmlp_gw gw, float smoothing, double *d_loss) {
     CMLP_TRY(reserve(m, n));
     cmlp_rc_workspace *w = &m->wsr;
     const float *input;
@@ -77,7 +77,8 @@ cmlp_status cmlp_rc_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, i
     float *cur;
     CMLP_TRY(run_layers(m, input, n, L, w->buf[0], w->buf[1], w->buf[2], &cur)); /* logits in buf[2] */
     /* the logits' gradient overwrites the logits */
-    CMLP_TRY(B(m)->softmax_xent(CTX(m), cur, labels, n, m->sizes[L], smoothing, grad_weight, cur, loss_sum, NULL));
+    CMLP_TRY(B(m)->softmax_xent(CTX(m), cur, labels, n, m->sizes[L], smoothing, gw.value, gw.d_weight, cur, d_loss,
+                                NULL));
     for (int l = L - 1; l >= 0; l--) {
         int64_t in = m->sizes[l], out = m->sizes[l + 1];
         float *p = NULL, *q = NULL, *a;

@@ -99,7 +99,9 @@ static int buffers_of(const cmlp_optim *o) {
     return o->sgd.momentum != 0.0 ? 1 : 0;
 }
 
-int cmlp_optim_num_buffers(const cmlp_optim *o) { return o->state ? buffers_of(o) : 0; }
+/* A step skipped on the device (inf/NaN under loss scaling) may have made the state; it holds
+ * zeros and counts only once a step was taken, as PyTorch makes state at the first step. */
+int cmlp_optim_num_buffers(const cmlp_optim *o) { return o->state && o->step > 0 ? buffers_of(o) : 0; }
 
 cmlp_status cmlp_optim_configure_adam(cmlp_optim *o, const cmlp_adam_config *c) {
     if (o->kind != CMLP_OPTIM_ADAM) return CMLP_FAIL(CMLP_ERR_STATE, "this optimizer is not Adam");
@@ -157,11 +159,12 @@ cmlp_status cmlp_optim_step(cmlp_optim *o) {
         const cmlp_adam_config *c = &o->adam;
         double bc1 = 1.0 - pow(c->beta1, (double)t), bc2 = 1.0 - pow(c->beta2, (double)t);
         st = b->adam(o->dev->bctx, m->params, m->grads, o->state, o->state + n, n, (float)(c->lr / bc1),
-                     (float)c->beta1, (float)c->beta2, (float)sqrt(bc2), (float)c->eps, (float)c->weight_decay);
+                     (float)c->beta1, (float)c->beta2, (float)sqrt(bc2), (float)c->eps, (float)c->weight_decay, NULL,
+                     NULL);
     } else {
         const cmlp_sgd_config *c = &o->sgd;
         st = b->sgd(o->dev->bctx, m->params, m->grads, o->state, n, (float)c->lr, (float)c->momentum,
-                    (float)c->dampening, c->nesterov, (float)c->weight_decay, first);
+                    (float)c->dampening, c->nesterov, (float)c->weight_decay, first, NULL, NULL);
     }
     if (st == CMLP_OK) st = cmlp_model_refresh_half(m);
     cmlp_fpenv_leave(&fe);
@@ -175,6 +178,35 @@ cmlp_status cmlp_optim_get_buffer(const cmlp_optim *o, int i, float *host_out) {
     size_t n = (size_t)o->model->nparams;
     return o->dev->backend->copy_d2h(o->dev->bctx, host_out, o->state + (size_t)i * n, n * sizeof(float));
 }
+
+cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int64_t *d_step, float *d_coef) {
+    CMLP_TRY(check_model(o));
+    bool first = o->state == NULL;
+    CMLP_TRY(ensure_state(o));
+    cmlp_model *m = o->model;
+    const cmlp_backend_i *b = o->dev->backend;
+    void *ctx = o->dev->bctx;
+    int64_t n = m->nparams;
+    bool adam = o->kind == CMLP_OPTIM_ADAM;
+    cmlp_fpenv fe;
+    cmlp_fpenv_enter(&fe);
+    cmlp_status st = adam ? b->optim_prepare(ctx, d_step, d_coef, d_found_inf, o->adam.lr, o->adam.beta1, o->adam.beta2, 1)
+                          : b->optim_prepare(ctx, d_step, d_coef, d_found_inf, o->sgd.lr, 0.0, 0.0, 0);
+    if (st == CMLP_OK && adam) {
+        const cmlp_adam_config *c = &o->adam;
+        st = b->adam(ctx, m->params, m->grads, o->state, o->state + n, n, 0.0f, (float)c->beta1, (float)c->beta2, 1.0f,
+                     (float)c->eps, (float)c->weight_decay, d_found_inf, d_coef);
+    } else if (st == CMLP_OK) {
+        const cmlp_sgd_config *c = &o->sgd;
+        st = b->sgd(ctx, m->params, m->grads, o->state, n, (float)c->lr, (float)c->momentum, (float)c->dampening,
+                    c->nesterov, (float)c->weight_decay, first, d_found_inf, d_step);
+    }
+    if (st == CMLP_OK) st = cmlp_model_refresh_half(m);
+    cmlp_fpenv_leave(&fe);
+    return st;
+}
+
+void cmlp_optim_set_step(cmlp_optim *o, int64_t step) { o->step = step; }
 
 cmlp_status cmlp_optim_set_state(cmlp_optim *o, int64_t step, int nbuffers, const float *const *host) {
     if (step < 0) return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer step count must be >= 0, got %lld", (long long)step);

@@ -74,16 +74,18 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
     out->optimizer_state = (int64_t)optimizer_buffers * nparams * 4;
     out->half_weights = amp ? nparams * 2 : 0;
     out->activations = (int64_t)act;
-    out->workspace = (int64_t)(ws - act) + (loss_scaling ? 4 : 0);
+    /* the device scalars (loss, scaler, step count) follow the gradients, padded to 64 bytes */
+    size_t grads_bytes = ((size_t)out->gradients + 63) / 64 * 64 + sizeof(cmlp_dscalars);
+    out->workspace = (int64_t)(ws - act) + (int64_t)(grads_bytes - (size_t)out->gradients);
+    (void)loss_scaling; /* the scaler's state is among them whether or not it is used */
 
     /* the run's requests in the order the library makes them */
     size_t req[6];
     int nreq = 0;
     req[nreq++] = (size_t)out->parameters;
-    req[nreq++] = (size_t)out->gradients;
+    req[nreq++] = grads_bytes;
     if (amp) req[nreq++] = (size_t)out->half_weights;
     req[nreq++] = ws;
-    if (loss_scaling) req[nreq++] = sizeof(float);
     if (optimizer_buffers) req[nreq++] = (size_t)out->optimizer_state;
     paper_device pd = {.next = (uintptr_t)1 << 44, .total = dev->backend->total_memory(dev->bctx)};
     if (pd.total <= 0) pd.total = INT64_MAX / 4;

@@ -84,21 +84,6 @@ cmlp_status cmlp_trainer_start_microbatch(cmlp_trainer *t, int64_t size) {
     return CMLP_OK;
 }
 
-/* PyTorch's update: back off on inf/NaN (no lower bound), grow after growth_interval finite
- * steps unless growing overflows float32. */
-static void scaler_update(cmlp_scaler_state *s, bool found_inf) {
-    if (found_inf) {
-        s->scale = (float)(s->scale * s->backoff_factor);
-        s->growth_tracker = 0;
-        return;
-    }
-    if (++s->growth_tracker == s->growth_interval) {
-        float grown = (float)(s->scale * s->growth_factor);
-        if (isfinite(grown)) s->scale = grown;
-        s->growth_tracker = 0;
-    }
-}
-
 cmlp_status cmlp_trainer_set_microbatch_size(cmlp_trainer *t, int64_t size) {
     if (size < 1) return CMLP_FAIL(CMLP_ERR_INVALID, "microbatch_size must be >= 1, got %lld", (long long)size);
     t->micro = t->target_micro = size;
@@ -106,37 +91,49 @@ cmlp_status cmlp_trainer_set_microbatch_size(cmlp_trainer *t, int64_t size) {
     return CMLP_OK;
 }
 
+/* Reads the call's results back: the loss sum and the skipped steps are returned, the scaler
+ * and the optimizer's step count taken over (after a failure too: they hold the steps done). */
+static cmlp_status run_end(cmlp_trainer *t, cmlp_dscalars *ds, double *loss_sum, int64_t *skipped) {
+    cmlp_model *m = t->model;
+    cmlp_dscalars h;
+    CMLP_TRY(m->dev->backend->copy_d2h(m->dev->bctx, &h, ds, sizeof h));
+    if (t->scaler.enabled) {
+        t->scaler.scale = h.scale;
+        t->scaler.growth_tracker = h.growth_tracker;
+        cmlp_optim_set_step(t->optim, h.step);
+    }
+    t->skipped += h.skipped;
+    *loss_sum = h.loss;
+    *skipped = h.skipped;
+    return CMLP_OK;
+}
+
 /* One optimizer step over n samples: rows idx[0..n) of xy, or rows [start, start + n). With a
  * loss scaler the scale is the same for every micro-batch of the step, and the check, the skip
- * and the update happen once. *skipped is set when the step was skipped. */
-static cmlp_status effective_step(cmlp_trainer *t, const cmlp_data *xy, const int64_t *idx, int64_t start,
-                                  int64_t n, double *loss_sum, bool *skipped) {
+ * and the update happen once, on the device. */
+static cmlp_status effective_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_data *xy, const int64_t *idx,
+                                  int64_t start, int64_t n) {
     cmlp_model *m = t->model;
-    *skipped = false;
+    const cmlp_backend_i *b = m->dev->backend;
+    void *ctx = m->dev->bctx;
     CMLP_TRY(cmlp_model_zero_grad(m));
-    const double scale = t->scaler.enabled ? t->scaler.scale : 1.0;
-    const float w = (float)(scale / (double)n);
-    double loss = 0.0;
+    cmlp_gw w = {(float)(1.0 / (double)n), NULL};
+    if (t->scaler.enabled) {
+        CMLP_TRY(b->grad_weight(ctx, &ds->grad_weight, &ds->scale, (double)n));
+        w.d_weight = &ds->grad_weight;
+    }
     for (int64_t off = 0; off < n; off += t->micro) {
         int64_t k = n - off < t->micro ? n - off : t->micro;
         CMLP_TRY(cmlp_model_fb(m, xy, idx ? idx + off : NULL, start + off, k, w, t->cfg.label_smoothing, t->cfg.amp,
-                               t->cfg.recompute, &loss));
+                               t->cfg.recompute, &ds->loss));
     }
-    if (t->scaler.enabled) {
-        int found = 0;
-        CMLP_TRY(cmlp_model_unscale_grads(m, (float)(1.0 / scale), &found));
-        if (found) {
-            scaler_update(&t->scaler, true);
-            t->skipped++;
-            *skipped = true;
-            *loss_sum += loss;
-            return CMLP_OK;
-        }
-    }
-    CMLP_TRY(cmlp_optim_step(t->optim));
-    if (t->scaler.enabled) scaler_update(&t->scaler, false);
-    *loss_sum += loss;
-    return CMLP_OK;
+    if (!t->scaler.enabled) return cmlp_optim_step(t->optim);
+    CMLP_TRY(b->fill_zero(ctx, &ds->found_inf, sizeof ds->found_inf));
+    CMLP_TRY(b->unscale(ctx, m->grads, m->nparams, 0.0f, &ds->scale, &ds->found_inf));
+    CMLP_TRY(cmlp_optim_step_device(t->optim, &ds->found_inf, &ds->step, ds->coef));
+    const cmlp_scaler_state *s = &t->scaler;
+    return b->scale_update(ctx, &ds->scale, &ds->growth_tracker, &ds->found_inf, s->growth_factor, s->backoff_factor,
+                           (int32_t)s->growth_interval, &ds->skipped);
 }
 
 static int optimizer_buffers(const cmlp_trainer *t) {
@@ -165,14 +162,31 @@ static cmlp_status one_sample_oom(cmlp_trainer *t, const char *cause) {
                      b[0], b[1], b[2], b[3], b[4], b[5], b[6], why);
 }
 
+/* The device scalars of a call (cmlp_dscalars): written when the call begins, read when it
+ * ends. In between, every step runs on the device without the host waiting: the loss adds up
+ * there, and under loss scaling the check, the skip, the optimizer's step count and the scale
+ * update happen there too. */
+static cmlp_status run_begin(cmlp_trainer *t, cmlp_dscalars **out) {
+    cmlp_model *m = t->model;
+    CMLP_TRY(cmlp_model_scalars(m, out));
+    cmlp_dscalars h = {0};
+    h.step = cmlp_optim_get_step(t->optim);
+    h.scale = (float)t->scaler.scale;
+    h.growth_tracker = (int32_t)t->scaler.growth_tracker;
+    return m->dev->backend->copy_h2d(m->dev->bctx, *out, &h, sizeof h);
+}
+
 /* effective_step, surviving out-of-memory by smaller micro-batches when allowed. A failed
- * attempt changed nothing that matters: gradients are zeroed again, and the optimizer and the
- * scaler move only after a step succeeds. */
-static cmlp_status robust_step(cmlp_trainer *t, const cmlp_data *xy, const int64_t *idx, int64_t start, int64_t n,
-                               double *loss_sum, bool *skipped) {
+ * attempt changed nothing that matters: gradients are zeroed again, the loss it added is taken
+ * back, and the optimizer and the scaler move only at the end of a step (a step fails before). */
+static cmlp_status robust_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_data *xy, const int64_t *idx,
+                               int64_t start, int64_t n) {
     const int64_t micro_before = t->micro;
+    const cmlp_backend_i *b = t->model->dev->backend;
+    void *ctx = t->model->dev->bctx;
+    CMLP_TRY(b->copy_d2d(ctx, &ds->loss_mark, &ds->loss, sizeof ds->loss));
     for (;;) {
-        cmlp_status st = effective_step(t, xy, idx, start, n, loss_sum, skipped);
+        cmlp_status st = effective_step(t, ds, xy, idx, start, n);
         if (st == CMLP_OK) {
             if (t->micro < t->target_micro && ++t->good_steps >= t->cfg.grow_interval) {
                 t->micro = t->micro * 2 < t->target_micro ? t->micro * 2 : t->target_micro;
@@ -196,12 +210,16 @@ static cmlp_status robust_step(cmlp_trainer *t, const cmlp_data *xy, const int64
 cmlp_status cmlp_trainer_step(cmlp_trainer *t, const cmlp_data *xy, double *loss_mean) {
     if (!t || !loss_mean) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
     CMLP_TRY(cmlp_data_validate(t->model, xy, true));
+    cmlp_dscalars *ds;
+    CMLP_TRY(run_begin(t, &ds));
     cmlp_fpenv fe;
     cmlp_fpenv_enter(&fe);
-    double loss = 0.0;
-    bool skipped;
-    cmlp_status st = robust_step(t, xy, NULL, 0, xy->n, &loss, &skipped);
+    cmlp_status st = robust_step(t, ds, xy, NULL, 0, xy->n);
     cmlp_fpenv_leave(&fe);
+    double loss = 0.0;
+    int64_t skipped;
+    cmlp_status end = run_end(t, ds, &loss, &skipped);
+    if (st == CMLP_OK) st = end;
     if (st == CMLP_OK) *loss_mean = loss / (double)xy->n;
     return st;
 }
@@ -242,23 +260,29 @@ cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, cmlp_epoc
     if (!t || !st) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
     if (!t->data.x) return CMLP_FAIL(CMLP_ERR_STATE, "epoch_run called before epoch_begin");
     int64_t n = t->data.n, eb = effective_batch(t);
+    cmlp_dscalars *ds;
+    CMLP_TRY(run_begin(t, &ds));
     cmlp_fpenv fe;
     cmlp_fpenv_enter(&fe);
     cmlp_status s = CMLP_OK;
     for (int64_t done = 0; t->pos < n && (max_steps <= 0 || done < max_steps); done++) {
         int64_t k = n - t->pos < eb ? n - t->pos : eb;
-        double loss = 0.0;
         const int64_t *idx = t->cfg.shuffle ? t->order + t->pos : NULL;
-        bool skipped;
-        s = robust_step(t, &t->data, idx, t->pos, k, &loss, &skipped);
+        s = robust_step(t, ds, &t->data, idx, t->pos, k);
         if (s != CMLP_OK) break;
-        st->skipped += skipped;
         t->pos += k;
         st->steps++;
         st->samples += k;
-        st->loss_sum += loss;
     }
     cmlp_fpenv_leave(&fe);
+    double loss = 0.0;
+    int64_t skipped = 0;
+    cmlp_status end = run_end(t, ds, &loss, &skipped);
+    if (s == CMLP_OK) s = end;
+    if (end == CMLP_OK) {
+        st->loss_sum += loss;
+        st->skipped += skipped;
+    }
     st->done = t->pos >= n;
     if (st->done) memset(&t->data, 0, sizeof t->data);
     return s;

@@ -139,16 +139,17 @@ extern "C" cudaError_t cmlp_k_unscale(float *g, int64_t n, float inv_scale, cons
  * As torch's _amp_update_scale_: the products are formed in double and rounded to float, and
  * growth is skipped (the tracker still resets) when the grown scale would not be finite. */
 
-__global__ void k_scale_update(float *scale, int32_t *growth_tracker, const float *found_inf, float growth_factor,
-                               float backoff_factor, int32_t growth_interval) {
+__global__ void k_scale_update(float *scale, int32_t *growth_tracker, const float *found_inf, double growth_factor,
+                               double backoff_factor, int32_t growth_interval, long long *skipped) {
     if (found_inf && *found_inf != 0.0f) {
-        *scale = (float)((double)*scale * (double)backoff_factor);
+        *scale = (float)((double)*scale * backoff_factor);
         *growth_tracker = 0;
+        if (skipped) ++*skipped;
         return;
     }
     const int32_t successful = *growth_tracker + 1;
     if (successful == growth_interval) {
-        const float grown = (float)((double)*scale * (double)growth_factor);
+        const float grown = (float)((double)*scale * growth_factor);
         if (isfinite(grown)) *scale = grown;
         *growth_tracker = 0;
     } else {
@@ -157,9 +158,16 @@ __global__ void k_scale_update(float *scale, int32_t *growth_tracker, const floa
 }
 
 extern "C" cudaError_t cmlp_k_scale_update(float *scale, int32_t *growth_tracker, const float *found_inf,
-                                           float growth_factor, float backoff_factor, int32_t growth_interval,
-                                           cudaStream_t stream) {
+                                           double growth_factor, double backoff_factor, int32_t growth_interval,
+                                           long long *skipped, cudaStream_t stream) {
     k_scale_update<<<1, 1, 0, stream>>>(scale, growth_tracker, found_inf, growth_factor, backoff_factor,
-                                        growth_interval);
+                                        growth_interval, skipped);
+    return cudaGetLastError();
+}
+
+__global__ void k_grad_weight(float *w, const float *scale, double count) { *w = (float)((double)*scale / count); }
+
+extern "C" cudaError_t cmlp_k_grad_weight(float *w, const float *scale, double count, cudaStream_t stream) {
+    k_grad_weight<<<1, 1, 0, stream>>>(w, scale, count);
     return cudaGetLastError();
 }

@@ -43,14 +43,15 @@ cudaError_t cmlp_k_bias_grad(float *db, const float *dy, int64_t rows, int64_t c
  * p = softmax(logits row), the row loss is -sum_c q_c log p_c (computed as
  * logsumexp - sum_c q_c * logit_c, with the max subtracted).
  *   - *loss_sum (double) += the sum of the row losses (device atomics; may be NULL).
- *   - dlogits (may be NULL, may equal logits): dlogits[r, c] = grad_weight * (p_c - q_c).
+ *   - dlogits (may be NULL, may equal logits): dlogits[r, c] = grad_weight * (p_c - q_c), where
+ *     grad_weight is *grad_weight_dev when that is not NULL (a weight computed on the device).
  *   - *correct (may be NULL) += the number of rows whose argmax (first maximum) is the label.
  * One warp per row, read once when cols <= 128 (10 for the reference model), three times when
  * wider; any cols >= 1 works (cols == 0 with rows > 0 is cudaErrorInvalidValue). A label
  * outside [0, cols) reads nothing out of bounds: its row counts no hit and q has no one-hot. */
 cudaError_t cmlp_k_softmax_xent(const float *logits, const int32_t *labels, int64_t rows, int64_t cols, float smoothing,
-                                float grad_weight, float *dlogits, double *loss_sum, unsigned long long *correct,
-                                cudaStream_t stream);
+                                float grad_weight, const float *grad_weight_dev, float *dlogits, double *loss_sum,
+                                unsigned long long *correct, cudaStream_t stream);
 
 /* ---- data.cu ---- */
 
@@ -76,12 +77,19 @@ cudaError_t cmlp_k_gather_labels(int32_t *dst, const int32_t *src, const int64_t
  * NULL and *found_inf != 0 the kernel changes nothing. */
 cudaError_t cmlp_k_adam(float *p, const float *g, float *m, float *v, int64_t n, float step_size, float beta1,
                         float beta2, float bc2_sqrt, float eps, float weight_decay, const float *found_inf,
-                        cudaStream_t stream);
+                        const float *coef, cudaStream_t stream);
 /* SGD with PyTorch's rule: g' = g + weight_decay * p; with momentum != 0:
  *   buf = first ? g' : momentum * buf + (1 - dampening) * g';  d = nesterov ? g' + momentum * buf : buf
- * else d = g'; then p -= lr * d. buf may be NULL when momentum == 0. found_inf as for Adam. */
+ * else d = g'; then p -= lr * d. buf may be NULL when momentum == 0. found_inf as for Adam. When
+ * step is not NULL, first also holds when *step == 1 (the count after cmlp_k_optim_prepare). */
 cudaError_t cmlp_k_sgd(float *p, const float *g, float *buf, int64_t n, float lr, float momentum, float dampening,
-                       int nesterov, float weight_decay, int first, const float *found_inf, cudaStream_t stream);
+                       int nesterov, float weight_decay, int first, const float *found_inf, const int64_t *step,
+                       cudaStream_t stream);
+/* One thread, before a step whose skip is decided on the device: unless *found_inf != 0
+ * (found_inf may be NULL), t = ++*step and, for Adam (adam != 0), coef[0] = (float)(lr / (1 -
+ * beta1^t)) and coef[1] = (float)sqrt(1 - beta2^t), in double as the host computes them. */
+cudaError_t cmlp_k_optim_prepare(int64_t *step, float *coef, const float *found_inf, double lr, double beta1,
+                                 double beta2, int adam, cudaStream_t stream);
 
 /* ---- amp.cu ---- */
 
@@ -97,8 +105,12 @@ cudaError_t cmlp_k_unscale(float *g, int64_t n, float inv_scale, const float *sc
  * *found_inf != 0 then *scale *= backoff_factor and *growth_tracker = 0; else if
  * ++*growth_tracker == growth_interval then *scale *= growth_factor unless that product is not
  * finite, and *growth_tracker = 0. Products are formed in double and rounded to float. */
-cudaError_t cmlp_k_scale_update(float *scale, int32_t *growth_tracker, const float *found_inf, float growth_factor,
-                                float backoff_factor, int32_t growth_interval, cudaStream_t stream);
+cudaError_t cmlp_k_scale_update(float *scale, int32_t *growth_tracker, const float *found_inf, double growth_factor,
+                                double backoff_factor, int32_t growth_interval, long long *skipped,
+                                cudaStream_t stream);
+/* One thread: *w = (float)((double)*scale / count), the gradient weight of a loss-scaled step
+ * over count samples. */
+cudaError_t cmlp_k_grad_weight(float *w, const float *scale, double count, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

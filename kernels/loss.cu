@@ -33,6 +33,7 @@ struct xent_args {
     const int32_t *labels;
     int64_t rows, cols;
     float smoothing, grad_weight;
+    const float *grad_weight_dev; /* when set, the weight is read from here */
     float *dlogits;
     double *loss_sum;
     unsigned long long *correct;
@@ -43,6 +44,7 @@ struct xent_args {
  * writes its own columns, and reads each one before writing it, so dlogits may alias logits. */
 template <int K>
 __global__ void __launch_bounds__(XENT_THREADS) k_softmax_xent(xent_args a) {
+    if (a.grad_weight_dev) a.grad_weight = *a.grad_weight_dev;
     __shared__ double s_loss[XENT_WARPS];
     __shared__ unsigned long long s_hits[XENT_WARPS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -161,12 +163,13 @@ __global__ void __launch_bounds__(XENT_THREADS) k_softmax_xent(xent_args a) {
 }
 
 extern "C" cudaError_t cmlp_k_softmax_xent(const float *logits, const int32_t *labels, int64_t rows, int64_t cols,
-                                           float smoothing, float grad_weight, float *dlogits, double *loss_sum,
+                                           float smoothing, float grad_weight, const float *grad_weight_dev,
+                                           float *dlogits, double *loss_sum,
                                            unsigned long long *correct, cudaStream_t stream) {
     if (rows < 0 || cols < 0) return cudaErrorInvalidValue;
     if (rows == 0) return cudaSuccess;
     if (cols == 0) return cudaErrorInvalidValue;
-    const xent_args a = {logits, labels, rows, cols, smoothing, grad_weight, dlogits, loss_sum, correct};
+    const xent_args a = {logits, labels, rows, cols, smoothing, grad_weight, grad_weight_dev, dlogits, loss_sum, correct};
     const unsigned int blocks = cmlp_k_blocks(rows, XENT_WARPS);
     if (cols <= 32) k_softmax_xent<1><<<blocks, XENT_THREADS, 0, stream>>>(a);
     else if (cols <= 64) k_softmax_xent<2><<<blocks, XENT_THREADS, 0, stream>>>(a);

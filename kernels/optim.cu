@@ -14,8 +14,16 @@ struct adam_op {
     float *m, *v;
     float step_size, beta1, beta2, one_b1, one_b2, bc2_sqrt, eps, wd;
     const float *found_inf;
+    const float *coef; /* when set: step_size and bc2_sqrt computed on the device */
 
-    __device__ __forceinline__ bool begin() const { return found_inf && *found_inf != 0.0f; }
+    __device__ __forceinline__ bool begin() {
+        if (found_inf && *found_inf != 0.0f) return true;
+        if (coef) {
+            step_size = coef[0];
+            bc2_sqrt = coef[1];
+        }
+        return false;
+    }
     __device__ __forceinline__ void finish(bool) const {}
 
     __device__ __forceinline__ void update(float &pi, float gi, float &mi, float &vi) const {
@@ -49,7 +57,7 @@ struct adam_op {
 
 extern "C" cudaError_t cmlp_k_adam(float *p, const float *g, float *m, float *v, int64_t n, float step_size,
                                    float beta1, float beta2, float bc2_sqrt, float eps, float weight_decay,
-                                   const float *found_inf, cudaStream_t stream) {
+                                   const float *found_inf, const float *coef, cudaStream_t stream) {
     if (n < 0) return cudaErrorInvalidValue;
     if (n == 0) return cudaSuccess;
     adam_op op;
@@ -66,6 +74,7 @@ extern "C" cudaError_t cmlp_k_adam(float *p, const float *g, float *m, float *v,
     op.eps = eps;
     op.wd = weight_decay;
     op.found_inf = found_inf;
+    op.coef = coef;
     const int mis[4] = {cmlp_misalign(p, 4), cmlp_misalign(g, 4), cmlp_misalign(m, 4), cmlp_misalign(v, 4)};
     return cmlp_launch_map(op, n, mis, 4, stream);
 }
@@ -79,8 +88,13 @@ struct sgd_op {
     float lr, momentum, keep, wd;
     int nesterov, first, plain; /* plain: momentum == 0, buf untouched */
     const float *found_inf;
+    const int64_t *step; /* when set: first also when *step == 1 */
 
-    __device__ __forceinline__ bool begin() const { return found_inf && *found_inf != 0.0f; }
+    __device__ __forceinline__ bool begin() {
+        if (found_inf && *found_inf != 0.0f) return true;
+        if (step && *step == 1) first = 1;
+        return false;
+    }
     __device__ __forceinline__ void finish(bool) const {}
 
     /* returns the new momentum buffer value (unused when plain) */
@@ -118,7 +132,7 @@ struct sgd_op {
 
 extern "C" cudaError_t cmlp_k_sgd(float *p, const float *g, float *buf, int64_t n, float lr, float momentum,
                                   float dampening, int nesterov, float weight_decay, int first,
-                                  const float *found_inf, cudaStream_t stream) {
+                                  const float *found_inf, const int64_t *step, cudaStream_t stream) {
     if (n < 0) return cudaErrorInvalidValue;
     if (n == 0) return cudaSuccess;
     sgd_op op;
@@ -133,7 +147,26 @@ extern "C" cudaError_t cmlp_k_sgd(float *p, const float *g, float *buf, int64_t 
     op.first = first;
     op.plain = momentum == 0.0f;
     op.found_inf = found_inf;
+    op.step = step;
     /* buf takes part in the alignment only when it is touched */
     const int mis[3] = {cmlp_misalign(p, 4), cmlp_misalign(g, 4), cmlp_misalign(op.plain ? p : buf, 4)};
     return cmlp_launch_map(op, n, mis, 3, stream);
+}
+
+/* ---- the step count and Adam's bias corrections, on the device ---- */
+
+__global__ void k_optim_prepare(int64_t *step, float *coef, const float *found_inf, double lr, double beta1,
+                                double beta2, int adam) {
+    if (found_inf && *found_inf != 0.0f) return;
+    const int64_t t = ++*step;
+    if (!adam) return;
+    const double bc1 = 1.0 - pow(beta1, (double)t), bc2 = 1.0 - pow(beta2, (double)t);
+    coef[0] = (float)(lr / bc1);
+    coef[1] = (float)sqrt(bc2);
+}
+
+extern "C" cudaError_t cmlp_k_optim_prepare(int64_t *step, float *coef, const float *found_inf, double lr, double beta1,
+                                            double beta2, int adam, cudaStream_t stream) {
+    k_optim_prepare<<<1, 1, 0, stream>>>(step, coef, found_inf, lr, beta1, beta2, adam);
+    return cudaGetLastError();
 }

@@ -165,6 +165,35 @@ def test_trainer_skips_overflowing_steps_and_backs_off():
     assert opt.state_dict()["state"][0]["step"] == 40 - skipped
 
 
+def test_skipped_steps_leave_sgd_momentum_to_the_first_real_step():
+    """Skips are decided on the device; the first step that is taken starts the momentum buffer
+    at the gradient itself (buf = g, as PyTorch makes it), not at (1 - dampening) * g."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((8, 20)).astype(np.float32)
+    y = rng.integers(0, 3, 8)
+    model = cmlp.MLP([20, 8, 3], seed=0)
+    lr = 0.1
+    opt = cmlp.optim.SGD(model, lr=lr, momentum=0.9, dampening=0.5)
+    scaler = cmlp.amp.GradScaler(init_scale=2.0 ** 40, growth_interval=1000)
+    trainer = cmlp.Trainer(model, opt, batch_size=8, amp="fp16", scaler=scaler, shuffle=False)
+    model.forward_backward(x, y, amp="fp16")
+    grad = model.grads()  # of the first step that is taken: skipped steps leave the weights alone
+    model.zero_grad()
+    before = model.state_dict()
+    for _ in range(40):
+        trainer.step(x, y)
+        if opt.state_dict()["state"]:
+            break
+    state = opt.state_dict()["state"]
+    assert state and scaler.get_scale() < 2.0 ** 40
+    after = model.state_dict()
+    for i, name in enumerate(after):  # one step taken: p1 = p0 - lr * buf, buf = g
+        buf = state[i]["momentum_buffer"]
+        np.testing.assert_allclose(buf, (before[name] - after[name]) / lr, rtol=1e-3, atol=1e-5)
+        np.testing.assert_allclose(buf, grad[name], rtol=2e-2, atol=1e-4)  # not (1 - 0.5) * g
+        assert np.abs(buf).max() > 0
+
+
 def test_trainer_scale_grows_after_the_interval():
     rng = np.random.default_rng(1)
     x = rng.standard_normal((96, 20)).astype(np.float32)

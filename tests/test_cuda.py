@@ -1,0 +1,891 @@
+"""The CUDA backend against the CPU backend, which is the reference (skipped without a GPU).
+
+Every backend operation is reached from Python through a model-level comparison on both
+devices, from the same parameters and inputs, over a sweep of layer sizes (tiny, odd, a hidden
+layer of width 1, the reference model) and batch sizes (1, 2, 31, 257, 1024):
+  - forward (logits, predict, evaluate; float32 and uint8 inputs): GEMM, bias + ReLU,
+    normalisation of uint8 rows, softmax cross-entropy and argmax;
+  - forward_backward (loss and every gradient, with label smoothing, loss scaling and
+    accumulation): ReLU backward, bias gradients, GEMMs with every transpose;
+  - optimizer steps (Adam; SGD with momentum, dampening, nesterov, weight decay; lr changes);
+  - mixed precision (fp16, bf16): half casts, unscale and the inf/NaN check, GradScaler skips.
+Then whole runs: a training run follows the CPU run's loss curve; the trainer's C loop (where a
+backend may capture a step once and replay it as a CUDA graph) equals the Python-driven eager
+loop bitwise, and so does a run with a graph switch off, if the API grows one; two seeded runs
+are bitwise identical. Memory: under a limit, and for a request larger than the device, the
+GPU raises cmlp.OutOfMemoryError and keeps working; statistics equal the snapshot; automatic
+micro-batching, expandable segments, steady-state steps that allocate nothing, and the
+planner's peak against the measured one, on the GPU. Runs with CMLP_ALLOW_TF32 removed from the
+environment.
+
+Tolerances (norm-wise relative error per tensor, tests/reference.py's rel_err; and every element
+within 10x that fraction of the tensor's largest magnitude, which catches a wrong tail element
+in odd sizes that a norm would average away):
+  - fp32, GPU vs CPU and GPU vs the float64 reference: 1e-5 and 2e-5. The GPU must not use
+    TF32 for fp32 GEMMs (TF32 gives errors near 1e-3). Inputs are drawn with no ReLU
+    pre-activation within 1e-4 of zero, so rounding cannot flip a ReLU.
+  - amp, GPU amp vs CPU amp: 5e-3 (fp16), 1e-2 (bf16). Both devices round to half precision at
+    the same points (tests/test_amp.py holds the CPU within 2e-3 of a float64 emulation of that
+    rounding), so they differ by fp32 summation order and the rare half-precision value that
+    lands on the other side of a rounding boundary: a few ulps of fp16 (9.8e-4) or bf16 (3.9e-3).
+  - amp vs the fp32 float64 reference (reference model only): test_amp's 0.05 (fp16), 0.2 (bf16).
+  - whole training runs: per-step losses within 1e-3 (fp32) and 1e-2 (amp), per-epoch losses
+    within 1e-3 and 3e-2; trajectories part in the last bits after the first step (ReLU flips,
+    Adam's division by |g|), so weights are not compared there. After optimizer steps tensors
+    are compared norm-wise only (see assert_close).
+
+Run on a GPU machine after `CMLP_CUDA=1 python3 setup.py build_ext --inplace`:
+    PYTHONPATH=python python3 -m pytest -q tests/test_cuda.py
+"""
+import gc
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from reference import RefMLP, draw_batch, rel_err  # noqa: E402
+
+import cmlp  # noqa: E402
+
+# fp32 on the GPU must be fp32: CMLP_ALLOW_TF32 (read when a device is opened, which no test has
+# done yet at import) would make the fp32 comparisons fail by design.
+os.environ.pop("CMLP_ALLOW_TF32", None)
+
+M = cmlp.memory
+MIB = 1 << 20
+GPU = cmlp.cuda.is_available()
+_WHY = ("this build of cmlp has no CUDA backend (build with CMLP_CUDA=1)"
+        if not cmlp.build_info().get("cuda_compiled") else "cmlp finds no usable GPU on this machine")
+needs_gpu = pytest.mark.skipif(not GPU, reason=f"needs a GPU; cmlp.cuda.is_available() is False: {_WHY}")
+CUDA = "cuda"
+REPO_PYTHON = os.path.dirname(os.path.dirname(os.path.abspath(cmlp.__file__)))
+
+TOL = 1e-5  # fp32, GPU vs CPU
+TOL_REF = 2e-5  # fp32, either device vs the float64 reference
+AMP_TOL = {"fp16": 5e-3, "bf16": 1e-2}  # GPU amp vs CPU amp
+AMP_REF_TOL = {"fp16": 0.05, "bf16": 0.2}  # amp vs the fp32 float64 reference
+MARGIN = 1e-4  # no ReLU pre-activation this close to zero in drawn inputs
+
+SIZES = [[1, 1], [3, 5, 2], [7, 33, 1, 4], [784, 512, 256, 10]]
+BATCHES = [1, 2, 31, 257, 1024]
+SWEEP = [(s, n) for s in SIZES for n in BATCHES]
+REF_SIZES = [784, 512, 256, 10]
+
+
+def _id(value):
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
+        return "-".join(map(str, value))
+    return None
+
+
+def sweep_id(case):
+    sizes, n = case
+    return f"{_id(sizes)}-b{n}"
+
+
+@pytest.fixture(autouse=True)
+def clean_cuda_allocator():
+    """No memory limit or armed fault hook on the GPU before and after each test; the
+    allocator's invariants hold afterwards."""
+    if GPU:
+        M.configure("")
+        M.set_memory_limit(None, CUDA)
+        M._fail_raw_alloc(0, CUDA)
+    yield
+    if GPU:
+        M.configure("")
+        M.set_memory_limit(None, CUDA)
+        M._fail_raw_alloc(0, CUDA)
+        gc.collect()
+        M._validate(CUDA)
+
+
+# ---------------------------------------------------------------- helpers
+
+def assert_close(got, want, tol, what, elementwise=True):
+    """Norm-wise relative error <= tol and (elementwise) every element within 10 * tol of want's
+    largest magnitude, exact zeros staying zeros up to 1e-12. Not elementwise after optimizer
+    steps: Adam divides by |g|, so an element whose gradient is near zero (its relative
+    rounding large) may move by a sizeable fraction of lr on one device and not the other."""
+    got = np.asarray(got)
+    want = np.asarray(want, dtype=np.float64)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    assert np.isfinite(got).all() or not np.isfinite(want).all(), f"{what}: non-finite values"
+    err = rel_err(got, want)
+    assert err <= tol, f"{what}: norm-wise relative error {err:.3g} > {tol:g}"
+    if not elementwise:
+        return
+    scale = float(np.abs(want).max(initial=0.0))
+    worst = float(np.abs(got.astype(np.float64) - want).max(initial=0.0))
+    assert worst <= 10 * tol * scale + 1e-12, f"{what}: worst element off by {worst:.3g} (largest |value| {scale:.3g})"
+
+
+def assert_dicts_close(got, want, tol, what, elementwise=True):
+    assert list(got) == list(want), what
+    for k in want:
+        assert_close(got[k], want[k], tol, f"{what} {k}", elementwise)
+
+
+def assert_loss_close(got, want, tol, what="loss"):
+    assert isinstance(got, float), what
+    assert abs(got - want) <= tol * abs(want) + 1e-7, f"{what}: {got!r} vs {want!r}"
+
+
+def same(a, b):
+    """Deep bitwise equality of state dicts (arrays bitwise, containers recursively)."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return np.array_equal(np.asarray(a), np.asarray(b))
+    return a == b
+
+
+def pair(sizes, seed=0):
+    """A CPU model and a GPU model holding the same parameters."""
+    cpu = cmlp.MLP(sizes, seed=seed)
+    gpu = cmlp.MLP(sizes, device=CUDA, seed=seed)
+    gpu.load_state_dict(cpu.state_dict())
+    return cpu, gpu
+
+
+_BATCHES = {}
+
+
+def margin_batch(sizes, n, seed=0):
+    """(ref, x, y): the float64 reference of seed-0 parameters and a batch with no ReLU
+    pre-activation within MARGIN of zero under it. Cached: the draw is float64 work."""
+    key = (tuple(sizes), n, seed)
+    if key not in _BATCHES:
+        ref = RefMLP(sizes, cmlp.MLP(sizes, seed=0).state_dict())
+        x, y = draw_batch(ref, np.random.default_rng(1000 * n + seed), n, MARGIN)
+        _BATCHES[key] = (ref, x, y)
+    return _BATCHES[key]
+
+
+def teacher_data(n, seed=0, classes=10):
+    """uint8 images [n, 784] labelled by a random linear teacher: learnable, so loss falls."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 256, (n, 784), dtype=np.uint8)
+    w = rng.standard_normal((784, classes))
+    y = ((x / 127.5 - 1.0) @ w).argmax(axis=1).astype(np.int64)
+    return x, y
+
+
+def make_optimizer(model, kind, config):
+    return (cmlp.optim.Adam if kind == "adam" else cmlp.optim.SGD)(model, **config)
+
+
+# ---------------------------------------------------------------- no GPU: a clear refusal (runs without one)
+
+@pytest.mark.skipif(GPU, reason="a GPU is available here: the refusal without one cannot be observed")
+def test_asking_for_cuda_without_a_gpu_raises_and_says_why():
+    compiled = bool(cmlp.build_info().get("cuda_compiled"))
+    assert cmlp.cuda.device_count() == 0
+    if not compiled:
+        assert cmlp.build_info()["cuda"] is None
+    for device in ("cuda", "cuda:0"):
+        with pytest.raises(RuntimeError) as info:
+            cmlp.MLP([2, 2], device=device)
+        msg = str(info.value)
+        assert "CUDA" in msg, msg
+        # it says whether the build lacks CUDA or the machine lacks a GPU
+        assert ("build" in msg) if not compiled else ("GPU" in msg), msg
+    model = cmlp.MLP([2, 2])
+    with pytest.raises(RuntimeError, match="CUDA"):
+        model.to("cuda")
+    assert model.device == "cpu"
+    model(np.zeros((1, 2), np.float32))  # still usable
+    with pytest.raises(RuntimeError, match="CUDA"):
+        cmlp.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="CUDA"):
+        M.memory_stats("cuda")
+    assert M.memory_allocated() == M.memory_allocated("cpu")  # the default device is the CPU
+
+
+def test_unknown_device_strings_are_value_errors():
+    for device in ("gpu", "cuda:x", "cuda:-1", "cuda:99", "CUDA"):
+        with pytest.raises(ValueError, match="device"):
+            cmlp.MLP([2, 2], device=device)
+
+
+# ---------------------------------------------------------------- devices
+
+@needs_gpu
+def test_device_queries_and_names():
+    count = cmlp.cuda.device_count()
+    assert count >= 1
+    version = cmlp.build_info()["cuda"]
+    assert isinstance(version, str) and version, cmlp.build_info()
+    cmlp.cuda.synchronize()
+    cmlp.cuda.synchronize("cuda")
+    cmlp.cuda.synchronize("cuda:0")
+    assert cmlp.MLP([2, 2], device="cuda").device == "cuda:0"
+    assert cmlp.MLP([2, 2], device="cuda:0").device == "cuda:0"
+    if count < 16:
+        with pytest.raises(RuntimeError, match=f"cuda:{count}"):
+            cmlp.MLP([2, 2], device=f"cuda:{count}")
+    # the default memory device is the GPU
+    assert M.memory_allocated() == M.memory_allocated("cuda:0")
+
+
+@needs_gpu
+@pytest.mark.parametrize("sizes", SIZES, ids=_id)
+def test_initialisation_is_the_same_on_both_devices(sizes):
+    cpu = cmlp.MLP(sizes, seed=7)
+    gpu = cmlp.MLP(sizes, device=CUDA, seed=7)
+    assert gpu.layer_sizes == cpu.layer_sizes and gpu.num_parameters() == cpu.num_parameters()
+    assert same(gpu.state_dict(), cpu.state_dict())
+    assert all(not g.any() for g in gpu.grads().values())
+
+
+@needs_gpu
+def test_to_moves_parameters_and_optimizer_state_exactly():
+    sizes = [7, 33, 1, 4]
+    gc.collect()
+    base = M.memory_allocated(CUDA)
+    x, y = margin_batch(sizes, 31)[1:]
+    moved = cmlp.MLP(sizes, seed=0)
+    stay = cmlp.MLP(sizes, seed=0)
+    opts = [cmlp.optim.Adam(m, lr=1e-2) for m in (moved, stay)]
+    for device in ("cpu", "cpu", CUDA, CUDA, "cpu"):
+        if moved.device.split(":")[0] != device:
+            before = moved.state_dict(), opts[0].state_dict()
+            assert moved.to(device) is moved
+            assert moved.device.startswith(device)
+            assert same(moved.state_dict(), before[0]) and same(opts[0].state_dict(), before[1])
+        for i, model in enumerate((moved, stay)):
+            opts[i].zero_grad()
+            model.forward_backward(x, y)
+            opts[i].step()
+    assert_dicts_close(moved.state_dict(), stay.state_dict(), TOL, "parameters", elementwise=False)
+    got, want = opts[0].state_dict()["state"], opts[1].state_dict()["state"]
+    for i in want:
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert_close(got[i][name], want[i][name], 1e-4, f"state {i} {name}", elementwise=False)
+    del moved, stay, opts, model
+    gc.collect()
+    assert M.memory_allocated(CUDA) == base, "moving back to the CPU must free the GPU copies"
+
+
+@needs_gpu
+def test_save_and_load_onto_the_gpu(tmp_path):
+    cpu = cmlp.MLP([3, 5, 2], seed=4)
+    path = tmp_path / "m.npz"
+    cpu.save(path)
+    gpu = cmlp.MLP.load(path, device=CUDA)
+    assert gpu.device == "cuda:0" and same(gpu.state_dict(), cpu.state_dict())
+    gpu.save(tmp_path / "g.npz")
+    assert same(cmlp.MLP.load(tmp_path / "g.npz").state_dict(), cpu.state_dict())
+
+
+# ---------------------------------------------------------------- every op, GPU vs CPU, fp32
+
+@needs_gpu
+@pytest.mark.parametrize("case", SWEEP, ids=sweep_id)
+def test_forward_matches_the_cpu(case):
+    sizes, n = case
+    ref, x, y = margin_batch(sizes, n)
+    cpu, gpu = pair(sizes)
+    x_before = x.copy()
+    logits = gpu(x)
+    assert logits.dtype == np.float32 and logits.shape == (n, sizes[-1])
+    assert np.array_equal(x, x_before), "the input was modified"
+    want = cpu(x)
+    assert_close(logits, want, TOL, "logits vs cpu")
+    assert_close(logits, ref.forward(x), TOL_REF, "logits vs reference")
+    assert np.array_equal(gpu.forward(x), logits), "forward is deterministic"
+    # predict: argmax (first maximum) of the GPU's own logits; the CPU agrees away from ties
+    pred = gpu.predict(x)
+    assert pred.dtype == np.int64 and np.array_equal(pred, np.argmax(logits, axis=1))
+    clear = np.ones(n, bool)  # rows whose top two logits are not within rounding of each other
+    if sizes[-1] > 1:
+        top2 = np.sort(want, axis=1)[:, -2:]
+        clear = top2[:, 1] - top2[:, 0] > 1e-3 * np.abs(want).max()
+    assert np.array_equal(pred[clear], cpu.predict(x)[clear])
+    # evaluate in odd chunks
+    ev, ev_cpu = gpu.evaluate(x, y, batch_size=7), cpu.evaluate(x, y, batch_size=7)
+    assert_loss_close(ev["loss"], ev_cpu["loss"], TOL, "evaluate loss")
+    assert ev["accuracy"] == pytest.approx(float(np.mean(pred == y)), abs=1e-12)
+    assert abs(ev["accuracy"] - ev_cpu["accuracy"]) <= np.sum(~clear) / n + 1e-12
+
+
+@needs_gpu
+@pytest.mark.parametrize("n", [1, 31, 1024])
+def test_uint8_inputs_are_normalised_alike(n):
+    sizes = [784, 512, 256, 10]
+    rng = np.random.default_rng(n)
+    xu = rng.integers(0, 256, (n, 784), dtype=np.uint8)
+    y = rng.integers(0, 10, n)
+    cpu, gpu = pair(sizes)
+    for m in (cpu, gpu):
+        m.normalize = (0.1307, 0.3081)
+    assert_close(gpu(xu), cpu(xu), TOL, "logits of uint8 images")
+    loss_gpu, loss_cpu = gpu.forward_backward(xu, y), cpu.forward_backward(xu, y)
+    assert_loss_close(loss_gpu, loss_cpu, TOL)
+    assert_dicts_close(gpu.grads(), cpu.grads(), TOL, "grads from uint8 images")
+
+
+@needs_gpu
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("case", SWEEP, ids=sweep_id)
+def test_forward_backward_matches_the_cpu(case, label_smoothing):
+    sizes, n = case
+    ref, x, y = margin_batch(sizes, n)
+    cpu, gpu = pair(sizes)
+    x_before, y_before = x.copy(), y.copy()
+    loss = gpu.forward_backward(x, y, label_smoothing=label_smoothing)
+    assert np.array_equal(x, x_before) and np.array_equal(y, y_before), "inputs were modified"
+    loss_cpu = cpu.forward_backward(x, y, label_smoothing=label_smoothing)
+    ref_loss, ref_grads = ref.loss_and_grads(x, y, label_smoothing=label_smoothing)
+    assert_loss_close(loss, loss_cpu, TOL, "loss vs cpu")
+    assert_loss_close(loss, ref_loss, TOL_REF, "loss vs reference")
+    grads = gpu.grads()
+    assert all(g.dtype == np.float32 for g in grads.values())
+    assert_dicts_close(grads, cpu.grads(), TOL, "grads vs cpu")
+    assert_dicts_close(grads, ref_grads, TOL_REF, "grads vs reference")
+
+
+@needs_gpu
+@pytest.mark.parametrize("sizes", SIZES, ids=_id)
+def test_loss_scale_accumulation_and_zero_grad(sizes):
+    ref, x, y = margin_batch(sizes, 31)
+    _, x2, y2 = margin_batch(sizes, 31, seed=1)
+    cpu, gpu = pair(sizes)
+    for m in (cpu, gpu):
+        m.forward_backward(x, y, loss_scale=8.0)
+        m.forward_backward(x2, y2, loss_scale=0.5)  # adds to the first
+    assert_dicts_close(gpu.grads(), cpu.grads(), TOL, "accumulated scaled grads")
+    _, g1 = ref.loss_and_grads(x, y, loss_scale=8.0)
+    _, g2 = ref.loss_and_grads(x2, y2, loss_scale=0.5)
+    assert_dicts_close(gpu.grads(), {k: g1[k] + g2[k] for k in g1}, TOL_REF, "accumulated vs reference")
+    gpu.zero_grad()
+    assert all(not g.any() for g in gpu.grads().values())
+    gpu.forward_backward(x, y)
+    assert_dicts_close(gpu.grads(), ref.loss_and_grads(x, y)[1], TOL_REF, "after zero_grad")
+
+
+OPTIMIZERS = [
+    ("adam", {}),
+    ("adam", dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=1e-2)),
+    ("sgd", dict(lr=0.1)),
+    ("sgd", dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-3)),
+    ("sgd", dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4)),
+]
+
+
+def _opt_id(opt):
+    kind, config = opt
+    return kind + "".join(f"-{k}{v}" for k, v in config.items()).replace(" ", "")
+
+
+@needs_gpu
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=_opt_id)
+@pytest.mark.parametrize("sizes", SIZES, ids=_id)
+def test_optimizer_steps_match_the_cpu(sizes, opt):
+    kind, config = opt
+    batches = [margin_batch(sizes, 31, seed=s)[1:] for s in range(4)]
+    cpu, gpu = pair(sizes)
+    opts = [make_optimizer(m, kind, config) for m in (cpu, gpu)]
+    for i, (x, y) in enumerate(batches):
+        if i == 2:
+            for o in opts:
+                o.lr = o.lr * 0.5
+        for m, o in zip((cpu, gpu), opts):
+            o.zero_grad()
+            m.forward_backward(x, y)
+            o.step()
+    assert_dicts_close(gpu.state_dict(), cpu.state_dict(), TOL, "parameters", elementwise=False)
+    got, want = opts[1].state_dict(), opts[0].state_dict()
+    assert got["param_groups"] == want["param_groups"]
+    assert got["state"].keys() == want["state"].keys()
+    for i, entry in want["state"].items():
+        assert got["state"][i].keys() == entry.keys()
+        for name, value in entry.items():
+            if name == "step":
+                assert got["state"][i][name] == value
+            else:
+                assert_close(got["state"][i][name], value, 1e-4, f"optimizer state {i} {name}", elementwise=False)
+
+
+# ---------------------------------------------------------------- mixed precision
+
+@needs_gpu
+@pytest.mark.parametrize("amp", ["fp16", "bf16"])
+@pytest.mark.parametrize("case", SWEEP, ids=sweep_id)
+def test_amp_forward_backward_matches_cpu_amp(case, amp):
+    sizes, n = case
+    ref, x, y = margin_batch(sizes, n)
+    cpu, gpu = pair(sizes)
+    scale = 1024.0 if amp == "fp16" else 1.0
+    loss = gpu.forward_backward(x, y, amp=amp, loss_scale=scale)
+    loss_cpu = cpu.forward_backward(x, y, amp=amp, loss_scale=scale)
+    assert_loss_close(loss, loss_cpu, AMP_TOL[amp], f"{amp} loss vs cpu")
+    grads = gpu.grads()
+    assert_dicts_close(grads, cpu.grads(), AMP_TOL[amp], f"{amp} grads vs cpu")
+    if sizes == REF_SIZES:
+        ref_loss, ref_grads = ref.loss_and_grads(x, y, loss_scale=scale)
+        assert abs(loss - ref_loss) < 1e-2 * ref_loss
+        for k in ref_grads:
+            assert rel_err(grads[k], ref_grads[k]) < AMP_REF_TOL[amp], k
+        # and it really is half precision on the GPU: not the fp32 result
+        fp32 = cmlp.MLP(sizes, device=CUDA, seed=0)
+        fp32.forward_backward(x, y, loss_scale=scale)
+        assert rel_err(grads["fc1.weight"], fp32.grads()["fc1.weight"]) > 1e-4
+
+
+@needs_gpu
+def test_fp16_overflow_gives_inf_and_the_scaler_skips_the_step():
+    cpu, gpu = pair([4, 3, 2])
+    sd = cpu.state_dict()
+    sd["fc1.weight"][...] = 1.0
+    x = np.full((2, 4), 30000.0, np.float32)  # hidden activations of 120000 exceed fp16's 65504
+    y = np.array([0, 1])
+    for m in (cpu, gpu):
+        m.load_state_dict(sd)
+        opt = cmlp.optim.Adam(m)
+        scaler = cmlp.amp.GradScaler(init_scale=1024.0)
+        m.forward_backward(x, y, amp="fp16", loss_scale=scaler.get_scale())
+        assert not np.isfinite(m.grads()["fc1.weight"]).all(), m.device
+        assert scaler.step(opt) is False
+        scaler.update()
+        assert scaler.get_scale() == 512.0
+        assert same(m.state_dict(), sd), f"{m.device}: a skipped step changed the parameters"
+        m.zero_grad()
+        m.forward_backward(x, y, amp="bf16")
+        assert all(np.isfinite(g).all() for g in m.grads().values()), m.device
+
+
+@needs_gpu
+def test_grad_scaler_loop_matches_the_cpu():
+    sizes = [784, 512, 256, 10]
+    cpu, gpu = pair(sizes)
+    runs = []
+    for m in (cpu, gpu):
+        opt = cmlp.optim.Adam(m, lr=1e-3)
+        # far from fp16's overflow (the overflow test covers skipping), growing every 2 steps
+        scaler = cmlp.amp.GradScaler(init_scale=2.0**13, growth_interval=2)
+        stepped, scales = [], []
+        for i in range(6):
+            x = np.random.default_rng(i).standard_normal((64, 784)).astype(np.float32)
+            y = np.random.default_rng(100 + i).integers(0, 10, 64)
+            opt.zero_grad()
+            m.forward_backward(x, y, amp="fp16", loss_scale=scaler.get_scale())
+            scaler.unscale_(opt)
+            stepped.append(scaler.step(opt))
+            scaler.update()
+            scales.append(scaler.get_scale())
+        runs.append((stepped, scales, m.state_dict()))
+    assert runs[0][0] == runs[1][0] and runs[0][1] == runs[1][1], (runs[0][:2], runs[1][:2])
+    assert_dicts_close(runs[1][2], runs[0][2], AMP_TOL["fp16"], "parameters after the scaled loop", elementwise=False)
+
+
+# ---------------------------------------------------------------- whole runs
+
+def _train(device, amp, x, y, xv, yv, steps=30, epochs=2, batch=64):
+    """`steps` Trainer.step calls on fixed batches (early training: losses of order 1), then
+    Trainer.fit (the C epoch loop, shuffled) for `epochs`. Returns (per-step losses, history,
+    model)."""
+    model = cmlp.MLP([784, 512, 256, 10], device=device, seed=0)
+    trainer = cmlp.Trainer(model, cmlp.optim.Adam(model, lr=1e-3), batch_size=batch, amp=amp, seed=3)
+    losses = [trainer.step(x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch]) for i in range(steps)]
+    history = trainer.fit(x, y, epochs=epochs, validation_data=(xv, yv), progress=False)
+    return losses, history, model
+
+
+@needs_gpu
+@pytest.mark.parametrize("amp", [None, "fp16", "bf16"])
+def test_training_follows_the_cpu_loss_curve(amp):
+    # Tolerances measured on the CPU against the same run computed in micro-batches of 16 (a
+    # different summation order): fp32 parts by 3e-8, amp by up to 5e-4 per step and 2e-3 per
+    # epoch, and the runs part further as training goes on.
+    x, y = teacher_data(4096 + 1024, seed=1)
+    x, y, xv, yv = x[:4096], y[:4096], x[4096:], y[4096:]
+    step_tol, epoch_tol = (1e-3, 1e-3) if amp is None else (1e-2, 3e-2)
+    s_gpu, h_gpu, gpu = _train(CUDA, amp, x, y, xv, yv)
+    s_cpu, h_cpu, _ = _train("cpu", amp, x, y, xv, yv)
+    assert h_gpu[-1]["loss"] < 0.5 * s_gpu[0], "the GPU run did not learn"
+    np.testing.assert_allclose(s_gpu, s_cpu, rtol=step_tol)
+    for e, (g, c) in enumerate(zip(h_gpu, h_cpu)):
+        for key in ("loss", "val_loss"):
+            assert g[key] == pytest.approx(c[key], rel=epoch_tol), (e, key, g[key], c[key])
+        assert abs(g["val_accuracy"] - c["val_accuracy"]) <= 0.02, (e, g["val_accuracy"], c["val_accuracy"])
+        assert g["microbatch_size"] == c["microbatch_size"] == 64
+        assert g["skipped_steps"] == c["skipped_steps"]
+        assert g["peak_memory_bytes"] > 0
+    assert all(np.isfinite(v).all() for v in gpu.state_dict().values())
+
+
+DEVICES = ["cpu", pytest.param(CUDA, marks=needs_gpu)]
+
+
+@pytest.mark.parametrize("amp", [None, "fp16", "bf16"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_graph_replay_equals_eager_execution(device, amp):
+    """Trainer.fit runs its steps in the C loop, where a CUDA backend may capture a step once and
+    replay it as a graph; a Python loop of forward_backward / GradScaler / optimizer calls runs every
+    operation eagerly, one call at a time; Trainer.step is in between. All three must give the
+    same bits (float32 inputs: no normalisation that two paths could round differently)."""
+    sizes, batch, steps, epochs = [784, 512, 256, 10], 64, 6, 2
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((batch * steps, 784)).astype(np.float32)
+    y = rng.integers(0, 10, batch * steps)
+
+    graph = cmlp.MLP(sizes, device=device, seed=0)
+    t_graph = cmlp.Trainer(graph, cmlp.optim.Adam(graph), batch_size=batch, amp=amp, shuffle=False)
+    history = t_graph.fit(x, y, epochs=epochs, progress=False)
+
+    eager = cmlp.MLP(sizes, device=device, seed=0)
+    opt = cmlp.optim.Adam(eager)
+    scaler = cmlp.amp.GradScaler() if amp == "fp16" else None
+    eager_losses = []
+    for _ in range(epochs):
+        total = 0.0
+        for i in range(steps):
+            xb, yb = x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch]
+            opt.zero_grad()
+            total += batch * eager.forward_backward(xb, yb, amp=amp, loss_scale=scaler.get_scale() if scaler else 1.0)
+            if scaler:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+        eager_losses.append(total / (batch * steps))
+
+    stepped = cmlp.MLP(sizes, device=device, seed=0)
+    t_step = cmlp.Trainer(stepped, cmlp.optim.Adam(stepped), batch_size=batch, amp=amp, shuffle=False)
+    for _ in range(epochs):
+        for i in range(steps):
+            t_step.step(x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch])
+
+    assert same(graph.state_dict(), eager.state_dict()), "fit (replayed) and the eager loop differ"
+    assert same(t_graph.optimizer.state_dict(), opt.state_dict())
+    assert same(stepped.state_dict(), eager.state_dict()), "Trainer.step and the eager loop differ"
+    if scaler is not None:
+        assert t_graph.scaler.state_dict() == scaler.state_dict() == t_step.scaler.state_dict()
+    np.testing.assert_allclose([h["loss"] for h in history], eager_losses, rtol=1e-9)
+
+
+_GRAPH_SWITCHES = ("cuda_graph", "cuda_graphs", "use_cuda_graph", "use_cuda_graphs", "graph", "graphs")
+
+
+def _graph_switch():
+    """The Trainer keyword that turns CUDA-graph replay on and off, if the API has one."""
+    import inspect
+
+    params = inspect.signature(cmlp.Trainer.__init__).parameters
+    return next((name for name in _GRAPH_SWITCHES if name in params), None)
+
+
+@needs_gpu
+@pytest.mark.parametrize("amp", [None, "fp16"])
+def test_graph_switch_on_and_off_give_identical_training(amp):
+    """GRAPH VS EAGER, by the API's own switch (skipped while the API has none)."""
+    switch = _graph_switch()
+    if switch is None:
+        pytest.skip(f"cmlp.Trainer has no switch for CUDA-graph replay (looked for {', '.join(_GRAPH_SWITCHES)}); "
+                    "test_graph_replay_equals_eager_execution compares fit with the eager loop instead")
+    x, y = teacher_data(64 * 8, seed=2)
+    runs = []
+    for on in (True, False):
+        model = cmlp.MLP([784, 512, 256, 10], device=CUDA, seed=0)
+        trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=64, amp=amp, seed=1, **{switch: on})
+        history = trainer.fit(x, y, epochs=2, progress=False)
+        runs.append((model.state_dict(), trainer.optimizer.state_dict(), [h["loss"] for h in history]))
+    assert same(runs[0][0], runs[1][0]) and same(runs[0][1], runs[1][1])
+    np.testing.assert_allclose(runs[0][2], runs[1][2], rtol=1e-9)
+
+
+@pytest.mark.parametrize("amp", [None, "fp16"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_identical_seeded_runs_are_bitwise_identical(device, amp):
+    x, y = teacher_data(64 * 10 + 17, seed=3)  # a short last batch too
+    runs = []
+    for _ in range(2):
+        model = cmlp.MLP([784, 512, 256, 10], device=device, seed=5)
+        trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=64, amp=amp, shuffle=True, seed=9)
+        history = trainer.fit(x, y, epochs=2, progress=False)
+        runs.append((model.state_dict(), trainer.optimizer.state_dict(), [h["loss"] for h in history]))
+        del model, trainer
+    assert same(runs[0][0], runs[1][0]), "parameters differ between identical runs"
+    assert same(runs[0][1], runs[1][1]), "optimizer state differs between identical runs"
+    np.testing.assert_allclose(runs[0][2], runs[1][2], rtol=1e-9)  # loss sums may use atomics
+
+
+@needs_gpu
+def test_accumulation_equals_one_big_batch_on_the_gpu():
+    x, y = teacher_data(256, seed=4)
+    weights = []
+    for batch, acc in ((64, 1), (16, 4)):
+        model = cmlp.MLP([784, 512, 256, 10], device=CUDA, seed=0)
+        cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=batch, accumulation_steps=acc,
+                     shuffle=False).fit(x, y, epochs=1, progress=False)
+        weights.append(model.state_dict())
+    assert_dicts_close(weights[1], weights[0], 1e-3, "accumulated vs big batch", elementwise=False)
+
+
+# ---------------------------------------------------------------- memory on the GPU
+
+def snapshot_sums(snap):
+    """Per pool: segments, reserved, allocations, allocated, requested, inactive split blocks/bytes
+    (tests/test_allocator.py's helper)."""
+    out = {p: dict.fromkeys(["segment", "reserved_bytes", "allocation", "allocated_bytes", "requested_bytes",
+                             "inactive_split", "inactive_split_bytes"], 0) for p in ("large_pool", "small_pool")}
+    for seg in snap:
+        s = out["small_pool" if seg["segment_type"] == "small" else "large_pool"]
+        s["segment"] += 1
+        s["reserved_bytes"] += seg["total_size"]
+        assert seg["total_size"] == sum(b["size"] for b in seg["blocks"])
+        split = len(seg["blocks"]) > 1
+        for b in seg["blocks"]:
+            if b["state"] == "active_allocated":
+                s["allocation"] += 1
+                s["allocated_bytes"] += b["size"]
+                s["requested_bytes"] += b["requested_size"]
+            elif split:
+                s["inactive_split"] += 1
+                s["inactive_split_bytes"] += b["size"]
+    return out
+
+
+def assert_stats_match_snapshot(device=CUDA):
+    gc.collect()
+    stats, snap = M.memory_stats(device), M.memory_snapshot(device)
+    addresses = [s["address"] for s in snap]
+    assert addresses == sorted(addresses)
+    for pool, sums in snapshot_sums(snap).items():
+        for key, value in sums.items():
+            assert stats[f"{key}.{pool}.current"] == value, (key, pool)
+    for key in ("segment", "reserved_bytes", "allocation", "allocated_bytes", "inactive_split_bytes"):
+        assert stats[f"{key}.all.current"] == stats[f"{key}.large_pool.current"] + stats[f"{key}.small_pool.current"]
+    M._validate(device)
+
+
+@needs_gpu
+@pytest.mark.parametrize("amp", [None, "fp16"])
+def test_statistics_equal_the_snapshot_through_a_model_lifetime(amp):
+    gc.collect()
+    base = M.memory_allocated(CUDA)
+    assert_stats_match_snapshot()
+    model = cmlp.MLP([784, 512, 256, 10], device=CUDA, seed=0)
+    opt = cmlp.optim.Adam(model)
+    assert M.memory_allocated(CUDA) >= base + 2 * 4 * model.num_parameters(), "parameters and gradients"
+    assert_stats_match_snapshot()
+    x, y = teacher_data(300, seed=5)
+    trainer = cmlp.Trainer(model, opt, batch_size=64, amp=amp)
+    trainer.fit(x, y, epochs=1, progress=False)
+    assert_stats_match_snapshot()
+    del trainer, opt, model
+    gc.collect()
+    assert M.memory_allocated(CUDA) == base
+    assert_stats_match_snapshot()
+
+
+@needs_gpu
+def test_caching_allocator_on_the_gpu_reuses_blocks_without_a_device_call():
+    p = M.caching_allocator_alloc(3 * MIB, CUDA)
+    M.caching_allocator_delete(p)
+    before = M.memory_stats(CUDA)
+    q = M.caching_allocator_alloc(3 * MIB, CUDA)
+    after = M.memory_stats(CUDA)
+    assert q == p
+    assert after["num_device_alloc"] == before["num_device_alloc"]
+    M.caching_allocator_delete(q)
+    assert_stats_match_snapshot()
+
+
+@needs_gpu
+def test_out_of_memory_under_a_limit_is_detailed_and_the_gpu_keeps_working():
+    M.empty_cache(CUDA)
+    gc.collect()
+    base = M.memory_allocated(CUDA)
+    ooms = M.memory_stats(CUDA)["num_ooms"]
+    limit = M.memory_reserved(CUDA) + 8 * MIB
+    M.set_memory_limit(limit, CUDA)
+    assert M.get_memory_limit(CUDA) == limit
+    try:
+        with pytest.raises(cmlp.OutOfMemoryError) as info:
+            cmlp.MLP([4096, 1024, 10], device=CUDA)  # 16 MiB of parameters
+        msg = str(info.value)
+        assert isinstance(info.value, RuntimeError)
+        for needle in ("out of memory", "bytes requested", "memory limit"):
+            assert needle in msg, (needle, msg)
+        s = M.memory_stats(CUDA)
+        assert s["num_ooms"] == ooms + 1
+        assert M.memory_allocated(CUDA) == base, "a failed model creation must free what it took"
+        assert M.memory_reserved(CUDA) <= limit
+        assert_stats_match_snapshot()
+    finally:
+        M.set_memory_limit(None, CUDA)
+    # the device keeps working: the same model now fits, and a small one trains like the CPU's
+    big = cmlp.MLP([4096, 1024, 10], device=CUDA)
+    del big
+    sizes = [3, 5, 2]
+    cpu, gpu = pair(sizes)
+    _, x, y = margin_batch(sizes, 31)
+    for m in (cpu, gpu):
+        opt = cmlp.optim.Adam(m)
+        for _ in range(3):
+            opt.zero_grad()
+            m.forward_backward(x, y)
+            opt.step()
+    assert_dicts_close(gpu.state_dict(), cpu.state_dict(), TOL, "after the OOM", elementwise=False)
+    assert_stats_match_snapshot()
+
+
+@needs_gpu
+def test_a_request_larger_than_the_device_is_out_of_memory_and_harmless():
+    """A real device failure (no limit set): the driver's error must be cleared, not left to
+    surface at the next kernel launch."""
+    total = M.memory_stats(CUDA)["total_memory"]
+    assert total > 0
+    with pytest.raises(cmlp.OutOfMemoryError, match="out of memory"):
+        M.caching_allocator_alloc(2 * total, CUDA)
+    cpu, gpu = pair([7, 33, 1, 4])
+    _, x, y = margin_batch([7, 33, 1, 4], 257)
+    assert_loss_close(gpu.forward_backward(x, y), cpu.forward_backward(x, y), TOL)
+    assert_dicts_close(gpu.grads(), cpu.grads(), TOL, "after a failed device allocation")
+    assert_stats_match_snapshot()
+
+
+@needs_gpu
+def test_auto_microbatch_under_a_limit_on_the_gpu():
+    sizes, batch = [784, 512, 256, 10], 8192
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((batch, 784)).astype(np.float32)
+    y = rng.integers(0, 10, batch)
+    runs = {}
+    for limited in (False, True):
+        gc.collect()
+        M.empty_cache(CUDA)
+        base = M.memory_reserved(CUDA)
+        model = cmlp.MLP(sizes, device=CUDA, seed=0)
+        opt = cmlp.optim.Adam(model)
+        plan = M.plan(sizes, batch, opt, device=CUDA)
+        trainer = cmlp.Trainer(model, opt, batch_size=batch, shuffle=False)
+        limit = base + plan.peak_bytes // 2
+        if limited:
+            M.set_memory_limit(limit, CUDA)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                history = trainer.fit(x, y, epochs=1, progress=False)
+        finally:
+            M.set_memory_limit(None, CUDA)
+        runs[limited] = (model.state_dict(), history[0], [w for w in caught if w.category is cmlp.MemoryWarning],
+                         limit)
+        del model, opt, trainer
+    weights, h, caught, limit = runs[True]
+    assert h["microbatch_size"] < batch and len(caught) == 1, (h, [str(w.message) for w in caught])
+    assert h["peak_memory_bytes"] <= limit
+    assert runs[False][1]["microbatch_size"] == batch and runs[False][2] == []
+    assert_dicts_close(weights, runs[False][0], TOL, "micro-batched vs whole batch", elementwise=False)
+    assert h["loss"] == pytest.approx(runs[False][1]["loss"], rel=1e-5)
+    assert_stats_match_snapshot()
+
+
+@needs_gpu
+def test_expandable_segments_on_the_gpu_train_identically_and_give_pages_back():
+    x, y = teacher_data(512, seed=8)
+
+    def run():
+        model = cmlp.MLP([784, 512, 256, 10], device=CUDA, seed=0)
+        cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=128, shuffle=False).fit(x, y, epochs=1,
+                                                                                       progress=False)
+        assert_stats_match_snapshot()
+        return model.state_dict(), any(seg["expandable"] for seg in M.memory_snapshot(CUDA))
+
+    plain, _ = run()
+    gc.collect()
+    M.configure("expandable_segments:True")
+    M.empty_cache(CUDA)
+    before = M.memory_reserved(CUDA)
+    try:
+        M.caching_allocator_delete(M.caching_allocator_alloc(3 * MIB, CUDA))
+    except RuntimeError as e:
+        if "virtual memory" in str(e):
+            pytest.skip(f"the driver offers no virtual memory API here: {e}")
+        raise
+    weights, expandable = run()
+    assert expandable, "no expandable segment in the snapshot"
+    assert same(weights, plain), "placement in memory changed the numbers"
+    gc.collect()
+    M.empty_cache(CUDA)
+    assert M.memory_reserved(CUDA) <= before
+    assert_stats_match_snapshot()
+
+
+@needs_gpu
+@pytest.mark.parametrize("amp", [None, "fp16"])
+def test_steady_state_steps_allocate_nothing(amp):
+    model = cmlp.MLP([784, 512, 256, 10], device=CUDA, seed=0)
+    trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=128, amp=amp)
+    x, y = teacher_data(128, seed=7)
+    xf = np.random.default_rng(7).standard_normal((128, 784)).astype(np.float32)
+
+    def calls():
+        trainer.step(x, y)
+        model(xf)
+        model.evaluate(x, y, batch_size=128)
+        model.forward_backward(xf, y, amp=amp)
+        model.zero_grad()
+
+    calls()
+    calls()
+    gc.collect()
+    first = M.memory_stats(CUDA)
+    for i in range(20):
+        calls()
+        now = M.memory_stats(CUDA)
+        for key in ("allocated_bytes.all.current", "reserved_bytes.all.current", "allocation.all.current",
+                    "num_device_alloc"):
+            assert now[key] == first[key], f"{key} changed at call {i}: {now[key]} != {first[key]}"
+
+
+# One planned configuration per line, run in a fresh interpreter (a clean GPU allocator), as
+# tests/test_planner.py does on the CPU.
+_PLAN_RUN = r'''
+import gc, json, sys
+import numpy as np
+import cmlp
+M = cmlp.memory
+for layers, batch, amp in json.loads(sys.argv[1]):
+    rng = np.random.default_rng(batch)
+    x = rng.standard_normal((2 * batch, layers[0]), dtype=np.float32)
+    y = rng.integers(0, layers[-1], 2 * batch)
+    gc.collect()
+    M.empty_cache("cuda")
+    base = M.memory_stats("cuda")
+    M.reset_peak_memory_stats("cuda")
+    model = cmlp.MLP(layers, device="cuda", seed=0)
+    opt = cmlp.optim.Adam(model, lr=1e-3)
+    cmlp.Trainer(model, opt, batch_size=batch, amp=amp, shuffle=False).fit(x, y, epochs=1, progress=False)
+    s = M.memory_stats("cuda")
+    p = M.plan(layers, batch, opt, amp, device="cuda")
+    print(json.dumps({"cfg": [layers, batch, amp], "planned": p.peak_bytes,
+                      "measured": s["allocated_bytes.all.peak"] - base["allocated_bytes.all.current"],
+                      "breakdown": p.breakdown}), flush=True)
+    del model, opt
+'''
+PLAN_GRID = [([784, 512, 256, 10], b, a) for b in (1, 32, 4096) for a in (None, "fp16", "bf16")]
+
+
+@needs_gpu
+def test_planned_peak_matches_the_measured_peak_on_the_gpu():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_PYTHON + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.pop("CMLP_ALLOC_CONF", None)
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    r = subprocess.run([sys.executable, "-c", _PLAN_RUN, json.dumps(PLAN_GRID)], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    runs = [json.loads(line) for line in r.stdout.splitlines()]
+    assert len(runs) == len(PLAN_GRID)
+    bad = [run for run in runs if abs(run["measured"] - run["planned"]) > 0.02 * run["measured"]]
+    assert not bad, bad
