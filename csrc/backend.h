@@ -69,6 +69,12 @@ typedef struct cmlp_backend_i {
                               float scale, float shift);
     cmlp_status (*stage_labels)(void *ctx, int32_t *d_dst, const int32_t *h_src,
                                 const int64_t *h_idx, int64_t start, int64_t rows);
+    /* The same from a data set (and sample order) already in device memory. */
+    cmlp_status (*gather_rows)(void *ctx, float *d_dst, const void *d_src, cmlp_dtype dtype,
+                               int64_t cols, const int64_t *d_idx, int64_t start, int64_t rows,
+                               float scale, float shift);
+    cmlp_status (*gather_labels)(void *ctx, int32_t *d_dst, const int32_t *d_src,
+                                 const int64_t *d_idx, int64_t start, int64_t rows);
 
     /* Fused optimizers over flat buffers of n floats. Scalars precomputed by the core, or on the
      * device: when d_found_inf is not NULL and *d_found_inf != 0 the step changes nothing; Adam

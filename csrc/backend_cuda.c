@@ -530,6 +530,23 @@ static cmlp_status cu_stage_labels(void *ctx, int32_t *d_dst, const int32_t *h_s
     return st;
 }
 
+static cmlp_status cu_gather_rows(void *ctx, float *d_dst, const void *d_src, cmlp_dtype dtype, int64_t cols,
+                                  const int64_t *d_idx, int64_t start, int64_t rows, float scale, float shift) {
+    cuda_ctx *c = ctx;
+    CMLP_TRY_USE(c);
+    if (dtype == CMLP_DTYPE_U8)
+        return KERNEL(c, cmlp_k_gather_u8(d_dst, d_src, d_idx, start, rows, cols, scale, shift, c->stream));
+    /* float rows are copied as they are */
+    return KERNEL(c, cmlp_k_gather_f32(d_dst, d_src, d_idx, start, rows, cols, 1.0f, 0.0f, c->stream));
+}
+
+static cmlp_status cu_gather_labels(void *ctx, int32_t *d_dst, const int32_t *d_src, const int64_t *d_idx,
+                                    int64_t start, int64_t rows) {
+    cuda_ctx *c = ctx;
+    CMLP_TRY_USE(c);
+    return KERNEL(c, cmlp_k_gather_labels(d_dst, d_src, d_idx, start, rows, c->stream));
+}
+
 /* ---- optimizers and mixed precision ---- */
 
 static cmlp_status cu_adam(void *ctx, float *d_p, const float *d_g, float *d_m, float *d_v, int64_t n, float step_size,
@@ -621,6 +638,8 @@ static const cmlp_backend_i backend = {
     .softmax_xent = cu_softmax_xent,
     .stage_rows = cu_stage_rows,
     .stage_labels = cu_stage_labels,
+    .gather_rows = cu_gather_rows,
+    .gather_labels = cu_gather_labels,
     .adam = cu_adam,
     .sgd = cu_sgd,
     .to_half = cu_to_half,

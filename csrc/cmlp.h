@@ -187,14 +187,16 @@ typedef enum cmlp_amp { CMLP_AMP_NONE = 0, CMLP_AMP_FP16 = 1, CMLP_AMP_BF16 = 2 
 CMLP_API cmlp_status cmlp_convert_to_half(uint16_t *dst, const float *src, int64_t n, cmlp_dtype dtype);
 CMLP_API cmlp_status cmlp_convert_from_half(float *dst, const uint16_t *src, int64_t n, cmlp_dtype dtype);
 
-/* A batch or data set in host memory: x [n, features] row-major, y [n] or NULL.
- * uint8 images are normalised on the fly: ((x / 255) - mean) / std. */
+/* A batch or data set: x [n, features] row-major, y [n] or NULL, in host memory, or (on_device
+ * != 0) in the memory of the model's device. uint8 images are normalised on the fly:
+ * ((x / 255) - mean) / std. */
 typedef struct cmlp_data {
     const void *x;
     cmlp_dtype x_dtype;
     const int32_t *y;
     int64_t n;
     float mean, std;
+    int on_device;
 } cmlp_data;
 
 /* ---- model ------------------------------------------------------------------------------- */

@@ -126,6 +126,14 @@ CMLP_HIDDEN int cmlp_amp_layout(const int *sizes, int L, int64_t rows, int recom
                                 size_t *act_bytes);
 /* Forward of rows [0, n) already in ws.act[0] (or in `input` when not NULL). */
 CMLP_HIDDEN cmlp_status cmlp_model_forward_rows(cmlp_model *m, const float *input, int64_t n);
+/* Rows idx[0..n) (or [start, start+n)) of xy's inputs or labels into device memory dst, from
+ * host memory or, when xy->on_device, from the device. */
+CMLP_HIDDEN cmlp_status cmlp_stage_x(cmlp_model *m, float *dst, const cmlp_data *xy, const int64_t *idx,
+                                     int64_t start, int64_t n, float scale, float shift);
+CMLP_HIDDEN cmlp_status cmlp_stage_y(cmlp_model *m, int32_t *dst, const cmlp_data *xy, const int64_t *idx,
+                                     int64_t start, int64_t n);
+/* Whether xy can be read in place by the model's device (on the CPU, or already on the device). */
+CMLP_HIDDEN bool cmlp_data_in_place(const cmlp_model *m, const cmlp_data *xy);
 /* Stages rows idx[0..n) (or [start, start+n) when idx is NULL) of xy into the workspace and
  * returns the float input to use (a view of the caller's data when no copy is needed). */
 CMLP_HIDDEN cmlp_status cmlp_model_stage(cmlp_model *m, const cmlp_data *xy, const int64_t *idx,

@@ -139,6 +139,9 @@ cmlp_status cmlp_workspace_reserve(cmlp_model *m, int64_t rows) {
 cmlp_status cmlp_data_validate(const cmlp_model *m, const cmlp_data *xy, bool need_labels) {
     if (!xy || !xy->x) return CMLP_FAIL(CMLP_ERR_INVALID, "x must not be NULL");
     if (xy->n < 1) return CMLP_FAIL(CMLP_ERR_INVALID, "x must hold at least one sample, got %lld", (long long)xy->n);
+    if (xy->on_device && m->dev->device.type != CMLP_DEVICE_CPU)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "data in device memory cannot be checked: pass host memory (the trainer "
+                                           "keeps a data set on the device itself)");
     int64_t cols = m->sizes[0], classes = m->sizes[m->nlayers];
     if (xy->x_dtype == CMLP_DTYPE_U8) {
         if (!isfinite(xy->mean) || !isfinite(xy->std) || xy->std == 0.0f)
@@ -168,22 +171,39 @@ cmlp_status cmlp_data_validate(const cmlp_model *m, const cmlp_data *xy, bool ne
     return CMLP_OK;
 }
 
+cmlp_status cmlp_stage_x(cmlp_model *m, float *dst, const cmlp_data *xy, const int64_t *idx, int64_t start,
+                         int64_t n, float scale, float shift) {
+    if (xy->on_device)
+        return B(m)->gather_rows(CTX(m), dst, xy->x, xy->x_dtype, m->sizes[0], idx, start, n, scale, shift);
+    return B(m)->stage_rows(CTX(m), dst, xy->x, xy->x_dtype, m->sizes[0], idx, start, n, scale, shift);
+}
+
+cmlp_status cmlp_stage_y(cmlp_model *m, int32_t *dst, const cmlp_data *xy, const int64_t *idx, int64_t start,
+                         int64_t n) {
+    if (xy->on_device) return B(m)->gather_labels(CTX(m), dst, xy->y, idx, start, n);
+    return B(m)->stage_labels(CTX(m), dst, xy->y, idx, start, n);
+}
+
+bool cmlp_data_in_place(const cmlp_model *m, const cmlp_data *xy) {
+    return xy->on_device || m->dev->device.type == CMLP_DEVICE_CPU;
+}
+
 cmlp_status cmlp_model_stage(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, int64_t start, int64_t n,
                              const float **input, const int32_t **labels) {
-    bool host_is_device = m->dev->device.type == CMLP_DEVICE_CPU;
+    bool in_place = cmlp_data_in_place(m, xy);
     CMLP_TRY(cmlp_workspace_reserve(m, n));
-    if (host_is_device && !idx && xy->x_dtype == CMLP_DTYPE_F32) {
+    if (in_place && !idx && xy->x_dtype == CMLP_DTYPE_F32) {
         *input = (const float *)xy->x + start * m->sizes[0];
     } else {
         float scale = 1.0f / (255.0f * xy->std), shift = -xy->mean / xy->std;
-        CMLP_TRY(B(m)->stage_rows(CTX(m), m->ws.act[0], xy->x, xy->x_dtype, m->sizes[0], idx, start, n, scale, shift));
+        CMLP_TRY(cmlp_stage_x(m, m->ws.act[0], xy, idx, start, n, scale, shift));
         *input = m->ws.act[0];
     }
     if (!labels) return CMLP_OK;
-    if (host_is_device && !idx) {
+    if (in_place && !idx) {
         *labels = xy->y + start;
     } else {
-        CMLP_TRY(B(m)->stage_labels(CTX(m), m->ws.labels, xy->y, idx, start, n));
+        CMLP_TRY(cmlp_stage_y(m, m->ws.labels, xy, idx, start, n));
         *labels = m->ws.labels;
     }
     return CMLP_OK;

@@ -108,15 +108,14 @@ static cmlp_status stage(cmlp_model *m, const cmlp_data *xy, const int64_t *idx,
     float shift = xy->x_dtype == CMLP_DTYPE_U8 ? -xy->mean / xy->std : 0.0f;
     for (int64_t r = 0; r < n; r += w->chunk) {
         int64_t k = n - r < w->chunk ? n - r : w->chunk;
-        CMLP_TRY(B(m)->stage_rows(CTX(m), w->scratch[0], xy->x, xy->x_dtype, in, idx ? idx + r : NULL, start + r, k,
-                                  scale, shift));
+        CMLP_TRY(cmlp_stage_x(m, w->scratch[0], xy, idx ? idx + r : NULL, start + r, k, scale, shift));
         CMLP_TRY(B(m)->to_half(CTX(m), w->act[0] + r * in, w->scratch[0], k * in, m->half_dtype));
     }
-    if (m->dev->device.type == CMLP_DEVICE_CPU && !idx) {
+    if (cmlp_data_in_place(m, xy) && !idx) {
         *labels = xy->y + start;
         return CMLP_OK;
     }
-    CMLP_TRY(B(m)->stage_labels(CTX(m), w->labels, xy->y, idx, start, n));
+    CMLP_TRY(cmlp_stage_y(m, w->labels, xy, idx, start, n));
     *labels = w->labels;
     return CMLP_OK;
 }

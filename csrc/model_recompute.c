@@ -63,13 +63,13 @@ cmlp_status cmlp_rc_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, i
     cmlp_rc_workspace *w = &m->wsr;
     const float *input;
     const int32_t *labels;
-    if (m->dev->device.type == CMLP_DEVICE_CPU && !idx && xy->x_dtype == CMLP_DTYPE_F32) {
+    if (cmlp_data_in_place(m, xy) && !idx && xy->x_dtype == CMLP_DTYPE_F32) {
         input = (const float *)xy->x + start * m->sizes[0];
         labels = xy->y + start;
     } else {
         float scale = 1.0f / (255.0f * xy->std), shift = -xy->mean / xy->std;
-        CMLP_TRY(B(m)->stage_rows(CTX(m), w->input, xy->x, xy->x_dtype, m->sizes[0], idx, start, n, scale, shift));
-        CMLP_TRY(B(m)->stage_labels(CTX(m), w->labels, xy->y, idx, start, n));
+        CMLP_TRY(cmlp_stage_x(m, w->input, xy, idx, start, n, scale, shift));
+        CMLP_TRY(cmlp_stage_y(m, w->labels, xy, idx, start, n));
         input = w->input;
         labels = w->labels;
     }

@@ -18,6 +18,11 @@ struct cmlp_trainer {
     cmlp_data data;
     int64_t *order; /* host [data.n] sample order; NULL when not shuffling */
     int64_t order_cap;
+    /* on a device that is not the host: the epoch's data set and order in its memory */
+    cmlp_allocator *d_alloc; /* whose memory they are (the model may move) */
+    void *d_x;
+    int32_t *d_y;
+    int64_t *d_order;
     int64_t epoch;
     int64_t pos;
     cmlp_scaler_state scaler;
@@ -49,8 +54,41 @@ cmlp_status cmlp_trainer_init(cmlp_trainer **out, cmlp_model *m, cmlp_optim *o, 
     return CMLP_OK;
 }
 
+/* The device copy of the epoch's data goes back to the cache. */
+static void drop_device_data(cmlp_trainer *t) {
+    cmlp_allocator *a = t->d_alloc;
+    if (!a) return;
+    if (t->d_x) (void)cmlp_allocator_free(a, t->d_x);
+    if (t->d_y) (void)cmlp_allocator_free(a, t->d_y);
+    if (t->d_order) (void)cmlp_allocator_free(a, t->d_order);
+    t->d_x = NULL;
+    t->d_y = NULL;
+    t->d_order = NULL;
+    t->d_alloc = NULL;
+}
+
+/* On a device that is not the host, the epoch's data set (uint8 stays uint8) and its order are
+ * copied there once, and every batch is gathered on the device. Without room for them the
+ * batches are staged from host memory instead, as for a single step. */
+static void upload_epoch(cmlp_trainer *t, const cmlp_data *xy) {
+    cmlp_device_ctx *dev = t->model->dev;
+    if (dev->device.type == CMLP_DEVICE_CPU) return;
+    size_t row = (size_t)t->model->sizes[0] * (xy->x_dtype == CMLP_DTYPE_U8 ? 1 : sizeof(float));
+    size_t nx = row * (size_t)xy->n, ny = (size_t)xy->n * sizeof(int32_t), no = (size_t)xy->n * sizeof(int64_t);
+    const cmlp_backend_i *b = dev->backend;
+    t->d_alloc = dev->alloc;
+    cmlp_status st = cmlp_allocator_malloc(dev->alloc, nx, &t->d_x);
+    if (st == CMLP_OK) st = cmlp_allocator_malloc(dev->alloc, ny, (void **)&t->d_y);
+    if (st == CMLP_OK && t->cfg.shuffle) st = cmlp_allocator_malloc(dev->alloc, no, (void **)&t->d_order);
+    if (st == CMLP_OK) st = b->copy_h2d(dev->bctx, t->d_x, xy->x, nx);
+    if (st == CMLP_OK) st = b->copy_h2d(dev->bctx, t->d_y, xy->y, ny);
+    if (st == CMLP_OK && t->cfg.shuffle) st = b->copy_h2d(dev->bctx, t->d_order, t->order, no);
+    if (st != CMLP_OK) drop_device_data(t);
+}
+
 void cmlp_trainer_free(cmlp_trainer *t) {
     if (!t) return;
+    drop_device_data(t);
     free(t->order);
     free(t);
 }
@@ -248,7 +286,9 @@ cmlp_status cmlp_trainer_epoch_begin(cmlp_trainer *t, const cmlp_data *xy, cmlp_
             t->order[j] = tmp;
         }
     }
+    drop_device_data(t);
     t->data = *xy;
+    upload_epoch(t, xy);
     t->epoch++;
     t->pos = 0;
     int64_t eb = effective_batch(t);
@@ -268,7 +308,15 @@ cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, cmlp_epoc
     for (int64_t done = 0; t->pos < n && (max_steps <= 0 || done < max_steps); done++) {
         int64_t k = n - t->pos < eb ? n - t->pos : eb;
         const int64_t *idx = t->cfg.shuffle ? t->order + t->pos : NULL;
-        s = robust_step(t, ds, &t->data, idx, t->pos, k);
+        cmlp_data on_dev = t->data;
+        if (t->d_x && t->d_alloc != t->model->dev->alloc) drop_device_data(t); /* the model moved */
+        if (t->d_x) { /* the device copy */
+            on_dev.x = t->d_x;
+            on_dev.y = t->d_y;
+            on_dev.on_device = 1;
+            idx = t->cfg.shuffle ? t->d_order + t->pos : NULL;
+        }
+        s = robust_step(t, ds, t->d_x ? &on_dev : &t->data, idx, t->pos, k);
         if (s != CMLP_OK) break;
         t->pos += k;
         st->steps++;
@@ -284,6 +332,9 @@ cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, cmlp_epoc
         st->skipped += skipped;
     }
     st->done = t->pos >= n;
-    if (st->done) memset(&t->data, 0, sizeof t->data);
+    if (st->done) {
+        memset(&t->data, 0, sizeof t->data);
+        drop_device_data(t);
+    }
     return s;
 }
