@@ -69,12 +69,16 @@ typedef struct cmlp_backend_i {
                               float scale, float shift);
     cmlp_status (*stage_labels)(void *ctx, int32_t *d_dst, const int32_t *h_src,
                                 const int64_t *h_idx, int64_t start, int64_t rows);
-    /* The same from a data set (and sample order) already in device memory. */
+    /* The same from a data set (and sample order) already in device memory; when d_pos is not
+     * NULL, *d_pos (device) is added to every row position (to start, or to the index). */
     cmlp_status (*gather_rows)(void *ctx, float *d_dst, const void *d_src, cmlp_dtype dtype,
-                               int64_t cols, const int64_t *d_idx, int64_t start, int64_t rows,
-                               float scale, float shift);
+                               int64_t cols, const int64_t *d_idx, int64_t start, const int64_t *d_pos,
+                               int64_t rows, float scale, float shift);
     cmlp_status (*gather_labels)(void *ctx, int32_t *d_dst, const int32_t *d_src,
-                                 const int64_t *d_idx, int64_t start, int64_t rows);
+                                 const int64_t *d_idx, int64_t start, const int64_t *d_pos,
+                                 int64_t rows);
+    /* *d_x += v (one device integer). */
+    cmlp_status (*add_i64)(void *ctx, int64_t *d_x, int64_t v);
 
     /* Fused optimizers over flat buffers of n floats. Scalars precomputed by the core, or on the
      * device: when d_found_inf is not NULL and *d_found_inf != 0 the step changes nothing; Adam
@@ -109,6 +113,15 @@ typedef struct cmlp_backend_i {
     cmlp_status (*grad_weight)(void *ctx, float *d_w, const float *d_scale, double count);
     /* Waits for the device's queued work. */
     cmlp_status (*synchronize)(void *ctx);
+
+    /* Graphs (NULL where the device has none): the work queued between capture_begin and
+     * capture_end is recorded, not run, and becomes a graph that graph_launch replays with the
+     * same arguments. Nothing may allocate or wait for the device while capturing. On an error
+     * capture_end discards what was captured. */
+    cmlp_status (*capture_begin)(void *ctx);
+    cmlp_status (*capture_end)(void *ctx, void **graph);
+    cmlp_status (*graph_launch)(void *ctx, void *graph);
+    void (*graph_free)(void *ctx, void *graph);
 } cmlp_backend_i;
 
 extern const cmlp_backend_i cmlp_backend_cpu;

@@ -213,6 +213,32 @@ static cmlp_status cpu_stage_labels(void *ctx, int32_t *dst, const int32_t *src,
     return CMLP_OK;
 }
 
+/* Device memory is host memory: gathering is staging, moved by the position. */
+static cmlp_status cpu_gather_rows(void *ctx, float *dst, const void *src, cmlp_dtype dtype, int64_t cols,
+                                   const int64_t *idx, int64_t start, const int64_t *pos, int64_t rows, float scale,
+                                   float shift) {
+    if (pos) {
+        if (idx) idx += *pos;
+        else start += *pos;
+    }
+    return cpu_stage_rows(ctx, dst, src, dtype, cols, idx, start, rows, scale, shift);
+}
+
+static cmlp_status cpu_gather_labels(void *ctx, int32_t *dst, const int32_t *src, const int64_t *idx, int64_t start,
+                                     const int64_t *pos, int64_t rows) {
+    if (pos) {
+        if (idx) idx += *pos;
+        else start += *pos;
+    }
+    return cpu_stage_labels(ctx, dst, src, idx, start, rows);
+}
+
+static cmlp_status cpu_add_i64(void *ctx, int64_t *x, int64_t v) {
+    (void)ctx;
+    *x += v;
+    return CMLP_OK;
+}
+
 static cmlp_status cpu_adam(void *ctx, float *restrict p, const float *restrict g, float *restrict m,
                             float *restrict v, int64_t n, float step_size, float beta1, float beta2,
                             float bc2_sqrt, float eps, float wd, const float *found_inf, const float *coef) {
@@ -347,8 +373,9 @@ const cmlp_backend_i cmlp_backend_cpu = {
     .softmax_xent = cpu_softmax_xent,
     .stage_rows = cpu_stage_rows,
     .stage_labels = cpu_stage_labels,
-    .gather_rows = cpu_stage_rows, /* device memory is host memory */
-    .gather_labels = cpu_stage_labels,
+    .gather_rows = cpu_gather_rows,
+    .gather_labels = cpu_gather_labels,
+    .add_i64 = cpu_add_i64,
     .adam = cpu_adam,
     .sgd = cpu_sgd,
     .to_half = cpu_to_half,

@@ -135,6 +135,7 @@ typedef struct {
     size_t h_stage_bytes;
     bool vm_ok;
     bool sync_each;
+    bool capturing;       /* work is being recorded into a graph: nothing may wait for the device */
     int tf32;
     gemm_plan plans[NPLANS];
     int next_plan;
@@ -157,7 +158,7 @@ static cmlp_status use(cuda_ctx *c) {
 /* After enqueuing work: the launch error, or with CMLP_CUDA_SYNC=1 the execution error too. */
 static cmlp_status done(cuda_ctx *c, cudaError_t launch, const char *what) {
     if (launch != cudaSuccess) return cuda_fail(launch, what, __FILE__, __LINE__);
-    if (c->sync_each) {
+    if (c->sync_each && !c->capturing) {
         cudaError_t e = cudaStreamSynchronize(c->stream);
         if (e != cudaSuccess) return cuda_fail(e, what, __FILE__, __LINE__);
     }
@@ -531,20 +532,27 @@ static cmlp_status cu_stage_labels(void *ctx, int32_t *d_dst, const int32_t *h_s
 }
 
 static cmlp_status cu_gather_rows(void *ctx, float *d_dst, const void *d_src, cmlp_dtype dtype, int64_t cols,
-                                  const int64_t *d_idx, int64_t start, int64_t rows, float scale, float shift) {
+                                  const int64_t *d_idx, int64_t start, const int64_t *d_pos, int64_t rows, float scale,
+                                  float shift) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
     if (dtype == CMLP_DTYPE_U8)
-        return KERNEL(c, cmlp_k_gather_u8(d_dst, d_src, d_idx, start, rows, cols, scale, shift, c->stream));
+        return KERNEL(c, cmlp_k_gather_u8(d_dst, d_src, d_idx, start, d_pos, rows, cols, scale, shift, c->stream));
     /* float rows are copied as they are */
-    return KERNEL(c, cmlp_k_gather_f32(d_dst, d_src, d_idx, start, rows, cols, 1.0f, 0.0f, c->stream));
+    return KERNEL(c, cmlp_k_gather_f32(d_dst, d_src, d_idx, start, d_pos, rows, cols, 1.0f, 0.0f, c->stream));
 }
 
 static cmlp_status cu_gather_labels(void *ctx, int32_t *d_dst, const int32_t *d_src, const int64_t *d_idx,
-                                    int64_t start, int64_t rows) {
+                                    int64_t start, const int64_t *d_pos, int64_t rows) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_gather_labels(d_dst, d_src, d_idx, start, rows, c->stream));
+    return KERNEL(c, cmlp_k_gather_labels(d_dst, d_src, d_idx, start, d_pos, rows, c->stream));
+}
+
+static cmlp_status cu_add_i64(void *ctx, int64_t *d_x, int64_t v) {
+    cuda_ctx *c = ctx;
+    CMLP_TRY_USE(c);
+    return KERNEL(c, cmlp_k_add_i64(d_x, v, c->stream));
 }
 
 /* ---- optimizers and mixed precision ---- */
@@ -615,6 +623,45 @@ static cmlp_status cu_synchronize(void *ctx) {
     return CMLP_OK;
 }
 
+/* ---- graphs ---- */
+
+static cmlp_status cu_capture_begin(void *ctx) {
+    cuda_ctx *c = ctx;
+    CMLP_TRY_USE(c);
+    CU_TRY(cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal));
+    c->capturing = true;
+    return CMLP_OK;
+}
+
+static cmlp_status cu_capture_end(void *ctx, void **graph) {
+    cuda_ctx *c = ctx;
+    *graph = NULL;
+    c->capturing = false;
+    cudaGraph_t g = NULL;
+    cudaError_t e = cudaStreamEndCapture(c->stream, &g);
+    if (e != cudaSuccess) {
+        if (g) cudaGraphDestroy(g);
+        return cuda_fail(e, "capturing a training step", __FILE__, __LINE__);
+    }
+    cudaGraphExec_t exec = NULL;
+    e = cudaGraphInstantiateWithFlags(&exec, g, 0);
+    cudaGraphDestroy(g);
+    if (e != cudaSuccess) return cuda_fail(e, "instantiating a training step's graph", __FILE__, __LINE__);
+    *graph = exec;
+    return CMLP_OK;
+}
+
+static cmlp_status cu_graph_launch(void *ctx, void *graph) {
+    cuda_ctx *c = ctx;
+    CMLP_TRY_USE(c);
+    return done(c, cudaGraphLaunch((cudaGraphExec_t)graph, c->stream), "cudaGraphLaunch");
+}
+
+static void cu_graph_free(void *ctx, void *graph) {
+    cuda_ctx *c = ctx;
+    if (graph && use(c) == CMLP_OK) (void)cudaGraphExecDestroy((cudaGraphExec_t)graph);
+}
+
 static const cmlp_backend_i backend = {
     .name = "cuda",
     .open = cu_open,
@@ -640,6 +687,7 @@ static const cmlp_backend_i backend = {
     .stage_labels = cu_stage_labels,
     .gather_rows = cu_gather_rows,
     .gather_labels = cu_gather_labels,
+    .add_i64 = cu_add_i64,
     .adam = cu_adam,
     .sgd = cu_sgd,
     .to_half = cu_to_half,
@@ -649,6 +697,10 @@ static const cmlp_backend_i backend = {
     .scale_update = cu_scale_update,
     .grad_weight = cu_grad_weight,
     .synchronize = cu_synchronize,
+    .capture_begin = cu_capture_begin,
+    .capture_end = cu_capture_end,
+    .graph_launch = cu_graph_launch,
+    .graph_free = cu_graph_free,
 };
 
 /* ---- the library's entry ---- */

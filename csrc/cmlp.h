@@ -188,8 +188,8 @@ CMLP_API cmlp_status cmlp_convert_to_half(uint16_t *dst, const float *src, int64
 CMLP_API cmlp_status cmlp_convert_from_half(float *dst, const uint16_t *src, int64_t n, cmlp_dtype dtype);
 
 /* A batch or data set: x [n, features] row-major, y [n] or NULL, in host memory, or (on_device
- * != 0) in the memory of the model's device. uint8 images are normalised on the fly:
- * ((x / 255) - mean) / std. */
+ * != 0) in the memory of the model's device, where pos (when not NULL) is a device counter added
+ * to every row position. uint8 images are normalised on the fly: ((x / 255) - mean) / std. */
 typedef struct cmlp_data {
     const void *x;
     cmlp_dtype x_dtype;
@@ -197,6 +197,7 @@ typedef struct cmlp_data {
     int64_t n;
     float mean, std;
     int on_device;
+    const int64_t *pos;
 } cmlp_data;
 
 /* ---- model ------------------------------------------------------------------------------- */

@@ -100,7 +100,10 @@ typedef struct cmlp_dscalars {
     int32_t growth_tracker;
     float grad_weight;     /* scale / samples of the step in progress */
     float coef[2];         /* Adam's step size and sqrt(1 - beta2^t) of that step */
+    int64_t pos;           /* the epoch's position: the first sample of the next step */
+    uint8_t spare[56];     /* keeps the size at 128 bytes */
 } cmlp_dscalars;
+_Static_assert(sizeof(cmlp_dscalars) == 128, "cmlp_dscalars is 128 bytes");
 
 struct cmlp_model {
     cmlp_device_ctx *dev;
@@ -169,6 +172,9 @@ CMLP_HIDDEN cmlp_status cmlp_rc_fb(cmlp_model *m, const cmlp_data *xy, const int
 CMLP_HIDDEN cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int64_t *d_step,
                                                float *d_coef);
 CMLP_HIDDEN void cmlp_optim_set_step(cmlp_optim *o, int64_t step);
+/* Moves whenever the optimizer's configuration or state buffer changes (a captured step that
+ * baked them in is then stale). */
+CMLP_HIDDEN uint64_t cmlp_optim_version(const cmlp_optim *o);
 CMLP_HIDDEN int cmlp_rc_layout(const int *sizes, int L, int64_t rows, size_t *sz, size_t *act_bytes);
 CMLP_HIDDEN void cmlp_rc_release(cmlp_model *m);
 CMLP_HIDDEN void cmlp_amp_release(cmlp_model *m); /* the amp workspace */

@@ -174,18 +174,18 @@ cmlp_status cmlp_data_validate(const cmlp_model *m, const cmlp_data *xy, bool ne
 cmlp_status cmlp_stage_x(cmlp_model *m, float *dst, const cmlp_data *xy, const int64_t *idx, int64_t start,
                          int64_t n, float scale, float shift) {
     if (xy->on_device)
-        return B(m)->gather_rows(CTX(m), dst, xy->x, xy->x_dtype, m->sizes[0], idx, start, n, scale, shift);
+        return B(m)->gather_rows(CTX(m), dst, xy->x, xy->x_dtype, m->sizes[0], idx, start, xy->pos, n, scale, shift);
     return B(m)->stage_rows(CTX(m), dst, xy->x, xy->x_dtype, m->sizes[0], idx, start, n, scale, shift);
 }
 
 cmlp_status cmlp_stage_y(cmlp_model *m, int32_t *dst, const cmlp_data *xy, const int64_t *idx, int64_t start,
                          int64_t n) {
-    if (xy->on_device) return B(m)->gather_labels(CTX(m), dst, xy->y, idx, start, n);
+    if (xy->on_device) return B(m)->gather_labels(CTX(m), dst, xy->y, idx, start, xy->pos, n);
     return B(m)->stage_labels(CTX(m), dst, xy->y, idx, start, n);
 }
 
 bool cmlp_data_in_place(const cmlp_model *m, const cmlp_data *xy) {
-    return xy->on_device || m->dev->device.type == CMLP_DEVICE_CPU;
+    return !xy->pos && (xy->on_device || m->dev->device.type == CMLP_DEVICE_CPU);
 }
 
 cmlp_status cmlp_model_stage(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, int64_t start, int64_t n,

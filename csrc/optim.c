@@ -16,6 +16,7 @@ struct cmlp_optim {
     cmlp_sgd_config sgd;
     int64_t step;
     float *state; /* NULL before the first step; [nbuffers * nparams] */
+    uint64_t version; /* moves whenever the configuration or the state buffer changes */
 };
 
 cmlp_adam_config cmlp_adam_defaults(void) { return (cmlp_adam_config){1e-3, 0.9, 0.999, 1e-8, 0.0}; }
@@ -90,6 +91,7 @@ cmlp_status cmlp_optim_set_lr(cmlp_optim *o, double lr) {
     CMLP_TRY(check_lr(lr));
     if (o->kind == CMLP_OPTIM_ADAM) o->adam.lr = lr;
     else o->sgd.lr = lr;
+    o->version++;
     return CMLP_OK;
 }
 
@@ -107,6 +109,7 @@ cmlp_status cmlp_optim_configure_adam(cmlp_optim *o, const cmlp_adam_config *c) 
     if (o->kind != CMLP_OPTIM_ADAM) return CMLP_FAIL(CMLP_ERR_STATE, "this optimizer is not Adam");
     CMLP_TRY(check_adam(c));
     o->adam = *c;
+    o->version++;
     return CMLP_OK;
 }
 
@@ -115,6 +118,7 @@ cmlp_status cmlp_optim_configure_sgd(cmlp_optim *o, const cmlp_sgd_config *c) {
     CMLP_TRY(check_sgd(c));
     bool had = buffers_of(o) > 0;
     o->sgd = *c;
+    o->version++;
     if (had && buffers_of(o) == 0 && o->state) { /* momentum turned off: its buffer goes */
         (void)cmlp_allocator_free(o->dev->alloc, o->state);
         o->state = NULL;
@@ -141,8 +145,11 @@ static cmlp_status ensure_state(cmlp_optim *o) {
         return st;
     }
     o->state = s;
+    o->version++;
     return CMLP_OK;
 }
+
+uint64_t cmlp_optim_version(const cmlp_optim *o) { return o->version; }
 
 cmlp_status cmlp_optim_step(cmlp_optim *o) {
     if (!o) return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer must not be NULL");
@@ -234,6 +241,7 @@ cmlp_status cmlp_optim_set_state(cmlp_optim *o, int64_t step, int nbuffers, cons
     if (o->state) (void)cmlp_allocator_free(o->dev->alloc, o->state);
     o->state = s;
     o->step = step;
+    o->version++;
     return CMLP_OK;
 }
 
@@ -247,5 +255,6 @@ cmlp_status cmlp_optim_to(cmlp_optim *o, cmlp_device d) {
         o->state = s;
     }
     o->dev = to;
+    o->version++;
     return CMLP_OK;
 }

@@ -9,6 +9,17 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Everything a captured step bakes in: pointers, sizes and settings. A step with another key
+ * cannot replay the graph. */
+typedef struct step_key {
+    const void *model, *dev, *x, *y, *order, *ws, *wsa, *wsr, *params, *grads, *params_h;
+    int64_t n, micro, growth_interval;
+    uint64_t optim_version;
+    double growth_factor, backoff_factor;
+    float smoothing;
+    int amp, recompute, scaled;
+} step_key;
+
 struct cmlp_trainer {
     cmlp_model *model;
     cmlp_optim *optim;
@@ -20,6 +31,11 @@ struct cmlp_trainer {
     int64_t order_cap;
     /* on a device that is not the host: the epoch's data set and order in its memory */
     cmlp_allocator *d_alloc; /* whose memory they are (the model may move) */
+    /* a captured full step (device data, a device with graphs) and what it baked in */
+    void *graph;
+    cmlp_device_ctx *graph_dev;
+    step_key graph_key, warm_key; /* warm_key: the last full step run eagerly */
+    bool warm, graphs_off;        /* graphs_off: a capture failed; eager from then on */
     void *d_x;
     int32_t *d_y;
     int64_t *d_order;
@@ -30,6 +46,25 @@ struct cmlp_trainer {
     int64_t oom_retries, good_steps;
     int64_t target_micro; /* the micro-batch asked for; auto micro-batching grows back to it */
 };
+
+/* Off the CPU the optimizer's step count and bias corrections live on the device too, so that a
+ * step bakes no host value that changes from step to step (a captured step can replay). */
+static bool device_steps(const cmlp_trainer *t);
+
+/* CMLP_TRAIN_DEVICE_PATH=1 (tests): the CPU trains as a GPU does, with the data set copied to
+ * device memory and the position and step count kept there. */
+static bool device_path_forced(void) {
+    static int forced = -1;
+    if (forced < 0) {
+        const char *e = getenv("CMLP_TRAIN_DEVICE_PATH");
+        forced = e && e[0] == '1';
+    }
+    return forced;
+}
+
+static bool device_steps(const cmlp_trainer *t) {
+    return t->model->dev->device.type != CMLP_DEVICE_CPU || device_path_forced();
+}
 
 cmlp_status cmlp_trainer_init(cmlp_trainer **out, cmlp_model *m, cmlp_optim *o, const cmlp_train_config *c) {
     if (!out || !m || !o || !c) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
@@ -72,7 +107,7 @@ static void drop_device_data(cmlp_trainer *t) {
  * batches are staged from host memory instead, as for a single step. */
 static void upload_epoch(cmlp_trainer *t, const cmlp_data *xy) {
     cmlp_device_ctx *dev = t->model->dev;
-    if (dev->device.type == CMLP_DEVICE_CPU) return;
+    if (!device_steps(t)) return;
     size_t row = (size_t)t->model->sizes[0] * (xy->x_dtype == CMLP_DTYPE_U8 ? 1 : sizeof(float));
     size_t nx = row * (size_t)xy->n, ny = (size_t)xy->n * sizeof(int32_t), no = (size_t)xy->n * sizeof(int64_t);
     const cmlp_backend_i *b = dev->backend;
@@ -86,8 +121,15 @@ static void upload_epoch(cmlp_trainer *t, const cmlp_data *xy) {
     if (st != CMLP_OK) drop_device_data(t);
 }
 
+static void drop_graph(cmlp_trainer *t) {
+    if (t->graph) t->graph_dev->backend->graph_free(t->graph_dev->bctx, t->graph);
+    t->graph = NULL;
+    t->graph_dev = NULL;
+}
+
 void cmlp_trainer_free(cmlp_trainer *t) {
     if (!t) return;
+    drop_graph(t);
     drop_device_data(t);
     free(t->order);
     free(t);
@@ -138,8 +180,8 @@ static cmlp_status run_end(cmlp_trainer *t, cmlp_dscalars *ds, double *loss_sum,
     if (t->scaler.enabled) {
         t->scaler.scale = h.scale;
         t->scaler.growth_tracker = h.growth_tracker;
-        cmlp_optim_set_step(t->optim, h.step);
     }
+    if (t->scaler.enabled || device_steps(t)) cmlp_optim_set_step(t->optim, h.step);
     t->skipped += h.skipped;
     *loss_sum = h.loss;
     *skipped = h.skipped;
@@ -165,13 +207,20 @@ static cmlp_status effective_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp
         CMLP_TRY(cmlp_model_fb(m, xy, idx ? idx + off : NULL, start + off, k, w, t->cfg.label_smoothing, t->cfg.amp,
                                t->cfg.recompute, &ds->loss));
     }
-    if (!t->scaler.enabled) return cmlp_optim_step(t->optim);
-    CMLP_TRY(b->fill_zero(ctx, &ds->found_inf, sizeof ds->found_inf));
-    CMLP_TRY(b->unscale(ctx, m->grads, m->nparams, 0.0f, &ds->scale, &ds->found_inf));
-    CMLP_TRY(cmlp_optim_step_device(t->optim, &ds->found_inf, &ds->step, ds->coef));
-    const cmlp_scaler_state *s = &t->scaler;
-    return b->scale_update(ctx, &ds->scale, &ds->growth_tracker, &ds->found_inf, s->growth_factor, s->backoff_factor,
-                           (int32_t)s->growth_interval, &ds->skipped);
+    if (!t->scaler.enabled && !device_steps(t)) return cmlp_optim_step(t->optim);
+    const float *found_inf = NULL;
+    if (t->scaler.enabled) {
+        CMLP_TRY(b->fill_zero(ctx, &ds->found_inf, sizeof ds->found_inf));
+        CMLP_TRY(b->unscale(ctx, m->grads, m->nparams, 0.0f, &ds->scale, &ds->found_inf));
+        found_inf = &ds->found_inf;
+    }
+    CMLP_TRY(cmlp_optim_step_device(t->optim, found_inf, &ds->step, ds->coef));
+    if (t->scaler.enabled) {
+        const cmlp_scaler_state *s = &t->scaler;
+        CMLP_TRY(b->scale_update(ctx, &ds->scale, &ds->growth_tracker, &ds->found_inf, s->growth_factor,
+                                 s->backoff_factor, (int32_t)s->growth_interval, &ds->skipped));
+    }
+    return xy->pos ? b->add_i64(ctx, &ds->pos, n) : CMLP_OK; /* the next step's samples */
 }
 
 static int optimizer_buffers(const cmlp_trainer *t) {
@@ -211,6 +260,7 @@ static cmlp_status run_begin(cmlp_trainer *t, cmlp_dscalars **out) {
     h.step = cmlp_optim_get_step(t->optim);
     h.scale = (float)t->scaler.scale;
     h.growth_tracker = (int32_t)t->scaler.growth_tracker;
+    h.pos = t->pos;
     return m->dev->backend->copy_h2d(m->dev->bctx, *out, &h, sizeof h);
 }
 
@@ -243,6 +293,70 @@ static cmlp_status robust_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_da
         t->good_steps = 0;
         t->oom_retries++;
     }
+}
+
+static void make_key(const cmlp_trainer *t, const cmlp_data *xy, const int64_t *idx, int64_t n, step_key *k) {
+    const cmlp_model *m = t->model;
+    memset(k, 0, sizeof *k); /* the padding too: keys are compared with memcmp */
+    k->model = m;
+    k->dev = m->dev;
+    k->x = xy->x;
+    k->y = xy->y;
+    k->order = idx;
+    k->ws = m->ws.block;
+    k->wsa = m->wsa.block;
+    k->wsr = m->wsr.block;
+    k->params = m->params;
+    k->grads = m->grads;
+    k->params_h = m->params_h;
+    k->n = n;
+    k->micro = t->micro;
+    k->optim_version = cmlp_optim_version(t->optim);
+    k->scaled = t->scaler.enabled;
+    if (t->scaler.enabled) {
+        k->growth_factor = t->scaler.growth_factor;
+        k->backoff_factor = t->scaler.backoff_factor;
+        k->growth_interval = t->scaler.growth_interval;
+    }
+    k->smoothing = t->cfg.label_smoothing;
+    k->amp = (int)t->cfg.amp;
+    k->recompute = t->cfg.recompute;
+}
+
+/* A full step on device data, as a graph: the first step with a new key runs eagerly (it makes
+ * the workspace, the optimizer state and the GEMM plans), the next one with that key is
+ * captured, and the ones after it replay the capture. A capture that fails turns graphs off
+ * for this trainer and the step runs eagerly. */
+static cmlp_status graph_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_data *xy, const int64_t *idx, int64_t n) {
+    cmlp_device_ctx *dev = t->model->dev;
+    const cmlp_backend_i *b = dev->backend;
+    step_key key;
+    make_key(t, xy, idx, n, &key);
+    if (t->graph && t->graph_dev == dev && memcmp(&key, &t->graph_key, sizeof key) == 0)
+        return b->graph_launch(dev->bctx, t->graph);
+    if (!t->warm || memcmp(&key, &t->warm_key, sizeof key) != 0) {
+        CMLP_TRY(robust_step(t, ds, xy, idx, 0, n));
+        make_key(t, xy, idx, n, &t->warm_key); /* after the step: what it allocated is in */
+        t->warm = true;
+        return CMLP_OK;
+    }
+    drop_graph(t);
+    cmlp_status st = b->capture_begin(dev->bctx);
+    if (st == CMLP_OK) {
+        st = effective_step(t, ds, xy, idx, 0, n);
+        void *g = NULL;
+        cmlp_status end = b->capture_end(dev->bctx, &g);
+        if (st == CMLP_OK) st = end;
+        if (st == CMLP_OK) {
+            t->graph = g;
+            t->graph_dev = dev;
+            t->graph_key = key;
+            return b->graph_launch(dev->bctx, g);
+        }
+        if (g) b->graph_free(dev->bctx, g);
+    }
+    t->graphs_off = true; /* nothing captured ran: the step runs eagerly */
+    return robust_step(t, ds, xy, idx, 0, n);
 }
 
 cmlp_status cmlp_trainer_step(cmlp_trainer *t, const cmlp_data *xy, double *loss_mean) {
@@ -308,15 +422,22 @@ cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, cmlp_epoc
     for (int64_t done = 0; t->pos < n && (max_steps <= 0 || done < max_steps); done++) {
         int64_t k = n - t->pos < eb ? n - t->pos : eb;
         const int64_t *idx = t->cfg.shuffle ? t->order + t->pos : NULL;
-        cmlp_data on_dev = t->data;
         if (t->d_x && t->d_alloc != t->model->dev->alloc) drop_device_data(t); /* the model moved */
-        if (t->d_x) { /* the device copy */
+        if (t->d_x) { /* the device copy, at the position kept on the device */
+            cmlp_data on_dev = t->data;
             on_dev.x = t->d_x;
             on_dev.y = t->d_y;
             on_dev.on_device = 1;
-            idx = t->cfg.shuffle ? t->d_order + t->pos : NULL;
+            on_dev.pos = &ds->pos;
+            idx = t->cfg.shuffle ? t->d_order : NULL;
+            const cmlp_backend_i *b = t->model->dev->backend;
+            if (k == eb && b->capture_begin && !t->graphs_off && !t->cfg.auto_microbatch)
+                s = graph_step(t, ds, &on_dev, idx, k);
+            else
+                s = robust_step(t, ds, &on_dev, idx, 0, k);
+        } else {
+            s = robust_step(t, ds, &t->data, idx, t->pos, k);
         }
-        s = robust_step(t, ds, t->d_x ? &on_dev : &t->data, idx, t->pos, k);
         if (s != CMLP_OK) break;
         t->pos += k;
         st->steps++;

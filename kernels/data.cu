@@ -19,11 +19,15 @@ __device__ __forceinline__ float convert1(T v, float scale, float shift, bool co
 
 template <typename T, int U>
 __global__ void __launch_bounds__(CMLP_K_THREADS)
-k_gather(float *dst, const T *src, const int64_t *idx, int64_t start, int64_t rows, int64_t ucols, float scale,
-         float shift, int copy) {
+k_gather(float *dst, const T *src, const int64_t *idx, int64_t start, const int64_t *pos, int64_t rows, int64_t ucols,
+         float scale, float shift, int copy) {
     const int64_t total = rows * ucols, stride = cmlp_nthreads();
     int64_t i = cmlp_tid();
     if (i >= total) return;
+    if (pos) { /* a position kept on the device moves every row */
+        if (idx) idx += *pos;
+        else start += *pos;
+    }
     int64_t r = i / ucols, c = i - r * ucols;
     const int64_t dr = stride / ucols, dc = stride - dr * ucols;
     for (; i < total; i += stride) {
@@ -54,39 +58,55 @@ k_gather(float *dst, const T *src, const int64_t *idx, int64_t start, int64_t ro
 }
 
 template <typename T>
-static cudaError_t gather(float *dst, const T *src, const int64_t *idx, int64_t start, int64_t rows, int64_t cols,
-                          float scale, float shift, int copy, cudaStream_t stream) {
+static cudaError_t gather(float *dst, const T *src, const int64_t *idx, int64_t start, const int64_t *pos,
+                          int64_t rows, int64_t cols, float scale, float shift, int copy, cudaStream_t stream) {
     if (rows < 0 || cols < 0) return cudaErrorInvalidValue;
     if (rows == 0 || cols == 0) return cudaSuccess;
     const bool vec = cols % 4 == 0 && (uintptr_t)dst % 16 == 0 && (uintptr_t)src % (4 * sizeof(T)) == 0;
     const int64_t ucols = vec ? cols / 4 : cols;
     const unsigned int blocks = cmlp_k_blocks(rows * ucols, CMLP_K_THREADS);
     if (vec)
-        k_gather<T, 4><<<blocks, CMLP_K_THREADS, 0, stream>>>(dst, src, idx, start, rows, ucols, scale, shift, copy);
+        k_gather<T, 4><<<blocks, CMLP_K_THREADS, 0, stream>>>(dst, src, idx, start, pos, rows, ucols, scale, shift,
+                                                              copy);
     else
-        k_gather<T, 1><<<blocks, CMLP_K_THREADS, 0, stream>>>(dst, src, idx, start, rows, ucols, scale, shift, copy);
+        k_gather<T, 1><<<blocks, CMLP_K_THREADS, 0, stream>>>(dst, src, idx, start, pos, rows, ucols, scale, shift,
+                                                              copy);
     return cudaGetLastError();
 }
 
 extern "C" cudaError_t cmlp_k_gather_u8(float *dst, const uint8_t *src, const int64_t *idx, int64_t start,
-                                        int64_t rows, int64_t cols, float scale, float shift, cudaStream_t stream) {
-    return gather(dst, src, idx, start, rows, cols, scale, shift, 0, stream);
+                                        const int64_t *pos, int64_t rows, int64_t cols, float scale, float shift,
+                                        cudaStream_t stream) {
+    return gather(dst, src, idx, start, pos, rows, cols, scale, shift, 0, stream);
 }
 
 extern "C" cudaError_t cmlp_k_gather_f32(float *dst, const float *src, const int64_t *idx, int64_t start,
-                                         int64_t rows, int64_t cols, float scale, float shift, cudaStream_t stream) {
-    return gather(dst, src, idx, start, rows, cols, scale, shift, scale == 1.0f && shift == 0.0f, stream);
+                                         const int64_t *pos, int64_t rows, int64_t cols, float scale, float shift,
+                                         cudaStream_t stream) {
+    return gather(dst, src, idx, start, pos, rows, cols, scale, shift, scale == 1.0f && shift == 0.0f, stream);
 }
 
 __global__ void __launch_bounds__(CMLP_K_THREADS)
-k_gather_labels(int32_t *dst, const int32_t *src, const int64_t *idx, int64_t start, int64_t rows) {
+k_gather_labels(int32_t *dst, const int32_t *src, const int64_t *idx, int64_t start, const int64_t *pos, int64_t rows) {
+    if (pos) {
+        if (idx) idx += *pos;
+        else start += *pos;
+    }
     for (int64_t r = cmlp_tid(); r < rows; r += cmlp_nthreads()) dst[r] = src[idx ? idx[r] : start + r];
 }
 
 extern "C" cudaError_t cmlp_k_gather_labels(int32_t *dst, const int32_t *src, const int64_t *idx, int64_t start,
-                                            int64_t rows, cudaStream_t stream) {
+                                            const int64_t *pos, int64_t rows, cudaStream_t stream) {
     if (rows < 0) return cudaErrorInvalidValue;
     if (rows == 0) return cudaSuccess;
-    k_gather_labels<<<cmlp_k_blocks(rows, CMLP_K_THREADS), CMLP_K_THREADS, 0, stream>>>(dst, src, idx, start, rows);
+    k_gather_labels<<<cmlp_k_blocks(rows, CMLP_K_THREADS), CMLP_K_THREADS, 0, stream>>>(dst, src, idx, start, pos,
+                                                                                          rows);
+    return cudaGetLastError();
+}
+
+__global__ void k_add_i64(int64_t *x, int64_t v) { *x += v; }
+
+extern "C" cudaError_t cmlp_k_add_i64(int64_t *x, int64_t v, cudaStream_t stream) {
+    k_add_i64<<<1, 1, 0, stream>>>(x, v);
     return cudaGetLastError();
 }

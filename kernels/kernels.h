@@ -55,17 +55,19 @@ cudaError_t cmlp_k_softmax_xent(const float *logits, const int32_t *labels, int6
 
 /* ---- data.cu ---- */
 
-/* dst[r, :] = src[i, :] * scale + shift for r < rows, i = idx ? idx[r] : start + r, where src
- * is [*, cols] uint8 (u8 variant) or float32 (f32 variant: scale and shift also apply, except
- * that with scale 1 and shift 0 the rows are copied bit for bit, as the CPU backend copies
- * float rows). */
-cudaError_t cmlp_k_gather_u8(float *dst, const uint8_t *src, const int64_t *idx, int64_t start, int64_t rows,
-                             int64_t cols, float scale, float shift, cudaStream_t stream);
-cudaError_t cmlp_k_gather_f32(float *dst, const float *src, const int64_t *idx, int64_t start, int64_t rows,
-                              int64_t cols, float scale, float shift, cudaStream_t stream);
-/* dst[r] = src[idx ? idx[r] : start + r] for r < rows. */
-cudaError_t cmlp_k_gather_labels(int32_t *dst, const int32_t *src, const int64_t *idx, int64_t start, int64_t rows,
-                                 cudaStream_t stream);
+/* dst[r, :] = src[i, :] * scale + shift for r < rows, i = idx ? idx[p + r] : start + p + r, with
+ * p = pos ? *pos : 0 (a position kept on the device, so that a captured graph can move through a
+ * data set), where src is [*, cols] uint8 (u8 variant) or float32 (f32 variant: scale and shift
+ * also apply; with scale 1 and shift 0 the rows are copied bit for bit). */
+cudaError_t cmlp_k_gather_u8(float *dst, const uint8_t *src, const int64_t *idx, int64_t start, const int64_t *pos,
+                             int64_t rows, int64_t cols, float scale, float shift, cudaStream_t stream);
+cudaError_t cmlp_k_gather_f32(float *dst, const float *src, const int64_t *idx, int64_t start, const int64_t *pos,
+                              int64_t rows, int64_t cols, float scale, float shift, cudaStream_t stream);
+/* dst[r] = src[i] for r < rows, i as above. */
+cudaError_t cmlp_k_gather_labels(int32_t *dst, const int32_t *src, const int64_t *idx, int64_t start,
+                                 const int64_t *pos, int64_t rows, cudaStream_t stream);
+/* One thread: *x += v. */
+cudaError_t cmlp_k_add_i64(int64_t *x, int64_t v, cudaStream_t stream);
 
 /* ---- optim.cu ---- */
 

@@ -135,7 +135,7 @@ def test_breakdown_categories_and_values(grid_runs, cfg):
         return (v + 63) // 64 * 64
 
     widest = max(layers[1:])
-    scalars = -(4 * n) % 64 + 64  # the device scalars after the gradients, which are padded to 64 bytes
+    scalars = -(4 * n) % 64 + 128  # the device scalars after the gradients, which are padded to 64 bytes
     if recompute and amp:  # only the half-precision input is kept, and the float32 logits
         assert d["activations"] == a64(b * layers[0] * 2) + a64(b * layers[-1] * 4)
         assert d["workspace"] > 0

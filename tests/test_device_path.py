@@ -1,0 +1,70 @@
+"""The GPU's training path, run on the CPU: with CMLP_TRAIN_DEVICE_PATH=1 the trainer copies the
+data set into device memory and gathers each batch there, keeps the epoch position and the
+optimizer's step count on the device, and reads them back once per call. It must train
+bit for bit as the host path does."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = r'''
+import hashlib, json, sys
+import numpy as np
+import cmlp
+
+rng = np.random.default_rng(0)
+x8 = rng.integers(0, 256, (700, 30), dtype=np.uint8)
+xf = rng.standard_normal((700, 30)).astype(np.float32)
+y = rng.integers(0, 4, 700)
+out = []
+for amp, opt, recompute, shuffle, xs, smoothing in json.loads(sys.argv[1]):
+    m = cmlp.MLP([30, 16, 4], seed=1)
+    o = cmlp.optim.Adam(m, weight_decay=0.01) if opt == "adam" else cmlp.optim.SGD(
+        m, lr=0.05, momentum=0.9, dampening=0.1, nesterov=False)
+    t = cmlp.Trainer(m, o, batch_size=64, accumulation_steps=2, microbatch_size=48, amp=amp, seed=3,
+                     recompute=recompute, shuffle=shuffle, label_smoothing=smoothing)
+    h = t.fit(x8 if xs == "u8" else xf, y, epochs=2, progress=False)
+    h += t.fit(xf, y, epochs=1, progress=False)
+    weights = b"".join(v.tobytes() for v in m.state_dict().values())
+    out.append({"weights": hashlib.sha1(weights).hexdigest(), "loss": [e["loss"] for e in h],
+                "step": int(o._c.get_state()[0]), "skipped": [e.get("skipped_steps", 0) for e in h],
+                "scale": t.scaler.get_scale() if t.scaler is not None else None})
+print(json.dumps(out))
+'''
+
+CASES = [
+    [None, "adam", False, True, "u8", 0.0],
+    [None, "sgd", False, False, "f32", 0.1],
+    [None, "adam", True, True, "f32", 0.0],
+    ["fp16", "sgd", False, True, "u8", 0.0],
+    ["bf16", "adam", False, False, "u8", 0.05],
+    ["fp16", "adam", True, True, "f32", 0.0],
+]
+
+
+def run(forced):
+    env = dict(os.environ)
+    env.pop("CMLP_TRAIN_DEVICE_PATH", None)
+    if forced:
+        env["CMLP_TRAIN_DEVICE_PATH"] = "1"
+    r = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(CASES)], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.fixture(scope="module")
+def both():
+    return run(False), run(True)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[str(c) for c in CASES])
+def test_the_device_path_trains_as_the_host_path(both, case):
+    host, device = both[0][case], both[1][case]
+    assert device["weights"] == host["weights"]
+    assert device["step"] == host["step"] and device["skipped"] == host["skipped"]
+    assert device["scale"] == host["scale"]
+    for a, b in zip(device["loss"], host["loss"]):
+        assert a == pytest.approx(b, rel=1e-12)
