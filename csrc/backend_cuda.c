@@ -364,22 +364,31 @@ static void plan_free(gemm_plan *p) {
     p->used = false;
 }
 
-/* Row-major C[m,n] = op(A) op(B) is column-major C^T[n,m] = op(B)^T op(A)^T: cuBLASLt's "A" is
- * our B and its "B" is our A. */
-static cmlp_status plan_make(cuda_ctx *c, gemm_plan *p, const uint64_t key[8], int ta, int tb, int64_t m, int64_t n,
-                             int64_t k, int64_t lda, int64_t ldb, int64_t ldc, unsigned al_a, unsigned al_b,
-                             unsigned al_c) {
-    cublasComputeType_t ct = c->tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
-    cublasOperation_t op_l = tb ? CUBLAS_OP_T : CUBLAS_OP_N, op_r = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+/* One GEMM as cuBLASLt sees it: row-major C[m,n] = op(A) op(B) is column-major
+ * C^T[n,m] = op(B)^T op(A)^T, so cuBLASLt's "A" is our B and its "B" is our A. */
+typedef struct {
+    int ta, tb;
+    int64_t m, n, k, lda, ldb, ldc;
+    cudaDataType_t ab, cd;          /* A and B; C and D */
+    cublasLtEpilogue_t epilogue;    /* DEFAULT, BIAS or RELU_BIAS (bias: cd elements, [n]) */
+} gemm_desc;
+
+static cmlp_status plan_make(cuda_ctx *c, gemm_plan *p, const uint64_t key[8], const gemm_desc *g, unsigned al_a,
+                             unsigned al_b, unsigned al_c) {
+    /* TF32 only where A and B are float and it was asked for */
+    cublasComputeType_t ct = c->tf32 && g->ab == CUDA_R_32F ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    cublasOperation_t op_l = g->tb ? CUBLAS_OP_T : CUBLAS_OP_N, op_r = g->ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+    uint64_t m = (uint64_t)g->m, n = (uint64_t)g->n, k = (uint64_t)g->k;
     memset(p, 0, sizeof *p);
     LT_TRY(cublasLtMatmulDescCreate(&p->op, ct, CUDA_R_32F));
     p->used = true; /* from here plan_free releases what exists; the rest are NULL */
     LT_TRY(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &op_l, sizeof op_l));
     LT_TRY(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &op_r, sizeof op_r));
+    LT_TRY(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &g->epilogue, sizeof g->epilogue));
     /* stored shapes (before op), column-major */
-    LT_TRY(cublasLtMatrixLayoutCreate(&p->a, CUDA_R_32F, tb ? (uint64_t)k : (uint64_t)n, tb ? (uint64_t)n : (uint64_t)k, ldb));
-    LT_TRY(cublasLtMatrixLayoutCreate(&p->b, CUDA_R_32F, ta ? (uint64_t)m : (uint64_t)k, ta ? (uint64_t)k : (uint64_t)m, lda));
-    LT_TRY(cublasLtMatrixLayoutCreate(&p->c, CUDA_R_32F, (uint64_t)n, (uint64_t)m, ldc));
+    LT_TRY(cublasLtMatrixLayoutCreate(&p->a, g->ab, g->tb ? k : n, g->tb ? n : k, g->ldb));
+    LT_TRY(cublasLtMatrixLayoutCreate(&p->b, g->ab, g->ta ? m : k, g->ta ? k : m, g->lda));
+    LT_TRY(cublasLtMatrixLayoutCreate(&p->c, g->cd, n, m, g->ldc));
     cublasLtMatmulPreference_t pref = NULL;
     LT_TRY(cublasLtMatmulPreferenceCreate(&pref));
     size_t ws = c->ws_bytes;
@@ -400,23 +409,25 @@ static cmlp_status plan_make(cuda_ctx *c, gemm_plan *p, const uint64_t key[8], i
     cublasLtMatmulPreferenceDestroy(pref);
     if (s != CUBLAS_STATUS_SUCCESS || found == 0) {
         plan_free(p);
-        return FAIL(CMLP_ERR_DEVICE, "cuBLASLt has no algorithm for a GEMM of %lld x %lld x %lld (%s)", (long long)m,
-                    (long long)n, (long long)k, s == CUBLAS_STATUS_SUCCESS ? "none found" : cublasLtGetStatusString(s));
+        return FAIL(CMLP_ERR_DEVICE, "cuBLASLt has no algorithm for a GEMM of %lld x %lld x %lld (%s)", (long long)g->m,
+                    (long long)g->n, (long long)g->k,
+                    s == CUBLAS_STATUS_SUCCESS ? "none found" : cublasLtGetStatusString(s));
     }
     p->algo = h.algo;
     memcpy(p->key, key, sizeof p->key);
     return CMLP_OK;
 }
 
-static cmlp_status cu_gemm(void *ctx, int ta, int tb, int64_t m, int64_t n, int64_t k, float alpha, const float *d_a,
-                           int64_t lda, const float *d_b, int64_t ldb, float beta, float *d_c, int64_t ldc) {
-    cuda_ctx *c = ctx;
-    if (m == 0 || n == 0) return CMLP_OK;
-    if (k <= 0) return FAIL(CMLP_ERR_INVALID, "GEMM with k = %lld", (long long)k);
+static cmlp_status lt_gemm(cuda_ctx *c, const gemm_desc *g, float alpha, const void *d_a, const void *d_b, float beta,
+                           void *d_c, const void *d_bias) {
+    if (g->m == 0 || g->n == 0) return CMLP_OK;
+    if (g->k <= 0) return FAIL(CMLP_ERR_INVALID, "GEMM with k = %lld", (long long)g->k);
     CMLP_TRY_USE(c);
     unsigned al_a = align_of(d_a), al_b = align_of(d_b), al_c = align_of(d_c);
-    uint64_t key[8] = {(uint64_t)m, (uint64_t)n, (uint64_t)k, (uint64_t)lda, (uint64_t)ldb, (uint64_t)ldc,
-                       (uint64_t)(ta != 0) | (uint64_t)(tb != 0) << 1 | (uint64_t)c->tf32 << 2,
+    uint64_t key[8] = {(uint64_t)g->m, (uint64_t)g->n, (uint64_t)g->k, (uint64_t)g->lda, (uint64_t)g->ldb,
+                       (uint64_t)g->ldc,
+                       (uint64_t)(g->ta != 0) | (uint64_t)(g->tb != 0) << 1 | (uint64_t)c->tf32 << 2 |
+                           (uint64_t)g->ab << 8 | (uint64_t)g->cd << 24 | (uint64_t)g->epilogue << 40,
                        (uint64_t)al_a | (uint64_t)al_b << 16 | (uint64_t)al_c << 32};
     pthread_mutex_lock(&c->lock);
     gemm_plan *p = NULL;
@@ -427,18 +438,65 @@ static cmlp_status cu_gemm(void *ctx, int ta, int tb, int64_t m, int64_t n, int6
         p = &c->plans[c->next_plan];
         c->next_plan = (c->next_plan + 1) % NPLANS;
         plan_free(p);
-        st = plan_make(c, p, key, ta, tb, m, n, k, lda, ldb, ldc, al_a, al_b, al_c);
+        st = plan_make(c, p, key, g, al_a, al_b, al_c);
+    }
+    if (st == CMLP_OK && g->epilogue != CUBLASLT_EPILOGUE_DEFAULT) {
+        cublasStatus_t s = cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &d_bias,
+                                                          sizeof d_bias);
+        if (s != CUBLAS_STATUS_SUCCESS)
+            st = FAIL(CMLP_ERR_DEVICE, "setting a GEMM's bias failed: %s", cublasLtGetStatusString(s));
     }
     if (st == CMLP_OK) {
         cublasStatus_t s = cublasLtMatmul(c->lt, p->op, &alpha, d_b, p->a, d_a, p->b, &beta, d_c, p->c, d_c, p->c,
                                           &p->algo, c->ws, c->ws_bytes, c->stream);
         if (s != CUBLAS_STATUS_SUCCESS)
-            st = FAIL(CMLP_ERR_DEVICE, "cublasLtMatmul (%lld x %lld x %lld) failed: %s", (long long)m, (long long)n,
-                      (long long)k, cublasLtGetStatusString(s));
+            st = FAIL(CMLP_ERR_DEVICE, "cublasLtMatmul (%lld x %lld x %lld) failed: %s", (long long)g->m,
+                      (long long)g->n, (long long)g->k, cublasLtGetStatusString(s));
     }
     pthread_mutex_unlock(&c->lock);
     if (st == CMLP_OK && c->sync_each) st = done(c, cudaSuccess, "cublasLtMatmul");
     return st;
+}
+
+static cmlp_status cu_gemm(void *ctx, int ta, int tb, int64_t m, int64_t n, int64_t k, float alpha, const float *d_a,
+                           int64_t lda, const float *d_b, int64_t ldb, float beta, float *d_c, int64_t ldc) {
+    gemm_desc g = {ta, tb, m, n, k, lda, ldb, ldc, CUDA_R_32F, CUDA_R_32F, CUBLASLT_EPILOGUE_DEFAULT};
+    return lt_gemm(ctx, &g, alpha, d_a, d_b, beta, d_c, NULL);
+}
+
+static cmlp_status cu_gemm_bias_act(void *ctx, int ta, int tb, int64_t m, int64_t n, int64_t k, const float *d_a,
+                                    int64_t lda, const float *d_b, int64_t ldb, float *d_c, int64_t ldc,
+                                    const float *d_bias, int relu) {
+    gemm_desc g = {ta, tb, m, n, k, lda, ldb, ldc, CUDA_R_32F, CUDA_R_32F,
+                   relu ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_BIAS};
+    return lt_gemm(ctx, &g, 1.0f, d_a, d_b, 0.0f, d_c, d_bias);
+}
+
+static cudaDataType_t cuda_type(cmlp_dtype t) {
+    return t == CMLP_DTYPE_F16 ? CUDA_R_16F : t == CMLP_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_32F;
+}
+
+static cmlp_status cu_gemm_half(void *ctx, int ta, int tb, int64_t m, int64_t n, int64_t k, float alpha,
+                                const uint16_t *d_a, int64_t lda, const uint16_t *d_b, int64_t ldb, cmlp_dtype ab,
+                                float beta, void *d_c, cmlp_dtype c_type, int64_t ldc, const void *d_bias, int relu) {
+    gemm_desc g = {ta, tb, m, n, k, lda, ldb, ldc, cuda_type(ab), cuda_type(c_type),
+                   !d_bias ? CUBLASLT_EPILOGUE_DEFAULT : relu ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_BIAS};
+    if (relu && !d_bias) return FAIL(CMLP_ERR_INVALID, "a GEMM's ReLU epilogue comes with its bias");
+    return lt_gemm(ctx, &g, alpha, d_a, d_b, beta, d_c, d_bias);
+}
+
+static cmlp_status cu_bias_grad_half(void *ctx, float *d_db, const uint16_t *d_dy, int64_t rows, int64_t cols,
+                                     cmlp_dtype dtype) {
+    cuda_ctx *c = ctx;
+    CMLP_TRY_USE(c);
+    return KERNEL(c, cmlp_k_bias_grad_half(d_db, d_dy, rows, cols, dtype == CMLP_DTYPE_BF16, c->stream));
+}
+
+static cmlp_status cu_relu_backward_half(void *ctx, uint16_t *d_dy, const uint16_t *d_h, int64_t count,
+                                         cmlp_dtype dtype) {
+    cuda_ctx *c = ctx;
+    CMLP_TRY_USE(c);
+    return KERNEL(c, cmlp_k_relu_backward_half(d_dy, d_h, count, dtype == CMLP_DTYPE_BF16, c->stream));
 }
 
 /* ---- elementwise, loss, staging ---- */
@@ -679,6 +737,10 @@ static const cmlp_backend_i backend = {
     .copy_d2d = cu_copy_d2d,
     .fill_zero = cu_fill_zero,
     .gemm = cu_gemm,
+    .gemm_bias_act = cu_gemm_bias_act,
+    .gemm_half = cu_gemm_half,
+    .bias_grad_half = cu_bias_grad_half,
+    .relu_backward_half = cu_relu_backward_half,
     .bias_act = cu_bias_act,
     .relu_backward = cu_relu_backward,
     .bias_grad = cu_bias_grad,

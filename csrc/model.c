@@ -214,8 +214,14 @@ cmlp_status cmlp_model_forward_rows(cmlp_model *m, const float *input, int64_t n
     for (int l = 0; l < m->nlayers; l++) {
         int64_t in = m->sizes[l], out = m->sizes[l + 1];
         float *y = m->ws.act[l + 1];
-        CMLP_TRY(B(m)->gemm(CTX(m), 0, 1, n, out, in, 1.0f, a, in, m->params + m->w_off[l], in, 0.0f, y, out));
-        CMLP_TRY(B(m)->bias_act(CTX(m), y, m->params + m->b_off[l], n, out, l + 1 < m->nlayers));
+        const float *w = m->params + m->w_off[l], *bias = m->params + m->b_off[l];
+        int relu = l + 1 < m->nlayers;
+        if (B(m)->gemm_bias_act) { /* one fused GEMM where the device has it */
+            CMLP_TRY(B(m)->gemm_bias_act(CTX(m), 0, 1, n, out, in, a, in, w, in, y, out, bias, relu));
+        } else {
+            CMLP_TRY(B(m)->gemm(CTX(m), 0, 1, n, out, in, 1.0f, a, in, w, in, 0.0f, y, out));
+            CMLP_TRY(B(m)->bias_act(CTX(m), y, bias, n, out, relu));
+        }
         a = y;
     }
     return CMLP_OK;

@@ -1,8 +1,10 @@
 /* model_amp.c - forward and backward under mixed precision. Stored activations, the gradients
  * flowing between layers and the weight copy used by the GEMMs are fp16/bf16; products
  * accumulate in fp32 (into the fp32 master gradients for dW); logits, softmax and loss stay
- * fp32. Where the backend needs fp32 operands (the CPU), each layer's GEMMs run over blocks of
- * rows converted into a bounded scratch, so the half-precision saving is real.
+ * fp32. Where the device multiplies half-precision operands itself (cuBLASLt), each product is
+ * one GEMM with the bias and ReLU fused; where the backend needs fp32 operands (the CPU), each
+ * layer's GEMMs run over blocks of rows converted into a bounded scratch, so the half-precision
+ * saving is real.
  */
 #include "half.h"
 
@@ -127,8 +129,31 @@ static cmlp_status layer_weights(cmlp_model *m, int l) {
     return B(m)->from_half(CTX(m), m->wsa.b32, m->params_h + m->b_off[l], out, m->half_dtype);
 }
 
+/* Where the device multiplies half-precision operands itself: one GEMM per product, fp32
+ * accumulation, the bias and ReLU fused, half-precision results (fp32 logits). */
+static cmlp_status forward_native(cmlp_model *m, int64_t n, int upto, uint16_t *const *acts) {
+    cmlp_amp_workspace *w = &m->wsa;
+    const cmlp_backend_i *b = B(m);
+    cmlp_dtype dt = m->half_dtype;
+    int L = m->nlayers;
+    for (int l = 0; l < upto; l++) {
+        int64_t in = m->sizes[l], out = m->sizes[l + 1];
+        const uint16_t *wh = m->params_h + m->w_off[l], *bh = m->params_h + m->b_off[l];
+        if (l + 1 < L) {
+            CMLP_TRY(b->gemm_half(CTX(m), 0, 1, n, out, in, 1.0f, acts[l], in, wh, in, dt, 0.0f, acts[l + 1], dt, out,
+                                  bh, 1));
+        } else { /* the logits in fp32, with the half bias as fp32 */
+            CMLP_TRY(b->from_half(CTX(m), w->b32, bh, out, dt));
+            CMLP_TRY(b->gemm_half(CTX(m), 0, 1, n, out, in, 1.0f, acts[l], in, wh, in, dt, 0.0f, w->logits,
+                                  CMLP_DTYPE_F32, out, w->b32, 0));
+        }
+    }
+    return CMLP_OK;
+}
+
 /* Layers [0, upto): layer l reads acts[l] and writes acts[l + 1] (the last layer: the logits). */
 static cmlp_status forward(cmlp_model *m, int64_t n, int upto, uint16_t *const *acts) {
+    if (B(m)->gemm_half) return forward_native(m, n, upto, acts);
     cmlp_amp_workspace *w = &m->wsa;
     const cmlp_backend_i *b = B(m);
     int L = m->nlayers;
@@ -170,17 +195,29 @@ static cmlp_status backward(cmlp_model *m, int64_t n) {
             al = acts[l];
             other = pq[0] == al ? pq[1] : pq[0];
         }
-        CMLP_TRY(layer_weights(m, l));
-        for (int64_t r = 0; r < n; r += w->chunk) {
-            int64_t k = n - r < w->chunk ? n - r : w->chunk;
-            CMLP_TRY(b->from_half(CTX(m), dy, cur + r * out, k * out, m->half_dtype));
-            CMLP_TRY(b->from_half(CTX(m), a, al + r * in, k * in, m->half_dtype));
-            CMLP_TRY(b->gemm(CTX(m), 1, 0, out, in, k, 1.0f, dy, out, a, in, 1.0f, m->grads + m->w_off[l], in));
-            CMLP_TRY(b->bias_grad(CTX(m), m->grads + m->b_off[l], dy, k, out));
-            if (l == 0) continue;
-            CMLP_TRY(b->gemm(CTX(m), 0, 0, k, in, out, 1.0f, dy, out, w->w32, in, 0.0f, dx, in));
-            CMLP_TRY(b->relu_backward(CTX(m), dx, a, k * in));
-            CMLP_TRY(b->to_half(CTX(m), other + r * in, dx, k * in, m->half_dtype));
+        if (b->gemm_half) { /* dW += dY^T A, db += colsum(dY), dA = relu'(dY W): all in half storage */
+            cmlp_dtype dt = m->half_dtype;
+            const uint16_t *wh = m->params_h + m->w_off[l];
+            CMLP_TRY(b->gemm_half(CTX(m), 1, 0, out, in, n, 1.0f, cur, out, al, in, dt, 1.0f, m->grads + m->w_off[l],
+                                  CMLP_DTYPE_F32, in, NULL, 0));
+            CMLP_TRY(b->bias_grad_half(CTX(m), m->grads + m->b_off[l], cur, n, out, dt));
+            if (l > 0) {
+                CMLP_TRY(b->gemm_half(CTX(m), 0, 0, n, in, out, 1.0f, cur, out, wh, in, dt, 0.0f, other, dt, in, NULL, 0));
+                CMLP_TRY(b->relu_backward_half(CTX(m), other, al, n * in, dt));
+            }
+        } else {
+            CMLP_TRY(layer_weights(m, l));
+            for (int64_t r = 0; r < n; r += w->chunk) {
+                int64_t k = n - r < w->chunk ? n - r : w->chunk;
+                CMLP_TRY(b->from_half(CTX(m), dy, cur + r * out, k * out, m->half_dtype));
+                CMLP_TRY(b->from_half(CTX(m), a, al + r * in, k * in, m->half_dtype));
+                CMLP_TRY(b->gemm(CTX(m), 1, 0, out, in, k, 1.0f, dy, out, a, in, 1.0f, m->grads + m->w_off[l], in));
+                CMLP_TRY(b->bias_grad(CTX(m), m->grads + m->b_off[l], dy, k, out));
+                if (l == 0) continue;
+                CMLP_TRY(b->gemm(CTX(m), 0, 0, k, in, out, 1.0f, dy, out, w->w32, in, 0.0f, dx, in));
+                CMLP_TRY(b->relu_backward(CTX(m), dx, a, k * in));
+                CMLP_TRY(b->to_half(CTX(m), other + r * in, dx, k * in, m->half_dtype));
+            }
         }
         uint16_t *t = cur;
         cur = other;

@@ -2,6 +2,9 @@
  * mask in backward, and the bias gradient (column sums, reduced in a fixed order).
  */
 #include "common.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include "kernels.h"
 
 /* ---- bias + activation ----
@@ -94,8 +97,18 @@ extern "C" cudaError_t cmlp_k_relu_backward(float *dy, const float *h, int64_t n
 
 #define BIAS_GRAD_THREADS 512
 
+/* dy as stored: float, or fp16 / bf16 bits (KIND 0, 1, 2) */
+template <int KIND>
+__device__ __forceinline__ float load_dy(const void *p, int64_t i) {
+    if constexpr (KIND == 0) return static_cast<const float *>(p)[i];
+    const unsigned short b = static_cast<const unsigned short *>(p)[i];
+    if constexpr (KIND == 1) return __half2float(__ushort_as_half(b));
+    return __bfloat162float(__ushort_as_bfloat16(b));
+}
+
+template <int KIND>
 __global__ void __launch_bounds__(BIAS_GRAD_THREADS)
-k_bias_grad(float *db, const float *dy, int64_t rows, int64_t cols, int64_t tile_w) {
+k_bias_grad(float *db, const void *dy, int64_t rows, int64_t cols, int64_t tile_w) {
     __shared__ float part[BIAS_GRAD_THREADS];
     const int64_t ntiles = (cols + tile_w - 1) / tile_w;
     const int t = threadIdx.x;
@@ -105,15 +118,16 @@ k_bias_grad(float *db, const float *dy, int64_t rows, int64_t cols, int64_t tile
         const int G = BIAS_GRAD_THREADS / w, g = t / w, cw = t % w;
         float acc = 0.0f;
         if (g < G) {
-            const float *col = dy + c0 + cw;
+            const int64_t col = c0 + cw;
             int64_t r = g;
             /* four loads in flight, added in row order */
             for (; r + 3 * (int64_t)G < rows; r += 4 * (int64_t)G) {
-                const float a0 = col[r * cols], a1 = col[(r + G) * cols];
-                const float a2 = col[(r + 2 * (int64_t)G) * cols], a3 = col[(r + 3 * (int64_t)G) * cols];
+                const float a0 = load_dy<KIND>(dy, r * cols + col), a1 = load_dy<KIND>(dy, (r + G) * cols + col);
+                const float a2 = load_dy<KIND>(dy, (r + 2 * (int64_t)G) * cols + col);
+                const float a3 = load_dy<KIND>(dy, (r + 3 * (int64_t)G) * cols + col);
                 acc = f_add(f_add(f_add(f_add(acc, a0), a1), a2), a3);
             }
-            for (; r < rows; r += G) acc = f_add(acc, col[r * cols]);
+            for (; r < rows; r += G) acc = f_add(acc, load_dy<KIND>(dy, r * cols + col));
         }
         part[t] = acc;
         __syncthreads();
@@ -126,8 +140,7 @@ k_bias_grad(float *db, const float *dy, int64_t rows, int64_t cols, int64_t tile
     }
 }
 
-extern "C" cudaError_t cmlp_k_bias_grad(float *db, const float *dy, int64_t rows, int64_t cols,
-                                        cudaStream_t stream) {
+static cudaError_t bias_grad(float *db, const void *dy, int kind, int64_t rows, int64_t cols, cudaStream_t stream) {
     if (rows < 0 || cols < 0) return cudaErrorInvalidValue;
     if (rows == 0 || cols == 0) return cudaSuccess;
     int64_t w = cols;
@@ -137,6 +150,36 @@ extern "C" cudaError_t cmlp_k_bias_grad(float *db, const float *dy, int64_t rows
     }
     const int64_t ntiles = (cols + w - 1) / w;
     const unsigned int blocks = (unsigned int)(ntiles < CMLP_K_MAX_BLOCKS ? ntiles : CMLP_K_MAX_BLOCKS);
-    k_bias_grad<<<blocks, BIAS_GRAD_THREADS, 0, stream>>>(db, dy, rows, cols, w);
+    if (kind == 0) k_bias_grad<0><<<blocks, BIAS_GRAD_THREADS, 0, stream>>>(db, dy, rows, cols, w);
+    else if (kind == 1) k_bias_grad<1><<<blocks, BIAS_GRAD_THREADS, 0, stream>>>(db, dy, rows, cols, w);
+    else k_bias_grad<2><<<blocks, BIAS_GRAD_THREADS, 0, stream>>>(db, dy, rows, cols, w);
+    return cudaGetLastError();
+}
+
+extern "C" cudaError_t cmlp_k_bias_grad(float *db, const float *dy, int64_t rows, int64_t cols,
+                                        cudaStream_t stream) {
+    return bias_grad(db, dy, 0, rows, cols, stream);
+}
+
+extern "C" cudaError_t cmlp_k_bias_grad_half(float *db, const uint16_t *dy, int64_t rows, int64_t cols, int bf16,
+                                             cudaStream_t stream) {
+    return bias_grad(db, dy, bf16 ? 2 : 1, rows, cols, stream);
+}
+
+/* ---- ReLU backward in half precision: dy[i] = h[i] > 0 ? dy[i] : 0 on fp16 / bf16 bits ---- */
+
+template <int KIND>
+__global__ void __launch_bounds__(CMLP_K_THREADS) k_relu_backward_half(uint16_t *dy, const uint16_t *h, int64_t n) {
+    for (int64_t i = cmlp_tid(); i < n; i += cmlp_nthreads())
+        if (!(load_dy<KIND>(h, i) > 0.0f)) dy[i] = 0;
+}
+
+extern "C" cudaError_t cmlp_k_relu_backward_half(uint16_t *dy, const uint16_t *h, int64_t n, int bf16,
+                                                 cudaStream_t stream) {
+    if (n < 0) return cudaErrorInvalidValue;
+    if (n == 0) return cudaSuccess;
+    const unsigned int blocks = cmlp_k_blocks(n, CMLP_K_THREADS);
+    if (bf16) k_relu_backward_half<2><<<blocks, CMLP_K_THREADS, 0, stream>>>(dy, h, n);
+    else k_relu_backward_half<1><<<blocks, CMLP_K_THREADS, 0, stream>>>(dy, h, n);
     return cudaGetLastError();
 }

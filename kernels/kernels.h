@@ -35,6 +35,11 @@ cudaError_t cmlp_k_relu_backward(float *dy, const float *h, int64_t n, cudaStrea
 /* db[c] += sum over r of dy[r, c] (accumulates: the caller zeroes db when it must). The sum
  * over rows is done in fp32 with a fixed order for given (rows, cols): deterministic. */
 cudaError_t cmlp_k_bias_grad(float *db, const float *dy, int64_t rows, int64_t cols, cudaStream_t stream);
+/* The same two over fp16 (bf16 == 0) or bf16 storage: db (fp32) += column sums of dy; dy[i] = 0
+ * where h[i] > 0 does not hold. */
+cudaError_t cmlp_k_bias_grad_half(float *db, const uint16_t *dy, int64_t rows, int64_t cols, int bf16,
+                                  cudaStream_t stream);
+cudaError_t cmlp_k_relu_backward_half(uint16_t *dy, const uint16_t *h, int64_t n, int bf16, cudaStream_t stream);
 
 /* ---- loss.cu ---- */
 
