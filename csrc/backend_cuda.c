@@ -351,7 +351,7 @@ static cmlp_status cu_fill_zero(void *ctx, void *d_dst, size_t nbytes) {
 static unsigned align_of(const void *p) {
     uintptr_t a = (uintptr_t)p;
     unsigned al = 256;
-    while (al > 4 && (a & (al - 1))) al >>= 1;
+    while (al > 1 && (a & (al - 1))) al >>= 1; /* half-precision views may be 2-byte aligned */
     return al;
 }
 
