@@ -154,6 +154,16 @@ uint64_t cmlp_optim_version(const cmlp_optim *o) { return o->version; }
 cmlp_status cmlp_optim_step(cmlp_optim *o) {
     if (!o) return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer must not be NULL");
     CMLP_TRY(check_model(o));
+    if (o->dev->device.type != CMLP_DEVICE_CPU) {
+        /* as the trainer steps there: the bias corrections computed on the device, so that a
+         * step taken from Python and one taken in fit give the same bits */
+        cmlp_dscalars *ds;
+        CMLP_TRY(cmlp_model_scalars(o->model, &ds));
+        CMLP_TRY(o->dev->backend->copy_h2d(o->dev->bctx, &ds->step, &o->step, sizeof o->step));
+        CMLP_TRY(cmlp_optim_step_device(o, NULL, &ds->step, ds->coef));
+        o->step++;
+        return CMLP_OK;
+    }
     bool first = o->state == NULL;
     CMLP_TRY(ensure_state(o));
     cmlp_model *m = o->model;

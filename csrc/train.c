@@ -85,6 +85,8 @@ cmlp_status cmlp_trainer_init(cmlp_trainer **out, cmlp_model *m, cmlp_optim *o, 
     t->micro = c->microbatch_size ? c->microbatch_size : c->batch_size;
     if (!t->cfg.grow_interval) t->cfg.grow_interval = 100;
     t->target_micro = t->micro;
+    const char *graphs = getenv("CMLP_CUDA_GRAPHS"); /* "0": every step eagerly */
+    t->graphs_off = graphs && strcmp(graphs, "0") == 0;
     *out = t;
     return CMLP_OK;
 }

@@ -602,6 +602,42 @@ def test_graph_switch_on_and_off_give_identical_training(amp):
     np.testing.assert_allclose(runs[0][2], runs[1][2], rtol=1e-9)
 
 
+_GRAPHS_SCRIPT = r"""
+import hashlib, json, sys
+import numpy as np
+import cmlp
+rng = np.random.default_rng(2)
+x = rng.integers(0, 256, (64 * 8 + 5, 784), dtype=np.uint8)
+y = rng.integers(0, 10, 64 * 8 + 5)
+model = cmlp.MLP([784, 512, 256, 10], device="cuda", seed=0)
+trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=64, amp=sys.argv[1] or None, seed=1)
+h = trainer.fit(x, y, epochs=3, progress=False)
+w = b"".join(v.tobytes() for v in model.state_dict().values())
+print(json.dumps({"w": hashlib.sha1(w).hexdigest(), "loss": [e["loss"] for e in h]}))
+"""
+
+
+@needs_gpu
+@pytest.mark.parametrize("amp", ["", "fp16"])
+def test_graph_replay_and_eager_steps_train_identically(amp):
+    """fit captures a full step as a CUDA graph and replays it; CMLP_CUDA_GRAPHS=0 runs every step
+    eagerly. Same bits either way."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    runs = []
+    for graphs in ("1", "0"):
+        env = dict(os.environ, CMLP_CUDA_GRAPHS=graphs)
+        r = subprocess.run([sys.executable, "-c", _GRAPHS_SCRIPT, amp], env=env, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr
+        runs.append(json.loads(r.stdout))
+    assert runs[0]["w"] == runs[1]["w"]
+    np.testing.assert_allclose(runs[0]["loss"], runs[1]["loss"], rtol=1e-12)
+
+
 @pytest.mark.parametrize("amp", [None, "fp16"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_identical_seeded_runs_are_bitwise_identical(device, amp):
