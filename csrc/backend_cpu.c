@@ -1,11 +1,15 @@
 /* backend_cpu.c - the CPU backend, the reference every other backend is tested against:
  * GEMMs through CBLAS (OpenBLAS), everything else as plain loops the compiler vectorises.
- * "Device" memory is aligned host memory.
+ * "Device" memory is aligned host memory. With scipy-openblas32, OpenBLAS runs its threads
+ * through cmlp's pool (cpu_pool.c), and the loops over large buffers run on the same threads.
  */
 #include "half.h"
+#include "cpu_pool.h"
 
 #include <limits.h>
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -46,8 +50,48 @@ const char *cmlp_blas_info(void) {
     return info;
 }
 
+#if CMLP_BLAS_SCIPY
+typedef struct {
+    openblas_dojob_callback dojob;
+    char *data;
+    size_t size;
+    int arg;
+} blas_jobs;
+
+static void blas_part(void *a, int part, int nparts) {
+    const blas_jobs *j = a;
+    (void)nparts;
+    j->dojob(part, j->data + (size_t)part * j->size, j->arg);
+}
+
+/* OpenBLAS's parallel regions: one job per thread, run at the same time on the pool. */
+static void blas_threads(int sync, openblas_dojob_callback dojob, int numjobs, size_t size, void *data, int arg) {
+    (void)sync;
+    blas_jobs j = {dojob, data, size, arg};
+    cmlp_pool_run(blas_part, &j, numjobs);
+}
+#endif
+
+static pthread_once_t threads_once = PTHREAD_ONCE_INIT;
+
+#if CMLP_BLAS_SCIPY
+/* A forked child keeps only the forking thread: OpenBLAS must not ask for two jobs at once. */
+static void blas_after_fork(void) { scipy_openblas_set_num_threads(1); }
+#endif
+
+static void threads_init(void) {
+#if CMLP_BLAS_SCIPY
+    scipy_openblas_set_num_threads(cmlp_pool_threads()); /* never more jobs than pool threads */
+    scipy_openblas_set_threads_callback_function(blas_threads);
+    pthread_atfork(NULL, NULL, blas_after_fork);
+#endif
+}
+
+#define MIN_PER_THREAD ((int64_t)1 << 15) /* elements below which a loop stays on one thread */
+
 static int64_t cpu_total_memory(void *ctx) {
     (void)ctx;
+    pthread_once(&threads_once, threads_init);
     long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
     return pages > 0 && page > 0 ? (int64_t)pages * page : 0;
 }
@@ -98,9 +142,11 @@ static cmlp_status cpu_copy(void *ctx, void *dst, const void *src, size_t nbytes
     return CMLP_OK;
 }
 
+static void zero_range(void *a, int64_t lo, int64_t hi) { memset((char *)a + lo, 0, (size_t)(hi - lo)); }
+
 static cmlp_status cpu_fill_zero(void *ctx, void *dst, size_t nbytes) {
     (void)ctx;
-    if (nbytes) memset(dst, 0, nbytes);
+    cmlp_pool_for((int64_t)nbytes, 64, 4 * MIN_PER_THREAD, zero_range, dst);
     return CMLP_OK;
 }
 
@@ -108,6 +154,7 @@ static cmlp_status cpu_gemm(void *ctx, int ta, int tb, int64_t m, int64_t n, int
                             const float *a, int64_t lda, const float *b, int64_t ldb, float beta,
                             float *c, int64_t ldc) {
     (void)ctx;
+    pthread_once(&threads_once, threads_init);
     if (m > INT_MAX || n > INT_MAX || k > INT_MAX || lda > INT_MAX || ldb > INT_MAX || ldc > INT_MAX)
         return CMLP_FAIL(CMLP_ERR_INVALID, "GEMM of %lld x %lld x %lld exceeds the BLAS's 32-bit sizes",
                          (long long)m, (long long)n, (long long)k);
@@ -117,34 +164,66 @@ static cmlp_status cpu_gemm(void *ctx, int ta, int tb, int64_t m, int64_t n, int
     return CMLP_OK;
 }
 
-static cmlp_status cpu_bias_act(void *ctx, float *y, const float *bias, int64_t rows, int64_t cols,
-                                int relu) {
-    (void)ctx;
-    for (int64_t r = 0; r < rows; r++) {
-        float *restrict row = y + r * cols;
-        if (relu)
-            for (int64_t c = 0; c < cols; c++) {
+typedef struct {
+    float *y;
+    const float *bias, *h, *dy;
+    int64_t cols;
+    int relu;
+} rows_args;
+
+static void bias_act_rows(void *a, int64_t lo, int64_t hi) {
+    const rows_args *r = a;
+    const float *restrict bias = r->bias;
+    for (int64_t i = lo; i < hi; i++) {
+        float *restrict row = r->y + i * r->cols;
+        if (r->relu)
+            for (int64_t c = 0; c < r->cols; c++) {
                 float v = row[c] + bias[c];
                 row[c] = v > 0.0f ? v : 0.0f;
             }
         else
-            for (int64_t c = 0; c < cols; c++) row[c] += bias[c];
+            for (int64_t c = 0; c < r->cols; c++) row[c] += bias[c];
     }
+}
+
+static cmlp_status cpu_bias_act(void *ctx, float *y, const float *bias, int64_t rows, int64_t cols,
+                                int relu) {
+    (void)ctx;
+    rows_args a = {.y = y, .bias = bias, .cols = cols, .relu = relu};
+    cmlp_pool_for(rows, 1, cols > 0 ? MIN_PER_THREAD / cols + 1 : rows, bias_act_rows, &a);
     return CMLP_OK;
+}
+
+static void relu_backward_range(void *a, int64_t lo, int64_t hi) {
+    const rows_args *r = a;
+    float *restrict dy = r->y;
+    const float *restrict h = r->h;
+    for (int64_t i = lo; i < hi; i++) dy[i] = h[i] > 0.0f ? dy[i] : 0.0f;
 }
 
 static cmlp_status cpu_relu_backward(void *ctx, float *dy, const float *h, int64_t count) {
     (void)ctx;
-    for (int64_t i = 0; i < count; i++) dy[i] = h[i] > 0.0f ? dy[i] : 0.0f;
+    rows_args a = {.y = dy, .h = h};
+    cmlp_pool_for(count, 16, MIN_PER_THREAD, relu_backward_range, &a);
     return CMLP_OK;
+}
+
+/* Columns [lo, hi) of db, each summed over the rows in order: the same sums on any number of
+ * threads. */
+static void bias_grad_cols(void *a, int64_t lo, int64_t hi) {
+    const rows_args *r = a;
+    float *restrict db = r->y;
+    for (int64_t i = 0; i < r->relu; i++) { /* relu holds the row count here */
+        const float *restrict row = r->dy + i * r->cols;
+        for (int64_t c = lo; c < hi; c++) db[c] += row[c];
+    }
 }
 
 static cmlp_status cpu_bias_grad(void *ctx, float *db, const float *dy, int64_t rows, int64_t cols) {
     (void)ctx;
-    for (int64_t r = 0; r < rows; r++) {
-        const float *restrict row = dy + r * cols;
-        for (int64_t c = 0; c < cols; c++) db[c] += row[c];
-    }
+    if (rows > INT_MAX) return CMLP_FAIL(CMLP_ERR_INVALID, "bias gradient over %lld rows", (long long)rows);
+    rows_args a = {.y = db, .dy = dy, .cols = cols, .relu = (int)rows};
+    cmlp_pool_for(cols, 16, rows > 0 ? MIN_PER_THREAD / rows + 1 : cols, bias_grad_cols, &a);
     return CMLP_OK;
 }
 
@@ -189,20 +268,35 @@ static cmlp_status cpu_softmax_xent(void *ctx, const float *logits, const int32_
     return CMLP_OK;
 }
 
+typedef struct {
+    float *dst;
+    const void *src;
+    cmlp_dtype dtype;
+    int64_t cols, start;
+    const int64_t *idx;
+    float scale, shift;
+} stage_args;
+
+static void stage_range(void *a, int64_t lo, int64_t hi) {
+    const stage_args *g = a;
+    for (int64_t r = lo; r < hi; r++) {
+        int64_t s = g->idx ? g->idx[r] : g->start + r;
+        float *restrict d = g->dst + r * g->cols;
+        if (g->dtype == CMLP_DTYPE_U8) {
+            const uint8_t *restrict u = (const uint8_t *)g->src + s * g->cols;
+            for (int64_t c = 0; c < g->cols; c++) d[c] = (float)u[c] * g->scale + g->shift;
+        } else {
+            memcpy(d, (const float *)g->src + s * g->cols, (size_t)g->cols * sizeof(float));
+        }
+    }
+}
+
 static cmlp_status cpu_stage_rows(void *ctx, float *dst, const void *src, cmlp_dtype dtype, int64_t cols,
                                   const int64_t *idx, int64_t start, int64_t rows, float scale,
                                   float shift) {
     (void)ctx;
-    for (int64_t r = 0; r < rows; r++) {
-        int64_t s = idx ? idx[r] : start + r;
-        float *restrict d = dst + r * cols;
-        if (dtype == CMLP_DTYPE_U8) {
-            const uint8_t *restrict u = (const uint8_t *)src + s * cols;
-            for (int64_t c = 0; c < cols; c++) d[c] = (float)u[c] * scale + shift;
-        } else {
-            memcpy(d, (const float *)src + s * cols, (size_t)cols * sizeof(float));
-        }
-    }
+    stage_args a = {dst, src, dtype, cols, start, idx, scale, shift};
+    cmlp_pool_for(rows, 1, cols > 0 ? MIN_PER_THREAD / cols + 1 : rows, stage_range, &a);
     return CMLP_OK;
 }
 
@@ -239,6 +333,29 @@ static cmlp_status cpu_add_i64(void *ctx, int64_t *x, int64_t v) {
     return CMLP_OK;
 }
 
+typedef struct {
+    float *p, *m, *v, *buf;
+    const float *g;
+    float step_size, beta1, beta2, bc2_sqrt, eps, wd, lr, momentum, dampening;
+    int nesterov, first;
+} optim_args;
+
+static void adam_range(void *arg, int64_t lo, int64_t hi) {
+    const optim_args *a = arg;
+    float *restrict p = a->p, *restrict m = a->m, *restrict v = a->v;
+    const float *restrict g = a->g;
+    const float beta1 = a->beta1, beta2 = a->beta2, one_b1 = 1.0f - a->beta1, one_b2 = 1.0f - a->beta2;
+    const float step_size = a->step_size, bc2_sqrt = a->bc2_sqrt, eps = a->eps, wd = a->wd;
+    for (int64_t i = lo; i < hi; i++) {
+        float gi = g[i] + wd * p[i];
+        float mi = beta1 * m[i] + one_b1 * gi;
+        float vi = beta2 * v[i] + one_b2 * gi * gi;
+        m[i] = mi;
+        v[i] = vi;
+        p[i] -= step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
+    }
+}
+
 static cmlp_status cpu_adam(void *ctx, float *restrict p, const float *restrict g, float *restrict m,
                             float *restrict v, int64_t n, float step_size, float beta1, float beta2,
                             float bc2_sqrt, float eps, float wd, const float *found_inf, const float *coef) {
@@ -248,16 +365,28 @@ static cmlp_status cpu_adam(void *ctx, float *restrict p, const float *restrict 
         step_size = coef[0];
         bc2_sqrt = coef[1];
     }
-    const float one_b1 = 1.0f - beta1, one_b2 = 1.0f - beta2;
-    for (int64_t i = 0; i < n; i++) {
-        float gi = g[i] + wd * p[i];
-        float mi = beta1 * m[i] + one_b1 * gi;
-        float vi = beta2 * v[i] + one_b2 * gi * gi;
-        m[i] = mi;
-        v[i] = vi;
-        p[i] -= step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
-    }
+    optim_args a = {.p = p, .m = m, .v = v, .g = g, .step_size = step_size, .beta1 = beta1, .beta2 = beta2,
+                    .bc2_sqrt = bc2_sqrt, .eps = eps, .wd = wd};
+    cmlp_pool_for(n, 16, MIN_PER_THREAD, adam_range, &a);
     return CMLP_OK;
+}
+
+static void sgd_range(void *arg, int64_t lo, int64_t hi) {
+    const optim_args *a = arg;
+    float *restrict p = a->p, *restrict buf = a->buf;
+    const float *restrict g = a->g;
+    const float lr = a->lr, wd = a->wd, momentum = a->momentum;
+    if (momentum == 0.0f) {
+        for (int64_t i = lo; i < hi; i++) p[i] -= lr * (g[i] + wd * p[i]);
+        return;
+    }
+    const float keep = 1.0f - a->dampening;
+    for (int64_t i = lo; i < hi; i++) {
+        float gi = g[i] + wd * p[i];
+        float b = a->first ? gi : momentum * buf[i] + keep * gi;
+        buf[i] = b;
+        p[i] -= lr * (a->nesterov ? gi + momentum * b : b);
+    }
 }
 
 static cmlp_status cpu_sgd(void *ctx, float *restrict p, const float *restrict g, float *restrict buf,
@@ -266,32 +395,44 @@ static cmlp_status cpu_sgd(void *ctx, float *restrict p, const float *restrict g
     (void)ctx;
     if (found_inf && *found_inf != 0.0f) return CMLP_OK;
     if (step && *step == 1) first = 1;
-    if (momentum == 0.0f) {
-        for (int64_t i = 0; i < n; i++) p[i] -= lr * (g[i] + wd * p[i]);
-        return CMLP_OK;
-    }
-    const float keep = 1.0f - dampening;
-    for (int64_t i = 0; i < n; i++) {
-        float gi = g[i] + wd * p[i];
-        float b = first ? gi : momentum * buf[i] + keep * gi;
-        buf[i] = b;
-        p[i] -= lr * (nesterov ? gi + momentum * b : b);
-    }
+    optim_args a = {.p = p, .buf = buf, .g = g, .lr = lr, .momentum = momentum, .dampening = dampening, .wd = wd,
+                    .nesterov = nesterov, .first = first};
+    cmlp_pool_for(n, 16, MIN_PER_THREAD, sgd_range, &a);
     return CMLP_OK;
 }
 
-/* Called inside the core's floating-point environment: the loops directly. */
+typedef struct {
+    uint16_t *h;
+    float *f;
+    const uint16_t *ch;
+    const float *cf;
+    int bf16;
+} cast_args;
+
+static void to_half_range(void *arg, int64_t lo, int64_t hi) {
+    const cast_args *a = arg;
+    if (a->bf16) cmlp_f32_to_bf16(a->h + lo, a->cf + lo, hi - lo);
+    else cmlp_f32_to_f16(a->h + lo, a->cf + lo, hi - lo);
+}
+
+static void from_half_range(void *arg, int64_t lo, int64_t hi) {
+    const cast_args *a = arg;
+    if (a->bf16) cmlp_bf16_to_f32(a->f + lo, a->ch + lo, hi - lo);
+    else cmlp_f16_to_f32(a->f + lo, a->ch + lo, hi - lo);
+}
+
+/* Called inside the core's floating-point environment (the pool's threads take it over). */
 static cmlp_status cpu_to_half(void *ctx, uint16_t *dst, const float *src, int64_t n, cmlp_dtype dtype) {
     (void)ctx;
-    if (dtype == CMLP_DTYPE_F16) cmlp_f32_to_f16(dst, src, n);
-    else cmlp_f32_to_bf16(dst, src, n);
+    cast_args a = {.h = dst, .cf = src, .bf16 = dtype == CMLP_DTYPE_BF16};
+    cmlp_pool_for(n, 32, MIN_PER_THREAD, to_half_range, &a);
     return CMLP_OK;
 }
 
 static cmlp_status cpu_from_half(void *ctx, float *dst, const uint16_t *src, int64_t n, cmlp_dtype dtype) {
     (void)ctx;
-    if (dtype == CMLP_DTYPE_F16) cmlp_f16_to_f32(dst, src, n);
-    else cmlp_bf16_to_f32(dst, src, n);
+    cast_args a = {.f = dst, .ch = src, .bf16 = dtype == CMLP_DTYPE_BF16};
+    cmlp_pool_for(n, 32, MIN_PER_THREAD, from_half_range, &a);
     return CMLP_OK;
 }
 
@@ -331,19 +472,35 @@ static cmlp_status cpu_grad_weight(void *ctx, float *w, const float *scale, doub
     return CMLP_OK;
 }
 
-static cmlp_status cpu_unscale(void *ctx, float *restrict g, int64_t n, float inv, const float *scale,
-                               float *found_inf) {
-    (void)ctx;
-    if (scale) inv = (float)(1.0 / (double)*scale);
+typedef struct {
+    float *g;
+    float inv;
+    _Atomic unsigned bad;
+} unscale_args;
+
+static void unscale_range(void *arg, int64_t lo, int64_t hi) {
+    unscale_args *a = arg;
+    float *restrict g = a->g;
+    const float inv = a->inv;
     uint32_t bad = 0;
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t i = lo; i < hi; i++) {
         float v = g[i] * inv;
         uint32_t bits;
         memcpy(&bits, &v, 4);
         bad |= (bits & 0x7F800000u) == 0x7F800000u; /* exponent all ones: inf or NaN */
         g[i] = v;
     }
-    if (bad) *found_inf = 1.0f;
+    if (bad) atomic_fetch_or(&a->bad, 1u);
+}
+
+static cmlp_status cpu_unscale(void *ctx, float *restrict g, int64_t n, float inv, const float *scale,
+                               float *found_inf) {
+    (void)ctx;
+    if (scale) inv = (float)(1.0 / (double)*scale);
+    unscale_args a = {.g = g, .inv = inv};
+    atomic_init(&a.bad, 0u);
+    cmlp_pool_for(n, 16, MIN_PER_THREAD, unscale_range, &a);
+    if (atomic_load(&a.bad)) *found_inf = 1.0f;
     return CMLP_OK;
 }
 

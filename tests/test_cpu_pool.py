@@ -1,0 +1,70 @@
+"""The CPU's thread pool, which OpenBLAS shares: two Python threads can train at once and get the
+bits each gets alone, and a forked child keeps working. (OpenBLAS itself may pick other kernels
+for another number of threads, so runs are compared at the same number.)"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = r'''
+import hashlib, json, os, sys, threading
+import numpy as np
+import cmlp
+
+def train(seed, amp=None):
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 256, (3000, 784), dtype=np.uint8)
+    y = rng.integers(0, 10, 3000)
+    m = cmlp.MLP([784, 256, 10], seed=seed)
+    t = cmlp.Trainer(m, cmlp.optim.Adam(m), batch_size=500, amp=amp, seed=seed)
+    t.fit(x, y, epochs=2, progress=False)
+    return hashlib.sha1(b"".join(v.tobytes() for v in m.state_dict().values())).hexdigest()
+
+mode = sys.argv[1]
+if mode == "plain":
+    print(json.dumps([train(1), train(2, "bf16")]))
+elif mode == "threads":
+    out = {}
+    th = [threading.Thread(target=lambda s=s: out.__setitem__(s, train(s, "bf16" if s == 2 else None))) for s in (1, 2)]
+    for t in th: t.start()
+    for t in th: t.join()
+    print(json.dumps([out[1], out[2]]))
+elif mode == "fork":
+    first = train(1)
+    pid = os.fork()
+    if pid == 0:  # one thread left: OpenBLAS runs single-threaded there, so other bits may come
+        train(1)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps([first, os.WEXITSTATUS(status)]))
+'''
+
+
+def run(mode, threads=None):
+    env = dict(os.environ)
+    env.pop("CMLP_NUM_THREADS", None)
+    if threads:
+        env["CMLP_NUM_THREADS"] = str(threads)
+    r = subprocess.run([sys.executable, "-c", SCRIPT, mode], env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run("plain", threads=2)
+
+
+def test_runs_are_reproducible_on_the_pool(reference):
+    assert run("plain", threads=2) == reference
+
+
+def test_two_python_threads_train_at_once(reference):
+    assert run("threads", threads=2) == reference
+
+
+def test_a_forked_child_trains_and_the_parent_goes_on(reference):
+    first, child_status = run("fork", threads=2)
+    assert first == reference[0] and child_status == 0
