@@ -87,7 +87,12 @@ static void threads_init(void) {
 #endif
 }
 
+#if CMLP_BLAS_SCIPY
 #define MIN_PER_THREAD ((int64_t)1 << 15) /* elements below which a loop stays on one thread */
+#else
+/* a BLAS with threads of its own: a second pool beside them would fight them for the cores */
+#define MIN_PER_THREAD INT64_MAX
+#endif
 
 static int64_t cpu_total_memory(void *ctx) {
     (void)ctx;
