@@ -58,10 +58,6 @@ static void futex_wait(_Atomic int *addr, int expected) {
 static void futex_wake_all(_Atomic int *addr) { syscall(SYS_futex, (int *)addr, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0); }
 
 static void run_parts(const pool_job *j, int thread) {
-    if (pool.nthreads == 1) { /* after a fork */
-        for (int p = 0; p < j->nparts; p++) j->fn(j->arg, p, j->nparts);
-        return;
-    }
     for (int p = thread; p < j->nparts; p += pool.nthreads) j->fn(j->arg, p, j->nparts);
 }
 
@@ -138,11 +134,45 @@ static void dispatch(cmlp_pool_fn fn, void *arg, int nparts) {
     while (atomic_load_explicit(&pool.pending, memory_order_acquire) > 0) CPU_RELAX();
 }
 
+typedef struct {
+    cmlp_pool_fn fn;
+    void *arg;
+    int part, nparts;
+    unsigned fpcsr;
+} extra_part;
+
+static void *extra_thread(void *a) {
+    extra_part *e = a;
+    SET_FPCSR(e->fpcsr);
+    e->fn(e->arg, e->part, e->nparts);
+    return NULL;
+}
+
+/* More parts than threads (someone raised OpenBLAS's thread count behind the pool's back): the
+ * parts may wait for each other, so each gets a thread of its own for this call. */
+static void run_on_new_threads(cmlp_pool_fn fn, void *arg, int nparts) {
+    pthread_t th[MAX_THREADS];
+    extra_part ex[MAX_THREADS];
+    int started = 0;
+    for (int p = 1; p < nparts && p < MAX_THREADS; p++) {
+        ex[p] = (extra_part){fn, arg, p, nparts, GET_FPCSR()};
+        if (pthread_create(&th[p], NULL, extra_thread, &ex[p]) != 0) break;
+        started = p;
+    }
+    fn(arg, 0, nparts);
+    for (int p = started + 1; p < nparts; p++) fn(arg, p, nparts); /* could not start: best effort */
+    for (int p = 1; p <= started; p++) pthread_join(th[p], NULL);
+}
+
 void cmlp_pool_run(cmlp_pool_fn fn, void *arg, int nparts) {
     if (nparts <= 0) return;
     pthread_once(&pool_once, pool_start);
-    if (nparts == 1 || pool.nthreads == 1) {
-        for (int p = 0; p < nparts; p++) fn(arg, p, nparts); /* one thread: the parts in turn */
+    if (nparts == 1) {
+        fn(arg, 0, 1);
+        return;
+    }
+    if (nparts > pool.nthreads) {
+        run_on_new_threads(fn, arg, nparts);
         return;
     }
     /* the parts may wait for each other (OpenBLAS's do): they need a thread each, so wait for

@@ -31,6 +31,13 @@ elif mode == "threads":
     for t in th: t.start()
     for t in th: t.join()
     print(json.dumps([out[1], out[2]]))
+elif mode == "raised":  # OpenBLAS told to use more threads than the pool has
+    import ctypes, glob, os
+    import scipy_openblas32
+    train(1)
+    lib = ctypes.CDLL(glob.glob(os.path.join(scipy_openblas32.get_lib_dir(), "libscipy_openblas*.so"))[0])
+    lib.scipy_openblas_set_num_threads(4)
+    print(json.dumps([train(1), train(2, "bf16")]))
 elif mode == "fork":
     first = train(1)
     pid = os.fork()
@@ -68,3 +75,8 @@ def test_two_python_threads_train_at_once(reference):
 def test_a_forked_child_trains_and_the_parent_goes_on(reference):
     first, child_status = run("fork", threads=2)
     assert first == reference[0] and child_status == 0
+
+
+def test_more_blas_threads_than_the_pool_still_trains():
+    out = run("raised", threads=2)
+    assert len(out) == 2 and all(len(h) == 40 for h in out)
