@@ -123,6 +123,7 @@ typedef struct {
 } gemm_plan;
 
 #define NPLANS 64
+#define STAGE_SLOTS 4
 
 typedef struct {
     int index;
@@ -131,8 +132,13 @@ typedef struct {
     pthread_mutex_t lock; /* the scratch, the staging buffers and the plan cache */
     void *ws;             /* the GEMM workspace, from the allocator */
     size_t ws_bytes;
-    void *h_stage;        /* pinned staging for host data */
-    size_t h_stage_bytes;
+    /* pinned staging for host data: a ring of slots, each reused once the copy that last read
+     * it has finished (its event), so that staging waits for the GPU only when it is behind */
+    void *h_stage[STAGE_SLOTS];
+    size_t h_stage_bytes[STAGE_SLOTS];
+    cudaEvent_t h_stage_done[STAGE_SLOTS];
+    bool h_stage_used[STAGE_SLOTS];
+    int h_stage_next;
     bool vm_ok;
     bool sync_each;
     bool capturing;       /* work is being recorded into a graph: nothing may wait for the device */
@@ -528,20 +534,31 @@ static cmlp_status cu_softmax_xent(void *ctx, const float *d_logits, const int32
                                          d_dlogits, d_loss_sum, (unsigned long long *)d_correct, c->stream));
 }
 
-/* Host data reaches the device through one pinned buffer; the stream is drained before the
- * buffer is written again. Called with the lock held. */
-static cmlp_status stage_buffer(cuda_ctx *c, size_t nbytes, void **out) {
-    CU_TRY(cudaStreamSynchronize(c->stream));
-    if (nbytes > c->h_stage_bytes) {
+/* The next staging slot with room for nbytes, once the copy that last read it is done. Called
+ * with the lock held; stage_sent() records the copy that reads it. */
+static cmlp_status stage_buffer(cuda_ctx *c, size_t nbytes, int *slot, void **out) {
+    int i = c->h_stage_next;
+    c->h_stage_next = (i + 1) % STAGE_SLOTS;
+    if (!c->h_stage_done[i]) CU_TRY(cudaEventCreateWithFlags(&c->h_stage_done[i], cudaEventDisableTiming));
+    if (c->h_stage_used[i]) CU_TRY(cudaEventSynchronize(c->h_stage_done[i]));
+    if (nbytes > c->h_stage_bytes[i]) {
         size_t want = nbytes < ((size_t)1 << 20) ? ((size_t)1 << 20) : nbytes + nbytes / 2;
-        if (c->h_stage) CU_TRY(cudaFreeHost(c->h_stage));
-        c->h_stage = NULL;
-        c->h_stage_bytes = 0;
-        CU_TRY(cudaMallocHost(&c->h_stage, want));
-        c->h_stage_bytes = want;
+        if (c->h_stage[i]) CU_TRY(cudaFreeHost(c->h_stage[i]));
+        c->h_stage[i] = NULL;
+        c->h_stage_bytes[i] = 0;
+        CU_TRY(cudaMallocHost(&c->h_stage[i], want));
+        c->h_stage_bytes[i] = want;
     }
-    *out = c->h_stage;
+    c->h_stage_used[i] = false;
+    *slot = i;
+    *out = c->h_stage[i];
     return CMLP_OK;
+}
+
+static cmlp_status stage_sent(cuda_ctx *c, int slot, cudaError_t copy, const char *what) {
+    if (copy == cudaSuccess) copy = cudaEventRecord(c->h_stage_done[slot], c->stream);
+    c->h_stage_used[slot] = copy == cudaSuccess;
+    return done(c, copy, what);
 }
 
 static cmlp_status cu_stage_rows(void *ctx, float *d_dst, const void *h_src, cmlp_dtype dtype, int64_t cols,
@@ -552,7 +569,8 @@ static cmlp_status cu_stage_rows(void *ctx, float *d_dst, const void *h_src, cml
     size_t nbytes = (size_t)rows * (size_t)cols * sizeof(float);
     pthread_mutex_lock(&c->lock);
     void *buf = NULL;
-    cmlp_status st = stage_buffer(c, nbytes, &buf);
+    int slot = 0;
+    cmlp_status st = stage_buffer(c, nbytes, &slot, &buf);
     if (st == CMLP_OK) {
         float *dst = buf;
         for (int64_t r = 0; r < rows; r++) {
@@ -565,7 +583,7 @@ static cmlp_status cu_stage_rows(void *ctx, float *d_dst, const void *h_src, cml
                 memcpy(d, (const float *)h_src + s * cols, (size_t)cols * sizeof(float));
             }
         }
-        st = done(c, cudaMemcpyAsync(d_dst, buf, nbytes, cudaMemcpyHostToDevice, c->stream), "staging rows");
+        st = stage_sent(c, slot, cudaMemcpyAsync(d_dst, buf, nbytes, cudaMemcpyHostToDevice, c->stream), "staging rows");
     }
     pthread_mutex_unlock(&c->lock);
     return st;
@@ -578,12 +596,14 @@ static cmlp_status cu_stage_labels(void *ctx, int32_t *d_dst, const int32_t *h_s
     CMLP_TRY_USE(c);
     pthread_mutex_lock(&c->lock);
     void *buf = NULL;
-    cmlp_status st = stage_buffer(c, (size_t)rows * sizeof(int32_t), &buf);
+    int slot = 0;
+    cmlp_status st = stage_buffer(c, (size_t)rows * sizeof(int32_t), &slot, &buf);
     if (st == CMLP_OK) {
         int32_t *dst = buf;
         for (int64_t r = 0; r < rows; r++) dst[r] = h_src[h_idx ? h_idx[r] : start + r];
-        st = done(c, cudaMemcpyAsync(d_dst, buf, (size_t)rows * sizeof(int32_t), cudaMemcpyHostToDevice, c->stream),
-                  "staging labels");
+        st = stage_sent(c, slot,
+                        cudaMemcpyAsync(d_dst, buf, (size_t)rows * sizeof(int32_t), cudaMemcpyHostToDevice, c->stream),
+                        "staging labels");
     }
     pthread_mutex_unlock(&c->lock);
     return st;
