@@ -121,17 +121,27 @@ typedef struct {
 
 /* The mapped bytes of [lo, hi) in a segment, as maximal runs of mapped pages; "split" runs are
  * those that reach outside [lo, hi) (their pages hold other blocks too). */
+/* The first page in [i, end) that is mapped (or, with mapped false, unmapped); end if none.
+ * A word of the bitmap at a time (no page at or above hi is mapped, so its bits are 0). */
+static size_t next_page(const alloc_segment *s, size_t i, size_t end, bool mapped) {
+    while (i < end) {
+        uint64_t w = s->map[i >> 6];
+        w = (mapped ? w : ~w) >> (i & 63);
+        if (w) {
+            size_t k = i + (size_t)__builtin_ctzll(w);
+            return k < end ? k : end;
+        }
+        i = (i | 63) + 1;
+    }
+    return end;
+}
+
 static span_info mapped_span(const alloc_segment *s, const char *lo, const char *hi) {
     span_info r = {0, 0, 0, 0, 0};
-    size_t i = pg_down(s, lo), end = pg_up(s, hi);
+    size_t end = pg_up(s, hi);
     if (end > s->hi) end = s->hi;
-    while (i < end) {
-        if (!pg_on(s, i)) {
-            i++;
-            continue;
-        }
-        size_t j = i;
-        while (j < end && pg_on(s, j)) j++;
+    for (size_t i = next_page(s, pg_down(s, lo), end, true); i < end; i = next_page(s, i, end, true)) {
+        size_t j = next_page(s, i, end, false);
         const char *a = s->base + i * PAGE, *b = s->base + j * PAGE;
         size_t n = (size_t)((b < hi ? b : hi) - (a > lo ? a : lo));
         r.bytes += n;
@@ -148,7 +158,13 @@ static span_info mapped_span(const alloc_segment *s, const char *lo, const char 
 
 static size_t unmapped_pages(const alloc_segment *s, size_t i, size_t j) {
     size_t n = 0;
-    for (; i < j; i++) n += !pg_on(s, i);
+    while (i < j) {
+        size_t bit = i & 63, take = 64 - bit < j - i ? 64 - bit : j - i;
+        uint64_t w = s->map[i >> 6] >> bit;
+        if (take < 64) w &= ((uint64_t)1 << take) - 1;
+        n += take - (size_t)__builtin_popcountll(w);
+        i += take;
+    }
     return n;
 }
 

@@ -172,7 +172,7 @@ static cmlp_status cpu_gemm(void *ctx, int ta, int tb, int64_t m, int64_t n, int
 typedef struct {
     float *y;
     const float *bias, *h, *dy;
-    int64_t cols;
+    int64_t rows, cols;
     int relu;
 } rows_args;
 
@@ -218,7 +218,7 @@ static cmlp_status cpu_relu_backward(void *ctx, float *dy, const float *h, int64
 static void bias_grad_cols(void *a, int64_t lo, int64_t hi) {
     const rows_args *r = a;
     float *restrict db = r->y;
-    for (int64_t i = 0; i < r->relu; i++) { /* relu holds the row count here */
+    for (int64_t i = 0; i < r->rows; i++) {
         const float *restrict row = r->dy + i * r->cols;
         for (int64_t c = lo; c < hi; c++) db[c] += row[c];
     }
@@ -226,8 +226,7 @@ static void bias_grad_cols(void *a, int64_t lo, int64_t hi) {
 
 static cmlp_status cpu_bias_grad(void *ctx, float *db, const float *dy, int64_t rows, int64_t cols) {
     (void)ctx;
-    if (rows > INT_MAX) return CMLP_FAIL(CMLP_ERR_INVALID, "bias gradient over %lld rows", (long long)rows);
-    rows_args a = {.y = db, .dy = dy, .cols = cols, .relu = (int)rows};
+    rows_args a = {.y = db, .dy = dy, .rows = rows, .cols = cols};
     cmlp_pool_for(cols, 16, rows > 0 ? MIN_PER_THREAD / rows + 1 : cols, bias_grad_cols, &a);
     return CMLP_OK;
 }

@@ -12,6 +12,9 @@ import pytest
 
 import cmlp
 
+sys.path.insert(0, os.path.dirname(__file__))
+from checks import assert_stats_match_snapshot  # noqa: E402
+
 M = cmlp.memory
 DEV = "cpu"
 MIB = 1 << 20
@@ -30,56 +33,22 @@ def clean_allocator():
     M._validate(DEV)
 
 
-def snapshot_sums(snap):
-    """Per pool: segments, reserved, allocations, allocated, requested, inactive split blocks/bytes."""
-    out = {p: dict.fromkeys(["segment", "reserved_bytes", "allocation", "allocated_bytes", "requested_bytes",
-                             "inactive_split", "inactive_split_bytes"], 0) for p in ("large_pool", "small_pool")}
-    for seg in snap:
-        s = out["small_pool" if seg["segment_type"] == "small" else "large_pool"]
-        s["segment"] += 1
-        s["reserved_bytes"] += seg["total_size"]
-        assert seg["total_size"] == sum(b["size"] for b in seg["blocks"])
-        split = len(seg["blocks"]) > 1
-        for b in seg["blocks"]:
-            if b["state"] == "active_allocated":
-                s["allocation"] += 1
-                s["allocated_bytes"] += b["size"]
-                s["requested_bytes"] += b["requested_size"]
-            elif split:
-                s["inactive_split"] += 1
-                s["inactive_split_bytes"] += b["size"]
-    return out
-
-
-def assert_stats_match_snapshot():
-    gc.collect()
-    stats, snap = M.memory_stats(DEV), M.memory_snapshot(DEV)
-    addresses = [s["address"] for s in snap]
-    assert addresses == sorted(addresses)
-    for pool, sums in snapshot_sums(snap).items():
-        for key, value in sums.items():
-            assert stats[f"{key}.{pool}.current"] == value, (key, pool)
-    for key in ("segment", "reserved_bytes", "allocation", "allocated_bytes", "inactive_split_bytes"):
-        assert stats[f"{key}.all.current"] == stats[f"{key}.large_pool.current"] + stats[f"{key}.small_pool.current"]
-    M._validate(DEV)
-
-
 def test_statistics_equal_the_snapshot_through_a_model_lifetime():
     gc.collect()
     base = M.memory_allocated(DEV)
-    assert_stats_match_snapshot()
+    assert_stats_match_snapshot(DEV)
     model = cmlp.MLP([784, 512, 256, 10], seed=0)
     opt = cmlp.optim.Adam(model)
-    assert_stats_match_snapshot()
+    assert_stats_match_snapshot(DEV)
     rng = np.random.default_rng(0)
     x, y = rng.random((300, 784), dtype=np.float32), rng.integers(0, 10, 300)
     trainer = cmlp.Trainer(model, opt, batch_size=64)
     trainer.fit(x, y, epochs=1, progress=False)
-    assert_stats_match_snapshot()
+    assert_stats_match_snapshot(DEV)
     del trainer, opt, model
     gc.collect()
     assert M.memory_allocated(DEV) == base
-    assert_stats_match_snapshot()
+    assert_stats_match_snapshot(DEV)
 
 
 def test_freed_blocks_are_cached_and_reused_without_a_device_call():
@@ -109,7 +78,7 @@ def test_pools_and_segment_sizes():
     assert d("segment.large_pool.current") == 2
     for p in (small, large, huge):
         M.caching_allocator_delete(p)
-    assert_stats_match_snapshot()
+    assert_stats_match_snapshot(DEV)
 
 
 def test_empty_cache_keeps_only_segments_in_use():
@@ -133,7 +102,7 @@ def test_empty_cache_keeps_only_segments_in_use():
     M.caching_allocator_delete(keep)
     M.empty_cache(DEV)
     assert M.memory_reserved(DEV) == base_reserved
-    assert_stats_match_snapshot()
+    assert_stats_match_snapshot(DEV)
 
 
 def test_limit_gives_a_detailed_out_of_memory_error_and_the_allocator_recovers():
@@ -156,7 +125,7 @@ def test_limit_gives_a_detailed_out_of_memory_error_and_the_allocator_recovers()
     M.set_memory_limit(None, DEV)
     model = cmlp.MLP([4096, 1024, 10])
     del model
-    assert_stats_match_snapshot()
+    assert_stats_match_snapshot(DEV)
 
 
 def test_fault_hook_drives_the_retry_ladder():
@@ -172,7 +141,7 @@ def test_fault_hook_drives_the_retry_ladder():
     assert after["num_device_free"] == before["num_device_free"] + 1  # the cache was released first
     assert after["num_raw_alloc_calls"] == before["num_raw_alloc_calls"] + 2
     M.caching_allocator_delete(p)
-    assert_stats_match_snapshot()
+    assert_stats_match_snapshot(DEV)
 
 
 def test_configure_round_trips_and_resets_other_keys():
@@ -254,7 +223,7 @@ def test_training_under_each_setting_is_identical_and_consistent(conf):
     model = cmlp.MLP([784, 128, 10], seed=3)
     cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=64, shuffle=False).fit(x, y, epochs=1, progress=False)
     w = model.state_dict()["fc1.weight"]
-    assert_stats_match_snapshot()
+    assert_stats_match_snapshot(DEV)
     del model
     M.configure("")
     M.set_memory_limit(None, DEV)
@@ -277,7 +246,7 @@ def test_expandable_segments_grow_one_segment_and_release_its_tail():
         M.caching_allocator_delete(p)
     M.empty_cache(DEV)
     assert M.memory_stats(DEV)["reserved_bytes.large_pool.current"] <= before["reserved_bytes.large_pool.current"]
-    assert_stats_match_snapshot()
+    assert_stats_match_snapshot(DEV)
 
 
 def test_summary_reports_fragmentation_and_largest_free_block():

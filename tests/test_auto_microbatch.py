@@ -5,12 +5,17 @@ limit and by the allocator's fault hook, from a clean allocator state so that ev
 really asks the device for memory.
 """
 import gc
+import os
+import sys
 import warnings
 
 import numpy as np
 import pytest
 
 import cmlp
+
+sys.path.insert(0, os.path.dirname(__file__))
+from checks import same  # noqa: E402
 
 M = cmlp.memory
 DEV = "cpu"
@@ -42,17 +47,6 @@ def data(layers, n, seed=0):
 def rel_err(got, want):
     assert got.keys() == want.keys()
     return max(float(np.linalg.norm(got[k] - want[k]) / np.linalg.norm(want[k])) for k in want)
-
-
-def same(a, b):
-    """Deep equality of state dicts: arrays bitwise, containers recursively."""
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return np.array_equal(np.asarray(a), np.asarray(b))
-    return a == b
 
 
 def state(trainer):

@@ -48,6 +48,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+from checks import assert_stats_match_snapshot, same  # noqa: E402
 from reference import RefMLP, draw_batch, rel_err  # noqa: E402
 
 import cmlp  # noqa: E402
@@ -134,17 +135,6 @@ def assert_dicts_close(got, want, tol, what, elementwise=True):
 def assert_loss_close(got, want, tol, what="loss"):
     assert isinstance(got, float), what
     assert abs(got - want) <= tol * abs(want) + 1e-7, f"{what}: {got!r} vs {want!r}"
-
-
-def same(a, b):
-    """Deep bitwise equality of state dicts (arrays bitwise, containers recursively)."""
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return np.array_equal(np.asarray(a), np.asarray(b))
-    return a == b
 
 
 def pair(sizes, seed=0):
@@ -668,59 +658,24 @@ def test_accumulation_equals_one_big_batch_on_the_gpu():
 
 # ---------------------------------------------------------------- memory on the GPU
 
-def snapshot_sums(snap):
-    """Per pool: segments, reserved, allocations, allocated, requested, inactive split blocks/bytes
-    (tests/test_allocator.py's helper)."""
-    out = {p: dict.fromkeys(["segment", "reserved_bytes", "allocation", "allocated_bytes", "requested_bytes",
-                             "inactive_split", "inactive_split_bytes"], 0) for p in ("large_pool", "small_pool")}
-    for seg in snap:
-        s = out["small_pool" if seg["segment_type"] == "small" else "large_pool"]
-        s["segment"] += 1
-        s["reserved_bytes"] += seg["total_size"]
-        assert seg["total_size"] == sum(b["size"] for b in seg["blocks"])
-        split = len(seg["blocks"]) > 1
-        for b in seg["blocks"]:
-            if b["state"] == "active_allocated":
-                s["allocation"] += 1
-                s["allocated_bytes"] += b["size"]
-                s["requested_bytes"] += b["requested_size"]
-            elif split:
-                s["inactive_split"] += 1
-                s["inactive_split_bytes"] += b["size"]
-    return out
-
-
-def assert_stats_match_snapshot(device=CUDA):
-    gc.collect()
-    stats, snap = M.memory_stats(device), M.memory_snapshot(device)
-    addresses = [s["address"] for s in snap]
-    assert addresses == sorted(addresses)
-    for pool, sums in snapshot_sums(snap).items():
-        for key, value in sums.items():
-            assert stats[f"{key}.{pool}.current"] == value, (key, pool)
-    for key in ("segment", "reserved_bytes", "allocation", "allocated_bytes", "inactive_split_bytes"):
-        assert stats[f"{key}.all.current"] == stats[f"{key}.large_pool.current"] + stats[f"{key}.small_pool.current"]
-    M._validate(device)
-
-
 @needs_gpu
 @pytest.mark.parametrize("amp", [None, "fp16"])
 def test_statistics_equal_the_snapshot_through_a_model_lifetime(amp):
     gc.collect()
     base = M.memory_allocated(CUDA)
-    assert_stats_match_snapshot()
+    assert_stats_match_snapshot(CUDA)
     model = cmlp.MLP([784, 512, 256, 10], device=CUDA, seed=0)
     opt = cmlp.optim.Adam(model)
     assert M.memory_allocated(CUDA) >= base + 2 * 4 * model.num_parameters(), "parameters and gradients"
-    assert_stats_match_snapshot()
+    assert_stats_match_snapshot(CUDA)
     x, y = teacher_data(300, seed=5)
     trainer = cmlp.Trainer(model, opt, batch_size=64, amp=amp)
     trainer.fit(x, y, epochs=1, progress=False)
-    assert_stats_match_snapshot()
+    assert_stats_match_snapshot(CUDA)
     del trainer, opt, model
     gc.collect()
     assert M.memory_allocated(CUDA) == base
-    assert_stats_match_snapshot()
+    assert_stats_match_snapshot(CUDA)
 
 
 @needs_gpu
@@ -733,7 +688,7 @@ def test_caching_allocator_on_the_gpu_reuses_blocks_without_a_device_call():
     assert q == p
     assert after["num_device_alloc"] == before["num_device_alloc"]
     M.caching_allocator_delete(q)
-    assert_stats_match_snapshot()
+    assert_stats_match_snapshot(CUDA)
 
 
 @needs_gpu
@@ -756,7 +711,7 @@ def test_out_of_memory_under_a_limit_is_detailed_and_the_gpu_keeps_working():
         assert s["num_ooms"] == ooms + 1
         assert M.memory_allocated(CUDA) == base, "a failed model creation must free what it took"
         assert M.memory_reserved(CUDA) <= limit
-        assert_stats_match_snapshot()
+        assert_stats_match_snapshot(CUDA)
     finally:
         M.set_memory_limit(None, CUDA)
     # the device keeps working: the same model now fits, and a small one trains like the CPU's
@@ -772,7 +727,7 @@ def test_out_of_memory_under_a_limit_is_detailed_and_the_gpu_keeps_working():
             m.forward_backward(x, y)
             opt.step()
     assert_dicts_close(gpu.state_dict(), cpu.state_dict(), TOL, "after the OOM", elementwise=False)
-    assert_stats_match_snapshot()
+    assert_stats_match_snapshot(CUDA)
 
 
 @needs_gpu
@@ -787,7 +742,7 @@ def test_a_request_larger_than_the_device_is_out_of_memory_and_harmless():
     _, x, y = margin_batch([7, 33, 1, 4], 257)
     assert_loss_close(gpu.forward_backward(x, y), cpu.forward_backward(x, y), TOL)
     assert_dicts_close(gpu.grads(), cpu.grads(), TOL, "after a failed device allocation")
-    assert_stats_match_snapshot()
+    assert_stats_match_snapshot(CUDA)
 
 
 @needs_gpu
@@ -823,7 +778,7 @@ def test_auto_microbatch_under_a_limit_on_the_gpu():
     assert runs[False][1]["microbatch_size"] == batch and runs[False][2] == []
     assert_dicts_close(weights, runs[False][0], TOL, "micro-batched vs whole batch", elementwise=False)
     assert h["loss"] == pytest.approx(runs[False][1]["loss"], rel=1e-5)
-    assert_stats_match_snapshot()
+    assert_stats_match_snapshot(CUDA)
 
 
 @needs_gpu
@@ -834,7 +789,7 @@ def test_expandable_segments_on_the_gpu_train_identically_and_give_pages_back():
         model = cmlp.MLP([784, 512, 256, 10], device=CUDA, seed=0)
         cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=128, shuffle=False).fit(x, y, epochs=1,
                                                                                        progress=False)
-        assert_stats_match_snapshot()
+        assert_stats_match_snapshot(CUDA)
         return model.state_dict(), any(seg["expandable"] for seg in M.memory_snapshot(CUDA))
 
     plain, _ = run()
@@ -854,7 +809,7 @@ def test_expandable_segments_on_the_gpu_train_identically_and_give_pages_back():
     gc.collect()
     M.empty_cache(CUDA)
     assert M.memory_reserved(CUDA) <= before
-    assert_stats_match_snapshot()
+    assert_stats_match_snapshot(CUDA)
 
 
 @needs_gpu
