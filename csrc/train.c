@@ -274,7 +274,8 @@ static cmlp_status robust_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_da
     const int64_t micro_before = t->micro;
     const cmlp_backend_i *b = t->model->dev->backend;
     void *ctx = t->model->dev->bctx;
-    CMLP_TRY(b->copy_d2d(ctx, &ds->loss_mark, &ds->loss, sizeof ds->loss));
+    if (t->cfg.auto_microbatch) /* only a retry takes the loss back */
+        CMLP_TRY(b->copy_d2d(ctx, &ds->loss_mark, &ds->loss, sizeof ds->loss));
     for (;;) {
         cmlp_status st = effective_step(t, ds, xy, idx, start, n);
         if (st == CMLP_OK) {
@@ -285,6 +286,7 @@ static cmlp_status robust_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_da
             return CMLP_OK;
         }
         if (st != CMLP_ERR_OOM || !t->cfg.auto_microbatch) return st;
+        CMLP_TRY(b->copy_d2d(ctx, &ds->loss, &ds->loss_mark, sizeof ds->loss));
         cmlp_model_release_workspace(t->model);
         cmlp_allocator_empty_cache(t->model->dev->alloc);
         if (t->micro == 1) {

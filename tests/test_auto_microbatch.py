@@ -224,7 +224,7 @@ def test_an_oom_at_every_device_allocation_rolls_back_or_retries(amp):
     x, y = data(WIDE, WIDE_BATCH)
     trainer = fresh(WIDE, WIDE_BATCH, amp)
     r0, before = M.memory_reserved(DEV), raw_calls()
-    trainer.step(x, y)
+    want_loss = trainer.step(x, y)
     count, growth = raw_calls() - before, M.memory_reserved(DEV) - r0
     assert count >= 2 and growth % (2 * MIB) == 0
     want = trainer.model.state_dict()
@@ -238,10 +238,11 @@ def test_an_oom_at_every_device_allocation_rolls_back_or_retries(amp):
         model._c.release_workspace()
         s0, saved = M.memory_stats(DEV), state(trainer)
         M.set_memory_limit(s0["reserved_bytes.all.current"] + extra, DEV)
+        loss = None
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", cmlp.MemoryWarning)
-                trainer.step(x, y)
+                loss = trainer.step(x, y)
             error = None
         except cmlp.OutOfMemoryError as e:
             error = str(e)
@@ -254,12 +255,12 @@ def test_an_oom_at_every_device_allocation_rolls_back_or_retries(amp):
         kept = s1["requested_bytes.all.current"] - s0["requested_bytes.all.current"]
         if kept == 0:  # back at the baseline, to the byte
             assert s1["allocated_bytes.all.current"] == s0["allocated_bytes.all.current"]
-        return error, position, saved, kept
+        return error, position, saved, kept, loss
 
     # without auto_microbatch: every limit below what the step needs
     positions = {}
     for extra in range(0, growth, 2 * MIB):
-        error, position, saved, kept = attempt(extra, False)
+        error, position, saved, kept, _ = attempt(extra, False)
         where = f"limit +{extra >> 20} MiB, device allocation {position}"
         assert error is not None and "out of memory" in error, where
         assert same(state(trainer), saved), where
@@ -271,11 +272,12 @@ def test_an_oom_at_every_device_allocation_rolls_back_or_retries(amp):
     outcomes = []
     for extras in positions.values():
         for extra in sorted({extras[0], extras[-1]}):
-            error, position, saved, kept = attempt(extra, True)
+            error, position, saved, kept, loss = attempt(extra, True)
             where = f"limit +{extra >> 20} MiB"
             if error is None:
                 assert trainer.microbatch_size < WIDE_BATCH, where
                 assert rel_err(trainer.model.state_dict(), want) <= TOL, where
+                assert loss == pytest.approx(want_loss, rel=1e-5), where  # a failed attempt's loss is taken back
             else:
                 assert "1 sample" in error, (where, error)
                 assert same(state(trainer), saved), where
