@@ -19,7 +19,38 @@ build:
 
 C_TESTS := build/tests/test_core build/tests/test_alloc build/tests/test_half
 
-build/tests/%: tests/c/%.c tests/c/check.h $(CORE_SRC) $(CORE_HDR)
+# The CUDA kernels run on the CPU under tests/emu (needs the toolkit's headers, not a GPU).
+NVCC := $(shell command -v nvcc 2>/dev/null)
+CUDA_HOME ?= $(if $(NVCC),$(patsubst %/bin/nvcc,%,$(realpath $(NVCC))),/usr/local/cuda)
+CUDA_INC := $(CUDA_HOME)/include
+ifneq ($(wildcard $(CUDA_INC)/cuda_runtime.h),)
+C_TESTS += build/tests/test_kernels
+endif
+EMU_OBJ := $(patsubst kernels/%.cu,build/emu/%.o,$(wildcard kernels/*.cu)) build/emu/cuda_emu.o
+EMU_CXX := $(CXX) -std=c++17 -g -O1 $(SAN) $(WARN) -Wno-unknown-pragmas -DCMLP_EMU -isystem $(CUDA_INC)
+
+build/emu/common.cuh: kernels/common.cuh tests/emu/translate.py
+	@mkdir -p build/emu
+	$(PYTHON) tests/emu/translate.py $< $@
+
+build/emu/%.cpp: kernels/%.cu kernels/common.cuh tests/emu/translate.py
+	@mkdir -p build/emu
+	$(PYTHON) tests/emu/translate.py kernels/common.cuh $< $@
+
+build/emu/%.o: build/emu/%.cpp build/emu/common.cuh kernels/kernels.h tests/emu/cuda_emu.h
+	$(EMU_CXX) -include tests/emu/cuda_emu.h -Ikernels -c $< -o $@
+
+build/emu/cuda_emu.o: tests/emu/cuda_emu.cpp tests/emu/cuda_emu.h
+	@mkdir -p build/emu
+	$(EMU_CXX) -c $< -o $@
+
+build/tests/test_kernels: tests/c/test_kernels.c tests/c/check.h $(CORE_SRC) $(CORE_HDR) $(EMU_OBJ)
+	@mkdir -p build/tests
+	$(CC) -std=c11 -g -O1 $(SAN) $(WARN) $(DEFS) -fno-math-errno -Icsrc -Ikernels -isystem $(CUDA_INC) \
+	    -I$(BLAS_INC) $< $(CORE_SRC) $(EMU_OBJ) -o $@ -L$(BLAS_LIB) -lscipy_openblas -Wl,-rpath,$(BLAS_LIB) \
+	    -lstdc++ -lm -lpthread
+
+$(filter-out build/tests/test_kernels,$(C_TESTS)): build/tests/%: tests/c/%.c tests/c/check.h $(CORE_SRC) $(CORE_HDR)
 	@test -n "$(BLAS_INC)" || { echo "scipy-openblas32 is not installed for $(PYTHON): run scripts/setup.sh"; exit 1; }
 	@mkdir -p build/tests
 	$(CC) -std=c11 -g -O1 $(SAN) $(WARN) $(DEFS) -fno-math-errno -Icsrc -I$(BLAS_INC) \

@@ -26,6 +26,7 @@ __device__ __forceinline__ int64_t cmlp_nthreads() { return (int64_t)gridDim.x *
  * (no contraction into FMA). These helpers give the same results whatever nvcc's -ftz and
  * -fmad settings: each is one IEEE operation, round to nearest, subnormal inputs and results
  * flushed to a zero of the same sign, never fused with a neighbour. */
+#ifndef CMLP_EMU /* tests/emu/cuda_emu.h gives host versions */
 __device__ __forceinline__ float f_add(float a, float b) {
     float r;
     asm("add.rn.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
@@ -71,6 +72,7 @@ __device__ __forceinline__ float f_from_double(double a) {
     asm("cvt.rn.ftz.f32.f64 %0, %1;" : "=f"(r) : "d"(a));
     return r;
 }
+#endif /* CMLP_EMU */
 /* inf or NaN: the exponent bits all ones (the CPU backend's test). */
 __device__ __forceinline__ bool f_nonfinite(float a) {
     return (__float_as_uint(a) & 0x7F800000u) == 0x7F800000u;

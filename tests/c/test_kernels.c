@@ -1,0 +1,481 @@
+/* test_kernels.c - the CUDA kernels (the .cu files of kernels/), run on the CPU by tests/emu/cuda_emu.h,
+ * against the CPU backend: bit for bit where kernels.h promises the CPU's bits (elementwise
+ * ops, optimizers, casts, gathers, scalar updates), within stated tolerances where the order
+ * of a sum differs (bias gradients, the loss total). Buffers are malloc'd to their exact size
+ * and the kernels run under AddressSanitizer, so a read or write outside a tensor fails the
+ * run; offsets of 1..3 elements take the kernels through their unaligned paths.
+ *
+ * Inputs include subnormals, signed zeros, infinities and NaNs where an op must handle them.
+ */
+#include "backend.h"
+#include "half.h"
+#include "internal.h"
+#include "kernels.h"
+
+#include <float.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+
+static const cmlp_backend_i *cpu = &cmlp_backend_cpu;
+static const cudaStream_t S = 0;
+
+/* ---- inputs ---- */
+
+static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
+static uint64_t next_u64(void) {
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return rng_state;
+}
+static float uniform(float lo, float hi) { return lo + (hi - lo) * (float)((next_u64() >> 40) * 0x1p-24); }
+
+/* Mostly values in [-2, 2]; one in 16 is a special (subnormal, signed zero, tiny) when asked. */
+static void fill(float *x, int64_t n, int specials) {
+    static const float special[] = {0x1p-140f, -0x1p-135f, 0.0f, -0.0f, 0x1p-126f, -0x1.8p-127f, 1e-30f, 65504.0f};
+    for (int64_t i = 0; i < n; i++)
+        x[i] = specials && next_u64() % 16 == 0 ? special[next_u64() % 8] : uniform(-2.0f, 2.0f);
+}
+
+/* An exact-size buffer of n elements of `size` bytes, starting `off` elements into its block. */
+typedef struct {
+    char *block;
+    void *p;
+} buf;
+static buf make(int64_t n, size_t size, int off) {
+    buf b;
+    b.block = malloc((size_t)(n + off) * size + 1);
+    b.p = b.block + (size_t)off * size;
+    return b;
+}
+#define F(b) ((float *)(b).p)
+
+static int same_bits(const void *a, const void *b, size_t nbytes) { return memcmp(a, b, nbytes) == 0; }
+
+/* first index where float arrays differ bitwise, or -1 */
+static int64_t first_diff(const float *a, const float *b, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (memcmp(a + i, b + i, 4)) return i;
+    return -1;
+}
+
+/* The CPU backend runs under FTZ/DAZ inside the core; so does the reference here. */
+#define CPU_CALL(expr)                 \
+    do {                               \
+        cmlp_fpenv env_;               \
+        cmlp_fpenv_enter(&env_);       \
+        cmlp_status s_ = (expr);       \
+        cmlp_fpenv_leave(&env_);       \
+        CHECK(s_ == CMLP_OK, "%s", #expr); \
+    } while (0)
+
+#define KOK(expr) CHECK((expr) == cudaSuccess, "%s", #expr)
+
+static const int64_t COUNTS[] = {1, 2, 3, 4, 5, 7, 8, 9, 31, 255, 256, 257, 1029};
+#define NCOUNTS (int)(sizeof COUNTS / sizeof COUNTS[0])
+
+/* ---- bias_act.cu ---- */
+
+static void test_bias_act(void) {
+    static const int64_t R[] = {1, 2, 5, 33}, C[] = {1, 3, 4, 8, 10, 33, 512};
+    for (int ri = 0; ri < 4; ri++)
+        for (int ci = 0; ci < 7; ci++)
+            for (int off = 0; off < 2; off++)
+                for (int relu = 0; relu < 2; relu++) {
+                    int64_t rows = R[ri], cols = C[ci], n = rows * cols;
+                    buf y = make(n, 4, off), b = make(cols, 4, off), ref = make(n, 4, 0);
+                    fill(F(y), n, 1);
+                    fill(F(b), cols, 1);
+                    memcpy(F(ref), F(y), (size_t)n * 4);
+                    CPU_CALL(cpu->bias_act(NULL, F(ref), F(b), rows, cols, relu));
+                    KOK(cmlp_k_bias_act(F(y), F(b), rows, cols, relu, S));
+                    int64_t d = first_diff(F(y), F(ref), n);
+                    CHECK(d < 0, "bias_act %lldx%lld relu %d off %d: element %lld", (long long)rows, (long long)cols,
+                          relu, off, (long long)d);
+                    free(y.block), free(b.block), free(ref.block);
+                }
+}
+
+static void test_relu_backward(void) {
+    for (int i = 0; i < NCOUNTS; i++)
+        for (int off = 0; off < 4; off++) {
+            int64_t n = COUNTS[i];
+            buf dy = make(n, 4, off), h = make(n, 4, (off + i) % 4), ref = make(n, 4, 0);
+            fill(F(dy), n, 1);
+            fill(F(h), n, 1);
+            memcpy(F(ref), F(dy), (size_t)n * 4);
+            CPU_CALL(cpu->relu_backward(NULL, F(ref), F(h), n));
+            KOK(cmlp_k_relu_backward(F(dy), F(h), n, S));
+            CHECK(first_diff(F(dy), F(ref), n) < 0, "relu_backward n %lld off %d", (long long)n, off);
+            free(dy.block), free(h.block), free(ref.block);
+        }
+}
+
+/* Column sums: within 1e-6 of the column's sum of magnitudes (fp32 sums in another order),
+ * added to what db held, and the same bits on a second run. */
+static void check_bias_grad(const float *db, const float *db0, const double *sum, const double *mag, int64_t cols,
+                            const char *what, int64_t rows) {
+    int bad = -1;
+    for (int64_t c = 0; c < cols && bad < 0; c++)
+        if (fabs((double)db[c] - ((double)db0[c] + sum[c])) > 1e-6 * (mag[c] + fabs(db0[c])) + 1e-30) bad = (int)c;
+    CHECK(bad < 0, "%s %lldx%lld: column %d", what, (long long)rows, (long long)cols, bad);
+}
+
+static void test_bias_grad(void) {
+    static const int64_t R[] = {1, 2, 3, 31, 64, 1000}, C[] = {1, 2, 5, 32, 33, 100, 512};
+    for (int ri = 0; ri < 6; ri++)
+        for (int ci = 0; ci < 7; ci++)
+            for (int kind = 0; kind < 3; kind++) {
+                int64_t rows = R[ri], cols = C[ci], n = rows * cols;
+                buf dy = make(n, kind ? 2 : 4, 0), db = make(cols, 4, 0), db2 = make(cols, 4, 0),
+                    db0 = make(cols, 4, 0);
+                double *sum = calloc((size_t)cols, sizeof(double)), *mag = calloc((size_t)cols, sizeof(double));
+                float *vals = malloc((size_t)n * 4);
+                fill(vals, n, 0);
+                fill(F(db0), cols, 0);
+                if (kind == 1) cmlp_f32_to_f16(dy.p, vals, n), cmlp_f16_to_f32(vals, dy.p, n);
+                if (kind == 2) cmlp_f32_to_bf16(dy.p, vals, n), cmlp_bf16_to_f32(vals, dy.p, n);
+                if (kind == 0) memcpy(dy.p, vals, (size_t)n * 4);
+                for (int64_t r = 0; r < rows; r++)
+                    for (int64_t c = 0; c < cols; c++) {
+                        sum[c] += vals[r * cols + c];
+                        mag[c] += fabs(vals[r * cols + c]);
+                    }
+                memcpy(F(db), F(db0), (size_t)cols * 4);
+                memcpy(F(db2), F(db0), (size_t)cols * 4);
+                if (kind == 0) {
+                    KOK(cmlp_k_bias_grad(F(db), F(dy), rows, cols, S));
+                    KOK(cmlp_k_bias_grad(F(db2), F(dy), rows, cols, S));
+                    /* the CPU backend's own sums agree to the same tolerance */
+                    buf cdb = make(cols, 4, 0);
+                    memcpy(F(cdb), F(db0), (size_t)cols * 4);
+                    CPU_CALL(cpu->bias_grad(NULL, F(cdb), F(dy), rows, cols));
+                    check_bias_grad(F(cdb), F(db0), sum, mag, cols, "cpu bias_grad", rows);
+                    free(cdb.block);
+                } else {
+                    KOK(cmlp_k_bias_grad_half(F(db), dy.p, rows, cols, kind == 2, S));
+                    KOK(cmlp_k_bias_grad_half(F(db2), dy.p, rows, cols, kind == 2, S));
+                }
+                check_bias_grad(F(db), F(db0), sum, mag, cols, kind == 0 ? "bias_grad" : "bias_grad_half", rows);
+                CHECK(same_bits(F(db), F(db2), (size_t)cols * 4), "bias_grad %lldx%lld: not deterministic",
+                      (long long)rows, (long long)cols);
+                free(dy.block), free(db.block), free(db2.block), free(db0.block), free(sum), free(mag), free(vals);
+            }
+}
+
+static void test_relu_backward_half(void) {
+    for (int i = 0; i < NCOUNTS; i++)
+        for (int bf = 0; bf < 2; bf++) {
+            int64_t n = COUNTS[i];
+            buf dy = make(n, 2, i % 3), h = make(n, 2, i % 2);
+            uint16_t *ref = malloc((size_t)n * 2);
+            float *hf = malloc((size_t)n * 4);
+            for (int64_t k = 0; k < n; k++) {
+                ((uint16_t *)dy.p)[k] = ref[k] = (uint16_t)next_u64();
+                /* any bits, NaNs and subnormals included */
+                ((uint16_t *)h.p)[k] = (uint16_t)next_u64();
+            }
+            if (bf) cmlp_bf16_to_f32(hf, h.p, n);
+            else cmlp_f16_to_f32(hf, h.p, n);
+            for (int64_t k = 0; k < n; k++)
+                if (!(hf[k] > 0.0f)) ref[k] = 0;
+            KOK(cmlp_k_relu_backward_half(dy.p, h.p, n, bf, S));
+            CHECK(same_bits(dy.p, ref, (size_t)n * 2), "relu_backward_half n %lld bf16 %d", (long long)n, bf);
+            free(dy.block), free(h.block), free(ref), free(hf);
+        }
+}
+
+/* ---- loss.cu ---- */
+
+static void test_softmax_xent(void) {
+    static const int64_t R[] = {1, 2, 7, 8, 9, 33}, C[] = {1, 2, 5, 10, 31, 32, 33, 64, 65, 100, 128, 129, 300};
+    for (int ri = 0; ri < 6; ri++)
+        for (int ci = 0; ci < 13; ci++)
+            for (int mode = 0; mode < 4; mode++) {
+                /* mode 0: plain; 1: smoothing, device weight; 2: dlogits in place; 3: NaN and
+                 * ties in the logits, no gradient */
+                int64_t rows = R[ri], cols = C[ci], n = rows * cols;
+                float smoothing = mode == 1 ? 0.1f : 0.0f, gw = 0.25f, gwd = 0.0625f;
+                buf x = make(n, 4, 0), lab = make(rows, 4, 0), dl = make(n, 4, 0), cx = make(n, 4, 0),
+                    cdl = make(n, 4, 0);
+                for (int64_t k = 0; k < n; k++) F(x)[k] = uniform(-8.0f, 8.0f);
+                for (int64_t r = 0; r < rows; r++) ((int32_t *)lab.p)[r] = (int32_t)(next_u64() % (uint64_t)cols);
+                if (mode == 3)
+                    for (int64_t r = 0; r < rows; r++) {
+                        int64_t c = (int64_t)(next_u64() % (uint64_t)cols);
+                        if (r % 3 == 0) F(x)[r * cols + c] = NAN;
+                        if (r % 3 == 1) F(x)[r * cols] = NAN;
+                        if (r % 3 == 2) F(x)[r * cols + c] = F(x)[r * cols + (c + 1) % cols] = 9.0f;
+                    }
+                memcpy(F(cx), F(x), (size_t)n * 4);
+                double loss = 0.5, closs = 0.5;
+                unsigned long long hits = 3;
+                int64_t chits = 3;
+                float *d = mode == 2 ? F(x) : mode == 3 ? NULL : F(dl);
+                float *cd = mode == 2 ? F(cx) : mode == 3 ? NULL : F(cdl);
+                const float *wdev = mode == 1 ? &gwd : NULL;
+                KOK(cmlp_k_softmax_xent(F(x), lab.p, rows, cols, smoothing, gw, wdev, d, &loss, &hits, S));
+                CPU_CALL(cpu->softmax_xent(NULL, F(cx), lab.p, rows, cols, smoothing, gw, wdev, cd, &closs, &chits));
+                CHECK((int64_t)hits == chits, "xent %lldx%lld mode %d: hits %llu vs %lld", (long long)rows,
+                      (long long)cols, mode, hits, (long long)chits);
+                if (mode == 3) {
+                    CHECK(isnan(loss) == isnan(closs), "xent NaN rows: loss %g vs %g", loss, closs);
+                } else {
+                    CHECK(fabs(loss - closs) <= 1e-12 * fabs(closs), "xent %lldx%lld mode %d: loss %.17g vs %.17g",
+                          (long long)rows, (long long)cols, mode, loss, closs);
+                    /* p differs by an ulp at most (exp in double, rounded once, against expf) */
+                    float w = mode == 1 ? gwd : gw;
+                    int64_t bad = -1;
+                    for (int64_t k = 0; k < n && bad < 0; k++)
+                        if (!(fabsf(d[k] - cd[k]) <= 2.0f * FLT_EPSILON * w)) bad = k;
+                    CHECK(bad < 0, "xent %lldx%lld mode %d: dlogits[%lld] %.9g vs %.9g", (long long)rows,
+                          (long long)cols, mode, (long long)bad, bad < 0 ? 0.0 : d[bad], bad < 0 ? 0.0 : cd[bad]);
+                }
+                free(x.block), free(lab.block), free(dl.block), free(cx.block), free(cdl.block);
+            }
+    /* labels outside [0, cols): no read outside the row, no hit, and a finite loss */
+    int64_t rows = 4, cols = 10;
+    buf x = make(rows * cols, 4, 0), lab = make(rows, 4, 0), dl = make(rows * cols, 4, 0);
+    fill(F(x), rows * cols, 0);
+    int32_t bad[4] = {-1, 10, INT32_MAX, INT32_MIN};
+    memcpy(lab.p, bad, sizeof bad);
+    double loss = 0.0;
+    unsigned long long hits = 0;
+    KOK(cmlp_k_softmax_xent(F(x), lab.p, rows, cols, 0.0f, 1.0f, NULL, F(dl), &loss, &hits, S));
+    CHECK(hits == 0 && isfinite(loss), "xent with labels out of range: hits %llu loss %g", hits, loss);
+    KOK(cmlp_k_softmax_xent(F(x), lab.p, 0, cols, 0.0f, 1.0f, NULL, F(dl), &loss, &hits, S));
+    CHECK(cmlp_k_softmax_xent(F(x), lab.p, rows, 0, 0.0f, 1.0f, NULL, F(dl), &loss, &hits, S) == cudaErrorInvalidValue,
+          "xent with no columns");
+    free(x.block), free(lab.block), free(dl.block);
+}
+
+/* ---- data.cu ---- */
+
+static void test_gather(void) {
+    static const int64_t C[] = {1, 3, 4, 5, 8, 784};
+    const int64_t nsrc = 23;
+    for (int ci = 0; ci < 6; ci++)
+        for (int variant = 0; variant < 8; variant++) {
+            /* bit 0: index array; bit 1: device position; bit 2: misaligned destination */
+            int64_t cols = C[ci], rows = 9;
+            int use_idx = variant & 1, use_pos = variant >> 1 & 1, off = variant >> 2 & 1;
+            buf u8 = make(nsrc * cols, 1, 0), f32 = make(nsrc * cols, 4, 0), lab = make(nsrc, 4, 0);
+            buf idx = make(rows + 5, 8, 0), d = make(rows * cols, 4, off), cd = make(rows * cols, 4, 0);
+            buf dl = make(rows, 4, off), cdl = make(rows, 4, 0);
+            for (int64_t k = 0; k < nsrc * cols; k++) ((uint8_t *)u8.p)[k] = (uint8_t)next_u64();
+            fill(F(f32), nsrc * cols, 1);
+            for (int64_t k = 0; k < nsrc; k++) ((int32_t *)lab.p)[k] = (int32_t)(next_u64() % 1000);
+            for (int64_t k = 0; k < rows + 5; k++) ((int64_t *)idx.p)[k] = (int64_t)(next_u64() % (uint64_t)nsrc);
+            int64_t pos = 5, start = use_idx ? 0 : 3;
+            const int64_t *ip = use_idx ? idx.p : NULL, *pp = use_pos ? &pos : NULL;
+            /* the CPU gather takes no device position: move its start or index instead */
+            const int64_t *cip = use_idx ? (const int64_t *)idx.p + (use_pos ? pos : 0) : NULL;
+            int64_t cstart = start + (!use_idx && use_pos ? pos : 0);
+            float scale = 1.0f / (255.0f * 0.3f), shift = -0.1307f / 0.3f;
+
+            KOK(cmlp_k_gather_u8(F(d), u8.p, ip, start, pp, rows, cols, scale, shift, S));
+            CPU_CALL(cpu->gather_rows(NULL, F(cd), u8.p, CMLP_DTYPE_U8, cols, cip, cstart, NULL, rows, scale, shift));
+            CHECK(first_diff(F(d), F(cd), rows * cols) < 0, "gather_u8 cols %lld variant %d", (long long)cols,
+                  variant);
+            KOK(cmlp_k_gather_f32(F(d), F(f32), ip, start, pp, rows, cols, 1.0f, 0.0f, S));
+            CPU_CALL(cpu->gather_rows(NULL, F(cd), F(f32), CMLP_DTYPE_F32, cols, cip, cstart, NULL, rows, 1.0f, 0.0f));
+            CHECK(first_diff(F(d), F(cd), rows * cols) < 0, "gather_f32 cols %lld variant %d", (long long)cols,
+                  variant);
+            KOK(cmlp_k_gather_labels(dl.p, lab.p, ip, start, pp, rows, S));
+            CPU_CALL(cpu->gather_labels(NULL, cdl.p, lab.p, cip, cstart, NULL, rows));
+            CHECK(same_bits(dl.p, cdl.p, (size_t)rows * 4), "gather_labels variant %d", variant);
+            free(u8.block), free(f32.block), free(lab.block), free(idx.block), free(d.block), free(cd.block);
+            free(dl.block), free(cdl.block);
+        }
+    int64_t x = 40;
+    KOK(cmlp_k_add_i64(&x, 2, S));
+    CHECK(x == 42, "add_i64: %lld", (long long)x);
+}
+
+/* ---- optim.cu ---- */
+
+static void test_adam(void) {
+    for (int i = 0; i < NCOUNTS; i++)
+        for (int variant = 0; variant < 6; variant++) {
+            /* bit 0: weight decay; bit 1: coefficients on the device; variant 4, 5: found_inf */
+            int64_t n = COUNTS[i];
+            int off = variant % 4 == 3 ? 1 : 0;
+            buf p = make(n, 4, off), g = make(n, 4, off), m = make(n, 4, off), v = make(n, 4, off);
+            buf cp = make(n, 4, 0), cm = make(n, 4, 0), cv = make(n, 4, 0);
+            fill(F(p), n, 1), fill(F(g), n, 1), fill(F(m), n, 1);
+            for (int64_t k = 0; k < n; k++) F(v)[k] = uniform(0.0f, 1e-3f);
+            memcpy(F(cp), F(p), (size_t)n * 4), memcpy(F(cm), F(m), (size_t)n * 4), memcpy(F(cv), F(v), (size_t)n * 4);
+            float wd = variant & 1 ? 0.01f : 0.0f, coef[2] = {1.1e-3f, 0.3f};
+            float inf = variant >= 4 ? (variant == 4 ? 1.0f : 0.0f) : 0.0f;
+            const float *fi = variant >= 4 ? &inf : NULL, *cf = variant & 2 ? coef : NULL;
+            KOK(cmlp_k_adam(F(p), F(g), F(m), F(v), n, 1e-3f, 0.9f, 0.999f, 0.05f, 1e-8f, wd, fi, cf, S));
+            CPU_CALL(cpu->adam(NULL, F(cp), F(g), F(cm), F(cv), n, 1e-3f, 0.9f, 0.999f, 0.05f, 1e-8f, wd, fi, cf));
+            CHECK(first_diff(F(p), F(cp), n) < 0 && first_diff(F(m), F(cm), n) < 0 && first_diff(F(v), F(cv), n) < 0,
+                  "adam n %lld variant %d", (long long)n, variant);
+            free(p.block), free(g.block), free(m.block), free(v.block), free(cp.block), free(cm.block), free(cv.block);
+        }
+}
+
+static void test_sgd(void) {
+    for (int i = 0; i < NCOUNTS; i++)
+        for (int variant = 0; variant < 48; variant++) {
+            int64_t n = COUNTS[i];
+            float momentum = variant & 1 ? 0.9f : 0.0f, damp = variant & 2 ? 0.1f : 0.0f;
+            int nesterov = variant >> 2 & 1, first = variant >> 3 & 1, off = (variant >> 4) % 3;
+            float wd = variant % 3 ? 1e-2f : 0.0f;
+            int64_t step = variant % 5 == 0 ? 1 : 2;
+            const int64_t *sp = variant % 7 < 3 ? &step : NULL;
+            buf p = make(n, 4, off), g = make(n, 4, (off + variant) % 2), b = make(n, 4, off);
+            buf cp = make(n, 4, 0), cb = make(n, 4, 0);
+            fill(F(p), n, 1), fill(F(g), n, 1), fill(F(b), n, 1);
+            memcpy(F(cp), F(p), (size_t)n * 4), memcpy(F(cb), F(b), (size_t)n * 4);
+            KOK(cmlp_k_sgd(F(p), F(g), F(b), n, 0.05f, momentum, damp, nesterov, wd, first, NULL, sp, S));
+            CPU_CALL(cpu->sgd(NULL, F(cp), F(g), F(cb), n, 0.05f, momentum, damp, nesterov, wd, first, NULL, sp));
+            CHECK(first_diff(F(p), F(cp), n) < 0 && first_diff(F(b), F(cb), n) < 0, "sgd n %lld variant %d",
+                  (long long)n, variant);
+            float inf = 1.0f;
+            memcpy(F(cp), F(p), (size_t)n * 4);
+            KOK(cmlp_k_sgd(F(p), F(g), F(b), n, 0.05f, momentum, damp, nesterov, wd, first, &inf, sp, S));
+            CHECK(first_diff(F(p), F(cp), n) < 0, "sgd with found_inf changed the parameters");
+            free(p.block), free(g.block), free(b.block), free(cp.block), free(cb.block);
+        }
+    /* momentum 0 never touches the buffer, which may be NULL */
+    float p[5] = {1, 2, 3, 4, 5}, g[5] = {1, 1, 1, 1, 1};
+    KOK(cmlp_k_sgd(p, g, NULL, 5, 0.5f, 0.0f, 0.0f, 0, 0.0f, 0, NULL, NULL, S));
+    CHECK(p[0] == 0.5f && p[4] == 4.5f, "sgd without momentum: %g %g", p[0], p[4]);
+}
+
+static void test_optim_prepare(void) {
+    for (int adam = 0; adam < 2; adam++)
+        for (int k = 0; k < 3; k++) {
+            int64_t step = k == 2 ? 12345 : k, cstep = step;
+            float coef[2] = {-1, -1}, ccoef[2] = {-1, -1}, inf = 0.0f;
+            KOK(cmlp_k_optim_prepare(&step, coef, &inf, 3e-4, 0.9, 0.999, adam, S));
+            CPU_CALL(cpu->optim_prepare(NULL, &cstep, ccoef, &inf, 3e-4, 0.9, 0.999, adam));
+            CHECK(step == cstep && same_bits(coef, ccoef, sizeof coef), "optim_prepare adam %d step %lld", adam,
+                  (long long)step);
+            inf = 1.0f;
+            KOK(cmlp_k_optim_prepare(&step, coef, &inf, 3e-4, 0.9, 0.999, adam, S));
+            CHECK(step == cstep, "optim_prepare counted a skipped step");
+        }
+}
+
+/* ---- amp.cu ---- */
+
+static void test_casts(void) {
+    /* every half bit pattern, both formats, and back */
+    const int64_t n = 65536;
+    for (int bf = 0; bf < 2; bf++)
+        for (int off = 0; off < 2; off++) {
+            buf h = make(n, 2, off), f = make(n, 4, off ? 0 : 1), cf = make(n, 4, 0), h2 = make(n, 2, 0),
+                ch2 = make(n, 2, 0);
+            for (int64_t k = 0; k < n; k++) ((uint16_t *)h.p)[k] = (uint16_t)k;
+            KOK(cmlp_k_from_half(F(f), h.p, n, bf, S));
+            CPU_CALL(cpu->from_half(NULL, F(cf), h.p, n, bf ? CMLP_DTYPE_BF16 : CMLP_DTYPE_F16));
+            int64_t bad = -1;
+            for (int64_t k = 0; k < n && bad < 0; k++)
+                if (!(isnan(F(f)[k]) ? isnan(F(cf)[k]) : same_bits(F(f) + k, F(cf) + k, 4))) bad = k;
+            CHECK(bad < 0, "from_half bf16 %d: pattern %lld", bf, (long long)bad);
+            KOK(cmlp_k_to_half(h2.p, F(f), n, bf, S));
+            CPU_CALL(cpu->to_half(NULL, ch2.p, F(cf), n, bf ? CMLP_DTYPE_BF16 : CMLP_DTYPE_F16));
+            bad = -1;
+            for (int64_t k = 0; k < n && bad < 0; k++) {
+                uint16_t a = ((uint16_t *)h2.p)[k], c = ((uint16_t *)ch2.p)[k];
+                if (!(isnan(F(f)[k]) ? a != 0 : a == c)) bad = k; /* NaNs stay NaN, payload aside */
+            }
+            CHECK(bad < 0, "to_half round trip bf16 %d: pattern %lld", bf, (long long)bad);
+            free(h.block), free(f.block), free(cf.block), free(h2.block), free(ch2.block);
+        }
+    /* float values that round: ties, overflow, the subnormal range of each format */
+    for (int bf = 0; bf < 2; bf++)
+        for (int i = 0; i < NCOUNTS; i++) {
+            int64_t n = COUNTS[i] * 7;
+            buf f = make(n, 4, i % 4), h = make(n, 2, i % 3), ch = make(n, 2, 0);
+            for (int64_t k = 0; k < n; k++) {
+                uint32_t bits = (uint32_t)next_u64();
+                if (k % 3 == 0) bits = (bits & 0x807FFFFFu) | (uint32_t)(100 + k % 60) << 23; /* near the ranges */
+                if (k % 5 == 0) bits = (bits & 0xFFFF0000u) | 0x8000u;                        /* a bf16 tie */
+                if (k % 11 == 0) bits = (bits & 0xFFFFE000u) | 0x1000u;                       /* an fp16 tie */
+                memcpy(F(f) + k, &bits, 4);
+            }
+            KOK(cmlp_k_to_half(h.p, F(f), n, bf, S));
+            CPU_CALL(cpu->to_half(NULL, ch.p, F(f), n, bf ? CMLP_DTYPE_BF16 : CMLP_DTYPE_F16));
+            int64_t bad = -1;
+            for (int64_t k = 0; k < n && bad < 0; k++) {
+                uint16_t a = ((uint16_t *)h.p)[k], c = ((uint16_t *)ch.p)[k];
+                if (!(isnan(F(f)[k]) ? a != 0 : a == c)) bad = k;
+            }
+            CHECK(bad < 0, "to_half bf16 %d n %lld: element %lld", bf, (long long)n, (long long)bad);
+            free(f.block), free(h.block), free(ch.block);
+        }
+}
+
+static void test_unscale(void) {
+    for (int i = 0; i < NCOUNTS; i++)
+        for (int variant = 0; variant < 8; variant++) {
+            /* bit 0: scale on the device; bit 1: a non-finite value (bit 2: in the last element) */
+            int64_t n = COUNTS[i];
+            buf g = make(n, 4, (i + variant) % 4), cg = make(n, 4, 0);
+            fill(F(g), n, 1);
+            if (variant & 2) F(g)[variant & 4 ? n - 1 : (int64_t)(next_u64() % (uint64_t)n)] = variant & 1 ? INFINITY : NAN;
+            if (variant == 4) F(g)[n - 1] = 3e38f; /* finite, but not once multiplied by 4 */
+            memcpy(F(cg), F(g), (size_t)n * 4);
+            float scale = 0.25f, inv = 4.0f, fi = 0.0f, cfi = 0.0f;
+            const float *sp = variant & 1 ? &scale : NULL;
+            KOK(cmlp_k_unscale(F(g), n, inv, sp, &fi, S));
+            CPU_CALL(cpu->unscale(NULL, F(cg), n, inv, sp, &cfi));
+            int64_t bad = -1;
+            for (int64_t k = 0; k < n && bad < 0; k++)
+                if (!(isnan(F(g)[k]) ? isnan(F(cg)[k]) : same_bits(F(g) + k, F(cg) + k, 4))) bad = k;
+            CHECK(bad < 0 && fi == cfi, "unscale n %lld variant %d: element %lld, found_inf %g vs %g", (long long)n,
+                  variant, (long long)bad, fi, cfi);
+            free(g.block), free(cg.block);
+        }
+}
+
+static void test_scale_update(void) {
+    float scale = 65536.0f, cscale = scale;
+    int32_t tr = 0, ctr = 0;
+    long long skipped = 0;
+    int64_t cskipped = 0;
+    for (int k = 0; k < 300; k++) {
+        float fi = k % 37 == 5 ? 1.0f : 0.0f;
+        if (k == 200) scale = cscale = 3e38f; /* growth would overflow: kept */
+        KOK(cmlp_k_scale_update(&scale, &tr, &fi, 2.0, 0.5, 7, &skipped, S));
+        CPU_CALL(cpu->scale_update(NULL, &cscale, &ctr, &fi, 2.0, 0.5, 7, &cskipped));
+        CHECK(same_bits(&scale, &cscale, 4) && tr == ctr && skipped == (long long)cskipped,
+              "scale_update step %d: %g/%d vs %g/%d", k, scale, tr, cscale, ctr);
+    }
+    float w = 0, cw = 0, s = 1024.0f;
+    KOK(cmlp_k_grad_weight(&w, &s, 96.0, S));
+    CPU_CALL(cpu->grad_weight(NULL, &cw, &s, 96.0));
+    CHECK(same_bits(&w, &cw, 4), "grad_weight %g vs %g", w, cw);
+}
+
+static void test_bad_counts(void) {
+    float x = 0;
+    CHECK(cmlp_k_relu_backward(&x, &x, -1, S) == cudaErrorInvalidValue, "negative count");
+    CHECK(cmlp_k_bias_act(&x, &x, -1, 1, 0, S) == cudaErrorInvalidValue, "negative rows");
+    KOK(cmlp_k_adam(&x, &x, &x, &x, 0, 0, 0, 0, 1, 1, 0, NULL, NULL, S));
+    KOK(cmlp_k_bias_grad(&x, &x, 0, 5, S));
+}
+
+int main(void) {
+    test_bias_act();
+    test_relu_backward();
+    test_bias_grad();
+    test_relu_backward_half();
+    test_softmax_xent();
+    test_gather();
+    test_adam();
+    test_sgd();
+    test_optim_prepare();
+    test_casts();
+    test_unscale();
+    test_scale_update();
+    test_bad_counts();
+    return check_summary();
+}
