@@ -35,6 +35,7 @@ struct cmlp_allocator {
     uint64_t config_gen;
     cmlp_alloc_settings cfg;
     bool pytorch_ladder; /* benchmarks only: no second cache search after releasing */
+    cmlp_status device_error; /* a device call failed for a reason other than memory (recorded) */
 };
 
 /* ---- statistics ---- */
@@ -214,6 +215,13 @@ static void pool_return(cmlp_allocator *a, alloc_block *b) {
 
 /* ---- raw memory ---- */
 
+/* A device call's status: true when it succeeded. Out of memory is the ladder's to handle;
+ * any other failure (recorded by the backend) ends the request with that error. */
+static bool device_ok(cmlp_allocator *a, cmlp_status st) {
+    if (st != CMLP_OK && st != CMLP_ERR_OOM && a->device_error == CMLP_OK) a->device_error = st;
+    return st == CMLP_OK;
+}
+
 static bool hook_fires(cmlp_allocator *a) {
     a->stats.num_raw_alloc_calls++;
     return a->fail_in > 0 && --a->fail_in == 0;
@@ -247,7 +255,7 @@ static alloc_block *new_segment(cmlp_allocator *a, int pool, size_t size) {
     if (a->limit >= 0 && reserved(a) + (int64_t)seg_size > a->limit) return NULL;
     if (hook_fires(a)) return NULL;
     void *p = NULL;
-    if (a->backend->raw_alloc(a->bctx, seg_size, &p) != CMLP_OK || !p) return NULL;
+    if (!device_ok(a, a->backend->raw_alloc(a->bctx, seg_size, &p)) || !p) return NULL;
     alloc_segment *s = segment_new(a, p, seg_size, seg_size, pool, false);
     alloc_block *b = s ? calloc(1, sizeof *b) : NULL;
     if (!b) {
@@ -275,7 +283,8 @@ static bool map_pages(cmlp_allocator *a, alloc_segment *s, size_t i, size_t j) {
         }
         size_t k = i;
         while (k < j && !pg_on(s, k)) k++;
-        if (hook_fires(a) || a->backend->vm_map(a->bctx, s->base + i * PAGE, (k - i) * PAGE) != CMLP_OK) return false;
+        if (hook_fires(a) || !device_ok(a, a->backend->vm_map(a->bctx, s->base + i * PAGE, (k - i) * PAGE)))
+            return false;
         a->stats.num_device_alloc++;
         int64_t runs = 1 - (i > 0 && pg_on(s, i - 1)) - pg_on(s, k);
         for (size_t g = i; g < k; g++) s->map[g >> 6] |= (uint64_t)1 << (g & 63);
@@ -358,7 +367,7 @@ static bool new_expandable(cmlp_allocator *a, int pool) {
     const cmlp_backend_i *be = a->backend;
     size_t vsize = ((size_t)a->total_memory + PAGE - 1) / PAGE * PAGE;
     void *base = NULL;
-    if (vsize == 0 || be->vm_reserve(a->bctx, vsize, &base) != CMLP_OK) return false;
+    if (vsize == 0 || !device_ok(a, be->vm_reserve(a->bctx, vsize, &base))) return false;
     size_t npages = vsize / PAGE;
     uint64_t *map = calloc((npages + 63) / 64, sizeof *map);
     alloc_block *b = map ? calloc(1, sizeof *b) : NULL;
@@ -539,18 +548,20 @@ static cmlp_status allocate(cmlp_allocator *a, size_t nbytes, void **out) {
     size_t size = alloc_round_size(&a->cfg, nbytes);
     int pool = size <= K_SMALL_SIZE ? POOL_SMALL : POOL_LARGE;
     if (!table_reserve(a)) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory for the allocator's block table");
+    a->device_error = CMLP_OK;
     alloc_block *b = cached_block(a, pool, size);
-    if (!b) b = new_memory(a, pool, size);
-    if (!b && release_oversize(a, size)) {
+    if (!b && !a->device_error) b = new_memory(a, pool, size);
+    if (!b && !a->device_error && release_oversize(a, size)) {
         if (!a->pytorch_ladder) b = cached_block(a, pool, size);
-        if (!b) b = new_memory(a, pool, size);
+        if (!b && !a->device_error) b = new_memory(a, pool, size);
     }
-    if (!b) {
+    if (!b && !a->device_error) {
         a->stats.num_alloc_retries++;
         release_cached(a);
         if (!a->pytorch_ladder) b = cached_block(a, pool, size);
-        if (!b) b = new_memory(a, pool, size);
+        if (!b && !a->device_error) b = new_memory(a, pool, size);
     }
+    if (!b && a->device_error) return a->device_error; /* the backend said why */
     if (!b) return oom(a, nbytes, size);
     if (should_split(a, b, size)) {
         alloc_block *rest = calloc(1, sizeof *rest);

@@ -24,7 +24,8 @@ typedef struct cmlp_backend_i {
     void (*set_workspace)(void *ctx, void *d_ptr, size_t nbytes);
 
     /* Raw memory, called only by the allocator. raw_alloc returns CMLP_ERR_OOM when the device
-     * has no memory left, with nothing recorded in the error buffer. */
+     * has no memory left, with nothing recorded in the error buffer; any other failure is
+     * recorded and ends the allocation with that status (no cache is released for it). */
     cmlp_status (*raw_alloc)(void *ctx, size_t nbytes, void **out);
     void (*raw_free)(void *ctx, void *ptr, size_t nbytes);
 
@@ -134,8 +135,10 @@ typedef struct cmlp_backend_i {
 
     /* Graphs (NULL where the device has none): the work queued between capture_begin and
      * capture_end is recorded, not run, and becomes a graph that graph_launch replays with the
-     * same arguments. Nothing may allocate or wait for the device while capturing. On an error
-     * capture_end discards what was captured. */
+     * same arguments. Nothing may allocate or wait for the device while capturing: such calls
+     * fail with CMLP_ERR_DEVICE, and memory given back meanwhile is given back when the capture
+     * ends. Capture is per thread: other threads' work runs as usual. On an error capture_end
+     * discards what was captured. */
     cmlp_status (*capture_begin)(void *ctx);
     cmlp_status (*capture_end)(void *ctx, void **graph);
     cmlp_status (*graph_launch)(void *ctx, void *graph);

@@ -33,9 +33,11 @@ static cmlp_error_fn record_error;
 #define LT_TRY(call)                                                                                           \
     do {                                                                                                       \
         cublasStatus_t s_ = (call);                                                                            \
-        if (s_ != CUBLAS_STATUS_SUCCESS)                                                                       \
+        if (s_ != CUBLAS_STATUS_SUCCESS) {                                                                     \
+            (void)cudaGetLastError(); /* a failed launch inside cuBLASLt is not the next kernel's error */     \
             return record_error(CMLP_ERR_DEVICE, __FILE__, __LINE__, "%s failed: %s (%s)", #call,             \
                                 cublasLtGetStatusString(s_), cublasLtGetStatusName(s_));                       \
+        }                                                                                                      \
     } while (0)
 
 static cmlp_status cuda_fail(cudaError_t e, const char *what, const char *file, int line) {
@@ -141,7 +143,6 @@ typedef struct {
     int h_stage_next;
     bool vm_ok;
     bool sync_each;
-    bool capturing;       /* work is being recorded into a graph: nothing may wait for the device */
     int tf32;
     gemm_plan plans[NPLANS];
     int next_plan;
@@ -149,9 +150,50 @@ typedef struct {
 
 #define GEMM_WORKSPACE ((size_t)8 << 20)
 
+/* ---- graph capture ----
+ * A thread captures on a stream of its own (made for the capture), so that other threads'
+ * work on the device's stream is neither recorded into its graph nor able to break the
+ * capture; the graph is then launched on the device's stream, after the work queued there.
+ * While capturing, the thread's work goes to that stream, nothing may allocate or wait for
+ * the device (refused with an error), and memory given back is given back after the capture. */
+typedef struct {
+    int kind; /* 0: raw_free, 1: vm_unmap, 2: vm_release */
+    void *ptr;
+    size_t nbytes;
+} deferred_op;
+
+static __thread cuda_ctx *cap_ctx; /* the context this thread is capturing on, if any */
+static __thread cudaStream_t cap_stream;
+static __thread deferred_op *deferred;
+static __thread int ndeferred, cap_deferred;
+
+static bool capturing(const cuda_ctx *c) { return cap_ctx == c; }
+static cudaStream_t stream_of(const cuda_ctx *c) { return cap_ctx == c ? cap_stream : c->stream; }
+
+#define REFUSE_WHILE_CAPTURING(c, what)                                                                       \
+    do {                                                                                                       \
+        if (capturing(c))                                                                                      \
+            return FAIL(CMLP_ERR_DEVICE, "%s on cuda:%d while a training step is being captured as a graph",  \
+                        (what), (c)->index);                                                                   \
+    } while (0)
+
+/* Memory given back during a capture: kept until the capture ends (false: no room to note it). */
+static bool defer(int kind, void *ptr, size_t nbytes) {
+    if (ndeferred == cap_deferred) {
+        int cap = cap_deferred ? 2 * cap_deferred : 16;
+        deferred_op *d = realloc(deferred, (size_t)cap * sizeof *d);
+        if (!d) return false;
+        deferred = d;
+        cap_deferred = cap;
+    }
+    deferred[ndeferred++] = (deferred_op){kind, ptr, nbytes};
+    return true;
+}
+
 static cmlp_status use(cuda_ctx *c) {
     int cur = -1;
-    if (cudaGetDevice(&cur) != cudaSuccess || cur != c->index) CU_TRY(cudaSetDevice(c->index));
+    if (cudaGetDevice(&cur) != cudaSuccess) (void)cudaGetLastError();
+    if (cur != c->index) CU_TRY(cudaSetDevice(c->index));
     return CMLP_OK;
 }
 
@@ -164,7 +206,7 @@ static cmlp_status use(cuda_ctx *c) {
 /* After enqueuing work: the launch error, or with CMLP_CUDA_SYNC=1 the execution error too. */
 static cmlp_status done(cuda_ctx *c, cudaError_t launch, const char *what) {
     if (launch != cudaSuccess) return cuda_fail(launch, what, __FILE__, __LINE__);
-    if (c->sync_each && !c->capturing) {
+    if (c->sync_each && !capturing(c)) {
         cudaError_t e = cudaStreamSynchronize(c->stream);
         if (e != cudaSuccess) return cuda_fail(e, what, __FILE__, __LINE__);
     }
@@ -241,17 +283,20 @@ static void cu_set_workspace(void *ctx, void *d_ptr, size_t nbytes) {
 
 static cmlp_status cu_raw_alloc(void *ctx, size_t nbytes, void **out) {
     cuda_ctx *c = ctx;
+    *out = NULL;
+    REFUSE_WHILE_CAPTURING(c, "allocating device memory");
     CMLP_TRY_USE(c);
     cudaError_t e = cudaMalloc(out, nbytes);
     if (e == cudaSuccess) return CMLP_OK;
-    (void)cudaGetLastError();
     *out = NULL;
+    if (e != cudaErrorMemoryAllocation) return cuda_fail(e, "cudaMalloc", __FILE__, __LINE__);
+    (void)cudaGetLastError();
     return CMLP_ERR_OOM; /* the allocator's ladder takes it from here */
 }
 
 static void cu_raw_free(void *ctx, void *ptr, size_t nbytes) {
-    (void)nbytes;
     cuda_ctx *c = ctx;
+    if (capturing(c) && defer(0, ptr, nbytes)) return;
     if (use(c) == CMLP_OK && cudaFree(ptr) != cudaSuccess) (void)cudaGetLastError();
 }
 
@@ -261,6 +306,7 @@ static cmlp_status cu_vm_reserve(void *ctx, size_t nbytes, void **out) {
         return FAIL(CMLP_ERR_DEVICE, "expandable segments need the driver's virtual memory API with 2 MiB pages, "
                                      "which cuda:%d does not offer",
                     c->index);
+    REFUSE_WHILE_CAPTURING(c, "reserving device addresses");
     CMLP_TRY_USE(c);
     CUdeviceptr p = 0;
     DRV_TRY(vmm.reserve(&p, nbytes, VM_PAGE, 0, 0));
@@ -273,9 +319,11 @@ static void unmap_pages(cuda_ctx *c, char *ptr, size_t npages) {
     (void)c;
 }
 
-/* One physical allocation per page, so that any page can be unmapped on its own later. */
+/* One physical allocation per page, so that any page can be unmapped on its own later; access
+ * is granted once over the whole run. */
 static cmlp_status cu_vm_map(void *ctx, void *ptr, size_t nbytes) {
     cuda_ctx *c = ctx;
+    REFUSE_WHILE_CAPTURING(c, "mapping device memory");
     CMLP_TRY_USE(c);
     CUmemAllocationProp prop = {0};
     prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
@@ -284,30 +332,27 @@ static cmlp_status cu_vm_map(void *ctx, void *ptr, size_t nbytes) {
     CUmemAccessDesc access = {0};
     access.location = prop.location;
     access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    size_t npages = nbytes / VM_PAGE;
-    for (size_t i = 0; i < npages; i++) {
-        CUdeviceptr at = (CUdeviceptr)(uintptr_t)((char *)ptr + i * VM_PAGE);
+    size_t npages = nbytes / VM_PAGE, mapped = 0;
+    CUresult r = CUDA_SUCCESS;
+    for (; mapped < npages; mapped++) {
+        CUdeviceptr at = (CUdeviceptr)(uintptr_t)((char *)ptr + mapped * VM_PAGE);
         CUmemGenericAllocationHandle h = 0;
-        CUresult r = vmm.create(&h, VM_PAGE, &prop, 0);
-        if (r == CUDA_SUCCESS) {
-            r = vmm.map(at, VM_PAGE, 0, h, 0);
-            (void)vmm.release(h); /* the mapping keeps the memory */
-            if (r == CUDA_SUCCESS) {
-                r = vmm.set_access(at, VM_PAGE, &access, 1);
-                if (r != CUDA_SUCCESS) (void)vmm.unmap(at, VM_PAGE);
-            }
-        }
-        if (r != CUDA_SUCCESS) {
-            unmap_pages(c, ptr, i);
-            if (r == CUDA_ERROR_OUT_OF_MEMORY) return CMLP_ERR_OOM;
-            return drv_fail(r, "mapping a page of an expandable segment", __FILE__, __LINE__);
-        }
+        r = vmm.create(&h, VM_PAGE, &prop, 0);
+        if (r != CUDA_SUCCESS) break;
+        r = vmm.map(at, VM_PAGE, 0, h, 0);
+        (void)vmm.release(h); /* the mapping keeps the memory */
+        if (r != CUDA_SUCCESS) break;
     }
-    return CMLP_OK;
+    if (r == CUDA_SUCCESS) r = vmm.set_access((CUdeviceptr)(uintptr_t)ptr, nbytes, &access, 1);
+    if (r == CUDA_SUCCESS) return CMLP_OK;
+    unmap_pages(c, ptr, mapped);
+    if (r == CUDA_ERROR_OUT_OF_MEMORY) return CMLP_ERR_OOM;
+    return drv_fail(r, "mapping pages of an expandable segment", __FILE__, __LINE__);
 }
 
 static void cu_vm_unmap(void *ctx, void *ptr, size_t nbytes) {
     cuda_ctx *c = ctx;
+    if (capturing(c) && defer(1, ptr, nbytes)) return;
     if (use(c) != CMLP_OK) return;
     /* queued kernels may still use the pages: unmapping does not wait for them */
     if (cudaStreamSynchronize(c->stream) != cudaSuccess) (void)cudaGetLastError();
@@ -316,6 +361,7 @@ static void cu_vm_unmap(void *ctx, void *ptr, size_t nbytes) {
 
 static void cu_vm_release(void *ctx, void *ptr, size_t nbytes) {
     cuda_ctx *c = ctx;
+    if (capturing(c) && defer(2, ptr, nbytes)) return;
     if (use(c) == CMLP_OK) (void)vmm.free_range((CUdeviceptr)(uintptr_t)ptr, nbytes);
 }
 
@@ -324,16 +370,23 @@ static void cu_vm_release(void *ctx, void *ptr, size_t nbytes) {
 static cmlp_status cu_copy_h2d(void *ctx, void *d_dst, const void *h_src, size_t nbytes) {
     cuda_ctx *c = ctx;
     if (!nbytes) return CMLP_OK;
+    REFUSE_WHILE_CAPTURING(c, "copying host memory");
     CMLP_TRY_USE(c);
-    /* from pageable memory the call returns once the source has been staged */
-    return done(c, cudaMemcpyAsync(d_dst, h_src, nbytes, cudaMemcpyHostToDevice, c->stream), "copy to the device");
+    /* from pageable memory the call returns once the source has been staged; from pinned
+     * memory the copy runs later, so wait for it: the caller may reuse the source at once */
+    CU_TRY(cudaMemcpyAsync(d_dst, h_src, nbytes, cudaMemcpyHostToDevice, stream_of(c)));
+    struct cudaPointerAttributes at;
+    if (cudaPointerGetAttributes(&at, h_src) != cudaSuccess) (void)cudaGetLastError();
+    else if (at.type == cudaMemoryTypeHost) CU_TRY(cudaStreamSynchronize(c->stream));
+    return done(c, cudaSuccess, "copy to the device");
 }
 
 static cmlp_status cu_copy_d2h(void *ctx, void *h_dst, const void *d_src, size_t nbytes) {
     cuda_ctx *c = ctx;
     if (!nbytes) return CMLP_OK;
+    REFUSE_WHILE_CAPTURING(c, "copying to the host");
     CMLP_TRY_USE(c);
-    CU_TRY(cudaMemcpyAsync(h_dst, d_src, nbytes, cudaMemcpyDeviceToHost, c->stream));
+    CU_TRY(cudaMemcpyAsync(h_dst, d_src, nbytes, cudaMemcpyDeviceToHost, stream_of(c)));
     CU_TRY(cudaStreamSynchronize(c->stream));
     return CMLP_OK;
 }
@@ -342,14 +395,14 @@ static cmlp_status cu_copy_d2d(void *ctx, void *d_dst, const void *d_src, size_t
     cuda_ctx *c = ctx;
     if (!nbytes) return CMLP_OK;
     CMLP_TRY_USE(c);
-    return done(c, cudaMemcpyAsync(d_dst, d_src, nbytes, cudaMemcpyDeviceToDevice, c->stream), "device copy");
+    return done(c, cudaMemcpyAsync(d_dst, d_src, nbytes, cudaMemcpyDeviceToDevice, stream_of(c)), "device copy");
 }
 
 static cmlp_status cu_fill_zero(void *ctx, void *d_dst, size_t nbytes) {
     cuda_ctx *c = ctx;
     if (!nbytes) return CMLP_OK;
     CMLP_TRY_USE(c);
-    return done(c, cudaMemsetAsync(d_dst, 0, nbytes, c->stream), "cudaMemsetAsync");
+    return done(c, cudaMemsetAsync(d_dst, 0, nbytes, stream_of(c)), "cudaMemsetAsync");
 }
 
 /* ---- GEMM: cuBLASLt, with a cache of plans per shape, layout and alignment ---- */
@@ -380,7 +433,7 @@ typedef struct {
 } gemm_desc;
 
 static cmlp_status plan_make(cuda_ctx *c, gemm_plan *p, const uint64_t key[8], const gemm_desc *g, unsigned al_a,
-                             unsigned al_b, unsigned al_c) {
+                             unsigned al_b, unsigned al_c, const void *d_bias) {
     /* TF32 only where A and B are float and it was asked for */
     cublasComputeType_t ct = c->tf32 && g->ab == CUDA_R_32F ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
     cublasOperation_t op_l = g->tb ? CUBLAS_OP_T : CUBLAS_OP_N, op_r = g->ta ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -391,6 +444,9 @@ static cmlp_status plan_make(cuda_ctx *c, gemm_plan *p, const uint64_t key[8], c
     LT_TRY(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &op_l, sizeof op_l));
     LT_TRY(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &op_r, sizeof op_r));
     LT_TRY(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &g->epilogue, sizeof g->epilogue));
+    /* the heuristic reads the bias pointer's alignment from the pointer itself (the key has it) */
+    if (g->epilogue != CUBLASLT_EPILOGUE_DEFAULT)
+        LT_TRY(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &d_bias, sizeof d_bias));
     /* stored shapes (before op), column-major */
     LT_TRY(cublasLtMatrixLayoutCreate(&p->a, g->ab, g->tb ? k : n, g->tb ? n : k, g->ldb));
     LT_TRY(cublasLtMatrixLayoutCreate(&p->b, g->ab, g->ta ? m : k, g->ta ? k : m, g->lda));
@@ -429,12 +485,12 @@ static cmlp_status lt_gemm(cuda_ctx *c, const gemm_desc *g, float alpha, const v
     if (g->m == 0 || g->n == 0) return CMLP_OK;
     if (g->k <= 0) return FAIL(CMLP_ERR_INVALID, "GEMM with k = %lld", (long long)g->k);
     CMLP_TRY_USE(c);
-    unsigned al_a = align_of(d_a), al_b = align_of(d_b), al_c = align_of(d_c);
+    unsigned al_a = align_of(d_a), al_b = align_of(d_b), al_c = align_of(d_c), al_bias = d_bias ? align_of(d_bias) : 0;
     uint64_t key[8] = {(uint64_t)g->m, (uint64_t)g->n, (uint64_t)g->k, (uint64_t)g->lda, (uint64_t)g->ldb,
                        (uint64_t)g->ldc,
                        (uint64_t)(g->ta != 0) | (uint64_t)(g->tb != 0) << 1 | (uint64_t)c->tf32 << 2 |
                            (uint64_t)g->ab << 8 | (uint64_t)g->cd << 24 | (uint64_t)g->epilogue << 40,
-                       (uint64_t)al_a | (uint64_t)al_b << 16 | (uint64_t)al_c << 32};
+                       (uint64_t)al_a | (uint64_t)al_b << 16 | (uint64_t)al_c << 32 | (uint64_t)al_bias << 48};
     pthread_mutex_lock(&c->lock);
     gemm_plan *p = NULL;
     for (int i = 0; i < NPLANS && !p; i++)
@@ -444,7 +500,7 @@ static cmlp_status lt_gemm(cuda_ctx *c, const gemm_desc *g, float alpha, const v
         p = &c->plans[c->next_plan];
         c->next_plan = (c->next_plan + 1) % NPLANS;
         plan_free(p);
-        st = plan_make(c, p, key, g, al_a, al_b, al_c);
+        st = plan_make(c, p, key, g, al_a, al_b, al_c, d_bias);
     }
     if (st == CMLP_OK && g->epilogue != CUBLASLT_EPILOGUE_DEFAULT) {
         cublasStatus_t s = cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &d_bias,
@@ -454,10 +510,12 @@ static cmlp_status lt_gemm(cuda_ctx *c, const gemm_desc *g, float alpha, const v
     }
     if (st == CMLP_OK) {
         cublasStatus_t s = cublasLtMatmul(c->lt, p->op, &alpha, d_b, p->a, d_a, p->b, &beta, d_c, p->c, d_c, p->c,
-                                          &p->algo, c->ws, c->ws_bytes, c->stream);
-        if (s != CUBLAS_STATUS_SUCCESS)
+                                          &p->algo, c->ws, c->ws_bytes, stream_of(c));
+        if (s != CUBLAS_STATUS_SUCCESS) {
+            (void)cudaGetLastError();
             st = FAIL(CMLP_ERR_DEVICE, "cublasLtMatmul (%lld x %lld x %lld) failed: %s", (long long)g->m,
                       (long long)g->n, (long long)g->k, cublasLtGetStatusString(s));
+        }
     }
     pthread_mutex_unlock(&c->lock);
     if (st == CMLP_OK && c->sync_each) st = done(c, cudaSuccess, "cublasLtMatmul");
@@ -495,14 +553,14 @@ static cmlp_status cu_bias_grad_half(void *ctx, float *d_db, const uint16_t *d_d
                                      cmlp_dtype dtype) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_bias_grad_half(d_db, d_dy, rows, cols, dtype == CMLP_DTYPE_BF16, c->stream));
+    return KERNEL(c, cmlp_k_bias_grad_half(d_db, d_dy, rows, cols, dtype == CMLP_DTYPE_BF16, stream_of(c)));
 }
 
 static cmlp_status cu_relu_backward_half(void *ctx, uint16_t *d_dy, const uint16_t *d_h, int64_t count,
                                          cmlp_dtype dtype) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_relu_backward_half(d_dy, d_h, count, dtype == CMLP_DTYPE_BF16, c->stream));
+    return KERNEL(c, cmlp_k_relu_backward_half(d_dy, d_h, count, dtype == CMLP_DTYPE_BF16, stream_of(c)));
 }
 
 /* ---- elementwise, loss, staging ---- */
@@ -510,19 +568,19 @@ static cmlp_status cu_relu_backward_half(void *ctx, uint16_t *d_dy, const uint16
 static cmlp_status cu_bias_act(void *ctx, float *d_y, const float *d_bias, int64_t rows, int64_t cols, int relu) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_bias_act(d_y, d_bias, rows, cols, relu, c->stream));
+    return KERNEL(c, cmlp_k_bias_act(d_y, d_bias, rows, cols, relu, stream_of(c)));
 }
 
 static cmlp_status cu_relu_backward(void *ctx, float *d_dy, const float *d_h, int64_t count) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_relu_backward(d_dy, d_h, count, c->stream));
+    return KERNEL(c, cmlp_k_relu_backward(d_dy, d_h, count, stream_of(c)));
 }
 
 static cmlp_status cu_bias_grad(void *ctx, float *d_db, const float *d_dy, int64_t rows, int64_t cols) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_bias_grad(d_db, d_dy, rows, cols, c->stream));
+    return KERNEL(c, cmlp_k_bias_grad(d_db, d_dy, rows, cols, stream_of(c)));
 }
 
 static cmlp_status cu_softmax_xent(void *ctx, const float *d_logits, const int32_t *d_labels, int64_t rows,
@@ -531,7 +589,7 @@ static cmlp_status cu_softmax_xent(void *ctx, const float *d_logits, const int32
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
     return KERNEL(c, cmlp_k_softmax_xent(d_logits, d_labels, rows, cols, smoothing, grad_weight, d_grad_weight,
-                                         d_dlogits, d_loss_sum, (unsigned long long *)d_correct, c->stream));
+                                         d_dlogits, d_loss_sum, (unsigned long long *)d_correct, stream_of(c)));
 }
 
 /* The next staging slot with room for nbytes, once the copy that last read it is done. Called
@@ -565,6 +623,7 @@ static cmlp_status cu_stage_rows(void *ctx, float *d_dst, const void *h_src, cml
                                  const int64_t *h_idx, int64_t start, int64_t rows, float scale, float shift) {
     cuda_ctx *c = ctx;
     if (rows == 0 || cols == 0) return CMLP_OK;
+    REFUSE_WHILE_CAPTURING(c, "staging host rows");
     CMLP_TRY_USE(c);
     size_t nbytes = (size_t)rows * (size_t)cols * sizeof(float);
     pthread_mutex_lock(&c->lock);
@@ -593,6 +652,7 @@ static cmlp_status cu_stage_labels(void *ctx, int32_t *d_dst, const int32_t *h_s
                                    int64_t rows) {
     cuda_ctx *c = ctx;
     if (rows == 0) return CMLP_OK;
+    REFUSE_WHILE_CAPTURING(c, "staging host labels");
     CMLP_TRY_USE(c);
     pthread_mutex_lock(&c->lock);
     void *buf = NULL;
@@ -615,22 +675,22 @@ static cmlp_status cu_gather_rows(void *ctx, float *d_dst, const void *d_src, cm
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
     if (dtype == CMLP_DTYPE_U8)
-        return KERNEL(c, cmlp_k_gather_u8(d_dst, d_src, d_idx, start, d_pos, rows, cols, scale, shift, c->stream));
+        return KERNEL(c, cmlp_k_gather_u8(d_dst, d_src, d_idx, start, d_pos, rows, cols, scale, shift, stream_of(c)));
     /* float rows are copied as they are */
-    return KERNEL(c, cmlp_k_gather_f32(d_dst, d_src, d_idx, start, d_pos, rows, cols, 1.0f, 0.0f, c->stream));
+    return KERNEL(c, cmlp_k_gather_f32(d_dst, d_src, d_idx, start, d_pos, rows, cols, 1.0f, 0.0f, stream_of(c)));
 }
 
 static cmlp_status cu_gather_labels(void *ctx, int32_t *d_dst, const int32_t *d_src, const int64_t *d_idx,
                                     int64_t start, const int64_t *d_pos, int64_t rows) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_gather_labels(d_dst, d_src, d_idx, start, d_pos, rows, c->stream));
+    return KERNEL(c, cmlp_k_gather_labels(d_dst, d_src, d_idx, start, d_pos, rows, stream_of(c)));
 }
 
 static cmlp_status cu_add_i64(void *ctx, int64_t *d_x, int64_t v) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_add_i64(d_x, v, c->stream));
+    return KERNEL(c, cmlp_k_add_i64(d_x, v, stream_of(c)));
 }
 
 /* ---- optimizers and mixed precision ---- */
@@ -641,7 +701,7 @@ static cmlp_status cu_adam(void *ctx, float *d_p, const float *d_g, float *d_m, 
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
     return KERNEL(c, cmlp_k_adam(d_p, d_g, d_m, d_v, n, step_size, beta1, beta2, bc2_sqrt, eps, weight_decay,
-                                 d_found_inf, d_coef, c->stream));
+                                 d_found_inf, d_coef, stream_of(c)));
 }
 
 static cmlp_status cu_sgd(void *ctx, float *d_p, const float *d_g, float *d_buf, int64_t n, float lr, float momentum,
@@ -650,14 +710,14 @@ static cmlp_status cu_sgd(void *ctx, float *d_p, const float *d_g, float *d_buf,
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
     return KERNEL(c, cmlp_k_sgd(d_p, d_g, d_buf, n, lr, momentum, dampening, nesterov, weight_decay, first,
-                                d_found_inf, d_step, c->stream));
+                                d_found_inf, d_step, stream_of(c)));
 }
 
 static cmlp_status cu_optim_prepare(void *ctx, int64_t *d_step, float *d_coef, const float *d_found_inf, double lr,
                                     double beta1, double beta2, int adam) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_optim_prepare(d_step, d_coef, d_found_inf, lr, beta1, beta2, adam, c->stream));
+    return KERNEL(c, cmlp_k_optim_prepare(d_step, d_coef, d_found_inf, lr, beta1, beta2, adam, stream_of(c)));
 }
 
 static cmlp_status cu_scale_update(void *ctx, float *d_scale, int32_t *d_tracker, const float *d_found_inf,
@@ -666,36 +726,37 @@ static cmlp_status cu_scale_update(void *ctx, float *d_scale, int32_t *d_tracker
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
     return KERNEL(c, cmlp_k_scale_update(d_scale, d_tracker, d_found_inf, growth_factor, backoff_factor,
-                                         growth_interval, (long long *)d_skipped, c->stream));
+                                         growth_interval, (long long *)d_skipped, stream_of(c)));
 }
 
 static cmlp_status cu_grad_weight(void *ctx, float *d_w, const float *d_scale, double count) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_grad_weight(d_w, d_scale, count, c->stream));
+    return KERNEL(c, cmlp_k_grad_weight(d_w, d_scale, count, stream_of(c)));
 }
 
 static cmlp_status cu_to_half(void *ctx, uint16_t *d_dst, const float *d_src, int64_t n, cmlp_dtype dtype) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_to_half(d_dst, d_src, n, dtype == CMLP_DTYPE_BF16, c->stream));
+    return KERNEL(c, cmlp_k_to_half(d_dst, d_src, n, dtype == CMLP_DTYPE_BF16, stream_of(c)));
 }
 
 static cmlp_status cu_from_half(void *ctx, float *d_dst, const uint16_t *d_src, int64_t n, cmlp_dtype dtype) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_from_half(d_dst, d_src, n, dtype == CMLP_DTYPE_BF16, c->stream));
+    return KERNEL(c, cmlp_k_from_half(d_dst, d_src, n, dtype == CMLP_DTYPE_BF16, stream_of(c)));
 }
 
 static cmlp_status cu_unscale(void *ctx, float *d_g, int64_t n, float inv_scale, const float *d_scale,
                               float *d_found_inf) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_unscale(d_g, n, inv_scale, d_scale, d_found_inf, c->stream));
+    return KERNEL(c, cmlp_k_unscale(d_g, n, inv_scale, d_scale, d_found_inf, stream_of(c)));
 }
 
 static cmlp_status cu_synchronize(void *ctx) {
     cuda_ctx *c = ctx;
+    REFUSE_WHILE_CAPTURING(c, "waiting for the device");
     CMLP_TRY_USE(c);
     CU_TRY(cudaStreamSynchronize(c->stream));
     return CMLP_OK;
@@ -705,21 +766,47 @@ static cmlp_status cu_synchronize(void *ctx) {
 
 static cmlp_status cu_capture_begin(void *ctx) {
     cuda_ctx *c = ctx;
+    if (cap_ctx) return FAIL(CMLP_ERR_DEVICE, "this thread is already capturing a graph");
     CMLP_TRY_USE(c);
-    CU_TRY(cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal));
-    c->capturing = true;
+    cudaStream_t s = NULL;
+    CU_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    cudaError_t e = cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal);
+    if (e != cudaSuccess) {
+        cudaStreamDestroy(s);
+        return cuda_fail(e, "cudaStreamBeginCapture", __FILE__, __LINE__);
+    }
+    cap_ctx = c;
+    cap_stream = s;
+    ndeferred = 0;
     return CMLP_OK;
 }
 
 static cmlp_status cu_capture_end(void *ctx, void **graph) {
     cuda_ctx *c = ctx;
     *graph = NULL;
-    c->capturing = false;
+    if (!capturing(c)) return FAIL(CMLP_ERR_DEVICE, "no graph is being captured on cuda:%d by this thread", c->index);
     cudaGraph_t g = NULL;
-    cudaError_t e = cudaStreamEndCapture(c->stream, &g);
+    cudaError_t e = cudaStreamEndCapture(cap_stream, &g);
+    if (e != cudaSuccess) (void)cudaGetLastError();
+    (void)cudaStreamDestroy(cap_stream);
+    cap_ctx = NULL;
+    cap_stream = NULL;
+    /* what was given back meanwhile, now that the device may be waited for */
+    for (int i = 0; i < ndeferred; i++) {
+        deferred_op d = deferred[i];
+        if (d.kind == 0) cu_raw_free(c, d.ptr, d.nbytes);
+        else if (d.kind == 1) cu_vm_unmap(c, d.ptr, d.nbytes);
+        else cu_vm_release(c, d.ptr, d.nbytes);
+    }
+    ndeferred = 0;
     if (e != cudaSuccess) {
         if (g) cudaGraphDestroy(g);
         return cuda_fail(e, "capturing a training step", __FILE__, __LINE__);
+    }
+    cmlp_status st = use(c);
+    if (st != CMLP_OK) {
+        cudaGraphDestroy(g);
+        return st;
     }
     cudaGraphExec_t exec = NULL;
     e = cudaGraphInstantiateWithFlags(&exec, g, 0);

@@ -89,8 +89,9 @@ double cmlp_optim_get_lr(const cmlp_optim *o) { return o->kind == CMLP_OPTIM_ADA
 
 cmlp_status cmlp_optim_set_lr(cmlp_optim *o, double lr) {
     CMLP_TRY(check_lr(lr));
-    if (o->kind == CMLP_OPTIM_ADAM) o->adam.lr = lr;
-    else o->sgd.lr = lr;
+    double *at = o->kind == CMLP_OPTIM_ADAM ? &o->adam.lr : &o->sgd.lr;
+    if (*at == lr) return CMLP_OK; /* a captured step that bakes the rate in stays valid */
+    *at = lr;
     o->version++;
     return CMLP_OK;
 }
@@ -250,7 +251,9 @@ cmlp_status cmlp_optim_set_state(cmlp_optim *o, int64_t step, int nbuffers, cons
     }
     if (o->state) (void)cmlp_allocator_free(o->dev->alloc, o->state);
     o->state = s;
-    o->step = step;
+    /* SGD keeps no count of its own: a loaded momentum buffer means it has stepped, so the next
+     * step continues it (a step count of 0 would make the next step its first) */
+    o->step = o->kind == CMLP_OPTIM_SGD && nbuffers && step == 0 ? 1 : step;
     o->version++;
     return CMLP_OK;
 }

@@ -14,6 +14,9 @@
 typedef struct step_key {
     const void *model, *dev, *x, *y, *order, *ws, *wsa, *wsr, *params, *grads, *params_h;
     int64_t n, micro, growth_interval;
+    int64_t ws_rows, wsa_rows, wsa_chunk, wsr_rows; /* a workspace's layout follows its rows */
+    float mean, std;                                /* the normalisation the gather applies */
+    int x_dtype, wsa_recompute;
     uint64_t optim_version;
     double growth_factor, backoff_factor;
     float smoothing;
@@ -222,7 +225,9 @@ static cmlp_status effective_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp
         CMLP_TRY(b->scale_update(ctx, &ds->scale, &ds->growth_tracker, &ds->found_inf, s->growth_factor,
                                  s->backoff_factor, (int32_t)s->growth_interval, &ds->skipped));
     }
-    return xy->pos ? b->add_i64(ctx, &ds->pos, n) : CMLP_OK; /* the next step's samples */
+    /* last: a step retried after running out of memory (the optimizer's state is made on its
+     * first step) must read the same samples again */
+    return xy->pos ? b->add_i64(ctx, &ds->pos, n) : CMLP_OK;
 }
 
 static int optimizer_buffers(const cmlp_trainer *t) {
@@ -310,6 +315,14 @@ static void make_key(const cmlp_trainer *t, const cmlp_data *xy, const int64_t *
     k->ws = m->ws.block;
     k->wsa = m->wsa.block;
     k->wsr = m->wsr.block;
+    k->ws_rows = m->ws.rows;
+    k->wsa_rows = m->wsa.rows;
+    k->wsa_chunk = m->wsa.chunk;
+    k->wsa_recompute = m->wsa.recompute;
+    k->wsr_rows = m->wsr.rows;
+    k->x_dtype = (int)xy->x_dtype;
+    k->mean = xy->mean;
+    k->std = xy->std;
     k->params = m->params;
     k->grads = m->grads;
     k->params_h = m->params_h;

@@ -31,7 +31,24 @@ for amp, opt, recompute, shuffle, xs, smoothing in json.loads(sys.argv[1]):
     out.append({"weights": hashlib.sha1(weights).hexdigest(), "loss": [e["loss"] for e in h],
                 "step": int(o._c.get_state()[0]), "skipped": [e.get("skipped_steps", 0) for e in h],
                 "scale": t.scaler.get_scale() if t.scaler is not None else None})
-print(json.dumps(out))
+# a run resumed from state dicts continues as the original does (SGD's loaded momentum included)
+resumed = {}
+for opt in ("sgd", "adam"):
+    def make(m):
+        return cmlp.optim.Adam(m) if opt == "adam" else cmlp.optim.SGD(m, lr=0.05, momentum=0.9)
+    runs = []
+    m = cmlp.MLP([30, 16, 4], seed=1)
+    o = make(m)
+    cmlp.Trainer(m, o, batch_size=64, shuffle=False).fit(xf, y, epochs=1, progress=False)
+    m2 = cmlp.MLP([30, 16, 4], seed=2)
+    m2.load_state_dict(m.state_dict())
+    o2 = make(m2)
+    o2.load_state_dict(o.state_dict())
+    for mm, oo in ((m, o), (m2, o2)):
+        cmlp.Trainer(mm, oo, batch_size=64, shuffle=False).fit(xf, y, epochs=1, progress=False)
+        runs.append(b"".join(v.tobytes() for v in mm.state_dict().values()))
+    resumed[opt] = runs[0] == runs[1]
+print(json.dumps({"cases": out, "resumed": resumed}))
 '''
 
 CASES = [
@@ -62,9 +79,15 @@ def both():
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[str(c) for c in CASES])
 def test_the_device_path_trains_as_the_host_path(both, case):
-    host, device = both[0][case], both[1][case]
+    host, device = both[0]["cases"][case], both[1]["cases"][case]
     assert device["weights"] == host["weights"]
     assert device["step"] == host["step"] and device["skipped"] == host["skipped"]
     assert device["scale"] == host["scale"]
     for a, b in zip(device["loss"], host["loss"]):
         assert a == pytest.approx(b, rel=1e-12)
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_a_run_resumed_from_state_dicts_continues_as_the_original(both, path, opt):
+    assert both[path == "device"]["resumed"][opt]

@@ -10,6 +10,7 @@
  * with ASan + UBSan; exits non-zero when any check fails.
  */
 #include "alloc.h"
+#include "internal.h"
 
 #include <inttypes.h>
 #include <pthread.h>
@@ -57,6 +58,7 @@ typedef struct fake_dev {
     int64_t raw_bytes, mapped_bytes;
     int fail_next;    /* the next N raw_alloc / vm_map calls fail with CMLP_ERR_OOM */
     int fail_reserve; /* while set, vm_reserve fails */
+    int fail_device;  /* the next N raw_alloc / vm_map calls fail as a broken device would */
     int64_t n_raw_alloc, n_raw_ok, n_raw_free, n_map, n_unmap, n_reserve, n_release;
     int64_t violations;
     char violation[256];
@@ -84,7 +86,10 @@ static cmlp_status fake_raw_alloc(void *ctx, size_t n, void **out) {
     pthread_mutex_lock(&d->lock);
     d->n_raw_alloc++;
     if (n == 0 || n % 512) violate(d, "raw_alloc of %zu bytes", n);
-    if (d->fail_next > 0) {
+    if (d->fail_device > 0) {
+        d->fail_device--;
+        st = CMLP_FAIL(CMLP_ERR_DEVICE, "fake device lost");
+    } else if (d->fail_next > 0) {
         d->fail_next--;
     } else if (d->raw_bytes + d->mapped_bytes + (int64_t)n <= d->capacity) {
         void *p = NULL;
@@ -168,6 +173,9 @@ static cmlp_status fake_vm_map(void *ctx, void *ptr, size_t n) {
     vm_rec *v = vm_find(d, "vm_map", ptr, n);
     if (!v) {
         st = CMLP_ERR_INVALID;
+    } else if (d->fail_device > 0) {
+        d->fail_device--;
+        st = CMLP_FAIL(CMLP_ERR_DEVICE, "fake device lost");
     } else if (d->fail_next > 0) {
         d->fail_next--;
     } else if (d->raw_bytes + d->mapped_bytes + (int64_t)n <= d->capacity) {
@@ -1812,6 +1820,31 @@ static void test_threads(void) {
     fin(a, &d);
 }
 
+/* A device failure other than running out of memory ends the request with the device's own
+ * error, after one attempt: no cache is released for it and nothing is retried. */
+static void test_device_error(void) {
+    for (int exp = 0; exp < 2; exp++) {
+        fake_dev d;
+        cmlp_allocator *a = mk(&d, exp ? "expandable_segments:True" : "", (int64_t)GB(2));
+        void *p = al(a, MB(30));
+        fr(a, p);
+        int64_t reserved = CUR(stats_of(a), RESERVED_BYTES, ALL), calls = d.n_raw_alloc + d.n_map;
+        d.fail_device = 1;
+        void *q = NULL;
+        cmlp_status st = cmlp_allocator_malloc(a, MB(100), &q);
+        CHECK(st == CMLP_ERR_DEVICE && !q, "expandable %d: status %d", exp, (int)st);
+        CHECK(strstr(cmlp_last_error(), "fake device lost") != NULL, "the device's error is lost: %s",
+              cmlp_last_error());
+        CHECK(d.n_raw_alloc + d.n_map == calls + 1, "expandable %d: %lld device calls for one failure", exp,
+              (long long)(d.n_raw_alloc + d.n_map - calls));
+        if (!exp) CHECK(CUR(stats_of(a), RESERVED_BYTES, ALL) == reserved, "the cache was released for a device error");
+        CHECK(stats_of(a).num_ooms == 0, "a device error counted as out of memory");
+        STEP(a);
+        fr(a, al(a, MB(100)));
+        fin(a, &d);
+    }
+}
+
 int main(void) {
     double t0 = now();
     test_rounding_and_small_pool();
@@ -1832,6 +1865,7 @@ int main(void) {
     test_ladder_plain();
     test_ladder_oversize();
     test_ladder_expandable();
+    test_device_error();
     printf("  unit tests %.1f s\n", now() - t0);
     test_stress();
     double t1 = now();
