@@ -93,6 +93,11 @@ typedef struct cmlp_backend_i {
     cmlp_status (*gather_rows)(void *ctx, float *d_dst, const void *d_src, cmlp_dtype dtype,
                                int64_t cols, const int64_t *d_idx, int64_t start, const int64_t *d_pos,
                                int64_t rows, float scale, float shift);
+    /* Optional (NULL: gather_rows into fp32, then to_half): the same rows straight into half
+     * storage of type half (F16 or BF16), each value rounded once from what gather_rows gives. */
+    cmlp_status (*gather_rows_half)(void *ctx, uint16_t *d_dst, cmlp_dtype half, const void *d_src, cmlp_dtype dtype,
+                                    int64_t cols, const int64_t *d_idx, int64_t start, const int64_t *d_pos,
+                                    int64_t rows, float scale, float shift);
     cmlp_status (*gather_labels)(void *ctx, int32_t *d_dst, const int32_t *d_src,
                                  const int64_t *d_idx, int64_t start, const int64_t *d_pos,
                                  int64_t rows);

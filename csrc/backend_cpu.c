@@ -279,12 +279,34 @@ typedef struct {
     int64_t cols, start;
     const int64_t *idx;
     float scale, shift;
+    uint16_t *hdst; /* when set, rows go here in half storage of type half instead */
+    cmlp_dtype half;
 } stage_args;
+
+/* Source row s into half storage, through a float block at a time. */
+static void stage_row_half(const stage_args *g, int64_t s, uint16_t *d) {
+    float buf[256];
+    for (int64_t c0 = 0; c0 < g->cols; c0 += 256) {
+        int64_t k = g->cols - c0 < 256 ? g->cols - c0 : 256;
+        if (g->dtype == CMLP_DTYPE_U8) {
+            const uint8_t *u = (const uint8_t *)g->src + s * g->cols + c0;
+            for (int64_t c = 0; c < k; c++) buf[c] = (float)u[c] * g->scale + g->shift;
+        } else {
+            memcpy(buf, (const float *)g->src + s * g->cols + c0, (size_t)k * sizeof(float));
+        }
+        if (g->half == CMLP_DTYPE_BF16) cmlp_f32_to_bf16(d + c0, buf, k);
+        else cmlp_f32_to_f16(d + c0, buf, k);
+    }
+}
 
 static void stage_range(void *a, int64_t lo, int64_t hi) {
     const stage_args *g = a;
     for (int64_t r = lo; r < hi; r++) {
         int64_t s = g->idx ? g->idx[r] : g->start + r;
+        if (g->hdst) {
+            stage_row_half(g, s, g->hdst + r * g->cols);
+            continue;
+        }
         float *restrict d = g->dst + r * g->cols;
         if (g->dtype == CMLP_DTYPE_U8) {
             const uint8_t *restrict u = (const uint8_t *)g->src + s * g->cols;
@@ -299,7 +321,7 @@ static cmlp_status cpu_stage_rows(void *ctx, float *dst, const void *src, cmlp_d
                                   const int64_t *idx, int64_t start, int64_t rows, float scale,
                                   float shift) {
     (void)ctx;
-    stage_args a = {dst, src, dtype, cols, start, idx, scale, shift};
+    stage_args a = {dst, src, dtype, cols, start, idx, scale, shift, NULL, CMLP_DTYPE_F32};
     cmlp_pool_for(rows, 1, cols > 0 ? MIN_PER_THREAD / cols + 1 : rows, stage_range, &a);
     return CMLP_OK;
 }
@@ -320,6 +342,19 @@ static cmlp_status cpu_gather_rows(void *ctx, float *dst, const void *src, cmlp_
         else start += *pos;
     }
     return cpu_stage_rows(ctx, dst, src, dtype, cols, idx, start, rows, scale, shift);
+}
+
+static cmlp_status cpu_gather_rows_half(void *ctx, uint16_t *dst, cmlp_dtype half, const void *src, cmlp_dtype dtype,
+                                        int64_t cols, const int64_t *idx, int64_t start, const int64_t *pos,
+                                        int64_t rows, float scale, float shift) {
+    (void)ctx;
+    if (pos) {
+        if (idx) idx += *pos;
+        else start += *pos;
+    }
+    stage_args a = {NULL, src, dtype, cols, start, idx, scale, shift, dst, half};
+    cmlp_pool_for(rows, 1, cols > 0 ? MIN_PER_THREAD / cols + 1 : rows, stage_range, &a);
+    return CMLP_OK;
 }
 
 static cmlp_status cpu_gather_labels(void *ctx, int32_t *dst, const int32_t *src, const int64_t *idx, int64_t start,
@@ -535,6 +570,7 @@ const cmlp_backend_i cmlp_backend_cpu = {
     .stage_rows = cpu_stage_rows,
     .stage_labels = cpu_stage_labels,
     .gather_rows = cpu_gather_rows,
+    .gather_rows_half = cpu_gather_rows_half,
     .gather_labels = cpu_gather_labels,
     .add_i64 = cpu_add_i64,
     .adam = cpu_adam,

@@ -680,6 +680,16 @@ static cmlp_status cu_gather_rows(void *ctx, float *d_dst, const void *d_src, cm
     return KERNEL(c, cmlp_k_gather_f32(d_dst, d_src, d_idx, start, d_pos, rows, cols, 1.0f, 0.0f, stream_of(c)));
 }
 
+static cmlp_status cu_gather_rows_half(void *ctx, uint16_t *d_dst, cmlp_dtype half, const void *d_src,
+                                       cmlp_dtype dtype, int64_t cols, const int64_t *d_idx, int64_t start,
+                                       const int64_t *d_pos, int64_t rows, float scale, float shift) {
+    cuda_ctx *c = ctx;
+    CMLP_TRY_USE(c);
+    const int u8 = dtype == CMLP_DTYPE_U8; /* float rows are taken as they are */
+    return KERNEL(c, cmlp_k_gather_half(d_dst, half == CMLP_DTYPE_BF16, d_src, u8, d_idx, start, d_pos, rows, cols,
+                                        u8 ? scale : 1.0f, u8 ? shift : 0.0f, stream_of(c)));
+}
+
 static cmlp_status cu_gather_labels(void *ctx, int32_t *d_dst, const int32_t *d_src, const int64_t *d_idx,
                                     int64_t start, const int64_t *d_pos, int64_t rows) {
     cuda_ctx *c = ctx;
@@ -855,6 +865,7 @@ static const cmlp_backend_i backend = {
     .stage_rows = cu_stage_rows,
     .stage_labels = cu_stage_labels,
     .gather_rows = cu_gather_rows,
+    .gather_rows_half = cu_gather_rows_half,
     .gather_labels = cu_gather_labels,
     .add_i64 = cu_add_i64,
     .adam = cu_adam,

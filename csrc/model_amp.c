@@ -101,17 +101,23 @@ static cmlp_status reserve(cmlp_model *m, int64_t rows, int recompute) {
     return CMLP_OK;
 }
 
-/* Rows of xy (through idx, or from start) into the half input buffer, a block at a time. */
+/* Rows of xy (through idx, or from start) into the half input buffer: gathered straight into
+ * half storage from a device data set where the backend can, else a block at a time. */
 static cmlp_status stage(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, int64_t start, int64_t n,
                          const int32_t **labels) {
     cmlp_amp_workspace *w = &m->wsa;
     int64_t in = m->sizes[0];
     float scale = xy->x_dtype == CMLP_DTYPE_U8 ? 1.0f / (255.0f * xy->std) : 1.0f;
     float shift = xy->x_dtype == CMLP_DTYPE_U8 ? -xy->mean / xy->std : 0.0f;
-    for (int64_t r = 0; r < n; r += w->chunk) {
-        int64_t k = n - r < w->chunk ? n - r : w->chunk;
-        CMLP_TRY(cmlp_stage_x(m, w->scratch[0], xy, idx ? idx + r : NULL, start + r, k, scale, shift));
-        CMLP_TRY(B(m)->to_half(CTX(m), w->act[0] + r * in, w->scratch[0], k * in, m->half_dtype));
+    if (xy->on_device && B(m)->gather_rows_half) { /* one pass, no float block in between */
+        CMLP_TRY(B(m)->gather_rows_half(CTX(m), w->act[0], m->half_dtype, xy->x, xy->x_dtype, in, idx, start, xy->pos,
+                                        n, scale, shift));
+    } else {
+        for (int64_t r = 0; r < n; r += w->chunk) {
+            int64_t k = n - r < w->chunk ? n - r : w->chunk;
+            CMLP_TRY(cmlp_stage_x(m, w->scratch[0], xy, idx ? idx + r : NULL, start + r, k, scale, shift));
+            CMLP_TRY(B(m)->to_half(CTX(m), w->act[0] + r * in, w->scratch[0], k * in, m->half_dtype));
+        }
     }
     if (cmlp_data_in_place(m, xy) && !idx) {
         *labels = xy->y + start;

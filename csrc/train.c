@@ -448,7 +448,9 @@ cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, cmlp_epoc
             on_dev.pos = &ds->pos;
             idx = t->cfg.shuffle ? t->d_order : NULL;
             const cmlp_backend_i *b = t->model->dev->backend;
-            if (k == eb && b->capture_begin && !t->graphs_off && !t->cfg.auto_microbatch)
+            /* with automatic micro-batching, only while no growth back is pending (a replay
+             * allocates nothing, so it cannot run out of memory) */
+            if (k == eb && b->capture_begin && !t->graphs_off && t->micro == t->target_micro)
                 s = graph_step(t, ds, &on_dev, idx, k);
             else
                 s = robust_step(t, ds, &on_dev, idx, 0, k);

@@ -2,25 +2,10 @@
  * even, subnormals kept), the fused gradient unscale and inf/NaN check, and PyTorch's
  * loss-scale update, all without a host synchronisation.
  */
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include "common.cuh"
 #include "kernels.h"
 
-/* ---- casts; half values are stored as their 16 bits ---- */
-
-template <bool BF16>
-__device__ __forceinline__ uint16_t to_half1(float f) {
-    if constexpr (BF16) return __bfloat16_as_ushort(__float2bfloat16_rn(f));
-    else return __half_as_ushort(__float2half_rn(f));
-}
-
-template <bool BF16>
-__device__ __forceinline__ float from_half1(uint16_t h) {
-    if constexpr (BF16) return __bfloat162float(__ushort_as_bfloat16(h));
-    else return __half2float(__ushort_as_half(h));
-}
+/* ---- casts; half values are stored as their 16 bits (common.cuh's to_half1 / from_half1) ---- */
 
 template <bool BF16>
 struct to_half_op : cmlp_op_base {

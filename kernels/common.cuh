@@ -5,6 +5,8 @@
 #ifndef CMLP_KERNELS_COMMON_CUH
 #define CMLP_KERNELS_COMMON_CUH
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -76,6 +78,19 @@ __device__ __forceinline__ float f_from_double(double a) {
 /* inf or NaN: the exponent bits all ones (the CPU backend's test). */
 __device__ __forceinline__ bool f_nonfinite(float a) {
     return (__float_as_uint(a) & 0x7F800000u) == 0x7F800000u;
+}
+
+/* ---- fp16 / bf16 storage as 16 bits: round to nearest even, subnormals kept ---- */
+template <bool BF16>
+__device__ __forceinline__ uint16_t to_half1(float f) {
+    if constexpr (BF16) return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+    else return __half_as_ushort(__float2half_rn(f));
+}
+
+template <bool BF16>
+__device__ __forceinline__ float from_half1(uint16_t h) {
+    if constexpr (BF16) return __bfloat162float(__ushort_as_bfloat16(h));
+    else return __half2float(__ushort_as_half(h));
 }
 
 /* ---- warp reductions (every lane gets the result; the butterfly gives each lane the same

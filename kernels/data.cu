@@ -17,9 +17,28 @@ __device__ __forceinline__ float convert1(T v, float scale, float shift, bool co
     return copy ? f : f_add(f_mul(f, scale), shift);
 }
 
-template <typename T, int U>
+/* The destination: float (OUT 0), or fp16 / bf16 bits (OUT 1, 2) rounded once from the float. */
+template <int OUT>
+__device__ __forceinline__ void store1(void *dst, int64_t i, float v) {
+    if constexpr (OUT == 0) static_cast<float *>(dst)[i] = v;
+    else static_cast<uint16_t *>(dst)[i] = to_half1<OUT == 2>(v);
+}
+
+template <int OUT>
+__device__ __forceinline__ void store4(void *dst, int64_t unit, float4 v) {
+    if constexpr (OUT == 0) {
+        static_cast<float4 *>(dst)[unit] = v;
+    } else {
+        uint2 h;
+        h.x = (uint32_t)to_half1<OUT == 2>(v.x) | (uint32_t)to_half1<OUT == 2>(v.y) << 16;
+        h.y = (uint32_t)to_half1<OUT == 2>(v.z) | (uint32_t)to_half1<OUT == 2>(v.w) << 16;
+        static_cast<uint2 *>(dst)[unit] = h;
+    }
+}
+
+template <typename T, int U, int OUT>
 __global__ void __launch_bounds__(CMLP_K_THREADS)
-k_gather(float *dst, const T *src, const int64_t *idx, int64_t start, const int64_t *pos, int64_t rows, int64_t ucols,
+k_gather(void *dst, const T *src, const int64_t *idx, int64_t start, const int64_t *pos, int64_t rows, int64_t ucols,
          float scale, float shift, int copy) {
     const int64_t total = rows * ucols, stride = cmlp_nthreads();
     int64_t i = cmlp_tid();
@@ -44,9 +63,9 @@ k_gather(float *dst, const T *src, const int64_t *idx, int64_t start, const int6
                 o = make_float4(convert1(v.x, scale, shift, copy), convert1(v.y, scale, shift, copy),
                                 convert1(v.z, scale, shift, copy), convert1(v.w, scale, shift, copy));
             }
-            reinterpret_cast<float4 *>(dst)[i] = o;
+            store4<OUT>(dst, i, o);
         } else {
-            dst[i] = convert1(src[at], scale, shift, copy);
+            store1<OUT>(dst, i, convert1(src[at], scale, shift, copy));
         }
         c += dc;
         r += dr;
@@ -57,33 +76,49 @@ k_gather(float *dst, const T *src, const int64_t *idx, int64_t start, const int6
     }
 }
 
-template <typename T>
-static cudaError_t gather(float *dst, const T *src, const int64_t *idx, int64_t start, const int64_t *pos,
+template <typename T, int OUT>
+static cudaError_t gather(void *dst, const T *src, const int64_t *idx, int64_t start, const int64_t *pos,
                           int64_t rows, int64_t cols, float scale, float shift, int copy, cudaStream_t stream) {
     if (rows < 0 || cols < 0) return cudaErrorInvalidValue;
     if (rows == 0 || cols == 0) return cudaSuccess;
-    const bool vec = cols % 4 == 0 && (uintptr_t)dst % 16 == 0 && (uintptr_t)src % (4 * sizeof(T)) == 0;
+    const uintptr_t out_unit = OUT == 0 ? 16 : 8; /* four destination elements */
+    const bool vec = cols % 4 == 0 && (uintptr_t)dst % out_unit == 0 && (uintptr_t)src % (4 * sizeof(T)) == 0;
     const int64_t ucols = vec ? cols / 4 : cols;
     const unsigned int blocks = cmlp_k_blocks(rows * ucols, CMLP_K_THREADS);
     if (vec)
-        k_gather<T, 4><<<blocks, CMLP_K_THREADS, 0, stream>>>(dst, src, idx, start, pos, rows, ucols, scale, shift,
-                                                              copy);
+        k_gather<T, 4, OUT><<<blocks, CMLP_K_THREADS, 0, stream>>>(dst, src, idx, start, pos, rows, ucols, scale,
+                                                                   shift, copy);
     else
-        k_gather<T, 1><<<blocks, CMLP_K_THREADS, 0, stream>>>(dst, src, idx, start, pos, rows, ucols, scale, shift,
-                                                              copy);
+        k_gather<T, 1, OUT><<<blocks, CMLP_K_THREADS, 0, stream>>>(dst, src, idx, start, pos, rows, ucols, scale,
+                                                                   shift, copy);
     return cudaGetLastError();
 }
 
 extern "C" cudaError_t cmlp_k_gather_u8(float *dst, const uint8_t *src, const int64_t *idx, int64_t start,
                                         const int64_t *pos, int64_t rows, int64_t cols, float scale, float shift,
                                         cudaStream_t stream) {
-    return gather(dst, src, idx, start, pos, rows, cols, scale, shift, 0, stream);
+    return gather<uint8_t, 0>(dst, src, idx, start, pos, rows, cols, scale, shift, 0, stream);
 }
 
 extern "C" cudaError_t cmlp_k_gather_f32(float *dst, const float *src, const int64_t *idx, int64_t start,
                                          const int64_t *pos, int64_t rows, int64_t cols, float scale, float shift,
                                          cudaStream_t stream) {
-    return gather(dst, src, idx, start, pos, rows, cols, scale, shift, scale == 1.0f && shift == 0.0f, stream);
+    return gather<float, 0>(dst, src, idx, start, pos, rows, cols, scale, shift, scale == 1.0f && shift == 0.0f,
+                            stream);
+}
+
+extern "C" cudaError_t cmlp_k_gather_half(uint16_t *dst, int bf16, const void *src, int src_u8, const int64_t *idx,
+                                          int64_t start, const int64_t *pos, int64_t rows, int64_t cols, float scale,
+                                          float shift, cudaStream_t stream) {
+    const int copy = !src_u8 && scale == 1.0f && shift == 0.0f;
+    if (src_u8) {
+        const uint8_t *s = static_cast<const uint8_t *>(src);
+        return bf16 ? gather<uint8_t, 2>(dst, s, idx, start, pos, rows, cols, scale, shift, copy, stream)
+                    : gather<uint8_t, 1>(dst, s, idx, start, pos, rows, cols, scale, shift, copy, stream);
+    }
+    const float *s = static_cast<const float *>(src);
+    return bf16 ? gather<float, 2>(dst, s, idx, start, pos, rows, cols, scale, shift, copy, stream)
+                : gather<float, 1>(dst, s, idx, start, pos, rows, cols, scale, shift, copy, stream);
 }
 
 __global__ void __launch_bounds__(CMLP_K_THREADS)

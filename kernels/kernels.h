@@ -68,6 +68,11 @@ cudaError_t cmlp_k_gather_u8(float *dst, const uint8_t *src, const int64_t *idx,
                              int64_t rows, int64_t cols, float scale, float shift, cudaStream_t stream);
 cudaError_t cmlp_k_gather_f32(float *dst, const float *src, const int64_t *idx, int64_t start, const int64_t *pos,
                               int64_t rows, int64_t cols, float scale, float shift, cudaStream_t stream);
+/* The same into fp16 (bf16 == 0) or bf16 storage: each value computed in float as above
+ * (src_u8: src is uint8, else float32), then rounded once to nearest even. */
+cudaError_t cmlp_k_gather_half(uint16_t *dst, int bf16, const void *src, int src_u8, const int64_t *idx, int64_t start,
+                               const int64_t *pos, int64_t rows, int64_t cols, float scale, float shift,
+                               cudaStream_t stream);
 /* dst[r] = src[i] for r < rows, i as above. */
 cudaError_t cmlp_k_gather_labels(int32_t *dst, const int32_t *src, const int64_t *idx, int64_t start,
                                  const int64_t *pos, int64_t rows, cudaStream_t stream);

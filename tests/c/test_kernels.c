@@ -284,6 +284,19 @@ static void test_gather(void) {
             CPU_CALL(cpu->gather_rows(NULL, F(cd), F(f32), CMLP_DTYPE_F32, cols, cip, cstart, NULL, rows, 1.0f, 0.0f));
             CHECK(first_diff(F(d), F(cd), rows * cols) < 0, "gather_f32 cols %lld variant %d", (long long)cols,
                   variant);
+            for (int bf = 0; bf < 2; bf++)
+                for (int src_u8 = 0; src_u8 < 2; src_u8++) {
+                    buf h = make(rows * cols, 2, off), ch = make(rows * cols, 2, 0);
+                    const void *src = src_u8 ? u8.p : f32.p;
+                    float sc = src_u8 ? scale : 1.0f, sh = src_u8 ? shift : 0.0f;
+                    KOK(cmlp_k_gather_half(h.p, bf, src, src_u8, ip, start, pp, rows, cols, sc, sh, S));
+                    CPU_CALL(cpu->gather_rows_half(NULL, ch.p, bf ? CMLP_DTYPE_BF16 : CMLP_DTYPE_F16, src,
+                                                   src_u8 ? CMLP_DTYPE_U8 : CMLP_DTYPE_F32, cols, cip, cstart, NULL,
+                                                   rows, sc, sh));
+                    CHECK(same_bits(h.p, ch.p, (size_t)(rows * cols) * 2), "gather_half cols %lld variant %d bf16 %d u8 %d",
+                          (long long)cols, variant, bf, src_u8);
+                    free(h.block), free(ch.block);
+                }
             KOK(cmlp_k_gather_labels(dl.p, lab.p, ip, start, pp, rows, S));
             CPU_CALL(cpu->gather_labels(NULL, cdl.p, lab.p, cip, cstart, NULL, rows));
             CHECK(same_bits(dl.p, cdl.p, (size_t)rows * 4), "gather_labels variant %d", variant);
