@@ -170,7 +170,7 @@ static cmlp_status cpu_gemm(void *ctx, int ta, int tb, int64_t m, int64_t n, int
 }
 
 typedef struct {
-    float *y;
+    float *y, *mdy; /* mdy: a gradient changed in place */
     const float *bias, *h, *dy;
     int64_t rows, cols;
     int relu;
@@ -228,6 +228,32 @@ static cmlp_status cpu_bias_grad(void *ctx, float *db, const float *dy, int64_t 
     (void)ctx;
     rows_args a = {.y = db, .dy = dy, .rows = rows, .cols = cols};
     cmlp_pool_for(cols, 16, rows > 0 ? MIN_PER_THREAD / rows + 1 : cols, bias_grad_cols, &a);
+    return CMLP_OK;
+}
+
+/* Columns [lo, hi) through the ReLU's backward, then summed over the rows in order: the bits of
+ * relu_backward followed by bias_grad, in one pass. */
+static void relu_bias_grad_cols(void *a, int64_t lo, int64_t hi) {
+    const rows_args *r = a;
+    float *restrict db = r->y;
+    for (int64_t i = 0; i < r->rows; i++) {
+        float *restrict row = r->mdy + i * r->cols;
+        const float *restrict h = r->h + i * r->cols;
+        for (int64_t c = lo; c < hi; c++) {
+            float v = h[c] > 0.0f ? row[c] : 0.0f;
+            row[c] = v;
+            db[c] += v;
+        }
+    }
+}
+
+static cmlp_status cpu_relu_backward_bias_grad(void *ctx, void *dy, const void *h, cmlp_dtype dtype, float *db,
+                                               int64_t rows, int64_t cols) {
+    (void)ctx;
+    if (dtype != CMLP_DTYPE_F32)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "the CPU backend keeps no gradients in half precision");
+    rows_args a = {.y = db, .mdy = dy, .h = h, .rows = rows, .cols = cols};
+    cmlp_pool_for(cols, 16, rows > 0 ? MIN_PER_THREAD / rows + 1 : cols, relu_bias_grad_cols, &a);
     return CMLP_OK;
 }
 
@@ -565,6 +591,7 @@ const cmlp_backend_i cmlp_backend_cpu = {
     .gemm = cpu_gemm,
     .bias_act = cpu_bias_act,
     .relu_backward = cpu_relu_backward,
+    .relu_backward_bias_grad = cpu_relu_backward_bias_grad,
     .bias_grad = cpu_bias_grad,
     .softmax_xent = cpu_softmax_xent,
     .stage_rows = cpu_stage_rows,

@@ -577,6 +577,14 @@ static cmlp_status cu_relu_backward(void *ctx, float *d_dy, const float *d_h, in
     return KERNEL(c, cmlp_k_relu_backward(d_dy, d_h, count, stream_of(c)));
 }
 
+static cmlp_status cu_relu_backward_bias_grad(void *ctx, void *d_dy, const void *d_h, cmlp_dtype dtype, float *d_db,
+                                              int64_t rows, int64_t cols) {
+    cuda_ctx *c = ctx;
+    CMLP_TRY_USE(c);
+    const int kind = dtype == CMLP_DTYPE_F32 ? 0 : dtype == CMLP_DTYPE_F16 ? 1 : 2;
+    return KERNEL(c, cmlp_k_relu_backward_bias_grad(d_dy, d_h, kind, d_db, rows, cols, stream_of(c)));
+}
+
 static cmlp_status cu_bias_grad(void *ctx, float *d_db, const float *d_dy, int64_t rows, int64_t cols) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
@@ -860,6 +868,7 @@ static const cmlp_backend_i backend = {
     .relu_backward_half = cu_relu_backward_half,
     .bias_act = cu_bias_act,
     .relu_backward = cu_relu_backward,
+    .relu_backward_bias_grad = cu_relu_backward_bias_grad,
     .bias_grad = cu_bias_grad,
     .softmax_xent = cu_softmax_xent,
     .stage_rows = cu_stage_rows,

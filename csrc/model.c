@@ -245,6 +245,7 @@ cmlp_status cmlp_model_fb_rows(cmlp_model *m, const float *input, const int32_t 
     int L = m->nlayers;
     CMLP_TRY(cmlp_model_forward_rows(m, input, n));
     float *cur = m->ws.dact[0], *other = m->ws.dact[1];
+    const bool fused = B(m)->relu_backward_bias_grad != NULL;
     CMLP_TRY(B(m)->softmax_xent(CTX(m), m->ws.act[L], labels, n, m->sizes[L], smoothing, w.value, w.d_weight, cur,
                                 d_loss, NULL));
     for (int l = L - 1; l >= 0; l--) {
@@ -252,11 +253,15 @@ cmlp_status cmlp_model_fb_rows(cmlp_model *m, const float *input, const int32_t 
         const float *a = l == 0 ? input : m->ws.act[l];
         /* dW [out, in] += dY^T [out, n] . A [n, in];  db += colsum(dY) */
         CMLP_TRY(B(m)->gemm(CTX(m), 1, 0, out, in, n, 1.0f, cur, out, a, in, 1.0f, m->grads + m->w_off[l], in));
-        CMLP_TRY(B(m)->bias_grad(CTX(m), m->grads + m->b_off[l], cur, n, out));
+        if (l == L - 1 || !fused) CMLP_TRY(B(m)->bias_grad(CTX(m), m->grads + m->b_off[l], cur, n, out));
         if (l == 0) break;
-        /* dA [n, in] = dY [n, out] . W [out, in], then through the ReLU that produced A */
+        /* dA [n, in] = dY [n, out] . W [out, in], then through the ReLU that produced A (and,
+         * fused, the bias gradient of the layer below from the same pass) */
         CMLP_TRY(B(m)->gemm(CTX(m), 0, 0, n, in, out, 1.0f, cur, out, m->params + m->w_off[l], in, 0.0f, other, in));
-        CMLP_TRY(B(m)->relu_backward(CTX(m), other, a, n * in));
+        if (fused)
+            CMLP_TRY(B(m)->relu_backward_bias_grad(CTX(m), other, a, CMLP_DTYPE_F32, m->grads + m->b_off[l - 1], n, in));
+        else
+            CMLP_TRY(B(m)->relu_backward(CTX(m), other, a, n * in));
         float *t = cur;
         cur = other;
         other = t;

@@ -206,10 +206,14 @@ static cmlp_status backward(cmlp_model *m, int64_t n) {
             const uint16_t *wh = m->params_h + m->w_off[l];
             CMLP_TRY(b->gemm_half(CTX(m), 1, 0, out, in, n, 1.0f, cur, out, al, in, dt, 1.0f, m->grads + m->w_off[l],
                                   CMLP_DTYPE_F32, in, NULL, 0));
-            CMLP_TRY(b->bias_grad_half(CTX(m), m->grads + m->b_off[l], cur, n, out, dt));
+            bool fused = b->relu_backward_bias_grad != NULL; /* the bias below comes with the mask */
+            if (l == L - 1 || !fused) CMLP_TRY(b->bias_grad_half(CTX(m), m->grads + m->b_off[l], cur, n, out, dt));
             if (l > 0) {
                 CMLP_TRY(b->gemm_half(CTX(m), 0, 0, n, in, out, 1.0f, cur, out, wh, in, dt, 0.0f, other, dt, in, NULL, 0));
-                CMLP_TRY(b->relu_backward_half(CTX(m), other, al, n * in, dt));
+                if (fused)
+                    CMLP_TRY(b->relu_backward_bias_grad(CTX(m), other, al, dt, m->grads + m->b_off[l - 1], n, in));
+                else
+                    CMLP_TRY(b->relu_backward_half(CTX(m), other, al, n * in, dt));
             }
         } else {
             CMLP_TRY(layer_weights(m, l));

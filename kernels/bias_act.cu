@@ -106,9 +106,28 @@ __device__ __forceinline__ float load_dy(const void *p, int64_t i) {
     return __bfloat162float(__ushort_as_bfloat16(b));
 }
 
-template <int KIND>
+/* With MASK, dy goes through the ReLU's backward first (dy = h > 0 ? dy : 0, as the ReLU
+ * backward kernels decide it: under DAZ for float, on the converted value for half), and the
+ * zeros are written back; the sums are of the masked values, in the same order. */
+template <int KIND, bool MASK>
+__device__ __forceinline__ float take_dy(void *dy, const void *h, int64_t i) {
+    const float v = load_dy<KIND>(dy, i);
+    if constexpr (MASK) {
+        bool keep;
+        if constexpr (KIND == 0) keep = f_gt(static_cast<const float *>(h)[i], 0.0f);
+        else keep = load_dy<KIND>(h, i) > 0.0f;
+        if (!keep) {
+            if constexpr (KIND == 0) static_cast<float *>(dy)[i] = 0.0f;
+            else static_cast<uint16_t *>(dy)[i] = 0;
+            return 0.0f;
+        }
+    }
+    return v;
+}
+
+template <int KIND, bool MASK>
 __global__ void __launch_bounds__(BIAS_GRAD_THREADS)
-k_bias_grad(float *db, const void *dy, int64_t rows, int64_t cols, int64_t tile_w) {
+k_bias_grad(float *db, void *dy, const void *h, int64_t rows, int64_t cols, int64_t tile_w) {
     __shared__ float part[BIAS_GRAD_THREADS];
     const int64_t ntiles = (cols + tile_w - 1) / tile_w;
     const int t = threadIdx.x;
@@ -122,17 +141,18 @@ k_bias_grad(float *db, const void *dy, int64_t rows, int64_t cols, int64_t tile_
             int64_t r = g;
             /* four loads in flight, added in row order */
             for (; r + 3 * (int64_t)G < rows; r += 4 * (int64_t)G) {
-                const float a0 = load_dy<KIND>(dy, r * cols + col), a1 = load_dy<KIND>(dy, (r + G) * cols + col);
-                const float a2 = load_dy<KIND>(dy, (r + 2 * (int64_t)G) * cols + col);
-                const float a3 = load_dy<KIND>(dy, (r + 3 * (int64_t)G) * cols + col);
+                const float a0 = take_dy<KIND, MASK>(dy, h, r * cols + col);
+                const float a1 = take_dy<KIND, MASK>(dy, h, (r + G) * cols + col);
+                const float a2 = take_dy<KIND, MASK>(dy, h, (r + 2 * (int64_t)G) * cols + col);
+                const float a3 = take_dy<KIND, MASK>(dy, h, (r + 3 * (int64_t)G) * cols + col);
                 acc = f_add(f_add(f_add(f_add(acc, a0), a1), a2), a3);
             }
-            for (; r < rows; r += G) acc = f_add(acc, load_dy<KIND>(dy, r * cols + col));
+            for (; r < rows; r += G) acc = f_add(acc, take_dy<KIND, MASK>(dy, h, r * cols + col));
         }
         part[t] = acc;
         __syncthreads();
-        for (int h = 1; h < G; h *= 2) {
-            if (g < G && g % (2 * h) == 0 && g + h < G) part[t] = f_add(part[t], part[t + h * w]);
+        for (int hop = 1; hop < G; hop *= 2) {
+            if (g < G && g % (2 * hop) == 0 && g + hop < G) part[t] = f_add(part[t], part[t + hop * w]);
             __syncthreads();
         }
         if (t < w) db[c0 + t] = f_add(db[c0 + t], part[t]);
@@ -140,7 +160,15 @@ k_bias_grad(float *db, const void *dy, int64_t rows, int64_t cols, int64_t tile_
     }
 }
 
-static cudaError_t bias_grad(float *db, const void *dy, int kind, int64_t rows, int64_t cols, cudaStream_t stream) {
+template <int KIND, bool MASK>
+static void launch_bias_grad(unsigned int blocks, float *db, void *dy, const void *h, int64_t rows, int64_t cols,
+                             int64_t w, cudaStream_t stream) {
+    k_bias_grad<KIND, MASK><<<blocks, BIAS_GRAD_THREADS, 0, stream>>>(db, dy, h, rows, cols, w);
+}
+
+/* kind: 0 float, 1 fp16, 2 bf16; h: the ReLU's output when dy is to be masked first */
+static cudaError_t bias_grad(float *db, void *dy, const void *h, int kind, int64_t rows, int64_t cols,
+                             cudaStream_t stream) {
     if (rows < 0 || cols < 0) return cudaErrorInvalidValue;
     if (rows == 0 || cols == 0) return cudaSuccess;
     int64_t w = cols;
@@ -150,20 +178,32 @@ static cudaError_t bias_grad(float *db, const void *dy, int kind, int64_t rows, 
     }
     const int64_t ntiles = (cols + w - 1) / w;
     const unsigned int blocks = (unsigned int)(ntiles < CMLP_K_MAX_BLOCKS ? ntiles : CMLP_K_MAX_BLOCKS);
-    if (kind == 0) k_bias_grad<0><<<blocks, BIAS_GRAD_THREADS, 0, stream>>>(db, dy, rows, cols, w);
-    else if (kind == 1) k_bias_grad<1><<<blocks, BIAS_GRAD_THREADS, 0, stream>>>(db, dy, rows, cols, w);
-    else k_bias_grad<2><<<blocks, BIAS_GRAD_THREADS, 0, stream>>>(db, dy, rows, cols, w);
+    if (h) {
+        if (kind == 0) launch_bias_grad<0, true>(blocks, db, dy, h, rows, cols, w, stream);
+        else if (kind == 1) launch_bias_grad<1, true>(blocks, db, dy, h, rows, cols, w, stream);
+        else launch_bias_grad<2, true>(blocks, db, dy, h, rows, cols, w, stream);
+    } else {
+        if (kind == 0) launch_bias_grad<0, false>(blocks, db, dy, h, rows, cols, w, stream);
+        else if (kind == 1) launch_bias_grad<1, false>(blocks, db, dy, h, rows, cols, w, stream);
+        else launch_bias_grad<2, false>(blocks, db, dy, h, rows, cols, w, stream);
+    }
     return cudaGetLastError();
 }
 
 extern "C" cudaError_t cmlp_k_bias_grad(float *db, const float *dy, int64_t rows, int64_t cols,
                                         cudaStream_t stream) {
-    return bias_grad(db, dy, 0, rows, cols, stream);
+    return bias_grad(db, const_cast<float *>(dy), NULL, 0, rows, cols, stream);
 }
 
 extern "C" cudaError_t cmlp_k_bias_grad_half(float *db, const uint16_t *dy, int64_t rows, int64_t cols, int bf16,
                                              cudaStream_t stream) {
-    return bias_grad(db, dy, bf16 ? 2 : 1, rows, cols, stream);
+    return bias_grad(db, const_cast<uint16_t *>(dy), NULL, bf16 ? 2 : 1, rows, cols, stream);
+}
+
+extern "C" cudaError_t cmlp_k_relu_backward_bias_grad(void *dy, const void *h, int kind, float *db, int64_t rows,
+                                                      int64_t cols, cudaStream_t stream) {
+    if (kind < 0 || kind > 2 || !h) return cudaErrorInvalidValue;
+    return bias_grad(db, dy, h, kind, rows, cols, stream);
 }
 
 /* ---- ReLU backward in half precision: dy[i] = h[i] > 0 ? dy[i] : 0 on fp16 / bf16 bits ---- */

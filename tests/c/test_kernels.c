@@ -188,6 +188,54 @@ static void test_relu_backward_half(void) {
         }
 }
 
+/* The fused ReLU backward and bias gradient: the bits of the two kernels run one after the
+ * other, in float and both half formats; and in float the CPU backend's fused op agrees. */
+static void test_relu_backward_bias_grad(void) {
+    static const int64_t R[] = {1, 3, 31, 64, 300}, C[] = {1, 2, 5, 33, 100, 512};
+    for (int ri = 0; ri < 5; ri++)
+        for (int ci = 0; ci < 6; ci++)
+            for (int kind = 0; kind < 3; kind++) {
+                int64_t rows = R[ri], cols = C[ci], n = rows * cols;
+                size_t es = kind ? 2 : 4;
+                buf dy = make(n, es, 0), dy2 = make(n, es, 0), h = make(n, es, 0);
+                buf db = make(cols, 4, 0), db2 = make(cols, 4, 0), cdy = make(n, 4, 0), cdb = make(cols, 4, 0);
+                float *v = malloc((size_t)n * 4), *hv = malloc((size_t)n * 4);
+                fill(v, n, kind == 0);
+                fill(hv, n, 1);
+                if (kind == 0) memcpy(dy.p, v, (size_t)n * 4), memcpy(h.p, hv, (size_t)n * 4);
+                if (kind == 1) cmlp_f32_to_f16(dy.p, v, n), cmlp_f32_to_f16(h.p, hv, n);
+                if (kind == 2) cmlp_f32_to_bf16(dy.p, v, n), cmlp_f32_to_bf16(h.p, hv, n);
+                memcpy(dy2.p, dy.p, (size_t)n * es);
+                fill(F(db), cols, 0);
+                memcpy(F(db2), F(db), (size_t)cols * 4);
+                memcpy(F(cdb), F(db), (size_t)cols * 4);
+                KOK(cmlp_k_relu_backward_bias_grad(dy.p, h.p, kind, F(db), rows, cols, S));
+                if (kind == 0) {
+                    KOK(cmlp_k_relu_backward(F(dy2), F(h), n, S));
+                    KOK(cmlp_k_bias_grad(F(db2), F(dy2), rows, cols, S));
+                    memcpy(F(cdy), v, (size_t)n * 4);
+                    CPU_CALL(cpu->relu_backward_bias_grad(NULL, F(cdy), F(h), CMLP_DTYPE_F32, F(cdb), rows, cols));
+                    CHECK(first_diff(F(dy), F(cdy), n) < 0, "fused relu/bias grad %lldx%lld: dy differs from the CPU's",
+                          (long long)rows, (long long)cols);
+                    int bad = -1;
+                    for (int64_t c = 0; c < cols && bad < 0; c++)
+                        if (fabsf(F(db)[c] - F(cdb)[c]) > 1e-5f * (1.0f + fabsf(F(cdb)[c]))) bad = (int)c;
+                    CHECK(bad < 0, "fused relu/bias grad %lldx%lld: db[%d] far from the CPU's", (long long)rows,
+                          (long long)cols, bad);
+                } else {
+                    KOK(cmlp_k_relu_backward_half(dy2.p, h.p, n, kind == 2, S));
+                    KOK(cmlp_k_bias_grad_half(F(db2), dy2.p, rows, cols, kind == 2, S));
+                }
+                CHECK(same_bits(dy.p, dy2.p, (size_t)n * es) && same_bits(F(db), F(db2), (size_t)cols * 4),
+                      "fused relu/bias grad %lldx%lld kind %d differs from the two kernels", (long long)rows,
+                      (long long)cols, kind);
+                free(dy.block), free(dy2.block), free(h.block), free(db.block), free(db2.block), free(cdy.block);
+                free(cdb.block), free(v), free(hv);
+            }
+    float x = 0;
+    CHECK(cmlp_k_relu_backward_bias_grad(&x, NULL, 0, &x, 1, 1, S) == cudaErrorInvalidValue, "fused without h");
+}
+
 /* ---- loss.cu ---- */
 
 static void test_softmax_xent(void) {
@@ -481,6 +529,7 @@ int main(void) {
     test_relu_backward();
     test_bias_grad();
     test_relu_backward_half();
+    test_relu_backward_bias_grad();
     test_softmax_xent();
     test_gather();
     test_adam();
