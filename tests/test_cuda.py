@@ -36,6 +36,9 @@ in odd sizes that a norm would average away):
 
 Run on a GPU machine after `CMLP_CUDA=1 python3 setup.py build_ext --inplace`:
     PYTHONPATH=python python3 -m pytest -q tests/test_cuda.py
+With CMLP_TEST_CUDA_DEVICE=cpu the tests run with the CPU standing in for the GPU: a dry run of
+the tests' own code on a machine without one (tests/test_cuda_dry_run.py), whose comparisons
+hold trivially; tests about CUDA itself are skipped there.
 """
 import gc
 import json
@@ -59,11 +62,14 @@ os.environ.pop("CMLP_ALLOW_TF32", None)
 
 M = cmlp.memory
 MIB = 1 << 20
-GPU = cmlp.cuda.is_available()
+CUDA = os.environ.get("CMLP_TEST_CUDA_DEVICE", "cuda")  # "cpu": a dry run without a GPU
+DRY_RUN = CUDA == "cpu"
+GPU = DRY_RUN or cmlp.cuda.is_available()
 _WHY = ("this build of cmlp has no CUDA backend (build with CMLP_CUDA=1)"
         if not cmlp.build_info().get("cuda_compiled") else "cmlp finds no usable GPU on this machine")
 needs_gpu = pytest.mark.skipif(not GPU, reason=f"needs a GPU; cmlp.cuda.is_available() is False: {_WHY}")
-CUDA = "cuda"
+needs_cuda = pytest.mark.skipif(DRY_RUN or not GPU, reason="about CUDA itself: needs a GPU, not a stand-in")
+DEVICE_NAME = "cpu" if DRY_RUN else "cuda:0"  # what a model on CUDA reports
 REPO_PYTHON = os.path.dirname(os.path.dirname(os.path.abspath(cmlp.__file__)))
 
 TOL = 1e-5  # fp32, GPU vs CPU
@@ -207,7 +213,7 @@ def test_unknown_device_strings_are_value_errors():
 
 # ---------------------------------------------------------------- devices
 
-@needs_gpu
+@needs_cuda
 def test_device_queries_and_names():
     count = cmlp.cuda.device_count()
     assert count >= 1
@@ -270,7 +276,7 @@ def test_save_and_load_onto_the_gpu(tmp_path):
     path = tmp_path / "m.npz"
     cpu.save(path)
     gpu = cmlp.MLP.load(path, device=CUDA)
-    assert gpu.device == "cuda:0" and same(gpu.state_dict(), cpu.state_dict())
+    assert gpu.device == DEVICE_NAME and same(gpu.state_dict(), cpu.state_dict())
     gpu.save(tmp_path / "g.npz")
     assert same(cmlp.MLP.load(tmp_path / "g.npz").state_dict(), cpu.state_dict())
 
@@ -593,13 +599,13 @@ def test_graph_switch_on_and_off_give_identical_training(amp):
 
 
 _GRAPHS_SCRIPT = r"""
-import hashlib, json, sys
+import hashlib, json, os, sys
 import numpy as np
 import cmlp
 rng = np.random.default_rng(2)
 x = rng.integers(0, 256, (64 * 8 + 5, 784), dtype=np.uint8)
 y = rng.integers(0, 10, 64 * 8 + 5)
-model = cmlp.MLP([784, 512, 256, 10], device="cuda", seed=0)
+model = cmlp.MLP([784, 512, 256, 10], device=os.environ.get("CMLP_TEST_CUDA_DEVICE", "cuda"), seed=0)
 trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=64, amp=sys.argv[1] or None, seed=1)
 h = trainer.fit(x, y, epochs=3, progress=False)
 w = b"".join(v.tobytes() for v in model.state_dict().values())
@@ -842,26 +848,27 @@ def test_steady_state_steps_allocate_nothing(amp):
 # One planned configuration per line, run in a fresh interpreter (a clean GPU allocator), as
 # tests/test_planner.py does on the CPU.
 _PLAN_RUN = r'''
-import gc, json, sys
+import gc, json, os, sys
 import numpy as np
 import cmlp
 M = cmlp.memory
+DEV = os.environ.get("CMLP_TEST_CUDA_DEVICE", "cuda")
 for layers, batch, amp in json.loads(sys.argv[1]):
     rng = np.random.default_rng(batch)
     x = rng.standard_normal((2 * batch, layers[0]), dtype=np.float32)
     y = rng.integers(0, layers[-1], 2 * batch)
     gc.collect()
-    M.empty_cache("cuda")
-    base = M.memory_stats("cuda")
-    M.reset_peak_memory_stats("cuda")
-    model = cmlp.MLP(layers, device="cuda", seed=0)
+    M.empty_cache(DEV)
+    base = M.memory_stats(DEV)
+    M.reset_peak_memory_stats(DEV)
+    model = cmlp.MLP(layers, device=DEV, seed=0)
     opt = cmlp.optim.Adam(model, lr=1e-3)
     cmlp.Trainer(model, opt, batch_size=batch, amp=amp, shuffle=False).fit(x, y, epochs=1, progress=False)
-    s = M.memory_stats("cuda")
-    p = M.plan(layers, batch, opt, amp, device="cuda")
+    s = M.memory_stats(DEV)
+    p = M.plan(layers, batch, opt, amp, device=DEV)
     # fit keeps the epoch's data set on the GPU (x as given, y as int32; no order without shuffling),
     # which the plan of a model does not count
-    data = sum((n + 511) // 512 * 512 for n in (x.nbytes, 4 * len(y)))
+    data = sum((n + 511) // 512 * 512 for n in (x.nbytes, 4 * len(y))) if DEV != "cpu" else 0  # (the CPU reads it in place)
     print(json.dumps({"cfg": [layers, batch, amp], "planned": p.peak_bytes,
                       "measured": s["allocated_bytes.all.peak"] - base["allocated_bytes.all.current"] - data,
                       "breakdown": p.breakdown}), flush=True)
