@@ -553,7 +553,8 @@ static cmlp_status cu_bias_grad_half(void *ctx, float *d_db, const uint16_t *d_d
                                      cmlp_dtype dtype) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_bias_grad_half(d_db, d_dy, rows, cols, dtype == CMLP_DTYPE_BF16, stream_of(c)));
+    return KERNEL(c, cmlp_k_bias_grad_half(d_db, d_dy, rows, cols, dtype == CMLP_DTYPE_BF16, c->ws, c->ws_bytes,
+                                           stream_of(c)));
 }
 
 static cmlp_status cu_relu_backward_half(void *ctx, uint16_t *d_dy, const uint16_t *d_h, int64_t count,
@@ -582,13 +583,14 @@ static cmlp_status cu_relu_backward_bias_grad(void *ctx, void *d_dy, const void 
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
     const int kind = dtype == CMLP_DTYPE_F32 ? 0 : dtype == CMLP_DTYPE_F16 ? 1 : 2;
-    return KERNEL(c, cmlp_k_relu_backward_bias_grad(d_dy, d_h, kind, d_db, rows, cols, stream_of(c)));
+    return KERNEL(c, cmlp_k_relu_backward_bias_grad(d_dy, d_h, kind, d_db, rows, cols, c->ws, c->ws_bytes,
+                                                    stream_of(c)));
 }
 
 static cmlp_status cu_bias_grad(void *ctx, float *d_db, const float *d_dy, int64_t rows, int64_t cols) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_bias_grad(d_db, d_dy, rows, cols, stream_of(c)));
+    return KERNEL(c, cmlp_k_bias_grad(d_db, d_dy, rows, cols, c->ws, c->ws_bytes, stream_of(c)));
 }
 
 static cmlp_status cu_softmax_xent(void *ctx, const float *d_logits, const int32_t *d_labels, int64_t rows,

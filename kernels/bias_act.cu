@@ -90,10 +90,13 @@ extern "C" cudaError_t cmlp_k_relu_backward(float *dy, const float *h, int64_t n
 
 /* ---- bias gradient ----
  * No atomics: one block owns a tile of w adjacent columns (w = cols when cols <= 32, else 32,
- * 16 or 8, narrower when that gives the GPU more blocks). Its threads form G = blockDim / w row
- * groups, consecutive threads on consecutive columns (then on the next row), so a warp reads
- * contiguous memory. Group g sums rows g, g + G, g + 2G, ... in order; the groups are then
- * combined by a fixed pairwise tree in shared memory. The order depends only on (rows, cols). */
+ * 16 or 8, narrower when that gives the GPU more blocks) and a range of rows. Its threads form
+ * G = blockDim / w row groups, consecutive threads on consecutive columns (then on the next
+ * row), so a warp reads contiguous memory. Group g sums rows r0 + g, r0 + g + G, ... of its
+ * range in order; the groups are then combined by a fixed pairwise tree in shared memory.
+ * Where the tiles alone give the GPU too few blocks (a tall matrix: a large batch), the rows are
+ * split into S ranges whose sums go to scratch and are added in range order by a second
+ * kernel. S depends only on (rows, cols) and the scratch's size, and so does the order. */
 
 #define BIAS_GRAD_THREADS 512
 
@@ -127,9 +130,12 @@ __device__ __forceinline__ float take_dy(void *dy, const void *h, int64_t i) {
 
 template <int KIND, bool MASK>
 __global__ void __launch_bounds__(BIAS_GRAD_THREADS)
-k_bias_grad(float *db, void *dy, const void *h, int64_t rows, int64_t cols, int64_t tile_w) {
+k_bias_grad(float *db, float *partial, void *dy, const void *h, int64_t rows, int64_t cols, int64_t tile_w,
+            int64_t rows_per_split) {
     __shared__ float part[BIAS_GRAD_THREADS];
     const int64_t ntiles = (cols + tile_w - 1) / tile_w;
+    const int64_t r0 = (int64_t)blockIdx.y * rows_per_split;
+    const int64_t r1 = rows - r0 < rows_per_split ? rows : r0 + rows_per_split;
     const int t = threadIdx.x;
     for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
         const int64_t c0 = tile * tile_w;
@@ -138,16 +144,16 @@ k_bias_grad(float *db, void *dy, const void *h, int64_t rows, int64_t cols, int6
         float acc = 0.0f;
         if (g < G) {
             const int64_t col = c0 + cw;
-            int64_t r = g;
+            int64_t r = r0 + g;
             /* four loads in flight, added in row order */
-            for (; r + 3 * (int64_t)G < rows; r += 4 * (int64_t)G) {
+            for (; r + 3 * (int64_t)G < r1; r += 4 * (int64_t)G) {
                 const float a0 = take_dy<KIND, MASK>(dy, h, r * cols + col);
                 const float a1 = take_dy<KIND, MASK>(dy, h, (r + G) * cols + col);
                 const float a2 = take_dy<KIND, MASK>(dy, h, (r + 2 * (int64_t)G) * cols + col);
                 const float a3 = take_dy<KIND, MASK>(dy, h, (r + 3 * (int64_t)G) * cols + col);
                 acc = f_add(f_add(f_add(f_add(acc, a0), a1), a2), a3);
             }
-            for (; r < rows; r += G) acc = f_add(acc, take_dy<KIND, MASK>(dy, h, r * cols + col));
+            for (; r < r1; r += G) acc = f_add(acc, take_dy<KIND, MASK>(dy, h, r * cols + col));
         }
         part[t] = acc;
         __syncthreads();
@@ -155,20 +161,35 @@ k_bias_grad(float *db, void *dy, const void *h, int64_t rows, int64_t cols, int6
             if (g < G && g % (2 * hop) == 0 && g + hop < G) part[t] = f_add(part[t], part[t + hop * w]);
             __syncthreads();
         }
-        if (t < w) db[c0 + t] = f_add(db[c0 + t], part[t]);
+        if (t < w) {
+            if (partial) partial[(int64_t)blockIdx.y * cols + c0 + t] = part[t];
+            else db[c0 + t] = f_add(db[c0 + t], part[t]);
+        }
         __syncthreads(); /* part is reused by the next tile */
     }
 }
 
-template <int KIND, bool MASK>
-static void launch_bias_grad(unsigned int blocks, float *db, void *dy, const void *h, int64_t rows, int64_t cols,
-                             int64_t w, cudaStream_t stream) {
-    k_bias_grad<KIND, MASK><<<blocks, BIAS_GRAD_THREADS, 0, stream>>>(db, dy, h, rows, cols, w);
+/* db[c] += the S partial sums of column c, in range order. */
+__global__ void __launch_bounds__(CMLP_K_THREADS)
+k_bias_grad_combine(float *db, const float *partial, int64_t splits, int64_t cols) {
+    for (int64_t c = cmlp_tid(); c < cols; c += cmlp_nthreads()) {
+        float acc = 0.0f;
+        for (int64_t s = 0; s < splits; s++) acc = f_add(acc, partial[s * cols + c]);
+        db[c] = f_add(db[c], acc);
+    }
 }
 
+template <int KIND, bool MASK>
+static void launch_bias_grad(dim3 grid, float *db, float *partial, void *dy, const void *h, int64_t rows, int64_t cols,
+                             int64_t w, int64_t rows_per_split, cudaStream_t stream) {
+    k_bias_grad<KIND, MASK><<<grid, BIAS_GRAD_THREADS, 0, stream>>>(db, partial, dy, h, rows, cols, w, rows_per_split);
+}
+
+#define BIAS_GRAD_TARGET_BLOCKS 512 /* about 4 blocks of 512 threads per SM of a large GPU */
+
 /* kind: 0 float, 1 fp16, 2 bf16; h: the ReLU's output when dy is to be masked first */
-static cudaError_t bias_grad(float *db, void *dy, const void *h, int kind, int64_t rows, int64_t cols,
-                             cudaStream_t stream) {
+static cudaError_t bias_grad(float *db, void *dy, const void *h, int kind, int64_t rows, int64_t cols, float *scratch,
+                             size_t scratch_bytes, cudaStream_t stream) {
     if (rows < 0 || cols < 0) return cudaErrorInvalidValue;
     if (rows == 0 || cols == 0) return cudaSuccess;
     int64_t w = cols;
@@ -176,34 +197,56 @@ static cudaError_t bias_grad(float *db, void *dy, const void *h, int kind, int64
         w = 32;
         while (w > 8 && (cols + w - 1) / w < 128) w /= 2;
     }
-    const int64_t ntiles = (cols + w - 1) / w;
-    const unsigned int blocks = (unsigned int)(ntiles < CMLP_K_MAX_BLOCKS ? ntiles : CMLP_K_MAX_BLOCKS);
+    const int64_t ntiles = (cols + w - 1) / w, G = BIAS_GRAD_THREADS / w;
+    const int64_t bx = ntiles < CMLP_K_MAX_BLOCKS ? ntiles : CMLP_K_MAX_BLOCKS;
+    /* row ranges: enough blocks for the GPU, each range at least 8 rows per group, within the
+     * scratch and the grid's second dimension */
+    int64_t splits = 1;
+    if (scratch && bx < BIAS_GRAD_TARGET_BLOCKS) {
+        splits = BIAS_GRAD_TARGET_BLOCKS / bx;
+        const int64_t by_rows = rows / (8 * G), by_scratch = (int64_t)(scratch_bytes / sizeof(float)) / cols;
+        if (splits > by_rows) splits = by_rows;
+        if (splits > by_scratch) splits = by_scratch;
+        if (splits > 65535) splits = 65535;
+        if (splits < 1) splits = 1;
+    }
+    const int64_t per = (rows + splits - 1) / splits;
+    splits = (rows + per - 1) / per; /* no empty range */
+    float *partial = splits > 1 ? scratch : NULL;
+    const dim3 grid((unsigned int)bx, (unsigned int)splits);
     if (h) {
-        if (kind == 0) launch_bias_grad<0, true>(blocks, db, dy, h, rows, cols, w, stream);
-        else if (kind == 1) launch_bias_grad<1, true>(blocks, db, dy, h, rows, cols, w, stream);
-        else launch_bias_grad<2, true>(blocks, db, dy, h, rows, cols, w, stream);
+        if (kind == 0) launch_bias_grad<0, true>(grid, db, partial, dy, h, rows, cols, w, per, stream);
+        else if (kind == 1) launch_bias_grad<1, true>(grid, db, partial, dy, h, rows, cols, w, per, stream);
+        else launch_bias_grad<2, true>(grid, db, partial, dy, h, rows, cols, w, per, stream);
     } else {
-        if (kind == 0) launch_bias_grad<0, false>(blocks, db, dy, h, rows, cols, w, stream);
-        else if (kind == 1) launch_bias_grad<1, false>(blocks, db, dy, h, rows, cols, w, stream);
-        else launch_bias_grad<2, false>(blocks, db, dy, h, rows, cols, w, stream);
+        if (kind == 0) launch_bias_grad<0, false>(grid, db, partial, dy, h, rows, cols, w, per, stream);
+        else if (kind == 1) launch_bias_grad<1, false>(grid, db, partial, dy, h, rows, cols, w, per, stream);
+        else launch_bias_grad<2, false>(grid, db, partial, dy, h, rows, cols, w, per, stream);
+    }
+    if (partial) {
+        const cudaError_t e = cudaGetLastError();
+        if (e != cudaSuccess) return e;
+        k_bias_grad_combine<<<cmlp_k_blocks(cols, CMLP_K_THREADS), CMLP_K_THREADS, 0, stream>>>(db, partial, splits,
+                                                                                                 cols);
     }
     return cudaGetLastError();
 }
 
-extern "C" cudaError_t cmlp_k_bias_grad(float *db, const float *dy, int64_t rows, int64_t cols,
-                                        cudaStream_t stream) {
-    return bias_grad(db, const_cast<float *>(dy), NULL, 0, rows, cols, stream);
+extern "C" cudaError_t cmlp_k_bias_grad(float *db, const float *dy, int64_t rows, int64_t cols, float *scratch,
+                                        size_t scratch_bytes, cudaStream_t stream) {
+    return bias_grad(db, const_cast<float *>(dy), NULL, 0, rows, cols, scratch, scratch_bytes, stream);
 }
 
 extern "C" cudaError_t cmlp_k_bias_grad_half(float *db, const uint16_t *dy, int64_t rows, int64_t cols, int bf16,
-                                             cudaStream_t stream) {
-    return bias_grad(db, const_cast<uint16_t *>(dy), NULL, bf16 ? 2 : 1, rows, cols, stream);
+                                             float *scratch, size_t scratch_bytes, cudaStream_t stream) {
+    return bias_grad(db, const_cast<uint16_t *>(dy), NULL, bf16 ? 2 : 1, rows, cols, scratch, scratch_bytes, stream);
 }
 
 extern "C" cudaError_t cmlp_k_relu_backward_bias_grad(void *dy, const void *h, int kind, float *db, int64_t rows,
-                                                      int64_t cols, cudaStream_t stream) {
+                                                      int64_t cols, float *scratch, size_t scratch_bytes,
+                                                      cudaStream_t stream) {
     if (kind < 0 || kind > 2 || !h) return cudaErrorInvalidValue;
-    return bias_grad(db, dy, h, kind, rows, cols, stream);
+    return bias_grad(db, dy, h, kind, rows, cols, scratch, scratch_bytes, stream);
 }
 
 /* ---- ReLU backward in half precision: dy[i] = h[i] > 0 ? dy[i] : 0 on fp16 / bf16 bits ---- */

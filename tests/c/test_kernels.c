@@ -124,46 +124,57 @@ static void check_bias_grad(const float *db, const float *db0, const double *sum
     CHECK(bad < 0, "%s %lldx%lld: column %d", what, (long long)rows, (long long)cols, bad);
 }
 
+/* scratch for the row-split bias gradients: none, room for two ranges of a row, or plenty */
+static size_t scratch_bytes_of(int variant, int64_t cols) {
+    return variant == 0 ? 0 : variant == 1 ? (size_t)(2 * cols) * 4 : (size_t)1 << 20;
+}
+
 static void test_bias_grad(void) {
-    static const int64_t R[] = {1, 2, 3, 31, 64, 1000}, C[] = {1, 2, 5, 32, 33, 100, 512};
-    for (int ri = 0; ri < 6; ri++)
+    static const int64_t R[] = {1, 2, 3, 31, 64, 1000, 3000}, C[] = {1, 2, 5, 32, 33, 100, 512};
+    for (int ri = 0; ri < 7; ri++)
         for (int ci = 0; ci < 7; ci++)
-            for (int kind = 0; kind < 3; kind++) {
-                int64_t rows = R[ri], cols = C[ci], n = rows * cols;
-                buf dy = make(n, kind ? 2 : 4, 0), db = make(cols, 4, 0), db2 = make(cols, 4, 0),
-                    db0 = make(cols, 4, 0);
-                double *sum = calloc((size_t)cols, sizeof(double)), *mag = calloc((size_t)cols, sizeof(double));
-                float *vals = malloc((size_t)n * 4);
-                fill(vals, n, 0);
-                fill(F(db0), cols, 0);
-                if (kind == 1) cmlp_f32_to_f16(dy.p, vals, n), cmlp_f16_to_f32(vals, dy.p, n);
-                if (kind == 2) cmlp_f32_to_bf16(dy.p, vals, n), cmlp_bf16_to_f32(vals, dy.p, n);
-                if (kind == 0) memcpy(dy.p, vals, (size_t)n * 4);
-                for (int64_t r = 0; r < rows; r++)
-                    for (int64_t c = 0; c < cols; c++) {
-                        sum[c] += vals[r * cols + c];
-                        mag[c] += fabs(vals[r * cols + c]);
+            for (int kind = 0; kind < 3; kind++)
+                for (int sv = 0; sv < 3; sv++) {
+                    int64_t rows = R[ri], cols = C[ci], n = rows * cols;
+                    if (n > 400000 || (sv && rows < 1000)) continue; /* the emulator's time; splits need rows */
+                    size_t sb = scratch_bytes_of(sv, cols);
+                    float *scratch = sb ? malloc(sb) : NULL;
+                    buf dy = make(n, kind ? 2 : 4, 0), db = make(cols, 4, 0), db2 = make(cols, 4, 0),
+                        db0 = make(cols, 4, 0);
+                    double *sum = calloc((size_t)cols, sizeof(double)), *mag = calloc((size_t)cols, sizeof(double));
+                    float *vals = malloc((size_t)n * 4);
+                    fill(vals, n, 0);
+                    fill(F(db0), cols, 0);
+                    if (kind == 1) cmlp_f32_to_f16(dy.p, vals, n), cmlp_f16_to_f32(vals, dy.p, n);
+                    if (kind == 2) cmlp_f32_to_bf16(dy.p, vals, n), cmlp_bf16_to_f32(vals, dy.p, n);
+                    if (kind == 0) memcpy(dy.p, vals, (size_t)n * 4);
+                    for (int64_t r = 0; r < rows; r++)
+                        for (int64_t c = 0; c < cols; c++) {
+                            sum[c] += vals[r * cols + c];
+                            mag[c] += fabs(vals[r * cols + c]);
+                        }
+                    memcpy(F(db), F(db0), (size_t)cols * 4);
+                    memcpy(F(db2), F(db0), (size_t)cols * 4);
+                    if (kind == 0) {
+                        KOK(cmlp_k_bias_grad(F(db), F(dy), rows, cols, scratch, sb, S));
+                        KOK(cmlp_k_bias_grad(F(db2), F(dy), rows, cols, scratch, sb, S));
+                        if (sv == 0) { /* the CPU backend's own sums agree to the same tolerance */
+                            buf cdb = make(cols, 4, 0);
+                            memcpy(F(cdb), F(db0), (size_t)cols * 4);
+                            CPU_CALL(cpu->bias_grad(NULL, F(cdb), F(dy), rows, cols));
+                            check_bias_grad(F(cdb), F(db0), sum, mag, cols, "cpu bias_grad", rows);
+                            free(cdb.block);
+                        }
+                    } else {
+                        KOK(cmlp_k_bias_grad_half(F(db), dy.p, rows, cols, kind == 2, scratch, sb, S));
+                        KOK(cmlp_k_bias_grad_half(F(db2), dy.p, rows, cols, kind == 2, scratch, sb, S));
                     }
-                memcpy(F(db), F(db0), (size_t)cols * 4);
-                memcpy(F(db2), F(db0), (size_t)cols * 4);
-                if (kind == 0) {
-                    KOK(cmlp_k_bias_grad(F(db), F(dy), rows, cols, S));
-                    KOK(cmlp_k_bias_grad(F(db2), F(dy), rows, cols, S));
-                    /* the CPU backend's own sums agree to the same tolerance */
-                    buf cdb = make(cols, 4, 0);
-                    memcpy(F(cdb), F(db0), (size_t)cols * 4);
-                    CPU_CALL(cpu->bias_grad(NULL, F(cdb), F(dy), rows, cols));
-                    check_bias_grad(F(cdb), F(db0), sum, mag, cols, "cpu bias_grad", rows);
-                    free(cdb.block);
-                } else {
-                    KOK(cmlp_k_bias_grad_half(F(db), dy.p, rows, cols, kind == 2, S));
-                    KOK(cmlp_k_bias_grad_half(F(db2), dy.p, rows, cols, kind == 2, S));
+                    check_bias_grad(F(db), F(db0), sum, mag, cols, kind == 0 ? "bias_grad" : "bias_grad_half", rows);
+                    CHECK(same_bits(F(db), F(db2), (size_t)cols * 4), "bias_grad %lldx%lld scratch %d: not deterministic",
+                          (long long)rows, (long long)cols, sv);
+                    free(dy.block), free(db.block), free(db2.block), free(db0.block), free(sum), free(mag), free(vals);
+                    free(scratch);
                 }
-                check_bias_grad(F(db), F(db0), sum, mag, cols, kind == 0 ? "bias_grad" : "bias_grad_half", rows);
-                CHECK(same_bits(F(db), F(db2), (size_t)cols * 4), "bias_grad %lldx%lld: not deterministic",
-                      (long long)rows, (long long)cols);
-                free(dy.block), free(db.block), free(db2.block), free(db0.block), free(sum), free(mag), free(vals);
-            }
 }
 
 static void test_relu_backward_half(void) {
@@ -191,11 +202,14 @@ static void test_relu_backward_half(void) {
 /* The fused ReLU backward and bias gradient: the bits of the two kernels run one after the
  * other, in float and both half formats; and in float the CPU backend's fused op agrees. */
 static void test_relu_backward_bias_grad(void) {
-    static const int64_t R[] = {1, 3, 31, 64, 300}, C[] = {1, 2, 5, 33, 100, 512};
-    for (int ri = 0; ri < 5; ri++)
+    static const int64_t R[] = {1, 3, 31, 64, 300, 3000}, C[] = {1, 2, 5, 33, 100, 512};
+    for (int ri = 0; ri < 6; ri++)
         for (int ci = 0; ci < 6; ci++)
             for (int kind = 0; kind < 3; kind++) {
                 int64_t rows = R[ri], cols = C[ci], n = rows * cols;
+                if (n > 400000) continue;
+                size_t sb = scratch_bytes_of(ri == 5 ? 2 : 0, cols);
+                float *scratch = sb ? malloc(sb) : NULL;
                 size_t es = kind ? 2 : 4;
                 buf dy = make(n, es, 0), dy2 = make(n, es, 0), h = make(n, es, 0);
                 buf db = make(cols, 4, 0), db2 = make(cols, 4, 0), cdy = make(n, 4, 0), cdb = make(cols, 4, 0);
@@ -209,31 +223,34 @@ static void test_relu_backward_bias_grad(void) {
                 fill(F(db), cols, 0);
                 memcpy(F(db2), F(db), (size_t)cols * 4);
                 memcpy(F(cdb), F(db), (size_t)cols * 4);
-                KOK(cmlp_k_relu_backward_bias_grad(dy.p, h.p, kind, F(db), rows, cols, S));
+                KOK(cmlp_k_relu_backward_bias_grad(dy.p, h.p, kind, F(db), rows, cols, scratch, sb, S));
                 if (kind == 0) {
                     KOK(cmlp_k_relu_backward(F(dy2), F(h), n, S));
-                    KOK(cmlp_k_bias_grad(F(db2), F(dy2), rows, cols, S));
+                    KOK(cmlp_k_bias_grad(F(db2), F(dy2), rows, cols, scratch, sb, S));
                     memcpy(F(cdy), v, (size_t)n * 4);
                     CPU_CALL(cpu->relu_backward_bias_grad(NULL, F(cdy), F(h), CMLP_DTYPE_F32, F(cdb), rows, cols));
                     CHECK(first_diff(F(dy), F(cdy), n) < 0, "fused relu/bias grad %lldx%lld: dy differs from the CPU's",
                           (long long)rows, (long long)cols);
                     int bad = -1;
-                    for (int64_t c = 0; c < cols && bad < 0; c++)
-                        if (fabsf(F(db)[c] - F(cdb)[c]) > 1e-5f * (1.0f + fabsf(F(cdb)[c]))) bad = (int)c;
+                    for (int64_t c = 0; c < cols && bad < 0; c++) {
+                        double mag = fabs(F(cdb)[c]);
+                        for (int64_t r = 0; r < rows; r++) mag += fabs(v[r * cols + c]);
+                        if (fabs((double)F(db)[c] - F(cdb)[c]) > 1e-6 * mag + 1e-30) bad = (int)c;
+                    }
                     CHECK(bad < 0, "fused relu/bias grad %lldx%lld: db[%d] far from the CPU's", (long long)rows,
                           (long long)cols, bad);
                 } else {
                     KOK(cmlp_k_relu_backward_half(dy2.p, h.p, n, kind == 2, S));
-                    KOK(cmlp_k_bias_grad_half(F(db2), dy2.p, rows, cols, kind == 2, S));
+                    KOK(cmlp_k_bias_grad_half(F(db2), dy2.p, rows, cols, kind == 2, scratch, sb, S));
                 }
                 CHECK(same_bits(dy.p, dy2.p, (size_t)n * es) && same_bits(F(db), F(db2), (size_t)cols * 4),
                       "fused relu/bias grad %lldx%lld kind %d differs from the two kernels", (long long)rows,
                       (long long)cols, kind);
                 free(dy.block), free(dy2.block), free(h.block), free(db.block), free(db2.block), free(cdy.block);
-                free(cdb.block), free(v), free(hv);
+                free(cdb.block), free(v), free(hv), free(scratch);
             }
     float x = 0;
-    CHECK(cmlp_k_relu_backward_bias_grad(&x, NULL, 0, &x, 1, 1, S) == cudaErrorInvalidValue, "fused without h");
+    CHECK(cmlp_k_relu_backward_bias_grad(&x, NULL, 0, &x, 1, 1, NULL, 0, S) == cudaErrorInvalidValue, "fused without h");
 }
 
 /* ---- loss.cu ---- */
@@ -521,7 +538,7 @@ static void test_bad_counts(void) {
     CHECK(cmlp_k_relu_backward(&x, &x, -1, S) == cudaErrorInvalidValue, "negative count");
     CHECK(cmlp_k_bias_act(&x, &x, -1, 1, 0, S) == cudaErrorInvalidValue, "negative rows");
     KOK(cmlp_k_adam(&x, &x, &x, &x, 0, 0, 0, 0, 1, 1, 0, NULL, NULL, S));
-    KOK(cmlp_k_bias_grad(&x, &x, 0, 5, S));
+    KOK(cmlp_k_bias_grad(&x, &x, 0, 5, NULL, 0, S));
 }
 
 int main(void) {
