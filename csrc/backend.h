@@ -106,8 +106,6 @@ typedef struct cmlp_backend_i {
     cmlp_status (*gather_labels)(void *ctx, int32_t *d_dst, const int32_t *d_src,
                                  const int64_t *d_idx, int64_t start, const int64_t *d_pos,
                                  int64_t rows);
-    /* *d_x += v (one device integer). */
-    cmlp_status (*add_i64)(void *ctx, int64_t *d_x, int64_t v);
 
     /* Fused optimizers over flat buffers of n floats. Scalars precomputed by the core, or on the
      * device: when d_found_inf is not NULL and *d_found_inf != 0 the step changes nothing; Adam
@@ -120,11 +118,13 @@ typedef struct cmlp_backend_i {
     cmlp_status (*sgd)(void *ctx, float *d_p, const float *d_g, float *d_buf, int64_t n, float lr,
                        float momentum, float dampening, int nesterov, float weight_decay, int first,
                        const float *d_found_inf, const int64_t *d_step);
-    /* Before a step whose skip is decided on the device: unless *d_found_inf != 0,
-     * t = ++*d_step and, for Adam, d_coef = {lr / (1 - beta1^t), sqrt(1 - beta2^t)} (in double,
-     * rounded to float). */
+    /* Before a step whose skip is decided on the device: *d_pos += pos_add when d_pos is not
+     * NULL (the data position, which moves whether or not the step is skipped); then unless
+     * *d_found_inf != 0, t = ++*d_step and, for Adam, d_coef = {lr / (1 - beta1^t),
+     * sqrt(1 - beta2^t)} (in double, rounded to float). */
     cmlp_status (*optim_prepare)(void *ctx, int64_t *d_step, float *d_coef, const float *d_found_inf,
-                                 double lr, double beta1, double beta2, int adam);
+                                 double lr, double beta1, double beta2, int adam, int64_t *d_pos,
+                                 int64_t pos_add);
     /* Mixed precision. Conversions between fp32 and fp16/bf16 storage (dtype F16 or BF16). */
     cmlp_status (*to_half)(void *ctx, uint16_t *d_dst, const float *d_src, int64_t n, cmlp_dtype dtype);
     cmlp_status (*from_half)(void *ctx, float *d_dst, const uint16_t *d_src, int64_t n, cmlp_dtype dtype);

@@ -392,12 +392,6 @@ static cmlp_status cpu_gather_labels(void *ctx, int32_t *dst, const int32_t *src
     return cpu_stage_labels(ctx, dst, src, idx, start, rows);
 }
 
-static cmlp_status cpu_add_i64(void *ctx, int64_t *x, int64_t v) {
-    (void)ctx;
-    *x += v;
-    return CMLP_OK;
-}
-
 typedef struct {
     float *p, *m, *v, *buf;
     const float *g;
@@ -502,8 +496,9 @@ static cmlp_status cpu_from_half(void *ctx, float *dst, const uint16_t *src, int
 }
 
 static cmlp_status cpu_optim_prepare(void *ctx, int64_t *step, float *coef, const float *found_inf, double lr,
-                                     double beta1, double beta2, int adam) {
+                                     double beta1, double beta2, int adam, int64_t *pos, int64_t pos_add) {
     (void)ctx;
+    if (pos) *pos += pos_add;
     if (found_inf && *found_inf != 0.0f) return CMLP_OK;
     int64_t t = ++*step;
     if (adam) {
@@ -599,7 +594,6 @@ const cmlp_backend_i cmlp_backend_cpu = {
     .gather_rows = cpu_gather_rows,
     .gather_rows_half = cpu_gather_rows_half,
     .gather_labels = cpu_gather_labels,
-    .add_i64 = cpu_add_i64,
     .adam = cpu_adam,
     .sgd = cpu_sgd,
     .to_half = cpu_to_half,

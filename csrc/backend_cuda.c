@@ -707,12 +707,6 @@ static cmlp_status cu_gather_labels(void *ctx, int32_t *d_dst, const int32_t *d_
     return KERNEL(c, cmlp_k_gather_labels(d_dst, d_src, d_idx, start, d_pos, rows, stream_of(c)));
 }
 
-static cmlp_status cu_add_i64(void *ctx, int64_t *d_x, int64_t v) {
-    cuda_ctx *c = ctx;
-    CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_add_i64(d_x, v, stream_of(c)));
-}
-
 /* ---- optimizers and mixed precision ---- */
 
 static cmlp_status cu_adam(void *ctx, float *d_p, const float *d_g, float *d_m, float *d_v, int64_t n, float step_size,
@@ -734,10 +728,11 @@ static cmlp_status cu_sgd(void *ctx, float *d_p, const float *d_g, float *d_buf,
 }
 
 static cmlp_status cu_optim_prepare(void *ctx, int64_t *d_step, float *d_coef, const float *d_found_inf, double lr,
-                                    double beta1, double beta2, int adam) {
+                                    double beta1, double beta2, int adam, int64_t *d_pos, int64_t pos_add) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_optim_prepare(d_step, d_coef, d_found_inf, lr, beta1, beta2, adam, stream_of(c)));
+    return KERNEL(c, cmlp_k_optim_prepare(d_step, d_coef, d_found_inf, lr, beta1, beta2, adam, d_pos, pos_add,
+                                          stream_of(c)));
 }
 
 static cmlp_status cu_scale_update(void *ctx, float *d_scale, int32_t *d_tracker, const float *d_found_inf,
@@ -878,7 +873,6 @@ static const cmlp_backend_i backend = {
     .gather_rows = cu_gather_rows,
     .gather_rows_half = cu_gather_rows_half,
     .gather_labels = cu_gather_labels,
-    .add_i64 = cu_add_i64,
     .adam = cu_adam,
     .sgd = cu_sgd,
     .to_half = cu_to_half,

@@ -168,9 +168,11 @@ CMLP_HIDDEN cmlp_dtype cmlp_amp_dtype(cmlp_amp amp);
 CMLP_HIDDEN cmlp_status cmlp_rc_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, int64_t start, int64_t n,
                                    cmlp_gw w, float smoothing, double *d_loss);
 /* An optimizer step whose skip and step count live on the device (loss scaling): skipped
- * when *d_found_inf != 0; the host's step count is not moved (the caller reads d_step). */
+ * when *d_found_inf != 0; the host's step count is not moved (the caller reads d_step). When
+ * d_pos is not NULL, *d_pos += pos_add on the device (skipped step or not), once the
+ * optimizer's state exists. */
 CMLP_HIDDEN cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int64_t *d_step,
-                                               float *d_coef);
+                                               float *d_coef, int64_t *d_pos, int64_t pos_add);
 CMLP_HIDDEN void cmlp_optim_set_step(cmlp_optim *o, int64_t step);
 /* Moves whenever the optimizer's configuration or state buffer changes (a captured step that
  * baked them in is then stale). */

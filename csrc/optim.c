@@ -161,7 +161,7 @@ cmlp_status cmlp_optim_step(cmlp_optim *o) {
         cmlp_dscalars *ds;
         CMLP_TRY(cmlp_model_scalars(o->model, &ds));
         CMLP_TRY(o->dev->backend->copy_h2d(o->dev->bctx, &ds->step, &o->step, sizeof o->step));
-        CMLP_TRY(cmlp_optim_step_device(o, NULL, &ds->step, ds->coef));
+        CMLP_TRY(cmlp_optim_step_device(o, NULL, &ds->step, ds->coef, NULL, 0));
         o->step++;
         return CMLP_OK;
     }
@@ -197,7 +197,8 @@ cmlp_status cmlp_optim_get_buffer(const cmlp_optim *o, int i, float *host_out) {
     return o->dev->backend->copy_d2h(o->dev->bctx, host_out, o->state + (size_t)i * n, n * sizeof(float));
 }
 
-cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int64_t *d_step, float *d_coef) {
+cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int64_t *d_step, float *d_coef,
+                                   int64_t *d_pos, int64_t pos_add) {
     CMLP_TRY(check_model(o));
     bool first = o->state == NULL;
     CMLP_TRY(ensure_state(o));
@@ -208,8 +209,9 @@ cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int6
     bool adam = o->kind == CMLP_OPTIM_ADAM;
     cmlp_fpenv fe;
     cmlp_fpenv_enter(&fe);
-    cmlp_status st = adam ? b->optim_prepare(ctx, d_step, d_coef, d_found_inf, o->adam.lr, o->adam.beta1, o->adam.beta2, 1)
-                          : b->optim_prepare(ctx, d_step, d_coef, d_found_inf, o->sgd.lr, 0.0, 0.0, 0);
+    cmlp_status st = adam ? b->optim_prepare(ctx, d_step, d_coef, d_found_inf, o->adam.lr, o->adam.beta1,
+                                             o->adam.beta2, 1, d_pos, pos_add)
+                          : b->optim_prepare(ctx, d_step, d_coef, d_found_inf, o->sgd.lr, 0.0, 0.0, 0, d_pos, pos_add);
     if (st == CMLP_OK && adam) {
         const cmlp_adam_config *c = &o->adam;
         st = b->adam(ctx, m->params, m->grads, o->state, o->state + n, n, 0.0f, (float)c->beta1, (float)c->beta2, 1.0f,

@@ -219,15 +219,15 @@ static cmlp_status effective_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp
         CMLP_TRY(b->unscale(ctx, m->grads, m->nparams, 0.0f, &ds->scale, &ds->found_inf));
         found_inf = &ds->found_inf;
     }
-    CMLP_TRY(cmlp_optim_step_device(t->optim, found_inf, &ds->step, ds->coef));
+    /* the position moves with the optimizer's step count (one kernel): after the optimizer's
+     * state exists, so a step retried after running out of memory reads the same samples */
+    CMLP_TRY(cmlp_optim_step_device(t->optim, found_inf, &ds->step, ds->coef, xy->pos ? &ds->pos : NULL, n));
     if (t->scaler.enabled) {
         const cmlp_scaler_state *s = &t->scaler;
         CMLP_TRY(b->scale_update(ctx, &ds->scale, &ds->growth_tracker, &ds->found_inf, s->growth_factor,
                                  s->backoff_factor, (int32_t)s->growth_interval, &ds->skipped));
     }
-    /* last: a step retried after running out of memory (the optimizer's state is made on its
-     * first step) must read the same samples again */
-    return xy->pos ? b->add_i64(ctx, &ds->pos, n) : CMLP_OK;
+    return CMLP_OK;
 }
 
 static int optimizer_buffers(const cmlp_trainer *t) {

@@ -139,9 +139,3 @@ extern "C" cudaError_t cmlp_k_gather_labels(int32_t *dst, const int32_t *src, co
     return cudaGetLastError();
 }
 
-__global__ void k_add_i64(int64_t *x, int64_t v) { *x += v; }
-
-extern "C" cudaError_t cmlp_k_add_i64(int64_t *x, int64_t v, cudaStream_t stream) {
-    k_add_i64<<<1, 1, 0, stream>>>(x, v);
-    return cudaGetLastError();
-}

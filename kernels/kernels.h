@@ -86,8 +86,6 @@ cudaError_t cmlp_k_gather_half(uint16_t *dst, int bf16, const void *src, int src
 /* dst[r] = src[i] for r < rows, i as above. */
 cudaError_t cmlp_k_gather_labels(int32_t *dst, const int32_t *src, const int64_t *idx, int64_t start,
                                  const int64_t *pos, int64_t rows, cudaStream_t stream);
-/* One thread: *x += v. */
-cudaError_t cmlp_k_add_i64(int64_t *x, int64_t v, cudaStream_t stream);
 
 /* ---- optim.cu ---- */
 
@@ -107,11 +105,13 @@ cudaError_t cmlp_k_adam(float *p, const float *g, float *m, float *v, int64_t n,
 cudaError_t cmlp_k_sgd(float *p, const float *g, float *buf, int64_t n, float lr, float momentum, float dampening,
                        int nesterov, float weight_decay, int first, const float *found_inf, const int64_t *step,
                        cudaStream_t stream);
-/* One thread, before a step whose skip is decided on the device: unless *found_inf != 0
- * (found_inf may be NULL), t = ++*step and, for Adam (adam != 0), coef[0] = (float)(lr / (1 -
- * beta1^t)) and coef[1] = (float)sqrt(1 - beta2^t), in double as the host computes them. */
+/* One thread, before a step whose skip is decided on the device: *pos += pos_add when pos is
+ * not NULL (the data position, moved whether or not the step is skipped); then unless
+ * *found_inf != 0 (found_inf may be NULL), t = ++*step and, for Adam (adam != 0),
+ * coef[0] = (float)(lr / (1 - beta1^t)) and coef[1] = (float)sqrt(1 - beta2^t), in double as the
+ * host computes them. */
 cudaError_t cmlp_k_optim_prepare(int64_t *step, float *coef, const float *found_inf, double lr, double beta1,
-                                 double beta2, int adam, cudaStream_t stream);
+                                 double beta2, int adam, int64_t *pos, int64_t pos_add, cudaStream_t stream);
 
 /* ---- amp.cu ---- */
 

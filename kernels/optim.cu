@@ -156,7 +156,8 @@ extern "C" cudaError_t cmlp_k_sgd(float *p, const float *g, float *buf, int64_t 
 /* ---- the step count and Adam's bias corrections, on the device ---- */
 
 __global__ void k_optim_prepare(int64_t *step, float *coef, const float *found_inf, double lr, double beta1,
-                                double beta2, int adam) {
+                                double beta2, int adam, int64_t *pos, int64_t pos_add) {
+    if (pos) *pos += pos_add; /* the next step's samples, skipped step or not */
     if (found_inf && *found_inf != 0.0f) return;
     const int64_t t = ++*step;
     if (!adam) return;
@@ -166,7 +167,8 @@ __global__ void k_optim_prepare(int64_t *step, float *coef, const float *found_i
 }
 
 extern "C" cudaError_t cmlp_k_optim_prepare(int64_t *step, float *coef, const float *found_inf, double lr, double beta1,
-                                            double beta2, int adam, cudaStream_t stream) {
-    k_optim_prepare<<<1, 1, 0, stream>>>(step, coef, found_inf, lr, beta1, beta2, adam);
+                                            double beta2, int adam, int64_t *pos, int64_t pos_add,
+                                            cudaStream_t stream) {
+    k_optim_prepare<<<1, 1, 0, stream>>>(step, coef, found_inf, lr, beta1, beta2, adam, pos, pos_add);
     return cudaGetLastError();
 }

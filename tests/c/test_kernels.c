@@ -368,9 +368,6 @@ static void test_gather(void) {
             free(u8.block), free(f32.block), free(lab.block), free(idx.block), free(d.block), free(cd.block);
             free(dl.block), free(cdl.block);
         }
-    int64_t x = 40;
-    KOK(cmlp_k_add_i64(&x, 2, S));
-    CHECK(x == 42, "add_i64: %lld", (long long)x);
 }
 
 /* ---- optim.cu ---- */
@@ -429,15 +426,17 @@ static void test_sgd(void) {
 static void test_optim_prepare(void) {
     for (int adam = 0; adam < 2; adam++)
         for (int k = 0; k < 3; k++) {
-            int64_t step = k == 2 ? 12345 : k, cstep = step;
+            int64_t step = k == 2 ? 12345 : k, cstep = step, pos = 7, cpos = 7;
             float coef[2] = {-1, -1}, ccoef[2] = {-1, -1}, inf = 0.0f;
-            KOK(cmlp_k_optim_prepare(&step, coef, &inf, 3e-4, 0.9, 0.999, adam, S));
-            CPU_CALL(cpu->optim_prepare(NULL, &cstep, ccoef, &inf, 3e-4, 0.9, 0.999, adam));
-            CHECK(step == cstep && same_bits(coef, ccoef, sizeof coef), "optim_prepare adam %d step %lld", adam,
-                  (long long)step);
+            KOK(cmlp_k_optim_prepare(&step, coef, &inf, 3e-4, 0.9, 0.999, adam, &pos, 32, S));
+            CPU_CALL(cpu->optim_prepare(NULL, &cstep, ccoef, &inf, 3e-4, 0.9, 0.999, adam, &cpos, 32));
+            CHECK(step == cstep && same_bits(coef, ccoef, sizeof coef) && pos == 39 && cpos == 39,
+                  "optim_prepare adam %d step %lld pos %lld", adam, (long long)step, (long long)pos);
             inf = 1.0f;
-            KOK(cmlp_k_optim_prepare(&step, coef, &inf, 3e-4, 0.9, 0.999, adam, S));
-            CHECK(step == cstep, "optim_prepare counted a skipped step");
+            KOK(cmlp_k_optim_prepare(&step, coef, &inf, 3e-4, 0.9, 0.999, adam, &pos, 32, S));
+            CHECK(step == cstep && pos == 71, "optim_prepare counted a skipped step, or did not move the position");
+            KOK(cmlp_k_optim_prepare(&step, coef, NULL, 3e-4, 0.9, 0.999, adam, NULL, 32, S));
+            CHECK(step == cstep + 1, "optim_prepare without found_inf or a position");
         }
 }
 
