@@ -11,6 +11,7 @@ DEFS := -DCMLP_BLAS_SCIPY=1 -DCMLP_WITH_CUDA=0 -D_GNU_SOURCE=1
 SAN := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 
 .PHONY: all build test test-c test-py bench clean
+.PRECIOUS: build/emu/%.cpp
 
 all: build
 

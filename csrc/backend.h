@@ -94,15 +94,18 @@ typedef struct cmlp_backend_i {
     cmlp_status (*stage_labels)(void *ctx, int32_t *d_dst, const int32_t *h_src,
                                 const int64_t *h_idx, int64_t start, int64_t rows);
     /* The same from a data set (and sample order) already in device memory; when d_pos is not
-     * NULL, *d_pos (device) is added to every row position (to start, or to the index). */
+     * NULL, *d_pos (device) is added to every row position (to start, or to the index). When
+     * d_labels is not NULL the rows' labels are gathered in the same pass from d_label_src. */
     cmlp_status (*gather_rows)(void *ctx, float *d_dst, const void *d_src, cmlp_dtype dtype,
                                int64_t cols, const int64_t *d_idx, int64_t start, const int64_t *d_pos,
-                               int64_t rows, float scale, float shift);
+                               int64_t rows, float scale, float shift, int32_t *d_labels,
+                               const int32_t *d_label_src);
     /* Optional (NULL: gather_rows into fp32, then to_half): the same rows straight into half
      * storage of type half (F16 or BF16), each value rounded once from what gather_rows gives. */
     cmlp_status (*gather_rows_half)(void *ctx, uint16_t *d_dst, cmlp_dtype half, const void *d_src, cmlp_dtype dtype,
                                     int64_t cols, const int64_t *d_idx, int64_t start, const int64_t *d_pos,
-                                    int64_t rows, float scale, float shift);
+                                    int64_t rows, float scale, float shift, int32_t *d_labels,
+                                    const int32_t *d_label_src);
     cmlp_status (*gather_labels)(void *ctx, int32_t *d_dst, const int32_t *d_src,
                                  const int64_t *d_idx, int64_t start, const int64_t *d_pos,
                                  int64_t rows);

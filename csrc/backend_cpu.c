@@ -307,6 +307,8 @@ typedef struct {
     float scale, shift;
     uint16_t *hdst; /* when set, rows go here in half storage of type half instead */
     cmlp_dtype half;
+    int32_t *ldst; /* when set, the rows' labels too, from lsrc */
+    const int32_t *lsrc;
 } stage_args;
 
 /* Source row s into half storage, through a float block at a time. */
@@ -329,6 +331,7 @@ static void stage_range(void *a, int64_t lo, int64_t hi) {
     const stage_args *g = a;
     for (int64_t r = lo; r < hi; r++) {
         int64_t s = g->idx ? g->idx[r] : g->start + r;
+        if (g->ldst) g->ldst[r] = g->lsrc[s];
         if (g->hdst) {
             stage_row_half(g, s, g->hdst + r * g->cols);
             continue;
@@ -347,7 +350,7 @@ static cmlp_status cpu_stage_rows(void *ctx, float *dst, const void *src, cmlp_d
                                   const int64_t *idx, int64_t start, int64_t rows, float scale,
                                   float shift) {
     (void)ctx;
-    stage_args a = {dst, src, dtype, cols, start, idx, scale, shift, NULL, CMLP_DTYPE_F32};
+    stage_args a = {dst, src, dtype, cols, start, idx, scale, shift, NULL, CMLP_DTYPE_F32, NULL, NULL};
     cmlp_pool_for(rows, 1, cols > 0 ? MIN_PER_THREAD / cols + 1 : rows, stage_range, &a);
     return CMLP_OK;
 }
@@ -362,23 +365,26 @@ static cmlp_status cpu_stage_labels(void *ctx, int32_t *dst, const int32_t *src,
 /* Device memory is host memory: gathering is staging, moved by the position. */
 static cmlp_status cpu_gather_rows(void *ctx, float *dst, const void *src, cmlp_dtype dtype, int64_t cols,
                                    const int64_t *idx, int64_t start, const int64_t *pos, int64_t rows, float scale,
-                                   float shift) {
-    if (pos) {
-        if (idx) idx += *pos;
-        else start += *pos;
-    }
-    return cpu_stage_rows(ctx, dst, src, dtype, cols, idx, start, rows, scale, shift);
-}
-
-static cmlp_status cpu_gather_rows_half(void *ctx, uint16_t *dst, cmlp_dtype half, const void *src, cmlp_dtype dtype,
-                                        int64_t cols, const int64_t *idx, int64_t start, const int64_t *pos,
-                                        int64_t rows, float scale, float shift) {
+                                   float shift, int32_t *ldst, const int32_t *lsrc) {
     (void)ctx;
     if (pos) {
         if (idx) idx += *pos;
         else start += *pos;
     }
-    stage_args a = {NULL, src, dtype, cols, start, idx, scale, shift, dst, half};
+    stage_args a = {dst, src, dtype, cols, start, idx, scale, shift, NULL, CMLP_DTYPE_F32, ldst, lsrc};
+    cmlp_pool_for(rows, 1, cols > 0 ? MIN_PER_THREAD / cols + 1 : rows, stage_range, &a);
+    return CMLP_OK;
+}
+
+static cmlp_status cpu_gather_rows_half(void *ctx, uint16_t *dst, cmlp_dtype half, const void *src, cmlp_dtype dtype,
+                                        int64_t cols, const int64_t *idx, int64_t start, const int64_t *pos,
+                                        int64_t rows, float scale, float shift, int32_t *ldst, const int32_t *lsrc) {
+    (void)ctx;
+    if (pos) {
+        if (idx) idx += *pos;
+        else start += *pos;
+    }
+    stage_args a = {NULL, src, dtype, cols, start, idx, scale, shift, dst, half, ldst, lsrc};
     cmlp_pool_for(rows, 1, cols > 0 ? MIN_PER_THREAD / cols + 1 : rows, stage_range, &a);
     return CMLP_OK;
 }

@@ -681,23 +681,26 @@ static cmlp_status cu_stage_labels(void *ctx, int32_t *d_dst, const int32_t *h_s
 
 static cmlp_status cu_gather_rows(void *ctx, float *d_dst, const void *d_src, cmlp_dtype dtype, int64_t cols,
                                   const int64_t *d_idx, int64_t start, const int64_t *d_pos, int64_t rows, float scale,
-                                  float shift) {
+                                  float shift, int32_t *d_labels, const int32_t *d_label_src) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
     if (dtype == CMLP_DTYPE_U8)
-        return KERNEL(c, cmlp_k_gather_u8(d_dst, d_src, d_idx, start, d_pos, rows, cols, scale, shift, stream_of(c)));
+        return KERNEL(c, cmlp_k_gather_u8(d_dst, d_src, d_idx, start, d_pos, rows, cols, scale, shift, d_labels,
+                                          d_label_src, stream_of(c)));
     /* float rows are copied as they are */
-    return KERNEL(c, cmlp_k_gather_f32(d_dst, d_src, d_idx, start, d_pos, rows, cols, 1.0f, 0.0f, stream_of(c)));
+    return KERNEL(c, cmlp_k_gather_f32(d_dst, d_src, d_idx, start, d_pos, rows, cols, 1.0f, 0.0f, d_labels,
+                                       d_label_src, stream_of(c)));
 }
 
 static cmlp_status cu_gather_rows_half(void *ctx, uint16_t *d_dst, cmlp_dtype half, const void *d_src,
                                        cmlp_dtype dtype, int64_t cols, const int64_t *d_idx, int64_t start,
-                                       const int64_t *d_pos, int64_t rows, float scale, float shift) {
+                                       const int64_t *d_pos, int64_t rows, float scale, float shift, int32_t *d_labels,
+                                       const int32_t *d_label_src) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
     const int u8 = dtype == CMLP_DTYPE_U8; /* float rows are taken as they are */
     return KERNEL(c, cmlp_k_gather_half(d_dst, half == CMLP_DTYPE_BF16, d_src, u8, d_idx, start, d_pos, rows, cols,
-                                        u8 ? scale : 1.0f, u8 ? shift : 0.0f, stream_of(c)));
+                                        u8 ? scale : 1.0f, u8 ? shift : 0.0f, d_labels, d_label_src, stream_of(c)));
 }
 
 static cmlp_status cu_gather_labels(void *ctx, int32_t *d_dst, const int32_t *d_src, const int64_t *d_idx,

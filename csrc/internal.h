@@ -130,9 +130,10 @@ CMLP_HIDDEN int cmlp_amp_layout(const int *sizes, int L, int64_t rows, int recom
 /* Forward of rows [0, n) already in ws.act[0] (or in `input` when not NULL). */
 CMLP_HIDDEN cmlp_status cmlp_model_forward_rows(cmlp_model *m, const float *input, int64_t n);
 /* Rows idx[0..n) (or [start, start+n)) of xy's inputs or labels into device memory dst, from
- * host memory or, when xy->on_device, from the device. */
+ * host memory or, when xy->on_device, from the device. cmlp_stage_x also stages the labels into
+ * ldst when that is not NULL (from a device data set in the same pass). */
 CMLP_HIDDEN cmlp_status cmlp_stage_x(cmlp_model *m, float *dst, const cmlp_data *xy, const int64_t *idx,
-                                     int64_t start, int64_t n, float scale, float shift);
+                                     int64_t start, int64_t n, float scale, float shift, int32_t *ldst);
 CMLP_HIDDEN cmlp_status cmlp_stage_y(cmlp_model *m, int32_t *dst, const cmlp_data *xy, const int64_t *idx,
                                      int64_t start, int64_t n);
 /* Whether xy can be read in place by the model's device (on the CPU, or already on the device). */

@@ -172,10 +172,12 @@ cmlp_status cmlp_data_validate(const cmlp_model *m, const cmlp_data *xy, bool ne
 }
 
 cmlp_status cmlp_stage_x(cmlp_model *m, float *dst, const cmlp_data *xy, const int64_t *idx, int64_t start,
-                         int64_t n, float scale, float shift) {
+                         int64_t n, float scale, float shift, int32_t *ldst) {
     if (xy->on_device)
-        return B(m)->gather_rows(CTX(m), dst, xy->x, xy->x_dtype, m->sizes[0], idx, start, xy->pos, n, scale, shift);
-    return B(m)->stage_rows(CTX(m), dst, xy->x, xy->x_dtype, m->sizes[0], idx, start, n, scale, shift);
+        return B(m)->gather_rows(CTX(m), dst, xy->x, xy->x_dtype, m->sizes[0], idx, start, xy->pos, n, scale, shift,
+                                 ldst, ldst ? xy->y : NULL);
+    CMLP_TRY(B(m)->stage_rows(CTX(m), dst, xy->x, xy->x_dtype, m->sizes[0], idx, start, n, scale, shift));
+    return ldst ? cmlp_stage_y(m, ldst, xy, idx, start, n) : CMLP_OK;
 }
 
 cmlp_status cmlp_stage_y(cmlp_model *m, int32_t *dst, const cmlp_data *xy, const int64_t *idx, int64_t start,
@@ -192,20 +194,16 @@ cmlp_status cmlp_model_stage(cmlp_model *m, const cmlp_data *xy, const int64_t *
                              const float **input, const int32_t **labels) {
     bool in_place = cmlp_data_in_place(m, xy);
     CMLP_TRY(cmlp_workspace_reserve(m, n));
+    /* labels are read in place or staged, with the inputs when those are staged too */
+    int32_t *ldst = labels && !(in_place && !idx) ? m->ws.labels : NULL;
+    if (labels) *labels = ldst ? ldst : xy->y + start;
     if (in_place && !idx && xy->x_dtype == CMLP_DTYPE_F32) {
         *input = (const float *)xy->x + start * m->sizes[0];
-    } else {
-        float scale = 1.0f / (255.0f * xy->std), shift = -xy->mean / xy->std;
-        CMLP_TRY(cmlp_stage_x(m, m->ws.act[0], xy, idx, start, n, scale, shift));
-        *input = m->ws.act[0];
+        return ldst ? cmlp_stage_y(m, ldst, xy, idx, start, n) : CMLP_OK;
     }
-    if (!labels) return CMLP_OK;
-    if (in_place && !idx) {
-        *labels = xy->y + start;
-    } else {
-        CMLP_TRY(cmlp_stage_y(m, m->ws.labels, xy, idx, start, n));
-        *labels = m->ws.labels;
-    }
+    float scale = 1.0f / (255.0f * xy->std), shift = -xy->mean / xy->std;
+    CMLP_TRY(cmlp_stage_x(m, m->ws.act[0], xy, idx, start, n, scale, shift, ldst));
+    *input = m->ws.act[0];
     return CMLP_OK;
 }
 

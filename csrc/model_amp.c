@@ -109,23 +109,18 @@ static cmlp_status stage(cmlp_model *m, const cmlp_data *xy, const int64_t *idx,
     int64_t in = m->sizes[0];
     float scale = xy->x_dtype == CMLP_DTYPE_U8 ? 1.0f / (255.0f * xy->std) : 1.0f;
     float shift = xy->x_dtype == CMLP_DTYPE_U8 ? -xy->mean / xy->std : 0.0f;
-    if (xy->on_device && B(m)->gather_rows_half) { /* one pass, no float block in between */
-        CMLP_TRY(B(m)->gather_rows_half(CTX(m), w->act[0], m->half_dtype, xy->x, xy->x_dtype, in, idx, start, xy->pos,
-                                        n, scale, shift));
-    } else {
-        for (int64_t r = 0; r < n; r += w->chunk) {
-            int64_t k = n - r < w->chunk ? n - r : w->chunk;
-            CMLP_TRY(cmlp_stage_x(m, w->scratch[0], xy, idx ? idx + r : NULL, start + r, k, scale, shift));
-            CMLP_TRY(B(m)->to_half(CTX(m), w->act[0] + r * in, w->scratch[0], k * in, m->half_dtype));
-        }
+    /* labels are read in place or staged (from a device data set with the inputs) */
+    int32_t *ldst = cmlp_data_in_place(m, xy) && !idx ? NULL : w->labels;
+    *labels = ldst ? ldst : xy->y + start;
+    if (xy->on_device && B(m)->gather_rows_half) /* one pass, no float block in between */
+        return B(m)->gather_rows_half(CTX(m), w->act[0], m->half_dtype, xy->x, xy->x_dtype, in, idx, start, xy->pos, n,
+                                      scale, shift, ldst, ldst ? xy->y : NULL);
+    for (int64_t r = 0; r < n; r += w->chunk) {
+        int64_t k = n - r < w->chunk ? n - r : w->chunk;
+        CMLP_TRY(cmlp_stage_x(m, w->scratch[0], xy, idx ? idx + r : NULL, start + r, k, scale, shift, NULL));
+        CMLP_TRY(B(m)->to_half(CTX(m), w->act[0] + r * in, w->scratch[0], k * in, m->half_dtype));
     }
-    if (cmlp_data_in_place(m, xy) && !idx) {
-        *labels = xy->y + start;
-        return CMLP_OK;
-    }
-    CMLP_TRY(cmlp_stage_y(m, w->labels, xy, idx, start, n));
-    *labels = w->labels;
-    return CMLP_OK;
+    return ldst ? cmlp_stage_y(m, ldst, xy, idx, start, n) : CMLP_OK;
 }
 
 /* Layer l's half weights and bias as fp32 values, for backends that multiply in fp32. */

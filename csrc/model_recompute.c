@@ -68,8 +68,7 @@ cmlp_status cmlp_rc_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, i
         labels = xy->y + start;
     } else {
         float scale = 1.0f / (255.0f * xy->std), shift = -xy->mean / xy->std;
-        CMLP_TRY(cmlp_stage_x(m, w->input, xy, idx, start, n, scale, shift));
-        CMLP_TRY(cmlp_stage_y(m, w->labels, xy, idx, start, n));
+        CMLP_TRY(cmlp_stage_x(m, w->input, xy, idx, start, n, scale, shift, w->labels));
         input = w->input;
         labels = w->labels;
     }

@@ -39,7 +39,7 @@ __device__ __forceinline__ void store4(void *dst, int64_t unit, float4 v) {
 template <typename T, int U, int OUT>
 __global__ void __launch_bounds__(CMLP_K_THREADS)
 k_gather(void *dst, const T *src, const int64_t *idx, int64_t start, const int64_t *pos, int64_t rows, int64_t ucols,
-         float scale, float shift, int copy) {
+         float scale, float shift, int copy, int32_t *ldst, const int32_t *lsrc) {
     const int64_t total = rows * ucols, stride = cmlp_nthreads();
     int64_t i = cmlp_tid();
     if (i >= total) return;
@@ -52,6 +52,7 @@ k_gather(void *dst, const T *src, const int64_t *idx, int64_t start, const int64
     for (; i < total; i += stride) {
         const int64_t s = idx ? idx[r] : start + r;
         const int64_t at = s * ucols + c; /* in units */
+        if (ldst && c == 0) ldst[r] = lsrc[s]; /* the row's label, by the row's first unit */
         if constexpr (U == 4) {
             float4 o;
             if constexpr (sizeof(T) == 1) {
@@ -78,7 +79,8 @@ k_gather(void *dst, const T *src, const int64_t *idx, int64_t start, const int64
 
 template <typename T, int OUT>
 static cudaError_t gather(void *dst, const T *src, const int64_t *idx, int64_t start, const int64_t *pos,
-                          int64_t rows, int64_t cols, float scale, float shift, int copy, cudaStream_t stream) {
+                          int64_t rows, int64_t cols, float scale, float shift, int copy, int32_t *ldst,
+                          const int32_t *lsrc, cudaStream_t stream) {
     if (rows < 0 || cols < 0) return cudaErrorInvalidValue;
     if (rows == 0 || cols == 0) return cudaSuccess;
     const uintptr_t out_unit = OUT == 0 ? 16 : 8; /* four destination elements */
@@ -87,38 +89,38 @@ static cudaError_t gather(void *dst, const T *src, const int64_t *idx, int64_t s
     const unsigned int blocks = cmlp_k_blocks(rows * ucols, CMLP_K_THREADS);
     if (vec)
         k_gather<T, 4, OUT><<<blocks, CMLP_K_THREADS, 0, stream>>>(dst, src, idx, start, pos, rows, ucols, scale,
-                                                                   shift, copy);
+                                                                   shift, copy, ldst, lsrc);
     else
         k_gather<T, 1, OUT><<<blocks, CMLP_K_THREADS, 0, stream>>>(dst, src, idx, start, pos, rows, ucols, scale,
-                                                                   shift, copy);
+                                                                   shift, copy, ldst, lsrc);
     return cudaGetLastError();
 }
 
 extern "C" cudaError_t cmlp_k_gather_u8(float *dst, const uint8_t *src, const int64_t *idx, int64_t start,
                                         const int64_t *pos, int64_t rows, int64_t cols, float scale, float shift,
-                                        cudaStream_t stream) {
-    return gather<uint8_t, 0>(dst, src, idx, start, pos, rows, cols, scale, shift, 0, stream);
+                                        int32_t *ldst, const int32_t *lsrc, cudaStream_t stream) {
+    return gather<uint8_t, 0>(dst, src, idx, start, pos, rows, cols, scale, shift, 0, ldst, lsrc, stream);
 }
 
 extern "C" cudaError_t cmlp_k_gather_f32(float *dst, const float *src, const int64_t *idx, int64_t start,
                                          const int64_t *pos, int64_t rows, int64_t cols, float scale, float shift,
-                                         cudaStream_t stream) {
-    return gather<float, 0>(dst, src, idx, start, pos, rows, cols, scale, shift, scale == 1.0f && shift == 0.0f,
-                            stream);
+                                         int32_t *ldst, const int32_t *lsrc, cudaStream_t stream) {
+    return gather<float, 0>(dst, src, idx, start, pos, rows, cols, scale, shift, scale == 1.0f && shift == 0.0f, ldst,
+                            lsrc, stream);
 }
 
 extern "C" cudaError_t cmlp_k_gather_half(uint16_t *dst, int bf16, const void *src, int src_u8, const int64_t *idx,
                                           int64_t start, const int64_t *pos, int64_t rows, int64_t cols, float scale,
-                                          float shift, cudaStream_t stream) {
+                                          float shift, int32_t *ldst, const int32_t *lsrc, cudaStream_t stream) {
     const int copy = !src_u8 && scale == 1.0f && shift == 0.0f;
     if (src_u8) {
         const uint8_t *s = static_cast<const uint8_t *>(src);
-        return bf16 ? gather<uint8_t, 2>(dst, s, idx, start, pos, rows, cols, scale, shift, copy, stream)
-                    : gather<uint8_t, 1>(dst, s, idx, start, pos, rows, cols, scale, shift, copy, stream);
+        return bf16 ? gather<uint8_t, 2>(dst, s, idx, start, pos, rows, cols, scale, shift, copy, ldst, lsrc, stream)
+                    : gather<uint8_t, 1>(dst, s, idx, start, pos, rows, cols, scale, shift, copy, ldst, lsrc, stream);
     }
     const float *s = static_cast<const float *>(src);
-    return bf16 ? gather<float, 2>(dst, s, idx, start, pos, rows, cols, scale, shift, copy, stream)
-                : gather<float, 1>(dst, s, idx, start, pos, rows, cols, scale, shift, copy, stream);
+    return bf16 ? gather<float, 2>(dst, s, idx, start, pos, rows, cols, scale, shift, copy, ldst, lsrc, stream)
+                : gather<float, 1>(dst, s, idx, start, pos, rows, cols, scale, shift, copy, ldst, lsrc, stream);
 }
 
 __global__ void __launch_bounds__(CMLP_K_THREADS)

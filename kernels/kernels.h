@@ -73,16 +73,19 @@ cudaError_t cmlp_k_softmax_xent(const float *logits, const int32_t *labels, int6
 /* dst[r, :] = src[i, :] * scale + shift for r < rows, i = idx ? idx[p + r] : start + p + r, with
  * p = pos ? *pos : 0 (a position kept on the device, so that a captured graph can move through a
  * data set), where src is [*, cols] uint8 (u8 variant) or float32 (f32 variant: scale and shift
- * also apply; with scale 1 and shift 0 the rows are copied bit for bit). */
+ * also apply; with scale 1 and shift 0 the rows are copied bit for bit). When ldst is not NULL
+ * the rows' labels come in the same launch: ldst[r] = lsrc[i]. */
 cudaError_t cmlp_k_gather_u8(float *dst, const uint8_t *src, const int64_t *idx, int64_t start, const int64_t *pos,
-                             int64_t rows, int64_t cols, float scale, float shift, cudaStream_t stream);
+                             int64_t rows, int64_t cols, float scale, float shift, int32_t *ldst, const int32_t *lsrc,
+                             cudaStream_t stream);
 cudaError_t cmlp_k_gather_f32(float *dst, const float *src, const int64_t *idx, int64_t start, const int64_t *pos,
-                              int64_t rows, int64_t cols, float scale, float shift, cudaStream_t stream);
+                              int64_t rows, int64_t cols, float scale, float shift, int32_t *ldst, const int32_t *lsrc,
+                              cudaStream_t stream);
 /* The same into fp16 (bf16 == 0) or bf16 storage: each value computed in float as above
  * (src_u8: src is uint8, else float32), then rounded once to nearest even. */
 cudaError_t cmlp_k_gather_half(uint16_t *dst, int bf16, const void *src, int src_u8, const int64_t *idx, int64_t start,
-                               const int64_t *pos, int64_t rows, int64_t cols, float scale, float shift,
-                               cudaStream_t stream);
+                               const int64_t *pos, int64_t rows, int64_t cols, float scale, float shift, int32_t *ldst,
+                               const int32_t *lsrc, cudaStream_t stream);
 /* dst[r] = src[i] for r < rows, i as above. */
 cudaError_t cmlp_k_gather_labels(int32_t *dst, const int32_t *src, const int64_t *idx, int64_t start,
                                  const int64_t *pos, int64_t rows, cudaStream_t stream);

@@ -341,23 +341,33 @@ static void test_gather(void) {
             int64_t cstart = start + (!use_idx && use_pos ? pos : 0);
             float scale = 1.0f / (255.0f * 0.3f), shift = -0.1307f / 0.3f;
 
-            KOK(cmlp_k_gather_u8(F(d), u8.p, ip, start, pp, rows, cols, scale, shift, S));
-            CPU_CALL(cpu->gather_rows(NULL, F(cd), u8.p, CMLP_DTYPE_U8, cols, cip, cstart, NULL, rows, scale, shift));
+            /* with the labels in the same pass (into dl2 / cdl2) on odd variants */
+            buf dl2 = make(rows, 4, 0), cdl2 = make(rows, 4, 0);
+            int32_t *ld = variant & 1 ? dl2.p : NULL, *cld = variant & 1 ? cdl2.p : NULL;
+            const int32_t *ls = ld ? lab.p : NULL;
+            KOK(cmlp_k_gather_u8(F(d), u8.p, ip, start, pp, rows, cols, scale, shift, ld, ls, S));
+            CPU_CALL(cpu->gather_rows(NULL, F(cd), u8.p, CMLP_DTYPE_U8, cols, cip, cstart, NULL, rows, scale, shift, cld,
+                                      ls));
             CHECK(first_diff(F(d), F(cd), rows * cols) < 0, "gather_u8 cols %lld variant %d", (long long)cols,
                   variant);
-            KOK(cmlp_k_gather_f32(F(d), F(f32), ip, start, pp, rows, cols, 1.0f, 0.0f, S));
-            CPU_CALL(cpu->gather_rows(NULL, F(cd), F(f32), CMLP_DTYPE_F32, cols, cip, cstart, NULL, rows, 1.0f, 0.0f));
+            CHECK(!ld || same_bits(ld, cld, (size_t)rows * 4), "gather_u8's labels variant %d", variant);
+            KOK(cmlp_k_gather_f32(F(d), F(f32), ip, start, pp, rows, cols, 1.0f, 0.0f, ld, ls, S));
+            CPU_CALL(cpu->gather_rows(NULL, F(cd), F(f32), CMLP_DTYPE_F32, cols, cip, cstart, NULL, rows, 1.0f, 0.0f,
+                                      NULL, NULL));
             CHECK(first_diff(F(d), F(cd), rows * cols) < 0, "gather_f32 cols %lld variant %d", (long long)cols,
                   variant);
+            CHECK(!ld || same_bits(ld, cld, (size_t)rows * 4), "gather_f32's labels variant %d", variant);
             for (int bf = 0; bf < 2; bf++)
                 for (int src_u8 = 0; src_u8 < 2; src_u8++) {
                     buf h = make(rows * cols, 2, off), ch = make(rows * cols, 2, 0);
                     const void *src = src_u8 ? u8.p : f32.p;
                     float sc = src_u8 ? scale : 1.0f, sh = src_u8 ? shift : 0.0f;
-                    KOK(cmlp_k_gather_half(h.p, bf, src, src_u8, ip, start, pp, rows, cols, sc, sh, S));
+                    memset(dl2.p, 0, (size_t)rows * 4);
+                    KOK(cmlp_k_gather_half(h.p, bf, src, src_u8, ip, start, pp, rows, cols, sc, sh, ld, ls, S));
+                    CHECK(!ld || same_bits(ld, cld, (size_t)rows * 4), "gather_half's labels variant %d", variant);
                     CPU_CALL(cpu->gather_rows_half(NULL, ch.p, bf ? CMLP_DTYPE_BF16 : CMLP_DTYPE_F16, src,
                                                    src_u8 ? CMLP_DTYPE_U8 : CMLP_DTYPE_F32, cols, cip, cstart, NULL,
-                                                   rows, sc, sh));
+                                                   rows, sc, sh, NULL, NULL));
                     CHECK(same_bits(h.p, ch.p, (size_t)(rows * cols) * 2), "gather_half cols %lld variant %d bf16 %d u8 %d",
                           (long long)cols, variant, bf, src_u8);
                     free(h.block), free(ch.block);
@@ -366,7 +376,7 @@ static void test_gather(void) {
             CPU_CALL(cpu->gather_labels(NULL, cdl.p, lab.p, cip, cstart, NULL, rows));
             CHECK(same_bits(dl.p, cdl.p, (size_t)rows * 4), "gather_labels variant %d", variant);
             free(u8.block), free(f32.block), free(lab.block), free(idx.block), free(d.block), free(cd.block);
-            free(dl.block), free(cdl.block);
+            free(dl.block), free(cdl.block), free(dl2.block), free(cdl2.block);
         }
 }
 
