@@ -55,13 +55,14 @@ typedef struct cmlp_backend_i {
      * blocks to fp32): A and B in half storage of type ab (F16 or BF16), C of type c_type (F32
      * or ab), fp32 accumulation; C = act(alpha op(A) op(B) + beta C + bias), bias (c_type
      * elements, [n]) may be NULL, relu needs a bias. With it come the two half-storage passes
-     * below: db (fp32) += column sums of dy, and dy[i] = h[i] > 0 ? dy[i] : 0. */
+     * below: db (fp32) += column sums of dy (overwrite: as bias_grad), and
+     * dy[i] = h[i] > 0 ? dy[i] : 0. */
     cmlp_status (*gemm_half)(void *ctx, int trans_a, int trans_b, int64_t m, int64_t n, int64_t k,
                              float alpha, const uint16_t *d_a, int64_t lda, const uint16_t *d_b, int64_t ldb,
                              cmlp_dtype ab, float beta, void *d_c, cmlp_dtype c_type, int64_t ldc,
                              const void *d_bias, int relu);
     cmlp_status (*bias_grad_half)(void *ctx, float *d_db, const uint16_t *d_dy, int64_t rows, int64_t cols,
-                                  cmlp_dtype dtype);
+                                  cmlp_dtype dtype, int overwrite);
     cmlp_status (*relu_backward_half)(void *ctx, uint16_t *d_dy, const uint16_t *d_h, int64_t count,
                                       cmlp_dtype dtype);
     /* y[r, c] = act(y[r, c] + bias[c]); act is ReLU when relu != 0, identity otherwise. */
@@ -73,9 +74,10 @@ typedef struct cmlp_backend_i {
      * d_dy [rows, cols] stored as dtype (F32, or F16 / BF16 where the backend has gemm_half),
      * with the same results. */
     cmlp_status (*relu_backward_bias_grad)(void *ctx, void *d_dy, const void *d_h, cmlp_dtype dtype, float *d_db,
-                                           int64_t rows, int64_t cols);
-    /* db[c] += sum_r dy[r, c]. */
-    cmlp_status (*bias_grad)(void *ctx, float *d_db, const float *d_dy, int64_t rows, int64_t cols);
+                                           int64_t rows, int64_t cols, int overwrite);
+    /* db[c] += sum_r dy[r, c]; with overwrite != 0, db[c] = 0 + that sum (the bits of zeroing db
+     * first: the first micro-batch of a step writes its gradients instead of adding to them). */
+    cmlp_status (*bias_grad)(void *ctx, float *d_db, const float *d_dy, int64_t rows, int64_t cols, int overwrite);
     /* Fused stable softmax cross-entropy over logits [rows, cols]. Adds the per-sample losses
      * to *d_loss_sum (a device double; NULL: not wanted) and, when d_dlogits is not NULL, writes
      * d_dlogits = w * (softmax - q), q = (1 - smoothing) onehot + smoothing / cols, where w is

@@ -173,7 +173,7 @@ typedef struct {
     float *y, *mdy; /* mdy: a gradient changed in place */
     const float *bias, *h, *dy;
     int64_t rows, cols;
-    int relu;
+    int relu, overwrite;
 } rows_args;
 
 static void bias_act_rows(void *a, int64_t lo, int64_t hi) {
@@ -218,15 +218,17 @@ static cmlp_status cpu_relu_backward(void *ctx, float *dy, const float *h, int64
 static void bias_grad_cols(void *a, int64_t lo, int64_t hi) {
     const rows_args *r = a;
     float *restrict db = r->y;
+    if (r->overwrite)
+        for (int64_t c = lo; c < hi; c++) db[c] = 0.0f;
     for (int64_t i = 0; i < r->rows; i++) {
         const float *restrict row = r->dy + i * r->cols;
         for (int64_t c = lo; c < hi; c++) db[c] += row[c];
     }
 }
 
-static cmlp_status cpu_bias_grad(void *ctx, float *db, const float *dy, int64_t rows, int64_t cols) {
+static cmlp_status cpu_bias_grad(void *ctx, float *db, const float *dy, int64_t rows, int64_t cols, int overwrite) {
     (void)ctx;
-    rows_args a = {.y = db, .dy = dy, .rows = rows, .cols = cols};
+    rows_args a = {.y = db, .dy = dy, .rows = rows, .cols = cols, .overwrite = overwrite};
     cmlp_pool_for(cols, 16, rows > 0 ? MIN_PER_THREAD / rows + 1 : cols, bias_grad_cols, &a);
     return CMLP_OK;
 }
@@ -236,6 +238,8 @@ static cmlp_status cpu_bias_grad(void *ctx, float *db, const float *dy, int64_t 
 static void relu_bias_grad_cols(void *a, int64_t lo, int64_t hi) {
     const rows_args *r = a;
     float *restrict db = r->y;
+    if (r->overwrite)
+        for (int64_t c = lo; c < hi; c++) db[c] = 0.0f;
     for (int64_t i = 0; i < r->rows; i++) {
         float *restrict row = r->mdy + i * r->cols;
         const float *restrict h = r->h + i * r->cols;
@@ -248,11 +252,11 @@ static void relu_bias_grad_cols(void *a, int64_t lo, int64_t hi) {
 }
 
 static cmlp_status cpu_relu_backward_bias_grad(void *ctx, void *dy, const void *h, cmlp_dtype dtype, float *db,
-                                               int64_t rows, int64_t cols) {
+                                               int64_t rows, int64_t cols, int overwrite) {
     (void)ctx;
     if (dtype != CMLP_DTYPE_F32)
         return CMLP_FAIL(CMLP_ERR_INVALID, "the CPU backend keeps no gradients in half precision");
-    rows_args a = {.y = db, .mdy = dy, .h = h, .rows = rows, .cols = cols};
+    rows_args a = {.y = db, .mdy = dy, .h = h, .rows = rows, .cols = cols, .overwrite = overwrite};
     cmlp_pool_for(cols, 16, rows > 0 ? MIN_PER_THREAD / rows + 1 : cols, relu_bias_grad_cols, &a);
     return CMLP_OK;
 }

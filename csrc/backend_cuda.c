@@ -550,10 +550,10 @@ static cmlp_status cu_gemm_half(void *ctx, int ta, int tb, int64_t m, int64_t n,
 }
 
 static cmlp_status cu_bias_grad_half(void *ctx, float *d_db, const uint16_t *d_dy, int64_t rows, int64_t cols,
-                                     cmlp_dtype dtype) {
+                                     cmlp_dtype dtype, int overwrite) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_bias_grad_half(d_db, d_dy, rows, cols, dtype == CMLP_DTYPE_BF16, c->ws, c->ws_bytes,
+    return KERNEL(c, cmlp_k_bias_grad_half(d_db, d_dy, rows, cols, dtype == CMLP_DTYPE_BF16, overwrite, c->ws, c->ws_bytes,
                                            stream_of(c)));
 }
 
@@ -579,18 +579,18 @@ static cmlp_status cu_relu_backward(void *ctx, float *d_dy, const float *d_h, in
 }
 
 static cmlp_status cu_relu_backward_bias_grad(void *ctx, void *d_dy, const void *d_h, cmlp_dtype dtype, float *d_db,
-                                              int64_t rows, int64_t cols) {
+                                              int64_t rows, int64_t cols, int overwrite) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
     const int kind = dtype == CMLP_DTYPE_F32 ? 0 : dtype == CMLP_DTYPE_F16 ? 1 : 2;
-    return KERNEL(c, cmlp_k_relu_backward_bias_grad(d_dy, d_h, kind, d_db, rows, cols, c->ws, c->ws_bytes,
+    return KERNEL(c, cmlp_k_relu_backward_bias_grad(d_dy, d_h, kind, d_db, rows, cols, overwrite, c->ws, c->ws_bytes,
                                                     stream_of(c)));
 }
 
-static cmlp_status cu_bias_grad(void *ctx, float *d_db, const float *d_dy, int64_t rows, int64_t cols) {
+static cmlp_status cu_bias_grad(void *ctx, float *d_db, const float *d_dy, int64_t rows, int64_t cols, int overwrite) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_bias_grad(d_db, d_dy, rows, cols, c->ws, c->ws_bytes, stream_of(c)));
+    return KERNEL(c, cmlp_k_bias_grad(d_db, d_dy, rows, cols, overwrite, c->ws, c->ws_bytes, stream_of(c)));
 }
 
 static cmlp_status cu_softmax_xent(void *ctx, const float *d_logits, const int32_t *d_labels, int64_t rows,

@@ -147,6 +147,9 @@ CMLP_HIDDEN cmlp_status cmlp_model_stage(cmlp_model *m, const cmlp_data *xy, con
 typedef struct cmlp_gw {
     float value;
     const float *d_weight;
+    /* the gradients are written, not added to: the first micro-batch of a training step, which
+     * then needs no zeroing before it (the same bits) */
+    bool fresh;
 } cmlp_gw;
 
 /* The model's device scalars. They share the gradients' allocation (cmlp_grads_bytes: the

@@ -250,14 +250,16 @@ cmlp_status cmlp_model_fb_rows(cmlp_model *m, const float *input, const int32_t 
         int64_t in = m->sizes[l], out = m->sizes[l + 1];
         const float *a = l == 0 ? input : m->ws.act[l];
         /* dW [out, in] += dY^T [out, n] . A [n, in];  db += colsum(dY) */
-        CMLP_TRY(B(m)->gemm(CTX(m), 1, 0, out, in, n, 1.0f, cur, out, a, in, 1.0f, m->grads + m->w_off[l], in));
-        if (l == L - 1 || !fused) CMLP_TRY(B(m)->bias_grad(CTX(m), m->grads + m->b_off[l], cur, n, out));
+        CMLP_TRY(B(m)->gemm(CTX(m), 1, 0, out, in, n, 1.0f, cur, out, a, in, w.fresh ? 0.0f : 1.0f,
+                            m->grads + m->w_off[l], in));
+        if (l == L - 1 || !fused) CMLP_TRY(B(m)->bias_grad(CTX(m), m->grads + m->b_off[l], cur, n, out, w.fresh));
         if (l == 0) break;
         /* dA [n, in] = dY [n, out] . W [out, in], then through the ReLU that produced A (and,
          * fused, the bias gradient of the layer below from the same pass) */
         CMLP_TRY(B(m)->gemm(CTX(m), 0, 0, n, in, out, 1.0f, cur, out, m->params + m->w_off[l], in, 0.0f, other, in));
         if (fused)
-            CMLP_TRY(B(m)->relu_backward_bias_grad(CTX(m), other, a, CMLP_DTYPE_F32, m->grads + m->b_off[l - 1], n, in));
+            CMLP_TRY(B(m)->relu_backward_bias_grad(CTX(m), other, a, CMLP_DTYPE_F32, m->grads + m->b_off[l - 1], n, in,
+                                                   w.fresh));
         else
             CMLP_TRY(B(m)->relu_backward(CTX(m), other, a, n * in));
         float *t = cur;

@@ -176,7 +176,7 @@ static cmlp_status forward(cmlp_model *m, int64_t n, int upto, uint16_t *const *
 
 /* With recompute, layer l's input is recomputed from the kept input through the two gradient
  * buffers that do not hold the gradient flowing back. */
-static cmlp_status backward(cmlp_model *m, int64_t n) {
+static cmlp_status backward(cmlp_model *m, int64_t n, bool fresh) {
     cmlp_amp_workspace *w = &m->wsa;
     const cmlp_backend_i *b = B(m);
     int L = m->nlayers;
@@ -199,14 +199,15 @@ static cmlp_status backward(cmlp_model *m, int64_t n) {
         if (b->gemm_half) { /* dW += dY^T A, db += colsum(dY), dA = relu'(dY W): all in half storage */
             cmlp_dtype dt = m->half_dtype;
             const uint16_t *wh = m->params_h + m->w_off[l];
-            CMLP_TRY(b->gemm_half(CTX(m), 1, 0, out, in, n, 1.0f, cur, out, al, in, dt, 1.0f, m->grads + m->w_off[l],
-                                  CMLP_DTYPE_F32, in, NULL, 0));
+            CMLP_TRY(b->gemm_half(CTX(m), 1, 0, out, in, n, 1.0f, cur, out, al, in, dt, fresh ? 0.0f : 1.0f,
+                                  m->grads + m->w_off[l], CMLP_DTYPE_F32, in, NULL, 0));
             bool fused = b->relu_backward_bias_grad != NULL; /* the bias below comes with the mask */
-            if (l == L - 1 || !fused) CMLP_TRY(b->bias_grad_half(CTX(m), m->grads + m->b_off[l], cur, n, out, dt));
+            if (l == L - 1 || !fused)
+                CMLP_TRY(b->bias_grad_half(CTX(m), m->grads + m->b_off[l], cur, n, out, dt, fresh));
             if (l > 0) {
                 CMLP_TRY(b->gemm_half(CTX(m), 0, 0, n, in, out, 1.0f, cur, out, wh, in, dt, 0.0f, other, dt, in, NULL, 0));
                 if (fused)
-                    CMLP_TRY(b->relu_backward_bias_grad(CTX(m), other, al, dt, m->grads + m->b_off[l - 1], n, in));
+                    CMLP_TRY(b->relu_backward_bias_grad(CTX(m), other, al, dt, m->grads + m->b_off[l - 1], n, in, fresh));
                 else
                     CMLP_TRY(b->relu_backward_half(CTX(m), other, al, n * in, dt));
             }
@@ -216,8 +217,10 @@ static cmlp_status backward(cmlp_model *m, int64_t n) {
                 int64_t k = n - r < w->chunk ? n - r : w->chunk;
                 CMLP_TRY(b->from_half(CTX(m), dy, cur + r * out, k * out, m->half_dtype));
                 CMLP_TRY(b->from_half(CTX(m), a, al + r * in, k * in, m->half_dtype));
-                CMLP_TRY(b->gemm(CTX(m), 1, 0, out, in, k, 1.0f, dy, out, a, in, 1.0f, m->grads + m->w_off[l], in));
-                CMLP_TRY(b->bias_grad(CTX(m), m->grads + m->b_off[l], dy, k, out));
+                bool first = fresh && r == 0; /* the first block writes, the rest add */
+                CMLP_TRY(b->gemm(CTX(m), 1, 0, out, in, k, 1.0f, dy, out, a, in, first ? 0.0f : 1.0f,
+                                 m->grads + m->w_off[l], in));
+                CMLP_TRY(b->bias_grad(CTX(m), m->grads + m->b_off[l], dy, k, out, first));
                 if (l == 0) continue;
                 CMLP_TRY(b->gemm(CTX(m), 0, 0, k, in, out, 1.0f, dy, out, w->w32, in, 0.0f, dx, in));
                 CMLP_TRY(b->relu_backward(CTX(m), dx, a, k * in));
@@ -248,5 +251,5 @@ cmlp_status cmlp_amp_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, 
     }
     CMLP_TRY(B(m)->softmax_xent(CTX(m), m->wsa.logits, labels, n, m->sizes[m->nlayers], smoothing, w.value,
                                 w.d_weight, m->wsa.dlogits, d_loss, NULL));
-    return backward(m, n);
+    return backward(m, n, w.fresh);
 }

@@ -201,14 +201,15 @@ static cmlp_status effective_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp
     cmlp_model *m = t->model;
     const cmlp_backend_i *b = m->dev->backend;
     void *ctx = m->dev->bctx;
-    CMLP_TRY(cmlp_model_zero_grad(m));
-    cmlp_gw w = {(float)(1.0 / (double)n), NULL};
+    /* no zeroing: the first micro-batch writes the gradients, the others add to them */
+    cmlp_gw w = {(float)(1.0 / (double)n), NULL, true};
     if (t->scaler.enabled) {
         CMLP_TRY(b->grad_weight(ctx, &ds->grad_weight, &ds->scale, (double)n));
         w.d_weight = &ds->grad_weight;
     }
     for (int64_t off = 0; off < n; off += t->micro) {
         int64_t k = n - off < t->micro ? n - off : t->micro;
+        w.fresh = off == 0;
         CMLP_TRY(cmlp_model_fb(m, xy, idx ? idx + off : NULL, start + off, k, w, t->cfg.label_smoothing, t->cfg.amp,
                                t->cfg.recompute, &ds->loss));
     }

@@ -131,7 +131,7 @@ __device__ __forceinline__ float take_dy(void *dy, const void *h, int64_t i) {
 template <int KIND, bool MASK>
 __global__ void __launch_bounds__(BIAS_GRAD_THREADS)
 k_bias_grad(float *db, float *partial, void *dy, const void *h, int64_t rows, int64_t cols, int64_t tile_w,
-            int64_t rows_per_split) {
+            int64_t rows_per_split, int overwrite) {
     __shared__ float part[BIAS_GRAD_THREADS];
     const int64_t ntiles = (cols + tile_w - 1) / tile_w;
     const int64_t r0 = (int64_t)blockIdx.y * rows_per_split;
@@ -163,35 +163,40 @@ k_bias_grad(float *db, float *partial, void *dy, const void *h, int64_t rows, in
         }
         if (t < w) {
             if (partial) partial[(int64_t)blockIdx.y * cols + c0 + t] = part[t];
-            else db[c0 + t] = f_add(db[c0 + t], part[t]);
+            else db[c0 + t] = f_add(overwrite ? 0.0f : db[c0 + t], part[t]);
         }
         __syncthreads(); /* part is reused by the next tile */
     }
 }
 
-/* db[c] += the S partial sums of column c, in range order. */
+/* db[c] (or 0 when overwriting) += the S partial sums of column c, in range order. */
 __global__ void __launch_bounds__(CMLP_K_THREADS)
-k_bias_grad_combine(float *db, const float *partial, int64_t splits, int64_t cols) {
+k_bias_grad_combine(float *db, const float *partial, int64_t splits, int64_t cols, int overwrite) {
     for (int64_t c = cmlp_tid(); c < cols; c += cmlp_nthreads()) {
         float acc = 0.0f;
         for (int64_t s = 0; s < splits; s++) acc = f_add(acc, partial[s * cols + c]);
-        db[c] = f_add(db[c], acc);
+        db[c] = f_add(overwrite ? 0.0f : db[c], acc);
     }
 }
 
 template <int KIND, bool MASK>
 static void launch_bias_grad(dim3 grid, float *db, float *partial, void *dy, const void *h, int64_t rows, int64_t cols,
-                             int64_t w, int64_t rows_per_split, cudaStream_t stream) {
-    k_bias_grad<KIND, MASK><<<grid, BIAS_GRAD_THREADS, 0, stream>>>(db, partial, dy, h, rows, cols, w, rows_per_split);
+                             int64_t w, int64_t rows_per_split, int overwrite, cudaStream_t stream) {
+    k_bias_grad<KIND, MASK><<<grid, BIAS_GRAD_THREADS, 0, stream>>>(db, partial, dy, h, rows, cols, w, rows_per_split,
+                                                                     overwrite);
 }
 
 #define BIAS_GRAD_TARGET_BLOCKS 512 /* about 4 blocks of 512 threads per SM of a large GPU */
 
 /* kind: 0 float, 1 fp16, 2 bf16; h: the ReLU's output when dy is to be masked first */
-static cudaError_t bias_grad(float *db, void *dy, const void *h, int kind, int64_t rows, int64_t cols, float *scratch,
-                             size_t scratch_bytes, cudaStream_t stream) {
+static cudaError_t bias_grad(float *db, void *dy, const void *h, int kind, int64_t rows, int64_t cols, int overwrite,
+                             float *scratch, size_t scratch_bytes, cudaStream_t stream) {
     if (rows < 0 || cols < 0) return cudaErrorInvalidValue;
-    if (rows == 0 || cols == 0) return cudaSuccess;
+    if (cols == 0 || (rows == 0 && !overwrite)) return cudaSuccess;
+    if (rows == 0) { /* nothing to sum: zeros */
+        k_bias_grad_combine<<<cmlp_k_blocks(cols, CMLP_K_THREADS), CMLP_K_THREADS, 0, stream>>>(db, nullptr, 0, cols, 1);
+        return cudaGetLastError();
+    }
     int64_t w = cols;
     if (cols > 32) {
         w = 32;
@@ -215,38 +220,39 @@ static cudaError_t bias_grad(float *db, void *dy, const void *h, int kind, int64
     float *partial = splits > 1 ? scratch : NULL;
     const dim3 grid((unsigned int)bx, (unsigned int)splits);
     if (h) {
-        if (kind == 0) launch_bias_grad<0, true>(grid, db, partial, dy, h, rows, cols, w, per, stream);
-        else if (kind == 1) launch_bias_grad<1, true>(grid, db, partial, dy, h, rows, cols, w, per, stream);
-        else launch_bias_grad<2, true>(grid, db, partial, dy, h, rows, cols, w, per, stream);
+        if (kind == 0) launch_bias_grad<0, true>(grid, db, partial, dy, h, rows, cols, w, per, overwrite, stream);
+        else if (kind == 1) launch_bias_grad<1, true>(grid, db, partial, dy, h, rows, cols, w, per, overwrite, stream);
+        else launch_bias_grad<2, true>(grid, db, partial, dy, h, rows, cols, w, per, overwrite, stream);
     } else {
-        if (kind == 0) launch_bias_grad<0, false>(grid, db, partial, dy, h, rows, cols, w, per, stream);
-        else if (kind == 1) launch_bias_grad<1, false>(grid, db, partial, dy, h, rows, cols, w, per, stream);
-        else launch_bias_grad<2, false>(grid, db, partial, dy, h, rows, cols, w, per, stream);
+        if (kind == 0) launch_bias_grad<0, false>(grid, db, partial, dy, h, rows, cols, w, per, overwrite, stream);
+        else if (kind == 1) launch_bias_grad<1, false>(grid, db, partial, dy, h, rows, cols, w, per, overwrite, stream);
+        else launch_bias_grad<2, false>(grid, db, partial, dy, h, rows, cols, w, per, overwrite, stream);
     }
     if (partial) {
         const cudaError_t e = cudaGetLastError();
         if (e != cudaSuccess) return e;
         k_bias_grad_combine<<<cmlp_k_blocks(cols, CMLP_K_THREADS), CMLP_K_THREADS, 0, stream>>>(db, partial, splits,
-                                                                                                 cols);
+                                                                                                 cols, overwrite);
     }
     return cudaGetLastError();
 }
 
-extern "C" cudaError_t cmlp_k_bias_grad(float *db, const float *dy, int64_t rows, int64_t cols, float *scratch,
-                                        size_t scratch_bytes, cudaStream_t stream) {
-    return bias_grad(db, const_cast<float *>(dy), NULL, 0, rows, cols, scratch, scratch_bytes, stream);
+extern "C" cudaError_t cmlp_k_bias_grad(float *db, const float *dy, int64_t rows, int64_t cols, int overwrite,
+                                        float *scratch, size_t scratch_bytes, cudaStream_t stream) {
+    return bias_grad(db, const_cast<float *>(dy), NULL, 0, rows, cols, overwrite, scratch, scratch_bytes, stream);
 }
 
 extern "C" cudaError_t cmlp_k_bias_grad_half(float *db, const uint16_t *dy, int64_t rows, int64_t cols, int bf16,
-                                             float *scratch, size_t scratch_bytes, cudaStream_t stream) {
-    return bias_grad(db, const_cast<uint16_t *>(dy), NULL, bf16 ? 2 : 1, rows, cols, scratch, scratch_bytes, stream);
+                                             int overwrite, float *scratch, size_t scratch_bytes, cudaStream_t stream) {
+    return bias_grad(db, const_cast<uint16_t *>(dy), NULL, bf16 ? 2 : 1, rows, cols, overwrite, scratch, scratch_bytes,
+                     stream);
 }
 
 extern "C" cudaError_t cmlp_k_relu_backward_bias_grad(void *dy, const void *h, int kind, float *db, int64_t rows,
-                                                      int64_t cols, float *scratch, size_t scratch_bytes,
+                                                      int64_t cols, int overwrite, float *scratch, size_t scratch_bytes,
                                                       cudaStream_t stream) {
     if (kind < 0 || kind > 2 || !h) return cudaErrorInvalidValue;
-    return bias_grad(db, dy, h, kind, rows, cols, scratch, scratch_bytes, stream);
+    return bias_grad(db, dy, h, kind, rows, cols, overwrite, scratch, scratch_bytes, stream);
 }
 
 /* ---- ReLU backward in half precision: dy[i] = h[i] > 0 ? dy[i] : 0 on fp16 / bf16 bits ---- */

@@ -32,24 +32,25 @@ extern "C" {
 cudaError_t cmlp_k_bias_act(float *y, const float *bias, int64_t rows, int64_t cols, int relu, cudaStream_t stream);
 /* dy[i] = h[i] > 0 ? dy[i] : 0 for i < n (h is the ReLU's output). */
 cudaError_t cmlp_k_relu_backward(float *dy, const float *h, int64_t n, cudaStream_t stream);
-/* db[c] += sum over r of dy[r, c] (accumulates: the caller zeroes db when it must). The sum
- * over rows is done in fp32 in an order fixed by (rows, cols, scratch_bytes): deterministic.
+/* db[c] += sum over r of dy[r, c], or with overwrite != 0 db[c] = 0 + that sum (the bits of
+ * zeroing db first). The sum over rows is done in fp32 in an order fixed by (rows, cols,
+ * scratch_bytes): deterministic.
  * scratch (may be NULL) is device memory of scratch_bytes the launcher may use, stream-ordered,
  * for partial sums of a tall dy (a second kernel then adds them): the backend passes its GEMM
  * workspace, which is free between GEMMs on the same stream. */
-cudaError_t cmlp_k_bias_grad(float *db, const float *dy, int64_t rows, int64_t cols, float *scratch,
+cudaError_t cmlp_k_bias_grad(float *db, const float *dy, int64_t rows, int64_t cols, int overwrite, float *scratch,
                              size_t scratch_bytes, cudaStream_t stream);
 /* The same two over fp16 (bf16 == 0) or bf16 storage: db (fp32) += column sums of dy; dy[i] = 0
  * where h[i] > 0 does not hold. */
-cudaError_t cmlp_k_bias_grad_half(float *db, const uint16_t *dy, int64_t rows, int64_t cols, int bf16, float *scratch,
-                                  size_t scratch_bytes, cudaStream_t stream);
+cudaError_t cmlp_k_bias_grad_half(float *db, const uint16_t *dy, int64_t rows, int64_t cols, int bf16, int overwrite,
+                                  float *scratch, size_t scratch_bytes, cudaStream_t stream);
 cudaError_t cmlp_k_relu_backward_half(uint16_t *dy, const uint16_t *h, int64_t n, int bf16, cudaStream_t stream);
 /* Both in one pass over dy [rows, cols] of kind 0 (float), 1 (fp16) or 2 (bf16): dy goes
  * through the ReLU backward as above (h of the same kind), then db += its column sums, with
  * the bits of cmlp_k_relu_backward(_half) followed by cmlp_k_bias_grad(_half) given the same
  * scratch. */
 cudaError_t cmlp_k_relu_backward_bias_grad(void *dy, const void *h, int kind, float *db, int64_t rows, int64_t cols,
-                                           float *scratch, size_t scratch_bytes, cudaStream_t stream);
+                                           int overwrite, float *scratch, size_t scratch_bytes, cudaStream_t stream);
 
 /* ---- loss.cu ---- */
 

@@ -153,21 +153,23 @@ static void test_bias_grad(void) {
                             sum[c] += vals[r * cols + c];
                             mag[c] += fabs(vals[r * cols + c]);
                         }
-                    memcpy(F(db), F(db0), (size_t)cols * 4);
-                    memcpy(F(db2), F(db0), (size_t)cols * 4);
+                    /* overwriting: what db held (NaN here) is not read */
+                    int ow = (ri + ci + kind) % 2;
+                    for (int64_t c = 0; c < cols; c++) F(db)[c] = F(db2)[c] = ow ? NAN : F(db0)[c];
+                    if (ow) memset(F(db0), 0, (size_t)cols * 4);
                     if (kind == 0) {
-                        KOK(cmlp_k_bias_grad(F(db), F(dy), rows, cols, scratch, sb, S));
-                        KOK(cmlp_k_bias_grad(F(db2), F(dy), rows, cols, scratch, sb, S));
+                        KOK(cmlp_k_bias_grad(F(db), F(dy), rows, cols, ow, scratch, sb, S));
+                        KOK(cmlp_k_bias_grad(F(db2), F(dy), rows, cols, ow, scratch, sb, S));
                         if (sv == 0) { /* the CPU backend's own sums agree to the same tolerance */
                             buf cdb = make(cols, 4, 0);
-                            memcpy(F(cdb), F(db0), (size_t)cols * 4);
-                            CPU_CALL(cpu->bias_grad(NULL, F(cdb), F(dy), rows, cols));
+                            for (int64_t c = 0; c < cols; c++) F(cdb)[c] = ow ? NAN : F(db0)[c];
+                            CPU_CALL(cpu->bias_grad(NULL, F(cdb), F(dy), rows, cols, ow));
                             check_bias_grad(F(cdb), F(db0), sum, mag, cols, "cpu bias_grad", rows);
                             free(cdb.block);
                         }
                     } else {
-                        KOK(cmlp_k_bias_grad_half(F(db), dy.p, rows, cols, kind == 2, scratch, sb, S));
-                        KOK(cmlp_k_bias_grad_half(F(db2), dy.p, rows, cols, kind == 2, scratch, sb, S));
+                        KOK(cmlp_k_bias_grad_half(F(db), dy.p, rows, cols, kind == 2, ow, scratch, sb, S));
+                        KOK(cmlp_k_bias_grad_half(F(db2), dy.p, rows, cols, kind == 2, ow, scratch, sb, S));
                     }
                     check_bias_grad(F(db), F(db0), sum, mag, cols, kind == 0 ? "bias_grad" : "bias_grad_half", rows);
                     CHECK(same_bits(F(db), F(db2), (size_t)cols * 4), "bias_grad %lldx%lld scratch %d: not deterministic",
@@ -223,12 +225,12 @@ static void test_relu_backward_bias_grad(void) {
                 fill(F(db), cols, 0);
                 memcpy(F(db2), F(db), (size_t)cols * 4);
                 memcpy(F(cdb), F(db), (size_t)cols * 4);
-                KOK(cmlp_k_relu_backward_bias_grad(dy.p, h.p, kind, F(db), rows, cols, scratch, sb, S));
+                KOK(cmlp_k_relu_backward_bias_grad(dy.p, h.p, kind, F(db), rows, cols, 0, scratch, sb, S));
                 if (kind == 0) {
                     KOK(cmlp_k_relu_backward(F(dy2), F(h), n, S));
-                    KOK(cmlp_k_bias_grad(F(db2), F(dy2), rows, cols, scratch, sb, S));
+                    KOK(cmlp_k_bias_grad(F(db2), F(dy2), rows, cols, 0, scratch, sb, S));
                     memcpy(F(cdy), v, (size_t)n * 4);
-                    CPU_CALL(cpu->relu_backward_bias_grad(NULL, F(cdy), F(h), CMLP_DTYPE_F32, F(cdb), rows, cols));
+                    CPU_CALL(cpu->relu_backward_bias_grad(NULL, F(cdy), F(h), CMLP_DTYPE_F32, F(cdb), rows, cols, 0));
                     CHECK(first_diff(F(dy), F(cdy), n) < 0, "fused relu/bias grad %lldx%lld: dy differs from the CPU's",
                           (long long)rows, (long long)cols);
                     int bad = -1;
@@ -241,7 +243,7 @@ static void test_relu_backward_bias_grad(void) {
                           (long long)cols, bad);
                 } else {
                     KOK(cmlp_k_relu_backward_half(dy2.p, h.p, n, kind == 2, S));
-                    KOK(cmlp_k_bias_grad_half(F(db2), dy2.p, rows, cols, kind == 2, scratch, sb, S));
+                    KOK(cmlp_k_bias_grad_half(F(db2), dy2.p, rows, cols, kind == 2, 0, scratch, sb, S));
                 }
                 CHECK(same_bits(dy.p, dy2.p, (size_t)n * es) && same_bits(F(db), F(db2), (size_t)cols * 4),
                       "fused relu/bias grad %lldx%lld kind %d differs from the two kernels", (long long)rows,
@@ -250,7 +252,13 @@ static void test_relu_backward_bias_grad(void) {
                 free(cdb.block), free(v), free(hv), free(scratch);
             }
     float x = 0;
-    CHECK(cmlp_k_relu_backward_bias_grad(&x, NULL, 0, &x, 1, 1, NULL, 0, S) == cudaErrorInvalidValue, "fused without h");
+    CHECK(cmlp_k_relu_backward_bias_grad(&x, NULL, 0, &x, 1, 1, 0, NULL, 0, S) == cudaErrorInvalidValue,
+          "fused without h");
+    /* overwriting with no rows leaves zeros */
+    float z[3] = {NAN, 5, -1};
+    KOK(cmlp_k_bias_grad(z, z, 0, 3, 1, NULL, 0, S));
+    CHECK(z[0] == 0 && z[1] == 0 && z[2] == 0 && !signbit(z[0]), "bias_grad overwriting with no rows: %g %g %g", z[0],
+          z[1], z[2]);
 }
 
 /* ---- loss.cu ---- */
@@ -547,7 +555,7 @@ static void test_bad_counts(void) {
     CHECK(cmlp_k_relu_backward(&x, &x, -1, S) == cudaErrorInvalidValue, "negative count");
     CHECK(cmlp_k_bias_act(&x, &x, -1, 1, 0, S) == cudaErrorInvalidValue, "negative rows");
     KOK(cmlp_k_adam(&x, &x, &x, &x, 0, 0, 0, 0, 1, 1, 0, NULL, NULL, S));
-    KOK(cmlp_k_bias_grad(&x, &x, 0, 5, NULL, 0, S));
+    KOK(cmlp_k_bias_grad(&x, &x, 0, 5, 0, NULL, 0, S));
 }
 
 int main(void) {
