@@ -339,15 +339,21 @@ CMLP_API cmlp_status cmlp_trainer_set_microbatch_size(cmlp_trainer *t, int64_t s
 /* Computes with a smaller micro-batch for now (auto micro-batching grows back to the set size). */
 CMLP_API cmlp_status cmlp_trainer_start_microbatch(cmlp_trainer *t, int64_t size);
 /* One optimizer step over all xy->n samples (the effective batch), computed in micro-batches
- * and normalised by xy->n; zeroes the gradients first. *loss_mean: mean per-sample loss. */
+ * and normalised by xy->n; the gradients are replaced. *loss_mean: mean per-sample loss. */
 CMLP_API cmlp_status cmlp_trainer_step(cmlp_trainer *t, const cmlp_data *xy, double *loss_mean);
 /* The epoch loop: begin validates the data set once and draws this epoch's order (seeded by
  * seed and the epoch number); the trainer keeps xy's pointers, which must stay valid until the
- * epoch is done. run does up to max_steps optimizer steps (<= 0: to the end) and updates *st. Effective batches are batch_size * accumulation_steps samples; the last one
- * may be shorter and is normalised by its own size. */
-CMLP_API cmlp_status cmlp_trainer_epoch_begin(cmlp_trainer *t, const cmlp_data *xy,
+ * epoch is done. With same_data != 0 the caller promises that xy is the data set of the
+ * previous epoch_begin, unchanged since (the next epoch of one fit): a copy the trainer keeps on
+ * the device is then reused and only the order is copied again. run does up to max_steps
+ * optimizer steps (<= 0: to the end) and updates *st. Effective batches are batch_size *
+ * accumulation_steps samples; the last one may be shorter and is normalised by its own size. */
+CMLP_API cmlp_status cmlp_trainer_epoch_begin(cmlp_trainer *t, const cmlp_data *xy, int same_data,
                                               cmlp_epoch_state *st);
 CMLP_API cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, cmlp_epoch_state *st);
+/* Frees the copy of the epochs' data set the trainer keeps on the device (kept from one epoch to
+ * the next for same_data; also freed by an epoch_begin on other data, and with the trainer). */
+CMLP_API void cmlp_trainer_release_data(cmlp_trainer *t);
 
 /* ---- planning ---------------------------------------------------------------------------- */
 

@@ -39,6 +39,7 @@ struct cmlp_trainer {
     cmlp_device_ctx *graph_dev;
     step_key graph_key, warm_key; /* warm_key: the last full step run eagerly */
     bool warm, graphs_off;        /* graphs_off: a capture failed; eager from then on */
+    bool epoch_open;              /* between epoch_begin and the epoch's last step */
     void *d_x;
     int32_t *d_y;
     int64_t *d_order;
@@ -396,7 +397,19 @@ cmlp_status cmlp_trainer_step(cmlp_trainer *t, const cmlp_data *xy, double *loss
 
 static int64_t effective_batch(const cmlp_trainer *t) { return t->cfg.batch_size * t->cfg.accumulation_steps; }
 
-cmlp_status cmlp_trainer_epoch_begin(cmlp_trainer *t, const cmlp_data *xy, cmlp_epoch_state *st) {
+/* The device copy of the previous epoch serves this one: the same data set, unchanged (the
+ * caller's word), on the same device; the new order goes into the same buffer, so a captured
+ * step stays valid. */
+static bool keep_epoch(cmlp_trainer *t, const cmlp_data *xy) {
+    if (!t->d_x || t->d_alloc != t->model->dev->alloc || xy->x != t->data.x || xy->y != t->data.y ||
+        xy->n != t->data.n || xy->x_dtype != t->data.x_dtype || (t->cfg.shuffle && !t->d_order))
+        return false;
+    if (!t->cfg.shuffle) return true;
+    cmlp_device_ctx *dev = t->model->dev;
+    return dev->backend->copy_h2d(dev->bctx, t->d_order, t->order, (size_t)xy->n * sizeof(int64_t)) == CMLP_OK;
+}
+
+cmlp_status cmlp_trainer_epoch_begin(cmlp_trainer *t, const cmlp_data *xy, int same_data, cmlp_epoch_state *st) {
     if (!t || !st) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
     CMLP_TRY(cmlp_data_validate(t->model, xy, true));
     int64_t n = xy->n;
@@ -418,9 +431,12 @@ cmlp_status cmlp_trainer_epoch_begin(cmlp_trainer *t, const cmlp_data *xy, cmlp_
             t->order[j] = tmp;
         }
     }
-    drop_device_data(t);
+    if (!(same_data && keep_epoch(t, xy))) {
+        drop_device_data(t);
+        upload_epoch(t, xy);
+    }
     t->data = *xy;
-    upload_epoch(t, xy);
+    t->epoch_open = true;
     t->epoch++;
     t->pos = 0;
     int64_t eb = effective_batch(t);
@@ -430,7 +446,7 @@ cmlp_status cmlp_trainer_epoch_begin(cmlp_trainer *t, const cmlp_data *xy, cmlp_
 
 cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, cmlp_epoch_state *st) {
     if (!t || !st) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
-    if (!t->data.x) return CMLP_FAIL(CMLP_ERR_STATE, "epoch_run called before epoch_begin");
+    if (!t->epoch_open) return CMLP_FAIL(CMLP_ERR_STATE, "epoch_run called before epoch_begin");
     int64_t n = t->data.n, eb = effective_batch(t);
     cmlp_dscalars *ds;
     CMLP_TRY(run_begin(t, &ds));
@@ -473,9 +489,13 @@ cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, cmlp_epoc
         st->skipped += skipped;
     }
     st->done = t->pos >= n;
-    if (st->done) {
-        memset(&t->data, 0, sizeof t->data);
-        drop_device_data(t);
-    }
+    if (st->done) t->epoch_open = false; /* the device copy stays for a next epoch on the same data */
     return s;
+}
+
+void cmlp_trainer_release_data(cmlp_trainer *t) {
+    if (!t) return;
+    drop_device_data(t);
+    memset(&t->data, 0, sizeof t->data);
+    t->epoch_open = false;
 }

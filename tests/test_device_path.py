@@ -48,7 +48,14 @@ for opt in ("sgd", "adam"):
         cmlp.Trainer(mm, oo, batch_size=64, shuffle=False).fit(xf, y, epochs=1, progress=False)
         runs.append(b"".join(v.tobytes() for v in mm.state_dict().values()))
     resumed[opt] = runs[0] == runs[1]
-print(json.dumps({"cases": out, "resumed": resumed}))
+# the device copy of the data set lives for one fit call, whatever its size
+m = cmlp.MLP([30, 16, 4], seed=1)
+t = cmlp.Trainer(m, cmlp.optim.Adam(m), batch_size=64)
+t.fit(xf[:100], y[:100], epochs=2, progress=False)
+small = cmlp.memory.memory_allocated("cpu")
+t.fit(np.concatenate([xf] * 10), np.concatenate([y] * 10), epochs=2, progress=False)
+released = cmlp.memory.memory_allocated("cpu") == small
+print(json.dumps({"cases": out, "resumed": resumed, "released": released}))
 '''
 
 CASES = [
@@ -91,3 +98,8 @@ def test_the_device_path_trains_as_the_host_path(both, case):
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
 def test_a_run_resumed_from_state_dicts_continues_as_the_original(both, path, opt):
     assert both[path == "device"]["resumed"][opt]
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_fit_frees_the_data_sets_device_copy_when_it_returns(both, path):
+    assert both[path == "device"]["released"]

@@ -672,10 +672,11 @@ static int trainer_ready(TrainerObject *self) {
 }
 
 static PyObject *Trainer_step(TrainerObject *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"x", "y", "mean", "std", NULL};
+    static char *kwlist[] = {"x", "y", "mean", "std", "same_data", NULL};
     PyObject *x, *y;
     float mean = 0.5f, std = 0.5f;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|ff", kwlist, &x, &y, &mean, &std)) return NULL;
+    int same_data = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|ffp", kwlist, &x, &y, &mean, &std, &same_data)) return NULL;
     if (trainer_ready(self) < 0) return NULL;
     ModelObject *mo = self->optim->model;
     cmlp_data d;
@@ -692,10 +693,11 @@ static PyObject *Trainer_step(TrainerObject *self, PyObject *args, PyObject *kw)
 }
 
 static PyObject *Trainer_epoch_begin(TrainerObject *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"x", "y", "mean", "std", NULL};
+    static char *kwlist[] = {"x", "y", "mean", "std", "same_data", NULL};
     PyObject *x, *y;
     float mean = 0.5f, std = 0.5f;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|ff", kwlist, &x, &y, &mean, &std)) return NULL;
+    int same_data = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|ffp", kwlist, &x, &y, &mean, &std, &same_data)) return NULL;
     if (trainer_ready(self) < 0) return NULL;
     ModelObject *mo = self->optim->model;
     cmlp_data d;
@@ -706,7 +708,7 @@ static PyObject *Trainer_epoch_begin(TrainerObject *self, PyObject *args, PyObje
     }
     cmlp_epoch_state es;
     cmlp_status st;
-    RUN_LOCKED(mo, st = cmlp_trainer_epoch_begin(self->t, &d, &es));
+    RUN_LOCKED(mo, st = cmlp_trainer_epoch_begin(self->t, &d, same_data, &es));
     if (st != CMLP_OK) return raise_status(mo->ms, st);
     Py_INCREF(x);
     Py_INCREF(y);
@@ -734,6 +736,16 @@ static PyObject *Trainer_epoch_run(TrainerObject *self, PyObject *args) {
     if (st != CMLP_OK) return raise_status(mo->ms, st);
     return Py_BuildValue("(LLdOL)", (long long)es.steps, (long long)es.samples, es.loss_sum,
                          es.done ? Py_True : Py_False, (long long)es.skipped);
+}
+
+static PyObject *Trainer_release_data(TrainerObject *self, PyObject *unused) {
+    (void)unused;
+    if (trainer_ready(self) < 0) return NULL;
+    ModelObject *mo = self->optim->model;
+    RUN_LOCKED(mo, cmlp_trainer_release_data(self->t));
+    Py_CLEAR(self->epoch_x);
+    Py_CLEAR(self->epoch_y);
+    Py_RETURN_NONE;
 }
 
 static PyObject *Trainer_set_scaler(TrainerObject *self, PyObject *args) {
@@ -808,6 +820,7 @@ static PyMethodDef Trainer_methods[] = {
     {"epoch_begin", (PyCFunction)(void (*)(void))Trainer_epoch_begin, METH_VARARGS | METH_KEYWORDS,
      "validate and shuffle; returns the epoch's step count"},
     {"epoch_run", (PyCFunction)Trainer_epoch_run, METH_VARARGS, "(steps, samples, loss_sum, done, skipped)"},
+    {"release_data", (PyCFunction)Trainer_release_data, METH_NOARGS, "free the device copy of the data set"},
     {"set_scaler", (PyCFunction)Trainer_set_scaler, METH_VARARGS,
      "set_scaler(enabled, scale, growth_factor, backoff_factor, growth_interval, growth_tracker)"},
     {"get_scaler", (PyCFunction)Trainer_get_scaler, METH_NOARGS, "(scale, growth_tracker)"},

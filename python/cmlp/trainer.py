@@ -158,49 +158,53 @@ class Trainer:
                 raise ValueError("validation x contains NaN or inf")
         device = self.model.device
         history: List[Dict[str, Any]] = []
-        for epoch in range(1, epochs + 1):
-            memory.reset_peak_memory_stats(device)
-            total = self._c.epoch_begin(xa, ya, *self.normalize)
-            bar = make_bar(total, f"epoch {epoch}/{epochs}", progress)
-            chunk = max(1, total // 200)
-            samples, loss_sum, skipped = 0, 0.0, 0
-            start = time.perf_counter()
-            self._push_scaler()
-            if epoch == 1:
-                self._start_under_limit()
-            retries = self._c.oom_retries()
-            try:
-                done = False
-                while not done:
-                    steps, n, loss, done, k = self._c.epoch_run(chunk)
-                    samples += n
-                    loss_sum += loss
-                    skipped += k
+        try:
+            for epoch in range(1, epochs + 1):
+                memory.reset_peak_memory_stats(device)
+                # the later epochs of this call train on the same arrays: a device copy is kept
+                total = self._c.epoch_begin(xa, ya, *self.normalize, same_data=epoch > 1)
+                bar = make_bar(total, f"epoch {epoch}/{epochs}", progress)
+                chunk = max(1, total // 200)
+                samples, loss_sum, skipped = 0, 0.0, 0
+                start = time.perf_counter()
+                self._push_scaler()
+                if epoch == 1:
+                    self._start_under_limit()
+                retries = self._c.oom_retries()
+                try:
+                    done = False
+                    while not done:
+                        steps, n, loss, done, k = self._c.epoch_run(chunk)
+                        samples += n
+                        loss_sum += loss
+                        skipped += k
+                        if bar is not None:
+                            bar.set_postfix_str(f"loss {loss_sum / max(samples, 1):.4f}")
+                            bar.update(steps)
+                finally:
+                    self._pull_scaler()
                     if bar is not None:
-                        bar.set_postfix_str(f"loss {loss_sum / max(samples, 1):.4f}")
-                        bar.update(steps)
-            finally:
-                self._pull_scaler()
-                if bar is not None:
-                    bar.close()
-            self._warn_if_split(retries)
-            seconds = time.perf_counter() - start
-            record: Dict[str, Any] = {
-                "epoch": epoch,
-                "loss": loss_sum / samples,
-                "val_loss": None,
-                "val_accuracy": None,
-                "seconds": seconds,
-                "samples_per_second": samples / seconds if seconds > 0 else float("inf"),
-                "peak_memory_bytes": memory.max_memory_allocated(device),
-                "microbatch_size": self.microbatch_size,
-                "skipped_steps": skipped,
-            }
-            if val is not None:
-                loss_sum, correct = self.model._c.evaluate(val[0], val[1], *self.normalize, 1000)
-                # evaluation's 1000-row buffers go back to the cache: training keeps its own peak
-                self.model._c.release_workspace()
-                record["val_loss"] = loss_sum / val[0].shape[0]
-                record["val_accuracy"] = correct / val[0].shape[0]
-            history.append(record)
+                        bar.close()
+                self._warn_if_split(retries)
+                seconds = time.perf_counter() - start
+                record: Dict[str, Any] = {
+                    "epoch": epoch,
+                    "loss": loss_sum / samples,
+                    "val_loss": None,
+                    "val_accuracy": None,
+                    "seconds": seconds,
+                    "samples_per_second": samples / seconds if seconds > 0 else float("inf"),
+                    "peak_memory_bytes": memory.max_memory_allocated(device),
+                    "microbatch_size": self.microbatch_size,
+                    "skipped_steps": skipped,
+                }
+                if val is not None:
+                    loss_sum, correct = self.model._c.evaluate(val[0], val[1], *self.normalize, 1000)
+                    # evaluation's 1000-row buffers go back to the cache: training keeps its own peak
+                    self.model._c.release_workspace()
+                    record["val_loss"] = loss_sum / val[0].shape[0]
+                    record["val_accuracy"] = correct / val[0].shape[0]
+                history.append(record)
+        finally:
+            self._c.release_data()  # the device copy of the data set, kept between epochs
         return history

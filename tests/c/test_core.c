@@ -171,7 +171,7 @@ static void test_accumulation(void) {
             OK(cmlp_trainer_step(t, &d, &loss));
         } else {
             cmlp_epoch_state st;
-            OK(cmlp_trainer_epoch_begin(t, &d, &st));
+            OK(cmlp_trainer_epoch_begin(t, &d, 0, &st));
             CHECK(st.total_steps == 1, "total steps %lld", (long long)st.total_steps);
             OK(cmlp_trainer_epoch_run(t, 0, &st));
             CHECK(st.done && st.steps == 1 && st.samples == 10, "epoch state %lld %lld", (long long)st.steps,
@@ -314,7 +314,7 @@ static void test_determinism(void) {
         OK(cmlp_trainer_init(&t, m, o, &tc));
         cmlp_epoch_state st;
         for (int e = 0; e < 2; e++) {
-            OK(cmlp_trainer_epoch_begin(t, &d, &st));
+            OK(cmlp_trainer_epoch_begin(t, &d, 0, &st));
             while (!st.done) OK(cmlp_trainer_epoch_run(t, 3, &st));
             CHECK(st.steps == 8 && st.samples == 64, "epoch %lld steps", (long long)st.steps);
         }
