@@ -215,6 +215,11 @@ static void pool_return(cmlp_allocator *a, alloc_block *b) {
 
 /* ---- raw memory ---- */
 
+/* The allocator this thread is capturing a graph with, if any (cmlp_allocator_capturing). */
+static __thread const cmlp_allocator *capturing_with;
+
+void cmlp_allocator_capturing(cmlp_allocator *a, bool on) { capturing_with = on ? a : NULL; }
+
 /* A device call's status: true when it succeeded. Out of memory is the ladder's to handle;
  * any other failure (recorded by the backend) ends the request with that error. */
 static bool device_ok(cmlp_allocator *a, cmlp_status st) {
@@ -461,7 +466,7 @@ static alloc_block *cached_block(cmlp_allocator *a, int pool, size_t size) {
                 pick = c;
                 break;
             }
-        if (!pick && a->cfg.expandable_segments) pick = b;
+        if (!pick && a->cfg.expandable_segments && capturing_with != a) pick = b; /* mapping: not in a capture */
         if (pick) {
             pool_take(a, pick);
             if (!map_block(a, pick, size)) {
@@ -543,6 +548,7 @@ static cmlp_status oom(cmlp_allocator *a, size_t nbytes, size_t size) {
 
 static void refresh_config(cmlp_allocator *a);
 
+
 static cmlp_status allocate(cmlp_allocator *a, size_t nbytes, void **out) {
     refresh_config(a);
     size_t size = alloc_round_size(&a->cfg, nbytes);
@@ -550,6 +556,10 @@ static cmlp_status allocate(cmlp_allocator *a, size_t nbytes, void **out) {
     if (!table_reserve(a)) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory for the allocator's block table");
     a->device_error = CMLP_OK;
     alloc_block *b = cached_block(a, pool, size);
+    if (!b && capturing_with == a)
+        return CMLP_FAIL(CMLP_ERR_DEVICE, "%s: a request of %zu bytes that the cache cannot serve while a step is "
+                                          "being captured as a graph",
+                         a->name, nbytes);
     if (!b && !a->device_error) b = new_memory(a, pool, size);
     if (!b && !a->device_error && release_oversize(a, size)) {
         if (!a->pytorch_ladder) b = cached_block(a, pool, size);

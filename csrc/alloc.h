@@ -45,6 +45,12 @@ cmlp_status cmlp_allocator_validate(cmlp_allocator *a);
  * measure what cmlp's changes to it are worth. */
 __attribute__((visibility("hidden")))
 void cmlp_allocator_pytorch_ladder(cmlp_allocator *a, bool on);
+/* While the calling thread captures a graph on a's device (on != 0): its requests are served
+ * from cached memory only (already mapped, for expandable segments); a miss fails with
+ * CMLP_ERR_DEVICE at once, releasing nothing, since a capture may neither allocate nor wait.
+ * Other threads allocate as usual. */
+__attribute__((visibility("hidden")))
+void cmlp_allocator_capturing(cmlp_allocator *a, bool on);
 /* Formats n bytes as PyTorch does: "158.00 MiB". */
 __attribute__((visibility("hidden")))
 void cmlp_format_bytes(char *buf, size_t cap, int64_t n);

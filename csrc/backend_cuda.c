@@ -177,17 +177,17 @@ static cudaStream_t stream_of(const cuda_ctx *c) { return cap_ctx == c ? cap_str
                         (what), (c)->index);                                                                   \
     } while (0)
 
-/* Memory given back during a capture: kept until the capture ends (false: no room to note it). */
-static bool defer(int kind, void *ptr, size_t nbytes) {
+/* Memory given back during a capture: kept until the capture ends. With no host memory left to
+ * note it, it is kept for good (a leak, but freeing it now would break the capture). */
+static void defer(int kind, void *ptr, size_t nbytes) {
     if (ndeferred == cap_deferred) {
         int cap = cap_deferred ? 2 * cap_deferred : 16;
         deferred_op *d = realloc(deferred, (size_t)cap * sizeof *d);
-        if (!d) return false;
+        if (!d) return;
         deferred = d;
         cap_deferred = cap;
     }
     deferred[ndeferred++] = (deferred_op){kind, ptr, nbytes};
-    return true;
 }
 
 static cmlp_status use(cuda_ctx *c) {
@@ -296,7 +296,10 @@ static cmlp_status cu_raw_alloc(void *ctx, size_t nbytes, void **out) {
 
 static void cu_raw_free(void *ctx, void *ptr, size_t nbytes) {
     cuda_ctx *c = ctx;
-    if (capturing(c) && defer(0, ptr, nbytes)) return;
+    if (capturing(c)) {
+        defer(0, ptr, nbytes);
+        return;
+    }
     if (use(c) == CMLP_OK && cudaFree(ptr) != cudaSuccess) (void)cudaGetLastError();
 }
 
@@ -352,7 +355,10 @@ static cmlp_status cu_vm_map(void *ctx, void *ptr, size_t nbytes) {
 
 static void cu_vm_unmap(void *ctx, void *ptr, size_t nbytes) {
     cuda_ctx *c = ctx;
-    if (capturing(c) && defer(1, ptr, nbytes)) return;
+    if (capturing(c)) {
+        defer(1, ptr, nbytes);
+        return;
+    }
     if (use(c) != CMLP_OK) return;
     /* queued kernels may still use the pages: unmapping does not wait for them */
     if (cudaStreamSynchronize(c->stream) != cudaSuccess) (void)cudaGetLastError();
@@ -361,7 +367,10 @@ static void cu_vm_unmap(void *ctx, void *ptr, size_t nbytes) {
 
 static void cu_vm_release(void *ctx, void *ptr, size_t nbytes) {
     cuda_ctx *c = ctx;
-    if (capturing(c) && defer(2, ptr, nbytes)) return;
+    if (capturing(c)) {
+        defer(2, ptr, nbytes);
+        return;
+    }
     if (use(c) == CMLP_OK) (void)vmm.free_range((CUdeviceptr)(uintptr_t)ptr, nbytes);
 }
 
@@ -549,12 +558,27 @@ static cmlp_status cu_gemm_half(void *ctx, int ta, int tb, int64_t m, int64_t n,
     return lt_gemm(ctx, &g, alpha, d_a, d_b, beta, d_c, d_bias);
 }
 
+/* Bias gradients of tall matrices put partial sums in the GEMM workspace between two launches:
+ * both are queued under the lock, so that no other thread's GEMM or bias gradient comes between
+ * them on the stream. kind: 0 float, 1 fp16, 2 bf16; h: mask through the ReLU first. */
+static cmlp_status bias_grad_locked(cuda_ctx *c, void *dy, const void *h, int kind, float *db, int64_t rows,
+                                    int64_t cols, int overwrite) {
+    CMLP_TRY_USE(c);
+    pthread_mutex_lock(&c->lock);
+    cudaError_t e = h ? cmlp_k_relu_backward_bias_grad(dy, h, kind, db, rows, cols, overwrite, c->ws, c->ws_bytes,
+                                                       stream_of(c))
+                    : kind == 0 ? cmlp_k_bias_grad(db, dy, rows, cols, overwrite, c->ws, c->ws_bytes, stream_of(c))
+                                : cmlp_k_bias_grad_half(db, dy, rows, cols, kind == 2, overwrite, c->ws, c->ws_bytes,
+                                                        stream_of(c));
+    pthread_mutex_unlock(&c->lock);
+    return KERNEL(c, e);
+}
+
+static int half_kind(cmlp_dtype dtype) { return dtype == CMLP_DTYPE_F32 ? 0 : dtype == CMLP_DTYPE_F16 ? 1 : 2; }
+
 static cmlp_status cu_bias_grad_half(void *ctx, float *d_db, const uint16_t *d_dy, int64_t rows, int64_t cols,
                                      cmlp_dtype dtype, int overwrite) {
-    cuda_ctx *c = ctx;
-    CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_bias_grad_half(d_db, d_dy, rows, cols, dtype == CMLP_DTYPE_BF16, overwrite, c->ws, c->ws_bytes,
-                                           stream_of(c)));
+    return bias_grad_locked(ctx, (void *)d_dy, NULL, half_kind(dtype), d_db, rows, cols, overwrite);
 }
 
 static cmlp_status cu_relu_backward_half(void *ctx, uint16_t *d_dy, const uint16_t *d_h, int64_t count,
@@ -580,17 +604,11 @@ static cmlp_status cu_relu_backward(void *ctx, float *d_dy, const float *d_h, in
 
 static cmlp_status cu_relu_backward_bias_grad(void *ctx, void *d_dy, const void *d_h, cmlp_dtype dtype, float *d_db,
                                               int64_t rows, int64_t cols, int overwrite) {
-    cuda_ctx *c = ctx;
-    CMLP_TRY_USE(c);
-    const int kind = dtype == CMLP_DTYPE_F32 ? 0 : dtype == CMLP_DTYPE_F16 ? 1 : 2;
-    return KERNEL(c, cmlp_k_relu_backward_bias_grad(d_dy, d_h, kind, d_db, rows, cols, overwrite, c->ws, c->ws_bytes,
-                                                    stream_of(c)));
+    return bias_grad_locked(ctx, d_dy, d_h, half_kind(dtype), d_db, rows, cols, overwrite);
 }
 
 static cmlp_status cu_bias_grad(void *ctx, float *d_db, const float *d_dy, int64_t rows, int64_t cols, int overwrite) {
-    cuda_ctx *c = ctx;
-    CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_bias_grad(d_db, d_dy, rows, cols, overwrite, c->ws, c->ws_bytes, stream_of(c)));
+    return bias_grad_locked(ctx, (void *)d_dy, NULL, 0, d_db, rows, cols, overwrite);
 }
 
 static cmlp_status cu_softmax_xent(void *ctx, const float *d_logits, const int32_t *d_labels, int64_t rows,

@@ -148,7 +148,8 @@ typedef struct cmlp_gw {
     float value;
     const float *d_weight;
     /* the gradients are written, not added to: the first micro-batch of a training step, which
-     * then needs no zeroing before it (the same bits) */
+     * then needs no zeroing before it (the same values; a GEMM may leave a -0 where zero-then-add
+     * gives +0) */
     bool fresh;
 } cmlp_gw;
 

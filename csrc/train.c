@@ -274,8 +274,9 @@ static cmlp_status run_begin(cmlp_trainer *t, cmlp_dscalars **out) {
 }
 
 /* effective_step, surviving out-of-memory by smaller micro-batches when allowed. A failed
- * attempt changed nothing that matters: gradients are zeroed again, the loss it added is taken
- * back, and the optimizer and the scaler move only at the end of a step (a step fails before). */
+ * attempt changed nothing that matters: the retry's first micro-batch writes the gradients
+ * afresh, the loss it added is taken back, and the optimizer and the scaler move only at the end
+ * of a step (a step fails before). */
 static cmlp_status robust_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_data *xy, const int64_t *idx,
                                int64_t start, int64_t n) {
     const int64_t micro_before = t->micro;
@@ -362,7 +363,9 @@ static cmlp_status graph_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_dat
     drop_graph(t);
     cmlp_status st = b->capture_begin(dev->bctx);
     if (st == CMLP_OK) {
+        cmlp_allocator_capturing(dev->alloc, true); /* cached memory only: nothing may allocate */
         st = effective_step(t, ds, xy, idx, 0, n);
+        cmlp_allocator_capturing(dev->alloc, false);
         void *g = NULL;
         cmlp_status end = b->capture_end(dev->bctx, &g);
         if (st == CMLP_OK) st = end;

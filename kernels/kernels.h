@@ -37,7 +37,8 @@ cudaError_t cmlp_k_relu_backward(float *dy, const float *h, int64_t n, cudaStrea
  * scratch_bytes): deterministic.
  * scratch (may be NULL) is device memory of scratch_bytes the launcher may use, stream-ordered,
  * for partial sums of a tall dy (a second kernel then adds them): the backend passes its GEMM
- * workspace, which is free between GEMMs on the same stream. */
+ * workspace, which is free between GEMMs on the same stream as long as nothing else is queued
+ * between the two launches (the backend queues them under its lock). */
 cudaError_t cmlp_k_bias_grad(float *db, const float *dy, int64_t rows, int64_t cols, int overwrite, float *scratch,
                              size_t scratch_bytes, cudaStream_t stream);
 /* The same two over fp16 (bf16 == 0) or bf16 storage: db (fp32) += column sums of dy; dy[i] = 0

@@ -1845,6 +1845,43 @@ static void test_device_error(void) {
     }
 }
 
+/* While this thread captures: cached blocks only, a miss fails at once with no device call and
+ * nothing released; another thread allocates as usual. */
+static void *other_thread_alloc(void *arg) {
+    cmlp_allocator *a = arg;
+    void *p = NULL;
+    return cmlp_allocator_malloc(a, MB(40), &p) == CMLP_OK ? p : NULL;
+}
+
+static void test_capturing(void) {
+    for (int exp = 0; exp < 2; exp++) {
+        fake_dev d;
+        cmlp_allocator *a = mk(&d, exp ? "expandable_segments:True" : "", (int64_t)GB(2));
+        void *p = al(a, MB(30));
+        fr(a, p);
+        int64_t reserved = CUR(stats_of(a), RESERVED_BYTES, ALL), calls = d.n_raw_alloc + d.n_map + d.n_unmap;
+        cmlp_allocator_capturing(a, true);
+        void *q = NULL;
+        OK(cmlp_allocator_malloc(a, MB(20), &q)); /* from the cache */
+        void *r = NULL;
+        cmlp_status st = cmlp_allocator_malloc(a, MB(100), &r);
+        CHECK(st == CMLP_ERR_DEVICE && !r, "expandable %d: a miss while capturing: status %d", exp, (int)st);
+        CHECK(strstr(cmlp_last_error(), "captured") != NULL, "the refusal says why: %s", cmlp_last_error());
+        CHECK(d.n_raw_alloc + d.n_map + d.n_unmap == calls, "expandable %d: device calls while capturing", exp);
+        CHECK(CUR(stats_of(a), RESERVED_BYTES, ALL) == reserved, "expandable %d: memory released while capturing", exp);
+        pthread_t th;
+        void *from_other = NULL;
+        pthread_create(&th, NULL, other_thread_alloc, a);
+        pthread_join(th, &from_other);
+        CHECK(from_other != NULL, "expandable %d: another thread could not allocate during a capture", exp);
+        cmlp_allocator_capturing(a, false);
+        fr(a, q);
+        if (from_other) fr(a, from_other);
+        fr(a, al(a, MB(100)));
+        fin(a, &d);
+    }
+}
+
 int main(void) {
     double t0 = now();
     test_rounding_and_small_pool();
@@ -1866,6 +1903,7 @@ int main(void) {
     test_ladder_oversize();
     test_ladder_expandable();
     test_device_error();
+    test_capturing();
     printf("  unit tests %.1f s\n", now() - t0);
     test_stress();
     double t1 = now();
