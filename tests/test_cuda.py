@@ -634,6 +634,36 @@ def test_graph_replay_and_eager_steps_train_identically(amp):
     np.testing.assert_allclose(runs[0]["loss"], runs[1]["loss"], rtol=1e-12)
 
 
+@needs_gpu
+@pytest.mark.parametrize("amp", [None, "fp16"])
+def test_two_threads_training_on_one_gpu_match_runs_one_after_the_other(amp):
+    """Two models on the same GPU, trained from two threads at once, share the device's stream,
+    GEMM workspace (where tall bias gradients keep partial sums: batch 2048 splits them) and
+    allocator, and a graph captured by one thread must not record the other's work: each ends
+    bit for bit where it ends trained alone."""
+    import threading
+
+    x, y = teacher_data(2048 * 3, seed=12)
+
+    def run(seed, out):
+        model = cmlp.MLP([784, 512, 256, 10], device=CUDA, seed=seed)
+        trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=2048, amp=amp, seed=seed)
+        trainer.fit(x, y, epochs=3, progress=False)
+        out[seed] = model.state_dict()  # (reading the parameters waits for the device)
+
+    alone, together = {}, {}
+    for seed in (1, 2):
+        run(seed, alone)
+    threads = [threading.Thread(target=run, args=(seed, together)) for seed in (1, 2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert set(together) == {1, 2}
+    for seed in (1, 2):
+        assert same(together[seed], alone[seed]), f"model {seed} trained differently beside another thread"
+
+
 @pytest.mark.parametrize("amp", [None, "fp16"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_identical_seeded_runs_are_bitwise_identical(device, amp):
