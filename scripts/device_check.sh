@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The device check: on a GPU machine with python3, numpy, pytest and torch (and no network), builds
-# cmlp in place with the CUDA backend, runs the GPU tests (tests/test_cuda.py, plus the allocator's
+# cmlp in place with the CUDA backend, makes a first synchronised pass over the main GPU paths
+# (scripts/gpu_smoke.py), runs the GPU tests (tests/test_cuda.py, plus the allocator's
 # tests/test_allocator.py) and the GPU benchmark (bench/bench_gpu.py), and ends with a summary:
 # build seconds, test counts, the benchmark's table and targets. Under 8 minutes: each phase runs
 # under `timeout`; a phase that fails or times out is reported and the later phases still run.
@@ -111,6 +112,8 @@ main() {
     run_phase wheels "$SMALL_LIMIT" bash -c install_wheels
     run_phase build "$BUILD_LIMIT" env CMLP_CUDA=1 CMLP_CUDA_ARCH=90 "$PY" setup.py build_ext --inplace
     run_phase probe "$SMALL_LIMIT" bash -c probe
+    # every operation synchronised, one line per path: where a crash stops it is where to look
+    run_phase smoke 120 env CMLP_CUDA_SYNC=1 "$PY" -X faulthandler scripts/gpu_smoke.py
     # shellcheck disable=SC2086 # PYTEST_FLAGS and BENCH_FLAGS are word lists
     run_phase tests "$TEST_LIMIT" bash -c "set -o pipefail; '$PY' -m pytest -rfEs $PYTEST_FLAGS \
         tests/test_cuda.py tests/test_allocator.py 2>&1 | tee '$TMP/pytest.log'"
