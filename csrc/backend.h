@@ -88,6 +88,11 @@ typedef struct cmlp_backend_i {
                                 int64_t rows, int64_t cols, float smoothing, float grad_weight,
                                 const float *d_grad_weight, float *d_dlogits, double *d_loss_sum,
                                 int64_t *d_correct);
+    /* Optional, with gemm_half (NULL: softmax_xent into fp32, then to_half): the same with
+     * d_dlogits in half storage of type half (F16 or BF16), each value rounded once. */
+    cmlp_status (*softmax_xent_half)(void *ctx, const float *d_logits, const int32_t *d_labels, int64_t rows,
+                                     int64_t cols, float smoothing, float grad_weight, const float *d_grad_weight,
+                                     uint16_t *d_dlogits, cmlp_dtype half, double *d_loss_sum, int64_t *d_correct);
     /* dst[r, :] = convert(src row idx[r]) (row start + r when idx is NULL) for r < rows, where
      * src is host data [*, cols] of dtype; uint8 becomes v * scale + shift. Labels likewise. */
     cmlp_status (*stage_rows)(void *ctx, float *d_dst, const void *h_src, cmlp_dtype dtype,
@@ -143,8 +148,9 @@ typedef struct cmlp_backend_i {
     cmlp_status (*scale_update)(void *ctx, float *d_scale, int32_t *d_tracker, const float *d_found_inf,
                                 double growth_factor, double backoff_factor, int32_t growth_interval,
                                 int64_t *d_skipped);
-    /* *d_w = (float)((double)*d_scale / count): the gradient weight of a scaled step. */
-    cmlp_status (*grad_weight)(void *ctx, float *d_w, const float *d_scale, double count);
+    /* *d_w = (float)((double)*d_scale / count): the gradient weight of a scaled step; and
+     * *d_found_inf = 0 when d_found_inf is not NULL (the step's inf/NaN check starts clean). */
+    cmlp_status (*grad_weight)(void *ctx, float *d_w, const float *d_scale, double count, float *d_found_inf);
     /* Waits for the device's queued work. */
     cmlp_status (*synchronize)(void *ctx);
 

@@ -536,9 +536,10 @@ static cmlp_status cpu_scale_update(void *ctx, float *scale, int32_t *tracker, c
     return CMLP_OK;
 }
 
-static cmlp_status cpu_grad_weight(void *ctx, float *w, const float *scale, double count) {
+static cmlp_status cpu_grad_weight(void *ctx, float *w, const float *scale, double count, float *found_inf) {
     (void)ctx;
     *w = (float)((double)*scale / count);
+    if (found_inf) *found_inf = 0.0f;
     return CMLP_OK;
 }
 

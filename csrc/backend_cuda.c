@@ -620,6 +620,16 @@ static cmlp_status cu_softmax_xent(void *ctx, const float *d_logits, const int32
                                          d_dlogits, d_loss_sum, (unsigned long long *)d_correct, stream_of(c)));
 }
 
+static cmlp_status cu_softmax_xent_half(void *ctx, const float *d_logits, const int32_t *d_labels, int64_t rows,
+                                        int64_t cols, float smoothing, float grad_weight, const float *d_grad_weight,
+                                        uint16_t *d_dlogits, cmlp_dtype half, double *d_loss_sum, int64_t *d_correct) {
+    cuda_ctx *c = ctx;
+    CMLP_TRY_USE(c);
+    return KERNEL(c, cmlp_k_softmax_xent_half(d_logits, d_labels, rows, cols, smoothing, grad_weight, d_grad_weight,
+                                              d_dlogits, half == CMLP_DTYPE_BF16, d_loss_sum,
+                                              (unsigned long long *)d_correct, stream_of(c)));
+}
+
 /* The next staging slot with room for nbytes, once the copy that last read it is done. Called
  * with the lock held; stage_sent() records the copy that reads it. */
 static cmlp_status stage_buffer(cuda_ctx *c, size_t nbytes, int *slot, void **out) {
@@ -765,10 +775,10 @@ static cmlp_status cu_scale_update(void *ctx, float *d_scale, int32_t *d_tracker
                                          growth_interval, (long long *)d_skipped, stream_of(c)));
 }
 
-static cmlp_status cu_grad_weight(void *ctx, float *d_w, const float *d_scale, double count) {
+static cmlp_status cu_grad_weight(void *ctx, float *d_w, const float *d_scale, double count, float *d_found_inf) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_grad_weight(d_w, d_scale, count, stream_of(c)));
+    return KERNEL(c, cmlp_k_grad_weight(d_w, d_scale, count, d_found_inf, stream_of(c)));
 }
 
 static cmlp_status cu_to_half(void *ctx, uint16_t *d_dst, const float *d_src, int64_t n, cmlp_dtype dtype) {
@@ -889,6 +899,7 @@ static const cmlp_backend_i backend = {
     .relu_backward_bias_grad = cu_relu_backward_bias_grad,
     .bias_grad = cu_bias_grad,
     .softmax_xent = cu_softmax_xent,
+    .softmax_xent_half = cu_softmax_xent_half,
     .stage_rows = cu_stage_rows,
     .stage_labels = cu_stage_labels,
     .gather_rows = cu_gather_rows,

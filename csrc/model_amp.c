@@ -175,13 +175,14 @@ static cmlp_status forward(cmlp_model *m, int64_t n, int upto, uint16_t *const *
 }
 
 /* With recompute, layer l's input is recomputed from the kept input through the two gradient
- * buffers that do not hold the gradient flowing back. */
-static cmlp_status backward(cmlp_model *m, int64_t n, bool fresh) {
+ * buffers that do not hold the gradient flowing back. half_grad: the logits' gradient is
+ * already in dact[0], in half precision. */
+static cmlp_status backward(cmlp_model *m, int64_t n, bool fresh, bool half_grad) {
     cmlp_amp_workspace *w = &m->wsa;
     const cmlp_backend_i *b = B(m);
     int L = m->nlayers;
     uint16_t *cur = w->dact[0], *other = w->dact[1];
-    CMLP_TRY(b->to_half(CTX(m), cur, w->dlogits, n * m->sizes[L], m->half_dtype));
+    if (!half_grad) CMLP_TRY(b->to_half(CTX(m), cur, w->dlogits, n * m->sizes[L], m->half_dtype));
     float *dy = w->scratch[1], *a = w->scratch[0], *dx = w->scratch[2];
     for (int l = L - 1; l >= 0; l--) {
         int64_t in = m->sizes[l], out = m->sizes[l + 1];
@@ -249,7 +250,16 @@ cmlp_status cmlp_amp_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, 
     } else {
         CMLP_TRY(forward(m, n, m->nlayers, m->wsa.act));
     }
-    CMLP_TRY(B(m)->softmax_xent(CTX(m), m->wsa.logits, labels, n, m->sizes[m->nlayers], smoothing, w.value,
-                                w.d_weight, m->wsa.dlogits, d_loss, NULL));
-    return backward(m, n, w.fresh);
+    const cmlp_backend_i *b = B(m);
+    int64_t C = m->sizes[m->nlayers];
+    /* the logits' gradient straight into half precision where the device can (the first
+     * gradient buffer is free: backward starts from it) */
+    bool half_grad = b->gemm_half && b->softmax_xent_half;
+    if (half_grad)
+        CMLP_TRY(b->softmax_xent_half(CTX(m), m->wsa.logits, labels, n, C, smoothing, w.value, w.d_weight,
+                                      m->wsa.dact[0], m->half_dtype, d_loss, NULL));
+    else
+        CMLP_TRY(b->softmax_xent(CTX(m), m->wsa.logits, labels, n, C, smoothing, w.value, w.d_weight, m->wsa.dlogits,
+                                 d_loss, NULL));
+    return backward(m, n, w.fresh, half_grad);
 }

@@ -205,7 +205,8 @@ static cmlp_status effective_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp
     /* no zeroing: the first micro-batch writes the gradients, the others add to them */
     cmlp_gw w = {(float)(1.0 / (double)n), NULL, true};
     if (t->scaler.enabled) {
-        CMLP_TRY(b->grad_weight(ctx, &ds->grad_weight, &ds->scale, (double)n));
+        /* the weight from the current scale; the inf/NaN check starts clean (also on a retry) */
+        CMLP_TRY(b->grad_weight(ctx, &ds->grad_weight, &ds->scale, (double)n, &ds->found_inf));
         w.d_weight = &ds->grad_weight;
     }
     for (int64_t off = 0; off < n; off += t->micro) {
@@ -217,7 +218,6 @@ static cmlp_status effective_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp
     if (!t->scaler.enabled && !device_steps(t)) return cmlp_optim_step(t->optim);
     const float *found_inf = NULL;
     if (t->scaler.enabled) {
-        CMLP_TRY(b->fill_zero(ctx, &ds->found_inf, sizeof ds->found_inf));
         CMLP_TRY(b->unscale(ctx, m->grads, m->nparams, 0.0f, &ds->scale, &ds->found_inf));
         found_inf = &ds->found_inf;
     }

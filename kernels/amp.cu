@@ -150,9 +150,13 @@ extern "C" cudaError_t cmlp_k_scale_update(float *scale, int32_t *growth_tracker
     return cudaGetLastError();
 }
 
-__global__ void k_grad_weight(float *w, const float *scale, double count) { *w = (float)((double)*scale / count); }
+__global__ void k_grad_weight(float *w, const float *scale, double count, float *found_inf) {
+    *w = (float)((double)*scale / count);
+    if (found_inf) *found_inf = 0.0f;
+}
 
-extern "C" cudaError_t cmlp_k_grad_weight(float *w, const float *scale, double count, cudaStream_t stream) {
-    k_grad_weight<<<1, 1, 0, stream>>>(w, scale, count);
+extern "C" cudaError_t cmlp_k_grad_weight(float *w, const float *scale, double count, float *found_inf,
+                                          cudaStream_t stream) {
+    k_grad_weight<<<1, 1, 0, stream>>>(w, scale, count, found_inf);
     return cudaGetLastError();
 }

@@ -69,6 +69,12 @@ cudaError_t cmlp_k_relu_backward_bias_grad(void *dy, const void *h, int kind, fl
 cudaError_t cmlp_k_softmax_xent(const float *logits, const int32_t *labels, int64_t rows, int64_t cols, float smoothing,
                                 float grad_weight, const float *grad_weight_dev, float *dlogits, double *loss_sum,
                                 unsigned long long *correct, cudaStream_t stream);
+/* The same with the gradient stored in fp16 (bf16 == 0) or bf16, each value rounded once from the
+ * float above (dlogits may not alias logits here). */
+cudaError_t cmlp_k_softmax_xent_half(const float *logits, const int32_t *labels, int64_t rows, int64_t cols,
+                                     float smoothing, float grad_weight, const float *grad_weight_dev,
+                                     uint16_t *dlogits, int bf16, double *loss_sum, unsigned long long *correct,
+                                     cudaStream_t stream);
 
 /* ---- data.cu ---- */
 
@@ -136,8 +142,8 @@ cudaError_t cmlp_k_scale_update(float *scale, int32_t *growth_tracker, const flo
                                 double backoff_factor, int32_t growth_interval, long long *skipped,
                                 cudaStream_t stream);
 /* One thread: *w = (float)((double)*scale / count), the gradient weight of a loss-scaled step
- * over count samples. */
-cudaError_t cmlp_k_grad_weight(float *w, const float *scale, double count, cudaStream_t stream);
+ * over count samples; and *found_inf = 0 when found_inf is not NULL (the step's check starts). */
+cudaError_t cmlp_k_grad_weight(float *w, const float *scale, double count, float *found_inf, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

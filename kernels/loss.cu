@@ -34,7 +34,7 @@ struct xent_args {
     int64_t rows, cols;
     float smoothing, grad_weight;
     const float *grad_weight_dev; /* when set, the weight is read from here */
-    float *dlogits;
+    void *dlogits;                /* float, or fp16 / bf16 bits (OUT 1, 2) */
     double *loss_sum;
     unsigned long long *correct;
 };
@@ -42,7 +42,14 @@ struct xent_args {
 /* K > 0: each lane keeps columns lane + 32 k, k < K, in registers (cols <= 32 K).
  * K == 0: any cols, three passes over global memory. Either way a lane only ever reads and
  * writes its own columns, and reads each one before writing it, so dlogits may alias logits. */
-template <int K>
+/* dlogits[i] = v, stored as float (OUT 0) or rounded once to fp16 / bf16 (OUT 1, 2) */
+template <int OUT>
+__device__ __forceinline__ void store_grad(void *d, int64_t i, float v) {
+    if constexpr (OUT == 0) static_cast<float *>(d)[i] = v;
+    else static_cast<uint16_t *>(d)[i] = to_half1<OUT == 2>(v);
+}
+
+template <int K, int OUT>
 __global__ void __launch_bounds__(XENT_THREADS) k_softmax_xent(xent_args a) {
     if (a.grad_weight_dev) a.grad_weight = *a.grad_weight_dev;
     __shared__ double s_loss[XENT_WARPS];
@@ -124,7 +131,7 @@ __global__ void __launch_bounds__(XENT_THREADS) k_softmax_xent(xent_args a) {
 
         /* dlogits = grad_weight * (p - q) */
         if (a.dlogits) {
-            float *d = a.dlogits + r * cols;
+            const int64_t d = r * cols;
             const float inv = (float)(1.0 / sum);
             if constexpr (K > 0) {
 #pragma unroll
@@ -132,13 +139,13 @@ __global__ void __launch_bounds__(XENT_THREADS) k_softmax_xent(xent_args a) {
                     const int64_t c = lane + 32 * k;
                     if (c < cols) {
                         const float p = f_mul(f_from_double(exp((double)f_sub(xv[k], mx))), inv);
-                        d[c] = f_mul(a.grad_weight, f_sub(p, c == y ? on : off));
+                        store_grad<OUT>(a.dlogits, d + c, f_mul(a.grad_weight, f_sub(p, c == y ? on : off)));
                     }
                 }
             } else {
                 for (int64_t c = lane; c < cols; c += 32) {
                     const float p = f_mul(f_from_double(exp((double)f_sub(x[c], mx))), inv);
-                    d[c] = f_mul(a.grad_weight, f_sub(p, c == y ? on : off));
+                    store_grad<OUT>(a.dlogits, d + c, f_mul(a.grad_weight, f_sub(p, c == y ? on : off)));
                 }
             }
         }
@@ -162,18 +169,41 @@ __global__ void __launch_bounds__(XENT_THREADS) k_softmax_xent(xent_args a) {
     }
 }
 
+template <int OUT>
+static void launch_xent(const xent_args &a, cudaStream_t stream) {
+    const unsigned int blocks = cmlp_k_blocks(a.rows, XENT_WARPS);
+    if (a.cols <= 32) k_softmax_xent<1, OUT><<<blocks, XENT_THREADS, 0, stream>>>(a);
+    else if (a.cols <= 64) k_softmax_xent<2, OUT><<<blocks, XENT_THREADS, 0, stream>>>(a);
+    else if (a.cols <= 128) k_softmax_xent<4, OUT><<<blocks, XENT_THREADS, 0, stream>>>(a);
+    else k_softmax_xent<0, OUT><<<blocks, XENT_THREADS, 0, stream>>>(a);
+}
+
+/* dlogits_kind: 0 float, 1 fp16, 2 bf16 */
+static cudaError_t softmax_xent(const float *logits, const int32_t *labels, int64_t rows, int64_t cols, float smoothing,
+                                float grad_weight, const float *grad_weight_dev, void *dlogits, int dlogits_kind,
+                                double *loss_sum, unsigned long long *correct, cudaStream_t stream) {
+    if (rows < 0 || cols < 0 || dlogits_kind < 0 || dlogits_kind > 2) return cudaErrorInvalidValue;
+    if (rows == 0) return cudaSuccess;
+    if (cols == 0) return cudaErrorInvalidValue;
+    const xent_args a = {logits, labels, rows, cols, smoothing, grad_weight, grad_weight_dev, dlogits, loss_sum, correct};
+    if (dlogits_kind == 0) launch_xent<0>(a, stream);
+    else if (dlogits_kind == 1) launch_xent<1>(a, stream);
+    else launch_xent<2>(a, stream);
+    return cudaGetLastError();
+}
+
 extern "C" cudaError_t cmlp_k_softmax_xent(const float *logits, const int32_t *labels, int64_t rows, int64_t cols,
                                            float smoothing, float grad_weight, const float *grad_weight_dev,
                                            float *dlogits, double *loss_sum,
                                            unsigned long long *correct, cudaStream_t stream) {
-    if (rows < 0 || cols < 0) return cudaErrorInvalidValue;
-    if (rows == 0) return cudaSuccess;
-    if (cols == 0) return cudaErrorInvalidValue;
-    const xent_args a = {logits, labels, rows, cols, smoothing, grad_weight, grad_weight_dev, dlogits, loss_sum, correct};
-    const unsigned int blocks = cmlp_k_blocks(rows, XENT_WARPS);
-    if (cols <= 32) k_softmax_xent<1><<<blocks, XENT_THREADS, 0, stream>>>(a);
-    else if (cols <= 64) k_softmax_xent<2><<<blocks, XENT_THREADS, 0, stream>>>(a);
-    else if (cols <= 128) k_softmax_xent<4><<<blocks, XENT_THREADS, 0, stream>>>(a);
-    else k_softmax_xent<0><<<blocks, XENT_THREADS, 0, stream>>>(a);
-    return cudaGetLastError();
+    return softmax_xent(logits, labels, rows, cols, smoothing, grad_weight, grad_weight_dev, dlogits, 0, loss_sum,
+                        correct, stream);
+}
+
+extern "C" cudaError_t cmlp_k_softmax_xent_half(const float *logits, const int32_t *labels, int64_t rows, int64_t cols,
+                                                float smoothing, float grad_weight, const float *grad_weight_dev,
+                                                uint16_t *dlogits, int bf16, double *loss_sum,
+                                                unsigned long long *correct, cudaStream_t stream) {
+    return softmax_xent(logits, labels, rows, cols, smoothing, grad_weight, grad_weight_dev, dlogits, bf16 ? 2 : 1,
+                        loss_sum, correct, stream);
 }

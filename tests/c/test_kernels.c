@@ -290,6 +290,19 @@ static void test_softmax_xent(void) {
                 float *d = mode == 2 ? F(x) : mode == 3 ? NULL : F(dl);
                 float *cd = mode == 2 ? F(cx) : mode == 3 ? NULL : F(cdl);
                 const float *wdev = mode == 1 ? &gwd : NULL;
+                if (mode == 0 || mode == 1) { /* the half-precision gradient: the float one, rounded once */
+                    for (int bf = 0; bf < 2; bf++) {
+                        buf dh = make(n, 2, 0), dref = make(n, 4, 0), href = make(n, 2, 0);
+                        double l2 = 0.0;
+                        unsigned long long h2 = 0;
+                        KOK(cmlp_k_softmax_xent_half(F(x), lab.p, rows, cols, smoothing, gw, wdev, dh.p, bf, &l2, &h2, S));
+                        KOK(cmlp_k_softmax_xent(F(x), lab.p, rows, cols, smoothing, gw, wdev, F(dref), NULL, NULL, S));
+                        KOK(cmlp_k_to_half(href.p, F(dref), n, bf, S));
+                        CHECK(same_bits(dh.p, href.p, (size_t)n * 2), "xent_half %lldx%lld bf16 %d", (long long)rows,
+                              (long long)cols, bf);
+                        free(dh.block), free(dref.block), free(href.block);
+                    }
+                }
                 KOK(cmlp_k_softmax_xent(F(x), lab.p, rows, cols, smoothing, gw, wdev, d, &loss, &hits, S));
                 CPU_CALL(cpu->softmax_xent(NULL, F(cx), lab.p, rows, cols, smoothing, gw, wdev, cd, &closs, &chits));
                 CHECK((int64_t)hits == chits, "xent %lldx%lld mode %d: hits %llu vs %lld", (long long)rows,
@@ -544,10 +557,12 @@ static void test_scale_update(void) {
         CHECK(same_bits(&scale, &cscale, 4) && tr == ctr && skipped == (long long)cskipped,
               "scale_update step %d: %g/%d vs %g/%d", k, scale, tr, cscale, ctr);
     }
-    float w = 0, cw = 0, s = 1024.0f;
-    KOK(cmlp_k_grad_weight(&w, &s, 96.0, S));
-    CPU_CALL(cpu->grad_weight(NULL, &cw, &s, 96.0));
-    CHECK(same_bits(&w, &cw, 4), "grad_weight %g vs %g", w, cw);
+    float w = 0, cw = 0, s = 1024.0f, fi = 1.0f, cfi = 1.0f;
+    KOK(cmlp_k_grad_weight(&w, &s, 96.0, &fi, S));
+    CPU_CALL(cpu->grad_weight(NULL, &cw, &s, 96.0, &cfi));
+    CHECK(same_bits(&w, &cw, 4) && fi == 0.0f && cfi == 0.0f, "grad_weight %g vs %g, found_inf %g %g", w, cw, fi,
+          cfi);
+    KOK(cmlp_k_grad_weight(&w, &s, 3.0, NULL, S));
 }
 
 static void test_bad_counts(void) {
