@@ -11,6 +11,17 @@
 #define CMLP_WITH_CUDA 0
 #endif
 
+/* A loss scale kept on the device and PyTorch's rule for moving it (torch's
+ * _amp_update_scale_): with an inf/NaN the scale backs off (and ++*d_skipped); else after
+ * growth_interval finite steps it grows unless that overflows. */
+typedef struct cmlp_scale_step {
+    float *d_scale;
+    int32_t *d_tracker;
+    int64_t *d_skipped; /* may be NULL */
+    double growth_factor, backoff_factor;
+    int32_t growth_interval;
+} cmlp_scale_step;
+
 typedef struct cmlp_backend_i {
     const char *name;
 
@@ -129,12 +140,13 @@ typedef struct cmlp_backend_i {
                        float momentum, float dampening, int nesterov, float weight_decay, int first,
                        const float *d_found_inf, const int64_t *d_step);
     /* Before a step whose skip is decided on the device: *d_pos += pos_add when d_pos is not
-     * NULL (the data position, which moves whether or not the step is skipped); then unless
-     * *d_found_inf != 0, t = ++*d_step and, for Adam, d_coef = {lr / (1 - beta1^t),
+     * NULL (the data position, which moves whether or not the step is skipped); when scale is
+     * not NULL, the loss scale moves by its rule on the same *d_found_inf (one launch for both);
+     * then unless *d_found_inf != 0, t = ++*d_step and, for Adam, d_coef = {lr / (1 - beta1^t),
      * sqrt(1 - beta2^t)} (in double, rounded to float). */
     cmlp_status (*optim_prepare)(void *ctx, int64_t *d_step, float *d_coef, const float *d_found_inf,
                                  double lr, double beta1, double beta2, int adam, int64_t *d_pos,
-                                 int64_t pos_add);
+                                 int64_t pos_add, const cmlp_scale_step *scale);
     /* Mixed precision. Conversions between fp32 and fp16/bf16 storage (dtype F16 or BF16). */
     cmlp_status (*to_half)(void *ctx, uint16_t *d_dst, const float *d_src, int64_t n, cmlp_dtype dtype);
     cmlp_status (*from_half)(void *ctx, float *d_dst, const uint16_t *d_src, int64_t n, cmlp_dtype dtype);
@@ -143,11 +155,6 @@ typedef struct cmlp_backend_i {
      * the flat gradient buffer. */
     cmlp_status (*unscale)(void *ctx, float *d_g, int64_t n, float inv_scale, const float *d_scale,
                            float *d_found_inf);
-    /* PyTorch's loss-scale update on the device: back off (and ++*d_skipped) when
-     * *d_found_inf != 0, else grow after growth_interval finite steps unless that overflows. */
-    cmlp_status (*scale_update)(void *ctx, float *d_scale, int32_t *d_tracker, const float *d_found_inf,
-                                double growth_factor, double backoff_factor, int32_t growth_interval,
-                                int64_t *d_skipped);
     /* *d_w = (float)((double)*d_scale / count): the gradient weight of a scaled step; and
      * *d_found_inf = 0 when d_found_inf is not NULL (the step's inf/NaN check starts clean). */
     cmlp_status (*grad_weight)(void *ctx, float *d_w, const float *d_scale, double count, float *d_found_inf);

@@ -505,33 +505,36 @@ static cmlp_status cpu_from_half(void *ctx, float *dst, const uint16_t *src, int
     return CMLP_OK;
 }
 
+/* PyTorch's loss-scale update (torch's _amp_update_scale_), products in double. */
+static void scale_update(float *scale, int32_t *tracker, const float *found_inf, double growth, double backoff,
+                         int32_t interval, int64_t *skipped) {
+    if (found_inf && *found_inf != 0.0f) {
+        *scale = (float)((double)*scale * backoff);
+        *tracker = 0;
+        if (skipped) ++*skipped;
+        return;
+    }
+    if (++*tracker == interval) {
+        float grown = (float)((double)*scale * growth);
+        if (isfinite(grown)) *scale = grown;
+        *tracker = 0;
+    }
+}
+
 static cmlp_status cpu_optim_prepare(void *ctx, int64_t *step, float *coef, const float *found_inf, double lr,
-                                     double beta1, double beta2, int adam, int64_t *pos, int64_t pos_add) {
+                                     double beta1, double beta2, int adam, int64_t *pos, int64_t pos_add,
+                                     const cmlp_scale_step *scale) {
     (void)ctx;
     if (pos) *pos += pos_add;
+    if (scale)
+        scale_update(scale->d_scale, scale->d_tracker, found_inf, scale->growth_factor, scale->backoff_factor,
+                     scale->growth_interval, scale->d_skipped);
     if (found_inf && *found_inf != 0.0f) return CMLP_OK;
     int64_t t = ++*step;
     if (adam) {
         double bc1 = 1.0 - pow(beta1, (double)t), bc2 = 1.0 - pow(beta2, (double)t);
         coef[0] = (float)(lr / bc1);
         coef[1] = (float)sqrt(bc2);
-    }
-    return CMLP_OK;
-}
-
-static cmlp_status cpu_scale_update(void *ctx, float *scale, int32_t *tracker, const float *found_inf, double growth,
-                                    double backoff, int32_t interval, int64_t *skipped) {
-    (void)ctx;
-    if (found_inf && *found_inf != 0.0f) {
-        *scale = (float)((double)*scale * backoff);
-        *tracker = 0;
-        if (skipped) ++*skipped;
-        return CMLP_OK;
-    }
-    if (++*tracker == interval) {
-        float grown = (float)((double)*scale * growth);
-        if (isfinite(grown)) *scale = grown;
-        *tracker = 0;
     }
     return CMLP_OK;
 }
@@ -611,7 +614,6 @@ const cmlp_backend_i cmlp_backend_cpu = {
     .from_half = cpu_from_half,
     .optim_prepare = cpu_optim_prepare,
     .unscale = cpu_unscale,
-    .scale_update = cpu_scale_update,
     .grad_weight = cpu_grad_weight,
     .synchronize = cpu_synchronize,
 };

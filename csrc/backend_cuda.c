@@ -759,20 +759,16 @@ static cmlp_status cu_sgd(void *ctx, float *d_p, const float *d_g, float *d_buf,
 }
 
 static cmlp_status cu_optim_prepare(void *ctx, int64_t *d_step, float *d_coef, const float *d_found_inf, double lr,
-                                    double beta1, double beta2, int adam, int64_t *d_pos, int64_t pos_add) {
+                                    double beta1, double beta2, int adam, int64_t *d_pos, int64_t pos_add,
+                                    const cmlp_scale_step *scale) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
+    cmlp_k_scaler k = {0};
+    if (scale)
+        k = (cmlp_k_scaler){scale->d_scale, scale->d_tracker, (long long *)scale->d_skipped, scale->growth_factor,
+                            scale->backoff_factor, scale->growth_interval};
     return KERNEL(c, cmlp_k_optim_prepare(d_step, d_coef, d_found_inf, lr, beta1, beta2, adam, d_pos, pos_add,
-                                          stream_of(c)));
-}
-
-static cmlp_status cu_scale_update(void *ctx, float *d_scale, int32_t *d_tracker, const float *d_found_inf,
-                                   double growth_factor, double backoff_factor, int32_t growth_interval,
-                                   int64_t *d_skipped) {
-    cuda_ctx *c = ctx;
-    CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_scale_update(d_scale, d_tracker, d_found_inf, growth_factor, backoff_factor,
-                                         growth_interval, (long long *)d_skipped, stream_of(c)));
+                                          scale ? &k : NULL, stream_of(c)));
 }
 
 static cmlp_status cu_grad_weight(void *ctx, float *d_w, const float *d_scale, double count, float *d_found_inf) {
@@ -911,7 +907,6 @@ static const cmlp_backend_i backend = {
     .from_half = cu_from_half,
     .optim_prepare = cu_optim_prepare,
     .unscale = cu_unscale,
-    .scale_update = cu_scale_update,
     .grad_weight = cu_grad_weight,
     .synchronize = cu_synchronize,
     .capture_begin = cu_capture_begin,

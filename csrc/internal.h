@@ -174,10 +174,12 @@ CMLP_HIDDEN cmlp_status cmlp_rc_fb(cmlp_model *m, const cmlp_data *xy, const int
                                    cmlp_gw w, float smoothing, double *d_loss);
 /* An optimizer step whose skip and step count live on the device (loss scaling): skipped
  * when *d_found_inf != 0; the host's step count is not moved (the caller reads d_step). When
- * d_pos is not NULL, *d_pos += pos_add on the device (skipped step or not), once the
+ * d_pos is not NULL, *d_pos += pos_add on the device (skipped step or not), and when scale is
+ * not NULL the loss scale is updated on the same verdict, in the same launch, once the
  * optimizer's state exists. */
 CMLP_HIDDEN cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int64_t *d_step,
-                                               float *d_coef, int64_t *d_pos, int64_t pos_add);
+                                               float *d_coef, int64_t *d_pos, int64_t pos_add,
+                                               const cmlp_scale_step *scale);
 CMLP_HIDDEN void cmlp_optim_set_step(cmlp_optim *o, int64_t step);
 /* Moves whenever the optimizer's configuration or state buffer changes (a captured step that
  * baked them in is then stale). */

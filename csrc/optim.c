@@ -161,7 +161,7 @@ cmlp_status cmlp_optim_step(cmlp_optim *o) {
         cmlp_dscalars *ds;
         CMLP_TRY(cmlp_model_scalars(o->model, &ds));
         CMLP_TRY(o->dev->backend->copy_h2d(o->dev->bctx, &ds->step, &o->step, sizeof o->step));
-        CMLP_TRY(cmlp_optim_step_device(o, NULL, &ds->step, ds->coef, NULL, 0));
+        CMLP_TRY(cmlp_optim_step_device(o, NULL, &ds->step, ds->coef, NULL, 0, NULL));
         o->step++;
         return CMLP_OK;
     }
@@ -198,7 +198,7 @@ cmlp_status cmlp_optim_get_buffer(const cmlp_optim *o, int i, float *host_out) {
 }
 
 cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int64_t *d_step, float *d_coef,
-                                   int64_t *d_pos, int64_t pos_add) {
+                                   int64_t *d_pos, int64_t pos_add, const cmlp_scale_step *scale) {
     CMLP_TRY(check_model(o));
     bool first = o->state == NULL;
     CMLP_TRY(ensure_state(o));
@@ -210,8 +210,9 @@ cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int6
     cmlp_fpenv fe;
     cmlp_fpenv_enter(&fe);
     cmlp_status st = adam ? b->optim_prepare(ctx, d_step, d_coef, d_found_inf, o->adam.lr, o->adam.beta1,
-                                             o->adam.beta2, 1, d_pos, pos_add)
-                          : b->optim_prepare(ctx, d_step, d_coef, d_found_inf, o->sgd.lr, 0.0, 0.0, 0, d_pos, pos_add);
+                                             o->adam.beta2, 1, d_pos, pos_add, scale)
+                          : b->optim_prepare(ctx, d_step, d_coef, d_found_inf, o->sgd.lr, 0.0, 0.0, 0, d_pos, pos_add,
+                                             scale);
     if (st == CMLP_OK && adam) {
         const cmlp_adam_config *c = &o->adam;
         st = b->adam(ctx, m->params, m->grads, o->state, o->state + n, n, 0.0f, (float)c->beta1, (float)c->beta2, 1.0f,

@@ -223,13 +223,13 @@ static cmlp_status effective_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp
     }
     /* the position moves with the optimizer's step count (one kernel): after the optimizer's
      * state exists, so a step retried after running out of memory reads the same samples */
-    CMLP_TRY(cmlp_optim_step_device(t->optim, found_inf, &ds->step, ds->coef, xy->pos ? &ds->pos : NULL, n));
-    if (t->scaler.enabled) {
-        const cmlp_scaler_state *s = &t->scaler;
-        CMLP_TRY(b->scale_update(ctx, &ds->scale, &ds->growth_tracker, &ds->found_inf, s->growth_factor,
-                                 s->backoff_factor, (int32_t)s->growth_interval, &ds->skipped));
-    }
-    return CMLP_OK;
+    /* the loss scale moves in the same launch, on the same verdict (after this step's unscale,
+     * before the next step's gradient weight) */
+    const cmlp_scaler_state *s = &t->scaler;
+    cmlp_scale_step scale = {&ds->scale,       &ds->growth_tracker, &ds->skipped, s->growth_factor,
+                             s->backoff_factor, (int32_t)s->growth_interval};
+    return cmlp_optim_step_device(t->optim, found_inf, &ds->step, ds->coef, xy->pos ? &ds->pos : NULL, n,
+                                  s->enabled ? &scale : NULL);
 }
 
 static int optimizer_buffers(const cmlp_trainer *t) {

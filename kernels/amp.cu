@@ -1,6 +1,7 @@
 /* amp.cu - mixed precision on the device: fp32 <-> fp16 / bf16 storage casts (round to nearest
- * even, subnormals kept), the fused gradient unscale and inf/NaN check, and PyTorch's
- * loss-scale update, all without a host synchronisation.
+ * even, subnormals kept), the fused gradient unscale and inf/NaN check, and the gradient weight
+ * of a loss-scaled step, all without a host synchronisation (the loss-scale update runs with
+ * the optimizer's prepare, optim.cu).
  */
 #include "common.cuh"
 #include "kernels.h"
@@ -118,36 +119,6 @@ extern "C" cudaError_t cmlp_k_unscale(float *g, int64_t n, float inv_scale, cons
     op.found_inf = found_inf;
     const int mis[1] = {cmlp_misalign(g, 4)};
     return cmlp_launch_map(op, n, mis, 1, stream);
-}
-
-/* ---- loss-scale update ----
- * As torch's _amp_update_scale_: the products are formed in double and rounded to float, and
- * growth is skipped (the tracker still resets) when the grown scale would not be finite. */
-
-__global__ void k_scale_update(float *scale, int32_t *growth_tracker, const float *found_inf, double growth_factor,
-                               double backoff_factor, int32_t growth_interval, long long *skipped) {
-    if (found_inf && *found_inf != 0.0f) {
-        *scale = (float)((double)*scale * backoff_factor);
-        *growth_tracker = 0;
-        if (skipped) ++*skipped;
-        return;
-    }
-    const int32_t successful = *growth_tracker + 1;
-    if (successful == growth_interval) {
-        const float grown = (float)((double)*scale * growth_factor);
-        if (isfinite(grown)) *scale = grown;
-        *growth_tracker = 0;
-    } else {
-        *growth_tracker = successful;
-    }
-}
-
-extern "C" cudaError_t cmlp_k_scale_update(float *scale, int32_t *growth_tracker, const float *found_inf,
-                                           double growth_factor, double backoff_factor, int32_t growth_interval,
-                                           long long *skipped, cudaStream_t stream) {
-    k_scale_update<<<1, 1, 0, stream>>>(scale, growth_tracker, found_inf, growth_factor, backoff_factor,
-                                        growth_interval, skipped);
-    return cudaGetLastError();
 }
 
 __global__ void k_grad_weight(float *w, const float *scale, double count, float *found_inf) {

@@ -14,7 +14,8 @@
  * elementwise kernels and the optimizers give the CPU's bits.
  *
  * Families: bias_act.cu (bias, ReLU), loss.cu (softmax cross-entropy), data.cu (gathering a
- * device-resident data set), optim.cu (Adam, SGD), amp.cu (casts, unscale, loss scale).
+ * device-resident data set), optim.cu (Adam, SGD, a step's bookkeeping and the loss-scale
+ * update), amp.cu (casts, unscale, the gradient weight).
  */
 #ifndef CMLP_KERNELS_H
 #define CMLP_KERNELS_H
@@ -116,13 +117,28 @@ cudaError_t cmlp_k_adam(float *p, const float *g, float *m, float *v, int64_t n,
 cudaError_t cmlp_k_sgd(float *p, const float *g, float *buf, int64_t n, float lr, float momentum, float dampening,
                        int nesterov, float weight_decay, int first, const float *found_inf, const int64_t *step,
                        cudaStream_t stream);
+/* A loss scale kept on the device, and PyTorch's rule for moving it (torch's
+ * _amp_update_scale_): if the step found an inf/NaN, *scale *= backoff_factor and the tracker
+ * resets (++*skipped); else if ++*growth_tracker == growth_interval then *scale *= growth_factor
+ * unless that product is not finite, and the tracker resets. Products are formed in double and
+ * rounded to float. */
+typedef struct cmlp_k_scaler {
+    float *scale;
+    int32_t *growth_tracker;
+    long long *skipped; /* may be NULL */
+    double growth_factor, backoff_factor;
+    int32_t growth_interval;
+} cmlp_k_scaler;
+
 /* One thread, before a step whose skip is decided on the device: *pos += pos_add when pos is
- * not NULL (the data position, moved whether or not the step is skipped); then unless
+ * not NULL (the data position, moved whether or not the step is skipped); when scaler is not
+ * NULL, the loss-scale update (cmlp_k_scaler) on the same found_inf; then unless
  * *found_inf != 0 (found_inf may be NULL), t = ++*step and, for Adam (adam != 0),
  * coef[0] = (float)(lr / (1 - beta1^t)) and coef[1] = (float)sqrt(1 - beta2^t), in double as the
  * host computes them. */
 cudaError_t cmlp_k_optim_prepare(int64_t *step, float *coef, const float *found_inf, double lr, double beta1,
-                                 double beta2, int adam, int64_t *pos, int64_t pos_add, cudaStream_t stream);
+                                 double beta2, int adam, int64_t *pos, int64_t pos_add, const cmlp_k_scaler *scaler,
+                                 cudaStream_t stream);
 
 /* ---- amp.cu ---- */
 
@@ -134,13 +150,6 @@ cudaError_t cmlp_k_from_half(float *dst, const uint16_t *src, int64_t n, int bf1
  * *found_inf = 1.0f when any result is inf or NaN (never resets it). One pass. */
 cudaError_t cmlp_k_unscale(float *g, int64_t n, float inv_scale, const float *scale, float *found_inf,
                            cudaStream_t stream);
-/* PyTorch's loss-scale update (_amp_update_scale_), on the device (one thread): if
- * *found_inf != 0 then *scale *= backoff_factor and *growth_tracker = 0; else if
- * ++*growth_tracker == growth_interval then *scale *= growth_factor unless that product is not
- * finite, and *growth_tracker = 0. Products are formed in double and rounded to float. */
-cudaError_t cmlp_k_scale_update(float *scale, int32_t *growth_tracker, const float *found_inf, double growth_factor,
-                                double backoff_factor, int32_t growth_interval, long long *skipped,
-                                cudaStream_t stream);
 /* One thread: *w = (float)((double)*scale / count), the gradient weight of a loss-scaled step
  * over count samples; and *found_inf = 0 when found_inf is not NULL (the step's check starts). */
 cudaError_t cmlp_k_grad_weight(float *w, const float *scale, double count, float *found_inf, cudaStream_t stream);

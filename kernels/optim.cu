@@ -155,10 +155,37 @@ extern "C" cudaError_t cmlp_k_sgd(float *p, const float *g, float *buf, int64_t 
 
 /* ---- the step count and Adam's bias corrections, on the device ---- */
 
+/* ---- the loss-scale update ----
+ * As torch's _amp_update_scale_: with an inf/NaN the scale backs off and the tracker resets;
+ * else after growth_interval finite steps it grows, unless the grown scale would not be finite
+ * (the tracker resets either way). Products are formed in double and rounded to float. */
+__device__ __forceinline__ void scale_update1(float *scale, int32_t *growth_tracker, bool found_inf,
+                                              double growth_factor, double backoff_factor, int32_t growth_interval,
+                                              long long *skipped) {
+    if (found_inf) {
+        *scale = (float)((double)*scale * backoff_factor);
+        *growth_tracker = 0;
+        if (skipped) ++*skipped;
+        return;
+    }
+    const int32_t successful = *growth_tracker + 1;
+    if (successful == growth_interval) {
+        const float grown = (float)((double)*scale * growth_factor);
+        if (isfinite(grown)) *scale = grown;
+        *growth_tracker = 0;
+    } else {
+        *growth_tracker = successful;
+    }
+}
+
 __global__ void k_optim_prepare(int64_t *step, float *coef, const float *found_inf, double lr, double beta1,
-                                double beta2, int adam, int64_t *pos, int64_t pos_add) {
+                                double beta2, int adam, int64_t *pos, int64_t pos_add, cmlp_k_scaler scaler) {
     if (pos) *pos += pos_add; /* the next step's samples, skipped step or not */
-    if (found_inf && *found_inf != 0.0f) return;
+    const bool skip = found_inf && *found_inf != 0.0f;
+    if (scaler.scale) /* the loss scale moves on the same verdict, in the same launch */
+        scale_update1(scaler.scale, scaler.growth_tracker, skip, scaler.growth_factor, scaler.backoff_factor,
+                      scaler.growth_interval, scaler.skipped);
+    if (skip) return;
     const int64_t t = ++*step;
     if (!adam) return;
     const double bc1 = 1.0 - pow(beta1, (double)t), bc2 = 1.0 - pow(beta2, (double)t);
@@ -168,7 +195,9 @@ __global__ void k_optim_prepare(int64_t *step, float *coef, const float *found_i
 
 extern "C" cudaError_t cmlp_k_optim_prepare(int64_t *step, float *coef, const float *found_inf, double lr, double beta1,
                                             double beta2, int adam, int64_t *pos, int64_t pos_add,
-                                            cudaStream_t stream) {
-    k_optim_prepare<<<1, 1, 0, stream>>>(step, coef, found_inf, lr, beta1, beta2, adam, pos, pos_add);
+                                            const cmlp_k_scaler *scaler, cudaStream_t stream) {
+    cmlp_k_scaler none = {};
+    k_optim_prepare<<<1, 1, 0, stream>>>(step, coef, found_inf, lr, beta1, beta2, adam, pos, pos_add,
+                                         scaler ? *scaler : none);
     return cudaGetLastError();
 }

@@ -459,14 +459,14 @@ static void test_optim_prepare(void) {
         for (int k = 0; k < 3; k++) {
             int64_t step = k == 2 ? 12345 : k, cstep = step, pos = 7, cpos = 7;
             float coef[2] = {-1, -1}, ccoef[2] = {-1, -1}, inf = 0.0f;
-            KOK(cmlp_k_optim_prepare(&step, coef, &inf, 3e-4, 0.9, 0.999, adam, &pos, 32, S));
-            CPU_CALL(cpu->optim_prepare(NULL, &cstep, ccoef, &inf, 3e-4, 0.9, 0.999, adam, &cpos, 32));
+            KOK(cmlp_k_optim_prepare(&step, coef, &inf, 3e-4, 0.9, 0.999, adam, &pos, 32, NULL, S));
+            CPU_CALL(cpu->optim_prepare(NULL, &cstep, ccoef, &inf, 3e-4, 0.9, 0.999, adam, &cpos, 32, NULL));
             CHECK(step == cstep && same_bits(coef, ccoef, sizeof coef) && pos == 39 && cpos == 39,
                   "optim_prepare adam %d step %lld pos %lld", adam, (long long)step, (long long)pos);
             inf = 1.0f;
-            KOK(cmlp_k_optim_prepare(&step, coef, &inf, 3e-4, 0.9, 0.999, adam, &pos, 32, S));
+            KOK(cmlp_k_optim_prepare(&step, coef, &inf, 3e-4, 0.9, 0.999, adam, &pos, 32, NULL, S));
             CHECK(step == cstep && pos == 71, "optim_prepare counted a skipped step, or did not move the position");
-            KOK(cmlp_k_optim_prepare(&step, coef, NULL, 3e-4, 0.9, 0.999, adam, NULL, 32, S));
+            KOK(cmlp_k_optim_prepare(&step, coef, NULL, 3e-4, 0.9, 0.999, adam, NULL, 32, NULL, S));
             CHECK(step == cstep + 1, "optim_prepare without found_inf or a position");
         }
 }
@@ -544,19 +544,25 @@ static void test_unscale(void) {
         }
 }
 
+/* The loss-scale update, done by the optimizer's prepare: PyTorch's rule, step for step as the
+ * CPU does it (growth, backoff, growth that would overflow) */
 static void test_scale_update(void) {
-    float scale = 65536.0f, cscale = scale;
+    float scale = 65536.0f, cscale = scale, coef[2], ccoef[2];
     int32_t tr = 0, ctr = 0;
     long long skipped = 0;
-    int64_t cskipped = 0;
+    int64_t cskipped = 0, step = 0, cstep = 0;
     for (int k = 0; k < 300; k++) {
         float fi = k % 37 == 5 ? 1.0f : 0.0f;
         if (k == 200) scale = cscale = 3e38f; /* growth would overflow: kept */
-        KOK(cmlp_k_scale_update(&scale, &tr, &fi, 2.0, 0.5, 7, &skipped, S));
-        CPU_CALL(cpu->scale_update(NULL, &cscale, &ctr, &fi, 2.0, 0.5, 7, &cskipped));
-        CHECK(same_bits(&scale, &cscale, 4) && tr == ctr && skipped == (long long)cskipped,
-              "scale_update step %d: %g/%d vs %g/%d", k, scale, tr, cscale, ctr);
+        cmlp_k_scaler ks = {&scale, &tr, &skipped, 2.0, 0.5, 7};
+        cmlp_scale_step cs = {&cscale, &ctr, &cskipped, 2.0, 0.5, 7};
+        KOK(cmlp_k_optim_prepare(&step, coef, &fi, 1e-3, 0.9, 0.999, 1, NULL, 0, &ks, S));
+        CPU_CALL(cpu->optim_prepare(NULL, &cstep, ccoef, &fi, 1e-3, 0.9, 0.999, 1, NULL, 0, &cs));
+        CHECK(same_bits(&scale, &cscale, 4) && tr == ctr && skipped == (long long)cskipped && step == cstep &&
+                  same_bits(coef, ccoef, sizeof coef),
+              "scale update step %d: %g/%d vs %g/%d", k, scale, tr, cscale, ctr);
     }
+    CHECK(skipped == 8 && scale == 3e38f, "scale update: %lld skipped, scale %g", skipped, scale);
     float w = 0, cw = 0, s = 1024.0f, fi = 1.0f, cfi = 1.0f;
     KOK(cmlp_k_grad_weight(&w, &s, 96.0, &fi, S));
     CPU_CALL(cpu->grad_weight(NULL, &cw, &s, 96.0, &cfi));
