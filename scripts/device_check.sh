@@ -11,7 +11,7 @@
 #
 # Wheels in .whl/ (scipy-openblas32, which the build links, and setuptools if the machine lacks
 # it) are installed offline into /tmp/site. Everything is also written to $OUT/device_check.log
-# when $OUT is set. Limits (seconds) can be changed with BUILD_LIMIT, TEST_LIMIT, BENCH_LIMIT;
+# when $OUT is set. Limits (seconds) can be changed with BUILD_LIMIT, SMOKE_LIMIT, TEST_LIMIT, BENCH_LIMIT;
 # PYTEST_FLAGS (default: every test, one line each, stopping after 30 failures, so that one run
 # shows as much as it can) and BENCH_FLAGS (e.g. --quick) are passed on. Exit status: 0 when
 # every phase passed (benchmark targets missed do not count), else 1.
@@ -19,6 +19,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 BUILD_LIMIT=${BUILD_LIMIT:-100} # measured: about 15 s on 2 cores
+SMOKE_LIMIT=${SMOKE_LIMIT:-60}  # about 25 s on 2 cores with the CPU standing in
 TEST_LIMIT=${TEST_LIMIT:-150}
 BENCH_LIMIT=${BENCH_LIMIT:-150}
 SMALL_LIMIT=30 # wheels, probe
@@ -113,7 +114,7 @@ main() {
     run_phase build "$BUILD_LIMIT" env CMLP_CUDA=1 CMLP_CUDA_ARCH=90 "$PY" setup.py build_ext --inplace
     run_phase probe "$SMALL_LIMIT" bash -c probe
     # every operation synchronised, one line per path: where a crash stops it is where to look
-    run_phase smoke 120 env CMLP_CUDA_SYNC=1 "$PY" -X faulthandler scripts/gpu_smoke.py
+    run_phase smoke "$SMOKE_LIMIT" env CMLP_CUDA_SYNC=1 "$PY" -X faulthandler scripts/gpu_smoke.py
     # shellcheck disable=SC2086 # PYTEST_FLAGS and BENCH_FLAGS are word lists
     run_phase tests "$TEST_LIMIT" bash -c "set -o pipefail; '$PY' -m pytest -rfEs $PYTEST_FLAGS \
         tests/test_cuda.py tests/test_allocator.py 2>&1 | tee '$TMP/pytest.log'"

@@ -635,6 +635,24 @@ def test_graph_replay_and_eager_steps_train_identically(amp):
 
 
 @needs_gpu
+@pytest.mark.parametrize("amp", [None, "fp16", "bf16"])
+def test_recompute_on_the_gpu_trains_as_without_it_and_as_the_cpu(amp):
+    """recompute=True keeps only the input and recomputes each layer's input in backward (under
+    amp through the gradient buffers, the first of which the loss kernel then overwrites with the
+    logits' gradient in half precision). Per-epoch losses within the whole-run tolerances of this
+    file against the same run without recompute and against the CPU's run with it."""
+    x, y = teacher_data(64 * 8, seed=13)
+    losses = {}
+    for device, recompute in ((CUDA, True), (CUDA, False), ("cpu", True)):
+        model = cmlp.MLP([784, 512, 256, 10], device=device, seed=3)
+        trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=64, amp=amp, seed=3, recompute=recompute)
+        losses[device, recompute] = [h["loss"] for h in trainer.fit(x, y, epochs=3, progress=False)]
+    tol = 1e-3 if amp is None else 3e-2
+    for other in ((CUDA, False), ("cpu", True)):
+        np.testing.assert_allclose(losses[CUDA, True], losses[other], rtol=tol, err_msg=f"against {other}")
+
+
+@needs_gpu
 @pytest.mark.parametrize("amp", [None, "fp16"])
 def test_two_threads_training_on_one_gpu_match_runs_one_after_the_other(amp):
     """Two models on the same GPU, trained from two threads at once, share the device's stream,

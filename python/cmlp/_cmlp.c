@@ -616,7 +616,7 @@ typedef struct {
     PyObject_HEAD
     cmlp_trainer *t;
     OptimObject *optim; /* strong: keeps the optimizer and its model alive */
-    PyObject *epoch_x, *epoch_y; /* the arrays of the epoch in progress */
+    PyObject *epoch_x, *epoch_y; /* the arrays of the last epoch begun (until release_data) */
 } TrainerObject;
 
 static int Trainer_init(TrainerObject *self, PyObject *args, PyObject *kw) {
@@ -672,11 +672,10 @@ static int trainer_ready(TrainerObject *self) {
 }
 
 static PyObject *Trainer_step(TrainerObject *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"x", "y", "mean", "std", "same_data", NULL};
+    static char *kwlist[] = {"x", "y", "mean", "std", NULL};
     PyObject *x, *y;
     float mean = 0.5f, std = 0.5f;
-    int same_data = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|ffp", kwlist, &x, &y, &mean, &std, &same_data)) return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|ff", kwlist, &x, &y, &mean, &std)) return NULL;
     if (trainer_ready(self) < 0) return NULL;
     ModelObject *mo = self->optim->model;
     cmlp_data d;
@@ -706,6 +705,9 @@ static PyObject *Trainer_epoch_begin(TrainerObject *self, PyObject *args, PyObje
         PyErr_SetString(PyExc_TypeError, "y must be an int32 array");
         return NULL;
     }
+    /* the promise holds only for the very arrays of the last epoch, which are still referenced
+     * here (so no other array can have their addresses) */
+    same_data = same_data && x == self->epoch_x && y == self->epoch_y;
     cmlp_epoch_state es;
     cmlp_status st;
     RUN_LOCKED(mo, st = cmlp_trainer_epoch_begin(self->t, &d, same_data, &es));
@@ -729,7 +731,7 @@ static PyObject *Trainer_epoch_run(TrainerObject *self, PyObject *args) {
     cmlp_epoch_state es = {0};
     cmlp_status st;
     RUN_LOCKED(mo, st = cmlp_trainer_epoch_run(self->t, max_steps, &es));
-    if (es.done || st != CMLP_OK) {
+    if (st != CMLP_OK) { /* a finished epoch keeps its arrays: the next may be on the same data */
         Py_CLEAR(self->epoch_x);
         Py_CLEAR(self->epoch_y);
     }

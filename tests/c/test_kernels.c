@@ -296,10 +296,14 @@ static void test_softmax_xent(void) {
                         double l2 = 0.0;
                         unsigned long long h2 = 0;
                         KOK(cmlp_k_softmax_xent_half(F(x), lab.p, rows, cols, smoothing, gw, wdev, dh.p, bf, &l2, &h2, S));
-                        KOK(cmlp_k_softmax_xent(F(x), lab.p, rows, cols, smoothing, gw, wdev, F(dref), NULL, NULL, S));
+                        double lref = 0.0;
+                        unsigned long long href_hits = 0;
+                        KOK(cmlp_k_softmax_xent(F(x), lab.p, rows, cols, smoothing, gw, wdev, F(dref), &lref, &href_hits,
+                                                S));
                         KOK(cmlp_k_to_half(href.p, F(dref), n, bf, S));
-                        CHECK(same_bits(dh.p, href.p, (size_t)n * 2), "xent_half %lldx%lld bf16 %d", (long long)rows,
-                              (long long)cols, bf);
+                        CHECK(same_bits(dh.p, href.p, (size_t)n * 2) && l2 == lref && h2 == href_hits,
+                              "xent_half %lldx%lld bf16 %d: gradient bits, loss %.17g vs %.17g, hits %llu vs %llu",
+                              (long long)rows, (long long)cols, bf, l2, lref, h2, href_hits);
                         free(dh.block), free(dref.block), free(href.block);
                     }
                 }
