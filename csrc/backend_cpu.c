@@ -214,33 +214,19 @@ static cmlp_status cpu_relu_backward(void *ctx, float *dy, const float *h, int64
 }
 
 /* Columns [lo, hi) of db, each summed over the rows in order: the same sums on any number of
- * threads. */
+ * threads. With h (the ReLU's output), each row goes through the ReLU's backward first and is
+ * written back: the bits of relu_backward followed by bias_grad, in one pass. */
 static void bias_grad_cols(void *a, int64_t lo, int64_t hi) {
     const rows_args *r = a;
     float *restrict db = r->y;
     if (r->overwrite)
         for (int64_t c = lo; c < hi; c++) db[c] = 0.0f;
     for (int64_t i = 0; i < r->rows; i++) {
-        const float *restrict row = r->dy + i * r->cols;
-        for (int64_t c = lo; c < hi; c++) db[c] += row[c];
-    }
-}
-
-static cmlp_status cpu_bias_grad(void *ctx, float *db, const float *dy, int64_t rows, int64_t cols, int overwrite) {
-    (void)ctx;
-    rows_args a = {.y = db, .dy = dy, .rows = rows, .cols = cols, .overwrite = overwrite};
-    cmlp_pool_for(cols, 16, rows > 0 ? MIN_PER_THREAD / rows + 1 : cols, bias_grad_cols, &a);
-    return CMLP_OK;
-}
-
-/* Columns [lo, hi) through the ReLU's backward, then summed over the rows in order: the bits of
- * relu_backward followed by bias_grad, in one pass. */
-static void relu_bias_grad_cols(void *a, int64_t lo, int64_t hi) {
-    const rows_args *r = a;
-    float *restrict db = r->y;
-    if (r->overwrite)
-        for (int64_t c = lo; c < hi; c++) db[c] = 0.0f;
-    for (int64_t i = 0; i < r->rows; i++) {
+        if (!r->h) {
+            const float *restrict row = r->dy + i * r->cols;
+            for (int64_t c = lo; c < hi; c++) db[c] += row[c];
+            continue;
+        }
         float *restrict row = r->mdy + i * r->cols;
         const float *restrict h = r->h + i * r->cols;
         for (int64_t c = lo; c < hi; c++) {
@@ -251,13 +237,24 @@ static void relu_bias_grad_cols(void *a, int64_t lo, int64_t hi) {
     }
 }
 
+static void bias_grad_run(rows_args *a) {
+    cmlp_pool_for(a->cols, 16, a->rows > 0 ? MIN_PER_THREAD / a->rows + 1 : a->cols, bias_grad_cols, a);
+}
+
+static cmlp_status cpu_bias_grad(void *ctx, float *db, const float *dy, int64_t rows, int64_t cols, int overwrite) {
+    (void)ctx;
+    rows_args a = {.y = db, .dy = dy, .rows = rows, .cols = cols, .overwrite = overwrite};
+    bias_grad_run(&a);
+    return CMLP_OK;
+}
+
 static cmlp_status cpu_relu_backward_bias_grad(void *ctx, void *dy, const void *h, cmlp_dtype dtype, float *db,
                                                int64_t rows, int64_t cols, int overwrite) {
     (void)ctx;
     if (dtype != CMLP_DTYPE_F32)
         return CMLP_FAIL(CMLP_ERR_INVALID, "the CPU backend keeps no gradients in half precision");
     rows_args a = {.y = db, .mdy = dy, .h = h, .rows = rows, .cols = cols, .overwrite = overwrite};
-    cmlp_pool_for(cols, 16, rows > 0 ? MIN_PER_THREAD / rows + 1 : cols, relu_bias_grad_cols, &a);
+    bias_grad_run(&a);
     return CMLP_OK;
 }
 
