@@ -1,5 +1,6 @@
 /* cuda_emu.cpp - the scheduler behind cuda_emu.h: blocks one after another, a block's threads
- * as ucontext fibers switched only where a GPU thread could wait (barriers and shuffles).
+ * as fibers switched only where a GPU thread could wait (barriers and shuffles). A switch is a
+ * few instructions on x86-64 and swapcontext elsewhere.
  */
 #include "cuda_emu.h"
 
@@ -8,6 +9,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <unordered_map>
 #include <vector>
 
 #if defined(__SANITIZE_ADDRESS__)
@@ -20,7 +22,7 @@
 uint3 threadIdx, blockIdx;
 dim3 blockDim, gridDim;
 
-static cudaError_t last_error = cudaSuccess;
+static thread_local cudaError_t last_error = cudaSuccess; /* per host thread, as in CUDA */
 
 extern "C" cudaError_t cudaGetLastError(void) {
     cudaError_t e = last_error;
@@ -31,14 +33,73 @@ extern "C" cudaError_t cudaGetLastError(void) {
 extern "C" cudaError_t cudaPeekAtLastError(void) { return last_error; }
 
 namespace cmlp_emu {
+
+submit_fn submit_hook;
+pointer_check_fn pointer_hook;
+void set_last_error(cudaError_t e) { last_error = e; }
+
 namespace {
+
+#if defined(__x86_64__)
+/* A switch pushes the callee-saved registers on the stack it leaves and pops them from the one
+ * it enters: no signal mask and no system call, where swapcontext makes two. */
+extern "C" void cmlp_emu_switch(void **save_sp, void *to_sp);
+asm(R"(
+    .text
+    .p2align 4
+    .type cmlp_emu_switch, @function
+cmlp_emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size cmlp_emu_switch, .-cmlp_emu_switch
+)");
+
+struct context {
+    void *sp = nullptr;
+};
+void ctx_switch(context &from, const context &to) { cmlp_emu_switch(&from.sp, to.sp); }
+/* The first switch to c pops six zeros and returns into entry, with the stack aligned as after
+ * a call. */
+void ctx_make(context &c, void *stack, size_t size, void (*entry)()) {
+    void **sp = (void **)((((uintptr_t)stack + size) & ~(uintptr_t)15) - 64);
+    for (int i = 0; i < 6; i++) sp[i] = nullptr;
+    sp[6] = (void *)entry;
+    sp[7] = nullptr;
+    c.sp = sp;
+}
+#else
+struct context {
+    ucontext_t uc;
+};
+void ctx_switch(context &from, const context &to) { swapcontext(&from.uc, &to.uc); }
+void ctx_make(context &c, void *stack, size_t size, void (*entry)()) {
+    getcontext(&c.uc);
+    c.uc.uc_stack.ss_sp = stack;
+    c.uc.uc_stack.ss_size = size;
+    c.uc.uc_link = nullptr;
+    makecontext(&c.uc, entry, 0);
+}
+#endif
 
 enum state { READY, AT_BLOCK_BARRIER, AT_WARP_EXCHANGE, DONE };
 
 constexpr size_t STACK_BYTES = 256 << 10;
 
 struct fiber {
-    ucontext_t ctx;
+    context ctx;
     void *stack = nullptr;
     state st = DONE;
     uint3 tid{};
@@ -49,7 +110,7 @@ struct fiber {
 
 struct block_run {
     std::vector<fiber> fibers; /* reused: stacks persist across blocks and launches */
-    ucontext_t sched;
+    context sched;
     const void *sched_bottom = nullptr;
     size_t sched_size = 0;
     void *sched_fake = nullptr;
@@ -57,13 +118,19 @@ struct block_run {
     unsigned nthreads = 0;
     const std::function<void()> *body = nullptr;
     std::vector<uint64_t> published; /* per thread: the bits released at the last exchange */
+    bool direct = false;             /* threads run in turn, without fibers */
+    bool waited = false;             /* a thread of this launch waited somewhere */
+    const char *name = nullptr;
 };
+
+/* kernels whose first launch never waited (keyed by their name's address, a literal) */
+std::unordered_map<const void *, bool> sync_free;
 
 block_run R;
 
 [[noreturn]] void fail(const char *what) {
-    std::fprintf(stderr, "cuda_emu: %s (block %u,%u,%u thread %u,%u,%u)\n", what, blockIdx.x, blockIdx.y, blockIdx.z,
-                 threadIdx.x, threadIdx.y, threadIdx.z);
+    std::fprintf(stderr, "cuda_emu: %s (kernel %s, block %u,%u,%u thread %u,%u,%u)\n", what, R.name ? R.name : "?",
+                 blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x, threadIdx.y, threadIdx.z);
     std::abort();
 }
 
@@ -74,7 +141,7 @@ void yield_to_scheduler(bool finishing) {
     __sanitizer_start_switch_fiber(finishing ? nullptr : &f.fake_stack, R.sched_bottom, R.sched_size);
 #endif
     (void)finishing;
-    swapcontext(&f.ctx, &R.sched);
+    ctx_switch(f.ctx, R.sched);
 #if EMU_ASAN
     __sanitizer_finish_switch_fiber(f.fake_stack, nullptr, nullptr);
 #endif
@@ -97,7 +164,7 @@ void resume(unsigned t) {
 #if EMU_ASAN
     __sanitizer_start_switch_fiber(&R.sched_fake, f.stack, STACK_BYTES);
 #endif
-    swapcontext(&R.sched, &f.ctx);
+    ctx_switch(R.sched, f.ctx);
 #if EMU_ASAN
     __sanitizer_finish_switch_fiber(R.sched_fake, nullptr, nullptr);
 #endif
@@ -110,11 +177,7 @@ void start(unsigned t) {
         f.stack = mmap(nullptr, STACK_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (f.stack == MAP_FAILED) fail("no memory for a thread's stack");
     }
-    getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = f.stack;
-    f.ctx.uc_stack.ss_size = STACK_BYTES;
-    f.ctx.uc_link = nullptr;
-    makecontext(&f.ctx, fiber_main, 0);
+    ctx_make(f.ctx, f.stack, STACK_BYTES, fiber_main);
     f.st = READY;
 }
 
@@ -168,7 +231,11 @@ void run_block(const std::function<void()> &body) {
 
 } /* namespace */
 
-void run_grid(dim3 grid, dim3 block, const std::function<void()> &body) {
+void run_grid(dim3 grid, dim3 block, const std::function<void()> &body, const char *name) {
+    auto known = sync_free.find(name);
+    R.direct = known != sync_free.end() && known->second;
+    R.waited = false;
+    R.name = name;
     gridDim = grid;
     blockDim = block;
     R.nthreads = block.x * block.y * block.z;
@@ -180,12 +247,30 @@ void run_grid(dim3 grid, dim3 block, const std::function<void()> &body) {
         for (unsigned y = 0; y < grid.y; y++)
             for (unsigned x = 0; x < grid.x; x++) {
                 blockIdx = make_uint3(x, y, z);
-                run_block(body);
+                if (!R.direct) {
+                    run_block(body);
+                    continue;
+                }
+                for (unsigned t = 0; t < R.nthreads; t++) {
+                    R.current = (int)t;
+                    threadIdx = R.fibers[t].tid;
+                    body();
+                }
+                R.current = -1;
             }
+    if (known == sync_free.end()) sync_free[name] = !R.waited;
+}
+
+/* A thread is about to wait: impossible for a kernel that runs without fibers. */
+static void about_to_wait() {
+    if (R.direct) fail("a kernel that did not wait at a barrier or shuffle in its first launch waits now "
+                       "(tests/emu runs its threads without fibers)");
+    R.waited = true;
 }
 
 void block_barrier() {
     if (R.current < 0) fail("__syncthreads outside a kernel");
+    about_to_wait();
     R.fibers[R.current].st = AT_BLOCK_BARRIER;
     yield_to_scheduler(false);
 }
@@ -200,6 +285,7 @@ uint64_t warp_exchange(unsigned mask, uint64_t bits, int src) {
     fiber &f = R.fibers[R.current];
     const unsigned warp = (unsigned)R.current / 32;
     if (!(mask >> (R.current % 32) & 1)) fail("a lane shuffles with a mask that leaves it out");
+    about_to_wait();
     f.st = AT_WARP_EXCHANGE;
     f.mask = mask;
     f.bits = bits;

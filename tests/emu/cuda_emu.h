@@ -25,8 +25,10 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 
 /* ---- qualifiers (host_defines.h makes most of them empty for a host compiler) ---- */
 #undef __shared__
@@ -43,8 +45,10 @@ extern dim3 blockDim, gridDim;
 
 namespace cmlp_emu {
 
-/* Runs body once per thread of every block (grid and block already validated). */
-void run_grid(dim3 grid, dim3 block, const std::function<void()> &body);
+/* Runs body once per thread of every block (grid and block already validated). A kernel (by
+ * name) whose first launch never waited at a barrier or shuffle runs its threads one after
+ * another from then on, without fibers; should it wait later, the run stops with an error. */
+void run_grid(dim3 grid, dim3 block, const std::function<void()> &body, const char *name);
 /* The calling thread waits until every live thread of its block arrives. */
 void block_barrier();
 /* Warp exchange: every lane of mask (which must all arrive) publishes bits; the result is
@@ -54,23 +58,57 @@ int lane();
 /* Validates a launch; records the error cudaGetLastError returns and prints why. */
 bool launch_ok(dim3 grid, dim3 block, size_t shmem, unsigned bound, const char *name);
 
+/* Where a launch goes once validated. Unset (the kernel tests): it runs at once. The emulated
+ * runtime (cuda_runtime_emu.cpp) sets it to queue the launch on its stream, or record it into
+ * the graph being captured there; `run` owns the kernel's arguments. */
+using submit_fn = void (*)(cudaStream_t stream, std::function<void()> run, const char *name);
+extern submit_fn submit_hook;
+/* Set by the emulated runtime: false (and the launch fails) for a pointer argument that is
+ * neither null nor device memory, which on a GPU is an illegal address. */
+using pointer_check_fn = bool (*)(const void *p, const char *kernel, int index);
+extern pointer_check_fn pointer_hook;
+void set_last_error(cudaError_t e);
+
+template <class Tuple, size_t... I>
+bool pointers_ok(const Tuple &t, const char *name, std::index_sequence<I...>) {
+    bool ok = true;
+    auto one = [&](const auto &v, int index) {
+        if constexpr (std::is_pointer<std::decay_t<decltype(v)>>::value)
+            ok = ok && pointer_hook((const void *)v, name, index);
+    };
+    (one(std::get<I>(t), (int)I), ...);
+    return ok;
+}
+
 struct launcher {
     dim3 grid, block;
     size_t shmem;
+    cudaStream_t stream;
     unsigned bound;
     const char *name;
-    launcher(dim3 g, dim3 b, size_t s, cudaStream_t, unsigned bd, const char *n)
-        : grid(g), block(b), shmem(s), bound(bd), name(n) {}
+    launcher(dim3 g, dim3 b, size_t s, cudaStream_t st, unsigned bd, const char *n)
+        : grid(g), block(b), shmem(s), stream(st), bound(bd), name(n) {}
     template <class... P, class... A>
     void operator()(void (*kernel)(P...), A &&...args) const {
         if (!launch_ok(grid, block, shmem, bound, name)) return;
         /* the arguments are converted to the parameter types once, as a launch does, and
          * every thread gets its own copy */
-        const std::tuple<std::decay_t<P>...> params(std::forward<A>(args)...);
-        run_grid(grid, block, [&] {
-            std::tuple<std::decay_t<P>...> mine = params;
-            std::apply(kernel, mine);
-        });
+        using params_t = std::tuple<std::decay_t<P>...>;
+        auto params = std::make_shared<const params_t>(std::forward<A>(args)...);
+        if (pointer_hook && !pointers_ok(*params, name, std::index_sequence_for<P...>{})) {
+            set_last_error(cudaErrorInvalidValue);
+            return;
+        }
+        const dim3 g = grid, b = block;
+        const char *n = name;
+        std::function<void()> run = [g, b, kernel, params, n] {
+            run_grid(g, b, [&] {
+                params_t mine = *params;
+                std::apply(kernel, mine);
+            }, n);
+        };
+        if (submit_hook) submit_hook(stream, std::move(run), name);
+        else run();
     }
 };
 

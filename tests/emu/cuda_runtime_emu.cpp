@@ -1,0 +1,988 @@
+/* cuda_runtime_emu.cpp - the CUDA runtime, the driver's virtual memory API and cuBLASLt, as far
+ * as csrc/backend_cuda.c uses them, on the CPU. Linked with backend_cuda.c and the kernels under
+ * cuda_emu.h it makes build/emu/_cmlp_cuda_emu.so: a CUDA backend that cmlp loads through
+ * CMLP_CUDA_LIBRARY, so that the GPU tests run against the backend's own host code on a machine
+ * without a GPU.
+ *
+ * It keeps the semantics that host code gets wrong, and makes them fail deterministically:
+ *  - Work is lazy. A launch, copy, memset or GEMM waits in its stream's queue until the host
+ *    synchronises with it (stream or event), so a result read before its synchronisation is
+ *    always stale, and a pinned host buffer reused before its copy ran is always read late.
+ *    Copies to pageable host memory wait for the stream, and copies from it take the source
+ *    at the call, as CUDA does.
+ *  - Kernels and GEMMs take their arguments at launch; a graph replays exactly those.
+ *  - Capture follows cudaStreamCaptureModeThreadLocal: while a thread captures, its calls that
+ *    would allocate or wait fail and invalidate the capture; the capturing stream records.
+ *  - A kernel's pointer argument must be null or device memory; a GEMM's matrices must be
+ *    device memory whose shapes, leading dimensions and alignments agree with its layouts and
+ *    with the alignment its algorithm was chosen for.
+ *  - Device memory is finite (CMLP_EMU_MEMORY bytes per device, default 4 GiB): cudaMalloc and
+ *    cuMemCreate fail with out-of-memory beyond it. Expandable segments are real mappings:
+ *    reserved addresses are inaccessible until a page is mapped and access is set, and again
+ *    after it is unmapped, so a use after unmapping faults.
+ *  - CMLP_EMU_DEVICES (default 1) devices share the host's memory.
+ *
+ * Execution is one device: a global lock serialises the runtime and the running work. GEMMs
+ * multiply in float64 (OpenBLAS dgemm) from inputs rounded as the compute type says (TF32 too)
+ * and round once to the output type, so they differ from the CPU backend's sgemm in the last
+ * bits, as a GPU's do.
+ */
+#include "cuda_emu.h"
+
+#include <cublasLt.h>
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <vector>
+
+extern "C" void scipy_cblas_dgemm(int order, int ta, int tb, int m, int n, int k, double alpha, const double *a,
+                                  int lda, const double *b, int ldb, double beta, double *c, int ldc);
+
+namespace {
+
+/* ---- state ---- */
+
+struct op {
+    std::shared_ptr<std::function<void()>> run;
+    const char *name;
+    uint64_t id;
+};
+
+struct graph_t {
+    std::vector<op> ops;
+};
+
+std::recursive_mutex gpu; /* the runtime's state and the running work */
+
+struct capture_t {
+    graph_t *graph = nullptr;
+    bool invalid = false;
+    const char *why = nullptr;
+};
+
+} /* namespace */
+
+struct CUstream_st {
+    std::deque<op> queue;
+    uint64_t next_id = 1, done_id = 0;
+    capture_t cap;
+    bool capturing = false;
+};
+struct CUevent_st {
+    CUstream_st *stream = nullptr;
+    uint64_t id = 0;
+};
+struct CUgraph_st {
+    graph_t g;
+};
+struct CUgraphExec_st {
+    graph_t g;
+};
+
+namespace {
+
+CUstream_st legacy_stream;
+thread_local int current_device = 0;
+thread_local CUstream_st *capturing_here; /* the stream this thread captures on */
+
+size_t env_size(const char *name, size_t dflt) {
+    const char *v = getenv(name);
+    return v && v[0] ? (size_t)strtoull(v, nullptr, 10) : dflt;
+}
+int device_count() { return (int)env_size("CMLP_EMU_DEVICES", 1); }
+size_t capacity() { return env_size("CMLP_EMU_MEMORY", (size_t)4 << 30); }
+
+struct region {
+    size_t size;
+    int device;
+    int kind; /* 0 cudaMalloc, 1 pinned host, 2 reserved virtual range */
+};
+std::map<uintptr_t, region> regions;
+std::map<int, size_t> used; /* device bytes, per device */
+
+const region *find_region(const void *p, uintptr_t *base) {
+    uintptr_t a = (uintptr_t)p;
+    auto it = regions.upper_bound(a);
+    if (it == regions.begin()) return nullptr;
+    --it;
+    if (a >= it->first + it->second.size) return nullptr;
+    if (base) *base = it->first;
+    return &it->second;
+}
+
+/* Is [p, p + n) inside one piece of device memory? */
+bool device_range(const void *p, size_t n) {
+    uintptr_t base = 0;
+    const region *r = find_region(p, &base);
+    return r && r->kind != 1 && (uintptr_t)p + n <= base + r->size;
+}
+bool pinned(const void *p) {
+    const region *r = find_region(p, nullptr);
+    return r && r->kind == 1;
+}
+
+void run_op(CUstream_st *s, op &o) {
+    (*o.run)();
+    s->done_id = o.id;
+}
+
+/* Runs the stream's queued work, all of it or up to the op `until`. */
+void flush(CUstream_st *s, uint64_t until = UINT64_MAX) {
+    std::lock_guard<std::recursive_mutex> g(gpu);
+    while (!s->queue.empty() && s->queue.front().id <= until) {
+        op o = std::move(s->queue.front());
+        s->queue.pop_front();
+        run_op(s, o);
+    }
+}
+
+std::vector<CUstream_st *> streams{&legacy_stream};
+
+void flush_all() {
+    std::lock_guard<std::recursive_mutex> g(gpu);
+    for (CUstream_st *s : streams) flush(s);
+}
+
+CUstream_st *resolve(cudaStream_t s) { return s ? s : &legacy_stream; }
+
+/* A call that CUDA refuses while this thread captures (it would allocate or wait): it breaks
+ * the capture, as CUDA's does. */
+bool refused_while_capturing(const char *what) {
+    if (!capturing_here) return false;
+    capturing_here->cap.invalid = true;
+    if (!capturing_here->cap.why) capturing_here->cap.why = what;
+    std::fprintf(stderr, "cuda_emu: %s while this thread captures a graph\n", what);
+    return true;
+}
+
+void submit(cudaStream_t stream, std::function<void()> run, const char *name) {
+    std::lock_guard<std::recursive_mutex> g(gpu);
+    CUstream_st *s = resolve(stream);
+    op o{std::make_shared<std::function<void()>>(std::move(run)), name, 0};
+    if (s->capturing) {
+        s->cap.graph->ops.push_back(std::move(o));
+        return;
+    }
+    o.id = s->next_id++;
+    s->queue.push_back(std::move(o));
+    if (s->queue.size() > 4096) flush(s); /* a real queue is bounded too */
+}
+
+bool kernel_pointer_ok(const void *p, const char *kernel, int index) {
+    if (!p) return true;
+    std::lock_guard<std::recursive_mutex> g(gpu);
+    if (device_range(p, 1)) return true;
+    std::fprintf(stderr, "cuda_emu: argument %d of kernel %s is %p, which is not device memory\n", index, kernel, p);
+    return false;
+}
+
+struct install {
+    install() {
+        cmlp_emu::submit_hook = submit;
+        cmlp_emu::pointer_hook = kernel_pointer_ok;
+    }
+} installed;
+
+cudaError_t fail(cudaError_t e) {
+    cmlp_emu::set_last_error(e);
+    return e;
+}
+
+size_t page_round(size_t n) {
+    const size_t pg = (size_t)sysconf(_SC_PAGESIZE);
+    return (n + pg - 1) / pg * pg;
+}
+
+} /* namespace */
+
+/* ---- runtime: devices, errors ---- */
+
+extern "C" {
+
+cudaError_t cudaGetDeviceCount(int *n) {
+    *n = device_count();
+    return cudaSuccess;
+}
+cudaError_t cudaSetDevice(int d) {
+    if (d < 0 || d >= device_count()) return fail(cudaErrorInvalidDevice);
+    current_device = d;
+    return cudaSuccess;
+}
+cudaError_t cudaGetDevice(int *d) {
+    *d = current_device;
+    return cudaSuccess;
+}
+cudaError_t cudaRuntimeGetVersion(int *v) {
+    *v = CUDART_VERSION;
+    return cudaSuccess;
+}
+
+const char *cudaGetErrorName(cudaError_t e) {
+    switch (e) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
+    case cudaErrorLaunchOutOfResources: return "cudaErrorLaunchOutOfResources";
+    case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
+    case cudaErrorStreamCaptureUnsupported: return "cudaErrorStreamCaptureUnsupported";
+    case cudaErrorStreamCaptureInvalidated: return "cudaErrorStreamCaptureInvalidated";
+    case cudaErrorIllegalState: return "cudaErrorIllegalState";
+    default: return "cudaErrorUnknown";
+    }
+}
+const char *cudaGetErrorString(cudaError_t e) {
+    switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorLaunchOutOfResources: return "too many resources requested for launch";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorStreamCaptureUnsupported: return "operation not permitted when stream is capturing";
+    case cudaErrorStreamCaptureInvalidated: return "operation failed due to a previous error during capture";
+    default: return "unknown error (emulated)";
+    }
+}
+
+/* ---- memory ---- */
+
+cudaError_t cudaMalloc(void **p, size_t n) {
+    *p = nullptr;
+    std::lock_guard<std::recursive_mutex> g(gpu);
+    if (refused_while_capturing("cudaMalloc")) return fail(cudaErrorStreamCaptureUnsupported);
+    if (n == 0) return cudaSuccess;
+    const size_t sz = page_round(n);
+    if (sz > capacity() - std::min(capacity(), used[current_device])) return fail(cudaErrorMemoryAllocation);
+    void *m = mmap(nullptr, sz, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (m == MAP_FAILED) return fail(cudaErrorMemoryAllocation);
+    regions[(uintptr_t)m] = region{sz, current_device, 0};
+    used[current_device] += sz;
+    *p = m;
+    return cudaSuccess;
+}
+
+cudaError_t cudaFree(void *p) {
+    if (!p) return cudaSuccess;
+    std::lock_guard<std::recursive_mutex> g(gpu);
+    if (refused_while_capturing("cudaFree")) return fail(cudaErrorStreamCaptureUnsupported);
+    auto it = regions.find((uintptr_t)p);
+    if (it == regions.end() || it->second.kind != 0) return fail(cudaErrorInvalidValue);
+    flush_all(); /* cudaFree waits for the device */
+    used[it->second.device] -= it->second.size;
+    munmap(p, it->second.size);
+    regions.erase(it);
+    return cudaSuccess;
+}
+
+cudaError_t cudaMallocHost(void **p, size_t n) {
+    *p = nullptr;
+    std::lock_guard<std::recursive_mutex> g(gpu);
+    if (refused_while_capturing("cudaMallocHost")) return fail(cudaErrorStreamCaptureUnsupported);
+    const size_t sz = page_round(n ? n : 1);
+    void *m = mmap(nullptr, sz, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) return fail(cudaErrorMemoryAllocation);
+    regions[(uintptr_t)m] = region{sz, current_device, 1};
+    *p = m;
+    return cudaSuccess;
+}
+
+cudaError_t cudaFreeHost(void *p) {
+    if (!p) return cudaSuccess;
+    std::lock_guard<std::recursive_mutex> g(gpu);
+    if (refused_while_capturing("cudaFreeHost")) return fail(cudaErrorStreamCaptureUnsupported);
+    auto it = regions.find((uintptr_t)p);
+    if (it == regions.end() || it->second.kind != 1) return fail(cudaErrorInvalidValue);
+    flush_all();
+    munmap(p, it->second.size);
+    regions.erase(it);
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemGetInfo(size_t *free_b, size_t *total) {
+    std::lock_guard<std::recursive_mutex> g(gpu);
+    *total = capacity();
+    *free_b = capacity() - std::min(capacity(), used[current_device]);
+    return cudaSuccess;
+}
+
+cudaError_t cudaPointerGetAttributes(cudaPointerAttributes *at, const void *p) {
+    std::lock_guard<std::recursive_mutex> g(gpu);
+    memset(at, 0, sizeof *at);
+    const region *r = find_region(p, nullptr);
+    at->type = !r ? cudaMemoryTypeUnregistered : r->kind == 1 ? cudaMemoryTypeHost : cudaMemoryTypeDevice;
+    at->device = r ? r->device : -1;
+    if (r && r->kind == 1) at->hostPointer = (void *)p;
+    else if (r) at->devicePointer = (void *)p;
+    else at->hostPointer = (void *)p;
+    return cudaSuccess;
+}
+
+/* ---- streams, events, copies ---- */
+
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned int) {
+    std::lock_guard<std::recursive_mutex> g(gpu);
+    *s = new CUstream_st;
+    streams.push_back(*s);
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamDestroy(cudaStream_t s) {
+    std::lock_guard<std::recursive_mutex> g(gpu);
+    if (!s || s->capturing) return fail(cudaErrorInvalidResourceHandle);
+    flush(s); /* its work still runs */
+    streams.erase(std::find(streams.begin(), streams.end(), s));
+    delete s;
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+    std::lock_guard<std::recursive_mutex> g(gpu);
+    CUstream_st *s = resolve(stream);
+    if (s->capturing) {
+        s->cap.invalid = true;
+        if (!s->cap.why) s->cap.why = "cudaStreamSynchronize on the capturing stream";
+        return fail(cudaErrorStreamCaptureUnsupported);
+    }
+    flush(s);
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned int) {
+    *e = new CUevent_st;
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventDestroy(cudaEvent_t e) {
+    delete e;
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t stream) {
+    std::lock_guard<std::recursive_mutex> g(gpu);
+    CUstream_st *s = resolve(stream);
+    if (s->capturing) return fail(cudaErrorStreamCaptureUnsupported); /* not used inside a graph here */
+    submit(s, [] {}, "event");
+    e->stream = s;
+    e->id = s->next_id - 1;
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+    std::lock_guard<std::recursive_mutex> g(gpu);
+    if (refused_while_capturing("cudaEventSynchronize")) return fail(cudaErrorStreamCaptureUnsupported);
+    if (e->stream) flush(e->stream, e->id);
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind kind, cudaStream_t stream) {
+    std::lock_guard<std::recursive_mutex> g(gpu);
+    CUstream_st *s = resolve(stream);
+    if (n == 0) return cudaSuccess;
+    const bool d_dev = device_range(dst, n), s_dev = device_range(src, n);
+    if (kind == cudaMemcpyHostToDevice) {
+        if (!d_dev || s_dev) return fail(cudaErrorInvalidValue);
+        if (!pinned(src)) {
+            if (s->capturing) { /* a graph cannot read pageable memory later */
+                s->cap.invalid = true;
+                s->cap.why = "a copy from pageable host memory";
+                return fail(cudaErrorStreamCaptureUnsupported);
+            }
+            /* the source is taken now (staged), the copy is in stream order */
+            auto staged = std::make_shared<std::vector<char>>((const char *)src, (const char *)src + n);
+            submit(s, [dst, staged] { memcpy(dst, staged->data(), staged->size()); }, "memcpy HtoD (staged)");
+            return cudaSuccess;
+        }
+    } else if (kind == cudaMemcpyDeviceToHost) {
+        if (d_dev || !s_dev) return fail(cudaErrorInvalidValue);
+        if (!pinned(dst)) { /* returns once the copy is done */
+            if (s->capturing) {
+                s->cap.invalid = true;
+                s->cap.why = "a copy to pageable host memory";
+                return fail(cudaErrorStreamCaptureUnsupported);
+            }
+            flush(s);
+            memcpy(dst, src, n);
+            return cudaSuccess;
+        }
+    } else if (kind == cudaMemcpyDeviceToDevice) {
+        if (!d_dev || !s_dev) return fail(cudaErrorInvalidValue);
+    } else {
+        return fail(cudaErrorInvalidValue);
+    }
+    submit(s, [dst, src, n] { memmove(dst, src, n); }, "memcpy");
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemsetAsync(void *dst, int v, size_t n, cudaStream_t stream) {
+    std::lock_guard<std::recursive_mutex> g(gpu);
+    if (n == 0) return cudaSuccess;
+    if (!device_range(dst, n)) return fail(cudaErrorInvalidValue);
+    submit(resolve(stream), [dst, v, n] { memset(dst, v, n); }, "memset");
+    return cudaSuccess;
+}
+
+/* ---- graphs ---- */
+
+cudaError_t cudaStreamBeginCapture(cudaStream_t stream, cudaStreamCaptureMode mode) {
+    std::lock_guard<std::recursive_mutex> g(gpu);
+    if (!stream || stream->capturing || capturing_here) return fail(cudaErrorIllegalState);
+    if (mode != cudaStreamCaptureModeThreadLocal) return fail(cudaErrorInvalidValue); /* the one mode emulated */
+    flush(stream);
+    stream->capturing = true;
+    stream->cap = capture_t{new graph_t, false, nullptr};
+    capturing_here = stream;
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t *out) {
+    std::lock_guard<std::recursive_mutex> g(gpu);
+    *out = nullptr;
+    if (!stream || !stream->capturing || capturing_here != stream) return fail(cudaErrorIllegalState);
+    stream->capturing = false;
+    capturing_here = nullptr;
+    std::unique_ptr<graph_t> graph(stream->cap.graph);
+    stream->cap.graph = nullptr;
+    if (stream->cap.invalid) {
+        std::fprintf(stderr, "cuda_emu: the capture was invalidated by %s\n", stream->cap.why);
+        return fail(cudaErrorStreamCaptureInvalidated);
+    }
+    *out = new CUgraph_st{std::move(*graph)};
+    return cudaSuccess;
+}
+
+cudaError_t cudaGraphInstantiateWithFlags(cudaGraphExec_t *exec, cudaGraph_t graph, unsigned long long) {
+    if (refused_while_capturing("cudaGraphInstantiate")) return fail(cudaErrorStreamCaptureUnsupported);
+    *exec = new CUgraphExec_st{graph->g};
+    return cudaSuccess;
+}
+
+cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
+    delete graph;
+    return cudaSuccess;
+}
+
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
+    std::lock_guard<std::recursive_mutex> g(gpu);
+    flush_all(); /* launches of it that are queued keep their ops alive anyway (shared) */
+    delete exec;
+    return cudaSuccess;
+}
+
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream) {
+    std::lock_guard<std::recursive_mutex> g(gpu);
+    CUstream_st *s = resolve(stream);
+    if (!exec) return fail(cudaErrorInvalidValue);
+    if (s->capturing) return fail(cudaErrorStreamCaptureUnsupported);
+    for (const op &o : exec->g.ops) {
+        auto run = o.run;
+        submit(s, [run] { (*run)(); }, o.name);
+    }
+    return cudaSuccess;
+}
+
+} /* extern "C" */
+
+/* ---- the driver's virtual memory API ---- */
+
+namespace {
+
+struct phys {
+    int fd;
+    size_t size;
+    int device;
+    int maps = 0;
+    bool released = false;
+};
+std::map<CUmemGenericAllocationHandle, phys> handles;
+CUmemGenericAllocationHandle next_handle = 1;
+std::map<uintptr_t, std::pair<CUmemGenericAllocationHandle, size_t>> mappings; /* address -> handle, size */
+
+void drop_if_unused(CUmemGenericAllocationHandle h) {
+    auto it = handles.find(h);
+    if (it == handles.end() || it->second.maps || !it->second.released) return;
+    close(it->second.fd);
+    used[it->second.device] -= it->second.size;
+    handles.erase(it);
+}
+
+bool reserved(uintptr_t a, size_t n) {
+    uintptr_t base = 0;
+    const region *r = find_region((const void *)a, &base);
+    return r && r->kind == 2 && a + n <= base + r->size;
+}
+
+CUresult CUDAAPI mem_create(CUmemGenericAllocationHandle *h, size_t size, const CUmemAllocationProp *prop,
+                            unsigned long long) {
+    std::lock_guard<std::recursive_mutex> g(gpu);
+    if (refused_while_capturing("cuMemCreate")) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    if (!size || size % ((size_t)2 << 20)) return CUDA_ERROR_INVALID_VALUE;
+    const int dev = prop->location.id;
+    if (size > capacity() - std::min(capacity(), used[dev])) return CUDA_ERROR_OUT_OF_MEMORY;
+    int fd = memfd_create("cmlp-emu-page", 0);
+    if (fd < 0 || ftruncate(fd, (off_t)size) != 0) {
+        if (fd >= 0) close(fd);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    used[dev] += size;
+    *h = next_handle++;
+    handles[*h] = phys{fd, size, dev};
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI mem_release(CUmemGenericAllocationHandle h) {
+    std::lock_guard<std::recursive_mutex> g(gpu);
+    auto it = handles.find(h);
+    if (it == handles.end() || it->second.released) return CUDA_ERROR_INVALID_HANDLE;
+    it->second.released = true;
+    drop_if_unused(h);
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI mem_map(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle h,
+                         unsigned long long) {
+    std::lock_guard<std::recursive_mutex> g(gpu);
+    auto it = handles.find(h);
+    if (it == handles.end() || it->second.released) return CUDA_ERROR_INVALID_HANDLE;
+    if (offset || size != it->second.size || !reserved(ptr, size)) return CUDA_ERROR_INVALID_VALUE;
+    auto next = mappings.lower_bound(ptr);
+    if (next != mappings.end() && next->first < ptr + size) return CUDA_ERROR_INVALID_VALUE;
+    if (next != mappings.begin() && std::prev(next)->first + std::prev(next)->second.second > ptr)
+        return CUDA_ERROR_INVALID_VALUE;
+    void *m = mmap((void *)ptr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, it->second.fd, 0);
+    if (m == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+    it->second.maps++;
+    mappings[ptr] = {h, size};
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI mem_set_access(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count) {
+    std::lock_guard<std::recursive_mutex> g(gpu);
+    if (count != 1 || desc->flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE) return CUDA_ERROR_INVALID_VALUE;
+    /* every byte of the range must be mapped */
+    for (uintptr_t a = ptr; a < ptr + size;) {
+        auto it = mappings.upper_bound(a);
+        if (it == mappings.begin()) return CUDA_ERROR_INVALID_VALUE;
+        --it;
+        if (a >= it->first + it->second.second) return CUDA_ERROR_INVALID_VALUE;
+        a = it->first + it->second.second;
+    }
+    if (mprotect((void *)ptr, size, PROT_READ | PROT_WRITE) != 0) return CUDA_ERROR_INVALID_VALUE;
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI mem_unmap(CUdeviceptr ptr, size_t size) {
+    std::lock_guard<std::recursive_mutex> g(gpu);
+    auto it = mappings.find(ptr);
+    if (it == mappings.end() || it->second.second != size) return CUDA_ERROR_INVALID_VALUE;
+    /* back to an inaccessible reservation: queued work that still uses the page faults */
+    mmap((void *)ptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+    CUmemGenericAllocationHandle h = it->second.first;
+    mappings.erase(it);
+    handles[h].maps--;
+    drop_if_unused(h);
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI mem_reserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                             unsigned long long) {
+    std::lock_guard<std::recursive_mutex> g(gpu);
+    if (addr || !size || size % ((size_t)2 << 20)) return CUDA_ERROR_INVALID_VALUE;
+    const size_t al = alignment ? alignment : (size_t)2 << 20;
+    char *m = (char *)mmap(nullptr, size + al, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (m == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+    uintptr_t a = ((uintptr_t)m + al - 1) / al * al;
+    if (a > (uintptr_t)m) munmap(m, a - (uintptr_t)m);
+    if ((uintptr_t)m + size + al > a + size) munmap((void *)(a + size), (uintptr_t)m + size + al - (a + size));
+    regions[a] = region{size, current_device, 2};
+    *ptr = a;
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI mem_free_range(CUdeviceptr ptr, size_t size) {
+    std::lock_guard<std::recursive_mutex> g(gpu);
+    auto it = regions.find(ptr);
+    if (it == regions.end() || it->second.kind != 2 || it->second.size != size) return CUDA_ERROR_INVALID_VALUE;
+    auto m = mappings.lower_bound(ptr);
+    if (m != mappings.end() && m->first < ptr + size) return CUDA_ERROR_INVALID_VALUE; /* still mapped */
+    munmap((void *)ptr, size);
+    regions.erase(it);
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI mem_granularity(size_t *gran, const CUmemAllocationProp *, CUmemAllocationGranularity_flags) {
+    *gran = (size_t)2 << 20;
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI error_string(CUresult r, const char **s) {
+    *s = r == CUDA_ERROR_OUT_OF_MEMORY ? "out of memory" : r == CUDA_ERROR_INVALID_VALUE ? "invalid argument"
+                                                                                           : "driver error (emulated)";
+    return CUDA_SUCCESS;
+}
+
+} /* namespace */
+
+extern "C" cudaError_t cudaGetDriverEntryPointByVersion(const char *symbol, void **fn, unsigned int, unsigned long long,
+                                                        cudaDriverEntryPointQueryResult *q) {
+    static const std::map<std::string, void *> table = {
+        {"cuMemCreate", (void *)mem_create},
+        {"cuMemRelease", (void *)mem_release},
+        {"cuMemMap", (void *)mem_map},
+        {"cuMemUnmap", (void *)mem_unmap},
+        {"cuMemSetAccess", (void *)mem_set_access},
+        {"cuMemAddressReserve", (void *)mem_reserve},
+        {"cuMemAddressFree", (void *)mem_free_range},
+        {"cuMemGetAllocationGranularity", (void *)mem_granularity},
+        {"cuGetErrorString", (void *)error_string},
+    };
+    auto it = table.find(symbol);
+    *fn = it == table.end() ? nullptr : it->second;
+    if (q) *q = it == table.end() ? cudaDriverEntryPointSymbolNotFound : cudaDriverEntryPointSuccess;
+    return cudaSuccess;
+}
+
+/* ---- cuBLASLt ---- */
+
+namespace {
+
+struct lt_desc {
+    cublasComputeType_t compute;
+    cudaDataType_t scale;
+    int32_t transa = CUBLAS_OP_N, transb = CUBLAS_OP_N;
+    uint32_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
+    const void *bias = nullptr;
+    int32_t bias_type = -1;
+};
+struct lt_layout {
+    cudaDataType_t type;
+    uint64_t rows, cols;
+    int64_t ld;
+};
+struct lt_pref {
+    uint64_t max_ws = 0;
+    uint32_t align[4] = {256, 256, 256, 256}; /* A, B, C, D */
+};
+/* what an algorithm was chosen for (kept in cublasLtMatmulAlgo_t's data) */
+struct lt_algo {
+    uint32_t magic;
+    uint32_t align[5]; /* A, B, C, D, bias: the alignment the algorithm may assume */
+};
+constexpr uint32_t ALGO_MAGIC = 0xC3A1E0u;
+
+lt_desc *D(cublasLtMatmulDesc_t d) { return (lt_desc *)d; }
+lt_layout *L(cublasLtMatrixLayout_t l) { return (lt_layout *)l; }
+lt_pref *P(cublasLtMatmulPreference_t p) { return (lt_pref *)p; }
+
+size_t type_size(cudaDataType_t t) {
+    return t == CUDA_R_32F ? 4 : t == CUDA_R_16F || t == CUDA_R_16BF ? 2 : 0;
+}
+
+unsigned alignment(const void *p) {
+    uintptr_t a = (uintptr_t)p;
+    unsigned al = 256;
+    while (al > 1 && (a & (al - 1))) al >>= 1;
+    return al;
+}
+
+float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h >> 15) << 31, e = h >> 10 & 31, m = h & 1023;
+    uint32_t bits;
+    if (e == 31) bits = sign | 0x7F800000u | m << 13;
+    else if (e) bits = sign | (e + 112) << 23 | m << 13;
+    else if (!m) bits = sign;
+    else {
+        float f = (float)m * 0x1p-24f;
+        return sign ? -f : f;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+uint16_t float_to_half(float f) { /* round to nearest even, overflow to inf, as the GPU's cvt.rn */
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint16_t sign = (uint16_t)(x >> 16 & 0x8000);
+    const uint32_t ax = x & 0x7FFFFFFFu;
+    if (ax >= 0x7F800000u) return (uint16_t)(sign | 0x7C00 | (ax > 0x7F800000u ? 0x200 : 0));
+    if (ax >= 0x477FF000u) return (uint16_t)(sign | 0x7C00); /* rounds past 65504 */
+    if (ax < 0x38800000u) { /* subnormal or zero in fp16 */
+        float a;
+        memcpy(&a, &ax, 4);
+        return (uint16_t)(sign | (uint16_t)std::nearbyint(a * 0x1p24f));
+    }
+    uint32_t r = ax + 0xFFFu + (ax >> 13 & 1);
+    return (uint16_t)(sign | ((r - 0x38000000u) >> 13));
+}
+
+float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+uint16_t float_to_bf16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)(x >> 16 | 0x40);
+    return (uint16_t)((x + 0x7FFFu + (x >> 16 & 1)) >> 16);
+}
+
+double load(const void *p, cudaDataType_t t, size_t i) {
+    if (t == CUDA_R_32F) return ((const float *)p)[i];
+    if (t == CUDA_R_16F) return half_to_float(((const uint16_t *)p)[i]);
+    return bf16_to_float(((const uint16_t *)p)[i]);
+}
+
+void store(void *p, cudaDataType_t t, size_t i, double v) {
+    const float f = (float)v;
+    if (t == CUDA_R_32F) ((float *)p)[i] = f;
+    else if (t == CUDA_R_16F) ((uint16_t *)p)[i] = float_to_half(f);
+    else ((uint16_t *)p)[i] = float_to_bf16(f);
+}
+
+float tf32(float f) { /* round to 10 mantissa bits, nearest even */
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7F800000u) != 0x7F800000u) x = (x + 0xFFFu + (x >> 13 & 1)) & ~0x1FFFu;
+    memcpy(&f, &x, 4);
+    return f;
+}
+
+/* op(X) [r, c] of a column-major stored matrix, as a dense row-major double array */
+std::vector<double> gather_op(const void *p, const lt_layout &l, int32_t trans, uint64_t r, uint64_t c, bool round_tf32) {
+    std::vector<double> out(r * c);
+    for (uint64_t i = 0; i < r; i++)
+        for (uint64_t j = 0; j < c; j++) {
+            const size_t at = trans == CUBLAS_OP_N ? i + j * (size_t)l.ld : j + i * (size_t)l.ld;
+            double v = load(p, l.type, at);
+            if (round_tf32) v = tf32((float)v);
+            out[i * c + j] = v;
+        }
+    return out;
+}
+
+cublasStatus_t check_shapes(const lt_desc &d, const lt_layout &a, const lt_layout &b, const lt_layout &c,
+                             const lt_layout &dd, uint64_t *M, uint64_t *N, uint64_t *K) {
+    const uint64_t am = d.transa == CUBLAS_OP_N ? a.rows : a.cols, ak = d.transa == CUBLAS_OP_N ? a.cols : a.rows;
+    const uint64_t bk = d.transb == CUBLAS_OP_N ? b.rows : b.cols, bn = d.transb == CUBLAS_OP_N ? b.cols : b.rows;
+    if (ak != bk || c.rows != am || c.cols != bn || dd.rows != am || dd.cols != bn) {
+        std::fprintf(stderr, "cuda_emu: cuBLASLt shapes disagree: op(A) %llux%llu, op(B) %llux%llu, C %llux%llu\n",
+                     (unsigned long long)am, (unsigned long long)ak, (unsigned long long)bk, (unsigned long long)bn,
+                     (unsigned long long)c.rows, (unsigned long long)c.cols);
+        return CUBLAS_STATUS_INVALID_VALUE;
+    }
+    if (a.type != b.type || c.type != dd.type || !type_size(a.type) || !type_size(c.type) ||
+        (a.type == CUDA_R_32F && c.type != CUDA_R_32F) || d.scale != CUDA_R_32F ||
+        (d.compute != CUBLAS_COMPUTE_32F && d.compute != CUBLAS_COMPUTE_32F_FAST_TF32) ||
+        (d.compute == CUBLAS_COMPUTE_32F_FAST_TF32 && a.type != CUDA_R_32F))
+        return CUBLAS_STATUS_NOT_SUPPORTED;
+    if (d.epilogue != CUBLASLT_EPILOGUE_DEFAULT && d.epilogue != CUBLASLT_EPILOGUE_BIAS &&
+        d.epilogue != CUBLASLT_EPILOGUE_RELU_BIAS && d.epilogue != CUBLASLT_EPILOGUE_RELU)
+        return CUBLAS_STATUS_NOT_SUPPORTED;
+    if (d.bias_type != -1 && d.bias_type != (int32_t)dd.type) return CUBLAS_STATUS_NOT_SUPPORTED;
+    *M = am, *N = bn, *K = ak;
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+} /* namespace */
+
+extern "C" {
+
+const char *cublasLtGetStatusName(cublasStatus_t s) {
+    switch (s) {
+    case CUBLAS_STATUS_SUCCESS: return "CUBLAS_STATUS_SUCCESS";
+    case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
+    case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
+    case CUBLAS_STATUS_EXECUTION_FAILED: return "CUBLAS_STATUS_EXECUTION_FAILED";
+    default: return "CUBLAS_STATUS_INTERNAL_ERROR";
+    }
+}
+const char *cublasLtGetStatusString(cublasStatus_t s) {
+    switch (s) {
+    case CUBLAS_STATUS_SUCCESS: return "success";
+    case CUBLAS_STATUS_INVALID_VALUE: return "an invalid value was used as an argument";
+    case CUBLAS_STATUS_NOT_SUPPORTED: return "the requested functionality is not supported";
+    case CUBLAS_STATUS_EXECUTION_FAILED: return "the GPU program failed to execute";
+    default: return "an internal operation failed";
+    }
+}
+
+cublasStatus_t cublasLtCreate(cublasLtHandle_t *h) {
+    *h = (cublasLtHandle_t) new int(1);
+    return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtDestroy(cublasLtHandle_t h) {
+    delete (int *)h;
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t *d, cublasComputeType_t compute, cudaDataType_t scale) {
+    lt_desc *x = new lt_desc;
+    x->compute = compute;
+    x->scale = scale;
+    *d = (cublasLtMatmulDesc_t)x;
+    return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t d) {
+    delete D(d);
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr,
+                                              const void *buf, size_t n) {
+    lt_desc *x = D(d);
+    void *field = nullptr;
+    size_t size = 0;
+    switch (attr) {
+    case CUBLASLT_MATMUL_DESC_TRANSA: field = &x->transa, size = sizeof x->transa; break;
+    case CUBLASLT_MATMUL_DESC_TRANSB: field = &x->transb, size = sizeof x->transb; break;
+    case CUBLASLT_MATMUL_DESC_EPILOGUE: field = &x->epilogue, size = sizeof x->epilogue; break;
+    case CUBLASLT_MATMUL_DESC_BIAS_POINTER: field = &x->bias, size = sizeof x->bias; break;
+    case CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE: field = &x->bias_type, size = sizeof x->bias_type; break;
+    default: return CUBLAS_STATUS_NOT_SUPPORTED;
+    }
+    if (n != size || !buf) return CUBLAS_STATUS_INVALID_VALUE;
+    memcpy(field, buf, n);
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t *l, cudaDataType type, uint64_t rows, uint64_t cols,
+                                          int64_t ld) {
+    *l = nullptr;
+    if (!type_size(type) || ld < (int64_t)std::max<uint64_t>(rows, 1)) return CUBLAS_STATUS_INVALID_VALUE;
+    *l = (cublasLtMatrixLayout_t) new lt_layout{type, rows, cols, ld};
+    return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t l) {
+    delete L(l);
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t *p) {
+    *p = (cublasLtMatmulPreference_t) new lt_pref;
+    return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t p) {
+    delete P(p);
+    return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p,
+                                                    cublasLtMatmulPreferenceAttributes_t attr, const void *buf,
+                                                    size_t n) {
+    lt_pref *x = P(p);
+    switch (attr) {
+    case CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES:
+        if (n != sizeof x->max_ws) return CUBLAS_STATUS_INVALID_VALUE;
+        memcpy(&x->max_ws, buf, n);
+        return CUBLAS_STATUS_SUCCESS;
+    case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES:
+    case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES:
+    case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES:
+    case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES: {
+        if (n != sizeof(uint32_t)) return CUBLAS_STATUS_INVALID_VALUE;
+        const int i = attr == CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES   ? 0
+                      : attr == CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES ? 1
+                      : attr == CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES ? 2
+                                                                           : 3;
+        memcpy(&x->align[i], buf, n);
+        return CUBLAS_STATUS_SUCCESS;
+    }
+    default: return CUBLAS_STATUS_NOT_SUPPORTED;
+    }
+}
+
+cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t a,
+                                              cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c,
+                                              cublasLtMatrixLayout_t d, cublasLtMatmulPreference_t pref, int requested,
+                                              cublasLtMatmulHeuristicResult_t *results, int *found) {
+    *found = 0;
+    if (requested < 1) return CUBLAS_STATUS_INVALID_VALUE;
+    uint64_t M, N, K;
+    cublasStatus_t s = check_shapes(*D(op), *L(a), *L(b), *L(c), *L(d), &M, &N, &K);
+    if (s != CUBLAS_STATUS_SUCCESS) return s;
+    const bool bias = D(op)->epilogue & CUBLASLT_EPILOGUE_BIAS;
+    if (bias && !D(op)->bias) return CUBLAS_STATUS_INVALID_VALUE;
+    /* an algorithm may use vector accesses up to 16 bytes where the alignments allow them */
+    lt_algo al{ALGO_MAGIC, {}};
+    for (int i = 0; i < 4; i++) al.align[i] = std::min<uint32_t>(P(pref)->align[i], 16);
+    al.align[4] = bias ? std::min(alignment(D(op)->bias), 16u) : 1;
+    memset(&results[0], 0, sizeof results[0]);
+    memcpy(results[0].algo.data, &al, sizeof al);
+    results[0].workspaceSize = 0;
+    results[0].state = CUBLAS_STATUS_SUCCESS;
+    results[0].wavesCount = 1.0f;
+    *found = 1;
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t op, const void *alpha, const void *A,
+                              cublasLtMatrixLayout_t a, const void *B, cublasLtMatrixLayout_t b, const void *beta,
+                              const void *C, cublasLtMatrixLayout_t c, void *Dp, cublasLtMatrixLayout_t d,
+                              const cublasLtMatmulAlgo_t *algo, void *ws, size_t ws_bytes, cudaStream_t stream) {
+    std::lock_guard<std::recursive_mutex> g(gpu);
+    const lt_desc desc = *D(op);
+    const lt_layout la = *L(a), lb = *L(b), lc = *L(c), ld = *L(d);
+    uint64_t M, N, K;
+    cublasStatus_t s = check_shapes(desc, la, lb, lc, ld, &M, &N, &K);
+    if (s != CUBLAS_STATUS_SUCCESS) return s;
+    lt_algo al;
+    memcpy(&al, algo->data, sizeof al);
+    if (al.magic != ALGO_MAGIC) return CUBLAS_STATUS_INVALID_VALUE;
+    const bool has_bias = desc.epilogue & CUBLASLT_EPILOGUE_BIAS;
+    const void *ptrs[5] = {A, B, C, Dp, has_bias ? desc.bias : nullptr};
+    const char *names[5] = {"A", "B", "C", "D", "bias"};
+    for (int i = 0; i < 5; i++) {
+        if (i == 4 && !has_bias) continue;
+        if (!ptrs[i] || alignment(ptrs[i]) < al.align[i]) {
+            std::fprintf(stderr, "cuda_emu: cublasLtMatmul's %s (%p) is aligned to less than its algorithm assumes (%u)\n",
+                         names[i], ptrs[i], al.align[i]);
+            return CUBLAS_STATUS_INVALID_VALUE;
+        }
+    }
+    /* every element of the matrices and the bias is device memory */
+    auto extent = [](const lt_layout &l) {
+        return l.cols ? ((l.cols - 1) * (size_t)l.ld + l.rows) * type_size(l.type) : 0;
+    };
+    const float al_v = *(const float *)alpha, be_v = *(const float *)beta;
+    const bool reads_c = be_v != 0.0f;
+    if (!device_range(A, extent(la)) || !device_range(B, extent(lb)) || (reads_c && !device_range(C, extent(lc))) ||
+        !device_range(Dp, extent(ld)) || (has_bias && !device_range(desc.bias, M * type_size(ld.type)))) {
+        std::fprintf(stderr, "cuda_emu: cublasLtMatmul on memory that is not the device's\n");
+        return CUBLAS_STATUS_INVALID_VALUE;
+    }
+    if (C != Dp && reads_c) return CUBLAS_STATUS_NOT_SUPPORTED; /* not used: C is D */
+    (void)ws, (void)ws_bytes;
+    const bool round_tf32 = desc.compute == CUBLAS_COMPUTE_32F_FAST_TF32;
+    submit(stream, [=] {
+        std::vector<double> x = gather_op(A, la, desc.transa, M, K, round_tf32);
+        std::vector<double> y = gather_op(B, lb, desc.transb, K, N, round_tf32);
+        std::vector<double> acc(M * N); /* row-major [M, N] */
+        scipy_cblas_dgemm(101 /* row major */, 111, 111, (int)M, (int)N, (int)K, 1.0, x.data(), (int)K, y.data(),
+                          (int)N, 0.0, acc.data(), (int)N);
+        for (uint64_t i = 0; i < M; i++)
+            for (uint64_t j = 0; j < N; j++) {
+                const size_t at = i + j * (size_t)ld.ld;
+                /* float arithmetic from the fp32 accumulator, as the epilogue does */
+                float v = (float)al_v * (float)acc[i * N + j];
+                if (reads_c) v += be_v * (float)load(C, lc.type, at);
+                if (has_bias) v += (float)load(desc.bias, ld.type, i);
+                if (desc.epilogue & CUBLASLT_EPILOGUE_RELU) v = std::fmax(v, 0.0f);
+                store(Dp, ld.type, at, v);
+            }
+    }, "cublasLtMatmul");
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+} /* extern "C" */
