@@ -27,8 +27,9 @@ Every timing is the best of REPEATS interleaved runs. 2,407,424 GEMM FLOP per sa
 Run from the repository root with the in-place CUDA build:
     PYTHONPATH=python python3 bench/bench_gpu.py [--quick]
 Without PyTorch it prints cmlp's numbers and says so; without a GPU it says so and exits 0.
-`--device cpu` runs both sides on the CPU with small batches, memory unmeasured: a smoke test of
-this script, whose numbers mean nothing.
+`--smoke` runs small batches (a smoke test of this script, whose numbers mean nothing); with
+`--device cpu` both sides run on the CPU, memory unmeasured. tests/test_cuda_emulated.py runs the
+smoke test on the emulated CUDA backend.
 """
 import argparse
 import gc
@@ -45,7 +46,7 @@ PRECISIONS = (None, "fp16")  # amp: None is fp32
 # batch (32, 8192, 65536): (steps per epoch S, timed epochs E, PyTorch timed steps)
 PLAN = {32: (2000, 3, 1500), 8192: (16, 4, 48), 65536: (6, 4, 18)}
 QUICK = {32: (400, 2, 300), 8192: (6, 2, 12), 65536: (3, 2, 6)}
-CPU_SMOKE = {32: (20, 2, 20), 256: (4, 2, 4), 1024: (2, 2, 2)}  # --device cpu: a smoke test
+SMOKE = {32: (6, 1, 6), 256: (3, 1, 3), 1024: (2, 1, 2)}  # --smoke (implied by --device cpu)
 STEP_CALLS = {32: 300, 8192: 12, 65536: 4}  # Trainer.step calls timed
 MEMORY_STEPS = 3
 TARGETS = ("batch 32 >= 10x PyTorch steps/s; batch 65536 fp16 step >= 50% of cuBLAS throughput on its GEMMs; "
@@ -71,8 +72,9 @@ def precision_name(amp):
 # ---------------------------------------------------------------- cmlp
 
 class CmlpBench:
-    def __init__(self, device):
+    def __init__(self, device, step_calls):
         self.device = device
+        self.step_calls = step_calls
         self.sync = (lambda: cmlp.cuda.synchronize(device)) if device != "cpu" else (lambda: None)
 
     def trainer(self, batch, amp):
@@ -91,7 +93,7 @@ class CmlpBench:
         end = time.perf_counter()
         steps = epochs * (x.shape[0] // batch)
         loop = sum(h["seconds"] for h in history) + (end - returned)
-        calls = STEP_CALLS.get(batch, 3)
+        calls = self.step_calls.get(batch, 3)
         rows = x.shape[0] // batch
         trainer.step(x[:batch], y[:batch])
         self.sync()
@@ -288,8 +290,10 @@ def main():
     parser.add_argument("--quick", action="store_true", help="fewer steps and one repeat (about a third of the time)")
     parser.add_argument("--device", default="cuda",
                         help="cuda (default); cpu: small batches on the CPU, a smoke test of this script")
+    parser.add_argument("--smoke", action="store_true", help="small batches: a smoke test of this script")
     args = parser.parse_args()
     device = args.device
+    smoke = args.smoke or device == "cpu"
     started = time.perf_counter()
 
     if device != "cpu" and not cmlp.cuda.is_available():
@@ -300,8 +304,8 @@ def main():
     have_torch = torch is not None and (device == "cpu" or torch.cuda.is_available())
     if torch is not None and not have_torch:
         log("bench_gpu: torch sees no GPU: PyTorch and cuBLAS columns are empty")
-    plan = CPU_SMOKE if device == "cpu" else (QUICK if args.quick else PLAN)
-    repeats = 1 if args.quick or device == "cpu" else 2
+    plan = SMOKE if smoke else (QUICK if args.quick else PLAN)
+    repeats = 1 if args.quick or smoke else 2
 
     rows_needed = max(s * b for b, (s, _, _) in plan.items())
     rng = np.random.default_rng(0)
@@ -309,7 +313,7 @@ def main():
     y = rng.integers(0, SIZES[-1], rows_needed).astype(np.int32)
     log(f"bench_gpu: {rows_needed:,} synthetic samples ({x.nbytes / 2**20:,.0f} MiB uint8)")
 
-    ours = CmlpBench(device)
+    ours = CmlpBench(device, {} if smoke else STEP_CALLS)
     theirs = TorchBench("cpu" if device == "cpu" else "cuda") if have_torch else None
     xt = yt = None
     if theirs is not None:
@@ -349,7 +353,7 @@ def main():
     if theirs is not None and (big, "fp16") in results:
         try:
             cublas = cublas_ms(big, torch.float16 if device != "cpu" else torch.float32, theirs.dev,
-                               reps=3 if device == "cpu" else 10 if args.quick else 30)
+                               reps=3 if smoke else 10 if args.quick else 30)
             log(f"cuBLAS alone, batch {big} fp16: {cublas:.4f} ms for the 8 GEMMs of a step")
         except Exception as e:  # noqa: BLE001
             failures.append(f"cuBLAS alone: {type(e).__name__}: {e}")

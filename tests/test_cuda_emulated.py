@@ -28,20 +28,54 @@ def _cuda_include():
     return os.path.join(home, "include", "cuda_runtime.h")
 
 
-@pytest.mark.skipif(not os.path.exists(_cuda_include()), reason="the CUDA toolkit's headers are not installed")
-@pytest.mark.skipif(cmlp.cuda.is_available(), reason="a GPU is here: tests/test_cuda.py runs for real")
-def test_the_gpu_tests_pass_on_the_emulated_cuda_backend():
+needs_emulator = [
+    pytest.mark.skipif(not os.path.exists(_cuda_include()), reason="the CUDA toolkit's headers are not installed"),
+    pytest.mark.skipif(cmlp.cuda.is_available(), reason="a GPU is here: the real backend runs instead"),
+]
+
+
+def _emulated_env():
     build = subprocess.run(["make", "-s", "emu-cuda", f"PYTHON={sys.executable}"], cwd=ROOT, capture_output=True,
                            text=True, timeout=900)
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
     env = dict(os.environ, CMLP_CUDA_LIBRARY=LIBRARY, OPENBLAS_NUM_THREADS="1")
     env.pop("CMLP_TEST_CUDA_DEVICE", None)
+    return env
+
+
+@needs_emulator[0]
+@needs_emulator[1]
+def test_the_gpu_tests_pass_on_the_emulated_cuda_backend():
+    env = _emulated_env()
     r = subprocess.run([sys.executable, "-X", "faulthandler", "-m", "pytest", "-q", "-p", "no:cacheprovider",
                         os.path.join(HERE, "test_cuda.py")], env=env, capture_output=True, text=True, timeout=1800)
     tail = r.stdout[-4000:] + r.stderr[-3000:]
     assert r.returncode == 0, tail
     summary = r.stdout.strip().splitlines()[-1]
     assert " failed" not in summary and " error" not in summary, tail
-    # the backend really ran: all but the tests that need no GPU or a graph switch the API lacks
+    # the backend really ran: every test but the one about having no GPU
     passed = int(summary.split(" passed")[0].split()[-1])
-    assert passed >= 160, tail
+    assert passed >= 165, tail
+
+
+@needs_emulator[0]
+@needs_emulator[1]
+def test_the_gpu_benchmark_runs_on_the_emulated_cuda_backend():
+    """bench/bench_gpu.py --smoke: small batches, every cmlp path of the benchmark on "cuda" (the
+    PyTorch columns stay empty: torch sees no GPU)."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_gpu.py"), "--smoke"], env=_emulated_env(),
+                       capture_output=True, text=True, timeout=900)
+    tail = r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.returncode == 0, tail
+    assert "device: cuda" in r.stdout and "| 1024 | fp16 |" in r.stdout, tail
+    assert "FAILED" not in r.stdout + r.stderr, tail
+
+
+def test_the_gpu_benchmark_runs_on_the_cpu():
+    """bench/bench_gpu.py --device cpu: the same script with both sides on the CPU."""
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_gpu.py"), "--device", "cpu"], env=env,
+                       capture_output=True, text=True, timeout=900)
+    tail = r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.returncode == 0, tail
+    assert "device: cpu" in r.stdout and "| 1024 | fp16 |" in r.stdout and "FAILED" not in r.stdout, tail
