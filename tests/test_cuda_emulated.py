@@ -7,9 +7,10 @@ copies and waits (work runs only when the host waits for it, so a missing wait r
 results), graph capture and replay (kernels keep the arguments of their capture), the allocator
 on cudaMalloc and on expandable segments (unmapped pages fault), device out-of-memory, cuBLASLt
 layouts, epilogues and alignments, and every kernel launch (a host pointer as a kernel argument
-fails). The emulator computes GEMMs in float64 and rounds once, so GPU-vs-CPU comparisons are
-made at a real distance, not bit for bit. Skipped only where the CUDA toolkit's headers are
-missing."""
+fails), on poisoned memory (new device memory reads as NaN until written) with the blocks of a
+kernel run last first. The emulator computes GEMMs in float64 and rounds once, so GPU-vs-CPU
+comparisons are made at a real distance, not bit for bit. Skipped only where the CUDA toolkit's
+headers are missing."""
 import os
 import subprocess
 import sys
@@ -38,7 +39,8 @@ def _emulated_env():
     build = subprocess.run(["make", "-s", "emu-cuda", f"PYTHON={sys.executable}"], cwd=ROOT, capture_output=True,
                            text=True, timeout=900)
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
-    env = dict(os.environ, CMLP_CUDA_LIBRARY=LIBRARY, OPENBLAS_NUM_THREADS="1")
+    # blocks run last first (test_kernels runs both orders): a race between blocks gives other bits
+    env = dict(os.environ, CMLP_CUDA_LIBRARY=LIBRARY, OPENBLAS_NUM_THREADS="1", CMLP_EMU_BLOCK_ORDER="reverse")
     env.pop("CMLP_TEST_CUDA_DEVICE", None)
     return env
 
@@ -79,3 +81,42 @@ def test_the_gpu_benchmark_runs_on_the_cpu():
     tail = r.stdout[-3000:] + r.stderr[-3000:]
     assert r.returncode == 0, tail
     assert "device: cpu" in r.stdout and "| 1024 | fp16 |" in r.stdout and "FAILED" not in r.stdout, tail
+
+
+_TRACE_SCRIPT = r"""
+import sys
+import numpy as np
+import cmlp
+rng = np.random.default_rng(0)
+x = rng.integers(0, 256, (64 * 3, 784), dtype=np.uint8)
+y = rng.integers(0, 10, 64 * 3)
+for amp in (None, "fp16", "bf16"):
+    model = cmlp.MLP([784, 512, 256, 10], device="cuda", seed=0)
+    cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=64, amp=amp).fit(x, y, epochs=2, progress=False)
+    print(f"fit done: {amp}", file=sys.stderr, flush=True)
+"""
+
+
+@needs_emulator[0]
+@needs_emulator[1]
+def test_a_captured_training_step_launches_what_bench_readme_lists():
+    """The launch count of the reference model's step, as fit captures it once and replays it
+    (bench/README.md lists the launches): fp32 15, fp16 19, bf16 17 (no loss scaler), with no
+    copy or memset inside a step."""
+    env = dict(_emulated_env(), CMLP_EMU_TRACE_GRAPHS="1")
+    r = subprocess.run([sys.executable, "-c", _TRACE_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    graphs, per_fit = {}, []
+    for line in r.stderr.splitlines():
+        if line.startswith("cuda_emu: graph of "):
+            per_fit.append(line.split(": ", 2)[2].split())
+        elif line.startswith("fit done: "):
+            graphs[line.split(": ")[1]] = per_fit
+            per_fit = []
+    assert set(graphs) == {"None", "fp16", "bf16"}, r.stderr[-3000:]
+    for amp, expected in (("None", 15), ("fp16", 19), ("bf16", 17)):
+        assert len(graphs[amp]) == 1, f"{amp}: {len(graphs[amp])} graphs captured in one fit of two epochs"
+        names = graphs[amp][0]
+        assert len(names) == expected, f"{amp}: {len(names)} launches: {names}"
+        assert names.count("cublasLtMatmul") == 8, names
+        assert not [n for n in names if n.startswith("memcpy") or n == "memset"], names

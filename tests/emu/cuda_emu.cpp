@@ -243,21 +243,28 @@ void run_grid(dim3 grid, dim3 block, const std::function<void()> &body, const ch
     R.published.assign(R.nthreads, 0);
     for (unsigned t = 0; t < R.nthreads; t++)
         R.fibers[t].tid = make_uint3(t % block.x, t / block.x % block.y, t / (block.x * block.y));
-    for (unsigned z = 0; z < grid.z; z++)
-        for (unsigned y = 0; y < grid.y; y++)
-            for (unsigned x = 0; x < grid.x; x++) {
-                blockIdx = make_uint3(x, y, z);
-                if (!R.direct) {
-                    run_block(body);
-                    continue;
-                }
-                for (unsigned t = 0; t < R.nthreads; t++) {
-                    R.current = (int)t;
-                    threadIdx = R.fibers[t].tid;
-                    body();
-                }
-                R.current = -1;
-            }
+    /* CMLP_EMU_BLOCK_ORDER=reverse runs the last block first: a kernel whose result depends on
+     * the order of its blocks (a race on a GPU) gives other bits then */
+    static const bool reverse = [] {
+        const char *v = getenv("CMLP_EMU_BLOCK_ORDER");
+        return v && std::strcmp(v, "reverse") == 0;
+    }();
+    const uint64_t nblocks = (uint64_t)grid.x * grid.y * grid.z;
+    for (uint64_t i = 0; i < nblocks; i++) {
+        const uint64_t b = reverse ? nblocks - 1 - i : i;
+        blockIdx = make_uint3((unsigned)(b % grid.x), (unsigned)(b / grid.x % grid.y),
+                              (unsigned)(b / ((uint64_t)grid.x * grid.y)));
+        if (!R.direct) {
+            run_block(body);
+            continue;
+        }
+        for (unsigned t = 0; t < R.nthreads; t++) {
+            R.current = (int)t;
+            threadIdx = R.fibers[t].tid;
+            body();
+        }
+        R.current = -1;
+    }
     if (known == sync_free.end()) sync_free[name] = !R.waited;
 }
 

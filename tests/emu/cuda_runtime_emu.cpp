@@ -17,10 +17,12 @@
  *    device memory whose shapes, leading dimensions and alignments agree with its layouts and
  *    with the alignment its algorithm was chosen for.
  *  - Device memory is finite (CMLP_EMU_MEMORY bytes per device, default 4 GiB): cudaMalloc and
- *    cuMemCreate fail with out-of-memory beyond it. Expandable segments are real mappings:
+ *    cuMemCreate fail with out-of-memory beyond it. New memory is poisoned (every byte 0xFF: NaN
+ *    as a float, -1 as an integer), so a read before the first write shows. Expandable segments are real mappings:
  *    reserved addresses are inaccessible until a page is mapped and access is set, and again
  *    after it is unmapped, so a use after unmapping faults.
  *  - CMLP_EMU_DEVICES (default 1) devices share the host's memory.
+ *  - CMLP_EMU_TRACE_GRAPHS=1 prints the launches of every graph instantiated, by name.
  *
  * Execution is one device: a global lock serialises the runtime and the running work. GEMMs
  * multiply in float64 (OpenBLAS dgemm) from inputs rounded as the compute type says (TF32 too)
@@ -41,6 +43,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <string>
 #include <vector>
 
 extern "C" void scipy_cblas_dgemm(int order, int ta, int tb, int m, int n, int k, double alpha, const double *a,
@@ -265,6 +268,7 @@ cudaError_t cudaMalloc(void **p, size_t n) {
     if (sz > capacity() - std::min(capacity(), used[current_device])) return fail(cudaErrorMemoryAllocation);
     void *m = mmap(nullptr, sz, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (m == MAP_FAILED) return fail(cudaErrorMemoryAllocation);
+    memset(m, 0xFF, sz); /* poison: a read before the first write gives NaN (and -1 as an integer) */
     regions[(uintptr_t)m] = region{sz, current_device, 0};
     used[current_device] += sz;
     *p = m;
@@ -462,6 +466,11 @@ cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t *out) {
 
 cudaError_t cudaGraphInstantiateWithFlags(cudaGraphExec_t *exec, cudaGraph_t graph, unsigned long long) {
     if (refused_while_capturing("cudaGraphInstantiate")) return fail(cudaErrorStreamCaptureUnsupported);
+    if (getenv("CMLP_EMU_TRACE_GRAPHS")) { /* what a graph launches, for tests of the launch count */
+        std::string names;
+        for (const op &o : graph->g.ops) names += std::string(" ") + o.name;
+        std::fprintf(stderr, "cuda_emu: graph of %zu launches:%s\n", graph->g.ops.size(), names.c_str());
+    }
     *exec = new CUgraphExec_st{graph->g};
     return cudaSuccess;
 }
@@ -502,6 +511,7 @@ struct phys {
     int device;
     int maps = 0;
     bool released = false;
+    bool poisoned = false;
 };
 std::map<CUmemGenericAllocationHandle, phys> handles;
 CUmemGenericAllocationHandle next_handle = 1;
@@ -560,6 +570,12 @@ CUresult CUDAAPI mem_map(CUdeviceptr ptr, size_t size, size_t offset, CUmemGener
         return CUDA_ERROR_INVALID_VALUE;
     void *m = mmap((void *)ptr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, it->second.fd, 0);
     if (m == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (!it->second.poisoned) { /* as cudaMalloc's memory, on its first mapping */
+        mprotect(m, size, PROT_READ | PROT_WRITE);
+        memset(m, 0xFF, size);
+        mprotect(m, size, PROT_NONE);
+        it->second.poisoned = true;
+    }
     it->second.maps++;
     mappings[ptr] = {h, size};
     return CUDA_SUCCESS;
