@@ -125,8 +125,11 @@ CMLP_HIDDEN cmlp_status cmlp_workspace_reserve(cmlp_model *m, int64_t rows);
 /* The pieces of a workspace for `rows` samples (fp32, or amp): fills sz[] (at most
  * CMLP_MAX_LAYERS + 12 entries), returns their count, and the bytes that are activations. */
 CMLP_HIDDEN int cmlp_ws_layout(const int *sizes, int L, int64_t rows, size_t *sz, size_t *act_bytes);
-CMLP_HIDDEN int cmlp_amp_layout(const int *sizes, int L, int64_t rows, int recompute, size_t *sz,
+CMLP_HIDDEN int cmlp_amp_layout(const int *sizes, int L, int64_t rows, int recompute, int native, size_t *sz,
                                 size_t *act_bytes);
+/* Does backend b multiply half-precision operands itself and write the logits' gradient in half
+ * precision (CUDA)? Then amp needs no fp32 copies of weights or of blocks of rows. */
+CMLP_HIDDEN int cmlp_amp_native(const cmlp_backend_i *b);
 /* Forward of rows [0, n) already in ws.act[0] (or in `input` when not NULL). */
 CMLP_HIDDEN cmlp_status cmlp_model_forward_rows(cmlp_model *m, const float *input, int64_t n);
 /* Rows idx[0..n) (or [start, start+n)) of xy's inputs or labels into device memory dst, from

@@ -45,10 +45,15 @@ static cmlp_status ensure_half_params(cmlp_model *m, cmlp_dtype dt) {
     return cmlp_model_refresh_half(m);
 }
 
+int cmlp_amp_native(const cmlp_backend_i *b) { return b->gemm_half && b->softmax_xent_half; }
+
 /* Activations [rows, sizes[l]] for l < L in half precision, logits and their gradient in fp32,
  * two half gradient buffers of the widest layer, labels; then the fp32 scratch for one block
- * of rows (three [chunk, widest]) and one layer's weights and bias. */
-int cmlp_amp_layout(const int *sizes, int L, int64_t rows, int recompute, size_t *sz, size_t *act_bytes) {
+ * of rows (three [chunk, widest]) and one layer's weights and bias. On a native backend the
+ * logits' gradient, two of the scratch blocks and the layer's weights are not needed (size 0),
+ * the scratch block stages host rows of the input ([chunk, sizes[0]]) and the bias is the last
+ * layer's. */
+int cmlp_amp_layout(const int *sizes, int L, int64_t rows, int recompute, int native, size_t *sz, size_t *act_bytes) {
     int C = sizes[L];
     /* gradients flow between layers 1..L only; the scratch also holds layer 0's input */
     int64_t maxg = 1, maxw = sizes[0], maxwt = 1, chunk = rows < AMP_CHUNK ? rows : AMP_CHUNK;
@@ -64,20 +69,24 @@ int cmlp_amp_layout(const int *sizes, int L, int64_t rows, int recompute, size_t
     for (int l = 0; l < (recompute ? 1 : L); l++)
         *act_bytes += sz[nv++] = align64((size_t)rows * sizes[l] * sizeof(uint16_t));
     *act_bytes += sz[nv++] = align64((size_t)rows * C * sizeof(float));
-    sz[nv++] = align64((size_t)rows * C * sizeof(float));
+    sz[nv++] = native ? 0 : align64((size_t)rows * C * sizeof(float));
     /* the gradients between layers (two buffers), plus one to recompute through */
     for (int i = 0; i < (recompute ? 3 : 2); i++) sz[nv++] = align64((size_t)rows * maxg * sizeof(uint16_t));
     sz[nv++] = align64((size_t)rows * sizeof(int32_t));
-    for (int i = 0; i < 3; i++) sz[nv++] = align64((size_t)chunk * maxw * sizeof(float));
-    sz[nv++] = align64((size_t)maxwt * sizeof(float));
-    sz[nv++] = align64((size_t)maxw * sizeof(float));
+    for (int i = 0; i < 3; i++)
+        sz[nv++] = !native ? align64((size_t)chunk * maxw * sizeof(float))
+                   : i == 0 ? align64((size_t)chunk * sizes[0] * sizeof(float))
+                            : 0;
+    sz[nv++] = native ? 0 : align64((size_t)maxwt * sizeof(float));
+    sz[nv++] = align64((size_t)(native ? C : maxw) * sizeof(float));
     return nv;
 }
 
 static cmlp_status reserve(cmlp_model *m, int64_t rows, int recompute) {
     if (rows <= m->wsa.rows && recompute == m->wsa.recompute) return CMLP_OK;
     size_t sz[CMLP_MAX_LAYERS + 12], total = 0, act;
-    int nv = cmlp_amp_layout(m->sizes, m->nlayers, rows, recompute, sz, &act);
+    int native = cmlp_amp_native(B(m));
+    int nv = cmlp_amp_layout(m->sizes, m->nlayers, rows, recompute, native, sz, &act);
     int64_t chunk = rows < AMP_CHUNK ? rows : AMP_CHUNK;
     int L = m->nlayers;
     for (int i = 0; i < nv; i++) total += sz[i];
@@ -92,11 +101,11 @@ static cmlp_status reserve(cmlp_model *m, int64_t rows, int recompute) {
     int v = 0;
     for (int l = 0; l < (recompute ? 1 : L); l++, p += sz[v++]) w->act[l] = (uint16_t *)p;
     w->logits = (float *)p, p += sz[v++];
-    w->dlogits = (float *)p, p += sz[v++];
+    w->dlogits = sz[v] ? (float *)p : NULL, p += sz[v++];
     for (int i = 0; i < (recompute ? 3 : 2); i++) w->dact[i] = (uint16_t *)p, p += sz[v++];
     w->labels = (int32_t *)p, p += sz[v++];
-    for (int i = 0; i < 3; i++) w->scratch[i] = (float *)p, p += sz[v++];
-    w->w32 = (float *)p, p += sz[v++];
+    for (int i = 0; i < 3; i++) w->scratch[i] = sz[v] ? (float *)p : NULL, p += sz[v++];
+    w->w32 = sz[v] ? (float *)p : NULL, p += sz[v++];
     w->b32 = (float *)p;
     return CMLP_OK;
 }

@@ -64,7 +64,7 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
     int64_t nparams = 0;
     for (int l = 0; l < L; l++) nparams += (int64_t)sizes[l] * sizes[l + 1] + sizes[l + 1];
     size_t sz[CMLP_MAX_LAYERS + 12], act = 0, ws = 0;
-    int nv = amp         ? cmlp_amp_layout(sizes, L, batch, recompute, sz, &act)
+    int nv = amp         ? cmlp_amp_layout(sizes, L, batch, recompute, cmlp_amp_native(dev->backend), sz, &act)
              : recompute ? cmlp_rc_layout(sizes, L, batch, sz, &act)
                          : cmlp_ws_layout(sizes, L, batch, sz, &act);
     for (int i = 0; i < nv; i++) ws += sz[i];
