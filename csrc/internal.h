@@ -125,6 +125,10 @@ CMLP_HIDDEN cmlp_status cmlp_workspace_reserve(cmlp_model *m, int64_t rows);
 /* The pieces of a workspace for `rows` samples (fp32, or amp): fills sz[] (at most
  * CMLP_MAX_LAYERS + 12 entries), returns their count, and the bytes that are activations. */
 CMLP_HIDDEN int cmlp_ws_layout(const int *sizes, int L, int64_t rows, size_t *sz, size_t *act_bytes);
+/* The widths of the two buffers the gradient flows back through: widths[0] holds the logits'
+ * gradient and every second layer's input gradient below it (sizes[L], sizes[L-2], ...),
+ * widths[1] the others (sizes[L-1], sizes[L-3], ...), down to layer 1's input. */
+CMLP_HIDDEN void cmlp_grad_widths(const int *sizes, int L, int64_t widths[2]);
 CMLP_HIDDEN int cmlp_amp_layout(const int *sizes, int L, int64_t rows, int recompute, int native, size_t *sz,
                                 size_t *act_bytes);
 /* Does backend b multiply half-precision operands itself and write the logits' gradient in half

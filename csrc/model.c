@@ -104,14 +104,21 @@ static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
 /* Workspace for `rows` samples: inputs and every layer's output (kept for backward: the
  * activations), two gradient buffers of the widest layer and labels (the workspace proper).
  * One allocation; grows, never shrinks. The planner sizes it with the same function. */
+void cmlp_grad_widths(const int *sizes, int L, int64_t widths[2]) {
+    widths[0] = widths[1] = 1;
+    for (int l = L; l >= 1; l--) {
+        int i = (L - l) & 1;
+        if (sizes[l] > widths[i]) widths[i] = sizes[l];
+    }
+}
+
 int cmlp_ws_layout(const int *sizes, int L, int64_t rows, size_t *sz, size_t *act_bytes) {
-    int maxw = 1, nv = 0;
-    for (int l = 1; l <= L; l++)
-        if (sizes[l] > maxw) maxw = sizes[l];
+    int nv = 0;
+    int64_t g[2];
+    cmlp_grad_widths(sizes, L, g);
     *act_bytes = 0;
     for (int l = 0; l <= L; l++) *act_bytes += sz[nv++] = align64((size_t)rows * sizes[l] * sizeof(float));
-    sz[nv++] = align64((size_t)rows * maxw * sizeof(float));
-    sz[nv++] = align64((size_t)rows * maxw * sizeof(float));
+    for (int i = 0; i < 2; i++) sz[nv++] = align64((size_t)(rows * g[i]) * sizeof(float));
     sz[nv++] = align64((size_t)rows * sizeof(int32_t));
     return nv;
 }

@@ -48,7 +48,7 @@ static cmlp_status ensure_half_params(cmlp_model *m, cmlp_dtype dt) {
 int cmlp_amp_native(const cmlp_backend_i *b) { return b->gemm_half && b->softmax_xent_half; }
 
 /* Activations [rows, sizes[l]] for l < L in half precision, logits and their gradient in fp32,
- * two half gradient buffers of the widest layer, labels; then the fp32 scratch for one block
+ * two half gradient buffers (cmlp_grad_widths), labels; then the fp32 scratch for one block
  * of rows (three [chunk, widest]) and one layer's weights and bias. On a native backend the
  * logits' gradient, two of the scratch blocks and the layer's weights are not needed (size 0),
  * the scratch block stages host rows of the input ([chunk, sizes[0]]) and the bias is the last
@@ -70,8 +70,12 @@ int cmlp_amp_layout(const int *sizes, int L, int64_t rows, int recompute, int na
         *act_bytes += sz[nv++] = align64((size_t)rows * sizes[l] * sizeof(uint16_t));
     *act_bytes += sz[nv++] = align64((size_t)rows * C * sizeof(float));
     sz[nv++] = native ? 0 : align64((size_t)rows * C * sizeof(float));
-    /* the gradients between layers (two buffers), plus one to recompute through */
-    for (int i = 0; i < (recompute ? 3 : 2); i++) sz[nv++] = align64((size_t)rows * maxg * sizeof(uint16_t));
+    /* the gradients between layers (two buffers, in turn), plus one to recompute through (then
+     * each of the three may hold any layer's activations or gradient) */
+    int64_t g[2];
+    cmlp_grad_widths(sizes, L, g);
+    for (int i = 0; i < (recompute ? 3 : 2); i++)
+        sz[nv++] = align64((size_t)(rows * (recompute ? maxg : g[i])) * sizeof(uint16_t));
     sz[nv++] = align64((size_t)rows * sizeof(int32_t));
     for (int i = 0; i < 3; i++)
         sz[nv++] = !native ? align64((size_t)chunk * maxw * sizeof(float))
