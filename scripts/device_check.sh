@@ -9,6 +9,11 @@
 #   bash scripts/fetch_device_wheels.sh      # with network, once: the BLAS wheel into .whl/ (git-ignored)
 #   bash scripts/device_check.sh             # on the GPU machine, from the repository root, with .whl/
 #
+# Without a GPU, the same script runs over the emulated CUDA backend (tests/test_cuda_emulated.py),
+# which checks the script itself (about 3 minutes on 2 cores):
+#   make emu-cuda && CMLP_CUDA_LIBRARY=$PWD/build/emu/_cmlp_cuda_emu.so BENCH_FLAGS=--smoke \
+#       SMOKE_LIMIT=600 TEST_LIMIT=900 bash scripts/device_check.sh
+#
 # Wheels in .whl/ (scipy-openblas32, which the build links, and setuptools if the machine lacks
 # it) are installed offline into /tmp/site. Everything is also written to $OUT/device_check.log
 # when $OUT is set. Limits (seconds) can be changed with BUILD_LIMIT, SMOKE_LIMIT, TEST_LIMIT, BENCH_LIMIT;
@@ -109,6 +114,7 @@ main() {
     export PYTHONPATH="$PWD/python:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
     export PYTHONUNBUFFERED=1
     unset CMLP_ALLOW_TF32 CMLP_CUDA_SYNC CMLP_ALLOC_CONF PYTORCH_CUDA_ALLOC_CONF
+    [ -z "${CMLP_CUDA_LIBRARY:-}" ] || echo "CUDA backend: $CMLP_CUDA_LIBRARY (CMLP_CUDA_LIBRARY)"
 
     run_phase wheels "$SMALL_LIMIT" bash -c install_wheels
     run_phase build "$BUILD_LIMIT" env CMLP_CUDA=1 CMLP_CUDA_ARCH=90 "$PY" setup.py build_ext --inplace
