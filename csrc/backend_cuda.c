@@ -158,6 +158,7 @@ typedef struct {
  * the device (refused with an error), and memory given back is given back after the capture. */
 typedef struct {
     int kind; /* 0: raw_free, 1: vm_unmap, 2: vm_release */
+    void *ctx; /* the device it belongs to (any device: CUDA's rule is per thread) */
     void *ptr;
     size_t nbytes;
 } deferred_op;
@@ -168,18 +169,20 @@ static __thread deferred_op *deferred;
 static __thread int ndeferred, cap_deferred;
 
 static bool capturing(const cuda_ctx *c) { return cap_ctx == c; }
+/* While a thread captures, what would allocate, free or wait breaks its capture on any device. */
+static bool thread_capturing(void) { return cap_ctx != NULL; }
 static cudaStream_t stream_of(const cuda_ctx *c) { return cap_ctx == c ? cap_stream : c->stream; }
 
 #define REFUSE_WHILE_CAPTURING(c, what)                                                                       \
     do {                                                                                                       \
-        if (capturing(c))                                                                                      \
+        if (thread_capturing())                                                                                \
             return FAIL(CMLP_ERR_DEVICE, "%s on cuda:%d while a training step is being captured as a graph",  \
                         (what), (c)->index);                                                                   \
     } while (0)
 
 /* Memory given back during a capture: kept until the capture ends. With no host memory left to
  * note it, it is kept for good (a leak, but freeing it now would break the capture). */
-static void defer(int kind, void *ptr, size_t nbytes) {
+static void defer(int kind, void *ctx, void *ptr, size_t nbytes) {
     if (ndeferred == cap_deferred) {
         int cap = cap_deferred ? 2 * cap_deferred : 16;
         deferred_op *d = realloc(deferred, (size_t)cap * sizeof *d);
@@ -187,7 +190,7 @@ static void defer(int kind, void *ptr, size_t nbytes) {
         deferred = d;
         cap_deferred = cap;
     }
-    deferred[ndeferred++] = (deferred_op){kind, ptr, nbytes};
+    deferred[ndeferred++] = (deferred_op){kind, ctx, ptr, nbytes};
 }
 
 static cmlp_status use(cuda_ctx *c) {
@@ -206,7 +209,7 @@ static cmlp_status use(cuda_ctx *c) {
 /* After enqueuing work: the launch error, or with CMLP_CUDA_SYNC=1 the execution error too. */
 static cmlp_status done(cuda_ctx *c, cudaError_t launch, const char *what) {
     if (launch != cudaSuccess) return cuda_fail(launch, what, __FILE__, __LINE__);
-    if (c->sync_each && !capturing(c)) {
+    if (c->sync_each && !thread_capturing()) {
         cudaError_t e = cudaStreamSynchronize(c->stream);
         if (e != cudaSuccess) return cuda_fail(e, what, __FILE__, __LINE__);
     }
@@ -296,8 +299,8 @@ static cmlp_status cu_raw_alloc(void *ctx, size_t nbytes, void **out) {
 
 static void cu_raw_free(void *ctx, void *ptr, size_t nbytes) {
     cuda_ctx *c = ctx;
-    if (capturing(c)) {
-        defer(0, ptr, nbytes);
+    if (thread_capturing()) {
+        defer(0, c, ptr, nbytes);
         return;
     }
     if (use(c) == CMLP_OK && cudaFree(ptr) != cudaSuccess) (void)cudaGetLastError();
@@ -355,8 +358,8 @@ static cmlp_status cu_vm_map(void *ctx, void *ptr, size_t nbytes) {
 
 static void cu_vm_unmap(void *ctx, void *ptr, size_t nbytes) {
     cuda_ctx *c = ctx;
-    if (capturing(c)) {
-        defer(1, ptr, nbytes);
+    if (thread_capturing()) {
+        defer(1, c, ptr, nbytes);
         return;
     }
     if (use(c) != CMLP_OK) return;
@@ -367,8 +370,8 @@ static void cu_vm_unmap(void *ctx, void *ptr, size_t nbytes) {
 
 static void cu_vm_release(void *ctx, void *ptr, size_t nbytes) {
     cuda_ctx *c = ctx;
-    if (capturing(c)) {
-        defer(2, ptr, nbytes);
+    if (thread_capturing()) {
+        defer(2, c, ptr, nbytes);
         return;
     }
     if (use(c) == CMLP_OK) (void)vmm.free_range((CUdeviceptr)(uintptr_t)ptr, nbytes);
@@ -381,13 +384,12 @@ static cmlp_status cu_copy_h2d(void *ctx, void *d_dst, const void *h_src, size_t
     if (!nbytes) return CMLP_OK;
     REFUSE_WHILE_CAPTURING(c, "copying host memory");
     CMLP_TRY_USE(c);
-    /* from pageable memory the call returns once the source has been staged; from pinned
-     * memory the copy runs later, so wait for it: the caller may reuse the source at once */
+    /* the caller may reuse the source at once: wait for the copy (from pinned memory it runs
+     * later; from pageable memory CUDA stages it before returning in practice, but only says it
+     * "might be synchronous"). Callers copy once per call or epoch, never per step. */
     CU_TRY(cudaMemcpyAsync(d_dst, h_src, nbytes, cudaMemcpyHostToDevice, stream_of(c)));
-    struct cudaPointerAttributes at;
-    if (cudaPointerGetAttributes(&at, h_src) != cudaSuccess) (void)cudaGetLastError();
-    else if (at.type == cudaMemoryTypeHost) CU_TRY(cudaStreamSynchronize(c->stream));
-    return done(c, cudaSuccess, "copy to the device");
+    CU_TRY(cudaStreamSynchronize(c->stream));
+    return CMLP_OK;
 }
 
 static cmlp_status cu_copy_d2h(void *ctx, void *h_dst, const void *d_src, size_t nbytes) {
@@ -836,9 +838,9 @@ static cmlp_status cu_capture_end(void *ctx, void **graph) {
     /* what was given back meanwhile, now that the device may be waited for */
     for (int i = 0; i < ndeferred; i++) {
         deferred_op d = deferred[i];
-        if (d.kind == 0) cu_raw_free(c, d.ptr, d.nbytes);
-        else if (d.kind == 1) cu_vm_unmap(c, d.ptr, d.nbytes);
-        else cu_vm_release(c, d.ptr, d.nbytes);
+        if (d.kind == 0) cu_raw_free(d.ctx, d.ptr, d.nbytes);
+        else if (d.kind == 1) cu_vm_unmap(d.ctx, d.ptr, d.nbytes);
+        else cu_vm_release(d.ctx, d.ptr, d.nbytes);
     }
     ndeferred = 0;
     if (e != cudaSuccess) {

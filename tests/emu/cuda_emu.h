@@ -60,8 +60,9 @@ bool launch_ok(dim3 grid, dim3 block, size_t shmem, unsigned bound, const char *
 
 /* Where a launch goes once validated. Unset (the kernel tests): it runs at once. The emulated
  * runtime (cuda_runtime_emu.cpp) sets it to queue the launch on its stream, or record it into
- * the graph being captured there; `run` owns the kernel's arguments. */
-using submit_fn = void (*)(cudaStream_t stream, std::function<void()> run, const char *name);
+ * the graph being captured there (an error once that capture is broken); `run` owns the
+ * kernel's arguments. */
+using submit_fn = cudaError_t (*)(cudaStream_t stream, std::function<void()> run, const char *name);
 extern submit_fn submit_hook;
 /* Set by the emulated runtime: false (and the launch fails) for a pointer argument that is
  * neither null nor device memory, which on a GPU is an illegal address. */
@@ -107,8 +108,8 @@ struct launcher {
                 std::apply(kernel, mine);
             }, n);
         };
-        if (submit_hook) submit_hook(stream, std::move(run), name);
-        else run();
+        if (!submit_hook) run();
+        else if (cudaError_t e = submit_hook(stream, std::move(run), name)) set_last_error(e);
     }
 };
 

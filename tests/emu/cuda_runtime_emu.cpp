@@ -166,17 +166,19 @@ bool refused_while_capturing(const char *what) {
     return true;
 }
 
-void submit(cudaStream_t stream, std::function<void()> run, const char *name) {
+cudaError_t submit(cudaStream_t stream, std::function<void()> run, const char *name) {
     std::lock_guard<std::recursive_mutex> g(gpu);
     CUstream_st *s = resolve(stream);
     op o{std::make_shared<std::function<void()>>(std::move(run)), name, 0};
     if (s->capturing) {
+        if (s->cap.invalid) return cudaErrorStreamCaptureInvalidated; /* work after a breaking call */
         s->cap.graph->ops.push_back(std::move(o));
-        return;
+        return cudaSuccess;
     }
     o.id = s->next_id++;
     s->queue.push_back(std::move(o));
     if (s->queue.size() > 4096) flush(s); /* a real queue is bounded too */
+    return cudaSuccess;
 }
 
 bool kernel_pointer_ok(const void *p, const char *kernel, int index) {
@@ -375,7 +377,7 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t stream) {
     std::lock_guard<std::recursive_mutex> g(gpu);
     CUstream_st *s = resolve(stream);
     if (s->capturing) return fail(cudaErrorStreamCaptureUnsupported); /* not used inside a graph here */
-    submit(s, [] {}, "event");
+    if (cudaError_t err = submit(s, [] {}, "event")) return fail(err);
     e->stream = s;
     e->id = s->next_id - 1;
     return cudaSuccess;
@@ -403,7 +405,9 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind
             }
             /* the source is taken now (staged), the copy is in stream order */
             auto staged = std::make_shared<std::vector<char>>((const char *)src, (const char *)src + n);
-            submit(s, [dst, staged] { memcpy(dst, staged->data(), staged->size()); }, "memcpy HtoD (staged)");
+            if (cudaError_t e = submit(s, [dst, staged] { memcpy(dst, staged->data(), staged->size()); },
+                                       "memcpy HtoD (staged)"))
+                return fail(e);
             return cudaSuccess;
         }
     } else if (kind == cudaMemcpyDeviceToHost) {
@@ -423,7 +427,7 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind
     } else {
         return fail(cudaErrorInvalidValue);
     }
-    submit(s, [dst, src, n] { memmove(dst, src, n); }, "memcpy");
+    if (cudaError_t e = submit(s, [dst, src, n] { memmove(dst, src, n); }, "memcpy")) return fail(e);
     return cudaSuccess;
 }
 
@@ -431,7 +435,7 @@ cudaError_t cudaMemsetAsync(void *dst, int v, size_t n, cudaStream_t stream) {
     std::lock_guard<std::recursive_mutex> g(gpu);
     if (n == 0) return cudaSuccess;
     if (!device_range(dst, n)) return fail(cudaErrorInvalidValue);
-    submit(resolve(stream), [dst, v, n] { memset(dst, v, n); }, "memset");
+    if (cudaError_t e = submit(resolve(stream), [dst, v, n] { memset(dst, v, n); }, "memset")) return fail(e);
     return cudaSuccess;
 }
 
@@ -494,7 +498,7 @@ cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream) {
     if (s->capturing) return fail(cudaErrorStreamCaptureUnsupported);
     for (const op &o : exec->g.ops) {
         auto run = o.run;
-        submit(s, [run] { (*run)(); }, o.name);
+        (void)submit(s, [run] { (*run)(); }, o.name); /* s is not capturing: cannot fail */
     }
     return cudaSuccess;
 }
@@ -692,7 +696,9 @@ struct lt_pref {
 struct lt_algo {
     uint32_t magic;
     uint32_t align[5]; /* A, B, C, D, bias: the alignment the algorithm may assume */
+    uint64_t workspace; /* the bytes of workspace it needs (and overwrites) */
 };
+static_assert(sizeof(lt_algo) <= sizeof(cublasLtMatmulAlgo_t), "the algorithm's notes fit its data");
 constexpr uint32_t ALGO_MAGIC = 0xC3A1E0u;
 
 lt_desc *D(cublasLtMatmulDesc_t d) { return (lt_desc *)d; }
@@ -800,7 +806,8 @@ cublasStatus_t check_shapes(const lt_desc &d, const lt_layout &a, const lt_layou
         return CUBLAS_STATUS_INVALID_VALUE;
     }
     if (a.type != b.type || c.type != dd.type || !type_size(a.type) || !type_size(c.type) ||
-        (a.type == CUDA_R_32F && c.type != CUDA_R_32F) || d.scale != CUDA_R_32F ||
+        (a.type == CUDA_R_32F && c.type != CUDA_R_32F) || (c.type != CUDA_R_32F && c.type != a.type) ||
+        d.scale != CUDA_R_32F ||
         (d.compute != CUBLAS_COMPUTE_32F && d.compute != CUBLAS_COMPUTE_32F_FAST_TF32) ||
         (d.compute == CUBLAS_COMPUTE_32F_FAST_TF32 && a.type != CUDA_R_32F))
         return CUBLAS_STATUS_NOT_SUPPORTED;
@@ -931,12 +938,15 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDe
     const bool bias = D(op)->epilogue & CUBLASLT_EPILOGUE_BIAS;
     if (bias && !D(op)->bias) return CUBLAS_STATUS_INVALID_VALUE;
     /* an algorithm may use vector accesses up to 16 bytes where the alignments allow them */
-    lt_algo al{ALGO_MAGIC, {}};
+    lt_algo al{ALGO_MAGIC, {}, 0};
     for (int i = 0; i < 4; i++) al.align[i] = std::min<uint32_t>(P(pref)->align[i], 16);
     al.align[4] = bias ? std::min(alignment(D(op)->bias), 16u) : 1;
+    /* a split-K algorithm keeps partial sums in the workspace: take up to 1 MiB of what is
+     * allowed, and overwrite it on every call, so that anything else kept there is lost */
+    al.workspace = std::min<uint64_t>(P(pref)->max_ws, (uint64_t)1 << 20);
     memset(&results[0], 0, sizeof results[0]);
     memcpy(results[0].algo.data, &al, sizeof al);
-    results[0].workspaceSize = 0;
+    results[0].workspaceSize = al.workspace;
     results[0].state = CUBLAS_STATUS_SUCCESS;
     results[0].wavesCount = 1.0f;
     *found = 1;
@@ -979,9 +989,15 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t op, const v
         return CUBLAS_STATUS_INVALID_VALUE;
     }
     if (C != Dp && reads_c) return CUBLAS_STATUS_NOT_SUPPORTED; /* not used: C is D */
-    (void)ws, (void)ws_bytes;
+    const size_t ws_need = al.workspace;
+    if (ws_need && (ws_bytes < ws_need || !device_range(ws, ws_need))) {
+        std::fprintf(stderr, "cuda_emu: cublasLtMatmul's workspace (%p, %zu bytes) is not %zu bytes of device memory\n",
+                     ws, ws_bytes, (size_t)ws_need);
+        return CUBLAS_STATUS_INVALID_VALUE;
+    }
     const bool round_tf32 = desc.compute == CUBLAS_COMPUTE_32F_FAST_TF32;
-    submit(stream, [=] {
+    cudaError_t queued = submit(stream, [=] {
+        if (ws_need) memset(ws, 0xA5, ws_need);
         std::vector<double> x = gather_op(A, la, desc.transa, M, K, round_tf32);
         std::vector<double> y = gather_op(B, lb, desc.transb, K, N, round_tf32);
         std::vector<double> acc(M * N); /* row-major [M, N] */
@@ -998,6 +1014,10 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t op, const v
                 store(Dp, ld.type, at, v);
             }
     }, "cublasLtMatmul");
+    if (queued != cudaSuccess) {
+        cmlp_emu::set_last_error(queued);
+        return CUBLAS_STATUS_EXECUTION_FAILED;
+    }
     return CUBLAS_STATUS_SUCCESS;
 }
 
