@@ -908,3 +908,44 @@ def test_planned_peak_matches_the_measured_peak_on_the_gpu():
     assert len(runs) == len(PLAN_GRID)
     bad = [run for run in runs if abs(run["measured"] - run["planned"]) > 0.02 * run["measured"]]
     assert not bad, bad
+
+
+# Trainer.step on a host batch: nothing but the model's own requests, so the plan is exact.
+_STEP_PLAN_RUN = r'''
+import gc, json, os, sys
+import numpy as np
+import cmlp
+M = cmlp.memory
+DEV = os.environ.get("CMLP_TEST_CUDA_DEVICE", "cuda")
+for layers, batch, amp in json.loads(sys.argv[1]):
+    rng = np.random.default_rng(batch)
+    x = rng.integers(0, 256, (batch, layers[0]), dtype=np.uint8)
+    y = rng.integers(0, layers[-1], batch)
+    gc.collect()
+    M.empty_cache(DEV)
+    base = M.memory_allocated(DEV)
+    M.reset_peak_memory_stats(DEV)
+    model = cmlp.MLP(layers, device=DEV, seed=0)
+    trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=batch, amp=amp)
+    for _ in range(3):
+        trainer.step(x, y)
+    print(json.dumps({"cfg": [layers, batch, amp], "measured": M.max_memory_allocated(DEV) - base,
+                      "planned": M.plan(layers, batch, "adam", amp, device=DEV).peak_bytes}), flush=True)
+    del model, trainer
+'''
+
+
+@needs_gpu
+def test_planned_peak_is_the_peak_of_training_steps_to_the_byte_on_the_gpu():
+    grid = [([784, 512, 256, 10], b, a) for b in (1, 32, 1024) for a in (None, "fp16", "bf16")]
+    grid.append(([7, 33, 1, 4], 31, "fp16"))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_PYTHON + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.pop("CMLP_ALLOC_CONF", None)
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    r = subprocess.run([sys.executable, "-c", _STEP_PLAN_RUN, json.dumps(grid)], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    runs = [json.loads(line) for line in r.stdout.splitlines()]
+    assert len(runs) == len(grid)
+    assert all(run["measured"] == run["planned"] for run in runs), runs
