@@ -10,7 +10,7 @@ WARN := -Wall -Wextra -Wundef -Werror -Wno-missing-field-initializers
 DEFS := -DCMLP_BLAS_SCIPY=1 -DCMLP_WITH_CUDA=0 -D_GNU_SOURCE=1
 SAN := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 
-.PHONY: all build test test-c test-py bench clean emu-cuda
+.PHONY: all build test test-c test-py bench clean emu-cuda asan-emu
 .PRECIOUS: build/emu/%.cpp
 
 all: build
@@ -53,31 +53,45 @@ build/tests/test_kernels: tests/c/test_kernels.c tests/c/check.h $(CORE_SRC) $(C
 
 # The whole CUDA backend (csrc/backend_cuda.c, the kernels) over an emulated CUDA runtime and
 # cuBLASLt (tests/emu/cuda_runtime_emu.cpp): cmlp loads it through CMLP_CUDA_LIBRARY, and the GPU
-# tests run against it on the CPU (tests/test_cuda_emulated.py).
-EMU_SO := build/emu/_cmlp_cuda_emu.so
-EMU_SO_OBJ := $(patsubst kernels/%.cu,build/emu/so/%.o,$(wildcard kernels/*.cu)) \
-    build/emu/so/cuda_emu.o build/emu/so/cuda_runtime_emu.o build/emu/so/backend_cuda.o
-EMU_SO_CXX := $(CXX) -std=c++17 -g -O2 -fPIC -fvisibility=hidden $(WARN) -Wno-unknown-pragmas -DCMLP_EMU \
+# tests run against it on the CPU (tests/test_cuda_emulated.py). EMU_DIR, EMU_SO and EMU_OPT make
+# the sanitized variant (asan-emu).
+EMU_DIR ?= build/emu/so
+EMU_SO ?= build/emu/_cmlp_cuda_emu.so
+EMU_OPT ?= -O2
+EMU_SO_OBJ := $(patsubst kernels/%.cu,$(EMU_DIR)/%.o,$(wildcard kernels/*.cu)) \
+    $(EMU_DIR)/cuda_emu.o $(EMU_DIR)/cuda_runtime_emu.o $(EMU_DIR)/backend_cuda.o
+EMU_SO_CXX := $(CXX) -std=c++17 -g $(EMU_OPT) -fPIC -fvisibility=hidden $(WARN) -Wno-unknown-pragmas -DCMLP_EMU \
     -isystem $(CUDA_INC)
 
-build/emu/so/%.o: build/emu/%.cpp build/emu/common.cuh kernels/kernels.h tests/emu/cuda_emu.h
-	@mkdir -p build/emu/so
+$(EMU_DIR)/%.o: build/emu/%.cpp build/emu/common.cuh kernels/kernels.h tests/emu/cuda_emu.h
+	@mkdir -p $(EMU_DIR)
 	$(EMU_SO_CXX) -include tests/emu/cuda_emu.h -Ikernels -c $< -o $@
 
-build/emu/so/cuda_emu.o build/emu/so/cuda_runtime_emu.o: build/emu/so/%.o: tests/emu/%.cpp tests/emu/cuda_emu.h
-	@mkdir -p build/emu/so
+$(EMU_DIR)/cuda_emu.o $(EMU_DIR)/cuda_runtime_emu.o: $(EMU_DIR)/%.o: tests/emu/%.cpp tests/emu/cuda_emu.h
+	@mkdir -p $(EMU_DIR)
 	$(EMU_SO_CXX) -c $< -o $@
 
-build/emu/so/backend_cuda.o: csrc/backend_cuda.c csrc/backend.h csrc/cmlp.h kernels/kernels.h
-	@mkdir -p build/emu/so
-	$(CC) -std=c11 -g -O2 -fPIC -fvisibility=hidden $(WARN) -D_GNU_SOURCE=1 -Icsrc -Ikernels -isystem $(CUDA_INC) \
-	    -c $< -o $@
+$(EMU_DIR)/backend_cuda.o: csrc/backend_cuda.c csrc/backend.h csrc/cmlp.h kernels/kernels.h
+	@mkdir -p $(EMU_DIR)
+	$(CC) -std=c11 -g $(EMU_OPT) -fPIC -fvisibility=hidden $(WARN) -D_GNU_SOURCE=1 -Icsrc -Ikernels \
+	    -isystem $(CUDA_INC) -c $< -o $@
 
 $(EMU_SO): $(EMU_SO_OBJ)
 	@test -n "$(BLAS_LIB)" || { echo "scipy-openblas32 is not installed for $(PYTHON): run scripts/setup.sh"; exit 1; }
-	$(CXX) -shared -o $@ $(EMU_SO_OBJ) -L$(BLAS_LIB) -lscipy_openblas -Wl,-rpath,$(BLAS_LIB) -lpthread
+	$(CXX) -shared $(EMU_OPT) -o $@ $(EMU_SO_OBJ) -L$(BLAS_LIB) -lscipy_openblas -Wl,-rpath,$(BLAS_LIB) -lpthread
 
 emu-cuda: $(EMU_SO)
+
+# The emulated backend and cmlp's extension (into build/asan/lib, beside a copy of the package)
+# under AddressSanitizer and UndefinedBehaviorSanitizer, for a run of the GPU tests with the
+# sanitizers' runtimes preloaded into Python (tests/test_cuda_emulated.py).
+ASAN_LIB := build/asan/lib
+asan-emu:
+	$(MAKE) emu-cuda EMU_DIR=build/asan/emu EMU_SO=build/asan/_cmlp_cuda_emu.so EMU_OPT="-O1 $(SAN)"
+	@mkdir -p $(ASAN_LIB)/cmlp
+	cp python/cmlp/*.py python/cmlp/py.typed $(ASAN_LIB)/cmlp/
+	CMLP_CUDA=1 CMLP_CUDA_ARCH=90 CFLAGS="$(SAN)" LDFLAGS="$(SAN)" $(PYTHON) setup.py -q build_ext \
+	    --build-lib $(ASAN_LIB) --build-temp build/asan/tmp
 
 $(filter-out build/tests/test_kernels,$(C_TESTS)): build/tests/%: tests/c/%.c tests/c/check.h $(CORE_SRC) $(CORE_HDR)
 	@test -n "$(BLAS_INC)" || { echo "scipy-openblas32 is not installed for $(PYTHON): run scripts/setup.sh"; exit 1; }

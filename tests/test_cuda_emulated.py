@@ -47,8 +47,13 @@ def _emulated_env():
 
 @needs_emulator[0]
 @needs_emulator[1]
-def test_the_gpu_tests_pass_on_the_emulated_cuda_backend():
+@pytest.mark.parametrize("alloc_conf", ["", "expandable_segments:True"])
+def test_the_gpu_tests_pass_on_the_emulated_cuda_backend(alloc_conf):
+    """Once with the allocator's defaults, once with every segment expandable (the driver's
+    virtual memory API behind every allocation)."""
     env = _emulated_env()
+    env.pop("CMLP_ALLOC_CONF", None)
+    env["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
     r = subprocess.run([sys.executable, "-X", "faulthandler", "-m", "pytest", "-q", "-p", "no:cacheprovider",
                         os.path.join(HERE, "test_cuda.py")], env=env, capture_output=True, text=True, timeout=1800)
     tail = r.stdout[-4000:] + r.stderr[-3000:]
@@ -58,6 +63,45 @@ def test_the_gpu_tests_pass_on_the_emulated_cuda_backend():
     # the backend really ran: every test but the one about having no GPU
     passed = int(summary.split(" passed")[0].split()[-1])
     assert passed >= 165, tail
+
+
+def _sanitizer_runtime(name):
+    r = subprocess.run([os.environ.get("CC", "cc"), f"-print-file-name={name}"], capture_output=True, text=True)
+    path = r.stdout.strip()
+    return path if r.returncode == 0 and os.path.isabs(path) and os.path.exists(path) else None
+
+
+@needs_emulator[0]
+@needs_emulator[1]
+def test_the_gpu_tests_pass_under_address_and_undefined_behaviour_sanitizers():
+    """The same tests with cmlp's extension (the core: model, trainer, allocator, planner), the
+    CUDA backend and the emulator built with -fsanitize=address,undefined (`make asan-emu`), the
+    sanitizers' runtimes preloaded into Python: an access outside a buffer or undefined behaviour
+    on the GPU paths of the core or in backend_cuda.c ends the run with a report."""
+    runtimes = [_sanitizer_runtime("libasan.so"), _sanitizer_runtime("libubsan.so")]
+    assert all(runtimes), f"the compiler's sanitizer runtimes are missing: {runtimes}"
+    build = subprocess.run(["make", "-s", "asan-emu", f"PYTHON={sys.executable}"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=1200)
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    env = _emulated_env()
+    env.update(CMLP_CUDA_LIBRARY=os.path.join(ROOT, "build", "asan", "_cmlp_cuda_emu.so"),
+               PYTHONPATH=os.path.join(ROOT, "build", "asan", "lib"), LD_PRELOAD=" ".join(runtimes),
+               ASAN_OPTIONS="detect_leaks=0:abort_on_error=1", UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1",
+               CMLP_EMU_BLOCK_ORDER="forward")
+    probe = subprocess.run([sys.executable, "-c", "import cmlp; print(cmlp.__file__, cmlp.cuda.is_available(), "
+                            "'libasan' in open('/proc/self/maps').read())"],
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert probe.returncode == 0 and "build/asan/lib" in probe.stdout and "True True" in probe.stdout, probe
+    # --capture=sys: a sanitizer's report (written to file descriptor 2 as the process ends)
+    # reaches stderr here instead of pytest's capture
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--capture=sys",
+                        os.path.join(HERE, "test_cuda.py")], env=env, capture_output=True, text=True, timeout=2400)
+    found = [line for line in r.stderr.splitlines() if "runtime error" in line or "ERROR: AddressSanitizer" in line]
+    tail = "\n".join(found[:10]) + "\n" + r.stdout[-4000:] + "\n" + r.stderr[-4000:]
+    assert r.returncode == 0 and not found, tail
+    summary = r.stdout.strip().splitlines()[-1]
+    assert " failed" not in summary and " error" not in summary, tail
+    assert int(summary.split(" passed")[0].split()[-1]) >= 165, tail
 
 
 @needs_emulator[0]
