@@ -101,9 +101,6 @@ void cmlp_model_free(cmlp_model *m) {
 
 static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
 
-/* Workspace for `rows` samples: inputs and every layer's output (kept for backward: the
- * activations), two gradient buffers of the widest layer and labels (the workspace proper).
- * One allocation; grows, never shrinks. The planner sizes it with the same function. */
 void cmlp_grad_widths(const int *sizes, int L, int64_t widths[2]) {
     widths[0] = widths[1] = 1;
     for (int l = L; l >= 1; l--) {
@@ -112,6 +109,9 @@ void cmlp_grad_widths(const int *sizes, int L, int64_t widths[2]) {
     }
 }
 
+/* Workspace for `rows` samples: inputs and every layer's output (kept for backward: the
+ * activations), the two gradient buffers (cmlp_grad_widths) and labels (the workspace proper).
+ * One allocation; grows, never shrinks. The planner sizes it with the same function. */
 int cmlp_ws_layout(const int *sizes, int L, int64_t rows, size_t *sz, size_t *act_bytes) {
     int nv = 0;
     int64_t g[2];

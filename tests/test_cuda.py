@@ -895,17 +895,23 @@ for layers, batch, amp in json.loads(sys.argv[1]):
 PLAN_GRID = [([784, 512, 256, 10], b, a) for b in (1, 32, 4096) for a in (None, "fp16", "bf16")]
 
 
-@needs_gpu
-def test_planned_peak_matches_the_measured_peak_on_the_gpu():
+def _plan_runs(script, grid):
+    """Runs a planned-peak script over grid in a fresh interpreter (the allocator's defaults)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO_PYTHON + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.pop("CMLP_ALLOC_CONF", None)
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-    r = subprocess.run([sys.executable, "-c", _PLAN_RUN, json.dumps(PLAN_GRID)], capture_output=True, text=True,
-                       env=env, timeout=300)
+    r = subprocess.run([sys.executable, "-c", script, json.dumps(grid)], capture_output=True, text=True, env=env,
+                       timeout=300)
     assert r.returncode == 0, r.stderr
     runs = [json.loads(line) for line in r.stdout.splitlines()]
-    assert len(runs) == len(PLAN_GRID)
+    assert len(runs) == len(grid)
+    return runs
+
+
+@needs_gpu
+def test_planned_peak_matches_the_measured_peak_on_the_gpu():
+    runs = _plan_runs(_PLAN_RUN, PLAN_GRID)
     bad = [run for run in runs if abs(run["measured"] - run["planned"]) > 0.02 * run["measured"]]
     assert not bad, bad
 
@@ -939,13 +945,5 @@ for layers, batch, amp in json.loads(sys.argv[1]):
 def test_planned_peak_is_the_peak_of_training_steps_to_the_byte_on_the_gpu():
     grid = [([784, 512, 256, 10], b, a) for b in (1, 32, 1024) for a in (None, "fp16", "bf16")]
     grid.append(([7, 33, 1, 4], 31, "fp16"))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = REPO_PYTHON + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.pop("CMLP_ALLOC_CONF", None)
-    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-    r = subprocess.run([sys.executable, "-c", _STEP_PLAN_RUN, json.dumps(grid)], capture_output=True, text=True,
-                       env=env, timeout=300)
-    assert r.returncode == 0, r.stderr
-    runs = [json.loads(line) for line in r.stdout.splitlines()]
-    assert len(runs) == len(grid)
+    runs = _plan_runs(_STEP_PLAN_RUN, grid)
     assert all(run["measured"] == run["planned"] for run in runs), runs
