@@ -81,11 +81,12 @@ typedef struct cmlp_backend_i {
                             int relu);
     /* dy[i] = h[i] > 0 ? dy[i] : 0 (the mask is recovered from the ReLU output). */
     cmlp_status (*relu_backward)(void *ctx, float *d_dy, const float *d_h, int64_t count);
-    /* Optional (NULL: relu_backward, then bias_grad or bias_grad_half): both in one pass over
-     * d_dy [rows, cols] stored as dtype (F32, or F16 / BF16 where the backend has gemm_half),
-     * with the same results. */
-    cmlp_status (*relu_backward_bias_grad)(void *ctx, void *d_dy, const void *d_h, cmlp_dtype dtype, float *d_db,
-                                           int64_t rows, int64_t cols, int overwrite);
+    /* relu_backward, then bias_grad or bias_grad_half, in one pass over d_dy [rows, cols] stored
+     * as dtype (F32, or F16 / BF16 where the backend has gemm_half), with the same results; the
+     * masked gradient goes to d_out, which is d_dy or d_h (then it replaces the activations it
+     * was masked by, and d_dy is only read). */
+    cmlp_status (*relu_backward_bias_grad)(void *ctx, void *d_dy, const void *d_h, void *d_out, cmlp_dtype dtype,
+                                           float *d_db, int64_t rows, int64_t cols, int overwrite);
     /* db[c] += sum_r dy[r, c]; with overwrite != 0, db[c] = 0 + that sum (the bits of zeroing db
      * first: the first micro-batch of a step writes its gradients instead of adding to them). */
     cmlp_status (*bias_grad)(void *ctx, float *d_db, const float *d_dy, int64_t rows, int64_t cols, int overwrite);

@@ -170,7 +170,8 @@ static cmlp_status cpu_gemm(void *ctx, int ta, int tb, int64_t m, int64_t n, int
 }
 
 typedef struct {
-    float *y, *mdy; /* mdy: a gradient changed in place */
+    float *y, *out; /* out: where a masked gradient goes (the gradient itself, or h) */
+    const float *mdy; /* the gradient to mask */
     const float *bias, *h, *dy;
     int64_t rows, cols;
     int relu, overwrite;
@@ -215,7 +216,8 @@ static cmlp_status cpu_relu_backward(void *ctx, float *dy, const float *h, int64
 
 /* Columns [lo, hi) of db, each summed over the rows in order: the same sums on any number of
  * threads. With h (the ReLU's output), each row goes through the ReLU's backward first and is
- * written back: the bits of relu_backward followed by bias_grad, in one pass. */
+ * written to out: the bits of relu_backward followed by bias_grad, in one pass. out may be the
+ * gradient or h (each element is read before it is written, by the same thread). */
 static void bias_grad_cols(void *a, int64_t lo, int64_t hi) {
     const rows_args *r = a;
     float *restrict db = r->y;
@@ -227,11 +229,11 @@ static void bias_grad_cols(void *a, int64_t lo, int64_t hi) {
             for (int64_t c = lo; c < hi; c++) db[c] += row[c];
             continue;
         }
-        float *restrict row = r->mdy + i * r->cols;
-        const float *restrict h = r->h + i * r->cols;
+        const float *row = r->mdy + i * r->cols, *h = r->h + i * r->cols;
+        float *out = r->out + i * r->cols;
         for (int64_t c = lo; c < hi; c++) {
             float v = h[c] > 0.0f ? row[c] : 0.0f;
-            row[c] = v;
+            out[c] = v;
             db[c] += v;
         }
     }
@@ -248,12 +250,13 @@ static cmlp_status cpu_bias_grad(void *ctx, float *db, const float *dy, int64_t 
     return CMLP_OK;
 }
 
-static cmlp_status cpu_relu_backward_bias_grad(void *ctx, void *dy, const void *h, cmlp_dtype dtype, float *db,
-                                               int64_t rows, int64_t cols, int overwrite) {
+static cmlp_status cpu_relu_backward_bias_grad(void *ctx, void *dy, const void *h, void *out, cmlp_dtype dtype,
+                                               float *db, int64_t rows, int64_t cols, int overwrite) {
     (void)ctx;
     if (dtype != CMLP_DTYPE_F32)
         return CMLP_FAIL(CMLP_ERR_INVALID, "the CPU backend keeps no gradients in half precision");
-    rows_args a = {.y = db, .mdy = dy, .h = h, .rows = rows, .cols = cols, .overwrite = overwrite};
+    if (out != dy && out != h) return CMLP_FAIL(CMLP_ERR_INVALID, "the masked gradient goes to dy or h");
+    rows_args a = {.y = db, .out = out, .mdy = dy, .h = h, .rows = rows, .cols = cols, .overwrite = overwrite};
     bias_grad_run(&a);
     return CMLP_OK;
 }

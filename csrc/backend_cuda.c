@@ -563,12 +563,12 @@ static cmlp_status cu_gemm_half(void *ctx, int ta, int tb, int64_t m, int64_t n,
 /* Bias gradients of tall matrices put partial sums in the GEMM workspace between two launches:
  * both are queued under the lock, so that no other thread's GEMM or bias gradient comes between
  * them on the stream. kind: 0 float, 1 fp16, 2 bf16; h: mask through the ReLU first. */
-static cmlp_status bias_grad_locked(cuda_ctx *c, void *dy, const void *h, int kind, float *db, int64_t rows,
-                                    int64_t cols, int overwrite) {
+static cmlp_status bias_grad_locked(cuda_ctx *c, void *dy, const void *h, void *out, int kind, float *db,
+                                    int64_t rows, int64_t cols, int overwrite) {
     CMLP_TRY_USE(c);
     pthread_mutex_lock(&c->lock);
-    cudaError_t e = h ? cmlp_k_relu_backward_bias_grad(dy, h, kind, db, rows, cols, overwrite, c->ws, c->ws_bytes,
-                                                       stream_of(c))
+    cudaError_t e = h ? cmlp_k_relu_backward_bias_grad(dy, h, out, kind, db, rows, cols, overwrite, c->ws,
+                                                       c->ws_bytes, stream_of(c))
                     : kind == 0 ? cmlp_k_bias_grad(db, dy, rows, cols, overwrite, c->ws, c->ws_bytes, stream_of(c))
                                 : cmlp_k_bias_grad_half(db, dy, rows, cols, kind == 2, overwrite, c->ws, c->ws_bytes,
                                                         stream_of(c));
@@ -580,7 +580,7 @@ static int half_kind(cmlp_dtype dtype) { return dtype == CMLP_DTYPE_F32 ? 0 : dt
 
 static cmlp_status cu_bias_grad_half(void *ctx, float *d_db, const uint16_t *d_dy, int64_t rows, int64_t cols,
                                      cmlp_dtype dtype, int overwrite) {
-    return bias_grad_locked(ctx, (void *)d_dy, NULL, half_kind(dtype), d_db, rows, cols, overwrite);
+    return bias_grad_locked(ctx, (void *)d_dy, NULL, NULL, half_kind(dtype), d_db, rows, cols, overwrite);
 }
 
 static cmlp_status cu_relu_backward_half(void *ctx, uint16_t *d_dy, const uint16_t *d_h, int64_t count,
@@ -604,13 +604,14 @@ static cmlp_status cu_relu_backward(void *ctx, float *d_dy, const float *d_h, in
     return KERNEL(c, cmlp_k_relu_backward(d_dy, d_h, count, stream_of(c)));
 }
 
-static cmlp_status cu_relu_backward_bias_grad(void *ctx, void *d_dy, const void *d_h, cmlp_dtype dtype, float *d_db,
-                                              int64_t rows, int64_t cols, int overwrite) {
-    return bias_grad_locked(ctx, d_dy, d_h, half_kind(dtype), d_db, rows, cols, overwrite);
+static cmlp_status cu_relu_backward_bias_grad(void *ctx, void *d_dy, const void *d_h, void *d_out, cmlp_dtype dtype,
+                                              float *d_db, int64_t rows, int64_t cols, int overwrite) {
+    if (d_out != d_dy && d_out != d_h) return FAIL(CMLP_ERR_INVALID, "the masked gradient goes to d_dy or d_h");
+    return bias_grad_locked(ctx, d_dy, d_h, d_out, half_kind(dtype), d_db, rows, cols, overwrite);
 }
 
 static cmlp_status cu_bias_grad(void *ctx, float *d_db, const float *d_dy, int64_t rows, int64_t cols, int overwrite) {
-    return bias_grad_locked(ctx, (void *)d_dy, NULL, 0, d_db, rows, cols, overwrite);
+    return bias_grad_locked(ctx, (void *)d_dy, NULL, NULL, 0, d_db, rows, cols, overwrite);
 }
 
 static cmlp_status cu_softmax_xent(void *ctx, const float *d_logits, const int32_t *d_labels, int64_t rows,

@@ -364,12 +364,18 @@ CMLP_API void cmlp_trainer_release_data(cmlp_trainer *t);
 typedef struct cmlp_plan {
     int64_t parameters, gradients, optimizer_state, half_weights, activations, workspace, data;
     int64_t peak_allocated, peak_reserved;
+    /* bytes of the step's buffers that lie in the gradients (counted there, not above): when
+     * each optimizer step is one micro-batch, the first layer's weight gradient holds the
+     * step's half weights and every buffer the step is done with before it writes that
+     * gradient last, where they fit */
+    int64_t in_gradients;
 } cmlp_plan;
 
 /* optimizer_buffers: 2 for Adam, 1 for SGD with momentum, 0 for plain SGD; loss_scaling: 1 with
- * a GradScaler. */
+ * a GradScaler; solo: 1 when every optimizer step is a single micro-batch of `batch` rows (no
+ * accumulation). */
 CMLP_API cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int optimizer_buffers,
-                                       cmlp_amp amp, int recompute, int loss_scaling, cmlp_device d,
+                                       cmlp_amp amp, int recompute, int loss_scaling, int solo, cmlp_device d,
                                        cmlp_plan *out);
 
 /* ---- build ------------------------------------------------------------------------------- */

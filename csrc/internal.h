@@ -58,8 +58,10 @@ CMLP_HIDDEN cmlp_status cmlp_buffer_move(cmlp_device_ctx *from, cmlp_device_ctx 
 typedef struct cmlp_workspace {
     void *block;
     int64_t rows;
+    bool compact;                    /* the pieces cmlp_ws_layout marks lie in the first layer's
+                                      * weight gradient: for steps alone in their optimizer step */
     float *act[CMLP_MAX_LAYERS + 1]; /* act[0]: input [rows, sizes[0]]; act[i]: layer i output */
-    float *dact[2];                  /* ping-pong gradients [rows, max width] */
+    float *dact[2];                  /* ping-pong gradients (cmlp_grad_widths) */
     int32_t *labels;                 /* [rows] */
 } cmlp_workspace;
 
@@ -69,9 +71,13 @@ typedef struct cmlp_amp_workspace {
     int64_t rows, chunk;
     uint16_t *act[CMLP_MAX_LAYERS]; /* act[l]: input of layer l [rows, sizes[l]], half */
     float *logits, *dlogits;        /* [rows, classes], fp32 */
-    uint16_t *dact[3];              /* gradients between layers [rows, max width], half (the third:
-                                     * recompute only) */
+    uint16_t *dact[3];              /* gradients between layers, half (cmlp_grad_widths; the third:
+                                     * recompute only, all three [rows, max width]) */
     int recompute;
+    cmlp_dtype dt;                  /* the half format of the step in progress */
+    bool compact;                   /* as cmlp_workspace's, with the half weights of the step */
+    const uint16_t *wh;             /* the half weights a step multiplies by: the model's copy, or
+                                     * (compact) one made in the first layer's weight gradient */
     int32_t *labels;                /* [rows] */
     float *scratch[3];              /* fp32 operands of one block of rows [chunk, max width] */
     float *w32, *b32;               /* one layer's half weights and bias as fp32 */
@@ -121,16 +127,30 @@ struct cmlp_model {
     cmlp_rc_workspace wsr;
 };
 
-CMLP_HIDDEN cmlp_status cmlp_workspace_reserve(cmlp_model *m, int64_t rows);
+/* compact: the step is the only micro-batch of its optimizer step and writes the gradients, so
+ * the first layer's weight gradient is free until the step's last GEMM writes it. */
+CMLP_HIDDEN cmlp_status cmlp_workspace_reserve(cmlp_model *m, int64_t rows, bool compact);
 /* The pieces of a workspace for `rows` samples (fp32, or amp): fills sz[] (at most
- * CMLP_MAX_LAYERS + 12 entries), returns their count, and the bytes that are activations. */
-CMLP_HIDDEN int cmlp_ws_layout(const int *sizes, int L, int64_t rows, size_t *sz, size_t *act_bytes);
+ * CMLP_MAX_LAYERS + 12 entries), returns their count, the bytes that are activations, and in
+ * *inside the pieces (bits by index) that a compact step places in the first layer's weight
+ * gradient. */
+CMLP_HIDDEN int cmlp_ws_layout(const int *sizes, int L, int64_t rows, size_t *sz, size_t *act_bytes,
+                               uint64_t *inside);
+/* The bytes of the first layer's weight gradient (at the start of the gradients). */
+CMLP_HIDDEN size_t cmlp_first_grad_bytes(const int *sizes);
+/* Offsets in the first layer's weight gradient of the pieces in `inside`, one after another in
+ * index order after `first` bytes (each piece is a multiple of 64 bytes); whether they fit in
+ * `room` bytes (and the model has more than one layer: a single layer's gradient is read as its
+ * weight gradient is written). */
+CMLP_HIDDEN bool cmlp_compact_place(int L, const size_t *sz, int nv, uint64_t inside, size_t first, size_t room,
+                                    size_t *off);
 /* The widths of the two buffers the gradient flows back through: widths[0] holds the logits'
  * gradient and every second layer's input gradient below it (sizes[L], sizes[L-2], ...),
- * widths[1] the others (sizes[L-1], sizes[L-3], ...), down to layer 1's input. */
+ * widths[1] the others (sizes[L-1], sizes[L-3], ...), down to layer 1's input (which, masked
+ * by the ReLU, then replaces layer 1's input: the last weight gradient reads it from there). */
 CMLP_HIDDEN void cmlp_grad_widths(const int *sizes, int L, int64_t widths[2]);
 CMLP_HIDDEN int cmlp_amp_layout(const int *sizes, int L, int64_t rows, int recompute, int native, size_t *sz,
-                                size_t *act_bytes);
+                                size_t *act_bytes, uint64_t *inside);
 /* Does backend b multiply half-precision operands itself and write the logits' gradient in half
  * precision (CUDA)? Then amp needs no fp32 copies of weights or of blocks of rows. */
 CMLP_HIDDEN int cmlp_amp_native(const cmlp_backend_i *b);
@@ -148,7 +168,7 @@ CMLP_HIDDEN bool cmlp_data_in_place(const cmlp_model *m, const cmlp_data *xy);
 /* Stages rows idx[0..n) (or [start, start+n) when idx is NULL) of xy into the workspace and
  * returns the float input to use (a view of the caller's data when no copy is needed). */
 CMLP_HIDDEN cmlp_status cmlp_model_stage(cmlp_model *m, const cmlp_data *xy, const int64_t *idx,
-                                         int64_t start, int64_t n, const float **input,
+                                         int64_t start, int64_t n, bool compact, const float **input,
                                          const int32_t **labels);
 /* The gradient weight of a step: a host value, or a device scalar (d_weight, when not NULL). */
 typedef struct cmlp_gw {
@@ -158,6 +178,9 @@ typedef struct cmlp_gw {
      * then needs no zeroing before it (the same values; a GEMM may leave a -0 where zero-then-add
      * gives +0) */
     bool fresh;
+    /* the only micro-batch of its optimizer step (with fresh): nothing in the gradients has to
+     * outlive its forward pass, so its buffers may lie in the first layer's weight gradient */
+    bool solo;
 } cmlp_gw;
 
 /* The model's device scalars. They share the gradients' allocation (cmlp_grads_bytes: the
@@ -177,6 +200,8 @@ CMLP_HIDDEN cmlp_status cmlp_amp_fb(cmlp_model *m, const cmlp_data *xy, const in
                                     int64_t n, cmlp_gw w, float smoothing, cmlp_amp amp, int recompute,
                                     double *d_loss);
 CMLP_HIDDEN cmlp_dtype cmlp_amp_dtype(cmlp_amp amp);
+/* The bytes a compact step's half weights take at the start of the first layer's weight gradient. */
+CMLP_HIDDEN size_t cmlp_amp_half_bytes(int64_t nparams);
 CMLP_HIDDEN cmlp_status cmlp_rc_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, int64_t start, int64_t n,
                                    cmlp_gw w, float smoothing, double *d_loss);
 /* An optimizer step whose skip and step count live on the device (loss scaling): skipped

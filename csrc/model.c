@@ -109,37 +109,71 @@ void cmlp_grad_widths(const int *sizes, int L, int64_t widths[2]) {
     }
 }
 
+size_t cmlp_first_grad_bytes(const int *sizes) { return (size_t)sizes[0] * (size_t)sizes[1] * sizeof(float); }
+
+bool cmlp_compact_place(int L, const size_t *sz, int nv, uint64_t inside, size_t first, size_t room, size_t *off) {
+    size_t used = first;
+    for (int i = 0; i < nv; i++) {
+        off[i] = used;
+        if (inside >> i & 1) used += sz[i];
+    }
+    return L > 1 && used <= room;
+}
+
 /* Workspace for `rows` samples: inputs and every layer's output (kept for backward: the
  * activations), the two gradient buffers (cmlp_grad_widths) and labels (the workspace proper).
- * One allocation; grows, never shrinks. The planner sizes it with the same function. */
-int cmlp_ws_layout(const int *sizes, int L, int64_t rows, size_t *sz, size_t *act_bytes) {
+ * The pieces in *inside (bits by index) are those a step that is alone in its optimizer step
+ * may place in the first layer's weight gradient instead (cmlp_compact_place): everything but
+ * the input, layer 1's input (then its gradient) and the labels, which are still read when
+ * that gradient is written. One allocation; grows, never shrinks. The planner sizes it with
+ * the same function. */
+int cmlp_ws_layout(const int *sizes, int L, int64_t rows, size_t *sz, size_t *act_bytes, uint64_t *inside) {
     int nv = 0;
     int64_t g[2];
     cmlp_grad_widths(sizes, L, g);
     *act_bytes = 0;
-    for (int l = 0; l <= L; l++) *act_bytes += sz[nv++] = align64((size_t)rows * sizes[l] * sizeof(float));
-    for (int i = 0; i < 2; i++) sz[nv++] = align64((size_t)(rows * g[i]) * sizeof(float));
+    *inside = 0;
+    for (int l = 0; l <= L; l++) {
+        if (l >= 2) *inside |= 1ull << nv;
+        *act_bytes += sz[nv++] = align64((size_t)rows * sizes[l] * sizeof(float));
+    }
+    for (int i = 0; i < 2; i++) {
+        *inside |= 1ull << nv;
+        sz[nv++] = align64((size_t)(rows * g[i]) * sizeof(float));
+    }
     sz[nv++] = align64((size_t)rows * sizeof(int32_t));
     return nv;
 }
 
-cmlp_status cmlp_workspace_reserve(cmlp_model *m, int64_t rows) {
-    if (rows <= m->ws.rows) return CMLP_OK;
-    size_t sz[CMLP_MAX_LAYERS + 4], total = 0, act;
-    int nv = cmlp_ws_layout(m->sizes, m->nlayers, rows, sz, &act);
-    for (int i = 0; i < nv; i++) total += sz[i];
+cmlp_status cmlp_workspace_reserve(cmlp_model *m, int64_t rows, bool compact) {
+    /* a full workspace serves a step that could be compact too */
+    if (rows <= m->ws.rows && (compact || !m->ws.compact)) return CMLP_OK;
+    size_t sz[CMLP_MAX_LAYERS + 4], off[CMLP_MAX_LAYERS + 4], total = 0, act;
+    uint64_t inside;
+    int nv = cmlp_ws_layout(m->sizes, m->nlayers, rows, sz, &act, &inside);
+    if (!compact || !cmlp_compact_place(m->nlayers, sz, nv, inside, 0, cmlp_first_grad_bytes(m->sizes), off))
+        inside = 0, compact = false;
+    for (int i = 0; i < nv; i++) total += inside >> i & 1 ? 0 : sz[i];
     char *block;
     CMLP_TRY(dev_alloc(m->dev, total, (void **)&block));
     cmlp_model_release_workspace(m);
     m->ws.block = block;
     m->ws.rows = rows;
+    m->ws.compact = compact;
+    char *piece[CMLP_MAX_LAYERS + 4];
+    for (int i = 0; i < nv; i++) {
+        if (inside >> i & 1) {
+            piece[i] = (char *)m->grads + off[i];
+        } else {
+            piece[i] = block;
+            block += sz[i];
+        }
+    }
     int v = 0;
-    for (int l = 0; l <= m->nlayers; l++, block += sz[v++]) m->ws.act[l] = (float *)block;
-    m->ws.dact[0] = (float *)block;
-    block += sz[v++];
-    m->ws.dact[1] = (float *)block;
-    block += sz[v++];
-    m->ws.labels = (int32_t *)block;
+    for (int l = 0; l <= m->nlayers; l++) m->ws.act[l] = (float *)piece[v++];
+    m->ws.dact[0] = (float *)piece[v++];
+    m->ws.dact[1] = (float *)piece[v++];
+    m->ws.labels = (int32_t *)piece[v];
     return CMLP_OK;
 }
 
@@ -198,9 +232,9 @@ bool cmlp_data_in_place(const cmlp_model *m, const cmlp_data *xy) {
 }
 
 cmlp_status cmlp_model_stage(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, int64_t start, int64_t n,
-                             const float **input, const int32_t **labels) {
+                             bool compact, const float **input, const int32_t **labels) {
     bool in_place = cmlp_data_in_place(m, xy);
-    CMLP_TRY(cmlp_workspace_reserve(m, n));
+    CMLP_TRY(cmlp_workspace_reserve(m, n, compact));
     /* labels are read in place or staged, with the inputs when those are staged too */
     int32_t *ldst = labels && !(in_place && !idx) ? m->ws.labels : NULL;
     if (labels) *labels = ldst ? ldst : xy->y + start;
@@ -250,28 +284,26 @@ cmlp_status cmlp_model_fb_rows(cmlp_model *m, const float *input, const int32_t 
     int L = m->nlayers;
     CMLP_TRY(cmlp_model_forward_rows(m, input, n));
     float *cur = m->ws.dact[0], *other = m->ws.dact[1];
-    const bool fused = B(m)->relu_backward_bias_grad != NULL;
     CMLP_TRY(B(m)->softmax_xent(CTX(m), m->ws.act[L], labels, n, m->sizes[L], smoothing, w.value, w.d_weight, cur,
                                 d_loss, NULL));
     for (int l = L - 1; l >= 0; l--) {
         int64_t in = m->sizes[l], out = m->sizes[l + 1];
-        const float *a = l == 0 ? input : m->ws.act[l];
+        float *a = l == 0 ? (float *)input : m->ws.act[l];
         /* dW [out, in] += dY^T [out, n] . A [n, in];  db += colsum(dY) */
         CMLP_TRY(B(m)->gemm(CTX(m), 1, 0, out, in, n, 1.0f, cur, out, a, in, w.fresh ? 0.0f : 1.0f,
                             m->grads + m->w_off[l], in));
-        if (l == L - 1 || !fused) CMLP_TRY(B(m)->bias_grad(CTX(m), m->grads + m->b_off[l], cur, n, out, w.fresh));
+        if (l == L - 1) CMLP_TRY(B(m)->bias_grad(CTX(m), m->grads + m->b_off[l], cur, n, out, w.fresh));
         if (l == 0) break;
-        /* dA [n, in] = dY [n, out] . W [out, in], then through the ReLU that produced A (and,
-         * fused, the bias gradient of the layer below from the same pass) */
+        /* dA [n, in] = dY [n, out] . W [out, in], then through the ReLU that produced A, with the
+         * bias gradient of the layer below from the same pass; layer 1's input gradient replaces
+         * layer 1's input (A is not needed after it), which keeps it out of the first layer's
+         * weight gradient that the last GEMM writes */
         CMLP_TRY(B(m)->gemm(CTX(m), 0, 0, n, in, out, 1.0f, cur, out, m->params + m->w_off[l], in, 0.0f, other, in));
-        if (fused)
-            CMLP_TRY(B(m)->relu_backward_bias_grad(CTX(m), other, a, CMLP_DTYPE_F32, m->grads + m->b_off[l - 1], n, in,
-                                                   w.fresh));
-        else
-            CMLP_TRY(B(m)->relu_backward(CTX(m), other, a, n * in));
-        float *t = cur;
-        cur = other;
-        other = t;
+        float *dst = l == 1 ? a : other;
+        CMLP_TRY(B(m)->relu_backward_bias_grad(CTX(m), other, a, dst, CMLP_DTYPE_F32, m->grads + m->b_off[l - 1], n,
+                                               in, w.fresh));
+        other = cur;
+        cur = dst;
     }
     return CMLP_OK;
 }
@@ -288,7 +320,7 @@ cmlp_status cmlp_model_forward(cmlp_model *m, const cmlp_data *x, int64_t chunk,
     for (int64_t s = 0; s < x->n && st == CMLP_OK; s += chunk) {
         int64_t k = x->n - s < chunk ? x->n - s : chunk;
         const float *in;
-        st = cmlp_model_stage(m, x, NULL, s, k, &in, NULL);
+        st = cmlp_model_stage(m, x, NULL, s, k, false, &in, NULL);
         if (st == CMLP_OK) st = cmlp_model_forward_rows(m, in, k);
         if (st == CMLP_OK)
             st = B(m)->copy_d2h(CTX(m), logits_out + s * C, m->ws.act[m->nlayers], (size_t)(k * C) * sizeof(float));
@@ -314,7 +346,7 @@ cmlp_status cmlp_model_evaluate(cmlp_model *m, const cmlp_data *xy, int64_t chun
         int64_t k = xy->n - s < chunk ? xy->n - s : chunk;
         const float *in;
         const int32_t *lab;
-        st = cmlp_model_stage(m, xy, NULL, s, k, &in, &lab);
+        st = cmlp_model_stage(m, xy, NULL, s, k, false, &in, &lab);
         if (st == CMLP_OK) st = cmlp_model_forward_rows(m, in, k);
         if (st == CMLP_OK)
             st = B(m)->softmax_xent(CTX(m), m->ws.act[m->nlayers], lab, k, m->sizes[m->nlayers], 0.0f, 0.0f, NULL,
@@ -334,7 +366,7 @@ cmlp_status cmlp_model_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx
     if (recompute) return cmlp_rc_fb(m, xy, idx, start, n, w, smoothing, d_loss);
     const float *in;
     const int32_t *lab;
-    CMLP_TRY(cmlp_model_stage(m, xy, idx, start, n, &in, &lab));
+    CMLP_TRY(cmlp_model_stage(m, xy, idx, start, n, w.fresh && w.solo, &in, &lab));
     return cmlp_model_fb_rows(m, in, lab, n, w, smoothing, d_loss);
 }
 

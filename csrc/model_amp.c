@@ -52,8 +52,10 @@ int cmlp_amp_native(const cmlp_backend_i *b) { return b->gemm_half && b->softmax
  * of rows (three [chunk, widest]) and one layer's weights and bias. On a native backend the
  * logits' gradient, two of the scratch blocks and the layer's weights are not needed (size 0),
  * the scratch block stages host rows of the input ([chunk, sizes[0]]) and the bias is the last
- * layer's. */
-int cmlp_amp_layout(const int *sizes, int L, int64_t rows, int recompute, int native, size_t *sz, size_t *act_bytes) {
+ * layer's. *inside: the pieces a compact step places in the first layer's weight gradient,
+ * after its half weights (cmlp_ws_layout): all but the input, layer 1's input and the labels. */
+int cmlp_amp_layout(const int *sizes, int L, int64_t rows, int recompute, int native, size_t *sz, size_t *act_bytes,
+                    uint64_t *inside) {
     int C = sizes[L];
     /* gradients flow between layers 1..L only; the scratch also holds layer 0's input */
     int64_t maxg = 1, maxw = sizes[0], maxwt = 1, chunk = rows < AMP_CHUNK ? rows : AMP_CHUNK;
@@ -65,35 +67,64 @@ int cmlp_amp_layout(const int *sizes, int L, int64_t rows, int recompute, int na
     }
     int nv = 0;
     *act_bytes = 0;
+    *inside = 0;
+#define INSIDE() (*inside |= 1ull << nv)
     /* kept for backward: every layer's input, or with recompute the first one only */
-    for (int l = 0; l < (recompute ? 1 : L); l++)
+    for (int l = 0; l < (recompute ? 1 : L); l++) {
+        if (l >= 2) INSIDE();
         *act_bytes += sz[nv++] = align64((size_t)rows * sizes[l] * sizeof(uint16_t));
+    }
+    INSIDE();
     *act_bytes += sz[nv++] = align64((size_t)rows * C * sizeof(float));
+    INSIDE();
     sz[nv++] = native ? 0 : align64((size_t)rows * C * sizeof(float));
     /* the gradients between layers (two buffers, in turn), plus one to recompute through (then
      * each of the three may hold any layer's activations or gradient) */
     int64_t g[2];
     cmlp_grad_widths(sizes, L, g);
-    for (int i = 0; i < (recompute ? 3 : 2); i++)
+    for (int i = 0; i < (recompute ? 3 : 2); i++) {
+        INSIDE();
         sz[nv++] = align64((size_t)(rows * (recompute ? maxg : g[i])) * sizeof(uint16_t));
+    }
     sz[nv++] = align64((size_t)rows * sizeof(int32_t));
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < 3; i++) {
+        INSIDE();
         sz[nv++] = !native ? align64((size_t)chunk * maxw * sizeof(float))
                    : i == 0 ? align64((size_t)chunk * sizes[0] * sizeof(float))
                             : 0;
+    }
+    INSIDE();
     sz[nv++] = native ? 0 : align64((size_t)maxwt * sizeof(float));
+    INSIDE();
     sz[nv++] = align64((size_t)(native ? C : maxw) * sizeof(float));
+#undef INSIDE
     return nv;
 }
 
-static cmlp_status reserve(cmlp_model *m, int64_t rows, int recompute) {
-    if (rows <= m->wsa.rows && recompute == m->wsa.recompute) return CMLP_OK;
-    size_t sz[CMLP_MAX_LAYERS + 12], total = 0, act;
+size_t cmlp_amp_half_bytes(int64_t nparams) { return align64((size_t)nparams * sizeof(uint16_t)); }
+
+/* The layout of a workspace for `rows`; whether a compact step (cmlp_workspace_reserve) can
+ * place its pieces: only where the device multiplies half operands itself, and without
+ * recompute (which reads the weights again while the gradients are written). */
+static bool layout(const cmlp_model *m, int64_t rows, int recompute, size_t *sz, int *nv, uint64_t *inside,
+                   size_t *off) {
     int native = cmlp_amp_native(B(m));
-    int nv = cmlp_amp_layout(m->sizes, m->nlayers, rows, recompute, native, sz, &act);
+    size_t act;
+    *nv = cmlp_amp_layout(m->sizes, m->nlayers, rows, recompute, native, sz, &act, inside);
+    return native && !recompute &&
+           cmlp_compact_place(m->nlayers, sz, *nv, *inside, cmlp_amp_half_bytes(m->nparams),
+                              cmlp_first_grad_bytes(m->sizes), off);
+}
+
+static cmlp_status reserve(cmlp_model *m, int64_t rows, int recompute, bool compact) {
+    if (rows <= m->wsa.rows && recompute == m->wsa.recompute && (compact || !m->wsa.compact)) return CMLP_OK;
+    size_t sz[CMLP_MAX_LAYERS + 12], off[CMLP_MAX_LAYERS + 12], total = 0;
+    uint64_t inside;
+    int nv;
+    if (!layout(m, rows, recompute, sz, &nv, &inside, off) || !compact) inside = 0, compact = false;
     int64_t chunk = rows < AMP_CHUNK ? rows : AMP_CHUNK;
     int L = m->nlayers;
-    for (int i = 0; i < nv; i++) total += sz[i];
+    for (int i = 0; i < nv; i++) total += inside >> i & 1 ? 0 : sz[i];
     char *p;
     CMLP_TRY(cmlp_allocator_malloc(m->dev->alloc, total, (void **)&p));
     cmlp_amp_release(m);
@@ -102,15 +133,25 @@ static cmlp_status reserve(cmlp_model *m, int64_t rows, int recompute) {
     w->rows = rows;
     w->chunk = chunk;
     w->recompute = recompute;
+    w->compact = compact;
+    char *piece[CMLP_MAX_LAYERS + 12];
+    for (int i = 0; i < nv; i++) {
+        if (inside >> i & 1) {
+            piece[i] = sz[i] ? (char *)m->grads + off[i] : NULL;
+        } else {
+            piece[i] = sz[i] ? p : NULL;
+            p += sz[i];
+        }
+    }
     int v = 0;
-    for (int l = 0; l < (recompute ? 1 : L); l++, p += sz[v++]) w->act[l] = (uint16_t *)p;
-    w->logits = (float *)p, p += sz[v++];
-    w->dlogits = sz[v] ? (float *)p : NULL, p += sz[v++];
-    for (int i = 0; i < (recompute ? 3 : 2); i++) w->dact[i] = (uint16_t *)p, p += sz[v++];
-    w->labels = (int32_t *)p, p += sz[v++];
-    for (int i = 0; i < 3; i++) w->scratch[i] = sz[v] ? (float *)p : NULL, p += sz[v++];
-    w->w32 = sz[v] ? (float *)p : NULL, p += sz[v++];
-    w->b32 = (float *)p;
+    for (int l = 0; l < (recompute ? 1 : L); l++) w->act[l] = (uint16_t *)piece[v++];
+    w->logits = (float *)piece[v++];
+    w->dlogits = (float *)piece[v++];
+    for (int i = 0; i < (recompute ? 3 : 2); i++) w->dact[i] = (uint16_t *)piece[v++];
+    w->labels = (int32_t *)piece[v++];
+    for (int i = 0; i < 3; i++) w->scratch[i] = (float *)piece[v++];
+    w->w32 = (float *)piece[v++];
+    w->b32 = (float *)piece[v];
     return CMLP_OK;
 }
 
@@ -126,12 +167,12 @@ static cmlp_status stage(cmlp_model *m, const cmlp_data *xy, const int64_t *idx,
     int32_t *ldst = cmlp_data_in_place(m, xy) && !idx ? NULL : w->labels;
     *labels = ldst ? ldst : xy->y + start;
     if (xy->on_device && B(m)->gather_rows_half) /* one pass, no float block in between */
-        return B(m)->gather_rows_half(CTX(m), w->act[0], m->half_dtype, xy->x, xy->x_dtype, in, idx, start, xy->pos, n,
+        return B(m)->gather_rows_half(CTX(m), w->act[0], m->wsa.dt, xy->x, xy->x_dtype, in, idx, start, xy->pos, n,
                                       scale, shift, ldst, ldst ? xy->y : NULL);
     for (int64_t r = 0; r < n; r += w->chunk) {
         int64_t k = n - r < w->chunk ? n - r : w->chunk;
         CMLP_TRY(cmlp_stage_x(m, w->scratch[0], xy, idx ? idx + r : NULL, start + r, k, scale, shift, NULL));
-        CMLP_TRY(B(m)->to_half(CTX(m), w->act[0] + r * in, w->scratch[0], k * in, m->half_dtype));
+        CMLP_TRY(B(m)->to_half(CTX(m), w->act[0] + r * in, w->scratch[0], k * in, m->wsa.dt));
     }
     return ldst ? cmlp_stage_y(m, ldst, xy, idx, start, n) : CMLP_OK;
 }
@@ -139,8 +180,8 @@ static cmlp_status stage(cmlp_model *m, const cmlp_data *xy, const int64_t *idx,
 /* Layer l's half weights and bias as fp32 values, for backends that multiply in fp32. */
 static cmlp_status layer_weights(cmlp_model *m, int l) {
     int64_t in = m->sizes[l], out = m->sizes[l + 1];
-    CMLP_TRY(B(m)->from_half(CTX(m), m->wsa.w32, m->params_h + m->w_off[l], in * out, m->half_dtype));
-    return B(m)->from_half(CTX(m), m->wsa.b32, m->params_h + m->b_off[l], out, m->half_dtype);
+    CMLP_TRY(B(m)->from_half(CTX(m), m->wsa.w32, m->wsa.wh + m->w_off[l], in * out, m->wsa.dt));
+    return B(m)->from_half(CTX(m), m->wsa.b32, m->wsa.wh + m->b_off[l], out, m->wsa.dt);
 }
 
 /* Where the device multiplies half-precision operands itself: one GEMM per product, fp32
@@ -148,11 +189,11 @@ static cmlp_status layer_weights(cmlp_model *m, int l) {
 static cmlp_status forward_native(cmlp_model *m, int64_t n, int upto, uint16_t *const *acts) {
     cmlp_amp_workspace *w = &m->wsa;
     const cmlp_backend_i *b = B(m);
-    cmlp_dtype dt = m->half_dtype;
+    cmlp_dtype dt = m->wsa.dt;
     int L = m->nlayers;
     for (int l = 0; l < upto; l++) {
         int64_t in = m->sizes[l], out = m->sizes[l + 1];
-        const uint16_t *wh = m->params_h + m->w_off[l], *bh = m->params_h + m->b_off[l];
+        const uint16_t *wh = m->wsa.wh + m->w_off[l], *bh = m->wsa.wh + m->b_off[l];
         if (l + 1 < L) {
             CMLP_TRY(b->gemm_half(CTX(m), 0, 1, n, out, in, 1.0f, acts[l], in, wh, in, dt, 0.0f, acts[l + 1], dt, out,
                                   bh, 1));
@@ -178,10 +219,10 @@ static cmlp_status forward(cmlp_model *m, int64_t n, int upto, uint16_t *const *
         for (int64_t r = 0; r < n; r += w->chunk) {
             int64_t k = n - r < w->chunk ? n - r : w->chunk;
             float *z = last ? w->logits + r * out : w->scratch[1];
-            CMLP_TRY(b->from_half(CTX(m), w->scratch[0], acts[l] + r * in, k * in, m->half_dtype));
+            CMLP_TRY(b->from_half(CTX(m), w->scratch[0], acts[l] + r * in, k * in, m->wsa.dt));
             CMLP_TRY(b->gemm(CTX(m), 0, 1, k, out, in, 1.0f, w->scratch[0], in, w->w32, in, 0.0f, z, out));
             CMLP_TRY(b->bias_act(CTX(m), z, w->b32, k, out, !last));
-            if (!last) CMLP_TRY(b->to_half(CTX(m), acts[l + 1] + r * out, z, k * out, m->half_dtype));
+            if (!last) CMLP_TRY(b->to_half(CTX(m), acts[l + 1] + r * out, z, k * out, m->wsa.dt));
         }
     }
     return CMLP_OK;
@@ -195,7 +236,7 @@ static cmlp_status backward(cmlp_model *m, int64_t n, bool fresh, bool half_grad
     const cmlp_backend_i *b = B(m);
     int L = m->nlayers;
     uint16_t *cur = w->dact[0], *other = w->dact[1];
-    if (!half_grad) CMLP_TRY(b->to_half(CTX(m), cur, w->dlogits, n * m->sizes[L], m->half_dtype));
+    if (!half_grad) CMLP_TRY(b->to_half(CTX(m), cur, w->dlogits, n * m->sizes[L], m->wsa.dt));
     float *dy = w->scratch[1], *a = w->scratch[0], *dx = w->scratch[2];
     for (int l = L - 1; l >= 0; l--) {
         int64_t in = m->sizes[l], out = m->sizes[l + 1];
@@ -211,26 +252,22 @@ static cmlp_status backward(cmlp_model *m, int64_t n, bool fresh, bool half_grad
             other = pq[0] == al ? pq[1] : pq[0];
         }
         if (b->gemm_half) { /* dW += dY^T A, db += colsum(dY), dA = relu'(dY W): all in half storage */
-            cmlp_dtype dt = m->half_dtype;
-            const uint16_t *wh = m->params_h + m->w_off[l];
+            cmlp_dtype dt = m->wsa.dt;
+            const uint16_t *wh = m->wsa.wh + m->w_off[l];
             CMLP_TRY(b->gemm_half(CTX(m), 1, 0, out, in, n, 1.0f, cur, out, al, in, dt, fresh ? 0.0f : 1.0f,
                                   m->grads + m->w_off[l], CMLP_DTYPE_F32, in, NULL, 0));
-            bool fused = b->relu_backward_bias_grad != NULL; /* the bias below comes with the mask */
-            if (l == L - 1 || !fused)
-                CMLP_TRY(b->bias_grad_half(CTX(m), m->grads + m->b_off[l], cur, n, out, dt, fresh));
-            if (l > 0) {
+            if (l == L - 1) CMLP_TRY(b->bias_grad_half(CTX(m), m->grads + m->b_off[l], cur, n, out, dt, fresh));
+            if (l > 0) { /* the bias gradient of the layer below comes with the mask */
                 CMLP_TRY(b->gemm_half(CTX(m), 0, 0, n, in, out, 1.0f, cur, out, wh, in, dt, 0.0f, other, dt, in, NULL, 0));
-                if (fused)
-                    CMLP_TRY(b->relu_backward_bias_grad(CTX(m), other, al, dt, m->grads + m->b_off[l - 1], n, in, fresh));
-                else
-                    CMLP_TRY(b->relu_backward_half(CTX(m), other, al, n * in, dt));
+                CMLP_TRY(b->relu_backward_bias_grad(CTX(m), other, al, l == 1 && !w->recompute ? (void *)al : other, dt,
+                                                    m->grads + m->b_off[l - 1], n, in, fresh));
             }
         } else {
             CMLP_TRY(layer_weights(m, l));
             for (int64_t r = 0; r < n; r += w->chunk) {
                 int64_t k = n - r < w->chunk ? n - r : w->chunk;
-                CMLP_TRY(b->from_half(CTX(m), dy, cur + r * out, k * out, m->half_dtype));
-                CMLP_TRY(b->from_half(CTX(m), a, al + r * in, k * in, m->half_dtype));
+                CMLP_TRY(b->from_half(CTX(m), dy, cur + r * out, k * out, m->wsa.dt));
+                CMLP_TRY(b->from_half(CTX(m), a, al + r * in, k * in, m->wsa.dt));
                 bool first = fresh && r == 0; /* the first block writes, the rest add */
                 CMLP_TRY(b->gemm(CTX(m), 1, 0, out, in, k, 1.0f, dy, out, a, in, first ? 0.0f : 1.0f,
                                  m->grads + m->w_off[l], in));
@@ -238,20 +275,36 @@ static cmlp_status backward(cmlp_model *m, int64_t n, bool fresh, bool half_grad
                 if (l == 0) continue;
                 CMLP_TRY(b->gemm(CTX(m), 0, 0, k, in, out, 1.0f, dy, out, w->w32, in, 0.0f, dx, in));
                 CMLP_TRY(b->relu_backward(CTX(m), dx, a, k * in));
-                CMLP_TRY(b->to_half(CTX(m), other + r * in, dx, k * in, m->half_dtype));
+                uint16_t *dst = l == 1 && !w->recompute ? (uint16_t *)al : other; /* as cmlp_model_fb_rows */
+                CMLP_TRY(b->to_half(CTX(m), dst + r * in, dx, k * in, m->wsa.dt));
             }
         }
-        uint16_t *t = cur;
-        cur = other;
-        other = t;
+        /* layer 1's input gradient, masked, replaces layer 1's input (cmlp_grad_widths) */
+        uint16_t *dst = l == 1 && !w->recompute ? (uint16_t *)al : other;
+        other = cur;
+        cur = dst;
     }
     return CMLP_OK;
 }
 
 cmlp_status cmlp_amp_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, int64_t start, int64_t n,
                         cmlp_gw w, float smoothing, cmlp_amp amp, int recompute, double *d_loss) {
-    CMLP_TRY(ensure_half_params(m, cmlp_amp_dtype(amp)));
-    CMLP_TRY(reserve(m, n, recompute));
+    size_t sz[CMLP_MAX_LAYERS + 12], off[CMLP_MAX_LAYERS + 12];
+    uint64_t inside;
+    int nv;
+    bool compact = w.fresh && w.solo && layout(m, n, recompute, sz, &nv, &inside, off);
+    cmlp_dtype dt = cmlp_amp_dtype(amp);
+    if (!compact) CMLP_TRY(ensure_half_params(m, dt)); /* before the workspace, as the planner has it */
+    CMLP_TRY(reserve(m, n, recompute, compact));
+    cmlp_amp_workspace *ws = &m->wsa;
+    ws->dt = dt;
+    if (ws->compact) { /* this step's half weights, where the first layer's weight gradient goes last */
+        ws->wh = (const uint16_t *)m->grads;
+        CMLP_TRY(B(m)->to_half(CTX(m), (uint16_t *)m->grads, m->params, m->nparams, dt));
+    } else {
+        CMLP_TRY(ensure_half_params(m, dt)); /* a full workspace serves a step that could be compact */
+        ws->wh = m->params_h;
+    }
     const int32_t *labels;
     CMLP_TRY(stage(m, xy, idx, start, n, &labels));
     if (recompute) {
@@ -270,7 +323,7 @@ cmlp_status cmlp_amp_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, 
     bool half_grad = b->gemm_half && b->softmax_xent_half;
     if (half_grad)
         CMLP_TRY(b->softmax_xent_half(CTX(m), m->wsa.logits, labels, n, C, smoothing, w.value, w.d_weight,
-                                      m->wsa.dact[0], m->half_dtype, d_loss, NULL));
+                                      m->wsa.dact[0], m->wsa.dt, d_loss, NULL));
     else
         CMLP_TRY(b->softmax_xent(CTX(m), m->wsa.logits, labels, n, C, smoothing, w.value, w.d_weight, m->wsa.dlogits,
                                  d_loss, NULL));

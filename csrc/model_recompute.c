@@ -89,16 +89,13 @@ cmlp_status cmlp_rc_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, i
         CMLP_TRY(run_layers(m, input, n, l, p, q, NULL, &a)); /* layer l's input, recomputed */
         CMLP_TRY(B(m)->gemm(CTX(m), 1, 0, out, in, n, 1.0f, cur, out, a, in, gw.fresh ? 0.0f : 1.0f,
                             m->grads + m->w_off[l], in));
-        bool fused = B(m)->relu_backward_bias_grad != NULL; /* the bias below comes with the mask */
-        if (l == L - 1 || !fused) CMLP_TRY(B(m)->bias_grad(CTX(m), m->grads + m->b_off[l], cur, n, out, gw.fresh));
+        if (l == L - 1) CMLP_TRY(B(m)->bias_grad(CTX(m), m->grads + m->b_off[l], cur, n, out, gw.fresh));
         if (l == 0) break;
         float *dx = a == p ? q : p;
         CMLP_TRY(B(m)->gemm(CTX(m), 0, 0, n, in, out, 1.0f, cur, out, m->params + m->w_off[l], in, 0.0f, dx, in));
-        if (fused)
-            CMLP_TRY(B(m)->relu_backward_bias_grad(CTX(m), dx, a, CMLP_DTYPE_F32, m->grads + m->b_off[l - 1], n, in,
-                                                   gw.fresh));
-        else
-            CMLP_TRY(B(m)->relu_backward(CTX(m), dx, a, n * in));
+        /* the bias gradient of the layer below comes with the mask */
+        CMLP_TRY(B(m)->relu_backward_bias_grad(CTX(m), dx, a, dx, CMLP_DTYPE_F32, m->grads + m->b_off[l - 1], n, in,
+                                               gw.fresh));
         cur = dx;
     }
     return CMLP_OK;

@@ -48,7 +48,7 @@ static const cmlp_backend_i paper_backend = {
 };
 
 cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int optimizer_buffers, cmlp_amp amp,
-                              int recompute, int loss_scaling, cmlp_device d, cmlp_plan *out) {
+                              int recompute, int loss_scaling, int solo, cmlp_device d, cmlp_plan *out) {
     if (!sizes || !out || nsizes < 2 || nsizes > CMLP_MAX_LAYERS + 1)
         return CMLP_FAIL(CMLP_ERR_INVALID, "layer_sizes must list 2 to %d sizes", CMLP_MAX_LAYERS + 1);
     for (int i = 0; i < nsizes; i++)
@@ -63,17 +63,33 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
     int L = nsizes - 1;
     int64_t nparams = 0;
     for (int l = 0; l < L; l++) nparams += (int64_t)sizes[l] * sizes[l + 1] + sizes[l + 1];
-    size_t sz[CMLP_MAX_LAYERS + 12], act = 0, ws = 0;
-    int nv = amp         ? cmlp_amp_layout(sizes, L, batch, recompute, cmlp_amp_native(dev->backend), sz, &act)
+    size_t sz[CMLP_MAX_LAYERS + 12], off[CMLP_MAX_LAYERS + 12], act = 0, ws = 0, inside_bytes = 0;
+    uint64_t inside = 0;
+    int native = cmlp_amp_native(dev->backend);
+    int nv = amp         ? cmlp_amp_layout(sizes, L, batch, recompute, native, sz, &act, &inside)
              : recompute ? cmlp_rc_layout(sizes, L, batch, sz, &act)
-                         : cmlp_ws_layout(sizes, L, batch, sz, &act);
-    for (int i = 0; i < nv; i++) ws += sz[i];
+                         : cmlp_ws_layout(sizes, L, batch, sz, &act, &inside);
+    /* as the model decides it (cmlp_workspace_reserve, and reserve in model_amp.c) */
+    size_t half_in = amp ? cmlp_amp_half_bytes(nparams) : 0;
+    bool compact = solo && !recompute && (!amp || native) &&
+                   cmlp_compact_place(L, sz, nv, inside, half_in, cmlp_first_grad_bytes(sizes), off);
+    if (!compact) inside = 0;
+    int nact = amp ? (recompute ? 1 : L) + 1 : L + 1; /* the layouts list the activations first */
+    for (int i = 0; i < nv; i++) {
+        if (inside >> i & 1) {
+            inside_bytes += sz[i];
+            if (i < nact) act -= sz[i];
+        } else {
+            ws += sz[i];
+        }
+    }
     memset(out, 0, sizeof *out);
     out->parameters = nparams * 4;
     out->gradients = nparams * 4;
     out->optimizer_state = (int64_t)optimizer_buffers * nparams * 4;
-    out->half_weights = amp ? nparams * 2 : 0;
+    out->half_weights = amp && !compact ? nparams * 2 : 0;
     out->activations = (int64_t)act;
+    out->in_gradients = compact ? (int64_t)(inside_bytes + half_in) : 0;
     /* the device scalars (loss, scaler, step count) follow the gradients, padded to 64 bytes */
     size_t grads_bytes = ((size_t)out->gradients + 63) / 64 * 64 + sizeof(cmlp_dscalars);
     out->workspace = (int64_t)(ws - act) + (int64_t)(grads_bytes - (size_t)out->gradients);
@@ -84,7 +100,7 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
     int nreq = 0;
     req[nreq++] = (size_t)out->parameters;
     req[nreq++] = grads_bytes;
-    if (amp) req[nreq++] = (size_t)out->half_weights;
+    if (out->half_weights) req[nreq++] = (size_t)out->half_weights;
     req[nreq++] = ws;
     if (optimizer_buffers) req[nreq++] = (size_t)out->optimizer_state;
     paper_device pd = {.next = (uintptr_t)1 << 44, .total = dev->backend->total_memory(dev->bctx)};

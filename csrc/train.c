@@ -212,6 +212,7 @@ static cmlp_status effective_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp
     for (int64_t off = 0; off < n; off += t->micro) {
         int64_t k = n - off < t->micro ? n - off : t->micro;
         w.fresh = off == 0;
+        w.solo = k == n;
         CMLP_TRY(cmlp_model_fb(m, xy, idx ? idx + off : NULL, start + off, k, w, t->cfg.label_smoothing, t->cfg.amp,
                                t->cfg.recompute, &ds->loss));
     }
@@ -238,6 +239,8 @@ static int optimizer_buffers(const cmlp_trainer *t) {
     return cmlp_optim_num_buffers(o) ? 1 : 0;
 }
 
+static int64_t effective_batch(const cmlp_trainer *t) { return t->cfg.batch_size * t->cfg.accumulation_steps; }
+
 /* Even one sample did not fit: say so, with what one sample needs. */
 static cmlp_status one_sample_oom(cmlp_trainer *t, const char *cause) {
     char why[600];
@@ -245,8 +248,9 @@ static cmlp_status one_sample_oom(cmlp_trainer *t, const char *cause) {
     cmlp_model *m = t->model;
     cmlp_plan p;
     char b[7][32];
+    int solo = effective_batch(t) == 1; /* steps of one sample, or accumulating micro-batches of one */
     if (cmlp_plan_compute(m->sizes, m->nlayers + 1, 1, optimizer_buffers(t), t->cfg.amp, t->cfg.recompute,
-                          t->scaler.enabled, m->dev->device, &p) != CMLP_OK)
+                          t->scaler.enabled, solo, m->dev->device, &p) != CMLP_OK)
         return CMLP_FAIL(CMLP_ERR_OOM, "even a micro-batch of 1 sample does not fit: %s", why);
     int64_t v[7] = {p.parameters, p.gradients, p.optimizer_state, p.half_weights, p.activations, p.workspace,
                     p.peak_allocated};
@@ -397,8 +401,6 @@ cmlp_status cmlp_trainer_step(cmlp_trainer *t, const cmlp_data *xy, double *loss
     if (st == CMLP_OK) *loss_mean = loss / (double)xy->n;
     return st;
 }
-
-static int64_t effective_batch(const cmlp_trainer *t) { return t->cfg.batch_size * t->cfg.accumulation_steps; }
 
 /* The device copy of the previous epoch serves this one: the same data set, unchanged (the
  * caller's word), on the same device; the new order goes into the same buffer, so a captured

@@ -110,27 +110,29 @@ __device__ __forceinline__ float load_dy(const void *p, int64_t i) {
 }
 
 /* With MASK, dy goes through the ReLU's backward first (dy = h > 0 ? dy : 0, as the ReLU
- * backward kernels decide it: under DAZ for float, on the converted value for half), and the
- * zeros are written back; the sums are of the masked values, in the same order. */
+ * backward kernels decide it: under DAZ for float, on the converted value for half) and the
+ * result is written to out: when out is dy only the zeros are, when it is another buffer (h
+ * itself, whose element each thread reads before it writes it) every element is. The sums are
+ * of the masked values, in the same order. */
 template <int KIND, bool MASK>
-__device__ __forceinline__ float take_dy(void *dy, const void *h, int64_t i) {
+__device__ __forceinline__ float take_dy(void *dy, const void *h, void *out, int64_t i) {
     const float v = load_dy<KIND>(dy, i);
     if constexpr (MASK) {
         bool keep;
         if constexpr (KIND == 0) keep = f_gt(static_cast<const float *>(h)[i], 0.0f);
         else keep = load_dy<KIND>(h, i) > 0.0f;
-        if (!keep) {
-            if constexpr (KIND == 0) static_cast<float *>(dy)[i] = 0.0f;
-            else static_cast<uint16_t *>(dy)[i] = 0;
-            return 0.0f;
+        if (!keep || out != dy) {
+            if constexpr (KIND == 0) static_cast<float *>(out)[i] = keep ? static_cast<const float *>(dy)[i] : 0.0f;
+            else static_cast<uint16_t *>(out)[i] = keep ? static_cast<const uint16_t *>(dy)[i] : 0;
         }
+        return keep ? v : 0.0f;
     }
     return v;
 }
 
 template <int KIND, bool MASK>
 __global__ void __launch_bounds__(BIAS_GRAD_THREADS)
-k_bias_grad(float *db, float *partial, void *dy, const void *h, int64_t rows, int64_t cols, int64_t tile_w,
+k_bias_grad(float *db, float *partial, void *dy, const void *h, void *out, int64_t rows, int64_t cols, int64_t tile_w,
             int64_t rows_per_split, int overwrite) {
     __shared__ float part[BIAS_GRAD_THREADS];
     const int64_t ntiles = (cols + tile_w - 1) / tile_w;
@@ -147,13 +149,13 @@ k_bias_grad(float *db, float *partial, void *dy, const void *h, int64_t rows, in
             int64_t r = r0 + g;
             /* four loads in flight, added in row order */
             for (; r + 3 * (int64_t)G < r1; r += 4 * (int64_t)G) {
-                const float a0 = take_dy<KIND, MASK>(dy, h, r * cols + col);
-                const float a1 = take_dy<KIND, MASK>(dy, h, (r + G) * cols + col);
-                const float a2 = take_dy<KIND, MASK>(dy, h, (r + 2 * (int64_t)G) * cols + col);
-                const float a3 = take_dy<KIND, MASK>(dy, h, (r + 3 * (int64_t)G) * cols + col);
+                const float a0 = take_dy<KIND, MASK>(dy, h, out, r * cols + col);
+                const float a1 = take_dy<KIND, MASK>(dy, h, out, (r + G) * cols + col);
+                const float a2 = take_dy<KIND, MASK>(dy, h, out, (r + 2 * (int64_t)G) * cols + col);
+                const float a3 = take_dy<KIND, MASK>(dy, h, out, (r + 3 * (int64_t)G) * cols + col);
                 acc = f_add(f_add(f_add(f_add(acc, a0), a1), a2), a3);
             }
-            for (; r < r1; r += G) acc = f_add(acc, take_dy<KIND, MASK>(dy, h, r * cols + col));
+            for (; r < r1; r += G) acc = f_add(acc, take_dy<KIND, MASK>(dy, h, out, r * cols + col));
         }
         part[t] = acc;
         __syncthreads();
@@ -180,16 +182,18 @@ k_bias_grad_combine(float *db, const float *partial, int64_t splits, int64_t col
 }
 
 template <int KIND, bool MASK>
-static void launch_bias_grad(dim3 grid, float *db, float *partial, void *dy, const void *h, int64_t rows, int64_t cols,
+static void launch_bias_grad(dim3 grid, float *db, float *partial, void *dy, const void *h, void *out, int64_t rows,
+                             int64_t cols,
                              int64_t w, int64_t rows_per_split, int overwrite, cudaStream_t stream) {
-    k_bias_grad<KIND, MASK><<<grid, BIAS_GRAD_THREADS, 0, stream>>>(db, partial, dy, h, rows, cols, w, rows_per_split,
+    k_bias_grad<KIND, MASK><<<grid, BIAS_GRAD_THREADS, 0, stream>>>(db, partial, dy, h, out, rows, cols, w,
+                                                                     rows_per_split,
                                                                      overwrite);
 }
 
 #define BIAS_GRAD_TARGET_BLOCKS 512 /* about 4 blocks of 512 threads per SM of a large GPU */
 
-/* kind: 0 float, 1 fp16, 2 bf16; h: the ReLU's output when dy is to be masked first */
-static cudaError_t bias_grad(float *db, void *dy, const void *h, int kind, int64_t rows, int64_t cols, int overwrite,
+/* kind: 0 float, 1 fp16, 2 bf16; h: the ReLU's output when dy is to be masked first (into out) */
+static cudaError_t bias_grad(float *db, void *dy, const void *h, void *out, int kind, int64_t rows, int64_t cols, int overwrite,
                              float *scratch, size_t scratch_bytes, cudaStream_t stream) {
     if (rows < 0 || cols < 0) return cudaErrorInvalidValue;
     if (cols == 0 || (rows == 0 && !overwrite)) return cudaSuccess;
@@ -220,13 +224,13 @@ static cudaError_t bias_grad(float *db, void *dy, const void *h, int kind, int64
     float *partial = splits > 1 ? scratch : NULL;
     const dim3 grid((unsigned int)bx, (unsigned int)splits);
     if (h) {
-        if (kind == 0) launch_bias_grad<0, true>(grid, db, partial, dy, h, rows, cols, w, per, overwrite, stream);
-        else if (kind == 1) launch_bias_grad<1, true>(grid, db, partial, dy, h, rows, cols, w, per, overwrite, stream);
-        else launch_bias_grad<2, true>(grid, db, partial, dy, h, rows, cols, w, per, overwrite, stream);
+        if (kind == 0) launch_bias_grad<0, true>(grid, db, partial, dy, h, out, rows, cols, w, per, overwrite, stream);
+        else if (kind == 1) launch_bias_grad<1, true>(grid, db, partial, dy, h, out, rows, cols, w, per, overwrite, stream);
+        else launch_bias_grad<2, true>(grid, db, partial, dy, h, out, rows, cols, w, per, overwrite, stream);
     } else {
-        if (kind == 0) launch_bias_grad<0, false>(grid, db, partial, dy, h, rows, cols, w, per, overwrite, stream);
-        else if (kind == 1) launch_bias_grad<1, false>(grid, db, partial, dy, h, rows, cols, w, per, overwrite, stream);
-        else launch_bias_grad<2, false>(grid, db, partial, dy, h, rows, cols, w, per, overwrite, stream);
+        if (kind == 0) launch_bias_grad<0, false>(grid, db, partial, dy, h, out, rows, cols, w, per, overwrite, stream);
+        else if (kind == 1) launch_bias_grad<1, false>(grid, db, partial, dy, h, out, rows, cols, w, per, overwrite, stream);
+        else launch_bias_grad<2, false>(grid, db, partial, dy, h, out, rows, cols, w, per, overwrite, stream);
     }
     if (partial) {
         const cudaError_t e = cudaGetLastError();
@@ -239,20 +243,20 @@ static cudaError_t bias_grad(float *db, void *dy, const void *h, int kind, int64
 
 extern "C" cudaError_t cmlp_k_bias_grad(float *db, const float *dy, int64_t rows, int64_t cols, int overwrite,
                                         float *scratch, size_t scratch_bytes, cudaStream_t stream) {
-    return bias_grad(db, const_cast<float *>(dy), NULL, 0, rows, cols, overwrite, scratch, scratch_bytes, stream);
+    return bias_grad(db, const_cast<float *>(dy), NULL, NULL, 0, rows, cols, overwrite, scratch, scratch_bytes, stream);
 }
 
 extern "C" cudaError_t cmlp_k_bias_grad_half(float *db, const uint16_t *dy, int64_t rows, int64_t cols, int bf16,
                                              int overwrite, float *scratch, size_t scratch_bytes, cudaStream_t stream) {
-    return bias_grad(db, const_cast<uint16_t *>(dy), NULL, bf16 ? 2 : 1, rows, cols, overwrite, scratch, scratch_bytes,
+    return bias_grad(db, const_cast<uint16_t *>(dy), NULL, NULL, bf16 ? 2 : 1, rows, cols, overwrite, scratch, scratch_bytes,
                      stream);
 }
 
-extern "C" cudaError_t cmlp_k_relu_backward_bias_grad(void *dy, const void *h, int kind, float *db, int64_t rows,
-                                                      int64_t cols, int overwrite, float *scratch, size_t scratch_bytes,
-                                                      cudaStream_t stream) {
-    if (kind < 0 || kind > 2 || !h) return cudaErrorInvalidValue;
-    return bias_grad(db, dy, h, kind, rows, cols, overwrite, scratch, scratch_bytes, stream);
+extern "C" cudaError_t cmlp_k_relu_backward_bias_grad(void *dy, const void *h, void *out, int kind, float *db,
+                                                      int64_t rows, int64_t cols, int overwrite, float *scratch,
+                                                      size_t scratch_bytes, cudaStream_t stream) {
+    if (kind < 0 || kind > 2 || !h || (out != dy && out != h)) return cudaErrorInvalidValue;
+    return bias_grad(db, dy, h, out, kind, rows, cols, overwrite, scratch, scratch_bytes, stream);
 }
 
 /* ---- ReLU backward in half precision: dy[i] = h[i] > 0 ? dy[i] : 0 on fp16 / bf16 bits ---- */

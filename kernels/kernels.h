@@ -48,11 +48,12 @@ cudaError_t cmlp_k_bias_grad_half(float *db, const uint16_t *dy, int64_t rows, i
                                   float *scratch, size_t scratch_bytes, cudaStream_t stream);
 cudaError_t cmlp_k_relu_backward_half(uint16_t *dy, const uint16_t *h, int64_t n, int bf16, cudaStream_t stream);
 /* Both in one pass over dy [rows, cols] of kind 0 (float), 1 (fp16) or 2 (bf16): dy goes
- * through the ReLU backward as above (h of the same kind), then db += its column sums, with
- * the bits of cmlp_k_relu_backward(_half) followed by cmlp_k_bias_grad(_half) given the same
- * scratch. */
-cudaError_t cmlp_k_relu_backward_bias_grad(void *dy, const void *h, int kind, float *db, int64_t rows, int64_t cols,
-                                           int overwrite, float *scratch, size_t scratch_bytes, cudaStream_t stream);
+ * through the ReLU backward as above (h of the same kind) into out, which is dy or h (then the
+ * gradient replaces the activations it was masked by), and db += its column sums, with the bits
+ * of cmlp_k_relu_backward(_half) followed by cmlp_k_bias_grad(_half) given the same scratch. */
+cudaError_t cmlp_k_relu_backward_bias_grad(void *dy, const void *h, void *out, int kind, float *db, int64_t rows,
+                                           int64_t cols, int overwrite, float *scratch, size_t scratch_bytes,
+                                           cudaStream_t stream);
 
 /* ---- loss.cu ---- */
 

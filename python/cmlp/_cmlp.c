@@ -1101,8 +1101,8 @@ static PyObject *mod_from_half(PyObject *mod, PyObject *args) {
 static PyObject *mod_plan(PyObject *mod, PyObject *args) {
     PyObject *sizes_obj, *dev_obj;
     long long batch;
-    int nbuf, amp, recompute, scaling;
-    if (!PyArg_ParseTuple(args, "OLiippO", &sizes_obj, &batch, &nbuf, &amp, &recompute, &scaling, &dev_obj))
+    int nbuf, amp, recompute, scaling, solo;
+    if (!PyArg_ParseTuple(args, "OLiipppO", &sizes_obj, &batch, &nbuf, &amp, &recompute, &scaling, &solo, &dev_obj))
         return NULL;
     cmlp_device d;
     if (parse_device(state_of(mod), dev_obj, &d) < 0) return NULL;
@@ -1127,14 +1127,15 @@ static PyObject *mod_plan(PyObject *mod, PyObject *args) {
     cmlp_plan p;
     cmlp_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = cmlp_plan_compute(sizes, (int)n, batch, nbuf, (cmlp_amp)amp, recompute, scaling, d, &p);
+    st = cmlp_plan_compute(sizes, (int)n, batch, nbuf, (cmlp_amp)amp, recompute, scaling, solo, d, &p);
     Py_END_ALLOW_THREADS
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
-    return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L}", "parameters", (long long)p.parameters, "gradients",
+    return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L}", "parameters", (long long)p.parameters, "gradients",
                          (long long)p.gradients, "optimizer_state", (long long)p.optimizer_state, "half_weights",
                          (long long)p.half_weights, "activations", (long long)p.activations, "workspace",
                          (long long)p.workspace, "data", (long long)p.data, "peak_allocated",
-                         (long long)p.peak_allocated, "peak_reserved", (long long)p.peak_reserved);
+                         (long long)p.peak_allocated, "peak_reserved", (long long)p.peak_reserved, "in_gradients",
+                         (long long)p.in_gradients);
 }
 
 static PyObject *mod_parse_device(PyObject *mod, PyObject *arg) {

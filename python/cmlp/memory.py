@@ -200,6 +200,10 @@ class Plan:
         self.breakdown: Dict[str, int] = {k: raw[k] for k in _CATEGORIES}
         self.peak_bytes: int = raw["peak_allocated"]
         self.reserved_bytes: int = raw["peak_reserved"]
+        # bytes of the step's buffers that live in the gradient buffer (in no category above):
+        # with one micro-batch per optimizer step, the first layer's weight gradient, written
+        # last, holds the half weights and every buffer the step is done with before that
+        self.in_gradients: int = raw["in_gradients"]
 
     def __repr__(self) -> str:
         return (f"Plan(layers={self.layer_sizes}, batch_size={self.batch_size}, peak_bytes={self.peak_bytes}, "
@@ -209,6 +213,8 @@ class Plan:
         head = (f"MLP {'-'.join(map(str, self.layer_sizes))}, batch {self.batch_size}, {self.optimizer}, "
                 f"{self.amp or 'fp32'}{', recompute' if self.recompute else ''}, {self.device}")
         rows = [(k.replace("_", " "), v) for k, v in self.breakdown.items()]
+        if self.in_gradients:
+            rows.append(("(in the gradients)", self.in_gradients))
         rows += [("peak allocated", self.peak_bytes), ("peak reserved", self.reserved_bytes)]
         width = max(len(r[0]) for r in rows)
         lines = [head] + [f"  {name:<{width}}  {_fmt(v):>12}" for name, v in rows]
@@ -228,31 +234,43 @@ def _optimizer_buffers(optimizer: Any) -> Tuple[str, int]:
     return optimizer, names[optimizer]
 
 
+def _check_accumulation(accumulation_steps: Any) -> int:
+    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+        raise ValueError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
+    return accumulation_steps
+
+
 def plan(layer_sizes: List[int], batch_size: int, optimizer: Any = "adam", amp: Optional[str] = None,
-         recompute: bool = False, device: str = "cpu", scaler: Optional[bool] = None) -> Plan:
+         recompute: bool = False, device: str = "cpu", scaler: Optional[bool] = None,
+         accumulation_steps: int = 1) -> Plan:
     """Predicts a training run's memory before anything is allocated (batch_size: rows computed at
-    once, i.e. the micro-batch). scaler defaults to amp == "fp16"."""
+    once, i.e. the micro-batch; accumulation_steps: micro-batches per optimizer step). scaler
+    defaults to amp == "fp16"."""
     from ._arrays import check_amp
     from .model import _as_sizes
 
     sizes = _as_sizes(layer_sizes)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    solo = _check_accumulation(accumulation_steps) == 1
     amp_code = check_amp(amp)
     name, nbuf = _optimizer_buffers(optimizer)
     scaling = amp == "fp16" if scaler is None else bool(scaler)
     dev = _device(device)
-    raw = _cmlp.plan(list(sizes), batch_size, nbuf, amp_code, bool(recompute), scaling, dev)
+    raw = _cmlp.plan(list(sizes), batch_size, nbuf, amp_code, bool(recompute), scaling, solo, dev)
     return Plan(list(sizes), batch_size, name, amp, recompute, dev, raw)
 
 
 def max_batch_size(layer_sizes: List[int], budget_bytes: int, optimizer: Any = "adam", amp: Optional[str] = None,
-                   recompute: bool = False, device: str = "cpu", limit: int = 1 << 24) -> int:
+                   recompute: bool = False, device: str = "cpu", limit: int = 1 << 24,
+                   accumulation_steps: int = 1) -> int:
     """The largest micro-batch whose planned reserved memory fits in budget_bytes (0 if none)."""
     budget = parse_size(budget_bytes)
+    _check_accumulation(accumulation_steps)
 
     def fits(b: int) -> bool:
-        return plan(layer_sizes, b, optimizer, amp, recompute, device).reserved_bytes <= budget
+        return plan(layer_sizes, b, optimizer, amp, recompute, device,
+                    accumulation_steps=accumulation_steps).reserved_bytes <= budget
 
     if not fits(1):
         return 0

@@ -105,7 +105,8 @@ class Trainer:
         b = self.microbatch_size
         while b > 1:
             p = memory.plan(list(self.model.layer_sizes), b, self.optimizer, self.amp, self.recompute,
-                            scaler=self.scaler is not None and self.scaler.is_enabled(), device=device)
+                            scaler=self.scaler is not None and self.scaler.is_enabled(), device=device,
+                            accumulation_steps=-(-self.batch_size * self.accumulation_steps // b))
             if p.peak_bytes - sum(p.breakdown[k] for k in held) <= room:
                 break
             b //= 2

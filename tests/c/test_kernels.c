@@ -202,7 +202,8 @@ static void test_relu_backward_half(void) {
 }
 
 /* The fused ReLU backward and bias gradient: the bits of the two kernels run one after the
- * other, in float and both half formats; and in float the CPU backend's fused op agrees. */
+ * other, in float and both half formats, with the result in place or over the activations (then
+ * the gradient is only read); and in float the CPU backend's fused op agrees, both ways. */
 static void test_relu_backward_bias_grad(void) {
     static const int64_t R[] = {1, 3, 31, 64, 300, 3000}, C[] = {1, 2, 5, 33, 100, 512};
     for (int ri = 0; ri < 6; ri++)
@@ -213,7 +214,8 @@ static void test_relu_backward_bias_grad(void) {
                 size_t sb = scratch_bytes_of(ri == 5 ? 2 : 0, cols);
                 float *scratch = sb ? malloc(sb) : NULL;
                 size_t es = kind ? 2 : 4;
-                buf dy = make(n, es, 0), dy2 = make(n, es, 0), h = make(n, es, 0);
+                buf dy = make(n, es, 0), dy2 = make(n, es, 0), h = make(n, es, 0), dy3 = make(n, es, 0);
+                buf h3 = make(n, es, 0), db3 = make(cols, 4, 0), ch = make(n, 4, 0), cdb3 = make(cols, 4, 0);
                 buf db = make(cols, 4, 0), db2 = make(cols, 4, 0), cdy = make(n, 4, 0), cdb = make(cols, 4, 0);
                 float *v = malloc((size_t)n * 4), *hv = malloc((size_t)n * 4);
                 fill(v, n, kind == 0);
@@ -222,15 +224,33 @@ static void test_relu_backward_bias_grad(void) {
                 if (kind == 1) cmlp_f32_to_f16(dy.p, v, n), cmlp_f32_to_f16(h.p, hv, n);
                 if (kind == 2) cmlp_f32_to_bf16(dy.p, v, n), cmlp_f32_to_bf16(h.p, hv, n);
                 memcpy(dy2.p, dy.p, (size_t)n * es);
+                memcpy(dy3.p, dy.p, (size_t)n * es);
+                memcpy(h3.p, h.p, (size_t)n * es);
                 fill(F(db), cols, 0);
                 memcpy(F(db2), F(db), (size_t)cols * 4);
+                memcpy(F(db3), F(db), (size_t)cols * 4);
                 memcpy(F(cdb), F(db), (size_t)cols * 4);
-                KOK(cmlp_k_relu_backward_bias_grad(dy.p, h.p, kind, F(db), rows, cols, 0, scratch, sb, S));
+                memcpy(F(cdb3), F(db), (size_t)cols * 4);
+                KOK(cmlp_k_relu_backward_bias_grad(dy.p, h.p, dy.p, kind, F(db), rows, cols, 0, scratch, sb, S));
+                KOK(cmlp_k_relu_backward_bias_grad(dy3.p, h3.p, h3.p, kind, F(db3), rows, cols, 0, scratch, sb, S));
+                CHECK(same_bits(h3.p, dy.p, (size_t)n * es) && same_bits(F(db3), F(db), (size_t)cols * 4),
+                      "fused relu/bias grad %lldx%lld kind %d over h differs from in place", (long long)rows,
+                      (long long)cols, kind);
+                CHECK(kind != 0 || first_diff(F(dy3), v, n) < 0, "fused relu/bias grad over h changed dy");
                 if (kind == 0) {
+                    memcpy(F(ch), hv, (size_t)n * 4);
+                    memcpy(F(cdy), v, (size_t)n * 4);
+                    CPU_CALL(cpu->relu_backward_bias_grad(NULL, F(cdy), F(ch), F(ch), CMLP_DTYPE_F32, F(cdb3), rows,
+                                                          cols, 0));
+                    CHECK(first_diff(F(ch), F(dy), n) < 0 && first_diff(F(cdy), v, n) < 0,
+                          "CPU fused relu/bias grad %lldx%lld over h: wrong values, or dy changed", (long long)rows,
+                          (long long)cols);
                     KOK(cmlp_k_relu_backward(F(dy2), F(h), n, S));
                     KOK(cmlp_k_bias_grad(F(db2), F(dy2), rows, cols, 0, scratch, sb, S));
                     memcpy(F(cdy), v, (size_t)n * 4);
-                    CPU_CALL(cpu->relu_backward_bias_grad(NULL, F(cdy), F(h), CMLP_DTYPE_F32, F(cdb), rows, cols, 0));
+                    CPU_CALL(cpu->relu_backward_bias_grad(NULL, F(cdy), F(h), F(cdy), CMLP_DTYPE_F32, F(cdb), rows, cols,
+                                                          0));
+                    CHECK(same_bits(F(cdb3), F(cdb), (size_t)cols * 4), "CPU fused relu/bias grad: db over h differs");
                     CHECK(first_diff(F(dy), F(cdy), n) < 0, "fused relu/bias grad %lldx%lld: dy differs from the CPU's",
                           (long long)rows, (long long)cols);
                     int bad = -1;
@@ -250,10 +270,15 @@ static void test_relu_backward_bias_grad(void) {
                       (long long)cols, kind);
                 free(dy.block), free(dy2.block), free(h.block), free(db.block), free(db2.block), free(cdy.block);
                 free(cdb.block), free(v), free(hv), free(scratch);
+                free(dy3.block), free(h3.block), free(db3.block), free(ch.block), free(cdb3.block);
             }
-    float x = 0;
-    CHECK(cmlp_k_relu_backward_bias_grad(&x, NULL, 0, &x, 1, 1, 0, NULL, 0, S) == cudaErrorInvalidValue,
+    float x = 0, y = 1, o = 2;
+    CHECK(cmlp_k_relu_backward_bias_grad(&x, NULL, &x, 0, &x, 1, 1, 0, NULL, 0, S) == cudaErrorInvalidValue,
           "fused without h");
+    CHECK(cmlp_k_relu_backward_bias_grad(&x, &y, &o, 0, &x, 1, 1, 0, NULL, 0, S) == cudaErrorInvalidValue,
+          "fused into a third buffer");
+    CHECK(cpu->relu_backward_bias_grad(NULL, &x, &y, &o, CMLP_DTYPE_F32, &x, 1, 1, 0) == CMLP_ERR_INVALID,
+          "CPU fused into a third buffer");
     /* overwriting with no rows leaves zeros */
     float z[3] = {NAN, 5, -1};
     KOK(cmlp_k_bias_grad(z, z, 0, 3, 1, NULL, 0, S));
