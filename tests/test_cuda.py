@@ -437,6 +437,37 @@ def test_amp_forward_backward_matches_cpu_amp(case, amp):
 
 
 @needs_gpu
+@pytest.mark.parametrize("amp", [None, "fp16", "bf16"])
+@pytest.mark.parametrize("case", [(s, n) for s in SIZES for n in (1, 31, 257)], ids=sweep_id)
+def test_trainer_steps_leave_their_gradients_and_match_the_cpu(case, amp):
+    """A step alone in its optimizer step keeps its buffers in the first layer's weight gradient
+    where they fit (under amp on the GPU its half weights too: the reference model up to about a
+    hundred rows, in fp32 a few hundred; the small models at a row or two) and writes that
+    gradient last: model.grads() after Trainer.step holds the step's gradients on both devices,
+    and the next steps, whose half weights are made again from the updated weights, follow the
+    CPU's losses."""
+    sizes, n = case
+    ref, x, y = margin_batch(sizes, n)
+    runs = {}
+    for name, model in zip(("cpu", "gpu"), pair(sizes)):
+        trainer = cmlp.Trainer(model, cmlp.optim.Adam(model, lr=1e-3), batch_size=n, amp=amp, shuffle=False)
+        losses = [trainer.step(x, y)]
+        grads = model.grads()
+        losses += [trainer.step(x, y) for _ in range(2)]
+        runs[name] = losses, grads
+    (cpu_losses, cpu_grads), (losses, grads) = runs["cpu"], runs["gpu"]
+    tol = AMP_TOL[amp] if amp else TOL
+    assert_loss_close(losses[0], cpu_losses[0], tol, "first step's loss vs cpu")
+    assert_dicts_close(grads, cpu_grads, tol, f"{amp or 'fp32'} grads after a step vs cpu")
+    if amp is None:
+        ref_loss, ref_grads = ref.loss_and_grads(x, y)
+        assert_loss_close(losses[0], ref_loss, TOL_REF, "first step's loss vs the reference")
+        assert_dicts_close(grads, ref_grads, TOL_REF, "grads after a step vs the reference")
+    for i in (1, 2):
+        assert_loss_close(losses[i], cpu_losses[i], 1e-2 if amp else 1e-3, f"loss of step {i + 1} vs cpu")
+
+
+@needs_gpu
 def test_fp16_overflow_gives_inf_and_the_scaler_skips_the_step():
     cpu, gpu = pair([4, 3, 2])
     sd = cpu.state_dict()

@@ -86,6 +86,22 @@ def test_forward_backward(sizes, n):
     assert list(model.grads()) == list(model.state_dict())
 
 
+@pytest.mark.parametrize("n", [1, 32, 500])
+@pytest.mark.parametrize("sizes", CONFIGS, ids=sizes_id)
+def test_a_trainer_step_leaves_the_gradients_of_its_batch(sizes, n):
+    """A step alone in its optimizer step may keep its layer outputs and the gradients between
+    layers in the first layer's weight gradient, which it writes last (the reference model at 1
+    and 32 rows, not at 500): afterwards model.grads() holds the batch's gradients all the same,
+    and the step before it left nothing behind that changes them."""
+    model, ref, x, y = make_case(sizes, n)
+    trainer = cmlp.Trainer(model, cmlp.optim.SGD(model, lr=0.0), batch_size=n, shuffle=False)
+    for _ in range(2):
+        loss = trainer.step(x, y)
+        ref_loss, ref_grads = ref.loss_and_grads(x, y)
+        assert_loss_close(loss, ref_loss)
+        assert_grads_close(model.grads(), ref_grads)
+
+
 @pytest.mark.parametrize("scale", [8.0, 0.1, 1024.0])
 def test_loss_scale_multiplies_gradients(scale):
     model, ref, x, y = make_case([7, 16, 16, 16, 4], 32, seed=1)

@@ -989,6 +989,17 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t op, const v
         return CUBLAS_STATUS_INVALID_VALUE;
     }
     if (C != Dp && reads_c) return CUBLAS_STATUS_NOT_SUPPORTED; /* not used: C is D */
+    /* D is written while A, B and the bias are read, by many blocks: overlapping them races on a
+     * GPU (the emulator reads everything first, so it checks instead) */
+    auto overlaps = [&](const void *p, size_t n) {
+        const char *q = (const char *)p, *dq = (const char *)Dp;
+        return p && n && extent(ld) && q < dq + extent(ld) && dq < q + n;
+    };
+    if (overlaps(A, extent(la)) || overlaps(B, extent(lb)) ||
+        (has_bias && overlaps(desc.bias, M * type_size(ld.type)))) {
+        std::fprintf(stderr, "cuda_emu: cublasLtMatmul's D overlaps an operand it reads\n");
+        return CUBLAS_STATUS_INVALID_VALUE;
+    }
     const size_t ws_need = al.workspace;
     if (ws_need && (ws_bytes < ws_need || !device_range(ws, ws_need))) {
         std::fprintf(stderr, "cuda_emu: cublasLtMatmul's workspace (%p, %zu bytes) is not %zu bytes of device memory\n",
