@@ -2,8 +2,9 @@
 # The device check: on a GPU machine with python3, numpy, pytest and torch (and no network), builds
 # cmlp in place with the CUDA backend, makes a first synchronised pass over the main GPU paths
 # (scripts/gpu_smoke.py), runs the GPU tests (tests/test_cuda.py, plus the allocator's
-# tests/test_allocator.py) and the GPU benchmark (bench/bench_gpu.py), and ends with a summary:
-# build seconds, test counts, the benchmark's table and targets. Under 8 minutes: each phase runs
+# tests/test_allocator.py), the GPU benchmark (bench/bench_gpu.py) and a profile of the kernels
+# of a batch-32 step (bench/profile_gpu.py), and ends with a summary: build seconds, test counts,
+# the benchmark's table and targets, each side's kernel time per step. Under 8 minutes: each phase runs
 # under `timeout`; a phase that fails or times out is reported and the later phases still run.
 #
 #   bash scripts/fetch_device_wheels.sh      # with network, once: the BLAS wheel into .whl/ (git-ignored)
@@ -16,9 +17,9 @@
 #
 # Wheels in .whl/ (scipy-openblas32, which the build links, and setuptools if the machine lacks
 # it) are installed offline into /tmp/site. Everything is also written to $OUT/device_check.log
-# when $OUT is set. Limits (seconds) can be changed with BUILD_LIMIT, SMOKE_LIMIT, TEST_LIMIT, BENCH_LIMIT;
-# PYTEST_FLAGS (default: every test, one line each, stopping after 30 failures, so that one run
-# shows as much as it can) and BENCH_FLAGS (e.g. --quick) are passed on. Exit status: 0 when
+# when $OUT is set. Limits (seconds) can be changed with BUILD_LIMIT, SMOKE_LIMIT, TEST_LIMIT,
+# BENCH_LIMIT, PROFILE_LIMIT; PYTEST_FLAGS (default: every test, one line each, stopping after 30
+# failures, so that one run shows as much as it can) and BENCH_FLAGS (e.g. --quick) are passed on. Exit status: 0 when
 # every phase passed (benchmark targets missed do not count), else 1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +28,7 @@ BUILD_LIMIT=${BUILD_LIMIT:-100} # measured: about 15 s on 2 cores
 SMOKE_LIMIT=${SMOKE_LIMIT:-60}  # about 25 s on 2 cores with the CPU standing in
 TEST_LIMIT=${TEST_LIMIT:-150}
 BENCH_LIMIT=${BENCH_LIMIT:-150}
+PROFILE_LIMIT=${PROFILE_LIMIT:-45}
 SMALL_LIMIT=30 # wheels, probe
 PYTEST_FLAGS=${PYTEST_FLAGS:--v --maxfail=30 --durations=8}
 BENCH_FLAGS=${BENCH_FLAGS:-}
@@ -127,6 +129,9 @@ main() {
     # shellcheck disable=SC2086
     run_phase bench "$BENCH_LIMIT" bash -c "set -o pipefail; '$PY' bench/bench_gpu.py $BENCH_FLAGS \
         | tee '$TMP/bench.log'"
+    # every kernel of a batch-32 step, cmlp's and PyTorch's, from the CUDA profiler
+    run_phase profile "$PROFILE_LIMIT" bash -c "set -o pipefail; '$PY' bench/profile_gpu.py \
+        | tee '$TMP/profile.log'"
 
     local counts=""
     if [ -f "$TMP/pytest.log" ]; then
@@ -147,6 +152,10 @@ main() {
     if [ -f "$TMP/bench.log" ]; then
         echo
         grep -E '^\||^targets|: .*\((met|MISSED)\)$|^FAILED|^cmlp |^torch |^bench_gpu' "$TMP/bench.log" || true
+    fi
+    if [ -f "$TMP/profile.log" ]; then
+        echo
+        grep -E 'per step; wall|^profile_gpu: nothing' "$TMP/profile.log" || true
     fi
     echo "total: ${SECONDS}s"
     return $failed

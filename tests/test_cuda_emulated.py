@@ -117,6 +117,38 @@ def test_the_gpu_benchmark_runs_on_the_emulated_cuda_backend():
     assert "FAILED" not in r.stdout + r.stderr, tail
 
 
+@needs_emulator[0]
+@needs_emulator[1]
+def test_the_device_check_script_runs_on_the_emulated_cuda_backend():
+    """scripts/device_check.sh end to end, with one GPU test and the benchmark's smoke test:
+    every phase passes and the summary holds the test count, the benchmark's table and the
+    profile's verdict (torch sees no GPU here, so nothing is profiled)."""
+    env = dict(_emulated_env(), BENCH_FLAGS="--smoke", PYTEST_FLAGS="-q -k planned_peak_is", SMOKE_LIMIT="600",
+               TEST_LIMIT="900", BENCH_LIMIT="600", PYTHON=sys.executable)
+    env.pop("OUT", None)
+    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "device_check.sh")], env=env, capture_output=True,
+                       text=True, timeout=1800)
+    tail = r.stdout[-5000:] + r.stderr[-2000:]
+    assert r.returncode == 0, tail
+    summary = r.stdout.split("device check summary", 1)[1]
+    for phase in ("wheels", "build", "probe", "smoke", "tests", "bench", "profile"):
+        assert f"| {phase} | ok" in summary, tail
+    assert "| tests | ok: 1 passed" in summary and "| 32 | fp16 |" in summary, tail
+    assert "profile_gpu: nothing profiled" in summary, tail
+
+
+def test_the_kernel_profile_script_runs_on_the_cpu():
+    """bench/profile_gpu.py --device cpu: PyTorch's operators on the CPU, the script's own code."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "profile_gpu.py"), "--device", "cpu", "--steps",
+                        "5"], env=dict(os.environ, OPENBLAS_NUM_THREADS="1"), capture_output=True, text=True,
+                       timeout=600)
+    tail = r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.returncode == 0, tail
+    for amp in ("fp32", "fp16"):
+        assert f"### PyTorch, {amp}" in r.stdout and f"PyTorch, {amp}: " in r.stdout, tail
+    assert "aten::addmm" in r.stdout and "per step; wall" in r.stdout, tail
+
+
 def test_the_gpu_benchmark_runs_on_the_cpu():
     """bench/bench_gpu.py --device cpu: the same script with both sides on the CPU."""
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
