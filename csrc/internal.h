@@ -63,6 +63,7 @@ typedef struct cmlp_workspace {
     float *act[CMLP_MAX_LAYERS + 1]; /* act[0]: input [rows, sizes[0]]; act[i]: layer i output */
     float *dact[2];                  /* ping-pong gradients (cmlp_grad_widths) */
     int32_t *labels;                 /* [rows] */
+    size_t dx1_bytes;                /* from act[2] on, where layer 1's input gradient is made */
 } cmlp_workspace;
 
 /* The same under mixed precision (model_amp.c). */
@@ -76,6 +77,7 @@ typedef struct cmlp_amp_workspace {
     int recompute;
     cmlp_dtype dt;                  /* the half format of the step in progress */
     bool compact;                   /* as cmlp_workspace's, with the half weights of the step */
+    size_t dx1_bytes;               /* as cmlp_workspace's (native, without recompute) */
     const uint16_t *wh;             /* the half weights a step multiplies by: the model's copy, or
                                      * (compact) one made in the first layer's weight gradient */
     int32_t *labels;                /* [rows] */
@@ -146,9 +148,12 @@ CMLP_HIDDEN bool cmlp_compact_place(int L, const size_t *sz, int nv, uint64_t in
                                     size_t *off);
 /* The widths of the two buffers the gradient flows back through: widths[0] holds the logits'
  * gradient and every second layer's input gradient below it (sizes[L], sizes[L-2], ...),
- * widths[1] the others (sizes[L-1], sizes[L-3], ...), down to layer 1's input (which, masked
- * by the ReLU, then replaces layer 1's input: the last weight gradient reads it from there). */
-CMLP_HIDDEN void cmlp_grad_widths(const int *sizes, int L, int64_t widths[2]);
+ * widths[1] the others (sizes[L-1], sizes[L-3], ...), down to layer 2's input. Layer 1's input
+ * gradient (L > 1) is written over the outputs of layers 2..L and the buffer laid out after them,
+ * widths[(L - 1) & 1], which is made wide enough for it; masked by the ReLU it then replaces
+ * layer 1's output, where the last weight gradient reads it. amp: the outputs are half precision
+ * but the logits fp32 (two half elements each). */
+CMLP_HIDDEN void cmlp_grad_widths(const int *sizes, int L, int amp, int64_t widths[2]);
 CMLP_HIDDEN int cmlp_amp_layout(const int *sizes, int L, int64_t rows, int recompute, int native, size_t *sz,
                                 size_t *act_bytes, uint64_t *inside);
 /* Does backend b multiply half-precision operands itself and write the logits' gradient in half

@@ -101,12 +101,18 @@ void cmlp_model_free(cmlp_model *m) {
 
 static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
 
-void cmlp_grad_widths(const int *sizes, int L, int64_t widths[2]) {
+void cmlp_grad_widths(const int *sizes, int L, int amp, int64_t widths[2]) {
     widths[0] = widths[1] = 1;
-    for (int l = L; l >= 1; l--) {
+    for (int l = L; l >= (L > 1 ? 2 : 1); l--) {
         int i = (L - l) & 1;
         if (sizes[l] > widths[i]) widths[i] = sizes[l];
     }
+    if (L < 2) return;
+    /* layer 1's input gradient spans the outputs of layers 2..L and the buffer after them */
+    int64_t have = 0;
+    for (int l = 2; l <= L; l++) have += (l == L && amp ? 2 : 1) * (int64_t)sizes[l];
+    int64_t need = sizes[1] - have, *w = &widths[(L - 1) & 1];
+    if (need > *w) *w = need;
 }
 
 size_t cmlp_first_grad_bytes(const int *sizes) { return (size_t)sizes[0] * (size_t)sizes[1] * sizeof(float); }
@@ -121,26 +127,30 @@ bool cmlp_compact_place(int L, const size_t *sz, int nv, uint64_t inside, size_t
 }
 
 /* Workspace for `rows` samples: inputs and every layer's output (kept for backward: the
- * activations), the two gradient buffers (cmlp_grad_widths) and labels (the workspace proper).
- * The pieces in *inside (bits by index) are those a step that is alone in its optimizer step
- * may place in the first layer's weight gradient instead (cmlp_compact_place): everything but
- * the input, layer 1's input (then its gradient) and the labels, which are still read when
- * that gradient is written. One allocation; grows, never shrinks. The planner sizes it with
- * the same function. */
+ * activations), the two gradient buffers (cmlp_grad_widths) and labels (the workspace proper),
+ * in the order input, layer 1's output, the gradient buffer that holds layer 2's input gradient,
+ * the outputs of layers 2..L, the other gradient buffer, labels: layer 1's input gradient is
+ * written over the last four, which are free by then (cmlp_ws_dx1). The pieces in *inside
+ * (bits by index) are those a step that is alone in its optimizer step may place in the first
+ * layer's weight gradient instead (cmlp_compact_place): everything but the input, layer 1's
+ * output (then its input gradient) and the labels, which are still read when that gradient is
+ * written. One allocation; grows, never shrinks. The planner sizes it with the same function. */
 int cmlp_ws_layout(const int *sizes, int L, int64_t rows, size_t *sz, size_t *act_bytes, uint64_t *inside) {
     int nv = 0;
     int64_t g[2];
-    cmlp_grad_widths(sizes, L, g);
+    cmlp_grad_widths(sizes, L, 0, g);
     *act_bytes = 0;
     *inside = 0;
-    for (int l = 0; l <= L; l++) {
-        if (l >= 2) *inside |= 1ull << nv;
+    int cur1 = L > 1 ? (L - 2) & 1 : 0; /* the buffer that holds layer 2's input gradient */
+    for (int l = 0; l <= 1; l++) *act_bytes += sz[nv++] = align64((size_t)rows * sizes[l] * sizeof(float));
+    *inside |= 1ull << nv;
+    sz[nv++] = align64((size_t)(rows * g[cur1]) * sizeof(float));
+    for (int l = 2; l <= L; l++) {
+        *inside |= 1ull << nv;
         *act_bytes += sz[nv++] = align64((size_t)rows * sizes[l] * sizeof(float));
     }
-    for (int i = 0; i < 2; i++) {
-        *inside |= 1ull << nv;
-        sz[nv++] = align64((size_t)(rows * g[i]) * sizeof(float));
-    }
+    *inside |= 1ull << nv;
+    sz[nv++] = align64((size_t)(rows * g[1 - cur1]) * sizeof(float));
     sz[nv++] = align64((size_t)rows * sizeof(int32_t));
     return nv;
 }
@@ -150,8 +160,8 @@ cmlp_status cmlp_workspace_reserve(cmlp_model *m, int64_t rows, bool compact) {
     if (rows <= m->ws.rows && (compact || !m->ws.compact)) return CMLP_OK;
     size_t sz[CMLP_MAX_LAYERS + 4], off[CMLP_MAX_LAYERS + 4], total = 0, act;
     uint64_t inside;
-    int nv = cmlp_ws_layout(m->sizes, m->nlayers, rows, sz, &act, &inside);
-    if (!compact || !cmlp_compact_place(m->nlayers, sz, nv, inside, 0, cmlp_first_grad_bytes(m->sizes), off))
+    int L = m->nlayers, nv = cmlp_ws_layout(m->sizes, L, rows, sz, &act, &inside);
+    if (!compact || !cmlp_compact_place(L, sz, nv, inside, 0, cmlp_first_grad_bytes(m->sizes), off))
         inside = 0, compact = false;
     for (int i = 0; i < nv; i++) total += inside >> i & 1 ? 0 : sz[i];
     char *block;
@@ -169,11 +179,15 @@ cmlp_status cmlp_workspace_reserve(cmlp_model *m, int64_t rows, bool compact) {
             block += sz[i];
         }
     }
-    int v = 0;
-    for (int l = 0; l <= m->nlayers; l++) m->ws.act[l] = (float *)piece[v++];
-    m->ws.dact[0] = (float *)piece[v++];
-    m->ws.dact[1] = (float *)piece[v++];
+    int cur1 = L > 1 ? (L - 2) & 1 : 0, v = 0;
+    m->ws.act[0] = (float *)piece[v++];
+    m->ws.act[1] = (float *)piece[v++];
+    m->ws.dact[cur1] = (float *)piece[v++];
+    for (int l = 2; l <= L; l++) m->ws.act[l] = (float *)piece[v++];
+    m->ws.dact[1 - cur1] = (float *)piece[v++];
     m->ws.labels = (int32_t *)piece[v];
+    m->ws.dx1_bytes = 0;
+    for (int i = 3; L > 1 && i < v; i++) m->ws.dx1_bytes += sz[i]; /* layer 2's output to the buffer after */
     return CMLP_OK;
 }
 
@@ -295,13 +309,17 @@ cmlp_status cmlp_model_fb_rows(cmlp_model *m, const float *input, const int32_t 
         if (l == L - 1) CMLP_TRY(B(m)->bias_grad(CTX(m), m->grads + m->b_off[l], cur, n, out, w.fresh));
         if (l == 0) break;
         /* dA [n, in] = dY [n, out] . W [out, in], then through the ReLU that produced A, with the
-         * bias gradient of the layer below from the same pass; layer 1's input gradient replaces
-         * layer 1's input (A is not needed after it), which keeps it out of the first layer's
-         * weight gradient that the last GEMM writes */
-        CMLP_TRY(B(m)->gemm(CTX(m), 0, 0, n, in, out, 1.0f, cur, out, m->params + m->w_off[l], in, 0.0f, other, in));
-        float *dst = l == 1 ? a : other;
-        CMLP_TRY(B(m)->relu_backward_bias_grad(CTX(m), other, a, dst, CMLP_DTYPE_F32, m->grads + m->b_off[l - 1], n,
-                                               in, w.fresh));
+         * bias gradient of the layer below from the same pass. Layer 1's input gradient is
+         * computed over the buffers from layer 2's output on (free by then) and, masked,
+         * replaces layer 1's output (A is not needed after it): the last GEMM reads it there,
+         * out of the first layer's weight gradient that it writes. */
+        float *dx = l == 1 ? m->ws.act[2] : other, *dst = l == 1 ? a : other; /* cmlp_ws_layout */
+        if (l == 1 && (size_t)(n * in) * sizeof(float) > m->ws.dx1_bytes)
+            return CMLP_FAIL(CMLP_ERR_STATE, "layer 1's input gradient needs %lld bytes, its place holds %zu",
+                             (long long)(n * in * 4), m->ws.dx1_bytes);
+        CMLP_TRY(B(m)->gemm(CTX(m), 0, 0, n, in, out, 1.0f, cur, out, m->params + m->w_off[l], in, 0.0f, dx, in));
+        CMLP_TRY(B(m)->relu_backward_bias_grad(CTX(m), dx, a, dst, CMLP_DTYPE_F32, m->grads + m->b_off[l - 1], n, in,
+                                               w.fresh));
         other = cur;
         cur = dst;
     }

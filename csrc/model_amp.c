@@ -52,8 +52,12 @@ int cmlp_amp_native(const cmlp_backend_i *b) { return b->gemm_half && b->softmax
  * of rows (three [chunk, widest]) and one layer's weights and bias. On a native backend the
  * logits' gradient, two of the scratch blocks and the layer's weights are not needed (size 0),
  * the scratch block stages host rows of the input ([chunk, sizes[0]]) and the bias is the last
- * layer's. *inside: the pieces a compact step places in the first layer's weight gradient,
- * after its half weights (cmlp_ws_layout): all but the input, layer 1's input and the labels. */
+ * layer's. Without recompute and with more than one layer, in cmlp_ws_layout's order: the
+ * input, layer 1's output, the gradient buffer that holds layer 2's input gradient, the outputs
+ * of layers 2..L-1, the logits and their gradient, the other gradient buffer (layer 1's input
+ * gradient is written over these). *inside: the pieces a compact step places in the first
+ * layer's weight gradient, after its half weights (cmlp_ws_layout): all but the input, layer
+ * 1's output and the labels. */
 int cmlp_amp_layout(const int *sizes, int L, int64_t rows, int recompute, int native, size_t *sz, size_t *act_bytes,
                     uint64_t *inside) {
     int C = sizes[L];
@@ -65,27 +69,31 @@ int cmlp_amp_layout(const int *sizes, int L, int64_t rows, int recompute, int na
         int64_t w = (int64_t)sizes[l] * sizes[l + 1];
         maxwt = w > maxwt ? w : maxwt;
     }
+    /* kept for backward: every layer's input, or with recompute the first one only */
+    const int nact = recompute ? 1 : L, split = !recompute && L > 1, cur1 = split ? (L - 2) & 1 : 0;
+    /* the gradients between layers (two buffers, in turn), plus one to recompute through (then
+     * each of the three may hold any layer's activations or gradient) */
+    int64_t g[2];
+    cmlp_grad_widths(sizes, L, 1, g);
     int nv = 0;
     *act_bytes = 0;
     *inside = 0;
 #define INSIDE() (*inside |= 1ull << nv)
-    /* kept for backward: every layer's input, or with recompute the first one only */
-    for (int l = 0; l < (recompute ? 1 : L); l++) {
-        if (l >= 2) INSIDE();
+#define DACT(i) (sz[nv++] = align64((size_t)(rows * (recompute ? maxg : g[i])) * sizeof(uint16_t)))
+    for (int l = 0; l < nact && l < 2; l++) *act_bytes += sz[nv++] = align64((size_t)rows * sizes[l] * sizeof(uint16_t));
+    if (split) INSIDE(), DACT(cur1);
+    for (int l = 2; l < nact; l++) {
+        INSIDE();
         *act_bytes += sz[nv++] = align64((size_t)rows * sizes[l] * sizeof(uint16_t));
     }
     INSIDE();
     *act_bytes += sz[nv++] = align64((size_t)rows * C * sizeof(float));
     INSIDE();
     sz[nv++] = native ? 0 : align64((size_t)rows * C * sizeof(float));
-    /* the gradients between layers (two buffers, in turn), plus one to recompute through (then
-     * each of the three may hold any layer's activations or gradient) */
-    int64_t g[2];
-    cmlp_grad_widths(sizes, L, g);
-    for (int i = 0; i < (recompute ? 3 : 2); i++) {
-        INSIDE();
-        sz[nv++] = align64((size_t)(rows * (recompute ? maxg : g[i])) * sizeof(uint16_t));
-    }
+    if (split)
+        INSIDE(), DACT(1 - cur1);
+    else
+        for (int i = 0; i < (recompute ? 3 : 2); i++) INSIDE(), DACT(i);
     sz[nv++] = align64((size_t)rows * sizeof(int32_t));
     for (int i = 0; i < 3; i++) {
         INSIDE();
@@ -97,6 +105,7 @@ int cmlp_amp_layout(const int *sizes, int L, int64_t rows, int recompute, int na
     sz[nv++] = native ? 0 : align64((size_t)maxwt * sizeof(float));
     INSIDE();
     sz[nv++] = align64((size_t)(native ? C : maxw) * sizeof(float));
+#undef DACT
 #undef INSIDE
     return nv;
 }
@@ -143,11 +152,20 @@ static cmlp_status reserve(cmlp_model *m, int64_t rows, int recompute, bool comp
             p += sz[i];
         }
     }
+    /* as cmlp_amp_layout lists them */
+    const int nact = recompute ? 1 : L, split = !recompute && L > 1, cur1 = split ? (L - 2) & 1 : 0;
     int v = 0;
-    for (int l = 0; l < (recompute ? 1 : L); l++) w->act[l] = (uint16_t *)piece[v++];
+    for (int l = 0; l < nact && l < 2; l++) w->act[l] = (uint16_t *)piece[v++];
+    if (split) w->dact[cur1] = (uint16_t *)piece[v++];
+    for (int l = 2; l < nact; l++) w->act[l] = (uint16_t *)piece[v++];
     w->logits = (float *)piece[v++];
     w->dlogits = (float *)piece[v++];
-    for (int i = 0; i < (recompute ? 3 : 2); i++) w->dact[i] = (uint16_t *)piece[v++];
+    if (split)
+        w->dact[1 - cur1] = (uint16_t *)piece[v++];
+    else
+        for (int i = 0; i < (recompute ? 3 : 2); i++) w->dact[i] = (uint16_t *)piece[v++];
+    w->dx1_bytes = 0;
+    for (int i = 3; split && i < v; i++) w->dx1_bytes += sz[i]; /* layer 2's output to the buffer after */
     w->labels = (int32_t *)piece[v++];
     for (int i = 0; i < 3; i++) w->scratch[i] = (float *)piece[v++];
     w->w32 = (float *)piece[v++];
@@ -257,9 +275,15 @@ static cmlp_status backward(cmlp_model *m, int64_t n, bool fresh, bool half_grad
             CMLP_TRY(b->gemm_half(CTX(m), 1, 0, out, in, n, 1.0f, cur, out, al, in, dt, fresh ? 0.0f : 1.0f,
                                   m->grads + m->w_off[l], CMLP_DTYPE_F32, in, NULL, 0));
             if (l == L - 1) CMLP_TRY(b->bias_grad_half(CTX(m), m->grads + m->b_off[l], cur, n, out, dt, fresh));
-            if (l > 0) { /* the bias gradient of the layer below comes with the mask */
-                CMLP_TRY(b->gemm_half(CTX(m), 0, 0, n, in, out, 1.0f, cur, out, wh, in, dt, 0.0f, other, dt, in, NULL, 0));
-                CMLP_TRY(b->relu_backward_bias_grad(CTX(m), other, al, l == 1 && !w->recompute ? (void *)al : other, dt,
+            if (l > 0) { /* the bias gradient of the layer below comes with the mask; layer 1's input gradient
+                          * over the buffers from layer 2's output on (cmlp_amp_layout) */
+                bool first = l == 1 && !w->recompute;
+                void *dx = !first ? (void *)other : L > 2 ? (void *)w->act[2] : (void *)w->logits;
+                if (first && (size_t)(n * in) * sizeof(uint16_t) > w->dx1_bytes)
+                    return CMLP_FAIL(CMLP_ERR_STATE, "layer 1's input gradient needs %lld bytes, its place holds %zu",
+                                     (long long)(n * in * 2), w->dx1_bytes);
+                CMLP_TRY(b->gemm_half(CTX(m), 0, 0, n, in, out, 1.0f, cur, out, wh, in, dt, 0.0f, dx, dt, in, NULL, 0));
+                CMLP_TRY(b->relu_backward_bias_grad(CTX(m), dx, al, first ? (void *)al : dx, dt,
                                                     m->grads + m->b_off[l - 1], n, in, fresh));
             }
         } else {

@@ -74,15 +74,13 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
     bool compact = solo && !recompute && (!amp || native) &&
                    cmlp_compact_place(L, sz, nv, inside, half_in, cmlp_first_grad_bytes(sizes), off);
     if (!compact) inside = 0;
-    int nact = amp ? (recompute ? 1 : L) + 1 : L + 1; /* the layouts list the activations first */
     for (int i = 0; i < nv; i++) {
-        if (inside >> i & 1) {
+        if (inside >> i & 1)
             inside_bytes += sz[i];
-            if (i < nact) act -= sz[i];
-        } else {
+        else
             ws += sz[i];
-        }
     }
+    if (compact) act = sz[0] + sz[1]; /* the activations left outside: the input and layer 1's output, listed first */
     memset(out, 0, sizeof *out);
     out->parameters = nparams * 4;
     out->gradients = nparams * 4;

@@ -141,8 +141,13 @@ def test_breakdown_categories_and_values(grid_runs, cfg):
     widest = max(layers[1:])
     # the gradient flows back through two buffers in turn: the logits' and every second layer's
     # input gradient below it in one, the others in the other
+    # (down to layer 2's input: layer 1's input gradient is written over the outputs of layers
+    # 2 and up and the buffer after them, which is made wide enough)
     top = len(layers) - 1
-    grads = [max([layers[i] for i in range(top, 0, -1) if (top - i) % 2 == j], default=1) for j in (0, 1)]
+    low = 2 if top > 1 else 1
+    grads = [max([layers[i] for i in range(top, low - 1, -1) if (top - i) % 2 == j], default=1) for j in (0, 1)]
+    if top > 1:
+        grads[(top - 1) % 2] = max(grads[(top - 1) % 2], layers[1] - sum(layers[2:]))
     scalars = -(4 * n) % 64 + 128  # the device scalars after the gradients, which are padded to 64 bytes
     if recompute and amp:  # only the half-precision input is kept, and the float32 logits
         assert d["activations"] == a64(b * layers[0] * 2) + a64(b * layers[-1] * 4)
