@@ -23,9 +23,12 @@ MIB = 1 << 20
 TOL = 1e-5  # norm-wise relative error per tensor
 
 # A model whose step needs fresh device memory: its workspace and Adam state do not fit in the
-# segment that holds the parameters and gradients.
+# segment that holds the parameters and gradients. At this batch a whole step keeps part of its
+# buffers in the first layer's weight gradient, and what it keeps outside (the input and the
+# hidden layer's output) still takes a segment of its own; a micro-batch of a split step keeps
+# them all outside.
 WIDE = [784, 2048, 10]
-WIDE_BATCH = 512
+WIDE_BATCH = 704
 
 
 @pytest.fixture(autouse=True)
@@ -276,7 +279,12 @@ def test_an_oom_at_every_device_allocation_rolls_back_or_retries(amp):
             where = f"limit +{extra >> 20} MiB"
             if error is None:
                 assert trainer.microbatch_size < WIDE_BATCH, where
-                assert rel_err(trainer.model.state_dict(), want) <= TOL, where
+                # the unsplit step up to summation order, through Adam's first step, which moves
+                # every weight by about lr whatever its gradient's size: under fp16 a few hundred
+                # gradients of the first layer are below 1e-7 (half products underflow), and
+                # where such a one changes (or its sign does) its weight moves by up to 2 lr.
+                # Measured: 2.5e-5 for micro-batches of 44 (gradients within 8e-6 of unsplit)
+                assert rel_err(trainer.model.state_dict(), want) <= (TOL if amp is None else 1e-4), where
                 assert loss == pytest.approx(want_loss, rel=1e-5), where  # a failed attempt's loss is taken back
             else:
                 assert "1 sample" in error, (where, error)
@@ -380,7 +388,7 @@ def test_the_microbatch_grows_back_after_a_planned_start():
     x, y = data(layers, 9 * batch)
     batches = [(x[i:i + batch], y[i:i + batch]) for i in range(0, len(x), batch)]
     trainer = fresh(layers, batch, grow_interval=2)
-    plan = M.plan(layers, batch // 8, trainer.optimizer)
+    plan = M.plan(layers, batch // 8, trainer.optimizer, accumulation_steps=8)
     held = plan.breakdown["parameters"] + plan.breakdown["gradients"]
     # room for micro-batches of batch // 8 next to the model, as the planner counts it
     M.set_memory_limit(M.memory_allocated(DEV) + plan.peak_bytes - held, DEV)

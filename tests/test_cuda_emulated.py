@@ -11,6 +11,7 @@ fails), on poisoned memory (new device memory reads as NaN until written) with t
 kernel run last first. The emulator computes GEMMs in float64 and rounds once, so GPU-vs-CPU
 comparisons are made at a real distance, not bit for bit. Skipped only where the CUDA toolkit's
 headers are missing."""
+import importlib.util
 import os
 import subprocess
 import sys
@@ -137,6 +138,7 @@ def test_the_device_check_script_runs_on_the_emulated_cuda_backend():
     assert "profile_gpu: nothing profiled" in summary, tail
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="the profile is PyTorch's profiler")
 def test_the_kernel_profile_script_runs_on_the_cpu():
     """bench/profile_gpu.py --device cpu: PyTorch's operators on the CPU, the script's own code."""
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "profile_gpu.py"), "--device", "cpu", "--steps",
