@@ -138,12 +138,18 @@ CMLP_HIDDEN cmlp_status cmlp_workspace_reserve(cmlp_model *m, int64_t rows, bool
  * gradient. */
 CMLP_HIDDEN int cmlp_ws_layout(const int *sizes, int L, int64_t rows, size_t *sz, size_t *act_bytes,
                                uint64_t *inside);
+/* Bit i of a mask of pieces (cmlp_ws_layout's *inside); a mask holds the first 64 pieces, and
+ * cmlp_compact_place refuses a layout with more. */
+static inline bool cmlp_piece_in(uint64_t mask, int i) { return i < 64 && (mask >> i & 1); }
+static inline void cmlp_piece_set(uint64_t *mask, int i) {
+    if (i < 64) *mask |= 1ull << i;
+}
 /* The bytes of the first layer's weight gradient (at the start of the gradients). */
 CMLP_HIDDEN size_t cmlp_first_grad_bytes(const int *sizes);
 /* Offsets in the first layer's weight gradient of the pieces in `inside`, one after another in
  * index order after `first` bytes (each piece is a multiple of 64 bytes); whether they fit in
  * `room` bytes (and the model has more than one layer: a single layer's gradient is read as its
- * weight gradient is written). */
+ * weight gradient is written; and at most 64 pieces, what a mask holds). */
 CMLP_HIDDEN bool cmlp_compact_place(int L, const size_t *sz, int nv, uint64_t inside, size_t first, size_t room,
                                     size_t *off);
 /* The widths of the two buffers the gradient flows back through: widths[0] holds the logits'

@@ -121,20 +121,21 @@ bool cmlp_compact_place(int L, const size_t *sz, int nv, uint64_t inside, size_t
     size_t used = first;
     for (int i = 0; i < nv; i++) {
         off[i] = used;
-        if (inside >> i & 1) used += sz[i];
+        if (cmlp_piece_in(inside, i)) used += sz[i];
     }
-    return L > 1 && used <= room;
+    return L > 1 && nv <= 64 && used <= room;
 }
 
 /* Workspace for `rows` samples: inputs and every layer's output (kept for backward: the
  * activations), the two gradient buffers (cmlp_grad_widths) and labels (the workspace proper),
  * in the order input, layer 1's output, the gradient buffer that holds layer 2's input gradient,
  * the outputs of layers 2..L, the other gradient buffer, labels: layer 1's input gradient is
- * written over the last four, which are free by then (cmlp_ws_dx1). The pieces in *inside
- * (bits by index) are those a step that is alone in its optimizer step may place in the first
- * layer's weight gradient instead (cmlp_compact_place): everything but the input, layer 1's
- * output (then its input gradient) and the labels, which are still read when that gradient is
- * written. One allocation; grows, never shrinks. The planner sizes it with the same function. */
+ * written over the outputs of layers 2..L and the buffer after them, which are free by then
+ * (ws.dx1_bytes of them). The pieces in *inside (bits by index) are those a step that is alone
+ * in its optimizer step may place in the first layer's weight gradient instead
+ * (cmlp_compact_place): everything but the input and layer 1's output (then its input
+ * gradient), which the GEMM that writes that gradient reads, and the labels. One allocation;
+ * grows, never shrinks. The planner sizes it with the same function. */
 int cmlp_ws_layout(const int *sizes, int L, int64_t rows, size_t *sz, size_t *act_bytes, uint64_t *inside) {
     int nv = 0;
     int64_t g[2];
@@ -143,13 +144,13 @@ int cmlp_ws_layout(const int *sizes, int L, int64_t rows, size_t *sz, size_t *ac
     *inside = 0;
     int cur1 = L > 1 ? (L - 2) & 1 : 0; /* the buffer that holds layer 2's input gradient */
     for (int l = 0; l <= 1; l++) *act_bytes += sz[nv++] = align64((size_t)rows * sizes[l] * sizeof(float));
-    *inside |= 1ull << nv;
+    cmlp_piece_set(inside, nv);
     sz[nv++] = align64((size_t)(rows * g[cur1]) * sizeof(float));
     for (int l = 2; l <= L; l++) {
-        *inside |= 1ull << nv;
+        cmlp_piece_set(inside, nv);
         *act_bytes += sz[nv++] = align64((size_t)rows * sizes[l] * sizeof(float));
     }
-    *inside |= 1ull << nv;
+    cmlp_piece_set(inside, nv);
     sz[nv++] = align64((size_t)(rows * g[1 - cur1]) * sizeof(float));
     sz[nv++] = align64((size_t)rows * sizeof(int32_t));
     return nv;
@@ -163,7 +164,7 @@ cmlp_status cmlp_workspace_reserve(cmlp_model *m, int64_t rows, bool compact) {
     int L = m->nlayers, nv = cmlp_ws_layout(m->sizes, L, rows, sz, &act, &inside);
     if (!compact || !cmlp_compact_place(L, sz, nv, inside, 0, cmlp_first_grad_bytes(m->sizes), off))
         inside = 0, compact = false;
-    for (int i = 0; i < nv; i++) total += inside >> i & 1 ? 0 : sz[i];
+    for (int i = 0; i < nv; i++) total += cmlp_piece_in(inside, i) ? 0 : sz[i];
     char *block;
     CMLP_TRY(dev_alloc(m->dev, total, (void **)&block));
     cmlp_model_release_workspace(m);
@@ -172,7 +173,7 @@ cmlp_status cmlp_workspace_reserve(cmlp_model *m, int64_t rows, bool compact) {
     m->ws.compact = compact;
     char *piece[CMLP_MAX_LAYERS + 4];
     for (int i = 0; i < nv; i++) {
-        if (inside >> i & 1) {
+        if (cmlp_piece_in(inside, i)) {
             piece[i] = (char *)m->grads + off[i];
         } else {
             piece[i] = block;

@@ -78,7 +78,7 @@ int cmlp_amp_layout(const int *sizes, int L, int64_t rows, int recompute, int na
     int nv = 0;
     *act_bytes = 0;
     *inside = 0;
-#define INSIDE() (*inside |= 1ull << nv)
+#define INSIDE() cmlp_piece_set(inside, nv)
 #define DACT(i) (sz[nv++] = align64((size_t)(rows * (recompute ? maxg : g[i])) * sizeof(uint16_t)))
     for (int l = 0; l < nact && l < 2; l++) *act_bytes += sz[nv++] = align64((size_t)rows * sizes[l] * sizeof(uint16_t));
     if (split) INSIDE(), DACT(cur1);
@@ -133,7 +133,7 @@ static cmlp_status reserve(cmlp_model *m, int64_t rows, int recompute, bool comp
     if (!layout(m, rows, recompute, sz, &nv, &inside, off) || !compact) inside = 0, compact = false;
     int64_t chunk = rows < AMP_CHUNK ? rows : AMP_CHUNK;
     int L = m->nlayers;
-    for (int i = 0; i < nv; i++) total += inside >> i & 1 ? 0 : sz[i];
+    for (int i = 0; i < nv; i++) total += cmlp_piece_in(inside, i) ? 0 : sz[i];
     char *p;
     CMLP_TRY(cmlp_allocator_malloc(m->dev->alloc, total, (void **)&p));
     cmlp_amp_release(m);
@@ -145,7 +145,7 @@ static cmlp_status reserve(cmlp_model *m, int64_t rows, int recompute, bool comp
     w->compact = compact;
     char *piece[CMLP_MAX_LAYERS + 12];
     for (int i = 0; i < nv; i++) {
-        if (inside >> i & 1) {
+        if (cmlp_piece_in(inside, i)) {
             piece[i] = sz[i] ? (char *)m->grads + off[i] : NULL;
         } else {
             piece[i] = sz[i] ? p : NULL;

@@ -75,7 +75,7 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
                    cmlp_compact_place(L, sz, nv, inside, half_in, cmlp_first_grad_bytes(sizes), off);
     if (!compact) inside = 0;
     for (int i = 0; i < nv; i++) {
-        if (inside >> i & 1)
+        if (cmlp_piece_in(inside, i))
             inside_bytes += sz[i];
         else
             ws += sz[i];

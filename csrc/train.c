@@ -17,6 +17,7 @@ typedef struct step_key {
     int64_t ws_rows, wsa_rows, wsa_chunk, wsr_rows; /* a workspace's layout follows its rows */
     float mean, std;                                /* the normalisation the gather applies */
     int x_dtype, wsa_recompute;
+    bool ws_compact, wsa_compact; /* where the workspaces' pieces lie */
     uint64_t optim_version;
     double growth_factor, backoff_factor;
     float smoothing;
@@ -326,6 +327,8 @@ static void make_key(const cmlp_trainer *t, const cmlp_data *xy, const int64_t *
     k->wsa_rows = m->wsa.rows;
     k->wsa_chunk = m->wsa.chunk;
     k->wsa_recompute = m->wsa.recompute;
+    k->ws_compact = m->ws.compact;
+    k->wsa_compact = m->wsa.compact;
     k->wsr_rows = m->wsr.rows;
     k->x_dtype = (int)xy->x_dtype;
     k->mean = xy->mean;

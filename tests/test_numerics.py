@@ -102,6 +102,21 @@ def test_a_trainer_step_leaves_the_gradients_of_its_batch(sizes, n):
         assert_grads_close(model.grads(), ref_grads)
 
 
+@pytest.mark.parametrize("depth", [57, 61])
+def test_a_deep_model_steps_alike_whether_or_not_its_buffers_share_the_gradients(depth):
+    """A step's buffers go into the first layer's weight gradient only while a mask of 64 pieces
+    can list them: 57 hidden layers of 4 after one of 64 (63 pieces) do, 61 (67 pieces) do not.
+    Either way the step leaves the batch's gradients."""
+    sizes = [64, 64] + [4] * depth + [3]
+    assert (cmlp.memory.plan(sizes, 2).in_gradients > 0) == (depth == 57)
+    model, ref, x, y = make_case(sizes, 2)
+    trainer = cmlp.Trainer(model, cmlp.optim.SGD(model, lr=0.0), batch_size=2, shuffle=False)
+    loss = trainer.step(x, y)
+    ref_loss, ref_grads = ref.loss_and_grads(x, y)
+    assert_loss_close(loss, ref_loss)
+    assert_grads_close(model.grads(), ref_grads)
+
+
 @pytest.mark.parametrize("scale", [8.0, 0.1, 1024.0])
 def test_loss_scale_multiplies_gradients(scale):
     model, ref, x, y = make_case([7, 16, 16, 16, 4], 32, seed=1)

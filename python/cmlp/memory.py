@@ -244,8 +244,10 @@ def plan(layer_sizes: List[int], batch_size: int, optimizer: Any = "adam", amp: 
          recompute: bool = False, device: str = "cpu", scaler: Optional[bool] = None,
          accumulation_steps: int = 1) -> Plan:
     """Predicts a training run's memory before anything is allocated (batch_size: rows computed at
-    once, i.e. the micro-batch; accumulation_steps: micro-batches per optimizer step). scaler
-    defaults to amp == "fp16"."""
+    once, i.e. the micro-batch; accumulation_steps: micro-batches per optimizer step). With one
+    micro-batch per step (the default) a step keeps most of its buffers in the first layer's
+    weight gradient where they fit (in_gradients); a run that accumulates cannot, so plan it
+    with its accumulation_steps. scaler defaults to amp == "fp16"."""
     from ._arrays import check_amp
     from .model import _as_sizes
 
@@ -264,7 +266,9 @@ def plan(layer_sizes: List[int], batch_size: int, optimizer: Any = "adam", amp: 
 def max_batch_size(layer_sizes: List[int], budget_bytes: int, optimizer: Any = "adam", amp: Optional[str] = None,
                    recompute: bool = False, device: str = "cpu", limit: int = 1 << 24,
                    accumulation_steps: int = 1) -> int:
-    """The largest micro-batch whose planned reserved memory fits in budget_bytes (0 if none)."""
+    """The largest micro-batch whose planned reserved memory fits in budget_bytes (0 if none),
+    for runs of accumulation_steps micro-batches per optimizer step (see plan: with more than
+    one, a step needs more memory for the same micro-batch)."""
     budget = parse_size(budget_bytes)
     _check_accumulation(accumulation_steps)
 

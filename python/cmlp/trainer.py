@@ -102,17 +102,17 @@ class Trainer:
             held += ("half_weights",)
         self.model._c.release_workspace()  # the plan counts the workspace; it goes back to the cache
         room = limit - memory.memory_allocated(device)
-        # the limit caps what may be reserved: new segments come rounded up, which can decide it
-        reserved = memory.memory_reserved(device)
-        growth = max(0, limit - reserved)
+        # the limit caps reserved memory, and new segments come rounded up, which can decide it:
+        # the segments a run reserves from an empty cache (those that hold the model now among
+        # them) must fit under the limit, or under what is reserved already where that is more
+        # (then no new segment can be made at all)
+        cap = max(limit, memory.memory_reserved(device))
         b = self.microbatch_size
         while b > 1:
             p = memory.plan(list(self.model.layer_sizes), b, self.optimizer, self.amp, self.recompute,
                             scaler=self.scaler is not None and self.scaler.is_enabled(), device=device,
                             accumulation_steps=-(-self.batch_size * self.accumulation_steps // b))
-            # the bytes it allocates besides what is held, and the segments it reserves from an
-            # empty cache beyond those reserved now (which hold what is held, or are free)
-            if p.peak_bytes - sum(p.breakdown[k] for k in held) <= room and p.reserved_bytes - reserved <= growth:
+            if p.peak_bytes - sum(p.breakdown[k] for k in held) <= room and p.reserved_bytes <= cap:
                 break
             b //= 2
         asked = self.microbatch_size
