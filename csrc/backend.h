@@ -65,17 +65,15 @@ typedef struct cmlp_backend_i {
     /* Optional mixed-precision GEMM (NULL where the backend has none; the core then converts
      * blocks to fp32): A and B in half storage of type ab (F16 or BF16), C of type c_type (F32
      * or ab), fp32 accumulation; C = act(alpha op(A) op(B) + beta C + bias), bias (c_type
-     * elements, [n]) may be NULL, relu needs a bias. With it come the two half-storage passes
-     * below: db (fp32) += column sums of dy (overwrite: as bias_grad), and
-     * dy[i] = h[i] > 0 ? dy[i] : 0. */
+     * elements, [n]) may be NULL, relu needs a bias. With it comes the half-storage pass below,
+     * db (fp32) += column sums of dy (overwrite: as bias_grad); the ReLU's backward in half
+     * storage is relu_backward_bias_grad's. */
     cmlp_status (*gemm_half)(void *ctx, int trans_a, int trans_b, int64_t m, int64_t n, int64_t k,
                              float alpha, const uint16_t *d_a, int64_t lda, const uint16_t *d_b, int64_t ldb,
                              cmlp_dtype ab, float beta, void *d_c, cmlp_dtype c_type, int64_t ldc,
                              const void *d_bias, int relu);
     cmlp_status (*bias_grad_half)(void *ctx, float *d_db, const uint16_t *d_dy, int64_t rows, int64_t cols,
                                   cmlp_dtype dtype, int overwrite);
-    cmlp_status (*relu_backward_half)(void *ctx, uint16_t *d_dy, const uint16_t *d_h, int64_t count,
-                                      cmlp_dtype dtype);
     /* y[r, c] = act(y[r, c] + bias[c]); act is ReLU when relu != 0, identity otherwise. */
     cmlp_status (*bias_act)(void *ctx, float *d_y, const float *d_bias, int64_t rows, int64_t cols,
                             int relu);

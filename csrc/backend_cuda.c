@@ -583,13 +583,6 @@ static cmlp_status cu_bias_grad_half(void *ctx, float *d_db, const uint16_t *d_d
     return bias_grad_locked(ctx, (void *)d_dy, NULL, NULL, half_kind(dtype), d_db, rows, cols, overwrite);
 }
 
-static cmlp_status cu_relu_backward_half(void *ctx, uint16_t *d_dy, const uint16_t *d_h, int64_t count,
-                                         cmlp_dtype dtype) {
-    cuda_ctx *c = ctx;
-    CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_relu_backward_half(d_dy, d_h, count, dtype == CMLP_DTYPE_BF16, stream_of(c)));
-}
-
 /* ---- elementwise, loss, staging ---- */
 
 static cmlp_status cu_bias_act(void *ctx, float *d_y, const float *d_bias, int64_t rows, int64_t cols, int relu) {
@@ -892,7 +885,6 @@ static const cmlp_backend_i backend = {
     .gemm_bias_act = cu_gemm_bias_act,
     .gemm_half = cu_gemm_half,
     .bias_grad_half = cu_bias_grad_half,
-    .relu_backward_half = cu_relu_backward_half,
     .bias_act = cu_bias_act,
     .relu_backward = cu_relu_backward,
     .relu_backward_bias_grad = cu_relu_backward_bias_grad,

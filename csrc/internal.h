@@ -152,6 +152,11 @@ CMLP_HIDDEN size_t cmlp_first_grad_bytes(const int *sizes);
  * weight gradient is written; and at most 64 pieces, what a mask holds). */
 CMLP_HIDDEN bool cmlp_compact_place(int L, const size_t *sz, int nv, uint64_t inside, size_t first, size_t room,
                                     size_t *off);
+/* Where each piece lies: those in `inside` at grads + off[i], the others one after another from
+ * block (a piece of 0 bytes: NULL). Returns the bytes the others take (block may be NULL to
+ * count them first). */
+CMLP_HIDDEN size_t cmlp_place_pieces(const size_t *sz, int nv, uint64_t inside, const size_t *off, void *grads,
+                                     void *block, char **piece);
 /* The widths of the two buffers the gradient flows back through: widths[0] holds the logits'
  * gradient and every second layer's input gradient below it (sizes[L], sizes[L-2], ...),
  * widths[1] the others (sizes[L-1], sizes[L-3], ...), down to layer 2's input. Layer 1's input

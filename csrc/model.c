@@ -126,6 +126,20 @@ bool cmlp_compact_place(int L, const size_t *sz, int nv, uint64_t inside, size_t
     return L > 1 && nv <= 64 && used <= room;
 }
 
+size_t cmlp_place_pieces(const size_t *sz, int nv, uint64_t inside, const size_t *off, void *grads, void *block,
+                         char **piece) {
+    size_t used = 0;
+    for (int i = 0; i < nv; i++) {
+        if (cmlp_piece_in(inside, i)) {
+            piece[i] = sz[i] && grads ? (char *)grads + off[i] : NULL;
+        } else {
+            piece[i] = sz[i] && block ? (char *)block + used : NULL;
+            used += sz[i];
+        }
+    }
+    return used;
+}
+
 /* Workspace for `rows` samples: inputs and every layer's output (kept for backward: the
  * activations), the two gradient buffers (cmlp_grad_widths) and labels (the workspace proper),
  * in the order input, layer 1's output, the gradient buffer that holds layer 2's input gradient,
@@ -159,27 +173,19 @@ int cmlp_ws_layout(const int *sizes, int L, int64_t rows, size_t *sz, size_t *ac
 cmlp_status cmlp_workspace_reserve(cmlp_model *m, int64_t rows, bool compact) {
     /* a full workspace serves a step that could be compact too */
     if (rows <= m->ws.rows && (compact || !m->ws.compact)) return CMLP_OK;
-    size_t sz[CMLP_MAX_LAYERS + 4], off[CMLP_MAX_LAYERS + 4], total = 0, act;
+    size_t sz[CMLP_MAX_LAYERS + 4], off[CMLP_MAX_LAYERS + 4], total, act;
     uint64_t inside;
     int L = m->nlayers, nv = cmlp_ws_layout(m->sizes, L, rows, sz, &act, &inside);
     if (!compact || !cmlp_compact_place(L, sz, nv, inside, 0, cmlp_first_grad_bytes(m->sizes), off))
         inside = 0, compact = false;
-    for (int i = 0; i < nv; i++) total += cmlp_piece_in(inside, i) ? 0 : sz[i];
-    char *block;
+    char *piece[CMLP_MAX_LAYERS + 4], *block;
+    total = cmlp_place_pieces(sz, nv, inside, off, NULL, NULL, piece); /* the bytes outside */
     CMLP_TRY(dev_alloc(m->dev, total, (void **)&block));
     cmlp_model_release_workspace(m);
     m->ws.block = block;
     m->ws.rows = rows;
     m->ws.compact = compact;
-    char *piece[CMLP_MAX_LAYERS + 4];
-    for (int i = 0; i < nv; i++) {
-        if (cmlp_piece_in(inside, i)) {
-            piece[i] = (char *)m->grads + off[i];
-        } else {
-            piece[i] = block;
-            block += sz[i];
-        }
-    }
+    cmlp_place_pieces(sz, nv, inside, off, m->grads, block, piece);
     int cur1 = L > 1 ? (L - 2) & 1 : 0, v = 0;
     m->ws.act[0] = (float *)piece[v++];
     m->ws.act[1] = (float *)piece[v++];

@@ -127,14 +127,14 @@ static bool layout(const cmlp_model *m, int64_t rows, int recompute, size_t *sz,
 
 static cmlp_status reserve(cmlp_model *m, int64_t rows, int recompute, bool compact) {
     if (rows <= m->wsa.rows && recompute == m->wsa.recompute && (compact || !m->wsa.compact)) return CMLP_OK;
-    size_t sz[CMLP_MAX_LAYERS + 12], off[CMLP_MAX_LAYERS + 12], total = 0;
+    size_t sz[CMLP_MAX_LAYERS + 12], off[CMLP_MAX_LAYERS + 12], total;
     uint64_t inside;
     int nv;
     if (!layout(m, rows, recompute, sz, &nv, &inside, off) || !compact) inside = 0, compact = false;
     int64_t chunk = rows < AMP_CHUNK ? rows : AMP_CHUNK;
     int L = m->nlayers;
-    for (int i = 0; i < nv; i++) total += cmlp_piece_in(inside, i) ? 0 : sz[i];
-    char *p;
+    char *piece[CMLP_MAX_LAYERS + 12], *p;
+    total = cmlp_place_pieces(sz, nv, inside, off, NULL, NULL, piece); /* the bytes outside */
     CMLP_TRY(cmlp_allocator_malloc(m->dev->alloc, total, (void **)&p));
     cmlp_amp_release(m);
     cmlp_amp_workspace *w = &m->wsa;
@@ -143,15 +143,7 @@ static cmlp_status reserve(cmlp_model *m, int64_t rows, int recompute, bool comp
     w->chunk = chunk;
     w->recompute = recompute;
     w->compact = compact;
-    char *piece[CMLP_MAX_LAYERS + 12];
-    for (int i = 0; i < nv; i++) {
-        if (cmlp_piece_in(inside, i)) {
-            piece[i] = sz[i] ? (char *)m->grads + off[i] : NULL;
-        } else {
-            piece[i] = sz[i] ? p : NULL;
-            p += sz[i];
-        }
-    }
+    cmlp_place_pieces(sz, nv, inside, off, m->grads, p, piece);
     /* as cmlp_amp_layout lists them */
     const int nact = recompute ? 1 : L, split = !recompute && L > 1, cur1 = split ? (L - 2) & 1 : 0;
     int v = 0;
