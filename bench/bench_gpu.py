@@ -21,7 +21,10 @@ Measured in one process on one GPU, for batch 32, 8192 and 65536, in fp32 and fp
   - cuBLAS alone at batch 65536 in fp16: the 8 GEMMs of one step (forward [B,in]x[in,out] for
     3 layers; weight gradients [out,B]x[B,in] for 3 layers; input gradients [B,out]x[out,in]
     for layers 2 and 3) through torch.mm (cuBLAS), fp16 in and out, timed with CUDA events;
-    the share is (FLOP of a step / cmlp step time) / (the same FLOP / cuBLAS time).
+    the share is (FLOP of a step / cmlp step time) / (the same FLOP / cuBLAS time);
+  - one stream: cmlp ms/step at the smallest batch with CMLP_CUDA_STREAMS=1 (a child process:
+    the setting is read when a device opens), where a step otherwise makes its weight gradients on
+    a second stream beside the input-gradient chain; the gain is one stream's time over two's.
 Every timing is the best of REPEATS interleaved runs. 2,407,424 GEMM FLOP per sample per step.
 
 Run from the repository root with the in-place CUDA build:
@@ -33,6 +36,9 @@ smoke test on the emulated CUDA backend.
 """
 import argparse
 import gc
+import json
+import os
+import subprocess
 import sys
 import time
 
@@ -52,7 +58,10 @@ MEMORY_STEPS = 3
 TARGETS = ("batch 32 >= 10x PyTorch steps/s; batch 65536 fp16 step >= 50% of cuBLAS throughput on its GEMMs; "
            "peak memory <= PyTorch's")
 
+CHILD = "--one-stream-child"  # cmlp's rows of the smallest batch only, as JSON (no PyTorch)
 try:
+    if CHILD in sys.argv:
+        raise ImportError
     import torch
     import torch.nn as nn
 except ImportError:
@@ -266,6 +275,27 @@ def cublas_ms(batch, dtype, dev, reps=30, rounds=3):
     return best
 
 
+def one_stream(args, device, failures):
+    """{precision: ms/step} of the smallest batch with every step on one stream, from a child
+    process; None on the CPU."""
+    if device == "cpu":
+        return None
+    cmd = [sys.executable, os.path.abspath(__file__), CHILD, "--device", device]
+    cmd += ["--smoke"] * args.smoke + ["--quick"] * args.quick
+    try:
+        r = subprocess.run(cmd, env=dict(os.environ, CMLP_CUDA_STREAMS="1"), capture_output=True, text=True,
+                           timeout=300)
+        if r.returncode != 0:
+            raise RuntimeError(r.stderr.strip()[-500:])
+        one = json.loads(r.stdout.strip().splitlines()[-1])
+        log(f"one stream: {one}")
+        return one
+    except Exception as e:  # noqa: BLE001 - reported, and the exit status says so
+        failures.append(f"one stream: {type(e).__name__}: {e}")
+        log(f"bench_gpu: FAILED {failures[-1]}")
+        return None
+
+
 # ---------------------------------------------------------------- report
 
 def mib(n):
@@ -291,6 +321,7 @@ def main():
     parser.add_argument("--device", default="cuda",
                         help="cuda (default); cpu: small batches on the CPU, a smoke test of this script")
     parser.add_argument("--smoke", action="store_true", help="small batches: a smoke test of this script")
+    parser.add_argument(CHILD, action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     device = args.device
     smoke = args.smoke or device == "cpu"
@@ -314,6 +345,13 @@ def main():
     log(f"bench_gpu: {rows_needed:,} synthetic samples ({x.nbytes / 2**20:,.0f} MiB uint8)")
 
     ours = CmlpBench(device, {} if smoke else STEP_CALLS)
+    if args.one_stream_child:
+        batch = min(plan)
+        steps, epochs, _ = plan[batch]
+        n = steps * batch
+        print(json.dumps({precision_name(amp): min(ours.fit_ms(x[:n], y[:n], batch, amp, epochs)[0]
+                                                   for _ in range(repeats)) for amp in PRECISIONS}))
+        return 0
     theirs = TorchBench("cpu" if device == "cpu" else "cuda") if have_torch else None
     xt = yt = None
     if theirs is not None:
@@ -381,6 +419,16 @@ def main():
         print("|---:|---|---:|---:|---:|---:|---:|")
         print(f"| {big} | fp16 | {cublas:.4f} | {flop / (cublas * 1e-3) / 1e12:.1f} | {step_ms:.4f} "
               f"| {flop / (step_ms * 1e-3) / 1e12:.1f} | {100 * share:.0f}% |")
+    one = one_stream(args, device, failures)
+    small = min(plan)
+    if one:
+        print()
+        print("| batch | precision | cmlp ms/step, two streams | one stream | gain of two |")
+        print("|---:|---|---:|---:|---:|")
+        for amp in PRECISIONS:
+            r, ms = results.get((small, amp)), one.get(precision_name(amp))
+            if r and ms:
+                print(f"| {small} | {precision_name(amp)} | {r['ms']:.4f} | {ms:.4f} | {ms / r['ms']:.2f}x |")
     print()
     for line in environment_lines(device, have_torch):
         print(line)

@@ -160,6 +160,15 @@ typedef struct cmlp_backend_i {
     /* Waits for the device's queued work. */
     cmlp_status (*synchronize)(void *ctx);
 
+    /* A second stream (NULL where the device has none; with stream_side comes stream_join).
+     * stream_side(ctx, 1): the work this thread queues next on the device goes to its second
+     * stream, after all work queued before; stream_side(ctx, 0): back to the first stream,
+     * which does not wait for the second. stream_join: the first stream's work queued next
+     * waits for all the second's queued before (and the thread queues to the first). A step
+     * that forks joins before it ends, on errors too; a capture records both branches. */
+    cmlp_status (*stream_side)(void *ctx, int on);
+    cmlp_status (*stream_join)(void *ctx);
+
     /* Graphs (NULL where the device has none): the work queued between capture_begin and
      * capture_end is recorded, not run, and becomes a graph that graph_launch replays with the
      * same arguments. Nothing may allocate or wait for the device while capturing: such calls

@@ -130,10 +130,20 @@ typedef struct {
 typedef struct {
     int index;
     cudaStream_t stream;
+    /* the second stream, made on first use, with the events that fork work to it and join it
+     * back (under the lock); two_streams is 0 where CMLP_CUDA_STREAMS=1 keeps all on one */
+    cudaStream_t side;
+    cudaEvent_t side_fork, side_done;
+    int two_streams;
     cublasLtHandle_t lt;
-    pthread_mutex_t lock; /* the scratch, the staging buffers and the plan cache */
-    void *ws;             /* the GEMM workspace, from the allocator */
+    pthread_mutex_t lock; /* the scratch, the staging buffers, the plan cache, the second stream */
+    void *ws;             /* the GEMM workspace of the first stream, from the allocator */
     size_t ws_bytes;
+    /* the second stream's, from the end of the same block: one for work queued to it, one for
+     * the second branch of captured graphs, which replay beside other threads' second-stream
+     * work (graphs replay one after another on the first stream) */
+    void *ws_side, *ws_graph_side;
+    size_t ws_side_bytes;
     /* pinned staging for host data: a ring of slots, each reused once the copy that last read
      * it has finished (its event), so that staging waits for the GPU only when it is behind */
     void *h_stage[STAGE_SLOTS];
@@ -148,7 +158,10 @@ typedef struct {
     int next_plan;
 } cuda_ctx;
 
-#define GEMM_WORKSPACE ((size_t)8 << 20)
+/* The workspace block: 8 MiB for the first stream, then the second stream's two shares (its
+ * GEMMs have few rows to sum, CMLP_SIDE_ROWS, and its bias gradients few partial sums). */
+#define SIDE_WORKSPACE ((size_t)1 << 20)
+#define GEMM_WORKSPACE (((size_t)8 << 20) + 2 * SIDE_WORKSPACE)
 
 /* ---- graph capture ----
  * A thread captures on a stream of its own (made for the capture), so that other threads'
@@ -165,13 +178,24 @@ typedef struct {
 
 static __thread cuda_ctx *cap_ctx; /* the context this thread is capturing on, if any */
 static __thread cudaStream_t cap_stream;
+/* the capture's second stream and its events; cap_forked: work was forked to it and is not
+ * joined back yet (a capture must end joined) */
+static __thread cudaStream_t cap_side;
+static __thread cudaEvent_t cap_fork, cap_done;
+static __thread bool cap_forked;
 static __thread deferred_op *deferred;
 static __thread int ndeferred, cap_deferred;
+/* The device whose second stream this thread queues its work to (stream_side), if any. */
+static __thread const void *side_ctx;
 
 static bool capturing(const cuda_ctx *c) { return cap_ctx == c; }
 /* While a thread captures, what would allocate, free or wait breaks its capture on any device. */
 static bool thread_capturing(void) { return cap_ctx != NULL; }
-static cudaStream_t stream_of(const cuda_ctx *c) { return cap_ctx == c ? cap_stream : c->stream; }
+static bool on_side(const cuda_ctx *c) { return side_ctx == c; }
+static cudaStream_t stream_of(const cuda_ctx *c) {
+    if (cap_ctx == c) return on_side(c) ? cap_side : cap_stream;
+    return on_side(c) ? c->side : c->stream;
+}
 
 #define REFUSE_WHILE_CAPTURING(c, what)                                                                       \
     do {                                                                                                       \
@@ -210,7 +234,7 @@ static cmlp_status use(cuda_ctx *c) {
 static cmlp_status done(cuda_ctx *c, cudaError_t launch, const char *what) {
     if (launch != cudaSuccess) return cuda_fail(launch, what, __FILE__, __LINE__);
     if (c->sync_each && !thread_capturing()) {
-        cudaError_t e = cudaStreamSynchronize(c->stream);
+        cudaError_t e = cudaStreamSynchronize(stream_of(c));
         if (e != cudaSuccess) return cuda_fail(e, what, __FILE__, __LINE__);
     }
     return CMLP_OK;
@@ -230,6 +254,8 @@ static cmlp_status cu_open(int index, void **out) {
     pthread_mutex_init(&c->lock, NULL);
     c->sync_each = env_flag("CMLP_CUDA_SYNC");
     c->tf32 = env_flag("CMLP_ALLOW_TF32");
+    const char *streams = getenv("CMLP_CUDA_STREAMS");
+    c->two_streams = !(streams && strcmp(streams, "1") == 0);
     cmlp_status st = CMLP_OK;
     cudaError_t e = cudaSetDevice(index);
     if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking);
@@ -280,6 +306,20 @@ static void cu_set_workspace(void *ctx, void *d_ptr, size_t nbytes) {
     cuda_ctx *c = ctx;
     c->ws = d_ptr;
     c->ws_bytes = d_ptr ? nbytes : 0;
+    c->ws_side = c->ws_graph_side = NULL;
+    c->ws_side_bytes = 0;
+    if (d_ptr && nbytes >= 4 * SIDE_WORKSPACE) {
+        c->ws_bytes = nbytes - 2 * SIDE_WORKSPACE;
+        c->ws_side = (char *)d_ptr + c->ws_bytes;
+        c->ws_graph_side = (char *)c->ws_side + SIDE_WORKSPACE;
+        c->ws_side_bytes = SIDE_WORKSPACE;
+    }
+}
+
+/* The workspace of the stream this thread queues to on c. */
+static void *ws_of(const cuda_ctx *c, size_t *nbytes) {
+    *nbytes = on_side(c) ? c->ws_side_bytes : c->ws_bytes;
+    return !on_side(c) ? c->ws : capturing(c) ? c->ws_graph_side : c->ws_side;
 }
 
 /* ---- raw memory and virtual memory ---- */
@@ -444,7 +484,7 @@ typedef struct {
 } gemm_desc;
 
 static cmlp_status plan_make(cuda_ctx *c, gemm_plan *p, const uint64_t key[8], const gemm_desc *g, unsigned al_a,
-                             unsigned al_b, unsigned al_c, const void *d_bias) {
+                             unsigned al_b, unsigned al_c, const void *d_bias, size_t ws) {
     /* TF32 only where A and B are float and it was asked for */
     cublasComputeType_t ct = c->tf32 && g->ab == CUDA_R_32F ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
     cublasOperation_t op_l = g->tb ? CUBLAS_OP_T : CUBLAS_OP_N, op_r = g->ta ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -464,7 +504,6 @@ static cmlp_status plan_make(cuda_ctx *c, gemm_plan *p, const uint64_t key[8], c
     LT_TRY(cublasLtMatrixLayoutCreate(&p->c, g->cd, n, m, g->ldc));
     cublasLtMatmulPreference_t pref = NULL;
     LT_TRY(cublasLtMatmulPreferenceCreate(&pref));
-    size_t ws = c->ws_bytes;
     uint32_t aa = al_b, ab = al_a, ac = al_c; /* cuBLASLt's A is our B */
     cublasStatus_t s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
     if (s == CUBLAS_STATUS_SUCCESS)
@@ -497,9 +536,12 @@ static cmlp_status lt_gemm(cuda_ctx *c, const gemm_desc *g, float alpha, const v
     if (g->k <= 0) return FAIL(CMLP_ERR_INVALID, "GEMM with k = %lld", (long long)g->k);
     CMLP_TRY_USE(c);
     unsigned al_a = align_of(d_a), al_b = align_of(d_b), al_c = align_of(d_c), al_bias = d_bias ? align_of(d_bias) : 0;
+    size_t ws_bytes;
+    void *ws = ws_of(c, &ws_bytes); /* the plan is chosen for the workspace it gets */
     uint64_t key[8] = {(uint64_t)g->m, (uint64_t)g->n, (uint64_t)g->k, (uint64_t)g->lda, (uint64_t)g->ldb,
                        (uint64_t)g->ldc,
                        (uint64_t)(g->ta != 0) | (uint64_t)(g->tb != 0) << 1 | (uint64_t)c->tf32 << 2 |
+                           (uint64_t)on_side(c) << 3 |
                            (uint64_t)g->ab << 8 | (uint64_t)g->cd << 24 | (uint64_t)g->epilogue << 40,
                        (uint64_t)al_a | (uint64_t)al_b << 16 | (uint64_t)al_c << 32 | (uint64_t)al_bias << 48};
     pthread_mutex_lock(&c->lock);
@@ -511,7 +553,7 @@ static cmlp_status lt_gemm(cuda_ctx *c, const gemm_desc *g, float alpha, const v
         p = &c->plans[c->next_plan];
         c->next_plan = (c->next_plan + 1) % NPLANS;
         plan_free(p);
-        st = plan_make(c, p, key, g, al_a, al_b, al_c, d_bias);
+        st = plan_make(c, p, key, g, al_a, al_b, al_c, d_bias, ws_bytes);
     }
     if (st == CMLP_OK && g->epilogue != CUBLASLT_EPILOGUE_DEFAULT) {
         cublasStatus_t s = cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &d_bias,
@@ -521,7 +563,7 @@ static cmlp_status lt_gemm(cuda_ctx *c, const gemm_desc *g, float alpha, const v
     }
     if (st == CMLP_OK) {
         cublasStatus_t s = cublasLtMatmul(c->lt, p->op, &alpha, d_b, p->a, d_a, p->b, &beta, d_c, p->c, d_c, p->c,
-                                          &p->algo, c->ws, c->ws_bytes, stream_of(c));
+                                          &p->algo, ws, ws_bytes, stream_of(c));
         if (s != CUBLAS_STATUS_SUCCESS) {
             (void)cudaGetLastError();
             st = FAIL(CMLP_ERR_DEVICE, "cublasLtMatmul (%lld x %lld x %lld) failed: %s", (long long)g->m,
@@ -567,10 +609,12 @@ static cmlp_status bias_grad_locked(cuda_ctx *c, void *dy, const void *h, void *
                                     int64_t rows, int64_t cols, int overwrite) {
     CMLP_TRY_USE(c);
     pthread_mutex_lock(&c->lock);
-    cudaError_t e = h ? cmlp_k_relu_backward_bias_grad(dy, h, out, kind, db, rows, cols, overwrite, c->ws,
-                                                       c->ws_bytes, stream_of(c))
-                    : kind == 0 ? cmlp_k_bias_grad(db, dy, rows, cols, overwrite, c->ws, c->ws_bytes, stream_of(c))
-                                : cmlp_k_bias_grad_half(db, dy, rows, cols, kind == 2, overwrite, c->ws, c->ws_bytes,
+    size_t nb;
+    void *ws = ws_of(c, &nb);
+    cudaError_t e = h ? cmlp_k_relu_backward_bias_grad(dy, h, out, kind, db, rows, cols, overwrite, ws, nb,
+                                                       stream_of(c))
+                    : kind == 0 ? cmlp_k_bias_grad(db, dy, rows, cols, overwrite, ws, nb, stream_of(c))
+                                : cmlp_k_bias_grad_half(db, dy, rows, cols, kind == 2, overwrite, ws, nb,
                                                         stream_of(c));
     pthread_mutex_unlock(&c->lock);
     return KERNEL(c, e);
@@ -800,21 +844,93 @@ static cmlp_status cu_synchronize(void *ctx) {
     return CMLP_OK;
 }
 
+/* ---- the second stream ----
+ * Work forked to it runs beside the work queued after the fork on the first stream, until a
+ * join; while capturing, the capture's own pair of streams is used, so the graph gets both
+ * branches. */
+
+static cmlp_status side_make(cuda_ctx *c) { /* with the lock held */
+    if (!c->side) CU_TRY(cudaStreamCreateWithFlags(&c->side, cudaStreamNonBlocking));
+    if (!c->side_fork) CU_TRY(cudaEventCreateWithFlags(&c->side_fork, cudaEventDisableTiming));
+    if (!c->side_done) CU_TRY(cudaEventCreateWithFlags(&c->side_done, cudaEventDisableTiming));
+    return CMLP_OK;
+}
+
+/* record on `from`, then `to` waits for it */
+static cmlp_status link_streams(cudaEvent_t ev, cudaStream_t from, cudaStream_t to) {
+    CU_TRY(cudaEventRecord(ev, from));
+    CU_TRY(cudaStreamWaitEvent(to, ev, 0));
+    return CMLP_OK;
+}
+
+static cmlp_status cu_stream_side(void *ctx, int on) {
+    cuda_ctx *c = ctx;
+    if (!on) {
+        if (on_side(c)) side_ctx = NULL;
+        return CMLP_OK;
+    }
+    if (!c->two_streams || on_side(c)) return CMLP_OK;
+    if (side_ctx) return FAIL(CMLP_ERR_STATE, "this thread already queues to another device's second stream");
+    CMLP_TRY_USE(c);
+    cmlp_status st = CMLP_OK;
+    if (capturing(c)) {
+        st = link_streams(cap_fork, cap_stream, cap_side);
+        if (st == CMLP_OK) cap_forked = true;
+    } else {
+        REFUSE_WHILE_CAPTURING(c, "forking to a second stream");
+        pthread_mutex_lock(&c->lock);
+        st = side_make(c);
+        if (st == CMLP_OK) st = link_streams(c->side_fork, c->stream, c->side);
+        pthread_mutex_unlock(&c->lock);
+    }
+    if (st == CMLP_OK) side_ctx = c;
+    return st;
+}
+
+static cmlp_status cu_stream_join(void *ctx) {
+    cuda_ctx *c = ctx;
+    if (on_side(c)) side_ctx = NULL;
+    if (!c->two_streams) return CMLP_OK;
+    CMLP_TRY_USE(c);
+    if (capturing(c)) {
+        if (!cap_forked) return CMLP_OK; /* the capture's second stream is not in the graph */
+        cap_forked = false;
+        return link_streams(cap_done, cap_side, cap_stream);
+    }
+    if (!c->side) return CMLP_OK;
+    pthread_mutex_lock(&c->lock);
+    cmlp_status st = link_streams(c->side_done, c->side, c->stream);
+    pthread_mutex_unlock(&c->lock);
+    return st;
+}
+
 /* ---- graphs ---- */
+
+static void capture_streams_free(void) {
+    if (cap_side) (void)cudaStreamDestroy(cap_side);
+    if (cap_fork) (void)cudaEventDestroy(cap_fork);
+    if (cap_done) (void)cudaEventDestroy(cap_done);
+    if (cap_stream) (void)cudaStreamDestroy(cap_stream);
+    cap_side = cap_stream = NULL;
+    cap_fork = cap_done = NULL;
+    cap_forked = false;
+}
 
 static cmlp_status cu_capture_begin(void *ctx) {
     cuda_ctx *c = ctx;
     if (cap_ctx) return FAIL(CMLP_ERR_DEVICE, "this thread is already capturing a graph");
+    if (side_ctx) return FAIL(CMLP_ERR_STATE, "capturing while this thread queues to a second stream");
     CMLP_TRY_USE(c);
-    cudaStream_t s = NULL;
-    CU_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    cudaError_t e = cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal);
+    cudaError_t e = cudaStreamCreateWithFlags(&cap_stream, cudaStreamNonBlocking);
+    if (e == cudaSuccess && c->two_streams) e = cudaStreamCreateWithFlags(&cap_side, cudaStreamNonBlocking);
+    if (e == cudaSuccess && c->two_streams) e = cudaEventCreateWithFlags(&cap_fork, cudaEventDisableTiming);
+    if (e == cudaSuccess && c->two_streams) e = cudaEventCreateWithFlags(&cap_done, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaStreamBeginCapture(cap_stream, cudaStreamCaptureModeThreadLocal);
     if (e != cudaSuccess) {
-        cudaStreamDestroy(s);
-        return cuda_fail(e, "cudaStreamBeginCapture", __FILE__, __LINE__);
+        capture_streams_free();
+        return cuda_fail(e, "beginning a capture (streams, events, cudaStreamBeginCapture)", __FILE__, __LINE__);
     }
     cap_ctx = c;
-    cap_stream = s;
     ndeferred = 0;
     return CMLP_OK;
 }
@@ -823,12 +939,15 @@ static cmlp_status cu_capture_end(void *ctx, void **graph) {
     cuda_ctx *c = ctx;
     *graph = NULL;
     if (!capturing(c)) return FAIL(CMLP_ERR_DEVICE, "no graph is being captured on cuda:%d by this thread", c->index);
+    /* a capture ends with its second stream joined, also after an error left it forked */
+    cmlp_status joined = cap_forked ? cu_stream_join(c) : CMLP_OK;
+    side_ctx = NULL;
     cudaGraph_t g = NULL;
     cudaError_t e = cudaStreamEndCapture(cap_stream, &g);
     if (e != cudaSuccess) (void)cudaGetLastError();
-    (void)cudaStreamDestroy(cap_stream);
+    if (e == cudaSuccess && joined != CMLP_OK) e = cudaErrorStreamCaptureUnjoined;
     cap_ctx = NULL;
-    cap_stream = NULL;
+    capture_streams_free();
     /* what was given back meanwhile, now that the device may be waited for */
     for (int i = 0; i < ndeferred; i++) {
         deferred_op d = deferred[i];
@@ -857,7 +976,12 @@ static cmlp_status cu_capture_end(void *ctx, void **graph) {
 static cmlp_status cu_graph_launch(void *ctx, void *graph) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
-    return done(c, cudaGraphLaunch((cudaGraphExec_t)graph, c->stream), "cudaGraphLaunch");
+    /* under the lock, so that the graph's GEMMs cannot come between another thread's two
+     * launches of a bias gradient, which keep partial sums in the workspace in between */
+    pthread_mutex_lock(&c->lock);
+    cudaError_t e = cudaGraphLaunch((cudaGraphExec_t)graph, c->stream);
+    pthread_mutex_unlock(&c->lock);
+    return done(c, e, "cudaGraphLaunch");
 }
 
 static void cu_graph_free(void *ctx, void *graph) {
@@ -904,6 +1028,8 @@ static const cmlp_backend_i backend = {
     .unscale = cu_unscale,
     .grad_weight = cu_grad_weight,
     .synchronize = cu_synchronize,
+    .stream_side = cu_stream_side,
+    .stream_join = cu_stream_join,
     .capture_begin = cu_capture_begin,
     .capture_end = cu_capture_end,
     .graph_launch = cu_graph_launch,

@@ -199,6 +199,17 @@ typedef struct cmlp_gw {
     bool solo;
 } cmlp_gw;
 
+/* A backward pass of at most CMLP_SIDE_ROWS rows runs each layer's weight-gradient GEMM on the
+ * device's second stream (where it has one), beside the input-gradient GEMM and ReLU that follow
+ * it on the first: at such sizes a GEMM fills a small part of a GPU and the chain of launches is
+ * the step's time. The order of each buffer's readers and writers is kept by a join per layer. */
+#define CMLP_SIDE_ROWS 1024
+CMLP_HIDDEN bool cmlp_side_use(const cmlp_model *m, int64_t n);
+/* With use: the work queued next goes to the second stream (on) or back to the first. */
+CMLP_HIDDEN cmlp_status cmlp_side(cmlp_model *m, bool use, int on);
+/* With use: the first stream's work queued next waits for the second's. */
+CMLP_HIDDEN cmlp_status cmlp_side_join(cmlp_model *m, bool use);
+
 /* The model's device scalars. They share the gradients' allocation (cmlp_grads_bytes: the
  * gradients, padded to 64 bytes, then the scalars), so they cost no allocation of their own. */
 CMLP_HIDDEN cmlp_status cmlp_model_scalars(cmlp_model *m, cmlp_dscalars **out);

@@ -300,20 +300,32 @@ cmlp_status cmlp_model_scalars(cmlp_model *m, cmlp_dscalars **out) {
     return CMLP_OK;
 }
 
-cmlp_status cmlp_model_fb_rows(cmlp_model *m, const float *input, const int32_t *labels, int64_t n, cmlp_gw w,
-                               float smoothing, double *d_loss) {
+bool cmlp_side_use(const cmlp_model *m, int64_t n) {
+    return B(m)->stream_side && B(m)->stream_join && m->nlayers > 1 && n <= CMLP_SIDE_ROWS;
+}
+
+cmlp_status cmlp_side(cmlp_model *m, bool use, int on) { return use ? B(m)->stream_side(CTX(m), on) : CMLP_OK; }
+
+cmlp_status cmlp_side_join(cmlp_model *m, bool use) { return use ? B(m)->stream_join(CTX(m)) : CMLP_OK; }
+
+/* The backward pass from the logits' gradient in dact[0]. With side, layer l's weight gradient
+ * (and the top bias gradient) is made on the second stream while its input gradient is made on
+ * the first; the join comes before the first writes what that GEMM reads: layer 1's output (the
+ * ReLU's masked gradient replaces it), or for l > 1 the gradient it reads (the next layer's input
+ * gradient goes there). Layer 0's weight gradient, the last, is made on the first stream. */
+static cmlp_status backward_rows(cmlp_model *m, const float *input, int64_t n, cmlp_gw w, bool side) {
     int L = m->nlayers;
-    CMLP_TRY(cmlp_model_forward_rows(m, input, n));
     float *cur = m->ws.dact[0], *other = m->ws.dact[1];
-    CMLP_TRY(B(m)->softmax_xent(CTX(m), m->ws.act[L], labels, n, m->sizes[L], smoothing, w.value, w.d_weight, cur,
-                                d_loss, NULL));
     for (int l = L - 1; l >= 0; l--) {
         int64_t in = m->sizes[l], out = m->sizes[l + 1];
         float *a = l == 0 ? (float *)input : m->ws.act[l];
+        bool branch = side && l > 0;
         /* dW [out, in] += dY^T [out, n] . A [n, in];  db += colsum(dY) */
+        CMLP_TRY(cmlp_side(m, branch, 1));
         CMLP_TRY(B(m)->gemm(CTX(m), 1, 0, out, in, n, 1.0f, cur, out, a, in, w.fresh ? 0.0f : 1.0f,
                             m->grads + m->w_off[l], in));
         if (l == L - 1) CMLP_TRY(B(m)->bias_grad(CTX(m), m->grads + m->b_off[l], cur, n, out, w.fresh));
+        CMLP_TRY(cmlp_side(m, branch, 0));
         if (l == 0) break;
         /* dA [n, in] = dY [n, out] . W [out, in], then through the ReLU that produced A, with the
          * bias gradient of the layer below from the same pass. Layer 1's input gradient is
@@ -325,12 +337,26 @@ cmlp_status cmlp_model_fb_rows(cmlp_model *m, const float *input, const int32_t 
             return CMLP_FAIL(CMLP_ERR_STATE, "layer 1's input gradient needs %lld bytes, its place holds %zu",
                              (long long)(n * in * 4), m->ws.dx1_bytes);
         CMLP_TRY(B(m)->gemm(CTX(m), 0, 0, n, in, out, 1.0f, cur, out, m->params + m->w_off[l], in, 0.0f, dx, in));
+        CMLP_TRY(cmlp_side_join(m, branch && l == 1));
         CMLP_TRY(B(m)->relu_backward_bias_grad(CTX(m), dx, a, dst, CMLP_DTYPE_F32, m->grads + m->b_off[l - 1], n, in,
                                                w.fresh));
+        CMLP_TRY(cmlp_side_join(m, branch && l > 1));
         other = cur;
         cur = dst;
     }
     return CMLP_OK;
+}
+
+cmlp_status cmlp_model_fb_rows(cmlp_model *m, const float *input, const int32_t *labels, int64_t n, cmlp_gw w,
+                               float smoothing, double *d_loss) {
+    int L = m->nlayers;
+    CMLP_TRY(cmlp_model_forward_rows(m, input, n));
+    CMLP_TRY(B(m)->softmax_xent(CTX(m), m->ws.act[L], labels, n, m->sizes[L], smoothing, w.value, w.d_weight,
+                                m->ws.dact[0], d_loss, NULL));
+    bool side = cmlp_side_use(m, n);
+    cmlp_status st = backward_rows(m, input, n, w, side);
+    if (st != CMLP_OK) (void)cmlp_side_join(m, side); /* nothing is left forked */
+    return st;
 }
 
 cmlp_status cmlp_model_forward(cmlp_model *m, const cmlp_data *x, int64_t chunk, float *logits_out) {

@@ -241,7 +241,7 @@ static cmlp_status forward(cmlp_model *m, int64_t n, int upto, uint16_t *const *
 /* With recompute, layer l's input is recomputed from the kept input through the two gradient
  * buffers that do not hold the gradient flowing back. half_grad: the logits' gradient is
  * already in dact[0], in half precision. */
-static cmlp_status backward(cmlp_model *m, int64_t n, bool fresh, bool half_grad) {
+static cmlp_status backward(cmlp_model *m, int64_t n, bool fresh, bool half_grad, bool side) {
     cmlp_amp_workspace *w = &m->wsa;
     const cmlp_backend_i *b = B(m);
     int L = m->nlayers;
@@ -264,9 +264,12 @@ static cmlp_status backward(cmlp_model *m, int64_t n, bool fresh, bool half_grad
         if (b->gemm_half) { /* dW += dY^T A, db += colsum(dY), dA = relu'(dY W): all in half storage */
             cmlp_dtype dt = m->wsa.dt;
             const uint16_t *wh = m->wsa.wh + m->w_off[l];
+            bool branch = side && l > 0; /* as backward_rows in model.c */
+            CMLP_TRY(cmlp_side(m, branch, 1));
             CMLP_TRY(b->gemm_half(CTX(m), 1, 0, out, in, n, 1.0f, cur, out, al, in, dt, fresh ? 0.0f : 1.0f,
                                   m->grads + m->w_off[l], CMLP_DTYPE_F32, in, NULL, 0));
             if (l == L - 1) CMLP_TRY(b->bias_grad_half(CTX(m), m->grads + m->b_off[l], cur, n, out, dt, fresh));
+            CMLP_TRY(cmlp_side(m, branch, 0));
             if (l > 0) { /* the bias gradient of the layer below comes with the mask; layer 1's input gradient
                           * over the buffers from layer 2's output on (cmlp_amp_layout) */
                 bool first = l == 1 && !w->recompute;
@@ -275,8 +278,10 @@ static cmlp_status backward(cmlp_model *m, int64_t n, bool fresh, bool half_grad
                     return CMLP_FAIL(CMLP_ERR_STATE, "layer 1's input gradient needs %lld bytes, its place holds %zu",
                                      (long long)(n * in * 2), w->dx1_bytes);
                 CMLP_TRY(b->gemm_half(CTX(m), 0, 0, n, in, out, 1.0f, cur, out, wh, in, dt, 0.0f, dx, dt, in, NULL, 0));
+                CMLP_TRY(cmlp_side_join(m, branch && l == 1));
                 CMLP_TRY(b->relu_backward_bias_grad(CTX(m), dx, al, first ? (void *)al : dx, dt,
                                                     m->grads + m->b_off[l - 1], n, in, fresh));
+                CMLP_TRY(cmlp_side_join(m, branch && l > 1));
             }
         } else {
             CMLP_TRY(layer_weights(m, l));
@@ -343,5 +348,9 @@ cmlp_status cmlp_amp_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, 
     else
         CMLP_TRY(b->softmax_xent(CTX(m), m->wsa.logits, labels, n, C, smoothing, w.value, w.d_weight, m->wsa.dlogits,
                                  d_loss, NULL));
-    return backward(m, n, w.fresh, half_grad);
+    /* the second stream where the device multiplies half operands itself, without recompute */
+    bool side = b->gemm_half && !recompute && cmlp_side_use(m, n);
+    cmlp_status st = backward(m, n, w.fresh, half_grad, side);
+    if (st != CMLP_OK) (void)cmlp_side_join(m, side); /* nothing is left forked */
+    return st;
 }

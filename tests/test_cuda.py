@@ -635,6 +635,71 @@ def test_graph_replay_and_eager_steps_train_identically(amp):
     np.testing.assert_allclose(runs[0]["loss"], runs[1]["loss"], rtol=1e-12)
 
 
+_STREAMS_SCRIPT = r"""
+import os, sys
+import numpy as np
+import cmlp
+out, dev = {}, os.environ.get("CMLP_TEST_CUDA_DEVICE", "cuda")
+for sizes in ([784, 512, 256, 10], [7, 33, 1, 4], [3, 5, 2], [20, 9, 8, 7, 6, 5]):
+    for n in (31, 1024, 1025):
+        for amp in (None, "fp16", "bf16"):
+            model = cmlp.MLP(sizes, device=dev, seed=1)
+            rng = np.random.default_rng(n)
+            x = rng.standard_normal((n, sizes[0])).astype(np.float32)
+            y = rng.integers(0, sizes[-1], n)
+            loss = model.forward_backward(x, y, amp=amp)
+            key = f"{sizes}-{n}-{amp}"
+            out[key + "-loss"] = np.array([loss])
+            for k, v in model.grads().items():
+                out[f"{key}-{k}"] = v
+rng = np.random.default_rng(2)
+x = rng.integers(0, 256, (64 * 8 + 5, 784), dtype=np.uint8)
+y = rng.integers(0, 10, 64 * 8 + 5)
+for amp in (None, "fp16"):
+    for accumulate in (1, 2):
+        model = cmlp.MLP([784, 512, 256, 10], device=dev, seed=0)
+        trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=64, amp=amp, seed=1,
+                               accumulation_steps=accumulate)
+        h = trainer.fit(x, y, epochs=3, progress=False)
+        out[f"fit-{amp}-{accumulate}"] = np.array([e["loss"] for e in h])
+np.savez(sys.argv[1], **out)
+"""
+
+
+@needs_gpu
+def test_a_second_stream_computes_what_one_stream_does(tmp_path):
+    """A backward pass of up to 1024 rows makes its weight gradients on a second stream beside the
+    input-gradient chain (CMLP_CUDA_STREAMS=1 keeps everything on one). A missing join there is a
+    race: gradients read before they are written, or buffers overwritten while a GEMM reads them.
+    Gradients of forward_backward (several depths, amp, rows on both sides of 1024) and fit's
+    per-epoch losses (graphs, accumulation) agree within this file's tolerances: the two streams'
+    GEMMs may use different algorithms (their workspaces differ), a race gives garbage. On the
+    emulated backend they agree bit for bit (tests/test_cuda_emulated.py)."""
+    runs = {}
+    for streams in ("1", "2"):
+        env = dict(os.environ, CMLP_CUDA_STREAMS=streams, PYTHONPATH=REPO_PYTHON)
+        path = str(tmp_path / f"streams{streams}.npz")
+        r = subprocess.run([sys.executable, "-c", _STREAMS_SCRIPT, path], env=env, capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[streams] = dict(np.load(path))
+    one, two = runs["1"], runs["2"]
+    assert one.keys() == two.keys()
+    if os.path.basename(os.environ.get("CMLP_CUDA_LIBRARY", "")).startswith("_cmlp_cuda_emu"):
+        # the emulator multiplies the same way whatever the algorithm, and runs a second stream's
+        # work as late as its joins allow: a missing join changes the bits
+        for key in one:
+            assert np.array_equal(two[key], one[key]), key
+    for key in one:
+        amp = "fp16" if "fp16" in key else "bf16" if "bf16" in key else None
+        if key.startswith("fit-"):
+            np.testing.assert_allclose(two[key], one[key], rtol=1e-3 if amp is None else 3e-2, err_msg=key)
+        elif key.endswith("-loss"):
+            np.testing.assert_allclose(two[key], one[key], rtol=TOL if amp is None else AMP_TOL[amp], err_msg=key)
+        else:
+            assert_close(two[key], one[key], TOL if amp is None else AMP_TOL[amp], key)
+
+
 @needs_gpu
 @pytest.mark.parametrize("amp", [None, "fp16", "bf16"])
 def test_recompute_on_the_gpu_trains_as_without_it_and_as_the_cpu(amp):
@@ -654,19 +719,22 @@ def test_recompute_on_the_gpu_trains_as_without_it_and_as_the_cpu(amp):
 
 
 @needs_gpu
+@pytest.mark.parametrize("batch", [2048, 512])
 @pytest.mark.parametrize("amp", [None, "fp16"])
-def test_two_threads_training_on_one_gpu_match_runs_one_after_the_other(amp):
+def test_two_threads_training_on_one_gpu_match_runs_one_after_the_other(amp, batch):
     """Two models on the same GPU, trained from two threads at once, share the device's stream,
     GEMM workspace (where tall bias gradients keep partial sums: batch 2048 splits them) and
     allocator, and a graph captured by one thread must not record the other's work: each ends
-    bit for bit where it ends trained alone."""
+    bit for bit where it ends trained alone. At batch 512 the weight gradients are made on the
+    second stream, which the threads share too (one thread's eager steps beside the other's
+    graphs, whose second branch has its own workspace)."""
     import threading
 
     x, y = teacher_data(2048 * 3, seed=12)
 
     def run(seed, out):
         model = cmlp.MLP([784, 512, 256, 10], device=CUDA, seed=seed)
-        trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=2048, amp=amp, seed=seed)
+        trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=batch, amp=amp, seed=seed)
         trainer.fit(x, y, epochs=3, progress=False)
         out[seed] = model.state_dict()  # (reading the parameters waits for the device)
 

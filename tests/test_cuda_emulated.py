@@ -180,14 +180,17 @@ for amp in (None, "fp16", "bf16"):
 def test_a_captured_training_step_launches_what_bench_readme_lists():
     """The launch count of the reference model's step, as fit captures it once and replays it
     (bench/README.md lists the launches): fp32 15, fp16 19, bf16 17 (no loss scaler), with no
-    copy or memset inside a step."""
+    copy or memset inside a step; 3 of them on the second stream (the weight gradients of layers
+    2 and 3 and the top bias gradient)."""
     env = dict(_emulated_env(), CMLP_EMU_TRACE_GRAPHS="1")
     r = subprocess.run([sys.executable, "-c", _TRACE_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     graphs, per_fit = {}, []
     for line in r.stderr.splitlines():
         if line.startswith("cuda_emu: graph of "):
-            per_fit.append(line.split(": ", 2)[2].split())
+            head, names = line.split(": ", 2)[1:]
+            assert head.endswith("(3 on other streams)"), line
+            per_fit.append(names.split())
         elif line.startswith("fit done: "):
             graphs[line.split(": ")[1]] = per_fit
             per_fit = []

@@ -191,7 +191,7 @@ class Plan:
     """What a training run will hold. breakdown: requested bytes per category; peak_bytes: what the
     run adds to max_memory_allocated (allocator rounding included); reserved_bytes: what it adds
     to max_memory_reserved, from an empty cache. Both are on top of what a device holds from the
-    moment it opens (on CUDA, the 8 MiB GEMM workspace), whose place the plan takes into account."""
+    moment it opens (on CUDA, the 10 MiB GEMM workspace), whose place the plan takes into account."""
 
     def __init__(self, layer_sizes: List[int], batch_size: int, optimizer: str, amp: Optional[str],
                  recompute: bool, device: str, raw: Dict[str, int]) -> None:

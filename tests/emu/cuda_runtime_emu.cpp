@@ -23,6 +23,8 @@
  *    after it is unmapped, so a use after unmapping faults.
  *  - CMLP_EMU_DEVICES (default 1) devices share the host's memory.
  *  - CMLP_EMU_TRACE_GRAPHS=1 prints the launches of every graph instantiated, by name.
+ *  - CMLP_EMU_LAUNCH_DELAY_US=n pauses n microseconds after each kernel launch (no lock held),
+ *    so that threads interleave their launches on a shared stream.
  *
  * Execution is one device: a global lock serialises the runtime and the running work. GEMMs
  * multiply in float64 (OpenBLAS dgemm) from inputs rounded as the compute type says (TF32 too)
@@ -38,12 +40,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <deque>
 #include <map>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 extern "C" void scipy_cblas_dgemm(int order, int ta, int tb, int m, int n, int k, double alpha, const double *a,
@@ -57,10 +61,20 @@ struct op {
     std::shared_ptr<std::function<void()>> run;
     const char *name;
     uint64_t id;
+    /* in a graph: the branch (0: the stream the capture began on; k > 0: the k-th stream that
+     * joined it) and the op's place in it; a wait (no run) waits for branch wait_lane's ops up
+     * to place wait_pos */
+    int lane = 0;
+    uint64_t pos = 0;
+    int wait_lane = -1;
+    uint64_t wait_pos = 0;
 };
 
 struct graph_t {
     std::vector<op> ops;
+    std::vector<uint64_t> lane_ops{0};    /* ops (waits aside) per branch */
+    std::vector<uint64_t> lane_joined{0}; /* how far the first branch waited for each */
+    std::vector<CUstream_st *> lane_streams{nullptr};
 };
 
 std::recursive_mutex gpu; /* the runtime's state and the running work */
@@ -78,10 +92,17 @@ struct CUstream_st {
     uint64_t next_id = 1, done_id = 0;
     capture_t cap;
     bool capturing = false;
+    /* a stream that joined another's capture (by waiting for an event recorded there): that
+     * stream, and its branch in the graph */
+    CUstream_st *cap_origin = nullptr;
+    int cap_lane = 0;
 };
 struct CUevent_st {
-    CUstream_st *stream = nullptr;
+    CUstream_st *stream = nullptr; /* recorded outside a capture: after op `id` of `stream` */
     uint64_t id = 0;
+    graph_t *cap_graph = nullptr; /* recorded in a capture: after `cap_pos` ops of branch `cap_lane` */
+    int cap_lane = 0;
+    uint64_t cap_pos = 0;
 };
 struct CUgraph_st {
     graph_t g;
@@ -156,10 +177,14 @@ void flush_all() {
 
 CUstream_st *resolve(cudaStream_t s) { return s ? s : &legacy_stream; }
 
+/* The stream whose capture s records into (s itself, or the one it joined). */
+CUstream_st *origin(CUstream_st *s) { return s->cap_origin ? s->cap_origin : s; }
+
 /* A call that CUDA refuses while this thread captures (it would allocate or wait): it breaks
  * the capture, as CUDA's does. */
 bool refused_while_capturing(const char *what) {
     if (!capturing_here) return false;
+    capturing_here = origin(capturing_here);
     capturing_here->cap.invalid = true;
     if (!capturing_here->cap.why) capturing_here->cap.why = what;
     std::fprintf(stderr, "cuda_emu: %s while this thread captures a graph\n", what);
@@ -171,8 +196,11 @@ cudaError_t submit(cudaStream_t stream, std::function<void()> run, const char *n
     CUstream_st *s = resolve(stream);
     op o{std::make_shared<std::function<void()>>(std::move(run)), name, 0};
     if (s->capturing) {
-        if (s->cap.invalid) return cudaErrorStreamCaptureInvalidated; /* work after a breaking call */
-        s->cap.graph->ops.push_back(std::move(o));
+        CUstream_st *cs = origin(s);
+        if (cs->cap.invalid) return cudaErrorStreamCaptureInvalidated; /* work after a breaking call */
+        o.lane = s->cap_lane;
+        o.pos = ++cs->cap.graph->lane_ops[(size_t)o.lane];
+        cs->cap.graph->ops.push_back(std::move(o));
         return cudaSuccess;
     }
     o.id = s->next_id++;
@@ -189,9 +217,18 @@ bool kernel_pointer_ok(const void *p, const char *kernel, int index) {
     return false;
 }
 
+/* A kernel launch, then with CMLP_EMU_LAUNCH_DELAY_US=n a pause of n microseconds, with no lock
+ * held: other threads' work then lands between a thread's launches as often as it may on a GPU. */
+cudaError_t launch(cudaStream_t stream, std::function<void()> run, const char *name) {
+    static const size_t delay = env_size("CMLP_EMU_LAUNCH_DELAY_US", 0);
+    cudaError_t e = submit(stream, std::move(run), name);
+    if (delay) std::this_thread::sleep_for(std::chrono::microseconds(delay));
+    return e;
+}
+
 struct install {
     install() {
-        cmlp_emu::submit_hook = submit;
+        cmlp_emu::submit_hook = launch;
         cmlp_emu::pointer_hook = kernel_pointer_ok;
     }
 } installed;
@@ -355,8 +392,8 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
     std::lock_guard<std::recursive_mutex> g(gpu);
     CUstream_st *s = resolve(stream);
     if (s->capturing) {
-        s->cap.invalid = true;
-        if (!s->cap.why) s->cap.why = "cudaStreamSynchronize on the capturing stream";
+        origin(s)->cap.invalid = true;
+        if (!origin(s)->cap.why) origin(s)->cap.why = "cudaStreamSynchronize on the capturing stream";
         return fail(cudaErrorStreamCaptureUnsupported);
     }
     flush(s);
@@ -376,10 +413,67 @@ cudaError_t cudaEventDestroy(cudaEvent_t e) {
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t stream) {
     std::lock_guard<std::recursive_mutex> g(gpu);
     CUstream_st *s = resolve(stream);
-    if (s->capturing) return fail(cudaErrorStreamCaptureUnsupported); /* not used inside a graph here */
+    if (s->capturing) { /* a node of the graph that other branches may wait for */
+        CUstream_st *cs = origin(s);
+        if (cs->cap.invalid) return fail(cudaErrorStreamCaptureInvalidated);
+        e->stream = nullptr;
+        e->cap_graph = cs->cap.graph;
+        e->cap_lane = s->cap_lane;
+        e->cap_pos = cs->cap.graph->lane_ops[(size_t)s->cap_lane];
+        return cudaSuccess;
+    }
     if (cudaError_t err = submit(s, [] {}, "event")) return fail(err);
     e->stream = s;
     e->id = s->next_id - 1;
+    e->cap_graph = nullptr;
+    return cudaSuccess;
+}
+
+/* Outside a capture the stream's later work waits for the event's (the emulator runs a stream's
+ * work only when something waits for it, so work on a second stream runs at its join: as late
+ * as the order allows, which shows a missing dependency). Inside one, a stream that waits for an
+ * event recorded in a capture joins that capture as a new branch. */
+cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t e, unsigned int) {
+    std::lock_guard<std::recursive_mutex> g(gpu);
+    CUstream_st *s = resolve(stream);
+    if (!e) return fail(cudaErrorInvalidResourceHandle);
+    if (e->cap_graph) {
+        graph_t *graph = e->cap_graph;
+        if (s->capturing && origin(s)->cap.graph != graph) return fail(cudaErrorStreamCaptureIsolation);
+        if (!s->capturing) {
+            CUstream_st *cs = nullptr;
+            for (CUstream_st *t : streams)
+                if (t->capturing && !t->cap_origin && t->cap.graph == graph) cs = t;
+            if (!cs) return fail(cudaErrorStreamCaptureIsolation); /* that capture has ended */
+            s->capturing = true;
+            s->cap_origin = cs;
+            s->cap_lane = (int)graph->lane_ops.size();
+            graph->lane_ops.push_back(0);
+            graph->lane_joined.push_back(0);
+            graph->lane_streams.push_back(s);
+        }
+        if (origin(s)->cap.invalid) return fail(cudaErrorStreamCaptureInvalidated);
+        op w{nullptr, "wait", 0};
+        w.lane = s->cap_lane;
+        w.wait_lane = e->cap_lane;
+        w.wait_pos = e->cap_pos;
+        if (w.lane == 0 && w.wait_lane > 0)
+            graph->lane_joined[(size_t)w.wait_lane] = std::max(graph->lane_joined[(size_t)w.wait_lane], w.wait_pos);
+        graph->ops.push_back(std::move(w));
+        return cudaSuccess;
+    }
+    if (s->capturing) { /* a graph cannot wait for work outside it */
+        origin(s)->cap.invalid = true;
+        if (!origin(s)->cap.why) origin(s)->cap.why = "a wait for an event recorded outside the capture";
+        return fail(cudaErrorStreamCaptureIsolation);
+    }
+    if (!e->stream) return cudaSuccess; /* never recorded: nothing to wait for */
+    CUstream_st *es = e->stream;
+    const uint64_t id = e->id;
+    auto wait = [es, id] { /* a destroyed stream ran its work when it was destroyed */
+        if (std::find(streams.begin(), streams.end(), es) != streams.end()) flush(es, id);
+    };
+    if (cudaError_t err = submit(s, wait, "wait")) return fail(err);
     return cudaSuccess;
 }
 
@@ -399,8 +493,8 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind
         if (!d_dev || s_dev) return fail(cudaErrorInvalidValue);
         if (!pinned(src)) {
             if (s->capturing) { /* a graph cannot read pageable memory later */
-                s->cap.invalid = true;
-                s->cap.why = "a copy from pageable host memory";
+                origin(s)->cap.invalid = true;
+                origin(s)->cap.why = "a copy from pageable host memory";
                 return fail(cudaErrorStreamCaptureUnsupported);
             }
             /* the source is taken now (staged), the copy is in stream order */
@@ -414,8 +508,8 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind
         if (d_dev || !s_dev) return fail(cudaErrorInvalidValue);
         if (!pinned(dst)) { /* returns once the copy is done */
             if (s->capturing) {
-                s->cap.invalid = true;
-                s->cap.why = "a copy to pageable host memory";
+                origin(s)->cap.invalid = true;
+                origin(s)->cap.why = "a copy to pageable host memory";
                 return fail(cudaErrorStreamCaptureUnsupported);
             }
             flush(s);
@@ -455,14 +549,27 @@ cudaError_t cudaStreamBeginCapture(cudaStream_t stream, cudaStreamCaptureMode mo
 cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t *out) {
     std::lock_guard<std::recursive_mutex> g(gpu);
     *out = nullptr;
-    if (!stream || !stream->capturing || capturing_here != stream) return fail(cudaErrorIllegalState);
+    if (!stream || !stream->capturing || stream->cap_origin || capturing_here != stream)
+        return fail(cudaErrorIllegalState);
     stream->capturing = false;
     capturing_here = nullptr;
     std::unique_ptr<graph_t> graph(stream->cap.graph);
     stream->cap.graph = nullptr;
+    bool unjoined = false; /* every branch's last op is waited for by the first branch */
+    for (size_t k = 1; k < graph->lane_streams.size(); k++) {
+        CUstream_st *t = graph->lane_streams[k];
+        t->capturing = false;
+        t->cap_origin = nullptr;
+        t->cap_lane = 0;
+        if (graph->lane_joined[k] < graph->lane_ops[k]) unjoined = true;
+    }
     if (stream->cap.invalid) {
         std::fprintf(stderr, "cuda_emu: the capture was invalidated by %s\n", stream->cap.why);
         return fail(cudaErrorStreamCaptureInvalidated);
+    }
+    if (unjoined) {
+        std::fprintf(stderr, "cuda_emu: a capture ended with work on a second stream not joined back\n");
+        return fail(cudaErrorStreamCaptureUnjoined);
     }
     *out = new CUgraph_st{std::move(*graph)};
     return cudaSuccess;
@@ -472,8 +579,15 @@ cudaError_t cudaGraphInstantiateWithFlags(cudaGraphExec_t *exec, cudaGraph_t gra
     if (refused_while_capturing("cudaGraphInstantiate")) return fail(cudaErrorStreamCaptureUnsupported);
     if (getenv("CMLP_EMU_TRACE_GRAPHS")) { /* what a graph launches, for tests of the launch count */
         std::string names;
-        for (const op &o : graph->g.ops) names += std::string(" ") + o.name;
-        std::fprintf(stderr, "cuda_emu: graph of %zu launches:%s\n", graph->g.ops.size(), names.c_str());
+        size_t n = 0, branched = 0;
+        for (const op &o : graph->g.ops)
+            if (o.run) {
+                names += std::string(" ") + o.name;
+                n++;
+                branched += o.lane != 0;
+            }
+        std::fprintf(stderr, "cuda_emu: graph of %zu launches (%zu on other streams):%s\n", n, branched,
+                     names.c_str());
     }
     *exec = new CUgraphExec_st{graph->g};
     return cudaSuccess;
@@ -496,10 +610,28 @@ cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream) {
     CUstream_st *s = resolve(stream);
     if (!exec) return fail(cudaErrorInvalidValue);
     if (s->capturing) return fail(cudaErrorStreamCaptureUnsupported);
-    for (const op &o : exec->g.ops) {
+    /* one stream in an order the graph's edges allow: the first branch in its order, every other
+     * branch's ops as late as they can run, where the first waits for them */
+    std::map<int, std::deque<const op *>> later;
+    auto queue = [s](const op &o) {
         auto run = o.run;
         (void)submit(s, [run] { (*run)(); }, o.name); /* s is not capturing: cannot fail */
+    };
+    for (const op &o : exec->g.ops) {
+        if (o.wait_lane >= 0) {
+            std::deque<const op *> &q = later[o.wait_lane];
+            while (!q.empty() && q.front()->pos <= o.wait_pos) {
+                queue(*q.front());
+                q.pop_front();
+            }
+        } else if (o.lane == 0) {
+            queue(o);
+        } else {
+            later[o.lane].push_back(&o);
+        }
     }
+    for (auto &kv : later) /* none: a capture ends joined */
+        for (const op *o : kv.second) queue(*o);
     return cudaSuccess;
 }
 
