@@ -146,6 +146,13 @@ typedef struct cmlp_backend_i {
     cmlp_status (*optim_prepare)(void *ctx, int64_t *d_step, float *d_coef, const float *d_found_inf,
                                  double lr, double beta1, double beta2, int adam, int64_t *d_pos,
                                  int64_t pos_add, const cmlp_scale_step *scale);
+    /* Optional (NULL: optim_prepare for Adam, then adam with d_coef): both in one launch, with
+     * the same results (d_coef is written too). *d_blocks_done is a device counter that is 0
+     * between calls; the kernel's blocks count themselves on it. */
+    cmlp_status (*adam_prepared)(void *ctx, float *d_p, const float *d_g, float *d_m, float *d_v, int64_t n,
+                                 double lr, double beta1, double beta2, float eps, float weight_decay,
+                                 const float *d_found_inf, int64_t *d_step, float *d_coef, int64_t *d_pos,
+                                 int64_t pos_add, const cmlp_scale_step *scale, uint32_t *d_blocks_done);
     /* Mixed precision. Conversions between fp32 and fp16/bf16 storage (dtype F16 or BF16). */
     cmlp_status (*to_half)(void *ctx, uint16_t *d_dst, const float *d_src, int64_t n, cmlp_dtype dtype);
     cmlp_status (*from_half)(void *ctx, float *d_dst, const uint16_t *d_src, int64_t n, cmlp_dtype dtype);

@@ -811,6 +811,21 @@ static cmlp_status cu_optim_prepare(void *ctx, int64_t *d_step, float *d_coef, c
                                           scale ? &k : NULL, stream_of(c)));
 }
 
+static cmlp_status cu_adam_prepared(void *ctx, float *d_p, const float *d_g, float *d_m, float *d_v, int64_t n,
+                                    double lr, double beta1, double beta2, float eps, float weight_decay,
+                                    const float *d_found_inf, int64_t *d_step, float *d_coef, int64_t *d_pos,
+                                    int64_t pos_add, const cmlp_scale_step *scale, uint32_t *d_blocks_done) {
+    cuda_ctx *c = ctx;
+    CMLP_TRY_USE(c);
+    cmlp_k_scaler k = {0};
+    if (scale)
+        k = (cmlp_k_scaler){scale->d_scale, scale->d_tracker, (long long *)scale->d_skipped, scale->growth_factor,
+                            scale->backoff_factor, scale->growth_interval};
+    return KERNEL(c, cmlp_k_adam_prepared(d_p, d_g, d_m, d_v, n, lr, beta1, beta2, eps, weight_decay, d_found_inf,
+                                          d_step, d_coef, d_pos, pos_add, scale ? &k : NULL, d_blocks_done,
+                                          stream_of(c)));
+}
+
 static cmlp_status cu_grad_weight(void *ctx, float *d_w, const float *d_scale, double count, float *d_found_inf) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
@@ -1025,6 +1040,7 @@ static const cmlp_backend_i backend = {
     .to_half = cu_to_half,
     .from_half = cu_from_half,
     .optim_prepare = cu_optim_prepare,
+    .adam_prepared = cu_adam_prepared,
     .unscale = cu_unscale,
     .grad_weight = cu_grad_weight,
     .synchronize = cu_synchronize,

@@ -109,7 +109,8 @@ typedef struct cmlp_dscalars {
     float grad_weight;     /* scale / samples of the step in progress */
     float coef[2];         /* Adam's step size and sqrt(1 - beta2^t) of that step */
     int64_t pos;           /* the epoch's position: the first sample of the next step */
-    uint8_t spare[56];     /* keeps the size at 128 bytes */
+    uint32_t blocks_done;  /* adam_prepared's counter: 0 between steps */
+    uint8_t spare[52];     /* keeps the size at 128 bytes */
 } cmlp_dscalars;
 _Static_assert(sizeof(cmlp_dscalars) == 128, "cmlp_dscalars is 128 bytes");
 

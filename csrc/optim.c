@@ -207,12 +207,23 @@ cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int6
     void *ctx = o->dev->bctx;
     int64_t n = m->nparams;
     bool adam = o->kind == CMLP_OPTIM_ADAM;
+    cmlp_dscalars *ds;
+    CMLP_TRY(cmlp_model_scalars(m, &ds));
     cmlp_fpenv fe;
     cmlp_fpenv_enter(&fe);
-    cmlp_status st = adam ? b->optim_prepare(ctx, d_step, d_coef, d_found_inf, o->adam.lr, o->adam.beta1,
-                                             o->adam.beta2, 1, d_pos, pos_add, scale)
-                          : b->optim_prepare(ctx, d_step, d_coef, d_found_inf, o->sgd.lr, 0.0, 0.0, 0, d_pos, pos_add,
-                                             scale);
+    cmlp_status st = CMLP_OK;
+    if (adam && b->adam_prepared) { /* the bookkeeping in Adam's launch */
+        const cmlp_adam_config *c = &o->adam;
+        st = b->adam_prepared(ctx, m->params, m->grads, o->state, o->state + n, n, c->lr, c->beta1, c->beta2,
+                              (float)c->eps, (float)c->weight_decay, d_found_inf, d_step, d_coef, d_pos, pos_add, scale,
+                              &ds->blocks_done);
+        if (st == CMLP_OK) st = cmlp_model_refresh_half(m);
+        cmlp_fpenv_leave(&fe);
+        return st;
+    }
+    st = adam ? b->optim_prepare(ctx, d_step, d_coef, d_found_inf, o->adam.lr, o->adam.beta1, o->adam.beta2, 1, d_pos,
+                                 pos_add, scale)
+              : b->optim_prepare(ctx, d_step, d_coef, d_found_inf, o->sgd.lr, 0.0, 0.0, 0, d_pos, pos_add, scale);
     if (st == CMLP_OK && adam) {
         const cmlp_adam_config *c = &o->adam;
         st = b->adam(ctx, m->params, m->grads, o->state, o->state + n, n, 0.0f, (float)c->beta1, (float)c->beta2, 1.0f,

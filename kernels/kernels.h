@@ -140,6 +140,14 @@ typedef struct cmlp_k_scaler {
 cudaError_t cmlp_k_optim_prepare(int64_t *step, float *coef, const float *found_inf, double lr, double beta1,
                                  double beta2, int adam, int64_t *pos, int64_t pos_add, const cmlp_k_scaler *scaler,
                                  cudaStream_t stream);
+/* cmlp_k_optim_prepare for Adam, then cmlp_k_adam (step_size and bc2_sqrt from it), in one launch
+ * with the same results: every block derives the step size and bias correction from *step itself,
+ * and the block that finishes last does the bookkeeping and resets *blocks_done, a counter that
+ * is 0 between launches (each launch's blocks count themselves on it). n > 0. */
+cudaError_t cmlp_k_adam_prepared(float *p, const float *g, float *m, float *v, int64_t n, double lr, double beta1,
+                                 double beta2, float eps, float weight_decay, const float *found_inf, int64_t *step,
+                                 float *coef, int64_t *pos, int64_t pos_add, const cmlp_k_scaler *scaler,
+                                 unsigned int *blocks_done, cudaStream_t stream);
 
 /* ---- amp.cu ---- */
 

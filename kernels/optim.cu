@@ -178,19 +178,59 @@ __device__ __forceinline__ void scale_update1(float *scale, int32_t *growth_trac
     }
 }
 
-__global__ void k_optim_prepare(int64_t *step, float *coef, const float *found_inf, double lr, double beta1,
-                                double beta2, int adam, int64_t *pos, int64_t pos_add, cmlp_k_scaler scaler) {
+/* Adam's step size and sqrt(1 - beta2^t) of step t, in double as the host computes them */
+__device__ __forceinline__ void adam_coef(int64_t t, double lr, double beta1, double beta2, float *step_size,
+                                          float *bc2_sqrt) {
+    const double bc1 = 1.0 - pow(beta1, (double)t), bc2 = 1.0 - pow(beta2, (double)t);
+    *step_size = (float)(lr / bc1);
+    *bc2_sqrt = (float)sqrt(bc2);
+}
+
+__device__ __forceinline__ void prepare1(int64_t *step, float *coef, bool skip, double lr, double beta1,
+                                         double beta2, int adam, int64_t *pos, int64_t pos_add,
+                                         const cmlp_k_scaler &scaler) {
     if (pos) *pos += pos_add; /* the next step's samples, skipped step or not */
-    const bool skip = found_inf && *found_inf != 0.0f;
     if (scaler.scale) /* the loss scale moves on the same verdict, in the same launch */
         scale_update1(scaler.scale, scaler.growth_tracker, skip, scaler.growth_factor, scaler.backoff_factor,
                       scaler.growth_interval, scaler.skipped);
     if (skip) return;
     const int64_t t = ++*step;
-    if (!adam) return;
-    const double bc1 = 1.0 - pow(beta1, (double)t), bc2 = 1.0 - pow(beta2, (double)t);
-    coef[0] = (float)(lr / bc1);
-    coef[1] = (float)sqrt(bc2);
+    if (adam) adam_coef(t, lr, beta1, beta2, &coef[0], &coef[1]);
+}
+
+__global__ void k_optim_prepare(int64_t *step, float *coef, const float *found_inf, double lr, double beta1,
+                                double beta2, int adam, int64_t *pos, int64_t pos_add, cmlp_k_scaler scaler) {
+    prepare1(step, coef, found_inf && *found_inf != 0.0f, lr, beta1, beta2, adam, pos, pos_add, scaler);
+}
+
+struct prepare_args {
+    int64_t *step;
+    float *coef;
+    double lr, beta1, beta2;
+    int64_t *pos, pos_add;
+    cmlp_k_scaler scaler;
+    unsigned int *blocks_done;
+};
+
+/* cmlp_k_map's loop over Adam with the step size of step *step + 1; the last block to finish
+ * moves *step (every block has read it by then) and does the rest of prepare1. */
+__global__ void __launch_bounds__(CMLP_K_THREADS) k_adam_prepared(adam_op op, int64_t n, int64_t head, int64_t nvec,
+                                                                   prepare_args a) {
+    const bool skip = op.found_inf && *op.found_inf != 0.0f;
+    if (!skip) {
+        adam_coef(*a.step + 1, a.lr, a.beta1, a.beta2, &op.step_size, &op.bc2_sqrt);
+        const int64_t t = cmlp_tid(), stride = cmlp_nthreads();
+        for (int64_t q = t; q < nvec; q += stride) op.four(head + 4 * q);
+        const int64_t body_end = head + 4 * nvec, nscalar = head + (n - body_end);
+        for (int64_t k = t; k < nscalar; k += stride) op.one(k < head ? k : body_end + (k - head));
+    }
+    __syncthreads(); /* the whole block has read *step */
+    if (threadIdx.x != 0) return;
+    __threadfence();
+    if (atomicAdd(a.blocks_done, 1u) != gridDim.x - 1) return;
+    __threadfence();
+    prepare1(a.step, a.coef, skip, a.lr, a.beta1, a.beta2, 1, a.pos, a.pos_add, a.scaler);
+    *a.blocks_done = 0; /* for the next launch */
 }
 
 extern "C" cudaError_t cmlp_k_optim_prepare(int64_t *step, float *coef, const float *found_inf, double lr, double beta1,
@@ -199,5 +239,42 @@ extern "C" cudaError_t cmlp_k_optim_prepare(int64_t *step, float *coef, const fl
     cmlp_k_scaler none = {};
     k_optim_prepare<<<1, 1, 0, stream>>>(step, coef, found_inf, lr, beta1, beta2, adam, pos, pos_add,
                                          scaler ? *scaler : none);
+    return cudaGetLastError();
+}
+
+extern "C" cudaError_t cmlp_k_adam_prepared(float *p, const float *g, float *m, float *v, int64_t n, double lr,
+                                            double beta1, double beta2, float eps, float weight_decay,
+                                            const float *found_inf, int64_t *step, float *coef, int64_t *pos,
+                                            int64_t pos_add, const cmlp_k_scaler *scaler, unsigned int *blocks_done,
+                                            cudaStream_t stream) {
+    if (n <= 0 || !step || !coef || !blocks_done) return cudaErrorInvalidValue;
+    adam_op op;
+    op.p = p;
+    op.g = g;
+    op.m = m;
+    op.v = v;
+    op.step_size = 0.0f; /* per block, from *step */
+    op.beta1 = (float)beta1;
+    op.beta2 = (float)beta2;
+    op.one_b1 = 1.0f - op.beta1; /* as cmlp_k_adam */
+    op.one_b2 = 1.0f - op.beta2;
+    op.bc2_sqrt = 1.0f;
+    op.eps = eps;
+    op.wd = weight_decay;
+    op.found_inf = found_inf;
+    op.coef = nullptr;
+    prepare_args a = {step, coef, lr, beta1, beta2, pos, pos_add, {}, blocks_done};
+    if (scaler) a.scaler = *scaler;
+    const int mis[4] = {cmlp_misalign(p, 4), cmlp_misalign(g, 4), cmlp_misalign(m, 4), cmlp_misalign(v, 4)};
+    bool same = mis[0] >= 0;
+    for (int k = 1; k < 4; k++) same = same && mis[k] == mis[0];
+    int64_t head = 0, nvec = 0;
+    if (same) { /* as cmlp_launch_map */
+        head = (4 - mis[0]) & 3;
+        if (head > n) head = n;
+        nvec = (n - head) / 4;
+    }
+    const int64_t nscalar = n - 4 * nvec, work = nvec > nscalar ? nvec : nscalar;
+    k_adam_prepared<<<cmlp_k_blocks(work, CMLP_K_THREADS), CMLP_K_THREADS, 0, stream>>>(op, n, head, nvec, a);
     return cudaGetLastError();
 }

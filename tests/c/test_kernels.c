@@ -500,6 +500,49 @@ static void test_optim_prepare(void) {
         }
 }
 
+/* Adam with its bookkeeping in one launch: the bits of cmlp_k_optim_prepare then cmlp_k_adam, over
+ * several steps (the block counter is back at 0 after each), with and without a skip, a loss
+ * scale and a data position, across launches of one block to many. */
+static void test_adam_prepared(void) {
+    static const int64_t counts[] = {1, 5, 257, 1029, 100003};
+    for (int i = 0; i < 5; i++)
+        for (int variant = 0; variant < 8; variant++) {
+            /* bit 0: weight decay and a misaligned start; bit 1: loss scale; bit 2: found_inf and a position */
+            int64_t n = counts[i];
+            int off = variant & 1;
+            buf p = make(n, 4, off), g = make(n, 4, off), m = make(n, 4, off), v = make(n, 4, off);
+            buf rp = make(n, 4, 0), rm = make(n, 4, 0), rv = make(n, 4, 0);
+            fill(F(p), n, 1), fill(F(g), n, 1), fill(F(m), n, 1);
+            for (int64_t k = 0; k < n; k++) F(v)[k] = uniform(0.0f, 1e-3f);
+            memcpy(F(rp), F(p), (size_t)n * 4), memcpy(F(rm), F(m), (size_t)n * 4), memcpy(F(rv), F(v), (size_t)n * 4);
+            float wd = variant & 1 ? 0.01f : 0.0f, coef[2] = {0, 0}, rcoef[2] = {0, 0};
+            float scale = 1024.0f, rscale = scale, inf = 0.0f;
+            int32_t tr = 0, rtr = 0;
+            long long skipped = 0, rskipped = 0;
+            int64_t step = 3, rstep = 3, pos = 5, rpos = 5;
+            unsigned int done = 0;
+            cmlp_k_scaler ks = {&scale, &tr, &skipped, 2.0, 0.5, 2}, rks = {&rscale, &rtr, &rskipped, 2.0, 0.5, 2};
+            const cmlp_k_scaler *sc = variant & 2 ? &ks : NULL, *rsc = variant & 2 ? &rks : NULL;
+            const float *fi = variant & 4 ? &inf : NULL;
+            int64_t *pp = variant & 4 ? &pos : NULL, *rpp = variant & 4 ? &rpos : NULL;
+            for (int t = 0; t < 4; t++) {
+                inf = t == 2 ? 1.0f : 0.0f; /* read only where fi is set */
+                KOK(cmlp_k_adam_prepared(F(p), F(g), F(m), F(v), n, 3e-4, 0.9, 0.999, 1e-8f, wd, fi, &step, coef, pp,
+                                         32, sc, &done, S));
+                KOK(cmlp_k_optim_prepare(&rstep, rcoef, fi, 3e-4, 0.9, 0.999, 1, rpp, 32, rsc, S));
+                KOK(cmlp_k_adam(F(rp), F(g), F(rm), F(rv), n, 0.0f, 0.9f, 0.999f, 1.0f, 1e-8f, wd, fi, rcoef, S));
+                CHECK(first_diff(F(p), F(rp), n) < 0 && first_diff(F(m), F(rm), n) < 0 &&
+                          first_diff(F(v), F(rv), n) < 0 && step == rstep && same_bits(coef, rcoef, sizeof coef) &&
+                          pos == rpos && same_bits(&scale, &rscale, 4) && tr == rtr && skipped == rskipped && done == 0,
+                      "adam_prepared n %lld variant %d step %d: step %lld/%lld pos %lld/%lld done %u", (long long)n,
+                      variant, t, (long long)step, (long long)rstep, (long long)pos, (long long)rpos, done);
+            }
+            CHECK(step == (variant & 4 ? 6 : 7) && (!(variant & 4) || pos == 5 + 4 * 32),
+                  "adam_prepared counted %lld steps to position %lld", (long long)step, (long long)pos);
+            free(p.block), free(g.block), free(m.block), free(v.block), free(rp.block), free(rm.block), free(rv.block);
+        }
+}
+
 /* ---- amp.cu ---- */
 
 static void test_casts(void) {
@@ -619,6 +662,7 @@ int main(void) {
     test_adam();
     test_sgd();
     test_optim_prepare();
+    test_adam_prepared();
     test_casts();
     test_unscale();
     test_scale_update();

@@ -132,6 +132,7 @@ inline float rounded(volatile float r) { return r; }
 } /* namespace cmlp_emu */
 
 inline void __syncthreads() { cmlp_emu::block_barrier(); }
+inline void __threadfence() {} /* blocks run one after another */
 template <class T>
 T __shfl_xor_sync(unsigned mask, T v, int o) {
     return cmlp_emu::shfl(mask, v, cmlp_emu::lane() ^ o);
