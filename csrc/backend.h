@@ -164,7 +164,7 @@ typedef struct cmlp_backend_i {
     /* *d_w = (float)((double)*d_scale / count): the gradient weight of a scaled step; and
      * *d_found_inf = 0 when d_found_inf is not NULL (the step's inf/NaN check starts clean). */
     cmlp_status (*grad_weight)(void *ctx, float *d_w, const float *d_scale, double count, float *d_found_inf);
-    /* Waits for the device's queued work. */
+    /* Waits for the device's queued work (a second stream's: once joined to the first). */
     cmlp_status (*synchronize)(void *ctx);
 
     /* A second stream (NULL where the device has none; with stream_side comes stream_join).

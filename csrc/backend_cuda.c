@@ -428,7 +428,7 @@ static cmlp_status cu_copy_h2d(void *ctx, void *d_dst, const void *h_src, size_t
      * later; from pageable memory CUDA stages it before returning in practice, but only says it
      * "might be synchronous"). Callers copy once per call or epoch, never per step. */
     CU_TRY(cudaMemcpyAsync(d_dst, h_src, nbytes, cudaMemcpyHostToDevice, stream_of(c)));
-    CU_TRY(cudaStreamSynchronize(c->stream));
+    CU_TRY(cudaStreamSynchronize(stream_of(c)));
     return CMLP_OK;
 }
 
@@ -438,7 +438,7 @@ static cmlp_status cu_copy_d2h(void *ctx, void *h_dst, const void *d_src, size_t
     REFUSE_WHILE_CAPTURING(c, "copying to the host");
     CMLP_TRY_USE(c);
     CU_TRY(cudaMemcpyAsync(h_dst, d_src, nbytes, cudaMemcpyDeviceToHost, stream_of(c)));
-    CU_TRY(cudaStreamSynchronize(c->stream));
+    CU_TRY(cudaStreamSynchronize(stream_of(c)));
     return CMLP_OK;
 }
 
@@ -851,6 +851,8 @@ static cmlp_status cu_unscale(void *ctx, float *d_g, int64_t n, float inv_scale,
     return KERNEL(c, cmlp_k_unscale(d_g, n, inv_scale, d_scale, d_found_inf, stream_of(c)));
 }
 
+/* Waits for the first stream: a step's work on the second is joined to it before the step ends
+ * (another thread's step in progress may still have work there). */
 static cmlp_status cu_synchronize(void *ctx) {
     cuda_ctx *c = ctx;
     REFUSE_WHILE_CAPTURING(c, "waiting for the device");
@@ -912,9 +914,8 @@ static cmlp_status cu_stream_join(void *ctx) {
         cap_forked = false;
         return link_streams(cap_done, cap_side, cap_stream);
     }
-    if (!c->side) return CMLP_OK;
     pthread_mutex_lock(&c->lock);
-    cmlp_status st = link_streams(c->side_done, c->side, c->stream);
+    cmlp_status st = c->side ? link_streams(c->side_done, c->side, c->stream) : CMLP_OK;
     pthread_mutex_unlock(&c->lock);
     return st;
 }

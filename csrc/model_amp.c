@@ -207,8 +207,13 @@ static cmlp_status forward_native(cmlp_model *m, int64_t n, int upto, uint16_t *
         if (l + 1 < L) {
             CMLP_TRY(b->gemm_half(CTX(m), 0, 1, n, out, in, 1.0f, acts[l], in, wh, in, dt, 0.0f, acts[l + 1], dt, out,
                                   bh, 1));
-        } else { /* the logits in fp32, with the half bias as fp32 */
-            CMLP_TRY(b->from_half(CTX(m), w->b32, bh, out, dt));
+        } else { /* the logits in fp32, with the half bias as fp32 (made beside the layers below) */
+            if (w->b32_forked) {
+                w->b32_forked = false;
+                CMLP_TRY(cmlp_side_join(m, true));
+            } else {
+                CMLP_TRY(b->from_half(CTX(m), w->b32, bh, out, dt));
+            }
             CMLP_TRY(b->gemm_half(CTX(m), 0, 1, n, out, in, 1.0f, acts[l], in, wh, in, dt, 0.0f, w->logits,
                                   CMLP_DTYPE_F32, out, w->b32, 0));
         }
@@ -326,18 +331,34 @@ cmlp_status cmlp_amp_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, 
         CMLP_TRY(ensure_half_params(m, dt)); /* a full workspace serves a step that could be compact */
         ws->wh = m->params_h;
     }
+    const cmlp_backend_i *b = B(m);
+    /* the second stream where the device multiplies half operands itself, without recompute */
+    bool side = b->gemm_half && !recompute && cmlp_side_use(m, n);
+    int L = m->nlayers;
+    cmlp_status st = CMLP_OK;
+    ws->b32_forked = false;
+    if (side) { /* the logits' bias through half precision, beside the batch's gather and the first layers */
+        st = cmlp_side(m, true, 1);
+        if (st == CMLP_OK) st = b->from_half(CTX(m), ws->b32, ws->wh + m->b_off[L - 1], m->sizes[L], dt);
+        (void)cmlp_side(m, true, 0);
+        ws->b32_forked = true;
+    }
     const int32_t *labels;
-    CMLP_TRY(stage(m, xy, idx, start, n, &labels));
-    if (recompute) {
+    if (st == CMLP_OK) st = stage(m, xy, idx, start, n, &labels);
+    if (st == CMLP_OK && recompute) {
         /* to the logits through the gradient buffers, which are free until backward */
         uint16_t *acts[CMLP_MAX_LAYERS + 1];
         acts[0] = m->wsa.act[0];
         for (int j = 1; j < m->nlayers; j++) acts[j] = m->wsa.dact[(j - 1) % 2];
-        CMLP_TRY(forward(m, n, m->nlayers, acts));
-    } else {
-        CMLP_TRY(forward(m, n, m->nlayers, m->wsa.act));
+        st = forward(m, n, m->nlayers, acts);
+    } else if (st == CMLP_OK) {
+        st = forward(m, n, m->nlayers, m->wsa.act);
     }
-    const cmlp_backend_i *b = B(m);
+    if (st != CMLP_OK) {
+        if (ws->b32_forked) (void)cmlp_side_join(m, true); /* nothing is left forked */
+        ws->b32_forked = false;
+        return st;
+    }
     int64_t C = m->sizes[m->nlayers];
     /* the logits' gradient straight into half precision where the device can (the first
      * gradient buffer is free: backward starts from it) */
@@ -348,9 +369,7 @@ cmlp_status cmlp_amp_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, 
     else
         CMLP_TRY(b->softmax_xent(CTX(m), m->wsa.logits, labels, n, C, smoothing, w.value, w.d_weight, m->wsa.dlogits,
                                  d_loss, NULL));
-    /* the second stream where the device multiplies half operands itself, without recompute */
-    bool side = b->gemm_half && !recompute && cmlp_side_use(m, n);
-    cmlp_status st = backward(m, n, w.fresh, half_grad, side);
+    st = backward(m, n, w.fresh, half_grad, side);
     if (st != CMLP_OK) (void)cmlp_side_join(m, side); /* nothing is left forked */
     return st;
 }

@@ -216,15 +216,19 @@ struct prepare_args {
  * moves *step (every block has read it by then) and does the rest of prepare1. */
 __global__ void __launch_bounds__(CMLP_K_THREADS) k_adam_prepared(adam_op op, int64_t n, int64_t head, int64_t nvec,
                                                                    prepare_args a) {
-    const bool skip = op.found_inf && *op.found_inf != 0.0f;
+    const bool skip = op.found_inf && *op.found_inf != 0.0f; /* the same in every thread */
+    __shared__ float coef[2]; /* one thread per block computes them (double precision is slow on some GPUs) */
+    if (!skip && threadIdx.x == 0) adam_coef(*a.step + 1, a.lr, a.beta1, a.beta2, &coef[0], &coef[1]);
+    __syncthreads();
     if (!skip) {
-        adam_coef(*a.step + 1, a.lr, a.beta1, a.beta2, &op.step_size, &op.bc2_sqrt);
+        op.step_size = coef[0];
+        op.bc2_sqrt = coef[1];
         const int64_t t = cmlp_tid(), stride = cmlp_nthreads();
         for (int64_t q = t; q < nvec; q += stride) op.four(head + 4 * q);
         const int64_t body_end = head + 4 * nvec, nscalar = head + (n - body_end);
         for (int64_t k = t; k < nscalar; k += stride) op.one(k < head ? k : body_end + (k - head));
     }
-    __syncthreads(); /* the whole block has read *step */
+    __syncthreads(); /* the block is done (its thread 0 read *step before the first barrier) */
     if (threadIdx.x != 0) return;
     __threadfence();
     if (atomicAdd(a.blocks_done, 1u) != gridDim.x - 1) return;
