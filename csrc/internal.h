@@ -83,7 +83,9 @@ typedef struct cmlp_amp_workspace {
     int32_t *labels;                /* [rows] */
     float *scratch[3];              /* fp32 operands of one block of rows [chunk, max width] */
     float *w32, *b32;               /* one layer's half weights and bias as fp32 */
-    bool b32_forked;                /* the logits' bias is being made in b32 on the second stream */
+    /* the step's half weights (compact) and the logits' bias in b32 are being made on the second
+     * stream (joined before the first layer); b32_made: b32 holds the bias */
+    bool forked, b32_made;
 } cmlp_amp_workspace;
 
 /* The same with recomputation (model_recompute.c): the input and three buffers. */

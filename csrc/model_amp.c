@@ -204,16 +204,16 @@ static cmlp_status forward_native(cmlp_model *m, int64_t n, int upto, uint16_t *
     for (int l = 0; l < upto; l++) {
         int64_t in = m->sizes[l], out = m->sizes[l + 1];
         const uint16_t *wh = m->wsa.wh + m->w_off[l], *bh = m->wsa.wh + m->b_off[l];
+        if (w->forked) { /* the half weights and the logits' bias, made beside the batch's gather */
+            w->forked = false;
+            CMLP_TRY(cmlp_side_join(m, true));
+        }
         if (l + 1 < L) {
             CMLP_TRY(b->gemm_half(CTX(m), 0, 1, n, out, in, 1.0f, acts[l], in, wh, in, dt, 0.0f, acts[l + 1], dt, out,
                                   bh, 1));
-        } else { /* the logits in fp32, with the half bias as fp32 (made beside the layers below) */
-            if (w->b32_forked) {
-                w->b32_forked = false;
-                CMLP_TRY(cmlp_side_join(m, true));
-            } else {
-                CMLP_TRY(b->from_half(CTX(m), w->b32, bh, out, dt));
-            }
+        } else { /* the logits in fp32, with the half bias as fp32 */
+            if (!w->b32_made) CMLP_TRY(b->from_half(CTX(m), w->b32, bh, out, dt));
+            w->b32_made = false;
             CMLP_TRY(b->gemm_half(CTX(m), 0, 1, n, out, in, 1.0f, acts[l], in, wh, in, dt, 0.0f, w->logits,
                                   CMLP_DTYPE_F32, out, w->b32, 0));
         }
@@ -324,25 +324,28 @@ cmlp_status cmlp_amp_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, 
     CMLP_TRY(reserve(m, n, recompute, compact));
     cmlp_amp_workspace *ws = &m->wsa;
     ws->dt = dt;
-    if (ws->compact) { /* this step's half weights, where the first layer's weight gradient goes last */
-        ws->wh = (const uint16_t *)m->grads;
-        CMLP_TRY(B(m)->to_half(CTX(m), (uint16_t *)m->grads, m->params, m->nparams, dt));
-    } else {
-        CMLP_TRY(ensure_half_params(m, dt)); /* a full workspace serves a step that could be compact */
-        ws->wh = m->params_h;
-    }
     const cmlp_backend_i *b = B(m);
     /* the second stream where the device multiplies half operands itself, without recompute */
     bool side = b->gemm_half && !recompute && cmlp_side_use(m, n);
     int L = m->nlayers;
     cmlp_status st = CMLP_OK;
-    ws->b32_forked = false;
-    if (side) { /* the logits' bias through half precision, beside the batch's gather and the first layers */
-        st = cmlp_side(m, true, 1);
-        if (st == CMLP_OK) st = b->from_half(CTX(m), ws->b32, ws->wh + m->b_off[L - 1], m->sizes[L], dt);
-        (void)cmlp_side(m, true, 0);
-        ws->b32_forked = true;
+    ws->forked = ws->b32_made = false;
+    if (ws->compact) { /* this step's half weights, where the first layer's weight gradient goes last */
+        ws->wh = (const uint16_t *)m->grads;
+    } else {
+        CMLP_TRY(ensure_half_params(m, dt)); /* a full workspace serves a step that could be compact */
+        ws->wh = m->params_h;
     }
+    if (side) { /* the half weights and the logits' bias through half precision, beside the gather */
+        st = cmlp_side(m, true, 1);
+        ws->forked = true;
+    }
+    if (st == CMLP_OK && ws->compact) st = b->to_half(CTX(m), (uint16_t *)m->grads, m->params, m->nparams, dt);
+    if (st == CMLP_OK && side) {
+        st = b->from_half(CTX(m), ws->b32, ws->wh + m->b_off[L - 1], m->sizes[L], dt);
+        ws->b32_made = st == CMLP_OK;
+    }
+    (void)cmlp_side(m, side, 0);
     const int32_t *labels;
     if (st == CMLP_OK) st = stage(m, xy, idx, start, n, &labels);
     if (st == CMLP_OK && recompute) {
@@ -355,8 +358,8 @@ cmlp_status cmlp_amp_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, 
         st = forward(m, n, m->nlayers, m->wsa.act);
     }
     if (st != CMLP_OK) {
-        if (ws->b32_forked) (void)cmlp_side_join(m, true); /* nothing is left forked */
-        ws->b32_forked = false;
+        if (ws->forked) (void)cmlp_side_join(m, true); /* nothing is left forked */
+        ws->forked = ws->b32_made = false;
         return st;
     }
     int64_t C = m->sizes[m->nlayers];
