@@ -641,7 +641,7 @@ import numpy as np
 import cmlp
 out, dev = {}, os.environ.get("CMLP_TEST_CUDA_DEVICE", "cuda")
 for sizes in ([784, 512, 256, 10], [7, 33, 1, 4], [3, 5, 2], [20, 9, 8, 7, 6, 5]):
-    for n in (31, 1024, 1025):
+    for n in (31, 1024) if sizes[0] == 784 else (31, 1024, 1025):
         for amp in (None, "fp16", "bf16"):
             model = cmlp.MLP(sizes, device=dev, seed=1)
             rng = np.random.default_rng(n)
@@ -653,8 +653,8 @@ for sizes in ([784, 512, 256, 10], [7, 33, 1, 4], [3, 5, 2], [20, 9, 8, 7, 6, 5]
             for k, v in model.grads().items():
                 out[f"{key}-{k}"] = v
 rng = np.random.default_rng(2)
-x = rng.integers(0, 256, (64 * 8 + 5, 784), dtype=np.uint8)
-y = rng.integers(0, 10, 64 * 8 + 5)
+x = rng.integers(0, 256, (64 * 4 + 5, 784), dtype=np.uint8)
+y = rng.integers(0, 10, 64 * 4 + 5)
 for amp in (None, "fp16"):
     for accumulate in (1, 2):
         model = cmlp.MLP([784, 512, 256, 10], device=dev, seed=0)
@@ -671,7 +671,7 @@ def test_a_second_stream_computes_what_one_stream_does(tmp_path):
     """A backward pass of up to 1024 rows makes its weight gradients on a second stream beside the
     input-gradient chain (CMLP_CUDA_STREAMS=1 keeps everything on one). A missing join there is a
     race: gradients read before they are written, or buffers overwritten while a GEMM reads them.
-    Gradients of forward_backward (several depths, amp, rows on both sides of 1024) and fit's
+    Gradients of forward_backward (several depths, amp, rows up to 1024 and past it) and fit's
     per-epoch losses (graphs, accumulation) agree within this file's tolerances: the two streams'
     GEMMs may use different algorithms (their workspaces differ), a race gives garbage. On the
     emulated backend they agree bit for bit (tests/test_cuda_emulated.py)."""
@@ -730,7 +730,7 @@ def test_two_threads_training_on_one_gpu_match_runs_one_after_the_other(amp, bat
     graphs, whose second branch has its own workspace)."""
     import threading
 
-    x, y = teacher_data(2048 * 3, seed=12)
+    x, y = teacher_data(batch * 3, seed=12)
 
     def run(seed, out):
         model = cmlp.MLP([784, 512, 256, 10], device=CUDA, seed=seed)
