@@ -798,15 +798,21 @@ static cmlp_status cu_sgd(void *ctx, float *d_p, const float *d_g, float *d_buf,
                                 d_found_inf, d_step, stream_of(c)));
 }
 
+/* The kernels' copy of a loss-scale update (zeros when scale is NULL). */
+static cmlp_k_scaler k_scaler(const cmlp_scale_step *scale) {
+    cmlp_k_scaler k = {0};
+    if (scale)
+        k = (cmlp_k_scaler){scale->d_scale, scale->d_tracker, (long long *)scale->d_skipped, scale->growth_factor,
+                            scale->backoff_factor, scale->growth_interval};
+    return k;
+}
+
 static cmlp_status cu_optim_prepare(void *ctx, int64_t *d_step, float *d_coef, const float *d_found_inf, double lr,
                                     double beta1, double beta2, int adam, int64_t *d_pos, int64_t pos_add,
                                     const cmlp_scale_step *scale) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
-    cmlp_k_scaler k = {0};
-    if (scale)
-        k = (cmlp_k_scaler){scale->d_scale, scale->d_tracker, (long long *)scale->d_skipped, scale->growth_factor,
-                            scale->backoff_factor, scale->growth_interval};
+    const cmlp_k_scaler k = k_scaler(scale);
     return KERNEL(c, cmlp_k_optim_prepare(d_step, d_coef, d_found_inf, lr, beta1, beta2, adam, d_pos, pos_add,
                                           scale ? &k : NULL, stream_of(c)));
 }
@@ -817,10 +823,7 @@ static cmlp_status cu_adam_prepared(void *ctx, float *d_p, const float *d_g, flo
                                     int64_t pos_add, const cmlp_scale_step *scale, uint32_t *d_blocks_done) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
-    cmlp_k_scaler k = {0};
-    if (scale)
-        k = (cmlp_k_scaler){scale->d_scale, scale->d_tracker, (long long *)scale->d_skipped, scale->growth_factor,
-                            scale->backoff_factor, scale->growth_interval};
+    const cmlp_k_scaler k = k_scaler(scale);
     return KERNEL(c, cmlp_k_adam_prepared(d_p, d_g, d_m, d_v, n, lr, beta1, beta2, eps, weight_decay, d_found_inf,
                                           d_step, d_coef, d_pos, pos_add, scale ? &k : NULL, d_blocks_done,
                                           stream_of(c)));

@@ -211,27 +211,24 @@ cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int6
     CMLP_TRY(cmlp_model_scalars(m, &ds));
     cmlp_fpenv fe;
     cmlp_fpenv_enter(&fe);
-    cmlp_status st = CMLP_OK;
+    cmlp_status st;
     if (adam && b->adam_prepared) { /* the bookkeeping in Adam's launch */
         const cmlp_adam_config *c = &o->adam;
         st = b->adam_prepared(ctx, m->params, m->grads, o->state, o->state + n, n, c->lr, c->beta1, c->beta2,
                               (float)c->eps, (float)c->weight_decay, d_found_inf, d_step, d_coef, d_pos, pos_add, scale,
                               &ds->blocks_done);
-        if (st == CMLP_OK) st = cmlp_model_refresh_half(m);
-        cmlp_fpenv_leave(&fe);
-        return st;
-    }
-    st = adam ? b->optim_prepare(ctx, d_step, d_coef, d_found_inf, o->adam.lr, o->adam.beta1, o->adam.beta2, 1, d_pos,
-                                 pos_add, scale)
-              : b->optim_prepare(ctx, d_step, d_coef, d_found_inf, o->sgd.lr, 0.0, 0.0, 0, d_pos, pos_add, scale);
-    if (st == CMLP_OK && adam) {
+    } else if (adam) {
         const cmlp_adam_config *c = &o->adam;
-        st = b->adam(ctx, m->params, m->grads, o->state, o->state + n, n, 0.0f, (float)c->beta1, (float)c->beta2, 1.0f,
-                     (float)c->eps, (float)c->weight_decay, d_found_inf, d_coef);
-    } else if (st == CMLP_OK) {
+        st = b->optim_prepare(ctx, d_step, d_coef, d_found_inf, c->lr, c->beta1, c->beta2, 1, d_pos, pos_add, scale);
+        if (st == CMLP_OK)
+            st = b->adam(ctx, m->params, m->grads, o->state, o->state + n, n, 0.0f, (float)c->beta1, (float)c->beta2,
+                         1.0f, (float)c->eps, (float)c->weight_decay, d_found_inf, d_coef);
+    } else {
         const cmlp_sgd_config *c = &o->sgd;
-        st = b->sgd(ctx, m->params, m->grads, o->state, n, (float)c->lr, (float)c->momentum, (float)c->dampening,
-                    c->nesterov, (float)c->weight_decay, first, d_found_inf, d_step);
+        st = b->optim_prepare(ctx, d_step, d_coef, d_found_inf, c->lr, 0.0, 0.0, 0, d_pos, pos_add, scale);
+        if (st == CMLP_OK)
+            st = b->sgd(ctx, m->params, m->grads, o->state, n, (float)c->lr, (float)c->momentum, (float)c->dampening,
+                        c->nesterov, (float)c->weight_decay, first, d_found_inf, d_step);
     }
     if (st == CMLP_OK) st = cmlp_model_refresh_half(m);
     cmlp_fpenv_leave(&fe);

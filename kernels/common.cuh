@@ -112,15 +112,20 @@ __device__ __forceinline__ T cmlp_warp_sum(T v) {
  *     void finish(bool any)  called once per thread with the OR of what one/four returned
  * Elements [0, head) and [head + 4 nvec, n) go through one(), the body through four(). */
 template <class Op>
-__global__ void __launch_bounds__(CMLP_K_THREADS) cmlp_k_map(const Op op_arg, int64_t n, int64_t head, int64_t nvec) {
-    Op op = op_arg;
-    if (op.begin()) return;
+__device__ __forceinline__ bool cmlp_map_elements(Op &op, int64_t n, int64_t head, int64_t nvec) {
     const int64_t t = cmlp_tid(), stride = cmlp_nthreads();
     bool any = false;
     for (int64_t q = t; q < nvec; q += stride) any |= op.four(head + 4 * q);
     const int64_t body_end = head + 4 * nvec, nscalar = head + (n - body_end);
     for (int64_t k = t; k < nscalar; k += stride) any |= op.one(k < head ? k : body_end + (k - head));
-    op.finish(any);
+    return any;
+}
+
+template <class Op>
+__global__ void __launch_bounds__(CMLP_K_THREADS) cmlp_k_map(const Op op_arg, int64_t n, int64_t head, int64_t nvec) {
+    Op op = op_arg;
+    if (op.begin()) return;
+    op.finish(cmlp_map_elements(op, n, head, nvec));
 }
 
 /* Misalignment of p in elements of `size` bytes, relative to a 4-element vector; -1 when p is
@@ -133,18 +138,26 @@ static inline int cmlp_misalign(const void *p, int size) {
 
 /* Launches cmlp_k_map over n > 0 elements. `mis` holds the misalignment of each pointer the
  * op touches (cmlp_misalign); the vector body is used when they all agree. */
-template <class Op>
-static cudaError_t cmlp_launch_map(const Op &op, int64_t n, const int *mis, int nmis, cudaStream_t stream) {
+/* The split of n > 0 elements into a scalar head, 4-element vectors and a scalar tail (the vector
+ * body is used when every pointer's misalignment agrees); returns the blocks to launch. */
+static inline unsigned int cmlp_map_split(int64_t n, const int *mis, int nmis, int64_t *head, int64_t *nvec) {
     bool same = mis[0] >= 0;
     for (int k = 1; k < nmis; k++) same = same && mis[k] == mis[0];
-    int64_t head = 0, nvec = 0;
+    *head = *nvec = 0;
     if (same) {
-        head = (4 - mis[0]) & 3;
-        if (head > n) head = n;
-        nvec = (n - head) / 4;
+        *head = (4 - mis[0]) & 3;
+        if (*head > n) *head = n;
+        *nvec = (n - *head) / 4;
     }
-    int64_t nscalar = n - 4 * nvec, work = nvec > nscalar ? nvec : nscalar;
-    cmlp_k_map<Op><<<cmlp_k_blocks(work, CMLP_K_THREADS), CMLP_K_THREADS, 0, stream>>>(op, n, head, nvec);
+    const int64_t nscalar = n - 4 * *nvec, work = *nvec > nscalar ? *nvec : nscalar;
+    return cmlp_k_blocks(work, CMLP_K_THREADS);
+}
+
+template <class Op>
+static cudaError_t cmlp_launch_map(const Op &op, int64_t n, const int *mis, int nmis, cudaStream_t stream) {
+    int64_t head, nvec;
+    const unsigned int blocks = cmlp_map_split(n, mis, nmis, &head, &nvec);
+    cmlp_k_map<Op><<<blocks, CMLP_K_THREADS, 0, stream>>>(op, n, head, nvec);
     return cudaGetLastError();
 }
 

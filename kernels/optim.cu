@@ -55,11 +55,8 @@ struct adam_op {
     }
 };
 
-extern "C" cudaError_t cmlp_k_adam(float *p, const float *g, float *m, float *v, int64_t n, float step_size,
-                                   float beta1, float beta2, float bc2_sqrt, float eps, float weight_decay,
-                                   const float *found_inf, const float *coef, cudaStream_t stream) {
-    if (n < 0) return cudaErrorInvalidValue;
-    if (n == 0) return cudaSuccess;
+static adam_op adam_make(float *p, const float *g, float *m, float *v, float step_size, float beta1, float beta2,
+                         float bc2_sqrt, float eps, float weight_decay, const float *found_inf, const float *coef) {
     adam_op op;
     op.p = p;
     op.g = g;
@@ -75,6 +72,15 @@ extern "C" cudaError_t cmlp_k_adam(float *p, const float *g, float *m, float *v,
     op.wd = weight_decay;
     op.found_inf = found_inf;
     op.coef = coef;
+    return op;
+}
+
+extern "C" cudaError_t cmlp_k_adam(float *p, const float *g, float *m, float *v, int64_t n, float step_size,
+                                   float beta1, float beta2, float bc2_sqrt, float eps, float weight_decay,
+                                   const float *found_inf, const float *coef, cudaStream_t stream) {
+    if (n < 0) return cudaErrorInvalidValue;
+    if (n == 0) return cudaSuccess;
+    const adam_op op = adam_make(p, g, m, v, step_size, beta1, beta2, bc2_sqrt, eps, weight_decay, found_inf, coef);
     const int mis[4] = {cmlp_misalign(p, 4), cmlp_misalign(g, 4), cmlp_misalign(m, 4), cmlp_misalign(v, 4)};
     return cmlp_launch_map(op, n, mis, 4, stream);
 }
@@ -223,10 +229,7 @@ __global__ void __launch_bounds__(CMLP_K_THREADS) k_adam_prepared(adam_op op, in
     if (!skip) {
         op.step_size = coef[0];
         op.bc2_sqrt = coef[1];
-        const int64_t t = cmlp_tid(), stride = cmlp_nthreads();
-        for (int64_t q = t; q < nvec; q += stride) op.four(head + 4 * q);
-        const int64_t body_end = head + 4 * nvec, nscalar = head + (n - body_end);
-        for (int64_t k = t; k < nscalar; k += stride) op.one(k < head ? k : body_end + (k - head));
+        (void)cmlp_map_elements(op, n, head, nvec);
     }
     __syncthreads(); /* the block is done (its thread 0 read *step before the first barrier) */
     if (threadIdx.x != 0) return;
@@ -252,33 +255,14 @@ extern "C" cudaError_t cmlp_k_adam_prepared(float *p, const float *g, float *m, 
                                             int64_t pos_add, const cmlp_k_scaler *scaler, unsigned int *blocks_done,
                                             cudaStream_t stream) {
     if (n <= 0 || !step || !coef || !blocks_done) return cudaErrorInvalidValue;
-    adam_op op;
-    op.p = p;
-    op.g = g;
-    op.m = m;
-    op.v = v;
-    op.step_size = 0.0f; /* per block, from *step */
-    op.beta1 = (float)beta1;
-    op.beta2 = (float)beta2;
-    op.one_b1 = 1.0f - op.beta1; /* as cmlp_k_adam */
-    op.one_b2 = 1.0f - op.beta2;
-    op.bc2_sqrt = 1.0f;
-    op.eps = eps;
-    op.wd = weight_decay;
-    op.found_inf = found_inf;
-    op.coef = nullptr;
+    /* step size and bias correction: per block, from *step */
+    const adam_op op = adam_make(p, g, m, v, 0.0f, (float)beta1, (float)beta2, 1.0f, eps, weight_decay, found_inf,
+                                 nullptr);
     prepare_args a = {step, coef, lr, beta1, beta2, pos, pos_add, {}, blocks_done};
     if (scaler) a.scaler = *scaler;
     const int mis[4] = {cmlp_misalign(p, 4), cmlp_misalign(g, 4), cmlp_misalign(m, 4), cmlp_misalign(v, 4)};
-    bool same = mis[0] >= 0;
-    for (int k = 1; k < 4; k++) same = same && mis[k] == mis[0];
-    int64_t head = 0, nvec = 0;
-    if (same) { /* as cmlp_launch_map */
-        head = (4 - mis[0]) & 3;
-        if (head > n) head = n;
-        nvec = (n - head) / 4;
-    }
-    const int64_t nscalar = n - 4 * nvec, work = nvec > nscalar ? nvec : nscalar;
-    k_adam_prepared<<<cmlp_k_blocks(work, CMLP_K_THREADS), CMLP_K_THREADS, 0, stream>>>(op, n, head, nvec, a);
+    int64_t head, nvec;
+    const unsigned int blocks = cmlp_map_split(n, mis, 4, &head, &nvec);
+    k_adam_prepared<<<blocks, CMLP_K_THREADS, 0, stream>>>(op, n, head, nvec, a);
     return cudaGetLastError();
 }
