@@ -22,6 +22,16 @@ typedef struct cmlp_scale_step {
     int32_t growth_interval;
 } cmlp_scale_step;
 
+/* The weight of the loss's gradient: value, or with d_scale the weight of a loss-scaled step,
+ * (float)((double)*d_scale / count), read on the device. With d_found_inf the loss's launch also
+ * sets *d_found_inf = 0: the step's inf/NaN check starts clean, with no launch of its own. */
+typedef struct cmlp_loss_weight {
+    float value;
+    const float *d_scale;
+    double count;
+    float *d_found_inf;
+} cmlp_loss_weight;
+
 typedef struct cmlp_backend_i {
     const char *name;
 
@@ -91,18 +101,17 @@ typedef struct cmlp_backend_i {
     /* Fused stable softmax cross-entropy over logits [rows, cols]. Adds the per-sample losses
      * to *d_loss_sum (a device double; NULL: not wanted) and, when d_dlogits is not NULL, writes
      * d_dlogits = w * (softmax - q), q = (1 - smoothing) onehot + smoothing / cols, where w is
-     * *d_grad_weight when that is not NULL, else grad_weight. When d_correct is not NULL adds
+     * weight's (cmlp_loss_weight). When d_correct is not NULL adds
      * to it the number of rows whose argmax equals the label. d_dlogits may be d_logits.
      * Nothing is read back: the results stay on the device. */
     cmlp_status (*softmax_xent)(void *ctx, const float *d_logits, const int32_t *d_labels,
-                                int64_t rows, int64_t cols, float smoothing, float grad_weight,
-                                const float *d_grad_weight, float *d_dlogits, double *d_loss_sum,
-                                int64_t *d_correct);
+                                int64_t rows, int64_t cols, float smoothing, cmlp_loss_weight weight,
+                                float *d_dlogits, double *d_loss_sum, int64_t *d_correct);
     /* Optional, with gemm_half (NULL: softmax_xent into fp32, then to_half): the same with
      * d_dlogits in half storage of type half (F16 or BF16), each value rounded once. */
     cmlp_status (*softmax_xent_half)(void *ctx, const float *d_logits, const int32_t *d_labels, int64_t rows,
-                                     int64_t cols, float smoothing, float grad_weight, const float *d_grad_weight,
-                                     uint16_t *d_dlogits, cmlp_dtype half, double *d_loss_sum, int64_t *d_correct);
+                                     int64_t cols, float smoothing, cmlp_loss_weight weight, uint16_t *d_dlogits,
+                                     cmlp_dtype half, double *d_loss_sum, int64_t *d_correct);
     /* dst[r, :] = convert(src row idx[r]) (row start + r when idx is NULL) for r < rows, where
      * src is host data [*, cols] of dtype; uint8 becomes v * scale + shift. Labels likewise. */
     cmlp_status (*stage_rows)(void *ctx, float *d_dst, const void *h_src, cmlp_dtype dtype,
@@ -161,9 +170,6 @@ typedef struct cmlp_backend_i {
      * the flat gradient buffer. */
     cmlp_status (*unscale)(void *ctx, float *d_g, int64_t n, float inv_scale, const float *d_scale,
                            float *d_found_inf);
-    /* *d_w = (float)((double)*d_scale / count): the gradient weight of a scaled step; and
-     * *d_found_inf = 0 when d_found_inf is not NULL (the step's inf/NaN check starts clean). */
-    cmlp_status (*grad_weight)(void *ctx, float *d_w, const float *d_scale, double count, float *d_found_inf);
     /* Waits for the device's queued work (a second stream's: once joined to the first). */
     cmlp_status (*synchronize)(void *ctx);
 

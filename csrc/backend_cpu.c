@@ -262,10 +262,11 @@ static cmlp_status cpu_relu_backward_bias_grad(void *ctx, void *dy, const void *
 }
 
 static cmlp_status cpu_softmax_xent(void *ctx, const float *logits, const int32_t *labels, int64_t rows,
-                                    int64_t cols, float smoothing, float grad_weight, const float *grad_weight_p,
-                                    float *dlogits, double *loss_sum, int64_t *correct) {
+                                    int64_t cols, float smoothing, cmlp_loss_weight w, float *dlogits,
+                                    double *loss_sum, int64_t *correct) {
     (void)ctx;
-    if (grad_weight_p) grad_weight = *grad_weight_p;
+    const float grad_weight = w.d_scale ? (float)((double)*w.d_scale / w.count) : w.value;
+    if (w.d_found_inf) *w.d_found_inf = 0.0f;
     double total = 0.0;
     int64_t hits = 0;
     const float off = smoothing / (float)cols, on = 1.0f - smoothing + off;
@@ -539,13 +540,6 @@ static cmlp_status cpu_optim_prepare(void *ctx, int64_t *step, float *coef, cons
     return CMLP_OK;
 }
 
-static cmlp_status cpu_grad_weight(void *ctx, float *w, const float *scale, double count, float *found_inf) {
-    (void)ctx;
-    *w = (float)((double)*scale / count);
-    if (found_inf) *found_inf = 0.0f;
-    return CMLP_OK;
-}
-
 typedef struct {
     float *g;
     float inv;
@@ -614,6 +608,5 @@ const cmlp_backend_i cmlp_backend_cpu = {
     .from_half = cpu_from_half,
     .optim_prepare = cpu_optim_prepare,
     .unscale = cpu_unscale,
-    .grad_weight = cpu_grad_weight,
     .synchronize = cpu_synchronize,
 };

@@ -652,21 +652,22 @@ static cmlp_status cu_bias_grad(void *ctx, float *d_db, const float *d_dy, int64
 }
 
 static cmlp_status cu_softmax_xent(void *ctx, const float *d_logits, const int32_t *d_labels, int64_t rows,
-                                   int64_t cols, float smoothing, float grad_weight, const float *d_grad_weight,
-                                   float *d_dlogits, double *d_loss_sum, int64_t *d_correct) {
+                                   int64_t cols, float smoothing, cmlp_loss_weight w, float *d_dlogits,
+                                   double *d_loss_sum, int64_t *d_correct) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_softmax_xent(d_logits, d_labels, rows, cols, smoothing, grad_weight, d_grad_weight,
-                                         d_dlogits, d_loss_sum, (unsigned long long *)d_correct, stream_of(c)));
+    return KERNEL(c, cmlp_k_softmax_xent(d_logits, d_labels, rows, cols, smoothing, w.value, w.d_scale, w.count,
+                                         w.d_found_inf, d_dlogits, d_loss_sum, (unsigned long long *)d_correct,
+                                         stream_of(c)));
 }
 
 static cmlp_status cu_softmax_xent_half(void *ctx, const float *d_logits, const int32_t *d_labels, int64_t rows,
-                                        int64_t cols, float smoothing, float grad_weight, const float *d_grad_weight,
-                                        uint16_t *d_dlogits, cmlp_dtype half, double *d_loss_sum, int64_t *d_correct) {
+                                        int64_t cols, float smoothing, cmlp_loss_weight w, uint16_t *d_dlogits,
+                                        cmlp_dtype half, double *d_loss_sum, int64_t *d_correct) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_softmax_xent_half(d_logits, d_labels, rows, cols, smoothing, grad_weight, d_grad_weight,
-                                              d_dlogits, half == CMLP_DTYPE_BF16, d_loss_sum,
+    return KERNEL(c, cmlp_k_softmax_xent_half(d_logits, d_labels, rows, cols, smoothing, w.value, w.d_scale, w.count,
+                                              w.d_found_inf, d_dlogits, half == CMLP_DTYPE_BF16, d_loss_sum,
                                               (unsigned long long *)d_correct, stream_of(c)));
 }
 
@@ -827,12 +828,6 @@ static cmlp_status cu_adam_prepared(void *ctx, float *d_p, const float *d_g, flo
     return KERNEL(c, cmlp_k_adam_prepared(d_p, d_g, d_m, d_v, n, lr, beta1, beta2, eps, weight_decay, d_found_inf,
                                           d_step, d_coef, d_pos, pos_add, scale ? &k : NULL, d_blocks_done,
                                           stream_of(c)));
-}
-
-static cmlp_status cu_grad_weight(void *ctx, float *d_w, const float *d_scale, double count, float *d_found_inf) {
-    cuda_ctx *c = ctx;
-    CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_grad_weight(d_w, d_scale, count, d_found_inf, stream_of(c)));
 }
 
 static cmlp_status cu_to_half(void *ctx, uint16_t *d_dst, const float *d_src, int64_t n, cmlp_dtype dtype) {
@@ -1046,7 +1041,6 @@ static const cmlp_backend_i backend = {
     .optim_prepare = cu_optim_prepare,
     .adam_prepared = cu_adam_prepared,
     .unscale = cu_unscale,
-    .grad_weight = cu_grad_weight,
     .synchronize = cu_synchronize,
     .stream_side = cu_stream_side,
     .stream_join = cu_stream_join,

@@ -109,11 +109,10 @@ typedef struct cmlp_dscalars {
     float found_inf;       /* 1 when the last unscale met an inf or NaN */
     float scale;           /* the loss scale */
     int32_t growth_tracker;
-    float grad_weight;     /* scale / samples of the step in progress */
+    uint32_t blocks_done;  /* adam_prepared's counter: 0 between steps */
     float coef[2];         /* Adam's step size and sqrt(1 - beta2^t) of that step */
     int64_t pos;           /* the epoch's position: the first sample of the next step */
-    uint32_t blocks_done;  /* adam_prepared's counter: 0 between steps */
-    uint8_t spare[52];     /* keeps the size at 128 bytes */
+    uint8_t spare[56];     /* keeps the size at 128 bytes */
 } cmlp_dscalars;
 _Static_assert(sizeof(cmlp_dscalars) == 128, "cmlp_dscalars is 128 bytes");
 
@@ -190,10 +189,9 @@ CMLP_HIDDEN bool cmlp_data_in_place(const cmlp_model *m, const cmlp_data *xy);
 CMLP_HIDDEN cmlp_status cmlp_model_stage(cmlp_model *m, const cmlp_data *xy, const int64_t *idx,
                                          int64_t start, int64_t n, bool compact, const float **input,
                                          const int32_t **labels);
-/* The gradient weight of a step: a host value, or a device scalar (d_weight, when not NULL). */
+/* The gradient weight of a step (a host value, or from the loss scale on the device). */
 typedef struct cmlp_gw {
-    float value;
-    const float *d_weight;
+    cmlp_loss_weight loss;
     /* the gradients are written, not added to: the first micro-batch of a training step, which
      * then needs no zeroing before it (the same values; a GEMM may leave a -0 where zero-then-add
      * gives +0) */

@@ -351,7 +351,7 @@ cmlp_status cmlp_model_fb_rows(cmlp_model *m, const float *input, const int32_t 
                                float smoothing, double *d_loss) {
     int L = m->nlayers;
     CMLP_TRY(cmlp_model_forward_rows(m, input, n));
-    CMLP_TRY(B(m)->softmax_xent(CTX(m), m->ws.act[L], labels, n, m->sizes[L], smoothing, w.value, w.d_weight,
+    CMLP_TRY(B(m)->softmax_xent(CTX(m), m->ws.act[L], labels, n, m->sizes[L], smoothing, w.loss,
                                 m->ws.dact[0], d_loss, NULL));
     bool side = cmlp_side_use(m, n);
     cmlp_status st = backward_rows(m, input, n, w, side);
@@ -400,8 +400,8 @@ cmlp_status cmlp_model_evaluate(cmlp_model *m, const cmlp_data *xy, int64_t chun
         st = cmlp_model_stage(m, xy, NULL, s, k, false, &in, &lab);
         if (st == CMLP_OK) st = cmlp_model_forward_rows(m, in, k);
         if (st == CMLP_OK)
-            st = B(m)->softmax_xent(CTX(m), m->ws.act[m->nlayers], lab, k, m->sizes[m->nlayers], 0.0f, 0.0f, NULL,
-                                    NULL, &ds->loss, &ds->correct);
+            st = B(m)->softmax_xent(CTX(m), m->ws.act[m->nlayers], lab, k, m->sizes[m->nlayers], 0.0f,
+                                    (cmlp_loss_weight){0}, NULL, &ds->loss, &ds->correct);
     }
     if (st == CMLP_OK) st = B(m)->copy_d2h(CTX(m), &h, ds, sizeof h);
     cmlp_fpenv_leave(&fe);
@@ -436,7 +436,7 @@ cmlp_status cmlp_model_forward_backward(cmlp_model *m, const cmlp_data *xy, floa
     cmlp_fpenv fe;
     cmlp_fpenv_enter(&fe);
     double loss = 0.0;
-    cmlp_status st = cmlp_model_fb(m, xy, NULL, 0, xy->n, (cmlp_gw){grad_weight, NULL}, label_smoothing, amp, 0,
+    cmlp_status st = cmlp_model_fb(m, xy, NULL, 0, xy->n, (cmlp_gw){{grad_weight}}, label_smoothing, amp, 0,
                                    &ds->loss);
     if (st == CMLP_OK) st = B(m)->copy_d2h(CTX(m), &loss, &ds->loss, sizeof loss);
     cmlp_fpenv_leave(&fe);

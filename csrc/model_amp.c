@@ -367,10 +367,10 @@ cmlp_status cmlp_amp_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, 
      * gradient buffer is free: backward starts from it) */
     bool half_grad = b->gemm_half && b->softmax_xent_half;
     if (half_grad)
-        CMLP_TRY(b->softmax_xent_half(CTX(m), m->wsa.logits, labels, n, C, smoothing, w.value, w.d_weight,
+        CMLP_TRY(b->softmax_xent_half(CTX(m), m->wsa.logits, labels, n, C, smoothing, w.loss,
                                       m->wsa.dact[0], m->wsa.dt, d_loss, NULL));
     else
-        CMLP_TRY(b->softmax_xent(CTX(m), m->wsa.logits, labels, n, C, smoothing, w.value, w.d_weight, m->wsa.dlogits,
+        CMLP_TRY(b->softmax_xent(CTX(m), m->wsa.logits, labels, n, C, smoothing, w.loss, m->wsa.dlogits,
                                  d_loss, NULL));
     st = backward(m, n, w.fresh, half_grad, side);
     if (st != CMLP_OK) (void)cmlp_side_join(m, side); /* nothing is left forked */

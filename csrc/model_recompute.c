@@ -76,7 +76,7 @@ cmlp_status cmlp_rc_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, i
     float *cur;
     CMLP_TRY(run_layers(m, input, n, L, w->buf[0], w->buf[1], w->buf[2], &cur)); /* logits in buf[2] */
     /* the logits' gradient overwrites the logits */
-    CMLP_TRY(B(m)->softmax_xent(CTX(m), cur, labels, n, m->sizes[L], smoothing, gw.value, gw.d_weight, cur, d_loss,
+    CMLP_TRY(B(m)->softmax_xent(CTX(m), cur, labels, n, m->sizes[L], smoothing, gw.loss, cur, d_loss,
                                 NULL));
     for (int l = L - 1; l >= 0; l--) {
         int64_t in = m->sizes[l], out = m->sizes[l + 1];

@@ -204,12 +204,10 @@ static cmlp_status effective_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp
     const cmlp_backend_i *b = m->dev->backend;
     void *ctx = m->dev->bctx;
     /* no zeroing: the first micro-batch writes the gradients, the others add to them */
-    cmlp_gw w = {(float)(1.0 / (double)n), NULL, true};
-    if (t->scaler.enabled) {
-        /* the weight from the current scale; the inf/NaN check starts clean (also on a retry) */
-        CMLP_TRY(b->grad_weight(ctx, &ds->grad_weight, &ds->scale, (double)n, &ds->found_inf));
-        w.d_weight = &ds->grad_weight;
-    }
+    cmlp_gw w = {{(float)(1.0 / (double)n)}, true};
+    /* with a scaler, the weight comes from the current scale, and the loss's launch starts the
+     * inf/NaN check clean (each micro-batch's, and a retry's: unscale alone sets it, after them) */
+    if (t->scaler.enabled) w.loss = (cmlp_loss_weight){0.0f, &ds->scale, (double)n, &ds->found_inf};
     for (int64_t off = 0; off < n; off += t->micro) {
         int64_t k = n - off < t->micro ? n - off : t->micro;
         w.fresh = off == 0;

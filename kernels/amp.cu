@@ -121,13 +121,3 @@ extern "C" cudaError_t cmlp_k_unscale(float *g, int64_t n, float inv_scale, cons
     return cmlp_launch_map(op, n, mis, 1, stream);
 }
 
-__global__ void k_grad_weight(float *w, const float *scale, double count, float *found_inf) {
-    *w = (float)((double)*scale / count);
-    if (found_inf) *found_inf = 0.0f;
-}
-
-extern "C" cudaError_t cmlp_k_grad_weight(float *w, const float *scale, double count, float *found_inf,
-                                          cudaStream_t stream) {
-    k_grad_weight<<<1, 1, 0, stream>>>(w, scale, count, found_inf);
-    return cudaGetLastError();
-}

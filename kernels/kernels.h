@@ -62,20 +62,22 @@ cudaError_t cmlp_k_relu_backward_bias_grad(void *dy, const void *h, void *out, i
  * p = softmax(logits row), the row loss is -sum_c q_c log p_c (computed as
  * logsumexp - sum_c q_c * logit_c, with the max subtracted).
  *   - *loss_sum (double) += the sum of the row losses (device atomics; may be NULL).
- *   - dlogits (may be NULL, may equal logits): dlogits[r, c] = grad_weight * (p_c - q_c), where
- *     grad_weight is *grad_weight_dev when that is not NULL (a weight computed on the device).
+ *   - dlogits (may be NULL, may equal logits): dlogits[r, c] = w * (p_c - q_c), where w is
+ *     grad_weight, or (float)((double)*scale / count) when scale is not NULL (the weight of a
+ *     loss-scaled step, from the scale on the device).
+ *   - *found_inf = 0 when found_inf is not NULL (a loss-scaled step's check starts clean).
  *   - *correct (may be NULL) += the number of rows whose argmax (first maximum) is the label.
  * One warp per row, read once when cols <= 128 (10 for the reference model), three times when
  * wider; any cols >= 1 works (cols == 0 with rows > 0 is cudaErrorInvalidValue). A label
  * outside [0, cols) reads nothing out of bounds: its row counts no hit and q has no one-hot. */
 cudaError_t cmlp_k_softmax_xent(const float *logits, const int32_t *labels, int64_t rows, int64_t cols, float smoothing,
-                                float grad_weight, const float *grad_weight_dev, float *dlogits, double *loss_sum,
-                                unsigned long long *correct, cudaStream_t stream);
+                                float grad_weight, const float *scale, double count, float *found_inf, float *dlogits,
+                                double *loss_sum, unsigned long long *correct, cudaStream_t stream);
 /* The same with the gradient stored in fp16 (bf16 == 0) or bf16, each value rounded once from the
  * float above (dlogits may not alias logits here). */
 cudaError_t cmlp_k_softmax_xent_half(const float *logits, const int32_t *labels, int64_t rows, int64_t cols,
-                                     float smoothing, float grad_weight, const float *grad_weight_dev,
-                                     uint16_t *dlogits, int bf16, double *loss_sum, unsigned long long *correct,
+                                     float smoothing, float grad_weight, const float *scale, double count,
+                                     float *found_inf, uint16_t *dlogits, int bf16, double *loss_sum, unsigned long long *correct,
                                      cudaStream_t stream);
 
 /* ---- data.cu ---- */
@@ -159,9 +161,6 @@ cudaError_t cmlp_k_from_half(float *dst, const uint16_t *src, int64_t n, int bf1
  * *found_inf = 1.0f when any result is inf or NaN (never resets it). One pass. */
 cudaError_t cmlp_k_unscale(float *g, int64_t n, float inv_scale, const float *scale, float *found_inf,
                            cudaStream_t stream);
-/* One thread: *w = (float)((double)*scale / count), the gradient weight of a loss-scaled step
- * over count samples; and *found_inf = 0 when found_inf is not NULL (the step's check starts). */
-cudaError_t cmlp_k_grad_weight(float *w, const float *scale, double count, float *found_inf, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

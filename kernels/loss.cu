@@ -33,7 +33,9 @@ struct xent_args {
     const int32_t *labels;
     int64_t rows, cols;
     float smoothing, grad_weight;
-    const float *grad_weight_dev; /* when set, the weight is read from here */
+    const float *scale; /* when set, the weight is *scale / count (a loss-scaled step) */
+    double count;
+    float *found_inf; /* when set, reset by the first thread */
     void *dlogits;                /* float, or fp16 / bf16 bits (OUT 1, 2) */
     double *loss_sum;
     unsigned long long *correct;
@@ -51,7 +53,8 @@ __device__ __forceinline__ void store_grad(void *d, int64_t i, float v) {
 
 template <int K, int OUT>
 __global__ void __launch_bounds__(XENT_THREADS) k_softmax_xent(xent_args a) {
-    if (a.grad_weight_dev) a.grad_weight = *a.grad_weight_dev;
+    if (a.scale) a.grad_weight = (float)((double)*a.scale / a.count);
+    if (a.found_inf && blockIdx.x == 0 && threadIdx.x == 0) *a.found_inf = 0.0f;
     __shared__ double s_loss[XENT_WARPS];
     __shared__ unsigned long long s_hits[XENT_WARPS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -180,12 +183,14 @@ static void launch_xent(const xent_args &a, cudaStream_t stream) {
 
 /* dlogits_kind: 0 float, 1 fp16, 2 bf16 */
 static cudaError_t softmax_xent(const float *logits, const int32_t *labels, int64_t rows, int64_t cols, float smoothing,
-                                float grad_weight, const float *grad_weight_dev, void *dlogits, int dlogits_kind,
+                                float grad_weight, const float *scale, double count, float *found_inf, void *dlogits,
+                                int dlogits_kind,
                                 double *loss_sum, unsigned long long *correct, cudaStream_t stream) {
     if (rows < 0 || cols < 0 || dlogits_kind < 0 || dlogits_kind > 2) return cudaErrorInvalidValue;
     if (rows == 0) return cudaSuccess;
     if (cols == 0) return cudaErrorInvalidValue;
-    const xent_args a = {logits, labels, rows, cols, smoothing, grad_weight, grad_weight_dev, dlogits, loss_sum, correct};
+    const xent_args a = {logits, labels,    rows,      cols,    smoothing, grad_weight,
+                         scale,  count,     found_inf, dlogits, loss_sum,  correct};
     if (dlogits_kind == 0) launch_xent<0>(a, stream);
     else if (dlogits_kind == 1) launch_xent<1>(a, stream);
     else launch_xent<2>(a, stream);
@@ -193,17 +198,17 @@ static cudaError_t softmax_xent(const float *logits, const int32_t *labels, int6
 }
 
 extern "C" cudaError_t cmlp_k_softmax_xent(const float *logits, const int32_t *labels, int64_t rows, int64_t cols,
-                                           float smoothing, float grad_weight, const float *grad_weight_dev,
-                                           float *dlogits, double *loss_sum,
+                                           float smoothing, float grad_weight, const float *scale, double count,
+                                           float *found_inf, float *dlogits, double *loss_sum,
                                            unsigned long long *correct, cudaStream_t stream) {
-    return softmax_xent(logits, labels, rows, cols, smoothing, grad_weight, grad_weight_dev, dlogits, 0, loss_sum,
-                        correct, stream);
+    return softmax_xent(logits, labels, rows, cols, smoothing, grad_weight, scale, count, found_inf, dlogits, 0,
+                        loss_sum, correct, stream);
 }
 
 extern "C" cudaError_t cmlp_k_softmax_xent_half(const float *logits, const int32_t *labels, int64_t rows, int64_t cols,
-                                                float smoothing, float grad_weight, const float *grad_weight_dev,
-                                                uint16_t *dlogits, int bf16, double *loss_sum,
-                                                unsigned long long *correct, cudaStream_t stream) {
-    return softmax_xent(logits, labels, rows, cols, smoothing, grad_weight, grad_weight_dev, dlogits, bf16 ? 2 : 1,
-                        loss_sum, correct, stream);
+                                                float smoothing, float grad_weight, const float *scale,
+                                                double count, float *found_inf, uint16_t *dlogits, int bf16,
+                                                double *loss_sum, unsigned long long *correct, cudaStream_t stream) {
+    return softmax_xent(logits, labels, rows, cols, smoothing, grad_weight, scale, count, found_inf, dlogits,
+                        bf16 ? 2 : 1, loss_sum, correct, stream);
 }

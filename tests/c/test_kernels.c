@@ -293,10 +293,12 @@ static void test_softmax_xent(void) {
     for (int ri = 0; ri < 6; ri++)
         for (int ci = 0; ci < 13; ci++)
             for (int mode = 0; mode < 4; mode++) {
-                /* mode 0: plain; 1: smoothing, device weight; 2: dlogits in place; 3: NaN and
-                 * ties in the logits, no gradient */
+                /* mode 0: plain; 1: smoothing, the weight of a loss scale on the device; 2: dlogits
+                 * in place; 3: NaN and ties in the logits, no gradient */
                 int64_t rows = R[ri], cols = C[ci], n = rows * cols;
-                float smoothing = mode == 1 ? 0.1f : 0.0f, gw = 0.25f, gwd = 0.0625f;
+                float smoothing = mode == 1 ? 0.1f : 0.0f, gw = 0.25f, scale = 1000.0f;
+                const double count = 96.0;
+                const float gwd = (float)(1000.0 / count);
                 buf x = make(n, 4, 0), lab = make(rows, 4, 0), dl = make(n, 4, 0), cx = make(n, 4, 0),
                     cdl = make(n, 4, 0);
                 for (int64_t k = 0; k < n; k++) F(x)[k] = uniform(-8.0f, 8.0f);
@@ -314,17 +316,19 @@ static void test_softmax_xent(void) {
                 int64_t chits = 3;
                 float *d = mode == 2 ? F(x) : mode == 3 ? NULL : F(dl);
                 float *cd = mode == 2 ? F(cx) : mode == 3 ? NULL : F(cdl);
-                const float *wdev = mode == 1 ? &gwd : NULL;
+                float fi = 1.0f, cfi = 1.0f; /* reset by the loss scale's launch */
+                const float *sdev = mode == 1 ? &scale : NULL;
                 if (mode == 0 || mode == 1) { /* the half-precision gradient: the float one, rounded once */
                     for (int bf = 0; bf < 2; bf++) {
                         buf dh = make(n, 2, 0), dref = make(n, 4, 0), href = make(n, 2, 0);
                         double l2 = 0.0;
                         unsigned long long h2 = 0;
-                        KOK(cmlp_k_softmax_xent_half(F(x), lab.p, rows, cols, smoothing, gw, wdev, dh.p, bf, &l2, &h2, S));
+                        KOK(cmlp_k_softmax_xent_half(F(x), lab.p, rows, cols, smoothing, gw, sdev, count, NULL, dh.p,
+                                                     bf, &l2, &h2, S));
                         double lref = 0.0;
                         unsigned long long href_hits = 0;
-                        KOK(cmlp_k_softmax_xent(F(x), lab.p, rows, cols, smoothing, gw, wdev, F(dref), &lref, &href_hits,
-                                                S));
+                        KOK(cmlp_k_softmax_xent(F(x), lab.p, rows, cols, smoothing, gw, sdev, count, NULL, F(dref),
+                                                &lref, &href_hits, S));
                         KOK(cmlp_k_to_half(href.p, F(dref), n, bf, S));
                         CHECK(same_bits(dh.p, href.p, (size_t)n * 2) && l2 == lref && h2 == href_hits,
                               "xent_half %lldx%lld bf16 %d: gradient bits, loss %.17g vs %.17g, hits %llu vs %llu",
@@ -332,10 +336,13 @@ static void test_softmax_xent(void) {
                         free(dh.block), free(dref.block), free(href.block);
                     }
                 }
-                KOK(cmlp_k_softmax_xent(F(x), lab.p, rows, cols, smoothing, gw, wdev, d, &loss, &hits, S));
-                CPU_CALL(cpu->softmax_xent(NULL, F(cx), lab.p, rows, cols, smoothing, gw, wdev, cd, &closs, &chits));
+                float *fip = mode == 1 ? &fi : NULL, *cfip = mode == 1 ? &cfi : NULL;
+                KOK(cmlp_k_softmax_xent(F(x), lab.p, rows, cols, smoothing, gw, sdev, count, fip, d, &loss, &hits, S));
+                CPU_CALL(cpu->softmax_xent(NULL, F(cx), lab.p, rows, cols, smoothing,
+                                           (cmlp_loss_weight){gw, sdev, count, cfip}, cd, &closs, &chits));
                 CHECK((int64_t)hits == chits, "xent %lldx%lld mode %d: hits %llu vs %lld", (long long)rows,
                       (long long)cols, mode, hits, (long long)chits);
+                CHECK((fi == 0.0f) == (mode == 1) && fi == cfi, "xent mode %d: found_inf %g vs %g", mode, fi, cfi);
                 if (mode == 3) {
                     CHECK(isnan(loss) == isnan(closs), "xent NaN rows: loss %g vs %g", loss, closs);
                 } else {
@@ -359,11 +366,21 @@ static void test_softmax_xent(void) {
     memcpy(lab.p, bad, sizeof bad);
     double loss = 0.0;
     unsigned long long hits = 0;
-    KOK(cmlp_k_softmax_xent(F(x), lab.p, rows, cols, 0.0f, 1.0f, NULL, F(dl), &loss, &hits, S));
+    KOK(cmlp_k_softmax_xent(F(x), lab.p, rows, cols, 0.0f, 1.0f, NULL, 0.0, NULL, F(dl), &loss, &hits, S));
     CHECK(hits == 0 && isfinite(loss), "xent with labels out of range: hits %llu loss %g", hits, loss);
-    KOK(cmlp_k_softmax_xent(F(x), lab.p, 0, cols, 0.0f, 1.0f, NULL, F(dl), &loss, &hits, S));
-    CHECK(cmlp_k_softmax_xent(F(x), lab.p, rows, 0, 0.0f, 1.0f, NULL, F(dl), &loss, &hits, S) == cudaErrorInvalidValue,
+    KOK(cmlp_k_softmax_xent(F(x), lab.p, 0, cols, 0.0f, 1.0f, NULL, 0.0, NULL, F(dl), &loss, &hits, S));
+    CHECK(cmlp_k_softmax_xent(F(x), lab.p, rows, 0, 0.0f, 1.0f, NULL, 0.0, NULL, F(dl), &loss, &hits, S) ==
+              cudaErrorInvalidValue,
           "xent with no columns");
+    /* a loss scale's weight, exactly: two equal logits give p = 1/2, so dlogits = -w/2, w/2 */
+    float s = 1000.0f, fi = 1.0f, cfi = 1.0f, two[2] = {0.0f, 0.0f}, ctwo[2] = {0.0f, 0.0f};
+    const int32_t zero = 0;
+    KOK(cmlp_k_softmax_xent(two, &zero, 1, 2, 0.0f, 0.0f, &s, 96.0, &fi, two, NULL, NULL, S));
+    CPU_CALL(cpu->softmax_xent(NULL, ctwo, &zero, 1, 2, 0.0f, (cmlp_loss_weight){0.0f, &s, 96.0, &cfi}, ctwo, NULL,
+                               NULL));
+    const float half_w = 0.5f * (float)(1000.0 / 96.0);
+    CHECK(same_bits(two, ctwo, sizeof two) && two[1] == half_w && two[0] == -half_w && fi == 0.0f && cfi == 0.0f,
+          "xent with a loss scale: %.9g %.9g vs %.9g %.9g, found_inf %g %g", two[0], two[1], ctwo[0], ctwo[1], fi, cfi);
     free(x.block), free(lab.block), free(dl.block);
 }
 
@@ -635,12 +652,6 @@ static void test_scale_update(void) {
               "scale update step %d: %g/%d vs %g/%d", k, scale, tr, cscale, ctr);
     }
     CHECK(skipped == 8 && scale == 3e38f, "scale update: %lld skipped, scale %g", skipped, scale);
-    float w = 0, cw = 0, s = 1024.0f, fi = 1.0f, cfi = 1.0f;
-    KOK(cmlp_k_grad_weight(&w, &s, 96.0, &fi, S));
-    CPU_CALL(cpu->grad_weight(NULL, &cw, &s, 96.0, &cfi));
-    CHECK(same_bits(&w, &cw, 4) && fi == 0.0f && cfi == 0.0f, "grad_weight %g vs %g, found_inf %g %g", w, cw, fi,
-          cfi);
-    KOK(cmlp_k_grad_weight(&w, &s, 3.0, NULL, S));
 }
 
 static void test_bad_counts(void) {
