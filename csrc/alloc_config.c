@@ -23,6 +23,7 @@ void alloc_config_current(cmlp_alloc_settings *out) {
 void cmlp_memory_get_settings(cmlp_alloc_settings *out) { alloc_config_current(out); }
 
 static bool is_pow2(long v) { return v > 0 && (v & (v - 1)) == 0; }
+static bool divisions_ok(long v) { return is_pow2(v) && v <= (1L << 30); } /* stored as int */
 
 static int floor_log2(size_t v) {
     int r = -1;
@@ -85,7 +86,7 @@ static cmlp_status parse_roundup(const char *val, cmlp_alloc_settings *c) {
     if (val[0] != '[') {
         long v = 0;
         CMLP_TRY(parse_long(key, val, &v));
-        if (v != 0 && !is_pow2(v)) return bad(key, val, "divisions must be 0 or a power of 2");
+        if (v != 0 && !divisions_ok(v)) return bad(key, val, "divisions must be 0 or a power of 2 up to 2**30");
         for (int i = 0; i < CMLP_ROUNDUP_INTERVALS; i++) c->roundup_power2_divisions[i] = (int)v;
         return CMLP_OK;
     }
@@ -103,7 +104,7 @@ static cmlp_status parse_roundup(const char *val, cmlp_alloc_settings *c) {
         *colon = '\0';
         long div = 0;
         CMLP_TRY(parse_long(key, colon + 1, &div));
-        if (div != 0 && !is_pow2(div)) return bad(key, val, "divisions must be 0 or a power of 2");
+        if (div != 0 && !divisions_ok(div)) return bad(key, val, "divisions must be 0 or a power of 2 up to 2**30");
         if (strcmp(item, ">") == 0) {
             for (int i = last; i < CMLP_ROUNDUP_INTERVALS; i++) c->roundup_power2_divisions[i] = (int)div;
             rest = true;

@@ -287,7 +287,10 @@ static cmlp_status cpu_softmax_xent(void *ctx, const float *logits, const int32_
         }
         double lse = mx + log(sum);
         /* -sum_c q_c log p_c with q = (1 - e) onehot + e / C */
-        total += lse - (1.0 - smoothing) * x[y] - (double)smoothing / (double)cols * xsum;
+        /* a label outside [0, cols) (checked before, but the caller's array may change while the
+         * GIL is released) reads nothing outside the row: no one-hot, as on the GPU */
+        const float xy = y >= 0 && y < cols ? x[y] : 0.0f;
+        total += lse - (1.0 - smoothing) * xy - (double)smoothing / (double)cols * xsum;
         hits += arg == y;
         if (dlogits) {
             float *d = dlogits + r * cols;

@@ -62,6 +62,8 @@ typedef struct cmlp_device {
 } cmlp_device;
 
 #define CMLP_MAX_CUDA_DEVICES 16
+/* A model has at most this many layers (CMLP_MAX_LAYERS + 1 sizes). */
+#define CMLP_MAX_LAYERS 64
 
 CMLP_API cmlp_device cmlp_cpu(void);
 /* Parses "cpu", "cuda", "cuda:N". CMLP_ERR_INVALID for an unknown string; CMLP_ERR_DEVICE when

@@ -52,7 +52,9 @@ CMLP_HIDDEN cmlp_status cmlp_buffer_move(cmlp_device_ctx *from, cmlp_device_ctx 
 
 /* ---- model ---- */
 
-#define CMLP_MAX_LAYERS 64
+/* The most samples one optimizer step (batch_size * accumulation_steps) may have: sample
+ * counts and positions then add without overflowing int64. */
+#define CMLP_MAX_STEP_SAMPLES ((int64_t)1 << 62)
 
 /* Activation workspace for a capacity of `rows` samples, one allocation carved into views. */
 typedef struct cmlp_workspace {

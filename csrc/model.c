@@ -209,6 +209,12 @@ cmlp_status cmlp_data_validate(const cmlp_model *m, const cmlp_data *xy, bool ne
         if (!isfinite(xy->mean) || !isfinite(xy->std) || xy->std == 0.0f)
             return CMLP_FAIL(CMLP_ERR_INVALID, "normalize=(mean, std) must be finite with std != 0, got (%g, %g)",
                              (double)xy->mean, (double)xy->std);
+        /* a pixel v becomes v * scale + shift in float32: every one of them must be finite */
+        float scale = 1.0f / (255.0f * xy->std), shift = -xy->mean / xy->std;
+        if (!isfinite(scale) || !isfinite(shift) || !isfinite(255.0f * scale + shift))
+            return CMLP_FAIL(CMLP_ERR_INVALID,
+                             "normalize=(mean, std) = (%g, %g) maps pixels outside float32's range: std is too "
+                             "small", (double)xy->mean, (double)xy->std);
     } else if (xy->x_dtype == CMLP_DTYPE_F32) {
         const float *x = xy->x;
         int64_t total = xy->n * cols, bad = -1;

@@ -4,6 +4,7 @@
  */
 #include "internal.h"
 
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,8 +23,11 @@ struct cmlp_optim {
 cmlp_adam_config cmlp_adam_defaults(void) { return (cmlp_adam_config){1e-3, 0.9, 0.999, 1e-8, 0.0}; }
 cmlp_sgd_config cmlp_sgd_defaults(void) { return (cmlp_sgd_config){0.01, 0.0, 0.0, 0.0, 0}; }
 
-static cmlp_status check_lr(double lr) {
-    if (!(lr >= 0.0) || !isfinite(lr)) return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid learning rate: %g (must be >= 0)", lr);
+/* A hyperparameter >= 0 (PyTorch's check) that stays finite in float32, where the update
+ * computes with it: an inf or overflowing value would only turn the parameters into inf or NaN. */
+static cmlp_status check_real(const char *what, double v) {
+    if (!(v >= 0.0 && v <= FLT_MAX))
+        return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid %s: %g (must be >= 0 and finite in float32)", what, v);
     return CMLP_OK;
 }
 
@@ -39,23 +43,21 @@ static cmlp_status optim_new(cmlp_optim **out, cmlp_model *m, cmlp_optim_kind ki
 }
 
 static cmlp_status check_adam(const cmlp_adam_config *c) {
-    CMLP_TRY(check_lr(c->lr));
-    if (!(c->eps >= 0.0)) return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid epsilon value: %g (must be >= 0)", c->eps);
+    CMLP_TRY(check_real("learning rate", c->lr));
+    CMLP_TRY(check_real("epsilon value", c->eps));
     if (!(c->beta1 >= 0.0 && c->beta1 < 1.0))
         return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid beta parameter at index 0: %g (must be in [0, 1))", c->beta1);
     if (!(c->beta2 >= 0.0 && c->beta2 < 1.0))
         return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid beta parameter at index 1: %g (must be in [0, 1))", c->beta2);
-    if (!(c->weight_decay >= 0.0))
-        return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid weight_decay value: %g (must be >= 0)", c->weight_decay);
-    return CMLP_OK;
+    return check_real("weight_decay value", c->weight_decay);
 }
 
 static cmlp_status check_sgd(const cmlp_sgd_config *c) {
-    CMLP_TRY(check_lr(c->lr));
-    if (!(c->momentum >= 0.0)) return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid momentum value: %g (must be >= 0)", c->momentum);
-    if (!(c->weight_decay >= 0.0))
-        return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid weight_decay value: %g (must be >= 0)", c->weight_decay);
-    if (!isfinite(c->dampening)) return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid dampening value: %g", c->dampening);
+    CMLP_TRY(check_real("learning rate", c->lr));
+    CMLP_TRY(check_real("momentum value", c->momentum));
+    CMLP_TRY(check_real("weight_decay value", c->weight_decay));
+    if (!(fabs(c->dampening) <= FLT_MAX))
+        return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid dampening value: %g (must be finite in float32)", c->dampening);
     if (c->nesterov && (c->momentum <= 0.0 || c->dampening != 0.0))
         return CMLP_FAIL(CMLP_ERR_INVALID, "Nesterov momentum requires a momentum and zero dampening");
     return CMLP_OK;
@@ -88,7 +90,7 @@ int64_t cmlp_optim_get_step(const cmlp_optim *o) { return o->step; }
 double cmlp_optim_get_lr(const cmlp_optim *o) { return o->kind == CMLP_OPTIM_ADAM ? o->adam.lr : o->sgd.lr; }
 
 cmlp_status cmlp_optim_set_lr(cmlp_optim *o, double lr) {
-    CMLP_TRY(check_lr(lr));
+    CMLP_TRY(check_real("learning rate", lr));
     double *at = o->kind == CMLP_OPTIM_ADAM ? &o->adam.lr : &o->sgd.lr;
     if (*at == lr) return CMLP_OK; /* a captured step that bakes the rate in stays valid */
     *at = lr;

@@ -56,6 +56,14 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
             return CMLP_FAIL(CMLP_ERR_INVALID, "layer_sizes[%d] = %d: every size must be in [1, %d]", i, sizes[i],
                              1 << 24);
     if (batch < 1) return CMLP_FAIL(CMLP_ERR_INVALID, "batch_size must be >= 1, got %lld", (long long)batch);
+    /* the byte counts below stay far from overflowing: at most 2**56 activation values */
+    int64_t width_sum = 0;
+    for (int i = 0; i < nsizes; i++) width_sum += sizes[i];
+    if (batch > ((int64_t)1 << 56) / width_sum)
+        return CMLP_FAIL(CMLP_ERR_INVALID,
+                         "batch_size %lld is too large to plan: its activations alone would be over 2**56 values "
+                         "(%lld per sample)",
+                         (long long)batch, (long long)width_sum);
     if (optimizer_buffers < 0 || optimizer_buffers > 2)
         return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer state buffers must be 0, 1 or 2");
     cmlp_device_ctx *dev;

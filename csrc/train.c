@@ -76,8 +76,13 @@ cmlp_status cmlp_trainer_init(cmlp_trainer **out, cmlp_model *m, cmlp_optim *o, 
     if (c->batch_size < 1) return CMLP_FAIL(CMLP_ERR_INVALID, "batch_size must be >= 1, got %lld", (long long)c->batch_size);
     if (c->accumulation_steps < 1)
         return CMLP_FAIL(CMLP_ERR_INVALID, "accumulation_steps must be >= 1, got %lld", (long long)c->accumulation_steps);
-    if (c->microbatch_size < 0)
-        return CMLP_FAIL(CMLP_ERR_INVALID, "microbatch_size must be >= 1, got %lld", (long long)c->microbatch_size);
+    /* the samples of one step, and the arithmetic on them, fit in int64 */
+    if (c->batch_size > CMLP_MAX_STEP_SAMPLES / c->accumulation_steps)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "batch_size * accumulation_steps must be at most 2**62, got %lld * %lld",
+                         (long long)c->batch_size, (long long)c->accumulation_steps);
+    if (c->microbatch_size < 0 || c->microbatch_size > CMLP_MAX_STEP_SAMPLES)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "microbatch_size must be in [1, 2**62], got %lld",
+                         (long long)c->microbatch_size);
     if (c->amp != CMLP_AMP_NONE && c->amp != CMLP_AMP_FP16 && c->amp != CMLP_AMP_BF16)
         return CMLP_FAIL(CMLP_ERR_INVALID, "unknown amp mode %d", (int)c->amp);
     if (!(c->label_smoothing >= 0.0f && c->label_smoothing <= 1.0f))
@@ -172,7 +177,8 @@ cmlp_status cmlp_trainer_start_microbatch(cmlp_trainer *t, int64_t size) {
 }
 
 cmlp_status cmlp_trainer_set_microbatch_size(cmlp_trainer *t, int64_t size) {
-    if (size < 1) return CMLP_FAIL(CMLP_ERR_INVALID, "microbatch_size must be >= 1, got %lld", (long long)size);
+    if (size < 1 || size > CMLP_MAX_STEP_SAMPLES)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "microbatch_size must be in [1, 2**62], got %lld", (long long)size);
     t->micro = t->target_micro = size;
     t->good_steps = 0;
     return CMLP_OK;

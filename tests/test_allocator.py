@@ -210,6 +210,12 @@ def test_environment_settings_are_honoured_at_import():
     r = _import_with({"CMLP_ALLOC_CONF": "max_split_size_mb:1"})
     assert r.returncode != 0
     assert "ValueError" in r.stderr and "CMLP_ALLOC_CONF" in r.stderr and "max_split_size_mb" in r.stderr
+    # a PyTorch setting cmlp does not take says how to give cmlp its own; an empty one overrides it
+    r = _import_with({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"})
+    assert r.returncode != 0 and "PYTORCH_CUDA_ALLOC_CONF" in r.stderr and "set CMLP_ALLOC_CONF" in r.stderr
+    r = _import_with({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync", "CMLP_ALLOC_CONF": ""})
+    assert r.returncode == 0, r.stderr
+    assert '"max_split_size_mb": null' in r.stdout  # the defaults
 
 
 @pytest.mark.parametrize("conf", ["", "max_split_size_mb:40", "expandable_segments:True",

@@ -209,6 +209,47 @@ def _cases():
          ValueError, r"loss_scale"),
         ("forward_backward-amp-unknown", lambda c: c.model.forward_backward(c.x, c.y, amp="fp8"), ValueError, r"amp"),
         ("load_state_dict-not-mapping", lambda c: c.model.load_state_dict([1, 2]), TypeError, r"state_dict"),
+        # sizes beyond int64 arithmetic: refused, not wrapped into a small or negative step
+        ("trainer-effective-batch-overflows", lambda c: T(c.model, c.opt, batch_size=2**32, accumulation_steps=2**32),
+         ValueError, r"batch_size \* accumulation_steps must be at most 2\*\*62"),
+        ("trainer-effective-batch-2**63", lambda c: T(c.model, c.opt, batch_size=2**62, accumulation_steps=2),
+         ValueError, r"at most 2\*\*62"),
+        ("trainer-batch-2**64", lambda c: T(c.model, c.opt, batch_size=2**64), ValueError, r"batch_size must be"),
+        ("trainer-microbatch-2**63", lambda c: setattr(c.trainer, "microbatch_size", 2**63), ValueError,
+         r"microbatch_size must be"),
+        ("trainer-seed-2**64", lambda c: T(c.model, c.opt, seed=2**64), ValueError, r"seed must be an int in"),
+        ("mlp-seed-2**64", lambda c: cmlp.MLP(SIZES, seed=2**64), ValueError, r"seed must be an int in"),
+        ("mlp-size-2**31", lambda c: cmlp.MLP([2**31, 10]), ValueError, r"layer_sizes\[0\] = 2147483648"),
+        ("mlp-size-2**70", lambda c: cmlp.MLP([20, 2**70]), ValueError, r"layer_sizes\[1\] = 1180591620717411303424"),
+        ("plan-batch-overflows", lambda c: cmlp.memory.plan([784, 512, 10], 2**62), ValueError,
+         r"batch_size 4611686018427387904 is too large to plan"),
+        ("plan-batch-2**63", lambda c: cmlp.memory.plan([784, 10], 2**63), ValueError, r"batch_size must be"),
+        ("evaluate-batch-2**63", lambda c: c.model.evaluate(c.x, c.y, batch_size=2**63), ValueError,
+         r"batch_size must be"),
+        # text after a NUL would be dropped by C
+        ("mlp-device-nul", lambda c: cmlp.MLP(SIZES, device="cpu\x00junk"), ValueError, r"NUL"),
+        ("to-device-nul", lambda c: c.model.to("cpu\x00"), ValueError, r"NUL"),
+        # uint8 pixels must map to finite float32 values
+        ("mlp-normalize-tiny-std", lambda c: cmlp.MLP(SIZES, normalize=(0.5, 1e-40)), ValueError,
+         r"outside float32's range"),
+        ("trainer-normalize-tiny-std", lambda c: T(c.model, c.opt, normalize=(0.5, 1e-39)), ValueError,
+         r"outside float32's range"),
+        ("mlp-normalize-huge-mean", lambda c: cmlp.MLP(SIZES, normalize=(1e39, 1.0)), ValueError, r"float32"),
+        # the loss scaler's counters are int32, as in PyTorch
+        ("scaler-growth_interval-2**31", lambda c: cmlp.amp.GradScaler(growth_interval=2**31), ValueError,
+         r"growth_interval must be in \[1, 2\*\*31 - 1\]"),
+        # optimizer settings the float32 update cannot use
+        ("adam-lr-inf", lambda c: cmlp.optim.Adam(c.model, lr=float("inf")), ValueError, r"learning rate"),
+        ("adam-lr-beyond-float32", lambda c: cmlp.optim.Adam(c.model, lr=1e39), ValueError,
+         r"finite in float32"),
+        ("adam-lr-huge-int", lambda c: cmlp.optim.Adam(c.model, lr=10**400), ValueError, r"lr must be finite"),
+        ("adam-weight_decay-inf", lambda c: cmlp.optim.Adam(c.model, weight_decay=float("inf")), ValueError,
+         r"weight_decay"),
+        ("adam-eps-inf", lambda c: cmlp.optim.Adam(c.model, eps=float("inf")), ValueError, r"epsilon"),
+        ("sgd-momentum-inf", lambda c: cmlp.optim.SGD(c.model, momentum=float("inf")), ValueError, r"momentum"),
+        ("sgd-dampening-beyond-float32", lambda c: cmlp.optim.SGD(c.model, momentum=0.9, dampening=-1e39),
+         ValueError, r"dampening"),
+        ("adam-set-lr-inf", lambda c: setattr(c.opt, "lr", float("inf")), ValueError, r"learning rate"),
     ]:
         add(name, make, exc, match)
     return cases
@@ -222,6 +263,197 @@ def test_bad_input_raises_and_loses_nothing(ctx, call, exc, match):
     assert_same_state(before, snapshot(ctx))
     assert_still_works(ctx)
 
+
+
+def _adam_state(c):
+    return c.opt.state_dict()
+
+
+def _sgd_dict(c):
+    other = cmlp.optim.SGD(cmlp.MLP(SIZES, seed=3), lr=0.5, momentum=0.9)
+    other.model.forward_backward(c.x, c.y)
+    other.step()
+    return other.state_dict()
+
+
+def _with_state(c, change):
+    sd = _adam_state(c)
+    change(sd)
+    return sd
+
+
+@pytest.mark.parametrize("make,match", [
+    pytest.param(_sgd_dict, r"not from Adam: its param group has \['dampening', 'momentum', 'nesterov'\]", id="sgd-into-adam"),
+    pytest.param(lambda c: {"state": {}, "param_groups": 5}, r"param_groups must be a list of one dict",
+                 id="groups-int"),
+    pytest.param(lambda c: {"state": {}, "param_groups": [[1, 2]]}, r"param_groups must be a list of one dict",
+                 id="group-list"),
+    pytest.param(lambda c: {"state": [], "param_groups": _adam_state(c)["param_groups"]}, r"'state' must be a dict",
+                 id="state-list"),
+    pytest.param(lambda c: _with_state(c, lambda sd: sd["state"].update({"0": sd["state"].pop(0)})),
+                 r"does not cover every parameter", id="state-keys-mixed"),
+    pytest.param(lambda c: _with_state(c, lambda sd: sd["state"].update({1: 7})), r"must be a dict, got int",
+                 id="state-entry-int"),
+    pytest.param(lambda c: _with_state(c, lambda sd: sd["state"][2].update({"momentum_buffer": 0})),
+                 r"not from Adam: parameter 2 has state \['momentum_buffer'\]", id="state-foreign-buffer"),
+    pytest.param(lambda c: _with_state(c, lambda sd: sd["state"][0]["exp_avg_sq"].__setitem__((0, 0), -1.0)),
+                 r"exp_avg_sq must be >= 0", id="exp_avg_sq-negative"),
+    pytest.param(lambda c: _with_state(c, lambda sd: sd["state"][0]["exp_avg_sq"].__setitem__((0, 0), np.nan)),
+                 r"exp_avg_sq must be >= 0", id="exp_avg_sq-nan"),
+    pytest.param(lambda c: _with_state(c, lambda sd: sd["state"][1].pop("exp_avg")),
+                 r"exp_avg is given for some parameters only", id="buffer-missing-once"),
+    pytest.param(lambda c: _with_state(c, lambda sd: sd["state"][1].update({"step": -1.0})),
+                 r"step must be a whole number >= 0", id="step-negative"),
+    pytest.param(lambda c: _with_state(c, lambda sd: sd["state"][1].update({"step": "x"})),
+                 r"step must be a number", id="step-str"),
+    pytest.param(lambda c: _with_state(c, lambda sd: sd["param_groups"][0].update({"lr": float("inf")})),
+                 r"learning rate", id="lr-inf"),
+    pytest.param(lambda c: _with_state(c, lambda sd: sd["param_groups"][0].update({"lr": 0.5, "eps": -1.0})),
+                 r"epsilon", id="eps-negative-after-a-good-lr"),
+    pytest.param(lambda c: _with_state(c, lambda sd: sd["param_groups"][0].update({"decoupled_weight_decay": True})),
+                 r"decoupled_weight_decay=True is not supported", id="adamw-flag"),
+])
+def test_optimizer_load_state_dict_checks_everything_before_it_changes_anything(ctx, make, match):
+    bad = make(ctx)
+    before, lr, betas, eps = snapshot(ctx), ctx.opt.lr, ctx.opt.betas, ctx.opt.eps
+    with pytest.raises(ValueError, match=match):
+        ctx.opt.load_state_dict(bad)
+    assert (ctx.opt.lr, ctx.opt.betas, ctx.opt.eps) == (lr, betas, eps)
+    assert_same_state(before, snapshot(ctx))
+    assert_still_works(ctx)
+
+
+def test_sgd_refuses_an_adam_state_dict(ctx):
+    sgd = cmlp.optim.SGD(ctx.model, lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match=r"not from SGD: its param group has \['amsgrad', 'betas', 'eps'\]"):
+        sgd.load_state_dict(ctx.opt.state_dict())
+    assert sgd.lr == 0.1 and sgd.momentum == 0.9
+
+
+def test_scaler_counters_beyond_int32_are_refused():
+    s = cmlp.amp.GradScaler()
+    good = s.state_dict()
+    for key in ("_growth_tracker", "growth_interval"):
+        with pytest.raises(ValueError, match=r"in \[\d, 2\*\*31 - 1\]"):
+            s.load_state_dict({**good, key: 2**32 + 1})
+    assert s.state_dict() == good
+
+
+def test_allocator_settings_out_of_range_or_with_nul_are_refused():
+    before = cmlp.memory.get_config()
+    for text in ("roundup_power2_divisions:2147483648", "roundup_power2_divisions:[256:1099511627776,>:1]",
+                 "max_split_size_mb:300\x00garbage"):
+        with pytest.raises(ValueError, match=r"roundup_power2_divisions|NUL"):
+            cmlp.memory.configure(text)
+        assert cmlp.memory.get_config() == before
+    cmlp.memory.configure("roundup_power2_divisions:1073741824")  # 2**30: the largest
+    try:
+        assert cmlp.memory.get_config()["roundup_power2_divisions"] == [2**30] * 16
+    finally:
+        cmlp.memory.configure(before)
+
+
+def test_sizes_in_text_and_limits_beyond_int64():
+    from cmlp.memory import parse_size
+
+    assert parse_size("1KiB") == 1024 and parse_size("2 gb") == 2 * 1024**3 and parse_size("7B") == 7
+    for text in ("1iB", "1 iB", "1KB B", "MB"):
+        with pytest.raises(ValueError, match=r"cannot read .* as a size"):
+            parse_size(text)
+    cmlp.memory.set_memory_limit(2**70)  # more than anything: accepted, no cap in effect
+    try:
+        assert cmlp.memory.get_memory_limit() == 2**63 - 1
+    finally:
+        cmlp.memory.set_memory_limit(None)
+
+
+def test_unaligned_arrays_are_accepted(ctx):
+    x, y = data()
+    raw = np.zeros(x.nbytes + 1, np.uint8)
+    ux = np.frombuffer(raw.data, dtype=np.float32, count=x.size, offset=1).reshape(x.shape)
+    raw[1:] = x.view(np.uint8).ravel()
+    assert not ux.flags.aligned
+    yraw = np.zeros(y.size * 4 + 1, np.uint8)
+    yraw[1:] = y.astype(np.int32).view(np.uint8)
+    uy = np.frombuffer(yraw.data, dtype=np.int32, offset=1)
+    assert not uy.flags.aligned
+    np.testing.assert_array_equal(ctx.model(ux), ctx.model(x))
+    assert ctx.model.evaluate(ux, uy) == ctx.model.evaluate(x, y)
+
+
+def test_save_and_load_take_bytes_paths(ctx, tmp_path):
+    path = os.fsencode(tmp_path / "m.npz")
+    ctx.model.save(path)
+    loaded = cmlp.MLP.load(path)
+    for k, v in ctx.model.state_dict().items():
+        np.testing.assert_array_equal(loaded.state_dict()[k], v)
+
+
+def test_one_trainer_runs_one_call_at_a_time():
+    import threading
+
+    m = cmlp.MLP(SIZES, seed=0)
+    t = cmlp.Trainer(m, cmlp.optim.Adam(m), batch_size=1)
+    x, y = data(4000)
+    errors = []
+    runner = threading.Thread(target=lambda: t.fit(x, y, epochs=3, progress=False))
+    runner.start()
+    try:
+        while not t._busy.locked() and runner.is_alive():
+            pass
+        for call in (lambda: t.step(x[:8], y[:8]), lambda: t.fit(x, y, epochs=1, progress=False)):
+            try:
+                call()
+            except RuntimeError as e:
+                errors.append(str(e))
+    finally:
+        runner.join()
+    assert len(errors) == 2 and all("already running fit or step in another thread" in e for e in errors), errors
+    assert np.isfinite(t.step(x[:8], y[:8]))  # free again
+
+
+LABELS_CHANGED_DURING_FIT = textwrap.dedent(r"""
+    import threading, time
+    import numpy as np
+    import cmlp
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((20000, 50)).astype(np.float32)
+    y = rng.integers(0, 10, 20000).astype(np.int32)
+    spoiled = []
+    def spoil(labels):
+        time.sleep(0.01)
+        labels[:] = -5 * 10**8
+        spoiled.append(time.perf_counter())
+    def run(labels, spoiler):
+        m = cmlp.MLP([50, 256, 10], seed=0)
+        t = cmlp.Trainer(m, cmlp.optim.Adam(m), batch_size=8, seed=1)
+        if spoiler:
+            spoiler = threading.Thread(target=spoil, args=(labels,))
+            spoiler.start()
+        h = t.fit(x, labels, epochs=3, progress=False)
+        end = time.perf_counter()
+        if spoiler:
+            spoiler.join()
+            assert spoiled[0] < end, "fit ended before the labels were changed"
+        return m.state_dict(), h[-1]["loss"]
+    ref, loss = run(y.copy(), False)
+    got, loss2 = run(y, True)
+    assert loss == loss2 and all(np.array_equal(ref[k], got[k]) for k in ref), "training saw the changed labels"
+    print("unchanged", loss)
+""")
+
+
+def test_labels_changed_by_another_thread_during_fit_are_not_seen(tmp_path):
+    """fit reads the labels with the GIL released: it works on its own checked copy, so a caller
+    that changes its array meanwhile changes nothing (before, an out-of-range label read outside
+    the logits and crashed)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_PYTHON + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", LABELS_CHANGED_DURING_FIT], capture_output=True, text=True,
+                       cwd=tmp_path, env=env, timeout=300)
+    assert r.returncode == 0, f"rc={r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    assert "unchanged" in r.stdout
 
 @pytest.mark.skipif(cmlp.cuda.is_available(), reason="CUDA is available here")
 @pytest.mark.parametrize("dev", ["cuda", "cuda:0", "cuda:3"])

@@ -19,14 +19,18 @@ from .memory import MemoryWarning, empty_cache  # noqa: E402
 def _configure_from_environment() -> None:
     import os
 
+    # CMLP_ALLOC_CONF, when set (even empty), is cmlp's own and PyTorch's variable is not read
     for var in ("CMLP_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
         conf = os.environ.get(var)
-        if conf:
-            try:
-                memory.configure(conf)
-            except ValueError as e:
-                raise ValueError(f"{var}={conf!r}: {e}") from None
-            return
+        if conf is None:
+            continue
+        try:
+            memory.configure(conf)
+        except ValueError as e:
+            hint = ("; set CMLP_ALLOC_CONF (it takes precedence, and may be empty) to give cmlp settings of its "
+                    "own" if var == "PYTORCH_CUDA_ALLOC_CONF" else "")
+            raise ValueError(f"{var}={conf!r}: {e}{hint}") from None
+        return
 
 
 _configure_from_environment()

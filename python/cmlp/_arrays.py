@@ -20,14 +20,16 @@ def as_inputs(x: Any, features: int, name: str = "x") -> np.ndarray:
                          f"(shape {tuple(arr.shape)})")
     if arr.shape[0] == 0:
         raise ValueError(f"{name} is empty: at least one sample is needed")
+    # C order and the dtype's alignment (a view into a byte buffer may have neither)
     if arr.dtype == np.uint8:
-        return np.ascontiguousarray(arr)
+        return np.require(arr, requirements=("C", "A"))
     with np.errstate(over="ignore", invalid="ignore"):
-        return np.ascontiguousarray(arr, dtype=np.float32)
+        return np.require(arr, dtype=np.float32, requirements=("C", "A"))
 
 
 def as_labels(y: Any, n: int, classes: int, name: str = "y") -> np.ndarray:
-    """[n] int32 class indices in [0, classes)."""
+    """[n] int32 class indices in [0, classes): a copy of the caller's, so that the checked
+    labels are the ones used (the C core reads them with the GIL released)."""
     arr = y if isinstance(y, np.ndarray) else np.asarray(y)
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{name} must hold integer class indices, got dtype {arr.dtype}")
@@ -35,12 +37,19 @@ def as_labels(y: Any, n: int, classes: int, name: str = "y") -> np.ndarray:
         raise ValueError(f"{name} must be 1-D [N], got shape {tuple(arr.shape)}")
     if arr.shape[0] != n:
         raise ValueError(f"{name} has {arr.shape[0]} labels for {n} samples")
-    if n:
+    if arr.dtype != np.int32:
+        _check_labels(arr, classes, name)  # before int32 could wrap a large one into range
+    labels = np.array(arr, dtype=np.int32, order="C", copy=True)
+    _check_labels(labels, classes, name)
+    return labels
+
+
+def _check_labels(arr: np.ndarray, classes: int, name: str) -> None:
+    if arr.shape[0]:
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi >= classes:
             bad = lo if lo < 0 else hi
             raise ValueError(f"{name} holds label {bad}, outside [0, {classes}): labels must be class indices")
-    return np.ascontiguousarray(arr, dtype=np.int32)
 
 
 def as_normalize(normalize: Any) -> Tuple[float, float]:
@@ -48,9 +57,26 @@ def as_normalize(normalize: Any) -> Tuple[float, float]:
         mean, std = (float(v) for v in normalize)
     except (TypeError, ValueError):
         raise TypeError(f"normalize must be a pair (mean, std) of numbers, got {normalize!r}") from None
-    if not (np.isfinite(mean) and np.isfinite(std)) or std == 0.0:
-        raise ValueError(f"normalize=(mean, std) must be finite with std != 0, got {normalize!r}")
+    with np.errstate(over="ignore"):
+        m32, s32 = np.float32(mean), np.float32(std)
+    if not (np.isfinite(m32) and np.isfinite(s32)) or s32 == 0.0:
+        raise ValueError(f"normalize=(mean, std) must be finite in float32 with std != 0, got {normalize!r}")
+    # a pixel v becomes v * scale + shift in float32, as the C core computes them
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore", under="ignore"):
+        scale = np.float32(1.0) / (np.float32(255.0) * s32)
+        shift = -m32 / s32
+        top = np.float32(255.0) * scale + shift
+    if not (np.isfinite(scale) and np.isfinite(shift) and np.isfinite(top)):
+        raise ValueError(f"normalize=(mean, std) = {normalize!r} maps pixels outside float32's range: std is too "
+                         "small")
     return mean, std
+
+
+def check_seed(seed: Any) -> int:
+    """A seed as torch.manual_seed takes one, non-negative here: an int in [0, 2**64)."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+    return int(seed)
 
 
 _AMP_CODES = {None: 0, "fp16": 1, "bf16": 2}

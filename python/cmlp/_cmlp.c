@@ -16,6 +16,7 @@
 
 #include "cmlp.h"
 
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -58,12 +59,56 @@ typedef struct {
         Py_END_ALLOW_THREADS                             \
     } while (0)
 
+/* The UTF-8 text of str obj, refused (ValueError naming `what`) when it holds a NUL, which C
+ * would read as its end. */
+static const char *c_text(PyObject *obj, const char *what) {
+    Py_ssize_t len;
+    const char *s = PyUnicode_AsUTF8AndSize(obj, &len);
+    if (s && strlen(s) != (size_t)len) {
+        PyErr_Format(PyExc_ValueError, "%s must not contain a NUL character, got %R", what, obj);
+        return NULL;
+    }
+    return s;
+}
+
+/* Layer sizes from a sequence of ints into sizes[0..*n): an int that C's int cannot hold is
+ * refused here, naming it; the range check proper is the C core's. */
+static int parse_sizes(PyObject *obj, int sizes[CMLP_MAX_LAYERS + 1], int *n) {
+    PyObject *seq = PySequence_Fast(obj, "layer sizes must be a sequence of ints");
+    if (!seq) return -1;
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    if (len > CMLP_MAX_LAYERS + 1) {
+        Py_DECREF(seq);
+        PyErr_Format(PyExc_ValueError, "at most %d layer sizes are supported, got %zd", CMLP_MAX_LAYERS + 1, len);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < len; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+        if (v == -1 && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            return -1;
+        }
+        if (overflow || v < 1 || v > INT_MAX) {
+            PyErr_Format(PyExc_ValueError, "layer_sizes[%zd] = %R: every size must be >= 1 and fit in a C int", i,
+                         item);
+            Py_DECREF(seq);
+            return -1;
+        }
+        sizes[i] = (int)v;
+    }
+    Py_DECREF(seq);
+    *n = (int)len;
+    return 0;
+}
+
 static int parse_device(module_state *ms, PyObject *obj, cmlp_device *out) {
     if (!PyUnicode_Check(obj)) {
         PyErr_Format(PyExc_TypeError, "device must be a str such as \"cpu\" or \"cuda:0\", got %R", obj);
         return -1;
     }
-    const char *s = PyUnicode_AsUTF8(obj);
+    const char *s = c_text(obj, "device");
     if (!s) return -1;
     cmlp_status st = cmlp_device_parse(s, out);
     if (st != CMLP_OK) {
@@ -89,28 +134,12 @@ static int Model_init(ModelObject *self, PyObject *args, PyObject *kw) {
     }
     cmlp_device dev;
     if (parse_device(self->ms, dev_obj, &dev) < 0) return -1;
-    PyObject *seq = PySequence_Fast(sizes_obj, "layer sizes must be a sequence of ints");
-    if (!seq) return -1;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    int sizes[66];
-    if (n > 65) {
-        Py_DECREF(seq);
-        PyErr_Format(PyExc_ValueError, "at most 65 layer sizes are supported, got %zd", n);
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
-        if (v == -1 && PyErr_Occurred()) {
-            Py_DECREF(seq);
-            return -1;
-        }
-        sizes[i] = v < 0 ? -1 : (v > (1L << 30) ? (1 << 30) : (int)v);
-    }
-    Py_DECREF(seq);
+    int sizes[CMLP_MAX_LAYERS + 1], n;
+    if (parse_sizes(sizes_obj, sizes, &n) < 0) return -1;
     cmlp_status st;
     cmlp_model *m = NULL;
     Py_BEGIN_ALLOW_THREADS
-    st = cmlp_model_init(&m, sizes, (int)n, dev, seed);
+    st = cmlp_model_init(&m, sizes, n, dev, seed);
     Py_END_ALLOW_THREADS
     if (st != CMLP_OK) {
         raise_status(self->ms, st);
@@ -1013,7 +1042,7 @@ static PyObject *mod_configure(PyObject *mod, PyObject *arg) {
         PyErr_SetString(PyExc_TypeError, "the allocator configuration must be a str such as \"max_split_size_mb:128\"");
         return NULL;
     }
-    const char *s = PyUnicode_AsUTF8(arg);
+    const char *s = c_text(arg, "the allocator configuration");
     if (!s) return NULL;
     cmlp_status st = cmlp_memory_configure(s);
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
@@ -1106,28 +1135,12 @@ static PyObject *mod_plan(PyObject *mod, PyObject *args) {
         return NULL;
     cmlp_device d;
     if (parse_device(state_of(mod), dev_obj, &d) < 0) return NULL;
-    PyObject *seq = PySequence_Fast(sizes_obj, "layer sizes must be a sequence of ints");
-    if (!seq) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    int sizes[66];
-    if (n > 65) {
-        Py_DECREF(seq);
-        PyErr_SetString(PyExc_ValueError, "at most 65 layer sizes are supported");
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
-        if (v == -1 && PyErr_Occurred()) {
-            Py_DECREF(seq);
-            return NULL;
-        }
-        sizes[i] = v < 0 ? -1 : (v > (1L << 30) ? (1 << 30) : (int)v);
-    }
-    Py_DECREF(seq);
+    int sizes[CMLP_MAX_LAYERS + 1], n;
+    if (parse_sizes(sizes_obj, sizes, &n) < 0) return NULL;
     cmlp_plan p;
     cmlp_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = cmlp_plan_compute(sizes, (int)n, batch, nbuf, (cmlp_amp)amp, recompute, scaling, solo, d, &p);
+    st = cmlp_plan_compute(sizes, n, batch, nbuf, (cmlp_amp)amp, recompute, scaling, solo, d, &p);
     Py_END_ALLOW_THREADS
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
     return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L}", "parameters", (long long)p.parameters, "gradients",

@@ -44,11 +44,16 @@ def _check_factors(growth_factor: Any, backoff_factor: Any) -> Tuple[float, floa
     return g, b
 
 
+_INT32_MAX = 2**31 - 1
+
+
 def _check_count(name: str, value: Any, minimum: int) -> int:
+    """An int in [minimum, 2**31 - 1]: the growth tracker is an int32, as PyTorch keeps it, and
+    the interval is compared with it."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+    if not minimum <= value <= _INT32_MAX:
+        raise ValueError(f"{name} must be in [{minimum}, 2**31 - 1], got {value!r}")
     return int(value)
 
 

@@ -62,7 +62,7 @@ def set_memory_limit(nbytes: Optional[int], device: Optional[str] = None) -> Non
         raise TypeError(f"nbytes must be an int or None, got {type(nbytes).__name__}")
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0 or None, got {nbytes}")
-    _cmlp.set_memory_limit(_device(device), nbytes)
+    _cmlp.set_memory_limit(_device(device), min(nbytes, 2**63 - 1))  # more than anything: no cap in effect
 
 
 def set_per_process_memory_fraction(fraction: float, device: Optional[str] = None) -> None:
@@ -252,8 +252,8 @@ def plan(layer_sizes: List[int], batch_size: int, optimizer: Any = "adam", amp: 
     from .model import _as_sizes
 
     sizes = _as_sizes(layer_sizes)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size < 2**63:
+        raise ValueError(f"batch_size must be an int in [1, 2**63), got {batch_size!r}")
     solo = _check_accumulation(accumulation_steps) == 1
     amp_code = check_amp(amp)
     name, nbuf = _optimizer_buffers(optimizer)
@@ -333,7 +333,7 @@ def memory_summary(device: Optional[str] = None) -> str:
     return "\n".join(out)
 
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 
 
 def parse_size(text: Union[str, int]) -> int:

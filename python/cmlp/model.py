@@ -10,7 +10,7 @@ from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _cmlp
-from ._arrays import as_inputs, as_labels, as_normalize, check_amp
+from ._arrays import as_inputs, as_labels, as_normalize, check_amp, check_seed
 
 _SIZES_KEY = "__layer_sizes__"
 
@@ -35,12 +35,11 @@ class MLP:
     def __init__(self, layer_sizes: Sequence[int], device: str = "cpu", seed: int = 0,
                  normalize: Tuple[float, float] = (0.5, 0.5)) -> None:
         sizes = _as_sizes(layer_sizes)
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        seed = check_seed(seed)
         if not isinstance(device, str):
             raise TypeError(f"device must be a str such as 'cpu' or 'cuda:0', got {device!r}")
         self.normalize = as_normalize(normalize)
-        self._c = _cmlp.Model(sizes, device, int(seed) & 0xFFFFFFFFFFFFFFFF)
+        self._c = _cmlp.Model(sizes, device, seed)
         self._sizes = self._c.sizes()
         self._offsets = self._c.offsets()
         self._optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()
@@ -74,8 +73,8 @@ class MLP:
 
     def evaluate(self, x: Any, y: Any, batch_size: int = 1000) -> Dict[str, float]:
         """Mean cross-entropy and accuracy over (x, y), computed batch_size rows at a time."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or not 1 <= batch_size < 2**63:
+            raise ValueError(f"batch_size must be an int in [1, 2**63), got {batch_size!r}")
         xa = as_inputs(x, self._sizes[0])
         ya = as_labels(y, xa.shape[0], self._sizes[-1])
         loss_sum, correct = self._c.evaluate(xa, ya, *self.normalize, int(batch_size))
@@ -143,7 +142,7 @@ class MLP:
     # ---- files ----
     def save(self, path: "os.PathLike[str] | str") -> None:
         """Writes an .npz of the state_dict and layer sizes; atomic: a crash leaves the old file."""
-        path = os.fspath(path)
+        path = os.fsdecode(path)  # str, bytes or os.PathLike
         directory = os.path.dirname(os.path.abspath(path))
         arrays = dict(self.state_dict())
         arrays[_SIZES_KEY] = np.asarray(self._sizes, dtype=np.int64)
@@ -164,7 +163,7 @@ class MLP:
     @classmethod
     def load(cls, path: "os.PathLike[str] | str", device: str = "cpu") -> "MLP":
         """Reads a file written by save()."""
-        path = os.fspath(path)
+        path = os.fsdecode(path)  # str, bytes or os.PathLike
         try:
             loaded = np.load(path, allow_pickle=False)
             if not isinstance(loaded, np.lib.npyio.NpzFile):

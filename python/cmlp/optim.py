@@ -1,7 +1,7 @@
 """cmlp.optim: Adam and SGD with PyTorch's defaults, validation and update rules, applied by
 one fused pass over the model's flat buffers. state_dict() mirrors torch.optim's layout, with
 one entry per parameter tensor in the model's state_dict order."""
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Mapping, Tuple
 
 import numpy as np
 
@@ -10,9 +10,13 @@ from .model import MLP
 
 
 def _num(name: str, value: Any) -> float:
+    """A number (the C core checks its range: >= 0 where PyTorch asks it, finite in float32)."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a number, got {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be finite in float32, got {value!r}") from None
 
 
 class Optimizer:
@@ -63,42 +67,93 @@ class Optimizer:
         return {"state": state, "param_groups": [group]}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        try:
-            state, groups = state_dict["state"], state_dict["param_groups"]
-        except (KeyError, TypeError):
-            raise ValueError("optimizer state_dict must have 'state' and 'param_groups'") from None
+        """Takes over a state_dict of the same kind of optimizer (this library's or torch.optim's
+        layout). Everything is checked before anything changes: a ValueError leaves the
+        optimizer as it was."""
+        if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError("optimizer state_dict must be a dict with 'state' and 'param_groups'")
+        state, groups = state_dict["state"], state_dict["param_groups"]
         names = list(self.model.state_dict().keys())
-        if len(groups) != 1 or len(groups[0].get("params", ())) != len(names):
-            raise ValueError(f"optimizer state_dict must have one param group of {len(names)} parameters")
+        if not isinstance(groups, (list, tuple)) or len(groups) != 1 or not isinstance(groups[0], Mapping):
+            raise ValueError("optimizer state_dict's param_groups must be a list of one dict")
         group = groups[0]
-        self._load_group(group)
-        step = 0
-        bufs: List[np.ndarray] = []
-        if state:
-            order = list(group["params"])
-            if sorted(state.keys()) != sorted(order):
-                raise ValueError("optimizer state_dict's state does not cover every parameter")
-            steps = {int(float(np.asarray(state[k].get("step", 0)))) for k in order}
-            if len(steps) != 1:
-                raise ValueError("optimizer state_dict has different step counts per parameter")
-            step = steps.pop()
-            for bname in self._buffers:
-                if any(bname not in state[k] for k in order):
-                    continue
-                flat = np.empty(self.model.num_parameters(), dtype=np.float32)
-                views = self.model._split(flat)
-                for k, name in zip(order, names):
-                    arr = np.asarray(state[k][bname])
-                    if arr.shape != views[name].shape:
-                        raise ValueError(f"optimizer state {bname} of {name} has shape {arr.shape}, "
-                                         f"expected {views[name].shape}")
-                    views[name][...] = arr
-                bufs.append(flat)
-            if self._kind == "sgd" and not bufs:
-                step = 0
-        self._c.set_state(step, bufs)
+        order = group.get("params", ())
+        if not isinstance(order, (list, tuple)) or len(order) != len(names):
+            raise ValueError(f"optimizer state_dict must have one param group of {len(names)} parameters")
+        foreign = sorted(set(group) & set(self._foreign_keys))
+        if foreign:
+            raise ValueError(f"this state_dict is not from {type(self).__name__}: its param group has {foreign}")
+        config = self._group_config(group)
+        if not isinstance(state, Mapping):
+            raise ValueError("optimizer state_dict's 'state' must be a dict")
+        step, bufs = self._parse_state(state, list(order), names) if state else (0, [])
+        before = self._group_config(self._group())
+        self._apply(config)
+        try:
+            self._c.set_state(step, bufs)
+        except BaseException:
+            self._apply(before)
+            raise
 
-    def _load_group(self, group: Dict[str, Any]) -> None:
+    def _parse_state(self, state: Mapping, order: List[Any], names: List[str]) -> Tuple[int, List[np.ndarray]]:
+        """(step, flat buffers) from per-parameter entries, checked."""
+        if len(state) != len(order) or any(k not in state for k in order):
+            raise ValueError("optimizer state_dict's state does not cover every parameter")
+        allowed = set(self._buffers) | ({"step"} if self._kind == "adam" else set())
+        steps = set()
+        for k in order:
+            entry = state[k]
+            if not isinstance(entry, Mapping):
+                raise ValueError(f"optimizer state of parameter {k!r} must be a dict, got {type(entry).__name__}")
+            extra = sorted(map(str, set(entry) - allowed))
+            if extra:
+                raise ValueError(f"this state_dict is not from {type(self).__name__}: parameter {k!r} has state "
+                                 f"{extra}")
+            try:
+                value = float(np.asarray(entry.get("step", 0), dtype=np.float64))
+            except (TypeError, ValueError):
+                raise ValueError(f"optimizer state of parameter {k!r}: step must be a number") from None
+            if not (value >= 0 and value == int(value) and value < 2**53):
+                raise ValueError(f"optimizer state of parameter {k!r}: step must be a whole number >= 0, got {value}")
+            steps.add(int(value))
+        if len(steps) != 1:
+            raise ValueError("optimizer state_dict has different step counts per parameter")
+        step = steps.pop()
+        bufs: List[np.ndarray] = []
+        for bname in self._buffers:
+            present = [bname in state[k] for k in order]
+            if not any(present):
+                continue
+            if not all(present):
+                raise ValueError(f"optimizer state {bname} is given for some parameters only")
+            flat = np.empty(self.model.num_parameters(), dtype=np.float32)
+            views = self.model._split(flat)
+            for k, name in zip(order, names):
+                try:
+                    arr = np.asarray(state[k][bname], dtype=np.float32)
+                except (TypeError, ValueError):
+                    raise ValueError(f"optimizer state {bname} of {name} must be an array of numbers") from None
+                if arr.shape != views[name].shape:
+                    raise ValueError(f"optimizer state {bname} of {name} has shape {arr.shape}, "
+                                     f"expected {views[name].shape}")
+                views[name][...] = arr
+            if bname == "exp_avg_sq" and not (flat >= 0).all():
+                raise ValueError("optimizer state exp_avg_sq must be >= 0 everywhere (a running mean of squares)")
+            bufs.append(flat)
+        if self._kind == "adam" and step > 0 and len(bufs) != 2:
+            raise ValueError("optimizer state_dict has an Adam step count without exp_avg and exp_avg_sq")
+        if self._kind == "sgd" and not bufs:
+            step = 0
+        return step, bufs
+
+    # the param-group keys of the other optimizer: a state_dict that has them is not this one's
+    _foreign_keys: Tuple[str, ...] = ()
+
+    def _group_config(self, group: Mapping) -> Dict[str, Any]:
+        """The C optimizer's configuration from a param group (missing keys keep their values)."""
+        raise NotImplementedError
+
+    def _apply(self, config: Dict[str, Any]) -> None:
         raise NotImplementedError
 
 
@@ -126,14 +181,21 @@ class Adam(Optimizer):
         return {"lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay,
                 "amsgrad": False, "maximize": False}
 
-    def _load_group(self, group: Dict[str, Any]) -> None:
-        if group.get("amsgrad") or group.get("maximize"):
-            raise ValueError("amsgrad and maximize are not supported")
+    _foreign_keys = ("momentum", "dampening", "nesterov")
+
+    def _group_config(self, group: Mapping) -> Dict[str, Any]:
+        for flag in ("amsgrad", "maximize", "decoupled_weight_decay"):
+            if group.get(flag):
+                raise ValueError(f"{flag}=True is not supported")
         b1, b2 = self._betas(group.get("betas", self.betas))
-        lr, eps = _num("lr", group.get("lr", self.lr)), _num("eps", group.get("eps", self.eps))
-        wd = _num("weight_decay", group.get("weight_decay", self.weight_decay))
-        self._c.configure(lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
-        self.betas, self.eps, self.weight_decay = (b1, b2), eps, wd
+        return {"lr": _num("lr", group.get("lr", self.lr)), "beta1": b1, "beta2": b2,
+                "eps": _num("eps", group.get("eps", self.eps)),
+                "weight_decay": _num("weight_decay", group.get("weight_decay", self.weight_decay))}
+
+    def _apply(self, config: Dict[str, Any]) -> None:
+        self._c.configure(**config)
+        self.betas, self.eps = (config["beta1"], config["beta2"]), config["eps"]
+        self.weight_decay = config["weight_decay"]
 
 
 class SGD(Optimizer):
@@ -154,16 +216,21 @@ class SGD(Optimizer):
         return {"lr": self.lr, "momentum": self.momentum, "dampening": self.dampening,
                 "weight_decay": self.weight_decay, "nesterov": self.nesterov, "maximize": False}
 
-    def _load_group(self, group: Dict[str, Any]) -> None:
+    _foreign_keys = ("betas", "eps", "amsgrad")
+
+    def _group_config(self, group: Mapping) -> Dict[str, Any]:
         if group.get("maximize"):
-            raise ValueError("maximize is not supported")
-        lr = _num("lr", group.get("lr", self.lr))
-        momentum = _num("momentum", group.get("momentum", self.momentum))
-        dampening = _num("dampening", group.get("dampening", self.dampening))
-        nesterov = bool(group.get("nesterov", self.nesterov))
-        wd = _num("weight_decay", group.get("weight_decay", self.weight_decay))
-        self._c.configure(lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=wd)
-        self.momentum, self.dampening, self.nesterov, self.weight_decay = momentum, dampening, nesterov, wd
+            raise ValueError("maximize=True is not supported")
+        return {"lr": _num("lr", group.get("lr", self.lr)),
+                "momentum": _num("momentum", group.get("momentum", self.momentum)),
+                "dampening": _num("dampening", group.get("dampening", self.dampening)),
+                "nesterov": bool(group.get("nesterov", self.nesterov)),
+                "weight_decay": _num("weight_decay", group.get("weight_decay", self.weight_decay))}
+
+    def _apply(self, config: Dict[str, Any]) -> None:
+        self._c.configure(**config)
+        self.momentum, self.dampening = config["momentum"], config["dampening"]
+        self.nesterov, self.weight_decay = config["nesterov"], config["weight_decay"]
 
 
 __all__ = ["Optimizer", "Adam", "SGD"]

@@ -1,6 +1,7 @@
 """cmlp.Trainer: the training loop users drive. The epoch loop itself runs in C with the GIL
 released (seeded shuffle, micro-batches, exact accumulation, optimizer step); Python only asks
 for a slice of steps at a time to draw the progress bar and collects the history."""
+import threading
 import time
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
@@ -8,15 +9,19 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from . import _cmlp, memory
-from ._arrays import as_inputs, as_labels, as_normalize, check_amp
+from ._arrays import as_inputs, as_labels, as_normalize, check_amp, check_seed
 from ._progress import make_bar
 from .model import MLP
 from .optim import Optimizer
 
 
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+# the most samples one step may have (batch_size * accumulation_steps), as in the C core
+MAX_STEP_SAMPLES = 2**62
+
+
+def _positive_int(name: str, value: Any, limit: int = MAX_STEP_SAMPLES) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= value <= limit:
+        raise ValueError(f"{name} must be an int in [1, {limit}], got {value!r}")
     return int(value)
 
 
@@ -45,16 +50,20 @@ class Trainer:
         self.model, self.optimizer = model, optimizer
         self.batch_size = _positive_int("batch_size", batch_size)
         self.accumulation_steps = _positive_int("accumulation_steps", accumulation_steps)
+        if self.batch_size * self.accumulation_steps > MAX_STEP_SAMPLES:
+            raise ValueError(f"batch_size * accumulation_steps must be at most 2**62, got {self.batch_size} * "
+                             f"{self.accumulation_steps}")
         micro = self.batch_size if microbatch_size is None else _positive_int("microbatch_size", microbatch_size)
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        seed = check_seed(seed)
         label_smoothing = float(label_smoothing)
         if not 0.0 <= label_smoothing <= 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
         self.amp, self.scaler = amp, scaler
         self.auto_microbatch, self.recompute, self.shuffle = bool(auto_microbatch), bool(recompute), bool(shuffle)
-        self.seed = int(seed)
-        grow_interval = _positive_int("grow_interval", grow_interval)
+        self.seed = seed
+        grow_interval = _positive_int("grow_interval", grow_interval, 2**62)
+        # fit and step use the C trainer's state from start to end: one call at a time
+        self._busy = threading.Lock()
         # uint8 images: the model's normalisation unless the trainer is given its own
         self.normalize = model.normalize if normalize is None else as_normalize(normalize)
         self._c = _cmlp.Trainer(optimizer._c, self.batch_size, self.accumulation_steps, micro, bool(shuffle),
@@ -122,23 +131,35 @@ class Trainer:
                 self._warned = True
                 warnings.warn(f"under the memory limit of {limit} bytes the planner fits micro-batches of {b}, not "
                               f"{asked}: the trainer accumulates them (the update is the same)",
-                              memory.MemoryWarning, stacklevel=3)
+                              memory.MemoryWarning, stacklevel=4)
 
     def _warn_if_split(self, before: int) -> None:
         if self._c.oom_retries() > before and not self._warned:
             self._warned = True
             warnings.warn(f"out of memory inside a training step: the trainer now computes it in micro-batches of "
                           f"{self.microbatch_size} (the update is the same; see cmlp.memory.plan)",
-                          memory.MemoryWarning, stacklevel=3)
+                          memory.MemoryWarning, stacklevel=4)
 
     def _data(self, x: Any, y: Any, what: str) -> Tuple[np.ndarray, np.ndarray]:
         sizes = self.model.layer_sizes
         xa = as_inputs(x, sizes[0], f"{what} x")
         return xa, as_labels(y, xa.shape[0], sizes[-1], f"{what} y")
 
+    def _claim(self, what: str) -> None:
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(f"this Trainer is already running fit or step in another thread; {what} must wait "
+                               "for it (or use a Trainer per thread)")
+
     def step(self, x_batch: Any, y_batch: Any) -> float:
         """One optimizer step on the whole given (effective) batch; returns its mean loss."""
         xa, ya = self._data(x_batch, y_batch, "batch")
+        self._claim("step")
+        try:
+            return self._step(xa, ya)
+        finally:
+            self._busy.release()
+
+    def _step(self, xa: np.ndarray, ya: np.ndarray) -> float:
         self._push_scaler()
         retries = self._c.oom_retries()
         try:
@@ -162,6 +183,14 @@ class Trainer:
             val = self._data(vx, vy, "validation")
             if val[0].dtype == np.float32 and not np.isfinite(val[0]).all():
                 raise ValueError("validation x contains NaN or inf")
+        self._claim("fit")
+        try:
+            return self._fit(xa, ya, epochs, val, progress)
+        finally:
+            self._busy.release()
+
+    def _fit(self, xa: np.ndarray, ya: np.ndarray, epochs: int, val: Optional[Tuple[np.ndarray, np.ndarray]],
+             progress: bool) -> List[Dict[str, Any]]:
         device = self.model.device
         history: List[Dict[str, Any]] = []
         try:

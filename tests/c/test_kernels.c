@@ -368,6 +368,16 @@ static void test_softmax_xent(void) {
     unsigned long long hits = 0;
     KOK(cmlp_k_softmax_xent(F(x), lab.p, rows, cols, 0.0f, 1.0f, NULL, 0.0, NULL, F(dl), &loss, &hits, S));
     CHECK(hits == 0 && isfinite(loss), "xent with labels out of range: hits %llu loss %g", hits, loss);
+    { /* the CPU backend too (its caller checks labels, but they may change while it runs) */
+        buf cdl = make(rows * cols, 4, 0);
+        double closs = 0.0;
+        int64_t chits = 0;
+        CPU_CALL(cpu->softmax_xent(NULL, F(x), lab.p, rows, cols, 0.0f, (cmlp_loss_weight){1.0f}, F(cdl), &closs,
+                                   &chits));
+        CHECK(chits == 0 && fabs(closs - loss) <= 1e-12 * fabs(loss), "CPU xent with labels out of range: hits %lld "
+              "loss %.17g vs %.17g", (long long)chits, closs, loss);
+        free(cdl.block);
+    }
     KOK(cmlp_k_softmax_xent(F(x), lab.p, 0, cols, 0.0f, 1.0f, NULL, 0.0, NULL, F(dl), &loss, &hits, S));
     CHECK(cmlp_k_softmax_xent(F(x), lab.p, rows, 0, 0.0f, 1.0f, NULL, 0.0, NULL, F(dl), &loss, &hits, S) ==
               cudaErrorInvalidValue,
