@@ -219,3 +219,38 @@ def test_state_dict_round_trip_continues_bitwise(kind):
     for name in pa:
         np.testing.assert_array_equal(pb[name], pa[name], err_msg=name)
     assert any(rel_err(pc[name], pa[name]) > 1e-5 for name in pa)
+
+
+@pytest.mark.parametrize("kind", ["adam", "sgd"])
+def test_loads_a_state_dict_laid_out_as_torch_optim_saves_it(kind):
+    """torch.optim's state_dict as it comes (param-group keys cmlp has no use for, such as
+    foreach, capturable, fused, differentiable; Adam's step as a 0-d tensor): taken over, and the
+    next update uses it."""
+    model = cmlp.MLP(SIZES, device=DEVICE, seed=3)
+    shapes = [v.shape for v in model.state_dict().values()]
+    rng = np.random.default_rng(8)
+    n = len(shapes)
+    if kind == "adam":
+        group = {"lr": 0.003, "betas": (0.8, 0.99), "eps": 1e-07, "weight_decay": 0, "amsgrad": False,
+                 "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None,
+                 "decoupled_weight_decay": False, "params": list(range(n))}
+        state = {i: {"step": np.array(4.0, dtype=np.float32), "exp_avg": rng.standard_normal(s).astype(np.float32),
+                     "exp_avg_sq": rng.random(s).astype(np.float32)} for i, s in enumerate(shapes)}
+        opt = cmlp.optim.Adam(model)
+    else:
+        group = {"lr": 0.1, "momentum": 0.9, "dampening": 0, "weight_decay": 0, "nesterov": False,
+                 "maximize": False, "foreach": None, "differentiable": False, "fused": None,
+                 "params": list(range(n))}
+        state = {i: {"momentum_buffer": rng.standard_normal(s).astype(np.float32)} for i, s in enumerate(shapes)}
+        opt = cmlp.optim.SGD(model, momentum=0.5)
+    opt.load_state_dict({"state": state, "param_groups": [group]})
+    got = opt.state_dict()
+    assert got["param_groups"][0]["lr"] == group["lr"]
+    for i in range(n):
+        for key, value in state[i].items():
+            np.testing.assert_array_equal(np.asarray(got["state"][i][key], dtype=np.float64),
+                                          np.asarray(value, dtype=np.float64), err_msg=f"{i}.{key}")
+    if kind == "adam":
+        assert got["param_groups"][0]["betas"] == (0.8, 0.99) and got["param_groups"][0]["eps"] == 1e-07
+    else:
+        assert got["param_groups"][0]["momentum"] == 0.9
