@@ -516,7 +516,7 @@ static int64_t largest_free(const cmlp_allocator *a) {
 }
 
 static cmlp_status oom(cmlp_allocator *a, size_t nbytes, size_t size) {
-    char req[32], rnd[32], alc[32], res[32], cap[32], fre[32], big[32], unalloc[32];
+    char req[32], rnd[32], alc[32], res[32], cap[32], fre[32], big[32], unalloc[32], sg[32], seg_note[160] = "";
     int64_t r = reserved(a), al = a->stats.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].current;
     int64_t total = a->limit >= 0 ? a->limit : a->total_memory;
     int64_t largest = largest_free(a);
@@ -530,6 +530,14 @@ static cmlp_status oom(cmlp_allocator *a, size_t nbytes, size_t size) {
     cmlp_format_bytes(cap, sizeof cap, total);
     cmlp_format_bytes(fre, sizeof fre, total > r ? total - r : 0);
     cmlp_format_bytes(big, sizeof big, largest);
+    /* a small request that fits in what is free can still need a whole new segment */
+    size_t seg = alloc_segment_size(size);
+    if (!a->cfg.expandable_segments && seg > size) {
+        cmlp_format_bytes(sg, sizeof sg, (int64_t)seg);
+        snprintf(seg_note, sizeof seg_note,
+                 " It needs a new segment of %s (requests up to 1 MiB share 2 MiB segments, up to 10 MiB 20 MiB "
+                 "ones).", sg);
+    }
     const char *frag_hint = frag <= 20.0             ? ""
                             : a->cfg.expandable_segments ? " Reserved but unallocated memory is large: "
                                                            "empty_cache() returns free segments and tails."
@@ -539,11 +547,11 @@ static cmlp_status oom(cmlp_allocator *a, size_t nbytes, size_t size) {
     return CMLP_FAIL(CMLP_ERR_OOM,
                      "%s out of memory. Tried to allocate %s (%zu bytes requested, rounded to %zu). %s %s is %s "
                      "of which %s is free. Of the reserved memory %s is allocated by cmlp and %s is reserved but "
-                     "unallocated; the largest free block is %s (fragmentation %.1f%%).%s Try micro-batches "
+                     "unallocated; the largest free block is %s (fragmentation %.1f%%).%s%s Try micro-batches "
                      "(Trainer(auto_microbatch=True) or a smaller batch_size with accumulation_steps), "
                      "amp=\"fp16\" or \"bf16\", or recompute=True.",
                      a->name, rnd, nbytes, size, a->name, a->limit >= 0 ? "memory limit" : "total capacity", cap, fre,
-                     alc, unalloc, big, frag, frag_hint);
+                     alc, unalloc, big, frag, seg_note, frag_hint);
 }
 
 static void refresh_config(cmlp_allocator *a);

@@ -101,7 +101,7 @@ typedef struct cmlp_backend_i {
     /* Fused stable softmax cross-entropy over logits [rows, cols]. Adds the per-sample losses
      * to *d_loss_sum (a device double; NULL: not wanted) and, when d_dlogits is not NULL, writes
      * d_dlogits = w * (softmax - q), q = (1 - smoothing) onehot + smoothing / cols, where w is
-     * weight's (cmlp_loss_weight). When d_correct is not NULL adds
+     * the gradient weight that `weight` gives (cmlp_loss_weight). When d_correct is not NULL adds
      * to it the number of rows whose argmax equals the label. d_dlogits may be d_logits.
      * Nothing is read back: the results stay on the device. */
     cmlp_status (*softmax_xent)(void *ctx, const float *d_logits, const int32_t *d_labels,

@@ -213,8 +213,8 @@ cmlp_status cmlp_data_validate(const cmlp_model *m, const cmlp_data *xy, bool ne
         float scale = 1.0f / (255.0f * xy->std), shift = -xy->mean / xy->std;
         if (!isfinite(scale) || !isfinite(shift) || !isfinite(255.0f * scale + shift))
             return CMLP_FAIL(CMLP_ERR_INVALID,
-                             "normalize=(mean, std) = (%g, %g) maps pixels outside float32's range: std is too "
-                             "small", (double)xy->mean, (double)xy->std);
+                             "normalize=(mean, std) = (%g, %g) maps pixels outside float32's range (v / (255 std) "
+                             "- mean / std overflows)", (double)xy->mean, (double)xy->std);
     } else if (xy->x_dtype == CMLP_DTYPE_F32) {
         const float *x = xy->x;
         int64_t total = xy->n * cols, bad = -1;

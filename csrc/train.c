@@ -252,19 +252,19 @@ static cmlp_status one_sample_oom(cmlp_trainer *t, const char *cause) {
     snprintf(why, sizeof why, "%s", cause);
     cmlp_model *m = t->model;
     cmlp_plan p;
-    char b[7][32];
+    char b[8][32];
     int solo = effective_batch(t) == 1; /* steps of one sample, or accumulating micro-batches of one */
     if (cmlp_plan_compute(m->sizes, m->nlayers + 1, 1, optimizer_buffers(t), t->cfg.amp, t->cfg.recompute,
                           t->scaler.enabled, solo, m->dev->device, &p) != CMLP_OK)
         return CMLP_FAIL(CMLP_ERR_OOM, "even a micro-batch of 1 sample does not fit: %s", why);
-    int64_t v[7] = {p.parameters, p.gradients, p.optimizer_state, p.half_weights, p.activations, p.workspace,
-                    p.peak_allocated};
-    for (int i = 0; i < 7; i++) cmlp_format_bytes(b[i], sizeof b[i], v[i]);
+    int64_t v[8] = {p.parameters, p.gradients, p.optimizer_state, p.half_weights, p.activations, p.workspace,
+                    p.peak_allocated, p.peak_reserved};
+    for (int i = 0; i < 8; i++) cmlp_format_bytes(b[i], sizeof b[i], v[i]);
     return CMLP_FAIL(CMLP_ERR_OOM,
                      "out of memory even with a micro-batch of 1 sample. The plan for one sample: parameters %s, "
                      "gradients %s, optimizer state %s, half-precision weights %s, activations %s, workspace %s; "
-                     "peak %s. The last failure: %s",
-                     b[0], b[1], b[2], b[3], b[4], b[5], b[6], why);
+                     "peak %s allocated, %s reserved (in whole segments). The last failure: %s",
+                     b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], why);
 }
 
 /* The device scalars of a call (cmlp_dscalars): written when the call begins, read when it

@@ -239,7 +239,6 @@ def _cases():
         ("scaler-growth_interval-2**31", lambda c: cmlp.amp.GradScaler(growth_interval=2**31), ValueError,
          r"growth_interval must be in \[1, 2\*\*31 - 1\]"),
         # optimizer settings the float32 update cannot use
-        ("adam-lr-inf", lambda c: cmlp.optim.Adam(c.model, lr=float("inf")), ValueError, r"learning rate"),
         ("adam-lr-beyond-float32", lambda c: cmlp.optim.Adam(c.model, lr=1e39), ValueError,
          r"finite in float32"),
         ("adam-lr-huge-int", lambda c: cmlp.optim.Adam(c.model, lr=10**400), ValueError, r"lr must be finite"),
@@ -299,7 +298,13 @@ def _with_state(c, change):
     pytest.param(lambda c: _with_state(c, lambda sd: sd["state"][0]["exp_avg_sq"].__setitem__((0, 0), -1.0)),
                  r"exp_avg_sq must be >= 0", id="exp_avg_sq-negative"),
     pytest.param(lambda c: _with_state(c, lambda sd: sd["state"][0]["exp_avg_sq"].__setitem__((0, 0), np.nan)),
-                 r"exp_avg_sq must be >= 0", id="exp_avg_sq-nan"),
+                 r"exp_avg_sq holds inf or NaN", id="exp_avg_sq-nan"),
+    pytest.param(lambda c: _with_state(c, lambda sd: sd["state"][3]["exp_avg"].__setitem__(0, np.inf)),
+                 r"exp_avg holds inf or NaN", id="exp_avg-inf"),
+    pytest.param(lambda c: _with_state(c, lambda sd: [e.update({"step": np.inf}) for e in sd["state"].values()]),
+                 r"step must be a whole number >= 0, got inf", id="step-inf"),
+    pytest.param(lambda c: _with_state(c, lambda sd: [e.update({"step": 2.5}) for e in sd["state"].values()]),
+                 r"step must be a whole number >= 0, got 2.5", id="step-fraction"),
     pytest.param(lambda c: _with_state(c, lambda sd: sd["state"][1].pop("exp_avg")),
                  r"exp_avg is given for some parameters only", id="buffer-missing-once"),
     pytest.param(lambda c: _with_state(c, lambda sd: sd["state"][1].update({"step": -1.0})),
@@ -321,6 +326,25 @@ def test_optimizer_load_state_dict_checks_everything_before_it_changes_anything(
     assert (ctx.opt.lr, ctx.opt.betas, ctx.opt.eps) == (lr, betas, eps)
     assert_same_state(before, snapshot(ctx))
     assert_still_works(ctx)
+
+
+def test_sgd_load_that_fails_keeps_its_momentum_buffer(ctx):
+    sgd = cmlp.optim.SGD(ctx.model, lr=0.1, momentum=0.9)
+    ctx.model.forward_backward(ctx.x, ctx.y)
+    sgd.step()
+    sd = sgd.state_dict()
+    before = sgd.state_dict()
+    off = {"state": sd["state"], "param_groups": [{**sd["param_groups"][0], "momentum": 0.0}]}
+    with pytest.raises(ValueError, match=r"1 state buffers per parameter, but its settings keep 0"):
+        sgd.load_state_dict(off)
+    spoiled = {"state": {i: {"momentum_buffer": np.full_like(e["momentum_buffer"], np.nan)}
+                         for i, e in sd["state"].items()}, "param_groups": sd["param_groups"]}
+    with pytest.raises(ValueError, match=r"momentum_buffer holds inf or NaN"):
+        sgd.load_state_dict(spoiled)
+    after = sgd.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    for i, e in before["state"].items():
+        np.testing.assert_array_equal(after["state"][i]["momentum_buffer"], e["momentum_buffer"])
 
 
 def test_sgd_refuses_an_adam_state_dict(ctx):
@@ -357,6 +381,11 @@ def test_sizes_in_text_and_limits_beyond_int64():
     from cmlp.memory import parse_size
 
     assert parse_size("1KiB") == 1024 and parse_size("2 gb") == 2 * 1024**3 and parse_size("7B") == 7
+    # exactly, not through a float
+    assert parse_size("9007199254740993") == 2**53 + 1 and parse_size("18446744073709551615") == 2**64 - 1
+    assert parse_size("1.5GiB") == 3 * 2**29 and parse_size("0.3KB") == 307  # a fraction of a unit rounds down
+    with pytest.raises(ValueError, match=r"a number of bytes is a whole number"):
+        parse_size("0.5B")
     for text in ("1iB", "1 iB", "1KB B", "MB"):
         with pytest.raises(ValueError, match=r"cannot read .* as a size"):
             parse_size(text)
@@ -365,6 +394,22 @@ def test_sizes_in_text_and_limits_beyond_int64():
         assert cmlp.memory.get_memory_limit() == 2**63 - 1
     finally:
         cmlp.memory.set_memory_limit(None)
+
+
+def test_raw_blocks_take_ints_only():
+    for bad in (None, 1.0, "x"):
+        with pytest.raises(TypeError, match=r"ptr must be an int"):
+            cmlp.memory.caching_allocator_delete(bad)
+    with pytest.raises(ValueError, match=r"nbytes must be in \[0, 2\*\*63\)"):
+        cmlp.memory.caching_allocator_alloc(2**63)
+
+
+def test_save_errors_name_the_callers_path(ctx, tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"cannot save to '.*nowhere/m.npz'.*directory"):
+        ctx.model.save(tmp_path / "nowhere" / "m.npz")
+    with pytest.raises(IsADirectoryError, match=r"it is a directory"):
+        ctx.model.save(tmp_path)
+    assert os.listdir(tmp_path) == []
 
 
 def test_unaligned_arrays_are_accepted(ctx):
@@ -401,14 +446,16 @@ def test_one_trainer_runs_one_call_at_a_time():
     try:
         while not t._busy.locked() and runner.is_alive():
             pass
-        for call in (lambda: t.step(x[:8], y[:8]), lambda: t.fit(x, y, epochs=1, progress=False)):
+        for call in (lambda: t.step(x[:8], y[:8]), lambda: t.fit(x, y, epochs=1, progress=False),
+                     lambda: setattr(t, "microbatch_size", 2)):
             try:
                 call()
             except RuntimeError as e:
                 errors.append(str(e))
     finally:
         runner.join()
-    assert len(errors) == 2 and all("already running fit or step in another thread" in e for e in errors), errors
+    assert len(errors) == 3 and all("already running fit or step in another thread" in e for e in errors), errors
+    assert t.microbatch_size == 1
     assert np.isfinite(t.step(x[:8], y[:8]))  # free again
 
 

@@ -1046,3 +1046,19 @@ def test_planned_peak_is_the_peak_of_training_steps_to_the_byte_on_the_gpu():
     grid.append(([7, 33, 1, 4], 31, "fp16"))
     runs = _plan_runs(_STEP_PLAN_RUN, grid)
     assert all(run["measured"] == run["planned"] for run in runs), runs
+
+
+@needs_cuda
+def test_cli_budget_counts_what_the_device_holds_once_open(capsys):
+    """`plan --budget` answers as a --memory-limit would: the device's standing workspace is part
+    of the budget, and the batch it names trains under that limit."""
+    from cmlp.__main__ import main
+
+    layers, budget = [784, 16, 10], 12 * 2**20
+    assert main(["plan", "--device", "cuda", "--layers", ",".join(map(str, layers)), "--budget", "12MB"]) == 0
+    out = capsys.readouterr().out
+    held = cmlp.memory.memory_reserved("cuda")
+    n = cmlp.memory.max_batch_size(layers, budget - held, device="cuda") if budget > held else 0
+    assert f"largest batch that fits in 12.00 MiB: {n}" in out
+    if held:
+        assert f"cuda:0 holds {cmlp.memory._fmt(held)} of it once open" in out

@@ -192,6 +192,20 @@ def test_missing_file(tmp_path):
     assert "nope-idx3-ubyte" in str(e.value)
 
 
+def test_not_a_regular_file_is_refused_without_opening_it(tmp_path):
+    fifo = tmp_path / "pipe-idx1-ubyte"
+    os.mkfifo(fifo)  # opening a pipe for reading would wait for a writer forever
+    for p in (fifo, tmp_path):
+        with pytest.raises(ValueError, match=r"not a regular file"):
+            datasets.load_idx(p)
+
+
+def test_more_dimensions_than_numpy_takes(tmp_path):
+    p = write(tmp_path / "deep", bytes([0, 0, 0x08, 40]) + struct.pack(">" + "I" * 40, *([1] * 40)) + b"\x07")
+    with pytest.raises(ValueError, match=r"deep: IDX header gives 40 dimensions \(at most 32"):
+        datasets.load_idx(p)
+
+
 # ---------------------------------------------------------------- mnist / fashion_mnist
 
 def fake_set(d, n_train=5, n_test=3, gz=False, seed=0, labels=None, n_labels=None):
@@ -224,6 +238,7 @@ def test_mnist_layouts(tmp_path, sub, gz):
     want = fake_set(tmp_path / sub if sub else tmp_path, gz=gz)
     check_loaded(datasets.mnist(root=tmp_path), want)
     check_loaded(datasets.mnist(root=str(tmp_path)), want)
+    check_loaded(datasets.mnist(root=os.fsencode(tmp_path)), want)
 
 
 def test_mnist_mixed_raw_and_gz(tmp_path):

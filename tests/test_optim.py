@@ -243,9 +243,10 @@ def test_loads_a_state_dict_laid_out_as_torch_optim_saves_it(kind):
                  "params": list(range(n))}
         state = {i: {"momentum_buffer": rng.standard_normal(s).astype(np.float32)} for i, s in enumerate(shapes)}
         opt = cmlp.optim.SGD(model, momentum=0.5)
+    group["lr"] = np.array(group["lr"])  # torch may keep lr as a 0-d tensor
     opt.load_state_dict({"state": state, "param_groups": [group]})
     got = opt.state_dict()
-    assert got["param_groups"][0]["lr"] == group["lr"]
+    assert got["param_groups"][0]["lr"] == float(group["lr"])
     for i in range(n):
         for key, value in state[i].items():
             np.testing.assert_array_equal(np.asarray(got["state"][i][key], dtype=np.float64),
@@ -254,3 +255,15 @@ def test_loads_a_state_dict_laid_out_as_torch_optim_saves_it(kind):
         assert got["param_groups"][0]["betas"] == (0.8, 0.99) and got["param_groups"][0]["eps"] == 1e-07
     else:
         assert got["param_groups"][0]["momentum"] == 0.9
+
+
+def test_sgd_state_whose_momentum_buffers_are_none_means_no_buffers_yet():
+    model = cmlp.MLP(SIZES, device=DEVICE, seed=3)
+    opt = cmlp.optim.SGD(model, lr=0.1, momentum=0.9)
+    n = len(model.state_dict())
+    opt.load_state_dict({"state": {i: {"momentum_buffer": None} for i in range(n)},
+                         "param_groups": [{"lr": 0.2, "momentum": 0.9, "dampening": 0, "weight_decay": 0,
+                                           "nesterov": False, "maximize": False, "params": list(range(n))}]})
+    assert opt.lr == 0.2 and opt.state_dict()["state"] == {}
+    with pytest.raises(TypeError, match=r"lr must be a number"):
+        opt.load_state_dict({"state": {}, "param_groups": [{"lr": np.array(True), "params": list(range(n))}]})

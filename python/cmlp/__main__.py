@@ -4,6 +4,8 @@ predicts a run's memory (and, given a budget, the largest batch that fits) befor
 allocated; `python -m cmlp info` prints what this build is made of."""
 import argparse
 import json
+import math
+import os
 import sys
 from typing import List, Optional
 
@@ -16,6 +18,43 @@ def _layers(text: str) -> List[int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"--layers must be comma-separated ints such as 784,512,256,10, got {text!r}")
     return sizes
+
+
+def _count(text: str) -> int:
+    """An int >= 1 (epochs, batch size, accumulation steps)."""
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return v
+
+
+def _rate(text: str) -> float:
+    """A finite number >= 0 (learning rate, momentum)."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not (math.isfinite(v) and v >= 0.0):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return v
+
+
+def _save_path(text: str) -> str:
+    """Where the trained model goes, checked before training: not a directory, in one that exists."""
+    if not text:
+        raise argparse.ArgumentTypeError("--save needs a file name, e.g. model.npz")
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"--save {text!r} is a directory; give a file name in it, e.g. "
+                                         f"{os.path.join(text, 'model.npz')}")
+    parent = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"--save {text!r}: the directory {parent!r} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"--save {text!r}: the directory {parent!r} is not writable")
+    return text
 
 
 def _size(text: str) -> int:
@@ -31,28 +70,29 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train an MLP on (Fashion-)MNIST and report each epoch")
     t.add_argument("--dataset", choices=["fashion-mnist", "mnist"], default="fashion-mnist")
     t.add_argument("--data-dir", default=None, help="directory with the four IDX files")
-    t.add_argument("--epochs", type=int, default=5)
-    t.add_argument("--batch-size", type=int, default=32)
-    t.add_argument("--accumulation-steps", type=int, default=1)
+    t.add_argument("--epochs", type=_count, default=5)
+    t.add_argument("--batch-size", type=_count, default=32)
+    t.add_argument("--accumulation-steps", type=_count, default=1)
     t.add_argument("--amp", choices=["fp16", "bf16"], default=None)
     t.add_argument("--device", default="cpu")
     t.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
-    t.add_argument("--lr", type=float, default=None, help="default: 1e-3 for adam, 0.01 for sgd")
-    t.add_argument("--momentum", type=float, default=0.0, help="sgd only")
+    t.add_argument("--lr", type=_rate, default=None, help="default: 1e-3 for adam, 0.01 for sgd")
+    t.add_argument("--momentum", type=_rate, default=0.0, help="sgd only")
     t.add_argument("--layers", type=_layers, default=[784, 512, 256, 10])
     t.add_argument("--memory-limit", type=_size, default=None, help="e.g. 256MB")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--save", default=None, help="write the trained model here (.npz)")
+    t.add_argument("--save", type=_save_path, default=None, help="write the trained model here (.npz)")
     t.add_argument("--no-progress", action="store_true")
     pl = sub.add_parser("plan", help="predict a training run's memory, by category, before allocating anything")
     pl.add_argument("--layers", type=_layers, default=[784, 512, 256, 10])
-    pl.add_argument("--batch-size", type=int, default=32, help="rows computed at once (the micro-batch)")
+    pl.add_argument("--batch-size", type=_count, default=32, help="rows computed at once (the micro-batch)")
     pl.add_argument("--amp", choices=["fp16", "bf16"], default=None)
     pl.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
-    pl.add_argument("--momentum", type=float, default=0.0, help="sgd only: a momentum buffer when not 0")
+    pl.add_argument("--momentum", type=_rate, default=0.0, help="sgd only: a momentum buffer when not 0")
     pl.add_argument("--device", default="cpu")
     pl.add_argument("--budget", type=_size, default=None,
-                    help="e.g. 2GB: also print the largest batch whose planned reserved memory fits")
+                    help="e.g. 2GB, as a --memory-limit would be: also print the largest batch whose run fits "
+                         "(beside what the device holds once open)")
     sub.add_parser("info", help="print the build: version, BLAS, CUDA, devices")
     return p
 
@@ -85,7 +125,7 @@ def _train(a: argparse.Namespace) -> int:
               f"peak memory {memory._fmt(h['peak_memory_bytes'])}  {h['seconds']:.1f} s"
               + (f"  skipped steps {h['skipped_steps']}" if h["skipped_steps"] else ""), flush=True)
     print(f"final test accuracy: {100 * history[-1]['val_accuracy']:.2f}%")
-    if a.save:
+    if a.save is not None:
         model.save(a.save)
         print(f"saved to {a.save}")
     return 0
@@ -93,13 +133,18 @@ def _train(a: argparse.Namespace) -> int:
 
 def _plan(a: argparse.Namespace) -> int:
     optimizer = "sgd_momentum" if a.optimizer == "sgd" and a.momentum else a.optimizer
-    print(memory.plan(a.layers, a.batch_size, optimizer, a.amp, device=a.device))
+    p = memory.plan(a.layers, a.batch_size, optimizer, a.amp, device=a.device)
+    print(p)
     if a.budget is not None:
-        n = memory.max_batch_size(a.layers, a.budget, optimizer, a.amp, device=a.device)
-        why = ""
+        # the budget counts all the device reserves, as a memory limit does: what it holds from
+        # the moment it opens (on CUDA, the GEMM workspace) and the run on top, which the plan counts
+        held = memory.memory_reserved(a.device)
+        room = a.budget - held
+        n = memory.max_batch_size(a.layers, room, optimizer, a.amp, device=a.device) if room > 0 else 0
+        why = f" ({p.device} holds {memory._fmt(held)} of it once open)" if held else ""
         if n == 0:
             one = memory.plan(a.layers, 1, optimizer, a.amp, device=a.device)
-            why = f" (one sample needs {memory._fmt(one.reserved_bytes)} reserved)"
+            why += f" (one sample needs {memory._fmt(one.reserved_bytes)} reserved on top)"
         print(f"largest batch that fits in {memory._fmt(a.budget)}: {n}{why}")
     return 0
 
@@ -118,7 +163,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if a.command == "train":
             return _train(a)
         return _plan(a) if a.command == "plan" else _info()
-    except (ValueError, TypeError, FileNotFoundError, RuntimeError, NotImplementedError) as e:
+    except (ValueError, TypeError, OSError, RuntimeError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -37,11 +37,10 @@ def as_labels(y: Any, n: int, classes: int, name: str = "y") -> np.ndarray:
         raise ValueError(f"{name} must be 1-D [N], got shape {tuple(arr.shape)}")
     if arr.shape[0] != n:
         raise ValueError(f"{name} has {arr.shape[0]} labels for {n} samples")
-    if arr.dtype != np.int32:
-        _check_labels(arr, classes, name)  # before int32 could wrap a large one into range
-    labels = np.array(arr, dtype=np.int32, order="C", copy=True)
+    # copied as they are, checked, then converted: int32 cannot wrap a checked value into range
+    labels = np.array(arr, order="C", copy=True)
     _check_labels(labels, classes, name)
-    return labels
+    return labels.astype(np.int32, copy=labels.dtype != np.int32)
 
 
 def _check_labels(arr: np.ndarray, classes: int, name: str) -> None:
@@ -67,8 +66,8 @@ def as_normalize(normalize: Any) -> Tuple[float, float]:
         shift = -m32 / s32
         top = np.float32(255.0) * scale + shift
     if not (np.isfinite(scale) and np.isfinite(shift) and np.isfinite(top)):
-        raise ValueError(f"normalize=(mean, std) = {normalize!r} maps pixels outside float32's range: std is too "
-                         "small")
+        raise ValueError(f"normalize=(mean, std) = {normalize!r} maps pixels outside float32's range (v / (255 std) "
+                         "- mean / std overflows)")
     return mean, std
 
 

@@ -838,7 +838,8 @@ static int Trainer_set_micro(TrainerObject *self, PyObject *value, void *closure
     }
     long long v = PyLong_AsLongLong(value);
     if (v == -1 && PyErr_Occurred()) return -1;
-    cmlp_status st = cmlp_trainer_set_microbatch_size(self->t, v);
+    cmlp_status st;
+    RUN_LOCKED(self->optim->model, st = cmlp_trainer_set_microbatch_size(self->t, v)); /* not mid-step */
     if (st != CMLP_OK) {
         raise_status(self->optim->model->ms, st);
         return -1;

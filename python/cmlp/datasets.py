@@ -63,6 +63,8 @@ def _parse_idx(f, path, stored_size, compressed):
         raise ValueError(f"{path}: unknown IDX type code 0x{code:02X} (expected one of {known})")
     if ndim < 1:
         raise ValueError(f"{path}: IDX header gives 0 dimensions (expected at least 1)")
+    if ndim > 32:  # NumPy's limit is 32 or 64 dimensions; images and labels have 3 and 1
+        raise ValueError(f"{path}: IDX header gives {ndim} dimensions (at most 32 are supported)")
     raw_dims = f.read(4 * ndim)
     if len(raw_dims) < 4 * ndim:
         raise ValueError(
@@ -105,7 +107,9 @@ def load_idx(path):
     Raises FileNotFoundError if path does not exist and ValueError if the file is not a
     well-formed IDX file: bad magic, unknown type code, no dimensions, a size that does
     not match the header exactly, or a corrupt gzip stream."""
-    path = os.fspath(path)
+    path = os.fsdecode(path)
+    if os.path.exists(path) and not os.path.isfile(path):  # a directory, a pipe, a device: not opened
+        raise ValueError(f"{path}: not a regular file")
     with open(path, "rb") as f:
         stored_size = os.fstat(f.fileno()).st_size
         compressed = f.read(2) == _GZIP_MAGIC
@@ -179,7 +183,7 @@ def _load_set(title, dirs, how_to_get, download):
 
 
 def _candidate_dirs(root, subdirs):
-    root = os.fspath(root)
+    root = os.fsdecode(root)
     return [root] + [os.path.join(root, s) for s in subdirs]
 
 

@@ -2,6 +2,7 @@
 ("cpu" included). All numbers come from the device's allocator, which owns every byte."""
 import re
 import threading
+from fractions import Fraction
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 from . import _cmlp
@@ -85,6 +86,8 @@ def caching_allocator_alloc(nbytes: int, device: Optional[str] = None) -> int:
     """A raw block of nbytes from the device's allocator; give it back with caching_allocator_delete."""
     if isinstance(nbytes, bool) or not isinstance(nbytes, int):
         raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
+    if not 0 <= nbytes < 2**63:
+        raise ValueError(f"nbytes must be in [0, 2**63), got {nbytes}")
     dev = _device(device)
     ptr = _cmlp.alloc(dev, nbytes)
     if ptr:
@@ -94,6 +97,8 @@ def caching_allocator_alloc(nbytes: int, device: Optional[str] = None) -> int:
 
 
 def caching_allocator_delete(ptr: int) -> None:
+    if isinstance(ptr, bool) or not isinstance(ptr, int):
+        raise TypeError(f"ptr must be an int from caching_allocator_alloc, got {type(ptr).__name__}")
     with _raw_lock:
         dev = _raw_blocks.pop(ptr, None)
     if dev is None:
@@ -337,7 +342,8 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 
 
 def parse_size(text: Union[str, int]) -> int:
-    """'256MB', '1.5GiB', '4096' -> bytes (K/M/G/T are powers of 1024, as for memory)."""
+    """'256MB', '1.5GiB', '4096' -> bytes (K/M/G/T are powers of 1024, as for memory), exactly:
+    a fraction of a unit rounds down to whole bytes; a fraction of a byte is refused."""
     if isinstance(text, int) and not isinstance(text, bool):
         if text < 0:
             raise ValueError(f"a size must be >= 0, got {text}")
@@ -346,7 +352,8 @@ def parse_size(text: Union[str, int]) -> int:
     if not m:
         raise ValueError(f"cannot read {text!r} as a size: use e.g. 512MB, 2GB or a number of bytes")
     unit = (m.group(2) or "B").upper()
-    scale = {"": 1, "B": 1}.get(unit)
-    if scale is None:
-        scale = 1024 ** ("KMGT".index(unit[0]) + 1)
-    return int(float(m.group(1)) * scale)
+    scale = 1 if unit == "B" else 1024 ** ("KMGT".index(unit[0]) + 1)
+    value = Fraction(m.group(1)) * scale
+    if scale == 1 and value.denominator != 1:
+        raise ValueError(f"cannot read {text!r} as a size: a number of bytes is a whole number")
+    return int(value)

@@ -146,7 +146,12 @@ class MLP:
         directory = os.path.dirname(os.path.abspath(path))
         arrays = dict(self.state_dict())
         arrays[_SIZES_KEY] = np.asarray(self._sizes, dtype=np.int64)
-        fd, tmp = tempfile.mkstemp(prefix=".cmlp-", suffix=".tmp", dir=directory)
+        if os.path.isdir(path):
+            raise IsADirectoryError(f"cannot save to {path!r}: it is a directory")
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=".cmlp-", suffix=".tmp", dir=directory)
+        except OSError as e:  # said of the caller's path, not of the temporary file's
+            raise type(e)(e.errno, f"cannot save to {path!r}: {e.strerror} (directory {directory!r})") from None
         try:
             with os.fdopen(fd, "wb") as f:
                 np.savez(f, **arrays)

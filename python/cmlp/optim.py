@@ -10,8 +10,11 @@ from .model import MLP
 
 
 def _num(name: str, value: Any) -> float:
-    """A number (the C core checks its range: >= 0 where PyTorch asks it, finite in float32)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+    """A number, or a 0-d array or tensor holding one (torch.optim may keep lr as a tensor); the C
+    core checks its range (>= 0 where PyTorch asks it, finite in float32)."""
+    scalar = (getattr(value, "ndim", None) == 0 and hasattr(value, "__float__")
+              and getattr(getattr(value, "dtype", None), "kind", "f") in "iuf")
+    if isinstance(value, bool) or not (isinstance(value, (int, float, np.integer, np.floating)) or scalar):
         raise TypeError(f"{name} must be a number, got {value!r}")
     try:
         return float(value)
@@ -87,13 +90,23 @@ class Optimizer:
         if not isinstance(state, Mapping):
             raise ValueError("optimizer state_dict's 'state' must be a dict")
         step, bufs = self._parse_state(state, list(order), names) if state else (0, [])
-        before = self._group_config(self._group())
+        if len(bufs) > self._buffers_for(config):
+            raise ValueError(f"optimizer state_dict has {len(bufs)} state buffers per parameter, but its settings "
+                             f"keep {self._buffers_for(config)}")
+        before, before_state = self._group_config(self._group()), self._c.get_state()
         self._apply(config)
         try:
             self._c.set_state(step, bufs)
         except BaseException:
             self._apply(before)
+            self._c.set_state(*before_state)
             raise
+
+    def _buffers_for(self, config: Dict[str, Any]) -> int:
+        """State buffers per parameter that these settings keep."""
+        if self._kind == "adam":
+            return 2
+        return 1 if config["momentum"] else 0
 
     def _parse_state(self, state: Mapping, order: List[Any], names: List[str]) -> Tuple[int, List[np.ndarray]]:
         """(step, flat buffers) from per-parameter entries, checked."""
@@ -113,7 +126,7 @@ class Optimizer:
                 value = float(np.asarray(entry.get("step", 0), dtype=np.float64))
             except (TypeError, ValueError):
                 raise ValueError(f"optimizer state of parameter {k!r}: step must be a number") from None
-            if not (value >= 0 and value == int(value) and value < 2**53):
+            if not (0 <= value < 2**53 and value.is_integer()):
                 raise ValueError(f"optimizer state of parameter {k!r}: step must be a whole number >= 0, got {value}")
             steps.add(int(value))
         if len(steps) != 1:
@@ -121,7 +134,8 @@ class Optimizer:
         step = steps.pop()
         bufs: List[np.ndarray] = []
         for bname in self._buffers:
-            present = [bname in state[k] for k in order]
+            # torch.optim.SGD of some versions keeps momentum_buffer None until it has one
+            present = [state[k].get(bname) is not None for k in order]
             if not any(present):
                 continue
             if not all(present):
@@ -137,6 +151,8 @@ class Optimizer:
                     raise ValueError(f"optimizer state {bname} of {name} has shape {arr.shape}, "
                                      f"expected {views[name].shape}")
                 views[name][...] = arr
+            if not np.isfinite(flat).all():
+                raise ValueError(f"optimizer state {bname} holds inf or NaN")
             if bname == "exp_avg_sq" and not (flat >= 0).all():
                 raise ValueError("optimizer state exp_avg_sq must be >= 0 everywhere (a running mean of squares)")
             bufs.append(flat)

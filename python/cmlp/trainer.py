@@ -21,7 +21,8 @@ MAX_STEP_SAMPLES = 2**62
 
 def _positive_int(name: str, value: Any, limit: int = MAX_STEP_SAMPLES) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= value <= limit:
-        raise ValueError(f"{name} must be an int in [1, {limit}], got {value!r}")
+        bound = f"2**{limit.bit_length() - 1}" if limit & (limit - 1) == 0 else str(limit)
+        raise ValueError(f"{name} must be an int in [1, {bound}], got {value!r}")
     return int(value)
 
 
@@ -61,7 +62,7 @@ class Trainer:
         self.amp, self.scaler = amp, scaler
         self.auto_microbatch, self.recompute, self.shuffle = bool(auto_microbatch), bool(recompute), bool(shuffle)
         self.seed = seed
-        grow_interval = _positive_int("grow_interval", grow_interval, 2**62)
+        grow_interval = _positive_int("grow_interval", grow_interval)
         # fit and step use the C trainer's state from start to end: one call at a time
         self._busy = threading.Lock()
         # uint8 images: the model's normalisation unless the trainer is given its own
@@ -77,7 +78,12 @@ class Trainer:
 
     @microbatch_size.setter
     def microbatch_size(self, value: int) -> None:
-        self._c.microbatch_size = _positive_int("microbatch_size", value)
+        value = _positive_int("microbatch_size", value)
+        self._claim("setting microbatch_size")
+        try:
+            self._c.microbatch_size = value
+        finally:
+            self._busy.release()
 
     def _push_scaler(self) -> None:
         """The scaler's state into the C loop, which scales, checks, skips and updates."""
@@ -118,9 +124,13 @@ class Trainer:
         cap = max(limit, memory.memory_reserved(device))
         b = self.microbatch_size
         while b > 1:
-            p = memory.plan(list(self.model.layer_sizes), b, self.optimizer, self.amp, self.recompute,
-                            scaler=self.scaler is not None and self.scaler.is_enabled(), device=device,
-                            accumulation_steps=-(-self.batch_size * self.accumulation_steps // b))
+            try:
+                p = memory.plan(list(self.model.layer_sizes), b, self.optimizer, self.amp, self.recompute,
+                                scaler=self.scaler is not None and self.scaler.is_enabled(), device=device,
+                                accumulation_steps=-(-self.batch_size * self.accumulation_steps // b))
+            except ValueError:  # too large to plan: it does not fit either
+                b //= 2
+                continue
             if p.peak_bytes - sum(p.breakdown[k] for k in held) <= room and p.reserved_bytes <= cap:
                 break
             b //= 2
@@ -172,7 +182,7 @@ class Trainer:
     def fit(self, x: Any, y: Any, epochs: int = 5, validation_data: Optional[Tuple[Any, Any]] = None,
             progress: bool = True) -> List[Dict[str, Any]]:
         """Trains for `epochs` passes over (x, y); returns one dict per epoch."""
-        epochs = _positive_int("epochs", epochs)
+        epochs = _positive_int("epochs", epochs, 2**31 - 1)
         xa, ya = self._data(x, y, "training")
         val = None
         if validation_data is not None:
