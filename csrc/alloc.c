@@ -546,12 +546,12 @@ static cmlp_status oom(cmlp_allocator *a, size_t nbytes, size_t size) {
                                                            "max_split_size_mb to avoid fragmentation.";
     return CMLP_FAIL(CMLP_ERR_OOM,
                      "%s out of memory. Tried to allocate %s (%zu bytes requested, rounded to %zu). %s %s is %s "
-                     "of which %s is free. Of the reserved memory %s is allocated by cmlp and %s is reserved but "
+                     "of which %s is free. Of the %s reserved, %s is allocated by cmlp and %s is reserved but "
                      "unallocated; the largest free block is %s (fragmentation %.1f%%).%s%s Try micro-batches "
                      "(Trainer(auto_microbatch=True) or a smaller batch_size with accumulation_steps), "
                      "amp=\"fp16\" or \"bf16\", or recompute=True.",
                      a->name, rnd, nbytes, size, a->name, a->limit >= 0 ? "memory limit" : "total capacity", cap, fre,
-                     alc, unalloc, big, frag, seg_note, frag_hint);
+                     res, alc, unalloc, big, frag, seg_note, frag_hint);
 }
 
 static void refresh_config(cmlp_allocator *a);

@@ -311,7 +311,16 @@ def test_memory_summary():
     for title in ("Allocated memory", "Active memory", "Reserved memory", "Non-releasable memory", "Allocations"):
         assert title in s, title
     model = cmlp.MLP(SIZES)
-    assert fmt(M.memory_allocated(DEV)) in M.memory_summary(DEV)
+    text = M.memory_summary(DEV)
+    # PyTorch's layout: 75 columns between the bars; a byte count as an int in the unit that its
+    # row's first value calls for (KiB from 768 KiB, MiB from 768 MiB)
+    assert {len(line) for line in text.splitlines()} == {77}, text
+    for name in ("Oversize allocations", "Non-releasable allocs", "Active allocs"):
+        assert f"| {name:<21} |" in text
+    n = M.memory_allocated(DEV)
+    row = next(line for line in text.splitlines() if line.startswith("| Allocated memory"))
+    shown = f"{n // 1024**2:6d} MiB" if n >= 768 * 1024**2 else f"{n // 1024:6d} KiB" if n >= 768 * 1024 else f"{n:6d} B  "
+    assert row.split("|")[2] == f" {shown} ", row
     del model
 
 

@@ -176,6 +176,20 @@ def test_save_load_round_trip(tmp_path, model, as_str):
     assert sorted(os.listdir(tmp_path)) == ["m.npz"]
 
 
+def test_save_load_keeps_normalize_for_uint8_inputs(tmp_path):
+    m = cmlp.MLP([20, 8, 4], seed=2, normalize=(0.1307, 0.3081))
+    m.save(tmp_path / "n.npz")
+    loaded = cmlp.MLP.load(tmp_path / "n.npz")
+    assert loaded.normalize == (0.1307, 0.3081)
+    u8 = np.random.default_rng(3).integers(0, 256, (5, 20), dtype=np.uint8)
+    np.testing.assert_array_equal(loaded(u8), m(u8))
+    # a file written without it (older) means the default
+    with np.load(tmp_path / "n.npz") as z:
+        arrays = {k: z[k] for k in z.files if k != "__normalize__"}
+    np.savez(tmp_path / "old.npz", **arrays)
+    assert cmlp.MLP.load(tmp_path / "old.npz").normalize == (0.5, 0.5)
+
+
 def test_save_load_other_sizes_and_trained(tmp_path):
     m = cmlp.MLP([30, 7, 7, 7, 3], seed=11)
     opt = cmlp.optim.SGD(m, lr=0.5)

@@ -282,10 +282,24 @@ def test_max_batch_size_is_monotonic_and_consistent(layers, opt, amp):
         assert M.plan(layers, n, opt, amp).reserved_bytes <= budget < M.plan(layers, n + 1, opt, amp).reserved_bytes
 
 
+@pytest.mark.parametrize("layers, budget", [([784, 2048, 2048, 10], 110 * MIB), ([784, 2048, 2048, 10], 96 * MIB),
+                                            ([64, 4096, 10], 40 * MIB), ([100, 300, 10], 21 * MIB)])
+def test_max_batch_size_is_the_largest_even_where_reserved_memory_dips(layers, budget):
+    """Reserved memory can fall as the batch grows (a request that reaches 10 MiB gets a segment of
+    its own size instead of a 20 MiB one): the answer is still the largest batch that fits, checked
+    against every batch up to where the allocated peak alone exceeds the budget."""
+    n = M.max_batch_size(layers, budget)
+    top = 1
+    while M.plan(layers, top + 1).peak_bytes <= budget:
+        top += 1
+    fitting = [b for b in range(1, top + 1) if M.plan(layers, b).reserved_bytes <= budget]
+    assert n == (fitting[-1] if fitting else 0)
+
+
 def test_max_batch_size_is_zero_when_nothing_fits():
     one = M.plan([784, 512, 256, 10], 1).reserved_bytes
     assert M.max_batch_size([784, 512, 256, 10], 0) == 0
-    assert M.max_batch_size([784, 512, 256, 10], one - 1) == 0
+    assert M.max_batch_size([784, 512, 256, 10], M.plan([784, 512, 256, 10], 1).peak_bytes - 1) == 0
     assert M.max_batch_size([784, 512, 256, 10], one) >= 1
 
 

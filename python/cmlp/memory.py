@@ -87,7 +87,8 @@ def caching_allocator_alloc(nbytes: int, device: Optional[str] = None) -> int:
     if isinstance(nbytes, bool) or not isinstance(nbytes, int):
         raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
     if not 0 <= nbytes < 2**63:
-        raise ValueError(f"nbytes must be in [0, 2**63), got {nbytes}")
+        shown = nbytes if nbytes.bit_length() <= 64 else f"an int of {nbytes.bit_length()} bits"
+        raise ValueError(f"nbytes must be in [0, 2**63), got {shown}")
     dev = _device(device)
     ptr = _cmlp.alloc(dev, nbytes)
     if ptr:
@@ -245,7 +246,7 @@ def _check_accumulation(accumulation_steps: Any) -> int:
     return accumulation_steps
 
 
-def plan(layer_sizes: List[int], batch_size: int, optimizer: Any = "adam", amp: Optional[str] = None,
+def plan(layer_sizes: List[int], batch_size: int = 32, optimizer: Any = "adam", amp: Optional[str] = None,
          recompute: bool = False, device: str = "cpu", scaler: Optional[bool] = None,
          accumulation_steps: int = 1) -> Plan:
     """Predicts a training run's memory before anything is allocated (batch_size: rows computed at
@@ -253,19 +254,27 @@ def plan(layer_sizes: List[int], batch_size: int, optimizer: Any = "adam", amp: 
     micro-batch per step (the default) a step keeps most of its buffers in the first layer's
     weight gradient where they fit (in_gradients); a run that accumulates cannot, so plan it
     with its accumulation_steps. scaler defaults to amp == "fp16"."""
-    from ._arrays import check_amp
     from .model import _as_sizes
 
     sizes = _as_sizes(layer_sizes)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size < 2**63:
         raise ValueError(f"batch_size must be an int in [1, 2**63), got {batch_size!r}")
+    name, _ = _optimizer_buffers(optimizer)
+    dev = _device(device)
+    raw = _cmlp.plan(list(sizes), batch_size, *_plan_args(optimizer, amp, recompute, scaler, accumulation_steps), dev)
+    return Plan(list(sizes), batch_size, name, amp, recompute, dev, raw)
+
+
+def _plan_args(optimizer: Any, amp: Optional[str], recompute: bool, scaler: Optional[bool],
+               accumulation_steps: int) -> Tuple[int, int, bool, bool, bool]:
+    """The C planner's arguments between the batch size and the device, checked."""
+    from ._arrays import check_amp
+
     solo = _check_accumulation(accumulation_steps) == 1
     amp_code = check_amp(amp)
-    name, nbuf = _optimizer_buffers(optimizer)
+    _, nbuf = _optimizer_buffers(optimizer)
     scaling = amp == "fp16" if scaler is None else bool(scaler)
-    dev = _device(device)
-    raw = _cmlp.plan(list(sizes), batch_size, nbuf, amp_code, bool(recompute), scaling, solo, dev)
-    return Plan(list(sizes), batch_size, name, amp, recompute, dev, raw)
+    return nbuf, amp_code, bool(recompute), scaling, solo
 
 
 def max_batch_size(layer_sizes: List[int], budget_bytes: int, optimizer: Any = "adam", amp: Optional[str] = None,
@@ -276,24 +285,36 @@ def max_batch_size(layer_sizes: List[int], budget_bytes: int, optimizer: Any = "
     one, a step needs more memory for the same micro-batch)."""
     budget = parse_size(budget_bytes)
     _check_accumulation(accumulation_steps)
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit < 2**62:
+        raise ValueError(f"limit must be an int in [1, 2**62), got {limit!r}")
 
-    def fits(b: int) -> bool:
-        return plan(layer_sizes, b, optimizer, amp, recompute, device,
-                    accumulation_steps=accumulation_steps).reserved_bytes <= budget
+    def planned(b: int) -> Plan:
+        return plan(layer_sizes, b, optimizer, amp, recompute, device, accumulation_steps=accumulation_steps)
 
-    if not fits(1):
+    # Reserved memory is at least the peak allocated, which grows with the batch: the largest
+    # batch whose allocated peak fits bounds the answer from above (a search).
+    if planned(1).peak_bytes > budget:
         return 0
     lo, hi = 1, 2
-    while hi <= limit and fits(hi):
+    while hi <= limit and planned(hi).peak_bytes <= budget:
         lo, hi = hi, hi * 2
     hi = min(hi, limit + 1)
-    while hi - lo > 1:  # fits(lo), not fits(hi)
+    while hi - lo > 1:  # peak(lo) fits, peak(hi) does not
         mid = (lo + hi) // 2
-        if fits(mid):
+        if planned(mid).peak_bytes <= budget:
             lo = mid
         else:
             hi = mid
-    return lo
+    # Reserved memory itself does not grow steadily with the batch (a request that reaches
+    # 10 MiB takes a segment of its own size instead of a 20 MiB one, so a larger batch can
+    # reserve less), so the batches below that bound are tried from the top down.
+    first = planned(lo)
+    raw = [list(first.layer_sizes), 0, *_plan_args(optimizer, amp, recompute, None, accumulation_steps), first.device]
+    for b in range(lo, 0, -1):
+        raw[1] = b
+        if _cmlp.plan(*raw)["peak_reserved"] <= budget:
+            return b
+    return 0
 
 
 def _fmt(n: int) -> str:
@@ -304,38 +325,68 @@ def _fmt(n: int) -> str:
     return f"{v:.2f} {units[u]}"
 
 
+def _summary_size(v: int, row_first: int) -> str:
+    """A byte count in PyTorch's summary style: an int of 6 digits and a unit chosen from the
+    row's first value (so the pools below a metric share its unit)."""
+    unit = "B  "
+    for bigger in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        if row_first < 768 * 1024:
+            break
+        unit, v, row_first = bigger, v // 1024, row_first / 1024
+    return f"{v:6d} {unit}"
+
+
+def _summary_count(v: int, row_first: int) -> str:
+    unit = " "
+    for bigger in ("K", "M"):
+        if row_first < 750 * 1000:
+            break
+        unit, v, row_first = bigger, v // 1000, row_first / 1000
+    return f"{v:7d} {unit} "
+
+
+_SUMMARY_METRICS = (("allocated_bytes", "Allocated memory", True), ("active_bytes", "Active memory", True),
+                    ("requested_bytes", "Requested memory", True), ("reserved_bytes", "reserved memory", True),
+                    ("inactive_split_bytes", "Non-releasable memory", True), ("allocation", "Allocations", False),
+                    ("active", "Active allocs", False), ("segment", "reserved segments", False),
+                    ("inactive_split", "Non-releasable allocs", False))
+
+
 def memory_summary(device: Optional[str] = None) -> str:
-    """A table of current, peak, allocated and freed for each statistic, as PyTorch prints it."""
+    """A table of current, peak, allocated and freed for each statistic, laid out as PyTorch's
+    torch.cuda.memory_summary (75 columns; each row's unit from its "all" value), then the
+    limit, the largest free block and the fragmentation."""
     dev = _device(device)
     s = _cmlp.memory_stats(dev)
-    rows = [("Allocated memory", "allocated_bytes", True), ("Active memory", "active_bytes", True),
-            ("Requested memory", "requested_bytes", True), ("GPU reserved memory" if dev != "cpu" else
-                                                            "Reserved memory", "reserved_bytes", True),
-            ("Non-releasable memory", "inactive_split_bytes", True), ("Allocations", "allocation", False),
-            ("Active allocs", "active", False), ("Segments", "segment", False),
-            ("Non-releasable allocs", "inactive_split", False)]
     width = 75
-    line = "|" + "=" * width + "|"
-    out = [line, f"|{'cmlp memory summary, device ' + dev:^{width}}|", line,
-           f"| {'Metric':<26}| {'Cur Usage':>10} | {'Peak Usage':>10} | {'Tot Alloc':>10} | {'Tot Freed':>9} |",
-           "|" + "-" * width + "|"]
-    for title, key, is_bytes in rows:
-        for pool, label in (("all", title), ("large_pool", "      from large pool"), ("small_pool", "      from small pool")):
+    gpu = dev != "cpu"  # PyTorch's names say "GPU"; on the CPU they go without it
+    rule, double = "-" * width, "=" * width
+    lines = [double, f"{'cmlp memory summary, device ' + dev:^{width}}", rule,
+             f"{'OOMs: ' + str(s['num_ooms']):^37}|{'alloc retries: ' + str(s['num_alloc_retries']):^37}", double,
+             f"{'Metric':^23}| Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  "]
+    for key, name, is_bytes in _SUMMARY_METRICS:
+        lines.append(rule)
+        first = None
+        title = name if name[0].isupper() else f"GPU {name}" if gpu else name.capitalize()
+        for pool, label in (("all", title), ("large_pool", "      from large pool"),
+                            ("small_pool", "      from small pool")):
             vals = [s[f"{key}.{pool}.{m}"] for m in ("current", "peak", "allocated", "freed")]
-            txt = [_fmt(v) if is_bytes else str(v) for v in vals]
-            out.append(f"| {label:<26}| {txt[0]:>10} | {txt[1]:>10} | {txt[2]:>10} | {txt[3]:>9} |")
-        out.append("|" + "-" * width + "|")
+            first = first or vals
+            cells = [(_summary_size if is_bytes else _summary_count)(v, f) for v, f in zip(vals, first)]
+            lines.append(f" {label:<21} | " + " | ".join(cells) + " ")
+    for key, name in (("oversize_allocations", "Oversize allocations"),
+                      ("oversize_segments", "Oversize GPU segments" if gpu else "Oversize segments")):
+        lines.append(rule)
+        vals = [s[f"{key}.{m}"] for m in ("current", "peak", "allocated", "freed")]
+        lines.append(f" {name:<21} | " + " | ".join(f"{v:10d}" for v in vals) + " ")
     limit = s["limit"]
     reserved, allocated = s["reserved_bytes.all.current"], s["allocated_bytes.all.current"]
     frag = 100.0 * (reserved - allocated) / reserved if reserved else 0.0
-    tail = [f"Memory limit: {'none' if limit < 0 else _fmt(limit)}",
-            f"Largest free block: {_fmt(s['largest_free_block'])}",
-            f"Fragmentation (reserved but unallocated): {frag:.1f}%",
-            f"OOMs: {s['num_ooms']}   Alloc retries: {s['num_alloc_retries']}   "
-            f"Device allocs/frees: {s['num_device_alloc']}/{s['num_device_free']}"]
-    out += [f"| {t:<{width - 1}}|" for t in tail]
-    out.append(line)
-    return "\n".join(out)
+    lines += [rule, f" Memory limit: {'none' if limit < 0 else _fmt(limit)}",
+              f" Largest free block: {_fmt(s['largest_free_block'])}",
+              f" Fragmentation (reserved but unallocated): {frag:.1f}%",
+              f" Device allocs/frees: {s['num_device_alloc']}/{s['num_device_free']}", double]
+    return "\n".join(f"|{line:<{width}}|" for line in lines) + "\n"
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)

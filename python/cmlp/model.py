@@ -13,6 +13,7 @@ from . import _cmlp
 from ._arrays import as_inputs, as_labels, as_normalize, check_amp, check_seed
 
 _SIZES_KEY = "__layer_sizes__"
+_NORMALIZE_KEY = "__normalize__"  # (mean, std) for uint8 inputs; files without it mean (0.5, 0.5)
 
 
 def _as_sizes(layer_sizes: Any) -> Tuple[int, ...]:
@@ -141,11 +142,13 @@ class MLP:
 
     # ---- files ----
     def save(self, path: "os.PathLike[str] | str") -> None:
-        """Writes an .npz of the state_dict and layer sizes; atomic: a crash leaves the old file."""
+        """Writes an .npz of the state_dict, the layer sizes and normalize; atomic: a crash leaves
+        the old file."""
         path = os.fsdecode(path)  # str, bytes or os.PathLike
         directory = os.path.dirname(os.path.abspath(path))
         arrays = dict(self.state_dict())
         arrays[_SIZES_KEY] = np.asarray(self._sizes, dtype=np.int64)
+        arrays[_NORMALIZE_KEY] = np.asarray(self.normalize, dtype=np.float64)
         if os.path.isdir(path):
             raise IsADirectoryError(f"cannot save to {path!r}: it is a directory")
         try:
@@ -184,7 +187,10 @@ class MLP:
         sizes = arrays.pop(_SIZES_KEY)
         if sizes.ndim != 1 or sizes.dtype.kind not in "iu":
             raise ValueError(f"{path}: {_SIZES_KEY!r} must be a 1-D integer array")
-        model = cls([int(s) for s in sizes], device=device)
+        normalize = arrays.pop(_NORMALIZE_KEY, np.array([0.5, 0.5]))
+        if normalize.shape != (2,) or normalize.dtype.kind != "f":
+            raise ValueError(f"{path}: {_NORMALIZE_KEY!r} must hold two floats (mean, std)")
+        model = cls([int(s) for s in sizes], device=device, normalize=(float(normalize[0]), float(normalize[1])))
         model.load_state_dict(arrays)
         return model
 
