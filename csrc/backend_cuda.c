@@ -144,6 +144,10 @@ typedef struct {
      * work (graphs replay one after another on the first stream) */
     void *ws_side, *ws_graph_side;
     size_t ws_side_bytes;
+    /* a fused bias epilogue may read its bias 16 bytes at a time, whatever the alignment
+     * preferences say (they cover A, B, C and D only): a bias on a smaller alignment is copied
+     * here first, in the first stream's order (the last BIAS_SLOT bytes of its workspace) */
+    void *bias_slot;
     /* pinned staging for host data: a ring of slots, each reused once the copy that last read
      * it has finished (its event), so that staging waits for the GPU only when it is behind */
     void *h_stage[STAGE_SLOTS];
@@ -162,6 +166,7 @@ typedef struct {
  * GEMMs have few rows to sum, CMLP_SIDE_ROWS, and its bias gradients few partial sums). */
 #define SIDE_WORKSPACE ((size_t)1 << 20)
 #define GEMM_WORKSPACE (((size_t)8 << 20) + 2 * SIDE_WORKSPACE)
+#define BIAS_SLOT ((size_t)256 << 10) /* 64Ki fp32 or 128Ki half values */
 
 /* ---- graph capture ----
  * A thread captures on a stream of its own (made for the capture), so that other threads'
@@ -217,10 +222,18 @@ static void defer(int kind, void *ctx, void *ptr, size_t nbytes) {
     deferred[ndeferred++] = (deferred_op){kind, ctx, ptr, nbytes};
 }
 
+/* Makes c's device current on this thread. cudaSetDevice also makes its primary context
+ * current, which the driver API calls (the VMM path) need and cudaGetDevice does not give: so a
+ * thread sets it at least once (bound_device), and again whenever it changes devices. */
+static __thread int bound_device = -1;
+
 static cmlp_status use(cuda_ctx *c) {
     int cur = -1;
     if (cudaGetDevice(&cur) != cudaSuccess) (void)cudaGetLastError();
-    if (cur != c->index) CU_TRY(cudaSetDevice(c->index));
+    if (cur != c->index || bound_device != c->index) {
+        CU_TRY(cudaSetDevice(c->index));
+        bound_device = c->index;
+    }
     return CMLP_OK;
 }
 
@@ -306,13 +319,15 @@ static void cu_set_workspace(void *ctx, void *d_ptr, size_t nbytes) {
     cuda_ctx *c = ctx;
     c->ws = d_ptr;
     c->ws_bytes = d_ptr ? nbytes : 0;
-    c->ws_side = c->ws_graph_side = NULL;
+    c->ws_side = c->ws_graph_side = c->bias_slot = NULL;
     c->ws_side_bytes = 0;
     if (d_ptr && nbytes >= 4 * SIDE_WORKSPACE) {
         c->ws_bytes = nbytes - 2 * SIDE_WORKSPACE;
         c->ws_side = (char *)d_ptr + c->ws_bytes;
         c->ws_graph_side = (char *)c->ws_side + SIDE_WORKSPACE;
         c->ws_side_bytes = SIDE_WORKSPACE;
+        c->ws_bytes -= BIAS_SLOT;
+        c->bias_slot = (char *)d_ptr + c->ws_bytes;
     }
 }
 
@@ -403,8 +418,12 @@ static void cu_vm_unmap(void *ctx, void *ptr, size_t nbytes) {
         return;
     }
     if (use(c) != CMLP_OK) return;
-    /* queued kernels may still use the pages: unmapping does not wait for them */
+    /* queued kernels may still use the pages: unmapping does not wait for them (either stream's) */
+    pthread_mutex_lock(&c->lock);
+    cudaStream_t side = c->side;
+    pthread_mutex_unlock(&c->lock);
     if (cudaStreamSynchronize(c->stream) != cudaSuccess) (void)cudaGetLastError();
+    if (side && cudaStreamSynchronize(side) != cudaSuccess) (void)cudaGetLastError();
     unmap_pages(c, ptr, nbytes / VM_PAGE);
 }
 
@@ -484,7 +503,7 @@ typedef struct {
 } gemm_desc;
 
 static cmlp_status plan_make(cuda_ctx *c, gemm_plan *p, const uint64_t key[8], const gemm_desc *g, unsigned al_a,
-                             unsigned al_b, unsigned al_c, const void *d_bias, size_t ws) {
+                             unsigned al_b, unsigned al_c, const void *d_bias, size_t ws, bool *no_algo) {
     /* TF32 only where A and B are float and it was asked for */
     cublasComputeType_t ct = c->tf32 && g->ab == CUDA_R_32F ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
     cublasOperation_t op_l = g->tb ? CUBLAS_OP_T : CUBLAS_OP_N, op_r = g->ta ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -520,6 +539,7 @@ static cmlp_status plan_make(cuda_ctx *c, gemm_plan *p, const uint64_t key[8], c
         s = cublasLtMatmulAlgoGetHeuristic(c->lt, p->op, p->a, p->b, p->c, p->c, pref, 1, &h, &found);
     cublasLtMatmulPreferenceDestroy(pref);
     if (s != CUBLAS_STATUS_SUCCESS || found == 0) {
+        *no_algo = found == 0 && (s == CUBLAS_STATUS_SUCCESS || s == CUBLAS_STATUS_NOT_SUPPORTED);
         plan_free(p);
         return FAIL(CMLP_ERR_DEVICE, "cuBLASLt has no algorithm for a GEMM of %lld x %lld x %lld (%s)", (long long)g->m,
                     (long long)g->n, (long long)g->k,
@@ -530,11 +550,27 @@ static cmlp_status plan_make(cuda_ctx *c, gemm_plan *p, const uint64_t key[8], c
     return CMLP_OK;
 }
 
+/* no_algo (may be NULL): set when cuBLASLt has no algorithm for this GEMM (then nothing ran). */
 static cmlp_status lt_gemm(cuda_ctx *c, const gemm_desc *g, float alpha, const void *d_a, const void *d_b, float beta,
-                           void *d_c, const void *d_bias) {
+                           void *d_c, const void *d_bias, bool *no_algo) {
+    bool none = false;
+    if (no_algo) *no_algo = false;
     if (g->m == 0 || g->n == 0) return CMLP_OK;
     if (g->k <= 0) return FAIL(CMLP_ERR_INVALID, "GEMM with k = %lld", (long long)g->k);
     CMLP_TRY_USE(c);
+    /* a bias aligned to less than 16 bytes is read from the aligned slot (see bias_slot) */
+    const void *bias_src = NULL;
+    size_t bias_bytes = 0;
+    if (d_bias && align_of(d_bias) < 16) {
+        bias_bytes = (size_t)g->n * (g->cd == CUDA_R_32F ? 4 : 2);
+        if (on_side(c) || !c->bias_slot || bias_bytes > BIAS_SLOT)
+            return FAIL(CMLP_ERR_DEVICE,
+                        "a fused bias of %lld values at an address aligned to %u bytes: cuBLASLt reads it 16 bytes "
+                        "at a time, and the aligned slot holds %zu bytes",
+                        (long long)g->n, align_of(d_bias), BIAS_SLOT);
+        bias_src = d_bias;
+        d_bias = c->bias_slot;
+    }
     unsigned al_a = align_of(d_a), al_b = align_of(d_b), al_c = align_of(d_c), al_bias = d_bias ? align_of(d_bias) : 0;
     size_t ws_bytes;
     void *ws = ws_of(c, &ws_bytes); /* the plan is chosen for the workspace it gets */
@@ -553,8 +589,12 @@ static cmlp_status lt_gemm(cuda_ctx *c, const gemm_desc *g, float alpha, const v
         p = &c->plans[c->next_plan];
         c->next_plan = (c->next_plan + 1) % NPLANS;
         plan_free(p);
-        st = plan_make(c, p, key, g, al_a, al_b, al_c, d_bias, ws_bytes);
+        st = plan_make(c, p, key, g, al_a, al_b, al_c, d_bias, ws_bytes, &none);
+        if (no_algo) *no_algo = none;
     }
+    if (st == CMLP_OK && bias_src) /* in stream order under the lock: no other GEMM's copy comes between */
+        st = done(c, cudaMemcpyAsync(c->bias_slot, bias_src, bias_bytes, cudaMemcpyDeviceToDevice, stream_of(c)),
+                  "copying a bias to its aligned slot");
     if (st == CMLP_OK && g->epilogue != CUBLASLT_EPILOGUE_DEFAULT) {
         cublasStatus_t s = cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &d_bias,
                                                           sizeof d_bias);
@@ -578,7 +618,28 @@ static cmlp_status lt_gemm(cuda_ctx *c, const gemm_desc *g, float alpha, const v
 static cmlp_status cu_gemm(void *ctx, int ta, int tb, int64_t m, int64_t n, int64_t k, float alpha, const float *d_a,
                            int64_t lda, const float *d_b, int64_t ldb, float beta, float *d_c, int64_t ldc) {
     gemm_desc g = {ta, tb, m, n, k, lda, ldb, ldc, CUDA_R_32F, CUDA_R_32F, CUBLASLT_EPILOGUE_DEFAULT};
-    return lt_gemm(ctx, &g, alpha, d_a, d_b, beta, d_c, NULL);
+    return lt_gemm(ctx, &g, alpha, d_a, d_b, beta, d_c, NULL, NULL);
+}
+
+/* C = alpha op(A) op(B) with the bias (and ReLU) fused where cuBLASLt has an algorithm for
+ * that. Where it has none (rows of C contiguous): in fp32 the GEMM, then the bias kernel; in
+ * half precision C's rows set to the bias, the GEMM adding to them, then the ReLU, which gives
+ * the fused epilogue's values (the sum in fp32, rounded once). */
+static cmlp_status gemm_bias(cuda_ctx *c, gemm_desc *g, float alpha, const void *d_a, const void *d_b, void *d_c,
+                             const void *d_bias, int relu) {
+    bool none;
+    cmlp_status st = lt_gemm(c, g, alpha, d_a, d_b, 0.0f, d_c, d_bias, &none);
+    if (st == CMLP_OK || !none || g->ldc != g->n) return st;
+    g->epilogue = CUBLASLT_EPILOGUE_DEFAULT;
+    if (g->cd == CUDA_R_32F) {
+        st = lt_gemm(c, g, alpha, d_a, d_b, 0.0f, d_c, NULL, NULL);
+        return st != CMLP_OK ? st : KERNEL(c, cmlp_k_bias_act(d_c, d_bias, g->m, g->n, relu, stream_of(c)));
+    }
+    const int bf16 = g->cd == CUDA_R_16BF;
+    st = KERNEL(c, cmlp_k_rows_half(d_c, d_bias, g->m, g->n, bf16, stream_of(c)));
+    if (st == CMLP_OK) st = lt_gemm(c, g, alpha, d_a, d_b, 1.0f, d_c, NULL, NULL);
+    if (st == CMLP_OK && relu) st = KERNEL(c, cmlp_k_rows_half(d_c, NULL, g->m, g->n, bf16, stream_of(c)));
+    return st;
 }
 
 static cmlp_status cu_gemm_bias_act(void *ctx, int ta, int tb, int64_t m, int64_t n, int64_t k, const float *d_a,
@@ -586,7 +647,7 @@ static cmlp_status cu_gemm_bias_act(void *ctx, int ta, int tb, int64_t m, int64_
                                     const float *d_bias, int relu) {
     gemm_desc g = {ta, tb, m, n, k, lda, ldb, ldc, CUDA_R_32F, CUDA_R_32F,
                    relu ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_BIAS};
-    return lt_gemm(ctx, &g, 1.0f, d_a, d_b, 0.0f, d_c, d_bias);
+    return gemm_bias(ctx, &g, 1.0f, d_a, d_b, d_c, d_bias, relu);
 }
 
 static cudaDataType_t cuda_type(cmlp_dtype t) {
@@ -599,7 +660,8 @@ static cmlp_status cu_gemm_half(void *ctx, int ta, int tb, int64_t m, int64_t n,
     gemm_desc g = {ta, tb, m, n, k, lda, ldb, ldc, cuda_type(ab), cuda_type(c_type),
                    !d_bias ? CUBLASLT_EPILOGUE_DEFAULT : relu ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_BIAS};
     if (relu && !d_bias) return FAIL(CMLP_ERR_INVALID, "a GEMM's ReLU epilogue comes with its bias");
-    return lt_gemm(ctx, &g, alpha, d_a, d_b, beta, d_c, d_bias);
+    if (d_bias && beta == 0.0f) return gemm_bias(ctx, &g, alpha, d_a, d_b, d_c, d_bias, relu);
+    return lt_gemm(ctx, &g, alpha, d_a, d_b, beta, d_c, d_bias, NULL);
 }
 
 /* Bias gradients of tall matrices put partial sums in the GEMM workspace between two launches:

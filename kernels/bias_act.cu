@@ -54,6 +54,35 @@ extern "C" cudaError_t cmlp_k_bias_act(float *y, const float *bias, int64_t rows
     return cudaGetLastError();
 }
 
+/* On fp16 / bf16 storage, for a GEMM whose fused bias epilogue is unavailable (cuBLASLt has
+ * no algorithm for it): rows set to the bias before a GEMM that adds to them (beta 1: the sum
+ * in fp32, rounded once, as the epilogue would), then the ReLU (exact on rounded values). */
+template <bool BF16>
+__global__ void __launch_bounds__(CMLP_K_THREADS)
+k_rows_half(uint16_t *y, const uint16_t *bias, int64_t n, int64_t cols) {
+    const int64_t stride = cmlp_nthreads();
+    const uint16_t inf = BF16 ? 0x7F80 : 0x7C00;
+    for (int64_t i = cmlp_tid(); i < n; i += stride) {
+        if (bias) {
+            y[i] = bias[i % cols];
+        } else { /* on the bits: > 0 (subnormals too, whatever the flush mode); not NaN */
+            const uint16_t h = y[i], mag = h & 0x7FFF;
+            if ((h & 0x8000) || mag == 0 || mag > inf) y[i] = 0;
+        }
+    }
+}
+
+extern "C" cudaError_t cmlp_k_rows_half(uint16_t *y, const uint16_t *bias, int64_t rows, int64_t cols, int bf16,
+                                        cudaStream_t stream) {
+    if (rows < 0 || cols < 0) return cudaErrorInvalidValue;
+    if (rows == 0 || cols == 0) return cudaSuccess;
+    const int64_t n = rows * cols;
+    const unsigned int blocks = cmlp_k_blocks(n, CMLP_K_THREADS);
+    if (bf16) k_rows_half<true><<<blocks, CMLP_K_THREADS, 0, stream>>>(y, bias, n, cols);
+    else k_rows_half<false><<<blocks, CMLP_K_THREADS, 0, stream>>>(y, bias, n, cols);
+    return cudaGetLastError();
+}
+
 /* ---- ReLU backward ---- */
 
 struct relu_bwd_op : cmlp_op_base {

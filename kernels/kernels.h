@@ -31,6 +31,10 @@ extern "C" {
 
 /* y[r, c] = act(y[r, c] + bias[c]); act is ReLU when relu != 0, identity otherwise. */
 cudaError_t cmlp_k_bias_act(float *y, const float *bias, int64_t rows, int64_t cols, int relu, cudaStream_t stream);
+/* fp16 (bf16 == 0) or bf16 storage [rows, cols]: with bias, y[r, c] = bias[c]; with bias NULL,
+ * y = ReLU(y). A GEMM with no fused bias epilogue: rows of bias, the GEMM adding to them, ReLU. */
+cudaError_t cmlp_k_rows_half(uint16_t *y, const uint16_t *bias, int64_t rows, int64_t cols, int bf16,
+                             cudaStream_t stream);
 /* dy[i] = h[i] > 0 ? dy[i] : 0 for i < n (h is the ReLU's output). */
 cudaError_t cmlp_k_relu_backward(float *dy, const float *h, int64_t n, cudaStream_t stream);
 /* db[c] += sum over r of dy[r, c], or with overwrite != 0 db[c] = 0 + that sum (the bits of

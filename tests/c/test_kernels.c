@@ -179,6 +179,32 @@ static void test_bias_grad(void) {
                 }
 }
 
+/* Rows set to a half bias, then the ReLU of half values: on any bits (as bias_act's ReLU: what
+ * is not > 0, NaN included, becomes +0), odd widths and offsets. */
+static void test_rows_half(void) {
+    static const int64_t R[] = {1, 3, 33}, C[] = {1, 7, 64};
+    for (int ri = 0; ri < 3; ri++)
+        for (int ci = 0; ci < 3; ci++)
+            for (int bf = 0; bf < 2; bf++) {
+                int64_t rows = R[ri], cols = C[ci], n = rows * cols;
+                buf y = make(n, 2, 1), b = make(cols, 2, 1);
+                for (int64_t c = 0; c < cols; c++) ((uint16_t *)b.p)[c] = (uint16_t)next_u64();
+                KOK(cmlp_k_rows_half(y.p, b.p, rows, cols, bf, S));
+                int bad = 0;
+                for (int64_t k = 0; k < n; k++) bad |= ((uint16_t *)y.p)[k] != ((uint16_t *)b.p)[k % cols];
+                CHECK(!bad, "rows_half %lldx%lld bf16 %d: rows are not the bias", (long long)rows, (long long)cols, bf);
+                float *f = malloc((size_t)n * 4);
+                uint16_t *ref = malloc((size_t)n * 2);
+                if (bf) cmlp_bf16_to_f32(f, y.p, n);
+                else cmlp_f16_to_f32(f, y.p, n);
+                for (int64_t k = 0; k < n; k++) ref[k] = f[k] > 0.0f ? ((uint16_t *)y.p)[k] : 0;
+                KOK(cmlp_k_rows_half(y.p, NULL, rows, cols, bf, S));
+                bad = !same_bits(y.p, ref, (size_t)n * 2);
+                CHECK(!bad, "rows_half %lldx%lld bf16 %d: ReLU", (long long)rows, (long long)cols, bf);
+                free(f), free(ref), free(y.block), free(b.block);
+            }
+}
+
 static void test_relu_backward_half(void) {
     for (int i = 0; i < NCOUNTS; i++)
         for (int bf = 0; bf < 2; bf++) {
@@ -681,6 +707,7 @@ int main(void) {
     test_relu_backward_half();
     test_relu_backward_bias_grad();
     test_softmax_xent();
+    test_rows_half();
     test_gather();
     test_adam();
     test_sgd();

@@ -43,6 +43,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <map>
 #include <mutex>
@@ -1069,10 +1070,19 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDe
     if (s != CUBLAS_STATUS_SUCCESS) return s;
     const bool bias = D(op)->epilogue & CUBLASLT_EPILOGUE_BIAS;
     if (bias && !D(op)->bias) return CUBLAS_STATUS_INVALID_VALUE;
+    /* CMLP_EMU_LT_NO_EPILOGUE=1: no algorithm for a fused epilogue, as cuBLASLt may answer for
+     * some mixes of types, layouts and alignments (the caller must do without it) */
+    static const bool no_epilogue = [] {
+        const char *v = std::getenv("CMLP_EMU_LT_NO_EPILOGUE");
+        return v && std::strcmp(v, "1") == 0;
+    }();
+    if (no_epilogue && D(op)->epilogue != CUBLASLT_EPILOGUE_DEFAULT) return CUBLAS_STATUS_SUCCESS;
     /* an algorithm may use vector accesses up to 16 bytes where the alignments allow them */
     lt_algo al{ALGO_MAGIC, {}, 0};
     for (int i = 0; i < 4; i++) al.align[i] = std::min<uint32_t>(P(pref)->align[i], 16);
-    al.align[4] = bias ? std::min(alignment(D(op)->bias), 16u) : 1;
+    /* the epilogue's bias is not among the alignment preferences: as on the hardware, a kernel
+     * may read it 16 bytes at a time (PyTorch's addmm falls back below 16 bytes) */
+    al.align[4] = bias ? 16u : 1u;
     /* a split-K algorithm keeps partial sums in the workspace: take up to 1 MiB of what is
      * allowed, and overwrite it on every call, so that anything else kept there is lost */
     al.workspace = std::min<uint64_t>(P(pref)->max_ws, (uint64_t)1 << 20);
