@@ -122,6 +122,7 @@ typedef struct {
     cublasLtMatrixLayout_t a, b, c;
     cublasLtMatmulAlgo_t algo;
     bool used;
+    bool none; /* cuBLASLt has no algorithm for this key (a fused epilogue's caller does without it) */
 } gemm_plan;
 
 #define NPLANS 64
@@ -486,11 +487,11 @@ static unsigned align_of(const void *p) {
 
 static void plan_free(gemm_plan *p) {
     if (!p->used) return;
-    cublasLtMatmulDescDestroy(p->op);
-    cublasLtMatrixLayoutDestroy(p->a);
-    cublasLtMatrixLayoutDestroy(p->b);
-    cublasLtMatrixLayoutDestroy(p->c);
-    p->used = false;
+    if (p->op) cublasLtMatmulDescDestroy(p->op);
+    if (p->a) cublasLtMatrixLayoutDestroy(p->a);
+    if (p->b) cublasLtMatrixLayoutDestroy(p->b);
+    if (p->c) cublasLtMatrixLayoutDestroy(p->c);
+    memset(p, 0, sizeof *p);
 }
 
 /* One GEMM as cuBLASLt sees it: row-major C[m,n] = op(A) op(B) is column-major
@@ -563,11 +564,13 @@ static cmlp_status lt_gemm(cuda_ctx *c, const gemm_desc *g, float alpha, const v
     size_t bias_bytes = 0;
     if (d_bias && align_of(d_bias) < 16) {
         bias_bytes = (size_t)g->n * (g->cd == CUDA_R_32F ? 4 : 2);
-        if (on_side(c) || !c->bias_slot || bias_bytes > BIAS_SLOT)
+        if (on_side(c) || !c->bias_slot || bias_bytes > BIAS_SLOT) { /* no fusing it: see gemm_bias */
+            if (no_algo) *no_algo = true;
             return FAIL(CMLP_ERR_DEVICE,
                         "a fused bias of %lld values at an address aligned to %u bytes: cuBLASLt reads it 16 bytes "
                         "at a time, and the aligned slot holds %zu bytes",
                         (long long)g->n, align_of(d_bias), BIAS_SLOT);
+        }
         bias_src = d_bias;
         d_bias = c->bias_slot;
     }
@@ -585,16 +588,29 @@ static cmlp_status lt_gemm(cuda_ctx *c, const gemm_desc *g, float alpha, const v
     for (int i = 0; i < NPLANS && !p; i++)
         if (c->plans[i].used && memcmp(c->plans[i].key, key, sizeof key) == 0) p = &c->plans[i];
     cmlp_status st = CMLP_OK;
-    if (!p) {
-        p = &c->plans[c->next_plan];
-        c->next_plan = (c->next_plan + 1) % NPLANS;
-        plan_free(p);
-        st = plan_make(c, p, key, g, al_a, al_b, al_c, d_bias, ws_bytes, &none);
-        if (no_algo) *no_algo = none;
+    if (!p) { /* made aside, so that a key with no algorithm evicts no plan but one entry noting that */
+        gemm_plan made;
+        st = plan_make(c, &made, key, g, al_a, al_b, al_c, d_bias, ws_bytes, &none);
+        if (st == CMLP_OK || none) {
+            p = &c->plans[c->next_plan];
+            c->next_plan = (c->next_plan + 1) % NPLANS;
+            plan_free(p);
+            if (st == CMLP_OK) *p = made;
+            else *p = (gemm_plan){.used = true, .none = true};
+            memcpy(p->key, key, sizeof key);
+        } else {
+            plan_free(&made); /* what a failed descriptor call left */
+        }
+    } else if (p->none) {
+        none = true;
+        st = FAIL(CMLP_ERR_DEVICE, "cuBLASLt has no algorithm for a GEMM of %lld x %lld x %lld", (long long)g->m,
+                  (long long)g->n, (long long)g->k);
     }
-    if (st == CMLP_OK && bias_src) /* in stream order under the lock: no other GEMM's copy comes between */
-        st = done(c, cudaMemcpyAsync(c->bias_slot, bias_src, bias_bytes, cudaMemcpyDeviceToDevice, stream_of(c)),
-                  "copying a bias to its aligned slot");
+    if (no_algo) *no_algo = none;
+    if (st == CMLP_OK && bias_src) { /* in stream order under the lock: no other GEMM's copy comes between */
+        cudaError_t e = cudaMemcpyAsync(c->bias_slot, bias_src, bias_bytes, cudaMemcpyDeviceToDevice, stream_of(c));
+        if (e != cudaSuccess) st = cuda_fail(e, "copying a bias to its aligned slot", __FILE__, __LINE__);
+    }
     if (st == CMLP_OK && g->epilogue != CUBLASLT_EPILOGUE_DEFAULT) {
         cublasStatus_t s = cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &d_bias,
                                                           sizeof d_bias);
