@@ -7,7 +7,7 @@ import json
 import math
 import os
 import sys
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from . import MLP, Trainer, build_info, cuda, datasets, memory, optim
 
@@ -20,26 +20,21 @@ def _layers(text: str) -> List[int]:
     return sizes
 
 
-def _count(text: str) -> int:
-    """An int >= 1 (epochs, batch size, accumulation steps)."""
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
-    return v
+def _bounded(convert: Callable[[str], float], what: str, ok: Callable[[float], bool]) -> Callable[[str], float]:
+    """An argparse type: text converted, then checked (a bad one is an argparse error saying what)."""
+    def parse(text: str) -> float:
+        try:
+            v = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return v
+    return parse
 
 
-def _rate(text: str) -> float:
-    """A finite number >= 0 (learning rate, momentum)."""
-    try:
-        v = float(text)
-    except ValueError:
-        v = -1.0
-    if not (math.isfinite(v) and v >= 0.0):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return v
+_count = _bounded(int, "an int >= 1", lambda v: v >= 1)  # epochs, batch size, accumulation steps
+_rate = _bounded(float, "a finite number >= 0", lambda v: math.isfinite(v) and v >= 0.0)  # lr, momentum
 
 
 def _save_path(text: str) -> str:
