@@ -4,7 +4,7 @@ PYTHON ?= $(shell [ -x .venv/bin/python ] && echo .venv/bin/python || echo pytho
 CC ?= cc
 BLAS_INC := $(shell $(PYTHON) -c "import scipy_openblas32 as s; print(s.get_include_dir())" 2>/dev/null)
 BLAS_LIB := $(shell $(PYTHON) -c "import scipy_openblas32 as s; print(s.get_lib_dir())" 2>/dev/null)
-CORE_SRC := $(filter-out csrc/backend_cuda.c,$(wildcard csrc/*.c))
+CORE_SRC := $(filter-out csrc/backend_cuda.c csrc/comm_mpi.c,$(wildcard csrc/*.c))
 CORE_HDR := $(wildcard csrc/*.h)
 WARN := -Wall -Wextra -Wundef -Werror -Wno-missing-field-initializers
 DEFS := -DCMLP_BLAS_SCIPY=1 -DCMLP_WITH_CUDA=0 -D_GNU_SOURCE=1

@@ -9,10 +9,14 @@ Environment:
                     on PATH).
   CMLP_CUDA_ARCH    compute capabilities, e.g. "90" or "80;90" (default): machine code for
                     each, plus PTX of the highest for later GPUs.
+  CMLP_MPI=0|1      0 builds no MPI module; 1 makes a missing MPI an error. Unset: built when
+                    an MPI compiler wrapper is found (MPICC, else mpicc on PATH).
 
 The CUDA backend is its own shared library, cmlp/_cmlp_cuda.so (kernels/*.cu and
 csrc/backend_cuda.c, with the CUDA runtime linked statically and cuBLASLt), which the extension
 loads on first use: a CUDA build imports and runs on machines without a GPU or driver.
+Data parallelism's MPI side is another, cmlp/_cmlp_mpi.so (csrc/comm_mpi.c, built with mpicc),
+loaded when a process group is made: cmlp imports and runs where there is no MPI.
 """
 import glob
 import os
@@ -79,6 +83,20 @@ def cuda_config():
     return dict(nvcc=nvcc, home=home, version=m.group(1), libdir=libdir, archs=sorted(set(archs), key=int))
 
 
+def mpi_config():
+    want = os.environ.get("CMLP_MPI", "")
+    if want not in ("", "0", "1"):
+        sys.exit(f"CMLP_MPI={want!r}: use 0 (no MPI module) or 1 (MPI required)")
+    if want == "0":
+        return None
+    mpicc = os.environ.get("MPICC") or shutil.which("mpicc")
+    if not mpicc or not os.path.exists(mpicc):
+        if want == "1":
+            sys.exit("CMLP_MPI=1 but no MPI compiler wrapper was found: apt-get install libopenmpi-dev, or set MPICC")
+        return None
+    return dict(mpicc=mpicc)
+
+
 def run(cmd):
     print(" ".join(cmd), flush=True)
     subprocess.check_call(cmd)
@@ -91,6 +109,17 @@ class BuildExt(build_ext):
         super().run()
         if cuda:
             self.build_cuda_library()
+        if mpi:
+            self.build_mpi_library()
+
+    def build_mpi_library(self):
+        out = os.path.join(os.path.dirname(self.get_ext_fullpath("cmlp._cmlp")), "_cmlp_mpi.so")
+        deps = ["csrc/comm_mpi.c", "csrc/comm.h", "csrc/backend.h", "csrc/cmlp.h", "setup.py"]
+        if not self.force and os.path.exists(out) and all(os.path.getmtime(d) <= os.path.getmtime(out) for d in deps):
+            return
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        run([mpi["mpicc"], "-std=c11", "-O2", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wextra", "-Wundef",
+             "-Wno-missing-field-initializers", "-Icsrc", "csrc/comm_mpi.c", "-o", out])
 
     def build_cuda_library(self):
         out = os.path.join(os.path.dirname(self.get_ext_fullpath("cmlp._cmlp")), "_cmlp_cuda.so")
@@ -122,13 +151,17 @@ class BuildExt(build_ext):
 
     def get_outputs(self):
         outs = super().get_outputs()
+        here = os.path.dirname(self.get_ext_fullpath("cmlp._cmlp"))
         if cuda:
-            outs.append(os.path.join(os.path.dirname(self.get_ext_fullpath("cmlp._cmlp")), "_cmlp_cuda.so"))
+            outs.append(os.path.join(here, "_cmlp_cuda.so"))
+        if mpi:
+            outs.append(os.path.join(here, "_cmlp_mpi.so"))
         return outs
 
 
 blas = blas_config()
 cuda = cuda_config()
+mpi = mpi_config()
 debug = os.environ.get("CMLP_DEBUG") == "1"
 cflags = ["-std=c11", "-fvisibility=hidden", "-fno-math-errno", "-Wall", "-Wextra", "-Wundef",
           "-Wno-missing-field-initializers"]
@@ -136,7 +169,9 @@ cflags += ["-O0", "-g"] if debug else ["-O3"]
 if os.environ.get("CMLP_PORTABLE") != "1":
     cflags.append("-march=native")
 
-sources = sorted(f for f in glob.glob("csrc/*.c") if not f.endswith("backend_cuda.c")) + ["python/cmlp/_cmlp.c"]
+# the CUDA backend and the MPI module are libraries of their own (above)
+sources = sorted(f for f in glob.glob("csrc/*.c") if not f.endswith(("backend_cuda.c", "comm_mpi.c"))) + \
+    ["python/cmlp/_cmlp.c"]
 cuda_macros = [("CMLP_WITH_CUDA", "1"), ("CMLP_CUDA_VERSION", f'"{cuda["version"]}"')] if cuda else \
     [("CMLP_WITH_CUDA", "0")]
 ext = Extension(

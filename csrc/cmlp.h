@@ -357,6 +357,32 @@ CMLP_API cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, 
  * the next for same_data; also freed by an epoch_begin on other data, and with the trainer). */
 CMLP_API void cmlp_trainer_release_data(cmlp_trainer *t);
 
+/* ---- data parallelism ------------------------------------------------------------------ */
+
+/* One process per rank, started by mpirun (or any launcher that sets the MPI environment); the
+ * group is MPI_COMM_WORLD. Collectives must be called by every rank in the same order, with the
+ * same counts. A trainer made data-parallel (cmlp_trainer_set_distributed) splits each step's
+ * samples between the ranks and sums their gradients before the update, which then equals one
+ * process training on all of them. */
+CMLP_API cmlp_status cmlp_dist_init(int *rank, int *size); /* loads MPI; initialises it if needed */
+CMLP_API int cmlp_dist_initialized(void);
+CMLP_API int cmlp_dist_rank(void); /* 0 without a group */
+CMLP_API int cmlp_dist_size(void); /* 1 without a group */
+/* In place on host memory. type: 0 float32, 1 float64, 2 int64; op: 0 sum, 1 max, 2 min. */
+CMLP_API cmlp_status cmlp_dist_all_reduce(void *buf, int64_t count, int type, int op);
+CMLP_API cmlp_status cmlp_dist_broadcast(void *buf, int64_t bytes, int root);
+CMLP_API cmlp_status cmlp_dist_barrier(void);
+CMLP_API void cmlp_dist_destroy(void);  /* the group ends; MPI stays initialised */
+CMLP_API void cmlp_dist_finalize(void); /* at the end of the process: MPI_Finalize if cmlp initialised MPI */
+CMLP_API void cmlp_dist_library_version(char *out, size_t cap);
+/* on != 0: the trainer's steps are data-parallel over the process group (which must exist
+ * while they run). Every rank calls epoch_begin with the same data set and the same settings;
+ * batch_size is per rank, so an optimizer step takes batch_size * accumulation_steps * size
+ * samples; each rank computes its share, and the loss and sample counts epoch_run reports are
+ * the whole group's. cmlp_trainer_step takes each rank's own batch: the update is that of all
+ * of them together. */
+CMLP_API cmlp_status cmlp_trainer_set_distributed(cmlp_trainer *t, int on);
+
 /* ---- planning ---------------------------------------------------------------------------- */
 
 /* What a training run at micro-batch `batch` will hold, in requested bytes per category, and

@@ -16,6 +16,8 @@
 CMLP_HIDDEN cmlp_status cmlp_set_error(cmlp_status s, const char *file, int line, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 #define CMLP_FAIL(status, ...) cmlp_set_error((status), __FILE__, __LINE__, __VA_ARGS__)
+/* Puts back a message saved from cmlp_last_error() (1024 bytes at most), as it was. */
+CMLP_HIDDEN void cmlp_restore_error(const char *saved);
 
 /* Evaluates a cmlp_status expression; on failure records nothing new and returns it. */
 #define CMLP_TRY(expr)                        \
@@ -247,6 +249,8 @@ CMLP_HIDDEN void cmlp_optim_set_step(cmlp_optim *o, int64_t step);
 /* Moves whenever the optimizer's configuration or state buffer changes (a captured step that
  * baked them in is then stale). */
 CMLP_HIDDEN uint64_t cmlp_optim_version(const cmlp_optim *o);
+/* Makes the optimizer's state now if it has none (zeros; its first step still treats it as new). */
+CMLP_HIDDEN cmlp_status cmlp_optim_prepare(cmlp_optim *o);
 CMLP_HIDDEN int cmlp_rc_layout(const int *sizes, int L, int64_t rows, size_t *sz, size_t *act_bytes);
 CMLP_HIDDEN void cmlp_rc_release(cmlp_model *m);
 CMLP_HIDDEN void cmlp_amp_release(cmlp_model *m); /* the amp workspace */

@@ -17,6 +17,7 @@ struct cmlp_optim {
     cmlp_sgd_config sgd;
     int64_t step;
     float *state; /* NULL before the first step; [nbuffers * nparams] */
+    bool unused;  /* state made ahead of the first step (cmlp_optim_prepare), which it still is */
     uint64_t version; /* moves whenever the configuration or the state buffer changes */
 };
 
@@ -148,8 +149,14 @@ static cmlp_status ensure_state(cmlp_optim *o) {
         return st;
     }
     o->state = s;
+    o->unused = true;
     o->version++;
     return CMLP_OK;
+}
+
+cmlp_status cmlp_optim_prepare(cmlp_optim *o) {
+    CMLP_TRY(check_model(o));
+    return ensure_state(o);
 }
 
 uint64_t cmlp_optim_version(const cmlp_optim *o) { return o->version; }
@@ -167,8 +174,8 @@ cmlp_status cmlp_optim_step(cmlp_optim *o) {
         o->step++;
         return CMLP_OK;
     }
-    bool first = o->state == NULL;
     CMLP_TRY(ensure_state(o));
+    bool first = o->unused;
     cmlp_model *m = o->model;
     const cmlp_backend_i *b = o->dev->backend;
     int64_t n = m->nparams, t = o->step + 1;
@@ -188,7 +195,10 @@ cmlp_status cmlp_optim_step(cmlp_optim *o) {
     }
     if (st == CMLP_OK) st = cmlp_model_refresh_half(m);
     cmlp_fpenv_leave(&fe);
-    if (st == CMLP_OK) o->step = t;
+    if (st == CMLP_OK) {
+        o->step = t;
+        o->unused = false;
+    }
     return st;
 }
 
@@ -202,8 +212,8 @@ cmlp_status cmlp_optim_get_buffer(const cmlp_optim *o, int i, float *host_out) {
 cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int64_t *d_step, float *d_coef,
                                    int64_t *d_pos, int64_t pos_add, const cmlp_scale_step *scale) {
     CMLP_TRY(check_model(o));
-    bool first = o->state == NULL;
     CMLP_TRY(ensure_state(o));
+    bool first = o->unused;
     cmlp_model *m = o->model;
     const cmlp_backend_i *b = o->dev->backend;
     void *ctx = o->dev->bctx;
@@ -234,6 +244,7 @@ cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int6
     }
     if (st == CMLP_OK) st = cmlp_model_refresh_half(m);
     cmlp_fpenv_leave(&fe);
+    if (st == CMLP_OK) o->unused = false;
     return st;
 }
 
@@ -264,6 +275,7 @@ cmlp_status cmlp_optim_set_state(cmlp_optim *o, int64_t step, int nbuffers, cons
     }
     if (o->state) (void)cmlp_allocator_free(o->dev->alloc, o->state);
     o->state = s;
+    o->unused = false;
     /* SGD keeps no count of its own: a loaded momentum buffer means it has stepped, so the next
      * step continues it (a step count of 0 would make the next step its first) */
     o->step = o->kind == CMLP_OPTIM_SGD && nbuffers && step == 0 ? 1 : step;

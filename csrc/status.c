@@ -25,6 +25,10 @@ cmlp_status cmlp_set_error(cmlp_status s, const char *file, int line, const char
 
 const char *cmlp_last_error(void) { return last_error; }
 
+void cmlp_restore_error(const char *saved) {
+    if (saved != last_error) snprintf(last_error, sizeof last_error, "%s", saved);
+}
+
 const char *cmlp_status_name(cmlp_status s) {
     switch (s) {
     case CMLP_OK: return "CMLP_OK";

@@ -3,6 +3,7 @@
  * shuffle, and the optimizer step. A step that fails leaves parameters and optimizer alone.
  */
 #include "internal.h"
+#include "comm.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -13,7 +14,7 @@
  * cannot replay the graph. */
 typedef struct step_key {
     const void *model, *dev, *x, *y, *order, *ws, *wsa, *wsr, *params, *grads, *params_h;
-    int64_t n, micro, growth_interval;
+    int64_t n, n_all, start, micro, growth_interval; /* this rank's samples of n_all, from start */
     int64_t ws_rows, wsa_rows, wsa_chunk, wsr_rows; /* a workspace's layout follows its rows */
     float mean, std;                                /* the normalisation the gather applies */
     int x_dtype, wsa_recompute;
@@ -50,6 +51,7 @@ struct cmlp_trainer {
     int64_t skipped;
     int64_t oom_retries, good_steps;
     int64_t target_micro; /* the micro-batch asked for; auto micro-batching grows back to it */
+    bool dist;            /* data-parallel over the process group */
 };
 
 /* Off the CPU the optimizer's step count and bias corrections live on the device too, so that a
@@ -190,6 +192,8 @@ static cmlp_status run_end(cmlp_trainer *t, cmlp_dscalars *ds, double *loss_sum,
     cmlp_model *m = t->model;
     cmlp_dscalars h;
     CMLP_TRY(m->dev->backend->copy_d2h(m->dev->bctx, &h, ds, sizeof h));
+    /* the group's loss (every rank skips the same steps: they check the same summed gradients) */
+    if (t->dist) CMLP_TRY(cmlp_dist_all_reduce(&h.loss, 1, CMLP_COMM_F64, CMLP_REDUCE_SUM));
     if (t->scaler.enabled) {
         t->scaler.scale = h.scale;
         t->scaler.growth_tracker = h.growth_tracker;
@@ -201,26 +205,70 @@ static cmlp_status run_end(cmlp_trainer *t, cmlp_dscalars *ds, double *loss_sum,
     return CMLP_OK;
 }
 
-/* One optimizer step over n samples: rows idx[0..n) of xy, or rows [start, start + n). With a
- * loss scaler the scale is the same for every micro-batch of the step, and the check, the skip
- * and the update happen once, on the device. */
-static cmlp_status effective_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_data *xy, const int64_t *idx,
-                                  int64_t start, int64_t n) {
+/* Ranks taking part in a step: the process group's, when data-parallel. */
+static int64_t group_size(const cmlp_trainer *t) { return t->dist ? cmlp_dist_size() : 1; }
+
+/* This rank's share of a step of n samples (all ranks): [*off, *off + *k), the first n % size
+ * ranks one sample more. */
+static void share_of(const cmlp_trainer *t, int64_t n, int64_t *off, int64_t *k) {
+    int64_t w = group_size(t), r = t->dist ? cmlp_dist_rank() : 0, q = n / w, rem = n % w;
+    *off = r * q + (r < rem ? r : rem);
+    *k = q + (r < rem);
+}
+
+/* The gradients of this rank's k samples of an optimizer step of n_all (all ranks): rows
+ * idx[0..k) of xy, or rows [start, start + k), each weighted by 1 / n_all. With a loss scaler
+ * the scale is the same for every micro-batch of the step. */
+static cmlp_status step_grads(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_data *xy, const int64_t *idx,
+                              int64_t start, int64_t k, int64_t n_all) {
     cmlp_model *m = t->model;
     const cmlp_backend_i *b = m->dev->backend;
     void *ctx = m->dev->bctx;
+    /* the state exists before the ranks agree on the step: after that nothing may run out */
+    if (t->dist) CMLP_TRY(cmlp_optim_prepare(t->optim));
     /* no zeroing: the first micro-batch writes the gradients, the others add to them */
-    cmlp_gw w = {{(float)(1.0 / (double)n)}, true};
+    cmlp_gw w = {{(float)(1.0 / (double)n_all)}, true};
     /* with a scaler, the weight comes from the current scale, and the loss's launch starts the
      * inf/NaN check clean (each micro-batch's, and a retry's: unscale alone sets it, after them) */
-    if (t->scaler.enabled) w.loss = (cmlp_loss_weight){0.0f, &ds->scale, (double)n, &ds->found_inf};
-    for (int64_t off = 0; off < n; off += t->micro) {
-        int64_t k = n - off < t->micro ? n - off : t->micro;
+    if (t->scaler.enabled) w.loss = (cmlp_loss_weight){0.0f, &ds->scale, (double)n_all, &ds->found_inf};
+    for (int64_t off = 0; off < k; off += t->micro) {
+        int64_t kk = k - off < t->micro ? k - off : t->micro;
         w.fresh = off == 0;
-        w.solo = k == n;
-        CMLP_TRY(cmlp_model_fb(m, xy, idx ? idx + off : NULL, start + off, k, w, t->cfg.label_smoothing, t->cfg.amp,
+        w.solo = kk == k;
+        CMLP_TRY(cmlp_model_fb(m, xy, idx ? idx + off : NULL, start + off, kk, w, t->cfg.label_smoothing, t->cfg.amp,
                                t->cfg.recompute, &ds->loss));
     }
+    if (k > 0) return CMLP_OK;
+    /* a rank with no sample in a short last step adds zeros to the sum */
+    CMLP_TRY(b->fill_zero(ctx, m->grads, (size_t)m->nparams * sizeof(float)));
+    return t->scaler.enabled ? b->fill_zero(ctx, &ds->found_inf, sizeof ds->found_inf) : CMLP_OK;
+}
+
+/* Every rank says whether it computed its share of the step: a step that some rank could not
+ * compute is taken by none (the others would otherwise wait for it in the gradients' sum). */
+static cmlp_status agree(cmlp_status mine) {
+    char why[1024];
+    snprintf(why, sizeof why, "%s", cmlp_last_error());
+    int64_t first_failed = mine == CMLP_OK ? INT64_MAX : cmlp_dist_rank();
+    cmlp_status st = cmlp_dist_all_reduce(&first_failed, 1, CMLP_COMM_I64, CMLP_REDUCE_MIN);
+    if (mine != CMLP_OK) {
+        if (st == CMLP_OK) cmlp_restore_error(why);
+        return st == CMLP_OK ? mine : st;
+    }
+    if (st != CMLP_OK || first_failed == INT64_MAX) return st;
+    return CMLP_FAIL(CMLP_ERR_STATE,
+                     "rank %lld of the process group could not compute its share of this step (its own error says "
+                     "why), so no rank took the step",
+                     (long long)first_failed);
+}
+
+/* The update of a step of n_all samples whose gradients are in: summed over the ranks, then with
+ * a loss scaler unscaled and checked once, skipped or taken, on the device. */
+static cmlp_status step_update(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_data *xy, int64_t n_all) {
+    cmlp_model *m = t->model;
+    const cmlp_backend_i *b = m->dev->backend;
+    void *ctx = m->dev->bctx;
+    if (t->dist) CMLP_TRY(cmlp_dist_all_reduce(m->grads, m->nparams, CMLP_COMM_F32, CMLP_REDUCE_SUM));
     if (!t->scaler.enabled && !device_steps(t)) return cmlp_optim_step(t->optim);
     const float *found_inf = NULL;
     if (t->scaler.enabled) {
@@ -234,8 +282,16 @@ static cmlp_status effective_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp
     const cmlp_scaler_state *s = &t->scaler;
     cmlp_scale_step scale = {&ds->scale,       &ds->growth_tracker, &ds->skipped, s->growth_factor,
                              s->backoff_factor, (int32_t)s->growth_interval};
-    return cmlp_optim_step_device(t->optim, found_inf, &ds->step, ds->coef, xy->pos ? &ds->pos : NULL, n,
+    return cmlp_optim_step_device(t->optim, found_inf, &ds->step, ds->coef, xy->pos ? &ds->pos : NULL, n_all,
                                   s->enabled ? &scale : NULL);
+}
+
+/* One optimizer step: this rank's k samples of n_all (see step_grads), then the update. */
+static cmlp_status effective_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_data *xy, const int64_t *idx,
+                                  int64_t start, int64_t k, int64_t n_all) {
+    CMLP_TRY(step_grads(t, ds, xy, idx, start, k, n_all));
+    if (t->dist) CMLP_TRY(agree(CMLP_OK));
+    return step_update(t, ds, xy, n_all);
 }
 
 static int optimizer_buffers(const cmlp_trainer *t) {
@@ -285,16 +341,23 @@ static cmlp_status run_begin(cmlp_trainer *t, cmlp_dscalars **out) {
 /* effective_step, surviving out-of-memory by smaller micro-batches when allowed. A failed
  * attempt changed nothing that matters: the retry's first micro-batch writes the gradients
  * afresh, the loss it added is taken back, and the optimizer and the scaler move only at the end
- * of a step (a step fails before). */
+ * of a step (a step fails before). Data-parallel, a rank retries its share alone, before the
+ * ranks agree on the step; once they have, nothing is retried. */
 static cmlp_status robust_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_data *xy, const int64_t *idx,
-                               int64_t start, int64_t n) {
+                               int64_t start, int64_t k, int64_t n_all) {
     const int64_t micro_before = t->micro;
     const cmlp_backend_i *b = t->model->dev->backend;
     void *ctx = t->model->dev->bctx;
     if (t->cfg.auto_microbatch) /* only a retry takes the loss back */
         CMLP_TRY(b->copy_d2d(ctx, &ds->loss_mark, &ds->loss, sizeof ds->loss));
     for (;;) {
-        cmlp_status st = effective_step(t, ds, xy, idx, start, n);
+        cmlp_status st = step_grads(t, ds, xy, idx, start, k, n_all);
+        bool agreed = false;
+        if (st == CMLP_OK && t->dist) {
+            st = agree(CMLP_OK);
+            agreed = true;
+        }
+        if (st == CMLP_OK) st = step_update(t, ds, xy, n_all);
         if (st == CMLP_OK) {
             if (t->micro < t->target_micro && ++t->good_steps >= t->cfg.grow_interval) {
                 t->micro = t->micro * 2 < t->target_micro ? t->micro * 2 : t->target_micro;
@@ -302,13 +365,15 @@ static cmlp_status robust_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_da
             }
             return CMLP_OK;
         }
-        if (st != CMLP_ERR_OOM || !t->cfg.auto_microbatch) return st;
+        if (st != CMLP_ERR_OOM || !t->cfg.auto_microbatch || agreed)
+            return t->dist && !agreed ? agree(st) : st;
         CMLP_TRY(b->copy_d2d(ctx, &ds->loss, &ds->loss_mark, sizeof ds->loss));
         cmlp_model_release_workspace(t->model);
         cmlp_allocator_empty_cache(t->model->dev->alloc);
         if (t->micro == 1) {
             t->micro = micro_before; /* nothing worked: the next step starts where this one did */
-            return one_sample_oom(t, cmlp_last_error());
+            st = one_sample_oom(t, cmlp_last_error());
+            return t->dist ? agree(st) : st;
         }
         t->micro /= 2;
         t->good_steps = 0;
@@ -316,7 +381,8 @@ static cmlp_status robust_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_da
     }
 }
 
-static void make_key(const cmlp_trainer *t, const cmlp_data *xy, const int64_t *idx, int64_t n, step_key *k) {
+static void make_key(const cmlp_trainer *t, const cmlp_data *xy, const int64_t *idx, int64_t start, int64_t n,
+                     int64_t n_all, step_key *k) {
     const cmlp_model *m = t->model;
     memset(k, 0, sizeof *k); /* the padding too: keys are compared with memcmp */
     k->model = m;
@@ -341,6 +407,8 @@ static void make_key(const cmlp_trainer *t, const cmlp_data *xy, const int64_t *
     k->grads = m->grads;
     k->params_h = m->params_h;
     k->n = n;
+    k->n_all = n_all;
+    k->start = start;
     k->micro = t->micro;
     k->optim_version = cmlp_optim_version(t->optim);
     k->scaled = t->scaler.enabled;
@@ -358,16 +426,17 @@ static void make_key(const cmlp_trainer *t, const cmlp_data *xy, const int64_t *
  * the workspace, the optimizer state and the GEMM plans), the next one with that key is
  * captured, and the ones after it replay the capture. A capture that fails turns graphs off
  * for this trainer and the step runs eagerly. */
-static cmlp_status graph_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_data *xy, const int64_t *idx, int64_t n) {
+static cmlp_status graph_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_data *xy, const int64_t *idx,
+                              int64_t start, int64_t n, int64_t n_all) {
     cmlp_device_ctx *dev = t->model->dev;
     const cmlp_backend_i *b = dev->backend;
     step_key key;
-    make_key(t, xy, idx, n, &key);
+    make_key(t, xy, idx, start, n, n_all, &key);
     if (t->graph && t->graph_dev == dev && memcmp(&key, &t->graph_key, sizeof key) == 0)
         return b->graph_launch(dev->bctx, t->graph);
     if (!t->warm || memcmp(&key, &t->warm_key, sizeof key) != 0) {
-        CMLP_TRY(robust_step(t, ds, xy, idx, 0, n));
-        make_key(t, xy, idx, n, &t->warm_key); /* after the step: what it allocated is in */
+        CMLP_TRY(robust_step(t, ds, xy, idx, start, n, n_all));
+        make_key(t, xy, idx, start, n, n_all, &t->warm_key); /* after the step: what it allocated is in */
         t->warm = true;
         return CMLP_OK;
     }
@@ -375,7 +444,7 @@ static cmlp_status graph_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_dat
     cmlp_status st = b->capture_begin(dev->bctx);
     if (st == CMLP_OK) {
         cmlp_allocator_capturing(dev->alloc, true); /* cached memory only: nothing may allocate */
-        st = effective_step(t, ds, xy, idx, 0, n);
+        st = effective_step(t, ds, xy, idx, start, n, n_all);
         cmlp_allocator_capturing(dev->alloc, false);
         void *g = NULL;
         cmlp_status end = b->capture_end(dev->bctx, &g);
@@ -389,23 +458,85 @@ static cmlp_status graph_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_dat
         if (g) b->graph_free(dev->bctx, g);
     }
     t->graphs_off = true; /* nothing captured ran: the step runs eagerly */
-    return robust_step(t, ds, xy, idx, 0, n);
+    return robust_step(t, ds, xy, idx, start, n, n_all);
+}
+
+/* Data-parallel, every rank must run the same loop: the values each gives must be equal. */
+static cmlp_status same_on_every_rank(const char *const *names, const int64_t *v, int n) {
+    int64_t hi[8], lo[8];
+    for (int i = 0; i < n; i++) {
+        hi[i] = v[i];
+        lo[i] = v[i] == INT64_MIN ? INT64_MAX : -v[i];
+    }
+    CMLP_TRY(cmlp_dist_all_reduce(hi, n, CMLP_COMM_I64, CMLP_REDUCE_MAX));
+    CMLP_TRY(cmlp_dist_all_reduce(lo, n, CMLP_COMM_I64, CMLP_REDUCE_MAX));
+    for (int i = 0; i < n; i++)
+        if (hi[i] != -lo[i])
+            return CMLP_FAIL(CMLP_ERR_INVALID,
+                             "the ranks of the process group differ in %s (from %lld to %lld): every rank must train "
+                             "with the same settings on the same data set",
+                             names[i], (long long)-lo[i], (long long)hi[i]);
+    return CMLP_OK;
+}
+
+/* The settings that decide which samples a step takes and how it is computed. */
+static cmlp_status same_settings(const cmlp_trainer *t) {
+    static const char *const names[8] = {"batch_size", "accumulation_steps", "shuffle", "seed",
+                                         "amp", "loss scaling", "the model's parameter count", "the optimizer"};
+    const cmlp_train_config *c = &t->cfg;
+    int64_t v[8] = {c->batch_size, c->accumulation_steps, c->shuffle, (int64_t)c->seed, (int64_t)c->amp,
+                    t->scaler.enabled, t->model->nparams, (int64_t)cmlp_optim_get_kind(t->optim)};
+    return same_on_every_rank(names, v, 8);
+}
+
+cmlp_status cmlp_trainer_set_distributed(cmlp_trainer *t, int on) {
+    if (!t) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
+    if (on && !cmlp_dist_initialized())
+        return CMLP_FAIL(CMLP_ERR_STATE, "no process group: call cmlp.distributed.init_process_group() first");
+    if (on && t->model->dev->device.type != CMLP_DEVICE_CPU)
+        return CMLP_FAIL(CMLP_ERR_DEVICE, "data parallelism over MPI trains models on the CPU; this model is on %s",
+                         t->model->dev->device.type == CMLP_DEVICE_CUDA ? "a CUDA device" : "another device");
+    t->dist = on != 0;
+    drop_graph(t);
+    t->warm = false;
+    return CMLP_OK;
+}
+
+/* A step's trainer on its model's device, with the group still there when data-parallel. */
+static cmlp_status check_group(const cmlp_trainer *t) {
+    if (!t->dist) return CMLP_OK;
+    if (!cmlp_dist_initialized())
+        return CMLP_FAIL(CMLP_ERR_STATE, "this trainer is data-parallel, and the process group was destroyed");
+    if (t->model->dev->device.type != CMLP_DEVICE_CPU)
+        return CMLP_FAIL(CMLP_ERR_DEVICE, "data parallelism over MPI trains models on the CPU; the model moved");
+    return CMLP_OK;
 }
 
 cmlp_status cmlp_trainer_step(cmlp_trainer *t, const cmlp_data *xy, double *loss_mean) {
     if (!t || !loss_mean) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
-    CMLP_TRY(cmlp_data_validate(t->model, xy, true));
+    CMLP_TRY(check_group(t));
+    cmlp_status st = cmlp_data_validate(t->model, xy, true);
+    int64_t n_all = xy->n;
+    if (t->dist) { /* each rank's own batch: the step is all of them */
+        CMLP_TRY(agree(st));
+        CMLP_TRY(same_settings(t));
+        CMLP_TRY(cmlp_dist_all_reduce(&n_all, 1, CMLP_COMM_I64, CMLP_REDUCE_SUM));
+        if (n_all > CMLP_MAX_STEP_SAMPLES)
+            return CMLP_FAIL(CMLP_ERR_INVALID, "the ranks' batches add up to %lld samples, more than 2**62",
+                             (long long)n_all);
+    }
+    CMLP_TRY(st);
     cmlp_dscalars *ds;
     CMLP_TRY(run_begin(t, &ds));
     cmlp_fpenv fe;
     cmlp_fpenv_enter(&fe);
-    cmlp_status st = robust_step(t, ds, xy, NULL, 0, xy->n);
+    st = robust_step(t, ds, xy, NULL, 0, xy->n, n_all);
     cmlp_fpenv_leave(&fe);
     double loss = 0.0;
     int64_t skipped;
     cmlp_status end = run_end(t, ds, &loss, &skipped);
     if (st == CMLP_OK) st = end;
-    if (st == CMLP_OK) *loss_mean = loss / (double)xy->n;
+    if (st == CMLP_OK) *loss_mean = loss / (double)n_all;
     return st;
 }
 
@@ -423,7 +554,16 @@ static bool keep_epoch(cmlp_trainer *t, const cmlp_data *xy) {
 
 cmlp_status cmlp_trainer_epoch_begin(cmlp_trainer *t, const cmlp_data *xy, int same_data, cmlp_epoch_state *st) {
     if (!t || !st) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
-    CMLP_TRY(cmlp_data_validate(t->model, xy, true));
+    CMLP_TRY(check_group(t));
+    cmlp_status valid = cmlp_data_validate(t->model, xy, true);
+    if (t->dist) {
+        CMLP_TRY(agree(valid));
+        CMLP_TRY(same_settings(t));
+        static const char *const names[2] = {"the data set's sample count", "the data set's image type"};
+        int64_t shape[2] = {xy->n, (int64_t)xy->x_dtype};
+        CMLP_TRY(same_on_every_rank(names, shape, 2));
+    }
+    CMLP_TRY(valid);
     int64_t n = xy->n;
     if (t->cfg.shuffle) {
         if (n > t->order_cap) {
@@ -451,7 +591,7 @@ cmlp_status cmlp_trainer_epoch_begin(cmlp_trainer *t, const cmlp_data *xy, int s
     t->epoch_open = true;
     t->epoch++;
     t->pos = 0;
-    int64_t eb = effective_batch(t);
+    int64_t eb = effective_batch(t) * group_size(t);
     *st = (cmlp_epoch_state){.total_steps = (n + eb - 1) / eb};
     return CMLP_OK;
 }
@@ -459,15 +599,18 @@ cmlp_status cmlp_trainer_epoch_begin(cmlp_trainer *t, const cmlp_data *xy, int s
 cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, cmlp_epoch_state *st) {
     if (!t || !st) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
     if (!t->epoch_open) return CMLP_FAIL(CMLP_ERR_STATE, "epoch_run called before epoch_begin");
-    int64_t n = t->data.n, eb = effective_batch(t);
+    CMLP_TRY(check_group(t));
+    /* a step takes eb samples from the order, of which this rank computes its share */
+    int64_t n = t->data.n, eb = effective_batch(t) * group_size(t);
     cmlp_dscalars *ds;
     CMLP_TRY(run_begin(t, &ds));
     cmlp_fpenv fe;
     cmlp_fpenv_enter(&fe);
     cmlp_status s = CMLP_OK;
     for (int64_t done = 0; t->pos < n && (max_steps <= 0 || done < max_steps); done++) {
-        int64_t k = n - t->pos < eb ? n - t->pos : eb;
-        const int64_t *idx = t->cfg.shuffle ? t->order + t->pos : NULL;
+        int64_t k = n - t->pos < eb ? n - t->pos : eb, off, mine;
+        share_of(t, k, &off, &mine);
+        const int64_t *idx = t->cfg.shuffle ? t->order + t->pos + off : NULL;
         if (t->d_x && t->d_alloc != t->model->dev->alloc) drop_device_data(t); /* the model moved */
         if (t->d_x) { /* the device copy, at the position kept on the device */
             cmlp_data on_dev = t->data;
@@ -475,16 +618,16 @@ cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, cmlp_epoc
             on_dev.y = t->d_y;
             on_dev.on_device = 1;
             on_dev.pos = &ds->pos;
-            idx = t->cfg.shuffle ? t->d_order : NULL;
+            idx = t->cfg.shuffle ? t->d_order + off : NULL;
             const cmlp_backend_i *b = t->model->dev->backend;
             /* with automatic micro-batching, only while no growth back is pending (a replay
              * allocates nothing, so it cannot run out of memory) */
             if (k == eb && b->capture_begin && !t->graphs_off && t->micro == t->target_micro)
-                s = graph_step(t, ds, &on_dev, idx, k);
+                s = graph_step(t, ds, &on_dev, idx, off, mine, k);
             else
-                s = robust_step(t, ds, &on_dev, idx, 0, k);
+                s = robust_step(t, ds, &on_dev, idx, off, mine, k);
         } else {
-            s = robust_step(t, ds, &t->data, idx, t->pos, k);
+            s = robust_step(t, ds, &t->data, idx, t->pos + off, mine, k);
         }
         if (s != CMLP_OK) break;
         t->pos += k;

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepares a fresh Debian machine for cmlp and installs it from this checkout:
 #   - Debian packages: a C compiler, make, pkg-config, Python headers/venv when the system
-#     Python is used, and Fashion-MNIST (dataset-fashion-mnist);
+#     Python is used, Open MPI (libopenmpi-dev, openmpi-bin: data parallelism and its tests;
+#     CMLP_MPI=0 leaves it out) and Fashion-MNIST (dataset-fashion-mnist);
 #   - a virtual environment in .venv with NumPy, the OpenBLAS build (scipy-openblas32),
 #     pytest and tqdm;
 #   - cmlp itself, built from source into that environment, with the CUDA backend when the CUDA
@@ -16,6 +17,9 @@ if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 
 PY=${PYTHON:-python3}
 pkgs="build-essential pkg-config dataset-fashion-mnist"
+if [ "${CMLP_MPI:-}" != "0" ]; then
+    pkgs="$pkgs libopenmpi-dev openmpi-bin"
+fi
 if ! command -v "$PY" >/dev/null 2>&1 || [ "$(command -v "$PY")" = "/usr/bin/python3" ]; then
     pkgs="$pkgs python3 python3-dev python3-venv"
 fi
@@ -42,4 +46,5 @@ fi
 echo "setup: building cmlp"
 $VPY -m pip install -q --no-build-isolation --force-reinstall --no-deps .
 $VPY -c "import cmlp; i = cmlp.build_info(); print('setup: cmlp', cmlp.__version__, 'with', i['blas'] + ',',
-         'CUDA ' + i['cuda'] if i['cuda'] else 'no CUDA backend')"
+         'CUDA ' + i['cuda'] if i['cuda'] else 'no CUDA backend', 'and',
+         'the MPI module' if cmlp.distributed.is_available() else 'no MPI module')"

@@ -12,7 +12,7 @@ _preload()
 
 from . import _cmlp  # noqa: E402
 from ._cmlp import OutOfMemoryError  # noqa: E402
-from . import amp, cuda, datasets, memory, optim  # noqa: E402
+from . import amp, cuda, datasets, distributed, memory, optim  # noqa: E402
 from .memory import MemoryWarning, empty_cache  # noqa: E402
 
 

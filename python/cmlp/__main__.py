@@ -1,7 +1,8 @@
 """The command line: `python -m cmlp train` trains the reference MLP (784-512-256-10, Adam
 lr 1e-3, batch 32, 5 epochs) on Fashion-MNIST and reports each epoch; `python -m cmlp plan`
 predicts a run's memory (and, given a budget, the largest batch that fits) before anything is
-allocated; `python -m cmlp info` prints what this build is made of."""
+allocated; `python -m cmlp info` prints what this build is made of. Under mpirun,
+`python -m cmlp train --distributed` trains data-parallel, one rank per process."""
 import argparse
 import json
 import math
@@ -9,7 +10,7 @@ import os
 import sys
 from typing import Callable, List, Optional
 
-from . import MLP, Trainer, build_info, cuda, datasets, memory, optim
+from . import MLP, Trainer, build_info, cuda, datasets, distributed, memory, optim
 
 
 def _layers(text: str) -> List[int]:
@@ -78,6 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--save", type=_save_path, default=None, help="write the trained model here (.npz)")
     t.add_argument("--no-progress", action="store_true")
+    t.add_argument("--distributed", action="store_true",
+                   help="data-parallel over the ranks mpirun started (CPU; --batch-size is per rank)")
     pl = sub.add_parser("plan", help="predict a training run's memory, by category, before allocating anything")
     pl.add_argument("--layers", type=_layers, default=[784, 512, 256, 10])
     pl.add_argument("--batch-size", type=_count, default=32, help="rows computed at once (the micro-batch)")
@@ -93,6 +96,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _train(a: argparse.Namespace) -> int:
+    rank, ranks = 0, 1
+    if a.distributed:
+        distributed.init_process_group("mpi")
+        rank, ranks = distributed.get_rank(), distributed.get_world_size()
+
+    def say(text: str) -> None:  # data-parallel, the first rank speaks for all
+        if rank == 0:
+            print(text, flush=True)
+
     if a.dataset == "fashion-mnist":
         (xtr, ytr), (xte, yte) = datasets.fashion_mnist(root=a.data_dir)
     else:
@@ -105,24 +117,25 @@ def _train(a: argparse.Namespace) -> int:
     else:
         opt = optim.SGD(model, lr=0.01 if a.lr is None else a.lr, momentum=a.momentum)
     trainer = Trainer(model, opt, batch_size=a.batch_size, accumulation_steps=a.accumulation_steps, amp=a.amp,
-                      seed=a.seed)
-    print(f"cmlp {build_info()['version']}: MLP {'-'.join(map(str, a.layers))} ({model.num_parameters():,} "
-          f"parameters) on {model.device}, {a.optimizer} lr {opt.lr:g}, batch {a.batch_size} x "
-          f"{a.accumulation_steps}, {a.epochs} epochs, {a.amp or 'fp32'}, {a.dataset} {len(xtr):,} train / "
-          f"{len(xte):,} test")
+                      seed=a.seed, distributed=a.distributed)
+    group = f" x {ranks} ranks ({distributed.library_version()})" if a.distributed else ""
+    say(f"cmlp {build_info()['version']}: MLP {'-'.join(map(str, a.layers))} ({model.num_parameters():,} "
+        f"parameters) on {model.device}, {a.optimizer} lr {opt.lr:g}, batch {a.batch_size} x "
+        f"{a.accumulation_steps}{group}, {a.epochs} epochs, {a.amp or 'fp32'}, {a.dataset} {len(xtr):,} train / "
+        f"{len(xte):,} test")
     history = []
     for epoch in range(1, a.epochs + 1):
         h = trainer.fit(xtr, ytr, epochs=1, validation_data=(xte, yte), progress=not a.no_progress)[0]
         h["epoch"] = epoch
         history.append(h)
-        print(f"epoch {epoch}/{a.epochs}  loss {h['loss']:.4f}  test loss {h['val_loss']:.4f}  "
-              f"test accuracy {100 * h['val_accuracy']:.2f}%  {h['samples_per_second']:,.0f} samples/s  "
-              f"peak memory {memory._fmt(h['peak_memory_bytes'])}  {h['seconds']:.1f} s"
-              + (f"  skipped steps {h['skipped_steps']}" if h["skipped_steps"] else ""), flush=True)
-    print(f"final test accuracy: {100 * history[-1]['val_accuracy']:.2f}%")
-    if a.save is not None:
+        say(f"epoch {epoch}/{a.epochs}  loss {h['loss']:.4f}  test loss {h['val_loss']:.4f}  "
+            f"test accuracy {100 * h['val_accuracy']:.2f}%  {h['samples_per_second']:,.0f} samples/s  "
+            f"peak memory {memory._fmt(h['peak_memory_bytes'])}  {h['seconds']:.1f} s"
+            + (f"  skipped steps {h['skipped_steps']}" if h["skipped_steps"] else ""))
+    say(f"final test accuracy: {100 * history[-1]['val_accuracy']:.2f}%")
+    if a.save is not None and rank == 0:  # the ranks hold the same parameters
         model.save(a.save)
-        print(f"saved to {a.save}")
+        say(f"saved to {a.save}")
     return 0
 
 
@@ -148,6 +161,7 @@ def _info() -> int:
     info = build_info()
     info["cuda_available"] = cuda.is_available()
     info["cuda_device_count"] = cuda.device_count()
+    info["mpi_available"] = distributed.is_mpi_available()
     print(json.dumps(info, indent=2))
     return 0
 

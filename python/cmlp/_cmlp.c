@@ -847,7 +847,17 @@ static int Trainer_set_micro(TrainerObject *self, PyObject *value, void *closure
     return 0;
 }
 
+static PyObject *Trainer_set_distributed(TrainerObject *self, PyObject *arg) {
+    int on = PyObject_IsTrue(arg);
+    if (on < 0 || trainer_ready(self) < 0) return NULL;
+    cmlp_status st;
+    RUN_LOCKED(self->optim->model, st = cmlp_trainer_set_distributed(self->t, on));
+    if (st != CMLP_OK) return raise_status(self->optim->model->ms, st);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef Trainer_methods[] = {
+    {"set_distributed", (PyCFunction)Trainer_set_distributed, METH_O, "data-parallel over the process group or not"},
     {"step", (PyCFunction)(void (*)(void))Trainer_step, METH_VARARGS | METH_KEYWORDS, "one optimizer step"},
     {"epoch_begin", (PyCFunction)(void (*)(void))Trainer_epoch_begin, METH_VARARGS | METH_KEYWORDS,
      "validate and shuffle; returns the epoch's step count"},
@@ -1184,7 +1194,120 @@ static PyObject *mod_cuda_device_count(PyObject *mod, PyObject *unused) {
     return PyLong_FromLong(cmlp_cuda_device_count());
 }
 
+/* ---- the process group (cmlp.distributed) ---- */
+
+static PyObject *mod_dist_init(PyObject *mod, PyObject *unused) {
+    (void)unused;
+    int rank = 0, size = 1;
+    cmlp_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = cmlp_dist_init(&rank, &size);
+    Py_END_ALLOW_THREADS
+    if (st != CMLP_OK) return raise_status(state_of(mod), st);
+    return Py_BuildValue("(ii)", rank, size);
+}
+
+static PyObject *mod_dist_state(PyObject *mod, PyObject *unused) {
+    (void)mod;
+    (void)unused;
+    return Py_BuildValue("(Oii)", cmlp_dist_initialized() ? Py_True : Py_False, cmlp_dist_rank(), cmlp_dist_size());
+}
+
+/* The array a collective works on in place: a writable, C-contiguous ndarray. */
+static PyArrayObject *collective_array(PyObject *obj, const char *what) {
+    if (!PyArray_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a NumPy array, got %.100s", what, Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    PyArrayObject *a = (PyArrayObject *)obj;
+    if (!PyArray_IS_C_CONTIGUOUS(a) || !PyArray_ISWRITEABLE(a)) {
+        PyErr_Format(PyExc_ValueError, "%s must be a writable C-contiguous array (it is changed in place)", what);
+        return NULL;
+    }
+    return a;
+}
+
+static PyObject *mod_dist_all_reduce(PyObject *mod, PyObject *args) {
+    PyObject *obj;
+    int op;
+    if (!PyArg_ParseTuple(args, "Oi", &obj, &op)) return NULL;
+    PyArrayObject *a = collective_array(obj, "tensor");
+    if (!a) return NULL;
+    int t = PyArray_TYPE(a);
+    int type = t == NPY_FLOAT32 ? 0 : t == NPY_FLOAT64 ? 1 : t == NPY_INT64 ? 2 : -1;
+    if (type < 0) {
+        PyErr_SetString(PyExc_TypeError, "all_reduce takes float32, float64 or int64 arrays");
+        return NULL;
+    }
+    void *data = PyArray_DATA(a);
+    int64_t n = (int64_t)PyArray_SIZE(a);
+    cmlp_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = cmlp_dist_all_reduce(data, n, type, op);
+    Py_END_ALLOW_THREADS
+    if (st != CMLP_OK) return raise_status(state_of(mod), st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_dist_broadcast(PyObject *mod, PyObject *args) {
+    PyObject *obj;
+    int root;
+    if (!PyArg_ParseTuple(args, "Oi", &obj, &root)) return NULL;
+    PyArrayObject *a = collective_array(obj, "tensor");
+    if (!a) return NULL;
+    void *data = PyArray_DATA(a);
+    int64_t bytes = (int64_t)PyArray_NBYTES(a);
+    cmlp_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = cmlp_dist_broadcast(data, bytes, root);
+    Py_END_ALLOW_THREADS
+    if (st != CMLP_OK) return raise_status(state_of(mod), st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_dist_barrier(PyObject *mod, PyObject *unused) {
+    (void)unused;
+    cmlp_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = cmlp_dist_barrier();
+    Py_END_ALLOW_THREADS
+    if (st != CMLP_OK) return raise_status(state_of(mod), st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_dist_destroy(PyObject *mod, PyObject *unused) {
+    (void)mod;
+    (void)unused;
+    cmlp_dist_destroy();
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_dist_finalize(PyObject *mod, PyObject *unused) {
+    (void)mod;
+    (void)unused;
+    Py_BEGIN_ALLOW_THREADS
+    cmlp_dist_finalize();
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_dist_library_version(PyObject *mod, PyObject *unused) {
+    (void)mod;
+    (void)unused;
+    char v[256];
+    cmlp_dist_library_version(v, sizeof v);
+    return PyUnicode_DecodeUTF8(v, (Py_ssize_t)strlen(v), "replace");
+}
+
 static PyMethodDef module_methods[] = {
+    {"dist_init", mod_dist_init, METH_NOARGS, "makes the process group (MPI_COMM_WORLD) -> (rank, size)"},
+    {"dist_state", mod_dist_state, METH_NOARGS, "(initialized, rank, size)"},
+    {"dist_all_reduce", mod_dist_all_reduce, METH_VARARGS, "dist_all_reduce(array, op): in place; op 0 sum 1 max 2 min"},
+    {"dist_broadcast", mod_dist_broadcast, METH_VARARGS, "dist_broadcast(array, root): in place"},
+    {"dist_barrier", mod_dist_barrier, METH_NOARGS, "waits for every rank"},
+    {"dist_destroy", mod_dist_destroy, METH_NOARGS, "ends the process group"},
+    {"dist_finalize", mod_dist_finalize, METH_NOARGS, "finalizes MPI where cmlp initialised it (at exit)"},
+    {"dist_library_version", mod_dist_library_version, METH_NOARGS, "the MPI library's version, once loaded"},
     {"memory_stats", mod_memory_stats, METH_O, "memory_stats(device) -> dict"},
     {"reset_peak_memory_stats", mod_reset_peak, METH_O, "reset every peak to its current value"},
     {"empty_cache", mod_empty_cache, METH_O, "release cached memory"},

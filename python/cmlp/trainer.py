@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from . import _cmlp, memory
+from . import distributed as _dist
 from ._arrays import as_inputs, as_labels, as_normalize, check_amp, check_seed
 from ._progress import make_bar
 from .model import MLP
@@ -29,13 +30,19 @@ def _positive_int(name: str, value: Any, limit: int = MAX_STEP_SAMPLES) -> int:
 class Trainer:
     """One optimizer step consumes batch_size * accumulation_steps samples as accumulation_steps
     distinct micro-batches, each sample's gradient weighted by 1 / (samples in the step), so the
-    update equals one big batch (a short last batch is normalised by its own size)."""
+    update equals one big batch (a short last batch is normalised by its own size).
+
+    distributed: None (the default) trains data-parallel when a process group exists
+    (cmlp.distributed.init_process_group), True requires one, False trains this process alone.
+    Data-parallel, batch_size is per rank and a step takes batch_size * accumulation_steps *
+    world_size samples (see cmlp.distributed)."""
 
     def __init__(self, model: MLP, optimizer: Optimizer, batch_size: int = 32, accumulation_steps: int = 1,
                  amp: Optional[str] = None, scaler: Any = None, auto_microbatch: bool = True,
                  recompute: bool = False, shuffle: bool = True, seed: int = 0,
                  normalize: Optional[Tuple[float, float]] = None, microbatch_size: Optional[int] = None,
-                 label_smoothing: float = 0.0, grow_interval: int = 100) -> None:
+                 label_smoothing: float = 0.0, grow_interval: int = 100,
+                 distributed: Optional[bool] = None) -> None:
         if not isinstance(model, MLP):
             raise TypeError(f"model must be a cmlp.MLP, got {type(model).__name__}")
         if not isinstance(optimizer, Optimizer):
@@ -67,9 +74,19 @@ class Trainer:
         self._busy = threading.Lock()
         # uint8 images: the model's normalisation unless the trainer is given its own
         self.normalize = model.normalize if normalize is None else as_normalize(normalize)
+        if distributed is not None and not isinstance(distributed, bool):
+            raise TypeError(f"distributed must be None, True or False, got {distributed!r}")
+        group = _dist.is_initialized() if distributed is None else distributed
+        if group and not _dist.is_initialized():
+            raise RuntimeError("distributed=True needs a process group: call cmlp.distributed.init_process_group() "
+                               "first")
         self._c = _cmlp.Trainer(optimizer._c, self.batch_size, self.accumulation_steps, micro, bool(shuffle),
                                 self.seed, label_smoothing, amp_code, bool(auto_microbatch), int(grow_interval),
                                 bool(recompute))
+        self.distributed = bool(group)
+        if self.distributed:
+            self._c.set_distributed(True)
+            _dist._sync_parameters(model)  # every rank starts from rank 0's parameters
 
     @property
     def microbatch_size(self) -> int:
@@ -160,9 +177,27 @@ class Trainer:
             raise RuntimeError(f"this Trainer is already running fit or step in another thread; {what} must wait "
                                "for it (or use a Trainer per thread)")
 
+    def _agree(self, error: Optional[Exception]) -> None:
+        """Raises error if there is one; data-parallel, first every rank learns whether some
+        rank refused its arguments, so that all raise rather than wait for it."""
+        if self.distributed:
+            first = np.array([_dist.get_rank() if error is not None else MAX_STEP_SAMPLES], dtype=np.int64)
+            _cmlp.dist_all_reduce(first, 2)  # the lowest rank that refused
+            if error is None and first[0] != MAX_STEP_SAMPLES:
+                raise RuntimeError(f"rank {first[0]} of the process group refused its arguments to this call (its "
+                                   "own error says why), so no rank ran it")
+        if error is not None:
+            raise error
+
     def step(self, x_batch: Any, y_batch: Any) -> float:
-        """One optimizer step on the whole given (effective) batch; returns its mean loss."""
-        xa, ya = self._data(x_batch, y_batch, "batch")
+        """One optimizer step on the whole given (effective) batch; returns its mean loss.
+        Data-parallel, each rank gives its own batch and the step is that of all of them."""
+        error: Optional[Exception] = None
+        try:
+            xa, ya = self._data(x_batch, y_batch, "batch")
+        except (TypeError, ValueError) as e:
+            error = e
+        self._agree(error)
         self._claim("step")
         try:
             return self._step(xa, ya)
@@ -181,7 +216,22 @@ class Trainer:
 
     def fit(self, x: Any, y: Any, epochs: int = 5, validation_data: Optional[Tuple[Any, Any]] = None,
             progress: bool = True) -> List[Dict[str, Any]]:
-        """Trains for `epochs` passes over (x, y); returns one dict per epoch."""
+        """Trains for `epochs` passes over (x, y); returns one dict per epoch. Data-parallel, every
+        rank gives the same data set."""
+        error: Optional[Exception] = None
+        try:
+            epochs, xa, ya, val = self._fit_args(x, y, epochs, validation_data)
+        except (TypeError, ValueError) as e:
+            error = e
+        self._agree(error)
+        self._claim("fit")
+        try:
+            return self._fit(xa, ya, epochs, val, progress)
+        finally:
+            self._busy.release()
+
+    def _fit_args(self, x: Any, y: Any, epochs: int, validation_data: Optional[Tuple[Any, Any]]) -> Tuple[
+            int, np.ndarray, np.ndarray, Optional[Tuple[np.ndarray, np.ndarray]]]:
         epochs = _positive_int("epochs", epochs, 2**31 - 1)
         xa, ya = self._data(x, y, "training")
         val = None
@@ -193,11 +243,7 @@ class Trainer:
             val = self._data(vx, vy, "validation")
             if val[0].dtype == np.float32 and not np.isfinite(val[0]).all():
                 raise ValueError("validation x contains NaN or inf")
-        self._claim("fit")
-        try:
-            return self._fit(xa, ya, epochs, val, progress)
-        finally:
-            self._busy.release()
+        return epochs, xa, ya, val
 
     def _fit(self, xa: np.ndarray, ya: np.ndarray, epochs: int, val: Optional[Tuple[np.ndarray, np.ndarray]],
              progress: bool) -> List[Dict[str, Any]]:
@@ -208,7 +254,9 @@ class Trainer:
                 memory.reset_peak_memory_stats(device)
                 # the later epochs of this call train on the same arrays: a device copy is kept
                 total = self._c.epoch_begin(xa, ya, *self.normalize, same_data=epoch > 1)
-                bar = make_bar(total, f"epoch {epoch}/{epochs}", progress)
+                # data-parallel, the first rank draws the bar for all
+                show = progress and (not self.distributed or _dist.get_rank() == 0)
+                bar = make_bar(total, f"epoch {epoch}/{epochs}", show)
                 chunk = max(1, total // 200)
                 samples, loss_sum, skipped = 0, 0.0, 0
                 start = time.perf_counter()

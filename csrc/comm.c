@@ -1,0 +1,128 @@
+/* comm.c - the process group of data parallelism: loads the MPI module (_cmlp_mpi.so beside this
+ * module, or $CMLP_MPI_LIBRARY) when the group is made, and serialises every collective (MPI is
+ * initialised for MPI_THREAD_SERIALIZED: a step on one thread and a barrier on another take
+ * turns). The group lives until destroyed; MPI itself lives until the process ends, as it
+ * cannot be initialised twice.
+ */
+#include "internal.h"
+#include "comm.h"
+
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static const cmlp_mpi_module *mpi; /* loaded once, kept to the end */
+static bool group;                 /* between cmlp_dist_init and cmlp_dist_destroy */
+static int rank_, size_ = 1;
+
+static cmlp_status load(void) {
+    if (mpi) return CMLP_OK;
+    char path[4096];
+    const char *env = getenv("CMLP_MPI_LIBRARY");
+    if (env && env[0]) {
+        snprintf(path, sizeof path, "%s", env);
+    } else {
+        Dl_info info;
+        if (!dladdr((void *)load, &info) || !info.dli_fname)
+            return CMLP_FAIL(CMLP_ERR_DEVICE, "cannot locate cmlp's own module to find _cmlp_mpi.so");
+        const char *slash = strrchr(info.dli_fname, '/');
+        int dir = slash ? (int)(slash - info.dli_fname) : 0;
+        snprintf(path, sizeof path, "%.*s%s_cmlp_mpi.so", dir, info.dli_fname, slash ? "/" : "");
+        struct stat sb;
+        if (stat(path, &sb) != 0)
+            return CMLP_FAIL(CMLP_ERR_DEVICE,
+                             "this build of cmlp has no MPI support (%s is missing: no MPI compiler wrapper, mpicc, was "
+                             "found when it was built; install an MPI, e.g. apt-get install libopenmpi-dev "
+                             "openmpi-bin, and build cmlp again)",
+                             path);
+    }
+    /* global: Open MPI's components, loaded later, resolve MPI's symbols through it */
+    void *h = dlopen(path, RTLD_NOW | RTLD_GLOBAL);
+    if (!h) return CMLP_FAIL(CMLP_ERR_DEVICE, "cannot load cmlp's MPI module: %s", dlerror());
+    cmlp_mpi_entry_fn entry = (cmlp_mpi_entry_fn)dlsym(h, "cmlp_mpi_entry");
+    const cmlp_mpi_module *m = entry ? entry(cmlp_set_error) : NULL;
+    if (!m || m->abi != CMLP_MPI_ABI) {
+        dlclose(h);
+        return CMLP_FAIL(CMLP_ERR_DEVICE, "%.400s is not an MPI module of this version of cmlp", path);
+    }
+    mpi = m;
+    return CMLP_OK;
+}
+
+cmlp_status cmlp_dist_init(int *rank, int *size) {
+    pthread_mutex_lock(&lock);
+    cmlp_status st = group ? CMLP_FAIL(CMLP_ERR_STATE, "the process group is initialised already") : load();
+    if (st == CMLP_OK) st = mpi->init(&rank_, &size_);
+    if (st == CMLP_OK) {
+        group = true;
+        if (rank) *rank = rank_;
+        if (size) *size = size_;
+    }
+    pthread_mutex_unlock(&lock);
+    return st;
+}
+
+int cmlp_dist_initialized(void) {
+    pthread_mutex_lock(&lock);
+    int on = group;
+    pthread_mutex_unlock(&lock);
+    return on;
+}
+
+int cmlp_dist_rank(void) { return group ? rank_ : 0; }
+int cmlp_dist_size(void) { return group ? size_ : 1; }
+
+#define NO_GROUP() CMLP_FAIL(CMLP_ERR_STATE, "no process group: call cmlp.distributed.init_process_group() first")
+
+cmlp_status cmlp_dist_all_reduce(void *buf, int64_t count, int type, int op) {
+    if (count < 0 || (count > 0 && !buf)) return CMLP_FAIL(CMLP_ERR_INVALID, "all_reduce of %lld elements at %p",
+                                                           (long long)count, buf);
+    if (type < CMLP_COMM_F32 || type > CMLP_COMM_I64) return CMLP_FAIL(CMLP_ERR_INVALID, "unknown element type %d", type);
+    if (op < CMLP_REDUCE_SUM || op > CMLP_REDUCE_MIN) return CMLP_FAIL(CMLP_ERR_INVALID, "unknown reduction %d", op);
+    pthread_mutex_lock(&lock);
+    cmlp_status st = !group ? NO_GROUP() : mpi->all_reduce(buf, count, (cmlp_comm_type)type, (cmlp_reduce_op)op);
+    pthread_mutex_unlock(&lock);
+    return st;
+}
+
+cmlp_status cmlp_dist_broadcast(void *buf, int64_t bytes, int root) {
+    if (bytes < 0 || (bytes > 0 && !buf)) return CMLP_FAIL(CMLP_ERR_INVALID, "broadcast of %lld bytes at %p",
+                                                           (long long)bytes, buf);
+    pthread_mutex_lock(&lock);
+    cmlp_status st = !group                            ? NO_GROUP()
+                     : root < 0 || root >= size_       ? CMLP_FAIL(CMLP_ERR_INVALID, "src must be a rank in [0, %d), got %d", size_, root)
+                                                       : mpi->broadcast(buf, bytes, root);
+    pthread_mutex_unlock(&lock);
+    return st;
+}
+
+cmlp_status cmlp_dist_barrier(void) {
+    pthread_mutex_lock(&lock);
+    cmlp_status st = group ? mpi->barrier() : NO_GROUP();
+    pthread_mutex_unlock(&lock);
+    return st;
+}
+
+void cmlp_dist_destroy(void) {
+    pthread_mutex_lock(&lock);
+    group = false;
+    pthread_mutex_unlock(&lock);
+}
+
+void cmlp_dist_finalize(void) {
+    pthread_mutex_lock(&lock);
+    group = false;
+    if (mpi) mpi->finalize();
+    pthread_mutex_unlock(&lock);
+}
+
+void cmlp_dist_library_version(char *out, size_t cap) {
+    pthread_mutex_lock(&lock);
+    if (mpi) mpi->version(out, cap);
+    else if (cap) out[0] = 0;
+    pthread_mutex_unlock(&lock);
+}

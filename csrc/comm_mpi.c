@@ -1,0 +1,93 @@
+/* comm_mpi.c - the MPI side of data parallelism, built into _cmlp_mpi.so with the MPI compiler
+ * wrapper (mpicc) and loaded by comm.c. Everything is on MPI_COMM_WORLD and host memory; counts
+ * beyond MPI's int go in pieces. MPI's errors come back as return codes (MPI_ERRORS_RETURN) and
+ * then as cmlp errors with MPI's message, so that a failing collective raises instead of
+ * aborting the job.
+ */
+#include "comm.h"
+
+#include <mpi.h>
+#include <stdio.h>
+#include <string.h>
+
+#define CMLP_EXPORT __attribute__((visibility("default")))
+
+static cmlp_error_fn fail;
+static int initialised_here;
+
+#define MPI_FAIL(code, what) mpi_fail((code), (what), __FILE__, __LINE__)
+
+static cmlp_status mpi_fail(int code, const char *what, const char *file, int line) {
+    char msg[MPI_MAX_ERROR_STRING] = "";
+    int len = 0;
+    if (MPI_Error_string(code, msg, &len) != MPI_SUCCESS) snprintf(msg, sizeof msg, "MPI error %d", code);
+    return fail(CMLP_ERR_DEVICE, file, line, "%s failed: %s", what, msg);
+}
+
+static cmlp_status init(int *rank, int *size) {
+    int done = 0, rc = MPI_Initialized(&done);
+    if (rc != MPI_SUCCESS) return MPI_FAIL(rc, "MPI_Initialized");
+    if (!done) {
+        /* collectives come from whichever thread runs a step, one at a time (comm.c's lock) */
+        int provided = 0;
+        rc = MPI_Init_thread(NULL, NULL, MPI_THREAD_SERIALIZED, &provided);
+        if (rc != MPI_SUCCESS) return MPI_FAIL(rc, "MPI_Init_thread");
+        initialised_here = 1;
+        if (provided < MPI_THREAD_SERIALIZED)
+            return fail(CMLP_ERR_DEVICE, __FILE__, __LINE__,
+                        "this MPI library gives thread level %d, and cmlp needs MPI_THREAD_SERIALIZED (%d)",
+                        provided, MPI_THREAD_SERIALIZED);
+    }
+    rc = MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+    if (rc == MPI_SUCCESS) rc = MPI_Comm_rank(MPI_COMM_WORLD, rank);
+    if (rc == MPI_SUCCESS) rc = MPI_Comm_size(MPI_COMM_WORLD, size);
+    return rc == MPI_SUCCESS ? CMLP_OK : MPI_FAIL(rc, "MPI_Comm_rank/MPI_Comm_size");
+}
+
+static const int CHUNK = 1 << 30; /* elements per call: within MPI's int counts */
+
+static cmlp_status all_reduce(void *buf, int64_t count, cmlp_comm_type type, cmlp_reduce_op op) {
+    MPI_Datatype t = type == CMLP_COMM_F32 ? MPI_FLOAT : type == CMLP_COMM_F64 ? MPI_DOUBLE : MPI_INT64_T;
+    size_t width = type == CMLP_COMM_F32 ? 4 : 8;
+    MPI_Op o = op == CMLP_REDUCE_SUM ? MPI_SUM : op == CMLP_REDUCE_MAX ? MPI_MAX : MPI_MIN;
+    for (int64_t off = 0; off < count; off += CHUNK) {
+        int n = count - off < CHUNK ? (int)(count - off) : CHUNK;
+        int rc = MPI_Allreduce(MPI_IN_PLACE, (char *)buf + (size_t)off * width, n, t, o, MPI_COMM_WORLD);
+        if (rc != MPI_SUCCESS) return MPI_FAIL(rc, "MPI_Allreduce");
+    }
+    return CMLP_OK;
+}
+
+static cmlp_status broadcast(void *buf, int64_t bytes, int root) {
+    for (int64_t off = 0; off < bytes; off += CHUNK) {
+        int n = bytes - off < CHUNK ? (int)(bytes - off) : CHUNK;
+        int rc = MPI_Bcast((char *)buf + off, n, MPI_BYTE, root, MPI_COMM_WORLD);
+        if (rc != MPI_SUCCESS) return MPI_FAIL(rc, "MPI_Bcast");
+    }
+    return CMLP_OK;
+}
+
+static cmlp_status barrier(void) {
+    int rc = MPI_Barrier(MPI_COMM_WORLD);
+    return rc == MPI_SUCCESS ? CMLP_OK : MPI_FAIL(rc, "MPI_Barrier");
+}
+
+static void finalize(void) {
+    int finished = 0;
+    if (initialised_here && MPI_Finalized(&finished) == MPI_SUCCESS && !finished) (void)MPI_Finalize();
+}
+
+static void version(char *out, size_t cap) {
+    char v[MPI_MAX_LIBRARY_VERSION_STRING] = "";
+    int len = 0;
+    if (MPI_Get_library_version(v, &len) != MPI_SUCCESS) v[0] = 0;
+    v[strcspn(v, "\n,")] = 0;
+    snprintf(out, cap, "%s", v);
+}
+
+static const cmlp_mpi_module module = {CMLP_MPI_ABI, init, all_reduce, broadcast, barrier, finalize, version};
+
+CMLP_EXPORT const cmlp_mpi_module *cmlp_mpi_entry(cmlp_error_fn set_error) {
+    fail = set_error;
+    return &module;
+}

@@ -1,0 +1,160 @@
+"""cmlp.distributed: data parallelism over MPI, with torch.distributed's names.
+
+Start one process per rank with mpirun (or any launcher that sets the MPI environment)::
+
+    mpirun -np 4 python train.py
+
+and in train.py::
+
+    import cmlp
+    cmlp.distributed.init_process_group("mpi")
+    model = cmlp.MLP([784, 512, 256, 10], seed=0)
+    trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=32)   # data-parallel now
+    history = trainer.fit(x, y, epochs=5)    # every rank passes the same data set
+
+A Trainer made while the group exists is data-parallel (as a model wrapped in PyTorch's
+DistributedDataParallel and fed by a DistributedSampler): it starts every rank from rank 0's
+parameters, batch_size is per rank, each optimizer step takes batch_size * accumulation_steps *
+world_size samples of the epoch's order (the same shuffle on every rank), each rank computes the
+gradients of its own share, and the gradients are summed over the ranks with one all-reduce of
+the flat gradient buffer before the update, every sample weighted by 1 / (samples in the step).
+The update therefore equals that of one process training on all the step's samples, up to
+summation order, and the ranks' parameters stay identical. Under fp16 loss scaling every rank
+checks the summed gradients, so all ranks skip the same steps. Out of memory on one rank is
+handled there (automatic micro-batching) before the ranks agree on the step; a rank that cannot
+compute its share makes every rank raise for that step instead of hanging.
+
+Collectives (`all_reduce`, `broadcast`, `barrier`, and every Trainer call) must be made by every
+rank in the same order, as MPI requires. Data parallelism trains models on the CPU.
+"""
+import atexit
+from typing import Any, Optional
+
+import numpy as np
+
+from . import _cmlp
+
+__all__ = ["ReduceOp", "is_available", "is_mpi_available", "is_nccl_available", "init_process_group",
+           "is_initialized", "get_rank", "get_world_size", "get_backend", "all_reduce", "broadcast", "barrier",
+           "destroy_process_group", "library_version"]
+
+BACKENDS = ("mpi",)
+
+
+class ReduceOp:
+    """Reductions of all_reduce (torch.distributed.ReduceOp's names)."""
+    SUM = "sum"
+    MAX = "max"
+    MIN = "min"
+
+
+_OPS = {ReduceOp.SUM: 0, ReduceOp.MAX: 1, ReduceOp.MIN: 2}
+_finalize_registered = False
+
+
+def _mpi_module_present() -> bool:
+    import os
+
+    path = os.environ.get("CMLP_MPI_LIBRARY") or os.path.join(os.path.dirname(_cmlp.__file__), "_cmlp_mpi.so")
+    return os.path.exists(path)
+
+
+def is_available() -> bool:
+    """True when this build of cmlp has a communication backend (its MPI module)."""
+    return _mpi_module_present()
+
+
+def is_mpi_available() -> bool:
+    return _mpi_module_present()
+
+
+def is_nccl_available() -> bool:
+    """NCCL (data parallelism between GPUs) is not in this build."""
+    return False
+
+
+def init_process_group(backend: Optional[str] = None) -> None:
+    """Makes the process group: MPI_COMM_WORLD of the job mpirun started (MPI is initialised
+    here unless something else did it first, and then finalised at exit). backend: "mpi" (the
+    default)."""
+    global _finalize_registered
+    if backend is None:
+        backend = "mpi"
+    if not isinstance(backend, str) or backend.lower() not in BACKENDS:
+        if isinstance(backend, str) and backend.lower() == "nccl":
+            raise RuntimeError("the NCCL backend is not in this build of cmlp; use backend='mpi' (models on the CPU)")
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if is_initialized():
+        raise RuntimeError("trying to initialize the default process group twice")
+    _cmlp.dist_init()
+    if not _finalize_registered:
+        atexit.register(_cmlp.dist_finalize)
+        _finalize_registered = True
+
+
+def is_initialized() -> bool:
+    return _cmlp.dist_state()[0]
+
+
+def _require() -> None:
+    if not is_initialized():
+        raise ValueError("Default process group has not been initialized, please make sure to call "
+                         "cmlp.distributed.init_process_group()")
+
+
+def get_rank() -> int:
+    _require()
+    return _cmlp.dist_state()[1]
+
+
+def get_world_size() -> int:
+    _require()
+    return _cmlp.dist_state()[2]
+
+
+def get_backend() -> str:
+    _require()
+    return "mpi"
+
+
+def library_version() -> str:
+    """The MPI library in use (empty before init_process_group)."""
+    return _cmlp.dist_library_version()
+
+
+def all_reduce(tensor: np.ndarray, op: str = ReduceOp.SUM) -> None:
+    """Reduces a float32, float64 or int64 array over all ranks, in place (the array must be
+    writable and C-contiguous, with the same shape on every rank)."""
+    _require()
+    if op not in _OPS:
+        raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
+    _cmlp.dist_all_reduce(tensor, _OPS[op])
+
+
+def broadcast(tensor: np.ndarray, src: int = 0) -> None:
+    """Copies rank src's array into every rank's (in place; same shape and dtype everywhere)."""
+    _require()
+    if isinstance(src, bool) or not isinstance(src, (int, np.integer)):
+        raise TypeError(f"src must be an int, got {src!r}")
+    if not 0 <= src < get_world_size():
+        raise ValueError(f"src must be a rank in [0, {get_world_size()}), got {src}")
+    _cmlp.dist_broadcast(tensor, int(src))
+
+
+def barrier() -> None:
+    _require()
+    _cmlp.dist_barrier()
+
+
+def destroy_process_group() -> None:
+    """Ends the process group (MPI stays initialised until the process exits)."""
+    _require()
+    _cmlp.dist_destroy()
+
+
+def _sync_parameters(model: Any) -> None:
+    """Every rank takes rank 0's parameters (as DistributedDataParallel does when it wraps a
+    model)."""
+    flat = np.ascontiguousarray(model._c.get_params(), dtype=np.float32)
+    _cmlp.dist_broadcast(flat, 0)
+    model._c.set_params(flat)

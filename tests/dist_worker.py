@@ -1,0 +1,200 @@
+"""One rank of a data-parallel scenario, started by tests/test_distributed.py under mpirun:
+    mpirun -np W python tests/dist_worker.py SCENARIO
+Every rank runs the scenario; rank 0 prints one JSON object (the facts the test checks) on the
+last line of its output. Facts that hold on every rank are gathered with the collectives under
+test, so a rank that disagrees shows up in rank 0's report."""
+import json
+import sys
+
+import numpy as np
+
+import cmlp
+
+D = cmlp.distributed
+SIZES = [784, 48, 10]
+
+
+def data(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, size=(n, SIZES[0]), dtype=np.uint8), rng.integers(0, SIZES[-1], size=n)
+
+
+def optimizer(model, kind):
+    if kind == "sgd":
+        return cmlp.optim.SGD(model, lr=0.05, momentum=0.9, dampening=0.3)
+    return cmlp.optim.Adam(model, lr=1e-3)
+
+
+def params(model):
+    return model._c.get_params()
+
+
+def spread(a):
+    """max over ranks minus min over ranks, elementwise max: 0 when every rank holds the same."""
+    hi, lo = a.astype(np.float64), a.astype(np.float64)
+    hi, lo = hi.copy(), lo.copy()
+    D.all_reduce(hi, "max")
+    D.all_reduce(lo, "min")
+    return float(np.max(hi - lo)) if hi.size else 0.0
+
+
+def fit_case(opts):
+    """Data-parallel fit against one process training batch_size * world on the same data."""
+    w, r = D.get_world_size(), D.get_rank()
+    n, batch, epochs = opts.get("n", 600), opts.get("batch", 16), opts.get("epochs", 2)
+    kw = dict(accumulation_steps=opts.get("accum", 1), amp=opts.get("amp"), shuffle=opts.get("shuffle", True), seed=3)
+    x, y = data(n)
+    model = cmlp.MLP(SIZES, seed=10 + r)  # different on every rank: the trainer starts all from rank 0's
+    scaler = (lambda: cmlp.amp.GradScaler(init_scale=opts["init_scale"])) if "init_scale" in opts else (lambda: None)
+    trainer = cmlp.Trainer(model, optimizer(model, opts.get("opt")), batch_size=batch, scaler=scaler(), **kw)
+    if opts.get("limit_rank") == r:
+        cmlp.memory.set_memory_limit(opts["limit"], "cpu")
+    hist = trainer.fit(x, y, epochs=epochs, progress=False)
+    cmlp.memory.set_memory_limit(None, "cpu")
+    ref_model = cmlp.MLP(SIZES, seed=10)
+    ref = cmlp.Trainer(ref_model, optimizer(ref_model, opts.get("opt")), batch_size=batch * w, distributed=False,
+                       scaler=scaler(), **kw)
+    ref_hist = ref.fit(x, y, epochs=epochs, progress=False)
+    p, q = params(model), params(ref_model)
+    return dict(world=w, distributed=trainer.distributed, max_diff=float(np.abs(p - q).max()),
+                scale=float(np.abs(q).max()), rank_spread=spread(p),
+                loss=[h["loss"] for h in hist], ref_loss=[h["loss"] for h in ref_hist],
+                skipped=[h["skipped_steps"] for h in hist], ref_skipped=[h["skipped_steps"] for h in ref_hist],
+                micro=[h["microbatch_size"] for h in hist], micro_spread=spread(np.array([trainer.microbatch_size])))
+
+
+def step_case(opts):
+    """Trainer.step with each rank's own batch (sizes differ) against one step on all of them."""
+    w, r = D.get_world_size(), D.get_rank()
+    x, y = data(60, seed=5)
+    sizes = [5 + 3 * i for i in range(w)]
+    lo = sum(sizes[:r])
+    model = cmlp.MLP(SIZES, seed=1)
+    trainer = cmlp.Trainer(model, optimizer(model, "adam"), batch_size=8)
+    losses = [trainer.step(x[lo:lo + sizes[r]], y[lo:lo + sizes[r]]) for _ in range(3)]
+    ref_model = cmlp.MLP(SIZES, seed=1)
+    ref = cmlp.Trainer(ref_model, optimizer(ref_model, "adam"), batch_size=8, distributed=False)
+    ref_losses = [ref.step(x[:sum(sizes)], y[:sum(sizes)]) for _ in range(3)]
+    return dict(losses=losses, ref_losses=ref_losses, max_diff=float(np.abs(params(model) - params(ref_model)).max()),
+                rank_spread=spread(params(model)))
+
+
+def failure_case(opts):
+    """One rank cannot fit even one sample: every rank raises for that step, none hangs, and the
+    group trains on afterwards."""
+    r = D.get_rank()
+    x, y = data(64)
+    model = cmlp.MLP(SIZES, seed=0)
+    trainer = cmlp.Trainer(model, optimizer(model, "adam"), batch_size=8)
+    trainer.fit(x, y, epochs=1, progress=False)  # state and caches exist
+    before = params(model)
+    held = []
+    if r == 1:  # the cache full to the limit: not even one sample's buffers fit
+        model._c.release_workspace()
+        cmlp.memory.empty_cache("cpu")
+        cmlp.memory.set_memory_limit(cmlp.memory.memory_reserved("cpu"), "cpu")
+        size = 1 << 20
+        while size >= 512:
+            try:
+                held.append(cmlp.memory.caching_allocator_alloc(size, "cpu"))
+            except cmlp.OutOfMemoryError:
+                size //= 2
+    error = None
+    try:
+        trainer.fit(x, y, epochs=1, progress=False)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        error = f"{type(e).__name__}: {e}"
+    for ptr in held:
+        cmlp.memory.caching_allocator_delete(ptr)
+    cmlp.memory.set_memory_limit(None, "cpu")
+    unchanged = bool(np.array_equal(before, params(model)))
+    errors = D.get_world_size() * [None]
+    flags = np.array([1 if error else 0], dtype=np.int64)
+    D.all_reduce(flags, "sum")
+    # the error of each rank, one at a time from its owner
+    for k in range(D.get_world_size()):
+        buf = np.zeros(600, dtype=np.uint8)
+        if k == r and error:
+            raw = error.encode()[:600]
+            buf[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        D.broadcast(buf, k)
+        errors[k] = bytes(buf).rstrip(b"\0").decode(errors="replace")
+    hist = trainer.fit(x, y, epochs=1, progress=False)
+    return dict(errors=errors, failed=int(flags[0]), unchanged=unchanged, after_loss=hist[0]["loss"],
+                rank_spread=spread(params(model)))
+
+
+def mismatch_case(opts):
+    """Ranks with different settings or data sets raise ValueError, and none hangs."""
+    r = D.get_rank()
+    out = {}
+    x, y = data(64)
+    model = cmlp.MLP(SIZES, seed=0)
+    trainer = cmlp.Trainer(model, optimizer(model, "adam"), batch_size=8 + (r == 1))
+    try:
+        trainer.fit(x, y, epochs=1, progress=False)
+    except ValueError as e:
+        out["batch"] = str(e)
+    trainer = cmlp.Trainer(model, optimizer(model, "adam"), batch_size=8)
+    try:
+        trainer.fit(x[:64 - r], y[:64 - r], epochs=1, progress=False)
+    except ValueError as e:
+        out["data"] = str(e)
+    try:  # bad input on one rank only: every rank raises
+        trainer.fit(x, np.where(np.arange(64) == 3, 10 if r == 1 else 0, y), epochs=1, progress=False)
+    except ValueError as e:
+        out["labels"] = f"ValueError: {e}"
+    except RuntimeError as e:
+        out["labels"] = f"RuntimeError: {e}"
+    flags = np.array([len(out)], dtype=np.int64)
+    D.all_reduce(flags, "min")
+    out["min_errors"] = int(flags[0])
+    return out
+
+
+def collectives_case(opts):
+    w, r = D.get_world_size(), D.get_rank()
+    out = {}
+    for dt in (np.float32, np.float64, np.int64):
+        a = np.arange(5, dtype=dt) + r
+        D.all_reduce(a)
+        b = np.arange(5, dtype=dt) * (r + 1)
+        D.all_reduce(b, D.ReduceOp.MAX)
+        c = np.arange(5, dtype=dt) - r
+        D.all_reduce(c, "min")
+        out[np.dtype(dt).name] = [a.tolist(), b.tolist(), c.tolist()]
+    m = np.full((2, 3), float(r))
+    D.broadcast(m, src=w - 1)
+    out["broadcast"] = m.tolist()
+    errors = []
+    for call in (lambda: D.all_reduce(np.arange(6.0)[::2]), lambda: D.all_reduce(np.arange(3, dtype=np.int32)),
+                 lambda: D.all_reduce(np.zeros(3), "prod"), lambda: D.broadcast(np.zeros(3), src=w),
+                 lambda: D.all_reduce([1.0, 2.0]), lambda: D.init_process_group()):
+        try:
+            call()
+            errors.append(None)
+        except (TypeError, ValueError, RuntimeError) as e:
+            errors.append(type(e).__name__)
+    out["errors"] = errors
+    D.barrier()
+    out["rank"], out["world"] = r, w
+    return out
+
+
+CASES = {"fit": fit_case, "step": step_case, "failure": failure_case, "mismatch": mismatch_case,
+         "collectives": collectives_case}
+
+
+def main():
+    name = sys.argv[1]
+    opts = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+    D.init_process_group("mpi")
+    out = CASES[name](opts)
+    D.barrier()
+    if D.get_rank() == 0:
+        print(json.dumps(out), flush=True)
+    D.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

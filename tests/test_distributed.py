@@ -1,0 +1,161 @@
+"""Data parallelism over MPI: jobs of 2 and 3 ranks started with mpirun (tests/dist_worker.py is
+one rank), each checked against one process training on the same samples. Tolerances: fp32
+parameters within 1e-5 of the largest parameter after 2 epochs of Adam (the ranks' gradients are
+summed in another order than one process sums them); fp16 within 2e-3 (each rank's micro-batches
+round their half-precision activations differently); losses within 1e-6 relative (fp32)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import cmlp
+
+D = cmlp.distributed
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO_PYTHON = os.path.dirname(os.path.dirname(os.path.abspath(cmlp.__file__)))
+MPIRUN = shutil.which("mpirun")
+
+needs_mpi = pytest.mark.skipif(not (MPIRUN and D.is_available()),
+                               reason="needs mpirun and cmlp's MPI module (apt-get install libopenmpi-dev openmpi-bin)")
+
+
+def job_env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_PYTHON + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",  # CI machines run as root
+               OMPI_MCA_rmaps_base_oversubscribe="1",  # 3 ranks on 2 cores
+               OMPI_MCA_btl_vader_single_copy_mechanism="none",  # containers forbid cross-process reads
+               OPENBLAS_NUM_THREADS="1")
+    return env
+
+
+def run_job(ranks, case, opts=None, timeout=120):
+    """Rank 0's report of one job; a job that hangs fails the test after `timeout` seconds."""
+    cmd = [MPIRUN, "-np", str(ranks), sys.executable, os.path.join(HERE, "dist_worker.py"), case,
+           json.dumps(opts or {})]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=job_env(), timeout=timeout)
+    assert p.returncode == 0, f"mpirun exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_the_mpi_module_is_built_where_mpi_is_installed():
+    # a build that silently left MPI out would skip every job below
+    if shutil.which("mpicc") and os.environ.get("CMLP_MPI") != "0":
+        assert D.is_available() and D.is_mpi_available()
+
+
+def test_without_a_process_group_every_call_says_what_to_do():
+    assert not D.is_initialized()
+    assert not D.is_nccl_available()
+    for call in (D.get_rank, D.get_world_size, D.barrier, D.destroy_process_group,
+                 lambda: D.all_reduce(np.zeros(2)), lambda: D.broadcast(np.zeros(2))):
+        with pytest.raises(ValueError, match="init_process_group"):
+            call()
+    with pytest.raises(ValueError, match="backend"):
+        D.init_process_group("gloo")
+    with pytest.raises(RuntimeError, match="NCCL"):
+        D.init_process_group("nccl")
+    model = cmlp.MLP([4, 3, 2])
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        cmlp.Trainer(model, cmlp.optim.SGD(model), distributed=True)
+    with pytest.raises(TypeError, match="distributed"):
+        cmlp.Trainer(model, cmlp.optim.SGD(model), distributed=1)
+    assert cmlp.Trainer(model, cmlp.optim.SGD(model)).distributed is False
+
+
+@needs_mpi
+def test_collectives():
+    out = run_job(2, "collectives")
+    for dt in ("float32", "float64", "int64"):
+        assert out[dt] == [[1, 3, 5, 7, 9], [0, 2, 4, 6, 8], [-1, 0, 1, 2, 3]]
+    assert out["broadcast"] == [[1.0] * 3] * 2  # rank 1's
+    # non-contiguous, int32, an unknown op, src out of range, a list, a second init
+    assert out["errors"] == ["ValueError", "TypeError", "ValueError", "ValueError", "TypeError", "RuntimeError"]
+    assert (out["rank"], out["world"]) == (0, 2)
+
+
+def check_fit(out, ranks, tol, loss_rtol):
+    assert out["world"] == ranks and out["distributed"]
+    assert out["rank_spread"] == 0.0  # every rank holds the same parameters, bit for bit
+    assert out["max_diff"] <= tol * out["scale"], out
+    np.testing.assert_allclose(out["loss"], out["ref_loss"], rtol=loss_rtol)
+    assert out["skipped"] == out["ref_skipped"]
+
+
+@needs_mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_fit_equals_one_process_on_the_same_samples(ranks):
+    # batch 16 per rank against one process at 16 * ranks; 600 samples leave a short last step
+    check_fit(run_job(ranks, "fit"), ranks, 1e-5, 1e-6)
+
+
+@needs_mpi
+def test_ranks_without_a_sample_in_the_last_step_add_nothing():
+    # 10 samples, batch 1 on 3 ranks: the last step has one sample, ranks 1 and 2 none
+    check_fit(run_job(3, "fit", {"batch": 1, "n": 10, "epochs": 1}), 3, 1e-5, 1e-6)
+
+
+@needs_mpi
+def test_accumulation_sgd_momentum_and_no_shuffle():
+    check_fit(run_job(2, "fit", {"accum": 3, "opt": "sgd", "shuffle": False, "n": 500}), 2, 1e-5, 1e-6)
+
+
+@needs_mpi
+@pytest.mark.parametrize("amp", ["fp16", "bf16"])
+def test_mixed_precision(amp):
+    check_fit(run_job(2, "fit", {"amp": amp, "accum": 2}), 2, 2e-3 if amp == "fp16" else 1e-2, 1e-3)
+
+
+@needs_mpi
+def test_every_rank_skips_the_same_fp16_steps():
+    # a scale of 2**40 overflows the half-precision gradients: the first steps are skipped, by every rank
+    out = run_job(2, "fit", {"amp": "fp16", "init_scale": 2.0**40, "epochs": 1})
+    check_fit(out, 2, 2e-3, 1e-3)
+    assert out["skipped"][0] > 0
+
+
+@needs_mpi
+def test_one_rank_under_a_memory_limit_micro_batches_alone():
+    # rank 1 computes its share in micro-batches; the update is the same
+    out = run_job(2, "fit", {"limit_rank": 1, "limit": 600_000})
+    check_fit(out, 2, 1e-5, 1e-6)
+    assert out["micro_spread"] > 0  # the ranks compute with different micro-batches
+
+
+@needs_mpi
+def test_step_takes_each_ranks_own_batch():
+    out = run_job(3, "step")  # batches of 5, 8 and 11 samples: one step on all 24
+    np.testing.assert_allclose(out["losses"], out["ref_losses"], rtol=1e-6)
+    assert out["max_diff"] < 1e-5 and out["rank_spread"] == 0.0
+
+
+@needs_mpi
+def test_a_rank_out_of_memory_fails_the_step_everywhere_and_nothing_hangs():
+    out = run_job(2, "failure")
+    assert out["failed"] == 2
+    assert out["errors"][1].startswith("OutOfMemoryError") and "micro-batch of 1 sample" in out["errors"][1]
+    assert out["errors"][0].startswith("RuntimeError") and "rank 1" in out["errors"][0]
+    assert out["unchanged"]  # the step was taken by no rank
+    assert out["rank_spread"] == 0.0 and np.isfinite(out["after_loss"])  # and the group trains on
+
+
+@needs_mpi
+def test_ranks_that_disagree_all_raise():
+    out = run_job(2, "mismatch")
+    assert out["min_errors"] == 3  # on both ranks, three errors, no hang
+    assert "batch_size (from 8 to 9)" in out["batch"]
+    assert "sample count (from 63 to 64)" in out["data"]
+    assert out["labels"].startswith("RuntimeError") and "rank 1" in out["labels"]  # rank 1's labels were bad
+
+
+@needs_mpi
+def test_a_process_started_without_mpirun_is_a_group_of_one():
+    cmd = [sys.executable, os.path.join(HERE, "dist_worker.py"), "fit", json.dumps({"epochs": 1, "n": 100})]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=job_env(), timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["world"] == 1 and out["max_diff"] == 0.0 and out["loss"] == out["ref_loss"]
