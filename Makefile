@@ -62,14 +62,24 @@ EMU_SO_OBJ := $(patsubst kernels/%.cu,$(EMU_DIR)/%.o,$(wildcard kernels/*.cu)) \
     $(EMU_DIR)/cuda_emu.o $(EMU_DIR)/cuda_runtime_emu.o $(EMU_DIR)/backend_cuda.o
 EMU_SO_CXX := $(CXX) -std=c++17 -g $(EMU_OPT) -fPIC -fvisibility=hidden $(WARN) -Wno-unknown-pragmas -DCMLP_EMU \
     -isystem $(CUDA_INC)
+# with Open MPI, the emulated runtime is NCCL too (over MPI), for data-parallel tests on it
+MPICC := $(shell command -v mpicc 2>/dev/null)
+ifneq ($(MPICC),)
+EMU_MPI_FLAGS := -DCMLP_EMU_MPI -DOMPI_SKIP_MPICXX=1 -DMPICH_SKIP_MPICXX=1 $(shell $(MPICC) --showme:compile 2>/dev/null)
+EMU_MPI_LIBS := $(shell $(MPICC) --showme:link 2>/dev/null)
+endif
 
 $(EMU_DIR)/%.o: build/emu/%.cpp build/emu/common.cuh kernels/kernels.h tests/emu/cuda_emu.h
 	@mkdir -p $(EMU_DIR)
 	$(EMU_SO_CXX) -include tests/emu/cuda_emu.h -Ikernels -c $< -o $@
 
-$(EMU_DIR)/cuda_emu.o $(EMU_DIR)/cuda_runtime_emu.o: $(EMU_DIR)/%.o: tests/emu/%.cpp tests/emu/cuda_emu.h
+$(EMU_DIR)/cuda_emu.o: $(EMU_DIR)/%.o: tests/emu/%.cpp tests/emu/cuda_emu.h
 	@mkdir -p $(EMU_DIR)
 	$(EMU_SO_CXX) -c $< -o $@
+
+$(EMU_DIR)/cuda_runtime_emu.o: tests/emu/cuda_runtime_emu.cpp tests/emu/cuda_emu.h
+	@mkdir -p $(EMU_DIR)
+	$(EMU_SO_CXX) $(EMU_MPI_FLAGS) -c $< -o $@
 
 $(EMU_DIR)/backend_cuda.o: csrc/backend_cuda.c csrc/backend.h csrc/cmlp.h kernels/kernels.h
 	@mkdir -p $(EMU_DIR)
@@ -78,7 +88,8 @@ $(EMU_DIR)/backend_cuda.o: csrc/backend_cuda.c csrc/backend.h csrc/cmlp.h kernel
 
 $(EMU_SO): $(EMU_SO_OBJ)
 	@test -n "$(BLAS_LIB)" || { echo "scipy-openblas32 is not installed for $(PYTHON): run scripts/setup.sh"; exit 1; }
-	$(CXX) -shared $(EMU_OPT) -o $@ $(EMU_SO_OBJ) -L$(BLAS_LIB) -lscipy_openblas -Wl,-rpath,$(BLAS_LIB) -lpthread
+	$(CXX) -shared $(EMU_OPT) -o $@ $(EMU_SO_OBJ) -L$(BLAS_LIB) -lscipy_openblas -Wl,-rpath,$(BLAS_LIB) -lpthread \
+	    $(EMU_MPI_LIBS)
 
 emu-cuda: $(EMU_SO)
 

@@ -192,7 +192,20 @@ typedef struct cmlp_backend_i {
     cmlp_status (*capture_end)(void *ctx, void **graph);
     cmlp_status (*graph_launch)(void *ctx, void *graph);
     void (*graph_free)(void *ctx, void *graph);
+
+    /* Collectives between the devices of the ranks of a process group (NULL where the device
+     * has none; the CUDA backend's are NCCL's, loaded on first use from $CMLP_NCCL_LIBRARY or
+     * libnccl.so.2). comm_id: a new group's id (CMLP_COMM_ID_BYTES), made on one rank and
+     * handed to the others by the caller; comm_init: this device's member of the group, made by
+     * every rank at once (it waits for all); comm_all_reduce: a float sum in place, queued on the
+     * device's stream like a kernel (a capture records it); comm_free. */
+    cmlp_status (*comm_id)(void *ctx, void *id);
+    cmlp_status (*comm_init)(void *ctx, const void *id, int rank, int size, void **comm);
+    cmlp_status (*comm_all_reduce)(void *ctx, void *comm, float *d_buf, int64_t n);
+    void (*comm_free)(void *ctx, void *comm);
 } cmlp_backend_i;
+
+#define CMLP_COMM_ID_BYTES 128
 
 extern const cmlp_backend_i cmlp_backend_cpu;
 
@@ -201,7 +214,7 @@ extern const cmlp_backend_i cmlp_backend_cpu;
  * recorder and returns the module below. */
 typedef cmlp_status (*cmlp_error_fn)(cmlp_status s, const char *file, int line, const char *fmt, ...);
 
-#define CMLP_CUDA_ABI 1
+#define CMLP_CUDA_ABI 2
 
 typedef struct cmlp_cuda_module {
     int abi; /* CMLP_CUDA_ABI of the library */

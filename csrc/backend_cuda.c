@@ -14,6 +14,7 @@
 #include <cublasLt.h>
 #include <cuda.h>
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -1081,6 +1082,105 @@ static void cu_graph_free(void *ctx, void *graph) {
     if (graph && use(c) == CMLP_OK) (void)cudaGraphExecDestroy((cudaGraphExec_t)graph);
 }
 
+/* ---- NCCL: collectives between the GPUs of a process group, loaded on first use ---- */
+
+/* NCCL's ABI as far as used here (nccl.h: ncclUniqueId, ncclFloat32 = 7, ncclSum = 0, results
+ * with ncclSuccess = 0), so that the backend builds and loads without NCCL installed. */
+typedef struct nccl_id {
+    char internal[CMLP_COMM_ID_BYTES];
+} nccl_id;
+typedef int (*fn_nccl_get_unique_id)(nccl_id *);
+typedef int (*fn_nccl_comm_init_rank)(void **comm, int nranks, nccl_id id, int rank);
+typedef int (*fn_nccl_all_reduce)(const void *send, void *recv, size_t count, int type, int op, void *comm,
+                                  cudaStream_t stream);
+typedef int (*fn_nccl_comm_destroy)(void *comm);
+typedef const char *(*fn_nccl_get_error_string)(int);
+enum { NCCL_FLOAT32 = 7, NCCL_SUM = 0 };
+
+static struct {
+    pthread_once_t once;
+    bool ok;
+    char why[600];
+    fn_nccl_get_unique_id get_unique_id;
+    fn_nccl_comm_init_rank comm_init_rank;
+    fn_nccl_all_reduce all_reduce;
+    fn_nccl_comm_destroy comm_destroy;
+    fn_nccl_get_error_string error_string;
+} nccl = {.once = PTHREAD_ONCE_INIT};
+
+static void nccl_load(void) {
+    const char *env = getenv("CMLP_NCCL_LIBRARY");
+    const char *path = env && env[0] ? env : "libnccl.so.2";
+    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+        snprintf(nccl.why, sizeof nccl.why, "cannot load NCCL (%s; set CMLP_NCCL_LIBRARY to libnccl.so.2's path)",
+                 dlerror());
+        return;
+    }
+    nccl.get_unique_id = (fn_nccl_get_unique_id)dlsym(h, "ncclGetUniqueId");
+    nccl.comm_init_rank = (fn_nccl_comm_init_rank)dlsym(h, "ncclCommInitRank");
+    nccl.all_reduce = (fn_nccl_all_reduce)dlsym(h, "ncclAllReduce");
+    nccl.comm_destroy = (fn_nccl_comm_destroy)dlsym(h, "ncclCommDestroy");
+    nccl.error_string = (fn_nccl_get_error_string)dlsym(h, "ncclGetErrorString");
+    nccl.ok = nccl.get_unique_id && nccl.comm_init_rank && nccl.all_reduce && nccl.comm_destroy && nccl.error_string;
+    if (!nccl.ok) snprintf(nccl.why, sizeof nccl.why, "%.400s lacks NCCL's functions", path);
+}
+
+static cmlp_status nccl_ready(void) {
+    pthread_once(&nccl.once, nccl_load);
+    return nccl.ok ? CMLP_OK : FAIL(CMLP_ERR_DEVICE, "%s", nccl.why);
+}
+
+#define NCCL_READY()                                                                                           \
+    do {                                                                                                       \
+        cmlp_status n_ = nccl_ready();                                                                         \
+        if (n_ != CMLP_OK) return n_;                                                                          \
+    } while (0)
+
+#define NCCL_TRY(call, what)                                                                                   \
+    do {                                                                                                       \
+        int r_ = (call);                                                                                       \
+        if (r_ != 0) return FAIL(CMLP_ERR_DEVICE, "%s failed: %s (NCCL result %d)", what,                     \
+                                 nccl.error_string(r_), r_);                                                 \
+    } while (0)
+
+static cmlp_status cu_comm_id(void *ctx, void *id) {
+    (void)ctx;
+    NCCL_READY();
+    NCCL_TRY(nccl.get_unique_id((nccl_id *)id), "ncclGetUniqueId");
+    return CMLP_OK;
+}
+
+static cmlp_status cu_comm_init(void *ctx, const void *id, int rank, int size, void **comm) {
+    cuda_ctx *c = ctx;
+    NCCL_READY();
+    CMLP_TRY_USE(c); /* NCCL takes the current device */
+    nccl_id uid;
+    memcpy(&uid, id, sizeof uid);
+    *comm = NULL;
+    NCCL_TRY(nccl.comm_init_rank(comm, size, uid, rank), "ncclCommInitRank");
+    return CMLP_OK;
+}
+
+static cmlp_status cu_comm_all_reduce(void *ctx, void *comm, float *d_buf, int64_t n) {
+    cuda_ctx *c = ctx;
+    NCCL_READY();
+    CMLP_TRY_USE(c);
+    if (n <= 0) return CMLP_OK;
+    /* under the lock, in stream order with the GEMMs and kernels other threads queue */
+    pthread_mutex_lock(&c->lock);
+    int r = nccl.all_reduce(d_buf, d_buf, (size_t)n, NCCL_FLOAT32, NCCL_SUM, comm, stream_of(c));
+    pthread_mutex_unlock(&c->lock);
+    if (r != 0) return FAIL(CMLP_ERR_DEVICE, "ncclAllReduce of %lld floats failed: %s (NCCL result %d)", (long long)n,
+                            nccl.error_string(r), r);
+    return done(c, cudaSuccess, "ncclAllReduce");
+}
+
+static void cu_comm_free(void *ctx, void *comm) {
+    cuda_ctx *c = ctx;
+    if (comm && nccl.ok && use(c) == CMLP_OK) (void)nccl.comm_destroy(comm);
+}
+
 static const cmlp_backend_i backend = {
     .name = "cuda",
     .open = cu_open,
@@ -1126,6 +1226,10 @@ static const cmlp_backend_i backend = {
     .capture_end = cu_capture_end,
     .graph_launch = cu_graph_launch,
     .graph_free = cu_graph_free,
+    .comm_id = cu_comm_id,
+    .comm_init = cu_comm_init,
+    .comm_all_reduce = cu_comm_all_reduce,
+    .comm_free = cu_comm_free,
 };
 
 /* ---- the library's entry ---- */

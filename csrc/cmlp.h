@@ -364,10 +364,16 @@ CMLP_API void cmlp_trainer_release_data(cmlp_trainer *t);
  * same counts. A trainer made data-parallel (cmlp_trainer_set_distributed) splits each step's
  * samples between the ranks and sums their gradients before the update, which then equals one
  * process training on all of them. */
-CMLP_API cmlp_status cmlp_dist_init(int *rank, int *size); /* loads MPI; initialises it if needed */
+typedef enum cmlp_dist_kind { CMLP_DIST_MPI = 0, CMLP_DIST_NCCL = 1 } cmlp_dist_kind;
+/* Loads MPI and initialises it if needed. backend: how gradients on devices other than the host
+ * are summed (CMLP_DIST_NCCL: NCCL between GPUs, its id sent over MPI); the host's go over MPI. */
+CMLP_API cmlp_status cmlp_dist_init(int backend, int *rank, int *size);
 CMLP_API int cmlp_dist_initialized(void);
-CMLP_API int cmlp_dist_rank(void); /* 0 without a group */
-CMLP_API int cmlp_dist_size(void); /* 1 without a group */
+CMLP_API int cmlp_dist_rank(void);       /* 0 without a group */
+CMLP_API int cmlp_dist_size(void);       /* 1 without a group */
+CMLP_API int cmlp_dist_local_rank(void); /* among the ranks of this machine */
+CMLP_API int cmlp_dist_local_size(void);
+CMLP_API int cmlp_dist_backend(void); /* -1 without a group */
 /* In place on host memory. type: 0 float32, 1 float64, 2 int64; op: 0 sum, 1 max, 2 min. */
 CMLP_API cmlp_status cmlp_dist_all_reduce(void *buf, int64_t count, int type, int op);
 CMLP_API cmlp_status cmlp_dist_broadcast(void *buf, int64_t bytes, int root);

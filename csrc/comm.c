@@ -17,7 +17,14 @@
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static const cmlp_mpi_module *mpi; /* loaded once, kept to the end */
 static bool group;                 /* between cmlp_dist_init and cmlp_dist_destroy */
-static int rank_, size_ = 1;
+static int rank_, size_ = 1, local_rank_, local_size_ = 1;
+static int backend_; /* CMLP_DIST_MPI, or CMLP_DIST_NCCL: devices other than the host sum through NCCL */
+/* each device's member of the group's device collectives, made when first asked for */
+static struct {
+    cmlp_device_ctx *dev;
+    void *comm;
+} dcomms[16];
+static int ndcomms;
 
 static cmlp_status load(void) {
     if (mpi) return CMLP_OK;
@@ -53,12 +60,15 @@ static cmlp_status load(void) {
     return CMLP_OK;
 }
 
-cmlp_status cmlp_dist_init(int *rank, int *size) {
+cmlp_status cmlp_dist_init(int backend, int *rank, int *size) {
+    if (backend != CMLP_DIST_MPI && backend != CMLP_DIST_NCCL)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "unknown process group backend %d", backend);
     pthread_mutex_lock(&lock);
     cmlp_status st = group ? CMLP_FAIL(CMLP_ERR_STATE, "the process group is initialised already") : load();
-    if (st == CMLP_OK) st = mpi->init(&rank_, &size_);
+    if (st == CMLP_OK) st = mpi->init(&rank_, &size_, &local_rank_, &local_size_);
     if (st == CMLP_OK) {
         group = true;
+        backend_ = backend;
         if (rank) *rank = rank_;
         if (size) *size = size_;
     }
@@ -75,6 +85,9 @@ int cmlp_dist_initialized(void) {
 
 int cmlp_dist_rank(void) { return group ? rank_ : 0; }
 int cmlp_dist_size(void) { return group ? size_ : 1; }
+int cmlp_dist_local_rank(void) { return group ? local_rank_ : 0; }
+int cmlp_dist_local_size(void) { return group ? local_size_ : 1; }
+int cmlp_dist_backend(void) { return group ? backend_ : -1; }
 
 #define NO_GROUP() CMLP_FAIL(CMLP_ERR_STATE, "no process group: call cmlp.distributed.init_process_group() first")
 
@@ -107,8 +120,56 @@ cmlp_status cmlp_dist_barrier(void) {
     return st;
 }
 
+/* The devices' communicators go with the group (every rank destroys it). */
+static void free_device_comms(void) {
+    for (int i = 0; i < ndcomms; i++) dcomms[i].dev->backend->comm_free(dcomms[i].dev->bctx, dcomms[i].comm);
+    ndcomms = 0;
+}
+
+cmlp_status cmlp_dist_device_comm(cmlp_device_ctx *dev, void **comm) {
+    *comm = NULL;
+    pthread_mutex_lock(&lock);
+    cmlp_status st = CMLP_OK;
+    for (int i = 0; i < ndcomms; i++)
+        if (dcomms[i].dev == dev) *comm = dcomms[i].comm;
+    if (*comm) goto out;
+    if (!group) {
+        st = NO_GROUP();
+    } else if (backend_ != CMLP_DIST_NCCL || !dev->backend->comm_init) {
+        st = CMLP_FAIL(CMLP_ERR_STATE,
+                       "the process group's backend is '%s', which sums gradients of models on the CPU; for models "
+                       "on CUDA devices make it with init_process_group(\"nccl\")",
+                       backend_ == CMLP_DIST_NCCL ? "nccl" : "mpi");
+    } else if (ndcomms == (int)(sizeof dcomms / sizeof dcomms[0])) {
+        st = CMLP_FAIL(CMLP_ERR_STATE, "data-parallel training on more than %d devices in one process",
+                       (int)(sizeof dcomms / sizeof dcomms[0]));
+    } else {
+        /* rank 0 makes the id and sends it, with a byte saying whether it could */
+        unsigned char id[CMLP_COMM_ID_BYTES + 1] = {0};
+        if (rank_ == 0) {
+            st = dev->backend->comm_id(dev->bctx, id + 1);
+            id[0] = st == CMLP_OK;
+        }
+        cmlp_status sent = mpi->broadcast(id, sizeof id, 0);
+        if (st == CMLP_OK) st = sent;
+        if (st == CMLP_OK && !id[0])
+            st = CMLP_FAIL(CMLP_ERR_DEVICE, "rank 0 of the process group could not make a NCCL id (its own error "
+                                            "says why)");
+        if (st == CMLP_OK) st = dev->backend->comm_init(dev->bctx, id + 1, rank_, size_, comm);
+        if (st == CMLP_OK) {
+            dcomms[ndcomms].dev = dev;
+            dcomms[ndcomms].comm = *comm;
+            ndcomms++;
+        }
+    }
+out:
+    pthread_mutex_unlock(&lock);
+    return st;
+}
+
 void cmlp_dist_destroy(void) {
     pthread_mutex_lock(&lock);
+    free_device_comms();
     group = false;
     pthread_mutex_unlock(&lock);
 }

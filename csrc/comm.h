@@ -19,8 +19,8 @@ typedef enum cmlp_comm_type { CMLP_COMM_F32 = 0, CMLP_COMM_F64 = 1, CMLP_COMM_I6
 typedef struct cmlp_mpi_module {
     int abi; /* CMLP_MPI_ABI of the library */
     /* MPI_Init_thread (unless MPI is initialised already: then it is not finalised here either);
-     * the rank and size of MPI_COMM_WORLD. */
-    cmlp_status (*init)(int *rank, int *size);
+     * the rank and size of MPI_COMM_WORLD, and of the ranks on this machine (shared memory). */
+    cmlp_status (*init)(int *rank, int *size, int *local_rank, int *local_size);
     /* In place, on host memory, every rank the same count, type and op. */
     cmlp_status (*all_reduce)(void *buf, int64_t count, cmlp_comm_type type, cmlp_reduce_op op);
     cmlp_status (*broadcast)(void *buf, int64_t bytes, int root);

@@ -24,7 +24,7 @@ static cmlp_status mpi_fail(int code, const char *what, const char *file, int li
     return fail(CMLP_ERR_DEVICE, file, line, "%s failed: %s", what, msg);
 }
 
-static cmlp_status init(int *rank, int *size) {
+static cmlp_status init(int *rank, int *size, int *local_rank, int *local_size) {
     int done = 0, rc = MPI_Initialized(&done);
     if (rc != MPI_SUCCESS) return MPI_FAIL(rc, "MPI_Initialized");
     if (!done) {
@@ -41,7 +41,16 @@ static cmlp_status init(int *rank, int *size) {
     rc = MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
     if (rc == MPI_SUCCESS) rc = MPI_Comm_rank(MPI_COMM_WORLD, rank);
     if (rc == MPI_SUCCESS) rc = MPI_Comm_size(MPI_COMM_WORLD, size);
-    return rc == MPI_SUCCESS ? CMLP_OK : MPI_FAIL(rc, "MPI_Comm_rank/MPI_Comm_size");
+    if (rc != MPI_SUCCESS) return MPI_FAIL(rc, "MPI_Comm_rank/MPI_Comm_size");
+    /* the ranks that share this machine: which GPU is whose */
+    MPI_Comm node;
+    rc = MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, *rank, MPI_INFO_NULL, &node);
+    if (rc != MPI_SUCCESS) return MPI_FAIL(rc, "MPI_Comm_split_type");
+    rc = MPI_Comm_rank(node, local_rank);
+    if (rc == MPI_SUCCESS) rc = MPI_Comm_size(node, local_size);
+    int freed = MPI_Comm_free(&node);
+    if (rc == MPI_SUCCESS) rc = freed;
+    return rc == MPI_SUCCESS ? CMLP_OK : MPI_FAIL(rc, "the ranks of this machine (MPI_Comm_rank/size)");
 }
 
 static const int CHUNK = 1 << 30; /* elements per call: within MPI's int counts */

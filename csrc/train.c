@@ -52,6 +52,8 @@ struct cmlp_trainer {
     int64_t oom_retries, good_steps;
     int64_t target_micro; /* the micro-batch asked for; auto micro-batching grows back to it */
     bool dist;            /* data-parallel over the process group */
+    void *dcomm;          /* off the host: dcomm_dev's member of the group's device collectives */
+    cmlp_device_ctx *dcomm_dev;
 };
 
 /* Off the CPU the optimizer's step count and bias corrections live on the device too, so that a
@@ -268,7 +270,10 @@ static cmlp_status step_update(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_da
     cmlp_model *m = t->model;
     const cmlp_backend_i *b = m->dev->backend;
     void *ctx = m->dev->bctx;
-    if (t->dist) CMLP_TRY(cmlp_dist_all_reduce(m->grads, m->nparams, CMLP_COMM_F32, CMLP_REDUCE_SUM));
+    if (t->dist && m->dev->device.type == CMLP_DEVICE_CPU)
+        CMLP_TRY(cmlp_dist_all_reduce(m->grads, m->nparams, CMLP_COMM_F32, CMLP_REDUCE_SUM));
+    else if (t->dist) /* on the device's stream, in a capture too */
+        CMLP_TRY(b->comm_all_reduce(ctx, t->dcomm, m->grads, m->nparams));
     if (!t->scaler.enabled && !device_steps(t)) return cmlp_optim_step(t->optim);
     const float *found_inf = NULL;
     if (t->scaler.enabled) {
@@ -286,11 +291,11 @@ static cmlp_status step_update(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_da
                                   s->enabled ? &scale : NULL);
 }
 
-/* One optimizer step: this rank's k samples of n_all (see step_grads), then the update. */
+/* One optimizer step as a capture records it: this rank's k samples of n_all (see step_grads),
+ * then the update (the ranks agree on it after the capture: see graph_step). */
 static cmlp_status effective_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_data *xy, const int64_t *idx,
                                   int64_t start, int64_t k, int64_t n_all) {
     CMLP_TRY(step_grads(t, ds, xy, idx, start, k, n_all));
-    if (t->dist) CMLP_TRY(agree(CMLP_OK));
     return step_update(t, ds, xy, n_all);
 }
 
@@ -425,15 +430,19 @@ static void make_key(const cmlp_trainer *t, const cmlp_data *xy, const int64_t *
 /* A full step on device data, as a graph: the first step with a new key runs eagerly (it makes
  * the workspace, the optimizer state and the GEMM plans), the next one with that key is
  * captured, and the ones after it replay the capture. A capture that fails turns graphs off
- * for this trainer and the step runs eagerly. */
+ * for this trainer and the step runs eagerly. Data-parallel, the ranks agree once on every
+ * step, however each runs it (replay, capture or eagerly: a rank that halved its micro-batch
+ * does not replay), and a capture that failed on any rank is dropped by all. */
 static cmlp_status graph_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_data *xy, const int64_t *idx,
                               int64_t start, int64_t n, int64_t n_all) {
     cmlp_device_ctx *dev = t->model->dev;
     const cmlp_backend_i *b = dev->backend;
     step_key key;
     make_key(t, xy, idx, start, n, n_all, &key);
-    if (t->graph && t->graph_dev == dev && memcmp(&key, &t->graph_key, sizeof key) == 0)
+    if (t->graph && t->graph_dev == dev && memcmp(&key, &t->graph_key, sizeof key) == 0) {
+        if (t->dist) CMLP_TRY(agree(CMLP_OK));
         return b->graph_launch(dev->bctx, t->graph);
+    }
     if (!t->warm || memcmp(&key, &t->warm_key, sizeof key) != 0) {
         CMLP_TRY(robust_step(t, ds, xy, idx, start, n, n_all));
         make_key(t, xy, idx, start, n, n_all, &t->warm_key); /* after the step: what it allocated is in */
@@ -442,28 +451,36 @@ static cmlp_status graph_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_dat
     }
     drop_graph(t);
     cmlp_status st = b->capture_begin(dev->bctx);
+    void *g = NULL;
     if (st == CMLP_OK) {
         cmlp_allocator_capturing(dev->alloc, true); /* cached memory only: nothing may allocate */
         st = effective_step(t, ds, xy, idx, start, n, n_all);
         cmlp_allocator_capturing(dev->alloc, false);
-        void *g = NULL;
         cmlp_status end = b->capture_end(dev->bctx, &g);
         if (st == CMLP_OK) st = end;
-        if (st == CMLP_OK) {
-            t->graph = g;
-            t->graph_dev = dev;
-            t->graph_key = key;
-            return b->graph_launch(dev->bctx, g);
-        }
-        if (g) b->graph_free(dev->bctx, g);
     }
+    if (t->dist) { /* a capture that failed anywhere runs eagerly everywhere (which agrees again) */
+        char why[1024];
+        snprintf(why, sizeof why, "%s", cmlp_last_error());
+        cmlp_status all = agree(st);
+        if (all != CMLP_OK && st == CMLP_OK) st = all;
+        else if (st != CMLP_OK) cmlp_restore_error(why);
+    }
+    if (st == CMLP_OK) {
+        t->graph = g;
+        t->graph_dev = dev;
+        t->graph_key = key;
+        return b->graph_launch(dev->bctx, g);
+    }
+    if (g) b->graph_free(dev->bctx, g);
     t->graphs_off = true; /* nothing captured ran: the step runs eagerly */
     return robust_step(t, ds, xy, idx, start, n, n_all);
 }
 
 /* Data-parallel, every rank must run the same loop: the values each gives must be equal. */
 static cmlp_status same_on_every_rank(const char *const *names, const int64_t *v, int n) {
-    int64_t hi[8], lo[8];
+    int64_t hi[12], lo[12];
+    if (n > 12) return CMLP_FAIL(CMLP_ERR_INTERNAL, "%d values to compare", n);
     for (int i = 0; i < n; i++) {
         hi[i] = v[i];
         lo[i] = v[i] == INT64_MIN ? INT64_MAX : -v[i];
@@ -481,45 +498,67 @@ static cmlp_status same_on_every_rank(const char *const *names, const int64_t *v
 
 /* The settings that decide which samples a step takes and how it is computed. */
 static cmlp_status same_settings(const cmlp_trainer *t) {
-    static const char *const names[8] = {"batch_size", "accumulation_steps", "shuffle", "seed",
-                                         "amp", "loss scaling", "the model's parameter count", "the optimizer"};
+    static const char *const names[9] = {"batch_size",   "accumulation_steps",
+                                         "shuffle",      "seed",
+                                         "amp",          "loss scaling",
+                                         "the model's parameter count", "the optimizer",
+                                         "the kind of device the model is on"};
     const cmlp_train_config *c = &t->cfg;
-    int64_t v[8] = {c->batch_size, c->accumulation_steps, c->shuffle, (int64_t)c->seed, (int64_t)c->amp,
-                    t->scaler.enabled, t->model->nparams, (int64_t)cmlp_optim_get_kind(t->optim)};
-    return same_on_every_rank(names, v, 8);
+    int64_t v[9] = {c->batch_size, c->accumulation_steps, c->shuffle, (int64_t)c->seed, (int64_t)c->amp,
+                    t->scaler.enabled, t->model->nparams, (int64_t)cmlp_optim_get_kind(t->optim),
+                    (int64_t)t->model->dev->device.type};
+    return same_on_every_rank(names, v, 9);
+}
+
+/* Off the host, the model's device joins the group's device collectives (every rank at once:
+ * after same_settings, so that all are on devices of one kind). */
+static cmlp_status join_device_group(cmlp_trainer *t) {
+    cmlp_device_ctx *dev = t->model->dev;
+    if (dev->device.type == CMLP_DEVICE_CPU || t->dcomm_dev == dev) return CMLP_OK;
+    void *comm;
+    CMLP_TRY(cmlp_dist_device_comm(dev, &comm));
+    t->dcomm = comm;
+    t->dcomm_dev = dev;
+    return CMLP_OK;
 }
 
 cmlp_status cmlp_trainer_set_distributed(cmlp_trainer *t, int on) {
     if (!t) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
     if (on && !cmlp_dist_initialized())
         return CMLP_FAIL(CMLP_ERR_STATE, "no process group: call cmlp.distributed.init_process_group() first");
-    if (on && t->model->dev->device.type != CMLP_DEVICE_CPU)
-        return CMLP_FAIL(CMLP_ERR_DEVICE, "data parallelism over MPI trains models on the CPU; this model is on %s",
-                         t->model->dev->device.type == CMLP_DEVICE_CUDA ? "a CUDA device" : "another device");
-    t->dist = on != 0;
     drop_graph(t);
     t->warm = false;
-    return CMLP_OK;
+    t->dist = false;
+    t->dcomm = NULL;
+    t->dcomm_dev = NULL;
+    if (!on) return CMLP_OK;
+    t->dist = true; /* collectives from here: every rank makes its trainer data-parallel */
+    cmlp_status st = same_settings(t);
+    if (st == CMLP_OK) st = join_device_group(t);
+    if (st != CMLP_OK) t->dist = false;
+    return st;
 }
 
-/* A step's trainer on its model's device, with the group still there when data-parallel. */
-static cmlp_status check_group(const cmlp_trainer *t) {
+/* Data-parallel, the group is still there (and the trainer's device collectives are its
+ * model's device's: where the model moved, epoch_begin and step join the group again). */
+static cmlp_status check_group(const cmlp_trainer *t, bool joined) {
     if (!t->dist) return CMLP_OK;
     if (!cmlp_dist_initialized())
         return CMLP_FAIL(CMLP_ERR_STATE, "this trainer is data-parallel, and the process group was destroyed");
-    if (t->model->dev->device.type != CMLP_DEVICE_CPU)
-        return CMLP_FAIL(CMLP_ERR_DEVICE, "data parallelism over MPI trains models on the CPU; the model moved");
+    if (joined && t->model->dev->device.type != CMLP_DEVICE_CPU && t->dcomm_dev != t->model->dev)
+        return CMLP_FAIL(CMLP_ERR_STATE, "the model moved to another device during the epoch");
     return CMLP_OK;
 }
 
 cmlp_status cmlp_trainer_step(cmlp_trainer *t, const cmlp_data *xy, double *loss_mean) {
     if (!t || !loss_mean) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
-    CMLP_TRY(check_group(t));
+    CMLP_TRY(check_group(t, false));
     cmlp_status st = cmlp_data_validate(t->model, xy, true);
     int64_t n_all = xy->n;
     if (t->dist) { /* each rank's own batch: the step is all of them */
         CMLP_TRY(agree(st));
         CMLP_TRY(same_settings(t));
+        CMLP_TRY(join_device_group(t));
         CMLP_TRY(cmlp_dist_all_reduce(&n_all, 1, CMLP_COMM_I64, CMLP_REDUCE_SUM));
         if (n_all > CMLP_MAX_STEP_SAMPLES)
             return CMLP_FAIL(CMLP_ERR_INVALID, "the ranks' batches add up to %lld samples, more than 2**62",
@@ -554,11 +593,12 @@ static bool keep_epoch(cmlp_trainer *t, const cmlp_data *xy) {
 
 cmlp_status cmlp_trainer_epoch_begin(cmlp_trainer *t, const cmlp_data *xy, int same_data, cmlp_epoch_state *st) {
     if (!t || !st) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
-    CMLP_TRY(check_group(t));
+    CMLP_TRY(check_group(t, false));
     cmlp_status valid = cmlp_data_validate(t->model, xy, true);
     if (t->dist) {
         CMLP_TRY(agree(valid));
         CMLP_TRY(same_settings(t));
+        CMLP_TRY(join_device_group(t));
         static const char *const names[2] = {"the data set's sample count", "the data set's image type"};
         int64_t shape[2] = {xy->n, (int64_t)xy->x_dtype};
         CMLP_TRY(same_on_every_rank(names, shape, 2));
@@ -599,7 +639,7 @@ cmlp_status cmlp_trainer_epoch_begin(cmlp_trainer *t, const cmlp_data *xy, int s
 cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, cmlp_epoch_state *st) {
     if (!t || !st) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
     if (!t->epoch_open) return CMLP_FAIL(CMLP_ERR_STATE, "epoch_run called before epoch_begin");
-    CMLP_TRY(check_group(t));
+    CMLP_TRY(check_group(t, true));
     /* a step takes eb samples from the order, of which this rank computes its share */
     int64_t n = t->data.n, eb = effective_batch(t) * group_size(t);
     cmlp_dscalars *ds;

@@ -44,14 +44,15 @@ def fit_case(opts):
     n, batch, epochs = opts.get("n", 600), opts.get("batch", 16), opts.get("epochs", 2)
     kw = dict(accumulation_steps=opts.get("accum", 1), amp=opts.get("amp"), shuffle=opts.get("shuffle", True), seed=3)
     x, y = data(n)
-    model = cmlp.MLP(SIZES, seed=10 + r)  # different on every rank: the trainer starts all from rank 0's
+    device = opts.get("device", "cpu")
+    model = cmlp.MLP(SIZES, seed=10 + r, device=device)  # different on every rank: all start from rank 0's
     scaler = (lambda: cmlp.amp.GradScaler(init_scale=opts["init_scale"])) if "init_scale" in opts else (lambda: None)
     trainer = cmlp.Trainer(model, optimizer(model, opts.get("opt")), batch_size=batch, scaler=scaler(), **kw)
     if opts.get("limit_rank") == r:
-        cmlp.memory.set_memory_limit(opts["limit"], "cpu")
+        cmlp.memory.set_memory_limit(opts["limit"], device)
     hist = trainer.fit(x, y, epochs=epochs, progress=False)
-    cmlp.memory.set_memory_limit(None, "cpu")
-    ref_model = cmlp.MLP(SIZES, seed=10)
+    cmlp.memory.set_memory_limit(None, device)
+    ref_model = cmlp.MLP(SIZES, seed=10, device=device)
     ref = cmlp.Trainer(ref_model, optimizer(ref_model, opts.get("opt")), batch_size=batch * w, distributed=False,
                        scaler=scaler(), **kw)
     ref_hist = ref.fit(x, y, epochs=epochs, progress=False)
@@ -130,12 +131,19 @@ def mismatch_case(opts):
     out = {}
     x, y = data(64)
     model = cmlp.MLP(SIZES, seed=0)
-    trainer = cmlp.Trainer(model, optimizer(model, "adam"), batch_size=8 + (r == 1))
-    try:
-        trainer.fit(x, y, epochs=1, progress=False)
+    try:  # found when the trainer is made
+        cmlp.Trainer(model, optimizer(model, "adam"), batch_size=8 + (r == 1))
     except ValueError as e:
         out["batch"] = str(e)
+    try:  # an argument refused on one rank
+        cmlp.Trainer(model, optimizer(model, "adam"), batch_size=0 if r == 1 else 8)
+    except (ValueError, RuntimeError) as e:
+        out["argument"] = f"{type(e).__name__}: {e}"
     trainer = cmlp.Trainer(model, optimizer(model, "adam"), batch_size=8)
+    try:
+        trainer.step(x[:8], y[:8] if r == 0 else y[:7])
+    except (ValueError, RuntimeError) as e:
+        out["step"] = f"{type(e).__name__}: {e}"
     try:
         trainer.fit(x[:64 - r], y[:64 - r], epochs=1, progress=False)
     except ValueError as e:
@@ -181,14 +189,27 @@ def collectives_case(opts):
     return out
 
 
-CASES = {"fit": fit_case, "step": step_case, "failure": failure_case, "mismatch": mismatch_case,
+def backend_case(opts):
+    """A model on a CUDA device in a group made for the CPU (backend "mpi"): every rank raises."""
+    model = cmlp.MLP(SIZES, seed=0, device=opts["device"])
+    try:
+        cmlp.Trainer(model, optimizer(model, "adam"), batch_size=8)
+        return {"error": None}
+    except RuntimeError as e:
+        errors = np.array([1], dtype=np.int64)
+        D.all_reduce(errors)
+        return {"error": str(e), "ranks_raising": int(errors[0]), "backend": D.get_backend(),
+                "local": [D.get_local_rank(), D.get_local_world_size()]}
+
+
+CASES = {"backend": backend_case, "fit": fit_case, "step": step_case, "failure": failure_case, "mismatch": mismatch_case,
          "collectives": collectives_case}
 
 
 def main():
     name = sys.argv[1]
     opts = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
-    D.init_process_group("mpi")
+    D.init_process_group(opts.get("backend", "mpi"))
     out = CASES[name](opts)
     D.barrier()
     if D.get_rank() == 0:

@@ -1,5 +1,8 @@
-"""Data parallelism over MPI: jobs of 2 and 3 ranks started with mpirun (tests/dist_worker.py is
-one rank), each checked against one process training on the same samples. Tolerances: fp32
+"""Data parallelism: jobs of 2 and 3 ranks started with mpirun (tests/dist_worker.py is one
+rank), each checked against one process training on the same samples: over MPI on the CPU, and
+over NCCL on the CUDA backend where it runs on the emulated CUDA runtime, whose NCCL is MPI
+underneath (tests/emu/cuda_runtime_emu.cpp: the all-reduce queued on the stream, captured in
+the training step's graph and replayed with it). Tolerances: fp32
 parameters within 1e-5 of the largest parameter after 2 epochs of Adam (the ranks' gradients are
 summed in another order than one process sums them); fp16 within 2e-3 (each rank's micro-batches
 round their half-precision activations differently); losses within 1e-6 relative (fp32)."""
@@ -23,21 +26,31 @@ needs_mpi = pytest.mark.skipif(not (MPIRUN and D.is_available()),
                                reason="needs mpirun and cmlp's MPI module (apt-get install libopenmpi-dev openmpi-bin)")
 
 
-def job_env():
+ROOT = os.path.dirname(HERE)
+EMULATOR = os.path.join(ROOT, "build", "emu", "_cmlp_cuda_emu.so")
+CUDA_HEADERS = os.path.join(os.environ.get("CUDA_HOME") or "/usr/local/cuda", "include", "cuda_runtime.h")
+needs_emulated_nccl = pytest.mark.skipif(
+    not (MPIRUN and D.is_available() and os.path.exists(CUDA_HEADERS) and cmlp.build_info()["cuda_compiled"])
+    or cmlp.cuda.is_available(), reason="needs mpirun, the MPI module, a CUDA build and no GPU (the emulator runs)")
+
+
+def job_env(emulated_gpu=False):
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO_PYTHON + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",  # CI machines run as root
                OMPI_MCA_rmaps_base_oversubscribe="1",  # 3 ranks on 2 cores
                OMPI_MCA_btl_vader_single_copy_mechanism="none",  # containers forbid cross-process reads
                OPENBLAS_NUM_THREADS="1")
+    if emulated_gpu:
+        env.update(CMLP_CUDA_LIBRARY=EMULATOR, CMLP_NCCL_LIBRARY=EMULATOR, CMLP_EMU_BLOCK_ORDER="reverse")
     return env
 
 
-def run_job(ranks, case, opts=None, timeout=120):
+def run_job(ranks, case, opts=None, timeout=120, emulated_gpu=False):
     """Rank 0's report of one job; a job that hangs fails the test after `timeout` seconds."""
     cmd = [MPIRUN, "-np", str(ranks), sys.executable, os.path.join(HERE, "dist_worker.py"), case,
            json.dumps(opts or {})]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=job_env(), timeout=timeout)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=job_env(emulated_gpu), timeout=timeout)
     assert p.returncode == 0, f"mpirun exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -50,15 +63,12 @@ def test_the_mpi_module_is_built_where_mpi_is_installed():
 
 def test_without_a_process_group_every_call_says_what_to_do():
     assert not D.is_initialized()
-    assert not D.is_nccl_available()
-    for call in (D.get_rank, D.get_world_size, D.barrier, D.destroy_process_group,
+    for call in (D.get_rank, D.get_world_size, D.get_local_rank, D.get_backend, D.barrier, D.destroy_process_group,
                  lambda: D.all_reduce(np.zeros(2)), lambda: D.broadcast(np.zeros(2))):
         with pytest.raises(ValueError, match="init_process_group"):
             call()
     with pytest.raises(ValueError, match="backend"):
         D.init_process_group("gloo")
-    with pytest.raises(RuntimeError, match="NCCL"):
-        D.init_process_group("nccl")
     model = cmlp.MLP([4, 3, 2])
     with pytest.raises(RuntimeError, match="init_process_group"):
         cmlp.Trainer(model, cmlp.optim.SGD(model), distributed=True)
@@ -146,8 +156,10 @@ def test_a_rank_out_of_memory_fails_the_step_everywhere_and_nothing_hangs():
 @needs_mpi
 def test_ranks_that_disagree_all_raise():
     out = run_job(2, "mismatch")
-    assert out["min_errors"] == 3  # on both ranks, three errors, no hang
+    assert out["min_errors"] == 5  # on both ranks, five errors, no hang
     assert "batch_size (from 8 to 9)" in out["batch"]
+    assert out["argument"].startswith("RuntimeError") and "rank 1" in out["argument"]
+    assert out["step"].startswith("RuntimeError") and "rank 1" in out["step"]
     assert "sample count (from 63 to 64)" in out["data"]
     assert out["labels"].startswith("RuntimeError") and "rank 1" in out["labels"]  # rank 1's labels were bad
 
@@ -159,3 +171,47 @@ def test_a_process_started_without_mpirun_is_a_group_of_one():
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["world"] == 1 and out["max_diff"] == 0.0 and out["loss"] == out["ref_loss"]
+
+
+@pytest.fixture(scope="module")
+def emulator():
+    build = subprocess.run(["make", "-s", "emu-cuda", f"PYTHON={sys.executable}"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=900)
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    nm = subprocess.run(["nm", "-D", EMULATOR], capture_output=True, text=True)
+    if "ncclAllReduce" not in nm.stdout:
+        pytest.skip("the emulator was built without MPI (no Open MPI mpicc): it has no NCCL")
+    return EMULATOR
+
+
+@needs_emulated_nccl
+@pytest.mark.parametrize("opts", [{}, {"amp": "fp16", "accum": 2, "opt": "sgd"}, {"amp": "bf16", "shuffle": False}],
+                         ids=["fp32", "fp16-accumulation-sgd", "bf16"])
+def test_on_gpus_nccl_sums_the_gradients_inside_the_captured_step(emulator, opts):
+    # 2 ranks on the emulated CUDA backend: full steps replay a graph holding the all-reduce
+    out = run_job(2, "fit", dict(opts, backend="nccl", device="cuda", n=300), timeout=300, emulated_gpu=True)
+    check_fit(out, 2, 1e-5 if "amp" not in opts else 2e-3, 1e-6 if "amp" not in opts else 1e-3)
+
+
+@needs_emulated_nccl
+def test_on_gpus_short_steps_and_ranks_without_samples(emulator):
+    out = run_job(3, "fit", {"backend": "nccl", "device": "cuda", "n": 10, "batch": 1, "epochs": 1}, timeout=300,
+                  emulated_gpu=True)
+    check_fit(out, 3, 1e-5, 1e-6)
+
+
+@needs_emulated_nccl
+def test_on_gpus_a_rank_that_micro_batches_runs_eagerly_beside_replays(emulator):
+    # rank 1 computes micro-batches (no graph) while rank 0 replays its captured step: the ranks
+    # agree once per step either way, and the update is the same
+    out = run_job(2, "fit", {"backend": "nccl", "device": "cuda", "n": 200, "limit_rank": 1, "limit": 11_000_000},
+                  timeout=300, emulated_gpu=True)
+    check_fit(out, 2, 1e-5, 1e-6)
+    assert out["micro_spread"] > 0
+
+
+@needs_emulated_nccl
+def test_a_gpu_model_in_a_group_made_for_the_cpu_is_refused_by_every_rank(emulator):
+    out = run_job(2, "backend", {"device": "cuda"}, timeout=300, emulated_gpu=True)
+    assert out["ranks_raising"] == 2 and 'init_process_group("nccl")' in out["error"]
+    assert out["backend"] == "mpi" and out["local"] == [0, 2]

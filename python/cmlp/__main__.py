@@ -80,7 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--save", type=_save_path, default=None, help="write the trained model here (.npz)")
     t.add_argument("--no-progress", action="store_true")
     t.add_argument("--distributed", action="store_true",
-                   help="data-parallel over the ranks mpirun started (CPU; --batch-size is per rank)")
+                   help="data-parallel over the ranks mpirun started (MPI on the CPU, NCCL on GPUs: --device cuda "
+                        "takes the GPU of the rank's place on its machine); --batch-size is per rank")
     pl = sub.add_parser("plan", help="predict a training run's memory, by category, before allocating anything")
     pl.add_argument("--layers", type=_layers, default=[784, 512, 256, 10])
     pl.add_argument("--batch-size", type=_count, default=32, help="rows computed at once (the micro-batch)")
@@ -97,9 +98,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def _train(a: argparse.Namespace) -> int:
     rank, ranks = 0, 1
-    if a.distributed:
-        distributed.init_process_group("mpi")
+    if a.distributed:  # on GPUs, NCCL sums the gradients, one GPU per rank of a machine
+        on_gpu = a.device.startswith("cuda")
+        distributed.init_process_group("nccl" if on_gpu else "mpi")
         rank, ranks = distributed.get_rank(), distributed.get_world_size()
+        if a.device == "cuda":
+            a.device = f"cuda:{distributed.get_local_rank()}"
 
     def say(text: str) -> None:  # data-parallel, the first rank speaks for all
         if rank == 0:

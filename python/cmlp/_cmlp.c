@@ -1196,12 +1196,13 @@ static PyObject *mod_cuda_device_count(PyObject *mod, PyObject *unused) {
 
 /* ---- the process group (cmlp.distributed) ---- */
 
-static PyObject *mod_dist_init(PyObject *mod, PyObject *unused) {
-    (void)unused;
+static PyObject *mod_dist_init(PyObject *mod, PyObject *arg) {
+    long backend = PyLong_AsLong(arg);
+    if (backend == -1 && PyErr_Occurred()) return NULL;
     int rank = 0, size = 1;
     cmlp_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = cmlp_dist_init(&rank, &size);
+    st = cmlp_dist_init((int)backend, &rank, &size);
     Py_END_ALLOW_THREADS
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
     return Py_BuildValue("(ii)", rank, size);
@@ -1210,7 +1211,8 @@ static PyObject *mod_dist_init(PyObject *mod, PyObject *unused) {
 static PyObject *mod_dist_state(PyObject *mod, PyObject *unused) {
     (void)mod;
     (void)unused;
-    return Py_BuildValue("(Oii)", cmlp_dist_initialized() ? Py_True : Py_False, cmlp_dist_rank(), cmlp_dist_size());
+    return Py_BuildValue("(Oiiiii)", cmlp_dist_initialized() ? Py_True : Py_False, cmlp_dist_rank(), cmlp_dist_size(),
+                         cmlp_dist_local_rank(), cmlp_dist_local_size(), cmlp_dist_backend());
 }
 
 /* The array a collective works on in place: a writable, C-contiguous ndarray. */
@@ -1300,8 +1302,8 @@ static PyObject *mod_dist_library_version(PyObject *mod, PyObject *unused) {
 }
 
 static PyMethodDef module_methods[] = {
-    {"dist_init", mod_dist_init, METH_NOARGS, "makes the process group (MPI_COMM_WORLD) -> (rank, size)"},
-    {"dist_state", mod_dist_state, METH_NOARGS, "(initialized, rank, size)"},
+    {"dist_init", mod_dist_init, METH_O, "dist_init(backend: 0 mpi, 1 nccl): the process group -> (rank, size)"},
+    {"dist_state", mod_dist_state, METH_NOARGS, "(initialized, rank, size, local_rank, local_size, backend)"},
     {"dist_all_reduce", mod_dist_all_reduce, METH_VARARGS, "dist_all_reduce(array, op): in place; op 0 sum 1 max 2 min"},
     {"dist_broadcast", mod_dist_broadcast, METH_VARARGS, "dist_broadcast(array, root): in place"},
     {"dist_barrier", mod_dist_barrier, METH_NOARGS, "waits for every rank"},

@@ -1,4 +1,4 @@
-"""cmlp.distributed: data parallelism over MPI, with torch.distributed's names.
+"""cmlp.distributed: data parallelism over MPI and NCCL, with torch.distributed's names.
 
 Start one process per rank with mpirun (or any launcher that sets the MPI environment)::
 
@@ -25,9 +25,18 @@ handled there (automatic micro-batching) before the ranks agree on the step; a r
 compute its share makes every rank raise for that step instead of hanging.
 
 Collectives (`all_reduce`, `broadcast`, `barrier`, and every Trainer call) must be made by every
-rank in the same order, as MPI requires. Data parallelism trains models on the CPU.
+rank in the same order, as MPI requires.
+
+Backends: "mpi" sums the gradients of models on the CPU with MPI_Allreduce; "nccl" also trains
+models on CUDA devices, one GPU per rank (e.g. device=f"cuda:{get_local_rank()}"), summing their
+gradients with NCCL on the device's stream (inside the captured training step), its id sent over
+MPI. NCCL is loaded when first used: $CMLP_NCCL_LIBRARY, else the nvidia-nccl wheel's library
+where one is installed (PyTorch brings one), else libnccl.so.2 from the library path.
 """
 import atexit
+import ctypes
+import os
+import sys
 from typing import Any, Optional
 
 import numpy as np
@@ -36,9 +45,9 @@ from . import _cmlp
 
 __all__ = ["ReduceOp", "is_available", "is_mpi_available", "is_nccl_available", "init_process_group",
            "is_initialized", "get_rank", "get_world_size", "get_backend", "all_reduce", "broadcast", "barrier",
-           "destroy_process_group", "library_version"]
+           "destroy_process_group", "library_version", "get_local_rank", "get_local_world_size"]
 
-BACKENDS = ("mpi",)
+BACKENDS = {"mpi": 0, "nccl": 1}
 
 
 class ReduceOp:
@@ -53,8 +62,6 @@ _finalize_registered = False
 
 
 def _mpi_module_present() -> bool:
-    import os
-
     path = os.environ.get("CMLP_MPI_LIBRARY") or os.path.join(os.path.dirname(_cmlp.__file__), "_cmlp_mpi.so")
     return os.path.exists(path)
 
@@ -68,25 +75,47 @@ def is_mpi_available() -> bool:
     return _mpi_module_present()
 
 
+def _nccl_library() -> Optional[str]:
+    """Where NCCL is: $CMLP_NCCL_LIBRARY, an nvidia-nccl wheel's, or libnccl.so.2 by name."""
+    env = os.environ.get("CMLP_NCCL_LIBRARY")
+    if env:
+        return env
+    for base in sys.path:
+        path = os.path.join(base or ".", "nvidia", "nccl", "lib", "libnccl.so.2")
+        if os.path.exists(path):
+            return path
+    return "libnccl.so.2"
+
+
 def is_nccl_available() -> bool:
-    """NCCL (data parallelism between GPUs) is not in this build."""
-    return False
+    """True when this build has the CUDA backend and NCCL can be loaded."""
+    if not _cmlp.build_info()["cuda_compiled"] or not _mpi_module_present():
+        return False
+    try:
+        ctypes.CDLL(_nccl_library())
+    except OSError:
+        return False
+    return True
 
 
 def init_process_group(backend: Optional[str] = None) -> None:
     """Makes the process group: MPI_COMM_WORLD of the job mpirun started (MPI is initialised
     here unless something else did it first, and then finalised at exit). backend: "mpi" (the
-    default)."""
+    default: models on the CPU) or "nccl" (models on CUDA devices too)."""
     global _finalize_registered
     if backend is None:
         backend = "mpi"
     if not isinstance(backend, str) or backend.lower() not in BACKENDS:
-        if isinstance(backend, str) and backend.lower() == "nccl":
-            raise RuntimeError("the NCCL backend is not in this build of cmlp; use backend='mpi' (models on the CPU)")
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+    backend = backend.lower()
     if is_initialized():
         raise RuntimeError("trying to initialize the default process group twice")
-    _cmlp.dist_init()
+    if backend == "nccl":
+        if not _cmlp.build_info()["cuda_compiled"]:
+            raise RuntimeError("backend 'nccl' needs cmlp's CUDA backend, and this build has none")
+        if not os.environ.get("CMLP_NCCL_LIBRARY"):
+            os.environ["CMLP_NCCL_LIBRARY"] = _nccl_library() or "libnccl.so.2"
+    _cmlp.dist_init(BACKENDS[backend])
     if not _finalize_registered:
         atexit.register(_cmlp.dist_finalize)
         _finalize_registered = True
@@ -114,7 +143,18 @@ def get_world_size() -> int:
 
 def get_backend() -> str:
     _require()
-    return "mpi"
+    return "nccl" if _cmlp.dist_state()[5] == BACKENDS["nccl"] else "mpi"
+
+
+def get_local_rank() -> int:
+    """This rank's place among the ranks on its machine (which GPU it takes)."""
+    _require()
+    return _cmlp.dist_state()[3]
+
+
+def get_local_world_size() -> int:
+    _require()
+    return _cmlp.dist_state()[4]
 
 
 def library_version() -> str:

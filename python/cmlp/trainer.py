@@ -43,6 +43,28 @@ class Trainer:
                  normalize: Optional[Tuple[float, float]] = None, microbatch_size: Optional[int] = None,
                  label_smoothing: float = 0.0, grow_interval: int = 100,
                  distributed: Optional[bool] = None) -> None:
+        if distributed is not None and not isinstance(distributed, bool):
+            raise TypeError(f"distributed must be None, True or False, got {distributed!r}")
+        group = _dist.is_initialized() if distributed is None else distributed
+        if group and not _dist.is_initialized():
+            raise RuntimeError("distributed=True needs a process group: call cmlp.distributed.init_process_group() "
+                               "first")
+        self.distributed = bool(group)
+        error: Optional[Exception] = None
+        try:
+            self._setup(model, optimizer, batch_size, accumulation_steps, amp, scaler, auto_microbatch, recompute,
+                        shuffle, seed, normalize, microbatch_size, label_smoothing, grow_interval)
+        except (TypeError, ValueError) as e:
+            error = e
+        self._agree(error)  # data-parallel, a rank whose arguments were refused makes all raise
+        if self.distributed:
+            self._c.set_distributed(True)
+            _dist._sync_parameters(model)  # every rank starts from rank 0's parameters
+
+    def _setup(self, model: MLP, optimizer: Optimizer, batch_size: int, accumulation_steps: int, amp: Optional[str],
+               scaler: Any, auto_microbatch: bool, recompute: bool, shuffle: bool, seed: int,
+               normalize: Optional[Tuple[float, float]], microbatch_size: Optional[int], label_smoothing: float,
+               grow_interval: int) -> None:
         if not isinstance(model, MLP):
             raise TypeError(f"model must be a cmlp.MLP, got {type(model).__name__}")
         if not isinstance(optimizer, Optimizer):
@@ -74,19 +96,9 @@ class Trainer:
         self._busy = threading.Lock()
         # uint8 images: the model's normalisation unless the trainer is given its own
         self.normalize = model.normalize if normalize is None else as_normalize(normalize)
-        if distributed is not None and not isinstance(distributed, bool):
-            raise TypeError(f"distributed must be None, True or False, got {distributed!r}")
-        group = _dist.is_initialized() if distributed is None else distributed
-        if group and not _dist.is_initialized():
-            raise RuntimeError("distributed=True needs a process group: call cmlp.distributed.init_process_group() "
-                               "first")
         self._c = _cmlp.Trainer(optimizer._c, self.batch_size, self.accumulation_steps, micro, bool(shuffle),
                                 self.seed, label_smoothing, amp_code, bool(auto_microbatch), int(grow_interval),
                                 bool(recompute))
-        self.distributed = bool(group)
-        if self.distributed:
-            self._c.set_distributed(True)
-            _dist._sync_parameters(model)  # every rank starts from rank 0's parameters
 
     @property
     def microbatch_size(self) -> int:

@@ -1175,3 +1175,95 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t op, const v
 }
 
 } /* extern "C" */
+
+/* ---- NCCL over MPI (built where MPI is: CMLP_EMU_MPI) ----
+ * The emulated backend's data parallelism: cmlp loads this library as NCCL too (tests set
+ * CMLP_NCCL_LIBRARY to it). A communicator is a duplicate of MPI_COMM_WORLD; ncclAllReduce
+ * checks its arguments as NCCL would and queues an MPI_Allreduce on the stream like a kernel
+ * (run when the host waits for the stream, recorded by a capture, repeated by each replay).
+ * ncclCommInitRank checks that every rank was given rank 0's id and its own rank. */
+#ifdef CMLP_EMU_MPI
+#include <mpi.h>
+
+#define NCCL_EMU_API extern "C" __attribute__((visibility("default")))
+
+namespace {
+struct nccl_uid {
+    char internal[128];
+};
+struct nccl_comm {
+    MPI_Comm comm;
+};
+enum { NCCL_OK = 0, NCCL_INTERNAL = 3, NCCL_INVALID_ARGUMENT = 4, NCCL_INVALID_USAGE = 5 };
+} /* namespace */
+
+NCCL_EMU_API int ncclGetUniqueId(nccl_uid *id) {
+    static int made;
+    if (!id) return NCCL_INVALID_ARGUMENT;
+    memset(id, 0, sizeof *id);
+    snprintf(id->internal, sizeof id->internal, "cmlp-emu-nccl pid %ld id %d", (long)getpid(), ++made);
+    return NCCL_OK;
+}
+
+NCCL_EMU_API int ncclCommInitRank(void **comm, int nranks, nccl_uid id, int rank) {
+    int on = 0, world_rank = -1, world_size = 0;
+    if (!comm || MPI_Initialized(&on) != MPI_SUCCESS || !on) return NCCL_INVALID_USAGE;
+    MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &world_size);
+    if (nranks != world_size || rank != world_rank) {
+        fprintf(stderr, "nccl_emu: ncclCommInitRank(nranks %d, rank %d) in a world of %d where this is rank %d\n",
+                nranks, rank, world_size, world_rank);
+        return NCCL_INVALID_ARGUMENT;
+    }
+    nccl_uid root = id;
+    MPI_Bcast(&root, sizeof root, MPI_BYTE, 0, MPI_COMM_WORLD);
+    int same = memcmp(&root, &id, sizeof id) == 0;
+    MPI_Allreduce(MPI_IN_PLACE, &same, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+    if (!same) {
+        fprintf(stderr, "nccl_emu: the ranks were given different ids\n");
+        return NCCL_INVALID_ARGUMENT;
+    }
+    nccl_comm *c = new nccl_comm;
+    if (MPI_Comm_dup(MPI_COMM_WORLD, &c->comm) != MPI_SUCCESS) {
+        delete c;
+        return NCCL_INTERNAL;
+    }
+    *comm = c;
+    return NCCL_OK;
+}
+
+NCCL_EMU_API int ncclAllReduce(const void *send, void *recv, size_t count, int type, int op, void *comm,
+                               cudaStream_t stream) {
+    if (type != 7 /* ncclFloat32 */ || op != 0 /* ncclSum */ || !comm || count > (size_t)INT32_MAX)
+        return NCCL_INVALID_ARGUMENT;
+    std::lock_guard<std::recursive_mutex> g(gpu);
+    if (!device_range(send, count * 4) || !device_range(recv, count * 4)) {
+        fprintf(stderr, "nccl_emu: ncclAllReduce of %zu floats from %p to %p: not device memory\n", count, send, recv);
+        return NCCL_INVALID_ARGUMENT;
+    }
+    MPI_Comm mc = static_cast<nccl_comm *>(comm)->comm;
+    cudaError_t e = submit(stream, [=] {
+        MPI_Allreduce(send == recv ? MPI_IN_PLACE : send, recv, (int)count, MPI_FLOAT, MPI_SUM, mc);
+    }, "ncclAllReduce");
+    return e == cudaSuccess ? NCCL_OK : NCCL_INVALID_USAGE;
+}
+
+NCCL_EMU_API int ncclCommDestroy(void *comm) {
+    if (!comm) return NCCL_INVALID_ARGUMENT;
+    flush_all(); /* its queued work runs first, as NCCL's does */
+    nccl_comm *c = static_cast<nccl_comm *>(comm);
+    MPI_Comm_free(&c->comm);
+    delete c;
+    return NCCL_OK;
+}
+
+NCCL_EMU_API const char *ncclGetErrorString(int r) {
+    switch (r) {
+    case NCCL_OK: return "no error";
+    case NCCL_INTERNAL: return "internal error (emulated NCCL)";
+    case NCCL_INVALID_ARGUMENT: return "invalid argument (emulated NCCL)";
+    case NCCL_INVALID_USAGE: return "invalid usage (emulated NCCL)";
+    }
+    return "unknown result (emulated NCCL)";
+}
+#endif
