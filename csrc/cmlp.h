@@ -380,6 +380,7 @@ CMLP_API cmlp_status cmlp_dist_broadcast(void *buf, int64_t bytes, int root);
 CMLP_API cmlp_status cmlp_dist_barrier(void);
 CMLP_API void cmlp_dist_destroy(void);  /* the group ends; MPI stays initialised */
 CMLP_API void cmlp_dist_finalize(void); /* at the end of the process: MPI_Finalize if cmlp initialised MPI */
+CMLP_API void cmlp_dist_abort(int code); /* MPI_Abort: every rank's process ends */
 CMLP_API void cmlp_dist_library_version(char *out, size_t cap);
 /* on != 0: the trainer's steps are data-parallel over the process group (which must exist
  * while they run). Every rank calls epoch_begin with the same data set and the same settings;

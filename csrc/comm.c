@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static const cmlp_mpi_module *mpi; /* loaded once, kept to the end */
@@ -25,6 +26,37 @@ static struct {
     void *comm;
 } dcomms[16];
 static int ndcomms;
+
+/* A group of one without MPI: for a build without the MPI module, in a process no MPI launcher
+ * started (the same code runs; there is nothing to sum). */
+static cmlp_status solo_init(int *rank, int *size, int *local_rank, int *local_size) {
+    *rank = *local_rank = 0;
+    *size = *local_size = 1;
+    return CMLP_OK;
+}
+static cmlp_status solo_all_reduce(void *buf, int64_t count, cmlp_comm_type type, cmlp_reduce_op op) {
+    (void)buf, (void)count, (void)type, (void)op;
+    return CMLP_OK;
+}
+static cmlp_status solo_broadcast(void *buf, int64_t bytes, int root) {
+    (void)buf, (void)bytes, (void)root;
+    return CMLP_OK;
+}
+static cmlp_status solo_barrier(void) { return CMLP_OK; }
+static void solo_finalize(void) {}
+static void solo_abort(int code) { _exit(code); }
+static void solo_version(char *out, size_t cap) { snprintf(out, cap, "none (a group of one, without MPI)"); }
+static const cmlp_mpi_module solo = {CMLP_MPI_ABI, solo_init,     solo_all_reduce, solo_broadcast,
+                                     solo_barrier, solo_finalize, solo_abort,      solo_version};
+
+/* Variables that MPI launchers (Open MPI, MPICH/PMI, PMIx, Slurm) set in the ranks they start. */
+static bool launched(void) {
+    static const char *const vars[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK",
+                                       "MPI_LOCALNRANKS", "SLURM_NTASKS"};
+    for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++)
+        if (getenv(vars[i])) return true;
+    return false;
+}
 
 static cmlp_status load(void) {
     if (mpi) return CMLP_OK;
@@ -40,11 +72,15 @@ static cmlp_status load(void) {
         int dir = slash ? (int)(slash - info.dli_fname) : 0;
         snprintf(path, sizeof path, "%.*s%s_cmlp_mpi.so", dir, info.dli_fname, slash ? "/" : "");
         struct stat sb;
+        if (stat(path, &sb) != 0 && !launched()) {
+            mpi = &solo;
+            return CMLP_OK;
+        }
         if (stat(path, &sb) != 0)
             return CMLP_FAIL(CMLP_ERR_DEVICE,
-                             "this build of cmlp has no MPI support (%s is missing: no MPI compiler wrapper, mpicc, was "
-                             "found when it was built; install an MPI, e.g. apt-get install libopenmpi-dev "
-                             "openmpi-bin, and build cmlp again)",
+                             "this process was started by an MPI launcher, and this build of cmlp has no MPI support "
+                             "(%s is missing: no MPI compiler wrapper, mpicc, was found when it was built; install an "
+                             "MPI, e.g. apt-get install libopenmpi-dev openmpi-bin, and build cmlp again)",
                              path);
     }
     /* global: Open MPI's components, loaded later, resolve MPI's symbols through it */
@@ -179,6 +215,11 @@ void cmlp_dist_finalize(void) {
     group = false;
     if (mpi) mpi->finalize();
     pthread_mutex_unlock(&lock);
+}
+
+void cmlp_dist_abort(int code) {
+    /* no lock: another thread may be waiting in a collective that will never complete */
+    if (mpi) mpi->abort(code);
 }
 
 void cmlp_dist_library_version(char *out, size_t cap) {

@@ -27,6 +27,9 @@ typedef struct cmlp_mpi_module {
     cmlp_status (*barrier)(void);
     /* MPI_Finalize where init initialised MPI; once, at the end of the process. */
     void (*finalize)(void);
+    /* MPI_Abort on MPI_COMM_WORLD: every rank's process ends (a rank that fails alone would
+     * otherwise leave the others waiting in a collective). */
+    void (*abort)(int code);
     /* The library's version string (MPI_Get_library_version's first line). */
     void (*version)(char *out, size_t cap);
 } cmlp_mpi_module;

@@ -33,11 +33,14 @@ static cmlp_status init(int *rank, int *size, int *local_rank, int *local_size) 
         rc = MPI_Init_thread(NULL, NULL, MPI_THREAD_SERIALIZED, &provided);
         if (rc != MPI_SUCCESS) return MPI_FAIL(rc, "MPI_Init_thread");
         initialised_here = 1;
-        if (provided < MPI_THREAD_SERIALIZED)
-            return fail(CMLP_ERR_DEVICE, __FILE__, __LINE__,
-                        "this MPI library gives thread level %d, and cmlp needs MPI_THREAD_SERIALIZED (%d)",
-                        provided, MPI_THREAD_SERIALIZED);
     }
+    int level = 0; /* also where MPI was initialised by someone else (e.g. mpi4py) */
+    rc = MPI_Query_thread(&level);
+    if (rc != MPI_SUCCESS) return MPI_FAIL(rc, "MPI_Query_thread");
+    if (level < MPI_THREAD_SERIALIZED)
+        return fail(CMLP_ERR_DEVICE, __FILE__, __LINE__,
+                    "MPI runs at thread level %d, and cmlp needs MPI_THREAD_SERIALIZED (%d) or more", level,
+                    MPI_THREAD_SERIALIZED);
     rc = MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
     if (rc == MPI_SUCCESS) rc = MPI_Comm_rank(MPI_COMM_WORLD, rank);
     if (rc == MPI_SUCCESS) rc = MPI_Comm_size(MPI_COMM_WORLD, size);
@@ -86,6 +89,8 @@ static void finalize(void) {
     if (initialised_here && MPI_Finalized(&finished) == MPI_SUCCESS && !finished) (void)MPI_Finalize();
 }
 
+static void abort_all(int code) { (void)MPI_Abort(MPI_COMM_WORLD, code); }
+
 static void version(char *out, size_t cap) {
     char v[MPI_MAX_LIBRARY_VERSION_STRING] = "";
     int len = 0;
@@ -94,7 +99,8 @@ static void version(char *out, size_t cap) {
     snprintf(out, cap, "%s", v);
 }
 
-static const cmlp_mpi_module module = {CMLP_MPI_ABI, init, all_reduce, broadcast, barrier, finalize, version};
+static const cmlp_mpi_module module = {CMLP_MPI_ABI, init,     all_reduce, broadcast,
+                                       barrier,      finalize, abort_all,  version};
 
 CMLP_EXPORT const cmlp_mpi_module *cmlp_mpi_entry(cmlp_error_fn set_error) {
     fail = set_error;

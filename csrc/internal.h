@@ -249,6 +249,8 @@ CMLP_HIDDEN void cmlp_optim_set_step(cmlp_optim *o, int64_t step);
 /* Moves whenever the optimizer's configuration or state buffer changes (a captured step that
  * baked them in is then stale). */
 CMLP_HIDDEN uint64_t cmlp_optim_version(const cmlp_optim *o);
+/* A hash of the optimizer's kind, settings and step count (equal settings, equal hash). */
+CMLP_HIDDEN uint64_t cmlp_optim_fingerprint(const cmlp_optim *o);
 /* The device's member of the process group's device collectives (NCCL); made on first use by
  * every rank at once (comm.c). */
 CMLP_HIDDEN cmlp_status cmlp_dist_device_comm(cmlp_device_ctx *dev, void **comm);

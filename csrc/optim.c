@@ -161,6 +161,23 @@ cmlp_status cmlp_optim_prepare(cmlp_optim *o) {
 
 uint64_t cmlp_optim_version(const cmlp_optim *o) { return o->version; }
 
+/* FNV-1a over 8-byte words. */
+static uint64_t mix(uint64_t h, const void *word) {
+    const unsigned char *b = word;
+    for (int i = 0; i < 8; i++) h = (h ^ b[i]) * 1099511628211ull;
+    return h;
+}
+
+uint64_t cmlp_optim_fingerprint(const cmlp_optim *o) {
+    int64_t ints[3] = {(int64_t)o->kind, o->step, (int64_t)o->sgd.nesterov};
+    double reals[10] = {o->adam.lr, o->adam.beta1,       o->adam.beta2,   o->adam.eps,      o->adam.weight_decay,
+                        o->sgd.lr,  o->sgd.momentum,     o->sgd.dampening, o->sgd.weight_decay, 0.0};
+    uint64_t h = 1469598103934665603ull;
+    for (int i = 0; i < 3; i++) h = mix(h, &ints[i]);
+    for (int i = 0; i < 10; i++) h = mix(h, &reals[i]);
+    return h;
+}
+
 cmlp_status cmlp_optim_step(cmlp_optim *o) {
     if (!o) return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer must not be NULL");
     CMLP_TRY(check_model(o));

@@ -478,9 +478,10 @@ static cmlp_status graph_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_dat
 }
 
 /* Data-parallel, every rank must run the same loop: the values each gives must be equal. */
+#define MAX_COMPARED 16
 static cmlp_status same_on_every_rank(const char *const *names, const int64_t *v, int n) {
-    int64_t hi[12], lo[12];
-    if (n > 12) return CMLP_FAIL(CMLP_ERR_INTERNAL, "%d values to compare", n);
+    int64_t hi[MAX_COMPARED], lo[MAX_COMPARED];
+    if (n > MAX_COMPARED) return CMLP_FAIL(CMLP_ERR_INTERNAL, "%d values to compare", n);
     for (int i = 0; i < n; i++) {
         hi[i] = v[i];
         lo[i] = v[i] == INT64_MIN ? INT64_MAX : -v[i];
@@ -490,24 +491,63 @@ static cmlp_status same_on_every_rank(const char *const *names, const int64_t *v
     for (int i = 0; i < n; i++)
         if (hi[i] != -lo[i])
             return CMLP_FAIL(CMLP_ERR_INVALID,
-                             "the ranks of the process group differ in %s (from %lld to %lld): every rank must train "
-                             "with the same settings on the same data set",
+                             "the ranks of the process group differ in %s (from %lld to %lld): every rank must make "
+                             "the same calls with the same settings on the same data set",
                              names[i], (long long)-lo[i], (long long)hi[i]);
     return CMLP_OK;
 }
 
-/* The settings that decide which samples a step takes and how it is computed. */
-static cmlp_status same_settings(const cmlp_trainer *t) {
-    static const char *const names[9] = {"batch_size",   "accumulation_steps",
-                                         "shuffle",      "seed",
-                                         "amp",          "loss scaling",
-                                         "the model's parameter count", "the optimizer",
-                                         "the kind of device the model is on"};
+static int64_t bits_of(double v) {
+    int64_t b;
+    memcpy(&b, &v, sizeof b);
+    return b;
+}
+
+/* The calls whose collectives must pair up, and where they come from. */
+enum { CALL_TRAINER = 1, CALL_EPOCH = 2, CALL_STEP = 3 };
+
+/* The settings that decide which samples a step takes and how it is computed, the call being
+ * made (an epoch on one rank and a step on another would mix), and for a call with data its
+ * normalisation (xy, or NULL). */
+static cmlp_status same_settings(const cmlp_trainer *t, int call, const cmlp_data *xy) {
+    static const char *const names[] = {"the call (1 Trainer, 2 fit's epoch, 3 step)",
+                                        "batch_size",
+                                        "accumulation_steps",
+                                        "shuffle",
+                                        "seed",
+                                        "amp",
+                                        "label_smoothing (its bits)",
+                                        "the loss scaler (on, scale, growth and backoff factors, interval, tracker)",
+                                        "the model's layer sizes",
+                                        "the optimizer (kind, settings, step count)",
+                                        "the kind of device the model is on",
+                                        "the epoch count",
+                                        "the normalisation's mean (its bits)",
+                                        "the normalisation's std (its bits)"};
     const cmlp_train_config *c = &t->cfg;
-    int64_t v[9] = {c->batch_size, c->accumulation_steps, c->shuffle, (int64_t)c->seed, (int64_t)c->amp,
-                    t->scaler.enabled, t->model->nparams, (int64_t)cmlp_optim_get_kind(t->optim),
-                    (int64_t)t->model->dev->device.type};
-    return same_on_every_rank(names, v, 9);
+    const cmlp_model *m = t->model;
+    const cmlp_scaler_state *sc = &t->scaler;
+    uint64_t scaler = 0, layers = (uint64_t)m->nlayers; /* hashes (unsigned: wrapping is defined) */
+    if (sc->enabled)
+        scaler = (uint64_t)bits_of(sc->scale) ^ (uint64_t)bits_of(sc->growth_factor) * 3u ^
+                 (uint64_t)bits_of(sc->backoff_factor) * 5u ^ (uint64_t)sc->growth_interval * 7u ^
+                 (uint64_t)sc->growth_tracker * 11u ^ 1u;
+    for (int i = 0; i <= m->nlayers; i++) layers = layers * 1000003u + (uint64_t)m->sizes[i];
+    int64_t v[14] = {call,
+                     c->batch_size,
+                     c->accumulation_steps,
+                     c->shuffle,
+                     (int64_t)c->seed,
+                     (int64_t)c->amp,
+                     bits_of(c->label_smoothing),
+                     (int64_t)scaler,
+                     (int64_t)layers,
+                     (int64_t)cmlp_optim_fingerprint(t->optim),
+                     (int64_t)m->dev->device.type,
+                     t->epoch,
+                     xy ? bits_of(xy->mean) : 0,
+                     xy ? bits_of(xy->std) : 0};
+    return same_on_every_rank(names, v, 14);
 }
 
 /* Off the host, the model's device joins the group's device collectives (every rank at once:
@@ -533,7 +573,7 @@ cmlp_status cmlp_trainer_set_distributed(cmlp_trainer *t, int on) {
     t->dcomm_dev = NULL;
     if (!on) return CMLP_OK;
     t->dist = true; /* collectives from here: every rank makes its trainer data-parallel */
-    cmlp_status st = same_settings(t);
+    cmlp_status st = same_settings(t, CALL_TRAINER, NULL);
     if (st == CMLP_OK) st = join_device_group(t);
     if (st != CMLP_OK) t->dist = false;
     return st;
@@ -556,8 +596,11 @@ cmlp_status cmlp_trainer_step(cmlp_trainer *t, const cmlp_data *xy, double *loss
     cmlp_status st = cmlp_data_validate(t->model, xy, true);
     int64_t n_all = xy->n;
     if (t->dist) { /* each rank's own batch: the step is all of them */
+        if (st == CMLP_OK && xy->n > CMLP_MAX_STEP_SAMPLES / cmlp_dist_size())
+            st = CMLP_FAIL(CMLP_ERR_INVALID, "a batch of %lld samples on each of %d ranks is more than 2**62",
+                           (long long)xy->n, cmlp_dist_size());
         CMLP_TRY(agree(st));
-        CMLP_TRY(same_settings(t));
+        CMLP_TRY(same_settings(t, CALL_STEP, xy));
         CMLP_TRY(join_device_group(t));
         CMLP_TRY(cmlp_dist_all_reduce(&n_all, 1, CMLP_COMM_I64, CMLP_REDUCE_SUM));
         if (n_all > CMLP_MAX_STEP_SAMPLES)
@@ -597,7 +640,7 @@ cmlp_status cmlp_trainer_epoch_begin(cmlp_trainer *t, const cmlp_data *xy, int s
     cmlp_status valid = cmlp_data_validate(t->model, xy, true);
     if (t->dist) {
         CMLP_TRY(agree(valid));
-        CMLP_TRY(same_settings(t));
+        CMLP_TRY(same_settings(t, CALL_EPOCH, xy));
         CMLP_TRY(join_device_group(t));
         static const char *const names[2] = {"the data set's sample count", "the data set's image type"};
         int64_t shape[2] = {xy->n, (int64_t)xy->x_dtype};

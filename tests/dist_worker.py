@@ -154,10 +154,57 @@ def mismatch_case(opts):
         out["labels"] = f"ValueError: {e}"
     except RuntimeError as e:
         out["labels"] = f"RuntimeError: {e}"
+    # settings that change the mathematics, one rank different
+    for name, kw in (("smoothing", dict(label_smoothing=0.1 * r)), ("normalize", dict(normalize=(0.5, 0.5 + r))),
+                     ("lr", dict(lr=1e-3 * (1 + r)))):
+        m2 = cmlp.MLP(SIZES, seed=0)
+        opt = cmlp.optim.Adam(m2, lr=kw.pop("lr", 1e-3))
+        try:
+            cmlp.Trainer(m2, opt, batch_size=8, **kw).fit(x, y, epochs=1, progress=False)
+        except ValueError as e:
+            out[name] = str(e)
+    try:  # a step on one rank, an epoch on the other
+        if r == 0:
+            trainer.step(x[:8], y[:8])
+        else:
+            trainer.fit(x, y, epochs=1, progress=False)
+    except ValueError as e:
+        out["call"] = str(e)
     flags = np.array([len(out)], dtype=np.int64)
     D.all_reduce(flags, "min")
     out["min_errors"] = int(flags[0])
     return out
+
+
+def evaluation_case(opts):
+    """Validation that runs out of memory on one rank: every rank raises, and trains on."""
+    r = D.get_rank()
+    x, y = data(64)
+    model = cmlp.MLP(SIZES, seed=0)
+    trainer = cmlp.Trainer(model, optimizer(model, "adam"), batch_size=8)
+    trainer.fit(x, y, epochs=1, progress=False)
+    held = []
+    if r == 1:  # room for training, not for 1000-row evaluation buffers
+        cmlp.memory.set_memory_limit(cmlp.memory.memory_reserved("cpu"), "cpu")
+    error = None
+    try:
+        trainer.fit(x, y, epochs=1, validation_data=data(3000, seed=2), progress=False)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        error = f"{type(e).__name__}: {e}"
+    cmlp.memory.set_memory_limit(None, "cpu")
+    del held
+    flags = np.array([error is not None], dtype=np.int64)
+    D.all_reduce(flags)
+    hist = trainer.fit(x, y, epochs=1, validation_data=data(100, seed=2), progress=False)
+    return dict(error=error, raised=int(flags[0]), val=hist[0]["val_accuracy"], rank_spread=spread(params(model)))
+
+
+def uncaught_case(opts):
+    """An exception nothing catches on rank 1: the job ends instead of waiting in rank 0's barrier."""
+    if D.get_rank() == 1:
+        raise KeyError("rank 1 fails alone")
+    D.barrier()
+    return {}
 
 
 def collectives_case(opts):
@@ -174,10 +221,14 @@ def collectives_case(opts):
     m = np.full((2, 3), float(r))
     D.broadcast(m, src=w - 1)
     out["broadcast"] = m.tolist()
+    ll = np.arange(3, dtype=np.longlong)
+    D.all_reduce(ll)
+    out["longlong"] = ll.tolist()
     errors = []
     for call in (lambda: D.all_reduce(np.arange(6.0)[::2]), lambda: D.all_reduce(np.arange(3, dtype=np.int32)),
                  lambda: D.all_reduce(np.zeros(3), "prod"), lambda: D.broadcast(np.zeros(3), src=w),
-                 lambda: D.all_reduce([1.0, 2.0]), lambda: D.init_process_group()):
+                 lambda: D.all_reduce([1.0, 2.0]), lambda: D.init_process_group(),
+                 lambda: D.all_reduce(np.arange(2, dtype=">f8"))):
         try:
             call()
             errors.append(None)
@@ -202,7 +253,7 @@ def backend_case(opts):
                 "local": [D.get_local_rank(), D.get_local_world_size()]}
 
 
-CASES = {"backend": backend_case, "fit": fit_case, "step": step_case, "failure": failure_case, "mismatch": mismatch_case,
+CASES = {"backend": backend_case, "evaluation": evaluation_case, "uncaught": uncaught_case, "fit": fit_case, "step": step_case, "failure": failure_case, "mismatch": mismatch_case,
          "collectives": collectives_case}
 
 

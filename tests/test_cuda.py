@@ -1062,3 +1062,59 @@ def test_cli_budget_counts_what_the_device_holds_once_open(capsys):
     assert f"largest batch that fits in 12.00 MiB: {n}" in out
     if held:
         assert f"cuda:0 holds {cmlp.memory._fmt(held)} of it once open" in out
+
+
+_DATA_PARALLEL_SCRIPT = r"""
+import json, os, sys
+import numpy as np
+import cmlp
+dev = os.environ.get("CMLP_TEST_CUDA_DEVICE", "cuda")
+cmlp.distributed.init_process_group("mpi" if dev == "cpu" else "nccl")
+rng = np.random.default_rng(3)
+x = rng.integers(0, 256, (64 * 5 + 7, 784), dtype=np.uint8)
+y = rng.integers(0, 10, len(x))
+out = {"world": cmlp.distributed.get_world_size(), "backend": cmlp.distributed.get_backend()}
+for amp in ("", "fp16"):
+    runs = []
+    for distributed in (True, False):
+        model = cmlp.MLP([784, 512, 256, 10], device=dev, seed=0)
+        trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=64, amp=amp or None, seed=1,
+                               distributed=distributed)
+        h = trainer.fit(x, y, epochs=3, progress=False)
+        runs.append(([e["loss"] for e in h], model._c.get_params()))
+    out[amp or "fp32"] = {"losses": [r[0] for r in runs], "same_params": bool(np.array_equal(runs[0][1], runs[1][1]))}
+print(json.dumps(out))
+"""
+
+
+def _nccl_for_the_test():
+    """The NCCL a subprocess loads: the emulated backend's own (it is NCCL too, over MPI, where it
+    was built with MPI), else whichever cmlp.distributed finds; None where there is none."""
+    import ctypes
+
+    emulated = os.environ.get("CMLP_CUDA_LIBRARY")
+    if emulated:
+        return emulated if hasattr(ctypes.CDLL(emulated), "ncclAllReduce") else None
+    return cmlp.distributed._nccl_library() if cmlp.distributed.is_nccl_available() else None
+
+
+@needs_gpu
+def test_data_parallel_training_in_a_group_of_one_equals_training_alone():
+    """The data-parallel step on the GPU: NCCL's all-reduce of the gradients on the stream, inside
+    the step fit captures and replays, here in a group of one rank (no MPI launcher): the sum of one
+    is the gradients themselves, so the run equals the run without a group bit for bit, in fp32
+    and fp16 (tests/test_distributed.py runs groups of 2 and 3 on the emulated backend)."""
+    env = dict(os.environ, PYTHONPATH=REPO_PYTHON)
+    if not DRY_RUN:
+        nccl = _nccl_for_the_test()
+        if nccl is None:
+            pytest.skip("no NCCL to load (set CMLP_NCCL_LIBRARY, or install the nvidia-nccl wheel)")
+        env["CMLP_NCCL_LIBRARY"] = nccl
+    r = subprocess.run([sys.executable, "-c", _DATA_PARALLEL_SCRIPT], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["world"] == 1 and out["backend"] == ("mpi" if DRY_RUN else "nccl")
+    for amp in ("fp32", "fp16"):
+        assert out[amp]["same_params"], out
+        assert out[amp]["losses"][0] == out[amp]["losses"][1]

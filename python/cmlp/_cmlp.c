@@ -1222,8 +1222,13 @@ static PyArrayObject *collective_array(PyObject *obj, const char *what) {
         return NULL;
     }
     PyArrayObject *a = (PyArrayObject *)obj;
-    if (!PyArray_IS_C_CONTIGUOUS(a) || !PyArray_ISWRITEABLE(a)) {
-        PyErr_Format(PyExc_ValueError, "%s must be a writable C-contiguous array (it is changed in place)", what);
+    if (!PyArray_IS_C_CONTIGUOUS(a) || !PyArray_ISWRITEABLE(a) || !PyArray_ISALIGNED(a)) {
+        PyErr_Format(PyExc_ValueError, "%s must be a writable, aligned, C-contiguous array (it is changed in place)",
+                     what);
+        return NULL;
+    }
+    if (!PyArray_ISNOTSWAPPED(a)) {
+        PyErr_Format(PyExc_ValueError, "%s must be in the machine's byte order", what);
         return NULL;
     }
     return a;
@@ -1236,7 +1241,8 @@ static PyObject *mod_dist_all_reduce(PyObject *mod, PyObject *args) {
     PyArrayObject *a = collective_array(obj, "tensor");
     if (!a) return NULL;
     int t = PyArray_TYPE(a);
-    int type = t == NPY_FLOAT32 ? 0 : t == NPY_FLOAT64 ? 1 : t == NPY_INT64 ? 2 : -1;
+    int i64 = PyArray_ISSIGNED(a) && PyArray_ITEMSIZE(a) == 8; /* int64, whichever C type it is */
+    int type = t == NPY_FLOAT32 ? 0 : t == NPY_FLOAT64 ? 1 : i64 ? 2 : -1;
     if (type < 0) {
         PyErr_SetString(PyExc_TypeError, "all_reduce takes float32, float64 or int64 arrays");
         return NULL;
@@ -1293,6 +1299,14 @@ static PyObject *mod_dist_finalize(PyObject *mod, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+static PyObject *mod_dist_abort(PyObject *mod, PyObject *arg) {
+    (void)mod;
+    long code = PyLong_AsLong(arg);
+    if (code == -1 && PyErr_Occurred()) return NULL;
+    cmlp_dist_abort((int)code);
+    Py_RETURN_NONE;
+}
+
 static PyObject *mod_dist_library_version(PyObject *mod, PyObject *unused) {
     (void)mod;
     (void)unused;
@@ -1309,6 +1323,7 @@ static PyMethodDef module_methods[] = {
     {"dist_barrier", mod_dist_barrier, METH_NOARGS, "waits for every rank"},
     {"dist_destroy", mod_dist_destroy, METH_NOARGS, "ends the process group"},
     {"dist_finalize", mod_dist_finalize, METH_NOARGS, "finalizes MPI where cmlp initialised it (at exit)"},
+    {"dist_abort", mod_dist_abort, METH_O, "ends every rank's process (MPI_Abort)"},
     {"dist_library_version", mod_dist_library_version, METH_NOARGS, "the MPI library's version, once loaded"},
     {"memory_stats", mod_memory_stats, METH_O, "memory_stats(device) -> dict"},
     {"reset_peak_memory_stats", mod_reset_peak, METH_O, "reset every peak to its current value"},

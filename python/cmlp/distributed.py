@@ -24,8 +24,11 @@ checks the summed gradients, so all ranks skip the same steps. Out of memory on 
 handled there (automatic micro-batching) before the ranks agree on the step; a rank that cannot
 compute its share makes every rank raise for that step instead of hanging.
 
-Collectives (`all_reduce`, `broadcast`, `barrier`, and every Trainer call) must be made by every
-rank in the same order, as MPI requires.
+Collectives (`all_reduce`, `broadcast`, `barrier`, and every call of a data-parallel Trainer,
+its construction included) must be made by every rank in the same order, as MPI requires, and
+from one thread at a time per process. A Trainer for one rank alone takes distributed=False. An
+exception that nothing catches on one rank ends the whole job (MPI_Abort, after its traceback),
+as the other ranks would otherwise wait for that rank forever.
 
 Backends: "mpi" sums the gradients of models on the CPU with MPI_Allreduce; "nccl" also trains
 models on CUDA devices, one GPU per rank (e.g. device=f"cuda:{get_local_rank()}"), summing their
@@ -59,6 +62,19 @@ class ReduceOp:
 
 _OPS = {ReduceOp.SUM: 0, ReduceOp.MAX: 1, ReduceOp.MIN: 2}
 _finalize_registered = False
+_previous_excepthook = None
+
+
+def _abort_on_uncaught(exc_type: Any, exc: Any, tb: Any) -> None:
+    """An uncaught exception on one rank ends the job: the others would wait for it forever."""
+    assert _previous_excepthook is not None
+    _previous_excepthook(exc_type, exc, tb)
+    state = _cmlp.dist_state()
+    if state[0] and state[2] > 1:
+        sys.stderr.write(f"cmlp.distributed: rank {state[1]} ends the job of {state[2]} ranks (MPI_Abort): an "
+                         "exception nothing caught, which the other ranks would wait for\n")
+        sys.stderr.flush()
+        _cmlp.dist_abort(1)
 
 
 def _mpi_module_present() -> bool:
@@ -116,9 +132,12 @@ def init_process_group(backend: Optional[str] = None) -> None:
         if not os.environ.get("CMLP_NCCL_LIBRARY"):
             os.environ["CMLP_NCCL_LIBRARY"] = _nccl_library() or "libnccl.so.2"
     _cmlp.dist_init(BACKENDS[backend])
+    global _previous_excepthook
     if not _finalize_registered:
         atexit.register(_cmlp.dist_finalize)
         _finalize_registered = True
+        _previous_excepthook = sys.excepthook
+        sys.excepthook = _abort_on_uncaught
 
 
 def is_initialized() -> bool:

@@ -170,7 +170,7 @@ class Trainer:
                 self._warned = True
                 warnings.warn(f"under the memory limit of {limit} bytes the planner fits micro-batches of {b}, not "
                               f"{asked}: the trainer accumulates them (the update is the same)",
-                              memory.MemoryWarning, stacklevel=4)
+                              memory.MemoryWarning, stacklevel=5)  # fit -> _fit -> _together -> here
 
     def _warn_if_split(self, before: int) -> None:
         if self._c.oom_retries() > before and not self._warned:
@@ -201,6 +201,33 @@ class Trainer:
         if error is not None:
             raise error
 
+    def _claim_agreed(self, what: str, error: Optional[Exception]) -> None:
+        """_claim, then (data-parallel) every rank learns whether all could start the call."""
+        claimed = error is None and self._busy.acquire(blocking=False)
+        if error is None and not claimed:
+            error = RuntimeError(f"this Trainer is already running fit or step in another thread; {what} must wait "
+                                 "for it (or use a Trainer per thread)")
+        try:
+            self._agree(error)
+        except BaseException:
+            if claimed:
+                self._busy.release()
+            raise
+
+    def _together(self, fn: Any) -> Any:
+        """Runs fn (work of this rank alone); data-parallel, an exception there is raised on every
+        rank, so that none waits for the others in the next collective."""
+        if not self.distributed:
+            return fn()
+        error: Optional[Exception] = None
+        result = None
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - raised again on every rank by _agree
+            error = e
+        self._agree(error)
+        return result
+
     def step(self, x_batch: Any, y_batch: Any) -> float:
         """One optimizer step on the whole given (effective) batch; returns its mean loss.
         Data-parallel, each rank gives its own batch and the step is that of all of them."""
@@ -209,8 +236,7 @@ class Trainer:
             xa, ya = self._data(x_batch, y_batch, "batch")
         except (TypeError, ValueError) as e:
             error = e
-        self._agree(error)
-        self._claim("step")
+        self._claim_agreed("step", error)
         try:
             return self._step(xa, ya)
         finally:
@@ -235,8 +261,7 @@ class Trainer:
             epochs, xa, ya, val = self._fit_args(x, y, epochs, validation_data)
         except (TypeError, ValueError) as e:
             error = e
-        self._agree(error)
-        self._claim("fit")
+        self._claim_agreed("fit", error)
         try:
             return self._fit(xa, ya, epochs, val, progress)
         finally:
@@ -274,7 +299,7 @@ class Trainer:
                 start = time.perf_counter()
                 self._push_scaler()
                 if epoch == 1:
-                    self._start_under_limit()
+                    self._together(self._start_under_limit)
                 retries = self._c.oom_retries()
                 try:
                     done = False
@@ -304,7 +329,9 @@ class Trainer:
                     "skipped_steps": skipped,
                 }
                 if val is not None:
-                    loss_sum, correct = self.model._c.evaluate(val[0], val[1], *self.normalize, 1000)
+                    # every rank evaluates (the same parameters, the same result)
+                    loss_sum, correct = self._together(
+                        lambda: self.model._c.evaluate(val[0], val[1], *self.normalize, 1000))
                     # evaluation's 1000-row buffers go back to the cache: training keeps its own peak
                     self.model._c.release_workspace()
                     record["val_loss"] = loss_sum / val[0].shape[0]

@@ -1181,7 +1181,8 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t op, const v
  * CMLP_NCCL_LIBRARY to it). A communicator is a duplicate of MPI_COMM_WORLD; ncclAllReduce
  * checks its arguments as NCCL would and queues an MPI_Allreduce on the stream like a kernel
  * (run when the host waits for the stream, recorded by a capture, repeated by each replay).
- * ncclCommInitRank checks that every rank was given rank 0's id and its own rank. */
+ * ncclCommInitRank checks that every rank was given rank 0's id and its own rank. A group of
+ * one needs no MPI (cmlp's group of one without a launcher): its sum is a copy. */
 #ifdef CMLP_EMU_MPI
 #include <mpi.h>
 
@@ -1207,7 +1208,12 @@ NCCL_EMU_API int ncclGetUniqueId(nccl_uid *id) {
 
 NCCL_EMU_API int ncclCommInitRank(void **comm, int nranks, nccl_uid id, int rank) {
     int on = 0, world_rank = -1, world_size = 0;
-    if (!comm || MPI_Initialized(&on) != MPI_SUCCESS || !on) return NCCL_INVALID_USAGE;
+    if (!comm || MPI_Initialized(&on) != MPI_SUCCESS) return NCCL_INVALID_USAGE;
+    if (!on) { /* a group of one */
+        if (nranks != 1 || rank != 0) return NCCL_INVALID_USAGE;
+        *comm = new nccl_comm{MPI_COMM_NULL};
+        return NCCL_OK;
+    }
     MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
     MPI_Comm_size(MPI_COMM_WORLD, &world_size);
     if (nranks != world_size || rank != world_rank) {
@@ -1243,7 +1249,8 @@ NCCL_EMU_API int ncclAllReduce(const void *send, void *recv, size_t count, int t
     }
     MPI_Comm mc = static_cast<nccl_comm *>(comm)->comm;
     cudaError_t e = submit(stream, [=] {
-        MPI_Allreduce(send == recv ? MPI_IN_PLACE : send, recv, (int)count, MPI_FLOAT, MPI_SUM, mc);
+        if (mc == MPI_COMM_NULL) memmove(recv, send, count * 4);
+        else MPI_Allreduce(send == recv ? MPI_IN_PLACE : send, recv, (int)count, MPI_FLOAT, MPI_SUM, mc);
     }, "ncclAllReduce");
     return e == cudaSuccess ? NCCL_OK : NCCL_INVALID_USAGE;
 }
@@ -1252,7 +1259,7 @@ NCCL_EMU_API int ncclCommDestroy(void *comm) {
     if (!comm) return NCCL_INVALID_ARGUMENT;
     flush_all(); /* its queued work runs first, as NCCL's does */
     nccl_comm *c = static_cast<nccl_comm *>(comm);
-    MPI_Comm_free(&c->comm);
+    if (c->comm != MPI_COMM_NULL) MPI_Comm_free(&c->comm);
     delete c;
     return NCCL_OK;
 }
