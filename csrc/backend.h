@@ -199,6 +199,7 @@ typedef struct cmlp_backend_i {
      * handed to the others by the caller; comm_init: this device's member of the group, made by
      * every rank at once (it waits for all); comm_all_reduce: a float sum in place, queued on the
      * device's stream like a kernel (a capture records it); comm_free. */
+    cmlp_status (*comm_prepare)(void *ctx); /* what comm_init needs is there (NCCL loads, the device) */
     cmlp_status (*comm_id)(void *ctx, void *id);
     cmlp_status (*comm_init)(void *ctx, const void *id, int rank, int size, void **comm);
     cmlp_status (*comm_all_reduce)(void *ctx, void *comm, float *d_buf, int64_t n);

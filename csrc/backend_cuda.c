@@ -1144,6 +1144,12 @@ static cmlp_status nccl_ready(void) {
                                  nccl.error_string(r_), r_);                                                 \
     } while (0)
 
+static cmlp_status cu_comm_prepare(void *ctx) {
+    cuda_ctx *c = ctx;
+    NCCL_READY();
+    return use(c);
+}
+
 static cmlp_status cu_comm_id(void *ctx, void *id) {
     (void)ctx;
     NCCL_READY();
@@ -1226,6 +1232,7 @@ static const cmlp_backend_i backend = {
     .capture_end = cu_capture_end,
     .graph_launch = cu_graph_launch,
     .graph_free = cu_graph_free,
+    .comm_prepare = cu_comm_prepare,
     .comm_id = cu_comm_id,
     .comm_init = cu_comm_init,
     .comm_all_reduce = cu_comm_all_reduce,

@@ -20,6 +20,7 @@ static const cmlp_mpi_module *mpi; /* loaded once, kept to the end */
 static bool group;                 /* between cmlp_dist_init and cmlp_dist_destroy */
 static int rank_, size_ = 1, local_rank_, local_size_ = 1;
 static int backend_; /* CMLP_DIST_MPI, or CMLP_DIST_NCCL: devices other than the host sum through NCCL */
+static uint64_t generation; /* moves with every group made: what a trainer joined may be gone */
 /* each device's member of the group's device collectives, made when first asked for */
 static struct {
     cmlp_device_ctx *dev;
@@ -49,10 +50,10 @@ static void solo_version(char *out, size_t cap) { snprintf(out, cap, "none (a gr
 static const cmlp_mpi_module solo = {CMLP_MPI_ABI, solo_init,     solo_all_reduce, solo_broadcast,
                                      solo_barrier, solo_finalize, solo_abort,      solo_version};
 
-/* Variables that MPI launchers (Open MPI, MPICH/PMI, PMIx, Slurm) set in the ranks they start. */
+/* Variables that MPI launchers (Open MPI, MPICH/PMI, PMIx, srun's PMI) set in the ranks they start. */
 static bool launched(void) {
     static const char *const vars[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK",
-                                       "MPI_LOCALNRANKS", "SLURM_NTASKS"};
+                                       "MPI_LOCALNRANKS"};
     for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++)
         if (getenv(vars[i])) return true;
     return false;
@@ -105,6 +106,7 @@ cmlp_status cmlp_dist_init(int backend, int *rank, int *size) {
     if (st == CMLP_OK) {
         group = true;
         backend_ = backend;
+        generation++;
         if (rank) *rank = rank_;
         if (size) *size = size_;
     }
@@ -124,6 +126,7 @@ int cmlp_dist_size(void) { return group ? size_ : 1; }
 int cmlp_dist_local_rank(void) { return group ? local_rank_ : 0; }
 int cmlp_dist_local_size(void) { return group ? local_size_ : 1; }
 int cmlp_dist_backend(void) { return group ? backend_ : -1; }
+uint64_t cmlp_dist_generation(void) { return generation; }
 
 #define NO_GROUP() CMLP_FAIL(CMLP_ERR_STATE, "no process group: call cmlp.distributed.init_process_group() first")
 
@@ -162,41 +165,69 @@ static void free_device_comms(void) {
     ndcomms = 0;
 }
 
+/* Collective: every rank calls it with its model's device. Where every rank has a communicator
+ * for its device already, that one; else all make a new one together (a rank that moved its
+ * model to another device, or a first use): each says whether it can (NCCL loads, its device is
+ * there), then rank 0 makes the id, sends it, and all join. */
 cmlp_status cmlp_dist_device_comm(cmlp_device_ctx *dev, void **comm) {
     *comm = NULL;
     pthread_mutex_lock(&lock);
     cmlp_status st = CMLP_OK;
-    for (int i = 0; i < ndcomms; i++)
-        if (dcomms[i].dev == dev) *comm = dcomms[i].comm;
-    if (*comm) goto out;
+    void *found = NULL;
+    for (int i = 0; i < ndcomms; i++) /* the latest for this device */
+        if (dcomms[i].dev == dev) found = dcomms[i].comm;
     if (!group) {
         st = NO_GROUP();
-    } else if (backend_ != CMLP_DIST_NCCL || !dev->backend->comm_init) {
+        goto out;
+    }
+    if (backend_ != CMLP_DIST_NCCL || !dev->backend->comm_init) {
         st = CMLP_FAIL(CMLP_ERR_STATE,
                        "the process group's backend is '%s', which sums gradients of models on the CPU; for models "
                        "on CUDA devices make it with init_process_group(\"nccl\")",
                        backend_ == CMLP_DIST_NCCL ? "nccl" : "mpi");
-    } else if (ndcomms == (int)(sizeof dcomms / sizeof dcomms[0])) {
-        st = CMLP_FAIL(CMLP_ERR_STATE, "data-parallel training on more than %d devices in one process",
-                       (int)(sizeof dcomms / sizeof dcomms[0]));
-    } else {
-        /* rank 0 makes the id and sends it, with a byte saying whether it could */
-        unsigned char id[CMLP_COMM_ID_BYTES + 1] = {0};
-        if (rank_ == 0) {
-            st = dev->backend->comm_id(dev->bctx, id + 1);
-            id[0] = st == CMLP_OK;
+        goto out;
+    }
+    /* {have one, lowest rank that cannot make one} */
+    cmlp_status ready = found ? CMLP_OK : dev->backend->comm_prepare(dev->bctx);
+    if (ready == CMLP_OK && ndcomms == (int)(sizeof dcomms / sizeof dcomms[0]))
+        ready = CMLP_FAIL(CMLP_ERR_STATE, "more than %d device communicators in one process",
+                          (int)(sizeof dcomms / sizeof dcomms[0]));
+    char why[1024];
+    snprintf(why, sizeof why, "%s", cmlp_last_error());
+    int64_t have = found != NULL, first_unready = ready == CMLP_OK ? INT64_MAX : rank_;
+    st = mpi->all_reduce(&have, 1, CMLP_COMM_I64, CMLP_REDUCE_MIN);
+    if (st == CMLP_OK) st = mpi->all_reduce(&first_unready, 1, CMLP_COMM_I64, CMLP_REDUCE_MIN);
+    if (st != CMLP_OK) goto out;
+    if (have) {
+        *comm = found;
+        goto out;
+    }
+    if (first_unready != INT64_MAX) {
+        if (ready != CMLP_OK) {
+            cmlp_restore_error(why);
+            st = ready;
+        } else {
+            st = CMLP_FAIL(CMLP_ERR_DEVICE, "rank %lld of the process group cannot join NCCL (its own error says why)",
+                           (long long)first_unready);
         }
-        cmlp_status sent = mpi->broadcast(id, sizeof id, 0);
-        if (st == CMLP_OK) st = sent;
-        if (st == CMLP_OK && !id[0])
-            st = CMLP_FAIL(CMLP_ERR_DEVICE, "rank 0 of the process group could not make a NCCL id (its own error "
-                                            "says why)");
-        if (st == CMLP_OK) st = dev->backend->comm_init(dev->bctx, id + 1, rank_, size_, comm);
-        if (st == CMLP_OK) {
-            dcomms[ndcomms].dev = dev;
-            dcomms[ndcomms].comm = *comm;
-            ndcomms++;
-        }
+        goto out;
+    }
+    if (found) st = dev->backend->comm_prepare(dev->bctx); /* the others make one: this rank joins them */
+    /* rank 0 makes the id and sends it, with a byte saying whether it could */
+    unsigned char id[CMLP_COMM_ID_BYTES + 1] = {0};
+    if (rank_ == 0) {
+        if (st == CMLP_OK) st = dev->backend->comm_id(dev->bctx, id + 1);
+        id[0] = st == CMLP_OK;
+    }
+    cmlp_status sent = mpi->broadcast(id, sizeof id, 0);
+    if (st == CMLP_OK) st = sent;
+    if (st == CMLP_OK && !id[0])
+        st = CMLP_FAIL(CMLP_ERR_DEVICE, "rank 0 of the process group could not make a NCCL id (its own error says why)");
+    if (st == CMLP_OK) st = dev->backend->comm_init(dev->bctx, id + 1, rank_, size_, comm);
+    if (st == CMLP_OK) {
+        dcomms[ndcomms].dev = dev;
+        dcomms[ndcomms].comm = *comm;
+        ndcomms++;
     }
 out:
     pthread_mutex_unlock(&lock);

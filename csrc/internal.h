@@ -254,6 +254,8 @@ CMLP_HIDDEN uint64_t cmlp_optim_fingerprint(const cmlp_optim *o);
 /* The device's member of the process group's device collectives (NCCL); made on first use by
  * every rank at once (comm.c). */
 CMLP_HIDDEN cmlp_status cmlp_dist_device_comm(cmlp_device_ctx *dev, void **comm);
+/* Moves with every process group made (a trainer's communicator from an older one is gone). */
+CMLP_HIDDEN uint64_t cmlp_dist_generation(void);
 /* Makes the optimizer's state now if it has none (zeros; its first step still treats it as new). */
 CMLP_HIDDEN cmlp_status cmlp_optim_prepare(cmlp_optim *o);
 CMLP_HIDDEN int cmlp_rc_layout(const int *sizes, int L, int64_t rows, size_t *sz, size_t *act_bytes);

@@ -54,6 +54,7 @@ struct cmlp_trainer {
     bool dist;            /* data-parallel over the process group */
     void *dcomm;          /* off the host: dcomm_dev's member of the group's device collectives */
     cmlp_device_ctx *dcomm_dev;
+    uint64_t dgen;        /* the process group dcomm (and a captured step using it) belongs to */
 };
 
 /* Off the CPU the optimizer's step count and bias corrections live on the device too, so that a
@@ -427,26 +428,38 @@ static void make_key(const cmlp_trainer *t, const cmlp_data *xy, const int64_t *
     k->recompute = t->cfg.recompute;
 }
 
-/* A full step on device data, as a graph: the first step with a new key runs eagerly (it makes
- * the workspace, the optimizer state and the GEMM plans), the next one with that key is
- * captured, and the ones after it replay the capture. A capture that fails turns graphs off
- * for this trainer and the step runs eagerly. Data-parallel, the ranks agree once on every
- * step, however each runs it (replay, capture or eagerly: a rank that halved its micro-batch
- * does not replay), and a capture that failed on any rank is dropped by all. */
+/* How a step runs: eagerly, captured as a graph (then launched), or as a replay of the capture. */
+enum { PATH_EAGER = 0, PATH_CAPTURE = 1, PATH_REPLAY = 2 };
+
+/* A step on a device with graphs. A full step on device data (`eligible`) runs as a graph: the
+ * first step with a new key runs eagerly (it makes the workspace, the optimizer state and the
+ * GEMM plans), the next one with that key is captured, and the ones after it replay the capture.
+ * A capture that fails turns graphs off for this trainer and the step runs eagerly.
+ * Data-parallel, every rank must take the same path (NCCL requires an operation to be captured
+ * on all ranks or on none, and a replay to be of captures made together): each rank says which
+ * it could take, and all take the least of them (a rank that halved its micro-batch, or has no
+ * device copy of the data, makes every rank run eagerly; a rank that could replay captures
+ * again when another can only capture). A capture that failed on any rank turns graphs off on
+ * all. */
 static cmlp_status graph_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_data *xy, const int64_t *idx,
-                              int64_t start, int64_t n, int64_t n_all) {
+                              int64_t start, int64_t n, int64_t n_all, bool eligible) {
     cmlp_device_ctx *dev = t->model->dev;
     const cmlp_backend_i *b = dev->backend;
     step_key key;
     make_key(t, xy, idx, start, n, n_all, &key);
-    if (t->graph && t->graph_dev == dev && memcmp(&key, &t->graph_key, sizeof key) == 0) {
-        if (t->dist) CMLP_TRY(agree(CMLP_OK));
-        return b->graph_launch(dev->bctx, t->graph);
-    }
-    if (!t->warm || memcmp(&key, &t->warm_key, sizeof key) != 0) {
+    bool warm = t->warm && memcmp(&key, &t->warm_key, sizeof key) == 0;
+    int64_t path = !eligible ? PATH_EAGER
+                   : t->graph && t->graph_dev == dev && memcmp(&key, &t->graph_key, sizeof key) == 0 ? PATH_REPLAY
+                   : warm ? PATH_CAPTURE
+                          : PATH_EAGER;
+    if (t->dist) CMLP_TRY(cmlp_dist_all_reduce(&path, 1, CMLP_COMM_I64, CMLP_REDUCE_MIN));
+    if (path == PATH_REPLAY) return b->graph_launch(dev->bctx, t->graph);
+    if (path == PATH_EAGER) {
         CMLP_TRY(robust_step(t, ds, xy, idx, start, n, n_all));
-        make_key(t, xy, idx, start, n, n_all, &t->warm_key); /* after the step: what it allocated is in */
-        t->warm = true;
+        if (eligible && !warm) {
+            make_key(t, xy, idx, start, n, n_all, &t->warm_key); /* after the step: what it allocated is in */
+            t->warm = true;
+        }
         return CMLP_OK;
     }
     drop_graph(t);
@@ -459,7 +472,7 @@ static cmlp_status graph_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_dat
         cmlp_status end = b->capture_end(dev->bctx, &g);
         if (st == CMLP_OK) st = end;
     }
-    if (t->dist) { /* a capture that failed anywhere runs eagerly everywhere (which agrees again) */
+    if (t->dist) { /* every rank captured this step: one failed, all run it eagerly */
         char why[1024];
         snprintf(why, sizeof why, "%s", cmlp_last_error());
         cmlp_status all = agree(st);
@@ -554,11 +567,13 @@ static cmlp_status same_settings(const cmlp_trainer *t, int call, const cmlp_dat
  * after same_settings, so that all are on devices of one kind). */
 static cmlp_status join_device_group(cmlp_trainer *t) {
     cmlp_device_ctx *dev = t->model->dev;
-    if (dev->device.type == CMLP_DEVICE_CPU || t->dcomm_dev == dev) return CMLP_OK;
+    if (dev->device.type == CMLP_DEVICE_CPU) return CMLP_OK;
     void *comm;
-    CMLP_TRY(cmlp_dist_device_comm(dev, &comm));
+    CMLP_TRY(cmlp_dist_device_comm(dev, &comm)); /* collective: every rank asks every time */
+    if (t->dcomm != comm) drop_graph(t); /* a capture holds the communicator it was made with */
     t->dcomm = comm;
     t->dcomm_dev = dev;
+    t->dgen = cmlp_dist_generation();
     return CMLP_OK;
 }
 
@@ -581,10 +596,16 @@ cmlp_status cmlp_trainer_set_distributed(cmlp_trainer *t, int on) {
 
 /* Data-parallel, the group is still there (and the trainer's device collectives are its
  * model's device's: where the model moved, epoch_begin and step join the group again). */
-static cmlp_status check_group(const cmlp_trainer *t, bool joined) {
+static cmlp_status check_group(cmlp_trainer *t, bool joined) {
     if (!t->dist) return CMLP_OK;
     if (!cmlp_dist_initialized())
         return CMLP_FAIL(CMLP_ERR_STATE, "this trainer is data-parallel, and the process group was destroyed");
+    if (t->dcomm && t->dgen != cmlp_dist_generation()) { /* the group was made again: its old communicator is gone */
+        if (joined) return CMLP_FAIL(CMLP_ERR_STATE, "the process group was made again during the epoch");
+        drop_graph(t);
+        t->dcomm = NULL;
+        t->dcomm_dev = NULL;
+    }
     if (joined && t->model->dev->device.type != CMLP_DEVICE_CPU && t->dcomm_dev != t->model->dev)
         return CMLP_FAIL(CMLP_ERR_STATE, "the model moved to another device during the epoch");
     return CMLP_OK;
@@ -685,6 +706,7 @@ cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, cmlp_epoc
     CMLP_TRY(check_group(t, true));
     /* a step takes eb samples from the order, of which this rank computes its share */
     int64_t n = t->data.n, eb = effective_batch(t) * group_size(t);
+    const bool graphs = t->model->dev->backend->capture_begin != NULL; /* the device has graphs */
     cmlp_dscalars *ds;
     CMLP_TRY(run_begin(t, &ds));
     cmlp_fpenv fe;
@@ -702,13 +724,15 @@ cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, cmlp_epoc
             on_dev.on_device = 1;
             on_dev.pos = &ds->pos;
             idx = t->cfg.shuffle ? t->d_order + off : NULL;
-            const cmlp_backend_i *b = t->model->dev->backend;
             /* with automatic micro-batching, only while no growth back is pending (a replay
              * allocates nothing, so it cannot run out of memory) */
-            if (k == eb && b->capture_begin && !t->graphs_off && t->micro == t->target_micro)
-                s = graph_step(t, ds, &on_dev, idx, off, mine, k);
+            bool eligible = k == eb && !t->graphs_off && t->micro == t->target_micro;
+            if (graphs) /* data-parallel, every step: the ranks agree on the path */
+                s = graph_step(t, ds, &on_dev, idx, off, mine, k, eligible);
             else
                 s = robust_step(t, ds, &on_dev, idx, off, mine, k);
+        } else if (graphs && t->dist) { /* no device copy here: eagerly, and so on every rank */
+            s = graph_step(t, ds, &t->data, idx, t->pos + off, mine, k, false);
         } else {
             s = robust_step(t, ds, &t->data, idx, t->pos + off, mine, k);
         }

@@ -253,7 +253,26 @@ def backend_case(opts):
                 "local": [D.get_local_rank(), D.get_local_world_size()]}
 
 
-CASES = {"backend": backend_case, "evaluation": evaluation_case, "uncaught": uncaught_case, "fit": fit_case, "step": step_case, "failure": failure_case, "mismatch": mismatch_case,
+def regroup_case(opts):
+    """A trainer that outlives its process group: after destroy and init again it trains on with
+    the new group's communicator (its captured step, made with the old one, is dropped)."""
+    w = D.get_world_size()
+    x, y = data(256)
+    model = cmlp.MLP(SIZES, seed=4, device=opts["device"])
+    trainer = cmlp.Trainer(model, optimizer(model, "adam"), batch_size=16)
+    hist = trainer.fit(x, y, epochs=1, progress=False)
+    D.destroy_process_group()
+    D.init_process_group(opts.get("backend", "nccl"))
+    hist += trainer.fit(x, y, epochs=1, progress=False)
+    ref_model = cmlp.MLP(SIZES, seed=4, device=opts["device"])
+    cmlp.Trainer(ref_model, optimizer(ref_model, "adam"), batch_size=16 * w, distributed=False).fit(
+        x, y, epochs=2, progress=False)
+    p, q = params(model), params(ref_model)
+    return dict(rank_spread=spread(p), epochs=len(hist), max_diff=float(np.abs(p - q).max()),
+                scale=float(np.abs(q).max()))
+
+
+CASES = {"regroup": regroup_case, "backend": backend_case, "evaluation": evaluation_case, "uncaught": uncaught_case, "fit": fit_case, "step": step_case, "failure": failure_case, "mismatch": mismatch_case,
          "collectives": collectives_case}
 
 

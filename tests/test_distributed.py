@@ -222,9 +222,10 @@ def test_on_gpus_short_steps_and_ranks_without_samples(emulator):
 
 
 @needs_emulated_nccl
-def test_on_gpus_a_rank_that_micro_batches_runs_eagerly_beside_replays(emulator):
-    # rank 1 computes micro-batches (no graph) while rank 0 replays its captured step: the ranks
-    # agree once per step either way, and the update is the same
+def test_on_gpus_a_rank_that_micro_batches_makes_every_rank_run_eagerly(emulator):
+    # rank 1 computes micro-batches, which no graph holds: NCCL's all-reduce must be captured on
+    # every rank or on none (the emulated NCCL aborts the job on a mix), so the ranks agree on the
+    # path of each step and all run eagerly; the update is the same
     out = run_job(2, "fit", {"backend": "nccl", "device": "cuda", "n": 200, "limit_rank": 1, "limit": 11_000_000},
                   timeout=300, emulated_gpu=True)
     check_fit(out, 2, 1e-5, 1e-6)
@@ -279,3 +280,9 @@ def test_without_the_mpi_module_a_process_is_a_group_of_one(tmp_path):
     p = subprocess.run([sys.executable, "-c", _SOLO_SCRIPT], capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "has no MPI support" in json.loads(p.stdout.strip().splitlines()[-1])["error"]
+
+
+@needs_emulated_nccl
+def test_on_gpus_a_group_made_again_gives_the_trainer_a_new_communicator(emulator):
+    out = run_job(2, "regroup", {"device": "cuda", "backend": "nccl"}, timeout=300, emulated_gpu=True)
+    assert out["rank_spread"] == 0.0 and out["epochs"] == 2 and out["max_diff"] <= 1e-5 * out["scale"]

@@ -104,8 +104,9 @@ def _nccl_library() -> Optional[str]:
 
 
 def is_nccl_available() -> bool:
-    """True when this build has the CUDA backend and NCCL can be loaded."""
-    if not _cmlp.build_info()["cuda_compiled"] or not _mpi_module_present():
+    """True when this build has the CUDA backend and NCCL can be loaded (with no MPI module, for
+    a group of one)."""
+    if not _cmlp.build_info()["cuda_compiled"]:
         return False
     try:
         ctypes.CDLL(_nccl_library())

@@ -46,6 +46,7 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <set>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -1181,8 +1182,10 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t op, const v
  * CMLP_NCCL_LIBRARY to it). A communicator is a duplicate of MPI_COMM_WORLD; ncclAllReduce
  * checks its arguments as NCCL would and queues an MPI_Allreduce on the stream like a kernel
  * (run when the host waits for the stream, recorded by a capture, repeated by each replay).
- * ncclCommInitRank checks that every rank was given rank 0's id and its own rank. A group of
- * one needs no MPI (cmlp's group of one without a launcher): its sum is a copy. */
+ * ncclCommInitRank checks that every rank was given rank 0's id and its own rank, and each sum
+ * that every rank made it the same way (NCCL's rule: an operation is captured in a graph on
+ * every rank or on none; a mix aborts the job). A group of one needs no MPI (cmlp's group of
+ * one without a launcher): its sum is a copy. */
 #ifdef CMLP_EMU_MPI
 #include <mpi.h>
 
@@ -1195,6 +1198,7 @@ struct nccl_uid {
 struct nccl_comm {
     MPI_Comm comm;
 };
+std::set<nccl_comm *> live_comms; /* a sum queued or replayed on a destroyed one aborts */
 enum { NCCL_OK = 0, NCCL_INTERNAL = 3, NCCL_INVALID_ARGUMENT = 4, NCCL_INVALID_USAGE = 5 };
 } /* namespace */
 
@@ -1211,7 +1215,9 @@ NCCL_EMU_API int ncclCommInitRank(void **comm, int nranks, nccl_uid id, int rank
     if (!comm || MPI_Initialized(&on) != MPI_SUCCESS) return NCCL_INVALID_USAGE;
     if (!on) { /* a group of one */
         if (nranks != 1 || rank != 0) return NCCL_INVALID_USAGE;
-        *comm = new nccl_comm{MPI_COMM_NULL};
+        nccl_comm *c = new nccl_comm{MPI_COMM_NULL};
+        live_comms.insert(c);
+        *comm = c;
         return NCCL_OK;
     }
     MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
@@ -1234,6 +1240,7 @@ NCCL_EMU_API int ncclCommInitRank(void **comm, int nranks, nccl_uid id, int rank
         delete c;
         return NCCL_INTERNAL;
     }
+    live_comms.insert(c);
     *comm = c;
     return NCCL_OK;
 }
@@ -1247,10 +1254,29 @@ NCCL_EMU_API int ncclAllReduce(const void *send, void *recv, size_t count, int t
         fprintf(stderr, "nccl_emu: ncclAllReduce of %zu floats from %p to %p: not device memory\n", count, send, recv);
         return NCCL_INVALID_ARGUMENT;
     }
-    MPI_Comm mc = static_cast<nccl_comm *>(comm)->comm;
+    nccl_comm *nc = static_cast<nccl_comm *>(comm);
+    if (!live_comms.count(nc)) {
+        fprintf(stderr, "nccl_emu: ncclAllReduce on a destroyed communicator\n");
+        return NCCL_INVALID_ARGUMENT;
+    }
+    MPI_Comm mc = nc->comm;
+    const int in_graph = resolve(stream)->capturing;
     cudaError_t e = submit(stream, [=] {
-        if (mc == MPI_COMM_NULL) memmove(recv, send, count * 4);
-        else MPI_Allreduce(send == recv ? MPI_IN_PLACE : send, recv, (int)count, MPI_FLOAT, MPI_SUM, mc);
+        if (!live_comms.count(nc)) { /* a graph replayed after its communicator was destroyed */
+            fprintf(stderr, "nccl_emu: an all-reduce replayed on a destroyed communicator\n");
+            abort();
+        }
+        if (mc == MPI_COMM_NULL) {
+            memmove(recv, send, count * 4);
+            return;
+        }
+        int how[2] = {in_graph, -in_graph};
+        MPI_Allreduce(MPI_IN_PLACE, how, 2, MPI_INT, MPI_MAX, mc);
+        if (how[0] != -how[1]) {
+            fprintf(stderr, "nccl_emu: an all-reduce captured in a graph on some ranks and not on others\n");
+            MPI_Abort(MPI_COMM_WORLD, 3);
+        }
+        MPI_Allreduce(send == recv ? MPI_IN_PLACE : send, recv, (int)count, MPI_FLOAT, MPI_SUM, mc);
     }, "ncclAllReduce");
     return e == cudaSuccess ? NCCL_OK : NCCL_INVALID_USAGE;
 }
@@ -1259,6 +1285,7 @@ NCCL_EMU_API int ncclCommDestroy(void *comm) {
     if (!comm) return NCCL_INVALID_ARGUMENT;
     flush_all(); /* its queued work runs first, as NCCL's does */
     nccl_comm *c = static_cast<nccl_comm *>(comm);
+    if (!live_comms.erase(c)) return NCCL_INVALID_ARGUMENT;
     if (c->comm != MPI_COMM_NULL) MPI_Comm_free(&c->comm);
     delete c;
     return NCCL_OK;
