@@ -630,7 +630,8 @@ cmlp_status cmlp_trainer_step(cmlp_trainer *t, const cmlp_data *xy, double *loss
     }
     CMLP_TRY(st);
     cmlp_dscalars *ds;
-    CMLP_TRY(run_begin(t, &ds));
+    st = run_begin(t, &ds); /* it may allocate: data-parallel, the ranks agree on it */
+    CMLP_TRY(t->dist ? agree(st) : st);
     cmlp_fpenv fe;
     cmlp_fpenv_enter(&fe);
     st = robust_step(t, ds, xy, NULL, 0, xy->n, n_all);
@@ -708,10 +709,10 @@ cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, cmlp_epoc
     int64_t n = t->data.n, eb = effective_batch(t) * group_size(t);
     const bool graphs = t->model->dev->backend->capture_begin != NULL; /* the device has graphs */
     cmlp_dscalars *ds;
-    CMLP_TRY(run_begin(t, &ds));
+    cmlp_status s = run_begin(t, &ds); /* it may allocate: data-parallel, the ranks agree on it */
+    CMLP_TRY(t->dist ? agree(s) : s);
     cmlp_fpenv fe;
     cmlp_fpenv_enter(&fe);
-    cmlp_status s = CMLP_OK;
     for (int64_t done = 0; t->pos < n && (max_steps <= 0 || done < max_steps); done++) {
         int64_t k = n - t->pos < eb ? n - t->pos : eb, off, mine;
         share_of(t, k, &off, &mine);

@@ -207,7 +207,9 @@ def barrier() -> None:
 
 
 def destroy_process_group() -> None:
-    """Ends the process group (MPI stays initialised until the process exits)."""
+    """Ends the process group and its NCCL communicators (MPI stays initialised until the
+    process exits). No data-parallel call may be running in another thread; a Trainer that
+    outlives the group joins the next one (made with init_process_group) when it next trains."""
     _require()
     _cmlp.dist_destroy()
 
