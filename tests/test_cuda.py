@@ -1104,7 +1104,8 @@ def test_data_parallel_training_in_a_group_of_one_equals_training_alone():
     the step fit captures and replays, here in a group of one rank (no MPI launcher): the sum of one
     is the gradients themselves, so the run equals the run without a group bit for bit, in fp32
     and fp16 (tests/test_distributed.py runs groups of 2 and 3 on the emulated backend)."""
-    env = dict(os.environ, PYTHONPATH=REPO_PYTHON)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_PYTHON + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     if not DRY_RUN:
         nccl = _nccl_for_the_test()
         if nccl is None:
