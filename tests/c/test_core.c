@@ -330,6 +330,80 @@ static void test_determinism(void) {
     free(out[1]);
 }
 
+/* The data-parallel trainer in a group of one (this binary has no MPI module beside it and no
+ * launcher started it): every collective of the step runs (the ranks' agreement, the settings'
+ * comparison, the sum of the gradients, the group's loss) and the run equals the trainer alone,
+ * bit for bit, with fp16 loss scaling, accumulation and a short last step; wrong uses fail. */
+static void test_group_of_one(void) {
+    if (getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMI_SIZE") || getenv("PMIX_RANK")) return;
+    cmlp_trainer *t0 = NULL;
+    int sizes[] = {8, 6, 3};
+    cmlp_model *m0;
+    cmlp_optim *o0;
+    OK(cmlp_model_init(&m0, sizes, 3, cmlp_cpu(), 2));
+    cmlp_adam_config ac = cmlp_adam_defaults();
+    OK(cmlp_optim_init_adam(&o0, m0, &ac));
+    cmlp_train_config tc = {.batch_size = 4, .accumulation_steps = 2, .microbatch_size = 3, .shuffle = 1, .seed = 9,
+                            .amp = CMLP_AMP_FP16, .auto_microbatch = 1};
+    OK(cmlp_trainer_init(&t0, m0, o0, &tc));
+    CHECK(cmlp_trainer_set_distributed(t0, 1) == CMLP_ERR_STATE, "a trainer joined no group");
+    int rank = -1, size = 0;
+    OK(cmlp_dist_init(CMLP_DIST_MPI, &rank, &size));
+    CHECK(rank == 0 && size == 1 && cmlp_dist_initialized(), "group of %d, rank %d", size, rank);
+    CHECK(cmlp_dist_init(CMLP_DIST_MPI, &rank, &size) == CMLP_ERR_STATE, "a second group");
+    double v[3] = {1.0, 2.0, 3.0};
+    OK(cmlp_dist_all_reduce(v, 3, 1, 0));
+    CHECK(v[0] == 1.0 && v[2] == 3.0, "sum of one %g %g", v[0], v[2]);
+    CHECK(cmlp_dist_all_reduce(v, 3, 7, 0) == CMLP_ERR_INVALID, "type 7 accepted");
+    CHECK(cmlp_dist_broadcast(v, 24, 1) == CMLP_ERR_INVALID, "root 1 of 1 accepted");
+    float x[21 * 8];
+    int32_t y[21];
+    unsigned rs = 11;
+    for (int i = 0; i < 21 * 8; i++) x[i] = frand(&rs);
+    for (int i = 0; i < 21; i++) y[i] = i % 3;
+    cmlp_data d = {.x = x, .x_dtype = CMLP_DTYPE_F32, .y = y, .n = 21, .mean = 0.5f, .std = 0.5f};
+    float *res[2];
+    double losses[2];
+    int64_t np_ = cmlp_model_num_parameters(m0);
+    for (int dist = 0; dist < 2; dist++) {
+        cmlp_model *m;
+        cmlp_optim *o;
+        cmlp_trainer *t;
+        OK(cmlp_model_init(&m, sizes, 3, cmlp_cpu(), 2));
+        OK(cmlp_optim_init_adam(&o, m, &ac));
+        OK(cmlp_trainer_init(&t, m, o, &tc));
+        cmlp_scaler_state sc = {1, 1024.0, 2.0, 0.5, 3, 0};
+        OK(cmlp_trainer_set_scaler(t, &sc));
+        OK(cmlp_trainer_set_distributed(t, dist));
+        cmlp_epoch_state st;
+        losses[dist] = 0.0;
+        for (int e = 0; e < 2; e++) {
+            OK(cmlp_trainer_epoch_begin(t, &d, e > 0, &st));
+            OK(cmlp_trainer_epoch_run(t, 0, &st));
+            CHECK(st.done && st.samples == 21 && st.steps == 3, "epoch %lld steps, %lld samples", (long long)st.steps,
+                  (long long)st.samples);
+            losses[dist] += st.loss_sum;
+        }
+        double loss;
+        OK(cmlp_trainer_step(t, &d, &loss));
+        losses[dist] += loss;
+        res[dist] = malloc(sizeof(float) * (size_t)np_);
+        OK(cmlp_model_get_params(m, res[dist]));
+        cmlp_trainer_free(t);
+        cmlp_optim_free(o);
+        cmlp_model_free(m);
+    }
+    CHECK(memcmp(res[0], res[1], sizeof(float) * (size_t)np_) == 0, "the group of one trains otherwise");
+    CHECK(losses[0] == losses[1], "losses %.17g and %.17g", losses[0], losses[1]);
+    for (int i = 0; i < 2; i++) free(res[i]);
+    cmlp_dist_destroy();
+    CHECK(!cmlp_dist_initialized() && cmlp_dist_size() == 1, "the group outlived destroy");
+    CHECK(cmlp_dist_barrier() == CMLP_ERR_STATE, "a barrier without a group");
+    cmlp_trainer_free(t0);
+    cmlp_optim_free(o0);
+    cmlp_model_free(m0);
+}
+
 int main(void) {
     int64_t base = allocated_now();
     test_status_and_devices();
@@ -339,6 +413,7 @@ int main(void) {
     test_adam_first_step();
     test_allocator();
     test_determinism();
+    test_group_of_one();
     CHECK(allocated_now() == base, "bytes left allocated: %lld", (long long)(allocated_now() - base));
     return check_summary();
 }
