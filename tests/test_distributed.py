@@ -286,3 +286,27 @@ def test_without_the_mpi_module_a_process_is_a_group_of_one(tmp_path):
 def test_on_gpus_a_group_made_again_gives_the_trainer_a_new_communicator(emulator):
     out = run_job(2, "regroup", {"device": "cuda", "backend": "nccl"}, timeout=300, emulated_gpu=True)
     assert out["rank_spread"] == 0.0 and out["epochs"] == 2 and out["max_diff"] <= 1e-5 * out["scale"]
+
+
+def _have_fashion():
+    try:
+        cmlp.datasets.fashion_mnist()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+@needs_mpi
+@pytest.mark.skipif(not _have_fashion(), reason="Fashion-MNIST is not installed (apt-get install dataset-fashion-mnist)")
+def test_the_command_line_trains_data_parallel(tmp_path):
+    save = tmp_path / "model.npz"
+    cmd = [MPIRUN, "-np", "2", sys.executable, "-m", "cmlp", "train", "--distributed", "--epochs", "1", "--layers",
+           "784,32,10", "--no-progress", "--save", str(save)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=job_env(), timeout=300, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    lines = p.stdout.strip().splitlines()
+    assert "batch 32 x 1 x 2 ranks" in lines[0]  # one report, from rank 0
+    assert sum(line.startswith("epoch 1/1") for line in lines) == 1
+    accuracy = float(lines[-2].split(": ")[1].rstrip("%")) if lines[-1].startswith("saved") else None
+    assert accuracy is not None and accuracy > 70.0, lines
+    assert cmlp.MLP.load(str(save)).layer_sizes == (784, 32, 10)
