@@ -50,18 +50,21 @@ def fit_case(opts):
     trainer = cmlp.Trainer(model, optimizer(model, opts.get("opt")), batch_size=batch, scaler=scaler(), **kw)
     if opts.get("limit_rank") == r:
         cmlp.memory.set_memory_limit(opts["limit"], device)
-    hist = trainer.fit(x, y, epochs=epochs, progress=False)
+    val = data(opts["val"], seed=7) if "val" in opts else None
+    hist = trainer.fit(x, y, epochs=epochs, progress=False, validation_data=val)
     cmlp.memory.set_memory_limit(None, device)
     ref_model = cmlp.MLP(SIZES, seed=10, device=device)
     ref = cmlp.Trainer(ref_model, optimizer(ref_model, opts.get("opt")), batch_size=batch * w, distributed=False,
                        scaler=scaler(), **kw)
-    ref_hist = ref.fit(x, y, epochs=epochs, progress=False)
+    ref_hist = ref.fit(x, y, epochs=epochs, progress=False, validation_data=val)
     p, q = params(model), params(ref_model)
     return dict(world=w, distributed=trainer.distributed, max_diff=float(np.abs(p - q).max()),
                 scale=float(np.abs(q).max()), rank_spread=spread(p),
                 loss=[h["loss"] for h in hist], ref_loss=[h["loss"] for h in ref_hist],
                 skipped=[h["skipped_steps"] for h in hist], ref_skipped=[h["skipped_steps"] for h in ref_hist],
-                micro=[h["microbatch_size"] for h in hist], micro_spread=spread(np.array([trainer.microbatch_size])))
+                micro=[h["microbatch_size"] for h in hist], micro_spread=spread(np.array([trainer.microbatch_size])),
+                val=[[h["val_loss"], h["val_accuracy"]] for h in hist],
+                ref_val=[[h["val_loss"], h["val_accuracy"]] for h in ref_hist])
 
 
 def step_case(opts):

@@ -106,6 +106,16 @@ def test_fit_equals_one_process_on_the_same_samples(ranks):
 
 
 @needs_mpi
+@pytest.mark.parametrize("val", [1001, 2])
+def test_validation_is_shared_between_the_ranks(val):
+    # each rank evaluates its share of the rows (3 ranks, 1001 rows; 2 rows leave a rank none)
+    out = run_job(3, "fit", {"val": val, "epochs": 1})
+    check_fit(out, 3, 1e-5, 1e-6)
+    (loss, acc), (ref_loss, ref_acc) = out["val"][0], out["ref_val"][0]
+    assert abs(loss - ref_loss) <= 1e-5 * ref_loss and abs(acc - ref_acc) <= 1.0 / val
+
+
+@needs_mpi
 def test_ranks_without_a_sample_in_the_last_step_add_nothing():
     # 10 samples, batch 1 on 3 ranks: the last step has one sample, ranks 1 and 2 none
     check_fit(run_job(3, "fit", {"batch": 1, "n": 10, "epochs": 1}), 3, 1e-5, 1e-6)

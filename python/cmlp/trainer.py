@@ -267,6 +267,17 @@ class Trainer:
         finally:
             self._busy.release()
 
+    def _evaluate(self, val: Tuple[np.ndarray, np.ndarray]) -> Tuple[float, int]:
+        """(loss sum, correct) over the validation set; data-parallel, each rank evaluates its
+        share of the rows (the ranks hold the same parameters) and the sums are the group's."""
+        if not self.distributed:
+            return self.model._c.evaluate(val[0], val[1], *self.normalize, 1000)
+        n, rank, ranks = val[0].shape[0], _dist.get_rank(), _dist.get_world_size()
+        lo, hi = n * rank // ranks, n * (rank + 1) // ranks
+        loss_sum, correct = (self.model._c.evaluate(val[0][lo:hi], val[1][lo:hi], *self.normalize, 1000)
+                             if hi > lo else (0.0, 0))
+        return loss_sum, correct
+
     def _fit_args(self, x: Any, y: Any, epochs: int, validation_data: Optional[Tuple[Any, Any]]) -> Tuple[
             int, np.ndarray, np.ndarray, Optional[Tuple[np.ndarray, np.ndarray]]]:
         epochs = _positive_int("epochs", epochs, 2**31 - 1)
@@ -329,9 +340,13 @@ class Trainer:
                     "skipped_steps": skipped,
                 }
                 if val is not None:
-                    # every rank evaluates (the same parameters, the same result)
-                    loss_sum, correct = self._together(
-                        lambda: self.model._c.evaluate(val[0], val[1], *self.normalize, 1000))
+                    loss_sum, correct = self._together(lambda: self._evaluate(val))
+                    if self.distributed:  # the group's sums (after _together: every rank got here)
+                        sums = np.array([loss_sum])
+                        count = np.array([correct], dtype=np.int64)
+                        _cmlp.dist_all_reduce(sums, 0)
+                        _cmlp.dist_all_reduce(count, 0)
+                        loss_sum, correct = float(sums[0]), int(count[0])
                     # evaluation's 1000-row buffers go back to the cache: training keeps its own peak
                     self.model._c.release_workspace()
                     record["val_loss"] = loss_sum / val[0].shape[0]
