@@ -66,12 +66,8 @@ static cmlp_status load(void) {
     if (env && env[0]) {
         snprintf(path, sizeof path, "%s", env);
     } else {
-        Dl_info info;
-        if (!dladdr((void *)load, &info) || !info.dli_fname)
+        if (!cmlp_beside_module("_cmlp_mpi.so", path, sizeof path))
             return CMLP_FAIL(CMLP_ERR_DEVICE, "cannot locate cmlp's own module to find _cmlp_mpi.so");
-        const char *slash = strrchr(info.dli_fname, '/');
-        int dir = slash ? (int)(slash - info.dli_fname) : 0;
-        snprintf(path, sizeof path, "%.*s%s_cmlp_mpi.so", dir, info.dli_fname, slash ? "/" : "");
         struct stat sb;
         if (stat(path, &sb) != 0 && !launched()) {
             mpi = &solo;
@@ -194,10 +190,10 @@ cmlp_status cmlp_dist_device_comm(cmlp_device_ctx *dev, void **comm) {
                           (int)(sizeof dcomms / sizeof dcomms[0]));
     char why[1024];
     snprintf(why, sizeof why, "%s", cmlp_last_error());
-    int64_t have = found != NULL, first_unready = ready == CMLP_OK ? INT64_MAX : rank_;
-    st = mpi->all_reduce(&have, 1, CMLP_COMM_I64, CMLP_REDUCE_MIN);
-    if (st == CMLP_OK) st = mpi->all_reduce(&first_unready, 1, CMLP_COMM_I64, CMLP_REDUCE_MIN);
+    int64_t both[2] = {found != NULL, ready == CMLP_OK ? INT64_MAX : rank_}; /* minima over the ranks */
+    st = mpi->all_reduce(both, 2, CMLP_COMM_I64, CMLP_REDUCE_MIN);
     if (st != CMLP_OK) goto out;
+    int64_t have = both[0], first_unready = both[1];
     if (have) {
         *comm = found;
         goto out;

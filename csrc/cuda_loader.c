@@ -23,15 +23,9 @@ static void load(void) {
     const char *env = getenv("CMLP_CUDA_LIBRARY");
     if (env && env[0]) {
         snprintf(path, sizeof path, "%s", env);
-    } else {
-        Dl_info info;
-        if (!dladdr((void *)load, &info) || !info.dli_fname) {
-            snprintf(why, sizeof why, "cannot locate cmlp's own module to find _cmlp_cuda.so");
-            return;
-        }
-        const char *slash = strrchr(info.dli_fname, '/');
-        int dir = slash ? (int)(slash - info.dli_fname) : 0;
-        snprintf(path, sizeof path, "%.*s%s_cmlp_cuda.so", dir, info.dli_fname, slash ? "/" : "");
+    } else if (!cmlp_beside_module("_cmlp_cuda.so", path, sizeof path)) {
+        snprintf(why, sizeof why, "cannot locate cmlp's own module to find _cmlp_cuda.so");
+        return;
     }
     void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (!h) {

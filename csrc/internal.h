@@ -274,6 +274,10 @@ typedef struct cmlp_fpenv {
 CMLP_HIDDEN void cmlp_fpenv_enter(cmlp_fpenv *e);
 CMLP_HIDDEN void cmlp_fpenv_leave(const cmlp_fpenv *e);
 
+/* out = the path of `name` in the directory of the library holding this code (the extension);
+ * false where that cannot be found. */
+CMLP_HIDDEN bool cmlp_beside_module(const char *name, char *out, size_t cap);
+
 /* ---- random numbers ---- */
 
 typedef struct cmlp_rng {

@@ -472,13 +472,7 @@ static cmlp_status graph_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_dat
         cmlp_status end = b->capture_end(dev->bctx, &g);
         if (st == CMLP_OK) st = end;
     }
-    if (t->dist) { /* every rank captured this step: one failed, all run it eagerly */
-        char why[1024];
-        snprintf(why, sizeof why, "%s", cmlp_last_error());
-        cmlp_status all = agree(st);
-        if (all != CMLP_OK && st == CMLP_OK) st = all;
-        else if (st != CMLP_OK) cmlp_restore_error(why);
-    }
+    if (t->dist) st = agree(st); /* every rank captured this step: one failed, all run it eagerly */
     if (st == CMLP_OK) {
         t->graph = g;
         t->graph_dev = dev;

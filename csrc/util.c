@@ -1,7 +1,12 @@
 /* util.c - small services of the core: the seeded random generator (xoshiro256** seeded by
- * splitmix64) and the floating-point environment (subnormals flushed while cmlp computes).
+ * splitmix64), the floating-point environment (subnormals flushed while cmlp computes) and the
+ * path of a library that lives beside this module.
  */
 #include "internal.h"
+
+#include <dlfcn.h>
+#include <stdio.h>
+#include <string.h>
 
 #if defined(__SSE__) || defined(__x86_64__)
 #include <xmmintrin.h>
@@ -55,6 +60,15 @@ void cmlp_fpenv_enter(cmlp_fpenv *e) {
 #else
     e->saved = 0;
 #endif
+}
+
+bool cmlp_beside_module(const char *name, char *out, size_t cap) {
+    Dl_info info;
+    if (!dladdr((void *)cmlp_beside_module, &info) || !info.dli_fname) return false;
+    const char *slash = strrchr(info.dli_fname, '/');
+    int dir = slash ? (int)(slash - info.dli_fname) : 0;
+    snprintf(out, cap, "%.*s%s%s", dir, info.dli_fname, slash ? "/" : "", name);
+    return true;
 }
 
 void cmlp_fpenv_leave(const cmlp_fpenv *e) {
