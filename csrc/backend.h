@@ -170,6 +170,20 @@ typedef struct cmlp_backend_i {
      * the flat gradient buffer. */
     cmlp_status (*unscale)(void *ctx, float *d_g, int64_t n, float inv_scale, const float *d_scale,
                            float *d_found_inf);
+    /* Gradient clipping over the flat gradient buffer (torch.nn.utils' clip_grad_norm_ and
+     * clip_grad_value_). grad_norm: *d_norm = the norm_type-norm of g[0..n) (norm_type > 0, or
+     * INFINITY for max |g|), as a float, computed in double in the order that cmlp_norm_blocks'
+     * comment fixes from n alone (so every backend gives the same bits for p = 1, 2 and inf); a NaN
+     * gives NaN. d_part: CMLP_NORM_PARTS device doubles of scratch; *d_blocks_done a device
+     * counter that is 0 between calls. n > 0. */
+    cmlp_status (*grad_norm)(void *ctx, const float *d_g, int64_t n, double norm_type, float *d_norm, double *d_part,
+                             uint32_t *d_blocks_done);
+    /* g *= c, c = min(1, max_norm / (*d_norm + 1e-6)) in float (a NaN norm gives NaN gradients;
+     * at c == 1 nothing is written); when d_norm_sum is not NULL a finite *d_norm is added to it
+     * and counted in *d_norm_steps. clip_value: g = min(max(g, -v), v), a NaN kept. */
+    cmlp_status (*clip_by_norm)(void *ctx, float *d_g, int64_t n, const float *d_norm, float max_norm,
+                                double *d_norm_sum, int64_t *d_norm_steps);
+    cmlp_status (*clip_by_value)(void *ctx, float *d_g, int64_t n, float v);
     /* Waits for the device's queued work (a second stream's: once joined to the first). */
     cmlp_status (*synchronize)(void *ctx);
 
@@ -208,6 +222,18 @@ typedef struct cmlp_backend_i {
 
 #define CMLP_COMM_ID_BYTES 128
 
+/* grad_norm's order of summation: thread t of blocks * CMLP_NORM_THREADS "threads" joins the
+ * terms of elements t, t + S, t + 2S, ... (S the threads' count) in that order, starting from
+ * 0; a warp (32 threads) joins its lanes by the xor butterfly (o = 16, 8, 4, 2, 1: lane l takes
+ * its value joined with lane l ^ o's), a block its warps' results in order, and the blocks'
+ * partials are joined in order. The blocks: one per 16 elements a thread, 1 to CMLP_NORM_PARTS. */
+#define CMLP_NORM_THREADS 256
+#define CMLP_NORM_PARTS 32
+static inline int64_t cmlp_norm_blocks(int64_t n) {
+    const int64_t b = (n + CMLP_NORM_THREADS * 16 - 1) / (CMLP_NORM_THREADS * 16);
+    return b < 1 ? 1 : b > CMLP_NORM_PARTS ? CMLP_NORM_PARTS : b;
+}
+
 extern const cmlp_backend_i cmlp_backend_cpu;
 
 /* The CUDA backend is its own shared library (_cmlp_cuda.so beside the extension), loaded on
@@ -215,7 +241,7 @@ extern const cmlp_backend_i cmlp_backend_cpu;
  * recorder and returns the module below. */
 typedef cmlp_status (*cmlp_error_fn)(cmlp_status s, const char *file, int line, const char *fmt, ...);
 
-#define CMLP_CUDA_ABI 2
+#define CMLP_CUDA_ABI 3
 
 typedef struct cmlp_cuda_module {
     int abi; /* CMLP_CUDA_ABI of the library */

@@ -6,6 +6,7 @@
 #include "half.h"
 #include "cpu_pool.h"
 
+#include <float.h>
 #include <limits.h>
 #include <math.h>
 #include <pthread.h>
@@ -575,6 +576,155 @@ static cmlp_status cpu_unscale(void *ctx, float *restrict g, int64_t n, float in
     return CMLP_OK;
 }
 
+/* ---- gradient clipping: the norm in the order backend.h fixes (the CUDA kernels' threads,
+ * warps and blocks, replayed) ---- */
+
+enum { NORM_L2 = 0, NORM_L1 = 1, NORM_INF = 2, NORM_P = 3 };
+
+
+
+typedef struct {
+    const float *g;
+    int64_t n, threads;
+    int kind;
+    double p;
+    double *acc; /* [threads]: each "thread"'s running value */
+} norm_args;
+
+/* |x| in double with a subnormal read as zero (DAZ; a NaN passes), by masks rather than
+ * comparisons: with trapping math the compiler vectorises no branch on a float compare. */
+static inline double norm_abs(float x) {
+    uint32_t b;
+    memcpy(&b, &x, 4);
+    b &= 0x7FFFFFFFu;
+    b &= -(uint32_t)(b >= 0x00800000u);
+    float a;
+    memcpy(&a, &b, 4);
+    return (double)a;
+}
+
+/* The inf-norm's join on values >= 0 or NaN (sign bit clear): their bits order as they do, a NaN
+ * above everything, so an integer max is the maximum that keeps a NaN. */
+static inline double max_bits(double acc, double d) {
+    uint64_t x, y;
+    memcpy(&x, &acc, 8);
+    memcpy(&y, &d, 8);
+    x = y > x ? y : x;
+    memcpy(&acc, &x, 8);
+    return acc;
+}
+
+/* a sum, or for the inf-norm a maximum that keeps a NaN */
+static inline double norm_join(double acc, double t, int kind) { return kind == NORM_INF ? max_bits(acc, t) : acc + t; }
+
+/* The "threads" [lo, hi): thread j joins elements j, j + S, j + 2S, ... in order (the rows of
+ * an S-wide matrix), one loop per kind so that each vectorises. */
+#define NORM_ROWS(STMT)                                                     \
+    for (int64_t row = 0; row < n; row += S) {                              \
+        const int64_t end = n - row < hi ? n - row : hi;                    \
+        const float *restrict x = g + row;                                  \
+        for (int64_t j = lo; j < end; j++) {                                \
+            const double d = norm_abs(x[j]);                                \
+            STMT;                                                           \
+        }                                                                   \
+    }
+
+static void norm_threads(void *arg, int64_t lo, int64_t hi) {
+    const norm_args *a = arg;
+    double *restrict acc = a->acc;
+    const float *restrict g = a->g;
+    const int64_t n = a->n, S = a->threads;
+    const double p = a->p;
+    for (int64_t j = lo; j < hi; j++) acc[j] = 0.0;
+    switch (a->kind) {
+    case NORM_L2: NORM_ROWS(acc[j] += d * d); break;
+    case NORM_L1: NORM_ROWS(acc[j] += d); break;
+    case NORM_INF: NORM_ROWS(acc[j] = max_bits(acc[j], d)); break;
+    default: NORM_ROWS(acc[j] += pow(d, p));
+    }
+}
+
+static cmlp_status cpu_grad_norm(void *ctx, const float *g, int64_t n, double norm_type, float *out, double *part,
+                                 uint32_t *blocks_done) {
+    (void)ctx;
+    (void)blocks_done;
+    if (n <= 0 || !(norm_type > 0.0))
+        return CMLP_FAIL(CMLP_ERR_INVALID, "grad_norm needs n > 0 and norm_type > 0, got %lld and %g", (long long)n,
+                         norm_type);
+    const int kind = norm_type == 2.0        ? NORM_L2
+                     : norm_type == 1.0      ? NORM_L1
+                     : norm_type == INFINITY ? NORM_INF
+                                             : NORM_P;
+    const int64_t blocks = cmlp_norm_blocks(n), threads = blocks * CMLP_NORM_THREADS;
+    double acc[CMLP_NORM_PARTS * CMLP_NORM_THREADS];
+    norm_args a = {g, n, threads, kind, norm_type, acc};
+    cmlp_pool_for(threads, 64, MIN_PER_THREAD / 64, norm_threads, &a);
+    double s = 0.0;
+    for (int64_t b = 0; b < blocks; b++) {
+        double warps[CMLP_NORM_THREADS / 32];
+        for (int w = 0; w < CMLP_NORM_THREADS / 32; w++) {
+            /* the butterfly's lane 0: at each stage it needs only the lanes below o (a join is
+             * commutative, so lane l's join(v[l], v[l ^ o]) is this one's) */
+            double *v = acc + b * CMLP_NORM_THREADS + w * 32;
+            for (int o = 16; o > 0; o >>= 1)
+                for (int l = 0; l < o; l++) v[l] = norm_join(v[l], v[l + o], kind);
+            warps[w] = v[0];
+        }
+        double blk = warps[0];
+        for (int w = 1; w < CMLP_NORM_THREADS / 32; w++) blk = norm_join(blk, warps[w], kind);
+        part[b] = blk;
+        s = b == 0 ? blk : norm_join(s, blk, kind);
+    }
+    if (kind == NORM_L2) s = sqrt(s);
+    else if (kind == NORM_P) s = pow(s, 1.0 / norm_type);
+    float f = (float)s;
+    if (fabsf(f) < FLT_MIN) f = 0.0f; /* FTZ */
+    *out = f;
+    return CMLP_OK;
+}
+
+typedef struct {
+    float *g;
+    float coef;
+} scale_args;
+
+static void scale_range(void *arg, int64_t lo, int64_t hi) {
+    const scale_args *a = arg;
+    float *restrict g = a->g;
+    const float c = a->coef;
+    for (int64_t i = lo; i < hi; i++) g[i] *= c;
+}
+
+static cmlp_status cpu_clip_by_norm(void *ctx, float *g, int64_t n, const float *norm, float max_norm,
+                                    double *norm_sum, int64_t *norm_steps) {
+    (void)ctx;
+    const float total = *norm;
+    if (norm_sum && isfinite(total)) {
+        *norm_sum += (double)total;
+        ++*norm_steps;
+    }
+    float coef = max_norm / (total + 1e-6f);
+    if (coef > 1.0f) coef = 1.0f;
+    if (coef == 1.0f) return CMLP_OK;
+    scale_args a = {g, coef};
+    cmlp_pool_for(n, 16, MIN_PER_THREAD, scale_range, &a);
+    return CMLP_OK;
+}
+
+static void clamp_range(void *arg, int64_t lo, int64_t hi) {
+    const scale_args *a = arg;
+    float *restrict g = a->g;
+    const float v = a->coef;
+    for (int64_t i = lo; i < hi; i++) g[i] = g[i] > v ? v : -v > g[i] ? -v : g[i];
+}
+
+static cmlp_status cpu_clip_by_value(void *ctx, float *g, int64_t n, float v) {
+    (void)ctx;
+    scale_args a = {g, v};
+    cmlp_pool_for(n, 16, MIN_PER_THREAD, clamp_range, &a);
+    return CMLP_OK;
+}
+
 static cmlp_status cpu_synchronize(void *ctx) {
     (void)ctx;
     return CMLP_OK;
@@ -611,5 +761,8 @@ const cmlp_backend_i cmlp_backend_cpu = {
     .from_half = cpu_from_half,
     .optim_prepare = cpu_optim_prepare,
     .unscale = cpu_unscale,
+    .grad_norm = cpu_grad_norm,
+    .clip_by_norm = cpu_clip_by_norm,
+    .clip_by_value = cpu_clip_by_value,
     .synchronize = cpu_synchronize,
 };

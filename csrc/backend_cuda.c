@@ -928,6 +928,30 @@ static cmlp_status cu_unscale(void *ctx, float *d_g, int64_t n, float inv_scale,
     return KERNEL(c, cmlp_k_unscale(d_g, n, inv_scale, d_scale, d_found_inf, stream_of(c)));
 }
 
+_Static_assert(CMLP_K_NORM_THREADS == CMLP_NORM_THREADS && CMLP_K_NORM_PARTS == CMLP_NORM_PARTS,
+               "the norm's order is backend.h's");
+
+static cmlp_status cu_grad_norm(void *ctx, const float *d_g, int64_t n, double norm_type, float *d_norm,
+                                double *d_part, uint32_t *d_blocks_done) {
+    cuda_ctx *c = ctx;
+    CMLP_TRY_USE(c);
+    return KERNEL(c, cmlp_k_grad_norm(d_g, n, norm_type, d_norm, d_part, d_blocks_done, stream_of(c)));
+}
+
+static cmlp_status cu_clip_by_norm(void *ctx, float *d_g, int64_t n, const float *d_norm, float max_norm,
+                                   double *d_norm_sum, int64_t *d_norm_steps) {
+    cuda_ctx *c = ctx;
+    CMLP_TRY_USE(c);
+    return KERNEL(c, cmlp_k_clip_by_norm(d_g, n, d_norm, max_norm, d_norm_sum, (long long *)d_norm_steps,
+                                         stream_of(c)));
+}
+
+static cmlp_status cu_clip_by_value(void *ctx, float *d_g, int64_t n, float v) {
+    cuda_ctx *c = ctx;
+    CMLP_TRY_USE(c);
+    return KERNEL(c, cmlp_k_clip_by_value(d_g, n, v, stream_of(c)));
+}
+
 /* Waits for the first stream: a step's work on the second is joined to it before the step ends
  * (another thread's step in progress may still have work there). */
 static cmlp_status cu_synchronize(void *ctx) {
@@ -1225,6 +1249,9 @@ static const cmlp_backend_i backend = {
     .optim_prepare = cu_optim_prepare,
     .adam_prepared = cu_adam_prepared,
     .unscale = cu_unscale,
+    .grad_norm = cu_grad_norm,
+    .clip_by_norm = cu_clip_by_norm,
+    .clip_by_value = cu_clip_by_value,
     .synchronize = cu_synchronize,
     .stream_side = cu_stream_side,
     .stream_join = cu_stream_join,

@@ -228,6 +228,16 @@ CMLP_API cmlp_status cmlp_model_zero_grad(cmlp_model *m);
 /* Multiplies every gradient by inv_scale (one fused pass) and sets *found_inf to 1 when any
  * result is inf or NaN, else 0. The gradients are unscaled either way (GradScaler.unscale_). */
 CMLP_API cmlp_status cmlp_model_unscale_grads(cmlp_model *m, float inv_scale, int *found_inf);
+/* torch.nn.utils.clip_grad_norm_ over all gradients: *total_norm = their norm_type-norm
+ * (norm_type > 0, or INFINITY for max |g|; computed in double, rounded to float), then every
+ * gradient is multiplied by min(1, max_norm / (total_norm + 1e-6)) (max_norm >= 0). A NaN or inf
+ * norm scales the gradients by it (NaN) unless error_if_nonfinite, which makes it
+ * CMLP_ERR_NONFINITE with nothing changed. */
+CMLP_API cmlp_status cmlp_model_clip_grad_norm(cmlp_model *m, double max_norm, double norm_type,
+                                               int error_if_nonfinite, double *total_norm);
+/* torch.nn.utils.clip_grad_value_: every gradient clamped to [-clip_value, clip_value]
+ * (clip_value >= 0; a NaN stays NaN). */
+CMLP_API cmlp_status cmlp_model_clip_grad_value(cmlp_model *m, double clip_value);
 /* Moves parameters and gradients (not optimizer state; see cmlp_optim_to) to another device. */
 CMLP_API cmlp_status cmlp_model_to(cmlp_model *m, cmlp_device d);
 /* Releases the activation workspace kept between calls (it grows to the largest batch). */
@@ -307,6 +317,9 @@ typedef struct cmlp_train_config {
     int64_t grow_interval; /* 0: 100 */
     /* Keep only each micro-batch's input and recompute layer outputs in backward. */
     int recompute;
+    /* > 0: before each update the gradients' L2 norm (of the whole step, after unscaling) is
+     * clipped to it, as torch.nn.utils.clip_grad_norm_ does; 0: no clipping. */
+    double max_grad_norm;
 } cmlp_train_config;
 
 /* Dynamic loss scaling for fp16 (PyTorch's GradScaler): gradients are computed for
@@ -326,6 +339,9 @@ typedef struct cmlp_epoch_state {
     int64_t total_steps; /* optimizer steps in the whole epoch */
     int64_t skipped;     /* steps skipped for inf/NaN gradients this epoch */
     int done;
+    /* with max_grad_norm: the sum and count of the finite gradient norms (before clipping) */
+    double grad_norm_sum;
+    int64_t grad_norm_steps;
 } cmlp_epoch_state;
 
 CMLP_API cmlp_status cmlp_trainer_init(cmlp_trainer **out, cmlp_model *m, cmlp_optim *o,
@@ -343,6 +359,9 @@ CMLP_API cmlp_status cmlp_trainer_start_microbatch(cmlp_trainer *t, int64_t size
 /* One optimizer step over all xy->n samples (the effective batch), computed in micro-batches
  * and normalised by xy->n; the gradients are replaced. *loss_mean: mean per-sample loss. */
 CMLP_API cmlp_status cmlp_trainer_step(cmlp_trainer *t, const cmlp_data *xy, double *loss_mean);
+/* With max_grad_norm: *norm = the gradients' L2 norm (before clipping) of the last step taken
+ * by cmlp_trainer_step or cmlp_trainer_epoch_run, and 1; 0 before any (or without clipping). */
+CMLP_API int cmlp_trainer_last_grad_norm(const cmlp_trainer *t, double *norm);
 /* The epoch loop: begin validates the data set once and draws this epoch's order (seeded by
  * seed and the epoch number); the trainer keeps xy's pointers, which must stay valid until the
  * epoch is done. With same_data != 0 the caller promises that xy is the data set of the

@@ -116,9 +116,14 @@ typedef struct cmlp_dscalars {
     uint32_t blocks_done;  /* adam_prepared's counter: 0 between steps */
     float coef[2];         /* Adam's step size and sqrt(1 - beta2^t) of that step */
     int64_t pos;           /* the epoch's position: the first sample of the next step */
-    uint8_t spare[56];     /* keeps the size at 128 bytes */
+    float grad_norm;       /* grad_norm's result: the gradients' total norm */
+    uint32_t norm_blocks;  /* grad_norm's counter: 0 between calls */
+    double norm_sum;       /* clipping: the sum of the call's finite gradient norms */
+    int64_t norm_steps;    /* and their count */
+    uint8_t spare[32];     /* keeps the size at 384 bytes */
+    double norm_part[CMLP_NORM_PARTS]; /* grad_norm's partial results */
 } cmlp_dscalars;
-_Static_assert(sizeof(cmlp_dscalars) == 128, "cmlp_dscalars is 128 bytes");
+_Static_assert(sizeof(cmlp_dscalars) == 384, "cmlp_dscalars is 384 bytes");
 
 struct cmlp_model {
     cmlp_device_ctx *dev;

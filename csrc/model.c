@@ -465,6 +465,52 @@ cmlp_status cmlp_model_unscale_grads(cmlp_model *m, float inv_scale, int *found_
     return st;
 }
 
+static cmlp_status check_norm_type(double norm_type) {
+    if (norm_type > 0.0) return CMLP_OK; /* inf included */
+    return CMLP_FAIL(CMLP_ERR_INVALID, "norm_type must be a positive number or inf, got %g", norm_type);
+}
+
+/* The gradients' norm into ds->grad_norm (on the device) and *total_norm. */
+static cmlp_status grad_norm(cmlp_model *m, double norm_type, double *total_norm) {
+    cmlp_dscalars *ds = m->ds;
+    CMLP_TRY(B(m)->grad_norm(CTX(m), m->grads, m->nparams, norm_type, &ds->grad_norm, ds->norm_part,
+                             &ds->norm_blocks));
+    float h = 0.0f;
+    CMLP_TRY(B(m)->copy_d2h(CTX(m), &h, &ds->grad_norm, sizeof h));
+    *total_norm = h;
+    return CMLP_OK;
+}
+
+cmlp_status cmlp_model_clip_grad_norm(cmlp_model *m, double max_norm, double norm_type, int error_if_nonfinite,
+                                      double *total_norm) {
+    if (!m || !total_norm) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
+    if (!(max_norm >= 0.0)) return CMLP_FAIL(CMLP_ERR_INVALID, "max_norm must be a number >= 0, got %g", max_norm);
+    CMLP_TRY(check_norm_type(norm_type));
+    cmlp_fpenv fe;
+    cmlp_fpenv_enter(&fe);
+    cmlp_status st = grad_norm(m, norm_type, total_norm);
+    if (st == CMLP_OK && error_if_nonfinite && !isfinite(*total_norm))
+        st = CMLP_FAIL(CMLP_ERR_NONFINITE,
+                       "the total norm of order %g of the gradients is %g, so they cannot be clipped; pass "
+                       "error_if_nonfinite=False to scale them by it anyway",
+                       norm_type, *total_norm);
+    if (st == CMLP_OK)
+        st = B(m)->clip_by_norm(CTX(m), m->grads, m->nparams, &m->ds->grad_norm, (float)max_norm, NULL, NULL);
+    cmlp_fpenv_leave(&fe);
+    return st;
+}
+
+cmlp_status cmlp_model_clip_grad_value(cmlp_model *m, double clip_value) {
+    if (!m) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
+    if (!(clip_value >= 0.0))
+        return CMLP_FAIL(CMLP_ERR_INVALID, "clip_value must be a number >= 0, got %g", clip_value);
+    cmlp_fpenv fe;
+    cmlp_fpenv_enter(&fe);
+    cmlp_status st = B(m)->clip_by_value(CTX(m), m->grads, m->nparams, (float)clip_value);
+    cmlp_fpenv_leave(&fe);
+    return st;
+}
+
 cmlp_status cmlp_model_zero_grad(cmlp_model *m) {
     return B(m)->fill_zero(CTX(m), m->grads, (size_t)m->nparams * sizeof(float));
 }

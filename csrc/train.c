@@ -23,6 +23,7 @@ typedef struct step_key {
     double growth_factor, backoff_factor;
     float smoothing;
     int amp, recompute, scaled;
+    double max_grad_norm;
 } step_key;
 
 struct cmlp_trainer {
@@ -55,6 +56,8 @@ struct cmlp_trainer {
     void *dcomm;          /* off the host: dcomm_dev's member of the group's device collectives */
     cmlp_device_ctx *dcomm_dev;
     uint64_t dgen;        /* the process group dcomm (and a captured step using it) belongs to */
+    double last_norm;     /* the last step's gradient norm (clipping), when has_norm */
+    bool has_norm;
 };
 
 /* Off the CPU the optimizer's step count and bias corrections live on the device too, so that a
@@ -92,6 +95,8 @@ cmlp_status cmlp_trainer_init(cmlp_trainer **out, cmlp_model *m, cmlp_optim *o, 
         return CMLP_FAIL(CMLP_ERR_INVALID, "unknown amp mode %d", (int)c->amp);
     if (!(c->label_smoothing >= 0.0f && c->label_smoothing <= 1.0f))
         return CMLP_FAIL(CMLP_ERR_INVALID, "label_smoothing must be in [0, 1], got %g", (double)c->label_smoothing);
+    if (!(c->max_grad_norm >= 0.0))
+        return CMLP_FAIL(CMLP_ERR_INVALID, "max_grad_norm must be > 0 (0: no clipping), got %g", c->max_grad_norm);
     cmlp_trainer *t = calloc(1, sizeof *t);
     if (!t) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory creating the trainer");
     t->model = m;
@@ -155,6 +160,10 @@ void cmlp_trainer_free(cmlp_trainer *t) {
 int64_t cmlp_trainer_microbatch_size(const cmlp_trainer *t) { return t->micro; }
 int64_t cmlp_trainer_skipped_steps(const cmlp_trainer *t) { return t->skipped; }
 int64_t cmlp_trainer_oom_retries(const cmlp_trainer *t) { return t->oom_retries; }
+int cmlp_trainer_last_grad_norm(const cmlp_trainer *t, double *norm) {
+    if (t->has_norm) *norm = t->last_norm;
+    return t->has_norm;
+}
 void cmlp_trainer_get_scaler(const cmlp_trainer *t, cmlp_scaler_state *out) { *out = t->scaler; }
 
 cmlp_status cmlp_trainer_set_scaler(cmlp_trainer *t, const cmlp_scaler_state *s) {
@@ -191,7 +200,8 @@ cmlp_status cmlp_trainer_set_microbatch_size(cmlp_trainer *t, int64_t size) {
 
 /* Reads the call's results back: the loss sum and the skipped steps are returned, the scaler
  * and the optimizer's step count taken over (after a failure too: they hold the steps done). */
-static cmlp_status run_end(cmlp_trainer *t, cmlp_dscalars *ds, double *loss_sum, int64_t *skipped) {
+static cmlp_status run_end(cmlp_trainer *t, cmlp_dscalars *ds, bool stepped, double *loss_sum, int64_t *skipped,
+                           double *norm_sum, int64_t *norm_steps) {
     cmlp_model *m = t->model;
     cmlp_dscalars h;
     CMLP_TRY(m->dev->backend->copy_d2h(m->dev->bctx, &h, ds, sizeof h));
@@ -205,6 +215,12 @@ static cmlp_status run_end(cmlp_trainer *t, cmlp_dscalars *ds, double *loss_sum,
     t->skipped += h.skipped;
     *loss_sum = h.loss;
     *skipped = h.skipped;
+    *norm_sum = h.norm_sum;
+    *norm_steps = h.norm_steps;
+    if (t->cfg.max_grad_norm > 0.0 && stepped) {
+        t->last_norm = h.grad_norm;
+        t->has_norm = true;
+    }
     return CMLP_OK;
 }
 
@@ -265,6 +281,17 @@ static cmlp_status agree(cmlp_status mine) {
                      (long long)first_failed);
 }
 
+/* torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm) on the device: the L2 norm of the
+ * step's gradients, counted in ds (a finite one) and applied by the clipping pass. */
+static cmlp_status clip_grads(cmlp_trainer *t, cmlp_dscalars *ds) {
+    cmlp_model *m = t->model;
+    const cmlp_backend_i *b = m->dev->backend;
+    void *ctx = m->dev->bctx;
+    CMLP_TRY(b->grad_norm(ctx, m->grads, m->nparams, 2.0, &ds->grad_norm, ds->norm_part, &ds->norm_blocks));
+    return b->clip_by_norm(ctx, m->grads, m->nparams, &ds->grad_norm, (float)t->cfg.max_grad_norm, &ds->norm_sum,
+                           &ds->norm_steps);
+}
+
 /* The update of a step of n_all samples whose gradients are in: summed over the ranks, then with
  * a loss scaler unscaled and checked once, skipped or taken, on the device. */
 static cmlp_status step_update(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_data *xy, int64_t n_all) {
@@ -275,12 +302,18 @@ static cmlp_status step_update(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_da
         CMLP_TRY(cmlp_dist_all_reduce(m->grads, m->nparams, CMLP_COMM_F32, CMLP_REDUCE_SUM));
     else if (t->dist) /* on the device's stream, in a capture too */
         CMLP_TRY(b->comm_all_reduce(ctx, t->dcomm, m->grads, m->nparams));
-    if (!t->scaler.enabled && !device_steps(t)) return cmlp_optim_step(t->optim);
+    const bool clip = t->cfg.max_grad_norm > 0.0;
+    if (clip) CMLP_TRY(cmlp_optim_prepare(t->optim)); /* nothing may fail after the norm is counted */
+    if (!t->scaler.enabled && !device_steps(t)) {
+        if (clip) CMLP_TRY(clip_grads(t, ds));
+        return cmlp_optim_step(t->optim);
+    }
     const float *found_inf = NULL;
     if (t->scaler.enabled) {
         CMLP_TRY(b->unscale(ctx, m->grads, m->nparams, 0.0f, &ds->scale, &ds->found_inf));
         found_inf = &ds->found_inf;
     }
+    if (clip) CMLP_TRY(clip_grads(t, ds));
     /* the position moves with the optimizer's step count (one kernel): after the optimizer's
      * state exists, so a step retried after running out of memory reads the same samples */
     /* the loss scale moves in the same launch, on the same verdict (after this step's unscale,
@@ -426,6 +459,7 @@ static void make_key(const cmlp_trainer *t, const cmlp_data *xy, const int64_t *
     k->smoothing = t->cfg.label_smoothing;
     k->amp = (int)t->cfg.amp;
     k->recompute = t->cfg.recompute;
+    k->max_grad_norm = t->cfg.max_grad_norm;
 }
 
 /* How a step runs: eagerly, captured as a graph (then launched), or as a replay of the capture. */
@@ -530,7 +564,8 @@ static cmlp_status same_settings(const cmlp_trainer *t, int call, const cmlp_dat
                                         "the kind of device the model is on",
                                         "the epoch count",
                                         "the normalisation's mean (its bits)",
-                                        "the normalisation's std (its bits)"};
+                                        "the normalisation's std (its bits)",
+                                        "max_grad_norm (its bits)"};
     const cmlp_train_config *c = &t->cfg;
     const cmlp_model *m = t->model;
     const cmlp_scaler_state *sc = &t->scaler;
@@ -540,7 +575,7 @@ static cmlp_status same_settings(const cmlp_trainer *t, int call, const cmlp_dat
                  (uint64_t)bits_of(sc->backoff_factor) * 5u ^ (uint64_t)sc->growth_interval * 7u ^
                  (uint64_t)sc->growth_tracker * 11u ^ 1u;
     for (int i = 0; i <= m->nlayers; i++) layers = layers * 1000003u + (uint64_t)m->sizes[i];
-    int64_t v[14] = {call,
+    int64_t v[15] = {call,
                      c->batch_size,
                      c->accumulation_steps,
                      c->shuffle,
@@ -553,8 +588,9 @@ static cmlp_status same_settings(const cmlp_trainer *t, int call, const cmlp_dat
                      (int64_t)m->dev->device.type,
                      t->epoch,
                      xy ? bits_of(xy->mean) : 0,
-                     xy ? bits_of(xy->std) : 0};
-    return same_on_every_rank(names, v, 14);
+                     xy ? bits_of(xy->std) : 0,
+                     bits_of(c->max_grad_norm)};
+    return same_on_every_rank(names, v, 15);
 }
 
 /* Off the host, the model's device joins the group's device collectives (every rank at once:
@@ -630,9 +666,9 @@ cmlp_status cmlp_trainer_step(cmlp_trainer *t, const cmlp_data *xy, double *loss
     cmlp_fpenv_enter(&fe);
     st = robust_step(t, ds, xy, NULL, 0, xy->n, n_all);
     cmlp_fpenv_leave(&fe);
-    double loss = 0.0;
-    int64_t skipped;
-    cmlp_status end = run_end(t, ds, &loss, &skipped);
+    double loss = 0.0, norm_sum;
+    int64_t skipped, norm_steps;
+    cmlp_status end = run_end(t, ds, st == CMLP_OK, &loss, &skipped, &norm_sum, &norm_steps);
     if (st == CMLP_OK) st = end;
     if (st == CMLP_OK) *loss_mean = loss / (double)n_all;
     return st;
@@ -705,6 +741,7 @@ cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, cmlp_epoc
     cmlp_dscalars *ds;
     cmlp_status s = run_begin(t, &ds); /* it may allocate: data-parallel, the ranks agree on it */
     CMLP_TRY(t->dist ? agree(s) : s);
+    const int64_t steps_before = st->steps;
     cmlp_fpenv fe;
     cmlp_fpenv_enter(&fe);
     for (int64_t done = 0; t->pos < n && (max_steps <= 0 || done < max_steps); done++) {
@@ -737,13 +774,15 @@ cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, cmlp_epoc
         st->samples += k;
     }
     cmlp_fpenv_leave(&fe);
-    double loss = 0.0;
-    int64_t skipped = 0;
-    cmlp_status end = run_end(t, ds, &loss, &skipped);
+    double loss = 0.0, norm_sum = 0.0;
+    int64_t skipped = 0, norm_steps = 0;
+    cmlp_status end = run_end(t, ds, st->steps > steps_before, &loss, &skipped, &norm_sum, &norm_steps);
     if (s == CMLP_OK) s = end;
     if (end == CMLP_OK) {
         st->loss_sum += loss;
         st->skipped += skipped;
+        st->grad_norm_sum += norm_sum;
+        st->grad_norm_steps += norm_steps;
     }
     st->done = t->pos >= n;
     if (st->done) t->epoch_open = false; /* the device copy stays for a next epoch on the same data */

@@ -15,7 +15,7 @@
  *
  * Families: bias_act.cu (bias, ReLU), loss.cu (softmax cross-entropy), data.cu (gathering a
  * device-resident data set), optim.cu (Adam, SGD, a step's bookkeeping and the loss-scale
- * update), amp.cu (casts, unscale, the gradient weight).
+ * update), amp.cu (casts, unscale, the gradient weight), clip.cu (gradient norm and clipping).
  */
 #ifndef CMLP_KERNELS_H
 #define CMLP_KERNELS_H
@@ -165,6 +165,34 @@ cudaError_t cmlp_k_from_half(float *dst, const uint16_t *src, int64_t n, int bf1
  * *found_inf = 1.0f when any result is inf or NaN (never resets it). One pass. */
 cudaError_t cmlp_k_unscale(float *g, int64_t n, float inv_scale, const float *scale, float *found_inf,
                            cudaStream_t stream);
+
+/* ---- clip.cu ---- */
+
+/* The reduction order of cmlp_k_grad_norm, a function of n alone (csrc/backend.h states the same
+ * for every backend): blocks of CMLP_K_NORM_THREADS threads, one per 16 elements a thread, at
+ * least 1 and at most CMLP_K_NORM_PARTS. */
+#define CMLP_K_NORM_THREADS 256
+#define CMLP_K_NORM_PARTS 32
+static inline int64_t cmlp_k_norm_blocks(int64_t n) {
+    const int64_t b = (n + CMLP_K_NORM_THREADS * 16 - 1) / (CMLP_K_NORM_THREADS * 16);
+    return b < 1 ? 1 : b > CMLP_K_NORM_PARTS ? CMLP_K_NORM_PARTS : b;
+}
+/* *out = the norm_type-norm of g[0..n) (norm_type > 0, or INFINITY for max |g|) as a float:
+ * terms |g|^p in double (a subnormal g counts as zero), thread t of the grid joining elements
+ * t, t + S, ... (S = blocks * CMLP_K_NORM_THREADS) in order, each warp by the xor butterfly, each
+ * block's warps in order into part[block], the partials in block order, then the p-th root;
+ * a NaN anywhere gives NaN. part holds CMLP_K_NORM_PARTS doubles; *blocks_done is 0 between
+ * launches (the block that finishes last resets it). Deterministic; bit for bit the CPU
+ * backend's for p = 1, 2 and inf (pow may differ in the last bit elsewhere). n > 0. */
+cudaError_t cmlp_k_grad_norm(const float *g, int64_t n, double norm_type, float *out, double *part,
+                             unsigned int *blocks_done, cudaStream_t stream);
+/* g *= c for c = min(1, max_norm / (*norm + 1e-6)) in float (torch's clip_grad_norm_; a NaN norm
+ * gives NaN gradients); nothing is written when c == 1. When norm_sum is not NULL a finite *norm
+ * is also added to *norm_sum and counted in *norm_steps (both or neither). n > 0. */
+cudaError_t cmlp_k_clip_by_norm(float *g, int64_t n, const float *norm, float max_norm, double *norm_sum,
+                                long long *norm_steps, cudaStream_t stream);
+/* g = min(max(g, -v), v) elementwise, a NaN kept (torch's clip_grad_value_); v >= 0. */
+cudaError_t cmlp_k_clip_by_value(float *g, int64_t n, float v, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

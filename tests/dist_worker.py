@@ -42,7 +42,8 @@ def fit_case(opts):
     """Data-parallel fit against one process training batch_size * world on the same data."""
     w, r = D.get_world_size(), D.get_rank()
     n, batch, epochs = opts.get("n", 600), opts.get("batch", 16), opts.get("epochs", 2)
-    kw = dict(accumulation_steps=opts.get("accum", 1), amp=opts.get("amp"), shuffle=opts.get("shuffle", True), seed=3)
+    kw = dict(accumulation_steps=opts.get("accum", 1), amp=opts.get("amp"), shuffle=opts.get("shuffle", True), seed=3,
+              max_grad_norm=opts.get("clip"))
     x, y = data(n)
     device = opts.get("device", "cpu")
     model = cmlp.MLP(SIZES, seed=10 + r, device=device)  # different on every rank: all start from rank 0's
@@ -63,6 +64,7 @@ def fit_case(opts):
                 loss=[h["loss"] for h in hist], ref_loss=[h["loss"] for h in ref_hist],
                 skipped=[h["skipped_steps"] for h in hist], ref_skipped=[h["skipped_steps"] for h in ref_hist],
                 micro=[h["microbatch_size"] for h in hist], micro_spread=spread(np.array([trainer.microbatch_size])),
+                grad_norm=[h["grad_norm"] for h in hist], ref_grad_norm=[h["grad_norm"] for h in ref_hist],
                 val=[[h["val_loss"], h["val_accuracy"]] for h in hist],
                 ref_val=[[h["val_loss"], h["val_accuracy"]] for h in ref_hist])
 

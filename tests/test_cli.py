@@ -102,6 +102,7 @@ def test_train_save_writes_a_loadable_model(trained):
     (["train", "--memory-limit", "1iB"], r"cannot read '1iB' as a size"),
     (["plan", "--optimizer", "sgd", "--momentum", "nan"], r"--momentum: expected a finite number >= 0"),
     (["train", "--memory-limit", "lots"], r"lots"),
+    (["train", "--max-grad-norm", "0"], r"--max-grad-norm: expected a number > 0"),
     (["train", "--optimizer", "rmsprop"], r"rmsprop"),
     (["train", "--device", "gpu", "--layers", "784,10"], r"device"),
     (["frobnicate"], r"frobnicate"),
@@ -117,6 +118,16 @@ def test_bad_arguments_exit_nonzero_with_a_message(tmp_path, args, pattern):
     assert "Traceback" not in r.stderr
 
 
+@needs_fashion
+def test_train_clips_gradients_and_reports_their_norm(tmp_path):
+    r = run_cli(["train", "--epochs", "1", "--layers", "784,32,10", "--batch-size", "256", "--no-progress",
+                 "--max-grad-norm", "0.5"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "gradient norm clipped to 0.5" in r.stdout
+    norm = float(re.search(r"mean gradient norm ([0-9.e+-]+)", r.stdout).group(1))
+    assert norm > 0
+
+
 def test_train_without_data_says_where_it_looked(tmp_path):
     r = run_cli(["train", "--dataset", "mnist", "--data-dir", str(tmp_path / "none"), "--epochs", "1"], tmp_path)
     assert r.returncode != 0
@@ -128,6 +139,6 @@ def test_help(tmp_path):
     r = run_cli(["train", "--help"], tmp_path)
     assert r.returncode == 0
     for flag in ("--epochs", "--batch-size", "--accumulation-steps", "--amp", "--device", "--optimizer", "--lr",
-                 "--layers", "--memory-limit", "--seed", "--save"):
+                 "--layers", "--memory-limit", "--max-grad-norm", "--seed", "--save"):
         assert flag in r.stdout, flag
 

@@ -599,6 +599,69 @@ def test_graph_replay_equals_eager_execution(device, amp):
     np.testing.assert_allclose([h["loss"] for h in history], eager_losses, rtol=1e-9)
 
 
+@pytest.mark.parametrize("amp", [None, "fp16"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_clipping_inside_a_replayed_step_equals_the_eager_loop(device, amp):
+    """Trainer(max_grad_norm=...) clips on the device inside the captured step (the norm and the
+    scaling read from device memory); the same steps written with clip_grad_norm_ give the same
+    bits, and fit reports the norms the loop saw."""
+    sizes, batch, steps, epochs, max_norm = [784, 64, 10], 32, 5, 2, 0.05
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((batch * steps, 784)).astype(np.float32)
+    y = rng.integers(0, 10, batch * steps)
+
+    graph = cmlp.MLP(sizes, device=device, seed=0)
+    t_graph = cmlp.Trainer(graph, cmlp.optim.Adam(graph), batch_size=batch, amp=amp, shuffle=False,
+                           max_grad_norm=max_norm)
+    history = t_graph.fit(x, y, epochs=epochs, progress=False)
+
+    eager = cmlp.MLP(sizes, device=device, seed=0)
+    opt = cmlp.optim.Adam(eager)
+    scaler = cmlp.amp.GradScaler() if amp == "fp16" else None
+    norms = []
+    for _ in range(epochs):
+        norms.append([])
+        for i in range(steps):
+            xb, yb = x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch]
+            opt.zero_grad()
+            eager.forward_backward(xb, yb, amp=amp, loss_scale=scaler.get_scale() if scaler else 1.0)
+            if scaler:
+                scaler.unscale_(opt)
+            norms[-1].append(cmlp.nn.utils.clip_grad_norm_(eager.parameters(), max_norm))
+            if scaler:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+
+    assert min(min(n) for n in norms) > max_norm  # every step was clipped
+    assert same(graph.state_dict(), eager.state_dict()), "fit (replayed) and the eager loop differ"
+    assert same(t_graph.optimizer.state_dict(), opt.state_dict())
+    for h, n in zip(history, norms):
+        assert h["grad_norm"] == pytest.approx(np.mean(n), rel=1e-12)
+    assert t_graph.last_grad_norm == norms[-1][-1]
+
+
+@needs_gpu
+@pytest.mark.parametrize("sizes", [[784, 512, 256, 10], [5, 3, 2]], ids=_id)
+def test_clip_grad_norm_on_the_gpu_is_the_float64_norm(sizes):
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((33, sizes[0])).astype(np.float32)
+    y = rng.integers(0, sizes[-1], 33)
+    for p in (2.0, 1.0, float("inf"), 3.5):
+        model = cmlp.MLP(sizes, device=CUDA, seed=0)
+        model.forward_backward(x, y)
+        g = model._c.get_grads()
+        a = np.abs(g.astype(np.float64))
+        want = a.max() if p == float("inf") else (a ** p).sum() ** (1 / p)
+        total = cmlp.nn.utils.clip_grad_norm_(model, want / 2, norm_type=p)
+        assert abs(total - want) <= 2e-7 * want, (p, total, want)
+        c = min(np.float32(want / 2) / (np.float32(total) + np.float32(1e-6)), np.float32(1))
+        np.testing.assert_array_equal(model._c.get_grads(), g * c)
+    cmlp.nn.utils.clip_grad_value_(model, 1e-3)
+    np.testing.assert_array_equal(model._c.get_grads(), np.clip(g * c, np.float32(-1e-3), np.float32(1e-3)))
+
+
 _GRAPHS_SCRIPT = r"""
 import hashlib, json, os, sys
 import numpy as np

@@ -127,6 +127,19 @@ def test_accumulation_sgd_momentum_and_no_shuffle():
 
 
 @needs_mpi
+@pytest.mark.parametrize("amp", [None, "fp16", "bf16"])
+def test_gradient_clipping_sees_the_groups_summed_gradients(amp):
+    # every rank clips the all-reduced (and unscaled) gradients by their norm: the update of one
+    # process. Measured parameter differences against it, relative to the largest: fp32 1e-5
+    # (as one process computing in micro-batches of 16 instead of 32), bf16 1e-6, fp16 2e-5 after
+    # one epoch (a second epoch of fp16 rounding drifts to 2e-3, as unclipped runs can)
+    out = run_job(2, "fit", {"clip": 0.05, "amp": amp, "accum": 2, "epochs": 1 if amp == "fp16" else 2})
+    check_fit(out, 2, 5e-5 if amp is None else 2e-3, 1e-6 if amp is None else 1e-3)
+    np.testing.assert_allclose(out["grad_norm"], out["ref_grad_norm"], rtol=1e-5 if amp is None else 1e-4)
+    assert all(g > 0.05 for g in out["grad_norm"])  # the clipping was active
+
+
+@needs_mpi
 @pytest.mark.parametrize("amp", ["fp16", "bf16"])
 def test_mixed_precision(amp):
     check_fit(run_job(2, "fit", {"amp": amp, "accum": 2}), 2, 2e-3 if amp == "fp16" else 1e-2, 1e-3)
@@ -216,8 +229,9 @@ def emulator():
 
 
 @needs_emulated_nccl
-@pytest.mark.parametrize("opts", [{}, {"amp": "fp16", "accum": 2, "opt": "sgd"}, {"amp": "bf16", "shuffle": False}],
-                         ids=["fp32", "fp16-accumulation-sgd", "bf16"])
+@pytest.mark.parametrize("opts", [{}, {"amp": "fp16", "accum": 2, "opt": "sgd"}, {"amp": "bf16", "shuffle": False},
+                                  {"clip": 0.05}],
+                         ids=["fp32", "fp16-accumulation-sgd", "bf16", "fp32-clipping"])
 def test_on_gpus_nccl_sums_the_gradients_inside_the_captured_step(emulator, opts):
     # 2 ranks on the emulated CUDA backend: full steps replay a graph holding the all-reduce
     out = run_job(2, "fit", dict(opts, backend="nccl", device="cuda", n=300), timeout=300, emulated_gpu=True)

@@ -12,7 +12,7 @@ _preload()
 
 from . import _cmlp  # noqa: E402
 from ._cmlp import OutOfMemoryError  # noqa: E402
-from . import amp, cuda, datasets, distributed, memory, optim  # noqa: E402
+from . import amp, cuda, datasets, distributed, memory, nn, optim  # noqa: E402
 from .memory import MemoryWarning, empty_cache  # noqa: E402
 
 
@@ -53,4 +53,4 @@ def build_info() -> dict:
 
 
 __all__ = ["MLP", "Trainer", "OutOfMemoryError", "MemoryWarning", "build_info", "empty_cache",
-           "amp", "cuda", "datasets", "memory", "optim"]
+           "amp", "cuda", "datasets", "distributed", "memory", "nn", "optim"]

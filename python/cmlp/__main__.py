@@ -36,6 +36,7 @@ def _bounded(convert: Callable[[str], float], what: str, ok: Callable[[float], b
 
 _count = _bounded(int, "an int >= 1", lambda v: v >= 1)  # epochs, batch size, accumulation steps
 _rate = _bounded(float, "a finite number >= 0", lambda v: math.isfinite(v) and v >= 0.0)  # lr, momentum
+_positive = _bounded(float, "a number > 0", lambda v: v > 0.0)  # max grad norm
 
 
 def _save_path(text: str) -> str:
@@ -76,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--momentum", type=_rate, default=0.0, help="sgd only")
     t.add_argument("--layers", type=_layers, default=[784, 512, 256, 10])
     t.add_argument("--memory-limit", type=_size, default=None, help="e.g. 256MB")
+    t.add_argument("--max-grad-norm", type=_positive, default=None,
+                   help="clip each step's gradients to this L2 norm (torch's clip_grad_norm_)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--save", type=_save_path, default=None, help="write the trained model here (.npz)")
     t.add_argument("--no-progress", action="store_true")
@@ -121,11 +124,12 @@ def _train(a: argparse.Namespace) -> int:
     else:
         opt = optim.SGD(model, lr=0.01 if a.lr is None else a.lr, momentum=a.momentum)
     trainer = Trainer(model, opt, batch_size=a.batch_size, accumulation_steps=a.accumulation_steps, amp=a.amp,
-                      seed=a.seed, distributed=a.distributed)
+                      seed=a.seed, distributed=a.distributed, max_grad_norm=a.max_grad_norm)
     group = f" x {ranks} ranks ({distributed.library_version()})" if a.distributed else ""
+    clip = f", gradient norm clipped to {a.max_grad_norm:g}" if a.max_grad_norm else ""
     say(f"cmlp {build_info()['version']}: MLP {'-'.join(map(str, a.layers))} ({model.num_parameters():,} "
         f"parameters) on {model.device}, {a.optimizer} lr {opt.lr:g}, batch {a.batch_size} x "
-        f"{a.accumulation_steps}{group}, {a.epochs} epochs, {a.amp or 'fp32'}, {a.dataset} {len(xtr):,} train / "
+        f"{a.accumulation_steps}{group}, {a.epochs} epochs, {a.amp or 'fp32'}{clip}, {a.dataset} {len(xtr):,} train / "
         f"{len(xte):,} test")
     history = []
     for epoch in range(1, a.epochs + 1):
@@ -135,7 +139,8 @@ def _train(a: argparse.Namespace) -> int:
         say(f"epoch {epoch}/{a.epochs}  loss {h['loss']:.4f}  test loss {h['val_loss']:.4f}  "
             f"test accuracy {100 * h['val_accuracy']:.2f}%  {h['samples_per_second']:,.0f} samples/s  "
             f"peak memory {memory._fmt(h['peak_memory_bytes'])}  {h['seconds']:.1f} s"
-            + (f"  skipped steps {h['skipped_steps']}" if h["skipped_steps"] else ""))
+            + (f"  skipped steps {h['skipped_steps']}" if h["skipped_steps"] else "")
+            + (f"  mean gradient norm {h['grad_norm']:.4g}" if h["grad_norm"] is not None else ""))
     say(f"final test accuracy: {100 * history[-1]['val_accuracy']:.2f}%")
     if a.save is not None and rank == 0:  # the ranks hold the same parameters
         model.save(a.save)

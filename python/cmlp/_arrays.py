@@ -86,3 +86,16 @@ def check_amp(amp: Any) -> int:
     if not (amp is None or isinstance(amp, str)) or amp not in _AMP_CODES:
         raise ValueError(f"amp must be None, 'fp16' or 'bf16', got {amp!r}")
     return _AMP_CODES[amp]
+
+
+def as_number(name: str, value: Any) -> float:
+    """A number, or a 0-d array or tensor holding one (torch.optim may keep lr as a tensor), as a
+    float; the C core checks its range."""
+    scalar = (getattr(value, "ndim", None) == 0 and hasattr(value, "__float__")
+              and getattr(getattr(value, "dtype", None), "kind", "f") in "iuf")
+    if isinstance(value, bool) or not (isinstance(value, (int, float, np.integer, np.floating)) or scalar):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be finite in float32, got {value!r}") from None

@@ -394,6 +394,32 @@ static PyObject *Model_unscale_grads(ModelObject *self, PyObject *arg) {
     return PyBool_FromLong(found);
 }
 
+static PyObject *Model_clip_grad_norm(ModelObject *self, PyObject *args) {
+    double max_norm, norm_type;
+    int error_if_nonfinite;
+    if (!PyArg_ParseTuple(args, "ddp", &max_norm, &norm_type, &error_if_nonfinite)) return NULL;
+    if (model_ready(self) < 0) return NULL;
+    double total = 0.0;
+    cmlp_status st;
+    RUN_LOCKED(self, st = cmlp_model_clip_grad_norm(self->m, max_norm, norm_type, error_if_nonfinite, &total));
+    if (st == CMLP_ERR_NONFINITE) { /* torch raises RuntimeError here */
+        PyErr_SetString(PyExc_RuntimeError, cmlp_last_error());
+        return NULL;
+    }
+    if (st != CMLP_OK) return raise_status(self->ms, st);
+    return PyFloat_FromDouble(total);
+}
+
+static PyObject *Model_clip_grad_value(ModelObject *self, PyObject *arg) {
+    double v = PyFloat_AsDouble(arg);
+    if (v == -1.0 && PyErr_Occurred()) return NULL;
+    if (model_ready(self) < 0) return NULL;
+    cmlp_status st;
+    RUN_LOCKED(self, st = cmlp_model_clip_grad_value(self->m, v));
+    if (st != CMLP_OK) return raise_status(self->ms, st);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Model_to(ModelObject *self, PyObject *arg) {
     if (model_ready(self) < 0) return NULL;
     cmlp_device d;
@@ -421,6 +447,9 @@ static PyMethodDef Model_methods[] = {
     {"to", (PyCFunction)Model_to, METH_O, "move to a device"},
     {"unscale_grads", (PyCFunction)Model_unscale_grads, METH_O,
      "multiply every gradient by inv_scale (a float32); True when any is inf or NaN"},
+    {"clip_grad_norm", (PyCFunction)Model_clip_grad_norm, METH_VARARGS,
+     "(max_norm, norm_type, error_if_nonfinite): scale the gradients to at most max_norm; their norm before"},
+    {"clip_grad_value", (PyCFunction)Model_clip_grad_value, METH_O, "clamp every gradient to [-v, v]"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -650,14 +679,16 @@ typedef struct {
 
 static int Trainer_init(TrainerObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"optimizer", "batch_size", "accumulation_steps", "microbatch_size", "shuffle",
-                             "seed", "label_smoothing", "amp", "auto_microbatch", "grow_interval", "recompute", NULL};
+                             "seed", "label_smoothing", "amp", "auto_microbatch", "grow_interval", "recompute",
+                             "max_grad_norm", NULL};
     PyObject *opt;
     long long batch = 32, accum = 1, micro = 0, grow = 0;
     int shuffle = 1, amp = 0, automb = 1, recompute = 0;
     unsigned long long seed = 0;
     float smoothing = 0.0f;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OL|LLpKfipLp", kwlist, &opt, &batch, &accum, &micro, &shuffle, &seed,
-                                     &smoothing, &amp, &automb, &grow, &recompute))
+    double max_grad_norm = 0.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OL|LLpKfipLpd", kwlist, &opt, &batch, &accum, &micro, &shuffle,
+                                     &seed, &smoothing, &amp, &automb, &grow, &recompute, &max_grad_norm))
         return -1;
     module_state *ms = state_of(PyType_GetModule(Py_TYPE(self)));
     if (!PyObject_TypeCheck(opt, ms->optim_type) || optim_ready((OptimObject *)opt) < 0) {
@@ -671,7 +702,8 @@ static int Trainer_init(TrainerObject *self, PyObject *args, PyObject *kw) {
     OptimObject *o = (OptimObject *)opt;
     cmlp_train_config c = {.batch_size = batch, .accumulation_steps = accum, .microbatch_size = micro,
                            .shuffle = shuffle, .seed = seed, .label_smoothing = smoothing, .amp = (cmlp_amp)amp,
-                           .auto_microbatch = automb, .grow_interval = grow, .recompute = recompute};
+                           .auto_microbatch = automb, .grow_interval = grow, .recompute = recompute,
+                           .max_grad_norm = max_grad_norm};
     cmlp_status st = cmlp_trainer_init(&self->t, o->model->m, o->o, &c);
     if (st != CMLP_OK) {
         raise_status(ms, st);
@@ -765,8 +797,9 @@ static PyObject *Trainer_epoch_run(TrainerObject *self, PyObject *args) {
         Py_CLEAR(self->epoch_y);
     }
     if (st != CMLP_OK) return raise_status(mo->ms, st);
-    return Py_BuildValue("(LLdOL)", (long long)es.steps, (long long)es.samples, es.loss_sum,
-                         es.done ? Py_True : Py_False, (long long)es.skipped);
+    return Py_BuildValue("(LLdOLdL)", (long long)es.steps, (long long)es.samples, es.loss_sum,
+                         es.done ? Py_True : Py_False, (long long)es.skipped, es.grad_norm_sum,
+                         (long long)es.grad_norm_steps);
 }
 
 static PyObject *Trainer_release_data(TrainerObject *self, PyObject *unused) {
@@ -817,6 +850,14 @@ static PyObject *Trainer_oom_retries(TrainerObject *self, PyObject *unused) {
     return PyLong_FromLongLong(cmlp_trainer_oom_retries(self->t));
 }
 
+static PyObject *Trainer_last_grad_norm(TrainerObject *self, PyObject *unused) {
+    (void)unused;
+    if (trainer_ready(self) < 0) return NULL;
+    double norm = 0.0;
+    if (!cmlp_trainer_last_grad_norm(self->t, &norm)) Py_RETURN_NONE;
+    return PyFloat_FromDouble(norm);
+}
+
 static PyObject *Trainer_skipped_steps(TrainerObject *self, PyObject *unused) {
     (void)unused;
     if (trainer_ready(self) < 0) return NULL;
@@ -861,12 +902,14 @@ static PyMethodDef Trainer_methods[] = {
     {"step", (PyCFunction)(void (*)(void))Trainer_step, METH_VARARGS | METH_KEYWORDS, "one optimizer step"},
     {"epoch_begin", (PyCFunction)(void (*)(void))Trainer_epoch_begin, METH_VARARGS | METH_KEYWORDS,
      "validate and shuffle; returns the epoch's step count"},
-    {"epoch_run", (PyCFunction)Trainer_epoch_run, METH_VARARGS, "(steps, samples, loss_sum, done, skipped)"},
+    {"epoch_run", (PyCFunction)Trainer_epoch_run, METH_VARARGS, "(steps, samples, loss_sum, done, skipped, grad_norm_sum, grad_norm_steps)"},
     {"release_data", (PyCFunction)Trainer_release_data, METH_NOARGS, "free the device copy of the data set"},
     {"set_scaler", (PyCFunction)Trainer_set_scaler, METH_VARARGS,
      "set_scaler(enabled, scale, growth_factor, backoff_factor, growth_interval, growth_tracker)"},
     {"get_scaler", (PyCFunction)Trainer_get_scaler, METH_NOARGS, "(scale, growth_tracker)"},
     {"skipped_steps", (PyCFunction)Trainer_skipped_steps, METH_NOARGS, "steps skipped for inf/NaN gradients"},
+    {"last_grad_norm", (PyCFunction)Trainer_last_grad_norm, METH_NOARGS,
+     "the last step's gradient norm before clipping (None without clipping)"},
     {"oom_retries", (PyCFunction)Trainer_oom_retries, METH_NOARGS, "steps retried with a smaller micro-batch"},
     {"start_microbatch", (PyCFunction)Trainer_start_microbatch, METH_O, "compute with a smaller micro-batch for now"},
     {NULL, NULL, 0, NULL},

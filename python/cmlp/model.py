@@ -5,7 +5,7 @@ import tempfile
 import weakref
 import zipfile
 from collections import OrderedDict
-from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -28,6 +28,37 @@ def _as_sizes(layer_sizes: Any) -> Tuple[int, ...]:
     if any(s < 1 for s in sizes):
         raise ValueError(f"every layer size must be >= 1, got {list(sizes)!r}")
     return tuple(int(s) for s in sizes)
+
+
+class Parameters:
+    """What MLP.parameters() returns: the model's parameters as one handle, so that code written
+    for torch ports as it is (cmlp.optim.Adam(model.parameters(), lr=1e-3),
+    cmlp.nn.utils.clip_grad_norm_(model.parameters(), 1.0)). Iterating gives copies of the
+    tensors in state_dict order."""
+
+    __slots__ = ("model",)
+
+    def __init__(self, model: "MLP") -> None:
+        self.model = model
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return iter(self.model.state_dict().values())
+
+    def __len__(self) -> int:
+        return 2 * (len(self.model.layer_sizes) - 1)
+
+    def __repr__(self) -> str:
+        return f"<parameters of {self.model!r}>"
+
+
+def model_of(obj: Any, what: str) -> "MLP":
+    """The MLP behind obj: an MLP, or what its parameters() returned."""
+    if isinstance(obj, MLP):
+        return obj
+    if isinstance(obj, Parameters):
+        return obj.model
+    raise TypeError(f"{what} must be a cmlp.MLP or its parameters() (the model's parameters live in one buffer), "
+                    f"got {type(obj).__name__}")
 
 
 class MLP:
@@ -101,6 +132,14 @@ class MLP:
 
     def zero_grad(self) -> None:
         self._c.zero_grad()
+
+    def parameters(self) -> Parameters:
+        """The parameters as one handle (see Parameters), for torch-style calls."""
+        return Parameters(self)
+
+    def named_parameters(self) -> Iterator[Tuple[str, np.ndarray]]:
+        """(name, copy) pairs in state_dict order."""
+        return iter(self.state_dict().items())
 
     # ---- tensors by name ----
     def _split(self, flat: np.ndarray) -> "OrderedDict[str, np.ndarray]":

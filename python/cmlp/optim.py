@@ -6,20 +6,8 @@ from typing import Any, Dict, List, Mapping, Tuple
 import numpy as np
 
 from . import _cmlp
-from .model import MLP
-
-
-def _num(name: str, value: Any) -> float:
-    """A number, or a 0-d array or tensor holding one (torch.optim may keep lr as a tensor); the C
-    core checks its range (>= 0 where PyTorch asks it, finite in float32)."""
-    scalar = (getattr(value, "ndim", None) == 0 and hasattr(value, "__float__")
-              and getattr(getattr(value, "dtype", None), "kind", "f") in "iuf")
-    if isinstance(value, bool) or not (isinstance(value, (int, float, np.integer, np.floating)) or scalar):
-        raise TypeError(f"{name} must be a number, got {value!r}")
-    try:
-        return float(value)
-    except OverflowError:
-        raise ValueError(f"{name} must be finite in float32, got {value!r}") from None
+from ._arrays import as_number as _num
+from .model import MLP, model_of
 
 
 class Optimizer:
@@ -28,8 +16,7 @@ class Optimizer:
     _buffers: Tuple[str, ...] = ()
 
     def __init__(self, model: MLP, kind: str, **config: Any) -> None:
-        if not isinstance(model, MLP):
-            raise TypeError(f"the first argument must be a cmlp.MLP, got {type(model).__name__}")
+        model = model_of(model, "the first argument")
         self.model = model
         self._kind = kind
         self._c = _cmlp.Optimizer(model._c, kind, **config)

@@ -10,7 +10,7 @@ import numpy as np
 
 from . import _cmlp, memory
 from . import distributed as _dist
-from ._arrays import as_inputs, as_labels, as_normalize, check_amp, check_seed
+from ._arrays import as_inputs, as_labels, as_normalize, as_number, check_amp, check_seed
 from ._progress import make_bar
 from .model import MLP
 from .optim import Optimizer
@@ -35,14 +35,20 @@ class Trainer:
     distributed: None (the default) trains data-parallel when a process group exists
     (cmlp.distributed.init_process_group), True requires one, False trains this process alone.
     Data-parallel, batch_size is per rank and a step takes batch_size * accumulation_steps *
-    world_size samples (see cmlp.distributed)."""
+    world_size samples (see cmlp.distributed).
+
+    max_grad_norm: when set, before each update the L2 norm of the step's gradients (summed
+    over its micro-batches and ranks, unscaled) is clipped to it, as
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm) would do, on the device
+    and inside a captured step; `fit`'s history then gives each epoch's mean norm before
+    clipping ("grad_norm") and `last_grad_norm` the last step's."""
 
     def __init__(self, model: MLP, optimizer: Optimizer, batch_size: int = 32, accumulation_steps: int = 1,
                  amp: Optional[str] = None, scaler: Any = None, auto_microbatch: bool = True,
                  recompute: bool = False, shuffle: bool = True, seed: int = 0,
                  normalize: Optional[Tuple[float, float]] = None, microbatch_size: Optional[int] = None,
                  label_smoothing: float = 0.0, grow_interval: int = 100,
-                 distributed: Optional[bool] = None) -> None:
+                 distributed: Optional[bool] = None, max_grad_norm: Optional[float] = None) -> None:
         if distributed is not None and not isinstance(distributed, bool):
             raise TypeError(f"distributed must be None, True or False, got {distributed!r}")
         group = _dist.is_initialized() if distributed is None else distributed
@@ -53,7 +59,7 @@ class Trainer:
         error: Optional[Exception] = None
         try:
             self._setup(model, optimizer, batch_size, accumulation_steps, amp, scaler, auto_microbatch, recompute,
-                        shuffle, seed, normalize, microbatch_size, label_smoothing, grow_interval)
+                        shuffle, seed, normalize, microbatch_size, label_smoothing, grow_interval, max_grad_norm)
         except (TypeError, ValueError) as e:
             error = e
         self._agree(error)  # data-parallel, a rank whose arguments were refused makes all raise
@@ -64,7 +70,7 @@ class Trainer:
     def _setup(self, model: MLP, optimizer: Optimizer, batch_size: int, accumulation_steps: int, amp: Optional[str],
                scaler: Any, auto_microbatch: bool, recompute: bool, shuffle: bool, seed: int,
                normalize: Optional[Tuple[float, float]], microbatch_size: Optional[int], label_smoothing: float,
-               grow_interval: int) -> None:
+               grow_interval: int, max_grad_norm: Optional[float]) -> None:
         if not isinstance(model, MLP):
             raise TypeError(f"model must be a cmlp.MLP, got {type(model).__name__}")
         if not isinstance(optimizer, Optimizer):
@@ -92,13 +98,24 @@ class Trainer:
         self.auto_microbatch, self.recompute, self.shuffle = bool(auto_microbatch), bool(recompute), bool(shuffle)
         self.seed = seed
         grow_interval = _positive_int("grow_interval", grow_interval)
+        if max_grad_norm is not None:
+            max_grad_norm = as_number("max_grad_norm", max_grad_norm)
+            if not max_grad_norm > 0.0:
+                raise ValueError(f"max_grad_norm must be a number > 0 or None, got {max_grad_norm!r}")
+        self.max_grad_norm = max_grad_norm
         # fit and step use the C trainer's state from start to end: one call at a time
         self._busy = threading.Lock()
         # uint8 images: the model's normalisation unless the trainer is given its own
         self.normalize = model.normalize if normalize is None else as_normalize(normalize)
         self._c = _cmlp.Trainer(optimizer._c, self.batch_size, self.accumulation_steps, micro, bool(shuffle),
                                 self.seed, label_smoothing, amp_code, bool(auto_microbatch), int(grow_interval),
-                                bool(recompute))
+                                bool(recompute), 0.0 if max_grad_norm is None else max_grad_norm)
+
+    @property
+    def last_grad_norm(self) -> Optional[float]:
+        """With max_grad_norm: the L2 norm of the last step's gradients before clipping (None
+        before the first step, or without clipping)."""
+        return self._c.last_grad_norm()
 
     @property
     def microbatch_size(self) -> int:
@@ -306,7 +323,7 @@ class Trainer:
                 show = progress and (not self.distributed or _dist.get_rank() == 0)
                 bar = make_bar(total, f"epoch {epoch}/{epochs}", show)
                 chunk = max(1, total // 200)
-                samples, loss_sum, skipped = 0, 0.0, 0
+                samples, loss_sum, skipped, norm_sum, norm_steps = 0, 0.0, 0, 0.0, 0
                 start = time.perf_counter()
                 self._push_scaler()
                 if epoch == 1:
@@ -315,10 +332,12 @@ class Trainer:
                 try:
                     done = False
                     while not done:
-                        steps, n, loss, done, k = self._c.epoch_run(chunk)
+                        steps, n, loss, done, k, norms, counted = self._c.epoch_run(chunk)
                         samples += n
                         loss_sum += loss
                         skipped += k
+                        norm_sum += norms
+                        norm_steps += counted
                         if bar is not None:
                             bar.set_postfix_str(f"loss {loss_sum / max(samples, 1):.4f}")
                             bar.update(steps)
@@ -338,6 +357,9 @@ class Trainer:
                     "peak_memory_bytes": memory.max_memory_allocated(device),
                     "microbatch_size": self.microbatch_size,
                     "skipped_steps": skipped,
+                    # with max_grad_norm: the mean L2 norm of the epoch's gradients before clipping
+                    # (steps whose norm was inf or NaN left out)
+                    "grad_norm": norm_sum / norm_steps if norm_steps else None,
                 }
                 if val is not None:
                     loss_sum, correct = self._together(lambda: self._evaluate(val))

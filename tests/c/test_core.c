@@ -5,6 +5,7 @@
  */
 #include "cmlp.h"
 
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -334,6 +335,90 @@ static void test_determinism(void) {
  * launcher started it): every collective of the step runs (the ranks' agreement, the settings'
  * comparison, the sum of the gradients, the group's loss) and the run equals the trainer alone,
  * bit for bit, with fp16 loss scaling, accumulation and a short last step; wrong uses fail. */
+/* Gradient clipping: the model's clip_grad_norm (refusals change nothing; the result against a
+ * double norm; the scaling), and a trainer clipping in its step as the same calls by hand do. */
+static void test_clipping(void) {
+    int sizes[] = {6, 9, 3};
+    float x[12 * 6];
+    int32_t y[12];
+    unsigned rs = 5;
+    for (int i = 0; i < 12 * 6; i++) x[i] = 4.0f * frand(&rs);
+    for (int i = 0; i < 12; i++) y[i] = i % 3;
+    cmlp_data d = {.x = x, .x_dtype = CMLP_DTYPE_F32, .y = y, .n = 12};
+    cmlp_model *m[2];
+    cmlp_optim *o[2];
+    for (int k = 0; k < 2; k++) {
+        OK(cmlp_model_init(&m[k], sizes, 3, cmlp_cpu(), 4));
+        cmlp_adam_config ac = cmlp_adam_defaults();
+        OK(cmlp_optim_init_adam(&o[k], m[k], &ac));
+    }
+    const int64_t np_ = cmlp_model_num_parameters(m[0]);
+    float *g = malloc(sizeof(float) * (size_t)np_), *g2 = malloc(sizeof(float) * (size_t)np_);
+    double loss, norm = -1.0;
+    OK(cmlp_model_forward_backward(m[1], &d, 1.0f / 12, 0.0f, CMLP_AMP_NONE, &loss));
+    OK(cmlp_model_get_grads(m[1], g));
+    CHECK(cmlp_model_clip_grad_norm(m[1], -1.0, 2.0, 0, &norm) == CMLP_ERR_INVALID, "max_norm -1 accepted");
+    CHECK(cmlp_model_clip_grad_norm(m[1], 1.0, 0.0, 0, &norm) == CMLP_ERR_INVALID, "norm_type 0 accepted");
+    CHECK(cmlp_model_clip_grad_norm(m[1], 1.0, NAN, 0, &norm) == CMLP_ERR_INVALID, "norm_type NaN accepted");
+    CHECK(cmlp_model_clip_grad_value(m[1], -1.0) == CMLP_ERR_INVALID, "clip_value -1 accepted");
+    CHECK(cmlp_model_clip_grad_norm(NULL, 1.0, 2.0, 0, &norm) == CMLP_ERR_INVALID, "no model");
+    OK(cmlp_model_get_grads(m[1], g2));
+    CHECK(memcmp(g, g2, sizeof(float) * (size_t)np_) == 0 && norm == -1.0, "a refused call changed something");
+    double ss = 0.0;
+    for (int64_t i = 0; i < np_; i++) ss += (double)g[i] * g[i];
+    const float max_norm = (float)(sqrt(ss) / 4);
+    OK(cmlp_model_clip_grad_norm(m[1], max_norm, 2.0, 1, &norm));
+    CHECK(fabs(norm - sqrt(ss)) <= 1e-7 * sqrt(ss), "norm %.9g against %.9g", norm, sqrt(ss));
+    OK(cmlp_model_get_grads(m[1], g2));
+    const float c = max_norm / ((float)norm + 1e-6f);
+    int64_t bad = -1;
+    for (int64_t i = 0; i < np_ && bad < 0; i++)
+        if (g2[i] != g[i] * c) bad = i;
+    CHECK(bad < 0, "gradient %lld not scaled by %g", (long long)bad, c);
+    /* a step by hand (m[1]: zero, forward-backward, clip, Adam) against the trainer's (m[0]) */
+    cmlp_train_config tc = {.batch_size = 12, .accumulation_steps = 1};
+    cmlp_trainer *t;
+    tc.max_grad_norm = -1.0;
+    CHECK(cmlp_trainer_init(&t, m[0], o[0], &tc) == CMLP_ERR_INVALID, "max_grad_norm -1 accepted");
+    tc.max_grad_norm = max_norm;
+    OK(cmlp_trainer_init(&t, m[0], o[0], &tc));
+    double last = 0.0;
+    CHECK(!cmlp_trainer_last_grad_norm(t, &last), "a norm before any step");
+    OK(cmlp_trainer_step(t, &d, &loss));
+    OK(cmlp_optim_step(o[1]));
+    float *p0 = malloc(sizeof(float) * (size_t)np_), *p1 = malloc(sizeof(float) * (size_t)np_);
+    OK(cmlp_model_get_params(m[0], p0));
+    OK(cmlp_model_get_params(m[1], p1));
+    CHECK(memcmp(p0, p1, sizeof(float) * (size_t)np_) == 0, "the trainer's clipped step differs from the hand's");
+    CHECK(cmlp_trainer_last_grad_norm(t, &last) && last == norm, "last norm %.9g against %.9g", last, norm);
+    cmlp_epoch_state st;
+    OK(cmlp_trainer_epoch_begin(t, &d, 0, &st));
+    OK(cmlp_trainer_epoch_run(t, 0, &st));
+    CHECK(st.grad_norm_steps == 1 && st.grad_norm_sum > 0.0 && cmlp_trainer_last_grad_norm(t, &last) &&
+              (float)st.grad_norm_sum == (float)last,
+          "epoch: %lld norms summing to %g, last %g", (long long)st.grad_norm_steps, st.grad_norm_sum, last);
+    /* gradients overflowing in half precision: the norm is not finite; asked to, the call refuses
+     * and changes nothing */
+    OK(cmlp_model_forward_backward(m[1], &d, 1e9f, 0.0f, CMLP_AMP_FP16, &loss));
+    OK(cmlp_model_get_grads(m[1], g));
+    CHECK(cmlp_model_clip_grad_norm(m[1], 1.0, 2.0, 1, &norm) == CMLP_ERR_NONFINITE && !isfinite(norm),
+          "a non-finite norm: %g", norm);
+    OK(cmlp_model_get_grads(m[1], g2));
+    CHECK(memcmp(g, g2, sizeof(float) * (size_t)np_) == 0, "a refused clip changed the gradients");
+    OK(cmlp_model_clip_grad_value(m[1], 0.0));
+    OK(cmlp_model_get_grads(m[1], g2));
+    bad = -1;
+    for (int64_t i = 0; i < np_ && bad < 0; i++)
+        if (!(isnan(g[i]) ? isnan(g2[i]) : g2[i] == 0.0f || fabsf(g2[i]) < FLT_MIN)) bad = i;
+    CHECK(bad < 0, "clip_grad_value 0: gradient %lld is %g", (long long)bad, bad < 0 ? 0.0 : g2[bad]);
+    free(g), free(g2), free(p0), free(p1);
+    cmlp_trainer_free(t);
+    for (int k = 0; k < 2; k++) {
+        cmlp_optim_free(o[k]);
+        cmlp_model_free(m[k]);
+    }
+}
+
 static void test_group_of_one(void) {
     if (getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMI_SIZE") || getenv("PMIX_RANK")) return;
     cmlp_trainer *t0 = NULL;
@@ -344,7 +429,7 @@ static void test_group_of_one(void) {
     cmlp_adam_config ac = cmlp_adam_defaults();
     OK(cmlp_optim_init_adam(&o0, m0, &ac));
     cmlp_train_config tc = {.batch_size = 4, .accumulation_steps = 2, .microbatch_size = 3, .shuffle = 1, .seed = 9,
-                            .amp = CMLP_AMP_FP16, .auto_microbatch = 1};
+                            .amp = CMLP_AMP_FP16, .auto_microbatch = 1, .max_grad_norm = 0.01};
     OK(cmlp_trainer_init(&t0, m0, o0, &tc));
     CHECK(cmlp_trainer_set_distributed(t0, 1) == CMLP_ERR_STATE, "a trainer joined no group");
     int rank = -1, size = 0;
@@ -413,6 +498,7 @@ int main(void) {
     test_adam_first_step();
     test_allocator();
     test_determinism();
+    test_clipping();
     test_group_of_one();
     CHECK(allocated_now() == base, "bytes left allocated: %lld", (long long)(allocated_now() - base));
     return check_summary();

@@ -692,6 +692,118 @@ static void test_scale_update(void) {
     CHECK(skipped == 8 && scale == 3e38f, "scale update: %lld skipped, scale %g", skipped, scale);
 }
 
+/* ---- clip.cu ---- */
+
+/* The gradient norm: the CPU backend's bits for p = 1, 2 and inf (the same order of summation),
+ * within float rounding of a long double reference; partials and counter as promised. */
+static void test_grad_norm(void) {
+    static const int64_t counts[] = {1, 3, 4, 5, 257, 4095, 4096, 4097, 12299, 131089, 140000};
+    static const double ps[] = {2.0, 1.0, INFINITY, 3.5, 0.5};
+    for (size_t i = 0; i < sizeof counts / sizeof counts[0]; i++)
+        for (int variant = 0; variant < 4; variant++) { /* 1: specials; 2: one inf; 3: one NaN */
+            int64_t n = counts[i];
+            buf g = make(n, 4, (int)(i + variant) % 4);
+            fill(F(g), n, variant == 1);
+            if (variant >= 2) F(g)[(int64_t)(next_u64() % (uint64_t)n)] = variant == 2 ? -INFINITY : NAN;
+            for (size_t k = 0; k < sizeof ps / sizeof ps[0]; k++) {
+                const double p = ps[k];
+                double part[CMLP_NORM_PARTS], cpart[CMLP_NORM_PARTS];
+                unsigned int done = 0;
+                uint32_t cdone = 0;
+                float out = -1.0f, cout = -2.0f;
+                KOK(cmlp_k_grad_norm(F(g), n, p, &out, part, &done, S));
+                CPU_CALL(cpu->grad_norm(NULL, F(g), n, p, &cout, cpart, &cdone));
+                long double ref = 0.0L;
+                for (int64_t e = 0; e < n; e++) {
+                    long double a = fabsl((long double)F(g)[e]);
+                    if (a < FLT_MIN) a = 0.0L; /* DAZ */
+                    if (isinf(p)) ref = a > ref || isnan(a) ? a : ref;
+                    else ref += powl(a, (long double)p);
+                }
+                if (!isinf(p)) ref = powl(ref, 1.0L / (long double)p);
+                const int blocks = (int)cmlp_norm_blocks(n);
+                const bool exact = p == 1.0 || p == 2.0 || isinf(p);
+                bool same = same_bits(&out, &cout, 4) || (isnan(out) && isnan(cout));
+                for (int b = 0; exact && b < blocks; b++) /* a NaN's payload may differ */
+                    same = same && (same_bits(part + b, cpart + b, 8) || (isnan(part[b]) && isnan(cpart[b])));
+                if (!exact) same = same || fabsf(out - cout) <= 1e-6f * fabsf(cout);
+                bool close = variant == 3 ? isnan(out)
+                             : variant == 2 ? isinf(out) && out > 0
+                                            : fabsl((long double)out - ref) <= 1.2e-7L * ref + 1e-30L;
+                CHECK(same && close && done == 0, "grad_norm n %lld p %g variant %d: %.9g vs cpu %.9g, ref %.9Lg",
+                      (long long)n, p, variant, out, cout, ref);
+            }
+            free(g.block);
+        }
+    float x = 0.0f, o = 0.0f;
+    double part[CMLP_NORM_PARTS];
+    unsigned int done = 0;
+    CHECK(cmlp_k_grad_norm(&x, 0, 2.0, &o, part, &done, S) == cudaErrorInvalidValue, "grad_norm n 0");
+    CHECK(cmlp_k_grad_norm(&x, 1, 0.0, &o, part, &done, S) == cudaErrorInvalidValue, "grad_norm p 0");
+    CHECK(cmlp_k_grad_norm(&x, 1, NAN, &o, part, &done, S) == cudaErrorInvalidValue, "grad_norm p NaN");
+}
+
+/* Scaling by a norm read on the device, and clamping: the CPU's bits, the counting of finite
+ * norms, nothing written at a coefficient of 1. A subnormal compares as zero (DAZ), so clamping
+ * to [0, 0] keeps it. */
+static void test_clip(void) {
+    static const float norms[] = {10.0f, 0.5f, 1.0f, INFINITY, NAN, 0.0f, 3e-39f};
+    for (int i = 0; i < NCOUNTS; i++)
+        for (size_t k = 0; k < sizeof norms / sizeof norms[0]; k++) {
+            int64_t n = COUNTS[i];
+            buf g = make(n, 4, (int)(i + k) % 4), cg = make(n, 4, 0);
+            fill(F(g), n, 1);
+            if (k == 3 && n > 2) F(g)[1] = INFINITY;
+            memcpy(F(cg), F(g), (size_t)n * 4);
+            const float norm = norms[k], max_norm = 2.0f;
+            double sum = 0.5, csum = 0.5;
+            long long steps = 3;
+            int64_t csteps = 3;
+            KOK(cmlp_k_clip_by_norm(F(g), n, &norm, max_norm, &sum, &steps, S));
+            CPU_CALL(cpu->clip_by_norm(NULL, F(cg), n, &norm, max_norm, &csum, &csteps));
+            int64_t bad = -1;
+            for (int64_t e = 0; e < n && bad < 0; e++)
+                if (!(isnan(F(g)[e]) ? isnan(F(cg)[e]) : same_bits(F(g) + e, F(cg) + e, 4))) bad = e;
+            const bool finite = isfinite(norm);
+            CHECK(bad < 0 && same_bits(&sum, &csum, 8) && steps == (long long)csteps &&
+                      steps == 3 + (finite ? 1 : 0) && sum == 0.5 + (finite ? (double)norm : 0.0),
+                  "clip_by_norm n %lld norm %g: element %lld, sum %g/%g steps %lld/%lld", (long long)n, norm,
+                  (long long)bad, sum, csum, steps, (long long)csteps);
+            if (norm <= 1.0f) { /* max_norm / (norm + 1e-6) > 1: unchanged, bit for bit */
+                fill(F(cg), n, 1);
+                memcpy(F(g), F(cg), (size_t)n * 4);
+                KOK(cmlp_k_clip_by_norm(F(g), n, &norm, max_norm, NULL, NULL, S));
+                CHECK(first_diff(F(g), F(cg), n) < 0, "clip_by_norm n %lld norm %g changed the gradients", (long long)n,
+                      norm);
+            }
+            free(g.block), free(cg.block);
+        }
+    for (int i = 0; i < NCOUNTS; i++)
+        for (int variant = 0; variant < 3; variant++) {
+            int64_t n = COUNTS[i];
+            buf g = make(n, 4, (i + variant) % 4), cg = make(n, 4, 0);
+            fill(F(g), n, 1);
+            if (variant == 1) F(g)[n - 1] = NAN;
+            if (variant == 2) F(g)[0] = -INFINITY;
+            memcpy(F(cg), F(g), (size_t)n * 4);
+            const float v = variant == 2 ? 0.0f : 0.75f;
+            KOK(cmlp_k_clip_by_value(F(g), n, v, S));
+            CPU_CALL(cpu->clip_by_value(NULL, F(cg), n, v));
+            int64_t bad = -1;
+            for (int64_t e = 0; e < n && bad < 0; e++) {
+                const float a = F(g)[e];
+                if (!(isnan(a) ? isnan(F(cg)[e]) : same_bits(F(g) + e, F(cg) + e, 4) && (fabsf(a) <= v || fabsf(a) < FLT_MIN))) bad = e;
+            }
+            CHECK(bad < 0 && (variant != 1 || isnan(F(g)[n - 1])), "clip_by_value n %lld variant %d: element %lld",
+                  (long long)n, variant, (long long)bad);
+            free(g.block), free(cg.block);
+        }
+    float x = 0.0f;
+    CHECK(cmlp_k_clip_by_value(&x, 1, -1.0f, S) == cudaErrorInvalidValue, "clip_by_value v < 0");
+    CHECK(cmlp_k_clip_by_norm(&x, 1, &x, 1.0f, NULL, (long long *)&x, S) == cudaErrorInvalidValue,
+          "clip_by_norm: a count without a sum");
+}
+
 static void test_bad_counts(void) {
     float x = 0;
     CHECK(cmlp_k_relu_backward(&x, &x, -1, S) == cudaErrorInvalidValue, "negative count");
@@ -716,6 +828,8 @@ int main(void) {
     test_casts();
     test_unscale();
     test_scale_update();
+    test_grad_norm();
+    test_clip();
     test_bad_counts();
     return check_summary();
 }

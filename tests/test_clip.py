@@ -1,0 +1,284 @@
+"""Gradient clipping: cmlp.nn.utils.clip_grad_norm_ / clip_grad_value_ against a float64 norm of
+the model's own gradients and against torch.nn.utils, Trainer(max_grad_norm=...) against the
+same steps written by hand (bit for bit on the CPU), and model.parameters() where torch code
+passes it.
+"""
+
+import numpy as np
+import pytest
+
+import cmlp
+from cmlp.nn.utils import clip_grad_norm_, clip_grad_value_
+
+F, C = 20, 4
+SIZES = [F, 32, 16, C]
+
+
+def batch(n=24, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((n, F)).astype(np.float32), rng.integers(0, C, size=n)
+
+
+def flat_grads(model):
+    return model._c.get_grads()
+
+
+def by_name(model):
+    """The gradients in state_dict order (fc1.weight, fc1.bias, ...), flattened."""
+    return np.concatenate([g.ravel() for g in model.grads().values()])
+
+
+def with_grads(seed=0, sizes=SIZES, device="cpu"):
+    model = cmlp.MLP(sizes, seed=seed, device=device)
+    x, y = batch(seed=seed)
+    model.forward_backward(x, y)
+    return model
+
+
+def reference_norm(g, p):
+    g = np.abs(g.astype(np.float64))
+    if p == np.inf:
+        return g.max()
+    return (g ** p).sum() ** (1.0 / p)
+
+
+def coefficient(max_norm, norm):
+    """torch's clip coefficient in float32: max_norm / (norm + 1e-6), at most 1."""
+    c = np.float32(max_norm) / (np.float32(norm) + np.float32(1e-6))
+    return min(c, np.float32(1.0))
+
+
+@pytest.mark.parametrize("p", [2.0, 1.0, np.inf, "inf", 3.5, 0.5])
+def test_the_norm_is_the_float64_norm_and_the_gradients_are_scaled_by_torchs_coefficient(p):
+    model = with_grads()
+    g = flat_grads(model)
+    want = reference_norm(g, float(p))
+    max_norm = want / 3
+    total = clip_grad_norm_(model.parameters(), max_norm, norm_type=p)
+    assert isinstance(total, float)
+    assert abs(total - want) <= 2e-7 * want  # the float64 norm, rounded once to float32 (pow: 1e-7 more)
+    c = coefficient(max_norm, total)
+    assert c < 1
+    np.testing.assert_array_equal(flat_grads(model), g * c)
+    # the new norm: the old one times the coefficient (about max_norm), up to float rounding
+    assert abs(reference_norm(flat_grads(model), float(p)) - c * want) <= 1e-6 * c * want
+
+
+def test_a_norm_under_max_norm_changes_nothing():
+    model = with_grads()
+    g = flat_grads(model)
+    total = clip_grad_norm_(model, 1e9)
+    np.testing.assert_array_equal(flat_grads(model), g)
+    assert total == pytest.approx(np.linalg.norm(g.astype(np.float64)), rel=2e-7)
+    assert clip_grad_norm_(model, float("inf")) == total  # max_norm inf: the norm alone
+
+
+def test_clip_grad_value_clamps_and_keeps_nan():
+    model = with_grads()
+    g = flat_grads(model)
+    v = float(np.quantile(np.abs(g), 0.5))
+    clip_grad_value_(model.parameters(), v)
+    np.testing.assert_array_equal(flat_grads(model), np.clip(g, -np.float32(v), np.float32(v)))
+    clip_grad_value_(model, 0)
+    assert not flat_grads(model).any()
+    clip_grad_value_(model, float("inf"))  # a no-op, as in torch
+    assert not flat_grads(model).any()
+
+
+def nan_grads():
+    model = cmlp.MLP(SIZES, seed=0)
+    x, y = batch()
+    model.forward_backward(x, y, loss_scale=1e9, amp="fp16")  # overflows in half precision
+    assert not np.isfinite(flat_grads(model)).all()
+    return model
+
+
+def test_a_non_finite_norm_raises_only_when_asked_and_then_changes_nothing():
+    model = nan_grads()
+    g = flat_grads(model)
+    with pytest.raises(RuntimeError, match="error_if_nonfinite=False"):
+        clip_grad_norm_(model, 1.0, error_if_nonfinite=True)
+    np.testing.assert_array_equal(flat_grads(model), g)
+    total = clip_grad_norm_(model, 1.0)  # torch scales by the non-finite norm: all NaN or zero
+    assert not np.isfinite(total)
+    assert not np.isfinite(flat_grads(model)).all()
+
+
+def test_bad_arguments_raise_and_change_nothing():
+    model = with_grads()
+    g = flat_grads(model)
+    with pytest.raises(ValueError, match="max_norm"):
+        clip_grad_norm_(model, -1.0)
+    with pytest.raises(ValueError, match="max_norm"):
+        clip_grad_norm_(model, float("nan"))
+    for p in (0, -2.0, float("nan"), "-inf", "two"):
+        with pytest.raises(ValueError, match="norm_type"):
+            clip_grad_norm_(model, 1.0, norm_type=p)
+    with pytest.raises(TypeError, match="max_norm"):
+        clip_grad_norm_(model, "1.0")
+    with pytest.raises(TypeError, match="norm_type"):
+        clip_grad_norm_(model, 1.0, norm_type=None)
+    with pytest.raises(ValueError, match="clip_value"):
+        clip_grad_value_(model, -0.5)
+    with pytest.raises(TypeError, match="parameters"):
+        clip_grad_norm_(list(model.parameters()), 1.0)
+    with pytest.raises(TypeError, match="parameters"):
+        clip_grad_value_(None, 1.0)
+    np.testing.assert_array_equal(flat_grads(model), g)
+
+
+def test_torch_gives_the_same_norm_and_gradients():
+    torch = pytest.importorskip("torch")
+    model = with_grads(seed=3)
+    grads = model.grads()
+    params = [torch.zeros(value.shape, dtype=torch.float32, requires_grad=True) for value in grads.values()]
+    for p in (2.0, 1.0, float("inf")):
+        want = reference_norm(flat_grads(model), p)
+        mine = with_grads(seed=3)
+        for t, value in zip(params, grads.values()):
+            t.grad = torch.from_numpy(value.copy())
+        total = torch.nn.utils.clip_grad_norm_(params, want / 4, norm_type=p)
+        got = clip_grad_norm_(mine.parameters(), want / 4, norm_type=p)
+        assert got == pytest.approx(float(total), rel=1e-6)
+        clipped = np.concatenate([t.grad.numpy().ravel() for t in params])
+        np.testing.assert_allclose(by_name(mine), clipped, rtol=2e-6, atol=1e-12)
+    torch.nn.utils.clip_grad_value_(params, 1e-3)
+    clip_grad_value_(mine, 1e-3)
+    np.testing.assert_allclose(by_name(mine), np.concatenate([t.grad.numpy().ravel() for t in params]),
+                               rtol=2e-6, atol=1e-12)
+
+
+def test_parameters_stand_for_the_model_where_torch_code_passes_them():
+    model = cmlp.MLP(SIZES, seed=0)
+    ps = model.parameters()
+    assert len(ps) == 6 and [a.shape for a in ps] == [a.shape for a in model.state_dict().values()]
+    assert sum(a.size for a in model.parameters()) == model.num_parameters()
+    assert [n for n, _ in model.named_parameters()] == list(model.state_dict())
+    a = cmlp.MLP(SIZES, seed=0)
+    b = cmlp.MLP(SIZES, seed=0)
+    oa, ob = cmlp.optim.Adam(a.parameters(), lr=1e-2), cmlp.optim.Adam(b, lr=1e-2)
+    assert oa.model is a
+    x, y = batch()
+    for m, o in ((a, oa), (b, ob)):
+        o.zero_grad()
+        m.forward_backward(x, y)
+        o.step()
+    np.testing.assert_array_equal(a._c.get_params(), b._c.get_params())
+    with pytest.raises(TypeError, match="cmlp.MLP"):
+        cmlp.optim.SGD([np.zeros(3)], lr=0.1)
+
+
+# ---- the trainer ----
+
+def hand_step(model, opt, x, y, max_norm, accum=1, scaler=None):
+    """One step as a torch user writes it: accumulate, unscale, clip, step."""
+    opt.zero_grad()
+    k = len(x) // accum
+    for i in range(accum):
+        scale = scaler.get_scale() if scaler else 1.0
+        model.forward_backward(x[i * k:(i + 1) * k], y[i * k:(i + 1) * k], loss_scale=scale / accum,
+                               amp="fp16" if scaler else None)
+    if scaler:
+        scaler.unscale_(opt)
+    norm = clip_grad_norm_(model.parameters(), max_norm)
+    if scaler:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    return norm
+
+
+@pytest.mark.parametrize("accum", [1, 4])
+@pytest.mark.parametrize("opt", ["adam", "sgd"])
+def test_trainer_step_clips_as_the_hand_written_loop_does(accum, opt):
+    def make():
+        m = cmlp.MLP(SIZES, seed=1)
+        o = cmlp.optim.Adam(m, lr=1e-2) if opt == "adam" else cmlp.optim.SGD(m, lr=0.1, momentum=0.9)
+        return m, o
+
+    a, oa = make()
+    b, ob = make()
+    trainer = cmlp.Trainer(a, oa, batch_size=24 // accum, accumulation_steps=accum, max_grad_norm=0.05)
+    assert trainer.last_grad_norm is None
+    for step in range(4):
+        x, y = batch(seed=step)
+        trainer.step(x, y)
+        norm = hand_step(b, ob, x, y, 0.05, accum)
+        assert trainer.last_grad_norm == norm and norm > 0.05  # clipped every time
+        np.testing.assert_array_equal(a._c.get_params(), b._c.get_params())
+
+
+def test_trainer_step_under_fp16_unscales_before_clipping():
+    a, b = cmlp.MLP(SIZES, seed=2), cmlp.MLP(SIZES, seed=2)
+    oa, ob = cmlp.optim.Adam(a, lr=1e-2), cmlp.optim.Adam(b, lr=1e-2)
+    trainer = cmlp.Trainer(a, oa, batch_size=24, amp="fp16", scaler=cmlp.amp.GradScaler(init_scale=2.0**28),
+                           max_grad_norm=0.05)
+    scaler = cmlp.amp.GradScaler(init_scale=2.0**28)
+    for step in range(16):  # the first steps overflow and are skipped, then the scale fits
+        x, y = batch(seed=step)
+        trainer.step(x, y)
+        hand_step(b, ob, x, y, 0.05, scaler=scaler)
+        np.testing.assert_allclose(a._c.get_params(), b._c.get_params(), rtol=0, atol=1e-6)
+    assert trainer.scaler.get_scale() == scaler.get_scale() < 2.0**28
+    assert trainer._c.skipped_steps() > 0
+    assert 0 < trainer.last_grad_norm < 100  # the unscaled norm
+
+
+def fit(max_grad_norm, amp=None, **kw):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((300, F)).astype(np.float32)
+    y = np.argmax(x @ rng.standard_normal((F, C)), axis=1)
+    model = cmlp.MLP(SIZES, seed=4)
+    trainer = cmlp.Trainer(model, cmlp.optim.Adam(model, lr=1e-2), batch_size=32, amp=amp,
+                           max_grad_norm=max_grad_norm, **kw)
+    history = trainer.fit(x, y, epochs=2, progress=False)
+    return model, trainer, history
+
+
+def test_fit_reports_the_mean_norm_and_a_loose_bound_changes_nothing():
+    plain, _, h0 = fit(None)
+    assert all(h["grad_norm"] is None for h in h0)
+    loose, t1, h1 = fit(1e30)
+    np.testing.assert_array_equal(plain._c.get_params(), loose._c.get_params())
+    assert all(h["grad_norm"] > 0 for h in h1) and t1.last_grad_norm > 0
+    tight, _, h2 = fit(0.05)
+    assert not np.array_equal(plain._c.get_params(), tight._c.get_params())
+    assert h2[0]["grad_norm"] > 0.05
+
+
+def test_fit_with_clipping_equals_the_same_steps_by_hand():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((96, F)).astype(np.float32)
+    y = rng.integers(0, C, size=96)
+    a, b = cmlp.MLP(SIZES, seed=4), cmlp.MLP(SIZES, seed=4)
+    oa, ob = cmlp.optim.Adam(a, lr=1e-2), cmlp.optim.Adam(b, lr=1e-2)
+    history = cmlp.Trainer(a, oa, batch_size=32, shuffle=False, max_grad_norm=0.1).fit(x, y, epochs=1,
+                                                                                       progress=False)
+    norms = [hand_step(b, ob, x[i:i + 32], y[i:i + 32], 0.1) for i in range(0, 96, 32)]
+    np.testing.assert_array_equal(a._c.get_params(), b._c.get_params())
+    assert history[0]["grad_norm"] == pytest.approx(np.mean(norms), rel=1e-12)
+
+
+def test_micro_batches_under_a_memory_limit_clip_the_whole_steps_gradients():
+    plain, _, h0 = fit(0.05, shuffle=False)
+    cmlp.memory.empty_cache("cpu")
+    try:
+        cmlp.memory.set_memory_limit(cmlp.memory.plan(SIZES, batch_size=4, optimizer="adam").peak_bytes, "cpu")
+        with pytest.warns(cmlp.MemoryWarning):
+            split, t, h1 = fit(0.05, shuffle=False)
+    finally:
+        cmlp.memory.set_memory_limit(None, "cpu")
+    assert h1[-1]["microbatch_size"] < 32
+    np.testing.assert_allclose(split._c.get_params(), plain._c.get_params(), rtol=0, atol=1e-5)
+    assert h1[0]["grad_norm"] == pytest.approx(h0[0]["grad_norm"], rel=1e-5)
+
+
+def test_max_grad_norm_is_checked():
+    model = cmlp.MLP(SIZES)
+    opt = cmlp.optim.Adam(model)
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="max_grad_norm"):
+            cmlp.Trainer(model, opt, max_grad_norm=bad)
+    with pytest.raises(TypeError, match="max_grad_norm"):
+        cmlp.Trainer(model, opt, max_grad_norm="1")
