@@ -138,10 +138,12 @@ typedef struct cmlp_backend_i {
 
     /* Fused optimizers over flat buffers of n floats. Scalars precomputed by the core, or on the
      * device: when d_found_inf is not NULL and *d_found_inf != 0 the step changes nothing; Adam
-     * reads step_size and bc2_sqrt from d_coef[0..1] when d_coef is not NULL. */
+     * reads step_size and bc2_sqrt from d_coef[0..1] when d_coef is not NULL. weight_decay is
+     * L2 (added to the gradient); with decay != 1 each parameter is first multiplied by decay
+     * (decoupled weight decay, AdamW). */
     cmlp_status (*adam)(void *ctx, float *d_p, const float *d_g, float *d_m, float *d_v, int64_t n,
                         float step_size, float beta1, float beta2, float bc2_sqrt, float eps,
-                        float weight_decay, const float *d_found_inf, const float *d_coef);
+                        float weight_decay, float decay, const float *d_found_inf, const float *d_coef);
     /* first != 0: buf = g (momentum's first step); also when d_step is not NULL and
      * *d_step == 1. d_buf may be NULL when momentum == 0. */
     cmlp_status (*sgd)(void *ctx, float *d_p, const float *d_g, float *d_buf, int64_t n, float lr,
@@ -159,7 +161,7 @@ typedef struct cmlp_backend_i {
      * the same results (d_coef is written too). *d_blocks_done is a device counter that is 0
      * between calls; the kernel's blocks count themselves on it. */
     cmlp_status (*adam_prepared)(void *ctx, float *d_p, const float *d_g, float *d_m, float *d_v, int64_t n,
-                                 double lr, double beta1, double beta2, float eps, float weight_decay,
+                                 double lr, double beta1, double beta2, float eps, float weight_decay, float decay,
                                  const float *d_found_inf, int64_t *d_step, float *d_coef, int64_t *d_pos,
                                  int64_t pos_add, const cmlp_scale_step *scale, uint32_t *d_blocks_done);
     /* Mixed precision. Conversions between fp32 and fp16/bf16 storage (dtype F16 or BF16). */
@@ -241,7 +243,7 @@ extern const cmlp_backend_i cmlp_backend_cpu;
  * recorder and returns the module below. */
 typedef cmlp_status (*cmlp_error_fn)(cmlp_status s, const char *file, int line, const char *fmt, ...);
 
-#define CMLP_CUDA_ABI 3
+#define CMLP_CUDA_ABI 4
 
 typedef struct cmlp_cuda_module {
     int abi; /* CMLP_CUDA_ABI of the library */

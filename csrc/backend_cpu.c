@@ -410,7 +410,7 @@ static cmlp_status cpu_gather_labels(void *ctx, int32_t *dst, const int32_t *src
 typedef struct {
     float *p, *m, *v, *buf;
     const float *g;
-    float step_size, beta1, beta2, bc2_sqrt, eps, wd, lr, momentum, dampening;
+    float step_size, beta1, beta2, bc2_sqrt, eps, wd, decay, lr, momentum, dampening;
     int nesterov, first;
 } optim_args;
 
@@ -419,20 +419,23 @@ static void adam_range(void *arg, int64_t lo, int64_t hi) {
     float *restrict p = a->p, *restrict m = a->m, *restrict v = a->v;
     const float *restrict g = a->g;
     const float beta1 = a->beta1, beta2 = a->beta2, one_b1 = 1.0f - a->beta1, one_b2 = 1.0f - a->beta2;
-    const float step_size = a->step_size, bc2_sqrt = a->bc2_sqrt, eps = a->eps, wd = a->wd;
+    const float step_size = a->step_size, bc2_sqrt = a->bc2_sqrt, eps = a->eps, wd = a->wd, decay = a->decay;
+    const bool decoupled = decay != 1.0f;
     for (int64_t i = lo; i < hi; i++) {
-        float gi = g[i] + wd * p[i];
+        const float pi = decoupled ? p[i] * decay : p[i];
+        float gi = g[i] + wd * pi;
         float mi = beta1 * m[i] + one_b1 * gi;
         float vi = beta2 * v[i] + one_b2 * gi * gi;
         m[i] = mi;
         v[i] = vi;
-        p[i] -= step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
+        p[i] = pi - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
     }
 }
 
 static cmlp_status cpu_adam(void *ctx, float *restrict p, const float *restrict g, float *restrict m,
                             float *restrict v, int64_t n, float step_size, float beta1, float beta2,
-                            float bc2_sqrt, float eps, float wd, const float *found_inf, const float *coef) {
+                            float bc2_sqrt, float eps, float wd, float decay, const float *found_inf,
+                            const float *coef) {
     (void)ctx;
     if (found_inf && *found_inf != 0.0f) return CMLP_OK;
     if (coef) {
@@ -440,7 +443,7 @@ static cmlp_status cpu_adam(void *ctx, float *restrict p, const float *restrict 
         bc2_sqrt = coef[1];
     }
     optim_args a = {.p = p, .m = m, .v = v, .g = g, .step_size = step_size, .beta1 = beta1, .beta2 = beta2,
-                    .bc2_sqrt = bc2_sqrt, .eps = eps, .wd = wd};
+                    .bc2_sqrt = bc2_sqrt, .eps = eps, .wd = wd, .decay = decay};
     cmlp_pool_for(n, 16, MIN_PER_THREAD, adam_range, &a);
     return CMLP_OK;
 }

@@ -262,6 +262,9 @@ typedef struct cmlp_optim cmlp_optim;
 
 typedef struct cmlp_adam_config {
     double lr, beta1, beta2, eps, weight_decay;
+    /* 0: weight_decay is L2, added to the gradient (torch.optim.Adam); 1: it is decoupled, the
+     * parameters multiplied by 1 - lr * weight_decay before the update (torch.optim.AdamW) */
+    int decoupled_weight_decay;
 } cmlp_adam_config;
 
 typedef struct cmlp_sgd_config {

@@ -21,7 +21,15 @@ struct cmlp_optim {
     uint64_t version; /* moves whenever the configuration or the state buffer changes */
 };
 
-cmlp_adam_config cmlp_adam_defaults(void) { return (cmlp_adam_config){1e-3, 0.9, 0.999, 1e-8, 0.0}; }
+cmlp_adam_config cmlp_adam_defaults(void) { return (cmlp_adam_config){1e-3, 0.9, 0.999, 1e-8, 0.0, 0}; }
+
+/* Adam's weight decay as the backends take it: L2 (added to the gradient), or with decoupled
+ * weight decay none, and the factor the parameters are first multiplied by (torch's AdamW:
+ * param.mul_(1 - lr * weight_decay), the factor formed in double and applied in float). */
+static float adam_l2(const cmlp_adam_config *c) { return c->decoupled_weight_decay ? 0.0f : (float)c->weight_decay; }
+static float adam_decay(const cmlp_adam_config *c) {
+    return c->decoupled_weight_decay ? (float)(1.0 - c->lr * c->weight_decay) : 1.0f;
+}
 cmlp_sgd_config cmlp_sgd_defaults(void) { return (cmlp_sgd_config){0.01, 0.0, 0.0, 0.0, 0}; }
 
 /* A hyperparameter >= 0 (PyTorch's check) that stays finite in float32, where the update
@@ -169,7 +177,8 @@ static uint64_t mix(uint64_t h, const void *word) {
 }
 
 uint64_t cmlp_optim_fingerprint(const cmlp_optim *o) {
-    int64_t ints[3] = {(int64_t)o->kind, o->step, (int64_t)o->sgd.nesterov};
+    int64_t ints[3] = {(int64_t)o->kind, o->step,
+                       (int64_t)o->sgd.nesterov * 2 + (int64_t)o->adam.decoupled_weight_decay};
     double reals[10] = {o->adam.lr, o->adam.beta1,       o->adam.beta2,   o->adam.eps,      o->adam.weight_decay,
                         o->sgd.lr,  o->sgd.momentum,     o->sgd.dampening, o->sgd.weight_decay, 0.0};
     uint64_t h = 1469598103934665603ull;
@@ -203,7 +212,7 @@ cmlp_status cmlp_optim_step(cmlp_optim *o) {
         const cmlp_adam_config *c = &o->adam;
         double bc1 = 1.0 - pow(c->beta1, (double)t), bc2 = 1.0 - pow(c->beta2, (double)t);
         st = b->adam(o->dev->bctx, m->params, m->grads, o->state, o->state + n, n, (float)(c->lr / bc1),
-                     (float)c->beta1, (float)c->beta2, (float)sqrt(bc2), (float)c->eps, (float)c->weight_decay, NULL,
+                     (float)c->beta1, (float)c->beta2, (float)sqrt(bc2), (float)c->eps, adam_l2(c), adam_decay(c), NULL,
                      NULL);
     } else {
         const cmlp_sgd_config *c = &o->sgd;
@@ -244,14 +253,14 @@ cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int6
     if (adam && b->adam_prepared) { /* the bookkeeping in Adam's launch */
         const cmlp_adam_config *c = &o->adam;
         st = b->adam_prepared(ctx, m->params, m->grads, o->state, o->state + n, n, c->lr, c->beta1, c->beta2,
-                              (float)c->eps, (float)c->weight_decay, d_found_inf, d_step, d_coef, d_pos, pos_add, scale,
-                              &ds->blocks_done);
+                              (float)c->eps, adam_l2(c), adam_decay(c), d_found_inf, d_step, d_coef, d_pos, pos_add,
+                              scale, &ds->blocks_done);
     } else if (adam) {
         const cmlp_adam_config *c = &o->adam;
         st = b->optim_prepare(ctx, d_step, d_coef, d_found_inf, c->lr, c->beta1, c->beta2, 1, d_pos, pos_add, scale);
         if (st == CMLP_OK)
             st = b->adam(ctx, m->params, m->grads, o->state, o->state + n, n, 0.0f, (float)c->beta1, (float)c->beta2,
-                         1.0f, (float)c->eps, (float)c->weight_decay, d_found_inf, d_coef);
+                         1.0f, (float)c->eps, adam_l2(c), adam_decay(c), d_found_inf, d_coef);
     } else {
         const cmlp_sgd_config *c = &o->sgd;
         st = b->optim_prepare(ctx, d_step, d_coef, d_found_inf, c->lr, 0.0, 0.0, 0, d_pos, pos_add, scale);

@@ -108,15 +108,16 @@ cudaError_t cmlp_k_gather_labels(int32_t *dst, const int32_t *src, const int64_t
 
 /* ---- optim.cu ---- */
 
-/* One fused Adam (PyTorch's rule, L2 weight decay added to the gradient) over n floats:
+/* One fused Adam (PyTorch's rule, L2 weight decay added to the gradient) over n floats, with
+ * decay != 1 first p = decay * p (decoupled weight decay, AdamW: decay = 1 - lr * wd):
  *   g' = g + weight_decay * p;  m = beta1 m + (1 - beta1) g';  v = beta2 v + (1 - beta2) g'^2
  *   p -= step_size * m / (sqrt(v) / bc2_sqrt + eps)
  * where step_size = lr / (1 - beta1^t) and bc2_sqrt = sqrt(1 - beta2^t), computed by the caller
  * (the same float operations, in the same order, as the CPU backend). When found_inf is not
  * NULL and *found_inf != 0 the kernel changes nothing. */
 cudaError_t cmlp_k_adam(float *p, const float *g, float *m, float *v, int64_t n, float step_size, float beta1,
-                        float beta2, float bc2_sqrt, float eps, float weight_decay, const float *found_inf,
-                        const float *coef, cudaStream_t stream);
+                        float beta2, float bc2_sqrt, float eps, float weight_decay, float decay,
+                        const float *found_inf, const float *coef, cudaStream_t stream);
 /* SGD with PyTorch's rule: g' = g + weight_decay * p; with momentum != 0:
  *   buf = first ? g' : momentum * buf + (1 - dampening) * g';  d = nesterov ? g' + momentum * buf : buf
  * else d = g'; then p -= lr * d. buf may be NULL when momentum == 0. found_inf as for Adam. When
@@ -151,9 +152,9 @@ cudaError_t cmlp_k_optim_prepare(int64_t *step, float *coef, const float *found_
  * and the block that finishes last does the bookkeeping and resets *blocks_done, a counter that
  * is 0 between launches (each launch's blocks count themselves on it). n > 0. */
 cudaError_t cmlp_k_adam_prepared(float *p, const float *g, float *m, float *v, int64_t n, double lr, double beta1,
-                                 double beta2, float eps, float weight_decay, const float *found_inf, int64_t *step,
-                                 float *coef, int64_t *pos, int64_t pos_add, const cmlp_k_scaler *scaler,
-                                 unsigned int *blocks_done, cudaStream_t stream);
+                                 double beta2, float eps, float weight_decay, float decay, const float *found_inf,
+                                 int64_t *step, float *coef, int64_t *pos, int64_t pos_add,
+                                 const cmlp_k_scaler *scaler, unsigned int *blocks_done, cudaStream_t stream);
 
 /* ---- amp.cu ---- */
 

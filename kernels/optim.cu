@@ -12,7 +12,7 @@ struct adam_op {
     float *p;
     const float *g;
     float *m, *v;
-    float step_size, beta1, beta2, one_b1, one_b2, bc2_sqrt, eps, wd;
+    float step_size, beta1, beta2, one_b1, one_b2, bc2_sqrt, eps, wd, decay;
     const float *found_inf;
     const float *coef; /* when set: step_size and bc2_sqrt computed on the device */
 
@@ -27,6 +27,7 @@ struct adam_op {
     __device__ __forceinline__ void finish(bool) const {}
 
     __device__ __forceinline__ void update(float &pi, float gi, float &mi, float &vi) const {
+        if (decay != 1.0f) pi = f_mul(pi, decay); /* decoupled weight decay (AdamW) */
         gi = f_add(gi, f_mul(wd, pi));
         mi = f_add(f_mul(beta1, mi), f_mul(one_b1, gi));
         vi = f_add(f_mul(beta2, vi), f_mul(f_mul(one_b2, gi), gi));
@@ -56,7 +57,8 @@ struct adam_op {
 };
 
 static adam_op adam_make(float *p, const float *g, float *m, float *v, float step_size, float beta1, float beta2,
-                         float bc2_sqrt, float eps, float weight_decay, const float *found_inf, const float *coef) {
+                         float bc2_sqrt, float eps, float weight_decay, float decay, const float *found_inf,
+                         const float *coef) {
     adam_op op;
     op.p = p;
     op.g = g;
@@ -70,17 +72,19 @@ static adam_op adam_make(float *p, const float *g, float *m, float *v, float ste
     op.bc2_sqrt = bc2_sqrt;
     op.eps = eps;
     op.wd = weight_decay;
+    op.decay = decay;
     op.found_inf = found_inf;
     op.coef = coef;
     return op;
 }
 
 extern "C" cudaError_t cmlp_k_adam(float *p, const float *g, float *m, float *v, int64_t n, float step_size,
-                                   float beta1, float beta2, float bc2_sqrt, float eps, float weight_decay,
+                                   float beta1, float beta2, float bc2_sqrt, float eps, float weight_decay, float decay,
                                    const float *found_inf, const float *coef, cudaStream_t stream) {
     if (n < 0) return cudaErrorInvalidValue;
     if (n == 0) return cudaSuccess;
-    const adam_op op = adam_make(p, g, m, v, step_size, beta1, beta2, bc2_sqrt, eps, weight_decay, found_inf, coef);
+    const adam_op op =
+        adam_make(p, g, m, v, step_size, beta1, beta2, bc2_sqrt, eps, weight_decay, decay, found_inf, coef);
     const int mis[4] = {cmlp_misalign(p, 4), cmlp_misalign(g, 4), cmlp_misalign(m, 4), cmlp_misalign(v, 4)};
     return cmlp_launch_map(op, n, mis, 4, stream);
 }
@@ -250,14 +254,14 @@ extern "C" cudaError_t cmlp_k_optim_prepare(int64_t *step, float *coef, const fl
 }
 
 extern "C" cudaError_t cmlp_k_adam_prepared(float *p, const float *g, float *m, float *v, int64_t n, double lr,
-                                            double beta1, double beta2, float eps, float weight_decay,
+                                            double beta1, double beta2, float eps, float weight_decay, float decay,
                                             const float *found_inf, int64_t *step, float *coef, int64_t *pos,
                                             int64_t pos_add, const cmlp_k_scaler *scaler, unsigned int *blocks_done,
                                             cudaStream_t stream) {
     if (n <= 0 || !step || !coef || !blocks_done) return cudaErrorInvalidValue;
     /* step size and bias correction: per block, from *step */
-    const adam_op op = adam_make(p, g, m, v, 0.0f, (float)beta1, (float)beta2, 1.0f, eps, weight_decay, found_inf,
-                                 nullptr);
+    const adam_op op = adam_make(p, g, m, v, 0.0f, (float)beta1, (float)beta2, 1.0f, eps, weight_decay, decay,
+                                 found_inf, nullptr);
     prepare_args a = {step, coef, lr, beta1, beta2, pos, pos_add, {}, blocks_done};
     if (scaler) a.scaler = *scaler;
     const int mis[4] = {cmlp_misalign(p, 4), cmlp_misalign(g, 4), cmlp_misalign(m, 4), cmlp_misalign(v, 4)};

@@ -183,9 +183,10 @@ class RefMLP:
 
 
 class RefAdam:
-    """torch.optim.Adam (L2 weight decay added to the gradient, not AdamW)."""
+    """torch.optim.Adam: L2 weight decay added to the gradient, or with decoupled_weight_decay
+    (torch.optim.AdamW) the parameters multiplied by 1 - lr * weight_decay before the update."""
 
-    def __init__(self, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+    def __init__(self, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled_weight_decay=False):
         if lr < 0:
             raise ValueError("Invalid learning rate: %r" % lr)
         if eps < 0:
@@ -198,6 +199,7 @@ class RefAdam:
         self.betas = tuple(betas)
         self.eps = eps
         self.weight_decay = weight_decay
+        self.decoupled_weight_decay = decoupled_weight_decay
         self.t = 0
         self.exp_avg = None
         self.exp_avg_sq = None
@@ -213,7 +215,9 @@ class RefAdam:
         bc2 = 1.0 - b2 ** self.t
         for k, p in params.items():
             g = np.asarray(grads[k], dtype=np.float64)
-            if self.weight_decay != 0:
+            if self.decoupled_weight_decay:
+                p *= 1.0 - self.lr * self.weight_decay
+            elif self.weight_decay != 0:
                 g = g + self.weight_decay * p
             m = self.exp_avg[k]
             v = self.exp_avg_sq[k]

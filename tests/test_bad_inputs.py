@@ -315,8 +315,10 @@ def _with_state(c, change):
                  r"learning rate", id="lr-inf"),
     pytest.param(lambda c: _with_state(c, lambda sd: sd["param_groups"][0].update({"lr": 0.5, "eps": -1.0})),
                  r"epsilon", id="eps-negative-after-a-good-lr"),
-    pytest.param(lambda c: _with_state(c, lambda sd: sd["param_groups"][0].update({"decoupled_weight_decay": True})),
-                 r"decoupled_weight_decay=True is not supported", id="adamw-flag"),
+    pytest.param(lambda c: _with_state(c, lambda sd: sd["param_groups"][0].update({"decoupled_weight_decay": "yes"})),
+                 r"decoupled_weight_decay must be a bool", id="adamw-flag-not-bool"),
+    pytest.param(lambda c: _with_state(c, lambda sd: sd["param_groups"][0].update({"amsgrad": True})),
+                 r"amsgrad=True is not supported", id="amsgrad"),
 ])
 def test_optimizer_load_state_dict_checks_everything_before_it_changes_anything(ctx, make, match):
     bad = make(ctx)

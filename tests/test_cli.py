@@ -103,6 +103,7 @@ def test_train_save_writes_a_loadable_model(trained):
     (["plan", "--optimizer", "sgd", "--momentum", "nan"], r"--momentum: expected a finite number >= 0"),
     (["train", "--memory-limit", "lots"], r"lots"),
     (["train", "--max-grad-norm", "0"], r"--max-grad-norm: expected a number > 0"),
+    (["train", "--weight-decay", "-1"], r"--weight-decay: expected a finite number >= 0"),
     (["train", "--optimizer", "rmsprop"], r"rmsprop"),
     (["train", "--device", "gpu", "--layers", "784,10"], r"device"),
     (["frobnicate"], r"frobnicate"),
@@ -119,11 +120,11 @@ def test_bad_arguments_exit_nonzero_with_a_message(tmp_path, args, pattern):
 
 
 @needs_fashion
-def test_train_clips_gradients_and_reports_their_norm(tmp_path):
+def test_train_with_adamw_clips_gradients_and_reports_their_norm(tmp_path):
     r = run_cli(["train", "--epochs", "1", "--layers", "784,32,10", "--batch-size", "256", "--no-progress",
-                 "--max-grad-norm", "0.5"], tmp_path)
+                 "--optimizer", "adamw", "--weight-decay", "0.05", "--max-grad-norm", "0.5"], tmp_path)
     assert r.returncode == 0, r.stderr
-    assert "gradient norm clipped to 0.5" in r.stdout
+    assert "gradient norm clipped to 0.5" in r.stdout and "adamw lr 0.001" in r.stdout
     norm = float(re.search(r"mean gradient norm ([0-9.e+-]+)", r.stdout).group(1))
     assert norm > 0
 

@@ -175,7 +175,7 @@ def teacher_data(n, seed=0, classes=10):
 
 
 def make_optimizer(model, kind, config):
-    return (cmlp.optim.Adam if kind == "adam" else cmlp.optim.SGD)(model, **config)
+    return {"adam": cmlp.optim.Adam, "adamw": cmlp.optim.AdamW, "sgd": cmlp.optim.SGD}[kind](model, **config)
 
 
 # ---------------------------------------------------------------- no GPU: a clear refusal (runs without one)
@@ -370,6 +370,7 @@ def test_loss_scale_accumulation_and_zero_grad(sizes):
 OPTIMIZERS = [
     ("adam", {}),
     ("adam", dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=1e-2)),
+    ("adamw", dict(lr=3e-3, weight_decay=0.1)),
     ("sgd", dict(lr=0.1)),
     ("sgd", dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-3)),
     ("sgd", dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4)),
@@ -603,20 +604,20 @@ def test_graph_replay_equals_eager_execution(device, amp):
 @pytest.mark.parametrize("device", DEVICES)
 def test_clipping_inside_a_replayed_step_equals_the_eager_loop(device, amp):
     """Trainer(max_grad_norm=...) clips on the device inside the captured step (the norm and the
-    scaling read from device memory); the same steps written with clip_grad_norm_ give the same
-    bits, and fit reports the norms the loop saw."""
+    scaling read from device memory), and AdamW decays the weights there; the same steps written
+    with clip_grad_norm_ and AdamW.step give the same bits, and fit reports the norms the loop saw."""
     sizes, batch, steps, epochs, max_norm = [784, 64, 10], 32, 5, 2, 0.05
     rng = np.random.default_rng(12)
     x = rng.standard_normal((batch * steps, 784)).astype(np.float32)
     y = rng.integers(0, 10, batch * steps)
 
     graph = cmlp.MLP(sizes, device=device, seed=0)
-    t_graph = cmlp.Trainer(graph, cmlp.optim.Adam(graph), batch_size=batch, amp=amp, shuffle=False,
-                           max_grad_norm=max_norm)
+    t_graph = cmlp.Trainer(graph, cmlp.optim.AdamW(graph, weight_decay=0.1), batch_size=batch, amp=amp,
+                           shuffle=False, max_grad_norm=max_norm)
     history = t_graph.fit(x, y, epochs=epochs, progress=False)
 
     eager = cmlp.MLP(sizes, device=device, seed=0)
-    opt = cmlp.optim.Adam(eager)
+    opt = cmlp.optim.AdamW(eager, weight_decay=0.1)
     scaler = cmlp.amp.GradScaler() if amp == "fp16" else None
     norms = []
     for _ in range(epochs):

@@ -120,6 +120,71 @@ def test_adam_trajectory(kwargs):
                           seed=1, guard_tiny=True)
 
 
+ADAMW_CASES = [{}, {"lr": 3e-3, "weight_decay": 0.1}, {"betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.5}]
+
+
+@pytest.mark.parametrize("kwargs", ADAMW_CASES, ids=case_id)
+def test_adamw_trajectory(kwargs):
+    ref = RefAdam(**dict({"weight_decay": 1e-2}, **kwargs), decoupled_weight_decay=True)
+    run_against_reference(lambda m: cmlp.optim.AdamW(m, **kwargs), ref, seed=4, guard_tiny=True)
+
+
+def test_adamw_is_adam_with_decoupled_weight_decay_and_not_l2():
+    rng = np.random.default_rng(9)
+    batches = [(rng.standard_normal((BATCH, SIZES[0])).astype(np.float32), rng.integers(0, SIZES[-1], BATCH))
+               for _ in range(5)]
+    models = [cmlp.MLP(SIZES, device=DEVICE, seed=1) for _ in range(3)]
+    opts = [cmlp.optim.AdamW(models[0], lr=1e-2, weight_decay=0.3),
+            cmlp.optim.Adam(models[1], lr=1e-2, weight_decay=0.3, decoupled_weight_decay=True),
+            cmlp.optim.Adam(models[2], lr=1e-2, weight_decay=0.3)]
+    for x, y in batches:
+        for m, o in zip(models, opts):
+            cmlp_step(m, o, x, y)
+    p = [m._c.get_params() for m in models]
+    np.testing.assert_array_equal(p[0], p[1])
+    assert rel_err(p[2], p[0]) > 1e-3  # L2 decay moves the parameters elsewhere
+    group = opts[0].state_dict()["param_groups"][0]
+    assert group["decoupled_weight_decay"] is True and group["weight_decay"] == 0.3
+    assert opts[2].state_dict()["param_groups"][0]["decoupled_weight_decay"] is False
+    with pytest.raises(TypeError, match="decoupled_weight_decay"):
+        cmlp.optim.Adam(models[2], decoupled_weight_decay="yes")
+
+
+def test_adamw_follows_torch():
+    torch = pytest.importorskip("torch")
+    model = cmlp.MLP(SIZES, seed=2)
+    layers = [torch.nn.Linear(a, b) for a, b in zip(SIZES[:-1], SIZES[1:])]
+    with torch.no_grad():
+        for i, layer in enumerate(layers):
+            layer.weight.copy_(torch.from_numpy(model.state_dict()[f"fc{i + 1}.weight"]))
+            layer.bias.copy_(torch.from_numpy(model.state_dict()[f"fc{i + 1}.bias"]))
+    params = [p for layer in layers for p in (layer.weight, layer.bias)]
+    theirs = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.2)
+    mine = cmlp.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.2)
+    rng = np.random.default_rng(3)
+    for _ in range(10):
+        x = rng.standard_normal((BATCH, SIZES[0])).astype(np.float32)
+        y = rng.integers(0, SIZES[-1], BATCH)
+        h = torch.from_numpy(x)
+        for i, layer in enumerate(layers):
+            h = layer(h) if i == len(layers) - 1 else torch.relu(layer(h))
+        theirs.zero_grad()
+        torch.nn.functional.cross_entropy(h, torch.from_numpy(y)).backward()
+        theirs.step()
+        cmlp_step(model, mine, x, y)
+    got = model.state_dict()
+    for i, layer in enumerate(layers):
+        assert rel_err(got[f"fc{i + 1}.weight"], layer.weight.detach().numpy()) < 1e-5
+        assert rel_err(got[f"fc{i + 1}.bias"], layer.bias.detach().numpy()) < 1e-5
+    # torch's AdamW state_dict loads into cmlp's AdamW, and into Adam as AdamW
+    sd = theirs.state_dict()
+    sd = {"state": {k: {n: (v.numpy() if hasattr(v, "numpy") else v) for n, v in e.items()}
+                    for k, e in sd["state"].items()}, "param_groups": sd["param_groups"]}
+    adam = cmlp.optim.Adam(cmlp.MLP(SIZES, seed=2))
+    adam.load_state_dict(sd)
+    assert adam.decoupled_weight_decay and adam.weight_decay == 0.2
+
+
 @pytest.mark.parametrize("kwargs", SGD_CASES, ids=case_id)
 def test_sgd_trajectory(kwargs):
     run_against_reference(lambda m: cmlp.optim.SGD(m, **kwargs), RefSGD(**kwargs),

@@ -372,3 +372,13 @@ def test_cli_plan_errors_exit_2_with_a_message(tmp_path, args, needle):
     assert needle in r.stderr, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
     assert r.stdout == ""
+
+
+def test_adamw_keeps_what_adam_keeps():
+    a = cmlp.memory.plan([784, 512, 256, 10], batch_size=32, optimizer="adamw")
+    b = cmlp.memory.plan([784, 512, 256, 10], batch_size=32, optimizer="adam")
+    assert a.peak_bytes == b.peak_bytes and a.breakdown == b.breakdown
+    model = cmlp.MLP([784, 512, 256, 10])
+    assert cmlp.memory.plan([784, 512, 256, 10], 32, cmlp.optim.AdamW(model)).peak_bytes == b.peak_bytes
+    with pytest.raises(ValueError, match="adamw"):
+        cmlp.memory.plan([784, 512, 256, 10], 32, "lamb")

@@ -72,7 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--accumulation-steps", type=_count, default=1)
     t.add_argument("--amp", choices=["fp16", "bf16"], default=None)
     t.add_argument("--device", default="cpu")
-    t.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    t.add_argument("--optimizer", choices=["adam", "adamw", "sgd"], default="adam")
+    t.add_argument("--weight-decay", type=_rate, default=None, help="default: 0, and 1e-2 for adamw")
     t.add_argument("--lr", type=_rate, default=None, help="default: 1e-3 for adam, 0.01 for sgd")
     t.add_argument("--momentum", type=_rate, default=0.0, help="sgd only")
     t.add_argument("--layers", type=_layers, default=[784, 512, 256, 10])
@@ -89,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--layers", type=_layers, default=[784, 512, 256, 10])
     pl.add_argument("--batch-size", type=_count, default=32, help="rows computed at once (the micro-batch)")
     pl.add_argument("--amp", choices=["fp16", "bf16"], default=None)
-    pl.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    pl.add_argument("--optimizer", choices=["adam", "adamw", "sgd"], default="adam")
     pl.add_argument("--momentum", type=_rate, default=0.0, help="sgd only: a momentum buffer when not 0")
     pl.add_argument("--device", default="cpu")
     pl.add_argument("--budget", type=_size, default=None,
@@ -119,10 +120,13 @@ def _train(a: argparse.Namespace) -> int:
     if a.memory_limit is not None:
         memory.set_memory_limit(a.memory_limit, a.device)
     model = MLP(a.layers, device=a.device, seed=a.seed)
+    lr, wd = a.lr, a.weight_decay
     if a.optimizer == "adam":
-        opt: optim.Optimizer = optim.Adam(model, lr=1e-3 if a.lr is None else a.lr)
+        opt: optim.Optimizer = optim.Adam(model, lr=1e-3 if lr is None else lr, weight_decay=wd or 0.0)
+    elif a.optimizer == "adamw":
+        opt = optim.AdamW(model, lr=1e-3 if lr is None else lr, weight_decay=1e-2 if wd is None else wd)
     else:
-        opt = optim.SGD(model, lr=0.01 if a.lr is None else a.lr, momentum=a.momentum)
+        opt = optim.SGD(model, lr=0.01 if lr is None else lr, momentum=a.momentum, weight_decay=wd or 0.0)
     trainer = Trainer(model, opt, batch_size=a.batch_size, accumulation_steps=a.accumulation_steps, amp=a.amp,
                       seed=a.seed, distributed=a.distributed, max_grad_norm=a.max_grad_norm)
     group = f" x {ranks} ranks ({distributed.library_version()})" if a.distributed else ""

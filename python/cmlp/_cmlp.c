@@ -474,15 +474,16 @@ typedef struct {
 
 static int Optim_init(OptimObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"model", "kind", "lr", "beta1", "beta2", "eps", "weight_decay", "momentum",
-                             "dampening", "nesterov", NULL};
+                             "dampening", "nesterov", "decoupled_weight_decay", NULL};
     PyObject *model;
     const char *kind;
     cmlp_adam_config ac = cmlp_adam_defaults();
     cmlp_sgd_config sc = cmlp_sgd_defaults();
     double lr, wd = 0.0;
     int nesterov = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "Osd|ddddddp", kwlist, &model, &kind, &lr, &ac.beta1, &ac.beta2,
-                                     &ac.eps, &wd, &sc.momentum, &sc.dampening, &nesterov))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "Osd|ddddddpp", kwlist, &model, &kind, &lr, &ac.beta1, &ac.beta2,
+                                     &ac.eps, &wd, &sc.momentum, &sc.dampening, &nesterov,
+                                     &ac.decoupled_weight_decay))
         return -1;
     PyObject *mod = PyType_GetModule(Py_TYPE(self));
     module_state *ms = state_of(mod);
@@ -612,13 +613,14 @@ static PyObject *Optim_set_state(OptimObject *self, PyObject *args) {
 }
 
 static PyObject *Optim_configure(OptimObject *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"lr", "beta1", "beta2", "eps", "weight_decay", "momentum", "dampening", "nesterov", NULL};
+    static char *kwlist[] = {"lr",        "beta1",    "beta2",     "eps", "weight_decay", "momentum",
+                             "dampening", "nesterov", "decoupled_weight_decay", NULL};
     cmlp_adam_config ac = cmlp_adam_defaults();
     cmlp_sgd_config sc = cmlp_sgd_defaults();
     double lr, wd = 0.0;
     int nesterov = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "d|ddddddp", kwlist, &lr, &ac.beta1, &ac.beta2, &ac.eps, &wd,
-                                     &sc.momentum, &sc.dampening, &nesterov))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "d|ddddddpp", kwlist, &lr, &ac.beta1, &ac.beta2, &ac.eps, &wd,
+                                     &sc.momentum, &sc.dampening, &nesterov, &ac.decoupled_weight_decay))
         return NULL;
     if (optim_ready(self) < 0) return NULL;
     ac.lr = sc.lr = lr;

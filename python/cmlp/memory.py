@@ -234,10 +234,11 @@ def _optimizer_buffers(optimizer: Any) -> Tuple[str, int]:
         return "adam", 2
     if isinstance(optimizer, SGD):
         return ("sgd", 1) if optimizer.momentum else ("sgd", 0)
-    names = {"adam": 2, "sgd": 0, "sgd_momentum": 1}
+    names = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}
     if optimizer not in names:
-        raise ValueError(f"optimizer must be 'adam', 'sgd', 'sgd_momentum' or a cmlp optimizer, got {optimizer!r}")
-    return optimizer, names[optimizer]
+        raise ValueError(f"optimizer must be 'adam', 'adamw', 'sgd', 'sgd_momentum' or a cmlp optimizer, got "
+                         f"{optimizer!r}")
+    return ("adam" if optimizer == "adamw" else optimizer), names[optimizer]
 
 
 def _check_accumulation(accumulation_steps: Any) -> int:

@@ -161,16 +161,22 @@ class Optimizer:
 
 
 class Adam(Optimizer):
-    """torch.optim.Adam: L2 weight decay added to the gradient (not AdamW), bias-corrected."""
+    """torch.optim.Adam, bias-corrected: weight_decay is L2, added to the gradient, unless
+    decoupled_weight_decay=True, which makes it AdamW's (the parameters multiplied by
+    1 - lr * weight_decay before each update)."""
 
     _buffers = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, model: MLP, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+                 eps: float = 1e-8, weight_decay: float = 0.0, *, decoupled_weight_decay: bool = False) -> None:
         b1, b2 = self._betas(betas)
+        if not isinstance(decoupled_weight_decay, (bool, np.bool_)):
+            raise TypeError(f"decoupled_weight_decay must be a bool, got {decoupled_weight_decay!r}")
         super().__init__(model, "adam", lr=_num("lr", lr), beta1=b1, beta2=b2, eps=_num("eps", eps),
-                         weight_decay=_num("weight_decay", weight_decay))
+                         weight_decay=_num("weight_decay", weight_decay),
+                         decoupled_weight_decay=bool(decoupled_weight_decay))
         self.betas, self.eps, self.weight_decay = (b1, b2), float(eps), float(weight_decay)
+        self.decoupled_weight_decay = bool(decoupled_weight_decay)
 
     @staticmethod
     def _betas(betas: Any) -> Tuple[float, float]:
@@ -182,23 +188,38 @@ class Adam(Optimizer):
 
     def _group(self) -> Dict[str, Any]:
         return {"lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay,
-                "amsgrad": False, "maximize": False}
+                "amsgrad": False, "maximize": False, "decoupled_weight_decay": self.decoupled_weight_decay}
 
     _foreign_keys = ("momentum", "dampening", "nesterov")
 
     def _group_config(self, group: Mapping) -> Dict[str, Any]:
-        for flag in ("amsgrad", "maximize", "decoupled_weight_decay"):
+        for flag in ("amsgrad", "maximize"):
             if group.get(flag):
                 raise ValueError(f"{flag}=True is not supported")
         b1, b2 = self._betas(group.get("betas", self.betas))
+        # torch's AdamW state_dicts say decoupled_weight_decay=True; older ones say nothing
+        decoupled = group.get("decoupled_weight_decay", self.decoupled_weight_decay)
+        if not isinstance(decoupled, (bool, np.bool_)):
+            raise ValueError(f"decoupled_weight_decay must be a bool, got {decoupled!r}")
         return {"lr": _num("lr", group.get("lr", self.lr)), "beta1": b1, "beta2": b2,
                 "eps": _num("eps", group.get("eps", self.eps)),
-                "weight_decay": _num("weight_decay", group.get("weight_decay", self.weight_decay))}
+                "weight_decay": _num("weight_decay", group.get("weight_decay", self.weight_decay)),
+                "decoupled_weight_decay": bool(decoupled)}
 
     def _apply(self, config: Dict[str, Any]) -> None:
         self._c.configure(**config)
         self.betas, self.eps = (config["beta1"], config["beta2"]), config["eps"]
         self.weight_decay = config["weight_decay"]
+        self.decoupled_weight_decay = config["decoupled_weight_decay"]
+
+
+class AdamW(Adam):
+    """torch.optim.AdamW: Adam with decoupled weight decay (default 1e-2): each update first
+    multiplies the parameters by 1 - lr * weight_decay, then takes Adam's step without it."""
+
+    def __init__(self, model: MLP, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2) -> None:
+        super().__init__(model, lr, betas, eps, weight_decay, decoupled_weight_decay=True)
 
 
 class SGD(Optimizer):
@@ -236,4 +257,4 @@ class SGD(Optimizer):
         self.nesterov, self.weight_decay = config["nesterov"], config["weight_decay"]
 
 
-__all__ = ["Optimizer", "Adam", "SGD"]
+__all__ = ["Optimizer", "Adam", "AdamW", "SGD"]

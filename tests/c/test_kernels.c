@@ -489,8 +489,9 @@ static void test_gather(void) {
 
 static void test_adam(void) {
     for (int i = 0; i < NCOUNTS; i++)
-        for (int variant = 0; variant < 6; variant++) {
-            /* bit 0: weight decay; bit 1: coefficients on the device; variant 4, 5: found_inf */
+        for (int variant = 0; variant < 8; variant++) {
+            /* bit 0: weight decay; bit 1: coefficients on the device; variant 4, 5: found_inf;
+             * 6, 7: decoupled weight decay (AdamW) */
             int64_t n = COUNTS[i];
             int off = variant % 4 == 3 ? 1 : 0;
             buf p = make(n, 4, off), g = make(n, 4, off), m = make(n, 4, off), v = make(n, 4, off);
@@ -498,11 +499,13 @@ static void test_adam(void) {
             fill(F(p), n, 1), fill(F(g), n, 1), fill(F(m), n, 1);
             for (int64_t k = 0; k < n; k++) F(v)[k] = uniform(0.0f, 1e-3f);
             memcpy(F(cp), F(p), (size_t)n * 4), memcpy(F(cm), F(m), (size_t)n * 4), memcpy(F(cv), F(v), (size_t)n * 4);
-            float wd = variant & 1 ? 0.01f : 0.0f, coef[2] = {1.1e-3f, 0.3f};
-            float inf = variant >= 4 ? (variant == 4 ? 1.0f : 0.0f) : 0.0f;
-            const float *fi = variant >= 4 ? &inf : NULL, *cf = variant & 2 ? coef : NULL;
-            KOK(cmlp_k_adam(F(p), F(g), F(m), F(v), n, 1e-3f, 0.9f, 0.999f, 0.05f, 1e-8f, wd, fi, cf, S));
-            CPU_CALL(cpu->adam(NULL, F(cp), F(g), F(cm), F(cv), n, 1e-3f, 0.9f, 0.999f, 0.05f, 1e-8f, wd, fi, cf));
+            float wd = variant & 1 && variant < 6 ? 0.01f : 0.0f, coef[2] = {1.1e-3f, 0.3f};
+            float decay = variant >= 6 ? (float)(1.0 - 1e-3 * 0.01) : 1.0f;
+            float inf = variant == 4 ? 1.0f : 0.0f;
+            const float *fi = variant == 4 || variant == 5 ? &inf : NULL, *cf = variant & 2 ? coef : NULL;
+            KOK(cmlp_k_adam(F(p), F(g), F(m), F(v), n, 1e-3f, 0.9f, 0.999f, 0.05f, 1e-8f, wd, decay, fi, cf, S));
+            CPU_CALL(
+                cpu->adam(NULL, F(cp), F(g), F(cm), F(cv), n, 1e-3f, 0.9f, 0.999f, 0.05f, 1e-8f, wd, decay, fi, cf));
             CHECK(first_diff(F(p), F(cp), n) < 0 && first_diff(F(m), F(cm), n) < 0 && first_diff(F(v), F(cv), n) < 0,
                   "adam n %lld variant %d", (long long)n, variant);
             free(p.block), free(g.block), free(m.block), free(v.block), free(cp.block), free(cm.block), free(cv.block);
@@ -562,7 +565,8 @@ static void test_adam_prepared(void) {
     static const int64_t counts[] = {1, 5, 257, 1029, 100003};
     for (int i = 0; i < 5; i++)
         for (int variant = 0; variant < 8; variant++) {
-            /* bit 0: weight decay and a misaligned start; bit 1: loss scale; bit 2: found_inf and a position */
+            /* bit 0: weight decay (L2 at odd counts, else decoupled) and a misaligned start; bit 1:
+             * loss scale; bit 2: found_inf and a position */
             int64_t n = counts[i];
             int off = variant & 1;
             buf p = make(n, 4, off), g = make(n, 4, off), m = make(n, 4, off), v = make(n, 4, off);
@@ -570,7 +574,9 @@ static void test_adam_prepared(void) {
             fill(F(p), n, 1), fill(F(g), n, 1), fill(F(m), n, 1);
             for (int64_t k = 0; k < n; k++) F(v)[k] = uniform(0.0f, 1e-3f);
             memcpy(F(rp), F(p), (size_t)n * 4), memcpy(F(rm), F(m), (size_t)n * 4), memcpy(F(rv), F(v), (size_t)n * 4);
-            float wd = variant & 1 ? 0.01f : 0.0f, coef[2] = {0, 0}, rcoef[2] = {0, 0};
+            const bool decoupled = (variant & 1) && i % 2 == 0;
+            float wd = variant & 1 && !decoupled ? 0.01f : 0.0f, coef[2] = {0, 0}, rcoef[2] = {0, 0};
+            float decay = decoupled ? (float)(1.0 - 3e-4 * 0.05) : 1.0f;
             float scale = 1024.0f, rscale = scale, inf = 0.0f;
             int32_t tr = 0, rtr = 0;
             long long skipped = 0, rskipped = 0;
@@ -582,10 +588,11 @@ static void test_adam_prepared(void) {
             int64_t *pp = variant & 4 ? &pos : NULL, *rpp = variant & 4 ? &rpos : NULL;
             for (int t = 0; t < 4; t++) {
                 inf = t == 2 ? 1.0f : 0.0f; /* read only where fi is set */
-                KOK(cmlp_k_adam_prepared(F(p), F(g), F(m), F(v), n, 3e-4, 0.9, 0.999, 1e-8f, wd, fi, &step, coef, pp,
-                                         32, sc, &done, S));
+                KOK(cmlp_k_adam_prepared(F(p), F(g), F(m), F(v), n, 3e-4, 0.9, 0.999, 1e-8f, wd, decay, fi, &step,
+                                         coef, pp, 32, sc, &done, S));
                 KOK(cmlp_k_optim_prepare(&rstep, rcoef, fi, 3e-4, 0.9, 0.999, 1, rpp, 32, rsc, S));
-                KOK(cmlp_k_adam(F(rp), F(g), F(rm), F(rv), n, 0.0f, 0.9f, 0.999f, 1.0f, 1e-8f, wd, fi, rcoef, S));
+                KOK(cmlp_k_adam(F(rp), F(g), F(rm), F(rv), n, 0.0f, 0.9f, 0.999f, 1.0f, 1e-8f, wd, decay, fi, rcoef,
+                                S));
                 CHECK(first_diff(F(p), F(rp), n) < 0 && first_diff(F(m), F(rm), n) < 0 &&
                           first_diff(F(v), F(rv), n) < 0 && step == rstep && same_bits(coef, rcoef, sizeof coef) &&
                           pos == rpos && same_bits(&scale, &rscale, 4) && tr == rtr && skipped == rskipped && done == 0,
@@ -808,7 +815,7 @@ static void test_bad_counts(void) {
     float x = 0;
     CHECK(cmlp_k_relu_backward(&x, &x, -1, S) == cudaErrorInvalidValue, "negative count");
     CHECK(cmlp_k_bias_act(&x, &x, -1, 1, 0, S) == cudaErrorInvalidValue, "negative rows");
-    KOK(cmlp_k_adam(&x, &x, &x, &x, 0, 0, 0, 0, 1, 1, 0, NULL, NULL, S));
+    KOK(cmlp_k_adam(&x, &x, &x, &x, 0, 0, 0, 0, 1, 1, 0, 1, NULL, NULL, S));
     KOK(cmlp_k_bias_grad(&x, &x, 0, 5, 0, NULL, 0, S));
 }
 
