@@ -643,6 +643,32 @@ def test_clipping_inside_a_replayed_step_equals_the_eager_loop(device, amp):
     assert t_graph.last_grad_norm == norms[-1][-1]
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_learning_rate_schedule_recaptures_the_step_and_equals_the_eager_loop(device):
+    """A captured step bakes the rate in: when a schedule changes it between epochs, the next
+    full step is captured again, and the run equals the eager loop with the same rates."""
+    sizes, batch, steps, epochs = [784, 64, 10], 32, 4, 3
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((batch * steps, 784)).astype(np.float32)
+    y = rng.integers(0, 10, batch * steps)
+    graph = cmlp.MLP(sizes, device=device, seed=0)
+    opt_g = cmlp.optim.SGD(graph, lr=0.1, momentum=0.9)
+    t_graph = cmlp.Trainer(graph, opt_g, batch_size=batch, shuffle=False)
+    history = t_graph.fit(x, y, epochs=epochs, progress=False,
+                          scheduler=cmlp.optim.lr_scheduler.StepLR(opt_g, step_size=1, gamma=0.5))
+    eager = cmlp.MLP(sizes, device=device, seed=0)
+    opt = cmlp.optim.SGD(eager, lr=0.1, momentum=0.9)
+    sched = cmlp.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for _ in range(epochs):
+        for i in range(steps):
+            opt.zero_grad()
+            eager.forward_backward(x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch])
+            opt.step()
+        sched.step()
+    assert [h["lr"] for h in history] == [0.1, 0.05, 0.025]
+    assert same(graph.state_dict(), eager.state_dict())
+
+
 @needs_gpu
 @pytest.mark.parametrize("sizes", [[784, 512, 256, 10], [5, 3, 2]], ids=_id)
 def test_clip_grad_norm_on_the_gpu_is_the_float64_norm(sizes):

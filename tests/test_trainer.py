@@ -12,7 +12,7 @@ import pytest
 import cmlp
 
 KEYS = {"loss", "val_loss", "val_accuracy", "seconds", "samples_per_second", "peak_memory_bytes",
-        "microbatch_size", "skipped_steps", "grad_norm"}
+        "microbatch_size", "skipped_steps", "grad_norm", "lr"}
 F, C = 20, 4
 SIZES = [F, 32, C]
 

@@ -14,6 +14,7 @@ from ._arrays import as_inputs, as_labels, as_normalize, as_number, check_amp, c
 from ._progress import make_bar
 from .model import MLP
 from .optim import Optimizer
+from .optim.lr_scheduler import LRScheduler
 
 
 # the most samples one step may have (batch_size * accumulation_steps), as in the C core
@@ -270,17 +271,25 @@ class Trainer:
         return loss
 
     def fit(self, x: Any, y: Any, epochs: int = 5, validation_data: Optional[Tuple[Any, Any]] = None,
-            progress: bool = True) -> List[Dict[str, Any]]:
+            progress: bool = True, scheduler: Any = None) -> List[Dict[str, Any]]:
         """Trains for `epochs` passes over (x, y); returns one dict per epoch. Data-parallel, every
-        rank gives the same data set."""
+        rank gives the same data set. scheduler: a cmlp.optim.lr_scheduler schedule of this
+        trainer's optimizer, stepped after each epoch (as torch code calls scheduler.step() at
+        the end of an epoch); each epoch's record holds the rate it trained with ("lr")."""
         error: Optional[Exception] = None
         try:
             epochs, xa, ya, val = self._fit_args(x, y, epochs, validation_data)
+            if scheduler is not None:
+                if not isinstance(scheduler, LRScheduler):
+                    raise TypeError(f"scheduler must be a cmlp.optim.lr_scheduler schedule, got "
+                                    f"{type(scheduler).__name__}")
+                if scheduler.optimizer is not self.optimizer:
+                    raise ValueError("scheduler belongs to another optimizer than this trainer's")
         except (TypeError, ValueError) as e:
             error = e
         self._claim_agreed("fit", error)
         try:
-            return self._fit(xa, ya, epochs, val, progress)
+            return self._fit(xa, ya, epochs, val, progress, scheduler)
         finally:
             self._busy.release()
 
@@ -311,7 +320,7 @@ class Trainer:
         return epochs, xa, ya, val
 
     def _fit(self, xa: np.ndarray, ya: np.ndarray, epochs: int, val: Optional[Tuple[np.ndarray, np.ndarray]],
-             progress: bool) -> List[Dict[str, Any]]:
+             progress: bool, scheduler: Any = None) -> List[Dict[str, Any]]:
         device = self.model.device
         history: List[Dict[str, Any]] = []
         try:
@@ -349,6 +358,7 @@ class Trainer:
                 seconds = time.perf_counter() - start
                 record: Dict[str, Any] = {
                     "epoch": epoch,
+                    "lr": self.optimizer.lr,
                     "loss": loss_sum / samples,
                     "val_loss": None,
                     "val_accuracy": None,
@@ -374,6 +384,8 @@ class Trainer:
                     record["val_loss"] = loss_sum / val[0].shape[0]
                     record["val_accuracy"] = correct / val[0].shape[0]
                 history.append(record)
+                if scheduler is not None:
+                    scheduler.step()
         finally:
             self._c.release_data()  # the device copy of the data set, kept between epochs
         return history

@@ -1,13 +1,14 @@
-"""cmlp.optim: Adam and SGD with PyTorch's defaults, validation and update rules, applied by
-one fused pass over the model's flat buffers. state_dict() mirrors torch.optim's layout, with
-one entry per parameter tensor in the model's state_dict order."""
+"""cmlp.optim: Adam, AdamW and SGD with PyTorch's defaults, validation and update rules, applied
+by one fused pass over the model's flat buffers. state_dict() mirrors torch.optim's layout, with
+one entry per parameter tensor in the model's state_dict order. lr_scheduler holds torch's
+learning-rate schedules."""
 from typing import Any, Dict, List, Mapping, Tuple
 
 import numpy as np
 
-from . import _cmlp
-from ._arrays import as_number as _num
-from .model import MLP, model_of
+from .. import _cmlp
+from .._arrays import as_number as _num
+from ..model import MLP, model_of
 
 
 class Optimizer:
@@ -20,6 +21,7 @@ class Optimizer:
         self.model = model
         self._kind = kind
         self._c = _cmlp.Optimizer(model._c, kind, **config)
+        self._initial_lr: Any = None  # set by the first lr_scheduler made for it (torch's 'initial_lr')
         model._optimizers.add(self)
 
     @property
@@ -257,4 +259,6 @@ class SGD(Optimizer):
         self.nesterov, self.weight_decay = config["nesterov"], config["weight_decay"]
 
 
-__all__ = ["Optimizer", "Adam", "AdamW", "SGD"]
+from . import lr_scheduler  # noqa: E402 (it needs Optimizer)
+
+__all__ = ["Optimizer", "Adam", "AdamW", "SGD", "lr_scheduler"]

@@ -1,0 +1,143 @@
+"""cmlp.optim.lr_scheduler: the rates torch's schedules give, to the bit (same formulas in double),
+their state_dict, resuming, and Trainer.fit(scheduler=...) stepping one per epoch.
+"""
+import math
+
+import numpy as np
+import pytest
+
+import cmlp
+from cmlp.optim import lr_scheduler as S
+
+SIZES = [12, 16, 3]
+
+CASES = [
+    ("StepLR", dict(step_size=3, gamma=0.5)),
+    ("MultiStepLR", dict(milestones=[2, 5, 5, 9], gamma=0.3)),
+    ("ExponentialLR", dict(gamma=0.9)),
+    ("CosineAnnealingLR", dict(T_max=7, eta_min=1e-4)),
+    ("CosineAnnealingLR", dict(T_max=3)),
+    ("LinearLR", dict()),
+    ("LinearLR", dict(start_factor=0.1, end_factor=0.5, total_iters=4)),
+    ("LambdaLR", dict(lr_lambda=lambda e: 1.0 / (1 + e) ** 0.5)),
+]
+
+
+def case_id(case):
+    name, kw = case
+    return name + "".join(f"-{k}{v}" for k, v in kw.items() if k != "lr_lambda")
+
+
+def rates(sched, steps=25):
+    out = [sched.get_last_lr()[0]]
+    for _ in range(steps):
+        sched.step()
+        out.append(sched.get_last_lr()[0])
+    return out
+
+
+def make(name, kw, lr=0.1, kind="adam"):
+    model = cmlp.MLP(SIZES)
+    opt = cmlp.optim.Adam(model, lr=lr) if kind == "adam" else cmlp.optim.SGD(model, lr=lr, momentum=0.9)
+    return opt, getattr(S, name)(opt, **kw)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_rates_are_torchs_to_the_bit(case):
+    torch = pytest.importorskip("torch")
+    name, kw = case
+    opt, sched = make(name, kw)
+    mine = rates(sched)
+    assert opt.lr == mine[-1]
+    topt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    ts = getattr(torch.optim.lr_scheduler, name)(topt, **kw)
+    theirs = [ts.get_last_lr()[0]]
+    for _ in range(25):
+        topt.step()
+        ts.step()
+        theirs.append(ts.get_last_lr()[0])
+    assert mine == theirs
+
+
+def test_closed_forms_without_torch():
+    _, step = make("StepLR", dict(step_size=2, gamma=0.1))
+    np.testing.assert_allclose(rates(step, 6), [0.1, 0.1, 0.01, 0.01, 0.001, 0.001, 1e-4], rtol=1e-12)
+    _, cos = make("CosineAnnealingLR", dict(T_max=10, eta_min=0.01))
+    r = rates(cos, 10)
+    want = [0.01 + 0.09 * (1 + math.cos(math.pi * t / 10)) / 2 for t in range(11)]
+    np.testing.assert_allclose(r, want, rtol=1e-12)
+    _, warm = make("LinearLR", dict(start_factor=0.25, total_iters=3))
+    np.testing.assert_allclose(rates(warm, 5), [0.025, 0.05, 0.075, 0.1, 0.1, 0.1], rtol=1e-12)
+    _, lam = make("LambdaLR", dict(lr_lambda=lambda e: 0.5 ** e))
+    np.testing.assert_allclose(rates(lam, 3), [0.1, 0.05, 0.025, 0.0125], rtol=1e-15)
+
+
+@pytest.mark.parametrize("case", CASES[:5], ids=case_id)
+def test_a_state_dict_resumes_the_schedule(case):
+    name, kw = case
+    opt, sched = make(name, kw)
+    for _ in range(4):
+        sched.step()
+    saved, lr = sched.state_dict(), opt.lr
+    rest = rates(sched, 8)
+    opt2, sched2 = make(name, kw, lr=0.7)  # another rate: the state and the optimizer's rate carry it
+    opt2.lr = lr
+    sched2.load_state_dict(saved)
+    assert rates(sched2, 8) == rest
+
+
+def test_resuming_needs_the_initial_rate_and_arguments_are_checked():
+    model = cmlp.MLP(SIZES)
+    opt = cmlp.optim.SGD(model, lr=0.1)
+    with pytest.raises(KeyError, match="initial_lr"):
+        S.StepLR(opt, step_size=2, last_epoch=3)
+    S.StepLR(opt, step_size=2)
+    assert S.StepLR(opt, step_size=2, last_epoch=3).base_lrs == [0.1]
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="step_size"):
+            S.StepLR(opt, step_size=bad)
+    with pytest.raises(ValueError, match="T_max"):
+        S.CosineAnnealingLR(opt, T_max=0)
+    with pytest.raises(ValueError, match="Starting multiplicative factor"):
+        S.LinearLR(opt, start_factor=0)
+    with pytest.raises(TypeError, match="not a cmlp optimizer"):
+        S.ExponentialLR(object(), gamma=0.5)
+    with pytest.raises(TypeError, match="callable"):
+        S.LambdaLR(opt, lr_lambda=3)
+    with pytest.raises(ValueError, match="learning rate"):  # the rate is the optimizer's to check
+        S.LambdaLR(opt, lr_lambda=lambda e: -1.0)
+
+
+def data(n=96, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, SIZES[0])).astype(np.float32)
+    return x, np.argmax(x @ rng.standard_normal((SIZES[0], SIZES[-1])), axis=1)
+
+
+def test_fit_steps_the_schedule_once_an_epoch_as_a_loop_of_one_epoch_fits_does():
+    x, y = data()
+    a, b = cmlp.MLP(SIZES, seed=1), cmlp.MLP(SIZES, seed=1)
+    oa, ob = cmlp.optim.SGD(a, lr=0.2, momentum=0.9), cmlp.optim.SGD(b, lr=0.2, momentum=0.9)
+    sa, sb = S.CosineAnnealingLR(oa, T_max=4), S.CosineAnnealingLR(ob, T_max=4)
+    history = cmlp.Trainer(a, oa, batch_size=16).fit(x, y, epochs=4, progress=False, scheduler=sa)
+    tb = cmlp.Trainer(b, ob, batch_size=16)
+    lrs = []
+    for _ in range(4):
+        lrs.append(ob.lr)
+        tb.fit(x, y, epochs=1, progress=False)
+        sb.step()
+    assert [h["lr"] for h in history] == lrs and lrs[0] == 0.2 and lrs[2] == pytest.approx(0.1)
+    np.testing.assert_array_equal(a._c.get_params(), b._c.get_params())
+    assert oa.lr == ob.lr == pytest.approx(0.0, abs=1e-15)
+
+
+def test_fit_refuses_a_schedule_of_another_optimizer():
+    x, y = data()
+    model = cmlp.MLP(SIZES)
+    trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=16)
+    other = cmlp.optim.Adam(cmlp.MLP(SIZES))
+    with pytest.raises(ValueError, match="another optimizer"):
+        trainer.fit(x, y, epochs=1, progress=False, scheduler=S.StepLR(other, 1))
+    with pytest.raises(TypeError, match="scheduler"):
+        trainer.fit(x, y, epochs=1, progress=False, scheduler="cosine")
+    assert trainer.fit(x, y, epochs=1, progress=False)[0]["lr"] == 1e-3
