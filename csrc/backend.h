@@ -180,7 +180,8 @@ typedef struct cmlp_backend_i {
      * counter that is 0 between calls. n > 0. */
     cmlp_status (*grad_norm)(void *ctx, const float *d_g, int64_t n, double norm_type, float *d_norm, double *d_part,
                              uint32_t *d_blocks_done);
-    /* g *= c, c = min(1, max_norm / (*d_norm + 1e-6)) in float (a NaN norm gives NaN gradients;
+    /* g *= c, c = min(1, (1 / (*d_norm + 1e-6)) * max_norm) in float (torch's rounding of
+     * max_norm / (norm + 1e-6); a NaN norm gives NaN gradients;
      * at c == 1 nothing is written); when d_norm_sum is not NULL a finite *d_norm is added to it
      * and counted in *d_norm_steps. clip_value: g = min(max(g, -v), v), a NaN kept. */
     cmlp_status (*clip_by_norm)(void *ctx, float *d_g, int64_t n, const float *d_norm, float max_norm,

@@ -659,7 +659,9 @@ static cmlp_status cpu_grad_norm(void *ctx, const float *g, int64_t n, double no
                      : norm_type == INFINITY ? NORM_INF
                                              : NORM_P;
     const int64_t blocks = cmlp_norm_blocks(n), threads = blocks * CMLP_NORM_THREADS;
-    double acc[CMLP_NORM_PARTS * CMLP_NORM_THREADS];
+    double *acc = malloc((size_t)threads * sizeof *acc); /* up to 64 KiB: not on a thread's stack */
+    if (!acc) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory for a gradient norm's %lld partial sums",
+                               (long long)threads);
     norm_args a = {g, n, threads, kind, norm_type, acc};
     cmlp_pool_for(threads, 64, MIN_PER_THREAD / 64, norm_threads, &a);
     double s = 0.0;
@@ -678,6 +680,7 @@ static cmlp_status cpu_grad_norm(void *ctx, const float *g, int64_t n, double no
         part[b] = blk;
         s = b == 0 ? blk : norm_join(s, blk, kind);
     }
+    free(acc);
     if (kind == NORM_L2) s = sqrt(s);
     else if (kind == NORM_P) s = pow(s, 1.0 / norm_type);
     float f = (float)s;
@@ -706,7 +709,7 @@ static cmlp_status cpu_clip_by_norm(void *ctx, float *g, int64_t n, const float 
         *norm_sum += (double)total;
         ++*norm_steps;
     }
-    float coef = max_norm / (total + 1e-6f);
+    float coef = 1.0f / (total + 1e-6f) * max_norm; /* torch's rounding: a reciprocal, then the product */
     if (coef > 1.0f) coef = 1.0f;
     if (coef == 1.0f) return CMLP_OK;
     scale_args a = {g, coef};

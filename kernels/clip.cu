@@ -92,15 +92,16 @@ struct clip_norm_op {
     double *norm_sum;
     long long *norm_steps;
 
-    /* torch's clip_grad_norm_: coef = max_norm / (norm + 1e-6) in float, clamped to 1 (a NaN stays
-     * NaN); at 1 the gradients stay as they are. Thread 0 counts a finite norm. */
+    /* torch's clip_grad_norm_: coef = max_norm / (norm + 1e-6) in float, which torch forms as a
+     * reciprocal times max_norm (two roundings), clamped to 1 (a NaN stays NaN); at 1 the
+     * gradients stay as they are. Thread 0 counts a finite norm. */
     __device__ __forceinline__ bool begin() {
         const float total = *norm;
         if (cmlp_tid() == 0 && norm_sum && !f_nonfinite(total)) {
             *norm_sum = __dadd_rn(*norm_sum, (double)total);
             *norm_steps += 1;
         }
-        coef = f_div(max_norm, f_add(total, 1e-6f));
+        coef = f_mul(f_div(1.0f, f_add(total, 1e-6f)), max_norm);
         if (f_gt(coef, 1.0f)) coef = 1.0f;
         return coef == 1.0f;
     }

@@ -187,8 +187,9 @@ static inline int64_t cmlp_k_norm_blocks(int64_t n) {
  * backend's for p = 1, 2 and inf (pow may differ in the last bit elsewhere). n > 0. */
 cudaError_t cmlp_k_grad_norm(const float *g, int64_t n, double norm_type, float *out, double *part,
                              unsigned int *blocks_done, cudaStream_t stream);
-/* g *= c for c = min(1, max_norm / (*norm + 1e-6)) in float (torch's clip_grad_norm_; a NaN norm
- * gives NaN gradients); nothing is written when c == 1. When norm_sum is not NULL a finite *norm
+/* g *= c for c = min(1, (1 / (*norm + 1e-6)) * max_norm) in float, rounded as torch's
+ * clip_grad_norm_ rounds max_norm / (norm + 1e-6) (a NaN norm gives NaN gradients); nothing is
+ * written when c == 1. When norm_sum is not NULL a finite *norm
  * is also added to *norm_sum and counted in *norm_steps (both or neither). n > 0. */
 cudaError_t cmlp_k_clip_by_norm(float *g, int64_t n, const float *norm, float max_norm, double *norm_sum,
                                 long long *norm_steps, cudaStream_t stream);

@@ -43,8 +43,9 @@ def reference_norm(g, p):
 
 
 def coefficient(max_norm, norm):
-    """torch's clip coefficient in float32: max_norm / (norm + 1e-6), at most 1."""
-    c = np.float32(max_norm) / (np.float32(norm) + np.float32(1e-6))
+    """torch's clip coefficient in float32: max_norm / (norm + 1e-6), which torch evaluates as
+    a reciprocal times max_norm, at most 1."""
+    c = np.float32(1) / (np.float32(norm) + np.float32(1e-6)) * np.float32(max_norm)
     return min(c, np.float32(1.0))
 
 

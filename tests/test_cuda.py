@@ -683,7 +683,7 @@ def test_clip_grad_norm_on_the_gpu_is_the_float64_norm(sizes):
         want = a.max() if p == float("inf") else (a ** p).sum() ** (1 / p)
         total = cmlp.nn.utils.clip_grad_norm_(model, want / 2, norm_type=p)
         assert abs(total - want) <= 2e-7 * want, (p, total, want)
-        c = min(np.float32(want / 2) / (np.float32(total) + np.float32(1e-6)), np.float32(1))
+        c = min(np.float32(1) / (np.float32(total) + np.float32(1e-6)) * np.float32(want / 2), np.float32(1))
         np.testing.assert_array_equal(model._c.get_grads(), g * c)
     cmlp.nn.utils.clip_grad_value_(model, 1e-3)
     np.testing.assert_array_equal(model._c.get_grads(), np.clip(g * c, np.float32(-1e-3), np.float32(1e-3)))

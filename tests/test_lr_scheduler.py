@@ -141,3 +141,40 @@ def test_fit_refuses_a_schedule_of_another_optimizer():
     with pytest.raises(TypeError, match="scheduler"):
         trainer.fit(x, y, epochs=1, progress=False, scheduler="cosine")
     assert trainer.fit(x, y, epochs=1, progress=False)[0]["lr"] == 1e-3
+
+
+def test_a_second_schedule_starts_from_the_first_rate_as_in_torch():
+    opt, warm = make("LinearLR", dict(start_factor=0.1, total_iters=2), lr=1.0)
+    cos = S.CosineAnnealingLR(opt, T_max=10)
+    assert warm.base_lrs == cos.base_lrs == [1.0]
+    torch = pytest.importorskip("torch")
+    topt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    torch.optim.lr_scheduler.LinearLR(topt, start_factor=0.1, total_iters=2)
+    assert torch.optim.lr_scheduler.CosineAnnealingLR(topt, T_max=10).base_lrs == cos.base_lrs
+
+
+def test_a_schedule_resumes_on_an_optimizer_loaded_from_a_checkpoint():
+    opt, sched = make("StepLR", dict(step_size=2, gamma=0.5), lr=0.8)
+    for _ in range(3):
+        sched.step()
+    ckpt, want = opt.state_dict(), rates(sched, 6)
+    assert ckpt["param_groups"][0]["initial_lr"] == 0.8
+    fresh = cmlp.optim.Adam(cmlp.MLP(SIZES), lr=0.1)
+    with pytest.raises(KeyError, match="initial_lr"):
+        S.StepLR(fresh, step_size=2, last_epoch=3)
+    fresh.load_state_dict(ckpt)  # torch's resume recipe: the optimizer, then the schedule at its epoch
+    resumed = S.StepLR(fresh, step_size=2, gamma=0.5, last_epoch=3)  # as in torch, made at epoch 3 it sets epoch 4
+    assert resumed.base_lrs == [0.8]
+    assert rates(resumed, 5) == want[1:]
+    bad = fresh.state_dict()
+    bad["param_groups"][0]["initial_lr"] = "x"
+    with pytest.raises(TypeError, match="initial_lr"):
+        fresh.load_state_dict(bad)
+
+
+def test_a_refused_rate_leaves_the_schedule_where_it_was():
+    opt, sched = make("LambdaLR", dict(lr_lambda=lambda e: 1.0 if e < 2 else -1.0))
+    sched.step()
+    with pytest.raises(ValueError, match="learning rate"):
+        sched.step()
+    assert (sched.last_epoch, sched._step_count, sched.get_last_lr(), opt.lr) == (1, 2, [0.1], 0.1)

@@ -370,7 +370,7 @@ static void test_clipping(void) {
     OK(cmlp_model_clip_grad_norm(m[1], max_norm, 2.0, 1, &norm));
     CHECK(fabs(norm - sqrt(ss)) <= 1e-7 * sqrt(ss), "norm %.9g against %.9g", norm, sqrt(ss));
     OK(cmlp_model_get_grads(m[1], g2));
-    const float c = max_norm / ((float)norm + 1e-6f);
+    const float c = 1.0f / ((float)norm + 1e-6f) * max_norm;
     int64_t bad = -1;
     for (int64_t i = 0; i < np_ && bad < 0; i++)
         if (g2[i] != g[i] * c) bad = i;

@@ -42,6 +42,10 @@ class Optimizer:
     def _group(self) -> Dict[str, Any]:
         raise NotImplementedError
 
+    def _initial(self) -> Dict[str, Any]:
+        """torch's 'initial_lr' group entry, once a schedule has set it."""
+        return {} if self._initial_lr is None else {"initial_lr": self._initial_lr}
+
     def state_dict(self) -> Dict[str, Any]:
         step, bufs = self._c.get_state()
         names = list(self.model.state_dict().keys())
@@ -82,6 +86,9 @@ class Optimizer:
         if len(bufs) > self._buffers_for(config):
             raise ValueError(f"optimizer state_dict has {len(bufs)} state buffers per parameter, but its settings "
                              f"keep {self._buffers_for(config)}")
+        initial = group.get("initial_lr", self._initial_lr)
+        if initial is not None:
+            initial = _num("initial_lr", initial)
         before, before_state = self._group_config(self._group()), self._c.get_state()
         self._apply(config)
         try:
@@ -90,6 +97,7 @@ class Optimizer:
             self._apply(before)
             self._c.set_state(*before_state)
             raise
+        self._initial_lr = initial
 
     def _buffers_for(self, config: Dict[str, Any]) -> int:
         """State buffers per parameter that these settings keep."""
@@ -190,7 +198,8 @@ class Adam(Optimizer):
 
     def _group(self) -> Dict[str, Any]:
         return {"lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay,
-                "amsgrad": False, "maximize": False, "decoupled_weight_decay": self.decoupled_weight_decay}
+                "amsgrad": False, "maximize": False, "decoupled_weight_decay": self.decoupled_weight_decay,
+                **self._initial()}
 
     _foreign_keys = ("momentum", "dampening", "nesterov")
 
@@ -240,7 +249,7 @@ class SGD(Optimizer):
 
     def _group(self) -> Dict[str, Any]:
         return {"lr": self.lr, "momentum": self.momentum, "dampening": self.dampening,
-                "weight_decay": self.weight_decay, "nesterov": self.nesterov, "maximize": False}
+                "weight_decay": self.weight_decay, "nesterov": self.nesterov, "maximize": False, **self._initial()}
 
     _foreign_keys = ("betas", "eps", "amsgrad")
 

@@ -40,8 +40,9 @@ class LRScheduler:
         if isinstance(last_epoch, bool) or not isinstance(last_epoch, int) or last_epoch < -1:
             raise ValueError(f"last_epoch must be an int >= -1, got {last_epoch!r}")
         if last_epoch == -1:
-            optimizer._initial_lr = optimizer.lr
-        elif getattr(optimizer, "_initial_lr", None) is None:
+            if optimizer._initial_lr is None:  # the first schedule of the optimizer sets it (torch's setdefault)
+                optimizer._initial_lr = optimizer.lr
+        elif optimizer._initial_lr is None:
             raise KeyError("param 'initial_lr' is not specified in param_groups[0] when resuming an optimizer")
         self.base_lrs: List[float] = [optimizer._initial_lr]
         self.last_epoch = last_epoch
@@ -58,11 +59,16 @@ class LRScheduler:
         return self._last_lr
 
     def step(self) -> None:
-        """Moves the schedule one epoch (or step) on and sets the optimizer's rate."""
+        """Moves the schedule one epoch (or step) on and sets the optimizer's rate. A rate the
+        optimizer refuses (negative, not finite) raises and leaves the schedule where it was."""
         self._step_count += 1
         self.last_epoch += 1
-        lr = self.get_lr()[0]
-        self.optimizer.lr = lr
+        try:
+            self.optimizer.lr = self.get_lr()[0]
+        except BaseException:
+            self._step_count -= 1
+            self.last_epoch -= 1
+            raise
         self._last_lr = [self.optimizer.lr]
 
     def state_dict(self) -> Dict[str, Any]:
