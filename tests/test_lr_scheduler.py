@@ -178,3 +178,45 @@ def test_a_refused_rate_leaves_the_schedule_where_it_was():
     with pytest.raises(ValueError, match="learning rate"):
         sched.step()
     assert (sched.last_epoch, sched._step_count, sched.get_last_lr(), opt.lr) == (1, 2, [0.1], 0.1)
+
+
+PLATEAU = [dict(), dict(mode="max", factor=0.5, patience=1, threshold=0.05, threshold_mode="abs", cooldown=2),
+           dict(factor=0.3, patience=0, cooldown=1, min_lr=0.004)]
+
+
+@pytest.mark.parametrize("kw", PLATEAU, ids=["defaults", "max-abs-cooldown", "min_lr"])
+def test_reduce_on_plateau_follows_torch(kw):
+    torch = pytest.importorskip("torch")
+    metrics = [1.0, 0.9, 0.95, 0.95, 0.9, 0.89999, 0.7, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8, 0.5,
+               0.6, 0.6, 0.6, 0.6, 0.6]
+    opt, _ = make("StepLR", dict(step_size=1000), lr=0.1)
+    mine = S.ReduceLROnPlateau(opt, **kw)
+    topt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    theirs = torch.optim.lr_scheduler.ReduceLROnPlateau(topt, **kw)
+    got, want = [], []
+    for i, m in enumerate(metrics):
+        mine.step(m)
+        theirs.step(m)
+        got.append(opt.lr)
+        want.append(topt.param_groups[0]["lr"])
+        if i == 9:  # a state_dict taken midway resumes the same
+            saved = mine.state_dict()
+            mine = S.ReduceLROnPlateau(opt)
+            mine.load_state_dict(saved)
+    assert got == want and len(set(got)) > 1
+
+
+def test_fit_steps_reduce_on_plateau_with_the_validation_loss():
+    x, y = data()
+    model = cmlp.MLP(SIZES, seed=0)
+    opt = cmlp.optim.SGD(model, lr=0.5)
+    # nothing but the first epoch's loss counts as an improvement: from the second on, each reduces
+    sched = S.ReduceLROnPlateau(opt, patience=0, threshold=1e9, threshold_mode="abs")
+    history = cmlp.Trainer(model, opt, batch_size=16).fit(x, y, epochs=4, progress=False, scheduler=sched,
+                                                          validation_data=data(40, seed=1))
+    assert [h["lr"] for h in history] == pytest.approx([0.5, 0.5, 0.05, 0.005])
+    assert sched.best == history[0]["val_loss"]
+    with pytest.raises(ValueError, match="Factor"):
+        S.ReduceLROnPlateau(opt, factor=1.0)
+    with pytest.raises(ValueError, match="mode"):
+        S.ReduceLROnPlateau(opt, mode="lowest")

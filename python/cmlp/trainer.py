@@ -14,7 +14,7 @@ from ._arrays import as_inputs, as_labels, as_normalize, as_number, check_amp, c
 from ._progress import make_bar
 from .model import MLP
 from .optim import Optimizer
-from .optim.lr_scheduler import LRScheduler
+from .optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 
 # the most samples one step may have (batch_size * accumulation_steps), as in the C core
@@ -275,7 +275,8 @@ class Trainer:
         """Trains for `epochs` passes over (x, y); returns one dict per epoch. Data-parallel, every
         rank gives the same data set. scheduler: a cmlp.optim.lr_scheduler schedule of this
         trainer's optimizer, stepped after each epoch (as torch code calls scheduler.step() at
-        the end of an epoch); each epoch's record holds the rate it trained with ("lr")."""
+        the end of an epoch; ReduceLROnPlateau with the epoch's val_loss, or its loss without
+        validation data); each epoch's record holds the rate it trained with ("lr")."""
         error: Optional[Exception] = None
         try:
             epochs, xa, ya, val = self._fit_args(x, y, epochs, validation_data)
@@ -384,7 +385,9 @@ class Trainer:
                     record["val_loss"] = loss_sum / val[0].shape[0]
                     record["val_accuracy"] = correct / val[0].shape[0]
                 history.append(record)
-                if scheduler is not None:
+                if isinstance(scheduler, ReduceLROnPlateau):
+                    scheduler.step(record["val_loss"] if val is not None else record["loss"])
+                elif scheduler is not None:
                     scheduler.step()
         finally:
             self._c.release_data()  # the device copy of the data set, kept between epochs

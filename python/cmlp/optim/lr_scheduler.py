@@ -12,9 +12,11 @@ A schedule only sets `optimizer.lr`; inside `Trainer.fit` the rate of an epoch i
 before it (a step captured as a CUDA graph is captured again when the rate changes).
 """
 import math
+from math import inf
 from typing import Any, Callable, Dict, Iterable, List
 
-__all__ = ["LRScheduler", "LambdaLR", "StepLR", "MultiStepLR", "ExponentialLR", "CosineAnnealingLR", "LinearLR"]
+__all__ = ["LRScheduler", "LambdaLR", "StepLR", "MultiStepLR", "ExponentialLR", "CosineAnnealingLR", "LinearLR",
+           "ReduceLROnPlateau"]
 
 
 def _optimizer(optimizer: Any) -> Any:
@@ -185,3 +187,79 @@ class LinearLR(LRScheduler):
             return [lr]
         d = self.end_factor - self.start_factor
         return [lr * (1.0 + d / (self.total_iters * self.start_factor + (t - 1) * d))]
+
+
+class ReduceLROnPlateau(LRScheduler):
+    """The rate times factor once the metric given to step() has not improved (by threshold,
+    relative or absolute) for more than patience epochs, then cooldown epochs of rest; never
+    below min_lr, and not by less than eps. Trainer.fit steps it with each epoch's val_loss
+    (the training loss without validation data)."""
+
+    def __init__(self, optimizer: Any, mode: str = "min", factor: float = 0.1, patience: int = 10,
+                 threshold: float = 1e-4, threshold_mode: str = "rel", cooldown: int = 0, min_lr: Any = 0,
+                 eps: float = 1e-8) -> None:
+        if factor >= 1.0:
+            raise ValueError("Factor should be < 1.0.")
+        self.optimizer = _optimizer(optimizer)
+        if isinstance(min_lr, (list, tuple)):
+            if len(min_lr) != 1:
+                raise ValueError(f"expected 1 min_lrs, got {len(min_lr)}")
+            min_lr = min_lr[0]
+        self.factor, self.min_lrs = float(factor), [float(min_lr)]
+        self.patience = _int("patience", patience, 0)
+        self.cooldown = _int("cooldown", cooldown, 0)
+        self.eps = float(eps)
+        self.last_epoch = 0
+        self._last_lr = [optimizer.lr]
+        self._init_is_better(mode, threshold, threshold_mode)
+        self._reset()
+
+    def _init_is_better(self, mode: str, threshold: float, threshold_mode: str) -> None:
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode {mode} is unknown!")
+        if threshold_mode not in ("rel", "abs"):
+            raise ValueError(f"threshold mode {threshold_mode} is unknown!")
+        self.mode_worse = inf if mode == "min" else -inf
+        self.mode, self.threshold, self.threshold_mode = mode, float(threshold), threshold_mode
+
+    def _reset(self) -> None:
+        self.best = self.mode_worse
+        self.cooldown_counter = 0
+        self.num_bad_epochs = 0
+
+    def _is_better(self, a: float, best: float) -> bool:
+        if self.mode == "min" and self.threshold_mode == "rel":
+            return a < best * (1.0 - self.threshold)
+        if self.mode == "min":
+            return a < best - self.threshold
+        if self.threshold_mode == "rel":
+            return a > best * (self.threshold + 1.0)
+        return a > best + self.threshold
+
+    @property
+    def in_cooldown(self) -> bool:
+        return self.cooldown_counter > 0
+
+    def step(self, metrics: Any) -> None:  # type: ignore[override]
+        current = float(metrics)
+        self.last_epoch += 1
+        if self._is_better(current, self.best):
+            self.best = current
+            self.num_bad_epochs = 0
+        else:
+            self.num_bad_epochs += 1
+        if self.in_cooldown:
+            self.cooldown_counter -= 1
+            self.num_bad_epochs = 0
+        if self.num_bad_epochs > self.patience:
+            old = float(self.optimizer.lr)
+            new = max(old * self.factor, self.min_lrs[0])
+            if old - new > self.eps:
+                self.optimizer.lr = new
+            self.cooldown_counter = self.cooldown
+            self.num_bad_epochs = 0
+        self._last_lr = [self.optimizer.lr]
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.__dict__.update(state_dict)
+        self._init_is_better(self.mode, self.threshold, self.threshold_mode)
