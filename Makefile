@@ -99,8 +99,9 @@ emu-cuda: $(EMU_SO)
 ASAN_LIB := build/asan/lib
 asan-emu:
 	$(MAKE) emu-cuda EMU_DIR=build/asan/emu EMU_SO=build/asan/_cmlp_cuda_emu.so EMU_OPT="-O1 $(SAN)"
-	@mkdir -p $(ASAN_LIB)/cmlp
-	cp python/cmlp/*.py python/cmlp/py.typed $(ASAN_LIB)/cmlp/
+	@rm -rf $(ASAN_LIB)/cmlp && mkdir -p $(ASAN_LIB)
+	cp -r python/cmlp $(ASAN_LIB)/cmlp
+	rm -f $(ASAN_LIB)/cmlp/*.so
 	CMLP_CUDA=1 CMLP_CUDA_ARCH=90 CFLAGS="$(SAN)" LDFLAGS="$(SAN)" $(PYTHON) setup.py -q build_ext \
 	    --build-lib $(ASAN_LIB) --build-temp build/asan/tmp
 
