@@ -691,13 +691,13 @@ static cmlp_status cpu_grad_norm(void *ctx, const float *g, int64_t n, double no
 
 typedef struct {
     float *g;
-    float coef;
-} scale_args;
+    float x; /* the factor (scaling) or the bound (clamping) */
+} grads_args;
 
 static void scale_range(void *arg, int64_t lo, int64_t hi) {
-    const scale_args *a = arg;
+    const grads_args *a = arg;
     float *restrict g = a->g;
-    const float c = a->coef;
+    const float c = a->x;
     for (int64_t i = lo; i < hi; i++) g[i] *= c;
 }
 
@@ -712,21 +712,21 @@ static cmlp_status cpu_clip_by_norm(void *ctx, float *g, int64_t n, const float 
     float coef = 1.0f / (total + 1e-6f) * max_norm; /* torch's rounding: a reciprocal, then the product */
     if (coef > 1.0f) coef = 1.0f;
     if (coef == 1.0f) return CMLP_OK;
-    scale_args a = {g, coef};
+    grads_args a = {g, coef};
     cmlp_pool_for(n, 16, MIN_PER_THREAD, scale_range, &a);
     return CMLP_OK;
 }
 
 static void clamp_range(void *arg, int64_t lo, int64_t hi) {
-    const scale_args *a = arg;
+    const grads_args *a = arg;
     float *restrict g = a->g;
-    const float v = a->coef;
+    const float v = a->x;
     for (int64_t i = lo; i < hi; i++) g[i] = g[i] > v ? v : -v > g[i] ? -v : g[i];
 }
 
 static cmlp_status cpu_clip_by_value(void *ctx, float *g, int64_t n, float v) {
     (void)ctx;
-    scale_args a = {g, v};
+    grads_args a = {g, v};
     cmlp_pool_for(n, 16, MIN_PER_THREAD, clamp_range, &a);
     return CMLP_OK;
 }

@@ -22,6 +22,7 @@ struct cmlp_optim {
 };
 
 cmlp_adam_config cmlp_adam_defaults(void) { return (cmlp_adam_config){1e-3, 0.9, 0.999, 1e-8, 0.0, 0}; }
+cmlp_sgd_config cmlp_sgd_defaults(void) { return (cmlp_sgd_config){0.01, 0.0, 0.0, 0.0, 0}; }
 
 /* Adam's weight decay as the backends take it: L2 (added to the gradient), or with decoupled
  * weight decay none, and the factor the parameters are first multiplied by (torch's AdamW:
@@ -30,7 +31,6 @@ static float adam_l2(const cmlp_adam_config *c) { return c->decoupled_weight_dec
 static float adam_decay(const cmlp_adam_config *c) {
     return c->decoupled_weight_decay ? (float)(1.0 - c->lr * c->weight_decay) : 1.0f;
 }
-cmlp_sgd_config cmlp_sgd_defaults(void) { return (cmlp_sgd_config){0.01, 0.0, 0.0, 0.0, 0}; }
 
 /* A hyperparameter >= 0 (PyTorch's check) that stays finite in float32, where the update
  * computes with it: an inf or overflowing value would only turn the parameters into inf or NaN. */

@@ -82,6 +82,17 @@ extern "C" cudaError_t cmlp_k_grad_norm(const float *g, int64_t n, double norm_t
     return cudaGetLastError();
 }
 
+/* x[i..i+3] = f(x[i..i+3]) elementwise, one 16-byte load and store (x + i 16-byte aligned). */
+template <class F>
+__device__ __forceinline__ void map4(float *x, int64_t i, F f) {
+    float4 v = *reinterpret_cast<const float4 *>(x + i);
+    v.x = f(v.x);
+    v.y = f(v.y);
+    v.z = f(v.z);
+    v.w = f(v.w);
+    *reinterpret_cast<float4 *>(x + i) = v;
+}
+
 /* ---- scaling by the norm ---- */
 
 struct clip_norm_op {
@@ -110,12 +121,8 @@ struct clip_norm_op {
         return false;
     }
     __device__ __forceinline__ bool four(int64_t i) const {
-        float4 v = *reinterpret_cast<const float4 *>(g + i);
-        v.x = f_mul(v.x, coef);
-        v.y = f_mul(v.y, coef);
-        v.z = f_mul(v.z, coef);
-        v.w = f_mul(v.w, coef);
-        *reinterpret_cast<float4 *>(g + i) = v;
+        const float c = coef;
+        map4(g, i, [c](float x) { return f_mul(x, c); });
         return false;
     }
     __device__ __forceinline__ void finish(bool) const {}
@@ -152,12 +159,8 @@ struct clip_value_op : cmlp_op_base {
         return false;
     }
     __device__ __forceinline__ bool four(int64_t i) const {
-        float4 x = *reinterpret_cast<const float4 *>(g + i);
-        x.x = clamp1(x.x, v);
-        x.y = clamp1(x.y, v);
-        x.z = clamp1(x.z, v);
-        x.w = clamp1(x.w, v);
-        *reinterpret_cast<float4 *>(g + i) = x;
+        const float b = v;
+        map4(g, i, [b](float x) { return clamp1(x, b); });
         return false;
     }
 };
