@@ -22,6 +22,16 @@ typedef struct cmlp_scale_step {
     int32_t growth_interval;
 } cmlp_scale_step;
 
+/* Where a step whose bookkeeping is on the device reads its learning rate: d_lr[*d_next], or
+ * d_lr[0] when d_next is NULL. With d_next every step moves *d_next on by one, skipped or not (a
+ * schedule with one rate per step). decoupled_wd is AdamW's weight decay (0: none): the step
+ * forms its factor (float)(1 - lr * decoupled_wd) from the rate it read. */
+typedef struct cmlp_rate_src {
+    const double *d_lr;
+    int64_t *d_next;
+    double decoupled_wd;
+} cmlp_rate_src;
+
 /* The weight of the loss's gradient: value, or with d_scale the weight of a loss-scaled step,
  * (float)((double)*d_scale / count), read on the device. With d_found_inf the loss's launch also
  * sets *d_found_inf = 0: the step's inf/NaN check starts clean, with no launch of its own. */
@@ -137,10 +147,11 @@ typedef struct cmlp_backend_i {
                                  int64_t rows);
 
     /* Fused optimizers over flat buffers of n floats. Scalars precomputed by the core, or on the
-     * device: when d_found_inf is not NULL and *d_found_inf != 0 the step changes nothing; Adam
-     * reads step_size and bc2_sqrt from d_coef[0..1] when d_coef is not NULL. weight_decay is
-     * L2 (added to the gradient); with decay != 1 each parameter is first multiplied by decay
-     * (decoupled weight decay, AdamW). */
+     * device: when d_found_inf is not NULL and *d_found_inf != 0 the step changes nothing; when
+     * d_coef is not NULL, Adam reads step_size, bc2_sqrt and decay from d_coef[0..2] and SGD its
+     * lr from d_coef[0] (as optim_prepare wrote them). weight_decay is L2 (added to the
+     * gradient); with decay != 1 each parameter is first multiplied by decay (decoupled weight
+     * decay, AdamW). */
     cmlp_status (*adam)(void *ctx, float *d_p, const float *d_g, float *d_m, float *d_v, int64_t n,
                         float step_size, float beta1, float beta2, float bc2_sqrt, float eps,
                         float weight_decay, float decay, const float *d_found_inf, const float *d_coef);
@@ -148,20 +159,21 @@ typedef struct cmlp_backend_i {
      * *d_step == 1. d_buf may be NULL when momentum == 0. */
     cmlp_status (*sgd)(void *ctx, float *d_p, const float *d_g, float *d_buf, int64_t n, float lr,
                        float momentum, float dampening, int nesterov, float weight_decay, int first,
-                       const float *d_found_inf, const int64_t *d_step);
+                       const float *d_found_inf, const int64_t *d_step, const float *d_coef);
     /* Before a step whose skip is decided on the device: *d_pos += pos_add when d_pos is not
-     * NULL (the data position, which moves whether or not the step is skipped); when scale is
-     * not NULL, the loss scale moves by its rule on the same *d_found_inf (one launch for both);
-     * then unless *d_found_inf != 0, t = ++*d_step and, for Adam, d_coef = {lr / (1 - beta1^t),
-     * sqrt(1 - beta2^t)} (in double, rounded to float). */
+     * NULL (the data position, which moves whether or not the step is skipped); the rate is read
+     * from `rate` (which moves on too); when scale is not NULL, the loss scale moves by its rule
+     * on the same *d_found_inf (one launch for both); then unless *d_found_inf != 0, t = ++*d_step
+     * and d_coef[0..2] = {lr / (1 - beta1^t), sqrt(1 - beta2^t), decay} for Adam (in double,
+     * rounded to float; decay as cmlp_rate_src says), {lr} for SGD. */
     cmlp_status (*optim_prepare)(void *ctx, int64_t *d_step, float *d_coef, const float *d_found_inf,
-                                 double lr, double beta1, double beta2, int adam, int64_t *d_pos,
+                                 const cmlp_rate_src *rate, double beta1, double beta2, int adam, int64_t *d_pos,
                                  int64_t pos_add, const cmlp_scale_step *scale);
     /* Optional (NULL: optim_prepare for Adam, then adam with d_coef): both in one launch, with
      * the same results (d_coef is written too). *d_blocks_done is a device counter that is 0
      * between calls; the kernel's blocks count themselves on it. */
     cmlp_status (*adam_prepared)(void *ctx, float *d_p, const float *d_g, float *d_m, float *d_v, int64_t n,
-                                 double lr, double beta1, double beta2, float eps, float weight_decay, float decay,
+                                 const cmlp_rate_src *rate, double beta1, double beta2, float eps, float weight_decay,
                                  const float *d_found_inf, int64_t *d_step, float *d_coef, int64_t *d_pos,
                                  int64_t pos_add, const cmlp_scale_step *scale, uint32_t *d_blocks_done);
     /* Mixed precision. Conversions between fp32 and fp16/bf16 storage (dtype F16 or BF16). */
@@ -181,8 +193,9 @@ typedef struct cmlp_backend_i {
     cmlp_status (*grad_norm)(void *ctx, const float *d_g, int64_t n, double norm_type, float *d_norm, double *d_part,
                              uint32_t *d_blocks_done);
     /* g *= c, c = min(1, (1 / (*d_norm + 1e-6)) * max_norm) in float (torch's rounding of
-     * max_norm / (norm + 1e-6); a NaN norm gives NaN gradients;
-     * at c == 1 nothing is written); when d_norm_sum is not NULL a finite *d_norm is added to it
+     * max_norm / (norm + 1e-6), with torch's subnormals: a norm above 2^126 has a subnormal
+     * reciprocal; only a product g * c that is itself subnormal is flushed); a NaN norm gives NaN
+     * gradients; at c == 1 nothing is written; when d_norm_sum is not NULL a finite *d_norm is added to it
      * and counted in *d_norm_steps. clip_value: g = min(max(g, -v), v), a NaN kept. */
     cmlp_status (*clip_by_norm)(void *ctx, float *d_g, int64_t n, const float *d_norm, float max_norm,
                                 double *d_norm_sum, int64_t *d_norm_steps);
@@ -244,7 +257,7 @@ extern const cmlp_backend_i cmlp_backend_cpu;
  * recorder and returns the module below. */
 typedef cmlp_status (*cmlp_error_fn)(cmlp_status s, const char *file, int line, const char *fmt, ...);
 
-#define CMLP_CUDA_ABI 4
+#define CMLP_CUDA_ABI 5
 
 typedef struct cmlp_cuda_module {
     int abi; /* CMLP_CUDA_ABI of the library */

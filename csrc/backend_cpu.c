@@ -441,6 +441,7 @@ static cmlp_status cpu_adam(void *ctx, float *restrict p, const float *restrict 
     if (coef) {
         step_size = coef[0];
         bc2_sqrt = coef[1];
+        decay = coef[2];
     }
     optim_args a = {.p = p, .m = m, .v = v, .g = g, .step_size = step_size, .beta1 = beta1, .beta2 = beta2,
                     .bc2_sqrt = bc2_sqrt, .eps = eps, .wd = wd, .decay = decay};
@@ -468,10 +469,11 @@ static void sgd_range(void *arg, int64_t lo, int64_t hi) {
 
 static cmlp_status cpu_sgd(void *ctx, float *restrict p, const float *restrict g, float *restrict buf,
                            int64_t n, float lr, float momentum, float dampening, int nesterov, float wd,
-                           int first, const float *found_inf, const int64_t *step) {
+                           int first, const float *found_inf, const int64_t *step, const float *coef) {
     (void)ctx;
     if (found_inf && *found_inf != 0.0f) return CMLP_OK;
     if (step && *step == 1) first = 1;
+    if (coef) lr = coef[0];
     optim_args a = {.p = p, .buf = buf, .g = g, .lr = lr, .momentum = momentum, .dampening = dampening, .wd = wd,
                     .nesterov = nesterov, .first = first};
     cmlp_pool_for(n, 16, MIN_PER_THREAD, sgd_range, &a);
@@ -529,11 +531,13 @@ static void scale_update(float *scale, int32_t *tracker, const float *found_inf,
     }
 }
 
-static cmlp_status cpu_optim_prepare(void *ctx, int64_t *step, float *coef, const float *found_inf, double lr,
-                                     double beta1, double beta2, int adam, int64_t *pos, int64_t pos_add,
-                                     const cmlp_scale_step *scale) {
+static cmlp_status cpu_optim_prepare(void *ctx, int64_t *step, float *coef, const float *found_inf,
+                                     const cmlp_rate_src *rate, double beta1, double beta2, int adam, int64_t *pos,
+                                     int64_t pos_add, const cmlp_scale_step *scale) {
     (void)ctx;
     if (pos) *pos += pos_add;
+    const double lr = rate->d_lr[rate->d_next ? *rate->d_next : 0];
+    if (rate->d_next) ++*rate->d_next;
     if (scale)
         scale_update(scale->d_scale, scale->d_tracker, found_inf, scale->growth_factor, scale->backoff_factor,
                      scale->growth_interval, scale->d_skipped);
@@ -543,6 +547,9 @@ static cmlp_status cpu_optim_prepare(void *ctx, int64_t *step, float *coef, cons
         double bc1 = 1.0 - pow(beta1, (double)t), bc2 = 1.0 - pow(beta2, (double)t);
         coef[0] = (float)(lr / bc1);
         coef[1] = (float)sqrt(bc2);
+        coef[2] = rate->decoupled_wd != 0.0 ? (float)(1.0 - lr * rate->decoupled_wd) : 1.0f;
+    } else {
+        coef[0] = (float)lr;
     }
     return CMLP_OK;
 }
@@ -701,6 +708,20 @@ static void scale_range(void *arg, int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; i++) g[i] *= c;
 }
 
+/* g * (c * 2^-64) for a subnormal factor c * 2^-64 given as c: the product rounded once, as
+ * float arithmetic with subnormals gives it (flushed where it is itself subnormal) */
+static void scale_tiny_range(void *arg, int64_t lo, int64_t hi) {
+    const grads_args *a = arg;
+    float *restrict g = a->g;
+    const float c = a->x;
+    for (int64_t i = lo; i < hi; i++) g[i] = g[i] * c * 0x1p-64f;
+}
+
+/* x rounded to float with subnormals kept (the value held in a double) */
+static double f32_subnormal(double x) {
+    return x < (double)FLT_MIN ? nearbyint(x * 0x1p149) * 0x1p-149 : (double)(float)x;
+}
+
 static cmlp_status cpu_clip_by_norm(void *ctx, float *g, int64_t n, const float *norm, float max_norm,
                                     double *norm_sum, int64_t *norm_steps) {
     (void)ctx;
@@ -709,11 +730,14 @@ static cmlp_status cpu_clip_by_norm(void *ctx, float *g, int64_t n, const float 
         *norm_sum += (double)total;
         ++*norm_steps;
     }
-    float coef = 1.0f / (total + 1e-6f) * max_norm; /* torch's rounding: a reciprocal, then the product */
-    if (coef > 1.0f) coef = 1.0f;
-    if (coef == 1.0f) return CMLP_OK;
-    grads_args a = {g, coef};
-    cmlp_pool_for(n, 16, MIN_PER_THREAD, scale_range, &a);
+    /* torch's rounding: a reciprocal, then the product, each rounded to float with subnormals
+     * (torch's arithmetic keeps them; a norm above 2^126 has a subnormal reciprocal) */
+    const double r = f32_subnormal(1.0 / (double)(total + 1e-6f));
+    const double c = f32_subnormal(r * (double)max_norm);
+    if (c >= 1.0) return CMLP_OK; /* a NaN goes on */
+    const bool tiny = c > 0.0 && c < (double)FLT_MIN;
+    grads_args a = {g, tiny ? (float)(c * 0x1p64) : (float)c};
+    cmlp_pool_for(n, 16, MIN_PER_THREAD, tiny ? scale_tiny_range : scale_range, &a);
     return CMLP_OK;
 }
 

@@ -375,6 +375,13 @@ CMLP_API int cmlp_trainer_last_grad_norm(const cmlp_trainer *t, double *norm);
 CMLP_API cmlp_status cmlp_trainer_epoch_begin(cmlp_trainer *t, const cmlp_data *xy, int same_data,
                                               cmlp_epoch_state *st);
 CMLP_API cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, cmlp_epoch_state *st);
+/* epoch_run with a learning rate per step (a schedule stepped with every optimizer step): the
+ * call's k-th step trains at rate lr[k], for up to n <= CMLP_MAX_RATES steps (fewer at the end
+ * of the epoch). The optimizer's own rate is the same after the call as before. Off the CPU the
+ * rates reach the device with the call's scalars: a captured step replays at each of them. */
+#define CMLP_MAX_RATES 16
+CMLP_API cmlp_status cmlp_trainer_epoch_run_rates(cmlp_trainer *t, const double *lr, int64_t n,
+                                                  cmlp_epoch_state *st);
 /* Frees the copy of the epochs' data set the trainer keeps on the device (kept from one epoch to
  * the next for same_data; also freed by an epoch_begin on other data, and with the trainer). */
 CMLP_API void cmlp_trainer_release_data(cmlp_trainer *t);

@@ -5,6 +5,7 @@
 #include "internal.h"
 
 #include <float.h>
+#include <stddef.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,7 +19,7 @@ struct cmlp_optim {
     int64_t step;
     float *state; /* NULL before the first step; [nbuffers * nparams] */
     bool unused;  /* state made ahead of the first step (cmlp_optim_prepare), which it still is */
-    uint64_t version; /* moves whenever the configuration or the state buffer changes */
+    uint64_t version; /* moves whenever the configuration (but for the rate) or the state buffer changes */
 };
 
 cmlp_adam_config cmlp_adam_defaults(void) { return (cmlp_adam_config){1e-3, 0.9, 0.999, 1e-8, 0.0, 0}; }
@@ -30,6 +31,10 @@ cmlp_sgd_config cmlp_sgd_defaults(void) { return (cmlp_sgd_config){0.01, 0.0, 0.
 static float adam_l2(const cmlp_adam_config *c) { return c->decoupled_weight_decay ? 0.0f : (float)c->weight_decay; }
 static float adam_decay(const cmlp_adam_config *c) {
     return c->decoupled_weight_decay ? (float)(1.0 - c->lr * c->weight_decay) : 1.0f;
+}
+/* The same weight decay as a step on the device takes it (cmlp_rate_src: 0 for none). */
+static double adam_decoupled_wd(const cmlp_adam_config *c) {
+    return c->decoupled_weight_decay ? c->weight_decay : 0.0;
 }
 
 /* A hyperparameter >= 0 (PyTorch's check) that stays finite in float32, where the update
@@ -100,10 +105,9 @@ double cmlp_optim_get_lr(const cmlp_optim *o) { return o->kind == CMLP_OPTIM_ADA
 
 cmlp_status cmlp_optim_set_lr(cmlp_optim *o, double lr) {
     CMLP_TRY(check_real("learning rate", lr));
-    double *at = o->kind == CMLP_OPTIM_ADAM ? &o->adam.lr : &o->sgd.lr;
-    if (*at == lr) return CMLP_OK; /* a captured step that bakes the rate in stays valid */
-    *at = lr;
-    o->version++;
+    /* no new version: a step on a device reads the rate there (cmlp_dscalars), so a captured
+     * step stays valid at any rate */
+    *(o->kind == CMLP_OPTIM_ADAM ? &o->adam.lr : &o->sgd.lr) = lr;
     return CMLP_OK;
 }
 
@@ -195,8 +199,13 @@ cmlp_status cmlp_optim_step(cmlp_optim *o) {
          * step taken from Python and one taken in fit give the same bits */
         cmlp_dscalars *ds;
         CMLP_TRY(cmlp_model_scalars(o->model, &ds));
-        CMLP_TRY(o->dev->backend->copy_h2d(o->dev->bctx, &ds->step, &o->step, sizeof o->step));
-        CMLP_TRY(cmlp_optim_step_device(o, NULL, &ds->step, ds->coef, NULL, 0, NULL));
+        struct {
+            int64_t step;
+            double lr;
+        } h = {o->step, cmlp_optim_get_lr(o)}; /* ds->step, then ds->lr[0] */
+        _Static_assert(offsetof(cmlp_dscalars, lr) == offsetof(cmlp_dscalars, step) + 8, "step, then lr");
+        CMLP_TRY(o->dev->backend->copy_h2d(o->dev->bctx, &ds->step, &h, sizeof h));
+        CMLP_TRY(cmlp_optim_step_device(o, NULL, &ds->step, ds->coef, ds->lr, NULL, NULL, 0, NULL));
         o->step++;
         return CMLP_OK;
     }
@@ -217,7 +226,7 @@ cmlp_status cmlp_optim_step(cmlp_optim *o) {
     } else {
         const cmlp_sgd_config *c = &o->sgd;
         st = b->sgd(o->dev->bctx, m->params, m->grads, o->state, n, (float)c->lr, (float)c->momentum,
-                    (float)c->dampening, c->nesterov, (float)c->weight_decay, first, NULL, NULL);
+                    (float)c->dampening, c->nesterov, (float)c->weight_decay, first, NULL, NULL, NULL);
     }
     if (st == CMLP_OK) st = cmlp_model_refresh_half(m);
     cmlp_fpenv_leave(&fe);
@@ -236,7 +245,8 @@ cmlp_status cmlp_optim_get_buffer(const cmlp_optim *o, int i, float *host_out) {
 }
 
 cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int64_t *d_step, float *d_coef,
-                                   int64_t *d_pos, int64_t pos_add, const cmlp_scale_step *scale) {
+                                   const double *d_lr, int64_t *d_lr_next, int64_t *d_pos, int64_t pos_add,
+                                   const cmlp_scale_step *scale) {
     CMLP_TRY(check_model(o));
     CMLP_TRY(ensure_state(o));
     bool first = o->unused;
@@ -250,23 +260,24 @@ cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int6
     cmlp_fpenv fe;
     cmlp_fpenv_enter(&fe);
     cmlp_status st;
+    const cmlp_rate_src rate = {d_lr, d_lr_next, adam ? adam_decoupled_wd(&o->adam) : 0.0};
     if (adam && b->adam_prepared) { /* the bookkeeping in Adam's launch */
         const cmlp_adam_config *c = &o->adam;
-        st = b->adam_prepared(ctx, m->params, m->grads, o->state, o->state + n, n, c->lr, c->beta1, c->beta2,
-                              (float)c->eps, adam_l2(c), adam_decay(c), d_found_inf, d_step, d_coef, d_pos, pos_add,
-                              scale, &ds->blocks_done);
+        st = b->adam_prepared(ctx, m->params, m->grads, o->state, o->state + n, n, &rate, c->beta1, c->beta2,
+                              (float)c->eps, adam_l2(c), d_found_inf, d_step, d_coef, d_pos, pos_add, scale,
+                              &ds->blocks_done);
     } else if (adam) {
         const cmlp_adam_config *c = &o->adam;
-        st = b->optim_prepare(ctx, d_step, d_coef, d_found_inf, c->lr, c->beta1, c->beta2, 1, d_pos, pos_add, scale);
+        st = b->optim_prepare(ctx, d_step, d_coef, d_found_inf, &rate, c->beta1, c->beta2, 1, d_pos, pos_add, scale);
         if (st == CMLP_OK)
             st = b->adam(ctx, m->params, m->grads, o->state, o->state + n, n, 0.0f, (float)c->beta1, (float)c->beta2,
-                         1.0f, (float)c->eps, adam_l2(c), adam_decay(c), d_found_inf, d_coef);
+                         1.0f, (float)c->eps, adam_l2(c), 1.0f, d_found_inf, d_coef);
     } else {
         const cmlp_sgd_config *c = &o->sgd;
-        st = b->optim_prepare(ctx, d_step, d_coef, d_found_inf, c->lr, 0.0, 0.0, 0, d_pos, pos_add, scale);
+        st = b->optim_prepare(ctx, d_step, d_coef, d_found_inf, &rate, 0.0, 0.0, 0, d_pos, pos_add, scale);
         if (st == CMLP_OK)
-            st = b->sgd(ctx, m->params, m->grads, o->state, n, (float)c->lr, (float)c->momentum, (float)c->dampening,
-                        c->nesterov, (float)c->weight_decay, first, d_found_inf, d_step);
+            st = b->sgd(ctx, m->params, m->grads, o->state, n, 0.0f, (float)c->momentum, (float)c->dampening,
+                        c->nesterov, (float)c->weight_decay, first, d_found_inf, d_step, d_coef);
     }
     if (st == CMLP_OK) st = cmlp_model_refresh_half(m);
     cmlp_fpenv_leave(&fe);

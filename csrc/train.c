@@ -5,6 +5,7 @@
 #include "internal.h"
 #include "comm.h"
 
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,6 +25,7 @@ typedef struct step_key {
     float smoothing;
     int amp, recompute, scaled;
     double max_grad_norm;
+    bool rates; /* the step reads its rate from the call's list (moving on), not ds->lr[0] */
 } step_key;
 
 struct cmlp_trainer {
@@ -58,6 +60,7 @@ struct cmlp_trainer {
     uint64_t dgen;        /* the process group dcomm (and a captured step using it) belongs to */
     double last_norm;     /* the last step's gradient norm (clipping), when has_norm */
     bool has_norm;
+    bool rates;           /* the call in progress has a rate per step (cmlp_trainer_epoch_run_rates) */
 };
 
 /* Off the CPU the optimizer's step count and bias corrections live on the device too, so that a
@@ -321,8 +324,8 @@ static cmlp_status step_update(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_da
     const cmlp_scaler_state *s = &t->scaler;
     cmlp_scale_step scale = {&ds->scale,       &ds->growth_tracker, &ds->skipped, s->growth_factor,
                              s->backoff_factor, (int32_t)s->growth_interval};
-    return cmlp_optim_step_device(t->optim, found_inf, &ds->step, ds->coef, xy->pos ? &ds->pos : NULL, n_all,
-                                  s->enabled ? &scale : NULL);
+    return cmlp_optim_step_device(t->optim, found_inf, &ds->step, ds->coef, ds->lr, t->rates ? &ds->lr_next : NULL,
+                                  xy->pos ? &ds->pos : NULL, n_all, s->enabled ? &scale : NULL);
 }
 
 /* One optimizer step as a capture records it: this rank's k samples of n_all (see step_grads),
@@ -366,11 +369,16 @@ static cmlp_status one_sample_oom(cmlp_trainer *t, const char *cause) {
  * ends. In between, every step runs on the device without the host waiting: the loss adds up
  * there, and under loss scaling the check, the skip, the optimizer's step count and the scale
  * update happen there too. */
-static cmlp_status run_begin(cmlp_trainer *t, cmlp_dscalars **out) {
+static cmlp_status run_begin(cmlp_trainer *t, cmlp_dscalars **out, const double *lr, int64_t nlr) {
     cmlp_model *m = t->model;
     CMLP_TRY(cmlp_model_scalars(m, out));
     cmlp_dscalars h = {0};
     h.step = cmlp_optim_get_step(t->optim);
+    /* the rates of the call's steps: the optimizer's, or one each (a step on the device reads its
+     * rate there, so a rate that changes does not change what a capture baked in) */
+    t->rates = lr != NULL;
+    if (lr) memcpy(h.lr, lr, (size_t)nlr * sizeof *lr);
+    else h.lr[0] = cmlp_optim_get_lr(t->optim);
     h.scale = (float)t->scaler.scale;
     h.growth_tracker = (int32_t)t->scaler.growth_tracker;
     h.pos = t->pos;
@@ -460,6 +468,7 @@ static void make_key(const cmlp_trainer *t, const cmlp_data *xy, const int64_t *
     k->amp = (int)t->cfg.amp;
     k->recompute = t->cfg.recompute;
     k->max_grad_norm = t->cfg.max_grad_norm;
+    k->rates = t->rates;
 }
 
 /* How a step runs: eagerly, captured as a graph (then launched), or as a replay of the capture. */
@@ -660,7 +669,7 @@ cmlp_status cmlp_trainer_step(cmlp_trainer *t, const cmlp_data *xy, double *loss
     }
     CMLP_TRY(st);
     cmlp_dscalars *ds;
-    st = run_begin(t, &ds); /* it may allocate: data-parallel, the ranks agree on it */
+    st = run_begin(t, &ds, NULL, 0); /* it may allocate: data-parallel, the ranks agree on it */
     CMLP_TRY(t->dist ? agree(st) : st);
     cmlp_fpenv fe;
     cmlp_fpenv_enter(&fe);
@@ -731,7 +740,9 @@ cmlp_status cmlp_trainer_epoch_begin(cmlp_trainer *t, const cmlp_data *xy, int s
     return CMLP_OK;
 }
 
-cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, cmlp_epoch_state *st) {
+/* epoch_run's steps; with lr (nlr rates), at most nlr of them, the k-th at rate lr[k]. */
+static cmlp_status epoch_run(cmlp_trainer *t, int64_t max_steps, const double *lr, int64_t nlr,
+                             cmlp_epoch_state *st) {
     if (!t || !st) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
     if (!t->epoch_open) return CMLP_FAIL(CMLP_ERR_STATE, "epoch_run called before epoch_begin");
     CMLP_TRY(check_group(t, true));
@@ -739,12 +750,15 @@ cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, cmlp_epoc
     int64_t n = t->data.n, eb = effective_batch(t) * group_size(t);
     const bool graphs = t->model->dev->backend->capture_begin != NULL; /* the device has graphs */
     cmlp_dscalars *ds;
-    cmlp_status s = run_begin(t, &ds); /* it may allocate: data-parallel, the ranks agree on it */
+    cmlp_status s = run_begin(t, &ds, lr, nlr); /* it may allocate: data-parallel, the ranks agree on it */
     CMLP_TRY(t->dist ? agree(s) : s);
     const int64_t steps_before = st->steps;
+    const double lr_before = cmlp_optim_get_lr(t->optim);
     cmlp_fpenv fe;
     cmlp_fpenv_enter(&fe);
     for (int64_t done = 0; t->pos < n && (max_steps <= 0 || done < max_steps); done++) {
+        /* a step on the host reads the optimizer's rate (validated by the caller) */
+        if (lr) (void)cmlp_optim_set_lr(t->optim, lr[done]);
         int64_t k = n - t->pos < eb ? n - t->pos : eb, off, mine;
         share_of(t, k, &off, &mine);
         const int64_t *idx = t->cfg.shuffle ? t->order + t->pos + off : NULL;
@@ -774,6 +788,8 @@ cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, cmlp_epoc
         st->samples += k;
     }
     cmlp_fpenv_leave(&fe);
+    (void)cmlp_optim_set_lr(t->optim, lr_before);
+    t->rates = false;
     double loss = 0.0, norm_sum = 0.0;
     int64_t skipped = 0, norm_steps = 0;
     cmlp_status end = run_end(t, ds, st->steps > steps_before, &loss, &skipped, &norm_sum, &norm_steps);
@@ -787,6 +803,21 @@ cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, cmlp_epoc
     st->done = t->pos >= n;
     if (st->done) t->epoch_open = false; /* the device copy stays for a next epoch on the same data */
     return s;
+}
+
+cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, cmlp_epoch_state *st) {
+    return epoch_run(t, max_steps, NULL, 0, st);
+}
+
+cmlp_status cmlp_trainer_epoch_run_rates(cmlp_trainer *t, const double *lr, int64_t n, cmlp_epoch_state *st) {
+    if (!lr) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
+    if (n < 1 || n > CMLP_MAX_RATES)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "a call takes 1 to %d rates, got %lld", CMLP_MAX_RATES, (long long)n);
+    for (int64_t k = 0; k < n; k++)
+        if (!(lr[k] >= 0.0 && lr[k] <= FLT_MAX))
+            return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid learning rate %g for step %lld (must be >= 0 and finite in "
+                                               "float32)", lr[k], (long long)k);
+    return epoch_run(t, n, lr, n, st);
 }
 
 void cmlp_trainer_release_data(cmlp_trainer *t) {

@@ -95,34 +95,49 @@ __device__ __forceinline__ void map4(float *x, int64_t i, F f) {
 
 /* ---- scaling by the norm ---- */
 
+/* x rounded to float with subnormals kept (the value held in a double), as the CPU backend does */
+__device__ __forceinline__ double f32_subnormal(double x) {
+    return x < 0x1p-126 ? __dmul_rn(rint(__dmul_rn(x, 0x1p149)), 0x1p-149) : (double)f_from_double(x);
+}
+
 struct clip_norm_op {
     float *g;
     const float *norm;
     float max_norm;
-    float coef;
+    float coef, post; /* g * coef * post: post = 2^-64 scales a subnormal coefficient back */
     double *norm_sum;
     long long *norm_steps;
 
     /* torch's clip_grad_norm_: coef = max_norm / (norm + 1e-6) in float, which torch forms as a
-     * reciprocal times max_norm (two roundings), clamped to 1 (a NaN stays NaN); at 1 the
-     * gradients stay as they are. Thread 0 counts a finite norm. */
+     * reciprocal times max_norm (two roundings, subnormals kept: a norm above 2^126 has a
+     * subnormal reciprocal), clamped to 1 (a NaN stays NaN); at 1 the gradients stay as they
+     * are. A subnormal coefficient is applied as coef * 2^64, then 2^-64: the product rounded
+     * once, as the CPU backend does. Thread 0 counts a finite norm. */
     __device__ __forceinline__ bool begin() {
         const float total = *norm;
         if (cmlp_tid() == 0 && norm_sum && !f_nonfinite(total)) {
             *norm_sum = __dadd_rn(*norm_sum, (double)total);
             *norm_steps += 1;
         }
-        coef = f_mul(f_div(1.0f, f_add(total, 1e-6f)), max_norm);
-        if (f_gt(coef, 1.0f)) coef = 1.0f;
-        return coef == 1.0f;
+        const double r = f32_subnormal(__ddiv_rn(1.0, (double)f_add(total, 1e-6f)));
+        const double c = f32_subnormal(__dmul_rn(r, (double)max_norm));
+        if (c >= 1.0) return true; /* a NaN goes on */
+        const bool tiny = c > 0.0 && c < 0x1p-126;
+        coef = f_from_double(tiny ? __dmul_rn(c, 0x1p64) : c);
+        post = tiny ? 0x1p-64f : 1.0f;
+        return false;
+    }
+    __device__ __forceinline__ float scaled(float x) const {
+        x = f_mul(x, coef);
+        return post != 1.0f ? f_mul(x, post) : x;
     }
     __device__ __forceinline__ bool one(int64_t i) const {
-        g[i] = f_mul(g[i], coef);
+        g[i] = scaled(g[i]);
         return false;
     }
     __device__ __forceinline__ bool four(int64_t i) const {
-        const float c = coef;
-        map4(g, i, [c](float x) { return f_mul(x, c); });
+        const clip_norm_op &op = *this;
+        map4(g, i, [&op](float x) { return op.scaled(x); });
         return false;
     }
     __device__ __forceinline__ void finish(bool) const {}
@@ -136,6 +151,7 @@ extern "C" cudaError_t cmlp_k_clip_by_norm(float *g, int64_t n, const float *nor
     op.norm = norm;
     op.max_norm = max_norm;
     op.coef = 1.0f;
+    op.post = 1.0f;
     op.norm_sum = norm_sum;
     op.norm_steps = norm_steps;
     const int mis[1] = {cmlp_misalign(g, 4)};

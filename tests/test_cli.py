@@ -5,6 +5,7 @@ working directory.
 
 import functools
 import json
+import math
 import os
 import re
 import subprocess
@@ -104,6 +105,8 @@ def test_train_save_writes_a_loadable_model(trained):
     (["train", "--memory-limit", "lots"], r"lots"),
     (["train", "--max-grad-norm", "0"], r"--max-grad-norm: expected a number > 0"),
     (["train", "--weight-decay", "-1"], r"--weight-decay: expected a finite number >= 0"),
+    (["train", "--warmup-steps", "-5"], r"--warmup-steps: expected an int >= 0"),
+    (["train", "--lr-schedule", "linear"], r"linear"),
     (["train", "--optimizer", "rmsprop"], r"rmsprop"),
     (["train", "--device", "gpu", "--layers", "784,10"], r"device"),
     (["frobnicate"], r"frobnicate"),
@@ -127,6 +130,18 @@ def test_train_with_adamw_clips_gradients_and_reports_their_norm(tmp_path):
     assert "gradient norm clipped to 0.5" in r.stdout and "adamw lr 0.001" in r.stdout
     norm = float(re.search(r"mean gradient norm ([0-9.e+-]+)", r.stdout).group(1))
     assert norm > 0
+
+
+@needs_fashion
+def test_train_warms_up_then_decays_the_rate_per_step(tmp_path):
+    """--warmup-steps and --lr-schedule cosine: the rate of each epoch's first step, from lr / N
+    in the first epoch to its cosine value in the second (60,000 / 1,000 = 60 steps an epoch)."""
+    r = run_cli(["train", "--epochs", "2", "--layers", "784,32,10", "--batch-size", "1000", "--no-progress",
+                 "--lr", "0.01", "--warmup-steps", "20", "--lr-schedule", "cosine"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "cosine schedule after 20 warm-up steps" in r.stdout
+    lrs = [float(v) for v in re.findall(r"lr ([0-9.e+-]+) at its first step", r.stdout)]
+    assert lrs == pytest.approx([0.01 / 20, 0.01 * (1 + math.cos(math.pi * 40 / 100)) / 2], rel=1e-2)
 
 
 def test_train_without_data_says_where_it_looked(tmp_path):

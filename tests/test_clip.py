@@ -149,6 +149,37 @@ def test_torch_gives_the_same_norm_and_gradients():
                                rtol=2e-6, atol=1e-12)
 
 
+@pytest.mark.parametrize("max_norm", [1.0, 1e3])
+def test_a_norm_above_2_to_the_126_scales_as_torchs_subnormal_coefficient(max_norm):
+    """1 / (norm + 1e-6) is subnormal in float32 when the norm passes 2^126 (about 8.5e37); torch
+    keeps subnormals, and so does the coefficient here (the core flushes them elsewhere): the
+    gradients are torch's, but for products that are themselves subnormal, which are 0."""
+    model = with_grads(seed=5)
+    g = flat_grads(model)
+    factor = 2e38 / reference_norm(g, 2.0)
+    for f in (1e19, factor / 1e19):  # g *= f in float32, twice (the factor itself is no float32)
+        model._c.unscale_grads(float(np.float32(f)))
+    g = flat_grads(model)
+    total = clip_grad_norm_(model, max_norm)
+    assert total == pytest.approx(2e38, rel=1e-5)
+    with np.errstate(under="ignore"):
+        c = coefficient(max_norm, total)
+        want = g * c
+    assert 0 < np.float32(1) / np.float32(total) < np.finfo(np.float32).tiny and c > 0
+    want[np.abs(want) < np.finfo(np.float32).tiny] *= 0  # flushed, with its sign
+    got = flat_grads(model)
+    np.testing.assert_array_equal(got, want)
+    assert np.count_nonzero(got) > got.size // 2
+    torch = pytest.importorskip("torch")
+    grad = torch.from_numpy(g.copy())
+    param = torch.zeros(g.shape, dtype=torch.float32, requires_grad=True)
+    param.grad = grad
+    torch.nn.utils.clip_grad_norm_([param], max_norm)
+    theirs = param.grad.numpy()
+    normal = np.abs(theirs) >= np.finfo(np.float32).tiny
+    np.testing.assert_array_equal(got[normal], theirs[normal])
+
+
 def test_parameters_stand_for_the_model_where_torch_code_passes_them():
     model = cmlp.MLP(SIZES, seed=0)
     ps = model.parameters()

@@ -644,28 +644,48 @@ def test_clipping_inside_a_replayed_step_equals_the_eager_loop(device, amp):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_learning_rate_schedule_recaptures_the_step_and_equals_the_eager_loop(device):
-    """A captured step bakes the rate in: when a schedule changes it between epochs, the next
-    full step is captured again, and the run equals the eager loop with the same rates."""
+@pytest.mark.parametrize("interval", ["epoch", "step"])
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_a_learning_rate_schedule_replays_the_captured_step_and_equals_the_eager_loop(device, interval, kind):
+    """A captured step reads its rate on the device: a schedule stepped each epoch, or each step
+    (warm-up), changes the rate of the replays, and the run equals the eager loop with the same
+    rates (opt.step() and scheduler.step() from Python), bit for bit."""
     sizes, batch, steps, epochs = [784, 64, 10], 32, 4, 3
     rng = np.random.default_rng(13)
     x = rng.standard_normal((batch * steps, 784)).astype(np.float32)
     y = rng.integers(0, 10, batch * steps)
+
+    def optimizer(model):
+        if kind == "sgd":
+            return cmlp.optim.SGD(model, lr=0.1, momentum=0.9)
+        return cmlp.optim.AdamW(model, lr=1e-2, weight_decay=0.5)
+
+    def schedule(opt):
+        if interval == "epoch":
+            return cmlp.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return cmlp.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 6) * 0.9 ** k)
+
     graph = cmlp.MLP(sizes, device=device, seed=0)
-    opt_g = cmlp.optim.SGD(graph, lr=0.1, momentum=0.9)
+    opt_g = optimizer(graph)
     t_graph = cmlp.Trainer(graph, opt_g, batch_size=batch, shuffle=False)
-    history = t_graph.fit(x, y, epochs=epochs, progress=False,
-                          scheduler=cmlp.optim.lr_scheduler.StepLR(opt_g, step_size=1, gamma=0.5))
+    history = t_graph.fit(x, y, epochs=epochs, progress=False, scheduler=schedule(opt_g),
+                          scheduler_interval=interval)
     eager = cmlp.MLP(sizes, device=device, seed=0)
-    opt = cmlp.optim.SGD(eager, lr=0.1, momentum=0.9)
-    sched = cmlp.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    opt = optimizer(eager)
+    sched = schedule(opt)
+    firsts = []
     for _ in range(epochs):
+        firsts.append(opt.lr)
         for i in range(steps):
             opt.zero_grad()
             eager.forward_backward(x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch])
             opt.step()
-        sched.step()
-    assert [h["lr"] for h in history] == [0.1, 0.05, 0.025]
+            if interval == "step":
+                sched.step()
+        if interval == "epoch":
+            sched.step()
+    assert [h["lr"] for h in history] == firsts and len(set(firsts)) == epochs
+    assert opt_g.lr == opt.lr
     assert same(graph.state_dict(), eager.state_dict())
 
 

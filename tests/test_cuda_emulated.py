@@ -179,6 +179,45 @@ def test_the_gpu_benchmark_runs_on_the_cpu():
     assert "device: cpu" in r.stdout and "| 1024 | fp16 |" in r.stdout and "FAILED" not in r.stdout, tail
 
 
+_SCHEDULE_SCRIPT = r"""
+import sys
+import numpy as np
+import cmlp
+from cmlp.optim import lr_scheduler as S
+rng = np.random.default_rng(0)
+x = rng.integers(0, 256, (64 * 6, 784), dtype=np.uint8)
+y = rng.integers(0, 10, 64 * 6)
+for name, interval in (("steplr", "epoch"), ("warmup", "step")):
+    model = cmlp.MLP([784, 64, 10], device="cuda", seed=0)
+    opt = cmlp.optim.AdamW(model, lr=1e-2)
+    sched = (S.StepLR(opt, step_size=1, gamma=0.5) if name == "steplr" else
+             S.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 10)))
+    h = cmlp.Trainer(model, opt, batch_size=64).fit(x, y, epochs=3, progress=False, scheduler=sched,
+                                                    scheduler_interval=interval)
+    assert len({e["lr"] for e in h}) == 3, h
+    print(f"fit done: {name}", file=sys.stderr, flush=True)
+"""
+
+
+@needs_emulator[0]
+@needs_emulator[1]
+def test_a_schedule_changes_the_rate_without_capturing_the_step_again():
+    """The rate is read on the device: a fit of three epochs whose rate changes every epoch, or at
+    every step, captures its step once and replays it at each rate."""
+    env = dict(_emulated_env(), CMLP_EMU_TRACE_GRAPHS="1")
+    r = subprocess.run([sys.executable, "-c", _SCHEDULE_SCRIPT], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    counts, n = {}, 0
+    for line in r.stderr.splitlines():
+        if line.startswith("cuda_emu: graph of "):
+            n += 1
+        elif line.startswith("fit done: "):
+            counts[line.split(": ")[1]] = n
+            n = 0
+    assert counts == {"steplr": 1, "warmup": 1}, r.stderr[-3000:]
+
+
 _TRACE_SCRIPT = r"""
 import sys
 import numpy as np

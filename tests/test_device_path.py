@@ -19,13 +19,18 @@ x8 = rng.integers(0, 256, (700, 30), dtype=np.uint8)
 xf = rng.standard_normal((700, 30)).astype(np.float32)
 y = rng.integers(0, 4, 700)
 out = []
-for amp, opt, recompute, shuffle, xs, smoothing in json.loads(sys.argv[1]):
+for amp, opt, recompute, shuffle, xs, smoothing, per_step in json.loads(sys.argv[1]):
     m = cmlp.MLP([30, 16, 4], seed=1)
-    o = cmlp.optim.Adam(m, weight_decay=0.01) if opt == "adam" else cmlp.optim.SGD(
-        m, lr=0.05, momentum=0.9, dampening=0.1, nesterov=False)
+    o = (cmlp.optim.Adam(m, weight_decay=0.01) if opt == "adam" else
+         cmlp.optim.AdamW(m, lr=0.01, weight_decay=0.1) if opt == "adamw" else
+         cmlp.optim.SGD(m, lr=0.05, momentum=0.9, dampening=0.1, nesterov=False))
     t = cmlp.Trainer(m, o, batch_size=64, accumulation_steps=2, microbatch_size=48, amp=amp, seed=3,
                      recompute=recompute, shuffle=shuffle, label_smoothing=smoothing)
-    h = t.fit(x8 if xs == "u8" else xf, y, epochs=2, progress=False)
+    # a rate per step (warm-up, then a decay every other step): on the device path the rates
+    # travel with each call's scalars and the step reads its own there
+    kw = dict(scheduler=cmlp.optim.lr_scheduler.LambdaLR(o, lambda k: min(1.0, (k + 1) / 4) * 0.9 ** (k // 2)),
+              scheduler_interval="step") if per_step else {}
+    h = t.fit(x8 if xs == "u8" else xf, y, epochs=2, progress=False, **kw)
     h += t.fit(xf, y, epochs=1, progress=False)
     weights = b"".join(v.tobytes() for v in m.state_dict().values())
     out.append({"weights": hashlib.sha1(weights).hexdigest(), "loss": [e["loss"] for e in h],
@@ -59,12 +64,15 @@ print(json.dumps({"cases": out, "resumed": resumed, "released": released}))
 '''
 
 CASES = [
-    [None, "adam", False, True, "u8", 0.0],
-    [None, "sgd", False, False, "f32", 0.1],
-    [None, "adam", True, True, "f32", 0.0],
-    ["fp16", "sgd", False, True, "u8", 0.0],
-    ["bf16", "adam", False, False, "u8", 0.05],
-    ["fp16", "adam", True, True, "f32", 0.0],
+    [None, "adam", False, True, "u8", 0.0, False],
+    [None, "sgd", False, False, "f32", 0.1, False],
+    [None, "adam", True, True, "f32", 0.0, False],
+    ["fp16", "sgd", False, True, "u8", 0.0, False],
+    ["bf16", "adam", False, False, "u8", 0.05, False],
+    ["fp16", "adam", True, True, "f32", 0.0, False],
+    [None, "adamw", False, True, "u8", 0.0, True],
+    [None, "sgd", False, False, "f32", 0.0, True],
+    ["fp16", "adamw", False, True, "f32", 0.0, True],
 ]
 
 

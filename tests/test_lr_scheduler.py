@@ -1,5 +1,6 @@
 """cmlp.optim.lr_scheduler: the rates torch's schedules give, to the bit (same formulas in double),
-their state_dict, resuming, and Trainer.fit(scheduler=...) stepping one per epoch.
+their state_dict, resuming, and Trainer.fit(scheduler=...) stepping one per epoch or, with
+scheduler_interval="step", one per optimizer step.
 """
 import math
 
@@ -20,6 +21,13 @@ CASES = [
     ("LinearLR", dict()),
     ("LinearLR", dict(start_factor=0.1, end_factor=0.5, total_iters=4)),
     ("LambdaLR", dict(lr_lambda=lambda e: 1.0 / (1 + e) ** 0.5)),
+    ("MultiplicativeLR", dict(lr_lambda=lambda e: 0.95 if e % 2 else 0.99)),
+    ("ConstantLR", dict()),
+    ("ConstantLR", dict(factor=0.5, total_iters=3)),
+    ("PolynomialLR", dict()),
+    ("PolynomialLR", dict(total_iters=7, power=2.5)),
+    ("CosineAnnealingWarmRestarts", dict(T_0=4)),
+    ("CosineAnnealingWarmRestarts", dict(T_0=3, T_mult=2, eta_min=1e-3)),
 ]
 
 
@@ -59,6 +67,66 @@ def test_rates_are_torchs_to_the_bit(case):
     assert mine == theirs
 
 
+def composites(S, opt):
+    """SequentialLR and ChainedScheduler cases, made with the module S (cmlp's or torch's)."""
+    return {
+        "warmup-cosine": lambda: S.SequentialLR(opt, [S.LinearLR(opt, start_factor=0.1, total_iters=4),
+                                                      S.CosineAnnealingLR(opt, T_max=10)], milestones=[4]),
+        "three-parts": lambda: S.SequentialLR(opt, [S.LambdaLR(opt, lambda e: (e + 1) / 3),
+                                                    S.StepLR(opt, step_size=2, gamma=0.5),
+                                                    S.ExponentialLR(opt, gamma=0.9)], milestones=[3, 8]),
+        "restart-polynomial": lambda: S.SequentialLR(opt, [S.ConstantLR(opt, factor=0.2, total_iters=2),
+                                                           S.PolynomialLR(opt, total_iters=6, power=2.0),
+                                                           S.MultiStepLR(opt, [2, 4], gamma=0.3)],
+                                                     milestones=[5, 12]),
+        "chained": lambda: S.ChainedScheduler([S.ConstantLR(opt, factor=0.1, total_iters=2),
+                                               S.ExponentialLR(opt, gamma=0.9)]),
+    }
+
+
+@pytest.mark.parametrize("name", ["warmup-cosine", "three-parts", "restart-polynomial", "chained"])
+def test_composite_schedules_are_torchs_to_the_bit(name):
+    torch = pytest.importorskip("torch")
+    opt = cmlp.optim.SGD(cmlp.MLP(SIZES), lr=0.1)
+    mine = rates(composites(S, opt)[name](), 25)
+    assert opt.lr == mine[-1]
+    topt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    ts = composites(torch.optim.lr_scheduler, topt)[name]()
+    theirs = [ts.get_last_lr()[0]]
+    for _ in range(25):
+        topt.step()
+        ts.step()
+        theirs.append(ts.get_last_lr()[0])
+    assert mine == theirs
+
+
+def test_composites_resume_from_a_state_dict_and_check_their_parts():
+    opt = cmlp.optim.SGD(cmlp.MLP(SIZES), lr=0.1)
+    sched = composites(S, opt)["three-parts"]()
+    for _ in range(5):
+        sched.step()
+    saved, lr = sched.state_dict(), opt.lr
+    rest = rates(sched, 9)
+    opt2 = cmlp.optim.SGD(cmlp.MLP(SIZES), lr=0.1)
+    again = composites(S, opt2)["three-parts"]()
+    opt2.lr = lr
+    again.load_state_dict(saved)
+    assert rates(again, 9) == rest
+    other = cmlp.optim.SGD(cmlp.MLP(SIZES), lr=0.1)
+    with pytest.raises(ValueError, match="same optimizer"):
+        S.SequentialLR(opt, [S.StepLR(opt, 2), S.StepLR(other, 2)], milestones=[3])
+    with pytest.raises(ValueError, match="number of milestone"):
+        S.SequentialLR(opt, [S.StepLR(opt, 2), S.StepLR(opt, 2)], milestones=[3, 4])
+    with pytest.raises(ValueError, match="ReduceLROnPlateau"):
+        S.ChainedScheduler([S.ReduceLROnPlateau(opt)])
+    with pytest.raises(ValueError, match="at least one"):
+        S.SequentialLR(opt, [], milestones=[])
+    with pytest.raises(ValueError, match="T_0"):
+        S.CosineAnnealingWarmRestarts(opt, T_0=0)
+    with pytest.raises(ValueError, match="Constant multiplicative factor"):
+        S.ConstantLR(opt, factor=1.5)
+
+
 def test_closed_forms_without_torch():
     _, step = make("StepLR", dict(step_size=2, gamma=0.1))
     np.testing.assert_allclose(rates(step, 6), [0.1, 0.1, 0.01, 0.01, 0.001, 0.001, 1e-4], rtol=1e-12)
@@ -70,6 +138,12 @@ def test_closed_forms_without_torch():
     np.testing.assert_allclose(rates(warm, 5), [0.025, 0.05, 0.075, 0.1, 0.1, 0.1], rtol=1e-12)
     _, lam = make("LambdaLR", dict(lr_lambda=lambda e: 0.5 ** e))
     np.testing.assert_allclose(rates(lam, 3), [0.1, 0.05, 0.025, 0.0125], rtol=1e-15)
+    _, poly = make("PolynomialLR", dict(total_iters=4, power=2.0))
+    np.testing.assert_allclose(rates(poly, 5), [0.1 * (1 - min(t, 4) / 4) ** 2 for t in range(6)], atol=1e-15)
+    _, sgdr = make("CosineAnnealingWarmRestarts", dict(T_0=2, T_mult=2))
+    cycle = [(0, 2), (1, 2), (0, 4), (1, 4), (2, 4), (3, 4), (0, 8)]
+    np.testing.assert_allclose(rates(sgdr, 6), [0.05 * (1 + math.cos(math.pi * c / T)) for c, T in cycle],
+                               rtol=1e-12)
 
 
 @pytest.mark.parametrize("case", CASES[:5], ids=case_id)
@@ -141,6 +215,93 @@ def test_fit_refuses_a_schedule_of_another_optimizer():
     with pytest.raises(TypeError, match="scheduler"):
         trainer.fit(x, y, epochs=1, progress=False, scheduler="cosine")
     assert trainer.fit(x, y, epochs=1, progress=False)[0]["lr"] == 1e-3
+
+
+def warmup(opt, steps=5):
+    """Linear warm-up, then a decay every third step: a rate that changes at every step."""
+    return S.LambdaLR(opt, lambda k: min(1.0, (k + 1) / steps) * 0.8 ** (k // 3))
+
+
+def hand_loop(trainer, sched, x, y, epochs, batch):
+    """torch's per-step loop: a step, then scheduler.step(). Returns each epoch's first rate."""
+    firsts = []
+    for _ in range(epochs):
+        firsts.append(trainer.optimizer.lr)
+        for i in range(0, len(x), batch):
+            trainer.step(x[i:i + batch], y[i:i + batch])
+            sched.step()
+    return firsts
+
+
+STEP_CASES = [("adam", None, 1), ("adamw", None, 2), ("sgd", None, 1), ("adam", "fp16", 2), ("sgd", "bf16", 1),
+              ("sgd-sequential", None, 1)]
+
+
+@pytest.mark.parametrize("kind,amp,accumulation", STEP_CASES, ids=["-".join(map(str, c)) for c in STEP_CASES])
+def test_fit_steps_a_schedule_per_step_as_torchs_loop_does(kind, amp, accumulation):
+    """scheduler_interval="step": each optimizer step trains at the rate the schedule gave it, and
+    the schedule is stepped after it; the same bits as Trainer.step and scheduler.step() by hand
+    (with accumulation over distinct micro-batches, and under amp)."""
+    x, y = data(200)
+    runs = []
+    for by_fit in (True, False):
+        model = cmlp.MLP(SIZES, seed=2)
+        opt = {"adam": lambda: cmlp.optim.Adam(model, lr=0.05),
+               "adamw": lambda: cmlp.optim.AdamW(model, lr=0.05, weight_decay=0.1),
+               "sgd": lambda: cmlp.optim.SGD(model, lr=0.2, momentum=0.9, nesterov=True),
+               "sgd-sequential": lambda: cmlp.optim.SGD(model, lr=0.2)}[kind]()
+        sched = warmup(opt) if kind != "sgd-sequential" else composites(S, opt)["warmup-cosine"]()
+        trainer = cmlp.Trainer(model, opt, batch_size=8, accumulation_steps=accumulation, amp=amp, shuffle=False)
+        if by_fit:
+            history = trainer.fit(x, y, epochs=2, progress=False, scheduler=sched, scheduler_interval="step")
+            firsts = [h["lr"] for h in history]
+        else:
+            firsts = hand_loop(trainer, sched, x, y, 2, 8 * accumulation)
+        runs.append((model._c.get_params(), firsts, opt.lr, sched.last_epoch,
+                     trainer.scaler and trainer.scaler.get_scale()))
+    np.testing.assert_array_equal(runs[0][0], runs[1][0])
+    assert runs[0][1:] == runs[1][1:]
+    assert runs[0][3] == 2 * -(-200 // (8 * accumulation))  # stepped once per step
+
+
+def test_a_schedule_per_step_fills_calls_of_at_most_max_rates_steps():
+    """An epoch of more than 200 * MAX_RATES steps: fit's calls into C take MAX_RATES rates at a
+    time (the rest at the end of the epoch), and the run is still the hand loop's."""
+    x, y = data(17 * 200 + 5)
+    params = []
+    for by_fit in (True, False):
+        model = cmlp.MLP(SIZES, seed=4)
+        opt = cmlp.optim.Adam(model, lr=1e-2)
+        sched = S.CosineAnnealingLR(opt, T_max=700)
+        trainer = cmlp.Trainer(model, opt, batch_size=1, shuffle=False)
+        if by_fit:
+            trainer.fit(x, y, epochs=1, progress=False, scheduler=sched, scheduler_interval="step")
+        else:
+            hand_loop(trainer, sched, x, y, 1, 1)
+        params.append((model._c.get_params(), opt.lr, sched.last_epoch))
+    np.testing.assert_array_equal(params[0][0], params[1][0])
+    assert params[0][1:] == params[1][1:] and params[0][2] == 17 * 200 + 5
+
+
+def test_fit_per_step_refusals_and_a_failed_call_leave_the_schedule_alone():
+    x, y = data()
+    model = cmlp.MLP(SIZES)
+    opt = cmlp.optim.SGD(model, lr=0.1)
+    trainer = cmlp.Trainer(model, opt, batch_size=16, shuffle=False)
+    with pytest.raises(ValueError, match="scheduler_interval"):
+        trainer.fit(x, y, epochs=1, progress=False, scheduler=warmup(opt), scheduler_interval="batch")
+    with pytest.raises(ValueError, match="ReduceLROnPlateau"):
+        trainer.fit(x, y, epochs=1, progress=False, scheduler=S.ReduceLROnPlateau(opt), scheduler_interval="step")
+    # a schedule whose third rate the optimizer refuses: the rates are drawn before the call that
+    # takes their steps (here one step a call), so fit raises before the second step, and the
+    # schedule and the rate are those after the first
+    sched = S.LambdaLR(opt, lambda k: 1.0 if k < 2 else -1.0)
+    by_hand = cmlp.MLP(SIZES)
+    cmlp.Trainer(by_hand, cmlp.optim.SGD(by_hand, lr=0.1), batch_size=16).step(x[:16], y[:16])
+    with pytest.raises(ValueError, match="learning rate"):
+        trainer.fit(x, y, epochs=1, progress=False, scheduler=sched, scheduler_interval="step")
+    assert (sched.last_epoch, opt.lr) == (1, 0.1)
+    np.testing.assert_array_equal(model._c.get_params(), by_hand._c.get_params())
 
 
 def test_a_second_schedule_starts_from_the_first_rate_as_in_torch():

@@ -11,6 +11,7 @@ import sys
 from typing import Callable, List, Optional
 
 from . import MLP, Trainer, build_info, cuda, datasets, distributed, memory, optim
+from .optim import lr_scheduler
 
 
 def _layers(text: str) -> List[int]:
@@ -35,6 +36,7 @@ def _bounded(convert: Callable[[str], float], what: str, ok: Callable[[float], b
 
 
 _count = _bounded(int, "an int >= 1", lambda v: v >= 1)  # epochs, batch size, accumulation steps
+_steps = _bounded(int, "an int >= 0", lambda v: v >= 0)  # warm-up steps
 _rate = _bounded(float, "a finite number >= 0", lambda v: math.isfinite(v) and v >= 0.0)  # lr, momentum
 _positive = _bounded(float, "a number > 0", lambda v: v > 0.0)  # max grad norm
 
@@ -80,6 +82,11 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--memory-limit", type=_size, default=None, help="e.g. 256MB")
     t.add_argument("--max-grad-norm", type=_positive, default=None,
                    help="clip each step's gradients to this L2 norm (torch's clip_grad_norm_)")
+    t.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
+                   help="the rate over the run, stepped with every optimizer step: constant, or cosine decay to 0 "
+                        "by the last step")
+    t.add_argument("--warmup-steps", type=_steps, default=0,
+                   help="raise the rate linearly over this many first steps (from lr / N to lr)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--save", type=_save_path, default=None, help="write the trained model here (.npz)")
     t.add_argument("--no-progress", action="store_true")
@@ -98,6 +105,21 @@ def _parser() -> argparse.ArgumentParser:
                          "(beside what the device holds once open)")
     sub.add_parser("info", help="print the build: version, BLAS, CUDA, devices")
     return p
+
+
+def _schedule(opt: optim.Optimizer, kind: str, warmup: int, steps: int) -> Optional[lr_scheduler.LRScheduler]:
+    """The rate over `steps` optimizer steps: `warmup` first steps from lr / warmup up to lr,
+    then constant or cosine decay to 0 by the last step (None: the rate stays as it is)."""
+    parts, milestones = [], []
+    if warmup:
+        parts.append(lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / warmup)))
+    if kind == "cosine":
+        if parts:
+            milestones.append(warmup)
+        parts.append(lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, steps - warmup)))
+    if len(parts) <= 1:
+        return parts[0] if parts else None
+    return lr_scheduler.SequentialLR(opt, parts, milestones=milestones)
 
 
 def _train(a: argparse.Namespace) -> int:
@@ -129,20 +151,26 @@ def _train(a: argparse.Namespace) -> int:
         opt = optim.SGD(model, lr=0.01 if lr is None else lr, momentum=a.momentum, weight_decay=wd or 0.0)
     trainer = Trainer(model, opt, batch_size=a.batch_size, accumulation_steps=a.accumulation_steps, amp=a.amp,
                       seed=a.seed, distributed=a.distributed, max_grad_norm=a.max_grad_norm)
+    steps = a.epochs * -(-len(xtr) // (a.batch_size * a.accumulation_steps * ranks))
+    sched = _schedule(opt, a.lr_schedule, a.warmup_steps, steps)
     group = f" x {ranks} ranks ({distributed.library_version()})" if a.distributed else ""
     clip = f", gradient norm clipped to {a.max_grad_norm:g}" if a.max_grad_norm else ""
+    if sched is not None:
+        clip += f", {a.lr_schedule} schedule" + (f" after {a.warmup_steps} warm-up steps" if a.warmup_steps else "")
     say(f"cmlp {build_info()['version']}: MLP {'-'.join(map(str, a.layers))} ({model.num_parameters():,} "
         f"parameters) on {model.device}, {a.optimizer} lr {opt.lr:g}, batch {a.batch_size} x "
         f"{a.accumulation_steps}{group}, {a.epochs} epochs, {a.amp or 'fp32'}{clip}, {a.dataset} {len(xtr):,} train / "
         f"{len(xte):,} test")
     history = []
     for epoch in range(1, a.epochs + 1):
-        h = trainer.fit(xtr, ytr, epochs=1, validation_data=(xte, yte), progress=not a.no_progress)[0]
+        h = trainer.fit(xtr, ytr, epochs=1, validation_data=(xte, yte), progress=not a.no_progress, scheduler=sched,
+                        scheduler_interval="step")[0]
         h["epoch"] = epoch
         history.append(h)
         say(f"epoch {epoch}/{a.epochs}  loss {h['loss']:.4f}  test loss {h['val_loss']:.4f}  "
             f"test accuracy {100 * h['val_accuracy']:.2f}%  {h['samples_per_second']:,.0f} samples/s  "
             f"peak memory {memory._fmt(h['peak_memory_bytes'])}  {h['seconds']:.1f} s"
+            + (f"  lr {h['lr']:.3g} at its first step" if sched is not None else "")
             + (f"  skipped steps {h['skipped_steps']}" if h["skipped_steps"] else "")
             + (f"  mean gradient norm {h['grad_norm']:.4g}" if h["grad_norm"] is not None else ""))
     say(f"final test accuracy: {100 * history[-1]['val_accuracy']:.2f}%")

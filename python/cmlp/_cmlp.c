@@ -784,7 +784,27 @@ static PyObject *Trainer_epoch_begin(TrainerObject *self, PyObject *args, PyObje
 
 static PyObject *Trainer_epoch_run(TrainerObject *self, PyObject *args) {
     long long max_steps;
-    if (!PyArg_ParseTuple(args, "L", &max_steps)) return NULL;
+    PyObject *rates = Py_None;
+    if (!PyArg_ParseTuple(args, "L|O", &max_steps, &rates)) return NULL;
+    double lr[CMLP_MAX_RATES];
+    Py_ssize_t nlr = 0;
+    if (rates != Py_None) { /* a rate per step: as many steps as rates */
+        PyObject *seq = PySequence_Fast(rates, "rates must be a sequence of floats");
+        if (!seq) return NULL;
+        nlr = PySequence_Fast_GET_SIZE(seq);
+        if (nlr < 1 || nlr > CMLP_MAX_RATES) {
+            Py_DECREF(seq);
+            return PyErr_Format(PyExc_ValueError, "rates must hold 1 to %d rates, got %zd", CMLP_MAX_RATES, nlr);
+        }
+        for (Py_ssize_t k = 0; k < nlr; k++) {
+            lr[k] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(seq, k));
+            if (lr[k] == -1.0 && PyErr_Occurred()) {
+                Py_DECREF(seq);
+                return NULL;
+            }
+        }
+        Py_DECREF(seq);
+    }
     if (trainer_ready(self) < 0) return NULL;
     if (!self->epoch_x) {
         PyErr_SetString(PyExc_RuntimeError, "epoch_run called before epoch_begin");
@@ -793,7 +813,8 @@ static PyObject *Trainer_epoch_run(TrainerObject *self, PyObject *args) {
     ModelObject *mo = self->optim->model;
     cmlp_epoch_state es = {0};
     cmlp_status st;
-    RUN_LOCKED(mo, st = cmlp_trainer_epoch_run(self->t, max_steps, &es));
+    if (nlr) RUN_LOCKED(mo, st = cmlp_trainer_epoch_run_rates(self->t, lr, nlr, &es));
+    else RUN_LOCKED(mo, st = cmlp_trainer_epoch_run(self->t, max_steps, &es));
     if (st != CMLP_OK) { /* a finished epoch keeps its arrays: the next may be on the same data */
         Py_CLEAR(self->epoch_x);
         Py_CLEAR(self->epoch_y);
@@ -904,7 +925,8 @@ static PyMethodDef Trainer_methods[] = {
     {"step", (PyCFunction)(void (*)(void))Trainer_step, METH_VARARGS | METH_KEYWORDS, "one optimizer step"},
     {"epoch_begin", (PyCFunction)(void (*)(void))Trainer_epoch_begin, METH_VARARGS | METH_KEYWORDS,
      "validate and shuffle; returns the epoch's step count"},
-    {"epoch_run", (PyCFunction)Trainer_epoch_run, METH_VARARGS, "(steps, samples, loss_sum, done, skipped, grad_norm_sum, grad_norm_steps)"},
+    {"epoch_run", (PyCFunction)Trainer_epoch_run, METH_VARARGS, "(max_steps, rates=None) -> (steps, samples, loss_sum, done, skipped, grad_norm_sum, grad_norm_steps); "
+     "with rates (at most MAX_RATES), one step at each"},
     {"release_data", (PyCFunction)Trainer_release_data, METH_NOARGS, "free the device copy of the data set"},
     {"set_scaler", (PyCFunction)Trainer_set_scaler, METH_VARARGS,
      "set_scaler(enabled, scale, growth_factor, backoff_factor, growth_interval, growth_tracker)"},
@@ -1405,6 +1427,7 @@ static int module_exec(PyObject *mod) {
     if (!ms->optim_type || PyModule_AddType(mod, ms->optim_type) < 0) return -1;
     ms->trainer_type = (PyTypeObject *)PyType_FromModuleAndSpec(mod, &Trainer_spec, NULL);
     if (!ms->trainer_type || PyModule_AddType(mod, ms->trainer_type) < 0) return -1;
+    if (PyModule_AddIntConstant(mod, "MAX_RATES", CMLP_MAX_RATES) < 0) return -1;
     return 0;
 }
 

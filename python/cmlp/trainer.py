@@ -271,26 +271,34 @@ class Trainer:
         return loss
 
     def fit(self, x: Any, y: Any, epochs: int = 5, validation_data: Optional[Tuple[Any, Any]] = None,
-            progress: bool = True, scheduler: Any = None) -> List[Dict[str, Any]]:
+            progress: bool = True, scheduler: Any = None, scheduler_interval: str = "epoch") -> List[Dict[str, Any]]:
         """Trains for `epochs` passes over (x, y); returns one dict per epoch. Data-parallel, every
         rank gives the same data set. scheduler: a cmlp.optim.lr_scheduler schedule of this
         trainer's optimizer, stepped after each epoch (as torch code calls scheduler.step() at
         the end of an epoch; ReduceLROnPlateau with the epoch's val_loss, or its loss without
-        validation data); each epoch's record holds the rate it trained with ("lr")."""
+        validation data), or with scheduler_interval="step" after each optimizer step (warm-up,
+        OneCycleLR: as torch code calls it after optimizer.step()). Each epoch's record holds the
+        rate its first step trained with ("lr")."""
         error: Optional[Exception] = None
         try:
             epochs, xa, ya, val = self._fit_args(x, y, epochs, validation_data)
+            if scheduler_interval not in ("epoch", "step"):
+                raise ValueError(f"scheduler_interval must be 'epoch' or 'step', got {scheduler_interval!r}")
             if scheduler is not None:
                 if not isinstance(scheduler, LRScheduler):
                     raise TypeError(f"scheduler must be a cmlp.optim.lr_scheduler schedule, got "
                                     f"{type(scheduler).__name__}")
                 if scheduler.optimizer is not self.optimizer:
                     raise ValueError("scheduler belongs to another optimizer than this trainer's")
+                if scheduler_interval == "step" and isinstance(scheduler, ReduceLROnPlateau):
+                    raise ValueError("ReduceLROnPlateau steps with a metric once per epoch: "
+                                     "use scheduler_interval='epoch'")
         except (TypeError, ValueError) as e:
             error = e
         self._claim_agreed("fit", error)
         try:
-            return self._fit(xa, ya, epochs, val, progress, scheduler)
+            return self._fit(xa, ya, epochs, val, progress, scheduler,
+                             scheduler is not None and scheduler_interval == "step")
         finally:
             self._busy.release()
 
@@ -320,8 +328,26 @@ class Trainer:
                 raise ValueError("validation x contains NaN or inf")
         return epochs, xa, ya, val
 
+    def _run_scheduled(self, scheduler: Any, steps: int) -> Tuple[int, int, float, bool, int, float, int]:
+        """epoch_run for up to `steps` steps, each at the rate the schedule gives it: the rates are
+        the schedule's next ones (stepped once per step, as torch code steps it after each
+        optimizer.step()) and reach the device with the call. After a failure the schedule is
+        where the call began."""
+        k = min(steps, _cmlp.MAX_RATES)
+        saved, lr = scheduler.state_dict(), self.optimizer.lr
+        rates = []
+        try:
+            for _ in range(k):
+                rates.append(self.optimizer.lr)
+                scheduler.step()
+            return self._c.epoch_run(k, rates)
+        except BaseException:
+            scheduler.load_state_dict(saved)
+            self.optimizer.lr = lr
+            raise
+
     def _fit(self, xa: np.ndarray, ya: np.ndarray, epochs: int, val: Optional[Tuple[np.ndarray, np.ndarray]],
-             progress: bool, scheduler: Any = None) -> List[Dict[str, Any]]:
+             progress: bool, scheduler: Any = None, per_step: bool = False) -> List[Dict[str, Any]]:
         device = self.model.device
         history: List[Dict[str, Any]] = []
         try:
@@ -333,7 +359,8 @@ class Trainer:
                 show = progress and (not self.distributed or _dist.get_rank() == 0)
                 bar = make_bar(total, f"epoch {epoch}/{epochs}", show)
                 chunk = max(1, total // 200)
-                samples, loss_sum, skipped, norm_sum, norm_steps = 0, 0.0, 0, 0.0, 0
+                samples, loss_sum, skipped, norm_sum, norm_steps, steps_done = 0, 0.0, 0, 0.0, 0, 0
+                first_lr = self.optimizer.lr
                 start = time.perf_counter()
                 self._push_scaler()
                 if epoch == 1:
@@ -342,7 +369,12 @@ class Trainer:
                 try:
                     done = False
                     while not done:
-                        steps, n, loss, done, k, norms, counted = self._c.epoch_run(chunk)
+                        if per_step:
+                            steps, n, loss, done, k, norms, counted = self._run_scheduled(
+                                scheduler, min(chunk, total - steps_done))
+                        else:
+                            steps, n, loss, done, k, norms, counted = self._c.epoch_run(chunk)
+                        steps_done += steps
                         samples += n
                         loss_sum += loss
                         skipped += k
@@ -359,7 +391,7 @@ class Trainer:
                 seconds = time.perf_counter() - start
                 record: Dict[str, Any] = {
                     "epoch": epoch,
-                    "lr": self.optimizer.lr,
+                    "lr": first_lr,
                     "loss": loss_sum / samples,
                     "val_loss": None,
                     "val_accuracy": None,
@@ -387,7 +419,7 @@ class Trainer:
                 history.append(record)
                 if isinstance(scheduler, ReduceLROnPlateau):
                     scheduler.step(record["val_loss"] if val is not None else record["loss"])
-                elif scheduler is not None:
+                elif scheduler is not None and not per_step:
                     scheduler.step()
         finally:
             self._c.release_data()  # the device copy of the data set, kept between epochs

@@ -331,6 +331,71 @@ static void test_determinism(void) {
     free(out[1]);
 }
 
+/* A rate per step (cmlp_trainer_epoch_run_rates): the epoch's steps at the given rates equal the
+ * same steps taken one by one with the rate set before each (Adam with decoupled weight decay,
+ * and SGD with momentum); the optimizer's rate is as before each call; refusals change nothing. */
+static void test_rates_per_step(void) {
+    int sizes[] = {7, 11, 3};
+    float x[40 * 7];
+    int32_t y[40];
+    unsigned rs = 21;
+    for (int i = 0; i < 40 * 7; i++) x[i] = frand(&rs);
+    for (int i = 0; i < 40; i++) y[i] = (i * 5) % 3;
+    cmlp_data d = {.x = x, .x_dtype = CMLP_DTYPE_F32, .y = y, .n = 40};
+    const double lr[10] = {1e-3, 2e-3, 3e-3, 4e-3, 5e-3, 5e-3, 2.5e-3, 1.25e-3, 0.0, 0.5};
+    for (int kind = 0; kind < 2; kind++) {
+        cmlp_model *m[2];
+        cmlp_optim *o[2];
+        cmlp_trainer *t[2];
+        cmlp_train_config tc = {.batch_size = 4, .accumulation_steps = 1};
+        for (int k = 0; k < 2; k++) {
+            OK(cmlp_model_init(&m[k], sizes, 3, cmlp_cpu(), 8));
+            if (kind == 0) {
+                cmlp_adam_config ac = cmlp_adam_defaults();
+                ac.weight_decay = 0.1;
+                ac.decoupled_weight_decay = 1;
+                OK(cmlp_optim_init_adam(&o[k], m[k], &ac));
+            } else {
+                cmlp_sgd_config sc = cmlp_sgd_defaults();
+                sc.momentum = 0.9;
+                OK(cmlp_optim_init_sgd(&o[k], m[k], &sc));
+            }
+            OK(cmlp_trainer_init(&t[k], m[k], o[k], &tc));
+        }
+        cmlp_epoch_state st;
+        OK(cmlp_trainer_epoch_begin(t[0], &d, 0, &st));
+        const double bad[3] = {1e-3, -1.0, NAN};
+        CHECK(cmlp_trainer_epoch_run_rates(t[0], bad, 2, &st) == CMLP_ERR_INVALID, "a negative rate accepted");
+        CHECK(cmlp_trainer_epoch_run_rates(t[0], bad + 2, 1, &st) == CMLP_ERR_INVALID, "a NaN rate accepted");
+        CHECK(cmlp_trainer_epoch_run_rates(t[0], lr, 0, &st) == CMLP_ERR_INVALID, "no rates accepted");
+        CHECK(cmlp_trainer_epoch_run_rates(t[0], lr, CMLP_MAX_RATES + 1, &st) == CMLP_ERR_INVALID,
+              "more rates than a call takes accepted");
+        CHECK(st.steps == 0, "a refused call stepped");
+        OK(cmlp_trainer_epoch_run_rates(t[0], lr, 3, &st));
+        OK(cmlp_trainer_epoch_run_rates(t[0], lr + 3, 7, &st));
+        CHECK(st.steps == 10 && st.done && cmlp_optim_get_lr(o[0]) == (kind == 0 ? 1e-3 : 0.01),
+              "%lld steps, done %d, rate %g", (long long)st.steps, st.done, cmlp_optim_get_lr(o[0]));
+        for (int k = 0; k < 10; k++) {
+            cmlp_data b = {.x = x + k * 4 * 7, .x_dtype = CMLP_DTYPE_F32, .y = y + k * 4, .n = 4};
+            double loss;
+            OK(cmlp_optim_set_lr(o[1], lr[k]));
+            OK(cmlp_trainer_step(t[1], &b, &loss));
+        }
+        const int64_t np_ = cmlp_model_num_parameters(m[0]);
+        float *p0 = malloc(sizeof(float) * (size_t)np_), *p1 = malloc(sizeof(float) * (size_t)np_);
+        OK(cmlp_model_get_params(m[0], p0));
+        OK(cmlp_model_get_params(m[1], p1));
+        CHECK(memcmp(p0, p1, sizeof(float) * (size_t)np_) == 0, "kind %d: a rate per step differs from the hand's",
+              kind);
+        free(p0), free(p1);
+        for (int k = 0; k < 2; k++) {
+            cmlp_trainer_free(t[k]);
+            cmlp_optim_free(o[k]);
+            cmlp_model_free(m[k]);
+        }
+    }
+}
+
 /* The data-parallel trainer in a group of one (this binary has no MPI module beside it and no
  * launcher started it): every collective of the step runs (the ranks' agreement, the settings'
  * comparison, the sum of the gradients, the group's loss) and the run equals the trainer alone,
@@ -499,6 +564,7 @@ int main(void) {
     test_allocator();
     test_determinism();
     test_clipping();
+    test_rates_per_step();
     test_group_of_one();
     CHECK(allocated_now() == base, "bytes left allocated: %lld", (long long)(allocated_now() - base));
     return check_summary();

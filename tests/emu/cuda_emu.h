@@ -171,6 +171,10 @@ inline double __dadd_rn(double a, double b) {
     volatile double r = a + b;
     return r;
 }
+inline double __ddiv_rn(double a, double b) {
+    volatile double r = a / b;
+    return r;
+}
 
 /* ---- the fp32 helpers of common.cuh, on the host ---- */
 inline float f_add(float a, float b) { return cmlp_emu::ftz(cmlp_emu::rounded(cmlp_emu::ftz(a) + cmlp_emu::ftz(b))); }

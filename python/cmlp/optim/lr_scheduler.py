@@ -8,15 +8,23 @@ over a cmlp optimizer's learning rate.
         trainer.fit(x, y, epochs=1)      # or: Trainer.fit(..., epochs=5, scheduler=sched)
         sched.step()
 
-A schedule only sets `optimizer.lr`; inside `Trainer.fit` the rate of an epoch is the one set
-before it (a step captured as a CUDA graph is captured again when the rate changes).
+A schedule only sets `optimizer.lr`. `Trainer.fit(..., scheduler=sched)` steps it after each
+epoch, or with `scheduler_interval="step"` after each optimizer step (warm-up):
+
+    sched = cmlp.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 500))
+    trainer.fit(x, y, epochs=5, scheduler=sched, scheduler_interval="step")
+
+Off the CPU a step reads its rate on the device, so a step captured as a CUDA graph replays at
+every rate.
 """
 import math
+from bisect import bisect_right
 from math import inf
-from typing import Any, Callable, Dict, Iterable, List
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
-__all__ = ["LRScheduler", "LambdaLR", "StepLR", "MultiStepLR", "ExponentialLR", "CosineAnnealingLR", "LinearLR",
-           "ReduceLROnPlateau"]
+__all__ = ["LRScheduler", "LambdaLR", "MultiplicativeLR", "StepLR", "MultiStepLR", "ConstantLR", "LinearLR",
+           "ExponentialLR", "PolynomialLR", "CosineAnnealingLR", "CosineAnnealingWarmRestarts", "SequentialLR",
+           "ChainedScheduler", "ReduceLROnPlateau"]
 
 
 def _optimizer(optimizer: Any) -> Any:
@@ -48,10 +56,16 @@ class LRScheduler:
             raise KeyError("param 'initial_lr' is not specified in param_groups[0] when resuming an optimizer")
         self.base_lrs: List[float] = [optimizer._initial_lr]
         self.last_epoch = last_epoch
+        self._initial_step()
+
+    def _initial_step(self) -> None:
+        """The constructor's step (torch's): the step count starts again from it."""
         self._step_count = 0
         self._is_initial = True
-        self.step()
-        self._is_initial = False
+        try:
+            self.step()
+        finally:
+            self._is_initial = False
 
     def get_lr(self) -> List[float]:
         raise NotImplementedError
@@ -64,12 +78,27 @@ class LRScheduler:
         """Moves the schedule one epoch (or step) on and sets the optimizer's rate. A rate the
         optimizer refuses (negative, not finite) raises and leaves the schedule where it was."""
         self._step_count += 1
-        self.last_epoch += 1
         try:
-            self.optimizer.lr = self.get_lr()[0]
+            self._update_lr(None)
         except BaseException:
             self._step_count -= 1
-            self.last_epoch -= 1
+            raise
+
+    def _update_lr(self, epoch: Optional[int]) -> None:
+        """The next epoch's rate (torch's recursive form), or with epoch that epoch's (the closed
+        form where there is one): what SequentialLR asks of a schedule at its milestone."""
+        before = self.last_epoch
+        try:
+            if epoch is None:
+                self.last_epoch += 1
+                lr = self.get_lr()[0]
+            else:
+                self.last_epoch = epoch
+                closed = getattr(self, "_get_closed_form_lr", None)
+                lr = (closed() if closed is not None else self.get_lr())[0]
+            self.optimizer.lr = lr
+        except BaseException:
+            self.last_epoch = before
             raise
         self._last_lr = [self.optimizer.lr]
 
@@ -114,6 +143,9 @@ class StepLR(LRScheduler):
             return [self._lr()]
         return [self._lr() * self.gamma]
 
+    def _get_closed_form_lr(self) -> List[float]:
+        return [self.base_lrs[0] * self.gamma ** (self.last_epoch // self.step_size)]
+
 
 class MultiStepLR(LRScheduler):
     """The rate times gamma at each milestone (gamma**k at a milestone given k times)."""
@@ -132,6 +164,10 @@ class MultiStepLR(LRScheduler):
             return [self._lr()]
         return [self._lr() * self.gamma ** self.milestones[self.last_epoch]]
 
+    def _get_closed_form_lr(self) -> List[float]:
+        milestones = sorted(m for m, count in self.milestones.items() for _ in range(count))
+        return [self.base_lrs[0] * self.gamma ** bisect_right(milestones, self.last_epoch)]
+
 
 class ExponentialLR(LRScheduler):
     """The rate times gamma every epoch."""
@@ -144,6 +180,9 @@ class ExponentialLR(LRScheduler):
         if self._is_initial:
             return [self._lr()]
         return [self._lr() * self.gamma]
+
+    def _get_closed_form_lr(self) -> List[float]:
+        return [self.base_lrs[0] * self.gamma ** self.last_epoch]
 
 
 class CosineAnnealingLR(LRScheduler):
@@ -163,6 +202,10 @@ class CosineAnnealingLR(LRScheduler):
         if (t - 1 - T) % (2 * T) == 0:
             return [lr + (base - lo) * (1 - math.cos(math.pi / T)) / 2]
         return [(1 + math.cos(math.pi * t / T)) / (1 + math.cos(math.pi * (t - 1) / T)) * (lr - lo) + lo]
+
+    def _get_closed_form_lr(self) -> List[float]:
+        lo = self.eta_min
+        return [lo + (self.base_lrs[0] - lo) * (1 + math.cos(math.pi * self.last_epoch / self.T_max)) / 2]
 
 
 class LinearLR(LRScheduler):
@@ -187,6 +230,234 @@ class LinearLR(LRScheduler):
             return [lr]
         d = self.end_factor - self.start_factor
         return [lr * (1.0 + d / (self.total_iters * self.start_factor + (t - 1) * d))]
+
+    def _get_closed_form_lr(self) -> List[float]:
+        d = self.end_factor - self.start_factor
+        return [self.base_lrs[0] * (self.start_factor + d * min(self.total_iters, self.last_epoch) / self.total_iters)]
+
+
+class MultiplicativeLR(LRScheduler):
+    """The rate times lr_lambda(epoch) at each step after the first."""
+
+    def __init__(self, optimizer: Any, lr_lambda: Callable[[int], float], last_epoch: int = -1) -> None:
+        if isinstance(lr_lambda, (list, tuple)):
+            if len(lr_lambda) != 1:
+                raise ValueError(f"Expected 1 lr_lambdas (one param group), but got {len(lr_lambda)}")
+            lr_lambda = lr_lambda[0]
+        if not callable(lr_lambda):
+            raise TypeError(f"lr_lambda should be a function, but got {type(lr_lambda).__name__}")
+        self.lr_lambdas = [lr_lambda]
+        super().__init__(optimizer, last_epoch)
+
+    def get_lr(self) -> List[float]:
+        if self._is_initial:
+            return [self._lr()]
+        return [self._lr() * self.lr_lambdas[0](self.last_epoch)]
+
+
+class ConstantLR(LRScheduler):
+    """The rate times factor for the first total_iters epochs, then the rate itself."""
+
+    def __init__(self, optimizer: Any, factor: float = 1.0 / 3, total_iters: int = 5, last_epoch: int = -1) -> None:
+        if not 0 <= factor <= 1:
+            raise ValueError("Constant multiplicative factor expected to be between 0 and 1.")
+        self.factor = float(factor)
+        self.total_iters = _int("total_iters", total_iters, 0)
+        super().__init__(optimizer, last_epoch)
+
+    def get_lr(self) -> List[float]:
+        if self.last_epoch == 0:
+            return [self._lr() * self.factor]
+        if self.last_epoch != self.total_iters:
+            return [self._lr()]
+        return [self._lr() * (1.0 / self.factor)]
+
+    def _get_closed_form_lr(self) -> List[float]:
+        return [self.base_lrs[0] * (self.factor + (self.last_epoch >= self.total_iters) * (1 - self.factor))]
+
+
+class PolynomialLR(LRScheduler):
+    """base_lr (1 - t / total_iters)^power, reaching 0 at total_iters, in torch's recursive form."""
+
+    def __init__(self, optimizer: Any, total_iters: int = 5, power: float = 1.0, last_epoch: int = -1) -> None:
+        self.total_iters = _int("total_iters", total_iters, 1)
+        self.power = float(power)
+        super().__init__(optimizer, last_epoch)
+
+    def get_lr(self) -> List[float]:
+        t, T = self.last_epoch, self.total_iters
+        if self._is_initial or t > T:
+            return [self._lr()]
+        return [self._lr() * ((1.0 - t / T) / (1.0 - (t - 1) / T)) ** self.power]
+
+    def _get_closed_form_lr(self) -> List[float]:
+        return [self.base_lrs[0] * (1.0 - min(self.total_iters, self.last_epoch) / self.total_iters) ** self.power]
+
+
+class CosineAnnealingWarmRestarts(LRScheduler):
+    """Cosine annealing from base_lr to eta_min over T_i epochs, then again (a warm restart),
+    each period T_mult times the last (SGDR)."""
+
+    def __init__(self, optimizer: Any, T_0: int, T_mult: int = 1, eta_min: float = 0.0, last_epoch: int = -1) -> None:
+        if isinstance(T_0, bool) or not isinstance(T_0, int) or T_0 <= 0:
+            raise ValueError(f"Expected positive integer T_0, but got {T_0}")
+        if isinstance(T_mult, bool) or not isinstance(T_mult, int) or T_mult < 1:
+            raise ValueError(f"Expected integer T_mult >= 1, but got {T_mult}")
+        if isinstance(eta_min, bool) or not isinstance(eta_min, (float, int)):
+            raise ValueError(f"Expected float or int eta_min, but got {eta_min} of type {type(eta_min)}")
+        self.T_0, self.T_i, self.T_mult, self.eta_min = T_0, T_0, T_mult, eta_min
+        self.T_cur: Any = last_epoch
+        super().__init__(optimizer, last_epoch)
+
+    def get_lr(self) -> List[float]:
+        lo = self.eta_min
+        return [lo + (self.base_lrs[0] - lo) * (1 + math.cos(math.pi * self.T_cur / self.T_i)) / 2]
+
+    def step(self, epoch: Any = None) -> None:  # type: ignore[override]
+        """The next epoch, or (torch's older form) the given one, fractions allowed."""
+        saved = (self.T_cur, self.T_i, self.last_epoch)
+        try:
+            if epoch is None and self.last_epoch < 0:
+                epoch = 0
+            if epoch is None:
+                epoch = self.last_epoch + 1
+                self.T_cur = self.T_cur + 1
+                if self.T_cur >= self.T_i:
+                    self.T_cur = self.T_cur % self.T_i
+                    self.T_i = self.T_i * self.T_mult
+            else:
+                if epoch < 0:
+                    raise ValueError(f"Expected non-negative epoch, but got {epoch}")
+                if epoch >= self.T_0:
+                    if self.T_mult == 1:
+                        self.T_cur = epoch % self.T_0
+                    else:
+                        n = int(math.log(epoch / self.T_0 * (self.T_mult - 1) + 1, self.T_mult))
+                        self.T_cur = epoch - self.T_0 * (self.T_mult ** n - 1) / (self.T_mult - 1)
+                        self.T_i = self.T_0 * self.T_mult ** n
+                else:
+                    self.T_i = self.T_0
+                    self.T_cur = epoch
+            self.last_epoch = math.floor(epoch)
+            self.optimizer.lr = self.get_lr()[0]
+        except BaseException:
+            self.T_cur, self.T_i, self.last_epoch = saved
+            raise
+        self._last_lr = [self.optimizer.lr]
+
+    def _update_lr(self, epoch: Optional[int]) -> None:
+        self.step(epoch)
+
+
+def _check_parts(kind: str, optimizer: Any, schedulers: Sequence[Any]) -> None:
+    """The schedules a SequentialLR or ChainedScheduler is made of: at least one, of one optimizer,
+    none that steps with a metric."""
+    if len(schedulers) < 1:
+        raise ValueError(f"{kind} expects at least one scheduler, but got no scheduler.")
+    for i, s in enumerate(schedulers):
+        if not isinstance(s, LRScheduler):
+            raise TypeError(f"{kind} at index {i} should be a cmlp.optim.lr_scheduler schedule, got "
+                            f"{type(s).__name__}")
+        if isinstance(s, ReduceLROnPlateau):
+            raise ValueError(f"{kind} does not support `ReduceLROnPlateau` scheduler as it requires additional "
+                             f"kwargs to be specified when calling `step`, but got one at index {i} in the given "
+                             "schedulers sequence.")
+        if s.optimizer is not optimizer:
+            raise ValueError(f"{kind} expects all schedulers to belong to the same optimizer, but got scheduler "
+                             f"{type(s).__name__} at index {i} of another")
+
+
+class _Composite(LRScheduler):
+    """A schedule made of schedules: its state_dict holds theirs."""
+
+    _schedulers: List[LRScheduler]
+
+    def state_dict(self) -> Dict[str, Any]:
+        state = {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "_schedulers")}
+        state["_schedulers"] = [s.state_dict() for s in self._schedulers]
+        return state
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        parts = state_dict["_schedulers"]
+        if len(parts) != len(self._schedulers):
+            raise ValueError(f"the state_dict holds {len(parts)} schedules; this one is made of "
+                             f"{len(self._schedulers)}")
+        self.__dict__.update({k: v for k, v in state_dict.items() if k != "_schedulers"})
+        for s, part in zip(self._schedulers, parts):
+            s.load_state_dict(part)
+
+
+class SequentialLR(_Composite):
+    """One schedule after another: schedulers[i] from milestones[i - 1] on, each started afresh
+    at its milestone (the usual warm-up, then decay:
+    SequentialLR(opt, [LinearLR(opt, 0.01, total_iters=500), CosineAnnealingLR(opt, T_max=9500)],
+    milestones=[500]))."""
+
+    def __init__(self, optimizer: Any, schedulers: Sequence[Any], milestones: Sequence[int],
+                 last_epoch: int = -1) -> None:
+        optimizer = _optimizer(optimizer)
+        schedulers = list(schedulers)
+        _check_parts("SequentialLR", optimizer, schedulers)
+        milestones = [_int("milestones", m, 0) for m in milestones]
+        if len(milestones) != len(schedulers) - 1:
+            raise ValueError("Sequential Schedulers expects number of schedulers provided to be one more than the "
+                             f"number of milestone points, but got number of schedulers {len(schedulers)} and the "
+                             f"number of milestones to be equal to {len(milestones)}")
+        self._schedulers, self._milestones = schedulers, milestones
+        self.last_epoch = last_epoch + 1
+        self.optimizer = optimizer
+        optimizer.lr = optimizer._initial_lr  # the parts' first steps are undone, and only the first's made again
+        self._undo(self)
+        first = self._schedulers[bisect_right(milestones, 0)]
+        first._initial_step()
+        self._last_lr = first.get_last_lr()
+
+    def _undo(self, sched: Any) -> None:
+        if hasattr(sched, "_schedulers"):
+            for s in sched._schedulers:
+                self._undo(s)
+        elif hasattr(sched, "last_epoch"):
+            sched.last_epoch -= 1
+
+    def step(self) -> None:
+        self.last_epoch += 1
+        i = bisect_right(self._milestones, self.last_epoch)
+        sched = self._schedulers[i]
+        try:
+            if i > 0 and self._milestones[i - 1] == self.last_epoch:
+                sched._update_lr(0)
+            else:
+                sched.step()
+        except BaseException:
+            self.last_epoch -= 1
+            raise
+        self._last_lr = sched.get_last_lr()
+
+    def _update_lr(self, epoch: Optional[int]) -> None:
+        raise TypeError("a SequentialLR cannot be placed at an epoch")
+
+
+class ChainedScheduler(_Composite):
+    """Several schedules stepped together, each on the rate the one before it set (their
+    factors multiply)."""
+
+    def __init__(self, schedulers: Sequence[Any], optimizer: Any = None) -> None:
+        schedulers = list(schedulers)
+        if schedulers and optimizer is None:
+            optimizer = getattr(schedulers[0], "optimizer", None)
+        optimizer = _optimizer(optimizer)
+        _check_parts("ChainedScheduler", optimizer, schedulers)
+        self._schedulers = schedulers
+        self.optimizer = optimizer
+        self._last_lr = [optimizer.lr]
+
+    def step(self) -> None:
+        for s in self._schedulers:
+            s.step()
+        self._last_lr = [self.optimizer.lr]
+
+    def _update_lr(self, epoch: Optional[int]) -> None:
+        raise TypeError("a ChainedScheduler cannot be placed at an epoch")
 
 
 class ReduceLROnPlateau(LRScheduler):
