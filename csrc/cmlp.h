@@ -382,6 +382,11 @@ CMLP_API cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, 
 #define CMLP_MAX_RATES 16
 CMLP_API cmlp_status cmlp_trainer_epoch_run_rates(cmlp_trainer *t, const double *lr, int64_t n,
                                                   cmlp_epoch_state *st);
+/* Epochs begun (each draws its order from the seed and this count); set to resume a run from a
+ * checkpoint so that the next epoch shuffles as the original run's did (an epoch left unfinished
+ * by a failure is abandoned). */
+CMLP_API int64_t cmlp_trainer_epochs(const cmlp_trainer *t);
+CMLP_API cmlp_status cmlp_trainer_set_epochs(cmlp_trainer *t, int64_t epochs);
 /* Frees the copy of the epochs' data set the trainer keeps on the device (kept from one epoch to
  * the next for same_data; also freed by an epoch_begin on other data, and with the trainer). */
 CMLP_API void cmlp_trainer_release_data(cmlp_trainer *t);

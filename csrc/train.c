@@ -805,6 +805,16 @@ static cmlp_status epoch_run(cmlp_trainer *t, int64_t max_steps, const double *l
     return s;
 }
 
+int64_t cmlp_trainer_epochs(const cmlp_trainer *t) { return t ? t->epoch : 0; }
+
+cmlp_status cmlp_trainer_set_epochs(cmlp_trainer *t, int64_t epochs) {
+    if (!t) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
+    if (epochs < 0) return CMLP_FAIL(CMLP_ERR_INVALID, "epochs must be >= 0, got %lld", (long long)epochs);
+    t->epoch_open = false; /* an epoch left unfinished (by a failure) is abandoned */
+    t->epoch = epochs;
+    return CMLP_OK;
+}
+
 cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, cmlp_epoch_state *st) {
     return epoch_run(t, max_steps, NULL, 0, st);
 }

@@ -644,12 +644,13 @@ def test_clipping_inside_a_replayed_step_equals_the_eager_loop(device, amp):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("interval", ["epoch", "step"])
+@pytest.mark.parametrize("interval", ["epoch", "step", "one-cycle"])
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
 def test_a_learning_rate_schedule_replays_the_captured_step_and_equals_the_eager_loop(device, interval, kind):
     """A captured step reads its rate on the device: a schedule stepped each epoch, or each step
     (warm-up), changes the rate of the replays, and the run equals the eager loop with the same
-    rates (opt.step() and scheduler.step() from Python), bit for bit."""
+    rates (opt.step() and scheduler.step() from Python), bit for bit; OneCycleLR, which moves the
+    momentum too, as well."""
     sizes, batch, steps, epochs = [784, 64, 10], 32, 4, 3
     rng = np.random.default_rng(13)
     x = rng.standard_normal((batch * steps, 784)).astype(np.float32)
@@ -663,13 +664,15 @@ def test_a_learning_rate_schedule_replays_the_captured_step_and_equals_the_eager
     def schedule(opt):
         if interval == "epoch":
             return cmlp.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        if interval == "one-cycle":
+            return cmlp.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=steps * epochs)
         return cmlp.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 6) * 0.9 ** k)
 
     graph = cmlp.MLP(sizes, device=device, seed=0)
     opt_g = optimizer(graph)
     t_graph = cmlp.Trainer(graph, opt_g, batch_size=batch, shuffle=False)
     history = t_graph.fit(x, y, epochs=epochs, progress=False, scheduler=schedule(opt_g),
-                          scheduler_interval=interval)
+                          scheduler_interval="epoch" if interval == "epoch" else "step")
     eager = cmlp.MLP(sizes, device=device, seed=0)
     opt = optimizer(eager)
     sched = schedule(opt)
@@ -680,7 +683,7 @@ def test_a_learning_rate_schedule_replays_the_captured_step_and_equals_the_eager
             opt.zero_grad()
             eager.forward_backward(x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch])
             opt.step()
-            if interval == "step":
+            if interval != "epoch":
                 sched.step()
         if interval == "epoch":
             sched.step()

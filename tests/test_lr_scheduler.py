@@ -100,6 +100,58 @@ def test_composite_schedules_are_torchs_to_the_bit(name):
     assert mine == theirs
 
 
+ONE_CYCLE = [("adam", dict(max_lr=0.5, total_steps=25)),
+             ("sgd", dict(max_lr=[0.3], epochs=5, steps_per_epoch=5, anneal_strategy="linear")),
+             ("adam", dict(max_lr=1.0, total_steps=25, three_phase=True, pct_start=0.25, div_factor=10.0)),
+             ("sgd", dict(max_lr=0.2, total_steps=25, cycle_momentum=False, final_div_factor=100.0))]
+
+
+@pytest.mark.parametrize("kind,kw", ONE_CYCLE, ids=["adam-cos", "sgd-linear", "adam-three-phase", "sgd-no-momentum"])
+def test_one_cycle_rates_and_momenta_are_torchs_to_the_bit(kind, kw):
+    torch = pytest.importorskip("torch")
+    model = cmlp.MLP(SIZES)
+    opt = (cmlp.optim.Adam(model, lr=0.1, betas=(0.9, 0.99)) if kind == "adam" else
+           cmlp.optim.SGD(model, lr=0.1, momentum=0.9))
+    sched = S.OneCycleLR(opt, **kw)
+    param = [torch.nn.Parameter(torch.zeros(1))]
+    topt = (torch.optim.Adam(param, lr=0.1, betas=(0.9, 0.99)) if kind == "adam" else
+            torch.optim.SGD(param, lr=0.1, momentum=0.9))
+    ts = torch.optim.lr_scheduler.OneCycleLR(topt, **kw)
+    for _ in range(25):
+        group = topt.param_groups[0]
+        assert opt.lr == max(group["lr"], 0.0)  # torch's linear strategy goes below 0 after its last step
+        assert opt._momentum() == (group["betas"][0] if kind == "adam" else group["momentum"])
+        if kind == "adam":
+            assert opt.betas[1] == 0.99
+        topt.step()
+        ts.step()
+        sched.step()
+    group = topt.param_groups[0]
+    assert opt.lr == max(group["lr"], 0.0) and (kind == "sgd" and "linear" in kw.values()) == (group["lr"] < 0)
+    with pytest.raises(ValueError, match="Tried to step 26 times"):
+        sched.step()
+    assert opt.state_dict()["param_groups"][0]["initial_lr"] == topt.param_groups[0]["initial_lr"]
+
+
+def test_fit_with_one_cycle_equals_the_hand_loop():
+    """OneCycleLR cycles Adam's beta1 with the rate: fit ends each call into C where the momentum
+    changes, and trains as the hand loop does."""
+    x, y = data(160)
+    runs = []
+    for by_fit in (True, False):
+        model = cmlp.MLP(SIZES, seed=6)
+        opt = cmlp.optim.Adam(model, lr=0.01)
+        sched = S.OneCycleLR(opt, max_lr=0.05, epochs=2, steps_per_epoch=10)
+        trainer = cmlp.Trainer(model, opt, batch_size=16, shuffle=False)
+        if by_fit:
+            trainer.fit(x, y, epochs=2, progress=False, scheduler=sched, scheduler_interval="step")
+        else:
+            hand_loop(trainer, sched, x, y, 2, 16)
+        runs.append((model._c.get_params(), opt.lr, opt.betas, sched.last_epoch))
+    np.testing.assert_array_equal(runs[0][0], runs[1][0])
+    assert runs[0][1:] == runs[1][1:] and runs[0][3] == 20
+
+
 def test_composites_resume_from_a_state_dict_and_check_their_parts():
     opt = cmlp.optim.SGD(cmlp.MLP(SIZES), lr=0.1)
     sched = composites(S, opt)["three-parts"]()

@@ -99,6 +99,86 @@ def test_fit_continues_from_where_it_was():
     assert_params_equal(m1, m2)
 
 
+CHECKPOINT_CASES = [dict(amp=None, sched="step"), dict(amp="fp16", sched="cosine-per-step"),
+                    dict(amp="bf16", sched=None, micro=4)]
+
+
+@pytest.mark.parametrize("case", CHECKPOINT_CASES, ids=["fp32-steplr", "fp16-cosine-per-step", "bf16-microbatched"])
+def test_a_run_resumed_from_a_checkpoint_equals_the_uninterrupted_run(case, tmp_path):
+    """Three epochs in one go, against two, a checkpoint (the model's, optimizer's, schedule's
+    and trainer's state_dicts through pickle, as torch.save would), new objects made from it,
+    and a third: the same bits and the same third epoch (its shuffle order, loss scale,
+    micro-batch and rates)."""
+    import pickle
+
+    x, y = teacher_data(300)
+    S = cmlp.optim.lr_scheduler
+    interval = "step" if case["sched"] == "cosine-per-step" else "epoch"
+
+    def build():
+        model = cmlp.MLP(SIZES, seed=3)
+        opt = cmlp.optim.Adam(model, lr=1e-2)
+        trainer = cmlp.Trainer(model, opt, batch_size=16, amp=case["amp"], seed=5)
+        if "micro" in case:  # as automatic micro-batching leaves it after running out of memory
+            trainer._c.start_microbatch(case["micro"])
+        sched = (S.StepLR(opt, step_size=1, gamma=0.7) if case["sched"] == "step" else
+                 S.CosineAnnealingLR(opt, T_max=57) if case["sched"] else None)
+        return model, opt, trainer, sched
+
+    model, opt, trainer, sched = build()
+    straight = trainer.fit(x, y, epochs=3, progress=False, scheduler=sched, scheduler_interval=interval)
+    model2, opt2, trainer2, sched2 = build()
+    trainer2.fit(x, y, epochs=2, progress=False, scheduler=sched2, scheduler_interval=interval)
+    state = {"model": model2.state_dict(), "optimizer": opt2.state_dict(), "trainer": trainer2.state_dict(),
+             "scheduler": sched2.state_dict() if sched2 is not None else None}
+    (tmp_path / "ckpt.pkl").write_bytes(pickle.dumps(state))
+    state = pickle.loads((tmp_path / "ckpt.pkl").read_bytes())
+    model3 = cmlp.MLP(SIZES, seed=99)
+    opt3 = cmlp.optim.Adam(model3, lr=1e-2)
+    trainer3 = cmlp.Trainer(model3, opt3, batch_size=16, amp=case["amp"], seed=5)
+    model3.load_state_dict(state["model"])
+    opt3.load_state_dict(state["optimizer"])
+    trainer3.load_state_dict(state["trainer"])
+    sched3 = None
+    if case["sched"] == "step":
+        sched3 = S.StepLR(opt3, step_size=1, gamma=0.7)
+    elif case["sched"]:
+        sched3 = S.CosineAnnealingLR(opt3, T_max=57)
+    if sched3 is not None:
+        sched3.load_state_dict(state["scheduler"])
+    assert trainer3.epochs == 2 and trainer3.microbatch_size == case.get("micro", 16)
+    third = trainer3.fit(x, y, epochs=1, progress=False, scheduler=sched3, scheduler_interval=interval)
+    assert_params_equal(model, model3)
+    assert third[0]["loss"] == straight[2]["loss"] and third[0]["lr"] == straight[2]["lr"]
+    assert trainer3.epochs == 3 and opt3.lr == opt.lr
+    if trainer.scaler is not None:
+        assert trainer3.scaler.state_dict() == trainer.scaler.state_dict()
+    # without the trainer's state the third epoch shuffles as the first did: other bits
+    model4, opt4, trainer4, sched4 = build()
+    model4.load_state_dict(state["model"])
+    opt4.load_state_dict(state["optimizer"])
+    trainer4.fit(x, y, epochs=1, progress=False)
+    assert not np.array_equal(params(model4), params(model))
+
+
+def test_a_bad_trainer_state_dict_raises_and_changes_nothing():
+    x, y = teacher_data(64)
+    _, _, trainer = make("adam", batch_size=16, amp="fp16")
+    trainer.fit(x, y, epochs=1, progress=False)
+    good = trainer.state_dict()
+    assert good["epochs"] == 1 and good["microbatch_size"] == 16 and good["scaler"]["scale"] == 65536.0
+    for bad, pattern in ((dict(good, epochs=-1), "epochs"), (dict(good, epochs=1.5), "epochs"),
+                         (dict(good, microbatch_size=17), "micro-batch"), (dict(good, microbatch_size=0), "micro"),
+                         (dict(good, scaler=None), "loss scaler"), ({"epochs": 1}, "keys"), ([], "keys"),
+                         (dict(good, scaler={"scale": -1.0}), "scale")):
+        with pytest.raises((ValueError, TypeError, KeyError), match=pattern):
+            trainer.load_state_dict(bad)
+        assert trainer.state_dict() == good
+    _, _, plain = make("adam", batch_size=16)
+    with pytest.raises(ValueError, match="this trainer has none"):
+        plain.load_state_dict(good)
+
+
 # ---- progress ----
 
 def test_progress_with_tqdm(capsys):

@@ -920,6 +920,31 @@ static PyObject *Trainer_set_distributed(TrainerObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Trainer_get_epochs(TrainerObject *self, void *closure) {
+    (void)closure;
+    if (trainer_ready(self) < 0) return NULL;
+    return PyLong_FromLongLong(cmlp_trainer_epochs(self->t));
+}
+
+static int Trainer_set_epochs(TrainerObject *self, PyObject *value, void *closure) {
+    (void)closure;
+    if (!value) {
+        PyErr_SetString(PyExc_AttributeError, "epochs cannot be deleted");
+        return -1;
+    }
+    long long n = PyLong_AsLongLong(value);
+    if (n == -1 && PyErr_Occurred()) return -1;
+    if (trainer_ready(self) < 0) return -1;
+    ModelObject *mo = self->optim->model;
+    cmlp_status st;
+    RUN_LOCKED(mo, st = cmlp_trainer_set_epochs(self->t, n));
+    if (st != CMLP_OK) {
+        raise_status(mo->ms, st);
+        return -1;
+    }
+    return 0;
+}
+
 static PyMethodDef Trainer_methods[] = {
     {"set_distributed", (PyCFunction)Trainer_set_distributed, METH_O, "data-parallel over the process group or not"},
     {"step", (PyCFunction)(void (*)(void))Trainer_step, METH_VARARGS | METH_KEYWORDS, "one optimizer step"},
@@ -941,6 +966,7 @@ static PyMethodDef Trainer_methods[] = {
 
 static PyGetSetDef Trainer_getset[] = {
     {"microbatch_size", (getter)Trainer_get_micro, (setter)Trainer_set_micro, "rows computed at once", NULL},
+    {"epochs", (getter)Trainer_get_epochs, (setter)Trainer_set_epochs, "epochs begun (the next one's order)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -45,6 +45,7 @@ class Optimizer:
 
 class Trainer:
     microbatch_size: int
+    epochs: int
     def __init__(self, optimizer: Optimizer, batch_size: int, accumulation_steps: int = ...,
                  microbatch_size: int = ..., shuffle: bool = ..., seed: int = ..., label_smoothing: float = ...,
                  amp: int = ..., auto_microbatch: bool = ..., grow_interval: int = ..., recompute: bool = ...,

@@ -132,6 +132,46 @@ class Trainer:
         finally:
             self._busy.release()
 
+    @property
+    def epochs(self) -> int:
+        """Epochs fit has begun with this trainer: the next one shuffles with (seed, epochs)."""
+        return self._c.epochs
+
+    def state_dict(self) -> Dict[str, Any]:
+        """What a checkpoint needs beside the model's, optimizer's and schedule's state_dicts so
+        that a run resumed from it trains as the uninterrupted run would, bit for bit: the epochs
+        begun (the next epoch's order), the micro-batch in use and the loss scaler's state."""
+        return {"epochs": self._c.epochs, "microbatch_size": self._c.microbatch_size,
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restores what state_dict() gave, into a trainer made with the same arguments; a bad
+        dict raises and changes nothing."""
+        if not isinstance(state_dict, dict) or set(state_dict) != {"epochs", "microbatch_size", "scaler"}:
+            raise ValueError("a trainer state_dict is a dict with the keys 'epochs', 'microbatch_size' and 'scaler'")
+        epochs = state_dict["epochs"]
+        if isinstance(epochs, bool) or not isinstance(epochs, (int, np.integer)) or epochs < 0:
+            raise ValueError(f"state_dict['epochs'] must be an int >= 0, got {epochs!r}")
+        micro = _positive_int("state_dict['microbatch_size']", state_dict["microbatch_size"])
+        scaler = state_dict["scaler"]
+        if (scaler is None) != (self.scaler is None):
+            raise ValueError("the state_dict's loss scaler does not match this trainer's: "
+                             + ("it has none" if scaler is None else "this trainer has none"))
+        self._claim("load_state_dict")
+        try:
+            if scaler is not None:
+                before = self.scaler.state_dict()
+                self.scaler.load_state_dict(scaler)
+            try:
+                self._c.start_microbatch(micro)  # at most the micro-batch this trainer was made with
+                self._c.epochs = int(epochs)
+            except BaseException:
+                if scaler is not None:
+                    self.scaler.load_state_dict(before)
+                raise
+        finally:
+            self._busy.release()
+
     def _push_scaler(self) -> None:
         """The scaler's state into the C loop, which scales, checks, skips and updates."""
         s = self.scaler
@@ -331,19 +371,32 @@ class Trainer:
     def _run_scheduled(self, scheduler: Any, steps: int) -> Tuple[int, int, float, bool, int, float, int]:
         """epoch_run for up to `steps` steps, each at the rate the schedule gives it: the rates are
         the schedule's next ones (stepped once per step, as torch code steps it after each
-        optimizer.step()) and reach the device with the call. After a failure the schedule is
-        where the call began."""
+        optimizer.step()) and reach the device with the call. A schedule that moves the momentum
+        too (OneCycleLR) ends a call where the momentum changes: the call's steps share theirs,
+        set before it (off the CPU, a step whose momentum changed runs eagerly). After a failure
+        the schedule is where the call began."""
+        opt = self.optimizer
         k = min(steps, _cmlp.MAX_RATES)
-        saved, lr = scheduler.state_dict(), self.optimizer.lr
-        rates = []
+        saved, lr, momentum = scheduler.state_dict(), opt.lr, opt._momentum()
+        rates: List[float] = []
         try:
             for _ in range(k):
-                rates.append(self.optimizer.lr)
+                if rates and opt._momentum() != momentum:
+                    break
+                rates.append(opt.lr)
                 scheduler.step()
-            return self._c.epoch_run(k, rates)
+            after = opt._momentum()
+            if after != momentum:
+                opt._set_momentum(momentum)
+            result = self._c.epoch_run(len(rates), rates)
+            if after != momentum:
+                opt._set_momentum(after)
+            return result
         except BaseException:
             scheduler.load_state_dict(saved)
-            self.optimizer.lr = lr
+            opt.lr = lr
+            if opt._momentum() != momentum:
+                opt._set_momentum(momentum)
             raise
 
     def _fit(self, xa: np.ndarray, ya: np.ndarray, epochs: int, val: Optional[Tuple[np.ndarray, np.ndarray]],

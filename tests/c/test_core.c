@@ -319,6 +319,9 @@ static void test_determinism(void) {
             while (!st.done) OK(cmlp_trainer_epoch_run(t, 3, &st));
             CHECK(st.steps == 8 && st.samples == 64, "epoch %lld steps", (long long)st.steps);
         }
+        CHECK(cmlp_trainer_epochs(t) == 2, "%lld epochs begun", (long long)cmlp_trainer_epochs(t));
+        CHECK(cmlp_trainer_set_epochs(t, -1) == CMLP_ERR_INVALID && cmlp_trainer_epochs(t) == 2,
+              "a negative epoch count accepted");
         out[v] = malloc(sizeof(float) * (size_t)cmlp_model_num_parameters(m));
         OK(cmlp_model_get_params(m, out[v]));
         int64_t n = cmlp_model_num_parameters(m);

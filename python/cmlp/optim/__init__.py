@@ -169,6 +169,15 @@ class Optimizer:
     def _apply(self, config: Dict[str, Any]) -> None:
         raise NotImplementedError
 
+    def _momentum(self) -> float:
+        """The momentum a schedule cycles (OneCycleLR): Adam's beta1, SGD's momentum."""
+        return self.betas[0] if self._kind == "adam" else self.momentum  # type: ignore[attr-defined]
+
+    def _set_momentum(self, value: float) -> None:
+        config = self._group_config(self._group())
+        config["beta1" if self._kind == "adam" else "momentum"] = _num("momentum", value)
+        self._apply(config)
+
 
 class Adam(Optimizer):
     """torch.optim.Adam, bias-corrected: weight_decay is L2, added to the gradient, unless

@@ -15,7 +15,8 @@ epoch, or with `scheduler_interval="step"` after each optimizer step (warm-up):
     trainer.fit(x, y, epochs=5, scheduler=sched, scheduler_interval="step")
 
 Off the CPU a step reads its rate on the device, so a step captured as a CUDA graph replays at
-every rate.
+every rate. OneCycleLR's momentum (cycle_momentum=True) is a setting of the optimizer: a step
+whose momentum changed runs eagerly.
 """
 import math
 from bisect import bisect_right
@@ -23,8 +24,8 @@ from math import inf
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 __all__ = ["LRScheduler", "LambdaLR", "MultiplicativeLR", "StepLR", "MultiStepLR", "ConstantLR", "LinearLR",
-           "ExponentialLR", "PolynomialLR", "CosineAnnealingLR", "CosineAnnealingWarmRestarts", "SequentialLR",
-           "ChainedScheduler", "ReduceLROnPlateau"]
+           "ExponentialLR", "PolynomialLR", "CosineAnnealingLR", "CosineAnnealingWarmRestarts", "OneCycleLR",
+           "SequentialLR", "ChainedScheduler", "ReduceLROnPlateau"]
 
 
 def _optimizer(optimizer: Any) -> Any:
@@ -347,6 +348,107 @@ class CosineAnnealingWarmRestarts(LRScheduler):
 
     def _update_lr(self, epoch: Optional[int]) -> None:
         self.step(epoch)
+
+
+def _one(name: str, value: Any) -> float:
+    """A per-group argument of one param group: a number, or a list or tuple of one."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != 1:
+            raise ValueError(f"expected 1 values for {name}, got {len(value)}")
+        value = value[0]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+class OneCycleLR(LRScheduler):
+    """The 1cycle policy, stepped after every optimizer step: the rate rises from
+    max_lr / div_factor to max_lr over pct_start of total_steps, then anneals to
+    initial_lr / final_div_factor (three_phase: back down to the initial rate first), cosine or
+    linear; with cycle_momentum the momentum (Adam's beta1, SGD's momentum) moves the other way,
+    between max_momentum and base_momentum."""
+
+    def __init__(self, optimizer: Any, max_lr: Any, total_steps: Optional[int] = None, epochs: Optional[int] = None,
+                 steps_per_epoch: Optional[int] = None, pct_start: float = 0.3, anneal_strategy: str = "cos",
+                 cycle_momentum: bool = True, base_momentum: Any = 0.85, max_momentum: Any = 0.95,
+                 div_factor: float = 25.0, final_div_factor: float = 1e4, three_phase: bool = False,
+                 last_epoch: int = -1) -> None:
+        optimizer = _optimizer(optimizer)
+        if total_steps is not None:
+            if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps <= 0:
+                raise ValueError(f"Expected positive integer total_steps, but got {total_steps}")
+            self.total_steps = total_steps
+        elif epochs is not None and steps_per_epoch is not None:
+            if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs <= 0:
+                raise ValueError(f"Expected positive integer epochs, but got {epochs}")
+            if isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, int) or steps_per_epoch <= 0:
+                raise ValueError(f"Expected positive integer steps_per_epoch, but got {steps_per_epoch}")
+            self.total_steps = epochs * steps_per_epoch
+        else:
+            raise ValueError("You must define either total_steps OR (epochs AND steps_per_epoch)")
+        n = self.total_steps
+        if three_phase:
+            self._schedule_phases = [
+                {"end_step": float(pct_start * n) - 1, "start_lr": "initial_lr", "end_lr": "max_lr",
+                 "start_momentum": "max_momentum", "end_momentum": "base_momentum"},
+                {"end_step": float(2 * pct_start * n) - 2, "start_lr": "max_lr", "end_lr": "initial_lr",
+                 "start_momentum": "base_momentum", "end_momentum": "max_momentum"},
+                {"end_step": n - 1, "start_lr": "initial_lr", "end_lr": "min_lr",
+                 "start_momentum": "max_momentum", "end_momentum": "max_momentum"}]
+        else:
+            self._schedule_phases = [
+                {"end_step": float(pct_start * n) - 1, "start_lr": "initial_lr", "end_lr": "max_lr",
+                 "start_momentum": "max_momentum", "end_momentum": "base_momentum"},
+                {"end_step": n - 1, "start_lr": "max_lr", "end_lr": "min_lr",
+                 "start_momentum": "base_momentum", "end_momentum": "max_momentum"}]
+        if not isinstance(pct_start, float) or not 0 <= pct_start <= 1:
+            raise ValueError(f"Expected float between 0 and 1 pct_start, but got {pct_start}")
+        if anneal_strategy not in ("cos", "linear"):
+            raise ValueError(f"anneal_strategy must be one of 'cos' or 'linear', instead got {anneal_strategy}")
+        self._anneal_func_type = anneal_strategy
+        top = _one("max_lr", max_lr)
+        # torch keeps these in the param group; here the schedule keeps them (and its state_dict)
+        self._group = {"initial_lr": top / div_factor, "max_lr": top, "min_lr": top / div_factor / final_div_factor}
+        if last_epoch == -1:
+            optimizer._initial_lr = self._group["initial_lr"]
+        elif optimizer._initial_lr is not None:
+            self._group["initial_lr"] = optimizer._initial_lr
+        self.cycle_momentum = bool(cycle_momentum)
+        if self.cycle_momentum:
+            self.use_beta1 = optimizer._kind == "adam"
+            self._group["max_momentum"] = _one("max_momentum", max_momentum)
+            self._group["base_momentum"] = _one("base_momentum", base_momentum)
+            if last_epoch == -1:
+                optimizer._set_momentum(self._group["max_momentum"])
+        super().__init__(optimizer, last_epoch)
+
+    @staticmethod
+    def _annealing_cos(start: float, end: float, pct: float) -> float:
+        return end + (start - end) / 2.0 * (math.cos(math.pi * pct) + 1)
+
+    @staticmethod
+    def _annealing_linear(start: float, end: float, pct: float) -> float:
+        return (end - start) * pct + start
+
+    def get_lr(self) -> List[float]:
+        step = self.last_epoch
+        if step > self.total_steps:
+            raise ValueError(f"Tried to step {step} times. The specified number of total steps is {self.total_steps}")
+        anneal = self._annealing_cos if self._anneal_func_type == "cos" else self._annealing_linear
+        g, start = self._group, 0.0
+        for i, phase in enumerate(self._schedule_phases):
+            end = phase["end_step"]
+            if step <= end or i == len(self._schedule_phases) - 1:
+                pct = (step - start) / (end - start)
+                lr = anneal(g[phase["start_lr"]], g[phase["end_lr"]], pct)
+                if self.cycle_momentum:
+                    self.optimizer._set_momentum(anneal(g[phase["start_momentum"]], g[phase["end_momentum"]], pct))
+                break
+            start = phase["end_step"]
+        # one step past the last (total_steps: the step torch code takes after its last optimizer
+        # step) the linear strategy extrapolates below 0, which torch sets and never trains with;
+        # the optimizer here takes no negative rate, so that step's rate is 0
+        return [max(lr, 0.0)]
 
 
 def _check_parts(kind: str, optimizer: Any, schedulers: Sequence[Any]) -> None:
