@@ -47,7 +47,7 @@ build/emu/cuda_emu.o: tests/emu/cuda_emu.cpp tests/emu/cuda_emu.h
 
 build/tests/test_kernels: tests/c/test_kernels.c tests/c/check.h $(CORE_SRC) $(CORE_HDR) $(EMU_OBJ)
 	@mkdir -p build/tests
-	$(CC) -std=c11 -g -O1 $(SAN) $(WARN) $(DEFS) -fno-math-errno -Icsrc -Ikernels -isystem $(CUDA_INC) \
+	$(CC) -std=c11 -g -O1 $(SAN) $(WARN) $(DEFS) -fno-math-errno -ffp-contract=off -Icsrc -Ikernels -isystem $(CUDA_INC) \
 	    -I$(BLAS_INC) $< $(CORE_SRC) $(EMU_OBJ) -o $@ -L$(BLAS_LIB) -lscipy_openblas -Wl,-rpath,$(BLAS_LIB) \
 	    -lstdc++ -lm -lpthread
 
@@ -108,7 +108,7 @@ asan-emu:
 $(filter-out build/tests/test_kernels,$(C_TESTS)): build/tests/%: tests/c/%.c tests/c/check.h $(CORE_SRC) $(CORE_HDR)
 	@test -n "$(BLAS_INC)" || { echo "scipy-openblas32 is not installed for $(PYTHON): run scripts/setup.sh"; exit 1; }
 	@mkdir -p build/tests
-	$(CC) -std=c11 -g -O1 $(SAN) $(WARN) $(DEFS) -fno-math-errno -Icsrc -I$(BLAS_INC) \
+	$(CC) -std=c11 -g -O1 $(SAN) $(WARN) $(DEFS) -fno-math-errno -ffp-contract=off -Icsrc -I$(BLAS_INC) \
 	    $< $(CORE_SRC) -o $@ -L$(BLAS_LIB) -lscipy_openblas -Wl,-rpath,$(BLAS_LIB) -lm -lpthread
 
 # test_kernels runs twice: blocks in order, then the last block first (a result that depends on

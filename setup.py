@@ -163,7 +163,9 @@ blas = blas_config()
 cuda = cuda_config()
 mpi = mpi_config()
 debug = os.environ.get("CMLP_DEBUG") == "1"
-cflags = ["-std=c11", "-fvisibility=hidden", "-fno-math-errno", "-Wall", "-Wextra", "-Wundef",
+# -ffp-contract=off: every product rounded once, as the CUDA kernels and torch round them (GCC
+# contracts nothing in ISO C mode anyway; clang would fuse multiply-adds by default)
+cflags = ["-std=c11", "-fvisibility=hidden", "-fno-math-errno", "-ffp-contract=off", "-Wall", "-Wextra", "-Wundef",
           "-Wno-missing-field-initializers"]
 cflags += ["-O0", "-g"] if debug else ["-O3"]
 if os.environ.get("CMLP_PORTABLE") != "1":

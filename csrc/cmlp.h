@@ -382,6 +382,13 @@ CMLP_API cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, 
 #define CMLP_MAX_RATES 16
 CMLP_API cmlp_status cmlp_trainer_epoch_run_rates(cmlp_trainer *t, const double *lr, int64_t n,
                                                   cmlp_epoch_state *st);
+/* What automatic micro-batching moves: the micro-batch in use, the one it grows back to, and
+ * the good steps counted toward the next doubling (a checkpoint keeps them; set checks
+ * 1 <= size <= target <= 2**62 and good_steps >= 0). */
+CMLP_API void cmlp_trainer_get_microbatch_state(const cmlp_trainer *t, int64_t *size, int64_t *target,
+                                                int64_t *good_steps);
+CMLP_API cmlp_status cmlp_trainer_set_microbatch_state(cmlp_trainer *t, int64_t size, int64_t target,
+                                                       int64_t good_steps);
 /* Epochs begun (each draws its order from the seed and this count); set to resume a run from a
  * checkpoint so that the next epoch shuffles as the original run's did (an epoch left unfinished
  * by a failure is abandoned). */

@@ -72,6 +72,12 @@ static cmlp_status check_sgd(const cmlp_sgd_config *c) {
     CMLP_TRY(check_real("weight_decay value", c->weight_decay));
     if (!(fabs(c->dampening) <= FLT_MAX))
         return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid dampening value: %g (must be finite in float32)", c->dampening);
+    return CMLP_OK;
+}
+
+/* torch checks Nesterov's needs when the optimizer is made only: a schedule may later take the
+ * momentum to 0 (OneCycleLR), and the steps are then plain SGD's */
+static cmlp_status check_nesterov(const cmlp_sgd_config *c) {
     if (c->nesterov && (c->momentum <= 0.0 || c->dampening != 0.0))
         return CMLP_FAIL(CMLP_ERR_INVALID, "Nesterov momentum requires a momentum and zero dampening");
     return CMLP_OK;
@@ -88,6 +94,7 @@ cmlp_status cmlp_optim_init_adam(cmlp_optim **out, cmlp_model *m, const cmlp_ada
 cmlp_status cmlp_optim_init_sgd(cmlp_optim **out, cmlp_model *m, const cmlp_sgd_config *c) {
     if (!c) return CMLP_FAIL(CMLP_ERR_INVALID, "config must not be NULL");
     CMLP_TRY(check_sgd(c));
+    CMLP_TRY(check_nesterov(c));
     CMLP_TRY(optim_new(out, m, CMLP_OPTIM_SGD));
     (*out)->sgd = *c;
     return CMLP_OK;
@@ -111,10 +118,12 @@ cmlp_status cmlp_optim_set_lr(cmlp_optim *o, double lr) {
     return CMLP_OK;
 }
 
-/* Buffers this optimizer keeps once it has stepped. */
+/* Buffers this optimizer keeps once it has stepped. SGD's momentum buffer, once made, stays
+ * when the momentum is set to 0 (as torch keeps it in its state), and serves again when the
+ * momentum comes back. */
 static int buffers_of(const cmlp_optim *o) {
     if (o->kind == CMLP_OPTIM_ADAM) return 2;
-    return o->sgd.momentum != 0.0 ? 1 : 0;
+    return o->sgd.momentum != 0.0 || o->state ? 1 : 0;
 }
 
 /* A step skipped on the device (inf/NaN under loss scaling) may have made the state; it holds
@@ -132,13 +141,8 @@ cmlp_status cmlp_optim_configure_adam(cmlp_optim *o, const cmlp_adam_config *c) 
 cmlp_status cmlp_optim_configure_sgd(cmlp_optim *o, const cmlp_sgd_config *c) {
     if (o->kind != CMLP_OPTIM_SGD) return CMLP_FAIL(CMLP_ERR_STATE, "this optimizer is not SGD");
     CMLP_TRY(check_sgd(c));
-    bool had = buffers_of(o) > 0;
     o->sgd = *c;
     o->version++;
-    if (had && buffers_of(o) == 0 && o->state) { /* momentum turned off: its buffer goes */
-        (void)cmlp_allocator_free(o->dev->alloc, o->state);
-        o->state = NULL;
-    }
     return CMLP_OK;
 }
 
@@ -289,9 +293,9 @@ void cmlp_optim_set_step(cmlp_optim *o, int64_t step) { o->step = step; }
 
 cmlp_status cmlp_optim_set_state(cmlp_optim *o, int64_t step, int nbuffers, const float *const *host) {
     if (step < 0) return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer step count must be >= 0, got %lld", (long long)step);
-    if (nbuffers != 0 && nbuffers != buffers_of(o))
-        return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer state has %d buffers; this optimizer keeps %d", nbuffers,
-                         buffers_of(o));
+    const int most = o->kind == CMLP_OPTIM_ADAM ? 2 : 1; /* SGD: a buffer is kept at momentum 0 too */
+    if (nbuffers != 0 && nbuffers != most)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer state has %d buffers; this optimizer keeps %d", nbuffers, most);
     CMLP_TRY(check_model(o));
     size_t n = (size_t)o->model->nparams;
     for (int i = 0; i < nbuffers; i++)

@@ -805,6 +805,28 @@ static cmlp_status epoch_run(cmlp_trainer *t, int64_t max_steps, const double *l
     return s;
 }
 
+void cmlp_trainer_get_microbatch_state(const cmlp_trainer *t, int64_t *size, int64_t *target,
+                                       int64_t *good_steps) {
+    *size = t->micro;
+    *target = t->target_micro;
+    *good_steps = t->good_steps;
+}
+
+cmlp_status cmlp_trainer_set_microbatch_state(cmlp_trainer *t, int64_t size, int64_t target, int64_t good_steps) {
+    if (!t) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
+    if (target < 1 || target > CMLP_MAX_STEP_SAMPLES)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "the micro-batch target must be in [1, 2**62], got %lld", (long long)target);
+    if (size < 1 || size > target)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "the micro-batch in use must be in [1, %lld] (its target), got %lld",
+                         (long long)target, (long long)size);
+    if (good_steps < 0)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "good_steps must be >= 0, got %lld", (long long)good_steps);
+    t->micro = size;
+    t->target_micro = target;
+    t->good_steps = good_steps;
+    return CMLP_OK;
+}
+
 int64_t cmlp_trainer_epochs(const cmlp_trainer *t) { return t ? t->epoch : 0; }
 
 cmlp_status cmlp_trainer_set_epochs(cmlp_trainer *t, int64_t epochs) {

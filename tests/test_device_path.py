@@ -28,8 +28,13 @@ for amp, opt, recompute, shuffle, xs, smoothing, per_step in json.loads(sys.argv
                      recompute=recompute, shuffle=shuffle, label_smoothing=smoothing)
     # a rate per step (warm-up, then a decay every other step): on the device path the rates
     # travel with each call's scalars and the step reads its own there
-    kw = dict(scheduler=cmlp.optim.lr_scheduler.LambdaLR(o, lambda k: min(1.0, (k + 1) / 4) * 0.9 ** (k // 2)),
-              scheduler_interval="step") if per_step else {}
+    S = cmlp.optim.lr_scheduler
+    kw = {}
+    if per_step == "warmup":
+        kw = dict(scheduler=S.LambdaLR(o, lambda k: min(1.0, (k + 1) / 4) * 0.9 ** (k // 2)), scheduler_interval="step")
+    elif per_step == "one-cycle":  # the momentum moves too, through 0 (SGD keeps its buffer)
+        kw = dict(scheduler=S.OneCycleLR(o, max_lr=0.05, total_steps=12, pct_start=0.25, base_momentum=0.0),
+                  scheduler_interval="step")
     h = t.fit(x8 if xs == "u8" else xf, y, epochs=2, progress=False, **kw)
     h += t.fit(xf, y, epochs=1, progress=False)
     weights = b"".join(v.tobytes() for v in m.state_dict().values())
@@ -70,9 +75,11 @@ CASES = [
     ["fp16", "sgd", False, True, "u8", 0.0, False],
     ["bf16", "adam", False, False, "u8", 0.05, False],
     ["fp16", "adam", True, True, "f32", 0.0, False],
-    [None, "adamw", False, True, "u8", 0.0, True],
-    [None, "sgd", False, False, "f32", 0.0, True],
-    ["fp16", "adamw", False, True, "f32", 0.0, True],
+    [None, "adamw", False, True, "u8", 0.0, "warmup"],
+    [None, "sgd", False, False, "f32", 0.0, "warmup"],
+    ["fp16", "adamw", False, True, "f32", 0.0, "warmup"],
+    [None, "sgd", False, True, "u8", 0.0, "one-cycle"],
+    ["fp16", "adam", False, False, "f32", 0.0, "one-cycle"],
 ]
 
 

@@ -2,6 +2,7 @@
 their state_dict, resuming, and Trainer.fit(scheduler=...) stepping one per epoch or, with
 scheduler_interval="step", one per optimizer step.
 """
+import gc
 import math
 
 import numpy as np
@@ -133,6 +134,72 @@ def test_one_cycle_rates_and_momenta_are_torchs_to_the_bit(kind, kw):
     assert opt.state_dict()["param_groups"][0]["initial_lr"] == topt.param_groups[0]["initial_lr"]
 
 
+def test_one_cycle_through_zero_momentum_keeps_sgds_buffer_as_torch_does():
+    """base_momentum=0: the momentum reaches 0 at the peak and comes back; torch keeps the
+    momentum buffer meanwhile (and Nesterov takes plain steps at 0), and so does SGD here, in a
+    hand loop and in fit."""
+    torch = pytest.importorskip("torch")
+    x, y = data(160)
+    kw = dict(max_lr=0.2, total_steps=20, pct_start=0.25, base_momentum=0.0)
+    for nesterov in (False, True):
+        runs = []
+        for by_fit in (True, False):
+            model = cmlp.MLP(SIZES, seed=6)
+            opt = cmlp.optim.SGD(model, lr=0.1, momentum=0.9, nesterov=nesterov)
+            sched = S.OneCycleLR(opt, **kw)
+            trainer = cmlp.Trainer(model, opt, batch_size=16, shuffle=False)
+            if by_fit:
+                trainer.fit(x, y, epochs=2, progress=False, scheduler=sched, scheduler_interval="step")
+            else:
+                hand_loop(trainer, sched, x, y, 2, 16)
+            runs.append(model._c.get_params())
+        np.testing.assert_array_equal(runs[0], runs[1])
+        torch.manual_seed(0)
+        ref = cmlp.MLP(SIZES, seed=6)
+        params = [torch.nn.Parameter(torch.from_numpy(v.copy())) for v in ref.state_dict().values()]
+        topt = torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=nesterov)
+        ts = torch.optim.lr_scheduler.OneCycleLR(topt, **kw)
+        names = list(ref.state_dict())
+        for i in range(0, 320, 16):  # cmlp's gradients at torch's parameters, then torch's step
+            ref.load_state_dict({k: p.detach().numpy() for k, p in zip(names, params)})
+            ref.zero_grad()
+            ref.forward_backward(x[i % 160:i % 160 + 16], y[i % 160:i % 160 + 16])
+            for p, g in zip(params, ref.grads().values()):
+                p.grad = torch.from_numpy(g)
+            topt.step()
+            ts.step()
+        theirs = np.concatenate([p.detach().numpy().ravel() for p in params])
+        mine = np.concatenate([v.ravel() for v in model.state_dict().values()])
+        np.testing.assert_allclose(mine, theirs, rtol=0, atol=1e-6)
+
+
+def test_a_one_cycle_schedule_the_optimizer_refuses_changes_nothing():
+    opt = cmlp.optim.Adam(cmlp.MLP(SIZES), lr=0.01, betas=(0.8, 0.99))
+    with pytest.raises(ValueError, match="beta"):
+        S.OneCycleLR(opt, max_lr=0.1, total_steps=10, max_momentum=1.5)
+    assert (opt._initial_lr, opt.lr, opt.betas) == (None, 0.01, (0.8, 0.99))
+
+
+def test_a_call_that_fails_leaves_the_schedule_as_after_the_steps_it_took():
+    """Out of memory at the first step (no automatic micro-batching): nothing was taken, and the
+    schedule and the rate are as before the call."""
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((96, 784)).astype(np.float32), rng.integers(0, 10, 96)
+    model = cmlp.MLP([784, 512, 10])  # Adam's state (3.3 MB) needs memory beyond what is reserved
+    opt = cmlp.optim.Adam(model, lr=0.1)
+    sched = warmup(opt)
+    trainer = cmlp.Trainer(model, opt, batch_size=16, auto_microbatch=False)
+    gc.collect()
+    cmlp.memory.empty_cache("cpu")  # no cached block that Adam's state could take
+    cmlp.memory.set_memory_limit(cmlp.memory.memory_reserved("cpu"), "cpu")
+    try:
+        with pytest.raises(cmlp.OutOfMemoryError):
+            trainer.fit(x, y, epochs=1, progress=False, scheduler=sched, scheduler_interval="step")
+    finally:
+        cmlp.memory.set_memory_limit(None, "cpu")
+    assert (sched.last_epoch, opt.lr, trainer._c.run_steps()) == (0, 0.1 * (1 / 5), 0)
+
+
 def test_fit_with_one_cycle_equals_the_hand_loop():
     """OneCycleLR cycles Adam's beta1 with the rate: fit ends each call into C where the momentum
     changes, and trains as the hand loop does."""
@@ -177,6 +244,32 @@ def test_composites_resume_from_a_state_dict_and_check_their_parts():
         S.CosineAnnealingWarmRestarts(opt, T_0=0)
     with pytest.raises(ValueError, match="Constant multiplicative factor"):
         S.ConstantLR(opt, factor=1.5)
+
+
+def test_a_lambdas_own_state_travels_in_the_state_dict_as_in_torch():
+    """A callable object that keeps state (not a plain function): its attributes are saved and
+    restored, so the resumed schedule continues its rates."""
+
+    class Decay:
+        def __init__(self):
+            self.calls = 0
+
+        def __call__(self, epoch):
+            self.calls += 1
+            return 0.9 ** self.calls
+
+    opt = cmlp.optim.SGD(cmlp.MLP(SIZES), lr=0.1)
+    sched = S.LambdaLR(opt, Decay())
+    rates(sched, 3)
+    saved = sched.state_dict()
+    assert saved["lr_lambdas"] == [{"calls": 4}]
+    rest = rates(sched, 3)
+    opt2 = cmlp.optim.SGD(cmlp.MLP(SIZES), lr=0.1)
+    again = S.LambdaLR(opt2, Decay())
+    again.load_state_dict(saved)
+    opt2.lr = rest[0]
+    assert rates(again, 3) == rest
+    assert S.MultiplicativeLR(opt, lambda e: 0.5).state_dict()["lr_lambdas"] == [None]
 
 
 def test_closed_forms_without_torch():
@@ -344,12 +437,13 @@ def test_fit_per_step_refusals_and_a_failed_call_leave_the_schedule_alone():
         trainer.fit(x, y, epochs=1, progress=False, scheduler=warmup(opt), scheduler_interval="batch")
     with pytest.raises(ValueError, match="ReduceLROnPlateau"):
         trainer.fit(x, y, epochs=1, progress=False, scheduler=S.ReduceLROnPlateau(opt), scheduler_interval="step")
-    # a schedule whose third rate the optimizer refuses: the rates are drawn before the call that
-    # takes their steps (here one step a call), so fit raises before the second step, and the
-    # schedule and the rate are those after the first
+    # a schedule whose third rate the optimizer refuses: as in torch's loop, the second step is
+    # taken, then scheduler.step() raises (and leaves the schedule where it was)
     sched = S.LambdaLR(opt, lambda k: 1.0 if k < 2 else -1.0)
     by_hand = cmlp.MLP(SIZES)
-    cmlp.Trainer(by_hand, cmlp.optim.SGD(by_hand, lr=0.1), batch_size=16).step(x[:16], y[:16])
+    hand = cmlp.Trainer(by_hand, cmlp.optim.SGD(by_hand, lr=0.1), batch_size=16, shuffle=False)
+    hand.step(x[:16], y[:16])
+    hand.step(x[16:32], y[16:32])
     with pytest.raises(ValueError, match="learning rate"):
         trainer.fit(x, y, epochs=1, progress=False, scheduler=sched, scheduler_interval="step")
     assert (sched.last_epoch, opt.lr) == (1, 0.1)

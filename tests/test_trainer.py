@@ -100,7 +100,7 @@ def test_fit_continues_from_where_it_was():
 
 
 CHECKPOINT_CASES = [dict(amp=None, sched="step"), dict(amp="fp16", sched="cosine-per-step"),
-                    dict(amp="bf16", sched=None, micro=4)]
+                    dict(amp="bf16", sched=None, micro=2)]
 
 
 @pytest.mark.parametrize("case", CHECKPOINT_CASES, ids=["fp32-steplr", "fp16-cosine-per-step", "bf16-microbatched"])
@@ -118,9 +118,9 @@ def test_a_run_resumed_from_a_checkpoint_equals_the_uninterrupted_run(case, tmp_
     def build():
         model = cmlp.MLP(SIZES, seed=3)
         opt = cmlp.optim.Adam(model, lr=1e-2)
-        trainer = cmlp.Trainer(model, opt, batch_size=16, amp=case["amp"], seed=5)
-        if "micro" in case:  # as automatic micro-batching leaves it after running out of memory
-            trainer._c.start_microbatch(case["micro"])
+        trainer = cmlp.Trainer(model, opt, batch_size=16, amp=case["amp"], seed=5, grow_interval=15)
+        if "micro" in case:  # as automatic micro-batching leaves it after running out of memory: it
+            trainer._c.start_microbatch(case["micro"])  # doubles after 15, 30, 45 steps (19 an epoch)
         sched = (S.StepLR(opt, step_size=1, gamma=0.7) if case["sched"] == "step" else
                  S.CosineAnnealingLR(opt, T_max=57) if case["sched"] else None)
         return model, opt, trainer, sched
@@ -135,7 +135,7 @@ def test_a_run_resumed_from_a_checkpoint_equals_the_uninterrupted_run(case, tmp_
     state = pickle.loads((tmp_path / "ckpt.pkl").read_bytes())
     model3 = cmlp.MLP(SIZES, seed=99)
     opt3 = cmlp.optim.Adam(model3, lr=1e-2)
-    trainer3 = cmlp.Trainer(model3, opt3, batch_size=16, amp=case["amp"], seed=5)
+    trainer3 = cmlp.Trainer(model3, opt3, batch_size=16, amp=case["amp"], seed=5, grow_interval=15)
     model3.load_state_dict(state["model"])
     opt3.load_state_dict(state["optimizer"])
     trainer3.load_state_dict(state["trainer"])
@@ -146,11 +146,13 @@ def test_a_run_resumed_from_a_checkpoint_equals_the_uninterrupted_run(case, tmp_
         sched3 = S.CosineAnnealingLR(opt3, T_max=57)
     if sched3 is not None:
         sched3.load_state_dict(state["scheduler"])
-    assert trainer3.epochs == 2 and trainer3.microbatch_size == case.get("micro", 16)
+    # the checkpoint comes 38 steps in: the micro-batch is 8, with 8 good steps toward 16
+    assert trainer3.epochs == 2 and trainer3.microbatch_size == (8 if "micro" in case else 16)
+    assert trainer3.state_dict()["microbatch_good_steps"] == (8 if "micro" in case else 0)
     third = trainer3.fit(x, y, epochs=1, progress=False, scheduler=sched3, scheduler_interval=interval)
     assert_params_equal(model, model3)
     assert third[0]["loss"] == straight[2]["loss"] and third[0]["lr"] == straight[2]["lr"]
-    assert trainer3.epochs == 3 and opt3.lr == opt.lr
+    assert trainer3.epochs == 3 and opt3.lr == opt.lr and trainer3.state_dict() == trainer.state_dict()
     if trainer.scaler is not None:
         assert trainer3.scaler.state_dict() == trainer.scaler.state_dict()
     # without the trainer's state the third epoch shuffles as the first did: other bits
@@ -165,18 +167,28 @@ def test_a_bad_trainer_state_dict_raises_and_changes_nothing():
     x, y = teacher_data(64)
     _, _, trainer = make("adam", batch_size=16, amp="fp16")
     trainer.fit(x, y, epochs=1, progress=False)
+    trainer._c.start_microbatch(8)
     good = trainer.state_dict()
-    assert good["epochs"] == 1 and good["microbatch_size"] == 16 and good["scaler"]["scale"] == 65536.0
+    assert good == {"epochs": 1, "microbatch_size": 8, "microbatch_target": 16, "microbatch_good_steps": 0,
+                    "scaler": good["scaler"]} and good["scaler"]["scale"] == 65536.0
     for bad, pattern in ((dict(good, epochs=-1), "epochs"), (dict(good, epochs=1.5), "epochs"),
-                         (dict(good, microbatch_size=17), "micro-batch"), (dict(good, microbatch_size=0), "micro"),
+                         (dict(good, epochs=2**70, microbatch_size=2), "epochs"),
+                         (dict(good, microbatch_size=17), "larger than its target"),
+                         (dict(good, microbatch_size=0), "microbatch_size"),
+                         (dict(good, microbatch_target=2**63), "microbatch_target"),
+                         (dict(good, microbatch_good_steps=-1), "good_steps"),
                          (dict(good, scaler=None), "loss scaler"), ({"epochs": 1}, "keys"), ([], "keys"),
-                         (dict(good, scaler={"scale": -1.0}), "scale")):
+                         (dict(good, microbatch_size=2, scaler={"scale": -1.0}), "scale")):
         with pytest.raises((ValueError, TypeError, KeyError), match=pattern):
             trainer.load_state_dict(bad)
         assert trainer.state_dict() == good
     _, _, plain = make("adam", batch_size=16)
     with pytest.raises(ValueError, match="this trainer has none"):
         plain.load_state_dict(good)
+    # a target other than the one the trainer was made with is taken over (set with microbatch_size)
+    _, _, other = make("adam", batch_size=16, amp="fp16")
+    other.load_state_dict(dict(good, microbatch_size=24, microbatch_target=32))
+    assert other.microbatch_size == 24 and other.state_dict()["microbatch_target"] == 32
 
 
 # ---- progress ----

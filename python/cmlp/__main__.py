@@ -83,8 +83,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--max-grad-norm", type=_positive, default=None,
                    help="clip each step's gradients to this L2 norm (torch's clip_grad_norm_)")
     t.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
-                   help="the rate over the run, stepped with every optimizer step: constant, or cosine decay to 0 "
-                        "by the last step")
+                   help="the rate over the run, stepped with every optimizer step: constant, or cosine decay "
+                        "(CosineAnnealingLR over the steps after the warm-up: 0 once the last step is taken)")
     t.add_argument("--warmup-steps", type=_steps, default=0,
                    help="raise the rate linearly over this many first steps (from lr / N to lr)")
     t.add_argument("--seed", type=int, default=0)

@@ -677,6 +677,7 @@ typedef struct {
     cmlp_trainer *t;
     OptimObject *optim; /* strong: keeps the optimizer and its model alive */
     PyObject *epoch_x, *epoch_y; /* the arrays of the last epoch begun (until release_data) */
+    long long run_steps;         /* the steps the last epoch_run took, also when it failed */
 } TrainerObject;
 
 static int Trainer_init(TrainerObject *self, PyObject *args, PyObject *kw) {
@@ -786,6 +787,7 @@ static PyObject *Trainer_epoch_run(TrainerObject *self, PyObject *args) {
     long long max_steps;
     PyObject *rates = Py_None;
     if (!PyArg_ParseTuple(args, "L|O", &max_steps, &rates)) return NULL;
+    self->run_steps = 0;
     double lr[CMLP_MAX_RATES];
     Py_ssize_t nlr = 0;
     if (rates != Py_None) { /* a rate per step: as many steps as rates */
@@ -815,6 +817,7 @@ static PyObject *Trainer_epoch_run(TrainerObject *self, PyObject *args) {
     cmlp_status st;
     if (nlr) RUN_LOCKED(mo, st = cmlp_trainer_epoch_run_rates(self->t, lr, nlr, &es));
     else RUN_LOCKED(mo, st = cmlp_trainer_epoch_run(self->t, max_steps, &es));
+    self->run_steps = (long long)es.steps;
     if (st != CMLP_OK) { /* a finished epoch keeps its arrays: the next may be on the same data */
         Py_CLEAR(self->epoch_x);
         Py_CLEAR(self->epoch_y);
@@ -920,6 +923,30 @@ static PyObject *Trainer_set_distributed(TrainerObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Trainer_run_steps(TrainerObject *self, PyObject *unused) {
+    (void)unused;
+    return PyLong_FromLongLong(self->run_steps);
+}
+
+static PyObject *Trainer_microbatch_state(TrainerObject *self, PyObject *unused) {
+    (void)unused;
+    if (trainer_ready(self) < 0) return NULL;
+    int64_t size, target, good;
+    cmlp_trainer_get_microbatch_state(self->t, &size, &target, &good);
+    return Py_BuildValue("(LLL)", (long long)size, (long long)target, (long long)good);
+}
+
+static PyObject *Trainer_set_microbatch_state(TrainerObject *self, PyObject *args) {
+    long long size, target, good;
+    if (!PyArg_ParseTuple(args, "LLL", &size, &target, &good)) return NULL;
+    if (trainer_ready(self) < 0) return NULL;
+    ModelObject *mo = self->optim->model;
+    cmlp_status st;
+    RUN_LOCKED(mo, st = cmlp_trainer_set_microbatch_state(self->t, size, target, good));
+    if (st != CMLP_OK) return raise_status(mo->ms, st);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Trainer_get_epochs(TrainerObject *self, void *closure) {
     (void)closure;
     if (trainer_ready(self) < 0) return NULL;
@@ -961,6 +988,10 @@ static PyMethodDef Trainer_methods[] = {
      "the last step's gradient norm before clipping (None without clipping)"},
     {"oom_retries", (PyCFunction)Trainer_oom_retries, METH_NOARGS, "steps retried with a smaller micro-batch"},
     {"start_microbatch", (PyCFunction)Trainer_start_microbatch, METH_O, "compute with a smaller micro-batch for now"},
+    {"microbatch_state", (PyCFunction)Trainer_microbatch_state, METH_NOARGS, "(size, target, good_steps)"},
+    {"run_steps", (PyCFunction)Trainer_run_steps, METH_NOARGS, "the steps the last epoch_run took (failed or not)"},
+    {"set_microbatch_state", (PyCFunction)Trainer_set_microbatch_state, METH_VARARGS,
+     "set_microbatch_state(size, target, good_steps)"},
     {NULL, NULL, 0, NULL},
 };
 

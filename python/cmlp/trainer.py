@@ -140,19 +140,31 @@ class Trainer:
     def state_dict(self) -> Dict[str, Any]:
         """What a checkpoint needs beside the model's, optimizer's and schedule's state_dicts so
         that a run resumed from it trains as the uninterrupted run would, bit for bit: the epochs
-        begun (the next epoch's order), the micro-batch in use and the loss scaler's state."""
-        return {"epochs": self._c.epochs, "microbatch_size": self._c.microbatch_size,
+        begun (the next epoch's order), what automatic micro-batching moves (the micro-batch in
+        use, the one it grows back to, the good steps toward the next doubling) and the loss
+        scaler's state."""
+        size, target, good = self._c.microbatch_state()
+        return {"epochs": self._c.epochs, "microbatch_size": size, "microbatch_target": target,
+                "microbatch_good_steps": good,
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+
+    _STATE_KEYS = {"epochs", "microbatch_size", "microbatch_target", "microbatch_good_steps", "scaler"}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restores what state_dict() gave, into a trainer made with the same arguments; a bad
         dict raises and changes nothing."""
-        if not isinstance(state_dict, dict) or set(state_dict) != {"epochs", "microbatch_size", "scaler"}:
-            raise ValueError("a trainer state_dict is a dict with the keys 'epochs', 'microbatch_size' and 'scaler'")
-        epochs = state_dict["epochs"]
-        if isinstance(epochs, bool) or not isinstance(epochs, (int, np.integer)) or epochs < 0:
-            raise ValueError(f"state_dict['epochs'] must be an int >= 0, got {epochs!r}")
-        micro = _positive_int("state_dict['microbatch_size']", state_dict["microbatch_size"])
+        if not isinstance(state_dict, dict) or set(state_dict) != self._STATE_KEYS:
+            raise ValueError(f"a trainer state_dict is a dict with the keys {sorted(self._STATE_KEYS)}")
+        counts = {}
+        for key in ("epochs", "microbatch_good_steps"):
+            v = state_dict[key]
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v <= MAX_STEP_SAMPLES:
+                raise ValueError(f"state_dict[{key!r}] must be an int in [0, 2**62], got {v!r}")
+            counts[key] = int(v)
+        target = _positive_int("state_dict['microbatch_target']", state_dict["microbatch_target"])
+        size = _positive_int("state_dict['microbatch_size']", state_dict["microbatch_size"])
+        if size > target:
+            raise ValueError(f"state_dict's micro-batch in use ({size}) is larger than its target ({target})")
         scaler = state_dict["scaler"]
         if (scaler is None) != (self.scaler is None):
             raise ValueError("the state_dict's loss scaler does not match this trainer's: "
@@ -163,12 +175,12 @@ class Trainer:
                 before = self.scaler.state_dict()
                 self.scaler.load_state_dict(scaler)
             try:
-                self._c.start_microbatch(micro)  # at most the micro-batch this trainer was made with
-                self._c.epochs = int(epochs)
+                self._c.set_microbatch_state(size, target, counts["microbatch_good_steps"])
             except BaseException:
                 if scaler is not None:
                     self.scaler.load_state_dict(before)
                 raise
+            self._c.epochs = counts["epochs"]
         finally:
             self._busy.release()
 
@@ -369,35 +381,51 @@ class Trainer:
         return epochs, xa, ya, val
 
     def _run_scheduled(self, scheduler: Any, steps: int) -> Tuple[int, int, float, bool, int, float, int]:
-        """epoch_run for up to `steps` steps, each at the rate the schedule gives it: the rates are
-        the schedule's next ones (stepped once per step, as torch code steps it after each
-        optimizer.step()) and reach the device with the call. A schedule that moves the momentum
-        too (OneCycleLR) ends a call where the momentum changes: the call's steps share theirs,
-        set before it (off the CPU, a step whose momentum changed runs eagerly). After a failure
-        the schedule is where the call began."""
+        """epoch_run for up to `steps` steps, each at the rate the schedule gives it, as torch's
+        loop takes them (optimizer.step(), then scheduler.step()): the schedule is stepped once per
+        step ahead of the call and its rates reach the device with it. A schedule that moves the
+        momentum too (OneCycleLR) ends a call where the momentum changes: the call's steps share
+        theirs, set before it (off the CPU, a step whose momentum changed runs eagerly). When the
+        schedule raises, the steps before are taken, then the error is raised; when the call fails
+        after j steps, the schedule is where it would be after j steps."""
         opt = self.optimizer
         k = min(steps, _cmlp.MAX_RATES)
         saved, lr, momentum = scheduler.state_dict(), opt.lr, opt._momentum()
+
+        def rewind(done: int) -> None:
+            scheduler.load_state_dict(saved)
+            opt.lr = lr
+            if opt._momentum() != momentum:
+                opt._set_momentum(momentum)
+            for _ in range(done):
+                scheduler.step()
+
         rates: List[float] = []
+        raised: Optional[Exception] = None
         try:
             for _ in range(k):
                 if rates and opt._momentum() != momentum:
                     break
                 rates.append(opt.lr)
                 scheduler.step()
-            after = opt._momentum()
-            if after != momentum:
-                opt._set_momentum(momentum)
-            result = self._c.epoch_run(len(rates), rates)
-            if after != momentum:
-                opt._set_momentum(after)
-            return result
+        except Exception as e:  # torch's loop has taken this step when the schedule raises
+            raised = e
         except BaseException:
-            scheduler.load_state_dict(saved)
-            opt.lr = lr
-            if opt._momentum() != momentum:
-                opt._set_momentum(momentum)
+            rewind(0)
             raise
+        after = opt._momentum()
+        if after != momentum:
+            opt._set_momentum(momentum)
+        try:
+            result = self._c.epoch_run(len(rates), rates)
+        except BaseException:
+            rewind(self._c.run_steps())
+            raise
+        if after != momentum:
+            opt._set_momentum(after)
+        if raised is not None:
+            raise raised
+        return result
 
     def _fit(self, xa: np.ndarray, ya: np.ndarray, epochs: int, val: Optional[Tuple[np.ndarray, np.ndarray]],
              progress: bool, scheduler: Any = None, per_step: bool = False) -> List[Dict[str, Any]]:

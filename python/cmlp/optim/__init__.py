@@ -103,7 +103,7 @@ class Optimizer:
         """State buffers per parameter that these settings keep."""
         if self._kind == "adam":
             return 2
-        return 1 if config["momentum"] else 0
+        return 1  # SGD's momentum buffer is kept at momentum 0 too (as torch keeps it)
 
     def _parse_state(self, state: Mapping, order: List[Any], names: List[str]) -> Tuple[int, List[np.ndarray]]:
         """(step, flat buffers) from per-parameter entries, checked."""

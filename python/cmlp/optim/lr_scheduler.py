@@ -1,6 +1,8 @@
 """cmlp.optim.lr_scheduler: torch.optim.lr_scheduler's schedules, with torch's names, defaults,
-formulas (the same recursive forms, so the rates are torch's to the last bit) and state_dict,
-over a cmlp optimizer's learning rate.
+formulas (the same recursive forms, so the rates are torch's to the last bit; one exception: one
+step past its end OneCycleLR's linear strategy gives torch a negative rate, never trained with,
+and 0 here, as the optimizer takes no negative rate) and state_dict, over a cmlp optimizer's
+learning rate.
 
     opt = cmlp.optim.Adam(model.parameters(), lr=1e-3)
     sched = cmlp.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=5)
@@ -19,6 +21,7 @@ every rate. OneCycleLR's momentum (cycle_momentum=True) is a setting of the opti
 whose momentum changed runs eagerly.
 """
 import math
+import types
 from bisect import bisect_right
 from math import inf
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
@@ -104,11 +107,20 @@ class LRScheduler:
         self._last_lr = [self.optimizer.lr]
 
     def state_dict(self) -> Dict[str, Any]:
-        """Everything but the optimizer (and, as in torch, a LambdaLR's functions)."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "lr_lambdas")}
+        """Everything but the optimizer; as in torch, of a LambdaLR's or MultiplicativeLR's
+        function only the attributes of a callable object that is not a plain function (the
+        state it keeps), None for a function."""
+        state = {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "lr_lambdas")}
+        if "lr_lambdas" in self.__dict__:
+            state["lr_lambdas"] = [None if isinstance(fn, types.FunctionType) else dict(fn.__dict__)
+                                   for fn in self.lr_lambdas]
+        return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         self.__dict__.update({k: v for k, v in state_dict.items() if k != "lr_lambdas"})
+        for fn, saved in zip(getattr(self, "lr_lambdas", ()), state_dict.get("lr_lambdas") or ()):
+            if saved is not None:
+                fn.__dict__.update(saved)
 
     def _lr(self) -> float:
         return self.optimizer.lr
@@ -409,18 +421,26 @@ class OneCycleLR(LRScheduler):
         top = _one("max_lr", max_lr)
         # torch keeps these in the param group; here the schedule keeps them (and its state_dict)
         self._group = {"initial_lr": top / div_factor, "max_lr": top, "min_lr": top / div_factor / final_div_factor}
-        if last_epoch == -1:
-            optimizer._initial_lr = self._group["initial_lr"]
-        elif optimizer._initial_lr is not None:
+        if last_epoch != -1 and optimizer._initial_lr is not None:
             self._group["initial_lr"] = optimizer._initial_lr
         self.cycle_momentum = bool(cycle_momentum)
         if self.cycle_momentum:
             self.use_beta1 = optimizer._kind == "adam"
             self._group["max_momentum"] = _one("max_momentum", max_momentum)
             self._group["base_momentum"] = _one("base_momentum", base_momentum)
+        # the optimizer changes only once everything is checked, and goes back when the first step fails
+        before = (optimizer._initial_lr, optimizer.lr, optimizer._momentum())
+        try:
+            if self.cycle_momentum:
+                for m in (self._group["base_momentum"], self._group["max_momentum"]):
+                    optimizer._set_momentum(m)  # refused here if the optimizer cannot take it
             if last_epoch == -1:
-                optimizer._set_momentum(self._group["max_momentum"])
-        super().__init__(optimizer, last_epoch)
+                optimizer._initial_lr = self._group["initial_lr"]
+            super().__init__(optimizer, last_epoch)
+        except BaseException:
+            optimizer._initial_lr, optimizer.lr = before[:2]
+            optimizer._set_momentum(before[2])
+            raise
 
     @staticmethod
     def _annealing_cos(start: float, end: float, pct: float) -> float:
