@@ -22,12 +22,13 @@ typedef struct cmlp_scale_step {
     int32_t growth_interval;
 } cmlp_scale_step;
 
-/* Where a step whose bookkeeping is on the device reads its learning rate: d_lr[*d_next], or
- * d_lr[0] when d_next is NULL. With d_next every step moves *d_next on by one, skipped or not (a
- * schedule with one rate per step). decoupled_wd is AdamW's weight decay (0: none): the step
- * forms its factor (float)(1 - lr * decoupled_wd) from the rate it read. */
+/* Where a step whose bookkeeping is on the device reads its learning rate and momentum (Adam's
+ * beta1, SGD's momentum): the pair d_rates[2k], d_rates[2k + 1] with k = *d_next, or k = 0 when
+ * d_next is NULL. With d_next every step moves *d_next on by one, skipped or not (a schedule with
+ * a rate and momentum per step). decoupled_wd is AdamW's weight decay (0: none): the step forms
+ * its factor (float)(1 - lr * decoupled_wd) from the rate it read. */
 typedef struct cmlp_rate_src {
-    const double *d_lr;
+    const double *d_rates;
     int64_t *d_next;
     double decoupled_wd;
 } cmlp_rate_src;
@@ -148,8 +149,8 @@ typedef struct cmlp_backend_i {
 
     /* Fused optimizers over flat buffers of n floats. Scalars precomputed by the core, or on the
      * device: when d_found_inf is not NULL and *d_found_inf != 0 the step changes nothing; when
-     * d_coef is not NULL, Adam reads step_size, bc2_sqrt and decay from d_coef[0..2] and SGD its
-     * lr from d_coef[0] (as optim_prepare wrote them). weight_decay is L2 (added to the
+     * d_coef is not NULL, Adam reads step_size, bc2_sqrt, decay and beta1 from d_coef[0..3] and
+     * SGD its lr and momentum from d_coef[0..1] (as optim_prepare wrote them). weight_decay is L2 (added to the
      * gradient); with decay != 1 each parameter is first multiplied by decay (decoupled weight
      * decay, AdamW). */
     cmlp_status (*adam)(void *ctx, float *d_p, const float *d_g, float *d_m, float *d_v, int64_t n,
@@ -161,19 +162,20 @@ typedef struct cmlp_backend_i {
                        float momentum, float dampening, int nesterov, float weight_decay, int first,
                        const float *d_found_inf, const int64_t *d_step, const float *d_coef);
     /* Before a step whose skip is decided on the device: *d_pos += pos_add when d_pos is not
-     * NULL (the data position, which moves whether or not the step is skipped); the rate is read
-     * from `rate` (which moves on too); when scale is not NULL, the loss scale moves by its rule
-     * on the same *d_found_inf (one launch for both); then unless *d_found_inf != 0, t = ++*d_step
-     * and d_coef[0..2] = {lr / (1 - beta1^t), sqrt(1 - beta2^t), decay} for Adam (in double,
-     * rounded to float; decay as cmlp_rate_src says), {lr} for SGD. */
+     * NULL (the data position, which moves whether or not the step is skipped); the rate and
+     * momentum are read from `rate` (which moves on too); when scale is not NULL, the loss scale
+     * moves by its rule on the same *d_found_inf (one launch for both); then unless
+     * *d_found_inf != 0, t = ++*d_step and d_coef[0..3] = {lr / (1 - beta1^t), sqrt(1 - beta2^t),
+     * decay, beta1} for Adam (in double, rounded to float; decay as cmlp_rate_src says; beta1 the
+     * momentum), {lr, momentum} for SGD. */
     cmlp_status (*optim_prepare)(void *ctx, int64_t *d_step, float *d_coef, const float *d_found_inf,
-                                 const cmlp_rate_src *rate, double beta1, double beta2, int adam, int64_t *d_pos,
-                                 int64_t pos_add, const cmlp_scale_step *scale);
+                                 const cmlp_rate_src *rate, double beta2, int adam, int64_t *d_pos, int64_t pos_add,
+                                 const cmlp_scale_step *scale);
     /* Optional (NULL: optim_prepare for Adam, then adam with d_coef): both in one launch, with
      * the same results (d_coef is written too). *d_blocks_done is a device counter that is 0
      * between calls; the kernel's blocks count themselves on it. */
     cmlp_status (*adam_prepared)(void *ctx, float *d_p, const float *d_g, float *d_m, float *d_v, int64_t n,
-                                 const cmlp_rate_src *rate, double beta1, double beta2, float eps, float weight_decay,
+                                 const cmlp_rate_src *rate, double beta2, float eps, float weight_decay,
                                  const float *d_found_inf, int64_t *d_step, float *d_coef, int64_t *d_pos,
                                  int64_t pos_add, const cmlp_scale_step *scale, uint32_t *d_blocks_done);
     /* Mixed precision. Conversions between fp32 and fp16/bf16 storage (dtype F16 or BF16). */
@@ -257,7 +259,7 @@ extern const cmlp_backend_i cmlp_backend_cpu;
  * recorder and returns the module below. */
 typedef cmlp_status (*cmlp_error_fn)(cmlp_status s, const char *file, int line, const char *fmt, ...);
 
-#define CMLP_CUDA_ABI 5
+#define CMLP_CUDA_ABI 6
 
 typedef struct cmlp_cuda_module {
     int abi; /* CMLP_CUDA_ABI of the library */

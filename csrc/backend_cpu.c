@@ -442,6 +442,7 @@ static cmlp_status cpu_adam(void *ctx, float *restrict p, const float *restrict 
         step_size = coef[0];
         bc2_sqrt = coef[1];
         decay = coef[2];
+        beta1 = coef[3];
     }
     optim_args a = {.p = p, .m = m, .v = v, .g = g, .step_size = step_size, .beta1 = beta1, .beta2 = beta2,
                     .bc2_sqrt = bc2_sqrt, .eps = eps, .wd = wd, .decay = decay};
@@ -473,7 +474,11 @@ static cmlp_status cpu_sgd(void *ctx, float *restrict p, const float *restrict g
     (void)ctx;
     if (found_inf && *found_inf != 0.0f) return CMLP_OK;
     if (step && *step == 1) first = 1;
-    if (coef) lr = coef[0];
+    if (coef) {
+        lr = coef[0];
+        momentum = coef[1];
+    }
+    if (momentum != 0.0f && !buf) return CMLP_FAIL(CMLP_ERR_INTERNAL, "SGD with momentum has no momentum buffer");
     optim_args a = {.p = p, .buf = buf, .g = g, .lr = lr, .momentum = momentum, .dampening = dampening, .wd = wd,
                     .nesterov = nesterov, .first = first};
     cmlp_pool_for(n, 16, MIN_PER_THREAD, sgd_range, &a);
@@ -532,11 +537,11 @@ static void scale_update(float *scale, int32_t *tracker, const float *found_inf,
 }
 
 static cmlp_status cpu_optim_prepare(void *ctx, int64_t *step, float *coef, const float *found_inf,
-                                     const cmlp_rate_src *rate, double beta1, double beta2, int adam, int64_t *pos,
-                                     int64_t pos_add, const cmlp_scale_step *scale) {
+                                     const cmlp_rate_src *rate, double beta2, int adam, int64_t *pos, int64_t pos_add,
+                                     const cmlp_scale_step *scale) {
     (void)ctx;
     if (pos) *pos += pos_add;
-    const double lr = rate->d_lr[rate->d_next ? *rate->d_next : 0];
+    const double *r = rate->d_rates + 2 * (rate->d_next ? *rate->d_next : 0), lr = r[0], momentum = r[1];
     if (rate->d_next) ++*rate->d_next;
     if (scale)
         scale_update(scale->d_scale, scale->d_tracker, found_inf, scale->growth_factor, scale->backoff_factor,
@@ -544,12 +549,14 @@ static cmlp_status cpu_optim_prepare(void *ctx, int64_t *step, float *coef, cons
     if (found_inf && *found_inf != 0.0f) return CMLP_OK;
     int64_t t = ++*step;
     if (adam) {
-        double bc1 = 1.0 - pow(beta1, (double)t), bc2 = 1.0 - pow(beta2, (double)t);
+        double bc1 = 1.0 - pow(momentum, (double)t), bc2 = 1.0 - pow(beta2, (double)t);
         coef[0] = (float)(lr / bc1);
         coef[1] = (float)sqrt(bc2);
         coef[2] = rate->decoupled_wd != 0.0 ? (float)(1.0 - lr * rate->decoupled_wd) : 1.0f;
+        coef[3] = (float)momentum;
     } else {
         coef[0] = (float)lr;
+        coef[1] = (float)momentum;
     }
     return CMLP_OK;
 }

@@ -889,28 +889,27 @@ static cmlp_k_scaler k_scaler(const cmlp_scale_step *scale) {
 
 /* The kernels' copy of a rate's source. */
 static cmlp_k_rate k_rate(const cmlp_rate_src *rate) {
-    return (cmlp_k_rate){rate->d_lr, (long long *)rate->d_next, rate->decoupled_wd};
+    return (cmlp_k_rate){rate->d_rates, (long long *)rate->d_next, rate->decoupled_wd};
 }
 
 static cmlp_status cu_optim_prepare(void *ctx, int64_t *d_step, float *d_coef, const float *d_found_inf,
-                                    const cmlp_rate_src *rate, double beta1, double beta2, int adam, int64_t *d_pos,
-                                    int64_t pos_add, const cmlp_scale_step *scale) {
+                                    const cmlp_rate_src *rate, double beta2, int adam, int64_t *d_pos, int64_t pos_add,
+                                    const cmlp_scale_step *scale) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
     const cmlp_k_scaler k = k_scaler(scale);
-    return KERNEL(c, cmlp_k_optim_prepare(d_step, d_coef, d_found_inf, k_rate(rate), beta1, beta2, adam, d_pos, pos_add,
+    return KERNEL(c, cmlp_k_optim_prepare(d_step, d_coef, d_found_inf, k_rate(rate), beta2, adam, d_pos, pos_add,
                                           scale ? &k : NULL, stream_of(c)));
 }
 
 static cmlp_status cu_adam_prepared(void *ctx, float *d_p, const float *d_g, float *d_m, float *d_v, int64_t n,
-                                    const cmlp_rate_src *rate, double beta1, double beta2, float eps,
-                                    float weight_decay, const float *d_found_inf, int64_t *d_step, float *d_coef,
-                                    int64_t *d_pos, int64_t pos_add, const cmlp_scale_step *scale,
-                                    uint32_t *d_blocks_done) {
+                                    const cmlp_rate_src *rate, double beta2, float eps, float weight_decay,
+                                    const float *d_found_inf, int64_t *d_step, float *d_coef, int64_t *d_pos,
+                                    int64_t pos_add, const cmlp_scale_step *scale, uint32_t *d_blocks_done) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
     const cmlp_k_scaler k = k_scaler(scale);
-    return KERNEL(c, cmlp_k_adam_prepared(d_p, d_g, d_m, d_v, n, k_rate(rate), beta1, beta2, eps, weight_decay,
+    return KERNEL(c, cmlp_k_adam_prepared(d_p, d_g, d_m, d_v, n, k_rate(rate), beta2, eps, weight_decay,
                                           d_found_inf, d_step, d_coef, d_pos, pos_add, scale ? &k : NULL,
                                           d_blocks_done, stream_of(c)));
 }

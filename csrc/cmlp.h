@@ -290,6 +290,11 @@ CMLP_API cmlp_optim_kind cmlp_optim_get_kind(const cmlp_optim *o);
 CMLP_API cmlp_status cmlp_optim_step(cmlp_optim *o);
 CMLP_API double cmlp_optim_get_lr(const cmlp_optim *o);
 CMLP_API cmlp_status cmlp_optim_set_lr(cmlp_optim *o, double lr);
+/* The momentum a schedule moves (Adam's beta1, SGD's momentum; OneCycleLR), and setting it: like
+ * the rate, a step on a device reads it there, so a captured step stays valid (SGD's buffer is
+ * made at the next step that needs it). */
+CMLP_API double cmlp_optim_get_momentum(const cmlp_optim *o);
+CMLP_API cmlp_status cmlp_optim_set_momentum(cmlp_optim *o, double momentum);
 /* State: the step count and up to two flat state buffers (Adam: exp_avg, exp_avg_sq; SGD:
  * momentum_buffer). nbuffers is 0 before the first step (or for plain SGD). */
 CMLP_API int64_t cmlp_optim_get_step(const cmlp_optim *o);
@@ -376,12 +381,13 @@ CMLP_API cmlp_status cmlp_trainer_epoch_begin(cmlp_trainer *t, const cmlp_data *
                                               cmlp_epoch_state *st);
 CMLP_API cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, cmlp_epoch_state *st);
 /* epoch_run with a learning rate per step (a schedule stepped with every optimizer step): the
- * call's k-th step trains at rate lr[k], for up to n <= CMLP_MAX_RATES steps (fewer at the end
- * of the epoch). The optimizer's own rate is the same after the call as before. Off the CPU the
- * rates reach the device with the call's scalars: a captured step replays at each of them. */
+ * call's k-th step trains at rate lr[k] and, when momentum is not NULL, momentum[k] (Adam's beta1,
+ * SGD's momentum), for up to n <= CMLP_MAX_RATES steps (fewer at the end of the epoch). The
+ * optimizer's own rate and momentum are the same after the call as before. Off the CPU they reach
+ * the device with the call's scalars: a captured step replays at each of them. */
 #define CMLP_MAX_RATES 16
-CMLP_API cmlp_status cmlp_trainer_epoch_run_rates(cmlp_trainer *t, const double *lr, int64_t n,
-                                                  cmlp_epoch_state *st);
+CMLP_API cmlp_status cmlp_trainer_epoch_run_rates(cmlp_trainer *t, const double *lr, const double *momentum,
+                                                  int64_t n, cmlp_epoch_state *st);
 /* What automatic micro-batching moves: the micro-batch in use, the one it grows back to, and
  * the good steps counted toward the next doubling (a checkpoint keeps them; set checks
  * 1 <= size <= target <= 2**62 and good_steps >= 0). */

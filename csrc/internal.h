@@ -109,25 +109,26 @@ typedef struct cmlp_dscalars {
     double loss_mark;      /* `loss` when the effective step in progress began (for a retry) */
     int64_t correct;       /* rows whose argmax is the label (evaluation) */
     int64_t step;          /* the optimizer's step count, when skips are decided on the device */
-    double lr[CMLP_MAX_RATES]; /* the learning rate of the call's steps: lr[0], or with a rate per
-                                * step (cmlp_trainer_epoch_run_rates) lr[lr_next] */
+    /* the learning rate and momentum (Adam's beta1, SGD's momentum) of the call's steps: the pair
+     * rates[0..1], or with one per step (cmlp_trainer_epoch_run_rates) the pair at lr_next */
+    double rates[2 * CMLP_MAX_RATES];
     int64_t lr_next;
     int64_t skipped;       /* steps skipped for an inf or NaN gradient */
     float found_inf;       /* 1 when the last unscale met an inf or NaN */
     float scale;           /* the loss scale */
     int32_t growth_tracker;
     uint32_t blocks_done;  /* adam_prepared's counter: 0 between steps */
-    float coef[4];         /* optim_prepare's coefficients of the step (Adam's step size, sqrt(1 - beta2^t)
-                            * and decay; SGD's rate) */
+    float coef[4];         /* optim_prepare's coefficients of the step (Adam's step size, sqrt(1 - beta2^t),
+                            * decay and beta1; SGD's rate and momentum) */
     int64_t pos;           /* the epoch's position: the first sample of the next step */
     float grad_norm;       /* grad_norm's result: the gradients' total norm */
     uint32_t norm_blocks;  /* grad_norm's counter: 0 between calls */
     double norm_sum;       /* clipping: the sum of the call's finite gradient norms */
     int64_t norm_steps;    /* and their count */
-    uint8_t spare[16];     /* keeps the size at 512 bytes */
+    uint8_t spare[16];     /* keeps the size at 640 bytes */
     double norm_part[CMLP_NORM_PARTS]; /* grad_norm's partial results */
 } cmlp_dscalars;
-_Static_assert(sizeof(cmlp_dscalars) == 512, "cmlp_dscalars is 512 bytes");
+_Static_assert(sizeof(cmlp_dscalars) == 640, "cmlp_dscalars is 640 bytes");
 
 struct cmlp_model {
     cmlp_device_ctx *dev;
@@ -246,14 +247,16 @@ CMLP_HIDDEN cmlp_dtype cmlp_amp_dtype(cmlp_amp amp);
 CMLP_HIDDEN size_t cmlp_amp_half_bytes(int64_t nparams);
 CMLP_HIDDEN cmlp_status cmlp_rc_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, int64_t start, int64_t n,
                                    cmlp_gw w, float smoothing, double *d_loss);
-/* An optimizer step whose skip, step count and rate live on the device (loss scaling): skipped
- * when *d_found_inf != 0; the host's step count is not moved (the caller reads d_step). The rate
- * is d_lr[*d_lr_next], or d_lr[0] when d_lr_next is NULL (cmlp_rate_src); the optimizer's own
- * rate is not read. When d_pos is not NULL, *d_pos += pos_add on the device (skipped step or
+/* An optimizer step whose skip, step count, rate and momentum live on the device (loss scaling):
+ * skipped when *d_found_inf != 0; the host's step count is not moved (the caller reads d_step).
+ * The rate and momentum are the pair at d_rates[2 * *d_lr_next], or d_rates[0..1] when d_lr_next
+ * is NULL (cmlp_rate_src); the optimizer's own are not read. When d_pos is not NULL, *d_pos += pos_add on the device (skipped step or
  * not), and when scale is not NULL the loss scale is updated on the same verdict, in the same
  * launch, once the optimizer's state exists. */
+/* The next step makes optimizer state (its first, or SGD's buffer once the momentum is no longer 0). */
+CMLP_HIDDEN bool cmlp_optim_state_missing(const cmlp_optim *o);
 CMLP_HIDDEN cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int64_t *d_step,
-                                               float *d_coef, const double *d_lr, int64_t *d_lr_next,
+                                               float *d_coef, const double *d_rates, int64_t *d_lr_next,
                                                int64_t *d_pos, int64_t pos_add, const cmlp_scale_step *scale);
 CMLP_HIDDEN void cmlp_optim_set_step(cmlp_optim *o, int64_t step);
 /* Moves whenever the optimizer's configuration or state buffer changes (a captured step that

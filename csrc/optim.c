@@ -118,6 +118,22 @@ cmlp_status cmlp_optim_set_lr(cmlp_optim *o, double lr) {
     return CMLP_OK;
 }
 
+double cmlp_optim_get_momentum(const cmlp_optim *o) {
+    return o->kind == CMLP_OPTIM_ADAM ? o->adam.beta1 : o->sgd.momentum;
+}
+
+cmlp_status cmlp_optim_set_momentum(cmlp_optim *o, double momentum) {
+    if (o->kind == CMLP_OPTIM_ADAM) {
+        if (!(momentum >= 0.0 && momentum < 1.0))
+            return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid beta parameter at index 0: %g (must be in [0, 1))", momentum);
+        o->adam.beta1 = momentum;
+    } else {
+        CMLP_TRY(check_real("momentum value", momentum));
+        o->sgd.momentum = momentum;
+    }
+    return CMLP_OK; /* no new version: a step on a device reads it there (cmlp_dscalars) */
+}
+
 /* Buffers this optimizer keeps once it has stepped. SGD's momentum buffer, once made, stays
  * when the momentum is set to 0 (as torch keeps it in its state), and serves again when the
  * momentum comes back. */
@@ -170,6 +186,8 @@ static cmlp_status ensure_state(cmlp_optim *o) {
     return CMLP_OK;
 }
 
+bool cmlp_optim_state_missing(const cmlp_optim *o) { return !o->state && buffers_of(o) > 0; }
+
 cmlp_status cmlp_optim_prepare(cmlp_optim *o) {
     CMLP_TRY(check_model(o));
     return ensure_state(o);
@@ -205,11 +223,11 @@ cmlp_status cmlp_optim_step(cmlp_optim *o) {
         CMLP_TRY(cmlp_model_scalars(o->model, &ds));
         struct {
             int64_t step;
-            double lr;
-        } h = {o->step, cmlp_optim_get_lr(o)}; /* ds->step, then ds->lr[0] */
-        _Static_assert(offsetof(cmlp_dscalars, lr) == offsetof(cmlp_dscalars, step) + 8, "step, then lr");
+            double lr, momentum;
+        } h = {o->step, cmlp_optim_get_lr(o), cmlp_optim_get_momentum(o)}; /* ds->step, then ds->rates[0..1] */
+        _Static_assert(offsetof(cmlp_dscalars, rates) == offsetof(cmlp_dscalars, step) + 8, "step, then rates");
         CMLP_TRY(o->dev->backend->copy_h2d(o->dev->bctx, &ds->step, &h, sizeof h));
-        CMLP_TRY(cmlp_optim_step_device(o, NULL, &ds->step, ds->coef, ds->lr, NULL, NULL, 0, NULL));
+        CMLP_TRY(cmlp_optim_step_device(o, NULL, &ds->step, ds->coef, ds->rates, NULL, NULL, 0, NULL));
         o->step++;
         return CMLP_OK;
     }
@@ -249,7 +267,7 @@ cmlp_status cmlp_optim_get_buffer(const cmlp_optim *o, int i, float *host_out) {
 }
 
 cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int64_t *d_step, float *d_coef,
-                                   const double *d_lr, int64_t *d_lr_next, int64_t *d_pos, int64_t pos_add,
+                                   const double *d_rates, int64_t *d_lr_next, int64_t *d_pos, int64_t pos_add,
                                    const cmlp_scale_step *scale) {
     CMLP_TRY(check_model(o));
     CMLP_TRY(ensure_state(o));
@@ -264,21 +282,20 @@ cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int6
     cmlp_fpenv fe;
     cmlp_fpenv_enter(&fe);
     cmlp_status st;
-    const cmlp_rate_src rate = {d_lr, d_lr_next, adam ? adam_decoupled_wd(&o->adam) : 0.0};
+    const cmlp_rate_src rate = {d_rates, d_lr_next, adam ? adam_decoupled_wd(&o->adam) : 0.0};
     if (adam && b->adam_prepared) { /* the bookkeeping in Adam's launch */
         const cmlp_adam_config *c = &o->adam;
-        st = b->adam_prepared(ctx, m->params, m->grads, o->state, o->state + n, n, &rate, c->beta1, c->beta2,
-                              (float)c->eps, adam_l2(c), d_found_inf, d_step, d_coef, d_pos, pos_add, scale,
-                              &ds->blocks_done);
+        st = b->adam_prepared(ctx, m->params, m->grads, o->state, o->state + n, n, &rate, c->beta2, (float)c->eps,
+                              adam_l2(c), d_found_inf, d_step, d_coef, d_pos, pos_add, scale, &ds->blocks_done);
     } else if (adam) {
         const cmlp_adam_config *c = &o->adam;
-        st = b->optim_prepare(ctx, d_step, d_coef, d_found_inf, &rate, c->beta1, c->beta2, 1, d_pos, pos_add, scale);
+        st = b->optim_prepare(ctx, d_step, d_coef, d_found_inf, &rate, c->beta2, 1, d_pos, pos_add, scale);
         if (st == CMLP_OK)
-            st = b->adam(ctx, m->params, m->grads, o->state, o->state + n, n, 0.0f, (float)c->beta1, (float)c->beta2,
-                         1.0f, (float)c->eps, adam_l2(c), 1.0f, d_found_inf, d_coef);
+            st = b->adam(ctx, m->params, m->grads, o->state, o->state + n, n, 0.0f, 0.0f, (float)c->beta2, 1.0f,
+                         (float)c->eps, adam_l2(c), 1.0f, d_found_inf, d_coef);
     } else {
         const cmlp_sgd_config *c = &o->sgd;
-        st = b->optim_prepare(ctx, d_step, d_coef, d_found_inf, &rate, 0.0, 0.0, 0, d_pos, pos_add, scale);
+        st = b->optim_prepare(ctx, d_step, d_coef, d_found_inf, &rate, 0.0, 0, d_pos, pos_add, scale);
         if (st == CMLP_OK)
             st = b->sgd(ctx, m->params, m->grads, o->state, n, 0.0f, (float)c->momentum, (float)c->dampening,
                         c->nesterov, (float)c->weight_decay, first, d_found_inf, d_step, d_coef);

@@ -25,7 +25,7 @@ typedef struct step_key {
     float smoothing;
     int amp, recompute, scaled;
     double max_grad_norm;
-    bool rates; /* the step reads its rate from the call's list (moving on), not ds->lr[0] */
+    bool rates; /* the step reads its rate and momentum from the call's list (moving on), not ds->rates[0..1] */
 } step_key;
 
 struct cmlp_trainer {
@@ -324,8 +324,9 @@ static cmlp_status step_update(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_da
     const cmlp_scaler_state *s = &t->scaler;
     cmlp_scale_step scale = {&ds->scale,       &ds->growth_tracker, &ds->skipped, s->growth_factor,
                              s->backoff_factor, (int32_t)s->growth_interval};
-    return cmlp_optim_step_device(t->optim, found_inf, &ds->step, ds->coef, ds->lr, t->rates ? &ds->lr_next : NULL,
-                                  xy->pos ? &ds->pos : NULL, n_all, s->enabled ? &scale : NULL);
+    return cmlp_optim_step_device(t->optim, found_inf, &ds->step, ds->coef, ds->rates,
+                                  t->rates ? &ds->lr_next : NULL, xy->pos ? &ds->pos : NULL, n_all,
+                                  s->enabled ? &scale : NULL);
 }
 
 /* One optimizer step as a capture records it: this rank's k samples of n_all (see step_grads),
@@ -369,16 +370,20 @@ static cmlp_status one_sample_oom(cmlp_trainer *t, const char *cause) {
  * ends. In between, every step runs on the device without the host waiting: the loss adds up
  * there, and under loss scaling the check, the skip, the optimizer's step count and the scale
  * update happen there too. */
-static cmlp_status run_begin(cmlp_trainer *t, cmlp_dscalars **out, const double *lr, int64_t nlr) {
+static cmlp_status run_begin(cmlp_trainer *t, cmlp_dscalars **out, const double *lr, const double *momentum,
+                             int64_t nlr) {
     cmlp_model *m = t->model;
     CMLP_TRY(cmlp_model_scalars(m, out));
     cmlp_dscalars h = {0};
     h.step = cmlp_optim_get_step(t->optim);
-    /* the rates of the call's steps: the optimizer's, or one each (a step on the device reads its
-     * rate there, so a rate that changes does not change what a capture baked in) */
+    /* the rates and momenta of the call's steps: the optimizer's, or one each (a step on the device
+     * reads them there, so one that changes does not change what a capture baked in) */
     t->rates = lr != NULL;
-    if (lr) memcpy(h.lr, lr, (size_t)nlr * sizeof *lr);
-    else h.lr[0] = cmlp_optim_get_lr(t->optim);
+    const double own = cmlp_optim_get_momentum(t->optim);
+    for (int64_t k = 0; k < (lr ? nlr : 1); k++) {
+        h.rates[2 * k] = lr ? lr[k] : cmlp_optim_get_lr(t->optim);
+        h.rates[2 * k + 1] = momentum ? momentum[k] : own;
+    }
     h.scale = (float)t->scaler.scale;
     h.growth_tracker = (int32_t)t->scaler.growth_tracker;
     h.pos = t->pos;
@@ -490,8 +495,10 @@ static cmlp_status graph_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_dat
     const cmlp_backend_i *b = dev->backend;
     step_key key;
     make_key(t, xy, idx, start, n, n_all, &key);
-    bool warm = t->warm && memcmp(&key, &t->warm_key, sizeof key) == 0;
-    int64_t path = !eligible ? PATH_EAGER
+    /* a step whose optimizer state is still to be made (SGD's momentum buffer, when a momentum
+     * that was 0 no longer is) runs eagerly: a replay would not have it, a capture cannot allocate */
+    bool warm = t->warm && memcmp(&key, &t->warm_key, sizeof key) == 0 && !cmlp_optim_state_missing(t->optim);
+    int64_t path = !eligible || cmlp_optim_state_missing(t->optim) ? PATH_EAGER
                    : t->graph && t->graph_dev == dev && memcmp(&key, &t->graph_key, sizeof key) == 0 ? PATH_REPLAY
                    : warm ? PATH_CAPTURE
                           : PATH_EAGER;
@@ -669,7 +676,7 @@ cmlp_status cmlp_trainer_step(cmlp_trainer *t, const cmlp_data *xy, double *loss
     }
     CMLP_TRY(st);
     cmlp_dscalars *ds;
-    st = run_begin(t, &ds, NULL, 0); /* it may allocate: data-parallel, the ranks agree on it */
+    st = run_begin(t, &ds, NULL, NULL, 0); /* it may allocate: data-parallel, the ranks agree on it */
     CMLP_TRY(t->dist ? agree(st) : st);
     cmlp_fpenv fe;
     cmlp_fpenv_enter(&fe);
@@ -740,9 +747,10 @@ cmlp_status cmlp_trainer_epoch_begin(cmlp_trainer *t, const cmlp_data *xy, int s
     return CMLP_OK;
 }
 
-/* epoch_run's steps; with lr (nlr rates), at most nlr of them, the k-th at rate lr[k]. */
-static cmlp_status epoch_run(cmlp_trainer *t, int64_t max_steps, const double *lr, int64_t nlr,
-                             cmlp_epoch_state *st) {
+/* epoch_run's steps; with lr (nlr rates), at most nlr of them, the k-th at rate lr[k] and, with
+ * momentum, momentum[k]. */
+static cmlp_status epoch_run(cmlp_trainer *t, int64_t max_steps, const double *lr, const double *momentum,
+                             int64_t nlr, cmlp_epoch_state *st) {
     if (!t || !st) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
     if (!t->epoch_open) return CMLP_FAIL(CMLP_ERR_STATE, "epoch_run called before epoch_begin");
     CMLP_TRY(check_group(t, true));
@@ -750,15 +758,16 @@ static cmlp_status epoch_run(cmlp_trainer *t, int64_t max_steps, const double *l
     int64_t n = t->data.n, eb = effective_batch(t) * group_size(t);
     const bool graphs = t->model->dev->backend->capture_begin != NULL; /* the device has graphs */
     cmlp_dscalars *ds;
-    cmlp_status s = run_begin(t, &ds, lr, nlr); /* it may allocate: data-parallel, the ranks agree on it */
+    cmlp_status s = run_begin(t, &ds, lr, momentum, nlr); /* it may allocate: data-parallel, the ranks agree */
     CMLP_TRY(t->dist ? agree(s) : s);
     const int64_t steps_before = st->steps;
-    const double lr_before = cmlp_optim_get_lr(t->optim);
+    const double lr_before = cmlp_optim_get_lr(t->optim), momentum_before = cmlp_optim_get_momentum(t->optim);
     cmlp_fpenv fe;
     cmlp_fpenv_enter(&fe);
     for (int64_t done = 0; t->pos < n && (max_steps <= 0 || done < max_steps); done++) {
-        /* a step on the host reads the optimizer's rate (validated by the caller) */
+        /* a step on the host reads the optimizer's rate and momentum (validated by the caller) */
         if (lr) (void)cmlp_optim_set_lr(t->optim, lr[done]);
+        if (momentum) (void)cmlp_optim_set_momentum(t->optim, momentum[done]);
         int64_t k = n - t->pos < eb ? n - t->pos : eb, off, mine;
         share_of(t, k, &off, &mine);
         const int64_t *idx = t->cfg.shuffle ? t->order + t->pos + off : NULL;
@@ -789,6 +798,7 @@ static cmlp_status epoch_run(cmlp_trainer *t, int64_t max_steps, const double *l
     }
     cmlp_fpenv_leave(&fe);
     (void)cmlp_optim_set_lr(t->optim, lr_before);
+    (void)cmlp_optim_set_momentum(t->optim, momentum_before);
     t->rates = false;
     double loss = 0.0, norm_sum = 0.0;
     int64_t skipped = 0, norm_steps = 0;
@@ -838,18 +848,24 @@ cmlp_status cmlp_trainer_set_epochs(cmlp_trainer *t, int64_t epochs) {
 }
 
 cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, cmlp_epoch_state *st) {
-    return epoch_run(t, max_steps, NULL, 0, st);
+    return epoch_run(t, max_steps, NULL, NULL, 0, st);
 }
 
-cmlp_status cmlp_trainer_epoch_run_rates(cmlp_trainer *t, const double *lr, int64_t n, cmlp_epoch_state *st) {
-    if (!lr) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
+cmlp_status cmlp_trainer_epoch_run_rates(cmlp_trainer *t, const double *lr, const double *momentum, int64_t n,
+                                         cmlp_epoch_state *st) {
+    if (!t || !lr) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
     if (n < 1 || n > CMLP_MAX_RATES)
         return CMLP_FAIL(CMLP_ERR_INVALID, "a call takes 1 to %d rates, got %lld", CMLP_MAX_RATES, (long long)n);
-    for (int64_t k = 0; k < n; k++)
+    const bool adam = cmlp_optim_get_kind(t->optim) == CMLP_OPTIM_ADAM;
+    for (int64_t k = 0; k < n; k++) {
         if (!(lr[k] >= 0.0 && lr[k] <= FLT_MAX))
             return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid learning rate %g for step %lld (must be >= 0 and finite in "
                                                "float32)", lr[k], (long long)k);
-    return epoch_run(t, n, lr, n, st);
+        if (momentum && !(momentum[k] >= 0.0 && (adam ? momentum[k] < 1.0 : momentum[k] <= FLT_MAX)))
+            return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid momentum %g for step %lld (must be %s)", momentum[k],
+                             (long long)k, adam ? "in [0, 1), Adam's beta1" : ">= 0 and finite in float32");
+    }
+    return epoch_run(t, n, lr, momentum, n, st);
 }
 
 void cmlp_trainer_release_data(cmlp_trainer *t) {

@@ -114,15 +114,15 @@ cudaError_t cmlp_k_gather_labels(int32_t *dst, const int32_t *src, const int64_t
  *   p -= step_size * m / (sqrt(v) / bc2_sqrt + eps)
  * where step_size = lr / (1 - beta1^t) and bc2_sqrt = sqrt(1 - beta2^t), computed by the caller
  * (the same float operations, in the same order, as the CPU backend), or when coef is not NULL
- * read from coef[0..2] = {step_size, bc2_sqrt, decay}. When found_inf is not NULL and
+ * read from coef[0..3] = {step_size, bc2_sqrt, decay, beta1}. When found_inf is not NULL and
  * *found_inf != 0 the kernel changes nothing. */
 cudaError_t cmlp_k_adam(float *p, const float *g, float *m, float *v, int64_t n, float step_size, float beta1,
                         float beta2, float bc2_sqrt, float eps, float weight_decay, float decay,
                         const float *found_inf, const float *coef, cudaStream_t stream);
 /* SGD with PyTorch's rule: g' = g + weight_decay * p; with momentum != 0:
  *   buf = first ? g' : momentum * buf + (1 - dampening) * g';  d = nesterov ? g' + momentum * buf : buf
- * else d = g'; then p -= lr * d (lr = coef[0] when coef is not NULL). buf may be NULL when
- * momentum == 0. found_inf as for Adam. When step is not NULL, first also holds when *step == 1
+ * else d = g'; then p -= lr * d (lr = coef[0] and momentum = coef[1] when coef is not NULL). buf
+ * may be NULL when the momentum is 0. found_inf as for Adam. When step is not NULL, first also holds when *step == 1
  * (the count after cmlp_k_optim_prepare). */
 cudaError_t cmlp_k_sgd(float *p, const float *g, float *buf, int64_t n, float lr, float momentum, float dampening,
                        int nesterov, float weight_decay, int first, const float *found_inf, const int64_t *step,
@@ -139,33 +139,35 @@ typedef struct cmlp_k_scaler {
     double growth_factor, backoff_factor;
     int32_t growth_interval;
 } cmlp_k_scaler;
-/* The learning rate of a step, on the device: lr[*next], or lr[0] when next is NULL; with next,
- * every step moves *next on by one, skipped or not. decoupled_wd: AdamW's weight decay (0: none),
- * whose factor the step forms as (float)(1 - lr * decoupled_wd), each operation rounded in double. */
+/* The learning rate and momentum (Adam's beta1, SGD's momentum) of a step, on the device: the
+ * pair rates[2k], rates[2k + 1] with k = *next, or k = 0 when next is NULL; with next, every step
+ * moves *next on by one, skipped or not. decoupled_wd: AdamW's weight decay (0: none), whose
+ * factor the step forms as (float)(1 - lr * decoupled_wd), each operation rounded in double. */
 typedef struct cmlp_k_rate {
-    const double *lr;
+    const double *rates;
     long long *next;
     double decoupled_wd;
 } cmlp_k_rate;
 
 /* One thread, before a step whose skip is decided on the device: *pos += pos_add when pos is
- * not NULL (the data position, moved whether or not the step is skipped); lr read from rate
- * (which moves on); when scaler is not NULL, the loss-scale update (cmlp_k_scaler) on the same
- * found_inf; then unless *found_inf != 0 (found_inf may be NULL), t = ++*step and, for Adam
- * (adam != 0), coef[0] = (float)(lr / (1 - beta1^t)), coef[1] = (float)sqrt(1 - beta2^t) and
- * coef[2] the decay, in double as the host computes them; for SGD coef[0] = (float)lr. */
-cudaError_t cmlp_k_optim_prepare(int64_t *step, float *coef, const float *found_inf, cmlp_k_rate rate, double beta1,
-                                 double beta2, int adam, int64_t *pos, int64_t pos_add, const cmlp_k_scaler *scaler,
+ * not NULL (the data position, moved whether or not the step is skipped); lr and momentum read
+ * from rate (which moves on); when scaler is not NULL, the loss-scale update (cmlp_k_scaler) on
+ * the same found_inf; then unless *found_inf != 0 (found_inf may be NULL), t = ++*step and, for
+ * Adam (adam != 0, momentum = beta1), coef[0] = (float)(lr / (1 - beta1^t)),
+ * coef[1] = (float)sqrt(1 - beta2^t), coef[2] the decay and coef[3] = (float)beta1, in double as
+ * the host computes them; for SGD coef[0] = (float)lr, coef[1] = (float)momentum. */
+cudaError_t cmlp_k_optim_prepare(int64_t *step, float *coef, const float *found_inf, cmlp_k_rate rate, double beta2,
+                                 int adam, int64_t *pos, int64_t pos_add, const cmlp_k_scaler *scaler,
                                  cudaStream_t stream);
 /* cmlp_k_optim_prepare for Adam, then cmlp_k_adam (its coefficients from it), in one launch
- * with the same results: every block derives the step size, bias correction and decay from *step
- * and the rate itself, and the block that finishes last does the bookkeeping and resets
+ * with the same results: every block derives the step size, bias correction, decay and beta1 from
+ * *step and the rate itself, and the block that finishes last does the bookkeeping and resets
  * *blocks_done, a counter that is 0 between launches (each launch's blocks count themselves on
  * it). n > 0. */
 cudaError_t cmlp_k_adam_prepared(float *p, const float *g, float *m, float *v, int64_t n, cmlp_k_rate rate,
-                                 double beta1, double beta2, float eps, float weight_decay, const float *found_inf,
-                                 int64_t *step, float *coef, int64_t *pos, int64_t pos_add,
-                                 const cmlp_k_scaler *scaler, unsigned int *blocks_done, cudaStream_t stream);
+                                 double beta2, float eps, float weight_decay, const float *found_inf, int64_t *step,
+                                 float *coef, int64_t *pos, int64_t pos_add, const cmlp_k_scaler *scaler,
+                                 unsigned int *blocks_done, cudaStream_t stream);
 
 /* ---- amp.cu ---- */
 

@@ -14,7 +14,7 @@ struct adam_op {
     float *m, *v;
     float step_size, beta1, beta2, one_b1, one_b2, bc2_sqrt, eps, wd, decay;
     const float *found_inf;
-    const float *coef; /* when set: step_size, bc2_sqrt and decay computed on the device */
+    const float *coef; /* when set: step_size, bc2_sqrt, decay and beta1 computed on the device */
 
     __device__ __forceinline__ bool begin() {
         if (found_inf && *found_inf != 0.0f) return true;
@@ -22,6 +22,8 @@ struct adam_op {
             step_size = coef[0];
             bc2_sqrt = coef[1];
             decay = coef[2];
+            beta1 = coef[3];
+            one_b1 = f_sub(1.0f, beta1); /* as cpu_adam */
         }
         return false;
     }
@@ -100,12 +102,16 @@ struct sgd_op {
     int nesterov, first, plain; /* plain: momentum == 0, buf untouched */
     const float *found_inf;
     const int64_t *step; /* when set: first also when *step == 1 */
-    const float *coef;   /* when set: lr = coef[0], computed on the device */
+    const float *coef;   /* when set: lr = coef[0] and momentum = coef[1], computed on the device */
 
     __device__ __forceinline__ bool begin() {
         if (found_inf && *found_inf != 0.0f) return true;
         if (step && *step == 1) first = 1;
-        if (coef) lr = coef[0];
+        if (coef) {
+            lr = coef[0];
+            momentum = coef[1];
+            plain = momentum == 0.0f;
+        }
         return false;
     }
     __device__ __forceinline__ void finish(bool) const {}
@@ -163,8 +169,9 @@ extern "C" cudaError_t cmlp_k_sgd(float *p, const float *g, float *buf, int64_t 
     op.found_inf = found_inf;
     op.step = step;
     op.coef = coef;
-    /* buf takes part in the alignment only when it is touched */
-    const int mis[3] = {cmlp_misalign(p, 4), cmlp_misalign(g, 4), cmlp_misalign(op.plain ? p : buf, 4)};
+    /* buf takes part in the alignment only when it may be touched (with coef the momentum is the device's) */
+    const bool touched = buf && (coef || !op.plain);
+    const int mis[3] = {cmlp_misalign(p, 4), cmlp_misalign(g, 4), cmlp_misalign(touched ? buf : p, 4)};
     return cmlp_launch_map(op, n, mis, 3, stream);
 }
 
@@ -193,44 +200,51 @@ __device__ __forceinline__ void scale_update1(float *scale, int32_t *growth_trac
     }
 }
 
-/* The step's rate (read before it moves on) */
-__device__ __forceinline__ double rate_of(const cmlp_k_rate &rate) { return rate.lr[rate.next ? *rate.next : 0]; }
+/* The step's rate and momentum (read before they move on) */
+__device__ __forceinline__ const double *rate_of(const cmlp_k_rate &rate) {
+    return rate.rates + 2 * (rate.next ? *rate.next : 0);
+}
 
-/* Adam's step size, sqrt(1 - beta2^t) and decoupled decay factor of step t, in double as the host
- * computes them (no contraction: each operation rounded once) */
+/* Adam's step size, sqrt(1 - beta2^t), decoupled decay factor and beta1 of step t, in double as
+ * the host computes them (no contraction: each operation rounded once) */
 __device__ __forceinline__ void adam_coef(int64_t t, double lr, double beta1, double beta2, double decoupled_wd,
                                           float *coef) {
     const double bc1 = 1.0 - pow(beta1, (double)t), bc2 = 1.0 - pow(beta2, (double)t);
     coef[0] = (float)(lr / bc1);
     coef[1] = (float)sqrt(bc2);
     coef[2] = decoupled_wd != 0.0 ? (float)__dadd_rn(1.0, -__dmul_rn(lr, decoupled_wd)) : 1.0f;
+    coef[3] = (float)beta1;
 }
 
-__device__ __forceinline__ void prepare1(int64_t *step, float *coef, bool skip, const cmlp_k_rate &rate, double beta1,
+__device__ __forceinline__ void prepare1(int64_t *step, float *coef, bool skip, const cmlp_k_rate &rate,
                                          double beta2, int adam, int64_t *pos, int64_t pos_add,
                                          const cmlp_k_scaler &scaler) {
     if (pos) *pos += pos_add; /* the next step's samples, skipped step or not */
-    const double lr = rate_of(rate);
+    const double *r = rate_of(rate), lr = r[0], momentum = r[1];
     if (rate.next) ++*rate.next; /* the next step's rate, likewise */
     if (scaler.scale) /* the loss scale moves on the same verdict, in the same launch */
         scale_update1(scaler.scale, scaler.growth_tracker, skip, scaler.growth_factor, scaler.backoff_factor,
                       scaler.growth_interval, scaler.skipped);
     if (skip) return;
     const int64_t t = ++*step;
-    if (adam) adam_coef(t, lr, beta1, beta2, rate.decoupled_wd, coef);
-    else coef[0] = (float)lr;
+    if (adam) {
+        adam_coef(t, lr, momentum, beta2, rate.decoupled_wd, coef);
+    } else {
+        coef[0] = (float)lr;
+        coef[1] = (float)momentum;
+    }
 }
 
-__global__ void k_optim_prepare(int64_t *step, float *coef, const float *found_inf, cmlp_k_rate rate, double beta1,
-                                double beta2, int adam, int64_t *pos, int64_t pos_add, cmlp_k_scaler scaler) {
-    prepare1(step, coef, found_inf && *found_inf != 0.0f, rate, beta1, beta2, adam, pos, pos_add, scaler);
+__global__ void k_optim_prepare(int64_t *step, float *coef, const float *found_inf, cmlp_k_rate rate, double beta2,
+                                int adam, int64_t *pos, int64_t pos_add, cmlp_k_scaler scaler) {
+    prepare1(step, coef, found_inf && *found_inf != 0.0f, rate, beta2, adam, pos, pos_add, scaler);
 }
 
 struct prepare_args {
     int64_t *step;
     float *coef;
     cmlp_k_rate rate;
-    double beta1, beta2;
+    double beta2;
     int64_t *pos, pos_add;
     cmlp_k_scaler scaler;
     unsigned int *blocks_done;
@@ -242,13 +256,18 @@ struct prepare_args {
 __global__ void __launch_bounds__(CMLP_K_THREADS) k_adam_prepared(adam_op op, int64_t n, int64_t head, int64_t nvec,
                                                                    prepare_args a) {
     const bool skip = op.found_inf && *op.found_inf != 0.0f; /* the same in every thread */
-    __shared__ float coef[3]; /* one thread per block computes them (double precision is slow on some GPUs) */
-    if (!skip && threadIdx.x == 0) adam_coef(*a.step + 1, rate_of(a.rate), a.beta1, a.beta2, a.rate.decoupled_wd, coef);
+    __shared__ float coef[4]; /* one thread per block computes them (double precision is slow on some GPUs) */
+    if (!skip && threadIdx.x == 0) {
+        const double *r = rate_of(a.rate);
+        adam_coef(*a.step + 1, r[0], r[1], a.beta2, a.rate.decoupled_wd, coef);
+    }
     __syncthreads();
     if (!skip) {
         op.step_size = coef[0];
         op.bc2_sqrt = coef[1];
         op.decay = coef[2];
+        op.beta1 = coef[3];
+        op.one_b1 = f_sub(1.0f, op.beta1);
         (void)cmlp_map_elements(op, n, head, nvec);
     }
     __syncthreads(); /* the block is done (its thread 0 read *step and the rate before the first barrier) */
@@ -256,30 +275,30 @@ __global__ void __launch_bounds__(CMLP_K_THREADS) k_adam_prepared(adam_op op, in
     __threadfence();
     if (atomicAdd(a.blocks_done, 1u) != gridDim.x - 1) return;
     __threadfence();
-    prepare1(a.step, a.coef, skip, a.rate, a.beta1, a.beta2, 1, a.pos, a.pos_add, a.scaler);
+    prepare1(a.step, a.coef, skip, a.rate, a.beta2, 1, a.pos, a.pos_add, a.scaler);
     *a.blocks_done = 0; /* for the next launch */
 }
 
 extern "C" cudaError_t cmlp_k_optim_prepare(int64_t *step, float *coef, const float *found_inf, cmlp_k_rate rate,
-                                            double beta1, double beta2, int adam, int64_t *pos, int64_t pos_add,
+                                            double beta2, int adam, int64_t *pos, int64_t pos_add,
                                             const cmlp_k_scaler *scaler, cudaStream_t stream) {
-    if (!step || !coef || !rate.lr) return cudaErrorInvalidValue;
+    if (!step || !coef || !rate.rates) return cudaErrorInvalidValue;
     cmlp_k_scaler none = {};
-    k_optim_prepare<<<1, 1, 0, stream>>>(step, coef, found_inf, rate, beta1, beta2, adam, pos, pos_add,
+    k_optim_prepare<<<1, 1, 0, stream>>>(step, coef, found_inf, rate, beta2, adam, pos, pos_add,
                                          scaler ? *scaler : none);
     return cudaGetLastError();
 }
 
 extern "C" cudaError_t cmlp_k_adam_prepared(float *p, const float *g, float *m, float *v, int64_t n, cmlp_k_rate rate,
-                                            double beta1, double beta2, float eps, float weight_decay,
-                                            const float *found_inf, int64_t *step, float *coef, int64_t *pos,
-                                            int64_t pos_add, const cmlp_k_scaler *scaler, unsigned int *blocks_done,
+                                            double beta2, float eps, float weight_decay, const float *found_inf,
+                                            int64_t *step, float *coef, int64_t *pos, int64_t pos_add,
+                                            const cmlp_k_scaler *scaler, unsigned int *blocks_done,
                                             cudaStream_t stream) {
-    if (n <= 0 || !step || !coef || !blocks_done || !rate.lr) return cudaErrorInvalidValue;
-    /* step size, bias correction and decay: per block, from *step and the rate */
-    const adam_op op = adam_make(p, g, m, v, 0.0f, (float)beta1, (float)beta2, 1.0f, eps, weight_decay, 1.0f,
-                                 found_inf, nullptr);
-    prepare_args a = {step, coef, rate, beta1, beta2, pos, pos_add, {}, blocks_done};
+    if (n <= 0 || !step || !coef || !blocks_done || !rate.rates) return cudaErrorInvalidValue;
+    /* step size, bias correction, decay and beta1: per block, from *step and the rate */
+    const adam_op op = adam_make(p, g, m, v, 0.0f, 0.0f, (float)beta2, 1.0f, eps, weight_decay, 1.0f, found_inf,
+                                 nullptr);
+    prepare_args a = {step, coef, rate, beta2, pos, pos_add, {}, blocks_done};
     if (scaler) a.scaler = *scaler;
     const int mis[4] = {cmlp_misalign(p, 4), cmlp_misalign(g, 4), cmlp_misalign(m, 4), cmlp_misalign(v, 4)};
     int64_t head, nvec;

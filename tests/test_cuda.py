@@ -645,27 +645,29 @@ def test_clipping_inside_a_replayed_step_equals_the_eager_loop(device, amp):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("interval", ["epoch", "step", "one-cycle"])
-@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+@pytest.mark.parametrize("kind", ["sgd", "adamw", "sgd-from-0"])
 def test_a_learning_rate_schedule_replays_the_captured_step_and_equals_the_eager_loop(device, interval, kind):
     """A captured step reads its rate on the device: a schedule stepped each epoch, or each step
     (warm-up), changes the rate of the replays, and the run equals the eager loop with the same
     rates (opt.step() and scheduler.step() from Python), bit for bit; OneCycleLR, which moves the
-    momentum too, as well."""
+    momentum too, as well (read on the device like the rate; from SGD's momentum 0, its buffer is
+    made by an eager step once the momentum is no longer 0)."""
     sizes, batch, steps, epochs = [784, 64, 10], 32, 4, 3
     rng = np.random.default_rng(13)
     x = rng.standard_normal((batch * steps, 784)).astype(np.float32)
     y = rng.integers(0, 10, batch * steps)
 
     def optimizer(model):
-        if kind == "sgd":
-            return cmlp.optim.SGD(model, lr=0.1, momentum=0.9)
+        if kind.startswith("sgd"):
+            return cmlp.optim.SGD(model, lr=0.1, momentum=0.0 if kind == "sgd-from-0" else 0.9)
         return cmlp.optim.AdamW(model, lr=1e-2, weight_decay=0.5)
 
     def schedule(opt):
         if interval == "epoch":
             return cmlp.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-        if interval == "one-cycle":
-            return cmlp.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=steps * epochs)
+        if interval == "one-cycle":  # sgd-from-0: the momentum rises from 0 to 0.9, then falls back
+            ends = dict(max_momentum=0.0, base_momentum=0.9) if kind == "sgd-from-0" else {}
+            return cmlp.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=steps * epochs, **ends)
         return cmlp.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 6) * 0.9 ** k)
 
     graph = cmlp.MLP(sizes, device=device, seed=0)

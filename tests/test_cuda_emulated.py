@@ -187,11 +187,12 @@ from cmlp.optim import lr_scheduler as S
 rng = np.random.default_rng(0)
 x = rng.integers(0, 256, (64 * 6, 784), dtype=np.uint8)
 y = rng.integers(0, 10, 64 * 6)
-for name, interval in (("steplr", "epoch"), ("warmup", "step")):
+for name, interval in (("steplr", "epoch"), ("warmup", "step"), ("one-cycle", "step"), ("sgd-one-cycle", "step")):
     model = cmlp.MLP([784, 64, 10], device="cuda", seed=0)
-    opt = cmlp.optim.AdamW(model, lr=1e-2)
+    opt = cmlp.optim.SGD(model, lr=0.1, momentum=0.9) if name.startswith("sgd") else cmlp.optim.AdamW(model, lr=1e-2)
     sched = (S.StepLR(opt, step_size=1, gamma=0.5) if name == "steplr" else
-             S.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 10)))
+             S.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 10)) if name == "warmup" else
+             S.OneCycleLR(opt, max_lr=0.05, total_steps=18, base_momentum=0.0))  # 6 steps an epoch
     h = cmlp.Trainer(model, opt, batch_size=64).fit(x, y, epochs=3, progress=False, scheduler=sched,
                                                     scheduler_interval=interval)
     assert len({e["lr"] for e in h}) == 3, h
@@ -202,8 +203,9 @@ for name, interval in (("steplr", "epoch"), ("warmup", "step")):
 @needs_emulator[0]
 @needs_emulator[1]
 def test_a_schedule_changes_the_rate_without_capturing_the_step_again():
-    """The rate is read on the device: a fit of three epochs whose rate changes every epoch, or at
-    every step, captures its step once and replays it at each rate."""
+    """The rate and momentum are read on the device: a fit of three epochs whose rate changes
+    every epoch, or at every step, and OneCycleLR's momentum with it (through 0 for SGD, whose
+    buffer stays), captures its step once and replays it at each rate."""
     env = dict(_emulated_env(), CMLP_EMU_TRACE_GRAPHS="1")
     r = subprocess.run([sys.executable, "-c", _SCHEDULE_SCRIPT], env=env, capture_output=True, text=True,
                        timeout=600)
@@ -215,7 +217,7 @@ def test_a_schedule_changes_the_rate_without_capturing_the_step_again():
         elif line.startswith("fit done: "):
             counts[line.split(": ")[1]] = n
             n = 0
-    assert counts == {"steplr": 1, "warmup": 1}, r.stderr[-3000:]
+    assert counts == {"steplr": 1, "warmup": 1, "one-cycle": 1, "sgd-one-cycle": 1}, r.stderr[-3000:]
 
 
 _TRACE_SCRIPT = r"""

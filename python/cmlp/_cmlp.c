@@ -550,6 +550,30 @@ static PyObject *Optim_get_lr(OptimObject *self, void *closure) {
     return PyFloat_FromDouble(cmlp_optim_get_lr(self->o));
 }
 
+static PyObject *Optim_get_momentum(OptimObject *self, void *closure) {
+    (void)closure;
+    if (optim_ready(self) < 0) return NULL;
+    return PyFloat_FromDouble(cmlp_optim_get_momentum(self->o));
+}
+
+static int Optim_set_momentum(OptimObject *self, PyObject *value, void *closure) {
+    (void)closure;
+    if (optim_ready(self) < 0) return -1;
+    if (!value) {
+        PyErr_SetString(PyExc_AttributeError, "momentum cannot be deleted");
+        return -1;
+    }
+    double m = PyFloat_AsDouble(value);
+    if (m == -1.0 && PyErr_Occurred()) return -1;
+    cmlp_status st;
+    RUN_LOCKED(self->model, st = cmlp_optim_set_momentum(self->o, m));
+    if (st != CMLP_OK) {
+        raise_status(self->model->ms, st);
+        return -1;
+    }
+    return 0;
+}
+
 static int Optim_set_lr(OptimObject *self, PyObject *value, void *closure) {
     (void)closure;
     if (optim_ready(self) < 0) return -1;
@@ -655,6 +679,7 @@ static PyMethodDef Optim_methods[] = {
 
 static PyGetSetDef Optim_getset[] = {
     {"lr", (getter)Optim_get_lr, (setter)Optim_set_lr, "learning rate", NULL},
+    {"momentum", (getter)Optim_get_momentum, (setter)Optim_set_momentum, "Adam's beta1 or SGD's momentum", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -783,30 +808,38 @@ static PyObject *Trainer_epoch_begin(TrainerObject *self, PyObject *args, PyObje
     return PyLong_FromLongLong(es.total_steps);
 }
 
+/* 1 to CMLP_MAX_RATES floats from a sequence into out; returns how many, or -1 with an exception. */
+static Py_ssize_t floats_of(PyObject *obj, const char *what, double *out) {
+    PyObject *seq = PySequence_Fast(obj, "expected a sequence of floats");
+    if (!seq) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n < 1 || n > CMLP_MAX_RATES) {
+        Py_DECREF(seq);
+        PyErr_Format(PyExc_ValueError, "%s must hold 1 to %d values, got %zd", what, CMLP_MAX_RATES, n);
+        return -1;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        out[k] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(seq, k));
+        if (out[k] == -1.0 && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            return -1;
+        }
+    }
+    Py_DECREF(seq);
+    return n;
+}
+
 static PyObject *Trainer_epoch_run(TrainerObject *self, PyObject *args) {
     long long max_steps;
-    PyObject *rates = Py_None;
-    if (!PyArg_ParseTuple(args, "L|O", &max_steps, &rates)) return NULL;
+    PyObject *rates = Py_None, *momenta = Py_None;
+    if (!PyArg_ParseTuple(args, "L|OO", &max_steps, &rates, &momenta)) return NULL;
     self->run_steps = 0;
-    double lr[CMLP_MAX_RATES];
-    Py_ssize_t nlr = 0;
-    if (rates != Py_None) { /* a rate per step: as many steps as rates */
-        PyObject *seq = PySequence_Fast(rates, "rates must be a sequence of floats");
-        if (!seq) return NULL;
-        nlr = PySequence_Fast_GET_SIZE(seq);
-        if (nlr < 1 || nlr > CMLP_MAX_RATES) {
-            Py_DECREF(seq);
-            return PyErr_Format(PyExc_ValueError, "rates must hold 1 to %d rates, got %zd", CMLP_MAX_RATES, nlr);
-        }
-        for (Py_ssize_t k = 0; k < nlr; k++) {
-            lr[k] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(seq, k));
-            if (lr[k] == -1.0 && PyErr_Occurred()) {
-                Py_DECREF(seq);
-                return NULL;
-            }
-        }
-        Py_DECREF(seq);
-    }
+    double lr[CMLP_MAX_RATES], mom[CMLP_MAX_RATES];
+    Py_ssize_t nlr = 0, nmom = 0;
+    if (rates != Py_None && (nlr = floats_of(rates, "rates", lr)) < 0) return NULL; /* a step per rate */
+    if (momenta != Py_None && (nmom = floats_of(momenta, "momenta", mom)) < 0) return NULL;
+    if (nmom && nmom != nlr)
+        return PyErr_Format(PyExc_ValueError, "momenta must hold one value per rate (%zd), got %zd", nlr, nmom);
     if (trainer_ready(self) < 0) return NULL;
     if (!self->epoch_x) {
         PyErr_SetString(PyExc_RuntimeError, "epoch_run called before epoch_begin");
@@ -815,7 +848,7 @@ static PyObject *Trainer_epoch_run(TrainerObject *self, PyObject *args) {
     ModelObject *mo = self->optim->model;
     cmlp_epoch_state es = {0};
     cmlp_status st;
-    if (nlr) RUN_LOCKED(mo, st = cmlp_trainer_epoch_run_rates(self->t, lr, nlr, &es));
+    if (nlr) RUN_LOCKED(mo, st = cmlp_trainer_epoch_run_rates(self->t, lr, nmom ? mom : NULL, nlr, &es));
     else RUN_LOCKED(mo, st = cmlp_trainer_epoch_run(self->t, max_steps, &es));
     self->run_steps = (long long)es.steps;
     if (st != CMLP_OK) { /* a finished epoch keeps its arrays: the next may be on the same data */
@@ -977,8 +1010,9 @@ static PyMethodDef Trainer_methods[] = {
     {"step", (PyCFunction)(void (*)(void))Trainer_step, METH_VARARGS | METH_KEYWORDS, "one optimizer step"},
     {"epoch_begin", (PyCFunction)(void (*)(void))Trainer_epoch_begin, METH_VARARGS | METH_KEYWORDS,
      "validate and shuffle; returns the epoch's step count"},
-    {"epoch_run", (PyCFunction)Trainer_epoch_run, METH_VARARGS, "(max_steps, rates=None) -> (steps, samples, loss_sum, done, skipped, grad_norm_sum, grad_norm_steps); "
-     "with rates (at most MAX_RATES), one step at each"},
+    {"epoch_run", (PyCFunction)Trainer_epoch_run, METH_VARARGS,
+     "(max_steps, rates=None, momenta=None) -> (steps, samples, loss_sum, done, skipped, grad_norm_sum, "
+     "grad_norm_steps); with rates (at most MAX_RATES), one step at each (and at each momentum)"},
     {"release_data", (PyCFunction)Trainer_release_data, METH_NOARGS, "free the device copy of the data set"},
     {"set_scaler", (PyCFunction)Trainer_set_scaler, METH_VARARGS,
      "set_scaler(enabled, scale, growth_factor, backoff_factor, growth_interval, growth_tracker)"},

@@ -381,13 +381,11 @@ class Trainer:
         return epochs, xa, ya, val
 
     def _run_scheduled(self, scheduler: Any, steps: int) -> Tuple[int, int, float, bool, int, float, int]:
-        """epoch_run for up to `steps` steps, each at the rate the schedule gives it, as torch's
-        loop takes them (optimizer.step(), then scheduler.step()): the schedule is stepped once per
-        step ahead of the call and its rates reach the device with it. A schedule that moves the
-        momentum too (OneCycleLR) ends a call where the momentum changes: the call's steps share
-        theirs, set before it (off the CPU, a step whose momentum changed runs eagerly). When the
-        schedule raises, the steps before are taken, then the error is raised; when the call fails
-        after j steps, the schedule is where it would be after j steps."""
+        """epoch_run for up to `steps` steps, each at the rate (and momentum: OneCycleLR) the
+        schedule gives it, as torch's loop takes them (optimizer.step(), then scheduler.step()):
+        the schedule is stepped once per step ahead of the call and its values reach the device
+        with it. When the schedule raises, the steps before are taken, then the error is raised;
+        when the call fails after j steps, the schedule is where it would be after j steps."""
         opt = self.optimizer
         k = min(steps, _cmlp.MAX_RATES)
         saved, lr, momentum = scheduler.state_dict(), opt.lr, opt._momentum()
@@ -395,34 +393,28 @@ class Trainer:
         def rewind(done: int) -> None:
             scheduler.load_state_dict(saved)
             opt.lr = lr
-            if opt._momentum() != momentum:
-                opt._set_momentum(momentum)
+            opt._set_momentum(momentum)
             for _ in range(done):
                 scheduler.step()
 
         rates: List[float] = []
+        momenta: List[float] = []
         raised: Optional[Exception] = None
         try:
             for _ in range(k):
-                if rates and opt._momentum() != momentum:
-                    break
                 rates.append(opt.lr)
+                momenta.append(opt._momentum())
                 scheduler.step()
         except Exception as e:  # torch's loop has taken this step when the schedule raises
             raised = e
         except BaseException:
             rewind(0)
             raise
-        after = opt._momentum()
-        if after != momentum:
-            opt._set_momentum(momentum)
         try:
-            result = self._c.epoch_run(len(rates), rates)
+            result = self._c.epoch_run(len(rates), rates, momenta)
         except BaseException:
             rewind(self._c.run_steps())
             raise
-        if after != momentum:
-            opt._set_momentum(after)
         if raised is not None:
             raise raised
         return result

@@ -334,9 +334,10 @@ static void test_determinism(void) {
     free(out[1]);
 }
 
-/* A rate per step (cmlp_trainer_epoch_run_rates): the epoch's steps at the given rates equal the
- * same steps taken one by one with the rate set before each (Adam with decoupled weight decay,
- * and SGD with momentum); the optimizer's rate is as before each call; refusals change nothing. */
+/* A rate and momentum per step (cmlp_trainer_epoch_run_rates): the epoch's steps at the given
+ * values equal the same steps taken one by one with them set before each (Adam with decoupled
+ * weight decay, and SGD with momentum, through 0 and back); the optimizer's rate and momentum are
+ * as before each call; refusals change nothing. */
 static void test_rates_per_step(void) {
     int sizes[] = {7, 11, 3};
     float x[40 * 7];
@@ -346,6 +347,8 @@ static void test_rates_per_step(void) {
     for (int i = 0; i < 40; i++) y[i] = (i * 5) % 3;
     cmlp_data d = {.x = x, .x_dtype = CMLP_DTYPE_F32, .y = y, .n = 40};
     const double lr[10] = {1e-3, 2e-3, 3e-3, 4e-3, 5e-3, 5e-3, 2.5e-3, 1.25e-3, 0.0, 0.5};
+    /* a momentum per step too (Adam's beta1, SGD's momentum), through 0 and back */
+    const double mom[10] = {0.95, 0.9, 0.85, 0.0, 0.0, 0.5, 0.8, 0.9, 0.95, 0.99};
     for (int kind = 0; kind < 2; kind++) {
         cmlp_model *m[2];
         cmlp_optim *o[2];
@@ -368,20 +371,25 @@ static void test_rates_per_step(void) {
         cmlp_epoch_state st;
         OK(cmlp_trainer_epoch_begin(t[0], &d, 0, &st));
         const double bad[3] = {1e-3, -1.0, NAN};
-        CHECK(cmlp_trainer_epoch_run_rates(t[0], bad, 2, &st) == CMLP_ERR_INVALID, "a negative rate accepted");
-        CHECK(cmlp_trainer_epoch_run_rates(t[0], bad + 2, 1, &st) == CMLP_ERR_INVALID, "a NaN rate accepted");
-        CHECK(cmlp_trainer_epoch_run_rates(t[0], lr, 0, &st) == CMLP_ERR_INVALID, "no rates accepted");
-        CHECK(cmlp_trainer_epoch_run_rates(t[0], lr, CMLP_MAX_RATES + 1, &st) == CMLP_ERR_INVALID,
+        CHECK(cmlp_trainer_epoch_run_rates(t[0], bad, NULL, 2, &st) == CMLP_ERR_INVALID, "a negative rate accepted");
+        CHECK(cmlp_trainer_epoch_run_rates(t[0], bad + 2, NULL, 1, &st) == CMLP_ERR_INVALID, "a NaN rate accepted");
+        CHECK(cmlp_trainer_epoch_run_rates(t[0], lr, NULL, 0, &st) == CMLP_ERR_INVALID, "no rates accepted");
+        CHECK(cmlp_trainer_epoch_run_rates(t[0], lr, NULL, CMLP_MAX_RATES + 1, &st) == CMLP_ERR_INVALID,
               "more rates than a call takes accepted");
         CHECK(st.steps == 0, "a refused call stepped");
-        OK(cmlp_trainer_epoch_run_rates(t[0], lr, 3, &st));
-        OK(cmlp_trainer_epoch_run_rates(t[0], lr + 3, 7, &st));
-        CHECK(st.steps == 10 && st.done && cmlp_optim_get_lr(o[0]) == (kind == 0 ? 1e-3 : 0.01),
+        const double bad_mom[2] = {0.9, kind == 0 ? 1.0 : -0.5};
+        CHECK(cmlp_trainer_epoch_run_rates(t[0], lr, bad_mom, 2, &st) == CMLP_ERR_INVALID && st.steps == 0,
+              "a momentum out of range accepted");
+        OK(cmlp_trainer_epoch_run_rates(t[0], lr, mom, 3, &st));
+        OK(cmlp_trainer_epoch_run_rates(t[0], lr + 3, mom + 3, 7, &st));
+        CHECK(st.steps == 10 && st.done && cmlp_optim_get_lr(o[0]) == (kind == 0 ? 1e-3 : 0.01) &&
+                  cmlp_optim_get_momentum(o[0]) == 0.9,
               "%lld steps, done %d, rate %g", (long long)st.steps, st.done, cmlp_optim_get_lr(o[0]));
         for (int k = 0; k < 10; k++) {
             cmlp_data b = {.x = x + k * 4 * 7, .x_dtype = CMLP_DTYPE_F32, .y = y + k * 4, .n = 4};
             double loss;
             OK(cmlp_optim_set_lr(o[1], lr[k]));
+            OK(cmlp_optim_set_momentum(o[1], mom[k]));
             OK(cmlp_trainer_step(t[1], &b, &loss));
         }
         const int64_t np_ = cmlp_model_num_parameters(m[0]);

@@ -501,14 +501,16 @@ static void test_adam(void) {
             memcpy(F(cp), F(p), (size_t)n * 4), memcpy(F(cm), F(m), (size_t)n * 4), memcpy(F(cv), F(v), (size_t)n * 4);
             float wd = variant & 1 && variant < 6 ? 0.01f : 0.0f;
             float decay = variant >= 6 ? (float)(1.0 - 1e-3 * 0.01) : 1.0f;
-            /* from the device the decay comes with the coefficients (the argument is then ignored) */
-            float coef[3] = {1.1e-3f, 0.3f, decay};
+            /* from the device the decay and beta1 come with the coefficients (the arguments are then
+             * ignored) */
+            float coef[4] = {1.1e-3f, 0.3f, decay, 0.9f};
             if (variant & 2) decay = 0.5f;
+            const float beta1 = variant & 2 ? 0.25f : 0.9f;
             float inf = variant == 4 ? 1.0f : 0.0f;
             const float *fi = variant == 4 || variant == 5 ? &inf : NULL, *cf = variant & 2 ? coef : NULL;
-            KOK(cmlp_k_adam(F(p), F(g), F(m), F(v), n, 1e-3f, 0.9f, 0.999f, 0.05f, 1e-8f, wd, decay, fi, cf, S));
+            KOK(cmlp_k_adam(F(p), F(g), F(m), F(v), n, 1e-3f, beta1, 0.999f, 0.05f, 1e-8f, wd, decay, fi, cf, S));
             CPU_CALL(
-                cpu->adam(NULL, F(cp), F(g), F(cm), F(cv), n, 1e-3f, 0.9f, 0.999f, 0.05f, 1e-8f, wd, decay, fi, cf));
+                cpu->adam(NULL, F(cp), F(g), F(cm), F(cv), n, 1e-3f, beta1, 0.999f, 0.05f, 1e-8f, wd, decay, fi, cf));
             CHECK(first_diff(F(p), F(cp), n) < 0 && first_diff(F(m), F(cm), n) < 0 && first_diff(F(v), F(cv), n) < 0,
                   "adam n %lld variant %d", (long long)n, variant);
             free(p.block), free(g.block), free(m.block), free(v.block), free(cp.block), free(cm.block), free(cv.block);
@@ -524,7 +526,9 @@ static void test_sgd(void) {
             float wd = variant % 3 ? 1e-2f : 0.0f;
             int64_t step = variant % 5 == 0 ? 1 : 2;
             const int64_t *sp = variant % 7 < 3 ? &step : NULL;
-            const float coef[1] = {0.07f}, *cf = variant % 11 < 4 ? coef : NULL; /* the rate from the device */
+            /* the rate and momentum from the device (momentum 0 there: plain steps, the buffer untouched) */
+            const float coef[2] = {0.07f, variant % 11 == 3 ? 0.0f : momentum + 0.05f};
+            const float *cf = variant % 11 < 4 ? coef : NULL;
             buf p = make(n, 4, off), g = make(n, 4, (off + variant) % 2), b = make(n, 4, off);
             buf cp = make(n, 4, 0), cb = make(n, 4, 0);
             fill(F(p), n, 1), fill(F(g), n, 1), fill(F(b), n, 1);
@@ -543,8 +547,8 @@ static void test_sgd(void) {
     float p[5] = {1, 2, 3, 4, 5}, g[5] = {1, 1, 1, 1, 1};
     KOK(cmlp_k_sgd(p, g, NULL, 5, 0.5f, 0.0f, 0.0f, 0, 0.0f, 0, NULL, NULL, NULL, S));
     CHECK(p[0] == 0.5f && p[4] == 4.5f, "sgd without momentum: %g %g", p[0], p[4]);
-    /* the rate on the device wins over the argument */
-    const float rate[1] = {0.25f};
+    /* the rate (and momentum 0) on the device win over the arguments */
+    const float rate[2] = {0.25f, 0.0f};
     KOK(cmlp_k_sgd(p, g, NULL, 5, 0.5f, 0.0f, 0.0f, 0, 0.0f, 0, NULL, NULL, rate, S));
     CHECK(p[0] == 0.25f && p[4] == 4.25f, "sgd at the device's rate: %g %g", p[0], p[4]);
 }
@@ -552,28 +556,31 @@ static void test_sgd(void) {
 static void test_optim_prepare(void) {
     for (int adam = 0; adam < 2; adam++)
         for (int k = 0; k < 3; k++) {
-            /* k == 1: a rate per step and decoupled weight decay; k == 2: a late step */
+            /* k == 1: a rate and momentum per step and decoupled weight decay; k == 2: a late step */
             int64_t step = k == 2 ? 12345 : k, cstep = step, pos = 7, cpos = 7, cnext = 0;
             long long next = 0;
-            const double rates[3] = {3e-4, 0.125, 7.5e-3};
-            float coef[3] = {-1, -1, -1}, ccoef[3] = {-1, -1, -1}, inf = 0.0f;
+            const double rates[6] = {3e-4, 0.9, 0.125, 0.85, 7.5e-3, 0.0}; /* (lr, momentum) pairs */
+            float coef[4] = {-1, -1, -1, -1}, ccoef[4] = {-1, -1, -1, -1}, inf = 0.0f;
             cmlp_k_rate r = {rates, k == 1 ? &next : NULL, k == 1 ? 0.05 : 0.0};
             cmlp_rate_src cr = {rates, k == 1 ? &cnext : NULL, r.decoupled_wd};
-            KOK(cmlp_k_optim_prepare(&step, coef, &inf, r, 0.9, 0.999, adam, &pos, 32, NULL, S));
-            CPU_CALL(cpu->optim_prepare(NULL, &cstep, ccoef, &inf, &cr, 0.9, 0.999, adam, &cpos, 32, NULL));
+            KOK(cmlp_k_optim_prepare(&step, coef, &inf, r, 0.999, adam, &pos, 32, NULL, S));
+            CPU_CALL(cpu->optim_prepare(NULL, &cstep, ccoef, &inf, &cr, 0.999, adam, &cpos, 32, NULL));
             CHECK(step == cstep && same_bits(coef, ccoef, sizeof coef) && pos == 39 && cpos == 39,
                   "optim_prepare adam %d step %lld pos %lld", adam, (long long)step, (long long)pos);
             CHECK(adam ? coef[0] == (float)(3e-4 / (1.0 - pow(0.9, (double)step))) &&
-                             coef[2] == (k == 1 ? (float)(1.0 - 3e-4 * 0.05) : 1.0f)
-                       : coef[0] == 3e-4f,
-                  "optim_prepare adam %d k %d: coefficients %g %g %g", adam, k, coef[0], coef[1], coef[2]);
+                             coef[2] == (k == 1 ? (float)(1.0 - 3e-4 * 0.05) : 1.0f) && coef[3] == 0.9f
+                       : coef[0] == 3e-4f && coef[1] == 0.9f,
+                  "optim_prepare adam %d k %d: coefficients %g %g %g %g", adam, k, coef[0], coef[1], coef[2], coef[3]);
             inf = 1.0f; /* a skipped step moves the position and the rate on */
-            KOK(cmlp_k_optim_prepare(&step, coef, &inf, r, 0.9, 0.999, adam, &pos, 32, NULL, S));
+            KOK(cmlp_k_optim_prepare(&step, coef, &inf, r, 0.999, adam, &pos, 32, NULL, S));
             CHECK(step == cstep && pos == 71 && next == (k == 1 ? 2 : 0),
                   "optim_prepare counted a skipped step, or did not move the position or the rate");
-            KOK(cmlp_k_optim_prepare(&step, coef, NULL, r, 0.9, 0.999, adam, NULL, 32, NULL, S));
-            CHECK(step == cstep + 1 && (adam || coef[0] == (k == 1 ? 7.5e-3f : 3e-4f)),
-                  "optim_prepare without found_inf or a position: step %lld rate %g", (long long)step, coef[0]);
+            KOK(cmlp_k_optim_prepare(&step, coef, NULL, r, 0.999, adam, NULL, 32, NULL, S));
+            CHECK(step == cstep + 1 &&
+                      (adam ? coef[3] == (k == 1 ? 0.0f : 0.9f)
+                            : coef[0] == (k == 1 ? 7.5e-3f : 3e-4f) && coef[1] == (k == 1 ? 0.0f : 0.9f)),
+                  "optim_prepare without found_inf or a position: step %lld rate %g momentum %g", (long long)step,
+                  coef[0], coef[adam ? 3 : 1]);
         }
 }
 
@@ -594,9 +601,9 @@ static void test_adam_prepared(void) {
             for (int64_t k = 0; k < n; k++) F(v)[k] = uniform(0.0f, 1e-3f);
             memcpy(F(rp), F(p), (size_t)n * 4), memcpy(F(rm), F(m), (size_t)n * 4), memcpy(F(rv), F(v), (size_t)n * 4);
             const bool decoupled = (variant & 1) && i % 2 == 0;
-            float wd = variant & 1 && !decoupled ? 0.01f : 0.0f, coef[3] = {0, 0, 0}, rcoef[3] = {0, 0, 0};
-            /* variant 2, 3, 6, 7: a rate per step */
-            const double rates[4] = {3e-4, 1e-2, 2.5e-5, 0.75};
+            float wd = variant & 1 && !decoupled ? 0.01f : 0.0f, coef[4] = {0, 0, 0, 0}, rcoef[4] = {0, 0, 0, 0};
+            /* variant 2, 3, 6, 7: a rate and beta1 per step */
+            const double rates[8] = {3e-4, 0.9, 1e-2, 0.5, 2.5e-5, 0.0, 0.75, 0.95};
             long long next = 0, rnext = 0;
             const cmlp_k_rate rate = {rates, variant & 2 ? &next : NULL, decoupled ? 0.05 : 0.0};
             const cmlp_k_rate rrate = {rates, variant & 2 ? &rnext : NULL, rate.decoupled_wd};
@@ -611,10 +618,10 @@ static void test_adam_prepared(void) {
             int64_t *pp = variant & 4 ? &pos : NULL, *rpp = variant & 4 ? &rpos : NULL;
             for (int t = 0; t < 4; t++) {
                 inf = t == 2 ? 1.0f : 0.0f; /* read only where fi is set */
-                KOK(cmlp_k_adam_prepared(F(p), F(g), F(m), F(v), n, rate, 0.9, 0.999, 1e-8f, wd, fi, &step, coef,
-                                         pp, 32, sc, &done, S));
-                KOK(cmlp_k_optim_prepare(&rstep, rcoef, fi, rrate, 0.9, 0.999, 1, rpp, 32, rsc, S));
-                KOK(cmlp_k_adam(F(rp), F(g), F(rm), F(rv), n, 0.0f, 0.9f, 0.999f, 1.0f, 1e-8f, wd, 1.0f, fi, rcoef,
+                KOK(cmlp_k_adam_prepared(F(p), F(g), F(m), F(v), n, rate, 0.999, 1e-8f, wd, fi, &step, coef, pp, 32,
+                                         sc, &done, S));
+                KOK(cmlp_k_optim_prepare(&rstep, rcoef, fi, rrate, 0.999, 1, rpp, 32, rsc, S));
+                KOK(cmlp_k_adam(F(rp), F(g), F(rm), F(rv), n, 0.0f, 0.0f, 0.999f, 1.0f, 1e-8f, wd, 1.0f, fi, rcoef,
                                 S));
                 CHECK(first_diff(F(p), F(rp), n) < 0 && first_diff(F(m), F(rm), n) < 0 &&
                           first_diff(F(v), F(rv), n) < 0 && step == rstep && same_bits(coef, rcoef, sizeof coef) &&
@@ -705,10 +712,10 @@ static void test_unscale(void) {
 /* The loss-scale update, done by the optimizer's prepare: PyTorch's rule, step for step as the
  * CPU does it (growth, backoff, growth that would overflow) */
 static void test_scale_update(void) {
-    float scale = 65536.0f, cscale = scale, coef[3], ccoef[3];
-    const double lr = 1e-3;
-    const cmlp_k_rate r = {&lr, NULL, 0.0};
-    const cmlp_rate_src cr = {&lr, NULL, 0.0};
+    float scale = 65536.0f, cscale = scale, coef[4], ccoef[4];
+    const double rate[2] = {1e-3, 0.9};
+    const cmlp_k_rate r = {rate, NULL, 0.0};
+    const cmlp_rate_src cr = {rate, NULL, 0.0};
     int32_t tr = 0, ctr = 0;
     long long skipped = 0;
     int64_t cskipped = 0, step = 0, cstep = 0;
@@ -717,8 +724,8 @@ static void test_scale_update(void) {
         if (k == 200) scale = cscale = 3e38f; /* growth would overflow: kept */
         cmlp_k_scaler ks = {&scale, &tr, &skipped, 2.0, 0.5, 7};
         cmlp_scale_step cs = {&cscale, &ctr, &cskipped, 2.0, 0.5, 7};
-        KOK(cmlp_k_optim_prepare(&step, coef, &fi, r, 0.9, 0.999, 1, NULL, 0, &ks, S));
-        CPU_CALL(cpu->optim_prepare(NULL, &cstep, ccoef, &fi, &cr, 0.9, 0.999, 1, NULL, 0, &cs));
+        KOK(cmlp_k_optim_prepare(&step, coef, &fi, r, 0.999, 1, NULL, 0, &ks, S));
+        CPU_CALL(cpu->optim_prepare(NULL, &cstep, ccoef, &fi, &cr, 0.999, 1, NULL, 0, &cs));
         CHECK(same_bits(&scale, &cscale, 4) && tr == ctr && skipped == (long long)cskipped && step == cstep &&
                   same_bits(coef, ccoef, sizeof coef),
               "scale update step %d: %g/%d vs %g/%d", k, scale, tr, cscale, ctr);

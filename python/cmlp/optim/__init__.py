@@ -174,9 +174,13 @@ class Optimizer:
         return self.betas[0] if self._kind == "adam" else self.momentum  # type: ignore[attr-defined]
 
     def _set_momentum(self, value: float) -> None:
-        config = self._group_config(self._group())
-        config["beta1" if self._kind == "adam" else "momentum"] = _num("momentum", value)
-        self._apply(config)
+        """Sets what _momentum() reads (as a schedule does at each step): a step on a device reads
+        it there, so, like the rate, it changes no captured step."""
+        self._c.momentum = _num("momentum", value)
+        if self._kind == "adam":
+            self.betas = (self._c.momentum, self.betas[1])  # type: ignore[attr-defined]
+        else:
+            self.momentum = self._c.momentum  # type: ignore[attr-defined]
 
 
 class Adam(Optimizer):

@@ -16,9 +16,8 @@ epoch, or with `scheduler_interval="step"` after each optimizer step (warm-up):
     sched = cmlp.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 500))
     trainer.fit(x, y, epochs=5, scheduler=sched, scheduler_interval="step")
 
-Off the CPU a step reads its rate on the device, so a step captured as a CUDA graph replays at
-every rate. OneCycleLR's momentum (cycle_momentum=True) is a setting of the optimizer: a step
-whose momentum changed runs eagerly.
+Off the CPU a step reads its rate (and momentum, which OneCycleLR moves) on the device, so a step
+captured as a CUDA graph replays at every rate.
 """
 import math
 import types
