@@ -253,7 +253,8 @@ CMLP_HIDDEN cmlp_status cmlp_rc_fb(cmlp_model *m, const cmlp_data *xy, const int
  * is NULL (cmlp_rate_src); the optimizer's own are not read. When d_pos is not NULL, *d_pos += pos_add on the device (skipped step or
  * not), and when scale is not NULL the loss scale is updated on the same verdict, in the same
  * launch, once the optimizer's state exists. */
-/* The next step makes optimizer state (its first, or SGD's buffer once the momentum is no longer 0). */
+/* The next step makes optimizer state, or is the first to write it (its first step, or SGD's
+ * buffer once the momentum is no longer 0; also after a skipped step that made it). */
 CMLP_HIDDEN bool cmlp_optim_state_missing(const cmlp_optim *o);
 CMLP_HIDDEN cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int64_t *d_step,
                                                float *d_coef, const double *d_rates, int64_t *d_lr_next,

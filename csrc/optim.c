@@ -144,7 +144,7 @@ static int buffers_of(const cmlp_optim *o) {
 
 /* A step skipped on the device (inf/NaN under loss scaling) may have made the state; it holds
  * zeros and counts only once a step was taken, as PyTorch makes state at the first step. */
-int cmlp_optim_num_buffers(const cmlp_optim *o) { return o->state && o->step > 0 ? buffers_of(o) : 0; }
+int cmlp_optim_num_buffers(const cmlp_optim *o) { return o->state && o->step > 0 && !o->unused ? buffers_of(o) : 0; }
 
 cmlp_status cmlp_optim_configure_adam(cmlp_optim *o, const cmlp_adam_config *c) {
     if (o->kind != CMLP_OPTIM_ADAM) return CMLP_FAIL(CMLP_ERR_STATE, "this optimizer is not Adam");
@@ -186,7 +186,7 @@ static cmlp_status ensure_state(cmlp_optim *o) {
     return CMLP_OK;
 }
 
-bool cmlp_optim_state_missing(const cmlp_optim *o) { return !o->state && buffers_of(o) > 0; }
+bool cmlp_optim_state_missing(const cmlp_optim *o) { return o->state ? o->unused : buffers_of(o) > 0; }
 
 cmlp_status cmlp_optim_prepare(cmlp_optim *o) {
     CMLP_TRY(check_model(o));
@@ -302,6 +302,14 @@ cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int6
     }
     if (st == CMLP_OK) st = cmlp_model_refresh_half(m);
     cmlp_fpenv_leave(&fe);
+    if (st == CMLP_OK && first && d_found_inf) {
+        /* state this step made is still unused if the device skipped the step (torch's scaler
+         * skips optimizer.step(): SGD's next step starts its buffer from the gradient); read once,
+         * where the state was made (never in a capture: cmlp_optim_state_missing) */
+        float inf = 0.0f;
+        st = b->copy_d2h(ctx, &inf, d_found_inf, sizeof inf);
+        if (st == CMLP_OK && inf != 0.0f) return CMLP_OK;
+    }
     if (st == CMLP_OK) o->unused = false;
     return st;
 }

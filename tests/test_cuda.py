@@ -694,6 +694,39 @@ def test_a_learning_rate_schedule_replays_the_captured_step_and_equals_the_eager
     assert same(graph.state_dict(), eager.state_dict())
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_skipped_step_that_made_sgds_buffer_leaves_it_unused(device):
+    """The momentum goes from 0 to 0.9 (as a schedule may set it) and the step that makes SGD's
+    buffer overflows under loss scaling: the device skips it, as torch's scaler skips
+    optimizer.step(), so the next step starts the buffer from the gradient (dampening shows the
+    difference), and no buffer is reported meanwhile."""
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((8, 6)).astype(np.float32), rng.integers(0, 3, 8)
+
+    def run(skip):
+        model = cmlp.MLP([6, 8, 3], seed=0, device=device)
+        opt = cmlp.optim.SGD(model, lr=0.1, momentum=0.0, dampening=0.5)
+        scaler = cmlp.amp.GradScaler(init_scale=2.0**100)
+        trainer = cmlp.Trainer(model, opt, batch_size=8, scaler=scaler, shuffle=False)
+        trainer.step(x, y)
+        opt._set_momentum(0.9)
+        if skip:
+            before = model._c.get_params()
+            trainer.step(x * np.float32(1e20), y)
+            np.testing.assert_array_equal(model._c.get_params(), before)
+            state = opt.state_dict()["state"]
+            assert all("momentum_buffer" not in e for e in state.values()) and scaler.get_scale() == 2.0**99
+        else:
+            scaler.update(2.0**99)
+        trainer.step(x, y)
+        trainer.step(x, y)
+        return model._c.get_params(), opt.state_dict()["state"][0]["momentum_buffer"]
+
+    (p0, b0), (p1, b1) = run(False), run(True)
+    np.testing.assert_array_equal(p1, p0)
+    np.testing.assert_array_equal(b1, b0)
+
+
 @needs_gpu
 @pytest.mark.parametrize("sizes", [[784, 512, 256, 10], [5, 3, 2]], ids=_id)
 def test_clip_grad_norm_on_the_gpu_is_the_float64_norm(sizes):
