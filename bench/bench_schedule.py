@@ -24,9 +24,9 @@ import time
 import numpy as np
 
 import cmlp
+from bench_clip import SIZES, data  # the model and the training data (this script's directory)
 from cmlp.optim import lr_scheduler as S
 
-SIZES = [784, 512, 256, 10]
 REPEATS = 5
 PAIRS = 9
 WARMUP = 100  # steps of linear warm-up
@@ -37,16 +37,6 @@ try:
     import torch.nn.functional as F
 except ImportError:
     torch = None
-
-
-def data():
-    try:
-        (x, y), _ = cmlp.datasets.fashion_mnist()
-        return x, y, "Fashion-MNIST (60,000 images)"
-    except FileNotFoundError:
-        rng = np.random.default_rng(0)
-        return (rng.integers(0, 256, (60000, 784), dtype=np.uint8), rng.integers(0, 10, 60000),
-                "random uint8 images (Fashion-MNIST is not installed)")
 
 
 def schedule(lib, opt, steps):

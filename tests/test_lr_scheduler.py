@@ -45,6 +45,16 @@ def rates(sched, steps=25):
     return out
 
 
+def torch_rates(topt, ts, steps=25):
+    """torch's rates over `steps` steps of its loop (optimizer.step(), then scheduler.step())."""
+    out = [ts.get_last_lr()[0]]
+    for _ in range(steps):
+        topt.step()
+        ts.step()
+        out.append(ts.get_last_lr()[0])
+    return out
+
+
 def make(name, kw, lr=0.1, kind="adam"):
     model = cmlp.MLP(SIZES)
     opt = cmlp.optim.Adam(model, lr=lr) if kind == "adam" else cmlp.optim.SGD(model, lr=lr, momentum=0.9)
@@ -59,13 +69,7 @@ def test_rates_are_torchs_to_the_bit(case):
     mine = rates(sched)
     assert opt.lr == mine[-1]
     topt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    ts = getattr(torch.optim.lr_scheduler, name)(topt, **kw)
-    theirs = [ts.get_last_lr()[0]]
-    for _ in range(25):
-        topt.step()
-        ts.step()
-        theirs.append(ts.get_last_lr()[0])
-    assert mine == theirs
+    assert mine == torch_rates(topt, getattr(torch.optim.lr_scheduler, name)(topt, **kw))
 
 
 def composites(S, opt):
@@ -92,13 +96,7 @@ def test_composite_schedules_are_torchs_to_the_bit(name):
     mine = rates(composites(S, opt)[name](), 25)
     assert opt.lr == mine[-1]
     topt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    ts = composites(torch.optim.lr_scheduler, topt)[name]()
-    theirs = [ts.get_last_lr()[0]]
-    for _ in range(25):
-        topt.step()
-        ts.step()
-        theirs.append(ts.get_last_lr()[0])
-    assert mine == theirs
+    assert mine == torch_rates(topt, composites(torch.optim.lr_scheduler, topt)[name]())
 
 
 ONE_CYCLE = [("adam", dict(max_lr=0.5, total_steps=25)),

@@ -125,8 +125,8 @@ class LRScheduler:
         return self.optimizer.lr
 
 
-class LambdaLR(LRScheduler):
-    """lr = base_lr * lr_lambda(last_epoch)."""
+class _LambdaSchedule(LRScheduler):
+    """A schedule of a function of the epoch (one, or a list of one: one param group)."""
 
     def __init__(self, optimizer: Any, lr_lambda: Callable[[int], float], last_epoch: int = -1) -> None:
         if isinstance(lr_lambda, (list, tuple)):
@@ -137,6 +137,10 @@ class LambdaLR(LRScheduler):
             raise TypeError(f"lr_lambda must be callable, got {lr_lambda!r}")
         self.lr_lambdas = [lr_lambda]
         super().__init__(optimizer, last_epoch)
+
+
+class LambdaLR(_LambdaSchedule):
+    """lr = base_lr * lr_lambda(last_epoch)."""
 
     def get_lr(self) -> List[float]:
         return [self.base_lrs[0] * self.lr_lambdas[0](self.last_epoch)]
@@ -248,18 +252,8 @@ class LinearLR(LRScheduler):
         return [self.base_lrs[0] * (self.start_factor + d * min(self.total_iters, self.last_epoch) / self.total_iters)]
 
 
-class MultiplicativeLR(LRScheduler):
+class MultiplicativeLR(_LambdaSchedule):
     """The rate times lr_lambda(epoch) at each step after the first."""
-
-    def __init__(self, optimizer: Any, lr_lambda: Callable[[int], float], last_epoch: int = -1) -> None:
-        if isinstance(lr_lambda, (list, tuple)):
-            if len(lr_lambda) != 1:
-                raise ValueError(f"Expected 1 lr_lambdas (one param group), but got {len(lr_lambda)}")
-            lr_lambda = lr_lambda[0]
-        if not callable(lr_lambda):
-            raise TypeError(f"lr_lambda should be a function, but got {type(lr_lambda).__name__}")
-        self.lr_lambdas = [lr_lambda]
-        super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> List[float]:
         if self._is_initial:
