@@ -60,7 +60,7 @@ static cmlp_allocator *lat_alloc;
 static void *get(int impl, size_t n) {
     void *p = NULL;
     if (impl == IMPL_CMLP) {
-        if (cmlp_allocator_malloc(lat_alloc, n, &p) != CMLP_OK) die("malloc");
+        if (cmlp_allocator_malloc(lat_alloc, n, "bench", &p) != CMLP_OK) die("malloc");
     } else if (impl == IMPL_MEMALIGN) {
         if (posix_memalign(&p, 64, n) != 0) p = NULL;
     } else {
@@ -182,7 +182,7 @@ static size_t round512(size_t n) { return n < 512 ? 512 : (n + 511) / 512 * 512;
 static int take(replay *r, size_t n) {
     if (r->failed) return -1;
     void *p = (void *)1;
-    if (r->a && cmlp_allocator_malloc(r->a, n, &p) != CMLP_OK) {
+    if (r->a && cmlp_allocator_malloc(r->a, n, "bench", &p) != CMLP_OK) {
         r->failed = true;
         r->ooms++;
         return -1;

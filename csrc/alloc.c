@@ -3,7 +3,9 @@
  * 20 MiB / 2 MiB-rounded segments, best fit by (size, address), split and merge, oversize
  * blocks, garbage collection under a limit, expandable segments (whose free pages anywhere move
  * to where a request needs them before more is reserved), and the allocation ladder (which,
- * unlike PyTorch's, searches the cache again after each release).
+ * unlike PyTorch's, searches the cache again after each release). With the history on, it notes
+ * what it does (PyTorch's _record_memory_history): each block remembers what it holds and the
+ * caller's context.
  */
 #include "alloc_internal.h"
 
@@ -12,11 +14,22 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 typedef struct {
     uintptr_t key; /* 0: empty */
     alloc_block *block;
 } table_slot;
+
+/* The history: a ring of up to `max` entries, `n` of them noted, the oldest at `head`. It grows
+ * by doubling until it holds `max` (or host memory runs out: then it wraps where it is). */
+typedef struct {
+    cmlp_history_mode mode;
+    cmlp_context_mode context;
+    uint32_t skip;
+    cmlp_trace_entry *ring;
+    int64_t cap, max, n, head;
+} alloc_history;
 
 struct cmlp_allocator {
     pthread_mutex_t lock;
@@ -36,7 +49,61 @@ struct cmlp_allocator {
     cmlp_alloc_settings cfg;
     bool pytorch_ladder; /* benchmarks only: no second cache search after releasing */
     cmlp_status device_error; /* a device call failed for a reason other than memory (recorded) */
+    alloc_history hist;
+    const char *what; /* the request being served: what its memory will hold */
 };
+
+/* ---- history ---- */
+
+static __thread int64_t current_context;
+
+void cmlp_memory_set_context(int64_t context) { current_context = context; }
+
+static int64_t now_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
+/* The caller's context for an entry that keeps it from mode `need` on. */
+static int64_t context_for(const cmlp_allocator *a, cmlp_context_mode need) {
+    return a->hist.mode != CMLP_HISTORY_OFF && a->hist.context >= need ? current_context : 0;
+}
+
+/* Room for one more entry at the end: the ring grows while it may, else the oldest goes. */
+static cmlp_trace_entry *history_slot(alloc_history *h) {
+    if (h->n == h->cap && h->cap < h->max && h->head == 0) {
+        int64_t cap = h->cap ? h->cap * 2 : 1024;
+        if (cap > h->max) cap = h->max;
+        cmlp_trace_entry *r = realloc(h->ring, (size_t)cap * sizeof *r);
+        if (r) {
+            h->ring = r;
+            h->cap = cap;
+        }
+    }
+    if (h->cap == 0) return NULL;
+    if (h->n < h->cap) return &h->ring[(h->head + h->n++) % h->cap];
+    cmlp_trace_entry *e = &h->ring[h->head];
+    h->head = (h->head + 1) % h->cap;
+    return e;
+}
+
+static void note(cmlp_allocator *a, cmlp_trace_action action, const void *addr, size_t size, const char *what,
+                 int64_t context, int64_t device_free) {
+    alloc_history *h = &a->hist;
+    if (h->mode != CMLP_HISTORY_ALL || (h->skip >> action & 1u)) return;
+    cmlp_trace_entry *e = history_slot(h);
+    if (e)
+        *e = (cmlp_trace_entry){.action = action, .addr = (uint64_t)(uintptr_t)addr, .size = (int64_t)size,
+                                .time_us = now_us(), .what = what, .context = context, .device_free = device_free};
+}
+
+/* A segment's entry, on behalf of the request being served (if any). */
+static void note_segment(cmlp_allocator *a, cmlp_trace_action action, const void *addr, size_t size) {
+    bool grows = action == CMLP_TRACE_SEGMENT_ALLOC || action == CMLP_TRACE_SEGMENT_MAP;
+    const char *what = grows ? a->what : NULL;
+    note(a, action, addr, size, what, what ? context_for(a, CMLP_CONTEXT_ALLOC) : 0, 0);
+}
 
 /* ---- statistics ---- */
 
@@ -276,6 +343,7 @@ static alloc_block *new_segment(cmlp_allocator *a, int pool, size_t size) {
     s->oversize = oversize(a, seg_size);
     a->stats.num_device_alloc++;
     account_segment(a, s, +1);
+    note_segment(a, CMLP_TRACE_SEGMENT_ALLOC, p, seg_size);
     return b;
 }
 
@@ -291,6 +359,7 @@ static bool map_pages(cmlp_allocator *a, alloc_segment *s, size_t i, size_t j) {
         if (hook_fires(a) || !device_ok(a, a->backend->vm_map(a->bctx, s->base + i * PAGE, (k - i) * PAGE)))
             return false;
         a->stats.num_device_alloc++;
+        note_segment(a, CMLP_TRACE_SEGMENT_MAP, s->base + i * PAGE, (k - i) * PAGE);
         int64_t runs = 1 - (i > 0 && pg_on(s, i - 1)) - pg_on(s, k);
         for (size_t g = i; g < k; g++) s->map[g >> 6] |= (uint64_t)1 << (g & 63);
         if (k > s->hi) s->hi = k;
@@ -306,6 +375,7 @@ static bool map_pages(cmlp_allocator *a, alloc_segment *s, size_t i, size_t j) {
 static void unmap_pages(cmlp_allocator *a, alloc_segment *s, size_t i, size_t j) {
     a->backend->vm_unmap(a->bctx, s->base + i * PAGE, (j - i) * PAGE);
     a->stats.num_device_free++;
+    note_segment(a, CMLP_TRACE_SEGMENT_UNMAP, s->base + i * PAGE, (j - i) * PAGE);
     int64_t runs = (int64_t)(i > 0 && pg_on(s, i - 1)) + pg_on(s, j) - 1;
     for (size_t g = i; g < j; g++) s->map[g >> 6] &= ~((uint64_t)1 << (g & 63));
     while (s->hi > 0 && !pg_on(s, s->hi - 1)) s->hi--; /* pg_on reads below hi only */
@@ -403,6 +473,7 @@ static size_t release_segment(cmlp_allocator *a, alloc_segment *s) {
     segment_unlink(a, s);
     a->backend->raw_free(a->bctx, s->base, s->size);
     a->stats.num_device_free++;
+    note_segment(a, CMLP_TRACE_SEGMENT_FREE, s->base, size);
     free(s->first);
     free(s);
     return size;
@@ -530,6 +601,7 @@ static cmlp_status oom(cmlp_allocator *a, size_t nbytes, size_t size) {
     cmlp_format_bytes(cap, sizeof cap, total);
     cmlp_format_bytes(fre, sizeof fre, total > r ? total - r : 0);
     cmlp_format_bytes(big, sizeof big, largest);
+    note(a, CMLP_TRACE_OOM, NULL, nbytes, a->what, context_for(a, CMLP_CONTEXT_ALLOC), total > r ? total - r : 0);
     /* a small request that fits in what is free can still need a whole new segment */
     size_t seg = alloc_segment_size(size);
     if (!a->cfg.expandable_segments && seg > size) {
@@ -557,7 +629,7 @@ static cmlp_status oom(cmlp_allocator *a, size_t nbytes, size_t size) {
 static void refresh_config(cmlp_allocator *a);
 
 
-static cmlp_status allocate(cmlp_allocator *a, size_t nbytes, void **out) {
+static cmlp_status allocate(cmlp_allocator *a, size_t nbytes, const char *what, void **out) {
     refresh_config(a);
     size_t size = alloc_round_size(&a->cfg, nbytes);
     int pool = size <= K_SMALL_SIZE ? POOL_SMALL : POOL_LARGE;
@@ -593,6 +665,9 @@ static cmlp_status allocate(cmlp_allocator *a, size_t nbytes, void **out) {
     }
     b->allocated = true;
     b->requested = nbytes;
+    b->what = what;
+    b->context = context_for(a, CMLP_CONTEXT_STATE);
+    note(a, CMLP_TRACE_ALLOC, b->ptr, nbytes, what, context_for(a, CMLP_CONTEXT_ALLOC), 0);
     table_put(a, b);
     int p = b->seg->pool;
     stat(a, CMLP_STAT_ALLOCATION, p, 1);
@@ -608,6 +683,9 @@ static cmlp_status allocate(cmlp_allocator *a, size_t nbytes, void **out) {
 
 static void release_block(cmlp_allocator *a, alloc_block *b) {
     int p = b->seg->pool;
+    int64_t context = context_for(a, CMLP_CONTEXT_ALL);
+    note(a, CMLP_TRACE_FREE_REQUESTED, b->ptr, b->requested, b->what, context, 0);
+    note(a, CMLP_TRACE_FREE_COMPLETED, b->ptr, b->requested, b->what, context, 0);
     stat(a, CMLP_STAT_ALLOCATION, p, -1);
     stat(a, CMLP_STAT_ACTIVE, p, -1);
     stat(a, CMLP_STAT_ALLOCATED_BYTES, p, -(int64_t)b->size);
@@ -617,6 +695,8 @@ static void release_block(cmlp_allocator *a, alloc_block *b) {
     b->allocated = false;
     b->oversize = false;
     b->requested = 0;
+    b->what = NULL;
+    b->context = 0;
     alloc_block *prev = b->prev, *next = b->next;
     if (prev && !prev->allocated) { /* absorb b into its free predecessor */
         pool_take(a, prev);
@@ -701,21 +781,26 @@ void cmlp_allocator_destroy(cmlp_allocator *a) {
         free(s);
     }
     free(a->table);
+    free(a->hist.ring);
     pthread_mutex_destroy(&a->lock);
     free(a);
 }
 
-cmlp_status cmlp_allocator_malloc(cmlp_allocator *a, size_t nbytes, void **out) {
+cmlp_status cmlp_allocator_malloc(cmlp_allocator *a, size_t nbytes, const char *what, void **out) {
     *out = NULL;
     if (nbytes == 0) return CMLP_OK;
     if (nbytes > ((size_t)1 << 56)) {
         pthread_mutex_lock(&a->lock);
         a->stats.num_ooms++;
+        int64_t r = reserved(a), total = a->limit >= 0 ? a->limit : a->total_memory;
+        note(a, CMLP_TRACE_OOM, NULL, nbytes, what, context_for(a, CMLP_CONTEXT_ALLOC), total > r ? total - r : 0);
         pthread_mutex_unlock(&a->lock);
         return CMLP_FAIL(CMLP_ERR_OOM, "%s out of memory: a request of %zu bytes is impossibly large", a->name, nbytes);
     }
     pthread_mutex_lock(&a->lock);
-    cmlp_status st = allocate(a, nbytes, out);
+    a->what = what;
+    cmlp_status st = allocate(a, nbytes, what, out);
+    a->what = NULL;
     pthread_mutex_unlock(&a->lock);
     return st;
 }
@@ -773,6 +858,61 @@ void cmlp_allocator_fail_raw(cmlp_allocator *a, int64_t k) {
     pthread_mutex_unlock(&a->lock);
 }
 
+/* ---- history ---- */
+
+cmlp_status cmlp_allocator_record_history(cmlp_allocator *a, cmlp_history_mode mode, cmlp_context_mode context,
+                                          int64_t max_entries, uint32_t skip_actions, bool clear) {
+    if (mode < CMLP_HISTORY_OFF || mode > CMLP_HISTORY_ALL)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "unknown history mode %d", (int)mode);
+    if (context < CMLP_CONTEXT_NONE || context > CMLP_CONTEXT_ALL)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "unknown context mode %d", (int)context);
+    if (mode != CMLP_HISTORY_OFF && max_entries < 1)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "max_entries must be >= 1, got %lld", (long long)max_entries);
+    pthread_mutex_lock(&a->lock);
+    alloc_history *h = &a->hist;
+    /* like torch, the entries go when the history stops being kept */
+    int64_t keep = clear || mode != CMLP_HISTORY_ALL ? 0 : h->n < max_entries ? h->n : max_entries;
+    if (keep < h->n || h->head != 0 || (mode != CMLP_HISTORY_OFF && h->cap > max_entries)) {
+        /* the newest `keep`, from the ring's start, in a ring no larger than they need */
+        cmlp_trace_entry *r = keep ? malloc((size_t)keep * sizeof *r) : NULL;
+        if (keep && !r) {
+            pthread_mutex_unlock(&a->lock);
+            return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory for the memory history");
+        }
+        for (int64_t i = 0; i < keep; i++) r[i] = h->ring[(h->head + h->n - keep + i) % h->cap];
+        free(h->ring);
+        h->ring = r;
+        h->cap = keep;
+        h->head = 0;
+    }
+    h->n = keep;
+    h->mode = mode;
+    h->context = context;
+    h->skip = skip_actions;
+    if (mode != CMLP_HISTORY_OFF) h->max = max_entries;
+    pthread_mutex_unlock(&a->lock);
+    return CMLP_OK;
+}
+
+/* A copy of the entries, oldest first (the lock held): NULL when out of host memory. */
+static cmlp_trace_entry *history_copy(const cmlp_allocator *a, int64_t *n) {
+    const alloc_history *h = &a->hist;
+    cmlp_trace_entry *e = malloc((size_t)(h->n ? h->n : 1) * sizeof *e);
+    if (!e) return NULL;
+    for (int64_t i = 0; i < h->n; i++) e[i] = h->ring[(h->head + i) % h->cap];
+    *n = h->n;
+    return e;
+}
+
+cmlp_status cmlp_allocator_history(cmlp_allocator *a, cmlp_trace_entry **entries, int64_t *n) {
+    pthread_mutex_lock(&a->lock);
+    cmlp_trace_entry *e = history_copy(a, n);
+    pthread_mutex_unlock(&a->lock);
+    if (!e) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory for a copy of the memory history");
+    *entries = e;
+    return CMLP_OK;
+}
+
 /* ---- snapshot and validation ---- */
 
 static int by_address(const void *x, const void *y) {
@@ -812,7 +952,8 @@ static void snap_piece(snap_out *o, const alloc_segment *s, const alloc_block *b
     if (o->segs) {
         cmlp_segment_info *g = &o->segs[o->ns - 1];
         int64_t n = (int64_t)(hi - lo);
-        o->blks[o->nb] = (cmlp_block_info){(uint64_t)(uintptr_t)lo, n, (int64_t)b->requested, b->allocated};
+        o->blks[o->nb] = (cmlp_block_info){(uint64_t)(uintptr_t)lo, n, (int64_t)b->requested, b->allocated, b->what,
+                                           b->context};
         g->total_size += n;
         g->nblocks++;
         if (b->allocated) {
@@ -852,7 +993,7 @@ static void snap_walk(snap_out *o, alloc_segment **v, int64_t n) {
 }
 
 cmlp_status cmlp_allocator_snapshot(cmlp_allocator *a, cmlp_segment_info **segs, int64_t *nseg, cmlp_block_info **blks,
-                                    int64_t *nblk) {
+                                    int64_t *nblk, cmlp_trace_entry **entries, int64_t *nentries) {
     pthread_mutex_lock(&a->lock);
     int64_t n = 0;
     alloc_segment **v = sorted_segments(a, &n);
@@ -861,15 +1002,23 @@ cmlp_status cmlp_allocator_snapshot(cmlp_allocator *a, cmlp_segment_info **segs,
     snap_out o = {0};
     o.segs = v ? calloc((size_t)(count.ns ? count.ns : 1), sizeof *o.segs) : NULL;
     o.blks = o.segs ? calloc((size_t)(count.nb ? count.nb : 1), sizeof *o.blks) : NULL;
-    if (!o.blks) {
+    cmlp_trace_entry *e = NULL;
+    if (o.blks) {
+        note(a, CMLP_TRACE_SNAPSHOT, NULL, (size_t)a->stats.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].current,
+             NULL, 0, 0);
+        if (entries) e = history_copy(a, nentries);
+    }
+    if (!o.blks || (entries && !e)) {
         pthread_mutex_unlock(&a->lock);
         free(v);
         free(o.segs);
+        free(o.blks);
         return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory for a memory snapshot");
     }
     snap_walk(&o, v, n);
     pthread_mutex_unlock(&a->lock);
     free(v);
+    if (entries) *entries = e;
     *segs = o.segs;
     *nseg = o.ns;
     *blks = o.blks;

@@ -17,9 +17,11 @@ __attribute__((visibility("hidden")))
 cmlp_status cmlp_allocator_create(const cmlp_backend_i *b, void *bctx, const char *device_name,
                                   cmlp_allocator **out);
 /* nbytes == 0 gives NULL and CMLP_OK. On failure CMLP_ERR_OOM with the full story in the
- * error message: request, rounded request, allocated, reserved, limit, free, hints. */
+ * error message: request, rounded request, allocated, reserved, limit, free, hints. `what` names
+ * what the memory will hold (a string that lives as long as the program: snapshots and the
+ * history show it). */
 __attribute__((visibility("hidden")))
-cmlp_status cmlp_allocator_malloc(cmlp_allocator *a, size_t nbytes, void **out);
+cmlp_status cmlp_allocator_malloc(cmlp_allocator *a, size_t nbytes, const char *what, void **out);
 /* NULL is a no-op; a pointer this allocator did not hand out is CMLP_ERR_INVALID. */
 __attribute__((visibility("hidden")))
 cmlp_status cmlp_allocator_free(cmlp_allocator *a, void *ptr);
@@ -37,10 +39,19 @@ void cmlp_allocator_destroy(cmlp_allocator *a);
 __attribute__((visibility("hidden")))
 void cmlp_allocator_fail_raw(cmlp_allocator *a, int64_t k);
 __attribute__((visibility("hidden")))
+/* With entries != NULL, the history too (taken under the same lock, ending with the snapshot's
+ * own entry when it is kept). */
 cmlp_status cmlp_allocator_snapshot(cmlp_allocator *a, cmlp_segment_info **segs, int64_t *nseg,
-                                    cmlp_block_info **blks, int64_t *nblk);
+                                    cmlp_block_info **blks, int64_t *nblk, cmlp_trace_entry **entries,
+                                    int64_t *nentries);
 __attribute__((visibility("hidden")))
 cmlp_status cmlp_allocator_validate(cmlp_allocator *a);
+/* The history (cmlp_memory_record_history, cmlp_memory_history). */
+__attribute__((visibility("hidden")))
+cmlp_status cmlp_allocator_record_history(cmlp_allocator *a, cmlp_history_mode mode, cmlp_context_mode context,
+                                          int64_t max_entries, uint32_t skip_actions, bool clear);
+__attribute__((visibility("hidden")))
+cmlp_status cmlp_allocator_history(cmlp_allocator *a, cmlp_trace_entry **entries, int64_t *n);
 /* Benchmarks only: follow PyTorch's ladder exactly (no cache search after releasing), to
  * measure what cmlp's changes to it are worth. */
 __attribute__((visibility("hidden")))

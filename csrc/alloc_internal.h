@@ -28,6 +28,8 @@ typedef struct alloc_block {
     bool allocated;
     bool oversize;    /* counted in oversize_allocations when it was handed out */
     uint64_t tick;    /* when it last became free: the gc frees the oldest first */
+    const char *what; /* allocated blocks: what the memory holds */
+    int64_t context;  /* allocated blocks: the caller's context, when recorded */
     /* free blocks of an expandable segment (computed when the block enters its pool): the
      * largest mapped piece, and the pieces that share their run of mapped pages with another
      * block (inactive_split), their number and bytes */

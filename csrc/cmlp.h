@@ -153,7 +153,10 @@ typedef struct cmlp_segment_info {
 typedef struct cmlp_block_info {
     uint64_t address;
     int64_t size, requested_size;
-    int allocated; /* 1: active_allocated, 0: inactive */
+    int allocated;    /* 1: active_allocated, 0: inactive */
+    const char *what; /* allocated blocks: what the memory holds ("parameters", ...); else NULL */
+    int64_t context;  /* allocated blocks: the caller's context (cmlp_memory_set_context) when
+                         recorded (cmlp_memory_record_history), else 0 */
 } cmlp_block_info;
 
 CMLP_API cmlp_status cmlp_memory_snapshot(cmlp_device d, cmlp_segment_info **segments, int64_t *nsegments,
@@ -170,6 +173,62 @@ CMLP_API cmlp_status cmlp_memory_fail_raw_alloc(cmlp_device d, int64_t k);
 /* A raw block from the device's allocator (PyTorch's caching_allocator_alloc). */
 CMLP_API cmlp_status cmlp_memory_alloc(cmlp_device d, size_t nbytes, void **out);
 CMLP_API cmlp_status cmlp_memory_free(cmlp_device d, void *ptr); /* INVALID if not ours */
+
+/* Memory history, PyTorch's _record_memory_history: the allocator notes what it does, oldest
+ * first, in a ring of up to max_entries entries (the oldest are overwritten). */
+typedef enum cmlp_trace_action {
+    CMLP_TRACE_ALLOC = 0,          /* a block handed out: addr, size = bytes requested */
+    CMLP_TRACE_FREE_REQUESTED,     /* a block given back: addr, size = bytes requested */
+    CMLP_TRACE_FREE_COMPLETED,     /* ... and reusable (at once: one stream per device) */
+    CMLP_TRACE_SEGMENT_ALLOC,      /* memory reserved from the device: addr, size */
+    CMLP_TRACE_SEGMENT_FREE,       /* ... returned to it */
+    CMLP_TRACE_SEGMENT_MAP,        /* pages of an expandable segment mapped: addr, size */
+    CMLP_TRACE_SEGMENT_UNMAP,      /* ... unmapped */
+    CMLP_TRACE_OOM,                /* a request failed: size = bytes requested, device_free */
+    CMLP_TRACE_SNAPSHOT,           /* a snapshot was taken: size = bytes allocated */
+    CMLP_TRACE_ACTION_COUNT
+} cmlp_trace_action;
+
+typedef enum cmlp_history_mode {
+    CMLP_HISTORY_OFF = 0,   /* nothing recorded */
+    CMLP_HISTORY_STATE = 1, /* live blocks keep their context; no history */
+    CMLP_HISTORY_ALL = 2    /* and every action is noted */
+} cmlp_history_mode;
+
+/* Which entries keep the caller's context: none, live blocks, + allocations, + frees. */
+typedef enum cmlp_context_mode {
+    CMLP_CONTEXT_NONE = 0,
+    CMLP_CONTEXT_STATE = 1,
+    CMLP_CONTEXT_ALLOC = 2,
+    CMLP_CONTEXT_ALL = 3
+} cmlp_context_mode;
+
+typedef struct cmlp_trace_entry {
+    int action;          /* cmlp_trace_action */
+    uint64_t addr;       /* 0 for CMLP_TRACE_OOM and CMLP_TRACE_SNAPSHOT */
+    int64_t size;
+    int64_t time_us;     /* microseconds since the Unix epoch */
+    const char *what;    /* blocks: what the memory holds; NULL for the rest */
+    int64_t context;     /* the caller's context when kept, else 0 */
+    int64_t device_free; /* CMLP_TRACE_OOM: bytes the device (or the limit) still had free */
+} cmlp_trace_entry;
+
+/* Starts, changes or stops recording on a device. skip_actions: a bit per cmlp_trace_action not
+ * to note. clear drops the entries noted so far (they are dropped too when max_entries shrinks
+ * below their number, the oldest first). max_entries must be >= 1 unless the mode is OFF. */
+CMLP_API cmlp_status cmlp_memory_record_history(cmlp_device d, cmlp_history_mode mode, cmlp_context_mode context,
+                                                int64_t max_entries, uint32_t skip_actions, int clear);
+/* A copy of the entries, oldest first; free it with cmlp_memory_history_free. */
+CMLP_API cmlp_status cmlp_memory_history(cmlp_device d, cmlp_trace_entry **entries, int64_t *n);
+/* cmlp_memory_snapshot and cmlp_memory_history at one instant (the history ends with this
+ * snapshot's own entry, when snapshots are noted). */
+CMLP_API cmlp_status cmlp_memory_snapshot_history(cmlp_device d, cmlp_segment_info **segments, int64_t *nsegments,
+                                                  cmlp_block_info **blocks, int64_t *nblocks,
+                                                  cmlp_trace_entry **entries, int64_t *nentries);
+CMLP_API void cmlp_memory_history_free(cmlp_trace_entry *entries);
+/* The calling thread's context, noted with what the allocator does for it until changed (0:
+ * none). The caller gives it meaning (the Python module: the Python stack of the call). */
+CMLP_API void cmlp_memory_set_context(int64_t context);
 
 /* ---- data -------------------------------------------------------------------------------- */
 

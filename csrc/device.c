@@ -83,7 +83,7 @@ static cmlp_status ctx_create(cmlp_device d, cmlp_device_ctx **out) {
     if (st == CMLP_OK && c->backend->workspace_bytes) {
         size_t n = c->backend->workspace_bytes(bctx);
         void *ws = NULL;
-        st = cmlp_allocator_malloc(c->alloc, n, &ws);
+        st = cmlp_allocator_malloc(c->alloc, n, "GEMM workspace", &ws);
         if (st == CMLP_OK) c->backend->set_workspace(bctx, ws, n);
     }
     if (st != CMLP_OK) {
@@ -144,7 +144,15 @@ cmlp_status cmlp_memory_snapshot(cmlp_device d, cmlp_segment_info **segments, in
                                  cmlp_block_info **blocks, int64_t *nblocks) {
     cmlp_device_ctx *c;
     CMLP_TRY(cmlp_device_get(d, &c));
-    return cmlp_allocator_snapshot(c->alloc, segments, nsegments, blocks, nblocks);
+    return cmlp_allocator_snapshot(c->alloc, segments, nsegments, blocks, nblocks, NULL, NULL);
+}
+
+cmlp_status cmlp_memory_snapshot_history(cmlp_device d, cmlp_segment_info **segments, int64_t *nsegments,
+                                         cmlp_block_info **blocks, int64_t *nblocks, cmlp_trace_entry **entries,
+                                         int64_t *nentries) {
+    cmlp_device_ctx *c;
+    CMLP_TRY(cmlp_device_get(d, &c));
+    return cmlp_allocator_snapshot(c->alloc, segments, nsegments, blocks, nblocks, entries, nentries);
 }
 
 void cmlp_memory_snapshot_free(cmlp_segment_info *segments, cmlp_block_info *blocks) {
@@ -168,7 +176,7 @@ cmlp_status cmlp_memory_fail_raw_alloc(cmlp_device d, int64_t k) {
 cmlp_status cmlp_memory_alloc(cmlp_device d, size_t nbytes, void **out) {
     cmlp_device_ctx *c;
     CMLP_TRY(cmlp_device_get(d, &c));
-    return cmlp_allocator_malloc(c->alloc, nbytes, out);
+    return cmlp_allocator_malloc(c->alloc, nbytes, "caching_allocator_alloc", out);
 }
 
 cmlp_status cmlp_memory_free(cmlp_device d, void *ptr) {
@@ -176,3 +184,18 @@ cmlp_status cmlp_memory_free(cmlp_device d, void *ptr) {
     CMLP_TRY(cmlp_device_get(d, &c));
     return cmlp_allocator_free(c->alloc, ptr);
 }
+
+cmlp_status cmlp_memory_record_history(cmlp_device d, cmlp_history_mode mode, cmlp_context_mode context,
+                                       int64_t max_entries, uint32_t skip_actions, int clear) {
+    cmlp_device_ctx *c;
+    CMLP_TRY(cmlp_device_get(d, &c));
+    return cmlp_allocator_record_history(c->alloc, mode, context, max_entries, skip_actions, clear != 0);
+}
+
+cmlp_status cmlp_memory_history(cmlp_device d, cmlp_trace_entry **entries, int64_t *n) {
+    cmlp_device_ctx *c;
+    CMLP_TRY(cmlp_device_get(d, &c));
+    return cmlp_allocator_history(c->alloc, entries, n);
+}
+
+void cmlp_memory_history_free(cmlp_trace_entry *entries) { free(entries); }

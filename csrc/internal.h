@@ -50,7 +50,8 @@ CMLP_HIDDEN const char *cmlp_cuda_unavailable_reason(void);
 CMLP_HIDDEN cmlp_status cmlp_device_get(cmlp_device d, cmlp_device_ctx **out);
 /* Moves a device buffer of nbytes from one device to another (through host memory); on
  * failure *buf is unchanged and still owned by `from`. */
-CMLP_HIDDEN cmlp_status cmlp_buffer_move(cmlp_device_ctx *from, cmlp_device_ctx *to, void **buf, size_t nbytes);
+CMLP_HIDDEN cmlp_status cmlp_buffer_move(cmlp_device_ctx *from, cmlp_device_ctx *to, void **buf, size_t nbytes,
+                                         const char *what);
 
 /* ---- model ---- */
 

@@ -19,8 +19,8 @@ cmlp_device cmlp_model_device(const cmlp_model *m) { return m->dev->device; }
 int64_t cmlp_model_weight_offset(const cmlp_model *m, int l) { return (l >= 0 && l < m->nlayers) ? m->w_off[l] : -1; }
 int64_t cmlp_model_bias_offset(const cmlp_model *m, int l) { return (l >= 0 && l < m->nlayers) ? m->b_off[l] : -1; }
 
-static cmlp_status dev_alloc(cmlp_device_ctx *d, size_t n, void **out) {
-    return cmlp_allocator_malloc(d->alloc, n, out);
+static cmlp_status dev_alloc(cmlp_device_ctx *d, size_t n, const char *what, void **out) {
+    return cmlp_allocator_malloc(d->alloc, n, what, out);
 }
 
 static void dev_free(cmlp_device_ctx *d, void *p) {
@@ -68,8 +68,8 @@ cmlp_status cmlp_model_init(cmlp_model **out, const int *sizes, int nsizes, cmlp
         for (int64_t i = 0; i < sizes[l + 1]; i++)
             host[m->b_off[l] + i] = (float)((2.0 * cmlp_rng_uniform(&rng) - 1.0) * bound);
     }
-    CMLP_TRY_GOTO(st, dev_alloc(dev, bytes, (void **)&m->params), fail);
-    CMLP_TRY_GOTO(st, dev_alloc(dev, cmlp_grads_bytes(m), (void **)&m->grads), fail);
+    CMLP_TRY_GOTO(st, dev_alloc(dev, bytes, "parameters", (void **)&m->params), fail);
+    CMLP_TRY_GOTO(st, dev_alloc(dev, cmlp_grads_bytes(m), "gradients", (void **)&m->grads), fail);
     m->ds = cmlp_model_ds(m, m->grads);
     CMLP_TRY_GOTO(st, B(m)->copy_h2d(CTX(m), m->params, host, bytes), fail);
     CMLP_TRY_GOTO(st, B(m)->fill_zero(CTX(m), m->grads, cmlp_grads_bytes(m)), fail);
@@ -180,7 +180,7 @@ cmlp_status cmlp_workspace_reserve(cmlp_model *m, int64_t rows, bool compact) {
         inside = 0, compact = false;
     char *piece[CMLP_MAX_LAYERS + 4], *block;
     total = cmlp_place_pieces(sz, nv, inside, off, NULL, NULL, piece); /* the bytes outside */
-    CMLP_TRY(dev_alloc(m->dev, total, (void **)&block));
+    CMLP_TRY(dev_alloc(m->dev, total, "activations", (void **)&block));
     cmlp_model_release_workspace(m);
     m->ws.block = block;
     m->ws.rows = rows;
@@ -532,12 +532,13 @@ cmlp_status cmlp_model_set_params(cmlp_model *m, const float *host_in) {
 }
 
 /* Moves one device buffer of nbytes to another device through host memory. */
-cmlp_status cmlp_buffer_move(cmlp_device_ctx *from, cmlp_device_ctx *to, void **buf, size_t nbytes) {
+cmlp_status cmlp_buffer_move(cmlp_device_ctx *from, cmlp_device_ctx *to, void **buf, size_t nbytes,
+                             const char *what) {
     if (!*buf) return CMLP_OK;
     void *host = malloc(nbytes), *dst = NULL;
     if (!host) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory moving %zu bytes", nbytes);
     cmlp_status st = from->backend->copy_d2h(from->bctx, host, *buf, nbytes);
-    if (st == CMLP_OK) st = dev_alloc(to, nbytes, &dst);
+    if (st == CMLP_OK) st = dev_alloc(to, nbytes, what, &dst);
     if (st == CMLP_OK) st = to->backend->copy_h2d(to->bctx, dst, host, nbytes);
     free(host);
     if (st != CMLP_OK) {
@@ -557,10 +558,10 @@ cmlp_status cmlp_model_to(cmlp_model *m, cmlp_device d) {
     void *p = m->params, *g = m->grads;
     cmlp_model_release_workspace(m);
     cmlp_amp_free(m); /* the half copy is made again on the new device when used */
-    CMLP_TRY(cmlp_buffer_move(m->dev, to, &p, bytes));
-    cmlp_status st = cmlp_buffer_move(m->dev, to, &g, cmlp_grads_bytes(m));
+    CMLP_TRY(cmlp_buffer_move(m->dev, to, &p, bytes, "parameters"));
+    cmlp_status st = cmlp_buffer_move(m->dev, to, &g, cmlp_grads_bytes(m), "gradients");
     if (st != CMLP_OK) {
-        (void)cmlp_buffer_move(to, m->dev, &p, bytes);
+        (void)cmlp_buffer_move(to, m->dev, &p, bytes, "parameters");
         return st;
     }
     m->params = p;

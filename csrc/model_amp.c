@@ -40,7 +40,8 @@ cmlp_status cmlp_model_refresh_half(cmlp_model *m) {
 static cmlp_status ensure_half_params(cmlp_model *m, cmlp_dtype dt) {
     if (m->params_h && m->half_dtype == dt) return CMLP_OK;
     if (!m->params_h)
-        CMLP_TRY(cmlp_allocator_malloc(m->dev->alloc, (size_t)m->nparams * sizeof(uint16_t), (void **)&m->params_h));
+        CMLP_TRY(cmlp_allocator_malloc(m->dev->alloc, (size_t)m->nparams * sizeof(uint16_t), "half-precision weights",
+                                       (void **)&m->params_h));
     m->half_dtype = dt;
     return cmlp_model_refresh_half(m);
 }
@@ -135,7 +136,7 @@ static cmlp_status reserve(cmlp_model *m, int64_t rows, int recompute, bool comp
     int L = m->nlayers;
     char *piece[CMLP_MAX_LAYERS + 12], *p;
     total = cmlp_place_pieces(sz, nv, inside, off, NULL, NULL, piece); /* the bytes outside */
-    CMLP_TRY(cmlp_allocator_malloc(m->dev->alloc, total, (void **)&p));
+    CMLP_TRY(cmlp_allocator_malloc(m->dev->alloc, total, "activations (mixed precision)", (void **)&p));
     cmlp_amp_release(m);
     cmlp_amp_workspace *w = &m->wsa;
     w->block = p;

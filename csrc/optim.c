@@ -174,7 +174,7 @@ static cmlp_status ensure_state(cmlp_optim *o) {
     if (o->state || nb == 0) return CMLP_OK;
     size_t bytes = (size_t)nb * (size_t)o->model->nparams * sizeof(float);
     float *s;
-    CMLP_TRY(cmlp_allocator_malloc(o->dev->alloc, bytes, (void **)&s));
+    CMLP_TRY(cmlp_allocator_malloc(o->dev->alloc, bytes, "optimizer state", (void **)&s));
     cmlp_status st = o->dev->backend->fill_zero(o->dev->bctx, s, bytes);
     if (st != CMLP_OK) {
         (void)cmlp_allocator_free(o->dev->alloc, s);
@@ -330,7 +330,7 @@ cmlp_status cmlp_optim_set_state(cmlp_optim *o, int64_t step, int nbuffers, cons
     float *s = NULL;
     if (nbuffers) {
         size_t bytes = (size_t)nbuffers * n * sizeof(float);
-        CMLP_TRY(cmlp_allocator_malloc(o->dev->alloc, bytes, (void **)&s));
+        CMLP_TRY(cmlp_allocator_malloc(o->dev->alloc, bytes, "optimizer state", (void **)&s));
         for (int i = 0; i < nbuffers; i++) {
             cmlp_status st = o->dev->backend->copy_h2d(o->dev->bctx, s + (size_t)i * n, host[i], n * sizeof(float));
             if (st != CMLP_OK) {
@@ -355,7 +355,8 @@ cmlp_status cmlp_optim_to(cmlp_optim *o, cmlp_device d) {
     if (to == o->dev) return CMLP_OK;
     if (o->state) {
         void *s = o->state;
-        CMLP_TRY(cmlp_buffer_move(o->dev, to, &s, (size_t)buffers_of(o) * (size_t)o->model->nparams * sizeof(float)));
+        CMLP_TRY(cmlp_buffer_move(o->dev, to, &s, (size_t)buffers_of(o) * (size_t)o->model->nparams * sizeof(float),
+                                  "optimizer state"));
         o->state = s;
     }
     o->dev = to;

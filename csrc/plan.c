@@ -120,7 +120,7 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
     int64_t base_allocated = 0, base_reserved = 0;
     if (dev->backend->workspace_bytes) {
         void *p;
-        st = cmlp_allocator_malloc(a, dev->backend->workspace_bytes(dev->bctx), &p);
+        st = cmlp_allocator_malloc(a, dev->backend->workspace_bytes(dev->bctx), "GEMM workspace", &p);
         cmlp_memory_stats s;
         cmlp_allocator_stats(a, &s);
         base_allocated = s.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].current;
@@ -128,7 +128,7 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
     }
     for (int i = 0; i < nreq && st == CMLP_OK; i++) {
         void *p;
-        st = cmlp_allocator_malloc(a, req[i], &p);
+        st = cmlp_allocator_malloc(a, req[i], "planned", &p);
     }
     if (st == CMLP_OK) {
         cmlp_memory_stats s;

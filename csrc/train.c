@@ -137,9 +137,9 @@ static void upload_epoch(cmlp_trainer *t, const cmlp_data *xy) {
     size_t nx = row * (size_t)xy->n, ny = (size_t)xy->n * sizeof(int32_t), no = (size_t)xy->n * sizeof(int64_t);
     const cmlp_backend_i *b = dev->backend;
     t->d_alloc = dev->alloc;
-    cmlp_status st = cmlp_allocator_malloc(dev->alloc, nx, &t->d_x);
-    if (st == CMLP_OK) st = cmlp_allocator_malloc(dev->alloc, ny, (void **)&t->d_y);
-    if (st == CMLP_OK && t->cfg.shuffle) st = cmlp_allocator_malloc(dev->alloc, no, (void **)&t->d_order);
+    cmlp_status st = cmlp_allocator_malloc(dev->alloc, nx, "data set", &t->d_x);
+    if (st == CMLP_OK) st = cmlp_allocator_malloc(dev->alloc, ny, "data set labels", (void **)&t->d_y);
+    if (st == CMLP_OK && t->cfg.shuffle) st = cmlp_allocator_malloc(dev->alloc, no, "data set order", (void **)&t->d_order);
     if (st == CMLP_OK) st = b->copy_h2d(dev->bctx, t->d_x, xy->x, nx);
     if (st == CMLP_OK) st = b->copy_h2d(dev->bctx, t->d_y, xy->y, ny);
     if (st == CMLP_OK && t->cfg.shuffle) st = b->copy_h2d(dev->bctx, t->d_order, t->order, no);

@@ -53,3 +53,59 @@ def same(a, b):
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return np.array_equal(np.asarray(a), np.asarray(b))
     return a == b
+
+
+PAGE = 2 << 20  # the granule of expandable segments
+
+
+def _state(snapshot):
+    """Live blocks {address: bytes requested}, whole segments {address: size} and mapped pages of
+    expandable segments, from a snapshot in PyTorch's format."""
+    blocks, segments, pages = {}, {}, set()
+    for seg in snapshot["segments"]:
+        if seg["is_expandable"]:
+            pages.update(range(seg["address"], seg["address"] + seg["total_size"], PAGE))
+        else:
+            segments[seg["address"]] = seg["total_size"]
+        for b in seg["blocks"]:
+            if b["state"] == "active_allocated":
+                blocks[b["address"]] = b["requested_size"]
+    return blocks, segments, pages
+
+
+def assert_history_explains(before, after):
+    """`after`'s history, replayed from `before` (a snapshot taken just after recording began,
+    whose own entry is the history's first), ends where `after` says memory is: every free names
+    a live block of its size, every allocation a free place, and segments and pages come and go
+    once. Returns the entries replayed."""
+    trace = after["device_traces"][-1]
+    assert trace and trace[0]["action"] == "snapshot", "the history must begin with the first snapshot"
+    blocks, segments, pages = _state(before)
+    entries = trace[1:]
+    for i, e in enumerate(entries):
+        act = e["action"]
+        if act == "alloc":
+            assert e["addr"] not in blocks, (i, e)
+            blocks[e["addr"]] = e["size"]
+        elif act == "free_requested":
+            assert blocks.pop(e["addr"], None) == e["size"], (i, e)
+            nxt = entries[i + 1]
+            assert (nxt["action"], nxt["addr"], nxt["size"]) == ("free_completed", e["addr"], e["size"]), (i, e)
+        elif act == "segment_alloc":
+            assert e["addr"] not in segments, (i, e)
+            segments[e["addr"]] = e["size"]
+        elif act == "segment_free":
+            assert segments.pop(e["addr"], None) == e["size"], (i, e)
+        elif act in ("segment_map", "segment_unmap"):
+            assert e["size"] > 0 and e["size"] % PAGE == 0, (i, e)
+            span = set(range(e["addr"], e["addr"] + e["size"], PAGE))
+            if act == "segment_map":
+                assert not span & pages, (i, e)
+                pages |= span
+            else:
+                assert span <= pages, (i, e)
+                pages -= span
+        else:
+            assert act in ("free_completed", "oom", "snapshot"), (i, e)
+    assert (blocks, segments, pages) == _state(after)
+    return entries

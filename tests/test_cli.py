@@ -7,6 +7,7 @@ import functools
 import json
 import math
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -99,6 +100,8 @@ def test_train_save_writes_a_loadable_model(trained):
     (["train", "--save", ""], r"--save needs a file name"),
     (["train", "--save", "."], r"--save '\.' is a directory"),
     (["train", "--save", "nowhere/x.npz"], r"the directory .*nowhere' does not exist"),
+    (["train", "--memory-history", "."], r"--memory-history '\.' is a directory"),
+    (["train", "--memory-history", "nowhere/h.pickle"], r"the directory .*nowhere' does not exist"),
     (["train", "--memory-limit", "0.5B"], r"a number of bytes is a whole number"),
     (["train", "--memory-limit", "1iB"], r"cannot read '1iB' as a size"),
     (["plan", "--optimizer", "sgd", "--momentum", "nan"], r"--momentum: expected a finite number >= 0"),
@@ -144,6 +147,28 @@ def test_train_warms_up_then_decays_the_rate_per_step(tmp_path):
     assert lrs == pytest.approx([0.01 / 20, 0.01 * (1 + math.cos(math.pi * 40 / 100)) / 2], rel=1e-2)
 
 
+@needs_fashion
+@pytest.mark.parametrize("limit", [None, "1MB"])
+def test_train_writes_its_memory_history(tmp_path, limit):
+    """--memory-history: the snapshot and history in PyTorch's format, written when training ends
+    and when it fails (here out of memory under a limit, with the failed request in it)."""
+    args = ["train", "--epochs", "1", "--layers", "784,32,10", "--batch-size", "1000", "--no-progress",
+            "--memory-history", "h.pickle"]
+    r = run_cli(args + (["--memory-limit", limit] if limit else []), tmp_path)
+    assert (r.returncode == 0) == (limit is None), r.stderr
+    assert "memory history written to h.pickle" in r.stdout
+    with open(tmp_path / "h.pickle", "rb") as f:
+        data = pickle.load(f)
+    trace = data["device_traces"][0]
+    held = {e["frames"][0]["name"] for e in trace if e["action"] in ("alloc", "oom")}
+    if limit:
+        assert "out of memory" in r.stderr and trace[-2]["action"] == "oom"
+        assert held == {"parameters"}
+    else:
+        assert {"parameters", "gradients", "activations", "optimizer state"} <= held
+        assert data["segments"] and trace[-1]["action"] == "snapshot"
+
+
 def test_train_without_data_says_where_it_looked(tmp_path):
     r = run_cli(["train", "--dataset", "mnist", "--data-dir", str(tmp_path / "none"), "--epochs", "1"], tmp_path)
     assert r.returncode != 0
@@ -155,6 +180,6 @@ def test_help(tmp_path):
     r = run_cli(["train", "--help"], tmp_path)
     assert r.returncode == 0
     for flag in ("--epochs", "--batch-size", "--accumulation-steps", "--amp", "--device", "--optimizer", "--lr",
-                 "--layers", "--memory-limit", "--max-grad-norm", "--seed", "--save"):
+                 "--layers", "--memory-limit", "--max-grad-norm", "--seed", "--save", "--memory-history"):
         assert flag in r.stdout, flag
 

@@ -51,7 +51,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from checks import assert_stats_match_snapshot, same  # noqa: E402
+from checks import assert_history_explains, assert_stats_match_snapshot, same  # noqa: E402
 from reference import RefMLP, draw_batch, rel_err  # noqa: E402
 
 import cmlp  # noqa: E402
@@ -946,6 +946,36 @@ def test_statistics_equal_the_snapshot_through_a_model_lifetime(amp):
     del trainer, opt, model
     gc.collect()
     assert M.memory_allocated(CUDA) == base
+    assert_stats_match_snapshot(CUDA)
+
+
+@needs_gpu
+@pytest.mark.parametrize("amp,conf", [(None, ""), ("fp16", "expandable_segments:True")])
+def test_the_memory_history_explains_a_captured_training_run(amp, conf):
+    """The history of a fit on the GPU (its step captured once and replayed) replays to the
+    memory the allocator holds; every allocation says what it holds, the device copy of the data
+    set included; the snapshot names the device by its index, as PyTorch's viewer needs."""
+    M.configure(conf)
+    gc.collect()
+    M.empty_cache(CUDA)
+    M._record_memory_history(device=CUDA)
+    try:
+        start = M._snapshot(CUDA)
+        model = cmlp.MLP([784, 512, 256, 10], device=CUDA, seed=0)
+        x, y = teacher_data(600, seed=3)
+        cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=64, amp=amp).fit(x, y, epochs=2, progress=False)
+        end = M._snapshot(CUDA)
+        entries = assert_history_explains(start, end)
+    finally:
+        M._record_memory_history(None, device=CUDA)
+    held = {e["frames"][0]["name"] for e in entries if e["action"] == "alloc"}
+    assert {"parameters", "gradients", "optimizer state"} <= held
+    if not DRY_RUN:
+        assert {"data set", "data set labels", "data set order"} <= held
+        index = int(DEVICE_NAME.partition(":")[2])
+        assert len(end["device_traces"]) == index + 1 and all(s["device"] == index for s in end["segments"])
+    del model
+    gc.collect()
     assert_stats_match_snapshot(CUDA)
 
 

@@ -41,19 +41,22 @@ _rate = _bounded(float, "a finite number >= 0", lambda v: math.isfinite(v) and v
 _positive = _bounded(float, "a number > 0", lambda v: v > 0.0)  # max grad norm
 
 
-def _save_path(text: str) -> str:
-    """Where the trained model goes, checked before training: not a directory, in one that exists."""
-    if not text:
-        raise argparse.ArgumentTypeError("--save needs a file name, e.g. model.npz")
-    if os.path.isdir(text):
-        raise argparse.ArgumentTypeError(f"--save {text!r} is a directory; give a file name in it, e.g. "
-                                         f"{os.path.join(text, 'model.npz')}")
-    parent = os.path.dirname(os.path.abspath(text))
-    if not os.path.isdir(parent):
-        raise argparse.ArgumentTypeError(f"--save {text!r}: the directory {parent!r} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise argparse.ArgumentTypeError(f"--save {text!r}: the directory {parent!r} is not writable")
-    return text
+def _output(flag: str, example: str) -> Callable[[str], str]:
+    """An argparse type for a file written after training, checked before it: not a directory,
+    in a writable one that exists."""
+    def check(text: str) -> str:
+        if not text:
+            raise argparse.ArgumentTypeError(f"{flag} needs a file name, e.g. {example}")
+        if os.path.isdir(text):
+            raise argparse.ArgumentTypeError(f"{flag} {text!r} is a directory; give a file name in it, e.g. "
+                                             f"{os.path.join(text, example)}")
+        parent = os.path.dirname(os.path.abspath(text))
+        if not os.path.isdir(parent):
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: the directory {parent!r} does not exist")
+        if not os.access(parent, os.W_OK):
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: the directory {parent!r} is not writable")
+        return text
+    return check
 
 
 def _size(text: str) -> int:
@@ -88,7 +91,13 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--warmup-steps", type=_steps, default=0,
                    help="raise the rate linearly over this many first steps (from lr / N to lr)")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--save", type=_save_path, default=None, help="write the trained model here (.npz)")
+    t.add_argument("--save", type=_output("--save", "model.npz"), default=None,
+                   help="write the trained model here (.npz)")
+    t.add_argument("--memory-history", type=_output("--memory-history", "snapshot.pickle"), default=None,
+                   metavar="PATH",
+                   help="record what the device's allocator does and write the snapshot with its history here "
+                        "when training ends or fails (PyTorch's format: open it at https://pytorch.org/memory_viz); "
+                        "data-parallel, each rank writes PATH with .rankN before its extension")
     t.add_argument("--no-progress", action="store_true")
     t.add_argument("--distributed", action="store_true",
                    help="data-parallel over the ranks mpirun started (MPI on the CPU, NCCL on GPUs: --device cuda "
@@ -122,6 +131,9 @@ def _schedule(opt: optim.Optimizer, kind: str, warmup: int, steps: int) -> Optio
     return lr_scheduler.SequentialLR(opt, parts, milestones=milestones)
 
 
+_HISTORY_ENTRIES = 1_000_000  # --memory-history keeps the newest actions (about 60 MB)
+
+
 def _train(a: argparse.Namespace) -> int:
     rank, ranks = 0, 1
     if a.distributed:  # on GPUs, NCCL sums the gradients, one GPU per rank of a machine
@@ -130,6 +142,22 @@ def _train(a: argparse.Namespace) -> int:
         rank, ranks = distributed.get_rank(), distributed.get_world_size()
         if a.device == "cuda":
             a.device = f"cuda:{distributed.get_local_rank()}"
+    if a.memory_history is None:
+        return _run(a, rank, ranks)
+    path = a.memory_history
+    if ranks > 1:
+        root, ext = os.path.splitext(path)
+        path = f"{root}.rank{rank}{ext}"
+    memory._record_memory_history(max_entries=_HISTORY_ENTRIES, device=a.device)
+    try:
+        return _run(a, rank, ranks)
+    finally:
+        memory._dump_snapshot(path, device=a.device)
+        memory._record_memory_history(None, device=a.device)
+        print(f"memory history written to {path} (open it at https://pytorch.org/memory_viz)", flush=True)
+
+
+def _run(a: argparse.Namespace, rank: int, ranks: int) -> int:
 
     def say(text: str) -> None:  # data-parallel, the first rank speaks for all
         if rank == 0:

@@ -40,6 +40,67 @@ static PyObject *raise_status(module_state *ms, cmlp_status s) {
     return NULL;
 }
 
+/* ---- the Python stack of a call into the core, noted by the allocators that record their
+ * history with context (cmlp_memory_set_context). A stack is stored once, as a tuple (code,
+ * line, code, line, ...) from the innermost frame out, and known by its number. ---- */
+
+#define MAX_STACK 64
+
+static int capture_stacks;  /* while some allocator keeps contexts */
+static PyObject *stack_ids;  /* {stack: number} */
+static PyObject *stack_list; /* [stack of number 1, stack of number 2, ...] */
+
+/* The number of the calling Python stack; 0 when not capturing or on any failure (a context is
+ * a help, never a reason to fail). */
+static int64_t stack_number(void) {
+    if (!capture_stacks || !stack_ids) return 0;
+    PyObject *err_type, *err_value, *err_tb; /* a deallocator may run while an exception is set */
+    PyErr_Fetch(&err_type, &err_value, &err_tb);
+    PyObject *items[2 * MAX_STACK];
+    Py_ssize_t n = 0;
+    PyFrameObject *f = PyEval_GetFrame();
+    Py_XINCREF(f);
+    while (f && n < 2 * MAX_STACK) {
+        PyObject *line = PyLong_FromLong(PyFrame_GetLineNumber(f));
+        if (!line) break;
+        items[n++] = (PyObject *)PyFrame_GetCode(f);
+        items[n++] = line;
+        PyFrameObject *back = PyFrame_GetBack(f);
+        Py_DECREF(f);
+        f = back;
+    }
+    Py_XDECREF(f);
+    PyObject *key = PyTuple_New(n);
+    if (!key) {
+        while (n > 0) Py_DECREF(items[--n]);
+        PyErr_Restore(err_type, err_value, err_tb);
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) PyTuple_SET_ITEM(key, i, items[i]);
+    int64_t number = 0;
+    PyObject *known = PyDict_GetItemWithError(stack_ids, key);
+    if (known) {
+        number = PyLong_AsLongLong(known);
+    } else if (!PyErr_Occurred() && PyList_Append(stack_list, key) == 0) {
+        PyObject *v = PyLong_FromSsize_t(PyList_GET_SIZE(stack_list));
+        if (v && PyDict_SetItem(stack_ids, key, v) == 0) number = PyList_GET_SIZE(stack_list);
+        Py_XDECREF(v);
+    }
+    Py_DECREF(key);
+    PyErr_Restore(err_type, err_value, err_tb); /* drops any error of ours */
+    return number;
+}
+
+/* A call into the core with the GIL released, noted with the caller's Python stack. */
+#define CALL_CORE(stmt)                             \
+    do {                                            \
+        cmlp_memory_set_context(stack_number());    \
+        Py_BEGIN_ALLOW_THREADS                      \
+        stmt;                                       \
+        Py_END_ALLOW_THREADS                        \
+        cmlp_memory_set_context(0);                 \
+    } while (0)
+
 /* ---- the model object; its lock serialises every C call on the model, its optimizer and
  * its trainer (taken with the GIL released, so waiting never blocks other threads) ---- */
 
@@ -52,11 +113,13 @@ typedef struct {
 
 #define RUN_LOCKED(model, stmt)                          \
     do {                                                 \
+        cmlp_memory_set_context(stack_number());         \
         Py_BEGIN_ALLOW_THREADS                           \
         PyThread_acquire_lock((model)->lock, WAIT_LOCK); \
         stmt;                                            \
         PyThread_release_lock((model)->lock);            \
         Py_END_ALLOW_THREADS                             \
+        cmlp_memory_set_context(0);                      \
     } while (0)
 
 /* The UTF-8 text of str obj, refused (ValueError naming `what`) when it holds a NUL, which C
@@ -138,9 +201,7 @@ static int Model_init(ModelObject *self, PyObject *args, PyObject *kw) {
     if (parse_sizes(sizes_obj, sizes, &n) < 0) return -1;
     cmlp_status st;
     cmlp_model *m = NULL;
-    Py_BEGIN_ALLOW_THREADS
-    st = cmlp_model_init(&m, sizes, n, dev, seed);
-    Py_END_ALLOW_THREADS
+    CALL_CORE(st = cmlp_model_init(&m, sizes, n, dev, seed));
     if (st != CMLP_OK) {
         raise_status(self->ms, st);
         return -1;
@@ -166,7 +227,9 @@ static PyObject *Model_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 
 static void Model_dealloc(ModelObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
+    cmlp_memory_set_context(stack_number());
     cmlp_model_free(self->m);
+    cmlp_memory_set_context(0);
     if (self->lock) PyThread_free_lock(self->lock);
     tp->tp_free((PyObject *)self);
     Py_DECREF(tp);
@@ -521,7 +584,9 @@ static int Optim_init(OptimObject *self, PyObject *args, PyObject *kw) {
 
 static void Optim_dealloc(OptimObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
+    cmlp_memory_set_context(stack_number());
     cmlp_optim_free(self->o);
+    cmlp_memory_set_context(0);
     Py_XDECREF(self->model);
     tp->tp_free((PyObject *)self);
     Py_DECREF(tp);
@@ -744,7 +809,9 @@ static int Trainer_init(TrainerObject *self, PyObject *args, PyObject *kw) {
 
 static void Trainer_dealloc(TrainerObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
+    cmlp_memory_set_context(stack_number());
     cmlp_trainer_free(self->t);
+    cmlp_memory_set_context(0);
     Py_XDECREF(self->epoch_x);
     Py_XDECREF(self->epoch_y);
     Py_XDECREF(self->optim);
@@ -1144,9 +1211,7 @@ static PyObject *mod_alloc(PyObject *mod, PyObject *args) {
     if (parse_device(state_of(mod), dev, &d) < 0) return NULL;
     void *p = NULL;
     cmlp_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = cmlp_memory_alloc(d, (size_t)n, &p);
-    Py_END_ALLOW_THREADS
+    CALL_CORE(st = cmlp_memory_alloc(d, (size_t)n, &p));
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
     return PyLong_FromVoidPtr(p);
 }
@@ -1158,16 +1223,41 @@ static PyObject *mod_free(PyObject *mod, PyObject *args) {
     if (parse_device(state_of(mod), dev, &d) < 0) return NULL;
     void *p = PyLong_AsVoidPtr(ptr);
     if (!p && PyErr_Occurred()) return NULL;
+    cmlp_memory_set_context(stack_number());
     cmlp_status st = cmlp_memory_free(d, p);
+    cmlp_memory_set_context(0);
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
     Py_RETURN_NONE;
 }
 
+/* A block as the snapshot shows it; "what" and "context" become its frames in Python. */
 static PyObject *block_dict(const cmlp_block_info *b) {
-    return Py_BuildValue("{s:K,s:L,s:L,s:s}", "address", (unsigned long long)b->address, "size", (long long)b->size,
-                         "requested_size", (long long)b->requested_size, "state",
-                         b->allocated ? "active_allocated" : "inactive");
+    return Py_BuildValue("{s:K,s:L,s:L,s:s,s:z,s:L}", "address", (unsigned long long)b->address, "size",
+                         (long long)b->size, "requested_size", (long long)b->requested_size, "state",
+                         b->allocated ? "active_allocated" : "inactive", "what", b->what, "context",
+                         (long long)b->context);
 }
+
+static const char *const trace_actions[CMLP_TRACE_ACTION_COUNT] = {
+    "alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
+    "segment_map", "segment_unmap", "oom", "snapshot",
+};
+
+/* The history as a list of tuples (action, addr, size, time_us, what, context, device_free). */
+static PyObject *history_list(const cmlp_trace_entry *e, int64_t n) {
+    PyObject *list = PyList_New((Py_ssize_t)n);
+    for (int64_t i = 0; list && i < n; i++) {
+        int a = e[i].action >= 0 && e[i].action < CMLP_TRACE_ACTION_COUNT ? e[i].action : CMLP_TRACE_SNAPSHOT;
+        PyObject *t = Py_BuildValue("(sKLLzLL)", trace_actions[a], (unsigned long long)e[i].addr, (long long)e[i].size,
+                                    (long long)e[i].time_us, e[i].what, (long long)e[i].context,
+                                    (long long)e[i].device_free);
+        if (!t) Py_CLEAR(list);
+        else PyList_SET_ITEM(list, (Py_ssize_t)i, t);
+    }
+    return list;
+}
+
+static PyObject *segments_list(cmlp_device d, const cmlp_segment_info *segs, int64_t ns, const cmlp_block_info *blks);
 
 static PyObject *mod_snapshot(PyObject *mod, PyObject *arg) {
     cmlp_device d;
@@ -1177,6 +1267,89 @@ static PyObject *mod_snapshot(PyObject *mod, PyObject *arg) {
     int64_t ns = 0, nb = 0;
     cmlp_status st = cmlp_memory_snapshot(d, &segs, &ns, &blks, &nb);
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
+    PyObject *list = segments_list(d, segs, ns, blks);
+    cmlp_memory_snapshot_free(segs, blks);
+    return list;
+}
+
+/* (segments, history) at one instant. */
+static PyObject *mod_snapshot_history(PyObject *mod, PyObject *arg) {
+    cmlp_device d;
+    if (parse_device(state_of(mod), arg, &d) < 0) return NULL;
+    cmlp_segment_info *segs = NULL;
+    cmlp_block_info *blks = NULL;
+    cmlp_trace_entry *e = NULL;
+    int64_t ns = 0, nb = 0, ne = 0;
+    cmlp_status st = cmlp_memory_snapshot_history(d, &segs, &ns, &blks, &nb, &e, &ne);
+    if (st != CMLP_OK) return raise_status(state_of(mod), st);
+    PyObject *list = segments_list(d, segs, ns, blks);
+    cmlp_memory_snapshot_free(segs, blks);
+    PyObject *hist = list ? history_list(e, ne) : NULL;
+    cmlp_memory_history_free(e);
+    if (!hist) {
+        Py_XDECREF(list);
+        return NULL;
+    }
+    return Py_BuildValue("(NN)", list, hist);
+}
+
+static PyObject *mod_history(PyObject *mod, PyObject *arg) {
+    cmlp_device d;
+    if (parse_device(state_of(mod), arg, &d) < 0) return NULL;
+    cmlp_trace_entry *e = NULL;
+    int64_t n = 0;
+    cmlp_status st = cmlp_memory_history(d, &e, &n);
+    if (st != CMLP_OK) return raise_status(state_of(mod), st);
+    PyObject *list = history_list(e, n);
+    cmlp_memory_history_free(e);
+    return list;
+}
+
+static PyObject *mod_record_history(PyObject *mod, PyObject *args) {
+    PyObject *dev;
+    int mode, context, clear;
+    long long max_entries;
+    unsigned int skip;
+    if (!PyArg_ParseTuple(args, "OiiLIp", &dev, &mode, &context, &max_entries, &skip, &clear)) return NULL;
+    cmlp_device d;
+    if (parse_device(state_of(mod), dev, &d) < 0) return NULL;
+    cmlp_status st = cmlp_memory_record_history(d, (cmlp_history_mode)mode, (cmlp_context_mode)context,
+                                                (int64_t)max_entries, (uint32_t)skip, clear);
+    if (st != CMLP_OK) return raise_status(state_of(mod), st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_capture_stacks(PyObject *mod, PyObject *arg) {
+    (void)mod;
+    int on = PyObject_IsTrue(arg);
+    if (on < 0) return NULL;
+    capture_stacks = on;
+    Py_RETURN_NONE;
+}
+
+/* The frames of stack number n, innermost first: [(filename, line, name), ...]. */
+static PyObject *mod_stack_frames(PyObject *mod, PyObject *arg) {
+    (void)mod;
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 1 || n > PyList_GET_SIZE(stack_list)) return PyErr_Format(PyExc_ValueError, "no stack number %zd", n);
+    PyObject *key = PyList_GET_ITEM(stack_list, n - 1);
+    Py_ssize_t depth = PyTuple_GET_SIZE(key) / 2;
+    PyObject *frames = PyList_New(depth);
+    for (Py_ssize_t i = 0; frames && i < depth; i++) {
+        PyObject *code = PyTuple_GET_ITEM(key, 2 * i);
+        PyObject *file = PyObject_GetAttrString(code, "co_filename");
+        PyObject *name = file ? PyObject_GetAttrString(code, "co_name") : NULL;
+        PyObject *t = name ? PyTuple_Pack(3, file, PyTuple_GET_ITEM(key, 2 * i + 1), name) : NULL;
+        Py_XDECREF(file);
+        Py_XDECREF(name);
+        if (!t) Py_CLEAR(frames);
+        else PyList_SET_ITEM(frames, i, t);
+    }
+    return frames;
+}
+
+static PyObject *segments_list(cmlp_device d, const cmlp_segment_info *segs, int64_t ns, const cmlp_block_info *blks) {
     PyObject *list = PyList_New((Py_ssize_t)ns), *dev = device_str(d);
     for (int64_t i = 0; list && dev && i < ns; i++) {
         const cmlp_segment_info *s = &segs[i];
@@ -1202,7 +1375,6 @@ static PyObject *mod_snapshot(PyObject *mod, PyObject *arg) {
         PyList_SET_ITEM(list, (Py_ssize_t)i, seg);
     }
     Py_XDECREF(dev);
-    cmlp_memory_snapshot_free(segs, blks);
     return list;
 }
 
@@ -1490,6 +1662,12 @@ static PyMethodDef module_methods[] = {
     {"alloc", mod_alloc, METH_VARARGS, "alloc(device, nbytes) -> int"},
     {"free", mod_free, METH_VARARGS, "free(device, ptr)"},
     {"snapshot", mod_snapshot, METH_O, "segments with their blocks, by address"},
+    {"snapshot_history", mod_snapshot_history, METH_O, "(segments, history) at one instant"},
+    {"history", mod_history, METH_O, "history(device) -> [(action, addr, size, time_us, what, context, device_free)]"},
+    {"record_history", mod_record_history, METH_VARARGS,
+     "record_history(device, mode, context, max_entries, skip_mask, clear)"},
+    {"capture_stacks", mod_capture_stacks, METH_O, "note the Python stack of every call into the core"},
+    {"stack_frames", mod_stack_frames, METH_O, "stack_frames(n) -> [(filename, line, name)], innermost first"},
     {"configure", mod_configure, METH_O, "set the allocator options (PyTorch syntax)"},
     {"get_settings", mod_get_settings, METH_NOARGS, "the allocator options in force"},
     {"validate", mod_validate, METH_O, "check the allocator's invariants"},
@@ -1519,6 +1697,8 @@ static int module_exec(PyObject *mod) {
     ms->trainer_type = (PyTypeObject *)PyType_FromModuleAndSpec(mod, &Trainer_spec, NULL);
     if (!ms->trainer_type || PyModule_AddType(mod, ms->trainer_type) < 0) return -1;
     if (PyModule_AddIntConstant(mod, "MAX_RATES", CMLP_MAX_RATES) < 0) return -1;
+    if (!stack_ids && !(stack_ids = PyDict_New())) return -1;
+    if (!stack_list && !(stack_list = PyList_New(0))) return -1;
     return 0;
 }
 

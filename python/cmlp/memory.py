@@ -5,7 +5,7 @@ import threading
 from fractions import Fraction
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
-from . import _cmlp
+from . import _cmlp, _history
 
 class MemoryWarning(UserWarning):
     """Issued (once per trainer) when memory ran out and the trainer changed how it computes."""
@@ -110,12 +110,21 @@ def caching_allocator_delete(ptr: int) -> None:
 
 
 def memory_snapshot(device: Optional[str] = None) -> List[Dict[str, Any]]:
-    """Every segment with its blocks, sorted by address: {address, total_size, allocated_size,
-    active_size, requested_size, segment_type "small"/"large", expandable, blocks: [{address,
-    size, requested_size, state "active_allocated"/"inactive"}]}. An expandable segment appears
-    as one entry per run of mapped pages. The statistics always equal what the snapshot adds
-    up to."""
-    return _cmlp.snapshot(_device(device))
+    """Every segment with its blocks, sorted by address: {address, device, total_size,
+    allocated_size, active_size, requested_size, stream (0), segment_type "small"/"large",
+    expandable, blocks: [{address, size, requested_size, state "active_allocated"/"inactive",
+    frames}]}. An allocated block's frames say what it holds ({"filename": "cmlp", "line": 0,
+    "name": "activations"}, ...) and, while _record_memory_history keeps contexts, the Python
+    stack that allocated it, innermost first. An expandable segment appears as one entry per run
+    of mapped pages. The statistics always equal what the snapshot adds up to. _snapshot() gives
+    the same with the history, in PyTorch's format."""
+    dev = _device(device)
+    return _history.blocks_with_frames(dev, _cmlp.snapshot(dev))
+
+
+_record_memory_history = record_memory_history = _history.record_memory_history
+_snapshot = _history.snapshot
+_dump_snapshot = dump_snapshot = _history.dump_snapshot
 
 
 _INTERVALS = 16

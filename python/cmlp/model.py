@@ -1,7 +1,6 @@
 """cmlp.MLP: the model users hold. Parameters live in the C core's flat buffer; this class
 validates and converts inputs, names tensors as PyTorch does, and saves atomically."""
 import os
-import tempfile
 import weakref
 import zipfile
 from collections import OrderedDict
@@ -10,6 +9,7 @@ from typing import Any, Dict, Iterable, Iterator, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _cmlp
+from ._files import atomic_write
 from ._arrays import as_inputs, as_labels, as_normalize, check_amp, check_seed
 
 _SIZES_KEY = "__layer_sizes__"
@@ -183,29 +183,10 @@ class MLP:
     def save(self, path: "os.PathLike[str] | str") -> None:
         """Writes an .npz of the state_dict, the layer sizes and normalize; atomic: a crash leaves
         the old file."""
-        path = os.fsdecode(path)  # str, bytes or os.PathLike
-        directory = os.path.dirname(os.path.abspath(path))
         arrays = dict(self.state_dict())
         arrays[_SIZES_KEY] = np.asarray(self._sizes, dtype=np.int64)
         arrays[_NORMALIZE_KEY] = np.asarray(self.normalize, dtype=np.float64)
-        if os.path.isdir(path):
-            raise IsADirectoryError(f"cannot save to {path!r}: it is a directory")
-        try:
-            fd, tmp = tempfile.mkstemp(prefix=".cmlp-", suffix=".tmp", dir=directory)
-        except OSError as e:  # said of the caller's path, not of the temporary file's
-            raise type(e)(e.errno, f"cannot save to {path!r}: {e.strerror} (directory {directory!r})") from None
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, **arrays)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        atomic_write(path, lambda f: np.savez(f, **arrays))
 
     @classmethod
     def load(cls, path: "os.PathLike[str] | str", device: str = "cpu") -> "MLP":

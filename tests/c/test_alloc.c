@@ -272,7 +272,7 @@ static bool consistent(cmlp_allocator *a, fake_dev *d, char *why, size_t cap) {
     cmlp_segment_info *segs = NULL;
     cmlp_block_info *blks = NULL;
     int64_t ns = 0, nb = 0;
-    if (cmlp_allocator_snapshot(a, &segs, &ns, &blks, &nb) != CMLP_OK) {
+    if (cmlp_allocator_snapshot(a, &segs, &ns, &blks, &nb, NULL, NULL) != CMLP_OK) {
         snprintf(why, cap, "snapshot failed: %s", cmlp_last_error());
         return false;
     }
@@ -396,7 +396,7 @@ static fake_dev *cur_dev; /* the fake device of the running unit test */
 
 static void *al_(cmlp_allocator *a, size_t n, int line) {
     void *p = NULL;
-    cmlp_status st = cmlp_allocator_malloc(a, n, &p);
+    cmlp_status st = cmlp_allocator_malloc(a, n, "test", &p);
     CHECK(st == CMLP_OK && p != NULL, "line %d: malloc(%zu): %s", line, n, cmlp_last_error());
     step_check(a, cur_dev, line);
     return p;
@@ -416,7 +416,7 @@ static void ec_(cmlp_allocator *a, int line) {
 /* A request that must fail with CMLP_ERR_OOM. */
 static void oom_(cmlp_allocator *a, size_t n, int line) {
     void *p = (void *)0x1;
-    cmlp_status st = cmlp_allocator_malloc(a, n, &p);
+    cmlp_status st = cmlp_allocator_malloc(a, n, "test", &p);
     CHECK(st == CMLP_ERR_OOM && p == NULL, "line %d: malloc(%zu) gave %s", line, n, cmlp_status_name(st));
     CHECK(strstr(cmlp_last_error(), "out of memory") != NULL, "line %d: message: %s", line, cmlp_last_error());
     step_check(a, cur_dev, line);
@@ -458,7 +458,7 @@ static int64_t block_size(cmlp_allocator *a, void *p, int64_t *seg_size, int *nb
     cmlp_segment_info *segs = NULL;
     cmlp_block_info *blks = NULL;
     int64_t ns = 0, nb = 0, size = 0;
-    if (cmlp_allocator_snapshot(a, &segs, &ns, &blks, &nb) != CMLP_OK) return 0;
+    if (cmlp_allocator_snapshot(a, &segs, &ns, &blks, &nb, NULL, NULL) != CMLP_OK) return 0;
     for (int64_t i = 0; i < ns; i++)
         for (int64_t k = segs[i].first_block; k < segs[i].first_block + segs[i].nblocks; k++)
             if (blks[k].address == (uint64_t)(uintptr_t)p) {
@@ -479,7 +479,7 @@ static bool has_segment(cmlp_allocator *a, int64_t size) {
     cmlp_block_info *blks = NULL;
     int64_t ns = 0, nb = 0;
     bool found = false;
-    if (cmlp_allocator_snapshot(a, &segs, &ns, &blks, &nb) != CMLP_OK) return false;
+    if (cmlp_allocator_snapshot(a, &segs, &ns, &blks, &nb, NULL, NULL) != CMLP_OK) return false;
     for (int64_t i = 0; i < ns; i++) found |= segs[i].total_size == size;
     free(segs);
     free(blks);
@@ -494,7 +494,7 @@ static void test_rounding_and_small_pool(void) {
     fake_dev d;
     cmlp_allocator *a = mk(&d, "", (int64_t)GB(2));
     void *z = (void *)0x1;
-    OK(cmlp_allocator_malloc(a, 0, &z));
+    OK(cmlp_allocator_malloc(a, 0, "test", &z));
     CHECK(z == NULL, "malloc(0) gave %p", z);
     OK(cmlp_allocator_free(a, NULL));
     STEP(a);
@@ -1231,7 +1231,7 @@ static void test_expandable_max_split(void) {
     fr(a, p); /* free tail of 60 MiB, from 4 MiB */
     int64_t viol = d.violations;
     void *q = NULL;
-    cmlp_status st = cmlp_allocator_malloc(a, MB(5), &q);
+    cmlp_status st = cmlp_allocator_malloc(a, MB(5), "test", &q);
     CHECK(st == CMLP_OK && q != NULL, "5 MiB: %s", cmlp_last_error());
     cmlp_memory_stats s = stats_of(a);
     CHECK(d.violations == viol,
@@ -1256,7 +1256,7 @@ static void test_expandable_max_split(void) {
     fr(a, keep);
     int64_t retries = stats_of(a).num_alloc_retries;
     keep = NULL;
-    st = cmlp_allocator_malloc(a, MB(1), &keep); /* the oversize free block does not serve it */
+    st = cmlp_allocator_malloc(a, MB(1), "test", &keep); /* the oversize free block does not serve it */
     CHECK(st == CMLP_OK && keep != NULL, "1 MiB: %s", cmlp_last_error());
     s = stats_of(a);
     CHECK(d.violations == 0 && s.num_alloc_retries == retries,
@@ -1590,7 +1590,10 @@ typedef struct {
     size_t live_bytes;  /* cap on requested bytes live */
 } stress_cfg;
 
+static bool replay_matches(cmlp_allocator *a, bool free_ctx, char *why, size_t cap);
+
 #define STRESS_OPS 100000
+#define SKIP_SNAPSHOTS (1u << CMLP_TRACE_SNAPSHOT) /* the checks after every operation take one */
 #define MAX_LIVE 192
 
 static void stress(const stress_cfg *c, uint64_t seed) {
@@ -1598,6 +1601,7 @@ static void stress(const stress_cfg *c, uint64_t seed) {
     fake_dev d;
     cmlp_allocator *a = mk(&d, c->conf, (int64_t)GB(4));
     if (c->limit >= 0) cmlp_allocator_set_limit(a, c->limit);
+    OK(cmlp_allocator_record_history(a, CMLP_HISTORY_ALL, CMLP_CONTEXT_ALL, 1 << 20, SKIP_SNAPSHOTS, false));
     live_set L = {0}; /* by address: overlaps */
     live_blk order[MAX_LIVE]; /* by age: which block to free does not depend on addresses */
     size_t norder = 0;
@@ -1617,7 +1621,7 @@ static void stress(const stress_cfg *c, uint64_t seed) {
             size_t n = rand_size(&r);
             void *p = NULL;
             int64_t ooms_before = stats_of(a).num_ooms;
-            cmlp_status st = cmlp_allocator_malloc(a, n, &p);
+            cmlp_status st = cmlp_allocator_malloc(a, n, "test", &p);
             if (st == CMLP_OK) {
                 allocs++;
                 live_blk b = {(uintptr_t)p, n, next_id++};
@@ -1678,6 +1682,7 @@ static void stress(const stress_cfg *c, uint64_t seed) {
         }
     }
     CHECK(errors == 0, "%s: %d errors in the stress run", c->conf, errors);
+    CHECK(replay_matches(a, false, why, sizeof why), "%s: the history: %s", c->conf, why);
     cmlp_allocator_fail_raw(a, 0);
     CHECK(norder == L.n, "%s: %zu blocks in age order, %zu by address", c->conf, norder, L.n);
     while (L.n) {
@@ -1695,6 +1700,7 @@ static void stress(const stress_cfg *c, uint64_t seed) {
     CHECK(CUR(s, INACTIVE_SPLIT, ALL) == 0, "%s: split blocks with nothing allocated: %" PRId64, c->conf, CUR(s, INACTIVE_SPLIT, ALL));
     CHECK(s.num_ooms == ooms, "%s: num_ooms %" PRId64 ", saw %" PRId64, c->conf, s.num_ooms, ooms);
     ec(a);
+    CHECK(replay_matches(a, false, why, sizeof why), "%s: the history, emptied: %s", c->conf, why);
     s = stats_of(a);
     CHECK(CUR(s, RESERVED_BYTES, ALL) == 0 && CUR(s, SEGMENT, ALL) == 0 && d.raw_bytes == 0 && d.mapped_bytes == 0,
           "%s: after empty_cache reserved %" PRId64 ", device raw %" PRId64 " mapped %" PRId64, c->conf, CUR(s, RESERVED_BYTES, ALL),
@@ -1752,6 +1758,7 @@ static void shared_remove(uintptr_t p) {
 
 static void *thread_main(void *arg) {
     thread_arg *t = arg;
+    cmlp_memory_set_context(t->index + 1); /* the thread's own: its frees must carry it */
     uint64_t r = t->seed;
     live_blk mine[32];
     int n = 0;
@@ -1765,7 +1772,7 @@ static void *thread_main(void *arg) {
             size_t sz = rand_size(&r);
             if (sz > MB(10) && rnd(&r) % 4) sz = 1 + rnd(&r) % 8192; /* fewer big blocks */
             void *p = NULL;
-            if (cmlp_allocator_malloc(t->a, sz, &p) != CMLP_OK || !p) {
+            if (cmlp_allocator_malloc(t->a, sz, "test", &p) != CMLP_OK || !p) {
                 thread_fail("thread %d: malloc(%zu): %s", t->index, sz, cmlp_last_error());
                 continue;
             }
@@ -1798,6 +1805,7 @@ static void *thread_main(void *arg) {
 static void test_threads(void) {
     fake_dev d;
     cmlp_allocator *a = mk(&d, "", (int64_t)GB(4));
+    OK(cmlp_allocator_record_history(a, CMLP_HISTORY_ALL, CMLP_CONTEXT_ALL, 1 << 20, SKIP_SNAPSHOTS, false));
     pthread_t th[THREADS];
     thread_arg args[THREADS];
     for (int i = 0; i < THREADS; i++) {
@@ -1809,6 +1817,8 @@ static void test_threads(void) {
     CHECK(shared_live.n == 0, "%zu blocks left in the live set", shared_live.n);
     free(shared_live.v);
     shared_live = (live_set){0};
+    char why[512];
+    CHECK(replay_matches(a, true, why, sizeof why), "threads: the history: %s", why);
     STEP(a);
     cmlp_memory_stats s = stats_of(a);
     CHECK(CUR(s, ALLOCATED_BYTES, ALL) == 0 && CUR(s, ALLOCATION, ALL) == 0 && CUR(s, REQUESTED_BYTES, ALL) == 0,
@@ -1831,7 +1841,7 @@ static void test_device_error(void) {
         int64_t reserved = CUR(stats_of(a), RESERVED_BYTES, ALL), calls = d.n_raw_alloc + d.n_map;
         d.fail_device = 1;
         void *q = NULL;
-        cmlp_status st = cmlp_allocator_malloc(a, MB(100), &q);
+        cmlp_status st = cmlp_allocator_malloc(a, MB(100), "test", &q);
         CHECK(st == CMLP_ERR_DEVICE && !q, "expandable %d: status %d", exp, (int)st);
         CHECK(strstr(cmlp_last_error(), "fake device lost") != NULL, "the device's error is lost: %s",
               cmlp_last_error());
@@ -1850,7 +1860,7 @@ static void test_device_error(void) {
 static void *other_thread_alloc(void *arg) {
     cmlp_allocator *a = arg;
     void *p = NULL;
-    return cmlp_allocator_malloc(a, MB(40), &p) == CMLP_OK ? p : NULL;
+    return cmlp_allocator_malloc(a, MB(40), "test", &p) == CMLP_OK ? p : NULL;
 }
 
 static void test_capturing(void) {
@@ -1862,9 +1872,9 @@ static void test_capturing(void) {
         int64_t reserved = CUR(stats_of(a), RESERVED_BYTES, ALL), calls = d.n_raw_alloc + d.n_map + d.n_unmap;
         cmlp_allocator_capturing(a, true);
         void *q = NULL;
-        OK(cmlp_allocator_malloc(a, MB(20), &q)); /* from the cache */
+        OK(cmlp_allocator_malloc(a, MB(20), "test", &q)); /* from the cache */
         void *r = NULL;
-        cmlp_status st = cmlp_allocator_malloc(a, MB(100), &r);
+        cmlp_status st = cmlp_allocator_malloc(a, MB(100), "test", &r);
         CHECK(st == CMLP_ERR_DEVICE && !r, "expandable %d: a miss while capturing: status %d", exp, (int)st);
         CHECK(strstr(cmlp_last_error(), "captured") != NULL, "the refusal says why: %s", cmlp_last_error());
         CHECK(d.n_raw_alloc + d.n_map + d.n_unmap == calls, "expandable %d: device calls while capturing", exp);
@@ -1880,6 +1890,277 @@ static void test_capturing(void) {
         fr(a, al(a, MB(100)));
         fin(a, &d);
     }
+}
+
+/* ---- 5. history ------------------------------------------------------------------------------- */
+
+static int64_t live_find(const live_set *s, uintptr_t p) {
+    size_t lo = 0, hi = s->n;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (s->v[mid].p < p) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo < s->n && s->v[lo].p == p ? (int64_t)lo : -1;
+}
+
+/* Replays the allocator's history from an empty device (the history must hold every action
+ * since the allocator was made): the live blocks (address, bytes requested, context) and the
+ * device memory it ends with must be the snapshot's. A free must name a live block with its
+ * size and, when free_ctx, the context that allocated it; an allocation must not overlap a
+ * live block; segments and pages come and go once. */
+static bool replay_matches(cmlp_allocator *a, bool free_ctx, char *why, size_t cap) {
+    cmlp_segment_info *segs = NULL;
+    cmlp_block_info *blks = NULL;
+    cmlp_trace_entry *e = NULL;
+    int64_t ns = 0, nb = 0, ne = 0;
+    if (cmlp_allocator_snapshot(a, &segs, &ns, &blks, &nb, &e, &ne) != CMLP_OK) {
+        snprintf(why, cap, "snapshot failed: %s", cmlp_last_error());
+        return false;
+    }
+    live_set blocks = {0}, raw = {0}, pages = {0};
+    bool ok = false;
+#define BAD(...)                         \
+    do {                                 \
+        snprintf(why, cap, __VA_ARGS__); \
+        goto done;                       \
+    } while (0)
+    for (int64_t i = 0; i < ne; i++) {
+        const cmlp_trace_entry *t = &e[i];
+        uintptr_t p = (uintptr_t)t->addr;
+        int64_t k;
+        if (i > 0 && t->time_us < e[i - 1].time_us) BAD("entry %" PRId64 " goes back in time", i);
+        switch (t->action) {
+        case CMLP_TRACE_ALLOC:
+            if (!t->what || !live_add(&blocks, (live_blk){p, (size_t)t->size, (uint64_t)t->context}))
+                BAD("entry %" PRId64 ": alloc at %#" PRIxPTR " overlaps a live block (or names nothing)", i, p);
+            break;
+        case CMLP_TRACE_FREE_REQUESTED:
+            k = live_find(&blocks, p);
+            if (k < 0 || blocks.v[k].n != (size_t)t->size || (free_ctx && blocks.v[k].id != (uint64_t)t->context))
+                BAD("entry %" PRId64 ": free of %#" PRIxPTR " (%" PRId64 " bytes, context %" PRId64
+                    ") matches no live block", i, p, t->size, t->context);
+            if (i + 1 == ne || e[i + 1].action != CMLP_TRACE_FREE_COMPLETED || e[i + 1].addr != t->addr)
+                BAD("entry %" PRId64 ": free_requested not followed by its free_completed", i);
+            live_take(&blocks, (size_t)k);
+            i++;
+            break;
+        case CMLP_TRACE_SEGMENT_ALLOC:
+            if (!live_add(&raw, (live_blk){p, (size_t)t->size, 0})) BAD("entry %" PRId64 ": segment overlaps", i);
+            break;
+        case CMLP_TRACE_SEGMENT_FREE:
+            k = live_find(&raw, p);
+            if (k < 0 || raw.v[k].n != (size_t)t->size) BAD("entry %" PRId64 ": segment_free of no segment", i);
+            live_take(&raw, (size_t)k);
+            break;
+        case CMLP_TRACE_SEGMENT_MAP:
+        case CMLP_TRACE_SEGMENT_UNMAP:
+            if (t->size <= 0 || t->size % (int64_t)GRANULE) BAD("entry %" PRId64 ": (un)map of %" PRId64 " bytes", i, t->size);
+            for (uintptr_t g = p; g < p + (uintptr_t)t->size; g += GRANULE) {
+                if (t->action == CMLP_TRACE_SEGMENT_MAP && !live_add(&pages, (live_blk){g, GRANULE, 0}))
+                    BAD("entry %" PRId64 ": page %#" PRIxPTR " mapped twice", i, g);
+                if (t->action == CMLP_TRACE_SEGMENT_UNMAP && !live_remove(&pages, g))
+                    BAD("entry %" PRId64 ": page %#" PRIxPTR " unmapped but not mapped", i, g);
+            }
+            break;
+        case CMLP_TRACE_FREE_COMPLETED: BAD("entry %" PRId64 ": free_completed without free_requested", i);
+        default: break;
+        }
+    }
+    size_t live = 0, raw_segs = 0, mapped = 0;
+    for (int64_t i = 0; i < ns; i++) {
+        const cmlp_segment_info *g = &segs[i];
+        if (g->expandable) {
+            for (uint64_t q = g->address; q < g->address + (uint64_t)g->total_size; q += GRANULE, mapped++)
+                if (live_find(&pages, (uintptr_t)q) < 0) BAD("mapped page %#" PRIx64 " not in the history", q);
+        } else {
+            int64_t k = live_find(&raw, (uintptr_t)g->address);
+            if (k < 0 || raw.v[k].n != (size_t)g->total_size) BAD("segment %#" PRIx64 " not in the history", g->address);
+            raw_segs++;
+        }
+        for (int64_t j = g->first_block; j < g->first_block + g->nblocks; j++) {
+            const cmlp_block_info *b = &blks[j];
+            if (!b->allocated) continue;
+            int64_t k = live_find(&blocks, (uintptr_t)b->address);
+            if (k < 0 || blocks.v[k].n != (size_t)b->requested_size || blocks.v[k].id != (uint64_t)b->context)
+                BAD("live block %#" PRIx64 " (%" PRId64 " bytes) not as the history left it", b->address, b->requested_size);
+            live++;
+        }
+    }
+    if (live != blocks.n || raw_segs != raw.n || mapped != pages.n)
+        BAD("the history leaves %zu blocks, %zu segments, %zu pages; the snapshot has %zu, %zu, %zu", blocks.n, raw.n,
+            pages.n, live, raw_segs, mapped);
+    ok = true;
+done:
+#undef BAD
+    free(blocks.v);
+    free(raw.v);
+    free(pages.v);
+    free(segs);
+    free(blks);
+    free(e);
+    return ok;
+}
+
+static cmlp_trace_entry *hist(cmlp_allocator *a, int64_t *n) {
+    cmlp_trace_entry *e = NULL;
+    OK(cmlp_allocator_history(a, &e, n));
+    return e;
+}
+
+#define HAS(e, i, act, p, sz, ctx)                                                                                  \
+    CHECK((e)[i].action == (act) && (e)[i].addr == (uint64_t)(uintptr_t)(p) && (e)[i].size == (int64_t)(sz) &&    \
+              (e)[i].context == (ctx),                                                                              \
+          "entry %d: action %d addr %#" PRIx64 " size %" PRId64 " context %" PRId64, (int)(i), (e)[i].action,        \
+          (e)[i].addr, (e)[i].size, (e)[i].context)
+
+static void test_history(void) {
+    fake_dev d;
+    cmlp_allocator *a = mk(&d, "", (int64_t)GB(2));
+    int64_t n;
+    fr(a, al(a, 1000)); /* not recorded: the small segment stays cached */
+    cmlp_trace_entry *e = hist(a, &n);
+    CHECK(n == 0, "%" PRId64 " entries while not recording", n);
+    free(e);
+
+    OK(cmlp_allocator_record_history(a, CMLP_HISTORY_ALL, CMLP_CONTEXT_ALL, 100, SKIP_SNAPSHOTS, false));
+    int64_t t0 = (int64_t)time(NULL) * 1000000;
+    cmlp_memory_set_context(7);
+    void *p = al(a, 1000);
+    cmlp_memory_set_context(8);
+    fr(a, p);
+    void *q = al(a, MB(30));
+    cmlp_allocator_set_limit(a, (int64_t)MB(64));
+    oom(a, MB(100));
+    cmlp_allocator_set_limit(a, -1);
+    e = hist(a, &n);
+    CHECK(n == 7, "%" PRId64 " entries", n);
+    if (n == 7) {
+        HAS(e, 0, CMLP_TRACE_ALLOC, p, 1000, 7);
+        HAS(e, 1, CMLP_TRACE_FREE_REQUESTED, p, 1000, 8);
+        HAS(e, 2, CMLP_TRACE_FREE_COMPLETED, p, 1000, 8);
+        HAS(e, 3, CMLP_TRACE_SEGMENT_ALLOC, q, MB(30), 8);
+        HAS(e, 4, CMLP_TRACE_ALLOC, q, MB(30), 8);
+        /* the ladder returns the free small segment before it gives up */
+        HAS(e, 5, CMLP_TRACE_SEGMENT_FREE, (char *)p - ((uintptr_t)p - e[5].addr), MB(2), 0);
+        CHECK(e[5].addr <= (uint64_t)(uintptr_t)p && e[5].what == NULL, "the small segment held p");
+        HAS(e, 6, CMLP_TRACE_OOM, NULL, MB(100), 8);
+        CHECK(e[6].device_free == (int64_t)MB(64) - (int64_t)MB(30), "oom: device_free %" PRId64, e[6].device_free);
+        CHECK(e[0].what && strcmp(e[0].what, "test") == 0 && e[3].what == e[0].what, "what: %s", e[0].what);
+        CHECK(e[0].time_us >= t0 && e[6].time_us >= e[0].time_us && e[6].time_us < t0 + 60000000, "times %" PRId64,
+              e[0].time_us);
+    }
+    free(e);
+    char why[512];
+    CHECK(!replay_matches(a, false, why, sizeof why), "a history begun late cannot explain what came before");
+
+    fr(a, al(a, 4096)); /* a small segment again, cached */
+    /* what each mode keeps: contexts of blocks, allocations, frees */
+    static const struct {
+        cmlp_history_mode mode;
+        cmlp_context_mode ctx;
+        int block, alloc, free, entries;
+    } modes[] = {
+        {CMLP_HISTORY_ALL, CMLP_CONTEXT_NONE, 0, 0, 0, 3},  {CMLP_HISTORY_ALL, CMLP_CONTEXT_STATE, 1, 0, 0, 3},
+        {CMLP_HISTORY_ALL, CMLP_CONTEXT_ALLOC, 1, 1, 0, 3}, {CMLP_HISTORY_ALL, CMLP_CONTEXT_ALL, 1, 1, 1, 3},
+        {CMLP_HISTORY_STATE, CMLP_CONTEXT_ALL, 1, 0, 0, 0}, {CMLP_HISTORY_OFF, CMLP_CONTEXT_ALL, 0, 0, 0, 0},
+    };
+    for (size_t m = 0; m < sizeof modes / sizeof *modes; m++) {
+        OK(cmlp_allocator_record_history(a, modes[m].mode, modes[m].ctx, 10, SKIP_SNAPSHOTS, true));
+        cmlp_memory_set_context(5);
+        void *r = al(a, 4096);
+        int64_t ctx = 0, size = block_size(a, r, NULL, NULL);
+        cmlp_segment_info *segs;
+        cmlp_block_info *blks;
+        int64_t ns, nb;
+        OK(cmlp_allocator_snapshot(a, &segs, &ns, &blks, &nb, NULL, NULL));
+        for (int64_t i = 0; i < nb; i++)
+            if (blks[i].address == (uint64_t)(uintptr_t)r) ctx = blks[i].context;
+        free(segs);
+        free(blks);
+        CHECK(size > 0 && ctx == (modes[m].block ? 5 : 0), "mode %zu: block context %" PRId64, m, ctx);
+        cmlp_memory_set_context(6);
+        fr(a, r);
+        e = hist(a, &n);
+        CHECK(n == modes[m].entries, "mode %zu: %" PRId64 " entries", m, n);
+        if (n == 3) {
+            HAS(e, 0, CMLP_TRACE_ALLOC, r, 4096, modes[m].alloc ? 5 : 0);
+            HAS(e, 1, CMLP_TRACE_FREE_REQUESTED, r, 4096, modes[m].free ? 6 : 0);
+        }
+        free(e);
+    }
+    cmlp_memory_set_context(0);
+
+    /* the ring keeps the newest; a smaller max keeps the newest of those; bad settings change nothing */
+    OK(cmlp_allocator_record_history(a, CMLP_HISTORY_ALL, CMLP_CONTEXT_ALL, 3, SKIP_SNAPSHOTS, false));
+    void *v[5];
+    for (int i = 0; i < 5; i++) v[i] = al(a, 100 * (size_t)(i + 1));
+    e = hist(a, &n);
+    CHECK(n == 3 && e[0].size == 300 && e[1].size == 400 && e[2].size == 500, "ring of 3: %" PRId64 " entries, first %" PRId64,
+          n, n ? e[0].size : 0);
+    free(e);
+    OK(cmlp_allocator_record_history(a, CMLP_HISTORY_ALL, CMLP_CONTEXT_ALL, 2, SKIP_SNAPSHOTS, false));
+    CHECK(cmlp_allocator_record_history(a, CMLP_HISTORY_ALL, CMLP_CONTEXT_ALL, 0, 0, true) == CMLP_ERR_INVALID,
+          "max_entries 0 refused");
+    CHECK(cmlp_allocator_record_history(a, (cmlp_history_mode)3, CMLP_CONTEXT_ALL, 5, 0, true) == CMLP_ERR_INVALID,
+          "an unknown mode refused");
+    CHECK(cmlp_allocator_record_history(a, CMLP_HISTORY_ALL, (cmlp_context_mode)-1, 5, 0, true) == CMLP_ERR_INVALID,
+          "an unknown context mode refused");
+    e = hist(a, &n);
+    CHECK(n == 2 && e[0].size == 400 && e[1].size == 500, "shrunk to 2: %" PRId64 " entries", n);
+    free(e);
+    OK(cmlp_allocator_record_history(a, CMLP_HISTORY_ALL, CMLP_CONTEXT_ALL, 1000, SKIP_SNAPSHOTS, false));
+    for (int i = 0; i < 5; i++) fr(a, v[i]);
+    e = hist(a, &n);
+    CHECK(n == 12 && e[0].size == 400 && e[2].action == CMLP_TRACE_FREE_REQUESTED && e[11].size == 500,
+          "grown again: %" PRId64 " entries", n);
+    free(e);
+    OK(cmlp_allocator_record_history(a, CMLP_HISTORY_ALL, CMLP_CONTEXT_ALL, 1000, SKIP_SNAPSHOTS | 1u << CMLP_TRACE_ALLOC, true));
+    fr(a, al(a, 64));
+    e = hist(a, &n);
+    CHECK(n == 2 && e[0].action == CMLP_TRACE_FREE_REQUESTED, "allocations skipped: %" PRId64 " entries", n);
+    free(e);
+
+    /* a snapshot notes itself, last, with the bytes allocated; empty_cache returns segments */
+    OK(cmlp_allocator_record_history(a, CMLP_HISTORY_ALL, CMLP_CONTEXT_ALL, 1000, 0, true));
+    fr(a, q);
+    cmlp_segment_info *segs;
+    cmlp_block_info *blks;
+    int64_t ns, nb;
+    OK(cmlp_allocator_snapshot(a, &segs, &ns, &blks, &nb, &e, &n));
+    CHECK(n >= 3 && e[n - 1].action == CMLP_TRACE_SNAPSHOT && e[n - 1].size == 0, "snapshot entry last, %" PRId64 " entries", n);
+    free(segs);
+    free(blks);
+    free(e);
+    OK(cmlp_allocator_record_history(a, CMLP_HISTORY_ALL, CMLP_CONTEXT_ALL, 1000, SKIP_SNAPSHOTS, true));
+    ec(a);
+    e = hist(a, &n);
+    CHECK(n == 2 && e[0].action == CMLP_TRACE_SEGMENT_FREE && e[1].action == CMLP_TRACE_SEGMENT_FREE &&
+              e[0].what == NULL,
+          "empty_cache: %" PRId64 " entries", n);
+    free(e);
+    OK(cmlp_allocator_record_history(a, CMLP_HISTORY_OFF, CMLP_CONTEXT_NONE, 0, 0, false));
+    e = hist(a, &n);
+    CHECK(n == 0, "stopping drops the history: %" PRId64, n);
+    free(e);
+    fin(a, &d);
+
+    /* expandable segments: pages mapped and unmapped; a whole run replays */
+    a = mk(&d, "expandable_segments:True", (int64_t)GB(2));
+    OK(cmlp_allocator_record_history(a, CMLP_HISTORY_ALL, CMLP_CONTEXT_ALL, 1000, SKIP_SNAPSHOTS, false));
+    void *x = al(a, MB(30)), *y = al(a, MB(7));
+    fr(a, x);
+    void *z = al(a, MB(3));
+    CHECK(replay_matches(a, false, why, sizeof why), "expandable: %s", why);
+    fr(a, y);
+    fr(a, z);
+    ec(a);
+    CHECK(replay_matches(a, false, why, sizeof why), "expandable, emptied: %s", why);
+    e = hist(a, &n);
+    CHECK(n > 0 && e[0].action == CMLP_TRACE_SEGMENT_MAP && e[n - 1].action == CMLP_TRACE_SEGMENT_UNMAP,
+          "expandable: maps first, unmaps last (%" PRId64 " entries)", n);
+    free(e);
+    fin(a, &d);
 }
 
 int main(void) {
@@ -1904,6 +2185,7 @@ int main(void) {
     test_ladder_expandable();
     test_device_error();
     test_capturing();
+    test_history();
     printf("  unit tests %.1f s\n", now() - t0);
     test_stress();
     double t1 = now();

@@ -1,0 +1,154 @@
+"""Memory history with torch.cuda.memory's names: _record_memory_history, _snapshot and
+_dump_snapshot. The snapshot has PyTorch's format, so PyTorch's viewer (pytorch.org/memory_viz)
+and torch.cuda._memory_viz read it.
+
+Every allocation says what it holds ("parameters", "gradients", "activations", "optimizer
+state", ...): that is its innermost frame (file "cmlp"), followed by the Python stack of the call
+that allocated it, innermost first."""
+import os
+import pickle
+import sys
+import threading
+from typing import Any, Dict, List, Optional, Tuple
+
+from . import _cmlp
+from ._files import atomic_write
+
+_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "segment_map",
+            "segment_unmap", "oom", "snapshot")
+_MODES = {None: 0, "state": 1, "all": 2}
+_CONTEXTS = {None: 0, "state": 1, "alloc": 2, "all": 3}
+_STACKS = ("python", "all")
+
+_lock = threading.Lock()
+_settings: Dict[str, Tuple[Optional[str], Optional[str], str]] = {}  # device -> (enabled, context, stacks)
+_stacks: Dict[int, List[Dict[str, Any]]] = {}  # stack number -> frames
+
+
+def _choice(name: str, value: Any, allowed: Any) -> Any:
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{name} must be a str or None, got {type(value).__name__}")
+    if value not in allowed:
+        names = ", ".join(repr(a) for a in allowed)
+        raise ValueError(f"{name} must be one of {names}, got {value!r}")
+    return value
+
+
+def record_memory_history(enabled: Any = "all", context: Optional[str] = "all", stacks: str = "all",
+                          max_entries: int = sys.maxsize, device: Optional[str] = None, clear_history: bool = False,
+                          skip_actions: Optional[List[str]] = None) -> None:
+    """Starts (or changes, or with enabled=None stops) recording what the device's allocator does,
+    as torch.cuda.memory._record_memory_history.
+
+    enabled: None (stop; the history is dropped), "state" (live blocks keep the stack that
+    allocated them) or "all" (also a history of every action: alloc, free_requested,
+    free_completed, segment_alloc, segment_free, segment_map, segment_unmap, oom, snapshot).
+    True and False mean "all" and None. context: which entries keep a Python stack: None,
+    "state" (live blocks), "alloc" (+ allocations), "all" (+ frees). stacks: "python" (the
+    Python frames only) or "all" (also a first frame naming what the memory holds).
+    max_entries: the history keeps the newest max_entries actions. skip_actions: actions not to
+    record. device: None means the current device, as everywhere in cmlp.memory."""
+    if isinstance(enabled, bool):
+        enabled = "all" if enabled else None
+    _choice("enabled", enabled, tuple(_MODES))
+    _choice("context", context, tuple(_CONTEXTS))
+    _choice("stacks", stacks, _STACKS)
+    if isinstance(max_entries, bool) or not isinstance(max_entries, int):
+        raise TypeError(f"max_entries must be an int, got {type(max_entries).__name__}")
+    if enabled is not None and not 1 <= max_entries <= sys.maxsize:
+        raise ValueError(f"max_entries must be between 1 and sys.maxsize, got {max_entries}")
+    skip = 0
+    for action in skip_actions or ():
+        if action not in _ACTIONS:
+            raise ValueError(f"skip_actions: unknown action {action!r}; the actions are {', '.join(_ACTIONS)}")
+        skip |= 1 << _ACTIONS.index(action)
+    if not isinstance(clear_history, bool):
+        raise TypeError(f"clear_history must be a bool, got {type(clear_history).__name__}")
+    from .memory import _device
+
+    dev = _device(device)
+    if enabled is None:
+        context = None
+    with _lock:
+        _cmlp.record_history(dev, _MODES[enabled], _CONTEXTS[context], min(max_entries, sys.maxsize), skip,
+                             clear_history)
+        if enabled is None:
+            _settings.pop(dev, None)
+        else:
+            _settings[dev] = (enabled, context, stacks)
+        _cmlp.capture_stacks(any(c is not None for _, c, _ in _settings.values()))
+
+
+def _stack(number: int) -> List[Dict[str, Any]]:
+    frames = _stacks.get(number)
+    if frames is None:
+        frames = [{"filename": f, "line": line, "name": n} for f, line, n in _cmlp.stack_frames(number)]
+        _stacks[number] = frames
+    return frames
+
+
+def _frames(what: Optional[str], context: int, stacks: str) -> List[Dict[str, Any]]:
+    frames = [{"filename": "cmlp", "line": 0, "name": what}] if what is not None and stacks == "all" else []
+    if context:
+        frames += [dict(f) for f in _stack(context)]
+    return frames
+
+
+def _stacks_of(dev: str) -> str:
+    return _settings.get(dev, (None, None, "all"))[2]
+
+
+def blocks_with_frames(dev: str, segments: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The raw snapshot's blocks with "frames" in place of what and context."""
+    stacks = _stacks_of(dev)
+    for seg in segments:
+        seg["stream"] = 0
+        for b in seg["blocks"]:
+            b["frames"] = _frames(b.pop("what"), b.pop("context"), stacks)
+    return segments
+
+
+def _device_index(dev: str) -> int:
+    return 0 if dev == "cpu" else int(dev.partition(":")[2])
+
+
+def _entry(e: Tuple[str, int, int, int, Optional[str], int, int], stacks: str) -> Dict[str, Any]:
+    action, addr, size, time_us, what, context, device_free = e
+    out: Dict[str, Any] = {"action": action}
+    if action != "oom":
+        out["addr"] = addr
+    out.update(size=size, stream=0, time_us=time_us, frames=_frames(what, context, stacks))
+    if action == "oom":
+        out["device_free"] = device_free
+    return out
+
+
+def snapshot(device: Optional[str] = None) -> Dict[str, Any]:
+    """torch.cuda.memory._snapshot(): {"segments": [...], "device_traces": [[...], ...]}, the
+    segments and the history taken at one instant. Segments carry PyTorch's keys (device as an
+    index, stream, segment_type, is_expandable, blocks with frames); device_traces has one list per
+    device index up to this device's, the others empty. On "cpu" the index is 0."""
+    from .memory import _device
+
+    dev = _device(device)
+    with _lock:
+        raw, history = _cmlp.snapshot_history(dev)
+        stacks = _stacks_of(dev)
+        index = _device_index(dev)
+        segments = []
+        for seg in blocks_with_frames(dev, raw):
+            segments.append({
+                "device": index, "address": seg["address"], "total_size": seg["total_size"],
+                "allocated_size": seg["allocated_size"], "active_size": seg["active_size"],
+                "requested_size": seg["requested_size"], "stream": 0, "segment_type": seg["segment_type"],
+                "is_expandable": seg["expandable"], "frames": [], "blocks": seg["blocks"],
+            })
+        trace = [_entry(e, stacks) for e in history]
+    return {"segments": segments, "device_traces": [[] for _ in range(index)] + [trace]}
+
+
+def dump_snapshot(filename: "os.PathLike[str] | str" = "dump_snapshot.pickle", device: Optional[str] = None) -> None:
+    """torch.cuda.memory._dump_snapshot(): the snapshot, pickled (protocol 4, which PyTorch's
+    viewer reads) into filename, atomically."""
+    data = snapshot(device)
+    atomic_write(filename, lambda f: pickle.dump(data, f, protocol=4))

@@ -1,0 +1,313 @@
+"""cmlp.memory._record_memory_history / _snapshot / _dump_snapshot on "cpu": the history replays
+to the memory the allocator ends with (for training in fp32, mixed precision, recomputation,
+expandable segments and out-of-memory retries), every allocation says what it holds and which
+Python call made it, the settings keep what torch's do, and PyTorch's own snapshot tools read
+the result. Every test stops recording afterwards.
+"""
+import gc
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import warnings
+
+import numpy as np
+import pytest
+
+import cmlp
+from checks import assert_history_explains
+
+M = cmlp.memory
+DEV = "cpu"
+LAYERS = [784, 128, 64, 10]
+HERE = os.path.basename(__file__)
+
+
+@pytest.fixture(autouse=True)
+def stop_recording():
+    gc.collect()
+    try:
+        yield
+    finally:
+        M._record_memory_history(None, device=DEV)
+        M.set_memory_limit(None, DEV)
+        M.configure("")
+
+
+def data(n=256, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, (n, LAYERS[0]), dtype=np.uint8), rng.integers(0, 10, n)
+
+
+def begin(**kw):
+    """Records from now on; the first snapshot (the history's first entry) is the start."""
+    M._record_memory_history(clear_history=True, device=DEV, **kw)
+    return M._snapshot(DEV)
+
+
+def names(frames):
+    return [f["name"] for f in frames]
+
+
+def train(amp=None, recompute=False, epochs=1, n=256):
+    x, y = data(n)
+    model = cmlp.MLP(LAYERS, seed=0)
+    opt = cmlp.optim.Adam(model)
+    trainer = cmlp.Trainer(model, opt, batch_size=32, amp=amp, recompute=recompute)
+    trainer.fit(x, y, epochs=epochs, progress=False)
+    return model, opt, trainer
+
+
+@pytest.mark.parametrize("amp,recompute,conf", [
+    (None, False, ""), ("fp16", True, ""), ("bf16", False, "expandable_segments:True"),
+    (None, True, "max_split_size_mb:21,roundup_power2_divisions:4"),
+])
+def test_the_history_replays_to_the_memory_held(amp, recompute, conf):
+    M.configure(conf)
+    M.empty_cache(DEV)
+    start = begin()
+    model, opt, trainer = train(amp, recompute)
+    model.evaluate(*data(100), batch_size=30)
+    middle = M._snapshot(DEV)
+    entries = assert_history_explains(start, middle)
+    held = {names(e["frames"])[0] for e in entries if e["action"] == "alloc"}
+    expect = {"parameters", "gradients", "optimizer state"}
+    expect.add("activations (mixed precision)" if amp else "activations (recomputed)" if recompute else "activations")
+    if amp:
+        expect.add("half-precision weights")
+    assert expect <= held, held
+    if conf.startswith("expandable"):
+        assert any(e["action"] == "segment_map" for e in entries)
+    del model, opt, trainer
+    gc.collect()
+    M.empty_cache(DEV)
+    end = M._snapshot(DEV)
+    entries = assert_history_explains(start, end)
+    frees = [e for e in entries if e["action"] == "free_requested"]
+    assert {names(e["frames"])[0] for e in frees} >= expect
+    assert any(e["action"] in ("segment_free", "segment_unmap") for e in entries)
+
+
+def test_an_oom_survived_by_micro_batches_is_in_the_history():
+    layers = [784, 512, 256, 10]
+    x, y = data(4096)
+    model = cmlp.MLP(layers, seed=0)
+    opt = cmlp.optim.Adam(model)
+    trainer = cmlp.Trainer(model, opt, batch_size=4096, auto_microbatch=True)
+    trainer.step(x[:1], y[:1])  # the optimizer state exists
+    model._c.release_workspace()
+    start = begin()
+    M.set_memory_limit(M.memory_reserved(DEV) + M.plan(layers, 4096, opt).breakdown["activations"] // 3, DEV)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", cmlp.MemoryWarning)
+        trainer.step(x, y)  # runs out of memory, then splits the step
+    assert trainer.microbatch_size < 4096
+    entries = assert_history_explains(start, M._snapshot(DEV))
+    ooms = [e for e in entries if e["action"] == "oom"]
+    assert ooms and all(e["size"] > 0 and e["device_free"] >= 0 and "addr" not in e for e in ooms)
+    assert names(ooms[0]["frames"])[0] == "activations"
+    assert M.memory_stats(DEV)["num_ooms"] >= len(ooms)
+
+
+def test_frames_name_the_memory_then_the_python_calls_innermost_first():
+    begin()
+    model = cmlp.MLP(LAYERS, seed=0)
+    ptr = M.caching_allocator_alloc(1000, DEV)
+    M.caching_allocator_delete(ptr)
+    trace = M._snapshot(DEV)["device_traces"][0]
+    params = next(e for e in trace if e["action"] == "alloc")
+    frames = params["frames"]
+    assert frames[0] == {"filename": "cmlp", "line": 0, "name": "parameters"}
+    assert frames[1]["filename"].endswith(os.path.join("cmlp", "model.py")) and frames[1]["name"] == "__init__"
+    mine = [f for f in frames if f["filename"].endswith(HERE)]
+    assert mine and mine[0]["name"] == "test_frames_name_the_memory_then_the_python_calls_innermost_first"
+    raw = [e for e in trace if e.get("addr") == ptr]
+    assert [e["action"] for e in raw] == ["alloc", "free_requested", "free_completed"]
+    assert raw[0]["size"] == 1000 and names(raw[0]["frames"])[:2] == ["caching_allocator_alloc",
+                                                                        "caching_allocator_alloc"]
+    assert all(e["stream"] == 0 and e["time_us"] > 1.6e15 for e in trace)
+    blocks = [b for s in M.memory_snapshot(DEV) for b in s["blocks"] if b["state"] == "active_allocated"]
+    assert {names(b["frames"])[0] for b in blocks} >= {"parameters", "gradients"}
+    del model
+
+
+@pytest.mark.parametrize("context,stacks", [(None, "all"), ("state", "all"), ("alloc", "python"), ("all", "all")])
+def test_context_and_stacks_keep_what_torch_keeps(context, stacks):
+    begin(context=context, stacks=stacks)
+    model = cmlp.MLP(LAYERS, seed=0)
+    snap = M._snapshot(DEV)
+    del model
+    gc.collect()
+    trace = M._snapshot(DEV)["device_traces"][0]
+
+    def python(frames):
+        return [f for f in frames if f["filename"] != "cmlp"]
+
+    alloc = next(e for e in trace if e["action"] == "alloc")
+    free = next(e for e in trace if e["action"] == "free_requested" and e["addr"] == alloc["addr"])
+    block = next(b for s in snap["segments"] for b in s["blocks"] if b["address"] == alloc["addr"])
+    assert bool(python(block["frames"])) == (context is not None)
+    assert bool(python(alloc["frames"])) == (context in ("alloc", "all"))
+    assert bool(python(free["frames"])) == (context == "all")
+    for frames in (alloc["frames"], free["frames"], block["frames"]):
+        assert (frames[:1] == [{"filename": "cmlp", "line": 0, "name": "parameters"}]) == (stacks == "all")
+
+
+def test_state_mode_keeps_stacks_and_no_history():
+    M._record_memory_history("state", device=DEV)
+    model = cmlp.MLP(LAYERS, seed=0)
+    snap = M._snapshot(DEV)
+    assert snap["device_traces"] == [[]]
+    blocks = [b for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
+    assert any(f["filename"].endswith(HERE) for b in blocks for f in b["frames"])
+    M._record_memory_history(None, device=DEV)
+    kept = [b for s in M._snapshot(DEV)["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
+    assert any(f["filename"].endswith(HERE) for b in kept for f in b["frames"]), "live blocks keep their stacks"
+    del model
+
+
+def test_max_entries_keeps_the_newest_and_skip_actions_leaves_out():
+    M._record_memory_history(max_entries=3, device=DEV, skip_actions=["snapshot"])
+    ptrs = [M.caching_allocator_alloc(100 * (i + 1), DEV) for i in range(5)]
+    trace = M._snapshot(DEV)["device_traces"][0]
+    assert [(e["action"], e["size"]) for e in trace] == [("alloc", 300), ("alloc", 400), ("alloc", 500)]
+    M._record_memory_history(max_entries=2, device=DEV, skip_actions=["snapshot", "free_requested"])
+    for p in ptrs:
+        M.caching_allocator_delete(p)
+    trace = M._snapshot(DEV)["device_traces"][0]
+    assert [(e["action"], e["size"]) for e in trace] == [("free_completed", 400), ("free_completed", 500)]
+    M._record_memory_history(max_entries=10, device=DEV, clear_history=True)
+    assert [e["action"] for e in M._snapshot(DEV)["device_traces"][0]] == ["snapshot"]
+    M._record_memory_history(True, device=DEV)  # torch's legacy bool: True is "all"
+    assert len(M._snapshot(DEV)["device_traces"][0]) == 2
+    M._record_memory_history(False, device=DEV)
+    assert M._snapshot(DEV)["device_traces"] == [[]]
+
+
+@pytest.mark.parametrize("kwargs,error", [
+    ({"enabled": "everything"}, ValueError), ({"enabled": 1}, TypeError), ({"context": "some"}, ValueError),
+    ({"stacks": "cpp"}, ValueError), ({"max_entries": 0}, ValueError), ({"max_entries": 2.5}, TypeError),
+    ({"max_entries": True}, TypeError), ({"skip_actions": ["malloc"]}, ValueError),
+    ({"clear_history": "yes"}, TypeError), ({"device": "gpu"}, ValueError), ({"device": 0}, TypeError),
+])
+def test_bad_settings_raise_and_change_nothing(kwargs, error):
+    M._record_memory_history(max_entries=100, device=DEV, context=None, skip_actions=["snapshot"])
+    p = M.caching_allocator_alloc(512, DEV)
+    with pytest.raises(error):
+        M._record_memory_history(**kwargs)
+    M.caching_allocator_delete(p)
+    trace = M._snapshot(DEV)["device_traces"][0]
+    assert [e["action"] for e in trace] == ["alloc", "free_requested", "free_completed"]
+    assert all(f["filename"] == "cmlp" for e in trace for f in e["frames"]), "still no Python stacks"
+
+
+def test_threads_note_their_own_stacks():
+    M._record_memory_history(device=DEV, skip_actions=["snapshot"])
+    barrier = threading.Barrier(2)
+
+    def worker_a():
+        barrier.wait()
+        for _ in range(200):
+            M.caching_allocator_delete(M.caching_allocator_alloc(1000, DEV))
+
+    def worker_b():
+        barrier.wait()
+        for _ in range(200):
+            M.caching_allocator_delete(M.caching_allocator_alloc(3000, DEV))
+
+    threads = [threading.Thread(target=worker_a), threading.Thread(target=worker_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    trace = M._snapshot(DEV)["device_traces"][0]
+    assert len(trace) == 1200
+    for e in trace:
+        mine = [f["name"] for f in e["frames"] if f["filename"].endswith(HERE)]
+        assert mine == ["worker_a" if e["size"] == 1000 else "worker_b"], e
+
+
+def test_a_collected_model_keeps_the_exception_being_handled():
+    M._record_memory_history(device=DEV)
+    model = cmlp.MLP(LAYERS, seed=0)
+    try:
+        raise KeyError("kept")
+    except KeyError:
+        del model
+        gc.collect()
+        assert sys.exc_info()[0] is KeyError
+    frees = [e for e in M._snapshot(DEV)["device_traces"][0] if e["action"] == "free_requested"]
+    assert {names(e["frames"])[0] for e in frees} == {"parameters", "gradients"}
+    assert all(any(f["filename"].endswith(HERE) for f in e["frames"]) for e in frees)
+
+
+def plain(v):
+    """Only what PyTorch's viewer unpickles: dicts, lists, str, int, float, bool, None."""
+    if isinstance(v, dict):
+        return all(isinstance(k, str) and plain(x) for k, x in v.items())
+    if isinstance(v, list):
+        return all(plain(x) for x in v)
+    return v is None or isinstance(v, (str, int, float, bool))
+
+
+def test_dump_snapshot_writes_a_pickle_pytorchs_viewer_reads(tmp_path):
+    begin()
+    model, opt, trainer = train()
+    path = tmp_path / "snap.pickle"
+    M._dump_snapshot(path, device=DEV)
+    raw = path.read_bytes()
+    assert raw[:2] == b"\x80\x04", "protocol 4: the viewer reads protocols 2 to 4"
+    data = pickle.loads(raw)
+    assert plain(data) and set(data) == {"segments", "device_traces"}
+    assert all(s["device"] == 0 and s["stream"] == 0 and s["blocks"] for s in data["segments"])
+    for s in data["segments"]:
+        assert sum(b["size"] for b in s["blocks"]) == s["total_size"]
+        assert all({"size", "requested_size", "state", "frames", "address"} <= set(b) for b in s["blocks"])
+    with pytest.raises(IsADirectoryError):
+        M._dump_snapshot(tmp_path, device=DEV)
+    assert not [p for p in os.listdir(tmp_path) if p != "snap.pickle"], "no temporary file left"
+    del model, opt, trainer
+
+
+def test_pytorchs_snapshot_tools_read_it():
+    viz = pytest.importorskip("torch.cuda._memory_viz")
+    M.empty_cache(DEV)
+    begin()
+    model, opt, trainer = train()
+    data = M._snapshot(DEV)
+    assert "total_allocated" in viz.segsum(data)
+    text = viz.trace(data)
+    assert "= cudaMalloc(" in text and "[0:" in text
+    flame = viz.memory(data, format_flamegraph=lambda lines: lines)
+    assert "cmlp:0:optimizer state" in flame
+    assert "stream_0;seg_" in viz.segments(data, format_flamegraph=lambda lines: lines)
+    assert "snapshot.pickle" in viz.trace_plot(data)
+    del model, opt, trainer
+
+
+DEVICE_PATH = r"""
+import gc, sys
+import numpy as np
+import cmlp
+M = cmlp.memory
+sys.path.insert(0, sys.argv[1])
+from checks import assert_history_explains
+M._record_memory_history(device="cpu")
+start = M._snapshot("cpu")
+rng = np.random.default_rng(0)
+x, y = rng.integers(0, 256, (200, 784), dtype=np.uint8), rng.integers(0, 10, 200)
+model = cmlp.MLP([784, 64, 10], seed=0)
+cmlp.Trainer(model, cmlp.optim.SGD(model, lr=0.1, momentum=0.9), batch_size=32).fit(x, y, epochs=2, progress=False)
+entries = assert_history_explains(start, M._snapshot("cpu"))
+print(sorted({e["frames"][0]["name"] for e in entries if e["action"] == "alloc"}))
+"""
+
+
+def test_the_data_set_on_the_device_is_named():
+    env = dict(os.environ, CMLP_TRAIN_DEVICE_PATH="1")
+    r = subprocess.run([sys.executable, "-c", DEVICE_PATH, os.path.dirname(__file__)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    held = eval(r.stdout)
+    assert {"data set", "data set labels", "data set order", "optimizer state", "activations"} <= set(held)
