@@ -5,13 +5,13 @@ Measured in one process, each the best of 5 runs, with recording off, on without
 (enabled="all", context=None: the allocator notes every action and what the memory holds) and
 on with them (enabled="all", context="all", the default: each call into the core also notes the
 Python stack it came from, stored once and referred to by number):
-  - a caching_allocator_alloc + caching_allocator_delete pair from Python (two entries each,
-    three with the free's completion): the cost per recorded call;
+  - a caching_allocator_alloc + caching_allocator_delete pair from Python (two calls into the
+    core, three entries: alloc, free_requested, free_completed);
   - trainer.step() at batch 32, a Python loop that calls into the core once a step (its memory is
     reused, so the allocator notes nothing: this is the stack capture alone);
   - Trainer.fit over one epoch at batch 32 (one call; samples/s).
 Targets (torch documents about 2 us per recorded allocation for its Python stacks): a recorded
-call from Python costs at most 2 us more than an unrecorded one, and recording slows trainer.step
+pair from Python costs at most 2 us more than an unrecorded one, and recording slows trainer.step
 and fit by under 2%.
 
 Run from the repository root:  PYTHONPATH=python python3 bench/bench_history.py
@@ -81,7 +81,7 @@ def main():
     added = s["pair"] - off["pair"]
     step_slow = s["step"] / off["step"] - 1
     fit_slow = 1 - s["fit"] / off["fit"]
-    print(f"targets: a recorded call <= 2 us more ({added:.2f} us: {'met' if added <= 2 else 'MISSED'}); "
+    print(f"targets: a recorded pair <= 2 us more ({added:.2f} us: {'met' if added <= 2 else 'MISSED'}); "
           f"trainer.step and fit under 2% slower ({100 * step_slow:+.1f}%, {100 * fit_slow:+.1f}%: "
           f"{'met' if step_slow < 0.02 and fit_slow < 0.02 else 'MISSED'})")
 
