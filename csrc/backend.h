@@ -50,6 +50,9 @@ typedef struct cmlp_backend_i {
     cmlp_status (*open)(int index, void **ctx);
     /* Physical memory of the device in bytes. */
     int64_t (*total_memory)(void *ctx);
+    /* Memory the device could still give (the driver's free memory; on the CPU, what the
+     * operating system reports available); -1 when it cannot say. */
+    int64_t (*free_memory)(void *ctx);
     /* Device memory the backend needs for itself (GEMM workspace, reduction scratch), taken
      * from the device's allocator after open and handed over once; NULL when none. */
     size_t (*workspace_bytes)(void *ctx);
@@ -259,7 +262,7 @@ extern const cmlp_backend_i cmlp_backend_cpu;
  * recorder and returns the module below. */
 typedef cmlp_status (*cmlp_error_fn)(cmlp_status s, const char *file, int line, const char *fmt, ...);
 
-#define CMLP_CUDA_ABI 6
+#define CMLP_CUDA_ABI 7
 
 typedef struct cmlp_cuda_module {
     int abi; /* CMLP_CUDA_ABI of the library */

@@ -102,6 +102,20 @@ static int64_t cpu_total_memory(void *ctx) {
     return pages > 0 && page > 0 ? (int64_t)pages * page : 0;
 }
 
+/* MemAvailable (what can be had without swapping), else the free pages. */
+static int64_t cpu_free_memory(void *ctx) {
+    (void)ctx;
+    FILE *f = fopen("/proc/meminfo", "r");
+    char line[128];
+    long long kib = -1;
+    while (f && fgets(line, sizeof line, f))
+        if (sscanf(line, "MemAvailable: %lld kB", &kib) == 1) break;
+    if (f) fclose(f);
+    if (kib >= 0) return (int64_t)kib * 1024;
+    long pages = sysconf(_SC_AVPHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    return pages > 0 && page > 0 ? (int64_t)pages * page : -1;
+}
+
 static cmlp_status cpu_raw_alloc(void *ctx, size_t nbytes, void **out) {
     (void)ctx;
     void *p = NULL;
@@ -771,6 +785,7 @@ const cmlp_backend_i cmlp_backend_cpu = {
     .name = "cpu",
     .open = NULL,
     .total_memory = cpu_total_memory,
+    .free_memory = cpu_free_memory,
     .raw_alloc = cpu_raw_alloc,
     .raw_free = cpu_raw_free,
     .vm_reserve = cpu_vm_reserve,

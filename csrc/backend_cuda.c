@@ -312,6 +312,16 @@ static int64_t cu_total_memory(void *ctx) {
     return (int64_t)total;
 }
 
+static int64_t cu_free_memory(void *ctx) {
+    cuda_ctx *c = ctx;
+    size_t free_b = 0, total = 0;
+    if (use(c) != CMLP_OK || cudaMemGetInfo(&free_b, &total) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return -1;
+    }
+    return (int64_t)free_b;
+}
+
 static size_t cu_workspace_bytes(void *ctx) {
     (void)ctx;
     return GEMM_WORKSPACE;
@@ -1220,6 +1230,7 @@ static const cmlp_backend_i backend = {
     .name = "cuda",
     .open = cu_open,
     .total_memory = cu_total_memory,
+    .free_memory = cu_free_memory,
     .workspace_bytes = cu_workspace_bytes,
     .set_workspace = cu_set_workspace,
     .raw_alloc = cu_raw_alloc,

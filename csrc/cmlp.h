@@ -119,6 +119,10 @@ typedef struct cmlp_memory_stats {
 
 CMLP_API cmlp_status cmlp_memory_stats_get(cmlp_device d, cmlp_memory_stats *out);
 CMLP_API cmlp_status cmlp_memory_reset_peak(cmlp_device d);
+/* torch.cuda.mem_get_info: what the device could still give (its driver's free memory, which
+ * memory cached by the allocator does not count in; on the CPU, the operating system's available
+ * memory) and its total; free is -1 when the device cannot say. */
+CMLP_API cmlp_status cmlp_memory_get_info(cmlp_device d, int64_t *free_bytes, int64_t *total_bytes);
 CMLP_API cmlp_status cmlp_memory_empty_cache(cmlp_device d);
 /* limit < 0 removes the limit. A limit below what is reserved now is allowed: later
  * requests fail until enough is released. */

@@ -126,6 +126,14 @@ cmlp_status cmlp_memory_reset_peak(cmlp_device d) {
     return CMLP_OK;
 }
 
+cmlp_status cmlp_memory_get_info(cmlp_device d, int64_t *free_bytes, int64_t *total_bytes) {
+    cmlp_device_ctx *c;
+    CMLP_TRY(cmlp_device_get(d, &c));
+    *free_bytes = c->backend->free_memory ? c->backend->free_memory(c->bctx) : -1;
+    *total_bytes = c->backend->total_memory(c->bctx);
+    return CMLP_OK;
+}
+
 cmlp_status cmlp_memory_empty_cache(cmlp_device d) {
     cmlp_device_ctx *c;
     CMLP_TRY(cmlp_device_get(d, &c));

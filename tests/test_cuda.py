@@ -979,6 +979,25 @@ def test_the_memory_history_explains_a_captured_training_run(amp, conf):
     assert_stats_match_snapshot(CUDA)
 
 
+@needs_cuda
+def test_mem_get_info_counts_what_the_allocator_reserves():
+    """The driver's free memory falls by what the allocator reserves and rises by what
+    empty_cache returns (torch.cuda.mem_get_info's meaning: cached memory is not free)."""
+    gc.collect()
+    M.empty_cache(CUDA)
+    free0, total = cmlp.cuda.mem_get_info()
+    assert (free0, total) == M.mem_get_info(CUDA) and total == M.memory_stats(CUDA)["total_memory"]
+    r0 = M.memory_reserved(CUDA)
+    p = M.caching_allocator_alloc(64 * MIB, CUDA)
+    grown = M.memory_reserved(CUDA) - r0
+    free1, _ = M.mem_get_info(CUDA)
+    assert grown >= 64 * MIB and free0 - free1 >= grown
+    M.caching_allocator_delete(p)
+    assert M.mem_get_info(CUDA)[0] == free1, "a cached block is not free to the driver"
+    M.empty_cache(CUDA)
+    assert M.mem_get_info(CUDA)[0] >= free1 + grown - 2 * MIB
+
+
 @needs_gpu
 def test_caching_allocator_on_the_gpu_reuses_blocks_without_a_device_call():
     p = M.caching_allocator_alloc(3 * MIB, CUDA)

@@ -359,6 +359,18 @@ def test_memory_stays_flat_over_many_calls():
         assert now == first, f"memory changed at call {i}: {now} != {first}"
 
 
+def test_mem_get_info_reports_the_machine():
+    free, total = M.mem_get_info(DEV)
+    assert total == M.memory_stats(DEV)["total_memory"] > 0
+    assert 0 < free <= total
+    assert M.mem_get_info() == pytest.approx((free, total), rel=0.5)  # the default device is the CPU here
+    with pytest.raises(ValueError, match="unknown device"):
+        M.mem_get_info("gpu")
+    if not cmlp.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA is not available"):
+            cmlp.cuda.mem_get_info()
+
+
 def test_oom_error_is_exported():
     assert issubclass(cmlp.OutOfMemoryError, RuntimeError)
     assert cmlp.OutOfMemoryError is cmlp._cmlp.OutOfMemoryError

@@ -1202,6 +1202,18 @@ static int put_stat(PyObject *d, const char *prefix, const cmlp_stat *s) {
     return 0;
 }
 
+static PyObject *mod_mem_get_info(PyObject *mod, PyObject *arg) {
+    cmlp_device d;
+    if (parse_device(state_of(mod), arg, &d) < 0) return NULL;
+    int64_t free_bytes = -1, total = 0;
+    cmlp_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = cmlp_memory_get_info(d, &free_bytes, &total);
+    Py_END_ALLOW_THREADS
+    if (st != CMLP_OK) return raise_status(state_of(mod), st);
+    return Py_BuildValue("(LL)", (long long)free_bytes, (long long)total);
+}
+
 static PyObject *mod_memory_stats(PyObject *mod, PyObject *arg) {
     cmlp_device d;
     if (parse_device(state_of(mod), arg, &d) < 0) return NULL;
@@ -1718,6 +1730,7 @@ static PyMethodDef module_methods[] = {
     {"dist_abort", mod_dist_abort, METH_O, "ends every rank's process (MPI_Abort)"},
     {"dist_library_version", mod_dist_library_version, METH_NOARGS, "the MPI library's version, once loaded"},
     {"memory_stats", mod_memory_stats, METH_O, "memory_stats(device) -> dict"},
+    {"mem_get_info", mod_mem_get_info, METH_O, "mem_get_info(device) -> (free bytes or -1, total bytes)"},
     {"reset_peak_memory_stats", mod_reset_peak, METH_O, "reset every peak to its current value"},
     {"empty_cache", mod_empty_cache, METH_O, "release cached memory"},
     {"set_memory_limit", mod_set_memory_limit, METH_VARARGS, "set_memory_limit(device, bytes or -1)"},

@@ -1,5 +1,5 @@
 """CUDA device queries, named as in torch.cuda."""
-from typing import Optional
+from typing import Optional, Tuple
 
 from . import _cmlp
 
@@ -16,3 +16,11 @@ def device_count() -> int:
 def synchronize(device: Optional[str] = None) -> None:
     """Waits for the device's queued work. Raises RuntimeError when CUDA is unavailable."""
     _cmlp.synchronize("cuda" if device is None else device)
+
+
+def mem_get_info(device: Optional[str] = None) -> Tuple[int, int]:
+    """(free, total) bytes of a GPU (default "cuda"), as torch.cuda.mem_get_info; see
+    cmlp.memory.mem_get_info. Raises RuntimeError when CUDA is unavailable."""
+    from .memory import mem_get_info as info
+
+    return info("cuda" if device is None else device)

@@ -29,6 +29,17 @@ def memory_stats(device: Optional[str] = None) -> Dict[str, int]:
     return dict(sorted(stats.items()))
 
 
+def mem_get_info(device: Optional[str] = None) -> Tuple[int, int]:
+    """(free, total) bytes of the device, as torch.cuda.mem_get_info: free is what the device's
+    driver could still give (memory the caching allocator holds counts as used: see
+    memory_reserved; empty_cache() returns what it caches); on "cpu", the memory the operating
+    system reports available and the machine's total."""
+    free, total = _cmlp.mem_get_info(_device(device))
+    if free < 0:
+        raise RuntimeError(f"{_device(device)} cannot say how much memory is free")
+    return free, total
+
+
 def memory_allocated(device: Optional[str] = None) -> int:
     return memory_stats(device)["allocated_bytes.all.current"]
 

@@ -269,6 +269,10 @@ static void test_allocator(void) {
     void *z = (void *)0x1;
     OK(cmlp_memory_alloc(cmlp_cpu(), 0, &z));
     CHECK(z == NULL, "0 bytes gave a pointer");
+    int64_t free_bytes = 0, total_bytes = 0;
+    OK(cmlp_memory_get_info(cmlp_cpu(), &free_bytes, &total_bytes));
+    CHECK(total_bytes == s.total_memory && free_bytes > 0 && free_bytes <= total_bytes, "mem_get_info %lld of %lld",
+          (long long)free_bytes, (long long)total_bytes);
     /* the limit: an OOM that says why, counts, and leaves the allocator working */
     OK(cmlp_memory_empty_cache(cmlp_cpu()));
     OK(cmlp_memory_stats_get(cmlp_cpu(), &s));
