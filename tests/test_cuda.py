@@ -644,14 +644,14 @@ def test_clipping_inside_a_replayed_step_equals_the_eager_loop(device, amp):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("interval", ["epoch", "step", "one-cycle"])
+@pytest.mark.parametrize("interval", ["epoch", "step", "one-cycle", "cyclic"])
 @pytest.mark.parametrize("kind", ["sgd", "adamw", "sgd-from-0"])
 def test_a_learning_rate_schedule_replays_the_captured_step_and_equals_the_eager_loop(device, interval, kind):
     """A captured step reads its rate on the device: a schedule stepped each epoch, or each step
     (warm-up), changes the rate of the replays, and the run equals the eager loop with the same
     rates (opt.step() and scheduler.step() from Python), bit for bit; OneCycleLR, which moves the
-    momentum too, as well (read on the device like the rate; from SGD's momentum 0, its buffer is
-    made by an eager step once the momentum is no longer 0)."""
+    momentum too, and CyclicLR, as well (read on the device like the rate; from SGD's momentum 0,
+    its buffer is made by an eager step once the momentum is no longer 0)."""
     sizes, batch, steps, epochs = [784, 64, 10], 32, 4, 3
     rng = np.random.default_rng(13)
     x = rng.standard_normal((batch * steps, 784)).astype(np.float32)
@@ -668,6 +668,10 @@ def test_a_learning_rate_schedule_replays_the_captured_step_and_equals_the_eager
         if interval == "one-cycle":  # sgd-from-0: the momentum rises from 0 to 0.9, then falls back
             ends = dict(max_momentum=0.0, base_momentum=0.9) if kind == "sgd-from-0" else {}
             return cmlp.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=steps * epochs, **ends)
+        if interval == "cyclic":  # the momentum against the rate, every step
+            ends = dict(max_momentum=0.0, base_momentum=0.9) if kind == "sgd-from-0" else {}
+            return cmlp.optim.lr_scheduler.CyclicLR(opt, base_lr=0.01, max_lr=0.1, step_size_up=3,
+                                                    mode="triangular2", **ends)
         return cmlp.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 6) * 0.9 ** k)
 
     graph = cmlp.MLP(sizes, device=device, seed=0)

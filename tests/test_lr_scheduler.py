@@ -217,6 +217,92 @@ def test_fit_with_one_cycle_equals_the_hand_loop():
     assert runs[0][1:] == runs[1][1:] and runs[0][3] == 20
 
 
+class Halving:
+    """A scale_fn with state of its own (torch keeps such an object's attributes in state_dict)."""
+
+    def __init__(self):
+        self.base = 2.0
+
+    def __call__(self, x):
+        return 1 / (self.base ** (x - 1))
+
+
+CYCLIC = [("adam", dict(base_lr=0.01, max_lr=0.1, step_size_up=4)),
+          ("sgd", dict(base_lr=[0.001], max_lr=0.05, step_size_up=3, step_size_down=5, mode="triangular2")),
+          ("adam", dict(base_lr=0.02, max_lr=0.2, step_size_up=2, mode="exp_range", gamma=0.9,
+                        base_momentum=0.85, max_momentum=0.95)),
+          ("sgd", dict(base_lr=0.01, max_lr=0.1, step_size_up=5, scale_fn=lambda x: 0.5 ** x,
+                       scale_mode="iterations")),
+          ("sgd", dict(base_lr=0.01, max_lr=0.1, step_size_up=3, cycle_momentum=False))]
+
+
+@pytest.mark.parametrize("kind,kw", CYCLIC, ids=["adam-triangular", "sgd-triangular2", "adam-exp-range",
+                                                 "sgd-scale-fn", "sgd-no-momentum"])
+def test_cyclic_rates_and_momenta_are_torchs_to_the_bit(kind, kw):
+    torch = pytest.importorskip("torch")
+    model = cmlp.MLP(SIZES)
+    opt = (cmlp.optim.Adam(model, lr=0.3, betas=(0.9, 0.99)) if kind == "adam" else
+           cmlp.optim.SGD(model, lr=0.3, momentum=0.5))
+    sched = S.CyclicLR(opt, **kw)
+    param = [torch.nn.Parameter(torch.zeros(1))]
+    topt = (torch.optim.Adam(param, lr=0.3, betas=(0.9, 0.99)) if kind == "adam" else
+            torch.optim.SGD(param, lr=0.3, momentum=0.5))
+    ts = torch.optim.lr_scheduler.CyclicLR(topt, **kw)
+    for _ in range(30):
+        group = topt.param_groups[0]
+        assert opt.lr == group["lr"]
+        assert opt._momentum() == (group["betas"][0] if kind == "adam" else group["momentum"])
+        topt.step()
+        ts.step()
+        sched.step()
+    assert opt.state_dict()["param_groups"][0]["initial_lr"] == topt.param_groups[0]["initial_lr"]
+
+
+def test_cyclic_state_dict_resumes_and_bad_arguments_change_nothing():
+    opt = cmlp.optim.SGD(cmlp.MLP(SIZES), lr=0.3, momentum=0.5)
+    fn = Halving()
+    sched = S.CyclicLR(opt, base_lr=0.01, max_lr=0.1, step_size_up=3, scale_fn=fn)
+    for _ in range(4):
+        sched.step()
+    state = sched.state_dict()
+    assert state["_scale_fn_custom"] == {"base": 2.0} and "optimizer" not in state
+    ahead = rates(sched, 6)
+    fn2 = Halving()
+    fn2.base = 7.0
+    again = S.CyclicLR(opt, base_lr=0.01, max_lr=0.1, step_size_up=3, scale_fn=fn2, last_epoch=0)
+    again.load_state_dict(state)
+    assert fn2.base == 2.0 and again.last_epoch == 4
+    opt.lr = ahead[0]
+    assert rates(again, 6)[1:] == ahead[1:]
+    plain = S.CyclicLR(opt, base_lr=0.01, max_lr=0.1, scale_fn=lambda x: 1.0, last_epoch=0)
+    assert plain.state_dict()["_scale_fn_custom"] is None
+    opt = cmlp.optim.Adam(cmlp.MLP(SIZES), lr=0.01, betas=(0.8, 0.99))
+    for kw, error in [(dict(mode="sawtooth"), ValueError), (dict(max_momentum=1.5), ValueError),
+                      (dict(base_lr=[0.1, 0.2]), ValueError), (dict(step_size_up=0), ValueError),
+                      (dict(scale_fn=3), TypeError)]:
+        with pytest.raises(error):
+            S.CyclicLR(opt, **{"base_lr": 0.001, "max_lr": 0.1, **kw})
+        assert (opt._initial_lr, opt.lr, opt.betas) == (None, 0.01, (0.8, 0.99)), kw
+
+
+def test_fit_with_cyclic_equals_the_hand_loop():
+    """CyclicLR moves SGD's momentum with the rate at every step, in fit as in the hand loop."""
+    x, y = data(160)
+    runs = []
+    for by_fit in (True, False):
+        model = cmlp.MLP(SIZES, seed=6)
+        opt = cmlp.optim.SGD(model, lr=0.01, momentum=0.9, nesterov=True)
+        sched = S.CyclicLR(opt, base_lr=0.01, max_lr=0.1, step_size_up=3, mode="triangular2")
+        trainer = cmlp.Trainer(model, opt, batch_size=16, shuffle=False)
+        if by_fit:
+            trainer.fit(x, y, epochs=2, progress=False, scheduler=sched, scheduler_interval="step")
+        else:
+            hand_loop(trainer, sched, x, y, 2, 16)
+        runs.append((model._c.get_params(), opt.lr, opt.momentum, sched.last_epoch))
+    np.testing.assert_array_equal(runs[0][0], runs[1][0])
+    assert runs[0][1:] == runs[1][1:] and runs[0][3] == 20
+
+
 def test_composites_resume_from_a_state_dict_and_check_their_parts():
     opt = cmlp.optim.SGD(cmlp.MLP(SIZES), lr=0.1)
     sched = composites(S, opt)["three-parts"]()

@@ -16,7 +16,7 @@ epoch, or with `scheduler_interval="step"` after each optimizer step (warm-up):
     sched = cmlp.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 500))
     trainer.fit(x, y, epochs=5, scheduler=sched, scheduler_interval="step")
 
-Off the CPU a step reads its rate (and momentum, which OneCycleLR moves) on the device, so a step
+Off the CPU a step reads its rate (and momentum, which OneCycleLR and CyclicLR move) on the device, so a step
 captured as a CUDA graph replays at every rate.
 """
 import math
@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 __all__ = ["LRScheduler", "LambdaLR", "MultiplicativeLR", "StepLR", "MultiStepLR", "ConstantLR", "LinearLR",
            "ExponentialLR", "PolynomialLR", "CosineAnnealingLR", "CosineAnnealingWarmRestarts", "OneCycleLR",
-           "SequentialLR", "ChainedScheduler", "ReduceLROnPlateau"]
+           "CyclicLR", "SequentialLR", "ChainedScheduler", "ReduceLROnPlateau"]
 
 
 def _optimizer(optimizer: Any) -> Any:
@@ -462,6 +462,91 @@ class OneCycleLR(LRScheduler):
         # step) the linear strategy extrapolates below 0, which torch sets and never trains with;
         # the optimizer here takes no negative rate, so that step's rate is 0
         return [max(lr, 0.0)]
+
+
+class CyclicLR(LRScheduler):
+    """Cyclical learning rates, stepped after every optimizer step: the rate goes from base_lr up
+    to max_lr over step_size_up steps and back over step_size_down (default: the same), the
+    cycle's height scaled by mode ("triangular": 1, "triangular2": halved each cycle,
+    "exp_range": gamma ** step) or by scale_fn (of the cycle, or with scale_mode="iterations" of
+    the step); with cycle_momentum the momentum (Adam's beta1, SGD's momentum) moves the other way,
+    between max_momentum and base_momentum."""
+
+    def __init__(self, optimizer: Any, base_lr: Any, max_lr: Any, step_size_up: int = 2000,
+                 step_size_down: Optional[int] = None, mode: str = "triangular", gamma: float = 1.0,
+                 scale_fn: Optional[Callable[[float], float]] = None, scale_mode: str = "cycle",
+                 cycle_momentum: bool = True, base_momentum: Any = 0.8, max_momentum: Any = 0.9,
+                 last_epoch: int = -1) -> None:
+        optimizer = _optimizer(optimizer)
+        low, self.max_lrs = _one("base_lr", base_lr), [_one("max_lr", max_lr)]
+        up = float(step_size_up)
+        down = float(step_size_down) if step_size_down is not None else up
+        self.total_size = up + down
+        if not self.total_size > 0:
+            raise ValueError(f"step_size_up + step_size_down must be > 0, got {self.total_size}")
+        self.step_ratio = up / self.total_size
+        if mode not in ("triangular", "triangular2", "exp_range") and scale_fn is None:
+            raise ValueError("mode is invalid and scale_fn is None")
+        if scale_fn is not None and not callable(scale_fn):
+            raise TypeError(f"scale_fn must be callable, got {type(scale_fn).__name__}")
+        self.mode, self.gamma, self._scale_fn_custom = mode, float(gamma), scale_fn
+        self.scale_mode = scale_mode if scale_fn is not None else "iterations" if mode == "exp_range" else "cycle"
+        self.cycle_momentum = bool(cycle_momentum)
+        if self.cycle_momentum:
+            self.use_beta1 = optimizer._kind == "adam"
+            self.base_momentums = [_one("base_momentum", base_momentum)]
+            self.max_momentums = [_one("max_momentum", max_momentum)]
+        # the optimizer changes only once everything is checked, and goes back when the first step fails
+        before = (optimizer._initial_lr, optimizer.lr, optimizer._momentum())
+        try:
+            if self.cycle_momentum:
+                for m in (self.base_momentums[0], self.max_momentums[0]):
+                    optimizer._set_momentum(m)  # refused here if the optimizer cannot take it
+            if last_epoch == -1:
+                optimizer.lr = low
+            super().__init__(optimizer, last_epoch)
+        except BaseException:
+            optimizer._initial_lr, optimizer.lr = before[:2]
+            optimizer._set_momentum(before[2])
+            raise
+        self.base_lrs = [low]  # after the first step, as in torch (which takes initial_lr for it)
+
+    def scale_fn(self, x: float) -> float:
+        if self._scale_fn_custom is not None:
+            return self._scale_fn_custom(x)
+        if self.mode == "triangular":
+            return 1.0
+        if self.mode == "triangular2":
+            return 1 / (2.0 ** (x - 1))
+        return self.gamma ** x
+
+    def get_lr(self) -> List[float]:
+        cycle = math.floor(1 + self.last_epoch / self.total_size)
+        x = 1.0 + self.last_epoch / self.total_size - cycle
+        if x <= self.step_ratio:
+            scale_factor = x / self.step_ratio
+        else:
+            scale_factor = (x - 1) / (self.step_ratio - 1)
+        at = cycle if self.scale_mode == "cycle" else self.last_epoch
+        lr = self.base_lrs[0] + (self.max_lrs[0] - self.base_lrs[0]) * scale_factor * self.scale_fn(at)
+        if self.cycle_momentum:
+            top, bottom = self.max_momentums[0], self.base_momentums[0]
+            self.optimizer._set_momentum(top - (top - bottom) * scale_factor * self.scale_fn(at))
+        return [lr]
+
+    def state_dict(self) -> Dict[str, Any]:
+        """As torch's: scale_fn is kept only as the attributes of a callable object that is not a
+        plain function (None otherwise)."""
+        state = {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "_scale_fn_custom")}
+        fn = self._scale_fn_custom
+        state["_scale_fn_custom"] = None if fn is None or isinstance(fn, types.FunctionType) else dict(fn.__dict__)
+        return state
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        saved = state_dict.get("_scale_fn_custom")
+        self.__dict__.update({k: v for k, v in state_dict.items() if k != "_scale_fn_custom"})
+        if saved is not None and self._scale_fn_custom is not None:
+            self._scale_fn_custom.__dict__.update(saved)
 
 
 def _check_parts(kind: str, optimizer: Any, schedulers: Sequence[Any]) -> None:
