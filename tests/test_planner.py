@@ -71,12 +71,14 @@ def run(layers, batch, opt_name, amp, recompute=False, accumulation=1):
     gc.collect()
     M.empty_cache("cpu")
     base = M.memory_stats("cpu")
+    held_before = M.memory_breakdown("cpu")
     M.reset_peak_memory_stats("cpu")
     model = cmlp.MLP(layers, seed=0)
     opt = make_optimizer(model, opt_name)
     cmlp.Trainer(model, opt, batch_size=batch, accumulation_steps=accumulation, amp=amp, recompute=recompute,
                  shuffle=False).fit(x, y, epochs=1, progress=False)
     s = M.memory_stats("cpu")
+    held = {k: v - held_before.get(k, 0) for k, v in M.memory_breakdown("cpu").items()}
     p = M.plan(layers, batch, opt, amp, recompute, accumulation_steps=accumulation)
     out = {"layers": layers, "batch": batch, "optimizer": opt_name, "amp": amp, "recompute": recompute,
            "accumulation": accumulation, "planned": p.peak_bytes, "in_gradients": p.in_gradients,
@@ -84,7 +86,8 @@ def run(layers, batch, opt_name, amp, recompute=False, accumulation=1):
            "planned_reserved": p.reserved_bytes, "reserved_before": base["reserved_bytes.all.current"],
            "max_reserved": s["reserved_bytes.all.peak"],
            "requested": s["requested_bytes.all.peak"] - base["requested_bytes.all.current"],
-           "breakdown": p.breakdown, "plan_optimizer": p.optimizer, "num_parameters": model.num_parameters()}
+           "breakdown": p.breakdown, "plan_optimizer": p.optimizer, "num_parameters": model.num_parameters(),
+           "held": {k: v for k, v in held.items() if v}}
     del model, opt
     return out
 
@@ -173,6 +176,22 @@ def test_breakdown_categories_and_values(grid_runs, cfg):
         assert d["activations"] == sum(a64(b * s * 2) for s in layers[:-1]) + a64(b * layers[-1] * 4)
         assert d["workspace"] > 0
     assert all(v >= 0 for v in d.values())
+
+
+@pytest.mark.parametrize("cfg", GRID, ids=[_id(c) for c in GRID])
+def test_what_the_run_holds_is_the_plans_breakdown(grid_runs, cfg):
+    """memory_breakdown() after the run, by what each block holds, against the plan: the same
+    parameters, optimizer state and half-precision weights, and the rest (gradients with the
+    device scalars, the activations' block) adding up to the plan's gradients, activations and
+    workspace."""
+    r = grid_runs[_key(*cfg)]
+    d, held = r["breakdown"], dict(r["held"])
+    assert held.pop("parameters") == d["parameters"]
+    assert held.pop("optimizer state", 0) == d["optimizer_state"]
+    assert held.pop("half-precision weights", 0) == d["half_weights"]
+    assert held.pop("gradients") >= d["gradients"]
+    assert held and all(k.startswith("activations") for k in held), held  # nothing else, nothing unnamed
+    assert r["requested"] == sum(r["held"].values()), "everything the run requested is still held, and named"
 
 
 # fresh interpreters: every layer set, batch size, optimizer and precision at least once

@@ -133,6 +133,19 @@ def memory_snapshot(device: Optional[str] = None) -> List[Dict[str, Any]]:
     return _history.blocks_with_frames(dev, _cmlp.snapshot(dev))
 
 
+def memory_breakdown(device: Optional[str] = None) -> Dict[str, int]:
+    """The bytes allocated now (as requested, before rounding) by what they hold: "parameters",
+    "gradients" (with the step's device scalars), "optimizer state", "activations" (also "...
+    (mixed precision)", "... (recomputed)"), "half-precision weights", "GEMM workspace", "data
+    set", "caching_allocator_alloc", ..., largest first. Comparable with plan(...).breakdown."""
+    totals: Dict[str, int] = {}
+    for seg in _cmlp.snapshot(_device(device)):
+        for b in seg["blocks"]:
+            if b["state"] == "active_allocated":
+                totals[b["what"]] = totals.get(b["what"], 0) + b["requested_size"]
+    return dict(sorted(totals.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
 _record_memory_history = record_memory_history = _history.record_memory_history
 _snapshot = _history.snapshot
 _dump_snapshot = dump_snapshot = _history.dump_snapshot
@@ -376,7 +389,8 @@ _SUMMARY_METRICS = (("allocated_bytes", "Allocated memory", True), ("active_byte
 def memory_summary(device: Optional[str] = None) -> str:
     """A table of current, peak, allocated and freed for each statistic, laid out as PyTorch's
     torch.cuda.memory_summary (75 columns; each row's unit from its "all" value), then the
-    limit, the largest free block and the fragmentation."""
+    limit, the largest free block, the fragmentation and what the allocated memory holds
+    (memory_breakdown)."""
     dev = _device(device)
     s = _cmlp.memory_stats(dev)
     width = 75
@@ -406,7 +420,12 @@ def memory_summary(device: Optional[str] = None) -> str:
     lines += [rule, f" Memory limit: {'none' if limit < 0 else _fmt(limit)}",
               f" Largest free block: {_fmt(s['largest_free_block'])}",
               f" Fragmentation (reserved but unallocated): {frag:.1f}%",
-              f" Device allocs/frees: {s['num_device_alloc']}/{s['num_device_free']}", double]
+              f" Device allocs/frees: {s['num_device_alloc']}/{s['num_device_free']}"]
+    held = memory_breakdown(dev)
+    if held:
+        lines += [rule, " Allocated memory by what it holds (bytes requested):"]
+        lines += [f"   {what:<40} {_fmt(n):>12}" for what, n in held.items()]
+    lines.append(double)
     return "\n".join(f"|{line:<{width}}|" for line in lines) + "\n"
 
 
