@@ -112,6 +112,8 @@ def test_train_save_writes_a_loadable_model(trained):
     (["train", "--lr-schedule", "linear"], r"linear"),
     (["train", "--optimizer", "rmsprop"], r"rmsprop"),
     (["train", "--device", "gpu", "--layers", "784,10"], r"device"),
+    (["snapshot", "missing.pickle"], r"No such file"),
+    (["snapshot", "x.pickle", "--top", "-1"], r"--top: expected an int >= 0"),
     (["frobnicate"], r"frobnicate"),
     ([], r"command|usage"),
 ])
@@ -167,6 +169,14 @@ def test_train_writes_its_memory_history(tmp_path, limit):
     else:
         assert {"parameters", "gradients", "activations", "optimizer state"} <= held
         assert data["segments"] and trace[-1]["action"] == "snapshot"
+    r = run_cli(["snapshot", "h.pickle", "--top", "2"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "peak allocated (requested bytes) over the history" in r.stdout
+    assert ("out of memory: 1 request failed" in r.stdout) == (limit is not None)
+    if limit is None:
+        assert re.search(r"\d+\.\d\d [KM]iB  parameters  \(1 block\)", r.stdout), r.stdout
+    else:
+        assert re.search(r"\d+\.\d\d [KM]iB for parameters; 1.00 MiB was free", r.stdout), r.stdout
 
 
 def test_train_without_data_says_where_it_looked(tmp_path):

@@ -311,3 +311,66 @@ def test_the_data_set_on_the_device_is_named():
     assert r.returncode == 0, r.stderr
     held = eval(r.stdout)
     assert {"data set", "data set labels", "data set order", "optimizer state", "activations"} <= set(held)
+
+
+def test_the_report_finds_the_peak_and_what_held_it(tmp_path):
+    begin(skip_actions=["snapshot"])
+    base = sum(M.memory_breakdown(DEV).values())
+    a = M.caching_allocator_alloc(100_000, DEV)
+    b = M.caching_allocator_alloc(300_000, DEV)
+    M.caching_allocator_delete(a)
+    c = M.caching_allocator_alloc(50_000, DEV)
+    text = M.snapshot_report(M._snapshot(DEV))
+    peak = base + 400_000
+    assert f"peak allocated (requested bytes) over the history: {fmt(peak)} at entry" in text, text
+    assert "caching_allocator_alloc" in text and "test_the_report_finds_the_peak_and_what_held_it" in text
+    assert "no request ran out of memory" in text
+    path = tmp_path / "s.pickle"
+    M._dump_snapshot(path, device=DEV)
+    assert M.snapshot_report(path) == M.snapshot_report(os.fspath(path))
+    M.caching_allocator_delete(b)
+    M.caching_allocator_delete(c)
+    # a history cut short still reads: the blocks live at its start come from undoing it
+    M._record_memory_history(max_entries=2, device=DEV, skip_actions=["snapshot"])
+    d = M.caching_allocator_alloc(700_000, DEV)
+    M.caching_allocator_delete(d)
+    text = M.snapshot_report(M._snapshot(DEV))
+    assert f"{fmt(base + 700_000)} before its first entry" in text, text
+
+
+def test_the_report_names_the_requests_that_ran_out_of_memory():
+    begin()
+    M.set_memory_limit(M.memory_reserved(DEV), DEV)
+    with pytest.raises(cmlp.OutOfMemoryError):
+        cmlp.MLP([784, 4096, 10])
+    M.set_memory_limit(None, DEV)
+    text = M.snapshot_report(M._snapshot(DEV), top=1)
+    assert "out of memory: 1 request failed" in text
+    assert f"{fmt(4 * (784 * 4096 + 4096 + 4096 * 10 + 10))} for parameters" in text
+    assert "model.py:" in text and HERE in text
+
+
+def fmt(n):
+    v, units, u = float(n), ["B", "KiB", "MiB", "GiB", "TiB"], 0
+    while u < 4 and v >= 1024.0:
+        v, u = v / 1024.0, u + 1
+    return f"{v:.2f} {units[u]}"
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("echo hacked",))
+
+
+@pytest.mark.parametrize("content,needle", [
+    (pickle.dumps({"segments": [], "device_traces": [], "x": Evil()}), "names os.system|names posix.system"),
+    (pickle.dumps([1, 2]), "a dict with lists"),
+    (b"not a pickle", "not a memory snapshot"),
+])
+def test_the_report_refuses_what_is_not_a_snapshot(tmp_path, content, needle):
+    path = tmp_path / "bad.pickle"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=needle):
+        M.snapshot_report(path)
+    with pytest.raises(ValueError, match="device index"):
+        M.snapshot_report({"segments": [], "device_traces": []}, device=-1)

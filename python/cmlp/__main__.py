@@ -1,8 +1,9 @@
 """The command line: `python -m cmlp train` trains the reference MLP (784-512-256-10, Adam
 lr 1e-3, batch 32, 5 epochs) on Fashion-MNIST and reports each epoch; `python -m cmlp plan`
 predicts a run's memory (and, given a budget, the largest batch that fits) before anything is
-allocated; `python -m cmlp info` prints what this build is made of. Under mpirun,
-`python -m cmlp train --distributed` trains data-parallel, one rank per process."""
+allocated; `python -m cmlp snapshot PATH` describes a memory snapshot; `python -m cmlp info` prints
+what this build is made of. Under mpirun, `python -m cmlp train --distributed` trains
+data-parallel, one rank per process."""
 import argparse
 import json
 import math
@@ -112,6 +113,11 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--budget", type=_size, default=None,
                     help="e.g. 2GB, as a --memory-limit would be: also print the largest batch whose run fits "
                          "(beside what the device holds once open)")
+    sn = sub.add_parser("snapshot", help="describe a memory snapshot (--memory-history, cmlp.memory._dump_snapshot, "
+                                         "or PyTorch's): its peak, what held it, what ran out of memory")
+    sn.add_argument("path", help="the pickled snapshot")
+    sn.add_argument("--device", type=_steps, default=None, help="the device index (default: the longest history)")
+    sn.add_argument("--top", type=_steps, default=5, help="blocks and failed requests shown (default 5)")
     sub.add_parser("info", help="print the build: version, BLAS, CUDA, devices")
     return p
 
@@ -240,6 +246,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if a.command == "train":
             return _train(a)
+        if a.command == "snapshot":
+            print(memory.snapshot_report(a.path, device=a.device, top=a.top), end="")
+            return 0
         return _plan(a) if a.command == "plan" else _info()
     except (ValueError, TypeError, OSError, RuntimeError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)

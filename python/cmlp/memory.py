@@ -5,7 +5,7 @@ import threading
 from fractions import Fraction
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
-from . import _cmlp, _history
+from . import _cmlp, _history, _snapshot_report
 
 class MemoryWarning(UserWarning):
     """Issued (once per trainer) when memory ran out and the trainer changed how it computes."""
@@ -148,6 +148,7 @@ def memory_breakdown(device: Optional[str] = None) -> Dict[str, int]:
 
 _record_memory_history = record_memory_history = _history.record_memory_history
 _snapshot = _history.snapshot
+snapshot_report = _snapshot_report.report
 _dump_snapshot = dump_snapshot = _history.dump_snapshot
 
 
