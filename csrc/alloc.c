@@ -94,7 +94,8 @@ static void note(cmlp_allocator *a, cmlp_trace_action action, const void *addr, 
     if (h->mode != CMLP_HISTORY_ALL || (h->skip >> action & 1u)) return;
     cmlp_trace_entry *e = history_slot(h);
     if (e)
-        *e = (cmlp_trace_entry){.action = action, .addr = (uint64_t)(uintptr_t)addr, .size = (int64_t)size,
+        *e = (cmlp_trace_entry){.action = action, .addr = (uint64_t)(uintptr_t)addr,
+                                .size = size > (size_t)INT64_MAX ? INT64_MAX : (int64_t)size,
                                 .time_us = now_us(), .what = what, .context = context, .device_free = device_free};
 }
 
@@ -586,6 +587,17 @@ static int64_t largest_free(const cmlp_allocator *a) {
     return (int64_t)m;
 }
 
+/* A request that failed; what was free: under the limit when there is one, else what the device
+ * says it has (its driver's free memory), else its total less what is reserved. */
+static void note_oom(cmlp_allocator *a, size_t nbytes, const char *what) {
+    if (a->hist.mode != CMLP_HISTORY_ALL || (a->hist.skip >> CMLP_TRACE_OOM & 1u)) return;
+    int64_t r = reserved(a), free_bytes = -1;
+    if (a->limit >= 0) free_bytes = a->limit > r ? a->limit - r : 0;
+    else if (a->backend->free_memory) free_bytes = a->backend->free_memory(a->bctx);
+    if (free_bytes < 0) free_bytes = a->total_memory > r ? a->total_memory - r : 0;
+    note(a, CMLP_TRACE_OOM, NULL, nbytes, what, context_for(a, CMLP_CONTEXT_ALLOC), free_bytes);
+}
+
 static cmlp_status oom(cmlp_allocator *a, size_t nbytes, size_t size) {
     char req[32], rnd[32], alc[32], res[32], cap[32], fre[32], big[32], unalloc[32], sg[32], seg_note[160] = "";
     int64_t r = reserved(a), al = a->stats.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].current;
@@ -601,7 +613,7 @@ static cmlp_status oom(cmlp_allocator *a, size_t nbytes, size_t size) {
     cmlp_format_bytes(cap, sizeof cap, total);
     cmlp_format_bytes(fre, sizeof fre, total > r ? total - r : 0);
     cmlp_format_bytes(big, sizeof big, largest);
-    note(a, CMLP_TRACE_OOM, NULL, nbytes, a->what, context_for(a, CMLP_CONTEXT_ALLOC), total > r ? total - r : 0);
+    note_oom(a, nbytes, a->what);
     /* a small request that fits in what is free can still need a whole new segment */
     size_t seg = alloc_segment_size(size);
     if (!a->cfg.expandable_segments && seg > size) {
@@ -792,8 +804,7 @@ cmlp_status cmlp_allocator_malloc(cmlp_allocator *a, size_t nbytes, const char *
     if (nbytes > ((size_t)1 << 56)) {
         pthread_mutex_lock(&a->lock);
         a->stats.num_ooms++;
-        int64_t r = reserved(a), total = a->limit >= 0 ? a->limit : a->total_memory;
-        note(a, CMLP_TRACE_OOM, NULL, nbytes, what, context_for(a, CMLP_CONTEXT_ALLOC), total > r ? total - r : 0);
+        note_oom(a, nbytes, what);
         pthread_mutex_unlock(&a->lock);
         return CMLP_FAIL(CMLP_ERR_OOM, "%s out of memory: a request of %zu bytes is impossibly large", a->name, nbytes);
     }

@@ -214,7 +214,8 @@ typedef struct cmlp_trace_entry {
     int64_t time_us;     /* microseconds since the Unix epoch */
     const char *what;    /* blocks: what the memory holds; NULL for the rest */
     int64_t context;     /* the caller's context when kept, else 0 */
-    int64_t device_free; /* CMLP_TRACE_OOM: bytes the device (or the limit) still had free */
+    int64_t device_free; /* CMLP_TRACE_OOM: bytes free under the memory limit when one is set, else
+                            what the device said it had free (cmlp_memory_get_info) */
 } cmlp_trace_entry;
 
 /* Starts, changes or stops recording on a device. skip_actions: a bit per cmlp_trace_action not

@@ -193,3 +193,24 @@ def test_help(tmp_path):
                  "--layers", "--memory-limit", "--max-grad-norm", "--seed", "--save", "--memory-history"):
         assert flag in r.stdout, flag
 
+
+
+def test_a_failed_run_reports_its_own_error_when_the_history_cannot_be_written(tmp_path, monkeypatch, capsys):
+    """--memory-history on a run that fails: the run's error is the one reported; a snapshot that
+    cannot be written only warns, and recording stops either way."""
+    import cmlp.__main__ as cli
+
+    def run(a, rank, ranks):
+        raise cmlp.OutOfMemoryError("cpu out of memory (the run's own)")
+
+    def dump(path, device=None):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cli, "_run", run)
+    monkeypatch.setattr(cmlp.memory, "_dump_snapshot", dump)
+    code = cli.main(["train", "--memory-history", str(tmp_path / "h.pickle")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "error: cpu out of memory (the run's own)" in err
+    assert "warning: the memory history could not be written" in err and "No space left" in err
+    assert cmlp.memory._snapshot("cpu")["device_traces"] == [[]], "recording stopped"

@@ -179,17 +179,25 @@ def test_max_entries_keeps_the_newest_and_skip_actions_leaves_out():
     assert [(e["action"], e["size"]) for e in trace] == [("free_completed", 400), ("free_completed", 500)]
     M._record_memory_history(max_entries=10, device=DEV, clear_history=True)
     assert [e["action"] for e in M._snapshot(DEV)["device_traces"][0]] == ["snapshot"]
-    M._record_memory_history(True, device=DEV)  # torch's legacy bool: True is "all"
-    assert len(M._snapshot(DEV)["device_traces"][0]) == 2
+    M._record_memory_history(True, device=DEV)  # torch's older form: a history of 1 entry by default
+    M.caching_allocator_delete(M.caching_allocator_alloc(512, DEV))
+    assert [e["action"] for e in M._snapshot(DEV)["device_traces"][0]] == ["snapshot"]
+    M._record_memory_history(True, True, 100, True, DEV)  # ... of 100, with stacks for allocations
+    M.caching_allocator_delete(M.caching_allocator_alloc(512, DEV))
+    trace = M._snapshot(DEV)["device_traces"][0]
+    assert [e["action"] for e in trace][-4:] == ["alloc", "free_requested", "free_completed", "snapshot"]
+    assert any(f["filename"].endswith(HERE) for f in trace[-4]["frames"])
+    assert not any(f["filename"].endswith(HERE) for f in trace[-3]["frames"]), "no stacks for frees"
     M._record_memory_history(False, device=DEV)
     assert M._snapshot(DEV)["device_traces"] == [[]]
+    M._record_memory_history(max_entries=10, device=DEV, clear_history=1, skip_actions=["annotate"])
 
 
 @pytest.mark.parametrize("kwargs,error", [
     ({"enabled": "everything"}, ValueError), ({"enabled": 1}, TypeError), ({"context": "some"}, ValueError),
     ({"stacks": "cpp"}, ValueError), ({"max_entries": 0}, ValueError), ({"max_entries": 2.5}, TypeError),
     ({"max_entries": True}, TypeError), ({"skip_actions": ["malloc"]}, ValueError),
-    ({"clear_history": "yes"}, TypeError), ({"device": "gpu"}, ValueError), ({"device": 0}, TypeError),
+    ({"skip_actions": "alloc"}, TypeError), ({"device": "gpu"}, ValueError), ({"device": 0}, TypeError),
 ])
 def test_bad_settings_raise_and_change_nothing(kwargs, error):
     M._record_memory_history(max_entries=100, device=DEV, context=None, skip_actions=["snapshot"])
@@ -228,18 +236,22 @@ def test_threads_note_their_own_stacks():
         assert mine == ["worker_a" if e["size"] == 1000 else "worker_b"], e
 
 
-def test_a_collected_model_keeps_the_exception_being_handled():
-    M._record_memory_history(device=DEV)
-    model = cmlp.MLP(LAYERS, seed=0)
-    try:
-        raise KeyError("kept")
-    except KeyError:
-        del model
-        gc.collect()
-        assert sys.exc_info()[0] is KeyError
+def test_a_model_freed_while_an_exception_propagates_keeps_it():
+    """The model dies while its TypeError is on its way up: the frees note their stack (with the
+    exception set, which the capture must keep), and the caller gets its TypeError."""
+    M._record_memory_history(device=DEV, skip_actions=["snapshot"])
+
+    def g():
+        return cmlp.MLP(LAYERS, seed=0)._c + 1
+
+    with pytest.raises(TypeError, match="unsupported operand"):
+        g()
+    gc.collect()
     frees = [e for e in M._snapshot(DEV)["device_traces"][0] if e["action"] == "free_requested"]
     assert {names(e["frames"])[0] for e in frees} == {"parameters", "gradients"}
-    assert all(any(f["filename"].endswith(HERE) for f in e["frames"]) for e in frees)
+    for e in frees:
+        mine = [f["name"] for f in e["frames"] if f["filename"].endswith(HERE)]
+        assert mine[:2] == ["g", "test_a_model_freed_while_an_exception_propagates_keeps_it"], e["frames"]
 
 
 def plain(v):
@@ -260,6 +272,9 @@ def test_dump_snapshot_writes_a_pickle_pytorchs_viewer_reads(tmp_path):
     assert raw[:2] == b"\x80\x04", "protocol 4: the viewer reads protocols 2 to 4"
     data = pickle.loads(raw)
     assert plain(data) and set(data) == {"segments", "device_traces"}
+    entries = data["device_traces"][0]
+    allocs = [e for e in entries if e["action"] == "alloc" and e["frames"][0]["name"] == "activations"]
+    assert len(allocs) >= 1 and all(e["frames"] is allocs[0]["frames"] for e in allocs), "one list, shared"
     assert all(s["device"] == 0 and s["stream"] == 0 and s["blocks"] for s in data["segments"])
     for s in data["segments"]:
         assert sum(b["size"] for b in s["blocks"]) == s["total_size"]

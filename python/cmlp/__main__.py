@@ -137,7 +137,7 @@ def _schedule(opt: optim.Optimizer, kind: str, warmup: int, steps: int) -> Optio
     return lr_scheduler.SequentialLR(opt, parts, milestones=milestones)
 
 
-_HISTORY_ENTRIES = 1_000_000  # --memory-history keeps the newest actions (about 60 MB)
+_HISTORY_ENTRIES = 100_000  # --memory-history keeps the newest actions (a fit makes a few dozen)
 
 
 def _train(a: argparse.Namespace) -> int:
@@ -156,11 +156,24 @@ def _train(a: argparse.Namespace) -> int:
         path = f"{root}.rank{rank}{ext}"
     memory._record_memory_history(max_entries=_HISTORY_ENTRIES, device=a.device)
     try:
-        return _run(a, rank, ranks)
+        code = _run(a, rank, ranks)
+    except BaseException:  # the run's own error is the one to report; the snapshot is a help
+        try:
+            _write_history(path, a.device)
+        except Exception as e:
+            print(f"warning: the memory history could not be written to {path}: {e}", file=sys.stderr)
+        raise
+    _write_history(path, a.device)
+    return code
+
+
+def _write_history(path: str, device: str) -> None:
+    try:
+        memory._dump_snapshot(path, device=device)
     finally:
-        memory._dump_snapshot(path, device=a.device)
-        memory._record_memory_history(None, device=a.device)
-        print(f"memory history written to {path} (open it at https://pytorch.org/memory_viz)", flush=True)
+        memory._record_memory_history(None, device=device)
+    print(f"memory history written to {path} (open it at https://pytorch.org/memory_viz, or read it with "
+          f"python -m cmlp snapshot {path})", flush=True)
 
 
 def _run(a: argparse.Namespace, rank: int, ranks: int) -> int:

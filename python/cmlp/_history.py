@@ -5,6 +5,7 @@ and torch.cuda._memory_viz read it.
 Every allocation says what it holds ("parameters", "gradients", "activations", "optimizer
 state", ...): that is its innermost frame (file "cmlp"), followed by the Python stack of the call
 that allocated it, innermost first."""
+import inspect
 import os
 import pickle
 import sys
@@ -23,6 +24,7 @@ _STACKS = ("python", "all")
 _lock = threading.Lock()
 _settings: Dict[str, Tuple[Optional[str], Optional[str], str]] = {}  # device -> (enabled, context, stacks)
 _stacks: Dict[int, List[Dict[str, Any]]] = {}  # stack number -> frames
+_Shared = Dict[Tuple[Optional[str], int, str], List[Dict[str, Any]]]  # a snapshot's frames lists
 
 
 def _choice(name: str, value: Any, allowed: Any) -> Any:
@@ -34,22 +36,9 @@ def _choice(name: str, value: Any, allowed: Any) -> Any:
     return value
 
 
-def record_memory_history(enabled: Any = "all", context: Optional[str] = "all", stacks: str = "all",
-                          max_entries: int = sys.maxsize, device: Optional[str] = None, clear_history: bool = False,
-                          skip_actions: Optional[List[str]] = None) -> None:
-    """Starts (or changes, or with enabled=None stops) recording what the device's allocator does,
-    as torch.cuda.memory._record_memory_history.
-
-    enabled: None (stop; the history is dropped), "state" (live blocks keep the stack that
-    allocated them) or "all" (also a history of every action: alloc, free_requested,
-    free_completed, segment_alloc, segment_free, segment_map, segment_unmap, oom, snapshot).
-    True and False mean "all" and None. context: which entries keep a Python stack: None,
-    "state" (live blocks), "alloc" (+ allocations), "all" (+ frees). stacks: "python" (the
-    Python frames only) or "all" (also a first frame naming what the memory holds).
-    max_entries: the history keeps the newest max_entries actions. skip_actions: actions not to
-    record. device: None means the current device, as everywhere in cmlp.memory."""
-    if isinstance(enabled, bool):
-        enabled = "all" if enabled else None
+def _record(enabled: Optional[str] = "all", context: Optional[str] = "all", stacks: str = "all",
+            max_entries: int = sys.maxsize, device: Optional[str] = None, clear_history: bool = False,
+            skip_actions: Optional[List[str]] = None) -> None:
     _choice("enabled", enabled, tuple(_MODES))
     _choice("context", context, tuple(_CONTEXTS))
     _choice("stacks", stacks, _STACKS)
@@ -57,13 +46,15 @@ def record_memory_history(enabled: Any = "all", context: Optional[str] = "all", 
         raise TypeError(f"max_entries must be an int, got {type(max_entries).__name__}")
     if enabled is not None and not 1 <= max_entries <= sys.maxsize:
         raise ValueError(f"max_entries must be between 1 and sys.maxsize, got {max_entries}")
+    if isinstance(skip_actions, (str, bytes)):
+        raise TypeError(f"skip_actions must be a list of action names, got the string {skip_actions!r}")
     skip = 0
     for action in skip_actions or ():
+        if action == "annotate":  # torch's, for annotations cmlp does not make
+            continue
         if action not in _ACTIONS:
             raise ValueError(f"skip_actions: unknown action {action!r}; the actions are {', '.join(_ACTIONS)}")
         skip |= 1 << _ACTIONS.index(action)
-    if not isinstance(clear_history, bool):
-        raise TypeError(f"clear_history must be a bool, got {type(clear_history).__name__}")
     from .memory import _device
 
     dev = _device(device)
@@ -71,12 +62,47 @@ def record_memory_history(enabled: Any = "all", context: Optional[str] = "all", 
         context = None
     with _lock:
         _cmlp.record_history(dev, _MODES[enabled], _CONTEXTS[context], min(max_entries, sys.maxsize), skip,
-                             clear_history)
+                             bool(clear_history))
         if enabled is None:
             _settings.pop(dev, None)
         else:
             _settings[dev] = (enabled, context, stacks)
         _cmlp.capture_stacks(any(c is not None for _, c, _ in _settings.values()))
+
+
+def _record_legacy(enabled: bool, record_context: bool = True, trace_alloc_max_entries: int = 1,
+                   trace_alloc_record_context: bool = False, device: Optional[str] = None,
+                   record_context_cpp: bool = False, clear_history: bool = False, *,
+                   skip_actions: Optional[List[str]] = None) -> None:
+    """torch's older form, enabled a bool: a history of trace_alloc_max_entries actions (1 by
+    default), stacks for live blocks with record_context and for allocations too with
+    trace_alloc_record_context. (record_context_cpp: cmlp's own first frame is always there.)"""
+    context = ("alloc" if trace_alloc_record_context else "state") if record_context else None
+    _record("all" if enabled else None, context, "all", trace_alloc_max_entries, device, clear_history, skip_actions)
+
+
+def record_memory_history(enabled: Any = "all", *args: Any, **kwargs: Any) -> None:
+    """Starts (or changes, or with enabled=None stops) recording what the device's allocator does,
+    as torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="all",
+    max_entries=sys.maxsize, device=None, clear_history=False, skip_actions=None).
+
+    enabled: None (stop; the history is dropped), "state" (live blocks keep the stack that
+    allocated them; no history) or "all" (also a history of every action: alloc, free_requested,
+    free_completed, segment_alloc, segment_free, segment_map, segment_unmap, oom, snapshot). A
+    bool takes torch's older arguments (enabled, record_context=True, trace_alloc_max_entries=1,
+    trace_alloc_record_context=False, device=None, record_context_cpp=False, clear_history=False).
+    context: which entries keep a Python stack: None, "state" (live blocks), "alloc" (+
+    allocations), "all" (+ frees). stacks: "python" (the Python frames only) or "all" (also a
+    first frame naming what the memory holds). max_entries: the history keeps the newest
+    max_entries actions. skip_actions: actions not to record. device: None means the current
+    device, as everywhere in cmlp.memory."""
+    if isinstance(enabled, bool):
+        _record_legacy(enabled, *args, **kwargs)
+    else:
+        _record(enabled, *args, **kwargs)
+
+
+record_memory_history.__signature__ = inspect.signature(_record)  # type: ignore[attr-defined]
 
 
 def _stack(number: int) -> List[Dict[str, Any]]:
@@ -87,10 +113,16 @@ def _stack(number: int) -> List[Dict[str, Any]]:
     return frames
 
 
-def _frames(what: Optional[str], context: int, stacks: str) -> List[Dict[str, Any]]:
-    frames = [{"filename": "cmlp", "line": 0, "name": what}] if what is not None and stacks == "all" else []
-    if context:
-        frames += [dict(f) for f in _stack(context)]
+def _frames(what: Optional[str], context: int, stacks: str, shared: _Shared) -> List[Dict[str, Any]]:
+    """One list per (what, context, stacks) in a snapshot, shared by its entries and blocks that
+    have them (so that a pickled snapshot holds each once)."""
+    key = (what, context, stacks)
+    frames = shared.get(key)
+    if frames is None:
+        frames = [{"filename": "cmlp", "line": 0, "name": what}] if what is not None and stacks == "all" else []
+        if context:
+            frames += [dict(f) for f in _stack(context)]
+        shared[key] = frames
     return frames
 
 
@@ -98,13 +130,14 @@ def _stacks_of(dev: str) -> str:
     return _settings.get(dev, (None, None, "all"))[2]
 
 
-def blocks_with_frames(dev: str, segments: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+def blocks_with_frames(dev: str, segments: List[Dict[str, Any]], shared: Optional[_Shared] = None
+                       ) -> List[Dict[str, Any]]:
     """The raw snapshot's blocks with "frames" in place of what and context."""
-    stacks = _stacks_of(dev)
+    stacks, shared = _stacks_of(dev), {} if shared is None else shared
     for seg in segments:
         seg["stream"] = 0
         for b in seg["blocks"]:
-            b["frames"] = _frames(b.pop("what"), b.pop("context"), stacks)
+            b["frames"] = _frames(b.pop("what"), b.pop("context"), stacks, shared)
     return segments
 
 
@@ -112,12 +145,12 @@ def _device_index(dev: str) -> int:
     return 0 if dev == "cpu" else int(dev.partition(":")[2])
 
 
-def _entry(e: Tuple[str, int, int, int, Optional[str], int, int], stacks: str) -> Dict[str, Any]:
+def _entry(e: Tuple[str, int, int, int, Optional[str], int, int], stacks: str, shared: _Shared) -> Dict[str, Any]:
     action, addr, size, time_us, what, context, device_free = e
     out: Dict[str, Any] = {"action": action}
     if action != "oom":
         out["addr"] = addr
-    out.update(size=size, stream=0, time_us=time_us, frames=_frames(what, context, stacks))
+    out.update(size=size, stream=0, time_us=time_us, frames=_frames(what, context, stacks, shared))
     if action == "oom":
         out["device_free"] = device_free
     return out
@@ -127,23 +160,24 @@ def snapshot(device: Optional[str] = None) -> Dict[str, Any]:
     """torch.cuda.memory._snapshot(): {"segments": [...], "device_traces": [[...], ...]}, the
     segments and the history taken at one instant. Segments carry PyTorch's keys (device as an
     index, stream, segment_type, is_expandable, blocks with frames); device_traces has one list per
-    device index up to this device's, the others empty. On "cpu" the index is 0."""
+    device index up to this device's, the others empty. On "cpu" the index is 0. Entries and
+    blocks with the same frames share one list of them."""
     from .memory import _device
 
     dev = _device(device)
     with _lock:
         raw, history = _cmlp.snapshot_history(dev)
-        stacks = _stacks_of(dev)
+        stacks, shared = _stacks_of(dev), {}
         index = _device_index(dev)
         segments = []
-        for seg in blocks_with_frames(dev, raw):
+        for seg in blocks_with_frames(dev, raw, shared):
             segments.append({
                 "device": index, "address": seg["address"], "total_size": seg["total_size"],
                 "allocated_size": seg["allocated_size"], "active_size": seg["active_size"],
                 "requested_size": seg["requested_size"], "stream": 0, "segment_type": seg["segment_type"],
                 "is_expandable": seg["expandable"], "frames": [], "blocks": seg["blocks"],
             })
-        trace = [_entry(e, stacks) for e in history]
+        trace = [_entry(e, stacks, shared) for e in history]
     return {"segments": segments, "device_traces": [[] for _ in range(index)] + [trace]}
 
 
