@@ -845,6 +845,15 @@ void cmlp_allocator_reset_peak(cmlp_allocator *a) {
     pthread_mutex_unlock(&a->lock);
 }
 
+void cmlp_allocator_reset_accumulated(cmlp_allocator *a) {
+    pthread_mutex_lock(&a->lock);
+    for (int k = 0; k < CMLP_STAT_KIND_COUNT; k++)
+        for (int p = 0; p < CMLP_POOL_COUNT; p++) a->stats.stat[k][p].allocated = a->stats.stat[k][p].freed = 0;
+    cmlp_memory_stats *s = &a->stats;
+    s->num_alloc_retries = s->num_ooms = s->num_sync_all_streams = s->num_device_alloc = s->num_device_free = 0;
+    pthread_mutex_unlock(&a->lock);
+}
+
 void cmlp_allocator_empty_cache(cmlp_allocator *a) {
     pthread_mutex_lock(&a->lock);
     release_cached(a);

@@ -29,6 +29,10 @@ __attribute__((visibility("hidden")))
 void cmlp_allocator_stats(cmlp_allocator *a, cmlp_memory_stats *out);
 __attribute__((visibility("hidden")))
 void cmlp_allocator_reset_peak(cmlp_allocator *a);
+/* PyTorch's resetAccumulatedStats: every stat's allocated and freed totals, and the counts of
+ * retries, OOMs, syncs and device allocations and frees, back to 0. */
+__attribute__((visibility("hidden")))
+void cmlp_allocator_reset_accumulated(cmlp_allocator *a);
 __attribute__((visibility("hidden")))
 void cmlp_allocator_empty_cache(cmlp_allocator *a);
 __attribute__((visibility("hidden")))

@@ -119,6 +119,9 @@ typedef struct cmlp_memory_stats {
 
 CMLP_API cmlp_status cmlp_memory_stats_get(cmlp_device d, cmlp_memory_stats *out);
 CMLP_API cmlp_status cmlp_memory_reset_peak(cmlp_device d);
+/* Every statistic's allocated and freed totals and the event counts (retries, OOMs, device
+ * allocations and frees) back to 0 (torch.cuda.reset_accumulated_memory_stats). */
+CMLP_API cmlp_status cmlp_memory_reset_accumulated(cmlp_device d);
 /* torch.cuda.mem_get_info: what the device could still give (its driver's free memory, which
  * memory cached by the allocator does not count in; on the CPU, the operating system's available
  * memory) and its total; free is -1 when the device cannot say. */

@@ -134,6 +134,13 @@ cmlp_status cmlp_memory_get_info(cmlp_device d, int64_t *free_bytes, int64_t *to
     return CMLP_OK;
 }
 
+cmlp_status cmlp_memory_reset_accumulated(cmlp_device d) {
+    cmlp_device_ctx *c;
+    CMLP_TRY(cmlp_device_get(d, &c));
+    cmlp_allocator_reset_accumulated(c->alloc);
+    return CMLP_OK;
+}
+
 cmlp_status cmlp_memory_empty_cache(cmlp_device d) {
     cmlp_device_ctx *c;
     CMLP_TRY(cmlp_device_get(d, &c));

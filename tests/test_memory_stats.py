@@ -374,3 +374,39 @@ def test_mem_get_info_reports_the_machine():
 def test_oom_error_is_exported():
     assert issubclass(cmlp.OutOfMemoryError, RuntimeError)
     assert cmlp.OutOfMemoryError is cmlp._cmlp.OutOfMemoryError
+
+
+def test_torchs_other_memory_functions():
+    """memory_stats_as_nested_dict, reset_accumulated_memory_stats, get_per_process_memory_fraction,
+    get_allocator_backend and the deprecated *_cached / reset_max_* aliases, with torch's meanings."""
+    p = M.caching_allocator_alloc(3 << 20, DEV)
+    M.caching_allocator_delete(p)
+    flat, nested = M.memory_stats(DEV), M.memory_stats_as_nested_dict(DEV)
+    assert nested["allocated_bytes"]["all"]["peak"] == flat["allocated_bytes.all.peak"]
+    assert nested["num_ooms"] == flat["num_ooms"] and nested["oversize_allocations"]["current"] == 0
+
+    def flatten(d, prefix=""):
+        for k, v in d.items():
+            yield from flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else [(f"{prefix}{k}", v)]
+
+    assert dict(flatten(nested)) == flat
+    M.reset_accumulated_memory_stats(DEV)
+    s = M.memory_stats(DEV)
+    for key in STATS:
+        for pool in POOLS:
+            assert s[f"{key}.{pool}.allocated"] == 0 and s[f"{key}.{pool}.freed"] == 0, (key, pool)
+            assert s[f"{key}.{pool}.current"] == flat[f"{key}.{pool}.current"], "currents stay"
+    assert s["num_ooms"] == s["num_alloc_retries"] == s["num_device_alloc"] == s["num_device_free"] == 0
+    assert M.get_per_process_memory_fraction(DEV) == 1.0
+    M.set_per_process_memory_fraction(0.3, DEV)
+    assert M.get_per_process_memory_fraction(DEV) == 0.3
+    M.set_memory_limit(s["total_memory"] // 4, DEV)
+    assert M.get_per_process_memory_fraction(DEV) == (s["total_memory"] // 4) / s["total_memory"]
+    assert M.get_allocator_backend() == "native"
+    with pytest.warns(FutureWarning, match="memory_reserved"):
+        assert M.memory_cached(DEV) == M.memory_reserved(DEV)
+    with pytest.warns(FutureWarning):
+        assert M.max_memory_cached(DEV) == M.max_memory_reserved(DEV)
+    with pytest.warns(FutureWarning, match="reset_peak_memory_stats"):
+        M.reset_max_memory_allocated(DEV)
+    assert M.max_memory_allocated(DEV) == M.memory_allocated(DEV)

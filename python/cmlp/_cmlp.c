@@ -1261,6 +1261,9 @@ static PyObject *call_device_fn(PyObject *mod, PyObject *arg, device_fn fn) {
 
 static PyObject *mod_reset_peak(PyObject *mod, PyObject *arg) { return call_device_fn(mod, arg, cmlp_memory_reset_peak); }
 static PyObject *mod_empty_cache(PyObject *mod, PyObject *arg) { return call_device_fn(mod, arg, cmlp_memory_empty_cache); }
+static PyObject *mod_reset_accumulated(PyObject *mod, PyObject *arg) {
+    return call_device_fn(mod, arg, cmlp_memory_reset_accumulated);
+}
 
 static PyObject *mod_set_memory_limit(PyObject *mod, PyObject *args) {
     PyObject *dev;
@@ -1733,6 +1736,7 @@ static PyMethodDef module_methods[] = {
     {"mem_get_info", mod_mem_get_info, METH_O, "mem_get_info(device) -> (free bytes or -1, total bytes)"},
     {"reset_peak_memory_stats", mod_reset_peak, METH_O, "reset every peak to its current value"},
     {"empty_cache", mod_empty_cache, METH_O, "release cached memory"},
+    {"reset_accumulated_memory_stats", mod_reset_accumulated, METH_O, "allocated/freed totals and event counts to 0"},
     {"set_memory_limit", mod_set_memory_limit, METH_VARARGS, "set_memory_limit(device, bytes or -1)"},
     {"alloc", mod_alloc, METH_VARARGS, "alloc(device, nbytes) -> int"},
     {"free", mod_free, METH_VARARGS, "free(device, ptr)"},

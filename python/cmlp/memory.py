@@ -12,6 +12,7 @@ class MemoryWarning(UserWarning):
 
 
 _raw_blocks: Dict[int, str] = {}
+_fractions: Dict[str, Tuple[float, int]] = {}  # device -> (fraction set, the limit it made)
 _raw_lock = threading.Lock()
 
 
@@ -60,6 +61,55 @@ def reset_peak_memory_stats(device: Optional[str] = None) -> None:
     _cmlp.reset_peak_memory_stats(_device(device))
 
 
+def reset_accumulated_memory_stats(device: Optional[str] = None) -> None:
+    """Every statistic's "allocated" and "freed" totals, and num_alloc_retries, num_ooms,
+    num_sync_all_streams, num_device_alloc and num_device_free, back to 0 (torch's)."""
+    _cmlp.reset_accumulated_memory_stats(_device(device))
+
+
+def memory_stats_as_nested_dict(device: Optional[str] = None) -> Dict[str, Any]:
+    """memory_stats() as torch.cuda.memory_stats_as_nested_dict gives it: each key's dotted parts
+    as levels ({"allocated_bytes": {"all": {"current": ...}}, "num_ooms": ...})."""
+    nested: Dict[str, Any] = {}
+    for key, value in memory_stats(device).items():
+        *path, last = key.split(".")
+        level = nested
+        for part in path:
+            level = level.setdefault(part, {})
+        level[last] = value
+    return nested
+
+
+def get_per_process_memory_fraction(device: Optional[str] = None) -> float:
+    """The fraction of the device's memory the allocator may reserve (torch's): the one set by
+    set_per_process_memory_fraction while its limit stands, else the memory limit over the total
+    memory, 1.0 without a limit."""
+    dev = _device(device)
+    limit = get_memory_limit(dev)
+    if limit is None:
+        return 1.0
+    fraction = _fractions.get(dev)
+    if fraction is not None and fraction[1] == limit:
+        return fraction[0]
+    return limit / _cmlp.memory_stats(dev)["total_memory"]
+
+
+def get_allocator_backend() -> str:
+    """torch's name for the allocator in use: "native" (the caching allocator) everywhere."""
+    return "native"
+
+
+def _deprecated(name: str, instead: str, fn: Any) -> Any:
+    def alias(device: Optional[str] = None) -> Any:
+        import warnings
+
+        warnings.warn(f"cmlp.memory.{name} is deprecated (as in torch): use {instead}", FutureWarning, stacklevel=2)
+        return fn(device)
+    alias.__name__ = name
+    alias.__doc__ = f"Deprecated alias of {instead} (torch's)."
+    return alias
+
+
 def empty_cache(device: Optional[str] = None) -> None:
     """Returns cached, unused memory to the device."""
     _cmlp.empty_cache(_device(device))
@@ -86,6 +136,7 @@ def set_per_process_memory_fraction(fraction: float, device: Optional[str] = Non
     dev = _device(device)
     total = _cmlp.memory_stats(dev)["total_memory"]
     _cmlp.set_memory_limit(dev, int(fraction * total))
+    _fractions[dev] = (fraction, int(fraction * total))
 
 
 def get_memory_limit(device: Optional[str] = None) -> Optional[int]:
@@ -145,6 +196,12 @@ def memory_breakdown(device: Optional[str] = None) -> Dict[str, int]:
                 totals[b["what"]] = totals.get(b["what"], 0) + b["requested_size"]
     return dict(sorted(totals.items(), key=lambda kv: (-kv[1], kv[0])))
 
+
+memory_cached = _deprecated("memory_cached", "memory_reserved", memory_reserved)
+max_memory_cached = _deprecated("max_memory_cached", "max_memory_reserved", max_memory_reserved)
+reset_max_memory_allocated = _deprecated("reset_max_memory_allocated", "reset_peak_memory_stats",
+                                         reset_peak_memory_stats)
+reset_max_memory_cached = _deprecated("reset_max_memory_cached", "reset_peak_memory_stats", reset_peak_memory_stats)
 
 _record_memory_history = record_memory_history = _history.record_memory_history
 _snapshot = _history.snapshot
