@@ -4,7 +4,12 @@ and torch.cuda._memory_viz read it.
 
 Every allocation says what it holds ("parameters", "gradients", "activations", "optimizer
 state", ...): that is its innermost frame (file "cmlp"), followed by the Python stack of the call
-that allocated it, innermost first."""
+that allocated it, innermost first. Each distinct stack is stored once, for the life of the
+process (a live block may refer to it long after recording stops).
+
+Differences from torch, on purpose: enabled="state" keeps no history at all (torch keeps one
+entry), and cmlp's own first frame is there with stacks="all" whatever the older form's
+record_context_cpp says."""
 import inspect
 import os
 import pickle
