@@ -11,12 +11,14 @@ The usual PyTorch answer to "CUDA out of memory" is by hand:
             output = model(input)
 
 Here the same batch that does not fit, three ways:
-  (a) it fails: the OutOfMemoryError says what was asked, what is held, what is free;
+  (a) it fails: the OutOfMemoryError says what was asked, what is held, what is free, and the
+      memory history (torch's _record_memory_history) says what held the memory and which call
+      ran out (--history PATH also writes it for https://pytorch.org/memory_viz);
   (b) the usual catch-and-halve: it runs, but on half the samples, so it is another update;
   (c) cmlp.Trainer(auto_microbatch=True): the same batch as accumulated micro-batches, the same
       weights as a run without the limit, and the planner's breakdown says why it fits.
 
-Run: python examples/oom_story.py [--batch-size 8192] [--limit 64MB]
+Run: python examples/oom_story.py [--batch-size 8192] [--limit 64MB] [--history PATH]
 """
 import argparse
 import gc
@@ -63,6 +65,7 @@ def main():
     ap.add_argument("--batch-size", type=int, default=8192)
     ap.add_argument("--limit", type=M.parse_size, default=M.parse_size("64MB"), help="the memory cap, e.g. 64MB")
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--history", default=None, help="write (a)'s memory snapshot and history here (.pickle)")
     args = ap.parse_args()
     batch, limit = args.batch_size, args.limit
     x, y, source = load(batch * args.steps)
@@ -87,6 +90,7 @@ def main():
         header("(a) The batch does not fit: cmlp.OutOfMemoryError")
         model, opt = fresh()
         M.set_memory_limit(limit, DEV)
+        M._record_memory_history(device=DEV, clear_history=True)
         trainer = cmlp.Trainer(model, opt, batch_size=batch, shuffle=False, auto_microbatch=False)
         before = model.state_dict()
         try:
@@ -94,6 +98,12 @@ def main():
             print("it fitted after all: raise --batch-size or lower --limit")
         except cmlp.OutOfMemoryError as e:
             print(f"{type(e).__name__}: {e}")
+            print("\nthe memory history, in words (cmlp.memory.snapshot_report):")
+            print(M.snapshot_report(M._snapshot(DEV), top=3), end="")
+            if args.history:
+                M._dump_snapshot(args.history, device=DEV)
+                print(f"written to {args.history}: open it at https://pytorch.org/memory_viz")
+        M._record_memory_history(None, device=DEV)
         after = model.state_dict()
         print(f"the model is unchanged: {all(np.array_equal(before[k], after[k]) for k in before)}")
         del trainer, model, opt

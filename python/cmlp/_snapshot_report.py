@@ -43,6 +43,10 @@ def _fmt(n: float) -> str:
     return f"{v:.2f} {units[u]}"
 
 
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
 def _where(frame: Dict[str, Any]) -> str:
     return f"{os.path.basename(str(frame.get('filename', '?')))}:{frame.get('line', 0)}:{frame.get('name', '?')}"
 
@@ -108,8 +112,7 @@ def _held_lines(live: Dict[int, Block], top: int, out: io.StringIO) -> None:
     for size, frames in live.values():
         groups.setdefault(_holder(frames), []).append(size)
     for what, sizes in sorted(groups.items(), key=lambda kv: (-sum(kv[1]), kv[0])):
-        n = len(sizes)
-        out.write(f"    {_fmt(sum(sizes)):>12}  {what}  ({n} block{'s' if n != 1 else ''})\n")
+        out.write(f"    {_fmt(sum(sizes)):>12}  {what}  ({_count(len(sizes), 'block')})\n")
     biggest = sorted(live.values(), key=lambda b: -b[0])[:top]
     if biggest and any(_python_frames(f, 1) for _, f in biggest):
         out.write(f"  the largest {len(biggest)} blocks and the calls that made them:\n")
@@ -137,7 +140,8 @@ def report(source: Union[Snapshot, "os.PathLike[str]", str], device: Optional[in
     out = io.StringIO()
     reserved = sum(s.get("total_size", 0) for s in segments)
     blocks = [b for s in segments for b in s.get("blocks", []) if b.get("state") == "active_allocated"]
-    out.write(f"device {device}: {len(segments)} segments, {_fmt(reserved)} reserved; {len(blocks)} blocks, "
+    out.write(f"device {device}: {_count(len(segments), 'segment')}, {_fmt(reserved)} reserved; "
+              f"{_count(len(blocks), 'block')}, "
               f"{_fmt(sum(b.get('requested_size', b.get('size', 0)) for b in blocks))} allocated (requested)\n")
     now = {b["address"]: (b.get("requested_size", b.get("size", 0)), b.get("frames", [])) for b in blocks}
     if not trace:
@@ -159,7 +163,7 @@ def report(source: Union[Snapshot, "os.PathLike[str]", str], device: Optional[in
     _held_lines(_live_at(start, trace, peak_at), top, out)
     ooms = [(i, e) for i, e in enumerate(trace) if e.get("action") == "oom"]
     if ooms:
-        out.write(f"out of memory: {len(ooms)} request{'s' if len(ooms) != 1 else ''} failed\n")
+        out.write(f"out of memory: {_count(len(ooms), 'request')} failed\n")
         for i, e in ooms[:top or len(ooms)]:
             frames = e.get("frames", [])
             free = f"; {_fmt(e['device_free'])} was free" if "device_free" in e else ""
