@@ -6,6 +6,7 @@ values, argument validation, max_batch_size, and `python -m cmlp plan`.
 """
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -350,6 +351,27 @@ def test_cli_plan_with_a_budget_prints_the_largest_batch(tmp_path):
     assert n > 4096
     assert f"largest batch that fits in 2.00 GiB: {n}" in r.stdout.splitlines()
     assert str(M.plan([784, 512, 256, 10], 4096)) in r.stdout
+
+
+def test_cli_plan_with_a_budget_lists_the_ways_to_fit_a_step(tmp_path):
+    """Each precision, with and without recomputation: the largest micro-batch in the budget and
+    how many a step of --batch-size takes, as max_batch_size says."""
+    layers, batch, budget = [784, 512, 256, 10], 65536, 256 << 20
+    r = _cli(["--batch-size", str(batch), "--budget", "256MB", "--optimizer", "sgd"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    rows = {}
+    for line in r.stdout.splitlines():
+        m = re.match(r"  (fp32|fp16|bf16)\s+(no|yes)\s+(\d+)\s+(\d+)", line)
+        if m:
+            rows[m.group(1), m.group(2)] = (int(m.group(3)), int(m.group(4)))
+            assert line.endswith("<- as planned above") == (m.group(1, 2) == ("fp32", "no"))
+    assert len(rows) == 6
+    for (prec, rc), (n, steps) in rows.items():  # the CLI's fresh process holds nothing on the CPU
+        want = M.max_batch_size(layers, budget, "sgd", None if prec == "fp32" else prec, rc == "yes")
+        assert (n, steps) == (want, -(-batch // want)), (prec, rc)
+    assert rows["fp16", "no"][0] > rows["fp32", "no"][0]
+    r = _cli(["--batch-size", "64", "--budget", "1MB"], tmp_path)
+    assert r.returncode == 0 and "ways to train" not in r.stdout, "nothing fits: no table"
 
 
 @pytest.mark.parametrize("args, layers, batch, opt, amp", [

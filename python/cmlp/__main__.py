@@ -242,7 +242,25 @@ def _plan(a: argparse.Namespace) -> int:
             one = memory.plan(a.layers, 1, optimizer, a.amp, device=a.device)
             why += f" (one sample needs {memory._fmt(one.reserved_bytes)} reserved on top)"
         print(f"largest batch that fits in {memory._fmt(a.budget)}: {n}{why}")
+        if room > 0:
+            _options(a, optimizer, room)
     return 0
+
+
+def _options(a: argparse.Namespace, optimizer: str, room: int) -> None:
+    """What each way of saving memory lets a step of --batch-size do in the budget: the largest
+    micro-batch, and how many of them a step of the batch takes (what auto_microbatch or
+    accumulation_steps would run)."""
+    rows = [(amp, recompute, memory.max_batch_size(a.layers, room, optimizer, amp, recompute, device=a.device))
+            for recompute in (False, True) for amp in (None, "fp16", "bf16")]
+    if not any(n for _, _, n in rows):
+        return
+    print(f"ways to train steps of {a.batch_size} samples in it (micro-batches accumulate to the same update):")
+    print(f"  {'precision':<10}{'recompute':<11}{'largest micro-batch':>20}{'micro-batches a step':>22}")
+    for amp, recompute, n in rows:
+        steps = -(-a.batch_size // n) if n else "none fits"
+        mark = "  <- as planned above" if amp == a.amp and not recompute else ""
+        print(f"  {amp or 'fp32':<10}{'yes' if recompute else 'no':<11}{n:>20}{steps:>22}{mark}")
 
 
 def _info() -> int:
