@@ -845,6 +845,11 @@ void cmlp_allocator_reset_peak(cmlp_allocator *a) {
     pthread_mutex_unlock(&a->lock);
 }
 
+void cmlp_allocator_hold(cmlp_allocator *a, bool hold) {
+    if (hold) pthread_mutex_lock(&a->lock);
+    else pthread_mutex_unlock(&a->lock);
+}
+
 void cmlp_allocator_reset_accumulated(cmlp_allocator *a) {
     pthread_mutex_lock(&a->lock);
     for (int k = 0; k < CMLP_STAT_KIND_COUNT; k++)

@@ -29,6 +29,10 @@ __attribute__((visibility("hidden")))
 void cmlp_allocator_stats(cmlp_allocator *a, cmlp_memory_stats *out);
 __attribute__((visibility("hidden")))
 void cmlp_allocator_reset_peak(cmlp_allocator *a);
+/* Takes (hold) or gives back the allocator's lock: around fork(), so that the child does not
+ * inherit it taken by a thread it does not have. */
+__attribute__((visibility("hidden")))
+void cmlp_allocator_hold(cmlp_allocator *a, bool hold);
 /* PyTorch's resetAccumulatedStats: every stat's allocated and freed totals, and the counts of
  * retries, OOMs, syncs and device allocations and frees, back to 0. */
 __attribute__((visibility("hidden")))

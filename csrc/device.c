@@ -95,8 +95,29 @@ static cmlp_status ctx_create(cmlp_device d, cmlp_device_ctx **out) {
     return CMLP_OK;
 }
 
+/* fork(): every allocator's lock is taken before and given back after, in the parent and the
+ * child alike, so a child never starts with a lock that a thread it lacks was holding. */
+static void fork_prepare(void) {
+    pthread_mutex_lock(&registry_lock);
+    if (cpu_ctx) cmlp_allocator_hold(cpu_ctx->alloc, true);
+    for (int i = 0; i < CMLP_MAX_CUDA_DEVICES; i++)
+        if (cuda_ctx[i]) cmlp_allocator_hold(cuda_ctx[i]->alloc, true);
+}
+
+static void fork_release(void) {
+    for (int i = CMLP_MAX_CUDA_DEVICES - 1; i >= 0; i--)
+        if (cuda_ctx[i]) cmlp_allocator_hold(cuda_ctx[i]->alloc, false);
+    if (cpu_ctx) cmlp_allocator_hold(cpu_ctx->alloc, false);
+    pthread_mutex_unlock(&registry_lock);
+}
+
+static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
+
+static void fork_register(void) { pthread_atfork(fork_prepare, fork_release, fork_release); }
+
 cmlp_status cmlp_device_get(cmlp_device d, cmlp_device_ctx **out) {
     CMLP_TRY(cmlp_device_check(d));
+    pthread_once(&fork_once, fork_register);
     cmlp_device_ctx **slot = d.type == CMLP_DEVICE_CPU ? &cpu_ctx : &cuda_ctx[d.index];
     cmlp_status st = CMLP_OK;
     pthread_mutex_lock(&registry_lock);

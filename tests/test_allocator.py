@@ -261,3 +261,20 @@ def test_summary_reports_fragmentation_and_largest_free_block():
     assert "Fragmentation" in text and "Largest free block" in text and "Non-releasable memory" in text
     assert M.memory_stats(DEV)["largest_free_block"] >= 16 * MIB
     M.caching_allocator_delete(p)
+
+
+def test_configure_from_a_dict_reads_flags_and_thresholds_as_text_too():
+    try:
+        for value, want in (("False", False), ("true", True), (False, False), (True, True), (None, False)):
+            cmlp.memory.configure({"expandable_segments": value})
+            assert cmlp.memory.get_config()["expandable_segments"] is want, value
+        with pytest.raises(ValueError, match="expandable_segments must be True or False"):
+            cmlp.memory.configure({"expandable_segments": "maybe"})
+        cmlp.memory.configure({"garbage_collection_threshold": "0"})
+        assert cmlp.memory.get_config()["garbage_collection_threshold"] == 0.0
+        cmlp.memory.configure({"garbage_collection_threshold": "0.5"})
+        assert cmlp.memory.get_config()["garbage_collection_threshold"] == 0.5
+        with pytest.raises(ValueError, match="garbage_collection_threshold must be a number"):
+            cmlp.memory.configure({"garbage_collection_threshold": "half"})
+    finally:
+        cmlp.memory.configure("")

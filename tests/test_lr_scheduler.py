@@ -611,3 +611,31 @@ def test_fit_steps_reduce_on_plateau_with_the_validation_loss():
         S.ReduceLROnPlateau(opt, factor=1.0)
     with pytest.raises(ValueError, match="mode"):
         S.ReduceLROnPlateau(opt, mode="lowest")
+
+
+def test_a_refused_step_leaves_the_momentum_too_and_arithmetic_failures_are_value_errors():
+    """get_lr moves the momentum before the optimizer sees the rate: a rate it refuses puts the
+    momentum back; a formula that cannot be computed (torch's ZeroDivisionError) is a ValueError."""
+    opt = cmlp.optim.SGD(cmlp.MLP(SIZES), lr=0.01, momentum=0.9)
+    sched = S.CyclicLR(opt, 0.001, 0.1, step_size_up=2, scale_fn=lambda c: -5.0)
+    before = (opt.lr, opt._momentum(), sched.last_epoch)
+    with pytest.raises(ValueError, match="learning rate"):
+        sched.step()
+    assert (opt.lr, opt._momentum(), sched.last_epoch) == before
+    for kw in (dict(step_size_up=0, step_size_down=5), dict(step_size_up=math.inf), dict(step_size_up=10**400),
+               dict(step_size_up=-1), dict(step_size_down=float("nan"))):
+        with pytest.raises(ValueError, match="step_size"):
+            S.CyclicLR(opt, 0.001, 0.1, **kw)
+    with pytest.raises(TypeError, match="step_size_up"):
+        S.CyclicLR(opt, 0.001, 0.1, step_size_up="2")
+    for kw in (dict(div_factor=0), dict(final_div_factor=0.0), dict(div_factor=-1)):
+        with pytest.raises(ValueError, match="div_factor"):
+            S.OneCycleLR(opt, max_lr=0.1, total_steps=10, **kw)
+    opt = cmlp.optim.Adam(cmlp.MLP(SIZES), lr=0.1)
+    sched = S.ConstantLR(opt, factor=0.0, total_iters=2)
+    assert rates(sched, 3) == [0.0, 0.0, 0.1, 0.1]  # torch divides by the factor at total_iters
+    opt = cmlp.optim.Adam(cmlp.MLP(SIZES), lr=0.1)
+    sched = S.OneCycleLR(opt, max_lr=0.1, total_steps=4, pct_start=1.0)
+    with pytest.raises(ValueError, match="cannot compute the rate of step"):
+        for _ in range(4):
+            sched.step()

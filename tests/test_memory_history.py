@@ -7,6 +7,7 @@ the result. Every test stops recording afterwards.
 import gc
 import os
 import pickle
+import stat
 import subprocess
 import sys
 import threading
@@ -389,3 +390,56 @@ def test_the_report_refuses_what_is_not_a_snapshot(tmp_path, content, needle):
         M.snapshot_report(path)
     with pytest.raises(ValueError, match="device index"):
         M.snapshot_report({"segments": [], "device_traces": []}, device=-1)
+
+
+def test_saving_keeps_links_pipes_and_permissions(tmp_path):
+    """The snapshot (and a model) go through a symbolic link to its target, which is replaced
+    whole; into a pipe as open() would write; and a new file gets the umask's permissions."""
+    target = tmp_path / "target.pickle"
+    target.write_bytes(b"old")
+    os.chmod(target, 0o640)
+    link = tmp_path / "link.pickle"
+    os.symlink(target.name, link)
+    M._dump_snapshot(link, device=DEV)
+    assert os.path.islink(link) and pickle.loads(target.read_bytes())["segments"] is not None
+    assert os.stat(target).st_mode & 0o777 == 0o640, "the old file's permissions stay"
+    fresh = tmp_path / "fresh.pickle"
+    mask = os.umask(0o027)
+    try:
+        M._dump_snapshot(fresh, device=DEV)
+    finally:
+        os.umask(mask)
+    assert os.stat(fresh).st_mode & 0o777 == 0o640
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(open(fifo, "rb").read()))
+    reader.start()
+    M._dump_snapshot(fifo, device=DEV)
+    reader.join(timeout=30)
+    assert got and pickle.loads(got[0])["device_traces"] is not None
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode), "the pipe is still a pipe"
+    model = cmlp.MLP([4, 3], seed=0)
+    model.save(link)
+    assert os.path.islink(link) and cmlp.MLP.load(target).layer_sizes == (4, 3)
+
+
+@pytest.mark.parametrize("data", [
+    {"segments": [None], "device_traces": []},
+    {"segments": [], "device_traces": [[{"action": "alloc", "size": 8}]]},
+    {"segments": [{"blocks": [{"state": "active_allocated", "address": 1, "size": 8, "frames": {}}]}],
+     "device_traces": []},
+    {"segments": [], "device_traces": [[{"action": "oom", "size": 10**400, "time_us": 1}]]},
+    {"segments": [{"blocks": [{"state": "active_allocated", "address": 1, "size": 8, "frames": [None]}]}],
+     "device_traces": []},
+])
+def test_the_report_says_a_malformed_snapshot_is_one(data):
+    with pytest.raises(ValueError, match="not a well-formed memory snapshot"):
+        M.snapshot_report(data)
+
+
+def test_the_report_refuses_a_stream_that_claims_too_much(tmp_path):
+    path = tmp_path / "huge.pickle"
+    path.write_bytes(b"\x80\x04\x95" + (1 << 62).to_bytes(8, "little") + b".")
+    with pytest.raises(ValueError, match="not a memory snapshot"):
+        M.snapshot_report(path)

@@ -410,3 +410,35 @@ def test_torchs_other_memory_functions():
     with pytest.warns(FutureWarning, match="reset_peak_memory_stats"):
         M.reset_max_memory_allocated(DEV)
     assert M.max_memory_allocated(DEV) == M.memory_allocated(DEV)
+
+
+def test_a_child_forked_while_threads_allocate_can_allocate():
+    """fork() while other threads are inside the allocator: the child starts with every allocator
+    lock free (they are taken around fork), so its first call returns."""
+    import os
+    import signal
+    import threading
+
+    stop = threading.Event()
+
+    def churn():
+        while not stop.is_set():
+            M.caching_allocator_delete(M.caching_allocator_alloc(3000, DEV))
+
+    threads = [threading.Thread(target=churn) for _ in range(2)]
+    for t in threads:
+        t.start()
+    codes = []
+    try:
+        for _ in range(20):
+            pid = os.fork()
+            if pid == 0:  # the child: dies by the alarm if a lock is never given back
+                signal.alarm(20)
+                M.caching_allocator_delete(M.caching_allocator_alloc(5000, DEV))
+                os._exit(0 if M.memory_allocated(DEV) >= 0 else 1)
+            codes.append(os.waitpid(pid, 0)[1])
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert codes == [0] * 20

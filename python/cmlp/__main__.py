@@ -48,10 +48,17 @@ def _output(flag: str, example: str) -> Callable[[str], str]:
     def check(text: str) -> str:
         if not text:
             raise argparse.ArgumentTypeError(f"{flag} needs a file name, e.g. {example}")
-        if os.path.isdir(text):
-            raise argparse.ArgumentTypeError(f"{flag} {text!r} is a directory; give a file name in it, e.g. "
+        if os.path.isdir(text) or text.endswith(os.sep):
+            what = "is a directory" if os.path.isdir(text) else "names a directory"
+            raise argparse.ArgumentTypeError(f"{flag} {text!r} {what}; give a file name in it, e.g. "
                                              f"{os.path.join(text, example)}")
         parent = os.path.dirname(os.path.abspath(text))
+        try:
+            too_long = len(os.fsencode(os.path.basename(text))) > os.pathconf(parent, "PC_NAME_MAX")
+        except (OSError, ValueError):
+            too_long = False
+        if too_long:
+            raise argparse.ArgumentTypeError(f"{flag}: the file name {os.path.basename(text)!r} is too long")
         if not os.path.isdir(parent):
             raise argparse.ArgumentTypeError(f"{flag} {text!r}: the directory {parent!r} does not exist")
         if not os.access(parent, os.W_OK):

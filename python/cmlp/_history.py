@@ -51,6 +51,7 @@ def _record(enabled: Optional[str] = "all", context: Optional[str] = "all", stac
         raise TypeError(f"max_entries must be an int, got {type(max_entries).__name__}")
     if enabled is not None and not 1 <= max_entries <= sys.maxsize:
         raise ValueError(f"max_entries must be between 1 and sys.maxsize, got {max_entries}")
+    max_entries = max(1, min(max_entries, sys.maxsize))  # stopping reads none of it
     if isinstance(skip_actions, (str, bytes)):
         raise TypeError(f"skip_actions must be a list of action names, got the string {skip_actions!r}")
     skip = 0
@@ -66,7 +67,7 @@ def _record(enabled: Optional[str] = "all", context: Optional[str] = "all", stac
     if enabled is None:
         context = None
     with _lock:
-        _cmlp.record_history(dev, _MODES[enabled], _CONTEXTS[context], min(max_entries, sys.maxsize), skip,
+        _cmlp.record_history(dev, _MODES[enabled], _CONTEXTS[context], max_entries, skip,
                              bool(clear_history))
         if enabled is None:
             _settings.pop(dev, None)

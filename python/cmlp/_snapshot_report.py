@@ -27,8 +27,10 @@ def load(source: Union[Snapshot, "os.PathLike[str]", str]) -> Snapshot:
         with open(os.fsdecode(source), "rb") as f:
             try:
                 data = _PlainUnpickler(f).load()
-            except (pickle.UnpicklingError, EOFError, ValueError) as e:
-                raise ValueError(f"{os.fsdecode(source)!r} is not a memory snapshot: {e}") from None
+            except (pickle.UnpicklingError, EOFError, ValueError, IndexError, KeyError, AttributeError, TypeError,
+                    OverflowError, MemoryError, RecursionError) as e:  # a malformed or hostile stream
+                raise ValueError(f"{os.fsdecode(source)!r} is not a memory snapshot: {type(e).__name__}: {e}") \
+                    from None
     if not isinstance(data, dict) or not isinstance(data.get("segments"), list) or \
             not isinstance(data.get("device_traces"), list):
         raise ValueError("a memory snapshot is a dict with lists under 'segments' and 'device_traces'")
@@ -126,15 +128,23 @@ def report(source: Union[Snapshot, "os.PathLike[str]", str], device: Optional[in
     blocks now; over the history, the peak of allocated bytes, what held them then (grouped by
     what each block holds) and the largest blocks with the calls that made them; every request
     that ran out of memory, with what it was for, what was free and its calls."""
-    data = load(source)
-    traces = data["device_traces"]
-    devices = sorted({s.get("device", 0) for s in data["segments"]} | {i for i, t in enumerate(traces) if t})
-    if device is None:
-        device = max(devices, key=lambda d: (len(traces[d]) if d < len(traces) else 0, -d), default=0)
-    if isinstance(device, bool) or not isinstance(device, int) or device < 0:
+    if device is not None and (isinstance(device, bool) or not isinstance(device, int) or device < 0):
         raise ValueError(f"device must be a device index >= 0, got {device!r}")
     if isinstance(top, bool) or not isinstance(top, int) or top < 0:
         raise ValueError(f"top must be an int >= 0, got {top!r}")
+    data = load(source)
+    try:
+        return _report(data, device, top)
+    except (AttributeError, KeyError, TypeError, IndexError, ValueError, OverflowError) as e:
+        raise ValueError(f"not a well-formed memory snapshot: {type(e).__name__}: {e}") from None
+
+
+def _report(data: Snapshot, device: Optional[int], top: int) -> str:
+    traces = data["device_traces"]
+    devices = sorted({s.get("device", 0) for s in data["segments"]} | {i for i, t in enumerate(traces) if t})
+    devices = [d for d in devices if isinstance(d, int) and d >= 0]
+    if device is None:
+        device = max(devices, key=lambda d: (len(traces[d]) if d < len(traces) else 0, -d), default=0)
     segments = [s for s in data["segments"] if s.get("device", 0) == device]
     trace = traces[device] if device < len(traces) else []
     out = io.StringIO()

@@ -91,7 +91,7 @@ def get_per_process_memory_fraction(device: Optional[str] = None) -> float:
     fraction = _fractions.get(dev)
     if fraction is not None and fraction[1] == limit:
         return fraction[0]
-    return limit / _cmlp.memory_stats(dev)["total_memory"]
+    return min(1.0, limit / _cmlp.memory_stats(dev)["total_memory"])  # a limit past the total caps nothing
 
 
 def get_allocator_backend() -> str:
@@ -239,11 +239,26 @@ def _config_text(config: Mapping[str, Any]) -> str:
     unknown = sorted(set(config) - known)
     if unknown:
         raise ValueError(f"Unrecognized CachingAllocator option: {unknown[0]}")
+    def flag(key: str) -> bool:  # a bool, or the text configure() reads ("True", "false", ...)
+        v = config.get(key)
+        if v is None or isinstance(v, bool):
+            return bool(v)
+        if isinstance(v, str) and v.strip().lower() in ("true", "false"):
+            return v.strip().lower() == "true"
+        raise ValueError(f"{key} must be True or False, got {v!r}")
+
     parts = []
     if config.get("max_split_size_mb") is not None:
         parts.append(f"max_split_size_mb:{int(config['max_split_size_mb'])}")
-    if config.get("garbage_collection_threshold"):
-        parts.append(f"garbage_collection_threshold:{float(config['garbage_collection_threshold'])!r}")
+    gc = config.get("garbage_collection_threshold")
+    if gc is not None:
+        try:
+            gc = float(gc)
+        except (TypeError, ValueError):
+            raise ValueError(f"garbage_collection_threshold must be a number in (0, 1), or 0 for off, got {gc!r}") \
+                from None
+        if gc:
+            parts.append(f"garbage_collection_threshold:{gc!r}")
     div = config.get("roundup_power2_divisions")
     if div is not None:
         if isinstance(div, int) and not isinstance(div, bool):
@@ -253,7 +268,7 @@ def _config_text(config: Mapping[str, Any]) -> str:
             raise ValueError(f"roundup_power2_divisions must be an int or {_INTERVALS} ints (one per interval)")
         if any(div):
             parts.append(f"roundup_power2_divisions:{_divisions_text([int(d) for d in div])}")
-    if config.get("expandable_segments"):
+    if flag("expandable_segments"):
         parts.append("expandable_segments:True")
     return ",".join(parts)
 

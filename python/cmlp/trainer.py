@@ -79,10 +79,12 @@ class Trainer:
         if optimizer.model is not model:
             raise ValueError("optimizer was created for another model")
         amp_code = check_amp(amp)
-        if scaler is None and amp == "fp16":
-            from .amp import GradScaler
+        from .amp import GradScaler
 
+        if scaler is None and amp == "fp16":
             scaler = GradScaler()
+        if scaler is not None and not isinstance(scaler, GradScaler):
+            raise TypeError(f"scaler must be a cmlp.amp.GradScaler or None, got {type(scaler).__name__}")
         self._warned = False
         self.model, self.optimizer = model, optimizer
         self.batch_size = _positive_int("batch_size", batch_size)

@@ -90,7 +90,7 @@ class LRScheduler:
     def _update_lr(self, epoch: Optional[int]) -> None:
         """The next epoch's rate (torch's recursive form), or with epoch that epoch's (the closed
         form where there is one): what SequentialLR asks of a schedule at its milestone."""
-        before = self.last_epoch
+        before, momentum = self.last_epoch, self.optimizer._momentum()
         try:
             if epoch is None:
                 self.last_epoch += 1
@@ -100,8 +100,12 @@ class LRScheduler:
                 closed = getattr(self, "_get_closed_form_lr", None)
                 lr = (closed() if closed is not None else self.get_lr())[0]
             self.optimizer.lr = lr
-        except BaseException:
+        except BaseException as e:  # the optimizer as it was: get_lr may have moved the momentum
             self.last_epoch = before
+            self.optimizer._set_momentum(momentum)
+            if isinstance(e, (ZeroDivisionError, OverflowError)):
+                raise ValueError(f"{type(self).__name__} cannot compute the rate of step {self.last_epoch + 1} "
+                                 f"with these arguments ({type(e).__name__}: {e})") from None
             raise
         self._last_lr = [self.optimizer.lr]
 
@@ -276,6 +280,8 @@ class ConstantLR(LRScheduler):
             return [self._lr() * self.factor]
         if self.last_epoch != self.total_iters:
             return [self._lr()]
+        if self.factor == 0:  # torch divides by it; the rate it comes back to is the initial one
+            return [self.base_lrs[0]]
         return [self._lr() * (1.0 / self.factor)]
 
     def _get_closed_form_lr(self) -> List[float]:
@@ -412,6 +418,9 @@ class OneCycleLR(LRScheduler):
             raise ValueError(f"anneal_strategy must be one of 'cos' or 'linear', instead got {anneal_strategy}")
         self._anneal_func_type = anneal_strategy
         top = _one("max_lr", max_lr)
+        for name, v in (("div_factor", div_factor), ("final_div_factor", final_div_factor)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
         # torch keeps these in the param group; here the schedule keeps them (and its state_dict)
         self._group = {"initial_lr": top / div_factor, "max_lr": top, "min_lr": top / div_factor / final_div_factor}
         if last_epoch != -1 and optimizer._initial_lr is not None:
@@ -464,6 +473,19 @@ class OneCycleLR(LRScheduler):
         return [max(lr, 0.0)]
 
 
+def _steps(name: str, value: Any) -> float:
+    """A number of steps (an int, or a float as torch allows): finite, >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of steps, got {value!r}")
+    try:
+        v = float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be a finite number of steps >= 0, got {value!r}") from None
+    if not 0 <= v < math.inf:
+        raise ValueError(f"{name} must be a finite number of steps >= 0, got {value!r}")
+    return v
+
+
 class CyclicLR(LRScheduler):
     """Cyclical learning rates, stepped after every optimizer step: the rate goes from base_lr up
     to max_lr over step_size_up steps and back over step_size_down (default: the same), the
@@ -479,11 +501,11 @@ class CyclicLR(LRScheduler):
                  last_epoch: int = -1) -> None:
         optimizer = _optimizer(optimizer)
         low, self.max_lrs = _one("base_lr", base_lr), [_one("max_lr", max_lr)]
-        up = float(step_size_up)
-        down = float(step_size_down) if step_size_down is not None else up
+        up = _steps("step_size_up", step_size_up)
+        down = _steps("step_size_down", step_size_down) if step_size_down is not None else up
+        if up == 0:
+            raise ValueError("step_size_up must be > 0 (the cycle's first half divides by it)")
         self.total_size = up + down
-        if not self.total_size > 0:
-            raise ValueError(f"step_size_up + step_size_down must be > 0, got {self.total_size}")
         self.step_ratio = up / self.total_size
         if mode not in ("triangular", "triangular2", "exp_range") and scale_fn is None:
             raise ValueError("mode is invalid and scale_fn is None")
