@@ -427,7 +427,7 @@ def test_saving_keeps_links_pipes_and_permissions(tmp_path):
 @pytest.mark.parametrize("data", [
     {"segments": [None], "device_traces": []},
     {"segments": [], "device_traces": [[{"action": "alloc", "size": 8}]]},
-    {"segments": [{"blocks": [{"state": "active_allocated", "address": 1, "size": 8, "frames": {}}]}],
+    {"segments": [{"blocks": [{"state": "active_allocated", "address": 1, "size": 8, "frames": {"a": 1}}]}],
      "device_traces": []},
     {"segments": [], "device_traces": [[{"action": "oom", "size": 10**400, "time_us": 1}]]},
     {"segments": [{"blocks": [{"state": "active_allocated", "address": 1, "size": 8, "frames": [None]}]}],
