@@ -56,6 +56,7 @@ enum { IMPL_CMLP, IMPL_MEMALIGN, IMPL_MALLOC, NIMPL };
 enum { PAIRS = 1000000, REPEATS = 7, LIVE = 100, MIXED_SEQ = 1 << 16 };
 
 static cmlp_allocator *lat_alloc;
+static bool lat_history; /* the cmlp allocator records its history (every action, in a ring) */
 
 static void *get(int impl, size_t n) {
     void *p = NULL;
@@ -81,6 +82,9 @@ static void put(int impl, void *p) {
  * warm-up of PAIRS / 10, on a fresh allocator; returns ns per pair. */
 static double latency(int impl, size_t size, const size_t *mixed_size, const int *mixed_slot) {
     lat_alloc = impl == IMPL_CMLP ? new_allocator("", false) : NULL;
+    if (lat_alloc && lat_history &&
+        cmlp_allocator_record_history(lat_alloc, CMLP_HISTORY_ALL, CMLP_CONTEXT_ALL, 1 << 16, 0, false) != CMLP_OK)
+        die("record_history");
     void *live[LIVE] = {0};
     if (!size)
         for (int i = 0; i < LIVE; i++) live[i] = get(impl, mixed_size[i]);
@@ -132,6 +136,17 @@ static void bench_latency(void) {
     for (int r = 0; r < NROWS; r++)
         printf("| %s | %.1f | %.1f | %.1f | %.2f |\n", rows[r].name, best[r][IMPL_CMLP], best[r][IMPL_MEMALIGN],
                best[r][IMPL_MALLOC], best[r][IMPL_CMLP] / best[r][IMPL_MEMALIGN]);
+    /* the same 512 B pair while the history is recorded: three entries a pair (alloc,
+     * free_requested, free_completed), each with its time, in a ring of 65,536 */
+    double plain = best[0][IMPL_CMLP], recorded = 0.0;
+    lat_history = true;
+    for (int rep = 0; rep < REPEATS; rep++) {
+        double ns = latency(IMPL_CMLP, rows[0].size, mixed_size, mixed_slot);
+        if (rep == 0 || ns < recorded) recorded = ns;
+    }
+    lat_history = false;
+    printf("\nWith the memory history recorded (3 entries a pair, ring of 65,536): %s %.1f ns/pair (+%.1f ns)\n",
+           rows[0].name, recorded, recorded - plain);
     printf("\n");
 }
 

@@ -88,15 +88,22 @@ static cmlp_trace_entry *history_slot(alloc_history *h) {
     return e;
 }
 
-static void note(cmlp_allocator *a, cmlp_trace_action action, const void *addr, size_t size, const char *what,
-                 int64_t context, int64_t device_free) {
+static __attribute__((noinline)) void note_entry(cmlp_allocator *a, cmlp_trace_action action, const void *addr,
+                                                 size_t size, const char *what, int64_t context, int64_t device_free) {
     alloc_history *h = &a->hist;
-    if (h->mode != CMLP_HISTORY_ALL || (h->skip >> action & 1u)) return;
+    if (h->skip >> action & 1u) return;
     cmlp_trace_entry *e = history_slot(h);
     if (e)
         *e = (cmlp_trace_entry){.action = action, .addr = (uint64_t)(uintptr_t)addr,
                                 .size = size > (size_t)INT64_MAX ? INT64_MAX : (int64_t)size,
                                 .time_us = now_us(), .what = what, .context = context, .device_free = device_free};
+}
+
+/* Notes an action while the history is kept (one predictable branch otherwise). */
+static inline void note(cmlp_allocator *a, cmlp_trace_action action, const void *addr, size_t size, const char *what,
+                        int64_t context, int64_t device_free) {
+    if (__builtin_expect(a->hist.mode == CMLP_HISTORY_ALL, 0))
+        note_entry(a, action, addr, size, what, context, device_free);
 }
 
 /* A segment's entry, on behalf of the request being served (if any). */
@@ -695,9 +702,11 @@ static cmlp_status allocate(cmlp_allocator *a, size_t nbytes, const char *what, 
 
 static void release_block(cmlp_allocator *a, alloc_block *b) {
     int p = b->seg->pool;
-    int64_t context = context_for(a, CMLP_CONTEXT_ALL);
-    note(a, CMLP_TRACE_FREE_REQUESTED, b->ptr, b->requested, b->what, context, 0);
-    note(a, CMLP_TRACE_FREE_COMPLETED, b->ptr, b->requested, b->what, context, 0);
+    if (__builtin_expect(a->hist.mode == CMLP_HISTORY_ALL, 0)) {
+        int64_t context = context_for(a, CMLP_CONTEXT_ALL);
+        note_entry(a, CMLP_TRACE_FREE_REQUESTED, b->ptr, b->requested, b->what, context, 0);
+        note_entry(a, CMLP_TRACE_FREE_COMPLETED, b->ptr, b->requested, b->what, context, 0);
+    }
     stat(a, CMLP_STAT_ALLOCATION, p, -1);
     stat(a, CMLP_STAT_ACTIVE, p, -1);
     stat(a, CMLP_STAT_ALLOCATED_BYTES, p, -(int64_t)b->size);
