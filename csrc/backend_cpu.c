@@ -102,7 +102,17 @@ static int64_t cpu_total_memory(void *ctx) {
     return pages > 0 && page > 0 ? (int64_t)pages * page : 0;
 }
 
-/* MemAvailable (what can be had without swapping), else the free pages. */
+/* One number from a file (a cgroup's memory.max or memory.current); -1 when absent or "max". */
+static int64_t file_number(const char *path) {
+    FILE *f = fopen(path, "r");
+    long long v = -1;
+    if (f && fscanf(f, "%lld", &v) != 1) v = -1;
+    if (f) fclose(f);
+    return (int64_t)v;
+}
+
+/* MemAvailable (what can be had without swapping), else the free pages; within a cgroup (v2)
+ * memory limit, no more than the limit leaves. */
 static int64_t cpu_free_memory(void *ctx) {
     (void)ctx;
     FILE *f = fopen("/proc/meminfo", "r");
@@ -111,9 +121,19 @@ static int64_t cpu_free_memory(void *ctx) {
     while (f && fgets(line, sizeof line, f))
         if (sscanf(line, "MemAvailable: %lld kB", &kib) == 1) break;
     if (f) fclose(f);
-    if (kib >= 0) return (int64_t)kib * 1024;
-    long pages = sysconf(_SC_AVPHYS_PAGES), page = sysconf(_SC_PAGESIZE);
-    return pages > 0 && page > 0 ? (int64_t)pages * page : -1;
+    int64_t avail = -1;
+    if (kib >= 0) {
+        avail = (int64_t)kib * 1024;
+    } else {
+        long pages = sysconf(_SC_AVPHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+        if (pages > 0 && page > 0) avail = (int64_t)pages * page;
+    }
+    int64_t max = file_number("/sys/fs/cgroup/memory.max"), used = file_number("/sys/fs/cgroup/memory.current");
+    if (max >= 0 && used >= 0) {
+        int64_t room = max > used ? max - used : 0;
+        if (avail < 0 || room < avail) avail = room;
+    }
+    return avail;
 }
 
 static cmlp_status cpu_raw_alloc(void *ctx, size_t nbytes, void **out) {

@@ -118,6 +118,11 @@ static void fork_register(void) { pthread_atfork(fork_prepare, fork_release, for
 cmlp_status cmlp_device_get(cmlp_device d, cmlp_device_ctx **out) {
     CMLP_TRY(cmlp_device_check(d));
     pthread_once(&fork_once, fork_register);
+    /* the CPU backend's one-time setup registers fork handlers of its own: never under
+     * registry_lock, which fork_prepare takes (a C library may run prepare handlers while it
+     * holds the lock that registering needs) */
+    if (d.type == CMLP_DEVICE_CPU && !__atomic_load_n(&cpu_ctx, __ATOMIC_ACQUIRE))
+        (void)cmlp_backend_cpu.total_memory(NULL);
     cmlp_device_ctx **slot = d.type == CMLP_DEVICE_CPU ? &cpu_ctx : &cuda_ctx[d.index];
     cmlp_status st = CMLP_OK;
     pthread_mutex_lock(&registry_lock);

@@ -265,7 +265,8 @@ def test_summary_reports_fragmentation_and_largest_free_block():
 
 def test_configure_from_a_dict_reads_flags_and_thresholds_as_text_too():
     try:
-        for value, want in (("False", False), ("true", True), (False, False), (True, True), (None, False)):
+        for value, want in (("False", False), ("true", True), (False, False), (True, True), (None, False), (1, True),
+                            (0, False), (np.True_, True), (np.False_, False)):
             cmlp.memory.configure({"expandable_segments": value})
             assert cmlp.memory.get_config()["expandable_segments"] is want, value
         with pytest.raises(ValueError, match="expandable_segments must be True or False"):

@@ -991,6 +991,7 @@ def test_mem_get_info_counts_what_the_allocator_reserves():
     M.empty_cache(CUDA)
     free0, total = cmlp.cuda.mem_get_info()
     assert (free0, total) == M.mem_get_info(CUDA) and total == M.memory_stats(CUDA)["total_memory"]
+    assert cmlp.cuda.mem_get_info(0)[1] == total  # an index, as torch.cuda takes it
     r0 = M.memory_reserved(CUDA)
     p = M.caching_allocator_alloc(64 * MIB, CUDA)
     grown = M.memory_reserved(CUDA) - r0

@@ -422,6 +422,17 @@ def test_saving_keeps_links_pipes_and_permissions(tmp_path):
     model = cmlp.MLP([4, 3], seed=0)
     model.save(link)
     assert os.path.islink(link) and cmlp.MLP.load(target).layer_sizes == (4, 3)
+    os.chmod(target, 0o4750)
+    M._dump_snapshot(target, device=DEV)
+    assert os.stat(target).st_mode & 0o7777 == 0o750, "set-id bits are not carried over"
+    with pytest.raises(IsADirectoryError, match="names a directory"):
+        M._dump_snapshot(os.path.join(tmp_path, "newdir") + os.sep, device=DEV)
+    assert not os.path.exists(tmp_path / "newdir")
+    os.symlink("loop_b", tmp_path / "loop_a")
+    os.symlink("loop_a", tmp_path / "loop_b")
+    with pytest.raises(OSError, match="symbolic links"):
+        M._dump_snapshot(tmp_path / "loop_a", device=DEV)
+    assert os.path.islink(tmp_path / "loop_a") and os.path.islink(tmp_path / "loop_b")
 
 
 @pytest.mark.parametrize("data", [
@@ -443,3 +454,26 @@ def test_the_report_refuses_a_stream_that_claims_too_much(tmp_path):
     path.write_bytes(b"\x80\x04\x95" + (1 << 62).to_bytes(8, "little") + b".")
     with pytest.raises(ValueError, match="not a memory snapshot"):
         M.snapshot_report(path)
+
+
+def test_the_report_counts_blocks_pending_free_and_histories_without_completions():
+    """PyTorch's snapshots keep blocks "active_pending_free" until their free completes: they are
+    still allocated. A block found at the start by undoing a free is not credited to the free's
+    stack. Without free_completed entries (skip_actions), free_requested ends a block."""
+    mib = 1 << 20
+    frames = [{"filename": "train.py", "line": 3, "name": "step"}]
+    seg = {"device": 0, "address": 0, "total_size": 8 * mib, "stream": 0, "blocks": [
+        {"address": 0, "size": 4 * mib, "requested_size": 4 * mib, "state": "active_pending_free", "frames": frames},
+        {"address": 4 * mib, "size": 4 * mib, "requested_size": 4 * mib, "state": "inactive", "frames": []}]}
+    trace = [{"action": "free_requested", "addr": 4 * mib, "size": 1 * mib, "frames": frames},
+             {"action": "free_completed", "addr": 4 * mib, "size": 1 * mib, "frames": frames}]
+    text = M.snapshot_report({"segments": [seg], "device_traces": [trace]})
+    assert "peak allocated (requested bytes) over the history: 5.00 MiB before its first entry" in text, text
+    assert "(history):0:allocated before the history began" in text and "train.py:3:step <-" not in text.split(
+        "1.00 MiB  (history)")[-1][:60]
+    text = M.snapshot_report({"segments": [seg], "device_traces": [trace[:1]]})
+    assert "5.00 MiB before its first entry" in text, text
+    alloc = [{"action": "alloc", "addr": 4 * mib, "size": 2 * mib, "frames": frames},
+             {"action": "free_requested", "addr": 4 * mib, "size": 2 * mib, "frames": frames}]
+    text = M.snapshot_report({"segments": [seg], "device_traces": [alloc]})
+    assert "6.00 MiB at entry 0" in text, text

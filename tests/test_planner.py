@@ -354,22 +354,31 @@ def test_cli_plan_with_a_budget_prints_the_largest_batch(tmp_path):
 
 
 def test_cli_plan_with_a_budget_lists_the_ways_to_fit_a_step(tmp_path):
-    """Each precision, with and without recomputation: the largest micro-batch in the budget and
-    how many a step of --batch-size takes, as max_batch_size says."""
-    layers, batch, budget = [784, 512, 256, 10], 65536, 256 << 20
-    r = _cli(["--batch-size", str(batch), "--budget", "256MB", "--optimizer", "sgd"], tmp_path)
-    assert r.returncode == 0, r.stderr
-    rows = {}
-    for line in r.stdout.splitlines():
-        m = re.match(r"  (fp32|fp16|bf16)\s+(no|yes)\s+(\d+)\s+(\d+)", line)
-        if m:
-            rows[m.group(1), m.group(2)] = (int(m.group(3)), int(m.group(4)))
-            assert line.endswith("<- as planned above") == (m.group(1, 2) == ("fp32", "no"))
-    assert len(rows) == 6
-    for (prec, rc), (n, steps) in rows.items():  # the CLI's fresh process holds nothing on the CPU
-        want = M.max_batch_size(layers, budget, "sgd", None if prec == "fp32" else prec, rc == "yes")
-        assert (n, steps) == (want, -(-batch // want)), (prec, rc)
-    assert rows["fp16", "no"][0] > rows["fp32", "no"][0]
+    """Each precision, with and without recomputation: the fewest micro-batches k a step of
+    --batch-size takes within the budget and their size, the plan of k of them (a step of several
+    needs more than one alone) fitting, and k - 1 not enough."""
+    for layers, batch, budget in (([784, 512, 256, 10], 65536, 256 << 20), ([784, 4096, 4096, 10], 4096, 160 << 20)):
+        r = _cli(["--layers", ",".join(map(str, layers)), "--batch-size", str(batch), "--budget", str(budget),
+                  "--optimizer", "sgd"], tmp_path)
+        assert r.returncode == 0, r.stderr
+        rows = {}
+        for line in r.stdout.splitlines():
+            m = re.match(r"  (fp32|fp16|bf16)\s+(no|yes)\s+(\d+|none fits)\s+(\d+|-)", line)
+            if m:
+                rows[m.group(1), m.group(2)] = (0, 0) if m.group(4) == "-" else (int(m.group(3)), int(m.group(4)))
+                assert line.endswith("<- as planned above") == (m.group(1, 2) == ("fp32", "no"))
+        assert len(rows) == 6 and any(k for _, k in rows.values())
+        for (prec, rc), (micro, k) in rows.items():  # the CLI's fresh process holds nothing on the CPU
+            amp, recompute = None if prec == "fp32" else prec, rc == "yes"
+            if k == 0:
+                assert M.max_batch_size(layers, budget, "sgd", amp, recompute, accumulation_steps=2) == 0
+                continue
+            assert micro == -(-batch // k)
+            p = M.plan(layers, micro, "sgd", amp, recompute, accumulation_steps=k)
+            assert p.reserved_bytes <= budget, (prec, rc, micro, k)
+            if k > 1:
+                fewer = M.max_batch_size(layers, budget, "sgd", amp, recompute, accumulation_steps=k - 1)
+                assert (k - 1) * fewer < batch, (prec, rc, k)
     r = _cli(["--batch-size", "64", "--budget", "1MB"], tmp_path)
     assert r.returncode == 0 and "ways to train" not in r.stdout, "nothing fits: no table"
 

@@ -9,7 +9,7 @@ import json
 import math
 import os
 import sys
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 from . import MLP, Trainer, build_info, cuda, datasets, distributed, memory, optim
 from .optim import lr_scheduler
@@ -258,16 +258,41 @@ def _options(a: argparse.Namespace, optimizer: str, room: int) -> None:
     """What each way of saving memory lets a step of --batch-size do in the budget: the largest
     micro-batch, and how many of them a step of the batch takes (what auto_microbatch or
     accumulation_steps would run)."""
-    rows = [(amp, recompute, memory.max_batch_size(a.layers, room, optimizer, amp, recompute, device=a.device))
+    rows = [(amp, recompute, *_split(a, optimizer, amp, recompute, room))
             for recompute in (False, True) for amp in (None, "fp16", "bf16")]
-    if not any(n for _, _, n in rows):
+    if not any(k for *_, k in rows):
         return
     print(f"ways to train steps of {a.batch_size} samples in it (micro-batches accumulate to the same update):")
-    print(f"  {'precision':<10}{'recompute':<11}{'largest micro-batch':>20}{'micro-batches a step':>22}")
-    for amp, recompute, n in rows:
-        steps = -(-a.batch_size // n) if n else "none fits"
+    print(f"  {'precision':<10}{'recompute':<11}{'micro-batch':>12}{'micro-batches a step':>22}")
+    for amp, recompute, micro, k in rows:
         mark = "  <- as planned above" if amp == a.amp and not recompute else ""
-        print(f"  {amp or 'fp32':<10}{'yes' if recompute else 'no':<11}{n:>20}{steps:>22}{mark}")
+        print(f"  {amp or 'fp32':<10}{'yes' if recompute else 'no':<11}{micro or 'none fits':>12}{k or '-':>22}{mark}")
+
+
+def _split(a: argparse.Namespace, optimizer: str, amp: Optional[str], recompute: bool, room: int) -> Tuple[int, int]:
+    """The fewest micro-batches k a step of --batch-size can be cut into within room, and their
+    size: a step of k > 1 micro-batches needs more memory than one of the same size alone, so
+    the largest micro-batch is asked for k at a time. (0, 0) when none fits."""
+    batch = a.batch_size
+
+    def largest(k: int) -> int:
+        return memory.max_batch_size(a.layers, room, optimizer, amp, recompute, device=a.device,
+                                     accumulation_steps=k)
+
+    n = largest(1)
+    if n >= batch:
+        return batch, 1
+    n = largest(2)
+    if n == 0:
+        return 0, 0
+    k = max(2, -(-batch // n))
+    while True:  # the largest micro-batch shrinks with k only a little, if at all
+        n = largest(k)
+        if n == 0:
+            return 0, 0
+        if k * n >= batch:
+            return -(-batch // k), k
+        k = max(k + 1, -(-batch // n))
 
 
 def _info() -> int:

@@ -1,4 +1,5 @@
 """Files written whole or not at all."""
+import errno
 import os
 import stat
 import tempfile
@@ -26,9 +27,11 @@ def atomic_write(path: "os.PathLike[str] | str", write: Callable[[IO[bytes]], No
     file takes the old one's permissions, or those the umask gives a new file. Errors name the
     caller's path."""
     path = os.fsdecode(path)  # str, bytes or os.PathLike
-    if os.path.isdir(path):
-        raise IsADirectoryError(f"cannot save to {path!r}: it is a directory")
+    if os.path.isdir(path) or not os.path.basename(path):
+        raise IsADirectoryError(f"cannot save to {path!r}: it {'is' if os.path.isdir(path) else 'names'} a directory")
     target = os.path.realpath(path)
+    if os.path.islink(target):  # realpath stops at a loop of links
+        raise OSError(errno.ELOOP, f"cannot save to {path!r}: too many levels of symbolic links")
     try:
         mode = os.stat(target).st_mode
     except OSError:
@@ -43,7 +46,7 @@ def atomic_write(path: "os.PathLike[str] | str", write: Callable[[IO[bytes]], No
     except OSError as e:  # said of the caller's path, not of the temporary file's
         raise type(e)(e.errno, f"cannot save to {path!r}: {e.strerror} (directory {directory!r})") from None
     try:
-        os.fchmod(fd, stat.S_IMODE(mode) if mode is not None else 0o666 & ~_umask())
+        os.fchmod(fd, mode & 0o777 if mode is not None else 0o666 & ~_umask())  # never set-id bits
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

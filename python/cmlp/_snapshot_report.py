@@ -66,21 +66,32 @@ def _python_frames(frames: List[Dict[str, Any]], depth: int) -> List[str]:
 
 
 Block = Tuple[int, List[Dict[str, Any]]]  # bytes requested, frames
+LIVE = ("active_allocated", "active_pending_free")  # allocated until the free completes
+BEFORE = {"filename": "(history)", "line": 0, "name": "allocated before the history began"}
+
+
+def _release(trace: List[Dict[str, Any]]) -> str:
+    """The action that ends a block: free_completed, or free_requested where the history kept no
+    completions (skip_actions)."""
+    return "free_completed" if any(e.get("action") == "free_completed" for e in trace) else "free_requested"
 
 
 def _replay(segments: List[Dict[str, Any]], trace: List[Dict[str, Any]]) -> Tuple[Dict[int, Block], int, int]:
     """The live blocks before the history's first entry, and where (entry index, -1: before the
-    first) and how high the allocated bytes peaked."""
+    first) and how high the allocated bytes peaked. A block found live at the start by undoing a
+    free keeps only what it holds (cmlp's frame): the free's stack did not allocate it."""
     live: Dict[int, Block] = {}
     for seg in segments:
         for b in seg.get("blocks", []):
-            if b.get("state") == "active_allocated":
+            if b.get("state") in LIVE:
                 live[b["address"]] = (b.get("requested_size", b.get("size", 0)), b.get("frames", []))
+    release = _release(trace)
     for e in reversed(trace):
         if e.get("action") == "alloc":
             live.pop(e.get("addr"), None)
-        elif e.get("action") == "free_completed":
-            live[e["addr"]] = (e.get("size", 0), e.get("frames", []))
+        elif e.get("action") == release:
+            own = [f for f in e.get("frames", []) if f.get("filename") == "cmlp"]
+            live[e["addr"]] = (e.get("size", 0), own + [BEFORE])
     start = dict(live)
     total = peak = sum(size for size, _ in live.values())
     peak_at = -1
@@ -89,7 +100,7 @@ def _replay(segments: List[Dict[str, Any]], trace: List[Dict[str, Any]]) -> Tupl
         if act == "alloc":
             total += e.get("size", 0) - (live[e["addr"]][0] if e["addr"] in live else 0)
             live[e["addr"]] = (e.get("size", 0), e.get("frames", []))
-        elif act == "free_completed" and e.get("addr") in live:
+        elif act == release and e.get("addr") in live:
             total -= live.pop(e["addr"])[0]
         if total > peak:
             peak, peak_at = total, i
@@ -97,11 +108,11 @@ def _replay(segments: List[Dict[str, Any]], trace: List[Dict[str, Any]]) -> Tupl
 
 
 def _live_at(start: Dict[int, Block], trace: List[Dict[str, Any]], at: int) -> Dict[int, Block]:
-    live = dict(start)
+    live, release = dict(start), _release(trace)
     for e in trace[:at + 1]:
         if e.get("action") == "alloc":
             live[e["addr"]] = (e.get("size", 0), e.get("frames", []))
-        elif e.get("action") == "free_completed":
+        elif e.get("action") == release:
             live.pop(e.get("addr"), None)
     return live
 
@@ -149,7 +160,7 @@ def _report(data: Snapshot, device: Optional[int], top: int) -> str:
     trace = traces[device] if device < len(traces) else []
     out = io.StringIO()
     reserved = sum(s.get("total_size", 0) for s in segments)
-    blocks = [b for s in segments for b in s.get("blocks", []) if b.get("state") == "active_allocated"]
+    blocks = [b for s in segments for b in s.get("blocks", []) if b.get("state") in LIVE]
     out.write(f"device {device}: {_count(len(segments), 'segment')}, {_fmt(reserved)} reserved; "
               f"{_count(len(blocks), 'block')}, "
               f"{_fmt(sum(b.get('requested_size', b.get('size', 0)) for b in blocks))} allocated (requested)\n")

@@ -18,9 +18,12 @@ def synchronize(device: Optional[str] = None) -> None:
     _cmlp.synchronize("cuda" if device is None else device)
 
 
-def mem_get_info(device: Optional[str] = None) -> Tuple[int, int]:
-    """(free, total) bytes of a GPU (default "cuda"), as torch.cuda.mem_get_info; see
-    cmlp.memory.mem_get_info. Raises RuntimeError when CUDA is unavailable."""
+def mem_get_info(device: "Optional[str | int]" = None) -> Tuple[int, int]:
+    """(free, total) bytes of a GPU (default "cuda"; an int N is "cuda:N", as torch.cuda takes
+    it), as torch.cuda.mem_get_info; see cmlp.memory.mem_get_info. Raises RuntimeError when CUDA
+    is unavailable."""
     from .memory import mem_get_info as info
 
+    if isinstance(device, int) and not isinstance(device, bool):
+        device = f"cuda:{device}"
     return info("cuda" if device is None else device)

@@ -1,5 +1,6 @@
 """Memory statistics and controls, with torch.cuda's names and meanings, for every device
 ("cpu" included). All numbers come from the device's allocator, which owns every byte."""
+import numbers
 import re
 import threading
 from fractions import Fraction
@@ -239,9 +240,11 @@ def _config_text(config: Mapping[str, Any]) -> str:
     unknown = sorted(set(config) - known)
     if unknown:
         raise ValueError(f"Unrecognized CachingAllocator option: {unknown[0]}")
-    def flag(key: str) -> bool:  # a bool, or the text configure() reads ("True", "false", ...)
+    def flag(key: str) -> bool:  # a bool (NumPy's too), 0 or 1, or the text configure() reads ("True", ...)
         v = config.get(key)
-        if v is None or isinstance(v, bool):
+        if v is None or isinstance(v, bool) or getattr(getattr(v, "dtype", None), "kind", "") == "b":
+            return bool(v)
+        if isinstance(v, numbers.Integral) and v in (0, 1):
             return bool(v)
         if isinstance(v, str) and v.strip().lower() in ("true", "false"):
             return v.strip().lower() == "true"

@@ -20,6 +20,7 @@ Off the CPU a step reads its rate (and momentum, which OneCycleLR and CyclicLR m
 captured as a CUDA graph replays at every rate.
 """
 import math
+import numbers
 import types
 from bisect import bisect_right
 from math import inf
@@ -104,8 +105,9 @@ class LRScheduler:
             self.last_epoch = before
             self.optimizer._set_momentum(momentum)
             if isinstance(e, (ZeroDivisionError, OverflowError)):
-                raise ValueError(f"{type(self).__name__} cannot compute the rate of step {self.last_epoch + 1} "
-                                 f"with these arguments ({type(e).__name__}: {e})") from None
+                at = before + 1 if epoch is None else epoch
+                raise ValueError(f"{type(self).__name__} cannot compute the rate of epoch {at} with these "
+                                 f"arguments ({type(e).__name__}: {e})") from e
             raise
         self._last_lr = [self.optimizer.lr]
 
@@ -475,7 +477,7 @@ class OneCycleLR(LRScheduler):
 
 def _steps(name: str, value: Any) -> float:
     """A number of steps (an int, or a float as torch allows): finite, >= 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number of steps, got {value!r}")
     try:
         v = float(value)
