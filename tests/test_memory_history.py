@@ -355,14 +355,22 @@ def test_the_report_finds_the_peak_and_what_held_it(tmp_path):
 
 
 def test_the_report_names_the_requests_that_ran_out_of_memory():
+    """The model's first large request that the cache cannot serve fails (its parameters, or its
+    gradients when a cached block took the parameters): the report names it, with its size."""
+    gc.collect()
+    M.empty_cache(DEV)  # what stays cached lies in segments with live blocks
     begin()
     M.set_memory_limit(M.memory_reserved(DEV), DEV)
     with pytest.raises(cmlp.OutOfMemoryError):
-        cmlp.MLP([784, 4096, 10])
+        cmlp.MLP([784, 16384, 10])  # 51 MiB of parameters
     M.set_memory_limit(None, DEV)
-    text = M.snapshot_report(M._snapshot(DEV), top=1)
+    snap = M._snapshot(DEV)
+    text = M.snapshot_report(snap, top=1)
     assert "out of memory: 1 request failed" in text
-    assert f"{fmt(4 * (784 * 4096 + 4096 + 4096 * 10 + 10))} for parameters" in text
+    (oom,) = [e for e in snap["device_traces"][0] if e["action"] == "oom"]
+    what = oom["frames"][0]["name"]
+    assert what in ("parameters", "gradients") and oom["size"] >= 4 * (784 * 16384 + 16384 + 16384 * 10 + 10)
+    assert f"{fmt(oom['size'])} for {what}" in text
     assert "model.py:" in text and HERE in text
 
 
