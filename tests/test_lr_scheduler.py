@@ -99,6 +99,16 @@ def test_composite_schedules_are_torchs_to_the_bit(name):
     assert mine == torch_rates(topt, composites(torch.optim.lr_scheduler, topt)[name]())
 
 
+def optimizer_pair(kind, lr, momentum):
+    """torch, and the same optimizer in cmlp and torch (Adam with betas (0.9, 0.99), or SGD)."""
+    torch = pytest.importorskip("torch")
+    model, param = cmlp.MLP(SIZES), [torch.nn.Parameter(torch.zeros(1))]
+    if kind == "adam":
+        betas = (0.9, 0.99)
+        return torch, cmlp.optim.Adam(model, lr=lr, betas=betas), torch.optim.Adam(param, lr=lr, betas=betas)
+    return torch, cmlp.optim.SGD(model, lr=lr, momentum=momentum), torch.optim.SGD(param, lr=lr, momentum=momentum)
+
+
 ONE_CYCLE = [("adam", dict(max_lr=0.5, total_steps=25)),
              ("sgd", dict(max_lr=[0.3], epochs=5, steps_per_epoch=5, anneal_strategy="linear")),
              ("adam", dict(max_lr=1.0, total_steps=25, three_phase=True, pct_start=0.25, div_factor=10.0)),
@@ -107,14 +117,8 @@ ONE_CYCLE = [("adam", dict(max_lr=0.5, total_steps=25)),
 
 @pytest.mark.parametrize("kind,kw", ONE_CYCLE, ids=["adam-cos", "sgd-linear", "adam-three-phase", "sgd-no-momentum"])
 def test_one_cycle_rates_and_momenta_are_torchs_to_the_bit(kind, kw):
-    torch = pytest.importorskip("torch")
-    model = cmlp.MLP(SIZES)
-    opt = (cmlp.optim.Adam(model, lr=0.1, betas=(0.9, 0.99)) if kind == "adam" else
-           cmlp.optim.SGD(model, lr=0.1, momentum=0.9))
+    torch, opt, topt = optimizer_pair(kind, lr=0.1, momentum=0.9)
     sched = S.OneCycleLR(opt, **kw)
-    param = [torch.nn.Parameter(torch.zeros(1))]
-    topt = (torch.optim.Adam(param, lr=0.1, betas=(0.9, 0.99)) if kind == "adam" else
-            torch.optim.SGD(param, lr=0.1, momentum=0.9))
     ts = torch.optim.lr_scheduler.OneCycleLR(topt, **kw)
     for _ in range(25):
         group = topt.param_groups[0]
@@ -239,14 +243,8 @@ CYCLIC = [("adam", dict(base_lr=0.01, max_lr=0.1, step_size_up=4)),
 @pytest.mark.parametrize("kind,kw", CYCLIC, ids=["adam-triangular", "sgd-triangular2", "adam-exp-range",
                                                  "sgd-scale-fn", "sgd-no-momentum"])
 def test_cyclic_rates_and_momenta_are_torchs_to_the_bit(kind, kw):
-    torch = pytest.importorskip("torch")
-    model = cmlp.MLP(SIZES)
-    opt = (cmlp.optim.Adam(model, lr=0.3, betas=(0.9, 0.99)) if kind == "adam" else
-           cmlp.optim.SGD(model, lr=0.3, momentum=0.5))
+    torch, opt, topt = optimizer_pair(kind, lr=0.3, momentum=0.5)
     sched = S.CyclicLR(opt, **kw)
-    param = [torch.nn.Parameter(torch.zeros(1))]
-    topt = (torch.optim.Adam(param, lr=0.3, betas=(0.9, 0.99)) if kind == "adam" else
-            torch.optim.SGD(param, lr=0.3, momentum=0.5))
     ts = torch.optim.lr_scheduler.CyclicLR(topt, **kw)
     for _ in range(30):
         group = topt.param_groups[0]

@@ -1370,18 +1370,6 @@ static PyObject *mod_snapshot_history(PyObject *mod, PyObject *arg) {
     return Py_BuildValue("(NN)", list, hist);
 }
 
-static PyObject *mod_history(PyObject *mod, PyObject *arg) {
-    cmlp_device d;
-    if (parse_device(state_of(mod), arg, &d) < 0) return NULL;
-    cmlp_trace_entry *e = NULL;
-    int64_t n = 0;
-    cmlp_status st = cmlp_memory_history(d, &e, &n);
-    if (st != CMLP_OK) return raise_status(state_of(mod), st);
-    PyObject *list = history_list(e, n);
-    cmlp_memory_history_free(e);
-    return list;
-}
-
 static PyObject *mod_record_history(PyObject *mod, PyObject *args) {
     PyObject *dev;
     int mode, context, clear;
@@ -1742,7 +1730,6 @@ static PyMethodDef module_methods[] = {
     {"free", mod_free, METH_VARARGS, "free(device, ptr)"},
     {"snapshot", mod_snapshot, METH_O, "segments with their blocks, by address"},
     {"snapshot_history", mod_snapshot_history, METH_O, "(segments, history) at one instant"},
-    {"history", mod_history, METH_O, "history(device) -> [(action, addr, size, time_us, what, context, device_free)]"},
     {"record_history", mod_record_history, METH_VARARGS,
      "record_history(device, mode, context, max_entries, skip_mask, clear)"},
     {"capture_stacks", mod_capture_stacks, METH_O, "note the Python stack of every call into the core"},
