@@ -188,5 +188,5 @@ ext = Extension(
     depends=sorted(glob.glob("csrc/*.h")),
 )
 
-setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt}, package_dir={"": "python"}, packages=["cmlp", "cmlp.nn", "cmlp.optim"],
+setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt}, package_dir={"": "python"}, packages=["cmlp", "cmlp.distributed", "cmlp.nn", "cmlp.optim"],
       package_data={"cmlp": ["py.typed", "*.pyi"]})

@@ -14,8 +14,14 @@ DistributedDataParallel (backend gloo) in the same run.
   - one process: the same workload on one process with RANKS threads (cmlp fit; PyTorch's loop
     with torch.set_num_threads(RANKS)) at batch B * RANKS: the update data parallelism must
     match, on the same cores.
-Every number is the best of REPEATS runs. Targets: cmlp's data-parallel samples/s at least
-PyTorch DDP's at every batch.
+  - sharded optimizer state (--zero, ZeRO stage 1): cmlp's ZeroRedundancyOptimizer(model,
+    Adam) in the same fit, against torch.distributed.optim.ZeroRedundancyOptimizer(Adam) under
+    DDP in the same loop; besides samples/s, the largest optimizer state any rank holds (bytes
+    of Adam's buffers) and cmlp's peak allocated memory on rank 0 (max_memory_allocated),
+    sharded and not.
+Every number is the best of REPEATS runs (memory is the same in every run). Targets: cmlp's
+data-parallel samples/s at least PyTorch DDP's at every batch, sharded or not; sharded, no rank
+holds more than 1/RANKS of the state (rounded up to 64 floats).
 
 Run from the repository root (needs mpirun; PyTorch optional):
     PYTHONPATH=python python3 bench/bench_distributed.py [--ranks 2] [--batches 32,512]
@@ -52,23 +58,28 @@ def data():
 
 # ---------------------------------------------------------------- workers (one rank each)
 
-def cmlp_worker(batch):
+def cmlp_worker(batch, zero):
     import cmlp
     d = cmlp.distributed
     d.init_process_group("mpi")
     x, y = data()
     model = cmlp.MLP(SIZES, seed=0)
-    trainer = cmlp.Trainer(model, cmlp.optim.Adam(model, lr=1e-3), batch_size=batch)
+    opt = (d.optim.ZeroRedundancyOptimizer(model, cmlp.optim.Adam, lr=1e-3) if zero
+           else cmlp.optim.Adam(model, lr=1e-3))
+    trainer = cmlp.Trainer(model, opt, batch_size=batch)
     steps = -(-len(x) // (batch * d.get_world_size()))
     warm = min(WARM, steps) * batch * d.get_world_size()
     trainer.fit(x[:warm], y[:warm], epochs=1, progress=False)
     h = trainer.fit(x, y, epochs=1, progress=False)[0]
+    state = np.array([cmlp.memory.memory_breakdown().get("optimizer state", 0)], dtype=np.int64)
+    d.all_reduce(state, "max")
     if d.get_rank() == 0:
-        print(json.dumps({"samples_per_second": h["samples_per_second"], "steps": steps, "loss": h["loss"]}))
+        print(json.dumps({"samples_per_second": h["samples_per_second"], "steps": steps, "loss": h["loss"],
+                          "state": int(state[0]), "peak": cmlp.memory.max_memory_allocated()}))
     d.destroy_process_group()
 
 
-def torch_worker(batch, steps, port):
+def torch_worker(batch, steps, port, zero):
     import torch
     import torch.distributed as td
     import torch.nn as nn
@@ -81,7 +92,11 @@ def torch_worker(batch, steps, port):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10))
     model = nn.parallel.DistributedDataParallel(net)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+    if zero:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3, fused=True)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
     loss_fn = nn.CrossEntropyLoss()
     g = torch.Generator().manual_seed(0)
     perm = torch.randperm(len(xt), generator=g)
@@ -102,8 +117,13 @@ def torch_worker(batch, steps, port):
     run(steps)
     td.barrier()
     seconds = time.perf_counter() - t0
+    local = opt.optim if zero else opt  # ZeroRedundancyOptimizer: this rank's own optimizer
+    held = sum(v.numel() * v.element_size() for s in local.state.values() for k, v in s.items()
+               if k in ("exp_avg", "exp_avg_sq"))
+    state = torch.tensor([held], dtype=torch.int64)
+    td.all_reduce(state, op=td.ReduceOp.MAX)
     if rank == 0:
-        print(json.dumps({"samples_per_second": steps * per_step / seconds}))
+        print(json.dumps({"samples_per_second": steps * per_step / seconds, "state": int(state[0])}))
     td.destroy_process_group()
 
 
@@ -165,11 +185,12 @@ def main():
     ap.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--zero", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker == "cmlp":
-        return cmlp_worker(a.batch)
+        return cmlp_worker(a.batch, a.zero)
     if a.worker == "torch":
-        return torch_worker(a.batch, a.steps, a.port)
+        return torch_worker(a.batch, a.steps, a.port, a.zero)
     if not shutil.which("mpirun"):
         sys.exit("bench_distributed: mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)")
     try:
@@ -179,16 +200,24 @@ def main():
         have_torch = False
     import cmlp
     batches = [int(b) for b in a.batches.split(",")]
-    best = {b: {"cmlp": 0.0, "torch": 0.0, "cmlp1": 0.0, "torch1": 0.0} for b in batches}
+    best = {b: {"cmlp": 0.0, "torch": 0.0, "cmlp1": 0.0, "torch1": 0.0, "zcmlp": 0.0, "ztorch": 0.0}
+            for b in batches}
+    memory = {}  # (library, sharded) -> largest state on a rank (and cmlp's peak)
     port = 29500 + os.getpid() % 1000
     for rep in range(REPEATS):
         for b in batches:
-            r = job(a.ranks, ["--worker", "cmlp", "--batch", str(b)])
-            best[b]["cmlp"] = max(best[b]["cmlp"], r["samples_per_second"])
-            if have_torch:
-                t = job(a.ranks, ["--worker", "torch", "--batch", str(b), "--steps", str(r["steps"]), "--port",
-                                  str(port + rep * 10 + batches.index(b))])
-                best[b]["torch"] = max(best[b]["torch"], t["samples_per_second"])
+            for zero in (False, True):
+                flag = ["--zero"] if zero else []
+                r = job(a.ranks, ["--worker", "cmlp", "--batch", str(b)] + flag)
+                key = "zcmlp" if zero else "cmlp"
+                best[b][key] = max(best[b][key], r["samples_per_second"])
+                memory["cmlp", zero] = (r["state"], r["peak"])
+                if have_torch:
+                    t = job(a.ranks, ["--worker", "torch", "--batch", str(b), "--steps", str(r["steps"]), "--port",
+                                      str(port + rep * 20 + 2 * batches.index(b) + zero)] + flag)
+                    key = "ztorch" if zero else "torch"
+                    best[b][key] = max(best[b][key], t["samples_per_second"])
+                    memory["torch", zero] = (t["state"], None)
             best[b]["cmlp1"] = max(best[b]["cmlp1"], cmlp_single(b * a.ranks, a.ranks))
             if have_torch:
                 best[b]["torch1"] = max(best[b]["torch1"], torch_single(b * a.ranks, a.ranks))
@@ -207,6 +236,26 @@ def main():
         print(f"| {b} x {a.ranks} | {r['cmlp']:,.0f} | {r['torch']:,.0f} | {ratio:.2f}x | {r['cmlp1']:,.0f} | "
               f"{r['torch1']:,.0f} |")
     print(f"target: cmlp data-parallel >= PyTorch DDP at every batch: {'met' if met else 'MISSED'}")
+    print()
+    print("sharded optimizer state (ZeroRedundancyOptimizer):")
+    print("| batch per rank x ranks | cmlp samples/s | PyTorch ZeRO + DDP samples/s | ratio | cmlp unsharded |")
+    print("|---|---:|---:|---:|---:|")
+    for b in batches:
+        r = best[b]
+        ratio = r["zcmlp"] / r["ztorch"] if r["ztorch"] else float("nan")
+        met = met and (not have_torch or ratio >= 1.0)
+        print(f"| {b} x {a.ranks} | {r['zcmlp']:,.0f} | {r['ztorch']:,.0f} | {ratio:.2f}x | {r['cmlp']:,.0f} |")
+    n = sum(i * o + o for i, o in zip(SIZES, SIZES[1:]))
+    part = 2 * 4 * -(-(-(-n // a.ranks)) // 64) * 64
+    print(f"largest Adam state on a rank: cmlp {memory['cmlp', False][0]:,} B unsharded, "
+          f"{memory['cmlp', True][0]:,} B sharded (1/{a.ranks} in parts of 64 floats: {part:,} B)"
+          + (f"; PyTorch {memory['torch', False][0]:,} B unsharded, {memory['torch', True][0]:,} B sharded "
+             "(whole tensors per rank)" if have_torch else ""))
+    print(f"cmlp peak allocated on rank 0: {memory['cmlp', False][1]:,} B unsharded, {memory['cmlp', True][1]:,} B "
+          "sharded")
+    met = met and memory["cmlp", True][0] == part
+    print(f"targets: cmlp >= PyTorch at every batch, sharded or not; sharded state = 1/{a.ranks}: "
+          f"{'met' if met else 'MISSED'}")
 
 
 if __name__ == "__main__":

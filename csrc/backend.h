@@ -238,6 +238,9 @@ typedef struct cmlp_backend_i {
     cmlp_status (*comm_id)(void *ctx, void *id);
     cmlp_status (*comm_init)(void *ctx, const void *id, int rank, int size, void **comm);
     cmlp_status (*comm_all_reduce)(void *ctx, void *comm, float *d_buf, int64_t n);
+    /* In place: rank r's part of d_buf, [r * chunk, (r + 1) * chunk) within n floats, to every
+     * rank; queued on the stream as comm_all_reduce is. */
+    cmlp_status (*comm_all_gather)(void *ctx, void *comm, float *d_buf, int64_t n, int64_t chunk);
     void (*comm_free)(void *ctx, void *comm);
 } cmlp_backend_i;
 
@@ -262,7 +265,7 @@ extern const cmlp_backend_i cmlp_backend_cpu;
  * recorder and returns the module below. */
 typedef cmlp_status (*cmlp_error_fn)(cmlp_status s, const char *file, int line, const char *fmt, ...);
 
-#define CMLP_CUDA_ABI 7
+#define CMLP_CUDA_ABI 8
 
 typedef struct cmlp_cuda_module {
     int abi; /* CMLP_CUDA_ABI of the library */

@@ -1132,6 +1132,9 @@ typedef int (*fn_nccl_get_unique_id)(nccl_id *);
 typedef int (*fn_nccl_comm_init_rank)(void **comm, int nranks, nccl_id id, int rank);
 typedef int (*fn_nccl_all_reduce)(const void *send, void *recv, size_t count, int type, int op, void *comm,
                                   cudaStream_t stream);
+typedef int (*fn_nccl_broadcast)(const void *send, void *recv, size_t count, int type, int root, void *comm,
+                                 cudaStream_t stream);
+typedef int (*fn_nccl_group)(void);
 typedef int (*fn_nccl_comm_destroy)(void *comm);
 typedef const char *(*fn_nccl_get_error_string)(int);
 enum { NCCL_FLOAT32 = 7, NCCL_SUM = 0 };
@@ -1143,6 +1146,8 @@ static struct {
     fn_nccl_get_unique_id get_unique_id;
     fn_nccl_comm_init_rank comm_init_rank;
     fn_nccl_all_reduce all_reduce;
+    fn_nccl_broadcast broadcast;
+    fn_nccl_group group_start, group_end;
     fn_nccl_comm_destroy comm_destroy;
     fn_nccl_get_error_string error_string;
 } nccl = {.once = PTHREAD_ONCE_INIT};
@@ -1159,9 +1164,13 @@ static void nccl_load(void) {
     nccl.get_unique_id = (fn_nccl_get_unique_id)dlsym(h, "ncclGetUniqueId");
     nccl.comm_init_rank = (fn_nccl_comm_init_rank)dlsym(h, "ncclCommInitRank");
     nccl.all_reduce = (fn_nccl_all_reduce)dlsym(h, "ncclAllReduce");
+    nccl.broadcast = (fn_nccl_broadcast)dlsym(h, "ncclBroadcast");
+    nccl.group_start = (fn_nccl_group)dlsym(h, "ncclGroupStart");
+    nccl.group_end = (fn_nccl_group)dlsym(h, "ncclGroupEnd");
     nccl.comm_destroy = (fn_nccl_comm_destroy)dlsym(h, "ncclCommDestroy");
     nccl.error_string = (fn_nccl_get_error_string)dlsym(h, "ncclGetErrorString");
-    nccl.ok = nccl.get_unique_id && nccl.comm_init_rank && nccl.all_reduce && nccl.comm_destroy && nccl.error_string;
+    nccl.ok = nccl.get_unique_id && nccl.comm_init_rank && nccl.all_reduce && nccl.broadcast && nccl.group_start &&
+              nccl.group_end && nccl.comm_destroy && nccl.error_string;
     if (!nccl.ok) snprintf(nccl.why, sizeof nccl.why, "%.400s lacks NCCL's functions", path);
 }
 
@@ -1219,6 +1228,27 @@ static cmlp_status cu_comm_all_reduce(void *ctx, void *comm, float *d_buf, int64
     if (r != 0) return FAIL(CMLP_ERR_DEVICE, "ncclAllReduce of %lld floats failed: %s (NCCL result %d)", (long long)n,
                             nccl.error_string(r), r);
     return done(c, cudaSuccess, "ncclAllReduce");
+}
+
+/* One broadcast per part, each from its owner, in one NCCL group (they run together). */
+static cmlp_status cu_comm_all_gather(void *ctx, void *comm, float *d_buf, int64_t n, int64_t chunk) {
+    cuda_ctx *c = ctx;
+    NCCL_READY();
+    CMLP_TRY_USE(c);
+    if (n <= 0) return CMLP_OK;
+    if (chunk <= 0) return FAIL(CMLP_ERR_INVALID, "all-gather parts of %lld floats", (long long)chunk);
+    pthread_mutex_lock(&c->lock);
+    int r = nccl.group_start();
+    for (int64_t lo = 0, root = 0; r == 0 && lo < n; lo += chunk, root++) {
+        size_t count = (size_t)(n - lo < chunk ? n - lo : chunk);
+        r = nccl.broadcast(d_buf + lo, d_buf + lo, count, NCCL_FLOAT32, (int)root, comm, stream_of(c));
+    }
+    int e = nccl.group_end(); /* also after a failed call: the group is closed either way */
+    if (r == 0) r = e;
+    pthread_mutex_unlock(&c->lock);
+    if (r != 0) return FAIL(CMLP_ERR_DEVICE, "the all-gather of %lld floats (ncclBroadcast) failed: %s (NCCL result %d)",
+                            (long long)n, nccl.error_string(r), r);
+    return done(c, cudaSuccess, "ncclBroadcast");
 }
 
 static void cu_comm_free(void *ctx, void *comm) {
@@ -1279,6 +1309,7 @@ static const cmlp_backend_i backend = {
     .comm_id = cu_comm_id,
     .comm_init = cu_comm_init,
     .comm_all_reduce = cu_comm_all_reduce,
+    .comm_all_gather = cu_comm_all_gather,
     .comm_free = cu_comm_free,
 };
 

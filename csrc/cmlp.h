@@ -372,6 +372,16 @@ CMLP_API cmlp_status cmlp_optim_get_buffer(const cmlp_optim *o, int i, float *ho
 CMLP_API cmlp_status cmlp_optim_set_state(cmlp_optim *o, int64_t step, int nbuffers,
                                           const float *const *host_buffers);
 CMLP_API cmlp_status cmlp_optim_to(cmlp_optim *o, cmlp_device d);
+/* ZeRO stage 1 (torch.distributed.optim.ZeroRedundancyOptimizer): with on = 1 the optimizer keeps
+ * state for this rank's part of the parameters only, part cmlp_dist_rank() of cmlp_dist_size()
+ * parts of equal length (a multiple of 64 floats; the last ones shorter, or empty for tiny
+ * models). A step updates that part from the gradient buffer (which must hold the sum over the
+ * ranks: a data-parallel trainer's) and then gathers every rank's part, so it is a collective.
+ * get_buffer then gives this rank's part in place and zeros elsewhere; set_state keeps this
+ * rank's part of the full buffers it is given. Before the first step only; on = 0 undoes it. */
+CMLP_API cmlp_status cmlp_optim_shard(cmlp_optim *o, int on);
+/* The number of parts (0: not sharded) and [*lo, *hi), the parameters whose state is kept here. */
+CMLP_API int cmlp_optim_shards(const cmlp_optim *o, int64_t *lo, int64_t *hi);
 
 /* ---- training loop ----------------------------------------------------------------------- */
 
@@ -520,11 +530,13 @@ typedef struct cmlp_plan {
     int64_t in_gradients;
 } cmlp_plan;
 
-/* optimizer_buffers: 2 for Adam, 1 for SGD with momentum, 0 for plain SGD; loss_scaling: 1 with
+/* optimizer_buffers: 2 for Adam, 1 for SGD with momentum, 0 for plain SGD; optimizer_shards: the
+ * ranks a ZeroRedundancyOptimizer shards the state over (1: none; the plan is the first rank's,
+ * whose part is the largest); loss_scaling: 1 with
  * a GradScaler; solo: 1 when every optimizer step is a single micro-batch of `batch` rows (no
  * accumulation). */
 CMLP_API cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int optimizer_buffers,
-                                       cmlp_amp amp, int recompute, int loss_scaling, int solo, cmlp_device d,
+                                       int optimizer_shards, cmlp_amp amp, int recompute, int loss_scaling, int solo, cmlp_device d,
                                        cmlp_plan *out);
 
 /* ---- build ------------------------------------------------------------------------------- */

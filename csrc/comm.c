@@ -148,6 +148,24 @@ cmlp_status cmlp_dist_broadcast(void *buf, int64_t bytes, int root) {
     return st;
 }
 
+/* Every rank says whether it computed its share of the step: a step that some rank could not
+ * compute is taken by none (the others would otherwise wait for it in the gradients' sum). */
+cmlp_status cmlp_dist_agree(cmlp_status mine) {
+    char why[1024];
+    snprintf(why, sizeof why, "%s", cmlp_last_error());
+    int64_t first_failed = mine == CMLP_OK ? INT64_MAX : cmlp_dist_rank();
+    cmlp_status st = cmlp_dist_all_reduce(&first_failed, 1, CMLP_COMM_I64, CMLP_REDUCE_MIN);
+    if (mine != CMLP_OK) {
+        if (st == CMLP_OK) cmlp_restore_error(why);
+        return st == CMLP_OK ? mine : st;
+    }
+    if (st != CMLP_OK || first_failed == INT64_MAX) return st;
+    return CMLP_FAIL(CMLP_ERR_STATE,
+                     "rank %lld of the process group could not compute its share of this step (its own error says "
+                     "why), so no rank took the step",
+                     (long long)first_failed);
+}
+
 cmlp_status cmlp_dist_barrier(void) {
     pthread_mutex_lock(&lock);
     cmlp_status st = group ? mpi->barrier() : NO_GROUP();

@@ -259,7 +259,8 @@ CMLP_HIDDEN cmlp_status cmlp_rc_fb(cmlp_model *m, const cmlp_data *xy, const int
 CMLP_HIDDEN bool cmlp_optim_state_missing(const cmlp_optim *o);
 CMLP_HIDDEN cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int64_t *d_step,
                                                float *d_coef, const double *d_rates, int64_t *d_lr_next,
-                                               int64_t *d_pos, int64_t pos_add, const cmlp_scale_step *scale);
+                                               int64_t *d_pos, int64_t pos_add, const cmlp_scale_step *scale,
+                                               void *dcomm);
 CMLP_HIDDEN void cmlp_optim_set_step(cmlp_optim *o, int64_t step);
 /* Moves whenever the optimizer's configuration or state buffer changes (a captured step that
  * baked them in is then stale). */
@@ -269,6 +270,15 @@ CMLP_HIDDEN uint64_t cmlp_optim_fingerprint(const cmlp_optim *o);
 /* The device's member of the process group's device collectives (NCCL); made on first use by
  * every rank at once (comm.c). */
 CMLP_HIDDEN cmlp_status cmlp_dist_device_comm(cmlp_device_ctx *dev, void **comm);
+/* The parameters whose optimizer state each of w ranks keeps under ZeRO stage 1 (rank r: from
+ * r * chunk): n / w rounded up to 64 floats, so that every part starts 256-byte aligned. */
+static inline int64_t cmlp_shard_chunk(int64_t n, int w) {
+    int64_t chunk = (n + w - 1) / w;
+    return (chunk + 63) / 64 * 64;
+}
+/* Every rank says whether it computed its share of a step (mine): a step that some rank could
+ * not compute is taken by none (the others would otherwise wait for it in a collective). */
+CMLP_HIDDEN cmlp_status cmlp_dist_agree(cmlp_status mine);
 /* Moves with every process group made (a trainer's communicator from an older one is gone). */
 CMLP_HIDDEN uint64_t cmlp_dist_generation(void);
 /* Makes the optimizer's state now if it has none (zeros; its first step still treats it as new). */

@@ -17,10 +17,18 @@ struct cmlp_optim {
     cmlp_adam_config adam;
     cmlp_sgd_config sgd;
     int64_t step;
-    float *state; /* NULL before the first step; [nbuffers * nparams] */
+    float *state; /* NULL before the first step; [nbuffers * span(o)] */
     bool unused;  /* state made ahead of the first step (cmlp_optim_prepare), which it still is */
     uint64_t version; /* moves whenever the configuration (but for the rate) or the state buffer changes */
+    /* ZeRO stage 1: with shards > 0 the state covers [lo, hi) of the parameters only, this rank's
+     * part of `shards` parts of `chunk` floats; a step updates that part and gathers the others */
+    int shards, shard_rank;
+    int64_t chunk, lo, hi;
 };
+
+/* The parameters whose state this optimizer keeps: [lo, lo + span). */
+static int64_t span(const cmlp_optim *o) { return o->shards ? o->hi - o->lo : o->model->nparams; }
+static int64_t first_of(const cmlp_optim *o) { return o->shards ? o->lo : 0; }
 
 cmlp_adam_config cmlp_adam_defaults(void) { return (cmlp_adam_config){1e-3, 0.9, 0.999, 1e-8, 0.0, 0}; }
 cmlp_sgd_config cmlp_sgd_defaults(void) { return (cmlp_sgd_config){0.01, 0.0, 0.0, 0.0, 0}; }
@@ -169,10 +177,56 @@ static cmlp_status check_model(const cmlp_optim *o) {
     return CMLP_OK;
 }
 
+/* Rank r's part: [r * chunk, (r + 1) * chunk) within the parameters (the last parts may be
+ * short or empty). */
+static void shard_range(const cmlp_optim *o, int r, int64_t *lo, int64_t *hi) {
+    int64_t n = o->model->nparams;
+    *lo = (int64_t)r * o->chunk < n ? (int64_t)r * o->chunk : n;
+    *hi = *lo + o->chunk < n ? *lo + o->chunk : n;
+}
+
+/* A sharded optimizer steps with the process group its parts were cut for. */
+static cmlp_status check_group(const cmlp_optim *o) {
+    if (!cmlp_dist_initialized())
+        return CMLP_FAIL(CMLP_ERR_STATE, "this optimizer's state is sharded over a process group, and the group was "
+                                         "destroyed");
+    if (cmlp_dist_size() != o->shards || cmlp_dist_rank() != o->shard_rank)
+        return CMLP_FAIL(CMLP_ERR_STATE,
+                         "this optimizer's state is sharded as rank %d of %d, and this process is rank %d of %d now",
+                         o->shard_rank, o->shards, cmlp_dist_rank(), cmlp_dist_size());
+    return CMLP_OK;
+}
+
+cmlp_status cmlp_optim_shard(cmlp_optim *o, int on) {
+    if (!o) return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer must not be NULL");
+    if (o->state || o->step > 0)
+        return CMLP_FAIL(CMLP_ERR_STATE, "the optimizer has stepped or holds state: shard it before its first step");
+    if (!on) {
+        o->shards = 0;
+        o->version++;
+        return CMLP_OK;
+    }
+    if (!cmlp_dist_initialized())
+        return CMLP_FAIL(CMLP_ERR_STATE, "no process group: call cmlp.distributed.init_process_group() first");
+    int w = cmlp_dist_size();
+    o->chunk = cmlp_shard_chunk(o->model->nparams, w);
+    o->shards = w;
+    o->shard_rank = cmlp_dist_rank();
+    shard_range(o, o->shard_rank, &o->lo, &o->hi);
+    o->version++;
+    return CMLP_OK;
+}
+
+int cmlp_optim_shards(const cmlp_optim *o, int64_t *lo, int64_t *hi) {
+    if (lo) *lo = first_of(o);
+    if (hi) *hi = first_of(o) + span(o);
+    return o->shards;
+}
+
 static cmlp_status ensure_state(cmlp_optim *o) {
     int nb = buffers_of(o);
     if (o->state || nb == 0) return CMLP_OK;
-    size_t bytes = (size_t)nb * (size_t)o->model->nparams * sizeof(float);
+    size_t bytes = (size_t)nb * (size_t)(span(o) > 0 ? span(o) : 1) * sizeof(float); /* an empty shard too */
     float *s;
     CMLP_TRY(cmlp_allocator_malloc(o->dev->alloc, bytes, "optimizer state", (void **)&s));
     cmlp_status st = o->dev->backend->fill_zero(o->dev->bctx, s, bytes);
@@ -184,6 +238,34 @@ static cmlp_status ensure_state(cmlp_optim *o) {
     o->unused = true;
     o->version++;
     return CMLP_OK;
+}
+
+/* A sharded step is a collective (its gather): the state it makes is made on every rank or on
+ * none, so that a rank that cannot make its part does not leave the others waiting. */
+static cmlp_status ensure_state_everywhere(cmlp_optim *o) {
+    if (!o->shards || o->state || buffers_of(o) == 0) return ensure_state(o);
+    CMLP_TRY(check_group(o));
+    return cmlp_dist_agree(ensure_state(o));
+}
+
+/* Every rank's part of the parameters to every rank, each sent by its owner (host memory through
+ * MPI, device memory through the device collectives, on the stream: a capture records them). */
+static cmlp_status gather(cmlp_optim *o, void *dcomm) {
+    if (!o->shards) return CMLP_OK;
+    CMLP_TRY(check_group(o));
+    cmlp_model *m = o->model;
+    if (o->dev->device.type == CMLP_DEVICE_CPU) {
+        for (int r = 0; r < o->shards; r++) {
+            int64_t lo, hi;
+            shard_range(o, r, &lo, &hi);
+            if (hi > lo) CMLP_TRY(cmlp_dist_broadcast(m->params + lo, (hi - lo) * (int64_t)sizeof(float), r));
+        }
+        return CMLP_OK;
+    }
+    if (!dcomm) CMLP_TRY(cmlp_dist_device_comm(o->dev, &dcomm)); /* collective, as the gather is */
+    if (!o->dev->backend->comm_all_gather)
+        return CMLP_FAIL(CMLP_ERR_STATE, "this device has no collectives to gather a sharded optimizer's parameters");
+    return o->dev->backend->comm_all_gather(o->dev->bctx, dcomm, m->params, m->nparams, o->chunk);
 }
 
 bool cmlp_optim_state_missing(const cmlp_optim *o) { return o->state ? o->unused : buffers_of(o) > 0; }
@@ -204,7 +286,7 @@ static uint64_t mix(uint64_t h, const void *word) {
 
 uint64_t cmlp_optim_fingerprint(const cmlp_optim *o) {
     int64_t ints[3] = {(int64_t)o->kind, o->step,
-                       (int64_t)o->sgd.nesterov * 2 + (int64_t)o->adam.decoupled_weight_decay};
+                       (int64_t)o->shards * 4 + (int64_t)o->sgd.nesterov * 2 + (int64_t)o->adam.decoupled_weight_decay};
     double reals[10] = {o->adam.lr, o->adam.beta1,       o->adam.beta2,   o->adam.eps,      o->adam.weight_decay,
                         o->sgd.lr,  o->sgd.momentum,     o->sgd.dampening, o->sgd.weight_decay, 0.0};
     uint64_t h = 1469598103934665603ull;
@@ -227,29 +309,30 @@ cmlp_status cmlp_optim_step(cmlp_optim *o) {
         } h = {o->step, cmlp_optim_get_lr(o), cmlp_optim_get_momentum(o)}; /* ds->step, then ds->rates[0..1] */
         _Static_assert(offsetof(cmlp_dscalars, rates) == offsetof(cmlp_dscalars, step) + 8, "step, then rates");
         CMLP_TRY(o->dev->backend->copy_h2d(o->dev->bctx, &ds->step, &h, sizeof h));
-        CMLP_TRY(cmlp_optim_step_device(o, NULL, &ds->step, ds->coef, ds->rates, NULL, NULL, 0, NULL));
+        CMLP_TRY(cmlp_optim_step_device(o, NULL, &ds->step, ds->coef, ds->rates, NULL, NULL, 0, NULL, NULL));
         o->step++;
         return CMLP_OK;
     }
-    CMLP_TRY(ensure_state(o));
+    CMLP_TRY(ensure_state_everywhere(o));
     bool first = o->unused;
     cmlp_model *m = o->model;
     const cmlp_backend_i *b = o->dev->backend;
-    int64_t n = m->nparams, t = o->step + 1;
+    int64_t n = span(o), at = first_of(o), t = o->step + 1;
     cmlp_fpenv fe;
     cmlp_fpenv_enter(&fe);
     cmlp_status st;
     if (o->kind == CMLP_OPTIM_ADAM) {
         const cmlp_adam_config *c = &o->adam;
         double bc1 = 1.0 - pow(c->beta1, (double)t), bc2 = 1.0 - pow(c->beta2, (double)t);
-        st = b->adam(o->dev->bctx, m->params, m->grads, o->state, o->state + n, n, (float)(c->lr / bc1),
+        st = b->adam(o->dev->bctx, m->params + at, m->grads + at, o->state, o->state + n, n, (float)(c->lr / bc1),
                      (float)c->beta1, (float)c->beta2, (float)sqrt(bc2), (float)c->eps, adam_l2(c), adam_decay(c), NULL,
                      NULL);
     } else {
         const cmlp_sgd_config *c = &o->sgd;
-        st = b->sgd(o->dev->bctx, m->params, m->grads, o->state, n, (float)c->lr, (float)c->momentum,
+        st = b->sgd(o->dev->bctx, m->params + at, m->grads + at, o->state, n, (float)c->lr, (float)c->momentum,
                     (float)c->dampening, c->nesterov, (float)c->weight_decay, first, NULL, NULL, NULL);
     }
+    if (st == CMLP_OK) st = gather(o, NULL);
     if (st == CMLP_OK) st = cmlp_model_refresh_half(m);
     cmlp_fpenv_leave(&fe);
     if (st == CMLP_OK) {
@@ -262,20 +345,26 @@ cmlp_status cmlp_optim_step(cmlp_optim *o) {
 cmlp_status cmlp_optim_get_buffer(const cmlp_optim *o, int i, float *host_out) {
     if (i < 0 || i >= cmlp_optim_num_buffers(o))
         return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer buffer %d does not exist (%d kept)", i, cmlp_optim_num_buffers(o));
-    size_t n = (size_t)o->model->nparams;
-    return o->dev->backend->copy_d2h(o->dev->bctx, host_out, o->state + (size_t)i * n, n * sizeof(float));
+    size_t n = (size_t)span(o), at = (size_t)first_of(o), all = (size_t)o->model->nparams;
+    if (o->shards) { /* the other ranks' parts are theirs */
+        memset(host_out, 0, at * sizeof(float));
+        memset(host_out + at + n, 0, (all - at - n) * sizeof(float));
+    }
+    return o->dev->backend->copy_d2h(o->dev->bctx, host_out + at, o->state + (size_t)i * n, n * sizeof(float));
 }
 
 cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int64_t *d_step, float *d_coef,
                                    const double *d_rates, int64_t *d_lr_next, int64_t *d_pos, int64_t pos_add,
-                                   const cmlp_scale_step *scale) {
+                                   const cmlp_scale_step *scale, void *dcomm) {
     CMLP_TRY(check_model(o));
-    CMLP_TRY(ensure_state(o));
+    CMLP_TRY(ensure_state_everywhere(o));
     bool first = o->unused;
     cmlp_model *m = o->model;
     const cmlp_backend_i *b = o->dev->backend;
     void *ctx = o->dev->bctx;
-    int64_t n = m->nparams;
+    int64_t n = span(o), at = first_of(o);
+    float *p = m->params + at;
+    const float *g = m->grads + at;
     bool adam = o->kind == CMLP_OPTIM_ADAM;
     cmlp_dscalars *ds;
     CMLP_TRY(cmlp_model_scalars(m, &ds));
@@ -283,23 +372,24 @@ cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int6
     cmlp_fpenv_enter(&fe);
     cmlp_status st;
     const cmlp_rate_src rate = {d_rates, d_lr_next, adam ? adam_decoupled_wd(&o->adam) : 0.0};
-    if (adam && b->adam_prepared) { /* the bookkeeping in Adam's launch */
+    if (adam && b->adam_prepared && n > 0) { /* the bookkeeping in Adam's launch */
         const cmlp_adam_config *c = &o->adam;
-        st = b->adam_prepared(ctx, m->params, m->grads, o->state, o->state + n, n, &rate, c->beta2, (float)c->eps,
-                              adam_l2(c), d_found_inf, d_step, d_coef, d_pos, pos_add, scale, &ds->blocks_done);
+        st = b->adam_prepared(ctx, p, g, o->state, o->state + n, n, &rate, c->beta2, (float)c->eps, adam_l2(c),
+                              d_found_inf, d_step, d_coef, d_pos, pos_add, scale, &ds->blocks_done);
     } else if (adam) {
         const cmlp_adam_config *c = &o->adam;
         st = b->optim_prepare(ctx, d_step, d_coef, d_found_inf, &rate, c->beta2, 1, d_pos, pos_add, scale);
         if (st == CMLP_OK)
-            st = b->adam(ctx, m->params, m->grads, o->state, o->state + n, n, 0.0f, 0.0f, (float)c->beta2, 1.0f,
-                         (float)c->eps, adam_l2(c), 1.0f, d_found_inf, d_coef);
+            st = b->adam(ctx, p, g, o->state, o->state + n, n, 0.0f, 0.0f, (float)c->beta2, 1.0f, (float)c->eps,
+                         adam_l2(c), 1.0f, d_found_inf, d_coef);
     } else {
         const cmlp_sgd_config *c = &o->sgd;
         st = b->optim_prepare(ctx, d_step, d_coef, d_found_inf, &rate, 0.0, 0, d_pos, pos_add, scale);
         if (st == CMLP_OK)
-            st = b->sgd(ctx, m->params, m->grads, o->state, n, 0.0f, (float)c->momentum, (float)c->dampening,
-                        c->nesterov, (float)c->weight_decay, first, d_found_inf, d_step, d_coef);
+            st = b->sgd(ctx, p, g, o->state, n, 0.0f, (float)c->momentum, (float)c->dampening, c->nesterov,
+                        (float)c->weight_decay, first, d_found_inf, d_step, d_coef);
     }
+    if (st == CMLP_OK) st = gather(o, dcomm);
     if (st == CMLP_OK) st = cmlp_model_refresh_half(m);
     cmlp_fpenv_leave(&fe);
     if (st == CMLP_OK && first && d_found_inf) {
@@ -322,17 +412,17 @@ cmlp_status cmlp_optim_set_state(cmlp_optim *o, int64_t step, int nbuffers, cons
     if (nbuffers != 0 && nbuffers != most)
         return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer state has %d buffers; this optimizer keeps %d", nbuffers, most);
     CMLP_TRY(check_model(o));
-    size_t n = (size_t)o->model->nparams;
+    size_t all = (size_t)o->model->nparams, n = (size_t)span(o), at = (size_t)first_of(o);
     for (int i = 0; i < nbuffers; i++)
-        for (size_t j = 0; j < n; j++)
+        for (size_t j = 0; j < all; j++)
             if (!isfinite(host[i][j]))
                 return CMLP_FAIL(CMLP_ERR_NONFINITE, "optimizer state buffer %d holds NaN or inf at %zu", i, j);
     float *s = NULL;
-    if (nbuffers) {
-        size_t bytes = (size_t)nbuffers * n * sizeof(float);
+    if (nbuffers) { /* sharded: this rank's part of each */
+        size_t bytes = (size_t)nbuffers * (n > 0 ? n : 1) * sizeof(float);
         CMLP_TRY(cmlp_allocator_malloc(o->dev->alloc, bytes, "optimizer state", (void **)&s));
         for (int i = 0; i < nbuffers; i++) {
-            cmlp_status st = o->dev->backend->copy_h2d(o->dev->bctx, s + (size_t)i * n, host[i], n * sizeof(float));
+            cmlp_status st = o->dev->backend->copy_h2d(o->dev->bctx, s + (size_t)i * n, host[i] + at, n * sizeof(float));
             if (st != CMLP_OK) {
                 (void)cmlp_allocator_free(o->dev->alloc, s);
                 return st;
@@ -355,7 +445,7 @@ cmlp_status cmlp_optim_to(cmlp_optim *o, cmlp_device d) {
     if (to == o->dev) return CMLP_OK;
     if (o->state) {
         void *s = o->state;
-        CMLP_TRY(cmlp_buffer_move(o->dev, to, &s, (size_t)buffers_of(o) * (size_t)o->model->nparams * sizeof(float),
+        CMLP_TRY(cmlp_buffer_move(o->dev, to, &s, (size_t)buffers_of(o) * (size_t)(span(o) > 0 ? span(o) : 1) * sizeof(float),
                                   "optimizer state"));
         o->state = s;
     }

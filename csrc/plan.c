@@ -47,8 +47,8 @@ static const cmlp_backend_i paper_backend = {
     .vm_release = paper_free,
 };
 
-cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int optimizer_buffers, cmlp_amp amp,
-                              int recompute, int loss_scaling, int solo, cmlp_device d, cmlp_plan *out) {
+cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int optimizer_buffers, int optimizer_shards,
+                              cmlp_amp amp, int recompute, int loss_scaling, int solo, cmlp_device d, cmlp_plan *out) {
     if (!sizes || !out || nsizes < 2 || nsizes > CMLP_MAX_LAYERS + 1)
         return CMLP_FAIL(CMLP_ERR_INVALID, "layer_sizes must list 2 to %d sizes", CMLP_MAX_LAYERS + 1);
     for (int i = 0; i < nsizes; i++)
@@ -66,6 +66,8 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
                          (long long)batch, (long long)width_sum);
     if (optimizer_buffers < 0 || optimizer_buffers > 2)
         return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer state buffers must be 0, 1 or 2");
+    if (optimizer_shards < 1 || optimizer_shards > (1 << 20))
+        return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer_shards must be in [1, 2**20], got %d", optimizer_shards);
     cmlp_device_ctx *dev;
     CMLP_TRY(cmlp_device_get(d, &dev));
     int L = nsizes - 1;
@@ -92,7 +94,9 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
     memset(out, 0, sizeof *out);
     out->parameters = nparams * 4;
     out->gradients = nparams * 4;
-    out->optimizer_state = (int64_t)optimizer_buffers * nparams * 4;
+    /* sharded, the first rank's part (the largest) */
+    int64_t kept = optimizer_shards > 1 ? cmlp_shard_chunk(nparams, optimizer_shards) : nparams;
+    out->optimizer_state = (int64_t)optimizer_buffers * (kept < nparams ? kept : nparams) * 4;
     out->half_weights = amp && !compact ? nparams * 2 : 0;
     out->activations = (int64_t)act;
     out->in_gradients = compact ? (int64_t)(inside_bytes + half_in) : 0;

@@ -266,23 +266,6 @@ static cmlp_status step_grads(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_dat
     return t->scaler.enabled ? b->fill_zero(ctx, &ds->found_inf, sizeof ds->found_inf) : CMLP_OK;
 }
 
-/* Every rank says whether it computed its share of the step: a step that some rank could not
- * compute is taken by none (the others would otherwise wait for it in the gradients' sum). */
-static cmlp_status agree(cmlp_status mine) {
-    char why[1024];
-    snprintf(why, sizeof why, "%s", cmlp_last_error());
-    int64_t first_failed = mine == CMLP_OK ? INT64_MAX : cmlp_dist_rank();
-    cmlp_status st = cmlp_dist_all_reduce(&first_failed, 1, CMLP_COMM_I64, CMLP_REDUCE_MIN);
-    if (mine != CMLP_OK) {
-        if (st == CMLP_OK) cmlp_restore_error(why);
-        return st == CMLP_OK ? mine : st;
-    }
-    if (st != CMLP_OK || first_failed == INT64_MAX) return st;
-    return CMLP_FAIL(CMLP_ERR_STATE,
-                     "rank %lld of the process group could not compute its share of this step (its own error says "
-                     "why), so no rank took the step",
-                     (long long)first_failed);
-}
 
 /* torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm) on the device: the L2 norm of the
  * step's gradients, counted in ds (a finite one) and applied by the clipping pass. */
@@ -326,7 +309,7 @@ static cmlp_status step_update(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_da
                              s->backoff_factor, (int32_t)s->growth_interval};
     return cmlp_optim_step_device(t->optim, found_inf, &ds->step, ds->coef, ds->rates,
                                   t->rates ? &ds->lr_next : NULL, xy->pos ? &ds->pos : NULL, n_all,
-                                  s->enabled ? &scale : NULL);
+                                  s->enabled ? &scale : NULL, t->dcomm);
 }
 
 /* One optimizer step as a capture records it: this rank's k samples of n_all (see step_grads),
@@ -353,8 +336,9 @@ static cmlp_status one_sample_oom(cmlp_trainer *t, const char *cause) {
     cmlp_plan p;
     char b[8][32];
     int solo = effective_batch(t) == 1; /* steps of one sample, or accumulating micro-batches of one */
-    if (cmlp_plan_compute(m->sizes, m->nlayers + 1, 1, optimizer_buffers(t), t->cfg.amp, t->cfg.recompute,
-                          t->scaler.enabled, solo, m->dev->device, &p) != CMLP_OK)
+    int shards = cmlp_optim_shards(t->optim, NULL, NULL);
+    if (cmlp_plan_compute(m->sizes, m->nlayers + 1, 1, optimizer_buffers(t), shards ? shards : 1, t->cfg.amp,
+                          t->cfg.recompute, t->scaler.enabled, solo, m->dev->device, &p) != CMLP_OK)
         return CMLP_FAIL(CMLP_ERR_OOM, "even a micro-batch of 1 sample does not fit: %s", why);
     int64_t v[8] = {p.parameters, p.gradients, p.optimizer_state, p.half_weights, p.activations, p.workspace,
                     p.peak_allocated, p.peak_reserved};
@@ -406,7 +390,7 @@ static cmlp_status robust_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_da
         cmlp_status st = step_grads(t, ds, xy, idx, start, k, n_all);
         bool agreed = false;
         if (st == CMLP_OK && t->dist) {
-            st = agree(CMLP_OK);
+            st = cmlp_dist_agree(CMLP_OK);
             agreed = true;
         }
         if (st == CMLP_OK) st = step_update(t, ds, xy, n_all);
@@ -418,14 +402,14 @@ static cmlp_status robust_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_da
             return CMLP_OK;
         }
         if (st != CMLP_ERR_OOM || !t->cfg.auto_microbatch || agreed)
-            return t->dist && !agreed ? agree(st) : st;
+            return t->dist && !agreed ? cmlp_dist_agree(st) : st;
         CMLP_TRY(b->copy_d2d(ctx, &ds->loss, &ds->loss_mark, sizeof ds->loss));
         cmlp_model_release_workspace(t->model);
         cmlp_allocator_empty_cache(t->model->dev->alloc);
         if (t->micro == 1) {
             t->micro = micro_before; /* nothing worked: the next step starts where this one did */
             st = one_sample_oom(t, cmlp_last_error());
-            return t->dist ? agree(st) : st;
+            return t->dist ? cmlp_dist_agree(st) : st;
         }
         t->micro /= 2;
         t->good_steps = 0;
@@ -522,7 +506,7 @@ static cmlp_status graph_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_dat
         cmlp_status end = b->capture_end(dev->bctx, &g);
         if (st == CMLP_OK) st = end;
     }
-    if (t->dist) st = agree(st); /* every rank captured this step: one failed, all run it eagerly */
+    if (t->dist) st = cmlp_dist_agree(st); /* every rank captured this step: one failed, all run it eagerly */
     if (st == CMLP_OK) {
         t->graph = g;
         t->graph_dev = dev;
@@ -643,6 +627,9 @@ cmlp_status cmlp_trainer_set_distributed(cmlp_trainer *t, int on) {
 /* Data-parallel, the group is still there (and the trainer's device collectives are its
  * model's device's: where the model moved, epoch_begin and step join the group again). */
 static cmlp_status check_group(cmlp_trainer *t, bool joined) {
+    if (!t->dist && cmlp_optim_shards(t->optim, NULL, NULL))
+        return CMLP_FAIL(CMLP_ERR_STATE, "this optimizer's state is sharded over the process group: it steps from "
+                                         "gradients summed over the ranks, in a data-parallel trainer");
     if (!t->dist) return CMLP_OK;
     if (!cmlp_dist_initialized())
         return CMLP_FAIL(CMLP_ERR_STATE, "this trainer is data-parallel, and the process group was destroyed");
@@ -666,7 +653,7 @@ cmlp_status cmlp_trainer_step(cmlp_trainer *t, const cmlp_data *xy, double *loss
         if (st == CMLP_OK && xy->n > CMLP_MAX_STEP_SAMPLES / cmlp_dist_size())
             st = CMLP_FAIL(CMLP_ERR_INVALID, "a batch of %lld samples on each of %d ranks is more than 2**62",
                            (long long)xy->n, cmlp_dist_size());
-        CMLP_TRY(agree(st));
+        CMLP_TRY(cmlp_dist_agree(st));
         CMLP_TRY(same_settings(t, CALL_STEP, xy));
         CMLP_TRY(join_device_group(t));
         CMLP_TRY(cmlp_dist_all_reduce(&n_all, 1, CMLP_COMM_I64, CMLP_REDUCE_SUM));
@@ -677,7 +664,7 @@ cmlp_status cmlp_trainer_step(cmlp_trainer *t, const cmlp_data *xy, double *loss
     CMLP_TRY(st);
     cmlp_dscalars *ds;
     st = run_begin(t, &ds, NULL, NULL, 0); /* it may allocate: data-parallel, the ranks agree on it */
-    CMLP_TRY(t->dist ? agree(st) : st);
+    CMLP_TRY(t->dist ? cmlp_dist_agree(st) : st);
     cmlp_fpenv fe;
     cmlp_fpenv_enter(&fe);
     st = robust_step(t, ds, xy, NULL, 0, xy->n, n_all);
@@ -707,7 +694,7 @@ cmlp_status cmlp_trainer_epoch_begin(cmlp_trainer *t, const cmlp_data *xy, int s
     CMLP_TRY(check_group(t, false));
     cmlp_status valid = cmlp_data_validate(t->model, xy, true);
     if (t->dist) {
-        CMLP_TRY(agree(valid));
+        CMLP_TRY(cmlp_dist_agree(valid));
         CMLP_TRY(same_settings(t, CALL_EPOCH, xy));
         CMLP_TRY(join_device_group(t));
         static const char *const names[2] = {"the data set's sample count", "the data set's image type"};
@@ -759,7 +746,7 @@ static cmlp_status epoch_run(cmlp_trainer *t, int64_t max_steps, const double *l
     const bool graphs = t->model->dev->backend->capture_begin != NULL; /* the device has graphs */
     cmlp_dscalars *ds;
     cmlp_status s = run_begin(t, &ds, lr, momentum, nlr); /* it may allocate: data-parallel, the ranks agree */
-    CMLP_TRY(t->dist ? agree(s) : s);
+    CMLP_TRY(t->dist ? cmlp_dist_agree(s) : s);
     const int64_t steps_before = st->steps;
     const double lr_before = cmlp_optim_get_lr(t->optim), momentum_before = cmlp_optim_get_momentum(t->optim);
     cmlp_fpenv fe;

@@ -14,9 +14,9 @@ D = cmlp.distributed
 SIZES = [784, 48, 10]
 
 
-def data(n, seed=0):
+def data(n, seed=0, sizes=SIZES):
     rng = np.random.default_rng(seed)
-    return rng.integers(0, 256, size=(n, SIZES[0]), dtype=np.uint8), rng.integers(0, SIZES[-1], size=n)
+    return rng.integers(0, 256, size=(n, sizes[0]), dtype=np.uint8), rng.integers(0, sizes[-1], size=n)
 
 
 def optimizer(model, kind):
@@ -277,7 +277,123 @@ def regroup_case(opts):
                 scale=float(np.abs(q).max()))
 
 
-CASES = {"regroup": regroup_case, "backend": backend_case, "evaluation": evaluation_case, "uncaught": uncaught_case, "fit": fit_case, "step": step_case, "failure": failure_case, "mismatch": mismatch_case,
+def state_bytes():
+    return cmlp.memory.memory_breakdown(DEVICE[0]).get("optimizer state", 0)
+
+
+DEVICE = ["cpu"]
+
+
+def zero_case(opts):
+    """ZeroRedundancyOptimizer against the same data-parallel run with the optimizer whole: the
+    same parameters bit for bit, the state of 1/world of the parameters on each rank, the
+    consolidated state equal to the whole optimizer's, and a state loaded back that trains on the
+    same."""
+    w, r = D.get_world_size(), D.get_rank()
+    device = DEVICE[0] = opts.get("device", "cpu")
+    Z = D.optim.ZeroRedundancyOptimizer
+    sizes = opts.get("sizes", SIZES)
+    x, y = data(opts.get("n", 400), sizes=sizes)
+    kind = opts.get("opt", "adam")
+    settings = {"adam": (cmlp.optim.Adam, dict(lr=1e-3)), "adamw": (cmlp.optim.AdamW, dict(lr=1e-3)),
+                "sgd": (cmlp.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True))}[kind]
+    kw = dict(batch_size=16, accumulation_steps=opts.get("accum", 1), amp=opts.get("amp"),
+              max_grad_norm=opts.get("clip"), seed=2)
+
+    def scaler():  # each run its own
+        return cmlp.amp.GradScaler(init_scale=opts["init_scale"]) if "init_scale" in opts else None
+
+    def run(sharded, epochs=2, state=None):
+        model = cmlp.MLP(sizes, seed=10 + r, device=device)
+        before = state_bytes()
+        opt = Z(model, settings[0], **settings[1]) if sharded else settings[0](model, **settings[1])
+        trainer = cmlp.Trainer(model, opt, scaler=scaler(), **kw)
+        if state is not None:
+            model.load_state_dict(state[0])
+            opt.load_state_dict(state[1])
+        hist = trainer.fit(x, y, epochs=epochs, progress=False) if epochs else []
+        held = state_bytes() - before
+        return model, opt, hist, held
+
+    m1, o1, h1, held1 = run(False)
+    m2, o2, h2, held2 = run(True)
+    o2.consolidate_state_dict(to=w - 1)
+    whole = o1.state_dict()
+    same_state = np.zeros(1, dtype=np.int64)
+    if r == w - 1:
+        mine = o2.state_dict()
+        same_state[0] = all(np.array_equal(mine["state"][i][k], whole["state"][i][k])
+                            for i in whole["state"] for k in whole["state"][i])
+        same_state[0] &= mine["param_groups"] == whole["param_groups"]
+    D.all_reduce(same_state)  # rank w - 1's verdict
+    refused = None
+    if r != w - 1:
+        try:
+            o2.state_dict()
+        except RuntimeError as e:
+            refused = str(e)
+    # a checkpoint of the first epoch, loaded into a sharded optimizer, continues as the whole one
+    m3, o3, _, _ = run(False, epochs=1)
+    m4, o4, _, _ = run(True, epochs=0, state=(m3.state_dict(), o3.state_dict()))
+    cmlp.Trainer(m3, o3, scaler=scaler(), **kw).fit(x, y, epochs=1, progress=False)
+    cmlp.Trainer(m4, o4, scaler=scaler(), **kw).fit(x, y, epochs=1, progress=False)
+    lo, hi = o2.shard.start, o2.shard.stop
+    return dict(world=w, same_params=bool(np.array_equal(params(m1), params(m2))), rank_spread=spread(params(m2)),
+                loss=[h["loss"] for h in h2], ref_loss=[h["loss"] for h in h1], held=[held1, held2],
+                shard=[lo, hi], n=m2.num_parameters(), same_state=bool(same_state[0]), refused=refused,
+                resumed=bool(np.array_equal(params(m3), params(m4))),
+                skipped=[h["skipped_steps"] for h in h2], ref_skipped=[h["skipped_steps"] for h in h1])
+
+
+def zero_errors_case(opts):
+    """What a ZeroRedundancyOptimizer refuses, and a step taken outside a trainer."""
+    w, r = D.get_world_size(), D.get_rank()
+    Z = D.optim.ZeroRedundancyOptimizer
+    model = cmlp.MLP(SIZES, seed=r)
+    out = {}
+    for name, call in (("class", lambda: Z(model, "adam")), ("nested", lambda: Z(model, Z)),
+                       ("group", lambda: Z(model, cmlp.optim.Adam, process_group=object())),
+                       ("overlap", lambda: Z(model, cmlp.optim.Adam, overlap_with_ddp=True)),
+                       ("bucket", lambda: Z(model, cmlp.optim.Adam, parameters_as_bucket_view="yes")),
+                       ("setting", lambda: Z(model, cmlp.optim.Adam, lr=-1.0)),
+                       ("alone", lambda: cmlp.Trainer(model, Z(model, cmlp.optim.SGD), distributed=False)),
+                       ("to", lambda: Z(model, cmlp.optim.Adam).consolidate_state_dict(to=w)),
+                       ("unconsolidated", lambda: Z(model, cmlp.optim.Adam).state_dict())):
+        try:
+            call()
+            out[name] = None
+        except (TypeError, ValueError, RuntimeError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    stepped = cmlp.optim.Adam(model)
+    model.forward_backward(*data(8))
+    stepped.step()
+    try:
+        stepped._c.shard(True)
+        out["after_step"] = None
+    except RuntimeError as e:
+        out["after_step"] = str(e)
+    # step() on its own is a collective: each rank updates its part from its own gradients here,
+    # and every rank ends with the same parameters
+    opt = Z(model, cmlp.optim.SGD, lr=0.1, momentum=0.5)
+    x, y = data(8, seed=r)
+    before = params(model)
+    for _ in range(2):
+        model.zero_grad()
+        model.forward_backward(x, y)
+        opt.step()
+    out["step_spread"] = spread(params(model))
+    out["moved"] = bool(not np.array_equal(before, params(model)))
+    # a group made again with the same ranks keeps the parts
+    D.destroy_process_group()
+    D.init_process_group(opts.get("backend", "mpi"))
+    trainer = cmlp.Trainer(model, opt, batch_size=8)
+    trainer.fit(*data(64), epochs=1, progress=False)
+    out["regroup_spread"] = spread(params(model))
+    out["isinstance"] = [isinstance(opt, cmlp.optim.SGD), isinstance(opt, Z), type(opt).__name__]
+    return out
+
+
+CASES = {"zero": zero_case, "zero_errors": zero_errors_case, "regroup": regroup_case, "backend": backend_case, "evaluation": evaluation_case, "uncaught": uncaught_case, "fit": fit_case, "step": step_case, "failure": failure_case, "mismatch": mismatch_case,
          "collectives": collectives_case}
 
 

@@ -107,6 +107,8 @@ def test_train_save_writes_a_loadable_model(trained):
     (["train", "--memory-limit", "0.5B"], r"a number of bytes is a whole number"),
     (["train", "--memory-limit", "1iB"], r"cannot read '1iB' as a size"),
     (["plan", "--optimizer", "sgd", "--momentum", "nan"], r"--momentum: expected a finite number >= 0"),
+    (["plan", "--optimizer-shards", "0"], r"--optimizer-shards: expected an int >= 1"),
+    (["train", "--zero"], r"--zero shards the optimizer's state over the ranks of a --distributed run"),
     (["train", "--memory-limit", "lots"], r"lots"),
     (["train", "--max-grad-norm", "0"], r"--max-grad-norm: expected a number > 0"),
     (["train", "--weight-decay", "-1"], r"--weight-decay: expected a finite number >= 0"),
@@ -216,3 +218,13 @@ def test_a_failed_run_reports_its_own_error_when_the_history_cannot_be_written(t
     assert "error: cpu out of memory (the run's own)" in err
     assert "warning: the memory history could not be written" in err and "No space left" in err
     assert cmlp.memory._snapshot("cpu")["device_traces"] == [[]], "recording stopped"
+
+
+def test_plan_with_the_optimizer_state_sharded(tmp_path):
+    # 535,818 parameters over 2 ranks: rank 0 keeps Adam's state of 267,968 (in parts of 64)
+    r = run_cli(["plan", "--optimizer-shards", "2"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "adam (state sharded over 2 ranks)" in r.stdout
+    assert re.search(r"optimizer state\s+2\.04 MiB", r.stdout), r.stdout
+    whole = run_cli(["plan"], tmp_path).stdout
+    assert re.search(r"optimizer state\s+4\.09 MiB", whole), whole

@@ -21,6 +21,7 @@ D = cmlp.distributed
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO_PYTHON = os.path.dirname(os.path.dirname(os.path.abspath(cmlp.__file__)))
 MPIRUN = shutil.which("mpirun")
+SIZES = [784, 48, 10]  # tests/dist_worker.py's model
 
 needs_mpi = pytest.mark.skipif(not (MPIRUN and D.is_available()),
                                reason="needs mpirun and cmlp's MPI module (apt-get install libopenmpi-dev openmpi-bin)")
@@ -75,6 +76,8 @@ def test_without_a_process_group_every_call_says_what_to_do():
     with pytest.raises(TypeError, match="distributed"):
         cmlp.Trainer(model, cmlp.optim.SGD(model), distributed=1)
     assert cmlp.Trainer(model, cmlp.optim.SGD(model)).distributed is False
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        D.optim.ZeroRedundancyOptimizer(model, cmlp.optim.Adam)
 
 
 @needs_mpi
@@ -334,3 +337,95 @@ def test_the_command_line_trains_data_parallel(tmp_path):
     accuracy = float(lines[-2].split(": ")[1].rstrip("%")) if lines[-1].startswith("saved") else None
     assert accuracy is not None and accuracy > 70.0, lines
     assert cmlp.MLP.load(str(save)).layer_sizes == (784, 32, 10)
+
+
+def check_zero(out, ranks):
+    """A ZeroRedundancyOptimizer's run against the same run with the whole optimizer on every rank."""
+    assert out["world"] == ranks
+    assert out["same_params"] and out["rank_spread"] == 0.0  # the same update, element by element
+    assert out["loss"] == out["ref_loss"] and out["skipped"] == out["ref_skipped"]
+    n, (lo, hi) = out["n"], out["shard"]
+    chunk = -(-(-(-n // ranks)) // 64) * 64  # n / ranks rounded up to 64 floats
+    assert (lo, hi) == (0, min(n, chunk))  # rank 0's part
+    whole, part = out["held"]
+    buffers = whole // (4 * n)
+    assert buffers in (1, 2) and whole == buffers * n * 4
+    assert part == buffers * (hi - lo) * 4  # the state of rank 0's part only
+    assert out["same_state"]  # consolidated: the whole optimizer's state_dict
+    assert "consolidate_state_dict" in out["refused"]  # on the ranks it was not sent to
+    assert out["resumed"]  # a checkpoint loaded into a sharded optimizer trains on the same
+    return part
+
+
+@needs_mpi
+@pytest.mark.parametrize("ranks,opts", [(2, {}), (3, {}), (2, {"opt": "sgd", "accum": 2}), (3, {"opt": "adamw"}),
+                                        (2, {"amp": "fp16", "clip": 0.05, "init_scale": 2.0**24}),
+                                        (3, {"amp": "bf16", "accum": 3})],
+                         ids=["adam-2", "adam-3", "sgd-accumulation-2", "adamw-3", "fp16-clipping-skips-2", "bf16-3"])
+def test_zero_redundancy_optimizer_keeps_a_part_of_the_state_and_updates_the_same(ranks, opts):
+    out = run_job(ranks, "zero", opts)
+    part = check_zero(out, ranks)
+    if opts.get("init_scale"):
+        assert out["skipped"][0] > 0  # steps skipped by every rank alike
+    optimizer = {"sgd": "sgd_momentum"}.get(opts.get("opt"), "adam")
+    planned = cmlp.memory.plan(SIZES, 16, optimizer, amp=opts.get("amp"), optimizer_shards=ranks)
+    assert planned.breakdown["optimizer_state"] == part  # the plan is the first rank's
+
+
+
+@needs_mpi
+def test_zero_redundancy_optimizer_with_parts_left_empty():
+    # 23 parameters over 3 ranks in parts of 64: ranks 1 and 2 keep no state
+    check_zero(run_job(3, "zero", {"sizes": [4, 3, 2], "n": 64}), 3)
+
+
+@needs_mpi
+def test_zero_redundancy_optimizer_refuses_what_it_cannot_do():
+    out = run_job(2, "zero_errors")
+    assert out["class"].startswith("TypeError") and "optimizer_class" in out["class"]
+    assert out["nested"].startswith("TypeError")
+    assert out["group"].startswith("ValueError") and "process_group" in out["group"]
+    assert out["overlap"].startswith("ValueError") and "overlap_with_ddp" in out["overlap"]
+    assert out["bucket"].startswith("TypeError")
+    assert out["setting"].startswith("ValueError") and "learning rate" in out["setting"]
+    assert out["alone"].startswith("ValueError") and "data-parallel" in out["alone"]
+    assert out["to"].startswith("ValueError") and "[0, 2)" in out["to"]
+    assert out["unconsolidated"].startswith("RuntimeError") and "consolidate_state_dict" in out["unconsolidated"]
+    assert "before its first step" in out["after_step"]
+    assert out["step_spread"] == 0.0 and out["moved"]
+    assert out["regroup_spread"] == 0.0
+    assert out["isinstance"] == [True, True, "ZeroRedundancyOptimizer[SGD]"]
+
+
+@needs_emulated_nccl
+@pytest.mark.parametrize("ranks,opts", [(2, {}), (3, {"amp": "fp16", "accum": 2, "opt": "sgd"}),
+                                        (3, {"sizes": [4, 3, 2], "n": 64})],
+                         ids=["fp32-2", "fp16-accumulation-sgd-3", "parts-left-empty-3"])
+def test_on_gpus_zero_redundancy_optimizer_gathers_the_parts_inside_the_captured_step(emulator, ranks, opts):
+    # NCCL broadcasts from each part's owner, captured with the step and replayed with it
+    out = run_job(ranks, "zero", dict(opts, backend="nccl", device="cuda", n=opts.get("n", 200)), timeout=300,
+                  emulated_gpu=True)
+    check_zero(out, ranks)
+
+
+@needs_mpi
+@pytest.mark.skipif(not _have_fashion(), reason="Fashion-MNIST is not installed (apt-get install dataset-fashion-mnist)")
+def test_the_command_line_shards_the_optimizer_state(tmp_path):
+    runs = {}
+    for zero in (False, True):
+        cmd = [MPIRUN, "-np", "2", sys.executable, "-m", "cmlp", "train", "--distributed", "--epochs", "1",
+               "--layers", "784,64,10", "--no-progress"] + (["--zero"] * zero)
+        p = subprocess.run(cmd, capture_output=True, text=True, env=job_env(), timeout=300, cwd=tmp_path)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+        runs[zero] = p.stdout.strip().splitlines()
+    assert "optimizer state sharded over the ranks" in runs[True][0]
+    epoch = {z: runs[z][1].split() for z in runs}
+    assert epoch[True][3] == epoch[False][3] and runs[True][-1] == runs[False][-1]  # the same loss and accuracy
+    units = {"B": 1, "KiB": 1024, "MiB": 1024**2}
+    peak = {z: float(epoch[z][epoch[z].index("memory") + 1]) * units[epoch[z][epoch[z].index("memory") + 2]]
+            for z in runs}
+    # Adam's state: 2 x 50,890 floats on one rank; sharded, rank 0 keeps 2 x 25,472 (in parts of 64)
+    assert abs(peak[False] - peak[True] - 2 * (50_890 - 25_472) * 4) <= 1024, peak  # printed to 0.01 KiB
+    p = subprocess.run([sys.executable, "-m", "cmlp", "train", "--zero"], capture_output=True, text=True,
+                       env=job_env(), timeout=60)
+    assert p.returncode == 2 and "--distributed" in p.stderr

@@ -432,3 +432,24 @@ def test_adamw_keeps_what_adam_keeps():
     assert cmlp.memory.plan([784, 512, 256, 10], 32, cmlp.optim.AdamW(model)).peak_bytes == b.peak_bytes
     with pytest.raises(ValueError, match="adamw"):
         cmlp.memory.plan([784, 512, 256, 10], 32, "lamb")
+
+
+def test_a_sharded_optimizer_state_is_planned_for_the_first_rank():
+    # ZeroRedundancyOptimizer: rank 0 keeps the state of n / ranks parameters, rounded up to 64
+    n = 535_818
+    whole = cmlp.memory.plan([784, 512, 256, 10], 32)
+    for ranks in (1, 2, 3, 8):
+        p = cmlp.memory.plan([784, 512, 256, 10], 32, optimizer_shards=ranks)
+        part = min(n, -(-(-(-n // ranks)) // 64) * 64)
+        assert p.breakdown["optimizer_state"] == 2 * part * 4
+        assert p.peak_bytes <= whole.peak_bytes and (ranks == 1) == (p.peak_bytes == whole.peak_bytes)
+        if ranks > 1:
+            assert f"sharded over {ranks} ranks" in str(p)
+    tiny = cmlp.memory.plan([4, 3, 2], 8, "sgd_momentum", optimizer_shards=3)
+    assert tiny.breakdown["optimizer_state"] == 23 * 4  # the first part holds them all
+    budget = whole.reserved_bytes
+    assert cmlp.memory.max_batch_size([784, 512, 256, 10], budget, optimizer_shards=4) >= \
+        cmlp.memory.max_batch_size([784, 512, 256, 10], budget)
+    for bad in (0, -1, True, 2.0, 2**21):
+        with pytest.raises(ValueError, match="optimizer_shards"):
+            cmlp.memory.plan([784, 512, 256, 10], 32, optimizer_shards=bad)

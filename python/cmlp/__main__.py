@@ -9,7 +9,7 @@ import json
 import math
 import os
 import sys
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 from . import MLP, Trainer, build_info, cuda, datasets, distributed, memory, optim
 from .optim import lr_scheduler
@@ -110,6 +110,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--distributed", action="store_true",
                    help="data-parallel over the ranks mpirun started (MPI on the CPU, NCCL on GPUs: --device cuda "
                         "takes the GPU of the rank's place on its machine); --batch-size is per rank")
+    t.add_argument("--zero", action="store_true",
+                   help="with --distributed: each rank keeps the optimizer's state for its part of the parameters "
+                        "only (cmlp.distributed.optim.ZeroRedundancyOptimizer, ZeRO stage 1)")
     pl = sub.add_parser("plan", help="predict a training run's memory, by category, before allocating anything")
     pl.add_argument("--layers", type=_layers, default=[784, 512, 256, 10])
     pl.add_argument("--batch-size", type=_count, default=32, help="rows computed at once (the micro-batch)")
@@ -117,6 +120,8 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--optimizer", choices=["adam", "adamw", "sgd"], default="adam")
     pl.add_argument("--momentum", type=_rate, default=0.0, help="sgd only: a momentum buffer when not 0")
     pl.add_argument("--device", default="cpu")
+    pl.add_argument("--optimizer-shards", type=_count, default=1, metavar="RANKS",
+                    help="the optimizer's state sharded over this many ranks (train --distributed --zero)")
     pl.add_argument("--budget", type=_size, default=None,
                     help="e.g. 2GB, as a --memory-limit would be: also print the largest batch whose run fits "
                          "(beside what the device holds once open)")
@@ -149,6 +154,8 @@ _HISTORY_ENTRIES = 100_000  # --memory-history keeps the newest actions (a fit m
 
 def _train(a: argparse.Namespace) -> int:
     rank, ranks = 0, 1
+    if a.zero and not a.distributed:
+        raise ValueError("--zero shards the optimizer's state over the ranks of a --distributed run")
     if a.distributed:  # on GPUs, NCCL sums the gradients, one GPU per rank of a machine
         on_gpu = a.device.startswith("cuda")
         distributed.init_process_group("nccl" if on_gpu else "mpi")
@@ -197,17 +204,21 @@ def _run(a: argparse.Namespace, rank: int, ranks: int) -> int:
         memory.set_memory_limit(a.memory_limit, a.device)
     model = MLP(a.layers, device=a.device, seed=a.seed)
     lr, wd = a.lr, a.weight_decay
+    kind: Any
     if a.optimizer == "adam":
-        opt: optim.Optimizer = optim.Adam(model, lr=1e-3 if lr is None else lr, weight_decay=wd or 0.0)
+        kind, kw = optim.Adam, dict(lr=1e-3 if lr is None else lr, weight_decay=wd or 0.0)
     elif a.optimizer == "adamw":
-        opt = optim.AdamW(model, lr=1e-3 if lr is None else lr, weight_decay=1e-2 if wd is None else wd)
+        kind, kw = optim.AdamW, dict(lr=1e-3 if lr is None else lr, weight_decay=1e-2 if wd is None else wd)
     else:
-        opt = optim.SGD(model, lr=0.01 if lr is None else lr, momentum=a.momentum, weight_decay=wd or 0.0)
+        kind, kw = optim.SGD, dict(lr=0.01 if lr is None else lr, momentum=a.momentum, weight_decay=wd or 0.0)
+    opt: optim.Optimizer = distributed.optim.ZeroRedundancyOptimizer(model, kind, **kw) if a.zero else kind(model, **kw)
     trainer = Trainer(model, opt, batch_size=a.batch_size, accumulation_steps=a.accumulation_steps, amp=a.amp,
                       seed=a.seed, distributed=a.distributed, max_grad_norm=a.max_grad_norm)
     steps = a.epochs * -(-len(xtr) // (a.batch_size * a.accumulation_steps * ranks))
     sched = _schedule(opt, a.lr_schedule, a.warmup_steps, steps)
     group = f" x {ranks} ranks ({distributed.library_version()})" if a.distributed else ""
+    if a.zero:
+        group += ", optimizer state sharded over the ranks"
     clip = f", gradient norm clipped to {a.max_grad_norm:g}" if a.max_grad_norm else ""
     if sched is not None:
         clip += f", {a.lr_schedule} schedule" + (f" after {a.warmup_steps} warm-up steps" if a.warmup_steps else "")
@@ -236,17 +247,18 @@ def _run(a: argparse.Namespace, rank: int, ranks: int) -> int:
 
 def _plan(a: argparse.Namespace) -> int:
     optimizer = "sgd_momentum" if a.optimizer == "sgd" and a.momentum else a.optimizer
-    p = memory.plan(a.layers, a.batch_size, optimizer, a.amp, device=a.device)
+    p = memory.plan(a.layers, a.batch_size, optimizer, a.amp, device=a.device, optimizer_shards=a.optimizer_shards)
     print(p)
     if a.budget is not None:
         # the budget counts all the device reserves, as a memory limit does: what it holds from
         # the moment it opens (on CUDA, the GEMM workspace) and the run on top, which the plan counts
         held = memory.memory_reserved(a.device)
         room = a.budget - held
-        n = memory.max_batch_size(a.layers, room, optimizer, a.amp, device=a.device) if room > 0 else 0
+        n = memory.max_batch_size(a.layers, room, optimizer, a.amp, device=a.device,
+                                  optimizer_shards=a.optimizer_shards) if room > 0 else 0
         why = f" ({p.device} holds {memory._fmt(held)} of it once open)" if held else ""
         if n == 0:
-            one = memory.plan(a.layers, 1, optimizer, a.amp, device=a.device)
+            one = memory.plan(a.layers, 1, optimizer, a.amp, device=a.device, optimizer_shards=a.optimizer_shards)
             why += f" (one sample needs {memory._fmt(one.reserved_bytes)} reserved on top)"
         print(f"largest batch that fits in {memory._fmt(a.budget)}: {n}{why}")
         if room > 0:
@@ -277,7 +289,7 @@ def _split(a: argparse.Namespace, optimizer: str, amp: Optional[str], recompute:
 
     def largest(k: int) -> int:
         return memory.max_batch_size(a.layers, room, optimizer, amp, recompute, device=a.device,
-                                     accumulation_steps=k)
+                                     accumulation_steps=k, optimizer_shards=a.optimizer_shards)
 
     n = largest(1)
     if n >= batch:

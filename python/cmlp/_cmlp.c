@@ -794,11 +794,30 @@ static PyObject *Optim_to(OptimObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Optim_shard(OptimObject *self, PyObject *arg) {
+    if (optim_ready(self) < 0) return NULL;
+    int on = PyObject_IsTrue(arg);
+    if (on < 0) return NULL;
+    cmlp_status st;
+    RUN_LOCKED(self->model, st = cmlp_optim_shard(self->o, on));
+    if (st != CMLP_OK) return raise_status(self->model->ms, st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Optim_shards(OptimObject *self, PyObject *Py_UNUSED(unused)) {
+    if (optim_ready(self) < 0) return NULL;
+    int64_t lo, hi;
+    int n = cmlp_optim_shards(self->o, &lo, &hi);
+    return Py_BuildValue("(iLL)", n, (long long)lo, (long long)hi);
+}
+
 static PyMethodDef Optim_methods[] = {
     {"step", (PyCFunction)Optim_step, METH_NOARGS, "one update from the model's gradients"},
     {"get_state", (PyCFunction)Optim_get_state, METH_NOARGS, "(step, [flat float32 buffers])"},
     {"set_state", (PyCFunction)Optim_set_state, METH_VARARGS, "set_state(step, [buffers])"},
     {"to", (PyCFunction)Optim_to, METH_O, "move the state to a device (after the model)"},
+    {"shard", (PyCFunction)Optim_shard, METH_O, "keep state for this rank's part of the parameters only (or not)"},
+    {"shards", (PyCFunction)Optim_shards, METH_NOARGS, "(parts, lo, hi): 0 parts when not sharded"},
     {"configure", (PyCFunction)(void (*)(void))Optim_configure, METH_VARARGS | METH_KEYWORDS,
      "replace the hyperparameters, keeping the state"},
     {NULL, NULL, 0, NULL},
@@ -1536,8 +1555,9 @@ static PyObject *mod_from_half(PyObject *mod, PyObject *args) {
 static PyObject *mod_plan(PyObject *mod, PyObject *args) {
     PyObject *sizes_obj, *dev_obj;
     long long batch;
-    int nbuf, amp, recompute, scaling, solo;
-    if (!PyArg_ParseTuple(args, "OLiipppO", &sizes_obj, &batch, &nbuf, &amp, &recompute, &scaling, &solo, &dev_obj))
+    int nbuf, shards, amp, recompute, scaling, solo;
+    if (!PyArg_ParseTuple(args, "OLiiipppO", &sizes_obj, &batch, &nbuf, &shards, &amp, &recompute, &scaling, &solo,
+                          &dev_obj))
         return NULL;
     cmlp_device d;
     if (parse_device(state_of(mod), dev_obj, &d) < 0) return NULL;
@@ -1546,7 +1566,7 @@ static PyObject *mod_plan(PyObject *mod, PyObject *args) {
     cmlp_plan p;
     cmlp_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = cmlp_plan_compute(sizes, n, batch, nbuf, (cmlp_amp)amp, recompute, scaling, solo, d, &p);
+    st = cmlp_plan_compute(sizes, n, batch, nbuf, shards, (cmlp_amp)amp, recompute, scaling, solo, d, &p);
     Py_END_ALLOW_THREADS
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
     return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L}", "parameters", (long long)p.parameters, "gradients",

@@ -309,8 +309,9 @@ class Plan:
     moment it opens (on CUDA, the 10 MiB GEMM workspace), whose place the plan takes into account."""
 
     def __init__(self, layer_sizes: List[int], batch_size: int, optimizer: str, amp: Optional[str],
-                 recompute: bool, device: str, raw: Dict[str, int]) -> None:
+                 recompute: bool, device: str, raw: Dict[str, int], optimizer_shards: int = 1) -> None:
         self.layer_sizes, self.batch_size, self.optimizer = list(layer_sizes), batch_size, optimizer
+        self.optimizer_shards = optimizer_shards
         self.amp, self.recompute, self.device = amp, recompute, device
         self.breakdown: Dict[str, int] = {k: raw[k] for k in _CATEGORIES}
         self.peak_bytes: int = raw["peak_allocated"]
@@ -325,7 +326,8 @@ class Plan:
                 f"reserved_bytes={self.reserved_bytes})")
 
     def __str__(self) -> str:
-        head = (f"MLP {'-'.join(map(str, self.layer_sizes))}, batch {self.batch_size}, {self.optimizer}, "
+        shards = f" (state sharded over {self.optimizer_shards} ranks)" if self.optimizer_shards > 1 else ""
+        head = (f"MLP {'-'.join(map(str, self.layer_sizes))}, batch {self.batch_size}, {self.optimizer}{shards}, "
                 f"{self.amp or 'fp32'}{', recompute' if self.recompute else ''}, {self.device}")
         rows = [(k.replace("_", " "), v) for k, v in self.breakdown.items()]
         if self.in_gradients:
@@ -358,12 +360,15 @@ def _check_accumulation(accumulation_steps: Any) -> int:
 
 def plan(layer_sizes: List[int], batch_size: int = 32, optimizer: Any = "adam", amp: Optional[str] = None,
          recompute: bool = False, device: str = "cpu", scaler: Optional[bool] = None,
-         accumulation_steps: int = 1) -> Plan:
+         accumulation_steps: int = 1, optimizer_shards: Optional[int] = None) -> Plan:
     """Predicts a training run's memory before anything is allocated (batch_size: rows computed at
     once, i.e. the micro-batch; accumulation_steps: micro-batches per optimizer step). With one
     micro-batch per step (the default) a step keeps most of its buffers in the first layer's
     weight gradient where they fit (in_gradients); a run that accumulates cannot, so plan it
-    with its accumulation_steps. scaler defaults to amp == "fp16"."""
+    with its accumulation_steps. scaler defaults to amp == "fp16". optimizer_shards: the ranks a
+    cmlp.distributed.optim.ZeroRedundancyOptimizer shards the optimizer's state over (default:
+    a ZeroRedundancyOptimizer given as optimizer says, else 1); the plan is then the first rank's,
+    whose part is the largest."""
     from .model import _as_sizes
 
     sizes = _as_sizes(layer_sizes)
@@ -371,35 +376,53 @@ def plan(layer_sizes: List[int], batch_size: int = 32, optimizer: Any = "adam", 
         raise ValueError(f"batch_size must be an int in [1, 2**63), got {batch_size!r}")
     name, _ = _optimizer_buffers(optimizer)
     dev = _device(device)
-    raw = _cmlp.plan(list(sizes), batch_size, *_plan_args(optimizer, amp, recompute, scaler, accumulation_steps), dev)
-    return Plan(list(sizes), batch_size, name, amp, recompute, dev, raw)
+    args = _plan_args(optimizer, amp, recompute, scaler, accumulation_steps, optimizer_shards)
+    raw = _cmlp.plan(list(sizes), batch_size, *args, dev)
+    return Plan(list(sizes), batch_size, name, amp, recompute, dev, raw, args[1])
+
+
+def _optimizer_shards(optimizer: Any, optimizer_shards: Optional[int]) -> int:
+    from .optim import Optimizer
+
+    own = optimizer._c.shards()[0] if isinstance(optimizer, Optimizer) else 0
+    if optimizer_shards is None:
+        return own or 1
+    if isinstance(optimizer_shards, bool) or not isinstance(optimizer_shards, int) \
+            or not 1 <= optimizer_shards <= 2**20:
+        raise ValueError(f"optimizer_shards must be an int in [1, 2**20], got {optimizer_shards!r}")
+    if own and optimizer_shards != own:
+        raise ValueError(f"optimizer_shards={optimizer_shards}, and the optimizer given is sharded over {own} ranks")
+    return optimizer_shards
 
 
 def _plan_args(optimizer: Any, amp: Optional[str], recompute: bool, scaler: Optional[bool],
-               accumulation_steps: int) -> Tuple[int, int, bool, bool, bool]:
+               accumulation_steps: int, optimizer_shards: Optional[int]) -> Tuple[int, int, int, bool, bool, bool]:
     """The C planner's arguments between the batch size and the device, checked."""
     from ._arrays import check_amp
 
     solo = _check_accumulation(accumulation_steps) == 1
     amp_code = check_amp(amp)
     _, nbuf = _optimizer_buffers(optimizer)
+    shards = _optimizer_shards(optimizer, optimizer_shards)
     scaling = amp == "fp16" if scaler is None else bool(scaler)
-    return nbuf, amp_code, bool(recompute), scaling, solo
+    return nbuf, shards, amp_code, bool(recompute), scaling, solo
 
 
 def max_batch_size(layer_sizes: List[int], budget_bytes: int, optimizer: Any = "adam", amp: Optional[str] = None,
                    recompute: bool = False, device: str = "cpu", limit: int = 1 << 24,
-                   accumulation_steps: int = 1) -> int:
+                   accumulation_steps: int = 1, optimizer_shards: Optional[int] = None) -> int:
     """The largest micro-batch whose planned reserved memory fits in budget_bytes (0 if none),
     for runs of accumulation_steps micro-batches per optimizer step (see plan: with more than
-    one, a step needs more memory for the same micro-batch)."""
+    one, a step needs more memory for the same micro-batch) and the optimizer's state sharded
+    over optimizer_shards ranks (see plan)."""
     budget = parse_size(budget_bytes)
     _check_accumulation(accumulation_steps)
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit < 2**62:
         raise ValueError(f"limit must be an int in [1, 2**62), got {limit!r}")
 
     def planned(b: int) -> Plan:
-        return plan(layer_sizes, b, optimizer, amp, recompute, device, accumulation_steps=accumulation_steps)
+        return plan(layer_sizes, b, optimizer, amp, recompute, device, accumulation_steps=accumulation_steps,
+                    optimizer_shards=optimizer_shards)
 
     # Reserved memory is at least the peak allocated, which grows with the batch: the largest
     # batch whose allocated peak fits bounds the answer from above (a search).
@@ -419,7 +442,8 @@ def max_batch_size(layer_sizes: List[int], budget_bytes: int, optimizer: Any = "
     # 10 MiB takes a segment of its own size instead of a 20 MiB one, so a larger batch can
     # reserve less), so the batches below that bound are tried from the top down.
     first = planned(lo)
-    raw = [list(first.layer_sizes), 0, *_plan_args(optimizer, amp, recompute, None, accumulation_steps), first.device]
+    args = _plan_args(optimizer, amp, recompute, None, accumulation_steps, optimizer_shards)
+    raw = [list(first.layer_sizes), 0, *args, first.device]
     for b in range(lo, 0, -1):
         raw[1] = b
         if _cmlp.plan(*raw)["peak_reserved"] <= budget:

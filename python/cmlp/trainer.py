@@ -78,6 +78,9 @@ class Trainer:
             raise TypeError(f"optimizer must be a cmlp.optim optimizer, got {type(optimizer).__name__}")
         if optimizer.model is not model:
             raise ValueError("optimizer was created for another model")
+        if optimizer._c.shards()[0] and not self.distributed:
+            raise ValueError("a ZeroRedundancyOptimizer updates each rank's part from the gradients summed over the "
+                             "ranks: its Trainer must be data-parallel (distributed=None or True)")
         amp_code = check_amp(amp)
         from .amp import GradScaler
 

@@ -1180,7 +1180,8 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t op, const v
 /* ---- NCCL over MPI (built where MPI is: CMLP_EMU_MPI) ----
  * The emulated backend's data parallelism: cmlp loads this library as NCCL too (tests set
  * CMLP_NCCL_LIBRARY to it). A communicator is a duplicate of MPI_COMM_WORLD; ncclAllReduce
- * checks its arguments as NCCL would and queues an MPI_Allreduce on the stream like a kernel
+ * (ncclBroadcast) checks its arguments as NCCL would and queues an MPI_Allreduce (MPI_Bcast)
+ * on the stream like a kernel
  * (run when the host waits for the stream, recorded by a capture, repeated by each replay).
  * ncclCommInitRank checks that every rank was given rank 0's id and its own rank, and each sum
  * that every rank made it the same way (NCCL's rule: an operation is captured in a graph on
@@ -1245,25 +1246,25 @@ NCCL_EMU_API int ncclCommInitRank(void **comm, int nranks, nccl_uid id, int rank
     return NCCL_OK;
 }
 
-NCCL_EMU_API int ncclAllReduce(const void *send, void *recv, size_t count, int type, int op, void *comm,
-                               cudaStream_t stream) {
-    if (type != 7 /* ncclFloat32 */ || op != 0 /* ncclSum */ || !comm || count > (size_t)INT32_MAX)
-        return NCCL_INVALID_ARGUMENT;
+/* Queues a collective's MPI work on the stream, after the checks every collective makes. */
+template <class F>
+static int queue_collective(const char *name, const void *send, void *recv, size_t count, void *comm,
+                            cudaStream_t stream, F mpi_work) {
     std::lock_guard<std::recursive_mutex> g(gpu);
     if (!device_range(send, count * 4) || !device_range(recv, count * 4)) {
-        fprintf(stderr, "nccl_emu: ncclAllReduce of %zu floats from %p to %p: not device memory\n", count, send, recv);
+        fprintf(stderr, "nccl_emu: %s of %zu floats from %p to %p: not device memory\n", name, count, send, recv);
         return NCCL_INVALID_ARGUMENT;
     }
     nccl_comm *nc = static_cast<nccl_comm *>(comm);
     if (!live_comms.count(nc)) {
-        fprintf(stderr, "nccl_emu: ncclAllReduce on a destroyed communicator\n");
+        fprintf(stderr, "nccl_emu: %s on a destroyed communicator\n", name);
         return NCCL_INVALID_ARGUMENT;
     }
     MPI_Comm mc = nc->comm;
     const int in_graph = resolve(stream)->capturing;
     cudaError_t e = submit(stream, [=] {
         if (!live_comms.count(nc)) { /* a graph replayed after its communicator was destroyed */
-            fprintf(stderr, "nccl_emu: an all-reduce replayed on a destroyed communicator\n");
+            fprintf(stderr, "nccl_emu: %s replayed on a destroyed communicator\n", name);
             abort();
         }
         if (mc == MPI_COMM_NULL) {
@@ -1273,12 +1274,49 @@ NCCL_EMU_API int ncclAllReduce(const void *send, void *recv, size_t count, int t
         int how[2] = {in_graph, -in_graph};
         MPI_Allreduce(MPI_IN_PLACE, how, 2, MPI_INT, MPI_MAX, mc);
         if (how[0] != -how[1]) {
-            fprintf(stderr, "nccl_emu: an all-reduce captured in a graph on some ranks and not on others\n");
+            fprintf(stderr, "nccl_emu: %s captured in a graph on some ranks and not on others\n", name);
             MPI_Abort(MPI_COMM_WORLD, 3);
         }
-        MPI_Allreduce(send == recv ? MPI_IN_PLACE : send, recv, (int)count, MPI_FLOAT, MPI_SUM, mc);
-    }, "ncclAllReduce");
+        mpi_work(mc);
+    }, name);
     return e == cudaSuccess ? NCCL_OK : NCCL_INVALID_USAGE;
+}
+
+NCCL_EMU_API int ncclAllReduce(const void *send, void *recv, size_t count, int type, int op, void *comm,
+                               cudaStream_t stream) {
+    if (type != 7 /* ncclFloat32 */ || op != 0 /* ncclSum */ || !comm || count > (size_t)INT32_MAX)
+        return NCCL_INVALID_ARGUMENT;
+    return queue_collective("ncclAllReduce", send, recv, count, comm, stream, [=](MPI_Comm mc) {
+        MPI_Allreduce(send == recv ? MPI_IN_PLACE : send, recv, (int)count, MPI_FLOAT, MPI_SUM, mc);
+    });
+}
+
+/* sendbuff is read on the root only; every rank's recvbuff receives it. */
+NCCL_EMU_API int ncclBroadcast(const void *send, void *recv, size_t count, int type, int root, void *comm,
+                               cudaStream_t stream) {
+    if (type != 7 /* ncclFloat32 */ || !comm || count > (size_t)INT32_MAX || root < 0) return NCCL_INVALID_ARGUMENT;
+    nccl_comm *nc = static_cast<nccl_comm *>(comm);
+    int size = 1;
+    if (live_comms.count(nc) && nc->comm != MPI_COMM_NULL) MPI_Comm_size(nc->comm, &size);
+    if (root >= size) return NCCL_INVALID_ARGUMENT;
+    return queue_collective("ncclBroadcast", send, recv, count, comm, stream, [=](MPI_Comm mc) {
+        int me = 0;
+        MPI_Comm_rank(mc, &me);
+        if (me == root && send != recv) memmove(recv, send, count * 4);
+        MPI_Bcast(recv, (int)count, MPI_FLOAT, root, mc);
+    });
+}
+
+/* Collectives in a group are queued in the order they were called, which every rank shares. */
+static int group_depth;
+NCCL_EMU_API int ncclGroupStart(void) {
+    group_depth++;
+    return NCCL_OK;
+}
+NCCL_EMU_API int ncclGroupEnd(void) {
+    if (group_depth == 0) return NCCL_INVALID_USAGE;
+    group_depth--;
+    return NCCL_OK;
 }
 
 NCCL_EMU_API int ncclCommDestroy(void *comm) {

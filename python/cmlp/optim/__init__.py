@@ -47,7 +47,10 @@ class Optimizer:
         return {} if self._initial_lr is None else {"initial_lr": self._initial_lr}
 
     def state_dict(self) -> Dict[str, Any]:
-        step, bufs = self._c.get_state()
+        return self._state_dict_of(*self._c.get_state())
+
+    def _state_dict_of(self, step: int, bufs: List[np.ndarray]) -> Dict[str, Any]:
+        """torch.optim's layout of a step count and flat state buffers."""
         names = list(self.model.state_dict().keys())
         state: Dict[int, Dict[str, Any]] = {}
         if step > 0 or bufs:

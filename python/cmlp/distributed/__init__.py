@@ -35,6 +35,8 @@ models on CUDA devices, one GPU per rank (e.g. device=f"cuda:{get_local_rank()}"
 gradients with NCCL on the device's stream (inside the captured training step), its id sent over
 MPI. NCCL is loaded when first used: $CMLP_NCCL_LIBRARY, else the nvidia-nccl wheel's library
 where one is installed (PyTorch brings one), else libnccl.so.2 from the library path.
+
+optim.ZeroRedundancyOptimizer shards the optimizer's state over the ranks (ZeRO stage 1).
 """
 import atexit
 import ctypes
@@ -44,11 +46,11 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import _cmlp
+from .. import _cmlp
 
 __all__ = ["ReduceOp", "is_available", "is_mpi_available", "is_nccl_available", "init_process_group",
            "is_initialized", "get_rank", "get_world_size", "get_backend", "all_reduce", "broadcast", "barrier",
-           "destroy_process_group", "library_version", "get_local_rank", "get_local_world_size"]
+           "destroy_process_group", "library_version", "get_local_rank", "get_local_world_size", "optim"]
 
 BACKENDS = {"mpi": 0, "nccl": 1}
 
@@ -220,3 +222,6 @@ def _sync_parameters(model: Any) -> None:
     flat = np.ascontiguousarray(model._c.get_params(), dtype=np.float32)
     _cmlp.dist_broadcast(flat, 0)
     model._c.set_params(flat)
+
+
+from . import optim  # noqa: E402 (it needs the functions above)

@@ -1,0 +1,96 @@
+"""cmlp.distributed.optim: ZeroRedundancyOptimizer, torch.distributed.optim's ZeRO stage 1.
+
+Under data parallelism every rank normally keeps the whole optimizer state: Adam's exp_avg and
+exp_avg_sq are twice the parameters, so with the parameters and gradients it is four copies of
+the model per rank. A ZeroRedundancyOptimizer keeps the state of 1/world_size of the parameters
+on each rank (its part of the flat parameter buffer, in parts of equal length): each step updates
+the rank's part from the gradients the ranks summed, then every rank's part is sent to the others
+(a broadcast from each owner; on CUDA devices NCCL's, inside the captured training step). The
+update is the same, element by element, as the optimizer's own; what is saved per rank is
+(world_size - 1) / world_size of the state::
+
+    cmlp.distributed.init_process_group("mpi")
+    model = cmlp.MLP([784, 512, 256, 10])
+    opt = cmlp.distributed.optim.ZeroRedundancyOptimizer(model, cmlp.optim.Adam, lr=1e-3)
+    trainer = cmlp.Trainer(model, opt, batch_size=32)   # data-parallel
+
+It is an instance of optimizer_class too (learning rate, schedules, settings as usual). step() is
+a collective. As in torch, state_dict() gives the whole state only on the rank that
+consolidate_state_dict(to) (called on every rank) sent it to; load_state_dict takes a whole state
+on every rank, and each keeps its part.
+"""
+from typing import Any, Dict, Optional, Type
+
+import numpy as np
+
+from ..model import MLP
+from ..optim import Optimizer
+from . import all_reduce, get_rank, get_world_size, is_initialized
+
+__all__ = ["ZeroRedundancyOptimizer"]
+
+_classes: Dict[type, type] = {}
+
+
+class ZeroRedundancyOptimizer(Optimizer):
+    """ZeroRedundancyOptimizer(model, optimizer_class, process_group=None,
+    parameters_as_bucket_view=False, overlap_with_ddp=False, **defaults): optimizer_class
+    (cmlp.optim.Adam, AdamW or SGD) made with **defaults, its state sharded over the process
+    group. parameters_as_bucket_view is accepted for torch's signature (cmlp's parameters are one
+    flat buffer already); process_group must be None (the group) and overlap_with_ddp False."""
+
+    def __new__(cls, model: MLP, optimizer_class: Optional[Type[Optimizer]] = None, *args: Any,
+                **kwargs: Any) -> "ZeroRedundancyOptimizer":
+        if cls is not ZeroRedundancyOptimizer:
+            return super().__new__(cls)
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)) \
+                or issubclass(optimizer_class, ZeroRedundancyOptimizer):
+            raise TypeError("optimizer_class must be one of cmlp.optim's optimizers (e.g. cmlp.optim.Adam), got "
+                            f"{optimizer_class!r}")
+        if optimizer_class not in _classes:  # an instance of both: isinstance(opt, cmlp.optim.Adam) holds
+            _classes[optimizer_class] = type(f"ZeroRedundancyOptimizer[{optimizer_class.__name__}]",
+                                             (ZeroRedundancyOptimizer, optimizer_class),
+                                             {"__module__": __name__})
+        return super().__new__(_classes[optimizer_class])
+
+    def __init__(self, model: MLP, optimizer_class: Type[Optimizer], process_group: Any = None,
+                 parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False, **defaults: Any) -> None:
+        if process_group is not None:
+            raise ValueError("process_group must be None: cmlp has one process group (init_process_group's)")
+        if overlap_with_ddp:
+            raise ValueError("overlap_with_ddp=True is not supported: the update follows the gradients' sum")
+        if not isinstance(parameters_as_bucket_view, (bool, np.bool_)):
+            raise TypeError(f"parameters_as_bucket_view must be a bool, got {parameters_as_bucket_view!r}")
+        if not is_initialized():
+            raise RuntimeError("ZeroRedundancyOptimizer shards its state over the process group: call "
+                               "cmlp.distributed.init_process_group() first")
+        optimizer_class.__init__(self, model, **defaults)
+        self.optimizer_class = optimizer_class
+        self.parameters_as_bucket_view = bool(parameters_as_bucket_view)
+        self._c.shard(True)
+        self._consolidated: Optional[Dict[str, Any]] = None
+
+    @property
+    def shard(self) -> slice:
+        """The parameters (indices into the flat buffer, in state_dict order) whose state this
+        rank keeps."""
+        _, lo, hi = self._c.shards()
+        return slice(lo, hi)
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Collective: every rank sends its part of the state; rank `to` keeps the whole of it for
+        state_dict()."""
+        world = get_world_size()
+        if not (isinstance(to, (int, np.integer)) and not isinstance(to, bool) and 0 <= to < world):
+            raise ValueError(f"to must be a rank in [0, {world}), got {to!r}")
+        step, bufs = self._c.get_state()  # this rank's part in place, zeros elsewhere
+        for buf in bufs:
+            all_reduce(buf)  # each element is owned by one rank: the sum is the owner's value
+        self._consolidated = self._state_dict_of(step, bufs) if get_rank() == to else None
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The whole state, as of the last consolidate_state_dict(to) that sent it to this rank."""
+        if self._consolidated is None:
+            raise RuntimeError("Optimizer state has not been consolidated on this rank. Please call "
+                               "`consolidate_state_dict(to=...)` on all ranks beforehand")
+        return self._consolidated
