@@ -1246,8 +1246,9 @@ static cmlp_status cu_comm_all_gather(void *ctx, void *comm, float *d_buf, int64
     int e = nccl.group_end(); /* also after a failed call: the group is closed either way */
     if (r == 0) r = e;
     pthread_mutex_unlock(&c->lock);
-    if (r != 0) return FAIL(CMLP_ERR_DEVICE, "the all-gather of %lld floats (ncclBroadcast) failed: %s (NCCL result %d)",
-                            (long long)n, nccl.error_string(r), r);
+    if (r != 0)
+        return FAIL(CMLP_ERR_DEVICE, "the all-gather of %lld floats (ncclBroadcast) failed: %s (NCCL result %d)",
+                    (long long)n, nccl.error_string(r), r);
     return done(c, cudaSuccess, "ncclBroadcast");
 }
 

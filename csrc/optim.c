@@ -29,6 +29,10 @@ struct cmlp_optim {
 /* The parameters whose state this optimizer keeps: [lo, lo + span). */
 static int64_t span(const cmlp_optim *o) { return o->shards ? o->hi - o->lo : o->model->nparams; }
 static int64_t first_of(const cmlp_optim *o) { return o->shards ? o->lo : 0; }
+/* The bytes of nb state buffers (a part left empty still gets one float each). */
+static size_t state_bytes(const cmlp_optim *o, int nb) {
+    return (size_t)nb * (size_t)(span(o) > 0 ? span(o) : 1) * sizeof(float);
+}
 
 cmlp_adam_config cmlp_adam_defaults(void) { return (cmlp_adam_config){1e-3, 0.9, 0.999, 1e-8, 0.0, 0}; }
 cmlp_sgd_config cmlp_sgd_defaults(void) { return (cmlp_sgd_config){0.01, 0.0, 0.0, 0.0, 0}; }
@@ -226,7 +230,7 @@ int cmlp_optim_shards(const cmlp_optim *o, int64_t *lo, int64_t *hi) {
 static cmlp_status ensure_state(cmlp_optim *o) {
     int nb = buffers_of(o);
     if (o->state || nb == 0) return CMLP_OK;
-    size_t bytes = (size_t)nb * (size_t)(span(o) > 0 ? span(o) : 1) * sizeof(float); /* an empty shard too */
+    size_t bytes = state_bytes(o, nb);
     float *s;
     CMLP_TRY(cmlp_allocator_malloc(o->dev->alloc, bytes, "optimizer state", (void **)&s));
     cmlp_status st = o->dev->backend->fill_zero(o->dev->bctx, s, bytes);
@@ -419,10 +423,11 @@ cmlp_status cmlp_optim_set_state(cmlp_optim *o, int64_t step, int nbuffers, cons
                 return CMLP_FAIL(CMLP_ERR_NONFINITE, "optimizer state buffer %d holds NaN or inf at %zu", i, j);
     float *s = NULL;
     if (nbuffers) { /* sharded: this rank's part of each */
-        size_t bytes = (size_t)nbuffers * (n > 0 ? n : 1) * sizeof(float);
+        size_t bytes = state_bytes(o, nbuffers);
         CMLP_TRY(cmlp_allocator_malloc(o->dev->alloc, bytes, "optimizer state", (void **)&s));
         for (int i = 0; i < nbuffers; i++) {
-            cmlp_status st = o->dev->backend->copy_h2d(o->dev->bctx, s + (size_t)i * n, host[i] + at, n * sizeof(float));
+            cmlp_status st =
+                o->dev->backend->copy_h2d(o->dev->bctx, s + (size_t)i * n, host[i] + at, n * sizeof(float));
             if (st != CMLP_OK) {
                 (void)cmlp_allocator_free(o->dev->alloc, s);
                 return st;
@@ -445,8 +450,7 @@ cmlp_status cmlp_optim_to(cmlp_optim *o, cmlp_device d) {
     if (to == o->dev) return CMLP_OK;
     if (o->state) {
         void *s = o->state;
-        CMLP_TRY(cmlp_buffer_move(o->dev, to, &s, (size_t)buffers_of(o) * (size_t)(span(o) > 0 ? span(o) : 1) * sizeof(float),
-                                  "optimizer state"));
+        CMLP_TRY(cmlp_buffer_move(o->dev, to, &s, state_bytes(o, buffers_of(o)), "optimizer state"));
         o->state = s;
     }
     o->dev = to;

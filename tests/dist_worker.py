@@ -393,8 +393,9 @@ def zero_errors_case(opts):
     return out
 
 
-CASES = {"zero": zero_case, "zero_errors": zero_errors_case, "regroup": regroup_case, "backend": backend_case, "evaluation": evaluation_case, "uncaught": uncaught_case, "fit": fit_case, "step": step_case, "failure": failure_case, "mismatch": mismatch_case,
-         "collectives": collectives_case}
+CASES = {"zero": zero_case, "zero_errors": zero_errors_case, "regroup": regroup_case, "backend": backend_case,
+         "evaluation": evaluation_case, "uncaught": uncaught_case, "fit": fit_case, "step": step_case,
+         "failure": failure_case, "mismatch": mismatch_case, "collectives": collectives_case}
 
 
 def main():
