@@ -1278,13 +1278,15 @@ y = rng.integers(0, 10, len(x))
 out = {"world": cmlp.distributed.get_world_size(), "backend": cmlp.distributed.get_backend()}
 for amp in ("", "fp16"):
     runs = []
-    for distributed in (True, False):
+    for distributed, zero in ((True, False), (False, False), (True, True)):
         model = cmlp.MLP([784, 512, 256, 10], device=dev, seed=0)
-        trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=64, amp=amp or None, seed=1,
-                               distributed=distributed)
+        opt = (cmlp.distributed.optim.ZeroRedundancyOptimizer(model, cmlp.optim.Adam) if zero
+               else cmlp.optim.Adam(model))
+        trainer = cmlp.Trainer(model, opt, batch_size=64, amp=amp or None, seed=1, distributed=distributed)
         h = trainer.fit(x, y, epochs=3, progress=False)
         runs.append(([e["loss"] for e in h], model._c.get_params()))
-    out[amp or "fp32"] = {"losses": [r[0] for r in runs], "same_params": bool(np.array_equal(runs[0][1], runs[1][1]))}
+    out[amp or "fp32"] = {"losses": [r[0] for r in runs],
+                          "same_params": all(np.array_equal(runs[0][1], r[1]) for r in runs[1:])}
 print(json.dumps(out))
 """
 
@@ -1305,7 +1307,9 @@ def test_data_parallel_training_in_a_group_of_one_equals_training_alone():
     """The data-parallel step on the GPU: NCCL's all-reduce of the gradients on the stream, inside
     the step fit captures and replays, here in a group of one rank (no MPI launcher): the sum of one
     is the gradients themselves, so the run equals the run without a group bit for bit, in fp32
-    and fp16 (tests/test_distributed.py runs groups of 2 and 3 on the emulated backend)."""
+    and fp16; so does a run whose optimizer state is sharded (its one part gathered by an NCCL
+    broadcast in the captured step). tests/test_distributed.py runs groups of 2 and 3 on the
+    emulated backend."""
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO_PYTHON + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     if not DRY_RUN:
@@ -1320,4 +1324,4 @@ def test_data_parallel_training_in_a_group_of_one_equals_training_alone():
     assert out["world"] == 1 and out["backend"] == ("mpi" if DRY_RUN else "nccl")
     for amp in ("fp32", "fp16"):
         assert out[amp]["same_params"], out
-        assert out[amp]["losses"][0] == out[amp]["losses"][1]
+        assert out[amp]["losses"][0] == out[amp]["losses"][1] == out[amp]["losses"][2]
