@@ -345,6 +345,26 @@ def zero_case(opts):
                 skipped=[h["skipped_steps"] for h in h2], ref_skipped=[h["skipped_steps"] for h in h1])
 
 
+def zero_plan_case(opts):
+    """The planner's peak for a data-parallel run with and without the optimizer's state sharded,
+    against the peak the allocator measures on the rank that holds the most."""
+    sizes = [784, 256, 128, 10]
+    x, y = data(320)
+    out = []
+    for zero in (False, True):
+        cmlp.memory.empty_cache("cpu")
+        cmlp.memory.reset_peak_memory_stats("cpu")
+        base = cmlp.memory.memory_allocated("cpu")
+        model = cmlp.MLP(sizes, seed=0)
+        opt = D.optim.ZeroRedundancyOptimizer(model, cmlp.optim.Adam) if zero else cmlp.optim.Adam(model)
+        cmlp.Trainer(model, opt, batch_size=32).fit(x, y, epochs=1, progress=False)
+        peak = np.array([cmlp.memory.max_memory_allocated("cpu") - base], dtype=np.int64)
+        D.all_reduce(peak, "max")
+        out.append([int(peak[0]), cmlp.memory.plan(sizes, 32, opt).peak_bytes])
+        del model, opt
+    return {"peaks": out}
+
+
 def zero_errors_case(opts):
     """What a ZeroRedundancyOptimizer refuses, and a step taken outside a trainer."""
     w, r = D.get_world_size(), D.get_rank()
@@ -393,7 +413,7 @@ def zero_errors_case(opts):
     return out
 
 
-CASES = {"zero": zero_case, "zero_errors": zero_errors_case, "regroup": regroup_case, "backend": backend_case,
+CASES = {"zero": zero_case, "zero_errors": zero_errors_case, "zero_plan": zero_plan_case, "regroup": regroup_case, "backend": backend_case,
          "evaluation": evaluation_case, "uncaught": uncaught_case, "fit": fit_case, "step": step_case,
          "failure": failure_case, "mismatch": mismatch_case, "collectives": collectives_case}
 

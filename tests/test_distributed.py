@@ -374,6 +374,14 @@ def test_zero_redundancy_optimizer_keeps_a_part_of_the_state_and_updates_the_sam
 
 
 @needs_mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_zero_redundancy_optimizer_run_peaks_where_the_planner_says(ranks):
+    (whole, planned_whole), (sharded, planned_sharded) = run_job(ranks, "zero_plan")["peaks"]
+    assert whole == planned_whole and sharded == planned_sharded  # exactly, on the rank holding the most
+    assert whole - sharded > 0
+
+
+@needs_mpi
 def test_zero_redundancy_optimizer_with_parts_left_empty():
     # 23 parameters over 3 ranks in parts of 64: ranks 1 and 2 keep no state
     check_zero(run_job(3, "zero", {"sizes": [4, 3, 2], "n": 64}), 3)
