@@ -375,10 +375,11 @@ CMLP_API cmlp_status cmlp_optim_to(cmlp_optim *o, cmlp_device d);
 /* ZeRO stage 1 (torch.distributed.optim.ZeroRedundancyOptimizer): with on = 1 the optimizer keeps
  * state for this rank's part of the parameters only, part cmlp_dist_rank() of cmlp_dist_size()
  * parts of equal length (a multiple of 64 floats; the last ones shorter, or empty for tiny
- * models). A step updates that part from the gradient buffer (which must hold the sum over the
- * ranks: a data-parallel trainer's) and then gathers every rank's part, so it is a collective.
- * get_buffer then gives this rank's part in place and zeros elsewhere; set_state keeps this
- * rank's part of the full buffers it is given. Before the first step only; on = 0 undoes it. */
+ * models). It steps in a data-parallel trainer only (cmlp_optim_step refuses it): after the
+ * gradients' sum over the ranks each rank updates its part, and then every rank's part is
+ * gathered (a collective). get_buffer then gives this rank's part in place and zeros elsewhere;
+ * set_state keeps this rank's part of the full buffers it is given. Before the first step only;
+ * on = 0 undoes it. */
 CMLP_API cmlp_status cmlp_optim_shard(cmlp_optim *o, int on);
 /* The number of parts (0: not sharded) and [*lo, *hi), the parameters whose state is kept here. */
 CMLP_API int cmlp_optim_shards(const cmlp_optim *o, int64_t *lo, int64_t *hi);

@@ -262,6 +262,9 @@ CMLP_HIDDEN cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_fou
                                                int64_t *d_pos, int64_t pos_add, const cmlp_scale_step *scale,
                                                void *dcomm);
 CMLP_HIDDEN void cmlp_optim_set_step(cmlp_optim *o, int64_t step);
+/* cmlp_optim_step from a gradient buffer that holds the sum over the ranks (a data-parallel
+ * trainer's): a sharded optimizer steps here. */
+CMLP_HIDDEN cmlp_status cmlp_optim_step_summed(cmlp_optim *o);
 /* Moves whenever the optimizer's configuration or state buffer changes (a captured step that
  * baked them in is then stale). */
 CMLP_HIDDEN uint64_t cmlp_optim_version(const cmlp_optim *o);

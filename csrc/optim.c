@@ -244,19 +244,23 @@ static cmlp_status ensure_state(cmlp_optim *o) {
     return CMLP_OK;
 }
 
-/* A sharded step is a collective (its gather): the state it makes is made on every rank or on
- * none, so that a rank that cannot make its part does not leave the others waiting. */
-static cmlp_status ensure_state_everywhere(cmlp_optim *o) {
-    if (!o->shards || o->state || buffers_of(o) == 0) return ensure_state(o);
+/* A sharded step is a collective (its gather), checked before anything changes: the group is the
+ * one its parts were cut for, the device's collectives are at hand, and the state it makes is
+ * made on every rank or on none (a rank that cannot make its part does not leave the others
+ * waiting). */
+static cmlp_status ready_to_step(cmlp_optim *o, const void *dcomm) {
+    if (!o->shards) return ensure_state(o);
     CMLP_TRY(check_group(o));
-    return cmlp_dist_agree(ensure_state(o));
+    if (o->dev->device.type != CMLP_DEVICE_CPU && !(dcomm && o->dev->backend->comm_all_gather))
+        return CMLP_FAIL(CMLP_ERR_STATE, "a sharded optimizer on a device gathers its parts through the process "
+                                         "group's device collectives (NCCL), in a data-parallel trainer");
+    return o->state || buffers_of(o) == 0 ? CMLP_OK : cmlp_dist_agree(ensure_state(o));
 }
 
 /* Every rank's part of the parameters to every rank, each sent by its owner (host memory through
  * MPI, device memory through the device collectives, on the stream: a capture records them). */
 static cmlp_status gather(cmlp_optim *o, void *dcomm) {
     if (!o->shards) return CMLP_OK;
-    CMLP_TRY(check_group(o));
     cmlp_model *m = o->model;
     if (o->dev->device.type == CMLP_DEVICE_CPU) {
         for (int r = 0; r < o->shards; r++) {
@@ -266,9 +270,6 @@ static cmlp_status gather(cmlp_optim *o, void *dcomm) {
         }
         return CMLP_OK;
     }
-    if (!dcomm) CMLP_TRY(cmlp_dist_device_comm(o->dev, &dcomm)); /* collective, as the gather is */
-    if (!o->dev->backend->comm_all_gather)
-        return CMLP_FAIL(CMLP_ERR_STATE, "this device has no collectives to gather a sharded optimizer's parameters");
     return o->dev->backend->comm_all_gather(o->dev->bctx, dcomm, m->params, m->nparams, o->chunk);
 }
 
@@ -301,6 +302,14 @@ uint64_t cmlp_optim_fingerprint(const cmlp_optim *o) {
 
 cmlp_status cmlp_optim_step(cmlp_optim *o) {
     if (!o) return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer must not be NULL");
+    if (o->shards)
+        return CMLP_FAIL(CMLP_ERR_STATE, "this optimizer's state is sharded over the process group: it steps in a "
+                                         "data-parallel trainer (cmlp.Trainer), which sums the gradients over the "
+                                         "ranks first");
+    return cmlp_optim_step_summed(o);
+}
+
+cmlp_status cmlp_optim_step_summed(cmlp_optim *o) {
     CMLP_TRY(check_model(o));
     if (o->dev->device.type != CMLP_DEVICE_CPU) {
         /* as the trainer steps there: the bias corrections computed on the device, so that a
@@ -317,7 +326,7 @@ cmlp_status cmlp_optim_step(cmlp_optim *o) {
         o->step++;
         return CMLP_OK;
     }
-    CMLP_TRY(ensure_state_everywhere(o));
+    CMLP_TRY(ready_to_step(o, NULL));
     bool first = o->unused;
     cmlp_model *m = o->model;
     const cmlp_backend_i *b = o->dev->backend;
@@ -361,7 +370,7 @@ cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int6
                                    const double *d_rates, int64_t *d_lr_next, int64_t *d_pos, int64_t pos_add,
                                    const cmlp_scale_step *scale, void *dcomm) {
     CMLP_TRY(check_model(o));
-    CMLP_TRY(ensure_state_everywhere(o));
+    CMLP_TRY(ready_to_step(o, dcomm));
     bool first = o->unused;
     cmlp_model *m = o->model;
     const cmlp_backend_i *b = o->dev->backend;

@@ -292,7 +292,7 @@ static cmlp_status step_update(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_da
     if (clip) CMLP_TRY(cmlp_optim_prepare(t->optim)); /* nothing may fail after the norm is counted */
     if (!t->scaler.enabled && !device_steps(t)) {
         if (clip) CMLP_TRY(clip_grads(t, ds));
-        return cmlp_optim_step(t->optim);
+        return cmlp_optim_step_summed(t->optim);
     }
     const float *found_inf = NULL;
     if (t->scaler.enabled) {

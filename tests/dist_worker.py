@@ -392,23 +392,38 @@ def zero_errors_case(opts):
         out["after_step"] = None
     except RuntimeError as e:
         out["after_step"] = str(e)
-    # step() on its own is a collective: each rank updates its part from its own gradients here,
-    # and every rank ends with the same parameters
+    # a step outside a data-parallel trainer (whose gradients no one summed over the ranks) is
+    # refused before anything changes, by the optimizer and by a loss scaler alike
     opt = Z(model, cmlp.optim.SGD, lr=0.1, momentum=0.5)
     x, y = data(8, seed=r)
-    before = params(model)
-    for _ in range(2):
-        model.zero_grad()
-        model.forward_backward(x, y)
-        opt.step()
-    out["step_spread"] = spread(params(model))
-    out["moved"] = bool(not np.array_equal(before, params(model)))
+    model.zero_grad()
+    model.forward_backward(x, y, loss_scale=1e38 if r == 1 else 1.0)  # inf on rank 1 only
+    before, refused = params(model), []
+    for call in (opt.step, lambda: cmlp.amp.GradScaler().step(opt), lambda: cmlp.amp.GradScaler().unscale_(opt),
+                 opt._c.step):
+        try:
+            call()
+        except RuntimeError as e:
+            refused.append(str(e))
+    out["standalone"] = refused
+    out["unchanged"] = bool(np.array_equal(before, params(model))) and opt._c.get_state()[0] == 0
     # a group made again with the same ranks keeps the parts
     D.destroy_process_group()
     D.init_process_group(opts.get("backend", "mpi"))
     trainer = cmlp.Trainer(model, opt, batch_size=8)
     trainer.fit(*data(64), epochs=1, progress=False)
     out["regroup_spread"] = spread(params(model))
+    # the consolidated state goes with the settings of the moment (as torch's), and a state
+    # loaded afterwards makes it stale: state_dict() asks for a consolidation again
+    opt.consolidate_state_dict(to=0)
+    opt.lr = 0.025
+    out["consolidated_lr"] = opt.state_dict()["param_groups"][0]["lr"] if r == 0 else None
+    if r == 0:
+        opt.load_state_dict(opt.state_dict())
+        try:
+            opt.state_dict()
+        except RuntimeError as e:
+            out["after_load"] = str(e)
     out["isinstance"] = [isinstance(opt, cmlp.optim.SGD), isinstance(opt, Z), type(opt).__name__]
     return out
 

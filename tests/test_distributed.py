@@ -400,8 +400,10 @@ def test_zero_redundancy_optimizer_refuses_what_it_cannot_do():
     assert out["to"].startswith("ValueError") and "[0, 2)" in out["to"]
     assert out["unconsolidated"].startswith("RuntimeError") and "consolidate_state_dict" in out["unconsolidated"]
     assert "before its first step" in out["after_step"]
-    assert out["step_spread"] == 0.0 and out["moved"]
+    assert len(out["standalone"]) == 4 and all("data-parallel" in e for e in out["standalone"]), out["standalone"]
+    assert out["unchanged"]
     assert out["regroup_spread"] == 0.0
+    assert out["consolidated_lr"] == 0.025 and "consolidate_state_dict" in out["after_load"]
     assert out["isinstance"] == [True, True, "ZeroRedundancyOptimizer[SGD]"]
 
 

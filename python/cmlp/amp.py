@@ -86,6 +86,9 @@ class GradScaler:
     def _state_of(self, optimizer: Any) -> Dict[str, bool]:
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"optimizer must be a cmlp.optim optimizer, got {type(optimizer).__name__}")
+        if optimizer._c.shards()[0]:  # before anything changes (each rank would decide on its own inf)
+            raise RuntimeError("a ZeroRedundancyOptimizer steps in a data-parallel cmlp.Trainer (give it the scaler): "
+                               "its gradients are summed and checked over the ranks there")
         return self._per_optimizer.setdefault(id(optimizer), {"unscaled": False, "stepped": False,
                                                               "found_inf": False})
 

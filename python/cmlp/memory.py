@@ -326,7 +326,8 @@ class Plan:
                 f"reserved_bytes={self.reserved_bytes})")
 
     def __str__(self) -> str:
-        shards = f" (state sharded over {self.optimizer_shards} ranks)" if self.optimizer_shards > 1 else ""
+        sharded = self.optimizer_shards > 1 and self.breakdown["optimizer_state"] > 0
+        shards = f" (state sharded over {self.optimizer_shards} ranks)" if sharded else ""
         head = (f"MLP {'-'.join(map(str, self.layer_sizes))}, batch {self.batch_size}, {self.optimizer}{shards}, "
                 f"{self.amp or 'fp32'}{', recompute' if self.recompute else ''}, {self.device}")
         rows = [(k.replace("_", " "), v) for k, v in self.breakdown.items()]

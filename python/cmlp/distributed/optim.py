@@ -14,10 +14,11 @@ update is the same, element by element, as the optimizer's own; what is saved pe
     opt = cmlp.distributed.optim.ZeroRedundancyOptimizer(model, cmlp.optim.Adam, lr=1e-3)
     trainer = cmlp.Trainer(model, opt, batch_size=32)   # data-parallel
 
-It is an instance of optimizer_class too (learning rate, schedules, settings as usual). step() is
-a collective. As in torch, state_dict() gives the whole state only on the rank that
-consolidate_state_dict(to) (called on every rank) sent it to; load_state_dict takes a whole state
-on every rank, and each keeps its part.
+It is an instance of optimizer_class too (learning rate, schedules, settings as usual). It steps
+in a data-parallel Trainer (fit, step), which sums the gradients over the ranks first; its own
+step() refuses (cmlp has no other way to sum them). As in torch, state_dict() gives the whole
+state only on the rank that consolidate_state_dict(to) (called on every rank) sent it to, with
+the current settings; load_state_dict takes a whole state on every rank, and each keeps its part.
 """
 from typing import Any, Dict, Optional, Type
 
@@ -25,7 +26,7 @@ import numpy as np
 
 from ..model import MLP
 from ..optim import Optimizer
-from . import all_reduce, get_rank, get_world_size, is_initialized
+from . import broadcast, get_rank, get_world_size, is_initialized
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -77,20 +78,36 @@ class ZeroRedundancyOptimizer(Optimizer):
         _, lo, hi = self._c.shards()
         return slice(lo, hi)
 
+    def step(self) -> None:
+        raise RuntimeError("a ZeroRedundancyOptimizer steps in a data-parallel cmlp.Trainer (fit or step), which "
+                           "sums the gradients over the ranks before each rank updates its part")
+
     def consolidate_state_dict(self, to: int = 0) -> None:
-        """Collective: every rank sends its part of the state; rank `to` keeps the whole of it for
-        state_dict()."""
+        """Collective: each rank's part of the state is sent from its owner (the host of every
+        rank sees it go by, as in torch); rank `to` keeps the whole of it for state_dict()."""
         world = get_world_size()
         if not (isinstance(to, (int, np.integer)) and not isinstance(to, bool) and 0 <= to < world):
             raise ValueError(f"to must be a rank in [0, {world}), got {to!r}")
+        parts, _, _ = self._c.shards()
+        n = self.model.num_parameters()
+        chunk = -(-(-(-n // parts)) // 64) * 64  # as the C optimizer cuts them (cmlp_shard_chunk)
         step, bufs = self._c.get_state()  # this rank's part in place, zeros elsewhere
         for buf in bufs:
-            all_reduce(buf)  # each element is owned by one rank: the sum is the owner's value
-        self._consolidated = self._state_dict_of(step, bufs) if get_rank() == to else None
+            for r in range(parts):
+                if r * chunk < n:
+                    broadcast(buf[r * chunk:(r + 1) * chunk], src=r)
+        self._consolidated = (step, bufs) if get_rank() == to else None
 
     def state_dict(self) -> Dict[str, Any]:
-        """The whole state, as of the last consolidate_state_dict(to) that sent it to this rank."""
+        """The whole state as of the last consolidate_state_dict(to) that sent it to this rank,
+        with the settings of now (as torch's)."""
         if self._consolidated is None:
             raise RuntimeError("Optimizer state has not been consolidated on this rank. Please call "
                                "`consolidate_state_dict(to=...)` on all ranks beforehand")
-        return self._consolidated
+        return self._state_dict_of(*self._consolidated)
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """A whole state (this library's or torch.optim's layout), on every rank: each keeps its
+        part. A consolidated state from before is forgotten."""
+        super().load_state_dict(state_dict)
+        self._consolidated = None
