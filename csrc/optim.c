@@ -254,7 +254,15 @@ static cmlp_status ready_to_step(cmlp_optim *o, const void *dcomm) {
     if (o->dev->device.type != CMLP_DEVICE_CPU && !(dcomm && o->dev->backend->comm_all_gather))
         return CMLP_FAIL(CMLP_ERR_STATE, "a sharded optimizer on a device gathers its parts through the process "
                                          "group's device collectives (NCCL), in a data-parallel trainer");
-    return o->state || buffers_of(o) == 0 ? CMLP_OK : cmlp_dist_agree(ensure_state(o));
+    if (o->state || buffers_of(o) == 0) return CMLP_OK;
+    cmlp_status st = cmlp_dist_agree(ensure_state(o));
+    if (st != CMLP_OK && o->state) { /* another rank could not: none keeps it, and the next try agrees again */
+        (void)cmlp_allocator_free(o->dev->alloc, o->state);
+        o->state = NULL;
+        o->unused = false;
+        o->version++;
+    }
+    return st;
 }
 
 /* Every rank's part of the parameters to every rank, each sent by its owner (host memory through

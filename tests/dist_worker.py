@@ -424,6 +424,12 @@ def zero_errors_case(opts):
             opt.state_dict()
         except RuntimeError as e:
             out["after_load"] = str(e)
+    D.destroy_process_group()
+    try:  # a trainer for a sharded optimizer whose group is gone
+        cmlp.Trainer(model, opt, batch_size=8)
+    except ValueError as e:
+        out["no_group"] = str(e)
+    D.init_process_group(opts.get("backend", "mpi"))
     out["isinstance"] = [isinstance(opt, cmlp.optim.SGD), isinstance(opt, Z), type(opt).__name__]
     return out
 

@@ -249,6 +249,22 @@ def _cases():
         ("sgd-dampening-beyond-float32", lambda c: cmlp.optim.SGD(c.model, momentum=0.9, dampening=-1e39),
          ValueError, r"dampening"),
         ("adam-set-lr-inf", lambda c: setattr(c.opt, "lr", float("inf")), ValueError, r"learning rate"),
+        # switches take a bool (or 0 / 1), not whatever is truthy
+        ("trainer-recompute-str", lambda c: T(c.model, c.opt, recompute="no"), TypeError, r"recompute must be a bool"),
+        ("trainer-auto_microbatch-nan", lambda c: T(c.model, c.opt, auto_microbatch=float("nan")), TypeError,
+         r"auto_microbatch must be a bool"),
+        ("trainer-shuffle-none", lambda c: T(c.model, c.opt, shuffle=None), TypeError, r"shuffle must be a bool"),
+        ("trainer-shuffle-2", lambda c: T(c.model, c.opt, shuffle=2), TypeError, r"shuffle must be a bool"),
+        ("sgd-nesterov-str", lambda c: cmlp.optim.SGD(c.model, momentum=0.9, nesterov="no"), TypeError,
+         r"nesterov must be a bool"),
+        ("adam-decoupled-list", lambda c: cmlp.optim.Adam(c.model, decoupled_weight_decay=[1]), TypeError,
+         r"decoupled_weight_decay must be a bool"),
+        ("plan-recompute-str", lambda c: cmlp.memory.plan(SIZES, 4, recompute="no"), TypeError,
+         r"recompute must be a bool"),
+        ("scaler-enabled-str", lambda c: cmlp.amp.GradScaler(enabled="false"), TypeError, r"enabled must be a bool"),
+        ("onecycle-cycle_momentum-none",
+         lambda c: cmlp.optim.lr_scheduler.OneCycleLR(c.opt, 0.1, total_steps=10, cycle_momentum=None), TypeError,
+         r"cycle_momentum must be a bool"),
     ]:
         add(name, make, exc, match)
     return cases
@@ -356,6 +372,15 @@ def test_sgd_refuses_an_adam_state_dict(ctx):
     with pytest.raises(ValueError, match=r"not from SGD: its param group has \['amsgrad', 'betas', 'eps'\]"):
         sgd.load_state_dict(ctx.opt.state_dict())
     assert sgd.lr == 0.1 and sgd.momentum == 0.9
+
+
+def test_sgd_state_dict_whose_nesterov_is_not_a_bool_is_refused(ctx):
+    opt = cmlp.optim.SGD(ctx.model, momentum=0.9)
+    sd = opt.state_dict()
+    sd["param_groups"][0]["nesterov"] = "no"  # truthy: it would have turned Nesterov on
+    with pytest.raises(ValueError, match="nesterov must be a bool"):
+        opt.load_state_dict(sd)
+    assert opt.nesterov is False and opt.state_dict() == cmlp.optim.SGD(ctx.model, momentum=0.9).state_dict()
 
 
 def test_scaler_counters_beyond_int32_are_refused():

@@ -88,6 +88,16 @@ def check_amp(amp: Any) -> int:
     return _AMP_CODES[amp]
 
 
+def as_flag(name: str, value: Any) -> bool:
+    """A setting that is on or off: a bool (Python's or NumPy's), or the int 0 or 1; anything else
+    (a string such as "no", None, a float) is a TypeError rather than its truthiness."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, np.integer)) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
 def as_number(name: str, value: Any) -> float:
     """A number, or a 0-d array or tensor holding one (torch.optim may keep lr as a tensor), as a
     float; the C core checks its range."""

@@ -6,6 +6,7 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 
 from . import _cmlp
+from ._arrays import as_flag
 from .optim import Optimizer
 
 _STATE_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
@@ -64,7 +65,7 @@ class GradScaler:
 
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000, enabled: bool = True) -> None:
-        self._enabled = bool(enabled)
+        self._enabled = as_flag("enabled", enabled)
         self._scale = _check_scale("init_scale", init_scale)
         self._growth_factor, self._backoff_factor = _check_factors(growth_factor, backoff_factor)
         self._growth_interval = _check_count("growth_interval", growth_interval, 1)

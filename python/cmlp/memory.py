@@ -399,14 +399,14 @@ def _optimizer_shards(optimizer: Any, optimizer_shards: Optional[int]) -> int:
 def _plan_args(optimizer: Any, amp: Optional[str], recompute: bool, scaler: Optional[bool],
                accumulation_steps: int, optimizer_shards: Optional[int]) -> Tuple[int, int, int, bool, bool, bool]:
     """The C planner's arguments between the batch size and the device, checked."""
-    from ._arrays import check_amp
+    from ._arrays import as_flag, check_amp
 
     solo = _check_accumulation(accumulation_steps) == 1
     amp_code = check_amp(amp)
     _, nbuf = _optimizer_buffers(optimizer)
     shards = _optimizer_shards(optimizer, optimizer_shards)
     scaling = amp == "fp16" if scaler is None else bool(scaler)
-    return nbuf, shards, amp_code, bool(recompute), scaling, solo
+    return nbuf, shards, amp_code, as_flag("recompute", recompute), scaling, solo
 
 
 def max_batch_size(layer_sizes: List[int], budget_bytes: int, optimizer: Any = "adam", amp: Optional[str] = None,

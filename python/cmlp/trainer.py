@@ -10,7 +10,7 @@ import numpy as np
 
 from . import _cmlp, memory
 from . import distributed as _dist
-from ._arrays import as_inputs, as_labels, as_normalize, as_number, check_amp, check_seed
+from ._arrays import as_flag, as_inputs, as_labels, as_normalize, as_number, check_amp, check_seed
 from ._progress import make_bar
 from .model import MLP
 from .optim import Optimizer
@@ -79,6 +79,9 @@ class Trainer:
         if optimizer.model is not model:
             raise ValueError("optimizer was created for another model")
         if optimizer._c.shards()[0] and not self.distributed:
+            if not _dist.is_initialized():
+                raise ValueError("the optimizer's state is sharded over a process group that no longer exists "
+                                 "(destroy_process_group): make one with cmlp.distributed.init_process_group()")
             raise ValueError("a ZeroRedundancyOptimizer updates each rank's part from the gradients summed over the "
                              "ranks: its Trainer must be data-parallel (distributed=None or True)")
         amp_code = check_amp(amp)
@@ -101,7 +104,9 @@ class Trainer:
         if not 0.0 <= label_smoothing <= 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
         self.amp, self.scaler = amp, scaler
-        self.auto_microbatch, self.recompute, self.shuffle = bool(auto_microbatch), bool(recompute), bool(shuffle)
+        auto_microbatch, recompute = as_flag("auto_microbatch", auto_microbatch), as_flag("recompute", recompute)
+        shuffle = as_flag("shuffle", shuffle)
+        self.auto_microbatch, self.recompute, self.shuffle = auto_microbatch, recompute, shuffle
         self.seed = seed
         grow_interval = _positive_int("grow_interval", grow_interval)
         if max_grad_norm is not None:
@@ -113,9 +118,9 @@ class Trainer:
         self._busy = threading.Lock()
         # uint8 images: the model's normalisation unless the trainer is given its own
         self.normalize = model.normalize if normalize is None else as_normalize(normalize)
-        self._c = _cmlp.Trainer(optimizer._c, self.batch_size, self.accumulation_steps, micro, bool(shuffle),
-                                self.seed, label_smoothing, amp_code, bool(auto_microbatch), int(grow_interval),
-                                bool(recompute), 0.0 if max_grad_norm is None else max_grad_norm)
+        self._c = _cmlp.Trainer(optimizer._c, self.batch_size, self.accumulation_steps, micro, shuffle,
+                                self.seed, label_smoothing, amp_code, auto_microbatch, int(grow_interval),
+                                recompute, 0.0 if max_grad_norm is None else max_grad_norm)
 
     @property
     def last_grad_norm(self) -> Optional[float]:

@@ -24,6 +24,7 @@ from typing import Any, Dict, Optional, Type
 
 import numpy as np
 
+from .._arrays import as_flag
 from ..model import MLP
 from ..optim import Optimizer
 from . import broadcast, get_rank, get_world_size, is_initialized
@@ -60,14 +61,13 @@ class ZeroRedundancyOptimizer(Optimizer):
             raise ValueError("process_group must be None: cmlp has one process group (init_process_group's)")
         if overlap_with_ddp:
             raise ValueError("overlap_with_ddp=True is not supported: the update follows the gradients' sum")
-        if not isinstance(parameters_as_bucket_view, (bool, np.bool_)):
-            raise TypeError(f"parameters_as_bucket_view must be a bool, got {parameters_as_bucket_view!r}")
+        parameters_as_bucket_view = as_flag("parameters_as_bucket_view", parameters_as_bucket_view)
         if not is_initialized():
             raise RuntimeError("ZeroRedundancyOptimizer shards its state over the process group: call "
                                "cmlp.distributed.init_process_group() first")
         optimizer_class.__init__(self, model, **defaults)
         self.optimizer_class = optimizer_class
-        self.parameters_as_bucket_view = bool(parameters_as_bucket_view)
+        self.parameters_as_bucket_view = parameters_as_bucket_view
         self._c.shard(True)
         self._consolidated: Optional[Dict[str, Any]] = None
 

@@ -7,6 +7,7 @@ from typing import Any, Dict, List, Mapping, Tuple
 import numpy as np
 
 from .. import _cmlp
+from .._arrays import as_flag as _flag
 from .._arrays import as_number as _num
 from ..model import MLP, model_of
 
@@ -196,13 +197,11 @@ class Adam(Optimizer):
     def __init__(self, model: MLP, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, decoupled_weight_decay: bool = False) -> None:
         b1, b2 = self._betas(betas)
-        if not isinstance(decoupled_weight_decay, (bool, np.bool_)):
-            raise TypeError(f"decoupled_weight_decay must be a bool, got {decoupled_weight_decay!r}")
+        decoupled_weight_decay = _flag("decoupled_weight_decay", decoupled_weight_decay)
         super().__init__(model, "adam", lr=_num("lr", lr), beta1=b1, beta2=b2, eps=_num("eps", eps),
-                         weight_decay=_num("weight_decay", weight_decay),
-                         decoupled_weight_decay=bool(decoupled_weight_decay))
+                         weight_decay=_num("weight_decay", weight_decay), decoupled_weight_decay=decoupled_weight_decay)
         self.betas, self.eps, self.weight_decay = (b1, b2), float(eps), float(weight_decay)
-        self.decoupled_weight_decay = bool(decoupled_weight_decay)
+        self.decoupled_weight_decay = decoupled_weight_decay
 
     @staticmethod
     def _betas(betas: Any) -> Tuple[float, float]:
@@ -258,10 +257,10 @@ class SGD(Optimizer):
     def __init__(self, model: MLP, lr: float = 0.01, momentum: float = 0.0, dampening: float = 0.0,
                  nesterov: bool = False, weight_decay: float = 0.0) -> None:
         super().__init__(model, "sgd", lr=_num("lr", lr), momentum=_num("momentum", momentum),
-                         dampening=_num("dampening", dampening), nesterov=bool(nesterov),
+                         dampening=_num("dampening", dampening), nesterov=_flag("nesterov", nesterov),
                          weight_decay=_num("weight_decay", weight_decay))
         self.momentum, self.dampening = float(momentum), float(dampening)
-        self.nesterov, self.weight_decay = bool(nesterov), float(weight_decay)
+        self.nesterov, self.weight_decay = _flag("nesterov", nesterov), float(weight_decay)
 
     def _group(self) -> Dict[str, Any]:
         return {"lr": self.lr, "momentum": self.momentum, "dampening": self.dampening,
@@ -275,8 +274,14 @@ class SGD(Optimizer):
         return {"lr": _num("lr", group.get("lr", self.lr)),
                 "momentum": _num("momentum", group.get("momentum", self.momentum)),
                 "dampening": _num("dampening", group.get("dampening", self.dampening)),
-                "nesterov": bool(group.get("nesterov", self.nesterov)),
+                "nesterov": self._nesterov_of(group),
                 "weight_decay": _num("weight_decay", group.get("weight_decay", self.weight_decay))}
+
+    def _nesterov_of(self, group: Mapping) -> bool:
+        value = group.get("nesterov", self.nesterov)
+        if not isinstance(value, (bool, np.bool_)):
+            raise ValueError(f"nesterov must be a bool, got {value!r}")
+        return bool(value)
 
     def _apply(self, config: Dict[str, Any]) -> None:
         self._c.configure(**config)

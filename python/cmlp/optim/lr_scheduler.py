@@ -26,6 +26,8 @@ from bisect import bisect_right
 from math import inf
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
+from .._arrays import as_flag
+
 __all__ = ["LRScheduler", "LambdaLR", "MultiplicativeLR", "StepLR", "MultiStepLR", "ConstantLR", "LinearLR",
            "ExponentialLR", "PolynomialLR", "CosineAnnealingLR", "CosineAnnealingWarmRestarts", "OneCycleLR",
            "CyclicLR", "SequentialLR", "ChainedScheduler", "ReduceLROnPlateau"]
@@ -427,7 +429,7 @@ class OneCycleLR(LRScheduler):
         self._group = {"initial_lr": top / div_factor, "max_lr": top, "min_lr": top / div_factor / final_div_factor}
         if last_epoch != -1 and optimizer._initial_lr is not None:
             self._group["initial_lr"] = optimizer._initial_lr
-        self.cycle_momentum = bool(cycle_momentum)
+        self.cycle_momentum = as_flag("cycle_momentum", cycle_momentum)
         if self.cycle_momentum:
             self.use_beta1 = optimizer._kind == "adam"
             self._group["max_momentum"] = _one("max_momentum", max_momentum)
@@ -515,7 +517,7 @@ class CyclicLR(LRScheduler):
             raise TypeError(f"scale_fn must be callable, got {type(scale_fn).__name__}")
         self.mode, self.gamma, self._scale_fn_custom = mode, float(gamma), scale_fn
         self.scale_mode = scale_mode if scale_fn is not None else "iterations" if mode == "exp_range" else "cycle"
-        self.cycle_momentum = bool(cycle_momentum)
+        self.cycle_momentum = as_flag("cycle_momentum", cycle_momentum)
         if self.cycle_momentum:
             self.use_beta1 = optimizer._kind == "adam"
             self.base_momentums = [_one("base_momentum", base_momentum)]
