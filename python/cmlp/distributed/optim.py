@@ -20,7 +20,7 @@ step() refuses (cmlp has no other way to sum them). As in torch, state_dict() gi
 state only on the rank that consolidate_state_dict(to) (called on every rank) sent it to, with
 the current settings; load_state_dict takes a whole state on every rank, and each keeps its part.
 """
-from typing import Any, Dict, Optional, Type
+from typing import Any, Dict, List, Optional, Tuple, Type
 
 import numpy as np
 
@@ -69,7 +69,8 @@ class ZeroRedundancyOptimizer(Optimizer):
         self.optimizer_class = optimizer_class
         self.parameters_as_bucket_view = parameters_as_bucket_view
         self._c.shard(True)
-        self._consolidated: Optional[Dict[str, Any]] = None
+        self.world_size, self.rank = get_world_size(), get_rank()  # as torch's: the group it was cut for
+        self._consolidated: Optional[Tuple[int, List[np.ndarray]]] = None
 
     @property
     def shard(self) -> slice:
