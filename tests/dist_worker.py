@@ -431,7 +431,7 @@ def zero_errors_case(opts):
         out["no_group"] = str(e)
     D.init_process_group(opts.get("backend", "mpi"))
     out["isinstance"] = [isinstance(opt, cmlp.optim.SGD), isinstance(opt, Z), type(opt).__name__]
-    out["group"] = [opt.world_size, opt.rank]
+    out["world_rank"] = [opt.world_size, opt.rank]
     return out
 
 

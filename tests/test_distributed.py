@@ -406,7 +406,7 @@ def test_zero_redundancy_optimizer_refuses_what_it_cannot_do():
     assert out["consolidated_lr"] == 0.025 and "consolidate_state_dict" in out["after_load"]
     assert "no longer exists" in out["no_group"] and "init_process_group" in out["no_group"]
     assert out["isinstance"] == [True, True, "ZeroRedundancyOptimizer[SGD]"]
-    assert out["group"] == [2, 0]
+    assert out["world_rank"] == [2, 0]
 
 
 @needs_emulated_nccl
