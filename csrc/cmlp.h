@@ -381,8 +381,9 @@ CMLP_API cmlp_status cmlp_optim_to(cmlp_optim *o, cmlp_device d);
  * set_state keeps this rank's part of the full buffers it is given. Before the first step only;
  * on = 0 undoes it. */
 CMLP_API cmlp_status cmlp_optim_shard(cmlp_optim *o, int on);
-/* The number of parts (0: not sharded) and [*lo, *hi), the parameters whose state is kept here. */
-CMLP_API int cmlp_optim_shards(const cmlp_optim *o, int64_t *lo, int64_t *hi);
+/* The number of parts (0: not sharded), [*lo, *hi), the parameters whose state is kept here, and
+ * *chunk, the length of every part but the last ones (rank r's starts at r * chunk). */
+CMLP_API int cmlp_optim_shards(const cmlp_optim *o, int64_t *lo, int64_t *hi, int64_t *chunk);
 
 /* ---- training loop ----------------------------------------------------------------------- */
 

@@ -221,9 +221,10 @@ cmlp_status cmlp_optim_shard(cmlp_optim *o, int on) {
     return CMLP_OK;
 }
 
-int cmlp_optim_shards(const cmlp_optim *o, int64_t *lo, int64_t *hi) {
+int cmlp_optim_shards(const cmlp_optim *o, int64_t *lo, int64_t *hi, int64_t *chunk) {
     if (lo) *lo = first_of(o);
     if (hi) *hi = first_of(o) + span(o);
+    if (chunk) *chunk = o->shards ? o->chunk : o->model->nparams;
     return o->shards;
 }
 

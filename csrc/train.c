@@ -336,7 +336,7 @@ static cmlp_status one_sample_oom(cmlp_trainer *t, const char *cause) {
     cmlp_plan p;
     char b[8][32];
     int solo = effective_batch(t) == 1; /* steps of one sample, or accumulating micro-batches of one */
-    int shards = cmlp_optim_shards(t->optim, NULL, NULL);
+    int shards = cmlp_optim_shards(t->optim, NULL, NULL, NULL);
     if (cmlp_plan_compute(m->sizes, m->nlayers + 1, 1, optimizer_buffers(t), shards ? shards : 1, t->cfg.amp,
                           t->cfg.recompute, t->scaler.enabled, solo, m->dev->device, &p) != CMLP_OK)
         return CMLP_FAIL(CMLP_ERR_OOM, "even a micro-batch of 1 sample does not fit: %s", why);
@@ -627,7 +627,7 @@ cmlp_status cmlp_trainer_set_distributed(cmlp_trainer *t, int on) {
 /* Data-parallel, the group is still there (and the trainer's device collectives are its
  * model's device's: where the model moved, epoch_begin and step join the group again). */
 static cmlp_status check_group(cmlp_trainer *t, bool joined) {
-    if (!t->dist && cmlp_optim_shards(t->optim, NULL, NULL))
+    if (!t->dist && cmlp_optim_shards(t->optim, NULL, NULL, NULL))
         return CMLP_FAIL(CMLP_ERR_STATE, "this optimizer's state is sharded over the process group: it steps from "
                                          "gradients summed over the ranks, in a data-parallel trainer");
     if (!t->dist) return CMLP_OK;

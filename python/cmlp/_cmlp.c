@@ -806,9 +806,9 @@ static PyObject *Optim_shard(OptimObject *self, PyObject *arg) {
 
 static PyObject *Optim_shards(OptimObject *self, PyObject *Py_UNUSED(unused)) {
     if (optim_ready(self) < 0) return NULL;
-    int64_t lo, hi;
-    int n = cmlp_optim_shards(self->o, &lo, &hi);
-    return Py_BuildValue("(iLL)", n, (long long)lo, (long long)hi);
+    int64_t lo, hi, chunk;
+    int n = cmlp_optim_shards(self->o, &lo, &hi, &chunk);
+    return Py_BuildValue("(iLLL)", n, (long long)lo, (long long)hi, (long long)chunk);
 }
 
 static PyMethodDef Optim_methods[] = {
@@ -817,7 +817,8 @@ static PyMethodDef Optim_methods[] = {
     {"set_state", (PyCFunction)Optim_set_state, METH_VARARGS, "set_state(step, [buffers])"},
     {"to", (PyCFunction)Optim_to, METH_O, "move the state to a device (after the model)"},
     {"shard", (PyCFunction)Optim_shard, METH_O, "keep state for this rank's part of the parameters only (or not)"},
-    {"shards", (PyCFunction)Optim_shards, METH_NOARGS, "(parts, lo, hi): 0 parts when not sharded"},
+    {"shards", (PyCFunction)Optim_shards, METH_NOARGS,
+     "(parts, lo, hi, chunk): 0 parts when not sharded; rank r's part starts at r * chunk"},
     {"configure", (PyCFunction)(void (*)(void))Optim_configure, METH_VARARGS | METH_KEYWORDS,
      "replace the hyperparameters, keeping the state"},
     {NULL, NULL, 0, NULL},

@@ -76,7 +76,7 @@ class ZeroRedundancyOptimizer(Optimizer):
     def shard(self) -> slice:
         """The parameters (indices into the flat buffer, in state_dict order) whose state this
         rank keeps."""
-        _, lo, hi = self._c.shards()
+        _, lo, hi, _ = self._c.shards()
         return slice(lo, hi)
 
     def step(self) -> None:
@@ -89,9 +89,11 @@ class ZeroRedundancyOptimizer(Optimizer):
         world = get_world_size()
         if not (isinstance(to, (int, np.integer)) and not isinstance(to, bool) and 0 <= to < world):
             raise ValueError(f"to must be a rank in [0, {world}), got {to!r}")
-        parts, _, _ = self._c.shards()
+        if (world, get_rank()) != (self.world_size, self.rank):
+            raise RuntimeError(f"this optimizer's state is sharded as rank {self.rank} of {self.world_size}, and "
+                               f"this process is rank {get_rank()} of {world} now")
+        parts, _, _, chunk = self._c.shards()
         n = self.model.num_parameters()
-        chunk = -(-(-(-n // parts)) // 64) * 64  # as the C optimizer cuts them (cmlp_shard_chunk)
         step, bufs = self._c.get_state()  # this rank's part in place, zeros elsewhere
         for buf in bufs:
             for r in range(parts):
