@@ -343,11 +343,17 @@ static cmlp_status one_sample_oom(cmlp_trainer *t, const char *cause) {
     int64_t v[8] = {p.parameters, p.gradients, p.optimizer_state, p.half_weights, p.activations, p.workspace,
                     p.peak_allocated, p.peak_reserved};
     for (int i = 0; i < 8; i++) cmlp_format_bytes(b[i], sizeof b[i], v[i]);
+    char shard_hint[200] = ""; /* data-parallel, the state need not be whole on every rank */
+    if (t->dist && !shards && p.optimizer_state > 0 && cmlp_dist_size() > 1)
+        snprintf(shard_hint, sizeof shard_hint,
+                 " The optimizer state could be sharded over the %d ranks, 1/%d of it on each "
+                 "(cmlp.distributed.optim.ZeroRedundancyOptimizer).",
+                 cmlp_dist_size(), cmlp_dist_size());
     return CMLP_FAIL(CMLP_ERR_OOM,
                      "out of memory even with a micro-batch of 1 sample. The plan for one sample: parameters %s, "
                      "gradients %s, optimizer state %s, half-precision weights %s, activations %s, workspace %s; "
-                     "peak %s allocated, %s reserved (in whole segments). The last failure: %s",
-                     b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], why);
+                     "peak %s allocated, %s reserved (in whole segments).%s The last failure: %s",
+                     b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], shard_hint, why);
 }
 
 /* The device scalars of a call (cmlp_dscalars): written when the call begins, read when it

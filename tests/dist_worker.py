@@ -119,9 +119,9 @@ def failure_case(opts):
     D.all_reduce(flags, "sum")
     # the error of each rank, one at a time from its owner
     for k in range(D.get_world_size()):
-        buf = np.zeros(600, dtype=np.uint8)
+        buf = np.zeros(2000, dtype=np.uint8)
         if k == r and error:
-            raw = error.encode()[:600]
+            raw = error.encode()[:2000]
             buf[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
         D.broadcast(buf, k)
         errors[k] = bytes(buf).rstrip(b"\0").decode(errors="replace")

@@ -177,6 +177,7 @@ def test_a_rank_out_of_memory_fails_the_step_everywhere_and_nothing_hangs():
     out = run_job(2, "failure")
     assert out["failed"] == 2
     assert out["errors"][1].startswith("OutOfMemoryError") and "micro-batch of 1 sample" in out["errors"][1]
+    assert "sharded over the 2 ranks" in out["errors"][1] and "ZeroRedundancyOptimizer" in out["errors"][1]
     assert out["errors"][0].startswith("RuntimeError") and "rank 1" in out["errors"][0]
     assert out["unchanged"]  # the step was taken by no rank
     assert out["rank_spread"] == 0.0 and np.isfinite(out["after_loss"])  # and the group trains on
