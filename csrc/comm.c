@@ -47,8 +47,12 @@ static cmlp_status solo_barrier(void) { return CMLP_OK; }
 static void solo_finalize(void) {}
 static void solo_abort(int code) { _exit(code); }
 static void solo_version(char *out, size_t cap) { snprintf(out, cap, "none (a group of one, without MPI)"); }
-static const cmlp_mpi_module solo = {CMLP_MPI_ABI, solo_init,     solo_all_reduce, solo_broadcast,
-                                     solo_barrier, solo_finalize, solo_abort,      solo_version};
+static cmlp_status solo_all_gather(void *buf, int64_t count, int64_t chunk, cmlp_comm_type type) {
+    (void)buf, (void)count, (void)chunk, (void)type;
+    return CMLP_OK;
+}
+static const cmlp_mpi_module solo = {CMLP_MPI_ABI,  solo_init,  solo_all_reduce, solo_broadcast, solo_barrier,
+                                     solo_finalize, solo_abort, solo_version,    solo_all_gather};
 
 /* Variables that MPI launchers (Open MPI, MPICH/PMI, PMIx, srun's PMI) set in the ranks they start. */
 static bool launched(void) {
@@ -133,6 +137,21 @@ cmlp_status cmlp_dist_all_reduce(void *buf, int64_t count, int type, int op) {
     if (op < CMLP_REDUCE_SUM || op > CMLP_REDUCE_MIN) return CMLP_FAIL(CMLP_ERR_INVALID, "unknown reduction %d", op);
     pthread_mutex_lock(&lock);
     cmlp_status st = !group ? NO_GROUP() : mpi->all_reduce(buf, count, (cmlp_comm_type)type, (cmlp_reduce_op)op);
+    pthread_mutex_unlock(&lock);
+    return st;
+}
+
+cmlp_status cmlp_dist_all_gather(void *buf, int64_t count, int64_t chunk, int type) {
+    if (count < 0 || chunk < 1 || (count > 0 && !buf))
+        return CMLP_FAIL(CMLP_ERR_INVALID, "all_gather of %lld elements in parts of %lld at %p", (long long)count,
+                         (long long)chunk, buf);
+    if (type < CMLP_COMM_F32 || type > CMLP_COMM_I64) return CMLP_FAIL(CMLP_ERR_INVALID, "unknown element type %d", type);
+    pthread_mutex_lock(&lock);
+    cmlp_status st = !group                                       ? NO_GROUP()
+                     : count > 0 && chunk < (count + size_ - 1) / size_
+                         ? CMLP_FAIL(CMLP_ERR_INVALID, "%d parts of %lld cannot hold %lld elements", size_,
+                                     (long long)chunk, (long long)count)
+                         : mpi->all_gather(buf, count, chunk, (cmlp_comm_type)type);
     pthread_mutex_unlock(&lock);
     return st;
 }

@@ -9,7 +9,7 @@
 
 #include "backend.h"
 
-#define CMLP_MPI_ABI 1
+#define CMLP_MPI_ABI 2
 
 typedef enum cmlp_reduce_op { CMLP_REDUCE_SUM = 0, CMLP_REDUCE_MAX = 1, CMLP_REDUCE_MIN = 2 } cmlp_reduce_op;
 
@@ -32,6 +32,9 @@ typedef struct cmlp_mpi_module {
     void (*abort)(int code);
     /* The library's version string (MPI_Get_library_version's first line). */
     void (*version)(char *out, size_t cap);
+    /* In place, on host memory: rank r's part of buf, elements [r * chunk, (r + 1) * chunk) of
+     * count (the last parts short or empty), to every rank. */
+    cmlp_status (*all_gather)(void *buf, int64_t count, int64_t chunk, cmlp_comm_type type);
 } cmlp_mpi_module;
 
 typedef const cmlp_mpi_module *(*cmlp_mpi_entry_fn)(cmlp_error_fn set_error);

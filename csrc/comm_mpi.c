@@ -8,6 +8,7 @@
 
 #include <mpi.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define CMLP_EXPORT __attribute__((visibility("default")))
@@ -79,6 +80,32 @@ static cmlp_status broadcast(void *buf, int64_t bytes, int root) {
     return CMLP_OK;
 }
 
+static cmlp_status all_gather(void *buf, int64_t count, int64_t chunk, cmlp_comm_type type) {
+    MPI_Datatype t = type == CMLP_COMM_F32 ? MPI_FLOAT : type == CMLP_COMM_F64 ? MPI_DOUBLE : MPI_INT64_T;
+    size_t width = type == CMLP_COMM_F32 ? 4 : 8;
+    int size = 1, rc = MPI_Comm_size(MPI_COMM_WORLD, &size);
+    if (rc != MPI_SUCCESS) return MPI_FAIL(rc, "MPI_Comm_size");
+    int *counts = count <= CHUNK ? malloc(2 * (size_t)size * sizeof(int)) : NULL;
+    if (counts) { /* one MPI_Allgatherv: its counts and offsets are ints */
+        int *offsets = counts + size;
+        for (int r = 0; r < size; r++) {
+            int64_t lo = (int64_t)r * chunk < count ? (int64_t)r * chunk : count;
+            offsets[r] = (int)lo;
+            counts[r] = (int)((lo + chunk < count ? lo + chunk : count) - lo);
+        }
+        rc = MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, counts, offsets, t, MPI_COMM_WORLD);
+        free(counts);
+        return rc == MPI_SUCCESS ? CMLP_OK : MPI_FAIL(rc, "MPI_Allgatherv");
+    }
+    /* beyond ints (or without memory for the counts): each part from its owner */
+    for (int r = 0; r < size && (int64_t)r * chunk < count; r++) {
+        int64_t lo = (int64_t)r * chunk, n = lo + chunk < count ? chunk : count - lo;
+        cmlp_status st = broadcast((char *)buf + (size_t)lo * width, n * (int64_t)width, r);
+        if (st != CMLP_OK) return st;
+    }
+    return CMLP_OK;
+}
+
 static cmlp_status barrier(void) {
     int rc = MPI_Barrier(MPI_COMM_WORLD);
     return rc == MPI_SUCCESS ? CMLP_OK : MPI_FAIL(rc, "MPI_Barrier");
@@ -99,8 +126,8 @@ static void version(char *out, size_t cap) {
     snprintf(out, cap, "%s", v);
 }
 
-static const cmlp_mpi_module module = {CMLP_MPI_ABI, init,     all_reduce, broadcast,
-                                       barrier,      finalize, abort_all,  version};
+static const cmlp_mpi_module module = {CMLP_MPI_ABI, init,      all_reduce, broadcast, barrier,
+                                       finalize,     abort_all, version,    all_gather};
 
 CMLP_EXPORT const cmlp_mpi_module *cmlp_mpi_entry(cmlp_error_fn set_error) {
     fail = set_error;

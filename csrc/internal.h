@@ -282,6 +282,9 @@ static inline int64_t cmlp_shard_chunk(int64_t n, int w) {
 /* Every rank says whether it computed its share of a step (mine): a step that some rank could
  * not compute is taken by none (the others would otherwise wait for it in a collective). */
 CMLP_HIDDEN cmlp_status cmlp_dist_agree(cmlp_status mine);
+/* In place, on host memory: rank r's part of buf, elements [r * chunk, (r + 1) * chunk) of
+ * count, to every rank (CMLP_COMM_* elements; the parts must cover count). */
+CMLP_HIDDEN cmlp_status cmlp_dist_all_gather(void *buf, int64_t count, int64_t chunk, int type);
 /* Moves with every process group made (a trainer's communicator from an older one is gone). */
 CMLP_HIDDEN uint64_t cmlp_dist_generation(void);
 /* Makes the optimizer's state now if it has none (zeros; its first step still treats it as new). */

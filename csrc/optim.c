@@ -3,6 +3,7 @@
  * step; a step that cannot allocate it changes nothing.
  */
 #include "internal.h"
+#include "comm.h"
 
 #include <float.h>
 #include <stddef.h>
@@ -271,14 +272,7 @@ static cmlp_status ready_to_step(cmlp_optim *o, const void *dcomm) {
 static cmlp_status gather(cmlp_optim *o, void *dcomm) {
     if (!o->shards) return CMLP_OK;
     cmlp_model *m = o->model;
-    if (o->dev->device.type == CMLP_DEVICE_CPU) {
-        for (int r = 0; r < o->shards; r++) {
-            int64_t lo, hi;
-            shard_range(o, r, &lo, &hi);
-            if (hi > lo) CMLP_TRY(cmlp_dist_broadcast(m->params + lo, (hi - lo) * (int64_t)sizeof(float), r));
-        }
-        return CMLP_OK;
-    }
+    if (o->dev->device.type == CMLP_DEVICE_CPU) return cmlp_dist_all_gather(m->params, m->nparams, o->chunk, CMLP_COMM_F32);
     return o->dev->backend->comm_all_gather(o->dev->bctx, dcomm, m->params, m->nparams, o->chunk);
 }
 
