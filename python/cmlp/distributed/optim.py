@@ -5,7 +5,8 @@ exp_avg_sq are twice the parameters, so with the parameters and gradients it is 
 the model per rank. A ZeroRedundancyOptimizer keeps the state of 1/world_size of the parameters
 on each rank (its part of the flat parameter buffer, in parts of equal length): each step updates
 the rank's part from the gradients the ranks summed, then every rank's part is sent to the others
-(a broadcast from each owner; on CUDA devices NCCL's, inside the captured training step). The
+(MPI_Allgatherv; on CUDA devices an NCCL broadcast from each owner, inside the captured training
+step). The
 update is the same, element by element, as the optimizer's own; what is saved per rank is
 (world_size - 1) / world_size of the state::
 
