@@ -266,7 +266,6 @@ static cmlp_status step_grads(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_dat
     return t->scaler.enabled ? b->fill_zero(ctx, &ds->found_inf, sizeof ds->found_inf) : CMLP_OK;
 }
 
-
 /* torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm) on the device: the L2 norm of the
  * step's gradients, counted in ds (a finite one) and applied by the clipping pass. */
 static cmlp_status clip_grads(cmlp_trainer *t, cmlp_dscalars *ds) {
