@@ -267,6 +267,12 @@ typedef cmlp_status (*cmlp_error_fn)(cmlp_status s, const char *file, int line, 
 
 #define CMLP_CUDA_ABI 8
 
+/* Why a process forked after CUDA was started cannot use it (the core's words and the backend's). */
+#define CMLP_CUDA_FORKED_TEXT                                                                                  \
+    "CUDA cannot be used in a process forked after CUDA was initialized in its parent (the CUDA driver "       \
+    "does not survive fork); start worker processes with the 'spawn' or 'forkserver' method, e.g. "          \
+    "multiprocessing.get_context(\"spawn\")"
+
 typedef struct cmlp_cuda_module {
     int abi; /* CMLP_CUDA_ABI of the library */
     const cmlp_backend_i *backend;

@@ -224,12 +224,19 @@ static void defer(int kind, void *ctx, void *ptr, size_t nbytes) {
     deferred[ndeferred++] = (deferred_op){kind, ctx, ptr, nbytes};
 }
 
+/* A child forked from this process cannot use the CUDA that the parent started (the driver
+ * does not survive fork): from the fork on, every call in the child is refused, and what the
+ * parent's memory and graphs would give back is left alone. */
+static bool forked;
+static void mark_forked(void) { forked = true; }
+
 /* Makes c's device current on this thread. cudaSetDevice also makes its primary context
  * current, which the driver API calls (the VMM path) need and cudaGetDevice does not give: so a
  * thread sets it at least once (bound_device), and again whenever it changes devices. */
 static __thread int bound_device = -1;
 
 static cmlp_status use(cuda_ctx *c) {
+    if (forked) return FAIL(CMLP_ERR_DEVICE, "cuda:%d: " CMLP_CUDA_FORKED_TEXT, c->index);
     int cur = -1;
     if (cudaGetDevice(&cur) != cudaSuccess) (void)cudaGetLastError();
     if (cur != c->index || bound_device != c->index) {
@@ -366,6 +373,7 @@ static cmlp_status cu_raw_alloc(void *ctx, size_t nbytes, void **out) {
 
 static void cu_raw_free(void *ctx, void *ptr, size_t nbytes) {
     cuda_ctx *c = ctx;
+    if (forked) return;
     if (thread_capturing()) {
         defer(0, c, ptr, nbytes);
         return;
@@ -425,6 +433,7 @@ static cmlp_status cu_vm_map(void *ctx, void *ptr, size_t nbytes) {
 
 static void cu_vm_unmap(void *ctx, void *ptr, size_t nbytes) {
     cuda_ctx *c = ctx;
+    if (forked) return;
     if (thread_capturing()) {
         defer(1, c, ptr, nbytes);
         return;
@@ -441,6 +450,7 @@ static void cu_vm_unmap(void *ctx, void *ptr, size_t nbytes) {
 
 static void cu_vm_release(void *ctx, void *ptr, size_t nbytes) {
     cuda_ctx *c = ctx;
+    if (forked) return;
     if (thread_capturing()) {
         defer(2, c, ptr, nbytes);
         return;
@@ -1118,6 +1128,7 @@ static cmlp_status cu_graph_launch(void *ctx, void *graph) {
 
 static void cu_graph_free(void *ctx, void *graph) {
     cuda_ctx *c = ctx;
+    if (forked) return;
     if (graph && use(c) == CMLP_OK) (void)cudaGraphExecDestroy((cudaGraphExec_t)graph);
 }
 
@@ -1254,6 +1265,7 @@ static cmlp_status cu_comm_all_gather(void *ctx, void *comm, float *d_buf, int64
 
 static void cu_comm_free(void *ctx, void *comm) {
     cuda_ctx *c = ctx;
+    if (forked) return;
     if (comm && nccl.ok && use(c) == CMLP_OK) (void)nccl.comm_destroy(comm);
 }
 
@@ -1343,5 +1355,6 @@ static const cmlp_cuda_module module = {
 
 __attribute__((visibility("default"))) const cmlp_cuda_module *cmlp_cuda_entry(cmlp_error_fn set_error) {
     record_error = set_error;
+    pthread_atfork(NULL, NULL, mark_forked);
     return &module;
 }

@@ -54,6 +54,23 @@ static cmlp_status solo_all_gather(void *buf, int64_t count, int64_t chunk, cmlp
 static const cmlp_mpi_module solo = {CMLP_MPI_ABI,  solo_init,  solo_all_reduce, solo_broadcast, solo_barrier,
                                      solo_finalize, solo_abort, solo_version,    solo_all_gather};
 
+/* orphan: this process was forked from one that had started MPI. MPI and the group's
+ * collectives belong to the parent: the child takes part in none and never finalizes MPI. */
+static bool mpi_started, orphan;
+static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
+
+static void after_fork_child(void) {
+    pthread_mutex_init(&lock, NULL); /* a thread that the child lacks may have held it */
+    orphan = orphan || mpi_started;
+    ndcomms = 0; /* the devices' communicators are the parent's */
+}
+
+static void fork_register(void) { pthread_atfork(NULL, NULL, after_fork_child); }
+
+#define ORPHANED()                                                                                             \
+    CMLP_FAIL(CMLP_ERR_STATE, "this process was forked from a rank of a process group: MPI and the group's "   \
+                              "collectives belong to that rank, and a forked child cannot take part in them")
+
 /* Variables that MPI launchers (Open MPI, MPICH/PMI, PMIx, srun's PMI) set in the ranks they start. */
 static bool launched(void) {
     static const char *const vars[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK",
@@ -100,10 +117,14 @@ static cmlp_status load(void) {
 cmlp_status cmlp_dist_init(int backend, int *rank, int *size) {
     if (backend != CMLP_DIST_MPI && backend != CMLP_DIST_NCCL)
         return CMLP_FAIL(CMLP_ERR_INVALID, "unknown process group backend %d", backend);
+    pthread_once(&fork_once, fork_register); /* not under the lock, which a fork handler takes */
     pthread_mutex_lock(&lock);
-    cmlp_status st = group ? CMLP_FAIL(CMLP_ERR_STATE, "the process group is initialised already") : load();
+    cmlp_status st = orphan  ? ORPHANED()
+                     : group ? CMLP_FAIL(CMLP_ERR_STATE, "the process group is initialised already")
+                             : load();
     if (st == CMLP_OK) st = mpi->init(&rank_, &size_, &local_rank_, &local_size_);
     if (st == CMLP_OK) {
+        mpi_started = mpi_started || mpi != &solo;
         group = true;
         backend_ = backend;
         generation++;
@@ -130,13 +151,17 @@ uint64_t cmlp_dist_generation(void) { return generation; }
 
 #define NO_GROUP() CMLP_FAIL(CMLP_ERR_STATE, "no process group: call cmlp.distributed.init_process_group() first")
 
+/* CMLP_OK when the group can run a collective (under the lock). */
+static cmlp_status usable(void) { return !group ? NO_GROUP() : orphan ? ORPHANED() : CMLP_OK; }
+
 cmlp_status cmlp_dist_all_reduce(void *buf, int64_t count, int type, int op) {
     if (count < 0 || (count > 0 && !buf)) return CMLP_FAIL(CMLP_ERR_INVALID, "all_reduce of %lld elements at %p",
                                                            (long long)count, buf);
     if (type < CMLP_COMM_F32 || type > CMLP_COMM_I64) return CMLP_FAIL(CMLP_ERR_INVALID, "unknown element type %d", type);
     if (op < CMLP_REDUCE_SUM || op > CMLP_REDUCE_MIN) return CMLP_FAIL(CMLP_ERR_INVALID, "unknown reduction %d", op);
     pthread_mutex_lock(&lock);
-    cmlp_status st = !group ? NO_GROUP() : mpi->all_reduce(buf, count, (cmlp_comm_type)type, (cmlp_reduce_op)op);
+    cmlp_status st = usable();
+    if (st == CMLP_OK) st = mpi->all_reduce(buf, count, (cmlp_comm_type)type, (cmlp_reduce_op)op);
     pthread_mutex_unlock(&lock);
     return st;
 }
@@ -147,11 +172,12 @@ cmlp_status cmlp_dist_all_gather(void *buf, int64_t count, int64_t chunk, int ty
                          (long long)chunk, buf);
     if (type < CMLP_COMM_F32 || type > CMLP_COMM_I64) return CMLP_FAIL(CMLP_ERR_INVALID, "unknown element type %d", type);
     pthread_mutex_lock(&lock);
-    cmlp_status st = !group                                       ? NO_GROUP()
-                     : count > 0 && chunk < (count + size_ - 1) / size_
-                         ? CMLP_FAIL(CMLP_ERR_INVALID, "%d parts of %lld cannot hold %lld elements", size_,
-                                     (long long)chunk, (long long)count)
-                         : mpi->all_gather(buf, count, chunk, (cmlp_comm_type)type);
+    cmlp_status st = usable();
+    if (st == CMLP_OK)
+        st = count > 0 && chunk < (count + size_ - 1) / size_
+                 ? CMLP_FAIL(CMLP_ERR_INVALID, "%d parts of %lld cannot hold %lld elements", size_, (long long)chunk,
+                             (long long)count)
+                 : mpi->all_gather(buf, count, chunk, (cmlp_comm_type)type);
     pthread_mutex_unlock(&lock);
     return st;
 }
@@ -160,9 +186,11 @@ cmlp_status cmlp_dist_broadcast(void *buf, int64_t bytes, int root) {
     if (bytes < 0 || (bytes > 0 && !buf)) return CMLP_FAIL(CMLP_ERR_INVALID, "broadcast of %lld bytes at %p",
                                                            (long long)bytes, buf);
     pthread_mutex_lock(&lock);
-    cmlp_status st = !group                            ? NO_GROUP()
-                     : root < 0 || root >= size_       ? CMLP_FAIL(CMLP_ERR_INVALID, "src must be a rank in [0, %d), got %d", size_, root)
-                                                       : mpi->broadcast(buf, bytes, root);
+    cmlp_status st = usable();
+    if (st == CMLP_OK)
+        st = root < 0 || root >= size_
+                 ? CMLP_FAIL(CMLP_ERR_INVALID, "src must be a rank in [0, %d), got %d", size_, root)
+                 : mpi->broadcast(buf, bytes, root);
     pthread_mutex_unlock(&lock);
     return st;
 }
@@ -187,7 +215,8 @@ cmlp_status cmlp_dist_agree(cmlp_status mine) {
 
 cmlp_status cmlp_dist_barrier(void) {
     pthread_mutex_lock(&lock);
-    cmlp_status st = group ? mpi->barrier() : NO_GROUP();
+    cmlp_status st = usable();
+    if (st == CMLP_OK) st = mpi->barrier();
     pthread_mutex_unlock(&lock);
     return st;
 }
@@ -209,10 +238,8 @@ cmlp_status cmlp_dist_device_comm(cmlp_device_ctx *dev, void **comm) {
     void *found = NULL;
     for (int i = 0; i < ndcomms; i++) /* the latest for this device */
         if (dcomms[i].dev == dev) found = dcomms[i].comm;
-    if (!group) {
-        st = NO_GROUP();
-        goto out;
-    }
+    st = usable();
+    if (st != CMLP_OK) goto out;
     if (backend_ != CMLP_DIST_NCCL || !dev->backend->comm_init) {
         st = CMLP_FAIL(CMLP_ERR_STATE,
                        "the process group's backend is '%s', which sums gradients of models on the CPU; for models "
@@ -277,12 +304,13 @@ void cmlp_dist_destroy(void) {
 void cmlp_dist_finalize(void) {
     pthread_mutex_lock(&lock);
     group = false;
-    if (mpi) mpi->finalize();
+    if (mpi && !orphan) mpi->finalize();
     pthread_mutex_unlock(&lock);
 }
 
 void cmlp_dist_abort(int code) {
     /* no lock: another thread may be waiting in a collective that will never complete */
+    if (orphan) _exit(code); /* the job is the parent's to end */
     if (mpi) mpi->abort(code);
 }
 

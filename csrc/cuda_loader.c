@@ -6,6 +6,7 @@
 #include "internal.h"
 
 #include <pthread.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,6 +18,9 @@ static pthread_once_t load_once = PTHREAD_ONCE_INIT;
 static const cmlp_cuda_module *module;
 static int ndevices;
 static char why[512];
+static bool forked; /* this process is a child forked after CUDA was loaded */
+
+static void mark_forked(void) { forked = true; }
 
 static void load(void) {
     char path[4096];
@@ -41,6 +45,12 @@ static void load(void) {
     }
     module = m;
     ndevices = m->device_count(why, sizeof why);
+    pthread_atfork(NULL, NULL, mark_forked); /* the device count started the driver */
+}
+
+bool cmlp_cuda_forked(void) {
+    pthread_once(&load_once, load);
+    return forked;
 }
 
 int cmlp_cuda_device_count(void) {
@@ -66,6 +76,7 @@ int cmlp_cuda_runtime_version(void) {
 #else
 
 int cmlp_cuda_device_count(void) { return 0; }
+bool cmlp_cuda_forked(void) { return false; }
 const char *cmlp_cuda_unavailable_reason(void) { return "this build of cmlp has no CUDA backend"; }
 const cmlp_backend_i *cmlp_cuda_backend(void) { return NULL; }
 int cmlp_cuda_runtime_version(void) { return 0; }

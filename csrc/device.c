@@ -31,6 +31,7 @@ cmlp_status cmlp_device_check(cmlp_device d) {
                          cmlp_cuda_unavailable_reason());
     if (d.index < 0 || d.index >= count)
         return CMLP_FAIL(CMLP_ERR_DEVICE, "cuda:%d does not exist: %d CUDA device(s) found", d.index, count);
+    if (cmlp_cuda_forked()) return CMLP_FAIL(CMLP_ERR_DEVICE, "cuda:%d: " CMLP_CUDA_FORKED_TEXT, d.index);
     return CMLP_OK;
 }
 

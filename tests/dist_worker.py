@@ -435,7 +435,52 @@ def zero_errors_case(opts):
     return out
 
 
-CASES = {"zero": zero_case, "zero_errors": zero_errors_case, "zero_plan": zero_plan_case, "regroup": regroup_case, "backend": backend_case,
+def fork_case(opts):
+    """A rank forks: the child takes part in no collective and does not finalize MPI at exit (the
+    group and MPI are the parent's); the parent's group works on."""
+    import os
+
+    model = cmlp.MLP(SIZES, seed=1)
+    trainer = cmlp.Trainer(model, cmlp.optim.SGD(model, lr=0.1), batch_size=8)
+    x, y = data(64)
+    sys.stdout.flush()
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(rfd)
+        said = {"rank": D.get_rank(), "initialized": D.is_initialized()}
+        for name, call in (("all_reduce", lambda: D.all_reduce(np.ones(3))), ("barrier", D.barrier),
+                           ("broadcast", lambda: D.broadcast(np.ones(3), src=0)),
+                           ("step", lambda: trainer.step(x[:8], y[:8])), ("destroy", D.destroy_process_group),
+                           ("init", lambda: D.init_process_group("mpi"))):
+            try:
+                call()
+                said[name] = "ran"
+            except (RuntimeError, ValueError) as e:
+                said[name] = str(e)
+        said["cpu"] = float(cmlp.MLP(SIZES, seed=1).forward(x[:2].astype(np.float32)).sum())
+        os.write(wfd, json.dumps(said).encode())
+        os.close(wfd)
+        sys.exit(0)  # a normal exit: the atexit handlers run in the child
+    os.close(wfd)
+    chunks = []
+    while True:
+        b = os.read(rfd, 65536)
+        if not b:
+            break
+        chunks.append(b)
+    os.close(rfd)
+    _, status = os.waitpid(pid, 0)
+    out = {"child": json.loads(b"".join(chunks).decode()), "child_exit": os.waitstatus_to_exitcode(status)}
+    trainer.fit(x, y, epochs=1, progress=False)  # the parent's group is untouched
+    out["spread"] = spread(params(model))
+    exits = np.array([out["child_exit"]], dtype=np.float64)
+    D.all_reduce(exits, "max")
+    out["max_child_exit"] = float(exits[0])
+    return out
+
+
+CASES = {"fork": fork_case, "zero": zero_case, "zero_errors": zero_errors_case, "zero_plan": zero_plan_case, "regroup": regroup_case, "backend": backend_case,
          "evaluation": evaluation_case, "uncaught": uncaught_case, "fit": fit_case, "step": step_case,
          "failure": failure_case, "mismatch": mismatch_case, "collectives": collectives_case}
 

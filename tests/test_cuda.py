@@ -1325,3 +1325,68 @@ def test_data_parallel_training_in_a_group_of_one_equals_training_alone():
     for amp in ("fp32", "fp16"):
         assert out[amp]["same_params"], out
         assert out[amp]["losses"][0] == out[amp]["losses"][1] == out[amp]["losses"][2]
+
+
+_FORK_SCRIPT = r"""
+import json, os, sys
+import numpy as np
+import cmlp
+x = np.random.default_rng(0).random((5, 8), dtype=np.float32)
+y = np.arange(5, dtype=np.int64) % 4
+model = cmlp.MLP([8, 16, 4], device="cuda", seed=0)
+trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=5)
+trainer.fit(x, y, epochs=2, progress=False)  # a captured step too
+before = model.forward(x)
+sys.stdout.flush()
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    try:
+        said = {}
+        for name, call in (("forward", lambda: model.forward(x)), ("fit", lambda: trainer.fit(x, y, progress=False)),
+                           ("new", lambda: cmlp.MLP([8, 4], device="cuda")),
+                           ("stats", lambda: cmlp.memory.memory_allocated("cuda")),
+                           ("empty_cache", lambda: cmlp.memory.empty_cache("cuda"))):
+            try:
+                call()
+                said[name] = "ran"
+            except RuntimeError as e:
+                said[name] = str(e)
+        said["available"] = cmlp.cuda.is_available()
+        said["cpu"] = float(cmlp.MLP([8, 4], seed=0).forward(x).sum())
+        del trainer, model  # what the parent's memory and graphs hold is left alone
+        os.write(w, json.dumps(said).encode())
+    finally:
+        os._exit(0)
+os.close(w)
+text = b""
+while True:
+    b = os.read(r, 65536)
+    if not b:
+        break
+    text += b
+_, status = os.waitpid(pid, 0)
+after = model.forward(x)
+trainer.fit(x, y, epochs=1, progress=False)
+print(json.dumps({"child": json.loads(text), "exit": os.waitstatus_to_exitcode(status),
+                  "same": bool(np.array_equal(before, after))}))
+"""
+
+
+@needs_cuda
+def test_a_child_forked_after_cuda_started_is_refused_cuda_and_the_parent_works_on():
+    """The CUDA driver does not survive fork(): in the child every use of CUDA (a model already on
+    the GPU, a new one, the allocator's statistics) is a RuntimeError that says to use 'spawn',
+    nothing waits or crashes, the parent's objects go away without touching the device, and the
+    CPU works. The parent goes on training on the GPU."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_PYTHON + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    r = subprocess.run([sys.executable, "-c", _FORK_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["exit"] == 0 and out["same"], out
+    child = out["child"]
+    for name in ("forward", "fit", "new", "stats", "empty_cache"):
+        assert "forked" in child[name] and "'spawn'" in child[name], (name, child[name])
+    assert child["available"] is True  # as torch: the devices are there, this process cannot use them
+    assert np.isfinite(child["cpu"])

@@ -81,6 +81,19 @@ def test_without_a_process_group_every_call_says_what_to_do():
 
 
 @needs_mpi
+def test_a_child_forked_from_a_rank_takes_part_in_no_collective_and_leaves_mpi_alone():
+    # the child's collectives (its own, a trainer's) and a new group are refused instead of
+    # waiting for ranks that will never come; its normal exit does not finalize the parent's MPI
+    out = run_job(2, "fork")
+    child = out["child"]
+    assert child["rank"] == 0 and child["initialized"] is True
+    for name in ("all_reduce", "barrier", "broadcast", "step", "init"):
+        assert "forked from a rank of a process group" in child[name], (name, child[name])
+    assert child["destroy"] == "ran" and np.isfinite(child["cpu"])
+    assert out["max_child_exit"] == 0.0 and out["spread"] == 0.0
+
+
+@needs_mpi
 def test_collectives():
     out = run_job(2, "collectives")
     for dt in ("float32", "float64", "int64"):

@@ -16,6 +16,17 @@ from . import amp, cuda, datasets, distributed, memory, nn, optim  # noqa: E402
 from .memory import MemoryWarning, empty_cache  # noqa: E402
 
 
+def _register_fork_handler() -> None:
+    import os
+
+    # a model that another thread was using when the process forked is refused in the child
+    # instead of waiting for ever for that thread's lock
+    os.register_at_fork(after_in_child=_cmlp.after_fork_child)
+
+
+_register_fork_handler()
+
+
 def _configure_from_environment() -> None:
     import os
 

@@ -29,8 +29,15 @@ static module_state *state_of(PyObject *module) { return (module_state *)PyModul
 
 /* ---- errors: the one mapping from cmlp_status to Python ---- */
 
+/* This module's own status: a model lost to fork (ModelObject.lost). */
+#define STATUS_LOST ((cmlp_status)-1)
+
 static PyObject *raise_status(module_state *ms, cmlp_status s) {
     const char *msg = cmlp_last_error();
+    if (s == STATUS_LOST)
+        msg = "this model, its optimizer and its trainer cannot be used in this process: another thread was "
+              "using them when the process was forked, and that thread's call never finishes in the child, so "
+              "their state here is incomplete (fork while no thread uses them, or start processes with 'spawn')";
     switch (s) {
     case CMLP_ERR_INVALID:
     case CMLP_ERR_NONFINITE: PyErr_SetString(PyExc_ValueError, msg); break;
@@ -166,22 +173,46 @@ static int64_t stack_number(void) {
 /* ---- the model object; its lock serialises every C call on the model, its optimizer and
  * its trainer (taken with the GIL released, so waiting never blocks other threads) ---- */
 
-typedef struct {
+typedef struct ModelObject {
     PyObject_HEAD
     cmlp_model *m;
     PyThread_type_lock lock;
     module_state *ms;
+    /* lost: another thread was inside a call on the model when this process was forked from
+     * its parent; the call never ends here, so the model's state in this child is unusable */
+    int lost;
+    struct ModelObject *prev, *next; /* the live models (under the GIL), for after_fork_child */
 } ModelObject;
 
-#define RUN_LOCKED(model, stmt)                          \
-    do {                                                 \
-        cmlp_memory_set_context(stack_number());         \
-        Py_BEGIN_ALLOW_THREADS                           \
-        PyThread_acquire_lock((model)->lock, WAIT_LOCK); \
-        stmt;                                            \
-        PyThread_release_lock((model)->lock);            \
-        Py_END_ALLOW_THREADS                             \
-        cmlp_memory_set_context(0);                      \
+static ModelObject *live_models;
+
+/* st = call, under the model's lock with the GIL released; a model lost to fork (STATUS_LOST)
+ * runs nothing. */
+#define RUN_LOCKED(model, st, call)                          \
+    do {                                                     \
+        if ((model)->lost) {                                 \
+            (st) = STATUS_LOST;                              \
+            break;                                           \
+        }                                                    \
+        cmlp_memory_set_context(stack_number());             \
+        Py_BEGIN_ALLOW_THREADS                               \
+        PyThread_acquire_lock((model)->lock, WAIT_LOCK);     \
+        (st) = call;                                         \
+        PyThread_release_lock((model)->lock);                \
+        Py_END_ALLOW_THREADS                                 \
+        cmlp_memory_set_context(0);                          \
+    } while (0)
+
+#define RUN_LOCKED_VOID(model, call)                         \
+    do {                                                     \
+        if ((model)->lost) break;                            \
+        cmlp_memory_set_context(stack_number());             \
+        Py_BEGIN_ALLOW_THREADS                               \
+        PyThread_acquire_lock((model)->lock, WAIT_LOCK);     \
+        call;                                                \
+        PyThread_release_lock((model)->lock);                \
+        Py_END_ALLOW_THREADS                                 \
+        cmlp_memory_set_context(0);                          \
     } while (0)
 
 /* The UTF-8 text of str obj, refused (ValueError naming `what`) when it holds a NUL, which C
@@ -284,17 +315,44 @@ static PyObject *Model_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
         Py_DECREF(self);
         return PyErr_NoMemory();
     }
+    self->next = live_models;
+    if (live_models) live_models->prev = self;
+    live_models = self;
     return (PyObject *)self;
 }
 
 static void Model_dealloc(ModelObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
-    cmlp_memory_set_context(stack_number());
-    cmlp_model_free(self->m);
-    cmlp_memory_set_context(0);
+    if (self->prev) self->prev->next = self->next;
+    else if (live_models == self) live_models = self->next;
+    if (self->next) self->next->prev = self->prev;
+    if (!self->lost) { /* a lost model's state is left as the lost call left it */
+        cmlp_memory_set_context(stack_number());
+        cmlp_model_free(self->m);
+        cmlp_memory_set_context(0);
+    }
     if (self->lock) PyThread_free_lock(self->lock);
     tp->tp_free((PyObject *)self);
     Py_DECREF(tp);
+}
+
+/* In a child just forked (os.register_at_fork): a model whose lock is held was inside a call on
+ * a thread that the child does not have. Its lock never comes free here: it gets a new one, and
+ * the model is marked lost, so that calls on it fail instead of waiting for ever. */
+static PyObject *mod_after_fork_child(PyObject *mod, PyObject *unused) {
+    (void)mod;
+    (void)unused;
+    for (ModelObject *m = live_models; m; m = m->next) {
+        if (PyThread_acquire_lock(m->lock, NOWAIT_LOCK)) {
+            PyThread_release_lock(m->lock);
+            continue;
+        }
+        PyThread_type_lock fresh = PyThread_allocate_lock();
+        if (!fresh) return PyErr_NoMemory();
+        m->lock = fresh; /* the held one is left as it is: freeing a held lock is not allowed */
+        m->lost = 1;
+    }
+    Py_RETURN_NONE;
 }
 
 static int model_ready(ModelObject *self) {
@@ -389,7 +447,7 @@ static PyObject *flat_out(ModelObject *self, int grads) {
     if (!arr) return NULL;
     float *dst = PyArray_DATA((PyArrayObject *)arr);
     cmlp_status st;
-    RUN_LOCKED(self, st = grads ? cmlp_model_get_grads(self->m, dst) : cmlp_model_get_params(self->m, dst));
+    RUN_LOCKED(self, st, grads ? cmlp_model_get_grads(self->m, dst) : cmlp_model_get_params(self->m, dst));
     if (st != CMLP_OK) {
         Py_DECREF(arr);
         return raise_status(self->ms, st);
@@ -423,7 +481,7 @@ static PyObject *Model_set_params(ModelObject *self, PyObject *arg) {
     const float *src;
     if (as_flat(arg, cmlp_model_num_parameters(self->m), &src) < 0) return NULL;
     cmlp_status st;
-    RUN_LOCKED(self, st = cmlp_model_set_params(self->m, src));
+    RUN_LOCKED(self, st, cmlp_model_set_params(self->m, src));
     if (st != CMLP_OK) return raise_status(self->ms, st);
     Py_RETURN_NONE;
 }
@@ -432,7 +490,7 @@ static PyObject *Model_zero_grad(ModelObject *self, PyObject *unused) {
     (void)unused;
     if (model_ready(self) < 0) return NULL;
     cmlp_status st;
-    RUN_LOCKED(self, st = cmlp_model_zero_grad(self->m));
+    RUN_LOCKED(self, st, cmlp_model_zero_grad(self->m));
     if (st != CMLP_OK) return raise_status(self->ms, st);
     Py_RETURN_NONE;
 }
@@ -440,7 +498,7 @@ static PyObject *Model_zero_grad(ModelObject *self, PyObject *unused) {
 static PyObject *Model_release_workspace(ModelObject *self, PyObject *unused) {
     (void)unused;
     if (model_ready(self) < 0) return NULL;
-    RUN_LOCKED(self, cmlp_model_release_workspace(self->m));
+    RUN_LOCKED_VOID(self, cmlp_model_release_workspace(self->m));
     Py_RETURN_NONE;
 }
 
@@ -458,7 +516,7 @@ static PyObject *Model_forward(ModelObject *self, PyObject *args, PyObject *kw) 
     if (!out) return NULL;
     float *dst = PyArray_DATA((PyArrayObject *)out);
     cmlp_status st;
-    RUN_LOCKED(self, st = cmlp_model_forward(self->m, &d, chunk, dst));
+    RUN_LOCKED(self, st, cmlp_model_forward(self->m, &d, chunk, dst));
     if (st != CMLP_OK) {
         Py_DECREF(out);
         return raise_status(self->ms, st);
@@ -482,7 +540,7 @@ static PyObject *Model_evaluate(ModelObject *self, PyObject *args, PyObject *kw)
     double loss = 0.0;
     int64_t correct = 0;
     cmlp_status st;
-    RUN_LOCKED(self, st = cmlp_model_evaluate(self->m, &d, chunk, &loss, &correct));
+    RUN_LOCKED(self, st, cmlp_model_evaluate(self->m, &d, chunk, &loss, &correct));
     if (st != CMLP_OK) return raise_status(self->ms, st);
     return Py_BuildValue("(dL)", loss, (long long)correct);
 }
@@ -503,7 +561,7 @@ static PyObject *Model_forward_backward(ModelObject *self, PyObject *args, PyObj
     }
     double loss = 0.0;
     cmlp_status st;
-    RUN_LOCKED(self, st = cmlp_model_forward_backward(self->m, &d, gw, smoothing, (cmlp_amp)amp, &loss));
+    RUN_LOCKED(self, st, cmlp_model_forward_backward(self->m, &d, gw, smoothing, (cmlp_amp)amp, &loss));
     if (st != CMLP_OK) return raise_status(self->ms, st);
     return PyFloat_FromDouble(loss);
 }
@@ -514,7 +572,7 @@ static PyObject *Model_unscale_grads(ModelObject *self, PyObject *arg) {
     if (inv == -1.0 && PyErr_Occurred()) return NULL;
     int found = 0;
     cmlp_status st;
-    RUN_LOCKED(self, st = cmlp_model_unscale_grads(self->m, (float)inv, &found));
+    RUN_LOCKED(self, st, cmlp_model_unscale_grads(self->m, (float)inv, &found));
     if (st != CMLP_OK) return raise_status(self->ms, st);
     return PyBool_FromLong(found);
 }
@@ -526,7 +584,7 @@ static PyObject *Model_clip_grad_norm(ModelObject *self, PyObject *args) {
     if (model_ready(self) < 0) return NULL;
     double total = 0.0;
     cmlp_status st;
-    RUN_LOCKED(self, st = cmlp_model_clip_grad_norm(self->m, max_norm, norm_type, error_if_nonfinite, &total));
+    RUN_LOCKED(self, st, cmlp_model_clip_grad_norm(self->m, max_norm, norm_type, error_if_nonfinite, &total));
     if (st == CMLP_ERR_NONFINITE) { /* torch raises RuntimeError here */
         PyErr_SetString(PyExc_RuntimeError, cmlp_last_error());
         return NULL;
@@ -540,7 +598,7 @@ static PyObject *Model_clip_grad_value(ModelObject *self, PyObject *arg) {
     if (v == -1.0 && PyErr_Occurred()) return NULL;
     if (model_ready(self) < 0) return NULL;
     cmlp_status st;
-    RUN_LOCKED(self, st = cmlp_model_clip_grad_value(self->m, v));
+    RUN_LOCKED(self, st, cmlp_model_clip_grad_value(self->m, v));
     if (st != CMLP_OK) return raise_status(self->ms, st);
     Py_RETURN_NONE;
 }
@@ -550,7 +608,7 @@ static PyObject *Model_to(ModelObject *self, PyObject *arg) {
     cmlp_device d;
     if (parse_device(self->ms, arg, &d) < 0) return NULL;
     cmlp_status st;
-    RUN_LOCKED(self, st = cmlp_model_to(self->m, d));
+    RUN_LOCKED(self, st, cmlp_model_to(self->m, d));
     if (st != CMLP_OK) return raise_status(self->ms, st);
     Py_RETURN_NONE;
 }
@@ -646,9 +704,11 @@ static int Optim_init(OptimObject *self, PyObject *args, PyObject *kw) {
 
 static void Optim_dealloc(OptimObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
-    cmlp_memory_set_context(stack_number());
-    cmlp_optim_free(self->o);
-    cmlp_memory_set_context(0);
+    if (!self->model || !self->model->lost) {
+        cmlp_memory_set_context(stack_number());
+        cmlp_optim_free(self->o);
+        cmlp_memory_set_context(0);
+    }
     Py_XDECREF(self->model);
     tp->tp_free((PyObject *)self);
     Py_DECREF(tp);
@@ -666,7 +726,7 @@ static PyObject *Optim_step(OptimObject *self, PyObject *unused) {
     (void)unused;
     if (optim_ready(self) < 0) return NULL;
     cmlp_status st;
-    RUN_LOCKED(self->model, st = cmlp_optim_step(self->o));
+    RUN_LOCKED(self->model, st, cmlp_optim_step(self->o));
     if (st != CMLP_OK) return raise_status(self->model->ms, st);
     Py_RETURN_NONE;
 }
@@ -693,7 +753,7 @@ static int Optim_set_momentum(OptimObject *self, PyObject *value, void *closure)
     double m = PyFloat_AsDouble(value);
     if (m == -1.0 && PyErr_Occurred()) return -1;
     cmlp_status st;
-    RUN_LOCKED(self->model, st = cmlp_optim_set_momentum(self->o, m));
+    RUN_LOCKED(self->model, st, cmlp_optim_set_momentum(self->o, m));
     if (st != CMLP_OK) {
         raise_status(self->model->ms, st);
         return -1;
@@ -711,7 +771,7 @@ static int Optim_set_lr(OptimObject *self, PyObject *value, void *closure) {
     double lr = PyFloat_AsDouble(value);
     if (lr == -1.0 && PyErr_Occurred()) return -1;
     cmlp_status st;
-    RUN_LOCKED(self->model, st = cmlp_optim_set_lr(self->o, lr));
+    RUN_LOCKED(self->model, st, cmlp_optim_set_lr(self->o, lr));
     if (st != CMLP_OK) {
         raise_status(self->model->ms, st);
         return -1;
@@ -735,7 +795,7 @@ static PyObject *Optim_get_state(OptimObject *self, PyObject *unused) {
         PyList_SET_ITEM(bufs, i, arr);
         cmlp_status st;
         float *dst = PyArray_DATA((PyArrayObject *)arr);
-        RUN_LOCKED(self->model, st = cmlp_optim_get_buffer(self->o, i, dst));
+        RUN_LOCKED(self->model, st, cmlp_optim_get_buffer(self->o, i, dst));
         if (st != CMLP_OK) {
             Py_DECREF(bufs);
             return raise_status(self->model->ms, st);
@@ -758,7 +818,7 @@ static PyObject *Optim_set_state(OptimObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < nb; i++)
         if (as_flat(PyList_GET_ITEM(bufs, i), cmlp_model_num_parameters(self->model->m), &ptrs[i]) < 0) return NULL;
     cmlp_status st;
-    RUN_LOCKED(self->model, st = cmlp_optim_set_state(self->o, step, (int)nb, ptrs));
+    RUN_LOCKED(self->model, st, cmlp_optim_set_state(self->o, step, (int)nb, ptrs));
     if (st != CMLP_OK) return raise_status(self->model->ms, st);
     Py_RETURN_NONE;
 }
@@ -778,8 +838,8 @@ static PyObject *Optim_configure(OptimObject *self, PyObject *args, PyObject *kw
     ac.weight_decay = sc.weight_decay = wd;
     sc.nesterov = nesterov;
     cmlp_status st;
-    if (cmlp_optim_get_kind(self->o) == CMLP_OPTIM_ADAM) RUN_LOCKED(self->model, st = cmlp_optim_configure_adam(self->o, &ac));
-    else RUN_LOCKED(self->model, st = cmlp_optim_configure_sgd(self->o, &sc));
+    if (cmlp_optim_get_kind(self->o) == CMLP_OPTIM_ADAM) RUN_LOCKED(self->model, st, cmlp_optim_configure_adam(self->o, &ac));
+    else RUN_LOCKED(self->model, st, cmlp_optim_configure_sgd(self->o, &sc));
     if (st != CMLP_OK) return raise_status(self->model->ms, st);
     Py_RETURN_NONE;
 }
@@ -789,7 +849,7 @@ static PyObject *Optim_to(OptimObject *self, PyObject *arg) {
     cmlp_device d;
     if (parse_device(self->model->ms, arg, &d) < 0) return NULL;
     cmlp_status st;
-    RUN_LOCKED(self->model, st = cmlp_optim_to(self->o, d));
+    RUN_LOCKED(self->model, st, cmlp_optim_to(self->o, d));
     if (st != CMLP_OK) return raise_status(self->model->ms, st);
     Py_RETURN_NONE;
 }
@@ -799,7 +859,7 @@ static PyObject *Optim_shard(OptimObject *self, PyObject *arg) {
     int on = PyObject_IsTrue(arg);
     if (on < 0) return NULL;
     cmlp_status st;
-    RUN_LOCKED(self->model, st = cmlp_optim_shard(self->o, on));
+    RUN_LOCKED(self->model, st, cmlp_optim_shard(self->o, on));
     if (st != CMLP_OK) return raise_status(self->model->ms, st);
     Py_RETURN_NONE;
 }
@@ -891,9 +951,11 @@ static int Trainer_init(TrainerObject *self, PyObject *args, PyObject *kw) {
 
 static void Trainer_dealloc(TrainerObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
-    cmlp_memory_set_context(stack_number());
-    cmlp_trainer_free(self->t);
-    cmlp_memory_set_context(0);
+    if (!self->optim || !self->optim->model || !self->optim->model->lost) {
+        cmlp_memory_set_context(stack_number());
+        cmlp_trainer_free(self->t);
+        cmlp_memory_set_context(0);
+    }
     Py_XDECREF(self->epoch_x);
     Py_XDECREF(self->epoch_y);
     Py_XDECREF(self->optim);
@@ -924,7 +986,7 @@ static PyObject *Trainer_step(TrainerObject *self, PyObject *args, PyObject *kw)
     }
     double loss = 0.0;
     cmlp_status st;
-    RUN_LOCKED(mo, st = cmlp_trainer_step(self->t, &d, &loss));
+    RUN_LOCKED(mo, st, cmlp_trainer_step(self->t, &d, &loss));
     if (st != CMLP_OK) return raise_status(mo->ms, st);
     return PyFloat_FromDouble(loss);
 }
@@ -948,7 +1010,7 @@ static PyObject *Trainer_epoch_begin(TrainerObject *self, PyObject *args, PyObje
     same_data = same_data && x == self->epoch_x && y == self->epoch_y;
     cmlp_epoch_state es;
     cmlp_status st;
-    RUN_LOCKED(mo, st = cmlp_trainer_epoch_begin(self->t, &d, same_data, &es));
+    RUN_LOCKED(mo, st, cmlp_trainer_epoch_begin(self->t, &d, same_data, &es));
     if (st != CMLP_OK) return raise_status(mo->ms, st);
     Py_INCREF(x);
     Py_INCREF(y);
@@ -997,8 +1059,8 @@ static PyObject *Trainer_epoch_run(TrainerObject *self, PyObject *args) {
     ModelObject *mo = self->optim->model;
     cmlp_epoch_state es = {0};
     cmlp_status st;
-    if (nlr) RUN_LOCKED(mo, st = cmlp_trainer_epoch_run_rates(self->t, lr, nmom ? mom : NULL, nlr, &es));
-    else RUN_LOCKED(mo, st = cmlp_trainer_epoch_run(self->t, max_steps, &es));
+    if (nlr) RUN_LOCKED(mo, st, cmlp_trainer_epoch_run_rates(self->t, lr, nmom ? mom : NULL, nlr, &es));
+    else RUN_LOCKED(mo, st, cmlp_trainer_epoch_run(self->t, max_steps, &es));
     self->run_steps = (long long)es.steps;
     if (st != CMLP_OK) { /* a finished epoch keeps its arrays: the next may be on the same data */
         Py_CLEAR(self->epoch_x);
@@ -1014,7 +1076,7 @@ static PyObject *Trainer_release_data(TrainerObject *self, PyObject *unused) {
     (void)unused;
     if (trainer_ready(self) < 0) return NULL;
     ModelObject *mo = self->optim->model;
-    RUN_LOCKED(mo, cmlp_trainer_release_data(self->t));
+    RUN_LOCKED_VOID(mo, cmlp_trainer_release_data(self->t));
     Py_CLEAR(self->epoch_x);
     Py_CLEAR(self->epoch_y);
     Py_RETURN_NONE;
@@ -1030,7 +1092,7 @@ static PyObject *Trainer_set_scaler(TrainerObject *self, PyObject *args) {
     s.growth_interval = interval;
     s.growth_tracker = tracker;
     cmlp_status st;
-    RUN_LOCKED(self->optim->model, st = cmlp_trainer_set_scaler(self->t, &s));
+    RUN_LOCKED(self->optim->model, st, cmlp_trainer_set_scaler(self->t, &s));
     if (st != CMLP_OK) return raise_status(self->optim->model->ms, st);
     Py_RETURN_NONE;
 }
@@ -1088,7 +1150,7 @@ static int Trainer_set_micro(TrainerObject *self, PyObject *value, void *closure
     long long v = PyLong_AsLongLong(value);
     if (v == -1 && PyErr_Occurred()) return -1;
     cmlp_status st;
-    RUN_LOCKED(self->optim->model, st = cmlp_trainer_set_microbatch_size(self->t, v)); /* not mid-step */
+    RUN_LOCKED(self->optim->model, st, cmlp_trainer_set_microbatch_size(self->t, v)); /* not mid-step */
     if (st != CMLP_OK) {
         raise_status(self->optim->model->ms, st);
         return -1;
@@ -1100,7 +1162,7 @@ static PyObject *Trainer_set_distributed(TrainerObject *self, PyObject *arg) {
     int on = PyObject_IsTrue(arg);
     if (on < 0 || trainer_ready(self) < 0) return NULL;
     cmlp_status st;
-    RUN_LOCKED(self->optim->model, st = cmlp_trainer_set_distributed(self->t, on));
+    RUN_LOCKED(self->optim->model, st, cmlp_trainer_set_distributed(self->t, on));
     if (st != CMLP_OK) return raise_status(self->optim->model->ms, st);
     Py_RETURN_NONE;
 }
@@ -1124,7 +1186,7 @@ static PyObject *Trainer_set_microbatch_state(TrainerObject *self, PyObject *arg
     if (trainer_ready(self) < 0) return NULL;
     ModelObject *mo = self->optim->model;
     cmlp_status st;
-    RUN_LOCKED(mo, st = cmlp_trainer_set_microbatch_state(self->t, size, target, good));
+    RUN_LOCKED(mo, st, cmlp_trainer_set_microbatch_state(self->t, size, target, good));
     if (st != CMLP_OK) return raise_status(mo->ms, st);
     Py_RETURN_NONE;
 }
@@ -1146,7 +1208,7 @@ static int Trainer_set_epochs(TrainerObject *self, PyObject *value, void *closur
     if (trainer_ready(self) < 0) return -1;
     ModelObject *mo = self->optim->model;
     cmlp_status st;
-    RUN_LOCKED(mo, st = cmlp_trainer_set_epochs(self->t, n));
+    RUN_LOCKED(mo, st, cmlp_trainer_set_epochs(self->t, n));
     if (st != CMLP_OK) {
         raise_status(mo->ms, st);
         return -1;
@@ -1739,6 +1801,7 @@ static PyMethodDef module_methods[] = {
     {"dist_barrier", mod_dist_barrier, METH_NOARGS, "waits for every rank"},
     {"dist_destroy", mod_dist_destroy, METH_NOARGS, "ends the process group"},
     {"dist_finalize", mod_dist_finalize, METH_NOARGS, "finalizes MPI where cmlp initialised it (at exit)"},
+    {"after_fork_child", mod_after_fork_child, METH_NOARGS, "marks the models a lost thread was using (in a forked child)"},
     {"dist_abort", mod_dist_abort, METH_O, "ends every rank's process (MPI_Abort)"},
     {"dist_library_version", mod_dist_library_version, METH_NOARGS, "the MPI library's version, once loaded"},
     {"memory_stats", mod_memory_stats, METH_O, "memory_stats(device) -> dict"},
