@@ -1148,7 +1148,10 @@ typedef int (*fn_nccl_broadcast)(const void *send, void *recv, size_t count, int
 typedef int (*fn_nccl_group)(void);
 typedef int (*fn_nccl_comm_destroy)(void *comm);
 typedef const char *(*fn_nccl_get_error_string)(int);
+typedef int (*fn_nccl_get_version)(int *);
 enum { NCCL_FLOAT32 = 7, NCCL_SUM = 0 };
+/* The first NCCL whose collectives a CUDA graph can capture (the training step is captured). */
+#define NCCL_MIN_VERSION 20906 /* 2.9.6 */
 
 static struct {
     pthread_once_t once;
@@ -1161,7 +1164,14 @@ static struct {
     fn_nccl_group group_start, group_end;
     fn_nccl_comm_destroy comm_destroy;
     fn_nccl_get_error_string error_string;
+    int version; /* NCCL's code: major * 10000 + minor * 100 + patch (before 2.9: * 1000 + * 100 +) */
 } nccl = {.once = PTHREAD_ONCE_INIT};
+
+static void nccl_version_text(int code, char *out, size_t cap) {
+    int major = code >= 10000 ? code / 10000 : code / 1000;
+    int minor = code >= 10000 ? code % 10000 / 100 : code % 1000 / 100;
+    snprintf(out, cap, "%d.%d.%d", major, minor, code % 100);
+}
 
 static void nccl_load(void) {
     const char *env = getenv("CMLP_NCCL_LIBRARY");
@@ -1180,9 +1190,23 @@ static void nccl_load(void) {
     nccl.group_end = (fn_nccl_group)dlsym(h, "ncclGroupEnd");
     nccl.comm_destroy = (fn_nccl_comm_destroy)dlsym(h, "ncclCommDestroy");
     nccl.error_string = (fn_nccl_get_error_string)dlsym(h, "ncclGetErrorString");
+    fn_nccl_get_version get_version = (fn_nccl_get_version)dlsym(h, "ncclGetVersion");
     nccl.ok = nccl.get_unique_id && nccl.comm_init_rank && nccl.all_reduce && nccl.broadcast && nccl.group_start &&
-              nccl.group_end && nccl.comm_destroy && nccl.error_string;
-    if (!nccl.ok) snprintf(nccl.why, sizeof nccl.why, "%.400s lacks NCCL's functions", path);
+              nccl.group_end && nccl.comm_destroy && nccl.error_string && get_version;
+    if (!nccl.ok) {
+        snprintf(nccl.why, sizeof nccl.why, "%.400s lacks NCCL's functions", path);
+        return;
+    }
+    if (get_version(&nccl.version) != 0 || nccl.version < NCCL_MIN_VERSION) {
+        char have[32], need[32];
+        nccl_version_text(nccl.version, have, sizeof have);
+        nccl_version_text(NCCL_MIN_VERSION, need, sizeof need);
+        snprintf(nccl.why, sizeof nccl.why,
+                 "NCCL %s (%.300s) is older than %s, the first whose collectives a CUDA graph can capture; install "
+                 "a newer one (the nvidia-nccl wheel for this CUDA, or libnccl2) or point CMLP_NCCL_LIBRARY at it",
+                 have, path, need);
+        nccl.ok = false;
+    }
 }
 
 static cmlp_status nccl_ready(void) {

@@ -323,6 +323,39 @@ def test_without_the_mpi_module_a_process_is_a_group_of_one(tmp_path):
     assert "has no MPI support" in json.loads(p.stdout.strip().splitlines()[-1])["error"]
 
 
+_OLD_NCCL_SCRIPT = r"""
+import json
+import numpy as np
+import cmlp
+D = cmlp.distributed
+D.init_process_group("nccl")
+model = cmlp.MLP([8, 4], device="cuda", seed=0)
+before = model._c.get_params()
+x, y = np.ones((8, 8), np.float32), np.arange(8) % 4
+try:
+    cmlp.Trainer(model, cmlp.optim.SGD(model, lr=0.1), batch_size=4).fit(x, y, epochs=1, progress=False)
+    out = {"error": None}
+except RuntimeError as e:
+    out = {"error": str(e)}
+out["unchanged"] = bool(np.array_equal(before, model._c.get_params()))
+print(json.dumps(out))
+"""
+
+
+@needs_emulated_nccl
+@pytest.mark.parametrize("version", [2804, 20905])
+def test_an_nccl_too_old_for_graph_capture_is_refused_with_its_version(emulator, version):
+    # the step holds NCCL's collectives inside a CUDA graph, which NCCL supports from 2.9.6 on
+    env = job_env(emulated_gpu=True)
+    env["CMLP_EMU_NCCL_VERSION"] = str(version)
+    p = subprocess.run([sys.executable, "-c", _OLD_NCCL_SCRIPT], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    shown = {2804: "2.8.4", 20905: "2.9.5"}[version]
+    assert f"NCCL {shown} (" in out["error"] and "older than 2.9.6" in out["error"], out
+    assert out["unchanged"]
+
+
 @needs_emulated_nccl
 def test_on_gpus_a_group_made_again_gives_the_trainer_a_new_communicator(emulator):
     out = run_job(2, "regroup", {"device": "cuda", "backend": "nccl"}, timeout=300, emulated_gpu=True)

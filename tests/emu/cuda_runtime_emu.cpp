@@ -1319,6 +1319,14 @@ NCCL_EMU_API int ncclGroupEnd(void) {
     return NCCL_OK;
 }
 
+/* The version the emulated NCCL claims: 2.21.5, or $CMLP_EMU_NCCL_VERSION (NCCL's code). */
+NCCL_EMU_API int ncclGetVersion(int *version) {
+    if (!version) return NCCL_INVALID_ARGUMENT;
+    const char *v = getenv("CMLP_EMU_NCCL_VERSION");
+    *version = v && v[0] ? atoi(v) : 22105;
+    return NCCL_OK;
+}
+
 NCCL_EMU_API int ncclCommDestroy(void *comm) {
     if (!comm) return NCCL_INVALID_ARGUMENT;
     flush_all(); /* its queued work runs first, as NCCL's does */
