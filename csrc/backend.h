@@ -241,6 +241,9 @@ typedef struct cmlp_backend_i {
     /* In place: rank r's part of d_buf, [r * chunk, (r + 1) * chunk) within n floats, to every
      * rank; queued on the stream as comm_all_reduce is. */
     cmlp_status (*comm_all_gather)(void *ctx, void *comm, float *d_buf, int64_t n, int64_t chunk);
+    /* In place: the sum over the ranks of rank r's part of d_buf (parts as comm_all_gather's) to
+     * rank r's part; the other parts of d_buf are left undefined. Queued as comm_all_reduce is. */
+    cmlp_status (*comm_reduce_scatter)(void *ctx, void *comm, float *d_buf, int64_t n, int64_t chunk);
     void (*comm_free)(void *ctx, void *comm);
 } cmlp_backend_i;
 
@@ -265,7 +268,7 @@ extern const cmlp_backend_i cmlp_backend_cpu;
  * recorder and returns the module below. */
 typedef cmlp_status (*cmlp_error_fn)(cmlp_status s, const char *file, int line, const char *fmt, ...);
 
-#define CMLP_CUDA_ABI 8
+#define CMLP_CUDA_ABI 9
 
 /* Why a process forked after CUDA was started cannot use it (the core's words and the backend's). */
 #define CMLP_CUDA_FORKED_TEXT                                                                                  \

@@ -1145,6 +1145,8 @@ typedef int (*fn_nccl_all_reduce)(const void *send, void *recv, size_t count, in
                                   cudaStream_t stream);
 typedef int (*fn_nccl_broadcast)(const void *send, void *recv, size_t count, int type, int root, void *comm,
                                  cudaStream_t stream);
+typedef int (*fn_nccl_reduce)(const void *send, void *recv, size_t count, int type, int op, int root, void *comm,
+                              cudaStream_t stream);
 typedef int (*fn_nccl_group)(void);
 typedef int (*fn_nccl_comm_destroy)(void *comm);
 typedef const char *(*fn_nccl_get_error_string)(int);
@@ -1161,6 +1163,7 @@ static struct {
     fn_nccl_comm_init_rank comm_init_rank;
     fn_nccl_all_reduce all_reduce;
     fn_nccl_broadcast broadcast;
+    fn_nccl_reduce reduce;
     fn_nccl_group group_start, group_end;
     fn_nccl_comm_destroy comm_destroy;
     fn_nccl_get_error_string error_string;
@@ -1186,12 +1189,14 @@ static void nccl_load(void) {
     nccl.comm_init_rank = (fn_nccl_comm_init_rank)dlsym(h, "ncclCommInitRank");
     nccl.all_reduce = (fn_nccl_all_reduce)dlsym(h, "ncclAllReduce");
     nccl.broadcast = (fn_nccl_broadcast)dlsym(h, "ncclBroadcast");
+    nccl.reduce = (fn_nccl_reduce)dlsym(h, "ncclReduce");
     nccl.group_start = (fn_nccl_group)dlsym(h, "ncclGroupStart");
     nccl.group_end = (fn_nccl_group)dlsym(h, "ncclGroupEnd");
     nccl.comm_destroy = (fn_nccl_comm_destroy)dlsym(h, "ncclCommDestroy");
     nccl.error_string = (fn_nccl_get_error_string)dlsym(h, "ncclGetErrorString");
     fn_nccl_get_version get_version = (fn_nccl_get_version)dlsym(h, "ncclGetVersion");
-    nccl.ok = nccl.get_unique_id && nccl.comm_init_rank && nccl.all_reduce && nccl.broadcast && nccl.group_start &&
+    nccl.ok = nccl.get_unique_id && nccl.comm_init_rank && nccl.all_reduce && nccl.broadcast && nccl.reduce &&
+              nccl.group_start &&
               nccl.group_end && nccl.comm_destroy && nccl.error_string && get_version;
     if (!nccl.ok) {
         snprintf(nccl.why, sizeof nccl.why, "%.400s lacks NCCL's functions", path);
@@ -1287,6 +1292,29 @@ static cmlp_status cu_comm_all_gather(void *ctx, void *comm, float *d_buf, int64
     return done(c, cudaSuccess, "ncclBroadcast");
 }
 
+/* One reduce per part, each to its owner (in place there), in one NCCL group: a reduce-scatter
+ * whose parts may differ in size (ncclReduceScatter's may not). */
+static cmlp_status cu_comm_reduce_scatter(void *ctx, void *comm, float *d_buf, int64_t n, int64_t chunk) {
+    cuda_ctx *c = ctx;
+    NCCL_READY();
+    CMLP_TRY_USE(c);
+    if (n <= 0) return CMLP_OK;
+    if (chunk <= 0) return FAIL(CMLP_ERR_INVALID, "reduce-scatter parts of %lld floats", (long long)chunk);
+    pthread_mutex_lock(&c->lock);
+    int r = nccl.group_start();
+    for (int64_t lo = 0, root = 0; r == 0 && lo < n; lo += chunk, root++) {
+        size_t count = (size_t)(n - lo < chunk ? n - lo : chunk);
+        r = nccl.reduce(d_buf + lo, d_buf + lo, count, NCCL_FLOAT32, NCCL_SUM, (int)root, comm, stream_of(c));
+    }
+    int e = nccl.group_end();
+    if (r == 0) r = e;
+    pthread_mutex_unlock(&c->lock);
+    if (r != 0)
+        return FAIL(CMLP_ERR_DEVICE, "the reduce-scatter of %lld floats (ncclReduce) failed: %s (NCCL result %d)",
+                    (long long)n, nccl.error_string(r), r);
+    return done(c, cudaSuccess, "ncclReduce");
+}
+
 static void cu_comm_free(void *ctx, void *comm) {
     cuda_ctx *c = ctx;
     if (forked) return;
@@ -1347,6 +1375,7 @@ static const cmlp_backend_i backend = {
     .comm_init = cu_comm_init,
     .comm_all_reduce = cu_comm_all_reduce,
     .comm_all_gather = cu_comm_all_gather,
+    .comm_reduce_scatter = cu_comm_reduce_scatter,
     .comm_free = cu_comm_free,
 };
 

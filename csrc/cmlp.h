@@ -375,9 +375,10 @@ CMLP_API cmlp_status cmlp_optim_to(cmlp_optim *o, cmlp_device d);
 /* ZeRO stage 1 (torch.distributed.optim.ZeroRedundancyOptimizer): with on = 1 the optimizer keeps
  * state for this rank's part of the parameters only, part cmlp_dist_rank() of cmlp_dist_size()
  * parts of equal length (a multiple of 64 floats; the last ones shorter, or empty for tiny
- * models). It steps in a data-parallel trainer only (cmlp_optim_step refuses it): after the
- * gradients' sum over the ranks each rank updates its part, and then every rank's part is
- * gathered (a collective). get_buffer then gives this rank's part in place and zeros elsewhere;
+ * models). It steps in a data-parallel trainer only (cmlp_optim_step refuses it): the trainer
+ * sums each part's gradients on its owner (a reduce-scatter; with clipping, whose norm needs them
+ * all, an all-reduce), each rank updates its part, and then every rank's part is gathered (a
+ * collective). get_buffer then gives this rank's part in place and zeros elsewhere;
  * set_state keeps this rank's part of the full buffers it is given. Before the first step only;
  * on = 0 undoes it. */
 CMLP_API cmlp_status cmlp_optim_shard(cmlp_optim *o, int on);

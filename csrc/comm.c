@@ -51,8 +51,12 @@ static cmlp_status solo_all_gather(void *buf, int64_t count, int64_t chunk, cmlp
     (void)buf, (void)count, (void)chunk, (void)type;
     return CMLP_OK;
 }
+static cmlp_status solo_reduce_scatter(float *buf, int64_t count, int64_t chunk) {
+    (void)buf, (void)count, (void)chunk;
+    return CMLP_OK;
+}
 static const cmlp_mpi_module solo = {CMLP_MPI_ABI,  solo_init,  solo_all_reduce, solo_broadcast, solo_barrier,
-                                     solo_finalize, solo_abort, solo_version,    solo_all_gather};
+                                     solo_finalize, solo_abort, solo_version,    solo_all_gather, solo_reduce_scatter};
 
 /* orphan: this process was forked from one that had started MPI. MPI and the group's
  * collectives belong to the parent: the child takes part in none and never finalizes MPI. */
@@ -178,6 +182,21 @@ cmlp_status cmlp_dist_all_gather(void *buf, int64_t count, int64_t chunk, int ty
                  ? CMLP_FAIL(CMLP_ERR_INVALID, "%d parts of %lld cannot hold %lld elements", size_, (long long)chunk,
                              (long long)count)
                  : mpi->all_gather(buf, count, chunk, (cmlp_comm_type)type);
+    pthread_mutex_unlock(&lock);
+    return st;
+}
+
+cmlp_status cmlp_dist_reduce_scatter(float *buf, int64_t count, int64_t chunk) {
+    if (count < 0 || chunk < 1 || (count > 0 && !buf))
+        return CMLP_FAIL(CMLP_ERR_INVALID, "reduce_scatter of %lld elements in parts of %lld at %p", (long long)count,
+                         (long long)chunk, (void *)buf);
+    pthread_mutex_lock(&lock);
+    cmlp_status st = usable();
+    if (st == CMLP_OK)
+        st = count > 0 && chunk < (count + size_ - 1) / size_
+                 ? CMLP_FAIL(CMLP_ERR_INVALID, "%d parts of %lld cannot hold %lld elements", size_, (long long)chunk,
+                             (long long)count)
+                 : mpi->reduce_scatter(buf, count, chunk);
     pthread_mutex_unlock(&lock);
     return st;
 }

@@ -9,7 +9,7 @@
 
 #include "backend.h"
 
-#define CMLP_MPI_ABI 2
+#define CMLP_MPI_ABI 3
 
 typedef enum cmlp_reduce_op { CMLP_REDUCE_SUM = 0, CMLP_REDUCE_MAX = 1, CMLP_REDUCE_MIN = 2 } cmlp_reduce_op;
 
@@ -35,6 +35,9 @@ typedef struct cmlp_mpi_module {
     /* In place, on host memory: rank r's part of buf, elements [r * chunk, (r + 1) * chunk) of
      * count (the last parts short or empty), to every rank. */
     cmlp_status (*all_gather)(void *buf, int64_t count, int64_t chunk, cmlp_comm_type type);
+    /* In place, on host floats cut into parts as all_gather's: the sum over the ranks of rank
+     * r's part ends in rank r's part of buf; what the other parts of buf hold is undefined. */
+    cmlp_status (*reduce_scatter)(float *buf, int64_t count, int64_t chunk);
 } cmlp_mpi_module;
 
 typedef const cmlp_mpi_module *(*cmlp_mpi_entry_fn)(cmlp_error_fn set_error);

@@ -59,6 +59,12 @@ static cmlp_status init(int *rank, int *size, int *local_rank, int *local_size) 
 
 static const int CHUNK = 1 << 30; /* elements per call: within MPI's int counts */
 
+/* The parts of all_gather and reduce_scatter: rank r's [*lo, *lo + *n) of count. */
+static void part_of(int r, int64_t count, int64_t chunk, int64_t *lo, int64_t *n) {
+    *lo = (int64_t)r * chunk < count ? (int64_t)r * chunk : count;
+    *n = (*lo + chunk < count ? *lo + chunk : count) - *lo;
+}
+
 static cmlp_status all_reduce(void *buf, int64_t count, cmlp_comm_type type, cmlp_reduce_op op) {
     MPI_Datatype t = type == CMLP_COMM_F32 ? MPI_FLOAT : type == CMLP_COMM_F64 ? MPI_DOUBLE : MPI_INT64_T;
     size_t width = type == CMLP_COMM_F32 ? 4 : 8;
@@ -89,9 +95,10 @@ static cmlp_status all_gather(void *buf, int64_t count, int64_t chunk, cmlp_comm
     if (counts) { /* one MPI_Allgatherv: its counts and offsets are ints */
         int *offsets = counts + size;
         for (int r = 0; r < size; r++) {
-            int64_t lo = (int64_t)r * chunk < count ? (int64_t)r * chunk : count;
+            int64_t lo, n;
+            part_of(r, count, chunk, &lo, &n);
             offsets[r] = (int)lo;
-            counts[r] = (int)((lo + chunk < count ? lo + chunk : count) - lo);
+            counts[r] = (int)n;
         }
         rc = MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, counts, offsets, t, MPI_COMM_WORLD);
         free(counts);
@@ -102,6 +109,39 @@ static cmlp_status all_gather(void *buf, int64_t count, int64_t chunk, cmlp_comm
         int64_t lo = (int64_t)r * chunk, n = lo + chunk < count ? chunk : count - lo;
         cmlp_status st = broadcast((char *)buf + (size_t)lo * width, n * (int64_t)width, r);
         if (st != CMLP_OK) return st;
+    }
+    return CMLP_OK;
+}
+
+static cmlp_status reduce_scatter(float *buf, int64_t count, int64_t chunk) {
+    int size = 1, rank = 0, rc = MPI_Comm_size(MPI_COMM_WORLD, &size);
+    if (rc == MPI_SUCCESS) rc = MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    if (rc != MPI_SUCCESS) return MPI_FAIL(rc, "MPI_Comm_size/rank");
+    int64_t mine, n;
+    part_of(rank, count, chunk, &mine, &n);
+    int *counts = count <= CHUNK ? malloc((size_t)size * sizeof(int)) : NULL;
+    if (counts) { /* one MPI_Reduce_scatter, whose in-place result is at the start of buf */
+        for (int r = 0; r < size; r++) {
+            int64_t lo, k;
+            part_of(r, count, chunk, &lo, &k);
+            counts[r] = (int)k;
+        }
+        rc = MPI_Reduce_scatter(MPI_IN_PLACE, buf, counts, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+        free(counts);
+        if (rc != MPI_SUCCESS) return MPI_FAIL(rc, "MPI_Reduce_scatter");
+        if (mine > 0 && n > 0) memmove(buf + mine, buf, (size_t)n * sizeof(float));
+        return CMLP_OK;
+    }
+    /* beyond ints (or without memory for the counts): each part to its owner */
+    for (int r = 0; r < size; r++) {
+        int64_t lo, k;
+        part_of(r, count, chunk, &lo, &k);
+        for (int64_t off = 0; off < k; off += CHUNK) {
+            int piece = k - off < CHUNK ? (int)(k - off) : CHUNK;
+            float *at = buf + lo + off;
+            rc = MPI_Reduce(r == rank ? MPI_IN_PLACE : at, at, piece, MPI_FLOAT, MPI_SUM, r, MPI_COMM_WORLD);
+            if (rc != MPI_SUCCESS) return MPI_FAIL(rc, "MPI_Reduce");
+        }
     }
     return CMLP_OK;
 }
@@ -127,7 +167,7 @@ static void version(char *out, size_t cap) {
 }
 
 static const cmlp_mpi_module module = {CMLP_MPI_ABI, init,      all_reduce, broadcast, barrier,
-                                       finalize,     abort_all, version,    all_gather};
+                                       finalize,     abort_all, version,    all_gather, reduce_scatter};
 
 CMLP_EXPORT const cmlp_mpi_module *cmlp_mpi_entry(cmlp_error_fn set_error) {
     fail = set_error;

@@ -287,6 +287,9 @@ CMLP_HIDDEN cmlp_status cmlp_dist_agree(cmlp_status mine);
 /* In place, on host memory: rank r's part of buf, elements [r * chunk, (r + 1) * chunk) of
  * count, to every rank (CMLP_COMM_* elements; the parts must cover count). */
 CMLP_HIDDEN cmlp_status cmlp_dist_all_gather(void *buf, int64_t count, int64_t chunk, int type);
+/* In place, on host floats in parts as cmlp_dist_all_gather's: the sum over the ranks of this
+ * rank's part ends in its part of buf; the other parts of buf are left undefined. */
+CMLP_HIDDEN cmlp_status cmlp_dist_reduce_scatter(float *buf, int64_t count, int64_t chunk);
 /* Moves with every process group made (a trainer's communicator from an older one is gone). */
 CMLP_HIDDEN uint64_t cmlp_dist_generation(void);
 /* Makes the optimizer's state now if it has none (zeros; its first step still treats it as new). */

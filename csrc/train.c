@@ -278,16 +278,26 @@ static cmlp_status clip_grads(cmlp_trainer *t, cmlp_dscalars *ds) {
 }
 
 /* The update of a step of n_all samples whose gradients are in: summed over the ranks, then with
- * a loss scaler unscaled and checked once, skipped or taken, on the device. */
+ * a loss scaler unscaled and checked once, skipped or taken, on the device.
+ * With a sharded optimizer each rank updates its part of the parameters only, so it needs only
+ * its part of the summed gradients: a reduce-scatter instead of the all-reduce (half the
+ * traffic), which leaves the other parts of its gradients undefined; the ranks then share their
+ * verdicts on inf/NaN. Clipping's norm needs every gradient: with it, the all-reduce. */
 static cmlp_status step_update(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_data *xy, int64_t n_all) {
     cmlp_model *m = t->model;
     const cmlp_backend_i *b = m->dev->backend;
     void *ctx = m->dev->bctx;
-    if (t->dist && m->dev->device.type == CMLP_DEVICE_CPU)
-        CMLP_TRY(cmlp_dist_all_reduce(m->grads, m->nparams, CMLP_COMM_F32, CMLP_REDUCE_SUM));
+    const bool clip = t->cfg.max_grad_norm > 0.0, cpu = m->dev->device.type == CMLP_DEVICE_CPU;
+    int64_t lo = 0, hi = m->nparams, chunk = 0;
+    const bool scatter = t->dist && !clip && (cpu || b->comm_reduce_scatter) &&
+                         cmlp_optim_shards(t->optim, &lo, &hi, &chunk) > 0;
+    if (!scatter) lo = 0, hi = m->nparams;
+    if (t->dist && cpu)
+        CMLP_TRY(scatter ? cmlp_dist_reduce_scatter(m->grads, m->nparams, chunk)
+                         : cmlp_dist_all_reduce(m->grads, m->nparams, CMLP_COMM_F32, CMLP_REDUCE_SUM));
     else if (t->dist) /* on the device's stream, in a capture too */
-        CMLP_TRY(b->comm_all_reduce(ctx, t->dcomm, m->grads, m->nparams));
-    const bool clip = t->cfg.max_grad_norm > 0.0;
+        CMLP_TRY(scatter ? b->comm_reduce_scatter(ctx, t->dcomm, m->grads, m->nparams, chunk)
+                         : b->comm_all_reduce(ctx, t->dcomm, m->grads, m->nparams));
     if (clip) CMLP_TRY(cmlp_optim_prepare(t->optim)); /* nothing may fail after the norm is counted */
     if (!t->scaler.enabled && !device_steps(t)) {
         if (clip) CMLP_TRY(clip_grads(t, ds));
@@ -295,7 +305,10 @@ static cmlp_status step_update(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_da
     }
     const float *found_inf = NULL;
     if (t->scaler.enabled) {
-        CMLP_TRY(b->unscale(ctx, m->grads, m->nparams, 0.0f, &ds->scale, &ds->found_inf));
+        if (hi > lo) CMLP_TRY(b->unscale(ctx, m->grads + lo, hi - lo, 0.0f, &ds->scale, &ds->found_inf));
+        if (scatter) /* every rank checked its part: all skip or take the step together */
+            CMLP_TRY(cpu ? cmlp_dist_all_reduce(&ds->found_inf, 1, CMLP_COMM_F32, CMLP_REDUCE_MAX)
+                         : b->comm_all_reduce(ctx, t->dcomm, &ds->found_inf, 1));
         found_inf = &ds->found_inf;
     }
     if (clip) CMLP_TRY(clip_grads(t, ds));

@@ -286,7 +286,7 @@ DEVICE = ["cpu"]
 
 def zero_case(opts):
     """ZeroRedundancyOptimizer against the same data-parallel run with the optimizer whole: the
-    same parameters bit for bit, the state of 1/world of the parameters on each rank, the
+    same parameters (bit for bit on 2 ranks), the state of 1/world of the parameters on each rank, the
     consolidated state equal to the whole optimizer's, and a state loaded back that trains on the
     same."""
     w, r = D.get_world_size(), D.get_rank()
@@ -319,13 +319,17 @@ def zero_case(opts):
     m2, o2, h2, held2 = run(True)
     o2.consolidate_state_dict(to=w - 1)
     whole = o1.state_dict()
-    same_state = np.zeros(1, dtype=np.int64)
+    same_state, state_diff = np.zeros(1, dtype=np.int64), np.zeros(1)
     if r == w - 1:
         mine = o2.state_dict()
         same_state[0] = all(np.array_equal(mine["state"][i][k], whole["state"][i][k])
                             for i in whole["state"] for k in whole["state"][i])
         same_state[0] &= mine["param_groups"] == whole["param_groups"]
-    D.all_reduce(same_state)  # rank w - 1's verdict
+        state_diff[0] = max(float(np.max(np.abs(np.asarray(mine["state"][i][k], np.float64) - whole["state"][i][k])))
+                            / max(float(np.max(np.abs(whole["state"][i][k]))), 1e-30)
+                            for i in whole["state"] for k in whole["state"][i] if np.size(whole["state"][i][k]) > 1)
+    D.all_reduce(same_state)  # rank w - 1's verdicts
+    D.all_reduce(state_diff)
     refused = None
     if r != w - 1:
         try:
@@ -338,7 +342,23 @@ def zero_case(opts):
     cmlp.Trainer(m3, o3, scaler=scaler(), **kw).fit(x, y, epochs=1, progress=False)
     cmlp.Trainer(m4, o4, scaler=scaler(), **kw).fit(x, y, epochs=1, progress=False)
     lo, hi = o2.shard.start, o2.shard.stop
-    return dict(world=w, same_params=bool(np.array_equal(params(m1), params(m2))), rank_spread=spread(params(m2)),
+    # the last step's gradients: this rank's part summed (by the reduce-scatter, without
+    # clipping), the rest not; the emulated NCCL fills what a rank does not own with NaN
+    g1, g2 = m1._c.get_grads().astype(np.float64), m2._c.get_grads()
+    rest = np.concatenate([g2[:lo], g2[hi:]])
+    p1 = params(m1).astype(np.float64)
+    part_finite = np.isfinite(g1[lo:hi])  # a skipped last step leaves inf/NaN: compared as such
+    return dict(grad_part_same=bool(np.array_equal(g1[lo:hi], g2[lo:hi], equal_nan=True)),
+                grad_part_diff=float(np.max(np.abs(g1[lo:hi] - g2[lo:hi])[part_finite], initial=0.0)),
+                grad_part_pattern=bool(np.array_equal(part_finite, np.isfinite(g2[lo:hi]))),
+                grad_scale=float(np.max(np.abs(g1[np.isfinite(g1)]), initial=0.0)),
+                rest_nan=bool(np.isnan(rest).all()) if rest.size else None,
+                rest_same=bool(np.array_equal(g1[:lo], g2[:lo], equal_nan=True)
+                               and np.array_equal(g1[hi:], g2[hi:], equal_nan=True)),
+                world=w, same_params=bool(np.array_equal(params(m1), params(m2))), rank_spread=spread(params(m2)),
+                param_diff=float(np.max(np.abs(p1 - params(m2)))), scale=float(np.max(np.abs(p1))),
+                state_diff=float(state_diff[0]), resumed_diff=float(np.max(np.abs(params(m3) - params(m4).astype(
+                    np.float64)))),
                 loss=[h["loss"] for h in h2], ref_loss=[h["loss"] for h in h1], held=[held1, held2],
                 shard=[lo, hi], n=m2.num_parameters(), same_state=bool(same_state[0]), refused=refused,
                 resumed=bool(np.array_equal(params(m3), params(m4))),

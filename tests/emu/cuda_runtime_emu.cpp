@@ -41,6 +41,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -1304,6 +1305,29 @@ NCCL_EMU_API int ncclBroadcast(const void *send, void *recv, size_t count, int t
         MPI_Comm_rank(mc, &me);
         if (me == root && send != recv) memmove(recv, send, count * 4);
         MPI_Bcast(recv, (int)count, MPI_FLOAT, root, mc);
+    });
+}
+
+/* The sum reaches the root's recvbuff; a rank other than the root gets nothing, and here its
+ * recvbuff is filled with NaN, so that what reads a part it does not own shows at once. */
+NCCL_EMU_API int ncclReduce(const void *send, void *recv, size_t count, int type, int op, int root, void *comm,
+                            cudaStream_t stream) {
+    if (type != 7 /* ncclFloat32 */ || op != 0 /* ncclSum */ || !comm || count > (size_t)INT32_MAX || root < 0)
+        return NCCL_INVALID_ARGUMENT;
+    nccl_comm *nc = static_cast<nccl_comm *>(comm);
+    int size = 1;
+    if (live_comms.count(nc) && nc->comm != MPI_COMM_NULL) MPI_Comm_size(nc->comm, &size);
+    if (root >= size) return NCCL_INVALID_ARGUMENT;
+    return queue_collective("ncclReduce", send, recv, count, comm, stream, [=](MPI_Comm mc) {
+        int me = 0;
+        MPI_Comm_rank(mc, &me);
+        if (me == root) {
+            MPI_Reduce(send == recv ? MPI_IN_PLACE : send, recv, (int)count, MPI_FLOAT, MPI_SUM, root, mc);
+            return;
+        }
+        MPI_Reduce(send, nullptr, (int)count, MPI_FLOAT, MPI_SUM, root, mc);
+        float *out = static_cast<float *>(recv);
+        for (size_t i = 0; i < count; i++) out[i] = NAN;
     });
 }
 
