@@ -73,6 +73,9 @@ CMLP_API cmlp_status cmlp_device_parse(const char *s, cmlp_device *out);
 CMLP_API cmlp_status cmlp_device_check(cmlp_device d); /* same checks for a parsed device */
 CMLP_API int cmlp_cuda_compiled(void);                  /* 1 when built with the CUDA backend */
 CMLP_API int cmlp_cuda_device_count(void);              /* 0 without a usable driver/GPU */
+/* 1 in a process forked from one that had started CUDA: CUDA cannot be used in it (every use
+ * fails and says to start processes with 'spawn'). */
+CMLP_API int cmlp_cuda_forked(void);
 CMLP_API const char *cmlp_cuda_version(void);           /* toolkit built with, e.g. "13.0"; NULL */
 CMLP_API int cmlp_cuda_runtime_version(void);           /* e.g. 13000; 0 when not loaded */
 /* Waits for the device's queued work. */
@@ -496,6 +499,8 @@ typedef enum cmlp_dist_kind { CMLP_DIST_MPI = 0, CMLP_DIST_NCCL = 1 } cmlp_dist_
  * are summed (CMLP_DIST_NCCL: NCCL between GPUs, its id sent over MPI); the host's go over MPI. */
 CMLP_API cmlp_status cmlp_dist_init(int backend, int *rank, int *size);
 CMLP_API int cmlp_dist_initialized(void);
+/* 1 in a process forked from one that had started MPI: it takes part in no collective. */
+CMLP_API int cmlp_dist_orphaned(void);
 CMLP_API int cmlp_dist_rank(void);       /* 0 without a group */
 CMLP_API int cmlp_dist_size(void);       /* 1 without a group */
 CMLP_API int cmlp_dist_local_rank(void); /* among the ranks of this machine */

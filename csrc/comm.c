@@ -121,14 +121,16 @@ static cmlp_status load(void) {
 cmlp_status cmlp_dist_init(int backend, int *rank, int *size) {
     if (backend != CMLP_DIST_MPI && backend != CMLP_DIST_NCCL)
         return CMLP_FAIL(CMLP_ERR_INVALID, "unknown process group backend %d", backend);
-    pthread_once(&fork_once, fork_register); /* not under the lock, which a fork handler takes */
+    pthread_once(&fork_once, fork_register); /* registering is not done under the lock */
     pthread_mutex_lock(&lock);
     cmlp_status st = orphan  ? ORPHANED()
                      : group ? CMLP_FAIL(CMLP_ERR_STATE, "the process group is initialised already")
                              : load();
-    if (st == CMLP_OK) st = mpi->init(&rank_, &size_, &local_rank_, &local_size_);
     if (st == CMLP_OK) {
-        mpi_started = mpi_started || mpi != &solo;
+        mpi_started = mpi_started || mpi != &solo; /* before: a fork while MPI starts makes an orphan too */
+        st = mpi->init(&rank_, &size_, &local_rank_, &local_size_);
+    }
+    if (st == CMLP_OK) {
         group = true;
         backend_ = backend;
         generation++;
@@ -145,6 +147,8 @@ int cmlp_dist_initialized(void) {
     pthread_mutex_unlock(&lock);
     return on;
 }
+
+int cmlp_dist_orphaned(void) { return orphan; }
 
 int cmlp_dist_rank(void) { return group ? rank_ : 0; }
 int cmlp_dist_size(void) { return group ? size_ : 1; }

@@ -44,11 +44,11 @@ static void load(void) {
         return;
     }
     module = m;
+    pthread_atfork(NULL, NULL, mark_forked); /* before the device count, which starts the driver */
     ndevices = m->device_count(why, sizeof why);
-    pthread_atfork(NULL, NULL, mark_forked); /* the device count started the driver */
 }
 
-bool cmlp_cuda_forked(void) {
+int cmlp_cuda_forked(void) {
     pthread_once(&load_once, load);
     return forked;
 }
@@ -76,7 +76,7 @@ int cmlp_cuda_runtime_version(void) {
 #else
 
 int cmlp_cuda_device_count(void) { return 0; }
-bool cmlp_cuda_forked(void) { return false; }
+int cmlp_cuda_forked(void) { return 0; }
 const char *cmlp_cuda_unavailable_reason(void) { return "this build of cmlp has no CUDA backend"; }
 const cmlp_backend_i *cmlp_cuda_backend(void) { return NULL; }
 int cmlp_cuda_runtime_version(void) { return 0; }

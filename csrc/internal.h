@@ -45,8 +45,6 @@ typedef struct cmlp_device_ctx {
 /* The CUDA backend once loaded (NULL when unavailable) and why CUDA is unavailable. */
 CMLP_HIDDEN const cmlp_backend_i *cmlp_cuda_backend(void);
 CMLP_HIDDEN const char *cmlp_cuda_unavailable_reason(void);
-/* This process was forked from one that had started CUDA: CUDA is refused here. */
-CMLP_HIDDEN bool cmlp_cuda_forked(void);
 
 /* The context of a checked device (created on first use, lives for the process). */
 CMLP_HIDDEN cmlp_status cmlp_device_get(cmlp_device d, cmlp_device_ctx **out);

@@ -450,6 +450,16 @@ def zero_errors_case(opts):
     except ValueError as e:
         out["no_group"] = str(e)
     D.init_process_group(opts.get("backend", "mpi"))
+    # a state loaded on one rank only: consolidation refuses on every rank instead of waiting
+    m2 = cmlp.MLP([8, 40, 3], seed=1)
+    o2 = Z(m2, cmlp.optim.Adam)
+    cmlp.Trainer(m2, o2, batch_size=8).fit(*data(64, sizes=[8, 40, 3]), epochs=1, progress=False)
+    if r == 0:
+        o2.load_state_dict({"state": {}, "param_groups": [dict(o2._group(), params=[0, 1, 2, 3])]})
+    try:
+        o2.consolidate_state_dict(0)
+    except RuntimeError as e:
+        out["mismatched"] = str(e)
     out["isinstance"] = [isinstance(opt, cmlp.optim.SGD), isinstance(opt, Z), type(opt).__name__]
     out["world_rank"] = [opt.world_size, opt.rank]
     return out
@@ -492,6 +502,24 @@ def fork_case(opts):
     os.close(rfd)
     _, status = os.waitpid(pid, 0)
     out = {"child": json.loads(b"".join(chunks).decode()), "child_exit": os.waitstatus_to_exitcode(status)}
+    # a child that ends on an exception nothing caught ends alone: the job is its parent's
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(rfd)
+        os.dup2(wfd, 2)
+        raise ValueError("uncaught in the child")
+    os.close(wfd)
+    err = b""
+    while True:
+        b = os.read(rfd, 65536)
+        if not b:
+            break
+        err += b
+    os.close(rfd)
+    _, status = os.waitpid(pid, 0)
+    out["uncaught"] = [os.waitstatus_to_exitcode(status), "uncaught in the child" in err.decode(),
+                       "ends the job" in err.decode()]
     trainer.fit(x, y, epochs=1, progress=False)  # the parent's group is untouched
     out["spread"] = spread(params(model))
     exits = np.array([out["child_exit"]], dtype=np.float64)

@@ -341,6 +341,33 @@ def test_when_one_sample_does_not_fit_the_oom_says_so(how):
     assert same(state(trainer), saved)
 
 
+def test_a_fit_whose_first_step_runs_out_begins_no_epoch():
+    # with nothing taken the state is as before the call: the epoch's order is drawn again, and
+    # the retried fit equals a fit that never failed (shuffled, so a wrong epoch count shows)
+    x, y = data([64, 1024, 1024, 3], 256)
+
+    def build():
+        model = cmlp.MLP([64, 1024, 1024, 3], seed=1)
+        return model, cmlp.Trainer(model, cmlp.optim.SGD(model, lr=0.05), batch_size=64, auto_microbatch=False)
+
+    model, trainer = build()
+    trainer.fit(x, y, epochs=1, progress=False)
+    want = model.state_dict()
+    model = trainer = None
+    model, trainer = build()
+    gc.collect()
+    M.empty_cache(DEV)
+    M.set_memory_limit(M.memory_allocated(DEV) + 4096, DEV)
+    try:
+        with pytest.raises(cmlp.OutOfMemoryError):
+            trainer.fit(x, y, epochs=1, progress=False)
+    finally:
+        M.set_memory_limit(None, DEV)
+    assert trainer.epochs == 0 and trainer.state_dict()["epochs"] == 0
+    trainer.fit(x, y, epochs=1, progress=False)
+    assert same(model.state_dict(), want)
+
+
 # ---- the micro-batch grows back ----
 
 

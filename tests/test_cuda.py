@@ -1352,6 +1352,8 @@ if pid == 0:
                 said[name] = "ran"
             except RuntimeError as e:
                 said[name] = str(e)
+        cmlp.empty_cache()  # the default device of a child that cannot use CUDA is the CPU
+        said["default_device"] = cmlp.memory.memory_stats()["allocated_bytes.all.current"] >= 0
         said["available"] = cmlp.cuda.is_available()
         said["cpu"] = float(cmlp.MLP([8, 4], seed=0).forward(x).sum())
         del trainer, model  # what the parent's memory and graphs hold is left alone
@@ -1389,4 +1391,5 @@ def test_a_child_forked_after_cuda_started_is_refused_cuda_and_the_parent_works_
     for name in ("forward", "fit", "new", "stats", "empty_cache"):
         assert "forked" in child[name] and "'spawn'" in child[name], (name, child[name])
     assert child["available"] is True  # as torch: the devices are there, this process cannot use them
+    assert child["default_device"]
     assert np.isfinite(child["cpu"])

@@ -91,6 +91,7 @@ def test_a_child_forked_from_a_rank_takes_part_in_no_collective_and_leaves_mpi_a
         assert "forked from a rank of a process group" in child[name], (name, child[name])
     assert child["destroy"] == "ran" and np.isfinite(child["cpu"])
     assert out["max_child_exit"] == 0.0 and out["spread"] == 0.0
+    assert out["uncaught"] == [1, True, False]  # its traceback, then its own exit; no MPI_Abort of the job
 
 
 @needs_mpi
@@ -473,6 +474,7 @@ def test_zero_redundancy_optimizer_refuses_what_it_cannot_do():
     assert out["regroup_spread"] == 0.0
     assert out["consolidated_lr"] == 0.025 and "consolidate_state_dict" in out["after_load"]
     assert "no longer exists" in out["no_group"] and "init_process_group" in out["no_group"]
+    assert "the ranks' optimizer states differ" in out["mismatched"]  # on rank 0 too; no rank waits
     assert out["isinstance"] == [True, True, "ZeroRedundancyOptimizer[SGD]"]
     assert out["world_rank"] == [2, 0]
 

@@ -21,7 +21,7 @@ REPO_PYTHON = os.path.join(os.path.dirname(HERE), "python")
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
 
 _SCRIPT = r"""
-import json, os, sys, threading, time
+import gc, json, os, sys, threading, time
 import numpy as np
 import cmlp
 
@@ -53,13 +53,15 @@ def in_child():
             said[name] = "ran"
         except RuntimeError as e:
             said[name] = str(e)
-    said["sizes"] = list(big.layer_sizes)  # what needs no call into the core still answers
+    try:
+        cmlp.optim.SGD(big)
+        said["new_optimizer"] = "ran"
+    except RuntimeError as e:
+        said["new_optimizer"] = str(e)
+    said["sizes"] = [list(big.layer_sizes), big.num_parameters(), big.device]  # these still answer
     trainer.fit(x, y, epochs=2, progress=False)
     said["idle_params"] = idle._c.get_params().tolist()
-    del big_trainer_ref[:]  # the lost model, its optimizer and trainer go away untouched
     return said
-
-big_trainer_ref = [big_trainer]
 said, attempts = None, 0
 while attempts < 20:
     attempts += 1
@@ -71,6 +73,9 @@ while attempts < 20:
             os.close(r)
             try:
                 said = in_child()
+                # the lost model, its optimizer and trainer go away without being touched
+                del big, big_opt, big_trainer
+                gc.collect()
             except BaseException as e:
                 said = {"forward": "failed", "error": repr(e)}
             os.write(w, json.dumps(said).encode())
@@ -106,9 +111,90 @@ def test_a_model_in_use_when_the_process_forks_is_refused_in_the_child_and_the_o
     child = out["child"]
     assert child["exit"] == 0 and "error" not in child, child
     assert child["forward"] != "ran", f"no fork in {out['attempts']} came while the model was in use"
-    for name in ("forward", "step", "fit", "lr"):
+    for name in ("forward", "step", "fit", "lr", "new_optimizer"):
         assert "another thread was using them when the process was forked" in child[name], (name, child[name])
-    assert child["sizes"] == [784, 1024, 1024, 10]
+    assert child["sizes"] == [[784, 1024, 1024, 10], 1_863_690, "cpu"]
     # the model no thread was using trains in the child exactly as in the parent
     assert child["idle_params"] == out["parent_params"]
     assert out["parent_works"]
+
+
+_BUSY_SCRIPT = r"""
+import json, os, sys, threading
+import numpy as np
+import cmlp
+
+rng = np.random.default_rng(0)
+x, y = rng.random((64, 16), dtype=np.float32), rng.integers(0, 4, 64)
+model = cmlp.MLP([16, 32, 4], seed=1)
+opt = cmlp.optim.SGD(model, lr=0.1)
+trainer = cmlp.Trainer(model, opt, batch_size=8)
+inside, go_on = threading.Event(), threading.Event()
+
+def rate(epoch):  # fit calls it between epochs, in Python, with the trainer claimed
+    if epoch == 1:
+        inside.set()
+        go_on.wait()
+    return 1.0
+
+scheduler = cmlp.optim.lr_scheduler.LambdaLR(opt, rate)
+t = threading.Thread(target=lambda: trainer.fit(x, y, epochs=2, progress=False, scheduler=scheduler))
+t.start()
+inside.wait()
+from cmlp import _history
+holder_has, holder_go = threading.Event(), threading.Event()
+def hold():  # another thread inside the memory history's lock
+    with _history._lock:
+        holder_has.set()
+        holder_go.wait()
+h = threading.Thread(target=hold)
+h.start()
+holder_has.wait()
+sys.stdout.flush()
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    try:
+        said = {}
+        for name, call in (("step", lambda: trainer.step(x[:8], y[:8])), ("fit", lambda: trainer.fit(x, y, progress=False)),
+                           ("state_dict", trainer.state_dict)):
+            try:
+                call()
+                said[name] = "ran"
+            except RuntimeError as e:
+                said[name] = str(e)
+        said["forward"] = float(model.forward(x[:2]).sum())  # the model was not inside a call
+        said["snapshot"] = len(cmlp.memory._snapshot("cpu")["segments"]) >= 0
+        said["other"] = bool(cmlp.Trainer(model, opt, batch_size=8).fit(x, y, epochs=1, progress=False))
+        os.write(w, json.dumps(said).encode())
+    finally:
+        os._exit(0)
+os.close(w)
+text = b""
+while True:
+    b = os.read(r, 1 << 16)
+    if not b:
+        break
+    text += b
+_, status = os.waitpid(pid, 0)
+go_on.set()
+holder_go.set()
+t.join()
+h.join()
+print(json.dumps({"child": json.loads(text), "exit": os.waitstatus_to_exitcode(status)}))
+"""
+
+
+def test_a_trainer_running_fit_when_the_process_forks_is_refused_in_the_child():
+    # its fit was in Python (a schedule's rate) when the fork came, and the memory history's lock
+    # was held by another thread: the trainer is refused, the rest works (nothing waits)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_PYTHON + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    r = subprocess.run([sys.executable, "-c", _BUSY_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    child = out["child"]
+    assert out["exit"] == 0
+    for name in ("step", "fit", "state_dict"):
+        assert "was running fit or step in another thread when the process was forked" in child[name], child
+    assert child["snapshot"] and child["other"]

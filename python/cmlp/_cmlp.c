@@ -31,13 +31,14 @@ static module_state *state_of(PyObject *module) { return (module_state *)PyModul
 
 /* This module's own status: a model lost to fork (ModelObject.lost). */
 #define STATUS_LOST ((cmlp_status)-1)
+#define LOST_TEXT                                                                                              \
+    "this model, its optimizer and its trainer cannot be used in this process: another thread was using "     \
+    "them when the process was forked, and that thread's call never finishes in the child, so their state "   \
+    "here is incomplete (fork while no thread uses them, or start processes with 'spawn')"
 
 static PyObject *raise_status(module_state *ms, cmlp_status s) {
     const char *msg = cmlp_last_error();
-    if (s == STATUS_LOST)
-        msg = "this model, its optimizer and its trainer cannot be used in this process: another thread was "
-              "using them when the process was forked, and that thread's call never finishes in the child, so "
-              "their state here is incomplete (fork while no thread uses them, or start processes with 'spawn')";
+    if (s == STATUS_LOST) msg = LOST_TEXT;
     switch (s) {
     case CMLP_ERR_INVALID:
     case CMLP_ERR_NONFINITE: PyErr_SetString(PyExc_ValueError, msg); break;
@@ -337,27 +338,31 @@ static void Model_dealloc(ModelObject *self) {
 }
 
 /* In a child just forked (os.register_at_fork): a model whose lock is held was inside a call on
- * a thread that the child does not have. Its lock never comes free here: it gets a new one, and
- * the model is marked lost, so that calls on it fail instead of waiting for ever. */
+ * a thread that the child does not have. Its lock never comes free here: the model is marked
+ * lost, so that calls on it (and its optimizer's and trainer's) fail instead of waiting for ever. */
 static PyObject *mod_after_fork_child(PyObject *mod, PyObject *unused) {
     (void)mod;
     (void)unused;
     for (ModelObject *m = live_models; m; m = m->next) {
-        if (PyThread_acquire_lock(m->lock, NOWAIT_LOCK)) {
-            PyThread_release_lock(m->lock);
-            continue;
-        }
-        PyThread_type_lock fresh = PyThread_allocate_lock();
-        if (!fresh) return PyErr_NoMemory();
-        m->lock = fresh; /* the held one is left as it is: freeing a held lock is not allowed */
-        m->lost = 1;
+        if (PyThread_acquire_lock(m->lock, NOWAIT_LOCK)) PyThread_release_lock(m->lock);
+        else m->lost = 1; /* never taken again: every call checks lost first */
     }
     Py_RETURN_NONE;
 }
 
-static int model_ready(ModelObject *self) {
+static int model_made(ModelObject *self) {
     if (!self->m) {
         PyErr_SetString(PyExc_RuntimeError, "Model is not initialised");
+        return -1;
+    }
+    return 0;
+}
+
+/* Made, and not lost to fork (a lost model's sizes and device still answer: model_made). */
+static int model_ready(ModelObject *self) {
+    if (model_made(self) < 0) return -1;
+    if (self->lost) {
+        PyErr_SetString(PyExc_RuntimeError, LOST_TEXT);
         return -1;
     }
     return 0;
@@ -402,13 +407,13 @@ static int as_data(PyObject *x, PyObject *y, int64_t features, float mean, float
 
 static PyObject *Model_num_parameters(ModelObject *self, PyObject *unused) {
     (void)unused;
-    if (model_ready(self) < 0) return NULL;
+    if (model_made(self) < 0) return NULL;
     return PyLong_FromLongLong(cmlp_model_num_parameters(self->m));
 }
 
 static PyObject *Model_sizes(ModelObject *self, PyObject *unused) {
     (void)unused;
-    if (model_ready(self) < 0) return NULL;
+    if (model_made(self) < 0) return NULL;
     int L = cmlp_model_num_layers(self->m);
     PyObject *t = PyTuple_New(L + 1);
     if (!t) return NULL;
@@ -418,13 +423,13 @@ static PyObject *Model_sizes(ModelObject *self, PyObject *unused) {
 
 static PyObject *Model_device(ModelObject *self, PyObject *unused) {
     (void)unused;
-    if (model_ready(self) < 0) return NULL;
+    if (model_made(self) < 0) return NULL;
     return device_str(cmlp_model_device(self->m));
 }
 
 static PyObject *Model_offsets(ModelObject *self, PyObject *unused) {
     (void)unused;
-    if (model_ready(self) < 0) return NULL;
+    if (model_made(self) < 0) return NULL;
     int L = cmlp_model_num_layers(self->m);
     PyObject *lst = PyList_New(L);
     if (!lst) return NULL;
@@ -719,7 +724,7 @@ static int optim_ready(OptimObject *self) {
         PyErr_SetString(PyExc_RuntimeError, "Optimizer is not initialised");
         return -1;
     }
-    return 0;
+    return model_ready(self->model);
 }
 
 static PyObject *Optim_step(OptimObject *self, PyObject *unused) {
@@ -968,7 +973,7 @@ static int trainer_ready(TrainerObject *self) {
         PyErr_SetString(PyExc_RuntimeError, "Trainer is not initialised");
         return -1;
     }
-    return 0;
+    return optim_ready(self->optim);
 }
 
 static PyObject *Trainer_step(TrainerObject *self, PyObject *args, PyObject *kw) {
@@ -998,6 +1003,7 @@ static PyObject *Trainer_epoch_begin(TrainerObject *self, PyObject *args, PyObje
     int same_data = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|ffp", kwlist, &x, &y, &mean, &std, &same_data)) return NULL;
     if (trainer_ready(self) < 0) return NULL;
+    self->run_steps = 0; /* none of this epoch yet */
     ModelObject *mo = self->optim->model;
     cmlp_data d;
     if (as_data(x, y, cmlp_model_size(mo->m, 0), mean, std, &d) < 0) return NULL;
@@ -1109,7 +1115,8 @@ static PyObject *Trainer_start_microbatch(TrainerObject *self, PyObject *arg) {
     if (trainer_ready(self) < 0) return NULL;
     long long v = PyLong_AsLongLong(arg);
     if (v == -1 && PyErr_Occurred()) return NULL;
-    cmlp_status st = cmlp_trainer_start_microbatch(self->t, v);
+    cmlp_status st;
+    RUN_LOCKED(self->optim->model, st, cmlp_trainer_start_microbatch(self->t, v));
     if (st != CMLP_OK) return raise_status(self->optim->model->ms, st);
     Py_RETURN_NONE;
 }
@@ -1672,6 +1679,12 @@ static PyObject *mod_cuda_device_count(PyObject *mod, PyObject *unused) {
     return PyLong_FromLong(cmlp_cuda_device_count());
 }
 
+static PyObject *mod_cuda_forked(PyObject *mod, PyObject *unused) {
+    (void)mod;
+    (void)unused;
+    return PyBool_FromLong(cmlp_cuda_forked());
+}
+
 /* ---- the process group (cmlp.distributed) ---- */
 
 static PyObject *mod_dist_init(PyObject *mod, PyObject *arg) {
@@ -1689,8 +1702,9 @@ static PyObject *mod_dist_init(PyObject *mod, PyObject *arg) {
 static PyObject *mod_dist_state(PyObject *mod, PyObject *unused) {
     (void)mod;
     (void)unused;
-    return Py_BuildValue("(Oiiiii)", cmlp_dist_initialized() ? Py_True : Py_False, cmlp_dist_rank(), cmlp_dist_size(),
-                         cmlp_dist_local_rank(), cmlp_dist_local_size(), cmlp_dist_backend());
+    return Py_BuildValue("(OiiiiiO)", cmlp_dist_initialized() ? Py_True : Py_False, cmlp_dist_rank(), cmlp_dist_size(),
+                         cmlp_dist_local_rank(), cmlp_dist_local_size(), cmlp_dist_backend(),
+                         cmlp_dist_orphaned() ? Py_True : Py_False);
 }
 
 /* The array a collective works on in place: a writable, C-contiguous ndarray. */
@@ -1795,7 +1809,8 @@ static PyObject *mod_dist_library_version(PyObject *mod, PyObject *unused) {
 
 static PyMethodDef module_methods[] = {
     {"dist_init", mod_dist_init, METH_O, "dist_init(backend: 0 mpi, 1 nccl): the process group -> (rank, size)"},
-    {"dist_state", mod_dist_state, METH_NOARGS, "(initialized, rank, size, local_rank, local_size, backend)"},
+    {"dist_state", mod_dist_state, METH_NOARGS,
+     "(initialized, rank, size, local_rank, local_size, backend, forked from a rank)"},
     {"dist_all_reduce", mod_dist_all_reduce, METH_VARARGS, "dist_all_reduce(array, op): in place; op 0 sum 1 max 2 min"},
     {"dist_broadcast", mod_dist_broadcast, METH_VARARGS, "dist_broadcast(array, root): in place"},
     {"dist_barrier", mod_dist_barrier, METH_NOARGS, "waits for every rank"},
@@ -1829,6 +1844,7 @@ static PyMethodDef module_methods[] = {
     {"parse_device", mod_parse_device, METH_O, "canonical device string; raises when unavailable"},
     {"build_info", mod_build_info, METH_NOARGS, "build facts"},
     {"cuda_device_count", mod_cuda_device_count, METH_NOARGS, "number of usable CUDA devices"},
+    {"cuda_forked", mod_cuda_forked, METH_NOARGS, "whether this process was forked after CUDA was started"},
     {"synchronize", mod_synchronize, METH_O, "synchronize(device): waits for the device's queued work"},
     {NULL, NULL, 0, NULL},
 };

@@ -27,6 +27,14 @@ _CONTEXTS = {None: 0, "state": 1, "alloc": 2, "all": 3}
 _STACKS = ("python", "all")
 
 _lock = threading.Lock()
+
+
+def _new_lock_in_child() -> None:  # a thread the forked child lacks may have held it
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
 _settings: Dict[str, Tuple[Optional[str], Optional[str], str]] = {}  # device -> (enabled, context, stacks)
 _stacks: Dict[int, List[Dict[str, Any]]] = {}  # stack number -> frames
 _Shared = Dict[Tuple[Optional[str], int, str], List[Dict[str, Any]]]  # a snapshot's frames lists

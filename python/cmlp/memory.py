@@ -1,6 +1,7 @@
 """Memory statistics and controls, with torch.cuda's names and meanings, for every device
 ("cpu" included). All numbers come from the device's allocator, which owns every byte."""
 import numbers
+import os
 import re
 import threading
 from fractions import Fraction
@@ -17,9 +18,18 @@ _fractions: Dict[str, Tuple[float, int]] = {}  # device -> (fraction set, the li
 _raw_lock = threading.Lock()
 
 
+def _new_lock_in_child() -> None:  # a thread the forked child lacks may have held it
+    global _raw_lock
+    _raw_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
+
+
 def _device(device: Optional[str]) -> str:
     if device is None:
-        return "cuda:0" if _cmlp.cuda_device_count() > 0 else "cpu"
+        # a child forked after CUDA started cannot use it: its default is the CPU
+        return "cuda:0" if _cmlp.cuda_device_count() > 0 and not _cmlp.cuda_forked() else "cpu"
     if not isinstance(device, str):
         raise TypeError(f"device must be a str such as 'cpu' or 'cuda:0', got {device!r}")
     return _cmlp.parse_device(device)

@@ -1,9 +1,11 @@
 """cmlp.Trainer: the training loop users drive. The epoch loop itself runs in C with the GIL
 released (seeded shuffle, micro-batches, exact accumulation, optimizer step); Python only asks
 for a slice of steps at a time to draw the progress bar and collects the history."""
+import os
 import threading
 import time
 import warnings
+import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -19,6 +21,24 @@ from .optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 # the most samples one step may have (batch_size * accumulation_steps), as in the C core
 MAX_STEP_SAMPLES = 2**62
+
+
+# A trainer running fit or step in another thread when the process forks never finishes that call
+# in the child: there it is marked lost (its busy lock is held for good).
+_live: "weakref.WeakSet[Trainer]" = weakref.WeakSet()
+_LOST = ("this Trainer was running fit or step in another thread when the process was forked; that call "
+         "never finishes in the child, so the trainer cannot be used in this process (fork while no thread "
+         "uses it, or start processes with 'spawn')")
+
+
+def _after_fork_in_child() -> None:
+    for trainer in list(_live):
+        if trainer._busy.locked():
+            trainer._busy = threading.Lock()
+            trainer._lost = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _positive_int(name: str, value: Any, limit: int = MAX_STEP_SAMPLES) -> int:
@@ -116,6 +136,8 @@ class Trainer:
         self.max_grad_norm = max_grad_norm
         # fit and step use the C trainer's state from start to end: one call at a time
         self._busy = threading.Lock()
+        self._lost = False
+        _live.add(self)
         # uint8 images: the model's normalisation unless the trainer is given its own
         self.normalize = model.normalize if normalize is None else as_normalize(normalize)
         self._c = _cmlp.Trainer(optimizer._c, self.batch_size, self.accumulation_steps, micro, shuffle,
@@ -153,6 +175,8 @@ class Trainer:
         begun (the next epoch's order), what automatic micro-batching moves (the micro-batch in
         use, the one it grows back to, the good steps toward the next doubling) and the loss
         scaler's state."""
+        if self._lost:
+            raise RuntimeError(_LOST)
         size, target, good = self._c.microbatch_state()
         return {"epochs": self._c.epochs, "microbatch_size": size, "microbatch_target": target,
                 "microbatch_good_steps": good,
@@ -163,6 +187,8 @@ class Trainer:
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restores what state_dict() gave, into a trainer made with the same arguments; a bad
         dict raises and changes nothing."""
+        if self._lost:
+            raise RuntimeError(_LOST)
         if not isinstance(state_dict, dict) or set(state_dict) != self._STATE_KEYS:
             raise ValueError(f"a trainer state_dict is a dict with the keys {sorted(self._STATE_KEYS)}")
         counts = {}
@@ -265,6 +291,8 @@ class Trainer:
         return xa, as_labels(y, xa.shape[0], sizes[-1], f"{what} y")
 
     def _claim(self, what: str) -> None:
+        if self._lost:
+            raise RuntimeError(_LOST)
         if not self._busy.acquire(blocking=False):
             raise RuntimeError(f"this Trainer is already running fit or step in another thread; {what} must wait "
                                "for it (or use a Trainer per thread)")
@@ -283,6 +311,8 @@ class Trainer:
 
     def _claim_agreed(self, what: str, error: Optional[Exception]) -> None:
         """_claim, then (data-parallel) every rank learns whether all could start the call."""
+        if error is None and self._lost:
+            error = RuntimeError(_LOST)
         claimed = error is None and self._busy.acquire(blocking=False)
         if error is None and not claimed:
             error = RuntimeError(f"this Trainer is already running fit or step in another thread; {what} must wait "
@@ -436,40 +466,49 @@ class Trainer:
         try:
             for epoch in range(1, epochs + 1):
                 memory.reset_peak_memory_stats(device)
+                epochs_before = self._c.epochs
                 # the later epochs of this call train on the same arrays: a device copy is kept
                 total = self._c.epoch_begin(xa, ya, *self.normalize, same_data=epoch > 1)
-                # data-parallel, the first rank draws the bar for all
-                show = progress and (not self.distributed or _dist.get_rank() == 0)
-                bar = make_bar(total, f"epoch {epoch}/{epochs}", show)
-                chunk = max(1, total // 200)
-                samples, loss_sum, skipped, norm_sum, norm_steps, steps_done = 0, 0.0, 0, 0.0, 0, 0
-                first_lr = self.optimizer.lr
-                start = time.perf_counter()
-                self._push_scaler()
-                if epoch == 1:
-                    self._together(self._start_under_limit)
-                retries = self._c.oom_retries()
+                steps_done = 0
                 try:
-                    done = False
-                    while not done:
-                        if per_step:
-                            steps, n, loss, done, k, norms, counted = self._run_scheduled(
-                                scheduler, min(chunk, total - steps_done))
-                        else:
-                            steps, n, loss, done, k, norms, counted = self._c.epoch_run(chunk)
-                        steps_done += steps
-                        samples += n
-                        loss_sum += loss
-                        skipped += k
-                        norm_sum += norms
-                        norm_steps += counted
+                    # data-parallel, the first rank draws the bar for all
+                    show = progress and (not self.distributed or _dist.get_rank() == 0)
+                    bar = make_bar(total, f"epoch {epoch}/{epochs}", show)
+                    chunk = max(1, total // 200)
+                    samples, loss_sum, skipped, norm_sum, norm_steps, steps_done = 0, 0.0, 0, 0.0, 0, 0
+                    first_lr = self.optimizer.lr
+                    start = time.perf_counter()
+                    self._push_scaler()
+                    if epoch == 1:
+                        self._together(self._start_under_limit)
+                    retries = self._c.oom_retries()
+                    try:
+                        done = False
+                        while not done:
+                            if per_step:
+                                steps, n, loss, done, k, norms, counted = self._run_scheduled(
+                                    scheduler, min(chunk, total - steps_done))
+                            else:
+                                steps, n, loss, done, k, norms, counted = self._c.epoch_run(chunk)
+                            steps_done += steps
+                            samples += n
+                            loss_sum += loss
+                            skipped += k
+                            norm_sum += norms
+                            norm_steps += counted
+                            if bar is not None:
+                                bar.set_postfix_str(f"loss {loss_sum / max(samples, 1):.4f}")
+                                bar.update(steps)
+                    finally:
+                        self._pull_scaler()
                         if bar is not None:
-                            bar.set_postfix_str(f"loss {loss_sum / max(samples, 1):.4f}")
-                            bar.update(steps)
-                finally:
-                    self._pull_scaler()
-                    if bar is not None:
-                        bar.close()
+                            bar.close()
+                except BaseException:
+                    # an epoch that fails before any of its steps is taken is not begun: the next
+                    # fit draws the same order (the state is as before the call)
+                    if steps_done + self._c.run_steps() == 0:
+                        self._c.epochs = epochs_before
+                    raise
                 self._warn_if_split(retries)
                 seconds = time.perf_counter() - start
                 record: Dict[str, Any] = {

@@ -36,6 +36,7 @@
 #include <cublasLt.h>
 #include <cuda.h>
 #include <cuda_runtime.h>
+#include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -57,6 +58,20 @@ extern "C" void scipy_cblas_dgemm(int order, int ta, int tb, int m, int n, int k
                                   int lda, const double *b, int ldb, double beta, double *c, int ldc);
 
 namespace {
+
+/* ---- fork ----
+ * The CUDA driver does not survive fork(): a child of a process that started CUDA must call
+ * nothing of it. Here such a call ends the child at once (SIGABRT), so that a test sees it. */
+bool in_forked_child;
+void mark_forked_child() { in_forked_child = true; }
+struct fork_watch {
+    fork_watch() { pthread_atfork(nullptr, nullptr, mark_forked_child); }
+} watch_forks;
+void fork_guard(const char *what) {
+    if (!in_forked_child) return;
+    std::fprintf(stderr, "cuda_emu: %s called in a process forked after CUDA was started\n", what);
+    std::abort();
+}
 
 /* ---- state ---- */
 
@@ -195,6 +210,7 @@ bool refused_while_capturing(const char *what) {
 }
 
 cudaError_t submit(cudaStream_t stream, std::function<void()> run, const char *name) {
+    fork_guard("submit");
     std::lock_guard<std::recursive_mutex> g(gpu);
     CUstream_st *s = resolve(stream);
     op o{std::make_shared<std::function<void()>>(std::move(run)), name, 0};
@@ -223,6 +239,7 @@ bool kernel_pointer_ok(const void *p, const char *kernel, int index) {
 /* A kernel launch, then with CMLP_EMU_LAUNCH_DELAY_US=n a pause of n microseconds, with no lock
  * held: other threads' work then lands between a thread's launches as often as it may on a GPU. */
 cudaError_t launch(cudaStream_t stream, std::function<void()> run, const char *name) {
+    fork_guard("launch");
     static const size_t delay = env_size("CMLP_EMU_LAUNCH_DELAY_US", 0);
     cudaError_t e = submit(stream, std::move(run), name);
     if (delay) std::this_thread::sleep_for(std::chrono::microseconds(delay));
@@ -253,19 +270,23 @@ size_t page_round(size_t n) {
 extern "C" {
 
 cudaError_t cudaGetDeviceCount(int *n) {
+    fork_guard("cudaGetDeviceCount");
     *n = device_count();
     return cudaSuccess;
 }
 cudaError_t cudaSetDevice(int d) {
+    fork_guard("cudaSetDevice");
     if (d < 0 || d >= device_count()) return fail(cudaErrorInvalidDevice);
     current_device = d;
     return cudaSuccess;
 }
 cudaError_t cudaGetDevice(int *d) {
+    fork_guard("cudaGetDevice");
     *d = current_device;
     return cudaSuccess;
 }
 cudaError_t cudaRuntimeGetVersion(int *v) {
+    fork_guard("cudaRuntimeGetVersion");
     *v = CUDART_VERSION;
     return cudaSuccess;
 }
@@ -302,6 +323,7 @@ const char *cudaGetErrorString(cudaError_t e) {
 /* ---- memory ---- */
 
 cudaError_t cudaMalloc(void **p, size_t n) {
+    fork_guard("cudaMalloc");
     *p = nullptr;
     std::lock_guard<std::recursive_mutex> g(gpu);
     if (refused_while_capturing("cudaMalloc")) return fail(cudaErrorStreamCaptureUnsupported);
@@ -318,6 +340,7 @@ cudaError_t cudaMalloc(void **p, size_t n) {
 }
 
 cudaError_t cudaFree(void *p) {
+    fork_guard("cudaFree");
     if (!p) return cudaSuccess;
     std::lock_guard<std::recursive_mutex> g(gpu);
     if (refused_while_capturing("cudaFree")) return fail(cudaErrorStreamCaptureUnsupported);
@@ -331,6 +354,7 @@ cudaError_t cudaFree(void *p) {
 }
 
 cudaError_t cudaMallocHost(void **p, size_t n) {
+    fork_guard("cudaMallocHost");
     *p = nullptr;
     std::lock_guard<std::recursive_mutex> g(gpu);
     if (refused_while_capturing("cudaMallocHost")) return fail(cudaErrorStreamCaptureUnsupported);
@@ -343,6 +367,7 @@ cudaError_t cudaMallocHost(void **p, size_t n) {
 }
 
 cudaError_t cudaFreeHost(void *p) {
+    fork_guard("cudaFreeHost");
     if (!p) return cudaSuccess;
     std::lock_guard<std::recursive_mutex> g(gpu);
     if (refused_while_capturing("cudaFreeHost")) return fail(cudaErrorStreamCaptureUnsupported);
@@ -355,6 +380,7 @@ cudaError_t cudaFreeHost(void *p) {
 }
 
 cudaError_t cudaMemGetInfo(size_t *free_b, size_t *total) {
+    fork_guard("cudaMemGetInfo");
     std::lock_guard<std::recursive_mutex> g(gpu);
     *total = capacity();
     *free_b = capacity() - std::min(capacity(), used[current_device]);
@@ -362,6 +388,7 @@ cudaError_t cudaMemGetInfo(size_t *free_b, size_t *total) {
 }
 
 cudaError_t cudaPointerGetAttributes(cudaPointerAttributes *at, const void *p) {
+    fork_guard("cudaPointerGetAttributes");
     std::lock_guard<std::recursive_mutex> g(gpu);
     memset(at, 0, sizeof *at);
     const region *r = find_region(p, nullptr);
@@ -376,6 +403,7 @@ cudaError_t cudaPointerGetAttributes(cudaPointerAttributes *at, const void *p) {
 /* ---- streams, events, copies ---- */
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned int) {
+    fork_guard("cudaStreamCreateWithFlags");
     std::lock_guard<std::recursive_mutex> g(gpu);
     *s = new CUstream_st;
     streams.push_back(*s);
@@ -383,6 +411,7 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned int) {
 }
 
 cudaError_t cudaStreamDestroy(cudaStream_t s) {
+    fork_guard("cudaStreamDestroy");
     std::lock_guard<std::recursive_mutex> g(gpu);
     if (!s || s->capturing) return fail(cudaErrorInvalidResourceHandle);
     flush(s); /* its work still runs */
@@ -392,6 +421,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
 }
 
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+    fork_guard("cudaStreamSynchronize");
     std::lock_guard<std::recursive_mutex> g(gpu);
     CUstream_st *s = resolve(stream);
     if (s->capturing) {
@@ -404,16 +434,19 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
 }
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned int) {
+    fork_guard("cudaEventCreateWithFlags");
     *e = new CUevent_st;
     return cudaSuccess;
 }
 
 cudaError_t cudaEventDestroy(cudaEvent_t e) {
+    fork_guard("cudaEventDestroy");
     delete e;
     return cudaSuccess;
 }
 
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t stream) {
+    fork_guard("cudaEventRecord");
     std::lock_guard<std::recursive_mutex> g(gpu);
     CUstream_st *s = resolve(stream);
     if (s->capturing) { /* a node of the graph that other branches may wait for */
@@ -437,6 +470,7 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t stream) {
  * as the order allows, which shows a missing dependency). Inside one, a stream that waits for an
  * event recorded in a capture joins that capture as a new branch. */
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t e, unsigned int) {
+    fork_guard("cudaStreamWaitEvent");
     std::lock_guard<std::recursive_mutex> g(gpu);
     CUstream_st *s = resolve(stream);
     if (!e) return fail(cudaErrorInvalidResourceHandle);
@@ -481,6 +515,7 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t e, unsigned int
 }
 
 cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+    fork_guard("cudaEventSynchronize");
     std::lock_guard<std::recursive_mutex> g(gpu);
     if (refused_while_capturing("cudaEventSynchronize")) return fail(cudaErrorStreamCaptureUnsupported);
     if (e->stream) flush(e->stream, e->id);
@@ -488,6 +523,7 @@ cudaError_t cudaEventSynchronize(cudaEvent_t e) {
 }
 
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind kind, cudaStream_t stream) {
+    fork_guard("cudaMemcpyAsync");
     std::lock_guard<std::recursive_mutex> g(gpu);
     CUstream_st *s = resolve(stream);
     if (n == 0) return cudaSuccess;
@@ -529,6 +565,7 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind
 }
 
 cudaError_t cudaMemsetAsync(void *dst, int v, size_t n, cudaStream_t stream) {
+    fork_guard("cudaMemsetAsync");
     std::lock_guard<std::recursive_mutex> g(gpu);
     if (n == 0) return cudaSuccess;
     if (!device_range(dst, n)) return fail(cudaErrorInvalidValue);
@@ -539,6 +576,7 @@ cudaError_t cudaMemsetAsync(void *dst, int v, size_t n, cudaStream_t stream) {
 /* ---- graphs ---- */
 
 cudaError_t cudaStreamBeginCapture(cudaStream_t stream, cudaStreamCaptureMode mode) {
+    fork_guard("cudaStreamBeginCapture");
     std::lock_guard<std::recursive_mutex> g(gpu);
     if (!stream || stream->capturing || capturing_here) return fail(cudaErrorIllegalState);
     if (mode != cudaStreamCaptureModeThreadLocal) return fail(cudaErrorInvalidValue); /* the one mode emulated */
@@ -550,6 +588,7 @@ cudaError_t cudaStreamBeginCapture(cudaStream_t stream, cudaStreamCaptureMode mo
 }
 
 cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t *out) {
+    fork_guard("cudaStreamEndCapture");
     std::lock_guard<std::recursive_mutex> g(gpu);
     *out = nullptr;
     if (!stream || !stream->capturing || stream->cap_origin || capturing_here != stream)
@@ -579,6 +618,7 @@ cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t *out) {
 }
 
 cudaError_t cudaGraphInstantiateWithFlags(cudaGraphExec_t *exec, cudaGraph_t graph, unsigned long long) {
+    fork_guard("cudaGraphInstantiateWithFlags");
     if (refused_while_capturing("cudaGraphInstantiate")) return fail(cudaErrorStreamCaptureUnsupported);
     if (getenv("CMLP_EMU_TRACE_GRAPHS")) { /* what a graph launches, for tests of the launch count */
         std::string names;
@@ -597,11 +637,13 @@ cudaError_t cudaGraphInstantiateWithFlags(cudaGraphExec_t *exec, cudaGraph_t gra
 }
 
 cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
+    fork_guard("cudaGraphDestroy");
     delete graph;
     return cudaSuccess;
 }
 
 cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
+    fork_guard("cudaGraphExecDestroy");
     std::lock_guard<std::recursive_mutex> g(gpu);
     flush_all(); /* launches of it that are queued keep their ops alive anyway (shared) */
     delete exec;
@@ -609,6 +651,7 @@ cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
 }
 
 cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream) {
+    fork_guard("cudaGraphLaunch");
     std::lock_guard<std::recursive_mutex> g(gpu);
     CUstream_st *s = resolve(stream);
     if (!exec) return fail(cudaErrorInvalidValue);
@@ -672,6 +715,7 @@ bool reserved(uintptr_t a, size_t n) {
 
 CUresult CUDAAPI mem_create(CUmemGenericAllocationHandle *h, size_t size, const CUmemAllocationProp *prop,
                             unsigned long long) {
+    fork_guard("mem_create");
     std::lock_guard<std::recursive_mutex> g(gpu);
     if (refused_while_capturing("cuMemCreate")) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     if (!size || size % ((size_t)2 << 20)) return CUDA_ERROR_INVALID_VALUE;
@@ -689,6 +733,7 @@ CUresult CUDAAPI mem_create(CUmemGenericAllocationHandle *h, size_t size, const 
 }
 
 CUresult CUDAAPI mem_release(CUmemGenericAllocationHandle h) {
+    fork_guard("mem_release");
     std::lock_guard<std::recursive_mutex> g(gpu);
     auto it = handles.find(h);
     if (it == handles.end() || it->second.released) return CUDA_ERROR_INVALID_HANDLE;
@@ -699,6 +744,7 @@ CUresult CUDAAPI mem_release(CUmemGenericAllocationHandle h) {
 
 CUresult CUDAAPI mem_map(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle h,
                          unsigned long long) {
+    fork_guard("mem_map");
     std::lock_guard<std::recursive_mutex> g(gpu);
     auto it = handles.find(h);
     if (it == handles.end() || it->second.released) return CUDA_ERROR_INVALID_HANDLE;
@@ -721,6 +767,7 @@ CUresult CUDAAPI mem_map(CUdeviceptr ptr, size_t size, size_t offset, CUmemGener
 }
 
 CUresult CUDAAPI mem_set_access(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count) {
+    fork_guard("mem_set_access");
     std::lock_guard<std::recursive_mutex> g(gpu);
     if (count != 1 || desc->flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE) return CUDA_ERROR_INVALID_VALUE;
     /* every byte of the range must be mapped */
@@ -736,6 +783,7 @@ CUresult CUDAAPI mem_set_access(CUdeviceptr ptr, size_t size, const CUmemAccessD
 }
 
 CUresult CUDAAPI mem_unmap(CUdeviceptr ptr, size_t size) {
+    fork_guard("mem_unmap");
     std::lock_guard<std::recursive_mutex> g(gpu);
     auto it = mappings.find(ptr);
     if (it == mappings.end() || it->second.second != size) return CUDA_ERROR_INVALID_VALUE;
@@ -750,6 +798,7 @@ CUresult CUDAAPI mem_unmap(CUdeviceptr ptr, size_t size) {
 
 CUresult CUDAAPI mem_reserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
                              unsigned long long) {
+    fork_guard("mem_reserve");
     std::lock_guard<std::recursive_mutex> g(gpu);
     if (addr || !size || size % ((size_t)2 << 20)) return CUDA_ERROR_INVALID_VALUE;
     const size_t al = alignment ? alignment : (size_t)2 << 20;
@@ -764,6 +813,7 @@ CUresult CUDAAPI mem_reserve(CUdeviceptr *ptr, size_t size, size_t alignment, CU
 }
 
 CUresult CUDAAPI mem_free_range(CUdeviceptr ptr, size_t size) {
+    fork_guard("mem_free_range");
     std::lock_guard<std::recursive_mutex> g(gpu);
     auto it = regions.find(ptr);
     if (it == regions.end() || it->second.kind != 2 || it->second.size != size) return CUDA_ERROR_INVALID_VALUE;
@@ -775,6 +825,7 @@ CUresult CUDAAPI mem_free_range(CUdeviceptr ptr, size_t size) {
 }
 
 CUresult CUDAAPI mem_granularity(size_t *gran, const CUmemAllocationProp *, CUmemAllocationGranularity_flags) {
+    fork_guard("mem_granularity");
     *gran = (size_t)2 << 20;
     return CUDA_SUCCESS;
 }
@@ -789,6 +840,7 @@ CUresult CUDAAPI error_string(CUresult r, const char **s) {
 
 extern "C" cudaError_t cudaGetDriverEntryPointByVersion(const char *symbol, void **fn, unsigned int, unsigned long long,
                                                         cudaDriverEntryPointQueryResult *q) {
+    fork_guard("cudaGetDriverEntryPointByVersion");
     static const std::map<std::string, void *> table = {
         {"cuMemCreate", (void *)mem_create},
         {"cuMemRelease", (void *)mem_release},
@@ -978,15 +1030,18 @@ const char *cublasLtGetStatusString(cublasStatus_t s) {
 }
 
 cublasStatus_t cublasLtCreate(cublasLtHandle_t *h) {
+    fork_guard("cublasLtCreate");
     *h = (cublasLtHandle_t) new int(1);
     return CUBLAS_STATUS_SUCCESS;
 }
 cublasStatus_t cublasLtDestroy(cublasLtHandle_t h) {
+    fork_guard("cublasLtDestroy");
     delete (int *)h;
     return CUBLAS_STATUS_SUCCESS;
 }
 
 cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t *d, cublasComputeType_t compute, cudaDataType_t scale) {
+    fork_guard("cublasLtMatmulDescCreate");
     lt_desc *x = new lt_desc;
     x->compute = compute;
     x->scale = scale;
@@ -994,12 +1049,14 @@ cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t *d, cublasComputeTy
     return CUBLAS_STATUS_SUCCESS;
 }
 cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t d) {
+    fork_guard("cublasLtMatmulDescDestroy");
     delete D(d);
     return CUBLAS_STATUS_SUCCESS;
 }
 
 cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr,
                                               const void *buf, size_t n) {
+    fork_guard("cublasLtMatmulDescSetAttribute");
     lt_desc *x = D(d);
     void *field = nullptr;
     size_t size = 0;
@@ -1018,27 +1075,32 @@ cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d, cublasLtMa
 
 cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t *l, cudaDataType type, uint64_t rows, uint64_t cols,
                                           int64_t ld) {
+    fork_guard("cublasLtMatrixLayoutCreate");
     *l = nullptr;
     if (!type_size(type) || ld < (int64_t)std::max<uint64_t>(rows, 1)) return CUBLAS_STATUS_INVALID_VALUE;
     *l = (cublasLtMatrixLayout_t) new lt_layout{type, rows, cols, ld};
     return CUBLAS_STATUS_SUCCESS;
 }
 cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t l) {
+    fork_guard("cublasLtMatrixLayoutDestroy");
     delete L(l);
     return CUBLAS_STATUS_SUCCESS;
 }
 
 cublasStatus_t cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t *p) {
+    fork_guard("cublasLtMatmulPreferenceCreate");
     *p = (cublasLtMatmulPreference_t) new lt_pref;
     return CUBLAS_STATUS_SUCCESS;
 }
 cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t p) {
+    fork_guard("cublasLtMatmulPreferenceDestroy");
     delete P(p);
     return CUBLAS_STATUS_SUCCESS;
 }
 cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p,
                                                     cublasLtMatmulPreferenceAttributes_t attr, const void *buf,
                                                     size_t n) {
+    fork_guard("cublasLtMatmulPreferenceSetAttribute");
     lt_pref *x = P(p);
     switch (attr) {
     case CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES:
@@ -1065,6 +1127,7 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDe
                                               cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c,
                                               cublasLtMatrixLayout_t d, cublasLtMatmulPreference_t pref, int requested,
                                               cublasLtMatmulHeuristicResult_t *results, int *found) {
+    fork_guard("cublasLtMatmulAlgoGetHeuristic");
     *found = 0;
     if (requested < 1) return CUBLAS_STATUS_INVALID_VALUE;
     uint64_t M, N, K;
@@ -1101,6 +1164,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t op, const v
                               cublasLtMatrixLayout_t a, const void *B, cublasLtMatrixLayout_t b, const void *beta,
                               const void *C, cublasLtMatrixLayout_t c, void *Dp, cublasLtMatrixLayout_t d,
                               const cublasLtMatmulAlgo_t *algo, void *ws, size_t ws_bytes, cudaStream_t stream) {
+    fork_guard("cublasLtMatmul");
     std::lock_guard<std::recursive_mutex> g(gpu);
     const lt_desc desc = *D(op);
     const lt_layout la = *L(a), lb = *L(b), lc = *L(c), ld = *L(d);
@@ -1205,6 +1269,7 @@ enum { NCCL_OK = 0, NCCL_INTERNAL = 3, NCCL_INVALID_ARGUMENT = 4, NCCL_INVALID_U
 } /* namespace */
 
 NCCL_EMU_API int ncclGetUniqueId(nccl_uid *id) {
+    fork_guard("ncclGetUniqueId");
     static int made;
     if (!id) return NCCL_INVALID_ARGUMENT;
     memset(id, 0, sizeof *id);
@@ -1213,6 +1278,7 @@ NCCL_EMU_API int ncclGetUniqueId(nccl_uid *id) {
 }
 
 NCCL_EMU_API int ncclCommInitRank(void **comm, int nranks, nccl_uid id, int rank) {
+    fork_guard("ncclCommInitRank");
     int on = 0, world_rank = -1, world_size = 0;
     if (!comm || MPI_Initialized(&on) != MPI_SUCCESS) return NCCL_INVALID_USAGE;
     if (!on) { /* a group of one */
@@ -1285,6 +1351,7 @@ static int queue_collective(const char *name, const void *send, void *recv, size
 
 NCCL_EMU_API int ncclAllReduce(const void *send, void *recv, size_t count, int type, int op, void *comm,
                                cudaStream_t stream) {
+    fork_guard("ncclAllReduce");
     if (type != 7 /* ncclFloat32 */ || op != 0 /* ncclSum */ || !comm || count > (size_t)INT32_MAX)
         return NCCL_INVALID_ARGUMENT;
     return queue_collective("ncclAllReduce", send, recv, count, comm, stream, [=](MPI_Comm mc) {
@@ -1295,6 +1362,7 @@ NCCL_EMU_API int ncclAllReduce(const void *send, void *recv, size_t count, int t
 /* sendbuff is read on the root only; every rank's recvbuff receives it. */
 NCCL_EMU_API int ncclBroadcast(const void *send, void *recv, size_t count, int type, int root, void *comm,
                                cudaStream_t stream) {
+    fork_guard("ncclBroadcast");
     if (type != 7 /* ncclFloat32 */ || !comm || count > (size_t)INT32_MAX || root < 0) return NCCL_INVALID_ARGUMENT;
     nccl_comm *nc = static_cast<nccl_comm *>(comm);
     int size = 1;
@@ -1312,6 +1380,7 @@ NCCL_EMU_API int ncclBroadcast(const void *send, void *recv, size_t count, int t
  * recvbuff is filled with NaN, so that what reads a part it does not own shows at once. */
 NCCL_EMU_API int ncclReduce(const void *send, void *recv, size_t count, int type, int op, int root, void *comm,
                             cudaStream_t stream) {
+    fork_guard("ncclReduce");
     if (type != 7 /* ncclFloat32 */ || op != 0 /* ncclSum */ || !comm || count > (size_t)INT32_MAX || root < 0)
         return NCCL_INVALID_ARGUMENT;
     nccl_comm *nc = static_cast<nccl_comm *>(comm);
@@ -1334,10 +1403,12 @@ NCCL_EMU_API int ncclReduce(const void *send, void *recv, size_t count, int type
 /* Collectives in a group are queued in the order they were called, which every rank shares. */
 static int group_depth;
 NCCL_EMU_API int ncclGroupStart(void) {
+    fork_guard("ncclGroupStart");
     group_depth++;
     return NCCL_OK;
 }
 NCCL_EMU_API int ncclGroupEnd(void) {
+    fork_guard("ncclGroupEnd");
     if (group_depth == 0) return NCCL_INVALID_USAGE;
     group_depth--;
     return NCCL_OK;
@@ -1345,6 +1416,7 @@ NCCL_EMU_API int ncclGroupEnd(void) {
 
 /* The version the emulated NCCL claims: 2.21.5, or $CMLP_EMU_NCCL_VERSION (NCCL's code). */
 NCCL_EMU_API int ncclGetVersion(int *version) {
+    fork_guard("ncclGetVersion");
     if (!version) return NCCL_INVALID_ARGUMENT;
     const char *v = getenv("CMLP_EMU_NCCL_VERSION");
     *version = v && v[0] ? atoi(v) : 22105;
@@ -1352,6 +1424,7 @@ NCCL_EMU_API int ncclGetVersion(int *version) {
 }
 
 NCCL_EMU_API int ncclCommDestroy(void *comm) {
+    fork_guard("ncclCommDestroy");
     if (!comm) return NCCL_INVALID_ARGUMENT;
     flush_all(); /* its queued work runs first, as NCCL's does */
     nccl_comm *c = static_cast<nccl_comm *>(comm);

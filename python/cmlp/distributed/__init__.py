@@ -72,7 +72,7 @@ def _abort_on_uncaught(exc_type: Any, exc: Any, tb: Any) -> None:
     assert _previous_excepthook is not None
     _previous_excepthook(exc_type, exc, tb)
     state = _cmlp.dist_state()
-    if state[0] and state[2] > 1:
+    if state[0] and state[2] > 1 and not state[6]:  # a child forked from a rank ends alone
         sys.stderr.write(f"cmlp.distributed: rank {state[1]} ends the job of {state[2]} ranks (MPI_Abort): an "
                          "exception nothing caught, which the other ranks would wait for\n")
         sys.stderr.flush()
@@ -127,6 +127,8 @@ def init_process_group(backend: Optional[str] = None) -> None:
     if not isinstance(backend, str) or backend.lower() not in BACKENDS:
         raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
     backend = backend.lower()
+    if _cmlp.dist_state()[6]:  # forked from a rank: the core says why this process cannot
+        _cmlp.dist_init(BACKENDS[backend])
     if is_initialized():
         raise RuntimeError("trying to initialize the default process group twice")
     if backend == "nccl":

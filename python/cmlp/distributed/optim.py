@@ -29,7 +29,7 @@ import numpy as np
 from .._arrays import as_flag
 from ..model import MLP
 from ..optim import Optimizer
-from . import broadcast, get_rank, get_world_size, is_initialized
+from . import all_reduce, broadcast, get_rank, get_world_size, is_initialized
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -97,6 +97,13 @@ class ZeroRedundancyOptimizer(Optimizer):
         parts, _, _, chunk = self._c.shards()
         n = self.model.num_parameters()
         step, bufs = self._c.get_state()  # this rank's part in place, zeros elsewhere
+        # the ranks must hold the same kind of state at the same step, or their broadcasts would
+        # not match (a state loaded on some ranks only): every rank refuses alike
+        seen = np.array([len(bufs), step, -len(bufs), -step], dtype=np.int64)
+        all_reduce(seen, "max")
+        if seen[0] != -seen[2] or seen[1] != -seen[3]:
+            raise RuntimeError(f"the ranks' optimizer states differ ({-seen[2]} to {seen[0]} state buffers, steps "
+                               f"{-seen[3]} to {seen[1]}): load the same state on every rank before consolidate_state_dict")
         for buf in bufs:
             for r in range(parts):
                 if r * chunk < n:
