@@ -373,6 +373,10 @@ def test_load_bad_state_dict():
         s.load_state_dict({**good, "growth_factor": 0.5})
     with pytest.raises(ValueError, match="scale"):
         s.load_state_dict({**good, "scale": -1.0})
+    # a tracker a run cannot reach (it goes back to 0 at the interval), which would count on to
+    # the int32's end and fail in the middle of a fit
+    with pytest.raises(ValueError, match="below growth_interval"):
+        s.load_state_dict({**good, "growth_interval": 3, "_growth_tracker": 3})
     assert s.state_dict() == amp.GradScaler().state_dict()   # nothing half-loaded
 
 

@@ -569,6 +569,46 @@ def test_a_refused_rate_leaves_the_schedule_where_it_was():
     assert (sched.last_epoch, sched._step_count, sched.get_last_lr(), opt.lr) == (1, 2, [0.1], 0.1)
 
 
+def test_a_refused_rate_leaves_a_chain_and_every_schedule_in_it_where_they_were():
+    model = cmlp.MLP([2, 2])
+    opt = cmlp.optim.SGD(model, lr=0.1)
+    a, b = S.ExponentialLR(opt, 0.9), S.LambdaLR(opt, lambda e: -1.0 if e == 3 else 1.0)
+    chain = S.ChainedScheduler([a, b])
+    chain.step()
+    chain.step()
+    before = (opt.lr, a.last_epoch, b.last_epoch, a.get_last_lr(), chain.get_last_lr())
+    with pytest.raises(ValueError, match="learning rate"):
+        chain.step()
+    assert (opt.lr, a.last_epoch, b.last_epoch, a.get_last_lr(), chain.get_last_lr()) == before
+
+
+def test_numpy_integers_are_taken_where_torch_takes_them():
+    # the same schedule from NumPy integers as from Python ints, and param indices as an array
+    cases = [("StepLR", dict(step_size=3)), ("MultiStepLR", dict(milestones=[2, 4])),
+             ("CosineAnnealingLR", dict(T_max=5)), ("LinearLR", dict(total_iters=3)),
+             ("ConstantLR", dict(total_iters=2)), ("PolynomialLR", dict(total_iters=4)),
+             ("CosineAnnealingWarmRestarts", dict(T_0=2, T_mult=2)), ("OneCycleLR", dict(max_lr=0.5, total_steps=9))]
+    for name, kw in cases:
+        rates = []
+        for convert in (lambda v: v, lambda v: np.array(v) if isinstance(v, list) else np.int64(v)):
+            opt, sched = make(name, {k: convert(v) if k != "max_lr" else v for k, v in kw.items()})
+            rates.append([opt.lr] + [sched.step() or opt.lr for _ in range(8)])
+        assert rates[0] == rates[1], name
+    opt, _ = make("StepLR", dict(step_size=1))
+    plateau = S.ReduceLROnPlateau(opt, patience=np.int32(0), cooldown=np.int64(1))
+    assert (plateau.patience, plateau.cooldown) == (0, 1)
+    state = opt.state_dict()
+    state["param_groups"][0]["params"] = np.arange(len(state["param_groups"][0]["params"]))
+    opt.load_state_dict(state)
+
+
+def test_reduce_on_plateau_refuses_a_nan_factor_and_a_negative_floor():
+    opt, _ = make("StepLR", dict(step_size=1))
+    for kw in (dict(factor=float("nan")), dict(factor=1.0), dict(min_lr=-1.0), dict(min_lr=[float("inf")])):
+        with pytest.raises(ValueError):
+            S.ReduceLROnPlateau(opt, **kw)
+
+
 PLATEAU = [dict(), dict(mode="max", factor=0.5, patience=1, threshold=0.05, threshold_mode="abs", cooldown=2),
            dict(factor=0.3, patience=0, cooldown=1, min_lr=0.004)]
 

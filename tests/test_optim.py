@@ -332,3 +332,64 @@ def test_sgd_state_whose_momentum_buffers_are_none_means_no_buffers_yet():
     assert opt.lr == 0.2 and opt.state_dict()["state"] == {}
     with pytest.raises(TypeError, match=r"lr must be a number"):
         opt.load_state_dict({"state": {}, "param_groups": [{"lr": np.array(True), "params": list(range(n))}]})
+
+
+def test_a_state_dict_taken_while_another_thread_trains_is_of_one_step():
+    # lr 0 and one full batch: every step's state is fixed by its number, so each snapshot taken
+    # during fit must be the state of the step it reports, every buffer from that same step
+    import threading
+
+    rng = np.random.default_rng(0)
+    x, y = rng.random((64, 16), dtype=np.float32), rng.integers(0, 4, 64)
+
+    def build():
+        model = cmlp.MLP([16, 32, 4], seed=1)
+        opt = cmlp.optim.Adam(model, lr=0.0)
+        return opt, cmlp.Trainer(model, opt, batch_size=64, shuffle=False)
+
+    opt, trainer = build()
+    want = {}
+    for step in range(1, 301):
+        trainer.step(x, y)
+        state = opt.state_dict()["state"][0]
+        want[step] = (state["exp_avg"], state["exp_avg_sq"])
+    opt, trainer = build()
+    worker = threading.Thread(target=lambda: trainer.fit(x, y, epochs=300, progress=False))
+    worker.start()
+    seen = 0
+    while worker.is_alive():
+        state = opt.state_dict()["state"]
+        if state:
+            step = int(state[0]["step"])
+            assert np.array_equal(state[0]["exp_avg"], want[step][0]), step
+            assert np.array_equal(state[0]["exp_avg_sq"], want[step][1]), step
+            seen += 1
+    worker.join()
+    assert seen > 10, seen
+
+
+@pytest.mark.parametrize("make", [lambda m: cmlp.optim.AdamW(m, weight_decay=0.5),
+                                  lambda m: cmlp.optim.SGD(m, lr=0.1, momentum=0.9, weight_decay=0.5)],
+                         ids=["adamw", "sgd"])
+def test_a_step_without_gradients_changes_nothing_as_in_torch(make):
+    # torch's .grad is None on a new model and after zero_grad() (set_to_none=True, the default):
+    # step() skips such parameters, making no state and counting no step
+    model = cmlp.MLP([8, 5, 3], seed=0)
+    opt = make(model)
+    x, y = np.ones((4, 8), np.float32), np.arange(4) % 3
+    start = model._c.get_params()
+    opt.step()
+    assert np.array_equal(model._c.get_params(), start) and opt.state_dict()["state"] == {}
+    model.forward_backward(x, y)
+    opt.step()
+    after_one = model._c.get_params()
+    assert not np.array_equal(after_one, start)
+    opt.zero_grad()
+    opt.step()
+    assert np.array_equal(model._c.get_params(), after_one)
+    assert opt._c.get_state()[0] == 1
+    opt.zero_grad(set_to_none=False)  # zero gradients that exist: weight decay still applies
+    opt.step()
+    assert not np.array_equal(model._c.get_params(), after_one) and opt._c.get_state()[0] == 2
+    with pytest.raises(TypeError):
+        opt.zero_grad(set_to_none="yes")

@@ -784,29 +784,46 @@ static int Optim_set_lr(OptimObject *self, PyObject *value, void *closure) {
     return 0;
 }
 
+/* The step count and every buffer, read together (under the model's lock, in one go: a trainer
+ * stepping on another thread never gives a state of two steps); *changed when the optimizer no
+ * longer keeps nb buffers (settings changed meanwhile: the caller reads again). */
+static cmlp_status read_state(cmlp_optim *o, int nb, PyObject *bufs, int64_t *step, int *changed) {
+    *changed = cmlp_optim_num_buffers(o) != nb;
+    if (*changed) return CMLP_OK;
+    for (int i = 0; i < nb; i++) { /* the arrays' data, made by the caller: no Python call here */
+        cmlp_status st = cmlp_optim_get_buffer(o, i, PyArray_DATA((PyArrayObject *)PyList_GET_ITEM(bufs, i)));
+        if (st != CMLP_OK) return st;
+    }
+    *step = cmlp_optim_get_step(o);
+    return CMLP_OK;
+}
+
 static PyObject *Optim_get_state(OptimObject *self, PyObject *unused) {
     (void)unused;
     if (optim_ready(self) < 0) return NULL;
-    int nb = cmlp_optim_num_buffers(self->o);
     npy_intp n = (npy_intp)cmlp_model_num_parameters(self->model->m);
-    PyObject *bufs = PyList_New(nb);
-    if (!bufs) return NULL;
-    for (int i = 0; i < nb; i++) {
-        PyObject *arr = PyArray_SimpleNew(1, &n, NPY_FLOAT32);
-        if (!arr) {
-            Py_DECREF(bufs);
-            return NULL;
+    for (;;) {
+        int nb = cmlp_optim_num_buffers(self->o), changed = 0;
+        PyObject *bufs = PyList_New(nb);
+        if (!bufs) return NULL;
+        for (int i = 0; i < nb; i++) {
+            PyObject *arr = PyArray_SimpleNew(1, &n, NPY_FLOAT32);
+            if (!arr) {
+                Py_DECREF(bufs);
+                return NULL;
+            }
+            PyList_SET_ITEM(bufs, i, arr);
         }
-        PyList_SET_ITEM(bufs, i, arr);
         cmlp_status st;
-        float *dst = PyArray_DATA((PyArrayObject *)arr);
-        RUN_LOCKED(self->model, st, cmlp_optim_get_buffer(self->o, i, dst));
+        int64_t step = 0;
+        RUN_LOCKED(self->model, st, read_state(self->o, nb, bufs, &step, &changed));
         if (st != CMLP_OK) {
             Py_DECREF(bufs);
             return raise_status(self->model->ms, st);
         }
+        if (!changed) return Py_BuildValue("(LN)", (long long)step, bufs);
+        Py_DECREF(bufs);
     }
-    return Py_BuildValue("(LN)", (long long)cmlp_optim_get_step(self->o), bufs);
 }
 
 static PyObject *Optim_set_state(OptimObject *self, PyObject *args) {

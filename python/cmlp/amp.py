@@ -177,6 +177,8 @@ class GradScaler:
         factors = _check_factors(state_dict["growth_factor"], state_dict["backoff_factor"])
         interval = _check_count("growth_interval", state_dict["growth_interval"], 1)
         tracker = _check_count("_growth_tracker", state_dict["_growth_tracker"], 0)
+        if tracker >= interval:  # a run's tracker goes back to 0 when it reaches the interval
+            raise ValueError(f"_growth_tracker must be below growth_interval ({interval}), got {tracker}")
         self._scale, (self._growth_factor, self._backoff_factor) = scale, factors
         self._growth_interval, self._growth_tracker = interval, tracker
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from . import _cmlp
 from ._files import atomic_write
-from ._arrays import as_inputs, as_labels, as_normalize, check_amp, check_seed
+from ._arrays import as_flag, as_inputs, as_labels, as_normalize, check_amp, check_seed
 
 _SIZES_KEY = "__layer_sizes__"
 _NORMALIZE_KEY = "__normalize__"  # (mean, std) for uint8 inputs; files without it mean (0.5, 0.5)
@@ -75,6 +75,9 @@ class MLP:
         self._sizes = self._c.sizes()
         self._offsets = self._c.offsets()
         self._optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        # no gradient yet (torch's .grad is None until a backward, and again after
+        # zero_grad(set_to_none=True)): an optimizer's step() then changes nothing
+        self._grads_none = True
 
     # ---- facts ----
     @property
@@ -128,10 +131,16 @@ class MLP:
         ya = as_labels(y, xa.shape[0], self._sizes[-1])
         n = xa.shape[0]
         loss_sum = self._c.forward_backward(xa, ya, loss_scale / n, label_smoothing, *self.normalize, amp_code)
+        self._grads_none = False
         return loss_sum / n
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zeros the gradient buffer. With set_to_none (torch's default) the gradients count as
+        absent until the next forward_backward, so that an optimizer's step() in between changes
+        nothing, as torch's skips parameters whose .grad is None."""
+        set_to_none = as_flag("set_to_none", set_to_none)
         self._c.zero_grad()
+        self._grads_none = set_to_none
 
     def parameters(self) -> Parameters:
         """The parameters as one handle (see Parameters), for torch-style calls."""

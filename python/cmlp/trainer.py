@@ -348,7 +348,9 @@ class Trainer:
             error = e
         self._claim_agreed("step", error)
         try:
-            return self._step(xa, ya)
+            loss = self._step(xa, ya)
+            self.model._grads_none = False  # the step's gradients are in the buffer, as after torch's loop
+            return loss
         finally:
             self._busy.release()
 
@@ -389,8 +391,10 @@ class Trainer:
             error = e
         self._claim_agreed("fit", error)
         try:
-            return self._fit(xa, ya, epochs, val, progress, scheduler,
-                             scheduler is not None and scheduler_interval == "step")
+            history = self._fit(xa, ya, epochs, val, progress, scheduler,
+                                scheduler is not None and scheduler_interval == "step")
+            self.model._grads_none = False
+            return history
         finally:
             self._busy.release()
 

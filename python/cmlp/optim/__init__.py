@@ -34,11 +34,15 @@ class Optimizer:
         self._c.lr = _num("lr", value)
 
     def step(self) -> None:
-        """One update from the gradients accumulated in the model."""
+        """One update from the gradients accumulated in the model. Without gradients (none
+        since the model was made, or since zero_grad() with set_to_none) nothing changes, no state
+        is made and the step count stays, as torch's step skips parameters whose .grad is None."""
+        if self.model._grads_none:
+            return
         self._c.step()
 
-    def zero_grad(self) -> None:
-        self.model.zero_grad()
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.model.zero_grad(set_to_none)
 
     def _group(self) -> Dict[str, Any]:
         raise NotImplementedError
@@ -78,6 +82,8 @@ class Optimizer:
             raise ValueError("optimizer state_dict's param_groups must be a list of one dict")
         group = groups[0]
         order = group.get("params", ())
+        if isinstance(order, np.ndarray) and order.ndim == 1:  # torch takes any sequence of indices
+            order = order.tolist()
         if not isinstance(order, (list, tuple)) or len(order) != len(names):
             raise ValueError(f"optimizer state_dict must have one param group of {len(names)} parameters")
         foreign = sorted(set(group) & set(self._foreign_keys))

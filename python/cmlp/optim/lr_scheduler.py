@@ -41,10 +41,15 @@ def _optimizer(optimizer: Any) -> Any:
     return optimizer
 
 
+def _is_int(value: Any) -> bool:
+    """An int (NumPy's too, as torch takes them), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _int(name: str, value: Any, lo: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+    if not _is_int(value) or value < lo:
         raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
-    return value
+    return int(value)
 
 
 class LRScheduler:
@@ -53,8 +58,9 @@ class LRScheduler:
 
     def __init__(self, optimizer: Any, last_epoch: int = -1) -> None:
         self.optimizer = _optimizer(optimizer)
-        if isinstance(last_epoch, bool) or not isinstance(last_epoch, int) or last_epoch < -1:
+        if not _is_int(last_epoch) or last_epoch < -1:
             raise ValueError(f"last_epoch must be an int >= -1, got {last_epoch!r}")
+        last_epoch = int(last_epoch)
         if last_epoch == -1:
             if optimizer._initial_lr is None:  # the first schedule of the optimizer sets it (torch's setdefault)
                 optimizer._initial_lr = optimizer.lr
@@ -315,10 +321,11 @@ class CosineAnnealingWarmRestarts(LRScheduler):
     each period T_mult times the last (SGDR)."""
 
     def __init__(self, optimizer: Any, T_0: int, T_mult: int = 1, eta_min: float = 0.0, last_epoch: int = -1) -> None:
-        if isinstance(T_0, bool) or not isinstance(T_0, int) or T_0 <= 0:
+        if not _is_int(T_0) or T_0 <= 0:
             raise ValueError(f"Expected positive integer T_0, but got {T_0}")
-        if isinstance(T_mult, bool) or not isinstance(T_mult, int) or T_mult < 1:
+        if not _is_int(T_mult) or T_mult < 1:
             raise ValueError(f"Expected integer T_mult >= 1, but got {T_mult}")
+        T_0, T_mult = int(T_0), int(T_mult)
         if isinstance(eta_min, bool) or not isinstance(eta_min, (float, int)):
             raise ValueError(f"Expected float or int eta_min, but got {eta_min} of type {type(eta_min)}")
         self.T_0, self.T_i, self.T_mult, self.eta_min = T_0, T_0, T_mult, eta_min
@@ -390,15 +397,15 @@ class OneCycleLR(LRScheduler):
                  last_epoch: int = -1) -> None:
         optimizer = _optimizer(optimizer)
         if total_steps is not None:
-            if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps <= 0:
+            if not _is_int(total_steps) or total_steps <= 0:
                 raise ValueError(f"Expected positive integer total_steps, but got {total_steps}")
-            self.total_steps = total_steps
+            self.total_steps = int(total_steps)
         elif epochs is not None and steps_per_epoch is not None:
-            if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs <= 0:
+            if not _is_int(epochs) or epochs <= 0:
                 raise ValueError(f"Expected positive integer epochs, but got {epochs}")
-            if isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, int) or steps_per_epoch <= 0:
+            if not _is_int(steps_per_epoch) or steps_per_epoch <= 0:
                 raise ValueError(f"Expected positive integer steps_per_epoch, but got {steps_per_epoch}")
-            self.total_steps = epochs * steps_per_epoch
+            self.total_steps = int(epochs) * int(steps_per_epoch)
         else:
             raise ValueError("You must define either total_steps OR (epochs AND steps_per_epoch)")
         n = self.total_steps
@@ -678,8 +685,19 @@ class ChainedScheduler(_Composite):
         self._last_lr = [optimizer.lr]
 
     def step(self) -> None:
-        for s in self._schedulers:
-            s.step()
+        """Steps every schedule; one that refuses its rate leaves them all (and the optimizer's
+        rate and momentum) where they were."""
+        saved = [s.state_dict() for s in self._schedulers]
+        lr, momentum = self.optimizer.lr, self.optimizer._momentum()
+        try:
+            for s in self._schedulers:
+                s.step()
+        except BaseException:
+            for s, state in zip(self._schedulers, saved):
+                s.load_state_dict(state)
+            self.optimizer.lr = lr
+            self.optimizer._set_momentum(momentum)
+            raise
         self._last_lr = [self.optimizer.lr]
 
     def _update_lr(self, epoch: Optional[int]) -> None:
@@ -695,13 +713,15 @@ class ReduceLROnPlateau(LRScheduler):
     def __init__(self, optimizer: Any, mode: str = "min", factor: float = 0.1, patience: int = 10,
                  threshold: float = 1e-4, threshold_mode: str = "rel", cooldown: int = 0, min_lr: Any = 0,
                  eps: float = 1e-8) -> None:
-        if factor >= 1.0:
+        if not factor < 1.0:  # NaN too
             raise ValueError("Factor should be < 1.0.")
         self.optimizer = _optimizer(optimizer)
         if isinstance(min_lr, (list, tuple)):
             if len(min_lr) != 1:
                 raise ValueError(f"expected 1 min_lrs, got {len(min_lr)}")
             min_lr = min_lr[0]
+        if not 0.0 <= float(min_lr) < inf:
+            raise ValueError(f"min_lr must be a finite number >= 0 (a rate), got {min_lr!r}")
         self.factor, self.min_lrs = float(factor), [float(min_lr)]
         self.patience = _int("patience", patience, 0)
         self.cooldown = _int("cooldown", cooldown, 0)
@@ -738,7 +758,16 @@ class ReduceLROnPlateau(LRScheduler):
         return self.cooldown_counter > 0
 
     def step(self, metrics: Any) -> None:  # type: ignore[override]
+        """A rate the optimizer refuses raises and leaves the schedule where it was."""
         current = float(metrics)
+        saved = {k: v for k, v in self.__dict__.items() if k != "optimizer"}
+        try:
+            self._step(current)
+        except BaseException:
+            self.__dict__.update(saved)
+            raise
+
+    def _step(self, current: float) -> None:
         self.last_epoch += 1
         if self._is_better(current, self.best):
             self.best = current
