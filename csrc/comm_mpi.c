@@ -113,30 +113,17 @@ static cmlp_status all_gather(void *buf, int64_t count, int64_t chunk, cmlp_comm
     return CMLP_OK;
 }
 
+/* An MPI_Reduce per part, each to its owner: on Open MPI 4.1 over shared memory this took 330 us
+ * for the reference model's 2.1 MB on 2 ranks where one MPI_Reduce_scatter took 600 us (and one
+ * MPI_Allreduce 540 us), 680 against 1100 us on 3. */
 static cmlp_status reduce_scatter(float *buf, int64_t count, int64_t chunk) {
     int size = 1, rank = 0, rc = MPI_Comm_size(MPI_COMM_WORLD, &size);
     if (rc == MPI_SUCCESS) rc = MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     if (rc != MPI_SUCCESS) return MPI_FAIL(rc, "MPI_Comm_size/rank");
-    int64_t mine, n;
-    part_of(rank, count, chunk, &mine, &n);
-    int *counts = count <= CHUNK ? malloc((size_t)size * sizeof(int)) : NULL;
-    if (counts) { /* one MPI_Reduce_scatter, whose in-place result is at the start of buf */
-        for (int r = 0; r < size; r++) {
-            int64_t lo, k;
-            part_of(r, count, chunk, &lo, &k);
-            counts[r] = (int)k;
-        }
-        rc = MPI_Reduce_scatter(MPI_IN_PLACE, buf, counts, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
-        free(counts);
-        if (rc != MPI_SUCCESS) return MPI_FAIL(rc, "MPI_Reduce_scatter");
-        if (mine > 0 && n > 0) memmove(buf + mine, buf, (size_t)n * sizeof(float));
-        return CMLP_OK;
-    }
-    /* beyond ints (or without memory for the counts): each part to its owner */
     for (int r = 0; r < size; r++) {
         int64_t lo, k;
         part_of(r, count, chunk, &lo, &k);
-        for (int64_t off = 0; off < k; off += CHUNK) {
+        for (int64_t off = 0; off < k; off += CHUNK) { /* beyond ints, in pieces */
             int piece = k - off < CHUNK ? (int)(k - off) : CHUNK;
             float *at = buf + lo + off;
             rc = MPI_Reduce(r == rank ? MPI_IN_PLACE : at, at, piece, MPI_FLOAT, MPI_SUM, r, MPI_COMM_WORLD);

@@ -4,8 +4,8 @@ Under data parallelism every rank normally keeps the whole optimizer state: Adam
 exp_avg_sq are twice the parameters, so with the parameters and gradients it is four copies of
 the model per rank. A ZeroRedundancyOptimizer keeps the state of 1/world_size of the parameters
 on each rank (its part of the flat parameter buffer, in parts of equal length): each step sums the
-gradients of each part on its owner (a reduce-scatter: MPI_Reduce_scatter, or on CUDA devices an
-NCCL reduce per part; with clipping, an all-reduce), updates the rank's part, then sends every
+gradients of each part on its owner (a reduce-scatter: an MPI_Reduce per part, or on CUDA devices
+an NCCL reduce per part; with clipping, an all-reduce), updates the rank's part, then sends every
 rank's part to the others (MPI_Allgatherv, or an NCCL broadcast from each owner), inside the
 captured training step on a GPU. The update is the same, element by element, as the optimizer's
 own (up to the order in which more than two ranks' gradients are added); what is saved per rank
