@@ -272,3 +272,18 @@ def test_training_is_bitwise_deterministic(fashion_subset):
     for k in a:
         assert not np.array_equal(a[k], c[k]), f"{k}: another shuffle seed gave the same weights"
     assert loss_c != loss_a
+
+
+def test_deepcopy_is_an_independent_model_with_the_same_parameters():
+    import copy
+
+    model = cmlp.MLP([6, 5, 3], seed=4, normalize=(0.1, 0.2))
+    x = np.random.default_rng(0).random((3, 6), dtype=np.float32)
+    twin = copy.deepcopy(model)
+    assert twin is not model and twin.layer_sizes == model.layer_sizes and twin.normalize == model.normalize
+    assert np.array_equal(twin.forward(x), model.forward(x))
+    opt = cmlp.optim.SGD(twin, lr=0.5)  # training the copy leaves the original alone
+    twin.forward_backward(x, np.array([0, 1, 2]))
+    opt.step()
+    assert not np.array_equal(twin.forward(x), model.forward(x))
+    assert np.array_equal(model.forward(x), copy.deepcopy(model).forward(x))

@@ -393,3 +393,21 @@ def test_a_step_without_gradients_changes_nothing_as_in_torch(make):
     assert not np.array_equal(model._c.get_params(), after_one) and opt._c.get_state()[0] == 2
     with pytest.raises(TypeError):
         opt.zero_grad(set_to_none="yes")
+
+
+def test_a_state_whose_step_or_buffers_are_not_real_numbers_is_refused_and_changes_nothing():
+    model = cmlp.MLP([4, 3], seed=0)
+    opt = cmlp.optim.Adam(model)
+    model.forward_backward(np.ones((2, 4), np.float32), np.array([0, 1]))
+    opt.step()
+    good = opt.state_dict()
+    for key, bad in (("step", True), ("step", "3"), ("step", 1 + 2j), ("step", [1.0, 2.0]),
+                     ("exp_avg", lambda a: a.astype(bool)), ("exp_avg_sq", lambda a: a.astype(np.complex64))):
+        state = {k: dict(v) for k, v in good["state"].items()}
+        for entry in state.values():
+            entry[key] = bad(entry[key]) if callable(bad) else bad
+        with pytest.raises(ValueError, match="real numbers|must be a number"):
+            opt.load_state_dict({"state": state, "param_groups": good["param_groups"]})
+        now = opt.state_dict()
+        assert all(np.array_equal(now["state"][i][k], good["state"][i][k]) for i in good["state"]
+                   for k in good["state"][i])

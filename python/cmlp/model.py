@@ -223,6 +223,14 @@ class MLP:
         model.load_state_dict(arrays)
         return model
 
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "MLP":
+        """copy.deepcopy: an independent model with the same parameters, device and normalisation
+        (as torch's deepcopy of a module); its gradients start absent, as after zero_grad()."""
+        twin = MLP(self._sizes, device=self.device, normalize=self.normalize)
+        twin._c.set_params(self._c.get_params())
+        memo[id(self)] = twin
+        return twin
+
     # ---- devices ----
     def to(self, device: str) -> "MLP":
         """Moves parameters, gradients and the state of every optimizer of this model."""

@@ -129,10 +129,11 @@ class Optimizer:
             if extra:
                 raise ValueError(f"this state_dict is not from {type(self).__name__}: parameter {k!r} has state "
                                  f"{extra}")
-            try:
-                value = float(np.asarray(entry.get("step", 0), dtype=np.float64))
-            except (TypeError, ValueError):
-                raise ValueError(f"optimizer state of parameter {k!r}: step must be a number") from None
+            raw = np.asarray(entry.get("step", 0))  # a number, or torch's one-element tensor
+            if raw.dtype.kind not in "iuf" or raw.size != 1:  # not a bool, a string or a complex
+                raise ValueError(f"optimizer state of parameter {k!r}: step must be a number, got "
+                                 f"{entry.get('step')!r}")
+            value = float(raw.reshape(()))
             if not (0 <= value < 2**53 and value.is_integer()):
                 raise ValueError(f"optimizer state of parameter {k!r}: step must be a whole number >= 0, got {value}")
             steps.add(int(value))
@@ -151,9 +152,12 @@ class Optimizer:
             views = self.model._split(flat)
             for k, name in zip(order, names):
                 try:
-                    arr = np.asarray(state[k][bname], dtype=np.float32)
+                    arr = np.asarray(state[k][bname])
+                    if arr.dtype.kind not in "iuf":  # bools and complex numbers are not state
+                        raise TypeError
+                    arr = arr.astype(np.float32)
                 except (TypeError, ValueError):
-                    raise ValueError(f"optimizer state {bname} of {name} must be an array of numbers") from None
+                    raise ValueError(f"optimizer state {bname} of {name} must be an array of real numbers") from None
                 if arr.shape != views[name].shape:
                     raise ValueError(f"optimizer state {bname} of {name} has shape {arr.shape}, "
                                      f"expected {views[name].shape}")
