@@ -126,7 +126,9 @@ static cmlp_status reduce_scatter(float *buf, int64_t count, int64_t chunk) {
         for (int64_t off = 0; off < k; off += CHUNK) { /* beyond ints, in pieces */
             int piece = k - off < CHUNK ? (int)(k - off) : CHUNK;
             float *at = buf + lo + off;
-            rc = MPI_Reduce(r == rank ? MPI_IN_PLACE : at, at, piece, MPI_FLOAT, MPI_SUM, r, MPI_COMM_WORLD);
+            /* the owner sums in place; the others send (their receive buffer is not read) */
+            rc = r == rank ? MPI_Reduce(MPI_IN_PLACE, at, piece, MPI_FLOAT, MPI_SUM, r, MPI_COMM_WORLD)
+                           : MPI_Reduce(at, NULL, piece, MPI_FLOAT, MPI_SUM, r, MPI_COMM_WORLD);
             if (rc != MPI_SUCCESS) return MPI_FAIL(rc, "MPI_Reduce");
         }
     }

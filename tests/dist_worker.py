@@ -465,6 +465,32 @@ def zero_errors_case(opts):
     return out
 
 
+def zero_partial_inf_case(opts):
+    """A sharded step with a loss scaler whose scale overflows the summed gradients of one rank's
+    part only: each rank checks its own part, and every rank must skip the step all the same."""
+    r = D.get_rank()
+    device = opts.get("device", "cpu")
+    rng = np.random.default_rng(0)
+    sizes = [64, 64, 4]
+    x = (rng.standard_normal((16, 64)) * 300).astype(np.float32)
+    y = rng.integers(0, 4, 16)
+    probe = cmlp.MLP(sizes, seed=1)
+    probe.forward_backward(x, y)  # the step's gradient, all 16 samples
+    g = np.abs(probe._c.get_grads().astype(np.float64))
+    model = cmlp.MLP(sizes, seed=1, device=device)
+    opt = D.optim.ZeroRedundancyOptimizer(model, cmlp.optim.SGD, lr=0.1)
+    chunk = opt._c.shards()[3]
+    parts = [float(g[i:i + chunk].max()) for i in range(0, g.size, chunk)]
+    scale = 3.0e38 / min(parts)  # finite where |g| <= min(parts), inf in the part with a larger one
+    scaler = cmlp.amp.GradScaler(init_scale=scale)
+    before = params(model).copy()
+    trainer = cmlp.Trainer(model, opt, batch_size=8, scaler=scaler, shuffle=False)
+    trainer.step(x[8 * r:8 * r + 8], y[8 * r:8 * r + 8])
+    after = np.array([scaler.get_scale()])
+    return {"parts": parts, "scale": float(np.float32(scale)), "unchanged": bool(np.array_equal(before, params(model))),
+            "scale_spread": spread(after), "scale_after": float(after[0]), "spread": spread(params(model))}
+
+
 def fork_case(opts):
     """A rank forks: the child takes part in no collective and does not finalize MPI at exit (the
     group and MPI are the parent's); the parent's group works on."""
@@ -528,7 +554,7 @@ def fork_case(opts):
     return out
 
 
-CASES = {"fork": fork_case, "zero": zero_case, "zero_errors": zero_errors_case, "zero_plan": zero_plan_case, "regroup": regroup_case, "backend": backend_case,
+CASES = {"zero_partial_inf": zero_partial_inf_case, "fork": fork_case, "zero": zero_case, "zero_errors": zero_errors_case, "zero_plan": zero_plan_case, "regroup": regroup_case, "backend": backend_case,
          "evaluation": evaluation_case, "uncaught": uncaught_case, "fit": fit_case, "step": step_case,
          "failure": failure_case, "mismatch": mismatch_case, "collectives": collectives_case}
 
