@@ -339,6 +339,8 @@ def test_when_one_sample_does_not_fit_the_oom_says_so(how):
     assert f"parameters {M._fmt(one.breakdown['parameters'])}" in msg, msg
     assert f"optimizer state {M._fmt(one.breakdown['optimizer_state'])}" in msg, msg
     assert same(state(trainer), saved)
+    # nothing was taken: no epoch begun, and the micro-batch the trainer tried is not kept
+    assert trainer.epochs == 0 and trainer.microbatch_size == 64
 
 
 def test_a_fit_whose_first_step_runs_out_begins_no_epoch():

@@ -330,6 +330,7 @@ import json
 import numpy as np
 import cmlp
 D = cmlp.distributed
+available = D.is_nccl_available()
 D.init_process_group("nccl")
 model = cmlp.MLP([8, 4], device="cuda", seed=0)
 before = model._c.get_params()
@@ -340,6 +341,7 @@ try:
 except RuntimeError as e:
     out = {"error": str(e)}
 out["unchanged"] = bool(np.array_equal(before, model._c.get_params()))
+out["available"] = available
 print(json.dumps(out))
 """
 
@@ -355,7 +357,7 @@ def test_an_nccl_too_old_for_graph_capture_is_refused_with_its_version(emulator,
     out = json.loads(p.stdout.strip().splitlines()[-1])
     shown = {2804: "2.8.4", 20905: "2.9.5"}[version]
     assert f"NCCL {shown} (" in out["error"] and "older than 2.9.6" in out["error"], out
-    assert out["unchanged"]
+    assert out["unchanged"] and out["available"] is False
 
 
 @needs_emulated_nccl

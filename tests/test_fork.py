@@ -45,7 +45,7 @@ time.sleep(0.3)
 
 def in_child():
     said = {}
-    for name, call in (("forward", lambda: big.forward(xb[:2])), ("state", big_opt.state_dict),
+    for name, call in (("forward", lambda: big.forward(xb[:2])), ("state", big_opt.state_dict), ("step", big_opt.step),
                        ("fit", lambda: big_trainer.fit(xb[:8], y[:8], progress=False)),
                        ("lr", lambda: setattr(big_opt, "lr", 0.5))):
         try:
@@ -111,7 +111,7 @@ def test_a_model_in_use_when_the_process_forks_is_refused_in_the_child_and_the_o
     child = out["child"]
     assert child["exit"] == 0 and "error" not in child, child
     assert child["forward"] != "ran", f"no fork in {out['attempts']} came while the model was in use"
-    for name in ("forward", "state", "fit", "lr", "new_optimizer"):
+    for name in ("forward", "state", "step", "fit", "lr", "new_optimizer"):
         assert "another thread was using them when the process was forked" in child[name], (name, child[name])
     assert child["sizes"] == [[784, 1024, 1024, 10], 1_863_690, "cpu"]
     # the model no thread was using trains in the child exactly as in the parent

@@ -501,3 +501,11 @@ def test_private_state_hooks():
         s._set_state(float("inf"), 0)
     with pytest.raises(ValueError):
         s._set_state(1.0, -1)
+
+
+def test_step_without_gradients_is_torchs_assertion_and_changes_nothing():
+    model, opt = make()
+    s = amp.GradScaler(init_scale=8.0)
+    with pytest.raises(AssertionError, match="No inf checks were recorded for this optimizer"):
+        s.step(opt)
+    assert s.state_dict()["scale"] == 8.0 and opt._c.get_state()[0] == 0

@@ -411,3 +411,19 @@ def test_a_state_whose_step_or_buffers_are_not_real_numbers_is_refused_and_chang
         now = opt.state_dict()
         assert all(np.array_equal(now["state"][i][k], good["state"][i][k]) for i in good["state"]
                    for k in good["state"][i])
+
+
+def test_the_gradients_of_a_fit_that_failed_after_steps_count_as_gradients():
+    # a schedule refuses its rate after the first epoch: fit raises, with its steps taken and
+    # their gradients in the buffer, which a step() then uses (as torch's .grad would be set)
+    rng = np.random.default_rng(0)
+    x, y = rng.random((32, 8), dtype=np.float32), rng.integers(0, 3, 32)
+    model = cmlp.MLP([8, 5, 3], seed=0)
+    opt = cmlp.optim.SGD(model, lr=0.1)
+    sched = cmlp.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0 if e < 1 else -1.0)
+    with pytest.raises(ValueError):
+        cmlp.Trainer(model, opt, batch_size=8).fit(x, y, epochs=2, progress=False, scheduler=sched)
+    taken, before = opt._c.get_state()[0], model._c.get_params()
+    assert taken == 4
+    opt.step()
+    assert opt._c.get_state()[0] == taken + 1 and not np.array_equal(model._c.get_params(), before)

@@ -118,6 +118,8 @@ class GradScaler:
         state = self._state_of(optimizer)
         if state["stepped"]:
             raise RuntimeError("step() has already been called since the last update().")
+        if optimizer.model._grads_none:  # no gradient to check (torch: no parameter has a .grad)
+            raise AssertionError("No inf checks were recorded for this optimizer.")
         if not state["unscaled"]:
             self.unscale_(optimizer)
         stepped = not state["found_inf"]

@@ -391,10 +391,8 @@ class Trainer:
             error = e
         self._claim_agreed("fit", error)
         try:
-            history = self._fit(xa, ya, epochs, val, progress, scheduler,
-                                scheduler is not None and scheduler_interval == "step")
-            self.model._grads_none = False
-            return history
+            return self._fit(xa, ya, epochs, val, progress, scheduler,
+                             scheduler is not None and scheduler_interval == "step")
         finally:
             self._busy.release()
 
@@ -470,7 +468,7 @@ class Trainer:
         try:
             for epoch in range(1, epochs + 1):
                 memory.reset_peak_memory_stats(device)
-                epochs_before = self._c.epochs
+                epochs_before, micro_before = self._c.epochs, self._c.microbatch_state()
                 # the later epochs of this call train on the same arrays: a device copy is kept
                 total = self._c.epoch_begin(xa, ya, *self.normalize, same_data=epoch > 1)
                 steps_done = 0
@@ -495,6 +493,8 @@ class Trainer:
                             else:
                                 steps, n, loss, done, k, norms, counted = self._c.epoch_run(chunk)
                             steps_done += steps
+                            if steps:
+                                self.model._grads_none = False  # the steps' gradients are in the buffer
                             samples += n
                             loss_sum += loss
                             skipped += k
@@ -509,9 +509,13 @@ class Trainer:
                             bar.close()
                 except BaseException:
                     # an epoch that fails before any of its steps is taken is not begun: the next
-                    # fit draws the same order (the state is as before the call)
+                    # fit draws the same order, with the micro-batch of before (the state is as
+                    # before the call)
                     if steps_done + self._c.run_steps() == 0:
                         self._c.epochs = epochs_before
+                        self._c.set_microbatch_state(*micro_before)
+                    else:
+                        self.model._grads_none = False
                     raise
                 self._warn_if_split(retries)
                 seconds = time.perf_counter() - start

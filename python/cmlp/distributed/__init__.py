@@ -105,16 +105,23 @@ def _nccl_library() -> Optional[str]:
     return "libnccl.so.2"
 
 
+# The first NCCL whose collectives a CUDA graph can capture (the training step is captured).
+_NCCL_MIN_VERSION = 20906  # 2.9.6, NCCL's code: major * 10000 + minor * 100 + patch
+
+
 def is_nccl_available() -> bool:
-    """True when this build has the CUDA backend and NCCL can be loaded (with no MPI module, for
-    a group of one)."""
+    """True when this build has the CUDA backend and an NCCL it can use (2.9.6 or later) can be
+    loaded (with no MPI module, for a group of one)."""
     if not _cmlp.build_info()["cuda_compiled"]:
         return False
     try:
-        ctypes.CDLL(_nccl_library())
-    except OSError:
+        lib = ctypes.CDLL(_nccl_library())
+        version = ctypes.c_int(0)
+        if lib.ncclGetVersion(ctypes.byref(version)) != 0:
+            return False
+    except (OSError, AttributeError):  # no library, or one without ncclGetVersion
         return False
-    return True
+    return version.value >= _NCCL_MIN_VERSION
 
 
 def init_process_group(backend: Optional[str] = None) -> None:

@@ -38,6 +38,7 @@ class Optimizer:
         since the model was made, or since zero_grad() with set_to_none) nothing changes, no state
         is made and the step count stays, as torch's step skips parameters whose .grad is None."""
         if self.model._grads_none:
+            self._c.lr  # noqa: B018 - refuses, as every call, where the model was lost to a fork
             return
         self._c.step()
 

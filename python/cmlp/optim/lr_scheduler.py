@@ -326,7 +326,7 @@ class CosineAnnealingWarmRestarts(LRScheduler):
         if not _is_int(T_mult) or T_mult < 1:
             raise ValueError(f"Expected integer T_mult >= 1, but got {T_mult}")
         T_0, T_mult = int(T_0), int(T_mult)
-        if isinstance(eta_min, bool) or not isinstance(eta_min, (float, int)):
+        if isinstance(eta_min, bool) or not isinstance(eta_min, numbers.Real):
             raise ValueError(f"Expected float or int eta_min, but got {eta_min} of type {type(eta_min)}")
         self.T_0, self.T_i, self.T_mult, self.eta_min = T_0, T_0, T_mult, eta_min
         self.T_cur: Any = last_epoch
@@ -378,7 +378,7 @@ def _one(name: str, value: Any) -> float:
         if len(value) != 1:
             raise ValueError(f"expected 1 values for {name}, got {len(value)}")
         value = value[0]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {value!r}")
     return float(value)
 
@@ -430,8 +430,9 @@ class OneCycleLR(LRScheduler):
         self._anneal_func_type = anneal_strategy
         top = _one("max_lr", max_lr)
         for name, v in (("div_factor", div_factor), ("final_div_factor", final_div_factor)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 < v < math.inf:
                 raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+        div_factor, final_div_factor = float(div_factor), float(final_div_factor)
         # torch keeps these in the param group; here the schedule keeps them (and its state_dict)
         self._group = {"initial_lr": top / div_factor, "max_lr": top, "min_lr": top / div_factor / final_div_factor}
         if last_epoch != -1 and optimizer._initial_lr is not None:
