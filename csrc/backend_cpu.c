@@ -597,17 +597,17 @@ static cmlp_status cpu_optim_prepare(void *ctx, int64_t *step, float *coef, cons
 
 typedef struct {
     float *g;
-    float inv;
+    float inv, post; /* g * 1/scale is (g * inv) * post */
     _Atomic unsigned bad;
 } unscale_args;
 
 static void unscale_range(void *arg, int64_t lo, int64_t hi) {
     unscale_args *a = arg;
     float *restrict g = a->g;
-    const float inv = a->inv;
+    const float inv = a->inv, post = a->post;
     uint32_t bad = 0;
     for (int64_t i = lo; i < hi; i++) {
-        float v = g[i] * inv;
+        float v = g[i] * inv * post; /* post 1: exactly g * inv */
         uint32_t bits;
         memcpy(&bits, &v, 4);
         bad |= (bits & 0x7F800000u) == 0x7F800000u; /* exponent all ones: inf or NaN */
@@ -616,11 +616,39 @@ static void unscale_range(void *arg, int64_t lo, int64_t hi) {
     if (bad) atomic_fetch_or(&a->bad, 1u);
 }
 
+/* The factor that unscales, torch's (float)(1 / scale), as inv * post. Past a scale of 2^126 it is
+ * a subnormal float, which this backend's compute (subnormals flushed, for speed) would read as 0,
+ * unscaling every gradient to 0 unseen: it is then taken as a normal float times 2^-64 (its bits
+ * moved up by 64 exponents, exactly), and g * inv is rounded once as with the subnormal, unless the
+ * product is itself subnormal (flushed, as every subnormal result here). */
+static void unscale_factor(float given, const float *scale, float *inv, float *post) {
+    *post = 1.0f;
+    if (scale) {
+        const double r = 1.0 / (double)*scale;
+        if (!(r > 0.0 && r < 0x1p-126)) { /* a normal float (or 0, inf, NaN: found by the check) */
+            *inv = (float)r;
+            return;
+        }
+        /* rounded to float's subnormal grid (multiples of 2^-149, ties to even), moved up */
+        *inv = (float)(nearbyint(r * 0x1p149) * 0x1p-85);
+        *post = 0x1p-64f;
+        return;
+    }
+    uint32_t bits;
+    memcpy(&bits, &given, 4);
+    *inv = given;
+    if ((bits & 0x7F800000u) == 0 && (bits & 0x007FFFFFu) != 0) { /* subnormal */
+        const float up = (float)(bits & 0x007FFFFFu) * 0x1p-85f; /* exact: an integer < 2^23 times 2^-85 */
+        *inv = bits & 0x80000000u ? -up : up;
+        *post = 0x1p-64f;
+    }
+}
+
 static cmlp_status cpu_unscale(void *ctx, float *restrict g, int64_t n, float inv, const float *scale,
                                float *found_inf) {
     (void)ctx;
-    if (scale) inv = (float)(1.0 / (double)*scale);
-    unscale_args a = {.g = g, .inv = inv};
+    unscale_args a = {.g = g};
+    unscale_factor(inv, scale, &a.inv, &a.post);
     atomic_init(&a.bad, 0u);
     cmlp_pool_for(n, 16, MIN_PER_THREAD, unscale_range, &a);
     if (atomic_load(&a.bad)) *found_inf = 1.0f;

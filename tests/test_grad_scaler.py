@@ -509,3 +509,32 @@ def test_step_without_gradients_is_torchs_assertion_and_changes_nothing():
     with pytest.raises(AssertionError, match="No inf checks were recorded for this optimizer"):
         s.step(opt)
     assert s.state_dict()["scale"] == 8.0 and opt._c.get_state()[0] == 0
+
+
+
+@pytest.mark.parametrize("scale", [2.0**127, 1.5 * 2.0**127, 2.0**126])
+def test_a_scale_whose_reciprocal_is_subnormal_unscales_as_torch(scale):
+    # past 2**126, 1/scale is a subnormal float32; this CPU computes with subnormals flushed
+    # (for speed), which would read it as 0 and unscale every gradient to 0 unseen. The product
+    # must be torch's (g * the subnormal, rounded once); only a subnormal result is flushed.
+    rng = np.random.default_rng(0)
+    x, y = rng.random((64, SIZES[0]), dtype=np.float32), rng.integers(0, SIZES[-1], 64)
+    model, opt = make("sgd")
+    model.forward_backward(x, y, loss_scale=scale)
+    scaled = model._c.get_grads()
+    inv = np.float32(1.0 / np.float64(scale))
+    with np.errstate(under="ignore"):
+        want = scaled * inv  # NumPy keeps subnormals
+    want[np.abs(want) < np.finfo(np.float32).tiny] = 0.0
+    assert not model._c.unscale_grads(float(inv))
+    got = model._c.get_grads()
+    assert np.array_equal(got, want) and np.abs(got).max() > 0
+    # the trainer's loop (the scale read on the device side) steps with these gradients too
+    model, opt = make("sgd")
+    s = amp.GradScaler(init_scale=scale, growth_interval=1)
+    start = model._c.get_params()
+    cmlp.Trainer(model, opt, batch_size=8, scaler=s).fit(x, y, epochs=1, progress=False)
+    ref, ref_opt = make("sgd")
+    cmlp.Trainer(ref, ref_opt, batch_size=8).fit(x, y, epochs=1, progress=False)
+    assert not np.array_equal(model._c.get_params(), start)
+    assert np.allclose(model._c.get_params(), ref._c.get_params(), rtol=1e-5, atol=1e-6)
