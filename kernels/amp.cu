@@ -77,28 +77,48 @@ extern "C" cudaError_t cmlp_k_from_half(float *dst, const uint16_t *src, int64_t
 
 /* ---- unscale ---- */
 
+/* g * inv_scale, torch's unscale, as (g * inv) * post. Past a scale of 2^126, inv_scale =
+ * (float)(1 / scale) is a subnormal float, which these kernels' flushing arithmetic (.ftz, as the
+ * CPU backend's) would read as 0, unscaling every gradient to 0 unseen: it is then taken as a
+ * normal float times 2^-64 (its value on float's subnormal grid, moved up by 64 exponents,
+ * exactly), the same product rounded once unless that product is itself subnormal (flushed). */
 struct unscale_op {
     float *g;
     float inv_scale;
     const float *scale; /* when set, inv_scale becomes (float)(1 / *scale) in begin() */
     float *found_inf;
+    float post;
 
     __device__ __forceinline__ bool begin() {
-        if (scale) inv_scale = (float)(1.0 / (double)*scale);
+        post = 1.0f;
+        if (scale) {
+            const double r = 1.0 / (double)*scale;
+            if (r > 0.0 && r < 0x1p-126) {
+                inv_scale = (float)__dmul_rn(rint(__dmul_rn(r, 0x1p149)), 0x1p-85);
+                post = 0x1p-64f;
+            } else {
+                inv_scale = (float)r;
+            }
+        } else if ((__float_as_uint(inv_scale) & 0x7F800000u) == 0 && (__float_as_uint(inv_scale) & 0x007FFFFFu)) {
+            const unsigned bits = __float_as_uint(inv_scale);
+            const float up = (float)(bits & 0x007FFFFFu) * 0x1p-85f; /* exact: an integer < 2^23 times 2^-85 */
+            inv_scale = bits & 0x80000000u ? -up : up;
+            post = 0x1p-64f;
+        }
         return false;
     }
     __device__ __forceinline__ bool one(int64_t i) const {
-        const float v = f_mul(g[i], inv_scale);
+        const float v = f_mul(f_mul(g[i], inv_scale), post); /* post 1: exactly g * inv_scale */
         g[i] = v;
         return f_nonfinite(v);
     }
     __device__ __forceinline__ bool four(int64_t i) const {
-        const float s = inv_scale;
+        const float s = inv_scale, p = post;
         float4 v = *reinterpret_cast<const float4 *>(g + i);
-        v.x = f_mul(v.x, s);
-        v.y = f_mul(v.y, s);
-        v.z = f_mul(v.z, s);
-        v.w = f_mul(v.w, s);
+        v.x = f_mul(f_mul(v.x, s), p);
+        v.y = f_mul(f_mul(v.y, s), p);
+        v.z = f_mul(f_mul(v.z, s), p);
+        v.w = f_mul(f_mul(v.w, s), p);
         *reinterpret_cast<float4 *>(g + i) = v;
         return f_nonfinite(v.x) | f_nonfinite(v.y) | f_nonfinite(v.z) | f_nonfinite(v.w);
     }

@@ -1393,3 +1393,22 @@ def test_a_child_forked_after_cuda_started_is_refused_cuda_and_the_parent_works_
     assert child["available"] is True  # as torch: the devices are there, this process cannot use them
     assert child["default_device"]
     assert np.isfinite(child["cpu"])
+
+
+@needs_gpu
+def test_a_loss_scale_whose_reciprocal_is_subnormal_trains_as_on_the_cpu():
+    # past 2**126, 1/scale is a subnormal float: the GPU keeps it, the CPU (which flushes
+    # subnormals) takes it as a normal float times 2**-64; both must unscale to the gradients
+    rng = np.random.default_rng(0)
+    x, y = rng.random((64, 12), dtype=np.float32), rng.integers(0, 4, 64)
+    params = {}
+    for dev in ("cpu", CUDA):
+        model = cmlp.MLP([12, 9, 4], seed=0, device=dev)
+        scaler = cmlp.amp.GradScaler(init_scale=2.0**127, growth_interval=1)
+        cmlp.Trainer(model, cmlp.optim.SGD(model, lr=0.1), batch_size=8, scaler=scaler).fit(x, y, epochs=1,
+                                                                                           progress=False)
+        assert scaler.get_scale() == 2.0**127  # growth to 2**128 is inf: refused, no step skipped
+        params[dev] = model.to("cpu")._c.get_params()
+    start = cmlp.MLP([12, 9, 4], seed=0)._c.get_params()
+    assert not np.array_equal(params["cpu"], start)
+    assert rel_err(params[CUDA], params["cpu"]) <= TOL

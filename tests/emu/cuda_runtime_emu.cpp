@@ -37,6 +37,9 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <pthread.h>
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -171,8 +174,18 @@ bool pinned(const void *p) {
     return r && r->kind == 1;
 }
 
+/* A GPU keeps subnormal floats (nvcc's default, -ftz=false), where cmlp's CPU compute, which the
+ * host thread may be in when it runs the queue, flushes them: the device's work runs with
+ * subnormals kept (MXCSR's FTZ and DAZ off), as on the GPU. */
 void run_op(CUstream_st *s, op &o) {
+#if defined(__SSE__)
+    const unsigned saved = _mm_getcsr();
+    _mm_setcsr(saved & ~0x8040u);
+#endif
     (*o.run)();
+#if defined(__SSE__)
+    _mm_setcsr(saved);
+#endif
     s->done_id = o.id;
 }
 
