@@ -137,6 +137,7 @@ extern "C" cudaError_t cmlp_k_unscale(float *g, int64_t n, float inv_scale, cons
     op.inv_scale = inv_scale;
     op.scale = scale;
     op.found_inf = found_inf;
+    op.post = 1.0f; /* begin() sets it again, per thread */
     const int mis[1] = {cmlp_misalign(g, 4)};
     return cmlp_launch_map(op, n, mis, 1, stream);
 }
