@@ -1270,49 +1270,38 @@ static cmlp_status cu_comm_all_reduce(void *ctx, void *comm, float *d_buf, int64
     return done(c, cudaSuccess, "ncclAllReduce");
 }
 
-/* One broadcast per part, each from its owner, in one NCCL group (they run together). */
-static cmlp_status cu_comm_all_gather(void *ctx, void *comm, float *d_buf, int64_t n, int64_t chunk) {
+/* One NCCL call per part, in one group (they run together): a broadcast from each part's owner (an
+ * all-gather), or a reduce to it, in place there (a reduce-scatter whose parts may differ in size,
+ * which ncclReduceScatter's may not). */
+static cmlp_status per_part(void *ctx, void *comm, float *d_buf, int64_t n, int64_t chunk, bool reduce) {
     cuda_ctx *c = ctx;
+    const char *what = reduce ? "reduce-scatter" : "all-gather", *call = reduce ? "ncclReduce" : "ncclBroadcast";
     NCCL_READY();
     CMLP_TRY_USE(c);
     if (n <= 0) return CMLP_OK;
-    if (chunk <= 0) return FAIL(CMLP_ERR_INVALID, "all-gather parts of %lld floats", (long long)chunk);
+    if (chunk <= 0) return FAIL(CMLP_ERR_INVALID, "%s parts of %lld floats", what, (long long)chunk);
     pthread_mutex_lock(&c->lock);
     int r = nccl.group_start();
     for (int64_t lo = 0, root = 0; r == 0 && lo < n; lo += chunk, root++) {
         size_t count = (size_t)(n - lo < chunk ? n - lo : chunk);
-        r = nccl.broadcast(d_buf + lo, d_buf + lo, count, NCCL_FLOAT32, (int)root, comm, stream_of(c));
+        r = reduce ? nccl.reduce(d_buf + lo, d_buf + lo, count, NCCL_FLOAT32, NCCL_SUM, (int)root, comm, stream_of(c))
+                   : nccl.broadcast(d_buf + lo, d_buf + lo, count, NCCL_FLOAT32, (int)root, comm, stream_of(c));
     }
     int e = nccl.group_end(); /* also after a failed call: the group is closed either way */
     if (r == 0) r = e;
     pthread_mutex_unlock(&c->lock);
     if (r != 0)
-        return FAIL(CMLP_ERR_DEVICE, "the all-gather of %lld floats (ncclBroadcast) failed: %s (NCCL result %d)",
-                    (long long)n, nccl.error_string(r), r);
-    return done(c, cudaSuccess, "ncclBroadcast");
+        return FAIL(CMLP_ERR_DEVICE, "the %s of %lld floats (%s) failed: %s (NCCL result %d)", what, (long long)n,
+                    call, nccl.error_string(r), r);
+    return done(c, cudaSuccess, call);
 }
 
-/* One reduce per part, each to its owner (in place there), in one NCCL group: a reduce-scatter
- * whose parts may differ in size (ncclReduceScatter's may not). */
+static cmlp_status cu_comm_all_gather(void *ctx, void *comm, float *d_buf, int64_t n, int64_t chunk) {
+    return per_part(ctx, comm, d_buf, n, chunk, false);
+}
+
 static cmlp_status cu_comm_reduce_scatter(void *ctx, void *comm, float *d_buf, int64_t n, int64_t chunk) {
-    cuda_ctx *c = ctx;
-    NCCL_READY();
-    CMLP_TRY_USE(c);
-    if (n <= 0) return CMLP_OK;
-    if (chunk <= 0) return FAIL(CMLP_ERR_INVALID, "reduce-scatter parts of %lld floats", (long long)chunk);
-    pthread_mutex_lock(&c->lock);
-    int r = nccl.group_start();
-    for (int64_t lo = 0, root = 0; r == 0 && lo < n; lo += chunk, root++) {
-        size_t count = (size_t)(n - lo < chunk ? n - lo : chunk);
-        r = nccl.reduce(d_buf + lo, d_buf + lo, count, NCCL_FLOAT32, NCCL_SUM, (int)root, comm, stream_of(c));
-    }
-    int e = nccl.group_end();
-    if (r == 0) r = e;
-    pthread_mutex_unlock(&c->lock);
-    if (r != 0)
-        return FAIL(CMLP_ERR_DEVICE, "the reduce-scatter of %lld floats (ncclReduce) failed: %s (NCCL result %d)",
-                    (long long)n, nccl.error_string(r), r);
-    return done(c, cudaSuccess, "ncclReduce");
+    return per_part(ctx, comm, d_buf, n, chunk, true);
 }
 
 static void cu_comm_free(void *ctx, void *comm) {

@@ -519,15 +519,10 @@ def fork_case(opts):
         os.close(wfd)
         sys.exit(0)  # a normal exit: the atexit handlers run in the child
     os.close(wfd)
-    chunks = []
-    while True:
-        b = os.read(rfd, 65536)
-        if not b:
-            break
-        chunks.append(b)
-    os.close(rfd)
+    with os.fdopen(rfd, "rb") as f:  # to the child's end
+        said = f.read()
     _, status = os.waitpid(pid, 0)
-    out = {"child": json.loads(b"".join(chunks).decode()), "child_exit": os.waitstatus_to_exitcode(status)}
+    out = {"child": json.loads(said.decode()), "child_exit": os.waitstatus_to_exitcode(status)}
     # a child that ends on an exception nothing caught ends alone: the job is its parent's
     rfd, wfd = os.pipe()
     pid = os.fork()
@@ -536,13 +531,8 @@ def fork_case(opts):
         os.dup2(wfd, 2)
         raise ValueError("uncaught in the child")
     os.close(wfd)
-    err = b""
-    while True:
-        b = os.read(rfd, 65536)
-        if not b:
-            break
-        err += b
-    os.close(rfd)
+    with os.fdopen(rfd, "rb") as f:
+        err = f.read()
     _, status = os.waitpid(pid, 0)
     out["uncaught"] = [os.waitstatus_to_exitcode(status), "uncaught in the child" in err.decode(),
                        "ends the job" in err.decode()]

@@ -1361,12 +1361,8 @@ if pid == 0:
     finally:
         os._exit(0)
 os.close(w)
-text = b""
-while True:
-    b = os.read(r, 65536)
-    if not b:
-        break
-    text += b
+with os.fdopen(r, "rb") as f:
+    text = f.read()
 _, status = os.waitpid(pid, 0)
 after = model.forward(x)
 trainer.fit(x, y, epochs=1, progress=False)

@@ -82,13 +82,8 @@ while attempts < 20:
         finally:
             os._exit(0)
     os.close(w)
-    text = b""
-    while True:
-        b = os.read(r, 1 << 16)
-        if not b:
-            break
-        text += b
-    os.close(r)
+    with os.fdopen(r, "rb") as f:  # to the child's end
+        text = f.read()
     _, status = os.waitpid(pid, 0)
     said = json.loads(text)
     said["exit"] = os.waitstatus_to_exitcode(status)
@@ -170,12 +165,8 @@ if pid == 0:
     finally:
         os._exit(0)
 os.close(w)
-text = b""
-while True:
-    b = os.read(r, 1 << 16)
-    if not b:
-        break
-    text += b
+with os.fdopen(r, "rb") as f:
+    text = f.read()
 _, status = os.waitpid(pid, 0)
 go_on.set()
 holder_go.set()
