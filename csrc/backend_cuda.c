@@ -227,8 +227,8 @@ static void defer(int kind, void *ctx, void *ptr, size_t nbytes) {
 /* A child forked from this process cannot use the CUDA that the parent started (the driver
  * does not survive fork): from the fork on, every call in the child is refused, and what the
  * parent's memory and graphs would give back is left alone. */
-static bool forked;
-static void mark_forked(void) { forked = true; }
+static bool started, forked; /* started: the driver was asked for the devices */
+static void mark_forked(void) { forked = started; }
 
 /* Makes c's device current on this thread. cudaSetDevice also makes its primary context
  * current, which the driver API calls (the VMM path) need and cudaGetDevice does not give: so a
@@ -1371,6 +1371,7 @@ static const cmlp_backend_i backend = {
 /* ---- the library's entry ---- */
 
 static int cu_device_count(char *why, size_t cap) {
+    started = true;
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess) {

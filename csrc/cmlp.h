@@ -72,7 +72,17 @@ CMLP_API cmlp_device cmlp_cpu(void);
 CMLP_API cmlp_status cmlp_device_parse(const char *s, cmlp_device *out);
 CMLP_API cmlp_status cmlp_device_check(cmlp_device d); /* same checks for a parsed device */
 CMLP_API int cmlp_cuda_compiled(void);                  /* 1 when built with the CUDA backend */
-CMLP_API int cmlp_cuda_device_count(void);              /* 0 without a usable driver/GPU */
+/* The devices the CUDA driver reports (0 without a usable driver/GPU). The first call starts the
+ * driver, which a process forked after it cannot use. */
+CMLP_API int cmlp_cuda_device_count(void);
+CMLP_API int cmlp_cuda_loadable(void); /* 1 when the CUDA backend's library loads (starts nothing) */
+CMLP_API int cmlp_cuda_started(void);  /* 1 once the CUDA driver was asked for the devices */
+/* The GPUs NVML reports, without starting the CUDA driver: their count, or -1 when NVML is not
+ * there or fails, and the first cap of their UUIDs ("GPU-..."; valid for the process's life).
+ * CUDA_VISIBLE_DEVICES is not applied. Asked once per process. */
+#define CMLP_NVML_UUID_BYTES 96
+#define CMLP_NVML_MAX_DEVICES 1024
+CMLP_API int cmlp_nvml_devices(const char **uuids, int cap);
 /* 1 in a process forked from one that had started CUDA: CUDA cannot be used in it (every use
  * fails and says to start processes with 'spawn'). */
 CMLP_API int cmlp_cuda_forked(void);

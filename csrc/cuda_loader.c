@@ -2,6 +2,11 @@
  * beside this module (or at $CMLP_CUDA_LIBRARY), loaded on the first question about CUDA, so
  * that cmlp imports and runs on the CPU where there is no CUDA driver or GPU at all. Why CUDA
  * is unavailable (no library, no driver, no device) is kept for the error messages.
+ *
+ * Loading the library starts nothing; counting the devices starts the CUDA driver, which does
+ * not survive fork(). NVML (the driver's management library, $CMLP_NVML_LIBRARY or
+ * libnvidia-ml.so.1) counts them without starting it, for cmlp.cuda.device_count() in a process
+ * that may fork workers (torch.cuda's NVML-based count).
  */
 #include "internal.h"
 
@@ -14,13 +19,14 @@
 #if CMLP_WITH_CUDA
 #include <dlfcn.h>
 
-static pthread_once_t load_once = PTHREAD_ONCE_INIT;
+static pthread_once_t load_once = PTHREAD_ONCE_INIT, start_once = PTHREAD_ONCE_INIT;
 static const cmlp_cuda_module *module;
 static int ndevices;
 static char why[512];
-static bool forked; /* this process is a child forked after CUDA was loaded */
+static bool started; /* the device count asked the driver (set before it is asked) */
+static bool forked;  /* this process is a child forked after CUDA was started */
 
-static void mark_forked(void) { forked = true; }
+static void mark_forked(void) { forked = started; }
 
 static void load(void) {
     char path[4096];
@@ -44,39 +50,100 @@ static void load(void) {
         return;
     }
     module = m;
-    pthread_atfork(NULL, NULL, mark_forked); /* before the device count, which starts the driver */
-    ndevices = m->device_count(why, sizeof why);
+    pthread_atfork(NULL, NULL, mark_forked);
 }
 
-int cmlp_cuda_forked(void) {
+static void start(void) {
     pthread_once(&load_once, load);
-    return forked;
+    if (!module) return;
+    started = true;
+    ndevices = module->device_count(why, sizeof why);
 }
+
+int cmlp_cuda_loadable(void) {
+    pthread_once(&load_once, load);
+    return module != NULL;
+}
+
+int cmlp_cuda_started(void) { return started; }
+
+int cmlp_cuda_forked(void) { return forked; }
 
 int cmlp_cuda_device_count(void) {
-    pthread_once(&load_once, load);
+    pthread_once(&start_once, start);
     return ndevices;
 }
 
 const char *cmlp_cuda_unavailable_reason(void) {
-    pthread_once(&load_once, load);
+    pthread_once(&start_once, start);
     return ndevices > 0 ? "" : why;
 }
 
 const cmlp_backend_i *cmlp_cuda_backend(void) {
-    pthread_once(&load_once, load);
+    pthread_once(&start_once, start);
     return module ? module->backend : NULL;
 }
 
 int cmlp_cuda_runtime_version(void) {
-    pthread_once(&load_once, load);
+    pthread_once(&start_once, start);
     return module ? module->runtime_version() : 0;
+}
+
+/* ---- NVML ---- */
+
+typedef int (*nvml_void_fn)(void);
+typedef int (*nvml_count_fn)(unsigned *count);
+typedef int (*nvml_handle_fn)(unsigned index, void **device);
+typedef int (*nvml_uuid_fn)(void *device, char *uuid, unsigned length);
+
+static pthread_once_t nvml_once = PTHREAD_ONCE_INIT;
+static int nvml_count = -1;
+static char (*nvml_uuids)[CMLP_NVML_UUID_BYTES];
+
+static void nvml_query(void) {
+    const char *env = getenv("CMLP_NVML_LIBRARY");
+    void *h = dlopen(env && env[0] ? env : "libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!h) return;
+    nvml_void_fn init = (nvml_void_fn)dlsym(h, "nvmlInit_v2"), shutdown = (nvml_void_fn)dlsym(h, "nvmlShutdown");
+    nvml_count_fn count = (nvml_count_fn)dlsym(h, "nvmlDeviceGetCount_v2");
+    nvml_handle_fn handle = (nvml_handle_fn)dlsym(h, "nvmlDeviceGetHandleByIndex_v2");
+    nvml_uuid_fn uuid = (nvml_uuid_fn)dlsym(h, "nvmlDeviceGetUUID");
+    if (!init || !shutdown || !count || !handle || !uuid || init() != 0) return; /* h stays: NVML may hold threads */
+    unsigned n = 0;
+    char(*ids)[CMLP_NVML_UUID_BYTES] = NULL;
+    bool ok = count(&n) == 0 && n <= CMLP_NVML_MAX_DEVICES;
+    if (ok && n > 0) ok = (ids = calloc(n, sizeof *ids)) != NULL;
+    for (unsigned i = 0; ok && i < n; i++) {
+        void *d = NULL;
+        ok = handle(i, &d) == 0 && uuid(d, ids[i], CMLP_NVML_UUID_BYTES) == 0;
+        ids[i][CMLP_NVML_UUID_BYTES - 1] = '\0';
+    }
+    (void)shutdown();
+    if (!ok) {
+        free(ids);
+        return;
+    }
+    nvml_uuids = ids;
+    nvml_count = (int)n;
+}
+
+int cmlp_nvml_devices(const char **uuids, int cap) {
+    pthread_once(&nvml_once, nvml_query);
+    for (int i = 0; i < nvml_count && i < cap; i++) uuids[i] = nvml_uuids[i];
+    return nvml_count;
 }
 
 #else
 
 int cmlp_cuda_device_count(void) { return 0; }
+int cmlp_cuda_loadable(void) { return 0; }
+int cmlp_cuda_started(void) { return 0; }
 int cmlp_cuda_forked(void) { return 0; }
+int cmlp_nvml_devices(const char **uuids, int cap) {
+    (void)uuids;
+    (void)cap;
+    return -1;
+}
 const char *cmlp_cuda_unavailable_reason(void) { return "this build of cmlp has no CUDA backend"; }
 const cmlp_backend_i *cmlp_cuda_backend(void) { return NULL; }
 int cmlp_cuda_runtime_version(void) { return 0; }

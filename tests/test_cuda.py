@@ -1391,6 +1391,83 @@ def test_a_child_forked_after_cuda_started_is_refused_cuda_and_the_parent_works_
     assert np.isfinite(child["cpu"])
 
 
+_COUNT_THEN_FORK_SCRIPT = r"""
+import json, os, sys
+import numpy as np
+import cmlp
+from cmlp import _cmlp
+said = {"count": cmlp.cuda.device_count(), "nvml": _cmlp.nvml_devices()}
+os.environ["CMLP_NVML_BASED_CUDA_CHECK"] = "1"
+said["available"] = cmlp.cuda.is_available()
+said["started"] = _cmlp.cuda_started()
+x = np.random.default_rng(0).random((6, 8), dtype=np.float32)
+y = np.arange(6, dtype=np.int64) % 4
+def train():
+    model = cmlp.MLP([8, 16, 4], device="cuda", seed=0)
+    cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=3).fit(x, y, epochs=2, progress=False)
+    return model.to("cpu")._c.get_params()
+sys.stdout.flush()
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    try:
+        os.write(w, json.dumps(train().tolist()).encode())
+    finally:
+        os._exit(0)
+os.close(w)
+with os.fdopen(r, "rb") as f:
+    text = f.read()
+_, status = os.waitpid(pid, 0)
+said["child_exit"] = os.waitstatus_to_exitcode(status)
+said["same"] = text != b"" and json.loads(text) == train().tolist()
+said["cuda_count"] = _cmlp.cuda_device_count()
+said["count_after"] = cmlp.cuda.device_count()
+del os.environ["CMLP_NVML_BASED_CUDA_CHECK"]
+print(json.dumps(said))
+"""
+
+
+@needs_cuda
+def test_counting_the_gpus_leaves_cuda_to_children_forked_afterwards():
+    """As torch.cuda's: device_count() asks NVML, which starts nothing, and so does is_available()
+    with CMLP_NVML_BASED_CUDA_CHECK=1; a child forked afterwards trains on the GPU as the parent
+    does. Once CUDA is started, its own count answers, and NVML's agreed with it."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_PYTHON + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    r = subprocess.run([sys.executable, "-c", _COUNT_THEN_FORK_SCRIPT], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = json.loads(r.stdout.strip().splitlines()[-1])
+    assert said["nvml"] is not None, "NVML was not found (libnvidia-ml.so.1)"
+    assert said["available"] and not said["started"], said
+    assert said["child_exit"] == 0 and said["same"], said
+    assert said["count"] == said["cuda_count"] == said["count_after"] == len(said["nvml"]) >= 1, said
+
+
+@needs_cuda
+def test_cuda_visible_devices_selects_what_nvml_counts():
+    code = ("import json, cmlp\nfrom cmlp import _cmlp\n"
+            "print(json.dumps([cmlp.cuda.device_count(), _cmlp.cuda_started(), _cmlp.nvml_devices()]))")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_PYTHON + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+
+    def count(visible):
+        r = subprocess.run([sys.executable, "-c", code], env=dict(env, CUDA_VISIBLE_DEVICES=visible),
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+        n, started, uuids = json.loads(r.stdout.strip().splitlines()[-1])
+        assert not started
+        return n, uuids
+
+    n, uuids = count("0")
+    assert n == 1 and uuids
+    assert count(f"0,{len(uuids)}")[0] == 1  # past the last GPU: the list ends
+    assert count(str(len(uuids)))[0] == 0
+    assert count(uuids[-1])[0] == 1
+    assert count(uuids[0][:-4] + "," + uuids[0])[0] == 0  # the same GPU twice
+
+
 @needs_gpu
 def test_a_loss_scale_whose_reciprocal_is_subnormal_trains_as_on_the_cpu():
     # past 2**126, 1/scale is a subnormal float: the GPU keeps it, the CPU (which flushes

@@ -41,7 +41,9 @@ def _emulated_env():
                            text=True, timeout=900)
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
     # blocks run last first (test_kernels runs both orders): a race between blocks gives other bits
-    env = dict(os.environ, CMLP_CUDA_LIBRARY=LIBRARY, OPENBLAS_NUM_THREADS="1", CMLP_EMU_BLOCK_ORDER="reverse")
+    # the emulated runtime is NVML too (the GPUs it counts without starting CUDA)
+    env = dict(os.environ, CMLP_CUDA_LIBRARY=LIBRARY, CMLP_NVML_LIBRARY=LIBRARY, OPENBLAS_NUM_THREADS="1",
+               CMLP_EMU_BLOCK_ORDER="reverse")
     env.pop("CMLP_TEST_CUDA_DEVICE", None)
     return env
 

@@ -53,3 +53,105 @@ def test_without_a_gpu_the_error_gives_cudas_reason():
     assert "cannot load" not in str(e.value)  # the library loaded; CUDA itself said no
     with pytest.raises(RuntimeError, match="CUDA"):
         cmlp.cuda.synchronize()
+
+
+# ---- counting the GPUs without starting CUDA (NVML), as torch.cuda.device_count() ----
+
+VISIBLE = [  # CUDA_VISIBLE_DEVICES -> the devices it selects, as the CUDA runtime reads it
+    (None, list(range(64))),
+    ("", []),
+    ("0", [0]),
+    ("1,0", [1, 0]),
+    (" 2 , 0 ", [2, 0]),
+    ("1gpu2,2ampere", [1, 2]),  # each entry read as strtoul reads it
+    ("+3,1", [3, 1]),
+    ("0,-1,2", [0]),  # a negative entry ends the list
+    ("0,x,2", [0]),  # so does one that is not a number
+    ("-", []),
+    ("+", []),
+    ("0,1,0", []),  # a repeated device hides every device
+    ("GPU-ab,GPU-cd", ["GPU-ab", "GPU-cd"]),
+    ("GPU-ab,1,GPU-cd", ["GPU-ab"]),
+    ("GPU-ab,GPU-ab", []),
+    ("MIG-1,MIG-2", ["MIG-1", "MIG-2"]),
+    ("MIG-1,GPU-2", ["MIG-1"]),
+]
+
+
+@pytest.mark.parametrize("var,devices", VISIBLE)
+def test_cuda_visible_devices_is_read_as_cuda_reads_it(var, devices):
+    assert cmlp.cuda._visible_devices(var) == devices
+
+
+UUIDS = ["GPU-7e570000-aa", "GPU-7e570001-bb", "GPU-9f000002-cc"]
+
+
+@pytest.mark.parametrize("var,count", [
+    (None, 3), ("0,1,2", 3), ("2", 1), ("0,3,1", 1), ("3", 0), ("", 0), ("1,1", 0),
+    ("GPU-9f", 1),  # a unique prefix names a GPU
+    ("GPU-7e570001-bb,GPU-9", 2),
+    ("GPU-7e57", 0),  # an ambiguous prefix names none, and ends the list
+    ("GPU-9,GPU-7e57,GPU-7e570000", 1),
+    ("GPU-9,GPU-9f00", 0),  # the same GPU twice
+    ("GPU-0", 0),
+])
+def test_nvml_count_applies_cuda_visible_devices(monkeypatch, var, count):
+    monkeypatch.setattr(cmlp._cmlp, "nvml_devices", lambda: list(UUIDS))
+    assert cmlp.cuda._nvml_count(var) == count
+
+
+def test_without_nvml_or_with_mig_instances_nvml_cannot_tell(monkeypatch):
+    monkeypatch.setattr(cmlp._cmlp, "nvml_devices", lambda: None)
+    assert cmlp.cuda._nvml_count(None) == -1
+    assert cmlp.cuda._nvml_count("") == 0  # nothing is visible: NVML is not asked
+    monkeypatch.setattr(cmlp._cmlp, "nvml_devices", lambda: list(UUIDS))
+    assert cmlp.cuda._nvml_count("MIG-7e57") == -1
+
+
+def test_the_visible_devices_match_torchs_reading():
+    """torch.cuda reads CUDA_VISIBLE_DEVICES and UUID prefixes in Python: the same strings give
+    the same devices (strings it cannot read, e.g. a bare sign, are left out)."""
+    tc = pytest.importorskip("torch.cuda")
+    rng = __import__("random").Random(0)
+    atoms = ["0", "1", "2", "7", "12", "-1", "+1", "x", "1x", " 3", "GPU-7e57", "GPU-7e570001", "GPU-9", "MIG-1", ""]
+    cases = [",".join(rng.choice(atoms) for _ in range(rng.randint(1, 4))) for _ in range(400)] + [None]
+    compared = 0
+    for var in cases:
+        old = os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        try:
+            if var is not None:
+                os.environ["CUDA_VISIBLE_DEVICES"] = var
+            try:
+                theirs = tc._parse_visible_devices()
+            except ValueError:
+                continue
+        finally:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            if old is not None:
+                os.environ["CUDA_VISIBLE_DEVICES"] = old
+        ours = cmlp.cuda._visible_devices(var)
+        assert ours == theirs, var
+        if ours and isinstance(ours[0], str) and not ours[0].startswith("MIG-"):
+            assert cmlp.cuda._uuid_ordinals(ours, UUIDS) == tc._transform_uuid_to_ordinals(ours, UUIDS), var
+        compared += 1
+    assert compared > 300
+
+
+@compiled
+def test_without_nvml_the_count_is_cudas():
+    # a library without NVML's functions, then none at all: CUDA's count (0 here, or the GPUs)
+    code = ("import cmlp\nfrom cmlp import _cmlp\n"
+            "print(_cmlp.nvml_devices(), cmlp.cuda.device_count() == _cmlp.cuda_device_count(), _cmlp.cuda_started())")
+    for lib in ("libc.so.6", "/nonexistent/libnvidia-ml.so.1"):
+        r = run_python(code, CMLP_NVML_LIBRARY=lib)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split() == ["None", "True", "True"], (lib, r.stdout)
+
+
+def test_loading_cuda_starts_nothing():
+    code = ("import cmlp\nfrom cmlp import _cmlp\n"
+            "loadable = _cmlp.cuda_loadable()\n"
+            "print(loadable, _cmlp.cuda_started(), _cmlp.cuda_forked())\n")
+    r = run_python(code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(INFO["cuda_compiled"]), "False", "False"]

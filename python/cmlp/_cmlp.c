@@ -1696,6 +1696,37 @@ static PyObject *mod_cuda_device_count(PyObject *mod, PyObject *unused) {
     return PyLong_FromLong(cmlp_cuda_device_count());
 }
 
+static PyObject *mod_cuda_loadable(PyObject *mod, PyObject *unused) {
+    (void)mod;
+    (void)unused;
+    return PyBool_FromLong(cmlp_cuda_loadable());
+}
+
+static PyObject *mod_cuda_started(PyObject *mod, PyObject *unused) {
+    (void)mod;
+    (void)unused;
+    return PyBool_FromLong(cmlp_cuda_started());
+}
+
+/* NVML's GPUs as a list of their UUIDs, or None where NVML is not there or fails */
+static PyObject *mod_nvml_devices(PyObject *mod, PyObject *unused) {
+    (void)mod;
+    (void)unused;
+    const char *uuids[CMLP_NVML_MAX_DEVICES];
+    int n;
+    Py_BEGIN_ALLOW_THREADS
+    n = cmlp_nvml_devices(uuids, CMLP_NVML_MAX_DEVICES);
+    Py_END_ALLOW_THREADS
+    if (n < 0) Py_RETURN_NONE;
+    PyObject *list = PyList_New(n);
+    for (int i = 0; list && i < n; i++) {
+        PyObject *u = PyUnicode_DecodeASCII(uuids[i], (Py_ssize_t)strlen(uuids[i]), "replace");
+        if (!u) Py_CLEAR(list);
+        else PyList_SET_ITEM(list, i, u);
+    }
+    return list;
+}
+
 static PyObject *mod_cuda_forked(PyObject *mod, PyObject *unused) {
     (void)mod;
     (void)unused;
@@ -1861,6 +1892,9 @@ static PyMethodDef module_methods[] = {
     {"parse_device", mod_parse_device, METH_O, "canonical device string; raises when unavailable"},
     {"build_info", mod_build_info, METH_NOARGS, "build facts"},
     {"cuda_device_count", mod_cuda_device_count, METH_NOARGS, "number of usable CUDA devices"},
+    {"cuda_loadable", mod_cuda_loadable, METH_NOARGS, "whether the CUDA backend's library loads (starts nothing)"},
+    {"cuda_started", mod_cuda_started, METH_NOARGS, "whether the CUDA driver was asked for the devices"},
+    {"nvml_devices", mod_nvml_devices, METH_NOARGS, "NVML's GPUs' UUIDs (None: no NVML), without starting CUDA"},
     {"cuda_forked", mod_cuda_forked, METH_NOARGS, "whether this process was forked after CUDA was started"},
     {"synchronize", mod_synchronize, METH_O, "synchronize(device): waits for the device's queued work"},
     {NULL, NULL, 0, NULL},

@@ -1,16 +1,106 @@
-"""CUDA device queries, named as in torch.cuda."""
-from typing import Optional, Tuple
+"""CUDA device queries, named as in torch.cuda.
+
+The CUDA driver does not survive fork(): once a process has started it, its forked children
+cannot use CUDA. As torch.cuda's, device_count() asks NVML, which starts nothing, until this
+process starts CUDA (and asks CUDA where NVML is not there); is_available() asks CUDA itself,
+unless CMLP_NVML_BASED_CUDA_CHECK (or, where that is unset, PYTORCH_NVML_BASED_CUDA_CHECK) is "1".
+"""
+import os
+from typing import List, Optional, Tuple, Union
 
 from . import _cmlp
 
 
 def is_available() -> bool:
-    """True when this build has the CUDA backend and a usable GPU is present."""
-    return device_count() > 0
+    """True when this build has the CUDA backend and a usable GPU is present. This starts the
+    CUDA driver (so children forked afterwards cannot use CUDA), except with
+    CMLP_NVML_BASED_CUDA_CHECK=1, where it is device_count() > 0: NVML's weaker check (it sees
+    the GPUs, not whether CUDA can use them), which leaves CUDA unstarted."""
+    var = os.environ.get("CMLP_NVML_BASED_CUDA_CHECK")
+    if var is None:
+        var = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
+    if var == "1":
+        return device_count() > 0
+    return _cmlp.cuda_device_count() > 0
 
 
 def device_count() -> int:
-    return _cmlp.cuda_device_count()
+    """The number of GPUs this process can use. Until CUDA is started here: the GPUs NVML reports,
+    as CUDA_VISIBLE_DEVICES selects them, without starting CUDA (where NVML is missing or fails,
+    CUDA's count, which starts it); afterwards CUDA's own count."""
+    if _cmlp.cuda_started() or not _cmlp.cuda_loadable():
+        return _cmlp.cuda_device_count()
+    n = _nvml_count(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return _cmlp.cuda_device_count() if n < 0 else n
+
+
+def _nvml_count(visible: Optional[str]) -> int:
+    """NVML's GPUs as CUDA_VISIBLE_DEVICES (visible) selects them; -1 where NVML cannot tell."""
+    devices = _visible_devices(visible)
+    if not devices:
+        return 0
+    if isinstance(devices[0], str) and devices[0].startswith("MIG-"):
+        return -1  # MIG instances are CUDA's to count
+    uuids = _cmlp.nvml_devices()
+    if uuids is None:
+        return -1
+    if isinstance(devices[0], str):
+        return len(_uuid_ordinals(devices, uuids))
+    for i, d in enumerate(devices):
+        if d >= len(uuids):  # the first ordinal past the last GPU ends the list
+            return i
+    return len(devices)
+
+
+def _visible_devices(var: Optional[str]) -> "Union[List[int], List[str]]":
+    """CUDA_VISIBLE_DEVICES as the CUDA runtime reads it (and torch.cuda): unset, every device;
+    otherwise comma-separated ordinals, each read as strtoul reads a number ("1gpu" is 1), up to
+    the first that is not one (or is negative); or UUIDs ("GPU-..." or "MIG-...", whole or
+    a prefix) up to the first without that prefix. A repeated entry hides every device."""
+    if var is None:
+        return list(range(64))
+    if var.startswith("GPU-") or var.startswith("MIG-"):
+        prefix, names = var[:4], []
+        for item in var.split(","):
+            if item in names:
+                return []
+            if not item.startswith(prefix):
+                break
+            names.append(item)
+        return names
+    ordinals: List[int] = []
+    for item in var.split(","):
+        x = _leading_number(item.strip())
+        if x in ordinals:
+            return []
+        if x < 0:
+            break
+        ordinals.append(x)
+    return ordinals
+
+
+def _leading_number(s: str) -> int:
+    """The integer that s starts with (an optional sign, then digits), or -1 where there is none."""
+    digits = 1 if s[:1] in ("+", "-") else 0
+    while digits < len(s) and "0" <= s[digits] <= "9":
+        digits += 1
+    if digits == 0 or not s[digits - 1].isdigit():
+        return -1
+    return int(s[:digits])
+
+
+def _uuid_ordinals(names: List[str], uuids: List[str]) -> List[int]:
+    """The GPUs that UUIDs or unique UUID prefixes name, up to the first that names none or more
+    than one; a GPU named twice hides every device."""
+    ordinals: List[int] = []
+    for name in names:
+        matches = [i for i, u in enumerate(uuids) if u.startswith(name)]
+        if len(matches) != 1:
+            break
+        if matches[0] in ordinals:
+            return []
+        ordinals.append(matches[0])
+    return ordinals
 
 
 def synchronize(device: Optional[str] = None) -> None:

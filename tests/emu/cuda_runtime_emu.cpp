@@ -22,6 +22,9 @@
  *    reserved addresses are inaccessible until a page is mapped and access is set, and again
  *    after it is unmapped, so a use after unmapping faults.
  *  - CMLP_EMU_DEVICES (default 1) devices share the host's memory.
+ *  - NVML (nvml* below) reports CMLP_EMU_NVML_DEVICES GPUs (default: CMLP_EMU_DEVICES), whose
+ *    UUIDs share the prefix "GPU-7e57"; CMLP_EMU_NVML_FAIL=1 makes nvmlInit_v2 fail as without a
+ *    driver. NVML starts nothing: a forked child may use CUDA after its parent asked NVML.
  *  - CMLP_EMU_TRACE_GRAPHS=1 prints the launches of every graph instantiated, by name.
  *  - CMLP_EMU_LAUNCH_DELAY_US=n pauses n microseconds after each kernel launch (no lock held),
  *    so that threads interleave their launches on a shared stream.
@@ -63,15 +66,19 @@ extern "C" void scipy_cblas_dgemm(int order, int ta, int tb, int m, int n, int k
 namespace {
 
 /* ---- fork ----
- * The CUDA driver does not survive fork(): a child of a process that started CUDA must call
- * nothing of it. Here such a call ends the child at once (SIGABRT), so that a test sees it. */
-bool in_forked_child;
-void mark_forked_child() { in_forked_child = true; }
+ * The CUDA driver does not survive fork(): a child of a process that started CUDA (called any
+ * of it) must call nothing of it. Here such a call ends the child at once (SIGABRT), so that a
+ * test sees it. A child of a process that had not started it starts its own. */
+bool started, in_forked_child;
+void mark_forked_child() { in_forked_child = started; }
 struct fork_watch {
     fork_watch() { pthread_atfork(nullptr, nullptr, mark_forked_child); }
 } watch_forks;
 void fork_guard(const char *what) {
-    if (!in_forked_child) return;
+    if (!in_forked_child) {
+        started = true;
+        return;
+    }
     std::fprintf(stderr, "cuda_emu: %s called in a process forked after CUDA was started\n", what);
     std::abort();
 }
@@ -1457,3 +1464,34 @@ NCCL_EMU_API const char *ncclGetErrorString(int r) {
     return "unknown result (emulated NCCL)";
 }
 #endif
+
+/* ---- NVML: the GPUs' count and UUIDs, without the runtime (no fork_guard: NVML is not CUDA) ---- */
+
+extern "C" {
+
+__attribute__((visibility("default"))) int nvmlInit_v2(void) {
+    const char *v = getenv("CMLP_EMU_NVML_FAIL");
+    return v && v[0] == '1' ? 9 /* NVML_ERROR_DRIVER_NOT_LOADED */ : 0;
+}
+__attribute__((visibility("default"))) int nvmlShutdown(void) { return 0; }
+__attribute__((visibility("default"))) int nvmlDeviceGetCount_v2(unsigned *count) {
+    if (!count) return 2; /* NVML_ERROR_INVALID_ARGUMENT */
+    *count = (unsigned)env_size("CMLP_EMU_NVML_DEVICES", (size_t)device_count());
+    return 0;
+}
+__attribute__((visibility("default"))) int nvmlDeviceGetHandleByIndex_v2(unsigned index, void **device) {
+    unsigned n = 0;
+    nvmlDeviceGetCount_v2(&n);
+    if (!device || index >= n) return 2;
+    *device = reinterpret_cast<void *>((uintptr_t)index + 1);
+    return 0;
+}
+__attribute__((visibility("default"))) int nvmlDeviceGetUUID(void *device, char *uuid, unsigned length) {
+    if (!device || !uuid) return 2;
+    const unsigned i = (unsigned)(reinterpret_cast<uintptr_t>(device) - 1);
+    if (length < 41) return 7; /* NVML_ERROR_INSUFFICIENT_SIZE */
+    std::snprintf(uuid, length, "GPU-7e57%04x-0000-4000-8000-%012x", i, i * 7919u);
+    return 0;
+}
+
+} /* extern "C" */
