@@ -105,7 +105,8 @@ def test_the_gpu_tests_pass_under_address_and_undefined_behaviour_sanitizers():
                            text=True, timeout=1200)
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
     env = _emulated_env()
-    env.update(CMLP_CUDA_LIBRARY=os.path.join(ROOT, "build", "asan", "_cmlp_cuda_emu.so"),
+    asan_library = os.path.join(ROOT, "build", "asan", "_cmlp_cuda_emu.so")
+    env.update(CMLP_CUDA_LIBRARY=asan_library, CMLP_NVML_LIBRARY=asan_library,
                PYTHONPATH=os.path.join(ROOT, "build", "asan", "lib"), LD_PRELOAD=" ".join(runtimes),
                ASAN_OPTIONS="detect_leaks=0:abort_on_error=1", UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1",
                CMLP_EMU_BLOCK_ORDER="forward")
