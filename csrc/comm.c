@@ -71,6 +71,13 @@ static void after_fork_child(void) {
 
 static void fork_register(void) { pthread_atfork(NULL, NULL, after_fork_child); }
 
+/* The lock, with the child's handler registered before its first use (a fork while a thread
+ * holds it leaves the child a lock that nobody releases; the handler makes a new one). */
+static void take_lock(void) {
+    pthread_once(&fork_once, fork_register); /* registering is not done under the lock */
+    pthread_mutex_lock(&lock);
+}
+
 #define ORPHANED()                                                                                             \
     CMLP_FAIL(CMLP_ERR_STATE, "this process was forked from a rank of a process group: MPI and the group's "   \
                               "collectives belong to that rank, and a forked child cannot take part in them")
@@ -121,8 +128,7 @@ static cmlp_status load(void) {
 cmlp_status cmlp_dist_init(int backend, int *rank, int *size) {
     if (backend != CMLP_DIST_MPI && backend != CMLP_DIST_NCCL)
         return CMLP_FAIL(CMLP_ERR_INVALID, "unknown process group backend %d", backend);
-    pthread_once(&fork_once, fork_register); /* registering is not done under the lock */
-    pthread_mutex_lock(&lock);
+    take_lock();
     cmlp_status st = orphan  ? ORPHANED()
                      : group ? CMLP_FAIL(CMLP_ERR_STATE, "the process group is initialised already")
                              : load();
@@ -142,7 +148,7 @@ cmlp_status cmlp_dist_init(int backend, int *rank, int *size) {
 }
 
 int cmlp_dist_initialized(void) {
-    pthread_mutex_lock(&lock);
+    take_lock();
     int on = group;
     pthread_mutex_unlock(&lock);
     return on;
@@ -167,7 +173,7 @@ cmlp_status cmlp_dist_all_reduce(void *buf, int64_t count, int type, int op) {
                                                            (long long)count, buf);
     if (type < CMLP_COMM_F32 || type > CMLP_COMM_I64) return CMLP_FAIL(CMLP_ERR_INVALID, "unknown element type %d", type);
     if (op < CMLP_REDUCE_SUM || op > CMLP_REDUCE_MIN) return CMLP_FAIL(CMLP_ERR_INVALID, "unknown reduction %d", op);
-    pthread_mutex_lock(&lock);
+    take_lock();
     cmlp_status st = usable();
     if (st == CMLP_OK) st = mpi->all_reduce(buf, count, (cmlp_comm_type)type, (cmlp_reduce_op)op);
     pthread_mutex_unlock(&lock);
@@ -179,7 +185,7 @@ cmlp_status cmlp_dist_all_gather(void *buf, int64_t count, int64_t chunk, int ty
         return CMLP_FAIL(CMLP_ERR_INVALID, "all_gather of %lld elements in parts of %lld at %p", (long long)count,
                          (long long)chunk, buf);
     if (type < CMLP_COMM_F32 || type > CMLP_COMM_I64) return CMLP_FAIL(CMLP_ERR_INVALID, "unknown element type %d", type);
-    pthread_mutex_lock(&lock);
+    take_lock();
     cmlp_status st = usable();
     if (st == CMLP_OK)
         st = count > 0 && chunk < (count + size_ - 1) / size_
@@ -194,7 +200,7 @@ cmlp_status cmlp_dist_reduce_scatter(float *buf, int64_t count, int64_t chunk) {
     if (count < 0 || chunk < 1 || (count > 0 && !buf))
         return CMLP_FAIL(CMLP_ERR_INVALID, "reduce_scatter of %lld elements in parts of %lld at %p", (long long)count,
                          (long long)chunk, (void *)buf);
-    pthread_mutex_lock(&lock);
+    take_lock();
     cmlp_status st = usable();
     if (st == CMLP_OK)
         st = count > 0 && chunk < (count + size_ - 1) / size_
@@ -208,7 +214,7 @@ cmlp_status cmlp_dist_reduce_scatter(float *buf, int64_t count, int64_t chunk) {
 cmlp_status cmlp_dist_broadcast(void *buf, int64_t bytes, int root) {
     if (bytes < 0 || (bytes > 0 && !buf)) return CMLP_FAIL(CMLP_ERR_INVALID, "broadcast of %lld bytes at %p",
                                                            (long long)bytes, buf);
-    pthread_mutex_lock(&lock);
+    take_lock();
     cmlp_status st = usable();
     if (st == CMLP_OK)
         st = root < 0 || root >= size_
@@ -237,7 +243,7 @@ cmlp_status cmlp_dist_agree(cmlp_status mine) {
 }
 
 cmlp_status cmlp_dist_barrier(void) {
-    pthread_mutex_lock(&lock);
+    take_lock();
     cmlp_status st = usable();
     if (st == CMLP_OK) st = mpi->barrier();
     pthread_mutex_unlock(&lock);
@@ -256,7 +262,7 @@ static void free_device_comms(void) {
  * there), then rank 0 makes the id, sends it, and all join. */
 cmlp_status cmlp_dist_device_comm(cmlp_device_ctx *dev, void **comm) {
     *comm = NULL;
-    pthread_mutex_lock(&lock);
+    take_lock();
     cmlp_status st = CMLP_OK;
     void *found = NULL;
     for (int i = 0; i < ndcomms; i++) /* the latest for this device */
@@ -318,14 +324,14 @@ out:
 }
 
 void cmlp_dist_destroy(void) {
-    pthread_mutex_lock(&lock);
+    take_lock();
     free_device_comms();
     group = false;
     pthread_mutex_unlock(&lock);
 }
 
 void cmlp_dist_finalize(void) {
-    pthread_mutex_lock(&lock);
+    take_lock();
     group = false;
     if (mpi && !orphan) mpi->finalize();
     pthread_mutex_unlock(&lock);
@@ -338,7 +344,7 @@ void cmlp_dist_abort(int code) {
 }
 
 void cmlp_dist_library_version(char *out, size_t cap) {
-    pthread_mutex_lock(&lock);
+    take_lock();
     if (mpi) mpi->version(out, cap);
     else if (cap) out[0] = 0;
     pthread_mutex_unlock(&lock);

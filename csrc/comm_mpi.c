@@ -15,6 +15,8 @@
 
 static cmlp_error_fn fail;
 static int initialised_here;
+static int *gather_counts; /* all_gather's counts and offsets (2 ints a rank), made by init: a rank
+                            * that lacked them would leave the others waiting in a collective */
 
 #define MPI_FAIL(code, what) mpi_fail((code), (what), __FILE__, __LINE__)
 
@@ -46,6 +48,9 @@ static cmlp_status init(int *rank, int *size, int *local_rank, int *local_size) 
     if (rc == MPI_SUCCESS) rc = MPI_Comm_rank(MPI_COMM_WORLD, rank);
     if (rc == MPI_SUCCESS) rc = MPI_Comm_size(MPI_COMM_WORLD, size);
     if (rc != MPI_SUCCESS) return MPI_FAIL(rc, "MPI_Comm_rank/MPI_Comm_size");
+    int *counts = realloc(gather_counts, 2 * (size_t)*size * sizeof(int));
+    if (!counts) return fail(CMLP_ERR_OOM, __FILE__, __LINE__, "out of host memory for %d ranks' counts", *size);
+    gather_counts = counts;
     /* the ranks that share this machine: which GPU is whose */
     MPI_Comm node;
     rc = MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, *rank, MPI_INFO_NULL, &node);
@@ -91,9 +96,8 @@ static cmlp_status all_gather(void *buf, int64_t count, int64_t chunk, cmlp_comm
     size_t width = type == CMLP_COMM_F32 ? 4 : 8;
     int size = 1, rc = MPI_Comm_size(MPI_COMM_WORLD, &size);
     if (rc != MPI_SUCCESS) return MPI_FAIL(rc, "MPI_Comm_size");
-    int *counts = count <= CHUNK ? malloc(2 * (size_t)size * sizeof(int)) : NULL;
-    if (counts) { /* one MPI_Allgatherv: its counts and offsets are ints */
-        int *offsets = counts + size;
+    if (count <= CHUNK) { /* one MPI_Allgatherv: its counts and offsets are ints */
+        int *counts = gather_counts, *offsets = gather_counts + size;
         for (int r = 0; r < size; r++) {
             int64_t lo, n;
             part_of(r, count, chunk, &lo, &n);
@@ -101,10 +105,9 @@ static cmlp_status all_gather(void *buf, int64_t count, int64_t chunk, cmlp_comm
             counts[r] = (int)n;
         }
         rc = MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, counts, offsets, t, MPI_COMM_WORLD);
-        free(counts);
         return rc == MPI_SUCCESS ? CMLP_OK : MPI_FAIL(rc, "MPI_Allgatherv");
     }
-    /* beyond ints (or without memory for the counts): each part from its owner */
+    /* beyond ints: each part from its owner */
     for (int r = 0; r < size && (int64_t)r * chunk < count; r++) {
         int64_t lo = (int64_t)r * chunk, n = lo + chunk < count ? chunk : count - lo;
         cmlp_status st = broadcast((char *)buf + (size_t)lo * width, n * (int64_t)width, r);
