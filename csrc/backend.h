@@ -152,25 +152,26 @@ typedef struct cmlp_backend_i {
 
     /* Fused optimizers over flat buffers of n floats. Scalars precomputed by the core, or on the
      * device: when d_found_inf is not NULL and *d_found_inf != 0 the step changes nothing; when
-     * d_coef is not NULL, Adam reads step_size, bc2_sqrt, decay and beta1 from d_coef[0..3] and
-     * SGD its lr and momentum from d_coef[0..1] (as optim_prepare wrote them). weight_decay is L2 (added to the
+     * d_coef is not NULL, Adam reads step_size, bc2_sqrt, decay, beta1 and one_b1 from d_coef[0..4]
+     * and SGD its lr and momentum from d_coef[0..1] (as optim_prepare wrote them). weight_decay is L2 (added to the
      * gradient); with decay != 1 each parameter is first multiplied by decay (decoupled weight
-     * decay, AdamW). */
+     * decay, AdamW). one_b1, one_b2 and SGD's keep are 1 - beta1, 1 - beta2 and 1 - dampening
+     * formed in double and rounded once, as torch's scalars are (1.0f - (float)0.999 is 1.3e-5 off). */
     cmlp_status (*adam)(void *ctx, float *d_p, const float *d_g, float *d_m, float *d_v, int64_t n,
-                        float step_size, float beta1, float beta2, float bc2_sqrt, float eps,
-                        float weight_decay, float decay, const float *d_found_inf, const float *d_coef);
+                        float step_size, float beta1, float beta2, float one_b1, float one_b2, float bc2_sqrt,
+                        float eps, float weight_decay, float decay, const float *d_found_inf, const float *d_coef);
     /* first != 0: buf = g (momentum's first step); also when d_step is not NULL and
      * *d_step == 1. d_buf may be NULL when momentum == 0. */
     cmlp_status (*sgd)(void *ctx, float *d_p, const float *d_g, float *d_buf, int64_t n, float lr,
-                       float momentum, float dampening, int nesterov, float weight_decay, int first,
+                       float momentum, float keep, int nesterov, float weight_decay, int first,
                        const float *d_found_inf, const int64_t *d_step, const float *d_coef);
     /* Before a step whose skip is decided on the device: *d_pos += pos_add when d_pos is not
      * NULL (the data position, which moves whether or not the step is skipped); the rate and
      * momentum are read from `rate` (which moves on too); when scale is not NULL, the loss scale
      * moves by its rule on the same *d_found_inf (one launch for both); then unless
-     * *d_found_inf != 0, t = ++*d_step and d_coef[0..3] = {lr / (1 - beta1^t), sqrt(1 - beta2^t),
-     * decay, beta1} for Adam (in double, rounded to float; decay as cmlp_rate_src says; beta1 the
-     * momentum), {lr, momentum} for SGD. */
+     * *d_found_inf != 0, t = ++*d_step and d_coef[0..4] = {lr / (1 - beta1^t), sqrt(1 - beta2^t),
+     * decay, beta1, 1 - beta1} for Adam (in double, rounded to float; decay as cmlp_rate_src says;
+     * beta1 the momentum), {lr, momentum} for SGD. */
     cmlp_status (*optim_prepare)(void *ctx, int64_t *d_step, float *d_coef, const float *d_found_inf,
                                  const cmlp_rate_src *rate, double beta2, int adam, int64_t *d_pos, int64_t pos_add,
                                  const cmlp_scale_step *scale);
@@ -268,7 +269,7 @@ extern const cmlp_backend_i cmlp_backend_cpu;
  * recorder and returns the module below. */
 typedef cmlp_status (*cmlp_error_fn)(cmlp_status s, const char *file, int line, const char *fmt, ...);
 
-#define CMLP_CUDA_ABI 9
+#define CMLP_CUDA_ABI 10
 
 /* Why a process forked after CUDA was started cannot use it (the core's words and the backend's). */
 #define CMLP_CUDA_FORKED_TEXT                                                                                  \

@@ -218,9 +218,9 @@ static void bias_act_rows(void *a, int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; i++) {
         float *restrict row = r->y + i * r->cols;
         if (r->relu)
-            for (int64_t c = 0; c < r->cols; c++) {
+            for (int64_t c = 0; c < r->cols; c++) { /* torch's ReLU: a NaN stays NaN, -0 becomes 0 */
                 float v = row[c] + bias[c];
-                row[c] = v > 0.0f ? v : 0.0f;
+                row[c] = !(v <= 0.0f) ? v : 0.0f;
             }
         else
             for (int64_t c = 0; c < r->cols; c++) row[c] += bias[c];
@@ -239,7 +239,7 @@ static void relu_backward_range(void *a, int64_t lo, int64_t hi) {
     const rows_args *r = a;
     float *restrict dy = r->y;
     const float *restrict h = r->h;
-    for (int64_t i = lo; i < hi; i++) dy[i] = h[i] > 0.0f ? dy[i] : 0.0f;
+    for (int64_t i = lo; i < hi; i++) dy[i] = !(h[i] <= 0.0f) ? dy[i] : 0.0f; /* torch's: passes at a NaN h */
 }
 
 static cmlp_status cpu_relu_backward(void *ctx, float *dy, const float *h, int64_t count) {
@@ -267,7 +267,7 @@ static void bias_grad_cols(void *a, int64_t lo, int64_t hi) {
         const float *row = r->mdy + i * r->cols, *h = r->h + i * r->cols;
         float *out = r->out + i * r->cols;
         for (int64_t c = lo; c < hi; c++) {
-            float v = h[c] > 0.0f ? row[c] : 0.0f;
+            float v = !(h[c] <= 0.0f) ? row[c] : 0.0f;
             out[c] = v;
             db[c] += v;
         }
@@ -444,7 +444,7 @@ static cmlp_status cpu_gather_labels(void *ctx, int32_t *dst, const int32_t *src
 typedef struct {
     float *p, *m, *v, *buf;
     const float *g;
-    float step_size, beta1, beta2, bc2_sqrt, eps, wd, decay, lr, momentum, dampening;
+    float step_size, beta1, beta2, one_b1, one_b2, bc2_sqrt, eps, wd, decay, lr, momentum, keep;
     int nesterov, first;
 } optim_args;
 
@@ -452,7 +452,7 @@ static void adam_range(void *arg, int64_t lo, int64_t hi) {
     const optim_args *a = arg;
     float *restrict p = a->p, *restrict m = a->m, *restrict v = a->v;
     const float *restrict g = a->g;
-    const float beta1 = a->beta1, beta2 = a->beta2, one_b1 = 1.0f - a->beta1, one_b2 = 1.0f - a->beta2;
+    const float beta1 = a->beta1, beta2 = a->beta2, one_b1 = a->one_b1, one_b2 = a->one_b2;
     const float step_size = a->step_size, bc2_sqrt = a->bc2_sqrt, eps = a->eps, wd = a->wd, decay = a->decay;
     const bool decoupled = decay != 1.0f;
     for (int64_t i = lo; i < hi; i++) {
@@ -467,8 +467,8 @@ static void adam_range(void *arg, int64_t lo, int64_t hi) {
 }
 
 static cmlp_status cpu_adam(void *ctx, float *restrict p, const float *restrict g, float *restrict m,
-                            float *restrict v, int64_t n, float step_size, float beta1, float beta2,
-                            float bc2_sqrt, float eps, float wd, float decay, const float *found_inf,
+                            float *restrict v, int64_t n, float step_size, float beta1, float beta2, float one_b1,
+                            float one_b2, float bc2_sqrt, float eps, float wd, float decay, const float *found_inf,
                             const float *coef) {
     (void)ctx;
     if (found_inf && *found_inf != 0.0f) return CMLP_OK;
@@ -477,9 +477,10 @@ static cmlp_status cpu_adam(void *ctx, float *restrict p, const float *restrict 
         bc2_sqrt = coef[1];
         decay = coef[2];
         beta1 = coef[3];
+        one_b1 = coef[4];
     }
     optim_args a = {.p = p, .m = m, .v = v, .g = g, .step_size = step_size, .beta1 = beta1, .beta2 = beta2,
-                    .bc2_sqrt = bc2_sqrt, .eps = eps, .wd = wd, .decay = decay};
+                    .one_b1 = one_b1, .one_b2 = one_b2, .bc2_sqrt = bc2_sqrt, .eps = eps, .wd = wd, .decay = decay};
     cmlp_pool_for(n, 16, MIN_PER_THREAD, adam_range, &a);
     return CMLP_OK;
 }
@@ -493,7 +494,7 @@ static void sgd_range(void *arg, int64_t lo, int64_t hi) {
         for (int64_t i = lo; i < hi; i++) p[i] -= lr * (g[i] + wd * p[i]);
         return;
     }
-    const float keep = 1.0f - a->dampening;
+    const float keep = a->keep;
     for (int64_t i = lo; i < hi; i++) {
         float gi = g[i] + wd * p[i];
         float b = a->first ? gi : momentum * buf[i] + keep * gi;
@@ -503,7 +504,7 @@ static void sgd_range(void *arg, int64_t lo, int64_t hi) {
 }
 
 static cmlp_status cpu_sgd(void *ctx, float *restrict p, const float *restrict g, float *restrict buf,
-                           int64_t n, float lr, float momentum, float dampening, int nesterov, float wd,
+                           int64_t n, float lr, float momentum, float keep, int nesterov, float wd,
                            int first, const float *found_inf, const int64_t *step, const float *coef) {
     (void)ctx;
     if (found_inf && *found_inf != 0.0f) return CMLP_OK;
@@ -513,7 +514,7 @@ static cmlp_status cpu_sgd(void *ctx, float *restrict p, const float *restrict g
         momentum = coef[1];
     }
     if (momentum != 0.0f && !buf) return CMLP_FAIL(CMLP_ERR_INTERNAL, "SGD with momentum has no momentum buffer");
-    optim_args a = {.p = p, .buf = buf, .g = g, .lr = lr, .momentum = momentum, .dampening = dampening, .wd = wd,
+    optim_args a = {.p = p, .buf = buf, .g = g, .lr = lr, .momentum = momentum, .keep = keep, .wd = wd,
                     .nesterov = nesterov, .first = first};
     cmlp_pool_for(n, 16, MIN_PER_THREAD, sgd_range, &a);
     return CMLP_OK;
@@ -588,6 +589,7 @@ static cmlp_status cpu_optim_prepare(void *ctx, int64_t *step, float *coef, cons
         coef[1] = (float)sqrt(bc2);
         coef[2] = rate->decoupled_wd != 0.0 ? (float)(1.0 - lr * rate->decoupled_wd) : 1.0f;
         coef[3] = (float)momentum;
+        coef[4] = (float)(1.0 - momentum);
     } else {
         coef[0] = (float)lr;
         coef[1] = (float)momentum;

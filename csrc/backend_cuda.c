@@ -881,20 +881,20 @@ static cmlp_status cu_gather_labels(void *ctx, int32_t *d_dst, const int32_t *d_
 /* ---- optimizers and mixed precision ---- */
 
 static cmlp_status cu_adam(void *ctx, float *d_p, const float *d_g, float *d_m, float *d_v, int64_t n, float step_size,
-                           float beta1, float beta2, float bc2_sqrt, float eps, float weight_decay, float decay,
-                           const float *d_found_inf, const float *d_coef) {
+                           float beta1, float beta2, float one_b1, float one_b2, float bc2_sqrt, float eps,
+                           float weight_decay, float decay, const float *d_found_inf, const float *d_coef) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_adam(d_p, d_g, d_m, d_v, n, step_size, beta1, beta2, bc2_sqrt, eps, weight_decay, decay,
-                                 d_found_inf, d_coef, stream_of(c)));
+    return KERNEL(c, cmlp_k_adam(d_p, d_g, d_m, d_v, n, step_size, beta1, beta2, one_b1, one_b2, bc2_sqrt, eps,
+                                 weight_decay, decay, d_found_inf, d_coef, stream_of(c)));
 }
 
 static cmlp_status cu_sgd(void *ctx, float *d_p, const float *d_g, float *d_buf, int64_t n, float lr, float momentum,
-                          float dampening, int nesterov, float weight_decay, int first, const float *d_found_inf,
+                          float keep, int nesterov, float weight_decay, int first, const float *d_found_inf,
                           const int64_t *d_step, const float *d_coef) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_sgd(d_p, d_g, d_buf, n, lr, momentum, dampening, nesterov, weight_decay, first,
+    return KERNEL(c, cmlp_k_sgd(d_p, d_g, d_buf, n, lr, momentum, keep, nesterov, weight_decay, first,
                                 d_found_inf, d_step, d_coef, stream_of(c)));
 }
 

@@ -119,14 +119,14 @@ typedef struct cmlp_dscalars {
     float scale;           /* the loss scale */
     int32_t growth_tracker;
     uint32_t blocks_done;  /* adam_prepared's counter: 0 between steps */
-    float coef[4];         /* optim_prepare's coefficients of the step (Adam's step size, sqrt(1 - beta2^t),
-                            * decay and beta1; SGD's rate and momentum) */
+    float coef[5];         /* optim_prepare's coefficients of the step (Adam's step size, sqrt(1 - beta2^t),
+                            * decay, beta1 and 1 - beta1; SGD's rate and momentum) */
     int64_t pos;           /* the epoch's position: the first sample of the next step */
     float grad_norm;       /* grad_norm's result: the gradients' total norm */
     uint32_t norm_blocks;  /* grad_norm's counter: 0 between calls */
     double norm_sum;       /* clipping: the sum of the call's finite gradient norms */
     int64_t norm_steps;    /* and their count */
-    uint8_t spare[16];     /* keeps the size at 640 bytes */
+    uint8_t spare[8];      /* keeps the size at 640 bytes (with the padding after coef) */
     double norm_part[CMLP_NORM_PARTS]; /* grad_norm's partial results */
 } cmlp_dscalars;
 _Static_assert(sizeof(cmlp_dscalars) == 640, "cmlp_dscalars is 640 bytes");

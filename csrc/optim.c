@@ -341,12 +341,12 @@ cmlp_status cmlp_optim_step_summed(cmlp_optim *o) {
         const cmlp_adam_config *c = &o->adam;
         double bc1 = 1.0 - pow(c->beta1, (double)t), bc2 = 1.0 - pow(c->beta2, (double)t);
         st = b->adam(o->dev->bctx, m->params + at, m->grads + at, o->state, o->state + n, n, (float)(c->lr / bc1),
-                     (float)c->beta1, (float)c->beta2, (float)sqrt(bc2), (float)c->eps, adam_l2(c), adam_decay(c), NULL,
+                     (float)c->beta1, (float)c->beta2, (float)(1.0 - c->beta1), (float)(1.0 - c->beta2), (float)sqrt(bc2), (float)c->eps, adam_l2(c), adam_decay(c), NULL,
                      NULL);
     } else {
         const cmlp_sgd_config *c = &o->sgd;
         st = b->sgd(o->dev->bctx, m->params + at, m->grads + at, o->state, n, (float)c->lr, (float)c->momentum,
-                    (float)c->dampening, c->nesterov, (float)c->weight_decay, first, NULL, NULL, NULL);
+                    (float)(1.0 - c->dampening), c->nesterov, (float)c->weight_decay, first, NULL, NULL, NULL);
     }
     if (st == CMLP_OK) st = gather(o, NULL);
     if (st == CMLP_OK) st = cmlp_model_refresh_half(m);
@@ -396,13 +396,14 @@ cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int6
         const cmlp_adam_config *c = &o->adam;
         st = b->optim_prepare(ctx, d_step, d_coef, d_found_inf, &rate, c->beta2, 1, d_pos, pos_add, scale);
         if (st == CMLP_OK)
-            st = b->adam(ctx, p, g, o->state, o->state + n, n, 0.0f, 0.0f, (float)c->beta2, 1.0f, (float)c->eps,
+            st = b->adam(ctx, p, g, o->state, o->state + n, n, 0.0f, 0.0f, (float)c->beta2, 0.0f,
+                         (float)(1.0 - c->beta2), 1.0f, (float)c->eps,
                          adam_l2(c), 1.0f, d_found_inf, d_coef);
     } else {
         const cmlp_sgd_config *c = &o->sgd;
         st = b->optim_prepare(ctx, d_step, d_coef, d_found_inf, &rate, 0.0, 0, d_pos, pos_add, scale);
         if (st == CMLP_OK)
-            st = b->sgd(ctx, p, g, o->state, n, 0.0f, (float)c->momentum, (float)c->dampening, c->nesterov,
+            st = b->sgd(ctx, p, g, o->state, n, 0.0f, (float)c->momentum, (float)(1.0 - c->dampening), c->nesterov,
                         (float)c->weight_decay, first, d_found_inf, d_step, d_coef);
     }
     if (st == CMLP_OK) st = gather(o, dcomm);

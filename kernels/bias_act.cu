@@ -14,6 +14,7 @@
 
 __device__ __forceinline__ float bias_act1(float y, float b, int relu) {
     float v = f_add(y, b);
+    /* as cuBLASLt's ReLU epilogue, for which this stands in: max(v, 0), a NaN taken to 0 */
     return relu ? (v > 0.0f ? v : 0.0f) : v;
 }
 
@@ -88,9 +89,9 @@ extern "C" cudaError_t cmlp_k_rows_half(uint16_t *y, const uint16_t *bias, int64
 struct relu_bwd_op : cmlp_op_base {
     float *dy;
     const float *h;
-    /* h > 0 with a subnormal h read as zero, as the CPU backend compares under DAZ; dy itself
-     * passes through untouched. */
-    __device__ __forceinline__ static float apply(float d, float hv) { return f_gt(hv, 0.0f) ? d : 0.0f; }
+    /* !(h <= 0) (torch's: a NaN h passes dy) with a subnormal h read as zero, as the CPU backend
+     * compares under DAZ; dy itself passes through untouched. */
+    __device__ __forceinline__ static float apply(float d, float hv) { return f_gtu(hv, 0.0f) ? d : 0.0f; }
     __device__ __forceinline__ bool one(int64_t i) const {
         dy[i] = apply(dy[i], h[i]);
         return false;
@@ -138,7 +139,7 @@ __device__ __forceinline__ float load_dy(const void *p, int64_t i) {
     return __bfloat162float(__ushort_as_bfloat16(b));
 }
 
-/* With MASK, dy goes through the ReLU's backward first (dy = h > 0 ? dy : 0, as the ReLU
+/* With MASK, dy goes through the ReLU's backward first (dy = !(h <= 0) ? dy : 0, as the ReLU
  * backward kernels decide it: under DAZ for float, on the converted value for half) and the
  * result is written to out: when out is dy only the zeros are, when it is another buffer (h
  * itself, whose element each thread reads before it writes it) every element is. The sums are
@@ -148,8 +149,8 @@ __device__ __forceinline__ float take_dy(void *dy, const void *h, void *out, int
     const float v = load_dy<KIND>(dy, i);
     if constexpr (MASK) {
         bool keep;
-        if constexpr (KIND == 0) keep = f_gt(static_cast<const float *>(h)[i], 0.0f);
-        else keep = load_dy<KIND>(h, i) > 0.0f;
+        if constexpr (KIND == 0) keep = f_gtu(static_cast<const float *>(h)[i], 0.0f);
+        else keep = !(load_dy<KIND>(h, i) <= 0.0f);
         if (!keep || out != dy) {
             if constexpr (KIND == 0) static_cast<float *>(out)[i] = keep ? static_cast<const float *>(dy)[i] : 0.0f;
             else static_cast<uint16_t *>(out)[i] = keep ? static_cast<const uint16_t *>(dy)[i] : 0;
@@ -288,12 +289,12 @@ extern "C" cudaError_t cmlp_k_relu_backward_bias_grad(void *dy, const void *h, v
     return bias_grad(db, dy, h, out, kind, rows, cols, overwrite, scratch, scratch_bytes, stream);
 }
 
-/* ---- ReLU backward in half precision: dy[i] = h[i] > 0 ? dy[i] : 0 on fp16 / bf16 bits ---- */
+/* ---- ReLU backward in half precision: dy[i] = !(h[i] <= 0) ? dy[i] : 0 on fp16 / bf16 bits ---- */
 
 template <int KIND>
 __global__ void __launch_bounds__(CMLP_K_THREADS) k_relu_backward_half(uint16_t *dy, const uint16_t *h, int64_t n) {
     for (int64_t i = cmlp_tid(); i < n; i += cmlp_nthreads())
-        if (!(load_dy<KIND>(h, i) > 0.0f)) dy[i] = 0;
+        if (load_dy<KIND>(h, i) <= 0.0f) dy[i] = 0;
 }
 
 extern "C" cudaError_t cmlp_k_relu_backward_half(uint16_t *dy, const uint16_t *h, int64_t n, int bf16,

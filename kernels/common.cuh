@@ -60,6 +60,12 @@ __device__ __forceinline__ bool f_gt(float a, float b) {
     asm("{ .reg .pred p; setp.gt.ftz.f32 p, %1, %2; selp.u32 %0, 1, 0, p; }" : "=r"(r) : "f"(a), "f"(b));
     return r != 0;
 }
+/* a > b or either is NaN (unordered), with subnormal operands read as zero (DAZ). */
+__device__ __forceinline__ bool f_gtu(float a, float b) {
+    unsigned int r;
+    asm("{ .reg .pred p; setp.gtu.ftz.f32 p, %1, %2; selp.u32 %0, 1, 0, p; }" : "=r"(r) : "f"(a), "f"(b));
+    return r != 0;
+}
 /* a == b with subnormal operands read as zero. */
 __device__ __forceinline__ bool f_eq(float a, float b) {
     unsigned int r;

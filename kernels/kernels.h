@@ -110,21 +110,23 @@ cudaError_t cmlp_k_gather_labels(int32_t *dst, const int32_t *src, const int64_t
 
 /* One fused Adam (PyTorch's rule, L2 weight decay added to the gradient) over n floats, with
  * decay != 1 first p = decay * p (decoupled weight decay, AdamW: decay = 1 - lr * wd):
- *   g' = g + weight_decay * p;  m = beta1 m + (1 - beta1) g';  v = beta2 v + (1 - beta2) g'^2
+ *   g' = g + weight_decay * p;  m = beta1 m + one_b1 g';  v = beta2 v + one_b2 g'^2
  *   p -= step_size * m / (sqrt(v) / bc2_sqrt + eps)
- * where step_size = lr / (1 - beta1^t) and bc2_sqrt = sqrt(1 - beta2^t), computed by the caller
- * (the same float operations, in the same order, as the CPU backend), or when coef is not NULL
- * read from coef[0..3] = {step_size, bc2_sqrt, decay, beta1}. When found_inf is not NULL and
- * *found_inf != 0 the kernel changes nothing. */
+ * where step_size = lr / (1 - beta1^t), bc2_sqrt = sqrt(1 - beta2^t), one_b1 = 1 - beta1 and
+ * one_b2 = 1 - beta2 are computed by the caller in double and rounded (the same float operations,
+ * in the same order, as the CPU backend), or when coef is not NULL read from coef[0..4] =
+ * {step_size, bc2_sqrt, decay, beta1, one_b1}. When found_inf is not NULL and *found_inf != 0 the
+ * kernel changes nothing. */
 cudaError_t cmlp_k_adam(float *p, const float *g, float *m, float *v, int64_t n, float step_size, float beta1,
-                        float beta2, float bc2_sqrt, float eps, float weight_decay, float decay,
-                        const float *found_inf, const float *coef, cudaStream_t stream);
+                        float beta2, float one_b1, float one_b2, float bc2_sqrt, float eps, float weight_decay,
+                        float decay, const float *found_inf, const float *coef, cudaStream_t stream);
 /* SGD with PyTorch's rule: g' = g + weight_decay * p; with momentum != 0:
- *   buf = first ? g' : momentum * buf + (1 - dampening) * g';  d = nesterov ? g' + momentum * buf : buf
+ *   buf = first ? g' : momentum * buf + keep * g';  d = nesterov ? g' + momentum * buf : buf
+ * (keep = 1 - dampening, computed by the caller in double and rounded)
  * else d = g'; then p -= lr * d (lr = coef[0] and momentum = coef[1] when coef is not NULL). buf
  * may be NULL when the momentum is 0. found_inf as for Adam. When step is not NULL, first also holds when *step == 1
  * (the count after cmlp_k_optim_prepare). */
-cudaError_t cmlp_k_sgd(float *p, const float *g, float *buf, int64_t n, float lr, float momentum, float dampening,
+cudaError_t cmlp_k_sgd(float *p, const float *g, float *buf, int64_t n, float lr, float momentum, float keep,
                        int nesterov, float weight_decay, int first, const float *found_inf, const int64_t *step,
                        const float *coef, cudaStream_t stream);
 /* A loss scale kept on the device, and PyTorch's rule for moving it (torch's
@@ -154,8 +156,8 @@ typedef struct cmlp_k_rate {
  * from rate (which moves on); when scaler is not NULL, the loss-scale update (cmlp_k_scaler) on
  * the same found_inf; then unless *found_inf != 0 (found_inf may be NULL), t = ++*step and, for
  * Adam (adam != 0, momentum = beta1), coef[0] = (float)(lr / (1 - beta1^t)),
- * coef[1] = (float)sqrt(1 - beta2^t), coef[2] the decay and coef[3] = (float)beta1, in double as
- * the host computes them; for SGD coef[0] = (float)lr, coef[1] = (float)momentum. */
+ * coef[1] = (float)sqrt(1 - beta2^t), coef[2] the decay, coef[3] = (float)beta1 and
+ * coef[4] = (float)(1 - beta1), in double as the host computes them; for SGD coef[0] = (float)lr, coef[1] = (float)momentum. */
 cudaError_t cmlp_k_optim_prepare(int64_t *step, float *coef, const float *found_inf, cmlp_k_rate rate, double beta2,
                                  int adam, int64_t *pos, int64_t pos_add, const cmlp_k_scaler *scaler,
                                  cudaStream_t stream);

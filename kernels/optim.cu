@@ -14,7 +14,7 @@ struct adam_op {
     float *m, *v;
     float step_size, beta1, beta2, one_b1, one_b2, bc2_sqrt, eps, wd, decay;
     const float *found_inf;
-    const float *coef; /* when set: step_size, bc2_sqrt, decay and beta1 computed on the device */
+    const float *coef; /* when set: step_size, bc2_sqrt, decay, beta1 and one_b1 computed on the device */
 
     __device__ __forceinline__ bool begin() {
         if (found_inf && *found_inf != 0.0f) return true;
@@ -23,7 +23,7 @@ struct adam_op {
             bc2_sqrt = coef[1];
             decay = coef[2];
             beta1 = coef[3];
-            one_b1 = f_sub(1.0f, beta1); /* as cpu_adam */
+            one_b1 = coef[4];
         }
         return false;
     }
@@ -60,8 +60,8 @@ struct adam_op {
 };
 
 static adam_op adam_make(float *p, const float *g, float *m, float *v, float step_size, float beta1, float beta2,
-                         float bc2_sqrt, float eps, float weight_decay, float decay, const float *found_inf,
-                         const float *coef) {
+                         float one_b1, float one_b2, float bc2_sqrt, float eps, float weight_decay, float decay,
+                         const float *found_inf, const float *coef) {
     adam_op op;
     op.p = p;
     op.g = g;
@@ -70,8 +70,8 @@ static adam_op adam_make(float *p, const float *g, float *m, float *v, float ste
     op.step_size = step_size;
     op.beta1 = beta1;
     op.beta2 = beta2;
-    op.one_b1 = 1.0f - beta1; /* as cpu_adam: computed once, in float */
-    op.one_b2 = 1.0f - beta2;
+    op.one_b1 = one_b1;
+    op.one_b2 = one_b2;
     op.bc2_sqrt = bc2_sqrt;
     op.eps = eps;
     op.wd = weight_decay;
@@ -82,12 +82,13 @@ static adam_op adam_make(float *p, const float *g, float *m, float *v, float ste
 }
 
 extern "C" cudaError_t cmlp_k_adam(float *p, const float *g, float *m, float *v, int64_t n, float step_size,
-                                   float beta1, float beta2, float bc2_sqrt, float eps, float weight_decay, float decay,
-                                   const float *found_inf, const float *coef, cudaStream_t stream) {
+                                   float beta1, float beta2, float one_b1, float one_b2, float bc2_sqrt, float eps,
+                                   float weight_decay, float decay, const float *found_inf, const float *coef,
+                                   cudaStream_t stream) {
     if (n < 0) return cudaErrorInvalidValue;
     if (n == 0) return cudaSuccess;
-    const adam_op op =
-        adam_make(p, g, m, v, step_size, beta1, beta2, bc2_sqrt, eps, weight_decay, decay, found_inf, coef);
+    const adam_op op = adam_make(p, g, m, v, step_size, beta1, beta2, one_b1, one_b2, bc2_sqrt, eps, weight_decay,
+                                 decay, found_inf, coef);
     const int mis[4] = {cmlp_misalign(p, 4), cmlp_misalign(g, 4), cmlp_misalign(m, 4), cmlp_misalign(v, 4)};
     return cmlp_launch_map(op, n, mis, 4, stream);
 }
@@ -150,7 +151,7 @@ struct sgd_op {
 };
 
 extern "C" cudaError_t cmlp_k_sgd(float *p, const float *g, float *buf, int64_t n, float lr, float momentum,
-                                  float dampening, int nesterov, float weight_decay, int first,
+                                  float keep, int nesterov, float weight_decay, int first,
                                   const float *found_inf, const int64_t *step, const float *coef,
                                   cudaStream_t stream) {
     if (n < 0) return cudaErrorInvalidValue;
@@ -161,7 +162,7 @@ extern "C" cudaError_t cmlp_k_sgd(float *p, const float *g, float *buf, int64_t 
     op.buf = buf;
     op.lr = lr;
     op.momentum = momentum;
-    op.keep = 1.0f - dampening; /* as cpu_sgd */
+    op.keep = keep;
     op.wd = weight_decay;
     op.nesterov = nesterov;
     op.first = first;
@@ -205,8 +206,8 @@ __device__ __forceinline__ const double *rate_of(const cmlp_k_rate &rate) {
     return rate.rates + 2 * (rate.next ? *rate.next : 0);
 }
 
-/* Adam's step size, sqrt(1 - beta2^t), decoupled decay factor and beta1 of step t, in double as
- * the host computes them (no contraction: each operation rounded once) */
+/* Adam's step size, sqrt(1 - beta2^t), decoupled decay factor, beta1 and 1 - beta1 of step t, in
+ * double as the host computes them (no contraction: each operation rounded once) */
 __device__ __forceinline__ void adam_coef(int64_t t, double lr, double beta1, double beta2, double decoupled_wd,
                                           float *coef) {
     const double bc1 = 1.0 - pow(beta1, (double)t), bc2 = 1.0 - pow(beta2, (double)t);
@@ -214,6 +215,7 @@ __device__ __forceinline__ void adam_coef(int64_t t, double lr, double beta1, do
     coef[1] = (float)sqrt(bc2);
     coef[2] = decoupled_wd != 0.0 ? (float)__dadd_rn(1.0, -__dmul_rn(lr, decoupled_wd)) : 1.0f;
     coef[3] = (float)beta1;
+    coef[4] = (float)(1.0 - beta1);
 }
 
 __device__ __forceinline__ void prepare1(int64_t *step, float *coef, bool skip, const cmlp_k_rate &rate,
@@ -256,7 +258,7 @@ struct prepare_args {
 __global__ void __launch_bounds__(CMLP_K_THREADS) k_adam_prepared(adam_op op, int64_t n, int64_t head, int64_t nvec,
                                                                    prepare_args a) {
     const bool skip = op.found_inf && *op.found_inf != 0.0f; /* the same in every thread */
-    __shared__ float coef[4]; /* one thread per block computes them (double precision is slow on some GPUs) */
+    __shared__ float coef[5]; /* one thread per block computes them (double precision is slow on some GPUs) */
     if (!skip && threadIdx.x == 0) {
         const double *r = rate_of(a.rate);
         adam_coef(*a.step + 1, r[0], r[1], a.beta2, a.rate.decoupled_wd, coef);
@@ -267,7 +269,7 @@ __global__ void __launch_bounds__(CMLP_K_THREADS) k_adam_prepared(adam_op op, in
         op.bc2_sqrt = coef[1];
         op.decay = coef[2];
         op.beta1 = coef[3];
-        op.one_b1 = f_sub(1.0f, op.beta1);
+        op.one_b1 = coef[4];
         (void)cmlp_map_elements(op, n, head, nvec);
     }
     __syncthreads(); /* the block is done (its thread 0 read *step and the rate before the first barrier) */
@@ -296,8 +298,8 @@ extern "C" cudaError_t cmlp_k_adam_prepared(float *p, const float *g, float *m, 
                                             cudaStream_t stream) {
     if (n <= 0 || !step || !coef || !blocks_done || !rate.rates) return cudaErrorInvalidValue;
     /* step size, bias correction, decay and beta1: per block, from *step and the rate */
-    const adam_op op = adam_make(p, g, m, v, 0.0f, 0.0f, (float)beta2, 1.0f, eps, weight_decay, 1.0f, found_inf,
-                                 nullptr);
+    const adam_op op = adam_make(p, g, m, v, 0.0f, 0.0f, (float)beta2, 0.0f, (float)(1.0 - beta2), 1.0f, eps,
+                                 weight_decay, 1.0f, found_inf, nullptr);
     prepare_args a = {step, coef, rate, beta2, pos, pos_add, {}, blocks_done};
     if (scaler) a.scaler = *scaler;
     const int mis[4] = {cmlp_misalign(p, 4), cmlp_misalign(g, 4), cmlp_misalign(m, 4), cmlp_misalign(v, 4)};

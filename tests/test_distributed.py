@@ -168,7 +168,10 @@ def test_every_rank_skips_the_same_fp16_steps():
     # a scale of 2**24 overflows the half-precision gradients: the first steps are skipped (by every
     # rank, as by the one process), the scale backs off, and the later steps are taken
     out = run_job(2, "fit", {"amp": "fp16", "init_scale": 2.0**24})
-    check_fit(out, 2, 2e-3, 1e-3)
+    # fp16 gradients summed over two ranks part from one process's in their last bits; Adam's
+    # normalised step turns that into up to lr (1e-3) per step on an element whose gradient is
+    # near 0: 5e-3 of the largest parameter (0.16) is under one such step
+    check_fit(out, 2, 5e-3, 1e-3)
     assert out["skipped"][0] > 0 and sum(out["skipped"]) < 2 * 19
 
 

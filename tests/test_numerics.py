@@ -241,3 +241,28 @@ def test_evaluate(sizes):
         assert abs(out["accuracy"] - expected["accuracy"]) <= ambiguous / len(y)
         assert out["accuracy"] == pytest.approx(np.mean(model.predict(x) == y), abs=1e-12)
     assert 0.3 < expected["accuracy"] < 1.0
+
+
+def test_a_nan_inside_the_network_reaches_the_loss_as_in_torch():
+    """torch's ReLU keeps a NaN (relu(nan) is nan), so a network that overflows inside (inf - inf
+    in a later layer) gives NaN logits and a NaN loss, not a healthy-looking number; its backward
+    passes the gradient at a NaN, as torch's threshold_backward (a NaN is not <= 0)."""
+    model = cmlp.MLP([2, 2, 2, 2], seed=0, normalize=(0.0, 1.0))
+    model.load_state_dict({
+        "fc1.weight": np.array([[1e30, 0], [1e30, 0]], np.float32), "fc1.bias": np.zeros(2, np.float32),
+        "fc2.weight": np.array([[1, -1], [0, 0]], np.float32), "fc2.bias": np.zeros(2, np.float32),
+        "fc3.weight": np.eye(2, dtype=np.float32), "fc3.bias": np.zeros(2, np.float32)})
+    x, y = np.array([[1e10, 0.0]], np.float32), np.array([1])
+    logits = model.forward(x)
+    assert np.isnan(logits[0, 0])
+    assert np.isnan(model.evaluate(x, y)["loss"]) and np.isnan(model.forward_backward(x, y))
+    assert np.isnan(model.grads()["fc3.weight"][:, 0]).all()
+    torch = pytest.importorskip("torch")
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(2, 2), torch.nn.ReLU(),
+                              torch.nn.Linear(2, 2))
+    with torch.no_grad():
+        for i, layer in zip((1, 2, 3), (net[0], net[2], net[4])):
+            layer.weight.copy_(torch.from_numpy(model.state_dict()[f"fc{i}.weight"]))
+            layer.bias.copy_(torch.from_numpy(model.state_dict()[f"fc{i}.bias"]))
+        theirs = net(torch.from_numpy(x)).numpy()
+    assert np.array_equal(np.isnan(theirs), np.isnan(logits))

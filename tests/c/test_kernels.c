@@ -103,14 +103,19 @@ static void test_relu_backward(void) {
     for (int i = 0; i < NCOUNTS; i++)
         for (int off = 0; off < 4; off++) {
             int64_t n = COUNTS[i];
-            buf dy = make(n, 4, off), h = make(n, 4, (off + i) % 4), ref = make(n, 4, 0);
+            buf dy = make(n, 4, off), h = make(n, 4, (off + i) % 4), ref = make(n, 4, 0), was = make(n, 4, 0);
             fill(F(dy), n, 1);
             fill(F(h), n, 1);
+            for (int64_t k = off; k < n; k += 7) F(h)[k] = k % 2 ? NAN : -0.0f; /* a NaN passes dy, -0 does not */
             memcpy(F(ref), F(dy), (size_t)n * 4);
+            memcpy(F(was), F(dy), (size_t)n * 4);
             CPU_CALL(cpu->relu_backward(NULL, F(ref), F(h), n));
             KOK(cmlp_k_relu_backward(F(dy), F(h), n, S));
             CHECK(first_diff(F(dy), F(ref), n) < 0, "relu_backward n %lld off %d", (long long)n, off);
-            free(dy.block), free(h.block), free(ref.block);
+            for (int64_t k = off; k < n; k += 7) /* at a NaN, dy as it was (its bits); at -0, +0 */
+                CHECK(k % 2 ? same_bits(F(dy) + k, F(was) + k, 4) : same_bits(F(dy) + k, &(float){0.0f}, 4),
+                      "relu_backward at %s", k % 2 ? "NaN" : "-0");
+            free(dy.block), free(h.block), free(ref.block), free(was.block);
         }
 }
 
@@ -219,8 +224,8 @@ static void test_relu_backward_half(void) {
             }
             if (bf) cmlp_bf16_to_f32(hf, h.p, n);
             else cmlp_f16_to_f32(hf, h.p, n);
-            for (int64_t k = 0; k < n; k++)
-                if (!(hf[k] > 0.0f)) ref[k] = 0;
+            for (int64_t k = 0; k < n; k++) /* torch's threshold_backward: passes at a NaN */
+                if (hf[k] <= 0.0f) ref[k] = 0;
             KOK(cmlp_k_relu_backward_half(dy.p, h.p, n, bf, S));
             CHECK(same_bits(dy.p, ref, (size_t)n * 2), "relu_backward_half n %lld bf16 %d", (long long)n, bf);
             free(dy.block), free(h.block), free(ref), free(hf);
@@ -503,14 +508,16 @@ static void test_adam(void) {
             float decay = variant >= 6 ? (float)(1.0 - 1e-3 * 0.01) : 1.0f;
             /* from the device the decay and beta1 come with the coefficients (the arguments are then
              * ignored) */
-            float coef[4] = {1.1e-3f, 0.3f, decay, 0.9f};
+            float coef[5] = {1.1e-3f, 0.3f, decay, 0.9f, 0.1f};
             if (variant & 2) decay = 0.5f;
             const float beta1 = variant & 2 ? 0.25f : 0.9f;
             float inf = variant == 4 ? 1.0f : 0.0f;
             const float *fi = variant == 4 || variant == 5 ? &inf : NULL, *cf = variant & 2 ? coef : NULL;
-            KOK(cmlp_k_adam(F(p), F(g), F(m), F(v), n, 1e-3f, beta1, 0.999f, 0.05f, 1e-8f, wd, decay, fi, cf, S));
-            CPU_CALL(
-                cpu->adam(NULL, F(cp), F(g), F(cm), F(cv), n, 1e-3f, beta1, 0.999f, 0.05f, 1e-8f, wd, decay, fi, cf));
+            const float one_b1 = (float)(1.0 - beta1), one_b2 = (float)(1.0 - 0.999);
+            KOK(cmlp_k_adam(F(p), F(g), F(m), F(v), n, 1e-3f, beta1, 0.999f, one_b1, one_b2, 0.05f, 1e-8f, wd, decay,
+                            fi, cf, S));
+            CPU_CALL(cpu->adam(NULL, F(cp), F(g), F(cm), F(cv), n, 1e-3f, beta1, 0.999f, one_b1, one_b2, 0.05f, 1e-8f,
+                               wd, decay, fi, cf));
             CHECK(first_diff(F(p), F(cp), n) < 0 && first_diff(F(m), F(cm), n) < 0 && first_diff(F(v), F(cv), n) < 0,
                   "adam n %lld variant %d", (long long)n, variant);
             free(p.block), free(g.block), free(m.block), free(v.block), free(cp.block), free(cm.block), free(cv.block);
@@ -521,7 +528,7 @@ static void test_sgd(void) {
     for (int i = 0; i < NCOUNTS; i++)
         for (int variant = 0; variant < 48; variant++) {
             int64_t n = COUNTS[i];
-            float momentum = variant & 1 ? 0.9f : 0.0f, damp = variant & 2 ? 0.1f : 0.0f;
+            float momentum = variant & 1 ? 0.9f : 0.0f, keep = variant & 2 ? (float)(1.0 - 0.1) : 1.0f;
             int nesterov = variant >> 2 & 1, first = variant >> 3 & 1, off = (variant >> 4) % 3;
             float wd = variant % 3 ? 1e-2f : 0.0f;
             int64_t step = variant % 5 == 0 ? 1 : 2;
@@ -533,23 +540,23 @@ static void test_sgd(void) {
             buf cp = make(n, 4, 0), cb = make(n, 4, 0);
             fill(F(p), n, 1), fill(F(g), n, 1), fill(F(b), n, 1);
             memcpy(F(cp), F(p), (size_t)n * 4), memcpy(F(cb), F(b), (size_t)n * 4);
-            KOK(cmlp_k_sgd(F(p), F(g), F(b), n, 0.05f, momentum, damp, nesterov, wd, first, NULL, sp, cf, S));
-            CPU_CALL(cpu->sgd(NULL, F(cp), F(g), F(cb), n, 0.05f, momentum, damp, nesterov, wd, first, NULL, sp, cf));
+            KOK(cmlp_k_sgd(F(p), F(g), F(b), n, 0.05f, momentum, keep, nesterov, wd, first, NULL, sp, cf, S));
+            CPU_CALL(cpu->sgd(NULL, F(cp), F(g), F(cb), n, 0.05f, momentum, keep, nesterov, wd, first, NULL, sp, cf));
             CHECK(first_diff(F(p), F(cp), n) < 0 && first_diff(F(b), F(cb), n) < 0, "sgd n %lld variant %d",
                   (long long)n, variant);
             float inf = 1.0f;
             memcpy(F(cp), F(p), (size_t)n * 4);
-            KOK(cmlp_k_sgd(F(p), F(g), F(b), n, 0.05f, momentum, damp, nesterov, wd, first, &inf, sp, cf, S));
+            KOK(cmlp_k_sgd(F(p), F(g), F(b), n, 0.05f, momentum, keep, nesterov, wd, first, &inf, sp, cf, S));
             CHECK(first_diff(F(p), F(cp), n) < 0, "sgd with found_inf changed the parameters");
             free(p.block), free(g.block), free(b.block), free(cp.block), free(cb.block);
         }
     /* momentum 0 never touches the buffer, which may be NULL */
     float p[5] = {1, 2, 3, 4, 5}, g[5] = {1, 1, 1, 1, 1};
-    KOK(cmlp_k_sgd(p, g, NULL, 5, 0.5f, 0.0f, 0.0f, 0, 0.0f, 0, NULL, NULL, NULL, S));
+    KOK(cmlp_k_sgd(p, g, NULL, 5, 0.5f, 0.0f, 1.0f, 0, 0.0f, 0, NULL, NULL, NULL, S));
     CHECK(p[0] == 0.5f && p[4] == 4.5f, "sgd without momentum: %g %g", p[0], p[4]);
     /* the rate (and momentum 0) on the device win over the arguments */
     const float rate[2] = {0.25f, 0.0f};
-    KOK(cmlp_k_sgd(p, g, NULL, 5, 0.5f, 0.0f, 0.0f, 0, 0.0f, 0, NULL, NULL, rate, S));
+    KOK(cmlp_k_sgd(p, g, NULL, 5, 0.5f, 0.0f, 1.0f, 0, 0.0f, 0, NULL, NULL, rate, S));
     CHECK(p[0] == 0.25f && p[4] == 4.25f, "sgd at the device's rate: %g %g", p[0], p[4]);
 }
 
@@ -560,7 +567,7 @@ static void test_optim_prepare(void) {
             int64_t step = k == 2 ? 12345 : k, cstep = step, pos = 7, cpos = 7, cnext = 0;
             long long next = 0;
             const double rates[6] = {3e-4, 0.9, 0.125, 0.85, 7.5e-3, 0.0}; /* (lr, momentum) pairs */
-            float coef[4] = {-1, -1, -1, -1}, ccoef[4] = {-1, -1, -1, -1}, inf = 0.0f;
+            float coef[5] = {-1, -1, -1, -1, -1}, ccoef[5] = {-1, -1, -1, -1, -1}, inf = 0.0f;
             cmlp_k_rate r = {rates, k == 1 ? &next : NULL, k == 1 ? 0.05 : 0.0};
             cmlp_rate_src cr = {rates, k == 1 ? &cnext : NULL, r.decoupled_wd};
             KOK(cmlp_k_optim_prepare(&step, coef, &inf, r, 0.999, adam, &pos, 32, NULL, S));
@@ -568,7 +575,8 @@ static void test_optim_prepare(void) {
             CHECK(step == cstep && same_bits(coef, ccoef, sizeof coef) && pos == 39 && cpos == 39,
                   "optim_prepare adam %d step %lld pos %lld", adam, (long long)step, (long long)pos);
             CHECK(adam ? coef[0] == (float)(3e-4 / (1.0 - pow(0.9, (double)step))) &&
-                             coef[2] == (k == 1 ? (float)(1.0 - 3e-4 * 0.05) : 1.0f) && coef[3] == 0.9f
+                             coef[2] == (k == 1 ? (float)(1.0 - 3e-4 * 0.05) : 1.0f) && coef[3] == 0.9f &&
+                             coef[4] == (float)(1.0 - 0.9)
                        : coef[0] == 3e-4f && coef[1] == 0.9f,
                   "optim_prepare adam %d k %d: coefficients %g %g %g %g", adam, k, coef[0], coef[1], coef[2], coef[3]);
             inf = 1.0f; /* a skipped step moves the position and the rate on */
@@ -601,7 +609,7 @@ static void test_adam_prepared(void) {
             for (int64_t k = 0; k < n; k++) F(v)[k] = uniform(0.0f, 1e-3f);
             memcpy(F(rp), F(p), (size_t)n * 4), memcpy(F(rm), F(m), (size_t)n * 4), memcpy(F(rv), F(v), (size_t)n * 4);
             const bool decoupled = (variant & 1) && i % 2 == 0;
-            float wd = variant & 1 && !decoupled ? 0.01f : 0.0f, coef[4] = {0, 0, 0, 0}, rcoef[4] = {0, 0, 0, 0};
+            float wd = variant & 1 && !decoupled ? 0.01f : 0.0f, coef[5] = {0, 0, 0, 0, 0}, rcoef[5] = {0, 0, 0, 0, 0};
             /* variant 2, 3, 6, 7: a rate and beta1 per step */
             const double rates[8] = {3e-4, 0.9, 1e-2, 0.5, 2.5e-5, 0.0, 0.75, 0.95};
             long long next = 0, rnext = 0;
@@ -621,8 +629,8 @@ static void test_adam_prepared(void) {
                 KOK(cmlp_k_adam_prepared(F(p), F(g), F(m), F(v), n, rate, 0.999, 1e-8f, wd, fi, &step, coef, pp, 32,
                                          sc, &done, S));
                 KOK(cmlp_k_optim_prepare(&rstep, rcoef, fi, rrate, 0.999, 1, rpp, 32, rsc, S));
-                KOK(cmlp_k_adam(F(rp), F(g), F(rm), F(rv), n, 0.0f, 0.0f, 0.999f, 1.0f, 1e-8f, wd, 1.0f, fi, rcoef,
-                                S));
+                KOK(cmlp_k_adam(F(rp), F(g), F(rm), F(rv), n, 0.0f, 0.0f, 0.999f, 0.0f, (float)(1.0 - 0.999), 1.0f,
+                                1e-8f, wd, 1.0f, fi, rcoef, S));
                 CHECK(first_diff(F(p), F(rp), n) < 0 && first_diff(F(m), F(rm), n) < 0 &&
                           first_diff(F(v), F(rv), n) < 0 && step == rstep && same_bits(coef, rcoef, sizeof coef) &&
                           pos == rpos && same_bits(&scale, &rscale, 4) && tr == rtr && skipped == rskipped &&
@@ -712,7 +720,7 @@ static void test_unscale(void) {
 /* The loss-scale update, done by the optimizer's prepare: PyTorch's rule, step for step as the
  * CPU does it (growth, backoff, growth that would overflow) */
 static void test_scale_update(void) {
-    float scale = 65536.0f, cscale = scale, coef[4], ccoef[4];
+    float scale = 65536.0f, cscale = scale, coef[5], ccoef[5];
     const double rate[2] = {1e-3, 0.9};
     const cmlp_k_rate r = {rate, NULL, 0.0};
     const cmlp_rate_src cr = {rate, NULL, 0.0};
@@ -877,7 +885,7 @@ static void test_bad_counts(void) {
     float x = 0;
     CHECK(cmlp_k_relu_backward(&x, &x, -1, S) == cudaErrorInvalidValue, "negative count");
     CHECK(cmlp_k_bias_act(&x, &x, -1, 1, 0, S) == cudaErrorInvalidValue, "negative rows");
-    KOK(cmlp_k_adam(&x, &x, &x, &x, 0, 0, 0, 0, 1, 1, 0, 1, NULL, NULL, S));
+    KOK(cmlp_k_adam(&x, &x, &x, &x, 0, 0, 0, 0, 1, 1, 1, 1, 0, 1, NULL, NULL, S));
     KOK(cmlp_k_bias_grad(&x, &x, 0, 5, 0, NULL, 0, S));
 }
 

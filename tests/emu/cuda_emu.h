@@ -183,6 +183,7 @@ inline float f_mul(float a, float b) { return cmlp_emu::ftz(cmlp_emu::rounded(cm
 inline float f_div(float a, float b) { return cmlp_emu::ftz(cmlp_emu::rounded(cmlp_emu::ftz(a) / cmlp_emu::ftz(b))); }
 inline float f_sqrt(float a) { return cmlp_emu::ftz(cmlp_emu::rounded(std::sqrt(cmlp_emu::ftz(a)))); }
 inline bool f_gt(float a, float b) { return cmlp_emu::ftz(a) > cmlp_emu::ftz(b); }
+inline bool f_gtu(float a, float b) { return !(cmlp_emu::ftz(a) <= cmlp_emu::ftz(b)); }
 inline bool f_eq(float a, float b) { return cmlp_emu::ftz(a) == cmlp_emu::ftz(b); }
 inline double f_to_double(float a) { return (double)cmlp_emu::ftz(a); }
 inline float f_from_double(double a) { return cmlp_emu::ftz(cmlp_emu::rounded((float)a)); }
