@@ -304,6 +304,7 @@ CMLP_API int64_t cmlp_model_bias_offset(const cmlp_model *m, int layer);
 CMLP_API cmlp_status cmlp_model_get_params(const cmlp_model *m, float *host_out);
 CMLP_API cmlp_status cmlp_model_set_params(cmlp_model *m, const float *host_in);
 CMLP_API cmlp_status cmlp_model_get_grads(const cmlp_model *m, float *host_out);
+CMLP_API cmlp_status cmlp_model_set_grads(cmlp_model *m, const float *host_in); /* any values */
 CMLP_API cmlp_status cmlp_model_zero_grad(cmlp_model *m);
 /* Multiplies every gradient by inv_scale (one fused pass) and sets *found_inf to 1 when any
  * result is inf or NaN, else 0. The gradients are unscaled either way (GradScaler.unscale_). */

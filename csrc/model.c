@@ -523,6 +523,10 @@ cmlp_status cmlp_model_get_grads(const cmlp_model *m, float *host_out) {
     return B(m)->copy_d2h(CTX(m), host_out, m->grads, (size_t)m->nparams * sizeof(float));
 }
 
+cmlp_status cmlp_model_set_grads(cmlp_model *m, const float *host_in) {
+    return B(m)->copy_h2d(CTX(m), m->grads, host_in, (size_t)m->nparams * sizeof(float));
+}
+
 cmlp_status cmlp_model_set_params(cmlp_model *m, const float *host_in) {
     for (int64_t i = 0; i < m->nparams; i++)
         if (!isfinite(host_in[i]))

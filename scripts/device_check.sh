@@ -93,6 +93,14 @@ if not cmlp.cuda.is_available():
     except RuntimeError as e:
         print("why:", e)
     raise SystemExit("cmlp sees no GPU: the GPU tests would all be skipped")
+# a NaN inside the network (inf - inf after an overflow) meets cuBLASLt's fused ReLU: kept, as
+# torch's ReLU and the CPU's keep it, or taken to 0
+import numpy as np
+m = cmlp.MLP([2, 2, 2, 2], device="cuda", normalize=(0.0, 1.0))
+m.load_state_dict({"fc1.weight": np.full((2, 2), 1e30, np.float32) * [[1, 0], [1, 0]],
+                   "fc2.weight": np.array([[1, -1], [0, 0]], np.float32), "fc3.weight": np.eye(2, dtype=np.float32),
+                   **{f"fc{i}.bias": np.zeros(2, np.float32) for i in (1, 2, 3)}})
+print("fused ReLU keeps a NaN:", bool(np.isnan(m.forward(np.array([[1e10, 0]], np.float32))).any()))
 EOF
 }
 export -f probe
@@ -120,7 +128,7 @@ main() {
 
     run_phase wheels "$SMALL_LIMIT" bash -c install_wheels
     run_phase build "$BUILD_LIMIT" env CMLP_CUDA=1 CMLP_CUDA_ARCH=90 "$PY" setup.py build_ext --inplace
-    run_phase probe "$SMALL_LIMIT" bash -c probe
+    run_phase probe "$SMALL_LIMIT" bash -c "set -o pipefail; probe | tee '$TMP/probe.log'"
     # every operation synchronised, one line per path: where a crash stops it is where to look
     run_phase smoke "$SMOKE_LIMIT" env CMLP_CUDA_SYNC=1 "$PY" -X faulthandler scripts/gpu_smoke.py
     # shellcheck disable=SC2086 # PYTEST_FLAGS and BENCH_FLAGS are word lists
@@ -149,6 +157,7 @@ main() {
         echo "| $p | $result | ${SECONDS_TAKEN[$p]} |"
         [ "${STATUS[$p]}" = ok ] || failed=1
     done
+    [ -f "$TMP/probe.log" ] && grep -E '^fused ReLU' "$TMP/probe.log" || true
     if [ -f "$TMP/bench.log" ]; then
         echo
         grep -E '^\||^targets|: .*\((met|MISSED)\)$|^FAILED|^cmlp |^torch |^bench_gpu' "$TMP/bench.log" || true

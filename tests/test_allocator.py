@@ -244,7 +244,7 @@ def test_expandable_segments_grow_one_segment_and_release_its_tail():
     before = M.memory_stats(DEV)
     blocks = [M.caching_allocator_alloc(3 * MIB, DEV) for _ in range(5)]
     s = M.memory_stats(DEV)
-    segs = [x for x in M.memory_snapshot(DEV) if x["expandable"] and x["segment_type"] == "large"]
+    segs = [x for x in M.memory_snapshot(DEV) if x["is_expandable"] and x["segment_type"] == "large"]
     assert len(segs) == 1
     grown = s["reserved_bytes.large_pool.current"] - before["reserved_bytes.large_pool.current"]
     assert 15 * MIB <= grown <= 16 * MIB  # 2 MiB pages, no 20 MiB segments

@@ -873,3 +873,47 @@ def test_interpreter_survives_bad_inputs(tmp_path):
                        timeout=120)
     assert r.returncode == 0, f"rc={r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
     assert "survived" in r.stdout
+
+
+def test_numbers_and_flags_given_as_text_are_refused():
+    model = cmlp.MLP([4, 3], seed=0)
+    x, y = np.ones((2, 4), np.float32), np.array([0, 1])
+    for kw in ({"loss_scale": "2"}, {"loss_scale": True}, {"label_smoothing": "0.1"}):
+        with pytest.raises(TypeError):
+            model.forward_backward(x, y, **kw)
+    assert model._grads_none  # nothing was added
+    with pytest.raises(TypeError):
+        cmlp.Trainer(model, cmlp.optim.SGD(model), batch_size=2, label_smoothing="0.1")
+    trainer = cmlp.Trainer(model, cmlp.optim.SGD(model), batch_size=2)
+    before = model._c.get_params()
+    with pytest.raises(TypeError, match="progress"):
+        trainer.fit(x, y, epochs=1, progress="no")
+    assert np.array_equal(model._c.get_params(), before) and trainer.state_dict()["epochs"] == 0
+
+
+def test_allocator_settings_given_as_a_dict_name_the_key_they_refuse():
+    before = cmlp.memory.get_config()
+    for config, key in [({"roundup_power2_divisions": True}, "roundup_power2_divisions"),
+                        ({"roundup_power2_divisions": "4"}, "roundup_power2_divisions"),
+                        ({"roundup_power2_divisions": [1.5] * 4}, "roundup_power2_divisions"),
+                        ({"max_split_size_mb": float("inf")}, "max_split_size_mb"),
+                        ({"max_split_size_mb": "abc"}, "max_split_size_mb"),
+                        ({"max_split_size_mb": 128.9}, "max_split_size_mb")]:
+        with pytest.raises(ValueError, match=key):
+            cmlp.memory.configure(config)
+    assert cmlp.memory.get_config() == before
+    cmlp.memory.configure({"max_split_size_mb": np.int64(128)})
+    assert cmlp.memory.get_config()["max_split_size_mb"] == 128
+    cmlp.memory.configure(before)
+    assert cmlp.memory.get_config() == before
+
+
+def test_a_model_file_whose_array_claims_more_than_memory_is_refused(tmp_path):
+    import zipfile
+    header = b"{'descr': '<f4', 'fortran_order': False, 'shape': (100000000000,), }"
+    header += b" " * (64 - (10 + len(header) + 1) % 64) + b"\n"
+    path = tmp_path / "claims.npz"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("fc1.weight.npy", b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + b"\0" * 16)
+    with pytest.raises(ValueError, match="not a readable cmlp model file"):
+        cmlp.MLP.load(path)

@@ -1115,7 +1115,7 @@ def test_expandable_segments_on_the_gpu_train_identically_and_give_pages_back():
         cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=128, shuffle=False).fit(x, y, epochs=1,
                                                                                        progress=False)
         assert_stats_match_snapshot(CUDA)
-        return model.state_dict(), any(seg["expandable"] for seg in M.memory_snapshot(CUDA))
+        return model.state_dict(), any(seg["is_expandable"] for seg in M.memory_snapshot(CUDA))
 
     plain, _ = run()
     gc.collect()

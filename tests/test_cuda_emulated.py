@@ -157,6 +157,7 @@ def test_the_device_check_script_runs_on_the_emulated_cuda_backend():
         assert f"| {phase} | ok" in summary, tail
     assert "| tests | ok: 1 passed" in summary and "| 32 | fp16 |" in summary, tail
     assert "profile_gpu: nothing profiled" in summary, tail
+    assert "fused ReLU keeps a NaN: False" in summary, tail  # the emulated cuBLASLt's max(x, 0)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="the profile is PyTorch's profiler")

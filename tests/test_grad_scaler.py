@@ -307,13 +307,36 @@ def test_step_twice():
 
 def test_update_without_step():
     s = amp.GradScaler()
-    with pytest.raises(RuntimeError, match=r"No inf checks were recorded prior to update\."):
+    with pytest.raises(AssertionError, match=r"No inf checks were recorded prior to update\."):
         s.update()
     model, opt = make()
     iteration(s, model, opt)
-    with pytest.raises(RuntimeError, match="No inf checks"):
+    with pytest.raises(AssertionError, match="No inf checks"):
         s.update()          # update() ended the iteration: nothing recorded since
     assert s._get_state() == (65536.0, 1)
+
+
+def test_an_iteration_without_gradients_checks_nothing_as_in_torch():
+    # torch's unscale_ checks the parameters that have a .grad: with none, nothing is recorded,
+    # so step() and update() assert, and the scale does not grow
+    s = amp.GradScaler(init_scale=4.0, growth_interval=1)
+    model, opt = make()
+    start = flat(model.state_dict())
+    opt.zero_grad()
+    s.unscale_(opt)
+    with pytest.raises(AssertionError, match=r"No inf checks were recorded prior to update\."):
+        s.update()
+    model.forward_backward(*batch(0), loss_scale=s.get_scale())  # gradients after unscale_: never checked
+    with pytest.raises(AssertionError, match=r"No inf checks were recorded for this optimizer\."):
+        s.step(opt)
+    assert same_bits(flat(model.state_dict()), start) and s._get_state() == (4.0, 0)
+    s2 = amp.GradScaler(init_scale=4.0, growth_interval=1)
+    opt.zero_grad()
+    with pytest.raises(AssertionError, match="for this optimizer"):
+        s2.step(opt)
+    with pytest.raises(AssertionError, match="prior to update"):  # the refused step recorded nothing
+        s2.update()
+    assert s2._get_state() == (4.0, 0)
 
 
 def test_update_resets_the_iteration():
@@ -538,3 +561,29 @@ def test_a_scale_whose_reciprocal_is_subnormal_unscales_as_torch(scale):
     cmlp.Trainer(ref, ref_opt, batch_size=8).fit(x, y, epochs=1, progress=False)
     assert not np.array_equal(model._c.get_params(), start)
     assert np.allclose(model._c.get_params(), ref._c.get_params(), rtol=1e-5, atol=1e-6)
+
+
+def test_the_factors_and_interval_are_read_and_set_as_in_torch():
+    s = amp.GradScaler(init_scale=4.0, growth_factor=3.0, backoff_factor=0.25, growth_interval=3)
+    assert (s.get_growth_factor(), s.get_backoff_factor(), s.get_growth_interval()) == (3.0, 0.25, 3)
+    model, opt = make()
+    iteration(s, model, opt)
+    iteration(s, model, opt)
+    assert s._get_growth_tracker() == 2
+    s.set_growth_factor(4.0)
+    s.set_backoff_factor(0.5)
+    s.set_growth_interval(2)  # two good steps in a row already: the next one grows
+    assert s.state_dict() == {"scale": 4.0, "growth_factor": 4.0, "backoff_factor": 0.5, "growth_interval": 2,
+                              "_growth_tracker": 1}
+    iteration(s, model, opt)
+    assert s._get_state() == (16.0, 0)
+    iteration(s, model, opt, "inf")
+    assert s._get_state() == (8.0, 0)
+    for bad in (lambda: s.set_growth_factor(1.0), lambda: s.set_backoff_factor(1.5),
+                lambda: s.set_growth_interval(0)):
+        with pytest.raises(ValueError):
+            bad()
+    with pytest.raises(TypeError):
+        s.set_growth_interval(2.0)
+    assert s.state_dict()["growth_factor"] == 4.0 and s.get_growth_interval() == 2
+    assert amp.GradScaler(enabled=False)._get_growth_tracker() == 0

@@ -256,10 +256,11 @@ def test_a_model_freed_while_an_exception_propagates_keeps_it():
 
 
 def plain(v):
-    """Only what PyTorch's viewer unpickles: dicts, lists, str, int, float, bool, None."""
+    """Only what PyTorch's viewer unpickles: dicts, lists, tuples (segment_pool_id), str, int,
+    float, bool, None."""
     if isinstance(v, dict):
         return all(isinstance(k, str) and plain(x) for k, x in v.items())
-    if isinstance(v, list):
+    if isinstance(v, (list, tuple)):
         return all(plain(x) for x in v)
     return v is None or isinstance(v, (str, int, float, bool))
 
@@ -485,3 +486,16 @@ def test_the_report_counts_blocks_pending_free_and_histories_without_completions
              {"action": "free_requested", "addr": 4 * mib, "size": 2 * mib, "frames": frames}]
     text = M.snapshot_report({"segments": [seg], "device_traces": [alloc]})
     assert "6.00 MiB at entry 0" in text, text
+
+
+def test_memory_snapshot_gives_torchs_segments():
+    # torch.cuda.memory_snapshot() is _snapshot()["segments"]: the same keys and values
+    model = cmlp.MLP([20, 30, 5], seed=0)
+    segs = M.memory_snapshot(DEV)
+    assert segs and all(set(s) == {"device", "address", "total_size", "allocated_size", "active_size",
+                                   "requested_size", "stream", "segment_type", "segment_pool_id", "is_expandable",
+                                   "frames", "blocks"} for s in segs)
+    assert all(s["device"] == 0 and s["segment_pool_id"] == (0, 0) and s["is_expandable"] in (True, False)
+               for s in segs)
+    assert segs == M._snapshot(DEV)["segments"]
+    del model

@@ -321,6 +321,16 @@ def test_memory_summary():
     row = next(line for line in text.splitlines() if line.startswith("| Allocated memory"))
     shown = f"{n // 1024**2:6d} MiB" if n >= 768 * 1024**2 else f"{n // 1024:6d} KiB" if n >= 768 * 1024 else f"{n:6d} B  "
     assert row.split("|")[2] == f" {shown} ", row
+    # the count rows, Oversize ones too, as torch's _format_count: 7 digits, a unit, a space
+    oversize = next(line for line in text.splitlines() if line.startswith("| Oversize allocations"))
+    allocs = next(line for line in text.splitlines() if line.startswith("| Allocations"))
+    assert [len(c) for c in oversize.split("|")[2:6]] == [len(c) for c in allocs.split("|")[2:6]] == [12] * 4
+    assert oversize.split("|")[2] == f" {M.memory_stats(DEV)['oversize_allocations.current']:7d}    "
+    short = M.memory_summary(DEV, abbreviated=True)  # torch's: without the pool rows
+    assert "from large pool" in text and "from small pool" in text
+    assert short.splitlines() == [line for line in text.splitlines() if "      from " not in line]
+    with pytest.raises(TypeError):
+        M.memory_summary(DEV, abbreviated="yes")
     del model
 
 

@@ -287,3 +287,39 @@ def test_deepcopy_is_an_independent_model_with_the_same_parameters():
     opt.step()
     assert not np.array_equal(twin.forward(x), model.forward(x))
     assert np.array_equal(model.forward(x), copy.deepcopy(model).forward(x))
+
+
+class _Tagged(cmlp.MLP):
+    def __init__(self, sizes, tag):
+        super().__init__(sizes, seed=1)
+        self.tag, self.history = tag, [1.0]
+
+
+def test_deepcopy_keeps_the_class_and_the_attributes_and_copies_optimizers_as_torch():
+    import copy
+
+    model = _Tagged([6, 5, 3], "mine")
+    twin = copy.deepcopy(model)
+    assert type(twin) is _Tagged and twin.tag == "mine" and twin.history == [1.0]
+    assert twin.history is not model.history
+    x, y = np.random.default_rng(0).random((4, 6), dtype=np.float32), np.array([0, 1, 2, 0])
+    for make in (lambda m: cmlp.optim.Adam(m, lr=1e-2, betas=(0.8, 0.9), fused=True),
+                 lambda m: cmlp.optim.AdamW(m, weight_decay=0.3),
+                 lambda m: cmlp.optim.SGD(m, lr=0.1, momentum=0.9, nesterov=True)):
+        model = cmlp.MLP([6, 5, 3], seed=2)
+        opt = make(model)
+        model.forward_backward(x, y)
+        opt.step()
+        opt.param_groups[0]["note"] = ["kept"]
+        m2, o2 = copy.deepcopy([model, opt])  # torch's idiom: the copy steps the copied model
+        assert type(o2) is type(opt) and o2.model is m2 and o2 is not opt
+        (s1, b1), (s2, b2) = opt._c.get_state(), o2._c.get_state()
+        assert s1 == s2 and len(b1) == len(b2) and all(np.array_equal(u, v) for u, v in zip(b1, b2))
+        assert o2.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
+        assert o2.param_groups[0]["note"] == ["kept"]
+        for m, o in ((model, opt), (m2, o2)):
+            m.forward_backward(x, y)
+            o.step()
+        assert np.array_equal(m2._c.get_params(), model._c.get_params())
+        alone = copy.deepcopy(opt)  # with a copy of its model
+        assert alone.model is not model and np.array_equal(alone.model._c.get_params(), model._c.get_params())

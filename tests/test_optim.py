@@ -388,6 +388,11 @@ def test_a_step_without_gradients_changes_nothing_as_in_torch(make):
     opt.step()
     assert np.array_equal(model._c.get_params(), after_one)
     assert opt._c.get_state()[0] == 1
+    opt.zero_grad(set_to_none=False)  # a None .grad stays None
+    model.zero_grad(set_to_none=False)
+    opt.step()
+    assert np.array_equal(model._c.get_params(), after_one) and opt._c.get_state()[0] == 1
+    model.forward_backward(x, y)
     opt.zero_grad(set_to_none=False)  # zero gradients that exist: weight decay still applies
     opt.step()
     assert not np.array_equal(model._c.get_params(), after_one) and opt._c.get_state()[0] == 2
@@ -427,3 +432,189 @@ def test_the_gradients_of_a_fit_that_failed_after_steps_count_as_gradients():
     assert taken == 4
     opt.step()
     assert opt._c.get_state()[0] == taken + 1 and not np.array_equal(model._c.get_params(), before)
+
+
+@pytest.mark.parametrize("kind,betas", [("adam", (0.9, 0.999)), ("adam", (0.9, 0.99999)), ("adam", (0.99999, 0.999)),
+                                        ("adam", (0.5, 0.75)), ("sgd", 0.999)])
+def test_one_minus_beta_and_dampening_are_formed_in_double_as_torch_forms_them(kind, betas):
+    """torch forms 1 - beta1, 1 - beta2 (and SGD's 1 - dampening) in double and rounds them once;
+    1.0f - (float)beta is off by 1.3e-5 relative for beta 0.999 and by 1e-3 near 0.99999. Adam's
+    moments after one step are (1 - beta1) g and (1 - beta2) g^2; SGD's buffer after two steps on
+    the same gradients is (momentum + 1 - dampening) g: each within float rounding."""
+    model = cmlp.MLP([6, 5, 3], seed=0, device=DEVICE)
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((8, 6)).astype(np.float32), rng.integers(0, 3, 8)
+    model.forward_backward(x, y)
+    g = [v.astype(np.float64) for v in model.grads().values()]
+    if kind == "adam":
+        opt = cmlp.optim.Adam(model, betas=betas)
+        opt.step()
+        want = {"exp_avg": [(1 - betas[0]) * t for t in g], "exp_avg_sq": [(1 - betas[1]) * t * t for t in g]}
+    else:
+        opt = cmlp.optim.SGD(model, momentum=1e-3, dampening=betas)
+        opt.step()
+        opt.step()
+        want = {"momentum_buffer": [(1e-3 + (1 - betas)) * t for t in g]}
+    state = opt.state_dict()["state"]
+    for key, tensors in want.items():
+        for i, w in enumerate(tensors):
+            got = np.asarray(state[i][key], np.float64)
+            big = np.abs(w) > 1e-3 * np.abs(w).max()
+            assert np.max(np.abs(got[big] - w[big]) / np.abs(w[big])) < 5e-7, (key, i)
+
+
+def _torch_twin(model):
+    torch = pytest.importorskip("torch")
+    sd = model.state_dict()
+    layers = [torch.nn.Linear(a, b) for a, b in zip(SIZES[:-1], SIZES[1:])]
+    with torch.no_grad():
+        for i, layer in enumerate(layers):
+            layer.weight.copy_(torch.from_numpy(sd[f"fc{i + 1}.weight"]))
+            layer.bias.copy_(torch.from_numpy(sd[f"fc{i + 1}.bias"]))
+    return torch, layers
+
+
+def _torch_backward(torch, layers, x, y):
+    h = torch.from_numpy(x)
+    for i, layer in enumerate(layers):
+        h = layer(h) if i == len(layers) - 1 else torch.relu(layer(h))
+    torch.nn.functional.cross_entropy(h, torch.from_numpy(y)).backward()
+
+
+EDITS = {"adam": [("weight_decay", 0.3), ("betas", (0.5, 0.9)), ("eps", 1e-3), ("lr", 3e-2),
+                  ("decoupled_weight_decay", True)],
+         "sgd": [("momentum", 0.0), ("weight_decay", 0.2), ("momentum", 0.5), ("dampening", 0.25), ("lr", 0.3),
+                 ("dampening", 0.0), ("nesterov", True)]}
+
+
+@pytest.mark.parametrize("kind", ["adam", "sgd"])
+@pytest.mark.parametrize("how", ["attribute", "param_groups"])
+def test_hyperparameters_changed_between_steps_apply_from_the_next_step_as_in_torch(kind, how):
+    """torch reads its param groups at every step: a setting changed in between (here as
+    param_groups[0][key] = value, or in cmlp as an attribute too) is what the next step uses."""
+    model = cmlp.MLP(SIZES, seed=5)
+    torch, layers = _torch_twin(model)
+    params = [p for layer in layers for p in (layer.weight, layer.bias)]
+    if kind == "adam":
+        mine, theirs = cmlp.optim.Adam(model, lr=1e-2), torch.optim.Adam(params, lr=1e-2)
+    else:
+        mine, theirs = cmlp.optim.SGD(model, lr=0.1, momentum=0.9), torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    rng = np.random.default_rng(6)
+    for key, value in [(None, None)] + EDITS[kind]:
+        if key is not None:
+            if how == "attribute":
+                setattr(mine, key, value)
+            else:
+                mine.param_groups[0][key] = value
+            theirs.param_groups[0][key] = value
+            assert mine.param_groups[0][key] == value and mine.state_dict()["param_groups"][0][key] == value
+        x = rng.standard_normal((BATCH, SIZES[0])).astype(np.float32)
+        y = rng.integers(0, SIZES[-1], BATCH)
+        theirs.zero_grad()
+        _torch_backward(torch, layers, x, y)
+        theirs.step()
+        cmlp_step(model, mine, x, y)
+        got = model.state_dict()
+        for i, layer in enumerate(layers):
+            assert rel_err(got[f"fc{i + 1}.weight"], layer.weight.detach().numpy()) < 1e-5, key
+            assert rel_err(got[f"fc{i + 1}.bias"], layer.bias.detach().numpy()) < 1e-5, key
+
+
+def test_a_setting_changed_as_an_attribute_steps_as_one_loaded_with_a_state_dict():
+    runs = []
+    for how in ("attribute", "load"):
+        model = cmlp.MLP(SIZES, seed=5)
+        opt = cmlp.optim.SGD(model, lr=0.1, momentum=0.9)
+        rng = np.random.default_rng(6)
+        for step in range(3):
+            if step == 1:
+                if how == "attribute":
+                    opt.weight_decay, opt.momentum = 0.5, 0.25
+                else:
+                    sd = opt.state_dict()
+                    sd["param_groups"][0].update(weight_decay=0.5, momentum=0.25)
+                    opt.load_state_dict(sd)
+            cmlp_step(model, opt, rng.standard_normal((BATCH, SIZES[0])).astype(np.float32),
+                      rng.integers(0, SIZES[-1], BATCH))
+        runs.append(model._c.get_params())
+    assert np.array_equal(runs[0], runs[1])
+    start = cmlp.MLP(SIZES, seed=5)._c.get_params()
+    assert not np.array_equal(runs[0], start)
+
+
+def test_a_refused_setting_changes_nothing():
+    model = cmlp.MLP(SIZES, seed=0)
+    adam, sgd = cmlp.optim.Adam(model), cmlp.optim.SGD(cmlp.MLP(SIZES, seed=0), momentum=0.9)
+    before = (adam.state_dict()["param_groups"], sgd.state_dict()["param_groups"])
+    for opt, key, value, error in [(adam, "betas", (1.0, 0.9), ValueError), (adam, "eps", -1.0, ValueError),
+                                   (adam, "weight_decay", "x", TypeError), (adam, "betas", 0.9, TypeError),
+                                   (sgd, "momentum", -0.1, ValueError), (sgd, "nesterov", 1.5, ValueError),
+                                   (sgd, "dampening", float("nan"), ValueError)]:
+        for how in ("attribute", "param_groups"):
+            with pytest.raises(error):
+                if how == "attribute":
+                    setattr(opt, key, value)
+                else:
+                    opt.param_groups[0][key] = value
+    with pytest.raises(ValueError, match="'params' cannot change"):
+        sgd.param_groups[0]["params"] = [0]
+    with pytest.raises(ValueError, match="no 'betas'"):
+        sgd.param_groups[0]["betas"] = (0.9, 0.99)
+    with pytest.raises(ValueError, match="amsgrad=True is not supported"):
+        adam.param_groups[0]["amsgrad"] = True
+    assert (adam.state_dict()["param_groups"], sgd.state_dict()["param_groups"]) == before
+
+
+def test_param_groups_is_torchs_one_group():
+    model = cmlp.MLP(SIZES, seed=0)
+    opt = cmlp.optim.Adam(model, lr=2e-3)
+    (group,) = opt.param_groups
+    assert dict(group) == opt.state_dict()["param_groups"][0]
+    assert group["params"] == list(range(len(model.state_dict())))
+    for g in opt.param_groups:  # torch's idiom for a manual schedule
+        g["lr"] = g["lr"] * 0.5
+    assert opt.lr == 1e-3
+    group["my_note"] = "kept"  # torch keeps any key
+    assert group["my_note"] == "kept" and "my_note" in group
+    del group["my_note"]
+    with pytest.raises(KeyError):
+        del group["lr"]
+    group["initial_lr"] = 5e-3
+    assert opt.state_dict()["param_groups"][0]["initial_lr"] == 5e-3
+
+
+def test_torchs_implementation_flags_are_taken_and_unsupported_ones_refused():
+    model = cmlp.MLP(SIZES, seed=0)
+    for make in (lambda **k: cmlp.optim.Adam(model, **k), lambda **k: cmlp.optim.AdamW(model, **k),
+                 lambda **k: cmlp.optim.SGD(model, **k)):
+        opt = make(foreach=True, fused=None, differentiable=False, maximize=False)
+        group = opt.state_dict()["param_groups"][0]
+        assert group["foreach"] is True and group["fused"] is None and group["differentiable"] is False
+        opt.param_groups[0]["fused"] = True
+        assert opt.param_groups[0]["fused"] is True
+        for flag in ("maximize", "differentiable"):
+            with pytest.raises(ValueError, match=f"{flag}=True is not supported"):
+                make(**{flag: True})
+        with pytest.raises(TypeError):
+            make(foreach="yes")
+    cmlp.optim.Adam(model, 1e-3, (0.9, 0.999), 1e-8, 0.0, False, capturable=True)  # torch's positions
+    with pytest.raises(ValueError, match="amsgrad=True is not supported"):
+        cmlp.optim.Adam(model, amsgrad=True)
+
+
+def test_param_groups_update_is_all_or_nothing_and_initial_lr_is_a_rate():
+    opt = cmlp.optim.Adam(cmlp.MLP(SIZES, seed=0), lr=1e-3)
+    before = opt.state_dict()["param_groups"]
+    with pytest.raises(ValueError):
+        opt.param_groups[0].update({"lr": 0.5, "fused": True, "betas": (2.0, 0.9)})
+    assert opt.state_dict()["param_groups"] == before and opt.lr == 1e-3
+    opt.param_groups[0].update(lr=0.5, betas=(0.8, 0.9))
+    assert opt.lr == 0.5 and opt.betas == (0.8, 0.9)
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="initial_lr"):
+            opt.param_groups[0]["initial_lr"] = bad
+        sd = opt.state_dict()
+        sd["param_groups"][0]["initial_lr"] = bad
+        with pytest.raises(ValueError, match="initial_lr"):
+            opt.load_state_dict(sd)
+    assert "initial_lr" not in opt.state_dict()["param_groups"][0]

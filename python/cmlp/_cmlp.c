@@ -491,6 +491,16 @@ static PyObject *Model_set_params(ModelObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Model_set_grads(ModelObject *self, PyObject *arg) {
+    if (model_ready(self) < 0) return NULL;
+    const float *src;
+    if (as_flat(arg, cmlp_model_num_parameters(self->m), &src) < 0) return NULL;
+    cmlp_status st;
+    RUN_LOCKED(self, st, cmlp_model_set_grads(self->m, src));
+    if (st != CMLP_OK) return raise_status(self->ms, st);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Model_zero_grad(ModelObject *self, PyObject *unused) {
     (void)unused;
     if (model_ready(self) < 0) return NULL;
@@ -626,6 +636,7 @@ static PyMethodDef Model_methods[] = {
     {"get_params", (PyCFunction)Model_get_params, METH_NOARGS, "flat float32 copy of the parameters"},
     {"set_params", (PyCFunction)Model_set_params, METH_O, "replace parameters from a flat float32 array"},
     {"get_grads", (PyCFunction)Model_get_grads, METH_NOARGS, "flat float32 copy of the gradients"},
+    {"set_grads", (PyCFunction)Model_set_grads, METH_O, "replaces the gradients (flat float32)"},
     {"zero_grad", (PyCFunction)Model_zero_grad, METH_NOARGS, "zero the gradient buffer"},
     {"release_workspace", (PyCFunction)Model_release_workspace, METH_NOARGS, "free the activation workspace"},
     {"forward", (PyCFunction)(void (*)(void))Model_forward, METH_VARARGS | METH_KEYWORDS, "logits"},

@@ -155,6 +155,18 @@ def blocks_with_frames(dev: str, segments: List[Dict[str, Any]], shared: Optiona
     return segments
 
 
+def torch_segments(dev: str, raw: List[Dict[str, Any]], shared: Optional[_Shared] = None) -> List[Dict[str, Any]]:
+    """The raw snapshot's segments with PyTorch's keys (torch.cuda.memory_snapshot()'s): device
+    as an index, stream, segment_type, segment_pool_id, is_expandable, frames, and blocks with
+    frames."""
+    index = _device_index(dev)
+    return [{"device": index, "address": seg["address"], "total_size": seg["total_size"],
+             "allocated_size": seg["allocated_size"], "active_size": seg["active_size"],
+             "requested_size": seg["requested_size"], "stream": 0, "segment_type": seg["segment_type"],
+             "segment_pool_id": (0, 0), "is_expandable": seg["expandable"], "frames": [], "blocks": seg["blocks"]}
+            for seg in blocks_with_frames(dev, raw, shared)]
+
+
 def _device_index(dev: str) -> int:
     return 0 if dev == "cpu" else int(dev.partition(":")[2])
 
@@ -183,14 +195,7 @@ def snapshot(device: Optional[str] = None) -> Dict[str, Any]:
         raw, history = _cmlp.snapshot_history(dev)
         stacks, shared = _stacks_of(dev), {}
         index = _device_index(dev)
-        segments = []
-        for seg in blocks_with_frames(dev, raw, shared):
-            segments.append({
-                "device": index, "address": seg["address"], "total_size": seg["total_size"],
-                "allocated_size": seg["allocated_size"], "active_size": seg["active_size"],
-                "requested_size": seg["requested_size"], "stream": 0, "segment_type": seg["segment_type"],
-                "is_expandable": seg["expandable"], "frames": [], "blocks": seg["blocks"],
-            })
+        segments = torch_segments(dev, raw, shared)
         trace = [_entry(e, stacks, shared) for e in history]
     return {"segments": segments, "device_traces": [[] for _ in range(index)] + [trace]}
 

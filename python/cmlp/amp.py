@@ -76,6 +76,30 @@ class GradScaler:
     def is_enabled(self) -> bool:
         return self._enabled
 
+    def get_growth_factor(self) -> float:
+        return self._growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        self._growth_factor = _check_factors(new_factor, self._backoff_factor)[0]
+
+    def get_backoff_factor(self) -> float:
+        return self._backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        self._backoff_factor = _check_factors(self._growth_factor, new_factor)[1]
+
+    def get_growth_interval(self) -> int:
+        return self._growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """A run that has already had new_interval successful steps in a row grows at its next."""
+        interval = _check_count("growth_interval", new_interval, 1)
+        self._growth_interval = interval
+        self._growth_tracker = min(self._growth_tracker, interval - 1)
+
+    def _get_growth_tracker(self) -> int:
+        return self._growth_tracker if self._enabled else 0
+
     def get_scale(self) -> float:
         """The current scale (a float32 value); 1.0 when disabled."""
         return self._scale if self._enabled else 1.0
@@ -90,8 +114,9 @@ class GradScaler:
         if optimizer._c.shards()[0]:  # before anything changes (each rank would decide on its own inf)
             raise RuntimeError("a ZeroRedundancyOptimizer steps in a data-parallel cmlp.Trainer (give it the scaler): "
                                "its gradients are summed and checked over the ranks there")
+        # found_inf: None until gradients are checked
         return self._per_optimizer.setdefault(id(optimizer), {"unscaled": False, "stepped": False,
-                                                              "found_inf": False})
+                                                              "found_inf": None})
 
     def unscale_(self, optimizer: Optimizer) -> None:
         """Divides the gradients of optimizer's model by the scale (multiplies by the float32
@@ -104,10 +129,13 @@ class GradScaler:
             raise RuntimeError("unscale_() is being called after step().")
         if state["unscaled"]:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        state["unscaled"] = True
+        if optimizer.model._grads_none:  # no gradient: nothing checked (torch: no parameter has a .grad)
+            state["found_inf"] = None
+            return
         with np.errstate(divide="ignore"):
             inv_scale = _f32(1.0 / np.float64(self._scale))   # inf for a scale underflowed to 0
         state["found_inf"] = bool(optimizer.model._c.unscale_grads(inv_scale))
-        state["unscaled"] = True
 
     def step(self, optimizer: Optimizer) -> bool:
         """Unscales (unless unscale_ was called), then runs optimizer.step() unless a gradient
@@ -118,7 +146,7 @@ class GradScaler:
         state = self._state_of(optimizer)
         if state["stepped"]:
             raise RuntimeError("step() has already been called since the last update().")
-        if optimizer.model._grads_none:  # no gradient to check (torch: no parameter has a .grad)
+        if optimizer.model._grads_none or (state["unscaled"] and state["found_inf"] is None):  # none checked
             raise AssertionError("No inf checks were recorded for this optimizer.")
         if not state["unscaled"]:
             self.unscale_(optimizer)
@@ -141,9 +169,10 @@ class GradScaler:
                 raise TypeError(f"new_scale must be a number or a 1-element array, got {new_scale!r}")
             self._scale = _check_scale("new_scale", arr.reshape(()).item())
         else:
-            if not self._per_optimizer:
-                raise RuntimeError("No inf checks were recorded prior to update.")
-            if any(s["found_inf"] for s in self._per_optimizer.values()):
+            found = [s["found_inf"] for s in self._per_optimizer.values() if s["found_inf"] is not None]
+            if not found:  # no unscale_ or step since the last update, or only ones without gradients
+                raise AssertionError("No inf checks were recorded prior to update.")
+            if any(found):
                 self._scale = _f32(self._scale * self._backoff_factor)
                 self._growth_tracker = 0
             else:

@@ -183,16 +183,17 @@ def caching_allocator_delete(ptr: int) -> None:
 
 
 def memory_snapshot(device: Optional[str] = None) -> List[Dict[str, Any]]:
-    """Every segment with its blocks, sorted by address: {address, device, total_size,
-    allocated_size, active_size, requested_size, stream (0), segment_type "small"/"large",
-    expandable, blocks: [{address, size, requested_size, state "active_allocated"/"inactive",
-    frames}]}. An allocated block's frames say what it holds ({"filename": "cmlp", "line": 0,
+    """Every segment with its blocks, sorted by address, as torch.cuda.memory_snapshot() gives
+    them: {device (the index; 0 for "cpu"), address, total_size, allocated_size, active_size,
+    requested_size, stream (0), segment_type "small"/"large", segment_pool_id ((0, 0)),
+    is_expandable, frames ([]), blocks: [{address, size, requested_size, state
+    "active_allocated"/"inactive", frames}]}. An allocated block's frames say what it holds ({"filename": "cmlp", "line": 0,
     "name": "activations"}, ...) and, while _record_memory_history keeps contexts, the Python
     stack that allocated it, innermost first. An expandable segment appears as one entry per run
     of mapped pages. The statistics always equal what the snapshot adds up to. _snapshot() gives
     the same with the history, in PyTorch's format."""
     dev = _device(device)
-    return _history.blocks_with_frames(dev, _cmlp.snapshot(dev))
+    return _history.torch_segments(dev, _cmlp.snapshot(dev))
 
 
 def memory_breakdown(device: Optional[str] = None) -> Dict[str, int]:
@@ -260,9 +261,14 @@ def _config_text(config: Mapping[str, Any]) -> str:
             return v.strip().lower() == "true"
         raise ValueError(f"{key} must be True or False, got {v!r}")
 
+    def whole(key: str, v: Any) -> int:  # an int (NumPy's too), not a bool, a float or text
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise ValueError(f"{key} must be an int, got {v!r}")
+        return int(v)
+
     parts = []
     if config.get("max_split_size_mb") is not None:
-        parts.append(f"max_split_size_mb:{int(config['max_split_size_mb'])}")
+        parts.append(f"max_split_size_mb:{whole('max_split_size_mb', config['max_split_size_mb'])}")
     gc = config.get("garbage_collection_threshold")
     if gc is not None:
         try:
@@ -274,13 +280,16 @@ def _config_text(config: Mapping[str, Any]) -> str:
             parts.append(f"garbage_collection_threshold:{gc!r}")
     div = config.get("roundup_power2_divisions")
     if div is not None:
-        if isinstance(div, int) and not isinstance(div, bool):
+        if isinstance(div, numbers.Integral) and not isinstance(div, bool):
             div = [div] * _INTERVALS
-        div = list(div)
+        if isinstance(div, (str, bytes)) or not hasattr(div, "__iter__"):
+            raise ValueError(f"roundup_power2_divisions must be an int or {_INTERVALS} ints (one per interval), "
+                             f"got {div!r}")
+        div = [whole("roundup_power2_divisions", d) for d in div]
         if len(div) != _INTERVALS:
             raise ValueError(f"roundup_power2_divisions must be an int or {_INTERVALS} ints (one per interval)")
         if any(div):
-            parts.append(f"roundup_power2_divisions:{_divisions_text([int(d) for d in div])}")
+            parts.append(f"roundup_power2_divisions:{_divisions_text(div)}")
     if flag("expandable_segments"):
         parts.append("expandable_segments:True")
     return ",".join(parts)
@@ -497,11 +506,14 @@ _SUMMARY_METRICS = (("allocated_bytes", "Allocated memory", True), ("active_byte
                     ("inactive_split", "Non-releasable allocs", False))
 
 
-def memory_summary(device: Optional[str] = None) -> str:
+def memory_summary(device: Optional[str] = None, abbreviated: bool = False) -> str:
     """A table of current, peak, allocated and freed for each statistic, laid out as PyTorch's
-    torch.cuda.memory_summary (75 columns; each row's unit from its "all" value), then the
-    limit, the largest free block, the fragmentation and what the allocated memory holds
-    (memory_breakdown)."""
+    torch.cuda.memory_summary (75 columns; each row's unit from its "all" value; abbreviated:
+    without the large- and small-pool rows), then the limit, the largest free block, the
+    fragmentation and what the allocated memory holds (memory_breakdown)."""
+    from ._arrays import as_flag
+
+    abbreviated = as_flag("abbreviated", abbreviated)
     dev = _device(device)
     s = _cmlp.memory_stats(dev)
     width = 75
@@ -514,8 +526,9 @@ def memory_summary(device: Optional[str] = None) -> str:
         lines.append(rule)
         first = None
         title = name if name[0].isupper() else f"GPU {name}" if gpu else name.capitalize()
-        for pool, label in (("all", title), ("large_pool", "      from large pool"),
-                            ("small_pool", "      from small pool")):
+        pools = (("all", title),) if abbreviated else (("all", title), ("large_pool", "      from large pool"),
+                                                         ("small_pool", "      from small pool"))
+        for pool, label in pools:
             vals = [s[f"{key}.{pool}.{m}"] for m in ("current", "peak", "allocated", "freed")]
             first = first or vals
             cells = [(_summary_size if is_bytes else _summary_count)(v, f) for v, f in zip(vals, first)]
@@ -524,7 +537,7 @@ def memory_summary(device: Optional[str] = None) -> str:
                       ("oversize_segments", "Oversize GPU segments" if gpu else "Oversize segments")):
         lines.append(rule)
         vals = [s[f"{key}.{m}"] for m in ("current", "peak", "allocated", "freed")]
-        lines.append(f" {name:<21} | " + " | ".join(f"{v:10d}" for v in vals) + " ")
+        lines.append(f" {name:<21} | " + " | ".join(_summary_count(v, vals[0]) for v in vals) + " ")
     limit = s["limit"]
     reserved, allocated = s["reserved_bytes.all.current"], s["allocated_bytes.all.current"]
     frag = 100.0 * (reserved - allocated) / reserved if reserved else 0.0

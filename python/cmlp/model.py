@@ -1,5 +1,6 @@
 """cmlp.MLP: the model users hold. Parameters live in the C core's flat buffer; this class
 validates and converts inputs, names tensors as PyTorch does, and saves atomically."""
+import copy
 import os
 import weakref
 import zipfile
@@ -10,7 +11,7 @@ import numpy as np
 
 from . import _cmlp
 from ._files import atomic_write
-from ._arrays import as_flag, as_inputs, as_labels, as_normalize, check_amp, check_seed
+from ._arrays import as_flag, as_inputs, as_labels, as_normalize, as_number, check_amp, check_seed
 
 _SIZES_KEY = "__layer_sizes__"
 _NORMALIZE_KEY = "__normalize__"  # (mean, std) for uint8 inputs; files without it mean (0.5, 0.5)
@@ -121,10 +122,10 @@ class MLP:
         """Mean cross-entropy of the batch (unscaled). ADDS the gradient of loss_scale * loss to
         the gradient buffer, like loss.backward()."""
         amp_code = check_amp(amp)
-        loss_scale = float(loss_scale)
+        loss_scale = as_number("loss_scale", loss_scale)
         if not np.isfinite(loss_scale):
             raise ValueError(f"loss_scale must be finite, got {loss_scale}")
-        label_smoothing = float(label_smoothing)
+        label_smoothing = as_number("label_smoothing", label_smoothing)
         if not 0.0 <= label_smoothing <= 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
         xa = as_inputs(x, self._sizes[0])
@@ -137,10 +138,11 @@ class MLP:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zeros the gradient buffer. With set_to_none (torch's default) the gradients count as
         absent until the next forward_backward, so that an optimizer's step() in between changes
-        nothing, as torch's skips parameters whose .grad is None."""
+        nothing, as torch's skips parameters whose .grad is None; without it, gradients that are
+        there become zeros, and absent ones stay absent (torch leaves a None .grad None)."""
         set_to_none = as_flag("set_to_none", set_to_none)
         self._c.zero_grad()
-        self._grads_none = set_to_none
+        self._grads_none = self._grads_none or set_to_none
 
     def parameters(self) -> Parameters:
         """The parameters as one handle (see Parameters), for torch-style calls."""
@@ -211,6 +213,9 @@ class MLP:
             raise
         except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError) as e:
             raise ValueError(f"{path} is not a readable cmlp model file (.npz): {e}") from None
+        except MemoryError:  # a member whose header claims more than memory holds
+            raise ValueError(f"{path} is not a readable cmlp model file (.npz): an array in it is larger than "
+                             "the memory left") from None
         if _SIZES_KEY not in arrays:
             raise ValueError(f"{path} is not a cmlp model file: it has no {_SIZES_KEY!r} entry")
         sizes = arrays.pop(_SIZES_KEY)
@@ -224,11 +229,21 @@ class MLP:
         return model
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "MLP":
-        """copy.deepcopy: an independent model with the same parameters, device and normalisation
-        (as torch's deepcopy of a module); its gradients start absent, as after zero_grad()."""
-        twin = MLP(self._sizes, device=self.device, normalize=self.normalize)
-        twin._c.set_params(self._c.get_params())
+        """copy.deepcopy: an independent model of the same class with the same parameters,
+        gradients (or none), device, normalisation and other attributes (deep-copied, as torch's
+        deepcopy of a module)."""
+        cls = type(self)
+        twin = cls.__new__(cls)
         memo[id(self)] = twin
+        MLP.__init__(twin, self._sizes, device=self.device, normalize=self.normalize)
+        twin._c.set_params(self._c.get_params())
+        if not self._grads_none:
+            twin._c.set_grads(self._c.get_grads())
+            twin._grads_none = False
+        own = set(twin.__dict__)
+        for key, value in self.__dict__.items():
+            if key not in own:
+                twin.__dict__[key] = copy.deepcopy(value, memo)
         return twin
 
     # ---- devices ----

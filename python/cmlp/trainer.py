@@ -120,7 +120,7 @@ class Trainer:
                              f"{self.accumulation_steps}")
         micro = self.batch_size if microbatch_size is None else _positive_int("microbatch_size", microbatch_size)
         seed = check_seed(seed)
-        label_smoothing = float(label_smoothing)
+        label_smoothing = as_number("label_smoothing", label_smoothing)
         if not 0.0 <= label_smoothing <= 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
         self.amp, self.scaler = amp, scaler
@@ -376,6 +376,7 @@ class Trainer:
         error: Optional[Exception] = None
         try:
             epochs, xa, ya, val = self._fit_args(x, y, epochs, validation_data)
+            progress = as_flag("progress", progress)
             if scheduler_interval not in ("epoch", "step"):
                 raise ValueError(f"scheduler_interval must be 'epoch' or 'step', got {scheduler_interval!r}")
             if scheduler is not None:

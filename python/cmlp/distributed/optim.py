@@ -74,6 +74,10 @@ class ZeroRedundancyOptimizer(Optimizer):
         self.world_size, self.rank = get_world_size(), get_rank()  # as torch's: the group it was cut for
         self._consolidated: Optional[Tuple[int, List[np.ndarray]]] = None
 
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "ZeroRedundancyOptimizer":
+        raise TypeError("a ZeroRedundancyOptimizer cannot be copied: its state is sharded over the process group "
+                        "(consolidate_state_dict, then load the state_dict into a new optimizer)")
+
     @property
     def shard(self) -> slice:
         """The parameters (indices into the flat buffer, in state_dict order) whose state this

@@ -2,7 +2,8 @@
 by one fused pass over the model's flat buffers. state_dict() mirrors torch.optim's layout, with
 one entry per parameter tensor in the model's state_dict order. lr_scheduler holds torch's
 learning-rate schedules."""
-from typing import Any, Dict, List, Mapping, Tuple
+import copy
+from typing import Any, Dict, Iterator, List, Mapping, MutableMapping, Tuple
 
 import numpy as np
 
@@ -12,18 +13,138 @@ from .._arrays import as_number as _num
 from ..model import MLP, model_of
 
 
+def _implementation_flag(name: str, value: Any) -> Any:
+    """torch's foreach, fused (None or a bool) and capturable (a bool): how torch runs a step,
+    taken and kept for the param group; cmlp's step is always one fused pass over the flat
+    buffers, captured with the training step where the device has graphs."""
+    if value is None and name != "capturable":
+        return None
+    return _flag(name, value)
+
+
+def _unsupported_flag(name: str, value: Any) -> bool:
+    """torch's amsgrad, maximize and differentiable: only False (their default) is supported."""
+    if _flag(name, value):
+        raise ValueError(f"{name}=True is not supported by cmlp's optimizers")
+    return False
+
+
+_IMPLEMENTATION_FLAGS = ("foreach", "capturable", "fused")
+
+
+def _initial_lr_of(value: Any) -> float:
+    """torch's 'initial_lr' (the rate a schedule starts from): a finite number >= 0, as a rate."""
+    v = _num("initial_lr", value)
+    if not 0.0 <= v < float("inf"):
+        raise ValueError(f"initial_lr must be a finite number >= 0, got {value!r}")
+    return v
+
+
+def _setting(key: str, doc: str) -> Any:
+    """A param-group setting as an attribute: read, or set as torch's param_groups[0][key] = value
+    sets it (checked, and applied from the next step on)."""
+
+    def get(self: "Optimizer") -> Any:
+        return self._settings[key]
+
+    def set(self: "Optimizer", value: Any) -> None:
+        self._apply(self._group_config({key: value}))
+
+    return property(get, set, doc=doc)
+
+
+class _ParamGroup(MutableMapping):
+    """torch's param_groups[0]: the optimizer's settings as a dict. Setting "lr", a
+    hyperparameter or "initial_lr" sets the optimizer's (checked, applied from the next step on,
+    as torch reads its groups at each step); other keys are kept as given, as torch keeps them.
+    "params" is the model's parameter tensors (indices in state_dict order) and cannot change."""
+
+    def __init__(self, opt: "Optimizer") -> None:
+        self._opt = opt
+        self._extra: Dict[Any, Any] = {}
+
+    def _known(self) -> Dict[str, Any]:
+        group = self._opt._group()
+        group["params"] = list(range(len(self._opt.model.state_dict())))
+        return group
+
+    def __getitem__(self, key: Any) -> Any:
+        known = self._known()
+        return known[key] if key in known else self._extra[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        opt = self._opt
+        if key == "params":
+            raise ValueError("a cmlp optimizer's param group is its model's parameters: 'params' cannot change")
+        if key == "lr":
+            opt.lr = value
+        elif key in _IMPLEMENTATION_FLAGS:
+            opt._flags[key] = _implementation_flag(key, value)
+        elif key == "initial_lr":
+            opt._initial_lr = _initial_lr_of(value)
+        elif key in opt._settings:
+            setattr(opt, key, value)
+        elif key in opt._group():  # amsgrad, maximize, differentiable: only their defaults
+            _unsupported_flag(key, value)
+        elif key in opt._foreign_keys:
+            raise ValueError(f"{type(opt).__name__} has no {key!r} setting")
+        else:
+            self._extra[key] = value
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        """dict.update, all or nothing: a refused key leaves every setting as it was."""
+        opt = self._opt
+        before = (opt._group_config(opt._group()), opt.lr, opt._initial_lr, dict(opt._flags), dict(self._extra))
+        try:
+            for key, value in dict(*args, **kwargs).items():
+                self[key] = value
+        except BaseException:
+            config, lr, opt._initial_lr, flags, self._extra = before
+            opt._apply(config)
+            opt.lr = lr
+            opt._flags.clear()
+            opt._flags.update(flags)
+            raise
+
+    def __delitem__(self, key: Any) -> None:
+        if key in self._extra:
+            del self._extra[key]
+        elif key == "initial_lr" and self._opt._initial_lr is not None:
+            self._opt._initial_lr = None
+        else:
+            raise KeyError(f"{key!r} cannot be removed from a cmlp optimizer's param group")
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(list(self._known()) + list(self._extra))
+
+    def __len__(self) -> int:
+        return len(self._known()) + len(self._extra)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
 class Optimizer:
     """Base: holds the C optimizer bound to one model."""
 
     _buffers: Tuple[str, ...] = ()
 
-    def __init__(self, model: MLP, kind: str, **config: Any) -> None:
+    def __init__(self, model: MLP, kind: str, flags: Dict[str, Any], **config: Any) -> None:
         model = model_of(model, "the first argument")
         self.model = model
         self._kind = kind
         self._c = _cmlp.Optimizer(model._c, kind, **config)
         self._initial_lr: Any = None  # set by the first lr_scheduler made for it (torch's 'initial_lr')
+        self._settings: Dict[str, Any] = {}  # the hyperparameters, as _apply last set them
+        self._flags = flags  # torch's foreach, capturable and fused, as given
+        self._param_groups = [_ParamGroup(self)]
         model._optimizers.add(self)
+
+    @property
+    def param_groups(self) -> List[MutableMapping]:
+        """torch's param_groups: one group, the model's parameters (see _ParamGroup); e.g.
+        opt.param_groups[0]["lr"] = 1e-4, or ["weight_decay"], which the next step uses."""
+        return self._param_groups
 
     @property
     def lr(self) -> float:
@@ -32,6 +153,21 @@ class Optimizer:
     @lr.setter
     def lr(self, value: float) -> None:
         self._c.lr = _num("lr", value)
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "Optimizer":
+        """copy.deepcopy (alone, or with its model, as torch's): the same kind of optimizer, with
+        the same settings and state, on a deep copy of the model (the one copied alongside)."""
+        model = copy.deepcopy(self.model, memo)
+        twin = type(self).__new__(type(self))
+        memo[id(self)] = twin
+        self._init_like(twin, model)
+        twin.load_state_dict(self.state_dict())
+        twin._param_groups[0]._extra = copy.deepcopy(self._param_groups[0]._extra, memo)
+        return twin
+
+    def _init_like(self, twin: "Optimizer", model: MLP) -> None:
+        """Runs the constructor of this kind of optimizer on twin, with this one's settings."""
+        raise NotImplementedError
 
     def step(self) -> None:
         """One update from the gradients accumulated in the model. Without gradients (none
@@ -99,7 +235,7 @@ class Optimizer:
                              f"keep {self._buffers_for(config)}")
         initial = group.get("initial_lr", self._initial_lr)
         if initial is not None:
-            initial = _num("initial_lr", initial)
+            initial = _initial_lr_of(initial)
         before, before_state = self._group_config(self._group()), self._c.get_state()
         self._apply(config)
         try:
@@ -193,9 +329,9 @@ class Optimizer:
         it there, so, like the rate, it changes no captured step."""
         self._c.momentum = _num("momentum", value)
         if self._kind == "adam":
-            self.betas = (self._c.momentum, self.betas[1])  # type: ignore[attr-defined]
+            self._settings["betas"] = (self._c.momentum, self._settings["betas"][1])
         else:
-            self.momentum = self._c.momentum  # type: ignore[attr-defined]
+            self._settings["momentum"] = self._c.momentum
 
 
 class Adam(Optimizer):
@@ -206,13 +342,29 @@ class Adam(Optimizer):
     _buffers = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, model: MLP, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, *, decoupled_weight_decay: bool = False) -> None:
+                 eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *, foreach: Any = None,
+                 maximize: bool = False, capturable: bool = False, differentiable: bool = False, fused: Any = None,
+                 decoupled_weight_decay: bool = False) -> None:
         b1, b2 = self._betas(betas)
         decoupled_weight_decay = _flag("decoupled_weight_decay", decoupled_weight_decay)
-        super().__init__(model, "adam", lr=_num("lr", lr), beta1=b1, beta2=b2, eps=_num("eps", eps),
+        for name, value in (("amsgrad", amsgrad), ("maximize", maximize), ("differentiable", differentiable)):
+            _unsupported_flag(name, value)
+        flags = {"foreach": _implementation_flag("foreach", foreach),
+                 "capturable": _implementation_flag("capturable", capturable),
+                 "fused": _implementation_flag("fused", fused)}
+        super().__init__(model, "adam", flags, lr=_num("lr", lr), beta1=b1, beta2=b2, eps=_num("eps", eps),
                          weight_decay=_num("weight_decay", weight_decay), decoupled_weight_decay=decoupled_weight_decay)
-        self.betas, self.eps, self.weight_decay = (b1, b2), float(eps), float(weight_decay)
-        self.decoupled_weight_decay = decoupled_weight_decay
+        self._settings.update(betas=(b1, b2), eps=float(eps), weight_decay=float(weight_decay),
+                              decoupled_weight_decay=decoupled_weight_decay)
+
+    def _init_like(self, twin: Optimizer, model: MLP) -> None:
+        Adam.__init__(twin, model, self.lr, self.betas, self.eps, self.weight_decay, **self._flags,  # type: ignore
+                      decoupled_weight_decay=self.decoupled_weight_decay)
+
+    betas = _setting("betas", "(beta1, beta2); settable, as param_groups[0]['betas']")
+    eps = _setting("eps", "the denominator's epsilon; settable")
+    weight_decay = _setting("weight_decay", "L2 (or, decoupled, AdamW's) weight decay; settable")
+    decoupled_weight_decay = _setting("decoupled_weight_decay", "AdamW's weight decay when True; settable")
 
     @staticmethod
     def _betas(betas: Any) -> Tuple[float, float]:
@@ -224,15 +376,15 @@ class Adam(Optimizer):
 
     def _group(self) -> Dict[str, Any]:
         return {"lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay,
-                "amsgrad": False, "maximize": False, "decoupled_weight_decay": self.decoupled_weight_decay,
-                **self._initial()}
+                "amsgrad": False, "maximize": False, "differentiable": False, **self._flags,
+                "decoupled_weight_decay": self.decoupled_weight_decay, **self._initial()}
 
     _foreign_keys = ("momentum", "dampening", "nesterov")
 
     def _group_config(self, group: Mapping) -> Dict[str, Any]:
-        for flag in ("amsgrad", "maximize"):
+        for flag in ("amsgrad", "maximize", "differentiable"):
             if group.get(flag):
-                raise ValueError(f"{flag}=True is not supported")
+                raise ValueError(f"{flag}=True is not supported by cmlp's optimizers")
         b1, b2 = self._betas(group.get("betas", self.betas))
         # torch's AdamW state_dicts say decoupled_weight_decay=True; older ones say nothing
         decoupled = group.get("decoupled_weight_decay", self.decoupled_weight_decay)
@@ -245,9 +397,8 @@ class Adam(Optimizer):
 
     def _apply(self, config: Dict[str, Any]) -> None:
         self._c.configure(**config)
-        self.betas, self.eps = (config["beta1"], config["beta2"]), config["eps"]
-        self.weight_decay = config["weight_decay"]
-        self.decoupled_weight_decay = config["decoupled_weight_decay"]
+        self._settings.update(betas=(config["beta1"], config["beta2"]), eps=config["eps"],
+                              weight_decay=config["weight_decay"], decoupled_weight_decay=config["decoupled_weight_decay"])
 
 
 class AdamW(Adam):
@@ -255,8 +406,12 @@ class AdamW(Adam):
     multiplies the parameters by 1 - lr * weight_decay, then takes Adam's step without it."""
 
     def __init__(self, model: MLP, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2) -> None:
-        super().__init__(model, lr, betas, eps, weight_decay, decoupled_weight_decay=True)
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, foreach: Any = None,
+                 maximize: bool = False, capturable: bool = False, differentiable: bool = False,
+                 fused: Any = None) -> None:
+        super().__init__(model, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
+                         capturable=capturable, differentiable=differentiable, fused=fused,
+                         decoupled_weight_decay=True)
 
 
 class SGD(Optimizer):
@@ -266,22 +421,37 @@ class SGD(Optimizer):
     _buffers = ("momentum_buffer",)
 
     def __init__(self, model: MLP, lr: float = 0.01, momentum: float = 0.0, dampening: float = 0.0,
-                 nesterov: bool = False, weight_decay: float = 0.0) -> None:
-        super().__init__(model, "sgd", lr=_num("lr", lr), momentum=_num("momentum", momentum),
+                 nesterov: bool = False, weight_decay: float = 0.0, *, maximize: bool = False, foreach: Any = None,
+                 differentiable: bool = False, fused: Any = None) -> None:
+        for name, value in (("maximize", maximize), ("differentiable", differentiable)):
+            _unsupported_flag(name, value)
+        flags = {"foreach": _implementation_flag("foreach", foreach), "fused": _implementation_flag("fused", fused)}
+        super().__init__(model, "sgd", flags, lr=_num("lr", lr), momentum=_num("momentum", momentum),
                          dampening=_num("dampening", dampening), nesterov=_flag("nesterov", nesterov),
                          weight_decay=_num("weight_decay", weight_decay))
-        self.momentum, self.dampening = float(momentum), float(dampening)
-        self.nesterov, self.weight_decay = _flag("nesterov", nesterov), float(weight_decay)
+        self._settings.update(momentum=float(momentum), dampening=float(dampening), nesterov=_flag("nesterov", nesterov),
+                              weight_decay=float(weight_decay))
+
+    def _init_like(self, twin: Optimizer, model: MLP) -> None:
+        SGD.__init__(twin, model, self.lr, self.momentum, self.dampening, self.nesterov, self.weight_decay,  # type: ignore
+                     **self._flags)
+
+    momentum = _setting("momentum", "settable, as param_groups[0]['momentum']")
+    dampening = _setting("dampening", "settable")
+    nesterov = _setting("nesterov", "settable")
+    weight_decay = _setting("weight_decay", "L2 weight decay; settable")
 
     def _group(self) -> Dict[str, Any]:
         return {"lr": self.lr, "momentum": self.momentum, "dampening": self.dampening,
-                "weight_decay": self.weight_decay, "nesterov": self.nesterov, "maximize": False, **self._initial()}
+                "weight_decay": self.weight_decay, "nesterov": self.nesterov, "maximize": False, **self._flags,
+                "differentiable": False, **self._initial()}
 
     _foreign_keys = ("betas", "eps", "amsgrad")
 
     def _group_config(self, group: Mapping) -> Dict[str, Any]:
-        if group.get("maximize"):
-            raise ValueError("maximize=True is not supported")
+        for flag in ("maximize", "differentiable"):
+            if group.get(flag):
+                raise ValueError(f"{flag}=True is not supported by cmlp's optimizers")
         return {"lr": _num("lr", group.get("lr", self.lr)),
                 "momentum": _num("momentum", group.get("momentum", self.momentum)),
                 "dampening": _num("dampening", group.get("dampening", self.dampening)),
@@ -296,8 +466,8 @@ class SGD(Optimizer):
 
     def _apply(self, config: Dict[str, Any]) -> None:
         self._c.configure(**config)
-        self.momentum, self.dampening = config["momentum"], config["dampening"]
-        self.nesterov, self.weight_decay = config["nesterov"], config["weight_decay"]
+        self._settings.update(momentum=config["momentum"], dampening=config["dampening"], nesterov=config["nesterov"],
+                              weight_decay=config["weight_decay"])
 
 
 from . import lr_scheduler  # noqa: E402 (it needs Optimizer)
