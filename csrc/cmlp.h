@@ -303,6 +303,9 @@ CMLP_API int64_t cmlp_model_bias_offset(const cmlp_model *m, int layer);
  * rejects non-finite values. */
 CMLP_API cmlp_status cmlp_model_get_params(const cmlp_model *m, float *host_out);
 CMLP_API cmlp_status cmlp_model_set_params(cmlp_model *m, const float *host_in);
+/* set_params without the check: another model's parameters as they are (a copy of a model that
+ * diverged keeps its NaNs, as torch's deepcopy). */
+CMLP_API cmlp_status cmlp_model_copy_params(cmlp_model *m, const float *host_in);
 CMLP_API cmlp_status cmlp_model_get_grads(const cmlp_model *m, float *host_out);
 CMLP_API cmlp_status cmlp_model_set_grads(cmlp_model *m, const float *host_in); /* any values */
 CMLP_API cmlp_status cmlp_model_zero_grad(cmlp_model *m);

@@ -527,12 +527,16 @@ cmlp_status cmlp_model_set_grads(cmlp_model *m, const float *host_in) {
     return B(m)->copy_h2d(CTX(m), m->grads, host_in, (size_t)m->nparams * sizeof(float));
 }
 
+cmlp_status cmlp_model_copy_params(cmlp_model *m, const float *host_in) {
+    CMLP_TRY(B(m)->copy_h2d(CTX(m), m->params, host_in, (size_t)m->nparams * sizeof(float)));
+    return cmlp_model_refresh_half(m);
+}
+
 cmlp_status cmlp_model_set_params(cmlp_model *m, const float *host_in) {
     for (int64_t i = 0; i < m->nparams; i++)
         if (!isfinite(host_in[i]))
             return CMLP_FAIL(CMLP_ERR_NONFINITE, "parameter %lld is NaN or inf: parameters must be finite", (long long)i);
-    CMLP_TRY(B(m)->copy_h2d(CTX(m), m->params, host_in, (size_t)m->nparams * sizeof(float)));
-    return cmlp_model_refresh_half(m);
+    return cmlp_model_copy_params(m, host_in);
 }
 
 /* Moves one device buffer of nbytes to another device through host memory. */

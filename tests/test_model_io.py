@@ -323,3 +323,14 @@ def test_deepcopy_keeps_the_class_and_the_attributes_and_copies_optimizers_as_to
         assert np.array_equal(m2._c.get_params(), model._c.get_params())
         alone = copy.deepcopy(opt)  # with a copy of its model
         assert alone.model is not model and np.array_equal(alone.model._c.get_params(), model._c.get_params())
+
+
+def test_deepcopy_of_a_diverged_model_keeps_its_nans():
+    import copy
+
+    model = cmlp.MLP([2, 3, 2], seed=0, normalize=(0.0, 1.0))
+    model.forward_backward(np.full((1, 2), 1e30, np.float32), np.array([0]), loss_scale=3e38)
+    cmlp.optim.SGD(model, lr=1.0).step()
+    p = model._c.get_params()
+    assert not np.isfinite(p).all()
+    assert np.array_equal(copy.deepcopy(model)._c.get_params(), p, equal_nan=True)

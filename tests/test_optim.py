@@ -618,3 +618,26 @@ def test_param_groups_update_is_all_or_nothing_and_initial_lr_is_a_rate():
         with pytest.raises(ValueError, match="initial_lr"):
             opt.load_state_dict(sd)
     assert "initial_lr" not in opt.state_dict()["param_groups"][0]
+
+
+def test_group_keys_round_trip_and_copies_survive_any_reachable_setting():
+    import copy
+
+    model = cmlp.MLP(SIZES, seed=0)
+    sgd = cmlp.optim.SGD(model, lr=0.1, momentum=0.9, nesterov=True, fused=True)
+    sgd.param_groups[0]["capturable"] = True  # not SGD's: kept as any key, as torch keeps it
+    sgd.param_groups[0]["note"] = "mine"
+    sgd.momentum = 0.0  # torch checks Nesterov's needs when the optimizer is made only
+    twin = copy.deepcopy(sgd)
+    assert twin.nesterov and twin.momentum == 0.0 and twin.param_groups[0]["capturable"] is True
+    sd = sgd.state_dict()
+    assert sd["param_groups"][0]["note"] == "mine" and sd["param_groups"][0]["fused"] is True
+    other = cmlp.optim.SGD(cmlp.MLP(SIZES, seed=0), lr=0.1, momentum=0.9)
+    other.load_state_dict(sd)
+    assert other.param_groups[0]["note"] == "mine" and other.param_groups[0]["fused"] is True
+    assert other.state_dict()["param_groups"] == sd["param_groups"]
+    with pytest.raises(RuntimeError, match="`fused` and `foreach` cannot be `True` together"):
+        cmlp.optim.Adam(model, foreach=True, fused=True)
+    model.opt = opt = cmlp.optim.Adam(model)  # a model that refers to its optimizer: one copy of each
+    o2 = copy.deepcopy(opt)
+    assert o2.model.opt is o2 and o2.model is not model

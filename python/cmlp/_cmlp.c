@@ -481,12 +481,15 @@ static int as_flat(PyObject *obj, int64_t n, const float **out) {
     return 0;
 }
 
-static PyObject *Model_set_params(ModelObject *self, PyObject *arg) {
+static PyObject *Model_set_params(ModelObject *self, PyObject *args) {
+    PyObject *arg;
+    int finite_only = 1; /* 0: as they are, NaN and inf too (a copy of another model's) */
+    if (!PyArg_ParseTuple(args, "O|p", &arg, &finite_only)) return NULL;
     if (model_ready(self) < 0) return NULL;
     const float *src;
     if (as_flat(arg, cmlp_model_num_parameters(self->m), &src) < 0) return NULL;
     cmlp_status st;
-    RUN_LOCKED(self, st, cmlp_model_set_params(self->m, src));
+    RUN_LOCKED(self, st, finite_only ? cmlp_model_set_params(self->m, src) : cmlp_model_copy_params(self->m, src));
     if (st != CMLP_OK) return raise_status(self->ms, st);
     Py_RETURN_NONE;
 }
@@ -634,7 +637,8 @@ static PyMethodDef Model_methods[] = {
     {"device", (PyCFunction)Model_device, METH_NOARGS, "device string"},
     {"offsets", (PyCFunction)Model_offsets, METH_NOARGS, "[(weight_offset, bias_offset)] per layer"},
     {"get_params", (PyCFunction)Model_get_params, METH_NOARGS, "flat float32 copy of the parameters"},
-    {"set_params", (PyCFunction)Model_set_params, METH_O, "replace parameters from a flat float32 array"},
+    {"set_params", (PyCFunction)Model_set_params, METH_VARARGS,
+     "replace parameters from a flat float32 array (finite_only=False: NaN and inf too)"},
     {"get_grads", (PyCFunction)Model_get_grads, METH_NOARGS, "flat float32 copy of the gradients"},
     {"set_grads", (PyCFunction)Model_set_grads, METH_O, "replaces the gradients (flat float32)"},
     {"zero_grad", (PyCFunction)Model_zero_grad, METH_NOARGS, "zero the gradient buffer"},

@@ -129,13 +129,13 @@ class GradScaler:
             raise RuntimeError("unscale_() is being called after step().")
         if state["unscaled"]:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
-        state["unscaled"] = True
         if optimizer.model._grads_none:  # no gradient: nothing checked (torch: no parameter has a .grad)
-            state["found_inf"] = None
+            state["found_inf"], state["unscaled"] = None, True
             return
         with np.errstate(divide="ignore"):
             inv_scale = _f32(1.0 / np.float64(self._scale))   # inf for a scale underflowed to 0
         state["found_inf"] = bool(optimizer.model._c.unscale_grads(inv_scale))
+        state["unscaled"] = True
 
     def step(self, optimizer: Optimizer) -> bool:
         """Unscales (unless unscale_ was called), then runs optimizer.step() unless a gradient

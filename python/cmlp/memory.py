@@ -537,7 +537,7 @@ def memory_summary(device: Optional[str] = None, abbreviated: bool = False) -> s
                       ("oversize_segments", "Oversize GPU segments" if gpu else "Oversize segments")):
         lines.append(rule)
         vals = [s[f"{key}.{m}"] for m in ("current", "peak", "allocated", "freed")]
-        lines.append(f" {name:<21} | " + " | ".join(_summary_count(v, vals[0]) for v in vals) + " ")
+        lines.append(f" {name:<21} | " + " | ".join(_summary_count(v, v) for v in vals) + " ")
     limit = s["limit"]
     reserved, allocated = s["reserved_bytes.all.current"], s["allocated_bytes.all.current"]
     frag = 100.0 * (reserved - allocated) / reserved if reserved else 0.0

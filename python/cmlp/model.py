@@ -236,7 +236,7 @@ class MLP:
         twin = cls.__new__(cls)
         memo[id(self)] = twin
         MLP.__init__(twin, self._sizes, device=self.device, normalize=self.normalize)
-        twin._c.set_params(self._c.get_params())
+        twin._c.set_params(self._c.get_params(), False)  # a diverged model's NaNs too
         if not self._grads_none:
             twin._c.set_grads(self._c.get_grads())
             twin._grads_none = False

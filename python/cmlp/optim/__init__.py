@@ -22,14 +22,19 @@ def _implementation_flag(name: str, value: Any) -> Any:
     return _flag(name, value)
 
 
+def _implementation_flags(names: Tuple[str, ...], given: Dict[str, Any]) -> Dict[str, Any]:
+    """The flags checked, in torch's order; fused and foreach not both True, as torch."""
+    flags = {name: _implementation_flag(name, given[name]) for name in names}
+    if flags.get("fused") and flags.get("foreach"):
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+    return flags
+
+
 def _unsupported_flag(name: str, value: Any) -> bool:
     """torch's amsgrad, maximize and differentiable: only False (their default) is supported."""
     if _flag(name, value):
         raise ValueError(f"{name}=True is not supported by cmlp's optimizers")
     return False
-
-
-_IMPLEMENTATION_FLAGS = ("foreach", "capturable", "fused")
 
 
 def _initial_lr_of(value: Any) -> float:
@@ -65,7 +70,7 @@ class _ParamGroup(MutableMapping):
 
     def _known(self) -> Dict[str, Any]:
         group = self._opt._group()
-        group["params"] = list(range(len(self._opt.model.state_dict())))
+        group["params"] = list(range(2 * (len(self._opt.model.layer_sizes) - 1)))
         return group
 
     def __getitem__(self, key: Any) -> Any:
@@ -78,7 +83,7 @@ class _ParamGroup(MutableMapping):
             raise ValueError("a cmlp optimizer's param group is its model's parameters: 'params' cannot change")
         if key == "lr":
             opt.lr = value
-        elif key in _IMPLEMENTATION_FLAGS:
+        elif key in opt._flags:  # foreach, fused (and Adam's capturable)
             opt._flags[key] = _implementation_flag(key, value)
         elif key == "initial_lr":
             opt._initial_lr = _initial_lr_of(value)
@@ -157,9 +162,9 @@ class Optimizer:
     def __deepcopy__(self, memo: Dict[int, Any]) -> "Optimizer":
         """copy.deepcopy (alone, or with its model, as torch's): the same kind of optimizer, with
         the same settings and state, on a deep copy of the model (the one copied alongside)."""
-        model = copy.deepcopy(self.model, memo)
         twin = type(self).__new__(type(self))
-        memo[id(self)] = twin
+        memo[id(self)] = twin  # before the model, which may refer to this optimizer
+        model = copy.deepcopy(self.model, memo)
         self._init_like(twin, model)
         twin.load_state_dict(self.state_dict())
         twin._param_groups[0]._extra = copy.deepcopy(self._param_groups[0]._extra, memo)
@@ -203,7 +208,7 @@ class Optimizer:
                 for bname, flat in zip(self._buffers, bufs):
                     entry[bname] = self.model._split(flat)[name].copy()
                 state[i] = entry
-        group = self._group()
+        group = {**self._param_groups[0]._extra, **self._group()}  # the keys a user added too, as torch
         group["params"] = list(range(len(names)))
         return {"state": state, "param_groups": [group]}
 
@@ -236,6 +241,9 @@ class Optimizer:
         initial = group.get("initial_lr", self._initial_lr)
         if initial is not None:
             initial = _initial_lr_of(initial)
+        flags = {k: _implementation_flag(k, group[k]) for k in self._flags if k in group}
+        known = set(self._group()) | {"params", "initial_lr"}
+        extra = {k: v for k, v in group.items() if k not in known}
         before, before_state = self._group_config(self._group()), self._c.get_state()
         self._apply(config)
         try:
@@ -245,6 +253,8 @@ class Optimizer:
             self._c.set_state(*before_state)
             raise
         self._initial_lr = initial
+        self._flags.update(flags)
+        self._param_groups[0]._extra = extra
 
     def _buffers_for(self, config: Dict[str, Any]) -> int:
         """State buffers per parameter that these settings keep."""
@@ -349,9 +359,8 @@ class Adam(Optimizer):
         decoupled_weight_decay = _flag("decoupled_weight_decay", decoupled_weight_decay)
         for name, value in (("amsgrad", amsgrad), ("maximize", maximize), ("differentiable", differentiable)):
             _unsupported_flag(name, value)
-        flags = {"foreach": _implementation_flag("foreach", foreach),
-                 "capturable": _implementation_flag("capturable", capturable),
-                 "fused": _implementation_flag("fused", fused)}
+        flags = _implementation_flags(("foreach", "capturable", "fused"),
+                                      {"foreach": foreach, "capturable": capturable, "fused": fused})
         super().__init__(model, "adam", flags, lr=_num("lr", lr), beta1=b1, beta2=b2, eps=_num("eps", eps),
                          weight_decay=_num("weight_decay", weight_decay), decoupled_weight_decay=decoupled_weight_decay)
         self._settings.update(betas=(b1, b2), eps=float(eps), weight_decay=float(weight_decay),
@@ -425,7 +434,7 @@ class SGD(Optimizer):
                  differentiable: bool = False, fused: Any = None) -> None:
         for name, value in (("maximize", maximize), ("differentiable", differentiable)):
             _unsupported_flag(name, value)
-        flags = {"foreach": _implementation_flag("foreach", foreach), "fused": _implementation_flag("fused", fused)}
+        flags = _implementation_flags(("foreach", "fused"), {"foreach": foreach, "fused": fused})
         super().__init__(model, "sgd", flags, lr=_num("lr", lr), momentum=_num("momentum", momentum),
                          dampening=_num("dampening", dampening), nesterov=_flag("nesterov", nesterov),
                          weight_decay=_num("weight_decay", weight_decay))
@@ -433,7 +442,9 @@ class SGD(Optimizer):
                               weight_decay=float(weight_decay))
 
     def _init_like(self, twin: Optimizer, model: MLP) -> None:
-        SGD.__init__(twin, model, self.lr, self.momentum, self.dampening, self.nesterov, self.weight_decay,  # type: ignore
+        # Nesterov's needs are checked when an optimizer is made only (as torch's): a schedule or a
+        # setting may have moved the momentum to 0 since; load_state_dict sets nesterov
+        SGD.__init__(twin, model, self.lr, self.momentum, self.dampening, False, self.weight_decay,  # type: ignore
                      **self._flags)
 
     momentum = _setting("momentum", "settable, as param_groups[0]['momentum']")
