@@ -269,7 +269,7 @@ extern const cmlp_backend_i cmlp_backend_cpu;
  * recorder and returns the module below. */
 typedef cmlp_status (*cmlp_error_fn)(cmlp_status s, const char *file, int line, const char *fmt, ...);
 
-#define CMLP_CUDA_ABI 10
+#define CMLP_CUDA_ABI 11
 
 /* Why a process forked after CUDA was started cannot use it (the core's words and the backend's). */
 #define CMLP_CUDA_FORKED_TEXT                                                                                  \
@@ -283,6 +283,7 @@ typedef struct cmlp_cuda_module {
     /* Number of usable devices; when 0, why (CUDA's words) is written to why[cap]. */
     int (*device_count)(char *why, size_t cap);
     int (*runtime_version)(void); /* e.g. 13000 */
+    cmlp_status (*device_properties)(int index, cmlp_device_props *out); /* CUDA's words on failure */
 } cmlp_cuda_module;
 
 typedef const cmlp_cuda_module *(*cmlp_cuda_entry_fn)(cmlp_error_fn set_error);

@@ -1383,6 +1383,21 @@ static int cu_device_count(char *why, size_t cap) {
     return n;
 }
 
+static cmlp_status cu_device_properties(int index, cmlp_device_props *out) {
+    if (forked) return FAIL(CMLP_ERR_DEVICE, "cuda:%d: " CMLP_CUDA_FORKED_TEXT, index);
+    struct cudaDeviceProp p;
+    CU_TRY(cudaGetDeviceProperties(&p, index));
+    snprintf(out->name, sizeof out->name, "%s", p.name);
+    out->major = p.major;
+    out->minor = p.minor;
+    out->total_memory = (int64_t)p.totalGlobalMem;
+    out->multi_processor_count = p.multiProcessorCount;
+    out->max_threads_per_multi_processor = p.maxThreadsPerMultiProcessor;
+    out->warp_size = p.warpSize;
+    out->l2_cache_size = p.l2CacheSize;
+    return CMLP_OK;
+}
+
 static int cu_runtime_version(void) {
     int v = 0;
     if (cudaRuntimeGetVersion(&v) != cudaSuccess) (void)cudaGetLastError();
@@ -1394,6 +1409,7 @@ static const cmlp_cuda_module module = {
     .backend = &backend,
     .device_count = cu_device_count,
     .runtime_version = cu_runtime_version,
+    .device_properties = cu_device_properties,
 };
 
 __attribute__((visibility("default"))) const cmlp_cuda_module *cmlp_cuda_entry(cmlp_error_fn set_error) {

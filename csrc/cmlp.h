@@ -77,6 +77,15 @@ CMLP_API int cmlp_cuda_compiled(void);                  /* 1 when built with the
 CMLP_API int cmlp_cuda_device_count(void);
 CMLP_API int cmlp_cuda_loadable(void); /* 1 when the CUDA backend's library loads (starts nothing) */
 CMLP_API int cmlp_cuda_started(void);  /* 1 once the CUDA driver was asked for the devices */
+/* A GPU's properties (torch.cuda.get_device_properties' first fields). */
+typedef struct cmlp_device_props {
+    char name[256];
+    int major, minor; /* compute capability */
+    int64_t total_memory;
+    int multi_processor_count, max_threads_per_multi_processor, warp_size;
+    int64_t l2_cache_size;
+} cmlp_device_props;
+CMLP_API cmlp_status cmlp_cuda_device_properties(int index, cmlp_device_props *out);
 /* The GPUs NVML reports, without starting the CUDA driver: their count, or -1 when NVML is not
  * there or fails, and the first cap of their UUIDs ("GPU-..."; valid for the process's life).
  * CUDA_VISIBLE_DEVICES is not applied. Asked once per process. */

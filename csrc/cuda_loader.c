@@ -89,6 +89,15 @@ int cmlp_cuda_runtime_version(void) {
     return module ? module->runtime_version() : 0;
 }
 
+cmlp_status cmlp_cuda_device_properties(int index, cmlp_device_props *out) {
+    pthread_once(&start_once, start);
+    if (forked) return CMLP_FAIL(CMLP_ERR_DEVICE, "cuda:%d: " CMLP_CUDA_FORKED_TEXT, index);
+    if (ndevices <= 0) return CMLP_FAIL(CMLP_ERR_DEVICE, "CUDA is not available: %s", why);
+    if (index < 0 || index >= ndevices)
+        return CMLP_FAIL(CMLP_ERR_DEVICE, "cuda:%d is not a device here (%d found)", index, ndevices);
+    return module->device_properties(index, out);
+}
+
 /* ---- NVML ---- */
 
 typedef int (*nvml_void_fn)(void);
@@ -143,6 +152,11 @@ int cmlp_nvml_devices(const char **uuids, int cap) {
     (void)uuids;
     (void)cap;
     return -1;
+}
+cmlp_status cmlp_cuda_device_properties(int index, cmlp_device_props *out) {
+    (void)index;
+    (void)out;
+    return CMLP_FAIL(CMLP_ERR_DEVICE, "this build of cmlp has no CUDA backend");
 }
 const char *cmlp_cuda_unavailable_reason(void) { return "this build of cmlp has no CUDA backend"; }
 const cmlp_backend_i *cmlp_cuda_backend(void) { return NULL; }

@@ -1391,6 +1391,27 @@ def test_a_child_forked_after_cuda_started_is_refused_cuda_and_the_parent_works_
     assert np.isfinite(child["cpu"])
 
 
+@needs_cuda
+def test_device_properties_are_the_gpus_as_torch_reads_them():
+    p = cmlp.cuda.get_device_properties()
+    assert isinstance(p.name, str) and p.name and p.major >= 7 and p.multi_processor_count > 0
+    assert p.warp_size == 32 and p.max_threads_per_multi_processor > 0 and p.L2_cache_size > 0
+    assert p.total_memory == M.mem_get_info("cuda:0")[1]
+    assert cmlp.cuda.get_device_name("cuda:0") == cmlp.cuda.get_device_name(0) == p.name
+    assert cmlp.cuda.get_device_capability() == (p.major, p.minor)
+    assert f"total_memory={p.total_memory // 2**20}MB" in repr(p)
+    with pytest.raises(AssertionError, match="Invalid device id"):
+        cmlp.cuda.get_device_properties(cmlp.cuda.device_count())
+    try:
+        import torch
+    except ImportError:
+        return
+    if torch.cuda.is_available():
+        t = torch.cuda.get_device_properties(0)
+        assert (p.name, p.major, p.minor, p.total_memory, p.multi_processor_count) == \
+            (t.name, t.major, t.minor, t.total_memory, t.multi_processor_count)
+
+
 _COUNT_THEN_FORK_SCRIPT = r"""
 import json, os, sys
 import numpy as np

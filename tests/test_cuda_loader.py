@@ -155,3 +155,15 @@ def test_loading_cuda_starts_nothing():
     r = run_python(code)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == [str(INFO["cuda_compiled"]), "False", "False"]
+
+
+def test_device_properties_need_a_gpu_and_a_cuda_device():
+    if not cmlp.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA"):
+            cmlp.cuda.get_device_properties()
+        with pytest.raises(RuntimeError, match="CUDA"):
+            cmlp.cuda.get_device_name(0)
+    for bad, error in (("cpu", ValueError), ("cuda:x", ValueError), ("cuda:-1", ValueError), (1.0, TypeError),
+                       (True, TypeError)):
+        with pytest.raises(error):
+            cmlp.cuda.get_device_capability(bad)

@@ -311,6 +311,8 @@ def _info() -> int:
     info = build_info()
     info["cuda_available"] = cuda.is_available()
     info["cuda_device_count"] = cuda.device_count()
+    if info["cuda_available"]:
+        info["cuda_devices"] = [cuda.get_device_properties(i)._asdict() for i in range(info["cuda_device_count"])]
     info["mpi_available"] = distributed.is_mpi_available()
     print(json.dumps(info, indent=2))
     return 0

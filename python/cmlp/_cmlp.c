@@ -1711,6 +1711,23 @@ static PyObject *mod_cuda_device_count(PyObject *mod, PyObject *unused) {
     return PyLong_FromLong(cmlp_cuda_device_count());
 }
 
+/* torch.cuda.get_device_properties' fields of GPU index, as a dict */
+static PyObject *mod_cuda_device_properties(PyObject *mod, PyObject *arg) {
+    long v = PyLong_AsLong(arg);
+    if (v == -1 && PyErr_Occurred()) return NULL;
+    const int index = v < 0 || v > INT_MAX ? -1 : (int)v; /* -1: refused by the core, as not a device */
+    cmlp_device_props p;
+    cmlp_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = cmlp_cuda_device_properties(index, &p);
+    Py_END_ALLOW_THREADS
+    if (st != CMLP_OK) return raise_status(state_of(mod), st);
+    return Py_BuildValue("{s:s,s:i,s:i,s:L,s:i,s:i,s:i,s:L}", "name", p.name, "major", p.major, "minor", p.minor,
+                         "total_memory", (long long)p.total_memory, "multi_processor_count", p.multi_processor_count,
+                         "max_threads_per_multi_processor", p.max_threads_per_multi_processor, "warp_size",
+                         p.warp_size, "L2_cache_size", (long long)p.l2_cache_size);
+}
+
 static PyObject *mod_cuda_loadable(PyObject *mod, PyObject *unused) {
     (void)mod;
     (void)unused;
@@ -1907,6 +1924,7 @@ static PyMethodDef module_methods[] = {
     {"parse_device", mod_parse_device, METH_O, "canonical device string; raises when unavailable"},
     {"build_info", mod_build_info, METH_NOARGS, "build facts"},
     {"cuda_device_count", mod_cuda_device_count, METH_NOARGS, "number of usable CUDA devices"},
+    {"cuda_device_properties", mod_cuda_device_properties, METH_O, "a GPU's properties (starts CUDA)"},
     {"cuda_loadable", mod_cuda_loadable, METH_NOARGS, "whether the CUDA backend's library loads (starts nothing)"},
     {"cuda_started", mod_cuda_started, METH_NOARGS, "whether the CUDA driver was asked for the devices"},
     {"nvml_devices", mod_nvml_devices, METH_NOARGS, "NVML's GPUs' UUIDs (None: no NVML), without starting CUDA"},

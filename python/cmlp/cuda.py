@@ -6,7 +6,9 @@ process starts CUDA (and asks CUDA where NVML is not there); is_available() asks
 unless CMLP_NVML_BASED_CUDA_CHECK (or, where that is unset, PYTORCH_NVML_BASED_CUDA_CHECK) is "1".
 """
 import os
-from typing import List, Optional, Tuple, Union
+from typing import List, NamedTuple, Optional, Tuple, Union
+
+import numpy as np
 
 from . import _cmlp
 
@@ -101,6 +103,58 @@ def _uuid_ordinals(names: List[str], uuids: List[str]) -> List[int]:
             return []
         ordinals.append(matches[0])
     return ordinals
+
+
+class _CudaDeviceProperties(NamedTuple):
+    """torch.cuda.get_device_properties' first fields (total_memory in bytes)."""
+
+    name: str
+    major: int
+    minor: int
+    total_memory: int
+    multi_processor_count: int
+    max_threads_per_multi_processor: int
+    warp_size: int
+    L2_cache_size: int
+
+    def __repr__(self) -> str:  # as torch's: the memory in MB
+        return (f"_CudaDeviceProperties(name='{self.name}', major={self.major}, minor={self.minor}, "
+                f"total_memory={self.total_memory // (1024 * 1024)}MB, "
+                f"multi_processor_count={self.multi_processor_count}, L2_cache_size={self.L2_cache_size // (1024 * 1024)}MB)")
+
+
+def _device_index(device: "Optional[str | int]") -> int:
+    """torch.cuda's device argument: None (the first GPU), an index, "cuda" or "cuda:N"."""
+    if device is None:
+        return 0
+    if isinstance(device, (int, np.integer)) and not isinstance(device, bool):
+        return int(device)
+    if isinstance(device, str):
+        kind, sep, index = device.partition(":")
+        if kind == "cuda" and (not sep or (index.isdigit() and index.isascii())):
+            return int(index) if sep else 0
+        raise ValueError(f"Expected a cuda device, but got: {device}")
+    raise TypeError(f"device must be an int, a str such as 'cuda:0' or None, got {device!r}")
+
+
+def get_device_properties(device: "Optional[str | int]" = None) -> _CudaDeviceProperties:
+    """A GPU's name, compute capability, memory and multiprocessors, as torch.cuda's (this starts
+    CUDA). RuntimeError where CUDA is not available; AssertionError for an index that is not a
+    GPU here, as torch's."""
+    index = _device_index(device)
+    count = _cmlp.cuda_device_count()
+    if count > 0 and not 0 <= index < count:
+        raise AssertionError("Invalid device id")
+    return _CudaDeviceProperties(**_cmlp.cuda_device_properties(index if 0 <= index < 2**31 else -1))
+
+
+def get_device_name(device: "Optional[str | int]" = None) -> str:
+    return get_device_properties(device).name
+
+
+def get_device_capability(device: "Optional[str | int]" = None) -> Tuple[int, int]:
+    p = get_device_properties(device)
+    return p.major, p.minor
 
 
 def synchronize(device: Optional[str] = None) -> None:

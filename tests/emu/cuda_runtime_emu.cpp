@@ -294,6 +294,23 @@ cudaError_t cudaGetDeviceCount(int *n) {
     *n = device_count();
     return cudaSuccess;
 }
+/* An emulated GPU: compute capability 9.0 (the machine code built for it), its memory the
+ * emulator's capacity. */
+cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *prop, int d) {
+    fork_guard("cudaGetDeviceProperties");
+    if (!prop) return fail(cudaErrorInvalidValue);
+    if (d < 0 || d >= device_count()) return fail(cudaErrorInvalidDevice);
+    *prop = cudaDeviceProp{};
+    std::snprintf(prop->name, sizeof prop->name, "cmlp emulated GPU %d", d);
+    prop->major = 9;
+    prop->minor = 0;
+    prop->totalGlobalMem = capacity();
+    prop->multiProcessorCount = 4;
+    prop->maxThreadsPerMultiProcessor = 2048;
+    prop->warpSize = 32;
+    prop->l2CacheSize = 1 << 20;
+    return cudaSuccess;
+}
 cudaError_t cudaSetDevice(int d) {
     fork_guard("cudaSetDevice");
     if (d < 0 || d >= device_count()) return fail(cudaErrorInvalidDevice);
