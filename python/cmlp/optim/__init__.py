@@ -200,7 +200,7 @@ class Optimizer:
         """torch.optim's layout of a step count and flat state buffers."""
         names = list(self.model.state_dict().keys())
         state: Dict[int, Dict[str, Any]] = {}
-        if step > 0 or bufs:
+        if bufs or (step > 0 and self._kind == "adam"):  # SGD without momentum keeps nothing, as torch's
             for i, name in enumerate(names):
                 entry: Dict[str, Any] = {}
                 if self._kind == "adam":
