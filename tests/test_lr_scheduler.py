@@ -678,3 +678,46 @@ def test_a_refused_step_leaves_the_momentum_too_and_arithmetic_failures_are_valu
     with pytest.raises(ValueError, match="cannot compute the rate of epoch 4"):
         for _ in range(4):
             sched.step()
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of")  # torch's: no optimizer step here
+@pytest.mark.parametrize("case", CASES[:13], ids=case_id)
+def test_the_deprecated_step_with_an_epoch_gives_torchs_rates(case):
+    # step(epoch) jumps to that epoch (the closed form where the schedule has one), with a warning
+    torch = pytest.importorskip("torch")
+    name, kw = case
+    opt, sched = make(name, kw)
+    topt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    ts = getattr(torch.optim.lr_scheduler, name)(topt, **kw)
+    for epoch in (None, 5, None, None, 2, 9, None):
+        if epoch is None:
+            sched.step()
+            ts.step()
+        else:
+            with pytest.warns(UserWarning, match="deprecated"):
+                sched.step(epoch)
+            with pytest.warns(UserWarning):
+                ts.step(epoch)
+        assert sched.get_last_lr() == ts.get_last_lr() and sched.last_epoch == ts.last_epoch, epoch
+    with pytest.raises(ValueError, match="epoch"):
+        sched.step(-1)
+    with pytest.raises(ValueError, match="epoch"):
+        sched.step(2.5)
+
+
+def test_the_deprecated_epoch_of_reduce_on_plateau_is_torchs():
+    torch = pytest.importorskip("torch")
+    opt = cmlp.optim.SGD(cmlp.MLP(SIZES), lr=0.1)
+    sched = S.ReduceLROnPlateau(opt, patience=0)
+    topt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    ts = torch.optim.lr_scheduler.ReduceLROnPlateau(topt, patience=0)
+    for metric, epoch in ((1.0, None), (2.0, 7), (3.0, None)):
+        if epoch is None:
+            sched.step(metric)
+            ts.step(metric)
+        else:
+            with pytest.warns(UserWarning):
+                sched.step(metric, epoch)
+            with pytest.warns(UserWarning):
+                ts.step(metric, epoch)
+        assert sched.get_last_lr() == ts.get_last_lr() and sched.last_epoch == ts.last_epoch

@@ -22,6 +22,7 @@ captured as a CUDA graph replays at every rate.
 import math
 import numbers
 import types
+import warnings
 from bisect import bisect_right
 from math import inf
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
@@ -44,6 +45,16 @@ def _optimizer(optimizer: Any) -> Any:
 def _is_int(value: Any) -> bool:
     """An int (NumPy's too, as torch takes them), not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _deprecated_epoch(epoch: Any) -> int:
+    """step(epoch)'s epoch, with torch's warning that the argument is going away."""
+    if not _is_int(epoch) or epoch < 0:
+        raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+    warnings.warn("step(epoch) is deprecated, as in torch: call step() to move the schedule on (with an epoch "
+                  "the rate is the schedule's closed form for it where there is one, else its next form)",
+                  UserWarning, stacklevel=3)
+    return int(epoch)
 
 
 def _int(name: str, value: Any, lo: int) -> int:
@@ -86,12 +97,16 @@ class LRScheduler:
         """The rate the last step() set."""
         return self._last_lr
 
-    def step(self) -> None:
+    def step(self, epoch: Optional[int] = None) -> None:
         """Moves the schedule one epoch (or step) on and sets the optimizer's rate. A rate the
-        optimizer refuses (negative, not finite) raises and leaves the schedule where it was."""
+        optimizer refuses (negative, not finite) raises and leaves the schedule where it was.
+        epoch (deprecated, as in torch, which warns): that epoch's rate instead, from the
+        schedule's closed form where it has one."""
+        if epoch is not None:
+            epoch = _deprecated_epoch(epoch)
         self._step_count += 1
         try:
-            self._update_lr(None)
+            self._update_lr(epoch)
         except BaseException:
             self._step_count -= 1
             raise
@@ -758,18 +773,21 @@ class ReduceLROnPlateau(LRScheduler):
     def in_cooldown(self) -> bool:
         return self.cooldown_counter > 0
 
-    def step(self, metrics: Any) -> None:  # type: ignore[override]
-        """A rate the optimizer refuses raises and leaves the schedule where it was."""
+    def step(self, metrics: Any, epoch: Optional[int] = None) -> None:  # type: ignore[override]
+        """A rate the optimizer refuses raises and leaves the schedule where it was. epoch
+        (deprecated, as in torch): the epoch this one counts as."""
         current = float(metrics)
+        if epoch is not None:
+            epoch = _deprecated_epoch(epoch)
         saved = {k: v for k, v in self.__dict__.items() if k != "optimizer"}
         try:
-            self._step(current)
+            self._step(current, epoch)
         except BaseException:
             self.__dict__.update(saved)
             raise
 
-    def _step(self, current: float) -> None:
-        self.last_epoch += 1
+    def _step(self, current: float, epoch: Optional[int] = None) -> None:
+        self.last_epoch = self.last_epoch + 1 if epoch is None else epoch
         if self._is_better(current, self.best):
             self.best = current
             self.num_bad_epochs = 0
