@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 typedef struct {
     uintptr_t key; /* 0: empty */
@@ -605,8 +606,34 @@ static void note_oom(cmlp_allocator *a, size_t nbytes, const char *what) {
     note(a, CMLP_TRACE_OOM, NULL, nbytes, what, context_for(a, CMLP_CONTEXT_ALLOC), free_bytes);
 }
 
+/* torch's lines on who holds the device's memory: the other processes, then this one's whole use
+ * (its CUDA context and anything outside the allocator too); "" where the device cannot tell. */
+static void memory_users(cmlp_allocator *a, char *out, size_t cap) {
+    out[0] = '\0';
+    enum { SHOWN = 6 };
+    int64_t pids[SHOWN], bytes[SHOWN], self = -1;
+    int n = a->backend->gpu_processes ? a->backend->gpu_processes(a->bctx, pids, bytes, SHOWN) : -1;
+    size_t at = 0;
+    char b[32];
+    for (int i = 0; i < n && i < SHOWN && at < cap; i++) {
+        if (pids[i] == (int64_t)getpid()) {
+            self = bytes[i];
+            continue;
+        }
+        cmlp_format_bytes(b, sizeof b, bytes[i]);
+        at += (size_t)snprintf(out + at, cap - at, " Process %lld has %s memory in use.", (long long)pids[i], b);
+    }
+    if (n > SHOWN && at < cap) at += (size_t)snprintf(out + at, cap - at, " (%d processes in all.)", n);
+    if (self >= 0 && at < cap) {
+        cmlp_format_bytes(b, sizeof b, self);
+        snprintf(out + at, cap - at, " Including memory outside cmlp's allocator, this process has %s in use.", b);
+    }
+}
+
 static cmlp_status oom(cmlp_allocator *a, size_t nbytes, size_t size) {
     char req[32], rnd[32], alc[32], res[32], cap[32], fre[32], big[32], unalloc[32], sg[32], seg_note[160] = "";
+    char users[400];
+    memory_users(a, users, sizeof users);
     int64_t r = reserved(a), al = a->stats.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].current;
     int64_t total = a->limit >= 0 ? a->limit : a->total_memory;
     int64_t largest = largest_free(a);
@@ -637,12 +664,12 @@ static cmlp_status oom(cmlp_allocator *a, size_t nbytes, size_t size) {
                                                            "max_split_size_mb to avoid fragmentation.";
     return CMLP_FAIL(CMLP_ERR_OOM,
                      "%s out of memory. Tried to allocate %s (%zu bytes requested, rounded to %zu). %s %s is %s "
-                     "of which %s is free. Of the %s reserved, %s is allocated by cmlp and %s is reserved but "
+                     "of which %s is free.%s Of the %s reserved, %s is allocated by cmlp and %s is reserved but "
                      "unallocated; the largest free block is %s (fragmentation %.1f%%).%s%s Try micro-batches "
                      "(Trainer(auto_microbatch=True) or a smaller batch_size with accumulation_steps), "
                      "amp=\"fp16\" or \"bf16\", or recompute=True.",
                      a->name, rnd, nbytes, size, a->name, a->limit >= 0 ? "memory limit" : "total capacity", cap, fre,
-                     res, alc, unalloc, big, frag, seg_note, frag_hint);
+                     users, res, alc, unalloc, big, frag, seg_note, frag_hint);
 }
 
 static void refresh_config(cmlp_allocator *a);

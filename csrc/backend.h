@@ -53,6 +53,10 @@ typedef struct cmlp_backend_i {
     /* Memory the device could still give (the driver's free memory; on the CPU, what the
      * operating system reports available); -1 when it cannot say. */
     int64_t (*free_memory)(void *ctx);
+    /* The processes holding memory on the device, as the driver's management library (NVML)
+     * sees them: up to cap (pid, bytes) pairs, and their count (which may exceed cap), or -1
+     * where it cannot tell. NULL where the device has no such library (the CPU). */
+    int (*gpu_processes)(void *ctx, int64_t *pids, int64_t *bytes, int cap);
     /* Device memory the backend needs for itself (GEMM workspace, reduction scratch), taken
      * from the device's allocator after open and handed over once; NULL when none. */
     size_t (*workspace_bytes)(void *ctx);

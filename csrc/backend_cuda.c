@@ -319,6 +319,56 @@ static int64_t cu_total_memory(void *ctx) {
     return (int64_t)total;
 }
 
+/* ---- NVML: who holds the GPU's memory (for out-of-memory messages and list_gpu_processes) ----
+ * Loaded on first use ($CMLP_NVML_LIBRARY or libnvidia-ml.so.1) and kept initialised, as torch
+ * keeps it. The GPU is found by its UUID, which CUDA and NVML share. */
+typedef struct {
+    unsigned int pid;
+    unsigned long long used; /* bytes; all ones where NVML may not say */
+    unsigned int gpu_instance, compute_instance;
+} nvml_process; /* nvmlProcessInfo_v2_t, which the _v3 query fills */
+
+static pthread_once_t nvml_once = PTHREAD_ONCE_INIT;
+static int (*nvml_by_uuid)(const char *uuid, void **device);
+static int (*nvml_processes)(void *device, unsigned int *count, nvml_process *infos);
+
+static void nvml_load(void) {
+    const char *env = getenv("CMLP_NVML_LIBRARY");
+    void *h = dlopen(env && env[0] ? env : "libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+    int (*init)(void) = h ? (int (*)(void))dlsym(h, "nvmlInit_v2") : NULL;
+    if (!init || init() != 0) return;
+    nvml_by_uuid = (int (*)(const char *, void **))dlsym(h, "nvmlDeviceGetHandleByUUID");
+    nvml_processes = (int (*)(void *, unsigned int *, nvml_process *))dlsym(h, "nvmlDeviceGetComputeRunningProcesses_v3");
+}
+
+static int cu_gpu_processes(void *ctx, int64_t *pids, int64_t *bytes, int cap) {
+    cuda_ctx *c = ctx;
+    if (forked) return -1;
+    pthread_once(&nvml_once, nvml_load);
+    struct cudaDeviceProp p;
+    if (!nvml_by_uuid || !nvml_processes || cudaGetDeviceProperties(&p, c->index) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return -1;
+    }
+    const unsigned char *u = (const unsigned char *)p.uuid.bytes;
+    char uuid[48];
+    snprintf(uuid, sizeof uuid, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0], u[1],
+             u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
+    void *dev = NULL;
+    nvml_process infos[64];
+    unsigned int n = 64;
+    if (nvml_by_uuid(uuid, &dev) != 0) return -1;
+    int rc = nvml_processes(dev, &n, infos);
+    if (rc != 0 && rc != 7 /* NVML_ERROR_INSUFFICIENT_SIZE: n is the count */) return -1;
+    int kept = 0;
+    for (unsigned int i = 0; i < n && i < 64; i++) {
+        if (infos[i].used == ~0ULL) continue; /* not for this process to know */
+        if (kept < cap) pids[kept] = infos[i].pid, bytes[kept] = (int64_t)infos[i].used;
+        kept++;
+    }
+    return rc == 7 ? (int)n : kept;
+}
+
 static int64_t cu_free_memory(void *ctx) {
     cuda_ctx *c = ctx;
     size_t free_b = 0, total = 0;
@@ -1315,6 +1365,7 @@ static const cmlp_backend_i backend = {
     .open = cu_open,
     .total_memory = cu_total_memory,
     .free_memory = cu_free_memory,
+    .gpu_processes = cu_gpu_processes,
     .workspace_bytes = cu_workspace_bytes,
     .set_workspace = cu_set_workspace,
     .raw_alloc = cu_raw_alloc,

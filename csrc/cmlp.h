@@ -77,6 +77,10 @@ CMLP_API int cmlp_cuda_compiled(void);                  /* 1 when built with the
 CMLP_API int cmlp_cuda_device_count(void);
 CMLP_API int cmlp_cuda_loadable(void); /* 1 when the CUDA backend's library loads (starts nothing) */
 CMLP_API int cmlp_cuda_started(void);  /* 1 once the CUDA driver was asked for the devices */
+/* The processes holding memory on device d, as its driver's management library (NVML) sees
+ * them: up to cap (pid, bytes) pairs; *count is their number (which may exceed cap), or -1 where
+ * it cannot tell (the CPU, no NVML). */
+CMLP_API cmlp_status cmlp_device_processes(cmlp_device d, int64_t *pids, int64_t *bytes, int cap, int *count);
 /* A GPU's properties (torch.cuda.get_device_properties' first fields). */
 typedef struct cmlp_device_props {
     char name[256];

@@ -161,6 +161,13 @@ cmlp_status cmlp_memory_get_info(cmlp_device d, int64_t *free_bytes, int64_t *to
     return CMLP_OK;
 }
 
+cmlp_status cmlp_device_processes(cmlp_device d, int64_t *pids, int64_t *bytes, int cap, int *count) {
+    cmlp_device_ctx *c;
+    CMLP_TRY(cmlp_device_get(d, &c));
+    *count = c->backend->gpu_processes ? c->backend->gpu_processes(c->bctx, pids, bytes, cap) : -1;
+    return CMLP_OK;
+}
+
 cmlp_status cmlp_memory_reset_accumulated(cmlp_device d) {
     cmlp_device_ctx *c;
     CMLP_TRY(cmlp_device_get(d, &c));

@@ -1412,6 +1412,45 @@ def test_device_properties_are_the_gpus_as_torch_reads_them():
             (t.name, t.major, t.minor, t.total_memory, t.multi_processor_count)
 
 
+_PROCESSES_SCRIPT = r"""
+import json, os
+import cmlp
+listing = cmlp.cuda.list_gpu_processes()
+cmlp.memory.set_memory_limit(64 << 20, "cuda")
+try:
+    cmlp.MLP([4096, 8192, 10], device="cuda")
+    message = ""
+except cmlp.OutOfMemoryError as e:
+    message = str(e)
+print(json.dumps({"listing": listing, "oom": message, "pid": os.getpid(), "name": cmlp.cuda.get_device_name()}))
+"""
+
+
+@needs_cuda
+def test_out_of_memory_names_the_processes_that_hold_the_gpu_as_torch():
+    """As torch's out-of-memory message: the other processes on the GPU and this process's whole
+    use, from NVML; and torch.cuda.list_gpu_processes. The emulated NVML adds a process holding
+    1 GiB (CMLP_EMU_NVML_PROCESSES); on a GPU, NVML reports what runs there."""
+    env = dict(os.environ, CMLP_EMU_NVML_PROCESSES="4242:1073741824")
+    env["PYTHONPATH"] = REPO_PYTHON + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    r = subprocess.run([sys.executable, "-c", _PROCESSES_SCRIPT], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "out of memory" in out["oom"], out
+    if out["listing"].startswith("NVML"):
+        pytest.skip("NVML (libnvidia-ml.so.1) is not on this machine")
+    lines = out["listing"].splitlines()
+    assert lines[0] == "GPU:0" and all(line.startswith("process ") and line.endswith(" MB GPU memory")
+                                       for line in lines[1:]), lines
+    assert "memory in use." in out["oom"] or "this process has" in out["oom"], out["oom"]
+    if out["name"].startswith("cmlp emulated GPU"):
+        assert f"process {4242:>10d} uses     1024.000 MB GPU memory" in lines
+        assert any(line.startswith(f"process {out['pid']:>10d} uses") for line in lines)
+        assert " is free. Process 4242 has 1.00 GiB memory in use. Including memory outside cmlp's allocator, " \
+               "this process has" in out["oom"], out["oom"]
+
+
 _COUNT_THEN_FORK_SCRIPT = r"""
 import json, os, sys
 import numpy as np

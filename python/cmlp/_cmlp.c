@@ -1711,6 +1711,27 @@ static PyObject *mod_cuda_device_count(PyObject *mod, PyObject *unused) {
     return PyLong_FromLong(cmlp_cuda_device_count());
 }
 
+/* The processes holding memory on a device: [(pid, bytes), ...], or None where it cannot tell */
+static PyObject *mod_gpu_processes(PyObject *mod, PyObject *arg) {
+    cmlp_device d;
+    if (parse_device(state_of(mod), arg, &d) < 0) return NULL;
+    int64_t pids[64], bytes[64];
+    int n = -1;
+    cmlp_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = cmlp_device_processes(d, pids, bytes, 64, &n);
+    Py_END_ALLOW_THREADS
+    if (st != CMLP_OK) return raise_status(state_of(mod), st);
+    if (n < 0) Py_RETURN_NONE;
+    PyObject *list = PyList_New(0);
+    for (int i = 0; list && i < n && i < 64; i++) {
+        PyObject *pair = Py_BuildValue("(LL)", (long long)pids[i], (long long)bytes[i]);
+        if (!pair || PyList_Append(list, pair) < 0) Py_CLEAR(list);
+        Py_XDECREF(pair);
+    }
+    return list;
+}
+
 /* torch.cuda.get_device_properties' fields of GPU index, as a dict */
 static PyObject *mod_cuda_device_properties(PyObject *mod, PyObject *arg) {
     long v = PyLong_AsLong(arg);
@@ -1924,6 +1945,7 @@ static PyMethodDef module_methods[] = {
     {"parse_device", mod_parse_device, METH_O, "canonical device string; raises when unavailable"},
     {"build_info", mod_build_info, METH_NOARGS, "build facts"},
     {"cuda_device_count", mod_cuda_device_count, METH_NOARGS, "number of usable CUDA devices"},
+    {"gpu_processes", mod_gpu_processes, METH_O, "the processes holding a device's memory (NVML), or None"},
     {"cuda_device_properties", mod_cuda_device_properties, METH_O, "a GPU's properties (starts CUDA)"},
     {"cuda_loadable", mod_cuda_loadable, METH_NOARGS, "whether the CUDA backend's library loads (starts nothing)"},
     {"cuda_started", mod_cuda_started, METH_NOARGS, "whether the CUDA driver was asked for the devices"},

@@ -157,6 +157,19 @@ def get_device_capability(device: "Optional[str | int]" = None) -> Tuple[int, in
     return p.major, p.minor
 
 
+def list_gpu_processes(device: "Optional[str | int]" = None) -> str:
+    """torch.cuda.list_gpu_processes: the processes holding memory on a GPU and how much, from
+    NVML ("GPU:0" then a line per process). This starts CUDA."""
+    index = _device_index(device)
+    procs = _cmlp.gpu_processes(f"cuda:{index}")
+    if procs is None:
+        return "NVML (libnvidia-ml.so.1) is not available here: cannot list the processes on the GPU"
+    lines = [f"GPU:{index}"] + [f"process {pid:>10d} uses {used / 2**20:>12.3f} MB GPU memory" for pid, used in procs]
+    if not procs:
+        lines.append("no processes are running")
+    return "\n".join(lines)
+
+
 def synchronize(device: Optional[str] = None) -> None:
     """Waits for the device's queued work. Raises RuntimeError when CUDA is unavailable."""
     _cmlp.synchronize("cuda" if device is None else device)

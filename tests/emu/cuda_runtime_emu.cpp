@@ -24,7 +24,9 @@
  *  - CMLP_EMU_DEVICES (default 1) devices share the host's memory.
  *  - NVML (nvml* below) reports CMLP_EMU_NVML_DEVICES GPUs (default: CMLP_EMU_DEVICES), whose
  *    UUIDs share the prefix "GPU-7e57"; CMLP_EMU_NVML_FAIL=1 makes nvmlInit_v2 fail as without a
- *    driver. NVML starts nothing: a forked child may use CUDA after its parent asked NVML.
+ *    driver. NVML starts nothing: a forked child may use CUDA after its parent asked NVML. The
+ *    processes on a GPU are this one (its device memory plus a 256 MiB context) and those of
+ *    CMLP_EMU_NVML_PROCESSES ("pid:bytes,pid:bytes").
  *  - CMLP_EMU_TRACE_GRAPHS=1 prints the launches of every graph instantiated, by name.
  *  - CMLP_EMU_LAUNCH_DELAY_US=n pauses n microseconds after each kernel launch (no lock held),
  *    so that threads interleave their launches on a shared stream.
@@ -309,6 +311,10 @@ cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *prop, int d) {
     prop->maxThreadsPerMultiProcessor = 2048;
     prop->warpSize = 32;
     prop->l2CacheSize = 1 << 20;
+    const unsigned char uuid[16] = {0x7e, 0x57, (unsigned char)(d >> 8), (unsigned char)d, 0, 0, 0x40, 0, 0x80, 0, 0, 0,
+                                    (unsigned char)(d * 7919u >> 24), (unsigned char)(d * 7919u >> 16),
+                                    (unsigned char)(d * 7919u >> 8), (unsigned char)(d * 7919u)};
+    std::memcpy(prop->uuid.bytes, uuid, 16); /* NVML's UUID below, as bytes */
     return cudaSuccess;
 }
 cudaError_t cudaSetDevice(int d) {
@@ -1501,6 +1507,48 @@ __attribute__((visibility("default"))) int nvmlDeviceGetHandleByIndex_v2(unsigne
     nvmlDeviceGetCount_v2(&n);
     if (!device || index >= n) return 2;
     *device = reinterpret_cast<void *>((uintptr_t)index + 1);
+    return 0;
+}
+__attribute__((visibility("default"))) int nvmlDeviceGetHandleByUUID(const char *uuid, void **device) {
+    unsigned n = 0;
+    nvmlDeviceGetCount_v2(&n);
+    char mine[96];
+    for (unsigned i = 0; uuid && device && i < n; i++) {
+        std::snprintf(mine, sizeof mine, "GPU-7e57%04x-0000-4000-8000-%012x", i, i * 7919u);
+        if (std::strcmp(mine, uuid) == 0) {
+            *device = reinterpret_cast<void *>((uintptr_t)i + 1);
+            return 0;
+        }
+    }
+    return 6; /* NVML_ERROR_NOT_FOUND */
+}
+struct nvml_process_emu {
+    unsigned int pid;
+    unsigned long long used;
+    unsigned int gpu_instance, compute_instance;
+};
+__attribute__((visibility("default"))) int nvmlDeviceGetComputeRunningProcesses_v3(void *device, unsigned *count,
+                                                                                  nvml_process_emu *infos) {
+    if (!device || !count) return 2;
+    const int d = (int)(reinterpret_cast<uintptr_t>(device) - 1);
+    std::vector<nvml_process_emu> all;
+    {
+        std::lock_guard<std::recursive_mutex> g(gpu);
+        all.push_back({(unsigned)getpid(), (unsigned long long)(used[d] + (256u << 20)), ~0u, ~0u});
+    }
+    const char *v = getenv("CMLP_EMU_NVML_PROCESSES");
+    for (const char *p = v; p && *p;) {
+        char *end = nullptr;
+        const unsigned long pid = std::strtoul(p, &end, 10);
+        if (*end != ':') break;
+        const unsigned long long bytes = std::strtoull(end + 1, &end, 10);
+        all.push_back({(unsigned)pid, bytes, ~0u, ~0u});
+        p = *end == ',' ? end + 1 : end;
+    }
+    const unsigned room = *count;
+    *count = (unsigned)all.size();
+    if (room < all.size()) return 7; /* NVML_ERROR_INSUFFICIENT_SIZE */
+    if (!all.empty()) std::memcpy(infos, all.data(), all.size() * sizeof all[0]);
     return 0;
 }
 __attribute__((visibility("default"))) int nvmlDeviceGetUUID(void *device, char *uuid, unsigned length) {
