@@ -335,7 +335,8 @@ static cmlp_status effective_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp
 static int optimizer_buffers(const cmlp_trainer *t) {
     cmlp_optim *o = t->optim;
     if (cmlp_optim_get_kind(o) == CMLP_OPTIM_ADAM) return 2;
-    return cmlp_optim_num_buffers(o) ? 1 : 0;
+    /* SGD's momentum buffer, made at its first step (which this plan is about) */
+    return cmlp_optim_get_momentum(o) != 0.0 || cmlp_optim_num_buffers(o) ? 1 : 0;
 }
 
 static int64_t effective_batch(const cmlp_trainer *t) { return t->cfg.batch_size * t->cfg.accumulation_steps; }
@@ -662,8 +663,15 @@ static cmlp_status check_group(cmlp_trainer *t, bool joined) {
     return CMLP_OK;
 }
 
+/* An fp32 trainer has no use for the half-precision weights an amp run left (each step would
+ * refresh them, and they hold memory): they go, and come back when a step needs them. */
+static void drop_half_weights(cmlp_trainer *t) {
+    if (t->cfg.amp == CMLP_AMP_NONE) cmlp_amp_free(t->model);
+}
+
 cmlp_status cmlp_trainer_step(cmlp_trainer *t, const cmlp_data *xy, double *loss_mean) {
     if (!t || !loss_mean) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
+    drop_half_weights(t);
     CMLP_TRY(check_group(t, false));
     cmlp_status st = cmlp_data_validate(t->model, xy, true);
     int64_t n_all = xy->n;
@@ -709,6 +717,7 @@ static bool keep_epoch(cmlp_trainer *t, const cmlp_data *xy) {
 
 cmlp_status cmlp_trainer_epoch_begin(cmlp_trainer *t, const cmlp_data *xy, int same_data, cmlp_epoch_state *st) {
     if (!t || !st) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
+    drop_half_weights(t);
     CMLP_TRY(check_group(t, false));
     cmlp_status valid = cmlp_data_validate(t->model, xy, true);
     if (t->dist) {

@@ -463,3 +463,77 @@ def test_recompute_with_auto_microbatch():
         M.set_memory_limit(None, DEV)
     assert trainer.microbatch_size < WIDE_BATCH
     assert rel_err(trainer.model.state_dict(), want) <= TOL
+
+
+def _limit_run(epochs, validation):
+    gc.collect()
+    M.empty_cache("cpu")  # what other tests left cached counts under the limit too
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1100, 200)).astype(np.float32)
+    y = rng.integers(0, 10, 1100)
+    model = cmlp.MLP([200, 1024, 1024, 10], seed=0)
+    trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=300, accumulation_steps=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hist = trainer.fit(x, y, epochs=epochs, progress=False, validation_data=(x[:500], y[:500]) if validation else None)
+    return model, trainer, hist, (x[:500], y[:500])
+
+
+def test_validation_survives_the_limit_that_training_survives():
+    # 1000-row evaluation buffers do not fit under a limit that micro-batching trains under: the
+    # validation halves its chunk and starts again, and gives what an evaluation without a limit does
+    M.set_memory_limit(34 * 2**20, "cpu")
+    try:
+        model, trainer, hist, (vx, vy) = _limit_run(2, True)
+    finally:
+        M.set_memory_limit(None, "cpu")
+    assert len(hist) == 2 and trainer.microbatch_size < 300
+    assert trainer._eval_rows < 1000
+    free = model.evaluate(vx, vy)
+    assert hist[-1]["val_loss"] == pytest.approx(free["loss"], rel=1e-6)
+    assert hist[-1]["val_accuracy"] == free["accuracy"]
+
+
+def test_the_one_sample_plan_counts_the_momentum_buffer_to_come():
+    sizes = [200, 1024, 1024, 10]
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((512, 200)).astype(np.float32), rng.integers(0, 10, 512)
+    gc.collect()
+    M.empty_cache("cpu")  # from an empty cache, as the plan is made: segments cached earlier could fit
+    model = cmlp.MLP(sizes, seed=0)
+    opt = cmlp.optim.SGD(model, lr=0.05, momentum=0.9)
+    M.set_memory_limit(36 * 2**20, "cpu")
+    try:
+        with pytest.raises(cmlp.OutOfMemoryError, match="micro-batch of 1 sample") as e, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the planner's MemoryWarning: micro-batches of 1
+            cmlp.Trainer(model, opt, batch_size=256, amp="bf16").fit(x, y, epochs=1, progress=False)
+    finally:
+        M.set_memory_limit(None, "cpu")
+    p = M.plan(sizes, 1, opt, "bf16")
+    assert "optimizer state 4.83 MiB" in str(e.value) and p.breakdown["optimizer_state"] == 4 * model.num_parameters()
+    assert f"{p.reserved_bytes / 2**20:.2f} MiB reserved" in str(e.value)
+
+
+def test_what_stays_allocated_after_training_or_inference_is_the_models_state():
+    # as in torch, where a step's activations and an inference's tensors are freed: parameters,
+    # gradients (with the step's device scalars) and optimizer state; fp32 steps after fp16 ones
+    # drop the half-precision weights, which they would refresh at every step for nothing
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((512, 784)).astype(np.float32), rng.integers(0, 10, 512)
+    model = cmlp.MLP([784, 512, 256, 10], seed=0)
+    opt = cmlp.optim.Adam(model)
+    gc.collect()
+
+    def held():
+        return {k for k, v in M.memory_breakdown("cpu").items() if v}
+
+    cmlp.Trainer(model, opt, batch_size=256, amp="fp16").fit(x, y, epochs=1, progress=False)
+    assert held() == {"parameters", "gradients", "optimizer state", "half-precision weights"}
+    trainer = cmlp.Trainer(model, opt, batch_size=256)
+    trainer.fit(x, y, epochs=1, progress=False)
+    state = M.memory_allocated("cpu")
+    assert held() == {"parameters", "gradients", "optimizer state"}
+    model.evaluate(x, y, batch_size=4096)
+    model.predict(x)
+    assert M.memory_allocated("cpu") == state and held() == {"parameters", "gradients", "optimizer state"}
+    del trainer

@@ -97,9 +97,13 @@ class MLP:
 
     # ---- compute ----
     def forward(self, x: Any) -> np.ndarray:
-        """Logits, float32 [N, classes]."""
+        """Logits, float32 [N, classes]. The buffers it used go back to the cache afterwards, as
+        torch frees an inference's tensors: allocated memory is the model's again."""
         xa = as_inputs(x, self._sizes[0])
-        return self._c.forward(xa, *self.normalize, 1024)
+        try:
+            return self._c.forward(xa, *self.normalize, 1024)
+        finally:
+            self._c.release_workspace()
 
     __call__ = forward
 
@@ -108,12 +112,16 @@ class MLP:
         return np.argmax(self.forward(x), axis=1).astype(np.int64)
 
     def evaluate(self, x: Any, y: Any, batch_size: int = 1000) -> Dict[str, float]:
-        """Mean cross-entropy and accuracy over (x, y), computed batch_size rows at a time."""
+        """Mean cross-entropy and accuracy over (x, y), computed batch_size rows at a time (its
+        buffers go back to the cache afterwards)."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or not 1 <= batch_size < 2**63:
             raise ValueError(f"batch_size must be an int in [1, 2**63), got {batch_size!r}")
         xa = as_inputs(x, self._sizes[0])
         ya = as_labels(y, xa.shape[0], self._sizes[-1])
-        loss_sum, correct = self._c.evaluate(xa, ya, *self.normalize, int(batch_size))
+        try:
+            loss_sum, correct = self._c.evaluate(xa, ya, *self.normalize, int(batch_size))
+        finally:
+            self._c.release_workspace()  # as forward's
         n = xa.shape[0]
         return {"loss": loss_sum / n, "accuracy": correct / n}
 

@@ -138,6 +138,7 @@ class Trainer:
         self._busy = threading.Lock()
         self._lost = False
         _live.add(self)
+        self._eval_rows = 1000  # validation's chunk of rows (halved when it runs out of memory)
         # uint8 images: the model's normalisation unless the trainer is given its own
         self.normalize = model.normalize if normalize is None else as_normalize(normalize)
         self._c = _cmlp.Trainer(optimizer._c, self.batch_size, self.accumulation_steps, micro, shuffle,
@@ -401,12 +402,23 @@ class Trainer:
         """(loss sum, correct) over the validation set; data-parallel, each rank evaluates its
         share of the rows (the ranks hold the same parameters) and the sums are the group's."""
         if not self.distributed:
-            return self.model._c.evaluate(val[0], val[1], *self.normalize, 1000)
+            return self._evaluate_rows(val[0], val[1])
         n, rank, ranks = val[0].shape[0], _dist.get_rank(), _dist.get_world_size()
         lo, hi = n * rank // ranks, n * (rank + 1) // ranks
-        loss_sum, correct = (self.model._c.evaluate(val[0][lo:hi], val[1][lo:hi], *self.normalize, 1000)
-                             if hi > lo else (0.0, 0))
-        return loss_sum, correct
+        return self._evaluate_rows(val[0][lo:hi], val[1][lo:hi]) if hi > lo else (0.0, 0)
+
+    def _evaluate_rows(self, x: np.ndarray, y: np.ndarray) -> Tuple[float, int]:
+        """(loss sum, correct) in chunks of rows; out of memory (under a limit that training
+        survives by micro-batching), the chunk halves and the evaluation starts again, down to one
+        row, and the smaller chunk is kept for the next epochs. Nothing but the sums comes out."""
+        while True:
+            try:
+                return self.model._c.evaluate(x, y, *self.normalize, self._eval_rows)
+            except _cmlp.OutOfMemoryError:
+                self.model._c.release_workspace()
+                if self._eval_rows == 1:
+                    raise
+                self._eval_rows //= 2
 
     def _fit_args(self, x: Any, y: Any, epochs: int, validation_data: Optional[Tuple[Any, Any]]) -> Tuple[
             int, np.ndarray, np.ndarray, Optional[Tuple[np.ndarray, np.ndarray]]]:
@@ -554,4 +566,7 @@ class Trainer:
                     scheduler.step()
         finally:
             self._c.release_data()  # the device copy of the data set, kept between epochs
+            # the activations go back to the cache, as torch frees them after backward: what stays
+            # allocated is the model's and the optimizer's state
+            self.model._c.release_workspace()
         return history
