@@ -610,20 +610,26 @@ static void note_oom(cmlp_allocator *a, size_t nbytes, const char *what) {
  * (its CUDA context and anything outside the allocator too); "" where the device cannot tell. */
 static void memory_users(cmlp_allocator *a, char *out, size_t cap) {
     out[0] = '\0';
-    enum { SHOWN = 6 };
-    int64_t pids[SHOWN], bytes[SHOWN], self = -1;
-    int n = a->backend->gpu_processes ? a->backend->gpu_processes(a->bctx, pids, bytes, SHOWN) : -1;
+    enum { ASKED = 64, SHOWN = 4 };
+    int64_t pids[ASKED], bytes[ASKED], self = -2;
+    int n = a->backend->gpu_processes ? a->backend->gpu_processes(a->bctx, pids, bytes, ASKED) : -1;
     size_t at = 0;
+    int shown = 0;
     char b[32];
-    for (int i = 0; i < n && i < SHOWN && at < cap; i++) {
+    for (int i = 0; i < n && i < ASKED; i++) {
         if (pids[i] == (int64_t)getpid()) {
             self = bytes[i];
-            continue;
+        } else if (shown < SHOWN && at < cap) {
+            shown++;
+            cmlp_format_bytes(b, sizeof b, bytes[i]);
+            at += (size_t)(bytes[i] < 0 ? snprintf(out + at, cap - at, " Process %lld has memory in use.",
+                                                   (long long)pids[i])
+                                        : snprintf(out + at, cap - at, " Process %lld has %s memory in use.",
+                                                   (long long)pids[i], b));
         }
-        cmlp_format_bytes(b, sizeof b, bytes[i]);
-        at += (size_t)snprintf(out + at, cap - at, " Process %lld has %s memory in use.", (long long)pids[i], b);
     }
-    if (n > SHOWN && at < cap) at += (size_t)snprintf(out + at, cap - at, " (%d processes in all.)", n);
+    const int others = n - (self != -2);
+    if (others > shown && at < cap) at += (size_t)snprintf(out + at, cap - at, " (%d other processes.)", others);
     if (self >= 0 && at < cap) {
         cmlp_format_bytes(b, sizeof b, self);
         snprintf(out + at, cap - at, " Including memory outside cmlp's allocator, this process has %s in use.", b);
@@ -632,7 +638,7 @@ static void memory_users(cmlp_allocator *a, char *out, size_t cap) {
 
 static cmlp_status oom(cmlp_allocator *a, size_t nbytes, size_t size) {
     char req[32], rnd[32], alc[32], res[32], cap[32], fre[32], big[32], unalloc[32], sg[32], seg_note[160] = "";
-    char users[400];
+    char users[320];
     memory_users(a, users, sizeof users);
     int64_t r = reserved(a), al = a->stats.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].current;
     int64_t total = a->limit >= 0 ? a->limit : a->total_memory;
@@ -664,12 +670,12 @@ static cmlp_status oom(cmlp_allocator *a, size_t nbytes, size_t size) {
                                                            "max_split_size_mb to avoid fragmentation.";
     return CMLP_FAIL(CMLP_ERR_OOM,
                      "%s out of memory. Tried to allocate %s (%zu bytes requested, rounded to %zu). %s %s is %s "
-                     "of which %s is free.%s Of the %s reserved, %s is allocated by cmlp and %s is reserved but "
+                     "of which %s is free. Of the %s reserved, %s is allocated by cmlp and %s is reserved but "
                      "unallocated; the largest free block is %s (fragmentation %.1f%%).%s%s Try micro-batches "
                      "(Trainer(auto_microbatch=True) or a smaller batch_size with accumulation_steps), "
-                     "amp=\"fp16\" or \"bf16\", or recompute=True.",
+                     "amp=\"fp16\" or \"bf16\", or recompute=True.%s",
                      a->name, rnd, nbytes, size, a->name, a->limit >= 0 ? "memory limit" : "total capacity", cap, fre,
-                     users, res, alc, unalloc, big, frag, seg_note, frag_hint);
+                     res, alc, unalloc, big, frag, seg_note, frag_hint, users);
 }
 
 static void refresh_config(cmlp_allocator *a);

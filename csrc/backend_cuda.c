@@ -341,6 +341,13 @@ static void nvml_load(void) {
     nvml_processes = (int (*)(void *, unsigned int *, nvml_process *))dlsym(h, "nvmlDeviceGetComputeRunningProcesses_v3");
 }
 
+/* A GPU's UUID as NVML writes it, without its "GPU-" prefix (torch's device property). */
+static void uuid_text(const cudaUUID_t *id, char *out, size_t cap) {
+    const unsigned char *u = (const unsigned char *)id->bytes;
+    snprintf(out, cap, "%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0], u[1], u[2], u[3],
+             u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
+}
+
 static int cu_gpu_processes(void *ctx, int64_t *pids, int64_t *bytes, int cap) {
     cuda_ctx *c = ctx;
     if (forked) return -1;
@@ -350,23 +357,32 @@ static int cu_gpu_processes(void *ctx, int64_t *pids, int64_t *bytes, int cap) {
         (void)cudaGetLastError();
         return -1;
     }
-    const unsigned char *u = (const unsigned char *)p.uuid.bytes;
-    char uuid[48];
-    snprintf(uuid, sizeof uuid, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0], u[1],
-             u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
+    char uuid[64] = "GPU-";
+    uuid_text(&p.uuid, uuid + 4, sizeof uuid - 4);
     void *dev = NULL;
-    nvml_process infos[64];
-    unsigned int n = 64;
     if (nvml_by_uuid(uuid, &dev) != 0) return -1;
-    int rc = nvml_processes(dev, &n, infos);
-    if (rc != 0 && rc != 7 /* NVML_ERROR_INSUFFICIENT_SIZE: n is the count */) return -1;
-    int kept = 0;
-    for (unsigned int i = 0; i < n && i < 64; i++) {
-        if (infos[i].used == ~0ULL) continue; /* not for this process to know */
-        if (kept < cap) pids[kept] = infos[i].pid, bytes[kept] = (int64_t)infos[i].used;
-        kept++;
+    /* NVML_ERROR_INSUFFICIENT_SIZE (7) fills nothing and says how many there are: ask again */
+    nvml_process *infos = NULL;
+    unsigned int room = 64, n = 0;
+    int rc = 7;
+    for (int tries = 0; rc == 7 && tries < 4; tries++) {
+        free(infos);
+        infos = malloc(room * sizeof *infos);
+        if (!infos) return -1;
+        n = room;
+        rc = nvml_processes(dev, &n, infos);
+        if (rc == 7) room = n + 16; /* room for processes that start meanwhile */
     }
-    return rc == 7 ? (int)n : kept;
+    if (rc != 0) {
+        free(infos);
+        return -1;
+    }
+    for (unsigned int i = 0; i < n && (int)i < cap; i++) { /* bytes -1: NVML may not say (another container's) */
+        pids[i] = infos[i].pid;
+        bytes[i] = infos[i].used == ~0ULL ? -1 : (int64_t)infos[i].used;
+    }
+    free(infos);
+    return (int)n;
 }
 
 static int64_t cu_free_memory(void *ctx) {
@@ -1439,6 +1455,7 @@ static cmlp_status cu_device_properties(int index, cmlp_device_props *out) {
     struct cudaDeviceProp p;
     CU_TRY(cudaGetDeviceProperties(&p, index));
     snprintf(out->name, sizeof out->name, "%s", p.name);
+    uuid_text(&p.uuid, out->uuid, sizeof out->uuid);
     out->major = p.major;
     out->minor = p.minor;
     out->total_memory = (int64_t)p.totalGlobalMem;

@@ -88,6 +88,7 @@ typedef struct cmlp_device_props {
     int64_t total_memory;
     int multi_processor_count, max_threads_per_multi_processor, warp_size;
     int64_t l2_cache_size;
+    char uuid[40]; /* as NVML writes it, without "GPU-" */
 } cmlp_device_props;
 CMLP_API cmlp_status cmlp_cuda_device_properties(int index, cmlp_device_props *out);
 /* The GPUs NVML reports, without starting the CUDA driver: their count, or -1 when NVML is not

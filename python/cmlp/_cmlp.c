@@ -1715,20 +1715,27 @@ static PyObject *mod_cuda_device_count(PyObject *mod, PyObject *unused) {
 static PyObject *mod_gpu_processes(PyObject *mod, PyObject *arg) {
     cmlp_device d;
     if (parse_device(state_of(mod), arg, &d) < 0) return NULL;
-    int64_t pids[64], bytes[64];
+    enum { CAP = 4096 };
+    int64_t *pids = PyMem_Malloc(2 * CAP * sizeof *pids), *bytes = pids + CAP;
+    if (!pids) return PyErr_NoMemory();
     int n = -1;
     cmlp_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = cmlp_device_processes(d, pids, bytes, 64, &n);
+    st = cmlp_device_processes(d, pids, bytes, CAP, &n);
     Py_END_ALLOW_THREADS
-    if (st != CMLP_OK) return raise_status(state_of(mod), st);
-    if (n < 0) Py_RETURN_NONE;
-    PyObject *list = PyList_New(0);
-    for (int i = 0; list && i < n && i < 64; i++) {
+    PyObject *list = NULL;
+    if (st != CMLP_OK) raise_status(state_of(mod), st);
+    else if (n < 0) {
+        Py_INCREF(Py_None);
+        list = Py_None;
+    }
+    else list = PyList_New(0);
+    for (int i = 0; list && list != Py_None && i < n && i < CAP; i++) { /* bytes -1: NVML does not say */
         PyObject *pair = Py_BuildValue("(LL)", (long long)pids[i], (long long)bytes[i]);
         if (!pair || PyList_Append(list, pair) < 0) Py_CLEAR(list);
         Py_XDECREF(pair);
     }
+    PyMem_Free(pids);
     return list;
 }
 
@@ -1743,10 +1750,10 @@ static PyObject *mod_cuda_device_properties(PyObject *mod, PyObject *arg) {
     st = cmlp_cuda_device_properties(index, &p);
     Py_END_ALLOW_THREADS
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
-    return Py_BuildValue("{s:s,s:i,s:i,s:L,s:i,s:i,s:i,s:L}", "name", p.name, "major", p.major, "minor", p.minor,
+    return Py_BuildValue("{s:s,s:i,s:i,s:L,s:i,s:i,s:i,s:L,s:s}", "name", p.name, "major", p.major, "minor", p.minor,
                          "total_memory", (long long)p.total_memory, "multi_processor_count", p.multi_processor_count,
                          "max_threads_per_multi_processor", p.max_threads_per_multi_processor, "warp_size",
-                         p.warp_size, "L2_cache_size", (long long)p.l2_cache_size);
+                         p.warp_size, "L2_cache_size", (long long)p.l2_cache_size, "uuid", p.uuid);
 }
 
 static PyObject *mod_cuda_loadable(PyObject *mod, PyObject *unused) {

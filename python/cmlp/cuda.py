@@ -116,11 +116,13 @@ class _CudaDeviceProperties(NamedTuple):
     max_threads_per_multi_processor: int
     warp_size: int
     L2_cache_size: int
+    uuid: str  # as NVML writes it, without its "GPU-" prefix
 
     def __repr__(self) -> str:  # as torch's: the memory in MB
         return (f"_CudaDeviceProperties(name='{self.name}', major={self.major}, minor={self.minor}, "
                 f"total_memory={self.total_memory // (1024 * 1024)}MB, "
-                f"multi_processor_count={self.multi_processor_count}, L2_cache_size={self.L2_cache_size // (1024 * 1024)}MB)")
+                f"multi_processor_count={self.multi_processor_count}, uuid={self.uuid}, "
+                f"L2_cache_size={self.L2_cache_size // (1024 * 1024)}MB)")
 
 
 def _device_index(device: "Optional[str | int]") -> int:
@@ -159,12 +161,17 @@ def get_device_capability(device: "Optional[str | int]" = None) -> Tuple[int, in
 
 def list_gpu_processes(device: "Optional[str | int]" = None) -> str:
     """torch.cuda.list_gpu_processes: the processes holding memory on a GPU and how much, from
-    NVML ("GPU:0" then a line per process). This starts CUDA."""
+    NVML ("GPU:N", N NVML's index of the GPU, then a line per process; "?" where NVML does not
+    say how much). This starts CUDA."""
     index = _device_index(device)
     procs = _cmlp.gpu_processes(f"cuda:{index}")
     if procs is None:
         return "NVML (libnvidia-ml.so.1) is not available here: cannot list the processes on the GPU"
-    lines = [f"GPU:{index}"] + [f"process {pid:>10d} uses {used / 2**20:>12.3f} MB GPU memory" for pid, used in procs]
+    uuids = _cmlp.nvml_devices() or []
+    uuid = "GPU-" + get_device_properties(index).uuid
+    lines = [f"GPU:{uuids.index(uuid) if uuid in uuids else index}"]
+    lines += [f"process {pid:>10d} uses {f'{used / 2**20:.3f}' if used >= 0 else '?':>12} MB GPU memory"
+              for pid, used in procs]
     if not procs:
         lines.append("no processes are running")
     return "\n".join(lines)
