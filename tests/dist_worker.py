@@ -182,26 +182,33 @@ def mismatch_case(opts):
 
 
 def evaluation_case(opts):
-    """Validation that runs out of memory on one rank: every rank raises, and trains on."""
+    """Validation that runs out of memory on one rank: that rank evaluates its share in smaller
+    chunks, and every rank gets the group's result, the one without a limit."""
     r = D.get_rank()
     x, y = data(64)
+    val = data(3000, seed=2)
     model = cmlp.MLP(SIZES, seed=0)
     trainer = cmlp.Trainer(model, optimizer(model, "adam"), batch_size=8)
     trainer.fit(x, y, epochs=1, progress=False)
-    held = []
+    ref = cmlp.MLP(SIZES, seed=0)
+    ref.load_state_dict(model.state_dict())
     if r == 1:  # room for training, not for 1000-row evaluation buffers
         cmlp.memory.set_memory_limit(cmlp.memory.memory_reserved("cpu"), "cpu")
     error = None
     try:
-        trainer.fit(x, y, epochs=1, validation_data=data(3000, seed=2), progress=False)
+        hist = trainer.fit(x, y, epochs=1, validation_data=val, progress=False)
     except Exception as e:  # noqa: BLE001 - reported to the test
         error = f"{type(e).__name__}: {e}"
     cmlp.memory.set_memory_limit(None, "cpu")
-    del held
     flags = np.array([error is not None], dtype=np.int64)
     D.all_reduce(flags)
-    hist = trainer.fit(x, y, epochs=1, validation_data=data(100, seed=2), progress=False)
-    return dict(error=error, raised=int(flags[0]), val=hist[0]["val_accuracy"], rank_spread=spread(params(model)))
+    rows = np.array([trainer._eval_rows], dtype=np.int64)
+    D.all_reduce(rows, "min")
+    ref.load_state_dict(model.state_dict())  # the parameters the validation saw, on one process
+    want = ref.evaluate(*val)
+    return dict(error=error, raised=int(flags[0]), rows=int(rows[0]), rank_spread=spread(params(model)),
+                val=None if error else [hist[0]["val_loss"], hist[0]["val_accuracy"]],
+                want=[want["loss"], want["accuracy"]])
 
 
 def uncaught_case(opts):

@@ -216,10 +216,11 @@ def test_ranks_that_disagree_all_raise():
 
 
 @needs_mpi
-def test_an_evaluation_out_of_memory_on_one_rank_raises_on_all():
+def test_an_evaluation_out_of_memory_on_one_rank_gives_the_groups_result():
     out = run_job(2, "evaluation")
-    assert out["raised"] == 2 and "rank 1" in out["error"]
-    assert out["rank_spread"] == 0.0 and out["val"] is not None
+    assert out["raised"] == 0 and out["rows"] < 1000, out  # rank 1 evaluated in smaller chunks
+    assert out["rank_spread"] == 0.0
+    assert out["val"][0] == pytest.approx(out["want"][0], rel=1e-6) and out["val"][1] == out["want"][1], out
 
 
 @needs_mpi
