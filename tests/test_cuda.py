@@ -1441,10 +1441,12 @@ def test_out_of_memory_names_the_processes_that_hold_the_gpu_as_torch():
     if out["listing"].startswith("NVML"):
         pytest.skip("NVML (libnvidia-ml.so.1) is not on this machine")
     lines = out["listing"].splitlines()
-    assert lines[0] == "GPU:0" and all(line.startswith("process ") and line.endswith(" MB GPU memory")
-                                       for line in lines[1:]), lines
+    assert out["oom"].count("recompute=True.") == 1  # the advice is whole, before any processes
+    assert lines[0].startswith("GPU:")
+    if lines[1:] == ["no processes are running"]:  # NVML may show a container no process at all
+        return
+    assert all(line.startswith("process ") and line.endswith(" MB GPU memory") for line in lines[1:]), lines
     assert "memory in use." in out["oom"] or "this process has" in out["oom"], out["oom"]
-    assert out["oom"].count("recompute=True.") == 1  # the advice is whole, before the processes
     if out["name"].startswith("cmlp emulated GPU"):
         assert f"process {4242:>10d} uses     1024.000 MB GPU memory" in lines
         assert any(line.startswith(f"process {out['pid']:>10d} uses") for line in lines)
