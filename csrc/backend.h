@@ -195,10 +195,11 @@ typedef struct cmlp_backend_i {
     cmlp_status (*unscale)(void *ctx, float *d_g, int64_t n, float inv_scale, const float *d_scale,
                            float *d_found_inf);
     /* Gradient clipping over the flat gradient buffer (torch.nn.utils' clip_grad_norm_ and
-     * clip_grad_value_). grad_norm: *d_norm = the norm_type-norm of g[0..n) (norm_type > 0, or
-     * INFINITY for max |g|), as a float, computed in double in the order that cmlp_norm_blocks'
-     * comment fixes from n alone (so every backend gives the same bits for p = 1, 2 and inf); a NaN
-     * gives NaN. d_part: CMLP_NORM_PARTS device doubles of scratch; *d_blocks_done a device
+     * clip_grad_value_). grad_norm: *d_norm = the norm_type-norm of g[0..n) (torch's
+     * vector_norm: any norm_type but 0 and NaN; INFINITY for max |g|, -INFINITY for min |g|, a
+     * negative p with a zero element gives 0), as a float, computed in double in the order that
+     * cmlp_norm_blocks' comment fixes from n alone (so every backend gives the same bits for
+     * p = 1, 2 and +-inf); a NaN gives NaN. d_part: CMLP_NORM_PARTS device doubles of scratch; *d_blocks_done a device
      * counter that is 0 between calls. n > 0. */
     cmlp_status (*grad_norm)(void *ctx, const float *d_g, int64_t n, double norm_type, float *d_norm, double *d_part,
                              uint32_t *d_blocks_done);

@@ -660,7 +660,7 @@ static cmlp_status cpu_unscale(void *ctx, float *restrict g, int64_t n, float in
 /* ---- gradient clipping: the norm in the order backend.h fixes (the CUDA kernels' threads,
  * warps and blocks, replayed) ---- */
 
-enum { NORM_L2 = 0, NORM_L1 = 1, NORM_INF = 2, NORM_P = 3 };
+enum { NORM_L2 = 0, NORM_L1 = 1, NORM_INF = 2, NORM_P = 3, NORM_MIN = 4 };
 
 
 
@@ -695,8 +695,14 @@ static inline double max_bits(double acc, double d) {
     return acc;
 }
 
-/* a sum, or for the inf-norm a maximum that keeps a NaN */
-static inline double norm_join(double acc, double t, int kind) { return kind == NORM_INF ? max_bits(acc, t) : acc + t; }
+/* The -inf-norm's join: a minimum that keeps a NaN (the kernels' expression, so a NaN's payload
+ * is theirs). */
+static inline double min_nan(double acc, double t) { return t < acc || t != t ? t : acc; }
+
+/* a sum, or for the inf-norm a maximum and for the -inf-norm a minimum that keep a NaN */
+static inline double norm_join(double acc, double t, int kind) {
+    return kind == NORM_INF ? max_bits(acc, t) : kind == NORM_MIN ? min_nan(acc, t) : acc + t;
+}
 
 /* The "threads" [lo, hi): thread j joins elements j, j + S, j + 2S, ... in order (the rows of
  * an S-wide matrix), one loop per kind so that each vectorises. */
@@ -716,11 +722,13 @@ static void norm_threads(void *arg, int64_t lo, int64_t hi) {
     const float *restrict g = a->g;
     const int64_t n = a->n, S = a->threads;
     const double p = a->p;
-    for (int64_t j = lo; j < hi; j++) acc[j] = 0.0;
+    const double start = a->kind == NORM_MIN ? INFINITY : 0.0;
+    for (int64_t j = lo; j < hi; j++) acc[j] = start;
     switch (a->kind) {
     case NORM_L2: NORM_ROWS(acc[j] += d * d); break;
     case NORM_L1: NORM_ROWS(acc[j] += d); break;
     case NORM_INF: NORM_ROWS(acc[j] = max_bits(acc[j], d)); break;
+    case NORM_MIN: NORM_ROWS(acc[j] = min_nan(acc[j], d)); break;
     default: NORM_ROWS(acc[j] += pow(d, p));
     }
 }
@@ -729,13 +737,14 @@ static cmlp_status cpu_grad_norm(void *ctx, const float *g, int64_t n, double no
                                  uint32_t *blocks_done) {
     (void)ctx;
     (void)blocks_done;
-    if (n <= 0 || !(norm_type > 0.0))
-        return CMLP_FAIL(CMLP_ERR_INVALID, "grad_norm needs n > 0 and norm_type > 0, got %lld and %g", (long long)n,
-                         norm_type);
-    const int kind = norm_type == 2.0        ? NORM_L2
-                     : norm_type == 1.0      ? NORM_L1
-                     : norm_type == INFINITY ? NORM_INF
-                                             : NORM_P;
+    if (n <= 0 || norm_type == 0.0 || isnan(norm_type))
+        return CMLP_FAIL(CMLP_ERR_INVALID, "grad_norm needs n > 0 and a norm_type other than 0 and NaN, got %lld and %g",
+                         (long long)n, norm_type);
+    const int kind = norm_type == 2.0         ? NORM_L2
+                     : norm_type == 1.0       ? NORM_L1
+                     : norm_type == INFINITY  ? NORM_INF
+                     : norm_type == -INFINITY ? NORM_MIN
+                                              : NORM_P;
     const int64_t blocks = cmlp_norm_blocks(n), threads = blocks * CMLP_NORM_THREADS;
     double *acc = malloc((size_t)threads * sizeof *acc); /* up to 64 KiB: not on a thread's stack */
     if (!acc) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory for a gradient norm's %lld partial sums",

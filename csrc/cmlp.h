@@ -327,7 +327,9 @@ CMLP_API cmlp_status cmlp_model_zero_grad(cmlp_model *m);
  * result is inf or NaN, else 0. The gradients are unscaled either way (GradScaler.unscale_). */
 CMLP_API cmlp_status cmlp_model_unscale_grads(cmlp_model *m, float inv_scale, int *found_inf);
 /* torch.nn.utils.clip_grad_norm_ over all gradients: *total_norm = their norm_type-norm
- * (norm_type > 0, or INFINITY for max |g|; computed in double, rounded to float), then every
+ * (computed in double, rounded to float; any norm_type but NaN, as torch's: INFINITY for max |g|,
+ * -INFINITY for min |g|, a negative p with a zero gradient gives 0, and 0 counts the weight and
+ * bias tensors whose gradient is not all zeros, as torch's norm of the tensors' norms), then every
  * gradient is multiplied by min(1, max_norm / (total_norm + 1e-6)) (max_norm >= 0). A NaN or inf
  * norm scales the gradients by it (NaN) unless error_if_nonfinite, which makes it
  * CMLP_ERR_NONFINITE with nothing changed. */

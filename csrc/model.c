@@ -466,17 +466,42 @@ cmlp_status cmlp_model_unscale_grads(cmlp_model *m, float inv_scale, int *found_
 }
 
 static cmlp_status check_norm_type(double norm_type) {
-    if (norm_type > 0.0) return CMLP_OK; /* inf included */
-    return CMLP_FAIL(CMLP_ERR_INVALID, "norm_type must be a positive number or inf, got %g", norm_type);
+    if (!isnan(norm_type)) return CMLP_OK; /* torch's vector_norm: 0, negative and +-inf included */
+    return CMLP_FAIL(CMLP_ERR_INVALID, "norm_type must be a number or +-inf, got %g", norm_type);
+}
+
+/* torch's clip_grad_norm_ with norm_type 0: the 0-"norm" (count of nonzeros) of each parameter
+ * tensor's gradient, then that of those counts, so the number of weight and bias tensors with a
+ * gradient that is not 0 (a NaN or inf counts; a subnormal reads as 0). Each tensor's test is its
+ * max |g| (which keeps a NaN) against 0; the count goes to ds->grad_norm for the scaling. */
+static cmlp_status tensors_nonzero(cmlp_model *m, float *count) {
+    cmlp_dscalars *ds = m->ds;
+    float c = 0.0f;
+    for (int l = 0; l < m->nlayers; l++)
+        for (int k = 0; k < 2; k++) {
+            const int64_t off = k ? m->b_off[l] : m->w_off[l];
+            const int64_t n = (int64_t)m->sizes[l + 1] * (k ? 1 : m->sizes[l]);
+            float h = 0.0f;
+            CMLP_TRY(B(m)->grad_norm(CTX(m), m->grads + off, n, INFINITY, &ds->grad_norm, ds->norm_part,
+                                     &ds->norm_blocks));
+            CMLP_TRY(B(m)->copy_d2h(CTX(m), &h, &ds->grad_norm, sizeof h));
+            c += h != 0.0f;
+        }
+    *count = c;
+    return B(m)->copy_h2d(CTX(m), &ds->grad_norm, count, sizeof *count);
 }
 
 /* The gradients' norm into ds->grad_norm (on the device) and *total_norm. */
 static cmlp_status grad_norm(cmlp_model *m, double norm_type, double *total_norm) {
     cmlp_dscalars *ds = m->ds;
-    CMLP_TRY(B(m)->grad_norm(CTX(m), m->grads, m->nparams, norm_type, &ds->grad_norm, ds->norm_part,
-                             &ds->norm_blocks));
     float h = 0.0f;
-    CMLP_TRY(B(m)->copy_d2h(CTX(m), &h, &ds->grad_norm, sizeof h));
+    if (norm_type == 0.0) {
+        CMLP_TRY(tensors_nonzero(m, &h));
+    } else {
+        CMLP_TRY(B(m)->grad_norm(CTX(m), m->grads, m->nparams, norm_type, &ds->grad_norm, ds->norm_part,
+                                 &ds->norm_blocks));
+        CMLP_TRY(B(m)->copy_d2h(CTX(m), &h, &ds->grad_norm, sizeof h));
+    }
     *total_norm = h;
     return CMLP_OK;
 }

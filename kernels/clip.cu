@@ -8,7 +8,7 @@
 
 /* ---- the norm ---- */
 
-enum { NORM_L2 = 0, NORM_L1 = 1, NORM_INF = 2, NORM_P = 3 };
+enum { NORM_L2 = 0, NORM_L1 = 1, NORM_INF = 2, NORM_P = 3, NORM_MIN = 4 };
 
 /* |x| in double after the CPU's DAZ read of x (a subnormal counts as zero); for the p-norms the
  * term |x|^p (exact for p = 1 and 2: a float's square fits a double). */
@@ -20,10 +20,12 @@ __device__ __forceinline__ double norm_term(float x, double p) {
     return a;
 }
 
-/* The running value: a sum, or for the inf-norm a maximum that keeps a NaN. */
+/* The running value: a sum, or for the inf-norm a maximum and for the -inf-norm a minimum that
+ * keep a NaN. */
 template <int KIND>
 __device__ __forceinline__ double norm_join(double acc, double t) {
     if (KIND == NORM_INF) return (t > acc || t != t) ? t : acc;
+    if (KIND == NORM_MIN) return (t < acc || t != t) ? t : acc;
     return __dadd_rn(acc, t);
 }
 
@@ -36,7 +38,7 @@ __global__ void __launch_bounds__(CMLP_K_NORM_THREADS) k_grad_norm(const float *
                                                                   double *part, unsigned int *blocks_done) {
     const int64_t stride = cmlp_nthreads();
     int64_t i = cmlp_tid();
-    double acc = 0.0;
+    double acc = KIND == NORM_MIN ? (double)INFINITY : 0.0; /* a thread past n joins as nothing */
     /* four loads in flight, joined in element order */
     for (; i + 3 * stride < n; i += 4 * stride) {
         const float x0 = g[i], x1 = g[i + stride], x2 = g[i + 2 * stride], x3 = g[i + 3 * stride];
@@ -69,7 +71,8 @@ __global__ void __launch_bounds__(CMLP_K_NORM_THREADS) k_grad_norm(const float *
 
 extern "C" cudaError_t cmlp_k_grad_norm(const float *g, int64_t n, double norm_type, float *out, double *part,
                                         unsigned int *blocks_done, cudaStream_t stream) {
-    if (n <= 0 || !out || !part || !blocks_done || !(norm_type > 0.0)) return cudaErrorInvalidValue;
+    if (n <= 0 || !out || !part || !blocks_done || norm_type == 0.0 || norm_type != norm_type)
+        return cudaErrorInvalidValue;
     const unsigned int blocks = (unsigned int)cmlp_k_norm_blocks(n);
     if (norm_type == 2.0)
         k_grad_norm<NORM_L2><<<blocks, CMLP_K_NORM_THREADS, 0, stream>>>(g, n, norm_type, out, part, blocks_done);
@@ -77,6 +80,8 @@ extern "C" cudaError_t cmlp_k_grad_norm(const float *g, int64_t n, double norm_t
         k_grad_norm<NORM_L1><<<blocks, CMLP_K_NORM_THREADS, 0, stream>>>(g, n, norm_type, out, part, blocks_done);
     else if (norm_type == (double)INFINITY)
         k_grad_norm<NORM_INF><<<blocks, CMLP_K_NORM_THREADS, 0, stream>>>(g, n, norm_type, out, part, blocks_done);
+    else if (norm_type == -(double)INFINITY)
+        k_grad_norm<NORM_MIN><<<blocks, CMLP_K_NORM_THREADS, 0, stream>>>(g, n, norm_type, out, part, blocks_done);
     else
         k_grad_norm<NORM_P><<<blocks, CMLP_K_NORM_THREADS, 0, stream>>>(g, n, norm_type, out, part, blocks_done);
     return cudaGetLastError();

@@ -193,13 +193,14 @@ static inline int64_t cmlp_k_norm_blocks(int64_t n) {
     const int64_t b = (n + CMLP_K_NORM_THREADS * 16 - 1) / (CMLP_K_NORM_THREADS * 16);
     return b < 1 ? 1 : b > CMLP_K_NORM_PARTS ? CMLP_K_NORM_PARTS : b;
 }
-/* *out = the norm_type-norm of g[0..n) (norm_type > 0, or INFINITY for max |g|) as a float:
+/* *out = the norm_type-norm of g[0..n) (any norm_type but 0 and NaN: INFINITY for max |g|,
+ * -INFINITY for min |g|, a negative p with a zero element gives 0) as a float:
  * terms |g|^p in double (a subnormal g counts as zero), thread t of the grid joining elements
  * t, t + S, ... (S = blocks * CMLP_K_NORM_THREADS) in order, each warp by the xor butterfly, each
  * block's warps in order into part[block], the partials in block order, then the p-th root;
  * a NaN anywhere gives NaN. part holds CMLP_K_NORM_PARTS doubles; *blocks_done is 0 between
  * launches (the block that finishes last resets it). Deterministic; bit for bit the CPU
- * backend's for p = 1, 2 and inf (pow may differ in the last bit elsewhere). n > 0. */
+ * backend's for p = 1, 2 and +-inf (pow may differ in the last bit elsewhere). n > 0. */
 cudaError_t cmlp_k_grad_norm(const float *g, int64_t n, double norm_type, float *out, double *part,
                              unsigned int *blocks_done, cudaStream_t stream);
 /* g *= c for c = min(1, (1 / (*norm + 1e-6)) * max_norm) in float, rounded as torch's

@@ -112,7 +112,7 @@ def test_bad_arguments_raise_and_change_nothing():
         clip_grad_norm_(model, -1.0)
     with pytest.raises(ValueError, match="max_norm"):
         clip_grad_norm_(model, float("nan"))
-    for p in (0, -2.0, float("nan"), "-inf", "two"):
+    for p in (float("nan"), "nan", "two"):
         with pytest.raises(ValueError, match="norm_type"):
             clip_grad_norm_(model, 1.0, norm_type=p)
     with pytest.raises(TypeError, match="max_norm"):
@@ -126,6 +126,91 @@ def test_bad_arguments_raise_and_change_nothing():
     with pytest.raises(TypeError, match="parameters"):
         clip_grad_value_(None, 1.0)
     np.testing.assert_array_equal(flat_grads(model), g)
+
+
+def set_flat_grads(model, g):
+    model._c.set_grads(np.ascontiguousarray(g, dtype=np.float32))
+
+
+def random_grads(model, seed):
+    """Gradients without zeros (a ReLU network's have them), so that min |g| and the negative
+    p-norms are not 0."""
+    rng = np.random.default_rng(seed)
+    g = rng.standard_normal(model.num_parameters()).astype(np.float32)
+    g[np.abs(g) < 1e-3] = 0.5
+    set_flat_grads(model, g)
+    return g
+
+
+@pytest.mark.parametrize("p", [-np.inf, "-inf", -1.0, -2.5])
+def test_negative_norm_types_are_torchs_vector_norm(p):
+    model = cmlp.MLP(SIZES, seed=0)
+    g = random_grads(model, 1)
+    a = np.abs(g.astype(np.float64))
+    want = a.min() if float(p) == -np.inf else (a ** float(p)).sum() ** (1.0 / float(p))
+    max_norm = want / 2
+    total = clip_grad_norm_(model, max_norm, norm_type=p)
+    assert abs(total - want) <= 2e-7 * want
+    np.testing.assert_array_equal(flat_grads(model), g * coefficient(max_norm, total))
+    # one zero gradient makes them 0 (|0|^p is inf), and nothing is scaled
+    g[7] = 0.0
+    set_flat_grads(model, g)
+    assert clip_grad_norm_(model, 1e-3, norm_type=p) == 0.0
+    np.testing.assert_array_equal(flat_grads(model), g)
+
+
+def test_norm_type_0_counts_the_tensors_with_a_gradient_as_torch_does():
+    """torch's clip_grad_norm_ takes each tensor's 0-norm (its nonzero count) and then the 0-norm
+    of those: the number of weight and bias tensors whose gradient is not all zeros."""
+    model = cmlp.MLP(SIZES, seed=0)
+    random_grads(model, 2)
+    grads = model.grads()
+    assert clip_grad_norm_(model, 100.0, norm_type=0) == 6.0
+    grads["fc2.bias"][:] = 0.0
+    grads["fc1.weight"][:] = 0.0
+    grads["fc1.weight"][3, 4] = np.nan  # a NaN is not zero
+    grads["fc3.weight"][:] = 0.0
+    flat = np.concatenate([grads[k].ravel() for k in ("fc1.weight", "fc2.weight", "fc3.weight",
+                                                      "fc1.bias", "fc2.bias", "fc3.bias")])
+    set_flat_grads(model, flat)
+    assert clip_grad_norm_(model, 100.0, norm_type=0.0) == 4.0  # 4 < 100: nothing scaled
+    np.testing.assert_array_equal(by_name(model), np.concatenate([v.ravel() for v in grads.values()]))
+    total = clip_grad_norm_(model, 2.0, norm_type=0)
+    assert total == 4.0
+    np.testing.assert_array_equal(flat_grads(model), flat * coefficient(2.0, 4.0))
+    set_flat_grads(model, np.zeros(model.num_parameters(), np.float32))
+    assert clip_grad_norm_(model, 1.0, norm_type=0) == 0.0
+
+
+def test_torch_gives_the_same_norm_for_every_norm_type():
+    torch = pytest.importorskip("torch")
+    mine = cmlp.MLP(SIZES, seed=0)
+    g = random_grads(mine, 3)
+    for case in ("no zeros", "zeros"):
+        if case == "zeros":  # the negative norms are 0; the 0-norm counts 4 tensors
+            g[11] = 0.0
+            g[-1] = 0.0
+            set_flat_grads(mine, g)
+        grads = mine.grads()
+        if case == "zeros":
+            for k in ("fc2.bias", "fc3.weight"):
+                grads[k][:] = 0.0
+        check_against_torch(torch, mine, grads)
+
+
+def check_against_torch(torch, mine, grads):
+    flat = np.concatenate([grads[k].ravel() for k in ("fc1.weight", "fc2.weight", "fc3.weight",
+                                                      "fc1.bias", "fc2.bias", "fc3.bias")])
+    for p in (0, 0.0, -np.inf, -1.0, -2.5, 0.5, 3.0, np.inf):
+        set_flat_grads(mine, flat)
+        params = [torch.zeros(v.shape, dtype=torch.float32, requires_grad=True) for v in grads.values()]
+        for t, value in zip(params, grads.values()):
+            t.grad = torch.from_numpy(value.copy())
+        total = float(torch.nn.utils.clip_grad_norm_(params, 0.5, norm_type=p))
+        got = clip_grad_norm_(mine, 0.5, norm_type=p)
+        assert got == pytest.approx(total, rel=1e-6), p
+        np.testing.assert_allclose(by_name(mine), np.concatenate([t.grad.numpy().ravel() for t in params]),
+                                   rtol=2e-6, atol=1e-12, err_msg=str(p))
 
 
 def test_torch_gives_the_same_norm_and_gradients():

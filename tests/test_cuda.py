@@ -751,6 +751,38 @@ def test_clip_grad_norm_on_the_gpu_is_the_float64_norm(sizes):
     np.testing.assert_array_equal(model._c.get_grads(), np.clip(g * c, np.float32(-1e-3), np.float32(1e-3)))
 
 
+
+@needs_gpu
+def test_clip_grad_norm_of_order_0_and_negative_on_the_gpu_is_the_cpus():
+    """torch's norm types 0 (the tensors with a gradient), -inf (min |g|) and negative p: the
+    GPU's norm and scaled gradients are the CPU's (bit for bit for 0 and -inf)."""
+    sizes = [784, 512, 256, 10]
+    rng = np.random.default_rng(4)
+    g = rng.standard_normal(cmlp.MLP(sizes).num_parameters()).astype(np.float32)
+    g[np.abs(g) < 1e-3] = 0.5
+    g[784 * 512: 784 * 512 + 512 * 256] = 0.0  # fc2.weight: no gradient
+    for p in (0.0, float("-inf"), -1.5):
+        out = {}
+        for device in ("cpu", CUDA):
+            model = cmlp.MLP(sizes, device=device, seed=0)
+            model._c.set_grads(g)
+            total = cmlp.nn.utils.clip_grad_norm_(model, 0.5, norm_type=p)
+            out[device] = total, model._c.get_grads()
+        assert out["cpu"][0] == (5.0 if p == 0 else 0.0), p  # fc2.weight's zeros: the negative norms are 0
+        assert out[CUDA][0] == out["cpu"][0], p
+        np.testing.assert_array_equal(out[CUDA][1], out["cpu"][1])
+    g[784 * 512: 784 * 512 + 512 * 256] = 0.25
+    for p in (float("-inf"), -1.5):
+        totals = []
+        for device in ("cpu", CUDA):
+            model = cmlp.MLP(sizes, device=device, seed=0)
+            model._c.set_grads(g)
+            totals.append(cmlp.nn.utils.clip_grad_norm_(model, 1e-4, norm_type=p))
+        a = np.abs(g.astype(np.float64))
+        want = a.min() if p == float("-inf") else (a ** p).sum() ** (1 / p)
+        assert abs(totals[0] - want) <= 2e-7 * want and abs(totals[1] - totals[0]) <= 1e-6 * want, (p, totals)
+
+
 _GRAPHS_SCRIPT = r"""
 import hashlib, json, os, sys
 import numpy as np

@@ -438,12 +438,15 @@ static void test_clipping(void) {
     OK(cmlp_model_forward_backward(m[1], &d, 1.0f / 12, 0.0f, CMLP_AMP_NONE, &loss));
     OK(cmlp_model_get_grads(m[1], g));
     CHECK(cmlp_model_clip_grad_norm(m[1], -1.0, 2.0, 0, &norm) == CMLP_ERR_INVALID, "max_norm -1 accepted");
-    CHECK(cmlp_model_clip_grad_norm(m[1], 1.0, 0.0, 0, &norm) == CMLP_ERR_INVALID, "norm_type 0 accepted");
     CHECK(cmlp_model_clip_grad_norm(m[1], 1.0, NAN, 0, &norm) == CMLP_ERR_INVALID, "norm_type NaN accepted");
     CHECK(cmlp_model_clip_grad_value(m[1], -1.0) == CMLP_ERR_INVALID, "clip_value -1 accepted");
     CHECK(cmlp_model_clip_grad_norm(NULL, 1.0, 2.0, 0, &norm) == CMLP_ERR_INVALID, "no model");
     OK(cmlp_model_get_grads(m[1], g2));
     CHECK(memcmp(g, g2, sizeof(float) * (size_t)np_) == 0 && norm == -1.0, "a refused call changed something");
+    /* norm_type 0: the tensors whose gradient is not all zeros (4 here); max_norm 5: unscaled */
+    OK(cmlp_model_clip_grad_norm(m[1], 5.0, 0.0, 0, &norm));
+    OK(cmlp_model_get_grads(m[1], g2));
+    CHECK(norm == 4.0 && memcmp(g, g2, sizeof(float) * (size_t)np_) == 0, "norm_type 0 gave %g", norm);
     double ss = 0.0;
     for (int64_t i = 0; i < np_; i++) ss += (double)g[i] * g[i];
     const float max_norm = (float)(sqrt(ss) / 4);

@@ -743,11 +743,11 @@ static void test_scale_update(void) {
 
 /* ---- clip.cu ---- */
 
-/* The gradient norm: the CPU backend's bits for p = 1, 2 and inf (the same order of summation),
+/* The gradient norm: the CPU backend's bits for p = 1, 2 and +-inf (the same order of summation),
  * within float rounding of a long double reference; partials and counter as promised. */
 static void test_grad_norm(void) {
     static const int64_t counts[] = {1, 3, 4, 5, 257, 4095, 4096, 4097, 12299, 131089, 140000};
-    static const double ps[] = {2.0, 1.0, INFINITY, 3.5, 0.5};
+    static const double ps[] = {2.0, 1.0, INFINITY, -INFINITY, 3.5, 0.5, -1.5};
     for (size_t i = 0; i < sizeof counts / sizeof counts[0]; i++)
         for (int variant = 0; variant < 4; variant++) { /* 1: specials; 2: one inf; 3: one NaN */
             int64_t n = counts[i];
@@ -762,11 +762,12 @@ static void test_grad_norm(void) {
                 float out = -1.0f, cout = -2.0f;
                 KOK(cmlp_k_grad_norm(F(g), n, p, &out, part, &done, S));
                 CPU_CALL(cpu->grad_norm(NULL, F(g), n, p, &cout, cpart, &cdone));
-                long double ref = 0.0L;
+                long double ref = p == -INFINITY ? INFINITY : 0.0L;
                 for (int64_t e = 0; e < n; e++) {
                     long double a = fabsl((long double)F(g)[e]);
                     if (a < FLT_MIN) a = 0.0L; /* DAZ */
-                    if (isinf(p)) ref = a > ref || isnan(a) ? a : ref;
+                    if (p == INFINITY) ref = a > ref || isnan(a) ? a : ref;
+                    else if (p == -INFINITY) ref = a < ref || isnan(a) ? a : ref;
                     else ref += powl(a, (long double)p);
                 }
                 if (!isinf(p)) ref = powl(ref, 1.0L / (long double)p);
@@ -776,9 +777,10 @@ static void test_grad_norm(void) {
                 for (int b = 0; exact && b < blocks; b++) /* a NaN's payload may differ */
                     same = same && (same_bits(part + b, cpart + b, 8) || (isnan(part[b]) && isnan(cpart[b])));
                 if (!exact) same = same || fabsf(out - cout) <= 1e-6f * fabsf(cout);
-                bool close = variant == 3 ? isnan(out)
-                             : variant == 2 ? isinf(out) && out > 0
-                                            : fabsl((long double)out - ref) <= 1.2e-7L * ref + 1e-30L;
+                bool close = variant == 3              ? isnan(out)
+                             : variant == 2 && p > 0.0 ? isinf(out) && out > 0
+                                                       : (long double)out == ref ||
+                                                             fabsl((long double)out - ref) <= 1.2e-7L * ref + 1e-30L;
                 CHECK(same && close && done == 0, "grad_norm n %lld p %g variant %d: %.9g vs cpu %.9g, ref %.9Lg",
                       (long long)n, p, variant, out, cout, ref);
             }

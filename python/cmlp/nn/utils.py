@@ -16,11 +16,11 @@ from ..model import model_of
 
 
 def _norm_type(norm_type: Any) -> float:
-    if isinstance(norm_type, str):  # torch takes "inf" too
+    if isinstance(norm_type, str):  # torch takes "inf" and "-inf" too
         try:
             return float(norm_type)
         except ValueError:
-            raise ValueError(f"norm_type must be a positive number or inf, got {norm_type!r}") from None
+            raise ValueError(f"norm_type must be a number or +-inf, got {norm_type!r}") from None
     return as_number("norm_type", norm_type)
 
 
@@ -28,6 +28,9 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: Any = 2.0, erro
                     foreach: Optional[bool] = None) -> float:
     """Scales the gradients so that their total norm (of order norm_type, over all parameters
     as one vector) is at most max_norm: each is multiplied by min(1, max_norm / (norm + 1e-6)).
+    norm_type is any number but NaN, as torch's: inf is max |g|, -inf min |g|, a negative p with
+    a zero gradient gives 0, and 0 (torch's norm of the per-tensor norms) counts the weight and
+    bias tensors whose gradient is not all zeros.
     Returns the total norm before clipping, as a float (torch returns a 0-d tensor). A NaN or
     inf norm scales the gradients by it, unless error_if_nonfinite=True, which raises
     RuntimeError and changes nothing. parameters: a cmlp.MLP or its parameters(); foreach is
