@@ -628,7 +628,8 @@ static void memory_users(cmlp_allocator *a, char *out, size_t cap) {
                                                    (long long)pids[i], b));
         }
     }
-    const int others = n - (self != -2);
+    /* past the first ASKED, this process (which holds a context here) is among the rest */
+    const int others = n - (self != -2 || n > ASKED);
     if (others > shown && at < cap) at += (size_t)snprintf(out + at, cap - at, " (%d other processes.)", others);
     if (self >= 0 && at < cap) {
         cmlp_format_bytes(b, sizeof b, self);

@@ -48,6 +48,9 @@ typedef struct cmlp_backend_i {
 
     /* Per-device instance (streams, handles); NULL is fine for the CPU. */
     cmlp_status (*open)(int index, void **ctx);
+    /* Undoes open, for a device whose setup failed after it (contexts of devices in use live as
+     * long as the process). NULL where open is. */
+    void (*close)(void *ctx);
     /* Physical memory of the device in bytes. */
     int64_t (*total_memory)(void *ctx);
     /* Memory the device could still give (the driver's free memory; on the CPU, what the
@@ -274,7 +277,7 @@ extern const cmlp_backend_i cmlp_backend_cpu;
  * recorder and returns the module below. */
 typedef cmlp_status (*cmlp_error_fn)(cmlp_status s, const char *file, int line, const char *fmt, ...);
 
-#define CMLP_CUDA_ABI 11
+#define CMLP_CUDA_ABI 12
 
 /* Why a process forked after CUDA was started cannot use it (the core's words and the backend's). */
 #define CMLP_CUDA_FORKED_TEXT                                                                                  \

@@ -131,6 +131,7 @@ typedef struct {
 
 typedef struct {
     int index;
+    void *nvml_dev; /* the GPU's NVML handle, found by UUID on first use (atomic) */
     cudaStream_t stream;
     /* the second stream, made on first use, with the events that fork work to it and join it
      * back (under the lock); two_streams is 0 where CMLP_CUDA_STREAMS=1 keeps all on one */
@@ -269,6 +270,15 @@ static int env_flag(const char *name) {
     return v && v[0] && strcmp(v, "0") != 0;
 }
 
+static void cu_close(void *ctx) {
+    cuda_ctx *c = ctx;
+    if (!c) return;
+    if (c->lt) cublasLtDestroy(c->lt);
+    if (c->stream) cudaStreamDestroy(c->stream);
+    pthread_mutex_destroy(&c->lock);
+    free(c);
+}
+
 static cmlp_status cu_open(int index, void **out) {
     cuda_ctx *c = calloc(1, sizeof *c);
     if (!c) return FAIL(CMLP_ERR_OOM, "out of host memory opening cuda:%d", index);
@@ -299,10 +309,7 @@ static cmlp_status cu_open(int index, void **out) {
                    VM_PAGE % gran == 0;
     }
     if (st != CMLP_OK) {
-        if (c->lt) cublasLtDestroy(c->lt);
-        if (c->stream) cudaStreamDestroy(c->stream);
-        pthread_mutex_destroy(&c->lock);
-        free(c);
+        cu_close(c);
         return st;
     }
     *out = c;
@@ -352,15 +359,21 @@ static int cu_gpu_processes(void *ctx, int64_t *pids, int64_t *bytes, int cap) {
     cuda_ctx *c = ctx;
     if (forked) return -1;
     pthread_once(&nvml_once, nvml_load);
-    struct cudaDeviceProp p;
-    if (!nvml_by_uuid || !nvml_processes || cudaGetDeviceProperties(&p, c->index) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return -1;
+    if (!nvml_by_uuid || !nvml_processes) return -1;
+    /* found once: an out-of-memory message asks under the allocator's lock, and the device
+     * properties take a while */
+    void *dev = __atomic_load_n(&c->nvml_dev, __ATOMIC_ACQUIRE);
+    if (!dev) {
+        struct cudaDeviceProp p;
+        if (cudaGetDeviceProperties(&p, c->index) != cudaSuccess) {
+            (void)cudaGetLastError();
+            return -1;
+        }
+        char uuid[64] = "GPU-";
+        uuid_text(&p.uuid, uuid + 4, sizeof uuid - 4);
+        if (nvml_by_uuid(uuid, &dev) != 0 || !dev) return -1;
+        __atomic_store_n(&c->nvml_dev, dev, __ATOMIC_RELEASE);
     }
-    char uuid[64] = "GPU-";
-    uuid_text(&p.uuid, uuid + 4, sizeof uuid - 4);
-    void *dev = NULL;
-    if (nvml_by_uuid(uuid, &dev) != 0) return -1;
     /* NVML_ERROR_INSUFFICIENT_SIZE (7) fills nothing and says how many there are: ask again */
     nvml_process *infos = NULL;
     unsigned int room = 64, n = 0;
@@ -1379,6 +1392,7 @@ static void cu_comm_free(void *ctx, void *comm) {
 static const cmlp_backend_i backend = {
     .name = "cuda",
     .open = cu_open,
+    .close = cu_close,
     .total_memory = cu_total_memory,
     .free_memory = cu_free_memory,
     .gpu_processes = cu_gpu_processes,

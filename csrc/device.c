@@ -89,6 +89,7 @@ static cmlp_status ctx_create(cmlp_device d, cmlp_device_ctx **out) {
     }
     if (st != CMLP_OK) {
         if (c->alloc) cmlp_allocator_destroy(c->alloc);
+        if (bctx && c->backend->close) c->backend->close(bctx);
         free(c);
         return st;
     }

@@ -564,20 +564,32 @@ cmlp_status cmlp_model_set_params(cmlp_model *m, const float *host_in) {
     return cmlp_model_copy_params(m, host_in);
 }
 
+/* A copy of one device buffer of nbytes on another device, through host memory, into *dst
+ * (the source is kept; nothing is allocated on failure). */
+static cmlp_status buffer_copy(cmlp_device_ctx *from, cmlp_device_ctx *to, const void *buf, size_t nbytes,
+                               const char *what, void **dst) {
+    *dst = NULL;
+    if (!buf) return CMLP_OK;
+    void *host = malloc(nbytes), *d = NULL;
+    if (!host) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory moving %zu bytes", nbytes);
+    cmlp_status st = from->backend->copy_d2h(from->bctx, host, buf, nbytes);
+    if (st == CMLP_OK) st = dev_alloc(to, nbytes, what, &d);
+    if (st == CMLP_OK) st = to->backend->copy_h2d(to->bctx, d, host, nbytes);
+    free(host);
+    if (st != CMLP_OK) {
+        dev_free(to, d);
+        return st;
+    }
+    *dst = d;
+    return CMLP_OK;
+}
+
 /* Moves one device buffer of nbytes to another device through host memory. */
 cmlp_status cmlp_buffer_move(cmlp_device_ctx *from, cmlp_device_ctx *to, void **buf, size_t nbytes,
                              const char *what) {
+    void *dst;
+    CMLP_TRY(buffer_copy(from, to, *buf, nbytes, what, &dst));
     if (!*buf) return CMLP_OK;
-    void *host = malloc(nbytes), *dst = NULL;
-    if (!host) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory moving %zu bytes", nbytes);
-    cmlp_status st = from->backend->copy_d2h(from->bctx, host, *buf, nbytes);
-    if (st == CMLP_OK) st = dev_alloc(to, nbytes, what, &dst);
-    if (st == CMLP_OK) st = to->backend->copy_h2d(to->bctx, dst, host, nbytes);
-    free(host);
-    if (st != CMLP_OK) {
-        dev_free(to, dst);
-        return st;
-    }
     dev_free(from, *buf);
     *buf = dst;
     return CMLP_OK;
@@ -587,16 +599,18 @@ cmlp_status cmlp_model_to(cmlp_model *m, cmlp_device d) {
     cmlp_device_ctx *to;
     CMLP_TRY(cmlp_device_get(d, &to));
     if (to == m->dev) return CMLP_OK;
-    size_t bytes = (size_t)m->nparams * sizeof(float);
-    void *p = m->params, *g = m->grads;
-    cmlp_model_release_workspace(m);
-    cmlp_amp_free(m); /* the half copy is made again on the new device when used */
-    CMLP_TRY(cmlp_buffer_move(m->dev, to, &p, bytes, "parameters"));
-    cmlp_status st = cmlp_buffer_move(m->dev, to, &g, cmlp_grads_bytes(m), "gradients");
+    /* all or nothing: both copies made before the sources go */
+    void *p, *g;
+    CMLP_TRY(buffer_copy(m->dev, to, m->params, (size_t)m->nparams * sizeof(float), "parameters", &p));
+    cmlp_status st = buffer_copy(m->dev, to, m->grads, cmlp_grads_bytes(m), "gradients", &g);
     if (st != CMLP_OK) {
-        (void)cmlp_buffer_move(to, m->dev, &p, bytes, "parameters");
+        dev_free(to, p);
         return st;
     }
+    cmlp_model_release_workspace(m);
+    cmlp_amp_free(m); /* the half copy is made again on the new device when used */
+    dev_free(m->dev, m->params);
+    dev_free(m->dev, m->grads);
     m->params = p;
     m->grads = g;
     m->ds = cmlp_model_ds(m, g);

@@ -31,9 +31,17 @@ void cmlp_amp_free(cmlp_model *m) {
     m->half_dtype = CMLP_DTYPE_F32;
 }
 
+/* A copy that could not be refreshed is marked stale (half_dtype F32), so its next use makes it
+ * again rather than read old weights. */
+static cmlp_status refresh_as(cmlp_model *m, cmlp_dtype dt) {
+    cmlp_status st = B(m)->to_half(CTX(m), m->params_h, m->params, m->nparams, dt);
+    m->half_dtype = st == CMLP_OK ? dt : CMLP_DTYPE_F32;
+    return st;
+}
+
 cmlp_status cmlp_model_refresh_half(cmlp_model *m) {
-    if (!m->params_h) return CMLP_OK;
-    return B(m)->to_half(CTX(m), m->params_h, m->params, m->nparams, m->half_dtype);
+    if (!m->params_h || m->half_dtype == CMLP_DTYPE_F32) return CMLP_OK;
+    return refresh_as(m, m->half_dtype);
 }
 
 /* The half-precision weight copy in the requested format (made on first use). */
@@ -42,8 +50,7 @@ static cmlp_status ensure_half_params(cmlp_model *m, cmlp_dtype dt) {
     if (!m->params_h)
         CMLP_TRY(cmlp_allocator_malloc(m->dev->alloc, (size_t)m->nparams * sizeof(uint16_t), "half-precision weights",
                                        (void **)&m->params_h));
-    m->half_dtype = dt;
-    return cmlp_model_refresh_half(m);
+    return refresh_as(m, dt);
 }
 
 int cmlp_amp_native(const cmlp_backend_i *b) { return b->gemm_half && b->softmax_xent_half; }

@@ -40,6 +40,7 @@ With CMLP_TEST_CUDA_DEVICE=cpu the tests run with the CPU standing in for the GP
 the tests' own code on a machine without one (tests/test_cuda_dry_run.py), whose comparisons
 hold trivially; tests about CUDA itself are skipped there.
 """
+import ctypes
 import gc
 import json
 import os
@@ -268,6 +269,44 @@ def test_to_moves_parameters_and_optimizer_state_exactly():
     del moved, stay, opts, model
     gc.collect()
     assert M.memory_allocated(CUDA) == base, "moving back to the CPU must free the GPU copies"
+
+
+@needs_gpu
+@pytest.mark.skipif(CUDA == "cpu", reason="moves between two devices")
+@pytest.mark.parametrize("short_of", ["gradients", "optimizer state"])
+def test_a_move_that_runs_out_of_memory_leaves_everything_where_it_was(short_of):
+    """model.to under a limit with room for the parameters but not the gradients (or for the
+    model but not Adam's state): OutOfMemoryError, and the model, its optimizer and both devices'
+    memory are as before; the model trains on, and owns its memory (a block handed out next is
+    not its parameters)."""
+    sizes = [784, 1024, 10]
+    model = cmlp.MLP(sizes, seed=0)
+    opt = cmlp.optim.Adam(model)
+    trainer = cmlp.Trainer(model, opt, batch_size=16)
+    x, y = margin_batch(sizes, 16)[1:]
+    trainer.step(x, y)
+    nbytes = model.num_parameters() * 4
+    gc.collect()
+    M.empty_cache(CUDA)
+    before = (model.state_dict(), opt.state_dict(), M.memory_allocated("cpu"), M.memory_allocated(CUDA),
+              M.memory_reserved(CUDA))
+    room = nbytes + (nbytes // 2 if short_of == "gradients" else nbytes + (4 << 20))
+    M.set_memory_limit(M.memory_reserved(CUDA) + room, CUDA)
+    try:
+        with pytest.raises(cmlp.OutOfMemoryError):
+            model.to(CUDA)
+    finally:
+        M.set_memory_limit(None, CUDA)
+    assert model.device == "cpu" and opt.state_dict()["state"]
+    assert same(model.state_dict(), before[0]) and same(opt.state_dict(), before[1])
+    assert (M.memory_allocated("cpu"), M.memory_allocated(CUDA)) == before[2:4]
+    block = M.caching_allocator_alloc(nbytes, "cpu")  # the parameters' old block, were it free
+    ctypes.memset(block, 0, nbytes)
+    M.caching_allocator_delete(block)
+    assert same(model.state_dict(), before[0])
+    trainer.step(x, y)
+    assert model.to(CUDA) is model and model.device == DEVICE_NAME
+    trainer.step(x, y)
 
 
 @needs_gpu

@@ -256,8 +256,18 @@ class MLP:
 
     # ---- devices ----
     def to(self, device: str) -> "MLP":
-        """Moves parameters, gradients and the state of every optimizer of this model."""
+        """Moves parameters, gradients and the state of every optimizer of this model, all or
+        nothing: when one cannot move (out of memory there), what has moved goes back."""
+        before = self.device
         self._c.to(device)
-        for opt in list(self._optimizers):
-            opt._c.to(device)
+        moved = []
+        try:
+            for opt in list(self._optimizers):
+                opt._c.to(device)
+                moved.append(opt)
+        except BaseException:
+            for opt in reversed(moved):
+                opt._c.to(before)
+            self._c.to(before)
+            raise
         return self
