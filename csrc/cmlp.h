@@ -335,6 +335,12 @@ CMLP_API cmlp_status cmlp_model_unscale_grads(cmlp_model *m, float inv_scale, in
  * CMLP_ERR_NONFINITE with nothing changed. */
 CMLP_API cmlp_status cmlp_model_clip_grad_norm(cmlp_model *m, double max_norm, double norm_type,
                                                int error_if_nonfinite, double *total_norm);
+/* torch.nn.utils.get_total_norm of the gradients: *total_norm as cmlp_model_clip_grad_norm
+ * computes it, the gradients unchanged. */
+CMLP_API cmlp_status cmlp_model_grad_norm(cmlp_model *m, double norm_type, double *total_norm);
+/* torch.nn.utils.clip_grads_with_norm_: every gradient multiplied by min(1, max_norm /
+ * (total_norm + 1e-6)), total_norm rounded to float first (a NaN or inf scales by it). */
+CMLP_API cmlp_status cmlp_model_clip_grads_with_norm(cmlp_model *m, double max_norm, double total_norm);
 /* torch.nn.utils.clip_grad_value_: every gradient clamped to [-clip_value, clip_value]
  * (clip_value >= 0; a NaN stays NaN). */
 CMLP_API cmlp_status cmlp_model_clip_grad_value(cmlp_model *m, double clip_value);
@@ -409,9 +415,9 @@ CMLP_API cmlp_status cmlp_optim_to(cmlp_optim *o, cmlp_device d);
  * state for this rank's part of the parameters only, part cmlp_dist_rank() of cmlp_dist_size()
  * parts of equal length (a multiple of 64 floats; the last ones shorter, or empty for tiny
  * models). It steps in a data-parallel trainer only (cmlp_optim_step refuses it): the trainer
- * sums each part's gradients on its owner (a reduce-scatter; with clipping, whose norm needs them
- * all, an all-reduce), each rank updates its part, and then every rank's part is gathered (a
- * collective). get_buffer then gives this rank's part in place and zeros elsewhere;
+ * sums each part's gradients on its owner (a reduce-scatter; with clipping, the parts' norms are
+ * gathered too, and the total is the norm of theirs), each rank updates its part, and then every
+ * rank's part is gathered (a collective). get_buffer then gives this rank's part in place and zeros elsewhere;
  * set_state keeps this rank's part of the full buffers it is given. Before the first step only;
  * on = 0 undoes it. */
 CMLP_API cmlp_status cmlp_optim_shard(cmlp_optim *o, int on);

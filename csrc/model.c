@@ -506,10 +506,38 @@ static cmlp_status grad_norm(cmlp_model *m, double norm_type, double *total_norm
     return CMLP_OK;
 }
 
+cmlp_status cmlp_model_grad_norm(cmlp_model *m, double norm_type, double *total_norm) {
+    if (!m || !total_norm) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
+    CMLP_TRY(check_norm_type(norm_type));
+    cmlp_fpenv fe;
+    cmlp_fpenv_enter(&fe);
+    cmlp_status st = grad_norm(m, norm_type, total_norm);
+    cmlp_fpenv_leave(&fe);
+    return st;
+}
+
+static cmlp_status check_max_norm(double max_norm) {
+    if (max_norm >= 0.0) return CMLP_OK;
+    return CMLP_FAIL(CMLP_ERR_INVALID, "max_norm must be a number >= 0, got %g", max_norm);
+}
+
+cmlp_status cmlp_model_clip_grads_with_norm(cmlp_model *m, double max_norm, double total_norm) {
+    if (!m) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
+    CMLP_TRY(check_max_norm(max_norm));
+    const float norm = (float)total_norm;
+    cmlp_fpenv fe;
+    cmlp_fpenv_enter(&fe);
+    cmlp_status st = B(m)->copy_h2d(CTX(m), &m->ds->grad_norm, &norm, sizeof norm);
+    if (st == CMLP_OK)
+        st = B(m)->clip_by_norm(CTX(m), m->grads, m->nparams, &m->ds->grad_norm, (float)max_norm, NULL, NULL);
+    cmlp_fpenv_leave(&fe);
+    return st;
+}
+
 cmlp_status cmlp_model_clip_grad_norm(cmlp_model *m, double max_norm, double norm_type, int error_if_nonfinite,
                                       double *total_norm) {
     if (!m || !total_norm) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
-    if (!(max_norm >= 0.0)) return CMLP_FAIL(CMLP_ERR_INVALID, "max_norm must be a number >= 0, got %g", max_norm);
+    CMLP_TRY(check_max_norm(max_norm));
     CMLP_TRY(check_norm_type(norm_type));
     cmlp_fpenv fe;
     cmlp_fpenv_enter(&fe);

@@ -141,7 +141,8 @@ def _cases():
         add(f"memory-{dev!r}", lambda c, d=dev: cmlp.memory.memory_allocated(d), ValueError, r"unknown device")
     add("device-int", lambda c: cmlp.MLP(SIZES, device=3), TypeError, r"device must be a str")
     add("to-int", lambda c: c.model.to(3), TypeError, r"device must be a str")
-    add("memory-device-int", lambda c: cmlp.memory.memory_allocated(3), TypeError, r"device must be a str")
+    add("memory-device-float", lambda c: cmlp.memory.memory_allocated(3.0), TypeError, r"device must be a str")
+    add("memory-device-negative", lambda c: cmlp.memory.memory_allocated(-1), TypeError, r"device must be a str")
 
     for name, sizes, exc in [("empty", [], ValueError), ("one", [784], ValueError), ("zero", [784, 0, 10], ValueError),
                              ("negative", [784, -1, 10], ValueError), ("float", [784, 2.5, 10], TypeError),

@@ -399,3 +399,53 @@ def test_max_grad_norm_is_checked():
             cmlp.Trainer(model, opt, max_grad_norm=bad)
     with pytest.raises(TypeError, match="max_grad_norm"):
         cmlp.Trainer(model, opt, max_grad_norm="1")
+
+
+def test_get_total_norm_and_clip_grads_with_norm_are_clip_grad_norm_in_two_steps():
+    """torch 2.6's split of clip_grad_norm_: get_total_norm (nothing changes) and
+    clip_grads_with_norm_ give what clip_grad_norm_ gives, for every norm type."""
+    for p in (2.0, 1.0, np.inf, -np.inf, 0, -1.5, 3.0):
+        one, two = with_grads(seed=5), with_grads(seed=5)
+        g = flat_grads(two)
+        total = cmlp.nn.utils.get_total_norm(two.parameters(), p)
+        np.testing.assert_array_equal(flat_grads(two), g)
+        want = clip_grad_norm_(one, 0.01, norm_type=p)
+        assert total == want or (np.isnan(total) and np.isnan(want))
+        cmlp.nn.utils.clip_grads_with_norm_(two, 0.01, total)
+        np.testing.assert_array_equal(flat_grads(two), flat_grads(one))
+    # arrays: the norm of the arrays' float64 norms, as torch's
+    grads = list(with_grads(seed=5).grads().values())
+    for p in (2.0, np.inf, 0):
+        norms = [reference_norm(a.ravel(), p) if p else np.count_nonzero(a) for a in grads]
+        want = reference_norm(np.asarray(norms), p) if p else np.count_nonzero(norms)
+        assert cmlp.nn.utils.get_total_norm(grads, p) == pytest.approx(want, rel=1e-12)
+    with pytest.raises(RuntimeError, match="error_if_nonfinite"):
+        cmlp.nn.utils.get_total_norm([np.array([1.0, np.nan])], error_if_nonfinite=True)
+    model = nan_grads()
+    g = flat_grads(model)
+    with pytest.raises(RuntimeError, match="error_if_nonfinite"):
+        cmlp.nn.utils.get_total_norm(model, error_if_nonfinite=True)
+    np.testing.assert_array_equal(flat_grads(model), g)
+    with pytest.raises(ValueError, match="max_norm"):
+        cmlp.nn.utils.clip_grads_with_norm_(model, -1.0, 2.0)
+    with pytest.raises(TypeError, match="total_norm"):
+        cmlp.nn.utils.clip_grads_with_norm_(model, 1.0, "2")
+    np.testing.assert_array_equal(flat_grads(model), g)
+    with pytest.warns(FutureWarning, match="clip_grad_norm_"):
+        assert np.isnan(cmlp.nn.utils.clip_grad_norm(model, 1.0))
+
+
+def test_torchs_split_clipping_gives_the_same_gradients():
+    torch = pytest.importorskip("torch")
+    model = with_grads(seed=6)
+    grads = model.grads()
+    params = [torch.zeros(v.shape, dtype=torch.float32, requires_grad=True) for v in grads.values()]
+    for t, v in zip(params, grads.values()):
+        t.grad = torch.from_numpy(v.copy())
+    total = torch.nn.utils.get_total_norm([t.grad for t in params], 2.0)
+    assert cmlp.nn.utils.get_total_norm(model) == pytest.approx(float(total), rel=1e-6)
+    assert cmlp.nn.utils.get_total_norm(list(grads.values())) == pytest.approx(float(total), rel=1e-6)
+    torch.nn.utils.clip_grads_with_norm_(params, 0.05, total)
+    cmlp.nn.utils.clip_grads_with_norm_(model, 0.05, float(total))
+    np.testing.assert_allclose(by_name(model), np.concatenate([t.grad.numpy().ravel() for t in params]),
+                               rtol=2e-6, atol=1e-12)

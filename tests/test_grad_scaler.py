@@ -396,11 +396,50 @@ def test_load_bad_state_dict():
         s.load_state_dict({**good, "growth_factor": 0.5})
     with pytest.raises(ValueError, match="scale"):
         s.load_state_dict({**good, "scale": -1.0})
-    # a tracker a run cannot reach (it goes back to 0 at the interval), which would count on to
-    # the int32's end and fail in the middle of a fit
-    with pytest.raises(ValueError, match="below growth_interval"):
-        s.load_state_dict({**good, "growth_interval": 3, "_growth_tracker": 3})
+    with pytest.raises(ValueError, match="_growth_tracker"):
+        s.load_state_dict({**good, "_growth_tracker": -1})
     assert s.state_dict() == amp.GradScaler().state_dict()   # nothing half-loaded
+
+
+def test_a_tracker_at_or_past_the_interval_loads_as_set_growth_interval_leaves_it():
+    """torch's set_growth_interval leaves the tracker at or past a lower interval (its scale then
+    never grows again) and saves it so; such a state loads here, and the scale grows at the next
+    successful step, as after this library's set_growth_interval (which would otherwise count
+    on to the int32's end and fail in the middle of a fit)."""
+    s = amp.GradScaler(init_scale=8.0)
+    s.load_state_dict({**s.state_dict(), "growth_interval": 3, "_growth_tracker": 12})
+    assert s.state_dict()["_growth_tracker"] == 2
+    model, opt = make()
+    finite_grads(model, 1.0)
+    s.step(opt)
+    s.update()
+    assert s.get_scale() == 16.0 and s._get_growth_tracker() == 0
+    t = amp.GradScaler(init_scale=8.0, growth_interval=10)
+    t._set_state(8.0, 5)
+    t.set_growth_interval(3)
+    assert t.state_dict() == s.state_dict() | {"scale": 8.0, "_growth_tracker": 2}
+
+
+def test_torchs_device_first_form():
+    """torch.amp.GradScaler("cuda", init_scale=...): the device first, or device=; the scale
+    stays a host number and the scaler stays enabled without a GPU."""
+    for args, kwargs in ((("cuda",), {"init_scale": 1024.0}), (("cpu", 1024.0), {}), ((1024.0,), {"device": "cuda:1"}),
+                         ((), {"device": "cuda", "init_scale": 1024.0, "growth_interval": 7})):
+        s = amp.GradScaler(*args, **kwargs)
+        assert s.is_enabled() and s.get_scale() == 1024.0
+        assert s.device == (args[0] if args and isinstance(args[0], str) else kwargs["device"])
+    assert amp.GradScaler().device == "cuda"
+    assert amp.GradScaler("cuda", 2.0, 3.0, 0.25, 5, False).state_dict() == {}
+    assert amp.GradScaler("cpu", 2.0, 3.0, 0.25, 5).state_dict() == {
+        "scale": 2.0, "growth_factor": 3.0, "backoff_factor": 0.25, "growth_interval": 5, "_growth_tracker": 0}
+    with pytest.raises(ValueError, match="device"):
+        amp.GradScaler("tpu")
+    with pytest.raises(ValueError, match="device"):
+        amp.GradScaler(device="cuda:x")
+    with pytest.raises(TypeError, match="device"):
+        amp.GradScaler("cuda", device="cpu")
+    with pytest.raises(TypeError):
+        amp.GradScaler("cuda", init_scale=2.0, bogus=1)
 
 
 # ---- disabled ----

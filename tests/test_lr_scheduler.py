@@ -13,6 +13,9 @@ from cmlp.optim import lr_scheduler as S
 
 SIZES = [12, 16, 3]
 
+# most tests step schedules alone, which torch's first step() warns about (tested below)
+pytestmark = pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")
+
 CASES = [
     ("StepLR", dict(step_size=3, gamma=0.5)),
     ("MultiStepLR", dict(milestones=[2, 5, 5, 9], gamma=0.3)),
@@ -721,3 +724,47 @@ def test_the_deprecated_epoch_of_reduce_on_plateau_is_torchs():
             with pytest.warns(UserWarning):
                 ts.step(metric, epoch)
         assert sched.get_last_lr() == ts.get_last_lr() and sched.last_epoch == ts.last_epoch
+
+
+def test_torchs_warnings_a_step_before_the_optimizers_and_get_lr_outside_step():
+    import warnings
+
+    opt = cmlp.optim.SGD(cmlp.MLP(SIZES), lr=0.1)
+    sched = S.StepLR(opt, step_size=2)
+    with pytest.warns(UserWarning, match=r"lr_scheduler.step\(\)` before `optimizer.step\(\)"):
+        sched.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sched.step()  # only the first step checks, as torch's
+        assert sched.get_last_lr() == [opt.lr]
+    with pytest.warns(UserWarning, match="get_last_lr"):
+        sched.get_lr()
+    assert not sched._get_lr_called_within_step and "_get_lr_called_within_step" in sched.state_dict()
+    # in torch's order, and in a trainer's fit: no warning
+    model = cmlp.MLP(SIZES, seed=0)
+    opt = cmlp.optim.Adam(model)
+    x = np.random.default_rng(0).standard_normal((40, SIZES[0])).astype(np.float32)
+    y = np.arange(40) % SIZES[-1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sched = S.CosineAnnealingWarmRestarts(opt, T_0=3)
+        warm = S.SequentialLR(opt, [S.LinearLR(opt, 0.1, total_iters=2), S.ExponentialLR(opt, 0.9)], milestones=[2])
+        model.forward_backward(x, y)
+        opt.step()
+        warm.step()
+        sched.step()
+        model2 = cmlp.MLP(SIZES, seed=1)
+        opt2 = cmlp.optim.SGD(model2, lr=0.1)
+        cmlp.Trainer(model2, opt2, batch_size=8).fit(x, y, epochs=2, progress=False, scheduler=S.StepLR(opt2, 1),
+                                                     scheduler_interval="step")
+        model3 = cmlp.MLP(SIZES, seed=1)
+        opt3 = cmlp.optim.SGD(model3, lr=0.1)
+        cmlp.Trainer(model3, opt3, batch_size=8).step(x[:8], y[:8])
+        S.StepLR(opt3, 1).step()
+        unstepped = S.StepLR(cmlp.optim.SGD(cmlp.MLP(SIZES)), 1)
+    with pytest.warns(UserWarning, match="before `optimizer.step"):
+        unstepped.step()
+
+
+def test_the_old_base_class_name_is_exported():
+    assert S._LRScheduler is S.LRScheduler

@@ -455,3 +455,23 @@ def test_a_child_forked_while_threads_allocate_can_allocate():
         for t in threads:
             t.join()
     assert codes == [0] * 200
+
+
+def test_torchs_other_device_forms_and_caching_allocator_alloc_keywords():
+    """An int N means "cuda:N" (as torch.cuda's functions), a torch.device its own name;
+    caching_allocator_alloc takes torch's size= and stream=None."""
+    base = M.memory_allocated("cpu")
+    ptr = M.caching_allocator_alloc(size=3000, device="cpu", stream=None)
+    assert M.memory_allocated("cpu") == base + 3072
+    M.caching_allocator_delete(ptr)
+    with pytest.raises(TypeError, match="both"):
+        M.caching_allocator_alloc(10, size=10)
+    with pytest.raises(ValueError, match="stream"):
+        M.caching_allocator_alloc(10, "cpu", stream=7)
+    if not cmlp.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA is not available"):
+            M.memory_allocated(0)
+    torch = pytest.importorskip("torch")
+    assert M.memory_stats(torch.device("cpu")) == M.memory_stats("cpu")
+    if cmlp.cuda.is_available():
+        assert M.memory_reserved(torch.device("cuda", 0)) == M.memory_reserved(0) == M.memory_reserved("cuda:0")

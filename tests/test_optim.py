@@ -641,3 +641,79 @@ def test_group_keys_round_trip_and_copies_survive_any_reachable_setting():
     model.opt = opt = cmlp.optim.Adam(model)  # a model that refers to its optimizer: one copy of each
     o2 = copy.deepcopy(opt)
     assert o2.model.opt is o2 and o2.model is not model
+
+
+def test_adamw_stays_decoupled_when_it_loads_an_adam_state_dict_as_torchs():
+    """torch's AdamW forces decoupled_weight_decay=True whenever it loads (and in a deepcopy), so
+    an Adam checkpoint does not turn it into Adam with L2 decay; a live edit still applies."""
+    model = cmlp.MLP(SIZES, seed=0)
+    adam = cmlp.optim.Adam(model, weight_decay=0.1)
+    cmlp_step(model, adam, *batch_of(1))
+    adamw = cmlp.optim.AdamW(cmlp.MLP(SIZES, seed=0))
+    adamw.load_state_dict(adam.state_dict())
+    assert adamw.decoupled_weight_decay is True and adamw.weight_decay == 0.1
+    assert adamw.state_dict()["param_groups"][0]["decoupled_weight_decay"] is True
+    adamw.param_groups[0]["decoupled_weight_decay"] = False  # as torch, until the next load
+    assert adamw.decoupled_weight_decay is False
+    assert copy.deepcopy(adamw).decoupled_weight_decay is True
+    plain = cmlp.optim.Adam(cmlp.MLP(SIZES, seed=0))
+    plain.load_state_dict(adam.state_dict())
+    assert plain.decoupled_weight_decay is False
+
+
+def batch_of(seed):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((BATCH, SIZES[0])).astype(np.float32), rng.integers(0, SIZES[-1], BATCH)
+
+
+def test_sgd_takes_nesterov_and_weight_decay_by_name_only():
+    """torch's fifth positional argument is weight_decay, nesterov the sixth: a positional call
+    written either way would silently mean the other, so both are refused."""
+    model = cmlp.MLP(SIZES, seed=0)
+    for args in ((0.1, 0.9, 0.0, 1e-4), (0.1, 0.9, 0.0, True), (0.1, 0.9, 0.0, 1e-4, True)):
+        with pytest.raises(TypeError, match="by name"):
+            cmlp.optim.SGD(model, *args)
+    opt = cmlp.optim.SGD(model, 0.1, 0.9, 0.0, weight_decay=1e-4, nesterov=True)
+    assert (opt.lr, opt.momentum, opt.dampening, opt.weight_decay, opt.nesterov) == (0.1, 0.9, 0.0, 1e-4, True)
+
+
+@pytest.mark.parametrize("kind", ["adam", "sgd"])
+def test_step_closure_state_and_defaults_as_torchs(kind):
+    torch = pytest.importorskip("torch")
+    model = cmlp.MLP(SIZES, seed=0)
+    make = {"adam": lambda m, **kw: cmlp.optim.Adam(m, lr=2e-3, **kw),
+            "sgd": lambda m, **kw: cmlp.optim.SGD(m, lr=0.05, momentum=0.9, **kw)}[kind]
+    opt = make(model)
+    tmake = {"adam": lambda p: torch.optim.Adam(p, lr=2e-3), "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)}
+    theirs = tmake[kind]([torch.nn.Parameter(torch.zeros(2))])
+    assert opt.defaults == {k: v for k, v in theirs.defaults.items()}
+    assert opt.state == {}
+    x, y = batch_of(2)
+    twin = cmlp.MLP(SIZES, seed=0)
+    topt = make(twin)
+
+    def closure():
+        opt.zero_grad()
+        return model.forward_backward(x, y)
+
+    loss = opt.step(closure)
+    topt.zero_grad()
+    assert loss == twin.forward_backward(x, y)
+    assert topt.step() is None
+    assert same_arrays(model.state_dict(), twin.state_dict())
+    state = opt.state
+    assert sorted(state) == opt.param_groups[0]["params"] == list(range(6))
+    for p in opt.param_groups[0]["params"]:  # torch's idiom
+        assert set(state[p]) == set(theirs_state_keys(kind))
+    opt.lr = 1.0
+    assert opt.defaults["lr"] == (2e-3 if kind == "adam" else 0.05)  # as constructed
+    with pytest.raises(TypeError, match="closure"):
+        opt.step(3)
+
+
+def theirs_state_keys(kind):
+    return ("step", "exp_avg", "exp_avg_sq") if kind == "adam" else ("momentum_buffer",)
+
+
+def same_arrays(a, b):
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)

@@ -611,6 +611,27 @@ static PyObject *Model_clip_grad_norm(ModelObject *self, PyObject *args) {
     return PyFloat_FromDouble(total);
 }
 
+static PyObject *Model_grad_norm(ModelObject *self, PyObject *arg) {
+    double norm_type = PyFloat_AsDouble(arg);
+    if (norm_type == -1.0 && PyErr_Occurred()) return NULL;
+    if (model_ready(self) < 0) return NULL;
+    double total = 0.0;
+    cmlp_status st;
+    RUN_LOCKED(self, st, cmlp_model_grad_norm(self->m, norm_type, &total));
+    if (st != CMLP_OK) return raise_status(self->ms, st);
+    return PyFloat_FromDouble(total);
+}
+
+static PyObject *Model_clip_grads_with_norm(ModelObject *self, PyObject *args) {
+    double max_norm, total_norm;
+    if (!PyArg_ParseTuple(args, "dd", &max_norm, &total_norm)) return NULL;
+    if (model_ready(self) < 0) return NULL;
+    cmlp_status st;
+    RUN_LOCKED(self, st, cmlp_model_clip_grads_with_norm(self->m, max_norm, total_norm));
+    if (st != CMLP_OK) return raise_status(self->ms, st);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Model_clip_grad_value(ModelObject *self, PyObject *arg) {
     double v = PyFloat_AsDouble(arg);
     if (v == -1.0 && PyErr_Occurred()) return NULL;
@@ -652,6 +673,9 @@ static PyMethodDef Model_methods[] = {
      "multiply every gradient by inv_scale (a float32); True when any is inf or NaN"},
     {"clip_grad_norm", (PyCFunction)Model_clip_grad_norm, METH_VARARGS,
      "(max_norm, norm_type, error_if_nonfinite): scale the gradients to at most max_norm; their norm before"},
+    {"grad_norm", (PyCFunction)Model_grad_norm, METH_O, "(norm_type): the gradients' norm, as clip_grad_norm's"},
+    {"clip_grads_with_norm", (PyCFunction)Model_clip_grads_with_norm, METH_VARARGS,
+     "(max_norm, total_norm): scale the gradients by min(1, max_norm / (total_norm + 1e-6))"},
     {"clip_grad_value", (PyCFunction)Model_clip_grad_value, METH_O, "clamp every gradient to [-v, v]"},
     {NULL, NULL, 0, NULL},
 };

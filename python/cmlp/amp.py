@@ -58,13 +58,42 @@ def _check_count(name: str, value: Any, minimum: int) -> int:
     return int(value)
 
 
+def _device_name(device: Any) -> str:
+    """torch.amp.GradScaler's device argument: "cpu", "cuda" or "cuda:N" (a torch.device too)."""
+    if device is None:
+        return "cuda"
+    if not isinstance(device, str) and hasattr(device, "type"):  # a torch.device
+        device = str(device)
+    if not isinstance(device, str):
+        raise TypeError(f"device must be a string such as 'cuda' or 'cpu', got {device!r}")
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda") or (index and not (index.isdigit() and kind == "cuda")):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    return device
+
+
 class GradScaler:
     """Loss scaling with PyTorch's growth/backoff rule. Per iteration: forward_backward with
     loss_scale=get_scale(), optionally unscale_(opt), step(opt) (skipped when a gradient is inf
     or NaN), update()."""
 
-    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, enabled: bool = True) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """GradScaler(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
+        growth_interval=2000, enabled=True), and torch.amp.GradScaler's form with a device first
+        (GradScaler("cuda", init_scale=1024.0), or device=...): "cpu", "cuda" or "cuda:N". The
+        scale is a host number, so the device only names where torch would keep it; unlike
+        torch's, a "cuda" scaler stays enabled on a machine without a GPU (cmlp scales fp16 on
+        the CPU too)."""
+        device = kwargs.pop("device", None)
+        if args and isinstance(args[0], str):
+            if device is not None:
+                raise TypeError("GradScaler got the device twice (first argument and device=)")
+            device, args = args[0], args[1:]
+        self._device = _device_name(device)
+        self._init(*args, **kwargs)
+
+    def _init(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+              growth_interval: int = 2000, enabled: bool = True) -> None:
         self._enabled = as_flag("enabled", enabled)
         self._scale = _check_scale("init_scale", init_scale)
         self._growth_factor, self._backoff_factor = _check_factors(growth_factor, backoff_factor)
@@ -92,10 +121,16 @@ class GradScaler:
         return self._growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        """A run that has already had new_interval successful steps in a row grows at its next."""
+        """A run that has already had new_interval successful steps in a row grows at its next.
+        (torch leaves its tracker at or above the new interval, and then never grows again.)"""
         interval = _check_count("growth_interval", new_interval, 1)
         self._growth_interval = interval
         self._growth_tracker = min(self._growth_tracker, interval - 1)
+
+    @property
+    def device(self) -> str:
+        """torch.amp.GradScaler's device: where the scale would live ("cuda" by default)."""
+        return self._device
 
     def _get_growth_tracker(self) -> int:
         return self._growth_tracker if self._enabled else 0
@@ -208,8 +243,10 @@ class GradScaler:
         factors = _check_factors(state_dict["growth_factor"], state_dict["backoff_factor"])
         interval = _check_count("growth_interval", state_dict["growth_interval"], 1)
         tracker = _check_count("_growth_tracker", state_dict["_growth_tracker"], 0)
-        if tracker >= interval:  # a run's tracker goes back to 0 when it reaches the interval
-            raise ValueError(f"_growth_tracker must be below growth_interval ({interval}), got {tracker}")
+        # a run's tracker goes back to 0 when it reaches the interval; torch's passes it after
+        # set_growth_interval lowers the interval (and its scale never grows again): taken as
+        # set_growth_interval takes it here, growing at the next successful step
+        tracker = min(tracker, interval - 1)
         self._scale, (self._growth_factor, self._backoff_factor) = scale, factors
         self._growth_interval, self._growth_tracker = interval, tracker
 

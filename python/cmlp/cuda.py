@@ -129,6 +129,10 @@ def _device_index(device: "Optional[str | int]") -> int:
     """torch.cuda's device argument: None (the first GPU), an index, "cuda" or "cuda:N"."""
     if device is None:
         return 0
+    if not isinstance(device, (str, int, np.integer)) and hasattr(device, "type"):  # a torch.device
+        from .memory import _device_text
+
+        device = _device_text(device)
     if isinstance(device, (int, np.integer)) and not isinstance(device, bool):
         return int(device)
     if isinstance(device, str):
@@ -179,7 +183,9 @@ def list_gpu_processes(device: "Optional[str | int]" = None) -> str:
 
 def synchronize(device: Optional[str] = None) -> None:
     """Waits for the device's queued work. Raises RuntimeError when CUDA is unavailable."""
-    _cmlp.synchronize("cuda" if device is None else device)
+    from .memory import _device_text
+
+    _cmlp.synchronize("cuda" if device is None else _device_text(device))
 
 
 def mem_get_info(device: "Optional[str | int]" = None) -> Tuple[int, int]:
@@ -188,6 +194,4 @@ def mem_get_info(device: "Optional[str | int]" = None) -> Tuple[int, int]:
     is unavailable."""
     from .memory import mem_get_info as info
 
-    if isinstance(device, int) and not isinstance(device, bool):
-        device = f"cuda:{device}"
     return info("cuda" if device is None else device)

@@ -7,6 +7,8 @@ import threading
 from fractions import Fraction
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
+import numpy as np
+
 from . import _cmlp, _history, _snapshot_report
 
 class MemoryWarning(UserWarning):
@@ -26,12 +28,26 @@ def _new_lock_in_child() -> None:  # a thread the forked child lacks may have he
 os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
-def _device(device: Optional[str]) -> str:
+def _device_text(device: Any) -> Any:
+    """torch's other ways of naming a device, as a string: an int N is "cuda:N" (as torch.cuda's
+    functions take it), a torch.device (anything with a str .type and an int or None .index) its
+    "type[:index]". Anything else is returned as it is."""
+    if isinstance(device, (int, np.integer)) and not isinstance(device, (bool, np.bool_)):
+        return f"cuda:{int(device)}" if device >= 0 else device
+    kind, index = getattr(device, "type", None), getattr(device, "index", 0)
+    if not isinstance(device, str) and isinstance(kind, str) and (index is None or isinstance(index, int)):
+        return kind if index is None else f"{kind}:{index}"
+    return device
+
+
+def _device(device: Any) -> str:
     if device is None:
         # a child forked after CUDA started cannot use it: its default is the CPU
         return "cuda:0" if _cmlp.cuda_device_count() > 0 and not _cmlp.cuda_forked() else "cpu"
+    device = _device_text(device)
     if not isinstance(device, str):
-        raise TypeError(f"device must be a str such as 'cpu' or 'cuda:0', got {device!r}")
+        raise TypeError(f"device must be a str such as 'cpu' or 'cuda:0' (or an index, or a torch.device), "
+                        f"got {device!r}")
     return _cmlp.parse_device(device)
 
 
@@ -155,8 +171,19 @@ def get_memory_limit(device: Optional[str] = None) -> Optional[int]:
     return None if limit < 0 else limit
 
 
-def caching_allocator_alloc(nbytes: int, device: Optional[str] = None) -> int:
-    """A raw block of nbytes from the device's allocator; give it back with caching_allocator_delete."""
+def caching_allocator_alloc(nbytes: Any = None, device: Optional[str] = None, stream: Any = None, *,
+                            size: Any = None) -> int:
+    """A raw block of nbytes from the device's allocator; give it back with caching_allocator_delete.
+    size= is torch's name for nbytes; stream is taken for torch's signature (None or 0: cmlp's
+    allocator serves the device's one stream)."""
+    if size is not None:
+        if nbytes is not None:
+            raise TypeError("caching_allocator_alloc got both nbytes and size (torch's name for it)")
+        nbytes = size
+    if stream is not None and not (isinstance(stream, int) and stream == 0):
+        raise ValueError(f"cmlp's allocator serves each device's own stream: stream must be None, got {stream!r}")
+    if isinstance(nbytes, np.integer) and not isinstance(nbytes, np.bool_):
+        nbytes = int(nbytes)
     if isinstance(nbytes, bool) or not isinstance(nbytes, int):
         raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
     if not 0 <= nbytes < 2**63:

@@ -362,6 +362,7 @@ class Trainer:
             loss = self._c.step(xa, ya, *self.normalize)
         finally:
             self._pull_scaler()
+        self.optimizer._opt_called = True  # a schedule stepped after it is in torch's order
         self._warn_if_split(retries)
         return loss
 
@@ -496,6 +497,7 @@ class Trainer:
                     self._push_scaler()
                     if epoch == 1:
                         self._together(self._start_under_limit)
+                    self.optimizer._opt_called = True  # its schedule steps after the optimizer's
                     retries = self._c.oom_retries()
                     try:
                         done = False

@@ -9,10 +9,14 @@ and inf-norms).
     scaler.step(opt)
     scaler.update()
 """
+import math
+import warnings
 from typing import Any, Optional
 
+import numpy as np
+
 from .._arrays import as_number
-from ..model import model_of
+from ..model import MLP, Parameters, model_of
 
 
 def _norm_type(norm_type: Any) -> float:
@@ -40,10 +44,70 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: Any = 2.0, erro
     return model._c.clip_grad_norm(max_norm, _norm_type(norm_type), bool(error_if_nonfinite))
 
 
+def _nonfinite(norm_type: float, total: float) -> RuntimeError:
+    return RuntimeError(f"the total norm of order {norm_type:g} of the gradients is {total}, so they cannot be "
+                        "clipped; pass error_if_nonfinite=False to scale them by it anyway")
+
+
+def _array_norm(a: np.ndarray, p: float) -> float:
+    """torch's vector_norm of one array in float64 (0: the count of nonzeros)."""
+    a = np.abs(a.astype(np.float64).ravel())
+    if a.size == 0:
+        return 0.0
+    if p == 0:
+        return float(np.count_nonzero(a))
+    if p == math.inf:
+        return float(a.max()) if not np.isnan(a).any() else math.nan
+    if p == -math.inf:
+        return float(a.min()) if not np.isnan(a).any() else math.nan
+    with np.errstate(divide="ignore", over="ignore"):
+        return float(np.sum(a ** p) ** (1.0 / p))
+
+
+def get_total_norm(tensors: Any, norm_type: Any = 2.0, error_if_nonfinite: bool = False,
+                   foreach: Optional[bool] = None) -> float:
+    """torch.nn.utils.get_total_norm: the norm of order norm_type of the norms of tensors, as a
+    float, nothing changed. tensors: a cmlp.MLP or its parameters() (their gradients, as
+    clip_grad_norm_ computes the norm, on the model's device), or arrays (e.g.
+    model.grads().values()), each array's norm computed in float64. With error_if_nonfinite a
+    NaN or inf norm raises RuntimeError."""
+    p = _norm_type(norm_type)
+    if isinstance(tensors, (MLP, Parameters)):
+        total = model_of(tensors, "tensors")._c.grad_norm(p)
+    else:
+        arrays = [tensors] if isinstance(tensors, np.ndarray) else list(tensors)
+        norms = []
+        for i, t in enumerate(arrays):
+            a = np.asarray(t)
+            if a.dtype == np.bool_ or a.dtype.kind not in "iuf":
+                raise TypeError(f"tensors[{i}] must be an array of real numbers, got dtype {a.dtype}")
+            norms.append(_array_norm(a, p))
+        total = _array_norm(np.asarray(norms, dtype=np.float64), p) if norms else 0.0
+    if error_if_nonfinite and not math.isfinite(total):
+        raise _nonfinite(p, total)
+    return float(total)
+
+
+def clip_grads_with_norm_(parameters: Any, max_norm: float, total_norm: Any, foreach: Optional[bool] = None) -> None:
+    """torch.nn.utils.clip_grads_with_norm_: every gradient multiplied by
+    min(1, max_norm / (total_norm + 1e-6)) in float32, as torch rounds it (total_norm from
+    get_total_norm, or any number; a NaN or inf one scales by it, as torch's)."""
+    model = model_of(parameters, "parameters")
+    model._c.clip_grads_with_norm(as_number("max_norm", max_norm), as_number("total_norm", total_norm))
+
+
+def clip_grad_norm(parameters: Any, max_norm: float, norm_type: Any = 2.0, error_if_nonfinite: bool = False,
+                   foreach: Optional[bool] = None) -> float:
+    """Deprecated, as torch's: clip_grad_norm_ (which it calls, with torch's FutureWarning)."""
+    warnings.warn("`cmlp.nn.utils.clip_grad_norm` is now deprecated in favor of `cmlp.nn.utils.clip_grad_norm_`.",
+                  FutureWarning, stacklevel=2)
+    return clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+
+
 def clip_grad_value_(parameters: Any, clip_value: float, foreach: Optional[bool] = None) -> None:
     """Clamps every gradient to [-clip_value, clip_value] (a NaN stays NaN)."""
     model = model_of(parameters, "parameters")
     model._c.clip_grad_value(as_number("clip_value", clip_value))
 
 
-__all__ = ["clip_grad_norm_", "clip_grad_value_"]
+__all__ = ["clip_grad_norm_", "clip_grad_value_", "get_total_norm", "clip_grads_with_norm_", "clip_grad_norm"]

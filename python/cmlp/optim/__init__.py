@@ -168,20 +168,37 @@ class Optimizer:
         self._init_like(twin, model)
         twin.load_state_dict(self.state_dict())
         twin._param_groups[0]._extra = copy.deepcopy(self._param_groups[0]._extra, memo)
+        twin.defaults = copy.deepcopy(self.defaults, memo)
         return twin
 
     def _init_like(self, twin: "Optimizer", model: MLP) -> None:
         """Runs the constructor of this kind of optimizer on twin, with this one's settings."""
         raise NotImplementedError
 
-    def step(self) -> None:
+    def step(self, closure: Any = None) -> Any:
         """One update from the gradients accumulated in the model. Without gradients (none
         since the model was made, or since zero_grad() with set_to_none) nothing changes, no state
-        is made and the step count stays, as torch's step skips parameters whose .grad is None."""
+        is made and the step count stays, as torch's step skips parameters whose .grad is None.
+        closure: torch's, a callable that computes the gradients (zero_grad, forward_backward)
+        and returns the loss, called first; its result is returned (else None)."""
+        loss = None
+        if closure is not None:
+            if not callable(closure):
+                raise TypeError(f"closure must be callable, got {type(closure).__name__}")
+            loss = closure()
+        self._opt_called = True  # torch's mark, which a schedule's first step looks for
         if self.model._grads_none:
             self._c.lr  # noqa: B018 - refuses, as every call, where the model was lost to a fork
-            return
+            return loss
         self._c.step()
+        return loss
+
+    @property
+    def state(self) -> Dict[int, Dict[str, Any]]:
+        """torch's optimizer.state, keyed as param_groups[0]["params"] (the parameter tensors'
+        indices in state_dict order): copies of each tensor's step and buffers, as in
+        state_dict()["state"]; empty before the first step."""
+        return self.state_dict()["state"]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.model.zero_grad(set_to_none)
@@ -365,6 +382,7 @@ class Adam(Optimizer):
                          weight_decay=_num("weight_decay", weight_decay), decoupled_weight_decay=decoupled_weight_decay)
         self._settings.update(betas=(b1, b2), eps=float(eps), weight_decay=float(weight_decay),
                               decoupled_weight_decay=decoupled_weight_decay)
+        self.defaults = {k: v for k, v in self._group().items() if k != "initial_lr"}  # as constructed, as torch's
 
     def _init_like(self, twin: Optimizer, model: MLP) -> None:
         Adam.__init__(twin, model, self.lr, self.betas, self.eps, self.weight_decay, **self._flags,  # type: ignore
@@ -422,6 +440,16 @@ class AdamW(Adam):
                          capturable=capturable, differentiable=differentiable, fused=fused,
                          decoupled_weight_decay=True)
 
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """As Adam's, but the weight decay stays decoupled whatever the state_dict says (torch's
+        AdamW forces it when it loads, so an Adam checkpoint does not make it Adam); a deepcopy
+        loads too."""
+        if isinstance(state_dict, Mapping) and isinstance(state_dict.get("param_groups"), (list, tuple)):
+            groups = [{**g, "decoupled_weight_decay": True} if isinstance(g, Mapping) else g
+                      for g in state_dict["param_groups"]]
+            state_dict = {**state_dict, "param_groups": groups}
+        super().load_state_dict(state_dict)
+
 
 class SGD(Optimizer):
     """torch.optim.SGD: momentum (buffer = gradient at the first step), dampening, nesterov,
@@ -430,8 +458,11 @@ class SGD(Optimizer):
     _buffers = ("momentum_buffer",)
 
     def __init__(self, model: MLP, lr: float = 0.01, momentum: float = 0.0, dampening: float = 0.0,
-                 nesterov: bool = False, weight_decay: float = 0.0, *, maximize: bool = False, foreach: Any = None,
-                 differentiable: bool = False, fused: Any = None) -> None:
+                 *args: Any, nesterov: bool = False, weight_decay: float = 0.0, maximize: bool = False,
+                 foreach: Any = None, differentiable: bool = False, fused: Any = None) -> None:
+        if args:  # torch's fifth is weight_decay, this library's was nesterov: by name only
+            raise TypeError("SGD takes nesterov and weight_decay by name only (torch's positional order puts "
+                            "weight_decay before nesterov): e.g. SGD(model, 0.1, 0.9, weight_decay=1e-4)")
         for name, value in (("maximize", maximize), ("differentiable", differentiable)):
             _unsupported_flag(name, value)
         flags = _implementation_flags(("foreach", "fused"), {"foreach": foreach, "fused": fused})
@@ -440,12 +471,13 @@ class SGD(Optimizer):
                          weight_decay=_num("weight_decay", weight_decay))
         self._settings.update(momentum=float(momentum), dampening=float(dampening), nesterov=_flag("nesterov", nesterov),
                               weight_decay=float(weight_decay))
+        self.defaults = {k: v for k, v in self._group().items() if k != "initial_lr"}
 
     def _init_like(self, twin: Optimizer, model: MLP) -> None:
         # Nesterov's needs are checked when an optimizer is made only (as torch's): a schedule or a
         # setting may have moved the momentum to 0 since; load_state_dict sets nesterov
-        SGD.__init__(twin, model, self.lr, self.momentum, self.dampening, False, self.weight_decay,  # type: ignore
-                     **self._flags)
+        SGD.__init__(twin, model, self.lr, self.momentum, self.dampening, nesterov=False,  # type: ignore
+                     weight_decay=self.weight_decay, **self._flags)
 
     momentum = _setting("momentum", "settable, as param_groups[0]['momentum']")
     dampening = _setting("dampening", "settable")

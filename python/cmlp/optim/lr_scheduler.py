@@ -19,6 +19,7 @@ epoch, or with `scheduler_interval="step"` after each optimizer step (warm-up):
 Off the CPU a step reads its rate (and momentum, which OneCycleLR and CyclicLR move) on the device, so a step
 captured as a CUDA graph replays at every rate.
 """
+import functools
 import math
 import numbers
 import types
@@ -57,6 +58,17 @@ def _deprecated_epoch(epoch: Any) -> int:
     return int(epoch)
 
 
+def _warn_outside_step(get_lr: Callable[[Any], List[float]]) -> Callable[[Any], List[float]]:
+    @functools.wraps(get_lr)
+    def checked(self: Any) -> List[float]:
+        if not getattr(self, "_get_lr_called_within_step", True):
+            warnings.warn("To get the last learning rate computed by the scheduler, please use `get_last_lr()`.",
+                          UserWarning, stacklevel=2)
+        return get_lr(self)
+
+    return checked
+
+
 def _int(name: str, value: Any, lo: int) -> int:
     if not _is_int(value) or value < lo:
         raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
@@ -79,7 +91,15 @@ class LRScheduler:
             raise KeyError("param 'initial_lr' is not specified in param_groups[0] when resuming an optimizer")
         self.base_lrs: List[float] = [optimizer._initial_lr]
         self.last_epoch = last_epoch
+        self._get_lr_called_within_step = False
         self._initial_step()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """The schedules of this module warn, as torch's, when get_lr() is called outside step()
+        (it computes the next rate from the current one: get_last_lr() is what was set)."""
+        super().__init_subclass__(**kwargs)
+        if cls.__module__ == __name__ and "get_lr" in cls.__dict__:
+            cls.get_lr = _warn_outside_step(cls.__dict__["get_lr"])
 
     def _initial_step(self) -> None:
         """The constructor's step (torch's): the step count starts again from it."""
@@ -102,6 +122,10 @@ class LRScheduler:
         optimizer refuses (negative, not finite) raises and leaves the schedule where it was.
         epoch (deprecated, as in torch, which warns): that epoch's rate instead, from the
         schedule's closed form where it has one."""
+        if self._step_count == 1 and not getattr(self.optimizer, "_opt_called", False):
+            warnings.warn("Detected call of `lr_scheduler.step()` before `optimizer.step()`: call them in the "
+                          "opposite order, optimizer.step() and then lr_scheduler.step(), or the first value of "
+                          "the schedule is skipped (as in torch)", UserWarning, stacklevel=2)
         if epoch is not None:
             epoch = _deprecated_epoch(epoch)
         self._step_count += 1
@@ -115,6 +139,7 @@ class LRScheduler:
         """The next epoch's rate (torch's recursive form), or with epoch that epoch's (the closed
         form where there is one): what SequentialLR asks of a schedule at its milestone."""
         before, momentum = self.last_epoch, self.optimizer._momentum()
+        self._get_lr_called_within_step = True
         try:
             if epoch is None:
                 self.last_epoch += 1
@@ -132,6 +157,8 @@ class LRScheduler:
                 raise ValueError(f"{type(self).__name__} cannot compute the rate of epoch {at} with these "
                                  f"arguments ({type(e).__name__}: {e})") from e
             raise
+        finally:
+            self._get_lr_called_within_step = False
         self._last_lr = [self.optimizer.lr]
 
     def state_dict(self) -> Dict[str, Any]:
@@ -152,6 +179,9 @@ class LRScheduler:
 
     def _lr(self) -> float:
         return self.optimizer.lr
+
+
+_LRScheduler = LRScheduler  # torch's older name, still exported
 
 
 class _LambdaSchedule(LRScheduler):
@@ -354,6 +384,7 @@ class CosineAnnealingWarmRestarts(LRScheduler):
     def step(self, epoch: Any = None) -> None:  # type: ignore[override]
         """The next epoch, or (torch's older form) the given one, fractions allowed."""
         saved = (self.T_cur, self.T_i, self.last_epoch)
+        self._get_lr_called_within_step = True
         try:
             if epoch is None and self.last_epoch < 0:
                 epoch = 0
@@ -381,6 +412,8 @@ class CosineAnnealingWarmRestarts(LRScheduler):
         except BaseException:
             self.T_cur, self.T_i, self.last_epoch = saved
             raise
+        finally:
+            self._get_lr_called_within_step = False
         self._last_lr = [self.optimizer.lr]
 
     def _update_lr(self, epoch: Optional[int]) -> None:
