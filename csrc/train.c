@@ -277,20 +277,58 @@ static cmlp_status clip_grads(cmlp_trainer *t, cmlp_dscalars *ds) {
                            &ds->norm_steps);
 }
 
+/* Where rank r of `parts` keeps the scratch of clip_part: `parts` floats of the gradients outside
+ * its part [r * chunk, (r + 1) * chunk) (which the reduce-scatter leaves undefined), before it or
+ * after it; -1 where its part is empty or there is no room. */
+static int64_t norm_scratch(int64_t n, int64_t chunk, int parts, int r) {
+    const int64_t lo = r * chunk, hi = lo + chunk < n ? lo + chunk : n;
+    if (lo >= n) return -1;
+    if (lo >= parts) return 0;
+    return n - hi >= parts ? hi : -1;
+}
+
+/* Clipping with every rank's part of the summed gradients on its owner only: every part's L2
+ * norm (a float) into the scratch, the parts' norms gathered (a collective of one float a rank)
+ * and the total the L2 norm of them, in double and in rank order, so the same bits on every
+ * rank; torch's clip_grad_norm_ takes the norm of its tensors' norms so too. Each rank scales
+ * its part. */
+static cmlp_status clip_part(cmlp_trainer *t, cmlp_dscalars *ds, int64_t lo, int64_t hi, int64_t chunk, int parts) {
+    cmlp_model *m = t->model;
+    const cmlp_backend_i *b = m->dev->backend;
+    void *ctx = m->dev->bctx;
+    const int r = (int)(lo / chunk);
+    float *scratch = m->grads + norm_scratch(m->nparams, chunk, parts, r);
+    CMLP_TRY(b->grad_norm(ctx, m->grads + lo, hi - lo, 2.0, scratch + r, ds->norm_part, &ds->norm_blocks));
+    CMLP_TRY(m->dev->device.type == CMLP_DEVICE_CPU ? cmlp_dist_all_gather(scratch, parts, 1, CMLP_COMM_F32)
+                                                     : b->comm_all_gather(ctx, t->dcomm, scratch, parts, 1));
+    CMLP_TRY(b->grad_norm(ctx, scratch, parts, 2.0, &ds->grad_norm, ds->norm_part, &ds->norm_blocks));
+    return b->clip_by_norm(ctx, m->grads + lo, hi - lo, &ds->grad_norm, (float)t->cfg.max_grad_norm, &ds->norm_sum,
+                           &ds->norm_steps);
+}
+
+/* Whether clip_part can serve: every rank's part holds gradients and has room for the scratch
+ * (the same answer on every rank). */
+static bool parts_clip(int64_t n, int64_t chunk, int parts) {
+    for (int r = 0; r < parts; r++)
+        if (norm_scratch(n, chunk, parts, r) < 0) return false;
+    return true;
+}
+
 /* The update of a step of n_all samples whose gradients are in: summed over the ranks, then with
  * a loss scaler unscaled and checked once, skipped or taken, on the device.
  * With a sharded optimizer each rank updates its part of the parameters only, so it needs only
  * its part of the summed gradients: a reduce-scatter instead of the all-reduce (half the
  * traffic), which leaves the other parts of its gradients undefined; the ranks then share their
- * verdicts on inf/NaN. Clipping's norm needs every gradient: with it, the all-reduce. */
+ * verdicts on inf/NaN, and with clipping their parts' norms (clip_part). */
 static cmlp_status step_update(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_data *xy, int64_t n_all) {
     cmlp_model *m = t->model;
     const cmlp_backend_i *b = m->dev->backend;
     void *ctx = m->dev->bctx;
     const bool clip = t->cfg.max_grad_norm > 0.0, cpu = m->dev->device.type == CMLP_DEVICE_CPU;
     int64_t lo = 0, hi = m->nparams, chunk = 0;
-    const bool scatter = t->dist && !clip && (cpu || b->comm_reduce_scatter) &&
-                         cmlp_optim_shards(t->optim, &lo, &hi, &chunk) > 0;
+    const int parts = cmlp_optim_shards(t->optim, &lo, &hi, &chunk);
+    const bool scatter = t->dist && (cpu || (b->comm_reduce_scatter && (!clip || b->comm_all_gather))) &&
+                         parts > 0 && (!clip || parts_clip(m->nparams, chunk, parts));
     if (!scatter) lo = 0, hi = m->nparams;
     if (t->dist && cpu)
         CMLP_TRY(scatter ? cmlp_dist_reduce_scatter(m->grads, m->nparams, chunk)
@@ -300,7 +338,7 @@ static cmlp_status step_update(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_da
                          : b->comm_all_reduce(ctx, t->dcomm, m->grads, m->nparams));
     if (clip) CMLP_TRY(cmlp_optim_prepare(t->optim)); /* nothing may fail after the norm is counted */
     if (!t->scaler.enabled && !device_steps(t)) {
-        if (clip) CMLP_TRY(clip_grads(t, ds));
+        if (clip) CMLP_TRY(scatter ? clip_part(t, ds, lo, hi, chunk, parts) : clip_grads(t, ds));
         return cmlp_optim_step_summed(t->optim);
     }
     const float *found_inf = NULL;
@@ -311,7 +349,7 @@ static cmlp_status step_update(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_da
                          : b->comm_all_reduce(ctx, t->dcomm, &ds->found_inf, 1));
         found_inf = &ds->found_inf;
     }
-    if (clip) CMLP_TRY(clip_grads(t, ds));
+    if (clip) CMLP_TRY(scatter ? clip_part(t, ds, lo, hi, chunk, parts) : clip_grads(t, ds));
     /* the position moves with the optimizer's step count (one kernel): after the optimizer's
      * state exists, so a step retried after running out of memory reads the same samples */
     /* the loss scale moves in the same launch, on the same verdict (after this step's unscale,

@@ -369,7 +369,9 @@ def zero_case(opts):
                 loss=[h["loss"] for h in h2], ref_loss=[h["loss"] for h in h1], held=[held1, held2],
                 shard=[lo, hi], n=m2.num_parameters(), same_state=bool(same_state[0]), refused=refused,
                 resumed=bool(np.array_equal(params(m3), params(m4))),
-                skipped=[h["skipped_steps"] for h in h2], ref_skipped=[h["skipped_steps"] for h in h1])
+                skipped=[h["skipped_steps"] for h in h2], ref_skipped=[h["skipped_steps"] for h in h1],
+                norm_diff=max((abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"]
+                               for a, b in zip(h2, h1) if b.get("grad_norm")), default=0.0))
 
 
 def zero_plan_case(opts):
