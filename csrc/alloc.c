@@ -40,6 +40,7 @@ struct cmlp_allocator {
     int64_t limit; /* -1: none */
     int64_t total_memory;
     cmlp_memory_stats stats;
+    int64_t window_peak; /* the allocated bytes' peak since cmlp_allocator_window restarted it */
     alloc_pool pools[NPOOLS];
     alloc_segment *segments;
     table_slot *table; /* allocated blocks by address: open addressing, linear probing */
@@ -127,6 +128,8 @@ static void stat_add(cmlp_stat *s, int64_t d) {
 
 static void stat(cmlp_allocator *a, cmlp_stat_kind k, int pool, int64_t d) {
     stat_add(&a->stats.stat[k][CMLP_POOL_ALL], d);
+    if (k == CMLP_STAT_ALLOCATED_BYTES && a->stats.stat[k][CMLP_POOL_ALL].current > a->window_peak)
+        a->window_peak = a->stats.stat[k][CMLP_POOL_ALL].current;
     if (k != CMLP_STAT_OVERSIZE_ALLOCATIONS && k != CMLP_STAT_OVERSIZE_SEGMENTS) stat_add(&a->stats.stat[k][spool(pool)], d);
 }
 
@@ -674,7 +677,8 @@ static cmlp_status oom(cmlp_allocator *a, size_t nbytes, size_t size) {
                      "of which %s is free. Of the %s reserved, %s is allocated by cmlp and %s is reserved but "
                      "unallocated; the largest free block is %s (fragmentation %.1f%%).%s%s Try micro-batches "
                      "(Trainer(auto_microbatch=True) or a smaller batch_size with accumulation_steps), "
-                     "amp=\"fp16\" or \"bf16\", or recompute=True.%s",
+                     "amp=\"fp16\" or \"bf16\", or for deep networks recompute=True (cmlp.memory.plan says "
+                     "whether it saves memory).%s",
                      a->name, rnd, nbytes, size, a->name, a->limit >= 0 ? "memory limit" : "total capacity", cap, fre,
                      res, alc, unalloc, big, frag, seg_note, frag_hint, users);
 }
@@ -886,6 +890,14 @@ void cmlp_allocator_reset_peak(cmlp_allocator *a) {
     for (int k = 0; k < CMLP_STAT_KIND_COUNT; k++)
         for (int p = 0; p < CMLP_POOL_COUNT; p++) a->stats.stat[k][p].peak = a->stats.stat[k][p].current;
     pthread_mutex_unlock(&a->lock);
+}
+
+int64_t cmlp_allocator_window(cmlp_allocator *a, bool restart) {
+    pthread_mutex_lock(&a->lock);
+    const int64_t peak = a->window_peak;
+    if (restart) a->window_peak = a->stats.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].current;
+    pthread_mutex_unlock(&a->lock);
+    return peak;
 }
 
 void cmlp_allocator_hold(cmlp_allocator *a, bool hold) {

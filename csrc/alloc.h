@@ -29,6 +29,9 @@ __attribute__((visibility("hidden")))
 void cmlp_allocator_stats(cmlp_allocator *a, cmlp_memory_stats *out);
 __attribute__((visibility("hidden")))
 void cmlp_allocator_reset_peak(cmlp_allocator *a);
+/* The peak of the allocated bytes since the last restart (a second peak, beside the statistics'
+ * own, which it leaves alone); with restart, it starts again from the current allocated bytes. */
+int64_t cmlp_allocator_window(cmlp_allocator *a, bool restart);
 /* Takes (hold) or gives back the allocator's lock: around fork(), so that the child does not
  * inherit it taken by a thread it does not have. */
 __attribute__((visibility("hidden")))

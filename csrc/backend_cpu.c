@@ -80,12 +80,38 @@ static pthread_once_t threads_once = PTHREAD_ONCE_INIT;
 static void blas_after_fork(void) { scipy_openblas_set_num_threads(1); }
 #endif
 
+/* fork() runs OpenBLAS's pre-fork handler, which stops its threads and waits for them: with a
+ * GEMM of another thread under way it waits for ever (OpenBLAS's own hang, NumPy's matmul in a
+ * thread shows it too). GEMMs are read sections of this lock, and a pre-fork handler registered
+ * after OpenBLAS's (so run before it) takes it to write: the fork waits for the GEMM in flight,
+ * and new ones wait for the fork (writers first, or a loop of GEMMs would keep it waiting). */
+static pthread_rwlock_t gemm_fork_lock;
+
+static void gemm_fork_lock_init(void) {
+    pthread_rwlockattr_t attr;
+    pthread_rwlockattr_init(&attr);
+    pthread_rwlockattr_setkind_np(&attr, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+    pthread_rwlock_init(&gemm_fork_lock, &attr);
+    pthread_rwlockattr_destroy(&attr);
+}
+
+static void gemm_fork_prepare(void) { pthread_rwlock_wrlock(&gemm_fork_lock); }
+static void gemm_fork_parent(void) { pthread_rwlock_unlock(&gemm_fork_lock); }
+/* the lock made again: it may record readers that waited in threads the child does not have */
+static void gemm_fork_child(void) {
+    gemm_fork_lock_init();
+#if CMLP_BLAS_SCIPY
+    blas_after_fork();
+#endif
+}
+
 static void threads_init(void) {
+    gemm_fork_lock_init();
 #if CMLP_BLAS_SCIPY
     scipy_openblas_set_num_threads(cmlp_pool_threads()); /* never more jobs than pool threads */
     scipy_openblas_set_threads_callback_function(blas_threads);
-    pthread_atfork(NULL, NULL, blas_after_fork);
 #endif
+    pthread_atfork(gemm_fork_prepare, gemm_fork_parent, gemm_fork_child);
 }
 
 #if CMLP_BLAS_SCIPY
@@ -199,8 +225,10 @@ static cmlp_status cpu_gemm(void *ctx, int ta, int tb, int64_t m, int64_t n, int
         return CMLP_FAIL(CMLP_ERR_INVALID, "GEMM of %lld x %lld x %lld exceeds the BLAS's 32-bit sizes",
                          (long long)m, (long long)n, (long long)k);
     if (m == 0 || n == 0) return CMLP_OK;
+    pthread_rwlock_rdlock(&gemm_fork_lock);
     SGEMM(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, (int)m, (int)n,
           (int)k, alpha, a, (int)lda, b, (int)ldb, beta, c, (int)ldc);
+    pthread_rwlock_unlock(&gemm_fork_lock);
     return CMLP_OK;
 }
 

@@ -146,6 +146,10 @@ typedef struct cmlp_memory_stats {
 
 CMLP_API cmlp_status cmlp_memory_stats_get(cmlp_device d, cmlp_memory_stats *out);
 CMLP_API cmlp_status cmlp_memory_reset_peak(cmlp_device d);
+/* *peak = the most bytes allocated at once since the last restart (a window the trainer keeps
+ * per epoch, beside the peaks of the statistics, which it leaves to the user); restart != 0
+ * starts a new window at the bytes allocated now. */
+CMLP_API cmlp_status cmlp_memory_window_peak(cmlp_device d, int restart, int64_t *peak);
 /* Every statistic's allocated and freed totals and the event counts (retries, OOMs, device
  * allocations and frees) back to 0 (torch.cuda.reset_accumulated_memory_stats). */
 CMLP_API cmlp_status cmlp_memory_reset_accumulated(cmlp_device d);
@@ -348,6 +352,10 @@ CMLP_API cmlp_status cmlp_model_clip_grad_value(cmlp_model *m, double clip_value
 CMLP_API cmlp_status cmlp_model_to(cmlp_model *m, cmlp_device d);
 /* Releases the activation workspace kept between calls (it grows to the largest batch). */
 CMLP_API void cmlp_model_release_workspace(cmlp_model *m);
+/* The most rows (at least 1) that cmlp_model_evaluate or cmlp_model_forward takes at once with a
+ * workspace of at most `budget` bytes: validation after a training step, in chunks that fit in
+ * the workspace the step held, allocates no more than the step did. */
+CMLP_API int64_t cmlp_model_rows_within(const cmlp_model *m, size_t budget);
 
 /* logits_out: host [n, classes]. Inputs are processed in chunks of at most chunk rows. */
 CMLP_API cmlp_status cmlp_model_forward(cmlp_model *m, const cmlp_data *x, int64_t chunk,
@@ -475,6 +483,12 @@ CMLP_API cmlp_status cmlp_trainer_init(cmlp_trainer **out, cmlp_model *m, cmlp_o
                                        const cmlp_train_config *c);
 CMLP_API void cmlp_trainer_free(cmlp_trainer *t);
 CMLP_API int64_t cmlp_trainer_microbatch_size(const cmlp_trainer *t);
+/* What the fit whose epochs follow will do beyond its epochs (its epoch count, validation samples
+ * or -1, whether a schedule steps after each step): data-parallel, every epoch's start compares
+ * them over the ranks with the other settings, since each is a collective another rank would
+ * wait for. */
+CMLP_API void cmlp_trainer_set_fit_call(cmlp_trainer *t, int64_t epochs, int64_t validation_samples,
+                                        int per_step_schedule);
 /* The loss scaler the trainer applies (disabled by default); validated like GradScaler. */
 CMLP_API cmlp_status cmlp_trainer_set_scaler(cmlp_trainer *t, const cmlp_scaler_state *s);
 CMLP_API void cmlp_trainer_get_scaler(const cmlp_trainer *t, cmlp_scaler_state *out);

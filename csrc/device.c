@@ -154,6 +154,14 @@ cmlp_status cmlp_memory_reset_peak(cmlp_device d) {
     return CMLP_OK;
 }
 
+cmlp_status cmlp_memory_window_peak(cmlp_device d, int restart, int64_t *peak) {
+    if (!peak) return CMLP_FAIL(CMLP_ERR_INVALID, "peak must not be NULL");
+    cmlp_device_ctx *c;
+    CMLP_TRY(cmlp_device_get(d, &c));
+    *peak = cmlp_allocator_window(c->alloc, restart != 0);
+    return CMLP_OK;
+}
+
 cmlp_status cmlp_memory_get_info(cmlp_device d, int64_t *free_bytes, int64_t *total_bytes) {
     cmlp_device_ctx *c;
     CMLP_TRY(cmlp_device_get(d, &c));

@@ -292,6 +292,10 @@ CMLP_HIDDEN cmlp_status cmlp_dist_reduce_scatter(float *buf, int64_t count, int6
 CMLP_HIDDEN uint64_t cmlp_dist_generation(void);
 /* Makes the optimizer's state now if it has none (zeros; its first step still treats it as new). */
 CMLP_HIDDEN cmlp_status cmlp_optim_prepare(cmlp_optim *o);
+CMLP_HIDDEN bool cmlp_optim_has_state(const cmlp_optim *o);
+/* Frees state that cmlp_optim_prepare made and no step has used yet (a call that failed before
+ * its first step leaves the memory as it found it). */
+CMLP_HIDDEN void cmlp_optim_drop_unused(cmlp_optim *o);
 CMLP_HIDDEN int cmlp_rc_layout(const int *sizes, int L, int64_t rows, size_t *sz, size_t *act_bytes);
 CMLP_HIDDEN void cmlp_rc_release(cmlp_model *m);
 CMLP_HIDDEN void cmlp_amp_release(cmlp_model *m); /* the amp workspace */

@@ -283,6 +283,16 @@ cmlp_status cmlp_optim_prepare(cmlp_optim *o) {
     return ensure_state(o);
 }
 
+bool cmlp_optim_has_state(const cmlp_optim *o) { return o->state != NULL; }
+
+void cmlp_optim_drop_unused(cmlp_optim *o) {
+    if (!o->state || !o->unused) return;
+    (void)cmlp_allocator_free(o->dev->alloc, o->state);
+    o->state = NULL;
+    o->unused = false;
+    o->version++;
+}
+
 uint64_t cmlp_optim_version(const cmlp_optim *o) { return o->version; }
 
 /* FNV-1a over 8-byte words. */

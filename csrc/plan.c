@@ -110,9 +110,9 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
     int nreq = 0;
     req[nreq++] = (size_t)out->parameters;
     req[nreq++] = grads_bytes;
+    if (optimizer_buffers) req[nreq++] = (size_t)out->optimizer_state; /* before the first gradients */
     if (out->half_weights) req[nreq++] = (size_t)out->half_weights;
     req[nreq++] = ws;
-    if (optimizer_buffers) req[nreq++] = (size_t)out->optimizer_state;
     paper_device pd = {.next = (uintptr_t)1 << 44, .total = dev->backend->total_memory(dev->bctx)};
     if (pd.total <= 0) pd.total = INT64_MAX / 4;
     cmlp_allocator *a;

@@ -33,6 +33,7 @@ struct cmlp_trainer {
     cmlp_optim *optim;
     cmlp_train_config cfg;
     int64_t micro;
+    int64_t fit_call[3]; /* the fit in progress: its epochs, validation samples (-1: none), per-step schedule */
     /* the epoch in progress */
     cmlp_data data;
     int64_t *order; /* host [data.n] sample order; NULL when not shuffling */
@@ -161,6 +162,12 @@ void cmlp_trainer_free(cmlp_trainer *t) {
 }
 
 int64_t cmlp_trainer_microbatch_size(const cmlp_trainer *t) { return t->micro; }
+
+void cmlp_trainer_set_fit_call(cmlp_trainer *t, int64_t epochs, int64_t validation_samples, int per_step_schedule) {
+    t->fit_call[0] = epochs;
+    t->fit_call[1] = validation_samples;
+    t->fit_call[2] = per_step_schedule != 0;
+}
 int64_t cmlp_trainer_skipped_steps(const cmlp_trainer *t) { return t->skipped; }
 int64_t cmlp_trainer_oom_retries(const cmlp_trainer *t) { return t->oom_retries; }
 int cmlp_trainer_last_grad_norm(const cmlp_trainer *t, double *norm) {
@@ -246,8 +253,10 @@ static cmlp_status step_grads(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_dat
     cmlp_model *m = t->model;
     const cmlp_backend_i *b = m->dev->backend;
     void *ctx = m->dev->bctx;
-    /* the state exists before the ranks agree on the step: after that nothing may run out */
-    if (t->dist) CMLP_TRY(cmlp_optim_prepare(t->optim));
+    /* the state exists before the gradients are written: a step refused for want of memory for
+     * it leaves the gradients as they were (and data-parallel, nothing may run out once the
+     * ranks agree on the step) */
+    CMLP_TRY(cmlp_optim_prepare(t->optim));
     /* no zeroing: the first micro-batch writes the gradients, the others add to them */
     cmlp_gw w = {{(float)(1.0 / (double)n_all)}, true};
     /* with a scaler, the weight comes from the current scale, and the loss's launch starts the
@@ -576,7 +585,7 @@ static cmlp_status graph_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_dat
 }
 
 /* Data-parallel, every rank must run the same loop: the values each gives must be equal. */
-#define MAX_COMPARED 16
+#define MAX_COMPARED 20
 static cmlp_status same_on_every_rank(const char *const *names, const int64_t *v, int n) {
     int64_t hi[MAX_COMPARED], lo[MAX_COMPARED];
     if (n > MAX_COMPARED) return CMLP_FAIL(CMLP_ERR_INTERNAL, "%d values to compare", n);
@@ -622,7 +631,10 @@ static cmlp_status same_settings(const cmlp_trainer *t, int call, const cmlp_dat
                                         "the epoch count",
                                         "the normalisation's mean (its bits)",
                                         "the normalisation's std (its bits)",
-                                        "max_grad_norm (its bits)"};
+                                        "max_grad_norm (its bits)",
+                                        "fit's epochs",
+                                        "fit's validation samples (-1: none)",
+                                        "fit's schedule per step (scheduler_interval='step')"};
     const cmlp_train_config *c = &t->cfg;
     const cmlp_model *m = t->model;
     const cmlp_scaler_state *sc = &t->scaler;
@@ -632,7 +644,7 @@ static cmlp_status same_settings(const cmlp_trainer *t, int call, const cmlp_dat
                  (uint64_t)bits_of(sc->backoff_factor) * 5u ^ (uint64_t)sc->growth_interval * 7u ^
                  (uint64_t)sc->growth_tracker * 11u ^ 1u;
     for (int i = 0; i <= m->nlayers; i++) layers = layers * 1000003u + (uint64_t)m->sizes[i];
-    int64_t v[15] = {call,
+    int64_t v[18] = {call,
                      c->batch_size,
                      c->accumulation_steps,
                      c->shuffle,
@@ -646,8 +658,11 @@ static cmlp_status same_settings(const cmlp_trainer *t, int call, const cmlp_dat
                      t->epoch,
                      xy ? bits_of(xy->mean) : 0,
                      xy ? bits_of(xy->std) : 0,
-                     bits_of(c->max_grad_norm)};
-    return same_on_every_rank(names, v, 15);
+                     bits_of(c->max_grad_norm),
+                     call == CALL_EPOCH ? t->fit_call[0] : 0,
+                     call == CALL_EPOCH ? t->fit_call[1] : 0,
+                     call == CALL_EPOCH ? t->fit_call[2] : 0};
+    return same_on_every_rank(names, v, 18);
 }
 
 /* Off the host, the model's device joins the group's device collectives (every rank at once:
@@ -729,10 +744,12 @@ cmlp_status cmlp_trainer_step(cmlp_trainer *t, const cmlp_data *xy, double *loss
     cmlp_dscalars *ds;
     st = run_begin(t, &ds, NULL, NULL, 0); /* it may allocate: data-parallel, the ranks agree on it */
     CMLP_TRY(t->dist ? cmlp_dist_agree(st) : st);
+    const bool had_state = cmlp_optim_has_state(t->optim);
     cmlp_fpenv fe;
     cmlp_fpenv_enter(&fe);
     st = robust_step(t, ds, xy, NULL, 0, xy->n, n_all);
     cmlp_fpenv_leave(&fe);
+    if (st != CMLP_OK && !had_state) cmlp_optim_drop_unused(t->optim); /* the memory as it was */
     double loss = 0.0, norm_sum;
     int64_t skipped, norm_steps;
     cmlp_status end = run_end(t, ds, st == CMLP_OK, &loss, &skipped, &norm_sum, &norm_steps);
@@ -813,6 +830,7 @@ static cmlp_status epoch_run(cmlp_trainer *t, int64_t max_steps, const double *l
     cmlp_status s = run_begin(t, &ds, lr, momentum, nlr); /* it may allocate: data-parallel, the ranks agree */
     CMLP_TRY(t->dist ? cmlp_dist_agree(s) : s);
     const int64_t steps_before = st->steps;
+    const bool had_state = cmlp_optim_has_state(t->optim);
     const double lr_before = cmlp_optim_get_lr(t->optim), momentum_before = cmlp_optim_get_momentum(t->optim);
     cmlp_fpenv fe;
     cmlp_fpenv_enter(&fe);
@@ -849,6 +867,7 @@ static cmlp_status epoch_run(cmlp_trainer *t, int64_t max_steps, const double *l
         st->samples += k;
     }
     cmlp_fpenv_leave(&fe);
+    if (s != CMLP_OK && !had_state) cmlp_optim_drop_unused(t->optim); /* no step used it */
     (void)cmlp_optim_set_lr(t->optim, lr_before);
     (void)cmlp_optim_set_momentum(t->optim, momentum_before);
     t->rates = false;

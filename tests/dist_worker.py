@@ -168,6 +168,11 @@ def mismatch_case(opts):
             cmlp.Trainer(m2, opt, batch_size=8, **kw).fit(x, y, epochs=1, progress=False)
         except ValueError as e:
             out[name] = str(e)
+    for name, kw in (("epochs", dict(epochs=1 + r)), ("validation", dict(validation_data=(x, y) if r else None))):
+        try:  # fit's own arguments, one rank different
+            trainer.fit(x, y, progress=False, **{"epochs": 1, **kw})
+        except ValueError as e:
+            out[name] = str(e)
     try:  # a step on one rank, an epoch on the other
         if r == 0:
             trainer.step(x[:8], y[:8])
@@ -182,8 +187,9 @@ def mismatch_case(opts):
 
 
 def evaluation_case(opts):
-    """Validation that runs out of memory on one rank: that rank evaluates its share in smaller
-    chunks, and every rank gets the group's result, the one without a limit."""
+    """Validation under a limit on one rank that leaves room for training only: that rank
+    evaluates its share in chunks that fit there, and every rank gets the group's result, the one
+    without a limit."""
     r = D.get_rank()
     x, y = data(64)
     val = data(3000, seed=2)

@@ -108,6 +108,8 @@ def test_train_save_writes_a_loadable_model(trained):
     (["train", "--memory-limit", "1iB"], r"cannot read '1iB' as a size"),
     (["plan", "--optimizer", "sgd", "--momentum", "nan"], r"--momentum: expected a finite number >= 0"),
     (["plan", "--optimizer-shards", "0"], r"--optimizer-shards: expected an int >= 1"),
+    (["plan", "--momentum", "0.9"], r"--momentum is SGD's; adam has betas"),
+    (["train", "--optimizer", "adamw", "--momentum", "0.9"], r"--momentum is SGD's; adamw has betas"),
     (["train", "--zero"], r"--zero shards the optimizer's state over the ranks of a --distributed run"),
     (["train", "--memory-limit", "lots"], r"lots"),
     (["train", "--max-grad-norm", "0"], r"--max-grad-norm: expected a number > 0"),
@@ -149,6 +151,7 @@ def test_train_warms_up_then_decays_the_rate_per_step(tmp_path):
                  "--lr", "0.01", "--warmup-steps", "20", "--lr-schedule", "cosine"], tmp_path)
     assert r.returncode == 0, r.stderr
     assert "cosine schedule after 20 warm-up steps" in r.stdout
+    assert "adam lr 0.01," in r.stdout  # the rate asked for, not the warm-up's first
     lrs = [float(v) for v in re.findall(r"lr ([0-9.e+-]+) at its first step", r.stdout)]
     assert lrs == pytest.approx([0.01 / 20, 0.01 * (1 + math.cos(math.pi * 40 / 100)) / 2], rel=1e-2)
 

@@ -204,7 +204,9 @@ def test_a_rank_out_of_memory_fails_the_step_everywhere_and_nothing_hangs():
 @needs_mpi
 def test_ranks_that_disagree_all_raise():
     out = run_job(2, "mismatch")
-    assert out["min_errors"] == 9  # on both ranks, nine errors, no hang
+    assert out["min_errors"] == 11  # on both ranks, eleven errors, no hang
+    assert "fit's epochs (from 1 to 2)" in out["epochs"]
+    assert "fit's validation samples (-1: none) (from -1 to 64)" in out["validation"]
     assert "batch_size (from 8 to 9)" in out["batch"]
     assert out["argument"].startswith("RuntimeError") and "rank 1" in out["argument"]
     assert out["step"].startswith("RuntimeError") and "rank 1" in out["step"]
@@ -216,9 +218,10 @@ def test_ranks_that_disagree_all_raise():
 
 
 @needs_mpi
-def test_an_evaluation_out_of_memory_on_one_rank_gives_the_groups_result():
+def test_an_evaluation_under_a_limit_on_one_rank_gives_the_groups_result():
     out = run_job(2, "evaluation")
-    assert out["raised"] == 0 and out["rows"] < 1000, out  # rank 1 evaluated in smaller chunks
+    # rank 1's validation fits where its steps' buffers were: under its limit, no rank raises
+    assert out["raised"] == 0, out
     assert out["rank_spread"] == 0.0
     assert out["val"][0] == pytest.approx(out["want"][0], rel=1e-6) and out["val"][1] == out["want"][1], out
 

@@ -189,3 +189,42 @@ def test_a_trainer_running_fit_when_the_process_forks_is_refused_in_the_child():
     for name in ("step", "fit", "state_dict"):
         assert "was running fit or step in another thread when the process was forked" in child[name], child
     assert child["snapshot"] and child["other"]
+
+
+_GEMM_SCRIPT = r"""
+import faulthandler, os, threading, time
+import numpy as np
+import cmlp
+faulthandler.dump_traceback_later(150, exit=True)  # a hang fails, with every thread's stack
+rng = np.random.default_rng(0)
+x = rng.random((20000, 256), dtype=np.float32)
+y = rng.integers(0, 10, 20000)
+model = cmlp.MLP([256, 256, 10])
+trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=8)
+stop = False
+
+def train():
+    while not stop:
+        trainer.fit(x, y, epochs=1, progress=False)
+
+thread = threading.Thread(target=train)
+thread.start()
+for _ in range(30):
+    time.sleep(0.03)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+stop = True
+thread.join()
+print("all forks returned")
+"""
+
+
+def test_a_fork_while_another_thread_runs_gemms_returns():
+    # OpenBLAS's own pre-fork handler stops its threads and waits for a GEMM of another thread
+    # for ever; cmlp's fork waits for the GEMM in flight first (OpenBLAS with 2 threads)
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="2", CMLP_NUM_THREADS="2")
+    env["PYTHONPATH"] = REPO_PYTHON + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    r = subprocess.run([sys.executable, "-c", _GEMM_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "all forks returned" in r.stdout, r.stderr[-3000:]

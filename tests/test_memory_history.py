@@ -373,6 +373,8 @@ def test_the_report_names_the_requests_that_ran_out_of_memory():
     assert what in ("parameters", "gradients") and oom["size"] >= 4 * (784 * 16384 + 16384 + 16384 * 10 + 10)
     assert f"{fmt(oom['size'])} for {what}" in text
     assert "model.py:" in text and HERE in text
+    counted = M.snapshot_report(snap, top=0)  # no blocks and no requests listed: the counts alone
+    assert "out of memory: 1 request failed" in counted and f"for {what}" not in counted
 
 
 def fmt(n):

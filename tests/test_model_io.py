@@ -334,3 +334,46 @@ def test_deepcopy_of_a_diverged_model_keeps_its_nans():
     p = model._c.get_params()
     assert not np.isfinite(p).all()
     assert np.array_equal(copy.deepcopy(model)._c.get_params(), p, equal_nan=True)
+
+
+@pytest.mark.parametrize("how", ["deflate", "method", "encrypted", "bools"])
+def test_a_damaged_compressed_file_is_a_value_error(tmp_path, how):
+    """Corrupt deflate data, a compression method or encryption the zip reader lacks, or arrays
+    of bools: "not a readable cmlp model file" (ValueError), as every other damaged file."""
+    import io
+    import zipfile
+
+    model = cmlp.MLP([20, 16, 5], seed=0)
+    arrays = dict(model.state_dict())
+    arrays["__layer_sizes__"] = np.array([20, 16, 5])
+    if how == "bools":
+        arrays["fc1.bias"] = arrays["fc1.bias"] > 0
+    good_path = tmp_path / "good.npz"
+    np.savez_compressed(good_path, **arrays)
+    good = good_path.read_bytes()
+    with zipfile.ZipFile(io.BytesIO(good)) as z:
+        info = z.infolist()[0]
+    local, central = info.header_offset, good.find(b"PK\x01\x02")
+    data = local + 30 + len(info.filename.encode()) + len(info.extra)
+    bad = bytearray(good)
+    if how == "deflate":  # flip bytes of the compressed data until zlib (not the CRC) refuses it
+        for off in range(info.compress_size):
+            trial = bytearray(good)
+            trial[data + off] ^= 0xFF
+            try:
+                zipfile.ZipFile(io.BytesIO(bytes(trial))).read(info.filename)
+            except zipfile.BadZipFile:
+                continue
+            except zipfile.zlib.error:
+                bad = trial
+                break
+        assert bad != bytearray(good)
+    elif how == "method":
+        bad[local + 8] = bad[central + 10] = 99
+    elif how == "encrypted":
+        bad[local + 6] |= 1
+        bad[central + 8] |= 1
+    path = tmp_path / "bad.npz"
+    path.write_bytes(bytes(bad))
+    with pytest.raises(ValueError, match="not a readable cmlp model file"):
+        cmlp.MLP.load(path)

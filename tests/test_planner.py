@@ -457,3 +457,43 @@ def test_a_sharded_optimizer_state_is_planned_for_the_first_rank():
     for bad in (0, -1, True, 2.0, 2**21):
         with pytest.raises(ValueError, match="optimizer_shards"):
             cmlp.memory.plan([784, 512, 256, 10], 32, optimizer_shards=bad)
+
+
+_VALIDATION_RUN = r'''
+import gc, json
+import numpy as np
+import cmlp
+M = cmlp.memory
+out = []
+for layers, batch, amp in (([784, 512, 256, 10], 32, None), ([784, 512, 256, 10], 300, "fp16"), ([64, 32, 4], 8, None)):
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (3 * batch, layers[0]), dtype=np.uint8)
+    y = rng.integers(0, layers[-1], 3 * batch)
+    vx = rng.integers(0, 256, (2500, layers[0]), dtype=np.uint8)
+    vy = rng.integers(0, layers[-1], 2500)
+    gc.collect()
+    M.empty_cache("cpu")
+    base = M.memory_allocated("cpu")
+    M.reset_peak_memory_stats("cpu")
+    model = cmlp.MLP(layers, seed=0)
+    opt = cmlp.optim.Adam(model)
+    history = cmlp.Trainer(model, opt, batch_size=batch, amp=amp).fit(x, y, epochs=2, validation_data=(vx, vy),
+                                                                       progress=False)
+    measured = M.max_memory_allocated("cpu") - base
+    plan = M.plan(layers, batch, opt, amp)
+    ref = model.evaluate(vx, vy)  # in chunks of 1000 rows: more than the run's peak
+    out.append({"plan": plan.peak_bytes, "history": [h["peak_memory_bytes"] - base for h in history],
+                "measured": measured, "val_loss": history[-1]["val_loss"],
+                "ref_loss": ref["loss"], "val_accuracy": history[-1]["val_accuracy"], "ref_accuracy": ref["accuracy"]})
+    del model, opt
+print(json.dumps(out))
+'''
+
+
+def test_validation_in_fit_stays_within_the_planned_peak():
+    """fit's validation runs in chunks that fit where the step's buffers were: the run's peak,
+    validation included, is the plan's, and so is each epoch's history record; the validation
+    loss is model.evaluate's."""
+    for r in json.loads(_python(_VALIDATION_RUN).strip().splitlines()[-1]):
+        assert r["measured"] == r["plan"] and r["history"] == [r["plan"]] * 2, r
+        assert r["val_loss"] == pytest.approx(r["ref_loss"], rel=1e-6) and r["val_accuracy"] == r["ref_accuracy"]

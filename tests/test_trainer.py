@@ -173,7 +173,8 @@ def test_a_bad_trainer_state_dict_raises_and_changes_nothing():
                     "scaler": good["scaler"]} and good["scaler"]["scale"] == 65536.0
     for bad, pattern in ((dict(good, epochs=-1), "epochs"), (dict(good, epochs=1.5), "epochs"),
                          (dict(good, epochs=2**70, microbatch_size=2), "epochs"),
-                         (dict(good, microbatch_size=17), "larger than its target"),
+                         (dict(good, microbatch_size=17), "at most batch_size"),
+                         (dict(good, microbatch_size=12, microbatch_target=8), "larger than its target"),
                          (dict(good, microbatch_size=0), "microbatch_size"),
                          (dict(good, microbatch_target=2**63), "microbatch_target"),
                          (dict(good, microbatch_good_steps=-1), "good_steps"),
@@ -187,8 +188,21 @@ def test_a_bad_trainer_state_dict_raises_and_changes_nothing():
         plain.load_state_dict(good)
     # a target other than the one the trainer was made with is taken over (set with microbatch_size)
     _, _, other = make("adam", batch_size=16, amp="fp16")
-    other.load_state_dict(dict(good, microbatch_size=24, microbatch_target=32))
-    assert other.microbatch_size == 24 and other.state_dict()["microbatch_target"] == 32
+    other.load_state_dict(dict(good, microbatch_size=4, microbatch_target=12))
+    assert other.microbatch_size == 4 and other.state_dict()["microbatch_target"] == 12
+
+
+def test_a_micro_batch_is_at_most_the_rows_of_a_step():
+    """More rows at once than a step has would be reported but never run: refused."""
+    model = cmlp.MLP([6, 5, 3], seed=0)
+    opt = cmlp.optim.Adam(model)
+    with pytest.raises(ValueError, match="at most batch_size"):
+        cmlp.Trainer(model, opt, batch_size=8, microbatch_size=9)
+    trainer = cmlp.Trainer(model, opt, batch_size=8, accumulation_steps=2, microbatch_size=16)
+    assert trainer.microbatch_size == 16  # two micro-batches of the step at once
+    with pytest.raises(ValueError, match="at most batch_size"):
+        trainer.microbatch_size = 10**9
+    assert trainer.microbatch_size == 16
 
 
 # ---- progress ----
@@ -339,3 +353,79 @@ def test_microbatch_size_defaults_to_batch_size(bs, acc):
     h = trainer.fit(x, y, epochs=1, progress=False)
     assert h[0]["microbatch_size"] == bs
     assert trainer.microbatch_size == bs
+
+
+def _fill_cache():
+    """Every cached free block taken, so that new memory needs a new segment."""
+    M = cmlp.memory
+    M.empty_cache("cpu")
+    blocks = []
+    while (largest := M.memory_stats("cpu")["largest_free_block"]) > 0:
+        before = M.memory_reserved("cpu")
+        blocks.append(M.caching_allocator_alloc(largest, "cpu"))
+        if M.memory_reserved("cpu") > before:
+            M.caching_allocator_delete(blocks.pop())
+            break
+    return blocks
+
+
+@pytest.mark.parametrize("accumulated", [False, True])
+def test_a_step_refused_for_the_optimizer_state_leaves_the_gradients_as_they_were(accumulated):
+    """The state is made before the step's gradients: with room for the activations but not for
+    Adam's state, the step is refused and the gradients (none, or the ones accumulated by hand)
+    are as they were, so the next step is the one a run without the refusal takes."""
+    M = cmlp.memory
+    rng = np.random.default_rng(0)
+    x = rng.random((256, 300), dtype=np.float32)
+    y = rng.integers(0, 10, 256)
+
+    def run(refuse):
+        model = cmlp.MLP([300, 400, 200, 10], seed=1)
+        opt = cmlp.optim.Adam(model)
+        trainer = cmlp.Trainer(model, opt, batch_size=64, auto_microbatch=False)
+        if accumulated:
+            model.forward_backward(x[:16], y[:16])
+        before = model.grads()
+        if refuse:
+            blocks = _fill_cache()
+            M.set_memory_limit(M.memory_reserved("cpu") + 2 * 2**20, "cpu")
+            try:
+                with pytest.raises(cmlp.OutOfMemoryError):
+                    trainer.step(x, y)
+            finally:
+                M.set_memory_limit(None, "cpu")
+                for b in blocks:
+                    M.caching_allocator_delete(b)
+            assert all(np.array_equal(v, before[k]) for k, v in model.grads().items())
+        if not accumulated:
+            model.forward_backward(x[:32], y[:32])
+        opt.step()
+        return model.state_dict()
+
+    want, got = run(False), run(True)
+    assert all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def test_a_progress_bar_that_cannot_draw_does_not_stop_training(monkeypatch):
+    """stderr missing (pythonw, 2>&-), or a pipe whose reader went away: fit trains on."""
+    import os
+
+    rng = np.random.default_rng(0)
+    x = rng.random((400, 16), dtype=np.float32)
+    y = rng.integers(0, 4, 400)
+    r, w = os.pipe()
+    os.close(r)
+    broken = os.fdopen(w, "w")
+    try:
+        for stream in (None, broken):
+            model = cmlp.MLP([16, 8, 4], seed=0)
+            trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=8)
+            monkeypatch.setattr(sys, "stderr", stream)
+            history = trainer.fit(x, y, epochs=2, progress=True)
+            monkeypatch.undo()
+            assert len(history) == 2 and trainer.epochs == 2
+    finally:
+        try:
+            broken.close()
+        except OSError:
+            pass

@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Any, Callable, List, Optional, Tuple
 
-from . import MLP, Trainer, build_info, cuda, datasets, distributed, memory, optim
+from . import MLP, Trainer, _cmlp, build_info, cuda, datasets, distributed, memory, optim
 from .optim import lr_scheduler
 
 
@@ -154,6 +154,7 @@ _HISTORY_ENTRIES = 100_000  # --memory-history keeps the newest actions (a fit m
 
 def _train(a: argparse.Namespace) -> int:
     rank, ranks = 0, 1
+    _momentum_is_sgds(a)
     if a.zero and not a.distributed:
         raise ValueError("--zero shards the optimizer's state over the ranks of a --distributed run")
     if a.distributed:  # on GPUs, NCCL sums the gradients, one GPU per rank of a machine
@@ -223,7 +224,7 @@ def _run(a: argparse.Namespace, rank: int, ranks: int) -> int:
     if sched is not None:
         clip += f", {a.lr_schedule} schedule" + (f" after {a.warmup_steps} warm-up steps" if a.warmup_steps else "")
     say(f"cmlp {build_info()['version']}: MLP {'-'.join(map(str, a.layers))} ({model.num_parameters():,} "
-        f"parameters) on {model.device}, {a.optimizer} lr {opt.lr:g}, batch {a.batch_size} x "
+        f"parameters) on {model.device}, {a.optimizer} lr {kw['lr']:g}, batch {a.batch_size} x "
         f"{a.accumulation_steps}{group}, {a.epochs} epochs, {a.amp or 'fp32'}{clip}, {a.dataset} {len(xtr):,} train / "
         f"{len(xte):,} test")
     history = []
@@ -245,7 +246,13 @@ def _run(a: argparse.Namespace, rank: int, ranks: int) -> int:
     return 0
 
 
+def _momentum_is_sgds(a: argparse.Namespace) -> None:
+    if a.momentum and a.optimizer != "sgd":
+        raise ValueError(f"--momentum is SGD's; {a.optimizer} has betas (--optimizer sgd to use it)")
+
+
 def _plan(a: argparse.Namespace) -> int:
+    _momentum_is_sgds(a)
     optimizer = "sgd_momentum" if a.optimizer == "sgd" and a.momentum else a.optimizer
     p = memory.plan(a.layers, a.batch_size, optimizer, a.amp, device=a.device, optimizer_shards=a.optimizer_shards)
     print(p)
@@ -329,7 +336,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _plan(a) if a.command == "plan" else _info()
     except (ValueError, TypeError, OSError, RuntimeError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
+        _end_the_group(2)
         return 2
+
+
+def _end_the_group(code: int) -> None:
+    """A rank of a group of several that fails alone ends the whole job (MPI_Abort): the other
+    ranks would wait for it in their next collective forever."""
+    state = _cmlp.dist_state()
+    if state[0] and state[2] > 1 and not state[6]:  # not a child forked from a rank
+        sys.stderr.write(f"cmlp: rank {state[1]} ends the job of {state[2]} ranks, which would wait for it\n")
+        sys.stderr.flush()
+        _cmlp.dist_abort(code)
 
 
 if __name__ == "__main__":

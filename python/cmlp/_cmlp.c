@@ -520,6 +520,13 @@ static PyObject *Model_release_workspace(ModelObject *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Model_rows_within(ModelObject *self, PyObject *arg) {
+    long long budget = PyLong_AsLongLong(arg);
+    if (budget == -1 && PyErr_Occurred()) return NULL;
+    if (model_ready(self) < 0) return NULL;
+    return PyLong_FromLongLong(cmlp_model_rows_within(self->m, budget < 0 ? 0 : (size_t)budget));
+}
+
 static PyObject *Model_forward(ModelObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"x", "mean", "std", "chunk", NULL};
     PyObject *x;
@@ -664,6 +671,8 @@ static PyMethodDef Model_methods[] = {
     {"set_grads", (PyCFunction)Model_set_grads, METH_O, "replaces the gradients (flat float32)"},
     {"zero_grad", (PyCFunction)Model_zero_grad, METH_NOARGS, "zero the gradient buffer"},
     {"release_workspace", (PyCFunction)Model_release_workspace, METH_NOARGS, "free the activation workspace"},
+    {"rows_within", (PyCFunction)Model_rows_within, METH_O,
+     "(bytes): the most rows (at least 1) an evaluation or forward takes at once within that workspace"},
     {"forward", (PyCFunction)(void (*)(void))Model_forward, METH_VARARGS | METH_KEYWORDS, "logits"},
     {"evaluate", (PyCFunction)(void (*)(void))Model_evaluate, METH_VARARGS | METH_KEYWORDS, "(loss_sum, correct)"},
     {"forward_backward", (PyCFunction)(void (*)(void))Model_forward_backward, METH_VARARGS | METH_KEYWORDS,
@@ -1177,6 +1186,15 @@ static PyObject *Trainer_start_microbatch(TrainerObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Trainer_set_fit_call(TrainerObject *self, PyObject *args) {
+    long long epochs, validation;
+    int per_step;
+    if (!PyArg_ParseTuple(args, "LLp", &epochs, &validation, &per_step)) return NULL;
+    if (trainer_ready(self) < 0) return NULL;
+    cmlp_trainer_set_fit_call(self->t, epochs, validation, per_step);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Trainer_oom_retries(TrainerObject *self, PyObject *unused) {
     (void)unused;
     if (trainer_ready(self) < 0) return NULL;
@@ -1282,6 +1300,8 @@ static int Trainer_set_epochs(TrainerObject *self, PyObject *value, void *closur
 static PyMethodDef Trainer_methods[] = {
     {"set_distributed", (PyCFunction)Trainer_set_distributed, METH_O, "data-parallel over the process group or not"},
     {"step", (PyCFunction)(void (*)(void))Trainer_step, METH_VARARGS | METH_KEYWORDS, "one optimizer step"},
+    {"set_fit_call", (PyCFunction)Trainer_set_fit_call, METH_VARARGS,
+     "(epochs, validation_samples or -1, per_step_schedule): what the ranks compare at each epoch's start"},
     {"epoch_begin", (PyCFunction)(void (*)(void))Trainer_epoch_begin, METH_VARARGS | METH_KEYWORDS,
      "validate and shuffle; returns the epoch's step count"},
     {"epoch_run", (PyCFunction)Trainer_epoch_run, METH_VARARGS,
@@ -1408,6 +1428,18 @@ static PyObject *mod_reset_peak(PyObject *mod, PyObject *arg) { return call_devi
 static PyObject *mod_empty_cache(PyObject *mod, PyObject *arg) { return call_device_fn(mod, arg, cmlp_memory_empty_cache); }
 static PyObject *mod_reset_accumulated(PyObject *mod, PyObject *arg) {
     return call_device_fn(mod, arg, cmlp_memory_reset_accumulated);
+}
+
+static PyObject *mod_window_peak(PyObject *mod, PyObject *args) {
+    PyObject *dev;
+    int restart;
+    if (!PyArg_ParseTuple(args, "Op", &dev, &restart)) return NULL;
+    cmlp_device d;
+    if (parse_device(state_of(mod), dev, &d) < 0) return NULL;
+    int64_t peak = 0;
+    cmlp_status st = cmlp_memory_window_peak(d, restart, &peak);
+    if (st != CMLP_OK) return raise_status(state_of(mod), st);
+    return PyLong_FromLongLong(peak);
 }
 
 static PyObject *mod_set_memory_limit(PyObject *mod, PyObject *args) {
@@ -1954,6 +1986,8 @@ static PyMethodDef module_methods[] = {
     {"memory_stats", mod_memory_stats, METH_O, "memory_stats(device) -> dict"},
     {"mem_get_info", mod_mem_get_info, METH_O, "mem_get_info(device) -> (free bytes or -1, total bytes)"},
     {"reset_peak_memory_stats", mod_reset_peak, METH_O, "reset every peak to its current value"},
+    {"memory_window_peak", mod_window_peak, METH_VARARGS,
+     "(device, restart): the allocated bytes' peak since the last restart (the statistics' peaks untouched)"},
     {"empty_cache", mod_empty_cache, METH_O, "release cached memory"},
     {"reset_accumulated_memory_stats", mod_reset_accumulated, METH_O, "allocated/freed totals and event counts to 0"},
     {"set_memory_limit", mod_set_memory_limit, METH_VARARGS, "set_memory_limit(device, bytes or -1)"},

@@ -46,7 +46,11 @@ def atomic_write(path: "os.PathLike[str] | str", write: Callable[[IO[bytes]], No
     except OSError as e:  # said of the caller's path, not of the temporary file's
         raise type(e)(e.errno, f"cannot save to {path!r}: {e.strerror} (directory {directory!r})") from None
     try:
-        os.fchmod(fd, mode & 0o777 if mode is not None else 0o666 & ~_umask())  # never set-id bits
+        try:
+            os.fchmod(fd, mode & 0o777 if mode is not None else 0o666 & ~_umask())  # never set-id bits
+        except BaseException:
+            os.close(fd)  # fdopen has not taken it over
+            raise
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

@@ -35,11 +35,39 @@ class _PlainBar:
         sys.stderr.flush()
 
 
+class _Guarded:
+    """A bar whose drawing cannot end the training: where stderr fails (closed, a broken pipe,
+    a full disk), the bar stops drawing and training goes on."""
+
+    def __init__(self, bar: Any) -> None:
+        self._bar = bar
+
+    def _call(self, name: str, *args: Any) -> None:
+        if self._bar is None:
+            return
+        try:
+            getattr(self._bar, name)(*args)
+        except (OSError, ValueError, AttributeError):  # ValueError: a closed file
+            self._bar = None
+
+    def update(self, k: int) -> None:
+        self._call("update", k)
+
+    def set_postfix_str(self, s: str) -> None:
+        self._call("set_postfix_str", s)
+
+    def close(self) -> None:
+        self._call("close")
+
+
 def make_bar(total: int, desc: str, enabled: bool) -> Optional[Any]:
-    if not enabled:
+    if not enabled or sys.stderr is None:  # pythonw, or stderr closed (2>&-)
         return None
     try:
         from tqdm.auto import tqdm
     except ImportError:
-        return _PlainBar(total, desc)
-    return tqdm(total=total, desc=desc, unit="step", leave=True, dynamic_ncols=True)
+        return _Guarded(_PlainBar(total, desc))
+    try:
+        return _Guarded(tqdm(total=total, desc=desc, unit="step", leave=True, dynamic_ncols=True))
+    except (OSError, ValueError, AttributeError):
+        return None

@@ -185,7 +185,7 @@ def _report(data: Snapshot, device: Optional[int], top: int) -> str:
     ooms = [(i, e) for i, e in enumerate(trace) if e.get("action") == "oom"]
     if ooms:
         out.write(f"out of memory: {_count(len(ooms), 'request')} failed\n")
-        for i, e in ooms[:top or len(ooms)]:
+        for i, e in ooms[:top]:  # as many as the blocks shown (top=0: the count alone)
             frames = e.get("frames", [])
             free = f"; {_fmt(e['device_free'])} was free" if "device_free" in e else ""
             out.write(f"    entry {i}{when(e)}: {_fmt(e.get('size', 0))} for {_holder(frames)}{free}\n")

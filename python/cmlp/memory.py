@@ -40,6 +40,11 @@ def _device_text(device: Any) -> Any:
     return device
 
 
+def _numpy_int(value: Any) -> Any:
+    """A NumPy integer as the int it holds (as torch takes them); anything else as it is."""
+    return int(value) if isinstance(value, np.integer) else value
+
+
 def _device(device: Any) -> str:
     if device is None:
         # a child forked after CUDA started cannot use it: its default is the CPU
@@ -147,6 +152,7 @@ def set_memory_limit(nbytes: Optional[int], device: Optional[str] = None) -> Non
     if nbytes is None:
         _cmlp.set_memory_limit(_device(device), -1)
         return
+    nbytes = _numpy_int(nbytes)
     if isinstance(nbytes, bool) or not isinstance(nbytes, int):
         raise TypeError(f"nbytes must be an int or None, got {type(nbytes).__name__}")
     if nbytes < 0:
@@ -400,6 +406,7 @@ def _optimizer_buffers(optimizer: Any) -> Tuple[str, int]:
 
 
 def _check_accumulation(accumulation_steps: Any) -> int:
+    accumulation_steps = _numpy_int(accumulation_steps)
     if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
         raise ValueError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
     return accumulation_steps
@@ -419,6 +426,7 @@ def plan(layer_sizes: List[int], batch_size: int = 32, optimizer: Any = "adam", 
     from .model import _as_sizes
 
     sizes = _as_sizes(layer_sizes)
+    batch_size = _numpy_int(batch_size)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size < 2**63:
         raise ValueError(f"batch_size must be an int in [1, 2**63), got {batch_size!r}")
     name, _ = _optimizer_buffers(optimizer)
@@ -434,6 +442,7 @@ def _optimizer_shards(optimizer: Any, optimizer_shards: Optional[int]) -> int:
     own = optimizer._c.shards()[0] if isinstance(optimizer, Optimizer) else 0
     if optimizer_shards is None:
         return own or 1
+    optimizer_shards = _numpy_int(optimizer_shards)
     if isinstance(optimizer_shards, bool) or not isinstance(optimizer_shards, int) \
             or not 1 <= optimizer_shards <= 2**20:
         raise ValueError(f"optimizer_shards must be an int in [1, 2**20], got {optimizer_shards!r}")
@@ -464,6 +473,7 @@ def max_batch_size(layer_sizes: List[int], budget_bytes: int, optimizer: Any = "
     over optimizer_shards ranks (see plan)."""
     budget = parse_size(budget_bytes)
     _check_accumulation(accumulation_steps)
+    limit = _numpy_int(limit)
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit < 2**62:
         raise ValueError(f"limit must be an int in [1, 2**62), got {limit!r}")
 

@@ -4,6 +4,7 @@ import copy
 import os
 import weakref
 import zipfile
+import zlib
 from collections import OrderedDict
 from typing import Any, Dict, Iterable, Iterator, Optional, Sequence, Tuple
 
@@ -219,7 +220,8 @@ class MLP:
                 arrays = {k: z[k] for k in z.files}
         except FileNotFoundError:
             raise
-        except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError) as e:
+        except (zipfile.BadZipFile, zlib.error, ValueError, OSError, EOFError, KeyError, NotImplementedError,
+                RuntimeError) as e:  # the last two: a zip's unknown compression or encryption
             raise ValueError(f"{path} is not a readable cmlp model file (.npz): {e}") from None
         except MemoryError:  # a member whose header claims more than memory holds
             raise ValueError(f"{path} is not a readable cmlp model file (.npz): an array in it is larger than "
@@ -233,7 +235,10 @@ class MLP:
         if normalize.shape != (2,) or normalize.dtype.kind != "f":
             raise ValueError(f"{path}: {_NORMALIZE_KEY!r} must hold two floats (mean, std)")
         model = cls([int(s) for s in sizes], device=device, normalize=(float(normalize[0]), float(normalize[1])))
-        model.load_state_dict(arrays)
+        try:
+            model.load_state_dict(arrays)
+        except TypeError as e:  # an array of bools, strings or records
+            raise ValueError(f"{path} is not a readable cmlp model file (.npz): {e}") from None
         return model
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "MLP":

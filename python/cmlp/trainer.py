@@ -118,7 +118,7 @@ class Trainer:
         if self.batch_size * self.accumulation_steps > MAX_STEP_SAMPLES:
             raise ValueError(f"batch_size * accumulation_steps must be at most 2**62, got {self.batch_size} * "
                              f"{self.accumulation_steps}")
-        micro = self.batch_size if microbatch_size is None else _positive_int("microbatch_size", microbatch_size)
+        micro = self.batch_size if microbatch_size is None else self._micro_of("microbatch_size", microbatch_size)
         seed = check_seed(seed)
         label_smoothing = as_number("label_smoothing", label_smoothing)
         if not 0.0 <= label_smoothing <= 1.0:
@@ -156,9 +156,19 @@ class Trainer:
         """Rows computed at once (batch_size unless set smaller)."""
         return self._c.microbatch_size
 
+    def _micro_of(self, name: str, value: Any) -> int:
+        """A micro-batch: at least 1 row and at most a step's rows (batch_size * accumulation_steps,
+        which a step may compute at once)."""
+        value = _positive_int(name, value)
+        most = self.batch_size * self.accumulation_steps
+        if value > most:
+            raise ValueError(f"{name} must be at most batch_size * accumulation_steps ({most}), the rows of a "
+                             f"step, got {value}")
+        return value
+
     @microbatch_size.setter
     def microbatch_size(self, value: int) -> None:
-        value = _positive_int("microbatch_size", value)
+        value = self._micro_of("microbatch_size", value)
         self._claim("setting microbatch_size")
         try:
             self._c.microbatch_size = value
@@ -198,8 +208,8 @@ class Trainer:
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v <= MAX_STEP_SAMPLES:
                 raise ValueError(f"state_dict[{key!r}] must be an int in [0, 2**62], got {v!r}")
             counts[key] = int(v)
-        target = _positive_int("state_dict['microbatch_target']", state_dict["microbatch_target"])
-        size = _positive_int("state_dict['microbatch_size']", state_dict["microbatch_size"])
+        target = self._micro_of("state_dict['microbatch_target']", state_dict["microbatch_target"])
+        size = self._micro_of("state_dict['microbatch_size']", state_dict["microbatch_size"])
         if size > target:
             raise ValueError(f"state_dict's micro-batch in use ({size}) is larger than its target ({target})")
         scaler = state_dict["scaler"]
@@ -394,8 +404,10 @@ class Trainer:
             error = e
         self._claim_agreed("fit", error)
         try:
-            return self._fit(xa, ya, epochs, val, progress, scheduler,
-                             scheduler is not None and scheduler_interval == "step")
+            per_step = scheduler is not None and scheduler_interval == "step"
+            # data-parallel, each epoch's start compares these over the ranks with the settings
+            self._c.set_fit_call(epochs, -1 if val is None else val[0].shape[0], per_step)
+            return self._fit(xa, ya, epochs, val, progress, scheduler, per_step)
         finally:
             self._busy.release()
 
@@ -409,17 +421,24 @@ class Trainer:
         return self._evaluate_rows(val[0][lo:hi], val[1][lo:hi]) if hi > lo else (0.0, 0)
 
     def _evaluate_rows(self, x: np.ndarray, y: np.ndarray) -> Tuple[float, int]:
-        """(loss sum, correct) in chunks of rows; out of memory (under a limit that training
-        survives by micro-batching), the chunk halves and the evaluation starts again, down to one
-        row, and the smaller chunk is kept for the next epochs. Nothing but the sums comes out."""
+        """(loss sum, correct) in chunks of rows (at most 1000) that fit in what the epoch's
+        training left below its peak: the step's workspace goes back first, so validation raises
+        neither the epoch's peak nor the plan's. Out of memory all the same (under a limit that
+        training survives by micro-batching), the chunk halves and the evaluation starts again,
+        down to one row, and the smaller chunk is kept for the next epochs. Nothing but the sums
+        comes out."""
+        device = self.model.device
+        self.model._c.release_workspace()
+        headroom = _cmlp.memory_window_peak(device, False) - memory.memory_allocated(device)
         while True:
+            chunk = min(self._eval_rows, self.model._c.rows_within(max(headroom, 0)))
             try:
-                return self.model._c.evaluate(x, y, *self.normalize, self._eval_rows)
+                return self.model._c.evaluate(x, y, *self.normalize, chunk)
             except _cmlp.OutOfMemoryError:
                 self.model._c.release_workspace()
-                if self._eval_rows == 1:
+                if chunk == 1:
                     raise
-                self._eval_rows //= 2
+                self._eval_rows = chunk // 2
 
     def _fit_args(self, x: Any, y: Any, epochs: int, validation_data: Optional[Tuple[Any, Any]]) -> Tuple[
             int, np.ndarray, np.ndarray, Optional[Tuple[np.ndarray, np.ndarray]]]:
@@ -481,7 +500,7 @@ class Trainer:
         history: List[Dict[str, Any]] = []
         try:
             for epoch in range(1, epochs + 1):
-                memory.reset_peak_memory_stats(device)
+                _cmlp.memory_window_peak(device, True)  # the epoch's own peak; the statistics' are the user's
                 epochs_before, micro_before = self._c.epochs, self._c.microbatch_state()
                 # the later epochs of this call train on the same arrays: a device copy is kept
                 total = self._c.epoch_begin(xa, ya, *self.normalize, same_data=epoch > 1)
@@ -542,7 +561,7 @@ class Trainer:
                     "val_accuracy": None,
                     "seconds": seconds,
                     "samples_per_second": samples / seconds if seconds > 0 else float("inf"),
-                    "peak_memory_bytes": memory.max_memory_allocated(device),
+                    "peak_memory_bytes": None,  # after validation, which it includes
                     "microbatch_size": self.microbatch_size,
                     "skipped_steps": skipped,
                     # with max_grad_norm: the mean L2 norm of the epoch's gradients before clipping
@@ -557,10 +576,10 @@ class Trainer:
                         _cmlp.dist_all_reduce(sums, 0)
                         _cmlp.dist_all_reduce(count, 0)
                         loss_sum, correct = float(sums[0]), int(count[0])
-                    # evaluation's 1000-row buffers go back to the cache: training keeps its own peak
-                    self.model._c.release_workspace()
+                    self.model._c.release_workspace()  # evaluation's buffers go back to the cache
                     record["val_loss"] = loss_sum / val[0].shape[0]
                     record["val_accuracy"] = correct / val[0].shape[0]
+                record["peak_memory_bytes"] = _cmlp.memory_window_peak(device, False)
                 history.append(record)
                 if isinstance(scheduler, ReduceLROnPlateau):
                     scheduler.step(record["val_loss"] if val is not None else record["loss"])

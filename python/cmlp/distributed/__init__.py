@@ -143,7 +143,15 @@ def init_process_group(backend: Optional[str] = None) -> None:
             raise RuntimeError("backend 'nccl' needs cmlp's CUDA backend, and this build has none")
         if not os.environ.get("CMLP_NCCL_LIBRARY"):
             os.environ["CMLP_NCCL_LIBRARY"] = _nccl_library() or "libnccl.so.2"
-    _cmlp.dist_init(BACKENDS[backend])
+            try:  # NCCL is loaded when a device first joins the group: the variable stays set
+                _cmlp.dist_init(BACKENDS[backend])
+            except BaseException:  # a failed call leaves the environment as it was
+                del os.environ["CMLP_NCCL_LIBRARY"]
+                raise
+        else:
+            _cmlp.dist_init(BACKENDS[backend])
+    else:
+        _cmlp.dist_init(BACKENDS[backend])
     global _previous_excepthook
     if not _finalize_registered:
         atexit.register(_cmlp.dist_finalize)

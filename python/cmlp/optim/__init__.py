@@ -3,6 +3,7 @@ by one fused pass over the model's flat buffers. state_dict() mirrors torch.opti
 one entry per parameter tensor in the model's state_dict order. lr_scheduler holds torch's
 learning-rate schedules."""
 import copy
+import weakref
 from typing import Any, Dict, Iterator, List, Mapping, MutableMapping, Tuple
 
 import numpy as np
@@ -65,8 +66,15 @@ class _ParamGroup(MutableMapping):
     "params" is the model's parameter tensors (indices in state_dict order) and cannot change."""
 
     def __init__(self, opt: "Optimizer") -> None:
-        self._opt = opt
+        self._ref = weakref.ref(opt)  # not a cycle: a deleted optimizer (and model) is freed at once
         self._extra: Dict[Any, Any] = {}
+
+    @property
+    def _opt(self) -> "Optimizer":
+        opt = self._ref()
+        if opt is None:
+            raise ReferenceError("the optimizer of this param group no longer exists")
+        return opt
 
     def _known(self) -> Dict[str, Any]:
         group = self._opt._group()
