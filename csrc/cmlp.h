@@ -352,10 +352,6 @@ CMLP_API cmlp_status cmlp_model_clip_grad_value(cmlp_model *m, double clip_value
 CMLP_API cmlp_status cmlp_model_to(cmlp_model *m, cmlp_device d);
 /* Releases the activation workspace kept between calls (it grows to the largest batch). */
 CMLP_API void cmlp_model_release_workspace(cmlp_model *m);
-/* The most rows (at least 1) that cmlp_model_evaluate or cmlp_model_forward takes at once with a
- * workspace of at most `budget` bytes: validation after a training step, in chunks that fit in
- * the workspace the step held, allocates no more than the step did. */
-CMLP_API int64_t cmlp_model_rows_within(const cmlp_model *m, size_t budget);
 
 /* logits_out: host [n, classes]. Inputs are processed in chunks of at most chunk rows. */
 CMLP_API cmlp_status cmlp_model_forward(cmlp_model *m, const cmlp_data *x, int64_t chunk,

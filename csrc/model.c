@@ -170,26 +170,6 @@ int cmlp_ws_layout(const int *sizes, int L, int64_t rows, size_t *sz, size_t *ac
     return nv;
 }
 
-/* The bytes of a whole (not compact) workspace of `rows` rows. */
-static size_t ws_bytes(const cmlp_model *m, int64_t rows) {
-    size_t sz[CMLP_MAX_LAYERS + 4], act, total = 0;
-    uint64_t inside;
-    int nv = cmlp_ws_layout(m->sizes, m->nlayers, rows, sz, &act, &inside);
-    for (int i = 0; i < nv; i++) total += sz[i];
-    return total;
-}
-
-int64_t cmlp_model_rows_within(const cmlp_model *m, size_t budget) {
-    int64_t lo = 1, hi = (int64_t)1 << 40; /* ws_bytes(lo) <= budget or lo == 1; ws_bytes(hi) > budget */
-    if (ws_bytes(m, lo) > budget) return 1;
-    while (hi - lo > 1) {
-        const int64_t mid = lo + (hi - lo) / 2;
-        if (ws_bytes(m, mid) <= budget) lo = mid;
-        else hi = mid;
-    }
-    return lo;
-}
-
 cmlp_status cmlp_workspace_reserve(cmlp_model *m, int64_t rows, bool compact) {
     /* a full workspace serves a step that could be compact too */
     if (rows <= m->ws.rows && (compact || !m->ws.compact)) return CMLP_OK;

@@ -187,9 +187,8 @@ def mismatch_case(opts):
 
 
 def evaluation_case(opts):
-    """Validation under a limit on one rank that leaves room for training only: that rank
-    evaluates its share in chunks that fit there, and every rank gets the group's result, the one
-    without a limit."""
+    """Validation that runs out of memory on one rank: that rank evaluates its share in smaller
+    chunks, and every rank gets the group's result, the one without a limit."""
     r = D.get_rank()
     x, y = data(64)
     val = data(3000, seed=2)
@@ -355,6 +354,9 @@ def zero_case(opts):
     cmlp.Trainer(m3, o3, scaler=scaler(), **kw).fit(x, y, epochs=1, progress=False)
     cmlp.Trainer(m4, o4, scaler=scaler(), **kw).fit(x, y, epochs=1, progress=False)
     lo, hi = o2.shard.start, o2.shard.stop
+    local = o2.state  # this rank's state without a collective, the part in place and zeros elsewhere
+    whole_keys = {i: set(e) for i, e in o1.state_dict()["state"].items()}
+    local_ok = {i: set(e) for i, e in local.items()} == whole_keys
     # the last step's gradients: this rank's part summed (by the reduce-scatter, without
     # clipping), the rest not; the emulated NCCL fills what a rank does not own with NaN
     g1, g2 = m1._c.get_grads().astype(np.float64), m2._c.get_grads()
@@ -376,7 +378,7 @@ def zero_case(opts):
                 shard=[lo, hi], n=m2.num_parameters(), same_state=bool(same_state[0]), refused=refused,
                 resumed=bool(np.array_equal(params(m3), params(m4))),
                 skipped=[h["skipped_steps"] for h in h2], ref_skipped=[h["skipped_steps"] for h in h1],
-                norm_diff=max((abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"]
+                local_state=bool(local_ok), norm_diff=max((abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"]
                                for a, b in zip(h2, h1) if b.get("grad_norm")), default=0.0))
 
 

@@ -481,14 +481,15 @@ def _limit_run(epochs, validation):
 
 
 def test_validation_survives_the_limit_that_training_survives():
-    # validation runs in chunks that fit where the micro-batched step's buffers were, so under the
-    # limit training survives it needs no more, and gives what an evaluation without a limit does
+    # 1000-row evaluation buffers do not fit under a limit that micro-batching trains under: the
+    # validation halves its chunk and starts again, and gives what an evaluation without a limit does
     M.set_memory_limit(34 * 2**20, "cpu")
     try:
         model, trainer, hist, (vx, vy) = _limit_run(2, True)
     finally:
         M.set_memory_limit(None, "cpu")
     assert len(hist) == 2 and trainer.microbatch_size < 300
+    assert trainer._eval_rows < 1000
     assert all(h["peak_memory_bytes"] <= 34 * 2**20 for h in hist)
     free = model.evaluate(vx, vy)
     assert hist[-1]["val_loss"] == pytest.approx(free["loss"], rel=1e-6)
@@ -496,17 +497,14 @@ def test_validation_survives_the_limit_that_training_survives():
 
 
 def test_a_validation_chunk_that_runs_out_of_memory_halves():
-    """Were the chunk still too big (the limit lowered since the epoch's steps), it halves and the
-    evaluation starts again; the smaller chunk is kept for the next epochs."""
+    """A chunk too big for the limit halves and the evaluation starts again; the smaller chunk is
+    kept for the next epochs."""
     x, y = data([200, 256, 10], 2000)
     model = cmlp.MLP([200, 256, 10], seed=0)
     trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=64)
     trainer.fit(x[:64], y[:64], epochs=1, progress=False)
     want = model.evaluate(x, y, batch_size=7)
     gc.collect()
-    M.empty_cache("cpu")
-    cmlp._cmlp.memory_window_peak("cpu", True)
-    M.caching_allocator_delete(M.caching_allocator_alloc(64 * 2**20, "cpu"))  # a peak with room for 1000 rows
     M.empty_cache("cpu")
     M.set_memory_limit(M.memory_reserved("cpu") + 2 * 2**20, "cpu")  # a small segment, not their 3 MB
     try:

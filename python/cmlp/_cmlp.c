@@ -520,13 +520,6 @@ static PyObject *Model_release_workspace(ModelObject *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-static PyObject *Model_rows_within(ModelObject *self, PyObject *arg) {
-    long long budget = PyLong_AsLongLong(arg);
-    if (budget == -1 && PyErr_Occurred()) return NULL;
-    if (model_ready(self) < 0) return NULL;
-    return PyLong_FromLongLong(cmlp_model_rows_within(self->m, budget < 0 ? 0 : (size_t)budget));
-}
-
 static PyObject *Model_forward(ModelObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"x", "mean", "std", "chunk", NULL};
     PyObject *x;
@@ -671,8 +664,6 @@ static PyMethodDef Model_methods[] = {
     {"set_grads", (PyCFunction)Model_set_grads, METH_O, "replaces the gradients (flat float32)"},
     {"zero_grad", (PyCFunction)Model_zero_grad, METH_NOARGS, "zero the gradient buffer"},
     {"release_workspace", (PyCFunction)Model_release_workspace, METH_NOARGS, "free the activation workspace"},
-    {"rows_within", (PyCFunction)Model_rows_within, METH_O,
-     "(bytes): the most rows (at least 1) an evaluation or forward takes at once within that workspace"},
     {"forward", (PyCFunction)(void (*)(void))Model_forward, METH_VARARGS | METH_KEYWORDS, "logits"},
     {"evaluate", (PyCFunction)(void (*)(void))Model_evaluate, METH_VARARGS | METH_KEYWORDS, "(loss_sum, correct)"},
     {"forward_backward", (PyCFunction)(void (*)(void))Model_forward_backward, METH_VARARGS | METH_KEYWORDS,

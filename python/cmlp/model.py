@@ -271,8 +271,11 @@ class MLP:
                 opt._c.to(device)
                 moved.append(opt)
         except BaseException:
-            for opt in reversed(moved):
-                opt._c.to(before)
-            self._c.to(before)
+            try:
+                for opt in reversed(moved):
+                    opt._c.to(before)
+                self._c.to(before)
+            except BaseException:  # noqa: BLE001 - the first error is the one to report
+                pass
             raise
         return self

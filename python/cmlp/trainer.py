@@ -421,24 +421,19 @@ class Trainer:
         return self._evaluate_rows(val[0][lo:hi], val[1][lo:hi]) if hi > lo else (0.0, 0)
 
     def _evaluate_rows(self, x: np.ndarray, y: np.ndarray) -> Tuple[float, int]:
-        """(loss sum, correct) in chunks of rows (at most 1000) that fit in what the epoch's
-        training left below its peak: the step's workspace goes back first, so validation raises
-        neither the epoch's peak nor the plan's. Out of memory all the same (under a limit that
-        training survives by micro-batching), the chunk halves and the evaluation starts again,
-        down to one row, and the smaller chunk is kept for the next epochs. Nothing but the sums
-        comes out."""
-        device = self.model.device
+        """(loss sum, correct) in chunks of up to 1000 rows, after the step's buffers went back.
+        Out of memory (under a limit that training survives by micro-batching), the chunk halves
+        and the evaluation starts again, down to one row, and the smaller chunk is kept for the
+        next epochs. Nothing but the sums comes out."""
         self.model._c.release_workspace()
-        headroom = _cmlp.memory_window_peak(device, False) - memory.memory_allocated(device)
         while True:
-            chunk = min(self._eval_rows, self.model._c.rows_within(max(headroom, 0)))
             try:
-                return self.model._c.evaluate(x, y, *self.normalize, chunk)
+                return self.model._c.evaluate(x, y, *self.normalize, self._eval_rows)
             except _cmlp.OutOfMemoryError:
                 self.model._c.release_workspace()
-                if chunk == 1:
+                if self._eval_rows == 1:
                     raise
-                self._eval_rows = chunk // 2
+                self._eval_rows //= 2
 
     def _fit_args(self, x: Any, y: Any, epochs: int, validation_data: Optional[Tuple[Any, Any]]) -> Tuple[
             int, np.ndarray, np.ndarray, Optional[Tuple[np.ndarray, np.ndarray]]]:
@@ -561,7 +556,8 @@ class Trainer:
                     "val_accuracy": None,
                     "seconds": seconds,
                     "samples_per_second": samples / seconds if seconds > 0 else float("inf"),
-                    "peak_memory_bytes": None,  # after validation, which it includes
+                    # the epoch's training peak (what cmlp.memory.plan predicts), without validation
+                    "peak_memory_bytes": _cmlp.memory_window_peak(device, False),
                     "microbatch_size": self.microbatch_size,
                     "skipped_steps": skipped,
                     # with max_grad_norm: the mean L2 norm of the epoch's gradients before clipping
@@ -579,7 +575,6 @@ class Trainer:
                     self.model._c.release_workspace()  # evaluation's buffers go back to the cache
                     record["val_loss"] = loss_sum / val[0].shape[0]
                     record["val_accuracy"] = correct / val[0].shape[0]
-                record["peak_memory_bytes"] = _cmlp.memory_window_peak(device, False)
                 history.append(record)
                 if isinstance(scheduler, ReduceLROnPlateau):
                     scheduler.step(record["val_loss"] if val is not None else record["loss"])

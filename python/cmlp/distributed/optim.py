@@ -5,7 +5,7 @@ exp_avg_sq are twice the parameters, so with the parameters and gradients it is 
 the model per rank. A ZeroRedundancyOptimizer keeps the state of 1/world_size of the parameters
 on each rank (its part of the flat parameter buffer, in parts of equal length): each step sums the
 gradients of each part on its owner (a reduce-scatter: an MPI_Reduce per part, or on CUDA devices
-an NCCL reduce per part; with clipping, an all-reduce), updates the rank's part, then sends every
+an NCCL reduce per part; with clipping, also the parts' norms), updates the rank's part, then sends every
 rank's part to the others (MPI_Allgatherv, or an NCCL broadcast from each owner), inside the
 captured training step on a GPU. The update is the same, element by element, as the optimizer's
 own (up to the order in which more than two ranks' gradients are added); what is saved per rank
@@ -113,6 +113,12 @@ class ZeroRedundancyOptimizer(Optimizer):
                 if r * chunk < n:
                     broadcast(buf[r * chunk:(r + 1) * chunk], src=r)
         self._consolidated = (step, bufs) if get_rank() == to else None
+
+    @property
+    def state(self) -> Dict[int, Dict[str, Any]]:
+        """This rank's state, as torch's ZeroRedundancyOptimizer gives its local optimizer's:
+        its part of each tensor's buffers in place, zeros elsewhere (no collective)."""
+        return self._state_dict_of(*self._c.get_state())["state"]
 
     def state_dict(self) -> Dict[str, Any]:
         """The whole state as of the last consolidate_state_dict(to) that sent it to this rank,
