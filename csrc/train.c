@@ -345,7 +345,6 @@ static cmlp_status step_update(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_da
     else if (t->dist) /* on the device's stream, in a capture too */
         CMLP_TRY(scatter ? b->comm_reduce_scatter(ctx, t->dcomm, m->grads, m->nparams, chunk)
                          : b->comm_all_reduce(ctx, t->dcomm, m->grads, m->nparams));
-    if (clip) CMLP_TRY(cmlp_optim_prepare(t->optim)); /* nothing may fail after the norm is counted */
     if (!t->scaler.enabled && !device_steps(t)) {
         if (clip) CMLP_TRY(scatter ? clip_part(t, ds, lo, hi, chunk, parts) : clip_grads(t, ds));
         return cmlp_optim_step_summed(t->optim);

@@ -349,12 +349,12 @@ def test_a_state_dict_taken_while_another_thread_trains_is_of_one_step():
 
     opt, trainer = build()
     want = {}
-    for step in range(1, 301):
+    for step in range(1, 1001):  # a run long enough for the main thread to look in often
         trainer.step(x, y)
         state = opt.state_dict()["state"][0]
         want[step] = (state["exp_avg"], state["exp_avg_sq"])
     opt, trainer = build()
-    worker = threading.Thread(target=lambda: trainer.fit(x, y, epochs=300, progress=False))
+    worker = threading.Thread(target=lambda: trainer.fit(x, y, epochs=1000, progress=False))
     worker.start()
     seen = 0
     while worker.is_alive():

@@ -188,8 +188,7 @@ def caching_allocator_alloc(nbytes: Any = None, device: Optional[str] = None, st
         nbytes = size
     if stream is not None and not (isinstance(stream, int) and stream == 0):
         raise ValueError(f"cmlp's allocator serves each device's own stream: stream must be None, got {stream!r}")
-    if isinstance(nbytes, np.integer) and not isinstance(nbytes, np.bool_):
-        nbytes = int(nbytes)
+    nbytes = _numpy_int(nbytes)
     if isinstance(nbytes, bool) or not isinstance(nbytes, int):
         raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
     if not 0 <= nbytes < 2**63:
