@@ -335,7 +335,7 @@ static void account_segment(cmlp_allocator *a, alloc_segment *s, int sign) {
 
 /* A new segment for a rounded request: NULL when the limit or the device says no. */
 static alloc_block *new_segment(cmlp_allocator *a, int pool, size_t size) {
-    size_t seg_size = alloc_segment_size(size);
+    size_t seg_size = alloc_segment_size(&a->cfg, size);
     if (a->limit >= 0 && reserved(a) + (int64_t)seg_size > a->limit) return NULL;
     if (hook_fires(a)) return NULL;
     void *p = NULL;
@@ -565,7 +565,7 @@ static alloc_block *cached_block(cmlp_allocator *a, int pool, size_t size) {
     if (a->cfg.max_split_size >= 0) {
         size_t msz = (size_t)a->cfg.max_split_size;
         if (size < msz && b->size >= msz) return NULL;            /* no oversize block for a small request */
-        if (size >= msz && b->size >= size + K_LARGE_BUFFER) return NULL; /* nor one far too large */
+        if (size >= msz && b->size >= size + (size_t)a->cfg.max_non_split_rounding) return NULL; /* nor one far larger */
     }
     pool_take(a, b);
     return b;
@@ -577,7 +577,7 @@ static alloc_block *new_memory(cmlp_allocator *a, int pool, size_t size) {
         if (a->pools[pool].expandable || !new_expandable(a, pool)) return NULL;
         return cached_block(a, pool, size);
     }
-    collect_garbage(a, alloc_segment_size(size));
+    collect_garbage(a, alloc_segment_size(&a->cfg, size));
     return new_segment(a, pool, size);
 }
 
@@ -659,12 +659,14 @@ static cmlp_status oom(cmlp_allocator *a, size_t nbytes, size_t size) {
     cmlp_format_bytes(big, sizeof big, largest);
     note_oom(a, nbytes, a->what);
     /* a small request that fits in what is free can still need a whole new segment */
-    size_t seg = alloc_segment_size(size);
+    size_t seg = alloc_segment_size(&a->cfg, size);
     if (!a->cfg.expandable_segments && seg > size) {
+        char lsg[32];
         cmlp_format_bytes(sg, sizeof sg, (int64_t)seg);
+        cmlp_format_bytes(lsg, sizeof lsg, a->cfg.large_segment_size);
         snprintf(seg_note, sizeof seg_note,
-                 " It needs a new segment of %s (requests up to 1 MiB share 2 MiB segments, up to 10 MiB 20 MiB "
-                 "ones).", sg);
+                 " It needs a new segment of %s (requests up to 1 MiB share 2 MiB segments, up to 10 MiB %s "
+                 "ones).", sg, lsg);
     }
     const char *frag_hint = frag <= 20.0             ? ""
                             : a->cfg.expandable_segments ? " Reserved but unallocated memory is large: "

@@ -1,6 +1,7 @@
 /* alloc_config.c - the allocator settings every device shares, parsed from PyTorch's
- * PYTORCH_CUDA_ALLOC_CONF syntax ("key:value,key:value"), and the size rules that depend on
- * them: request rounding (512 bytes, or power-of-two divisions) and segment sizes.
+ * PYTORCH_CUDA_ALLOC_CONF syntax ("key:value,key:value", the keys and rules of PyTorch's
+ * parser), and the size rules that depend on them: request rounding (512 bytes, or power-of-two
+ * divisions) and segment sizes.
  */
 #include "alloc_internal.h"
 
@@ -10,20 +11,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-static pthread_mutex_t config_lock = PTHREAD_MUTEX_INITIALIZER;
-static cmlp_alloc_settings current = {.max_split_size = -1};
-
-void alloc_config_current(cmlp_alloc_settings *out) {
-    pthread_mutex_lock(&config_lock);
-    *out = current;
-    pthread_mutex_unlock(&config_lock);
-}
-
-void cmlp_memory_get_settings(cmlp_alloc_settings *out) { alloc_config_current(out); }
-
-static bool is_pow2(long v) { return v > 0 && (v & (v - 1)) == 0; }
-static bool divisions_ok(long v) { return is_pow2(v) && v <= (1L << 30); } /* stored as int */
 
 static int floor_log2(size_t v) {
     int r = -1;
@@ -60,143 +47,254 @@ size_t alloc_round_size(const cmlp_alloc_settings *c, size_t n) {
     return (n + K_MIN_BLOCK - 1) / K_MIN_BLOCK * K_MIN_BLOCK;
 }
 
-size_t alloc_segment_size(size_t rounded) {
+size_t alloc_segment_size(const cmlp_alloc_settings *c, size_t rounded) {
     if (rounded <= K_SMALL_SIZE) return K_SMALL_BUFFER;
-    if (rounded < K_MIN_LARGE) return K_LARGE_BUFFER;
+    if (rounded < K_MIN_LARGE) return (size_t)c->large_segment_size;
     return (rounded + K_ROUND_LARGE - 1) / K_ROUND_LARGE * K_ROUND_LARGE;
 }
 
 /* ---- parsing ---- */
 
+static const cmlp_alloc_settings defaults = {
+    .max_split_size = -1,
+    .large_segment_size = K_LARGE_BUFFER,
+    .max_non_split_rounding = K_LARGE_BUFFER,
+    .per_process_memory_fraction = -1.0,
+};
+
+static pthread_mutex_t config_lock = PTHREAD_MUTEX_INITIALIZER;
+static cmlp_alloc_settings current = defaults;
+
+void alloc_config_current(cmlp_alloc_settings *out) {
+    pthread_mutex_lock(&config_lock);
+    *out = current;
+    pthread_mutex_unlock(&config_lock);
+}
+
+void cmlp_memory_get_settings(cmlp_alloc_settings *out) { alloc_config_current(out); }
+
+/* The text cut into tokens as PyTorch's parser cuts it: ',', ':', '[' and ']' alone, the runs
+ * between them, spaces dropped. */
+#define MAX_TOKENS 512
+
+typedef struct {
+    char *tok[MAX_TOKENS];
+    size_t n;
+} tokens;
+
+static cmlp_status tokenize(const char *src, char *buf, tokens *t) {
+    t->n = 0;
+    char *w = buf; /* each character of src may become a token of its own: 2 bytes */
+    for (const char *p = src; *p;) {
+        if (isspace((unsigned char)*p)) {
+            p++;
+            continue;
+        }
+        if (t->n == MAX_TOKENS) return CMLP_FAIL(CMLP_ERR_INVALID, "the allocator configuration is too long");
+        t->tok[t->n++] = w;
+        if (strchr(",:[]", *p)) {
+            *w++ = *p++;
+        } else {
+            while (*p && !isspace((unsigned char)*p) && !strchr(",:[]", *p)) *w++ = *p++;
+        }
+        *w++ = '\0';
+    }
+    return CMLP_OK;
+}
+
+static const char *at(const tokens *t, size_t i) { return i < t->n ? t->tok[i] : ""; }
+
+static cmlp_status expect(const tokens *t, size_t i, const char *what, const char *key) {
+    if (strcmp(at(t, i), what) == 0) return CMLP_OK;
+    return CMLP_FAIL(CMLP_ERR_INVALID, "CachingAllocator option %s: expected '%s'%s%s", key, what,
+                     i < t->n ? ", got " : " at the end", at(t, i));
+}
+
 static cmlp_status bad(const char *key, const char *val, const char *why) {
     return CMLP_FAIL(CMLP_ERR_INVALID, "CachingAllocator option %s: invalid value '%s' (%s)", key, val, why);
 }
 
-static cmlp_status parse_long(const char *key, const char *val, long *out) {
+static cmlp_status to_long(const char *key, const char *val, long lo, long *out) {
     char *end;
     errno = 0;
     long v = strtol(val, &end, 10);
     if (!*val || *end || errno) return bad(key, val, "expected an integer");
+    if (v < lo) return bad(key, val, lo ? "too small" : "must not be negative");
     *out = v;
     return CMLP_OK;
 }
 
-static cmlp_status parse_roundup(const char *val, cmlp_alloc_settings *c) {
+static cmlp_status to_double(const char *key, const char *val, double *out) {
+    char *end;
+    double v = strtod(val, &end);
+    if (!*val || *end || !isfinite(v)) return bad(key, val, "expected a number");
+    *out = v;
+    return CMLP_OK;
+}
+
+static cmlp_status to_bool(const char *key, const char *val, int *out) {
+    if (!strcmp(val, "True") || !strcmp(val, "true") || !strcmp(val, "1")) *out = 1;
+    else if (!strcmp(val, "False") || !strcmp(val, "false") || !strcmp(val, "0")) *out = 0;
+    else return bad(key, val, "expected True or False");
+    return CMLP_OK;
+}
+
+static bool is_pow2(long v) { return v > 0 && (v & (v - 1)) == 0; }
+static bool divisions_ok(long v) { return is_pow2(v) && v <= (1L << 30); } /* stored as int */
+
+/* A size in MiB of at least `min_mb`, as bytes. */
+static cmlp_status to_mib(const char *key, const char *val, long min_mb, bool above, int64_t *out) {
+    long v = 0;
+    CMLP_TRY(to_long(key, val, 0, &v));
+    if (above ? v <= min_mb : v < min_mb)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "CachingAllocator option %s too small, must be %s %ld", key,
+                         above ? ">" : ">=", min_mb);
+    if (v > (long)(INT64_MAX / (int64_t)MIB)) return bad(key, val, "too large");
+    *out = (int64_t)v * (int64_t)MIB;
+    return CMLP_OK;
+}
+
+/* roundup_power2_divisions: one count for every size, or a list of size_mb:divisions where
+ * size_mb (a power of two) sets the interval [size_mb, 2 size_mb) MiB, the first entry also
+ * every interval below it, and ">:divisions" every interval after the last size given: the
+ * rule of PyTorch's parser (whose documentation reads the key as an upper bound instead). */
+static cmlp_status parse_roundup(const tokens *t, size_t *i, cmlp_alloc_settings *c) {
     const char *key = "roundup_power2_divisions";
-    if (val[0] != '[') {
-        long v = 0;
-        CMLP_TRY(parse_long(key, val, &v));
-        if (v != 0 && !divisions_ok(v)) return bad(key, val, "divisions must be 0 or a power of 2 up to 2**30");
-        for (int i = 0; i < CMLP_ROUNDUP_INTERVALS; i++) c->roundup_power2_divisions[i] = (int)v;
+    int *div = c->roundup_power2_divisions;
+    long v = 0;
+    if (strcmp(at(t, ++*i), "[") != 0) {
+        CMLP_TRY(to_long(key, at(t, *i), 0, &v));
+        if (!divisions_ok(v)) return bad(key, at(t, *i), "divisions must be a power of 2 up to 2**30");
+        for (int k = 0; k < CMLP_ROUNDUP_INTERVALS; k++) div[k] = (int)v;
         return CMLP_OK;
     }
-    size_t len = strlen(val);
-    if (len < 2 || val[len - 1] != ']') return bad(key, val, "expected [size_mb:divisions,...,>:divisions]");
-    char buf[512];
-    if (len - 2 >= sizeof buf) return bad(key, val, "too long");
-    memcpy(buf, val + 1, len - 2);
-    buf[len - 2] = '\0';
     int last = 0;
-    bool rest = false;
-    for (char *save = NULL, *item = strtok_r(buf, ",", &save); item; item = strtok_r(NULL, ",", &save)) {
-        char *colon = strchr(item, ':');
-        if (!colon || rest) return bad(key, val, "entries are size_mb:divisions, with >:divisions last");
-        *colon = '\0';
-        long div = 0;
-        CMLP_TRY(parse_long(key, colon + 1, &div));
-        if (div != 0 && !divisions_ok(div)) return bad(key, val, "divisions must be 0 or a power of 2 up to 2**30");
-        if (strcmp(item, ">") == 0) {
-            for (int i = last; i < CMLP_ROUNDUP_INTERVALS; i++) c->roundup_power2_divisions[i] = (int)div;
-            rest = true;
-            continue;
+    bool first = true;
+    while (++*i < t->n && strcmp(t->tok[*i], "]") != 0) {
+        const char *size = t->tok[*i];
+        CMLP_TRY(expect(t, ++*i, ":", key));
+        const char *val = at(t, ++*i);
+        CMLP_TRY(to_long(key, val, 0, &v));
+        if (v != 0 && !divisions_ok(v)) return bad(key, val, "divisions must be 0 or a power of 2 up to 2**30");
+        if (strcmp(size, ">") == 0) {
+            for (int k = last + 1; k < CMLP_ROUNDUP_INTERVALS; k++) div[k] = (int)v;
+        } else {
+            long mb = 0;
+            CMLP_TRY(to_long(key, size, 0, &mb));
+            if (!is_pow2(mb)) return bad(key, size, "sizes are MiB and must be powers of 2");
+            int idx = floor_log2((size_t)mb);
+            if (idx > CMLP_ROUNDUP_INTERVALS - 1) idx = CMLP_ROUNDUP_INTERVALS - 1;
+            for (int k = 0; first && k < idx; k++) div[k] = (int)v;
+            first = false;
+            div[idx] = (int)v;
+            last = idx;
         }
-        long mb = 0;
-        CMLP_TRY(parse_long(key, item, &mb));
-        if (!is_pow2(mb)) return bad(key, val, "sizes are MiB and must be powers of 2");
-        int idx = floor_log2((size_t)mb);
-        if (idx > CMLP_ROUNDUP_INTERVALS) idx = CMLP_ROUNDUP_INTERVALS;
-        if (idx < last) return bad(key, val, "sizes must increase");
-        /* "256:1" sets the divisions of every size below 256 MiB not set before */
-        for (int i = last; i < idx; i++) c->roundup_power2_divisions[i] = (int)div;
-        if (idx == last && idx < CMLP_ROUNDUP_INTERVALS) c->roundup_power2_divisions[idx] = (int)div;
-        last = idx;
+        if (strcmp(at(t, *i + 1), "]") != 0) CMLP_TRY(expect(t, ++*i, ",", key));
     }
+    if (*i >= t->n) return bad(key, "[", "expected ']' at the end of the list");
     return CMLP_OK;
 }
 
-static cmlp_status parse_pair(char *key, char *val, cmlp_alloc_settings *c) {
-    if (strcmp(key, "max_split_size_mb") == 0) {
-        long v = 0;
-        CMLP_TRY(parse_long(key, val, &v));
-        if (v <= (long)(K_LARGE_BUFFER / MIB))
-            return CMLP_FAIL(CMLP_ERR_INVALID, "CachingAllocator option max_split_size_mb too small, must be > %zu",
-                             K_LARGE_BUFFER / MIB);
-        if (v > (long)(INT64_MAX / (int64_t)MIB)) return bad(key, val, "too large");
-        c->max_split_size = (int64_t)v * (int64_t)MIB;
-    } else if (strcmp(key, "garbage_collection_threshold") == 0) {
-        char *end;
-        double v = strtod(val, &end);
-        if (!*val || *end || !(v > 0.0 && v < 1.0))
+/* PyTorch's options with no effect on cmlp's allocator (pinned host memory, its other CUDA
+ * backend's details, graph capture's stream reuse): checked as PyTorch checks them, so that a
+ * PYTORCH_CUDA_ALLOC_CONF written for PyTorch works here too, and otherwise ignored. */
+static const struct {
+    const char *key;
+    char kind; /* 'b': True/False, 'n': an integer >= 0, '2': a power of 2 up to 128, 'v': any one value */
+} accepted[] = {
+    {"pinned_use_background_threads", 'b'}, {"release_lock_on_cudamalloc", 'b'},
+    {"pinned_use_cuda_host_register", 'b'}, {"graph_capture_record_stream_reuse", 'b'},
+    {"pinned_free_catch_all", 'b'},         {"throw_on_cudamalloc_oom", 'b'},
+    {"pinned_num_register_threads", '2'},   {"pinned_reserve_segment_size_mb", 'n'},
+    {"pinned_max_round_threshold_mb", 'n'}, {"pinned_max_cached_size_mb", 'n'},
+    {"expandable_segments_handle_type", 'v'},
+};
+
+static const char *const own_keys[] = {
+    "large_segment_size_mb", "max_split_size_mb", "max_non_split_rounding_mb", "garbage_collection_threshold",
+    "roundup_power2_divisions", "expandable_segments", "per_process_memory_fraction", "backend",
+};
+
+static bool known(const char *key) {
+    for (size_t k = 0; k < sizeof own_keys / sizeof own_keys[0]; k++)
+        if (!strcmp(key, own_keys[k])) return true;
+    for (size_t k = 0; k < sizeof accepted / sizeof accepted[0]; k++)
+        if (!strcmp(key, accepted[k].key)) return true;
+    return false;
+}
+
+static cmlp_status parse_key(const tokens *t, size_t *i, cmlp_alloc_settings *c) {
+    const char *key = at(t, *i);
+    if (!known(key)) return CMLP_FAIL(CMLP_ERR_INVALID, "Unrecognized CachingAllocator option: %s", key);
+    CMLP_TRY(expect(t, ++*i, ":", key));
+    if (!strcmp(key, "roundup_power2_divisions")) return parse_roundup(t, i, c);
+    const char *val = at(t, ++*i);
+    if (*i >= t->n || strchr(",:[]", val[0])) return bad(key, val, "a value must follow the key");
+    if (!strcmp(key, "large_segment_size_mb")) {
+        return CMLP_OK; /* read first (parse_settings) */
+    } else if (!strcmp(key, "max_split_size_mb")) {
+        return to_mib(key, val, (long)(c->large_segment_size / (int64_t)MIB), false, &c->max_split_size);
+    } else if (!strcmp(key, "max_non_split_rounding_mb")) {
+        return to_mib(key, val, (long)(c->large_segment_size / (int64_t)MIB), false, &c->max_non_split_rounding);
+    } else if (!strcmp(key, "garbage_collection_threshold")) {
+        CMLP_TRY(to_double(key, val, &c->garbage_collection_threshold));
+        if (!(c->garbage_collection_threshold > 0.0 && c->garbage_collection_threshold < 1.0))
             return bad(key, val, "garbage_collection_threshold must be in (0.0, 1.0)");
-        c->garbage_collection_threshold = v;
-    } else if (strcmp(key, "roundup_power2_divisions") == 0) {
-        CMLP_TRY(parse_roundup(val, c));
-    } else if (strcmp(key, "expandable_segments") == 0) {
-        if (strcmp(val, "True") == 0 || strcmp(val, "true") == 0 || strcmp(val, "1") == 0) c->expandable_segments = 1;
-        else if (strcmp(val, "False") == 0 || strcmp(val, "false") == 0 || strcmp(val, "0") == 0) c->expandable_segments = 0;
-        else return bad(key, val, "expected True or False");
-    } else if (strcmp(key, "backend") == 0) {
+    } else if (!strcmp(key, "expandable_segments")) {
+        return to_bool(key, val, &c->expandable_segments);
+    } else if (!strcmp(key, "per_process_memory_fraction")) {
+        CMLP_TRY(to_double(key, val, &c->per_process_memory_fraction));
+        if (!(c->per_process_memory_fraction >= 0.0 && c->per_process_memory_fraction <= 1.0))
+            return bad(key, val, "per_process_memory_fraction must be in [0.0, 1.0]");
+    } else if (!strcmp(key, "backend")) {
         if (strcmp(val, "native") != 0) return bad(key, val, "cmlp has one allocator backend: native");
-    } else if (strcmp(key, "release_lock_on_cudamalloc") == 0 || strcmp(key, "pinned_use_cuda_host_register") == 0 ||
-               strcmp(key, "pinned_num_register_threads") == 0 || strcmp(key, "pinned_use_background_threads") == 0) {
-        /* PyTorch's host-side options: accepted so that a PYTORCH_CUDA_ALLOC_CONF written for
-         * PyTorch also works here; they have no effect on cmlp's allocator */
     } else {
-        return CMLP_FAIL(CMLP_ERR_INVALID, "Unrecognized CachingAllocator option: %s", key);
+        for (size_t k = 0; k < sizeof accepted / sizeof accepted[0]; k++) {
+            if (strcmp(key, accepted[k].key) != 0) continue;
+            int flag;
+            long v;
+            if (accepted[k].kind == 'b') return to_bool(key, val, &flag);
+            if (accepted[k].kind == 'n') return to_long(key, val, 0, &v);
+            if (accepted[k].kind == '2') {
+                CMLP_TRY(to_long(key, val, 0, &v));
+                return is_pow2(v) && v <= 128 ? CMLP_OK : bad(key, val, "a power of 2 up to 128");
+            }
+        }
     }
     return CMLP_OK;
 }
 
-static char *trim(char *s) {
-    while (isspace((unsigned char)*s)) s++;
-    char *e = s + strlen(s);
-    while (e > s && isspace((unsigned char)e[-1])) *--e = '\0';
-    return s;
+static cmlp_status parse_settings(const tokens *t, cmlp_alloc_settings *c) {
+    /* large_segment_size_mb first: the smallest max_split_size_mb and max_non_split_rounding_mb
+     * follow it, and the latter defaults to it */
+    for (size_t i = 0; i + 2 < t->n; i++)
+        if (!strcmp(t->tok[i], "large_segment_size_mb") && !strcmp(t->tok[i + 1], ":"))
+            CMLP_TRY(to_mib("large_segment_size_mb", t->tok[i + 2], (long)(K_MIN_LARGE / MIB), true,
+                            &c->large_segment_size));
+    c->max_non_split_rounding = c->large_segment_size;
+    for (size_t i = 0; i < t->n; i++) {
+        const char *key = t->tok[i];
+        CMLP_TRY(parse_key(t, &i, c));
+        if (i + 1 < t->n) CMLP_TRY(expect(t, ++i, ",", key));
+    }
+    return CMLP_OK;
 }
 
 cmlp_status cmlp_memory_parse_settings(const char *conf, cmlp_alloc_settings *out) {
-    cmlp_alloc_settings c = {.max_split_size = -1};
     if (!conf) return CMLP_FAIL(CMLP_ERR_INVALID, "the allocator configuration must not be NULL");
+    cmlp_alloc_settings c = defaults;
     size_t len = strlen(conf);
-    char *buf = malloc(len + 1);
-    if (!buf) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory parsing the allocator configuration");
-    memcpy(buf, conf, len + 1);
+    char *buf = malloc(2 * len + 1);
+    tokens *t = malloc(sizeof *t);
     cmlp_status st = CMLP_OK;
-    /* split on commas outside brackets */
-    char *start = buf;
-    int depth = 0;
-    for (char *p = buf;; p++) {
-        if (*p == '[') depth++;
-        if (*p == ']') depth--;
-        if ((*p == ',' && depth == 0) || *p == '\0') {
-            bool end = *p == '\0';
-            *p = '\0';
-            char *item = trim(start);
-            if (*item) {
-                char *colon = strchr(item, ':');
-                if (!colon) {
-                    st = CMLP_FAIL(CMLP_ERR_INVALID, "CachingAllocator option '%s' has no value (expected key:value)", item);
-                    break;
-                }
-                *colon = '\0';
-                st = parse_pair(trim(item), trim(colon + 1), &c);
-                if (st != CMLP_OK) break;
-            }
-            if (end) break;
-            start = p + 1;
-        }
+    if (!buf || !t) {
+        st = CMLP_FAIL(CMLP_ERR_OOM, "out of host memory parsing the allocator configuration");
+    } else {
+        st = tokenize(conf, buf, t);
+        if (st == CMLP_OK) st = parse_settings(t, &c);
     }
     free(buf);
+    free(t);
     if (st == CMLP_OK) *out = c;
     return st;
 }
@@ -208,5 +306,6 @@ cmlp_status cmlp_memory_configure(const char *conf) {
     current = c;
     pthread_mutex_unlock(&config_lock);
     alloc_config_changed();
+    cmlp_devices_apply_fraction(&c);
     return CMLP_OK;
 }

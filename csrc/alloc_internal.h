@@ -13,7 +13,7 @@
 #define K_MIN_BLOCK ((size_t)512)    /* every request is rounded to this */
 #define K_SMALL_SIZE MIB             /* largest "small" request */
 #define K_SMALL_BUFFER (2 * MIB)     /* small-pool segment */
-#define K_LARGE_BUFFER (20 * MIB)    /* large-pool segment for requests under K_MIN_LARGE */
+#define K_LARGE_BUFFER (20 * MIB)    /* large_segment_size_mb's default */
 #define K_MIN_LARGE (10 * MIB)
 #define K_ROUND_LARGE (2 * MIB)      /* larger segments round to this; also the page granule */
 
@@ -68,7 +68,9 @@ CMLP_HIDDEN void alloc_config_current(cmlp_alloc_settings *out);
 /* Tells every allocator to re-read the settings before its next request. */
 CMLP_HIDDEN void alloc_config_changed(void);
 CMLP_HIDDEN size_t alloc_round_size(const cmlp_alloc_settings *c, size_t n);
-CMLP_HIDDEN size_t alloc_segment_size(size_t rounded);
+CMLP_HIDDEN size_t alloc_segment_size(const cmlp_alloc_settings *c, size_t rounded);
+/* Sets each open GPU's memory limit to the settings' per_process_memory_fraction (device.c). */
+CMLP_HIDDEN void cmlp_devices_apply_fraction(const cmlp_alloc_settings *c);
 
 CMLP_HIDDEN void alloc_tree_insert(alloc_pool *p, alloc_block *b);
 CMLP_HIDDEN int alloc_tree_remove(alloc_pool *p, alloc_block *b);

@@ -168,6 +168,9 @@ typedef struct cmlp_alloc_settings {
     double garbage_collection_threshold;  /* fraction of the limit; 0: off */
     int roundup_power2_divisions[CMLP_ROUNDUP_INTERVALS]; /* per interval [2^i, 2^(i+1)) MiB */
     int expandable_segments;
+    int64_t large_segment_size;           /* bytes: the segment of a request over 1 MiB and under 10 MiB */
+    int64_t max_non_split_rounding;       /* bytes an oversize block may exceed the request it serves by */
+    double per_process_memory_fraction;   /* of each GPU's memory, set as its limit when it opens; -1: none */
 } cmlp_alloc_settings;
 
 /* Parses "key:value,..." in PYTORCH_CUDA_ALLOC_CONF's syntax and replaces every setting (keys

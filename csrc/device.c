@@ -65,6 +65,22 @@ bad:
                      s, CMLP_MAX_CUDA_DEVICES);
 }
 
+/* per_process_memory_fraction of the settings, on a GPU: the limit it makes (as torch's, of the
+ * device's total memory) */
+static void apply_fraction(cmlp_device_ctx *c, const cmlp_alloc_settings *s) {
+    if (s->per_process_memory_fraction < 0.0) return;
+    int64_t total = c->backend->total_memory(c->bctx);
+    if (total > 0) cmlp_allocator_set_limit(c->alloc, (int64_t)(s->per_process_memory_fraction * (double)total));
+}
+
+void cmlp_devices_apply_fraction(const cmlp_alloc_settings *s) {
+    if (s->per_process_memory_fraction < 0.0) return;
+    pthread_mutex_lock(&registry_lock);
+    for (int i = 0; i < CMLP_MAX_CUDA_DEVICES; i++)
+        if (cuda_ctx[i]) apply_fraction(cuda_ctx[i], s);
+    pthread_mutex_unlock(&registry_lock);
+}
+
 static cmlp_status ctx_create(cmlp_device d, cmlp_device_ctx **out) {
     cmlp_device_ctx *c = calloc(1, sizeof *c);
     if (!c) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory creating a device context");
@@ -81,6 +97,11 @@ static cmlp_status ctx_create(cmlp_device d, cmlp_device_ctx **out) {
     cmlp_status st = c->backend->open ? c->backend->open(d.index, &bctx) : CMLP_OK;
     c->bctx = bctx;
     if (st == CMLP_OK) st = cmlp_allocator_create(c->backend, bctx, name, &c->alloc);
+    if (st == CMLP_OK && d.type == CMLP_DEVICE_CUDA) {
+        cmlp_alloc_settings s;
+        cmlp_memory_get_settings(&s);
+        apply_fraction(c, &s);
+    }
     if (st == CMLP_OK && c->backend->workspace_bytes) {
         size_t n = c->backend->workspace_bytes(bctx);
         void *ws = NULL;

@@ -65,6 +65,7 @@ typedef struct cmlp_workspace {
     int64_t rows;
     bool compact;                    /* the pieces cmlp_ws_layout marks lie in the first layer's
                                       * weight gradient: for steps alone in their optimizer step */
+    bool forward;                    /* cmlp_fwd_layout's: a forward pass's buffers alone */
     float *act[CMLP_MAX_LAYERS + 1]; /* act[0]: input [rows, sizes[0]]; act[i]: layer i output */
     float *dact[2];                  /* ping-pong gradients (cmlp_grad_widths) */
     int32_t *labels;                 /* [rows] */
@@ -156,6 +157,10 @@ CMLP_HIDDEN cmlp_status cmlp_workspace_reserve(cmlp_model *m, int64_t rows, bool
  * gradient. */
 CMLP_HIDDEN int cmlp_ws_layout(const int *sizes, int L, int64_t rows, size_t *sz, size_t *act_bytes,
                                uint64_t *inside);
+/* The pieces of a workspace for a forward pass of `rows` samples alone (no gradients): the
+ * input when it is staged, the two buffers the layers' outputs alternate between (odd layers in
+ * the first), the labels. Fills sz[] (4 entries), returns their count. */
+CMLP_HIDDEN int cmlp_fwd_layout(const int *sizes, int L, int64_t rows, bool input, size_t *sz);
 /* Bit i of a mask of pieces (cmlp_ws_layout's *inside); a mask holds the first 64 pieces, and
  * cmlp_compact_place refuses a layout with more. */
 static inline bool cmlp_piece_in(uint64_t mask, int i) { return i < 64 && (mask >> i & 1); }

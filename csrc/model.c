@@ -55,9 +55,19 @@ cmlp_status cmlp_model_init(cmlp_model **out, const int *sizes, int nsizes, cmlp
     }
     m->nparams = off;
     size_t bytes = (size_t)off * sizeof(float);
-    float *host = malloc(bytes);
-    cmlp_status st = host ? CMLP_OK : CMLP_FAIL(CMLP_ERR_OOM, "out of host memory for %lld initial parameters", (long long)off);
-    if (st != CMLP_OK) goto fail;
+    float *host = NULL;
+    cmlp_status st;
+    /* the device's memory first: a model that does not fit fails before any work */
+    CMLP_TRY_GOTO(st, dev_alloc(dev, bytes, "parameters", (void **)&m->params), fail);
+    CMLP_TRY_GOTO(st, dev_alloc(dev, cmlp_grads_bytes(m), "gradients", (void **)&m->grads), fail);
+    m->ds = cmlp_model_ds(m, m->grads);
+    /* the CPU's parameters are drawn in place, a GPU's on the host and copied */
+    bool in_place = dev->device.type == CMLP_DEVICE_CPU;
+    host = in_place ? m->params : malloc(bytes);
+    if (!host) {
+        st = CMLP_FAIL(CMLP_ERR_OOM, "out of host memory for %lld initial parameters", (long long)off);
+        goto fail;
+    }
     /* nn.Linear: weight then bias of each layer, both U(-1/sqrt(fan_in), 1/sqrt(fan_in)) */
     cmlp_rng rng;
     cmlp_rng_seed(&rng, seed);
@@ -68,16 +78,13 @@ cmlp_status cmlp_model_init(cmlp_model **out, const int *sizes, int nsizes, cmlp
         for (int64_t i = 0; i < sizes[l + 1]; i++)
             host[m->b_off[l] + i] = (float)((2.0 * cmlp_rng_uniform(&rng) - 1.0) * bound);
     }
-    CMLP_TRY_GOTO(st, dev_alloc(dev, bytes, "parameters", (void **)&m->params), fail);
-    CMLP_TRY_GOTO(st, dev_alloc(dev, cmlp_grads_bytes(m), "gradients", (void **)&m->grads), fail);
-    m->ds = cmlp_model_ds(m, m->grads);
-    CMLP_TRY_GOTO(st, B(m)->copy_h2d(CTX(m), m->params, host, bytes), fail);
+    if (!in_place) CMLP_TRY_GOTO(st, B(m)->copy_h2d(CTX(m), m->params, host, bytes), fail);
     CMLP_TRY_GOTO(st, B(m)->fill_zero(CTX(m), m->grads, cmlp_grads_bytes(m)), fail);
-    free(host);
+    if (!in_place) free(host);
     *out = m;
     return CMLP_OK;
 fail:
-    free(host);
+    if (host != m->params) free(host);
     cmlp_model_free(m);
     return st;
 }
@@ -172,7 +179,7 @@ int cmlp_ws_layout(const int *sizes, int L, int64_t rows, size_t *sz, size_t *ac
 
 cmlp_status cmlp_workspace_reserve(cmlp_model *m, int64_t rows, bool compact) {
     /* a full workspace serves a step that could be compact too */
-    if (rows <= m->ws.rows && (compact || !m->ws.compact)) return CMLP_OK;
+    if (rows <= m->ws.rows && (compact || !m->ws.compact) && !m->ws.forward) return CMLP_OK;
     size_t sz[CMLP_MAX_LAYERS + 4], off[CMLP_MAX_LAYERS + 4], total, act;
     uint64_t inside;
     int L = m->nlayers, nv = cmlp_ws_layout(m->sizes, L, rows, sz, &act, &inside);
@@ -195,6 +202,38 @@ cmlp_status cmlp_workspace_reserve(cmlp_model *m, int64_t rows, bool compact) {
     m->ws.labels = (int32_t *)piece[v];
     m->ws.dx1_bytes = 0;
     for (int i = 3; L > 1 && i < v; i++) m->ws.dx1_bytes += sz[i]; /* layer 2's output to the buffer after */
+    return CMLP_OK;
+}
+
+int cmlp_fwd_layout(const int *sizes, int L, int64_t rows, bool input, size_t *sz) {
+    int64_t w[2] = {0, 0}; /* odd layers' outputs, even layers' */
+    for (int l = 1; l <= L; l++)
+        if (sizes[l] > w[(l - 1) & 1]) w[(l - 1) & 1] = sizes[l];
+    sz[0] = input ? align64((size_t)rows * sizes[0] * sizeof(float)) : 0;
+    sz[1] = align64((size_t)(rows * w[0]) * sizeof(float));
+    sz[2] = align64((size_t)(rows * w[1]) * sizeof(float));
+    sz[3] = align64((size_t)rows * sizeof(int32_t));
+    return 4;
+}
+
+/* The workspace of a forward pass (forward, predict, evaluate) over `rows` samples: a step's
+ * serves when it is large enough and all its own (not compact); else one without gradients
+ * (cmlp_fwd_layout), on the reference model a third of a step's per row, or two thirds with
+ * the input staged. */
+static cmlp_status forward_reserve(cmlp_model *m, int64_t rows, bool input) {
+    if (rows <= m->ws.rows && !m->ws.compact && (!input || m->ws.act[0])) return CMLP_OK;
+    size_t sz[4], total = 0;
+    int L = m->nlayers, nv = cmlp_fwd_layout(m->sizes, L, rows, input, sz);
+    for (int i = 0; i < nv; i++) total += sz[i];
+    char *block;
+    CMLP_TRY(dev_alloc(m->dev, total, "activations", (void **)&block));
+    cmlp_model_release_workspace(m);
+    m->ws.block = block;
+    m->ws.rows = rows;
+    m->ws.forward = true;
+    m->ws.act[0] = input ? (float *)block : NULL;
+    for (int l = 1; l <= L; l++) m->ws.act[l] = (float *)(block + sz[0] + ((l - 1) & 1 ? sz[1] : 0));
+    m->ws.labels = (int32_t *)(block + sz[0] + sz[1] + sz[2]);
     return CMLP_OK;
 }
 
@@ -258,14 +297,18 @@ bool cmlp_data_in_place(const cmlp_model *m, const cmlp_data *xy) {
     return !xy->pos && (xy->on_device || m->dev->device.type == CMLP_DEVICE_CPU);
 }
 
-cmlp_status cmlp_model_stage(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, int64_t start, int64_t n,
-                             bool compact, const float **input, const int32_t **labels) {
-    bool in_place = cmlp_data_in_place(m, xy);
-    CMLP_TRY(cmlp_workspace_reserve(m, n, compact));
+/* Whether rows of xy are copied into the workspace (else read where they are). */
+static bool staged(const cmlp_model *m, const cmlp_data *xy, const int64_t *idx) {
+    return !(cmlp_data_in_place(m, xy) && !idx && xy->x_dtype == CMLP_DTYPE_F32);
+}
+
+/* The input (and labels) of rows [start, start + n), in place or in the reserved workspace. */
+static cmlp_status stage(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, int64_t start, int64_t n,
+                         const float **input, const int32_t **labels) {
     /* labels are read in place or staged, with the inputs when those are staged too */
-    int32_t *ldst = labels && !(in_place && !idx) ? m->ws.labels : NULL;
+    int32_t *ldst = labels && !(cmlp_data_in_place(m, xy) && !idx) ? m->ws.labels : NULL;
     if (labels) *labels = ldst ? ldst : xy->y + start;
-    if (in_place && !idx && xy->x_dtype == CMLP_DTYPE_F32) {
+    if (!staged(m, xy, idx)) {
         *input = (const float *)xy->x + start * m->sizes[0];
         return ldst ? cmlp_stage_y(m, ldst, xy, idx, start, n) : CMLP_OK;
     }
@@ -273,6 +316,18 @@ cmlp_status cmlp_model_stage(cmlp_model *m, const cmlp_data *xy, const int64_t *
     CMLP_TRY(cmlp_stage_x(m, m->ws.act[0], xy, idx, start, n, scale, shift, ldst));
     *input = m->ws.act[0];
     return CMLP_OK;
+}
+
+cmlp_status cmlp_model_stage(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, int64_t start, int64_t n,
+                             bool compact, const float **input, const int32_t **labels) {
+    CMLP_TRY(cmlp_workspace_reserve(m, n, compact));
+    return stage(m, xy, idx, start, n, input, labels);
+}
+
+static cmlp_status stage_forward(cmlp_model *m, const cmlp_data *xy, int64_t start, int64_t n, const float **input,
+                                 const int32_t **labels) {
+    CMLP_TRY(forward_reserve(m, n, staged(m, xy, NULL)));
+    return stage(m, xy, NULL, start, n, input, labels);
 }
 
 cmlp_status cmlp_model_forward_rows(cmlp_model *m, const float *input, int64_t n) {
@@ -377,7 +432,7 @@ cmlp_status cmlp_model_forward(cmlp_model *m, const cmlp_data *x, int64_t chunk,
     for (int64_t s = 0; s < x->n && st == CMLP_OK; s += chunk) {
         int64_t k = x->n - s < chunk ? x->n - s : chunk;
         const float *in;
-        st = cmlp_model_stage(m, x, NULL, s, k, false, &in, NULL);
+        st = stage_forward(m, x, s, k, &in, NULL);
         if (st == CMLP_OK) st = cmlp_model_forward_rows(m, in, k);
         if (st == CMLP_OK)
             st = B(m)->copy_d2h(CTX(m), logits_out + s * C, m->ws.act[m->nlayers], (size_t)(k * C) * sizeof(float));
@@ -403,7 +458,7 @@ cmlp_status cmlp_model_evaluate(cmlp_model *m, const cmlp_data *xy, int64_t chun
         int64_t k = xy->n - s < chunk ? xy->n - s : chunk;
         const float *in;
         const int32_t *lab;
-        st = cmlp_model_stage(m, xy, NULL, s, k, false, &in, &lab);
+        st = stage_forward(m, xy, s, k, &in, &lab);
         if (st == CMLP_OK) st = cmlp_model_forward_rows(m, in, k);
         if (st == CMLP_OK)
             st = B(m)->softmax_xent(CTX(m), m->ws.act[m->nlayers], lab, k, m->sizes[m->nlayers], 0.0f,

@@ -24,11 +24,15 @@ void cmlp_amp_release(cmlp_model *m) {
     memset(&m->wsa, 0, sizeof m->wsa);
 }
 
-void cmlp_amp_free(cmlp_model *m) {
-    cmlp_amp_release(m);
+static void drop_half_params(cmlp_model *m) {
     if (m->params_h) (void)cmlp_allocator_free(m->dev->alloc, m->params_h);
     m->params_h = NULL;
     m->half_dtype = CMLP_DTYPE_F32;
+}
+
+void cmlp_amp_free(cmlp_model *m) {
+    cmlp_amp_release(m);
+    drop_half_params(m);
 }
 
 /* A copy that could not be refreshed is marked stale (half_dtype F32), so its next use makes it
@@ -328,8 +332,13 @@ cmlp_status cmlp_amp_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, 
     int nv;
     bool compact = w.fresh && w.solo && layout(m, n, recompute, sz, &nv, &inside, off);
     cmlp_dtype dt = cmlp_amp_dtype(amp);
+    bool had_half = m->params_h != NULL;
     if (!compact) CMLP_TRY(ensure_half_params(m, dt)); /* before the workspace, as the planner has it */
-    CMLP_TRY(reserve(m, n, recompute, compact));
+    cmlp_status reserved = reserve(m, n, recompute, compact);
+    if (reserved != CMLP_OK) { /* a refused step leaves the memory as it found it */
+        if (!had_half) drop_half_params(m);
+        return reserved;
+    }
     cmlp_amp_workspace *ws = &m->wsa;
     ws->dt = dt;
     const cmlp_backend_i *b = B(m);

@@ -19,7 +19,7 @@ typedef struct step_key {
     int64_t ws_rows, wsa_rows, wsa_chunk, wsr_rows; /* a workspace's layout follows its rows */
     float mean, std;                                /* the normalisation the gather applies */
     int x_dtype, wsa_recompute;
-    bool ws_compact, wsa_compact; /* where the workspaces' pieces lie */
+    bool ws_compact, ws_forward, wsa_compact; /* where the workspaces' pieces lie */
     uint64_t optim_version;
     double growth_factor, backoff_factor;
     float smoothing;
@@ -499,6 +499,7 @@ static void make_key(const cmlp_trainer *t, const cmlp_data *xy, const int64_t *
     k->wsa_chunk = m->wsa.chunk;
     k->wsa_recompute = m->wsa.recompute;
     k->ws_compact = m->ws.compact;
+    k->ws_forward = m->ws.forward;
     k->wsa_compact = m->wsa.compact;
     k->wsr_rows = m->wsr.rows;
     k->x_dtype = (int)xy->x_dtype;
@@ -590,16 +591,16 @@ static cmlp_status same_on_every_rank(const char *const *names, const int64_t *v
     if (n > MAX_COMPARED) return CMLP_FAIL(CMLP_ERR_INTERNAL, "%d values to compare", n);
     for (int i = 0; i < n; i++) {
         hi[i] = v[i];
-        lo[i] = v[i] == INT64_MIN ? INT64_MAX : -v[i];
+        lo[i] = ~v[i]; /* the maximum of ~v is ~(the minimum of v), for every v */
     }
     CMLP_TRY(cmlp_dist_all_reduce(hi, n, CMLP_COMM_I64, CMLP_REDUCE_MAX));
     CMLP_TRY(cmlp_dist_all_reduce(lo, n, CMLP_COMM_I64, CMLP_REDUCE_MAX));
     for (int i = 0; i < n; i++)
-        if (hi[i] != -lo[i])
+        if (hi[i] != ~lo[i])
             return CMLP_FAIL(CMLP_ERR_INVALID,
                              "the ranks of the process group differ in %s (from %lld to %lld): every rank must make "
                              "the same calls with the same settings on the same data set",
-                             names[i], (long long)-lo[i], (long long)hi[i]);
+                             names[i], (long long)~lo[i], (long long)hi[i]);
     return CMLP_OK;
 }
 
@@ -678,6 +679,14 @@ static cmlp_status join_device_group(cmlp_trainer *t) {
     return CMLP_OK;
 }
 
+/* A data-parallel step takes the effective batch on every rank: the group's samples must count. */
+static cmlp_status group_batch_fits(const cmlp_trainer *t) {
+    if (effective_batch(t) <= CMLP_MAX_STEP_SAMPLES / group_size(t)) return CMLP_OK;
+    return CMLP_FAIL(CMLP_ERR_INVALID,
+                     "batch_size x accumulation_steps = %lld on each of %lld ranks is over 2**62 samples a step",
+                     (long long)effective_batch(t), (long long)group_size(t));
+}
+
 cmlp_status cmlp_trainer_set_distributed(cmlp_trainer *t, int on) {
     if (!t) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
     if (on && !cmlp_dist_initialized())
@@ -690,6 +699,7 @@ cmlp_status cmlp_trainer_set_distributed(cmlp_trainer *t, int on) {
     if (!on) return CMLP_OK;
     t->dist = true; /* collectives from here: every rank makes its trainer data-parallel */
     cmlp_status st = same_settings(t, CALL_TRAINER, NULL);
+    if (st == CMLP_OK) st = group_batch_fits(t); /* the same on every rank, as the settings are */
     if (st == CMLP_OK) st = join_device_group(t);
     if (st != CMLP_OK) t->dist = false;
     return st;
@@ -777,6 +787,7 @@ cmlp_status cmlp_trainer_epoch_begin(cmlp_trainer *t, const cmlp_data *xy, int s
     if (t->dist) {
         CMLP_TRY(cmlp_dist_agree(valid));
         CMLP_TRY(same_settings(t, CALL_EPOCH, xy));
+        CMLP_TRY(group_batch_fits(t));
         CMLP_TRY(join_device_group(t));
         static const char *const names[2] = {"the data set's sample count", "the data set's image type"};
         int64_t shape[2] = {xy->n, (int64_t)xy->x_dtype};

@@ -180,6 +180,15 @@ def mismatch_case(opts):
             trainer.fit(x, y, epochs=1, progress=False)
     except ValueError as e:
         out["call"] = str(e)
+    try:  # a step of 2**62 samples on each rank: the group's would not count
+        cmlp.Trainer(model, optimizer(model, "adam"), batch_size=2**61, accumulation_steps=2)
+    except ValueError as e:
+        out["group_batch"] = str(e)
+    # the same settings everywhere, -0.0 among them (its bits are the smallest int64)
+    m2 = cmlp.MLP(SIZES, seed=0)
+    cmlp.Trainer(m2, cmlp.optim.Adam(m2), batch_size=8, label_smoothing=-0.0, normalize=(-0.0, 0.5)).fit(
+        (x > 0).astype(np.uint8), y, epochs=1, progress=False)
+    out["negative_zero"] = "trained"
     flags = np.array([len(out)], dtype=np.int64)
     D.all_reduce(flags, "min")
     out["min_errors"] = int(flags[0])

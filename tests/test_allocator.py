@@ -150,8 +150,10 @@ def test_configure_round_trips_and_resets_other_keys():
     c = M.get_config()
     assert c["max_split_size_mb"] == 128
     assert c["garbage_collection_threshold"] == 0.8
-    assert c["roundup_power2_divisions"][:8] == [1] * 8  # below 256 MiB
-    assert c["roundup_power2_divisions"][8:11] == [2, 4, 8]
+    # PyTorch's parser: "256:1" sets [256, 512) MiB and, the first, every interval below it;
+    # ">:8" those after the last size given
+    assert c["roundup_power2_divisions"][:9] == [1] * 9
+    assert c["roundup_power2_divisions"][9:] == [2, 4] + [8] * 5
     assert c["expandable_segments"] is False
     assert M.memory_stats(DEV)["max_split_size"] == 128 * MIB
     M.configure(c)
@@ -166,7 +168,16 @@ def test_configure_round_trips_and_resets_other_keys():
 
 @pytest.mark.parametrize("text, needle", [
     ("foo:1", "Unrecognized CachingAllocator option: foo"),
-    ("max_split_size_mb:20", "max_split_size_mb too small"),
+    ("max_split_size_mb:19", "max_split_size_mb too small, must be >= 20"),
+    ("large_segment_size_mb:10", "large_segment_size_mb too small, must be > 10"),
+    ("large_segment_size_mb:64,max_split_size_mb:40", "max_split_size_mb too small, must be >= 64"),
+    ("max_non_split_rounding_mb:19", "max_non_split_rounding_mb too small"),
+    ("per_process_memory_fraction:1.5", "per_process_memory_fraction"),
+    ("roundup_power2_divisions:0", "power of 2"),
+    ("roundup_power2_divisions:[256:1", "roundup_power2_divisions"),
+    (",max_split_size_mb:128", "Unrecognized CachingAllocator option: ,"),
+    ("max_split_size_mb:128,,garbage_collection_threshold:0.5", "Unrecognized"),
+    ("pinned_num_register_threads:3", "pinned_num_register_threads"),
     ("max_split_size_mb:abc", "max_split_size_mb"),
     ("garbage_collection_threshold:1.0", "garbage_collection_threshold"),
     ("garbage_collection_threshold:0", "garbage_collection_threshold"),
@@ -174,7 +185,8 @@ def test_configure_round_trips_and_resets_other_keys():
     ("roundup_power2_divisions:[256:3]", "power of 2"),
     ("roundup_power2_divisions:[300:2]", "powers of 2"),
     ("expandable_segments:maybe", "expandable_segments"),
-    ("max_split_size_mb", "no value"),
+    ("max_split_size_mb", "max_split_size_mb: expected ':'"),
+    ("max_split_size_mb:", "max_split_size_mb"),
     ("backend:cudaMallocAsync", "backend"),
 ])
 def test_configure_rejects_bad_settings_and_changes_nothing(text, needle):
@@ -191,10 +203,77 @@ def test_configure_rejects_bad_settings_and_changes_nothing(text, needle):
 def test_pytorch_only_host_options_are_accepted():
     M.configure("pinned_use_cuda_host_register:True,backend:native,max_split_size_mb:40")
     assert M.get_config()["max_split_size_mb"] == 40
+    # every option of PyTorch's parser is taken (these have no effect here), with its syntax:
+    # spaces anywhere, a list's sizes in any order, a trailing comma
+    M.configure("pinned_use_background_threads:True, release_lock_on_cudamalloc:False,"
+                "graph_capture_record_stream_reuse:True,pinned_max_cached_size_mb:64,pinned_max_round_threshold_mb:8,"
+                "pinned_reserve_segment_size_mb:16,throw_on_cudamalloc_oom:True,pinned_num_register_threads:8,"
+                "roundup_power2_divisions:[ 512:4 , 64:2 ],max_split_size_mb:20,")
+    c = M.get_config()
+    assert c["max_split_size_mb"] == 20
+    assert c["roundup_power2_divisions"] == [4] * 6 + [2] + [4] * 3 + [0] * 6  # the first fills below it
+
+
+def _allocated_for(nbytes):
+    before = M.memory_allocated(DEV)
+    p = M.caching_allocator_alloc(nbytes, DEV)
+    got = M.memory_allocated(DEV) - before
+    M.caching_allocator_delete(p)
+    return got
+
+
+def test_roundup_divisions_follow_pytorch_intervals():
+    M.configure("roundup_power2_divisions:[256:1,512:2,1024:4,>:8]")
+    try:
+        assert _allocated_for(300 * MIB + 5) == 300 * MIB + 512  # [256, 512) MiB: 1 division, 512-byte rounding
+        assert _allocated_for(600 * MIB + 1) == 768 * MIB        # [512, 1024) MiB: 2 divisions
+        assert _allocated_for(1100 * MIB) == 1280 * MIB          # [1, 2) GiB: 4 divisions
+        assert _allocated_for(2100 * MIB) == 2304 * MIB          # past the last size: 8 divisions
+    finally:
+        M.configure("")
+        M.empty_cache(DEV)
+
+
+def test_large_segment_size_sets_the_segment_of_middle_requests():
+    M.empty_cache(DEV)
+    try:
+        for conf, segment in (("", 20 * MIB), ("large_segment_size_mb:32", 32 * MIB)):
+            M.configure(conf)
+            M.empty_cache(DEV)
+            before = M.memory_reserved(DEV)
+            p = M.caching_allocator_alloc(5 * MIB, DEV)
+            assert M.memory_reserved(DEV) - before == segment
+            M.caching_allocator_delete(p)
+            assert_stats_match_snapshot(DEV)
+        assert M.get_config()["max_non_split_rounding_mb"] == 32  # its default follows
+    finally:
+        M.configure("")
+        M.empty_cache(DEV)
+
+
+def test_max_non_split_rounding_lets_a_larger_oversize_block_serve():
+    # a cached 100 MiB oversize block serves a 60 MiB request only if it is at most
+    # max_non_split_rounding_mb larger (20 MiB by default)
+    try:
+        for conf, reused in (("max_split_size_mb:40", False), ("max_split_size_mb:40,max_non_split_rounding_mb:64", True)):
+            M.configure(conf)
+            M.empty_cache(DEV)
+            big = M.caching_allocator_alloc(100 * MIB, DEV)
+            M.caching_allocator_delete(big)
+            allocs = M.memory_stats(DEV)["num_device_alloc"]
+            p = M.caching_allocator_alloc(60 * MIB, DEV)
+            assert (M.memory_stats(DEV)["num_device_alloc"] == allocs) == reused, conf
+            assert M.memory_allocated(DEV) >= (100 if reused else 60) * MIB
+            M.caching_allocator_delete(p)
+            assert_stats_match_snapshot(DEV)
+    finally:
+        M.configure("")
+        M.empty_cache(DEV)
 
 
 def _import_with(env_extra):
-    env = {k: v for k, v in os.environ.items() if k not in ("CMLP_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("CMLP_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
     env.update(env_extra)
     code = "import cmlp, json; print(json.dumps(cmlp.memory.get_config()))"
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -207,6 +286,16 @@ def test_environment_settings_are_honoured_at_import():
     r = _import_with({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:256", "CMLP_ALLOC_CONF": "max_split_size_mb:512"})
     assert r.returncode == 0, r.stderr
     assert '"max_split_size_mb": 512' in r.stdout  # cmlp's own variable wins
+    # PyTorch's newer variable is read too; the older one, when both are set, first (as PyTorch)
+    r = _import_with({"PYTORCH_ALLOC_CONF": "max_split_size_mb:128"})
+    assert r.returncode == 0 and '"max_split_size_mb": 128' in r.stdout, r.stderr
+    r = _import_with({"PYTORCH_ALLOC_CONF": "max_split_size_mb:128", "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:256"})
+    assert r.returncode == 0 and '"max_split_size_mb": 256' in r.stdout, r.stderr
+    # settings written for PyTorch's CUDA allocator import
+    r = _import_with({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,per_process_memory_fraction:0.5,"
+                                                "max_non_split_rounding_mb:64,large_segment_size_mb:12"})
+    assert r.returncode == 0, r.stderr
+    assert '"per_process_memory_fraction": 0.5' in r.stdout and '"large_segment_size_mb": 12' in r.stdout
     r = _import_with({"CMLP_ALLOC_CONF": "max_split_size_mb:1"})
     assert r.returncode != 0
     assert "ValueError" in r.stderr and "CMLP_ALLOC_CONF" in r.stderr and "max_split_size_mb" in r.stderr

@@ -132,6 +132,28 @@ def test_activation_memory_halves(amp):
     assert 0.45 * fp32 <= half <= 0.52 * fp32, (half, fp32)
 
 
+@pytest.mark.parametrize("amp", ["fp16", "bf16"])
+@pytest.mark.parametrize("how", ["step", "forward_backward"])
+def test_a_step_refused_for_memory_gives_back_the_half_weights_it_made(amp, how):
+    rng = np.random.default_rng(0)
+    x, y = rng.random((2048, 784), dtype=np.float32), rng.integers(0, 10, 2048)
+    model = cmlp.MLP([784, 512, 256, 10], seed=0)
+    trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=2048, amp=amp, auto_microbatch=False)
+    M.empty_cache("cpu")
+    base = M.memory_allocated("cpu")
+    M.set_memory_limit(M.memory_reserved("cpu") + (2 << 20), "cpu")  # room for the half weights only
+    try:
+        with pytest.raises(cmlp.OutOfMemoryError):
+            if how == "step":
+                trainer.step(x, y)
+            else:
+                model.forward_backward(x, y, amp=amp)
+    finally:
+        M.set_memory_limit(None, "cpu")
+    assert M.memory_allocated("cpu") == base
+    trainer.step(x, y)  # and the next step makes them again
+
+
 def test_trainer_fp16_makes_a_scaler_and_bf16_does_not():
     model = cmlp.MLP([20, 8, 3], seed=0)
     t16 = cmlp.Trainer(model, cmlp.optim.Adam(model), amp="fp16")

@@ -1087,6 +1087,27 @@ def test_caching_allocator_on_the_gpu_reuses_blocks_without_a_device_call():
     assert_stats_match_snapshot(CUDA)
 
 
+@needs_cuda
+def test_per_process_memory_fraction_in_the_settings_limits_each_gpu():
+    total = M.memory_stats(CUDA)["total_memory"]
+    M.configure("per_process_memory_fraction:0.5")  # a GPU in use takes it at once
+    try:
+        assert M.get_memory_limit(CUDA) == int(0.5 * total)
+        assert M.get_config()["per_process_memory_fraction"] == 0.5
+        assert M.get_memory_limit("cpu") is None  # as torch's: GPUs only
+    finally:
+        M.configure("")
+        M.set_memory_limit(None, CUDA)
+    # a GPU opened after the settings were read (at import) takes it when it opens
+    code = ("import cmlp; m = cmlp.memory; t = m.memory_stats('cuda')['total_memory']; "
+            "print(m.get_memory_limit('cuda') == int(0.25 * t), m.get_per_process_memory_fraction('cuda'))")
+    env = {k: v for k, v in os.environ.items() if k != "CMLP_ALLOC_CONF"}
+    env["PYTORCH_CUDA_ALLOC_CONF"] = "per_process_memory_fraction:0.25"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "0.25"], r.stdout
+
+
 @needs_gpu
 def test_out_of_memory_under_a_limit_is_detailed_and_the_gpu_keeps_working():
     M.empty_cache(CUDA)

@@ -204,7 +204,9 @@ def test_a_rank_out_of_memory_fails_the_step_everywhere_and_nothing_hangs():
 @needs_mpi
 def test_ranks_that_disagree_all_raise():
     out = run_job(2, "mismatch")
-    assert out["min_errors"] == 11  # on both ranks, eleven errors, no hang
+    assert out["min_errors"] == 13  # on both ranks, twelve errors and a run, no hang
+    assert "over 2**62 samples a step" in out["group_batch"]
+    assert out["negative_zero"] == "trained"
     assert "fit's epochs (from 1 to 2)" in out["epochs"]
     assert "fit's validation samples (-1: none) (from -1 to 64)" in out["validation"]
     assert "batch_size (from 8 to 9)" in out["batch"]

@@ -116,6 +116,57 @@ def test_adam_state_appears_at_the_first_step():
     assert allocated() == base
 
 
+def _align(n, to):
+    return (n + to - 1) // to * to
+
+
+@pytest.mark.parametrize("images", ["float32", "uint8"])
+def test_a_forward_pass_holds_no_gradient_buffers(images):
+    # forward-only buffers: the input when it is copied (uint8 is normalised into it; float32
+    # on the CPU is read in place), then two that odd and even layers' outputs take in turn
+    sizes, rows = [784, 512, 256, 10], 1000
+    model = cmlp.MLP(sizes, seed=0)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (rows, 784)).astype(images)
+    y = rng.integers(0, 10, rows)
+    want = (_align(rows * 784 * 4, 64) if images == "uint8" else 0) + _align(rows * 512 * 4, 64) \
+        + _align(rows * 256 * 4, 64) + _align(rows * 4, 64)
+    for run in (lambda: model.evaluate(x, y, batch_size=rows), lambda: model(x)):
+        M.empty_cache(DEV)
+        base = M.memory_allocated(DEV)
+        M.reset_peak_memory_stats(DEV)
+        run()
+        assert M.max_memory_allocated(DEV) - base == _align(want, 512)
+        assert M.memory_allocated(DEV) == base
+    # a training step's own buffers (all its own: two micro-batches a step) serve a later
+    # forward pass when they are large enough
+    trainer = cmlp.Trainer(model, cmlp.optim.SGD(model, lr=0.01), batch_size=rows, accumulation_steps=2,
+                           shuffle=False)
+    trainer.step(np.concatenate([x, x]).astype(np.float32) / 255, np.concatenate([y, y]))
+    held = M.memory_allocated(DEV)
+    M.reset_peak_memory_stats(DEV)
+    model._c.evaluate(x, y.astype(np.int32), 0.5, 0.5, rows)  # without the release that evaluate() makes
+    assert M.max_memory_allocated(DEV) == held
+
+
+def test_a_model_that_does_not_fit_fails_before_drawing_its_parameters():
+    # 1 GiB of parameters under a 64 MiB limit: refused at once, without a host copy of them
+    code = ("import resource, cmlp\n"
+            "cmlp.memory.set_memory_limit(64 << 20, 'cpu')\n"
+            "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+            "try:\n"
+            "    cmlp.MLP([16384, 16384])\n"
+            "except cmlp.OutOfMemoryError:\n"
+            "    print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024,"
+            " cmlp.memory.memory_allocated('cpu'))\n")
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    grown_mib, allocated = map(int, r.stdout.split())
+    assert grown_mib < 64 and allocated == 0
+
+
 def test_peaks_and_reset():
     base = allocated()
     ptr = M.caching_allocator_alloc(8 << 20, DEV)

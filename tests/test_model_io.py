@@ -121,6 +121,44 @@ def test_load_state_dict_rejects_and_keeps_parameters(change, match):
     assert_params_equal(m.state_dict(), before)
 
 
+@pytest.mark.parametrize("prefix", ["{}.", "net.{}.", "module.fc{}."])
+def test_load_state_dict_takes_any_modules_linear_layers_in_order(prefix):
+    # an nn.Sequential(Flatten, Linear, ReLU, Linear, ReLU, Linear) names them 1, 3, 5
+    src = cmlp.MLP(SIZES, seed=4).state_dict()
+    renamed = {}
+    for i, (name, arr) in enumerate(src.items()):
+        layer = 2 * (i // 2) + 1
+        renamed[prefix.format(layer) + name.split(".")[1]] = arr
+    m = cmlp.MLP(SIZES, seed=3)
+    result = m.load_state_dict(renamed)
+    assert result.missing_keys == [] and result.unexpected_keys == [] and repr(result) == "<All keys matched successfully>"
+    assert_params_equal(m.state_dict(), src)
+    # out of order, or a shape that is not the layer's: nothing is guessed
+    shuffled = dict(reversed(list(renamed.items())))
+    with pytest.raises(ValueError, match="missing keys"):
+        m.load_state_dict(shuffled)
+
+
+def test_load_state_dict_not_strict_loads_what_matches_and_reports_the_rest():
+    m = cmlp.MLP(SIZES, seed=3)
+    before = m.state_dict()
+    src = dict(cmlp.MLP(SIZES, seed=4).state_dict())
+    del src["fc3.bias"]
+    src["head.scale"] = np.ones(3, np.float32)
+    missing, unexpected = m.load_state_dict(src, strict=False)
+    assert missing == ["fc3.bias"] and unexpected == ["head.scale"]
+    after = m.state_dict()
+    np.testing.assert_array_equal(after["fc3.bias"], before["fc3.bias"])
+    for k in src:
+        if k in after:
+            np.testing.assert_array_equal(after[k], src[k])
+    with pytest.raises(ValueError, match="fc2.bias"):  # a wrong shape raises all the same, changing nothing
+        m.load_state_dict({"fc1.bias": np.zeros(512, np.float32), "fc2.bias": np.zeros(3, np.float32)}, strict=False)
+    assert_params_equal(m.state_dict(), after)
+    with pytest.raises(TypeError, match="strict"):
+        m.load_state_dict(src, strict="no")
+
+
 def test_load_state_dict_accepts_float64(model):
     sd64 = {k: v.astype(np.float64) + 1e-3 for k, v in model.state_dict().items()}
     m = cmlp.MLP(SIZES, seed=9)

@@ -30,8 +30,9 @@ _register_fork_handler()
 def _configure_from_environment() -> None:
     import os
 
-    # CMLP_ALLOC_CONF, when set (even empty), is cmlp's own and PyTorch's variable is not read
-    for var in ("CMLP_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+    # CMLP_ALLOC_CONF, when set (even empty), is cmlp's own and PyTorch's variables are not read;
+    # of those, the first set is read, in PyTorch's order
+    for var in ("CMLP_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         conf = os.environ.get(var)
         if conf is None:
             continue
@@ -39,7 +40,7 @@ def _configure_from_environment() -> None:
             memory.configure(conf)
         except ValueError as e:
             hint = ("; set CMLP_ALLOC_CONF (it takes precedence, and may be empty) to give cmlp settings of its "
-                    "own" if var == "PYTORCH_CUDA_ALLOC_CONF" else "")
+                    "own" if var != "CMLP_ALLOC_CONF" else "")
             raise ValueError(f"{var}={conf!r}: {e}{hint}") from None
         return
 

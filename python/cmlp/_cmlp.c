@@ -1391,6 +1391,7 @@ static PyObject *mod_memory_stats(PyObject *mod, PyObject *arg) {
         put_int(dict, "num_sync_all_streams", s.num_sync_all_streams) < 0 ||
         put_int(dict, "num_device_alloc", s.num_device_alloc) < 0 ||
         put_int(dict, "num_device_free", s.num_device_free) < 0 ||
+        put_int(dict, "num_oom_rejections", 0) < 0 || /* torch's throw_on_cudamalloc_oom policy: not applied */
         put_int(dict, "max_split_size", s.max_split_size) < 0 || put_int(dict, "limit", s.limit) < 0 ||
         put_int(dict, "total_memory", s.total_memory) < 0 ||
         put_int(dict, "largest_free_block", s.largest_free_block) < 0 ||
@@ -1631,9 +1632,11 @@ static PyObject *mod_get_settings(PyObject *mod, PyObject *unused) {
     PyObject *div = PyList_New(CMLP_ROUNDUP_INTERVALS);
     if (!div) return NULL;
     for (int i = 0; i < CMLP_ROUNDUP_INTERVALS; i++) PyList_SET_ITEM(div, i, PyLong_FromLong(c.roundup_power2_divisions[i]));
-    return Py_BuildValue("{s:L,s:d,s:N,s:O}", "max_split_size", (long long)c.max_split_size,
+    return Py_BuildValue("{s:L,s:d,s:N,s:O,s:L,s:L,s:d}", "max_split_size", (long long)c.max_split_size,
                          "garbage_collection_threshold", c.garbage_collection_threshold, "roundup_power2_divisions", div,
-                         "expandable_segments", c.expandable_segments ? Py_True : Py_False);
+                         "expandable_segments", c.expandable_segments ? Py_True : Py_False, "large_segment_size",
+                         (long long)c.large_segment_size, "max_non_split_rounding", (long long)c.max_non_split_rounding,
+                         "per_process_memory_fraction", c.per_process_memory_fraction);
 }
 
 static PyObject *mod_validate(PyObject *mod, PyObject *arg) {

@@ -109,6 +109,7 @@ def memory_stats_as_nested_dict(device: Optional[str] = None) -> Dict[str, Any]:
         for part in path:
             level = level.setdefault(part, {})
         level[last] = value
+    nested["reserved_bytes_by_private_pools"] = {}  # torch's: cmlp's allocators have no private pools
     return nested
 
 
@@ -257,29 +258,40 @@ _INTERVALS = 16
 
 
 def _divisions_text(div: List[int]) -> str:
-    if all(d == div[0] for d in div):
+    if all(d == div[0] for d in div) and div[0]:
         return str(div[0])
-    # key 2^(i+1) MiB sets interval i ([2^i, 2^(i+1)) MiB); ">" the last one
-    items = [f"{1 << (i + 1)}:{d}" for i, d in enumerate(div[:-1])] + [f">:{div[-1]}"]
+    # key 2^i MiB sets interval i ([2^i, 2^(i+1)) MiB, PyTorch's parser); ">" the last one
+    items = [f"{1 << i}:{d}" for i, d in enumerate(div[:-1])] + [f">:{div[-1]}"]
     return "[" + ",".join(items) + "]"
+
+
+_DEFAULT_LARGE_SEGMENT_MB = 20
 
 
 def get_config() -> Dict[str, Any]:
     """The allocator options in force (shared by every device), in PyTorch's key names:
     max_split_size_mb (None: unlimited), garbage_collection_threshold (0.0: off),
     roundup_power2_divisions (divisions per power-of-two interval from 1 MiB; 0 or 1: none),
-    expandable_segments."""
+    expandable_segments, large_segment_size_mb (the segment of a request over 1 MiB and under
+    10 MiB), max_non_split_rounding_mb (how much larger than a request at or over
+    max_split_size_mb a cached block that serves it whole may be), per_process_memory_fraction
+    (None, or the fraction of each GPU's memory set as its limit when it opens)."""
     s = _cmlp.get_settings()
+    fraction = s["per_process_memory_fraction"]
     return {
         "max_split_size_mb": None if s["max_split_size"] < 0 else s["max_split_size"] >> 20,
         "garbage_collection_threshold": s["garbage_collection_threshold"],
         "roundup_power2_divisions": list(s["roundup_power2_divisions"]),
         "expandable_segments": bool(s["expandable_segments"]),
+        "large_segment_size_mb": s["large_segment_size"] >> 20,
+        "max_non_split_rounding_mb": s["max_non_split_rounding"] >> 20,
+        "per_process_memory_fraction": None if fraction < 0 else fraction,
     }
 
 
 def _config_text(config: Mapping[str, Any]) -> str:
-    known = {"max_split_size_mb", "garbage_collection_threshold", "roundup_power2_divisions", "expandable_segments"}
+    known = {"max_split_size_mb", "garbage_collection_threshold", "roundup_power2_divisions", "expandable_segments",
+             "large_segment_size_mb", "max_non_split_rounding_mb", "per_process_memory_fraction"}
     unknown = sorted(set(config) - known)
     if unknown:
         raise ValueError(f"Unrecognized CachingAllocator option: {unknown[0]}")
@@ -298,9 +310,21 @@ def _config_text(config: Mapping[str, Any]) -> str:
             raise ValueError(f"{key} must be an int, got {v!r}")
         return int(v)
 
+    def number(key: str, v: Any) -> float:
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise ValueError(f"{key} must be a number, got {v!r}")
+        return float(v)
+
     parts = []
+    large = config.get("large_segment_size_mb")
+    if large is not None and whole("large_segment_size_mb", large) != _DEFAULT_LARGE_SEGMENT_MB:
+        parts.append(f"large_segment_size_mb:{int(large)}")
     if config.get("max_split_size_mb") is not None:
         parts.append(f"max_split_size_mb:{whole('max_split_size_mb', config['max_split_size_mb'])}")
+    rounding = config.get("max_non_split_rounding_mb")
+    if rounding is not None and whole("max_non_split_rounding_mb", rounding) != (
+            _DEFAULT_LARGE_SEGMENT_MB if large is None else int(large)):
+        parts.append(f"max_non_split_rounding_mb:{int(rounding)}")
     gc = config.get("garbage_collection_threshold")
     if gc is not None:
         try:
@@ -324,6 +348,9 @@ def _config_text(config: Mapping[str, Any]) -> str:
             parts.append(f"roundup_power2_divisions:{_divisions_text(div)}")
     if flag("expandable_segments"):
         parts.append("expandable_segments:True")
+    fraction = config.get("per_process_memory_fraction")
+    if fraction is not None:
+        parts.append(f"per_process_memory_fraction:{number('per_process_memory_fraction', fraction)!r}")
     return ",".join(parts)
 
 
@@ -331,7 +358,10 @@ def configure(config: Union[str, Mapping[str, Any]]) -> None:
     """Sets the allocator options from PYTORCH_CUDA_ALLOC_CONF's syntax, e.g.
     "max_split_size_mb:128,garbage_collection_threshold:0.8,expandable_segments:True", or from a
     dict as get_config() returns. Options not given return to their defaults. An unknown key
-    or bad value raises ValueError naming it, and nothing changes."""
+    or bad value raises ValueError naming it, and nothing changes. PyTorch's options for pinned
+    host memory and its other CUDA backends' details are checked and have no effect.
+    per_process_memory_fraction sets the limit of every GPU in use and of each one opened later
+    (set_per_process_memory_fraction's); leaving it out later lifts no limit."""
     if isinstance(config, Mapping):
         config = _config_text(config)
     if not isinstance(config, str):

@@ -63,6 +63,26 @@ def model_of(obj: Any, what: str) -> "MLP":
                     f"got {type(obj).__name__}")
 
 
+class IncompatibleKeys(tuple):
+    """What load_state_dict did not match (torch's result): missing_keys, unexpected_keys."""
+
+    def __new__(cls, missing_keys: Sequence[str], unexpected_keys: Sequence[str]) -> "IncompatibleKeys":
+        return super().__new__(cls, (list(missing_keys), list(unexpected_keys)))
+
+    @property
+    def missing_keys(self) -> list:
+        return self[0]
+
+    @property
+    def unexpected_keys(self) -> list:
+        return self[1]
+
+    def __repr__(self) -> str:
+        if not self.missing_keys and not self.unexpected_keys:
+            return "<All keys matched successfully>"
+        return f"IncompatibleKeys(missing_keys={self.missing_keys}, unexpected_keys={self.unexpected_keys})"
+
+
 class MLP:
     """Linear layers with ReLU between them, initialised like nn.Linear from `seed`."""
 
@@ -178,19 +198,30 @@ class MLP:
         """Copies of the gradients, with state_dict's names and shapes."""
         return self._split(self._c.get_grads())
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Replaces every parameter; names and shapes must match (a PyTorch SimpleMLP state_dict
-        converted with .numpy() does)."""
+    def load_state_dict(self, state: Dict[str, Any], strict: bool = True) -> "IncompatibleKeys":
+        """Replaces the parameters from a mapping of names to arrays, as torch's: with the names of
+        state_dict() ("fc1.weight", ..., a PyTorch SimpleMLP's converted with .numpy()), or those
+        of any module whose Linear layers are this model's in order (an nn.Sequential's "0.weight",
+        "2.weight", ...: every key a weight or a bias, each layer's pair in turn, every shape
+        right). strict=False loads the names present and reports the rest. Returns the missing
+        and unexpected keys (torch's result); a wrong shape, or any key off with strict, raises
+        ValueError and changes nothing."""
         if not hasattr(state, "keys"):
             raise TypeError(f"state_dict must be a mapping of names to arrays, got {type(state).__name__}")
-        flat = np.empty(self.num_parameters(), dtype=np.float32)
+        strict = as_flag("strict", strict)
+        flat = self._c.get_params()
         views = self._split(flat)
+        renamed = self._linear_names(state, views) if set(state.keys()) != set(views) else None
+        if renamed is not None:
+            state = renamed
         missing = [k for k in views if k not in state]
         unexpected = [k for k in state.keys() if k not in views]
-        if missing or unexpected:
+        if strict and (missing or unexpected):
             raise ValueError(f"state_dict does not match the model {list(self._sizes)}: missing keys {missing}, "
                              f"unexpected keys {unexpected}")
         for name, view in views.items():
+            if name not in state:
+                continue
             arr = np.asarray(state[name])
             if arr.dtype.kind not in "fiu":
                 raise TypeError(f"state_dict[{name!r}] must be numeric, got dtype {arr.dtype}")
@@ -198,6 +229,25 @@ class MLP:
                 raise ValueError(f"state_dict[{name!r}] has shape {tuple(arr.shape)}; the model needs {view.shape}")
             view[...] = arr
         self._c.set_params(flat)
+        return IncompatibleKeys(missing, unexpected)
+
+    def _linear_names(self, state: Any, views: "OrderedDict[str, np.ndarray]") -> Optional[Dict[str, Any]]:
+        """state under this model's names when it holds exactly its layers' weights and biases in
+        order under other names (module.weight then module.bias, layer by layer), else None."""
+        keys = list(state.keys())
+        if len(keys) != len(views) or not all(isinstance(k, str) for k in keys):
+            return None
+        n = len(self._sizes) - 1
+        out: Dict[str, Any] = {}
+        for i in range(n):
+            w, b = keys[2 * i], keys[2 * i + 1]
+            if not (w.endswith(".weight") and b == w[:-len("weight")] + "bias"):
+                return None
+            for key, name in ((w, f"fc{i + 1}.weight"), (b, f"fc{i + 1}.bias")):
+                if np.shape(state[key]) != views[name].shape:
+                    return None
+                out[name] = state[key]
+        return out
 
     # ---- files ----
     def save(self, path: "os.PathLike[str] | str") -> None:

@@ -799,8 +799,12 @@ static void test_max_split(void) {
     CHECK(CUR(s, OVERSIZE_SEGMENTS, ALL) == 0 && CUR(s, OVERSIZE_ALLOCATIONS, ALL) == 0 && CUR(s, RESERVED_BYTES, ALL) == 0,
           "oversize stats after empty_cache %" PRId64, CUR(s, OVERSIZE_SEGMENTS, ALL));
     fin(a, &d);
-    /* the setting is validated: minimum is above 20 */
-    CHECK(cmlp_memory_configure("max_split_size_mb:20") == CMLP_ERR_INVALID, "max_split_size_mb:20 accepted");
+    /* the setting is validated: at least large_segment_size_mb (20 by default) */
+    CHECK(cmlp_memory_configure("max_split_size_mb:19") == CMLP_ERR_INVALID, "max_split_size_mb:19 accepted");
+    CHECK(cmlp_memory_configure("large_segment_size_mb:32,max_split_size_mb:30") == CMLP_ERR_INVALID,
+          "max_split_size_mb under large_segment_size_mb accepted");
+    OK(cmlp_memory_configure("max_split_size_mb:20"));
+    OK(cmlp_memory_configure(""));
 }
 
 /* A segment made for a request just under max_split_size is rounded up to it: PyTorch counts
@@ -902,19 +906,20 @@ static void test_roundup(void) {
     CHECK((r = rounded(a, MB(5) + 1)) == (int64_t)(MB(5) + 512 * KIB), "5 MiB + 1 with 8 divisions -> %" PRId64, r);
     fin(a, &d);
 
-    /* the list form: below 256 MiB 1 division, [256, 512) 2, [512, 1024) 4, above 8 */
+    /* the list form, as PyTorch's parser reads it: a size sets the interval that starts there,
+     * the first also those below it: [0, 512) MiB 1 division, [512, 1024) 2, [1, 2) GiB 4, above 8 */
     a = mk(&d, "roundup_power2_divisions:[256:1,512:2,1024:4,>:8]", (int64_t)GB(2));
     CHECK((r = rounded(a, MB(100) + 1)) == (int64_t)(MB(100) + 512), "100 MiB + 1 -> %" PRId64, r);
     CHECK((r = rounded(a, 4097)) == 4608, "4097 -> %" PRId64, r);
-    CHECK((r = rounded(a, MB(300))) == (int64_t)MB(384), "300 MiB -> %" PRId64 " MiB", r >> 20);
-    CHECK((r = rounded(a, MB(600))) == (int64_t)MB(640), "600 MiB -> %" PRId64 " MiB", r >> 20);
-    CHECK((r = rounded(a, MB(1100))) == (int64_t)MB(1152), "1100 MiB -> %" PRId64 " MiB", r >> 20);
+    CHECK((r = rounded(a, MB(300))) == (int64_t)MB(300), "300 MiB -> %" PRId64 " MiB", r >> 20);
+    CHECK((r = rounded(a, MB(600))) == (int64_t)MB(768), "600 MiB -> %" PRId64 " MiB", r >> 20);
+    CHECK((r = rounded(a, MB(1100))) == (int64_t)MB(1280), "1100 MiB -> %" PRId64 " MiB", r >> 20);
     fin(a, &d);
 
     a = mk(&d, "roundup_power2_divisions:[2:4,>:8]", (int64_t)GB(2));
     CHECK((r = rounded(a, 4097)) == 5120, "4097 -> %" PRId64, r);
     CHECK((r = rounded(a, MB(1) + 1)) == (int64_t)(MB(1) + 256 * KIB), "1 MiB + 1 -> %" PRId64, r);
-    CHECK((r = rounded(a, MB(2) + 1)) == (int64_t)(MB(2) + 256 * KIB), "2 MiB + 1 -> %" PRId64, r);
+    CHECK((r = rounded(a, MB(2) + 1)) == (int64_t)(MB(2) + 512 * KIB), "2 MiB + 1 -> %" PRId64, r);
     CHECK((r = rounded(a, MB(4) + 1)) == (int64_t)(MB(4) + 512 * KIB), "4 MiB + 1 -> %" PRId64, r);
     fin(a, &d);
 
