@@ -489,6 +489,26 @@ def test_one_trainer_runs_one_call_at_a_time():
     assert np.isfinite(t.step(x[:8], y[:8]))  # free again
 
 
+def test_a_call_from_inside_fit_says_so():
+    m = cmlp.MLP(SIZES, seed=0)
+    opt = cmlp.optim.Adam(m)
+    t = cmlp.Trainer(m, opt, batch_size=8)
+    x, y = data(64)
+    seen = []
+
+    def rate(epoch):
+        if epoch == 1:
+            try:
+                t.step(x[:8], y[:8])
+            except RuntimeError as e:
+                seen.append(str(e))
+        return 1.0
+
+    t.fit(x, y, epochs=2, progress=False, scheduler=cmlp.optim.lr_scheduler.LambdaLR(opt, rate))
+    assert len(seen) == 1 and "called from inside it" in seen[0], seen
+    assert np.isfinite(t.step(x[:8], y[:8]))
+
+
 LABELS_CHANGED_DURING_FIT = textwrap.dedent(r"""
     import threading, time
     import numpy as np

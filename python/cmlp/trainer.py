@@ -301,12 +301,19 @@ class Trainer:
         xa = as_inputs(x, sizes[0], f"{what} x")
         return xa, as_labels(y, xa.shape[0], sizes[-1], f"{what} y")
 
+    def _busy_error(self, what: str) -> RuntimeError:
+        if getattr(self, "_owner", None) == threading.get_ident():
+            return RuntimeError(f"this Trainer's fit or step is still running: {what} was called from inside it (a "
+                                "schedule's function, a callback or a progress bar), which cannot be done")
+        return RuntimeError(f"this Trainer is already running fit or step in another thread; {what} must wait "
+                            "for it (or use a Trainer per thread)")
+
     def _claim(self, what: str) -> None:
         if self._lost:
             raise RuntimeError(_LOST)
         if not self._busy.acquire(blocking=False):
-            raise RuntimeError(f"this Trainer is already running fit or step in another thread; {what} must wait "
-                               "for it (or use a Trainer per thread)")
+            raise self._busy_error(what)
+        self._owner = threading.get_ident()
 
     def _agree(self, error: Optional[Exception]) -> None:
         """Raises error if there is one; data-parallel, first every rank learns whether some
@@ -325,9 +332,10 @@ class Trainer:
         if error is None and self._lost:
             error = RuntimeError(_LOST)
         claimed = error is None and self._busy.acquire(blocking=False)
+        if claimed:
+            self._owner = threading.get_ident()
         if error is None and not claimed:
-            error = RuntimeError(f"this Trainer is already running fit or step in another thread; {what} must wait "
-                                 "for it (or use a Trainer per thread)")
+            error = self._busy_error(what)
         try:
             self._agree(error)
         except BaseException:
