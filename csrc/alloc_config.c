@@ -55,15 +55,14 @@ size_t alloc_segment_size(const cmlp_alloc_settings *c, size_t rounded) {
 
 /* ---- parsing ---- */
 
-static const cmlp_alloc_settings defaults = {
-    .max_split_size = -1,
-    .large_segment_size = K_LARGE_BUFFER,
-    .max_non_split_rounding = K_LARGE_BUFFER,
-    .per_process_memory_fraction = -1.0,
-};
+#define DEFAULTS                                                                                                   \
+    {.max_split_size = -1, .large_segment_size = K_LARGE_BUFFER, .max_non_split_rounding = K_LARGE_BUFFER,          \
+     .per_process_memory_fraction = -1.0}
+
+static const cmlp_alloc_settings defaults = DEFAULTS;
 
 static pthread_mutex_t config_lock = PTHREAD_MUTEX_INITIALIZER;
-static cmlp_alloc_settings current = defaults;
+static cmlp_alloc_settings current = DEFAULTS;
 
 void alloc_config_current(cmlp_alloc_settings *out) {
     pthread_mutex_lock(&config_lock);
@@ -74,32 +73,32 @@ void alloc_config_current(cmlp_alloc_settings *out) {
 void cmlp_memory_get_settings(cmlp_alloc_settings *out) { alloc_config_current(out); }
 
 /* The text cut into tokens as PyTorch's parser cuts it: ',', ':', '[' and ']' alone, the runs
- * between them, spaces dropped. */
-#define MAX_TOKENS 512
-
+ * between them with their spaces dropped ("1 28" is "128"). */
 typedef struct {
-    char *tok[MAX_TOKENS];
+    char **tok;
     size_t n;
 } tokens;
 
-static cmlp_status tokenize(const char *src, char *buf, tokens *t) {
+static bool delimiter(char c) { return c == ',' || c == ':' || c == '[' || c == ']'; }
+
+/* buf: 2 strlen(src) + 1 bytes, tok: strlen(src) entries (each character may be a token) */
+static void tokenize(const char *src, char *buf, tokens *t) {
     t->n = 0;
-    char *w = buf; /* each character of src may become a token of its own: 2 bytes */
+    char *w = buf;
     for (const char *p = src; *p;) {
         if (isspace((unsigned char)*p)) {
             p++;
             continue;
         }
-        if (t->n == MAX_TOKENS) return CMLP_FAIL(CMLP_ERR_INVALID, "the allocator configuration is too long");
         t->tok[t->n++] = w;
-        if (strchr(",:[]", *p)) {
+        if (delimiter(*p)) {
             *w++ = *p++;
         } else {
-            while (*p && !isspace((unsigned char)*p) && !strchr(",:[]", *p)) *w++ = *p++;
+            for (; *p && !delimiter(*p); p++)
+                if (!isspace((unsigned char)*p)) *w++ = *p;
         }
         *w++ = '\0';
     }
-    return CMLP_OK;
 }
 
 static const char *at(const tokens *t, size_t i) { return i < t->n ? t->tok[i] : ""; }
@@ -142,14 +141,15 @@ static cmlp_status to_bool(const char *key, const char *val, int *out) {
 static bool is_pow2(long v) { return v > 0 && (v & (v - 1)) == 0; }
 static bool divisions_ok(long v) { return is_pow2(v) && v <= (1L << 30); } /* stored as int */
 
-/* A size in MiB of at least `min_mb`, as bytes. */
+/* A size in MiB of at least `min_mb`, as bytes; as PyTorch's, a larger one than any device has is
+ * taken as the largest (2**36 MiB here: sums of sizes stay far from overflowing). */
 static cmlp_status to_mib(const char *key, const char *val, long min_mb, bool above, int64_t *out) {
     long v = 0;
     CMLP_TRY(to_long(key, val, 0, &v));
     if (above ? v <= min_mb : v < min_mb)
         return CMLP_FAIL(CMLP_ERR_INVALID, "CachingAllocator option %s too small, must be %s %ld", key,
                          above ? ">" : ">=", min_mb);
-    if (v > (long)(INT64_MAX / (int64_t)MIB)) return bad(key, val, "too large");
+    if (v > (1L << 36)) v = 1L << 36;
     *out = (int64_t)v * (int64_t)MIB;
     return CMLP_OK;
 }
@@ -200,12 +200,13 @@ static cmlp_status parse_roundup(const tokens *t, size_t *i, cmlp_alloc_settings
  * PYTORCH_CUDA_ALLOC_CONF written for PyTorch works here too, and otherwise ignored. */
 static const struct {
     const char *key;
-    char kind; /* 'b': True/False, 'n': an integer >= 0, '2': a power of 2 up to 128, 'v': any one value */
+    char kind; /* 'b': True/False, 'n': an integer >= 0, 'p': > 0, '2': a power of 2 up to 128, 'v': any one value */
 } accepted[] = {
     {"pinned_use_background_threads", 'b'}, {"release_lock_on_cudamalloc", 'b'},
-    {"pinned_use_cuda_host_register", 'b'}, {"graph_capture_record_stream_reuse", 'b'},
+    {"release_lock_on_hipmalloc", 'b'},     {"pinned_use_cuda_host_register", 'b'},
+    {"pinned_use_hip_host_register", 'b'},  {"graph_capture_record_stream_reuse", 'b'},
     {"pinned_free_catch_all", 'b'},         {"throw_on_cudamalloc_oom", 'b'},
-    {"pinned_num_register_threads", '2'},   {"pinned_reserve_segment_size_mb", 'n'},
+    {"pinned_num_register_threads", '2'},   {"pinned_reserve_segment_size_mb", 'p'},
     {"pinned_max_round_threshold_mb", 'n'}, {"pinned_max_cached_size_mb", 'n'},
     {"expandable_segments_handle_type", 'v'},
 };
@@ -255,6 +256,7 @@ static cmlp_status parse_key(const tokens *t, size_t *i, cmlp_alloc_settings *c)
             long v;
             if (accepted[k].kind == 'b') return to_bool(key, val, &flag);
             if (accepted[k].kind == 'n') return to_long(key, val, 0, &v);
+            if (accepted[k].kind == 'p') return to_long(key, val, 1, &v);
             if (accepted[k].kind == '2') {
                 CMLP_TRY(to_long(key, val, 0, &v));
                 return is_pow2(v) && v <= 128 ? CMLP_OK : bad(key, val, "a power of 2 up to 128");
@@ -285,16 +287,16 @@ cmlp_status cmlp_memory_parse_settings(const char *conf, cmlp_alloc_settings *ou
     cmlp_alloc_settings c = defaults;
     size_t len = strlen(conf);
     char *buf = malloc(2 * len + 1);
-    tokens *t = malloc(sizeof *t);
+    tokens t = {.tok = malloc((len + 1) * sizeof(char *))};
     cmlp_status st = CMLP_OK;
-    if (!buf || !t) {
+    if (!buf || !t.tok) {
         st = CMLP_FAIL(CMLP_ERR_OOM, "out of host memory parsing the allocator configuration");
     } else {
-        st = tokenize(conf, buf, t);
-        if (st == CMLP_OK) st = parse_settings(t, &c);
+        tokenize(conf, buf, &t);
+        st = parse_settings(&t, &c);
     }
     free(buf);
-    free(t);
+    free(t.tok);
     if (st == CMLP_OK) *out = c;
     return st;
 }

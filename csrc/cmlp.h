@@ -585,16 +585,20 @@ typedef struct cmlp_plan {
      * step's half weights and every buffer the step is done with before it writes that
      * gradient last, where they fit */
     int64_t in_gradients;
+    /* the buffers of an evaluation after the step's went back (a validation chunk of eval_rows) */
+    int64_t evaluation;
 } cmlp_plan;
 
 /* optimizer_buffers: 2 for Adam, 1 for SGD with momentum, 0 for plain SGD; optimizer_shards: the
  * ranks a ZeroRedundancyOptimizer shards the state over (1: none; the plan is the first rank's,
  * whose part is the largest); loss_scaling: 1 with
  * a GradScaler; solo: 1 when every optimizer step is a single micro-batch of `batch` rows (no
- * accumulation). */
+ * accumulation). eval_rows > 0: the step is followed, after its buffers went back, by an
+ * evaluation in chunks of eval_rows (a forward pass alone), whose input is staged
+ * (eval_staged: uint8 images, or any on a GPU) or read in place. */
 CMLP_API cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int optimizer_buffers,
-                                       int optimizer_shards, cmlp_amp amp, int recompute, int loss_scaling, int solo, cmlp_device d,
-                                       cmlp_plan *out);
+                                       int optimizer_shards, cmlp_amp amp, int recompute, int loss_scaling, int solo,
+                                       int64_t eval_rows, int eval_staged, cmlp_device d, cmlp_plan *out);
 
 /* ---- build ------------------------------------------------------------------------------- */
 

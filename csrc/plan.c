@@ -48,7 +48,8 @@ static const cmlp_backend_i paper_backend = {
 };
 
 cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int optimizer_buffers, int optimizer_shards,
-                              cmlp_amp amp, int recompute, int loss_scaling, int solo, cmlp_device d, cmlp_plan *out) {
+                              cmlp_amp amp, int recompute, int loss_scaling, int solo, int64_t eval_rows,
+                              int eval_staged, cmlp_device d, cmlp_plan *out) {
     if (!sizes || !out || nsizes < 2 || nsizes > CMLP_MAX_LAYERS + 1)
         return CMLP_FAIL(CMLP_ERR_INVALID, "layer_sizes must list 2 to %d sizes", CMLP_MAX_LAYERS + 1);
     for (int i = 0; i < nsizes; i++)
@@ -59,6 +60,9 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
     /* the byte counts below stay far from overflowing: at most 2**56 activation values */
     int64_t width_sum = 0;
     for (int i = 0; i < nsizes; i++) width_sum += sizes[i];
+    if (eval_rows < 0 || eval_rows > ((int64_t)1 << 56) / width_sum)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "evaluation rows must be in [0, 2**56 / %lld], got %lld",
+                         (long long)width_sum, (long long)eval_rows);
     if (batch > ((int64_t)1 << 56) / width_sum)
         return CMLP_FAIL(CMLP_ERR_INVALID,
                          "batch_size %lld is too large to plan: its activations alone would be over 2**56 values "
@@ -130,9 +134,17 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
         base_allocated = s.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].current;
         base_reserved = s.stat[CMLP_STAT_RESERVED_BYTES][CMLP_POOL_ALL].current;
     }
-    for (int i = 0; i < nreq && st == CMLP_OK; i++) {
+    void *ws_block = NULL;
+    for (int i = 0; i < nreq && st == CMLP_OK; i++) st = cmlp_allocator_malloc(a, req[i], "planned", &ws_block);
+    if (st == CMLP_OK && eval_rows > 0) {
+        /* the step's buffers go back (the workspace, the last request), then the evaluation's */
+        size_t fsz[4], fwd = 0;
+        int nf = cmlp_fwd_layout(sizes, L, eval_rows, eval_staged != 0, fsz);
+        for (int i = 0; i < nf; i++) fwd += fsz[i];
+        out->evaluation = (int64_t)fwd;
         void *p;
-        st = cmlp_allocator_malloc(a, req[i], "planned", &p);
+        st = cmlp_allocator_free(a, ws_block);
+        if (st == CMLP_OK) st = cmlp_allocator_malloc(a, fwd, "planned evaluation", &p);
     }
     if (st == CMLP_OK) {
         cmlp_memory_stats s;

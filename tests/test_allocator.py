@@ -212,6 +212,25 @@ def test_pytorch_only_host_options_are_accepted():
     c = M.get_config()
     assert c["max_split_size_mb"] == 20
     assert c["roundup_power2_divisions"] == [4] * 6 + [2] + [4] * 3 + [0] * 6  # the first fills below it
+    M.configure(" max_split _size_mb : 1 28 , release_lock_on_hipmalloc:True")  # spaces are dropped, as PyTorch's
+    assert M.get_config()["max_split_size_mb"] == 128
+    M.configure("roundup_power2_divisions:[" + ",".join(["64:2"] * 300) + "]")  # no limit on the length
+    assert M.get_config()["roundup_power2_divisions"][6] == 2
+    M.configure("")
+
+
+def test_a_segment_size_past_any_device_is_taken_as_the_largest():
+    M.configure("large_segment_size_mb:8796093022207")
+    try:
+        assert M.get_config()["large_segment_size_mb"] == 2**36
+        M.empty_cache(DEV)
+        M.set_memory_limit(M.memory_reserved(DEV) + (1 << 30), DEV)
+        with pytest.raises(cmlp.OutOfMemoryError, match="a new segment of 65536.00 TiB"):
+            p = M.caching_allocator_alloc(5 << 20, DEV)  # a segment of 2**36 MiB cannot fit
+            M.caching_allocator_delete(p)
+    finally:
+        M.set_memory_limit(None, DEV)
+        M.configure("")
 
 
 def _allocated_for(nbytes):

@@ -139,6 +139,22 @@ def test_load_state_dict_takes_any_modules_linear_layers_in_order(prefix):
         m.load_state_dict(shuffled)
 
 
+def test_load_state_dict_reads_its_own_names_as_themselves():
+    # fc2 and fc3 of this model under their names, beside two other keys: never shifted by position
+    m = cmlp.MLP([8, 8, 8, 8], seed=3)
+    before = m.state_dict()
+    src = cmlp.MLP([8, 8, 8, 8], seed=4).state_dict()
+    mixed = {"fc2.weight": src["fc2.weight"], "fc2.bias": src["fc2.bias"], "fc3.weight": src["fc3.weight"],
+             "fc3.bias": src["fc3.bias"], "head.weight": src["fc1.weight"], "head.bias": src["fc1.bias"]}
+    with pytest.raises(ValueError, match=r"missing keys \['fc1.weight', 'fc1.bias'\]"):
+        m.load_state_dict(mixed)
+    missing, unexpected = m.load_state_dict(mixed, strict=False)
+    assert missing == ["fc1.weight", "fc1.bias"] and unexpected == ["head.weight", "head.bias"]
+    after = m.state_dict()
+    np.testing.assert_array_equal(after["fc1.weight"], before["fc1.weight"])
+    np.testing.assert_array_equal(after["fc2.weight"], src["fc2.weight"])
+
+
 def test_load_state_dict_not_strict_loads_what_matches_and_reports_the_rest():
     m = cmlp.MLP(SIZES, seed=3)
     before = m.state_dict()

@@ -134,7 +134,8 @@ def test_breakdown_categories_and_values(grid_runs, cfg):
     r = grid_runs[_key(*cfg)]
     d, n = r["breakdown"], r["num_parameters"]
     assert list(d) == ["parameters", "gradients", "optimizer_state", "half_weights", "activations", "workspace",
-                       "data"]
+                       "data", "evaluation"]
+    assert d["evaluation"] == 0  # no validation planned
     assert n == sum(i * o + o for i, o in zip(layers, layers[1:]))
     assert r["plan_optimizer"] == ("adam" if opt == "adam" else "sgd")
     assert d["parameters"] == 4 * n
@@ -346,6 +347,13 @@ def test_cli_plan_prints_the_breakdown(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == str(M.plan([784, 512, 256, 10], 4096)).strip()
     assert "largest batch" not in r.stdout
+    r = _cli(["--batch-size", "32", "--validation-rows", "10000", "--budget", "20MB"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    whole = M.plan([784, 512, 256, 10], 32, validation_rows=10000)
+    assert r.stdout.startswith(str(whole)) and whole.breakdown["evaluation"] > 0
+    fits = M.max_batch_size([784, 512, 256, 10], 20 << 20, validation_rows=10000)
+    assert f"largest batch that fits in 20.00 MiB: {fits}" in r.stdout and fits > 0
+    assert M.plan([784, 512, 256, 10], fits, validation_rows=10000).reserved_bytes <= 20 << 20
 
 
 def test_cli_plan_with_a_budget_prints_the_largest_batch(tmp_path):
@@ -465,12 +473,16 @@ import numpy as np
 import cmlp
 M = cmlp.memory
 out = []
-for layers, batch, amp in (([784, 512, 256, 10], 32, None), ([784, 512, 256, 10], 300, "fp16"), ([64, 32, 4], 8, None)):
+for layers, batch, amp, vrows, vdtype in (([784, 512, 256, 10], 32, None, 2500, "uint8"),
+                                         ([784, 512, 256, 10], 300, "fp16", 2500, "uint8"),
+                                         ([64, 32, 4], 8, None, 2500, "uint8"),
+                                         ([784, 512, 256, 10], 32, None, 600, "float32"),
+                                         ([784, 512, 256, 10], 4096, None, 2500, "uint8")):
     rng = np.random.default_rng(0)
     x = rng.integers(0, 256, (3 * batch, layers[0]), dtype=np.uint8)
     y = rng.integers(0, layers[-1], 3 * batch)
-    vx = rng.integers(0, 256, (2500, layers[0]), dtype=np.uint8)
-    vy = rng.integers(0, layers[-1], 2500)
+    vx = rng.integers(0, 256, (vrows, layers[0])).astype(vdtype)
+    vy = rng.integers(0, layers[-1], vrows)
     gc.collect()
     M.empty_cache("cpu")
     base = M.memory_allocated("cpu")
@@ -481,8 +493,10 @@ for layers, batch, amp in (([784, 512, 256, 10], 32, None), ([784, 512, 256, 10]
                                                                        progress=False)
     measured = M.max_memory_allocated("cpu") - base
     plan = M.plan(layers, batch, opt, amp)
+    whole = M.plan(layers, batch, opt, amp, validation_rows=vrows, validation_dtype=vdtype)
     ref = model.evaluate(vx, vy)
-    out.append({"plan": plan.peak_bytes, "history": [h["peak_memory_bytes"] - base for h in history],
+    out.append({"plan": plan.peak_bytes, "whole": whole.peak_bytes, "evaluation": whole.breakdown["evaluation"],
+                "history": [h["peak_memory_bytes"] - base for h in history],
                 "measured": measured, "val_loss": history[-1]["val_loss"],
                 "ref_loss": ref["loss"], "val_accuracy": history[-1]["val_accuracy"], "ref_accuracy": ref["accuracy"]})
     del model, opt
@@ -497,4 +511,6 @@ def test_an_epochs_recorded_peak_is_its_training_peak_and_the_callers_statistics
     model.evaluate's."""
     for r in json.loads(_python(_VALIDATION_RUN).strip().splitlines()[-1]):
         assert r["history"] == [r["plan"]] * 2 and r["measured"] >= r["plan"], r
+        # the plan of the whole run, validation included, is its measured peak
+        assert r["measured"] == r["whole"] and r["evaluation"] > 0, r
         assert r["val_loss"] == pytest.approx(r["ref_loss"], rel=1e-6) and r["val_accuracy"] == r["ref_accuracy"]

@@ -122,6 +122,9 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--device", default="cpu")
     pl.add_argument("--optimizer-shards", type=_count, default=1, metavar="RANKS",
                     help="the optimizer's state sharded over this many ranks (train --distributed --zero)")
+    pl.add_argument("--validation-rows", type=_steps, default=0, metavar="N",
+                    help="the run also evaluates N uint8 samples after each epoch (train's 10,000 test images): "
+                         "plan their buffers too")
     pl.add_argument("--budget", type=_size, default=None,
                     help="e.g. 2GB, as a --memory-limit would be: also print the largest batch whose run fits "
                          "(beside what the device holds once open)")
@@ -254,7 +257,8 @@ def _momentum_is_sgds(a: argparse.Namespace) -> None:
 def _plan(a: argparse.Namespace) -> int:
     _momentum_is_sgds(a)
     optimizer = "sgd_momentum" if a.optimizer == "sgd" and a.momentum else a.optimizer
-    p = memory.plan(a.layers, a.batch_size, optimizer, a.amp, device=a.device, optimizer_shards=a.optimizer_shards)
+    p = memory.plan(a.layers, a.batch_size, optimizer, a.amp, device=a.device, optimizer_shards=a.optimizer_shards,
+                    validation_rows=a.validation_rows)
     print(p)
     if a.budget is not None:
         # the budget counts all the device reserves, as a memory limit does: what it holds from
@@ -262,7 +266,8 @@ def _plan(a: argparse.Namespace) -> int:
         held = memory.memory_reserved(a.device)
         room = a.budget - held
         n = memory.max_batch_size(a.layers, room, optimizer, a.amp, device=a.device,
-                                  optimizer_shards=a.optimizer_shards) if room > 0 else 0
+                                  optimizer_shards=a.optimizer_shards,
+                                  validation_rows=a.validation_rows) if room > 0 else 0
         why = f" ({p.device} holds {memory._fmt(held)} of it once open)" if held else ""
         if n == 0:
             one = memory.plan(a.layers, 1, optimizer, a.amp, device=a.device, optimizer_shards=a.optimizer_shards)

@@ -1707,9 +1707,10 @@ static PyObject *mod_from_half(PyObject *mod, PyObject *args) {
 static PyObject *mod_plan(PyObject *mod, PyObject *args) {
     PyObject *sizes_obj, *dev_obj;
     long long batch;
-    int nbuf, shards, amp, recompute, scaling, solo;
-    if (!PyArg_ParseTuple(args, "OLiiipppO", &sizes_obj, &batch, &nbuf, &shards, &amp, &recompute, &scaling, &solo,
-                          &dev_obj))
+    long long eval_rows;
+    int nbuf, shards, amp, recompute, scaling, solo, eval_staged;
+    if (!PyArg_ParseTuple(args, "OLiiipppLpO", &sizes_obj, &batch, &nbuf, &shards, &amp, &recompute, &scaling, &solo,
+                          &eval_rows, &eval_staged, &dev_obj))
         return NULL;
     cmlp_device d;
     if (parse_device(state_of(mod), dev_obj, &d) < 0) return NULL;
@@ -1718,10 +1719,12 @@ static PyObject *mod_plan(PyObject *mod, PyObject *args) {
     cmlp_plan p;
     cmlp_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = cmlp_plan_compute(sizes, n, batch, nbuf, shards, (cmlp_amp)amp, recompute, scaling, solo, d, &p);
+    st = cmlp_plan_compute(sizes, n, batch, nbuf, shards, (cmlp_amp)amp, recompute, scaling, solo, eval_rows,
+                           eval_staged, d, &p);
     Py_END_ALLOW_THREADS
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
-    return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L}", "parameters", (long long)p.parameters, "gradients",
+    return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L}", "evaluation", (long long)p.evaluation,
+                         "parameters", (long long)p.parameters, "gradients",
                          (long long)p.gradients, "optimizer_state", (long long)p.optimizer_state, "half_weights",
                          (long long)p.half_weights, "activations", (long long)p.activations, "workspace",
                          (long long)p.workspace, "data", (long long)p.data, "peak_allocated",

@@ -380,7 +380,8 @@ def _fail_raw_alloc(k: int, device: Optional[str] = None) -> None:
     _cmlp.fail_raw_alloc(_device(device), int(k))
 
 
-_CATEGORIES = ("parameters", "gradients", "optimizer_state", "half_weights", "activations", "workspace", "data")
+_CATEGORIES = ("parameters", "gradients", "optimizer_state", "half_weights", "activations", "workspace", "data",
+               "evaluation")
 
 
 class Plan:
@@ -443,7 +444,8 @@ def _check_accumulation(accumulation_steps: Any) -> int:
 
 def plan(layer_sizes: List[int], batch_size: int = 32, optimizer: Any = "adam", amp: Optional[str] = None,
          recompute: bool = False, device: str = "cpu", scaler: Optional[bool] = None,
-         accumulation_steps: int = 1, optimizer_shards: Optional[int] = None) -> Plan:
+         accumulation_steps: int = 1, optimizer_shards: Optional[int] = None, validation_rows: int = 0,
+         validation_dtype: str = "uint8") -> Plan:
     """Predicts a training run's memory before anything is allocated (batch_size: rows computed at
     once, i.e. the micro-batch; accumulation_steps: micro-batches per optimizer step). With one
     micro-batch per step (the default) a step keeps most of its buffers in the first layer's
@@ -451,7 +453,11 @@ def plan(layer_sizes: List[int], batch_size: int = 32, optimizer: Any = "adam", 
     with its accumulation_steps. scaler defaults to amp == "fp16". optimizer_shards: the ranks a
     cmlp.distributed.optim.ZeroRedundancyOptimizer shards the optimizer's state over (default:
     a ZeroRedundancyOptimizer given as optimizer says, else 1); the plan is then the first rank's,
-    whose part is the largest."""
+    whose part is the largest. validation_rows: the validation samples Trainer.fit evaluates
+    after each epoch (a rank's share, data-parallel; 0: none), in chunks of up to 1000 rows after
+    the step's buffers went back; validation_dtype: theirs ("uint8" images are normalised into a
+    buffer, as any input on a GPU; "float32" ones are read in place on the CPU). The plan is then
+    the whole run's, validation included (breakdown["evaluation"]: its buffers)."""
     from .model import _as_sizes
 
     sizes = _as_sizes(layer_sizes)
@@ -461,8 +467,25 @@ def plan(layer_sizes: List[int], batch_size: int = 32, optimizer: Any = "adam", 
     name, _ = _optimizer_buffers(optimizer)
     dev = _device(device)
     args = _plan_args(optimizer, amp, recompute, scaler, accumulation_steps, optimizer_shards)
-    raw = _cmlp.plan(list(sizes), batch_size, *args, dev)
+    evaluation = _evaluation_args(validation_rows, validation_dtype, dev)
+    raw = _cmlp.plan(list(sizes), batch_size, *args, *evaluation, dev)
     return Plan(list(sizes), batch_size, name, amp, recompute, dev, raw, args[1])
+
+
+def _evaluation_args(rows: Any, dtype: Any, device: str) -> Tuple[int, bool]:
+    """(rows of an evaluation chunk, whether its input is staged) for a validation of `rows`."""
+    from .trainer import EVALUATION_ROWS
+
+    rows = _numpy_int(rows)
+    if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows < 2**56:
+        raise ValueError(f"validation_rows must be an int in [0, 2**56), got {rows!r}")
+    try:
+        kind = np.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"validation_dtype must be 'uint8' or 'float32', got {dtype!r}") from None
+    if kind not in (np.uint8, np.float32):
+        raise ValueError(f"validation_dtype must be 'uint8' or 'float32', got {dtype!r}")
+    return min(rows, EVALUATION_ROWS), kind == np.uint8 or device != "cpu"
 
 
 def _optimizer_shards(optimizer: Any, optimizer_shards: Optional[int]) -> int:
@@ -495,11 +518,12 @@ def _plan_args(optimizer: Any, amp: Optional[str], recompute: bool, scaler: Opti
 
 def max_batch_size(layer_sizes: List[int], budget_bytes: int, optimizer: Any = "adam", amp: Optional[str] = None,
                    recompute: bool = False, device: str = "cpu", limit: int = 1 << 24,
-                   accumulation_steps: int = 1, optimizer_shards: Optional[int] = None) -> int:
+                   accumulation_steps: int = 1, optimizer_shards: Optional[int] = None, validation_rows: int = 0,
+                   validation_dtype: str = "uint8") -> int:
     """The largest micro-batch whose planned reserved memory fits in budget_bytes (0 if none),
     for runs of accumulation_steps micro-batches per optimizer step (see plan: with more than
-    one, a step needs more memory for the same micro-batch) and the optimizer's state sharded
-    over optimizer_shards ranks (see plan)."""
+    one, a step needs more memory for the same micro-batch), the optimizer's state sharded
+    over optimizer_shards ranks and a validation of validation_rows after each epoch (see plan)."""
     budget = parse_size(budget_bytes)
     _check_accumulation(accumulation_steps)
     limit = _numpy_int(limit)
@@ -508,7 +532,8 @@ def max_batch_size(layer_sizes: List[int], budget_bytes: int, optimizer: Any = "
 
     def planned(b: int) -> Plan:
         return plan(layer_sizes, b, optimizer, amp, recompute, device, accumulation_steps=accumulation_steps,
-                    optimizer_shards=optimizer_shards)
+                    optimizer_shards=optimizer_shards, validation_rows=validation_rows,
+                    validation_dtype=validation_dtype)
 
     # Reserved memory is at least the peak allocated, which grows with the batch: the largest
     # batch whose allocated peak fits bounds the answer from above (a search).
@@ -529,7 +554,8 @@ def max_batch_size(layer_sizes: List[int], budget_bytes: int, optimizer: Any = "
     # reserve less), so the batches below that bound are tried from the top down.
     first = planned(lo)
     args = _plan_args(optimizer, amp, recompute, None, accumulation_steps, optimizer_shards)
-    raw = [list(first.layer_sizes), 0, *args, first.device]
+    raw = [list(first.layer_sizes), 0, *args, *_evaluation_args(validation_rows, validation_dtype, first.device),
+           first.device]
     for b in range(lo, 0, -1):
         raw[1] = b
         if _cmlp.plan(*raw)["peak_reserved"] <= budget:

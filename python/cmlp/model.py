@@ -202,8 +202,9 @@ class MLP:
         """Replaces the parameters from a mapping of names to arrays, as torch's: with the names of
         state_dict() ("fc1.weight", ..., a PyTorch SimpleMLP's converted with .numpy()), or those
         of any module whose Linear layers are this model's in order (an nn.Sequential's "0.weight",
-        "2.weight", ...: every key a weight or a bias, each layer's pair in turn, every shape
-        right). strict=False loads the names present and reports the rest. Returns the missing
+        "2.weight", ...: no key one of this model's names, every key a weight or a bias, each
+        layer's pair in turn, every shape right). strict=False loads the names present and reports
+        the rest. Returns the missing
         and unexpected keys (torch's result); a wrong shape, or any key off with strict, raises
         ValueError and changes nothing."""
         if not hasattr(state, "keys"):
@@ -211,7 +212,8 @@ class MLP:
         strict = as_flag("strict", strict)
         flat = self._c.get_params()
         views = self._split(flat)
-        renamed = self._linear_names(state, views) if set(state.keys()) != set(views) else None
+        # other names are read as a module's Linear layers only when none is one of this model's
+        renamed = self._linear_names(state, views) if not any(k in views for k in state.keys()) else None
         if renamed is not None:
             state = renamed
         missing = [k for k in views if k not in state]

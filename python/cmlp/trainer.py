@@ -26,6 +26,8 @@ MAX_STEP_SAMPLES = 2**62
 # A trainer running fit or step in another thread when the process forks never finishes that call
 # in the child: there it is marked lost (its busy lock is held for good).
 _live: "weakref.WeakSet[Trainer]" = weakref.WeakSet()
+EVALUATION_ROWS = 1000  # fit's validation chunk (cmlp.memory.plan's too)
+
 _LOST = ("this Trainer was running fit or step in another thread when the process was forked; that call "
          "never finishes in the child, so the trainer cannot be used in this process (fork while no thread "
          "uses it, or start processes with 'spawn')")
@@ -138,7 +140,7 @@ class Trainer:
         self._busy = threading.Lock()
         self._lost = False
         _live.add(self)
-        self._eval_rows = 1000  # validation's chunk of rows (halved when it runs out of memory)
+        self._eval_rows = EVALUATION_ROWS  # validation's chunk of rows (halved when it runs out of memory)
         # uint8 images: the model's normalisation unless the trainer is given its own
         self.normalize = model.normalize if normalize is None else as_normalize(normalize)
         self._c = _cmlp.Trainer(optimizer._c, self.batch_size, self.accumulation_steps, micro, shuffle,
