@@ -1264,19 +1264,23 @@ import numpy as np
 import cmlp
 M = cmlp.memory
 DEV = os.environ.get("CMLP_TEST_CUDA_DEVICE", "cuda")
-for layers, batch, amp in json.loads(sys.argv[1]):
+for layers, batch, amp, *val in json.loads(sys.argv[1]):
+    vrows = val[0] if val else 0
     rng = np.random.default_rng(batch)
     x = rng.standard_normal((2 * batch, layers[0]), dtype=np.float32)
     y = rng.integers(0, layers[-1], 2 * batch)
+    vdata = (rng.integers(0, 256, (vrows, layers[0]), dtype=np.uint8), rng.integers(0, layers[-1], vrows)) \
+        if vrows else None
     gc.collect()
     M.empty_cache(DEV)
     base = M.memory_stats(DEV)
     M.reset_peak_memory_stats(DEV)
     model = cmlp.MLP(layers, device=DEV, seed=0)
     opt = cmlp.optim.Adam(model, lr=1e-3)
-    cmlp.Trainer(model, opt, batch_size=batch, amp=amp, shuffle=False).fit(x, y, epochs=1, progress=False)
+    cmlp.Trainer(model, opt, batch_size=batch, amp=amp, shuffle=False).fit(x, y, epochs=1, validation_data=vdata,
+                                                                            progress=False)
     s = M.memory_stats(DEV)
-    p = M.plan(layers, batch, opt, amp, device=DEV)
+    p = M.plan(layers, batch, opt, amp, device=DEV, validation_rows=vrows)
     # fit keeps the epoch's data set on the GPU (x as given, y as int32; no order without shuffling),
     # which the plan of a model does not count
     data = sum((n + 511) // 512 * 512 for n in (x.nbytes, 4 * len(y))) if DEV != "cpu" else 0  # (the CPU reads it in place)
@@ -1307,6 +1311,14 @@ def test_planned_peak_matches_the_measured_peak_on_the_gpu():
     runs = _plan_runs(_PLAN_RUN, PLAN_GRID)
     bad = [run for run in runs if abs(run["measured"] - run["planned"]) > 0.02 * run["measured"]]
     assert not bad, bad
+
+
+@needs_gpu
+def test_planned_peak_of_a_fit_with_validation_on_the_gpu():
+    runs = _plan_runs(_PLAN_RUN, [([784, 512, 256, 10], b, a, 2500) for b in (32, 4096) for a in (None, "fp16")])
+    bad = [run for run in runs if abs(run["measured"] - run["planned"]) > 0.02 * run["measured"]]
+    assert not bad, bad
+    assert all(run["breakdown"]["evaluation"] > 0 for run in runs)
 
 
 # Trainer.step on a host batch: nothing but the model's own requests, so the plan is exact.
