@@ -248,7 +248,10 @@ static cmlp_status parse_key(const tokens *t, size_t *i, cmlp_alloc_settings *c)
         if (!(c->per_process_memory_fraction >= 0.0 && c->per_process_memory_fraction <= 1.0))
             return bad(key, val, "per_process_memory_fraction must be in [0.0, 1.0]");
     } else if (!strcmp(key, "backend")) {
-        if (strcmp(val, "native") != 0) return bad(key, val, "cmlp has one allocator backend: native");
+        /* PyTorch's other backend, cudaMallocAsync, is not there: its request is noted (the caller
+         * says it is ignored) so that a setting written for PyTorch still works */
+        if (!strcmp(val, "cudaMallocAsync")) c->backend_async = 1;
+        else if (strcmp(val, "native") != 0) return bad(key, val, "the backends are native and cudaMallocAsync");
     } else {
         for (size_t k = 0; k < sizeof accepted / sizeof accepted[0]; k++) {
             if (strcmp(key, accepted[k].key) != 0) continue;

@@ -171,6 +171,7 @@ typedef struct cmlp_alloc_settings {
     int64_t large_segment_size;           /* bytes: the segment of a request over 1 MiB and under 10 MiB */
     int64_t max_non_split_rounding;       /* bytes an oversize block may exceed the request it serves by */
     double per_process_memory_fraction;   /* of each GPU's memory, set as its limit when it opens; -1: none */
+    int backend_async;                    /* backend:cudaMallocAsync was asked for (and is not used) */
 } cmlp_alloc_settings;
 
 /* Parses "key:value,..." in PYTORCH_CUDA_ALLOC_CONF's syntax and replaces every setting (keys

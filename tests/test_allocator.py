@@ -187,7 +187,7 @@ def test_configure_round_trips_and_resets_other_keys():
     ("expandable_segments:maybe", "expandable_segments"),
     ("max_split_size_mb", "max_split_size_mb: expected ':'"),
     ("max_split_size_mb:", "max_split_size_mb"),
-    ("backend:cudaMallocAsync", "backend"),
+    ("backend:cudaMallocAsync2", "backend"),
 ])
 def test_configure_rejects_bad_settings_and_changes_nothing(text, needle):
     M.configure("max_split_size_mb:64")
@@ -318,12 +318,16 @@ def test_environment_settings_are_honoured_at_import():
     r = _import_with({"CMLP_ALLOC_CONF": "max_split_size_mb:1"})
     assert r.returncode != 0
     assert "ValueError" in r.stderr and "CMLP_ALLOC_CONF" in r.stderr and "max_split_size_mb" in r.stderr
-    # a PyTorch setting cmlp does not take says how to give cmlp its own; an empty one overrides it
-    r = _import_with({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"})
+    # a PyTorch setting cmlp cannot read says how to give cmlp its own; an empty one overrides it
+    r = _import_with({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:10"})
     assert r.returncode != 0 and "PYTORCH_CUDA_ALLOC_CONF" in r.stderr and "set CMLP_ALLOC_CONF" in r.stderr
-    r = _import_with({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync", "CMLP_ALLOC_CONF": ""})
+    r = _import_with({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:10", "CMLP_ALLOC_CONF": ""})
     assert r.returncode == 0, r.stderr
     assert '"max_split_size_mb": null' in r.stdout  # the defaults
+    # PyTorch's other allocator is asked for: cmlp's own serves, and says so
+    r = _import_with({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync,max_split_size_mb:64"})
+    assert r.returncode == 0 and '"max_split_size_mb": 64' in r.stdout, r.stderr
+    assert "MemoryWarning" in r.stderr and "cudaMallocAsync is ignored" in r.stderr
 
 
 @pytest.mark.parametrize("conf", ["", "max_split_size_mb:40", "expandable_segments:True",

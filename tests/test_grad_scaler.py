@@ -15,6 +15,9 @@ import cmlp
 import cmlp.amp  # noqa: F401  (a submodule file; __init__ may not import it yet)
 from cmlp import amp
 
+# several tests here scale gradients by hand, or not at all, on purpose
+pytestmark = pytest.mark.filterwarnings("ignore:the gradients were made with loss_scale=1.0")
+
 DEVICE = os.environ.get("CMLP_TEST_DEVICE", "cpu")
 SIZES = [6, 8, 3]
 FLT_MAX = float(np.finfo(np.float32).max)
@@ -626,3 +629,24 @@ def test_the_factors_and_interval_are_read_and_set_as_in_torch():
         s.set_growth_interval(2.0)
     assert s.state_dict()["growth_factor"] == 4.0 and s.get_growth_interval() == 2
     assert amp.GradScaler(enabled=False)._get_growth_tracker() == 0
+
+
+def test_gradients_made_without_the_scale_are_warned_about_once():
+    model, opt = make("sgd")
+    s = amp.GradScaler(init_scale=1024.0)
+    for i in range(2):
+        model.zero_grad()
+        model.forward_backward(*batch(i))  # loss_scale forgotten: these would be divided by 1024
+        if i == 0:
+            with pytest.warns(UserWarning, match=r"loss_scale=1.0 .* 1024: pass loss_scale=scaler.get_scale\(\)"):
+                s.step(opt)
+        else:
+            s.step(opt)  # once per scaler
+        s.update()
+    model.zero_grad()
+    model.forward_backward(*batch(3), loss_scale=s.get_scale())  # as it should be: no warning
+    s2 = amp.GradScaler(init_scale=1024.0)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s2.step(opt)

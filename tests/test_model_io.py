@@ -184,6 +184,27 @@ def test_load_state_dict_accepts_float64(model):
         np.testing.assert_array_equal(v, sd64[k].astype(np.float32), err_msg=k)
 
 
+def test_torch_style_model_calls_and_image_batches():
+    m = cmlp.MLP([784, 32, 10], seed=0)
+    assert m.training and m.eval() is m and not m.training and m.train() is m and m.training
+    assert m.cpu() is m and m.device == "cpu"
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (5, 1, 28, 28), dtype=np.uint8)  # what a torch DataLoader gives
+    flat = images.reshape(5, 784)
+    np.testing.assert_array_equal(m(images), m(flat))
+    labels = rng.integers(0, 10, 5)
+    assert m.evaluate(images, labels) == m.evaluate(flat, labels)
+    with pytest.raises(ValueError, match="784 values a sample"):
+        m(rng.random((5, 2, 28, 28)))
+    for name, arr in m.named_parameters():  # copies: a write to one fails rather than doing nothing
+        with pytest.raises(ValueError, match="read-only"):
+            arr[...] = 0
+    with pytest.raises(ValueError, match="read-only"):
+        next(iter(m.parameters()))[0] = 1.0
+    torch = pytest.importorskip("torch")
+    assert cmlp.MLP([4, 2], device=torch.device("cpu")).to(torch.device("cpu")).device == "cpu"
+
+
 def test_torch_state_dict_gives_torch_logits():
     torch = pytest.importorskip("torch")
     nn = torch.nn

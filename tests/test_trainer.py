@@ -152,6 +152,7 @@ def test_a_run_resumed_from_a_checkpoint_equals_the_uninterrupted_run(case, tmp_
     third = trainer3.fit(x, y, epochs=1, progress=False, scheduler=sched3, scheduler_interval=interval)
     assert_params_equal(model, model3)
     assert third[0]["loss"] == straight[2]["loss"] and third[0]["lr"] == straight[2]["lr"]
+    assert third[0]["epoch"] == straight[2]["epoch"] == 3  # the trainer's count, resumed
     assert trainer3.epochs == 3 and opt3.lr == opt.lr and trainer3.state_dict() == trainer.state_dict()
     if trainer.scaler is not None:
         assert trainer3.scaler.state_dict() == trainer.scaler.state_dict()

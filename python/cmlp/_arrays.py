@@ -6,15 +6,19 @@ import numpy as np
 
 
 def as_inputs(x: Any, features: int, name: str = "x") -> np.ndarray:
-    """[N, features] float32 (any float dtype converted) or uint8 images, C-contiguous."""
+    """[N, features] float32 (any float dtype converted) or uint8 images, C-contiguous; [N, ...]
+    with `features` values a sample is read as [N, features] (C order, as torch's view)."""
     arr = x if isinstance(x, np.ndarray) else np.asarray(x)
     kind = arr.dtype.kind
     if arr.dtype == np.uint8:
         pass
     elif kind != "f":
         raise TypeError(f"{name} must be a floating-point array or uint8 images, got dtype {arr.dtype}")
+    if arr.ndim > 2 and int(np.prod(arr.shape[1:])) == features:
+        arr = arr.reshape(arr.shape[0], features)  # [N, 1, 28, 28] images: torch's x.view(-1, features)
     if arr.ndim != 2:
-        raise ValueError(f"{name} must be 2-D [N, {features}], got shape {tuple(arr.shape)}")
+        raise ValueError(f"{name} must be 2-D [N, {features}] (or [N, ...] with {features} values a sample), got "
+                         f"shape {tuple(arr.shape)}")
     if arr.shape[1] != features:
         raise ValueError(f"{name} has {arr.shape[1]} features per sample; the model expects {features} "
                          f"(shape {tuple(arr.shape)})")

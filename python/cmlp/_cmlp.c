@@ -1632,11 +1632,12 @@ static PyObject *mod_get_settings(PyObject *mod, PyObject *unused) {
     PyObject *div = PyList_New(CMLP_ROUNDUP_INTERVALS);
     if (!div) return NULL;
     for (int i = 0; i < CMLP_ROUNDUP_INTERVALS; i++) PyList_SET_ITEM(div, i, PyLong_FromLong(c.roundup_power2_divisions[i]));
-    return Py_BuildValue("{s:L,s:d,s:N,s:O,s:L,s:L,s:d}", "max_split_size", (long long)c.max_split_size,
+    return Py_BuildValue("{s:L,s:d,s:N,s:O,s:L,s:L,s:d,s:O}", "max_split_size", (long long)c.max_split_size,
                          "garbage_collection_threshold", c.garbage_collection_threshold, "roundup_power2_divisions", div,
                          "expandable_segments", c.expandable_segments ? Py_True : Py_False, "large_segment_size",
                          (long long)c.large_segment_size, "max_non_split_rounding", (long long)c.max_non_split_rounding,
-                         "per_process_memory_fraction", c.per_process_memory_fraction);
+                         "per_process_memory_fraction", c.per_process_memory_fraction, "backend_async",
+                         c.backend_async ? Py_True : Py_False);
 }
 
 static PyObject *mod_validate(PyObject *mod, PyObject *arg) {

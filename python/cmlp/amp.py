@@ -1,6 +1,7 @@
 """cmlp.amp: dynamic loss scaling for fp16 training (torch.amp.GradScaler's rules, state and
 errors) and the library's fp16/bf16 conversions. The scale is a float32 value, as PyTorch keeps
 it in a float32 tensor; unscaling and the inf/NaN check are one fused pass in the C core."""
+import warnings
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
@@ -101,6 +102,7 @@ class GradScaler:
         self._growth_tracker = 0
         # id(optimizer) -> {"unscaled", "stepped", "found_inf"}, for the current iteration only
         self._per_optimizer: Dict[int, Dict[str, bool]] = {}
+        self._warned_unscaled = False
 
     def is_enabled(self) -> bool:
         return self._enabled
@@ -167,6 +169,12 @@ class GradScaler:
         if optimizer.model._grads_none:  # no gradient: nothing checked (torch: no parameter has a .grad)
             state["found_inf"], state["unscaled"] = None, True
             return
+        if getattr(optimizer.model, "_unscaled_grads", False) and self._scale != 1.0 \
+                and not getattr(self, "_warned_unscaled", False):
+            self._warned_unscaled = True
+            warnings.warn(f"the gradients were made with loss_scale=1.0 (forward_backward's default), and this "
+                          f"GradScaler divides them by its scale, {self._scale:g}: pass "
+                          "loss_scale=scaler.get_scale() (torch's scaler.scale(loss).backward())", stacklevel=3)
         with np.errstate(divide="ignore"):
             inv_scale = _f32(1.0 / np.float64(self._scale))   # inf for a scale underflowed to 0
         state["found_inf"] = bool(optimizer.model._c.unscale_grads(inv_scale))

@@ -195,3 +195,52 @@ def mem_get_info(device: "Optional[str | int]" = None) -> Tuple[int, int]:
     from .memory import mem_get_info as info
 
     return info("cuda" if device is None else device)
+
+
+# torch.cuda's memory functions, as cmlp.memory's for a GPU: device None is "cuda" (the current
+# GPU, as torch.cuda has it), and CUDA being unavailable raises RuntimeError saying why, so that
+# torch.cuda.memory_allocated() ports as cmlp.cuda.memory_allocated().
+def _on_gpu(name: str):  # type: ignore[no-untyped-def]
+    def call(device: "Optional[str | int]" = None):  # type: ignore[no-untyped-def]
+        from . import memory
+
+        return getattr(memory, name)("cuda" if device is None else device)
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = f"cmlp.memory.{name} of a GPU (default: \"cuda\"), as torch.cuda.{name}."
+    return call
+
+
+memory_allocated = _on_gpu("memory_allocated")
+max_memory_allocated = _on_gpu("max_memory_allocated")
+memory_reserved = _on_gpu("memory_reserved")
+max_memory_reserved = _on_gpu("max_memory_reserved")
+memory_stats = _on_gpu("memory_stats")
+memory_stats_as_nested_dict = _on_gpu("memory_stats_as_nested_dict")
+memory_snapshot = _on_gpu("memory_snapshot")
+reset_peak_memory_stats = _on_gpu("reset_peak_memory_stats")
+reset_accumulated_memory_stats = _on_gpu("reset_accumulated_memory_stats")
+get_per_process_memory_fraction = _on_gpu("get_per_process_memory_fraction")
+
+
+def memory_summary(device: "Optional[str | int]" = None, abbreviated: bool = False) -> str:
+    """cmlp.memory.memory_summary of a GPU (default: "cuda"), as torch.cuda.memory_summary."""
+    from . import memory
+
+    return memory.memory_summary("cuda" if device is None else device, abbreviated=abbreviated)
+
+
+def empty_cache() -> None:
+    """Returns the GPU's cached, unused segments (torch.cuda.empty_cache, of "cuda"); a no-op
+    without CUDA, as torch's is."""
+    from . import memory
+
+    if is_available():
+        memory.empty_cache("cuda")
+
+
+def set_per_process_memory_fraction(fraction: float, device: "Optional[str | int]" = None) -> None:
+    """cmlp.memory.set_per_process_memory_fraction of a GPU (default: "cuda")."""
+    from . import memory
+
+    memory.set_per_process_memory_fraction(fraction, "cuda" if device is None else device)

@@ -4,6 +4,7 @@ import numbers
 import os
 import re
 import threading
+import warnings
 from fractions import Fraction
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
@@ -367,6 +368,9 @@ def configure(config: Union[str, Mapping[str, Any]]) -> None:
     if not isinstance(config, str):
         raise TypeError(f"configure takes a str or a dict, got {type(config).__name__}")
     _cmlp.configure(config)
+    if _cmlp.get_settings()["backend_async"]:
+        warnings.warn("backend:cudaMallocAsync is ignored: cmlp's memory comes from its own caching allocator "
+                      "(PyTorch's native backend, with its statistics and limits)", MemoryWarning, stacklevel=2)
 
 
 def _validate(device: Optional[str] = None) -> None:

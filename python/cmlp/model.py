@@ -36,7 +36,8 @@ class Parameters:
     """What MLP.parameters() returns: the model's parameters as one handle, so that code written
     for torch ports as it is (cmlp.optim.Adam(model.parameters(), lr=1e-3),
     cmlp.nn.utils.clip_grad_norm_(model.parameters(), 1.0)). Iterating gives copies of the
-    tensors in state_dict order."""
+    tensors in state_dict order, read-only: a write to one would not reach the model (torch's
+    share its storage), so it fails instead of doing nothing; load_state_dict writes."""
 
     __slots__ = ("model",)
 
@@ -44,13 +45,19 @@ class Parameters:
         self.model = model
 
     def __iter__(self) -> Iterator[np.ndarray]:
-        return iter(self.model.state_dict().values())
+        return iter(v for _, v in _read_only(self.model.state_dict()))
 
     def __len__(self) -> int:
         return 2 * (len(self.model.layer_sizes) - 1)
 
     def __repr__(self) -> str:
         return f"<parameters of {self.model!r}>"
+
+
+def _read_only(state: Dict[str, np.ndarray]) -> Iterator[Tuple[str, np.ndarray]]:
+    for name, arr in state.items():
+        arr.flags.writeable = False
+        yield name, arr
 
 
 def model_of(obj: Any, what: str) -> "MLP":
@@ -88,8 +95,11 @@ class MLP:
 
     def __init__(self, layer_sizes: Sequence[int], device: str = "cpu", seed: int = 0,
                  normalize: Tuple[float, float] = (0.5, 0.5)) -> None:
+        from .memory import _device_text
+
         sizes = _as_sizes(layer_sizes)
         seed = check_seed(seed)
+        device = _device_text(device)  # torch's forms too: a torch.device, an index
         if not isinstance(device, str):
             raise TypeError(f"device must be a str such as 'cpu' or 'cuda:0', got {device!r}")
         self.normalize = as_normalize(normalize)
@@ -100,6 +110,8 @@ class MLP:
         # no gradient yet (torch's .grad is None until a backward, and again after
         # zero_grad(set_to_none=True)): an optimizer's step() then changes nothing
         self._grads_none = True
+        self._unscaled_grads = False  # forward_backward with loss_scale 1.0 since the last zero_grad
+        self.training = True
 
     # ---- facts ----
     @property
@@ -162,6 +174,7 @@ class MLP:
         n = xa.shape[0]
         loss_sum = self._c.forward_backward(xa, ya, loss_scale / n, label_smoothing, *self.normalize, amp_code)
         self._grads_none = False
+        self._unscaled_grads = getattr(self, "_unscaled_grads", False) or loss_scale == 1.0  # see GradScaler.unscale_
         return loss_sum / n
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -172,14 +185,15 @@ class MLP:
         set_to_none = as_flag("set_to_none", set_to_none)
         self._c.zero_grad()
         self._grads_none = self._grads_none or set_to_none
+        self._unscaled_grads = False
 
     def parameters(self) -> Parameters:
         """The parameters as one handle (see Parameters), for torch-style calls."""
         return Parameters(self)
 
     def named_parameters(self) -> Iterator[Tuple[str, np.ndarray]]:
-        """(name, copy) pairs in state_dict order."""
-        return iter(self.state_dict().items())
+        """(name, read-only copy) pairs in state_dict order (see Parameters)."""
+        return _read_only(self.state_dict())
 
     # ---- tensors by name ----
     def _split(self, flat: np.ndarray) -> "OrderedDict[str, np.ndarray]":
@@ -312,9 +326,30 @@ class MLP:
         return twin
 
     # ---- devices ----
+    def train(self, mode: bool = True) -> "MLP":
+        """torch's training/evaluation switch, kept in .training: an MLP of Linear layers and
+        ReLUs computes the same either way (no dropout or batch norm)."""
+        self.training = as_flag("mode", mode)
+        return self
+
+    def eval(self) -> "MLP":
+        return self.train(False)
+
+    def cuda(self, device: Any = None) -> "MLP":
+        """to("cuda"), or to the GPU given as torch's cuda() takes it (an index, a torch.device)."""
+        from .memory import _device_text
+
+        return self.to("cuda" if device is None else _device_text(device))
+
+    def cpu(self) -> "MLP":
+        return self.to("cpu")
+
     def to(self, device: str) -> "MLP":
         """Moves parameters, gradients and the state of every optimizer of this model, all or
         nothing: when one cannot move (out of memory there), what has moved goes back."""
+        from .memory import _device_text
+
+        device = _device_text(device)
         before = self.device
         self._c.to(device)
         moved = []

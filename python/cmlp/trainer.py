@@ -559,7 +559,7 @@ class Trainer:
                 self._warn_if_split(retries)
                 seconds = time.perf_counter() - start
                 record: Dict[str, Any] = {
-                    "epoch": epoch,
+                    "epoch": epochs_before + 1,  # the trainer's count (trainer.epochs), across fits and resumes
                     "lr": first_lr,
                     "loss": loss_sum / samples,
                     "val_loss": None,
