@@ -391,6 +391,8 @@ static int64_t effective_batch(const cmlp_trainer *t) { return t->cfg.batch_size
 static cmlp_status one_sample_oom(cmlp_trainer *t, const char *cause) {
     char why[600];
     snprintf(why, sizeof why, "%s", cause);
+    char *advice = strstr(why, " Try micro-batches"); /* tried: the allocator's advice does not apply */
+    if (advice) *advice = '\0';
     cmlp_model *m = t->model;
     cmlp_plan p;
     char b[8][32];
@@ -408,11 +410,25 @@ static cmlp_status one_sample_oom(cmlp_trainer *t, const char *cause) {
                  " The optimizer state could be sharded over the %d ranks, 1/%d of it on each "
                  "(cmlp.distributed.optim.ZeroRedundancyOptimizer).",
                  cmlp_dist_size(), cmlp_dist_size());
+    char held_note[300] = ""; /* what no micro-batch can make smaller */
+    cmlp_memory_stats s;
+    cmlp_allocator_stats(m->dev->alloc, &s);
+    int64_t held = p.parameters + p.gradients + p.optimizer_state + p.half_weights;
+    if (s.limit >= 0 && held > s.limit) {
+        char hb[32], lb[32];
+        cmlp_format_bytes(hb, sizeof hb, held);
+        cmlp_format_bytes(lb, sizeof lb, s.limit);
+        snprintf(held_note, sizeof held_note,
+                 " The parameters, gradients and optimizer state alone take %s, more than the memory limit of %s: "
+                 "only a larger limit, a smaller model or less optimizer state (SGD without momentum keeps "
+                 "none) can fit.",
+                 hb, lb);
+    }
     return CMLP_FAIL(CMLP_ERR_OOM,
                      "out of memory even with a micro-batch of 1 sample. The plan for one sample: parameters %s, "
                      "gradients %s, optimizer state %s, half-precision weights %s, activations %s, workspace %s; "
-                     "peak %s allocated, %s reserved (in whole segments).%s The last failure: %s",
-                     b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], shard_hint, why);
+                     "peak %s allocated, %s reserved (in whole segments).%s%s The last failure: %s",
+                     b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], held_note, shard_hint, why);
 }
 
 /* The device scalars of a call (cmlp_dscalars): written when the call begins, read when it

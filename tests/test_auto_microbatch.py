@@ -535,6 +535,22 @@ def test_the_one_sample_plan_counts_the_momentum_buffer_to_come():
     assert f"{p.reserved_bytes / 2**20:.2f} MiB reserved" in str(e.value)
 
 
+def test_a_limit_below_the_models_own_state_is_said_plainly():
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((256, 784)).astype(np.float32), rng.integers(0, 10, 256)
+    gc.collect()
+    M.empty_cache("cpu")
+    model = cmlp.MLP([784, 512, 256, 10], seed=0)
+    M.set_memory_limit(6 * 2**20, "cpu")  # parameters, gradients and Adam's state take 8.2 MiB
+    try:
+        with pytest.warns(M.MemoryWarning, match="fits no micro-batch, not even of 1 sample"), \
+                pytest.raises(cmlp.OutOfMemoryError, match="optimizer state alone take 8.1") as e:
+            cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=128).fit(x, y, epochs=1, progress=False)
+    finally:
+        M.set_memory_limit(None, "cpu")
+    assert "Try micro-batches" not in str(e.value)  # tried already
+
+
 def test_what_stays_allocated_after_training_or_inference_is_the_models_state():
     # as in torch, where a step's activations and an inference's tensors are freed: parameters,
     # gradients (with the step's device scalars) and optimizer state; fp32 steps after fp16 ones

@@ -287,8 +287,18 @@ class Trainer:
             self._c.start_microbatch(b)
             if not self._warned:
                 self._warned = True
-                warnings.warn(f"under the memory limit of {limit} bytes the planner fits micro-batches of {b}, not "
-                              f"{asked}: the trainer accumulates them (the update is the same)",
+                fits = f"fits micro-batches of {b}, not {asked}: the trainer accumulates them (the update is the same)"
+                if b == 1:
+                    try:
+                        one = memory.plan(list(self.model.layer_sizes), 1, self.optimizer, self.amp, self.recompute,
+                                          scaler=self.scaler is not None and self.scaler.is_enabled(), device=device)
+                    except ValueError:
+                        one = None
+                    if one is None or one.peak_bytes - sum(one.breakdown[k] for k in held) > room:
+                        fits = (f"fits no micro-batch, not even of 1 sample (the model and its optimizer state take "
+                                f"{memory._fmt(memory.memory_allocated(device))}): the step will try, in micro-batches "
+                                "of 1")
+                warnings.warn(f"under the memory limit of {limit} bytes the planner {fits}",
                               memory.MemoryWarning, stacklevel=5)  # fit -> _fit -> _together -> here
 
     def _warn_if_split(self, before: int) -> None:
