@@ -227,7 +227,7 @@ cmlp_status cmlp_dist_broadcast(void *buf, int64_t bytes, int root) {
 /* Every rank says whether it computed its share of the step: a step that some rank could not
  * compute is taken by none (the others would otherwise wait for it in the gradients' sum). */
 cmlp_status cmlp_dist_agree(cmlp_status mine) {
-    char why[1024];
+    char why[2048];
     snprintf(why, sizeof why, "%s", cmlp_last_error());
     int64_t first_failed = mine == CMLP_OK ? INT64_MAX : cmlp_dist_rank();
     cmlp_status st = cmlp_dist_all_reduce(&first_failed, 1, CMLP_COMM_I64, CMLP_REDUCE_MIN);
@@ -281,7 +281,7 @@ cmlp_status cmlp_dist_device_comm(cmlp_device_ctx *dev, void **comm) {
     if (ready == CMLP_OK && ndcomms == (int)(sizeof dcomms / sizeof dcomms[0]))
         ready = CMLP_FAIL(CMLP_ERR_STATE, "more than %d device communicators in one process",
                           (int)(sizeof dcomms / sizeof dcomms[0]));
-    char why[1024];
+    char why[2048];
     snprintf(why, sizeof why, "%s", cmlp_last_error());
     int64_t both[2] = {found != NULL, ready == CMLP_OK ? INT64_MAX : rank_}; /* minima over the ranks */
     st = mpi->all_reduce(both, 2, CMLP_COMM_I64, CMLP_REDUCE_MIN);

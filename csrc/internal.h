@@ -16,7 +16,7 @@
 CMLP_HIDDEN cmlp_status cmlp_set_error(cmlp_status s, const char *file, int line, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 #define CMLP_FAIL(status, ...) cmlp_set_error((status), __FILE__, __LINE__, __VA_ARGS__)
-/* Puts back a message saved from cmlp_last_error() (1024 bytes at most), as it was. */
+/* Puts back a message saved from cmlp_last_error() (2048 bytes at most), as it was. */
 CMLP_HIDDEN void cmlp_restore_error(const char *saved);
 
 /* Evaluates a cmlp_status expression; on failure records nothing new and returns it. */

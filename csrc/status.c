@@ -9,7 +9,7 @@
 #define CMLP_VERSION "0.0.0"
 #endif
 
-static _Thread_local char last_error[1024];
+static _Thread_local char last_error[2048];
 
 cmlp_status cmlp_set_error(cmlp_status s, const char *file, int line, const char *fmt, ...) {
     const char *base = strrchr(file, '/');

@@ -389,7 +389,7 @@ static int64_t effective_batch(const cmlp_trainer *t) { return t->cfg.batch_size
 
 /* Even one sample did not fit: say so, with what one sample needs. */
 static cmlp_status one_sample_oom(cmlp_trainer *t, const char *cause) {
-    char why[600];
+    char why[1200];
     snprintf(why, sizeof why, "%s", cause);
     char *advice = strstr(why, " Try micro-batches"); /* tried: the allocator's advice does not apply */
     if (advice) *advice = '\0';

@@ -16,7 +16,7 @@ import cmlp.amp  # noqa: F401  (a submodule file; __init__ may not import it yet
 from cmlp import amp
 
 # several tests here scale gradients by hand, or not at all, on purpose
-pytestmark = pytest.mark.filterwarnings("ignore:the gradients were made with loss_scale=1.0")
+pytestmark = pytest.mark.filterwarnings("ignore:the gradients were made without loss_scale")
 
 DEVICE = os.environ.get("CMLP_TEST_DEVICE", "cpu")
 SIZES = [6, 8, 3]
@@ -638,8 +638,10 @@ def test_gradients_made_without_the_scale_are_warned_about_once():
         model.zero_grad()
         model.forward_backward(*batch(i))  # loss_scale forgotten: these would be divided by 1024
         if i == 0:
-            with pytest.warns(UserWarning, match=r"loss_scale=1.0 .* 1024: pass loss_scale=scaler.get_scale\(\)"):
+            with pytest.warns(UserWarning, match=r"without loss_scale .* 1024: pass loss_scale=scaler.get_scale\(\)") \
+                    as record:
                 s.step(opt)
+            assert record[0].filename == __file__  # the caller's line
         else:
             s.step(opt)  # once per scaler
         s.update()
@@ -650,3 +652,11 @@ def test_gradients_made_without_the_scale_are_warned_about_once():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         s2.step(opt)
+        s2.update()
+        # torch's scaler.scale(loss / steps) with a scale that has come down to the step count
+        s3 = amp.GradScaler(init_scale=4.0)
+        model.zero_grad()
+        for k in range(4):
+            model.forward_backward(*batch(k), loss_scale=s3.get_scale() / 4)
+        s3.unscale_(opt)
+        s3.step(opt)

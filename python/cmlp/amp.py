@@ -155,7 +155,7 @@ class GradScaler:
         return self._per_optimizer.setdefault(id(optimizer), {"unscaled": False, "stepped": False,
                                                               "found_inf": None})
 
-    def unscale_(self, optimizer: Optimizer) -> None:
+    def unscale_(self, optimizer: Optimizer, _stacklevel: int = 2) -> None:
         """Divides the gradients of optimizer's model by the scale (multiplies by the float32
         reciprocal computed in float64) and records whether any is inf or NaN. At most once
         per optimizer between update()s, and not after step()."""
@@ -172,9 +172,10 @@ class GradScaler:
         if getattr(optimizer.model, "_unscaled_grads", False) and self._scale != 1.0 \
                 and not getattr(self, "_warned_unscaled", False):
             self._warned_unscaled = True
-            warnings.warn(f"the gradients were made with loss_scale=1.0 (forward_backward's default), and this "
-                          f"GradScaler divides them by its scale, {self._scale:g}: pass "
-                          "loss_scale=scaler.get_scale() (torch's scaler.scale(loss).backward())", stacklevel=3)
+            warnings.warn(f"the gradients were made without loss_scale (forward_backward's default, 1.0), and "
+                          f"this GradScaler divides them by its scale, {self._scale:g}: pass "
+                          "loss_scale=scaler.get_scale() (torch's scaler.scale(loss).backward())",
+                          stacklevel=_stacklevel)
         with np.errstate(divide="ignore"):
             inv_scale = _f32(1.0 / np.float64(self._scale))   # inf for a scale underflowed to 0
         state["found_inf"] = bool(optimizer.model._c.unscale_grads(inv_scale))
@@ -192,7 +193,7 @@ class GradScaler:
         if optimizer.model._grads_none or (state["unscaled"] and state["found_inf"] is None):  # none checked
             raise AssertionError("No inf checks were recorded for this optimizer.")
         if not state["unscaled"]:
-            self.unscale_(optimizer)
+            self.unscale_(optimizer, _stacklevel=3)
         stepped = not state["found_inf"]
         if stepped:
             optimizer.step()

@@ -486,9 +486,10 @@ def _evaluation_args(rows: Any, dtype: Any, device: str) -> Tuple[int, bool]:
     try:
         kind = np.dtype(dtype)
     except TypeError:
-        raise ValueError(f"validation_dtype must be 'uint8' or 'float32', got {dtype!r}") from None
-    if kind not in (np.uint8, np.float32):
-        raise ValueError(f"validation_dtype must be 'uint8' or 'float32', got {dtype!r}")
+        raise ValueError(f"validation_dtype must be 'uint8' or a float dtype, got {dtype!r}") from None
+    if kind != np.uint8 and kind.kind != "f":
+        raise ValueError(f"validation_dtype must be 'uint8' or a float dtype, got {dtype!r}")
+    # floats are converted to float32 on the host, then read in place (CPU) or copied (GPU)
     return min(rows, EVALUATION_ROWS), kind == np.uint8 or device != "cpu"
 
 

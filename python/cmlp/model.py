@@ -70,6 +70,13 @@ def model_of(obj: Any, what: str) -> "MLP":
                     f"got {type(obj).__name__}")
 
 
+class _Default(float):
+    """forward_backward's loss_scale when the caller gives none (1.0, told apart from a 1.0 given)."""
+
+
+_DEFAULT_SCALE = _Default(1.0)
+
+
 class IncompatibleKeys(tuple):
     """What load_state_dict did not match (torch's result): missing_keys, unexpected_keys."""
 
@@ -158,11 +165,12 @@ class MLP:
         n = xa.shape[0]
         return {"loss": loss_sum / n, "accuracy": correct / n}
 
-    def forward_backward(self, x: Any, y: Any, loss_scale: float = 1.0, amp: Optional[str] = None,
+    def forward_backward(self, x: Any, y: Any, loss_scale: float = _DEFAULT_SCALE, amp: Optional[str] = None,
                          label_smoothing: float = 0.0) -> float:
         """Mean cross-entropy of the batch (unscaled). ADDS the gradient of loss_scale * loss to
         the gradient buffer, like loss.backward()."""
         amp_code = check_amp(amp)
+        scale_given = loss_scale
         loss_scale = as_number("loss_scale", loss_scale)
         if not np.isfinite(loss_scale):
             raise ValueError(f"loss_scale must be finite, got {loss_scale}")
@@ -174,7 +182,8 @@ class MLP:
         n = xa.shape[0]
         loss_sum = self._c.forward_backward(xa, ya, loss_scale / n, label_smoothing, *self.normalize, amp_code)
         self._grads_none = False
-        self._unscaled_grads = getattr(self, "_unscaled_grads", False) or loss_scale == 1.0  # see GradScaler.unscale_
+        # gradients of the loss itself, loss_scale left out: see GradScaler.unscale_
+        self._unscaled_grads = getattr(self, "_unscaled_grads", False) or scale_given is _DEFAULT_SCALE
         return loss_sum / n
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -319,6 +328,8 @@ class MLP:
         if not self._grads_none:
             twin._c.set_grads(self._c.get_grads())
             twin._grads_none = False
+        twin.training = self.training
+        twin._unscaled_grads = self._unscaled_grads
         own = set(twin.__dict__)
         for key, value in self.__dict__.items():
             if key not in own:

@@ -288,16 +288,20 @@ class Trainer:
             if not self._warned:
                 self._warned = True
                 fits = f"fits micro-batches of {b}, not {asked}: the trainer accumulates them (the update is the same)"
-                if b == 1:
+                if b == 1:  # the loop's test for 1, which it does not make
                     try:
                         one = memory.plan(list(self.model.layer_sizes), 1, self.optimizer, self.amp, self.recompute,
-                                          scaler=self.scaler is not None and self.scaler.is_enabled(), device=device)
+                                          scaler=self.scaler is not None and self.scaler.is_enabled(), device=device,
+                                          accumulation_steps=self.batch_size * self.accumulation_steps)
                     except ValueError:
                         one = None
-                    if one is None or one.peak_bytes - sum(one.breakdown[k] for k in held) > room:
-                        fits = (f"fits no micro-batch, not even of 1 sample (the model and its optimizer state take "
-                                f"{memory._fmt(memory.memory_allocated(device))}): the step will try, in micro-batches "
-                                "of 1")
+                    if one is None or one.peak_bytes - sum(one.breakdown[k] for k in held) > room \
+                            or one.reserved_bytes > cap:
+                        state = "" if one is None else (
+                            " (the parameters, gradients and optimizer state take " + memory._fmt(sum(
+                                one.breakdown[k] for k in ("parameters", "gradients", "optimizer_state",
+                                                           "half_weights"))) + ")")
+                        fits = f"fits no micro-batch, not even of 1 sample{state}: the step will try, in micro-batches of 1"
                 warnings.warn(f"under the memory limit of {limit} bytes the planner {fits}",
                               memory.MemoryWarning, stacklevel=5)  # fit -> _fit -> _together -> here
 
