@@ -270,16 +270,18 @@ class Trainer:
         # them) must fit under the limit, or under what is reserved already where that is more
         # (then no new segment can be made at all)
         cap = max(limit, memory.memory_reserved(device))
-        b = self.microbatch_size
-        while b > 1:
+        b, p, fits_one = self.microbatch_size, None, True
+        while True:  # the largest micro-batch (halving from the one in use) whose plan fits
             try:
                 p = memory.plan(list(self.model.layer_sizes), b, self.optimizer, self.amp, self.recompute,
                                 scaler=self.scaler is not None and self.scaler.is_enabled(), device=device,
                                 accumulation_steps=-(-self.batch_size * self.accumulation_steps // b))
             except ValueError:  # too large to plan: it does not fit either
-                b //= 2
-                continue
-            if p.peak_bytes - sum(p.breakdown[k] for k in held) <= room and p.reserved_bytes <= cap:
+                p = None
+            if p is not None and p.peak_bytes - sum(p.breakdown[k] for k in held) <= room and p.reserved_bytes <= cap:
+                break
+            if b == 1:
+                fits_one = False  # not even one sample: the step will try, in micro-batches of 1
                 break
             b //= 2
         asked = self.microbatch_size
@@ -288,20 +290,12 @@ class Trainer:
             if not self._warned:
                 self._warned = True
                 fits = f"fits micro-batches of {b}, not {asked}: the trainer accumulates them (the update is the same)"
-                if b == 1:  # the loop's test for 1, which it does not make
-                    try:
-                        one = memory.plan(list(self.model.layer_sizes), 1, self.optimizer, self.amp, self.recompute,
-                                          scaler=self.scaler is not None and self.scaler.is_enabled(), device=device,
-                                          accumulation_steps=self.batch_size * self.accumulation_steps)
-                    except ValueError:
-                        one = None
-                    if one is None or one.peak_bytes - sum(one.breakdown[k] for k in held) > room \
-                            or one.reserved_bytes > cap:
-                        state = "" if one is None else (
-                            " (the parameters, gradients and optimizer state take " + memory._fmt(sum(
-                                one.breakdown[k] for k in ("parameters", "gradients", "optimizer_state",
-                                                           "half_weights"))) + ")")
-                        fits = f"fits no micro-batch, not even of 1 sample{state}: the step will try, in micro-batches of 1"
+                if not fits_one:
+                    state = "" if p is None else (
+                        " (the parameters, gradients and optimizer state take " + memory._fmt(sum(
+                            p.breakdown[k] for k in ("parameters", "gradients", "optimizer_state", "half_weights")))
+                        + ")")
+                    fits = f"fits no micro-batch, not even of 1 sample{state}: the step will try, in micro-batches of 1"
                 warnings.warn(f"under the memory limit of {limit} bytes the planner {fits}",
                               memory.MemoryWarning, stacklevel=5)  # fit -> _fit -> _together -> here
 
