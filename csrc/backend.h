@@ -31,6 +31,12 @@ typedef struct cmlp_rate_src {
     const double *d_rates;
     int64_t *d_next;
     double decoupled_wd;
+    /* Parameter groups (may be 0): for part p, d_parts[2p] scales the rate and d_parts[2p + 1] is
+     * its decoupled weight decay; a step that is taken writes the part's coefficients, as d_coef's
+     * with that rate and decay, to d_part_coef[5p..5p + 4] */
+    int nparts;
+    const double *d_parts;
+    float *d_part_coef;
 } cmlp_rate_src;
 
 /* The weight of the loss's gradient: value, or with d_scale the weight of a loss-scaled step,

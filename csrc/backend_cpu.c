@@ -599,6 +599,22 @@ static void scale_update(float *scale, int32_t *tracker, const float *found_inf,
     }
 }
 
+/* A step's coefficients (optim_prepare's d_coef) at rate lr, in double, each rounded to float. */
+static void step_coef(int64_t t, double lr, double momentum, double beta2, double decoupled_wd, int adam,
+                      float *coef) {
+    if (adam) {
+        double bc1 = 1.0 - pow(momentum, (double)t), bc2 = 1.0 - pow(beta2, (double)t);
+        coef[0] = (float)(lr / bc1);
+        coef[1] = (float)sqrt(bc2);
+        coef[2] = decoupled_wd != 0.0 ? (float)(1.0 - lr * decoupled_wd) : 1.0f;
+        coef[3] = (float)momentum;
+        coef[4] = (float)(1.0 - momentum);
+    } else {
+        coef[0] = (float)lr;
+        coef[1] = (float)momentum;
+    }
+}
+
 static cmlp_status cpu_optim_prepare(void *ctx, int64_t *step, float *coef, const float *found_inf,
                                      const cmlp_rate_src *rate, double beta2, int adam, int64_t *pos, int64_t pos_add,
                                      const cmlp_scale_step *scale) {
@@ -611,17 +627,10 @@ static cmlp_status cpu_optim_prepare(void *ctx, int64_t *step, float *coef, cons
                      scale->growth_interval, scale->d_skipped);
     if (found_inf && *found_inf != 0.0f) return CMLP_OK;
     int64_t t = ++*step;
-    if (adam) {
-        double bc1 = 1.0 - pow(momentum, (double)t), bc2 = 1.0 - pow(beta2, (double)t);
-        coef[0] = (float)(lr / bc1);
-        coef[1] = (float)sqrt(bc2);
-        coef[2] = rate->decoupled_wd != 0.0 ? (float)(1.0 - lr * rate->decoupled_wd) : 1.0f;
-        coef[3] = (float)momentum;
-        coef[4] = (float)(1.0 - momentum);
-    } else {
-        coef[0] = (float)lr;
-        coef[1] = (float)momentum;
-    }
+    step_coef(t, lr, momentum, beta2, rate->decoupled_wd, adam, coef);
+    for (int i = 0; i < rate->nparts; i++) /* parameter groups: each part at its own rate and decay */
+        step_coef(t, lr * rate->d_parts[2 * i], momentum, beta2, rate->d_parts[2 * i + 1], adam,
+                  rate->d_part_coef + 5 * i);
     return CMLP_OK;
 }
 

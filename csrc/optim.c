@@ -11,6 +11,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* A parameter group's part of the parameters, [the end of the part before, end): its rate as a
+ * multiple of the optimizer's, and its weight decay. */
+typedef struct optim_part {
+    int64_t end;
+    double lr_scale, weight_decay;
+} optim_part;
+
 struct cmlp_optim {
     cmlp_optim_kind kind;
     cmlp_model *model;
@@ -25,6 +32,13 @@ struct cmlp_optim {
      * part of `shards` parts of `chunk` floats; a step updates that part and gathers the others */
     int shards, shard_rank;
     int64_t chunk, lo, hi;
+    /* parameter groups (cmlp_optim_set_parts): nparts parts, none when every parameter takes the
+     * configuration's settings; d_parts holds 2 doubles per part for a step on the device (the
+     * rate's scale and the decoupled weight decay), then 5 floats of coefficients per part */
+    int nparts;
+    optim_part *parts;
+    void *d_parts;
+    cmlp_device_ctx *d_parts_dev; /* where d_parts lives (host memory on the CPU) */
 };
 
 /* The parameters whose state this optimizer keeps: [lo, lo + span). */
@@ -35,16 +49,18 @@ static size_t state_bytes(const cmlp_optim *o, int nb) {
     return (size_t)nb * (size_t)(span(o) > 0 ? span(o) : 1) * sizeof(float);
 }
 
+static cmlp_status upload_parts(cmlp_optim *o, const optim_part *parts, int n, void **out, bool *fresh);
+
+/* Bytes of d_parts for n parts. */
+static size_t parts_bytes(int n) { return (size_t)n * (2 * sizeof(double) + 5 * sizeof(float)); }
+
 cmlp_adam_config cmlp_adam_defaults(void) { return (cmlp_adam_config){1e-3, 0.9, 0.999, 1e-8, 0.0, 0}; }
 cmlp_sgd_config cmlp_sgd_defaults(void) { return (cmlp_sgd_config){0.01, 0.0, 0.0, 0.0, 0}; }
 
 /* Adam's weight decay as the backends take it: L2 (added to the gradient), or with decoupled
- * weight decay none, and the factor the parameters are first multiplied by (torch's AdamW:
- * param.mul_(1 - lr * weight_decay), the factor formed in double and applied in float). */
+ * weight decay none (the parameters are first multiplied by torch's AdamW factor,
+ * 1 - lr * weight_decay, formed in double and applied in float). */
 static float adam_l2(const cmlp_adam_config *c) { return c->decoupled_weight_decay ? 0.0f : (float)c->weight_decay; }
-static float adam_decay(const cmlp_adam_config *c) {
-    return c->decoupled_weight_decay ? (float)(1.0 - c->lr * c->weight_decay) : 1.0f;
-}
 /* The same weight decay as a step on the device takes it (cmlp_rate_src: 0 for none). */
 static double adam_decoupled_wd(const cmlp_adam_config *c) {
     return c->decoupled_weight_decay ? c->weight_decay : 0.0;
@@ -113,9 +129,19 @@ cmlp_status cmlp_optim_init_sgd(cmlp_optim **out, cmlp_model *m, const cmlp_sgd_
     return CMLP_OK;
 }
 
+static void free_device_parts(cmlp_optim *o) {
+    if (!o->d_parts) return;
+    if (o->d_parts_dev->device.type == CMLP_DEVICE_CPU) free(o->d_parts);
+    else (void)cmlp_allocator_free(o->d_parts_dev->alloc, o->d_parts);
+    o->d_parts = NULL;
+    o->d_parts_dev = NULL;
+}
+
 void cmlp_optim_free(cmlp_optim *o) {
     if (!o) return;
     if (o->state) (void)cmlp_allocator_free(o->dev->alloc, o->state);
+    free_device_parts(o);
+    free(o->parts);
     free(o);
 }
 
@@ -162,8 +188,23 @@ int cmlp_optim_num_buffers(const cmlp_optim *o) { return o->state && o->step > 0
 cmlp_status cmlp_optim_configure_adam(cmlp_optim *o, const cmlp_adam_config *c) {
     if (o->kind != CMLP_OPTIM_ADAM) return CMLP_FAIL(CMLP_ERR_STATE, "this optimizer is not Adam");
     CMLP_TRY(check_adam(c));
+    cmlp_adam_config before = o->adam;
     o->adam = *c;
     o->version++;
+    if (o->nparts && c->decoupled_weight_decay != before.decoupled_weight_decay) { /* the parts' decays move */
+        void *d;
+        bool fresh;
+        cmlp_status st = upload_parts(o, o->parts, o->nparts, &d, &fresh);
+        if (st != CMLP_OK) {
+            o->adam = before;
+            return st;
+        }
+        if (fresh) {
+            free_device_parts(o);
+            o->d_parts = d;
+            o->d_parts_dev = o->dev;
+        }
+    }
     return CMLP_OK;
 }
 
@@ -295,6 +336,108 @@ void cmlp_optim_drop_unused(cmlp_optim *o) {
 
 uint64_t cmlp_optim_version(const cmlp_optim *o) { return o->version; }
 
+static double config_weight_decay(const cmlp_optim *o) {
+    return o->kind == CMLP_OPTIM_ADAM ? o->adam.weight_decay : o->sgd.weight_decay;
+}
+
+/* The parts a step takes: the parameter groups', or one part with the configuration's settings. */
+static int parts_of(const cmlp_optim *o, const optim_part **out, optim_part *one) {
+    if (o->nparts) {
+        *out = o->parts;
+        return o->nparts;
+    }
+    *one = (optim_part){o->model->nparams, 1.0, config_weight_decay(o)};
+    *out = one;
+    return 1;
+}
+
+/* Writes n parts' rate scales and decoupled weight decays where a step on the optimizer's device
+ * reads them (d_parts), allocated there anew when it is missing, elsewhere or of another size;
+ * *fresh says whether it was. On failure nothing changed. */
+static cmlp_status upload_parts(cmlp_optim *o, const optim_part *parts, int n, void **out, bool *fresh) {
+    bool adam = o->kind == CMLP_OPTIM_ADAM, decoupled = adam && o->adam.decoupled_weight_decay;
+    size_t bytes = parts_bytes(n);
+    double *args = malloc(2 * (size_t)n * sizeof(double));
+    if (!args) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory for the optimizer's parameter groups");
+    for (int i = 0; i < n; i++) {
+        args[2 * i] = parts[i].lr_scale;
+        args[2 * i + 1] = decoupled ? parts[i].weight_decay : 0.0;
+    }
+    *fresh = !o->d_parts || o->d_parts_dev != o->dev || o->nparts != n;
+    void *d = *fresh ? NULL : o->d_parts;
+    cmlp_status st = CMLP_OK;
+    if (*fresh && o->dev->device.type == CMLP_DEVICE_CPU) {
+        d = calloc(1, bytes);
+        if (!d) st = CMLP_FAIL(CMLP_ERR_OOM, "out of host memory for the optimizer's parameter groups");
+    } else if (*fresh) {
+        st = cmlp_allocator_malloc(o->dev->alloc, bytes, "optimizer state", &d);
+    }
+    if (st == CMLP_OK) st = o->dev->backend->copy_h2d(o->dev->bctx, d, args, 2 * (size_t)n * sizeof(double));
+    free(args);
+    if (st != CMLP_OK && *fresh && d) {
+        if (o->dev->device.type == CMLP_DEVICE_CPU) free(d);
+        else (void)cmlp_allocator_free(o->dev->alloc, d);
+    }
+    if (st == CMLP_OK) *out = d;
+    return st;
+}
+
+cmlp_status cmlp_optim_set_parts(cmlp_optim *o, int n, const int64_t *ends, const double *lr_scale,
+                                 const double *weight_decay) {
+    if (!o) return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer must not be NULL");
+    if (n < 0 || (n > 0 && (!ends || !lr_scale || !weight_decay)))
+        return CMLP_FAIL(CMLP_ERR_INVALID, "parameter groups: %d parts without their ends and settings", n);
+    CMLP_TRY(check_model(o));
+    int64_t total = o->model->nparams;
+    for (int i = 0; i < n; i++) {
+        int64_t begin = i ? ends[i - 1] : 0;
+        if (!(ends[i] > begin && ends[i] <= total))
+            return CMLP_FAIL(CMLP_ERR_INVALID, "parameter groups: part %d ends at %lld, after %lld, within %lld "
+                                               "parameters", i, (long long)ends[i], (long long)begin, (long long)total);
+        if (!(lr_scale[i] >= 0.0 && isfinite(lr_scale[i])))
+            return CMLP_FAIL(CMLP_ERR_INVALID, "parameter groups: part %d's rate scale %g is not finite and >= 0", i,
+                             lr_scale[i]);
+        CMLP_TRY(check_real("weight_decay value", weight_decay[i]));
+    }
+    if (n > 0 && ends[n - 1] != total)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "parameter groups: the parts end at %lld, not at the model's %lld "
+                                           "parameters", (long long)ends[n - 1], (long long)total);
+    /* neighbours with the same settings are one part; one part as the configuration says is none */
+    optim_part *parts = n ? malloc((size_t)n * sizeof *parts) : NULL;
+    if (n && !parts) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory for the optimizer's parameter groups");
+    int m = 0;
+    for (int i = 0; i < n; i++) {
+        if (m && parts[m - 1].lr_scale == lr_scale[i] && parts[m - 1].weight_decay == weight_decay[i])
+            parts[m - 1].end = ends[i];
+        else
+            parts[m++] = (optim_part){ends[i], lr_scale[i], weight_decay[i]};
+    }
+    if (m == 1 && parts[0].lr_scale == 1.0 && parts[0].weight_decay == config_weight_decay(o)) m = 0;
+    bool same = m == o->nparts; /* the same launches: a captured step stays valid */
+    for (int i = 0; same && i < m; i++)
+        same = parts[i].end == o->parts[i].end && parts[i].weight_decay == o->parts[i].weight_decay;
+    void *d = NULL;
+    bool fresh = false;
+    if (m) {
+        cmlp_status st = upload_parts(o, parts, m, &d, &fresh);
+        if (st != CMLP_OK) {
+            free(parts);
+            return st;
+        }
+    }
+    if (!m || fresh) free_device_parts(o);
+    if (m) {
+        o->d_parts = d;
+        o->d_parts_dev = o->dev;
+    }
+    free(o->parts);
+    o->parts = m ? parts : NULL;
+    o->nparts = m;
+    if (!m) free(parts);
+    if (!same) o->version++;
+    return CMLP_OK;
+}
+
 /* FNV-1a over 8-byte words. */
 static uint64_t mix(uint64_t h, const void *word) {
     const unsigned char *b = word;
@@ -310,6 +453,11 @@ uint64_t cmlp_optim_fingerprint(const cmlp_optim *o) {
     uint64_t h = 1469598103934665603ull;
     for (int i = 0; i < 3; i++) h = mix(h, &ints[i]);
     for (int i = 0; i < 10; i++) h = mix(h, &reals[i]);
+    for (int i = 0; i < o->nparts; i++) { /* parameter groups */
+        h = mix(h, &o->parts[i].end);
+        h = mix(h, &o->parts[i].lr_scale);
+        h = mix(h, &o->parts[i].weight_decay);
+    }
     return h;
 }
 
@@ -346,17 +494,32 @@ cmlp_status cmlp_optim_step_summed(cmlp_optim *o) {
     int64_t n = span(o), at = first_of(o), t = o->step + 1;
     cmlp_fpenv fe;
     cmlp_fpenv_enter(&fe);
-    cmlp_status st;
-    if (o->kind == CMLP_OPTIM_ADAM) {
-        const cmlp_adam_config *c = &o->adam;
-        double bc1 = 1.0 - pow(c->beta1, (double)t), bc2 = 1.0 - pow(c->beta2, (double)t);
-        st = b->adam(o->dev->bctx, m->params + at, m->grads + at, o->state, o->state + n, n, (float)(c->lr / bc1),
-                     (float)c->beta1, (float)c->beta2, (float)(1.0 - c->beta1), (float)(1.0 - c->beta2), (float)sqrt(bc2), (float)c->eps, adam_l2(c), adam_decay(c), NULL,
-                     NULL);
-    } else {
-        const cmlp_sgd_config *c = &o->sgd;
-        st = b->sgd(o->dev->bctx, m->params + at, m->grads + at, o->state, n, (float)c->lr, (float)c->momentum,
-                    (float)(1.0 - c->dampening), c->nesterov, (float)c->weight_decay, first, NULL, NULL, NULL);
+    cmlp_status st = CMLP_OK;
+    const optim_part *parts;
+    optim_part one;
+    int np = parts_of(o, &parts, &one);
+    for (int i = 0; i < np && st == CMLP_OK; i++) { /* each part of this rank's at its own rate and decay */
+        int64_t lo = i ? parts[i - 1].end : 0, hi = parts[i].end;
+        lo = lo > at ? lo : at;
+        hi = hi < at + n ? hi : at + n;
+        if (lo >= hi) continue;
+        int64_t k = lo - at; /* where its state starts */
+        double wd = parts[i].weight_decay;
+        if (o->kind == CMLP_OPTIM_ADAM) {
+            const cmlp_adam_config *c = &o->adam;
+            double lr = c->lr * parts[i].lr_scale;
+            double bc1 = 1.0 - pow(c->beta1, (double)t), bc2 = 1.0 - pow(c->beta2, (double)t);
+            bool dec = c->decoupled_weight_decay;
+            st = b->adam(o->dev->bctx, m->params + lo, m->grads + lo, o->state + k, o->state + n + k, hi - lo,
+                         (float)(lr / bc1), (float)c->beta1, (float)c->beta2, (float)(1.0 - c->beta1),
+                         (float)(1.0 - c->beta2), (float)sqrt(bc2), (float)c->eps, dec ? 0.0f : (float)wd,
+                         dec ? (float)(1.0 - lr * wd) : 1.0f, NULL, NULL);
+        } else {
+            const cmlp_sgd_config *c = &o->sgd;
+            st = b->sgd(o->dev->bctx, m->params + lo, m->grads + lo, o->state ? o->state + k : NULL, hi - lo,
+                        (float)(c->lr * parts[i].lr_scale), (float)c->momentum, (float)(1.0 - c->dampening),
+                        c->nesterov, (float)wd, first, NULL, NULL, NULL);
+        }
     }
     if (st == CMLP_OK) st = gather(o, NULL);
     if (st == CMLP_OK) st = cmlp_model_refresh_half(m);
@@ -397,8 +560,34 @@ cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int6
     cmlp_fpenv fe;
     cmlp_fpenv_enter(&fe);
     cmlp_status st;
-    const cmlp_rate_src rate = {d_rates, d_lr_next, adam ? adam_decoupled_wd(&o->adam) : 0.0};
-    if (adam && b->adam_prepared && n > 0) { /* the bookkeeping in Adam's launch */
+    cmlp_rate_src rate = {d_rates, d_lr_next, adam ? adam_decoupled_wd(&o->adam) : 0.0, 0, NULL, NULL};
+    if (o->nparts) { /* parameter groups: the coefficients of each part, then a launch for each */
+        rate.nparts = o->nparts;
+        rate.d_parts = o->d_parts;
+        rate.d_part_coef = (float *)((double *)o->d_parts + 2 * o->nparts);
+        st = b->optim_prepare(ctx, d_step, d_coef, d_found_inf, &rate, adam ? o->adam.beta2 : 0.0, adam, d_pos,
+                              pos_add, scale);
+        for (int i = 0; i < o->nparts && st == CMLP_OK; i++) {
+            int64_t lo = i ? o->parts[i - 1].end : 0, hi = o->parts[i].end;
+            lo = lo > at ? lo : at;
+            hi = hi < at + n ? hi : at + n;
+            if (lo >= hi) continue;
+            int64_t k = lo - at;
+            const float *pc = rate.d_part_coef + 5 * i;
+            float wd = (float)o->parts[i].weight_decay;
+            if (adam) {
+                const cmlp_adam_config *c = &o->adam;
+                st = b->adam(ctx, m->params + lo, m->grads + lo, o->state + k, o->state + n + k, hi - lo, 0.0f, 0.0f,
+                             (float)c->beta2, 0.0f, (float)(1.0 - c->beta2), 1.0f, (float)c->eps,
+                             c->decoupled_weight_decay ? 0.0f : wd, 1.0f, d_found_inf, pc);
+            } else {
+                const cmlp_sgd_config *c = &o->sgd;
+                st = b->sgd(ctx, m->params + lo, m->grads + lo, o->state ? o->state + k : NULL, hi - lo, 0.0f,
+                            (float)c->momentum, (float)(1.0 - c->dampening), c->nesterov, wd, first, d_found_inf,
+                            d_step, pc);
+            }
+        }
+    } else if (adam && b->adam_prepared && n > 0) { /* the bookkeeping in Adam's launch */
         const cmlp_adam_config *c = &o->adam;
         st = b->adam_prepared(ctx, p, g, o->state, o->state + n, n, &rate, c->beta2, (float)c->eps, adam_l2(c),
                               d_found_inf, d_step, d_coef, d_pos, pos_add, scale, &ds->blocks_done);
@@ -471,10 +660,29 @@ cmlp_status cmlp_optim_to(cmlp_optim *o, cmlp_device d) {
     cmlp_device_ctx *to;
     CMLP_TRY(cmlp_device_get(d, &to));
     if (to == o->dev) return CMLP_OK;
+    cmlp_device_ctx *from = o->dev;
+    void *dp = NULL;
+    bool fresh = false;
+    if (o->nparts) { /* the parameter groups' settings, written there first */
+        o->dev = to;
+        cmlp_status st = upload_parts(o, o->parts, o->nparts, &dp, &fresh);
+        o->dev = from;
+        CMLP_TRY(st);
+    }
     if (o->state) {
         void *s = o->state;
-        CMLP_TRY(cmlp_buffer_move(o->dev, to, &s, state_bytes(o, buffers_of(o)), "optimizer state"));
+        cmlp_status st = cmlp_buffer_move(o->dev, to, &s, state_bytes(o, buffers_of(o)), "optimizer state");
+        if (st != CMLP_OK) {
+            if (dp && to->device.type == CMLP_DEVICE_CPU) free(dp);
+            else if (dp) (void)cmlp_allocator_free(to->alloc, dp);
+            return st;
+        }
         o->state = s;
+    }
+    if (o->nparts) {
+        free_device_parts(o);
+        o->d_parts = dp;
+        o->d_parts_dev = to;
     }
     o->dev = to;
     o->version++;

@@ -149,6 +149,12 @@ typedef struct cmlp_k_rate {
     const double *rates;
     long long *next;
     double decoupled_wd;
+    /* parameter groups (nparts may be 0): part p's rate is the step's times parts[2p], its
+     * decoupled weight decay parts[2p + 1]; a step taken writes its coefficients, as coef's, to
+     * part_coef[5p..5p + 4] */
+    int nparts;
+    const double *parts;
+    float *part_coef;
 } cmlp_k_rate;
 
 /* One thread, before a step whose skip is decided on the device: *pos += pos_add when pos is

@@ -235,6 +235,16 @@ __device__ __forceinline__ void prepare1(int64_t *step, float *coef, bool skip, 
         coef[0] = (float)lr;
         coef[1] = (float)momentum;
     }
+    for (int i = 0; i < rate.nparts; i++) { /* parameter groups: each part at its own rate and decay */
+        const double part_lr = __dmul_rn(lr, rate.parts[2 * i]);
+        float *pc = rate.part_coef + 5 * i;
+        if (adam) {
+            adam_coef(t, part_lr, momentum, beta2, rate.parts[2 * i + 1], pc);
+        } else {
+            pc[0] = (float)part_lr;
+            pc[1] = (float)momentum;
+        }
+    }
 }
 
 __global__ void k_optim_prepare(int64_t *step, float *coef, const float *found_inf, cmlp_k_rate rate, double beta2,

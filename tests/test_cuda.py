@@ -737,6 +737,80 @@ def test_a_learning_rate_schedule_replays_the_captured_step_and_equals_the_eager
     assert same(graph.state_dict(), eager.state_dict())
 
 
+PARAM_GROUPS = [{"params": ["fc1.weight", "fc2.weight"], "lr": 3e-3},
+                {"params": ["fc1.bias", "fc2.bias"], "weight_decay": 0.0, "lr": 5e-3}]
+
+
+@needs_gpu
+@pytest.mark.parametrize("kind", ["adam", "adamw", "sgd"])
+def test_param_groups_step_like_the_cpu(kind):
+    """Each group's part of the parameters at its own rate and weight decay, on the device as on
+    the CPU; a group's rate changed between steps too."""
+    sizes = [37, 19, 5]
+    batches = [margin_batch(sizes, 31, seed=s)[1:] for s in range(4)]
+    cpu, gpu = pair(sizes)
+    config = dict(lr=0.05, momentum=0.9, weight_decay=1e-2) if kind == "sgd" else dict(lr=1e-3, weight_decay=0.1)
+    opts = [make_optimizer(m, kind, dict(config, param_groups=PARAM_GROUPS)) for m in (cpu, gpu)]
+    for i, (x, y) in enumerate(batches):
+        if i == 2:
+            for o in opts:
+                o.param_groups[1]["lr"] = 1e-2
+        for m, o in zip((cpu, gpu), opts):
+            o.zero_grad()
+            m.forward_backward(x, y)
+            o.step()
+    assert_dicts_close(gpu.state_dict(), cpu.state_dict(), TOL, "parameters", elementwise=False)
+    got, want = opts[1].state_dict(), opts[0].state_dict()
+    assert got["param_groups"] == want["param_groups"]
+    for i, entry in want["state"].items():
+        for name, value in entry.items():
+            if name != "step":
+                assert_close(got["state"][i][name], value, 1e-4, f"optimizer state {i} {name}", elementwise=False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("schedule", ["lambda", "cosine", "epoch"])
+def test_param_groups_in_a_replayed_step_equal_the_eager_loop(device, schedule):
+    """A captured step reads the base rate and each group's multiple of it on the device: a schedule
+    that keeps the groups in proportion (LambdaLR) replays one capture, one that does not
+    (CosineAnnealingLR with eta_min) gives each step its own multiples; both equal the eager loop
+    bit for bit, and so does a schedule stepped each epoch."""
+    sizes, batch, steps, epochs = [784, 64, 10], 32, 4, 3
+    rng = np.random.default_rng(17)
+    x = rng.standard_normal((batch * steps, 784)).astype(np.float32)
+    y = rng.integers(0, 10, batch * steps)
+
+    def optimizer(model):
+        return cmlp.optim.AdamW(model, lr=1e-2, weight_decay=0.5, param_groups=PARAM_GROUPS)
+
+    def schedule_of(opt):
+        if schedule == "lambda":
+            return cmlp.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 6) * 0.9 ** k)
+        if schedule == "cosine":
+            return cmlp.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=5, eta_min=1e-3)
+        return cmlp.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    graph = cmlp.MLP(sizes, device=device, seed=0)
+    opt_g = optimizer(graph)
+    t_graph = cmlp.Trainer(graph, opt_g, batch_size=batch, shuffle=False)
+    t_graph.fit(x, y, epochs=epochs, progress=False, scheduler=schedule_of(opt_g),
+                scheduler_interval="epoch" if schedule == "epoch" else "step")
+    eager = cmlp.MLP(sizes, device=device, seed=0)
+    opt = optimizer(eager)
+    sched = schedule_of(opt)
+    for _ in range(epochs):
+        for i in range(steps):
+            opt.zero_grad()
+            eager.forward_backward(x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch])
+            opt.step()
+            if schedule != "epoch":
+                sched.step()
+        if schedule == "epoch":
+            sched.step()
+    assert [g["lr"] for g in opt_g.param_groups] == [g["lr"] for g in opt.param_groups]
+    assert same(graph.state_dict(), eager.state_dict())
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_skipped_step_that_made_sgds_buffer_leaves_it_unused(device):
     """The momentum goes from 0 to 0.9 (as a schedule may set it) and the step that makes SGD's

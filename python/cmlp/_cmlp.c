@@ -905,6 +905,47 @@ static PyObject *Optim_configure(OptimObject *self, PyObject *args, PyObject *kw
     Py_RETURN_NONE;
 }
 
+/* set_parts([(end, lr_scale, weight_decay), ...]): the parameter groups' parts (cmlp_optim_set_parts). */
+static PyObject *Optim_set_parts(OptimObject *self, PyObject *arg) {
+    PyObject *seq = PySequence_Fast(arg, "parts must be a sequence of (end, lr_scale, weight_decay)");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > INT_MAX / 2) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "too many parameter-group parts");
+        return NULL;
+    }
+    int64_t *ends = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *ends);
+    double *scale = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *scale);
+    double *wd = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *wd);
+    PyObject *result = NULL;
+    if (!ends || !scale || !wd) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long end;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "Ldd;a part is (end, lr_scale, weight_decay)", &end,
+                              &scale[i], &wd[i]))
+            goto done;
+        ends[i] = end;
+    }
+    if (optim_ready(self) < 0) goto done;
+    cmlp_status st;
+    RUN_LOCKED(self->model, st, cmlp_optim_set_parts(self->o, (int)n, ends, scale, wd));
+    if (st != CMLP_OK) {
+        raise_status(self->model->ms, st);
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    PyMem_Free(ends);
+    PyMem_Free(scale);
+    PyMem_Free(wd);
+    Py_DECREF(seq);
+    return result;
+}
+
 static PyObject *Optim_to(OptimObject *self, PyObject *arg) {
     if (optim_ready(self) < 0) return NULL;
     cmlp_device d;
@@ -937,6 +978,8 @@ static PyMethodDef Optim_methods[] = {
     {"get_state", (PyCFunction)Optim_get_state, METH_NOARGS, "(step, [flat float32 buffers])"},
     {"set_state", (PyCFunction)Optim_set_state, METH_VARARGS, "set_state(step, [buffers])"},
     {"to", (PyCFunction)Optim_to, METH_O, "move the state to a device (after the model)"},
+    {"set_parts", (PyCFunction)Optim_set_parts, METH_O,
+     "set_parts([(end, lr_scale, weight_decay), ...]): parameter groups' parts of the flat parameters"},
     {"shard", (PyCFunction)Optim_shard, METH_O, "keep state for this rank's part of the parameters only (or not)"},
     {"shards", (PyCFunction)Optim_shards, METH_NOARGS,
      "(parts, lo, hi, chunk): 0 parts when not sharded; rank r's part starts at r * chunk"},

@@ -473,14 +473,16 @@ class Trainer:
         schedule gives it, as torch's loop takes them (optimizer.step(), then scheduler.step()):
         the schedule is stepped once per step ahead of the call and its values reach the device
         with it. When the schedule raises, the steps before are taken, then the error is raised;
-        when the call fails after j steps, the schedule is where it would be after j steps."""
+        when the call fails after j steps, the schedule is where it would be after j steps.
+        With param groups the device reads one base rate per step and each group's multiple of
+        it: a call ends before a step whose groups' rates are other multiples of each other."""
         opt = self.optimizer
         k = min(steps, _cmlp.MAX_RATES)
-        saved, lr, momentum = scheduler.state_dict(), opt.lr, opt._momentum()
+        saved, lrs, momentum = scheduler.state_dict(), opt._group_lrs(), opt._momentum()
 
         def rewind(done: int) -> None:
             scheduler.load_state_dict(saved)
-            opt.lr = lr
+            opt._set_group_lrs(lrs)
             opt._set_momentum(momentum)
             for _ in range(done):
                 scheduler.step()
@@ -488,9 +490,13 @@ class Trainer:
         rates: List[float] = []
         momenta: List[float] = []
         raised: Optional[Exception] = None
+        base, scales = opt._rates()
         try:
             for _ in range(k):
-                rates.append(opt.lr)
+                base, now = opt._rates()
+                if rates and base != 0.0 and now != scales:
+                    break  # the groups' rates moved apart: the next call takes this step
+                rates.append(base)
                 momenta.append(opt._momentum())
                 scheduler.step()
         except Exception as e:  # torch's loop has taken this step when the schedule raises
@@ -499,10 +505,13 @@ class Trainer:
             rewind(0)
             raise
         try:
+            opt._sync_parts(scales)  # the call's multiples (the schedule has moved the groups on)
             result = self._c.epoch_run(len(rates), rates, momenta)
         except BaseException:
             rewind(self._c.run_steps())
             raise
+        finally:
+            opt._sync_parts(opt._rates()[1])
         if raised is not None:
             raise raised
         return result

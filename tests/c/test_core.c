@@ -4,6 +4,7 @@
  * optimizer rules, determinism. Exits non-zero when any check fails.
  */
 #include "cmlp.h"
+#include "internal.h" /* cmlp_optim_version */
 
 #include <float.h>
 #include <math.h>
@@ -411,6 +412,104 @@ static void test_rates_per_step(void) {
     }
 }
 
+/* Parameter groups (cmlp_optim_set_parts): refusals change nothing; SGD's step moves each part at
+ * its own rate and L2 weight decay; Adam (decoupled decay) with parts in an epoch with a rate per
+ * step equals the same steps by hand, bit for bit; parts that all take the configuration's
+ * settings are the plain step. */
+static void test_parts(void) {
+    int sizes[] = {7, 11, 3};
+    float x[40 * 7];
+    int32_t y[40];
+    unsigned rs = 33;
+    for (int i = 0; i < 40 * 7; i++) x[i] = frand(&rs);
+    for (int i = 0; i < 40; i++) y[i] = (i * 7) % 3;
+    cmlp_data d = {.x = x, .x_dtype = CMLP_DTYPE_F32, .y = y, .n = 40};
+    cmlp_model *m[2];
+    cmlp_optim *o[2];
+    cmlp_trainer *t[2];
+    for (int k = 0; k < 2; k++) OK(cmlp_model_init(&m[k], sizes, 3, cmlp_cpu(), 9));
+    const int64_t n = cmlp_model_num_parameters(m[0]); /* 7*11 + 11 + 11*3 + 3 = 124 */
+    const int64_t ends[4] = {77, 88, 121, 124};
+    const double scale[4] = {2.0, 0.5, 1.0, 0.0}, wd[4] = {0.1, 0.0, 0.2, 0.3};
+    /* SGD without momentum: p - lr * scale * (g + wd * p), in float */
+    cmlp_sgd_config sc = cmlp_sgd_defaults();
+    sc.lr = 0.1;
+    OK(cmlp_optim_init_sgd(&o[0], m[0], &sc));
+    const int64_t bad_ends[4] = {77, 77, 121, 124}, short_ends[3] = {77, 88, 121};
+    const double bad_scale[4] = {2.0, -1.0, 1.0, 0.0}, bad_wd[4] = {0.1, NAN, 0.2, 0.3};
+    CHECK(cmlp_optim_set_parts(o[0], -1, NULL, NULL, NULL) == CMLP_ERR_INVALID, "-1 parts accepted");
+    CHECK(cmlp_optim_set_parts(o[0], 4, bad_ends, scale, wd) == CMLP_ERR_INVALID, "an empty part accepted");
+    CHECK(cmlp_optim_set_parts(o[0], 3, short_ends, scale, wd) == CMLP_ERR_INVALID, "parts short of the end");
+    CHECK(cmlp_optim_set_parts(o[0], 4, ends, bad_scale, wd) == CMLP_ERR_INVALID, "a negative scale accepted");
+    CHECK(cmlp_optim_set_parts(o[0], 4, ends, scale, bad_wd) == CMLP_ERR_INVALID, "a NaN weight decay accepted");
+    uint64_t v = cmlp_optim_version(o[0]);
+    OK(cmlp_optim_set_parts(o[0], 4, ends, scale, wd));
+    CHECK(cmlp_optim_version(o[0]) != v, "new parts kept the version");
+    float *p0 = malloc(sizeof(float) * (size_t)n), *p1 = malloc(sizeof(float) * (size_t)n),
+          *g = malloc(sizeof(float) * (size_t)n);
+    cmlp_data b = {.x = x, .x_dtype = CMLP_DTYPE_F32, .y = y, .n = 8};
+    double loss;
+    OK(cmlp_model_forward_backward(m[0], &b, 1.0f, 0.0f, CMLP_AMP_NONE, &loss));
+    OK(cmlp_model_get_params(m[0], p0));
+    OK(cmlp_model_get_grads(m[0], g));
+    OK(cmlp_optim_step(o[0]));
+    OK(cmlp_model_get_params(m[0], p1));
+    int bad = 0;
+    for (int64_t i = 0, part = 0; i < n; i++) {
+        while (i >= ends[part]) part++;
+        float gi = g[i] + (float)wd[part] * p0[i];
+        if (p1[i] != p0[i] - (float)(0.1 * scale[part]) * gi) bad++;
+    }
+    CHECK(bad == 0, "%d parameters not at their part's rate and decay", bad);
+    v = cmlp_optim_version(o[0]);
+    const double other_scale[4] = {3.0, 0.25, 1.0, 0.0};
+    OK(cmlp_optim_set_parts(o[0], 4, ends, other_scale, wd));
+    CHECK(cmlp_optim_version(o[0]) == v, "other scales changed the version (a captured step reads them)");
+    cmlp_optim_free(o[0]);
+    /* Adam, decoupled decay: an epoch with a rate per step equals the steps by hand */
+    cmlp_train_config tc = {.batch_size = 4, .accumulation_steps = 1};
+    for (int k = 0; k < 2; k++) {
+        cmlp_model_free(m[k]);
+        OK(cmlp_model_init(&m[k], sizes, 3, cmlp_cpu(), 9));
+        cmlp_adam_config ac = cmlp_adam_defaults();
+        ac.weight_decay = 0.1;
+        ac.decoupled_weight_decay = 1;
+        OK(cmlp_optim_init_adam(&o[k], m[k], &ac));
+        OK(cmlp_optim_set_parts(o[k], 4, ends, scale, wd));
+        OK(cmlp_trainer_init(&t[k], m[k], o[k], &tc));
+    }
+    const double lr[10] = {1e-3, 2e-3, 3e-3, 4e-3, 5e-3, 5e-3, 2.5e-3, 1.25e-3, 0.0, 0.5};
+    cmlp_epoch_state st;
+    OK(cmlp_trainer_epoch_begin(t[0], &d, 0, &st));
+    OK(cmlp_trainer_epoch_run_rates(t[0], lr, NULL, 10, &st));
+    for (int k = 0; k < 10; k++) {
+        cmlp_data bk = {.x = x + k * 4 * 7, .x_dtype = CMLP_DTYPE_F32, .y = y + k * 4, .n = 4};
+        OK(cmlp_optim_set_lr(o[1], lr[k]));
+        OK(cmlp_trainer_step(t[1], &bk, &loss));
+    }
+    OK(cmlp_model_get_params(m[0], p0));
+    OK(cmlp_model_get_params(m[1], p1));
+    CHECK(memcmp(p0, p1, sizeof(float) * (size_t)n) == 0, "parts: a rate per step differs from the hand's");
+    /* parts of the configuration's settings: the plain step */
+    const int64_t one_end[2] = {50, 124};
+    const double ones[2] = {1.0, 1.0}, decays[2] = {0.1, 0.1};
+    OK(cmlp_optim_set_parts(o[0], 2, one_end, ones, decays));
+    OK(cmlp_optim_set_parts(o[1], 0, NULL, NULL, NULL));
+    for (int k = 0; k < 2; k++) {
+        OK(cmlp_optim_set_lr(o[k], 1e-3));
+        OK(cmlp_trainer_step(t[k], &b, &loss));
+    }
+    OK(cmlp_model_get_params(m[0], p0));
+    OK(cmlp_model_get_params(m[1], p1));
+    CHECK(memcmp(p0, p1, sizeof(float) * (size_t)n) == 0, "parts of the configuration's settings differ");
+    free(p0), free(p1), free(g);
+    for (int k = 0; k < 2; k++) {
+        cmlp_trainer_free(t[k]);
+        cmlp_optim_free(o[k]);
+        cmlp_model_free(m[k]);
+    }
+}
+
 /* The data-parallel trainer in a group of one (this binary has no MPI module beside it and no
  * launcher started it): every collective of the step runs (the ranks' agreement, the settings'
  * comparison, the sum of the gradients, the group's loss) and the run equals the trainer alone,
@@ -583,6 +682,7 @@ int main(void) {
     test_determinism();
     test_clipping();
     test_rates_per_step();
+    test_parts();
     test_group_of_one();
     CHECK(allocated_now() == base, "bytes left allocated: %lld", (long long)(allocated_now() - base));
     return check_summary();

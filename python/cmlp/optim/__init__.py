@@ -4,7 +4,7 @@ one entry per parameter tensor in the model's state_dict order. lr_scheduler hol
 learning-rate schedules."""
 import copy
 import weakref
-from typing import Any, Dict, Iterator, List, Mapping, MutableMapping, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, MutableMapping, Tuple
 
 import numpy as np
 
@@ -47,8 +47,8 @@ def _initial_lr_of(value: Any) -> float:
 
 
 def _setting(key: str, doc: str) -> Any:
-    """A param-group setting as an attribute: read, or set as torch's param_groups[0][key] = value
-    sets it (checked, and applied from the next step on)."""
+    """A setting every param group shares, as an attribute: read, or set (checked, and applied
+    from the next step on) as torch's param_groups[i][key] = value sets it, for every group."""
 
     def get(self: "Optimizer") -> Any:
         return self._settings[key]
@@ -59,14 +59,31 @@ def _setting(key: str, doc: str) -> Any:
     return property(get, set, doc=doc)
 
 
-class _ParamGroup(MutableMapping):
-    """torch's param_groups[0]: the optimizer's settings as a dict. Setting "lr", a
-    hyperparameter or "initial_lr" sets the optimizer's (checked, applied from the next step on,
-    as torch reads its groups at each step); other keys are kept as given, as torch keeps them.
-    "params" is the model's parameter tensors (indices in state_dict order) and cannot change."""
+def _rate(name: str, value: Any) -> float:
+    """A learning rate or weight decay as the step takes it: a number >= 0, finite in float32."""
+    v = _num(name, value)
+    if not 0.0 <= v <= _FLT_MAX:
+        what = "learning rate" if name == "lr" else f"{name} value"
+        raise ValueError(f"Invalid {what}: {value!r} (must be >= 0 and finite in float32)")
+    return v
 
-    def __init__(self, opt: "Optimizer") -> None:
+
+_FLT_MAX = float(np.finfo(np.float32).max)
+_GROUP_KEYS = ("lr", "weight_decay")  # what param groups may set each for itself
+
+
+class _ParamGroup(MutableMapping):
+    """One of torch's param_groups: a dict of the group's settings. Its "lr", "weight_decay" and
+    "initial_lr" are the group's own; the other hyperparameters (betas, eps, momentum, ...) are
+    shared by every group, and setting one in any group sets it for all. Setting a key checks it
+    and applies it from the next step on (as torch reads its groups at each step); other keys are
+    kept as given, as torch keeps them. "params" is the group's parameter tensors (indices, as in
+    state_dict()) and cannot change."""
+
+    def __init__(self, opt: "Optimizer", index: int, names: List[str]) -> None:
         self._ref = weakref.ref(opt)  # not a cycle: a deleted optimizer (and model) is freed at once
+        self._index = index
+        self._names = names  # the group's parameter tensors, in its order
         self._extra: Dict[Any, Any] = {}
 
     @property
@@ -77,8 +94,10 @@ class _ParamGroup(MutableMapping):
         return opt
 
     def _known(self) -> Dict[str, Any]:
-        group = self._opt._group()
-        group["params"] = list(range(2 * (len(self._opt.model.layer_sizes) - 1)))
+        opt = self._opt
+        group = opt._group(self._index)
+        first = sum(len(g._names) for g in opt._param_groups[:self._index])
+        group["params"] = list(range(first, first + len(self._names)))
         return group
 
     def __getitem__(self, key: Any) -> Any:
@@ -86,18 +105,20 @@ class _ParamGroup(MutableMapping):
         return known[key] if key in known else self._extra[key]
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        opt = self._opt
+        opt, i = self._opt, self._index
         if key == "params":
-            raise ValueError("a cmlp optimizer's param group is its model's parameters: 'params' cannot change")
+            raise ValueError("a cmlp optimizer's param groups are set when it is made: 'params' cannot change")
         if key == "lr":
-            opt.lr = value
+            opt._set_group_lrs([value if k == i else lr for k, lr in enumerate(opt._lrs)])
+        elif key == "weight_decay":
+            opt._set_group_wds([value if k == i else wd for k, wd in enumerate(opt._wds)])
         elif key in opt._flags:  # foreach, fused (and Adam's capturable)
             opt._flags[key] = _implementation_flag(key, value)
         elif key == "initial_lr":
-            opt._initial_lr = _initial_lr_of(value)
+            opt._initial_lrs[i] = _initial_lr_of(value)
         elif key in opt._settings:
             setattr(opt, key, value)
-        elif key in opt._group():  # amsgrad, maximize, differentiable: only their defaults
+        elif key in opt._group(i):  # amsgrad, maximize, differentiable: only their defaults
             _unsupported_flag(key, value)
         elif key in opt._foreign_keys:
             raise ValueError(f"{type(opt).__name__} has no {key!r} setting")
@@ -107,23 +128,21 @@ class _ParamGroup(MutableMapping):
     def update(self, *args: Any, **kwargs: Any) -> None:
         """dict.update, all or nothing: a refused key leaves every setting as it was."""
         opt = self._opt
-        before = (opt._group_config(opt._group()), opt.lr, opt._initial_lr, dict(opt._flags), dict(self._extra))
+        before = opt._snapshot()
+        extra = dict(self._extra)
         try:
             for key, value in dict(*args, **kwargs).items():
                 self[key] = value
         except BaseException:
-            config, lr, opt._initial_lr, flags, self._extra = before
-            opt._apply(config)
-            opt.lr = lr
-            opt._flags.clear()
-            opt._flags.update(flags)
+            opt._restore(before)
+            self._extra = extra
             raise
 
     def __delitem__(self, key: Any) -> None:
         if key in self._extra:
             del self._extra[key]
-        elif key == "initial_lr" and self._opt._initial_lr is not None:
-            self._opt._initial_lr = None
+        elif key == "initial_lr" and self._opt._initial_lrs[self._index] is not None:
+            self._opt._initial_lrs[self._index] = None
         else:
             raise KeyError(f"{key!r} cannot be removed from a cmlp optimizer's param group")
 
@@ -138,34 +157,245 @@ class _ParamGroup(MutableMapping):
 
 
 class Optimizer:
-    """Base: holds the C optimizer bound to one model."""
+    """Base: holds the C optimizer bound to one model. The param groups' own rates and weight
+    decays are kept here; the C optimizer steps at a base rate (the first group's nonzero
+    rate) and each group's part of the parameters at its multiple of it."""
 
     _buffers: Tuple[str, ...] = ()
 
-    def __init__(self, model: MLP, kind: str, flags: Dict[str, Any], **config: Any) -> None:
+    def __init__(self, model: MLP, kind: str, flags: Dict[str, Any], param_groups: Any = None, **config: Any) -> None:
         model = model_of(model, "the first argument")
         self.model = model
         self._kind = kind
-        self._c = _cmlp.Optimizer(model._c, kind, **config)
-        self._initial_lr: Any = None  # set by the first lr_scheduler made for it (torch's 'initial_lr')
-        self._settings: Dict[str, Any] = {}  # the hyperparameters, as _apply last set them
+        names = list(model._split(np.empty(model.num_parameters(), np.float32)).keys())
+        specs = self._group_specs(param_groups, names, config)
+        self._c_wd = specs[0]["weight_decay"]  # the C configuration's (the first group's)
+        self._c_parts: Any = None  # the parts last given to the C optimizer
+        self._c = _cmlp.Optimizer(model._c, kind, **{**config, "weight_decay": self._c_wd})
+        if not hasattr(self, "_settings"):  # the shared hyperparameters, as _apply last set them
+            self._settings: Dict[str, Any] = {}
         self._flags = flags  # torch's foreach, capturable and fused, as given
-        self._param_groups = [_ParamGroup(self)]
+        self._param_groups = [_ParamGroup(self, i, spec["names"]) for i, spec in enumerate(specs)]
+        for group, spec in zip(self._param_groups, specs):
+            group._extra = spec["extra"]
+        self._lrs = [spec["lr"] for spec in specs]
+        self._wds = [spec["weight_decay"] for spec in specs]
+        # torch's 'initial_lr' of each group: set by the first lr_scheduler made for the optimizer
+        self._initial_lrs: List[Any] = [spec["initial_lr"] for spec in specs]
+        self._push_groups()
         model._optimizers.add(self)
+
+    def _group_specs(self, param_groups: Any, names: List[str], config: Dict[str, Any]) -> List[Dict[str, Any]]:
+        """The param groups asked for, checked: each a dict with "params" (names as in
+        state_dict(), or their indices) and the group's own "lr" and "weight_decay" (default: the
+        optimizer's); every parameter tensor in exactly one group."""
+        lr, wd = config["lr"], config["weight_decay"]
+        if param_groups is None:
+            return [{"names": names, "lr": lr, "weight_decay": wd, "initial_lr": None, "extra": {}}]
+        if isinstance(param_groups, Mapping) or not isinstance(param_groups, (list, tuple)):
+            raise TypeError("param_groups must be a list of dicts, each with 'params' (parameter names, as in "
+                            f"model.state_dict(), or their indices), got {type(param_groups).__name__}")
+        if not param_groups:
+            raise ValueError("optimizer got an empty parameter list")
+        shared = self._shared_defaults(config)
+        specs, seen = [], {}
+        for gi, group in enumerate(param_groups):
+            if not isinstance(group, Mapping) or "params" not in group:
+                raise TypeError(f"param_groups[{gi}] must be a dict with 'params', got {group!r}")
+            params = group["params"]
+            params = [params] if isinstance(params, (str, int, np.integer)) else params
+            if isinstance(params, (set, frozenset)) or not isinstance(params, Iterable):
+                raise TypeError(f"param_groups[{gi}]['params'] must be a list of parameter names or indices (a set "
+                                "has no order), got " + type(params).__name__)
+            mine = []
+            for p in params:
+                if isinstance(p, (int, np.integer)) and not isinstance(p, bool):
+                    if not 0 <= p < len(names):
+                        raise ValueError(f"param_groups[{gi}]: parameter index {p} is not one of the model's "
+                                         f"{len(names)} tensors")
+                    p = names[int(p)]
+                if not isinstance(p, str) or p not in names:
+                    raise ValueError(f"param_groups[{gi}]: {p!r} is not one of the model's parameters {names}")
+                if p in seen:
+                    raise ValueError(f"some parameters appear in more than one parameter group: {p!r} is in groups "
+                                     f"{seen[p]} and {gi}")
+                seen[p] = gi
+                mine.append(p)
+            if not mine:
+                raise ValueError(f"param_groups[{gi}] has no parameters")
+            for key, value in group.items():
+                if key in shared and not self._same_setting(key, value, shared[key]):
+                    raise ValueError(f"param_groups[{gi}] sets {key}={value!r}: cmlp's param groups may differ in "
+                                     f"{' and '.join(_GROUP_KEYS)} only, and share {key}={shared[key]!r}")
+                if key in ("amsgrad", "maximize", "differentiable"):
+                    _unsupported_flag(key, value)
+                if key in self._foreign_keys:
+                    raise ValueError(f"{type(self).__name__} has no {key!r} setting (param_groups[{gi}])")
+            initial = group.get("initial_lr")
+            known = set(shared) | set(_GROUP_KEYS) | {"params", "initial_lr", "amsgrad", "maximize",
+                                                      "differentiable", "foreach", "fused", "capturable"}
+            specs.append({"names": mine, "lr": _rate("lr", group.get("lr", lr)),
+                          "weight_decay": _rate("weight_decay", group.get("weight_decay", wd)),
+                          "initial_lr": None if initial is None else _initial_lr_of(initial),
+                          "extra": {k: v for k, v in group.items() if k not in known}})
+        missing = [n for n in names if n not in seen]
+        if missing:
+            raise ValueError(f"every parameter must be in a param group (a frozen one takes lr=0): {missing} are in "
+                             "none")
+        return specs
+
+    def _shared_defaults(self, config: Dict[str, Any]) -> Dict[str, Any]:
+        """The settings all groups share, as the constructor got them (the key in torch's group)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _same_setting(key: str, value: Any, shared: Any) -> bool:
+        try:
+            if key == "betas":
+                return tuple(float(v) for v in value) == tuple(shared)
+            return type(shared)(value) == shared if not isinstance(shared, bool) else value is shared or value == shared
+        except (TypeError, ValueError):
+            return False
 
     @property
     def param_groups(self) -> List[MutableMapping]:
-        """torch's param_groups: one group, the model's parameters (see _ParamGroup); e.g.
-        opt.param_groups[0]["lr"] = 1e-4, or ["weight_decay"], which the next step uses."""
+        """torch's param_groups (see _ParamGroup): by default one group, the model's parameters;
+        e.g. opt.param_groups[0]["lr"] = 1e-4, or ["weight_decay"], which the next step uses."""
         return self._param_groups
+
+    def add_param_group(self, param_group: Any) -> None:
+        """torch's add_param_group: every parameter tensor of the model is in a group from the
+        start (param_groups=... when the optimizer is made), so none can be added."""
+        raise ValueError("every parameter of the model is in a param group already: a cmlp optimizer's groups are "
+                         "given when it is made (param_groups=[{'params': [...], 'lr': ...}, ...])")
+
+    # the groups' rates and weight decays, and how the C optimizer steps them
+
+    def _push_groups(self, lrs: Any = None, wds: Any = None) -> None:
+        """Sets the groups' rates and weight decays (checked first: all or nothing): the C
+        optimizer's rate is the first nonzero one, each group's part steps at its multiple."""
+        lrs = [_rate("lr", v) for v in (self._lrs if lrs is None else lrs)]
+        wds = [_rate("weight_decay", v) for v in (self._wds if wds is None else wds)]
+        if len(lrs) != len(self._param_groups) or len(wds) != len(self._param_groups):
+            raise ValueError(f"expected {len(self._param_groups)} values, one per param group")
+        base, scales = self._split_rates(lrs)
+        before = (self._c.lr, self._c_wd, self._c_parts)
+        try:
+            if wds[0] != self._c_wd:
+                self._configure_weight_decay(wds[0])
+            self._sync_parts(scales, wds)
+            self._c.lr = base
+        except BaseException:
+            self._c.lr = before[0]
+            if self._c_wd != before[1]:
+                self._configure_weight_decay(before[1])
+            if self._c_parts != before[2]:
+                self._c.set_parts(before[2])
+                self._c_parts = before[2]
+            raise
+        self._lrs, self._wds = lrs, wds
+
+    def _sync_parts(self, scales: Any, wds: Any = None) -> None:
+        """Gives the C optimizer each group's rate scale and weight decay, as parts of the flat
+        parameters (none where every group has the same settings at scale 1: the plain step)."""
+        wds = self._wds if wds is None else wds
+        if len(set(zip(scales, wds))) == 1 and scales[0] == 1.0:
+            parts: List[Tuple[int, float, float]] = []
+        else:
+            group_of = {name: gi for gi, g in enumerate(self._param_groups) for name in g._names}
+            m = self.model
+            spans = []  # (start, end, name) of each tensor in the flat buffer
+            for i, (w, b) in enumerate(m._offsets):
+                fan_in, fan_out = m._sizes[i], m._sizes[i + 1]
+                spans += [(w, w + fan_in * fan_out, f"fc{i + 1}.weight"), (b, b + fan_out, f"fc{i + 1}.bias")]
+            parts = [(end, scales[group_of[name]], wds[group_of[name]]) for _, end, name in sorted(spans)]
+        if parts != self._c_parts:
+            self._c.set_parts(parts)
+            self._c_parts = parts
+
+    def _split_rates(self, lrs: List[float]) -> Tuple[float, List[float]]:
+        """(base, scales): the rate the C optimizer steps at (the first nonzero group rate) and each
+        group's multiple of it (the scales kept where every rate is 0)."""
+        base = next((v for v in lrs if v != 0.0), 0.0)
+        if base == 0.0:
+            kept = getattr(self, "_scales", None)
+            scales = kept if kept is not None and len(kept) == len(lrs) else [1.0] * len(lrs)
+        else:
+            scales = [v / base for v in lrs]
+        self._scales = scales
+        return base, scales
+
+    def _rates(self) -> Tuple[float, Tuple[float, ...]]:
+        """What a step of the C optimizer reads: its base rate and the groups' scales."""
+        base, scales = self._split_rates(self._lrs)
+        return base, tuple(scales)
+
+    def _configure_weight_decay(self, wd: float) -> None:
+        """The C configuration's weight decay (the first group's; the parts carry every group's)."""
+        self._c.configure(**{**self._group_config({}), "lr": self._c.lr, "weight_decay": wd})
+        self._c_wd = wd
+
+    def _apply(self, config: Dict[str, Any]) -> None:
+        """Sets the shared hyperparameters from a configuration (_group_config's), and its rate
+        and weight decay as the first group's."""
+        self._apply_config({**config, "lr": self._c.lr, "weight_decay": self._c_wd})
+        self._push_groups([config["lr"]] + self._lrs[1:], [config["weight_decay"]] + self._wds[1:])
+
+    def _apply_config(self, config: Dict[str, Any]) -> None:
+        """Configures the C optimizer and records the shared settings."""
+        raise NotImplementedError
+
+    @property
+    def weight_decay(self) -> float:
+        """The first param group's weight decay (all of them, with one group); settable."""
+        return self._wds[0]
+
+    @weight_decay.setter
+    def weight_decay(self, value: float) -> None:
+        self._set_group_wds([value] + self._wds[1:])
+
+    def _group_lrs(self) -> List[float]:
+        return list(self._lrs)
+
+    def _set_group_lrs(self, lrs: Any) -> None:
+        """Every group's rate at once (checked: a refused one changes none)."""
+        self._push_groups(lrs=list(lrs))
+
+    def _set_group_wds(self, wds: Any) -> None:
+        self._push_groups(wds=list(wds))
+
+    @property
+    def _initial_lr(self) -> Any:
+        """The first group's 'initial_lr' (torch's), None before a schedule set it."""
+        return self._initial_lrs[0]
+
+    @_initial_lr.setter
+    def _initial_lr(self, value: Any) -> None:
+        self._initial_lrs = [value] * len(self._param_groups) if value is None else \
+            [value if i == 0 else (v if v is not None else self._lrs[i]) for i, v in enumerate(self._initial_lrs)]
+
+    def _snapshot(self) -> Tuple[Any, ...]:
+        """Everything a param group's update may change, for _restore."""
+        return (self._group_config(self._group(0)), list(self._lrs), list(self._wds), list(self._initial_lrs),
+                dict(self._flags))
+
+    def _restore(self, saved: Tuple[Any, ...]) -> None:
+        config, lrs, wds, initial, flags = saved
+        self._apply(config)
+        self._push_groups(lrs, wds)
+        self._initial_lrs = initial
+        self._flags.clear()
+        self._flags.update(flags)
 
     @property
     def lr(self) -> float:
-        return self._c.lr
+        """The first param group's learning rate (all of them, with one group)."""
+        self._c.lr  # noqa: B018 - refuses, as every call, where the model was lost to a fork
+        return self._lrs[0]
 
     @lr.setter
     def lr(self, value: float) -> None:
-        self._c.lr = _num("lr", value)
+        self._set_group_lrs([value] + self._lrs[1:])
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "Optimizer":
         """copy.deepcopy (alone, or with its model, as torch's): the same kind of optimizer, with
@@ -175,9 +405,17 @@ class Optimizer:
         model = copy.deepcopy(self.model, memo)
         self._init_like(twin, model)
         twin.load_state_dict(self.state_dict())
-        twin._param_groups[0]._extra = copy.deepcopy(self._param_groups[0]._extra, memo)
+        for mine, theirs in zip(self._param_groups, twin._param_groups):
+            theirs._extra = copy.deepcopy(mine._extra, memo)
         twin.defaults = copy.deepcopy(self.defaults, memo)
         return twin
+
+    def _groups_spec(self) -> Any:
+        """The param_groups argument that makes these groups again (None: the default one)."""
+        if len(self._param_groups) == 1:
+            return None
+        return [{"params": list(g._names), "lr": lr, "weight_decay": wd}
+                for g, lr, wd in zip(self._param_groups, self._lrs, self._wds)]
 
     def _init_like(self, twin: "Optimizer", model: MLP) -> None:
         """Runs the constructor of this kind of optimizer on twin, with this one's settings."""
@@ -203,39 +441,43 @@ class Optimizer:
 
     @property
     def state(self) -> Dict[int, Dict[str, Any]]:
-        """torch's optimizer.state, keyed as param_groups[0]["params"] (the parameter tensors'
-        indices in state_dict order): copies of each tensor's step and buffers, as in
-        state_dict()["state"]; empty before the first step."""
+        """torch's optimizer.state, keyed as the param groups' "params" (the parameter tensors
+        numbered group after group, as torch's state_dict numbers them): copies of each tensor's
+        step and buffers, as in state_dict()["state"]; empty before the first step."""
         return self.state_dict()["state"]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.model.zero_grad(set_to_none)
 
-    def _group(self) -> Dict[str, Any]:
+    def _group(self, i: int = 0) -> Dict[str, Any]:
+        """Param group i's settings (torch's keys, but for "params")."""
         raise NotImplementedError
 
-    def _initial(self) -> Dict[str, Any]:
+    def _initial(self, i: int) -> Dict[str, Any]:
         """torch's 'initial_lr' group entry, once a schedule has set it."""
-        return {} if self._initial_lr is None else {"initial_lr": self._initial_lr}
+        return {} if self._initial_lrs[i] is None else {"initial_lr": self._initial_lrs[i]}
 
     def state_dict(self) -> Dict[str, Any]:
         return self._state_dict_of(*self._c.get_state())
 
     def _state_dict_of(self, step: int, bufs: List[np.ndarray]) -> Dict[str, Any]:
         """torch.optim's layout of a step count and flat state buffers."""
-        names = list(self.model.state_dict().keys())
+        names = [name for g in self._param_groups for name in g._names]  # numbered group after group
         state: Dict[int, Dict[str, Any]] = {}
         if bufs or (step > 0 and self._kind == "adam"):  # SGD without momentum keeps nothing, as torch's
+            views = [self.model._split(flat) for flat in bufs]
             for i, name in enumerate(names):
                 entry: Dict[str, Any] = {}
                 if self._kind == "adam":
                     entry["step"] = float(step)
-                for bname, flat in zip(self._buffers, bufs):
-                    entry[bname] = self.model._split(flat)[name].copy()
+                for bname, view in zip(self._buffers, views):
+                    entry[bname] = view[name].copy()
                 state[i] = entry
-        group = {**self._param_groups[0]._extra, **self._group()}  # the keys a user added too, as torch
-        group["params"] = list(range(len(names)))
-        return {"state": state, "param_groups": [group]}
+        groups = []
+        for g in self._param_groups:
+            group = {**g._extra, **g._known()}  # the keys a user added too, as torch
+            groups.append(group)
+        return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Takes over a state_dict of the same kind of optimizer (this library's or torch.optim's
@@ -244,42 +486,62 @@ class Optimizer:
         if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError("optimizer state_dict must be a dict with 'state' and 'param_groups'")
         state, groups = state_dict["state"], state_dict["param_groups"]
-        names = list(self.model.state_dict().keys())
-        if not isinstance(groups, (list, tuple)) or len(groups) != 1 or not isinstance(groups[0], Mapping):
-            raise ValueError("optimizer state_dict's param_groups must be a list of one dict")
-        group = groups[0]
-        order = group.get("params", ())
-        if isinstance(order, np.ndarray) and order.ndim == 1:  # torch takes any sequence of indices
-            order = order.tolist()
-        if not isinstance(order, (list, tuple)) or len(order) != len(names):
-            raise ValueError(f"optimizer state_dict must have one param group of {len(names)} parameters")
-        foreign = sorted(set(group) & set(self._foreign_keys))
-        if foreign:
-            raise ValueError(f"this state_dict is not from {type(self).__name__}: its param group has {foreign}")
-        config = self._group_config(group)
+        mine = self._param_groups
+        if not isinstance(groups, (list, tuple)) or not all(isinstance(g, Mapping) for g in groups):
+            raise ValueError("optimizer state_dict's param_groups must be a list of dicts")
+        if len(groups) != len(mine):
+            raise ValueError(f"loaded state dict has a different number of parameter groups ({len(groups)}) than "
+                             f"this optimizer ({len(mine)}): make it with the same param_groups")
+        order: List[Any] = []
+        for gi, (group, g) in enumerate(zip(groups, mine)):
+            ids = group.get("params", ())
+            if isinstance(ids, np.ndarray) and ids.ndim == 1:  # torch takes any sequence of indices
+                ids = ids.tolist()
+            if not isinstance(ids, (list, tuple)) or len(ids) != len(g._names):
+                raise ValueError(f"loaded state dict contains a parameter group that doesn't match the size of "
+                                 f"optimizer's group: param group {gi} must have {len(g._names)} parameters")
+            order += list(ids)
+            foreign = sorted(set(group) & set(self._foreign_keys))
+            if foreign:
+                raise ValueError(f"this state_dict is not from {type(self).__name__}: its param group has {foreign}")
+        configs = [self._group_config(group) for group in groups]
+        config = configs[0]
+        for gi, other in enumerate(configs[1:], 1):
+            differ = sorted(k for k in config if k not in ("lr", "weight_decay") and other[k] != config[k])
+            if differ:
+                raise ValueError(f"loaded param group {gi} has other {differ} than group 0: cmlp's param groups may "
+                                 f"differ in {' and '.join(_GROUP_KEYS)} only")
+        lrs = [_rate("lr", c["lr"]) for c in configs]
+        wds = [_rate("weight_decay", c["weight_decay"]) for c in configs]
         if not isinstance(state, Mapping):
             raise ValueError("optimizer state_dict's 'state' must be a dict")
-        step, bufs = self._parse_state(state, list(order), names) if state else (0, [])
+        names = [name for g in mine for name in g._names]
+        step, bufs = self._parse_state(state, order, names) if state else (0, [])
         if len(bufs) > self._buffers_for(config):
             raise ValueError(f"optimizer state_dict has {len(bufs)} state buffers per parameter, but its settings "
                              f"keep {self._buffers_for(config)}")
-        initial = group.get("initial_lr", self._initial_lr)
-        if initial is not None:
-            initial = _initial_lr_of(initial)
-        flags = {k: _implementation_flag(k, group[k]) for k in self._flags if k in group}
-        known = set(self._group()) | {"params", "initial_lr"}
-        extra = {k: v for k, v in group.items() if k not in known}
-        before, before_state = self._group_config(self._group()), self._c.get_state()
-        self._apply(config)
+        initial = []
+        for group, own in zip(groups, self._initial_lrs):
+            v = group.get("initial_lr", own)
+            initial.append(None if v is None else _initial_lr_of(v))
+        flags = {k: _implementation_flag(k, groups[0][k]) for k in self._flags if k in groups[0]}
+        extras = []
+        for gi, group in enumerate(groups):
+            known = set(self._group(gi)) | {"params", "initial_lr"}
+            extras.append({k: v for k, v in group.items() if k not in known})
+        before, before_state = self._snapshot(), self._c.get_state()
         try:
+            self._apply(config)
+            self._push_groups(lrs, wds)
             self._c.set_state(step, bufs)
         except BaseException:
-            self._apply(before)
+            self._restore(before)
             self._c.set_state(*before_state)
             raise
-        self._initial_lr = initial
+        self._initial_lrs = initial
         self._flags.update(flags)
-        self._param_groups[0]._extra = extra
+        for g, extra in zip(mine, extras):
+            g._extra = extra
 
     def _buffers_for(self, config: Dict[str, Any]) -> int:
         """State buffers per parameter that these settings keep."""
@@ -352,9 +614,6 @@ class Optimizer:
         """The C optimizer's configuration from a param group (missing keys keep their values)."""
         raise NotImplementedError
 
-    def _apply(self, config: Dict[str, Any]) -> None:
-        raise NotImplementedError
-
     def _momentum(self) -> float:
         """The momentum a schedule cycles (OneCycleLR): Adam's beta1, SGD's momentum."""
         return self.betas[0] if self._kind == "adam" else self.momentum  # type: ignore[attr-defined]
@@ -372,33 +631,38 @@ class Optimizer:
 class Adam(Optimizer):
     """torch.optim.Adam, bias-corrected: weight_decay is L2, added to the gradient, unless
     decoupled_weight_decay=True, which makes it AdamW's (the parameters multiplied by
-    1 - lr * weight_decay before each update)."""
+    1 - lr * weight_decay before each update). param_groups: torch's param groups, e.g.
+    [{"params": ["fc1.weight", "fc2.weight", "fc3.weight"]},
+     {"params": ["fc1.bias", "fc2.bias", "fc3.bias"], "weight_decay": 0.0}]: each its own
+    "lr" and "weight_decay" (default: the arguments'); every parameter in one group."""
 
     _buffers = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, model: MLP, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *, foreach: Any = None,
                  maximize: bool = False, capturable: bool = False, differentiable: bool = False, fused: Any = None,
-                 decoupled_weight_decay: bool = False) -> None:
+                 decoupled_weight_decay: bool = False, param_groups: Any = None) -> None:
         b1, b2 = self._betas(betas)
         decoupled_weight_decay = _flag("decoupled_weight_decay", decoupled_weight_decay)
         for name, value in (("amsgrad", amsgrad), ("maximize", maximize), ("differentiable", differentiable)):
             _unsupported_flag(name, value)
         flags = _implementation_flags(("foreach", "capturable", "fused"),
                                       {"foreach": foreach, "capturable": capturable, "fused": fused})
-        super().__init__(model, "adam", flags, lr=_num("lr", lr), beta1=b1, beta2=b2, eps=_num("eps", eps),
-                         weight_decay=_num("weight_decay", weight_decay), decoupled_weight_decay=decoupled_weight_decay)
-        self._settings.update(betas=(b1, b2), eps=float(eps), weight_decay=float(weight_decay),
-                              decoupled_weight_decay=decoupled_weight_decay)
-        self.defaults = {k: v for k, v in self._group().items() if k != "initial_lr"}  # as constructed, as torch's
+        self._settings = {"betas": (b1, b2), "eps": _num("eps", eps), "decoupled_weight_decay": decoupled_weight_decay}
+        super().__init__(model, "adam", flags, param_groups, lr=_num("lr", lr), beta1=b1, beta2=b2,
+                         eps=_num("eps", eps), weight_decay=_num("weight_decay", weight_decay),
+                         decoupled_weight_decay=decoupled_weight_decay)
+        self._settings.update(betas=(b1, b2), eps=float(eps), decoupled_weight_decay=decoupled_weight_decay)
+        # as constructed, as torch's
+        self.defaults = {**{k: v for k, v in self._group(0).items() if k != "initial_lr"},
+                         "lr": float(lr), "weight_decay": float(weight_decay)}
 
     def _init_like(self, twin: Optimizer, model: MLP) -> None:
         Adam.__init__(twin, model, self.lr, self.betas, self.eps, self.weight_decay, **self._flags,  # type: ignore
-                      decoupled_weight_decay=self.decoupled_weight_decay)
+                      decoupled_weight_decay=self.decoupled_weight_decay, param_groups=self._groups_spec())
 
-    betas = _setting("betas", "(beta1, beta2); settable, as param_groups[0]['betas']")
-    eps = _setting("eps", "the denominator's epsilon; settable")
-    weight_decay = _setting("weight_decay", "L2 (or, decoupled, AdamW's) weight decay; settable")
+    betas = _setting("betas", "(beta1, beta2); settable, as param_groups[0]['betas'] (every group's)")
+    eps = _setting("eps", "the denominator's epsilon; settable (every group's)")
     decoupled_weight_decay = _setting("decoupled_weight_decay", "AdamW's weight decay when True; settable")
 
     @staticmethod
@@ -409,10 +673,14 @@ class Adam(Optimizer):
             raise TypeError(f"betas must be a pair of floats, got {betas!r}") from None
         return _num("betas[0]", b1), _num("betas[1]", b2)
 
-    def _group(self) -> Dict[str, Any]:
-        return {"lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay,
+    def _shared_defaults(self, config: Dict[str, Any]) -> Dict[str, Any]:
+        return {"betas": (config["beta1"], config["beta2"]), "eps": config["eps"],
+                "decoupled_weight_decay": config["decoupled_weight_decay"]}
+
+    def _group(self, i: int = 0) -> Dict[str, Any]:
+        return {"lr": self._lrs[i], "betas": self.betas, "eps": self.eps, "weight_decay": self._wds[i],
                 "amsgrad": False, "maximize": False, "differentiable": False, **self._flags,
-                "decoupled_weight_decay": self.decoupled_weight_decay, **self._initial()}
+                "decoupled_weight_decay": self.decoupled_weight_decay, **self._initial(i)}
 
     _foreign_keys = ("momentum", "dampening", "nesterov")
 
@@ -430,10 +698,10 @@ class Adam(Optimizer):
                 "weight_decay": _num("weight_decay", group.get("weight_decay", self.weight_decay)),
                 "decoupled_weight_decay": bool(decoupled)}
 
-    def _apply(self, config: Dict[str, Any]) -> None:
+    def _apply_config(self, config: Dict[str, Any]) -> None:
         self._c.configure(**config)
         self._settings.update(betas=(config["beta1"], config["beta2"]), eps=config["eps"],
-                              weight_decay=config["weight_decay"], decoupled_weight_decay=config["decoupled_weight_decay"])
+                              decoupled_weight_decay=config["decoupled_weight_decay"])
 
 
 class AdamW(Adam):
@@ -443,10 +711,10 @@ class AdamW(Adam):
     def __init__(self, model: MLP, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, foreach: Any = None,
                  maximize: bool = False, capturable: bool = False, differentiable: bool = False,
-                 fused: Any = None) -> None:
+                 fused: Any = None, param_groups: Any = None) -> None:
         super().__init__(model, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
-                         decoupled_weight_decay=True)
+                         decoupled_weight_decay=True, param_groups=param_groups)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """As Adam's, but the weight decay stays decoupled whatever the state_dict says (torch's
@@ -461,41 +729,47 @@ class AdamW(Adam):
 
 class SGD(Optimizer):
     """torch.optim.SGD: momentum (buffer = gradient at the first step), dampening, nesterov,
-    L2 weight decay."""
+    L2 weight decay. param_groups: as Adam's (each group its own "lr" and "weight_decay")."""
 
     _buffers = ("momentum_buffer",)
 
     def __init__(self, model: MLP, lr: float = 0.01, momentum: float = 0.0, dampening: float = 0.0,
                  *args: Any, nesterov: bool = False, weight_decay: float = 0.0, maximize: bool = False,
-                 foreach: Any = None, differentiable: bool = False, fused: Any = None) -> None:
+                 foreach: Any = None, differentiable: bool = False, fused: Any = None,
+                 param_groups: Any = None) -> None:
         if args:  # torch's fifth is weight_decay, this library's was nesterov: by name only
             raise TypeError("SGD takes nesterov and weight_decay by name only (torch's positional order puts "
                             "weight_decay before nesterov): e.g. SGD(model, 0.1, 0.9, weight_decay=1e-4)")
         for name, value in (("maximize", maximize), ("differentiable", differentiable)):
             _unsupported_flag(name, value)
         flags = _implementation_flags(("foreach", "fused"), {"foreach": foreach, "fused": fused})
-        super().__init__(model, "sgd", flags, lr=_num("lr", lr), momentum=_num("momentum", momentum),
-                         dampening=_num("dampening", dampening), nesterov=_flag("nesterov", nesterov),
+        nesterov = _flag("nesterov", nesterov)
+        self._settings = {"momentum": _num("momentum", momentum), "dampening": _num("dampening", dampening),
+                          "nesterov": nesterov}
+        super().__init__(model, "sgd", flags, param_groups, lr=_num("lr", lr), momentum=_num("momentum", momentum),
+                         dampening=_num("dampening", dampening), nesterov=nesterov,
                          weight_decay=_num("weight_decay", weight_decay))
-        self._settings.update(momentum=float(momentum), dampening=float(dampening), nesterov=_flag("nesterov", nesterov),
-                              weight_decay=float(weight_decay))
-        self.defaults = {k: v for k, v in self._group().items() if k != "initial_lr"}
+        self._settings.update(momentum=float(momentum), dampening=float(dampening), nesterov=nesterov)
+        self.defaults = {**{k: v for k, v in self._group(0).items() if k != "initial_lr"},
+                         "lr": float(lr), "weight_decay": float(weight_decay)}
 
     def _init_like(self, twin: Optimizer, model: MLP) -> None:
         # Nesterov's needs are checked when an optimizer is made only (as torch's): a schedule or a
         # setting may have moved the momentum to 0 since; load_state_dict sets nesterov
         SGD.__init__(twin, model, self.lr, self.momentum, self.dampening, nesterov=False,  # type: ignore
-                     weight_decay=self.weight_decay, **self._flags)
+                     weight_decay=self.weight_decay, **self._flags, param_groups=self._groups_spec())
 
-    momentum = _setting("momentum", "settable, as param_groups[0]['momentum']")
-    dampening = _setting("dampening", "settable")
-    nesterov = _setting("nesterov", "settable")
-    weight_decay = _setting("weight_decay", "L2 weight decay; settable")
+    momentum = _setting("momentum", "settable, as param_groups[0]['momentum'] (every group's)")
+    dampening = _setting("dampening", "settable (every group's)")
+    nesterov = _setting("nesterov", "settable (every group's)")
 
-    def _group(self) -> Dict[str, Any]:
-        return {"lr": self.lr, "momentum": self.momentum, "dampening": self.dampening,
-                "weight_decay": self.weight_decay, "nesterov": self.nesterov, "maximize": False, **self._flags,
-                "differentiable": False, **self._initial()}
+    def _shared_defaults(self, config: Dict[str, Any]) -> Dict[str, Any]:
+        return {"momentum": config["momentum"], "dampening": config["dampening"], "nesterov": config["nesterov"]}
+
+    def _group(self, i: int = 0) -> Dict[str, Any]:
+        return {"lr": self._lrs[i], "momentum": self.momentum, "dampening": self.dampening,
+                "weight_decay": self._wds[i], "nesterov": self.nesterov, "maximize": False, **self._flags,
+                "differentiable": False, **self._initial(i)}
 
     _foreign_keys = ("betas", "eps", "amsgrad")
 
@@ -515,10 +789,9 @@ class SGD(Optimizer):
             raise ValueError(f"nesterov must be a bool, got {value!r}")
         return bool(value)
 
-    def _apply(self, config: Dict[str, Any]) -> None:
+    def _apply_config(self, config: Dict[str, Any]) -> None:
         self._c.configure(**config)
-        self._settings.update(momentum=config["momentum"], dampening=config["dampening"], nesterov=config["nesterov"],
-                              weight_decay=config["weight_decay"])
+        self._settings.update(momentum=config["momentum"], dampening=config["dampening"], nesterov=config["nesterov"])
 
 
 from . import lr_scheduler  # noqa: E402 (it needs Optimizer)

@@ -1,0 +1,259 @@
+"""Param groups (torch's param_groups): each group of parameter tensors steps at its own learning
+rate and weight decay. Checked against a float64 reference and torch.optim, in the hand loop and
+in Trainer.fit (to the bit), with state_dicts in torch's layout and bad groups refused.
+"""
+import copy
+
+import numpy as np
+import pytest
+
+import cmlp
+from cmlp.optim import lr_scheduler as S
+from reference import RefAdam, RefSGD, rel_err
+
+SIZES = [20, 16, 12, 5]
+WEIGHTS = ["fc1.weight", "fc2.weight", "fc3.weight"]
+BIASES = ["fc1.bias", "fc2.bias", "fc3.bias"]
+# per-layer rates, and no weight decay on the biases
+GROUPS = [{"params": ["fc1.weight", "fc2.weight"], "lr": 3e-3},
+          {"params": ["fc3.weight"], "weight_decay": 0.3},
+          {"params": BIASES, "weight_decay": 0.0, "lr": 5e-3}]
+
+pytestmark = pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")
+
+
+def make(kind, groups=GROUPS, seed=1, **kw):
+    model = cmlp.MLP(SIZES, seed=seed)
+    if kind == "adam":
+        opt = cmlp.optim.Adam(model, lr=1e-3, weight_decay=0.1, param_groups=groups, **kw)
+    elif kind == "adamw":
+        opt = cmlp.optim.AdamW(model, lr=1e-3, weight_decay=0.1, param_groups=groups, **kw)
+    else:
+        opt = cmlp.optim.SGD(model, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.1, param_groups=groups,
+                             **kw)
+    return model, opt
+
+
+def batches(n, steps, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal((n, SIZES[0])).astype(np.float32), rng.integers(0, SIZES[-1], n))
+            for _ in range(steps)]
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw", "sgd"])
+def test_each_group_follows_the_float64_reference_at_its_own_settings(kind):
+    model, opt = make(kind)
+    params = {k: v.astype(np.float64) for k, v in model.state_dict().items()}
+    refs = []
+    for g in GROUPS:
+        lr = g.get("lr", opt.defaults["lr"])
+        wd = g.get("weight_decay", opt.defaults["weight_decay"])
+        if kind == "sgd":
+            refs.append((g["params"], RefSGD(lr, momentum=0.9, nesterov=True, weight_decay=wd)))
+        else:
+            refs.append((g["params"], RefAdam(lr, weight_decay=wd, decoupled_weight_decay=kind == "adamw")))
+    for x, y in batches(8, 12):
+        opt.zero_grad()
+        model.forward_backward(x, y)
+        grads = model.grads()  # the same gradients for both: no feedback from rounding
+        opt.step()
+        for names, ref in refs:
+            ref.step({k: params[k] for k in names}, {k: grads[k] for k in names})
+        got = model.state_dict()
+        for k in params:
+            assert rel_err(got[k], params[k]) < 2e-6, k
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw", "sgd"])
+def test_groups_match_torch_with_settings_changed_between_steps(kind):
+    torch = pytest.importorskip("torch")
+    model, opt = make(kind)
+    sd = model.state_dict()
+    tensors = {k: torch.nn.Parameter(torch.from_numpy(v.copy())) for k, v in sd.items()}
+    tgroups = [{**g, "params": [tensors[k] for k in g["params"]]} for g in GROUPS]
+    if kind == "sgd":
+        topt = torch.optim.SGD(tgroups, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.1)
+    else:
+        cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
+        topt = cls(tgroups, lr=1e-3, weight_decay=0.1)
+    for i, (x, y) in enumerate(batches(8, 20)):
+        if i == 10:  # torch's way of changing a group's settings
+            for groups in (opt.param_groups, topt.param_groups):
+                groups[1]["lr"] = 2e-3
+                groups[2]["weight_decay"] = 0.05
+                groups[0]["lr"] = 0.0  # frozen from here on (Adam's moments still move, as torch's)
+        model.load_state_dict({k: t.detach().numpy() for k, t in tensors.items()})
+        opt.zero_grad()
+        model.forward_backward(x, y)
+        for k, g in model.grads().items():
+            tensors[k].grad = torch.from_numpy(g.copy())
+        before = model.state_dict()
+        opt.step()
+        topt.step()
+        got = model.state_dict()
+        for k, t in tensors.items():
+            assert rel_err(got[k], t.detach().numpy()) < 1e-6, (i, k)
+        if i >= 10 and kind != "adamw":
+            for k in ("fc1.weight", "fc2.weight"):
+                np.testing.assert_array_equal(got[k], before[k])
+    ours, theirs = opt.state_dict(), topt.state_dict()
+    assert [g["params"] for g in ours["param_groups"]] == [g["params"] for g in theirs["param_groups"]]
+    for a, b in zip(ours["param_groups"], theirs["param_groups"]):
+        assert (a["lr"], a["weight_decay"]) == (b["lr"], b["weight_decay"])
+    for i, entry in theirs["state"].items():
+        for name, value in entry.items():
+            if name != "step":
+                assert rel_err(ours["state"][i][name], value.numpy()) < 1e-5, (i, name)
+    # torch's state_dict (groups and all) loads into a cmlp optimizer made with the same groups
+    _, fresh = make(kind, seed=4)
+    fresh.load_state_dict({"state": {i: {n: (v.numpy() if hasattr(v, "numpy") else v) for n, v in e.items()}
+                                     for i, e in theirs["state"].items()},
+                           "param_groups": theirs["param_groups"]})
+    assert [(g["lr"], g["weight_decay"]) for g in fresh.param_groups] == \
+           [(g["lr"], g["weight_decay"]) for g in topt.param_groups]
+
+
+@pytest.mark.parametrize("kind", ["adam", "sgd"])
+def test_groups_with_one_setting_take_the_plain_step_to_the_bit(kind):
+    """Groups that all have the optimizer's settings change nothing: the same bits as no groups."""
+    runs = []
+    for groups in (None, [{"params": WEIGHTS}, {"params": BIASES}], [{"params": [5, 4, 3, 2, 1, 0]}]):
+        model, opt = make(kind, groups=groups)
+        for x, y in batches(8, 5):
+            opt.zero_grad()
+            model.forward_backward(x, y)
+            opt.step()
+        runs.append(model._c.get_params())
+    for run in runs[1:]:
+        np.testing.assert_array_equal(run, runs[0])
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_fit_with_groups_equals_the_hand_loop_to_the_bit(kind):
+    x, y = batches(96, 1)[0]
+    runs = []
+    for by_fit in (True, False):
+        model, opt = make(kind)
+        trainer = cmlp.Trainer(model, opt, batch_size=16, shuffle=False)
+        if by_fit:
+            trainer.fit(x, y, epochs=2, progress=False)
+        else:
+            for _ in range(2):
+                for i in range(0, 96, 16):
+                    trainer.step(x[i:i + 16], y[i:i + 16])
+        runs.append(model._c.get_params())
+    np.testing.assert_array_equal(runs[0], runs[1])
+
+
+def test_frozen_group_keeps_its_parameters():
+    """lr=0 freezes a group (torch's usual alternative to leaving it out): AdamW's decay too."""
+    model, opt = make("adamw", groups=[{"params": ["fc1.weight", "fc1.bias"], "lr": 0.0},
+                                       {"params": ["fc2.weight", "fc2.bias", "fc3.weight", "fc3.bias"]}])
+    before = model.state_dict()
+    trainer = cmlp.Trainer(model, opt, batch_size=16)
+    x, y = batches(64, 1)[0]
+    trainer.fit(x, y, epochs=1, progress=False)
+    after = model.state_dict()
+    for k in ("fc1.weight", "fc1.bias"):
+        np.testing.assert_array_equal(after[k], before[k])
+    assert rel_err(after["fc2.weight"], before["fc2.weight"]) > 1e-4
+
+
+@pytest.mark.parametrize("sched", ["lambda", "cosine"])
+def test_a_per_step_schedule_in_fit_equals_the_hand_loop(sched):
+    """LambdaLR keeps the groups' rates in proportion; CosineAnnealingLR with eta_min does not,
+    and fit then takes a call per step (the device reads each group's multiple of the rate)."""
+    x, y = batches(80, 1)[0]
+    runs, rates = [], []
+    for by_fit in (True, False):
+        model, opt = make("adam")
+        if sched == "lambda":
+            s = S.LambdaLR(opt, lambda k: 0.9 ** k)
+        else:
+            s = S.CosineAnnealingLR(opt, T_max=7, eta_min=1e-4)
+        trainer = cmlp.Trainer(model, opt, batch_size=16, shuffle=False)
+        if by_fit:
+            trainer.fit(x, y, epochs=2, progress=False, scheduler=s, scheduler_interval="step")
+        else:
+            for _ in range(2):
+                for i in range(0, 80, 16):
+                    trainer.step(x[i:i + 16], y[i:i + 16])
+                    s.step()
+        runs.append(model._c.get_params())
+        rates.append([g["lr"] for g in opt.param_groups])
+    np.testing.assert_array_equal(runs[0], runs[1])
+    assert rates[0] == rates[1] and len(set(rates[0])) == 3
+
+
+def test_state_dict_round_trip_deepcopy_and_a_different_grouping_refused():
+    model, opt = make("adam")
+    opt.param_groups[2]["note"] = "biases"  # torch keeps keys it does not know
+    for x, y in batches(8, 3):
+        opt.zero_grad()
+        model.forward_backward(x, y)
+        opt.step()
+    sd = opt.state_dict()
+    assert [g["params"] for g in sd["param_groups"]] == [[0, 1], [2], [3, 4, 5]]
+    assert sd["param_groups"][2]["note"] == "biases"
+    assert sd["state"][3]["exp_avg"].shape == (16,)  # fc1.bias: numbered group after group, as torch
+    twin = copy.deepcopy(opt)
+    _, other = make("adam", seed=3)
+    other.load_state_dict(sd)
+    for o in (twin, other):
+        assert o.state_dict()["param_groups"] == sd["param_groups"]
+        for i in sd["state"]:
+            for k in ("exp_avg", "exp_avg_sq"):
+                np.testing.assert_array_equal(o.state_dict()["state"][i][k], sd["state"][i][k])
+    twin.model.load_state_dict(model.state_dict())
+    for m, o in ((model, opt), (twin.model, twin)):
+        x, y = batches(8, 1, seed=5)[0]
+        o.zero_grad()
+        m.forward_backward(x, y)
+        o.step()
+    np.testing.assert_array_equal(model._c.get_params(), twin.model._c.get_params())
+    _, single = make("adam", groups=None)
+    before = single.state_dict()
+    with pytest.raises(ValueError, match="different number of parameter groups"):
+        single.load_state_dict(sd)
+    assert single.state_dict()["param_groups"] == before["param_groups"]
+    _, regrouped = make("adam", groups=[{"params": WEIGHTS}, {"params": ["fc1.bias"]}, {"params": BIASES[1:]}])
+    with pytest.raises(ValueError, match="doesn't match the size"):
+        regrouped.load_state_dict(sd)
+    bad = copy.deepcopy(sd)
+    bad["param_groups"][1]["betas"] = (0.8, 0.99)
+    with pytest.raises(ValueError, match="differ in lr and weight_decay only"):
+        other.load_state_dict(bad)
+
+
+def test_attributes_are_the_first_groups_and_shared_settings_are_everyones():
+    model, opt = make("sgd")
+    assert (opt.lr, opt.weight_decay) == (3e-3, 0.1)
+    opt.lr = 1e-3  # the first group only, as torch's param_groups[0]["lr"]
+    assert [g["lr"] for g in opt.param_groups] == [1e-3, 1e-2, 5e-3]
+    opt.param_groups[2]["momentum"] = 0.5  # one momentum for every group
+    assert [g["momentum"] for g in opt.param_groups] == [0.5] * 3
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        opt.param_groups[1].update({"weight_decay": 0.2, "lr": -1.0})
+    assert [(g["lr"], g["weight_decay"]) for g in opt.param_groups] == [(1e-3, 0.1), (1e-2, 0.3), (5e-3, 0.0)]
+    with pytest.raises(ValueError, match="cannot change"):
+        opt.param_groups[0]["params"] = [0]
+    with pytest.raises(ValueError, match="in a param group already"):
+        opt.add_param_group({"params": ["fc1.weight"]})
+
+
+@pytest.mark.parametrize("groups,error,match", [
+    ([{"params": WEIGHTS}], ValueError, r"every parameter must be in a param group.*fc1\.bias"),
+    ([{"params": WEIGHTS + BIASES}, {"params": ["fc1.bias"]}], ValueError, "more than one parameter group"),
+    ([{"params": WEIGHTS + BIASES + ["fc4.weight"]}], ValueError, "not one of the model's parameters"),
+    ([{"params": [0, 1, 2, 3, 4, 6]}], ValueError, "index 6"),
+    ([{"params": set(WEIGHTS + BIASES)}], TypeError, "no order"),
+    ([], ValueError, "empty parameter list"),
+    ({"params": WEIGHTS + BIASES}, TypeError, "list of dicts"),
+    ([{"lr": 0.1}], TypeError, "with 'params'"),
+    ([{"params": WEIGHTS}, {"params": BIASES, "momentum": 0.5}], ValueError, "share momentum"),
+    ([{"params": WEIGHTS}, {"params": BIASES, "lr": -0.1}], ValueError, "Invalid learning rate"),
+    ([{"params": WEIGHTS}, {"params": BIASES, "betas": (0.9, 0.99)}], ValueError, "no 'betas' setting"),
+])
+def test_bad_groups_raise_clear_errors(groups, error, match):
+    with pytest.raises(error, match=match):
+        make("sgd", groups=groups)
