@@ -317,7 +317,11 @@ def zero_case(opts):
     x, y = data(opts.get("n", 400), sizes=sizes)
     kind = opts.get("opt", "adam")
     settings = {"adam": (cmlp.optim.Adam, dict(lr=1e-3)), "adamw": (cmlp.optim.AdamW, dict(lr=1e-3)),
-                "sgd": (cmlp.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True))}[kind]
+                "sgd": (cmlp.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True)),
+                # param groups whose parts the ranks' shards cut across
+                "adamw-groups": (cmlp.optim.AdamW, dict(lr=1e-3, param_groups=[
+                    {"params": ["fc1.weight"], "lr": 2e-3},
+                    {"params": ["fc1.bias", "fc2.weight", "fc2.bias"], "weight_decay": 0.0}]))}[kind]
     kw = dict(batch_size=16, accumulation_steps=opts.get("accum", 1), amp=opts.get("amp"),
               max_grad_norm=opts.get("clip"), seed=2)
 

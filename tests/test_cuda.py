@@ -755,11 +755,18 @@ def test_param_groups_step_like_the_cpu(kind):
         if i == 2:
             for o in opts:
                 o.param_groups[1]["lr"] = 1e-2
-        for m, o in zip((cpu, gpu), opts):
+        if i == 1:  # the groups' settings move with the optimizer: a copy of the CPU's, moved over
+            moved = cmlp.MLP(sizes, seed=0)
+            moved.load_state_dict(cpu.state_dict())
+            opts.append(make_optimizer(moved, kind, dict(config, param_groups=PARAM_GROUPS)))
+            opts[-1].load_state_dict(opts[0].state_dict())
+            moved.to(CUDA)
+        for m, o in zip((cpu, gpu, moved) if i >= 1 else (cpu, gpu), opts):
             o.zero_grad()
             m.forward_backward(x, y)
             o.step()
     assert_dicts_close(gpu.state_dict(), cpu.state_dict(), TOL, "parameters", elementwise=False)
+    assert_dicts_close(moved.state_dict(), cpu.state_dict(), TOL, "parameters (moved)", elementwise=False)
     got, want = opts[1].state_dict(), opts[0].state_dict()
     assert got["param_groups"] == want["param_groups"]
     for i, entry in want["state"].items():
@@ -768,8 +775,9 @@ def test_param_groups_step_like_the_cpu(kind):
                 assert_close(got["state"][i][name], value, 1e-4, f"optimizer state {i} {name}", elementwise=False)
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")  # a skipped first step, as torch warns
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("schedule", ["lambda", "cosine", "epoch"])
+@pytest.mark.parametrize("schedule", ["lambda", "cosine", "epoch", "cosine-fp16"])
 def test_param_groups_in_a_replayed_step_equal_the_eager_loop(device, schedule):
     """A captured step reads the base rate and each group's multiple of it on the device: a schedule
     that keeps the groups in proportion (LambdaLR) replays one capture, one that does not
@@ -786,29 +794,42 @@ def test_param_groups_in_a_replayed_step_equal_the_eager_loop(device, schedule):
     def schedule_of(opt):
         if schedule == "lambda":
             return cmlp.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 6) * 0.9 ** k)
-        if schedule == "cosine":
+        if schedule.startswith("cosine"):
             return cmlp.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=5, eta_min=1e-3)
         return cmlp.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
 
+    amp = "fp16" if schedule.endswith("fp16") else None  # the steps a scale overflows are skipped on the device
+
+    def scaler():
+        return cmlp.amp.GradScaler(init_scale=2.0**30) if amp else None
+
     graph = cmlp.MLP(sizes, device=device, seed=0)
     opt_g = optimizer(graph)
-    t_graph = cmlp.Trainer(graph, opt_g, batch_size=batch, shuffle=False)
-    t_graph.fit(x, y, epochs=epochs, progress=False, scheduler=schedule_of(opt_g),
-                scheduler_interval="epoch" if schedule == "epoch" else "step")
+    t_graph = cmlp.Trainer(graph, opt_g, batch_size=batch, shuffle=False, amp=amp, scaler=scaler())
+    history = t_graph.fit(x, y, epochs=epochs, progress=False, scheduler=schedule_of(opt_g),
+                          scheduler_interval="epoch" if schedule == "epoch" else "step")
     eager = cmlp.MLP(sizes, device=device, seed=0)
     opt = optimizer(eager)
     sched = schedule_of(opt)
+    gs = scaler()
+    skipped = 0
     for _ in range(epochs):
         for i in range(steps):
             opt.zero_grad()
-            eager.forward_backward(x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch])
-            opt.step()
+            eager.forward_backward(x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch], amp=amp,
+                                   loss_scale=gs.get_scale() if gs else 1.0)
+            if gs:
+                skipped += not gs.step(opt)
+                gs.update()
+            else:
+                opt.step()
             if schedule != "epoch":
                 sched.step()
         if schedule == "epoch":
             sched.step()
     assert [g["lr"] for g in opt_g.param_groups] == [g["lr"] for g in opt.param_groups]
     assert same(graph.state_dict(), eager.state_dict())
+    assert sum(h["skipped_steps"] for h in history) == skipped and (skipped > 0) == (amp is not None)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -444,9 +444,10 @@ def check_zero(out, ranks, clipping=False, emulated=False):
 @needs_mpi
 @pytest.mark.parametrize("ranks,opts", [(2, {}), (3, {}), (2, {"opt": "sgd", "accum": 2}), (3, {"opt": "adamw"}),
                                         (2, {"amp": "fp16", "clip": 0.05, "init_scale": 2.0**24}),
-                                        (3, {"amp": "bf16", "accum": 3}), (3, {"clip": 0.05})],
+                                        (3, {"amp": "bf16", "accum": 3}), (3, {"clip": 0.05}),
+                                        (3, {"opt": "adamw-groups"})],
                          ids=["adam-2", "adam-3", "sgd-accumulation-2", "adamw-3", "fp16-clipping-skips-2", "bf16-3",
-                              "clipping-3"])
+                              "clipping-3", "param-groups-3"])
 def test_zero_redundancy_optimizer_keeps_a_part_of_the_state_and_updates_the_same(ranks, opts):
     out = run_job(ranks, "zero", opts)
     part = check_zero(out, ranks, clipping="clip" in opts)
