@@ -257,3 +257,56 @@ def test_attributes_are_the_first_groups_and_shared_settings_are_everyones():
 def test_bad_groups_raise_clear_errors(groups, error, match):
     with pytest.raises(error, match=match):
         make("sgd", groups=groups)
+
+
+def test_a_schedule_that_keeps_the_groups_proportions_keeps_their_multiples():
+    """A captured step replays while the groups' rates are the same multiples of the base rate:
+    a schedule's rates (base * f(t) in each group) divide to multiples that differ in the last
+    bits only, and the multiples are kept; a schedule that changes the proportions changes them."""
+    _, opt = make("adam")
+    sched = S.LambdaLR(opt, lambda k: 0.97 ** k / (1 + k) ** 0.5)
+    first = opt._rates()[1]
+    for _ in range(200):
+        sched.step()
+        base, scales = opt._rates()
+        assert scales == first
+        for lr, scale in zip([g["lr"] for g in opt.param_groups], scales):
+            assert abs(base * scale - lr) <= 2e-12 * lr
+    _, opt = make("adam")
+    sched = S.CosineAnnealingLR(opt, T_max=10, eta_min=1e-4)
+    seen = {opt._rates()[1]}
+    for _ in range(5):
+        sched.step()
+        seen.add(opt._rates()[1])
+    assert len(seen) == 6
+
+
+def test_torchs_own_form_with_named_parameters_ports_as_it_is():
+    """torch's idiom, param groups of the tensors named_parameters() gives, as the first argument:
+    the copies cmlp gives out are known for what they are (while they live), so the same code
+    makes the same groups; a list of them is one group."""
+    model = cmlp.MLP(SIZES, seed=1)
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    opt = cmlp.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-3,
+                           weight_decay=0.05)
+    assert opt.model is model
+    assert [(g["params"], g["weight_decay"]) for g in opt.param_groups] == [([0, 1, 2], 0.05), ([3, 4, 5], 0.0)]
+    named = cmlp.optim.AdamW(model, lr=1e-3, weight_decay=0.05,
+                             param_groups=[{"params": WEIGHTS}, {"params": BIASES, "weight_decay": 0.0}])
+    assert opt.state_dict()["param_groups"] == named.state_dict()["param_groups"]
+    assert len(cmlp.optim.SGD(list(model.parameters()), lr=0.1).param_groups) == 1
+    assert cmlp.optim.SGD([{"params": model.parameters(), "lr": 0.2}], lr=0.1).lr == 0.2
+    other = cmlp.MLP(SIZES, seed=1)
+    with pytest.raises(TypeError, match="more than one model"):
+        cmlp.optim.SGD([{"params": decay}, {"params": list(other.parameters())}])
+    with pytest.raises(TypeError, match="give the model too"):
+        cmlp.optim.SGD([{"params": WEIGHTS + BIASES}])
+    with pytest.raises(ValueError, match="not one of this model's parameters"):
+        cmlp.optim.SGD(model, param_groups=[{"params": decay + [np.zeros(3)]}, {"params": BIASES}])
+    with pytest.raises(ValueError, match="not one of this model's parameters"):
+        cmlp.optim.SGD(other, param_groups=[{"params": decay + no_decay}])
+    with pytest.raises(TypeError, match="given once"):
+        cmlp.optim.SGD([{"params": decay + no_decay}], param_groups=[{"params": WEIGHTS + BIASES}])
+    with pytest.raises(ValueError, match="every parameter must be in a param group"):
+        cmlp.optim.SGD(decay)

@@ -45,7 +45,7 @@ class Parameters:
         self.model = model
 
     def __iter__(self) -> Iterator[np.ndarray]:
-        return iter(v for _, v in _read_only(self.model.state_dict()))
+        return iter(v for _, v in _read_only(self.model, self.model.state_dict()))
 
     def __len__(self) -> int:
         return 2 * (len(self.model.layer_sizes) - 1)
@@ -54,10 +54,27 @@ class Parameters:
         return f"<parameters of {self.model!r}>"
 
 
-def _read_only(state: Dict[str, np.ndarray]) -> Iterator[Tuple[str, np.ndarray]]:
+# The copies parameters() and named_parameters() gave out, while they live: id -> (the copy, its
+# model, its name), so that an optimizer given them (torch's param groups) knows which they are.
+_issued: Dict[int, Tuple["weakref.ref[np.ndarray]", "weakref.ref[MLP]", str]] = {}
+
+
+def _read_only(model: "MLP", state: Dict[str, np.ndarray]) -> Iterator[Tuple[str, np.ndarray]]:
     for name, arr in state.items():
         arr.flags.writeable = False
+        key = id(arr)
+        _issued[key] = (weakref.ref(arr, lambda _, key=key, issued=_issued: issued.pop(key, None)), weakref.ref(model),
+                       name)
         yield name, arr
+
+
+def parameter_of(arr: Any) -> Optional[Tuple["MLP", str]]:
+    """(model, name) of a copy that parameters() or named_parameters() gave out, else None."""
+    entry = _issued.get(id(arr))
+    if entry is None or entry[0]() is not arr:
+        return None
+    model = entry[1]()
+    return None if model is None else (model, entry[2])
 
 
 def model_of(obj: Any, what: str) -> "MLP":
@@ -202,7 +219,7 @@ class MLP:
 
     def named_parameters(self) -> Iterator[Tuple[str, np.ndarray]]:
         """(name, read-only copy) pairs in state_dict order (see Parameters)."""
-        return _read_only(self.state_dict())
+        return _read_only(self, self.state_dict())
 
     # ---- tensors by name ----
     def _split(self, flat: np.ndarray) -> "OrderedDict[str, np.ndarray]":

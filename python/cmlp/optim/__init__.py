@@ -11,7 +11,7 @@ import numpy as np
 from .. import _cmlp
 from .._arrays import as_flag as _flag
 from .._arrays import as_number as _num
-from ..model import MLP, model_of
+from ..model import MLP, Parameters, model_of, parameter_of
 
 
 def _implementation_flag(name: str, value: Any) -> Any:
@@ -164,10 +164,10 @@ class Optimizer:
     _buffers: Tuple[str, ...] = ()
 
     def __init__(self, model: MLP, kind: str, flags: Dict[str, Any], param_groups: Any = None, **config: Any) -> None:
-        model = model_of(model, "the first argument")
+        model, param_groups = self._model_and_groups(model, param_groups)
         self.model = model
         self._kind = kind
-        names = list(model._split(np.empty(model.num_parameters(), np.float32)).keys())
+        names = [f"fc{i + 1}.{k}" for i in range(len(model._sizes) - 1) for k in ("weight", "bias")]
         specs = self._group_specs(param_groups, names, config)
         self._c_wd = specs[0]["weight_decay"]  # the C configuration's (the first group's)
         self._c_parts: Any = None  # the parts last given to the C optimizer
@@ -184,6 +184,39 @@ class Optimizer:
         self._initial_lrs: List[Any] = [spec["initial_lr"] for spec in specs]
         self._push_groups()
         model._optimizers.add(self)
+
+    @staticmethod
+    def _model_and_groups(first: Any, param_groups: Any) -> Tuple[MLP, Any]:
+        """The model and the param groups from the first argument: the model, its parameters(),
+        or torch's params: a list of param-group dicts, or of the copies parameters() and
+        named_parameters() give out (one group), whose model it is."""
+        if isinstance(first, (MLP, Parameters)) or isinstance(first, (str, bytes, Mapping)) \
+                or not isinstance(first, Iterable):
+            return model_of(first, "the first argument"), param_groups
+        if param_groups is not None:
+            raise TypeError("param groups are given once: as the first argument (torch's params) or as param_groups")
+        items = list(first)
+        if not items:
+            raise ValueError("optimizer got an empty parameter list")
+        groups = items if all(isinstance(g, Mapping) for g in items) else [{"params": items}]
+        models = set()
+        for g in groups:
+            params = g.get("params", ()) if isinstance(g, Mapping) else ()
+            if isinstance(params, np.ndarray) or not isinstance(params, Iterable) or isinstance(params, str):
+                params = [params]
+            elif isinstance(params, Parameters):
+                models.add(params.model)
+                continue
+            for p in params:
+                owner = parameter_of(p)
+                if owner is not None:
+                    models.add(owner[0])
+        if len(models) != 1:
+            raise TypeError("the first argument must be a cmlp.MLP, its parameters(), or torch's params: param groups "
+                            "(or a list) of the copies model.parameters() / named_parameters() give out, of one model; "
+                            "with parameter names, give the model too: Adam(model, param_groups=[...])"
+                            if not models else "the param groups hold parameters of more than one model")
+        return models.pop(), list(groups)
 
     def _group_specs(self, param_groups: Any, names: List[str], config: Dict[str, Any]) -> List[Dict[str, Any]]:
         """The param groups asked for, checked: each a dict with "params" (names as in
@@ -203,12 +236,19 @@ class Optimizer:
             if not isinstance(group, Mapping) or "params" not in group:
                 raise TypeError(f"param_groups[{gi}] must be a dict with 'params', got {group!r}")
             params = group["params"]
-            params = [params] if isinstance(params, (str, int, np.integer)) else params
+            params = [params] if isinstance(params, (str, int, np.integer, np.ndarray)) else params
             if isinstance(params, (set, frozenset)) or not isinstance(params, Iterable):
                 raise TypeError(f"param_groups[{gi}]['params'] must be a list of parameter names or indices (a set "
                                 "has no order), got " + type(params).__name__)
             mine = []
             for p in params:
+                if isinstance(p, np.ndarray):  # a copy parameters() or named_parameters() gave out
+                    owner = parameter_of(p)
+                    if owner is None or owner[0] is not self.model:
+                        raise ValueError(f"param_groups[{gi}]: an array that is not one of this model's parameters "
+                                         "as model.parameters() or named_parameters() gave them out (or name them: "
+                                         f"{names[:2]}, ...)")
+                    p = owner[1]
                 if isinstance(p, (int, np.integer)) and not isinstance(p, bool):
                     if not 0 <= p < len(names):
                         raise ValueError(f"param_groups[{gi}]: parameter index {p} is not one of the model's "
@@ -315,13 +355,20 @@ class Optimizer:
 
     def _split_rates(self, lrs: List[float]) -> Tuple[float, List[float]]:
         """(base, scales): the rate the C optimizer steps at (the first nonzero group rate) and each
-        group's multiple of it (the scales kept where every rate is 0)."""
+        group's multiple of it. The multiples last used are kept where every rate is 0, and while
+        the groups keep their proportions to 1e-12 (a schedule's rates, base * f(t) for each
+        group, divide to multiples that move in the last bits only): a step then rounds the same
+        rates to float, and a captured step goes on replaying with them."""
         base = next((v for v in lrs if v != 0.0), 0.0)
+        kept = getattr(self, "_scales", None)
+        if kept is not None and len(kept) != len(lrs):
+            kept = None
         if base == 0.0:
-            kept = getattr(self, "_scales", None)
-            scales = kept if kept is not None and len(kept) == len(lrs) else [1.0] * len(lrs)
+            scales = kept if kept is not None else [1.0] * len(lrs)
         else:
             scales = [v / base for v in lrs]
+            if kept is not None and all(abs(s - k) <= 1e-12 * k for s, k in zip(scales, kept)):
+                scales = kept
         self._scales = scales
         return base, scales
 

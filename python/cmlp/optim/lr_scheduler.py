@@ -2,7 +2,7 @@
 formulas (the same recursive forms, so the rates are torch's to the last bit; one exception: one
 step past its end OneCycleLR's linear strategy gives torch a negative rate, never trained with,
 and 0 here, as the optimizer takes no negative rate) and state_dict, over a cmlp optimizer's
-learning rate.
+learning rates.
 
     opt = cmlp.optim.Adam(model.parameters(), lr=1e-3)
     sched = cmlp.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=5)
@@ -10,13 +10,16 @@ learning rate.
         trainer.fit(x, y, epochs=1)      # or: Trainer.fit(..., epochs=5, scheduler=sched)
         sched.step()
 
-A schedule only sets `optimizer.lr`. `Trainer.fit(..., scheduler=sched)` steps it after each
+A schedule sets the rate of every param group (`optimizer.param_groups[i]["lr"]`, each from the
+group's own 'initial_lr', as in torch; `optimizer.lr` is the first group's). OneCycleLR and
+CyclicLR also move the momentum, which is one for all of cmlp's param groups: a per-group list of
+momenta must hold one value. `Trainer.fit(..., scheduler=sched)` steps a schedule after each
 epoch, or with `scheduler_interval="step"` after each optimizer step (warm-up):
 
     sched = cmlp.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 500))
     trainer.fit(x, y, epochs=5, scheduler=sched, scheduler_interval="step")
 
-Off the CPU a step reads its rate (and momentum, which OneCycleLR and CyclicLR move) on the device, so a step
+Off the CPU a step reads its rates (and momentum, which OneCycleLR and CyclicLR move) on the device, so a step
 captured as a CUDA graph replays at every rate.
 """
 import functools
@@ -75,21 +78,51 @@ def _int(name: str, value: Any, lo: int) -> int:
     return int(value)
 
 
+def _per_group(name: str, value: Any, optimizer: Any) -> List[float]:
+    """A per-group argument (torch's _format_param): a number for every group, or a list or
+    tuple with one per param group."""
+    n = len(optimizer.param_groups)
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name} must have the same length as optimizer.param_groups. {name} has "
+                             f"{len(value)} values, param_groups has {n}.")
+        values = list(value)
+    else:
+        values = [value] * n
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise TypeError(f"{name} must be a number, got {v!r}")
+    return [float(v) for v in values]
+
+
+def _shared_momentum(name: str, value: Any, optimizer: Any) -> List[float]:
+    """A momentum argument, per group as torch takes it; cmlp's param groups share one momentum,
+    so a list of them must hold one value."""
+    values = _per_group(name, value, optimizer)
+    if any(v != values[0] for v in values):
+        raise ValueError(f"{name}={list(value)!r}: cmlp's param groups share one momentum (SGD's momentum, "
+                         "Adam's beta1), so every group's must be the same")
+    return values
+
+
 class LRScheduler:
     """Base: last_epoch counts step() calls (-1 before the first, which the constructor makes);
-    base_lrs holds the optimizer's rate when the schedule began (torch's 'initial_lr')."""
+    base_lrs holds each param group's rate when the schedule began (torch's 'initial_lr')."""
 
     def __init__(self, optimizer: Any, last_epoch: int = -1) -> None:
         self.optimizer = _optimizer(optimizer)
         if not _is_int(last_epoch) or last_epoch < -1:
             raise ValueError(f"last_epoch must be an int >= -1, got {last_epoch!r}")
         last_epoch = int(last_epoch)
-        if last_epoch == -1:
-            if optimizer._initial_lr is None:  # the first schedule of the optimizer sets it (torch's setdefault)
-                optimizer._initial_lr = optimizer.lr
-        elif optimizer._initial_lr is None:
-            raise KeyError("param 'initial_lr' is not specified in param_groups[0] when resuming an optimizer")
-        self.base_lrs: List[float] = [optimizer._initial_lr]
+        if last_epoch == -1:  # the first schedule of the optimizer sets them (torch's setdefault)
+            optimizer._initial_lrs = [lr if initial is None else initial
+                                      for initial, lr in zip(optimizer._initial_lrs, optimizer._group_lrs())]
+        else:
+            for i, initial in enumerate(optimizer._initial_lrs):
+                if initial is None:
+                    raise KeyError(f"param 'initial_lr' is not specified in param_groups[{i}] when resuming an "
+                                   "optimizer")
+        self.base_lrs: List[float] = list(optimizer._initial_lrs)
         self.last_epoch = last_epoch
         self._get_lr_called_within_step = False
         self._initial_step()
@@ -114,12 +147,13 @@ class LRScheduler:
         raise NotImplementedError
 
     def get_last_lr(self) -> List[float]:
-        """The rate the last step() set."""
+        """The rates the last step() set, one per param group."""
         return self._last_lr
 
     def step(self, epoch: Optional[int] = None) -> None:
-        """Moves the schedule one epoch (or step) on and sets the optimizer's rate. A rate the
-        optimizer refuses (negative, not finite) raises and leaves the schedule where it was.
+        """Moves the schedule one epoch (or step) on and sets every param group's rate. A rate
+        the optimizer refuses (negative, not finite) raises and leaves the schedule and every
+        group's rate where they were.
         epoch (deprecated, as in torch, which warns): that epoch's rate instead, from the
         schedule's closed form where it has one."""
         if self._step_count == 1 and not getattr(self.optimizer, "_opt_called", False):
@@ -143,12 +177,12 @@ class LRScheduler:
         try:
             if epoch is None:
                 self.last_epoch += 1
-                lr = self.get_lr()[0]
+                lrs = self.get_lr()
             else:
                 self.last_epoch = epoch
                 closed = getattr(self, "_get_closed_form_lr", None)
-                lr = (closed() if closed is not None else self.get_lr())[0]
-            self.optimizer.lr = lr
+                lrs = closed() if closed is not None else self.get_lr()
+            self.optimizer._set_group_lrs(lrs)  # all or nothing
         except BaseException as e:  # the optimizer as it was: get_lr may have moved the momentum
             self.last_epoch = before
             self.optimizer._set_momentum(momentum)
@@ -159,7 +193,7 @@ class LRScheduler:
             raise
         finally:
             self._get_lr_called_within_step = False
-        self._last_lr = [self.optimizer.lr]
+        self._last_lr = self.optimizer._group_lrs()
 
     def state_dict(self) -> Dict[str, Any]:
         """Everything but the optimizer; as in torch, of a LambdaLR's or MultiplicativeLR's
@@ -177,24 +211,30 @@ class LRScheduler:
             if saved is not None:
                 fn.__dict__.update(saved)
 
-    def _lr(self) -> float:
-        return self.optimizer.lr
+    def _lrs(self) -> List[float]:
+        """Every param group's rate."""
+        return self.optimizer._group_lrs()
 
 
 _LRScheduler = LRScheduler  # torch's older name, still exported
 
 
 class _LambdaSchedule(LRScheduler):
-    """A schedule of a function of the epoch (one, or a list of one: one param group)."""
+    """A schedule of a function of the epoch: one for every param group, or a list or tuple
+    with one per group."""
 
-    def __init__(self, optimizer: Any, lr_lambda: Callable[[int], float], last_epoch: int = -1) -> None:
+    def __init__(self, optimizer: Any, lr_lambda: Any, last_epoch: int = -1) -> None:
+        n = len(_optimizer(optimizer).param_groups)
         if isinstance(lr_lambda, (list, tuple)):
-            if len(lr_lambda) != 1:
-                raise ValueError(f"Expected 1 lr_lambdas (one param group), but got {len(lr_lambda)}")
-            lr_lambda = lr_lambda[0]
-        if not callable(lr_lambda):
-            raise TypeError(f"lr_lambda must be callable, got {lr_lambda!r}")
-        self.lr_lambdas = [lr_lambda]
+            if len(lr_lambda) != n:
+                raise ValueError(f"Expected {n} lr_lambdas, but got {len(lr_lambda)}")
+            lambdas = list(lr_lambda)
+        else:
+            lambdas = [lr_lambda] * n
+        for fn in lambdas:
+            if not callable(fn):
+                raise TypeError(f"lr_lambda must be callable, got {fn!r}")
+        self.lr_lambdas = lambdas
         super().__init__(optimizer, last_epoch)
 
 
@@ -202,7 +242,7 @@ class LambdaLR(_LambdaSchedule):
     """lr = base_lr * lr_lambda(last_epoch)."""
 
     def get_lr(self) -> List[float]:
-        return [self.base_lrs[0] * self.lr_lambdas[0](self.last_epoch)]
+        return [base * fn(self.last_epoch) for fn, base in zip(self.lr_lambdas, self.base_lrs)]
 
 
 class StepLR(LRScheduler):
@@ -215,11 +255,11 @@ class StepLR(LRScheduler):
 
     def get_lr(self) -> List[float]:
         if self.last_epoch == 0 or self.last_epoch % self.step_size != 0:
-            return [self._lr()]
-        return [self._lr() * self.gamma]
+            return self._lrs()
+        return [lr * self.gamma for lr in self._lrs()]
 
     def _get_closed_form_lr(self) -> List[float]:
-        return [self.base_lrs[0] * self.gamma ** (self.last_epoch // self.step_size)]
+        return [base * self.gamma ** (self.last_epoch // self.step_size) for base in self.base_lrs]
 
 
 class MultiStepLR(LRScheduler):
@@ -236,12 +276,12 @@ class MultiStepLR(LRScheduler):
 
     def get_lr(self) -> List[float]:
         if self.last_epoch not in self.milestones:
-            return [self._lr()]
-        return [self._lr() * self.gamma ** self.milestones[self.last_epoch]]
+            return self._lrs()
+        return [lr * self.gamma ** self.milestones[self.last_epoch] for lr in self._lrs()]
 
     def _get_closed_form_lr(self) -> List[float]:
         milestones = sorted(m for m, count in self.milestones.items() for _ in range(count))
-        return [self.base_lrs[0] * self.gamma ** bisect_right(milestones, self.last_epoch)]
+        return [base * self.gamma ** bisect_right(milestones, self.last_epoch) for base in self.base_lrs]
 
 
 class ExponentialLR(LRScheduler):
@@ -253,11 +293,11 @@ class ExponentialLR(LRScheduler):
 
     def get_lr(self) -> List[float]:
         if self._is_initial:
-            return [self._lr()]
-        return [self._lr() * self.gamma]
+            return self._lrs()
+        return [lr * self.gamma for lr in self._lrs()]
 
     def _get_closed_form_lr(self) -> List[float]:
-        return [self.base_lrs[0] * self.gamma ** self.last_epoch]
+        return [base * self.gamma ** self.last_epoch for base in self.base_lrs]
 
 
 class CosineAnnealingLR(LRScheduler):
@@ -269,18 +309,20 @@ class CosineAnnealingLR(LRScheduler):
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> List[float]:
-        t, T, lo, base, lr = self.last_epoch, self.T_max, self.eta_min, self.base_lrs[0], self._lr()
+        t, T, lo, lrs = self.last_epoch, self.T_max, self.eta_min, self._lrs()
         if self._is_initial:
-            return [lr]
+            return lrs
         if self._step_count == 1 and t > 0:
-            return [lo + (base - lo) * (1 + math.cos(t * math.pi / T)) / 2]
+            return [lo + (base - lo) * (1 + math.cos(t * math.pi / T)) / 2 for base in self.base_lrs]
         if (t - 1 - T) % (2 * T) == 0:
-            return [lr + (base - lo) * (1 - math.cos(math.pi / T)) / 2]
-        return [(1 + math.cos(math.pi * t / T)) / (1 + math.cos(math.pi * (t - 1) / T)) * (lr - lo) + lo]
+            return [lr + (base - lo) * (1 - math.cos(math.pi / T)) / 2 for base, lr in zip(self.base_lrs, lrs)]
+        return [(1 + math.cos(math.pi * t / T)) / (1 + math.cos(math.pi * (t - 1) / T)) * (lr - lo) + lo
+                for lr in lrs]
 
     def _get_closed_form_lr(self) -> List[float]:
         lo = self.eta_min
-        return [lo + (self.base_lrs[0] - lo) * (1 + math.cos(math.pi * self.last_epoch / self.T_max)) / 2]
+        return [lo + (base - lo) * (1 + math.cos(math.pi * self.last_epoch / self.T_max)) / 2
+                for base in self.base_lrs]
 
 
 class LinearLR(LRScheduler):
@@ -298,17 +340,18 @@ class LinearLR(LRScheduler):
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> List[float]:
-        lr, t = self._lr(), self.last_epoch
+        lrs, t = self._lrs(), self.last_epoch
         if t == 0:
-            return [lr * self.start_factor]
+            return [lr * self.start_factor for lr in lrs]
         if self._is_initial or t > self.total_iters:
-            return [lr]
+            return lrs
         d = self.end_factor - self.start_factor
-        return [lr * (1.0 + d / (self.total_iters * self.start_factor + (t - 1) * d))]
+        return [lr * (1.0 + d / (self.total_iters * self.start_factor + (t - 1) * d)) for lr in lrs]
 
     def _get_closed_form_lr(self) -> List[float]:
         d = self.end_factor - self.start_factor
-        return [self.base_lrs[0] * (self.start_factor + d * min(self.total_iters, self.last_epoch) / self.total_iters)]
+        return [base * (self.start_factor + d * min(self.total_iters, self.last_epoch) / self.total_iters)
+                for base in self.base_lrs]
 
 
 class MultiplicativeLR(_LambdaSchedule):
@@ -316,8 +359,8 @@ class MultiplicativeLR(_LambdaSchedule):
 
     def get_lr(self) -> List[float]:
         if self._is_initial:
-            return [self._lr()]
-        return [self._lr() * self.lr_lambdas[0](self.last_epoch)]
+            return self._lrs()
+        return [lr * fn(self.last_epoch) for fn, lr in zip(self.lr_lambdas, self._lrs())]
 
 
 class ConstantLR(LRScheduler):
@@ -332,15 +375,16 @@ class ConstantLR(LRScheduler):
 
     def get_lr(self) -> List[float]:
         if self.last_epoch == 0:
-            return [self._lr() * self.factor]
+            return [lr * self.factor for lr in self._lrs()]
         if self.last_epoch != self.total_iters:
-            return [self._lr()]
-        if self.factor == 0:  # torch divides by it; the rate it comes back to is the initial one
-            return [self.base_lrs[0]]
-        return [self._lr() * (1.0 / self.factor)]
+            return self._lrs()
+        if self.factor == 0:  # torch divides by it; the rates it comes back to are the initial ones
+            return list(self.base_lrs)
+        return [lr * (1.0 / self.factor) for lr in self._lrs()]
 
     def _get_closed_form_lr(self) -> List[float]:
-        return [self.base_lrs[0] * (self.factor + (self.last_epoch >= self.total_iters) * (1 - self.factor))]
+        return [base * (self.factor + (self.last_epoch >= self.total_iters) * (1 - self.factor))
+                for base in self.base_lrs]
 
 
 class PolynomialLR(LRScheduler):
@@ -354,11 +398,13 @@ class PolynomialLR(LRScheduler):
     def get_lr(self) -> List[float]:
         t, T = self.last_epoch, self.total_iters
         if self._is_initial or t > T:
-            return [self._lr()]
-        return [self._lr() * ((1.0 - t / T) / (1.0 - (t - 1) / T)) ** self.power]
+            return self._lrs()
+        decay = ((1.0 - t / T) / (1.0 - (t - 1) / T)) ** self.power
+        return [lr * decay for lr in self._lrs()]
 
     def _get_closed_form_lr(self) -> List[float]:
-        return [self.base_lrs[0] * (1.0 - min(self.total_iters, self.last_epoch) / self.total_iters) ** self.power]
+        decay = (1.0 - min(self.total_iters, self.last_epoch) / self.total_iters) ** self.power
+        return [base * decay for base in self.base_lrs]
 
 
 class CosineAnnealingWarmRestarts(LRScheduler):
@@ -379,7 +425,7 @@ class CosineAnnealingWarmRestarts(LRScheduler):
 
     def get_lr(self) -> List[float]:
         lo = self.eta_min
-        return [lo + (self.base_lrs[0] - lo) * (1 + math.cos(math.pi * self.T_cur / self.T_i)) / 2]
+        return [lo + (base - lo) * (1 + math.cos(math.pi * self.T_cur / self.T_i)) / 2 for base in self.base_lrs]
 
     def step(self, epoch: Any = None) -> None:  # type: ignore[override]
         """The next epoch, or (torch's older form) the given one, fractions allowed."""
@@ -408,35 +454,25 @@ class CosineAnnealingWarmRestarts(LRScheduler):
                     self.T_i = self.T_0
                     self.T_cur = epoch
             self.last_epoch = math.floor(epoch)
-            self.optimizer.lr = self.get_lr()[0]
+            self.optimizer._set_group_lrs(self.get_lr())
         except BaseException:
             self.T_cur, self.T_i, self.last_epoch = saved
             raise
         finally:
             self._get_lr_called_within_step = False
-        self._last_lr = [self.optimizer.lr]
+        self._last_lr = self.optimizer._group_lrs()
 
     def _update_lr(self, epoch: Optional[int]) -> None:
         self.step(epoch)
-
-
-def _one(name: str, value: Any) -> float:
-    """A per-group argument of one param group: a number, or a list or tuple of one."""
-    if isinstance(value, (list, tuple)):
-        if len(value) != 1:
-            raise ValueError(f"expected 1 values for {name}, got {len(value)}")
-        value = value[0]
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {value!r}")
-    return float(value)
 
 
 class OneCycleLR(LRScheduler):
     """The 1cycle policy, stepped after every optimizer step: the rate rises from
     max_lr / div_factor to max_lr over pct_start of total_steps, then anneals to
     initial_lr / final_div_factor (three_phase: back down to the initial rate first), cosine or
-    linear; with cycle_momentum the momentum (Adam's beta1, SGD's momentum) moves the other way,
-    between max_momentum and base_momentum."""
+    linear, in every param group (max_lr: a number, or a list with one per group); with
+    cycle_momentum the momentum (Adam's beta1, SGD's momentum, one for all groups) moves the
+    other way, between max_momentum and base_momentum."""
 
     def __init__(self, optimizer: Any, max_lr: Any, total_steps: Optional[int] = None, epochs: Optional[int] = None,
                  steps_per_epoch: Optional[int] = None, pct_start: float = 0.3, anneal_strategy: str = "cos",
@@ -476,31 +512,37 @@ class OneCycleLR(LRScheduler):
         if anneal_strategy not in ("cos", "linear"):
             raise ValueError(f"anneal_strategy must be one of 'cos' or 'linear', instead got {anneal_strategy}")
         self._anneal_func_type = anneal_strategy
-        top = _one("max_lr", max_lr)
+        tops = _per_group("max_lr", max_lr, optimizer)
         for name, v in (("div_factor", div_factor), ("final_div_factor", final_div_factor)):
             if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 < v < math.inf:
                 raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
         div_factor, final_div_factor = float(div_factor), float(final_div_factor)
-        # torch keeps these in the param group; here the schedule keeps them (and its state_dict)
-        self._group = {"initial_lr": top / div_factor, "max_lr": top, "min_lr": top / div_factor / final_div_factor}
-        if last_epoch != -1 and optimizer._initial_lr is not None:
-            self._group["initial_lr"] = optimizer._initial_lr
+        # torch keeps these in each param group; here the schedule keeps them (and its state_dict)
+        self._groups = [{"initial_lr": top / div_factor, "max_lr": top, "min_lr": top / div_factor / final_div_factor}
+                        for top in tops]
+        if last_epoch != -1:
+            for group, initial in zip(self._groups, optimizer._initial_lrs):
+                if initial is not None:
+                    group["initial_lr"] = initial
         self.cycle_momentum = as_flag("cycle_momentum", cycle_momentum)
         if self.cycle_momentum:
             self.use_beta1 = optimizer._kind == "adam"
-            self._group["max_momentum"] = _one("max_momentum", max_momentum)
-            self._group["base_momentum"] = _one("base_momentum", base_momentum)
+            tops = _shared_momentum("max_momentum", max_momentum, optimizer)
+            bottoms = _shared_momentum("base_momentum", base_momentum, optimizer)
+            for group, top, bottom in zip(self._groups, tops, bottoms):
+                group["max_momentum"], group["base_momentum"] = top, bottom
         # the optimizer changes only once everything is checked, and goes back when the first step fails
-        before = (optimizer._initial_lr, optimizer.lr, optimizer._momentum())
+        before = (list(optimizer._initial_lrs), optimizer._group_lrs(), optimizer._momentum())
         try:
             if self.cycle_momentum:
-                for m in (self._group["base_momentum"], self._group["max_momentum"]):
+                for m in (self._groups[0]["base_momentum"], self._groups[0]["max_momentum"]):
                     optimizer._set_momentum(m)  # refused here if the optimizer cannot take it
             if last_epoch == -1:
-                optimizer._initial_lr = self._group["initial_lr"]
+                optimizer._initial_lrs = [group["initial_lr"] for group in self._groups]
             super().__init__(optimizer, last_epoch)
         except BaseException:
-            optimizer._initial_lr, optimizer.lr = before[:2]
+            optimizer._initial_lrs = before[0]
+            optimizer._set_group_lrs(before[1])
             optimizer._set_momentum(before[2])
             raise
 
@@ -517,20 +559,27 @@ class OneCycleLR(LRScheduler):
         if step > self.total_steps:
             raise ValueError(f"Tried to step {step} times. The specified number of total steps is {self.total_steps}")
         anneal = self._annealing_cos if self._anneal_func_type == "cos" else self._annealing_linear
-        g, start = self._group, 0.0
+        start = 0.0
         for i, phase in enumerate(self._schedule_phases):
             end = phase["end_step"]
             if step <= end or i == len(self._schedule_phases) - 1:
                 pct = (step - start) / (end - start)
-                lr = anneal(g[phase["start_lr"]], g[phase["end_lr"]], pct)
-                if self.cycle_momentum:
-                    self.optimizer._set_momentum(anneal(g[phase["start_momentum"]], g[phase["end_momentum"]], pct))
                 break
             start = phase["end_step"]
         # one step past the last (total_steps: the step torch code takes after its last optimizer
         # step) the linear strategy extrapolates below 0, which torch sets and never trains with;
         # the optimizer here takes no negative rate, so that step's rate is 0
-        return [max(lr, 0.0)]
+        lrs = [max(anneal(g[phase["start_lr"]], g[phase["end_lr"]], pct), 0.0) for g in self._groups]
+        if self.cycle_momentum:  # every group's is the same: the optimizer's one momentum
+            g = self._groups[0]
+            self.optimizer._set_momentum(anneal(g[phase["start_momentum"]], g[phase["end_momentum"]], pct))
+        return lrs
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Also takes the state_dict of an older one-group schedule, which kept "_group"."""
+        if "_group" in state_dict and "_groups" not in state_dict:
+            state_dict = {**{k: v for k, v in state_dict.items() if k != "_group"}, "_groups": [state_dict["_group"]]}
+        super().load_state_dict(state_dict)
 
 
 def _steps(name: str, value: Any) -> float:
@@ -551,8 +600,9 @@ class CyclicLR(LRScheduler):
     to max_lr over step_size_up steps and back over step_size_down (default: the same), the
     cycle's height scaled by mode ("triangular": 1, "triangular2": halved each cycle,
     "exp_range": gamma ** step) or by scale_fn (of the cycle, or with scale_mode="iterations" of
-    the step); with cycle_momentum the momentum (Adam's beta1, SGD's momentum) moves the other way,
-    between max_momentum and base_momentum."""
+    the step), in every param group (base_lr, max_lr: a number, or a list with one per group);
+    with cycle_momentum the momentum (Adam's beta1, SGD's momentum, one for all groups) moves the
+    other way, between max_momentum and base_momentum."""
 
     def __init__(self, optimizer: Any, base_lr: Any, max_lr: Any, step_size_up: int = 2000,
                  step_size_down: Optional[int] = None, mode: str = "triangular", gamma: float = 1.0,
@@ -560,7 +610,7 @@ class CyclicLR(LRScheduler):
                  cycle_momentum: bool = True, base_momentum: Any = 0.8, max_momentum: Any = 0.9,
                  last_epoch: int = -1) -> None:
         optimizer = _optimizer(optimizer)
-        low, self.max_lrs = _one("base_lr", base_lr), [_one("max_lr", max_lr)]
+        lows, self.max_lrs = _per_group("base_lr", base_lr, optimizer), _per_group("max_lr", max_lr, optimizer)
         up = _steps("step_size_up", step_size_up)
         down = _steps("step_size_down", step_size_down) if step_size_down is not None else up
         if up == 0:
@@ -576,22 +626,23 @@ class CyclicLR(LRScheduler):
         self.cycle_momentum = as_flag("cycle_momentum", cycle_momentum)
         if self.cycle_momentum:
             self.use_beta1 = optimizer._kind == "adam"
-            self.base_momentums = [_one("base_momentum", base_momentum)]
-            self.max_momentums = [_one("max_momentum", max_momentum)]
+            self.base_momentums = _shared_momentum("base_momentum", base_momentum, optimizer)
+            self.max_momentums = _shared_momentum("max_momentum", max_momentum, optimizer)
         # the optimizer changes only once everything is checked, and goes back when the first step fails
-        before = (optimizer._initial_lr, optimizer.lr, optimizer._momentum())
+        before = (list(optimizer._initial_lrs), optimizer._group_lrs(), optimizer._momentum())
         try:
             if self.cycle_momentum:
                 for m in (self.base_momentums[0], self.max_momentums[0]):
                     optimizer._set_momentum(m)  # refused here if the optimizer cannot take it
             if last_epoch == -1:
-                optimizer.lr = low
+                optimizer._set_group_lrs(lows)
             super().__init__(optimizer, last_epoch)
         except BaseException:
-            optimizer._initial_lr, optimizer.lr = before[:2]
+            optimizer._initial_lrs = before[0]
+            optimizer._set_group_lrs(before[1])
             optimizer._set_momentum(before[2])
             raise
-        self.base_lrs = [low]  # after the first step, as in torch (which takes initial_lr for it)
+        self.base_lrs = lows  # after the first step, as in torch (which takes initial_lr for it)
 
     def scale_fn(self, x: float) -> float:
         if self._scale_fn_custom is not None:
@@ -610,11 +661,11 @@ class CyclicLR(LRScheduler):
         else:
             scale_factor = (x - 1) / (self.step_ratio - 1)
         at = cycle if self.scale_mode == "cycle" else self.last_epoch
-        lr = self.base_lrs[0] + (self.max_lrs[0] - self.base_lrs[0]) * scale_factor * self.scale_fn(at)
-        if self.cycle_momentum:
+        lrs = [base + (top - base) * scale_factor * self.scale_fn(at) for base, top in zip(self.base_lrs, self.max_lrs)]
+        if self.cycle_momentum:  # every group's is the same: the optimizer's one momentum
             top, bottom = self.max_momentums[0], self.base_momentums[0]
             self.optimizer._set_momentum(top - (top - bottom) * scale_factor * self.scale_fn(at))
-        return [lr]
+        return lrs
 
     def state_dict(self) -> Dict[str, Any]:
         """As torch's: scale_fn is kept only as the attributes of a callable object that is not a
@@ -688,7 +739,11 @@ class SequentialLR(_Composite):
         self._schedulers, self._milestones = schedulers, milestones
         self.last_epoch = last_epoch + 1
         self.optimizer = optimizer
-        optimizer.lr = optimizer._initial_lr  # the parts' first steps are undone, and only the first's made again
+        for i, initial in enumerate(optimizer._initial_lrs):
+            if initial is None:
+                raise KeyError(f"param 'initial_lr' is not specified in param_groups[{i}]")
+        # the parts' first steps are undone, and only the first's made again
+        optimizer._set_group_lrs(optimizer._initial_lrs)
         self._undo(self)
         first = self._schedulers[bisect_right(milestones, 0)]
         first._initial_step()
@@ -731,23 +786,23 @@ class ChainedScheduler(_Composite):
         _check_parts("ChainedScheduler", optimizer, schedulers)
         self._schedulers = schedulers
         self.optimizer = optimizer
-        self._last_lr = [optimizer.lr]
+        self._last_lr = optimizer._group_lrs()
 
     def step(self) -> None:
         """Steps every schedule; one that refuses its rate leaves them all (and the optimizer's
-        rate and momentum) where they were."""
+        rates and momentum) where they were."""
         saved = [s.state_dict() for s in self._schedulers]
-        lr, momentum = self.optimizer.lr, self.optimizer._momentum()
+        lrs, momentum = self.optimizer._group_lrs(), self.optimizer._momentum()
         try:
             for s in self._schedulers:
                 s.step()
         except BaseException:
             for s, state in zip(self._schedulers, saved):
                 s.load_state_dict(state)
-            self.optimizer.lr = lr
+            self.optimizer._set_group_lrs(lrs)
             self.optimizer._set_momentum(momentum)
             raise
-        self._last_lr = [self.optimizer.lr]
+        self._last_lr = self.optimizer._group_lrs()
 
     def _update_lr(self, epoch: Optional[int]) -> None:
         raise TypeError("a ChainedScheduler cannot be placed at an epoch")
@@ -755,8 +810,9 @@ class ChainedScheduler(_Composite):
 
 class ReduceLROnPlateau(LRScheduler):
     """The rate times factor once the metric given to step() has not improved (by threshold,
-    relative or absolute) for more than patience epochs, then cooldown epochs of rest; never
-    below min_lr, and not by less than eps. Trainer.fit steps it with each epoch's val_loss
+    relative or absolute) for more than patience epochs, then cooldown epochs of rest; each
+    param group's rate never below its min_lr (a number, or a list with one per group), and not
+    by less than eps. Trainer.fit steps it with each epoch's val_loss
     (the training loss without validation data)."""
 
     def __init__(self, optimizer: Any, mode: str = "min", factor: float = 0.1, patience: int = 10,
@@ -765,18 +821,22 @@ class ReduceLROnPlateau(LRScheduler):
         if not factor < 1.0:  # NaN too
             raise ValueError("Factor should be < 1.0.")
         self.optimizer = _optimizer(optimizer)
+        n = len(optimizer.param_groups)
         if isinstance(min_lr, (list, tuple)):
-            if len(min_lr) != 1:
-                raise ValueError(f"expected 1 min_lrs, got {len(min_lr)}")
-            min_lr = min_lr[0]
-        if not 0.0 <= float(min_lr) < inf:
-            raise ValueError(f"min_lr must be a finite number >= 0 (a rate), got {min_lr!r}")
-        self.factor, self.min_lrs = float(factor), [float(min_lr)]
+            if len(min_lr) != n:
+                raise ValueError(f"expected {n} min_lrs, got {len(min_lr)}")
+            min_lrs = list(min_lr)
+        else:
+            min_lrs = [min_lr] * n
+        for lo in min_lrs:
+            if not 0.0 <= float(lo) < inf:
+                raise ValueError(f"min_lr must be a finite number >= 0 (a rate), got {lo!r}")
+        self.factor, self.min_lrs = float(factor), [float(lo) for lo in min_lrs]
         self.patience = _int("patience", patience, 0)
         self.cooldown = _int("cooldown", cooldown, 0)
         self.eps = float(eps)
         self.last_epoch = 0
-        self._last_lr = [optimizer.lr]
+        self._last_lr = optimizer._group_lrs()
         self._init_is_better(mode, threshold, threshold_mode)
         self._reset()
 
@@ -830,13 +890,22 @@ class ReduceLROnPlateau(LRScheduler):
             self.cooldown_counter -= 1
             self.num_bad_epochs = 0
         if self.num_bad_epochs > self.patience:
-            old = float(self.optimizer.lr)
-            new = max(old * self.factor, self.min_lrs[0])
-            if old - new > self.eps:
-                self.optimizer.lr = new
+            self._reduce_lr()
             self.cooldown_counter = self.cooldown
             self.num_bad_epochs = 0
-        self._last_lr = [self.optimizer.lr]
+        self._last_lr = self.optimizer._group_lrs()
+
+    def _reduce_lr(self) -> None:
+        """Each group's rate times factor, not below its min_lr; a group whose rate would fall by
+        eps or less keeps it."""
+        lrs = self.optimizer._group_lrs()
+        reduced = []
+        for old, lo in zip(lrs, self.min_lrs):
+            old = float(old)
+            new = max(old * self.factor, lo)
+            reduced.append(new if old - new > self.eps else old)
+        if reduced != lrs:
+            self.optimizer._set_group_lrs(reduced)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         self.__dict__.update(state_dict)
