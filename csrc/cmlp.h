@@ -422,9 +422,12 @@ CMLP_API cmlp_status cmlp_optim_to(cmlp_optim *o, cmlp_device d);
 /* Parameter groups (torch's param_groups): n parts of the flat parameters, part i being
  * [ends[i - 1], ends[i]) (with ends[-1] = 0 and ends[n - 1] = the number of parameters), each
  * stepped at lr_scale[i] times the optimizer's rate and with its own weight decay (L2, or AdamW's
- * decoupled one, as the configuration says), which replaces the configuration's. n = 0: one part,
- * the configuration's weight decay at the optimizer's rate. A step on a device reads the scales
- * there, so other scales with the same ends and weight decays keep a captured step valid. */
+ * decoupled one, as the configuration says), which replaces the configuration's; a step takes
+ * each part in a launch of its own. n = 0: one part, the configuration's weight decay at the
+ * optimizer's rate. n <= CMLP_MAX_PARTS, and every part's rate, lr_scale[i] times the optimizer's,
+ * finite in float32. A step on a device reads the scales there, so other scales with the same ends
+ * and weight decays keep a captured step valid. */
+#define CMLP_MAX_PARTS 65536
 CMLP_API cmlp_status cmlp_optim_set_parts(cmlp_optim *o, int n, const int64_t *ends, const double *lr_scale,
                                           const double *weight_decay);
 /* ZeRO stage 1 (torch.distributed.optim.ZeroRedundancyOptimizer): with on = 1 the optimizer keeps

@@ -273,6 +273,8 @@ CMLP_HIDDEN cmlp_status cmlp_optim_step_summed(cmlp_optim *o);
 /* Moves whenever the optimizer's configuration or state buffer changes (a captured step that
  * baked them in is then stale). */
 CMLP_HIDDEN uint64_t cmlp_optim_version(const cmlp_optim *o);
+/* Whether every parameter group's part steps at a rate finite in float32 when the optimizer's is lr. */
+CMLP_HIDDEN cmlp_status cmlp_optim_check_rate(const cmlp_optim *o, double lr);
 /* A hash of the optimizer's kind, settings and step count (equal settings, equal hash). */
 CMLP_HIDDEN uint64_t cmlp_optim_fingerprint(const cmlp_optim *o);
 /* The device's member of the process group's device collectives (NCCL); made on first use by

@@ -151,9 +151,19 @@ double cmlp_optim_get_lr(const cmlp_optim *o) { return o->kind == CMLP_OPTIM_ADA
 
 cmlp_status cmlp_optim_set_lr(cmlp_optim *o, double lr) {
     CMLP_TRY(check_real("learning rate", lr));
+    CMLP_TRY(cmlp_optim_check_rate(o, lr));
     /* no new version: a step on a device reads the rate there (cmlp_dscalars), so a captured
      * step stays valid at any rate */
     *(o->kind == CMLP_OPTIM_ADAM ? &o->adam.lr : &o->sgd.lr) = lr;
+    return CMLP_OK;
+}
+
+cmlp_status cmlp_optim_check_rate(const cmlp_optim *o, double lr) {
+    for (int i = 0; i < o->nparts; i++)
+        if (!(lr * o->parts[i].lr_scale <= FLT_MAX))
+            return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid learning rate: %g, whose parameter group at %g times it steps "
+                                               "at %g (must be finite in float32)", lr, o->parts[i].lr_scale,
+                             lr * o->parts[i].lr_scale);
     return CMLP_OK;
 }
 
@@ -353,7 +363,9 @@ static int parts_of(const cmlp_optim *o, const optim_part **out, optim_part *one
 
 /* Writes n parts' rate scales and decoupled weight decays where a step on the optimizer's device
  * reads them (d_parts), allocated there anew when it is missing, elsewhere or of another size;
- * *fresh says whether it was. On failure nothing changed. */
+ * *fresh says whether it was. On the CPU it is host memory of the optimizer's own, as the
+ * optimizer's struct (a few bytes a part; the CPU's allocator holds tensors). On failure no new
+ * buffer is kept, but a copy into the one in use may have written part of it (a device error). */
 static cmlp_status upload_parts(cmlp_optim *o, const optim_part *parts, int n, void **out, bool *fresh) {
     bool adam = o->kind == CMLP_OPTIM_ADAM, decoupled = adam && o->adam.decoupled_weight_decay;
     size_t bytes = parts_bytes(n);
@@ -370,7 +382,7 @@ static cmlp_status upload_parts(cmlp_optim *o, const optim_part *parts, int n, v
         d = calloc(1, bytes);
         if (!d) st = CMLP_FAIL(CMLP_ERR_OOM, "out of host memory for the optimizer's parameter groups");
     } else if (*fresh) {
-        st = cmlp_allocator_malloc(o->dev->alloc, bytes, "optimizer state", &d);
+        st = cmlp_allocator_malloc(o->dev->alloc, bytes, "optimizer param groups", &d);
     }
     if (st == CMLP_OK) st = o->dev->backend->copy_h2d(o->dev->bctx, d, args, 2 * (size_t)n * sizeof(double));
     free(args);
@@ -385,7 +397,9 @@ static cmlp_status upload_parts(cmlp_optim *o, const optim_part *parts, int n, v
 cmlp_status cmlp_optim_set_parts(cmlp_optim *o, int n, const int64_t *ends, const double *lr_scale,
                                  const double *weight_decay) {
     if (!o) return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer must not be NULL");
-    if (n < 0 || (n > 0 && (!ends || !lr_scale || !weight_decay)))
+    if (n < 0 || n > CMLP_MAX_PARTS)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "parameter groups: %d parts (0 to %d)", n, CMLP_MAX_PARTS);
+    if (n > 0 && (!ends || !lr_scale || !weight_decay))
         return CMLP_FAIL(CMLP_ERR_INVALID, "parameter groups: %d parts without their ends and settings", n);
     CMLP_TRY(check_model(o));
     int64_t total = o->model->nparams;
@@ -394,25 +408,19 @@ cmlp_status cmlp_optim_set_parts(cmlp_optim *o, int n, const int64_t *ends, cons
         if (!(ends[i] > begin && ends[i] <= total))
             return CMLP_FAIL(CMLP_ERR_INVALID, "parameter groups: part %d ends at %lld, after %lld, within %lld "
                                                "parameters", i, (long long)ends[i], (long long)begin, (long long)total);
-        if (!(lr_scale[i] >= 0.0 && isfinite(lr_scale[i])))
-            return CMLP_FAIL(CMLP_ERR_INVALID, "parameter groups: part %d's rate scale %g is not finite and >= 0", i,
-                             lr_scale[i]);
+        if (!(lr_scale[i] >= 0.0 && lr_scale[i] <= FLT_MAX && cmlp_optim_get_lr(o) * lr_scale[i] <= FLT_MAX))
+            return CMLP_FAIL(CMLP_ERR_INVALID, "parameter groups: part %d's rate scale %g (a rate of %g) is not >= 0 "
+                                               "and finite in float32", i, lr_scale[i], cmlp_optim_get_lr(o) * lr_scale[i]);
         CMLP_TRY(check_real("weight_decay value", weight_decay[i]));
     }
     if (n > 0 && ends[n - 1] != total)
         return CMLP_FAIL(CMLP_ERR_INVALID, "parameter groups: the parts end at %lld, not at the model's %lld "
                                            "parameters", (long long)ends[n - 1], (long long)total);
-    /* neighbours with the same settings are one part; one part as the configuration says is none */
-    optim_part *parts = n ? malloc((size_t)n * sizeof *parts) : NULL;
-    if (n && !parts) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory for the optimizer's parameter groups");
-    int m = 0;
-    for (int i = 0; i < n; i++) {
-        if (m && parts[m - 1].lr_scale == lr_scale[i] && parts[m - 1].weight_decay == weight_decay[i])
-            parts[m - 1].end = ends[i];
-        else
-            parts[m++] = (optim_part){ends[i], lr_scale[i], weight_decay[i]};
-    }
-    if (m == 1 && parts[0].lr_scale == 1.0 && parts[0].weight_decay == config_weight_decay(o)) m = 0;
+    /* the parts as given (merged, neighbours of the same scale would make other scales other launches) */
+    int m = n;
+    optim_part *parts = m ? malloc((size_t)m * sizeof *parts) : NULL;
+    if (m && !parts) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory for the optimizer's parameter groups");
+    for (int i = 0; i < m; i++) parts[i] = (optim_part){ends[i], lr_scale[i], weight_decay[i]};
     bool same = m == o->nparts; /* the same launches: a captured step stays valid */
     for (int i = 0; same && i < m; i++)
         same = parts[i].end == o->parts[i].end && parts[i].weight_decay == o->parts[i].weight_decay;

@@ -958,6 +958,7 @@ cmlp_status cmlp_trainer_epoch_run_rates(cmlp_trainer *t, const double *lr, cons
         if (!(lr[k] >= 0.0 && lr[k] <= FLT_MAX))
             return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid learning rate %g for step %lld (must be >= 0 and finite in "
                                                "float32)", lr[k], (long long)k);
+        CMLP_TRY(cmlp_optim_check_rate(t->optim, lr[k]));
         if (momentum && !(momentum[k] >= 0.0 && (adam ? momentum[k] < 1.0 : momentum[k] <= FLT_MAX)))
             return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid momentum %g for step %lld (must be %s)", momentum[k],
                              (long long)k, adam ? "in [0, 1), Adam's beta1" : ">= 0 and finite in float32");

@@ -300,9 +300,9 @@ def _with_state(c, change):
 
 @pytest.mark.parametrize("make,match", [
     pytest.param(_sgd_dict, r"not from Adam: its param group has \['dampening', 'momentum', 'nesterov'\]", id="sgd-into-adam"),
-    pytest.param(lambda c: {"state": {}, "param_groups": 5}, r"param_groups must be a list of one dict",
+    pytest.param(lambda c: {"state": {}, "param_groups": 5}, r"param_groups must be a list of dicts",
                  id="groups-int"),
-    pytest.param(lambda c: {"state": {}, "param_groups": [[1, 2]]}, r"param_groups must be a list of one dict",
+    pytest.param(lambda c: {"state": {}, "param_groups": [[1, 2]]}, r"param_groups must be a list of dicts",
                  id="group-list"),
     pytest.param(lambda c: {"state": [], "param_groups": _adam_state(c)["param_groups"]}, r"'state' must be a dict",
                  id="state-list"),

@@ -266,6 +266,14 @@ def test_on_gpus_nccl_sums_the_gradients_inside_the_captured_step(emulator, opts
 
 
 @needs_emulated_nccl
+def test_on_gpus_a_sharded_optimizer_steps_the_param_groups_parts_of_its_part(emulator):
+    # 3 ranks' parts cut across the param groups' parts of the flat parameters, on the device
+    out = run_job(3, "zero", {"opt": "adamw-groups", "device": "cuda", "backend": "nccl"}, timeout=300,
+                  emulated_gpu=True)
+    check_zero(out, 3, emulated=True)
+
+
+@needs_emulated_nccl
 def test_on_gpus_short_steps_and_ranks_without_samples(emulator):
     out = run_job(3, "fit", {"backend": "nccl", "device": "cuda", "n": 10, "batch": 1, "epochs": 1}, timeout=300,
                   emulated_gpu=True)

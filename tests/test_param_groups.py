@@ -310,3 +310,29 @@ def test_torchs_own_form_with_named_parameters_ports_as_it_is():
         cmlp.optim.SGD([{"params": decay + no_decay}], param_groups=[{"params": WEIGHTS + BIASES}])
     with pytest.raises(ValueError, match="every parameter must be in a param group"):
         cmlp.optim.SGD(decay)
+
+
+def test_generators_in_torchs_form_and_copies_of_the_groups_are_plain():
+    model = cmlp.MLP(SIZES, seed=1)
+    opt = cmlp.optim.AdamW([
+        {"params": (p for n, p in model.named_parameters() if n.endswith("weight"))},
+        {"params": filter(lambda p: p.ndim == 1, model.parameters()), "weight_decay": 0.0}], lr=1e-3)
+    assert [g["params"] for g in opt.param_groups] == [[0, 1, 2], [3, 4, 5]]
+    saved = copy.deepcopy(opt.param_groups)
+    saved[1]["lr"] = 0.5  # a copy is the settings, as torch's: the optimizer keeps its own
+    assert opt.param_groups[1]["lr"] == 1e-3 and type(saved[1]) is dict
+    assert type(copy.copy(opt.param_groups[0])) is dict
+    import pickle
+    assert pickle.loads(pickle.dumps(opt.param_groups)) == [dict(g) for g in opt.param_groups]
+
+
+def test_a_frozen_group_under_a_cosine_schedule_with_eta_min_stays_at_0_or_above():
+    """torch's recursive form rounds the frozen group's rate to -6.5e-19 at some steps; the
+    optimizer takes no negative rate, so the schedule gives 0 there."""
+    model, opt = make("sgd", groups=[{"params": ["fc1.weight"], "lr": 0.0},
+                                     {"params": [n for n in WEIGHTS + BIASES if n != "fc1.weight"]}])
+    sched = S.CosineAnnealingLR(opt, T_max=20, eta_min=1e-4)
+    for _ in range(60):
+        opt.step()
+        sched.step()
+        assert all(g["lr"] >= 0.0 for g in opt.param_groups)

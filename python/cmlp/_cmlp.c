@@ -228,10 +228,21 @@ static const char *c_text(PyObject *obj, const char *what) {
     return s;
 }
 
+/* A tuple of the items of a sequence (a new reference), or NULL with a TypeError saying msg. Items
+ * are read from it: a list (PySequence_Fast's own result) would lend them, and the conversion of
+ * one (its __index__ or __float__) could change the list under the loop. */
+static PyObject *items_of(PyObject *obj, const char *msg) {
+    PyObject *fast = PySequence_Fast(obj, msg);
+    if (!fast) return NULL;
+    PyObject *tuple = PySequence_Tuple(fast);
+    Py_DECREF(fast);
+    return tuple;
+}
+
 /* Layer sizes from a sequence of ints into sizes[0..*n): an int that C's int cannot hold is
  * refused here, naming it; the range check proper is the C core's. */
 static int parse_sizes(PyObject *obj, int sizes[CMLP_MAX_LAYERS + 1], int *n) {
-    PyObject *seq = PySequence_Fast(obj, "layer sizes must be a sequence of ints");
+    PyObject *seq = items_of(obj, "layer sizes must be a sequence of ints");
     if (!seq) return -1;
     Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
     if (len > CMLP_MAX_LAYERS + 1) {
@@ -907,12 +918,12 @@ static PyObject *Optim_configure(OptimObject *self, PyObject *args, PyObject *kw
 
 /* set_parts([(end, lr_scale, weight_decay), ...]): the parameter groups' parts (cmlp_optim_set_parts). */
 static PyObject *Optim_set_parts(OptimObject *self, PyObject *arg) {
-    PyObject *seq = PySequence_Fast(arg, "parts must be a sequence of (end, lr_scale, weight_decay)");
+    PyObject *seq = items_of(arg, "parts must be a sequence of (end, lr_scale, weight_decay)");
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    if (n > INT_MAX / 2) {
+    if (n > CMLP_MAX_PARTS) {
         Py_DECREF(seq);
-        PyErr_SetString(PyExc_ValueError, "too many parameter-group parts");
+        PyErr_Format(PyExc_ValueError, "at most %d parameter-group parts, got %zd", CMLP_MAX_PARTS, n);
         return NULL;
     }
     int64_t *ends = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *ends);
@@ -925,9 +936,10 @@ static PyObject *Optim_set_parts(OptimObject *self, PyObject *arg) {
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         long long end;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "Ldd;a part is (end, lr_scale, weight_decay)", &end,
-                              &scale[i], &wd[i]))
-            goto done;
+        PyObject *part = items_of(PySequence_Fast_GET_ITEM(seq, i), "a part is (end, lr_scale, weight_decay)");
+        int ok = part && PyArg_ParseTuple(part, "Ldd;a part is (end, lr_scale, weight_decay)", &end, &scale[i], &wd[i]);
+        Py_XDECREF(part);
+        if (!ok) goto done;
         ends[i] = end;
     }
     if (optim_ready(self) < 0) goto done;
@@ -1126,7 +1138,7 @@ static PyObject *Trainer_epoch_begin(TrainerObject *self, PyObject *args, PyObje
 
 /* 1 to CMLP_MAX_RATES floats from a sequence into out; returns how many, or -1 with an exception. */
 static Py_ssize_t floats_of(PyObject *obj, const char *what, double *out) {
-    PyObject *seq = PySequence_Fast(obj, "expected a sequence of floats");
+    PyObject *seq = items_of(obj, "expected a sequence of floats");
     if (!seq) return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     if (n < 1 || n > CMLP_MAX_RATES) {

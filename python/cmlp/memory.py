@@ -232,7 +232,8 @@ def memory_snapshot(device: Optional[str] = None) -> List[Dict[str, Any]]:
 
 def memory_breakdown(device: Optional[str] = None) -> Dict[str, int]:
     """The bytes allocated now (as requested, before rounding) by what they hold: "parameters",
-    "gradients" (with the step's device scalars), "optimizer state", "activations" (also "...
+    "gradients" (with the step's device scalars), "optimizer state" (on a GPU also "optimizer
+    param groups", their settings, where the groups differ), "activations" (also "...
     (mixed precision)", "... (recomputed)"), "half-precision weights", "GEMM workspace", "data
     set", "caching_allocator_alloc", ..., largest first. Comparable with plan(...).breakdown."""
     totals: Dict[str, int] = {}

@@ -155,6 +155,17 @@ class _ParamGroup(MutableMapping):
     def __repr__(self) -> str:
         return repr(dict(self))
 
+    # a copy is a plain dict of the settings, as copying torch's groups gives (editing it changes no
+    # optimizer; torch's way back is param_groups[i][key] = saved[i][key]); so is a pickled one
+    def __copy__(self) -> Dict[Any, Any]:
+        return dict(self)
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> Dict[Any, Any]:
+        return copy.deepcopy(dict(self), memo)
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        return dict, (dict(self),)
+
 
 class Optimizer:
     """Base: holds the C optimizer bound to one model. The param groups' own rates and weight
@@ -200,13 +211,16 @@ class Optimizer:
             raise ValueError("optimizer got an empty parameter list")
         groups = items if all(isinstance(g, Mapping) for g in items) else [{"params": items}]
         models = set()
-        for g in groups:
+        for i, g in enumerate(groups):
             params = g.get("params", ()) if isinstance(g, Mapping) else ()
             if isinstance(params, np.ndarray) or not isinstance(params, Iterable) or isinstance(params, str):
                 params = [params]
             elif isinstance(params, Parameters):
                 models.add(params.model)
                 continue
+            elif not isinstance(params, (list, tuple, set, frozenset)):  # a generator is read once: here
+                params = list(params)
+                groups[i] = {**g, "params": params}
             for p in params:
                 owner = parameter_of(p)
                 if owner is not None:
@@ -348,7 +362,15 @@ class Optimizer:
             for i, (w, b) in enumerate(m._offsets):
                 fan_in, fan_out = m._sizes[i], m._sizes[i + 1]
                 spans += [(w, w + fan_in * fan_out, f"fc{i + 1}.weight"), (b, b + fan_out, f"fc{i + 1}.bias")]
-            parts = [(end, scales[group_of[name]], wds[group_of[name]]) for _, end, name in sorted(spans)]
+            parts = []  # a part per run of one group's tensors: other scales are other values, not launches
+            last = None
+            for _, end, name in sorted(spans):
+                g = group_of[name]
+                if g == last:
+                    parts[-1] = (end, scales[g], wds[g])
+                else:
+                    parts.append((end, scales[g], wds[g]))
+                last = g
         if parts != self._c_parts:
             self._c.set_parts(parts)
             self._c_parts = parts
