@@ -136,9 +136,11 @@ def test_bad_arguments_exit_nonzero_with_a_message(tmp_path, args, pattern):
 @needs_fashion
 def test_train_with_adamw_clips_gradients_and_reports_their_norm(tmp_path):
     r = run_cli(["train", "--epochs", "1", "--layers", "784,32,10", "--batch-size", "256", "--no-progress",
-                 "--optimizer", "adamw", "--weight-decay", "0.05", "--max-grad-norm", "0.5"], tmp_path)
+                 "--optimizer", "adamw", "--weight-decay", "0.05", "--max-grad-norm", "0.5", "--no-bias-decay"],
+                tmp_path)
     assert r.returncode == 0, r.stderr
     assert "gradient norm clipped to 0.5" in r.stdout and "adamw lr 0.001" in r.stdout
+    assert "weight decay 0.05 on the weights only" in r.stdout
     norm = float(re.search(r"mean gradient norm ([0-9.e+-]+)", r.stdout).group(1))
     assert norm > 0
 

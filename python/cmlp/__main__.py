@@ -87,6 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--device", default="cpu")
     t.add_argument("--optimizer", choices=["adam", "adamw", "sgd"], default="adam")
     t.add_argument("--weight-decay", type=_rate, default=None, help="default: 0, and 1e-2 for adamw")
+    t.add_argument("--no-bias-decay", action="store_true",
+                   help="weight decay on the weights only: the biases in a param group of their own without it")
     t.add_argument("--lr", type=_rate, default=None, help="default: 1e-3 for adam, 0.01 for sgd")
     t.add_argument("--momentum", type=_rate, default=0.0, help="sgd only")
     t.add_argument("--layers", type=_layers, default=[784, 512, 256, 10])
@@ -215,6 +217,10 @@ def _run(a: argparse.Namespace, rank: int, ranks: int) -> int:
         kind, kw = optim.AdamW, dict(lr=1e-3 if lr is None else lr, weight_decay=1e-2 if wd is None else wd)
     else:
         kind, kw = optim.SGD, dict(lr=0.01 if lr is None else lr, momentum=a.momentum, weight_decay=wd or 0.0)
+    if a.no_bias_decay:
+        names = list(model.state_dict())
+        kw["param_groups"] = [{"params": [n for n in names if n.endswith(".weight")]},
+                              {"params": [n for n in names if n.endswith(".bias")], "weight_decay": 0.0}]
     opt: optim.Optimizer = distributed.optim.ZeroRedundancyOptimizer(model, kind, **kw) if a.zero else kind(model, **kw)
     trainer = Trainer(model, opt, batch_size=a.batch_size, accumulation_steps=a.accumulation_steps, amp=a.amp,
                       seed=a.seed, distributed=a.distributed, max_grad_norm=a.max_grad_norm)
@@ -224,6 +230,8 @@ def _run(a: argparse.Namespace, rank: int, ranks: int) -> int:
     if a.zero:
         group += ", optimizer state sharded over the ranks"
     clip = f", gradient norm clipped to {a.max_grad_norm:g}" if a.max_grad_norm else ""
+    if a.no_bias_decay:
+        clip += f", weight decay {kw['weight_decay']:g} on the weights only"
     if sched is not None:
         clip += f", {a.lr_schedule} schedule" + (f" after {a.warmup_steps} warm-up steps" if a.warmup_steps else "")
     say(f"cmlp {build_info()['version']}: MLP {'-'.join(map(str, a.layers))} ({model.num_parameters():,} "
