@@ -32,6 +32,13 @@ CASES = [
     ("PolynomialLR", dict(total_iters=7, power=2.5)),
     ("CosineAnnealingWarmRestarts", dict(T_0=4)),
     ("CosineAnnealingWarmRestarts", dict(T_0=3, T_mult=2, eta_min=1e-3)),
+    # lengths given as floats, which torch takes too (T_max=total_steps / 2)
+    ("StepLR", dict(step_size=2.5)),
+    ("CosineAnnealingLR", dict(T_max=7.5, eta_min=1e-4)),
+    ("CosineAnnealingLR", dict(T_max=6.0)),
+    ("LinearLR", dict(total_iters=4.5)),
+    ("ConstantLR", dict(total_iters=3.0)),
+    ("PolynomialLR", dict(total_iters=5.5, power=2.0)),
 ]
 
 
@@ -397,7 +404,7 @@ def test_resuming_needs_the_initial_rate_and_arguments_are_checked():
         S.StepLR(opt, step_size=2, last_epoch=3)
     S.StepLR(opt, step_size=2)
     assert S.StepLR(opt, step_size=2, last_epoch=3).base_lrs == [0.1]
-    for bad in (0, -1, 2.5, True):
+    for bad in (0, -1, 0.5, True, float("nan"), float("inf"), "2"):
         with pytest.raises(ValueError, match="step_size"):
             S.StepLR(opt, step_size=bad)
     with pytest.raises(ValueError, match="T_max"):

@@ -72,6 +72,16 @@ def _warn_outside_step(get_lr: Callable[[Any], List[float]]) -> Callable[[Any], 
     return checked
 
 
+def _length(name: str, value: Any, lo: int) -> Any:
+    """A schedule's length (step_size, T_max, total_iters): an int >= lo, or as torch takes it too,
+    a finite float >= lo (T_max=total_steps / 2), kept as given so that the formulas are torch's."""
+    if _is_int(value):
+        return _int(name, value, lo)
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and lo <= float(value) < math.inf:
+        return float(value)
+    raise ValueError(f"{name} must be a number >= {lo}, got {value!r}")
+
+
 def _int(name: str, value: Any, lo: int) -> int:
     if not _is_int(value) or value < lo:
         raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
@@ -249,7 +259,7 @@ class StepLR(LRScheduler):
     """The rate times gamma every step_size epochs."""
 
     def __init__(self, optimizer: Any, step_size: int, gamma: float = 0.1, last_epoch: int = -1) -> None:
-        self.step_size = _int("step_size", step_size, 1)
+        self.step_size = _length("step_size", step_size, 1)
         self.gamma = float(gamma)
         super().__init__(optimizer, last_epoch)
 
@@ -304,7 +314,7 @@ class CosineAnnealingLR(LRScheduler):
     """eta_min + (base_lr - eta_min) (1 + cos(pi t / T_max)) / 2, in torch's recursive form."""
 
     def __init__(self, optimizer: Any, T_max: int, eta_min: float = 0.0, last_epoch: int = -1) -> None:
-        self.T_max = _int("T_max", T_max, 1)
+        self.T_max = _length("T_max", T_max, 1)
         self.eta_min = float(eta_min)
         super().__init__(optimizer, last_epoch)
 
@@ -340,7 +350,7 @@ class LinearLR(LRScheduler):
         if not 0 <= end_factor <= 1:
             raise ValueError("Ending multiplicative factor expected to be between 0 and 1.")
         self.start_factor, self.end_factor = float(start_factor), float(end_factor)
-        self.total_iters = _int("total_iters", total_iters, 1)
+        self.total_iters = _length("total_iters", total_iters, 1)
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> List[float]:
@@ -374,7 +384,7 @@ class ConstantLR(LRScheduler):
         if not 0 <= factor <= 1:
             raise ValueError("Constant multiplicative factor expected to be between 0 and 1.")
         self.factor = float(factor)
-        self.total_iters = _int("total_iters", total_iters, 0)
+        self.total_iters = _length("total_iters", total_iters, 0)
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> List[float]:
@@ -395,7 +405,7 @@ class PolynomialLR(LRScheduler):
     """base_lr (1 - t / total_iters)^power, reaching 0 at total_iters, in torch's recursive form."""
 
     def __init__(self, optimizer: Any, total_iters: int = 5, power: float = 1.0, last_epoch: int = -1) -> None:
-        self.total_iters = _int("total_iters", total_iters, 1)
+        self.total_iters = _length("total_iters", total_iters, 1)
         self.power = float(power)
         super().__init__(optimizer, last_epoch)
 
