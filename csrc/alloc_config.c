@@ -304,13 +304,56 @@ cmlp_status cmlp_memory_parse_settings(const char *conf, cmlp_alloc_settings *ou
     return st;
 }
 
-cmlp_status cmlp_memory_configure(const char *conf) {
+/* The settings from the environment: the "VAR=value" last applied from it (NULL: none), and
+ * whether cmlp_memory_configure was called since (settings given at run time stay). */
+static char *env_applied;
+static bool configured_by_call;
+
+static cmlp_status apply(const char *conf, bool by_call) {
     cmlp_alloc_settings c;
     CMLP_TRY(cmlp_memory_parse_settings(conf, &c));
     pthread_mutex_lock(&config_lock);
     current = c;
+    if (by_call) configured_by_call = true;
     pthread_mutex_unlock(&config_lock);
     alloc_config_changed();
     cmlp_devices_apply_fraction(&c);
     return CMLP_OK;
+}
+
+cmlp_status cmlp_memory_configure(const char *conf) { return apply(conf, true); }
+
+cmlp_status cmlp_memory_note_env(const char *applied) {
+    char *copy = applied ? strdup(applied) : NULL;
+    if (applied && !copy) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory noting the allocator's settings");
+    pthread_mutex_lock(&config_lock);
+    free(env_applied);
+    env_applied = copy;
+    configured_by_call = false;
+    pthread_mutex_unlock(&config_lock);
+    return CMLP_OK;
+}
+
+cmlp_status cmlp_memory_env_recheck(void) {
+    static const char *const vars[] = {"CMLP_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"};
+    const char *var = NULL, *value = NULL;
+    for (size_t i = 0; i < sizeof vars / sizeof vars[0] && !value; i++) value = getenv(var = vars[i]);
+    if (!value) return CMLP_OK;
+    size_t n = strlen(var) + strlen(value) + 2;
+    char *text = malloc(n);
+    if (!text) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory reading the allocator's settings");
+    snprintf(text, n, "%s=%s", var, value);
+    pthread_mutex_lock(&config_lock);
+    bool stay = configured_by_call || (env_applied && strcmp(env_applied, text) == 0);
+    pthread_mutex_unlock(&config_lock);
+    cmlp_status st = stay ? CMLP_OK : apply(value, false);
+    if (st == CMLP_OK && !stay) st = cmlp_memory_note_env(text);
+    else if (st != CMLP_OK) {
+        char why[1300]; /* the parser's message, copied out of the buffer the new one is written to */
+        snprintf(why, sizeof why, "%s", cmlp_last_error());
+        st = CMLP_FAIL(st, "%.200s=\"%.300s\" (set after import; read as the first GPU opens, as PyTorch reads it "
+                           "when CUDA starts): %s", var, value, why);
+    }
+    free(text);
+    return st;
 }

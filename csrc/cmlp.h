@@ -178,6 +178,12 @@ typedef struct cmlp_alloc_settings {
  * not given return to their defaults). CMLP_ERR_INVALID names an unknown key or bad value;
  * nothing changes then. New settings apply to later requests; existing blocks stay. */
 CMLP_API cmlp_status cmlp_memory_configure(const char *conf);
+/* The settings an environment variable gave ("VAR=value", or NULL for none), as the caller applied
+ * them at start-up with cmlp_memory_configure. When the first GPU opens, the first of
+ * CMLP_ALLOC_CONF, PYTORCH_CUDA_ALLOC_CONF and PYTORCH_ALLOC_CONF that is set is read again (as
+ * PyTorch reads them when CUDA starts): set or changed since, it is applied, unless
+ * cmlp_memory_configure was called since; a bad one fails the GPU's opening (CMLP_ERR_INVALID). */
+CMLP_API cmlp_status cmlp_memory_note_env(const char *applied);
 CMLP_API cmlp_status cmlp_memory_parse_settings(const char *conf, cmlp_alloc_settings *out);
 CMLP_API void cmlp_memory_get_settings(cmlp_alloc_settings *out);
 

@@ -272,6 +272,8 @@ CMLP_HIDDEN void cmlp_optim_set_step(cmlp_optim *o, int64_t step);
 CMLP_HIDDEN cmlp_status cmlp_optim_step_summed(cmlp_optim *o);
 /* Moves whenever the optimizer's configuration or state buffer changes (a captured step that
  * baked them in is then stale). */
+/* The environment's allocator settings, read again as the first GPU opens (cmlp_memory_note_env). */
+CMLP_HIDDEN cmlp_status cmlp_memory_env_recheck(void);
 CMLP_HIDDEN uint64_t cmlp_optim_version(const cmlp_optim *o);
 /* Whether every parameter group's part steps at a rate finite in float32 when the optimizer's is lr. */
 CMLP_HIDDEN cmlp_status cmlp_optim_check_rate(const cmlp_optim *o, double lr);

@@ -3,6 +3,7 @@ empty_cache, settings (configure / get_config / environment), the OOM message, t
 through the fault hook. The allocator's own C tests (tests/c/test_alloc.c) cover its rules
 and a randomised stress under sanitizers."""
 import gc
+import json
 import os
 import subprocess
 import sys
@@ -288,6 +289,18 @@ def test_max_non_split_rounding_lets_a_larger_oversize_block_serve():
     finally:
         M.configure("")
         M.empty_cache(DEV)
+
+
+def test_settings_set_after_import_are_left_for_the_first_gpu():
+    """Set after the import, the variable waits for a GPU to open (as PyTorch's for CUDA's start):
+    the CPU's allocator keeps the settings of the import."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("CMLP_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+    code = ("import os, json, cmlp; os.environ['PYTORCH_CUDA_ALLOC_CONF'] = 'expandable_segments:True'; "
+            "m = cmlp.MLP([4, 3]); cmlp.memory.memory_allocated('cpu'); print(json.dumps(cmlp.memory.get_config()))")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["expandable_segments"] is False
 
 
 def _import_with(env_extra):

@@ -1199,6 +1199,59 @@ def test_torch_cuda_memory_functions_port_to_cmlp_cuda():
 
 
 @needs_cuda
+def test_allocator_settings_set_after_import_apply_when_the_first_gpu_opens():
+    """The seed article's os.environ['PYTORCH_CUDA_ALLOC_CONF'] = ... after the import, as PyTorch
+    reads it when CUDA starts: applied as the first GPU opens, unless configure() came first; a
+    bad one fails that opening (and the next, until it is fixed)."""
+    code = """if True:
+        import json, os, cmlp
+        out = {{}}
+        os.environ[{var!r}] = "max_split_size_mb:256,expandable_segments:True"
+        {before}
+        out["cpu_first"] = cmlp.memory.get_config()["expandable_segments"]  # the CPU opens no GPU
+        cmlp.memory.memory_allocated("cpu")
+        out["cpu_after"] = cmlp.memory.get_config()["expandable_segments"]
+        try:
+            cmlp.MLP([4, 3], device="cuda")
+        except ValueError as e:
+            out["error"] = str(e)
+            os.environ[{var!r}] = "max_split_size_mb:256,expandable_segments:True"
+            cmlp.MLP([4, 3], device="cuda")
+        out["config"] = cmlp.memory.get_config()
+        os.environ[{var!r}] = "max_split_size_mb:512"  # read once, as PyTorch: no longer
+        cmlp.memory.memory_allocated("cuda:0")
+        out["later"] = cmlp.memory.get_config()["max_split_size_mb"]
+        print(json.dumps(out))
+    """
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("CMLP_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+    env["PYTHONPATH"] = REPO_PYTHON + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+
+    def run(var="PYTORCH_CUDA_ALLOC_CONF", before="", extra=None):
+        r = subprocess.run([sys.executable, "-c", code.format(var=var, before=before)], env={**env, **(extra or {})},
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    out = run()
+    assert not out["cpu_first"] and not out["cpu_after"] and "error" not in out
+    assert out["config"]["expandable_segments"] and out["config"]["max_split_size_mb"] == 256
+    assert out["later"] == 256
+    out = run(var="PYTORCH_ALLOC_CONF")
+    assert out["config"]["max_split_size_mb"] == 256
+    # configure() after the import is the user's word: the variable set after it is not read
+    out = run(before='cmlp.memory.configure("garbage_collection_threshold:0.5")')
+    assert out["config"]["max_split_size_mb"] is None and out["config"]["garbage_collection_threshold"] == 0.5
+    # CMLP_ALLOC_CONF given at the start takes precedence, as at import
+    out = run(extra={"CMLP_ALLOC_CONF": "max_split_size_mb:64"})
+    assert out["config"]["max_split_size_mb"] == 64 and not out["config"]["expandable_segments"]
+    # a bad one: the first GPU does not open, and opens once it is fixed
+    out = run(before='os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "max_split_size_mb:banana"')
+    assert "PYTORCH_CUDA_ALLOC_CONF" in out["error"] and "max_split_size_mb" in out["error"]
+    assert "first GPU" in out["error"] and out["config"]["max_split_size_mb"] == 256
+
+
+@needs_cuda
 def test_per_process_memory_fraction_in_the_settings_limits_each_gpu():
     total = M.memory_stats(CUDA)["total_memory"]
     M.configure("per_process_memory_fraction:0.5")  # a GPU in use takes it at once

@@ -31,7 +31,9 @@ def _configure_from_environment() -> None:
     import os
 
     # CMLP_ALLOC_CONF, when set (even empty), is cmlp's own and PyTorch's variables are not read;
-    # of those, the first set is read, in PyTorch's order
+    # of those, the first set is read, in PyTorch's order. The first GPU to open reads them again
+    # (the C core), as PyTorch does when CUDA starts: one set after import applies from there,
+    # unless memory.configure() was called in between.
     for var in ("CMLP_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         conf = os.environ.get(var)
         if conf is None:
@@ -42,7 +44,9 @@ def _configure_from_environment() -> None:
             hint = ("; set CMLP_ALLOC_CONF (it takes precedence, and may be empty) to give cmlp settings of its "
                     "own" if var != "CMLP_ALLOC_CONF" else "")
             raise ValueError(f"{var}={conf!r}: {e}{hint}") from None
+        _cmlp.note_env(f"{var}={conf}")
         return
+    _cmlp.note_env(None)
 
 
 _configure_from_environment()

@@ -1679,6 +1679,15 @@ static PyObject *mod_configure(PyObject *mod, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* note_env("VAR=value" or None): the environment's settings applied at import (cmlp_memory_note_env). */
+static PyObject *mod_note_env(PyObject *mod, PyObject *arg) {
+    const char *s = NULL;
+    if (arg != Py_None && !(s = c_text(arg, "the environment's settings"))) return NULL;
+    cmlp_status st = cmlp_memory_note_env(s);
+    if (st != CMLP_OK) return raise_status(state_of(mod), st);
+    Py_RETURN_NONE;
+}
+
 static PyObject *mod_get_settings(PyObject *mod, PyObject *unused) {
     (void)mod;
     (void)unused;
@@ -2054,6 +2063,7 @@ static PyMethodDef module_methods[] = {
     {"stack_frames", mod_stack_frames, METH_O, "stack_frames(n) -> [(filename, line, name)], innermost first"},
     {"configure", mod_configure, METH_O, "set the allocator options (PyTorch syntax)"},
     {"get_settings", mod_get_settings, METH_NOARGS, "the allocator options in force"},
+    {"note_env", mod_note_env, METH_O, "note_env('VAR=value' or None): the settings the environment gave at import"},
     {"validate", mod_validate, METH_O, "check the allocator's invariants"},
     {"fail_raw_alloc", mod_fail_raw_alloc, METH_VARARGS, "test hook: fail the k-th raw device call from now"},
     {"to_half", mod_to_half, METH_VARARGS, "to_half(float32 array, 'fp16'|'bf16') -> uint16 array"},
