@@ -775,3 +775,22 @@ def test_torchs_warnings_a_step_before_the_optimizers_and_get_lr_outside_step():
 
 def test_the_old_base_class_name_is_exported():
     assert S._LRScheduler is S.LRScheduler
+
+
+def test_one_cycle_linear_one_step_past_its_end_keeps_adams_beta1_below_1():
+    """torch's linear strategy extrapolates the momentum past max_momentum at the step after the
+    last (beta1 >= 1 here, which Adam refuses): it stays at the phase's end value, as the rate
+    stays at 0, and a fit whose schedule takes that step ends as it should."""
+    model = cmlp.MLP(SIZES, seed=0)
+    opt = cmlp.optim.Adam(model, lr=0.01)
+    sched = S.OneCycleLR(opt, max_lr=0.1, epochs=20, steps_per_epoch=1, anneal_strategy="linear", max_momentum=0.99)
+    for _ in range(20):
+        sched.step()
+    assert opt.betas[0] == 0.99 and opt.lr == 0.0
+    x, y = data(40)
+    model = cmlp.MLP(SIZES, seed=0)
+    opt = cmlp.optim.Adam(model, lr=0.01)
+    sched = S.OneCycleLR(opt, max_lr=0.1, epochs=4, steps_per_epoch=1, anneal_strategy="linear", max_momentum=0.99)
+    history = cmlp.Trainer(model, opt, batch_size=40).fit(x, y, epochs=4, progress=False, scheduler=sched)
+    assert len(history) == 4 and opt.betas[0] == 0.99
+

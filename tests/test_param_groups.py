@@ -336,3 +336,27 @@ def test_a_frozen_group_under_a_cosine_schedule_with_eta_min_stays_at_0_or_above
         opt.step()
         sched.step()
         assert all(g["lr"] >= 0.0 for g in opt.param_groups)
+
+
+def test_a_group_falling_far_below_another_keeps_training_and_loads_back():
+    """The base rate is the largest group rate: a group decayed to 1e-42 while another stays is a
+    multiple of it far below 1 (as the first group's multiple it would overflow float32), and a
+    state_dict of such rates loads."""
+    model, opt = make("adam", groups=[{"params": WEIGHTS}, {"params": BIASES}])
+    sched = S.LambdaLR(opt, [lambda e: 0.5 ** e, lambda e: 1.0])
+    for x, y in batches(8, 200):
+        opt.zero_grad()
+        model.forward_backward(x, y)
+        opt.step()
+        sched.step()
+    assert [g["lr"] for g in opt.param_groups] == [1e-3 * 0.5 ** 200, 1e-3]
+    _, other = make("adam", groups=[{"params": WEIGHTS}, {"params": BIASES}], seed=3)
+    other.load_state_dict(opt.state_dict())
+    assert [g["lr"] for g in other.param_groups] == [1e-3 * 0.5 ** 200, 1e-3]
+    _, sgd = make("sgd", groups=[{"params": WEIGHTS}, {"params": BIASES}])
+    sched = S.ExponentialLR(sgd, gamma=0.5)
+    for _ in range(150):
+        sched.step()
+    _, fresh = make("sgd", groups=[{"params": WEIGHTS}, {"params": BIASES}], seed=2)
+    fresh.load_state_dict(sgd.state_dict())
+    assert [g["lr"] for g in fresh.param_groups] == [g["lr"] for g in sgd.param_groups]

@@ -169,8 +169,8 @@ class _ParamGroup(MutableMapping):
 
 class Optimizer:
     """Base: holds the C optimizer bound to one model. The param groups' own rates and weight
-    decays are kept here; the C optimizer steps at a base rate (the first group's nonzero
-    rate) and each group's part of the parameters at its multiple of it."""
+    decays are kept here; the C optimizer steps at a base rate (the largest group rate) and each
+    group's part of the parameters at its multiple of it."""
 
     _buffers: Tuple[str, ...] = ()
 
@@ -327,7 +327,7 @@ class Optimizer:
 
     def _push_groups(self, lrs: Any = None, wds: Any = None) -> None:
         """Sets the groups' rates and weight decays (checked first: all or nothing): the C
-        optimizer's rate is the first nonzero one, each group's part steps at its multiple."""
+        optimizer's rate is the largest one, each group's part steps at its multiple of it."""
         lrs = [_rate("lr", v) for v in (self._lrs if lrs is None else lrs)]
         wds = [_rate("weight_decay", v) for v in (self._wds if wds is None else wds)]
         if len(lrs) != len(self._param_groups) or len(wds) != len(self._param_groups):
@@ -376,12 +376,13 @@ class Optimizer:
             self._c_parts = parts
 
     def _split_rates(self, lrs: List[float]) -> Tuple[float, List[float]]:
-        """(base, scales): the rate the C optimizer steps at (the first nonzero group rate) and each
-        group's multiple of it. The multiples last used are kept where every rate is 0, and while
-        the groups keep their proportions to 1e-12 (a schedule's rates, base * f(t) for each
-        group, divide to multiples that move in the last bits only): a step then rounds the same
-        rates to float, and a captured step goes on replaying with them."""
-        base = next((v for v in lrs if v != 0.0), 0.0)
+        """(base, scales): the rate the C optimizer steps at (the largest group rate, so that no
+        multiple of it overflows however far the others fall) and each group's multiple of it,
+        <= 1. The multiples last used are kept where every rate is 0, and while the groups keep
+        their proportions to 1e-12 (a schedule's rates, base * f(t) for each group, divide to
+        multiples that move in the last bits only): a step then rounds the same rates to float,
+        and a captured step goes on replaying with them."""
+        base = max(lrs)
         kept = getattr(self, "_scales", None)
         if kept is not None and len(kept) != len(lrs):
             kept = None
@@ -600,8 +601,8 @@ class Optimizer:
             extras.append({k: v for k, v in group.items() if k not in known})
         before, before_state = self._snapshot(), self._c.get_state()
         try:
-            self._apply(config)
-            self._push_groups(lrs, wds)
+            self._apply_config({**config, "lr": self._c.lr, "weight_decay": self._c_wd})  # the shared settings
+            self._push_groups(lrs, wds)  # and every group's, at once
             self._c.set_state(step, bufs)
         except BaseException:
             self._restore(before)

@@ -1,8 +1,10 @@
 """cmlp.optim.lr_scheduler: torch.optim.lr_scheduler's schedules, with torch's names, defaults,
-formulas (the same recursive forms, so the rates are torch's to the last bit; one exception: one
-step past its end OneCycleLR's linear strategy gives torch a negative rate, never trained with,
-and 0 here, as the optimizer takes no negative rate) and state_dict, over a cmlp optimizer's
-learning rates.
+formulas (the same recursive forms, so the rates are torch's to the last bit; the exceptions are
+rates torch goes below 0 with, which the optimizer here refuses: one step past its end
+OneCycleLR's linear strategy gives torch a negative rate (never trained with) and a momentum past
+its range, here 0 and the range's end; a group at rate 0 under CosineAnnealingLR's eta_min > 0
+rounds to about -1e-15 in torch's form, 0 here, and its later rates then differ from torch's in
+the last bits) and state_dict, over a cmlp optimizer's learning rates.
 
     opt = cmlp.optim.Adam(model.parameters(), lr=1e-3)
     sched = cmlp.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=5)
@@ -586,7 +588,10 @@ class OneCycleLR(LRScheduler):
         lrs = [max(anneal(g[phase["start_lr"]], g[phase["end_lr"]], pct), 0.0) for g in self._groups]
         if self.cycle_momentum:  # every group's is the same: the optimizer's one momentum
             g = self._groups[0]
-            self.optimizer._set_momentum(anneal(g[phase["start_momentum"]], g[phase["end_momentum"]], pct))
+            a, b = g[phase["start_momentum"]], g[phase["end_momentum"]]
+            # likewise, that step's linear momentum goes past the phase's end (Adam's beta1 to 1 and
+            # over, which Adam refuses): it stays at the end's value
+            self.optimizer._set_momentum(min(max(anneal(a, b, pct), min(a, b)), max(a, b)))
         return lrs
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
