@@ -346,6 +346,7 @@ class Optimizer:
             if self._c_parts != before[2]:
                 self._c.set_parts(before[2])
                 self._c_parts = before[2]
+                self._synced = None
             raise
         self._lrs, self._wds = lrs, wds
 
@@ -353,27 +354,37 @@ class Optimizer:
         """Gives the C optimizer each group's rate scale and weight decay, as parts of the flat
         parameters (none where every group has the same settings at scale 1: the plain step)."""
         wds = self._wds if wds is None else wds
+        key = (tuple(scales), tuple(wds))
+        if key == getattr(self, "_synced", None):  # as last given (a call of the trainer's each step)
+            return
         if len(set(zip(scales, wds))) == 1 and scales[0] == 1.0:
             parts: List[Tuple[int, float, float]] = []
         else:
+            parts = [(end, scales[g], wds[g]) for end, g in self._runs()]
+        if parts != self._c_parts:
+            self._c.set_parts(parts)
+            self._c_parts = parts
+        self._synced = key
+
+    def _runs(self) -> List[Tuple[int, int]]:
+        """(end, group) of each run of one group's tensors in the flat buffer: a part each (other
+        scales are then other values, never other launches). Made once: the groups stay."""
+        runs = getattr(self, "_runs_made", None)
+        if runs is None:
             group_of = {name: gi for gi, g in enumerate(self._param_groups) for name in g._names}
             m = self.model
             spans = []  # (start, end, name) of each tensor in the flat buffer
             for i, (w, b) in enumerate(m._offsets):
                 fan_in, fan_out = m._sizes[i], m._sizes[i + 1]
                 spans += [(w, w + fan_in * fan_out, f"fc{i + 1}.weight"), (b, b + fan_out, f"fc{i + 1}.bias")]
-            parts = []  # a part per run of one group's tensors: other scales are other values, not launches
-            last = None
+            runs = []
             for _, end, name in sorted(spans):
-                g = group_of[name]
-                if g == last:
-                    parts[-1] = (end, scales[g], wds[g])
+                if runs and runs[-1][1] == group_of[name]:
+                    runs[-1] = (end, group_of[name])
                 else:
-                    parts.append((end, scales[g], wds[g]))
-                last = g
-        if parts != self._c_parts:
-            self._c.set_parts(parts)
-            self._c_parts = parts
+                    runs.append((end, group_of[name]))
+            self._runs_made = runs
+        return runs
 
     def _split_rates(self, lrs: List[float]) -> Tuple[float, List[float]]:
         """(base, scales): the rate the C optimizer steps at (the largest group rate, so that no
@@ -382,6 +393,9 @@ class Optimizer:
         their proportions to 1e-12 (a schedule's rates, base * f(t) for each group, divide to
         multiples that move in the last bits only): a step then rounds the same rates to float,
         and a captured step goes on replaying with them."""
+        memo = getattr(self, "_split_memo", None)
+        if memo is not None and memo[0] == lrs:  # asked again for the same rates (each step, several times)
+            return memo[1], memo[2]
         base = max(lrs)
         kept = getattr(self, "_scales", None)
         if kept is not None and len(kept) != len(lrs):
@@ -393,6 +407,7 @@ class Optimizer:
             if kept is not None and all(abs(s - k) <= 1e-12 * k for s, k in zip(scales, kept)):
                 scales = kept
         self._scales = scales
+        self._split_memo = (list(lrs), base, scales)
         return base, scales
 
     def _rates(self) -> Tuple[float, Tuple[float, ...]]:
