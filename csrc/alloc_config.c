@@ -305,9 +305,12 @@ cmlp_status cmlp_memory_parse_settings(const char *conf, cmlp_alloc_settings *ou
 }
 
 /* The settings from the environment: the "VAR=value" last applied from it (NULL: none), and
- * whether cmlp_memory_configure was called since (settings given at run time stay). */
+ * whether cmlp_memory_configure was called since (settings given at run time stay). env_lock
+ * makes the re-read as the first GPU opens (check, apply, note) one step against configure(), and
+ * happen once; it is taken before config_lock (and registry_lock, which applying takes). */
+static pthread_mutex_t env_lock = PTHREAD_MUTEX_INITIALIZER;
 static char *env_applied;
-static bool configured_by_call;
+static bool configured_by_call, env_rechecked;
 
 static cmlp_status apply(const char *conf, bool by_call) {
     cmlp_alloc_settings c;
@@ -321,9 +324,14 @@ static cmlp_status apply(const char *conf, bool by_call) {
     return CMLP_OK;
 }
 
-cmlp_status cmlp_memory_configure(const char *conf) { return apply(conf, true); }
+cmlp_status cmlp_memory_configure(const char *conf) {
+    pthread_mutex_lock(&env_lock);
+    cmlp_status st = apply(conf, true);
+    pthread_mutex_unlock(&env_lock);
+    return st;
+}
 
-cmlp_status cmlp_memory_note_env(const char *applied) {
+static cmlp_status note_env(const char *applied) {
     char *copy = applied ? strdup(applied) : NULL;
     if (applied && !copy) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory noting the allocator's settings");
     pthread_mutex_lock(&config_lock);
@@ -334,26 +342,49 @@ cmlp_status cmlp_memory_note_env(const char *applied) {
     return CMLP_OK;
 }
 
-cmlp_status cmlp_memory_env_recheck(void) {
+cmlp_status cmlp_memory_note_env(const char *applied) {
+    pthread_mutex_lock(&env_lock);
+    cmlp_status st = note_env(applied);
+    pthread_mutex_unlock(&env_lock);
+    return st;
+}
+
+/* The first of the variables that is set, as "VAR=value" (malloc'd) with *var and *value in
+ * the environment; NULL with none set (or no memory: *st says). */
+static char *env_text(const char **var, const char **value, cmlp_status *st) {
     static const char *const vars[] = {"CMLP_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"};
-    const char *var = NULL, *value = NULL;
-    for (size_t i = 0; i < sizeof vars / sizeof vars[0] && !value; i++) value = getenv(var = vars[i]);
-    if (!value) return CMLP_OK;
-    size_t n = strlen(var) + strlen(value) + 2;
+    *value = NULL;
+    for (size_t i = 0; i < sizeof vars / sizeof vars[0] && !*value; i++) *value = getenv(*var = vars[i]);
+    *st = CMLP_OK;
+    if (!*value) return NULL;
+    size_t n = strlen(*var) + strlen(*value) + 2;
     char *text = malloc(n);
-    if (!text) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory reading the allocator's settings");
-    snprintf(text, n, "%s=%s", var, value);
-    pthread_mutex_lock(&config_lock);
-    bool stay = configured_by_call || (env_applied && strcmp(env_applied, text) == 0);
-    pthread_mutex_unlock(&config_lock);
-    cmlp_status st = stay ? CMLP_OK : apply(value, false);
-    if (st == CMLP_OK && !stay) st = cmlp_memory_note_env(text);
-    else if (st != CMLP_OK) {
-        char why[1300]; /* the parser's message, copied out of the buffer the new one is written to */
-        snprintf(why, sizeof why, "%s", cmlp_last_error());
-        st = CMLP_FAIL(st, "%.200s=\"%.300s\" (set after import; read as the first GPU opens, as PyTorch reads it "
-                           "when CUDA starts): %s", var, value, why);
+    if (!text) *st = CMLP_FAIL(CMLP_ERR_OOM, "out of host memory reading the allocator's settings");
+    else snprintf(text, n, "%s=%s", *var, *value);
+    return text;
+}
+
+cmlp_status cmlp_memory_env_recheck(void) {
+    pthread_mutex_lock(&env_lock);
+    cmlp_status st = CMLP_OK;
+    if (!env_rechecked) {
+        const char *var, *value;
+        char *text = env_text(&var, &value, &st);
+        bool stay = !text || configured_by_call || (env_applied && strcmp(env_applied, text) == 0);
+        if (text && !stay) {
+            st = apply(value, false);
+            if (st == CMLP_OK) {
+                st = note_env(text);
+            } else {
+                char why[1300]; /* the parser's message, copied out of the buffer the new one is written to */
+                snprintf(why, sizeof why, "%s", cmlp_last_error());
+                st = CMLP_FAIL(st, "%.200s=\"%.300s\" (set after import; read as the first GPU opens, as PyTorch "
+                                   "reads it when CUDA starts): %s", var, value, why);
+            }
+        }
+        free(text);
+        env_rechecked = st == CMLP_OK; /* a bad one is read again at the next try */
     }
-    free(text);
+    pthread_mutex_unlock(&env_lock);
     return st;
 }

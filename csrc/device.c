@@ -149,14 +149,9 @@ cmlp_status cmlp_device_get(cmlp_device d, cmlp_device_ctx **out) {
     cmlp_device_ctx **slot = d.type == CMLP_DEVICE_CPU ? &cpu_ctx : &cuda_ctx[d.index];
     cmlp_status st = CMLP_OK;
     /* the first GPU to open reads the environment's allocator settings again, as PyTorch's CUDA
-     * start does (set after import, they apply from here): outside registry_lock, which applying
-     * them takes */
-    static bool gpu_opened;
-    if (d.type == CMLP_DEVICE_CUDA && !__atomic_load_n(&gpu_opened, __ATOMIC_ACQUIRE) &&
-        !__atomic_load_n(slot, __ATOMIC_ACQUIRE)) {
-        CMLP_TRY(cmlp_memory_env_recheck());
-        __atomic_store_n(&gpu_opened, true, __ATOMIC_RELEASE);
-    }
+     * start does (set after import, they apply from here; once): outside registry_lock, which
+     * applying them takes */
+    if (d.type == CMLP_DEVICE_CUDA && !__atomic_load_n(slot, __ATOMIC_ACQUIRE)) CMLP_TRY(cmlp_memory_env_recheck());
     pthread_mutex_lock(&registry_lock);
     if (!*slot) st = ctx_create(d, slot);
     *out = *slot;

@@ -298,7 +298,7 @@ def test_torchs_own_form_with_named_parameters_ports_as_it_is():
     assert len(cmlp.optim.SGD(list(model.parameters()), lr=0.1).param_groups) == 1
     assert cmlp.optim.SGD([{"params": model.parameters(), "lr": 0.2}], lr=0.1).lr == 0.2
     other = cmlp.MLP(SIZES, seed=1)
-    with pytest.raises(TypeError, match="more than one model"):
+    with pytest.raises(ValueError, match="more than one model"):
         cmlp.optim.SGD([{"params": decay}, {"params": list(other.parameters())}])
     with pytest.raises(TypeError, match="give the model too"):
         cmlp.optim.SGD([{"params": WEIGHTS + BIASES}])
@@ -360,3 +360,16 @@ def test_a_group_falling_far_below_another_keeps_training_and_loads_back():
     _, fresh = make("sgd", groups=[{"params": WEIGHTS}, {"params": BIASES}], seed=2)
     fresh.load_state_dict(sgd.state_dict())
     assert [g["lr"] for g in fresh.param_groups] == [g["lr"] for g in sgd.param_groups]
+
+
+def test_named_parameters_pairs_are_taken_as_torch_takes_them():
+    model = cmlp.MLP(SIZES, seed=1)
+    opt = cmlp.optim.SGD(model.named_parameters(), lr=0.1)
+    assert opt.model is model and len(opt.param_groups) == 1
+    named = list(model.named_parameters())
+    opt = cmlp.optim.AdamW([{"params": [p for p in named if p[0].endswith("weight")]},
+                            {"params": [p for p in named if p[0].endswith("bias")], "weight_decay": 0.0}])
+    assert [g["params"] for g in opt.param_groups] == [[0, 1, 2], [3, 4, 5]]
+    opt = cmlp.optim.AdamW(model, param_groups=[{"params": named[:3]}, {"params": named[3:]}])
+    assert [g["params"] for g in opt.param_groups] == [[0, 1, 2], [3, 4, 5]]
+

@@ -387,6 +387,7 @@ class Trainer:
         self._push_scaler()
         retries = self._c.oom_retries()
         try:
+            self.optimizer._sync_parts(self.optimizer._rates()[1])  # a no-op unless a call failed midway
             loss = self._c.step(xa, ya, *self.normalize)
         finally:
             self._pull_scaler()
@@ -506,12 +507,15 @@ class Trainer:
             raise
         try:
             opt._sync_parts(scales)  # the call's multiples (the schedule has moved the groups on)
+        except BaseException:
+            rewind(0)  # no step taken (the rewind gives the C optimizer the groups' rates again)
+            raise
+        try:
             result = self._c.epoch_run(len(rates), rates, momenta)
         except BaseException:
             rewind(self._c.run_steps())
             raise
-        finally:
-            opt._sync_parts(opt._rates()[1])
+        opt._sync_parts(opt._rates()[1])  # the groups' multiples of now
         if raised is not None:
             raise raised
         return result
@@ -534,6 +538,7 @@ class Trainer:
                     chunk = max(1, total // 200)
                     samples, loss_sum, skipped, norm_sum, norm_steps, steps_done = 0, 0.0, 0, 0.0, 0, 0
                     first_lr = self.optimizer.lr
+                    self.optimizer._sync_parts(self.optimizer._rates()[1])  # as in step()
                     start = time.perf_counter()
                     self._push_scaler()
                     if epoch == 1:

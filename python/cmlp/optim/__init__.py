@@ -59,6 +59,13 @@ def _setting(key: str, doc: str) -> Any:
     return property(get, set, doc=doc)
 
 
+def _unnamed(p: Any) -> Any:
+    """A parameter from a (name, copy) pair of named_parameters(), as torch takes them; else p."""
+    if isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], np.ndarray):
+        return p[1]
+    return p
+
+
 def _rate(name: str, value: Any) -> float:
     """A learning rate or weight decay as the step takes it: a number >= 0, finite in float32."""
     v = _num(name, value)
@@ -182,6 +189,10 @@ class Optimizer:
         specs = self._group_specs(param_groups, names, config)
         self._c_wd = specs[0]["weight_decay"]  # the C configuration's (the first group's)
         self._c_parts: Any = None  # the parts last given to the C optimizer
+        self._synced: Any = None  # the (scales, weight decays) they were made of
+        self._scales: Any = None  # the groups' multiples of the base rate last used
+        self._split_memo: Any = None  # (rates, base, scales) of the last split
+        self._runs_made: Any = None  # _runs()
         self._c = _cmlp.Optimizer(model._c, kind, **{**config, "weight_decay": self._c_wd})
         if not hasattr(self, "_settings"):  # the shared hyperparameters, as _apply last set them
             self._settings: Dict[str, Any] = {}
@@ -206,7 +217,7 @@ class Optimizer:
             return model_of(first, "the first argument"), param_groups
         if param_groups is not None:
             raise TypeError("param groups are given once: as the first argument (torch's params) or as param_groups")
-        items = list(first)
+        items = [_unnamed(p) for p in first]  # named_parameters()' pairs as torch takes them too
         if not items:
             raise ValueError("optimizer got an empty parameter list")
         groups = items if all(isinstance(g, Mapping) for g in items) else [{"params": items}]
@@ -218,18 +229,19 @@ class Optimizer:
             elif isinstance(params, Parameters):
                 models.add(params.model)
                 continue
-            elif not isinstance(params, (list, tuple, set, frozenset)):  # a generator is read once: here
-                params = list(params)
+            elif not isinstance(params, (set, frozenset)):  # a generator is read once: here
+                params = [_unnamed(p) for p in params]
                 groups[i] = {**g, "params": params}
             for p in params:
                 owner = parameter_of(p)
                 if owner is not None:
                     models.add(owner[0])
-        if len(models) != 1:
+        if len(models) > 1:
+            raise ValueError("the param groups hold parameters of more than one model")
+        if not models:
             raise TypeError("the first argument must be a cmlp.MLP, its parameters(), or torch's params: param groups "
                             "(or a list) of the copies model.parameters() / named_parameters() give out, of one model; "
-                            "with parameter names, give the model too: Adam(model, param_groups=[...])"
-                            if not models else "the param groups hold parameters of more than one model")
+                            "with parameter names, give the model too: Adam(model, param_groups=[...])")
         return models.pop(), list(groups)
 
     def _group_specs(self, param_groups: Any, names: List[str], config: Dict[str, Any]) -> List[Dict[str, Any]]:
@@ -256,6 +268,7 @@ class Optimizer:
                                 "has no order), got " + type(params).__name__)
             mine = []
             for p in params:
+                p = _unnamed(p)
                 if isinstance(p, np.ndarray):  # a copy parameters() or named_parameters() gave out
                     owner = parameter_of(p)
                     if owner is None or owner[0] is not self.model:
@@ -355,7 +368,7 @@ class Optimizer:
         parameters (none where every group has the same settings at scale 1: the plain step)."""
         wds = self._wds if wds is None else wds
         key = (tuple(scales), tuple(wds))
-        if key == getattr(self, "_synced", None):  # as last given (a call of the trainer's each step)
+        if key == self._synced:  # as last given (a call of the trainer's each step)
             return
         if len(set(zip(scales, wds))) == 1 and scales[0] == 1.0:
             parts: List[Tuple[int, float, float]] = []
@@ -369,7 +382,7 @@ class Optimizer:
     def _runs(self) -> List[Tuple[int, int]]:
         """(end, group) of each run of one group's tensors in the flat buffer: a part each (other
         scales are then other values, never other launches). Made once: the groups stay."""
-        runs = getattr(self, "_runs_made", None)
+        runs = self._runs_made
         if runs is None:
             group_of = {name: gi for gi, g in enumerate(self._param_groups) for name in g._names}
             m = self.model
@@ -393,11 +406,11 @@ class Optimizer:
         their proportions to 1e-12 (a schedule's rates, base * f(t) for each group, divide to
         multiples that move in the last bits only): a step then rounds the same rates to float,
         and a captured step goes on replaying with them."""
-        memo = getattr(self, "_split_memo", None)
+        memo = self._split_memo
         if memo is not None and memo[0] == lrs:  # asked again for the same rates (each step, several times)
             return memo[1], memo[2]
         base = max(lrs)
-        kept = getattr(self, "_scales", None)
+        kept = self._scales
         if kept is not None and len(kept) != len(lrs):
             kept = None
         if base == 0.0:
@@ -518,6 +531,7 @@ class Optimizer:
                 raise TypeError(f"closure must be callable, got {type(closure).__name__}")
             loss = closure()
         self._opt_called = True  # torch's mark, which a schedule's first step looks for
+        self._sync_parts(self._rates()[1])  # as the groups' rates say (a no-op unless a call failed midway)
         if self.model._grads_none:
             self._c.lr  # noqa: B018 - refuses, as every call, where the model was lost to a fork
             return loss
