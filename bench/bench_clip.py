@@ -59,6 +59,22 @@ def data():
                 "random uint8 images (Fashion-MNIST is not installed)")
 
 
+def torch_net():
+    """PyTorch's reference model (seed 0), as the loops of these benchmarks train it."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10))
+
+
+def torch_data(x, y):
+    """The training data as PyTorch's loop takes it (normalised as cmlp's fit does), with 2
+    threads; (None, None) without torch."""
+    if torch is None:
+        return None, None
+    torch.set_num_threads(2)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    return torch.from_numpy((x.astype(np.float32) / 255.0 - 0.5) / 0.5), torch.from_numpy(y.astype(np.int64))
+
+
 def cmlp_clip_time():
     model = cmlp.MLP(SIZES, seed=0)
     rng = np.random.default_rng(1)
@@ -79,8 +95,7 @@ def cmlp_clip_scaling_time(model):
 
 
 def torch_clip_times():
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10))
+    net = torch_net()
     x, y = torch.randn(64, 784), torch.randint(0, 10, (64,))
     F.cross_entropy(net(x), y).backward()
     params = list(net.parameters())
@@ -100,8 +115,7 @@ def cmlp_fit(x, y, batch, clip):
 
 
 def torch_fit(xt, yt, batch, clip):
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10))
+    net = torch_net()
     opt = torch.optim.Adam(net.parameters(), lr=1e-3, fused=True)
     params = list(net.parameters())
 

@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 import cmlp
-from bench_clip import SIZES, data  # the model and the training data (this script's directory)
+from bench_clip import SIZES, data, torch_data, torch_net  # the models and the data (this script's directory)
 from cmlp.optim import lr_scheduler as S
 
 RUNS = 9
@@ -28,7 +28,6 @@ BIASES = ["fc1.bias", "fc2.bias", "fc3.bias"]
 
 try:
     import torch
-    import torch.nn as nn
     import torch.nn.functional as F
 except ImportError:
     torch = None
@@ -52,8 +51,7 @@ def cmlp_fit(x, y, batch, how):
 
 
 def torch_fit(xt, yt, batch, how):
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10))
+    net = torch_net()
     params = list(net.parameters())
     if how == "groups":
         params = [{"params": params[0::2]}, {"params": params[1::2], "weight_decay": 0.0}]
@@ -76,12 +74,7 @@ def torch_fit(xt, yt, batch, how):
 def main():
     x, y, what = data()
     print(f"cmlp {cmlp.__version__}, {cmlp.build_info()['blas']}")
-    xt = yt = None
-    if torch is not None:
-        torch.set_num_threads(2)
-        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-        xt = torch.from_numpy((x.astype(np.float32) / 255.0 - 0.5) / 0.5)
-        yt = torch.from_numpy(y.astype(np.int64))
+    xt, yt = torch_data(x, y)
     print(f"training data: {what}")
     print()
     print("| batch | cmlp samples/s | two param groups | slower | groups apart, a schedule per step | slower | "

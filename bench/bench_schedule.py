@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 import cmlp
-from bench_clip import SIZES, data  # the model and the training data (this script's directory)
+from bench_clip import SIZES, data, torch_data, torch_net  # the models and the data (this script's directory)
 from cmlp.optim import lr_scheduler as S
 
 REPEATS = 5
@@ -65,8 +65,7 @@ def cmlp_fit(x, y, batch, scheduled):
 
 
 def torch_fit(xt, yt, batch, scheduled):
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10))
+    net = torch_net()
     opt = torch.optim.Adam(net.parameters(), lr=1e-3, fused=True)
     sched = None
 
@@ -91,12 +90,7 @@ def torch_fit(xt, yt, batch, scheduled):
 def main():
     x, y, what = data()
     print(f"cmlp {cmlp.__version__}, {cmlp.build_info()['blas']}")
-    xt = yt = None
-    if torch is not None:
-        torch.set_num_threads(2)
-        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-        xt = torch.from_numpy((x.astype(np.float32) / 255.0 - 0.5) / 0.5)
-        yt = torch.from_numpy(y.astype(np.int64))
+    xt, yt = torch_data(x, y)
     print(f"training data: {what}")
     mine = min(step_time(S, cmlp.optim.Adam(cmlp.MLP(SIZES))) for _ in range(REPEATS))
     line = f"scheduler.step() of SequentialLR(LinearLR, CosineAnnealingLR): cmlp {mine * 1e6:.2f} us"
