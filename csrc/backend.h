@@ -169,14 +169,18 @@ typedef struct cmlp_backend_i {
      * and SGD its lr and momentum from d_coef[0..1] (as optim_prepare wrote them). weight_decay is L2 (added to the
      * gradient); with decay != 1 each parameter is first multiplied by decay (decoupled weight
      * decay, AdamW). one_b1, one_b2 and SGD's keep are 1 - beta1, 1 - beta2 and 1 - dampening
-     * formed in double and rounded once, as torch's scalars are (1.0f - (float)0.999 is 1.3e-5 off). */
-    cmlp_status (*adam)(void *ctx, float *d_p, const float *d_g, float *d_m, float *d_v, int64_t n,
+     * formed in double and rounded once, as torch's scalars are (1.0f - (float)0.999 is 1.3e-5 off).
+     * maximize != 0: the gradient's sign is flipped first (torch's maximize). Adam's d_vmax, when
+     * not NULL, is AMSGrad's running maximum of d_v: d_vmax = max(d_vmax, d_v) (a NaN in either
+     * gives a NaN, as torch.maximum), and the denominator is made of it. */
+    cmlp_status (*adam)(void *ctx, float *d_p, const float *d_g, float *d_m, float *d_v, float *d_vmax, int64_t n,
                         float step_size, float beta1, float beta2, float one_b1, float one_b2, float bc2_sqrt,
-                        float eps, float weight_decay, float decay, const float *d_found_inf, const float *d_coef);
+                        float eps, float weight_decay, float decay, int maximize, const float *d_found_inf,
+                        const float *d_coef);
     /* first != 0: buf = g (momentum's first step); also when d_step is not NULL and
      * *d_step == 1. d_buf may be NULL when momentum == 0. */
     cmlp_status (*sgd)(void *ctx, float *d_p, const float *d_g, float *d_buf, int64_t n, float lr,
-                       float momentum, float keep, int nesterov, float weight_decay, int first,
+                       float momentum, float keep, int nesterov, float weight_decay, int maximize, int first,
                        const float *d_found_inf, const int64_t *d_step, const float *d_coef);
     /* Before a step whose skip is decided on the device: *d_pos += pos_add when d_pos is not
      * NULL (the data position, which moves whether or not the step is skipped); the rate and
@@ -191,9 +195,9 @@ typedef struct cmlp_backend_i {
     /* Optional (NULL: optim_prepare for Adam, then adam with d_coef): both in one launch, with
      * the same results (d_coef is written too). *d_blocks_done is a device counter that is 0
      * between calls; the kernel's blocks count themselves on it. */
-    cmlp_status (*adam_prepared)(void *ctx, float *d_p, const float *d_g, float *d_m, float *d_v, int64_t n,
-                                 const cmlp_rate_src *rate, double beta2, float eps, float weight_decay,
-                                 const float *d_found_inf, int64_t *d_step, float *d_coef, int64_t *d_pos,
+    cmlp_status (*adam_prepared)(void *ctx, float *d_p, const float *d_g, float *d_m, float *d_v, float *d_vmax,
+                                 int64_t n, const cmlp_rate_src *rate, double beta2, float eps, float weight_decay,
+                                 int maximize, const float *d_found_inf, int64_t *d_step, float *d_coef, int64_t *d_pos,
                                  int64_t pos_add, const cmlp_scale_step *scale, uint32_t *d_blocks_done);
     /* Mixed precision. Conversions between fp32 and fp16/bf16 storage (dtype F16 or BF16). */
     cmlp_status (*to_half)(void *ctx, uint16_t *d_dst, const float *d_src, int64_t n, cmlp_dtype dtype);

@@ -470,34 +470,38 @@ static cmlp_status cpu_gather_labels(void *ctx, int32_t *dst, const int32_t *src
 }
 
 typedef struct {
-    float *p, *m, *v, *buf;
+    float *p, *m, *v, *vmax, *buf;
     const float *g;
     float step_size, beta1, beta2, one_b1, one_b2, bc2_sqrt, eps, wd, decay, lr, momentum, keep;
-    int nesterov, first;
+    int nesterov, first, maximize;
 } optim_args;
+
+/* torch.maximum of two floats: a NaN in either gives a NaN */
+static inline float max_nan(float a, float b) { return b > a || b != b ? b : a; }
 
 static void adam_range(void *arg, int64_t lo, int64_t hi) {
     const optim_args *a = arg;
-    float *restrict p = a->p, *restrict m = a->m, *restrict v = a->v;
+    float *restrict p = a->p, *restrict m = a->m, *restrict v = a->v, *restrict vmax = a->vmax;
     const float *restrict g = a->g;
     const float beta1 = a->beta1, beta2 = a->beta2, one_b1 = a->one_b1, one_b2 = a->one_b2;
     const float step_size = a->step_size, bc2_sqrt = a->bc2_sqrt, eps = a->eps, wd = a->wd, decay = a->decay;
-    const bool decoupled = decay != 1.0f;
+    const bool decoupled = decay != 1.0f, maximize = a->maximize;
     for (int64_t i = lo; i < hi; i++) {
         const float pi = decoupled ? p[i] * decay : p[i];
-        float gi = g[i] + wd * pi;
+        float gi = (maximize ? -g[i] : g[i]) + wd * pi;
         float mi = beta1 * m[i] + one_b1 * gi;
         float vi = beta2 * v[i] + one_b2 * gi * gi;
         m[i] = mi;
         v[i] = vi;
+        if (vmax) vi = vmax[i] = max_nan(vmax[i], vi); /* AMSGrad */
         p[i] = pi - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
     }
 }
 
 static cmlp_status cpu_adam(void *ctx, float *restrict p, const float *restrict g, float *restrict m,
-                            float *restrict v, int64_t n, float step_size, float beta1, float beta2, float one_b1,
-                            float one_b2, float bc2_sqrt, float eps, float wd, float decay, const float *found_inf,
-                            const float *coef) {
+                            float *restrict v, float *restrict vmax, int64_t n, float step_size, float beta1,
+                            float beta2, float one_b1, float one_b2, float bc2_sqrt, float eps, float wd, float decay,
+                            int maximize, const float *found_inf, const float *coef) {
     (void)ctx;
     if (found_inf && *found_inf != 0.0f) return CMLP_OK;
     if (coef) {
@@ -507,8 +511,9 @@ static cmlp_status cpu_adam(void *ctx, float *restrict p, const float *restrict 
         beta1 = coef[3];
         one_b1 = coef[4];
     }
-    optim_args a = {.p = p, .m = m, .v = v, .g = g, .step_size = step_size, .beta1 = beta1, .beta2 = beta2,
-                    .one_b1 = one_b1, .one_b2 = one_b2, .bc2_sqrt = bc2_sqrt, .eps = eps, .wd = wd, .decay = decay};
+    optim_args a = {.p = p, .m = m, .v = v, .vmax = vmax, .g = g, .step_size = step_size, .beta1 = beta1,
+                    .beta2 = beta2, .one_b1 = one_b1, .one_b2 = one_b2, .bc2_sqrt = bc2_sqrt, .eps = eps, .wd = wd,
+                    .decay = decay, .maximize = maximize};
     cmlp_pool_for(n, 16, MIN_PER_THREAD, adam_range, &a);
     return CMLP_OK;
 }
@@ -518,13 +523,14 @@ static void sgd_range(void *arg, int64_t lo, int64_t hi) {
     float *restrict p = a->p, *restrict buf = a->buf;
     const float *restrict g = a->g;
     const float lr = a->lr, wd = a->wd, momentum = a->momentum;
+    const bool maximize = a->maximize;
     if (momentum == 0.0f) {
-        for (int64_t i = lo; i < hi; i++) p[i] -= lr * (g[i] + wd * p[i]);
+        for (int64_t i = lo; i < hi; i++) p[i] -= lr * ((maximize ? -g[i] : g[i]) + wd * p[i]);
         return;
     }
     const float keep = a->keep;
     for (int64_t i = lo; i < hi; i++) {
-        float gi = g[i] + wd * p[i];
+        float gi = (maximize ? -g[i] : g[i]) + wd * p[i];
         float b = a->first ? gi : momentum * buf[i] + keep * gi;
         buf[i] = b;
         p[i] -= lr * (a->nesterov ? gi + momentum * b : b);
@@ -532,7 +538,7 @@ static void sgd_range(void *arg, int64_t lo, int64_t hi) {
 }
 
 static cmlp_status cpu_sgd(void *ctx, float *restrict p, const float *restrict g, float *restrict buf,
-                           int64_t n, float lr, float momentum, float keep, int nesterov, float wd,
+                           int64_t n, float lr, float momentum, float keep, int nesterov, float wd, int maximize,
                            int first, const float *found_inf, const int64_t *step, const float *coef) {
     (void)ctx;
     if (found_inf && *found_inf != 0.0f) return CMLP_OK;
@@ -543,7 +549,7 @@ static cmlp_status cpu_sgd(void *ctx, float *restrict p, const float *restrict g
     }
     if (momentum != 0.0f && !buf) return CMLP_FAIL(CMLP_ERR_INTERNAL, "SGD with momentum has no momentum buffer");
     optim_args a = {.p = p, .buf = buf, .g = g, .lr = lr, .momentum = momentum, .keep = keep, .wd = wd,
-                    .nesterov = nesterov, .first = first};
+                    .nesterov = nesterov, .first = first, .maximize = maximize};
     cmlp_pool_for(n, 16, MIN_PER_THREAD, sgd_range, &a);
     return CMLP_OK;
 }

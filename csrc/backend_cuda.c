@@ -959,21 +959,22 @@ static cmlp_status cu_gather_labels(void *ctx, int32_t *d_dst, const int32_t *d_
 
 /* ---- optimizers and mixed precision ---- */
 
-static cmlp_status cu_adam(void *ctx, float *d_p, const float *d_g, float *d_m, float *d_v, int64_t n, float step_size,
-                           float beta1, float beta2, float one_b1, float one_b2, float bc2_sqrt, float eps,
-                           float weight_decay, float decay, const float *d_found_inf, const float *d_coef) {
+static cmlp_status cu_adam(void *ctx, float *d_p, const float *d_g, float *d_m, float *d_v, float *d_vmax, int64_t n,
+                           float step_size, float beta1, float beta2, float one_b1, float one_b2, float bc2_sqrt,
+                           float eps, float weight_decay, float decay, int maximize, const float *d_found_inf,
+                           const float *d_coef) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_adam(d_p, d_g, d_m, d_v, n, step_size, beta1, beta2, one_b1, one_b2, bc2_sqrt, eps,
-                                 weight_decay, decay, d_found_inf, d_coef, stream_of(c)));
+    return KERNEL(c, cmlp_k_adam(d_p, d_g, d_m, d_v, d_vmax, n, step_size, beta1, beta2, one_b1, one_b2, bc2_sqrt,
+                                 eps, weight_decay, decay, maximize, d_found_inf, d_coef, stream_of(c)));
 }
 
 static cmlp_status cu_sgd(void *ctx, float *d_p, const float *d_g, float *d_buf, int64_t n, float lr, float momentum,
-                          float keep, int nesterov, float weight_decay, int first, const float *d_found_inf,
-                          const int64_t *d_step, const float *d_coef) {
+                          float keep, int nesterov, float weight_decay, int maximize, int first,
+                          const float *d_found_inf, const int64_t *d_step, const float *d_coef) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_sgd(d_p, d_g, d_buf, n, lr, momentum, keep, nesterov, weight_decay, first,
+    return KERNEL(c, cmlp_k_sgd(d_p, d_g, d_buf, n, lr, momentum, keep, nesterov, weight_decay, maximize, first,
                                 d_found_inf, d_step, d_coef, stream_of(c)));
 }
 
@@ -1002,15 +1003,16 @@ static cmlp_status cu_optim_prepare(void *ctx, int64_t *d_step, float *d_coef, c
                                           scale ? &k : NULL, stream_of(c)));
 }
 
-static cmlp_status cu_adam_prepared(void *ctx, float *d_p, const float *d_g, float *d_m, float *d_v, int64_t n,
-                                    const cmlp_rate_src *rate, double beta2, float eps, float weight_decay,
-                                    const float *d_found_inf, int64_t *d_step, float *d_coef, int64_t *d_pos,
-                                    int64_t pos_add, const cmlp_scale_step *scale, uint32_t *d_blocks_done) {
+static cmlp_status cu_adam_prepared(void *ctx, float *d_p, const float *d_g, float *d_m, float *d_v, float *d_vmax,
+                                    int64_t n, const cmlp_rate_src *rate, double beta2, float eps, float weight_decay,
+                                    int maximize, const float *d_found_inf, int64_t *d_step, float *d_coef,
+                                    int64_t *d_pos, int64_t pos_add, const cmlp_scale_step *scale,
+                                    uint32_t *d_blocks_done) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
     const cmlp_k_scaler k = k_scaler(scale);
-    return KERNEL(c, cmlp_k_adam_prepared(d_p, d_g, d_m, d_v, n, k_rate(rate), beta2, eps, weight_decay,
-                                          d_found_inf, d_step, d_coef, d_pos, pos_add, scale ? &k : NULL,
+    return KERNEL(c, cmlp_k_adam_prepared(d_p, d_g, d_m, d_v, d_vmax, n, k_rate(rate), beta2, eps, weight_decay,
+                                          maximize, d_found_inf, d_step, d_coef, d_pos, pos_add, scale ? &k : NULL,
                                           d_blocks_done, stream_of(c)));
 }
 

@@ -385,11 +385,17 @@ typedef struct cmlp_adam_config {
     /* 0: weight_decay is L2, added to the gradient (torch.optim.Adam); 1: it is decoupled, the
      * parameters multiplied by 1 - lr * weight_decay before the update (torch.optim.AdamW) */
     int decoupled_weight_decay;
+    /* 1: AMSGrad, the denominator made of the largest exp_avg_sq so far (a third state buffer,
+     * max_exp_avg_sq, torch's amsgrad=True) */
+    int amsgrad;
+    /* 1: the objective is maximized, each step taken along the gradient (torch's maximize=True) */
+    int maximize;
 } cmlp_adam_config;
 
 typedef struct cmlp_sgd_config {
     double lr, momentum, dampening, weight_decay;
     int nesterov;
+    int maximize; /* as Adam's */
 } cmlp_sgd_config;
 
 typedef enum cmlp_optim_kind { CMLP_OPTIM_ADAM = 0, CMLP_OPTIM_SGD = 1 } cmlp_optim_kind;
@@ -415,13 +421,19 @@ CMLP_API cmlp_status cmlp_optim_set_lr(cmlp_optim *o, double lr);
  * made at the next step that needs it). */
 CMLP_API double cmlp_optim_get_momentum(const cmlp_optim *o);
 CMLP_API cmlp_status cmlp_optim_set_momentum(cmlp_optim *o, double momentum);
-/* State: the step count and up to two flat state buffers (Adam: exp_avg, exp_avg_sq; SGD:
- * momentum_buffer). nbuffers is 0 before the first step (or for plain SGD). */
+/* State: the step count and up to three flat state buffers (Adam: exp_avg, exp_avg_sq and with
+ * AMSGrad max_exp_avg_sq; SGD: momentum_buffer). nbuffers is 0 before the first step (or for plain
+ * SGD). A buffer once made is kept when the settings stop using it (SGD's at momentum 0, AMSGrad's
+ * when amsgrad is turned off), as torch keeps it in its state; one that a new setting needs is
+ * made at the next step, from zeros (AMSGrad's maximum then starts from that step's exp_avg_sq). */
 CMLP_API int64_t cmlp_optim_get_step(const cmlp_optim *o);
 CMLP_API int cmlp_optim_num_buffers(const cmlp_optim *o);
+/* The buffers it holds once its next step is taken (those held, and those that step makes): what a
+ * plan of that step counts (cmlp_plan_compute's optimizer_buffers). */
+CMLP_API int cmlp_optim_buffers_planned(const cmlp_optim *o);
 CMLP_API cmlp_status cmlp_optim_get_buffer(const cmlp_optim *o, int i, float *host_out);
 /* Replaces the state: step count and nbuffers host buffers of num_parameters floats each
- * (nbuffers must be 0 or what this optimizer keeps). */
+ * (nbuffers: 0, or 1 for SGD, 2 or 3 for Adam). */
 CMLP_API cmlp_status cmlp_optim_set_state(cmlp_optim *o, int64_t step, int nbuffers,
                                           const float *const *host_buffers);
 CMLP_API cmlp_status cmlp_optim_to(cmlp_optim *o, cmlp_device d);
@@ -607,7 +619,7 @@ typedef struct cmlp_plan {
     int64_t evaluation;
 } cmlp_plan;
 
-/* optimizer_buffers: 2 for Adam, 1 for SGD with momentum, 0 for plain SGD; optimizer_shards: the
+/* optimizer_buffers: 2 for Adam (3 with AMSGrad), 1 for SGD with momentum, 0 for plain SGD; optimizer_shards: the
  * ranks a ZeroRedundancyOptimizer shards the state over (1: none; the plan is the first rank's,
  * whose part is the largest); loss_scaling: 1 with
  * a GradScaler; solo: 1 when every optimizer step is a single micro-batch of `batch` rows (no

@@ -1,6 +1,6 @@
 /* optim.c - Adam and SGD with PyTorch's update rules over the model's flat buffers. State
- * (one arena: Adam's exp_avg and exp_avg_sq, or SGD's momentum buffer) is created at the first
- * step; a step that cannot allocate it changes nothing.
+ * (one arena: Adam's exp_avg, exp_avg_sq and with AMSGrad max_exp_avg_sq, or SGD's momentum
+ * buffer) is created at the first step; a step that cannot allocate it changes nothing.
  */
 #include "internal.h"
 #include "comm.h"
@@ -25,7 +25,8 @@ struct cmlp_optim {
     cmlp_adam_config adam;
     cmlp_sgd_config sgd;
     int64_t step;
-    float *state; /* NULL before the first step; [nbuffers * span(o)] */
+    float *state; /* NULL before the first step; [nbuf * span(o)] */
+    int nbuf;     /* the buffers in state */
     bool unused;  /* state made ahead of the first step (cmlp_optim_prepare), which it still is */
     uint64_t version; /* moves whenever the configuration (but for the rate) or the state buffer changes */
     /* ZeRO stage 1: with shards > 0 the state covers [lo, hi) of the parameters only, this rank's
@@ -54,8 +55,8 @@ static cmlp_status upload_parts(cmlp_optim *o, const optim_part *parts, int n, v
 /* Bytes of d_parts for n parts. */
 static size_t parts_bytes(int n) { return (size_t)n * (2 * sizeof(double) + 5 * sizeof(float)); }
 
-cmlp_adam_config cmlp_adam_defaults(void) { return (cmlp_adam_config){1e-3, 0.9, 0.999, 1e-8, 0.0, 0}; }
-cmlp_sgd_config cmlp_sgd_defaults(void) { return (cmlp_sgd_config){0.01, 0.0, 0.0, 0.0, 0}; }
+cmlp_adam_config cmlp_adam_defaults(void) { return (cmlp_adam_config){1e-3, 0.9, 0.999, 1e-8, 0.0, 0, 0, 0}; }
+cmlp_sgd_config cmlp_sgd_defaults(void) { return (cmlp_sgd_config){0.01, 0.0, 0.0, 0.0, 0, 0}; }
 
 /* Adam's weight decay as the backends take it: L2 (added to the gradient), or with decoupled
  * weight decay none (the parameters are first multiplied by torch's AdamW factor,
@@ -92,6 +93,9 @@ static cmlp_status check_adam(const cmlp_adam_config *c) {
         return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid beta parameter at index 0: %g (must be in [0, 1))", c->beta1);
     if (!(c->beta2 >= 0.0 && c->beta2 < 1.0))
         return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid beta parameter at index 1: %g (must be in [0, 1))", c->beta2);
+    if ((c->amsgrad != 0 && c->amsgrad != 1) || (c->maximize != 0 && c->maximize != 1))
+        return CMLP_FAIL(CMLP_ERR_INVALID, "amsgrad and maximize must be 0 or 1, got %d and %d", c->amsgrad,
+                         c->maximize);
     return check_real("weight_decay value", c->weight_decay);
 }
 
@@ -101,6 +105,8 @@ static cmlp_status check_sgd(const cmlp_sgd_config *c) {
     CMLP_TRY(check_real("weight_decay value", c->weight_decay));
     if (!(fabs(c->dampening) <= FLT_MAX))
         return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid dampening value: %g (must be finite in float32)", c->dampening);
+    if (c->maximize != 0 && c->maximize != 1)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "maximize must be 0 or 1, got %d", c->maximize);
     return CMLP_OK;
 }
 
@@ -183,17 +189,32 @@ cmlp_status cmlp_optim_set_momentum(cmlp_optim *o, double momentum) {
     return CMLP_OK; /* no new version: a step on a device reads it there (cmlp_dscalars) */
 }
 
-/* Buffers this optimizer keeps once it has stepped. SGD's momentum buffer, once made, stays
- * when the momentum is set to 0 (as torch keeps it in its state), and serves again when the
- * momentum comes back. */
+/* Buffers a step with these settings uses: Adam's exp_avg and exp_avg_sq, and max_exp_avg_sq
+ * with AMSGrad; SGD's momentum buffer while it has momentum. */
+static int buffers_needed(const cmlp_optim *o) {
+    if (o->kind == CMLP_OPTIM_ADAM) return o->adam.amsgrad ? 3 : 2;
+    return o->sgd.momentum != 0.0 ? 1 : 0;
+}
+
+/* Buffers this optimizer keeps once it has stepped: those its state holds, which stay when the
+ * settings stop using them (SGD's momentum buffer at momentum 0, AMSGrad's maximum when amsgrad
+ * is turned off: torch keeps them in its state, and they serve again when the setting comes
+ * back), and those the next step needs. */
 static int buffers_of(const cmlp_optim *o) {
-    if (o->kind == CMLP_OPTIM_ADAM) return 2;
-    return o->sgd.momentum != 0.0 || o->state ? 1 : 0;
+    int need = buffers_needed(o);
+    return o->state && o->nbuf > need ? o->nbuf : need;
 }
 
 /* A step skipped on the device (inf/NaN under loss scaling) may have made the state; it holds
  * zeros and counts only once a step was taken, as PyTorch makes state at the first step. */
-int cmlp_optim_num_buffers(const cmlp_optim *o) { return o->state && o->step > 0 && !o->unused ? buffers_of(o) : 0; }
+int cmlp_optim_num_buffers(const cmlp_optim *o) { return o->state && o->step > 0 && !o->unused ? o->nbuf : 0; }
+
+int cmlp_optim_buffers_planned(const cmlp_optim *o) { return buffers_of(o); }
+
+/* AMSGrad's running maximum of exp_avg_sq from n (the arena's third buffer), NULL without it */
+static float *amsgrad_max(const cmlp_optim *o, int64_t n, int64_t k) {
+    return o->kind == CMLP_OPTIM_ADAM && o->adam.amsgrad ? o->state + 2 * n + k : NULL;
+}
 
 cmlp_status cmlp_optim_configure_adam(cmlp_optim *o, const cmlp_adam_config *c) {
     if (o->kind != CMLP_OPTIM_ADAM) return CMLP_FAIL(CMLP_ERR_STATE, "this optimizer is not Adam");
@@ -280,19 +301,26 @@ int cmlp_optim_shards(const cmlp_optim *o, int64_t *lo, int64_t *hi, int64_t *ch
     return o->shards;
 }
 
+/* Makes the state a step needs: all of it at the first step; at a later one, the buffers a new
+ * setting needs (AMSGrad turned on, momentum back after a load of none) beside those there,
+ * copied into a larger arena (the old one goes once the copy is made). */
 static cmlp_status ensure_state(cmlp_optim *o) {
     int nb = buffers_of(o);
-    if (o->state || nb == 0) return CMLP_OK;
-    size_t bytes = state_bytes(o, nb);
+    if (nb == 0 || (o->state && o->nbuf >= nb)) return CMLP_OK;
+    size_t bytes = state_bytes(o, nb), kept = o->state ? state_bytes(o, o->nbuf) : 0;
+    const cmlp_backend_i *b = o->dev->backend;
     float *s;
     CMLP_TRY(cmlp_allocator_malloc(o->dev->alloc, bytes, "optimizer state", (void **)&s));
-    cmlp_status st = o->dev->backend->fill_zero(o->dev->bctx, s, bytes);
+    cmlp_status st = b->fill_zero(o->dev->bctx, (char *)s + kept, bytes - kept);
+    if (st == CMLP_OK && kept) st = b->copy_d2d(o->dev->bctx, s, o->state, kept);
     if (st != CMLP_OK) {
         (void)cmlp_allocator_free(o->dev->alloc, s);
         return st;
     }
+    if (o->state) (void)cmlp_allocator_free(o->dev->alloc, o->state);
+    else o->unused = true;
     o->state = s;
-    o->unused = true;
+    o->nbuf = nb;
     o->version++;
     return CMLP_OK;
 }
@@ -307,15 +335,17 @@ static cmlp_status ready_to_step(cmlp_optim *o, const void *dcomm) {
     if (o->dev->device.type != CMLP_DEVICE_CPU && !(dcomm && o->dev->backend->comm_all_gather))
         return CMLP_FAIL(CMLP_ERR_STATE, "a sharded optimizer on a device gathers its parts through the process "
                                          "group's device collectives (NCCL), in a data-parallel trainer");
-    if (o->state || buffers_of(o) == 0) return CMLP_OK;
+    if (buffers_of(o) == 0 || (o->state && o->nbuf >= buffers_of(o))) return CMLP_OK;
+    bool had = o->state != NULL;
     cmlp_status st = cmlp_dist_agree(ensure_state(o));
-    if (st != CMLP_OK && o->state) { /* another rank could not: none keeps it, and the next try agrees again */
+    if (st != CMLP_OK && !had && o->state) { /* another rank could not: none keeps it, and the next try agrees again */
         (void)cmlp_allocator_free(o->dev->alloc, o->state);
         o->state = NULL;
+        o->nbuf = 0;
         o->unused = false;
         o->version++;
     }
-    return st;
+    return st; /* grown here and not on another rank: the zeros it added serve the next try */
 }
 
 /* Every rank's part of the parameters to every rank, each sent by its owner (host memory through
@@ -327,7 +357,9 @@ static cmlp_status gather(cmlp_optim *o, void *dcomm) {
     return o->dev->backend->comm_all_gather(o->dev->bctx, dcomm, m->params, m->nparams, o->chunk);
 }
 
-bool cmlp_optim_state_missing(const cmlp_optim *o) { return o->state ? o->unused : buffers_of(o) > 0; }
+bool cmlp_optim_state_missing(const cmlp_optim *o) {
+    return o->state ? o->unused || o->nbuf < buffers_of(o) : buffers_of(o) > 0;
+}
 
 cmlp_status cmlp_optim_prepare(cmlp_optim *o) {
     CMLP_TRY(check_model(o));
@@ -340,6 +372,7 @@ void cmlp_optim_drop_unused(cmlp_optim *o) {
     if (!o->state || !o->unused) return;
     (void)cmlp_allocator_free(o->dev->alloc, o->state);
     o->state = NULL;
+    o->nbuf = 0;
     o->unused = false;
     o->version++;
 }
@@ -455,7 +488,9 @@ static uint64_t mix(uint64_t h, const void *word) {
 
 uint64_t cmlp_optim_fingerprint(const cmlp_optim *o) {
     int64_t ints[3] = {(int64_t)o->kind, o->step,
-                       (int64_t)o->shards * 4 + (int64_t)o->sgd.nesterov * 2 + (int64_t)o->adam.decoupled_weight_decay};
+                       (int64_t)o->shards * 32 + (int64_t)o->sgd.maximize * 16 + (int64_t)o->adam.maximize * 8 +
+                           (int64_t)o->adam.amsgrad * 4 + (int64_t)o->sgd.nesterov * 2 +
+                           (int64_t)o->adam.decoupled_weight_decay};
     double reals[10] = {o->adam.lr, o->adam.beta1,       o->adam.beta2,   o->adam.eps,      o->adam.weight_decay,
                         o->sgd.lr,  o->sgd.momentum,     o->sgd.dampening, o->sgd.weight_decay, 0.0};
     uint64_t h = 1469598103934665603ull;
@@ -518,15 +553,15 @@ cmlp_status cmlp_optim_step_summed(cmlp_optim *o) {
             double lr = c->lr * parts[i].lr_scale;
             double bc1 = 1.0 - pow(c->beta1, (double)t), bc2 = 1.0 - pow(c->beta2, (double)t);
             bool dec = c->decoupled_weight_decay;
-            st = b->adam(o->dev->bctx, m->params + lo, m->grads + lo, o->state + k, o->state + n + k, hi - lo,
-                         (float)(lr / bc1), (float)c->beta1, (float)c->beta2, (float)(1.0 - c->beta1),
-                         (float)(1.0 - c->beta2), (float)sqrt(bc2), (float)c->eps, dec ? 0.0f : (float)wd,
-                         dec ? (float)(1.0 - lr * wd) : 1.0f, NULL, NULL);
+            st = b->adam(o->dev->bctx, m->params + lo, m->grads + lo, o->state + k, o->state + n + k,
+                         amsgrad_max(o, n, k), hi - lo, (float)(lr / bc1), (float)c->beta1, (float)c->beta2,
+                         (float)(1.0 - c->beta1), (float)(1.0 - c->beta2), (float)sqrt(bc2), (float)c->eps,
+                         dec ? 0.0f : (float)wd, dec ? (float)(1.0 - lr * wd) : 1.0f, c->maximize, NULL, NULL);
         } else {
             const cmlp_sgd_config *c = &o->sgd;
             st = b->sgd(o->dev->bctx, m->params + lo, m->grads + lo, o->state ? o->state + k : NULL, hi - lo,
                         (float)(c->lr * parts[i].lr_scale), (float)c->momentum, (float)(1.0 - c->dampening),
-                        c->nesterov, (float)wd, first, NULL, NULL, NULL);
+                        c->nesterov, (float)wd, c->maximize, first, NULL, NULL, NULL);
         }
     }
     if (st == CMLP_OK) st = gather(o, NULL);
@@ -585,33 +620,35 @@ cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int6
             float wd = (float)o->parts[i].weight_decay;
             if (adam) {
                 const cmlp_adam_config *c = &o->adam;
-                st = b->adam(ctx, m->params + lo, m->grads + lo, o->state + k, o->state + n + k, hi - lo, 0.0f, 0.0f,
-                             (float)c->beta2, 0.0f, (float)(1.0 - c->beta2), 1.0f, (float)c->eps,
-                             c->decoupled_weight_decay ? 0.0f : wd, 1.0f, d_found_inf, pc);
+                st = b->adam(ctx, m->params + lo, m->grads + lo, o->state + k, o->state + n + k,
+                             amsgrad_max(o, n, k), hi - lo, 0.0f, 0.0f, (float)c->beta2, 0.0f,
+                             (float)(1.0 - c->beta2), 1.0f, (float)c->eps, c->decoupled_weight_decay ? 0.0f : wd,
+                             1.0f, c->maximize, d_found_inf, pc);
             } else {
                 const cmlp_sgd_config *c = &o->sgd;
                 st = b->sgd(ctx, m->params + lo, m->grads + lo, o->state ? o->state + k : NULL, hi - lo, 0.0f,
-                            (float)c->momentum, (float)(1.0 - c->dampening), c->nesterov, wd, first, d_found_inf,
-                            d_step, pc);
+                            (float)c->momentum, (float)(1.0 - c->dampening), c->nesterov, wd, c->maximize, first,
+                            d_found_inf, d_step, pc);
             }
         }
     } else if (adam && b->adam_prepared && n > 0) { /* the bookkeeping in Adam's launch */
         const cmlp_adam_config *c = &o->adam;
-        st = b->adam_prepared(ctx, p, g, o->state, o->state + n, n, &rate, c->beta2, (float)c->eps, adam_l2(c),
-                              d_found_inf, d_step, d_coef, d_pos, pos_add, scale, &ds->blocks_done);
+        st = b->adam_prepared(ctx, p, g, o->state, o->state + n, amsgrad_max(o, n, 0), n, &rate, c->beta2,
+                              (float)c->eps, adam_l2(c), c->maximize, d_found_inf, d_step, d_coef, d_pos, pos_add,
+                              scale, &ds->blocks_done);
     } else if (adam) {
         const cmlp_adam_config *c = &o->adam;
         st = b->optim_prepare(ctx, d_step, d_coef, d_found_inf, &rate, c->beta2, 1, d_pos, pos_add, scale);
         if (st == CMLP_OK)
-            st = b->adam(ctx, p, g, o->state, o->state + n, n, 0.0f, 0.0f, (float)c->beta2, 0.0f,
-                         (float)(1.0 - c->beta2), 1.0f, (float)c->eps,
-                         adam_l2(c), 1.0f, d_found_inf, d_coef);
+            st = b->adam(ctx, p, g, o->state, o->state + n, amsgrad_max(o, n, 0), n, 0.0f, 0.0f, (float)c->beta2,
+                         0.0f, (float)(1.0 - c->beta2), 1.0f, (float)c->eps, adam_l2(c), 1.0f, c->maximize,
+                         d_found_inf, d_coef);
     } else {
         const cmlp_sgd_config *c = &o->sgd;
         st = b->optim_prepare(ctx, d_step, d_coef, d_found_inf, &rate, 0.0, 0, d_pos, pos_add, scale);
         if (st == CMLP_OK)
             st = b->sgd(ctx, p, g, o->state, n, 0.0f, (float)c->momentum, (float)(1.0 - c->dampening), c->nesterov,
-                        (float)c->weight_decay, first, d_found_inf, d_step, d_coef);
+                        (float)c->weight_decay, c->maximize, first, d_found_inf, d_step, d_coef);
     }
     if (st == CMLP_OK) st = gather(o, dcomm);
     if (st == CMLP_OK) st = cmlp_model_refresh_half(m);
@@ -632,9 +669,12 @@ void cmlp_optim_set_step(cmlp_optim *o, int64_t step) { o->step = step; }
 
 cmlp_status cmlp_optim_set_state(cmlp_optim *o, int64_t step, int nbuffers, const float *const *host) {
     if (step < 0) return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer step count must be >= 0, got %lld", (long long)step);
-    const int most = o->kind == CMLP_OPTIM_ADAM ? 2 : 1; /* SGD: a buffer is kept at momentum 0 too */
-    if (nbuffers != 0 && nbuffers != most)
-        return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer state has %d buffers; this optimizer keeps %d", nbuffers, most);
+    /* Adam: exp_avg and exp_avg_sq, and max_exp_avg_sq (AMSGrad's, kept when it is turned off);
+     * SGD: its momentum buffer, kept at momentum 0 too */
+    const bool adam = o->kind == CMLP_OPTIM_ADAM;
+    if (adam ? nbuffers != 0 && nbuffers != 2 && nbuffers != 3 : nbuffers != 0 && nbuffers != 1)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer state has %d buffers; this optimizer keeps %s", nbuffers,
+                         adam ? "2 (3 with AMSGrad)" : "1");
     CMLP_TRY(check_model(o));
     size_t all = (size_t)o->model->nparams, n = (size_t)span(o), at = (size_t)first_of(o);
     for (int i = 0; i < nbuffers; i++)
@@ -656,6 +696,7 @@ cmlp_status cmlp_optim_set_state(cmlp_optim *o, int64_t step, int nbuffers, cons
     }
     if (o->state) (void)cmlp_allocator_free(o->dev->alloc, o->state);
     o->state = s;
+    o->nbuf = nbuffers;
     o->unused = false;
     /* SGD keeps no count of its own: a loaded momentum buffer means it has stepped, so the next
      * step continues it (a step count of 0 would make the next step its first) */
@@ -679,7 +720,7 @@ cmlp_status cmlp_optim_to(cmlp_optim *o, cmlp_device d) {
     }
     if (o->state) {
         void *s = o->state;
-        cmlp_status st = cmlp_buffer_move(o->dev, to, &s, state_bytes(o, buffers_of(o)), "optimizer state");
+        cmlp_status st = cmlp_buffer_move(o->dev, to, &s, state_bytes(o, o->nbuf), "optimizer state");
         if (st != CMLP_OK) {
             if (dp && to->device.type == CMLP_DEVICE_CPU) free(dp);
             else if (dp) (void)cmlp_allocator_free(to->alloc, dp);

@@ -68,8 +68,8 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
                          "batch_size %lld is too large to plan: its activations alone would be over 2**56 values "
                          "(%lld per sample)",
                          (long long)batch, (long long)width_sum);
-    if (optimizer_buffers < 0 || optimizer_buffers > 2)
-        return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer state buffers must be 0, 1 or 2");
+    if (optimizer_buffers < 0 || optimizer_buffers > 3)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer state buffers must be 0 to 3, got %d", optimizer_buffers);
     if (optimizer_shards < 1 || optimizer_shards > (1 << 20))
         return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer_shards must be in [1, 2**20], got %d", optimizer_shards);
     cmlp_device_ctx *dev;

@@ -378,12 +378,7 @@ static cmlp_status effective_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp
     return step_update(t, ds, xy, n_all);
 }
 
-static int optimizer_buffers(const cmlp_trainer *t) {
-    cmlp_optim *o = t->optim;
-    if (cmlp_optim_get_kind(o) == CMLP_OPTIM_ADAM) return 2;
-    /* SGD's momentum buffer, made at its first step (which this plan is about) */
-    return cmlp_optim_get_momentum(o) != 0.0 || cmlp_optim_num_buffers(o) ? 1 : 0;
-}
+static int optimizer_buffers(const cmlp_trainer *t) { return cmlp_optim_buffers_planned(t->optim); }
 
 static int64_t effective_batch(const cmlp_trainer *t) { return t->cfg.batch_size * t->cfg.accumulation_steps; }
 

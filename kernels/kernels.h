@@ -116,19 +116,22 @@ cudaError_t cmlp_k_gather_labels(int32_t *dst, const int32_t *src, const int64_t
  * one_b2 = 1 - beta2 are computed by the caller in double and rounded (the same float operations,
  * in the same order, as the CPU backend), or when coef is not NULL read from coef[0..4] =
  * {step_size, bc2_sqrt, decay, beta1, one_b1}. When found_inf is not NULL and *found_inf != 0 the
- * kernel changes nothing. */
-cudaError_t cmlp_k_adam(float *p, const float *g, float *m, float *v, int64_t n, float step_size, float beta1,
-                        float beta2, float one_b1, float one_b2, float bc2_sqrt, float eps, float weight_decay,
-                        float decay, const float *found_inf, const float *coef, cudaStream_t stream);
-/* SGD with PyTorch's rule: g' = g + weight_decay * p; with momentum != 0:
+ * kernel changes nothing. maximize != 0 flips the gradient's sign first; vmax, when not NULL, is
+ * AMSGrad's running maximum: vmax = max(vmax, v) (NaN if either is), and the denominator is made
+ * of vmax instead of v. */
+cudaError_t cmlp_k_adam(float *p, const float *g, float *m, float *v, float *vmax, int64_t n, float step_size,
+                        float beta1, float beta2, float one_b1, float one_b2, float bc2_sqrt, float eps,
+                        float weight_decay, float decay, int maximize, const float *found_inf, const float *coef,
+                        cudaStream_t stream);
+/* SGD with PyTorch's rule: g' = (maximize ? -g : g) + weight_decay * p; with momentum != 0:
  *   buf = first ? g' : momentum * buf + keep * g';  d = nesterov ? g' + momentum * buf : buf
  * (keep = 1 - dampening, computed by the caller in double and rounded)
  * else d = g'; then p -= lr * d (lr = coef[0] and momentum = coef[1] when coef is not NULL). buf
  * may be NULL when the momentum is 0. found_inf as for Adam. When step is not NULL, first also holds when *step == 1
  * (the count after cmlp_k_optim_prepare). */
 cudaError_t cmlp_k_sgd(float *p, const float *g, float *buf, int64_t n, float lr, float momentum, float keep,
-                       int nesterov, float weight_decay, int first, const float *found_inf, const int64_t *step,
-                       const float *coef, cudaStream_t stream);
+                       int nesterov, float weight_decay, int maximize, int first, const float *found_inf,
+                       const int64_t *step, const float *coef, cudaStream_t stream);
 /* A loss scale kept on the device, and PyTorch's rule for moving it (torch's
  * _amp_update_scale_): if the step found an inf/NaN, *scale *= backoff_factor and the tracker
  * resets (++*skipped); else if ++*growth_tracker == growth_interval then *scale *= growth_factor
@@ -172,8 +175,9 @@ cudaError_t cmlp_k_optim_prepare(int64_t *step, float *coef, const float *found_
  * *step and the rate itself, and the block that finishes last does the bookkeeping and resets
  * *blocks_done, a counter that is 0 between launches (each launch's blocks count themselves on
  * it). n > 0. */
-cudaError_t cmlp_k_adam_prepared(float *p, const float *g, float *m, float *v, int64_t n, cmlp_k_rate rate,
-                                 double beta2, float eps, float weight_decay, const float *found_inf, int64_t *step,
+cudaError_t cmlp_k_adam_prepared(float *p, const float *g, float *m, float *v, float *vmax, int64_t n,
+                                 cmlp_k_rate rate, double beta2, float eps, float weight_decay, int maximize,
+                                 const float *found_inf, int64_t *step,
                                  float *coef, int64_t *pos, int64_t pos_add, const cmlp_k_scaler *scaler,
                                  unsigned int *blocks_done, cudaStream_t stream);
 

@@ -8,11 +8,16 @@
 
 /* ---- Adam ---- */
 
+/* torch.maximum of two floats: a NaN in either gives a NaN */
+__device__ __forceinline__ float max_nan(float a, float b) { return b > a || b != b ? b : a; }
+
 struct adam_op {
     float *p;
     const float *g;
     float *m, *v;
+    float *vmax; /* AMSGrad's running maximum of v, or NULL */
     float step_size, beta1, beta2, one_b1, one_b2, bc2_sqrt, eps, wd, decay;
+    int maximize;
     const float *found_inf;
     const float *coef; /* when set: step_size, bc2_sqrt, decay, beta1 and one_b1 computed on the device */
 
@@ -29,44 +34,54 @@ struct adam_op {
     }
     __device__ __forceinline__ void finish(bool) const {}
 
-    __device__ __forceinline__ void update(float &pi, float gi, float &mi, float &vi) const {
+    /* vmi: AMSGrad's maximum, read and written only with vmax */
+    __device__ __forceinline__ void update(float &pi, float gi, float &mi, float &vi, float &vmi) const {
         if (decay != 1.0f) pi = f_mul(pi, decay); /* decoupled weight decay (AdamW) */
+        if (maximize) gi = -gi;
         gi = f_add(gi, f_mul(wd, pi));
         mi = f_add(f_mul(beta1, mi), f_mul(one_b1, gi));
         vi = f_add(f_mul(beta2, vi), f_mul(f_mul(one_b2, gi), gi));
-        pi = f_sub(pi, f_div(f_mul(step_size, mi), f_add(f_div(f_sqrt(vi), bc2_sqrt), eps)));
+        float d = vi;
+        if (vmax) d = vmi = max_nan(vmi, vi);
+        pi = f_sub(pi, f_div(f_mul(step_size, mi), f_add(f_div(f_sqrt(d), bc2_sqrt), eps)));
     }
     __device__ __forceinline__ bool one(int64_t i) const {
-        float pi = p[i], mi = m[i], vi = v[i];
-        update(pi, g[i], mi, vi);
+        float pi = p[i], mi = m[i], vi = v[i], vmi = vmax ? vmax[i] : 0.0f;
+        update(pi, g[i], mi, vi, vmi);
         m[i] = mi;
         v[i] = vi;
+        if (vmax) vmax[i] = vmi;
         p[i] = pi;
         return false;
     }
     __device__ __forceinline__ bool four(int64_t i) const {
         float4 p4 = *reinterpret_cast<const float4 *>(p + i), m4 = *reinterpret_cast<const float4 *>(m + i);
         float4 v4 = *reinterpret_cast<const float4 *>(v + i);
+        float4 x4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (vmax) x4 = *reinterpret_cast<const float4 *>(vmax + i);
         const float4 g4 = *reinterpret_cast<const float4 *>(g + i);
-        update(p4.x, g4.x, m4.x, v4.x);
-        update(p4.y, g4.y, m4.y, v4.y);
-        update(p4.z, g4.z, m4.z, v4.z);
-        update(p4.w, g4.w, m4.w, v4.w);
+        update(p4.x, g4.x, m4.x, v4.x, x4.x);
+        update(p4.y, g4.y, m4.y, v4.y, x4.y);
+        update(p4.z, g4.z, m4.z, v4.z, x4.z);
+        update(p4.w, g4.w, m4.w, v4.w, x4.w);
         *reinterpret_cast<float4 *>(m + i) = m4;
         *reinterpret_cast<float4 *>(v + i) = v4;
+        if (vmax) *reinterpret_cast<float4 *>(vmax + i) = x4;
         *reinterpret_cast<float4 *>(p + i) = p4;
         return false;
     }
 };
 
-static adam_op adam_make(float *p, const float *g, float *m, float *v, float step_size, float beta1, float beta2,
-                         float one_b1, float one_b2, float bc2_sqrt, float eps, float weight_decay, float decay,
-                         const float *found_inf, const float *coef) {
+static adam_op adam_make(float *p, const float *g, float *m, float *v, float *vmax, float step_size, float beta1,
+                         float beta2, float one_b1, float one_b2, float bc2_sqrt, float eps, float weight_decay,
+                         float decay, int maximize, const float *found_inf, const float *coef) {
     adam_op op;
     op.p = p;
     op.g = g;
     op.m = m;
     op.v = v;
+    op.vmax = vmax;
+    op.maximize = maximize;
     op.step_size = step_size;
     op.beta1 = beta1;
     op.beta2 = beta2;
@@ -81,16 +96,17 @@ static adam_op adam_make(float *p, const float *g, float *m, float *v, float ste
     return op;
 }
 
-extern "C" cudaError_t cmlp_k_adam(float *p, const float *g, float *m, float *v, int64_t n, float step_size,
-                                   float beta1, float beta2, float one_b1, float one_b2, float bc2_sqrt, float eps,
-                                   float weight_decay, float decay, const float *found_inf, const float *coef,
-                                   cudaStream_t stream) {
+extern "C" cudaError_t cmlp_k_adam(float *p, const float *g, float *m, float *v, float *vmax, int64_t n,
+                                   float step_size, float beta1, float beta2, float one_b1, float one_b2,
+                                   float bc2_sqrt, float eps, float weight_decay, float decay, int maximize,
+                                   const float *found_inf, const float *coef, cudaStream_t stream) {
     if (n < 0) return cudaErrorInvalidValue;
     if (n == 0) return cudaSuccess;
-    const adam_op op = adam_make(p, g, m, v, step_size, beta1, beta2, one_b1, one_b2, bc2_sqrt, eps, weight_decay,
-                                 decay, found_inf, coef);
-    const int mis[4] = {cmlp_misalign(p, 4), cmlp_misalign(g, 4), cmlp_misalign(m, 4), cmlp_misalign(v, 4)};
-    return cmlp_launch_map(op, n, mis, 4, stream);
+    const adam_op op = adam_make(p, g, m, v, vmax, step_size, beta1, beta2, one_b1, one_b2, bc2_sqrt, eps,
+                                 weight_decay, decay, maximize, found_inf, coef);
+    const int mis[5] = {cmlp_misalign(p, 4), cmlp_misalign(g, 4), cmlp_misalign(m, 4), cmlp_misalign(v, 4),
+                        cmlp_misalign(vmax ? vmax : p, 4)};
+    return cmlp_launch_map(op, n, mis, 5, stream);
 }
 
 /* ---- SGD ---- */
@@ -101,6 +117,7 @@ struct sgd_op {
     float *buf;
     float lr, momentum, keep, wd;
     int nesterov, first, plain; /* plain: momentum == 0, buf untouched */
+    int maximize;
     const float *found_inf;
     const int64_t *step; /* when set: first also when *step == 1 */
     const float *coef;   /* when set: lr = coef[0] and momentum = coef[1], computed on the device */
@@ -119,6 +136,7 @@ struct sgd_op {
 
     /* returns the new momentum buffer value (unused when plain) */
     __device__ __forceinline__ float update(float &pi, float gi, float bi) const {
+        if (maximize) gi = -gi;
         gi = f_add(gi, f_mul(wd, pi));
         if (plain) {
             pi = f_sub(pi, f_mul(lr, gi));
@@ -151,7 +169,7 @@ struct sgd_op {
 };
 
 extern "C" cudaError_t cmlp_k_sgd(float *p, const float *g, float *buf, int64_t n, float lr, float momentum,
-                                  float keep, int nesterov, float weight_decay, int first,
+                                  float keep, int nesterov, float weight_decay, int maximize, int first,
                                   const float *found_inf, const int64_t *step, const float *coef,
                                   cudaStream_t stream) {
     if (n < 0) return cudaErrorInvalidValue;
@@ -165,6 +183,7 @@ extern "C" cudaError_t cmlp_k_sgd(float *p, const float *g, float *buf, int64_t 
     op.keep = keep;
     op.wd = weight_decay;
     op.nesterov = nesterov;
+    op.maximize = maximize;
     op.first = first;
     op.plain = momentum == 0.0f;
     op.found_inf = found_inf;
@@ -301,20 +320,22 @@ extern "C" cudaError_t cmlp_k_optim_prepare(int64_t *step, float *coef, const fl
     return cudaGetLastError();
 }
 
-extern "C" cudaError_t cmlp_k_adam_prepared(float *p, const float *g, float *m, float *v, int64_t n, cmlp_k_rate rate,
-                                            double beta2, float eps, float weight_decay, const float *found_inf,
+extern "C" cudaError_t cmlp_k_adam_prepared(float *p, const float *g, float *m, float *v, float *vmax, int64_t n,
+                                            cmlp_k_rate rate, double beta2, float eps, float weight_decay,
+                                            int maximize, const float *found_inf,
                                             int64_t *step, float *coef, int64_t *pos, int64_t pos_add,
                                             const cmlp_k_scaler *scaler, unsigned int *blocks_done,
                                             cudaStream_t stream) {
     if (n <= 0 || !step || !coef || !blocks_done || !rate.rates) return cudaErrorInvalidValue;
     /* step size, bias correction, decay and beta1: per block, from *step and the rate */
-    const adam_op op = adam_make(p, g, m, v, 0.0f, 0.0f, (float)beta2, 0.0f, (float)(1.0 - beta2), 1.0f, eps,
-                                 weight_decay, 1.0f, found_inf, nullptr);
+    const adam_op op = adam_make(p, g, m, v, vmax, 0.0f, 0.0f, (float)beta2, 0.0f, (float)(1.0 - beta2), 1.0f, eps,
+                                 weight_decay, 1.0f, maximize, found_inf, nullptr);
     prepare_args a = {step, coef, rate, beta2, pos, pos_add, {}, blocks_done};
     if (scaler) a.scaler = *scaler;
-    const int mis[4] = {cmlp_misalign(p, 4), cmlp_misalign(g, 4), cmlp_misalign(m, 4), cmlp_misalign(v, 4)};
+    const int mis[5] = {cmlp_misalign(p, 4), cmlp_misalign(g, 4), cmlp_misalign(m, 4), cmlp_misalign(v, 4),
+                        cmlp_misalign(vmax ? vmax : p, 4)};
     int64_t head, nvec;
-    const unsigned int blocks = cmlp_map_split(n, mis, 4, &head, &nvec);
+    const unsigned int blocks = cmlp_map_split(n, mis, 5, &head, &nvec);
     k_adam_prepared<<<blocks, CMLP_K_THREADS, 0, stream>>>(op, n, head, nvec, a);
     return cudaGetLastError();
 }

@@ -317,6 +317,7 @@ def zero_case(opts):
     x, y = data(opts.get("n", 400), sizes=sizes)
     kind = opts.get("opt", "adam")
     settings = {"adam": (cmlp.optim.Adam, dict(lr=1e-3)), "adamw": (cmlp.optim.AdamW, dict(lr=1e-3)),
+                "adam-amsgrad": (cmlp.optim.Adam, dict(lr=1e-3, amsgrad=True)),
                 "sgd": (cmlp.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True)),
                 # param groups whose parts the ranks' shards cut across
                 "adamw-groups": (cmlp.optim.AdamW, dict(lr=1e-3, param_groups=[

@@ -184,9 +184,12 @@ class RefMLP:
 
 class RefAdam:
     """torch.optim.Adam: L2 weight decay added to the gradient, or with decoupled_weight_decay
-    (torch.optim.AdamW) the parameters multiplied by 1 - lr * weight_decay before the update."""
+    (torch.optim.AdamW) the parameters multiplied by 1 - lr * weight_decay before the update;
+    amsgrad: the denominator made of the running maximum of exp_avg_sq; maximize: the gradient's
+    sign flipped first."""
 
-    def __init__(self, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled_weight_decay=False):
+    def __init__(self, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled_weight_decay=False,
+                 amsgrad=False, maximize=False):
         if lr < 0:
             raise ValueError("Invalid learning rate: %r" % lr)
         if eps < 0:
@@ -200,9 +203,12 @@ class RefAdam:
         self.eps = eps
         self.weight_decay = weight_decay
         self.decoupled_weight_decay = decoupled_weight_decay
+        self.amsgrad = amsgrad
+        self.maximize = maximize
         self.t = 0
         self.exp_avg = None
         self.exp_avg_sq = None
+        self.max_exp_avg_sq = None
 
     def step(self, params, grads):
         """Updates the float64 arrays in params in place from grads (same keys)."""
@@ -210,11 +216,15 @@ class RefAdam:
         if self.exp_avg is None:  # state is created at the first step
             self.exp_avg = {k: np.zeros_like(p, dtype=np.float64) for k, p in params.items()}
             self.exp_avg_sq = {k: np.zeros_like(p, dtype=np.float64) for k, p in params.items()}
+        if self.amsgrad and self.max_exp_avg_sq is None:
+            self.max_exp_avg_sq = {k: np.zeros_like(p, dtype=np.float64) for k, p in params.items()}
         self.t += 1
         bc1 = 1.0 - b1 ** self.t
         bc2 = 1.0 - b2 ** self.t
         for k, p in params.items():
             g = np.asarray(grads[k], dtype=np.float64)
+            if self.maximize:
+                g = -g
             if self.decoupled_weight_decay:
                 p *= 1.0 - self.lr * self.weight_decay
             elif self.weight_decay != 0:
@@ -225,14 +235,17 @@ class RefAdam:
             m += (1.0 - b1) * g
             v *= b2
             v += (1.0 - b2) * g * g
+            if self.amsgrad:
+                np.maximum(self.max_exp_avg_sq[k], v, out=self.max_exp_avg_sq[k])
+                v = self.max_exp_avg_sq[k]
             denom = np.sqrt(v) / np.sqrt(bc2) + self.eps
             p -= (self.lr / bc1) * m / denom
 
 
 class RefSGD:
-    """torch.optim.SGD with momentum, dampening, nesterov and L2 weight decay."""
+    """torch.optim.SGD with momentum, dampening, nesterov, L2 weight decay and maximize."""
 
-    def __init__(self, lr=0.01, momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0):
+    def __init__(self, lr=0.01, momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0, maximize=False):
         if lr < 0:
             raise ValueError("Invalid learning rate: %r" % lr)
         if momentum < 0:
@@ -246,6 +259,7 @@ class RefSGD:
         self.dampening = dampening
         self.nesterov = nesterov
         self.weight_decay = weight_decay
+        self.maximize = maximize
         self.momentum_buffer = None
 
     def step(self, params, grads):
@@ -256,6 +270,8 @@ class RefSGD:
             self.momentum_buffer = {}
         for k, p in params.items():
             g = np.asarray(grads[k], dtype=np.float64)
+            if self.maximize:
+                g = -g
             if self.weight_decay != 0:
                 g = g + self.weight_decay * p
             if mu != 0:

@@ -334,8 +334,10 @@ def _with_state(c, change):
                  r"epsilon", id="eps-negative-after-a-good-lr"),
     pytest.param(lambda c: _with_state(c, lambda sd: sd["param_groups"][0].update({"decoupled_weight_decay": "yes"})),
                  r"decoupled_weight_decay must be a bool", id="adamw-flag-not-bool"),
-    pytest.param(lambda c: _with_state(c, lambda sd: sd["param_groups"][0].update({"amsgrad": True})),
-                 r"amsgrad=True is not supported", id="amsgrad"),
+    pytest.param(lambda c: _with_state(c, lambda sd: sd["param_groups"][0].update({"amsgrad": "yes"})),
+                 r"amsgrad must be a bool", id="amsgrad-not-bool"),
+    pytest.param(lambda c: _with_state(c, lambda sd: sd["param_groups"][0].update({"differentiable": True})),
+                 r"differentiable=True is not supported", id="differentiable"),
 ])
 def test_optimizer_load_state_dict_checks_everything_before_it_changes_anything(ctx, make, match):
     bad = make(ctx)

@@ -110,6 +110,7 @@ def test_train_save_writes_a_loadable_model(trained):
     (["plan", "--optimizer-shards", "0"], r"--optimizer-shards: expected an int >= 1"),
     (["plan", "--momentum", "0.9"], r"--momentum is SGD's; adam has betas"),
     (["train", "--optimizer", "adamw", "--momentum", "0.9"], r"--momentum is SGD's; adamw has betas"),
+    (["train", "--optimizer", "sgd", "--amsgrad"], r"--amsgrad is Adam's and AdamW's"),
     (["train", "--zero"], r"--zero shards the optimizer's state over the ranks of a --distributed run"),
     (["train", "--memory-limit", "lots"], r"lots"),
     (["train", "--max-grad-norm", "0"], r"--max-grad-norm: expected a number > 0"),
@@ -136,10 +137,10 @@ def test_bad_arguments_exit_nonzero_with_a_message(tmp_path, args, pattern):
 @needs_fashion
 def test_train_with_adamw_clips_gradients_and_reports_their_norm(tmp_path):
     r = run_cli(["train", "--epochs", "1", "--layers", "784,32,10", "--batch-size", "256", "--no-progress",
-                 "--optimizer", "adamw", "--weight-decay", "0.05", "--max-grad-norm", "0.5", "--no-bias-decay"],
-                tmp_path)
+                 "--optimizer", "adamw", "--weight-decay", "0.05", "--max-grad-norm", "0.5", "--no-bias-decay",
+                 "--amsgrad"], tmp_path)
     assert r.returncode == 0, r.stderr
-    assert "gradient norm clipped to 0.5" in r.stdout and "adamw lr 0.001" in r.stdout
+    assert "gradient norm clipped to 0.5" in r.stdout and "adamw (AMSGrad) lr 0.001" in r.stdout
     assert "weight decay 0.05 on the weights only" in r.stdout
     norm = float(re.search(r"mean gradient norm ([0-9.e+-]+)", r.stdout).group(1))
     assert norm > 0

@@ -413,6 +413,9 @@ OPTIMIZERS = [
     ("sgd", dict(lr=0.1)),
     ("sgd", dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-3)),
     ("sgd", dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4)),
+    ("adam", dict(lr=1e-3, weight_decay=1e-2, amsgrad=True, maximize=True)),
+    ("adamw", dict(lr=3e-3, weight_decay=0.1, amsgrad=True)),
+    ("sgd", dict(lr=0.05, momentum=0.9, weight_decay=1e-3, maximize=True)),
 ]
 
 
@@ -742,7 +745,7 @@ PARAM_GROUPS = [{"params": ["fc1.weight", "fc2.weight"], "lr": 3e-3},
 
 
 @needs_gpu
-@pytest.mark.parametrize("kind", ["adam", "adamw", "sgd"])
+@pytest.mark.parametrize("kind", ["adam", "adamw", "sgd", "adam-amsgrad"])
 def test_param_groups_step_like_the_cpu(kind):
     """Each group's part of the parameters at its own rate and weight decay, on the device as on
     the CPU; a group's rate changed between steps too."""
@@ -750,6 +753,8 @@ def test_param_groups_step_like_the_cpu(kind):
     batches = [margin_batch(sizes, 31, seed=s)[1:] for s in range(4)]
     cpu, gpu = pair(sizes)
     config = dict(lr=0.05, momentum=0.9, weight_decay=1e-2) if kind == "sgd" else dict(lr=1e-3, weight_decay=0.1)
+    if kind == "adam-amsgrad":
+        kind, config = "adam", dict(config, amsgrad=True, maximize=True)
     opts = [make_optimizer(m, kind, dict(config, param_groups=PARAM_GROUPS)) for m in (cpu, gpu)]
     for i, (x, y) in enumerate(batches):
         if i == 2:
@@ -830,6 +835,50 @@ def test_param_groups_in_a_replayed_step_equal_the_eager_loop(device, schedule):
     assert [g["lr"] for g in opt_g.param_groups] == [g["lr"] for g in opt.param_groups]
     assert same(graph.state_dict(), eager.state_dict())
     assert sum(h["skipped_steps"] for h in history) == skipped and (skipped > 0) == (amp is not None)
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")  # a skipped first step, as torch warns
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("amp", [None, "fp16"])
+def test_amsgrad_turned_on_between_fits_replays_as_the_eager_loop_steps(device, amp):
+    """AMSGrad turned on after a fit: the next fit's first step adds its maximum to the state
+    (outside any capture) and the steps captured after it read it; maximize turned on then too.
+    Every step, replayed or skipped on the device, equals the eager loop bit for bit."""
+    sizes, batch, steps = [784, 64, 10], 32, 4
+    rng = np.random.default_rng(23)
+    x = rng.standard_normal((batch * steps, 784)).astype(np.float32)
+    y = rng.integers(0, 10, batch * steps)
+
+    def scaler():
+        return cmlp.amp.GradScaler(init_scale=2.0**30) if amp else None
+
+    graph = cmlp.MLP(sizes, device=device, seed=0)
+    opt_g = cmlp.optim.Adam(graph, lr=1e-2)
+    t_graph = cmlp.Trainer(graph, opt_g, batch_size=batch, shuffle=False, amp=amp, scaler=scaler())
+    eager = cmlp.MLP(sizes, device=device, seed=0)
+    opt = cmlp.optim.Adam(eager, lr=1e-2)
+    gs = scaler()
+    for epoch in range(3):
+        if epoch == 1:
+            opt_g.amsgrad = opt.amsgrad = True
+        if epoch == 2:
+            opt_g.param_groups[0]["maximize"] = opt.param_groups[0]["maximize"] = True
+        t_graph.fit(x, y, epochs=1, progress=False)
+        for i in range(steps):
+            opt.zero_grad()
+            eager.forward_backward(x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch], amp=amp,
+                                   loss_scale=gs.get_scale() if gs else 1.0)
+            if gs:
+                gs.step(opt)
+                gs.update()
+            else:
+                opt.step()
+        assert same(graph.state_dict(), eager.state_dict()), epoch
+    mine, theirs = opt_g.state_dict()["state"], opt.state_dict()["state"]
+    assert sorted(mine[0]) == sorted(theirs[0]) == ["exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"]
+    for i in mine:
+        assert same({k: v for k, v in mine[i].items() if k != "step"},
+                    {k: v for k, v in theirs[i].items() if k != "step"})
 
 
 @pytest.mark.parametrize("device", DEVICES)

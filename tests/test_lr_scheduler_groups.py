@@ -521,3 +521,48 @@ def test_a_trainer_steps_a_schedule_of_every_group():
     cmlp.Trainer(opt.model, opt, batch_size=16).fit(x, y, epochs=2, progress=False, scheduler=sched)
     assert opt._group_lrs() == sched.get_last_lr() == [0.5 * 0.25, 0.1 * 0.25, 0.03 * 0.25]
     assert all(math.isfinite(v) for v in opt.model._c.get_params())
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_one_cycle_keeps_its_settings_in_the_groups_and_torch_resumes_from_a_cmlp_checkpoint(kind):
+    """As torch's, OneCycleLR writes max_lr, min_lr and the momenta into every param group, so that
+    the optimizer's state_dict carries them: torch's OneCycleLR resumes from cmlp's checkpoint and
+    steps on as cmlp's does, and a value set in a group is the one the next step takes."""
+    torch, opt, topt = pair(3, kind)
+    kw = dict(max_lr=[0.5, 0.2, 0.1], total_steps=STEPS)
+    sched = S.OneCycleLR(opt, **kw)
+    for _ in range(7):
+        sched.step()
+    ts = torch.optim.lr_scheduler.OneCycleLR(topt, **kw)
+    for key in ("initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum"):
+        assert [g[key] for g in opt.param_groups] == [g[key] for g in topt.param_groups], key
+    saved = opt.state_dict()
+    topt.load_state_dict({"state": {}, "param_groups": [{**g, "params": t["params"]} for g, t in
+                                                         zip(saved["param_groups"], topt.state_dict()["param_groups"])]})
+    ts.load_state_dict(sched.state_dict())
+    for _ in range(5):
+        sched.step()
+        ts.step()
+        assert sched.get_last_lr() == ts.get_last_lr()
+        assert momenta(opt, kind) == momenta(topt, kind)
+    for o in (opt, topt):
+        o.param_groups[1]["max_lr"] = 0.3
+        o.param_groups[2]["min_lr"] = 1e-3
+    sched.step()
+    ts.step()
+    assert sched.get_last_lr() == ts.get_last_lr()
+    # a group's value that no rate can take is refused, and nothing moves
+    before = (sched.last_epoch, group_lrs(opt))
+    opt.param_groups[0]["max_lr"] = -1.0
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['max_lr'\] must be a finite number >= 0"):
+        sched.step()
+    assert (sched.last_epoch, group_lrs(opt)) == before
+
+
+def test_one_cycle_refuses_a_negative_max_lr_in_any_group_and_changes_nothing():
+    opt = cmlp_optimizer(3)
+    before = unchanged(opt)
+    for max_lr in (-0.1, [0.1, -0.1, 0.1], float("inf")):
+        with pytest.raises(ValueError, match="max_lr must be a finite rate >= 0"):
+            S.OneCycleLR(opt, max_lr=max_lr, total_steps=10)
+        assert unchanged(opt) == before

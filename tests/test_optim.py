@@ -30,6 +30,9 @@ ADAM_CASES = [
     {"weight_decay": 0.01},
     {"betas": (0.8, 0.99), "eps": 1e-6},
     {"lr": 3e-3, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.01},
+    {"amsgrad": True},
+    {"lr": 3e-3, "weight_decay": 0.01, "amsgrad": True, "maximize": True},
+    {"maximize": True},
 ]
 SGD_CASES = [
     {},
@@ -39,6 +42,8 @@ SGD_CASES = [
     {"lr": 0.02, "momentum": 0.9, "nesterov": True},
     {"lr": 0.05, "weight_decay": 1e-3},
     {"lr": 0.02, "momentum": 0.9, "weight_decay": 1e-3},
+    {"lr": 0.05, "maximize": True},
+    {"lr": 0.02, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-3, "maximize": True},
 ]
 
 
@@ -120,7 +125,8 @@ def test_adam_trajectory(kwargs):
                           seed=1, guard_tiny=True)
 
 
-ADAMW_CASES = [{}, {"lr": 3e-3, "weight_decay": 0.1}, {"betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.5}]
+ADAMW_CASES = [{}, {"lr": 3e-3, "weight_decay": 0.1}, {"betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.5},
+               {"lr": 3e-3, "weight_decay": 0.1, "amsgrad": True, "maximize": True}]
 
 
 @pytest.mark.parametrize("kwargs", ADAMW_CASES, ids=case_id)
@@ -560,8 +566,10 @@ def test_a_refused_setting_changes_nothing():
         sgd.param_groups[0]["params"] = [0]
     with pytest.raises(ValueError, match="no 'betas'"):
         sgd.param_groups[0]["betas"] = (0.9, 0.99)
-    with pytest.raises(ValueError, match="amsgrad=True is not supported"):
-        adam.param_groups[0]["amsgrad"] = True
+    with pytest.raises(ValueError, match="amsgrad must be a bool"):
+        adam.param_groups[0]["amsgrad"] = "yes"
+    with pytest.raises(ValueError, match="maximize must be a bool"):
+        sgd.maximize = 1
     assert (adam.state_dict()["param_groups"], sgd.state_dict()["param_groups"]) == before
 
 
@@ -590,16 +598,24 @@ def test_torchs_implementation_flags_are_taken_and_unsupported_ones_refused():
         opt = make(foreach=True, fused=None, differentiable=False, maximize=False)
         group = opt.state_dict()["param_groups"][0]
         assert group["foreach"] is True and group["fused"] is None and group["differentiable"] is False
+        assert group["maximize"] is False
         opt.param_groups[0]["fused"] = True
         assert opt.param_groups[0]["fused"] is True
-        for flag in ("maximize", "differentiable"):
-            with pytest.raises(ValueError, match=f"{flag}=True is not supported"):
-                make(**{flag: True})
+        with pytest.raises(ValueError, match="differentiable=True is not supported"):
+            make(differentiable=True)
+        with pytest.raises(ValueError, match="differentiable=True is not supported"):
+            opt.param_groups[0]["differentiable"] = True
         with pytest.raises(TypeError):
             make(foreach="yes")
-    cmlp.optim.Adam(model, 1e-3, (0.9, 0.999), 1e-8, 0.0, False, capturable=True)  # torch's positions
-    with pytest.raises(ValueError, match="amsgrad=True is not supported"):
-        cmlp.optim.Adam(model, amsgrad=True)
+        with pytest.raises(TypeError):
+            make(maximize="yes")
+        climbing = make(maximize=True)
+        assert climbing.param_groups[0]["maximize"] is True and climbing.maximize is True
+    opt = cmlp.optim.Adam(model, 1e-3, (0.9, 0.999), 1e-8, 0.0, True, capturable=True)  # torch's positions
+    assert opt.amsgrad is True and opt.param_groups[0]["amsgrad"] is True
+    sgd = cmlp.optim.SGD(model)
+    with pytest.raises(ValueError, match="SGD has no 'amsgrad' setting"):
+        sgd.param_groups[0]["amsgrad"] = True
 
 
 def test_param_groups_update_is_all_or_nothing_and_initial_lr_is_a_rate():
@@ -717,3 +733,99 @@ def theirs_state_keys(kind):
 
 def same_arrays(a, b):
     return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def torch_twin(torch, model):
+    """torch Linear layers holding the model's parameters, and a function of their logits."""
+    layers = [torch.nn.Linear(a, b) for a, b in zip(SIZES[:-1], SIZES[1:])]
+    with torch.no_grad():
+        for i, layer in enumerate(layers):
+            layer.weight.copy_(torch.from_numpy(model.state_dict()[f"fc{i + 1}.weight"]))
+            layer.bias.copy_(torch.from_numpy(model.state_dict()[f"fc{i + 1}.bias"]))
+
+    def logits(x):
+        h = torch.from_numpy(x)
+        for i, layer in enumerate(layers):
+            h = layer(h) if i == len(layers) - 1 else torch.relu(layer(h))
+        return h
+
+    return layers, logits
+
+
+def as_numpy_state(sd):
+    return {"state": {k: {n: (v.numpy() if hasattr(v, "numpy") else v) for n, v in e.items()}
+                      for k, e in sd["state"].items()}, "param_groups": sd["param_groups"]}
+
+
+@pytest.mark.parametrize("kind,kwargs", [("Adam", {"amsgrad": True}), ("Adam", {"maximize": True, "weight_decay": 0.1}),
+                                         ("AdamW", {"amsgrad": True, "maximize": True}),
+                                         ("SGD", {"lr": 0.05, "momentum": 0.9, "maximize": True})],
+                         ids=lambda v: v if isinstance(v, str) else case_id(v))
+def test_amsgrad_and_maximize_follow_torch_and_their_state_dicts_load_both_ways(kind, kwargs):
+    torch = pytest.importorskip("torch")
+    model = cmlp.MLP(SIZES, seed=2)
+    layers, logits = torch_twin(torch, model)
+    theirs = getattr(torch.optim, kind)([p for layer in layers for p in layer.parameters()], **kwargs)
+    mine = getattr(cmlp.optim, kind)(model, **kwargs)
+    rng = np.random.default_rng(3)
+    for step in range(12):
+        x, y = rng.standard_normal((BATCH, SIZES[0])).astype(np.float32), rng.integers(0, SIZES[-1], BATCH)
+        theirs.zero_grad()
+        torch.nn.functional.cross_entropy(logits(x), torch.from_numpy(y)).backward()
+        theirs.step()
+        cmlp_step(model, mine, x, y)
+        if step == 5:  # each takes the other's state and goes on from it
+            ours, torchs = mine.state_dict(), as_numpy_state(theirs.state_dict())
+            assert [sorted(e) for e in ours["state"].values()] == [sorted(e) for e in torchs["state"].values()]
+            assert ours["param_groups"][0].keys() >= {k for k in torchs["param_groups"][0] if k != "fused"}
+            for key in ("amsgrad", "maximize"):
+                if key in torchs["param_groups"][0]:
+                    assert ours["param_groups"][0][key] == torchs["param_groups"][0][key]
+            mine.load_state_dict(torchs)
+            theirs.load_state_dict({"state": {k: {n: torch.tensor(v) for n, v in e.items()}
+                                              for k, e in ours["state"].items()},
+                                    "param_groups": theirs.state_dict()["param_groups"]})
+    got = model.state_dict()
+    for i, layer in enumerate(layers):
+        assert rel_err(got[f"fc{i + 1}.weight"], layer.weight.detach().numpy()) < 1e-5
+        assert rel_err(got[f"fc{i + 1}.bias"], layer.bias.detach().numpy()) < 1e-5
+
+
+def test_amsgrad_turned_on_after_steps_starts_its_maximum_there_and_off_keeps_it():
+    model = cmlp.MLP(SIZES, seed=4)
+    start = {k: v.astype(np.float64) for k, v in model.state_dict().items()}
+    ref = RefAdam(lr=3e-3)
+    ref_model = RefMLP(SIZES, {k: v.copy() for k, v in start.items()})
+    opt = cmlp.optim.Adam(model, lr=3e-3)
+    rng = np.random.default_rng(8)
+    for step in range(10):
+        x, y = draw_batch(ref_model, rng, BATCH, MARGIN)
+        if step == 4:  # on: the reference makes its maximum at the next step, from zeros, as cmlp
+            opt.amsgrad = ref.amsgrad = True
+        if step == 8:
+            opt.param_groups[0]["amsgrad"] = ref.amsgrad = False
+        _, grads = ref_model.loss_and_grads(x, y)
+        ref.step(ref_model.params, grads)
+        cmlp_step(model, opt, x, y)
+        names = sorted(opt.state[0])
+        assert names == (["exp_avg", "exp_avg_sq", "step"] if step < 4 else
+                         ["exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"]), (step, names)
+    got = model.state_dict()
+    kept = opt.state_dict()["state"]
+    for i, name in enumerate(got):
+        assert rel_err(got[name], ref_model.params[name]) < 1e-5, name
+        assert rel_err(kept[i]["max_exp_avg_sq"], ref.max_exp_avg_sq[name]) < 1e-5, name
+    # the kept maximum stays as it was once AMSGrad is off, and a state_dict with it loads anywhere
+    twin = cmlp.optim.Adam(cmlp.MLP(SIZES, seed=4))
+    twin.load_state_dict(opt.state_dict())
+    assert twin.amsgrad is False and sorted(twin.state[0]) == sorted(opt.state[0])
+    bad = opt.state_dict()
+    del bad["state"][0]["exp_avg"]
+    for e in bad["state"].values():
+        e.pop("exp_avg", None)
+    with pytest.raises(ValueError, match="without exp_avg and exp_avg_sq"):
+        twin.load_state_dict(bad)
+    neg = opt.state_dict()
+    neg["state"][1]["max_exp_avg_sq"][0] = -1.0
+    with pytest.raises(ValueError, match="max_exp_avg_sq must be >= 0"):
+        twin.load_state_dict(neg)

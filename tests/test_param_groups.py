@@ -372,4 +372,39 @@ def test_named_parameters_pairs_are_taken_as_torch_takes_them():
     assert [g["params"] for g in opt.param_groups] == [[0, 1, 2], [3, 4, 5]]
     opt = cmlp.optim.AdamW(model, param_groups=[{"params": named[:3]}, {"params": named[3:]}])
     assert [g["params"] for g in opt.param_groups] == [[0, 1, 2], [3, 4, 5]]
+    # as torch's, each group records the names it was given, and the groups are all named or none
+    assert [g["param_names"] for g in opt.state_dict()["param_groups"]] == [[n for n, _ in named[:3]],
+                                                                           [n for n, _ in named[3:]]]
+    unnamed = cmlp.optim.SGD(model.parameters())
+    assert "param_names" not in unnamed.param_groups[0]
+    with pytest.raises(ValueError, match="with/without names"):
+        cmlp.optim.AdamW([{"params": named[:3]}, {"params": [p for _, p in named[3:]]}])
+    with pytest.raises(ValueError, match="Some param names are missing"):
+        cmlp.optim.AdamW([{"params": named[:3] + [p for _, p in named[3:]]}])
+    torch = pytest.importorskip("torch")
+    layers = torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in zip(SIZES[:-1], SIZES[1:])])
+    theirs = torch.optim.AdamW([{"params": list(layers.named_parameters())[:3]},
+                                {"params": list(layers.named_parameters())[3:]}])
+    assert [len(g["param_names"]) for g in theirs.param_groups] == [len(g["param_names"]) for g in opt.param_groups]
 
+
+
+@pytest.mark.parametrize("kind", ["adam", "sgd"])
+def test_a_loaded_group_without_a_rate_or_weight_decay_keeps_its_own(kind):
+    """load_state_dict fills a key a loaded group lacks from that group's setting (never from the
+    first group's), and param_groups is a new list each time: changing it changes no optimizer."""
+    _, opt = make(kind)
+    before = [(g["lr"], g["weight_decay"]) for g in opt.param_groups]
+    saved = opt.state_dict()
+    for group in saved["param_groups"][1:]:
+        del group["lr"], group["weight_decay"]
+    opt.load_state_dict(saved)
+    assert [(g["lr"], g["weight_decay"]) for g in opt.param_groups] == before
+    groups = opt.param_groups
+    groups.append({"params": [], "lr": 1.0})
+    groups.pop(0)
+    assert len(opt.param_groups) == 3 and opt.param_groups[0]["params"] == [0, 1]
+    copied = opt.param_groups[2].copy()
+    assert type(copied) is dict and copied == dict(opt.param_groups[2])
+    copied["lr"] = 1.0
+    assert opt.param_groups[2]["lr"] == before[2][0]

@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import cmlp
@@ -30,6 +31,8 @@ GRID = [(layers, b, o, a, False) for layers in LAYERS for b in BATCHES for o in 
 GRID += [(layers, b, o, a, True) for layers in LAYERS for b in BATCHES for o in OPTIMIZERS for a in AMPS]
 # two micro-batches per optimizer step: the step's buffers cannot share the gradients
 GRID += [(layers, b, "adam", a, False, 2) for layers in LAYERS for b in (1, 32) for a in AMPS]
+# AMSGrad's third state buffer
+GRID += [(layers, b, "adam_amsgrad", a, False) for layers in LAYERS[:2] for b in (1, 500) for a in (None, "fp16")]
 
 
 def _env():
@@ -61,8 +64,8 @@ import cmlp
 M = cmlp.memory
 
 def make_optimizer(model, name):
-    if name == "adam":
-        return cmlp.optim.Adam(model, lr=1e-3)
+    if name.startswith("adam"):
+        return cmlp.optim.Adam(model, lr=1e-3, amsgrad=name == "adam_amsgrad")
     return cmlp.optim.SGD(model, lr=0.01, momentum=0.9 if name == "sgd_momentum" else 0.0)
 
 def run(layers, batch, opt_name, amp, recompute=False, accumulation=1):
@@ -137,10 +140,10 @@ def test_breakdown_categories_and_values(grid_runs, cfg):
                        "data", "evaluation"]
     assert d["evaluation"] == 0  # no validation planned
     assert n == sum(i * o + o for i, o in zip(layers, layers[1:]))
-    assert r["plan_optimizer"] == ("adam" if opt == "adam" else "sgd")
+    assert r["plan_optimizer"] == ("adam" if opt.startswith("adam") else "sgd")
     assert d["parameters"] == 4 * n
     assert d["gradients"] == 4 * n
-    assert d["optimizer_state"] == {"adam": 8, "sgd": 0, "sgd_momentum": 4}[opt] * n
+    assert d["optimizer_state"] == {"adam": 8, "adam_amsgrad": 12, "sgd": 0, "sgd_momentum": 4}[opt] * n
     assert d["half_weights"] == (2 * n if amp else 0)
     assert d["data"] == 0  # float32 C-contiguous input is read in place on the CPU
 
@@ -226,7 +229,9 @@ def test_planned_reserved_matches_a_fresh_process():
 def test_plan_accepts_optimizer_objects_and_names():
     model = cmlp.MLP([20, 30, 5], seed=0)
     for opt, name in ((cmlp.optim.Adam(model), "adam"), (cmlp.optim.SGD(model, lr=0.1), "sgd"),
-                      (cmlp.optim.SGD(model, lr=0.1, momentum=0.9), "sgd_momentum")):
+                      (cmlp.optim.SGD(model, lr=0.1, momentum=0.9), "sgd_momentum"),
+                      (cmlp.optim.Adam(model, amsgrad=True), "adam_amsgrad"),
+                      (cmlp.optim.AdamW(model, amsgrad=True), "adamw_amsgrad")):
         by_object, by_name = M.plan([20, 30, 5], 16, opt), M.plan([20, 30, 5], 16, name)
         assert by_object.breakdown == by_name.breakdown
         assert by_object.peak_bytes == by_name.peak_bytes and by_object.reserved_bytes == by_name.reserved_bytes
@@ -400,6 +405,7 @@ def test_cli_plan_with_a_budget_lists_the_ways_to_fit_a_step(tmp_path):
     (["--amp", "bf16", "--optimizer", "sgd", "--momentum", "0.9", "--batch-size", "100"], [784, 512, 256, 10], 100,
      "sgd_momentum", "bf16"),
     (["--layers", "100,300,10", "--batch-size", "7", "--device", "cpu"], [100, 300, 10], 7, "adam", None),
+    (["--amsgrad", "--optimizer", "adamw", "--batch-size", "64"], [784, 512, 256, 10], 64, "adamw_amsgrad", None),
 ])
 def test_cli_plan_options(tmp_path, args, layers, batch, opt, amp):
     r = _cli([*args, "--budget", "64MB"], tmp_path)
@@ -427,6 +433,7 @@ def test_cli_plan_when_nothing_fits(tmp_path):
     (["--amp", "fp8"], "--amp"),
     (["--optimizer", "rmsprop"], "--optimizer"),
     (["--device", "tpu"], "tpu"),
+    (["--optimizer", "sgd", "--amsgrad"], "--amsgrad is Adam's"),
 ])
 def test_cli_plan_errors_exit_2_with_a_message(tmp_path, args, needle):
     r = _cli(args, tmp_path)
@@ -444,6 +451,26 @@ def test_adamw_keeps_what_adam_keeps():
     assert cmlp.memory.plan([784, 512, 256, 10], 32, cmlp.optim.AdamW(model)).peak_bytes == b.peak_bytes
     with pytest.raises(ValueError, match="adamw"):
         cmlp.memory.plan([784, 512, 256, 10], 32, "lamb")
+
+
+def test_amsgrad_plans_the_buffers_its_optimizer_holds_at_its_next_step():
+    """A third buffer with AMSGrad; turned on after steps, the next step makes it (planned), and
+    turned off it stays (still planned, as it is still held)."""
+    sizes = [20, 30, 5]
+    two, three = (cmlp.memory.plan(sizes, 8, name).breakdown["optimizer_state"] for name in ("adam", "adam_amsgrad"))
+    model = cmlp.MLP(sizes, seed=0)
+    assert three == 3 * 4 * model.num_parameters() and two * 3 == three * 2
+    opt = cmlp.optim.Adam(model)
+    x, y = np.ones((8, 20), np.float32), np.zeros(8, np.int64)
+    model.forward_backward(x, y)
+    opt.step()
+    assert cmlp.memory.plan(sizes, 8, opt).breakdown["optimizer_state"] == two
+    opt.amsgrad = True
+    assert cmlp.memory.plan(sizes, 8, opt).breakdown["optimizer_state"] == three
+    opt.step()
+    opt.amsgrad = False
+    assert cmlp.memory.plan(sizes, 8, opt).breakdown["optimizer_state"] == three
+    assert len(opt.state[0]) == 4  # step, exp_avg, exp_avg_sq, max_exp_avg_sq
 
 
 def test_a_sharded_optimizer_state_is_planned_for_the_first_rank():

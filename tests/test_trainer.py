@@ -430,3 +430,40 @@ def test_a_progress_bar_that_cannot_draw_does_not_stop_training(monkeypatch):
             broken.close()
         except OSError:
             pass
+
+
+@pytest.mark.parametrize("kind,kwargs,amp", [("Adam", {"amsgrad": True}, None),
+                                             ("AdamW", {"amsgrad": True, "maximize": True}, None),
+                                             ("Adam", {"amsgrad": True}, "fp16"),
+                                             ("SGD", {"momentum": 0.9, "maximize": True}, None)])
+def test_fit_steps_amsgrad_and_maximize_as_the_optimizer_steps_alone(kind, kwargs, amp):
+    """The epoch loop's steps (bookkeeping on the device's side) and optimizer.step() give the
+    same bits, AMSGrad's maximum included; maximize climbs the loss."""
+    x, y = teacher_data(96)
+    lr = 0.05 if kind == "SGD" else 1e-2
+    model = cmlp.MLP(SIZES, seed=1)
+    opt = getattr(cmlp.optim, kind)(model, lr=lr, **kwargs)
+    trainer = cmlp.Trainer(model, opt, batch_size=32, shuffle=False, amp=amp,
+                           scaler=cmlp.amp.GradScaler(init_scale=2.0**10) if amp else None)
+    history = trainer.fit(x, y, epochs=2, progress=False)
+    twin = cmlp.MLP(SIZES, seed=1)
+    topt = getattr(cmlp.optim, kind)(twin, lr=lr, **kwargs)
+    scaler = cmlp.amp.GradScaler(init_scale=2.0**10) if amp else None
+    for _ in range(2):
+        for a in range(0, 96, 32):
+            topt.zero_grad()
+            if amp:
+                twin.forward_backward(x[a:a + 32], y[a:a + 32], amp=amp, loss_scale=scaler.get_scale())
+                scaler.step(topt)
+                scaler.update()
+            else:
+                twin.forward_backward(x[a:a + 32], y[a:a + 32])
+                topt.step()
+    assert_params_equal(model, twin)
+    mine, theirs = opt.state_dict()["state"], topt.state_dict()["state"]
+    assert sorted(mine[0]) == sorted(theirs[0])
+    for i in mine:
+        for key in mine[i]:
+            np.testing.assert_array_equal(mine[i][key], theirs[i][key], err_msg=f"{i} {key}")
+    if kwargs.get("maximize"):
+        assert history[-1]["loss"] > history[0]["loss"]

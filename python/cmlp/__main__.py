@@ -91,6 +91,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="weight decay on the weights only: the biases in a param group of their own without it")
     t.add_argument("--lr", type=_rate, default=None, help="default: 1e-3 for adam, 0.01 for sgd")
     t.add_argument("--momentum", type=_rate, default=0.0, help="sgd only")
+    t.add_argument("--amsgrad", action="store_true", help="adam and adamw: AMSGrad (torch's amsgrad=True)")
     t.add_argument("--layers", type=_layers, default=[784, 512, 256, 10])
     t.add_argument("--memory-limit", type=_size, default=None, help="e.g. 256MB")
     t.add_argument("--max-grad-norm", type=_positive, default=None,
@@ -121,6 +122,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--amp", choices=["fp16", "bf16"], default=None)
     pl.add_argument("--optimizer", choices=["adam", "adamw", "sgd"], default="adam")
     pl.add_argument("--momentum", type=_rate, default=0.0, help="sgd only: a momentum buffer when not 0")
+    pl.add_argument("--amsgrad", action="store_true", help="adam and adamw: AMSGrad's third state buffer")
     pl.add_argument("--device", default="cpu")
     pl.add_argument("--optimizer-shards", type=_count, default=1, metavar="RANKS",
                     help="the optimizer's state sharded over this many ranks (train --distributed --zero)")
@@ -212,9 +214,10 @@ def _run(a: argparse.Namespace, rank: int, ranks: int) -> int:
     lr, wd = a.lr, a.weight_decay
     kind: Any
     if a.optimizer == "adam":
-        kind, kw = optim.Adam, dict(lr=1e-3 if lr is None else lr, weight_decay=wd or 0.0)
+        kind, kw = optim.Adam, dict(lr=1e-3 if lr is None else lr, weight_decay=wd or 0.0, amsgrad=a.amsgrad)
     elif a.optimizer == "adamw":
-        kind, kw = optim.AdamW, dict(lr=1e-3 if lr is None else lr, weight_decay=1e-2 if wd is None else wd)
+        kind, kw = optim.AdamW, dict(lr=1e-3 if lr is None else lr, weight_decay=1e-2 if wd is None else wd,
+                                     amsgrad=a.amsgrad)
     else:
         kind, kw = optim.SGD, dict(lr=0.01 if lr is None else lr, momentum=a.momentum, weight_decay=wd or 0.0)
     if a.no_bias_decay:
@@ -235,7 +238,8 @@ def _run(a: argparse.Namespace, rank: int, ranks: int) -> int:
     if sched is not None:
         clip += f", {a.lr_schedule} schedule" + (f" after {a.warmup_steps} warm-up steps" if a.warmup_steps else "")
     say(f"cmlp {build_info()['version']}: MLP {'-'.join(map(str, a.layers))} ({model.num_parameters():,} "
-        f"parameters) on {model.device}, {a.optimizer} lr {kw['lr']:g}, batch {a.batch_size} x "
+        f"parameters) on {model.device}, {a.optimizer}{' (AMSGrad)' if a.amsgrad else ''} lr {kw['lr']:g}, "
+        f"batch {a.batch_size} x "
         f"{a.accumulation_steps}{group}, {a.epochs} epochs, {a.amp or 'fp32'}{clip}, {a.dataset} {len(xtr):,} train / "
         f"{len(xte):,} test")
     history = []
@@ -260,11 +264,14 @@ def _run(a: argparse.Namespace, rank: int, ranks: int) -> int:
 def _momentum_is_sgds(a: argparse.Namespace) -> None:
     if a.momentum and a.optimizer != "sgd":
         raise ValueError(f"--momentum is SGD's; {a.optimizer} has betas (--optimizer sgd to use it)")
+    if a.amsgrad and a.optimizer == "sgd":
+        raise ValueError("--amsgrad is Adam's and AdamW's (--optimizer adam or adamw to use it)")
 
 
 def _plan(a: argparse.Namespace) -> int:
     _momentum_is_sgds(a)
     optimizer = "sgd_momentum" if a.optimizer == "sgd" and a.momentum else a.optimizer
+    optimizer += "_amsgrad" if a.amsgrad else ""
     p = memory.plan(a.layers, a.batch_size, optimizer, a.amp, device=a.device, optimizer_shards=a.optimizer_shards,
                     validation_rows=a.validation_rows)
     print(p)

@@ -711,18 +711,20 @@ typedef struct {
 } OptimObject;
 
 static int Optim_init(OptimObject *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"model", "kind", "lr", "beta1", "beta2", "eps", "weight_decay", "momentum",
-                             "dampening", "nesterov", "decoupled_weight_decay", NULL};
+    static char *kwlist[] = {"model",    "kind",     "lr",       "beta1",     "beta2",
+                             "eps",      "weight_decay", "momentum", "dampening", "nesterov",
+                             "decoupled_weight_decay", "amsgrad", "maximize", NULL};
     PyObject *model;
     const char *kind;
     cmlp_adam_config ac = cmlp_adam_defaults();
     cmlp_sgd_config sc = cmlp_sgd_defaults();
     double lr, wd = 0.0;
-    int nesterov = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "Osd|ddddddpp", kwlist, &model, &kind, &lr, &ac.beta1, &ac.beta2,
+    int nesterov = 0, maximize = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "Osd|ddddddpppp", kwlist, &model, &kind, &lr, &ac.beta1, &ac.beta2,
                                      &ac.eps, &wd, &sc.momentum, &sc.dampening, &nesterov,
-                                     &ac.decoupled_weight_decay))
+                                     &ac.decoupled_weight_decay, &ac.amsgrad, &maximize))
         return -1;
+    ac.maximize = sc.maximize = maximize;
     PyObject *mod = PyType_GetModule(Py_TYPE(self));
     module_state *ms = state_of(mod);
     if (!PyObject_TypeCheck(model, ms->model_type) || model_ready((ModelObject *)model) < 0) {
@@ -882,11 +884,11 @@ static PyObject *Optim_set_state(OptimObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "LO!", &step, &PyList_Type, &bufs)) return NULL;
     if (optim_ready(self) < 0) return NULL;
     Py_ssize_t nb = PyList_GET_SIZE(bufs);
-    if (nb > 2) {
-        PyErr_SetString(PyExc_ValueError, "optimizer state has at most 2 buffers");
+    if (nb > 3) {
+        PyErr_SetString(PyExc_ValueError, "optimizer state has at most 3 buffers");
         return NULL;
     }
-    const float *ptrs[2] = {NULL, NULL};
+    const float *ptrs[3] = {NULL, NULL, NULL};
     for (Py_ssize_t i = 0; i < nb; i++)
         if (as_flat(PyList_GET_ITEM(bufs, i), cmlp_model_num_parameters(self->model->m), &ptrs[i]) < 0) return NULL;
     cmlp_status st;
@@ -896,16 +898,19 @@ static PyObject *Optim_set_state(OptimObject *self, PyObject *args) {
 }
 
 static PyObject *Optim_configure(OptimObject *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"lr",        "beta1",    "beta2",     "eps", "weight_decay", "momentum",
-                             "dampening", "nesterov", "decoupled_weight_decay", NULL};
+    static char *kwlist[] = {"lr",       "beta1",    "beta2",     "eps",      "weight_decay",
+                             "momentum", "dampening", "nesterov", "decoupled_weight_decay", "amsgrad",
+                             "maximize", NULL};
     cmlp_adam_config ac = cmlp_adam_defaults();
     cmlp_sgd_config sc = cmlp_sgd_defaults();
     double lr, wd = 0.0;
-    int nesterov = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "d|ddddddpp", kwlist, &lr, &ac.beta1, &ac.beta2, &ac.eps, &wd,
-                                     &sc.momentum, &sc.dampening, &nesterov, &ac.decoupled_weight_decay))
+    int nesterov = 0, maximize = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "d|ddddddpppp", kwlist, &lr, &ac.beta1, &ac.beta2, &ac.eps, &wd,
+                                     &sc.momentum, &sc.dampening, &nesterov, &ac.decoupled_weight_decay,
+                                     &ac.amsgrad, &maximize))
         return NULL;
     if (optim_ready(self) < 0) return NULL;
+    ac.maximize = sc.maximize = maximize;
     ac.lr = sc.lr = lr;
     ac.weight_decay = sc.weight_decay = wd;
     sc.nesterov = nesterov;
@@ -985,6 +990,11 @@ static PyObject *Optim_shards(OptimObject *self, PyObject *Py_UNUSED(unused)) {
     return Py_BuildValue("(iLLL)", n, (long long)lo, (long long)hi, (long long)chunk);
 }
 
+static PyObject *Optim_buffers_planned(OptimObject *self, PyObject *Py_UNUSED(unused)) {
+    if (optim_ready(self) < 0) return NULL;
+    return PyLong_FromLong(cmlp_optim_buffers_planned(self->o));
+}
+
 static PyMethodDef Optim_methods[] = {
     {"step", (PyCFunction)Optim_step, METH_NOARGS, "one update from the model's gradients"},
     {"get_state", (PyCFunction)Optim_get_state, METH_NOARGS, "(step, [flat float32 buffers])"},
@@ -993,6 +1003,8 @@ static PyMethodDef Optim_methods[] = {
     {"set_parts", (PyCFunction)Optim_set_parts, METH_O,
      "set_parts([(end, lr_scale, weight_decay), ...]): parameter groups' parts of the flat parameters"},
     {"shard", (PyCFunction)Optim_shard, METH_O, "keep state for this rank's part of the parameters only (or not)"},
+    {"buffers_planned", (PyCFunction)Optim_buffers_planned, METH_NOARGS,
+     "state buffers held once the next step is taken (what a plan counts)"},
     {"shards", (PyCFunction)Optim_shards, METH_NOARGS,
      "(parts, lo, hi, chunk): 0 parts when not sharded; rank r's part starts at r * chunk"},
     {"configure", (PyCFunction)(void (*)(void))Optim_configure, METH_VARARGS | METH_KEYWORDS,

@@ -429,15 +429,13 @@ class Plan:
 def _optimizer_buffers(optimizer: Any) -> Tuple[str, int]:
     from .optim import SGD, Adam
 
-    if isinstance(optimizer, Adam):
-        return "adam", 2
-    if isinstance(optimizer, SGD):
-        return ("sgd", 1) if optimizer.momentum else ("sgd", 0)
-    names = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}
+    if isinstance(optimizer, (Adam, SGD)):  # the buffers it holds and those its next step makes
+        return ("adam" if isinstance(optimizer, Adam) else "sgd"), optimizer._c.buffers_planned()
+    names = {"adam": 2, "adamw": 2, "adam_amsgrad": 3, "adamw_amsgrad": 3, "sgd": 0, "sgd_momentum": 1}
     if optimizer not in names:
-        raise ValueError(f"optimizer must be 'adam', 'adamw', 'sgd', 'sgd_momentum' or a cmlp optimizer, got "
+        raise ValueError(f"optimizer must be one of {', '.join(map(repr, names))} or a cmlp optimizer, got "
                          f"{optimizer!r}")
-    return ("adam" if optimizer == "adamw" else optimizer), names[optimizer]
+    return optimizer.replace("adamw", "adam"), names[optimizer]
 
 
 def _check_accumulation(accumulation_steps: Any) -> int:

@@ -242,6 +242,58 @@ static void test_adam_first_step(void) {
     cmlp_model_free(m);
 }
 
+/* AMSGrad turned on after steps: the next step adds its maximum beside exp_avg and exp_avg_sq
+ * (kept as they were), and turned off the maximum stays in the state, unused. */
+static void test_amsgrad_buffers(void) {
+    int sizes[] = {3, 4, 2};
+    cmlp_model *m;
+    cmlp_optim *o;
+    OK(cmlp_model_init(&m, sizes, 3, cmlp_cpu(), 5));
+    cmlp_adam_config ac = cmlp_adam_defaults();
+    OK(cmlp_optim_init_adam(&o, m, &ac));
+    float x[6] = {0.5f, -1.0f, 2.0f, 1.0f, 0.25f, -0.5f};
+    int32_t y[2] = {1, 0};
+    cmlp_data d = {.x = x, .x_dtype = CMLP_DTYPE_F32, .y = y, .n = 2};
+    double loss;
+    OK(cmlp_model_forward_backward(m, &d, 0.5f, 0.0f, CMLP_AMP_NONE, &loss));
+    OK(cmlp_optim_step(o));
+    int64_t n = cmlp_model_num_parameters(m);
+    float *b[3], *after[3];
+    for (int i = 0; i < 3; i++) b[i] = calloc((size_t)n, sizeof(float)), after[i] = calloc((size_t)n, sizeof(float));
+    OK(cmlp_optim_get_buffer(o, 0, b[0]));
+    OK(cmlp_optim_get_buffer(o, 1, b[1]));
+    CHECK(cmlp_optim_buffers_planned(o) == 2, "Adam plans 2 buffers");
+    ac.amsgrad = 1;
+    OK(cmlp_optim_configure_adam(o, &ac));
+    CHECK(cmlp_optim_num_buffers(o) == 2 && cmlp_optim_buffers_planned(o) == 3,
+          "AMSGrad turned on: %d buffers held, %d planned", cmlp_optim_num_buffers(o), cmlp_optim_buffers_planned(o));
+    OK(cmlp_model_zero_grad(m));
+    OK(cmlp_optim_step(o)); /* a zero gradient: exp_avg_sq decays, the maximum starts from it */
+    CHECK(cmlp_optim_num_buffers(o) == 3, "AMSGrad's step keeps %d buffers", cmlp_optim_num_buffers(o));
+    for (int i = 0; i < 3; i++) OK(cmlp_optim_get_buffer(o, i, after[i]));
+    int bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        bad += after[0][i] != (float)(0.9f * b[0][i]) || after[1][i] != (float)(0.999f * b[1][i]);
+        bad += after[2][i] != after[1][i];
+    }
+    CHECK(bad == 0, "AMSGrad's growth lost the state: %d differences", bad);
+    ac.amsgrad = 0;
+    OK(cmlp_optim_configure_adam(o, &ac));
+    OK(cmlp_optim_step(o));
+    OK(cmlp_optim_get_buffer(o, 2, b[2]));
+    CHECK(cmlp_optim_num_buffers(o) == 3 && memcmp(b[2], after[2], (size_t)n * sizeof(float)) == 0,
+          "AMSGrad turned off: its maximum is kept as it was");
+    ac.maximize = 2;
+    CHECK(cmlp_optim_configure_adam(o, &ac) == CMLP_ERR_INVALID, "maximize = 2 accepted");
+    const float *three[3] = {b[0], b[1], b[2]};
+    CHECK(cmlp_optim_set_state(o, 5, 1, three) == CMLP_ERR_INVALID, "Adam state of 1 buffer accepted");
+    OK(cmlp_optim_set_state(o, 5, 3, three));
+    CHECK(cmlp_optim_num_buffers(o) == 3 && cmlp_optim_get_step(o) == 5, "3 buffers loaded");
+    for (int i = 0; i < 3; i++) free(b[i]), free(after[i]);
+    cmlp_optim_free(o);
+    cmlp_model_free(m);
+}
+
 static void test_allocator(void) {
     int64_t base = allocated_now();
     void *p[200];
@@ -678,6 +730,7 @@ int main(void) {
     test_gradients();
     test_accumulation();
     test_adam_first_step();
+    test_amsgrad_buffers();
     test_allocator();
     test_determinism();
     test_clipping();

@@ -494,16 +494,22 @@ static void test_gather(void) {
 
 static void test_adam(void) {
     for (int i = 0; i < NCOUNTS; i++)
-        for (int variant = 0; variant < 8; variant++) {
-            /* bit 0: weight decay; bit 1: coefficients on the device; variant 4, 5: found_inf;
-             * 6, 7: decoupled weight decay (AdamW) */
+        for (int variants = 0; variants < 32; variants++) {
+            /* bit 0: weight decay; bit 1: coefficients on the device; variant % 8 = 4, 5: found_inf;
+             * 6, 7: decoupled weight decay (AdamW); bit 3: AMSGrad (its maximum misaligned apart from
+             * the others at odd counts, as a part of a sharded arena may be); bit 4: maximize */
             int64_t n = COUNTS[i];
+            const bool ams = variants >> 3 & 1;
+            const int maximize = variants >> 4 & 1, variant = variants % 8;
             int off = variant % 4 == 3 ? 1 : 0;
             buf p = make(n, 4, off), g = make(n, 4, off), m = make(n, 4, off), v = make(n, 4, off);
+            buf x = make(n, 4, ams && n % 2 ? !off : off), cx = make(n, 4, 0);
             buf cp = make(n, 4, 0), cm = make(n, 4, 0), cv = make(n, 4, 0);
             fill(F(p), n, 1), fill(F(g), n, 1), fill(F(m), n, 1);
             for (int64_t k = 0; k < n; k++) F(v)[k] = uniform(0.0f, 1e-3f);
+            for (int64_t k = 0; k < n; k++) F(x)[k] = uniform(0.0f, 1e-3f); /* above the new v here and there */
             memcpy(F(cp), F(p), (size_t)n * 4), memcpy(F(cm), F(m), (size_t)n * 4), memcpy(F(cv), F(v), (size_t)n * 4);
+            memcpy(F(cx), F(x), (size_t)n * 4);
             float wd = variant & 1 && variant < 6 ? 0.01f : 0.0f;
             float decay = variant >= 6 ? (float)(1.0 - 1e-3 * 0.01) : 1.0f;
             /* from the device the decay and beta1 come with the coefficients (the arguments are then
@@ -514,14 +520,31 @@ static void test_adam(void) {
             float inf = variant == 4 ? 1.0f : 0.0f;
             const float *fi = variant == 4 || variant == 5 ? &inf : NULL, *cf = variant & 2 ? coef : NULL;
             const float one_b1 = (float)(1.0 - beta1), one_b2 = (float)(1.0 - 0.999);
-            KOK(cmlp_k_adam(F(p), F(g), F(m), F(v), n, 1e-3f, beta1, 0.999f, one_b1, one_b2, 0.05f, 1e-8f, wd, decay,
-                            fi, cf, S));
-            CPU_CALL(cpu->adam(NULL, F(cp), F(g), F(cm), F(cv), n, 1e-3f, beta1, 0.999f, one_b1, one_b2, 0.05f, 1e-8f,
-                               wd, decay, fi, cf));
-            CHECK(first_diff(F(p), F(cp), n) < 0 && first_diff(F(m), F(cm), n) < 0 && first_diff(F(v), F(cv), n) < 0,
-                  "adam n %lld variant %d", (long long)n, variant);
+            KOK(cmlp_k_adam(F(p), F(g), F(m), F(v), ams ? F(x) : NULL, n, 1e-3f, beta1, 0.999f, one_b1, one_b2, 0.05f,
+                            1e-8f, wd, decay, maximize, fi, cf, S));
+            CPU_CALL(cpu->adam(NULL, F(cp), F(g), F(cm), F(cv), ams ? F(cx) : NULL, n, 1e-3f, beta1, 0.999f, one_b1,
+                               one_b2, 0.05f, 1e-8f, wd, decay, maximize, fi, cf));
+            CHECK(first_diff(F(p), F(cp), n) < 0 && first_diff(F(m), F(cm), n) < 0 && first_diff(F(v), F(cv), n) < 0 &&
+                      first_diff(F(x), F(cx), n) < 0,
+                  "adam n %lld variant %d amsgrad %d maximize %d", (long long)n, variant, ams, maximize);
             free(p.block), free(g.block), free(m.block), free(v.block), free(cp.block), free(cm.block), free(cv.block);
+            free(x.block), free(cx.block);
         }
+}
+
+/* AMSGrad and maximize against the rule worked by hand (a few elements): the maximum keeps the
+ * larger exp_avg_sq, a NaN in either gives a NaN, and maximize climbs. */
+static void test_adam_amsgrad_rule(void) {
+    float p[4] = {1.0f, 1.0f, 1.0f, 1.0f}, g[4] = {0.5f, -0.5f, 0.25f, 1.0f}, m[4] = {0, 0, 0, 0};
+    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f}, x[4] = {1.0f, 0.0f, NAN, 0.0f};
+    KOK(cmlp_k_adam(p, g, m, v, x, 4, 0.1f, 0.5f, 0.75f, 0.5f, 0.25f, 1.0f, 0.0f, 0.0f, 1.0f, 1, NULL, NULL, S));
+    /* v = 0.25 g^2 = {1/16, 1/16, 1/64, 1/4}; the maximum {1, 1/16, NaN, 1/4}; m = -g / 2;
+     * p -= 0.1 m / sqrt(max): {1 + 0.025, 1 - 0.1, NaN, 1 + 0.1} */
+    CHECK(v[0] == 0.0625f && x[0] == 1.0f && x[1] == 0.0625f && isnan(x[2]) && x[3] == 0.25f,
+          "amsgrad maximum: %g %g %g %g", x[0], x[1], x[2], x[3]);
+    CHECK(p[0] == 1.0f - 0.1f * -0.25f && p[1] == 1.0f - 0.1f * 0.25f / 0.25f && isnan(p[2]) &&
+              p[3] == 1.0f - 0.1f * -0.5f / 0.5f,
+          "amsgrad maximize update: %.9g %.9g %.9g %.9g", p[0], p[1], p[2], p[3]);
 }
 
 static void test_sgd(void) {
@@ -540,23 +563,28 @@ static void test_sgd(void) {
             buf cp = make(n, 4, 0), cb = make(n, 4, 0);
             fill(F(p), n, 1), fill(F(g), n, 1), fill(F(b), n, 1);
             memcpy(F(cp), F(p), (size_t)n * 4), memcpy(F(cb), F(b), (size_t)n * 4);
-            KOK(cmlp_k_sgd(F(p), F(g), F(b), n, 0.05f, momentum, keep, nesterov, wd, first, NULL, sp, cf, S));
-            CPU_CALL(cpu->sgd(NULL, F(cp), F(g), F(cb), n, 0.05f, momentum, keep, nesterov, wd, first, NULL, sp, cf));
+            const int maximize = variant % 13 < 4;
+            KOK(cmlp_k_sgd(F(p), F(g), F(b), n, 0.05f, momentum, keep, nesterov, wd, maximize, first, NULL, sp, cf, S));
+            CPU_CALL(cpu->sgd(NULL, F(cp), F(g), F(cb), n, 0.05f, momentum, keep, nesterov, wd, maximize, first, NULL,
+                              sp, cf));
             CHECK(first_diff(F(p), F(cp), n) < 0 && first_diff(F(b), F(cb), n) < 0, "sgd n %lld variant %d",
                   (long long)n, variant);
             float inf = 1.0f;
             memcpy(F(cp), F(p), (size_t)n * 4);
-            KOK(cmlp_k_sgd(F(p), F(g), F(b), n, 0.05f, momentum, keep, nesterov, wd, first, &inf, sp, cf, S));
+            KOK(cmlp_k_sgd(F(p), F(g), F(b), n, 0.05f, momentum, keep, nesterov, wd, maximize, first, &inf, sp, cf, S));
             CHECK(first_diff(F(p), F(cp), n) < 0, "sgd with found_inf changed the parameters");
             free(p.block), free(g.block), free(b.block), free(cp.block), free(cb.block);
         }
     /* momentum 0 never touches the buffer, which may be NULL */
     float p[5] = {1, 2, 3, 4, 5}, g[5] = {1, 1, 1, 1, 1};
-    KOK(cmlp_k_sgd(p, g, NULL, 5, 0.5f, 0.0f, 1.0f, 0, 0.0f, 0, NULL, NULL, NULL, S));
+    KOK(cmlp_k_sgd(p, g, NULL, 5, 0.5f, 0.0f, 1.0f, 0, 0.0f, 0, 0, NULL, NULL, NULL, S));
     CHECK(p[0] == 0.5f && p[4] == 4.5f, "sgd without momentum: %g %g", p[0], p[4]);
+    KOK(cmlp_k_sgd(p, g, NULL, 5, 0.5f, 0.0f, 1.0f, 0, 0.0f, 1, 0, NULL, NULL, NULL, S)); /* maximize: back up */
+    CHECK(p[0] == 1.0f && p[4] == 5.0f, "sgd maximize without momentum: %g %g", p[0], p[4]);
+    KOK(cmlp_k_sgd(p, g, NULL, 5, 0.5f, 0.0f, 1.0f, 0, 0.0f, 0, 0, NULL, NULL, NULL, S));
     /* the rate (and momentum 0) on the device win over the arguments */
     const float rate[2] = {0.25f, 0.0f};
-    KOK(cmlp_k_sgd(p, g, NULL, 5, 0.5f, 0.0f, 1.0f, 0, 0.0f, 0, NULL, NULL, rate, S));
+    KOK(cmlp_k_sgd(p, g, NULL, 5, 0.5f, 0.0f, 1.0f, 0, 0.0f, 0, 0, NULL, NULL, rate, S));
     CHECK(p[0] == 0.25f && p[4] == 4.25f, "sgd at the device's rate: %g %g", p[0], p[4]);
 }
 
@@ -605,9 +633,14 @@ static void test_adam_prepared(void) {
             int off = variant & 1;
             buf p = make(n, 4, off), g = make(n, 4, off), m = make(n, 4, off), v = make(n, 4, off);
             buf rp = make(n, 4, 0), rm = make(n, 4, 0), rv = make(n, 4, 0);
+            /* AMSGrad's maximum and maximize where the count is odd (at every variant but one) */
+            const bool ams = n % 2 == 1 && variant != 5;
+            buf x = make(n, 4, off), rx = make(n, 4, 0);
             fill(F(p), n, 1), fill(F(g), n, 1), fill(F(m), n, 1);
             for (int64_t k = 0; k < n; k++) F(v)[k] = uniform(0.0f, 1e-3f);
+            for (int64_t k = 0; k < n; k++) F(x)[k] = uniform(0.0f, 1e-3f);
             memcpy(F(rp), F(p), (size_t)n * 4), memcpy(F(rm), F(m), (size_t)n * 4), memcpy(F(rv), F(v), (size_t)n * 4);
+            memcpy(F(rx), F(x), (size_t)n * 4);
             const bool decoupled = (variant & 1) && i % 2 == 0;
             float wd = variant & 1 && !decoupled ? 0.01f : 0.0f, coef[5] = {0, 0, 0, 0, 0}, rcoef[5] = {0, 0, 0, 0, 0};
             /* variant 2, 3, 6, 7: a rate and beta1 per step */
@@ -626,13 +659,14 @@ static void test_adam_prepared(void) {
             int64_t *pp = variant & 4 ? &pos : NULL, *rpp = variant & 4 ? &rpos : NULL;
             for (int t = 0; t < 4; t++) {
                 inf = t == 2 ? 1.0f : 0.0f; /* read only where fi is set */
-                KOK(cmlp_k_adam_prepared(F(p), F(g), F(m), F(v), n, rate, 0.999, 1e-8f, wd, fi, &step, coef, pp, 32,
-                                         sc, &done, S));
+                KOK(cmlp_k_adam_prepared(F(p), F(g), F(m), F(v), ams ? F(x) : NULL, n, rate, 0.999, 1e-8f, wd, ams, fi,
+                                         &step, coef, pp, 32, sc, &done, S));
                 KOK(cmlp_k_optim_prepare(&rstep, rcoef, fi, rrate, 0.999, 1, rpp, 32, rsc, S));
-                KOK(cmlp_k_adam(F(rp), F(g), F(rm), F(rv), n, 0.0f, 0.0f, 0.999f, 0.0f, (float)(1.0 - 0.999), 1.0f,
-                                1e-8f, wd, 1.0f, fi, rcoef, S));
+                KOK(cmlp_k_adam(F(rp), F(g), F(rm), F(rv), ams ? F(rx) : NULL, n, 0.0f, 0.0f, 0.999f, 0.0f,
+                                (float)(1.0 - 0.999), 1.0f, 1e-8f, wd, 1.0f, ams, fi, rcoef, S));
                 CHECK(first_diff(F(p), F(rp), n) < 0 && first_diff(F(m), F(rm), n) < 0 &&
-                          first_diff(F(v), F(rv), n) < 0 && step == rstep && same_bits(coef, rcoef, sizeof coef) &&
+                          first_diff(F(v), F(rv), n) < 0 && first_diff(F(x), F(rx), n) < 0 && step == rstep &&
+                          same_bits(coef, rcoef, sizeof coef) &&
                           pos == rpos && same_bits(&scale, &rscale, 4) && tr == rtr && skipped == rskipped &&
                           done == 0 && next == rnext && next == (variant & 2 ? t + 1 : 0),
                       "adam_prepared n %lld variant %d step %d: step %lld/%lld pos %lld/%lld done %u", (long long)n,
@@ -641,6 +675,7 @@ static void test_adam_prepared(void) {
             CHECK(step == (variant & 4 ? 6 : 7) && (!(variant & 4) || pos == 5 + 4 * 32),
                   "adam_prepared counted %lld steps to position %lld", (long long)step, (long long)pos);
             free(p.block), free(g.block), free(m.block), free(v.block), free(rp.block), free(rm.block), free(rv.block);
+            free(x.block), free(rx.block);
         }
 }
 
@@ -887,7 +922,7 @@ static void test_bad_counts(void) {
     float x = 0;
     CHECK(cmlp_k_relu_backward(&x, &x, -1, S) == cudaErrorInvalidValue, "negative count");
     CHECK(cmlp_k_bias_act(&x, &x, -1, 1, 0, S) == cudaErrorInvalidValue, "negative rows");
-    KOK(cmlp_k_adam(&x, &x, &x, &x, 0, 0, 0, 0, 1, 1, 1, 1, 0, 1, NULL, NULL, S));
+    KOK(cmlp_k_adam(&x, &x, &x, &x, NULL, 0, 0, 0, 0, 1, 1, 1, 1, 0, 1, 0, NULL, NULL, S));
     KOK(cmlp_k_bias_grad(&x, &x, 0, 5, 0, NULL, 0, S));
 }
 
@@ -904,6 +939,7 @@ int main(void) {
     test_sgd();
     test_optim_prepare();
     test_adam_prepared();
+    test_adam_amsgrad_rule();
     test_casts();
     test_unscale();
     test_scale_update();

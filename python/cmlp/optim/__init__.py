@@ -32,10 +32,19 @@ def _implementation_flags(names: Tuple[str, ...], given: Dict[str, Any]) -> Dict
 
 
 def _unsupported_flag(name: str, value: Any) -> bool:
-    """torch's amsgrad, maximize and differentiable: only False (their default) is supported."""
+    """torch's differentiable (a step that autograd can differentiate through): only False, its
+    default, is supported."""
     if _flag(name, value):
         raise ValueError(f"{name}=True is not supported by cmlp's optimizers")
     return False
+
+
+def _bool_setting(group: Mapping, key: str, default: bool) -> bool:
+    """A param group's boolean setting (nesterov, amsgrad, maximize, ...): a bool, else default."""
+    value = group.get(key, default)
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{key} must be a bool, got {value!r}")
+    return bool(value)
 
 
 def _initial_lr_of(value: Any) -> float:
@@ -81,7 +90,7 @@ _GROUP_KEYS = ("lr", "weight_decay")  # what param groups may set each for itsel
 
 class _ParamGroup(MutableMapping):
     """One of torch's param_groups: a dict of the group's settings. Its "lr", "weight_decay" and
-    "initial_lr" are the group's own; the other hyperparameters (betas, eps, momentum, ...) are
+    "initial_lr" are the group's own; the other hyperparameters (betas, eps, amsgrad, momentum, ...) are
     shared by every group, and setting one in any group sets it for all. Setting a key checks it
     and applies it from the next step on (as torch reads its groups at each step); other keys are
     kept as given, as torch keeps them. "params" is the group's parameter tensors (indices, as in
@@ -125,7 +134,7 @@ class _ParamGroup(MutableMapping):
             opt._initial_lrs[i] = _initial_lr_of(value)
         elif key in opt._settings:
             setattr(opt, key, value)
-        elif key in opt._group(i):  # amsgrad, maximize, differentiable: only their defaults
+        elif key in opt._group(i):  # differentiable: only its default
             _unsupported_flag(key, value)
         elif key in opt._foreign_keys:
             raise ValueError(f"{type(opt).__name__} has no {key!r} setting")
@@ -165,6 +174,10 @@ class _ParamGroup(MutableMapping):
     # a copy is a plain dict of the settings, as copying torch's groups gives (editing it changes no
     # optimizer; torch's way back is param_groups[i][key] = saved[i][key]); so is a pickled one
     def __copy__(self) -> Dict[Any, Any]:
+        return dict(self)
+
+    def copy(self) -> Dict[Any, Any]:
+        """A plain dict of the group's settings, as dict.copy() of torch's group."""
         return dict(self)
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> Dict[Any, Any]:
@@ -217,7 +230,7 @@ class Optimizer:
             return model_of(first, "the first argument"), param_groups
         if param_groups is not None:
             raise TypeError("param groups are given once: as the first argument (torch's params) or as param_groups")
-        items = [_unnamed(p) for p in first]  # named_parameters()' pairs as torch takes them too
+        items = list(first)  # named_parameters()' pairs as torch takes them too (their names kept)
         if not items:
             raise ValueError("optimizer got an empty parameter list")
         groups = items if all(isinstance(g, Mapping) for g in items) else [{"params": items}]
@@ -230,10 +243,10 @@ class Optimizer:
                 models.add(params.model)
                 continue
             elif not isinstance(params, (set, frozenset)):  # a generator is read once: here
-                params = [_unnamed(p) for p in params]
+                params = list(params)
                 groups[i] = {**g, "params": params}
             for p in params:
-                owner = parameter_of(p)
+                owner = parameter_of(_unnamed(p))
                 if owner is not None:
                     models.add(owner[0])
         if len(models) > 1:
@@ -266,7 +279,14 @@ class Optimizer:
             if isinstance(params, (set, frozenset)) or not isinstance(params, Iterable):
                 raise TypeError(f"param_groups[{gi}]['params'] must be a list of parameter names or indices (a set "
                                 "has no order), got " + type(params).__name__)
-            mine = []
+            params = list(params)
+            mine, named = [], [_unnamed(p) is not p for p in params]
+            if any(named) and not all(named):
+                raise ValueError(f"param_groups[{gi}]: all optimizer params should be with/without names (pairs "
+                                 "from named_parameters(), or the copies parameters() gives out). Some param names "
+                                 "are missing")
+            if any(named) and "param_names" not in group:  # torch records them in the group
+                group = {**group, "param_names": [p[0] for p in params]}
             for p in params:
                 p = _unnamed(p)
                 if isinstance(p, np.ndarray):  # a copy parameters() or named_parameters() gave out
@@ -294,17 +314,20 @@ class Optimizer:
                 if key in shared and not self._same_setting(key, value, shared[key]):
                     raise ValueError(f"param_groups[{gi}] sets {key}={value!r}: cmlp's param groups may differ in "
                                      f"{' and '.join(_GROUP_KEYS)} only, and share {key}={shared[key]!r}")
-                if key in ("amsgrad", "maximize", "differentiable"):
+                if key == "differentiable":
                     _unsupported_flag(key, value)
                 if key in self._foreign_keys:
                     raise ValueError(f"{type(self).__name__} has no {key!r} setting (param_groups[{gi}])")
             initial = group.get("initial_lr")
-            known = set(shared) | set(_GROUP_KEYS) | {"params", "initial_lr", "amsgrad", "maximize",
-                                                      "differentiable", "foreach", "fused", "capturable"}
+            known = set(shared) | set(_GROUP_KEYS) | {"params", "initial_lr", "differentiable", "foreach", "fused",
+                                                      "capturable"}
             specs.append({"names": mine, "lr": _rate("lr", group.get("lr", lr)),
                           "weight_decay": _rate("weight_decay", group.get("weight_decay", wd)),
                           "initial_lr": None if initial is None else _initial_lr_of(initial),
                           "extra": {k: v for k, v in group.items() if k not in known}})
+        if len({"param_names" in spec["extra"] for spec in specs}) > 1:
+            raise ValueError("all optimizer param groups should be with/without names (torch's rule): some groups "
+                             "were given named_parameters() pairs and some were not")
         missing = [n for n in names if n not in seen]
         if missing:
             raise ValueError(f"every parameter must be in a param group (a frozen one takes lr=0): {missing} are in "
@@ -327,8 +350,9 @@ class Optimizer:
     @property
     def param_groups(self) -> List[MutableMapping]:
         """torch's param_groups (see _ParamGroup): by default one group, the model's parameters;
-        e.g. opt.param_groups[0]["lr"] = 1e-4, or ["weight_decay"], which the next step uses."""
-        return self._param_groups
+        e.g. opt.param_groups[0]["lr"] = 1e-4, or ["weight_decay"], which the next step uses. The
+        list is a new one each time (the groups are given when the optimizer is made)."""
+        return list(self._param_groups)
 
     def add_param_group(self, param_group: Any) -> None:
         """torch's add_param_group: every parameter tensor of the model is in a group from the
@@ -603,7 +627,7 @@ class Optimizer:
             foreign = sorted(set(group) & set(self._foreign_keys))
             if foreign:
                 raise ValueError(f"this state_dict is not from {type(self).__name__}: its param group has {foreign}")
-        configs = [self._group_config(group) for group in groups]
+        configs = [self._group_config(group, i) for i, group in enumerate(groups)]
         config = configs[0]
         for gi, other in enumerate(configs[1:], 1):
             differ = sorted(k for k in config if k not in ("lr", "weight_decay") and other[k] != config[k])
@@ -643,9 +667,9 @@ class Optimizer:
             g._extra = extra
 
     def _buffers_for(self, config: Dict[str, Any]) -> int:
-        """State buffers per parameter that these settings keep."""
+        """State buffers per parameter that these settings may keep."""
         if self._kind == "adam":
-            return 2
+            return 3  # AMSGrad's max_exp_avg_sq is kept when amsgrad is turned off (as torch keeps it)
         return 1  # SGD's momentum buffer is kept at momentum 0 too (as torch keeps it)
 
     def _parse_state(self, state: Mapping, order: List[Any], names: List[str]) -> Tuple[int, List[np.ndarray]]:
@@ -674,6 +698,7 @@ class Optimizer:
             raise ValueError("optimizer state_dict has different step counts per parameter")
         step = steps.pop()
         bufs: List[np.ndarray] = []
+        given = []
         for bname in self._buffers:
             # torch.optim.SGD of some versions keeps momentum_buffer None until it has one
             present = [state[k].get(bname) is not None for k in order]
@@ -697,10 +722,13 @@ class Optimizer:
                 views[name][...] = arr
             if not np.isfinite(flat).all():
                 raise ValueError(f"optimizer state {bname} holds inf or NaN")
-            if bname == "exp_avg_sq" and not (flat >= 0).all():
-                raise ValueError("optimizer state exp_avg_sq must be >= 0 everywhere (a running mean of squares)")
+            if bname in ("exp_avg_sq", "max_exp_avg_sq") and not (flat >= 0).all():
+                raise ValueError(f"optimizer state {bname} must be >= 0 everywhere (a running mean of squares)")
             bufs.append(flat)
-        if self._kind == "adam" and step > 0 and len(bufs) != 2:
+            given.append(bname)
+        if self._kind == "adam" and given and given[:2] != ["exp_avg", "exp_avg_sq"]:
+            raise ValueError(f"optimizer state_dict has Adam state {given} without exp_avg and exp_avg_sq")
+        if self._kind == "adam" and step > 0 and not bufs:
             raise ValueError("optimizer state_dict has an Adam step count without exp_avg and exp_avg_sq")
         if self._kind == "sgd" and not bufs:
             step = 0
@@ -709,8 +737,9 @@ class Optimizer:
     # the param-group keys of the other optimizer: a state_dict that has them is not this one's
     _foreign_keys: Tuple[str, ...] = ()
 
-    def _group_config(self, group: Mapping) -> Dict[str, Any]:
-        """The C optimizer's configuration from a param group (missing keys keep their values)."""
+    def _group_config(self, group: Mapping, index: int = 0) -> Dict[str, Any]:
+        """The C optimizer's configuration from param group `index`'s settings (missing keys keep
+        that group's values)."""
         raise NotImplementedError
 
     def _momentum(self) -> float:
@@ -730,12 +759,14 @@ class Optimizer:
 class Adam(Optimizer):
     """torch.optim.Adam, bias-corrected: weight_decay is L2, added to the gradient, unless
     decoupled_weight_decay=True, which makes it AdamW's (the parameters multiplied by
-    1 - lr * weight_decay before each update). param_groups: torch's param groups, e.g.
+    1 - lr * weight_decay before each update). amsgrad=True: AMSGrad, the denominator made of the
+    largest exp_avg_sq so far (a third state buffer, max_exp_avg_sq); maximize=True: each step
+    climbs the objective (the gradient's sign flipped). param_groups: torch's param groups, e.g.
     [{"params": ["fc1.weight", "fc2.weight", "fc3.weight"]},
      {"params": ["fc1.bias", "fc2.bias", "fc3.bias"], "weight_decay": 0.0}]: each its own
     "lr" and "weight_decay" (default: the arguments'); every parameter in one group."""
 
-    _buffers = ("exp_avg", "exp_avg_sq")
+    _buffers = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
     def __init__(self, model: MLP, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *, foreach: Any = None,
@@ -743,25 +774,30 @@ class Adam(Optimizer):
                  decoupled_weight_decay: bool = False, param_groups: Any = None) -> None:
         b1, b2 = self._betas(betas)
         decoupled_weight_decay = _flag("decoupled_weight_decay", decoupled_weight_decay)
-        for name, value in (("amsgrad", amsgrad), ("maximize", maximize), ("differentiable", differentiable)):
-            _unsupported_flag(name, value)
+        amsgrad, maximize = _flag("amsgrad", amsgrad), _flag("maximize", maximize)
+        _unsupported_flag("differentiable", differentiable)
         flags = _implementation_flags(("foreach", "capturable", "fused"),
                                       {"foreach": foreach, "capturable": capturable, "fused": fused})
-        self._settings = {"betas": (b1, b2), "eps": _num("eps", eps), "decoupled_weight_decay": decoupled_weight_decay}
+        self._settings = {"betas": (b1, b2), "eps": _num("eps", eps), "amsgrad": amsgrad, "maximize": maximize,
+                          "decoupled_weight_decay": decoupled_weight_decay}
         super().__init__(model, "adam", flags, param_groups, lr=_num("lr", lr), beta1=b1, beta2=b2,
                          eps=_num("eps", eps), weight_decay=_num("weight_decay", weight_decay),
-                         decoupled_weight_decay=decoupled_weight_decay)
+                         decoupled_weight_decay=decoupled_weight_decay, amsgrad=amsgrad, maximize=maximize)
         self._settings.update(betas=(b1, b2), eps=float(eps), decoupled_weight_decay=decoupled_weight_decay)
         # as constructed, as torch's
         self.defaults = {**{k: v for k, v in self._group(0).items() if k != "initial_lr"},
                          "lr": float(lr), "weight_decay": float(weight_decay)}
 
     def _init_like(self, twin: Optimizer, model: MLP) -> None:
-        Adam.__init__(twin, model, self.lr, self.betas, self.eps, self.weight_decay, **self._flags,  # type: ignore
-                      decoupled_weight_decay=self.decoupled_weight_decay, param_groups=self._groups_spec())
+        Adam.__init__(twin, model, self.lr, self.betas, self.eps, self.weight_decay, self.amsgrad,  # type: ignore
+                      maximize=self.maximize, **self._flags, decoupled_weight_decay=self.decoupled_weight_decay,
+                      param_groups=self._groups_spec())
 
     betas = _setting("betas", "(beta1, beta2); settable, as param_groups[0]['betas'] (every group's)")
     eps = _setting("eps", "the denominator's epsilon; settable (every group's)")
+    amsgrad = _setting("amsgrad", "AMSGrad when True; settable (every group's): turned on after steps were taken, "
+                                  "its maximum of exp_avg_sq starts at the next step")
+    maximize = _setting("maximize", "steps climb the objective when True; settable (every group's)")
     decoupled_weight_decay = _setting("decoupled_weight_decay", "AdamW's weight decay when True; settable")
 
     @staticmethod
@@ -773,34 +809,33 @@ class Adam(Optimizer):
         return _num("betas[0]", b1), _num("betas[1]", b2)
 
     def _shared_defaults(self, config: Dict[str, Any]) -> Dict[str, Any]:
-        return {"betas": (config["beta1"], config["beta2"]), "eps": config["eps"],
-                "decoupled_weight_decay": config["decoupled_weight_decay"]}
+        return {"betas": (config["beta1"], config["beta2"]), "eps": config["eps"], "amsgrad": config["amsgrad"],
+                "maximize": config["maximize"], "decoupled_weight_decay": config["decoupled_weight_decay"]}
 
     def _group(self, i: int = 0) -> Dict[str, Any]:
         return {"lr": self._lrs[i], "betas": self.betas, "eps": self.eps, "weight_decay": self._wds[i],
-                "amsgrad": False, "maximize": False, "differentiable": False, **self._flags,
+                "amsgrad": self.amsgrad, "maximize": self.maximize, "differentiable": False, **self._flags,
                 "decoupled_weight_decay": self.decoupled_weight_decay, **self._initial(i)}
 
     _foreign_keys = ("momentum", "dampening", "nesterov")
 
-    def _group_config(self, group: Mapping) -> Dict[str, Any]:
-        for flag in ("amsgrad", "maximize", "differentiable"):
-            if group.get(flag):
-                raise ValueError(f"{flag}=True is not supported by cmlp's optimizers")
+    def _group_config(self, group: Mapping, index: int = 0) -> Dict[str, Any]:
+        if group.get("differentiable"):
+            raise ValueError("differentiable=True is not supported by cmlp's optimizers")
         b1, b2 = self._betas(group.get("betas", self.betas))
         # torch's AdamW state_dicts say decoupled_weight_decay=True; older ones say nothing
-        decoupled = group.get("decoupled_weight_decay", self.decoupled_weight_decay)
-        if not isinstance(decoupled, (bool, np.bool_)):
-            raise ValueError(f"decoupled_weight_decay must be a bool, got {decoupled!r}")
-        return {"lr": _num("lr", group.get("lr", self.lr)), "beta1": b1, "beta2": b2,
+        decoupled = _bool_setting(group, "decoupled_weight_decay", self.decoupled_weight_decay)
+        return {"lr": _num("lr", group.get("lr", self._lrs[index])), "beta1": b1, "beta2": b2,
                 "eps": _num("eps", group.get("eps", self.eps)),
-                "weight_decay": _num("weight_decay", group.get("weight_decay", self.weight_decay)),
-                "decoupled_weight_decay": bool(decoupled)}
+                "weight_decay": _num("weight_decay", group.get("weight_decay", self._wds[index])),
+                "decoupled_weight_decay": decoupled, "amsgrad": _bool_setting(group, "amsgrad", self.amsgrad),
+                "maximize": _bool_setting(group, "maximize", self.maximize)}
 
     def _apply_config(self, config: Dict[str, Any]) -> None:
         self._c.configure(**config)
         self._settings.update(betas=(config["beta1"], config["beta2"]), eps=config["eps"],
-                              decoupled_weight_decay=config["decoupled_weight_decay"])
+                              decoupled_weight_decay=config["decoupled_weight_decay"], amsgrad=config["amsgrad"],
+                              maximize=config["maximize"])
 
 
 class AdamW(Adam):
@@ -828,7 +863,8 @@ class AdamW(Adam):
 
 class SGD(Optimizer):
     """torch.optim.SGD: momentum (buffer = gradient at the first step), dampening, nesterov,
-    L2 weight decay. param_groups: as Adam's (each group its own "lr" and "weight_decay")."""
+    L2 weight decay, maximize (steps climb the objective). param_groups: as Adam's (each group its
+    own "lr" and "weight_decay")."""
 
     _buffers = ("momentum_buffer",)
 
@@ -839,15 +875,15 @@ class SGD(Optimizer):
         if args:  # torch's fifth is weight_decay, this library's was nesterov: by name only
             raise TypeError("SGD takes nesterov and weight_decay by name only (torch's positional order puts "
                             "weight_decay before nesterov): e.g. SGD(model, 0.1, 0.9, weight_decay=1e-4)")
-        for name, value in (("maximize", maximize), ("differentiable", differentiable)):
-            _unsupported_flag(name, value)
+        _unsupported_flag("differentiable", differentiable)
+        maximize = _flag("maximize", maximize)
         flags = _implementation_flags(("foreach", "fused"), {"foreach": foreach, "fused": fused})
         nesterov = _flag("nesterov", nesterov)
         self._settings = {"momentum": _num("momentum", momentum), "dampening": _num("dampening", dampening),
-                          "nesterov": nesterov}
+                          "nesterov": nesterov, "maximize": maximize}
         super().__init__(model, "sgd", flags, param_groups, lr=_num("lr", lr), momentum=_num("momentum", momentum),
                          dampening=_num("dampening", dampening), nesterov=nesterov,
-                         weight_decay=_num("weight_decay", weight_decay))
+                         weight_decay=_num("weight_decay", weight_decay), maximize=maximize)
         self._settings.update(momentum=float(momentum), dampening=float(dampening), nesterov=nesterov)
         self.defaults = {**{k: v for k, v in self._group(0).items() if k != "initial_lr"},
                          "lr": float(lr), "weight_decay": float(weight_decay)}
@@ -856,41 +892,39 @@ class SGD(Optimizer):
         # Nesterov's needs are checked when an optimizer is made only (as torch's): a schedule or a
         # setting may have moved the momentum to 0 since; load_state_dict sets nesterov
         SGD.__init__(twin, model, self.lr, self.momentum, self.dampening, nesterov=False,  # type: ignore
-                     weight_decay=self.weight_decay, **self._flags, param_groups=self._groups_spec())
+                     weight_decay=self.weight_decay, maximize=self.maximize, **self._flags,
+                     param_groups=self._groups_spec())
 
     momentum = _setting("momentum", "settable, as param_groups[0]['momentum'] (every group's)")
     dampening = _setting("dampening", "settable (every group's)")
     nesterov = _setting("nesterov", "settable (every group's)")
+    maximize = _setting("maximize", "steps climb the objective when True; settable (every group's)")
 
     def _shared_defaults(self, config: Dict[str, Any]) -> Dict[str, Any]:
-        return {"momentum": config["momentum"], "dampening": config["dampening"], "nesterov": config["nesterov"]}
+        return {"momentum": config["momentum"], "dampening": config["dampening"], "nesterov": config["nesterov"],
+                "maximize": config["maximize"]}
 
     def _group(self, i: int = 0) -> Dict[str, Any]:
         return {"lr": self._lrs[i], "momentum": self.momentum, "dampening": self.dampening,
-                "weight_decay": self._wds[i], "nesterov": self.nesterov, "maximize": False, **self._flags,
+                "weight_decay": self._wds[i], "nesterov": self.nesterov, "maximize": self.maximize, **self._flags,
                 "differentiable": False, **self._initial(i)}
 
     _foreign_keys = ("betas", "eps", "amsgrad")
 
-    def _group_config(self, group: Mapping) -> Dict[str, Any]:
-        for flag in ("maximize", "differentiable"):
-            if group.get(flag):
-                raise ValueError(f"{flag}=True is not supported by cmlp's optimizers")
-        return {"lr": _num("lr", group.get("lr", self.lr)),
+    def _group_config(self, group: Mapping, index: int = 0) -> Dict[str, Any]:
+        if group.get("differentiable"):
+            raise ValueError("differentiable=True is not supported by cmlp's optimizers")
+        return {"lr": _num("lr", group.get("lr", self._lrs[index])),
                 "momentum": _num("momentum", group.get("momentum", self.momentum)),
                 "dampening": _num("dampening", group.get("dampening", self.dampening)),
-                "nesterov": self._nesterov_of(group),
-                "weight_decay": _num("weight_decay", group.get("weight_decay", self.weight_decay))}
-
-    def _nesterov_of(self, group: Mapping) -> bool:
-        value = group.get("nesterov", self.nesterov)
-        if not isinstance(value, (bool, np.bool_)):
-            raise ValueError(f"nesterov must be a bool, got {value!r}")
-        return bool(value)
+                "nesterov": _bool_setting(group, "nesterov", self.nesterov),
+                "weight_decay": _num("weight_decay", group.get("weight_decay", self._wds[index])),
+                "maximize": _bool_setting(group, "maximize", self.maximize)}
 
     def _apply_config(self, config: Dict[str, Any]) -> None:
         self._c.configure(**config)
-        self._settings.update(momentum=config["momentum"], dampening=config["dampening"], nesterov=config["nesterov"])
+        self._settings.update(momentum=config["momentum"], dampening=config["dampening"], nesterov=config["nesterov"],
+                              maximize=config["maximize"])
 
 
 from . import lr_scheduler  # noqa: E402 (it needs Optimizer)

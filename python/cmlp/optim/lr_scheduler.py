@@ -488,7 +488,12 @@ class OneCycleLR(LRScheduler):
     initial_lr / final_div_factor (three_phase: back down to the initial rate first), cosine or
     linear, in every param group (max_lr: a number, or a list with one per group); with
     cycle_momentum the momentum (Adam's beta1, SGD's momentum, one for all groups) moves the
-    other way, between max_momentum and base_momentum."""
+    other way, between max_momentum and base_momentum. As torch's, it keeps max_lr, min_lr and
+    the momenta in each param group too (optimizer.param_groups[i]["max_lr"], ...), so that the
+    optimizer's state_dict carries them: a value set or loaded there is the one the next step
+    takes."""
+
+    _GROUP_KEYS = ("max_lr", "min_lr", "max_momentum", "base_momentum")
 
     def __init__(self, optimizer: Any, max_lr: Any, total_steps: Optional[int] = None, epochs: Optional[int] = None,
                  steps_per_epoch: Optional[int] = None, pct_start: float = 0.3, anneal_strategy: str = "cos",
@@ -529,6 +534,9 @@ class OneCycleLR(LRScheduler):
             raise ValueError(f"anneal_strategy must be one of 'cos' or 'linear', instead got {anneal_strategy}")
         self._anneal_func_type = anneal_strategy
         tops = _per_group("max_lr", max_lr, optimizer)
+        for top in tops:
+            if not 0 <= top < math.inf:
+                raise ValueError(f"max_lr must be a finite rate >= 0 (each group's), got {max_lr!r}")
         for name, v in (("div_factor", div_factor), ("final_div_factor", final_div_factor)):
             if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 < v < math.inf:
                 raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
@@ -548,19 +556,49 @@ class OneCycleLR(LRScheduler):
             for group, top, bottom in zip(self._groups, tops, bottoms):
                 group["max_momentum"], group["base_momentum"] = top, bottom
         # the optimizer changes only once everything is checked, and goes back when the first step fails
-        before = (list(optimizer._initial_lrs), optimizer._group_lrs(), optimizer._momentum())
+        before = (list(optimizer._initial_lrs), optimizer._group_lrs(), optimizer._momentum(),
+                  [dict(g._extra) for g in optimizer.param_groups])
         try:
             if self.cycle_momentum:
                 for m in (self._groups[0]["base_momentum"], self._groups[0]["max_momentum"]):
                     optimizer._set_momentum(m)  # refused here if the optimizer cannot take it
             if last_epoch == -1:
                 optimizer._initial_lrs = [group["initial_lr"] for group in self._groups]
+                self._mirror(optimizer)  # torch sets them in the groups; resuming, it takes the groups' values
             super().__init__(optimizer, last_epoch)
+            self._mirror()
         except BaseException:
             optimizer._initial_lrs = before[0]
             optimizer._set_group_lrs(before[1])
             optimizer._set_momentum(before[2])
+            for g, extra in zip(optimizer.param_groups, before[3]):
+                g._extra = extra
             raise
+
+    def _mirror(self, optimizer: Any = None) -> None:
+        """The schedule's max_lr, min_lr and momenta written into the param groups, as torch keeps them."""
+        for group, mine in zip((optimizer or self.optimizer).param_groups, self._groups):
+            group._extra.update({k: mine[k] for k in self._GROUP_KEYS if k in mine})
+
+    def _adopt(self) -> None:
+        """The param groups' values, where code set or loaded them there (torch reads them from the
+        groups at each step), checked all together before any is taken."""
+        taken = []
+        for i, (group, mine) in enumerate(zip(self.optimizer.param_groups, self._groups)):
+            initial = self.optimizer._initial_lrs[i]
+            found = {k: group._extra[k] for k in self._GROUP_KEYS if k in mine and k in group._extra}
+            if initial is not None:
+                found["initial_lr"] = initial
+            for key, value in found.items():
+                if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
+                    raise ValueError(f"param_groups[{i}][{key!r}] must be a finite number >= 0, got {value!r}")
+            taken.append({k: float(v) for k, v in found.items()})
+        if self.cycle_momentum and any(t.get(k) != taken[0].get(k) for t in taken
+                                       for k in ("max_momentum", "base_momentum")):
+            raise ValueError("cmlp's param groups share one momentum: every group's max_momentum and "
+                             "base_momentum must be the same")
+        for mine, found in zip(self._groups, taken):
+            mine.update(found)
 
     @staticmethod
     def _annealing_cos(start: float, end: float, pct: float) -> float:
@@ -575,6 +613,7 @@ class OneCycleLR(LRScheduler):
         if step > self.total_steps:
             raise ValueError(f"Tried to step {step} times. The specified number of total steps is {self.total_steps}")
         anneal = self._annealing_cos if self._anneal_func_type == "cos" else self._annealing_linear
+        self._adopt()
         start = 0.0
         for i, phase in enumerate(self._schedule_phases):
             end = phase["end_step"]
@@ -599,6 +638,8 @@ class OneCycleLR(LRScheduler):
         if "_group" in state_dict and "_groups" not in state_dict:
             state_dict = {**{k: v for k, v in state_dict.items() if k != "_group"}, "_groups": [state_dict["_group"]]}
         super().load_state_dict(state_dict)
+        if "_groups" in state_dict:
+            self._mirror()
 
 
 def _steps(name: str, value: Any) -> float:
