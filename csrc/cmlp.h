@@ -605,8 +605,9 @@ CMLP_API cmlp_status cmlp_trainer_set_distributed(cmlp_trainer *t, int on);
 
 /* What a training run at micro-batch `batch` will hold, in requested bytes per category, and
  * the peak allocated and reserved bytes the device's allocator will show for it (a replay of
- * the run's requests under the current settings, on an empty cache). Resident data is 0:
- * data sets stay in host memory. */
+ * the run's requests under the current settings, on an empty cache). `data` is the data set a
+ * fit keeps on a device other than the host (data_rows > 0), 0 on the CPU, where it stays in
+ * host memory. */
 typedef struct cmlp_plan {
     int64_t parameters, gradients, optimizer_state, half_weights, activations, workspace, data;
     int64_t peak_allocated, peak_reserved;
@@ -617,18 +618,34 @@ typedef struct cmlp_plan {
     int64_t in_gradients;
     /* the buffers of an evaluation after the step's went back (a validation chunk of eval_rows) */
     int64_t evaluation;
+    /* what the device reserves from the moment it opens (CUDA's GEMM workspace), under the run
+     * (peak_reserved is on top of it): a memory limit counts both */
+    int64_t standing_reserved;
 } cmlp_plan;
 
 /* optimizer_buffers: 2 for Adam (3 with AMSGrad), 1 for SGD with momentum, 0 for plain SGD; optimizer_shards: the
  * ranks a ZeroRedundancyOptimizer shards the state over (1: none; the plan is the first rank's,
- * whose part is the largest); loss_scaling: 1 with
+ * whose part is the largest); optimizer_parts: the parameter groups' parts (cmlp_optim_set_parts'
+ * n), whose settings a device keeps in its memory (counted with the optimizer state);
+ * data_rows: the samples of a data set a fit copies to a device other than the host, data_row_bytes
+ * each (uint8 images: the features; float32: 4 per feature), with their labels and, when
+ * data_shuffled, their order (0 rows: none); loss_scaling: 1 with
  * a GradScaler; solo: 1 when every optimizer step is a single micro-batch of `batch` rows (no
  * accumulation). eval_rows > 0: the step is followed, after its buffers went back, by an
  * evaluation in chunks of eval_rows (a forward pass alone), whose input is staged
  * (eval_staged: uint8 images, or any on a GPU) or read in place. */
 CMLP_API cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int optimizer_buffers,
-                                       int optimizer_shards, cmlp_amp amp, int recompute, int loss_scaling, int solo,
-                                       int64_t eval_rows, int eval_staged, cmlp_device d, cmlp_plan *out);
+                                       int optimizer_shards, int optimizer_parts, cmlp_amp amp, int recompute,
+                                       int loss_scaling, int solo, int64_t data_rows, int64_t data_row_bytes,
+                                       int data_shuffled, int64_t eval_rows, int eval_staged, cmlp_device d,
+                                       cmlp_plan *out);
+
+/* Trainer: on = 1 keeps the data set in host memory on any device (its batches staged from there,
+ * as a single step's are) and frees a device copy made already; 0 (the default) copies it to a
+ * device other than the host at an epoch's start, where there is room. */
+CMLP_API void cmlp_trainer_set_host_data(cmlp_trainer *t, int on);
+/* Whether the current epoch's data set is on the device. */
+CMLP_API int cmlp_trainer_data_resident(const cmlp_trainer *t);
 
 /* ---- build ------------------------------------------------------------------------------- */
 

@@ -302,6 +302,12 @@ CMLP_HIDDEN uint64_t cmlp_dist_generation(void);
 /* Makes the optimizer's state now if it has none (zeros; its first step still treats it as new). */
 CMLP_HIDDEN cmlp_status cmlp_optim_prepare(cmlp_optim *o);
 CMLP_HIDDEN bool cmlp_optim_has_state(const cmlp_optim *o);
+/* The parameter groups' parts (0 without them), and the device bytes their settings take for n parts. */
+CMLP_HIDDEN int cmlp_optim_num_parts(const cmlp_optim *o);
+CMLP_HIDDEN size_t cmlp_optim_parts_bytes(int n);
+/* The three device buffers of a data set of n samples of row_bytes each that a fit keeps on a
+ * device: the samples, their int32 labels and, when shuffled, their int64 order (0 bytes when not). */
+CMLP_HIDDEN void cmlp_resident_sizes(int64_t n, size_t row_bytes, int shuffled, size_t out[3]);
 /* Frees state that cmlp_optim_prepare made and no step has used yet (a call that failed before
  * its first step leaves the memory as it found it). */
 CMLP_HIDDEN void cmlp_optim_drop_unused(cmlp_optim *o);

@@ -54,6 +54,7 @@ static cmlp_status upload_parts(cmlp_optim *o, const optim_part *parts, int n, v
 
 /* Bytes of d_parts for n parts. */
 static size_t parts_bytes(int n) { return (size_t)n * (2 * sizeof(double) + 5 * sizeof(float)); }
+size_t cmlp_optim_parts_bytes(int n) { return parts_bytes(n); }
 
 cmlp_adam_config cmlp_adam_defaults(void) { return (cmlp_adam_config){1e-3, 0.9, 0.999, 1e-8, 0.0, 0, 0, 0}; }
 cmlp_sgd_config cmlp_sgd_defaults(void) { return (cmlp_sgd_config){0.01, 0.0, 0.0, 0.0, 0, 0}; }
@@ -210,6 +211,8 @@ static int buffers_of(const cmlp_optim *o) {
 int cmlp_optim_num_buffers(const cmlp_optim *o) { return o->state && o->step > 0 && !o->unused ? o->nbuf : 0; }
 
 int cmlp_optim_buffers_planned(const cmlp_optim *o) { return buffers_of(o); }
+
+int cmlp_optim_num_parts(const cmlp_optim *o) { return o->nparts; }
 
 /* AMSGrad's running maximum of exp_avg_sq from n (the arena's third buffer), NULL without it */
 static float *amsgrad_max(const cmlp_optim *o, int64_t n, int64_t k) {

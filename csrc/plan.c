@@ -48,7 +48,8 @@ static const cmlp_backend_i paper_backend = {
 };
 
 cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int optimizer_buffers, int optimizer_shards,
-                              cmlp_amp amp, int recompute, int loss_scaling, int solo, int64_t eval_rows,
+                              int optimizer_parts, cmlp_amp amp, int recompute, int loss_scaling, int solo,
+                              int64_t data_rows, int64_t data_row_bytes, int data_shuffled, int64_t eval_rows,
                               int eval_staged, cmlp_device d, cmlp_plan *out) {
     if (!sizes || !out || nsizes < 2 || nsizes > CMLP_MAX_LAYERS + 1)
         return CMLP_FAIL(CMLP_ERR_INVALID, "layer_sizes must list 2 to %d sizes", CMLP_MAX_LAYERS + 1);
@@ -72,6 +73,13 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
         return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer state buffers must be 0 to 3, got %d", optimizer_buffers);
     if (optimizer_shards < 1 || optimizer_shards > (1 << 20))
         return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer_shards must be in [1, 2**20], got %d", optimizer_shards);
+    if (optimizer_parts < 0 || optimizer_parts > CMLP_MAX_PARTS)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer_parts must be in [0, %d], got %d", CMLP_MAX_PARTS,
+                         optimizer_parts);
+    if (data_rows < 0 || data_row_bytes < 0 || data_row_bytes > ((int64_t)4 << 24) ||
+        data_rows > ((int64_t)1 << 56) / (data_row_bytes + 12))
+        return CMLP_FAIL(CMLP_ERR_INVALID, "a data set of %lld rows of %lld bytes cannot be planned (rows >= 0, at "
+                                           "most 2**56 bytes)", (long long)data_rows, (long long)data_row_bytes);
     cmlp_device_ctx *dev;
     CMLP_TRY(cmlp_device_get(d, &dev));
     int L = nsizes - 1;
@@ -101,6 +109,12 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
     /* sharded, the first rank's part (the largest) */
     int64_t kept = optimizer_shards > 1 ? cmlp_shard_chunk(nparams, optimizer_shards) : nparams;
     out->optimizer_state = (int64_t)optimizer_buffers * (kept < nparams ? kept : nparams) * 4;
+    /* off the host, the groups' settings and a fit's data set are in the device's memory */
+    const bool on_host = dev->device.type == CMLP_DEVICE_CPU;
+    size_t parts = on_host || !optimizer_parts ? 0 : cmlp_optim_parts_bytes(optimizer_parts), data[3] = {0, 0, 0};
+    if (!on_host && data_rows > 0) cmlp_resident_sizes(data_rows, (size_t)data_row_bytes, data_shuffled, data);
+    out->optimizer_state += (int64_t)parts;
+    out->data = (int64_t)(data[0] + data[1] + data[2]);
     out->half_weights = amp && !compact ? nparams * 2 : 0;
     out->activations = (int64_t)act;
     out->in_gradients = compact ? (int64_t)(inside_bytes + half_in) : 0;
@@ -109,12 +123,16 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
     out->workspace = (int64_t)(ws - act) + (int64_t)(grads_bytes - (size_t)out->gradients);
     (void)loss_scaling; /* the scaler's state is among them whether or not it is used */
 
-    /* the run's requests in the order the library makes them */
-    size_t req[6];
+    /* the run's requests in the order the library makes them: the model, the optimizer's groups,
+     * the fit's data set at its first epoch, the optimizer state at the first step */
+    size_t req[10];
     int nreq = 0;
     req[nreq++] = (size_t)out->parameters;
     req[nreq++] = grads_bytes;
-    if (optimizer_buffers) req[nreq++] = (size_t)out->optimizer_state; /* before the first gradients */
+    if (parts) req[nreq++] = parts;
+    for (int i = 0; i < 3; i++)
+        if (data[i]) req[nreq++] = data[i];
+    if (optimizer_buffers) req[nreq++] = (size_t)(out->optimizer_state - (int64_t)parts); /* before the first gradients */
     if (out->half_weights) req[nreq++] = (size_t)out->half_weights;
     req[nreq++] = ws;
     paper_device pd = {.next = (uintptr_t)1 << 44, .total = dev->backend->total_memory(dev->bctx)};
@@ -151,6 +169,7 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
         cmlp_allocator_stats(a, &s);
         out->peak_allocated = s.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].peak - base_allocated;
         out->peak_reserved = s.stat[CMLP_STAT_RESERVED_BYTES][CMLP_POOL_ALL].peak - base_reserved;
+        out->standing_reserved = base_reserved;
     }
     cmlp_allocator_destroy(a);
     return st;

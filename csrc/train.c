@@ -62,6 +62,7 @@ struct cmlp_trainer {
     double last_norm;     /* the last step's gradient norm (clipping), when has_norm */
     bool has_norm;
     bool rates;           /* the call in progress has a rate per step (cmlp_trainer_epoch_run_rates) */
+    bool host_data;       /* keep the data set in host memory (cmlp_trainer_set_host_data) */
 };
 
 /* Off the CPU the optimizer's step count and bias corrections live on the device too, so that a
@@ -128,14 +129,23 @@ static void drop_device_data(cmlp_trainer *t) {
     t->d_alloc = NULL;
 }
 
+void cmlp_resident_sizes(int64_t n, size_t row_bytes, int shuffled, size_t out[3]) {
+    out[0] = row_bytes * (size_t)n;
+    out[1] = (size_t)n * sizeof(int32_t);
+    out[2] = shuffled ? (size_t)n * sizeof(int64_t) : 0;
+}
+
 /* On a device that is not the host, the epoch's data set (uint8 stays uint8) and its order are
- * copied there once, and every batch is gathered on the device. Without room for them the
- * batches are staged from host memory instead, as for a single step. */
+ * copied there once, and every batch is gathered on the device. Without room for them, or when
+ * the trainer was told to keep the data in host memory (cmlp_trainer_set_host_data), the batches
+ * are staged from host memory instead, as for a single step. */
 static void upload_epoch(cmlp_trainer *t, const cmlp_data *xy) {
     cmlp_device_ctx *dev = t->model->dev;
-    if (!device_steps(t)) return;
-    size_t row = (size_t)t->model->sizes[0] * (xy->x_dtype == CMLP_DTYPE_U8 ? 1 : sizeof(float));
-    size_t nx = row * (size_t)xy->n, ny = (size_t)xy->n * sizeof(int32_t), no = (size_t)xy->n * sizeof(int64_t);
+    if (!device_steps(t) || t->host_data) return;
+    size_t sz[3];
+    cmlp_resident_sizes(xy->n, (size_t)t->model->sizes[0] * (xy->x_dtype == CMLP_DTYPE_U8 ? 1 : sizeof(float)),
+                        t->cfg.shuffle, sz);
+    size_t nx = sz[0], ny = sz[1], no = sz[2];
     const cmlp_backend_i *b = dev->backend;
     t->d_alloc = dev->alloc;
     cmlp_status st = cmlp_allocator_malloc(dev->alloc, nx, "data set", &t->d_x);
@@ -393,8 +403,9 @@ static cmlp_status one_sample_oom(cmlp_trainer *t, const char *cause) {
     char b[8][32];
     int solo = effective_batch(t) == 1; /* steps of one sample, or accumulating micro-batches of one */
     int shards = cmlp_optim_shards(t->optim, NULL, NULL, NULL);
-    if (cmlp_plan_compute(m->sizes, m->nlayers + 1, 1, optimizer_buffers(t), shards ? shards : 1, t->cfg.amp,
-                          t->cfg.recompute, t->scaler.enabled, solo, 0, 0, m->dev->device, &p) != CMLP_OK)
+    if (cmlp_plan_compute(m->sizes, m->nlayers + 1, 1, optimizer_buffers(t), shards ? shards : 1,
+                          cmlp_optim_num_parts(t->optim), t->cfg.amp, t->cfg.recompute, t->scaler.enabled, solo, 0, 0,
+                          0, 0, 0, m->dev->device, &p) != CMLP_OK)
         return CMLP_FAIL(CMLP_ERR_OOM, "even a micro-batch of 1 sample does not fit: %s", why);
     int64_t v[8] = {p.parameters, p.gradients, p.optimizer_state, p.half_weights, p.activations, p.workspace,
                     p.peak_allocated, p.peak_reserved};
@@ -960,6 +971,15 @@ cmlp_status cmlp_trainer_epoch_run_rates(cmlp_trainer *t, const double *lr, cons
     }
     return epoch_run(t, n, lr, momentum, n, st);
 }
+
+void cmlp_trainer_set_host_data(cmlp_trainer *t, int on) {
+    t->host_data = on != 0;
+    if (!on) return;
+    drop_graph(t); /* a capture reads the device copy */
+    drop_device_data(t);
+}
+
+int cmlp_trainer_data_resident(const cmlp_trainer *t) { return t->d_x != NULL; }
 
 void cmlp_trainer_release_data(cmlp_trainer *t) {
     if (!t) return;

@@ -1493,13 +1493,16 @@ for layers, batch, amp, *val in json.loads(sys.argv[1]):
     cmlp.Trainer(model, opt, batch_size=batch, amp=amp, shuffle=False).fit(x, y, epochs=1, validation_data=vdata,
                                                                             progress=False)
     s = M.memory_stats(DEV)
-    p = M.plan(layers, batch, opt, amp, device=DEV, validation_rows=vrows)
-    # fit keeps the epoch's data set on the GPU (x as given, y as int32; no order without shuffling),
-    # which the plan of a model does not count
-    data = sum((n + 511) // 512 * 512 for n in (x.nbytes, 4 * len(y))) if DEV != "cpu" else 0  # (the CPU reads it in place)
+    # fit keeps the epoch's data set on the GPU (x as given, y as int32; no order without shuffling):
+    # the plan of a fit of len(x) samples counts it (the CPU reads it in place)
+    p = M.plan(layers, batch, opt, amp, device=DEV, validation_rows=vrows, data_rows=len(x), data_dtype=x.dtype,
+               shuffle=False)
+    data = sum((n + 511) // 512 * 512 for n in (x.nbytes, 4 * len(y))) if DEV != "cpu" else 0
+    assert p.breakdown["data"] == x.nbytes + 4 * len(y) if DEV != "cpu" else p.breakdown["data"] == 0
     print(json.dumps({"cfg": [layers, batch, amp], "planned": p.peak_bytes,
-                      "measured": s["allocated_bytes.all.peak"] - base["allocated_bytes.all.current"] - data,
-                      "breakdown": p.breakdown}), flush=True)
+                      "measured": s["allocated_bytes.all.peak"] - base["allocated_bytes.all.current"],
+                      "without_data": M.plan(layers, batch, opt, amp, device=DEV, validation_rows=vrows).peak_bytes,
+                      "data": data, "breakdown": p.breakdown}), flush=True)
     del model, opt
 '''
 PLAN_GRID = [([784, 512, 256, 10], b, a) for b in (1, 32, 4096) for a in (None, "fp16", "bf16")]
@@ -1524,6 +1527,7 @@ def test_planned_peak_matches_the_measured_peak_on_the_gpu():
     runs = _plan_runs(_PLAN_RUN, PLAN_GRID)
     bad = [run for run in runs if abs(run["measured"] - run["planned"]) > 0.02 * run["measured"]]
     assert not bad, bad
+    assert all(run["planned"] > run["without_data"] for run in runs if run["data"]), runs
 
 
 @needs_gpu
@@ -1565,6 +1569,65 @@ def test_planned_peak_is_the_peak_of_training_steps_to_the_byte_on_the_gpu():
     grid.append(([7, 33, 1, 4], 31, "fp16"))
     runs = _plan_runs(_STEP_PLAN_RUN, grid)
     assert all(run["measured"] == run["planned"] for run in runs), runs
+
+
+@needs_gpu
+def test_plans_of_param_groups_a_resident_data_set_and_a_limit_hold_on_the_gpu():
+    """On a GPU the plan counts the param groups' settings (in the device's memory) and the data
+    set a fit copies there; a fit's history peak is that plan on top of what the device holds
+    once open. Under a limit, a fit at max_batch_size's answer trains without running out of
+    memory: the data set goes back to host memory when the step needs its room, and the first
+    micro-batch leaves room for what the device holds (the limit counts it)."""
+    sizes, rows = [784, 64, 10], 640
+    rng = np.random.default_rng(12)
+    x, y = rng.integers(0, 256, (rows, 784), dtype=np.uint8), rng.integers(0, 10, rows)
+    gc.collect()
+    M.empty_cache(CUDA)
+    M.reset_peak_memory_stats(CUDA)
+    base = M.memory_allocated(CUDA)
+    model = cmlp.MLP(sizes, device=CUDA, seed=0)
+    opt = cmlp.optim.Adam(model, param_groups=[{"params": ["fc1.weight"], "lr": 1e-4},
+                                               {"params": ["fc1.bias", "fc2.weight", "fc2.bias"]}])
+    history = cmlp.Trainer(model, opt, batch_size=32).fit(x, y, epochs=1, progress=False)
+    p = M.plan(sizes, 32, opt, device=CUDA, data_rows=rows)
+    assert M.max_memory_allocated(CUDA) - base == p.peak_bytes
+    assert history[0]["peak_memory_bytes"] == p.peak_bytes + base
+    off_host = CUDA != "cpu"  # (the CPU standing in keeps both in host memory)
+    assert p.breakdown["data"] == off_host * rows * (784 + 4 + 8)  # the samples, their labels and their order
+    assert p.breakdown["optimizer_state"] == 2 * 4 * model.num_parameters() + off_host * len(opt._c_parts) * 36
+    del model, opt, history
+    # under a limit of the plan's budget, with the data set too large to stay beside the step
+    layers, acc = [3, 6, 2, 15], 4
+    budget = 2232161  # where the data set fitted and then left the step no room
+    n = M.max_batch_size(layers, budget, "sgd", device=CUDA, accumulation_steps=acc)
+    x = rng.standard_normal((2 * n * acc, 3)).astype(np.float32)
+    y = rng.integers(0, 15, len(x))
+    gc.collect()
+    M.empty_cache(CUDA)
+    held = M.memory_reserved(CUDA)
+    ooms = M.memory_stats(CUDA)["num_ooms"]
+    M.set_memory_limit(held + budget, CUDA)
+    try:
+        for auto in (False, True):
+            model = cmlp.MLP(layers, device=CUDA, seed=0)
+            trainer = cmlp.Trainer(model, cmlp.optim.SGD(model, lr=0.01), batch_size=n, accumulation_steps=acc,
+                                   auto_microbatch=auto)
+            h = trainer.fit(x, y, epochs=1, progress=False)
+            assert h[0]["microbatch_size"] == n and not trainer._c.data_resident()
+            del model, trainer
+        # a first micro-batch whose reserved memory fits beside the device's own, not beside nothing
+        layers, batch, acc = [8, 264], 1845, 4
+        x = rng.integers(0, 256, (batch * acc, 8), dtype=np.uint8)
+        y = rng.integers(0, 264, len(x))
+        M.set_memory_limit(held + 16 * 2**20, CUDA)
+        model = cmlp.MLP(layers, device=CUDA, seed=0)
+        trainer = cmlp.Trainer(model, cmlp.optim.SGD(model, lr=0.01, momentum=0.9), batch_size=batch,
+                               accumulation_steps=acc)
+        with pytest.warns(cmlp.MemoryWarning, match="fits micro-batches of 461"):
+            trainer.fit(x, y, epochs=1, progress=False)
+    finally:
+        M.set_memory_limit(None, CUDA)
+    assert M.memory_stats(CUDA)["num_ooms"] == ooms
 
 
 @needs_cuda

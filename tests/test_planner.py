@@ -541,3 +541,40 @@ def test_an_epochs_recorded_peak_is_its_training_peak_and_the_callers_statistics
         # the plan of the whole run, validation included, is its measured peak
         assert r["measured"] == r["whole"] and r["evaluation"] > 0, r
         assert r["val_loss"] == pytest.approx(r["ref_loss"], rel=1e-6) and r["val_accuracy"] == r["ref_accuracy"]
+
+
+def test_a_data_set_is_planned_off_the_host_only_and_its_arguments_are_checked():
+    p = M.plan([784, 512, 256, 10], 32, data_rows=60000)
+    assert p.breakdown["data"] == 0 and p.peak_bytes == M.plan([784, 512, 256, 10], 32).peak_bytes
+    assert p.standing_reserved_bytes == 0  # the CPU holds nothing from its start
+    assert M.max_batch_size([784, 512, 256, 10], 64 * MIB, data_rows=60000, data_dtype="float32", shuffle=False) \
+        == M.max_batch_size([784, 512, 256, 10], 64 * MIB)
+    for kw, match in (({"data_rows": -1}, "data_rows"), ({"data_rows": 1.5}, "data_rows"),
+                      ({"data_rows": 10, "data_dtype": "int8"}, "data_dtype"),
+                      ({"data_rows": 10, "data_dtype": "bogus"}, "data_dtype")):
+        with pytest.raises(ValueError, match=match):
+            M.plan([784, 10], 32, **kw)
+    with pytest.raises(TypeError, match="shuffle"):
+        M.plan([784, 10], 32, data_rows=10, shuffle="yes")
+
+
+@pytest.mark.parametrize("layers, batch, opt, amp", [([784, 512, 256, 10], 32, "adam", None),
+                                                     ([56, 363, 3, 44], 51, "sgd", None),
+                                                     ([784, 512, 256, 10], 500, "sgd_momentum", "bf16")])
+def test_a_loop_of_ones_own_is_planned_as_one_that_accumulates(layers, batch, opt, amp):
+    """forward_backward adds to the gradients, so a loop of it and opt.step() holds what a run of
+    accumulation_steps=2 holds (the README says so)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch, layers[0])).astype(np.float32)
+    y = rng.integers(0, layers[-1], batch)
+    M.empty_cache(DEV)
+    base = M.memory_allocated(DEV)
+    M.reset_peak_memory_stats(DEV)
+    model = cmlp.MLP(layers, seed=0)
+    optimizer = cmlp.optim.Adam(model) if opt == "adam" else cmlp.optim.SGD(model, lr=0.1,
+                                                                           momentum=0.9 if opt != "sgd" else 0.0)
+    for _ in range(2):
+        optimizer.zero_grad()
+        model.forward_backward(x, y, amp=amp)
+        optimizer.step()
+    assert M.max_memory_allocated(DEV) - base == M.plan(layers, batch, opt, amp, accumulation_steps=2).peak_bytes

@@ -1201,6 +1201,20 @@ static PyObject *Trainer_epoch_run(TrainerObject *self, PyObject *args) {
                          (long long)es.grad_norm_steps);
 }
 
+static PyObject *Trainer_set_host_data(TrainerObject *self, PyObject *arg) {
+    int on = PyObject_IsTrue(arg);
+    if (on < 0 || trainer_ready(self) < 0) return NULL;
+    ModelObject *mo = self->optim->model;
+    RUN_LOCKED_VOID(mo, cmlp_trainer_set_host_data(self->t, on));
+    Py_RETURN_NONE;
+}
+
+static PyObject *Trainer_data_resident(TrainerObject *self, PyObject *unused) {
+    (void)unused;
+    if (trainer_ready(self) < 0) return NULL;
+    return PyBool_FromLong(cmlp_trainer_data_resident(self->t));
+}
+
 static PyObject *Trainer_release_data(TrainerObject *self, PyObject *unused) {
     (void)unused;
     if (trainer_ready(self) < 0) return NULL;
@@ -1366,6 +1380,9 @@ static PyMethodDef Trainer_methods[] = {
      "(max_steps, rates=None, momenta=None) -> (steps, samples, loss_sum, done, skipped, grad_norm_sum, "
      "grad_norm_steps); with rates (at most MAX_RATES), one step at each (and at each momentum)"},
     {"release_data", (PyCFunction)Trainer_release_data, METH_NOARGS, "free the device copy of the data set"},
+    {"set_host_data", (PyCFunction)Trainer_set_host_data, METH_O,
+     "True: keep the data set in host memory (and free a device copy); False: copy it to the device"},
+    {"data_resident", (PyCFunction)Trainer_data_resident, METH_NOARGS, "whether the data set is on the device"},
     {"set_scaler", (PyCFunction)Trainer_set_scaler, METH_VARARGS,
      "set_scaler(enabled, scale, growth_factor, backoff_factor, growth_interval, growth_tracker)"},
     {"get_scaler", (PyCFunction)Trainer_get_scaler, METH_NOARGS, "(scale, growth_tracker)"},
@@ -1783,11 +1800,10 @@ static PyObject *mod_from_half(PyObject *mod, PyObject *args) {
 
 static PyObject *mod_plan(PyObject *mod, PyObject *args) {
     PyObject *sizes_obj, *dev_obj;
-    long long batch;
-    long long eval_rows;
-    int nbuf, shards, amp, recompute, scaling, solo, eval_staged;
-    if (!PyArg_ParseTuple(args, "OLiiipppLpO", &sizes_obj, &batch, &nbuf, &shards, &amp, &recompute, &scaling, &solo,
-                          &eval_rows, &eval_staged, &dev_obj))
+    long long batch, eval_rows, data_rows, row_bytes;
+    int nbuf, shards, parts, amp, recompute, scaling, solo, shuffled, eval_staged;
+    if (!PyArg_ParseTuple(args, "OLiiiipppLLpLpO", &sizes_obj, &batch, &nbuf, &shards, &parts, &amp, &recompute,
+                          &scaling, &solo, &data_rows, &row_bytes, &shuffled, &eval_rows, &eval_staged, &dev_obj))
         return NULL;
     cmlp_device d;
     if (parse_device(state_of(mod), dev_obj, &d) < 0) return NULL;
@@ -1796,11 +1812,12 @@ static PyObject *mod_plan(PyObject *mod, PyObject *args) {
     cmlp_plan p;
     cmlp_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = cmlp_plan_compute(sizes, n, batch, nbuf, shards, (cmlp_amp)amp, recompute, scaling, solo, eval_rows,
-                           eval_staged, d, &p);
+    st = cmlp_plan_compute(sizes, n, batch, nbuf, shards, parts, (cmlp_amp)amp, recompute, scaling, solo, data_rows,
+                           row_bytes, shuffled, eval_rows, eval_staged, d, &p);
     Py_END_ALLOW_THREADS
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
-    return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L}", "evaluation", (long long)p.evaluation,
+    return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L}", "standing_reserved",
+                         (long long)p.standing_reserved, "evaluation", (long long)p.evaluation,
                          "parameters", (long long)p.parameters, "gradients",
                          (long long)p.gradients, "optimizer_state", (long long)p.optimizer_state, "half_weights",
                          (long long)p.half_weights, "activations", (long long)p.activations, "workspace",
@@ -2081,7 +2098,8 @@ static PyMethodDef module_methods[] = {
     {"to_half", mod_to_half, METH_VARARGS, "to_half(float32 array, 'fp16'|'bf16') -> uint16 array"},
     {"from_half", mod_from_half, METH_VARARGS, "from_half(uint16 array, 'fp16'|'bf16') -> float32 array"},
     {"plan", mod_plan, METH_VARARGS,
-     "plan(sizes, batch, optimizer_buffers, amp, recompute, loss_scaling, device) -> dict"},
+     "plan(sizes, batch, optimizer_buffers, optimizer_shards, optimizer_parts, amp, recompute, loss_scaling, solo, "
+     "data_rows, data_row_bytes, data_shuffled, eval_rows, eval_staged, device) -> dict"},
     {"parse_device", mod_parse_device, METH_O, "canonical device string; raises when unavailable"},
     {"build_info", mod_build_info, METH_NOARGS, "build facts"},
     {"cuda_device_count", mod_cuda_device_count, METH_NOARGS, "number of usable CUDA devices"},

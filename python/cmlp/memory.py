@@ -403,6 +403,9 @@ class Plan:
         self.breakdown: Dict[str, int] = {k: raw[k] for k in _CATEGORIES}
         self.peak_bytes: int = raw["peak_allocated"]
         self.reserved_bytes: int = raw["peak_reserved"]
+        # what the device reserves from the moment it opens (CUDA's 10 MiB GEMM workspace), under
+        # the run: a memory limit counts it and reserved_bytes
+        self.standing_reserved_bytes: int = raw["standing_reserved"]
         # bytes of the step's buffers that live in the gradient buffer (in no category above):
         # with one micro-batch per optimizer step, the first layer's weight gradient, written
         # last, holds the half weights and every buffer the step is done with before that
@@ -448,7 +451,7 @@ def _check_accumulation(accumulation_steps: Any) -> int:
 def plan(layer_sizes: List[int], batch_size: int = 32, optimizer: Any = "adam", amp: Optional[str] = None,
          recompute: bool = False, device: str = "cpu", scaler: Optional[bool] = None,
          accumulation_steps: int = 1, optimizer_shards: Optional[int] = None, validation_rows: int = 0,
-         validation_dtype: str = "uint8") -> Plan:
+         validation_dtype: str = "uint8", data_rows: int = 0, data_dtype: str = "uint8", shuffle: bool = True) -> Plan:
     """Predicts a training run's memory before anything is allocated (batch_size: rows computed at
     once, i.e. the micro-batch; accumulation_steps: micro-batches per optimizer step). With one
     micro-batch per step (the default) a step keeps most of its buffers in the first layer's
@@ -460,7 +463,12 @@ def plan(layer_sizes: List[int], batch_size: int = 32, optimizer: Any = "adam", 
     after each epoch (a rank's share, data-parallel; 0: none), in chunks of up to 1000 rows after
     the step's buffers went back; validation_dtype: theirs ("uint8" images are normalised into a
     buffer, as any input on a GPU; "float32" ones are read in place on the CPU). The plan is then
-    the whole run's, validation included (breakdown["evaluation"]: its buffers)."""
+    the whole run's, validation included (breakdown["evaluation"]: its buffers). data_rows: the
+    training samples of a fit, which on a GPU it copies to the device for the run (uint8 images
+    as uint8, floats as float32; with their labels and, when shuffle, their order;
+    breakdown["data"]), 0 on the CPU, where they stay in host memory. An optimizer given as an
+    object is planned as it is: the state buffers it holds or will make at its next step, and on
+    a GPU its param groups' settings."""
     from .model import _as_sizes
 
     sizes = _as_sizes(layer_sizes)
@@ -470,9 +478,26 @@ def plan(layer_sizes: List[int], batch_size: int = 32, optimizer: Any = "adam", 
     name, _ = _optimizer_buffers(optimizer)
     dev = _device(device)
     args = _plan_args(optimizer, amp, recompute, scaler, accumulation_steps, optimizer_shards)
+    data = _data_args(data_rows, data_dtype, shuffle, sizes[0])
     evaluation = _evaluation_args(validation_rows, validation_dtype, dev)
-    raw = _cmlp.plan(list(sizes), batch_size, *args, *evaluation, dev)
+    raw = _cmlp.plan(list(sizes), batch_size, *args, *data, *evaluation, dev)
     return Plan(list(sizes), batch_size, name, amp, recompute, dev, raw, args[1])
+
+
+def _data_args(rows: Any, dtype: Any, shuffle: Any, features: int) -> Tuple[int, int, bool]:
+    """(rows, bytes per row, shuffled) of a data set a fit keeps on a device."""
+    from ._arrays import as_flag
+
+    rows = _numpy_int(rows)
+    if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows < 2**56:
+        raise ValueError(f"data_rows must be an int in [0, 2**56), got {rows!r}")
+    try:
+        kind = np.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"data_dtype must be 'uint8' or a float dtype, got {dtype!r}") from None
+    if kind != np.uint8 and kind.kind != "f":
+        raise ValueError(f"data_dtype must be 'uint8' or a float dtype, got {dtype!r}")
+    return rows, features * (1 if kind == np.uint8 else 4), as_flag("shuffle", shuffle)
 
 
 def _evaluation_args(rows: Any, dtype: Any, device: str) -> Tuple[int, bool]:
@@ -508,26 +533,30 @@ def _optimizer_shards(optimizer: Any, optimizer_shards: Optional[int]) -> int:
 
 
 def _plan_args(optimizer: Any, amp: Optional[str], recompute: bool, scaler: Optional[bool],
-               accumulation_steps: int, optimizer_shards: Optional[int]) -> Tuple[int, int, int, bool, bool, bool]:
+               accumulation_steps: int, optimizer_shards: Optional[int]) -> Tuple[int, int, int, int, bool, bool, bool]:
     """The C planner's arguments between the batch size and the device, checked."""
     from ._arrays import as_flag, check_amp
+    from .optim import Optimizer
 
     solo = _check_accumulation(accumulation_steps) == 1
     amp_code = check_amp(amp)
     _, nbuf = _optimizer_buffers(optimizer)
     shards = _optimizer_shards(optimizer, optimizer_shards)
     scaling = amp == "fp16" if scaler is None else bool(scaler)
-    return nbuf, shards, amp_code, as_flag("recompute", recompute), scaling, solo
+    parts = len(optimizer._c_parts or ()) if isinstance(optimizer, Optimizer) else 0  # its param groups' parts
+    return nbuf, shards, parts, amp_code, as_flag("recompute", recompute), scaling, solo
 
 
 def max_batch_size(layer_sizes: List[int], budget_bytes: int, optimizer: Any = "adam", amp: Optional[str] = None,
                    recompute: bool = False, device: str = "cpu", limit: int = 1 << 24,
                    accumulation_steps: int = 1, optimizer_shards: Optional[int] = None, validation_rows: int = 0,
-                   validation_dtype: str = "uint8") -> int:
+                   validation_dtype: str = "uint8", data_rows: int = 0, data_dtype: str = "uint8",
+                   shuffle: bool = True) -> int:
     """The largest micro-batch whose planned reserved memory fits in budget_bytes (0 if none),
     for runs of accumulation_steps micro-batches per optimizer step (see plan: with more than
     one, a step needs more memory for the same micro-batch), the optimizer's state sharded
-    over optimizer_shards ranks and a validation of validation_rows after each epoch (see plan)."""
+    over optimizer_shards ranks, a validation of validation_rows after each epoch and, on a GPU,
+    a fit's data set of data_rows kept on the device (see plan)."""
     budget = parse_size(budget_bytes)
     _check_accumulation(accumulation_steps)
     limit = _numpy_int(limit)
@@ -537,7 +566,7 @@ def max_batch_size(layer_sizes: List[int], budget_bytes: int, optimizer: Any = "
     def planned(b: int) -> Plan:
         return plan(layer_sizes, b, optimizer, amp, recompute, device, accumulation_steps=accumulation_steps,
                     optimizer_shards=optimizer_shards, validation_rows=validation_rows,
-                    validation_dtype=validation_dtype)
+                    validation_dtype=validation_dtype, data_rows=data_rows, data_dtype=data_dtype, shuffle=shuffle)
 
     # Reserved memory is at least the peak allocated, which grows with the batch: the largest
     # batch whose allocated peak fits bounds the answer from above (a search).
@@ -558,8 +587,8 @@ def max_batch_size(layer_sizes: List[int], budget_bytes: int, optimizer: Any = "
     # reserve less), so the batches below that bound are tried from the top down.
     first = planned(lo)
     args = _plan_args(optimizer, amp, recompute, None, accumulation_steps, optimizer_shards)
-    raw = [list(first.layer_sizes), 0, *args, *_evaluation_args(validation_rows, validation_dtype, first.device),
-           first.device]
+    raw = [list(first.layer_sizes), 0, *args, *_data_args(data_rows, data_dtype, shuffle, first.layer_sizes[0]),
+           *_evaluation_args(validation_rows, validation_dtype, first.device), first.device]
     for b in range(lo, 0, -1):
         raw[1] = b
         if _cmlp.plan(*raw)["peak_reserved"] <= budget:

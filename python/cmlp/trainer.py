@@ -251,12 +251,15 @@ class Trainer:
         d["scale"], d["_growth_tracker"] = self._c.get_scaler()
         s.load_state_dict(d)
 
-    def _start_under_limit(self) -> None:
+    def _start_under_limit(self, xa: Optional[np.ndarray] = None) -> None:
         """Under a memory limit, start from the largest micro-batch (halving, as an OOM would)
-        that the planner says fits next to what is already allocated."""
+        that the planner says fits next to what is already allocated. A fit on a GPU has copied
+        its data set xa to the device: where the step would fit a larger micro-batch without it
+        (or, without auto_microbatch, only without it), the copy goes and the batches are staged
+        from host memory, so that the data set never costs the step its room."""
         device = self.model.device
         limit = memory.get_memory_limit(device)
-        if limit is None or not self.auto_microbatch:
+        if limit is None:
             return
         step, buffers = self.optimizer._c.get_state()
         stepped = step > 0 or bool(buffers)
@@ -264,26 +267,49 @@ class Trainer:
         if stepped and self.amp is not None:
             held += ("half_weights",)
         self.model._c.release_workspace()  # the plan counts the workspace; it goes back to the cache
+        resident = xa is not None and self._c.data_resident()
         room = limit - memory.memory_allocated(device)
         # the limit caps reserved memory, and new segments come rounded up, which can decide it:
         # the segments a run reserves from an empty cache (those that hold the model now among
-        # them) must fit under the limit, or under what is reserved already where that is more
-        # (then no new segment can be made at all)
+        # them), on top of what the device holds from its start, must fit under the limit, or
+        # under what is reserved already where that is more (then no new segment can be made)
         cap = max(limit, memory.memory_reserved(device))
-        b, p, fits_one = self.microbatch_size, None, True
-        while True:  # the largest micro-batch (halving from the one in use) whose plan fits
+
+        def planned(b: int, with_data: bool) -> Any:
             try:
-                p = memory.plan(list(self.model.layer_sizes), b, self.optimizer, self.amp, self.recompute,
-                                scaler=self.scaler is not None and self.scaler.is_enabled(), device=device,
-                                accumulation_steps=-(-self.batch_size * self.accumulation_steps // b))
+                return memory.plan(list(self.model.layer_sizes), b, self.optimizer, self.amp, self.recompute,
+                                   scaler=self.scaler is not None and self.scaler.is_enabled(), device=device,
+                                   accumulation_steps=-(-self.batch_size * self.accumulation_steps // b),
+                                   data_rows=xa.shape[0] if with_data else 0,
+                                   data_dtype=xa.dtype if with_data else "uint8", shuffle=self.shuffle)
             except ValueError:  # too large to plan: it does not fit either
-                p = None
-            if p is not None and p.peak_bytes - sum(p.breakdown[k] for k in held) <= room and p.reserved_bytes <= cap:
-                break
-            if b == 1:
-                fits_one = False  # not even one sample: the step will try, in micro-batches of 1
-                break
-            b //= 2
+                return None
+
+        def fits(p: Any, with_data: bool) -> bool:
+            # allocated: the data set is in memory_allocated already while it is on the device
+            own = p.peak_bytes - sum(p.breakdown[k] for k in held) - p.breakdown["data"]
+            freed = 0 if with_data or not resident else planned(1, True).breakdown["data"]
+            return own <= room + freed and p.reserved_bytes + p.standing_reserved_bytes <= cap
+
+        def largest(with_data: bool) -> Tuple[int, Any, bool]:
+            """The largest micro-batch (halving from the one in use) whose plan fits."""
+            b = self.microbatch_size
+            while True:
+                p = planned(b, with_data)
+                if p is not None and fits(p, with_data):
+                    return b, p, True
+                if b == 1 or not self.auto_microbatch:
+                    return b, p, False  # not even one sample: the step will try, in micro-batches of 1
+                b //= 2
+
+        b, p, fits_one = largest(resident)
+        if resident and not (fits_one and b == self.microbatch_size):
+            b_host, p_host, fits_host = largest(False)
+            if fits_host and (not fits_one or b_host > b):
+                self._c.set_host_data(True)  # the batches come from host memory for the rest of this fit
+                b, p, fits_one = b_host, p_host, fits_host
+        if not self.auto_microbatch:
+            return
         asked = self.microbatch_size
         if b < asked:
             self._c.start_microbatch(b)
@@ -524,6 +550,7 @@ class Trainer:
              progress: bool, scheduler: Any = None, per_step: bool = False) -> List[Dict[str, Any]]:
         device = self.model.device
         history: List[Dict[str, Any]] = []
+        self._c.set_host_data(False)  # each fit copies its data set to a GPU, where it has room (_start_under_limit)
         try:
             for epoch in range(1, epochs + 1):
                 _cmlp.memory_window_peak(device, True)  # the epoch's own peak; the statistics' are the user's
@@ -542,7 +569,7 @@ class Trainer:
                     start = time.perf_counter()
                     self._push_scaler()
                     if epoch == 1:
-                        self._together(self._start_under_limit)
+                        self._together(lambda: self._start_under_limit(xa))
                     self.optimizer._opt_called = True  # its schedule steps after the optimizer's
                     retries = self._c.oom_retries()
                     try:

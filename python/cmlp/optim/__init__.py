@@ -491,11 +491,6 @@ class Optimizer:
         """The first group's 'initial_lr' (torch's), None before a schedule set it."""
         return self._initial_lrs[0]
 
-    @_initial_lr.setter
-    def _initial_lr(self, value: Any) -> None:
-        self._initial_lrs = [value] * len(self._param_groups) if value is None else \
-            [value if i == 0 else (v if v is not None else self._lrs[i]) for i, v in enumerate(self._initial_lrs)]
-
     def _snapshot(self) -> Tuple[Any, ...]:
         """Everything a param group's update may change, for _restore."""
         return (self._group_config(self._group(0)), list(self._lrs), list(self._wds), list(self._initial_lrs),
