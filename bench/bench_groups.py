@@ -3,7 +3,8 @@
 with weight decay and the biases without (torch's usual split; the step then updates the model's
 flat buffers in six parts, each at its group's rate and decay), and the same with a per-step
 CosineAnnealingLR(eta_min > 0) over groups at different rates, which moves the groups' rates
-apart at every step (the C loop then takes one step per call).
+apart at every step (each step of a call into the C loop then takes its groups' multiples of its
+base rate from a row of its own).
 
 Measured in one process: Trainer.fit throughput in 9 interleaved runs of each configuration
 (the best of each shown; the slowdown is the median over the runs' pairs), and PyTorch's loop

@@ -37,6 +37,9 @@ typedef struct cmlp_rate_src {
     int nparts;
     const double *d_parts;
     float *d_part_coef;
+    /* when not NULL, each step's own scale of each part's rate: the step that reads the pair k
+     * scales part p's rate by d_step_scales[k * nparts + p] instead of d_parts[2p] */
+    const double *d_step_scales;
 } cmlp_rate_src;
 
 /* The weight of the loss's gradient: value, or with d_scale the weight of a loss-scaled step,

@@ -626,7 +626,8 @@ static cmlp_status cpu_optim_prepare(void *ctx, int64_t *step, float *coef, cons
                                      const cmlp_scale_step *scale) {
     (void)ctx;
     if (pos) *pos += pos_add;
-    const double *r = rate->d_rates + 2 * (rate->d_next ? *rate->d_next : 0), lr = r[0], momentum = r[1];
+    const int64_t k = rate->d_next ? *rate->d_next : 0;
+    const double *r = rate->d_rates + 2 * k, lr = r[0], momentum = r[1];
     if (rate->d_next) ++*rate->d_next;
     if (scale)
         scale_update(scale->d_scale, scale->d_tracker, found_inf, scale->growth_factor, scale->backoff_factor,
@@ -634,9 +635,10 @@ static cmlp_status cpu_optim_prepare(void *ctx, int64_t *step, float *coef, cons
     if (found_inf && *found_inf != 0.0f) return CMLP_OK;
     int64_t t = ++*step;
     step_coef(t, lr, momentum, beta2, rate->decoupled_wd, adam, coef);
-    for (int i = 0; i < rate->nparts; i++) /* parameter groups: each part at its own rate and decay */
-        step_coef(t, lr * rate->d_parts[2 * i], momentum, beta2, rate->d_parts[2 * i + 1], adam,
-                  rate->d_part_coef + 5 * i);
+    for (int i = 0; i < rate->nparts; i++) { /* parameter groups: each part at its own rate and decay */
+        const double scale = rate->d_step_scales ? rate->d_step_scales[k * rate->nparts + i] : rate->d_parts[2 * i];
+        step_coef(t, lr * scale, momentum, beta2, rate->d_parts[2 * i + 1], adam, rate->d_part_coef + 5 * i);
+    }
     return CMLP_OK;
 }
 

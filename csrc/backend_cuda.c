@@ -989,8 +989,8 @@ static cmlp_k_scaler k_scaler(const cmlp_scale_step *scale) {
 
 /* The kernels' copy of a rate's source. */
 static cmlp_k_rate k_rate(const cmlp_rate_src *rate) {
-    return (cmlp_k_rate){rate->d_rates, (long long *)rate->d_next, rate->decoupled_wd, rate->nparts, rate->d_parts,
-                         rate->d_part_coef};
+    return (cmlp_k_rate){rate->d_rates,  (long long *)rate->d_next, rate->decoupled_wd, rate->nparts,
+                         rate->d_parts,  rate->d_part_coef,         rate->d_step_scales};
 }
 
 static cmlp_status cu_optim_prepare(void *ctx, int64_t *d_step, float *d_coef, const float *d_found_inf,

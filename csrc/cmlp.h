@@ -544,12 +544,17 @@ CMLP_API cmlp_status cmlp_trainer_epoch_begin(cmlp_trainer *t, const cmlp_data *
 CMLP_API cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, cmlp_epoch_state *st);
 /* epoch_run with a learning rate per step (a schedule stepped with every optimizer step): the
  * call's k-th step trains at rate lr[k] and, when momentum is not NULL, momentum[k] (Adam's beta1,
- * SGD's momentum), for up to n <= CMLP_MAX_RATES steps (fewer at the end of the epoch). The
- * optimizer's own rate and momentum are the same after the call as before. Off the CPU they reach
- * the device with the call's scalars: a captured step replays at each of them. */
+ * SGD's momentum), for up to n <= CMLP_MAX_RATES steps (fewer at the end of the epoch); when
+ * scales is not NULL (an optimizer with parameter groups, cmlp_optim_set_parts), part p of the
+ * k-th step steps at lr[k] * scales[k * nparts + p] rather than at the part's own scale (groups
+ * whose rates move apart). The optimizer's own rate, momentum and scales are the same after the
+ * call as before. Off the CPU they reach the device with the call's scalars: a captured step
+ * replays at each of them. */
 #define CMLP_MAX_RATES 16
 CMLP_API cmlp_status cmlp_trainer_epoch_run_rates(cmlp_trainer *t, const double *lr, const double *momentum,
-                                                  int64_t n, cmlp_epoch_state *st);
+                                                  const double *scales, int64_t n, cmlp_epoch_state *st);
+/* The parts of the trainer's optimizer's parameter groups (0 without them): a row of scales. */
+CMLP_API int cmlp_trainer_optim_parts(const cmlp_trainer *t);
 /* What automatic micro-batching moves: the micro-batch in use, the one it grows back to, and
  * the good steps counted toward the next doubling (a checkpoint keeps them; set checks
  * 1 <= size <= target <= 2**62 and good_steps >= 0). */

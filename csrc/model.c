@@ -647,10 +647,8 @@ cmlp_status cmlp_model_set_params(cmlp_model *m, const float *host_in) {
     return cmlp_model_copy_params(m, host_in);
 }
 
-/* A copy of one device buffer of nbytes on another device, through host memory, into *dst
- * (the source is kept; nothing is allocated on failure). */
-static cmlp_status buffer_copy(cmlp_device_ctx *from, cmlp_device_ctx *to, const void *buf, size_t nbytes,
-                               const char *what, void **dst) {
+cmlp_status cmlp_buffer_copy(cmlp_device_ctx *from, cmlp_device_ctx *to, const void *buf, size_t nbytes,
+                             const char *what, void **dst) {
     *dst = NULL;
     if (!buf) return CMLP_OK;
     void *host = malloc(nbytes), *d = NULL;
@@ -667,25 +665,14 @@ static cmlp_status buffer_copy(cmlp_device_ctx *from, cmlp_device_ctx *to, const
     return CMLP_OK;
 }
 
-/* Moves one device buffer of nbytes to another device through host memory. */
-cmlp_status cmlp_buffer_move(cmlp_device_ctx *from, cmlp_device_ctx *to, void **buf, size_t nbytes,
-                             const char *what) {
-    void *dst;
-    CMLP_TRY(buffer_copy(from, to, *buf, nbytes, what, &dst));
-    if (!*buf) return CMLP_OK;
-    dev_free(from, *buf);
-    *buf = dst;
-    return CMLP_OK;
-}
-
 cmlp_status cmlp_model_to(cmlp_model *m, cmlp_device d) {
     cmlp_device_ctx *to;
     CMLP_TRY(cmlp_device_get(d, &to));
     if (to == m->dev) return CMLP_OK;
     /* all or nothing: both copies made before the sources go */
     void *p, *g;
-    CMLP_TRY(buffer_copy(m->dev, to, m->params, (size_t)m->nparams * sizeof(float), "parameters", &p));
-    cmlp_status st = buffer_copy(m->dev, to, m->grads, cmlp_grads_bytes(m), "gradients", &g);
+    CMLP_TRY(cmlp_buffer_copy(m->dev, to, m->params, (size_t)m->nparams * sizeof(float), "parameters", &p));
+    cmlp_status st = cmlp_buffer_copy(m->dev, to, m->grads, cmlp_grads_bytes(m), "gradients", &g);
     if (st != CMLP_OK) {
         dev_free(to, p);
         return st;

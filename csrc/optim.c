@@ -1,6 +1,7 @@
 /* optim.c - Adam and SGD with PyTorch's update rules over the model's flat buffers. State
- * (one arena: Adam's exp_avg, exp_avg_sq and with AMSGrad max_exp_avg_sq, or SGD's momentum
- * buffer) is created at the first step; a step that cannot allocate it changes nothing.
+ * (one arena: Adam's exp_avg and exp_avg_sq, or SGD's momentum buffer; and AMSGrad's
+ * max_exp_avg_sq in a buffer of its own) is created at the first step that needs it; a step that
+ * cannot allocate it changes nothing.
  */
 #include "internal.h"
 #include "comm.h"
@@ -25,8 +26,8 @@ struct cmlp_optim {
     cmlp_adam_config adam;
     cmlp_sgd_config sgd;
     int64_t step;
-    float *state; /* NULL before the first step; [nbuf * span(o)] */
-    int nbuf;     /* the buffers in state */
+    float *state; /* NULL before the first step; [arena_buffers(o) * span(o)] */
+    float *vmax;  /* AMSGrad's max_exp_avg_sq, made at the first step with amsgrad: [span(o)] */
     bool unused;  /* state made ahead of the first step (cmlp_optim_prepare), which it still is */
     uint64_t version; /* moves whenever the configuration (but for the rate) or the state buffer changes */
     /* ZeRO stage 1: with shards > 0 the state covers [lo, hi) of the parameters only, this rank's
@@ -35,7 +36,9 @@ struct cmlp_optim {
     int64_t chunk, lo, hi;
     /* parameter groups (cmlp_optim_set_parts): nparts parts, none when every parameter takes the
      * configuration's settings; d_parts holds 2 doubles per part for a step on the device (the
-     * rate's scale and the decoupled weight decay), then 5 floats of coefficients per part */
+     * rate's scale and the decoupled weight decay), then a table of CMLP_MAX_RATES rows of a
+     * scale per part (a trainer call's steps, each its own: cmlp_optim_load_step_scales), then 5
+     * floats of coefficients per part */
     int nparts;
     optim_part *parts;
     void *d_parts;
@@ -53,7 +56,14 @@ static size_t state_bytes(const cmlp_optim *o, int nb) {
 static cmlp_status upload_parts(cmlp_optim *o, const optim_part *parts, int n, void **out, bool *fresh);
 
 /* Bytes of d_parts for n parts. */
-static size_t parts_bytes(int n) { return (size_t)n * (2 * sizeof(double) + 5 * sizeof(float)); }
+static size_t parts_bytes(int n) {
+    return (size_t)n * ((2 + CMLP_MAX_RATES) * sizeof(double) + 5 * sizeof(float));
+}
+/* d_parts' table of each step's scales, and its coefficients */
+static double *step_table(const cmlp_optim *o) { return (double *)o->d_parts + 2 * o->nparts; }
+static float *part_coef(const cmlp_optim *o) {
+    return (float *)((double *)o->d_parts + (2 + CMLP_MAX_RATES) * (size_t)o->nparts);
+}
 size_t cmlp_optim_parts_bytes(int n) { return parts_bytes(n); }
 
 cmlp_adam_config cmlp_adam_defaults(void) { return (cmlp_adam_config){1e-3, 0.9, 0.999, 1e-8, 0.0, 0, 0, 0}; }
@@ -147,6 +157,7 @@ static void free_device_parts(cmlp_optim *o) {
 void cmlp_optim_free(cmlp_optim *o) {
     if (!o) return;
     if (o->state) (void)cmlp_allocator_free(o->dev->alloc, o->state);
+    if (o->vmax) (void)cmlp_allocator_free(o->dev->alloc, o->vmax);
     free_device_parts(o);
     free(o->parts);
     free(o);
@@ -197,26 +208,35 @@ static int buffers_needed(const cmlp_optim *o) {
     return o->sgd.momentum != 0.0 ? 1 : 0;
 }
 
+/* The arena's buffers (Adam's exp_avg and exp_avg_sq, SGD's momentum buffer), and those held. */
+static int arena_buffers(const cmlp_optim *o) { return o->kind == CMLP_OPTIM_ADAM ? 2 : 1; }
+static int held(const cmlp_optim *o) { return (o->state ? arena_buffers(o) : 0) + (o->vmax != NULL); }
+
 /* Buffers this optimizer keeps once it has stepped: those its state holds, which stay when the
  * settings stop using them (SGD's momentum buffer at momentum 0, AMSGrad's maximum when amsgrad
  * is turned off: torch keeps them in its state, and they serve again when the setting comes
  * back), and those the next step needs. */
 static int buffers_of(const cmlp_optim *o) {
-    int need = buffers_needed(o);
-    return o->state && o->nbuf > need ? o->nbuf : need;
+    int need = buffers_needed(o), have = held(o);
+    return have > need ? have : need;
+}
+
+/* AMSGrad is on and its maximum not made yet. */
+static bool vmax_missing(const cmlp_optim *o) {
+    return o->kind == CMLP_OPTIM_ADAM && o->adam.amsgrad && !o->vmax;
 }
 
 /* A step skipped on the device (inf/NaN under loss scaling) may have made the state; it holds
  * zeros and counts only once a step was taken, as PyTorch makes state at the first step. */
-int cmlp_optim_num_buffers(const cmlp_optim *o) { return o->state && o->step > 0 && !o->unused ? o->nbuf : 0; }
+int cmlp_optim_num_buffers(const cmlp_optim *o) { return o->state && o->step > 0 && !o->unused ? held(o) : 0; }
 
 int cmlp_optim_buffers_planned(const cmlp_optim *o) { return buffers_of(o); }
 
 int cmlp_optim_num_parts(const cmlp_optim *o) { return o->nparts; }
 
-/* AMSGrad's running maximum of exp_avg_sq from n (the arena's third buffer), NULL without it */
-static float *amsgrad_max(const cmlp_optim *o, int64_t n, int64_t k) {
-    return o->kind == CMLP_OPTIM_ADAM && o->adam.amsgrad ? o->state + 2 * n + k : NULL;
+/* AMSGrad's running maximum of exp_avg_sq from k, NULL without AMSGrad */
+static float *amsgrad_max(const cmlp_optim *o, int64_t k) {
+    return o->kind == CMLP_OPTIM_ADAM && o->adam.amsgrad && o->vmax ? o->vmax + k : NULL;
 }
 
 cmlp_status cmlp_optim_configure_adam(cmlp_optim *o, const cmlp_adam_config *c) {
@@ -304,27 +324,44 @@ int cmlp_optim_shards(const cmlp_optim *o, int64_t *lo, int64_t *hi, int64_t *ch
     return o->shards;
 }
 
-/* Makes the state a step needs: all of it at the first step; at a later one, the buffers a new
- * setting needs (AMSGrad turned on, momentum back after a load of none) beside those there,
- * copied into a larger arena (the old one goes once the copy is made). */
-static cmlp_status ensure_state(cmlp_optim *o) {
-    int nb = buffers_of(o);
-    if (nb == 0 || (o->state && o->nbuf >= nb)) return CMLP_OK;
-    size_t bytes = state_bytes(o, nb), kept = o->state ? state_bytes(o, o->nbuf) : 0;
-    const cmlp_backend_i *b = o->dev->backend;
-    float *s;
-    CMLP_TRY(cmlp_allocator_malloc(o->dev->alloc, bytes, "optimizer state", (void **)&s));
-    cmlp_status st = b->fill_zero(o->dev->bctx, (char *)s + kept, bytes - kept);
-    if (st == CMLP_OK && kept) st = b->copy_d2d(o->dev->bctx, s, o->state, kept);
+/* A buffer of nb state buffers' zeros. */
+static cmlp_status zeros(cmlp_optim *o, int nb, float **out) {
+    size_t bytes = state_bytes(o, nb);
+    CMLP_TRY(cmlp_allocator_malloc(o->dev->alloc, bytes, "optimizer state", (void **)out));
+    cmlp_status st = o->dev->backend->fill_zero(o->dev->bctx, *out, bytes);
     if (st != CMLP_OK) {
-        (void)cmlp_allocator_free(o->dev->alloc, s);
-        return st;
+        (void)cmlp_allocator_free(o->dev->alloc, *out);
+        *out = NULL;
     }
-    if (o->state) (void)cmlp_allocator_free(o->dev->alloc, o->state);
-    else o->unused = true;
-    o->state = s;
-    o->nbuf = nb;
-    o->version++;
+    return st;
+}
+
+/* Whether the state a step with these settings needs is all there. */
+static bool complete(const cmlp_optim *o) {
+    return (o->state || buffers_needed(o) == 0) && !vmax_missing(o);
+}
+
+/* Makes the state a step needs: the arena at the first step, and AMSGrad's maximum at the first
+ * step with amsgrad (turned on later, it starts from zeros there, beside the arena as it is).
+ * All or nothing: a maximum that cannot be made takes an arena made with it back. */
+static cmlp_status ensure_state(cmlp_optim *o) {
+    if (complete(o)) return CMLP_OK;
+    bool fresh = false;
+    if (!o->state && buffers_needed(o) > 0) {
+        CMLP_TRY(zeros(o, arena_buffers(o), &o->state));
+        o->unused = fresh = true;
+        o->version++;
+    }
+    if (vmax_missing(o)) {
+        cmlp_status st = zeros(o, 1, &o->vmax);
+        if (st != CMLP_OK && fresh) {
+            (void)cmlp_allocator_free(o->dev->alloc, o->state);
+            o->state = NULL;
+            o->unused = false;
+        }
+        CMLP_TRY(st);
+        o->version++;
+    }
     return CMLP_OK;
 }
 
@@ -338,17 +375,23 @@ static cmlp_status ready_to_step(cmlp_optim *o, const void *dcomm) {
     if (o->dev->device.type != CMLP_DEVICE_CPU && !(dcomm && o->dev->backend->comm_all_gather))
         return CMLP_FAIL(CMLP_ERR_STATE, "a sharded optimizer on a device gathers its parts through the process "
                                          "group's device collectives (NCCL), in a data-parallel trainer");
-    if (buffers_of(o) == 0 || (o->state && o->nbuf >= buffers_of(o))) return CMLP_OK;
-    bool had = o->state != NULL;
+    if (complete(o)) return CMLP_OK;
+    bool had = o->state != NULL, had_vmax = o->vmax != NULL;
     cmlp_status st = cmlp_dist_agree(ensure_state(o));
-    if (st != CMLP_OK && !had && o->state) { /* another rank could not: none keeps it, and the next try agrees again */
-        (void)cmlp_allocator_free(o->dev->alloc, o->state);
-        o->state = NULL;
-        o->nbuf = 0;
-        o->unused = false;
-        o->version++;
+    if (st != CMLP_OK) { /* another rank could not: none keeps what it made, and the next try agrees again */
+        if (!had && o->state) {
+            (void)cmlp_allocator_free(o->dev->alloc, o->state);
+            o->state = NULL;
+            o->unused = false;
+            o->version++;
+        }
+        if (!had_vmax && o->vmax) {
+            (void)cmlp_allocator_free(o->dev->alloc, o->vmax);
+            o->vmax = NULL;
+            o->version++;
+        }
     }
-    return st; /* grown here and not on another rank: the zeros it added serve the next try */
+    return st;
 }
 
 /* Every rank's part of the parameters to every rank, each sent by its owner (host memory through
@@ -360,9 +403,7 @@ static cmlp_status gather(cmlp_optim *o, void *dcomm) {
     return o->dev->backend->comm_all_gather(o->dev->bctx, dcomm, m->params, m->nparams, o->chunk);
 }
 
-bool cmlp_optim_state_missing(const cmlp_optim *o) {
-    return o->state ? o->unused || o->nbuf < buffers_of(o) : buffers_of(o) > 0;
-}
+bool cmlp_optim_state_missing(const cmlp_optim *o) { return !complete(o) || (o->state && o->unused); }
 
 cmlp_status cmlp_optim_prepare(cmlp_optim *o) {
     CMLP_TRY(check_model(o));
@@ -374,8 +415,8 @@ bool cmlp_optim_has_state(const cmlp_optim *o) { return o->state != NULL; }
 void cmlp_optim_drop_unused(cmlp_optim *o) {
     if (!o->state || !o->unused) return;
     (void)cmlp_allocator_free(o->dev->alloc, o->state);
-    o->state = NULL;
-    o->nbuf = 0;
+    if (o->vmax) (void)cmlp_allocator_free(o->dev->alloc, o->vmax);
+    o->state = o->vmax = NULL;
     o->unused = false;
     o->version++;
 }
@@ -516,7 +557,19 @@ cmlp_status cmlp_optim_step(cmlp_optim *o) {
     return cmlp_optim_step_summed(o);
 }
 
-cmlp_status cmlp_optim_step_summed(cmlp_optim *o) {
+cmlp_status cmlp_optim_step_summed(cmlp_optim *o) { return cmlp_optim_step_summed_at(o, NULL); }
+
+cmlp_status cmlp_optim_load_step_scales(cmlp_optim *o, const double *scales, int64_t nsteps) {
+    if (!o->nparts || !o->d_parts)
+        return CMLP_FAIL(CMLP_ERR_STATE, "per-step scales need the optimizer's parameter-group parts");
+    if (nsteps < 1 || nsteps > CMLP_MAX_RATES)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "1 to %d steps' scales, got %lld", CMLP_MAX_RATES, (long long)nsteps);
+    CMLP_TRY(check_model(o));
+    return o->dev->backend->copy_h2d(o->dev->bctx, step_table(o), scales,
+                                     (size_t)nsteps * (size_t)o->nparts * sizeof(double));
+}
+
+cmlp_status cmlp_optim_step_summed_at(cmlp_optim *o, const double *scales) {
     CMLP_TRY(check_model(o));
     if (o->dev->device.type != CMLP_DEVICE_CPU) {
         /* as the trainer steps there: the bias corrections computed on the device, so that a
@@ -529,7 +582,7 @@ cmlp_status cmlp_optim_step_summed(cmlp_optim *o) {
         } h = {o->step, cmlp_optim_get_lr(o), cmlp_optim_get_momentum(o)}; /* ds->step, then ds->rates[0..1] */
         _Static_assert(offsetof(cmlp_dscalars, rates) == offsetof(cmlp_dscalars, step) + 8, "step, then rates");
         CMLP_TRY(o->dev->backend->copy_h2d(o->dev->bctx, &ds->step, &h, sizeof h));
-        CMLP_TRY(cmlp_optim_step_device(o, NULL, &ds->step, ds->coef, ds->rates, NULL, NULL, 0, NULL, NULL));
+        CMLP_TRY(cmlp_optim_step_device(o, NULL, &ds->step, ds->coef, ds->rates, NULL, NULL, 0, NULL, 0, NULL));
         o->step++;
         return CMLP_OK;
     }
@@ -553,18 +606,18 @@ cmlp_status cmlp_optim_step_summed(cmlp_optim *o) {
         double wd = parts[i].weight_decay;
         if (o->kind == CMLP_OPTIM_ADAM) {
             const cmlp_adam_config *c = &o->adam;
-            double lr = c->lr * parts[i].lr_scale;
+            double lr = c->lr * (scales && o->nparts ? scales[i] : parts[i].lr_scale);
             double bc1 = 1.0 - pow(c->beta1, (double)t), bc2 = 1.0 - pow(c->beta2, (double)t);
             bool dec = c->decoupled_weight_decay;
             st = b->adam(o->dev->bctx, m->params + lo, m->grads + lo, o->state + k, o->state + n + k,
-                         amsgrad_max(o, n, k), hi - lo, (float)(lr / bc1), (float)c->beta1, (float)c->beta2,
+                         amsgrad_max(o, k), hi - lo, (float)(lr / bc1), (float)c->beta1, (float)c->beta2,
                          (float)(1.0 - c->beta1), (float)(1.0 - c->beta2), (float)sqrt(bc2), (float)c->eps,
                          dec ? 0.0f : (float)wd, dec ? (float)(1.0 - lr * wd) : 1.0f, c->maximize, NULL, NULL);
         } else {
             const cmlp_sgd_config *c = &o->sgd;
             st = b->sgd(o->dev->bctx, m->params + lo, m->grads + lo, o->state ? o->state + k : NULL, hi - lo,
-                        (float)(c->lr * parts[i].lr_scale), (float)c->momentum, (float)(1.0 - c->dampening),
-                        c->nesterov, (float)wd, c->maximize, first, NULL, NULL, NULL);
+                        (float)(c->lr * (scales && o->nparts ? scales[i] : parts[i].lr_scale)), (float)c->momentum,
+                        (float)(1.0 - c->dampening), c->nesterov, (float)wd, c->maximize, first, NULL, NULL, NULL);
         }
     }
     if (st == CMLP_OK) st = gather(o, NULL);
@@ -585,12 +638,13 @@ cmlp_status cmlp_optim_get_buffer(const cmlp_optim *o, int i, float *host_out) {
         memset(host_out, 0, at * sizeof(float));
         memset(host_out + at + n, 0, (all - at - n) * sizeof(float));
     }
-    return o->dev->backend->copy_d2h(o->dev->bctx, host_out + at, o->state + (size_t)i * n, n * sizeof(float));
+    const float *src = i < arena_buffers(o) ? o->state + (size_t)i * n : o->vmax;
+    return o->dev->backend->copy_d2h(o->dev->bctx, host_out + at, src, n * sizeof(float));
 }
 
 cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int64_t *d_step, float *d_coef,
                                    const double *d_rates, int64_t *d_lr_next, int64_t *d_pos, int64_t pos_add,
-                                   const cmlp_scale_step *scale, void *dcomm) {
+                                   const cmlp_scale_step *scale, int step_scales, void *dcomm) {
     CMLP_TRY(check_model(o));
     CMLP_TRY(ready_to_step(o, dcomm));
     bool first = o->unused;
@@ -610,7 +664,8 @@ cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int6
     if (o->nparts) { /* parameter groups: the coefficients of each part, then a launch for each */
         rate.nparts = o->nparts;
         rate.d_parts = o->d_parts;
-        rate.d_part_coef = (float *)((double *)o->d_parts + 2 * o->nparts);
+        rate.d_part_coef = part_coef(o);
+        rate.d_step_scales = step_scales ? step_table(o) : NULL;
         st = b->optim_prepare(ctx, d_step, d_coef, d_found_inf, &rate, adam ? o->adam.beta2 : 0.0, adam, d_pos,
                               pos_add, scale);
         for (int i = 0; i < o->nparts && st == CMLP_OK; i++) {
@@ -624,7 +679,7 @@ cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int6
             if (adam) {
                 const cmlp_adam_config *c = &o->adam;
                 st = b->adam(ctx, m->params + lo, m->grads + lo, o->state + k, o->state + n + k,
-                             amsgrad_max(o, n, k), hi - lo, 0.0f, 0.0f, (float)c->beta2, 0.0f,
+                             amsgrad_max(o, k), hi - lo, 0.0f, 0.0f, (float)c->beta2, 0.0f,
                              (float)(1.0 - c->beta2), 1.0f, (float)c->eps, c->decoupled_weight_decay ? 0.0f : wd,
                              1.0f, c->maximize, d_found_inf, pc);
             } else {
@@ -636,14 +691,14 @@ cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int6
         }
     } else if (adam && b->adam_prepared && n > 0) { /* the bookkeeping in Adam's launch */
         const cmlp_adam_config *c = &o->adam;
-        st = b->adam_prepared(ctx, p, g, o->state, o->state + n, amsgrad_max(o, n, 0), n, &rate, c->beta2,
+        st = b->adam_prepared(ctx, p, g, o->state, o->state + n, amsgrad_max(o, 0), n, &rate, c->beta2,
                               (float)c->eps, adam_l2(c), c->maximize, d_found_inf, d_step, d_coef, d_pos, pos_add,
                               scale, &ds->blocks_done);
     } else if (adam) {
         const cmlp_adam_config *c = &o->adam;
         st = b->optim_prepare(ctx, d_step, d_coef, d_found_inf, &rate, c->beta2, 1, d_pos, pos_add, scale);
         if (st == CMLP_OK)
-            st = b->adam(ctx, p, g, o->state, o->state + n, amsgrad_max(o, n, 0), n, 0.0f, 0.0f, (float)c->beta2,
+            st = b->adam(ctx, p, g, o->state, o->state + n, amsgrad_max(o, 0), n, 0.0f, 0.0f, (float)c->beta2,
                          0.0f, (float)(1.0 - c->beta2), 1.0f, (float)c->eps, adam_l2(c), 1.0f, c->maximize,
                          d_found_inf, d_coef);
     } else {
@@ -684,22 +739,24 @@ cmlp_status cmlp_optim_set_state(cmlp_optim *o, int64_t step, int nbuffers, cons
         for (size_t j = 0; j < all; j++)
             if (!isfinite(host[i][j]))
                 return CMLP_FAIL(CMLP_ERR_NONFINITE, "optimizer state buffer %d holds NaN or inf at %zu", i, j);
-    float *s = NULL;
-    if (nbuffers) { /* sharded: this rank's part of each */
-        size_t bytes = state_bytes(o, nbuffers);
-        CMLP_TRY(cmlp_allocator_malloc(o->dev->alloc, bytes, "optimizer state", (void **)&s));
-        for (int i = 0; i < nbuffers; i++) {
-            cmlp_status st =
-                o->dev->backend->copy_h2d(o->dev->bctx, s + (size_t)i * n, host[i] + at, n * sizeof(float));
-            if (st != CMLP_OK) {
-                (void)cmlp_allocator_free(o->dev->alloc, s);
-                return st;
-            }
-        }
+    float *s = NULL, *x = NULL;
+    const int arena = nbuffers < arena_buffers(o) ? nbuffers : arena_buffers(o);
+    cmlp_status st = CMLP_OK;
+    if (arena) st = cmlp_allocator_malloc(o->dev->alloc, state_bytes(o, arena), "optimizer state", (void **)&s);
+    if (st == CMLP_OK && nbuffers > arena) /* AMSGrad's maximum */
+        st = cmlp_allocator_malloc(o->dev->alloc, state_bytes(o, 1), "optimizer state", (void **)&x);
+    for (int i = 0; i < nbuffers && st == CMLP_OK; i++) /* sharded: this rank's part of each */
+        st = o->dev->backend->copy_h2d(o->dev->bctx, i < arena ? s + (size_t)i * n : x, host[i] + at,
+                                       n * sizeof(float));
+    if (st != CMLP_OK) {
+        if (s) (void)cmlp_allocator_free(o->dev->alloc, s);
+        if (x) (void)cmlp_allocator_free(o->dev->alloc, x);
+        return st;
     }
     if (o->state) (void)cmlp_allocator_free(o->dev->alloc, o->state);
+    if (o->vmax) (void)cmlp_allocator_free(o->dev->alloc, o->vmax);
     o->state = s;
-    o->nbuf = nbuffers;
+    o->vmax = x;
     o->unused = false;
     /* SGD keeps no count of its own: a loaded momentum buffer means it has stepped, so the next
      * step continues it (a step count of 0 would make the next step its first) */
@@ -721,16 +778,21 @@ cmlp_status cmlp_optim_to(cmlp_optim *o, cmlp_device d) {
         o->dev = from;
         CMLP_TRY(st);
     }
-    if (o->state) {
-        void *s = o->state;
-        cmlp_status st = cmlp_buffer_move(o->dev, to, &s, state_bytes(o, o->nbuf), "optimizer state");
-        if (st != CMLP_OK) {
-            if (dp && to->device.type == CMLP_DEVICE_CPU) free(dp);
-            else if (dp) (void)cmlp_allocator_free(to->alloc, dp);
-            return st;
-        }
-        o->state = s;
+    /* both state buffers are copied before either source goes (all or nothing) */
+    void *s = NULL, *x = NULL;
+    cmlp_status st =
+        cmlp_buffer_copy(o->dev, to, o->state, state_bytes(o, arena_buffers(o)), "optimizer state", &s);
+    if (st == CMLP_OK) st = cmlp_buffer_copy(o->dev, to, o->vmax, state_bytes(o, 1), "optimizer state", &x);
+    if (st != CMLP_OK) {
+        if (s) (void)cmlp_allocator_free(to->alloc, s);
+        if (dp && to->device.type == CMLP_DEVICE_CPU) free(dp);
+        else if (dp) (void)cmlp_allocator_free(to->alloc, dp);
+        return st;
     }
+    if (o->state) (void)cmlp_allocator_free(o->dev->alloc, o->state);
+    if (o->vmax) (void)cmlp_allocator_free(o->dev->alloc, o->vmax);
+    o->state = s;
+    o->vmax = x;
     if (o->nparts) {
         free_device_parts(o);
         o->d_parts = dp;

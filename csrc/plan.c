@@ -125,14 +125,18 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
 
     /* the run's requests in the order the library makes them: the model, the optimizer's groups,
      * the fit's data set at its first epoch, the optimizer state at the first step */
-    size_t req[10];
+    size_t req[11];
     int nreq = 0;
     req[nreq++] = (size_t)out->parameters;
     req[nreq++] = grads_bytes;
     if (parts) req[nreq++] = parts;
     for (int i = 0; i < 3; i++)
         if (data[i]) req[nreq++] = data[i];
-    if (optimizer_buffers) req[nreq++] = (size_t)(out->optimizer_state - (int64_t)parts); /* before the first gradients */
+    if (optimizer_buffers) { /* before the first gradients: the arena, and AMSGrad's maximum apart */
+        size_t one = (size_t)(out->optimizer_state - (int64_t)parts) / (size_t)optimizer_buffers;
+        req[nreq++] = one * (size_t)(optimizer_buffers == 3 ? 2 : optimizer_buffers);
+        if (optimizer_buffers == 3) req[nreq++] = one;
+    }
     if (out->half_weights) req[nreq++] = (size_t)out->half_weights;
     req[nreq++] = ws;
     paper_device pd = {.next = (uintptr_t)1 << 44, .total = dev->backend->total_memory(dev->bctx)};

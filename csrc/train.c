@@ -26,6 +26,7 @@ typedef struct step_key {
     int amp, recompute, scaled;
     double max_grad_norm;
     bool rates; /* the step reads its rate and momentum from the call's list (moving on), not ds->rates[0..1] */
+    bool step_scales; /* and its param groups' scales from the optimizer's table of the call's steps */
 } step_key;
 
 struct cmlp_trainer {
@@ -62,6 +63,8 @@ struct cmlp_trainer {
     double last_norm;     /* the last step's gradient norm (clipping), when has_norm */
     bool has_norm;
     bool rates;           /* the call in progress has a rate per step (cmlp_trainer_epoch_run_rates) */
+    bool step_scales;     /* and param-group scales per step (in the optimizer's table, on its device) */
+    const double *scales_row; /* the step in progress's param-group scales, for a step on the host */
     bool host_data;       /* keep the data set in host memory (cmlp_trainer_set_host_data) */
 };
 
@@ -138,7 +141,9 @@ void cmlp_resident_sizes(int64_t n, size_t row_bytes, int shuffled, size_t out[3
 /* On a device that is not the host, the epoch's data set (uint8 stays uint8) and its order are
  * copied there once, and every batch is gathered on the device. Without room for them, or when
  * the trainer was told to keep the data in host memory (cmlp_trainer_set_host_data), the batches
- * are staged from host memory instead, as for a single step. */
+ * are staged from host memory instead, as for a single step; a copy that the device's memory
+ * limit cannot take is not tried (it would only run the allocator out of memory, and empty its
+ * cache), and one that failed is not tried again until the trainer is told to (a new fit). */
 static void upload_epoch(cmlp_trainer *t, const cmlp_data *xy) {
     cmlp_device_ctx *dev = t->model->dev;
     if (!device_steps(t) || t->host_data) return;
@@ -147,6 +152,13 @@ static void upload_epoch(cmlp_trainer *t, const cmlp_data *xy) {
                         t->cfg.shuffle, sz);
     size_t nx = sz[0], ny = sz[1], no = sz[2];
     const cmlp_backend_i *b = dev->backend;
+    cmlp_memory_stats s;
+    cmlp_allocator_stats(dev->alloc, &s);
+    const int64_t held = s.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].current;
+    if (s.limit >= 0 && held + (int64_t)(nx + ny + no) > s.limit) {
+        t->host_data = true;
+        return;
+    }
     t->d_alloc = dev->alloc;
     cmlp_status st = cmlp_allocator_malloc(dev->alloc, nx, "data set", &t->d_x);
     if (st == CMLP_OK) st = cmlp_allocator_malloc(dev->alloc, ny, "data set labels", (void **)&t->d_y);
@@ -154,7 +166,10 @@ static void upload_epoch(cmlp_trainer *t, const cmlp_data *xy) {
     if (st == CMLP_OK) st = b->copy_h2d(dev->bctx, t->d_x, xy->x, nx);
     if (st == CMLP_OK) st = b->copy_h2d(dev->bctx, t->d_y, xy->y, ny);
     if (st == CMLP_OK && t->cfg.shuffle) st = b->copy_h2d(dev->bctx, t->d_order, t->order, no);
-    if (st != CMLP_OK) drop_device_data(t);
+    if (st != CMLP_OK) {
+        drop_device_data(t);
+        t->host_data = true;
+    }
 }
 
 static void drop_graph(cmlp_trainer *t) {
@@ -357,7 +372,7 @@ static cmlp_status step_update(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_da
                          : b->comm_all_reduce(ctx, t->dcomm, m->grads, m->nparams));
     if (!t->scaler.enabled && !device_steps(t)) {
         if (clip) CMLP_TRY(scatter ? clip_part(t, ds, lo, hi, chunk, parts) : clip_grads(t, ds));
-        return cmlp_optim_step_summed(t->optim);
+        return cmlp_optim_step_summed_at(t->optim, t->scales_row);
     }
     const float *found_inf = NULL;
     if (t->scaler.enabled) {
@@ -377,7 +392,7 @@ static cmlp_status step_update(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_da
                              s->backoff_factor, (int32_t)s->growth_interval};
     return cmlp_optim_step_device(t->optim, found_inf, &ds->step, ds->coef, ds->rates,
                                   t->rates ? &ds->lr_next : NULL, xy->pos ? &ds->pos : NULL, n_all,
-                                  s->enabled ? &scale : NULL, t->dcomm);
+                                  s->enabled ? &scale : NULL, t->step_scales, t->dcomm);
 }
 
 /* One optimizer step as a capture records it: this rank's k samples of n_all (see step_grads),
@@ -442,9 +457,12 @@ static cmlp_status one_sample_oom(cmlp_trainer *t, const char *cause) {
  * there, and under loss scaling the check, the skip, the optimizer's step count and the scale
  * update happen there too. */
 static cmlp_status run_begin(cmlp_trainer *t, cmlp_dscalars **out, const double *lr, const double *momentum,
-                             int64_t nlr) {
+                             const double *scales, int64_t nlr) {
     cmlp_model *m = t->model;
     CMLP_TRY(cmlp_model_scalars(m, out));
+    /* the param groups' scales of each step, where a step on the device reads them */
+    if (scales && lr) CMLP_TRY(cmlp_optim_load_step_scales(t->optim, scales, nlr));
+    t->step_scales = scales && lr;
     cmlp_dscalars h = {0};
     h.step = cmlp_optim_get_step(t->optim);
     /* the rates and momenta of the call's steps: the optimizer's, or one each (a step on the device
@@ -546,6 +564,7 @@ static void make_key(const cmlp_trainer *t, const cmlp_data *xy, const int64_t *
     k->recompute = t->cfg.recompute;
     k->max_grad_norm = t->cfg.max_grad_norm;
     k->rates = t->rates;
+    k->step_scales = t->step_scales;
 }
 
 /* How a step runs: eagerly, captured as a graph (then launched), or as a replay of the capture. */
@@ -773,7 +792,7 @@ cmlp_status cmlp_trainer_step(cmlp_trainer *t, const cmlp_data *xy, double *loss
     }
     CMLP_TRY(st);
     cmlp_dscalars *ds;
-    st = run_begin(t, &ds, NULL, NULL, 0); /* it may allocate: data-parallel, the ranks agree on it */
+    st = run_begin(t, &ds, NULL, NULL, NULL, 0); /* it may allocate: data-parallel, the ranks agree on it */
     CMLP_TRY(t->dist ? cmlp_dist_agree(st) : st);
     const bool had_state = cmlp_optim_has_state(t->optim);
     cmlp_fpenv fe;
@@ -851,7 +870,7 @@ cmlp_status cmlp_trainer_epoch_begin(cmlp_trainer *t, const cmlp_data *xy, int s
 /* epoch_run's steps; with lr (nlr rates), at most nlr of them, the k-th at rate lr[k] and, with
  * momentum, momentum[k]. */
 static cmlp_status epoch_run(cmlp_trainer *t, int64_t max_steps, const double *lr, const double *momentum,
-                             int64_t nlr, cmlp_epoch_state *st) {
+                             const double *scales, int64_t nlr, cmlp_epoch_state *st) {
     if (!t || !st) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
     if (!t->epoch_open) return CMLP_FAIL(CMLP_ERR_STATE, "epoch_run called before epoch_begin");
     CMLP_TRY(check_group(t, true));
@@ -859,7 +878,8 @@ static cmlp_status epoch_run(cmlp_trainer *t, int64_t max_steps, const double *l
     int64_t n = t->data.n, eb = effective_batch(t) * group_size(t);
     const bool graphs = t->model->dev->backend->capture_begin != NULL; /* the device has graphs */
     cmlp_dscalars *ds;
-    cmlp_status s = run_begin(t, &ds, lr, momentum, nlr); /* it may allocate: data-parallel, the ranks agree */
+    cmlp_status s = run_begin(t, &ds, lr, momentum, scales, nlr); /* it may allocate: data-parallel, the ranks agree */
+    const int np = scales ? cmlp_optim_num_parts(t->optim) : 0;
     CMLP_TRY(t->dist ? cmlp_dist_agree(s) : s);
     const int64_t steps_before = st->steps;
     const bool had_state = cmlp_optim_has_state(t->optim);
@@ -870,6 +890,7 @@ static cmlp_status epoch_run(cmlp_trainer *t, int64_t max_steps, const double *l
         /* a step on the host reads the optimizer's rate and momentum (validated by the caller) */
         if (lr) (void)cmlp_optim_set_lr(t->optim, lr[done]);
         if (momentum) (void)cmlp_optim_set_momentum(t->optim, momentum[done]);
+        t->scales_row = np ? scales + done * np : NULL;
         int64_t k = n - t->pos < eb ? n - t->pos : eb, off, mine;
         share_of(t, k, &off, &mine);
         const int64_t *idx = t->cfg.shuffle ? t->order + t->pos + off : NULL;
@@ -903,6 +924,8 @@ static cmlp_status epoch_run(cmlp_trainer *t, int64_t max_steps, const double *l
     (void)cmlp_optim_set_lr(t->optim, lr_before);
     (void)cmlp_optim_set_momentum(t->optim, momentum_before);
     t->rates = false;
+    t->step_scales = false;
+    t->scales_row = NULL;
     double loss = 0.0, norm_sum = 0.0;
     int64_t skipped = 0, norm_steps = 0;
     cmlp_status end = run_end(t, ds, st->steps > steps_before, &loss, &skipped, &norm_sum, &norm_steps);
@@ -951,11 +974,11 @@ cmlp_status cmlp_trainer_set_epochs(cmlp_trainer *t, int64_t epochs) {
 }
 
 cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, cmlp_epoch_state *st) {
-    return epoch_run(t, max_steps, NULL, NULL, 0, st);
+    return epoch_run(t, max_steps, NULL, NULL, NULL, 0, st);
 }
 
-cmlp_status cmlp_trainer_epoch_run_rates(cmlp_trainer *t, const double *lr, const double *momentum, int64_t n,
-                                         cmlp_epoch_state *st) {
+cmlp_status cmlp_trainer_epoch_run_rates(cmlp_trainer *t, const double *lr, const double *momentum,
+                                         const double *scales, int64_t n, cmlp_epoch_state *st) {
     if (!t || !lr) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
     if (n < 1 || n > CMLP_MAX_RATES)
         return CMLP_FAIL(CMLP_ERR_INVALID, "a call takes 1 to %d rates, got %lld", CMLP_MAX_RATES, (long long)n);
@@ -969,7 +992,17 @@ cmlp_status cmlp_trainer_epoch_run_rates(cmlp_trainer *t, const double *lr, cons
             return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid momentum %g for step %lld (must be %s)", momentum[k],
                              (long long)k, adam ? "in [0, 1), Adam's beta1" : ">= 0 and finite in float32");
     }
-    return epoch_run(t, n, lr, momentum, n, st);
+    const int np = cmlp_optim_num_parts(t->optim);
+    if (scales && !np)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "per-step scales need an optimizer with parameter-group parts");
+    for (int64_t k = 0; scales && k < n; k++)
+        for (int p = 0; p < np; p++) {
+            const double v = scales[k * np + p];
+            if (!(v >= 0.0 && v <= FLT_MAX && lr[k] * v <= FLT_MAX))
+                return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid scale %g of part %d for step %lld (must be >= 0, its "
+                                                   "rate finite in float32)", v, p, (long long)k);
+        }
+    return epoch_run(t, n, lr, momentum, scales, n, st);
 }
 
 void cmlp_trainer_set_host_data(cmlp_trainer *t, int on) {
@@ -980,6 +1013,8 @@ void cmlp_trainer_set_host_data(cmlp_trainer *t, int on) {
 }
 
 int cmlp_trainer_data_resident(const cmlp_trainer *t) { return t->d_x != NULL; }
+
+int cmlp_trainer_optim_parts(const cmlp_trainer *t) { return cmlp_optim_num_parts(t->optim); }
 
 void cmlp_trainer_release_data(cmlp_trainer *t) {
     if (!t) return;

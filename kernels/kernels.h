@@ -158,6 +158,9 @@ typedef struct cmlp_k_rate {
     int nparts;
     const double *parts;
     float *part_coef;
+    /* when not NULL, a scale per part for each step of the rates: the step at rates[2k] scales
+     * part p's rate by step_scales[k * nparts + p] instead of parts[2p] */
+    const double *step_scales;
 } cmlp_k_rate;
 
 /* One thread, before a step whose skip is decided on the device: *pos += pos_add when pos is

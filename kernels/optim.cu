@@ -241,6 +241,7 @@ __device__ __forceinline__ void prepare1(int64_t *step, float *coef, bool skip, 
                                          double beta2, int adam, int64_t *pos, int64_t pos_add,
                                          const cmlp_k_scaler &scaler) {
     if (pos) *pos += pos_add; /* the next step's samples, skipped step or not */
+    const long long k = rate.next ? *rate.next : 0;
     const double *r = rate_of(rate), lr = r[0], momentum = r[1];
     if (rate.next) ++*rate.next; /* the next step's rate, likewise */
     if (scaler.scale) /* the loss scale moves on the same verdict, in the same launch */
@@ -255,7 +256,8 @@ __device__ __forceinline__ void prepare1(int64_t *step, float *coef, bool skip, 
         coef[1] = (float)momentum;
     }
     for (int i = 0; i < rate.nparts; i++) { /* parameter groups: each part at its own rate and decay */
-        const double part_lr = __dmul_rn(lr, rate.parts[2 * i]);
+        const double scale = rate.step_scales ? rate.step_scales[k * rate.nparts + i] : rate.parts[2 * i];
+        const double part_lr = __dmul_rn(lr, scale);
         float *pc = rate.part_coef + 5 * i;
         if (adam) {
             adam_coef(t, part_lr, momentum, beta2, rate.parts[2 * i + 1], pc);

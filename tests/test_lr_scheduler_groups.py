@@ -551,6 +551,14 @@ def test_one_cycle_keeps_its_settings_in_the_groups_and_torch_resumes_from_a_cml
     sched.step()
     ts.step()
     assert sched.get_last_lr() == ts.get_last_lr()
+    # a schedule's state loaded keeps the groups' own values (torch reads them from the groups)
+    for o, sc in ((opt, sched), (topt, ts)):
+        o.param_groups[0]["max_lr"] = 0.8
+        sc.load_state_dict(sc.state_dict())
+    assert opt.param_groups[0]["max_lr"] == topt.param_groups[0]["max_lr"] == 0.8
+    sched.step()
+    ts.step()
+    assert sched.get_last_lr() == ts.get_last_lr()
     # a group's value that no rate can take is refused, and nothing moves
     before = (sched.last_epoch, group_lrs(opt))
     opt.param_groups[0]["max_lr"] = -1.0

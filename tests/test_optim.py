@@ -829,3 +829,20 @@ def test_amsgrad_turned_on_after_steps_starts_its_maximum_there_and_off_keeps_it
     neg["state"][1]["max_exp_avg_sq"][0] = -1.0
     with pytest.raises(ValueError, match="max_exp_avg_sq must be >= 0"):
         twin.load_state_dict(neg)
+
+
+def test_a_loaded_group_without_torchs_flags_takes_their_defaults_as_torch_does():
+    """torch's load_state_dict sets a flag a loaded group lacks to False (amsgrad, maximize,
+    nesterov); a missing rate or weight decay keeps the group's own."""
+    model = cmlp.MLP(SIZES, seed=0)
+    adam = cmlp.optim.Adam(model, lr=2e-3, amsgrad=True, maximize=True)
+    sd = adam.state_dict()
+    for key in ("amsgrad", "maximize", "lr"):
+        del sd["param_groups"][0][key]
+    adam.load_state_dict(sd)
+    assert (adam.amsgrad, adam.maximize, adam.lr) == (False, False, 2e-3)
+    sgd = cmlp.optim.SGD(model, lr=0.1, momentum=0.9, nesterov=True, maximize=True)
+    sd = sgd.state_dict()
+    del sd["param_groups"][0]["nesterov"], sd["param_groups"][0]["maximize"]
+    sgd.load_state_dict(sd)
+    assert (sgd.nesterov, sgd.maximize, sgd.momentum) == (False, False, 0.9)

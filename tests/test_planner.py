@@ -578,3 +578,23 @@ def test_a_loop_of_ones_own_is_planned_as_one_that_accumulates(layers, batch, op
         model.forward_backward(x, y, amp=amp)
         optimizer.step()
     assert M.max_memory_allocated(DEV) - base == M.plan(layers, batch, opt, amp, accumulation_steps=2).peak_bytes
+
+
+def test_amsgrad_turned_on_between_fits_adds_its_buffer_and_nothing_more():
+    """The maximum is a buffer of its own, made beside the state as it is: the fit's peak is the
+    plan of an optimizer with AMSGrad, with no copy of the state in between."""
+    sizes = [300, 400, 200, 10]
+    rng = np.random.default_rng(1)
+    x, y = rng.standard_normal((32, 300)).astype(np.float32), rng.integers(0, 10, 32)
+    M.empty_cache(DEV)
+    base = M.memory_allocated(DEV)
+    model = cmlp.MLP(sizes, seed=0)
+    opt = cmlp.optim.Adam(model)
+    trainer = cmlp.Trainer(model, opt, batch_size=8, shuffle=False)
+    trainer.fit(x, y, epochs=1, progress=False)
+    opt.amsgrad = True
+    plan = M.plan(sizes, 8, opt)
+    M.reset_peak_memory_stats(DEV)
+    trainer.fit(x, y, epochs=1, progress=False)
+    assert M.max_memory_allocated(DEV) - base == plan.peak_bytes
+    assert plan.breakdown["optimizer_state"] == 3 * 4 * model.num_parameters()

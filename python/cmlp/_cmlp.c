@@ -1169,12 +1169,34 @@ static Py_ssize_t floats_of(PyObject *obj, const char *what, double *out) {
     return n;
 }
 
+/* A buffer of floats from a sequence of n * width numbers (the param groups' scales of each step). */
+static double *scales_of(PyObject *obj, Py_ssize_t n, Py_ssize_t width) {
+    PyObject *seq = items_of(obj, "scales must be a sequence of numbers (each step's parts' scales)");
+    if (!seq) return NULL;
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
+    double *out = NULL;
+    if (width < 1 || m != n * width)
+        PyErr_Format(PyExc_ValueError, "scales must hold %zd numbers (%zd steps of %zd parts), got %zd", n * width, n,
+                     width, m);
+    else if (!(out = PyMem_Malloc((size_t)m * sizeof *out)))
+        PyErr_NoMemory();
+    for (Py_ssize_t i = 0; out && i < m; i++) {
+        out[i] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(seq, i));
+        if (out[i] == -1.0 && PyErr_Occurred()) {
+            PyMem_Free(out);
+            out = NULL;
+        }
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
 static PyObject *Trainer_epoch_run(TrainerObject *self, PyObject *args) {
     long long max_steps;
-    PyObject *rates = Py_None, *momenta = Py_None;
-    if (!PyArg_ParseTuple(args, "L|OO", &max_steps, &rates, &momenta)) return NULL;
+    PyObject *rates = Py_None, *momenta = Py_None, *scales_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "L|OOO", &max_steps, &rates, &momenta, &scales_obj)) return NULL;
     self->run_steps = 0;
-    double lr[CMLP_MAX_RATES], mom[CMLP_MAX_RATES];
+    double lr[CMLP_MAX_RATES], mom[CMLP_MAX_RATES], *scales = NULL;
     Py_ssize_t nlr = 0, nmom = 0;
     if (rates != Py_None && (nlr = floats_of(rates, "rates", lr)) < 0) return NULL; /* a step per rate */
     if (momenta != Py_None && (nmom = floats_of(momenta, "momenta", mom)) < 0) return NULL;
@@ -1185,11 +1207,19 @@ static PyObject *Trainer_epoch_run(TrainerObject *self, PyObject *args) {
         PyErr_SetString(PyExc_RuntimeError, "epoch_run called before epoch_begin");
         return NULL;
     }
+    if (scales_obj != Py_None && !nlr) {
+        PyErr_SetString(PyExc_ValueError, "scales come with a rate per step");
+        return NULL;
+    }
+    if (scales_obj != Py_None &&
+        !(scales = scales_of(scales_obj, nlr, cmlp_trainer_optim_parts(self->t))))
+        return NULL;
     ModelObject *mo = self->optim->model;
     cmlp_epoch_state es = {0};
     cmlp_status st;
-    if (nlr) RUN_LOCKED(mo, st, cmlp_trainer_epoch_run_rates(self->t, lr, nmom ? mom : NULL, nlr, &es));
+    if (nlr) RUN_LOCKED(mo, st, cmlp_trainer_epoch_run_rates(self->t, lr, nmom ? mom : NULL, scales, nlr, &es));
     else RUN_LOCKED(mo, st, cmlp_trainer_epoch_run(self->t, max_steps, &es));
+    PyMem_Free(scales);
     self->run_steps = (long long)es.steps;
     if (st != CMLP_OK) { /* a finished epoch keeps its arrays: the next may be on the same data */
         Py_CLEAR(self->epoch_x);

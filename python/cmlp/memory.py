@@ -466,7 +466,9 @@ def plan(layer_sizes: List[int], batch_size: int = 32, optimizer: Any = "adam", 
     the whole run's, validation included (breakdown["evaluation"]: its buffers). data_rows: the
     training samples of a fit, which on a GPU it copies to the device for the run (uint8 images
     as uint8, floats as float32; with their labels and, when shuffle, their order;
-    breakdown["data"]), 0 on the CPU, where they stay in host memory. An optimizer given as an
+    breakdown["data"]), 0 on the CPU, where they stay in host memory (a fit whose data set would
+    leave its step no room under a memory limit stages its batches from host memory instead: plan
+    that one without data_rows). An optimizer given as an
     object is planned as it is: the state buffers it holds or will make at its next step, and on
     a GPU its param groups' settings."""
     from .model import _as_sizes

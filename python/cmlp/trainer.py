@@ -501,8 +501,8 @@ class Trainer:
         the schedule is stepped once per step ahead of the call and its values reach the device
         with it. When the schedule raises, the steps before are taken, then the error is raised;
         when the call fails after j steps, the schedule is where it would be after j steps.
-        With param groups the device reads one base rate per step and each group's multiple of
-        it: a call ends before a step whose groups' rates are other multiples of each other."""
+        With param groups each step's base rate comes with each group's multiple of it (the
+        same for every step while the groups keep their proportions, else one row per step)."""
         opt = self.optimizer
         k = min(steps, _cmlp.MAX_RATES)
         saved, lrs, momentum = scheduler.state_dict(), opt._group_lrs(), opt._momentum()
@@ -516,28 +516,33 @@ class Trainer:
 
         rates: List[float] = []
         momenta: List[float] = []
+        rows: List[Tuple[float, ...]] = []  # each step's groups' multiples of its base rate
         raised: Optional[Exception] = None
         base, scales = opt._rates()
         try:
             for _ in range(k):
                 base, now = opt._rates()
-                if rates and base != 0.0 and now != scales:
-                    break  # the groups' rates moved apart: the next call takes this step
                 rates.append(base)
                 momenta.append(opt._momentum())
+                rows.append(now)
                 scheduler.step()
         except Exception as e:  # torch's loop has taken this step when the schedule raises
             raised = e
         except BaseException:
             rewind(0)
             raise
+        apart = any(row != scales for row in rows)
         try:
-            opt._sync_parts(scales)  # the call's multiples (the schedule has moved the groups on)
+            opt._sync_parts(scales, parts=apart)  # the call's multiples (the schedule has moved the groups on)
         except BaseException:
             rewind(0)  # no step taken (the rewind gives the C optimizer the groups' rates again)
             raise
+        table = None
+        if apart:  # the groups' rates moved apart: each step's multiples, part by part
+            runs = opt._runs()
+            table = [row[g] for row in rows for _, g in runs]
         try:
-            result = self._c.epoch_run(len(rates), rates, momenta)
+            result = self._c.epoch_run(len(rates), rates, momenta, table)
         except BaseException:
             rewind(self._c.run_steps())
             raise

@@ -428,17 +428,19 @@ static void test_rates_per_step(void) {
         cmlp_epoch_state st;
         OK(cmlp_trainer_epoch_begin(t[0], &d, 0, &st));
         const double bad[3] = {1e-3, -1.0, NAN};
-        CHECK(cmlp_trainer_epoch_run_rates(t[0], bad, NULL, 2, &st) == CMLP_ERR_INVALID, "a negative rate accepted");
-        CHECK(cmlp_trainer_epoch_run_rates(t[0], bad + 2, NULL, 1, &st) == CMLP_ERR_INVALID, "a NaN rate accepted");
-        CHECK(cmlp_trainer_epoch_run_rates(t[0], lr, NULL, 0, &st) == CMLP_ERR_INVALID, "no rates accepted");
-        CHECK(cmlp_trainer_epoch_run_rates(t[0], lr, NULL, CMLP_MAX_RATES + 1, &st) == CMLP_ERR_INVALID,
+        CHECK(cmlp_trainer_epoch_run_rates(t[0], bad, NULL, NULL, 2, &st) == CMLP_ERR_INVALID,
+              "a negative rate accepted");
+        CHECK(cmlp_trainer_epoch_run_rates(t[0], bad + 2, NULL, NULL, 1, &st) == CMLP_ERR_INVALID,
+              "a NaN rate accepted");
+        CHECK(cmlp_trainer_epoch_run_rates(t[0], lr, NULL, NULL, 0, &st) == CMLP_ERR_INVALID, "no rates accepted");
+        CHECK(cmlp_trainer_epoch_run_rates(t[0], lr, NULL, NULL, CMLP_MAX_RATES + 1, &st) == CMLP_ERR_INVALID,
               "more rates than a call takes accepted");
         CHECK(st.steps == 0, "a refused call stepped");
         const double bad_mom[2] = {0.9, kind == 0 ? 1.0 : -0.5};
-        CHECK(cmlp_trainer_epoch_run_rates(t[0], lr, bad_mom, 2, &st) == CMLP_ERR_INVALID && st.steps == 0,
+        CHECK(cmlp_trainer_epoch_run_rates(t[0], lr, bad_mom, NULL, 2, &st) == CMLP_ERR_INVALID && st.steps == 0,
               "a momentum out of range accepted");
-        OK(cmlp_trainer_epoch_run_rates(t[0], lr, mom, 3, &st));
-        OK(cmlp_trainer_epoch_run_rates(t[0], lr + 3, mom + 3, 7, &st));
+        OK(cmlp_trainer_epoch_run_rates(t[0], lr, mom, NULL, 3, &st));
+        OK(cmlp_trainer_epoch_run_rates(t[0], lr + 3, mom + 3, NULL, 7, &st));
         CHECK(st.steps == 10 && st.done && cmlp_optim_get_lr(o[0]) == (kind == 0 ? 1e-3 : 0.01) &&
                   cmlp_optim_get_momentum(o[0]) == 0.9,
               "%lld steps, done %d, rate %g", (long long)st.steps, st.done, cmlp_optim_get_lr(o[0]));
@@ -533,7 +535,7 @@ static void test_parts(void) {
     const double lr[10] = {1e-3, 2e-3, 3e-3, 4e-3, 5e-3, 5e-3, 2.5e-3, 1.25e-3, 0.0, 0.5};
     cmlp_epoch_state st;
     OK(cmlp_trainer_epoch_begin(t[0], &d, 0, &st));
-    OK(cmlp_trainer_epoch_run_rates(t[0], lr, NULL, 10, &st));
+    OK(cmlp_trainer_epoch_run_rates(t[0], lr, NULL, NULL, 10, &st));
     for (int k = 0; k < 10; k++) {
         cmlp_data bk = {.x = x + k * 4 * 7, .x_dtype = CMLP_DTYPE_F32, .y = y + k * 4, .n = 4};
         OK(cmlp_optim_set_lr(o[1], lr[k]));

@@ -620,6 +620,40 @@ static void test_optim_prepare(void) {
         }
 }
 
+/* Parameter groups' parts in optim_prepare: each part's coefficients at its own scale and decay,
+ * or with a table of scales per step at the step's row of it (skipped steps move on too), the
+ * same bits from the kernel as from the CPU. */
+static void test_optim_prepare_parts(void) {
+    enum { NP = 3 };
+    const double rates[8] = {3e-4, 0.9, 0.125, 0.85, 7.5e-3, 0.0, 1e-2, 0.5};
+    const double parts[2 * NP] = {1.0, 0.0, 0.5, 0.05, 0.25, 0.0};
+    const double table[4 * NP] = {1.0, 0.5, 0.25, 0.9, 1.0, 0.1, 0.0, 0.75, 1.0, 0.3, 0.2, 0.1};
+    for (int adam = 0; adam < 2; adam++)
+        for (int per_step = 0; per_step < 2; per_step++) {
+            int64_t step = 4, cstep = 4;
+            long long next = 0;
+            int64_t cnext = 0;
+            float coef[5], ccoef[5], pc[5 * NP], cpc[5 * NP], inf = 0.0f;
+            cmlp_k_rate r = {rates, &next, 0.0, NP, parts, pc, per_step ? table : NULL};
+            cmlp_rate_src cr = {rates, &cnext, 0.0, NP, parts, cpc, per_step ? table : NULL};
+            for (int t = 0; t < 4; t++) {
+                inf = t == 1 ? 1.0f : 0.0f; /* the second step is skipped: its row is passed over */
+                memset(pc, 0, sizeof pc), memset(cpc, 0, sizeof cpc);
+                KOK(cmlp_k_optim_prepare(&step, coef, &inf, r, 0.999, adam, NULL, 0, NULL, S));
+                CPU_CALL(cpu->optim_prepare(NULL, &cstep, ccoef, &inf, &cr, 0.999, adam, NULL, 0, NULL));
+                CHECK(step == cstep && next == cnext && same_bits(pc, cpc, sizeof pc),
+                      "optim_prepare parts adam %d per step %d step %d", adam, per_step, t);
+                if (t == 1) continue;
+                /* SGD's part rate is the step's rate times the part's scale, rounded once */
+                for (int p = 0; p < NP && !adam; p++) {
+                    const double scale = per_step ? table[t * NP + p] : parts[2 * p];
+                    CHECK(pc[5 * p] == (float)(rates[2 * t] * scale), "part %d of step %d at %g, not %g", p, t,
+                          pc[5 * p], (float)(rates[2 * t] * scale));
+                }
+            }
+        }
+}
+
 /* Adam with its bookkeeping in one launch: the bits of cmlp_k_optim_prepare then cmlp_k_adam, over
  * several steps (the block counter is back at 0 after each), with and without a skip, a loss
  * scale and a data position, across launches of one block to many. */
@@ -940,6 +974,7 @@ int main(void) {
     test_optim_prepare();
     test_adam_prepared();
     test_adam_amsgrad_rule();
+    test_optim_prepare_parts();
     test_casts();
     test_unscale();
     test_scale_update();

@@ -387,14 +387,15 @@ class Optimizer:
             raise
         self._lrs, self._wds = lrs, wds
 
-    def _sync_parts(self, scales: Any, wds: Any = None) -> None:
+    def _sync_parts(self, scales: Any, wds: Any = None, parts: bool = False) -> None:
         """Gives the C optimizer each group's rate scale and weight decay, as parts of the flat
-        parameters (none where every group has the same settings at scale 1: the plain step)."""
+        parameters (none where every group has the same settings at scale 1: the plain step,
+        unless parts, for steps whose groups' multiples differ from these)."""
         wds = self._wds if wds is None else wds
-        key = (tuple(scales), tuple(wds))
+        key = (tuple(scales), tuple(wds), parts)
         if key == self._synced:  # as last given (a call of the trainer's each step)
             return
-        if len(set(zip(scales, wds))) == 1 and scales[0] == 1.0:
+        if len(set(zip(scales, wds))) == 1 and scales[0] == 1.0 and not parts:
             parts: List[Tuple[int, float, float]] = []
         else:
             parts = [(end, scales[g], wds[g]) for end, g in self._runs()]
@@ -622,7 +623,9 @@ class Optimizer:
             foreign = sorted(set(group) & set(self._foreign_keys))
             if foreign:
                 raise ValueError(f"this state_dict is not from {type(self).__name__}: its param group has {foreign}")
-        configs = [self._group_config(group, i) for i, group in enumerate(groups)]
+        # a flag a loaded group does not have is False, as torch's loading sets it (setdefault)
+        configs = [self._group_config({**{k: False for k in self._flags_off}, **group}, i)
+                   for i, group in enumerate(groups)]
         config = configs[0]
         for gi, other in enumerate(configs[1:], 1):
             differ = sorted(k for k in config if k not in ("lr", "weight_decay") and other[k] != config[k])
@@ -731,6 +734,8 @@ class Optimizer:
 
     # the param-group keys of the other optimizer: a state_dict that has them is not this one's
     _foreign_keys: Tuple[str, ...] = ()
+    # the flags torch's load_state_dict sets to False in a loaded group that does not have them
+    _flags_off: Tuple[str, ...] = ()
 
     def _group_config(self, group: Mapping, index: int = 0) -> Dict[str, Any]:
         """The C optimizer's configuration from param group `index`'s settings (missing keys keep
@@ -813,6 +818,7 @@ class Adam(Optimizer):
                 "decoupled_weight_decay": self.decoupled_weight_decay, **self._initial(i)}
 
     _foreign_keys = ("momentum", "dampening", "nesterov")
+    _flags_off = ("amsgrad", "maximize")
 
     def _group_config(self, group: Mapping, index: int = 0) -> Dict[str, Any]:
         if group.get("differentiable"):
@@ -905,6 +911,7 @@ class SGD(Optimizer):
                 "differentiable": False, **self._initial(i)}
 
     _foreign_keys = ("betas", "eps", "amsgrad")
+    _flags_off = ("nesterov", "maximize")
 
     def _group_config(self, group: Mapping, index: int = 0) -> Dict[str, Any]:
         if group.get("differentiable"):

@@ -575,10 +575,18 @@ class OneCycleLR(LRScheduler):
                 g._extra = extra
             raise
 
-    def _mirror(self, optimizer: Any = None) -> None:
-        """The schedule's max_lr, min_lr and momenta written into the param groups, as torch keeps them."""
-        for group, mine in zip((optimizer or self.optimizer).param_groups, self._groups):
-            group._extra.update({k: mine[k] for k in self._GROUP_KEYS if k in mine})
+    def _mirror(self, optimizer: Any = None, only_unchanged: bool = False) -> None:
+        """The schedule's max_lr, min_lr and momenta written into the param groups, as torch keeps
+        them; only_unchanged: only where a group still holds what was last written or read there
+        (a value set in the group, or loaded with the optimizer's state_dict, stays)."""
+        optimizer = optimizer or self.optimizer
+        seen = getattr(self, "_seen", None)
+        for i, (group, mine) in enumerate(zip(optimizer.param_groups, self._groups)):
+            for k in self._GROUP_KEYS:
+                if k not in mine or (only_unchanged and seen and group._extra.get(k, mine[k]) != seen[i].get(k)):
+                    continue
+                group._extra[k] = mine[k]
+        self._seen = [{k: g._extra[k] for k in self._GROUP_KEYS if k in g._extra} for g in optimizer.param_groups]
 
     def _adopt(self) -> None:
         """The param groups' values, where code set or loaded them there (torch reads them from the
@@ -599,6 +607,7 @@ class OneCycleLR(LRScheduler):
                              "base_momentum must be the same")
         for mine, found in zip(self._groups, taken):
             mine.update(found)
+        self._seen = [{k: g._extra[k] for k in self._GROUP_KEYS if k in g._extra} for g in self.optimizer.param_groups]
 
     @staticmethod
     def _annealing_cos(start: float, end: float, pct: float) -> float:
@@ -637,9 +646,13 @@ class OneCycleLR(LRScheduler):
         """Also takes the state_dict of an older one-group schedule, which kept "_group"."""
         if "_group" in state_dict and "_groups" not in state_dict:
             state_dict = {**{k: v for k, v in state_dict.items() if k != "_group"}, "_groups": [state_dict["_group"]]}
-        super().load_state_dict(state_dict)
-        if "_groups" in state_dict:
-            self._mirror()
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "_seen"})
+        # the loaded values go into the groups where they hold what this schedule put there; a value
+        # set in a group since, or loaded with the optimizer's state_dict, wins, as torch reads the groups
+        self._mirror(only_unchanged=True)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {k: v for k, v in super().state_dict().items() if k != "_seen"}
 
 
 def _steps(name: str, value: Any) -> float:
