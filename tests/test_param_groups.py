@@ -184,6 +184,31 @@ def schedule_of(sched, opt):
     return S.CosineAnnealingLR(opt, T_max=7, eta_min=1e-4)
 
 
+def fit_and_hand_loop(kind, sched, x, y, batch, epochs, amp=None):
+    """The parameters and group rates after fit with a per-step schedule and after the hand loop
+    (trainer.step, then the schedule's step), and fit's calls into the C loop."""
+    runs, rates, calls = [], [], 0
+    for by_fit in (True, False):
+        model, opt = make(kind)
+        s = schedule_of(sched, opt)
+        scaler = cmlp.amp.GradScaler(init_scale=2.0**12) if amp else None
+        trainer = cmlp.Trainer(model, opt, batch_size=batch, shuffle=False, amp=amp, scaler=scaler)
+        if by_fit:
+            trainer._c = _Calls(trainer._c)
+            trainer.fit(x, y, epochs=epochs, progress=False, scheduler=s, scheduler_interval="step")
+            calls = trainer._c.calls
+        else:
+            for _ in range(epochs):
+                for i in range(0, len(x), batch):
+                    trainer.step(x[i:i + batch], y[i:i + batch])
+                    s.step()
+        runs.append(model._c.get_params())
+        rates.append([g["lr"] for g in opt.param_groups])
+    np.testing.assert_array_equal(runs[0], runs[1])
+    assert rates[0] == rates[1] and len(set(rates[0])) == 3
+    return calls
+
+
 @pytest.mark.parametrize("kind,amp", [("adam", None), ("sgd", None), ("adamw", "fp16")])
 @pytest.mark.parametrize("sched", ["lambda", "cosine", "lambdas", "cyclic"])
 def test_a_per_step_schedule_in_fit_equals_the_hand_loop(sched, kind, amp):
@@ -192,45 +217,14 @@ def test_a_per_step_schedule_in_fit_equals_the_hand_loop(sched, kind, amp):
     base rate from a row of its own (on the host, or on the device with the step's bookkeeping:
     fp16's scaler). Both equal the hand loop to the bit, and a call takes up to 16 steps either way."""
     x, y = batches(480, 1)[0]
-    runs, rates = [], []
-    for by_fit in (True, False):
-        model, opt = make(kind)
-        s = schedule_of(sched, opt)
-        scaler = cmlp.amp.GradScaler(init_scale=2.0**12) if amp else None
-        trainer = cmlp.Trainer(model, opt, batch_size=1, shuffle=False, amp=amp, scaler=scaler)
-        if by_fit:
-            trainer._c = _Calls(trainer._c)
-            trainer.fit(x, y, epochs=1, progress=False, scheduler=s, scheduler_interval="step")
-            assert trainer._c.calls == 480 // 2  # the progress bar's chunks of 480 // 200 steps
-        else:
-            for i in range(480):
-                trainer.step(x[i:i + 1], y[i:i + 1])
-                s.step()
-        runs.append(model._c.get_params())
-        rates.append([g["lr"] for g in opt.param_groups])
-    np.testing.assert_array_equal(runs[0], runs[1])
-    assert rates[0] == rates[1] and len(set(rates[0])) == 3
+    calls = fit_and_hand_loop(kind, sched, x, y, batch=1, epochs=1, amp=amp)
+    assert calls == 480 // 2  # the progress bar's chunks of 480 // 200 steps
 
 
 @pytest.mark.parametrize("sched", ["lambda", "cosine"])
 def test_a_per_step_schedule_in_fit_over_two_epochs_equals_the_hand_loop(sched):
     x, y = batches(80, 1)[0]
-    runs, rates = [], []
-    for by_fit in (True, False):
-        model, opt = make("adam")
-        s = schedule_of(sched, opt)
-        trainer = cmlp.Trainer(model, opt, batch_size=16, shuffle=False)
-        if by_fit:
-            trainer.fit(x, y, epochs=2, progress=False, scheduler=s, scheduler_interval="step")
-        else:
-            for _ in range(2):
-                for i in range(0, 80, 16):
-                    trainer.step(x[i:i + 16], y[i:i + 16])
-                    s.step()
-        runs.append(model._c.get_params())
-        rates.append([g["lr"] for g in opt.param_groups])
-    np.testing.assert_array_equal(runs[0], runs[1])
-    assert rates[0] == rates[1] and len(set(rates[0])) == 3
+    assert fit_and_hand_loop("adam", sched, x, y, batch=16, epochs=2) == 2 * 5
 
 
 def test_state_dict_round_trip_deepcopy_and_a_different_grouping_refused():

@@ -486,19 +486,26 @@ def plan(layer_sizes: List[int], batch_size: int = 32, optimizer: Any = "adam", 
     return Plan(list(sizes), batch_size, name, amp, recompute, dev, raw, args[1])
 
 
+def _rows_of(what: str, rows: Any, dtype: Any) -> Tuple[int, np.dtype]:
+    """A data set's rows (an int in [0, 2**56)) and images' dtype ('uint8' or a float), checked;
+    what: the arguments' prefix ("data", "validation")."""
+    rows = _numpy_int(rows)
+    if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows < 2**56:
+        raise ValueError(f"{what}_rows must be an int in [0, 2**56), got {rows!r}")
+    try:
+        kind = np.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"{what}_dtype must be 'uint8' or a float dtype, got {dtype!r}") from None
+    if kind != np.uint8 and kind.kind != "f":
+        raise ValueError(f"{what}_dtype must be 'uint8' or a float dtype, got {dtype!r}")
+    return rows, kind
+
+
 def _data_args(rows: Any, dtype: Any, shuffle: Any, features: int) -> Tuple[int, int, bool]:
     """(rows, bytes per row, shuffled) of a data set a fit keeps on a device."""
     from ._arrays import as_flag
 
-    rows = _numpy_int(rows)
-    if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows < 2**56:
-        raise ValueError(f"data_rows must be an int in [0, 2**56), got {rows!r}")
-    try:
-        kind = np.dtype(dtype)
-    except TypeError:
-        raise ValueError(f"data_dtype must be 'uint8' or a float dtype, got {dtype!r}") from None
-    if kind != np.uint8 and kind.kind != "f":
-        raise ValueError(f"data_dtype must be 'uint8' or a float dtype, got {dtype!r}")
+    rows, kind = _rows_of("data", rows, dtype)
     return rows, features * (1 if kind == np.uint8 else 4), as_flag("shuffle", shuffle)
 
 
@@ -506,15 +513,7 @@ def _evaluation_args(rows: Any, dtype: Any, device: str) -> Tuple[int, bool]:
     """(rows of an evaluation chunk, whether its input is staged) for a validation of `rows`."""
     from .trainer import EVALUATION_ROWS
 
-    rows = _numpy_int(rows)
-    if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows < 2**56:
-        raise ValueError(f"validation_rows must be an int in [0, 2**56), got {rows!r}")
-    try:
-        kind = np.dtype(dtype)
-    except TypeError:
-        raise ValueError(f"validation_dtype must be 'uint8' or a float dtype, got {dtype!r}") from None
-    if kind != np.uint8 and kind.kind != "f":
-        raise ValueError(f"validation_dtype must be 'uint8' or a float dtype, got {dtype!r}")
+    rows, kind = _rows_of("validation", rows, dtype)
     # floats are converted to float32 on the host, then read in place (CPU) or copied (GPU)
     return min(rows, EVALUATION_ROWS), kind == np.uint8 or device != "cpu"
 
