@@ -317,8 +317,9 @@ CMLP_HIDDEN size_t cmlp_optim_parts_bytes(int n);
  * device: the samples, their int32 labels and, when shuffled, their int64 order (0 bytes when not). */
 CMLP_HIDDEN void cmlp_resident_sizes(int64_t n, size_t row_bytes, int shuffled, size_t out[3]);
 /* Frees state that cmlp_optim_prepare made and no step has used yet (a call that failed before
- * its first step leaves the memory as it found it). */
-CMLP_HIDDEN void cmlp_optim_drop_unused(cmlp_optim *o);
+ * its first step leaves the memory as it found it): an AMSGrad maximum made beside state in use,
+ * and with arena the state itself (then unused too). */
+CMLP_HIDDEN void cmlp_optim_drop_unused(cmlp_optim *o, bool arena);
 CMLP_HIDDEN int cmlp_rc_layout(const int *sizes, int L, int64_t rows, size_t *sz, size_t *act_bytes);
 CMLP_HIDDEN void cmlp_rc_release(cmlp_model *m);
 CMLP_HIDDEN void cmlp_amp_release(cmlp_model *m); /* the amp workspace */

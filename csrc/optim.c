@@ -29,6 +29,7 @@ struct cmlp_optim {
     float *state; /* NULL before the first step; [arena_buffers(o) * span(o)] */
     float *vmax;  /* AMSGrad's max_exp_avg_sq, made at the first step with amsgrad: [span(o)] */
     bool unused;  /* state made ahead of the first step (cmlp_optim_prepare), which it still is */
+    bool vmax_unused; /* likewise the AMSGrad maximum, made beside state in use (amsgrad turned on) */
     uint64_t version; /* moves whenever the configuration (but for the rate) or the state buffer changes */
     /* ZeRO stage 1: with shards > 0 the state covers [lo, hi) of the parameters only, this rank's
      * part of `shards` parts of `chunk` floats; a step updates that part and gathers the others */
@@ -360,6 +361,7 @@ static cmlp_status ensure_state(cmlp_optim *o) {
             o->unused = false;
         }
         CMLP_TRY(st);
+        o->vmax_unused = true;
         o->version++;
     }
     return CMLP_OK;
@@ -412,8 +414,14 @@ cmlp_status cmlp_optim_prepare(cmlp_optim *o) {
 
 bool cmlp_optim_has_state(const cmlp_optim *o) { return o->state != NULL; }
 
-void cmlp_optim_drop_unused(cmlp_optim *o) {
-    if (!o->state || !o->unused) return;
+void cmlp_optim_drop_unused(cmlp_optim *o, bool arena) {
+    if (o->vmax && o->vmax_unused) {
+        (void)cmlp_allocator_free(o->dev->alloc, o->vmax);
+        o->vmax = NULL;
+        o->vmax_unused = false;
+        o->version++;
+    }
+    if (!arena || !o->state || !o->unused) return;
     (void)cmlp_allocator_free(o->dev->alloc, o->state);
     if (o->vmax) (void)cmlp_allocator_free(o->dev->alloc, o->vmax);
     o->state = o->vmax = NULL;
@@ -625,7 +633,7 @@ cmlp_status cmlp_optim_step_summed_at(cmlp_optim *o, const double *scales) {
     cmlp_fpenv_leave(&fe);
     if (st == CMLP_OK) {
         o->step = t;
-        o->unused = false;
+        o->unused = o->vmax_unused = false;
     }
     return st;
 }
@@ -719,7 +727,7 @@ cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int6
         st = b->copy_d2h(ctx, &inf, d_found_inf, sizeof inf);
         if (st == CMLP_OK && inf != 0.0f) return CMLP_OK;
     }
-    if (st == CMLP_OK) o->unused = false;
+    if (st == CMLP_OK) o->unused = o->vmax_unused = false;
     return st;
 }
 
@@ -757,7 +765,7 @@ cmlp_status cmlp_optim_set_state(cmlp_optim *o, int64_t step, int nbuffers, cons
     if (o->vmax) (void)cmlp_allocator_free(o->dev->alloc, o->vmax);
     o->state = s;
     o->vmax = x;
-    o->unused = false;
+    o->unused = o->vmax_unused = false;
     /* SGD keeps no count of its own: a loaded momentum buffer means it has stepped, so the next
      * step continues it (a step count of 0 would make the next step its first) */
     o->step = o->kind == CMLP_OPTIM_SGD && nbuffers && step == 0 ? 1 : step;

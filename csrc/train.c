@@ -799,7 +799,7 @@ cmlp_status cmlp_trainer_step(cmlp_trainer *t, const cmlp_data *xy, double *loss
     cmlp_fpenv_enter(&fe);
     st = robust_step(t, ds, xy, NULL, 0, xy->n, n_all);
     cmlp_fpenv_leave(&fe);
-    if (st != CMLP_OK && !had_state) cmlp_optim_drop_unused(t->optim); /* the memory as it was */
+    if (st != CMLP_OK) cmlp_optim_drop_unused(t->optim, !had_state); /* the memory as it was */
     double loss = 0.0, norm_sum;
     int64_t skipped, norm_steps;
     cmlp_status end = run_end(t, ds, st == CMLP_OK, &loss, &skipped, &norm_sum, &norm_steps);
@@ -920,7 +920,7 @@ static cmlp_status epoch_run(cmlp_trainer *t, int64_t max_steps, const double *l
         st->samples += k;
     }
     cmlp_fpenv_leave(&fe);
-    if (s != CMLP_OK && !had_state) cmlp_optim_drop_unused(t->optim); /* no step used it */
+    if (s != CMLP_OK) cmlp_optim_drop_unused(t->optim, !had_state); /* no step used it */
     (void)cmlp_optim_set_lr(t->optim, lr_before);
     (void)cmlp_optim_set_momentum(t->optim, momentum_before);
     t->rates = false;

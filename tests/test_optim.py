@@ -846,3 +846,34 @@ def test_a_loaded_group_without_torchs_flags_takes_their_defaults_as_torch_does(
     del sd["param_groups"][0]["nesterov"], sd["param_groups"][0]["maximize"]
     sgd.load_state_dict(sd)
     assert (sgd.nesterov, sgd.maximize, sgd.momentum) == (False, False, 0.9)
+
+
+@pytest.mark.filterwarnings("ignore::cmlp.MemoryWarning")
+def test_a_step_that_runs_out_of_memory_after_amsgrad_is_turned_on_leaves_no_maximum_behind():
+    """The maximum made for that step goes with it: memory and state as before, and the next
+    step, with room, makes it again (training as if nothing had failed)."""
+    M = cmlp.memory
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((64, 256)).astype(np.float32), rng.integers(0, 10, 64)
+    runs = []
+    for fail in (True, False):
+        model = cmlp.MLP([256, 1024, 256, 10], seed=0)
+        opt = cmlp.optim.Adam(model)
+        trainer = cmlp.Trainer(model, opt, batch_size=64, shuffle=False)
+        trainer.step(x, y)
+        opt.amsgrad = True
+        if fail:
+            model._c.release_workspace()
+            M.empty_cache("cpu")
+            before, keys = M.memory_allocated("cpu"), sorted(opt.state[0])
+            M.set_memory_limit(M.memory_reserved("cpu"), "cpu")
+            try:
+                with pytest.raises(cmlp.OutOfMemoryError):
+                    trainer.step(x, y)
+            finally:
+                M.set_memory_limit(None, "cpu")
+            assert M.memory_allocated("cpu") == before and sorted(opt.state[0]) == keys
+        trainer.step(x, y)
+        runs.append(model._c.get_params())
+        assert "max_exp_avg_sq" in opt.state[0]
+    np.testing.assert_array_equal(runs[0], runs[1])

@@ -470,7 +470,8 @@ def plan(layer_sizes: List[int], batch_size: int = 32, optimizer: Any = "adam", 
     leave its step no room under a memory limit stages its batches from host memory instead: plan
     that one without data_rows). An optimizer given as an
     object is planned as it is: the state buffers it holds or will make at its next step, and on
-    a GPU its param groups' settings."""
+    a GPU its param groups' settings (kept on the device once the groups' settings differ, as
+    they may come to under a schedule: plan such an optimizer after its groups have parted)."""
     from .model import _as_sizes
 
     sizes = _as_sizes(layer_sizes)
