@@ -285,11 +285,12 @@ class Trainer:
             except ValueError:  # too large to plan: it does not fit either
                 return None
 
+        data = planned(1, True).breakdown["data"] if resident else 0  # the device copy's bytes
+
         def fits(p: Any, with_data: bool) -> bool:
             # allocated: the data set is in memory_allocated already while it is on the device
             own = p.peak_bytes - sum(p.breakdown[k] for k in held) - p.breakdown["data"]
-            freed = 0 if with_data or not resident else planned(1, True).breakdown["data"]
-            return own <= room + freed and p.reserved_bytes + p.standing_reserved_bytes <= cap
+            return own <= room + (0 if with_data else data) and p.reserved_bytes + p.standing_reserved_bytes <= cap
 
         def largest(with_data: bool) -> Tuple[int, Any, bool]:
             """The largest micro-batch (halving from the one in use) whose plan fits."""

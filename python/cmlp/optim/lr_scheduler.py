@@ -586,7 +586,7 @@ class OneCycleLR(LRScheduler):
                 if k not in mine or (only_unchanged and seen and group._extra.get(k, mine[k]) != seen[i].get(k)):
                     continue
                 group._extra[k] = mine[k]
-        self._seen = [{k: g._extra[k] for k in self._GROUP_KEYS if k in g._extra} for g in optimizer.param_groups]
+        self._note_seen(optimizer)
 
     def _adopt(self) -> None:
         """The param groups' values, where code set or loaded them there (torch reads them from the
@@ -607,7 +607,11 @@ class OneCycleLR(LRScheduler):
                              "base_momentum must be the same")
         for mine, found in zip(self._groups, taken):
             mine.update(found)
-        self._seen = [{k: g._extra[k] for k in self._GROUP_KEYS if k in g._extra} for g in self.optimizer.param_groups]
+        self._note_seen(self.optimizer)
+
+    def _note_seen(self, optimizer: Any) -> None:
+        """What the groups hold now of the keys this schedule keeps there (see _mirror)."""
+        self._seen = [{k: g._extra[k] for k in self._GROUP_KEYS if k in g._extra} for g in optimizer.param_groups]
 
     @staticmethod
     def _annealing_cos(start: float, end: float, pct: float) -> float:
