@@ -27,18 +27,24 @@ typedef struct cmlp_scale_step {
  * d_next is NULL. With d_next every step moves *d_next on by one, skipped or not (a schedule with
  * a rate and momentum per step). decoupled_wd is AdamW's weight decay (0: none): the step forms
  * its factor (float)(1 - lr * decoupled_wd) from the rate it read. */
+/* doubles per part of the parameter groups' settings a step on the device reads (cmlp_rate_src;
+ * the same as kernels.h's) */
+#define CMLP_PART_ARGS 4
+
 typedef struct cmlp_rate_src {
     const double *d_rates;
     int64_t *d_next;
     double decoupled_wd;
-    /* Parameter groups (may be 0): for part p, d_parts[2p] scales the rate and d_parts[2p + 1] is
-     * its decoupled weight decay; a step that is taken writes the part's coefficients, as d_coef's
-     * with that rate and decay, to d_part_coef[5p..5p + 4] */
+    /* Parameter groups (may be 0): for part p, with part = d_parts + CMLP_PART_ARGS * p, part[0]
+     * scales the rate, part[1] is its decoupled weight decay, part[2] its momentum and part[3] its
+     * beta2 (NaN: the step's momentum, the beta2 given); a step that is taken writes the part's
+     * coefficients, as d_coef's with that rate, decay, momentum and beta2, to d_part_coef[5p..5p + 4] */
     int nparts;
     const double *d_parts;
     float *d_part_coef;
-    /* when not NULL, each step's own scale of each part's rate: the step that reads the pair k
-     * scales part p's rate by d_step_scales[k * nparts + p] instead of d_parts[2p] */
+    /* when not NULL, each step's own scale and momentum of each part: with
+     * row = d_step_scales + 2 * (k * nparts + p), the step that reads the pair k scales part p's
+     * rate by row[0] instead of part[0], and its momentum is row[1] (NaN: as without the table) */
     const double *d_step_scales;
 } cmlp_rate_src;
 

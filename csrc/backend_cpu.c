@@ -636,8 +636,12 @@ static cmlp_status cpu_optim_prepare(void *ctx, int64_t *step, float *coef, cons
     int64_t t = ++*step;
     step_coef(t, lr, momentum, beta2, rate->decoupled_wd, adam, coef);
     for (int i = 0; i < rate->nparts; i++) { /* parameter groups: each part at its own rate and decay */
-        const double scale = rate->d_step_scales ? rate->d_step_scales[k * rate->nparts + i] : rate->d_parts[2 * i];
-        step_coef(t, lr * scale, momentum, beta2, rate->d_parts[2 * i + 1], adam, rate->d_part_coef + 5 * i);
+        const double *part = rate->d_parts + CMLP_PART_ARGS * i; /* NaN momentum or beta2: the step's */
+        const double *row = rate->d_step_scales ? rate->d_step_scales + 2 * (k * rate->nparts + i) : NULL;
+        double mom = isnan(part[2]) ? momentum : part[2];
+        if (row && !isnan(row[1])) mom = row[1];
+        step_coef(t, lr * (row ? row[0] : part[0]), mom, isnan(part[3]) ? beta2 : part[3], part[1], adam,
+                  rate->d_part_coef + 5 * i);
     }
     return CMLP_OK;
 }

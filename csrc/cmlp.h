@@ -437,17 +437,30 @@ CMLP_API cmlp_status cmlp_optim_get_buffer(const cmlp_optim *o, int i, float *ho
 CMLP_API cmlp_status cmlp_optim_set_state(cmlp_optim *o, int64_t step, int nbuffers,
                                           const float *const *host_buffers);
 CMLP_API cmlp_status cmlp_optim_to(cmlp_optim *o, cmlp_device d);
+/* A parameter group's own hyperparameters (torch's per-group settings): a value of its own, or
+ * NaN (for the integers, -1) where the part takes the optimizer's configuration (which a
+ * schedule may move: OneCycleLR's momentum). momentum is Adam's beta1 or SGD's momentum; beta2
+ * and eps are Adam's, dampening and nesterov SGD's; maximize either's. */
+typedef struct cmlp_part_settings {
+    double momentum, beta2, eps, dampening;
+    int nesterov, maximize;
+} cmlp_part_settings;
+CMLP_API cmlp_part_settings cmlp_part_settings_inherit(void); /* every field the optimizer's */
+
 /* Parameter groups (torch's param_groups): n parts of the flat parameters, part i being
  * [ends[i - 1], ends[i]) (with ends[-1] = 0 and ends[n - 1] = the number of parameters), each
  * stepped at lr_scale[i] times the optimizer's rate and with its own weight decay (L2, or AdamW's
- * decoupled one, as the configuration says), which replaces the configuration's; a step takes
- * each part in a launch of its own. n = 0: one part, the configuration's weight decay at the
- * optimizer's rate. n <= CMLP_MAX_PARTS, and every part's rate, lr_scale[i] times the optimizer's,
- * finite in float32. A step on a device reads the scales there, so other scales with the same ends
- * and weight decays keep a captured step valid. */
+ * decoupled one, as the configuration says), which replaces the configuration's, and with
+ * settings[i] (NULL: every part's settings the optimizer's; checked as the configuration is); a
+ * step takes each part in a launch of its own. n = 0: one part, the configuration's weight decay
+ * at the optimizer's rate. n <= CMLP_MAX_PARTS, and every part's rate, lr_scale[i] times the
+ * optimizer's, finite in float32. A step on a device reads the scales and momenta there, so other
+ * scales or momenta with the same ends, weight decays and other settings keep a captured step
+ * valid. SGD's momentum buffer spans every part once one has momentum; a part's first step with
+ * momentum starts it from the gradient at the optimizer's first step only (from zeros after). */
 #define CMLP_MAX_PARTS 65536
 CMLP_API cmlp_status cmlp_optim_set_parts(cmlp_optim *o, int n, const int64_t *ends, const double *lr_scale,
-                                          const double *weight_decay);
+                                          const double *weight_decay, const cmlp_part_settings *settings);
 /* ZeRO stage 1 (torch.distributed.optim.ZeroRedundancyOptimizer): with on = 1 the optimizer keeps
  * state for this rank's part of the parameters only, part cmlp_dist_rank() of cmlp_dist_size()
  * parts of equal length (a multiple of 64 floats; the last ones shorter, or empty for tiny
@@ -547,12 +560,14 @@ CMLP_API cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, 
  * SGD's momentum), for up to n <= CMLP_MAX_RATES steps (fewer at the end of the epoch); when
  * scales is not NULL (an optimizer with parameter groups, cmlp_optim_set_parts), part p of the
  * k-th step steps at lr[k] * scales[k * nparts + p] rather than at the part's own scale (groups
- * whose rates move apart). The optimizer's own rate, momentum and scales are the same after the
- * call as before. Off the CPU they reach the device with the call's scalars: a captured step
- * replays at each of them. */
+ * whose rates move apart), and when part_momenta is not NULL too (it needs scales), at momentum
+ * part_momenta[k * nparts + p] (a NaN: as without it; groups whose momenta move apart). The
+ * optimizer's own rate, momentum, scales and momenta are the same after the call as before. Off
+ * the CPU they reach the device with the call's scalars: a captured step replays at each of them. */
 #define CMLP_MAX_RATES 16
 CMLP_API cmlp_status cmlp_trainer_epoch_run_rates(cmlp_trainer *t, const double *lr, const double *momentum,
-                                                  const double *scales, int64_t n, cmlp_epoch_state *st);
+                                                  const double *scales, const double *part_momenta, int64_t n,
+                                                  cmlp_epoch_state *st);
 /* The parts of the trainer's optimizer's parameter groups (0 without them): a row of scales. */
 CMLP_API int cmlp_trainer_optim_parts(const cmlp_trainer *t);
 /* What automatic micro-batching moves: the micro-batch in use, the one it grows back to, and

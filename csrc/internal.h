@@ -262,8 +262,8 @@ CMLP_HIDDEN cmlp_status cmlp_rc_fb(cmlp_model *m, const cmlp_data *xy, const int
 /* The next step makes optimizer state, or is the first to write it (its first step, or SGD's
  * buffer once the momentum is no longer 0; also after a skipped step that made it). */
 CMLP_HIDDEN bool cmlp_optim_state_missing(const cmlp_optim *o);
-/* step_scales: each step's parts take their scales from the table cmlp_optim_load_step_scales
- * wrote, row *d_lr_next (with parameter groups only). */
+/* step_scales: each step's parts take their scales and momenta from the table
+ * cmlp_optim_load_step_scales wrote, row *d_lr_next (with parameter groups only). */
 CMLP_HIDDEN cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int64_t *d_step,
                                                float *d_coef, const double *d_rates, int64_t *d_lr_next,
                                                int64_t *d_pos, int64_t pos_add, const cmlp_scale_step *scale,
@@ -272,12 +272,14 @@ CMLP_HIDDEN void cmlp_optim_set_step(cmlp_optim *o, int64_t step);
 /* cmlp_optim_step from a gradient buffer that holds the sum over the ranks (a data-parallel
  * trainer's): a sharded optimizer steps here. */
 CMLP_HIDDEN cmlp_status cmlp_optim_step_summed(cmlp_optim *o);
-/* The same with each part's rate scaled by scales[p] (NULL: the parts' own scales; with
- * parameter groups only). */
-CMLP_HIDDEN cmlp_status cmlp_optim_step_summed_at(cmlp_optim *o, const double *scales);
-/* Writes the scales of up to CMLP_MAX_RATES steps, nparts each (row k: the step at rate k of a
- * trainer call), where a step with step_scales reads them (cmlp_optim_step_device). */
-CMLP_HIDDEN cmlp_status cmlp_optim_load_step_scales(cmlp_optim *o, const double *scales, int64_t nsteps);
+/* The same with each part's rate scaled by scales[p] and its momentum momenta[p] (NULL, or a
+ * NaN momentum: the parts' own; with parameter groups only). */
+CMLP_HIDDEN cmlp_status cmlp_optim_step_summed_at(cmlp_optim *o, const double *scales, const double *momenta);
+/* Writes the scales and momenta of up to CMLP_MAX_RATES steps, nparts each (row k: the step at
+ * rate k of a trainer call; momenta NULL, or a NaN in it: the part's own), where a step with
+ * step_scales reads them (cmlp_optim_step_device). */
+CMLP_HIDDEN cmlp_status cmlp_optim_load_step_scales(cmlp_optim *o, const double *scales, const double *momenta,
+                                                    int64_t nsteps);
 /* Moves whenever the optimizer's configuration or state buffer changes (a captured step that
  * baked them in is then stale). */
 /* The environment's allocator settings, read again as the first GPU opens (cmlp_memory_note_env). */

@@ -13,10 +13,11 @@
 #include <string.h>
 
 /* A parameter group's part of the parameters, [the end of the part before, end): its rate as a
- * multiple of the optimizer's, and its weight decay. */
+ * multiple of the optimizer's, its weight decay and its other settings (cmlp_part_settings). */
 typedef struct optim_part {
     int64_t end;
     double lr_scale, weight_decay;
+    cmlp_part_settings s;
 } optim_part;
 
 struct cmlp_optim {
@@ -36,10 +37,11 @@ struct cmlp_optim {
     int shards, shard_rank;
     int64_t chunk, lo, hi;
     /* parameter groups (cmlp_optim_set_parts): nparts parts, none when every parameter takes the
-     * configuration's settings; d_parts holds 2 doubles per part for a step on the device (the
-     * rate's scale and the decoupled weight decay), then a table of CMLP_MAX_RATES rows of a
-     * scale per part (a trainer call's steps, each its own: cmlp_optim_load_step_scales), then 5
-     * floats of coefficients per part */
+     * configuration's settings; d_parts holds 4 doubles per part for a step on the device (the
+     * rate's scale, the decoupled weight decay, the momentum and beta2, NaN for the step's and the
+     * configuration's), then a table of CMLP_MAX_RATES rows of a
+     * scale and a momentum per part (a trainer call's steps, each its own:
+     * cmlp_optim_load_step_scales), then 5 floats of coefficients per part */
     int nparts;
     optim_part *parts;
     void *d_parts;
@@ -58,12 +60,30 @@ static cmlp_status upload_parts(cmlp_optim *o, const optim_part *parts, int n, v
 
 /* Bytes of d_parts for n parts. */
 static size_t parts_bytes(int n) {
-    return (size_t)n * ((2 + CMLP_MAX_RATES) * sizeof(double) + 5 * sizeof(float));
+    return (size_t)n * ((CMLP_PART_ARGS + 2 * CMLP_MAX_RATES) * sizeof(double) + 5 * sizeof(float));
 }
 /* d_parts' table of each step's scales, and its coefficients */
-static double *step_table(const cmlp_optim *o) { return (double *)o->d_parts + 2 * o->nparts; }
+static double *step_table(const cmlp_optim *o) { return (double *)o->d_parts + CMLP_PART_ARGS * o->nparts; }
 static float *part_coef(const cmlp_optim *o) {
-    return (float *)((double *)o->d_parts + (2 + CMLP_MAX_RATES) * (size_t)o->nparts);
+    return (float *)((double *)o->d_parts + (CMLP_PART_ARGS + 2 * CMLP_MAX_RATES) * (size_t)o->nparts);
+}
+
+cmlp_part_settings cmlp_part_settings_inherit(void) { return (cmlp_part_settings){NAN, NAN, NAN, NAN, -1, -1}; }
+
+/* A part's settings, resolved: its own, else the configuration's. */
+static double own_or(double own, double config) { return isnan(own) ? config : own; }
+static int own_flag_or(int own, int config) { return own < 0 ? config : own; }
+static double part_momentum(const cmlp_optim *o, const optim_part *p) {
+    return own_or(p->s.momentum, o->kind == CMLP_OPTIM_ADAM ? o->adam.beta1 : o->sgd.momentum);
+}
+static double part_beta2(const cmlp_optim *o, const optim_part *p) { return own_or(p->s.beta2, o->adam.beta2); }
+static double part_eps(const cmlp_optim *o, const optim_part *p) { return own_or(p->s.eps, o->adam.eps); }
+static double part_dampening(const cmlp_optim *o, const optim_part *p) {
+    return own_or(p->s.dampening, o->sgd.dampening);
+}
+static int part_nesterov(const cmlp_optim *o, const optim_part *p) { return own_flag_or(p->s.nesterov, o->sgd.nesterov); }
+static int part_maximize(const cmlp_optim *o, const optim_part *p) {
+    return own_flag_or(p->s.maximize, o->kind == CMLP_OPTIM_ADAM ? o->adam.maximize : o->sgd.maximize);
 }
 size_t cmlp_optim_parts_bytes(int n) { return parts_bytes(n); }
 
@@ -206,7 +226,9 @@ cmlp_status cmlp_optim_set_momentum(cmlp_optim *o, double momentum) {
  * with AMSGrad; SGD's momentum buffer while it has momentum. */
 static int buffers_needed(const cmlp_optim *o) {
     if (o->kind == CMLP_OPTIM_ADAM) return o->adam.amsgrad ? 3 : 2;
-    return o->sgd.momentum != 0.0 ? 1 : 0;
+    bool momentum = o->nparts == 0 && o->sgd.momentum != 0.0; /* with parameter groups, any group's */
+    for (int i = 0; i < o->nparts && !momentum; i++) momentum = part_momentum(o, &o->parts[i]) != 0.0;
+    return momentum ? 1 : 0;
 }
 
 /* The arena's buffers (Adam's exp_avg and exp_avg_sq, SGD's momentum buffer), and those held. */
@@ -441,7 +463,7 @@ static int parts_of(const cmlp_optim *o, const optim_part **out, optim_part *one
         *out = o->parts;
         return o->nparts;
     }
-    *one = (optim_part){o->model->nparams, 1.0, config_weight_decay(o)};
+    *one = (optim_part){o->model->nparams, 1.0, config_weight_decay(o), cmlp_part_settings_inherit()};
     *out = one;
     return 1;
 }
@@ -454,11 +476,13 @@ static int parts_of(const cmlp_optim *o, const optim_part **out, optim_part *one
 static cmlp_status upload_parts(cmlp_optim *o, const optim_part *parts, int n, void **out, bool *fresh) {
     bool adam = o->kind == CMLP_OPTIM_ADAM, decoupled = adam && o->adam.decoupled_weight_decay;
     size_t bytes = parts_bytes(n);
-    double *args = malloc(2 * (size_t)n * sizeof(double));
+    double *args = malloc(CMLP_PART_ARGS * (size_t)n * sizeof(double));
     if (!args) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory for the optimizer's parameter groups");
     for (int i = 0; i < n; i++) {
-        args[2 * i] = parts[i].lr_scale;
-        args[2 * i + 1] = decoupled ? parts[i].weight_decay : 0.0;
+        args[CMLP_PART_ARGS * i] = parts[i].lr_scale;
+        args[CMLP_PART_ARGS * i + 1] = decoupled ? parts[i].weight_decay : 0.0;
+        args[CMLP_PART_ARGS * i + 2] = parts[i].s.momentum; /* NaN: the step's (cmlp_rate_src) */
+        args[CMLP_PART_ARGS * i + 3] = parts[i].s.beta2;
     }
     *fresh = !o->d_parts || o->d_parts_dev != o->dev || o->nparts != n;
     void *d = *fresh ? NULL : o->d_parts;
@@ -469,7 +493,7 @@ static cmlp_status upload_parts(cmlp_optim *o, const optim_part *parts, int n, v
     } else if (*fresh) {
         st = cmlp_allocator_malloc(o->dev->alloc, bytes, "optimizer param groups", &d);
     }
-    if (st == CMLP_OK) st = o->dev->backend->copy_h2d(o->dev->bctx, d, args, 2 * (size_t)n * sizeof(double));
+    if (st == CMLP_OK) st = o->dev->backend->copy_h2d(o->dev->bctx, d, args, CMLP_PART_ARGS * (size_t)n * sizeof(double));
     free(args);
     if (st != CMLP_OK && *fresh && d) {
         if (o->dev->device.type == CMLP_DEVICE_CPU) free(d);
@@ -479,8 +503,37 @@ static cmlp_status upload_parts(cmlp_optim *o, const optim_part *parts, int n, v
     return st;
 }
 
+/* A part's own settings, checked as the configuration's are (NaN and -1: the configuration's). */
+static cmlp_status check_part_settings(const cmlp_optim *o, int i, const cmlp_part_settings *s) {
+    bool adam = o->kind == CMLP_OPTIM_ADAM;
+    if ((s->nesterov < -1 || s->nesterov > 1) || (s->maximize < -1 || s->maximize > 1))
+        return CMLP_FAIL(CMLP_ERR_INVALID, "parameter groups: part %d's nesterov and maximize must be -1, 0 or 1, "
+                                           "got %d and %d", i, s->nesterov, s->maximize);
+    if (adam && !isnan(s->momentum) && !(s->momentum >= 0.0 && s->momentum < 1.0))
+        return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid beta parameter at index 0: %g (must be in [0, 1))", s->momentum);
+    if (adam && !isnan(s->beta2) && !(s->beta2 >= 0.0 && s->beta2 < 1.0))
+        return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid beta parameter at index 1: %g (must be in [0, 1))", s->beta2);
+    if (!adam && !isnan(s->momentum)) CMLP_TRY(check_real("momentum value", s->momentum));
+    if (!isnan(s->eps)) CMLP_TRY(check_real("epsilon value", s->eps));
+    if (!isnan(s->dampening) && !(fabs(s->dampening) <= FLT_MAX))
+        return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid dampening value: %g (must be finite in float32)", s->dampening);
+    if (adam ? !isnan(s->dampening) || s->nesterov >= 0 : !isnan(s->beta2) || !isnan(s->eps))
+        return CMLP_FAIL(CMLP_ERR_INVALID, "parameter groups: part %d sets a setting %s does not have", i,
+                         adam ? "Adam" : "SGD");
+    return CMLP_OK;
+}
+
+/* Two parts stepped by the same launches: alike (NaN alike) but for what a step on the device reads
+ * there (the rate's scale and the momentum). */
+static bool same_real(double a, double b) { return a == b || (isnan(a) && isnan(b)); }
+static bool same_launches(const optim_part *a, const optim_part *b) {
+    return a->end == b->end && a->weight_decay == b->weight_decay && same_real(a->s.beta2, b->s.beta2) &&
+           same_real(a->s.eps, b->s.eps) && same_real(a->s.dampening, b->s.dampening) &&
+           a->s.nesterov == b->s.nesterov && a->s.maximize == b->s.maximize;
+}
+
 cmlp_status cmlp_optim_set_parts(cmlp_optim *o, int n, const int64_t *ends, const double *lr_scale,
-                                 const double *weight_decay) {
+                                 const double *weight_decay, const cmlp_part_settings *settings) {
     if (!o) return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer must not be NULL");
     if (n < 0 || n > CMLP_MAX_PARTS)
         return CMLP_FAIL(CMLP_ERR_INVALID, "parameter groups: %d parts (0 to %d)", n, CMLP_MAX_PARTS);
@@ -497,6 +550,7 @@ cmlp_status cmlp_optim_set_parts(cmlp_optim *o, int n, const int64_t *ends, cons
             return CMLP_FAIL(CMLP_ERR_INVALID, "parameter groups: part %d's rate scale %g (a rate of %g) is not >= 0 "
                                                "and finite in float32", i, lr_scale[i], cmlp_optim_get_lr(o) * lr_scale[i]);
         CMLP_TRY(check_real("weight_decay value", weight_decay[i]));
+        if (settings) CMLP_TRY(check_part_settings(o, i, &settings[i]));
     }
     if (n > 0 && ends[n - 1] != total)
         return CMLP_FAIL(CMLP_ERR_INVALID, "parameter groups: the parts end at %lld, not at the model's %lld "
@@ -505,10 +559,11 @@ cmlp_status cmlp_optim_set_parts(cmlp_optim *o, int n, const int64_t *ends, cons
     int m = n;
     optim_part *parts = m ? malloc((size_t)m * sizeof *parts) : NULL;
     if (m && !parts) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory for the optimizer's parameter groups");
-    for (int i = 0; i < m; i++) parts[i] = (optim_part){ends[i], lr_scale[i], weight_decay[i]};
+    for (int i = 0; i < m; i++)
+        parts[i] = (optim_part){ends[i], lr_scale[i], weight_decay[i],
+                                settings ? settings[i] : cmlp_part_settings_inherit()};
     bool same = m == o->nparts; /* the same launches: a captured step stays valid */
-    for (int i = 0; same && i < m; i++)
-        same = parts[i].end == o->parts[i].end && parts[i].weight_decay == o->parts[i].weight_decay;
+    for (int i = 0; same && i < m; i++) same = same_launches(&parts[i], &o->parts[i]);
     void *d = NULL;
     bool fresh = false;
     if (m) {
@@ -552,6 +607,11 @@ uint64_t cmlp_optim_fingerprint(const cmlp_optim *o) {
         h = mix(h, &o->parts[i].end);
         h = mix(h, &o->parts[i].lr_scale);
         h = mix(h, &o->parts[i].weight_decay);
+        const cmlp_part_settings *s = &o->parts[i].s;
+        double own[4] = {s->momentum, s->beta2, s->eps, s->dampening};
+        int64_t flags = (int64_t)(s->nesterov + 1) * 4 + (s->maximize + 1);
+        for (int k = 0; k < 4; k++) h = mix(h, &own[k]);
+        h = mix(h, &flags);
     }
     return h;
 }
@@ -565,19 +625,27 @@ cmlp_status cmlp_optim_step(cmlp_optim *o) {
     return cmlp_optim_step_summed(o);
 }
 
-cmlp_status cmlp_optim_step_summed(cmlp_optim *o) { return cmlp_optim_step_summed_at(o, NULL); }
+cmlp_status cmlp_optim_step_summed(cmlp_optim *o) { return cmlp_optim_step_summed_at(o, NULL, NULL); }
 
-cmlp_status cmlp_optim_load_step_scales(cmlp_optim *o, const double *scales, int64_t nsteps) {
+cmlp_status cmlp_optim_load_step_scales(cmlp_optim *o, const double *scales, const double *momenta, int64_t nsteps) {
     if (!o->nparts || !o->d_parts)
         return CMLP_FAIL(CMLP_ERR_STATE, "per-step scales need the optimizer's parameter-group parts");
     if (nsteps < 1 || nsteps > CMLP_MAX_RATES)
         return CMLP_FAIL(CMLP_ERR_INVALID, "1 to %d steps' scales, got %lld", CMLP_MAX_RATES, (long long)nsteps);
     CMLP_TRY(check_model(o));
-    return o->dev->backend->copy_h2d(o->dev->bctx, step_table(o), scales,
-                                     (size_t)nsteps * (size_t)o->nparts * sizeof(double));
+    size_t n = (size_t)nsteps * (size_t)o->nparts;
+    double *pairs = malloc(2 * n * sizeof(double));
+    if (!pairs) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory for the optimizer's per-step scales");
+    for (size_t i = 0; i < n; i++) {
+        pairs[2 * i] = scales[i];
+        pairs[2 * i + 1] = momenta ? momenta[i] : NAN; /* NaN: the part's own, or the step's */
+    }
+    cmlp_status st = o->dev->backend->copy_h2d(o->dev->bctx, step_table(o), pairs, 2 * n * sizeof(double));
+    free(pairs);
+    return st;
 }
 
-cmlp_status cmlp_optim_step_summed_at(cmlp_optim *o, const double *scales) {
+cmlp_status cmlp_optim_step_summed_at(cmlp_optim *o, const double *scales, const double *momenta) {
     CMLP_TRY(check_model(o));
     if (o->dev->device.type != CMLP_DEVICE_CPU) {
         /* as the trainer steps there: the bias corrections computed on the device, so that a
@@ -611,21 +679,24 @@ cmlp_status cmlp_optim_step_summed_at(cmlp_optim *o, const double *scales) {
         hi = hi < at + n ? hi : at + n;
         if (lo >= hi) continue;
         int64_t k = lo - at; /* where its state starts */
-        double wd = parts[i].weight_decay;
+        const optim_part *pt = &parts[i];
+        double wd = pt->weight_decay, mom = part_momentum(o, pt);
+        if (momenta && o->nparts && !isnan(momenta[i])) mom = momenta[i];
         if (o->kind == CMLP_OPTIM_ADAM) {
             const cmlp_adam_config *c = &o->adam;
-            double lr = c->lr * (scales && o->nparts ? scales[i] : parts[i].lr_scale);
-            double bc1 = 1.0 - pow(c->beta1, (double)t), bc2 = 1.0 - pow(c->beta2, (double)t);
+            double lr = c->lr * (scales && o->nparts ? scales[i] : pt->lr_scale), beta2 = part_beta2(o, pt);
+            double bc1 = 1.0 - pow(mom, (double)t), bc2 = 1.0 - pow(beta2, (double)t);
             bool dec = c->decoupled_weight_decay;
             st = b->adam(o->dev->bctx, m->params + lo, m->grads + lo, o->state + k, o->state + n + k,
-                         amsgrad_max(o, k), hi - lo, (float)(lr / bc1), (float)c->beta1, (float)c->beta2,
-                         (float)(1.0 - c->beta1), (float)(1.0 - c->beta2), (float)sqrt(bc2), (float)c->eps,
-                         dec ? 0.0f : (float)wd, dec ? (float)(1.0 - lr * wd) : 1.0f, c->maximize, NULL, NULL);
+                         amsgrad_max(o, k), hi - lo, (float)(lr / bc1), (float)mom, (float)beta2, (float)(1.0 - mom),
+                         (float)(1.0 - beta2), (float)sqrt(bc2), (float)part_eps(o, pt), dec ? 0.0f : (float)wd,
+                         dec ? (float)(1.0 - lr * wd) : 1.0f, part_maximize(o, pt), NULL, NULL);
         } else {
             const cmlp_sgd_config *c = &o->sgd;
             st = b->sgd(o->dev->bctx, m->params + lo, m->grads + lo, o->state ? o->state + k : NULL, hi - lo,
-                        (float)(c->lr * (scales && o->nparts ? scales[i] : parts[i].lr_scale)), (float)c->momentum,
-                        (float)(1.0 - c->dampening), c->nesterov, (float)wd, c->maximize, first, NULL, NULL, NULL);
+                        (float)(c->lr * (scales && o->nparts ? scales[i] : pt->lr_scale)), (float)mom,
+                        (float)(1.0 - part_dampening(o, pt)), part_nesterov(o, pt), (float)wd, part_maximize(o, pt),
+                        first, NULL, NULL, NULL);
         }
     }
     if (st == CMLP_OK) st = gather(o, NULL);
@@ -683,18 +754,19 @@ cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int6
             if (lo >= hi) continue;
             int64_t k = lo - at;
             const float *pc = rate.d_part_coef + 5 * i;
-            float wd = (float)o->parts[i].weight_decay;
+            const optim_part *pt = &o->parts[i];
+            float wd = (float)pt->weight_decay;
             if (adam) {
-                const cmlp_adam_config *c = &o->adam;
+                const double beta2 = part_beta2(o, pt);
                 st = b->adam(ctx, m->params + lo, m->grads + lo, o->state + k, o->state + n + k,
-                             amsgrad_max(o, k), hi - lo, 0.0f, 0.0f, (float)c->beta2, 0.0f,
-                             (float)(1.0 - c->beta2), 1.0f, (float)c->eps, c->decoupled_weight_decay ? 0.0f : wd,
-                             1.0f, c->maximize, d_found_inf, pc);
+                             amsgrad_max(o, k), hi - lo, 0.0f, 0.0f, (float)beta2, 0.0f, (float)(1.0 - beta2), 1.0f,
+                             (float)part_eps(o, pt), o->adam.decoupled_weight_decay ? 0.0f : wd, 1.0f,
+                             part_maximize(o, pt), d_found_inf, pc);
             } else {
-                const cmlp_sgd_config *c = &o->sgd;
+                /* the momentum is the device's (pc); the host's tells the launch whether it may be 0 */
                 st = b->sgd(ctx, m->params + lo, m->grads + lo, o->state ? o->state + k : NULL, hi - lo, 0.0f,
-                            (float)c->momentum, (float)(1.0 - c->dampening), c->nesterov, wd, c->maximize, first,
-                            d_found_inf, d_step, pc);
+                            (float)part_momentum(o, pt), (float)(1.0 - part_dampening(o, pt)), part_nesterov(o, pt),
+                            wd, part_maximize(o, pt), first, d_found_inf, d_step, pc);
             }
         }
     } else if (adam && b->adam_prepared && n > 0) { /* the bookkeeping in Adam's launch */

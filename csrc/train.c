@@ -65,6 +65,7 @@ struct cmlp_trainer {
     bool rates;           /* the call in progress has a rate per step (cmlp_trainer_epoch_run_rates) */
     bool step_scales;     /* and param-group scales per step (in the optimizer's table, on its device) */
     const double *scales_row; /* the step in progress's param-group scales, for a step on the host */
+    const double *momenta_row; /* and their momenta (NULL: the parts' own) */
     bool host_data;       /* keep the data set in host memory (cmlp_trainer_set_host_data) */
 };
 
@@ -372,7 +373,7 @@ static cmlp_status step_update(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_da
                          : b->comm_all_reduce(ctx, t->dcomm, m->grads, m->nparams));
     if (!t->scaler.enabled && !device_steps(t)) {
         if (clip) CMLP_TRY(scatter ? clip_part(t, ds, lo, hi, chunk, parts) : clip_grads(t, ds));
-        return cmlp_optim_step_summed_at(t->optim, t->scales_row);
+        return cmlp_optim_step_summed_at(t->optim, t->scales_row, t->momenta_row);
     }
     const float *found_inf = NULL;
     if (t->scaler.enabled) {
@@ -457,11 +458,11 @@ static cmlp_status one_sample_oom(cmlp_trainer *t, const char *cause) {
  * there, and under loss scaling the check, the skip, the optimizer's step count and the scale
  * update happen there too. */
 static cmlp_status run_begin(cmlp_trainer *t, cmlp_dscalars **out, const double *lr, const double *momentum,
-                             const double *scales, int64_t nlr) {
+                             const double *scales, const double *part_momenta, int64_t nlr) {
     cmlp_model *m = t->model;
     CMLP_TRY(cmlp_model_scalars(m, out));
-    /* the param groups' scales of each step, where a step on the device reads them */
-    if (scales && lr) CMLP_TRY(cmlp_optim_load_step_scales(t->optim, scales, nlr));
+    /* the param groups' scales and momenta of each step, where a step on the device reads them */
+    if (scales && lr) CMLP_TRY(cmlp_optim_load_step_scales(t->optim, scales, part_momenta, nlr));
     t->step_scales = scales && lr;
     cmlp_dscalars h = {0};
     h.step = cmlp_optim_get_step(t->optim);
@@ -792,7 +793,7 @@ cmlp_status cmlp_trainer_step(cmlp_trainer *t, const cmlp_data *xy, double *loss
     }
     CMLP_TRY(st);
     cmlp_dscalars *ds;
-    st = run_begin(t, &ds, NULL, NULL, NULL, 0); /* it may allocate: data-parallel, the ranks agree on it */
+    st = run_begin(t, &ds, NULL, NULL, NULL, NULL, 0); /* it may allocate: data-parallel, the ranks agree on it */
     CMLP_TRY(t->dist ? cmlp_dist_agree(st) : st);
     const bool had_state = cmlp_optim_has_state(t->optim);
     cmlp_fpenv fe;
@@ -868,9 +869,9 @@ cmlp_status cmlp_trainer_epoch_begin(cmlp_trainer *t, const cmlp_data *xy, int s
 }
 
 /* epoch_run's steps; with lr (nlr rates), at most nlr of them, the k-th at rate lr[k] and, with
- * momentum, momentum[k]. */
+ * momentum, momentum[k]; with scales (and part_momenta), its parts' row k of them. */
 static cmlp_status epoch_run(cmlp_trainer *t, int64_t max_steps, const double *lr, const double *momentum,
-                             const double *scales, int64_t nlr, cmlp_epoch_state *st) {
+                             const double *scales, const double *part_momenta, int64_t nlr, cmlp_epoch_state *st) {
     if (!t || !st) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
     if (!t->epoch_open) return CMLP_FAIL(CMLP_ERR_STATE, "epoch_run called before epoch_begin");
     CMLP_TRY(check_group(t, true));
@@ -878,7 +879,7 @@ static cmlp_status epoch_run(cmlp_trainer *t, int64_t max_steps, const double *l
     int64_t n = t->data.n, eb = effective_batch(t) * group_size(t);
     const bool graphs = t->model->dev->backend->capture_begin != NULL; /* the device has graphs */
     cmlp_dscalars *ds;
-    cmlp_status s = run_begin(t, &ds, lr, momentum, scales, nlr); /* it may allocate: data-parallel, the ranks agree */
+    cmlp_status s = run_begin(t, &ds, lr, momentum, scales, part_momenta, nlr); /* it may allocate: data-parallel, the ranks agree */
     const int np = scales ? cmlp_optim_num_parts(t->optim) : 0;
     CMLP_TRY(t->dist ? cmlp_dist_agree(s) : s);
     const int64_t steps_before = st->steps;
@@ -891,6 +892,7 @@ static cmlp_status epoch_run(cmlp_trainer *t, int64_t max_steps, const double *l
         if (lr) (void)cmlp_optim_set_lr(t->optim, lr[done]);
         if (momentum) (void)cmlp_optim_set_momentum(t->optim, momentum[done]);
         t->scales_row = np ? scales + done * np : NULL;
+        t->momenta_row = np && part_momenta ? part_momenta + done * np : NULL;
         int64_t k = n - t->pos < eb ? n - t->pos : eb, off, mine;
         share_of(t, k, &off, &mine);
         const int64_t *idx = t->cfg.shuffle ? t->order + t->pos + off : NULL;
@@ -925,7 +927,7 @@ static cmlp_status epoch_run(cmlp_trainer *t, int64_t max_steps, const double *l
     (void)cmlp_optim_set_momentum(t->optim, momentum_before);
     t->rates = false;
     t->step_scales = false;
-    t->scales_row = NULL;
+    t->scales_row = t->momenta_row = NULL;
     double loss = 0.0, norm_sum = 0.0;
     int64_t skipped = 0, norm_steps = 0;
     cmlp_status end = run_end(t, ds, st->steps > steps_before, &loss, &skipped, &norm_sum, &norm_steps);
@@ -974,11 +976,12 @@ cmlp_status cmlp_trainer_set_epochs(cmlp_trainer *t, int64_t epochs) {
 }
 
 cmlp_status cmlp_trainer_epoch_run(cmlp_trainer *t, int64_t max_steps, cmlp_epoch_state *st) {
-    return epoch_run(t, max_steps, NULL, NULL, NULL, 0, st);
+    return epoch_run(t, max_steps, NULL, NULL, NULL, NULL, 0, st);
 }
 
 cmlp_status cmlp_trainer_epoch_run_rates(cmlp_trainer *t, const double *lr, const double *momentum,
-                                         const double *scales, int64_t n, cmlp_epoch_state *st) {
+                                         const double *scales, const double *part_momenta, int64_t n,
+                                         cmlp_epoch_state *st) {
     if (!t || !lr) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
     if (n < 1 || n > CMLP_MAX_RATES)
         return CMLP_FAIL(CMLP_ERR_INVALID, "a call takes 1 to %d rates, got %lld", CMLP_MAX_RATES, (long long)n);
@@ -995,6 +998,15 @@ cmlp_status cmlp_trainer_epoch_run_rates(cmlp_trainer *t, const double *lr, cons
     const int np = cmlp_optim_num_parts(t->optim);
     if (scales && !np)
         return CMLP_FAIL(CMLP_ERR_INVALID, "per-step scales need an optimizer with parameter-group parts");
+    if (part_momenta && !scales)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "per-step momenta of the parts come with their scales");
+    for (int64_t k = 0; part_momenta && k < n; k++)
+        for (int p = 0; p < np; p++) {
+            const double v = part_momenta[k * np + p]; /* NaN: the part's own */
+            if (!isnan(v) && !(v >= 0.0 && (adam ? v < 1.0 : v <= FLT_MAX)))
+                return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid momentum %g of part %d for step %lld (must be %s)", v, p,
+                                 (long long)k, adam ? "in [0, 1), Adam's beta1" : ">= 0 and finite in float32");
+        }
     for (int64_t k = 0; scales && k < n; k++)
         for (int p = 0; p < np; p++) {
             const double v = scales[k * np + p];
@@ -1002,7 +1014,7 @@ cmlp_status cmlp_trainer_epoch_run_rates(cmlp_trainer *t, const double *lr, cons
                 return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid scale %g of part %d for step %lld (must be >= 0, its "
                                                    "rate finite in float32)", v, p, (long long)k);
         }
-    return epoch_run(t, n, lr, momentum, scales, n, st);
+    return epoch_run(t, n, lr, momentum, scales, part_momenta, n, st);
 }
 
 void cmlp_trainer_set_host_data(cmlp_trainer *t, int on) {

@@ -148,18 +148,23 @@ typedef struct cmlp_k_scaler {
  * pair rates[2k], rates[2k + 1] with k = *next, or k = 0 when next is NULL; with next, every step
  * moves *next on by one, skipped or not. decoupled_wd: AdamW's weight decay (0: none), whose
  * factor the step forms as (float)(1 - lr * decoupled_wd), each operation rounded in double. */
+/* doubles per part in cmlp_k_rate.parts (the same as backend.h's) */
+#define CMLP_PART_ARGS 4
+
 typedef struct cmlp_k_rate {
     const double *rates;
     long long *next;
     double decoupled_wd;
-    /* parameter groups (nparts may be 0): part p's rate is the step's times parts[2p], its
-     * decoupled weight decay parts[2p + 1]; a step taken writes its coefficients, as coef's, to
-     * part_coef[5p..5p + 4] */
+    /* parameter groups (nparts may be 0): with part = parts + CMLP_PART_ARGS * p, part p's rate
+     * is the step's times part[0], its decoupled weight decay part[1], its momentum part[2] and
+     * its beta2 part[3] (NaN: the step's momentum, the beta2 given); a step taken writes its
+     * coefficients, as coef's, to part_coef[5p..5p + 4] */
     int nparts;
     const double *parts;
     float *part_coef;
-    /* when not NULL, a scale per part for each step of the rates: the step at rates[2k] scales
-     * part p's rate by step_scales[k * nparts + p] instead of parts[2p] */
+    /* when not NULL, a scale and a momentum per part for each step of the rates: with
+     * row = step_scales + 2 * (k * nparts + p), the step at rates[2k] scales part p's rate by
+     * row[0] instead of part[0], and its momentum is row[1] (NaN: as without the table) */
     const double *step_scales;
 } cmlp_k_rate;
 

@@ -256,14 +256,16 @@ __device__ __forceinline__ void prepare1(int64_t *step, float *coef, bool skip, 
         coef[1] = (float)momentum;
     }
     for (int i = 0; i < rate.nparts; i++) { /* parameter groups: each part at its own rate and decay */
-        const double scale = rate.step_scales ? rate.step_scales[k * rate.nparts + i] : rate.parts[2 * i];
-        const double part_lr = __dmul_rn(lr, scale);
+        const double *part = rate.parts + CMLP_PART_ARGS * i; /* NaN momentum or beta2: the step's */
+        const double *row = rate.step_scales ? rate.step_scales + 2 * (k * rate.nparts + i) : nullptr;
+        const double part_lr = __dmul_rn(lr, row ? row[0] : part[0]);
+        const double part_momentum = row && !isnan(row[1]) ? row[1] : isnan(part[2]) ? momentum : part[2];
         float *pc = rate.part_coef + 5 * i;
         if (adam) {
-            adam_coef(t, part_lr, momentum, beta2, rate.parts[2 * i + 1], pc);
+            adam_coef(t, part_lr, part_momentum, isnan(part[3]) ? beta2 : part[3], part[1], pc);
         } else {
             pc[0] = (float)part_lr;
-            pc[1] = (float)momentum;
+            pc[1] = (float)part_momentum;
         }
     }
 }

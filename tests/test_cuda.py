@@ -742,28 +742,37 @@ def test_a_learning_rate_schedule_replays_the_captured_step_and_equals_the_eager
 
 PARAM_GROUPS = [{"params": ["fc1.weight", "fc2.weight"], "lr": 3e-3},
                 {"params": ["fc1.bias", "fc2.bias"], "weight_decay": 0.0, "lr": 5e-3}]
+# the same groups with hyperparameters of their own (torch's per-group betas, eps, momentum, ...)
+OWN_GROUPS = {"adam": [{**PARAM_GROUPS[0], "betas": (0.8, 0.99), "eps": 1e-6},
+                       {**PARAM_GROUPS[1], "maximize": True, "betas": (0.9, 0.9)}],
+              "sgd": [{**PARAM_GROUPS[0], "momentum": 0.5, "dampening": 0.2},
+                      {**PARAM_GROUPS[1], "nesterov": True, "maximize": True}]}
 
 
 @needs_gpu
-@pytest.mark.parametrize("kind", ["adam", "adamw", "sgd", "adam-amsgrad"])
+@pytest.mark.parametrize("kind", ["adam", "adamw", "sgd", "adam-amsgrad", "adam-own", "sgd-own"])
 def test_param_groups_step_like_the_cpu(kind):
-    """Each group's part of the parameters at its own rate and weight decay, on the device as on
-    the CPU; a group's rate changed between steps too."""
+    """Each group's part of the parameters at its own rate, weight decay and hyperparameters, on
+    the device as on the CPU; a group's rate and betas or momentum changed between steps too."""
     sizes = [37, 19, 5]
     batches = [margin_batch(sizes, 31, seed=s)[1:] for s in range(4)]
     cpu, gpu = pair(sizes)
+    kind, own = kind.replace("-own", ""), kind.endswith("-own")
+    groups = OWN_GROUPS[kind] if own else PARAM_GROUPS
     config = dict(lr=0.05, momentum=0.9, weight_decay=1e-2) if kind == "sgd" else dict(lr=1e-3, weight_decay=0.1)
     if kind == "adam-amsgrad":
         kind, config = "adam", dict(config, amsgrad=True, maximize=True)
-    opts = [make_optimizer(m, kind, dict(config, param_groups=PARAM_GROUPS)) for m in (cpu, gpu)]
+    opts = [make_optimizer(m, kind, dict(config, param_groups=groups)) for m in (cpu, gpu)]
     for i, (x, y) in enumerate(batches):
         if i == 2:
             for o in opts:
                 o.param_groups[1]["lr"] = 1e-2
+                if own:
+                    o.param_groups[0].update({"betas": (0.7, 0.95)} if kind == "adam" else {"momentum": 0.3})
         if i == 1:  # the groups' settings move with the optimizer: a copy of the CPU's, moved over
             moved = cmlp.MLP(sizes, seed=0)
             moved.load_state_dict(cpu.state_dict())
-            opts.append(make_optimizer(moved, kind, dict(config, param_groups=PARAM_GROUPS)))
+            opts.append(make_optimizer(moved, kind, dict(config, param_groups=groups)))
             opts[-1].load_state_dict(opts[0].state_dict())
             moved.to(CUDA)
         for m, o in zip((cpu, gpu, moved) if i >= 1 else (cpu, gpu), opts):
@@ -835,6 +844,62 @@ def test_param_groups_in_a_replayed_step_equal_the_eager_loop(device, schedule):
     assert [g["lr"] for g in opt_g.param_groups] == [g["lr"] for g in opt.param_groups]
     assert same(graph.state_dict(), eager.state_dict())
     assert sum(h["skipped_steps"] for h in history) == skipped and (skipped > 0) == (amp is not None)
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")  # a skipped first step, as torch warns
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind,amp", [("adam", None), ("adam", "fp16"), ("sgd", None)])
+@pytest.mark.parametrize("schedule", ["cosine", "onecycle"])
+def test_groups_own_settings_replay_as_the_eager_loop_steps(device, kind, amp, schedule):
+    """Groups with hyperparameters of their own, in fits with a per-step schedule (each step its
+    own multiples; with OneCycleLR each group's own momenta too) and with a group's betas
+    (momentum) and eps (dampening) changed between fits (a new capture): every step, replayed or
+    skipped on the device, equals the eager loop bit for bit."""
+    sizes, batch, steps = [784, 64, 10], 32, 4
+    rng = np.random.default_rng(29)
+    x = rng.standard_normal((batch * steps, 784)).astype(np.float32)
+    y = rng.integers(0, 10, batch * steps)
+
+    def make(model):
+        if kind == "sgd":
+            opt = cmlp.optim.SGD(model, lr=0.05, momentum=0.9, param_groups=OWN_GROUPS["sgd"])
+        else:
+            opt = cmlp.optim.Adam(model, lr=1e-2, param_groups=OWN_GROUPS["adam"])
+        if schedule == "onecycle":
+            return opt, cmlp.optim.lr_scheduler.OneCycleLR(opt, max_lr=[1e-2, 3e-2], total_steps=3 * steps,
+                                                           base_momentum=[0.8, 0.6], max_momentum=[0.9, 0.95])
+        return opt, cmlp.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=5, eta_min=1e-3)
+
+    def scaler():
+        return cmlp.amp.GradScaler(init_scale=2.0**30) if amp else None
+
+    graph = cmlp.MLP(sizes, device=device, seed=0)
+    opt_g, sched_g = make(graph)
+    t_graph = cmlp.Trainer(graph, opt_g, batch_size=batch, shuffle=False, amp=amp, scaler=scaler())
+    eager = cmlp.MLP(sizes, device=device, seed=0)
+    opt, sched = make(eager)
+    gs = scaler()
+    for epoch in range(3):
+        if epoch == 1:
+            for o in (opt_g, opt):
+                o.param_groups[1].update({"betas": (0.5, 0.99), "eps": 1e-4} if kind == "adam"
+                                         else {"momentum": 0.7, "dampening": 0.1, "nesterov": False})
+        if epoch == 2:
+            for o in (opt_g, opt):
+                o.param_groups[0]["maximize"] = True
+        t_graph.fit(x, y, epochs=1, progress=False, scheduler=sched_g, scheduler_interval="step")
+        for i in range(steps):
+            opt.zero_grad()
+            eager.forward_backward(x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch], amp=amp,
+                                   loss_scale=gs.get_scale() if gs else 1.0)
+            if gs:
+                gs.step(opt)
+                gs.update()
+            else:
+                opt.step()
+            sched.step()
+        assert same(graph.state_dict(), eager.state_dict()), epoch
+    assert opt_g.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")  # a skipped first step, as torch warns
@@ -1594,8 +1659,9 @@ def test_plans_of_param_groups_a_resident_data_set_and_a_limit_hold_on_the_gpu()
     assert history[0]["peak_memory_bytes"] == p.peak_bytes + base
     off_host = CUDA != "cpu"  # (the CPU standing in keeps both in host memory)
     assert p.breakdown["data"] == off_host * rows * (784 + 4 + 8)  # the samples, their labels and their order
-    # each part's scale and decay, a scale for each step of a call (16), and its coefficients
-    each = (2 + cmlp._cmlp.MAX_RATES) * 8 + 5 * 4
+    # each part's scale, decay, momentum and beta2, a scale and a momentum for each step of a call (16), and
+    # its coefficients
+    each = (4 + 2 * cmlp._cmlp.MAX_RATES) * 8 + 5 * 4
     assert p.breakdown["optimizer_state"] == 2 * 4 * model.num_parameters() + off_host * len(opt._c_parts) * each
     del model, opt, history
     # under a limit of the plan's budget, with the data set too large to stay beside the step

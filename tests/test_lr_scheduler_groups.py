@@ -1,6 +1,6 @@
 """cmlp.optim.lr_scheduler over optimizers with several param groups: every group's rate is
 torch's to the bit (each group from its own initial_lr, per-group arguments as torch takes them),
-the one momentum cmlp's groups share, argument checks, resuming and state_dict.
+and so is every group's momentum; argument checks, resuming and state_dict.
 """
 import math
 
@@ -304,7 +304,7 @@ def test_per_group_lambdas_give_each_group_its_own_factor_without_torch():
 
 
 def unchanged(opt):
-    return list(opt._initial_lrs), opt._group_lrs(), opt._momentum()
+    return list(opt._initial_lrs), opt._group_lrs(), opt._momenta()
 
 
 def torch_message(build):
@@ -349,23 +349,29 @@ def test_the_number_of_per_group_arguments_is_checked_as_in_torch():
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
-def test_momentum_lists_must_hold_one_value_as_cmlps_groups_share_one(kind):
+@pytest.mark.parametrize("name", ["OneCycleLR", "CyclicLR"])
+def test_momentum_lists_give_each_group_its_own_as_torchs(kind, name):
+    """Per-group momenta (a list each, as torch takes them): every group's momentum is torch's to
+    the bit at every step; one the optimizer cannot take is refused and changes nothing."""
+    torch, opt, topt = pair(3, kind)
+    if name == "OneCycleLR":
+        kw = dict(max_lr=[0.1, 0.2, 0.3], total_steps=STEPS, base_momentum=[0.85, 0.8, 0.7],
+                  max_momentum=(0.95, 0.9, 0.99))
+    else:
+        kw = dict(base_lr=0.01, max_lr=[0.1, 0.2, 0.05], step_size_up=4, base_momentum=[0.85, 0.8, 0.7],
+                  max_momentum=(0.95, 0.9, 0.99))
+    sched = getattr(S, name)(opt, **kw)
+    ts = getattr(torch.optim.lr_scheduler, name)(topt, **kw)
+    assert len(set(momenta(opt, kind))) == 3
+    lockstep(opt, sched, topt, ts, kind=kind, momentum=True)
     opt = cmlp_optimizer(3, kind)
     before = unchanged(opt)
-    for kw in (dict(base_momentum=[0.85, 0.8, 0.85]), dict(max_momentum=(0.95, 0.95, 0.9))):
-        with pytest.raises(ValueError, match="share one momentum"):
-            S.OneCycleLR(opt, max_lr=0.1, total_steps=10, **kw)
-        with pytest.raises(ValueError, match="share one momentum"):
-            S.CyclicLR(opt, base_lr=0.01, max_lr=0.1, **kw)
-        assert unchanged(opt) == before
+    with pytest.raises(ValueError, match="beta parameter at index 0" if kind == "adam" else "momentum value"):
+        getattr(S, name)(opt, **{**kw, "base_momentum": [0.8, -0.5, 0.8]})
+    assert unchanged(opt) == before
     # without cycle_momentum the momenta are not used, as in torch
-    S.CyclicLR(opt, base_lr=0.01, max_lr=0.1, cycle_momentum=False, base_momentum=[0.1, 0.2, 0.3])
-    opt = cmlp_optimizer(3, kind)
-    sched = S.OneCycleLR(opt, max_lr=[0.1, 0.2, 0.3], total_steps=10, base_momentum=[0.8] * 3,
-                         max_momentum=(0.9, 0.9, 0.9))
-    assert opt._momentum() == 0.9
-    sched.step()
-    assert 0.8 < opt._momentum() < 0.9
+    S.CyclicLR(opt, base_lr=0.01, max_lr=0.1, cycle_momentum=False, base_momentum=[0.1, 0.2, -0.3])
+    assert unchanged(opt)[2] == before[2]
 
 
 def test_resuming_needs_every_groups_initial_lr():

@@ -1,6 +1,8 @@
 """Param groups (torch's param_groups): each group of parameter tensors steps at its own learning
-rate and weight decay. Checked against a float64 reference and torch.optim, in the hand loop and
-in Trainer.fit (to the bit), with state_dicts in torch's layout and bad groups refused.
+rate, weight decay and hyperparameters (Adam's betas, eps and maximize; SGD's momentum,
+dampening, nesterov and maximize). Checked against a float64 reference and torch.optim, in the
+hand loop and in Trainer.fit (to the bit), with state_dicts in torch's layout and bad groups
+refused.
 """
 import copy
 
@@ -18,6 +20,12 @@ BIASES = ["fc1.bias", "fc2.bias", "fc3.bias"]
 GROUPS = [{"params": ["fc1.weight", "fc2.weight"], "lr": 3e-3},
           {"params": ["fc3.weight"], "weight_decay": 0.3},
           {"params": BIASES, "weight_decay": 0.0, "lr": 5e-3}]
+# the same groups, each with hyperparameters of its own too (the first group's are the C configuration's)
+OWN = {"adam": [{**GROUPS[0], "betas": (0.8, 0.99), "eps": 1e-6}, {**GROUPS[1], "maximize": True},
+                {**GROUPS[2], "betas": (0.95, 0.9)}],
+       "sgd": [{**GROUPS[0], "momentum": 0.5, "dampening": 0.2, "nesterov": False}, {**GROUPS[1], "maximize": True},
+               {**GROUPS[2], "momentum": 0.0}]}
+OWN["adamw"] = OWN["adam"]
 
 pytestmark = pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")
 
@@ -40,18 +48,27 @@ def batches(n, steps, seed=0):
             for _ in range(steps)]
 
 
+def reference_of(kind, g, defaults):
+    """The float64 reference optimizer of group g."""
+    d = {**defaults, **g}
+    if kind == "sgd":
+        # a group's nesterov without momentum does nothing in torch's step (its check is the constructor's)
+        return RefSGD(d["lr"], momentum=d["momentum"], dampening=d["dampening"],
+                      nesterov=d["nesterov"] and d["momentum"] > 0,
+                      weight_decay=d["weight_decay"], maximize=d["maximize"])
+    return RefAdam(d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
+                   decoupled_weight_decay=kind == "adamw", maximize=d["maximize"])
+
+
+@pytest.mark.parametrize("own", [False, True])
 @pytest.mark.parametrize("kind", ["adam", "adamw", "sgd"])
-def test_each_group_follows_the_float64_reference_at_its_own_settings(kind):
-    model, opt = make(kind)
+def test_each_group_follows_the_float64_reference_at_its_own_settings(kind, own):
+    groups = OWN[kind] if own else GROUPS
+    model, opt = make(kind, groups=groups)
     params = {k: v.astype(np.float64) for k, v in model.state_dict().items()}
-    refs = []
-    for g in GROUPS:
-        lr = g.get("lr", opt.defaults["lr"])
-        wd = g.get("weight_decay", opt.defaults["weight_decay"])
-        if kind == "sgd":
-            refs.append((g["params"], RefSGD(lr, momentum=0.9, nesterov=True, weight_decay=wd)))
-        else:
-            refs.append((g["params"], RefAdam(lr, weight_decay=wd, decoupled_weight_decay=kind == "adamw")))
+    refs = [(g["params"], reference_of(kind, g, opt.defaults)) for g in groups]
+    for i, g in enumerate(groups):
+        assert {k: v for k, v in opt.param_groups[i].items() if k in g} == {**g, "params": opt.param_groups[i]["params"]}
     for x, y in batches(8, 12):
         opt.zero_grad()
         model.forward_backward(x, y)
@@ -64,13 +81,15 @@ def test_each_group_follows_the_float64_reference_at_its_own_settings(kind):
             assert rel_err(got[k], params[k]) < 2e-6, k
 
 
+@pytest.mark.parametrize("own", [False, True])
 @pytest.mark.parametrize("kind", ["adam", "adamw", "sgd"])
-def test_groups_match_torch_with_settings_changed_between_steps(kind):
+def test_groups_match_torch_with_settings_changed_between_steps(kind, own):
     torch = pytest.importorskip("torch")
-    model, opt = make(kind)
+    groups = OWN[kind] if own else GROUPS
+    model, opt = make(kind, groups=groups)
     sd = model.state_dict()
     tensors = {k: torch.nn.Parameter(torch.from_numpy(v.copy())) for k, v in sd.items()}
-    tgroups = [{**g, "params": [tensors[k] for k in g["params"]]} for g in GROUPS]
+    tgroups = [{**g, "params": [tensors[k] for k in g["params"]]} for g in groups]
     if kind == "sgd":
         topt = torch.optim.SGD(tgroups, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.1)
     else:
@@ -82,6 +101,13 @@ def test_groups_match_torch_with_settings_changed_between_steps(kind):
                 groups[1]["lr"] = 2e-3
                 groups[2]["weight_decay"] = 0.05
                 groups[0]["lr"] = 0.0  # frozen from here on (Adam's moments still move, as torch's)
+                if own and kind == "sgd":  # the biases' momentum starts: from the gradient in torch,
+                    groups[2]["momentum"] = 0.7  # from a zero buffer here (the same without dampening)
+                    groups[1]["dampening"] = 0.5
+                elif own:
+                    groups[1]["betas"] = (0.5, 0.9)
+                    groups[2]["eps"] = 1e-3
+                    groups[0]["maximize"] = True
         model.load_state_dict({k: t.detach().numpy() for k, t in tensors.items()})
         opt.zero_grad()
         model.forward_backward(x, y)
@@ -99,7 +125,7 @@ def test_groups_match_torch_with_settings_changed_between_steps(kind):
     ours, theirs = opt.state_dict(), topt.state_dict()
     assert [g["params"] for g in ours["param_groups"]] == [g["params"] for g in theirs["param_groups"]]
     for a, b in zip(ours["param_groups"], theirs["param_groups"]):
-        assert (a["lr"], a["weight_decay"]) == (b["lr"], b["weight_decay"])
+        assert {k: a[k] for k in b if k != "params"} == {k: v for k, v in b.items() if k != "params"}
     for i, entry in theirs["state"].items():
         for name, value in entry.items():
             if name != "step":
@@ -109,8 +135,8 @@ def test_groups_match_torch_with_settings_changed_between_steps(kind):
     fresh.load_state_dict({"state": {i: {n: (v.numpy() if hasattr(v, "numpy") else v) for n, v in e.items()}
                                      for i, e in theirs["state"].items()},
                            "param_groups": theirs["param_groups"]})
-    assert [(g["lr"], g["weight_decay"]) for g in fresh.param_groups] == \
-           [(g["lr"], g["weight_decay"]) for g in topt.param_groups]
+    assert [{k: g[k] for k in t if k != "params"} for g, t in zip(fresh.param_groups, topt.param_groups)] == \
+           [{k: v for k, v in t.items() if k != "params"} for t in topt.param_groups]
 
 
 @pytest.mark.parametrize("kind", ["adam", "sgd"])
@@ -128,12 +154,13 @@ def test_groups_with_one_setting_take_the_plain_step_to_the_bit(kind):
         np.testing.assert_array_equal(run, runs[0])
 
 
+@pytest.mark.parametrize("own", [False, True])
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
-def test_fit_with_groups_equals_the_hand_loop_to_the_bit(kind):
+def test_fit_with_groups_equals_the_hand_loop_to_the_bit(kind, own):
     x, y = batches(96, 1)[0]
     runs = []
     for by_fit in (True, False):
-        model, opt = make(kind)
+        model, opt = make(kind, groups=OWN[kind] if own else GROUPS)
         trainer = cmlp.Trainer(model, opt, batch_size=16, shuffle=False)
         if by_fit:
             trainer.fit(x, y, epochs=2, progress=False)
@@ -160,13 +187,14 @@ def test_frozen_group_keeps_its_parameters():
 
 
 class _Calls:
-    """A trainer's C object, counting its epoch_run calls."""
+    """A trainer's C object, counting its epoch_run calls (and those with the parts' momenta)."""
 
     def __init__(self, c):
-        self._inner, self.calls = c, 0
+        self._inner, self.calls, self.with_momenta = c, 0, 0
 
     def epoch_run(self, *args):
         self.calls += 1
+        self.with_momenta += len(args) > 4 and args[4] is not None
         return self._inner.epoch_run(*args)
 
     def __getattr__(self, name):
@@ -181,22 +209,25 @@ def schedule_of(sched, opt):
     if sched == "cyclic":
         return S.CyclicLR(opt, base_lr=[1e-4, 1e-3, 2e-3], max_lr=[1e-2, 2e-3, 5e-3], step_size_up=3,
                           cycle_momentum=False)
+    if sched == "onecycle":  # each group's momentum moves too, between its own bounds
+        return S.OneCycleLR(opt, max_lr=[1e-2, 2e-3, 5e-3], total_steps=500, base_momentum=[0.8, 0.7, 0.85],
+                            max_momentum=[0.9, 0.95, 0.85])
     return S.CosineAnnealingLR(opt, T_max=7, eta_min=1e-4)
 
 
-def fit_and_hand_loop(kind, sched, x, y, batch, epochs, amp=None):
+def fit_and_hand_loop(kind, sched, x, y, batch, epochs, amp=None, own=False):
     """The parameters and group rates after fit with a per-step schedule and after the hand loop
-    (trainer.step, then the schedule's step), and fit's calls into the C loop."""
+    (trainer.step, then the schedule's step), and fit's calls into the C loop (_Calls)."""
     runs, rates, calls = [], [], 0
     for by_fit in (True, False):
-        model, opt = make(kind)
+        model, opt = make(kind, groups=OWN[kind] if own else GROUPS)
         s = schedule_of(sched, opt)
         scaler = cmlp.amp.GradScaler(init_scale=2.0**12) if amp else None
         trainer = cmlp.Trainer(model, opt, batch_size=batch, shuffle=False, amp=amp, scaler=scaler)
         if by_fit:
             trainer._c = _Calls(trainer._c)
             trainer.fit(x, y, epochs=epochs, progress=False, scheduler=s, scheduler_interval="step")
-            calls = trainer._c.calls
+            calls = trainer._c
         else:
             for _ in range(epochs):
                 for i in range(0, len(x), batch):
@@ -217,14 +248,26 @@ def test_a_per_step_schedule_in_fit_equals_the_hand_loop(sched, kind, amp):
     base rate from a row of its own (on the host, or on the device with the step's bookkeeping:
     fp16's scaler). Both equal the hand loop to the bit, and a call takes up to 16 steps either way."""
     x, y = batches(480, 1)[0]
-    calls = fit_and_hand_loop(kind, sched, x, y, batch=1, epochs=1, amp=amp)
+    calls = fit_and_hand_loop(kind, sched, x, y, batch=1, epochs=1, amp=amp).calls
     assert calls == 480 // 2  # the progress bar's chunks of 480 // 200 steps
+
+
+@pytest.mark.parametrize("kind,amp", [("adam", None), ("sgd", None), ("adamw", "fp16")])
+@pytest.mark.parametrize("sched", ["lambda", "cosine", "onecycle"])
+def test_groups_with_their_own_settings_in_fit_under_a_per_step_schedule_equal_the_hand_loop(sched, kind, amp):
+    """Groups with betas, eps, momentum, ... of their own, under schedules that keep the groups'
+    proportions (LambdaLR), move them apart (CosineAnnealingLR with eta_min) or move each group's
+    momentum between bounds of its own (OneCycleLR): each step of a call reads its groups' rates
+    and momenta (a table when they move apart), and fit equals the hand loop to the bit."""
+    x, y = batches(480, 1)[0]
+    calls = fit_and_hand_loop(kind, sched, x, y, batch=1, epochs=1, amp=amp, own=True)
+    assert calls.calls == 480 // 2 and (calls.with_momenta == calls.calls) == (sched == "onecycle")
 
 
 @pytest.mark.parametrize("sched", ["lambda", "cosine"])
 def test_a_per_step_schedule_in_fit_over_two_epochs_equals_the_hand_loop(sched):
     x, y = batches(80, 1)[0]
-    assert fit_and_hand_loop("adam", sched, x, y, batch=16, epochs=2) == 2 * 5
+    assert fit_and_hand_loop("adam", sched, x, y, batch=16, epochs=2).calls == 2 * 5
 
 
 def test_state_dict_round_trip_deepcopy_and_a_different_grouping_refused():
@@ -262,9 +305,16 @@ def test_state_dict_round_trip_deepcopy_and_a_different_grouping_refused():
     with pytest.raises(ValueError, match="doesn't match the size"):
         regrouped.load_state_dict(sd)
     bad = copy.deepcopy(sd)
-    bad["param_groups"][1]["betas"] = (0.8, 0.99)
-    with pytest.raises(ValueError, match="differ in lr and weight_decay only"):
+    bad["param_groups"][1]["amsgrad"] = True
+    before = other.state_dict()
+    with pytest.raises(ValueError, match=r"other \['amsgrad'\] than group 0: cmlp's param groups share amsgrad"):
         other.load_state_dict(bad)
+    assert other.state_dict()["param_groups"] == before["param_groups"]
+    own = copy.deepcopy(sd)  # a group's own betas load, and the state_dict gives them back
+    own["param_groups"][1]["betas"] = (0.8, 0.99)
+    other.load_state_dict(own)
+    assert other.state_dict()["param_groups"] == own["param_groups"]
+    assert [g["betas"] for g in other.param_groups] == [(0.9, 0.999), (0.8, 0.99), (0.9, 0.999)]
 
 
 def test_attributes_are_the_first_groups_and_shared_settings_are_everyones():
@@ -272,8 +322,22 @@ def test_attributes_are_the_first_groups_and_shared_settings_are_everyones():
     assert (opt.lr, opt.weight_decay) == (3e-3, 0.1)
     opt.lr = 1e-3  # the first group only, as torch's param_groups[0]["lr"]
     assert [g["lr"] for g in opt.param_groups] == [1e-3, 1e-2, 5e-3]
-    opt.param_groups[2]["momentum"] = 0.5  # one momentum for every group
-    assert [g["momentum"] for g in opt.param_groups] == [0.5] * 3
+    opt.param_groups[2]["momentum"] = 0.5  # that group's own
+    assert [g["momentum"] for g in opt.param_groups] == [0.9, 0.9, 0.5] and opt.momentum == 0.9
+    opt.momentum = 0.8  # the attribute sets every group's
+    assert [g["momentum"] for g in opt.param_groups] == [0.8] * 3
+    with pytest.raises(ValueError, match="Invalid momentum value"):
+        opt.param_groups[1]["momentum"] = -0.5
+    with pytest.raises(ValueError, match="nesterov must be a bool"):
+        opt.param_groups[1]["nesterov"] = "yes"
+    _, adam = make("adam")
+    with pytest.raises(ValueError, match="Invalid beta parameter at index 1"):
+        adam.param_groups[2]["betas"] = (0.9, 1.0)
+    with pytest.raises(ValueError, match="Invalid epsilon value"):
+        adam.param_groups[0].update({"lr": 0.5, "eps": -1.0})  # all or nothing
+    adam.param_groups[1]["amsgrad"] = True  # shared: every group's
+    assert [(g["lr"], g["betas"], g["eps"], g["amsgrad"]) for g in adam.param_groups] == \
+           [(3e-3, (0.9, 0.999), 1e-8, True), (1e-3, (0.9, 0.999), 1e-8, True), (5e-3, (0.9, 0.999), 1e-8, True)]
     with pytest.raises(ValueError, match="Invalid learning rate"):
         opt.param_groups[1].update({"weight_decay": 0.2, "lr": -1.0})
     assert [(g["lr"], g["weight_decay"]) for g in opt.param_groups] == [(1e-3, 0.1), (1e-2, 0.3), (5e-3, 0.0)]
@@ -292,7 +356,8 @@ def test_attributes_are_the_first_groups_and_shared_settings_are_everyones():
     ([], ValueError, "empty parameter list"),
     ({"params": WEIGHTS + BIASES}, TypeError, "list of dicts"),
     ([{"lr": 0.1}], TypeError, "with 'params'"),
-    ([{"params": WEIGHTS}, {"params": BIASES, "momentum": 0.5}], ValueError, "share momentum"),
+    ([{"params": WEIGHTS}, {"params": BIASES, "momentum": -0.5}], ValueError, "Invalid momentum value"),
+    ([{"params": WEIGHTS}, {"params": BIASES, "nesterov": 1}], ValueError, r"param_groups\[1\]: nesterov must be a bool"),
     ([{"params": WEIGHTS}, {"params": BIASES, "lr": -0.1}], ValueError, "Invalid learning rate"),
     ([{"params": WEIGHTS}, {"params": BIASES, "betas": (0.9, 0.99)}], ValueError, "no 'betas' setting"),
 ])
@@ -450,3 +515,42 @@ def test_a_loaded_group_without_a_rate_or_weight_decay_keeps_its_own(kind):
     assert type(copied) is dict and copied == dict(opt.param_groups[2])
     copied["lr"] = 1.0
     assert opt.param_groups[2]["lr"] == before[2][0]
+
+
+def test_sgd_state_of_a_group_without_momentum_is_torchs_both_ways():
+    """A group without momentum keeps no momentum buffer in torch's state_dict (no entry at all);
+    the state_dict here leaves it out too, and a torch state_dict without it loads (its buffer
+    then starts from zeros). With the state loaded each way, the next steps agree."""
+    torch = pytest.importorskip("torch")
+    groups = [{"params": WEIGHTS}, {"params": BIASES, "momentum": 0.0, "lr": 0.05}]
+    model, opt = make("sgd", groups=groups)
+    tensors = {k: torch.nn.Parameter(torch.from_numpy(v.copy())) for k, v in model.state_dict().items()}
+    topt = torch.optim.SGD([{**g, "params": [tensors[k] for k in g["params"]]} for g in groups], lr=1e-2,
+                           momentum=0.9, nesterov=True, weight_decay=0.1)
+
+    def step(m, o, t, x, y):
+        m.load_state_dict({k: v.detach().numpy() for k, v in tensors.items()})
+        o.zero_grad()
+        m.forward_backward(x, y)
+        for k, g in m.grads().items():
+            tensors[k].grad = torch.from_numpy(g.copy())
+        o.step()
+        t.step()
+
+    for x, y in batches(8, 3):
+        step(model, opt, topt, x, y)
+    ours, theirs = opt.state_dict(), topt.state_dict()
+    assert sorted(ours["state"]) == sorted(theirs["state"]) == [0, 1, 2]
+    for i, entry in theirs["state"].items():
+        assert rel_err(ours["state"][i]["momentum_buffer"], entry["momentum_buffer"].numpy()) < 1e-5
+    _, fresh = make("sgd", groups=groups, seed=5)
+    fresh.load_state_dict({"state": {i: {k: v.numpy() for k, v in e.items()} for i, e in theirs["state"].items()},
+                           "param_groups": theirs["param_groups"]})
+    assert sorted(fresh.state_dict()["state"]) == [0, 1, 2]
+    topt.load_state_dict({"state": {i: {k: torch.from_numpy(v) for k, v in e.items()} for i, e in ours["state"].items()},
+                          "param_groups": ours["param_groups"]})
+    for x, y in batches(8, 2, seed=9):
+        step(fresh.model, fresh, topt, x, y)
+        got = fresh.model.state_dict()
+        for k, t in tensors.items():
+            assert rel_err(got[k], t.detach().numpy()) < 1e-6, k

@@ -921,9 +921,12 @@ static PyObject *Optim_configure(OptimObject *self, PyObject *args, PyObject *kw
     Py_RETURN_NONE;
 }
 
-/* set_parts([(end, lr_scale, weight_decay), ...]): the parameter groups' parts (cmlp_optim_set_parts). */
+/* set_parts([(end, lr_scale, weight_decay[, momentum, beta2, eps, dampening, nesterov, maximize]), ...]):
+ * the parameter groups' parts (cmlp_optim_set_parts); a setting NaN (or -1), or left out, is the
+ * optimizer's. */
+#define PART_FORMAT "(end, lr_scale, weight_decay[, momentum, beta2, eps, dampening, nesterov, maximize])"
 static PyObject *Optim_set_parts(OptimObject *self, PyObject *arg) {
-    PyObject *seq = items_of(arg, "parts must be a sequence of (end, lr_scale, weight_decay)");
+    PyObject *seq = items_of(arg, "parts must be a sequence of " PART_FORMAT);
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     if (n > CMLP_MAX_PARTS) {
@@ -934,22 +937,27 @@ static PyObject *Optim_set_parts(OptimObject *self, PyObject *arg) {
     int64_t *ends = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *ends);
     double *scale = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *scale);
     double *wd = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *wd);
+    cmlp_part_settings *own = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *own);
     PyObject *result = NULL;
-    if (!ends || !scale || !wd) {
+    if (!ends || !scale || !wd || !own) {
         PyErr_NoMemory();
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         long long end;
-        PyObject *part = items_of(PySequence_Fast_GET_ITEM(seq, i), "a part is (end, lr_scale, weight_decay)");
-        int ok = part && PyArg_ParseTuple(part, "Ldd;a part is (end, lr_scale, weight_decay)", &end, &scale[i], &wd[i]);
+        cmlp_part_settings *s = &own[i];
+        *s = cmlp_part_settings_inherit();
+        PyObject *part = items_of(PySequence_Fast_GET_ITEM(seq, i), "a part is " PART_FORMAT);
+        int ok = part && PyArg_ParseTuple(part, "Ldd|ddddii;a part is " PART_FORMAT, &end, &scale[i], &wd[i],
+                                          &s->momentum, &s->beta2, &s->eps, &s->dampening, &s->nesterov,
+                                          &s->maximize);
         Py_XDECREF(part);
         if (!ok) goto done;
         ends[i] = end;
     }
     if (optim_ready(self) < 0) goto done;
     cmlp_status st;
-    RUN_LOCKED(self->model, st, cmlp_optim_set_parts(self->o, (int)n, ends, scale, wd));
+    RUN_LOCKED(self->model, st, cmlp_optim_set_parts(self->o, (int)n, ends, scale, wd, own));
     if (st != CMLP_OK) {
         raise_status(self->model->ms, st);
         goto done;
@@ -959,6 +967,7 @@ done:
     PyMem_Free(ends);
     PyMem_Free(scale);
     PyMem_Free(wd);
+    PyMem_Free(own);
     Py_DECREF(seq);
     return result;
 }
@@ -1001,7 +1010,8 @@ static PyMethodDef Optim_methods[] = {
     {"set_state", (PyCFunction)Optim_set_state, METH_VARARGS, "set_state(step, [buffers])"},
     {"to", (PyCFunction)Optim_to, METH_O, "move the state to a device (after the model)"},
     {"set_parts", (PyCFunction)Optim_set_parts, METH_O,
-     "set_parts([(end, lr_scale, weight_decay), ...]): parameter groups' parts of the flat parameters"},
+     "set_parts([" PART_FORMAT ", ...]): parameter groups' parts of the flat parameters (a setting NaN "
+     "or -1, or left out: the optimizer's)"},
     {"shard", (PyCFunction)Optim_shard, METH_O, "keep state for this rank's part of the parameters only (or not)"},
     {"buffers_planned", (PyCFunction)Optim_buffers_planned, METH_NOARGS,
      "state buffers held once the next step is taken (what a plan counts)"},
@@ -1169,9 +1179,10 @@ static Py_ssize_t floats_of(PyObject *obj, const char *what, double *out) {
     return n;
 }
 
-/* A buffer of floats from a sequence of n * width numbers (the param groups' scales of each step). */
+/* A buffer of floats from a sequence of n * width numbers (the param groups' scales, or momenta,
+ * of each step). */
 static double *scales_of(PyObject *obj, Py_ssize_t n, Py_ssize_t width) {
-    PyObject *seq = items_of(obj, "scales must be a sequence of numbers (each step's parts' scales)");
+    PyObject *seq = items_of(obj, "scales must be a sequence of numbers (each step's parts' scales or momenta)");
     if (!seq) return NULL;
     Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
     double *out = NULL;
@@ -1193,10 +1204,10 @@ static double *scales_of(PyObject *obj, Py_ssize_t n, Py_ssize_t width) {
 
 static PyObject *Trainer_epoch_run(TrainerObject *self, PyObject *args) {
     long long max_steps;
-    PyObject *rates = Py_None, *momenta = Py_None, *scales_obj = Py_None;
-    if (!PyArg_ParseTuple(args, "L|OOO", &max_steps, &rates, &momenta, &scales_obj)) return NULL;
+    PyObject *rates = Py_None, *momenta = Py_None, *scales_obj = Py_None, *part_momenta_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "L|OOOO", &max_steps, &rates, &momenta, &scales_obj, &part_momenta_obj)) return NULL;
     self->run_steps = 0;
-    double lr[CMLP_MAX_RATES], mom[CMLP_MAX_RATES], *scales = NULL;
+    double lr[CMLP_MAX_RATES], mom[CMLP_MAX_RATES], *scales = NULL, *part_momenta = NULL;
     Py_ssize_t nlr = 0, nmom = 0;
     if (rates != Py_None && (nlr = floats_of(rates, "rates", lr)) < 0) return NULL; /* a step per rate */
     if (momenta != Py_None && (nmom = floats_of(momenta, "momenta", mom)) < 0) return NULL;
@@ -1211,15 +1222,26 @@ static PyObject *Trainer_epoch_run(TrainerObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "scales come with a rate per step");
         return NULL;
     }
+    if (part_momenta_obj != Py_None && scales_obj == Py_None) {
+        PyErr_SetString(PyExc_ValueError, "the parts' momenta come with their scales");
+        return NULL;
+    }
     if (scales_obj != Py_None &&
         !(scales = scales_of(scales_obj, nlr, cmlp_trainer_optim_parts(self->t))))
         return NULL;
+    if (part_momenta_obj != Py_None &&
+        !(part_momenta = scales_of(part_momenta_obj, nlr, cmlp_trainer_optim_parts(self->t)))) {
+        PyMem_Free(scales);
+        return NULL;
+    }
     ModelObject *mo = self->optim->model;
     cmlp_epoch_state es = {0};
     cmlp_status st;
-    if (nlr) RUN_LOCKED(mo, st, cmlp_trainer_epoch_run_rates(self->t, lr, nmom ? mom : NULL, scales, nlr, &es));
+    if (nlr)
+        RUN_LOCKED(mo, st, cmlp_trainer_epoch_run_rates(self->t, lr, nmom ? mom : NULL, scales, part_momenta, nlr, &es));
     else RUN_LOCKED(mo, st, cmlp_trainer_epoch_run(self->t, max_steps, &es));
     PyMem_Free(scales);
+    PyMem_Free(part_momenta);
     self->run_steps = (long long)es.steps;
     if (st != CMLP_OK) { /* a finished epoch keeps its arrays: the next may be on the same data */
         Py_CLEAR(self->epoch_x);
@@ -1407,8 +1429,10 @@ static PyMethodDef Trainer_methods[] = {
     {"epoch_begin", (PyCFunction)(void (*)(void))Trainer_epoch_begin, METH_VARARGS | METH_KEYWORDS,
      "validate and shuffle; returns the epoch's step count"},
     {"epoch_run", (PyCFunction)Trainer_epoch_run, METH_VARARGS,
-     "(max_steps, rates=None, momenta=None) -> (steps, samples, loss_sum, done, skipped, grad_norm_sum, "
-     "grad_norm_steps); with rates (at most MAX_RATES), one step at each (and at each momentum)"},
+     "(max_steps, rates=None, momenta=None, scales=None, part_momenta=None) -> (steps, samples, loss_sum, done, "
+     "skipped, grad_norm_sum, grad_norm_steps); with rates (at most MAX_RATES), one step at each (and at each "
+     "momentum; with scales, each step's parts' multiples of its rate, and with part_momenta their momenta, "
+     "NaN: the part's own)"},
     {"release_data", (PyCFunction)Trainer_release_data, METH_NOARGS, "free the device copy of the data set"},
     {"set_host_data", (PyCFunction)Trainer_set_host_data, METH_O,
      "True: keep the data set in host memory (and free a device copy); False: copy it to the device"},

@@ -506,7 +506,7 @@ class Trainer:
         same for every step while the groups keep their proportions, else one row per step)."""
         opt = self.optimizer
         k = min(steps, _cmlp.MAX_RATES)
-        saved, lrs, momentum = scheduler.state_dict(), opt._group_lrs(), opt._momentum()
+        saved, lrs, momentum = scheduler.state_dict(), opt._group_lrs(), opt._momenta()
 
         def rewind(done: int) -> None:
             scheduler.load_state_dict(saved)
@@ -518,6 +518,7 @@ class Trainer:
         rates: List[float] = []
         momenta: List[float] = []
         rows: List[Tuple[float, ...]] = []  # each step's groups' multiples of its base rate
+        mrows: List[List[float]] = []  # and their momenta
         raised: Optional[Exception] = None
         base, scales = opt._rates()
         try:
@@ -526,6 +527,7 @@ class Trainer:
                 rates.append(base)
                 momenta.append(opt._momentum())
                 rows.append(now)
+                mrows.append(opt._momenta())
                 scheduler.step()
         except Exception as e:  # torch's loop has taken this step when the schedule raises
             raised = e
@@ -533,17 +535,23 @@ class Trainer:
             rewind(0)
             raise
         apart = any(row != scales for row in rows)
+        # without a table of momenta a step's groups take the momentum of its first group, or the
+        # one of their own they hold now (the schedule has moved them on): a table where that is not theirs
+        held = opt._momenta()
+        moved = any(m[g] != (m[0] if held[g] == held[0] else held[g]) for m in mrows for g in range(len(m)))
         try:
-            opt._sync_parts(scales, parts=apart)  # the call's multiples (the schedule has moved the groups on)
+            opt._sync_parts(scales, parts=apart or moved)  # the call's multiples
         except BaseException:
             rewind(0)  # no step taken (the rewind gives the C optimizer the groups' rates again)
             raise
-        table = None
-        if apart:  # the groups' rates moved apart: each step's multiples, part by part
+        table = part_momenta = None
+        if apart or moved:  # the groups' rates or momenta moved apart: each step's, part by part
             runs = opt._runs()
             table = [row[g] for row in rows for _, g in runs]
+            if moved:
+                part_momenta = [m[g] for m in mrows for _, g in runs]
         try:
-            result = self._c.epoch_run(len(rates), rates, momenta, table)
+            result = self._c.epoch_run(len(rates), rates, momenta, table, part_momenta)
         except BaseException:
             rewind(self._c.run_steps())
             raise

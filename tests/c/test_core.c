@@ -428,19 +428,19 @@ static void test_rates_per_step(void) {
         cmlp_epoch_state st;
         OK(cmlp_trainer_epoch_begin(t[0], &d, 0, &st));
         const double bad[3] = {1e-3, -1.0, NAN};
-        CHECK(cmlp_trainer_epoch_run_rates(t[0], bad, NULL, NULL, 2, &st) == CMLP_ERR_INVALID,
+        CHECK(cmlp_trainer_epoch_run_rates(t[0], bad, NULL, NULL, NULL, 2, &st) == CMLP_ERR_INVALID,
               "a negative rate accepted");
-        CHECK(cmlp_trainer_epoch_run_rates(t[0], bad + 2, NULL, NULL, 1, &st) == CMLP_ERR_INVALID,
+        CHECK(cmlp_trainer_epoch_run_rates(t[0], bad + 2, NULL, NULL, NULL, 1, &st) == CMLP_ERR_INVALID,
               "a NaN rate accepted");
-        CHECK(cmlp_trainer_epoch_run_rates(t[0], lr, NULL, NULL, 0, &st) == CMLP_ERR_INVALID, "no rates accepted");
-        CHECK(cmlp_trainer_epoch_run_rates(t[0], lr, NULL, NULL, CMLP_MAX_RATES + 1, &st) == CMLP_ERR_INVALID,
+        CHECK(cmlp_trainer_epoch_run_rates(t[0], lr, NULL, NULL, NULL, 0, &st) == CMLP_ERR_INVALID, "no rates accepted");
+        CHECK(cmlp_trainer_epoch_run_rates(t[0], lr, NULL, NULL, NULL, CMLP_MAX_RATES + 1, &st) == CMLP_ERR_INVALID,
               "more rates than a call takes accepted");
         CHECK(st.steps == 0, "a refused call stepped");
         const double bad_mom[2] = {0.9, kind == 0 ? 1.0 : -0.5};
-        CHECK(cmlp_trainer_epoch_run_rates(t[0], lr, bad_mom, NULL, 2, &st) == CMLP_ERR_INVALID && st.steps == 0,
+        CHECK(cmlp_trainer_epoch_run_rates(t[0], lr, bad_mom, NULL, NULL, 2, &st) == CMLP_ERR_INVALID && st.steps == 0,
               "a momentum out of range accepted");
-        OK(cmlp_trainer_epoch_run_rates(t[0], lr, mom, NULL, 3, &st));
-        OK(cmlp_trainer_epoch_run_rates(t[0], lr + 3, mom + 3, NULL, 7, &st));
+        OK(cmlp_trainer_epoch_run_rates(t[0], lr, mom, NULL, NULL, 3, &st));
+        OK(cmlp_trainer_epoch_run_rates(t[0], lr + 3, mom + 3, NULL, NULL, 7, &st));
         CHECK(st.steps == 10 && st.done && cmlp_optim_get_lr(o[0]) == (kind == 0 ? 1e-3 : 0.01) &&
                   cmlp_optim_get_momentum(o[0]) == 0.9,
               "%lld steps, done %d, rate %g", (long long)st.steps, st.done, cmlp_optim_get_lr(o[0]));
@@ -491,13 +491,13 @@ static void test_parts(void) {
     OK(cmlp_optim_init_sgd(&o[0], m[0], &sc));
     const int64_t bad_ends[4] = {77, 77, 121, 124}, short_ends[3] = {77, 88, 121};
     const double bad_scale[4] = {2.0, -1.0, 1.0, 0.0}, bad_wd[4] = {0.1, NAN, 0.2, 0.3};
-    CHECK(cmlp_optim_set_parts(o[0], -1, NULL, NULL, NULL) == CMLP_ERR_INVALID, "-1 parts accepted");
-    CHECK(cmlp_optim_set_parts(o[0], 4, bad_ends, scale, wd) == CMLP_ERR_INVALID, "an empty part accepted");
-    CHECK(cmlp_optim_set_parts(o[0], 3, short_ends, scale, wd) == CMLP_ERR_INVALID, "parts short of the end");
-    CHECK(cmlp_optim_set_parts(o[0], 4, ends, bad_scale, wd) == CMLP_ERR_INVALID, "a negative scale accepted");
-    CHECK(cmlp_optim_set_parts(o[0], 4, ends, scale, bad_wd) == CMLP_ERR_INVALID, "a NaN weight decay accepted");
+    CHECK(cmlp_optim_set_parts(o[0], -1, NULL, NULL, NULL, NULL) == CMLP_ERR_INVALID, "-1 parts accepted");
+    CHECK(cmlp_optim_set_parts(o[0], 4, bad_ends, scale, wd, NULL) == CMLP_ERR_INVALID, "an empty part accepted");
+    CHECK(cmlp_optim_set_parts(o[0], 3, short_ends, scale, wd, NULL) == CMLP_ERR_INVALID, "parts short of the end");
+    CHECK(cmlp_optim_set_parts(o[0], 4, ends, bad_scale, wd, NULL) == CMLP_ERR_INVALID, "a negative scale accepted");
+    CHECK(cmlp_optim_set_parts(o[0], 4, ends, scale, bad_wd, NULL) == CMLP_ERR_INVALID, "a NaN weight decay accepted");
     uint64_t v = cmlp_optim_version(o[0]);
-    OK(cmlp_optim_set_parts(o[0], 4, ends, scale, wd));
+    OK(cmlp_optim_set_parts(o[0], 4, ends, scale, wd, NULL));
     CHECK(cmlp_optim_version(o[0]) != v, "new parts kept the version");
     float *p0 = malloc(sizeof(float) * (size_t)n), *p1 = malloc(sizeof(float) * (size_t)n),
           *g = malloc(sizeof(float) * (size_t)n);
@@ -517,7 +517,7 @@ static void test_parts(void) {
     CHECK(bad == 0, "%d parameters not at their part's rate and decay", bad);
     v = cmlp_optim_version(o[0]);
     const double other_scale[4] = {3.0, 0.25, 1.0, 0.0};
-    OK(cmlp_optim_set_parts(o[0], 4, ends, other_scale, wd));
+    OK(cmlp_optim_set_parts(o[0], 4, ends, other_scale, wd, NULL));
     CHECK(cmlp_optim_version(o[0]) == v, "other scales changed the version (a captured step reads them)");
     cmlp_optim_free(o[0]);
     /* Adam, decoupled decay: an epoch with a rate per step equals the steps by hand */
@@ -529,13 +529,13 @@ static void test_parts(void) {
         ac.weight_decay = 0.1;
         ac.decoupled_weight_decay = 1;
         OK(cmlp_optim_init_adam(&o[k], m[k], &ac));
-        OK(cmlp_optim_set_parts(o[k], 4, ends, scale, wd));
+        OK(cmlp_optim_set_parts(o[k], 4, ends, scale, wd, NULL));
         OK(cmlp_trainer_init(&t[k], m[k], o[k], &tc));
     }
     const double lr[10] = {1e-3, 2e-3, 3e-3, 4e-3, 5e-3, 5e-3, 2.5e-3, 1.25e-3, 0.0, 0.5};
     cmlp_epoch_state st;
     OK(cmlp_trainer_epoch_begin(t[0], &d, 0, &st));
-    OK(cmlp_trainer_epoch_run_rates(t[0], lr, NULL, NULL, 10, &st));
+    OK(cmlp_trainer_epoch_run_rates(t[0], lr, NULL, NULL, NULL, 10, &st));
     for (int k = 0; k < 10; k++) {
         cmlp_data bk = {.x = x + k * 4 * 7, .x_dtype = CMLP_DTYPE_F32, .y = y + k * 4, .n = 4};
         OK(cmlp_optim_set_lr(o[1], lr[k]));
@@ -547,8 +547,8 @@ static void test_parts(void) {
     /* parts of the configuration's settings: the plain step */
     const int64_t one_end[2] = {50, 124};
     const double ones[2] = {1.0, 1.0}, decays[2] = {0.1, 0.1};
-    OK(cmlp_optim_set_parts(o[0], 2, one_end, ones, decays));
-    OK(cmlp_optim_set_parts(o[1], 0, NULL, NULL, NULL));
+    OK(cmlp_optim_set_parts(o[0], 2, one_end, ones, decays, NULL));
+    OK(cmlp_optim_set_parts(o[1], 0, NULL, NULL, NULL, NULL));
     for (int k = 0; k < 2; k++) {
         OK(cmlp_optim_set_lr(o[k], 1e-3));
         OK(cmlp_trainer_step(t[k], &b, &loss));
@@ -557,6 +557,120 @@ static void test_parts(void) {
     OK(cmlp_model_get_params(m[1], p1));
     CHECK(memcmp(p0, p1, sizeof(float) * (size_t)n) == 0, "parts of the configuration's settings differ");
     free(p0), free(p1), free(g);
+    for (int k = 0; k < 2; k++) {
+        cmlp_trainer_free(t[k]);
+        cmlp_optim_free(o[k]);
+        cmlp_model_free(m[k]);
+    }
+}
+
+/* Parameter groups' own hyperparameters (cmlp_part_settings): bad ones refused; what a step on the
+ * device reads (the momentum) keeps the version, what its launches take does not; SGD's parts at
+ * their own momentum, dampening, nesterov and maximize; an epoch whose parts' momenta move apart
+ * step by step (a table) equals the same steps by hand, bit for bit. */
+static void test_part_settings(void) {
+    int sizes[] = {7, 11, 3};
+    float x[40 * 7];
+    int32_t y[40];
+    unsigned rs = 35;
+    for (int i = 0; i < 40 * 7; i++) x[i] = frand(&rs);
+    for (int i = 0; i < 40; i++) y[i] = (i * 5) % 3;
+    const int64_t ends[2] = {88, 124};
+    const double scale[2] = {1.0, 0.5}, wd[2] = {0.0, 0.01};
+    cmlp_model *m[2];
+    cmlp_optim *o[2];
+    cmlp_trainer *t[2];
+    for (int k = 0; k < 2; k++) OK(cmlp_model_init(&m[k], sizes, 3, cmlp_cpu(), 4));
+    const int64_t n = cmlp_model_num_parameters(m[0]);
+    cmlp_adam_config ac = cmlp_adam_defaults();
+    OK(cmlp_optim_init_adam(&o[0], m[0], &ac));
+    cmlp_part_settings own[2] = {cmlp_part_settings_inherit(), cmlp_part_settings_inherit()};
+    own[1].momentum = 1.0; /* Adam's beta1 */
+    CHECK(cmlp_optim_set_parts(o[0], 2, ends, scale, wd, own) == CMLP_ERR_INVALID, "beta1 1 accepted");
+    own[1].momentum = 0.8, own[1].beta2 = -0.1;
+    CHECK(cmlp_optim_set_parts(o[0], 2, ends, scale, wd, own) == CMLP_ERR_INVALID, "beta2 < 0 accepted");
+    own[1].beta2 = 0.99, own[1].dampening = 0.1;
+    CHECK(cmlp_optim_set_parts(o[0], 2, ends, scale, wd, own) == CMLP_ERR_INVALID, "Adam took a dampening");
+    own[1].dampening = NAN, own[1].maximize = 2;
+    CHECK(cmlp_optim_set_parts(o[0], 2, ends, scale, wd, own) == CMLP_ERR_INVALID, "maximize 2 accepted");
+    CHECK(cmlp_optim_num_parts(o[0]) == 0, "a refused part kept");
+    own[1].maximize = 1;
+    OK(cmlp_optim_set_parts(o[0], 2, ends, scale, wd, own));
+    uint64_t v = cmlp_optim_version(o[0]);
+    own[1].momentum = 0.7; /* read on the device */
+    OK(cmlp_optim_set_parts(o[0], 2, ends, scale, wd, own));
+    CHECK(cmlp_optim_version(o[0]) == v, "another beta1 changed the version (a step on the device reads it)");
+    own[1].eps = 1e-4; /* a launch's argument */
+    OK(cmlp_optim_set_parts(o[0], 2, ends, scale, wd, own));
+    CHECK(cmlp_optim_version(o[0]) != v, "another eps kept the version");
+    cmlp_optim_free(o[0]);
+    /* SGD: part 0 the configuration's (momentum 0.9, nesterov), part 1 its own */
+    cmlp_sgd_config sc = cmlp_sgd_defaults();
+    sc.lr = 0.1, sc.momentum = 0.9, sc.nesterov = 1;
+    OK(cmlp_optim_init_sgd(&o[0], m[0], &sc));
+    own[1] = cmlp_part_settings_inherit();
+    own[1].momentum = 0.5, own[1].dampening = 0.25, own[1].nesterov = 0, own[1].maximize = 1;
+    OK(cmlp_optim_set_parts(o[0], 2, ends, scale, wd, own));
+    float *p0 = malloc(sizeof(float) * (size_t)n), *p1 = malloc(sizeof(float) * (size_t)n),
+          *g = malloc(sizeof(float) * (size_t)n), *buf = calloc((size_t)n, sizeof(float));
+    cmlp_data b = {.x = x, .x_dtype = CMLP_DTYPE_F32, .y = y, .n = 8};
+    double loss;
+    int bad = 0;
+    for (int step = 0; step < 3; step++) {
+        OK(cmlp_model_zero_grad(m[0]));
+        OK(cmlp_model_forward_backward(m[0], &b, 1.0f, 0.0f, CMLP_AMP_NONE, &loss));
+        OK(cmlp_model_get_params(m[0], p0));
+        OK(cmlp_model_get_grads(m[0], g));
+        OK(cmlp_optim_step(o[0]));
+        OK(cmlp_model_get_params(m[0], p1));
+        for (int64_t i = 0; i < n; i++) { /* torch's SGD in float, part by part */
+            const int part = i >= ends[0];
+            const float mu = part ? 0.5f : 0.9f, keep = part ? 0.75f : 1.0f;
+            float gi = (part ? -g[i] : g[i]) + (float)wd[part] * p0[i];
+            buf[i] = step == 0 ? gi : mu * buf[i] + keep * gi;
+            const float d = part ? buf[i] : gi + mu * buf[i];
+            if (p1[i] != p0[i] - (float)(0.1 * scale[part]) * d) bad++;
+        }
+    }
+    CHECK(bad == 0, "%d SGD updates not at their part's own settings", bad);
+    cmlp_optim_free(o[0]);
+    /* Adam: an epoch whose parts' momenta are a table per step equals the steps by hand */
+    cmlp_train_config tc = {.batch_size = 4, .accumulation_steps = 1};
+    own[1] = cmlp_part_settings_inherit();
+    own[1].beta2 = 0.9;
+    for (int k = 0; k < 2; k++) {
+        cmlp_model_free(m[k]);
+        OK(cmlp_model_init(&m[k], sizes, 3, cmlp_cpu(), 4));
+        OK(cmlp_optim_init_adam(&o[k], m[k], &ac));
+        OK(cmlp_optim_set_parts(o[k], 2, ends, scale, wd, own));
+        OK(cmlp_trainer_init(&t[k], m[k], o[k], &tc));
+    }
+    const double lr[4] = {1e-3, 2e-3, 3e-3, 4e-3}, mom[4] = {0.9, 0.85, 0.8, 0.75};
+    const double scales[8] = {1.0, 0.5, 1.0, 0.25, 0.5, 1.0, 1.0, 1.0};
+    const double momenta[8] = {NAN, 0.6, 0.95, 0.5, 0.9, NAN, 0.0, 0.3}, bad_momenta[8] = {NAN, 1.5};
+    cmlp_epoch_state st;
+    OK(cmlp_trainer_epoch_begin(t[0], &(cmlp_data){.x = x, .x_dtype = CMLP_DTYPE_F32, .y = y, .n = 16}, 0, &st));
+    CHECK(cmlp_trainer_epoch_run_rates(t[0], lr, mom, scales, bad_momenta, 1, &st) == CMLP_ERR_INVALID &&
+              st.steps == 0, "a part's beta1 of 1.5 accepted");
+    CHECK(cmlp_trainer_epoch_run_rates(t[0], lr, mom, NULL, momenta, 4, &st) == CMLP_ERR_INVALID,
+          "momenta without scales accepted");
+    OK(cmlp_trainer_epoch_run_rates(t[0], lr, mom, scales, momenta, 4, &st));
+    for (int k = 0; k < 4; k++) {
+        cmlp_data bk = {.x = x + k * 4 * 7, .x_dtype = CMLP_DTYPE_F32, .y = y + k * 4, .n = 4};
+        cmlp_part_settings row[2] = {own[0], own[1]};
+        row[0].momentum = momenta[2 * k], row[1].momentum = momenta[2 * k + 1];
+        const double row_scales[2] = {scales[2 * k], scales[2 * k + 1]};
+        OK(cmlp_optim_set_lr(o[1], lr[k]));
+        OK(cmlp_optim_set_momentum(o[1], mom[k]));
+        OK(cmlp_optim_set_parts(o[1], 2, ends, row_scales, wd, row));
+        OK(cmlp_trainer_step(t[1], &bk, &loss));
+    }
+    CHECK(cmlp_optim_get_momentum(o[0]) == 0.9, "the call left the optimizer's momentum at %g",
+          cmlp_optim_get_momentum(o[0]));
+    OK(cmlp_model_get_params(m[0], p0));
+    OK(cmlp_model_get_params(m[1], p1));
+    CHECK(memcmp(p0, p1, sizeof(float) * (size_t)n) == 0, "parts' momenta per step differ from the hand's");
+    free(p0), free(p1), free(g), free(buf);
     for (int k = 0; k < 2; k++) {
         cmlp_trainer_free(t[k]);
         cmlp_optim_free(o[k]);
@@ -738,6 +852,7 @@ int main(void) {
     test_clipping();
     test_rates_per_step();
     test_parts();
+    test_part_settings();
     test_group_of_one();
     CHECK(allocated_now() == base, "bytes left allocated: %lld", (long long)(allocated_now() - base));
     return check_summary();

@@ -620,14 +620,16 @@ static void test_optim_prepare(void) {
         }
 }
 
-/* Parameter groups' parts in optim_prepare: each part's coefficients at its own scale and decay,
- * or with a table of scales per step at the step's row of it (skipped steps move on too), the
- * same bits from the kernel as from the CPU. */
+/* Parameter groups' parts in optim_prepare: each part's coefficients at its own scale, decay,
+ * momentum and beta2 (NaN: the step's and the one given), or with a table of scales per step at
+ * the step's row of it (skipped steps move on too), the same bits from the kernel as from the CPU. */
 static void test_optim_prepare_parts(void) {
     enum { NP = 3 };
     const double rates[8] = {3e-4, 0.9, 0.125, 0.85, 7.5e-3, 0.0, 1e-2, 0.5};
-    const double parts[2 * NP] = {1.0, 0.0, 0.5, 0.05, 0.25, 0.0};
-    const double table[4 * NP] = {1.0, 0.5, 0.25, 0.9, 1.0, 0.1, 0.0, 0.75, 1.0, 0.3, 0.2, 0.1};
+    const double parts[CMLP_PART_ARGS * NP] = {1.0, 0.0, NAN, NAN, 0.5, 0.05, 0.5, 0.99, 0.25, 0.0, 0.0, NAN};
+    /* each step's (scale, momentum) of each part; a NaN momentum: the part's own, else the step's */
+    const double table[2 * 4 * NP] = {1.0, NAN, 0.5, 0.3, 0.25, NAN, 0.9, 0.2, 1.0, NAN, 0.1, NAN,
+                                      0.0, NAN, 0.75, 0.6, 1.0, 0.4, 0.3, NAN, 0.2, NAN, 0.1, 0.0};
     for (int adam = 0; adam < 2; adam++)
         for (int per_step = 0; per_step < 2; per_step++) {
             int64_t step = 4, cstep = 4;
@@ -645,11 +647,24 @@ static void test_optim_prepare_parts(void) {
                       "optim_prepare parts adam %d per step %d step %d", adam, per_step, t);
                 if (t == 1) continue;
                 /* SGD's part rate is the step's rate times the part's scale, rounded once */
-                for (int p = 0; p < NP && !adam; p++) {
-                    const double scale = per_step ? table[t * NP + p] : parts[2 * p];
-                    CHECK(pc[5 * p] == (float)(rates[2 * t] * scale), "part %d of step %d at %g, not %g", p, t,
-                          pc[5 * p], (float)(rates[2 * t] * scale));
+                for (int p = 0; p < NP; p++) { /* and each part's momentum: the row's, its own or the step's */
+                    const double *row = table + 2 * (t * NP + p);
+                    const double scale = per_step ? row[0] : parts[CMLP_PART_ARGS * p];
+                    double mom = p == 0 ? rates[2 * t + 1] : parts[CMLP_PART_ARGS * p + 2];
+                    if (per_step && !isnan(row[1])) mom = row[1];
+                    CHECK(pc[5 * p + (adam ? 3 : 1)] == (float)mom && (adam || pc[5 * p] == (float)(rates[2 * t] * scale)),
+                          "part %d of step %d (adam %d) at %g and momentum %g, not %g and %g", p, t, adam, pc[5 * p],
+                          pc[5 * p + (adam ? 3 : 1)], (float)(rates[2 * t] * scale), (float)mom);
                 }
+                /* Adam's part 1 at its own beta1 and beta2, part 2 at beta1 0 and the beta2 given */
+                const int64_t at = cstep;
+                const double sc1 = per_step ? table[2 * (t * NP + 1)] : 0.5, sc2 = per_step ? table[2 * (t * NP + 2)] : 0.25;
+                CHECK(per_step || !adam || (pc[5] == (float)(rates[2 * t] * sc1 / (1.0 - pow(0.5, (double)at))) &&
+                                pc[6] == (float)sqrt(1.0 - pow(0.99, (double)at)) && pc[8] == 0.5f &&
+                                pc[10] == (float)(rates[2 * t] * sc2) &&
+                                pc[11] == (float)sqrt(1.0 - pow(0.999, (double)at)) && pc[13] == 0.0f),
+                      "Adam's parts of step %d not at their own betas: %g %g %g / %g %g %g", t, pc[5], pc[6], pc[8],
+                      pc[10], pc[11], pc[13]);
             }
         }
 }

@@ -56,14 +56,19 @@ def _initial_lr_of(value: Any) -> float:
 
 
 def _setting(key: str, doc: str) -> Any:
-    """A setting every param group shares, as an attribute: read, or set (checked, and applied
-    from the next step on) as torch's param_groups[i][key] = value sets it, for every group."""
+    """A hyperparameter as an attribute: read (the first param group's), or set (checked, and
+    applied from the next step on) as torch's param_groups[i][key] = value sets it, for every
+    group."""
 
     def get(self: "Optimizer") -> Any:
-        return self._settings[key]
+        return self._owns[0][key] if key in self._per_group else self._settings[key]
 
     def set(self: "Optimizer", value: Any) -> None:
-        self._apply(self._group_config({key: value}))
+        if key in self._per_group:
+            own = self._own_from({key: value}, self._owns[0])[key]
+            self._push_groups(owns=[{**o, key: own} for o in self._owns])
+        else:
+            self._apply(self._group_config({key: value}))
 
     return property(get, set, doc=doc)
 
@@ -85,12 +90,13 @@ def _rate(name: str, value: Any) -> float:
 
 
 _FLT_MAX = float(np.finfo(np.float32).max)
-_GROUP_KEYS = ("lr", "weight_decay")  # what param groups may set each for itself
+_INHERIT = float("nan")  # a part's setting that is the C configuration's (one object: tuples of it compare equal)
 
 
 class _ParamGroup(MutableMapping):
-    """One of torch's param_groups: a dict of the group's settings. Its "lr", "weight_decay" and
-    "initial_lr" are the group's own; the other hyperparameters (betas, eps, amsgrad, momentum, ...) are
+    """One of torch's param_groups: a dict of the group's settings. Its "lr", "weight_decay",
+    "initial_lr" and hyperparameters (Adam's betas, eps and maximize; SGD's momentum, dampening,
+    nesterov and maximize) are the group's own; Adam's amsgrad and decoupled_weight_decay are
     shared by every group, and setting one in any group sets it for all. Setting a key checks it
     and applies it from the next step on (as torch reads its groups at each step); other keys are
     kept as given, as torch keeps them. "params" is the group's parameter tensors (indices, as in
@@ -132,6 +138,9 @@ class _ParamGroup(MutableMapping):
             opt._flags[key] = _implementation_flag(key, value)
         elif key == "initial_lr":
             opt._initial_lrs[i] = _initial_lr_of(value)
+        elif key in opt._per_group:
+            own = opt._own_from({key: value}, opt._owns[i])
+            opt._push_groups(owns=[own if k == i else o for k, o in enumerate(opt._owns)])
         elif key in opt._settings:
             setattr(opt, key, value)
         elif key in opt._group(i):  # differentiable: only its default
@@ -188,11 +197,15 @@ class _ParamGroup(MutableMapping):
 
 
 class Optimizer:
-    """Base: holds the C optimizer bound to one model. The param groups' own rates and weight
-    decays are kept here; the C optimizer steps at a base rate (the largest group rate) and each
-    group's part of the parameters at its multiple of it."""
+    """Base: holds the C optimizer bound to one model. The param groups' own rates, weight decays
+    and hyperparameters are kept here; the C optimizer is configured as the first group and steps
+    at a base rate (the largest group rate), and each group's part of the parameters at its
+    multiple of it, with its weight decay and the hyperparameters in which it differs from the
+    first group's."""
 
     _buffers: Tuple[str, ...] = ()
+    # the hyperparameters a param group holds for itself beside lr and weight_decay (torch's keys)
+    _per_group: Tuple[str, ...] = ()
 
     def __init__(self, model: MLP, kind: str, flags: Dict[str, Any], param_groups: Any = None, **config: Any) -> None:
         model, param_groups = self._model_and_groups(model, param_groups)
@@ -201,13 +214,16 @@ class Optimizer:
         names = [f"fc{i + 1}.{k}" for i in range(len(model._sizes) - 1) for k in ("weight", "bias")]
         specs = self._group_specs(param_groups, names, config)
         self._c_wd = specs[0]["weight_decay"]  # the C configuration's (the first group's)
+        self._c_own = self._own_of_config(config)  # likewise its hyperparameters
+        self._owns = [spec["own"] for spec in specs]  # each group's hyperparameters
+        self._own_parts: Any = None  # their parts' settings (_part_settings), as last given
         self._c_parts: Any = None  # the parts last given to the C optimizer
         self._synced: Any = None  # the (scales, weight decays) they were made of
         self._scales: Any = None  # the groups' multiples of the base rate last used
         self._split_memo: Any = None  # (rates, base, scales) of the last split
         self._runs_made: Any = None  # _runs()
         self._c = _cmlp.Optimizer(model._c, kind, **{**config, "weight_decay": self._c_wd})
-        if not hasattr(self, "_settings"):  # the shared hyperparameters, as _apply last set them
+        if not hasattr(self, "_settings"):  # the hyperparameters every group shares, as _apply last set them
             self._settings: Dict[str, Any] = {}
         self._flags = flags  # torch's foreach, capturable and fused, as given
         self._param_groups = [_ParamGroup(self, i, spec["names"]) for i, spec in enumerate(specs)]
@@ -261,9 +277,9 @@ class Optimizer:
         """The param groups asked for, checked: each a dict with "params" (names as in
         state_dict(), or their indices) and the group's own "lr" and "weight_decay" (default: the
         optimizer's); every parameter tensor in exactly one group."""
-        lr, wd = config["lr"], config["weight_decay"]
+        lr, wd, own = config["lr"], config["weight_decay"], self._own_of_config(config)
         if param_groups is None:
-            return [{"names": names, "lr": lr, "weight_decay": wd, "initial_lr": None, "extra": {}}]
+            return [{"names": names, "lr": lr, "weight_decay": wd, "initial_lr": None, "own": own, "extra": {}}]
         if isinstance(param_groups, Mapping) or not isinstance(param_groups, (list, tuple)):
             raise TypeError("param_groups must be a list of dicts, each with 'params' (parameter names, as in "
                             f"model.state_dict(), or their indices), got {type(param_groups).__name__}")
@@ -312,18 +328,22 @@ class Optimizer:
                 raise ValueError(f"param_groups[{gi}] has no parameters")
             for key, value in group.items():
                 if key in shared and not self._same_setting(key, value, shared[key]):
-                    raise ValueError(f"param_groups[{gi}] sets {key}={value!r}: cmlp's param groups may differ in "
-                                     f"{' and '.join(_GROUP_KEYS)} only, and share {key}={shared[key]!r}")
+                    raise ValueError(f"param_groups[{gi}] sets {key}={value!r}: cmlp's param groups share "
+                                     f"{', '.join(shared)} (set it on the optimizer: {key}={shared[key]!r} now)")
                 if key == "differentiable":
                     _unsupported_flag(key, value)
                 if key in self._foreign_keys:
                     raise ValueError(f"{type(self).__name__} has no {key!r} setting (param_groups[{gi}])")
             initial = group.get("initial_lr")
-            known = set(shared) | set(_GROUP_KEYS) | {"params", "initial_lr", "differentiable", "foreach", "fused",
-                                                      "capturable"}
+            known = set(shared) | set(self._per_group) | {"params", "lr", "weight_decay", "initial_lr",
+                                                          "differentiable", "foreach", "fused", "capturable"}
+            try:
+                mine_own = self._own_from(group, own)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"param_groups[{gi}]: {e}") from None
             specs.append({"names": mine, "lr": _rate("lr", group.get("lr", lr)),
                           "weight_decay": _rate("weight_decay", group.get("weight_decay", wd)),
-                          "initial_lr": None if initial is None else _initial_lr_of(initial),
+                          "initial_lr": None if initial is None else _initial_lr_of(initial), "own": mine_own,
                           "extra": {k: v for k, v in group.items() if k not in known}})
         if len({"param_names" in spec["extra"] for spec in specs}) > 1:
             raise ValueError("all optimizer param groups should be with/without names (torch's rule): some groups "
@@ -336,7 +356,31 @@ class Optimizer:
 
     def _shared_defaults(self, config: Dict[str, Any]) -> Dict[str, Any]:
         """The settings all groups share, as the constructor got them (the key in torch's group)."""
+        return {}
+
+    def _own_of_config(self, config: Mapping) -> Dict[str, Any]:
+        """A group's hyperparameters (_per_group's keys, torch's values) from a C configuration."""
         raise NotImplementedError
+
+    def _own_from(self, group: Mapping, base: Mapping) -> Dict[str, Any]:
+        """A group's hyperparameters: the group's where it has them (checked), else base's."""
+        raise NotImplementedError
+
+    def _part_fields(self, own: Mapping) -> Tuple[Any, ...]:
+        """A group's hyperparameters as the C optimizer's parts take them: (momentum, beta2, eps,
+        dampening, nesterov, maximize), None for what this kind of optimizer does not have."""
+        raise NotImplementedError
+
+    def _part_settings(self, owns: List[Dict[str, Any]]) -> List[Tuple[Any, ...]]:
+        """Each group's settings for its parts: its own where they differ from the first group's
+        (the C configuration's), else _INHERIT (-1 for the flags)."""
+        first = self._part_fields(owns[0])
+        out = []
+        for own in owns:
+            fields = self._part_fields(own)
+            out.append(tuple((-1 if i >= 4 else _INHERIT) if v is None or v == f else (int(v) if i >= 4 else v)
+                             for i, (v, f) in enumerate(zip(fields, first))))
+        return out
 
     @staticmethod
     def _same_setting(key: str, value: Any, shared: Any) -> bool:
@@ -362,43 +406,48 @@ class Optimizer:
 
     # the groups' rates and weight decays, and how the C optimizer steps them
 
-    def _push_groups(self, lrs: Any = None, wds: Any = None) -> None:
-        """Sets the groups' rates and weight decays (checked first: all or nothing): the C
-        optimizer's rate is the largest one, each group's part steps at its multiple of it."""
+    def _push_groups(self, lrs: Any = None, wds: Any = None, owns: Any = None) -> None:
+        """Sets the groups' rates, weight decays and hyperparameters (checked first: all or
+        nothing): the C optimizer is configured as the first group, its rate is the largest one,
+        and each group's part steps at its multiple of it with its own settings."""
         lrs = [_rate("lr", v) for v in (self._lrs if lrs is None else lrs)]
         wds = [_rate("weight_decay", v) for v in (self._wds if wds is None else wds)]
-        if len(lrs) != len(self._param_groups) or len(wds) != len(self._param_groups):
+        owns = [dict(o) for o in (self._owns if owns is None else owns)]
+        if any(len(v) != len(self._param_groups) for v in (lrs, wds, owns)):
             raise ValueError(f"expected {len(self._param_groups)} values, one per param group")
         base, scales = self._split_rates(lrs)
-        before = (self._c.lr, self._c_wd, self._c_parts)
+        own_parts = self._part_settings(owns)
+        before = (self._c.lr, self._c_wd, self._c_parts, self._c_own)
         try:
-            if wds[0] != self._c_wd:
-                self._configure_weight_decay(wds[0])
-            self._sync_parts(scales, wds)
+            if wds[0] != self._c_wd or owns[0] != self._c_own:
+                self._configure_first(wds[0], owns[0])
+            self._sync_parts(scales, wds, own=own_parts)
             self._c.lr = base
         except BaseException:
             self._c.lr = before[0]
-            if self._c_wd != before[1]:
-                self._configure_weight_decay(before[1])
+            if self._c_wd != before[1] or self._c_own != before[3]:
+                self._configure_first(before[1], before[3])
             if self._c_parts != before[2]:
                 self._c.set_parts(before[2])
                 self._c_parts = before[2]
                 self._synced = None
             raise
-        self._lrs, self._wds = lrs, wds
+        self._lrs, self._wds, self._owns, self._own_parts = lrs, wds, owns, own_parts
 
-    def _sync_parts(self, scales: Any, wds: Any = None, parts: bool = False) -> None:
-        """Gives the C optimizer each group's rate scale and weight decay, as parts of the flat
-        parameters (none where every group has the same settings at scale 1: the plain step,
-        unless parts, for steps whose groups' multiples differ from these)."""
+    def _sync_parts(self, scales: Any, wds: Any = None, parts: bool = False, own: Any = None) -> None:
+        """Gives the C optimizer each group's rate scale, weight decay and settings (own:
+        _part_settings'), as parts of the flat parameters (none where every group has the same
+        settings at scale 1: the plain step, unless parts, for steps whose groups' multiples
+        differ from these)."""
         wds = self._wds if wds is None else wds
-        key = (tuple(scales), tuple(wds), parts)
+        own = self._own_parts if own is None else own
+        key = (tuple(scales), tuple(wds), tuple(own), parts)
         if key == self._synced:  # as last given (a call of the trainer's each step)
             return
-        if len(set(zip(scales, wds))) == 1 and scales[0] == 1.0 and not parts:
-            parts: List[Tuple[int, float, float]] = []
+        if len(set(zip(scales, wds, own))) == 1 and scales[0] == 1.0 and not parts:
+            parts: List[Tuple[Any, ...]] = []
         else:
-            parts = [(end, scales[g], wds[g]) for end, g in self._runs()]
+            parts = [(end, scales[g], wds[g]) + own[g] for end, g in self._runs()]
         if parts != self._c_parts:
             self._c.set_parts(parts)
             self._c_parts = parts
@@ -453,9 +502,10 @@ class Optimizer:
         base, scales = self._split_rates(self._lrs)
         return base, tuple(scales)
 
-    def _configure_weight_decay(self, wd: float) -> None:
-        """The C configuration's weight decay (the first group's; the parts carry every group's)."""
-        self._c.configure(**{**self._group_config({}), "lr": self._c.lr, "weight_decay": wd})
+    def _configure_first(self, wd: float, own: Dict[str, Any]) -> None:
+        """The C configuration's weight decay and hyperparameters: the first group's (the parts
+        carry every group's)."""
+        self._apply_config({**self._group_config(own), "lr": self._c.lr, "weight_decay": wd})
         self._c_wd = wd
 
     def _apply(self, config: Dict[str, Any]) -> None:
@@ -495,12 +545,12 @@ class Optimizer:
     def _snapshot(self) -> Tuple[Any, ...]:
         """Everything a param group's update may change, for _restore."""
         return (self._group_config(self._group(0)), list(self._lrs), list(self._wds), list(self._initial_lrs),
-                dict(self._flags))
+                dict(self._flags), [dict(o) for o in self._owns])
 
     def _restore(self, saved: Tuple[Any, ...]) -> None:
-        config, lrs, wds, initial, flags = saved
+        config, lrs, wds, initial, flags, owns = saved
         self._apply(config)
-        self._push_groups(lrs, wds)
+        self._push_groups(lrs, wds, owns)
         self._initial_lrs = initial
         self._flags.clear()
         self._flags.update(flags)
@@ -532,8 +582,8 @@ class Optimizer:
         """The param_groups argument that makes these groups again (None: the default one)."""
         if len(self._param_groups) == 1:
             return None
-        return [{"params": list(g._names), "lr": lr, "weight_decay": wd}
-                for g, lr, wd in zip(self._param_groups, self._lrs, self._wds)]
+        return [{"params": list(g._names), "lr": lr, "weight_decay": wd, **own}
+                for g, lr, wd, own in zip(self._param_groups, self._lrs, self._wds, self._owns)]
 
     def _init_like(self, twin: "Optimizer", model: MLP) -> None:
         """Runs the constructor of this kind of optimizer on twin, with this one's settings."""
@@ -585,12 +635,17 @@ class Optimizer:
         state: Dict[int, Dict[str, Any]] = {}
         if bufs or (step > 0 and self._kind == "adam"):  # SGD without momentum keeps nothing, as torch's
             views = [self.model._split(flat) for flat in bufs]
+            still = {name for g, own in zip(self._param_groups, self._owns) if self._kind == "sgd"
+                     and own["momentum"] == 0.0 for name in g._names}
             for i, name in enumerate(names):
                 entry: Dict[str, Any] = {}
                 if self._kind == "adam":
                     entry["step"] = float(step)
                 for bname, view in zip(self._buffers, views):
                     entry[bname] = view[name].copy()
+                # SGD's buffer of a group that has had no momentum: none in torch's state
+                if name in still and not entry["momentum_buffer"].any():
+                    continue
                 state[i] = entry
         groups = []
         for g in self._param_groups:
@@ -627,11 +682,13 @@ class Optimizer:
         configs = [self._group_config({**{k: False for k in self._flags_off}, **group}, i)
                    for i, group in enumerate(groups)]
         config = configs[0]
+        owns = [self._own_of_config(c) for c in configs]
+        shared = self._shared_defaults(config)
         for gi, other in enumerate(configs[1:], 1):
-            differ = sorted(k for k in config if k not in ("lr", "weight_decay") and other[k] != config[k])
+            differ = sorted(k for k, v in self._shared_defaults(other).items() if shared[k] != v)
             if differ:
-                raise ValueError(f"loaded param group {gi} has other {differ} than group 0: cmlp's param groups may "
-                                 f"differ in {' and '.join(_GROUP_KEYS)} only")
+                raise ValueError(f"loaded param group {gi} has other {differ} than group 0: cmlp's param groups "
+                                 f"share {', '.join(shared)}")
         lrs = [_rate("lr", c["lr"]) for c in configs]
         wds = [_rate("weight_decay", c["weight_decay"]) for c in configs]
         if not isinstance(state, Mapping):
@@ -653,7 +710,7 @@ class Optimizer:
         before, before_state = self._snapshot(), self._c.get_state()
         try:
             self._apply_config({**config, "lr": self._c.lr, "weight_decay": self._c_wd})  # the shared settings
-            self._push_groups(lrs, wds)  # and every group's, at once
+            self._push_groups(lrs, wds, owns)  # and every group's, at once
             self._c.set_state(step, bufs)
         except BaseException:
             self._restore(before)
@@ -671,7 +728,10 @@ class Optimizer:
         return 1  # SGD's momentum buffer is kept at momentum 0 too (as torch keeps it)
 
     def _parse_state(self, state: Mapping, order: List[Any], names: List[str]) -> Tuple[int, List[np.ndarray]]:
-        """(step, flat buffers) from per-parameter entries, checked."""
+        """(step, flat buffers) from per-parameter entries, checked. SGD's may leave parameters
+        out (torch's state has none for those whose group has had no momentum): zeros."""
+        if self._kind == "sgd" and all(k in order for k in state):
+            state = {k: state.get(k, {}) for k in order}
         if len(state) != len(order) or any(k not in state for k in order):
             raise ValueError("optimizer state_dict's state does not cover every parameter")
         allowed = set(self._buffers) | ({"step"} if self._kind == "adam" else set())
@@ -702,11 +762,13 @@ class Optimizer:
             present = [state[k].get(bname) is not None for k in order]
             if not any(present):
                 continue
-            if not all(present):
+            if not all(present) and bname != "momentum_buffer":  # SGD's: zeros where not yet started
                 raise ValueError(f"optimizer state {bname} is given for some parameters only")
-            flat = np.empty(self.model.num_parameters(), dtype=np.float32)
+            flat = np.zeros(self.model.num_parameters(), dtype=np.float32)
             views = self.model._split(flat)
-            for k, name in zip(order, names):
+            for k, name, here in zip(order, names, present):
+                if not here:
+                    continue
                 try:
                     arr = np.asarray(state[k][bname])
                     if arr.dtype.kind not in "iuf":  # bools and complex numbers are not state
@@ -743,17 +805,36 @@ class Optimizer:
         raise NotImplementedError
 
     def _momentum(self) -> float:
-        """The momentum a schedule cycles (OneCycleLR): Adam's beta1, SGD's momentum."""
-        return self.betas[0] if self._kind == "adam" else self.momentum  # type: ignore[attr-defined]
+        """The momentum a schedule cycles (OneCycleLR): Adam's beta1, SGD's momentum (the first
+        group's, which the steps of groups that have no other take)."""
+        return self._part_fields(self._owns[0])[0]
 
-    def _set_momentum(self, value: float) -> None:
-        """Sets what _momentum() reads (as a schedule does at each step): a step on a device reads
-        it there, so, like the rate, it changes no captured step."""
-        self._c.momentum = _num("momentum", value)
-        if self._kind == "adam":
-            self._settings["betas"] = (self._c.momentum, self._settings["betas"][1])
-        else:
-            self._settings["momentum"] = self._c.momentum
+    def _momenta(self) -> List[float]:
+        """Every group's momentum, for _set_momentum to put back."""
+        return [self._part_fields(own)[0] for own in self._owns]
+
+    def _with_momentum(self, own: Dict[str, Any], value: float) -> Dict[str, Any]:
+        raise NotImplementedError
+
+    def _set_momentum(self, value: Any) -> None:
+        """Sets every group's momentum to value (as a schedule does at each step), or each group's
+        to its own of a list (a schedule's per-group momenta, or _momenta()'s): the first group's is
+        the configuration's, the others' go with their parts where they differ from it. A step on a
+        device reads them there, so, like the rates, they change no captured step."""
+        values = [_num("momentum", v) for v in (value if isinstance(value, list) else [value] * len(self._owns))]
+        if len(values) != len(self._owns):
+            raise ValueError(f"expected {len(self._owns)} momenta, one per param group, got {len(values)}")
+        owns = [self._with_momentum(own, v) for own, v in zip(self._owns, values)]
+        own_parts = self._part_settings(owns)
+        before = (self._c.momentum, self._c_own)
+        try:
+            self._c.momentum = values[0]  # checked there, as the others are with their parts
+            self._c_own = self._with_momentum(self._c_own, self._c.momentum)
+            self._sync_parts(self._rates()[1], own=own_parts)
+        except BaseException:
+            self._c.momentum, self._c_own = before
+            raise
+        self._owns, self._own_parts = owns, own_parts
 
 
 class Adam(Optimizer):
@@ -764,9 +845,11 @@ class Adam(Optimizer):
     climbs the objective (the gradient's sign flipped). param_groups: torch's param groups, e.g.
     [{"params": ["fc1.weight", "fc2.weight", "fc3.weight"]},
      {"params": ["fc1.bias", "fc2.bias", "fc3.bias"], "weight_decay": 0.0}]: each its own
-    "lr" and "weight_decay" (default: the arguments'); every parameter in one group."""
+    "lr", "weight_decay", "betas", "eps" and "maximize" (default: the arguments'); amsgrad and
+    decoupled_weight_decay are every group's; every parameter in one group."""
 
     _buffers = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    _per_group = ("betas", "eps", "maximize")
 
     def __init__(self, model: MLP, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *, foreach: Any = None,
@@ -778,26 +861,26 @@ class Adam(Optimizer):
         _unsupported_flag("differentiable", differentiable)
         flags = _implementation_flags(("foreach", "capturable", "fused"),
                                       {"foreach": foreach, "capturable": capturable, "fused": fused})
-        self._settings = {"betas": (b1, b2), "eps": _num("eps", eps), "amsgrad": amsgrad, "maximize": maximize,
-                          "decoupled_weight_decay": decoupled_weight_decay}
+        self._settings = {"amsgrad": amsgrad, "decoupled_weight_decay": decoupled_weight_decay}
         super().__init__(model, "adam", flags, param_groups, lr=_num("lr", lr), beta1=b1, beta2=b2,
                          eps=_num("eps", eps), weight_decay=_num("weight_decay", weight_decay),
                          decoupled_weight_decay=decoupled_weight_decay, amsgrad=amsgrad, maximize=maximize)
-        self._settings.update(betas=(b1, b2), eps=float(eps), decoupled_weight_decay=decoupled_weight_decay)
         # as constructed, as torch's
         self.defaults = {**{k: v for k, v in self._group(0).items() if k != "initial_lr"},
-                         "lr": float(lr), "weight_decay": float(weight_decay)}
+                         "lr": float(lr), "betas": (b1, b2), "eps": float(eps), "weight_decay": float(weight_decay),
+                         "maximize": maximize}
 
     def _init_like(self, twin: Optimizer, model: MLP) -> None:
         Adam.__init__(twin, model, self.lr, self.betas, self.eps, self.weight_decay, self.amsgrad,  # type: ignore
                       maximize=self.maximize, **self._flags, decoupled_weight_decay=self.decoupled_weight_decay,
                       param_groups=self._groups_spec())
 
-    betas = _setting("betas", "(beta1, beta2); settable, as param_groups[0]['betas'] (every group's)")
-    eps = _setting("eps", "the denominator's epsilon; settable (every group's)")
+    betas = _setting("betas", "(beta1, beta2): param_groups[0]['betas']; setting it sets every group's")
+    eps = _setting("eps", "the denominator's epsilon: the first group's; setting it sets every group's")
     amsgrad = _setting("amsgrad", "AMSGrad when True; settable (every group's): turned on after steps were taken, "
                                   "its maximum of exp_avg_sq starts at the next step")
-    maximize = _setting("maximize", "steps climb the objective when True; settable (every group's)")
+    maximize = _setting("maximize", "steps climb the objective when True: the first group's; setting it sets "
+                                    "every group's")
     decoupled_weight_decay = _setting("decoupled_weight_decay", "AdamW's weight decay when True; settable")
 
     @staticmethod
@@ -809,12 +892,25 @@ class Adam(Optimizer):
         return _num("betas[0]", b1), _num("betas[1]", b2)
 
     def _shared_defaults(self, config: Dict[str, Any]) -> Dict[str, Any]:
-        return {"betas": (config["beta1"], config["beta2"]), "eps": config["eps"], "amsgrad": config["amsgrad"],
-                "maximize": config["maximize"], "decoupled_weight_decay": config["decoupled_weight_decay"]}
+        return {"amsgrad": config["amsgrad"], "decoupled_weight_decay": config["decoupled_weight_decay"]}
+
+    def _own_of_config(self, config: Mapping) -> Dict[str, Any]:
+        return {"betas": (config["beta1"], config["beta2"]), "eps": config["eps"], "maximize": config["maximize"]}
+
+    def _own_from(self, group: Mapping, base: Mapping) -> Dict[str, Any]:
+        return {"betas": self._betas(group.get("betas", base["betas"])), "eps": _num("eps", group.get("eps", base["eps"])),
+                "maximize": _bool_setting(group, "maximize", base["maximize"])}
+
+    def _part_fields(self, own: Mapping) -> Tuple[Any, ...]:
+        return own["betas"][0], own["betas"][1], own["eps"], None, None, own["maximize"]
+
+    def _with_momentum(self, own: Dict[str, Any], value: float) -> Dict[str, Any]:
+        return {**own, "betas": (value, own["betas"][1])}
 
     def _group(self, i: int = 0) -> Dict[str, Any]:
-        return {"lr": self._lrs[i], "betas": self.betas, "eps": self.eps, "weight_decay": self._wds[i],
-                "amsgrad": self.amsgrad, "maximize": self.maximize, "differentiable": False, **self._flags,
+        own = self._owns[i]
+        return {"lr": self._lrs[i], "betas": own["betas"], "eps": own["eps"], "weight_decay": self._wds[i],
+                "amsgrad": self.amsgrad, "maximize": own["maximize"], "differentiable": False, **self._flags,
                 "decoupled_weight_decay": self.decoupled_weight_decay, **self._initial(i)}
 
     _foreign_keys = ("momentum", "dampening", "nesterov")
@@ -823,20 +919,19 @@ class Adam(Optimizer):
     def _group_config(self, group: Mapping, index: int = 0) -> Dict[str, Any]:
         if group.get("differentiable"):
             raise ValueError("differentiable=True is not supported by cmlp's optimizers")
-        b1, b2 = self._betas(group.get("betas", self.betas))
+        own = self._own_from(group, self._owns[index])
         # torch's AdamW state_dicts say decoupled_weight_decay=True; older ones say nothing
         decoupled = _bool_setting(group, "decoupled_weight_decay", self.decoupled_weight_decay)
-        return {"lr": _num("lr", group.get("lr", self._lrs[index])), "beta1": b1, "beta2": b2,
-                "eps": _num("eps", group.get("eps", self.eps)),
+        return {"lr": _num("lr", group.get("lr", self._lrs[index])), "beta1": own["betas"][0],
+                "beta2": own["betas"][1], "eps": own["eps"],
                 "weight_decay": _num("weight_decay", group.get("weight_decay", self._wds[index])),
                 "decoupled_weight_decay": decoupled, "amsgrad": _bool_setting(group, "amsgrad", self.amsgrad),
-                "maximize": _bool_setting(group, "maximize", self.maximize)}
+                "maximize": own["maximize"]}
 
     def _apply_config(self, config: Dict[str, Any]) -> None:
         self._c.configure(**config)
-        self._settings.update(betas=(config["beta1"], config["beta2"]), eps=config["eps"],
-                              decoupled_weight_decay=config["decoupled_weight_decay"], amsgrad=config["amsgrad"],
-                              maximize=config["maximize"])
+        self._c_own = self._own_of_config(config)
+        self._settings.update(decoupled_weight_decay=config["decoupled_weight_decay"], amsgrad=config["amsgrad"])
 
 
 class AdamW(Adam):
@@ -865,9 +960,13 @@ class AdamW(Adam):
 class SGD(Optimizer):
     """torch.optim.SGD: momentum (buffer = gradient at the first step), dampening, nesterov,
     L2 weight decay, maximize (steps climb the objective). param_groups: as Adam's (each group its
-    own "lr" and "weight_decay")."""
+    own "lr", "weight_decay", "momentum", "dampening", "nesterov" and "maximize"). The momentum
+    buffer covers every group once one has momentum: a group whose momentum starts after the
+    optimizer's first step starts from a zero buffer (its first step takes (1 - dampening) times
+    the gradient where torch's takes the gradient; the same without dampening)."""
 
     _buffers = ("momentum_buffer",)
+    _per_group = ("momentum", "dampening", "nesterov", "maximize")
 
     def __init__(self, model: MLP, lr: float = 0.01, momentum: float = 0.0, dampening: float = 0.0,
                  *args: Any, nesterov: bool = False, weight_decay: float = 0.0, maximize: bool = False,
@@ -880,14 +979,13 @@ class SGD(Optimizer):
         maximize = _flag("maximize", maximize)
         flags = _implementation_flags(("foreach", "fused"), {"foreach": foreach, "fused": fused})
         nesterov = _flag("nesterov", nesterov)
-        self._settings = {"momentum": _num("momentum", momentum), "dampening": _num("dampening", dampening),
-                          "nesterov": nesterov, "maximize": maximize}
+        self._settings = {}
         super().__init__(model, "sgd", flags, param_groups, lr=_num("lr", lr), momentum=_num("momentum", momentum),
                          dampening=_num("dampening", dampening), nesterov=nesterov,
                          weight_decay=_num("weight_decay", weight_decay), maximize=maximize)
-        self._settings.update(momentum=float(momentum), dampening=float(dampening), nesterov=nesterov)
         self.defaults = {**{k: v for k, v in self._group(0).items() if k != "initial_lr"},
-                         "lr": float(lr), "weight_decay": float(weight_decay)}
+                         "lr": float(lr), "momentum": float(momentum), "dampening": float(dampening),
+                         "weight_decay": float(weight_decay), "nesterov": nesterov, "maximize": maximize}
 
     def _init_like(self, twin: Optimizer, model: MLP) -> None:
         # Nesterov's needs are checked when an optimizer is made only (as torch's): a schedule or a
@@ -896,19 +994,33 @@ class SGD(Optimizer):
                      weight_decay=self.weight_decay, maximize=self.maximize, **self._flags,
                      param_groups=self._groups_spec())
 
-    momentum = _setting("momentum", "settable, as param_groups[0]['momentum'] (every group's)")
-    dampening = _setting("dampening", "settable (every group's)")
-    nesterov = _setting("nesterov", "settable (every group's)")
-    maximize = _setting("maximize", "steps climb the objective when True; settable (every group's)")
+    momentum = _setting("momentum", "param_groups[0]['momentum']; setting it sets every group's")
+    dampening = _setting("dampening", "the first group's; setting it sets every group's")
+    nesterov = _setting("nesterov", "the first group's; setting it sets every group's")
+    maximize = _setting("maximize", "steps climb the objective when True: the first group's; setting it sets "
+                                    "every group's")
 
-    def _shared_defaults(self, config: Dict[str, Any]) -> Dict[str, Any]:
+    def _own_of_config(self, config: Mapping) -> Dict[str, Any]:
         return {"momentum": config["momentum"], "dampening": config["dampening"], "nesterov": config["nesterov"],
                 "maximize": config["maximize"]}
 
+    def _own_from(self, group: Mapping, base: Mapping) -> Dict[str, Any]:
+        return {"momentum": _num("momentum", group.get("momentum", base["momentum"])),
+                "dampening": _num("dampening", group.get("dampening", base["dampening"])),
+                "nesterov": _bool_setting(group, "nesterov", base["nesterov"]),
+                "maximize": _bool_setting(group, "maximize", base["maximize"])}
+
+    def _part_fields(self, own: Mapping) -> Tuple[Any, ...]:
+        return own["momentum"], None, None, own["dampening"], own["nesterov"], own["maximize"]
+
+    def _with_momentum(self, own: Dict[str, Any], value: float) -> Dict[str, Any]:
+        return {**own, "momentum": value}
+
     def _group(self, i: int = 0) -> Dict[str, Any]:
-        return {"lr": self._lrs[i], "momentum": self.momentum, "dampening": self.dampening,
-                "weight_decay": self._wds[i], "nesterov": self.nesterov, "maximize": self.maximize, **self._flags,
-                "differentiable": False, **self._initial(i)}
+        own = self._owns[i]
+        return {"lr": self._lrs[i], "momentum": own["momentum"], "dampening": own["dampening"],
+                "weight_decay": self._wds[i], "nesterov": own["nesterov"], "maximize": own["maximize"],
+                **self._flags, "differentiable": False, **self._initial(i)}
 
     _foreign_keys = ("betas", "eps", "amsgrad")
     _flags_off = ("nesterov", "maximize")
@@ -916,17 +1028,15 @@ class SGD(Optimizer):
     def _group_config(self, group: Mapping, index: int = 0) -> Dict[str, Any]:
         if group.get("differentiable"):
             raise ValueError("differentiable=True is not supported by cmlp's optimizers")
-        return {"lr": _num("lr", group.get("lr", self._lrs[index])),
-                "momentum": _num("momentum", group.get("momentum", self.momentum)),
-                "dampening": _num("dampening", group.get("dampening", self.dampening)),
-                "nesterov": _bool_setting(group, "nesterov", self.nesterov),
+        own = self._own_from(group, self._owns[index])
+        return {"lr": _num("lr", group.get("lr", self._lrs[index])), "momentum": own["momentum"],
+                "dampening": own["dampening"], "nesterov": own["nesterov"],
                 "weight_decay": _num("weight_decay", group.get("weight_decay", self._wds[index])),
-                "maximize": _bool_setting(group, "maximize", self.maximize)}
+                "maximize": own["maximize"]}
 
     def _apply_config(self, config: Dict[str, Any]) -> None:
         self._c.configure(**config)
-        self._settings.update(momentum=config["momentum"], dampening=config["dampening"], nesterov=config["nesterov"],
-                              maximize=config["maximize"])
+        self._c_own = self._own_of_config(config)
 
 
 from . import lr_scheduler  # noqa: E402 (it needs Optimizer)

@@ -14,8 +14,8 @@ the last bits) and state_dict, over a cmlp optimizer's learning rates.
 
 A schedule sets the rate of every param group (`optimizer.param_groups[i]["lr"]`, each from the
 group's own 'initial_lr', as in torch; `optimizer.lr` is the first group's). OneCycleLR and
-CyclicLR also move the momentum, which is one for all of cmlp's param groups: a per-group list of
-momenta must hold one value. `Trainer.fit(..., scheduler=sched)` steps a schedule after each
+CyclicLR also move each group's momentum (Adam's beta1, SGD's momentum), between momenta given
+once for all groups or one per group. `Trainer.fit(..., scheduler=sched)` steps a schedule after each
 epoch, or with `scheduler_interval="step"` after each optimizer step (warm-up):
 
     sched = cmlp.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 500))
@@ -107,16 +107,6 @@ def _per_group(name: str, value: Any, optimizer: Any) -> List[float]:
     return [float(v) for v in values]
 
 
-def _shared_momentum(name: str, value: Any, optimizer: Any) -> List[float]:
-    """A momentum argument, per group as torch takes it; cmlp's param groups share one momentum,
-    so a list of them must hold one value."""
-    values = _per_group(name, value, optimizer)
-    if any(v != values[0] for v in values):
-        raise ValueError(f"{name}={list(value)!r}: cmlp's param groups share one momentum (SGD's momentum, "
-                         "Adam's beta1), so every group's must be the same")
-    return values
-
-
 class LRScheduler:
     """Base: last_epoch counts step() calls (-1 before the first, which the constructor makes);
     base_lrs holds each param group's rate when the schedule began (torch's 'initial_lr')."""
@@ -184,7 +174,7 @@ class LRScheduler:
     def _update_lr(self, epoch: Optional[int]) -> None:
         """The next epoch's rate (torch's recursive form), or with epoch that epoch's (the closed
         form where there is one): what SequentialLR asks of a schedule at its milestone."""
-        before, momentum = self.last_epoch, self.optimizer._momentum()
+        before, momentum = self.last_epoch, self.optimizer._momenta()
         self._get_lr_called_within_step = True
         try:
             if epoch is None:
@@ -487,8 +477,8 @@ class OneCycleLR(LRScheduler):
     max_lr / div_factor to max_lr over pct_start of total_steps, then anneals to
     initial_lr / final_div_factor (three_phase: back down to the initial rate first), cosine or
     linear, in every param group (max_lr: a number, or a list with one per group); with
-    cycle_momentum the momentum (Adam's beta1, SGD's momentum, one for all groups) moves the
-    other way, between max_momentum and base_momentum. As torch's, it keeps max_lr, min_lr and
+    cycle_momentum the momentum (Adam's beta1, SGD's momentum) moves the other way, between
+    max_momentum and base_momentum (each a number, or a list with one per group). As torch's, it keeps max_lr, min_lr and
     the momenta in each param group too (optimizer.param_groups[i]["max_lr"], ...), so that the
     optimizer's state_dict carries them: a value set or loaded there is the one the next step
     takes."""
@@ -551,17 +541,17 @@ class OneCycleLR(LRScheduler):
         self.cycle_momentum = as_flag("cycle_momentum", cycle_momentum)
         if self.cycle_momentum:
             self.use_beta1 = optimizer._kind == "adam"
-            tops = _shared_momentum("max_momentum", max_momentum, optimizer)
-            bottoms = _shared_momentum("base_momentum", base_momentum, optimizer)
+            tops = _per_group("max_momentum", max_momentum, optimizer)
+            bottoms = _per_group("base_momentum", base_momentum, optimizer)
             for group, top, bottom in zip(self._groups, tops, bottoms):
                 group["max_momentum"], group["base_momentum"] = top, bottom
         # the optimizer changes only once everything is checked, and goes back when the first step fails
-        before = (list(optimizer._initial_lrs), optimizer._group_lrs(), optimizer._momentum(),
+        before = (list(optimizer._initial_lrs), optimizer._group_lrs(), optimizer._momenta(),
                   [dict(g._extra) for g in optimizer.param_groups])
         try:
             if self.cycle_momentum:
-                for m in (self._groups[0]["base_momentum"], self._groups[0]["max_momentum"]):
-                    optimizer._set_momentum(m)  # refused here if the optimizer cannot take it
+                for key in ("base_momentum", "max_momentum"):  # refused here if the optimizer cannot take them
+                    optimizer._set_momentum([g[key] for g in self._groups])
             if last_epoch == -1:
                 optimizer._initial_lrs = [group["initial_lr"] for group in self._groups]
                 self._mirror(optimizer)  # torch sets them in the groups; resuming, it takes the groups' values
@@ -601,10 +591,6 @@ class OneCycleLR(LRScheduler):
                 if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
                     raise ValueError(f"param_groups[{i}][{key!r}] must be a finite number >= 0, got {value!r}")
             taken.append({k: float(v) for k, v in found.items()})
-        if self.cycle_momentum and any(t.get(k) != taken[0].get(k) for t in taken
-                                       for k in ("max_momentum", "base_momentum")):
-            raise ValueError("cmlp's param groups share one momentum: every group's max_momentum and "
-                             "base_momentum must be the same")
         for mine, found in zip(self._groups, taken):
             mine.update(found)
         self._note_seen(self.optimizer)
@@ -638,12 +624,14 @@ class OneCycleLR(LRScheduler):
         # step) the linear strategy extrapolates below 0, which torch sets and never trains with;
         # the optimizer here takes no negative rate, so that step's rate is 0
         lrs = [max(anneal(g[phase["start_lr"]], g[phase["end_lr"]], pct), 0.0) for g in self._groups]
-        if self.cycle_momentum:  # every group's is the same: the optimizer's one momentum
-            g = self._groups[0]
-            a, b = g[phase["start_momentum"]], g[phase["end_momentum"]]
-            # likewise, that step's linear momentum goes past the phase's end (Adam's beta1 to 1 and
-            # over, which Adam refuses): it stays at the end's value
-            self.optimizer._set_momentum(min(max(anneal(a, b, pct), min(a, b)), max(a, b)))
+        if self.cycle_momentum:
+            momenta = []
+            for g in self._groups:
+                a, b = g[phase["start_momentum"]], g[phase["end_momentum"]]
+                # likewise, that step's linear momentum goes past the phase's end (Adam's beta1 to 1
+                # and over, which Adam refuses): it stays at the end's value
+                momenta.append(min(max(anneal(a, b, pct), min(a, b)), max(a, b)))
+            self.optimizer._set_momentum(momenta)
         return lrs
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -678,8 +666,8 @@ class CyclicLR(LRScheduler):
     cycle's height scaled by mode ("triangular": 1, "triangular2": halved each cycle,
     "exp_range": gamma ** step) or by scale_fn (of the cycle, or with scale_mode="iterations" of
     the step), in every param group (base_lr, max_lr: a number, or a list with one per group);
-    with cycle_momentum the momentum (Adam's beta1, SGD's momentum, one for all groups) moves the
-    other way, between max_momentum and base_momentum."""
+    with cycle_momentum the momentum (Adam's beta1, SGD's momentum) moves the other way, between
+    max_momentum and base_momentum (each a number, or a list with one per group)."""
 
     def __init__(self, optimizer: Any, base_lr: Any, max_lr: Any, step_size_up: int = 2000,
                  step_size_down: Optional[int] = None, mode: str = "triangular", gamma: float = 1.0,
@@ -703,14 +691,14 @@ class CyclicLR(LRScheduler):
         self.cycle_momentum = as_flag("cycle_momentum", cycle_momentum)
         if self.cycle_momentum:
             self.use_beta1 = optimizer._kind == "adam"
-            self.base_momentums = _shared_momentum("base_momentum", base_momentum, optimizer)
-            self.max_momentums = _shared_momentum("max_momentum", max_momentum, optimizer)
+            self.base_momentums = _per_group("base_momentum", base_momentum, optimizer)
+            self.max_momentums = _per_group("max_momentum", max_momentum, optimizer)
         # the optimizer changes only once everything is checked, and goes back when the first step fails
-        before = (list(optimizer._initial_lrs), optimizer._group_lrs(), optimizer._momentum())
+        before = (list(optimizer._initial_lrs), optimizer._group_lrs(), optimizer._momenta())
         try:
             if self.cycle_momentum:
-                for m in (self.base_momentums[0], self.max_momentums[0]):
-                    optimizer._set_momentum(m)  # refused here if the optimizer cannot take it
+                for ms in (self.base_momentums, self.max_momentums):
+                    optimizer._set_momentum(list(ms))  # refused here if the optimizer cannot take them
             if last_epoch == -1:
                 optimizer._set_group_lrs(lows)
             super().__init__(optimizer, last_epoch)
@@ -739,9 +727,9 @@ class CyclicLR(LRScheduler):
             scale_factor = (x - 1) / (self.step_ratio - 1)
         at = cycle if self.scale_mode == "cycle" else self.last_epoch
         lrs = [base + (top - base) * scale_factor * self.scale_fn(at) for base, top in zip(self.base_lrs, self.max_lrs)]
-        if self.cycle_momentum:  # every group's is the same: the optimizer's one momentum
-            top, bottom = self.max_momentums[0], self.base_momentums[0]
-            self.optimizer._set_momentum(top - (top - bottom) * scale_factor * self.scale_fn(at))
+        if self.cycle_momentum:
+            self.optimizer._set_momentum([top - (top - bottom) * scale_factor * self.scale_fn(at)
+                                          for top, bottom in zip(self.max_momentums, self.base_momentums)])
         return lrs
 
     def state_dict(self) -> Dict[str, Any]:
@@ -869,7 +857,7 @@ class ChainedScheduler(_Composite):
         """Steps every schedule; one that refuses its rate leaves them all (and the optimizer's
         rates and momentum) where they were."""
         saved = [s.state_dict() for s in self._schedulers]
-        lrs, momentum = self.optimizer._group_lrs(), self.optimizer._momentum()
+        lrs, momentum = self.optimizer._group_lrs(), self.optimizer._momenta()
         try:
             for s in self._schedulers:
                 s.step()
