@@ -98,6 +98,8 @@ typedef struct cmlp_backend_i {
     cmlp_status (*copy_d2h)(void *ctx, void *h_dst, const void *d_src, size_t nbytes);
     cmlp_status (*copy_d2d)(void *ctx, void *d_dst, const void *d_src, size_t nbytes);
     cmlp_status (*fill_zero)(void *ctx, void *d_dst, size_t nbytes);
+    /* Every byte of [d_dst, d_dst + nbytes) set to byte (0xFF: floats that are all NaN). */
+    cmlp_status (*fill_byte)(void *ctx, void *d_dst, int byte, size_t nbytes);
 
     /* C[m,n] = alpha * op(A) op(B) + beta * C with op(A) [m,k], op(B) [k,n]. */
     cmlp_status (*gemm)(void *ctx, int trans_a, int trans_b, int64_t m, int64_t n, int64_t k,
@@ -187,7 +189,8 @@ typedef struct cmlp_backend_i {
                         float eps, float weight_decay, float decay, int maximize, const float *d_found_inf,
                         const float *d_coef);
     /* first != 0: buf = g (momentum's first step); also when d_step is not NULL and
-     * *d_step == 1. d_buf may be NULL when momentum == 0. */
+     * *d_step == 1, and for each element whose buf is NaN (not started). d_buf may be NULL when
+     * momentum == 0. */
     cmlp_status (*sgd)(void *ctx, float *d_p, const float *d_g, float *d_buf, int64_t n, float lr,
                        float momentum, float keep, int nesterov, float weight_decay, int maximize, int first,
                        const float *d_found_inf, const int64_t *d_step, const float *d_coef);

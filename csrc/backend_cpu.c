@@ -216,6 +216,12 @@ static cmlp_status cpu_fill_zero(void *ctx, void *dst, size_t nbytes) {
     return CMLP_OK;
 }
 
+static cmlp_status cpu_fill_byte(void *ctx, void *dst, int byte, size_t nbytes) {
+    (void)ctx;
+    memset(dst, byte, nbytes); /* optimizer state, once */
+    return CMLP_OK;
+}
+
 static cmlp_status cpu_gemm(void *ctx, int ta, int tb, int64_t m, int64_t n, int64_t k, float alpha,
                             const float *a, int64_t lda, const float *b, int64_t ldb, float beta,
                             float *c, int64_t ldc) {
@@ -531,7 +537,7 @@ static void sgd_range(void *arg, int64_t lo, int64_t hi) {
     const float keep = a->keep;
     for (int64_t i = lo; i < hi; i++) {
         float gi = (maximize ? -g[i] : g[i]) + wd * p[i];
-        float b = a->first ? gi : momentum * buf[i] + keep * gi;
+        float b = a->first || isnan(buf[i]) ? gi : momentum * buf[i] + keep * gi; /* NaN: not started */
         buf[i] = b;
         p[i] -= lr * (a->nesterov ? gi + momentum * b : b);
     }
@@ -904,6 +910,7 @@ const cmlp_backend_i cmlp_backend_cpu = {
     .copy_d2h = cpu_copy,
     .copy_d2d = cpu_copy,
     .fill_zero = cpu_fill_zero,
+    .fill_byte = cpu_fill_byte,
     .gemm = cpu_gemm,
     .bias_act = cpu_bias_act,
     .relu_backward = cpu_relu_backward,

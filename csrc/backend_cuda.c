@@ -576,6 +576,13 @@ static cmlp_status cu_fill_zero(void *ctx, void *d_dst, size_t nbytes) {
     return done(c, cudaMemsetAsync(d_dst, 0, nbytes, stream_of(c)), "cudaMemsetAsync");
 }
 
+static cmlp_status cu_fill_byte(void *ctx, void *d_dst, int byte, size_t nbytes) {
+    cuda_ctx *c = ctx;
+    if (!nbytes) return CMLP_OK;
+    CMLP_TRY_USE(c);
+    return done(c, cudaMemsetAsync(d_dst, byte, nbytes, stream_of(c)), "cudaMemsetAsync");
+}
+
 /* ---- GEMM: cuBLASLt, with a cache of plans per shape, layout and alignment ---- */
 
 static unsigned align_of(const void *p) {
@@ -1411,6 +1418,7 @@ static const cmlp_backend_i backend = {
     .copy_d2h = cu_copy_d2h,
     .copy_d2d = cu_copy_d2d,
     .fill_zero = cu_fill_zero,
+    .fill_byte = cu_fill_byte,
     .gemm = cu_gemm,
     .gemm_bias_act = cu_gemm_bias_act,
     .gemm_half = cu_gemm_half,

@@ -425,7 +425,10 @@ CMLP_API cmlp_status cmlp_optim_set_momentum(cmlp_optim *o, double momentum);
  * AMSGrad max_exp_avg_sq; SGD: momentum_buffer). nbuffers is 0 before the first step (or for plain
  * SGD). A buffer once made is kept when the settings stop using it (SGD's at momentum 0, AMSGrad's
  * when amsgrad is turned off), as torch keeps it in its state; one that a new setting needs is
- * made at the next step, from zeros (AMSGrad's maximum then starts from that step's exp_avg_sq). */
+ * made at the next step, from zeros (AMSGrad's maximum then starts from that step's exp_avg_sq).
+ * SGD's momentum buffer is NaN where it has not started (torch has none for those parameters: a
+ * parameter group without momentum so far): a step with momentum starts it there from the
+ * gradient, as torch's first step with momentum does; set_state takes NaN there so too. */
 CMLP_API int64_t cmlp_optim_get_step(const cmlp_optim *o);
 CMLP_API int cmlp_optim_num_buffers(const cmlp_optim *o);
 /* The buffers it holds once its next step is taken (those held, and those that step makes): what a
@@ -456,8 +459,8 @@ CMLP_API cmlp_part_settings cmlp_part_settings_inherit(void); /* every field the
  * at the optimizer's rate. n <= CMLP_MAX_PARTS, and every part's rate, lr_scale[i] times the
  * optimizer's, finite in float32. A step on a device reads the scales and momenta there, so other
  * scales or momenta with the same ends, weight decays and other settings keep a captured step
- * valid. SGD's momentum buffer spans every part once one has momentum; a part's first step with
- * momentum starts it from the gradient at the optimizer's first step only (from zeros after). */
+ * valid. SGD's momentum buffer spans every part once one has momentum (NaN where it has not
+ * started: a part's first step with momentum starts it from the gradient, as torch's). */
 #define CMLP_MAX_PARTS 65536
 CMLP_API cmlp_status cmlp_optim_set_parts(cmlp_optim *o, int n, const int64_t *ends, const double *lr_scale,
                                           const double *weight_decay, const cmlp_part_settings *settings);

@@ -314,6 +314,10 @@ CMLP_HIDDEN cmlp_status cmlp_optim_prepare(cmlp_optim *o);
 CMLP_HIDDEN bool cmlp_optim_has_state(const cmlp_optim *o);
 /* The parameter groups' parts (0 without them), and the device bytes their settings take for n parts. */
 CMLP_HIDDEN int cmlp_optim_num_parts(const cmlp_optim *o);
+/* SGD: on = a step to come (a trainer call's, whose steps carry their own momenta) has momentum,
+ * though the settings now may not: the momentum buffer is made as the call begins (NaN, not
+ * started, wherever no step has had momentum yet). */
+CMLP_HIDDEN void cmlp_optim_expect_momentum(cmlp_optim *o, bool on);
 CMLP_HIDDEN size_t cmlp_optim_parts_bytes(int n);
 /* The three device buffers of a data set of n samples of row_bytes each that a fit keeps on a
  * device: the samples, their int32 labels and, when shuffled, their int64 order (0 bytes when not). */

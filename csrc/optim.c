@@ -30,6 +30,7 @@ struct cmlp_optim {
     float *state; /* NULL before the first step; [arena_buffers(o) * span(o)] */
     float *vmax;  /* AMSGrad's max_exp_avg_sq, made at the first step with amsgrad: [span(o)] */
     bool unused;  /* state made ahead of the first step (cmlp_optim_prepare), which it still is */
+    bool momentum_ahead; /* SGD: a step to come has momentum (cmlp_optim_expect_momentum) */
     bool vmax_unused; /* likewise the AMSGrad maximum, made beside state in use (amsgrad turned on) */
     uint64_t version; /* moves whenever the configuration (but for the rate) or the state buffer changes */
     /* ZeRO stage 1: with shards > 0 the state covers [lo, hi) of the parameters only, this rank's
@@ -226,7 +227,7 @@ cmlp_status cmlp_optim_set_momentum(cmlp_optim *o, double momentum) {
  * with AMSGrad; SGD's momentum buffer while it has momentum. */
 static int buffers_needed(const cmlp_optim *o) {
     if (o->kind == CMLP_OPTIM_ADAM) return o->adam.amsgrad ? 3 : 2;
-    bool momentum = o->nparts == 0 && o->sgd.momentum != 0.0; /* with parameter groups, any group's */
+    bool momentum = o->momentum_ahead || (o->nparts == 0 && o->sgd.momentum != 0.0); /* or any group's */
     for (int i = 0; i < o->nparts && !momentum; i++) momentum = part_momentum(o, &o->parts[i]) != 0.0;
     return momentum ? 1 : 0;
 }
@@ -256,6 +257,8 @@ int cmlp_optim_num_buffers(const cmlp_optim *o) { return o->state && o->step > 0
 int cmlp_optim_buffers_planned(const cmlp_optim *o) { return buffers_of(o); }
 
 int cmlp_optim_num_parts(const cmlp_optim *o) { return o->nparts; }
+
+void cmlp_optim_expect_momentum(cmlp_optim *o, bool on) { o->momentum_ahead = on; }
 
 /* AMSGrad's running maximum of exp_avg_sq from k, NULL without AMSGrad */
 static float *amsgrad_max(const cmlp_optim *o, int64_t k) {
@@ -347,11 +350,13 @@ int cmlp_optim_shards(const cmlp_optim *o, int64_t *lo, int64_t *hi, int64_t *ch
     return o->shards;
 }
 
-/* A buffer of nb state buffers' zeros. */
+/* A buffer of nb state buffers' zeros; SGD's momentum buffer all NaN (not started anywhere). */
 static cmlp_status zeros(cmlp_optim *o, int nb, float **out) {
     size_t bytes = state_bytes(o, nb);
     CMLP_TRY(cmlp_allocator_malloc(o->dev->alloc, bytes, "optimizer state", (void **)out));
-    cmlp_status st = o->dev->backend->fill_zero(o->dev->bctx, *out, bytes);
+    const cmlp_backend_i *b = o->dev->backend;
+    cmlp_status st = o->kind == CMLP_OPTIM_SGD ? b->fill_byte(o->dev->bctx, *out, 0xFF, bytes)
+                                               : b->fill_zero(o->dev->bctx, *out, bytes);
     if (st != CMLP_OK) {
         (void)cmlp_allocator_free(o->dev->alloc, *out);
         *out = NULL;
@@ -815,10 +820,11 @@ cmlp_status cmlp_optim_set_state(cmlp_optim *o, int64_t step, int nbuffers, cons
                          adam ? "2 (3 with AMSGrad)" : "1");
     CMLP_TRY(check_model(o));
     size_t all = (size_t)o->model->nparams, n = (size_t)span(o), at = (size_t)first_of(o);
-    for (int i = 0; i < nbuffers; i++)
+    for (int i = 0; i < nbuffers; i++) /* SGD's NaN: a buffer not started there */
         for (size_t j = 0; j < all; j++)
-            if (!isfinite(host[i][j]))
-                return CMLP_FAIL(CMLP_ERR_NONFINITE, "optimizer state buffer %d holds NaN or inf at %zu", i, j);
+            if (adam ? !isfinite(host[i][j]) : isinf(host[i][j]))
+                return CMLP_FAIL(CMLP_ERR_NONFINITE, "optimizer state buffer %d holds %s at %zu", i,
+                                 adam ? "NaN or inf" : "inf", j);
     float *s = NULL, *x = NULL;
     const int arena = nbuffers < arena_buffers(o) ? nbuffers : arena_buffers(o);
     cmlp_status st = CMLP_OK;

@@ -879,9 +879,19 @@ static cmlp_status epoch_run(cmlp_trainer *t, int64_t max_steps, const double *l
     int64_t n = t->data.n, eb = effective_batch(t) * group_size(t);
     const bool graphs = t->model->dev->backend->capture_begin != NULL; /* the device has graphs */
     cmlp_dscalars *ds;
+    /* SGD's buffer, for a call whose parts' momenta step by step may have momentum the parts hold
+     * now do not (its first step makes it) */
+    bool ahead = false;
+    for (int64_t i = 0; part_momenta && i < nlr * cmlp_optim_num_parts(t->optim); i++)
+        ahead = ahead || (!isnan(part_momenta[i]) && part_momenta[i] != 0.0);
+    cmlp_optim_expect_momentum(t->optim, ahead);
     cmlp_status s = run_begin(t, &ds, lr, momentum, scales, part_momenta, nlr); /* it may allocate: data-parallel, the ranks agree */
     const int np = scales ? cmlp_optim_num_parts(t->optim) : 0;
-    CMLP_TRY(t->dist ? cmlp_dist_agree(s) : s);
+    s = t->dist ? cmlp_dist_agree(s) : s;
+    if (s != CMLP_OK) {
+        cmlp_optim_expect_momentum(t->optim, false);
+        return s;
+    }
     const int64_t steps_before = st->steps;
     const bool had_state = cmlp_optim_has_state(t->optim);
     const double lr_before = cmlp_optim_get_lr(t->optim), momentum_before = cmlp_optim_get_momentum(t->optim);
@@ -922,6 +932,7 @@ static cmlp_status epoch_run(cmlp_trainer *t, int64_t max_steps, const double *l
         st->samples += k;
     }
     cmlp_fpenv_leave(&fe);
+    cmlp_optim_expect_momentum(t->optim, false);
     if (s != CMLP_OK) cmlp_optim_drop_unused(t->optim, !had_state); /* no step used it */
     (void)cmlp_optim_set_lr(t->optim, lr_before);
     (void)cmlp_optim_set_momentum(t->optim, momentum_before);

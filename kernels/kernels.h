@@ -124,7 +124,8 @@ cudaError_t cmlp_k_adam(float *p, const float *g, float *m, float *v, float *vma
                         float weight_decay, float decay, int maximize, const float *found_inf, const float *coef,
                         cudaStream_t stream);
 /* SGD with PyTorch's rule: g' = (maximize ? -g : g) + weight_decay * p; with momentum != 0:
- *   buf = first ? g' : momentum * buf + keep * g';  d = nesterov ? g' + momentum * buf : buf
+ *   buf = first or buf NaN ? g' : momentum * buf + keep * g';  d = nesterov ? g' + momentum * buf : buf
+ * (a NaN in buf: that element's buffer has not started)
  * (keep = 1 - dampening, computed by the caller in double and rounded)
  * else d = g'; then p -= lr * d (lr = coef[0] and momentum = coef[1] when coef is not NULL). buf
  * may be NULL when the momentum is 0. found_inf as for Adam. When step is not NULL, first also holds when *step == 1

@@ -142,7 +142,7 @@ struct sgd_op {
             pi = f_sub(pi, f_mul(lr, gi));
             return bi;
         }
-        const float b = first ? gi : f_add(f_mul(momentum, bi), f_mul(keep, gi));
+        const float b = first || bi != bi ? gi : f_add(f_mul(momentum, bi), f_mul(keep, gi)); /* NaN: not started */
         pi = f_sub(pi, f_mul(lr, nesterov ? f_add(gi, f_mul(momentum, b)) : b));
         return b;
     }

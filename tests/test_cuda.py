@@ -849,12 +849,13 @@ def test_param_groups_in_a_replayed_step_equal_the_eager_loop(device, schedule):
 @pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")  # a skipped first step, as torch warns
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind,amp", [("adam", None), ("adam", "fp16"), ("sgd", None)])
-@pytest.mark.parametrize("schedule", ["cosine", "onecycle"])
+@pytest.mark.parametrize("schedule", ["cosine", "onecycle", "cyclic"])
 def test_groups_own_settings_replay_as_the_eager_loop_steps(device, kind, amp, schedule):
     """Groups with hyperparameters of their own, in fits with a per-step schedule (each step its
-    own multiples; with OneCycleLR each group's own momenta too) and with a group's betas
-    (momentum) and eps (dampening) changed between fits (a new capture): every step, replayed or
-    skipped on the device, equals the eager loop bit for bit."""
+    own multiples; with OneCycleLR each group's own momenta too; with CyclicLR the first group's
+    momentum starts within a call, its buffer from the gradient, and the second's never does)
+    and with a group's betas (momentum) and eps (dampening) changed between fits (a new capture):
+    every step, replayed or skipped on the device, equals the eager loop bit for bit."""
     sizes, batch, steps = [784, 64, 10], 32, 4
     rng = np.random.default_rng(29)
     x = rng.standard_normal((batch * steps, 784)).astype(np.float32)
@@ -868,6 +869,9 @@ def test_groups_own_settings_replay_as_the_eager_loop_steps(device, kind, amp, s
         if schedule == "onecycle":
             return opt, cmlp.optim.lr_scheduler.OneCycleLR(opt, max_lr=[1e-2, 3e-2], total_steps=3 * steps,
                                                            base_momentum=[0.8, 0.6], max_momentum=[0.9, 0.95])
+        if schedule == "cyclic":
+            return opt, cmlp.optim.lr_scheduler.CyclicLR(opt, base_lr=1e-3, max_lr=1e-2, step_size_up=3,
+                                                         base_momentum=[0.9, 0.0], max_momentum=[0.0, 0.0])
         return opt, cmlp.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=5, eta_min=1e-3)
 
     def scaler():
@@ -900,6 +904,10 @@ def test_groups_own_settings_replay_as_the_eager_loop_steps(device, kind, amp, s
             sched.step()
         assert same(graph.state_dict(), eager.state_dict()), epoch
     assert opt_g.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
+    mine, theirs = opt_g.state_dict()["state"], opt.state_dict()["state"]
+    assert sorted(mine) == sorted(theirs)
+    for i in mine:
+        assert same({k: v for k, v in mine[i].items() if k != "step"}, {k: v for k, v in theirs[i].items() if k != "step"})
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")  # a skipped first step, as torch warns

@@ -101,8 +101,8 @@ def test_groups_match_torch_with_settings_changed_between_steps(kind, own):
                 groups[1]["lr"] = 2e-3
                 groups[2]["weight_decay"] = 0.05
                 groups[0]["lr"] = 0.0  # frozen from here on (Adam's moments still move, as torch's)
-                if own and kind == "sgd":  # the biases' momentum starts: from the gradient in torch,
-                    groups[2]["momentum"] = 0.7  # from a zero buffer here (the same without dampening)
+                if own and kind == "sgd":  # the biases' momentum starts (its buffer from the gradient)
+                    groups[2].update({"momentum": 0.7, "dampening": 0.3})
                     groups[1]["dampening"] = 0.5
                 elif own:
                     groups[1]["betas"] = (0.5, 0.9)
@@ -554,3 +554,54 @@ def test_sgd_state_of_a_group_without_momentum_is_torchs_both_ways():
         got = fresh.model.state_dict()
         for k, t in tensors.items():
             assert rel_err(got[k], t.detach().numpy()) < 1e-6, k
+
+
+@pytest.mark.parametrize("amp", [None, "fp16"])
+@pytest.mark.parametrize("bounds", [([0.0, 0.0], [0.0, 0.9]), ([0.0, 0.9], [0.0, 0.0]), ([0.5, 0.0], [0.9, 0.8])])
+def test_sgd_momentum_that_starts_within_a_call_starts_from_the_gradient(bounds, amp):
+    """A group whose momentum a per-step schedule turns on within a call into the C loop (when no
+    group has momentum as the call is made, or after another group's buffer has started): its
+    buffer starts from the gradient at its first step with momentum (torch's rule, which the
+    dampening would tell apart), fit equals the hand loop to the bit, and the hand loop follows the
+    float64 reference."""
+    groups = [{"params": WEIGHTS}, {"params": BIASES, "dampening": 0.3}]
+    x, y = batches(16, 1)[0]
+
+    def made():
+        model = cmlp.MLP(SIZES, seed=1)
+        opt = cmlp.optim.SGD(model, lr=0.01, param_groups=[dict(g) for g in groups])
+        s = S.CyclicLR(opt, base_lr=1e-3, max_lr=1e-2, step_size_up=3, base_momentum=bounds[0],
+                       max_momentum=bounds[1])
+        return model, opt, s
+
+    runs = []
+    for by_fit in (True, False):
+        model, opt, s = made()
+        scaler = cmlp.amp.GradScaler(init_scale=2.0**12) if amp else None
+        trainer = cmlp.Trainer(model, opt, batch_size=1, shuffle=False, amp=amp, scaler=scaler)
+        if by_fit:
+            trainer.fit(x, y, epochs=1, progress=False, scheduler=s, scheduler_interval="step")
+        else:
+            for i in range(len(x)):
+                trainer.step(x[i:i + 1], y[i:i + 1])
+                s.step()
+        runs.append(model._c.get_params())
+    np.testing.assert_array_equal(runs[0], runs[1])
+    if amp:
+        return
+    model, opt, s = made()
+    params = {k: v.astype(np.float64) for k, v in model.state_dict().items()}
+    refs = [(g["params"], RefSGD(0.0, dampening=g.get("dampening", 0.0))) for g in groups]
+    for i in range(len(x)):
+        for (names, ref), group in zip(refs, opt.param_groups):
+            ref.lr, ref.momentum = group["lr"], group["momentum"]
+        opt.zero_grad()
+        model.forward_backward(x[i:i + 1], y[i:i + 1])
+        grads = model.grads()
+        opt.step()
+        s.step()
+        for names, ref in refs:
+            ref.step({k: params[k] for k in names}, {k: grads[k] for k in names})
+    got = model.state_dict()
+    for k in params:
+        assert rel_err(got[k], params[k]) < 1e-5, k

@@ -114,6 +114,7 @@ class Trainer:
         if scaler is not None and not isinstance(scaler, GradScaler):
             raise TypeError(f"scaler must be a cmlp.amp.GradScaler or None, got {type(scaler).__name__}")
         self._warned = False
+        self._parts_kept = False  # a fit's param-group parts kept for the rest of it (_run_scheduled)
         self.model, self.optimizer = model, optimizer
         self.batch_size = _positive_int("batch_size", batch_size)
         self.accumulation_steps = _positive_int("accumulation_steps", accumulation_steps)
@@ -539,8 +540,11 @@ class Trainer:
         # one of their own they hold now (the schedule has moved them on): a table where that is not theirs
         held = opt._momenta()
         moved = any(m[g] != (m[0] if held[g] == held[0] else held[g]) for m in mrows for g in range(len(m)))
+        # once a fit's groups have moved apart, their parts stay for the rest of it: a later call
+        # whose groups meet again would drop them, and the next one's new parts make a new capture
+        self._parts_kept = self._parts_kept or apart or moved
         try:
-            opt._sync_parts(scales, parts=apart or moved)  # the call's multiples
+            opt._sync_parts(scales, parts=self._parts_kept)  # the call's multiples
         except BaseException:
             rewind(0)  # no step taken (the rewind gives the C optimizer the groups' rates again)
             raise
@@ -555,7 +559,7 @@ class Trainer:
         except BaseException:
             rewind(self._c.run_steps())
             raise
-        opt._sync_parts(opt._rates()[1])  # the groups' multiples of now
+        opt._sync_parts(opt._rates()[1], parts=self._parts_kept)  # the groups' multiples of now
         if raised is not None:
             raise raised
         return result
@@ -565,6 +569,7 @@ class Trainer:
         device = self.model.device
         history: List[Dict[str, Any]] = []
         self._c.set_host_data(False)  # each fit copies its data set to a GPU, where it has room (_start_under_limit)
+        self._parts_kept = False  # _run_scheduled's
         try:
             for epoch in range(1, epochs + 1):
                 _cmlp.memory_window_peak(device, True)  # the epoch's own peak; the statistics' are the user's
@@ -579,7 +584,7 @@ class Trainer:
                     chunk = max(1, total // 200)
                     samples, loss_sum, skipped, norm_sum, norm_steps, steps_done = 0, 0.0, 0, 0.0, 0, 0
                     first_lr = self.optimizer.lr
-                    self.optimizer._sync_parts(self.optimizer._rates()[1])  # as in step()
+                    self.optimizer._sync_parts(self.optimizer._rates()[1], parts=self._parts_kept)  # as in step()
                     start = time.perf_counter()
                     self._push_scaler()
                     if epoch == 1:

@@ -562,6 +562,7 @@ static void test_sgd(void) {
             buf p = make(n, 4, off), g = make(n, 4, (off + variant) % 2), b = make(n, 4, off);
             buf cp = make(n, 4, 0), cb = make(n, 4, 0);
             fill(F(p), n, 1), fill(F(g), n, 1), fill(F(b), n, 1);
+            for (int64_t j = 0; variant % 17 < 6 && j < n; j += 3) F(b)[j] = NAN; /* not started there */
             memcpy(F(cp), F(p), (size_t)n * 4), memcpy(F(cb), F(b), (size_t)n * 4);
             const int maximize = variant % 13 < 4;
             KOK(cmlp_k_sgd(F(p), F(g), F(b), n, 0.05f, momentum, keep, nesterov, wd, maximize, first, NULL, sp, cf, S));
@@ -586,6 +587,11 @@ static void test_sgd(void) {
     const float rate[2] = {0.25f, 0.0f};
     KOK(cmlp_k_sgd(p, g, NULL, 5, 0.5f, 0.0f, 1.0f, 0, 0.0f, 0, 0, NULL, NULL, rate, S));
     CHECK(p[0] == 0.25f && p[4] == 4.25f, "sgd at the device's rate: %g %g", p[0], p[4]);
+    /* a NaN in the buffer has not started: there it starts from the gradient (torch's first step) */
+    float q[2] = {1.0f, 1.0f}, h[2] = {2.0f, 2.0f}, mb[2] = {NAN, 4.0f};
+    KOK(cmlp_k_sgd(q, h, mb, 2, 0.5f, 0.5f, 0.25f, 0, 0.0f, 0, 0, NULL, NULL, NULL, S));
+    CHECK(mb[0] == 2.0f && mb[1] == 2.5f && q[0] == 0.0f && q[1] == -0.25f,
+          "sgd from a buffer not started: buffer %g %g, parameters %g %g", mb[0], mb[1], q[0], q[1]);
 }
 
 static void test_optim_prepare(void) {

@@ -635,16 +635,14 @@ class Optimizer:
         state: Dict[int, Dict[str, Any]] = {}
         if bufs or (step > 0 and self._kind == "adam"):  # SGD without momentum keeps nothing, as torch's
             views = [self.model._split(flat) for flat in bufs]
-            still = {name for g, own in zip(self._param_groups, self._owns) if self._kind == "sgd"
-                     and own["momentum"] == 0.0 for name in g._names}
             for i, name in enumerate(names):
                 entry: Dict[str, Any] = {}
                 if self._kind == "adam":
                     entry["step"] = float(step)
                 for bname, view in zip(self._buffers, views):
                     entry[bname] = view[name].copy()
-                # SGD's buffer of a group that has had no momentum: none in torch's state
-                if name in still and not entry["momentum_buffer"].any():
+                # SGD's buffer not started (NaN: a group that has had no momentum): none in torch's state
+                if self._kind == "sgd" and np.isnan(entry["momentum_buffer"]).all():
                     continue
                 state[i] = entry
         groups = []
@@ -729,7 +727,8 @@ class Optimizer:
 
     def _parse_state(self, state: Mapping, order: List[Any], names: List[str]) -> Tuple[int, List[np.ndarray]]:
         """(step, flat buffers) from per-parameter entries, checked. SGD's may leave parameters
-        out (torch's state has none for those whose group has had no momentum): zeros."""
+        out (torch's state has none for those whose group has had no momentum): their buffer has
+        not started (NaN)."""
         if self._kind == "sgd" and all(k in order for k in state):
             state = {k: state.get(k, {}) for k in order}
         if len(state) != len(order) or any(k not in state for k in order):
@@ -762,10 +761,11 @@ class Optimizer:
             present = [state[k].get(bname) is not None for k in order]
             if not any(present):
                 continue
-            if not all(present) and bname != "momentum_buffer":  # SGD's: zeros where not yet started
+            if not all(present) and bname != "momentum_buffer":  # SGD's: NaN where not started
                 raise ValueError(f"optimizer state {bname} is given for some parameters only")
-            flat = np.zeros(self.model.num_parameters(), dtype=np.float32)
-            views = self.model._split(flat)
+            flat = np.full(self.model.num_parameters(), np.nan if bname == "momentum_buffer" else 0.0,
+                           dtype=np.float32)
+            views = self.model._split(flat)  # NaN where the state_dict gives none: SGD's buffer not started
             for k, name, here in zip(order, names, present):
                 if not here:
                     continue
@@ -779,9 +779,9 @@ class Optimizer:
                 if arr.shape != views[name].shape:
                     raise ValueError(f"optimizer state {bname} of {name} has shape {arr.shape}, "
                                      f"expected {views[name].shape}")
+                if not np.isfinite(arr).all():
+                    raise ValueError(f"optimizer state {bname} holds inf or NaN")
                 views[name][...] = arr
-            if not np.isfinite(flat).all():
-                raise ValueError(f"optimizer state {bname} holds inf or NaN")
             if bname in ("exp_avg_sq", "max_exp_avg_sq") and not (flat >= 0).all():
                 raise ValueError(f"optimizer state {bname} must be >= 0 everywhere (a running mean of squares)")
             bufs.append(flat)
@@ -960,10 +960,9 @@ class AdamW(Adam):
 class SGD(Optimizer):
     """torch.optim.SGD: momentum (buffer = gradient at the first step), dampening, nesterov,
     L2 weight decay, maximize (steps climb the objective). param_groups: as Adam's (each group its
-    own "lr", "weight_decay", "momentum", "dampening", "nesterov" and "maximize"). The momentum
-    buffer covers every group once one has momentum: a group whose momentum starts after the
-    optimizer's first step starts from a zero buffer (its first step takes (1 - dampening) times
-    the gradient where torch's takes the gradient; the same without dampening)."""
+    own "lr", "weight_decay", "momentum", "dampening", "nesterov" and "maximize"). A group's
+    momentum buffer starts from the gradient at its first step with momentum, as torch's; until
+    then state_dict() has none for its parameters, as torch's."""
 
     _buffers = ("momentum_buffer",)
     _per_group = ("momentum", "dampening", "nesterov", "maximize")
