@@ -542,6 +542,8 @@ def _plan_args(optimizer: Any, amp: Optional[str], recompute: bool, scaler: Opti
 
     solo = _check_accumulation(accumulation_steps) == 1
     amp_code = check_amp(amp)
+    if isinstance(optimizer, Optimizer):
+        optimizer._sync_parts(optimizer._rates()[1])  # its groups' parts, as its next step has them
     _, nbuf = _optimizer_buffers(optimizer)
     shards = _optimizer_shards(optimizer, optimizer_shards)
     scaling = amp == "fp16" if scaler is None else bool(scaler)

@@ -412,11 +412,12 @@ class Optimizer:
         and each group's part steps at its multiple of it with its own settings."""
         lrs = [_rate("lr", v) for v in (self._lrs if lrs is None else lrs)]
         wds = [_rate("weight_decay", v) for v in (self._wds if wds is None else wds)]
-        owns = [dict(o) for o in (self._owns if owns is None else owns)]
+        same_owns = owns is None  # (a schedule's rates: the groups' other settings as they are)
+        owns = self._owns if same_owns else [dict(o) for o in owns]
         if any(len(v) != len(self._param_groups) for v in (lrs, wds, owns)):
             raise ValueError(f"expected {len(self._param_groups)} values, one per param group")
         base, scales = self._split_rates(lrs)
-        own_parts = self._part_settings(owns)
+        own_parts = self._own_parts if same_owns and self._own_parts is not None else self._part_settings(owns)
         before = (self._c.lr, self._c_wd, self._c_parts, self._c_own)
         try:
             if wds[0] != self._c_wd or owns[0] != self._c_own:
@@ -440,7 +441,10 @@ class Optimizer:
         settings at scale 1: the plain step, unless parts, for steps whose groups' multiples
         differ from these)."""
         wds = self._wds if wds is None else wds
-        own = self._own_parts if own is None else own
+        if own is None:
+            if self._own_parts is None:  # the momenta moved (_set_momentum)
+                self._own_parts = self._part_settings(self._owns)
+            own = self._own_parts
         key = (tuple(scales), tuple(wds), tuple(own), parts)
         if key == self._synced:  # as last given (a call of the trainer's each step)
             return
@@ -824,17 +828,14 @@ class Optimizer:
         values = [_num("momentum", v) for v in (value if isinstance(value, list) else [value] * len(self._owns))]
         if len(values) != len(self._owns):
             raise ValueError(f"expected {len(self._owns)} momenta, one per param group, got {len(values)}")
-        owns = [self._with_momentum(own, v) for own, v in zip(self._owns, values)]
-        own_parts = self._part_settings(owns)
-        before = (self._c.momentum, self._c_own)
-        try:
-            self._c.momentum = values[0]  # checked there, as the others are with their parts
-            self._c_own = self._with_momentum(self._c_own, self._c.momentum)
-            self._sync_parts(self._rates()[1], own=own_parts)
-        except BaseException:
-            self._c.momentum, self._c_own = before
-            raise
-        self._owns, self._own_parts = owns, own_parts
+        for v in values[1:]:  # as the C optimizer checks the first (and the parts, when they get them)
+            if not (0.0 <= v < 1.0 if self._kind == "adam" else 0.0 <= v <= _FLT_MAX):
+                raise ValueError(f"Invalid beta parameter at index 0: {v}" if self._kind == "adam" else
+                                 f"Invalid momentum value: {v} (must be >= 0 and finite in float32)")
+        self._c.momentum = values[0]
+        self._c_own = self._with_momentum(self._c_own, self._c.momentum)
+        self._owns = [self._with_momentum(own, v) for own, v in zip(self._owns, values)]
+        self._own_parts = None  # the parts get them before the next step (_sync_parts)
 
 
 class Adam(Optimizer):
