@@ -846,6 +846,22 @@ def test_param_groups_in_a_replayed_step_equal_the_eager_loop(device, schedule):
     assert sum(h["skipped_steps"] for h in history) == skipped and (skipped > 0) == (amp is not None)
 
 
+def eager_steps(model, opt, sched, scaler, x, y, batch, steps, amp):
+    """The hand loop of `steps` steps of `batch` rows: forward_backward, the optimizer's step
+    (through the scaler when there is one), then the schedule's step (when there is one)."""
+    for i in range(steps):
+        opt.zero_grad()
+        model.forward_backward(x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch], amp=amp,
+                               loss_scale=scaler.get_scale() if scaler else 1.0)
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        if sched is not None:
+            sched.step()
+
+
 @pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")  # a skipped first step, as torch warns
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind,amp", [("adam", None), ("adam", "fp16"), ("sgd", None)])
@@ -892,22 +908,49 @@ def test_groups_own_settings_replay_as_the_eager_loop_steps(device, kind, amp, s
             for o in (opt_g, opt):
                 o.param_groups[0]["maximize"] = True
         t_graph.fit(x, y, epochs=1, progress=False, scheduler=sched_g, scheduler_interval="step")
-        for i in range(steps):
-            opt.zero_grad()
-            eager.forward_backward(x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch], amp=amp,
-                                   loss_scale=gs.get_scale() if gs else 1.0)
-            if gs:
-                gs.step(opt)
-                gs.update()
-            else:
-                opt.step()
-            sched.step()
+        eager_steps(eager, opt, sched, gs, x, y, batch, steps, amp)
         assert same(graph.state_dict(), eager.state_dict()), epoch
     assert opt_g.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
     mine, theirs = opt_g.state_dict()["state"], opt.state_dict()["state"]
     assert sorted(mine) == sorted(theirs)
     for i in mine:
         assert same({k: v for k, v in mine[i].items() if k != "step"}, {k: v for k, v in theirs[i].items() if k != "step"})
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")  # a skipped first step, as torch warns
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("amp", [None, "fp16"])
+@pytest.mark.parametrize("bounds", [([0.0, 0.0], [0.0, 0.9]), ([0.0, 0.9], [0.0, 0.0])])
+def test_sgd_momentum_that_starts_within_a_call_replays_as_the_eager_loop_steps(device, amp, bounds):
+    """SGD groups whose momenta a per-step CyclicLR moves within calls of several steps (the
+    first call's groups hold none after it, its steps some; or one group's starts within it):
+    the buffer is made for the call, each group's starts from the gradient at its first step with
+    momentum, and the captured, replayed steps equal the eager loop bit for bit."""
+    sizes, batch, steps = [20, 16, 5], 2, 480
+    rng = np.random.default_rng(31)
+    x = rng.standard_normal((batch * steps, 20)).astype(np.float32)
+    y = rng.integers(0, 5, batch * steps)
+    groups = [{"params": ["fc1.weight", "fc2.weight"]}, {"params": ["fc1.bias", "fc2.bias"], "dampening": 0.3}]
+
+    def make(model):
+        opt = cmlp.optim.SGD(model, lr=0.01, param_groups=[dict(g) for g in groups])
+        return opt, cmlp.optim.lr_scheduler.CyclicLR(opt, base_lr=1e-3, max_lr=1e-2, step_size_up=2,
+                                                     base_momentum=bounds[0], max_momentum=bounds[1])
+
+    def scaler():
+        return cmlp.amp.GradScaler(init_scale=2.0**30) if amp else None
+
+    graph = cmlp.MLP(sizes, device=device, seed=0)
+    opt_g, sched_g = make(graph)
+    cmlp.Trainer(graph, opt_g, batch_size=batch, shuffle=False, amp=amp, scaler=scaler()).fit(
+        x, y, epochs=1, progress=False, scheduler=sched_g, scheduler_interval="step")
+    eager = cmlp.MLP(sizes, device=device, seed=0)
+    opt, sched = make(eager)
+    eager_steps(eager, opt, sched, scaler(), x, y, batch, steps, amp)
+    assert same(graph.state_dict(), eager.state_dict())
+    mine, theirs = opt_g.state_dict()["state"], opt.state_dict()["state"]
+    assert sorted(mine) == sorted(theirs) and mine
+    assert all(same(mine[i], theirs[i]) for i in mine)
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")  # a skipped first step, as torch warns
@@ -937,15 +980,7 @@ def test_amsgrad_turned_on_between_fits_replays_as_the_eager_loop_steps(device, 
         if epoch == 2:
             opt_g.param_groups[0]["maximize"] = opt.param_groups[0]["maximize"] = True
         t_graph.fit(x, y, epochs=1, progress=False)
-        for i in range(steps):
-            opt.zero_grad()
-            eager.forward_backward(x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch], amp=amp,
-                                   loss_scale=gs.get_scale() if gs else 1.0)
-            if gs:
-                gs.step(opt)
-                gs.update()
-            else:
-                opt.step()
+        eager_steps(eager, opt, None, gs, x, y, batch, steps, amp)
         assert same(graph.state_dict(), eager.state_dict()), epoch
     mine, theirs = opt_g.state_dict()["state"], opt.state_dict()["state"]
     assert sorted(mine[0]) == sorted(theirs[0]) == ["exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"]

@@ -563,14 +563,15 @@ def test_sgd_momentum_that_starts_within_a_call_starts_from_the_gradient(bounds,
     group has momentum as the call is made, or after another group's buffer has started): its
     buffer starts from the gradient at its first step with momentum (torch's rule, which the
     dampening would tell apart), fit equals the hand loop to the bit, and the hand loop follows the
-    float64 reference."""
+    float64 reference. 480 steps of batch 1 make calls of 2 steps: the first call's groups hold
+    no momentum after it (the schedule's third step), and its steps have some."""
     groups = [{"params": WEIGHTS}, {"params": BIASES, "dampening": 0.3}]
-    x, y = batches(16, 1)[0]
+    x, y = batches(480, 1)[0]
 
     def made():
         model = cmlp.MLP(SIZES, seed=1)
         opt = cmlp.optim.SGD(model, lr=0.01, param_groups=[dict(g) for g in groups])
-        s = S.CyclicLR(opt, base_lr=1e-3, max_lr=1e-2, step_size_up=3, base_momentum=bounds[0],
+        s = S.CyclicLR(opt, base_lr=1e-3, max_lr=1e-2, step_size_up=2, base_momentum=bounds[0],
                        max_momentum=bounds[1])
         return model, opt, s
 
@@ -580,7 +581,9 @@ def test_sgd_momentum_that_starts_within_a_call_starts_from_the_gradient(bounds,
         scaler = cmlp.amp.GradScaler(init_scale=2.0**12) if amp else None
         trainer = cmlp.Trainer(model, opt, batch_size=1, shuffle=False, amp=amp, scaler=scaler)
         if by_fit:
+            trainer._c = _Calls(trainer._c)
             trainer.fit(x, y, epochs=1, progress=False, scheduler=s, scheduler_interval="step")
+            assert trainer._c.calls == len(x) // 2 and trainer._c.with_momenta > 0
         else:
             for i in range(len(x)):
                 trainer.step(x[i:i + 1], y[i:i + 1])

@@ -117,8 +117,31 @@ class ZeroRedundancyOptimizer(Optimizer):
     @property
     def state(self) -> Dict[int, Dict[str, Any]]:
         """This rank's state, as torch's ZeroRedundancyOptimizer gives its local optimizer's:
-        its part of each tensor's buffers in place, zeros elsewhere (no collective)."""
-        return self._state_dict_of(*self._c.get_state())["state"]
+        its part of each tensor's buffers in place, zeros elsewhere (no collective). SGD's leaves
+        out, as torch's state does, a tensor whose momentum buffer has not started: one whose
+        elements in this rank's part have not, or, with none there, whose group has no momentum."""
+        step, bufs = self._c.get_state()
+        if self._kind != "sgd" or not bufs:
+            return self._state_dict_of(step, bufs)["state"]
+        _, lo, hi, _ = self._c.shards()
+        buf = bufs[0].copy()  # NaN where not started (this rank's part), zeros in the others' parts
+        m = self.model
+        spans = {}  # each tensor's [start, end) in the flat buffers
+        for i, (w, b) in enumerate(m._offsets):
+            spans[f"fc{i + 1}.weight"] = (w, w + m._sizes[i] * m._sizes[i + 1])
+            spans[f"fc{i + 1}.bias"] = (b, b + m._sizes[i + 1])
+        for g, own in zip(self._param_groups, self._owns):
+            for name in g._names:
+                first, last = spans[name]
+                if last <= lo or first >= hi:  # none of it here
+                    buf[first:last] = 0.0 if own["momentum"] != 0.0 else np.nan
+                else:  # its elements in the others' parts: as this rank's decide
+                    buf[first:max(lo, first)] = np.nan
+                    buf[min(hi, last):last] = np.nan
+        state = self._state_dict_of(step, [buf])["state"]  # all NaN: left out
+        for entry in state.values():
+            np.nan_to_num(entry["momentum_buffer"], copy=False, nan=0.0)
+        return state
 
     def state_dict(self) -> Dict[str, Any]:
         """The whole state as of the last consolidate_state_dict(to) that sent it to this rank,
