@@ -30,8 +30,8 @@ struct cmlp_optim {
     float *state; /* NULL before the first step; [arena_buffers(o) * span(o)] */
     float *vmax;  /* AMSGrad's max_exp_avg_sq, made at the first step with amsgrad: [span(o)] */
     bool unused;  /* state made ahead of the first step (cmlp_optim_prepare), which it still is */
-    bool momentum_ahead; /* SGD: a step to come has momentum (cmlp_optim_expect_momentum) */
     bool vmax_unused; /* likewise the AMSGrad maximum, made beside state in use (amsgrad turned on) */
+    bool momentum_ahead; /* SGD: a step to come has momentum (cmlp_optim_expect_momentum) */
     uint64_t version; /* moves whenever the configuration (but for the rate) or the state buffer changes */
     /* ZeRO stage 1: with shards > 0 the state covers [lo, hi) of the parameters only, this rank's
      * part of `shards` parts of `chunk` floats; a step updates that part and gathers the others */
@@ -40,9 +40,9 @@ struct cmlp_optim {
     /* parameter groups (cmlp_optim_set_parts): nparts parts, none when every parameter takes the
      * configuration's settings; d_parts holds 4 doubles per part for a step on the device (the
      * rate's scale, the decoupled weight decay, the momentum and beta2, NaN for the step's and the
-     * configuration's), then a table of CMLP_MAX_RATES rows of a
-     * scale and a momentum per part (a trainer call's steps, each its own:
-     * cmlp_optim_load_step_scales), then 5 floats of coefficients per part */
+     * configuration's), then a table of CMLP_MAX_RATES rows of a scale and a momentum per part (a
+     * trainer call's steps, each its own: cmlp_optim_load_step_scales), then 5 floats of
+     * coefficients per part */
     int nparts;
     optim_part *parts;
     void *d_parts;
@@ -82,7 +82,9 @@ static double part_eps(const cmlp_optim *o, const optim_part *p) { return own_or
 static double part_dampening(const cmlp_optim *o, const optim_part *p) {
     return own_or(p->s.dampening, o->sgd.dampening);
 }
-static int part_nesterov(const cmlp_optim *o, const optim_part *p) { return own_flag_or(p->s.nesterov, o->sgd.nesterov); }
+static int part_nesterov(const cmlp_optim *o, const optim_part *p) {
+    return own_flag_or(p->s.nesterov, o->sgd.nesterov);
+}
 static int part_maximize(const cmlp_optim *o, const optim_part *p) {
     return own_flag_or(p->s.maximize, o->kind == CMLP_OPTIM_ADAM ? o->adam.maximize : o->sgd.maximize);
 }
@@ -498,7 +500,8 @@ static cmlp_status upload_parts(cmlp_optim *o, const optim_part *parts, int n, v
     } else if (*fresh) {
         st = cmlp_allocator_malloc(o->dev->alloc, bytes, "optimizer param groups", &d);
     }
-    if (st == CMLP_OK) st = o->dev->backend->copy_h2d(o->dev->bctx, d, args, CMLP_PART_ARGS * (size_t)n * sizeof(double));
+    if (st == CMLP_OK)
+        st = o->dev->backend->copy_h2d(o->dev->bctx, d, args, CMLP_PART_ARGS * (size_t)n * sizeof(double));
     free(args);
     if (st != CMLP_OK && *fresh && d) {
         if (o->dev->device.type == CMLP_DEVICE_CPU) free(d);

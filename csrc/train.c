@@ -885,7 +885,8 @@ static cmlp_status epoch_run(cmlp_trainer *t, int64_t max_steps, const double *l
     for (int64_t i = 0; part_momenta && i < nlr * cmlp_optim_num_parts(t->optim); i++)
         ahead = ahead || (!isnan(part_momenta[i]) && part_momenta[i] != 0.0);
     cmlp_optim_expect_momentum(t->optim, ahead);
-    cmlp_status s = run_begin(t, &ds, lr, momentum, scales, part_momenta, nlr); /* it may allocate: data-parallel, the ranks agree */
+    /* run_begin may allocate: data-parallel, the ranks agree */
+    cmlp_status s = run_begin(t, &ds, lr, momentum, scales, part_momenta, nlr);
     const int np = scales ? cmlp_optim_num_parts(t->optim) : 0;
     s = t->dist ? cmlp_dist_agree(s) : s;
     if (s != CMLP_OK) {

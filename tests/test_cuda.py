@@ -914,7 +914,8 @@ def test_groups_own_settings_replay_as_the_eager_loop_steps(device, kind, amp, s
     mine, theirs = opt_g.state_dict()["state"], opt.state_dict()["state"]
     assert sorted(mine) == sorted(theirs)
     for i in mine:
-        assert same({k: v for k, v in mine[i].items() if k != "step"}, {k: v for k, v in theirs[i].items() if k != "step"})
+        assert same({k: v for k, v in mine[i].items() if k != "step"},
+                    {k: v for k, v in theirs[i].items() if k != "step"})
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")  # a skipped first step, as torch warns

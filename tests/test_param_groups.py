@@ -60,6 +60,17 @@ def reference_of(kind, g, defaults):
                    decoupled_weight_decay=kind == "adamw", maximize=d["maximize"])
 
 
+def step_with_references(model, opt, refs, params, x, y):
+    """One step of opt, and of each group's float64 reference (names, ref) on params with the same
+    gradients (no feedback from rounding)."""
+    opt.zero_grad()
+    model.forward_backward(x, y)
+    grads = model.grads()
+    opt.step()
+    for names, ref in refs:
+        ref.step({k: params[k] for k in names}, {k: grads[k] for k in names})
+
+
 @pytest.mark.parametrize("own", [False, True])
 @pytest.mark.parametrize("kind", ["adam", "adamw", "sgd"])
 def test_each_group_follows_the_float64_reference_at_its_own_settings(kind, own):
@@ -68,14 +79,10 @@ def test_each_group_follows_the_float64_reference_at_its_own_settings(kind, own)
     params = {k: v.astype(np.float64) for k, v in model.state_dict().items()}
     refs = [(g["params"], reference_of(kind, g, opt.defaults)) for g in groups]
     for i, g in enumerate(groups):
-        assert {k: v for k, v in opt.param_groups[i].items() if k in g} == {**g, "params": opt.param_groups[i]["params"]}
+        mine = opt.param_groups[i]
+        assert {k: v for k, v in mine.items() if k in g} == {**g, "params": mine["params"]}
     for x, y in batches(8, 12):
-        opt.zero_grad()
-        model.forward_backward(x, y)
-        grads = model.grads()  # the same gradients for both: no feedback from rounding
-        opt.step()
-        for names, ref in refs:
-            ref.step({k: params[k] for k in names}, {k: grads[k] for k in names})
+        step_with_references(model, opt, refs, params, x, y)
         got = model.state_dict()
         for k in params:
             assert rel_err(got[k], params[k]) < 2e-6, k
@@ -357,7 +364,8 @@ def test_attributes_are_the_first_groups_and_shared_settings_are_everyones():
     ({"params": WEIGHTS + BIASES}, TypeError, "list of dicts"),
     ([{"lr": 0.1}], TypeError, "with 'params'"),
     ([{"params": WEIGHTS}, {"params": BIASES, "momentum": -0.5}], ValueError, "Invalid momentum value"),
-    ([{"params": WEIGHTS}, {"params": BIASES, "nesterov": 1}], ValueError, r"param_groups\[1\]: nesterov must be a bool"),
+    ([{"params": WEIGHTS}, {"params": BIASES, "nesterov": 1}], ValueError,
+     r"param_groups\[1\]: nesterov must be a bool"),
     ([{"params": WEIGHTS}, {"params": BIASES, "lr": -0.1}], ValueError, "Invalid learning rate"),
     ([{"params": WEIGHTS}, {"params": BIASES, "betas": (0.9, 0.99)}], ValueError, "no 'betas' setting"),
 ])
@@ -547,7 +555,8 @@ def test_sgd_state_of_a_group_without_momentum_is_torchs_both_ways():
     fresh.load_state_dict({"state": {i: {k: v.numpy() for k, v in e.items()} for i, e in theirs["state"].items()},
                            "param_groups": theirs["param_groups"]})
     assert sorted(fresh.state_dict()["state"]) == [0, 1, 2]
-    topt.load_state_dict({"state": {i: {k: torch.from_numpy(v) for k, v in e.items()} for i, e in ours["state"].items()},
+    topt.load_state_dict({"state": {i: {k: torch.from_numpy(v) for k, v in e.items()}
+                                    for i, e in ours["state"].items()},
                           "param_groups": ours["param_groups"]})
     for x, y in batches(8, 2, seed=9):
         step(fresh.model, fresh, topt, x, y)
@@ -598,13 +607,8 @@ def test_sgd_momentum_that_starts_within_a_call_starts_from_the_gradient(bounds,
     for i in range(len(x)):
         for (names, ref), group in zip(refs, opt.param_groups):
             ref.lr, ref.momentum = group["lr"], group["momentum"]
-        opt.zero_grad()
-        model.forward_backward(x[i:i + 1], y[i:i + 1])
-        grads = model.grads()
-        opt.step()
+        step_with_references(model, opt, refs, params, x[i:i + 1], y[i:i + 1])
         s.step()
-        for names, ref in refs:
-            ref.step({k: params[k] for k in names}, {k: grads[k] for k in names})
     got = model.state_dict()
     for k in params:
         assert rel_err(got[k], params[k]) < 1e-5, k

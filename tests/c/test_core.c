@@ -432,7 +432,8 @@ static void test_rates_per_step(void) {
               "a negative rate accepted");
         CHECK(cmlp_trainer_epoch_run_rates(t[0], bad + 2, NULL, NULL, NULL, 1, &st) == CMLP_ERR_INVALID,
               "a NaN rate accepted");
-        CHECK(cmlp_trainer_epoch_run_rates(t[0], lr, NULL, NULL, NULL, 0, &st) == CMLP_ERR_INVALID, "no rates accepted");
+        CHECK(cmlp_trainer_epoch_run_rates(t[0], lr, NULL, NULL, NULL, 0, &st) == CMLP_ERR_INVALID,
+              "no rates accepted");
         CHECK(cmlp_trainer_epoch_run_rates(t[0], lr, NULL, NULL, NULL, CMLP_MAX_RATES + 1, &st) == CMLP_ERR_INVALID,
               "more rates than a call takes accepted");
         CHECK(st.steps == 0, "a refused call stepped");

@@ -658,13 +658,15 @@ static void test_optim_prepare_parts(void) {
                     const double scale = per_step ? row[0] : parts[CMLP_PART_ARGS * p];
                     double mom = p == 0 ? rates[2 * t + 1] : parts[CMLP_PART_ARGS * p + 2];
                     if (per_step && !isnan(row[1])) mom = row[1];
-                    CHECK(pc[5 * p + (adam ? 3 : 1)] == (float)mom && (adam || pc[5 * p] == (float)(rates[2 * t] * scale)),
+                    const bool rate_ok = adam || pc[5 * p] == (float)(rates[2 * t] * scale);
+                    CHECK(pc[5 * p + (adam ? 3 : 1)] == (float)mom && rate_ok,
                           "part %d of step %d (adam %d) at %g and momentum %g, not %g and %g", p, t, adam, pc[5 * p],
                           pc[5 * p + (adam ? 3 : 1)], (float)(rates[2 * t] * scale), (float)mom);
                 }
                 /* Adam's part 1 at its own beta1 and beta2, part 2 at beta1 0 and the beta2 given */
                 const int64_t at = cstep;
-                const double sc1 = per_step ? table[2 * (t * NP + 1)] : 0.5, sc2 = per_step ? table[2 * (t * NP + 2)] : 0.25;
+                const double sc1 = per_step ? table[2 * (t * NP + 1)] : 0.5;
+                const double sc2 = per_step ? table[2 * (t * NP + 2)] : 0.25;
                 CHECK(per_step || !adam || (pc[5] == (float)(rates[2 * t] * sc1 / (1.0 - pow(0.5, (double)at))) &&
                                 pc[6] == (float)sqrt(1.0 - pow(0.99, (double)at)) && pc[8] == 0.5f &&
                                 pc[10] == (float)(rates[2 * t] * sc2) &&
