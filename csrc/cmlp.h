@@ -428,7 +428,12 @@ CMLP_API cmlp_status cmlp_optim_set_momentum(cmlp_optim *o, double momentum);
  * made at the next step, from zeros (AMSGrad's maximum then starts from that step's exp_avg_sq).
  * SGD's momentum buffer is NaN where it has not started (torch has none for those parameters: a
  * parameter group without momentum so far): a step with momentum starts it there from the
- * gradient, as torch's first step with momentum does; set_state takes NaN there so too. */
+ * gradient, as torch's first step with momentum does; set_state takes NaN there so too.
+ * AMSGrad's maximum spans every part once one has amsgrad, and is negative where it has not
+ * started (CMLP_VMAX_UNSTARTED; torch has none for those parameters: a parameter group without
+ * amsgrad so far): its first step there takes that step's exp_avg_sq, as from zeros; set_state
+ * takes negative values there so too. */
+#define CMLP_VMAX_UNSTARTED (-1.4980391264f) /* the float of bytes 0xBF, as the buffer is filled */
 CMLP_API int64_t cmlp_optim_get_step(const cmlp_optim *o);
 CMLP_API int cmlp_optim_num_buffers(const cmlp_optim *o);
 /* The buffers it holds once its next step is taken (those held, and those that step makes): what a
@@ -436,17 +441,18 @@ CMLP_API int cmlp_optim_num_buffers(const cmlp_optim *o);
 CMLP_API int cmlp_optim_buffers_planned(const cmlp_optim *o);
 CMLP_API cmlp_status cmlp_optim_get_buffer(const cmlp_optim *o, int i, float *host_out);
 /* Replaces the state: step count and nbuffers host buffers of num_parameters floats each
- * (nbuffers: 0, or 1 for SGD, 2 or 3 for Adam). */
+ * (nbuffers: 0, or 1 for SGD, 2 or 3 for Adam), finite (but for SGD's NaN where its buffer has
+ * not started; AMSGrad's maximum is negative where it has not). */
 CMLP_API cmlp_status cmlp_optim_set_state(cmlp_optim *o, int64_t step, int nbuffers,
                                           const float *const *host_buffers);
 CMLP_API cmlp_status cmlp_optim_to(cmlp_optim *o, cmlp_device d);
 /* A parameter group's own hyperparameters (torch's per-group settings): a value of its own, or
  * NaN (for the integers, -1) where the part takes the optimizer's configuration (which a
- * schedule may move: OneCycleLR's momentum). momentum is Adam's beta1 or SGD's momentum; beta2
- * and eps are Adam's, dampening and nesterov SGD's; maximize either's. */
+ * schedule may move: OneCycleLR's momentum). momentum is Adam's beta1 or SGD's momentum; beta2,
+ * eps and amsgrad are Adam's, dampening and nesterov SGD's; maximize either's. */
 typedef struct cmlp_part_settings {
     double momentum, beta2, eps, dampening;
-    int nesterov, maximize;
+    int nesterov, maximize, amsgrad;
 } cmlp_part_settings;
 CMLP_API cmlp_part_settings cmlp_part_settings_inherit(void); /* every field the optimizer's */
 
@@ -460,7 +466,8 @@ CMLP_API cmlp_part_settings cmlp_part_settings_inherit(void); /* every field the
  * optimizer's, finite in float32. A step on a device reads the scales and momenta there, so other
  * scales or momenta with the same ends, weight decays and other settings keep a captured step
  * valid. SGD's momentum buffer spans every part once one has momentum (NaN where it has not
- * started: a part's first step with momentum starts it from the gradient, as torch's). */
+ * started: a part's first step with momentum starts it from the gradient, as torch's), and
+ * AMSGrad's maximum every part once one has amsgrad (CMLP_VMAX_UNSTARTED where it has not). */
 #define CMLP_MAX_PARTS 65536
 CMLP_API cmlp_status cmlp_optim_set_parts(cmlp_optim *o, int n, const int64_t *ends, const double *lr_scale,
                                           const double *weight_decay, const cmlp_part_settings *settings);

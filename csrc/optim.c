@@ -28,7 +28,8 @@ struct cmlp_optim {
     cmlp_sgd_config sgd;
     int64_t step;
     float *state; /* NULL before the first step; [arena_buffers(o) * span(o)] */
-    float *vmax;  /* AMSGrad's max_exp_avg_sq, made at the first step with amsgrad: [span(o)] */
+    float *vmax;  /* AMSGrad's max_exp_avg_sq, made at the first step with amsgrad (any part's):
+                   * [span(o)], CMLP_VMAX_UNSTARTED where no step with amsgrad has been taken */
     bool unused;  /* state made ahead of the first step (cmlp_optim_prepare), which it still is */
     bool vmax_unused; /* likewise the AMSGrad maximum, made beside state in use (amsgrad turned on) */
     bool momentum_ahead; /* SGD: a step to come has momentum (cmlp_optim_expect_momentum) */
@@ -69,7 +70,7 @@ static float *part_coef(const cmlp_optim *o) {
     return (float *)((double *)o->d_parts + (CMLP_PART_ARGS + 2 * CMLP_MAX_RATES) * (size_t)o->nparts);
 }
 
-cmlp_part_settings cmlp_part_settings_inherit(void) { return (cmlp_part_settings){NAN, NAN, NAN, NAN, -1, -1}; }
+cmlp_part_settings cmlp_part_settings_inherit(void) { return (cmlp_part_settings){NAN, NAN, NAN, NAN, -1, -1, -1}; }
 
 /* A part's settings, resolved: its own, else the configuration's. */
 static double own_or(double own, double config) { return isnan(own) ? config : own; }
@@ -87,6 +88,15 @@ static int part_nesterov(const cmlp_optim *o, const optim_part *p) {
 }
 static int part_maximize(const cmlp_optim *o, const optim_part *p) {
     return own_flag_or(p->s.maximize, o->kind == CMLP_OPTIM_ADAM ? o->adam.maximize : o->sgd.maximize);
+}
+static int part_amsgrad(const cmlp_optim *o, const optim_part *p) {
+    return o->kind == CMLP_OPTIM_ADAM && own_flag_or(p->s.amsgrad, o->adam.amsgrad);
+}
+/* Whether a step with these settings takes AMSGrad's maximum somewhere. */
+static bool any_amsgrad(const cmlp_optim *o) {
+    bool on = o->kind == CMLP_OPTIM_ADAM && o->nparts == 0 && o->adam.amsgrad;
+    for (int i = 0; i < o->nparts && !on; i++) on = part_amsgrad(o, &o->parts[i]);
+    return on;
 }
 size_t cmlp_optim_parts_bytes(int n) { return parts_bytes(n); }
 
@@ -226,9 +236,9 @@ cmlp_status cmlp_optim_set_momentum(cmlp_optim *o, double momentum) {
 }
 
 /* Buffers a step with these settings uses: Adam's exp_avg and exp_avg_sq, and max_exp_avg_sq
- * with AMSGrad; SGD's momentum buffer while it has momentum. */
+ * with AMSGrad (any group's); SGD's momentum buffer while it has momentum (any group's). */
 static int buffers_needed(const cmlp_optim *o) {
-    if (o->kind == CMLP_OPTIM_ADAM) return o->adam.amsgrad ? 3 : 2;
+    if (o->kind == CMLP_OPTIM_ADAM) return any_amsgrad(o) ? 3 : 2;
     bool momentum = o->momentum_ahead || (o->nparts == 0 && o->sgd.momentum != 0.0); /* or any group's */
     for (int i = 0; i < o->nparts && !momentum; i++) momentum = part_momentum(o, &o->parts[i]) != 0.0;
     return momentum ? 1 : 0;
@@ -247,10 +257,8 @@ static int buffers_of(const cmlp_optim *o) {
     return have > need ? have : need;
 }
 
-/* AMSGrad is on and its maximum not made yet. */
-static bool vmax_missing(const cmlp_optim *o) {
-    return o->kind == CMLP_OPTIM_ADAM && o->adam.amsgrad && !o->vmax;
-}
+/* AMSGrad is on (somewhere) and its maximum not made yet. */
+static bool vmax_missing(const cmlp_optim *o) { return !o->vmax && any_amsgrad(o); }
 
 /* A step skipped on the device (inf/NaN under loss scaling) may have made the state; it holds
  * zeros and counts only once a step was taken, as PyTorch makes state at the first step. */
@@ -262,10 +270,9 @@ int cmlp_optim_num_parts(const cmlp_optim *o) { return o->nparts; }
 
 void cmlp_optim_expect_momentum(cmlp_optim *o, bool on) { o->momentum_ahead = on; }
 
-/* AMSGrad's running maximum of exp_avg_sq from k, NULL without AMSGrad */
-static float *amsgrad_max(const cmlp_optim *o, int64_t k) {
-    return o->kind == CMLP_OPTIM_ADAM && o->adam.amsgrad && o->vmax ? o->vmax + k : NULL;
-}
+/* AMSGrad's running maximum of exp_avg_sq from k, NULL where the step takes none (on: amsgrad
+ * there) */
+static float *amsgrad_max(const cmlp_optim *o, bool on, int64_t k) { return on && o->vmax ? o->vmax + k : NULL; }
 
 cmlp_status cmlp_optim_configure_adam(cmlp_optim *o, const cmlp_adam_config *c) {
     if (o->kind != CMLP_OPTIM_ADAM) return CMLP_FAIL(CMLP_ERR_STATE, "this optimizer is not Adam");
@@ -352,13 +359,15 @@ int cmlp_optim_shards(const cmlp_optim *o, int64_t *lo, int64_t *hi, int64_t *ch
     return o->shards;
 }
 
-/* A buffer of nb state buffers' zeros; SGD's momentum buffer all NaN (not started anywhere). */
-static cmlp_status zeros(cmlp_optim *o, int nb, float **out) {
+/* A buffer of nb state buffers, new: Adam's arena zeros; SGD's momentum buffer all NaN and
+ * AMSGrad's maximum (vmax) all CMLP_VMAX_UNSTARTED (not started anywhere). */
+static cmlp_status zeros(cmlp_optim *o, int nb, bool vmax, float **out) {
     size_t bytes = state_bytes(o, nb);
     CMLP_TRY(cmlp_allocator_malloc(o->dev->alloc, bytes, "optimizer state", (void **)out));
     const cmlp_backend_i *b = o->dev->backend;
-    cmlp_status st = o->kind == CMLP_OPTIM_SGD ? b->fill_byte(o->dev->bctx, *out, 0xFF, bytes)
-                                               : b->fill_zero(o->dev->bctx, *out, bytes);
+    cmlp_status st = vmax ? b->fill_byte(o->dev->bctx, *out, 0xBF, bytes)
+                     : o->kind == CMLP_OPTIM_SGD ? b->fill_byte(o->dev->bctx, *out, 0xFF, bytes)
+                                                 : b->fill_zero(o->dev->bctx, *out, bytes);
     if (st != CMLP_OK) {
         (void)cmlp_allocator_free(o->dev->alloc, *out);
         *out = NULL;
@@ -372,18 +381,18 @@ static bool complete(const cmlp_optim *o) {
 }
 
 /* Makes the state a step needs: the arena at the first step, and AMSGrad's maximum at the first
- * step with amsgrad (turned on later, it starts from zeros there, beside the arena as it is).
+ * step with amsgrad in any group (turned on later, it starts there, beside the arena as it is).
  * All or nothing: a maximum that cannot be made takes an arena made with it back. */
 static cmlp_status ensure_state(cmlp_optim *o) {
     if (complete(o)) return CMLP_OK;
     bool fresh = false;
     if (!o->state && buffers_needed(o) > 0) {
-        CMLP_TRY(zeros(o, arena_buffers(o), &o->state));
+        CMLP_TRY(zeros(o, arena_buffers(o), false, &o->state));
         o->unused = fresh = true;
         o->version++;
     }
     if (vmax_missing(o)) {
-        cmlp_status st = zeros(o, 1, &o->vmax);
+        cmlp_status st = zeros(o, 1, true, &o->vmax);
         if (st != CMLP_OK && fresh) {
             (void)cmlp_allocator_free(o->dev->alloc, o->state);
             o->state = NULL;
@@ -514,9 +523,10 @@ static cmlp_status upload_parts(cmlp_optim *o, const optim_part *parts, int n, v
 /* A part's own settings, checked as the configuration's are (NaN and -1: the configuration's). */
 static cmlp_status check_part_settings(const cmlp_optim *o, int i, const cmlp_part_settings *s) {
     bool adam = o->kind == CMLP_OPTIM_ADAM;
-    if ((s->nesterov < -1 || s->nesterov > 1) || (s->maximize < -1 || s->maximize > 1))
-        return CMLP_FAIL(CMLP_ERR_INVALID, "parameter groups: part %d's nesterov and maximize must be -1, 0 or 1, "
-                                           "got %d and %d", i, s->nesterov, s->maximize);
+    if ((s->nesterov < -1 || s->nesterov > 1) || (s->maximize < -1 || s->maximize > 1) ||
+        (s->amsgrad < -1 || s->amsgrad > 1))
+        return CMLP_FAIL(CMLP_ERR_INVALID, "parameter groups: part %d's nesterov, maximize and amsgrad must be -1, 0 "
+                                           "or 1, got %d, %d and %d", i, s->nesterov, s->maximize, s->amsgrad);
     if (adam && !isnan(s->momentum) && !(s->momentum >= 0.0 && s->momentum < 1.0))
         return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid beta parameter at index 0: %g (must be in [0, 1))", s->momentum);
     if (adam && !isnan(s->beta2) && !(s->beta2 >= 0.0 && s->beta2 < 1.0))
@@ -525,7 +535,7 @@ static cmlp_status check_part_settings(const cmlp_optim *o, int i, const cmlp_pa
     if (!isnan(s->eps)) CMLP_TRY(check_real("epsilon value", s->eps));
     if (!isnan(s->dampening) && !(fabs(s->dampening) <= FLT_MAX))
         return CMLP_FAIL(CMLP_ERR_INVALID, "Invalid dampening value: %g (must be finite in float32)", s->dampening);
-    if (adam ? !isnan(s->dampening) || s->nesterov >= 0 : !isnan(s->beta2) || !isnan(s->eps))
+    if (adam ? !isnan(s->dampening) || s->nesterov >= 0 : !isnan(s->beta2) || !isnan(s->eps) || s->amsgrad >= 0)
         return CMLP_FAIL(CMLP_ERR_INVALID, "parameter groups: part %d sets a setting %s does not have", i,
                          adam ? "Adam" : "SGD");
     return CMLP_OK;
@@ -537,7 +547,7 @@ static bool same_real(double a, double b) { return a == b || (isnan(a) && isnan(
 static bool same_launches(const optim_part *a, const optim_part *b) {
     return a->end == b->end && a->weight_decay == b->weight_decay && same_real(a->s.beta2, b->s.beta2) &&
            same_real(a->s.eps, b->s.eps) && same_real(a->s.dampening, b->s.dampening) &&
-           a->s.nesterov == b->s.nesterov && a->s.maximize == b->s.maximize;
+           a->s.nesterov == b->s.nesterov && a->s.maximize == b->s.maximize && a->s.amsgrad == b->s.amsgrad;
 }
 
 cmlp_status cmlp_optim_set_parts(cmlp_optim *o, int n, const int64_t *ends, const double *lr_scale,
@@ -617,7 +627,7 @@ uint64_t cmlp_optim_fingerprint(const cmlp_optim *o) {
         h = mix(h, &o->parts[i].weight_decay);
         const cmlp_part_settings *s = &o->parts[i].s;
         double own[4] = {s->momentum, s->beta2, s->eps, s->dampening};
-        int64_t flags = (int64_t)(s->nesterov + 1) * 4 + (s->maximize + 1);
+        int64_t flags = (int64_t)(s->amsgrad + 1) * 16 + (int64_t)(s->nesterov + 1) * 4 + (s->maximize + 1);
         for (int k = 0; k < 4; k++) h = mix(h, &own[k]);
         h = mix(h, &flags);
     }
@@ -696,7 +706,7 @@ cmlp_status cmlp_optim_step_summed_at(cmlp_optim *o, const double *scales, const
             double bc1 = 1.0 - pow(mom, (double)t), bc2 = 1.0 - pow(beta2, (double)t);
             bool dec = c->decoupled_weight_decay;
             st = b->adam(o->dev->bctx, m->params + lo, m->grads + lo, o->state + k, o->state + n + k,
-                         amsgrad_max(o, k), hi - lo, (float)(lr / bc1), (float)mom, (float)beta2, (float)(1.0 - mom),
+                         amsgrad_max(o, part_amsgrad(o, pt), k), hi - lo, (float)(lr / bc1), (float)mom, (float)beta2, (float)(1.0 - mom),
                          (float)(1.0 - beta2), (float)sqrt(bc2), (float)part_eps(o, pt), dec ? 0.0f : (float)wd,
                          dec ? (float)(1.0 - lr * wd) : 1.0f, part_maximize(o, pt), NULL, NULL);
         } else {
@@ -767,7 +777,7 @@ cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int6
             if (adam) {
                 const double beta2 = part_beta2(o, pt);
                 st = b->adam(ctx, m->params + lo, m->grads + lo, o->state + k, o->state + n + k,
-                             amsgrad_max(o, k), hi - lo, 0.0f, 0.0f, (float)beta2, 0.0f, (float)(1.0 - beta2), 1.0f,
+                             amsgrad_max(o, part_amsgrad(o, pt), k), hi - lo, 0.0f, 0.0f, (float)beta2, 0.0f, (float)(1.0 - beta2), 1.0f,
                              (float)part_eps(o, pt), o->adam.decoupled_weight_decay ? 0.0f : wd, 1.0f,
                              part_maximize(o, pt), d_found_inf, pc);
             } else {
@@ -779,14 +789,15 @@ cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int6
         }
     } else if (adam && b->adam_prepared && n > 0) { /* the bookkeeping in Adam's launch */
         const cmlp_adam_config *c = &o->adam;
-        st = b->adam_prepared(ctx, p, g, o->state, o->state + n, amsgrad_max(o, 0), n, &rate, c->beta2,
+        st = b->adam_prepared(ctx, p, g, o->state, o->state + n, amsgrad_max(o, c->amsgrad, 0), n, &rate, c->beta2,
                               (float)c->eps, adam_l2(c), c->maximize, d_found_inf, d_step, d_coef, d_pos, pos_add,
                               scale, &ds->blocks_done);
     } else if (adam) {
         const cmlp_adam_config *c = &o->adam;
         st = b->optim_prepare(ctx, d_step, d_coef, d_found_inf, &rate, c->beta2, 1, d_pos, pos_add, scale);
         if (st == CMLP_OK)
-            st = b->adam(ctx, p, g, o->state, o->state + n, amsgrad_max(o, 0), n, 0.0f, 0.0f, (float)c->beta2,
+            st = b->adam(ctx, p, g, o->state, o->state + n, amsgrad_max(o, c->amsgrad, 0), n, 0.0f, 0.0f,
+                         (float)c->beta2,
                          0.0f, (float)(1.0 - c->beta2), 1.0f, (float)c->eps, adam_l2(c), 1.0f, c->maximize,
                          d_found_inf, d_coef);
     } else {

@@ -322,7 +322,13 @@ def zero_case(opts):
                 # param groups whose parts the ranks' shards cut across
                 "adamw-groups": (cmlp.optim.AdamW, dict(lr=1e-3, param_groups=[
                     {"params": ["fc1.weight"], "lr": 2e-3},
-                    {"params": ["fc1.bias", "fc2.weight", "fc2.bias"], "weight_decay": 0.0}]))}[kind]
+                    {"params": ["fc1.bias", "fc2.weight", "fc2.bias"], "weight_decay": 0.0}])),
+                # state that one group keeps and the other does not (its entries left out, as torch's)
+                "adam-amsgrad-groups": (cmlp.optim.Adam, dict(lr=1e-3, param_groups=[
+                    {"params": ["fc1.weight"], "amsgrad": True}, {"params": ["fc1.bias", "fc2.weight", "fc2.bias"]}])),
+                "sgd-groups": (cmlp.optim.SGD, dict(lr=0.05, momentum=0.9, param_groups=[
+                    {"params": ["fc1.weight", "fc2.bias"], "momentum": 0.0},
+                    {"params": ["fc1.bias", "fc2.weight"]}]))}[kind]
     kw = dict(batch_size=16, accumulation_steps=opts.get("accum", 1), amp=opts.get("amp"),
               max_grad_norm=opts.get("clip"), seed=2)
 

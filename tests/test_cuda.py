@@ -742,9 +742,9 @@ def test_a_learning_rate_schedule_replays_the_captured_step_and_equals_the_eager
 
 PARAM_GROUPS = [{"params": ["fc1.weight", "fc2.weight"], "lr": 3e-3},
                 {"params": ["fc1.bias", "fc2.bias"], "weight_decay": 0.0, "lr": 5e-3}]
-# the same groups with hyperparameters of their own (torch's per-group betas, eps, momentum, ...)
+# the same groups with hyperparameters of their own (torch's per-group betas, eps, amsgrad, momentum, ...)
 OWN_GROUPS = {"adam": [{**PARAM_GROUPS[0], "betas": (0.8, 0.99), "eps": 1e-6},
-                       {**PARAM_GROUPS[1], "maximize": True, "betas": (0.9, 0.9)}],
+                       {**PARAM_GROUPS[1], "maximize": True, "betas": (0.9, 0.9), "amsgrad": True}],
               "sgd": [{**PARAM_GROUPS[0], "momentum": 0.5, "dampening": 0.2},
                       {**PARAM_GROUPS[1], "nesterov": True, "maximize": True}]}
 
@@ -768,7 +768,9 @@ def test_param_groups_step_like_the_cpu(kind):
             for o in opts:
                 o.param_groups[1]["lr"] = 1e-2
                 if own:
-                    o.param_groups[0].update({"betas": (0.7, 0.95)} if kind == "adam" else {"momentum": 0.3})
+                    # (the first group's AMSGrad maximum starts here, beside the second's)
+                    o.param_groups[0].update({"betas": (0.7, 0.95), "amsgrad": True} if kind == "adam"
+                                             else {"momentum": 0.3})
         if i == 1:  # the groups' settings move with the optimizer: a copy of the CPU's, moved over
             moved = cmlp.MLP(sizes, seed=0)
             moved.load_state_dict(cpu.state_dict())

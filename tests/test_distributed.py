@@ -453,15 +453,17 @@ def check_zero(out, ranks, clipping=False, emulated=False):
 @pytest.mark.parametrize("ranks,opts", [(2, {}), (3, {}), (2, {"opt": "sgd", "accum": 2}), (3, {"opt": "adamw"}),
                                         (2, {"amp": "fp16", "clip": 0.05, "init_scale": 2.0**24}),
                                         (3, {"amp": "bf16", "accum": 3}), (3, {"clip": 0.05}),
-                                        (3, {"opt": "adamw-groups"}), (3, {"opt": "adam-amsgrad"})],
+                                        (3, {"opt": "adamw-groups"}), (3, {"opt": "adam-amsgrad"}),
+                                        (3, {"opt": "adam-amsgrad-groups"}), (2, {"opt": "sgd-groups"})],
                          ids=["adam-2", "adam-3", "sgd-accumulation-2", "adamw-3", "fp16-clipping-skips-2", "bf16-3",
-                              "clipping-3", "param-groups-3", "amsgrad-3"])
+                              "clipping-3", "param-groups-3", "amsgrad-3", "amsgrad-groups-3", "sgd-groups-2"])
 def test_zero_redundancy_optimizer_keeps_a_part_of_the_state_and_updates_the_same(ranks, opts):
     out = run_job(ranks, "zero", opts)
     part = check_zero(out, ranks, clipping="clip" in opts)
     if opts.get("init_scale"):
         assert out["skipped"][0] > 0  # steps skipped by every rank alike
-    optimizer = {"sgd": "sgd_momentum", "adam-amsgrad": "adam_amsgrad"}.get(opts.get("opt"), "adam")
+    optimizer = {"sgd": "sgd_momentum", "sgd-groups": "sgd_momentum", "adam-amsgrad": "adam_amsgrad",
+                 "adam-amsgrad-groups": "adam_amsgrad"}.get(opts.get("opt"), "adam")
     planned = cmlp.memory.plan(SIZES, 16, optimizer, amp=opts.get("amp"), optimizer_shards=ranks)
     assert planned.breakdown["optimizer_state"] == part  # the plan is the first rank's
 

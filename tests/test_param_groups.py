@@ -1,5 +1,5 @@
 """Param groups (torch's param_groups): each group of parameter tensors steps at its own learning
-rate, weight decay and hyperparameters (Adam's betas, eps and maximize; SGD's momentum,
+rate, weight decay and hyperparameters (Adam's betas, eps, amsgrad and maximize; SGD's momentum,
 dampening, nesterov and maximize). Checked against a float64 reference and torch.optim, in the
 hand loop and in Trainer.fit (to the bit), with state_dicts in torch's layout and bad groups
 refused.
@@ -21,7 +21,7 @@ GROUPS = [{"params": ["fc1.weight", "fc2.weight"], "lr": 3e-3},
           {"params": ["fc3.weight"], "weight_decay": 0.3},
           {"params": BIASES, "weight_decay": 0.0, "lr": 5e-3}]
 # the same groups, each with hyperparameters of its own too (the first group's are the C configuration's)
-OWN = {"adam": [{**GROUPS[0], "betas": (0.8, 0.99), "eps": 1e-6}, {**GROUPS[1], "maximize": True},
+OWN = {"adam": [{**GROUPS[0], "betas": (0.8, 0.99), "eps": 1e-6}, {**GROUPS[1], "maximize": True, "amsgrad": True},
                 {**GROUPS[2], "betas": (0.95, 0.9)}],
        "sgd": [{**GROUPS[0], "momentum": 0.5, "dampening": 0.2, "nesterov": False}, {**GROUPS[1], "maximize": True},
                {**GROUPS[2], "momentum": 0.0}]}
@@ -57,7 +57,7 @@ def reference_of(kind, g, defaults):
                       nesterov=d["nesterov"] and d["momentum"] > 0,
                       weight_decay=d["weight_decay"], maximize=d["maximize"])
     return RefAdam(d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
-                   decoupled_weight_decay=kind == "adamw", maximize=d["maximize"])
+                   decoupled_weight_decay=kind == "adamw", amsgrad=d["amsgrad"], maximize=d["maximize"])
 
 
 def step_with_references(model, opt, refs, params, x, y):
@@ -312,9 +312,10 @@ def test_state_dict_round_trip_deepcopy_and_a_different_grouping_refused():
     with pytest.raises(ValueError, match="doesn't match the size"):
         regrouped.load_state_dict(sd)
     bad = copy.deepcopy(sd)
-    bad["param_groups"][1]["amsgrad"] = True
+    bad["param_groups"][1]["decoupled_weight_decay"] = True
     before = other.state_dict()
-    with pytest.raises(ValueError, match=r"other \['amsgrad'\] than group 0: cmlp's param groups share amsgrad"):
+    with pytest.raises(ValueError, match=r"other \['decoupled_weight_decay'\] than group 0: cmlp's param groups "
+                                         "share decoupled_weight_decay"):
         other.load_state_dict(bad)
     assert other.state_dict()["param_groups"] == before["param_groups"]
     own = copy.deepcopy(sd)  # a group's own betas load, and the state_dict gives them back
@@ -342,9 +343,13 @@ def test_attributes_are_the_first_groups_and_shared_settings_are_everyones():
         adam.param_groups[2]["betas"] = (0.9, 1.0)
     with pytest.raises(ValueError, match="Invalid epsilon value"):
         adam.param_groups[0].update({"lr": 0.5, "eps": -1.0})  # all or nothing
-    adam.param_groups[1]["amsgrad"] = True  # shared: every group's
+    adam.param_groups[1]["amsgrad"] = True  # that group's own
     assert [(g["lr"], g["betas"], g["eps"], g["amsgrad"]) for g in adam.param_groups] == \
-           [(3e-3, (0.9, 0.999), 1e-8, True), (1e-3, (0.9, 0.999), 1e-8, True), (5e-3, (0.9, 0.999), 1e-8, True)]
+           [(3e-3, (0.9, 0.999), 1e-8, False), (1e-3, (0.9, 0.999), 1e-8, True), (5e-3, (0.9, 0.999), 1e-8, False)]
+    adam.amsgrad = True  # the attribute sets every group's
+    assert [g["amsgrad"] for g in adam.param_groups] == [True] * 3
+    adam.param_groups[2]["decoupled_weight_decay"] = True  # shared: every group's
+    assert [g["decoupled_weight_decay"] for g in adam.param_groups] == [True] * 3 and adam.decoupled_weight_decay
     with pytest.raises(ValueError, match="Invalid learning rate"):
         opt.param_groups[1].update({"weight_decay": 0.2, "lr": -1.0})
     assert [(g["lr"], g["weight_decay"]) for g in opt.param_groups] == [(1e-3, 0.1), (1e-2, 0.3), (5e-3, 0.0)]
@@ -563,6 +568,103 @@ def test_sgd_state_of_a_group_without_momentum_is_torchs_both_ways():
         got = fresh.model.state_dict()
         for k, t in tensors.items():
             assert rel_err(got[k], t.detach().numpy()) < 1e-6, k
+
+
+def test_adam_state_of_a_group_without_amsgrad_is_torchs_both_ways():
+    """torch keeps max_exp_avg_sq for the tensors of groups with amsgrad only: the state_dict here
+    has it where torch's has it, a torch state_dict loads (the others' maximum not started), and
+    with the state loaded each way the next steps agree; amsgrad turned off keeps the maximum in
+    the state, as torch's. A maximum given negative is refused, and changes nothing."""
+    torch = pytest.importorskip("torch")
+    groups = [{"params": WEIGHTS, "amsgrad": True}, {"params": BIASES, "lr": 5e-3}]
+    model, opt = make("adam", groups=groups)
+    tensors = {k: torch.nn.Parameter(torch.from_numpy(v.copy())) for k, v in model.state_dict().items()}
+    topt = torch.optim.Adam([{**g, "params": [tensors[k] for k in g["params"]]} for g in groups], lr=1e-3,
+                            weight_decay=0.1)
+
+    def step(m, o, t, x, y):
+        m.load_state_dict({k: v.detach().numpy() for k, v in tensors.items()})
+        o.zero_grad()
+        m.forward_backward(x, y)
+        for k, g in m.grads().items():
+            tensors[k].grad = torch.from_numpy(g.copy())
+        o.step()
+        t.step()
+        got = m.state_dict()
+        for k, v in tensors.items():
+            assert rel_err(got[k], v.detach().numpy()) < 1e-6, k
+
+    def same_state(ours, theirs):
+        assert {i: sorted(e) for i, e in ours["state"].items()} == {i: sorted(e) for i, e in theirs["state"].items()}
+        for i, entry in theirs["state"].items():
+            for name, value in entry.items():
+                if name != "step":
+                    assert rel_err(ours["state"][i][name], value.numpy()) < 1e-5, (i, name)
+
+    for x, y in batches(8, 3):
+        step(model, opt, topt, x, y)
+    ours, theirs = opt.state_dict(), topt.state_dict()
+    assert ["max_exp_avg_sq" in e for _, e in sorted(ours["state"].items())] == [True] * 3 + [False] * 3
+    same_state(ours, theirs)
+    _, fresh = make("adam", groups=[{"params": WEIGHTS}, {"params": BIASES}], seed=5)
+    fresh.load_state_dict({"state": {i: {k: v.numpy() for k, v in e.items()} for i, e in theirs["state"].items()},
+                           "param_groups": theirs["param_groups"]})
+    assert [g["amsgrad"] for g in fresh.param_groups] == [True, False]
+    same_state(fresh.state_dict(), theirs)
+    bad = {"state": {i: dict(e) for i, e in ours["state"].items()}, "param_groups": ours["param_groups"]}
+    bad["state"][1]["max_exp_avg_sq"] = -bad["state"][1]["max_exp_avg_sq"] - 1.0
+    before = fresh.state_dict()
+    with pytest.raises(ValueError, match="max_exp_avg_sq must be >= 0"):
+        fresh.load_state_dict(bad)
+    same_state(fresh.state_dict(), topt.state_dict())
+    assert fresh.state_dict()["param_groups"] == before["param_groups"]
+    topt.load_state_dict({"state": {i: {k: torch.from_numpy(np.asarray(v)) if k != "step" else torch.tensor(v)
+                                        for k, v in e.items()} for i, e in ours["state"].items()},
+                          "param_groups": ours["param_groups"]})
+    for i, (x, y) in enumerate(batches(8, 4, seed=9)):
+        if i == 2:  # turned off: the maximum stays in both states, and the steps go on without it
+            fresh.param_groups[0]["amsgrad"] = topt.param_groups[0]["amsgrad"] = False
+        step(fresh.model, fresh, topt, x, y)
+    same_state(fresh.state_dict(), topt.state_dict())
+
+
+def test_amsgrad_turned_on_for_a_group_later_starts_its_maximum_there():
+    """torch has no maximum for a group that turns amsgrad on after its first step (its step then
+    fails); here it starts at that step, from that step's exp_avg_sq as from zeros (the float64
+    reference), while the other group's goes on from where it was, in the hand loop and in fit."""
+    groups = [{"params": WEIGHTS, "amsgrad": True}, {"params": BIASES, "lr": 5e-3}]
+    model, opt = make("adam", groups=groups)
+    params = {k: v.astype(np.float64) for k, v in model.state_dict().items()}
+    refs = [(g["params"], reference_of("adam", g, opt.defaults)) for g in groups]
+    for i, (x, y) in enumerate(batches(8, 8)):
+        if i == 4:
+            opt.param_groups[1]["amsgrad"] = refs[1][1].amsgrad = True
+            assert "max_exp_avg_sq" not in opt.state_dict()["state"][3]
+        step_with_references(model, opt, refs, params, x, y)
+    got = model.state_dict()
+    for k in params:
+        assert rel_err(got[k], params[k]) < 2e-6, k
+    state = opt.state_dict()["state"]
+    names = WEIGHTS + BIASES
+    for i, name in enumerate(names):
+        ref = refs[0][1] if name in WEIGHTS else refs[1][1]
+        assert rel_err(state[i]["max_exp_avg_sq"], ref.max_exp_avg_sq[name]) < 1e-5, name
+    x, y = batches(64, 1, seed=3)[0]
+    runs = []
+    for by_fit in (True, False):
+        model, opt = make("adam", groups=[dict(g) for g in groups])
+        trainer = cmlp.Trainer(model, opt, batch_size=8, shuffle=False)
+        trainer.fit(x[:32], y[:32], epochs=1, progress=False) if by_fit else \
+            [trainer.step(x[i:i + 8], y[i:i + 8]) for i in range(0, 32, 8)]
+        opt.param_groups[1]["amsgrad"] = True
+        trainer.fit(x[32:], y[32:], epochs=1, progress=False) if by_fit else \
+            [trainer.step(x[i:i + 8], y[i:i + 8]) for i in range(32, 64, 8)]
+        runs.append((model._c.get_params(), opt.state_dict()))
+    np.testing.assert_array_equal(runs[0][0], runs[1][0])
+    for i, entry in runs[1][1]["state"].items():
+        assert sorted(runs[0][1]["state"][i]) == sorted(entry)
+        for name, value in entry.items():
+            np.testing.assert_array_equal(runs[0][1]["state"][i][name], value)
 
 
 @pytest.mark.parametrize("amp", [None, "fp16"])

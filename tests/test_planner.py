@@ -454,8 +454,8 @@ def test_adamw_keeps_what_adam_keeps():
 
 
 def test_amsgrad_plans_the_buffers_its_optimizer_holds_at_its_next_step():
-    """A third buffer with AMSGrad; turned on after steps, the next step makes it (planned), and
-    turned off it stays (still planned, as it is still held)."""
+    """A third buffer with AMSGrad (in any param group); turned on after steps, the next step makes
+    it (planned), and turned off it stays (still planned, as it is still held)."""
     sizes = [20, 30, 5]
     two, three = (cmlp.memory.plan(sizes, 8, name).breakdown["optimizer_state"] for name in ("adam", "adam_amsgrad"))
     model = cmlp.MLP(sizes, seed=0)
@@ -471,6 +471,10 @@ def test_amsgrad_plans_the_buffers_its_optimizer_holds_at_its_next_step():
     opt.amsgrad = False
     assert cmlp.memory.plan(sizes, 8, opt).breakdown["optimizer_state"] == three
     assert len(opt.state[0]) == 4  # step, exp_avg, exp_avg_sq, max_exp_avg_sq
+    # one param group's amsgrad: the maximum spans every group's parameters (not started in the others')
+    grouped = cmlp.optim.Adam(model, param_groups=[{"params": ["fc1.weight"], "amsgrad": True},
+                                                   {"params": ["fc1.bias", "fc2.weight", "fc2.bias"]}])
+    assert cmlp.memory.plan(sizes, 8, grouped).breakdown["optimizer_state"] == three
 
 
 def test_a_sharded_optimizer_state_is_planned_for_the_first_rank():

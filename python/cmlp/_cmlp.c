@@ -921,10 +921,11 @@ static PyObject *Optim_configure(OptimObject *self, PyObject *args, PyObject *kw
     Py_RETURN_NONE;
 }
 
-/* set_parts([(end, lr_scale, weight_decay[, momentum, beta2, eps, dampening, nesterov, maximize]), ...]):
+/* set_parts([(end, lr_scale, weight_decay[, momentum, beta2, eps, dampening, nesterov, maximize, amsgrad]),
+ * ...]):
  * the parameter groups' parts (cmlp_optim_set_parts); a setting NaN (or -1), or left out, is the
  * optimizer's. */
-#define PART_FORMAT "(end, lr_scale, weight_decay[, momentum, beta2, eps, dampening, nesterov, maximize])"
+#define PART_FORMAT "(end, lr_scale, weight_decay[, momentum, beta2, eps, dampening, nesterov, maximize, amsgrad])"
 static PyObject *Optim_set_parts(OptimObject *self, PyObject *arg) {
     PyObject *seq = items_of(arg, "parts must be a sequence of " PART_FORMAT);
     if (!seq) return NULL;
@@ -948,9 +949,9 @@ static PyObject *Optim_set_parts(OptimObject *self, PyObject *arg) {
         cmlp_part_settings *s = &own[i];
         *s = cmlp_part_settings_inherit();
         PyObject *part = items_of(PySequence_Fast_GET_ITEM(seq, i), "a part is " PART_FORMAT);
-        int ok = part && PyArg_ParseTuple(part, "Ldd|ddddii;a part is " PART_FORMAT, &end, &scale[i], &wd[i],
+        int ok = part && PyArg_ParseTuple(part, "Ldd|ddddiii;a part is " PART_FORMAT, &end, &scale[i], &wd[i],
                                           &s->momentum, &s->beta2, &s->eps, &s->dampening, &s->nesterov,
-                                          &s->maximize);
+                                          &s->maximize, &s->amsgrad);
         Py_XDECREF(part);
         if (!ok) goto done;
         ends[i] = end;

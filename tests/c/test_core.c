@@ -566,7 +566,8 @@ static void test_parts(void) {
 }
 
 /* Parameter groups' own hyperparameters (cmlp_part_settings): bad ones refused; what a step on the
- * device reads (the momentum) keeps the version, what its launches take does not; SGD's parts at
+ * device reads (the momentum) keeps the version, what its launches take does not; AMSGrad in one
+ * part, its maximum not started in the other until that part's amsgrad is turned on; SGD's parts at
  * their own momentum, dampening, nesterov and maximize; an epoch whose parts' momenta move apart
  * step by step (a table) equals the same steps by hand, bit for bit. */
 static void test_part_settings(void) {
@@ -604,12 +605,46 @@ static void test_part_settings(void) {
     own[1].eps = 1e-4; /* a launch's argument */
     OK(cmlp_optim_set_parts(o[0], 2, ends, scale, wd, own));
     CHECK(cmlp_optim_version(o[0]) != v, "another eps kept the version");
+    /* AMSGrad in part 1 only: its maximum spans both parts, not started in part 0 until its turn */
+    own[1].amsgrad = 2;
+    CHECK(cmlp_optim_set_parts(o[0], 2, ends, scale, wd, own) == CMLP_ERR_INVALID, "amsgrad 2 accepted");
+    own[1].amsgrad = 1;
+    v = cmlp_optim_version(o[0]);
+    OK(cmlp_optim_set_parts(o[0], 2, ends, scale, wd, own));
+    CHECK(cmlp_optim_version(o[0]) != v, "a part's amsgrad kept the version");
+    CHECK(cmlp_optim_buffers_planned(o[0]) == 3, "a part's amsgrad plans %d buffers", cmlp_optim_buffers_planned(o[0]));
+    float *vmax = malloc(sizeof(float) * (size_t)n);
+    cmlp_data b8 = {.x = x, .x_dtype = CMLP_DTYPE_F32, .y = y, .n = 8};
+    double loss8;
+    for (int turn = 0; turn < 2; turn++) {
+        OK(cmlp_model_zero_grad(m[0]));
+        OK(cmlp_model_forward_backward(m[0], &b8, 1.0f, 0.0f, CMLP_AMP_NONE, &loss8));
+        OK(cmlp_optim_step(o[0]));
+        CHECK(cmlp_optim_num_buffers(o[0]) == 3, "%d buffers after a step with a part's amsgrad",
+              cmlp_optim_num_buffers(o[0]));
+        OK(cmlp_optim_get_buffer(o[0], 2, vmax));
+        int unstarted = 0, negative = 0;
+        for (int64_t i = 0; i < n; i++) {
+            unstarted += i < ends[0] && vmax[i] == CMLP_VMAX_UNSTARTED;
+            negative += (i >= ends[0] || turn) && vmax[i] < 0.0f;
+        }
+        CHECK(unstarted == (turn ? 0 : (int)ends[0]) && negative == 0,
+              "turn %d: AMSGrad's maximum not started at %d of part 0's %d, negative at %d elsewhere", turn, unstarted,
+              (int)ends[0], negative);
+        own[0].amsgrad = 1; /* part 0's turn: it starts at the next step */
+        OK(cmlp_optim_set_parts(o[0], 2, ends, scale, wd, own));
+    }
+    free(vmax);
+    own[0].amsgrad = -1;
     cmlp_optim_free(o[0]);
     /* SGD: part 0 the configuration's (momentum 0.9, nesterov), part 1 its own */
     cmlp_sgd_config sc = cmlp_sgd_defaults();
     sc.lr = 0.1, sc.momentum = 0.9, sc.nesterov = 1;
     OK(cmlp_optim_init_sgd(&o[0], m[0], &sc));
     own[1] = cmlp_part_settings_inherit();
+    own[1].amsgrad = 1;
+    CHECK(cmlp_optim_set_parts(o[0], 2, ends, scale, wd, own) == CMLP_ERR_INVALID, "SGD took amsgrad");
+    own[1].amsgrad = -1;
     own[1].momentum = 0.5, own[1].dampening = 0.25, own[1].nesterov = 0, own[1].maximize = 1;
     OK(cmlp_optim_set_parts(o[0], 2, ends, scale, wd, own));
     float *p0 = malloc(sizeof(float) * (size_t)n), *p1 = malloc(sizeof(float) * (size_t)n),

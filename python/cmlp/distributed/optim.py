@@ -28,7 +28,7 @@ import numpy as np
 
 from .._arrays import as_flag
 from ..model import MLP
-from ..optim import Optimizer
+from ..optim import _UNSTARTED, Optimizer
 from . import all_reduce, broadcast, get_rank, get_world_size, is_initialized
 
 __all__ = ["ZeroRedundancyOptimizer"]
@@ -117,14 +117,19 @@ class ZeroRedundancyOptimizer(Optimizer):
     @property
     def state(self) -> Dict[int, Dict[str, Any]]:
         """This rank's state, as torch's ZeroRedundancyOptimizer gives its local optimizer's:
-        its part of each tensor's buffers in place, zeros elsewhere (no collective). SGD's leaves
-        out, as torch's state does, a tensor whose momentum buffer has not started: one whose
-        elements in this rank's part have not, or, with none there, whose group has no momentum."""
+        its part of each tensor's buffers in place, zeros elsewhere (no collective). As torch's
+        state does, it leaves out SGD's momentum buffer and AMSGrad's max_exp_avg_sq of a tensor
+        where they have not started: where its elements in this rank's part have not, or, with
+        none there, where its group has no momentum (no amsgrad)."""
         step, bufs = self._c.get_state()
-        if self._kind != "sgd" or not bufs:
+        if not bufs:
             return self._state_dict_of(step, bufs)["state"]
+        which, key = (0, "momentum") if self._kind == "sgd" else (2, "amsgrad")
+        if len(bufs) <= which:
+            return self._state_dict_of(step, bufs)["state"]
+        unstarted = _UNSTARTED[self._buffers[which]]
         _, lo, hi, _ = self._c.shards()
-        buf = bufs[0].copy()  # NaN where not started (this rank's part), zeros in the others' parts
+        buf = bufs[which] = bufs[which].copy()  # not started (this rank's part), zeros in the others' parts
         m = self.model
         spans = {}  # each tensor's [start, end) in the flat buffers
         for i, (w, b) in enumerate(m._offsets):
@@ -134,13 +139,16 @@ class ZeroRedundancyOptimizer(Optimizer):
             for name in g._names:
                 first, last = spans[name]
                 if last <= lo or first >= hi:  # none of it here
-                    buf[first:last] = 0.0 if own["momentum"] != 0.0 else np.nan
+                    buf[first:last] = 0.0 if own[key] else unstarted
                 else:  # its elements in the others' parts: as this rank's decide
-                    buf[first:max(lo, first)] = np.nan
-                    buf[min(hi, last):last] = np.nan
-        state = self._state_dict_of(step, [buf])["state"]  # all NaN: left out
+                    buf[first:max(lo, first)] = unstarted
+                    buf[min(hi, last):last] = unstarted
+        state = self._state_dict_of(step, bufs)["state"]  # not started anywhere: left out
         for entry in state.values():
-            np.nan_to_num(entry["momentum_buffer"], copy=False, nan=0.0)
+            name = self._buffers[which]
+            if name in entry:
+                started = entry[name]
+                started[np.isnan(started) | (started < 0)] = 0.0
         return state
 
     def state_dict(self) -> Dict[str, Any]:

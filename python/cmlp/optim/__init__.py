@@ -90,14 +90,17 @@ def _rate(name: str, value: Any) -> float:
 
 
 _FLT_MAX = float(np.finfo(np.float32).max)
+# a state buffer's value where it has not started (torch's state has none there): SGD's momentum
+# buffer NaN, AMSGrad's maximum negative (a maximum of squares; a step takes its exp_avg_sq there)
+_UNSTARTED = {"momentum_buffer": np.nan, "max_exp_avg_sq": -1.0}
 _INHERIT = float("nan")  # a part's setting that is the C configuration's (one object: tuples of it compare equal)
 
 
 class _ParamGroup(MutableMapping):
     """One of torch's param_groups: a dict of the group's settings. Its "lr", "weight_decay",
-    "initial_lr" and hyperparameters (Adam's betas, eps and maximize; SGD's momentum, dampening,
-    nesterov and maximize) are the group's own; Adam's amsgrad and decoupled_weight_decay are
-    shared by every group, and setting one in any group sets it for all. Setting a key checks it
+    "initial_lr" and hyperparameters (Adam's betas, eps, amsgrad and maximize; SGD's momentum,
+    dampening, nesterov and maximize) are the group's own; Adam's decoupled_weight_decay is shared
+    by every group, and setting it in any group sets it for all. Setting a key checks it
     and applies it from the next step on (as torch reads its groups at each step); other keys are
     kept as given, as torch keeps them. "params" is the group's parameter tensors (indices, as in
     state_dict()) and cannot change."""
@@ -368,7 +371,8 @@ class Optimizer:
 
     def _part_fields(self, own: Mapping) -> Tuple[Any, ...]:
         """A group's hyperparameters as the C optimizer's parts take them: (momentum, beta2, eps,
-        dampening, nesterov, maximize), None for what this kind of optimizer does not have."""
+        dampening, nesterov, maximize, amsgrad), None for what this kind of optimizer does not
+        have."""
         raise NotImplementedError
 
     def _part_settings(self, owns: List[Dict[str, Any]]) -> List[Tuple[Any, ...]]:
@@ -648,6 +652,9 @@ class Optimizer:
                 # SGD's buffer not started (NaN: a group that has had no momentum): none in torch's state
                 if self._kind == "sgd" and np.isnan(entry["momentum_buffer"]).all():
                     continue
+                # likewise AMSGrad's maximum (negative: a group that has had no amsgrad)
+                if "max_exp_avg_sq" in entry and (entry["max_exp_avg_sq"] < 0).all():
+                    del entry["max_exp_avg_sq"]
                 state[i] = entry
         groups = []
         for g in self._param_groups:
@@ -732,7 +739,8 @@ class Optimizer:
     def _parse_state(self, state: Mapping, order: List[Any], names: List[str]) -> Tuple[int, List[np.ndarray]]:
         """(step, flat buffers) from per-parameter entries, checked. SGD's may leave parameters
         out (torch's state has none for those whose group has had no momentum): their buffer has
-        not started (NaN)."""
+        not started (NaN); so may Adam's max_exp_avg_sq (for those whose group has had no amsgrad:
+        negative, not started)."""
         if self._kind == "sgd" and all(k in order for k in state):
             state = {k: state.get(k, {}) for k in order}
         if len(state) != len(order) or any(k not in state for k in order):
@@ -765,11 +773,11 @@ class Optimizer:
             present = [state[k].get(bname) is not None for k in order]
             if not any(present):
                 continue
-            if not all(present) and bname != "momentum_buffer":  # SGD's: NaN where not started
+            unstarted = _UNSTARTED.get(bname)  # SGD's and AMSGrad's: where not started
+            if not all(present) and unstarted is None:
                 raise ValueError(f"optimizer state {bname} is given for some parameters only")
-            flat = np.full(self.model.num_parameters(), np.nan if bname == "momentum_buffer" else 0.0,
-                           dtype=np.float32)
-            views = self.model._split(flat)  # NaN where the state_dict gives none: SGD's buffer not started
+            flat = np.full(self.model.num_parameters(), 0.0 if unstarted is None else unstarted, dtype=np.float32)
+            views = self.model._split(flat)  # where the state_dict gives none: not started
             for k, name, here in zip(order, names, present):
                 if not here:
                     continue
@@ -785,9 +793,9 @@ class Optimizer:
                                      f"expected {views[name].shape}")
                 if not np.isfinite(arr).all():
                     raise ValueError(f"optimizer state {bname} holds inf or NaN")
+                if bname in ("exp_avg_sq", "max_exp_avg_sq") and not (arr >= 0).all():
+                    raise ValueError(f"optimizer state {bname} must be >= 0 everywhere (a running mean of squares)")
                 views[name][...] = arr
-            if bname in ("exp_avg_sq", "max_exp_avg_sq") and not (flat >= 0).all():
-                raise ValueError(f"optimizer state {bname} must be >= 0 everywhere (a running mean of squares)")
             bufs.append(flat)
             given.append(bname)
         if self._kind == "adam" and given and given[:2] != ["exp_avg", "exp_avg_sq"]:
@@ -842,15 +850,16 @@ class Adam(Optimizer):
     """torch.optim.Adam, bias-corrected: weight_decay is L2, added to the gradient, unless
     decoupled_weight_decay=True, which makes it AdamW's (the parameters multiplied by
     1 - lr * weight_decay before each update). amsgrad=True: AMSGrad, the denominator made of the
-    largest exp_avg_sq so far (a third state buffer, max_exp_avg_sq); maximize=True: each step
+    largest exp_avg_sq so far (a third state buffer, max_exp_avg_sq, which spans every group once
+    one has amsgrad); maximize=True: each step
     climbs the objective (the gradient's sign flipped). param_groups: torch's param groups, e.g.
     [{"params": ["fc1.weight", "fc2.weight", "fc3.weight"]},
      {"params": ["fc1.bias", "fc2.bias", "fc3.bias"], "weight_decay": 0.0}]: each its own
-    "lr", "weight_decay", "betas", "eps" and "maximize" (default: the arguments'); amsgrad and
-    decoupled_weight_decay are every group's; every parameter in one group."""
+    "lr", "weight_decay", "betas", "eps", "amsgrad" and "maximize" (default: the arguments');
+    decoupled_weight_decay is every group's; every parameter in one group."""
 
     _buffers = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-    _per_group = ("betas", "eps", "maximize")
+    _per_group = ("betas", "eps", "amsgrad", "maximize")
 
     def __init__(self, model: MLP, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *, foreach: Any = None,
@@ -862,14 +871,14 @@ class Adam(Optimizer):
         _unsupported_flag("differentiable", differentiable)
         flags = _implementation_flags(("foreach", "capturable", "fused"),
                                       {"foreach": foreach, "capturable": capturable, "fused": fused})
-        self._settings = {"amsgrad": amsgrad, "decoupled_weight_decay": decoupled_weight_decay}
+        self._settings = {"decoupled_weight_decay": decoupled_weight_decay}
         super().__init__(model, "adam", flags, param_groups, lr=_num("lr", lr), beta1=b1, beta2=b2,
                          eps=_num("eps", eps), weight_decay=_num("weight_decay", weight_decay),
                          decoupled_weight_decay=decoupled_weight_decay, amsgrad=amsgrad, maximize=maximize)
         # as constructed, as torch's
         self.defaults = {**{k: v for k, v in self._group(0).items() if k != "initial_lr"},
                          "lr": float(lr), "betas": (b1, b2), "eps": float(eps), "weight_decay": float(weight_decay),
-                         "maximize": maximize}
+                         "amsgrad": amsgrad, "maximize": maximize}
 
     def _init_like(self, twin: Optimizer, model: MLP) -> None:
         Adam.__init__(twin, model, self.lr, self.betas, self.eps, self.weight_decay, self.amsgrad,  # type: ignore
@@ -878,8 +887,8 @@ class Adam(Optimizer):
 
     betas = _setting("betas", "(beta1, beta2): param_groups[0]['betas']; setting it sets every group's")
     eps = _setting("eps", "the denominator's epsilon: the first group's; setting it sets every group's")
-    amsgrad = _setting("amsgrad", "AMSGrad when True; settable (every group's): turned on after steps were taken, "
-                                  "its maximum of exp_avg_sq starts at the next step")
+    amsgrad = _setting("amsgrad", "AMSGrad when True: the first group's; setting it sets every group's (turned on "
+                                  "after steps were taken, its maximum of exp_avg_sq starts at the next step)")
     maximize = _setting("maximize", "steps climb the objective when True: the first group's; setting it sets "
                                     "every group's")
     decoupled_weight_decay = _setting("decoupled_weight_decay", "AdamW's weight decay when True; settable")
@@ -893,17 +902,20 @@ class Adam(Optimizer):
         return _num("betas[0]", b1), _num("betas[1]", b2)
 
     def _shared_defaults(self, config: Dict[str, Any]) -> Dict[str, Any]:
-        return {"amsgrad": config["amsgrad"], "decoupled_weight_decay": config["decoupled_weight_decay"]}
+        return {"decoupled_weight_decay": config["decoupled_weight_decay"]}
 
     def _own_of_config(self, config: Mapping) -> Dict[str, Any]:
-        return {"betas": (config["beta1"], config["beta2"]), "eps": config["eps"], "maximize": config["maximize"]}
+        return {"betas": (config["beta1"], config["beta2"]), "eps": config["eps"], "amsgrad": config["amsgrad"],
+                "maximize": config["maximize"]}
 
     def _own_from(self, group: Mapping, base: Mapping) -> Dict[str, Any]:
-        return {"betas": self._betas(group.get("betas", base["betas"])), "eps": _num("eps", group.get("eps", base["eps"])),
+        return {"betas": self._betas(group.get("betas", base["betas"])),
+                "eps": _num("eps", group.get("eps", base["eps"])),
+                "amsgrad": _bool_setting(group, "amsgrad", base["amsgrad"]),
                 "maximize": _bool_setting(group, "maximize", base["maximize"])}
 
     def _part_fields(self, own: Mapping) -> Tuple[Any, ...]:
-        return own["betas"][0], own["betas"][1], own["eps"], None, None, own["maximize"]
+        return own["betas"][0], own["betas"][1], own["eps"], None, None, own["maximize"], own["amsgrad"]
 
     def _with_momentum(self, own: Dict[str, Any], value: float) -> Dict[str, Any]:
         return {**own, "betas": (value, own["betas"][1])}
@@ -911,7 +923,7 @@ class Adam(Optimizer):
     def _group(self, i: int = 0) -> Dict[str, Any]:
         own = self._owns[i]
         return {"lr": self._lrs[i], "betas": own["betas"], "eps": own["eps"], "weight_decay": self._wds[i],
-                "amsgrad": self.amsgrad, "maximize": own["maximize"], "differentiable": False, **self._flags,
+                "amsgrad": own["amsgrad"], "maximize": own["maximize"], "differentiable": False, **self._flags,
                 "decoupled_weight_decay": self.decoupled_weight_decay, **self._initial(i)}
 
     _foreign_keys = ("momentum", "dampening", "nesterov")
@@ -926,13 +938,12 @@ class Adam(Optimizer):
         return {"lr": _num("lr", group.get("lr", self._lrs[index])), "beta1": own["betas"][0],
                 "beta2": own["betas"][1], "eps": own["eps"],
                 "weight_decay": _num("weight_decay", group.get("weight_decay", self._wds[index])),
-                "decoupled_weight_decay": decoupled, "amsgrad": _bool_setting(group, "amsgrad", self.amsgrad),
-                "maximize": own["maximize"]}
+                "decoupled_weight_decay": decoupled, "amsgrad": own["amsgrad"], "maximize": own["maximize"]}
 
     def _apply_config(self, config: Dict[str, Any]) -> None:
         self._c.configure(**config)
         self._c_own = self._own_of_config(config)
-        self._settings.update(decoupled_weight_decay=config["decoupled_weight_decay"], amsgrad=config["amsgrad"])
+        self._settings.update(decoupled_weight_decay=config["decoupled_weight_decay"])
 
 
 class AdamW(Adam):
@@ -1011,7 +1022,7 @@ class SGD(Optimizer):
                 "maximize": _bool_setting(group, "maximize", base["maximize"])}
 
     def _part_fields(self, own: Mapping) -> Tuple[Any, ...]:
-        return own["momentum"], None, None, own["dampening"], own["nesterov"], own["maximize"]
+        return own["momentum"], None, None, own["dampening"], own["nesterov"], own["maximize"], None
 
     def _with_momentum(self, own: Dict[str, Any], value: float) -> Dict[str, Any]:
         return {**own, "momentum": value}
