@@ -264,6 +264,9 @@ def test_cyclic_rates_and_momenta_are_torchs_to_the_bit(kind, kw):
         ts.step()
         sched.step()
     assert opt.state_dict()["param_groups"][0]["initial_lr"] == topt.param_groups[0]["initial_lr"]
+    keys = ("initial_lr", "max_momentum", "base_momentum")  # the bounds kept in the groups too, as torch's
+    assert [{k: g[k] for k in keys if k in g} for g in opt.state_dict()["param_groups"]] == \
+           [{k: g[k] for k in keys if k in g} for g in topt.state_dict()["param_groups"]]
 
 
 def test_cyclic_state_dict_resumes_and_bad_arguments_change_nothing():
@@ -612,6 +615,33 @@ def test_numpy_integers_are_taken_where_torch_takes_them():
     opt.load_state_dict(state)
 
 
+def test_a_linear_decay_to_0_ends_at_0_where_torchs_rounds_below():
+    """LinearLR's factor from start_factor to end_factor=0: torch's recursive form rounds to about
+    -4e-20 at the end (which the optimizer here refuses); here it is 0, and every other rate is
+    torch's to the bit."""
+    torch = pytest.importorskip("torch")
+    for lr, start, total in ((0.01, 0.1, 5), (1e-3, 1.0 / 3, 7), (0.1, 0.5, 1000)):
+        kw = dict(start_factor=start, end_factor=0.0, total_iters=total)
+        opt, sched = make("LinearLR", kw, lr=lr)
+        mine = rates(sched, steps=total + 3)
+        topt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+        theirs = torch_rates(topt, torch.optim.lr_scheduler.LinearLR(topt, **kw), steps=total + 3)
+        assert mine[total:] == [0.0] * 4 and all(abs(v) < 1e-18 for v in theirs[total:])
+        assert mine[:total] == theirs[:total]
+
+
+def test_arguments_that_are_not_numbers_are_type_errors():
+    opt, _ = make("StepLR", dict(step_size=1))
+    for name, kw in (("StepLR", dict(step_size=2, gamma="a")), ("ExponentialLR", dict(gamma=None)),
+                     ("CosineAnnealingLR", dict(T_max=3, eta_min="0")), ("PolynomialLR", dict(power=[2])),
+                     ("ReduceLROnPlateau", dict(min_lr="a")), ("ReduceLROnPlateau", dict(threshold="x")),
+                     ("CyclicLR", dict(base_lr=0.01, max_lr=0.1, mode="exp_range", gamma="g"))):
+        before = (opt.lr, opt.betas)
+        with pytest.raises(TypeError, match="must be a number"):
+            getattr(S, name)(opt, **kw)
+        assert (opt.lr, opt.betas) == before
+
+
 def test_reduce_on_plateau_refuses_a_nan_factor_and_a_negative_floor():
     opt, _ = make("StepLR", dict(step_size=1))
     for kw in (dict(factor=float("nan")), dict(factor=1.0), dict(min_lr=-1.0), dict(min_lr=[float("inf")])):
@@ -640,6 +670,8 @@ def test_reduce_on_plateau_follows_torch(kw):
         want.append(topt.param_groups[0]["lr"])
         if i == 9:  # a state_dict taken midway resumes the same
             saved = mine.state_dict()
+            assert sorted(saved) == sorted(theirs.state_dict())
+            assert saved["default_min_lr"] == theirs.state_dict()["default_min_lr"]
             mine = S.ReduceLROnPlateau(opt)
             mine.load_state_dict(saved)
     assert got == want and len(set(got)) > 1

@@ -33,7 +33,7 @@ from bisect import bisect_right
 from math import inf
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
-from .._arrays import as_flag
+from .._arrays import as_flag, as_number
 
 __all__ = ["LRScheduler", "LambdaLR", "MultiplicativeLR", "StepLR", "MultiStepLR", "ConstantLR", "LinearLR",
            "ExponentialLR", "PolynomialLR", "CosineAnnealingLR", "CosineAnnealingWarmRestarts", "OneCycleLR",
@@ -252,7 +252,7 @@ class StepLR(LRScheduler):
 
     def __init__(self, optimizer: Any, step_size: int, gamma: float = 0.1, last_epoch: int = -1) -> None:
         self.step_size = _length("step_size", step_size, 1)
-        self.gamma = float(gamma)
+        self.gamma = as_number("gamma", gamma)
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> List[float]:
@@ -273,7 +273,7 @@ class MultiStepLR(LRScheduler):
             m = _int("milestones", m, 0)
             counts[m] = counts.get(m, 0) + 1
         self.milestones = dict(sorted(counts.items()))
-        self.gamma = float(gamma)
+        self.gamma = as_number("gamma", gamma)
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> List[float]:
@@ -290,7 +290,7 @@ class ExponentialLR(LRScheduler):
     """The rate times gamma every epoch."""
 
     def __init__(self, optimizer: Any, gamma: float, last_epoch: int = -1) -> None:
-        self.gamma = float(gamma)
+        self.gamma = as_number("gamma", gamma)
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> List[float]:
@@ -307,7 +307,7 @@ class CosineAnnealingLR(LRScheduler):
 
     def __init__(self, optimizer: Any, T_max: int, eta_min: float = 0.0, last_epoch: int = -1) -> None:
         self.T_max = _length("T_max", T_max, 1)
-        self.eta_min = float(eta_min)
+        self.eta_min = as_number("eta_min", eta_min)
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> List[float]:
@@ -341,7 +341,8 @@ class LinearLR(LRScheduler):
             raise ValueError("Starting multiplicative factor expected to be greater than 0 and less or equal to 1.")
         if not 0 <= end_factor <= 1:
             raise ValueError("Ending multiplicative factor expected to be between 0 and 1.")
-        self.start_factor, self.end_factor = float(start_factor), float(end_factor)
+        self.start_factor = as_number("start_factor", start_factor)
+        self.end_factor = as_number("end_factor", end_factor)
         self.total_iters = _length("total_iters", total_iters, 1)
         super().__init__(optimizer, last_epoch)
 
@@ -352,7 +353,9 @@ class LinearLR(LRScheduler):
         if self._is_initial or t > self.total_iters:
             return lrs
         d = self.end_factor - self.start_factor
-        return [lr * (1.0 + d / (self.total_iters * self.start_factor + (t - 1) * d)) for lr in lrs]
+        # the factor never goes below 0 (its ends are >= 0): a decay to end_factor=0 that rounds to
+        # -4e-20 at its end in torch's form is 0 here (the optimizer takes no negative rate)
+        return [max(lr * (1.0 + d / (self.total_iters * self.start_factor + (t - 1) * d)), 0.0) for lr in lrs]
 
     def _get_closed_form_lr(self) -> List[float]:
         d = self.end_factor - self.start_factor
@@ -375,7 +378,7 @@ class ConstantLR(LRScheduler):
     def __init__(self, optimizer: Any, factor: float = 1.0 / 3, total_iters: int = 5, last_epoch: int = -1) -> None:
         if not 0 <= factor <= 1:
             raise ValueError("Constant multiplicative factor expected to be between 0 and 1.")
-        self.factor = float(factor)
+        self.factor = as_number("factor", factor)
         self.total_iters = _length("total_iters", total_iters, 0)
         super().__init__(optimizer, last_epoch)
 
@@ -398,7 +401,7 @@ class PolynomialLR(LRScheduler):
 
     def __init__(self, optimizer: Any, total_iters: int = 5, power: float = 1.0, last_epoch: int = -1) -> None:
         self.total_iters = _length("total_iters", total_iters, 1)
-        self.power = float(power)
+        self.power = as_number("power", power)
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> List[float]:
@@ -530,7 +533,8 @@ class OneCycleLR(LRScheduler):
         for name, v in (("div_factor", div_factor), ("final_div_factor", final_div_factor)):
             if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 < v < math.inf:
                 raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
-        div_factor, final_div_factor = float(div_factor), float(final_div_factor)
+        div_factor = as_number("div_factor", div_factor)
+        final_div_factor = as_number("final_div_factor", final_div_factor)
         # torch keeps these in each param group; here the schedule keeps them (and its state_dict)
         self._groups = [{"initial_lr": top / div_factor, "max_lr": top, "min_lr": top / div_factor / final_div_factor}
                         for top in tops]
@@ -686,7 +690,7 @@ class CyclicLR(LRScheduler):
             raise ValueError("mode is invalid and scale_fn is None")
         if scale_fn is not None and not callable(scale_fn):
             raise TypeError(f"scale_fn must be callable, got {type(scale_fn).__name__}")
-        self.mode, self.gamma, self._scale_fn_custom = mode, float(gamma), scale_fn
+        self.mode, self.gamma, self._scale_fn_custom = mode, as_number("gamma", gamma), scale_fn
         self.scale_mode = scale_mode if scale_fn is not None else "iterations" if mode == "exp_range" else "cycle"
         self.cycle_momentum = as_flag("cycle_momentum", cycle_momentum)
         if self.cycle_momentum:
@@ -694,18 +698,24 @@ class CyclicLR(LRScheduler):
             self.base_momentums = _per_group("base_momentum", base_momentum, optimizer)
             self.max_momentums = _per_group("max_momentum", max_momentum, optimizer)
         # the optimizer changes only once everything is checked, and goes back when the first step fails
-        before = (list(optimizer._initial_lrs), optimizer._group_lrs(), optimizer._momenta())
+        before = (list(optimizer._initial_lrs), optimizer._group_lrs(), optimizer._momenta(),
+                  [dict(g._extra) for g in optimizer.param_groups])
         try:
             if self.cycle_momentum:
                 for ms in (self.base_momentums, self.max_momentums):
                     optimizer._set_momentum(list(ms))  # refused here if the optimizer cannot take them
             if last_epoch == -1:
                 optimizer._set_group_lrs(lows)
+                if self.cycle_momentum:  # kept in the groups, as torch's (which reads them no more)
+                    for group, top, bottom in zip(optimizer.param_groups, self.max_momentums, self.base_momentums):
+                        group["max_momentum"], group["base_momentum"] = top, bottom
             super().__init__(optimizer, last_epoch)
         except BaseException:
             optimizer._initial_lrs = before[0]
             optimizer._set_group_lrs(before[1])
             optimizer._set_momentum(before[2])
+            for group, extra in zip(optimizer.param_groups, before[3]):
+                group._extra = extra
             raise
         self.base_lrs = lows  # after the first step, as in torch (which takes initial_lr for it)
 
@@ -894,12 +904,14 @@ class ReduceLROnPlateau(LRScheduler):
         else:
             min_lrs = [min_lr] * n
         for lo in min_lrs:
-            if not 0.0 <= float(lo) < inf:
+            if not 0.0 <= as_number("min_lr", lo) < inf:
                 raise ValueError(f"min_lr must be a finite number >= 0 (a rate), got {lo!r}")
-        self.factor, self.min_lrs = float(factor), [float(lo) for lo in min_lrs]
+        self.factor, self.min_lrs = as_number("factor", factor), [float(lo) for lo in min_lrs]
+        # torch's: the min_lr every group takes when the optimizer's groups change (None for a list)
+        self.default_min_lr = None if isinstance(min_lr, (list, tuple)) else float(min_lr)
         self.patience = _int("patience", patience, 0)
         self.cooldown = _int("cooldown", cooldown, 0)
-        self.eps = float(eps)
+        self.eps = as_number("eps", eps)
         self.last_epoch = 0
         self._last_lr = optimizer._group_lrs()
         self._init_is_better(mode, threshold, threshold_mode)
@@ -911,7 +923,7 @@ class ReduceLROnPlateau(LRScheduler):
         if threshold_mode not in ("rel", "abs"):
             raise ValueError(f"threshold mode {threshold_mode} is unknown!")
         self.mode_worse = inf if mode == "min" else -inf
-        self.mode, self.threshold, self.threshold_mode = mode, float(threshold), threshold_mode
+        self.mode, self.threshold, self.threshold_mode = mode, as_number("threshold", threshold), threshold_mode
 
     def _reset(self) -> None:
         self.best = self.mode_worse
