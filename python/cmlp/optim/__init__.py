@@ -744,7 +744,9 @@ class Optimizer:
         if self._kind == "sgd" and all(k in order for k in state):
             state = {k: state.get(k, {}) for k in order}
         if len(state) != len(order) or any(k not in state for k in order):
-            raise ValueError("optimizer state_dict's state does not cover every parameter")
+            raise ValueError("optimizer state_dict's state does not cover every parameter (the parameters here step "
+                             "together, at one step count: a torch state in which some parameters have not stepped "
+                             "cannot be taken over)")
         allowed = set(self._buffers) | ({"step"} if self._kind == "adam" else set())
         steps = set()
         for k in order:
