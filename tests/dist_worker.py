@@ -377,6 +377,16 @@ def zero_case(opts):
     local = o2.state  # this rank's state without a collective, the part in place and zeros elsewhere
     whole_keys = {i: set(e) for i, e in o1.state_dict()["state"].items()}
     local_ok = {i: set(e) for i, e in local.items()} == whole_keys
+    # and its values are the rank's buffers (where a buffer has not started, zeros)
+    _, raw = o2._c.get_state()
+    views = [m2._split(b) for b in raw]
+    names = [n for g in o2._param_groups for n in g._names]
+    for i, entry in local.items():
+        for bname, value in entry.items():
+            if bname != "step":
+                want = views[o2._buffers.index(bname)][names[i]].copy()
+                want[np.isnan(want) if bname == "momentum_buffer" else (want < 0) & (bname == "max_exp_avg_sq")] = 0.0
+                local_ok &= np.array_equal(value, want)
     # the last step's gradients: this rank's part summed (by the reduce-scatter, without
     # clipping), the rest not; the emulated NCCL fills what a rank does not own with NaN
     g1, g2 = m1._c.get_grads().astype(np.float64), m2._c.get_grads()

@@ -144,11 +144,11 @@ class ZeroRedundancyOptimizer(Optimizer):
                     buf[first:max(lo, first)] = unstarted
                     buf[min(hi, last):last] = unstarted
         state = self._state_dict_of(step, bufs)["state"]  # not started anywhere: left out
+        name = self._buffers[which]
         for entry in state.values():
-            name = self._buffers[which]
-            if name in entry:
+            if name in entry:  # elements not started (this rank's part of a tensor started elsewhere): zeros
                 started = entry[name]
-                started[np.isnan(started) | (started < 0)] = 0.0
+                started[np.isnan(started) if self._kind == "sgd" else started < 0] = 0.0
         return state
 
     def state_dict(self) -> Dict[str, Any]:
