@@ -123,6 +123,7 @@ def test_init_scale_is_float32():
     ({"init_scale": "1"}, TypeError, "init_scale"),
     ({"init_scale": 1e39}, ValueError, "init_scale"),      # inf in float32
     ({"init_scale": 1e-50}, ValueError, "init_scale"),     # zero in float32
+    ({"init_scale": 1e-39}, ValueError, "smallest normal"),  # subnormal: 1 / scale overflows
 ])
 def test_bad_arguments(kwargs, exc, words):
     with pytest.raises(exc, match=words):
@@ -173,8 +174,9 @@ def test_backoff_underflows_to_zero():
     round-trips (as a trainer does with it)."""
     model, opt = make()
     s = amp.GradScaler(init_scale=1.0, growth_interval=1)
-    for _ in range(149):
-        iteration(s, model, opt, "inf")
+    with pytest.warns(RuntimeWarning, match="smallest normal number"):  # once, at 2**-127
+        for _ in range(149):
+            iteration(s, model, opt, "inf")
     assert s.get_scale() == 2.0**-149
     iteration(s, model, opt, "inf")                 # 2**-150 is a tie: to even, zero
     assert s._get_state() == (0.0, 0)
@@ -186,6 +188,32 @@ def test_backoff_underflows_to_zero():
     t.load_state_dict(s.state_dict())
     assert t.state_dict() == s.state_dict()
     t._set_state(0.0, 0)
+
+
+def test_a_scale_backed_off_below_the_smallest_normal_float_warns_and_a_trainer_refuses_it():
+    """Backoff has no lower bound (torch's): a scale that falls below 2**-126 warns once (every step
+    from then on finds inf); a state holding one (or 0) loads, as torch's, but a Trainer refuses to
+    run with it, saying why and changing nothing; given a new scale, it trains."""
+    model, opt = make()
+    s = amp.GradScaler(init_scale=2.0**-124)
+    with pytest.warns(RuntimeWarning, match="smallest normal number") as seen:
+        for _ in range(4):
+            iteration(s, model, opt, "inf")
+    assert len(seen) == 1 and s.get_scale() == 2.0**-128
+    with pytest.raises(ValueError, match="smallest normal"):
+        s.update(new_scale=1e-39)
+    t = amp.GradScaler()
+    t.load_state_dict({**t.state_dict(), "scale": 0.0})
+    assert t.get_scale() == 0.0
+    x, y = batch(n=16)
+    trainer = cmlp.Trainer(model, opt, batch_size=8, amp="fp16", scaler=t)
+    before = model.state_dict()
+    with pytest.raises(ValueError, match="scale is 0, below float32's smallest normal number"):
+        trainer.fit(x, y, epochs=1, progress=False)
+    assert flat(model.state_dict()).tolist() == flat(before).tolist() and t.get_scale() == 0.0
+    t.update(new_scale=1024.0)
+    history = trainer.fit(x, y, epochs=1, progress=False)
+    assert np.isfinite(history[0]["loss"]) and history[0]["skipped_steps"] == 0
 
 
 def test_backoff_rounds_to_float32_each_time():

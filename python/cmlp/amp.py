@@ -26,14 +26,27 @@ def _real(name: str, value: Any) -> float:
     return float(value)
 
 
-def _check_scale(name: str, value: Any, allow_zero: bool = False) -> float:
-    """A finite scale > 0; restored state may also hold 0.0, where repeated backoff (which has
-    no lower bound) ends once the float32 scale underflows."""
+# The smallest scale a scaler is given: float32's smallest normal number (below it 1 / scale
+# overflows, and every step would find inf). Repeated backoff, which has no lower bound (as
+# torch's), may take the scale below it and to 0: restored state may hold such a scale.
+_MIN_SCALE = 2.0**-126
+
+
+def _check_scale(name: str, value: Any, underflowed: bool = False) -> float:
+    """A finite scale >= _MIN_SCALE in float32 (or, with underflowed, any one >= 0)."""
     v = _f32(_real(name, value))
-    if not (np.isfinite(v) and (v > 0.0 or (allow_zero and v == 0.0))):
-        bound = ">= 0" if allow_zero else "> 0"
+    if not (np.isfinite(v) and (v >= _MIN_SCALE or (underflowed and v >= 0.0))):
+        bound = ">= 0" if underflowed else ">= 2**-126 (float32's smallest normal number)"
         raise ValueError(f"{name} must be a finite number {bound} in float32, got {value!r}")
     return v
+
+
+def underflow_message(scale: float) -> str:
+    """What a scale backed off below _MIN_SCALE means, and what to do."""
+    return (f"the GradScaler's scale is {scale:g}, below float32's smallest normal number, where backoff takes it "
+            "when step after step finds inf or NaN gradients (the parameters or the data hold inf or NaN, or the "
+            "training diverged): every step would be skipped; set a new scale (scaler.update(new_scale=...)) or "
+            "load a checkpoint")
 
 
 def _check_factors(growth_factor: Any, backoff_factor: Any) -> Tuple[float, float]:
@@ -103,6 +116,7 @@ class GradScaler:
         # id(optimizer) -> {"unscaled", "stepped", "found_inf"}, for the current iteration only
         self._per_optimizer: Dict[int, Dict[str, bool]] = {}
         self._warned_unscaled = False
+        self._warned_underflow = False
 
     def is_enabled(self) -> bool:
         return self._enabled
@@ -219,6 +233,9 @@ class GradScaler:
             if any(found):
                 self._scale = _f32(self._scale * self._backoff_factor)
                 self._growth_tracker = 0
+                if self._scale < _MIN_SCALE and not self._warned_underflow:
+                    self._warned_underflow = True
+                    warnings.warn(underflow_message(self._scale), RuntimeWarning, stacklevel=2)
             else:
                 self._growth_tracker += 1
                 if self._growth_tracker == self._growth_interval:
@@ -248,7 +265,7 @@ class GradScaler:
         missing = [k for k in _STATE_KEYS if k not in state_dict]
         if missing:
             raise KeyError(f"GradScaler state_dict is missing {missing}; it needs {list(_STATE_KEYS)}")
-        scale = _check_scale("scale", state_dict["scale"], allow_zero=True)
+        scale = _check_scale("scale", state_dict["scale"], underflowed=True)
         factors = _check_factors(state_dict["growth_factor"], state_dict["backoff_factor"])
         interval = _check_count("growth_interval", state_dict["growth_interval"], 1)
         tracker = _check_count("_growth_tracker", state_dict["_growth_tracker"], 0)
@@ -264,7 +281,7 @@ class GradScaler:
         return self._scale, self._growth_tracker
 
     def _set_state(self, scale: float, growth_tracker: int) -> None:
-        self._scale = _check_scale("scale", scale, allow_zero=True)
+        self._scale = _check_scale("scale", scale, underflowed=True)
         self._growth_tracker = _check_count("growth_tracker", growth_tracker, 0)
 
 

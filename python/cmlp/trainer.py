@@ -241,6 +241,9 @@ class Trainer:
             self._c.set_scaler(False, 1.0, 2.0, 0.5, 1, 0)
             return
         d = s.state_dict()
+        from .amp import _MIN_SCALE, underflow_message
+        if d["scale"] < _MIN_SCALE:  # every step would be skipped
+            raise ValueError(underflow_message(d["scale"]))
         self._c.set_scaler(True, d["scale"], d["growth_factor"], d["backoff_factor"], d["growth_interval"],
                            d["_growth_tracker"])
 
