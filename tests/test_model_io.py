@@ -411,6 +411,50 @@ def test_deepcopy_of_a_diverged_model_keeps_its_nans():
     assert np.array_equal(copy.deepcopy(model)._c.get_params(), p, equal_nan=True)
 
 
+def test_pickle_makes_models_optimizers_and_schedules_again_as_torch_save_does():
+    """pickle (torch.save of whole objects, or sending them to another process): a model comes
+    back of its class, with its attributes, parameters (NaNs too) and gradients; pickled with its
+    optimizer and schedule, they come back bound to each other and train on bit for bit; an
+    optimizer alone brings a copy of its model. A Trainer refuses, saying what to pickle instead;
+    copy.copy stays a shallow copy."""
+    import copy
+    import pickle
+
+    from cmlp.optim import lr_scheduler as S
+
+    model = _Tagged([6, 5, 3], "mine")
+    x, y = np.random.default_rng(0).random((48, 6), dtype=np.float32), np.arange(48) % 3
+    model.forward_backward(x[:4], y[:4])
+    back = pickle.loads(pickle.dumps(model))
+    assert type(back) is _Tagged and (back.tag, back.history) == ("mine", [1.0])
+    assert np.array_equal(back._c.get_params(), model._c.get_params())
+    assert np.array_equal(back._c.get_grads(), model._c.get_grads()) and not back._grads_none
+    for make in (lambda m: cmlp.optim.Adam(m, lr=1e-2, betas=(0.8, 0.9), amsgrad=True),
+                 lambda m: cmlp.optim.AdamW(m, param_groups=[{"params": ["fc1.weight"], "lr": 5e-3, "tag": 1},
+                                                             {"params": ["fc1.bias", "fc2.weight", "fc2.bias"]}]),
+                 lambda m: cmlp.optim.SGD(m, lr=0.1, momentum=0.9, nesterov=True)):
+        model = cmlp.MLP([6, 5, 3], seed=2)
+        opt = make(model)
+        sched = S.CosineAnnealingLR(opt, T_max=5)
+        cmlp.Trainer(model, opt, batch_size=8, shuffle=False).fit(x, y, epochs=1, progress=False, scheduler=sched)
+        m2, o2, s2 = pickle.loads(pickle.dumps([model, opt, sched]))
+        assert type(o2) is type(opt) and o2.model is m2 and s2.optimizer is o2
+        assert o2.state_dict()["param_groups"] == opt.state_dict()["param_groups"] and o2.defaults == opt.defaults
+        for m, o, s in ((model, opt, sched), (m2, o2, s2)):
+            cmlp.Trainer(m, o, batch_size=8, shuffle=False).fit(x, y, epochs=2, progress=False, scheduler=s)
+        assert np.array_equal(m2._c.get_params(), model._c.get_params())
+        alone = pickle.loads(pickle.dumps(opt))
+        assert alone.model is not model and np.array_equal(alone.model._c.get_params(), model._c.get_params())
+    diverged = cmlp.MLP([2, 3, 2], seed=0)
+    diverged._c.set_params(np.full(diverged.num_parameters(), np.nan, np.float32), False)
+    assert np.isnan(pickle.loads(pickle.dumps(diverged))._c.get_params()).all()
+    trainer = cmlp.Trainer(model, opt)
+    for refused in (pickle.dumps, copy.deepcopy):
+        with pytest.raises(TypeError, match="Trainer cannot be pickled.*trainer.state_dict"):
+            refused(trainer)
+    assert copy.copy(trainer)._c is trainer._c and copy.copy(model)._c is model._c and copy.copy(opt)._c is opt._c
+
+
 @pytest.mark.parametrize("how", ["deflate", "method", "encrypted", "bools"])
 def test_a_damaged_compressed_file_is_a_value_error(tmp_path, how):
     """Corrupt deflate data, a compression method or encryption the zip reader lacks, or arrays

@@ -6,7 +6,7 @@ import weakref
 import zipfile
 import zlib
 from collections import OrderedDict
-from typing import Any, Dict, Iterable, Iterator, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -353,6 +353,28 @@ class MLP:
                 twin.__dict__[key] = copy.deepcopy(value, memo)
         return twin
 
+    def __copy__(self) -> "MLP":
+        """copy.copy: another Python object of the same model (as before pickling was defined)."""
+        twin = type(self).__new__(type(self))
+        twin.__dict__.update(self.__dict__)
+        return twin
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        """pickle (torch.save of a whole module, or a model sent to another process): a model of
+        the same class, layer sizes and device, with the same parameters, gradients (or none),
+        normalisation and other attributes; its optimizers are pickled with it only where they
+        are pickled too."""
+        grads = None if self._grads_none else self._c.get_grads()
+        return (_unpickled, (type(self), list(self._sizes), self.device, self.normalize, self._c.get_params(), grads),
+                {k: v for k, v in self.__dict__.items() if k not in ("_c", "_optimizers")})
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.training = state.get("training", True)
+        self._unscaled_grads = state.get("_unscaled_grads", False)
+        for key, value in state.items():  # attributes of its own (a subclass's, a user's)
+            if key not in self.__dict__:
+                self.__dict__[key] = value
+
     # ---- devices ----
     def train(self, mode: bool = True) -> "MLP":
         """torch's training/evaluation switch, kept in .training: an MLP of Linear layers and
@@ -394,3 +416,16 @@ class MLP:
                 pass
             raise
         return self
+
+
+def _unpickled(cls: type, sizes: List[int], device: str, normalize: Tuple[float, float], params: np.ndarray,
+               grads: Optional[np.ndarray]) -> MLP:
+    """A model of class cls made again from what MLP.__reduce__ gave (its attributes follow:
+    __setstate__)."""
+    twin = cls.__new__(cls)
+    MLP.__init__(twin, sizes, device=device, normalize=normalize)
+    twin._c.set_params(params, False)  # a diverged model's NaNs too
+    if grads is not None:
+        twin._c.set_grads(grads)
+        twin._grads_none = False
+    return twin

@@ -183,6 +183,21 @@ class Trainer:
         """Epochs fit has begun with this trainer: the next one shuffles with (seed, epochs)."""
         return self._c.epochs
 
+    def __copy__(self) -> "Trainer":
+        """copy.copy: another Python object of the same trainer."""
+        twin = type(self).__new__(type(self))
+        twin.__dict__.update(self.__dict__)
+        return twin
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        raise TypeError("a cmlp.Trainer cannot be pickled or deep-copied (it holds its training loop): pickle or copy "
+                        "its model and optimizer (and scaler), and trainer.state_dict(), and make a new Trainer of "
+                        "them (load_state_dict)")
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "Trainer":
+        self.__reduce__()
+        raise AssertionError  # not reached
+
     def state_dict(self) -> Dict[str, Any]:
         """What a checkpoint needs beside the model's, optimizer's and schedule's state_dicts so
         that a run resumed from it trains as the uninterrupted run would, bit for bit: the epochs

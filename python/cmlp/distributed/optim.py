@@ -75,8 +75,11 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._consolidated: Optional[Tuple[int, List[np.ndarray]]] = None
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "ZeroRedundancyOptimizer":
-        raise TypeError("a ZeroRedundancyOptimizer cannot be copied: its state is sharded over the process group "
-                        "(consolidate_state_dict, then load the state_dict into a new optimizer)")
+        raise TypeError("a ZeroRedundancyOptimizer cannot be copied or pickled: its state is sharded over the process "
+                        "group (consolidate_state_dict, then load the state_dict into a new optimizer)")
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        return self.__deepcopy__({})
 
     @property
     def shard(self) -> slice:

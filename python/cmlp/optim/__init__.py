@@ -595,7 +595,34 @@ class Optimizer:
 
     def _init_like(self, twin: "Optimizer", model: MLP) -> None:
         """Runs the constructor of this kind of optimizer on twin, with this one's settings."""
+        self._construct(twin, model, self._init_args())
+
+    def _init_args(self) -> Dict[str, Any]:
+        """The constructor's arguments that make this optimizer's settings and groups again."""
         raise NotImplementedError
+
+    @staticmethod
+    def _construct(twin: "Optimizer", model: MLP, args: Dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def __copy__(self) -> "Optimizer":
+        """copy.copy: another Python object of the same optimizer (as before pickling was defined)."""
+        twin = type(self).__new__(type(self))
+        twin.__dict__.update(self.__dict__)
+        return twin
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        """pickle (torch.save of a whole optimizer): the same kind of optimizer, with the same
+        settings, groups and state, on the model pickled with it (or alongside it)."""
+        return (_unpickled, (type(self), self.model, self._init_args()),
+                {"state_dict": self.state_dict(), "extras": [dict(g._extra) for g in self._param_groups],
+                 "defaults": self.defaults})
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.load_state_dict(state["state_dict"])
+        for group, extra in zip(self._param_groups, state["extras"]):
+            group._extra = extra
+        self.defaults = state["defaults"]
 
     def step(self, closure: Any = None) -> Any:
         """One update from the gradients accumulated in the model. Without gradients (none
@@ -882,10 +909,14 @@ class Adam(Optimizer):
                          "lr": float(lr), "betas": (b1, b2), "eps": float(eps), "weight_decay": float(weight_decay),
                          "amsgrad": amsgrad, "maximize": maximize}
 
-    def _init_like(self, twin: Optimizer, model: MLP) -> None:
-        Adam.__init__(twin, model, self.lr, self.betas, self.eps, self.weight_decay, self.amsgrad,  # type: ignore
-                      maximize=self.maximize, **self._flags, decoupled_weight_decay=self.decoupled_weight_decay,
-                      param_groups=self._groups_spec())
+    def _init_args(self) -> Dict[str, Any]:
+        return dict(lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay, amsgrad=self.amsgrad,
+                    maximize=self.maximize, **self._flags, decoupled_weight_decay=self.decoupled_weight_decay,
+                    param_groups=self._groups_spec())
+
+    @staticmethod
+    def _construct(twin: Optimizer, model: MLP, args: Dict[str, Any]) -> None:
+        Adam.__init__(twin, model, **args)  # type: ignore  # AdamW's too (its decoupled weight decay given)
 
     betas = _setting("betas", "(beta1, beta2): param_groups[0]['betas']; setting it sets every group's")
     eps = _setting("eps", "the denominator's epsilon: the first group's; setting it sets every group's")
@@ -1000,12 +1031,16 @@ class SGD(Optimizer):
                          "lr": float(lr), "momentum": float(momentum), "dampening": float(dampening),
                          "weight_decay": float(weight_decay), "nesterov": nesterov, "maximize": maximize}
 
-    def _init_like(self, twin: Optimizer, model: MLP) -> None:
+    def _init_args(self) -> Dict[str, Any]:
         # Nesterov's needs are checked when an optimizer is made only (as torch's): a schedule or a
         # setting may have moved the momentum to 0 since; load_state_dict sets nesterov
-        SGD.__init__(twin, model, self.lr, self.momentum, self.dampening, nesterov=False,  # type: ignore
-                     weight_decay=self.weight_decay, maximize=self.maximize, **self._flags,
-                     param_groups=self._groups_spec())
+        return dict(lr=self.lr, momentum=self.momentum, dampening=self.dampening, nesterov=False,
+                    weight_decay=self.weight_decay, maximize=self.maximize, **self._flags,
+                    param_groups=self._groups_spec())
+
+    @staticmethod
+    def _construct(twin: Optimizer, model: MLP, args: Dict[str, Any]) -> None:
+        SGD.__init__(twin, model, **args)  # type: ignore
 
     momentum = _setting("momentum", "param_groups[0]['momentum']; setting it sets every group's")
     dampening = _setting("dampening", "the first group's; setting it sets every group's")
@@ -1050,6 +1085,14 @@ class SGD(Optimizer):
     def _apply_config(self, config: Dict[str, Any]) -> None:
         self._c.configure(**config)
         self._c_own = self._own_of_config(config)
+
+
+def _unpickled(cls: type, model: MLP, args: Dict[str, Any]) -> Optimizer:
+    """An optimizer of class cls made on model with args (Optimizer.__reduce__'s); its state
+    follows (__setstate__)."""
+    twin = cls.__new__(cls)
+    cls._construct(twin, model, args)
+    return twin
 
 
 from . import lr_scheduler  # noqa: E402 (it needs Optimizer)
