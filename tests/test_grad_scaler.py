@@ -123,7 +123,7 @@ def test_init_scale_is_float32():
     ({"init_scale": "1"}, TypeError, "init_scale"),
     ({"init_scale": 1e39}, ValueError, "init_scale"),      # inf in float32
     ({"init_scale": 1e-50}, ValueError, "init_scale"),     # zero in float32
-    ({"init_scale": 1e-39}, ValueError, "smallest normal"),  # subnormal: 1 / scale overflows
+    ({"init_scale": 1e-39}, ValueError, "smallest normal"),  # subnormal: flushed to 0 in compute
 ])
 def test_bad_arguments(kwargs, exc, words):
     with pytest.raises(exc, match=words):
@@ -214,6 +214,32 @@ def test_a_scale_backed_off_below_the_smallest_normal_float_warns_and_a_trainer_
     t.update(new_scale=1024.0)
     history = trainer.fit(x, y, epochs=1, progress=False)
     assert np.isfinite(history[0]["loss"]) and history[0]["skipped_steps"] == 0
+    # the trainer's own loop backs off too: it warns as update() does, once
+    model._c.set_params(np.full(model.num_parameters(), np.nan, np.float32), False)
+    t.update(new_scale=2.0**-120)
+    with pytest.warns(RuntimeWarning, match="smallest normal number") as seen:
+        history = trainer.fit(np.tile(x, (4, 1)), np.tile(y, 4), epochs=1, progress=False)
+    assert len(seen) == 1 and history[0]["skipped_steps"] == 8 and t.get_scale() < 2.0**-126
+
+
+def test_pickled_and_copied_only_between_iterations_as_torchs():
+    """What unscale_ and step recorded belongs to this process's optimizers: torch refuses to
+    pickle it, and so does this scaler; between iterations its copy scales as it does."""
+    import copy
+    import pickle
+
+    model, opt = make("sgd")
+    s = amp.GradScaler(init_scale=1024.0, growth_interval=3)
+    iteration(s, model, opt)
+    finite_grads(model, s.get_scale())
+    s.unscale_(opt)
+    for copier in (pickle.dumps, copy.deepcopy):
+        with pytest.raises(AssertionError, match="only be pickled at the beginning of an iteration"):
+            copier(s)
+    s.step(opt)
+    s.update()
+    twin = pickle.loads(pickle.dumps(s))
+    assert twin.state_dict() == s.state_dict() and copy.deepcopy(s).state_dict() == s.state_dict()
 
 
 def test_backoff_rounds_to_float32_each_time():

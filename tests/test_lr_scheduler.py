@@ -628,6 +628,9 @@ def test_a_linear_decay_to_0_ends_at_0_where_torchs_rounds_below():
         theirs = torch_rates(topt, torch.optim.lr_scheduler.LinearLR(topt, **kw), steps=total + 3)
         assert mine[total:] == [0.0] * 4 and all(abs(v) < 1e-18 for v in theirs[total:])
         assert mine[:total] == theirs[:total]
+        with pytest.warns(UserWarning, match="epoch"):  # the deprecated form: its closed form, at 0 too
+            sched.step(total + 1)
+        assert opt.lr == 0.0
 
 
 def test_arguments_that_are_not_numbers_are_type_errors():

@@ -26,9 +26,10 @@ def _real(name: str, value: Any) -> float:
     return float(value)
 
 
-# The smallest scale a scaler is given: float32's smallest normal number (below it 1 / scale
-# overflows, and every step would find inf). Repeated backoff, which has no lower bound (as
-# torch's), may take the scale below it and to 0: restored state may hold such a scale.
+# The smallest scale a scaler is given: float32's smallest normal number (compute that flushes
+# subnormals, the CPU's here and the kernels', reads a smaller scale as 0, and the reciprocal of
+# one below 2**-128 overflows). Repeated backoff, which has no lower bound (as torch's), may take
+# the scale below it and to 0: restored state may hold such a scale.
 _MIN_SCALE = 2.0**-126
 
 
@@ -233,9 +234,7 @@ class GradScaler:
             if any(found):
                 self._scale = _f32(self._scale * self._backoff_factor)
                 self._growth_tracker = 0
-                if self._scale < _MIN_SCALE and not self._warned_underflow:
-                    self._warned_underflow = True
-                    warnings.warn(underflow_message(self._scale), RuntimeWarning, stacklevel=2)
+                self._note_underflow(3)
             else:
                 self._growth_tracker += 1
                 if self._growth_tracker == self._growth_interval:
@@ -244,6 +243,21 @@ class GradScaler:
                         self._scale = grown
                     self._growth_tracker = 0
         self._per_optimizer = {}
+
+    def _note_underflow(self, stacklevel: int) -> None:
+        """Warns, once, when backoff (update's, or a Trainer's loop's) has taken the scale below
+        _MIN_SCALE."""
+        if self._scale < _MIN_SCALE and not self._warned_underflow:
+            self._warned_underflow = True
+            warnings.warn(underflow_message(self._scale), RuntimeWarning, stacklevel=stacklevel)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """pickle and copy.deepcopy, as torch's: at an iteration's start or end only (what unscale_
+        and step recorded belongs to the optimizers of this process)."""
+        if self._enabled and self._per_optimizer:
+            raise AssertionError("A GradScaler instance may only be pickled at the beginning of an iteration, or at "
+                                 "the end after scaler.update().")
+        return dict(self.__dict__)
 
     def state_dict(self) -> Dict[str, Any]:
         """{scale, growth_factor, backoff_factor, growth_interval, _growth_tracker}; {} when

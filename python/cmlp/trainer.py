@@ -269,6 +269,7 @@ class Trainer:
         d = s.state_dict()
         d["scale"], d["_growth_tracker"] = self._c.get_scaler()
         s.load_state_dict(d)
+        s._note_underflow(5)  # backed off in the C loop: fit -> _fit -> _pull_scaler -> here
 
     def _start_under_limit(self, xa: Optional[np.ndarray] = None) -> None:
         """Under a memory limit, start from the largest micro-batch (halving, as an OOM would)
@@ -596,6 +597,7 @@ class Trainer:
                 total = self._c.epoch_begin(xa, ya, *self.normalize, same_data=epoch > 1)
                 steps_done = 0
                 try:
+                    self._push_scaler()  # (which may refuse the scale: before a bar is drawn)
                     # data-parallel, the first rank draws the bar for all
                     show = progress and (not self.distributed or _dist.get_rank() == 0)
                     bar = make_bar(total, f"epoch {epoch}/{epochs}", show)
@@ -604,7 +606,6 @@ class Trainer:
                     first_lr = self.optimizer.lr
                     self.optimizer._sync_parts(self.optimizer._rates()[1], parts=self._parts_kept)  # as in step()
                     start = time.perf_counter()
-                    self._push_scaler()
                     if epoch == 1:
                         self._together(lambda: self._start_under_limit(xa))
                     self.optimizer._opt_called = True  # its schedule steps after the optimizer's

@@ -358,8 +358,8 @@ class LinearLR(LRScheduler):
         return [max(lr * (1.0 + d / (self.total_iters * self.start_factor + (t - 1) * d)), 0.0) for lr in lrs]
 
     def _get_closed_form_lr(self) -> List[float]:
-        d = self.end_factor - self.start_factor
-        return [base * (self.start_factor + d * min(self.total_iters, self.last_epoch) / self.total_iters)
+        d = self.end_factor - self.start_factor  # (a factor >= 0, as get_lr's)
+        return [max(base * (self.start_factor + d * min(self.total_iters, self.last_epoch) / self.total_iters), 0.0)
                 for base in self.base_lrs]
 
 
