@@ -272,6 +272,26 @@ def test_to_moves_parameters_and_optimizer_state_exactly():
 
 
 @needs_gpu
+def test_a_pickled_model_and_optimizer_come_back_on_the_device_and_train_on_alike():
+    """pickle (torch.save of whole objects): a model on the device comes back there, with its
+    optimizer bound to it and their state, and both train on bit for bit as the originals."""
+    import pickle
+
+    sizes = [9, 17, 4]
+    x, y = margin_batch(sizes, 64)[1:]
+    model = cmlp.MLP(sizes, seed=0, device=CUDA)
+    opt = cmlp.optim.Adam(model, lr=1e-2, param_groups=[{"params": ["fc1.weight"], "amsgrad": True},
+                                                        {"params": ["fc1.bias", "fc2.weight", "fc2.bias"]}])
+    cmlp.Trainer(model, opt, batch_size=8, shuffle=False).fit(x, y, epochs=1, progress=False)
+    m2, o2 = pickle.loads(pickle.dumps([model, opt]))
+    assert m2.device == model.device and o2.model is m2
+    assert same(o2.state_dict()["state"], opt.state_dict()["state"])
+    for m, o in ((model, opt), (m2, o2)):
+        cmlp.Trainer(m, o, batch_size=8, shuffle=False).fit(x, y, epochs=1, progress=False)
+    assert same(m2.state_dict(), model.state_dict())
+
+
+@needs_gpu
 @pytest.mark.skipif(CUDA == "cpu", reason="moves between two devices")
 @pytest.mark.parametrize("short_of", ["gradients", "optimizer state"])
 def test_a_move_that_runs_out_of_memory_leaves_everything_where_it_was(short_of):
