@@ -188,12 +188,11 @@ typedef struct cmlp_backend_i {
                         float step_size, float beta1, float beta2, float one_b1, float one_b2, float bc2_sqrt,
                         float eps, float weight_decay, float decay, int maximize, const float *d_found_inf,
                         const float *d_coef);
-    /* first != 0: buf = g (momentum's first step); also when d_step is not NULL and
-     * *d_step == 1, and for each element whose buf is NaN (not started). d_buf may be NULL when
-     * momentum == 0. */
+    /* buf = g (momentum's first step) for each element whose buf is NaN (not started: the
+     * buffer is made all NaN). d_buf may be NULL when momentum == 0. */
     cmlp_status (*sgd)(void *ctx, float *d_p, const float *d_g, float *d_buf, int64_t n, float lr,
-                       float momentum, float keep, int nesterov, float weight_decay, int maximize, int first,
-                       const float *d_found_inf, const int64_t *d_step, const float *d_coef);
+                       float momentum, float keep, int nesterov, float weight_decay, int maximize,
+                       const float *d_found_inf, const float *d_coef);
     /* Before a step whose skip is decided on the device: *d_pos += pos_add when d_pos is not
      * NULL (the data position, which moves whether or not the step is skipped); the rate and
      * momentum are read from `rate` (which moves on too); when scale is not NULL, the loss scale

@@ -479,7 +479,7 @@ typedef struct {
     float *p, *m, *v, *vmax, *buf;
     const float *g;
     float step_size, beta1, beta2, one_b1, one_b2, bc2_sqrt, eps, wd, decay, lr, momentum, keep;
-    int nesterov, first, maximize;
+    int nesterov, maximize;
 } optim_args;
 
 /* torch.maximum of two floats: a NaN in either gives a NaN */
@@ -537,7 +537,7 @@ static void sgd_range(void *arg, int64_t lo, int64_t hi) {
     const float keep = a->keep;
     for (int64_t i = lo; i < hi; i++) {
         float gi = (maximize ? -g[i] : g[i]) + wd * p[i];
-        float b = a->first || isnan(buf[i]) ? gi : momentum * buf[i] + keep * gi; /* NaN: not started */
+        float b = isnan(buf[i]) ? gi : momentum * buf[i] + keep * gi; /* NaN: not started */
         buf[i] = b;
         p[i] -= lr * (a->nesterov ? gi + momentum * b : b);
     }
@@ -545,17 +545,16 @@ static void sgd_range(void *arg, int64_t lo, int64_t hi) {
 
 static cmlp_status cpu_sgd(void *ctx, float *restrict p, const float *restrict g, float *restrict buf,
                            int64_t n, float lr, float momentum, float keep, int nesterov, float wd, int maximize,
-                           int first, const float *found_inf, const int64_t *step, const float *coef) {
+                           const float *found_inf, const float *coef) {
     (void)ctx;
     if (found_inf && *found_inf != 0.0f) return CMLP_OK;
-    if (step && *step == 1) first = 1;
     if (coef) {
         lr = coef[0];
         momentum = coef[1];
     }
     if (momentum != 0.0f && !buf) return CMLP_FAIL(CMLP_ERR_INTERNAL, "SGD with momentum has no momentum buffer");
     optim_args a = {.p = p, .buf = buf, .g = g, .lr = lr, .momentum = momentum, .keep = keep, .wd = wd,
-                    .nesterov = nesterov, .first = first, .maximize = maximize};
+                    .nesterov = nesterov, .maximize = maximize};
     cmlp_pool_for(n, 16, MIN_PER_THREAD, sgd_range, &a);
     return CMLP_OK;
 }

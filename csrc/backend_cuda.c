@@ -977,12 +977,12 @@ static cmlp_status cu_adam(void *ctx, float *d_p, const float *d_g, float *d_m, 
 }
 
 static cmlp_status cu_sgd(void *ctx, float *d_p, const float *d_g, float *d_buf, int64_t n, float lr, float momentum,
-                          float keep, int nesterov, float weight_decay, int maximize, int first,
-                          const float *d_found_inf, const int64_t *d_step, const float *d_coef) {
+                          float keep, int nesterov, float weight_decay, int maximize, const float *d_found_inf,
+                          const float *d_coef) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_sgd(d_p, d_g, d_buf, n, lr, momentum, keep, nesterov, weight_decay, maximize, first,
-                                d_found_inf, d_step, d_coef, stream_of(c)));
+    return KERNEL(c, cmlp_k_sgd(d_p, d_g, d_buf, n, lr, momentum, keep, nesterov, weight_decay, maximize, d_found_inf,
+                                d_coef, stream_of(c)));
 }
 
 /* The kernels' copy of a loss-scale update (zeros when scale is NULL). */

@@ -681,7 +681,6 @@ cmlp_status cmlp_optim_step_summed_at(cmlp_optim *o, const double *scales, const
         return CMLP_OK;
     }
     CMLP_TRY(ready_to_step(o, NULL));
-    bool first = o->unused;
     cmlp_model *m = o->model;
     const cmlp_backend_i *b = o->dev->backend;
     int64_t n = span(o), at = first_of(o), t = o->step + 1;
@@ -714,7 +713,7 @@ cmlp_status cmlp_optim_step_summed_at(cmlp_optim *o, const double *scales, const
             st = b->sgd(o->dev->bctx, m->params + lo, m->grads + lo, o->state ? o->state + k : NULL, hi - lo,
                         (float)(c->lr * (scales && o->nparts ? scales[i] : pt->lr_scale)), (float)mom,
                         (float)(1.0 - part_dampening(o, pt)), part_nesterov(o, pt), (float)wd, part_maximize(o, pt),
-                        first, NULL, NULL, NULL);
+                        NULL, NULL);
         }
     }
     if (st == CMLP_OK) st = gather(o, NULL);
@@ -744,7 +743,7 @@ cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int6
                                    const cmlp_scale_step *scale, int step_scales, void *dcomm) {
     CMLP_TRY(check_model(o));
     CMLP_TRY(ready_to_step(o, dcomm));
-    bool first = o->unused;
+    bool first = o->unused; /* the state was made for this step (SGD's buffer all NaN, not started) */
     cmlp_model *m = o->model;
     const cmlp_backend_i *b = o->dev->backend;
     void *ctx = o->dev->bctx;
@@ -784,7 +783,7 @@ cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int6
                 /* the momentum is the device's (pc); the host's tells the launch whether it may be 0 */
                 st = b->sgd(ctx, m->params + lo, m->grads + lo, o->state ? o->state + k : NULL, hi - lo, 0.0f,
                             (float)part_momentum(o, pt), (float)(1.0 - part_dampening(o, pt)), part_nesterov(o, pt),
-                            wd, part_maximize(o, pt), first, d_found_inf, d_step, pc);
+                            wd, part_maximize(o, pt), d_found_inf, pc);
             }
         }
     } else if (adam && b->adam_prepared && n > 0) { /* the bookkeeping in Adam's launch */
@@ -805,7 +804,7 @@ cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int6
         st = b->optim_prepare(ctx, d_step, d_coef, d_found_inf, &rate, 0.0, 0, d_pos, pos_add, scale);
         if (st == CMLP_OK)
             st = b->sgd(ctx, p, g, o->state, n, 0.0f, (float)c->momentum, (float)(1.0 - c->dampening), c->nesterov,
-                        (float)c->weight_decay, c->maximize, first, d_found_inf, d_step, d_coef);
+                        (float)c->weight_decay, c->maximize, d_found_inf, d_coef);
     }
     if (st == CMLP_OK) st = gather(o, dcomm);
     if (st == CMLP_OK) st = cmlp_model_refresh_half(m);

@@ -124,15 +124,14 @@ cudaError_t cmlp_k_adam(float *p, const float *g, float *m, float *v, float *vma
                         float weight_decay, float decay, int maximize, const float *found_inf, const float *coef,
                         cudaStream_t stream);
 /* SGD with PyTorch's rule: g' = (maximize ? -g : g) + weight_decay * p; with momentum != 0:
- *   buf = first or buf NaN ? g' : momentum * buf + keep * g';  d = nesterov ? g' + momentum * buf : buf
- * (a NaN in buf: that element's buffer has not started)
+ *   buf = buf NaN ? g' : momentum * buf + keep * g';  d = nesterov ? g' + momentum * buf : buf
+ * (a NaN in buf: that element's buffer has not started, as a new buffer everywhere)
  * (keep = 1 - dampening, computed by the caller in double and rounded)
  * else d = g'; then p -= lr * d (lr = coef[0] and momentum = coef[1] when coef is not NULL). buf
- * may be NULL when the momentum is 0. found_inf as for Adam. When step is not NULL, first also holds when *step == 1
- * (the count after cmlp_k_optim_prepare). */
+ * may be NULL when the momentum is 0. found_inf as for Adam. */
 cudaError_t cmlp_k_sgd(float *p, const float *g, float *buf, int64_t n, float lr, float momentum, float keep,
-                       int nesterov, float weight_decay, int maximize, int first, const float *found_inf,
-                       const int64_t *step, const float *coef, cudaStream_t stream);
+                       int nesterov, float weight_decay, int maximize, const float *found_inf, const float *coef,
+                       cudaStream_t stream);
 /* A loss scale kept on the device, and PyTorch's rule for moving it (torch's
  * _amp_update_scale_): if the step found an inf/NaN, *scale *= backoff_factor and the tracker
  * resets (++*skipped); else if ++*growth_tracker == growth_interval then *scale *= growth_factor

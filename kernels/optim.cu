@@ -116,15 +116,13 @@ struct sgd_op {
     const float *g;
     float *buf;
     float lr, momentum, keep, wd;
-    int nesterov, first, plain; /* plain: momentum == 0, buf untouched */
+    int nesterov, plain; /* plain: momentum == 0, buf untouched */
     int maximize;
     const float *found_inf;
-    const int64_t *step; /* when set: first also when *step == 1 */
-    const float *coef;   /* when set: lr = coef[0] and momentum = coef[1], computed on the device */
+    const float *coef; /* when set: lr = coef[0] and momentum = coef[1], computed on the device */
 
     __device__ __forceinline__ bool begin() {
         if (found_inf && *found_inf != 0.0f) return true;
-        if (step && *step == 1) first = 1;
         if (coef) {
             lr = coef[0];
             momentum = coef[1];
@@ -142,13 +140,13 @@ struct sgd_op {
             pi = f_sub(pi, f_mul(lr, gi));
             return bi;
         }
-        const float b = first || bi != bi ? gi : f_add(f_mul(momentum, bi), f_mul(keep, gi)); /* NaN: not started */
+        const float b = bi != bi ? gi : f_add(f_mul(momentum, bi), f_mul(keep, gi)); /* NaN: not started */
         pi = f_sub(pi, f_mul(lr, nesterov ? f_add(gi, f_mul(momentum, b)) : b));
         return b;
     }
     __device__ __forceinline__ bool one(int64_t i) const {
         float pi = p[i];
-        const float b = update(pi, g[i], plain || first ? 0.0f : buf[i]);
+        const float b = update(pi, g[i], plain ? 0.0f : buf[i]);
         if (!plain) buf[i] = b;
         p[i] = pi;
         return false;
@@ -157,7 +155,7 @@ struct sgd_op {
         float4 p4 = *reinterpret_cast<const float4 *>(p + i);
         const float4 g4 = *reinterpret_cast<const float4 *>(g + i);
         float4 b4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (!plain && !first) b4 = *reinterpret_cast<const float4 *>(buf + i);
+        if (!plain) b4 = *reinterpret_cast<const float4 *>(buf + i);
         b4.x = update(p4.x, g4.x, b4.x);
         b4.y = update(p4.y, g4.y, b4.y);
         b4.z = update(p4.z, g4.z, b4.z);
@@ -169,9 +167,8 @@ struct sgd_op {
 };
 
 extern "C" cudaError_t cmlp_k_sgd(float *p, const float *g, float *buf, int64_t n, float lr, float momentum,
-                                  float keep, int nesterov, float weight_decay, int maximize, int first,
-                                  const float *found_inf, const int64_t *step, const float *coef,
-                                  cudaStream_t stream) {
+                                  float keep, int nesterov, float weight_decay, int maximize,
+                                  const float *found_inf, const float *coef, cudaStream_t stream) {
     if (n < 0) return cudaErrorInvalidValue;
     if (n == 0) return cudaSuccess;
     sgd_op op;
@@ -184,10 +181,8 @@ extern "C" cudaError_t cmlp_k_sgd(float *p, const float *g, float *buf, int64_t 
     op.wd = weight_decay;
     op.nesterov = nesterov;
     op.maximize = maximize;
-    op.first = first;
     op.plain = momentum == 0.0f;
     op.found_inf = found_inf;
-    op.step = step;
     op.coef = coef;
     /* buf takes part in the alignment only when it may be touched (with coef the momentum is the device's) */
     const bool touched = buf && (coef || !op.plain);

@@ -552,44 +552,42 @@ static void test_sgd(void) {
         for (int variant = 0; variant < 48; variant++) {
             int64_t n = COUNTS[i];
             float momentum = variant & 1 ? 0.9f : 0.0f, keep = variant & 2 ? (float)(1.0 - 0.1) : 1.0f;
-            int nesterov = variant >> 2 & 1, first = variant >> 3 & 1, off = (variant >> 4) % 3;
+            int nesterov = variant >> 2 & 1, fresh = variant >> 3 & 1, off = (variant >> 4) % 3;
             float wd = variant % 3 ? 1e-2f : 0.0f;
-            int64_t step = variant % 5 == 0 ? 1 : 2;
-            const int64_t *sp = variant % 7 < 3 ? &step : NULL;
             /* the rate and momentum from the device (momentum 0 there: plain steps, the buffer untouched) */
             const float coef[2] = {0.07f, variant % 11 == 3 ? 0.0f : momentum + 0.05f};
             const float *cf = variant % 11 < 4 ? coef : NULL;
             buf p = make(n, 4, off), g = make(n, 4, (off + variant) % 2), b = make(n, 4, off);
             buf cp = make(n, 4, 0), cb = make(n, 4, 0);
             fill(F(p), n, 1), fill(F(g), n, 1), fill(F(b), n, 1);
-            for (int64_t j = 0; variant % 17 < 6 && j < n; j += 3) F(b)[j] = NAN; /* not started there */
+            for (int64_t j = 0; (fresh || variant % 17 < 6) && j < n; j += fresh ? 1 : 3)
+                F(b)[j] = NAN; /* not started there (fresh: a new buffer, the first step's) */
             memcpy(F(cp), F(p), (size_t)n * 4), memcpy(F(cb), F(b), (size_t)n * 4);
             const int maximize = variant % 13 < 4;
-            KOK(cmlp_k_sgd(F(p), F(g), F(b), n, 0.05f, momentum, keep, nesterov, wd, maximize, first, NULL, sp, cf, S));
-            CPU_CALL(cpu->sgd(NULL, F(cp), F(g), F(cb), n, 0.05f, momentum, keep, nesterov, wd, maximize, first, NULL,
-                              sp, cf));
+            KOK(cmlp_k_sgd(F(p), F(g), F(b), n, 0.05f, momentum, keep, nesterov, wd, maximize, NULL, cf, S));
+            CPU_CALL(cpu->sgd(NULL, F(cp), F(g), F(cb), n, 0.05f, momentum, keep, nesterov, wd, maximize, NULL, cf));
             CHECK(first_diff(F(p), F(cp), n) < 0 && first_diff(F(b), F(cb), n) < 0, "sgd n %lld variant %d",
                   (long long)n, variant);
             float inf = 1.0f;
             memcpy(F(cp), F(p), (size_t)n * 4);
-            KOK(cmlp_k_sgd(F(p), F(g), F(b), n, 0.05f, momentum, keep, nesterov, wd, maximize, first, &inf, sp, cf, S));
+            KOK(cmlp_k_sgd(F(p), F(g), F(b), n, 0.05f, momentum, keep, nesterov, wd, maximize, &inf, cf, S));
             CHECK(first_diff(F(p), F(cp), n) < 0, "sgd with found_inf changed the parameters");
             free(p.block), free(g.block), free(b.block), free(cp.block), free(cb.block);
         }
     /* momentum 0 never touches the buffer, which may be NULL */
     float p[5] = {1, 2, 3, 4, 5}, g[5] = {1, 1, 1, 1, 1};
-    KOK(cmlp_k_sgd(p, g, NULL, 5, 0.5f, 0.0f, 1.0f, 0, 0.0f, 0, 0, NULL, NULL, NULL, S));
+    KOK(cmlp_k_sgd(p, g, NULL, 5, 0.5f, 0.0f, 1.0f, 0, 0.0f, 0, NULL, NULL, S));
     CHECK(p[0] == 0.5f && p[4] == 4.5f, "sgd without momentum: %g %g", p[0], p[4]);
-    KOK(cmlp_k_sgd(p, g, NULL, 5, 0.5f, 0.0f, 1.0f, 0, 0.0f, 1, 0, NULL, NULL, NULL, S)); /* maximize: back up */
+    KOK(cmlp_k_sgd(p, g, NULL, 5, 0.5f, 0.0f, 1.0f, 0, 0.0f, 1, NULL, NULL, S)); /* maximize: back up */
     CHECK(p[0] == 1.0f && p[4] == 5.0f, "sgd maximize without momentum: %g %g", p[0], p[4]);
-    KOK(cmlp_k_sgd(p, g, NULL, 5, 0.5f, 0.0f, 1.0f, 0, 0.0f, 0, 0, NULL, NULL, NULL, S));
+    KOK(cmlp_k_sgd(p, g, NULL, 5, 0.5f, 0.0f, 1.0f, 0, 0.0f, 0, NULL, NULL, S));
     /* the rate (and momentum 0) on the device win over the arguments */
     const float rate[2] = {0.25f, 0.0f};
-    KOK(cmlp_k_sgd(p, g, NULL, 5, 0.5f, 0.0f, 1.0f, 0, 0.0f, 0, 0, NULL, NULL, rate, S));
+    KOK(cmlp_k_sgd(p, g, NULL, 5, 0.5f, 0.0f, 1.0f, 0, 0.0f, 0, NULL, rate, S));
     CHECK(p[0] == 0.25f && p[4] == 4.25f, "sgd at the device's rate: %g %g", p[0], p[4]);
     /* a NaN in the buffer has not started: there it starts from the gradient (torch's first step) */
     float q[2] = {1.0f, 1.0f}, h[2] = {2.0f, 2.0f}, mb[2] = {NAN, 4.0f};
-    KOK(cmlp_k_sgd(q, h, mb, 2, 0.5f, 0.5f, 0.25f, 0, 0.0f, 0, 0, NULL, NULL, NULL, S));
+    KOK(cmlp_k_sgd(q, h, mb, 2, 0.5f, 0.5f, 0.25f, 0, 0.0f, 0, NULL, NULL, S));
     CHECK(mb[0] == 2.0f && mb[1] == 2.5f && q[0] == 0.0f && q[1] == -0.25f,
           "sgd from a buffer not started: buffer %g %g, parameters %g %g", mb[0], mb[1], q[0], q[1]);
 }
