@@ -651,6 +651,11 @@ typedef struct cmlp_plan {
     /* what the device reserves from the moment it opens (CUDA's GEMM workspace), under the run
      * (peak_reserved is on top of it): a memory limit counts both */
     int64_t standing_reserved;
+    /* the blocks that stay between steps as the allocator hands them out (rounded, the device
+     * scalars after the gradients included): the parameters and gradients, the optimizer state,
+     * the half-precision weights and a fit's data set; what a run at another micro-batch keeps
+     * of what is allocated now */
+    int64_t allocated_model, allocated_state, allocated_half, allocated_data;
 } cmlp_plan;
 
 /* optimizer_buffers: 2 for Adam (3 with AMSGrad), 1 for SGD with momentum, 0 for plain SGD; optimizer_shards: the

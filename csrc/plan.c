@@ -126,19 +126,21 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
     /* the run's requests in the order the library makes them: the model, the optimizer's groups,
      * the fit's data set at its first epoch, the optimizer state at the first step */
     size_t req[11];
+    int64_t *held[11]; /* where each request's block is counted (NULL: the step's workspace) */
     int nreq = 0;
-    req[nreq++] = (size_t)out->parameters;
-    req[nreq++] = grads_bytes;
-    if (parts) req[nreq++] = parts;
+    held[nreq] = &out->allocated_model, req[nreq++] = (size_t)out->parameters;
+    held[nreq] = &out->allocated_model, req[nreq++] = grads_bytes;
+    if (parts) held[nreq] = &out->allocated_state, req[nreq++] = parts;
     for (int i = 0; i < 3; i++)
-        if (data[i]) req[nreq++] = data[i];
+        if (data[i]) held[nreq] = &out->allocated_data, req[nreq++] = data[i];
     if (optimizer_buffers) { /* before the first gradients: the arena, and AMSGrad's maximum apart */
         size_t one = (size_t)(out->optimizer_state - (int64_t)parts) / (size_t)optimizer_buffers;
+        held[nreq] = &out->allocated_state;
         req[nreq++] = one * (size_t)(optimizer_buffers == 3 ? 2 : optimizer_buffers);
-        if (optimizer_buffers == 3) req[nreq++] = one;
+        if (optimizer_buffers == 3) held[nreq] = &out->allocated_state, req[nreq++] = one;
     }
-    if (out->half_weights) req[nreq++] = (size_t)out->half_weights;
-    req[nreq++] = ws;
+    if (out->half_weights) held[nreq] = &out->allocated_half, req[nreq++] = (size_t)out->half_weights;
+    held[nreq] = NULL, req[nreq++] = ws;
     paper_device pd = {.next = (uintptr_t)1 << 44, .total = dev->backend->total_memory(dev->bctx)};
     if (pd.total <= 0) pd.total = INT64_MAX / 4;
     cmlp_allocator *a;
@@ -157,7 +159,15 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
         base_reserved = s.stat[CMLP_STAT_RESERVED_BYTES][CMLP_POOL_ALL].current;
     }
     void *ws_block = NULL;
-    for (int i = 0; i < nreq && st == CMLP_OK; i++) st = cmlp_allocator_malloc(a, req[i], "planned", &ws_block);
+    for (int i = 0; i < nreq && st == CMLP_OK; i++) {
+        cmlp_memory_stats before, after;
+        cmlp_allocator_stats(a, &before);
+        st = cmlp_allocator_malloc(a, req[i], "planned", &ws_block);
+        cmlp_allocator_stats(a, &after);
+        if (held[i])
+            *held[i] += after.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].current -
+                        before.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].current;
+    }
     if (st == CMLP_OK && eval_rows > 0) {
         /* the step's buffers go back (the workspace, the last request), then the evaluation's */
         size_t fsz[4], fwd = 0;

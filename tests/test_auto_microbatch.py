@@ -413,6 +413,29 @@ def test_the_microbatch_grows_back_after_a_real_oom():
     assert same(got, _replay(WIDE, WIDE_BATCH, batches, used))
 
 
+@pytest.mark.filterwarnings("error::cmlp.MemoryWarning")
+def test_the_batch_max_batch_size_gives_starts_whole_under_that_budget():
+    """The planned start counts what is allocated now as the allocator holds it (its blocks
+    rounded, the device scalars after the gradients): the batch max_batch_size finds for a budget
+    starts whole under that limit, as it does with auto_microbatch=False (counted twice, the
+    rounding made it start at half)."""
+    layers = [1479, 749, 1215, 835]
+    budget = M.plan(layers, 4096, "sgd").reserved_bytes
+    n = M.max_batch_size(layers, budget, "sgd")
+    x, y = np.zeros((n, layers[0]), np.float32), np.zeros(n, np.int64)
+    gc.collect()
+    M.empty_cache(DEV)
+    ooms = M.memory_stats(DEV)["num_ooms"]
+    M.set_memory_limit(budget, DEV)
+    try:
+        model = cmlp.MLP(layers, seed=0)
+        trainer = cmlp.Trainer(model, cmlp.optim.SGD(model, lr=0.01), batch_size=n)
+        history = trainer.fit(x, y, epochs=1, progress=False)
+    finally:
+        M.set_memory_limit(None, DEV)
+    assert history[0]["microbatch_size"] == n and M.memory_stats(DEV)["num_ooms"] == ooms
+
+
 def test_the_microbatch_grows_back_after_a_planned_start():
     layers, batch = [784, 512, 256, 10], 2048
     x, y = data(layers, 9 * batch)

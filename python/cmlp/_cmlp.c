@@ -1871,7 +1871,10 @@ static PyObject *mod_plan(PyObject *mod, PyObject *args) {
                            row_bytes, shuffled, eval_rows, eval_staged, d, &p);
     Py_END_ALLOW_THREADS
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
-    return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L}", "standing_reserved",
+    return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L}", "allocated_model",
+                         (long long)p.allocated_model, "allocated_state", (long long)p.allocated_state,
+                         "allocated_half", (long long)p.allocated_half, "allocated_data", (long long)p.allocated_data,
+                         "standing_reserved",
                          (long long)p.standing_reserved, "evaluation", (long long)p.evaluation,
                          "parameters", (long long)p.parameters, "gradients",
                          (long long)p.gradients, "optimizer_state", (long long)p.optimizer_state, "half_weights",

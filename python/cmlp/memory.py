@@ -410,6 +410,10 @@ class Plan:
         # with one micro-batch per optimizer step, the first layer's weight gradient, written
         # last, holds the half weights and every buffer the step is done with before that
         self.in_gradients: int = raw["in_gradients"]
+        # the blocks that stay between steps as the allocator hands them out (rounded): what a run
+        # at another micro-batch keeps of what is allocated now (Trainer's planned start)
+        self._allocated: Dict[str, int] = {"model": raw["allocated_model"], "optimizer_state": raw["allocated_state"],
+                                           "half_weights": raw["allocated_half"], "data": raw["allocated_data"]}
 
     def __repr__(self) -> str:
         return (f"Plan(layers={self.layer_sizes}, batch_size={self.batch_size}, peak_bytes={self.peak_bytes}, "

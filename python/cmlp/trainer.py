@@ -283,7 +283,7 @@ class Trainer:
             return
         step, buffers = self.optimizer._c.get_state()
         stepped = step > 0 or bool(buffers)
-        held = ("parameters", "gradients") + (("optimizer_state",) if stepped else ())
+        held = ("model",) + (("optimizer_state",) if stepped else ())  # the parameters and gradients, ...
         if stepped and self.amp is not None:
             held += ("half_weights",)
         self.model._c.release_workspace()  # the plan counts the workspace; it goes back to the cache
@@ -305,11 +305,12 @@ class Trainer:
             except ValueError:  # too large to plan: it does not fit either
                 return None
 
-        data = planned(1, True).breakdown["data"] if resident else 0  # the device copy's bytes
+        data = planned(1, True)._allocated["data"] if resident else 0  # the device copy's bytes
 
         def fits(p: Any, with_data: bool) -> bool:
-            # allocated: the data set is in memory_allocated already while it is on the device
-            own = p.peak_bytes - sum(p.breakdown[k] for k in held) - p.breakdown["data"]
+            # allocated (their blocks as the allocator rounds them, as memory_allocated counts
+            # them): the data set is in memory_allocated already while it is on the device
+            own = p.peak_bytes - sum(p._allocated[k] for k in held) - p._allocated["data"]
             return own <= room + (0 if with_data else data) and p.reserved_bytes + p.standing_reserved_bytes <= cap
 
         def largest(with_data: bool) -> Tuple[int, Any, bool]:
