@@ -71,6 +71,20 @@ def step_with_references(model, opt, refs, params, x, y):
         ref.step({k: params[k] for k in names}, {k: grads[k] for k in names})
 
 
+def step_with_torch(tensors, m, o, t, x, y):
+    """One step of the cmlp optimizer o on model m and of torch's t on tensors, from the same
+    parameters (torch's, loaded into m) and gradients (m's, given to torch)."""
+    import torch
+
+    m.load_state_dict({k: v.detach().numpy() for k, v in tensors.items()})
+    o.zero_grad()
+    m.forward_backward(x, y)
+    for k, g in m.grads().items():
+        tensors[k].grad = torch.from_numpy(g.copy())
+    o.step()
+    t.step()
+
+
 @pytest.mark.parametrize("own", [False, True])
 @pytest.mark.parametrize("kind", ["adam", "adamw", "sgd"])
 def test_each_group_follows_the_float64_reference_at_its_own_settings(kind, own):
@@ -542,13 +556,7 @@ def test_sgd_state_of_a_group_without_momentum_is_torchs_both_ways():
                            momentum=0.9, nesterov=True, weight_decay=0.1)
 
     def step(m, o, t, x, y):
-        m.load_state_dict({k: v.detach().numpy() for k, v in tensors.items()})
-        o.zero_grad()
-        m.forward_backward(x, y)
-        for k, g in m.grads().items():
-            tensors[k].grad = torch.from_numpy(g.copy())
-        o.step()
-        t.step()
+        step_with_torch(tensors, m, o, t, x, y)
 
     for x, y in batches(8, 3):
         step(model, opt, topt, x, y)
@@ -583,13 +591,7 @@ def test_adam_state_of_a_group_without_amsgrad_is_torchs_both_ways():
                             weight_decay=0.1)
 
     def step(m, o, t, x, y):
-        m.load_state_dict({k: v.detach().numpy() for k, v in tensors.items()})
-        o.zero_grad()
-        m.forward_backward(x, y)
-        for k, g in m.grads().items():
-            tensors[k].grad = torch.from_numpy(g.copy())
-        o.step()
-        t.step()
+        step_with_torch(tensors, m, o, t, x, y)
         got = m.state_dict()
         for k, v in tensors.items():
             assert rel_err(got[k], v.detach().numpy()) < 1e-6, k
