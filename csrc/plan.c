@@ -47,10 +47,49 @@ static const cmlp_backend_i paper_backend = {
     .vm_release = paper_free,
 };
 
+static int64_t reserved_now(cmlp_allocator *a) {
+    cmlp_memory_stats s;
+    cmlp_allocator_stats(a, &s);
+    return s.stat[CMLP_STAT_RESERVED_BYTES][CMLP_POOL_ALL].current;
+}
+
+/* A fit's epochs with validation, the first one's step buffers (ws_block, ws bytes) allocated:
+ * after each epoch the step's buffers go back, the evaluation's (fwd bytes) are taken and go
+ * back, and the next epoch's first step takes the step's again. Mostly these come back from the
+ * cache, but not always: a request below max_split_size may not take a block at or above it, and
+ * a new segment for it can be that large (a 20 MiB one when max_split_size_mb is 20), so that
+ * each epoch reserves segments again. An epoch that reserves nothing leaves the cache as it
+ * found it (each block it took went back before the next request), and so does every later
+ * one; two in a row that add the same bytes are the pattern the later ones repeat.
+ * *later: the reserved bytes the epochs not replayed add. */
+static cmlp_status replay_epochs(cmlp_allocator *a, void *ws_block, size_t ws, size_t fwd, int64_t epochs,
+                                 int64_t *later) {
+    enum { MAX_REPLAYED = 64 };
+    int64_t grew_before = -1;
+    *later = 0;
+    for (int64_t e = 1; e <= epochs; e++) {
+        int64_t before = reserved_now(a);
+        void *p;
+        if (e > 1) CMLP_TRY(cmlp_allocator_malloc(a, ws, "planned", &ws_block));
+        CMLP_TRY(cmlp_allocator_free(a, ws_block));
+        CMLP_TRY(cmlp_allocator_malloc(a, fwd, "planned evaluation", &p));
+        CMLP_TRY(cmlp_allocator_free(a, p));
+        if (e == 1) continue; /* its step's buffers were the run's first */
+        int64_t grew = reserved_now(a) - before;
+        if (grew == 0) return CMLP_OK;
+        if (grew == grew_before || e == MAX_REPLAYED) {
+            *later = grew * (epochs - e);
+            return CMLP_OK;
+        }
+        grew_before = grew;
+    }
+    return CMLP_OK;
+}
+
 cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int optimizer_buffers, int optimizer_shards,
                               int optimizer_parts, cmlp_amp amp, int recompute, int loss_scaling, int solo,
                               int64_t data_rows, int64_t data_row_bytes, int data_shuffled, int64_t eval_rows,
-                              int eval_staged, cmlp_device d, cmlp_plan *out) {
+                              int eval_staged, int64_t epochs, cmlp_device d, cmlp_plan *out) {
     if (!sizes || !out || nsizes < 2 || nsizes > CMLP_MAX_LAYERS + 1)
         return CMLP_FAIL(CMLP_ERR_INVALID, "layer_sizes must list 2 to %d sizes", CMLP_MAX_LAYERS + 1);
     for (int i = 0; i < nsizes; i++)
@@ -58,6 +97,7 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
             return CMLP_FAIL(CMLP_ERR_INVALID, "layer_sizes[%d] = %d: every size must be in [1, %d]", i, sizes[i],
                              1 << 24);
     if (batch < 1) return CMLP_FAIL(CMLP_ERR_INVALID, "batch_size must be >= 1, got %lld", (long long)batch);
+    if (epochs < 1) return CMLP_FAIL(CMLP_ERR_INVALID, "epochs must be >= 1, got %lld", (long long)epochs);
     /* the byte counts below stay far from overflowing: at most 2**56 activation values */
     int64_t width_sum = 0;
     for (int i = 0; i < nsizes; i++) width_sum += sizes[i];
@@ -159,6 +199,7 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
         base_reserved = s.stat[CMLP_STAT_RESERVED_BYTES][CMLP_POOL_ALL].current;
     }
     void *ws_block = NULL;
+    int64_t later = 0; /* reserved bytes the epochs not replayed add */
     for (int i = 0; i < nreq && st == CMLP_OK; i++) {
         cmlp_memory_stats before, after;
         cmlp_allocator_stats(a, &before);
@@ -174,15 +215,16 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
         int nf = cmlp_fwd_layout(sizes, L, eval_rows, eval_staged != 0, fsz);
         for (int i = 0; i < nf; i++) fwd += fsz[i];
         out->evaluation = (int64_t)fwd;
-        void *p;
-        st = cmlp_allocator_free(a, ws_block);
-        if (st == CMLP_OK) st = cmlp_allocator_malloc(a, fwd, "planned evaluation", &p);
+        st = replay_epochs(a, ws_block, ws, fwd, epochs, &later);
     }
     if (st == CMLP_OK) {
         cmlp_memory_stats s;
         cmlp_allocator_stats(a, &s);
         out->peak_allocated = s.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].peak - base_allocated;
         out->peak_reserved = s.stat[CMLP_STAT_RESERVED_BYTES][CMLP_POOL_ALL].peak - base_reserved;
+        /* at most what the device has: there the allocator empties its cache and goes on */
+        int64_t room = pd.total - s.stat[CMLP_STAT_RESERVED_BYTES][CMLP_POOL_ALL].peak;
+        out->peak_reserved += later < room ? later : (room > 0 ? room : 0);
         out->standing_reserved = base_reserved;
     }
     cmlp_allocator_destroy(a);

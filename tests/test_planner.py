@@ -602,3 +602,76 @@ def test_amsgrad_turned_on_between_fits_adds_its_buffer_and_nothing_more():
     trainer.fit(x, y, epochs=1, progress=False)
     assert M.max_memory_allocated(DEV) - base == plan.peak_bytes
     assert plan.breakdown["optimizer_state"] == 3 * 4 * model.num_parameters()
+
+
+_EPOCHS_RUN = r'''
+import json, sys
+import numpy as np
+import cmlp
+M = cmlp.memory
+conf, layers, batch, vrows, epochs = json.loads(sys.argv[1])
+M.configure(conf)
+rng = np.random.default_rng(0)
+x = rng.integers(0, 256, (3 * batch, layers[0]), dtype=np.uint8)
+y = rng.integers(0, layers[-1], 3 * batch)
+vx = rng.integers(0, 256, (vrows, layers[0]), dtype=np.uint8)
+vy = rng.integers(0, layers[-1], vrows)
+model = cmlp.MLP(layers, seed=0)
+opt = cmlp.optim.SGD(model, lr=0.01)
+plan = M.plan(layers, batch, opt, validation_rows=vrows, epochs=epochs)
+once = M.plan(layers, batch, opt, validation_rows=vrows, epochs=1)
+cmlp.Trainer(model, opt, batch_size=batch).fit(x, y, epochs=epochs, validation_data=(vx, vy), progress=False)
+print(json.dumps({"plan": [plan.peak_bytes, plan.reserved_bytes], "once": once.reserved_bytes,
+                  "measured": [M.max_memory_allocated(), M.max_memory_reserved()]}))
+'''
+
+
+@pytest.mark.parametrize("conf, layers, batch, vrows, epochs, grows", [
+    # each epoch's step and validation buffers take new 20 MiB segments, which, freed, are at
+    # max_split_size: no smaller request may take them again
+    ("max_split_size_mb:20", [804, 17], 586, 1656, 2, True),
+    ("max_split_size_mb:20", [804, 17], 586, 1656, 5, True),
+    ("max_split_size_mb:20", [804, 17], 586, 1656, 90, True),  # the later epochs counted, not replayed
+    # the validation chunk's 29.6 MB comes in a 30 MiB segment, at max_split_size_mb:30
+    ("max_split_size_mb:30", [7400, 17], 64, 1000, 4, True),
+    # a segment under max_split_size is taken again: the epochs reserve nothing more
+    ("max_split_size_mb:21", [804, 17], 586, 1656, 4, False),
+    ("expandable_segments:True", [804, 300, 17], 586, 1656, 3, False),
+])
+def test_a_fits_epochs_are_planned_where_each_reserves_new_segments(conf, layers, batch, vrows, epochs, grows):
+    r = json.loads(_python(_EPOCHS_RUN, [json.dumps([conf, layers, batch, vrows, epochs])]).strip().splitlines()[-1])
+    assert r["plan"] == r["measured"], r
+    assert (r["plan"][1] > r["once"]) == grows, r
+
+
+def test_the_epochs_a_plan_counts_are_checked_and_bounded_by_the_device():
+    for bad in (0, -1, 1.5, True, 2**31, "5"):
+        with pytest.raises(ValueError, match="epochs"):
+            M.plan([784, 10], 32, validation_rows=100, epochs=bad)
+    assert M.plan([784, 10], 32, validation_rows=100, epochs=np.int64(3)).reserved_bytes > 0
+    code = r'''
+import sys
+import cmlp
+M = cmlp.memory
+M.configure("max_split_size_mb:20")
+p = M.plan([804, 17], 586, "sgd", validation_rows=1656, epochs=2**31 - 1)
+free, total = M.mem_get_info("cpu")
+print(p.reserved_bytes, total, M.plan([804, 17], 586, "sgd", validation_rows=1656, epochs=100).reserved_bytes,
+      M.plan([804, 17], 586, "sgd", validation_rows=1656, epochs=99).reserved_bytes)
+'''
+    reserved, total, hundred, ninety_nine = map(int, _python(code).split())
+    assert reserved <= total and hundred - ninety_nine == 40 * MIB  # the step's and the validation's 20 MiB
+
+
+def test_cli_plan_takes_the_epochs(tmp_path):
+    args = ["--layers", "804,17", "--batch-size", "586", "--optimizer", "sgd", "--validation-rows", "1656"]
+    env_conf = {"CMLP_ALLOC_CONF": "max_split_size_mb:20"}
+    outs = []
+    for extra in ([], ["--epochs", "1"], ["--epochs", "5"]):
+        r = subprocess.run([sys.executable, "-m", "cmlp", "plan", *args, *extra], capture_output=True, text=True,
+                           cwd=tmp_path, env={**_env(), **env_conf}, timeout=60)
+        assert r.returncode == 0, r.stderr
+        outs.append(r.stdout)
+    assert outs[0] == outs[2] != outs[1]
+    r = _cli(args + ["--epochs", "0"], tmp_path)
+    assert r.returncode == 2 and "--epochs" in r.stderr, r.stderr

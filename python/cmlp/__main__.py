@@ -129,6 +129,9 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--validation-rows", type=_steps, default=0, metavar="N",
                     help="the run also evaluates N uint8 samples after each epoch (train's 10,000 test images): "
                          "plan their buffers too")
+    pl.add_argument("--epochs", type=_count, default=5,
+                    help="the run's epochs (default 5, as train's): each validation gives the step's buffers back "
+                         "and the next epoch takes them again")
     pl.add_argument("--budget", type=_size, default=None,
                     help="e.g. 2GB, as a --memory-limit would be: also print the largest batch whose run fits "
                          "(beside what the device holds once open)")
@@ -273,7 +276,7 @@ def _plan(a: argparse.Namespace) -> int:
     optimizer = "sgd_momentum" if a.optimizer == "sgd" and a.momentum else a.optimizer
     optimizer += "_amsgrad" if a.amsgrad else ""
     p = memory.plan(a.layers, a.batch_size, optimizer, a.amp, device=a.device, optimizer_shards=a.optimizer_shards,
-                    validation_rows=a.validation_rows)
+                    validation_rows=a.validation_rows, epochs=a.epochs)
     print(p)
     if a.budget is not None:
         # the budget counts all the device reserves, as a memory limit does: what it holds from
@@ -282,7 +285,7 @@ def _plan(a: argparse.Namespace) -> int:
         room = a.budget - held
         n = memory.max_batch_size(a.layers, room, optimizer, a.amp, device=a.device,
                                   optimizer_shards=a.optimizer_shards,
-                                  validation_rows=a.validation_rows) if room > 0 else 0
+                                  validation_rows=a.validation_rows, epochs=a.epochs) if room > 0 else 0
         why = f" ({p.device} holds {memory._fmt(held)} of it once open)" if held else ""
         if n == 0:
             one = memory.plan(a.layers, 1, optimizer, a.amp, device=a.device, optimizer_shards=a.optimizer_shards)

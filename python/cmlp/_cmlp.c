@@ -1855,10 +1855,11 @@ static PyObject *mod_from_half(PyObject *mod, PyObject *args) {
 
 static PyObject *mod_plan(PyObject *mod, PyObject *args) {
     PyObject *sizes_obj, *dev_obj;
-    long long batch, eval_rows, data_rows, row_bytes;
+    long long batch, eval_rows, data_rows, row_bytes, epochs;
     int nbuf, shards, parts, amp, recompute, scaling, solo, shuffled, eval_staged;
-    if (!PyArg_ParseTuple(args, "OLiiiipppLLpLpO", &sizes_obj, &batch, &nbuf, &shards, &parts, &amp, &recompute,
-                          &scaling, &solo, &data_rows, &row_bytes, &shuffled, &eval_rows, &eval_staged, &dev_obj))
+    if (!PyArg_ParseTuple(args, "OLiiiipppLLpLpLO", &sizes_obj, &batch, &nbuf, &shards, &parts, &amp, &recompute,
+                          &scaling, &solo, &data_rows, &row_bytes, &shuffled, &eval_rows, &eval_staged, &epochs,
+                          &dev_obj))
         return NULL;
     cmlp_device d;
     if (parse_device(state_of(mod), dev_obj, &d) < 0) return NULL;
@@ -1868,7 +1869,7 @@ static PyObject *mod_plan(PyObject *mod, PyObject *args) {
     cmlp_status st;
     Py_BEGIN_ALLOW_THREADS
     st = cmlp_plan_compute(sizes, n, batch, nbuf, shards, parts, (cmlp_amp)amp, recompute, scaling, solo, data_rows,
-                           row_bytes, shuffled, eval_rows, eval_staged, d, &p);
+                           row_bytes, shuffled, eval_rows, eval_staged, epochs, d, &p);
     Py_END_ALLOW_THREADS
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
     return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L}", "allocated_model",
@@ -2157,7 +2158,7 @@ static PyMethodDef module_methods[] = {
     {"from_half", mod_from_half, METH_VARARGS, "from_half(uint16 array, 'fp16'|'bf16') -> float32 array"},
     {"plan", mod_plan, METH_VARARGS,
      "plan(sizes, batch, optimizer_buffers, optimizer_shards, optimizer_parts, amp, recompute, loss_scaling, solo, "
-     "data_rows, data_row_bytes, data_shuffled, eval_rows, eval_staged, device) -> dict"},
+     "data_rows, data_row_bytes, data_shuffled, eval_rows, eval_staged, epochs, device) -> dict"},
     {"parse_device", mod_parse_device, METH_O, "canonical device string; raises when unavailable"},
     {"build_info", mod_build_info, METH_NOARGS, "build facts"},
     {"cuda_device_count", mod_cuda_device_count, METH_NOARGS, "number of usable CUDA devices"},

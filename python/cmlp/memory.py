@@ -455,7 +455,8 @@ def _check_accumulation(accumulation_steps: Any) -> int:
 def plan(layer_sizes: List[int], batch_size: int = 32, optimizer: Any = "adam", amp: Optional[str] = None,
          recompute: bool = False, device: str = "cpu", scaler: Optional[bool] = None,
          accumulation_steps: int = 1, optimizer_shards: Optional[int] = None, validation_rows: int = 0,
-         validation_dtype: str = "uint8", data_rows: int = 0, data_dtype: str = "uint8", shuffle: bool = True) -> Plan:
+         validation_dtype: str = "uint8", data_rows: int = 0, data_dtype: str = "uint8", shuffle: bool = True,
+         epochs: int = 5) -> Plan:
     """Predicts a training run's memory before anything is allocated (batch_size: rows computed at
     once, i.e. the micro-batch; accumulation_steps: micro-batches per optimizer step). With one
     micro-batch per step (the default) a step keeps most of its buffers in the first layer's
@@ -467,7 +468,12 @@ def plan(layer_sizes: List[int], batch_size: int = 32, optimizer: Any = "adam", 
     after each epoch (a rank's share, data-parallel; 0: none), in chunks of up to 1000 rows after
     the step's buffers went back; validation_dtype: theirs ("uint8" images are normalised into a
     buffer, as any input on a GPU; "float32" ones are read in place on the CPU). The plan is then
-    the whole run's, validation included (breakdown["evaluation"]: its buffers). data_rows: the
+    the whole run's, validation included (breakdown["evaluation"]: its buffers), over `epochs`
+    epochs (Trainer.fit's default, 5): each gives the step's buffers back for the validation and
+    takes them again after it, which reserves new segments each time where a new segment for a
+    request below max_split_size is at or above it (which no smaller request may take), as a
+    20 MiB one is with max_split_size_mb:20 (reserved_bytes is then at most the device's
+    memory, where the allocator empties its cache). data_rows: the
     training samples of a fit, which on a GPU it copies to the device for the run (uint8 images
     as uint8, floats as float32; with their labels and, when shuffle, their order;
     breakdown["data"]), 0 on the CPU, where they stay in host memory (a fit whose data set would
@@ -486,7 +492,7 @@ def plan(layer_sizes: List[int], batch_size: int = 32, optimizer: Any = "adam", 
     dev = _device(device)
     args = _plan_args(optimizer, amp, recompute, scaler, accumulation_steps, optimizer_shards)
     data = _data_args(data_rows, data_dtype, shuffle, sizes[0])
-    evaluation = _evaluation_args(validation_rows, validation_dtype, dev)
+    evaluation = _evaluation_args(validation_rows, validation_dtype, dev, epochs)
     raw = _cmlp.plan(list(sizes), batch_size, *args, *data, *evaluation, dev)
     return Plan(list(sizes), batch_size, name, amp, recompute, dev, raw, args[1])
 
@@ -514,13 +520,17 @@ def _data_args(rows: Any, dtype: Any, shuffle: Any, features: int) -> Tuple[int,
     return rows, features * (1 if kind == np.uint8 else 4), as_flag("shuffle", shuffle)
 
 
-def _evaluation_args(rows: Any, dtype: Any, device: str) -> Tuple[int, bool]:
-    """(rows of an evaluation chunk, whether its input is staged) for a validation of `rows`."""
+def _evaluation_args(rows: Any, dtype: Any, device: str, epochs: Any) -> Tuple[int, bool, int]:
+    """(rows of an evaluation chunk, whether its input is staged, epochs) for a validation of
+    `rows` after each of `epochs` epochs."""
     from .trainer import EVALUATION_ROWS
 
     rows, kind = _rows_of("validation", rows, dtype)
+    epochs = _numpy_int(epochs)
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or not 1 <= epochs < 2**31:
+        raise ValueError(f"epochs must be an int in [1, 2**31), got {epochs!r}")
     # floats are converted to float32 on the host, then read in place (CPU) or copied (GPU)
-    return min(rows, EVALUATION_ROWS), kind == np.uint8 or device != "cpu"
+    return min(rows, EVALUATION_ROWS), kind == np.uint8 or device != "cpu", epochs
 
 
 def _optimizer_shards(optimizer: Any, optimizer_shards: Optional[int]) -> int:
@@ -559,12 +569,12 @@ def max_batch_size(layer_sizes: List[int], budget_bytes: int, optimizer: Any = "
                    recompute: bool = False, device: str = "cpu", limit: int = 1 << 24,
                    accumulation_steps: int = 1, optimizer_shards: Optional[int] = None, validation_rows: int = 0,
                    validation_dtype: str = "uint8", data_rows: int = 0, data_dtype: str = "uint8",
-                   shuffle: bool = True) -> int:
+                   shuffle: bool = True, epochs: int = 5) -> int:
     """The largest micro-batch whose planned reserved memory fits in budget_bytes (0 if none),
     for runs of accumulation_steps micro-batches per optimizer step (see plan: with more than
     one, a step needs more memory for the same micro-batch), the optimizer's state sharded
-    over optimizer_shards ranks, a validation of validation_rows after each epoch and, on a GPU,
-    a fit's data set of data_rows kept on the device (see plan)."""
+    over optimizer_shards ranks, a validation of validation_rows after each of the fit's epochs
+    and, on a GPU, a fit's data set of data_rows kept on the device (see plan)."""
     budget = parse_size(budget_bytes)
     _check_accumulation(accumulation_steps)
     limit = _numpy_int(limit)
@@ -574,7 +584,8 @@ def max_batch_size(layer_sizes: List[int], budget_bytes: int, optimizer: Any = "
     def planned(b: int) -> Plan:
         return plan(layer_sizes, b, optimizer, amp, recompute, device, accumulation_steps=accumulation_steps,
                     optimizer_shards=optimizer_shards, validation_rows=validation_rows,
-                    validation_dtype=validation_dtype, data_rows=data_rows, data_dtype=data_dtype, shuffle=shuffle)
+                    validation_dtype=validation_dtype, data_rows=data_rows, data_dtype=data_dtype, shuffle=shuffle,
+                    epochs=epochs)
 
     # Reserved memory is at least the peak allocated, which grows with the batch: the largest
     # batch whose allocated peak fits bounds the answer from above (a search).
@@ -596,7 +607,7 @@ def max_batch_size(layer_sizes: List[int], budget_bytes: int, optimizer: Any = "
     first = planned(lo)
     args = _plan_args(optimizer, amp, recompute, None, accumulation_steps, optimizer_shards)
     raw = [list(first.layer_sizes), 0, *args, *_data_args(data_rows, data_dtype, shuffle, first.layer_sizes[0]),
-           *_evaluation_args(validation_rows, validation_dtype, first.device), first.device]
+           *_evaluation_args(validation_rows, validation_dtype, first.device, epochs), first.device]
     for b in range(lo, 0, -1):
         raw[1] = b
         if _cmlp.plan(*raw)["peak_reserved"] <= budget:
