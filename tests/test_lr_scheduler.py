@@ -4,6 +4,7 @@ scheduler_interval="step", one per optimizer step.
 """
 import gc
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -726,28 +727,35 @@ def test_a_refused_step_leaves_the_momentum_too_and_arithmetic_failures_are_valu
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of")  # torch's: no optimizer step here
-@pytest.mark.parametrize("case", CASES[:13], ids=case_id)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_the_deprecated_step_with_an_epoch_gives_torchs_rates(case):
-    # step(epoch) jumps to that epoch (the closed form where the schedule has one), with a warning
+    # step(epoch) jumps to that epoch (the closed form where the schedule has one), with a warning;
+    # a float epoch is last_epoch from there on, as torch keeps it
     torch = pytest.importorskip("torch")
     name, kw = case
     opt, sched = make(name, kw)
     topt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     ts = getattr(torch.optim.lr_scheduler, name)(topt, **kw)
-    for epoch in (None, 5, None, None, 2, 9, None):
+    for epoch in (None, 5, None, None, 2, 9, None, 2.5, None, 6.0, 0.25, None, 3.5, 4, 0, None):
         if epoch is None:
             sched.step()
             ts.step()
+        elif name == "CosineAnnealingWarmRestarts":  # its own form, not deprecated (no warning)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                sched.step(epoch)
+            ts.step(epoch)
         else:
             with pytest.warns(UserWarning, match="deprecated"):
                 sched.step(epoch)
             with pytest.warns(UserWarning):
                 ts.step(epoch)
         assert sched.get_last_lr() == ts.get_last_lr() and sched.last_epoch == ts.last_epoch, epoch
-    with pytest.raises(ValueError, match="epoch"):
-        sched.step(-1)
-    with pytest.raises(ValueError, match="epoch"):
-        sched.step(2.5)
+        assert type(sched.last_epoch) is type(ts.last_epoch), epoch
+    for bad in (-1, -0.5, float("nan"), float("inf"), True, "3"):
+        with pytest.raises(ValueError, match="epoch"):
+            sched.step(bad)
+    assert sched.get_last_lr() == ts.get_last_lr() and sched.last_epoch == ts.last_epoch
 
 
 def test_the_deprecated_epoch_of_reduce_on_plateau_is_torchs():
@@ -769,7 +777,6 @@ def test_the_deprecated_epoch_of_reduce_on_plateau_is_torchs():
 
 
 def test_torchs_warnings_a_step_before_the_optimizers_and_get_lr_outside_step():
-    import warnings
 
     opt = cmlp.optim.SGD(cmlp.MLP(SIZES), lr=0.1)
     sched = S.StepLR(opt, step_size=2)

@@ -31,7 +31,7 @@ import types
 import warnings
 from bisect import bisect_right
 from math import inf
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 from .._arrays import as_flag, as_number
 
@@ -53,14 +53,15 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _deprecated_epoch(epoch: Any) -> int:
-    """step(epoch)'s epoch, with torch's warning that the argument is going away."""
-    if not _is_int(epoch) or epoch < 0:
-        raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+def _deprecated_epoch(epoch: Any) -> Union[int, float]:
+    """step(epoch)'s epoch (an int, or a float as torch takes it: last_epoch then is that float),
+    with torch's warning that the argument is going away."""
+    if isinstance(epoch, bool) or not isinstance(epoch, numbers.Real) or not 0 <= epoch < math.inf:
+        raise ValueError(f"epoch must be a finite number >= 0, got {epoch!r}")
     warnings.warn("step(epoch) is deprecated, as in torch: call step() to move the schedule on (with an epoch "
                   "the rate is the schedule's closed form for it where there is one, else its next form)",
                   UserWarning, stacklevel=3)
-    return int(epoch)
+    return int(epoch) if _is_int(epoch) else float(epoch)
 
 
 def _warn_outside_step(get_lr: Callable[[Any], List[float]]) -> Callable[[Any], List[float]]:
@@ -152,12 +153,13 @@ class LRScheduler:
         """The rates the last step() set, one per param group."""
         return self._last_lr
 
-    def step(self, epoch: Optional[int] = None) -> None:
+    def step(self, epoch: Optional[float] = None) -> None:
         """Moves the schedule one epoch (or step) on and sets every param group's rate. A rate
         the optimizer refuses (negative, not finite) raises and leaves the schedule and every
         group's rate where they were.
         epoch (deprecated, as in torch, which warns): that epoch's rate instead, from the
-        schedule's closed form where it has one."""
+        schedule's closed form where it has one; a float (2.5) is last_epoch from there on, as
+        torch keeps it."""
         if self._step_count == 1 and not getattr(self.optimizer, "_opt_called", False):
             warnings.warn("Detected call of `lr_scheduler.step()` before `optimizer.step()`: call them in the "
                           "opposite order, optimizer.step() and then lr_scheduler.step(), or the first value of "
@@ -171,7 +173,7 @@ class LRScheduler:
             self._step_count -= 1
             raise
 
-    def _update_lr(self, epoch: Optional[int]) -> None:
+    def _update_lr(self, epoch: Optional[float]) -> None:
         """The next epoch's rate (torch's recursive form), or with epoch that epoch's (the closed
         form where there is one): what SequentialLR asks of a schedule at its milestone."""
         before, momentum = self.last_epoch, self.optimizer._momenta()
@@ -450,6 +452,9 @@ class CosineAnnealingWarmRestarts(LRScheduler):
                     self.T_cur = self.T_cur % self.T_i
                     self.T_i = self.T_i * self.T_mult
             else:
+                if isinstance(epoch, bool) or not isinstance(epoch, numbers.Real) or math.isnan(epoch) \
+                        or math.isinf(epoch):
+                    raise ValueError(f"epoch must be a finite number >= 0, got {epoch!r}")
                 if epoch < 0:
                     raise ValueError(f"Expected non-negative epoch, but got {epoch}")
                 if epoch >= self.T_0:
