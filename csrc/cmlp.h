@@ -77,6 +77,9 @@ CMLP_API int cmlp_cuda_compiled(void);                  /* 1 when built with the
 CMLP_API int cmlp_cuda_device_count(void);
 CMLP_API int cmlp_cuda_loadable(void); /* 1 when the CUDA backend's library loads (starts nothing) */
 CMLP_API int cmlp_cuda_started(void);  /* 1 once the CUDA driver was asked for the devices */
+/* 1 once GPU `index` was opened in this process (its context and allocator made: anything
+ * allocated there, or its memory asked about); opens nothing. */
+CMLP_API int cmlp_cuda_device_opened(int index);
 /* The processes holding memory on device d, as its driver's management library (NVML) sees
  * them: up to cap (pid, bytes) pairs; *count is their number (which may exceed cap), or -1 where
  * it cannot tell (the CPU, no NVML). */

@@ -114,7 +114,7 @@ static cmlp_status ctx_create(cmlp_device d, cmlp_device_ctx **out) {
         free(c);
         return st;
     }
-    *out = c;
+    __atomic_store_n(out, c, __ATOMIC_RELEASE); /* read without the lock (cmlp_cuda_device_opened) */
     return CMLP_OK;
 }
 
@@ -157,6 +157,11 @@ cmlp_status cmlp_device_get(cmlp_device d, cmlp_device_ctx **out) {
     *out = *slot;
     pthread_mutex_unlock(&registry_lock);
     return st;
+}
+
+int cmlp_cuda_device_opened(int index) {
+    if (index < 0 || index >= CMLP_MAX_CUDA_DEVICES) return 0;
+    return __atomic_load_n(&cuda_ctx[index], __ATOMIC_ACQUIRE) != NULL;
 }
 
 cmlp_status cmlp_device_synchronize(cmlp_device d) {

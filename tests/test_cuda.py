@@ -1363,10 +1363,16 @@ def test_caching_allocator_on_the_gpu_reuses_blocks_without_a_device_call():
 
 
 def test_torch_cuda_memory_functions_port_to_cmlp_cuda():
-    if not cmlp.cuda.is_available():  # as torch's: empty_cache does nothing, the others say why
+    if not cmlp.cuda.is_available():  # as torch's before CUDA starts: nothing to read, nothing cached
         cmlp.cuda.empty_cache()
-        with pytest.raises(RuntimeError, match="CUDA"):
-            cmlp.cuda.memory_allocated()
+        assert [cmlp.cuda.memory_allocated(), cmlp.cuda.max_memory_reserved(1), cmlp.cuda.memory_stats("cuda:3"),
+                cmlp.cuda.memory_stats_as_nested_dict(), cmlp.cuda.memory_snapshot()] == [0, 0, {}, {}, []]
+        for call in (cmlp.cuda.reset_peak_memory_stats, cmlp.cuda.memory_summary, cmlp.cuda.mem_get_info,
+                     cmlp.cuda.get_per_process_memory_fraction):  # these say why
+            with pytest.raises(RuntimeError, match="CUDA is not available"):
+                call()
+        with pytest.raises(ValueError, match="Expected a cuda device"):
+            cmlp.cuda.memory_allocated("cpu")
         return
     model = cmlp.MLP([784, 64, 10], device="cuda", seed=0)
     assert cmlp.cuda.memory_allocated() == M.memory_allocated("cuda") >= 4 * model.num_parameters()
@@ -1450,6 +1456,31 @@ def test_per_process_memory_fraction_in_the_settings_limits_each_gpu():
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["True", "0.25"], r.stdout
+
+
+@needs_gpu
+def test_torch_cuda_readers_open_no_gpu():
+    """As torch's before CUDA starts, cmlp.cuda's statistics of a GPU not opened are 0, {} and []
+    (opening it would reserve its GEMM workspace); once it is open they are cmlp.memory's."""
+    code = ("import json, warnings, cmlp; c = cmlp.cuda; m = cmlp.memory\n"
+            "before = [c.memory_reserved(), c.max_memory_allocated(0), c.memory_stats(), c.memory_snapshot(),"
+            " cmlp._cmlp.cuda_device_opened(0)]\n"
+            "c.empty_cache()\n"
+            "before.append(cmlp._cmlp.cuda_device_opened(0))\n"
+            "before.append(c.memory_allocated(c.device_count()))\n"  # as torch's: no index checked before CUDA starts
+            "c.is_available()\n"  # (which starts it)
+            "try:\n    c.memory_allocated(c.device_count())\nexcept RuntimeError as e:\n    before.append(str(e))\n"
+            "model = cmlp.MLP([8, 4], device='cuda')\n"
+            "with warnings.catch_warnings(record=True) as w:\n    warnings.simplefilter('always')\n"
+            "    cached = c.memory_cached()\n"
+            "after = [c.memory_reserved() == m.memory_reserved('cuda') > 0, c.memory_stats() == m.memory_stats('cuda'),"
+            " len(c.memory_snapshot()) > 0, cached == m.memory_reserved('cuda'), w[0].category.__name__]\n"
+            "print(json.dumps([before, after]))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    before, after = json.loads(r.stdout.strip().splitlines()[-1])
+    assert before[:7] == [0, 0, {}, [], False, False, 0] and "does not exist" in before[7], before
+    assert after == [True, True, True, True, "FutureWarning"], after
 
 
 @needs_gpu

@@ -1974,6 +1974,13 @@ static PyObject *mod_cuda_started(PyObject *mod, PyObject *unused) {
     return PyBool_FromLong(cmlp_cuda_started());
 }
 
+static PyObject *mod_cuda_device_opened(PyObject *mod, PyObject *arg) {
+    (void)mod;
+    long long index = PyLong_AsLongLong(arg);
+    if (index == -1 && PyErr_Occurred()) return NULL;
+    return PyBool_FromLong(index >= 0 && index <= INT32_MAX && cmlp_cuda_device_opened((int)index));
+}
+
 /* NVML's GPUs as a list of their UUIDs, or None where NVML is not there or fails */
 static PyObject *mod_nvml_devices(PyObject *mod, PyObject *unused) {
     (void)mod;
@@ -2166,6 +2173,7 @@ static PyMethodDef module_methods[] = {
     {"cuda_device_properties", mod_cuda_device_properties, METH_O, "a GPU's properties (starts CUDA)"},
     {"cuda_loadable", mod_cuda_loadable, METH_NOARGS, "whether the CUDA backend's library loads (starts nothing)"},
     {"cuda_started", mod_cuda_started, METH_NOARGS, "whether the CUDA driver was asked for the devices"},
+    {"cuda_device_opened", mod_cuda_device_opened, METH_O, "whether GPU N was opened here (opens nothing)"},
     {"nvml_devices", mod_nvml_devices, METH_NOARGS, "NVML's GPUs' UUIDs (None: no NVML), without starting CUDA"},
     {"cuda_forked", mod_cuda_forked, METH_NOARGS, "whether this process was forked after CUDA was started"},
     {"synchronize", mod_synchronize, METH_O, "synchronize(device): waits for the device's queued work"},

@@ -6,7 +6,7 @@ process starts CUDA (and asks CUDA where NVML is not there); is_available() asks
 unless CMLP_NVML_BASED_CUDA_CHECK (or, where that is unset, PYTORCH_NVML_BASED_CUDA_CHECK) is "1".
 """
 import os
-from typing import List, NamedTuple, Optional, Tuple, Union
+from typing import Any, List, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 
@@ -198,29 +198,67 @@ def mem_get_info(device: "Optional[str | int]" = None) -> Tuple[int, int]:
 
 
 # torch.cuda's memory functions, as cmlp.memory's for a GPU: device None is "cuda" (the current
-# GPU, as torch.cuda has it), and CUDA being unavailable raises RuntimeError saying why, so that
-# torch.cuda.memory_allocated() ports as cmlp.cuda.memory_allocated().
-def _on_gpu(name: str):  # type: ignore[no-untyped-def]
+# GPU, as torch.cuda has it). As torch.cuda's, the readers of the statistics return 0, {} or []
+# for a GPU this process has not opened (and where there is no CUDA at all) rather than open it;
+# the others open it, and raise RuntimeError saying why where CUDA is unavailable.
+def _opened(device: "Optional[str | int]") -> bool:
+    """Whether the GPU `device` names is open here (an index past the GPUs raises, as torch's,
+    once CUDA has started); opens nothing."""
+    index = _device_index(device)
+    if _cmlp.cuda_device_opened(index):
+        return True
+    count = _cmlp.cuda_device_count() if _cmlp.cuda_started() else 0
+    if count > 0 and not 0 <= index < count:
+        from . import memory
+
+        memory.memory_allocated(f"cuda:{index}")  # raises: that GPU is not there
+    return False
+
+
+def _on_gpu(name: str, unopened: Any = None):  # type: ignore[no-untyped-def]
     def call(device: "Optional[str | int]" = None):  # type: ignore[no-untyped-def]
         from . import memory
 
-        return getattr(memory, name)("cuda" if device is None else device)
+        if unopened is not None and not _opened(device):
+            return unopened()
+        return getattr(memory, name)(f"cuda:{_device_index(device)}")
 
     call.__name__ = call.__qualname__ = name
-    call.__doc__ = f"cmlp.memory.{name} of a GPU (default: \"cuda\"), as torch.cuda.{name}."
+    call.__doc__ = f"cmlp.memory.{name} of a GPU (default: \"cuda\"), as torch.cuda.{name}" + (
+        " (before the GPU is opened here, or without CUDA: what torch's gives before CUDA starts)."
+        if unopened is not None else ".")
     return call
 
 
-memory_allocated = _on_gpu("memory_allocated")
-max_memory_allocated = _on_gpu("max_memory_allocated")
-memory_reserved = _on_gpu("memory_reserved")
-max_memory_reserved = _on_gpu("max_memory_reserved")
-memory_stats = _on_gpu("memory_stats")
-memory_stats_as_nested_dict = _on_gpu("memory_stats_as_nested_dict")
-memory_snapshot = _on_gpu("memory_snapshot")
+memory_allocated = _on_gpu("memory_allocated", int)
+max_memory_allocated = _on_gpu("max_memory_allocated", int)
+memory_reserved = _on_gpu("memory_reserved", int)
+max_memory_reserved = _on_gpu("max_memory_reserved", int)
+memory_stats = _on_gpu("memory_stats", dict)
+memory_stats_as_nested_dict = _on_gpu("memory_stats_as_nested_dict", dict)
+memory_snapshot = _on_gpu("memory_snapshot", list)
 reset_peak_memory_stats = _on_gpu("reset_peak_memory_stats")
 reset_accumulated_memory_stats = _on_gpu("reset_accumulated_memory_stats")
 get_per_process_memory_fraction = _on_gpu("get_per_process_memory_fraction")
+
+
+def _deprecated(name: str, instead: str, fn: Any) -> Any:
+    def alias(device: "Optional[str | int]" = None) -> Any:
+        import warnings
+
+        warnings.warn(f"cmlp.cuda.{name} is deprecated (as in torch): use {instead}", FutureWarning, stacklevel=2)
+        return fn(device)
+
+    alias.__name__ = alias.__qualname__ = name
+    alias.__doc__ = f"Deprecated alias of {instead} (torch.cuda's)."
+    return alias
+
+
+memory_cached = _deprecated("memory_cached", "memory_reserved", memory_reserved)
+max_memory_cached = _deprecated("max_memory_cached", "max_memory_reserved", max_memory_reserved)
+reset_max_memory_allocated = _deprecated("reset_max_memory_allocated", "reset_peak_memory_stats",
+                                         reset_peak_memory_stats)
+reset_max_memory_cached = _deprecated("reset_max_memory_cached", "reset_peak_memory_stats", reset_peak_memory_stats)
 
 
 def memory_summary(device: "Optional[str | int]" = None, abbreviated: bool = False) -> str:
@@ -232,10 +270,10 @@ def memory_summary(device: "Optional[str | int]" = None, abbreviated: bool = Fal
 
 def empty_cache() -> None:
     """Returns the GPU's cached, unused segments (torch.cuda.empty_cache, of "cuda"); a no-op
-    without CUDA, as torch's is."""
+    where it was not opened here (without CUDA too), as torch's is before CUDA starts."""
     from . import memory
 
-    if is_available():
+    if _cmlp.cuda_device_opened(0):
         memory.empty_cache("cuda")
 
 
