@@ -171,6 +171,12 @@ def test_load_state_dict_not_strict_loads_what_matches_and_reports_the_rest():
     with pytest.raises(ValueError, match="fc2.bias"):  # a wrong shape raises all the same, changing nothing
         m.load_state_dict({"fc1.bias": np.zeros(512, np.float32), "fc2.bias": np.zeros(3, np.float32)}, strict=False)
     assert_params_equal(m.state_dict(), after)
+    # what torch's raises (RuntimeError) catches them too, for code written for it
+    with pytest.raises(RuntimeError, match="fc2.bias"):
+        m.load_state_dict({"fc2.bias": np.zeros(3, np.float32)}, strict=False)
+    with pytest.raises(RuntimeError, match="missing keys"):
+        m.load_state_dict({"fc2.bias": src["fc2.bias"]})
+    assert_params_equal(m.state_dict(), after)
     with pytest.raises(TypeError, match="strict"):
         m.load_state_dict(src, strict="no")
 

@@ -94,6 +94,11 @@ class _Default(float):
 _DEFAULT_SCALE = _Default(1.0)
 
 
+class StateDictMismatch(ValueError, RuntimeError):
+    """A state_dict that does not fit the model (keys off with strict, a wrong shape): a
+    ValueError, and the RuntimeError torch's load_state_dict raises, for code written for it."""
+
+
 class IncompatibleKeys(tuple):
     """What load_state_dict did not match (torch's result): missing_keys, unexpected_keys."""
 
@@ -246,7 +251,7 @@ class MLP:
         layer's pair in turn, every shape right). strict=False loads the names present and reports
         the rest. Returns the missing
         and unexpected keys (torch's result); a wrong shape, or any key off with strict, raises
-        ValueError and changes nothing."""
+        ValueError (a RuntimeError too, which torch's raises) and changes nothing."""
         if not hasattr(state, "keys"):
             raise TypeError(f"state_dict must be a mapping of names to arrays, got {type(state).__name__}")
         strict = as_flag("strict", strict)
@@ -259,7 +264,7 @@ class MLP:
         missing = [k for k in views if k not in state]
         unexpected = [k for k in state.keys() if k not in views]
         if strict and (missing or unexpected):
-            raise ValueError(f"state_dict does not match the model {list(self._sizes)}: missing keys {missing}, "
+            raise StateDictMismatch(f"state_dict does not match the model {list(self._sizes)}: missing keys {missing}, "
                              f"unexpected keys {unexpected}")
         for name, view in views.items():
             if name not in state:
@@ -268,7 +273,8 @@ class MLP:
             if arr.dtype.kind not in "fiu":
                 raise TypeError(f"state_dict[{name!r}] must be numeric, got dtype {arr.dtype}")
             if arr.shape != view.shape:
-                raise ValueError(f"state_dict[{name!r}] has shape {tuple(arr.shape)}; the model needs {view.shape}")
+                raise StateDictMismatch(f"state_dict[{name!r}] has shape {tuple(arr.shape)}; the model needs "
+                                        f"{view.shape}")
             view[...] = arr
         self._c.set_params(flat)
         return IncompatibleKeys(missing, unexpected)
