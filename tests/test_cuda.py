@@ -1458,7 +1458,7 @@ def test_per_process_memory_fraction_in_the_settings_limits_each_gpu():
     assert r.stdout.split() == ["True", "0.25"], r.stdout
 
 
-@needs_gpu
+@needs_cuda
 def test_torch_cuda_readers_open_no_gpu():
     """As torch's before CUDA starts, cmlp.cuda's statistics of a GPU not opened are 0, {} and []
     (opening it would reserve its GEMM workspace); once it is open they are cmlp.memory's."""
