@@ -597,3 +597,24 @@ def test_what_stays_allocated_after_training_or_inference_is_the_models_state():
     model.predict(x)
     assert M.memory_allocated("cpu") == state and held() == {"parameters", "gradients", "optimizer state"}
     del trainer
+
+
+@pytest.mark.filterwarnings("error::cmlp.MemoryWarning")
+def test_a_data_set_smaller_than_the_batch_is_planned_as_the_step_it_makes():
+    """Fewer samples than the batch make every step one micro-batch of them all: the planned start
+    plans that step (a batch of 4096 planned as such would not fit the limit, and would start at
+    micro-batches of 1024 for a data set of 100)."""
+    layers, rows = [784, 512, 10], 100
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 256, (rows, 784), dtype=np.uint8), rng.integers(0, 10, rows)
+    gc.collect()
+    M.empty_cache(DEV)
+    model = cmlp.MLP(layers, seed=0)
+    opt = cmlp.optim.Adam(model)
+    whole = M.plan(layers, 4096, opt, data_rows=rows)
+    assert whole.batch_size == rows and whole.reserved_bytes < M.plan(layers, 4096, opt).reserved_bytes
+    M.set_memory_limit(M.memory_reserved(DEV) + whole.reserved_bytes, DEV)
+    ooms = M.memory_stats(DEV)["num_ooms"]
+    history = cmlp.Trainer(model, opt, batch_size=4096).fit(x, y, epochs=2, progress=False)
+    assert [h["microbatch_size"] for h in history] == [4096, 4096]
+    assert M.memory_stats(DEV)["num_ooms"] == ooms

@@ -675,3 +675,52 @@ def test_cli_plan_takes_the_epochs(tmp_path):
     assert outs[0] == outs[2] != outs[1]
     r = _cli(args + ["--epochs", "0"], tmp_path)
     assert r.returncode == 2 and "--epochs" in r.stderr, r.stderr
+
+
+_SHORT_DATA_RUN = r'''
+import json, sys
+import numpy as np
+import cmlp
+M = cmlp.memory
+layers, batch, accumulation, rows, conf, vrows, epochs, recompute = json.loads(sys.argv[1])
+if conf:
+    M.configure(conf)
+rng = np.random.default_rng(0)
+x = rng.standard_normal((rows, layers[0]), dtype=np.float32)
+y = rng.integers(0, layers[-1], rows)
+validation = None
+if vrows:
+    validation = (rng.integers(0, 256, (vrows, layers[0]), dtype=np.uint8), rng.integers(0, layers[-1], vrows))
+model = cmlp.MLP(layers, seed=0)
+opt = cmlp.optim.SGD(model, lr=0.01)
+plan = M.plan(layers, batch, opt, recompute=recompute, accumulation_steps=accumulation, validation_rows=vrows,
+              epochs=epochs, data_rows=rows, data_dtype="float32")
+cmlp.Trainer(model, opt, batch_size=batch, accumulation_steps=accumulation, recompute=recompute).fit(
+    x, y, epochs=epochs, validation_data=validation, progress=False)
+print(json.dumps({"plan": [plan.peak_bytes, plan.reserved_bytes], "batch": plan.batch_size,
+                  "measured": [M.max_memory_allocated(), M.max_memory_reserved()]}))
+'''
+
+
+@pytest.mark.parametrize("case", [
+    # fewer samples than a micro-batch: each step is one micro-batch of them all, whose buffers
+    # stay in the gradients (as a step of one micro-batch's do) and which can reserve more than
+    # the batch asked for would
+    [[1008, 2214, 16], 756, 4, 317, "", 0, 1, False],
+    [[784, 10], 64, 1, 10, "", 0, 1, False],
+    [[3139, 943, 16], 682, 1, 218, "max_split_size_mb:20", 2000, 12, True],
+    # as many as a micro-batch, or more: the batch as asked
+    [[784, 100, 10], 64, 3, 100, "", 0, 1, False],
+    [[784, 100, 10], 64, 1, 64, "", 0, 2, False],
+])
+def test_a_data_set_smaller_than_the_batch_is_planned_as_the_step_it_makes(case):
+    r = json.loads(_python(_SHORT_DATA_RUN, [json.dumps(case)]).strip().splitlines()[-1])
+    assert r["plan"] == r["measured"], r
+    assert r["batch"] == min(case[1], case[3]), r
+
+
+def test_max_batch_size_is_at_most_the_data_set():
+    assert M.max_batch_size([784, 512, 256, 10], "1GB", data_rows=300) == 300
+    assert M.max_batch_size([784, 512, 256, 10], "1GB", data_rows=300, limit=200) == 200
+    small = M.max_batch_size([784, 512, 256, 10], 20 * MIB)
+    assert 0 < small < 3000 and M.max_batch_size([784, 512, 256, 10], 20 * MIB, data_rows=3000) == small

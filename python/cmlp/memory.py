@@ -478,7 +478,8 @@ def plan(layer_sizes: List[int], batch_size: int = 32, optimizer: Any = "adam", 
     as uint8, floats as float32; with their labels and, when shuffle, their order;
     breakdown["data"]), 0 on the CPU, where they stay in host memory (a fit whose data set would
     leave its step no room under a memory limit stages its batches from host memory instead: plan
-    that one without data_rows). An optimizer given as an
+    that one without data_rows). Fewer of them than batch_size make every step one micro-batch
+    of them all, which the plan is then of (its batch_size). An optimizer given as an
     object is planned as it is: the state buffers it holds or will make at its next step, and on
     a GPU its param groups' settings (kept on the device once the groups' settings differ, as
     they may come to under a schedule: plan such an optimizer after its groups have parted)."""
@@ -492,6 +493,9 @@ def plan(layer_sizes: List[int], batch_size: int = 32, optimizer: Any = "adam", 
     dev = _device(device)
     args = _plan_args(optimizer, amp, recompute, scaler, accumulation_steps, optimizer_shards)
     data = _data_args(data_rows, data_dtype, shuffle, sizes[0])
+    if 0 < data[0] < batch_size:  # each step is the whole data set, in one micro-batch
+        batch_size = data[0]
+        args = _plan_args(optimizer, amp, recompute, scaler, 1, optimizer_shards)
     evaluation = _evaluation_args(validation_rows, validation_dtype, dev, epochs)
     raw = _cmlp.plan(list(sizes), batch_size, *args, *data, *evaluation, dev)
     return Plan(list(sizes), batch_size, name, amp, recompute, dev, raw, args[1])
@@ -574,12 +578,16 @@ def max_batch_size(layer_sizes: List[int], budget_bytes: int, optimizer: Any = "
     for runs of accumulation_steps micro-batches per optimizer step (see plan: with more than
     one, a step needs more memory for the same micro-batch), the optimizer's state sharded
     over optimizer_shards ranks, a validation of validation_rows after each of the fit's epochs
-    and, on a GPU, a fit's data set of data_rows kept on the device (see plan)."""
+    and, on a GPU, a fit's data set of data_rows kept on the device (see plan); at most
+    data_rows, where given (a larger batch is the whole data set)."""
     budget = parse_size(budget_bytes)
     _check_accumulation(accumulation_steps)
     limit = _numpy_int(limit)
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit < 2**62:
         raise ValueError(f"limit must be an int in [1, 2**62), got {limit!r}")
+    rows = _data_args(data_rows, data_dtype, shuffle, 1)[0]
+    if rows > 0:
+        limit = min(limit, rows)
 
     def planned(b: int) -> Plan:
         return plan(layer_sizes, b, optimizer, amp, recompute, device, accumulation_steps=accumulation_steps,

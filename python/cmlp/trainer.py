@@ -295,11 +295,18 @@ class Trainer:
         # under what is reserved already where that is more (then no new segment can be made)
         cap = max(limit, memory.memory_reserved(device))
 
+        # a data set smaller than a micro-batch is each step's one micro-batch (one rank's share
+        # of a step is not known here: data-parallel, the micro-batch is planned)
+        rows = xa.shape[0] if xa is not None and not self.distributed else 0
+
         def planned(b: int, with_data: bool) -> Any:
+            if 0 < rows < b:
+                b = rows
             try:
                 return memory.plan(list(self.model.layer_sizes), b, self.optimizer, self.amp, self.recompute,
                                    scaler=self.scaler is not None and self.scaler.is_enabled(), device=device,
-                                   accumulation_steps=-(-self.batch_size * self.accumulation_steps // b),
+                                   accumulation_steps=-(-self.batch_size * self.accumulation_steps // b)
+                                   if b != rows else 1,
                                    data_rows=xa.shape[0] if with_data else 0,
                                    data_dtype=xa.dtype if with_data else "uint8", shuffle=self.shuffle)
             except ValueError:  # too large to plan: it does not fit either
