@@ -554,12 +554,16 @@ def test_a_data_set_is_planned_off_the_host_only_and_its_arguments_are_checked()
     assert M.max_batch_size([784, 512, 256, 10], 64 * MIB, data_rows=60000, data_dtype="float32", shuffle=False) \
         == M.max_batch_size([784, 512, 256, 10], 64 * MIB)
     for kw, match in (({"data_rows": -1}, "data_rows"), ({"data_rows": 1.5}, "data_rows"),
+                      ({"data_rows": 10, "data_dtype": None}, "data_dtype"),
+                      ({"validation_rows": 10, "validation_dtype": None}, "validation_dtype"),
                       ({"data_rows": 10, "data_dtype": "int8"}, "data_dtype"),
                       ({"data_rows": 10, "data_dtype": "bogus"}, "data_dtype")):
         with pytest.raises(ValueError, match=match):
             M.plan([784, 10], 32, **kw)
     with pytest.raises(TypeError, match="shuffle"):
         M.plan([784, 10], 32, data_rows=10, shuffle="yes")
+    with pytest.raises(TypeError, match="scaler"):
+        M.plan([784, 10], 32, scaler="yes")
 
 
 @pytest.mark.parametrize("layers, batch, opt, amp", [([784, 512, 256, 10], 32, "adam", None),

@@ -508,6 +508,8 @@ def _rows_of(what: str, rows: Any, dtype: Any) -> Tuple[int, np.dtype]:
     if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows < 2**56:
         raise ValueError(f"{what}_rows must be an int in [0, 2**56), got {rows!r}")
     try:
+        if dtype is None:  # (which NumPy reads as float64)
+            raise TypeError
         kind = np.dtype(dtype)
     except TypeError:
         raise ValueError(f"{what}_dtype must be 'uint8' or a float dtype, got {dtype!r}") from None
@@ -564,7 +566,7 @@ def _plan_args(optimizer: Any, amp: Optional[str], recompute: bool, scaler: Opti
         optimizer._sync_parts(optimizer._rates()[1])  # its groups' parts, as its next step has them
     _, nbuf = _optimizer_buffers(optimizer)
     shards = _optimizer_shards(optimizer, optimizer_shards)
-    scaling = amp == "fp16" if scaler is None else bool(scaler)
+    scaling = amp == "fp16" if scaler is None else as_flag("scaler", scaler)
     parts = len(optimizer._c_parts or ()) if isinstance(optimizer, Optimizer) else 0  # its param groups' parts
     return nbuf, shards, parts, amp_code, as_flag("recompute", recompute), scaling, solo
 
