@@ -728,3 +728,32 @@ def test_max_batch_size_is_at_most_the_data_set():
     assert M.max_batch_size([784, 512, 256, 10], "1GB", data_rows=300, limit=200) == 200
     small = M.max_batch_size([784, 512, 256, 10], 20 * MIB)
     assert 0 < small < 3000 and M.max_batch_size([784, 512, 256, 10], 20 * MIB, data_rows=3000) == small
+
+
+_BUDGET_EPOCHS_RUN = r'''
+import json
+import numpy as np
+import cmlp
+M = cmlp.memory
+M.configure("max_split_size_mb:20")
+layers, vrows, budget = [804, 17], 1656, 64 << 20
+b = M.max_batch_size(layers, budget, "sgd", validation_rows=vrows)
+rng = np.random.default_rng(0)
+x, y = rng.integers(0, 256, (3 * b, 804), dtype=np.uint8), rng.integers(0, 17, 3 * b)
+vx, vy = rng.integers(0, 256, (vrows, 804), dtype=np.uint8), rng.integers(0, 17, vrows)
+model = cmlp.MLP(layers, seed=0)
+opt = cmlp.optim.SGD(model, lr=0.01)
+M.set_memory_limit(budget)
+cmlp.Trainer(model, opt, batch_size=b, auto_microbatch=False).fit(x, y, epochs=8, validation_data=(vx, vy),
+                                                                  progress=False)
+print(json.dumps([b, M.plan(layers, b, opt, validation_rows=vrows, epochs=8).reserved_bytes, M.max_memory_reserved(),
+                  M.memory_stats()["num_ooms"]]))
+'''
+
+
+def test_the_batch_max_batch_size_gives_trains_every_epoch_under_that_limit():
+    """Where each epoch reserves new segments (max_split_size_mb:20), a memory limit has the
+    allocator give the cached ones back: the batch planned for one epoch trains eight under it,
+    whose plan without a limit reserves far more."""
+    b, unlimited, reserved, ooms = json.loads(_python(_BUDGET_EPOCHS_RUN).strip().splitlines()[-1])
+    assert b > 0 and reserved <= 64 * MIB < unlimited and ooms == 0

@@ -131,7 +131,8 @@ def _parser() -> argparse.ArgumentParser:
                          "plan their buffers too")
     pl.add_argument("--epochs", type=_count, default=5,
                     help="the run's epochs (default 5, as train's): each validation gives the step's buffers back "
-                         "and the next epoch takes them again")
+                         "and the next epoch takes them again (the --budget search counts one: at a limit, what "
+                         "later epochs add to the cache is given back)")
     pl.add_argument("--budget", type=_size, default=None,
                     help="e.g. 2GB, as a --memory-limit would be: also print the largest batch whose run fits "
                          "(beside what the device holds once open)")
@@ -285,7 +286,7 @@ def _plan(a: argparse.Namespace) -> int:
         room = a.budget - held
         n = memory.max_batch_size(a.layers, room, optimizer, a.amp, device=a.device,
                                   optimizer_shards=a.optimizer_shards,
-                                  validation_rows=a.validation_rows, epochs=a.epochs) if room > 0 else 0
+                                  validation_rows=a.validation_rows) if room > 0 else 0
         why = f" ({p.device} holds {memory._fmt(held)} of it once open)" if held else ""
         if n == 0:
             one = memory.plan(a.layers, 1, optimizer, a.amp, device=a.device, optimizer_shards=a.optimizer_shards)

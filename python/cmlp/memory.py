@@ -473,7 +473,9 @@ def plan(layer_sizes: List[int], batch_size: int = 32, optimizer: Any = "adam", 
     takes them again after it, which reserves new segments each time where a new segment for a
     request below max_split_size is at or above it (which no smaller request may take), as a
     20 MiB one is with max_split_size_mb:20 (reserved_bytes is then at most the device's
-    memory, where the allocator empties its cache). data_rows: the
+    memory, where the allocator empties its cache; under a memory limit it gives those cached
+    segments back when it reaches the limit, which is why max_batch_size counts one epoch's).
+    data_rows: the
     training samples of a fit, which on a GPU it copies to the device for the run (uint8 images
     as uint8, floats as float32; with their labels and, when shuffle, their order;
     breakdown["data"]), 0 on the CPU, where they stay in host memory (a fit whose data set would
@@ -575,13 +577,15 @@ def max_batch_size(layer_sizes: List[int], budget_bytes: int, optimizer: Any = "
                    recompute: bool = False, device: str = "cpu", limit: int = 1 << 24,
                    accumulation_steps: int = 1, optimizer_shards: Optional[int] = None, validation_rows: int = 0,
                    validation_dtype: str = "uint8", data_rows: int = 0, data_dtype: str = "uint8",
-                   shuffle: bool = True, epochs: int = 5) -> int:
+                   shuffle: bool = True) -> int:
     """The largest micro-batch whose planned reserved memory fits in budget_bytes (0 if none),
     for runs of accumulation_steps micro-batches per optimizer step (see plan: with more than
     one, a step needs more memory for the same micro-batch), the optimizer's state sharded
-    over optimizer_shards ranks, a validation of validation_rows after each of the fit's epochs
-    and, on a GPU, a fit's data set of data_rows kept on the device (see plan); at most
-    data_rows, where given (a larger batch is the whole data set)."""
+    over optimizer_shards ranks, a validation of validation_rows after each epoch and, on a GPU,
+    a fit's data set of data_rows kept on the device (see plan); at most data_rows, where given
+    (a larger batch is the whole data set). The budget is a memory limit's: the segments that
+    later epochs could add to the cache (see plan's epochs) would be given back at the limit,
+    so the plan is of one epoch."""
     budget = parse_size(budget_bytes)
     _check_accumulation(accumulation_steps)
     limit = _numpy_int(limit)
@@ -595,7 +599,7 @@ def max_batch_size(layer_sizes: List[int], budget_bytes: int, optimizer: Any = "
         return plan(layer_sizes, b, optimizer, amp, recompute, device, accumulation_steps=accumulation_steps,
                     optimizer_shards=optimizer_shards, validation_rows=validation_rows,
                     validation_dtype=validation_dtype, data_rows=data_rows, data_dtype=data_dtype, shuffle=shuffle,
-                    epochs=epochs)
+                    epochs=1)
 
     # Reserved memory is at least the peak allocated, which grows with the batch: the largest
     # batch whose allocated peak fits bounds the answer from above (a search).
@@ -617,7 +621,7 @@ def max_batch_size(layer_sizes: List[int], budget_bytes: int, optimizer: Any = "
     first = planned(lo)
     args = _plan_args(optimizer, amp, recompute, None, accumulation_steps, optimizer_shards)
     raw = [list(first.layer_sizes), 0, *args, *_data_args(data_rows, data_dtype, shuffle, first.layer_sizes[0]),
-           *_evaluation_args(validation_rows, validation_dtype, first.device, epochs), first.device]
+           *_evaluation_args(validation_rows, validation_dtype, first.device, 1), first.device]
     for b in range(lo, 0, -1):
         raw[1] = b
         if _cmlp.plan(*raw)["peak_reserved"] <= budget:
