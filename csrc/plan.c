@@ -78,7 +78,8 @@ static cmlp_status replay_epochs(cmlp_allocator *a, void *ws_block, size_t ws, s
         int64_t grew = reserved_now(a) - before;
         if (grew == 0) return CMLP_OK;
         if (grew == grew_before || e == MAX_REPLAYED) {
-            *later = grew * (epochs - e);
+            int64_t left = epochs - e; /* the caller caps the sum at what the device has */
+            *later = grew > INT64_MAX / 4 / (left > 0 ? left : 1) ? INT64_MAX / 4 : grew * left;
             return CMLP_OK;
         }
         grew_before = grew;

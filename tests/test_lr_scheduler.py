@@ -756,6 +756,21 @@ def test_the_deprecated_step_with_an_epoch_gives_torchs_rates(case):
         with pytest.raises(ValueError, match="epoch"):
             sched.step(bad)
     assert sched.get_last_lr() == ts.get_last_lr() and sched.last_epoch == ts.last_epoch
+    # a schedule made again from a float last_epoch goes on from it, as torch's
+    if name == "CosineAnnealingWarmRestarts":
+        sched.step(2.5)
+        ts.step(2.5)
+    else:
+        with pytest.warns(UserWarning):
+            sched.step(2.5)
+        with pytest.warns(UserWarning):
+            ts.step(2.5)
+    again = getattr(S, name)(opt, **kw, last_epoch=sched.last_epoch)
+    tagain = getattr(torch.optim.lr_scheduler, name)(topt, **kw, last_epoch=ts.last_epoch)
+    for _ in range(4):
+        assert again.get_last_lr() == tagain.get_last_lr() and again.last_epoch == tagain.last_epoch
+        again.step()
+        tagain.step()
 
 
 def test_the_deprecated_epoch_of_reduce_on_plateau_is_torchs():

@@ -665,6 +665,16 @@ print(p.reserved_bytes, total, M.plan([804, 17], 586, "sgd", validation_rows=165
 '''
     reserved, total, hundred, ninety_nine = map(int, _python(code).split())
     assert reserved <= total and hundred - ninety_nine == 40 * MIB  # the step's and the validation's 20 MiB
+    # epochs that would add more than 2**63 bytes: the device's memory all the same
+    code = r'''
+import cmlp
+M = cmlp.memory
+M.configure("max_split_size_mb:4098")
+print(M.plan([1074116, 10], 1, "sgd", validation_rows=1000, epochs=2**31 - 1).reserved_bytes,
+      M.mem_get_info("cpu")[1])
+'''
+    reserved, total = map(int, _python(code).split())
+    assert reserved == total
 
 
 def test_cli_plan_takes_the_epochs(tmp_path):
@@ -713,7 +723,9 @@ print(json.dumps({"plan": [plan.peak_bytes, plan.reserved_bytes], "batch": plan.
     [[1008, 2214, 16], 756, 4, 317, "", 0, 1, False],
     [[784, 10], 64, 1, 10, "", 0, 1, False],
     [[3139, 943, 16], 682, 1, 218, "max_split_size_mb:20", 2000, 12, True],
-    # as many as a micro-batch, or more: the batch as asked
+    # as many as a micro-batch, of a step that would accumulate: one micro-batch all the same
+    [[2919, 1497, 1374, 18], 306, 2, 306, "roundup_power2_divisions:4", 0, 1, False],
+    # more: the batch as asked
     [[784, 100, 10], 64, 3, 100, "", 0, 1, False],
     [[784, 100, 10], 64, 1, 64, "", 0, 2, False],
 ])

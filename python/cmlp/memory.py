@@ -480,8 +480,9 @@ def plan(layer_sizes: List[int], batch_size: int = 32, optimizer: Any = "adam", 
     as uint8, floats as float32; with their labels and, when shuffle, their order;
     breakdown["data"]), 0 on the CPU, where they stay in host memory (a fit whose data set would
     leave its step no room under a memory limit stages its batches from host memory instead: plan
-    that one without data_rows). Fewer of them than batch_size make every step one micro-batch
-    of them all, which the plan is then of (its batch_size). An optimizer given as an
+    that one without data_rows). No more of them than batch_size make every step one micro-batch
+    of them all, which the plan is then of (its batch_size; accumulation_steps then do not
+    apply). An optimizer given as an
     object is planned as it is: the state buffers it holds or will make at its next step, and on
     a GPU its param groups' settings (kept on the device once the groups' settings differ, as
     they may come to under a schedule: plan such an optimizer after its groups have parted)."""
@@ -495,7 +496,7 @@ def plan(layer_sizes: List[int], batch_size: int = 32, optimizer: Any = "adam", 
     dev = _device(device)
     args = _plan_args(optimizer, amp, recompute, scaler, accumulation_steps, optimizer_shards)
     data = _data_args(data_rows, data_dtype, shuffle, sizes[0])
-    if 0 < data[0] < batch_size:  # each step is the whole data set, in one micro-batch
+    if 0 < data[0] <= batch_size:  # each step is the whole data set, in one micro-batch
         batch_size = data[0]
         args = _plan_args(optimizer, amp, recompute, scaler, 1, optimizer_shards)
     evaluation = _evaluation_args(validation_rows, validation_dtype, dev, epochs)

@@ -114,9 +114,12 @@ class LRScheduler:
 
     def __init__(self, optimizer: Any, last_epoch: int = -1) -> None:
         self.optimizer = _optimizer(optimizer)
-        if not _is_int(last_epoch) or last_epoch < -1:
-            raise ValueError(f"last_epoch must be an int >= -1, got {last_epoch!r}")
-        last_epoch = int(last_epoch)
+        # an int, or a float as a deprecated step(epoch) can leave it (torch takes it back too)
+        if isinstance(last_epoch, bool) or not isinstance(last_epoch, numbers.Real) \
+                or not -1 <= last_epoch < math.inf:
+            raise ValueError(f"last_epoch must be an int >= -1 (or a float one, as step(epoch) can leave it), got "
+                             f"{last_epoch!r}")
+        last_epoch = int(last_epoch) if _is_int(last_epoch) else float(last_epoch)
         if last_epoch == -1:  # the first schedule of the optimizer sets them (torch's setdefault)
             optimizer._initial_lrs = [lr if initial is None else initial
                                       for initial, lr in zip(optimizer._initial_lrs, optimizer._group_lrs())]
