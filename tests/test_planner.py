@@ -400,6 +400,26 @@ def test_cli_plan_with_a_budget_lists_the_ways_to_fit_a_step(tmp_path):
     assert r.returncode == 0 and "ways to train" not in r.stdout, "nothing fits: no table"
 
 
+def test_cli_plan_ways_to_fit_a_step_count_the_validation(tmp_path):
+    """The table of ways counts --validation-rows, as the largest batch above it does: where the
+    evaluation's buffers leave no room for any micro-batch, no way is offered."""
+    layers, budget, rows = [784, 64, 10], 8 << 20, 10000
+    args = ["--layers", "784,64,10", "--batch-size", "1024", "--budget", str(budget), "--optimizer", "sgd"]
+    r = _cli(args, tmp_path)
+    assert r.returncode == 0, r.stderr
+    alone = M.max_batch_size(layers, budget, "sgd")
+    assert 0 < alone < 1024 and f"largest batch that fits in 8.00 MiB: {alone}" in r.stdout
+    assert "ways to train steps of 1024" in r.stdout
+    assert M.max_batch_size(layers, budget, "sgd", validation_rows=rows) == 0
+    r = _cli([*args, "--validation-rows", str(rows)], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "largest batch that fits in 8.00 MiB: 0" in r.stdout and "ways to train" not in r.stdout
+    for amp in (None, "fp16", "bf16"):
+        for recompute in (False, True):
+            assert M.max_batch_size(layers, budget, "sgd", amp, recompute, accumulation_steps=2,
+                                    validation_rows=rows) == 0
+
+
 @pytest.mark.parametrize("args, layers, batch, opt, amp", [
     (["--amp", "fp16", "--optimizer", "sgd"], [784, 512, 256, 10], 32, "sgd", "fp16"),
     (["--amp", "bf16", "--optimizer", "sgd", "--momentum", "0.9", "--batch-size", "100"], [784, 512, 256, 10], 100,

@@ -289,7 +289,8 @@ def _plan(a: argparse.Namespace) -> int:
                                   validation_rows=a.validation_rows) if room > 0 else 0
         why = f" ({p.device} holds {memory._fmt(held)} of it once open)" if held else ""
         if n == 0:
-            one = memory.plan(a.layers, 1, optimizer, a.amp, device=a.device, optimizer_shards=a.optimizer_shards)
+            one = memory.plan(a.layers, 1, optimizer, a.amp, device=a.device, optimizer_shards=a.optimizer_shards,
+                              validation_rows=a.validation_rows, epochs=1)
             why += f" (one sample needs {memory._fmt(one.reserved_bytes)} reserved on top)"
         print(f"largest batch that fits in {memory._fmt(a.budget)}: {n}{why}")
         if room > 0:
@@ -320,7 +321,8 @@ def _split(a: argparse.Namespace, optimizer: str, amp: Optional[str], recompute:
 
     def largest(k: int) -> int:
         return memory.max_batch_size(a.layers, room, optimizer, amp, recompute, device=a.device,
-                                     accumulation_steps=k, optimizer_shards=a.optimizer_shards)
+                                     accumulation_steps=k, optimizer_shards=a.optimizer_shards,
+                                     validation_rows=a.validation_rows)
 
     n = largest(1)
     if n >= batch:
