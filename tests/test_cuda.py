@@ -1483,6 +1483,34 @@ def test_torch_cuda_readers_open_no_gpu():
     assert after == [True, True, True, True, "FutureWarning"], after
 
 
+@needs_cuda
+def test_torch_cuda_memory_stats_of_a_gpu_not_used_once_another_is_open():
+    """As torch's once CUDA has started, memory_stats of a GPU not used yet has every key, all 0,
+    with the settings it will open with; reading it opens nothing. (Two GPUs; the emulated
+    backend makes two.)"""
+    code = ("import json, cmlp; c = cmlp.cuda; m = cmlp.memory\n"
+            "m.configure('max_split_size_mb:20,per_process_memory_fraction:0.5')\n"
+            "if c.device_count() < 2:\n    print(json.dumps(None)); raise SystemExit\n"
+            "model = cmlp.MLP([8, 4], device='cuda:0')\n"
+            "unused, nested = c.memory_stats(1), c.memory_stats_as_nested_dict('cuda:1')\n"
+            "opened = cmlp._cmlp.cuda_device_opened(1)\n"
+            "now = m.memory_stats('cuda:1')\n"
+            "print(json.dumps([unused, nested, opened, now]))")
+    env = dict(os.environ, CMLP_EMU_DEVICES="2")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    said = json.loads(r.stdout.strip().splitlines()[-1])
+    if said is None:
+        pytest.skip("needs two GPUs")
+    unused, nested, opened, now = said
+    settings = ("max_split_size", "limit", "total_memory")
+    assert not opened and set(unused) == set(now) and len(unused) > 100
+    assert {k: v for k, v in unused.items() if v} == {k: now[k] for k in settings}
+    assert unused["max_split_size"] == 20 << 20 and unused["limit"] == now["total_memory"] // 2
+    assert nested["allocated_bytes"]["all"] == {"allocated": 0, "current": 0, "freed": 0, "peak": 0}
+    assert nested["limit"] == unused["limit"] and nested["reserved_bytes_by_private_pools"] == {}
+
+
 @needs_gpu
 def test_out_of_memory_under_a_limit_is_detailed_and_the_gpu_keeps_working():
     M.empty_cache(CUDA)

@@ -6,7 +6,7 @@ process starts CUDA (and asks CUDA where NVML is not there); is_available() asks
 unless CMLP_NVML_BASED_CUDA_CHECK (or, where that is unset, PYTORCH_NVML_BASED_CUDA_CHECK) is "1".
 """
 import os
-from typing import Any, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 
@@ -200,7 +200,8 @@ def mem_get_info(device: "Optional[str | int]" = None) -> Tuple[int, int]:
 # torch.cuda's memory functions, as cmlp.memory's for a GPU: device None is "cuda" (the current
 # GPU, as torch.cuda has it). As torch.cuda's, the readers of the statistics return 0, {} or []
 # for a GPU this process has not opened (and where there is no CUDA at all) rather than open it;
-# the others open it, and raise RuntimeError saying why where CUDA is unavailable.
+# the others open it, and raise RuntimeError saying why where CUDA is unavailable. Once another GPU
+# is open, memory_stats of one not opened is torch's of a GPU it has not used: its keys, all 0.
 def _opened(device: "Optional[str | int]") -> bool:
     """Whether the GPU `device` names is open here (an index past the GPUs raises, as torch's,
     once CUDA has started); opens nothing."""
@@ -220,23 +221,56 @@ def _on_gpu(name: str, unopened: Any = None):  # type: ignore[no-untyped-def]
         from . import memory
 
         if unopened is not None and not _opened(device):
-            return unopened()
+            return unopened(_device_index(device))
         return getattr(memory, name)(f"cuda:{_device_index(device)}")
 
     call.__name__ = call.__qualname__ = name
     call.__doc__ = f"cmlp.memory.{name} of a GPU (default: \"cuda\"), as torch.cuda.{name}" + (
-        " (before the GPU is opened here, or without CUDA: what torch's gives before CUDA starts)."
+        " (of a GPU not opened here, which this opens not: what torch's gives of a GPU it has not used)."
         if unopened is not None else ".")
     return call
 
 
-memory_allocated = _on_gpu("memory_allocated", int)
-max_memory_allocated = _on_gpu("max_memory_allocated", int)
-memory_reserved = _on_gpu("memory_reserved", int)
-max_memory_reserved = _on_gpu("max_memory_reserved", int)
-memory_stats = _on_gpu("memory_stats", dict)
-memory_stats_as_nested_dict = _on_gpu("memory_stats_as_nested_dict", dict)
-memory_snapshot = _on_gpu("memory_snapshot", list)
+def _unused_stats(index: int) -> Dict[str, int]:
+    """torch.cuda.memory_stats of a GPU not opened here: {} until CUDA starts (no GPU opened
+    yet); after, as torch's of a GPU it has not used since, every statistic 0 with the settings
+    it would open with (max_split_size, the limit per_process_memory_fraction makes, its memory)."""
+    count = _cmlp.cuda_device_count() if _cmlp.cuda_started() else 0
+    if not any(_cmlp.cuda_device_opened(i) for i in range(count)):
+        return {}
+    from . import memory
+
+    stats = {key: 0 for key in memory.memory_stats("cpu")}  # the same keys on every device
+    settings = _cmlp.get_settings()
+    total = get_device_properties(index).total_memory
+    fraction = settings["per_process_memory_fraction"]
+    stats.update(max_split_size=settings["max_split_size"], total_memory=total,
+                 limit=int(fraction * total) if fraction >= 0 else -1)
+    return stats
+
+
+def _unused_nested(index: int) -> Dict[str, Any]:
+    from . import memory
+
+    stats = _unused_stats(index)
+    return memory._nested(stats) if stats else {}
+
+
+def _zero(index: int) -> int:
+    return 0
+
+
+def _no_segments(index: int) -> List[Any]:
+    return []
+
+
+memory_allocated = _on_gpu("memory_allocated", _zero)
+max_memory_allocated = _on_gpu("max_memory_allocated", _zero)
+memory_reserved = _on_gpu("memory_reserved", _zero)
+max_memory_reserved = _on_gpu("max_memory_reserved", _zero)
+memory_stats = _on_gpu("memory_stats", _unused_stats)
+memory_stats_as_nested_dict = _on_gpu("memory_stats_as_nested_dict", _unused_nested)
+memory_snapshot = _on_gpu("memory_snapshot", _no_segments)
 reset_peak_memory_stats = _on_gpu("reset_peak_memory_stats")
 reset_accumulated_memory_stats = _on_gpu("reset_accumulated_memory_stats")
 get_per_process_memory_fraction = _on_gpu("get_per_process_memory_fraction")

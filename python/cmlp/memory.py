@@ -103,8 +103,12 @@ def reset_accumulated_memory_stats(device: Optional[str] = None) -> None:
 def memory_stats_as_nested_dict(device: Optional[str] = None) -> Dict[str, Any]:
     """memory_stats() as torch.cuda.memory_stats_as_nested_dict gives it: each key's dotted parts
     as levels ({"allocated_bytes": {"all": {"current": ...}}, "num_ooms": ...})."""
+    return _nested(memory_stats(device))
+
+
+def _nested(stats: Mapping[str, int]) -> Dict[str, Any]:
     nested: Dict[str, Any] = {}
-    for key, value in memory_stats(device).items():
+    for key, value in stats.items():
         *path, last = key.split(".")
         level = nested
         for part in path:
