@@ -69,6 +69,28 @@ def fit_case(opts):
                 ref_val=[[h["val_loss"], h["val_accuracy"]] for h in ref_hist])
 
 
+def small_data_case(opts):
+    """A data set smaller than a step of the group: under a limit each rank plans its share of it,
+    one micro-batch (not the batch asked for), and starts whole."""
+    w = D.get_world_size()
+    sizes, rows, batch = [784, 512, 10], opts["rows"], 4096
+    x, y = data(rows)
+    model = cmlp.MLP(sizes, seed=0)
+    opt = optimizer(model, None)
+    share = cmlp.memory.plan(sizes, batch, opt, data_rows=-(-rows // w))
+    whole = cmlp.memory.plan(sizes, batch, opt)
+    cmlp.memory.set_memory_limit(cmlp.memory.memory_reserved("cpu") + share.reserved_bytes, "cpu")
+    ooms = cmlp.memory.memory_stats("cpu")["num_ooms"]
+    hist = cmlp.Trainer(model, opt, batch_size=batch).fit(x, y, epochs=2, progress=False)
+    cmlp.memory.set_memory_limit(None, "cpu")
+    ooms = np.array([cmlp.memory.memory_stats("cpu")["num_ooms"] - ooms], dtype=np.float64)
+    D.all_reduce(ooms, "max")
+    micro = np.array([min(h["microbatch_size"] for h in hist)], dtype=np.float64)
+    D.all_reduce(micro, "min")
+    return dict(world=w, share_rows=share.batch_size, share_reserved=share.reserved_bytes,
+                whole_reserved=whole.reserved_bytes, ooms=float(ooms[0]), micro=float(micro[0]))
+
+
 def step_case(opts):
     """Trainer.step with each rank's own batch (sizes differ) against one step on all of them."""
     w, r = D.get_world_size(), D.get_rank()
@@ -593,6 +615,7 @@ def fork_case(opts):
 
 CASES = {"zero_partial_inf": zero_partial_inf_case, "fork": fork_case, "zero": zero_case, "zero_errors": zero_errors_case, "zero_plan": zero_plan_case, "regroup": regroup_case, "backend": backend_case,
          "evaluation": evaluation_case, "uncaught": uncaught_case, "fit": fit_case, "step": step_case,
+         "small_data": small_data_case,
          "failure": failure_case, "mismatch": mismatch_case, "collectives": collectives_case}
 
 

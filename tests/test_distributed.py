@@ -184,6 +184,17 @@ def test_one_rank_under_a_memory_limit_micro_batches_alone():
 
 
 @needs_mpi
+@pytest.mark.parametrize("ranks, rows", [(2, 100), (3, 100)])
+def test_under_a_limit_a_rank_plans_its_share_of_a_small_data_set(ranks, rows):
+    """Every rank has the whole data set, and a step of it is shared out: under a limit that fits
+    a rank's share in one micro-batch but not the batch asked for, every rank starts whole."""
+    out = run_job(ranks, "small_data", {"rows": rows})
+    assert out["world"] == ranks and out["share_rows"] == -(-rows // ranks)
+    assert out["share_reserved"] < out["whole_reserved"]
+    assert out["micro"] == 4096 and out["ooms"] == 0, out
+
+
+@needs_mpi
 def test_step_takes_each_ranks_own_batch():
     out = run_job(3, "step")  # batches of 5, 8 and 11 samples: one step on all 24
     np.testing.assert_allclose(out["losses"], out["ref_losses"], rtol=1e-6)

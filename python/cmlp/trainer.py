@@ -295,9 +295,12 @@ class Trainer:
         # under what is reserved already where that is more (then no new segment can be made)
         cap = max(limit, memory.memory_reserved(device))
 
-        # a data set smaller than a micro-batch is each step's one micro-batch (one rank's share
-        # of a step is not known here: data-parallel, the micro-batch is planned)
-        rows = xa.shape[0] if xa is not None and not self.distributed else 0
+        # a data set smaller than a micro-batch is each step's one micro-batch; data-parallel,
+        # every rank has the whole data set and a step of it is shared out, the first ranks
+        # taking one sample more: a rank computes at most ceil(rows / world_size) of a step
+        rows = xa.shape[0] if xa is not None else 0
+        if self.distributed:
+            rows = -(-rows // _dist.get_world_size())
 
         def planned(b: int, with_data: bool) -> Any:
             if 0 < rows < b:
