@@ -687,6 +687,18 @@ static cmlp_status oom(cmlp_allocator *a, size_t nbytes, size_t size) {
 
 static void refresh_config(cmlp_allocator *a);
 
+/* The rest of a block taken for `size` bytes goes back to the pool where the rules split it. */
+static void split_off(cmlp_allocator *a, alloc_block *b, size_t size) {
+    if (!should_split(a, b, size)) return;
+    alloc_block *rest = calloc(1, sizeof *rest);
+    if (!rest) return; /* without host memory for the split the whole block is handed out: still correct */
+    *rest = (alloc_block){.ptr = b->ptr + size, .size = b->size - size, .seg = b->seg, .prev = b, .next = b->next};
+    if (b->next) b->next->prev = rest;
+    b->next = rest;
+    b->size = size;
+    pool_put(a, rest);
+}
+
 
 static cmlp_status allocate(cmlp_allocator *a, size_t nbytes, const char *what, void **out) {
     refresh_config(a);
@@ -712,16 +724,7 @@ static cmlp_status allocate(cmlp_allocator *a, size_t nbytes, const char *what, 
     }
     if (!b && a->device_error) return a->device_error; /* the backend said why */
     if (!b) return oom(a, nbytes, size);
-    if (should_split(a, b, size)) {
-        alloc_block *rest = calloc(1, sizeof *rest);
-        if (rest) {
-            *rest = (alloc_block){.ptr = b->ptr + size, .size = b->size - size, .seg = b->seg, .prev = b, .next = b->next};
-            if (b->next) b->next->prev = rest;
-            b->next = rest;
-            b->size = size;
-            pool_put(a, rest);
-        } /* without host memory for the split the whole block is handed out: still correct */
-    }
+    split_off(a, b, size);
     b->allocated = true;
     b->requested = nbytes;
     b->what = what;
@@ -738,6 +741,29 @@ static cmlp_status allocate(cmlp_allocator *a, size_t nbytes, const char *what, 
     if (b->oversize) stat(a, CMLP_STAT_OVERSIZE_ALLOCATIONS, p, 1);
     *out = b->ptr;
     return CMLP_OK;
+}
+
+/* A block just freed joins its free neighbours and goes back to its pool; the block it became. */
+static alloc_block *merge_free(cmlp_allocator *a, alloc_block *b) {
+    alloc_block *prev = b->prev, *next = b->next;
+    if (prev && !prev->allocated) { /* absorb b into its free predecessor */
+        pool_take(a, prev);
+        prev->size += b->size;
+        prev->next = next;
+        if (next) next->prev = prev;
+        free(b);
+        b = prev;
+    }
+    next = b->next;
+    if (next && !next->allocated) {
+        pool_take(a, next);
+        b->size += next->size;
+        b->next = next->next;
+        if (next->next) next->next->prev = b;
+        free(next);
+    }
+    pool_put(a, b);
+    return b;
 }
 
 static void release_block(cmlp_allocator *a, alloc_block *b) {
@@ -758,24 +784,7 @@ static void release_block(cmlp_allocator *a, alloc_block *b) {
     b->requested = 0;
     b->what = NULL;
     b->context = 0;
-    alloc_block *prev = b->prev, *next = b->next;
-    if (prev && !prev->allocated) { /* absorb b into its free predecessor */
-        pool_take(a, prev);
-        prev->size += b->size;
-        prev->next = next;
-        if (next) next->prev = prev;
-        free(b);
-        b = prev;
-    }
-    next = b->next;
-    if (next && !next->allocated) {
-        pool_take(a, next);
-        b->size += next->size;
-        b->next = next->next;
-        if (next->next) next->next->prev = b;
-        free(next);
-    }
-    pool_put(a, b);
+    merge_free(a, b);
 }
 
 /* ---- configuration and the public face ---- */
@@ -874,6 +883,43 @@ cmlp_status cmlp_allocator_free(cmlp_allocator *a, void *ptr) {
     if (!b)
         return CMLP_FAIL(CMLP_ERR_INVALID, "pointer %p was not allocated by the %s allocator (or was already freed)",
                          ptr, a->name);
+    return CMLP_OK;
+}
+
+cmlp_status cmlp_allocator_cache_serves(cmlp_allocator *a, const size_t *nbytes, int n, bool *served) {
+    enum { MAX_REQUESTS = 16 };
+    *served = false;
+    if (n < 0 || n > MAX_REQUESTS)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "at most %d requests can be tried on the cache, got %d", MAX_REQUESTS, n);
+    pthread_mutex_lock(&a->lock);
+    refresh_config(a);
+    /* pages an expandable segment would map are new memory: its cache is not tried */
+    bool expandable = a->pools[POOL_SMALL].expandable || a->pools[POOL_LARGE].expandable;
+    const cmlp_memory_stats stats = a->stats;
+    const int64_t window_peak = a->window_peak;
+    alloc_block *taken[MAX_REQUESTS];
+    uint64_t age[MAX_REQUESTS];
+    int k = 0;
+    for (; !expandable && k < n; k++) {
+        if (nbytes[k] == 0 || nbytes[k] > ((size_t)1 << 56)) break;
+        size_t size = alloc_round_size(&a->cfg, nbytes[k]);
+        alloc_block *b = cached_block(a, size <= K_SMALL_SIZE ? POOL_SMALL : POOL_LARGE, size);
+        if (!b) break;
+        age[k] = b->tick;
+        split_off(a, b, size);
+        b->allocated = true;
+        taken[k] = b;
+    }
+    *served = !expandable && k == n;
+    /* each block back, the last first: they merge into the blocks the cache held, of their ages */
+    while (k > 0) {
+        alloc_block *b = taken[--k];
+        b->allocated = false;
+        merge_free(a, b)->tick = age[k];
+    }
+    a->stats = stats;
+    a->window_peak = window_peak;
+    pthread_mutex_unlock(&a->lock);
     return CMLP_OK;
 }
 

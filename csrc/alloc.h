@@ -26,6 +26,11 @@ cmlp_status cmlp_allocator_malloc(cmlp_allocator *a, size_t nbytes, const char *
 __attribute__((visibility("hidden")))
 cmlp_status cmlp_allocator_free(cmlp_allocator *a, void *ptr);
 __attribute__((visibility("hidden")))
+/* Whether the cache could serve the n requests (bytes, in this order, none freed between them)
+ * from the free blocks it holds, without reserving memory; tried and undone, so that nothing
+ * changes (statistics, history, the blocks and their ages). An allocator with expandable
+ * segments says no (its requests may map pages). */
+cmlp_status cmlp_allocator_cache_serves(cmlp_allocator *a, const size_t *nbytes, int n, bool *served);
 void cmlp_allocator_stats(cmlp_allocator *a, cmlp_memory_stats *out);
 __attribute__((visibility("hidden")))
 void cmlp_allocator_reset_peak(cmlp_allocator *a);

@@ -161,6 +161,10 @@ CMLP_API cmlp_status cmlp_memory_reset_accumulated(cmlp_device d);
  * memory) and its total; free is -1 when the device cannot say. */
 CMLP_API cmlp_status cmlp_memory_get_info(cmlp_device d, int64_t *free_bytes, int64_t *total_bytes);
 CMLP_API cmlp_status cmlp_memory_empty_cache(cmlp_device d);
+/* Whether the device's cache could serve the n requests (bytes each, in order, none freed
+ * between) from its free blocks without reserving memory (*served 1), trying nothing for real:
+ * nothing changes. n <= 16; expandable segments say 0. */
+CMLP_API cmlp_status cmlp_memory_cache_serves(cmlp_device d, const int64_t *nbytes, int n, int *served);
 /* limit < 0 removes the limit. A limit below what is reserved now is allowed: later
  * requests fail until enough is released. */
 CMLP_API cmlp_status cmlp_memory_set_limit(cmlp_device d, int64_t limit);
@@ -641,6 +645,17 @@ CMLP_API cmlp_status cmlp_trainer_set_distributed(cmlp_trainer *t, int on);
  * the run's requests under the current settings, on an empty cache). `data` is the data set a
  * fit keeps on a device other than the host (data_rows > 0), 0 on the CPU, where it stays in
  * host memory. */
+/* What a planned request's block holds: the parameters and gradients, the optimizer's state,
+ * the half-precision weights, a fit's data set, the step's buffers. */
+typedef enum {
+    CMLP_HELD_MODEL,
+    CMLP_HELD_STATE,
+    CMLP_HELD_HALF,
+    CMLP_HELD_DATA,
+    CMLP_HELD_STEP,
+} cmlp_plan_held;
+enum { CMLP_PLAN_REQUESTS = 12 };
+
 typedef struct cmlp_plan {
     int64_t parameters, gradients, optimizer_state, half_weights, activations, workspace, data;
     int64_t peak_allocated, peak_reserved;
@@ -659,6 +674,10 @@ typedef struct cmlp_plan {
      * the half-precision weights and a fit's data set; what a run at another micro-batch keeps
      * of what is allocated now */
     int64_t allocated_model, allocated_state, allocated_half, allocated_data;
+    /* the run's requests up to its first step's buffers, in order, and what each holds */
+    int nrequests;
+    int64_t request_bytes[CMLP_PLAN_REQUESTS];
+    cmlp_plan_held request_held[CMLP_PLAN_REQUESTS];
 } cmlp_plan;
 
 /* optimizer_buffers: 2 for Adam (3 with AMSGrad), 1 for SGD with momentum, 0 for plain SGD; optimizer_shards: the

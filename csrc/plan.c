@@ -166,22 +166,25 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
 
     /* the run's requests in the order the library makes them: the model, the optimizer's groups,
      * the fit's data set at its first epoch, the optimizer state at the first step */
-    size_t req[11];
-    int64_t *held[11]; /* where each request's block is counted (NULL: the step's workspace) */
+    size_t req[CMLP_PLAN_REQUESTS];
+    cmlp_plan_held kind[CMLP_PLAN_REQUESTS];
     int nreq = 0;
-    held[nreq] = &out->allocated_model, req[nreq++] = (size_t)out->parameters;
-    held[nreq] = &out->allocated_model, req[nreq++] = grads_bytes;
-    if (parts) held[nreq] = &out->allocated_state, req[nreq++] = parts;
+    kind[nreq] = CMLP_HELD_MODEL, req[nreq++] = (size_t)out->parameters;
+    kind[nreq] = CMLP_HELD_MODEL, req[nreq++] = grads_bytes;
+    if (parts) kind[nreq] = CMLP_HELD_STATE, req[nreq++] = parts;
     for (int i = 0; i < 3; i++)
-        if (data[i]) held[nreq] = &out->allocated_data, req[nreq++] = data[i];
+        if (data[i]) kind[nreq] = CMLP_HELD_DATA, req[nreq++] = data[i];
     if (optimizer_buffers) { /* before the first gradients: the arena, and AMSGrad's maximum apart */
         size_t one = (size_t)(out->optimizer_state - (int64_t)parts) / (size_t)optimizer_buffers;
-        held[nreq] = &out->allocated_state;
+        kind[nreq] = CMLP_HELD_STATE;
         req[nreq++] = one * (size_t)(optimizer_buffers == 3 ? 2 : optimizer_buffers);
-        if (optimizer_buffers == 3) held[nreq] = &out->allocated_state, req[nreq++] = one;
+        if (optimizer_buffers == 3) kind[nreq] = CMLP_HELD_STATE, req[nreq++] = one;
     }
-    if (out->half_weights) held[nreq] = &out->allocated_half, req[nreq++] = (size_t)out->half_weights;
-    held[nreq] = NULL, req[nreq++] = ws;
+    if (out->half_weights) kind[nreq] = CMLP_HELD_HALF, req[nreq++] = (size_t)out->half_weights;
+    kind[nreq] = CMLP_HELD_STEP, req[nreq++] = ws;
+    int64_t *held[] = {&out->allocated_model, &out->allocated_state, &out->allocated_half, &out->allocated_data, NULL};
+    out->nrequests = nreq;
+    for (int i = 0; i < nreq; i++) out->request_bytes[i] = (int64_t)req[i], out->request_held[i] = kind[i];
     paper_device pd = {.next = (uintptr_t)1 << 44, .total = dev->backend->total_memory(dev->bctx)};
     if (pd.total <= 0) pd.total = INT64_MAX / 4;
     cmlp_allocator *a;
@@ -206,8 +209,8 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
         cmlp_allocator_stats(a, &before);
         st = cmlp_allocator_malloc(a, req[i], "planned", &ws_block);
         cmlp_allocator_stats(a, &after);
-        if (held[i])
-            *held[i] += after.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].current -
+        if (held[kind[i]])
+            *held[kind[i]] += after.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].current -
                         before.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].current;
     }
     if (st == CMLP_OK && eval_rows > 0) {

@@ -618,3 +618,36 @@ def test_a_data_set_smaller_than_the_batch_is_planned_as_the_step_it_makes():
     history = cmlp.Trainer(model, opt, batch_size=4096).fit(x, y, epochs=2, progress=False)
     assert [h["microbatch_size"] for h in history] == [4096, 4096]
     assert M.memory_stats(DEV)["num_ooms"] == ooms
+
+
+@pytest.mark.filterwarnings("error::cmlp.MemoryWarning")
+@pytest.mark.parametrize("batch", [512, 4096])
+def test_a_limit_below_what_the_cache_holds_lets_its_free_blocks_serve_the_step(batch):
+    """A limit set after a run, below what the cache reserved for it (here at what is allocated,
+    so no new segment may be made): the planned start asks the cache whether its free blocks
+    serve the step's requests as they are (a dry run that changes nothing), and trains whole, as
+    auto_microbatch=False does, where the plan from an empty cache would have halved it."""
+    layers = [784, 512, 256, 10]
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 256, (2 * batch, 784), dtype=np.uint8), rng.integers(0, 10, 2 * batch)
+    gc.collect()
+    M.empty_cache(DEV)
+    model = cmlp.MLP(layers, seed=0)
+    opt = cmlp.optim.Adam(model)
+    trainer = cmlp.Trainer(model, opt, batch_size=batch)
+    trainer.fit(x, y, epochs=1, progress=False)
+    M.set_memory_limit(M.memory_allocated(DEV), DEV)
+    assert M.memory_reserved(DEV) > M.memory_allocated(DEV)
+    plan = M.plan(layers, batch, opt)
+    assert plan.peak_bytes - plan._allocated["model"] - plan._allocated["optimizer_state"] > 0  # no room by bytes
+    step = [n for what, n in plan._requests if what == "step"]
+    stats, snapshot = M.memory_stats(DEV), M.memory_snapshot(DEV)
+    assert cmlp._cmlp.cache_serves(DEV, step)
+    assert not cmlp._cmlp.cache_serves(DEV, step + [M.memory_reserved(DEV)])  # more than the cache holds
+    assert M.memory_stats(DEV) == stats and M.memory_snapshot(DEV) == snapshot  # a dry run
+    M._validate(DEV)
+    ooms = M.memory_stats(DEV)["num_ooms"]
+    history = trainer.fit(x, y, epochs=2, progress=False)
+    assert [h["microbatch_size"] for h in history] == [batch, batch]
+    assert M.memory_stats(DEV)["num_ooms"] == ooms and M.memory_stats(DEV)["num_device_alloc"] == stats[
+        "num_device_alloc"]

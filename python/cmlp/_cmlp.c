@@ -1573,6 +1573,28 @@ static PyObject *mod_window_peak(PyObject *mod, PyObject *args) {
     return PyLong_FromLongLong(peak);
 }
 
+static PyObject *mod_cache_serves(PyObject *mod, PyObject *args) {
+    PyObject *dev, *list;
+    if (!PyArg_ParseTuple(args, "OO!", &dev, &PyList_Type, &list)) return NULL;
+    cmlp_device d;
+    if (parse_device(state_of(mod), dev, &d) < 0) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    if (n > 16) {
+        PyErr_Format(PyExc_ValueError, "at most 16 requests can be tried, got %zd", n);
+        return NULL;
+    }
+    int64_t req[16];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long v = PyLong_AsLongLong(PyList_GET_ITEM(list, i));
+        if (v == -1 && PyErr_Occurred()) return NULL;
+        req[i] = v;
+    }
+    int served = 0;
+    cmlp_status st = cmlp_memory_cache_serves(d, req, (int)n, &served);
+    if (st != CMLP_OK) return raise_status(state_of(mod), st);
+    return PyBool_FromLong(served);
+}
+
 static PyObject *mod_set_memory_limit(PyObject *mod, PyObject *args) {
     PyObject *dev;
     long long limit;
@@ -1872,7 +1894,19 @@ static PyObject *mod_plan(PyObject *mod, PyObject *args) {
                            row_bytes, shuffled, eval_rows, eval_staged, epochs, d, &p);
     Py_END_ALLOW_THREADS
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
-    return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L}", "allocated_model",
+    static const char *const held_names[] = {"model", "optimizer_state", "half_weights", "data", "step"};
+    PyObject *requests = PyList_New(p.nrequests);
+    if (!requests) return NULL;
+    for (int i = 0; i < p.nrequests; i++) {
+        PyObject *r = Py_BuildValue("(sL)", held_names[p.request_held[i]], (long long)p.request_bytes[i]);
+        if (!r) {
+            Py_DECREF(requests);
+            return NULL;
+        }
+        PyList_SET_ITEM(requests, i, r);
+    }
+    return Py_BuildValue("{s:N,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L}", "requests", requests,
+                         "allocated_model",
                          (long long)p.allocated_model, "allocated_state", (long long)p.allocated_state,
                          "allocated_half", (long long)p.allocated_half, "allocated_data", (long long)p.allocated_data,
                          "standing_reserved",
@@ -2172,6 +2206,8 @@ static PyMethodDef module_methods[] = {
     {"gpu_processes", mod_gpu_processes, METH_O, "the processes holding a device's memory (NVML), or None"},
     {"cuda_device_properties", mod_cuda_device_properties, METH_O, "a GPU's properties (starts CUDA)"},
     {"cuda_loadable", mod_cuda_loadable, METH_NOARGS, "whether the CUDA backend's library loads (starts nothing)"},
+    {"cache_serves", mod_cache_serves, METH_VARARGS,
+     "cache_serves(device, [bytes, ...]): whether the cache's free blocks serve those requests (tries nothing)"},
     {"cuda_started", mod_cuda_started, METH_NOARGS, "whether the CUDA driver was asked for the devices"},
     {"cuda_device_opened", mod_cuda_device_opened, METH_O, "whether GPU N was opened here (opens nothing)"},
     {"nvml_devices", mod_nvml_devices, METH_NOARGS, "NVML's GPUs' UUIDs (None: no NVML), without starting CUDA"},

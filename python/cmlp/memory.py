@@ -418,6 +418,8 @@ class Plan:
         # at another micro-batch keeps of what is allocated now (Trainer's planned start)
         self._allocated: Dict[str, int] = {"model": raw["allocated_model"], "optimizer_state": raw["allocated_state"],
                                            "half_weights": raw["allocated_half"], "data": raw["allocated_data"]}
+        # the run's requests up to its first step's buffers, in order: (what it holds, bytes)
+        self._requests: List[Tuple[str, int]] = raw["requests"]
 
     def __repr__(self) -> str:
         return (f"Plan(layers={self.layer_sizes}, batch_size={self.batch_size}, peak_bytes={self.peak_bytes}, "

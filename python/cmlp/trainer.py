@@ -293,7 +293,8 @@ class Trainer:
         # the segments a run reserves from an empty cache (those that hold the model now among
         # them), on top of what the device holds from its start, must fit under the limit, or
         # under what is reserved already where that is more (then no new segment can be made)
-        cap = max(limit, memory.memory_reserved(device))
+        reserved = memory.memory_reserved(device)
+        cap = max(limit, reserved)
 
         # a data set smaller than a micro-batch is each step's one micro-batch; data-parallel,
         # every rank has the whole data set and a step of it is shared out, the first ranks
@@ -321,7 +322,12 @@ class Trainer:
             # allocated (their blocks as the allocator rounds them, as memory_allocated counts
             # them): the data set is in memory_allocated already while it is on the device
             own = p.peak_bytes - sum(p._allocated[k] for k in held) - p._allocated["data"]
-            return own <= room + (0 if with_data else data) and p.reserved_bytes + p.standing_reserved_bytes <= cap
+            if own <= room + (0 if with_data else data) and p.reserved_bytes + p.standing_reserved_bytes <= cap:
+                return True
+            # a limit set below what the cache holds already: the cache's free blocks may serve the
+            # step's requests as they are, where no new segment is allowed (tried, not taken)
+            return (reserved > limit and with_data == resident and
+                    _cmlp.cache_serves(device, [n for what, n in p._requests if what not in held + ("data",)]))
 
         def largest(with_data: bool) -> Tuple[int, Any, bool]:
             """The largest micro-batch (halving from the one in use) whose plan fits."""

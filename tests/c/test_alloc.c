@@ -1728,6 +1728,86 @@ static void test_stress(void) {
     for (size_t i = 0; i < sizeof cfgs / sizeof *cfgs; i++) stress(&cfgs[i], 0x9E3779B97F4A7C15ull + i);
 }
 
+/* ---- cache_serves: a dry run of requests on the cache ------------------------------------------ */
+
+/* A hash of the snapshot (segments, blocks, their sizes and states): equal before and after a
+ * dry run, which must change nothing. */
+static uint64_t layout_hash(cmlp_allocator *a) {
+    cmlp_segment_info *segs = NULL;
+    cmlp_block_info *blks = NULL;
+    int64_t ns = 0, nb = 0;
+    OK(cmlp_allocator_snapshot(a, &segs, &ns, &blks, &nb, NULL, NULL));
+    uint64_t h = 1469598103934665603ull;
+#define MIX(v) (h = (h ^ (uint64_t)(v)) * 1099511628211ull)
+    for (int64_t i = 0; i < ns; i++) MIX(segs[i].address), MIX(segs[i].total_size), MIX(segs[i].nblocks);
+    for (int64_t i = 0; i < nb; i++) MIX(blks[i].address), MIX(blks[i].size), MIX(blks[i].allocated);
+#undef MIX
+    free(segs);
+    free(blks);
+    return h;
+}
+
+/* Random live blocks; at each point a dry run of 1-4 requests must leave the allocator as it was
+ * (layout, statistics), and say yes exactly where making them for real reserves nothing. */
+static void test_cache_serves(void) {
+    static const char *const confs[] = {"", "max_split_size_mb:40", "roundup_power2_divisions:4",
+                                        "max_split_size_mb:20,max_non_split_rounding_mb:64",
+                                        "expandable_segments:True"};
+    for (size_t c = 0; c < sizeof confs / sizeof *confs; c++) {
+        fake_dev d;
+        cmlp_allocator *a = mk(&d, confs[c], (int64_t)GB(4));
+        bool expandable = strstr(confs[c], "expandable") != NULL;
+        uint64_t r = 0x51CE + c;
+        void *live[64];
+        int n = 0, yes = 0, no = 0;
+        for (int op = 0; op < 3000; op++) {
+            if (n == 0 || (rnd(&r) % 2 && n < 64)) {
+                void *p = NULL;
+                OK(cmlp_allocator_malloc(a, rand_size(&r), "test", &p));
+                live[n++] = p;
+            } else {
+                int i = (int)(rnd(&r) % (uint64_t)n);
+                OK(cmlp_allocator_free(a, live[i]));
+                live[i] = live[--n];
+            }
+            if (op % 40 == 0) cmlp_allocator_empty_cache(a); /* a cache as tight as the live blocks */
+            if (op % 7) continue;
+            size_t req[4];
+            int k = 1 + (int)(rnd(&r) % 4);
+            for (int i = 0; i < k; i++) req[i] = rand_size(&r) * (rnd(&r) % 2 ? 1 : 4);
+            uint64_t before = layout_hash(a);
+            cmlp_memory_stats s0 = stats_of(a);
+            bool served = false;
+            OK(cmlp_allocator_cache_serves(a, req, k, &served));
+            cmlp_memory_stats s1 = stats_of(a);
+            CHECK(layout_hash(a) == before && !memcmp(&s0, &s1, sizeof s0), "%s op %d: a dry run changed the allocator",
+                  confs[c], op);
+            STEP(a);
+            int64_t raw = d.n_raw_alloc + d.n_map;
+            void *got[4];
+            for (int i = 0; i < k; i++) OK(cmlp_allocator_malloc(a, req[i], "test", &got[i]));
+            bool reserved_none = d.n_raw_alloc + d.n_map == raw;
+            CHECK(served == (reserved_none && !expandable), "%s op %d: dry run said %d, the requests reserved %s",
+                  confs[c], op, served, reserved_none ? "nothing" : "memory");
+            for (int i = k - 1; i >= 0; i--) OK(cmlp_allocator_free(a, got[i]));
+            served ? yes++ : no++;
+        }
+        CHECK(expandable || (yes > 20 && no > 20), "%s: %d served, %d not: the cases are not both tried", confs[c], yes,
+              no);
+        while (n) OK(cmlp_allocator_free(a, live[--n]));
+        ec(a);
+        fin(a, &d);
+    }
+    bool served = true;
+    fake_dev d;
+    cmlp_allocator *a = mk(&d, "", (int64_t)GB(4));
+    size_t none[1] = {0};
+    OK(cmlp_allocator_cache_serves(a, none, 0, &served));
+    CHECK(served, "no requests: served");
+    OK(cmlp_memory_configure(""));
+    fin(a, &d);
+}
+
 /* ---- 4. threads ------------------------------------------------------------------------------- */
 
 #define THREADS 4
@@ -2190,6 +2270,7 @@ int main(void) {
     test_device_error();
     test_capturing();
     test_history();
+    test_cache_serves();
     printf("  unit tests %.1f s\n", now() - t0);
     test_stress();
     double t1 = now();
