@@ -714,3 +714,34 @@ def test_gradients_made_without_the_scale_are_warned_about_once():
             model.forward_backward(*batch(k), loss_scale=s3.get_scale() / 4)
         s3.unscale_(opt)
         s3.step(opt)
+
+
+def test_step_passes_arguments_on_and_an_enabled_scaler_refuses_a_closure():
+    """As torch's: scaler.step(opt, *args, **kwargs) calls opt.step(*args, **kwargs), so that a
+    loop written with GradScaler(enabled=use_amp) and a closure runs with amp off; an enabled
+    scaler refuses a closure given by keyword, before anything changes."""
+    x, y = batch()
+    calls = []
+
+    def closure():
+        calls.append(1)
+        model.zero_grad()
+        return model.forward_backward(x, y)
+
+    model, opt = make("sgd")
+    ref_model, ref_opt = make("sgd")
+    off = amp.GradScaler(enabled=False)
+    assert off.step(opt, closure=closure) is True and calls == [1]
+    ref_model.forward_backward(x, y)
+    ref_opt.step()
+    assert same_bits(flat(model.state_dict()), flat(ref_model.state_dict()))
+    assert off.step(opt, closure) is True and calls == [1, 1]  # positionally too
+    on = amp.GradScaler()
+    model.zero_grad()
+    model.forward_backward(x, y, loss_scale=on.get_scale())
+    before = flat(model.state_dict())
+    with pytest.raises(RuntimeError, match="Closure use is not currently supported"):
+        on.step(opt, closure=closure)
+    assert calls == [1, 1] and same_bits(flat(model.state_dict()), before)
+    assert on.step(opt) is True  # the iteration goes on
+    on.update()

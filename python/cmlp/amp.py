@@ -196,12 +196,15 @@ class GradScaler:
         state["found_inf"] = bool(optimizer.model._c.unscale_grads(inv_scale))
         state["unscaled"] = True
 
-    def step(self, optimizer: Optimizer) -> bool:
-        """Unscales (unless unscale_ was called), then runs optimizer.step() unless a gradient
-        was inf or NaN. Returns whether the step ran."""
+    def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> bool:
+        """Unscales (unless unscale_ was called), then runs optimizer.step(*args, **kwargs) unless
+        a gradient was inf or NaN. Returns whether the step ran. As torch's, a disabled scaler
+        passes the arguments on (a closure too); an enabled one refuses a closure."""
         if not self._enabled:
-            optimizer.step()
+            optimizer.step(*args, **kwargs)
             return True
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         state = self._state_of(optimizer)
         if state["stepped"]:
             raise RuntimeError("step() has already been called since the last update().")
@@ -211,7 +214,7 @@ class GradScaler:
             self.unscale_(optimizer, _stacklevel=3)
         stepped = not state["found_inf"]
         if stepped:
-            optimizer.step()
+            optimizer.step(*args, **kwargs)
         state["stepped"] = True
         return stepped
 
