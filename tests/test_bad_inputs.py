@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import numpy as np
 import pytest
@@ -578,17 +579,39 @@ def test_nan_in_validation_data_is_rejected_before_training(ctx):
 
 
 def test_float64_that_overflows_float32_is_rejected(ctx):
+    """A finite value past float32's range is named as such (it is no NaN or inf of the caller's),
+    with the argument; a state_dict's too, by its tensor."""
     x = data()[0].astype(np.float64)
     x[2, 2] = 1e300
     before = snapshot(ctx)
+    with pytest.raises(ValueError, match=r"^x holds values outside float32's range.*1e\+300"):
+        ctx.model(x)
+    with pytest.raises(ValueError, match=r"^training x holds values outside float32's range"):
+        fit(ctx, x, ctx.y)
+    x[2, 2] = np.inf
     with pytest.raises(ValueError, match=r"NaN or inf"):
         ctx.model(x)
+    state = ctx.model.state_dict()
+    for value, what in ((1e300, "values outside float32's range"), (np.nan, "NaN or inf")):
+        bad = {k: v.astype(np.float64) for k, v in state.items()}
+        bad["fc2.bias"][1] = value
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no overflow warning from the cast either
+            with pytest.raises(ValueError, match=rf"^state_dict\['fc2.bias'\] holds {what}"):
+                ctx.model.load_state_dict(bad)
     assert_same_state(before, snapshot(ctx))
 
 
-def test_ragged_list_is_value_error(ctx):
-    with pytest.raises(ValueError):
+def test_ragged_list_is_value_error_naming_the_argument(ctx):
+    before = snapshot(ctx)
+    with pytest.raises(ValueError, match=r"^x must be a rectangular array"):
         ctx.model([[0.0] * F, [0.0] * (F - 1)])
+    with pytest.raises(ValueError, match=r"^y must be a rectangular array, \[N\]"):
+        ctx.model.evaluate(data()[0][:2], [[1], [2, 3]])
+    bad = dict(ctx.model.state_dict(), **{"fc1.bias": [[0.0], [0.0, 1.0]]})
+    with pytest.raises(ValueError, match=r"^state_dict\['fc1.bias'\] must be a rectangular array"):
+        ctx.model.load_state_dict(bad)
+    assert_same_state(before, snapshot(ctx))
     assert_still_works(ctx)
 
 

@@ -8,7 +8,7 @@ import numpy as np
 def as_inputs(x: Any, features: int, name: str = "x") -> np.ndarray:
     """[N, features] float32 (any float dtype converted) or uint8 images, C-contiguous; [N, ...]
     with `features` values a sample is read as [N, features] (C order, as torch's view)."""
-    arr = x if isinstance(x, np.ndarray) else np.asarray(x)
+    arr = _as_array(x, name)
     kind = arr.dtype.kind
     if arr.dtype == np.uint8:
         pass
@@ -27,14 +27,28 @@ def as_inputs(x: Any, features: int, name: str = "x") -> np.ndarray:
     # C order and the dtype's alignment (a view into a byte buffer may have neither)
     if arr.dtype == np.uint8:
         return np.require(arr, requirements=("C", "A"))
-    with np.errstate(over="ignore", invalid="ignore"):
-        return np.require(arr, dtype=np.float32, requirements=("C", "A"))
+    try:  # (NaN and inf stay as they are, for the core's check to name)
+        with np.errstate(over="raise", invalid="ignore", under="ignore"):
+            return np.require(arr, dtype=np.float32, requirements=("C", "A"))
+    except FloatingPointError:
+        big = float(np.max(np.abs(arr[np.isfinite(arr)])))
+        raise ValueError(f"{name} holds values outside float32's range, which cmlp computes in (|v| up to "
+                         f"{big:.4g}; float32's largest is {float(np.finfo(np.float32).max):.8g})") from None
+
+
+def _as_array(x: Any, name: str, shape: str = "[N, features]") -> np.ndarray:
+    if isinstance(x, np.ndarray):
+        return x
+    try:
+        return np.asarray(x)
+    except ValueError as e:  # a ragged nested list
+        raise ValueError(f"{name} must be a rectangular array, {shape}: {e}") from None
 
 
 def as_labels(y: Any, n: int, classes: int, name: str = "y") -> np.ndarray:
     """[n] int32 class indices in [0, classes): a copy of the caller's, so that the checked
     labels are the ones used (the C core reads them with the GIL released)."""
-    arr = y if isinstance(y, np.ndarray) else np.asarray(y)
+    arr = _as_array(y, name, "[N]")
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{name} must hold integer class indices, got dtype {arr.dtype}")
     if arr.ndim != 1:

@@ -593,7 +593,13 @@ def max_batch_size(layer_sizes: List[int], budget_bytes: int, optimizer: Any = "
     (a larger batch is the whole data set). The budget is a memory limit's: the segments that
     later epochs could add to the cache (see plan's epochs) would be given back at the limit,
     so the plan is of one epoch."""
-    budget = parse_size(budget_bytes)
+    budget_bytes = _numpy_int(budget_bytes)
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float, str, np.floating)):
+        raise TypeError(f"budget_bytes must be a number of bytes or a size such as '2GB', got {budget_bytes!r}")
+    try:
+        budget = parse_size(budget_bytes)
+    except ValueError as e:
+        raise ValueError(f"budget_bytes: {e}") from None
     _check_accumulation(accumulation_steps)
     limit = _numpy_int(limit)
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit < 2**62:

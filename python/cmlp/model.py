@@ -12,10 +12,13 @@ import numpy as np
 
 from . import _cmlp
 from ._files import atomic_write
-from ._arrays import as_flag, as_inputs, as_labels, as_normalize, as_number, check_amp, check_seed
+from ._arrays import _as_array, as_flag, as_inputs, as_labels, as_normalize, as_number, check_amp, check_seed
 
 _SIZES_KEY = "__layer_sizes__"
 _NORMALIZE_KEY = "__normalize__"  # (mean, std) for uint8 inputs; files without it mean (0.5, 0.5)
+
+
+_MAX_WIDTH = 1 << 24  # the C core's widest layer
 
 
 def _as_sizes(layer_sizes: Any) -> Tuple[int, ...]:
@@ -29,6 +32,9 @@ def _as_sizes(layer_sizes: Any) -> Tuple[int, ...]:
         raise ValueError(f"layer_sizes needs at least an input and an output size, got {list(sizes)!r}")
     if any(s < 1 for s in sizes):
         raise ValueError(f"every layer size must be >= 1, got {list(sizes)!r}")
+    for i, s in enumerate(sizes):
+        if s > _MAX_WIDTH:
+            raise ValueError(f"layer_sizes[{i}] = {s}: every size must be in [1, {_MAX_WIDTH}]")
     return tuple(int(s) for s in sizes)
 
 
@@ -269,13 +275,17 @@ class MLP:
         for name, view in views.items():
             if name not in state:
                 continue
-            arr = np.asarray(state[name])
+            arr = _as_array(state[name], f"state_dict[{name!r}]", f"{list(view.shape)}")
             if arr.dtype.kind not in "fiu":
                 raise TypeError(f"state_dict[{name!r}] must be numeric, got dtype {arr.dtype}")
             if arr.shape != view.shape:
                 raise StateDictMismatch(f"state_dict[{name!r}] has shape {tuple(arr.shape)}; the model needs "
                                         f"{view.shape}")
-            view[...] = arr
+            with np.errstate(over="ignore", invalid="ignore"):
+                view[...] = arr
+            if not np.isfinite(view).all():
+                what = "NaN or inf" if not np.isfinite(arr).all() else "values outside float32's range"
+                raise ValueError(f"state_dict[{name!r}] holds {what}: parameters must be finite in float32")
         self._c.set_params(flat)
         return IncompatibleKeys(missing, unexpected)
 
