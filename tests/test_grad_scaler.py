@@ -745,3 +745,14 @@ def test_step_passes_arguments_on_and_an_enabled_scaler_refuses_a_closure():
     assert calls == [1, 1] and same_bits(flat(model.state_dict()), before)
     assert on.step(opt) is True  # the iteration goes on
     on.update()
+
+
+def test_scale_takes_a_list_or_tuple_of_outputs():
+    s = amp.GradScaler(init_scale=4.0)
+    assert s.scale(1.5) == 6.0
+    assert s.scale([1.0, (2.0, 3.0)]) == [4.0, (8.0, 12.0)]
+    out = s.scale((np.float32(1.0), np.ones(2, np.float32)))
+    assert isinstance(out, tuple) and out[0] == 4.0 and (out[1] == 4.0).all()
+    off = amp.GradScaler(enabled=False)
+    values = [1.0, 2.0]
+    assert off.scale(values) is values

@@ -156,9 +156,14 @@ class GradScaler:
         """The current scale (a float32 value); 1.0 when disabled."""
         return self._scale if self._enabled else 1.0
 
-    def scale(self, loss: Any) -> Any:
-        """loss * get_scale() (loss unchanged when disabled)."""
-        return loss * self._scale if self._enabled else loss
+    def scale(self, outputs: Any) -> Any:
+        """outputs * get_scale() (unchanged when disabled); a list or tuple of them, each scaled,
+        as torch's."""
+        if not self._enabled:
+            return outputs
+        if isinstance(outputs, (list, tuple)):
+            return type(outputs)(self.scale(o) for o in outputs)
+        return outputs * self._scale
 
     def _state_of(self, optimizer: Any) -> Dict[str, bool]:
         if not isinstance(optimizer, Optimizer):
