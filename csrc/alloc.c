@@ -50,6 +50,7 @@ struct cmlp_allocator {
     uint64_t config_gen;
     cmlp_alloc_settings cfg;
     bool pytorch_ladder; /* benchmarks only: no second cache search after releasing */
+    bool dry_run;        /* cmlp_allocator_cache_serves: take only what is there, map nothing */
     cmlp_status device_error; /* a device call failed for a reason other than memory (recorded) */
     alloc_history hist;
     const char *what; /* the request being served: what its memory will hold */
@@ -549,7 +550,8 @@ static alloc_block *cached_block(cmlp_allocator *a, int pool, size_t size) {
                 pick = c;
                 break;
             }
-        if (!pick && a->cfg.expandable_segments && capturing_with != a) pick = b; /* mapping: not in a capture */
+        if (!pick && a->cfg.expandable_segments && capturing_with != a && !a->dry_run)
+            pick = b; /* mapping: not in a capture, nor in a dry run (pages it maps are new memory) */
         if (pick) {
             pool_take(a, pick);
             if (!map_block(a, pick, size)) {
@@ -893,14 +895,13 @@ cmlp_status cmlp_allocator_cache_serves(cmlp_allocator *a, const size_t *nbytes,
         return CMLP_FAIL(CMLP_ERR_INVALID, "at most %d requests can be tried on the cache, got %d", MAX_REQUESTS, n);
     pthread_mutex_lock(&a->lock);
     refresh_config(a);
-    /* pages an expandable segment would map are new memory: its cache is not tried */
-    bool expandable = a->pools[POOL_SMALL].expandable || a->pools[POOL_LARGE].expandable;
+    a->dry_run = true; /* pages an expandable segment would map are new memory: only mapped ones serve */
     const cmlp_memory_stats stats = a->stats;
     const int64_t window_peak = a->window_peak;
     alloc_block *taken[MAX_REQUESTS];
     uint64_t age[MAX_REQUESTS];
     int k = 0;
-    for (; !expandable && k < n; k++) {
+    for (; k < n; k++) {
         if (nbytes[k] == 0 || nbytes[k] > ((size_t)1 << 56)) break;
         size_t size = alloc_round_size(&a->cfg, nbytes[k]);
         alloc_block *b = cached_block(a, size <= K_SMALL_SIZE ? POOL_SMALL : POOL_LARGE, size);
@@ -910,7 +911,7 @@ cmlp_status cmlp_allocator_cache_serves(cmlp_allocator *a, const size_t *nbytes,
         b->allocated = true;
         taken[k] = b;
     }
-    *served = !expandable && k == n;
+    *served = k == n;
     /* each block back, the last first: they merge into the blocks the cache held, of their ages */
     while (k > 0) {
         alloc_block *b = taken[--k];
@@ -919,6 +920,7 @@ cmlp_status cmlp_allocator_cache_serves(cmlp_allocator *a, const size_t *nbytes,
     }
     a->stats = stats;
     a->window_peak = window_peak;
+    a->dry_run = false;
     pthread_mutex_unlock(&a->lock);
     return CMLP_OK;
 }

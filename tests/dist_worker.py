@@ -38,6 +38,28 @@ def spread(a):
     return float(np.max(hi - lo)) if hi.size else 0.0
 
 
+def leave_room(trainer, micro, device):
+    """A limit at what is allocated, so that no new segment may be made, and the cache's free
+    blocks taken but for room for what a step in micro-batches of `micro` asks (as the planner
+    lists it): the rank cannot compute larger ones. The blocks taken are returned."""
+    p = cmlp.memory.plan(list(trainer.model.layer_sizes), micro, trainer.optimizer, trainer.amp, device=device,
+                         accumulation_steps=-(-trainer.batch_size // micro))
+    room = sum(-(-n // 512) * 512 for what, n in p._requests if what in ("optimizer_state", "step"))
+    segments = cmlp.memory.memory_snapshot(device)
+    # the free blocks are in the small pool, whose requests are up to 1 MiB: they are taken by those
+    assert all(s["segment_type"] == "small" for s in segments if s["active_size"] < s["total_size"]), segments
+    free = sorted(b["size"] for s in segments for b in s["blocks"] if b["state"] == "inactive")
+    taken = []
+    for i, size in enumerate(free):
+        size -= room if i == len(free) - 1 else 0
+        while size > 0:
+            n = min(size, 1 << 20)
+            taken.append(cmlp.memory.caching_allocator_alloc(n, device))
+            size -= n
+    cmlp.memory.set_memory_limit(cmlp.memory.memory_allocated(device), device)
+    return taken
+
+
 def fit_case(opts):
     """Data-parallel fit against one process training batch_size * world on the same data."""
     w, r = D.get_world_size(), D.get_rank()
@@ -49,11 +71,14 @@ def fit_case(opts):
     model = cmlp.MLP(SIZES, seed=10 + r, device=device)  # different on every rank: all start from rank 0's
     scaler = (lambda: cmlp.amp.GradScaler(init_scale=opts["init_scale"])) if "init_scale" in opts else (lambda: None)
     trainer = cmlp.Trainer(model, optimizer(model, opts.get("opt")), batch_size=batch, scaler=scaler(), **kw)
+    filler = []
     if opts.get("limit_rank") == r:
-        cmlp.memory.set_memory_limit(opts["limit"], device)
+        filler = leave_room(trainer, batch // 2, device)
     val = data(opts["val"], seed=7) if "val" in opts else None
     hist = trainer.fit(x, y, epochs=epochs, progress=False, validation_data=val)
     cmlp.memory.set_memory_limit(None, device)
+    for ptr in filler:
+        cmlp.memory.caching_allocator_delete(ptr)
     ref_model = cmlp.MLP(SIZES, seed=10, device=device)
     ref = cmlp.Trainer(ref_model, optimizer(ref_model, opts.get("opt")), batch_size=batch * w, distributed=False,
                        scaler=scaler(), **kw)

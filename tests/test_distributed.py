@@ -177,8 +177,9 @@ def test_every_rank_skips_the_same_fp16_steps():
 
 @needs_mpi
 def test_one_rank_under_a_memory_limit_micro_batches_alone():
-    # rank 1 computes its share in micro-batches; the update is the same
-    out = run_job(2, "fit", {"limit_rank": 1, "limit": 600_000})
+    # rank 1 computes its share in micro-batches (its cache has room for half a batch, and its
+    # limit allows no new segment); the update is the same
+    out = run_job(2, "fit", {"limit_rank": 1})
     check_fit(out, 2, 1e-5, 1e-6)
     assert out["micro_spread"] > 0  # the ranks compute with different micro-batches
 
@@ -296,7 +297,7 @@ def test_on_gpus_a_rank_that_micro_batches_makes_every_rank_run_eagerly(emulator
     # rank 1 computes micro-batches, which no graph holds: NCCL's all-reduce must be captured on
     # every rank or on none (the emulated NCCL aborts the job on a mix), so the ranks agree on the
     # path of each step and all run eagerly; the update is the same
-    out = run_job(2, "fit", {"backend": "nccl", "device": "cuda", "n": 200, "limit_rank": 1, "limit": 11_000_000},
+    out = run_job(2, "fit", {"backend": "nccl", "device": "cuda", "n": 200, "limit_rank": 1},
                   timeout=300, emulated_gpu=True)
     check_fit(out, 2, 1e-5, 1e-6)
     assert out["micro_spread"] > 0
