@@ -565,6 +565,38 @@ def test_the_one_sample_plan_counts_the_momentum_buffer_to_come():
     assert f"{p.reserved_bytes / 2**20:.2f} MiB reserved" in str(e.value)
 
 
+def test_a_limit_the_bytes_fit_under_but_not_the_segments_says_so():
+    """8.3 MiB allocated at batch 32, but a 20 MiB segment for the requests from 1 to 10 MiB and a
+    2 MiB one for those up to 1 MiB: 22 MiB reserved, which a micro-batch of 1 needs too. The
+    warning says so, at the caller's line, and names expandable segments, under which it fits."""
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 256, (64, 784), dtype=np.uint8), rng.integers(0, 10, 64)
+    gc.collect()
+    M.empty_cache("cpu")
+    model = cmlp.MLP([784, 512, 256, 10], seed=0)
+    M.set_memory_limit(20 * 2**20, "cpu")
+    try:
+        with pytest.warns(M.MemoryWarning, match=r"reserve 22.00 MiB: memory is reserved in whole segments.*"
+                                                 "expandable_segments:True") as w, \
+                pytest.raises(cmlp.OutOfMemoryError, match="even with a micro-batch of 1"):
+            cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=32).fit(x, y, epochs=1, progress=False)
+        assert w[0].filename == __file__
+        model = None
+        M.configure("expandable_segments:True")
+        gc.collect()
+        M.empty_cache("cpu")
+        model = cmlp.MLP([784, 512, 256, 10], seed=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", M.MemoryWarning)
+            history = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=32).fit(x, y, epochs=1, progress=False)
+        assert history[0]["microbatch_size"] == 32 and M.memory_reserved("cpu") <= 20 * 2**20
+    finally:
+        M.set_memory_limit(None, "cpu")
+        M.configure("")
+        gc.collect()
+        M.empty_cache("cpu")
+
+
 def test_a_limit_below_the_models_own_state_is_said_plainly():
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((256, 784)).astype(np.float32), rng.integers(0, 10, 256)

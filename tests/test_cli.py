@@ -75,6 +75,15 @@ def test_train_reports_each_epoch(trained):
 
 
 @needs_fashion
+def test_train_progress_bars_count_the_runs_epochs(tmp_path):
+    # the command fits one epoch at a time: each bar still says which of the run's epochs it is
+    pytest.importorskip("tqdm")
+    r = run_cli(["train", "--epochs", "2", "--layers", "784,16,10", "--batch-size", "1024"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "epoch 1/2" in r.stderr and "epoch 2/2" in r.stderr and "epoch 1/1" not in r.stderr, r.stderr
+
+
+@needs_fashion
 def test_train_save_writes_a_loadable_model(trained):
     r, cwd = trained
     assert r.returncode == 0, r.stderr
@@ -90,7 +99,13 @@ def test_train_save_writes_a_loadable_model(trained):
 
 @pytest.mark.parametrize("args,pattern", [
     (["train", "--layers", "784,x"], r"--layers"),
-    (["train", "--layers", "784,0,10", "--epochs", "1"], r"layer"),
+    (["train", "--layers", "784,0,10", "--epochs", "1"], r"--layers: expected sizes in \[1, 2\*\*24\], got 0"),
+    (["train", "--layers", "784"], r"--layers: expected an input and an output size at least"),
+    (["plan", "--layers", "784,16777217,10"], r"--layers: expected sizes in \[1, 2\*\*24\], got 16777217"),
+    (["train", "--seed", "-1"], r"--seed: expected an int in \[0, 2\*\*64\), got '-1'"),
+    (["train", "--memory-limit", "0"], r"--memory-limit: expected a size > 0 such as 256MB, got '0'"),
+    (["plan", "--budget", "0B"], r"--budget: expected a size > 0"),
+    (["plan", "--device", "cuda:x"], r"--device: expected cpu, cuda or cuda:N, got 'cuda:x'"),
     (["train", "--batch-size", "0", "--layers", "784,10"], r"--batch-size: expected an int >= 1, got '0'"),
     # checked before the data set is read or anything trains
     (["train", "--epochs", "0"], r"--epochs: expected an int >= 1, got '0'"),
@@ -118,16 +133,13 @@ def test_train_save_writes_a_loadable_model(trained):
     (["train", "--warmup-steps", "-5"], r"--warmup-steps: expected an int >= 0"),
     (["train", "--lr-schedule", "linear"], r"linear"),
     (["train", "--optimizer", "rmsprop"], r"rmsprop"),
-    (["train", "--device", "gpu", "--layers", "784,10"], r"device"),
+    (["train", "--device", "gpu", "--layers", "784,10"], r"--device: expected cpu, cuda or cuda:N, got 'gpu'"),
     (["snapshot", "missing.pickle"], r"No such file"),
     (["snapshot", "x.pickle", "--top", "-1"], r"--top: expected an int >= 0"),
     (["frobnicate"], r"frobnicate"),
     ([], r"command|usage"),
 ])
 def test_bad_arguments_exit_nonzero_with_a_message(tmp_path, args, pattern):
-    if "--device" in args or "784,0,10" in args:
-        if not have_fashion():
-            pytest.skip("these errors come after the data set is loaded")
     r = run_cli(args, tmp_path)
     assert r.returncode != 0
     assert re.search(pattern, r.stderr), r.stderr

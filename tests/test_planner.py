@@ -387,17 +387,39 @@ def test_cli_plan_with_a_budget_lists_the_ways_to_fit_a_step(tmp_path):
         assert len(rows) == 6 and any(k for _, k in rows.values())
         for (prec, rc), (micro, k) in rows.items():  # the CLI's fresh process holds nothing on the CPU
             amp, recompute = None if prec == "fp32" else prec, rc == "yes"
+            def reserved(j):
+                return M.plan(layers, -(-batch // j), "sgd", amp, recompute, accumulation_steps=j,
+                              epochs=1).reserved_bytes
+
             if k == 0:
-                assert M.max_batch_size(layers, budget, "sgd", amp, recompute, accumulation_steps=2) == 0
+                assert all(reserved(j) > budget for j in range(1, 65)), (prec, rc)
                 continue
             assert micro == -(-batch // k)
-            p = M.plan(layers, micro, "sgd", amp, recompute, accumulation_steps=k)
-            assert p.reserved_bytes <= budget, (prec, rc, micro, k)
+            assert reserved(k) <= budget, (prec, rc, micro, k)
             if k > 1:
                 fewer = M.max_batch_size(layers, budget, "sgd", amp, recompute, accumulation_steps=k - 1)
-                assert (k - 1) * fewer < batch, (prec, rc, k)
+                assert (k - 1) * fewer < batch or reserved(k - 1) > budget, (prec, rc, k)
     r = _cli(["--batch-size", "64", "--budget", "1MB"], tmp_path)
     assert r.returncode == 0 and "ways to train" not in r.stdout, "nothing fits: no table"
+
+
+def test_cli_plan_says_a_batch_below_the_largest_may_not_fit(tmp_path):
+    """Reserved memory is in whole segments: at 20 MB, batch 1500 fits (its requests share 20 MiB
+    segments) where batch 32 does not (its small requests take a 2 MiB segment more), nor any
+    micro-batch of it in fp32; the table says so, planning each answer itself, and names the
+    setting that maps pages instead."""
+    layers, budget = [784, 512, 256, 10], 20 << 20
+    r = _cli(["--batch-size", "32", "--budget", "20MB"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    n = M.max_batch_size(layers, budget)
+    assert M.plan(layers, 32, epochs=1).reserved_bytes > budget and n > 32
+    assert f"largest batch that fits in 20.00 MiB: {n} (not every smaller one: batch 32 reserves 22.00 MiB" in r.stdout
+    rows = dict(re.findall(r"  (fp32|fp16|bf16)\s+no\s+(\d+|none fits)", r.stdout))
+    assert rows["fp32"] == "none fits" and rows["fp16"] == "32", r.stdout
+    assert M.plan(layers, 32, amp="fp16", epochs=1).reserved_bytes <= budget
+    assert all(M.plan(layers, -(-32 // k), accumulation_steps=k, epochs=1).reserved_bytes > budget
+               for k in range(2, 33))
+    assert "expandable_segments:True" in r.stdout
 
 
 def test_cli_plan_ways_to_fit_a_step_count_the_validation(tmp_path):

@@ -8,6 +8,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -19,8 +20,21 @@ def _layers(text: str) -> List[int]:
     try:
         sizes = [int(v) for v in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--layers must be comma-separated ints such as 784,512,256,10, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints such as 784,512,256,10, got {text!r}")
+    if len(sizes) < 2:
+        raise argparse.ArgumentTypeError(f"expected an input and an output size at least, such as 784,10, got "
+                                         f"{text!r}")
+    bad = [v for v in sizes if not 1 <= v <= 1 << 24]
+    if bad:
+        raise argparse.ArgumentTypeError(f"expected sizes in [1, 2**24], got {bad[0]} in {text!r}")
     return sizes
+
+
+def _device(text: str) -> str:
+    """"cpu", "cuda" or "cuda:N", checked as written (whether the GPU is there is said when it is opened)."""
+    if not re.fullmatch(r"cpu|cuda(:\d{1,2})?", text):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return text
 
 
 def _bounded(convert: Callable[[str], float], what: str, ok: Callable[[float], bool]) -> Callable[[str], float]:
@@ -68,10 +82,14 @@ def _output(flag: str, example: str) -> Callable[[str], str]:
 
 
 def _size(text: str) -> int:
+    """A number of bytes > 0, or a size such as 256MB."""
     try:
-        return memory.parse_size(text)
+        n = memory.parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e))
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"expected a size > 0 such as 256MB, got {text!r}")
+    return n
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -84,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--batch-size", type=_count, default=32)
     t.add_argument("--accumulation-steps", type=_count, default=1)
     t.add_argument("--amp", choices=["fp16", "bf16"], default=None)
-    t.add_argument("--device", default="cpu")
+    t.add_argument("--device", type=_device, default="cpu")
     t.add_argument("--optimizer", choices=["adam", "adamw", "sgd"], default="adam")
     t.add_argument("--weight-decay", type=_rate, default=None, help="default: 0, and 1e-2 for adamw")
     t.add_argument("--no-bias-decay", action="store_true",
@@ -101,7 +119,7 @@ def _parser() -> argparse.ArgumentParser:
                         "(CosineAnnealingLR over the steps after the warm-up: 0 once the last step is taken)")
     t.add_argument("--warmup-steps", type=_steps, default=0,
                    help="raise the rate linearly over this many first steps (from lr / N to lr)")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=_bounded(int, "an int in [0, 2**64)", lambda v: 0 <= v < 2**64), default=0)
     t.add_argument("--save", type=_output("--save", "model.npz"), default=None,
                    help="write the trained model here (.npz)")
     t.add_argument("--memory-history", type=_output("--memory-history", "snapshot.pickle"), default=None,
@@ -123,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--optimizer", choices=["adam", "adamw", "sgd"], default="adam")
     pl.add_argument("--momentum", type=_rate, default=0.0, help="sgd only: a momentum buffer when not 0")
     pl.add_argument("--amsgrad", action="store_true", help="adam and adamw: AMSGrad's third state buffer")
-    pl.add_argument("--device", default="cpu")
+    pl.add_argument("--device", type=_device, default="cpu")
     pl.add_argument("--optimizer-shards", type=_count, default=1, metavar="RANKS",
                     help="the optimizer's state sharded over this many ranks (train --distributed --zero)")
     pl.add_argument("--validation-rows", type=_steps, default=0, metavar="N",
@@ -248,6 +266,7 @@ def _run(a: argparse.Namespace, rank: int, ranks: int) -> int:
         f"{len(xte):,} test")
     history = []
     for epoch in range(1, a.epochs + 1):
+        trainer._bar_epochs = (epoch, a.epochs)  # each fit's bar says which of the run's epochs it is
         h = trainer.fit(xtr, ytr, epochs=1, validation_data=(xte, yte), progress=not a.no_progress, scheduler=sched,
                         scheduler_interval="step")[0]
         h["epoch"] = epoch
@@ -292,6 +311,10 @@ def _plan(a: argparse.Namespace) -> int:
             one = memory.plan(a.layers, 1, optimizer, a.amp, device=a.device, optimizer_shards=a.optimizer_shards,
                               validation_rows=a.validation_rows, epochs=1)
             why += f" (one sample needs {memory._fmt(one.reserved_bytes)} reserved on top)"
+        if 0 < a.batch_size < n and _reserved(a, optimizer, a.amp, False, a.batch_size, 1) > room:
+            # reserved memory is in whole segments: a smaller batch can need one more
+            why += (f" (not every smaller one: batch {a.batch_size} reserves "
+                    f"{memory._fmt(_reserved(a, optimizer, a.amp, False, a.batch_size, 1))}, in its segments)")
         print(f"largest batch that fits in {memory._fmt(a.budget)}: {n}{why}")
         if room > 0:
             _options(a, optimizer, room)
@@ -311,12 +334,19 @@ def _options(a: argparse.Namespace, optimizer: str, room: int) -> None:
     for amp, recompute, micro, k in rows:
         mark = "  <- as planned above" if amp == a.amp and not recompute else ""
         print(f"  {amp or 'fp32':<10}{'yes' if recompute else 'no':<11}{micro or 'none fits':>12}{k or '-':>22}{mark}")
+    if not all(k for *_, k in rows) and not memory.get_config()["expandable_segments"]:
+        large = memory.get_config()["large_segment_size_mb"]
+        print(f"reserved memory comes in whole segments ({large} MiB for requests from 1 to 10 MiB, 2 MiB for "
+              "smaller ones); expandable_segments:True in CMLP_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF maps 2 MiB pages "
+              "instead")
 
 
 def _split(a: argparse.Namespace, optimizer: str, amp: Optional[str], recompute: bool, room: int) -> Tuple[int, int]:
     """The fewest micro-batches k a step of --batch-size can be cut into within room, and their
     size: a step of k > 1 micro-batches needs more memory than one of the same size alone, so
-    the largest micro-batch is asked for k at a time. (0, 0) when none fits."""
+    the largest micro-batch is asked for k at a time. Reserved memory comes in whole segments
+    and does not grow steadily with the batch (a smaller one can take a segment more), so each
+    answer is planned itself. (0, 0) when none fits."""
     batch = a.batch_size
 
     def largest(k: int) -> int:
@@ -324,20 +354,29 @@ def _split(a: argparse.Namespace, optimizer: str, amp: Optional[str], recompute:
                                      accumulation_steps=k, optimizer_shards=a.optimizer_shards,
                                      validation_rows=a.validation_rows)
 
-    n = largest(1)
-    if n >= batch:
+    def fits(micro: int, k: int) -> bool:
+        return _reserved(a, optimizer, amp, recompute, micro, k) <= room
+
+    if fits(batch, 1):
         return batch, 1
-    n = largest(2)
-    if n == 0:
-        return 0, 0
-    k = max(2, -(-batch // n))
-    while True:  # the largest micro-batch shrinks with k only a little, if at all
+    k = 2
+    while k <= batch:  # the largest micro-batch shrinks with k only a little, if at all
         n = largest(k)
         if n == 0:
             return 0, 0
-        if k * n >= batch:
+        k = max(k, -(-batch // n))
+        if fits(-(-batch // k), k):
             return -(-batch // k), k
-        k = max(k + 1, -(-batch // n))
+        k += 1
+    return 0, 0
+
+
+def _reserved(a: argparse.Namespace, optimizer: str, amp: Optional[str], recompute: bool, micro: int, k: int) -> int:
+    """What a run in micro-batches of `micro`, k to a step, reserves in one epoch (a memory
+    limit's view, as max_batch_size's)."""
+    return memory.plan(a.layers, micro, optimizer, amp, recompute, device=a.device, accumulation_steps=k,
+                       optimizer_shards=a.optimizer_shards, validation_rows=a.validation_rows,
+                       epochs=1).reserved_bytes
 
 
 def _info() -> int:

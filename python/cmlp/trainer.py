@@ -114,6 +114,7 @@ class Trainer:
         if scaler is not None and not isinstance(scaler, GradScaler):
             raise TypeError(f"scaler must be a cmlp.amp.GradScaler or None, got {type(scaler).__name__}")
         self._warned = False
+        self._bar_epochs: Optional[Tuple[int, int]] = None  # (first, total): a loop of fits that draws one run's bars
         self._parts_kept = False  # a fit's param-group parts kept for the rest of it (_run_scheduled)
         self.model, self.optimizer = model, optimizer
         self.batch_size = _positive_int("batch_size", batch_size)
@@ -355,13 +356,18 @@ class Trainer:
                 self._warned = True
                 fits = f"fits micro-batches of {b}, not {asked}: the trainer accumulates them (the update is the same)"
                 if not fits_one:
-                    state = "" if p is None else (
-                        " (the parameters, gradients and optimizer state take " + memory._fmt(sum(
-                            p.breakdown[k] for k in ("parameters", "gradients", "optimizer_state", "half_weights")))
-                        + ")")
+                    state = ""
+                    own = None if p is None else p.peak_bytes - sum(p._allocated[k] for k in held + ("data",))
+                    if own is not None and own <= room:
+                        # the bytes may fit where the segments that hold them do not
+                        state = (f" (its segments would reserve {memory._fmt(p.reserved_bytes)}: memory is reserved "
+                                 "in whole segments, which configure('expandable_segments:True') makes pages)")
+                    elif p is not None:
+                        state = " (the parameters, gradients and optimizer state take " + memory._fmt(sum(
+                            p.breakdown[k] for k in ("parameters", "gradients", "optimizer_state", "half_weights"))) + ")"
                     fits = f"fits no micro-batch, not even of 1 sample{state}: the step will try, in micro-batches of 1"
                 warnings.warn(f"under the memory limit of {limit} bytes the planner {fits}",
-                              memory.MemoryWarning, stacklevel=5)  # fit -> _fit -> _together -> here
+                              memory.MemoryWarning, stacklevel=6)  # fit -> _fit -> lambda -> _together -> here
 
     def _warn_if_split(self, before: int) -> None:
         if self._c.oom_retries() > before and not self._warned:
@@ -617,7 +623,8 @@ class Trainer:
                     self._push_scaler()  # (which may refuse the scale: before a bar is drawn)
                     # data-parallel, the first rank draws the bar for all
                     show = progress and (not self.distributed or _dist.get_rank() == 0)
-                    bar = make_bar(total, f"epoch {epoch}/{epochs}", show)
+                    first, of = self._bar_epochs or (1, epochs)
+                    bar = make_bar(total, f"epoch {first + epoch - 1}/{of}", show)
                     chunk = max(1, total // 200)
                     samples, loss_sum, skipped, norm_sum, norm_steps, steps_done = 0, 0.0, 0, 0.0, 0, 0
                     first_lr = self.optimizer.lr
