@@ -363,7 +363,8 @@ class Trainer:
                         state = (f" (its segments would reserve {memory._fmt(p.reserved_bytes)}: memory is reserved "
                                  "in whole segments, which configure('expandable_segments:True') makes pages)")
                     elif p is not None:
-                        kept = sum(p.breakdown[k] for k in ("parameters", "gradients", "optimizer_state", "half_weights"))
+                        kept = sum(p.breakdown[k] for k in ("parameters", "gradients", "optimizer_state",
+                                                            "half_weights"))
                         state = f" (the parameters, gradients and optimizer state take {memory._fmt(kept)})"
                     fits = f"fits no micro-batch, not even of 1 sample{state}: the step will try, in micro-batches of 1"
                 warnings.warn(f"under the memory limit of {limit} bytes the planner {fits}",
