@@ -109,3 +109,27 @@ def assert_history_explains(before, after):
             assert act in ("free_completed", "oom", "snapshot"), (i, e)
     assert (blocks, segments, pages) == _state(after)
     return entries
+
+
+def fill_cache_but(device, room):
+    """Takes the cache's free blocks (caching_allocator_alloc) but `room` bytes of the largest,
+    so that under a limit at what is allocated, where no new segment may be made, a run has that
+    room and no more. The pointers taken are returned: caching_allocator_delete each after."""
+    free = sorted((b["size"], s["segment_type"]) for s in M.memory_snapshot(device) for b in s["blocks"]
+                  if b["state"] == "inactive")
+    taken = []
+    for i, (size, pool) in enumerate(free):
+        size -= room if i == len(free) - 1 else 0
+        # a small segment's block is taken by requests of the small pool (up to 1 MiB), a large
+        # one's by one request of the large pool (over 1 MiB)
+        assert pool == "small" or size == 0 or size > 1 << 20, (size, pool)
+        while size > 0:
+            n = min(size, 1 << 20) if pool == "small" else size
+            taken.append(M.caching_allocator_alloc(n, device))
+            size -= n
+    return taken
+
+
+def room_for(plan, kinds=("model", "optimizer_state", "step")):
+    """The bytes a plan's requests of those kinds take as the allocator rounds them (512)."""
+    return sum(-(-n // 512) * 512 for what, n in plan._requests if what in kinds)

@@ -15,7 +15,7 @@ import pytest
 import cmlp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from checks import same  # noqa: E402
+from checks import fill_cache_but, room_for, same  # noqa: E402
 
 M = cmlp.memory
 DEV = "cpu"
@@ -444,9 +444,7 @@ def test_the_microbatch_grows_back_after_a_planned_start():
     plan = M.plan(layers, batch // 8, trainer.optimizer, accumulation_steps=8)
     # the model's segment has room past it, which serves larger micro-batches under a limit below
     # it: all but what micro-batches of batch // 8 ask is taken, so that the start is theirs
-    (tail,) = [b["size"] for s in M.memory_snapshot(DEV) for b in s["blocks"] if b["state"] == "inactive"]
-    room = sum(-(-n // 512) * 512 for what, n in plan._requests if what in ("optimizer_state", "step"))
-    filler = [M.caching_allocator_alloc(tail - room, DEV)]
+    filler = fill_cache_but(DEV, room_for(plan, ("optimizer_state", "step")))
     held = plan.breakdown["parameters"] + plan.breakdown["gradients"]
     # room for micro-batches of batch // 8 next to the model, as the planner counts it
     M.set_memory_limit(M.memory_allocated(DEV) + plan.peak_bytes - held, DEV)

@@ -4,11 +4,17 @@ same steps written by hand (bit for bit on the CPU), and model.parameters() wher
 passes it.
 """
 
+import os
+import sys
+
 import numpy as np
 import pytest
 
 import cmlp
 from cmlp.nn.utils import clip_grad_norm_, clip_grad_value_
+
+sys.path.insert(0, os.path.dirname(__file__))
+from checks import fill_cache_but, room_for  # noqa: E402
 
 F, C = 20, 4
 SIZES = [F, 32, 16, C]
@@ -380,12 +386,16 @@ def test_fit_with_clipping_equals_the_same_steps_by_hand():
 def test_micro_batches_under_a_memory_limit_clip_the_whole_steps_gradients():
     plain, _, h0 = fit(0.05, shuffle=False)
     cmlp.memory.empty_cache("cpu")
+    # the cache keeps room for a run in micro-batches of 4 and no new segment may be made
+    filler = fill_cache_but("cpu", room_for(cmlp.memory.plan(SIZES, 4, "adam", accumulation_steps=8)))
     try:
-        cmlp.memory.set_memory_limit(cmlp.memory.plan(SIZES, batch_size=4, optimizer="adam").peak_bytes, "cpu")
-        with pytest.warns(cmlp.MemoryWarning):
+        cmlp.memory.set_memory_limit(cmlp.memory.memory_allocated("cpu"), "cpu")
+        with pytest.warns(cmlp.MemoryWarning, match="micro-batches of 4, not 32"):
             split, t, h1 = fit(0.05, shuffle=False)
     finally:
         cmlp.memory.set_memory_limit(None, "cpu")
+        for ptr in filler:
+            cmlp.memory.caching_allocator_delete(ptr)
     assert h1[-1]["microbatch_size"] < 32
     np.testing.assert_allclose(split._c.get_params(), plain._c.get_params(), rtol=0, atol=1e-5)
     assert h1[0]["grad_norm"] == pytest.approx(h0[0]["grad_norm"], rel=1e-5)

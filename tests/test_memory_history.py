@@ -403,6 +403,17 @@ def test_the_report_refuses_what_is_not_a_snapshot(tmp_path, content, needle):
         M.snapshot_report({"segments": [], "device_traces": []}, device=-1)
 
 
+def test_the_report_of_a_device_the_snapshot_lacks_lists_those_it_has():
+    seg = {"device": 2, "address": 4096, "total_size": 2 << 20, "blocks": []}
+    snap = {"segments": [seg], "device_traces": [[], []]}  # devices 0 and 1 traced (nothing), 2 with a segment
+    assert M.snapshot_report(snap, device=1).startswith("device 1: 0 segments")
+    assert M.snapshot_report(snap, device=2).startswith("device 2: 1 segment,")
+    with pytest.raises(ValueError, match="the snapshot has no device 5: it has devices 0, 1, 2"):
+        M.snapshot_report(snap, device=5)
+    with pytest.raises(ValueError, match="the snapshot has no device 0: it has no device"):
+        M.snapshot_report({"segments": [], "device_traces": []}, device=0)
+
+
 def test_saving_keeps_links_pipes_and_permissions(tmp_path):
     """The snapshot (and a model) go through a symbolic link to its target, which is replaced
     whole; into a pipe as open() would write; and a new file gets the umask's permissions."""

@@ -370,6 +370,12 @@ def test_cli_plan_with_a_budget_prints_the_largest_batch(tmp_path):
     assert str(M.plan([784, 512, 256, 10], 4096)) in r.stdout
 
 
+def test_cli_plan_says_when_the_largest_batch_is_the_searchs_end(tmp_path):
+    r = _cli(["--layers", "784,10", "--budget", "10TB"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "largest batch that fits in 10.00 TiB: 16777216 (or more: the search stops at 2**24)" in r.stdout
+
+
 def test_cli_plan_with_a_budget_lists_the_ways_to_fit_a_step(tmp_path):
     """Each precision, with and without recomputation: the fewest micro-batches k a step of
     --batch-size takes within the budget and their size, the plan of k of them (a step of several

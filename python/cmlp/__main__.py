@@ -311,6 +311,8 @@ def _plan(a: argparse.Namespace) -> int:
             one = memory.plan(a.layers, 1, optimizer, a.amp, device=a.device, optimizer_shards=a.optimizer_shards,
                               validation_rows=a.validation_rows, epochs=1)
             why += f" (one sample needs {memory._fmt(one.reserved_bytes)} reserved on top)"
+        if n >= 1 << 24:  # max_batch_size's search ends there
+            why += " (or more: the search stops at 2**24)"
         if 0 < a.batch_size < n and _reserved(a, optimizer, a.amp, False, a.batch_size, 1) > room:
             # reserved memory is in whole segments: a smaller batch can need one more
             why += (f" (not every smaller one: batch {a.batch_size} reserves "

@@ -146,6 +146,10 @@ def report(source: Union[Snapshot, "os.PathLike[str]", str], device: Optional[in
     data = load(source)
     try:
         return _report(data, device, top)
+    except LookupError as e:
+        if type(e) is not LookupError:  # KeyError, IndexError: a malformed snapshot
+            raise ValueError(f"not a well-formed memory snapshot: {type(e).__name__}: {e}") from None
+        raise ValueError(str(e)) from None
     except (AttributeError, KeyError, TypeError, IndexError, ValueError, OverflowError) as e:
         raise ValueError(f"not a well-formed memory snapshot: {type(e).__name__}: {e}") from None
 
@@ -156,6 +160,10 @@ def _report(data: Snapshot, device: Optional[int], top: int) -> str:
     devices = [d for d in devices if isinstance(d, int) and d >= 0]
     if device is None:
         device = max(devices, key=lambda d: (len(traces[d]) if d < len(traces) else 0, -d), default=0)
+    elif device not in devices and device >= len(traces):
+        known = sorted(set(devices) | set(range(len(traces))))
+        has = f"devices {', '.join(map(str, known))}" if known else "no device"
+        raise LookupError(f"the snapshot has no device {device}: it has {has}")
     segments = [s for s in data["segments"] if s.get("device", 0) == device]
     trace = traces[device] if device < len(traces) else []
     out = io.StringIO()
