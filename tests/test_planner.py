@@ -471,8 +471,8 @@ def test_cli_plan_when_nothing_fits(tmp_path):
 
 @pytest.mark.parametrize("args, needle", [
     (["--layers", "784,abc,10"], "--layers"),
-    (["--layers", "784,0,10"], "layer size"),
-    (["--layers", "784"], "layer_sizes"),
+    (["--layers", "784,0,10"], "--layers: expected sizes in [1, 2**24]"),
+    (["--layers", "784"], "--layers: expected an input and an output size"),
     (["--batch-size", "0"], "--batch-size"),
     (["--momentum", "-1"], "--momentum"),
     (["--batch-size", "many"], "--batch-size"),
