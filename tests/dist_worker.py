@@ -38,24 +38,16 @@ def spread(a):
     return float(np.max(hi - lo)) if hi.size else 0.0
 
 
+from checks import fill_cache_but, room_for  # noqa: E402 (this directory is the script's)
+
+
 def leave_room(trainer, micro, device):
     """A limit at what is allocated, so that no new segment may be made, and the cache's free
     blocks taken but for room for what a step in micro-batches of `micro` asks (as the planner
     lists it): the rank cannot compute larger ones. The blocks taken are returned."""
     p = cmlp.memory.plan(list(trainer.model.layer_sizes), micro, trainer.optimizer, trainer.amp, device=device,
                          accumulation_steps=-(-trainer.batch_size // micro))
-    room = sum(-(-n // 512) * 512 for what, n in p._requests if what in ("optimizer_state", "step"))
-    segments = cmlp.memory.memory_snapshot(device)
-    # the free blocks are in the small pool, whose requests are up to 1 MiB: they are taken by those
-    assert all(s["segment_type"] == "small" for s in segments if s["active_size"] < s["total_size"]), segments
-    free = sorted(b["size"] for s in segments for b in s["blocks"] if b["state"] == "inactive")
-    taken = []
-    for i, size in enumerate(free):
-        size -= room if i == len(free) - 1 else 0
-        while size > 0:
-            n = min(size, 1 << 20)
-            taken.append(cmlp.memory.caching_allocator_alloc(n, device))
-            size -= n
+    taken = fill_cache_but(device, room_for(p, ("optimizer_state", "step")))
     cmlp.memory.set_memory_limit(cmlp.memory.memory_allocated(device), device)
     return taken
 
