@@ -505,8 +505,9 @@ typedef struct cmlp_train_config {
     float label_smoothing;
     cmlp_amp amp;
     /* On out of memory inside a step: roll the step back, release cached memory, halve the
-     * micro-batch and retry the same effective batch (the update does not change). After
-     * grow_interval good steps a larger micro-batch (up to batch_size) is tried again. */
+     * micro-batch (twice as many, equal) and retry the same effective batch (the update does
+     * not change). After grow_interval good steps half as many (up to batch_size) are tried
+     * again, and on out of memory the size that worked before. */
     int auto_microbatch;
     int64_t grow_interval; /* 0: 100 */
     /* Keep only each micro-batch's input and recompute layer outputs in backward. */

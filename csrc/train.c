@@ -56,6 +56,9 @@ struct cmlp_trainer {
     int64_t skipped;
     int64_t oom_retries, good_steps;
     int64_t target_micro; /* the micro-batch asked for; auto micro-batching grows back to it */
+    int64_t grown_from;   /* the micro-batch before the last growth, which worked (0: none) */
+    int64_t whole_rows;   /* this rank's rows of a whole step of the call (growth sizes for it, not
+                           * for a short last step) */
     bool dist;            /* data-parallel over the process group */
     void *dcomm;          /* off the host: dcomm_dev's member of the group's device collectives */
     cmlp_device_ctx *dcomm_dev;
@@ -222,7 +225,7 @@ cmlp_status cmlp_trainer_start_microbatch(cmlp_trainer *t, int64_t size) {
         return CMLP_FAIL(CMLP_ERR_INVALID, "a starting micro-batch must be in [1, %lld], got %lld",
                          (long long)t->target_micro, (long long)size);
     t->micro = size;
-    t->good_steps = 0;
+    t->good_steps = t->grown_from = 0;
     return CMLP_OK;
 }
 
@@ -230,7 +233,7 @@ cmlp_status cmlp_trainer_set_microbatch_size(cmlp_trainer *t, int64_t size) {
     if (size < 1 || size > CMLP_MAX_STEP_SAMPLES)
         return CMLP_FAIL(CMLP_ERR_INVALID, "microbatch_size must be in [1, 2**62], got %lld", (long long)size);
     t->micro = t->target_micro = size;
-    t->good_steps = 0;
+    t->good_steps = t->grown_from = 0;
     return CMLP_OK;
 }
 
@@ -480,6 +483,25 @@ static cmlp_status run_begin(cmlp_trainer *t, cmlp_dscalars **out, const double 
     return m->dev->backend->copy_h2d(m->dev->bctx, *out, &h, sizeof h);
 }
 
+/* The micro-batch that tries half as many micro-batches of a step of `rows` (this rank's), as
+ * equal as they come: 8000 rows in 3 of 2667 grow to 2 of 4000, not to 5334 and 2666; at most
+ * the target. Where the step is one micro-batch already, it doubles. */
+static int64_t grown_micro(int64_t micro, int64_t target, int64_t rows) {
+    const int64_t n = rows > micro ? (rows + micro - 1) / micro : 1;
+    const int64_t fewer = (n + 1) / 2; /* < n for n >= 2, so the result is > micro */
+    const int64_t m = n > 1 ? (rows + fewer - 1) / fewer : micro * 2;
+    return m < target ? m : target;
+}
+
+/* The micro-batch that tries twice as many micro-batches of a step of `rows`, as equal as they
+ * come: 8000 rows in 3 of 2667 shrink to 6 of 1334, not to 7 of 1333 (the last of 2 rows); a
+ * micro-batch larger than the step, to half the step. Below micro for micro >= 2. */
+static int64_t shrunk_micro(int64_t micro, int64_t rows) {
+    const int64_t n = rows > micro ? (rows + micro - 1) / micro : 1; /* <= rows / 2 + 1: 2n cannot overflow */
+    const int64_t m = (rows + 2 * n - 1) / (2 * n);
+    return m >= 1 && m < micro ? m : micro / 2;
+}
+
 /* effective_step, surviving out-of-memory by smaller micro-batches when allowed. A failed
  * attempt changed nothing that matters: the retry's first micro-batch writes the gradients
  * afresh, the loss it added is taken back, and the optimizer and the scaler move only at the end
@@ -488,6 +510,8 @@ static cmlp_status run_begin(cmlp_trainer *t, cmlp_dscalars **out, const double 
 static cmlp_status robust_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_data *xy, const int64_t *idx,
                                int64_t start, int64_t k, int64_t n_all) {
     const int64_t micro_before = t->micro;
+    /* micro-batches are sized for a whole step of this rank's, not for a short last one */
+    const int64_t whole = t->whole_rows > k ? t->whole_rows : k;
     const cmlp_backend_i *b = t->model->dev->backend;
     void *ctx = t->model->dev->bctx;
     if (t->cfg.auto_microbatch) /* only a retry takes the loss back */
@@ -502,7 +526,8 @@ static cmlp_status robust_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_da
         if (st == CMLP_OK) st = step_update(t, ds, xy, n_all);
         if (st == CMLP_OK) {
             if (t->micro < t->target_micro && ++t->good_steps >= t->cfg.grow_interval) {
-                t->micro = t->micro * 2 < t->target_micro ? t->micro * 2 : t->target_micro;
+                t->grown_from = t->micro;
+                t->micro = grown_micro(t->micro, t->target_micro, whole);
                 t->good_steps = 0;
             }
             return CMLP_OK;
@@ -517,8 +542,10 @@ static cmlp_status robust_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_da
             st = one_sample_oom(t, cmlp_last_error());
             return t->dist ? cmlp_dist_agree(st) : st;
         }
-        t->micro /= 2;
-        t->good_steps = 0;
+        /* back to the size that worked before the last growth (2667, not 4000 / 2), else
+         * twice as many micro-batches */
+        t->micro = t->grown_from && t->grown_from < t->micro ? t->grown_from : shrunk_micro(t->micro, whole);
+        t->good_steps = t->grown_from = 0;
         t->oom_retries++;
     }
 }
@@ -798,6 +825,7 @@ cmlp_status cmlp_trainer_step(cmlp_trainer *t, const cmlp_data *xy, double *loss
     const bool had_state = cmlp_optim_has_state(t->optim);
     cmlp_fpenv fe;
     cmlp_fpenv_enter(&fe);
+    t->whole_rows = xy->n;
     st = robust_step(t, ds, xy, NULL, 0, xy->n, n_all);
     cmlp_fpenv_leave(&fe);
     if (st != CMLP_OK) cmlp_optim_drop_unused(t->optim, !had_state); /* the memory as it was */
@@ -876,8 +904,9 @@ static cmlp_status epoch_run(cmlp_trainer *t, int64_t max_steps, const double *l
     if (!t->epoch_open) return CMLP_FAIL(CMLP_ERR_STATE, "epoch_run called before epoch_begin");
     CMLP_TRY(check_group(t, true));
     /* a step takes eb samples from the order, of which this rank computes its share */
-    int64_t n = t->data.n, eb = effective_batch(t) * group_size(t);
+    int64_t n = t->data.n, eb = effective_batch(t) * group_size(t), unused;
     const bool graphs = t->model->dev->backend->capture_begin != NULL; /* the device has graphs */
+    share_of(t, n < eb ? n : eb, &unused, &t->whole_rows);
     cmlp_dscalars *ds;
     /* SGD's buffer, for a call whose parts' momenta step by step may have momentum the parts hold
      * now do not (its first step makes it) */
@@ -974,6 +1003,7 @@ cmlp_status cmlp_trainer_set_microbatch_state(cmlp_trainer *t, int64_t size, int
     t->micro = size;
     t->target_micro = target;
     t->good_steps = good_steps;
+    t->grown_from = 0;
     return CMLP_OK;
 }
 

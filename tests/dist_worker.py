@@ -65,9 +65,11 @@ def fit_case(opts):
     trainer = cmlp.Trainer(model, optimizer(model, opts.get("opt")), batch_size=batch, scaler=scaler(), **kw)
     filler = []
     if opts.get("limit_rank") == r:
-        filler = leave_room(trainer, batch // 2, device)
+        filler = leave_room(trainer, opts.get("room", batch // 2), device)
     val = data(opts["val"], seed=7) if "val" in opts else None
     hist = trainer.fit(x, y, epochs=epochs, progress=False, validation_data=val)
+    least = np.array([min(h["microbatch_size"] for h in hist)], dtype=np.float64)
+    D.all_reduce(least, "min")
     cmlp.memory.set_memory_limit(None, device)
     for ptr in filler:
         cmlp.memory.caching_allocator_delete(ptr)
@@ -81,6 +83,7 @@ def fit_case(opts):
                 loss=[h["loss"] for h in hist], ref_loss=[h["loss"] for h in ref_hist],
                 skipped=[h["skipped_steps"] for h in hist], ref_skipped=[h["skipped_steps"] for h in ref_hist],
                 micro=[h["microbatch_size"] for h in hist], micro_spread=spread(np.array([trainer.microbatch_size])),
+                micro_least=float(least[0]),
                 grad_norm=[h["grad_norm"] for h in hist], ref_grad_norm=[h["grad_norm"] for h in ref_hist],
                 val=[[h["val_loss"], h["val_accuracy"]] for h in hist],
                 ref_val=[[h["val_loss"], h["val_accuracy"]] for h in ref_hist])

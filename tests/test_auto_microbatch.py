@@ -471,6 +471,76 @@ def test_the_microbatch_grows_back_after_a_planned_start():
     assert same(got, want)
 
 
+def test_a_growth_that_runs_out_of_memory_goes_back_to_the_size_that_worked():
+    """Under a limit that fits a step of 8000 in 3 micro-batches of 2667 and not in 2 of 4000: the
+    planned start is 2667 (the fewest equal micro-batches, not halving's 2000); after
+    grow_interval good steps the trainer tries half as many (2 of 4000, not 5334 + 2666), runs
+    out of memory and goes back to 2667, which worked (not 4000 / 2). The updates are those of
+    the micro-batches set by hand."""
+    layers, batch = [784, 512, 256, 10], 8000
+    x, y = data(layers, 4 * batch)
+    batches = [(x[i:i + batch], y[i:i + batch]) for i in range(0, len(x), batch)]
+    trainer = fresh(layers, batch, grow_interval=2)
+    # reserved memory decides here (42 MiB from an empty cache for 3 of 2667, 52 for 2 of 4000)
+    fits = M.plan(layers, 2667, trainer.optimizer, accumulation_steps=3).reserved_bytes
+    more = M.plan(layers, 4000, trainer.optimizer, accumulation_steps=2).reserved_bytes
+    assert fits < more and M.memory_reserved(DEV) < fits
+    M.set_memory_limit((fits + more) // 2, DEV)
+    used = []
+    try:
+        with pytest.warns(cmlp.MemoryWarning, match="fits micro-batches of 2667, not 8000"):
+            first = trainer.fit(*batches[0], epochs=1, progress=False)
+        assert first[0]["microbatch_size"] == 2667
+        retries = trainer._c.oom_retries()
+        for xb, yb in batches[1:]:
+            used.append(trainer.microbatch_size)  # the size the step starts with
+            trainer.step(xb, yb)
+        # steps 2 to 4: 2667 (the second good step: grows), 4000 (out of memory: 2667 again), 2667
+        assert used == [2667, 4000, 2667] and trainer._c.oom_retries() == retries + 1, used
+        assert trainer.microbatch_size == 4000  # the fourth step was the second good one: it tries again
+    finally:
+        M.set_memory_limit(None, DEV)
+    got = trainer.model.state_dict()
+    trainer = None
+    assert same(got, _replay(layers, batch, batches, [2667] * 4))
+
+
+def test_an_oom_makes_twice_as_many_equal_micro_batches():
+    """Out of memory in micro-batches of 2667 (3 of a step of 8000): the retry runs 6 of 1334,
+    not 7 of 1333 (the last of 2 rows), and the update is that of the step computed whole."""
+    layers, batch = [784, 512, 256, 10], 8000
+    x, y = data(layers, batch)
+    want = fresh(layers, batch)
+    want.step(x, y)
+    want = want.model.state_dict()
+    trainer = fresh(layers, batch)
+    trainer._c.start_microbatch(2667)
+    fits = M.plan(layers, 1334, trainer.optimizer, accumulation_steps=6).reserved_bytes  # 20 MiB
+    more = M.plan(layers, 2667, trainer.optimizer, accumulation_steps=3).reserved_bytes  # 42 MiB
+    assert fits < more  # from an empty cache, the model's segment among them
+    M.set_memory_limit((fits + more) // 2, DEV)
+    try:
+        with pytest.warns(cmlp.MemoryWarning, match="micro-batches of 1334"):
+            trainer.step(x, y)
+    finally:
+        M.set_memory_limit(None, DEV)
+    assert trainer.microbatch_size == 1334 and trainer._c.oom_retries() == 1
+    assert rel_err(trainer.model.state_dict(), want) <= TOL
+
+
+def test_growth_on_a_short_last_step_is_sized_for_a_whole_step():
+    """The good steps that make the micro-batch grow can end on an epoch's short last step: the
+    growth is still sized for a whole step (8000 in 4 of 2000 grow to 2 of 4000), not for the
+    short step's 2500 rows (which would give 2500, still 4 micro-batches of a whole step)."""
+    for rows in (8000 + 2500, 2 * 8000):  # the second good step is the short one, or a whole one
+        x, y = data([784, 16, 10], rows)
+        model = cmlp.MLP([784, 16, 10], seed=0)
+        trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=8000, grow_interval=2, shuffle=False)
+        trainer._c.start_microbatch(2000)
+        trainer.fit(x, y, epochs=1, progress=False)
+        assert trainer.microbatch_size == 4000, rows
+
+
 # ---- recompute ----
 
 

@@ -182,6 +182,11 @@ def test_one_rank_under_a_memory_limit_micro_batches_alone():
     out = run_job(2, "fit", {"limit_rank": 1})
     check_fit(out, 2, 1e-5, 1e-6)
     assert out["micro_spread"] > 0  # the ranks compute with different micro-batches
+    # batch_size is per rank: a rank cuts its own 24 rows of a step into the fewest equal
+    # micro-batches its room fits (3 of 8; halving would give 4 of 6)
+    out = run_job(2, "fit", {"limit_rank": 1, "batch": 24, "room": 8})
+    assert out["micro_least"] == 8, out
+    check_fit(out, 2, 3e-5, 1e-6)  # measured 1.2e-5 of the largest parameter: the reference sums 48 rows at once
 
 
 @needs_mpi

@@ -428,6 +428,67 @@ def test_cli_plan_says_a_batch_below_the_largest_may_not_fit(tmp_path):
     assert "expandable_segments:True" in r.stdout
 
 
+def test_cli_plan_of_accumulated_and_recomputed_steps(tmp_path):
+    """--accumulation-steps and --recompute plan what train runs with them: the micro-batch's
+    plan with k to a step, the largest micro-batch for steps of k, and ways for steps of
+    batch x k samples, the row of recomputation in fp32 marked as the one planned."""
+    layers, batch, k, budget = [784, 512, 256, 10], 2000, 4, 46 << 20
+    r = _cli(["--batch-size", str(batch), "--accumulation-steps", str(k), "--recompute", "--budget", "46MB"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    want = M.plan(layers, batch, recompute=True, accumulation_steps=k)
+    assert r.stdout.startswith(str(want).replace(f"batch {batch},", f"batch {batch} x {k},")), r.stdout
+    n = M.max_batch_size(layers, budget, recompute=True, accumulation_steps=k)
+    assert f"largest batch that fits in 46.00 MiB: {n} (as a micro-batch, 4 to a step)" in r.stdout, r.stdout
+    assert f"ways to train steps of {batch * k} samples" in r.stdout
+    marked = [ln for ln in r.stdout.splitlines() if ln.endswith("<- as planned above")]
+    assert len(marked) == 1 and re.match(r"  fp32\s+yes\s", marked[0]), marked
+    assert M.plan(layers, batch, recompute=True).breakdown != M.plan(layers, batch).breakdown
+
+
+_UNDER_LIMIT = r'''
+import json, sys, warnings
+import numpy as np
+import cmlp
+layers, batch, acc, limit, amp, recompute = json.loads(sys.argv[1])
+cmlp.memory.set_memory_limit(limit, "cpu")
+rng = np.random.default_rng(0)
+x = rng.integers(0, 256, (batch * acc, layers[0]), dtype=np.uint8)
+y = rng.integers(0, layers[-1], batch * acc)
+model = cmlp.MLP(layers, seed=0)
+trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=batch, accumulation_steps=acc, amp=amp,
+                       recompute=recompute)
+with warnings.catch_warnings(record=True) as said:
+    warnings.simplefilter("always")
+    h = trainer.fit(x, y, epochs=1, progress=False)
+print(json.dumps([h[0]["microbatch_size"], cmlp.memory.memory_stats("cpu")["num_ooms"],
+                  [str(w.message) for w in said]]))
+'''
+
+
+@pytest.mark.parametrize("batch, acc, budget", [(8000, 1, 40), (8000, 1, 46), (2000, 4, 24), (2000, 4, 32)])
+def test_the_trainer_under_a_limit_runs_the_micro_batches_plan_offers(tmp_path, batch, acc, budget):
+    """What `plan --budget` offers a step is what the trainer starts from under that limit: the
+    fewest equal micro-batches of at most --batch-size (8000 in 3 of 2667, not 4 of 2000 as
+    halving would give; 4 x 2000 in 6 of 1334 or 5 of 1600), for every precision, with and
+    without recomputation, and no step runs out of memory."""
+    layers = [784, 512, 256, 10]
+    r = _cli(["--batch-size", str(batch), "--accumulation-steps", str(acc), "--budget", f"{budget}MB"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    rows = re.findall(r"  (fp32|fp16|bf16)\s+(no|yes)\s+(\d+)\s+(\d+)", r.stdout)
+    assert len(rows) == 6, r.stdout
+    assert any(int(k) in (3, 5, 6) for *_, k in rows), "a case halving would not find"
+    for prec, rc, micro, k in rows:
+        args = json.dumps([layers, batch, acc, budget << 20, None if prec == "fp32" else prec, rc == "yes"])
+        run = subprocess.run([sys.executable, "-c", _UNDER_LIMIT, args], capture_output=True, text=True,
+                             env=_env(), timeout=120)
+        assert run.returncode == 0, run.stderr
+        used, ooms, said = json.loads(run.stdout)
+        assert (used, ooms) == (int(micro), 0), (prec, rc, micro, k, said)
+        assert int(micro) <= batch and int(k) == -(-batch * acc // int(micro))
+        if int(micro) < batch:
+            assert any(f"fits micro-batches of {micro}, not {batch}" in w for w in said), said
+
+
 def test_cli_plan_ways_to_fit_a_step_count_the_validation(tmp_path):
     """The table of ways counts --validation-rows, as the largest batch above it does: where the
     evaluation's buffers leave no room for any micro-batch, no way is offered."""

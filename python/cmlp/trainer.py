@@ -203,7 +203,7 @@ class Trainer:
         """What a checkpoint needs beside the model's, optimizer's and schedule's state_dicts so
         that a run resumed from it trains as the uninterrupted run would, bit for bit: the epochs
         begun (the next epoch's order), what automatic micro-batching moves (the micro-batch in
-        use, the one it grows back to, the good steps toward the next doubling) and the loss
+        use, the one it grows back to, the good steps toward the next growth) and the loss
         scaler's state."""
         if self._lost:
             raise RuntimeError(_LOST)
@@ -273,8 +273,8 @@ class Trainer:
         s._note_underflow(5)  # backed off in the C loop: fit -> _fit -> _pull_scaler -> here
 
     def _start_under_limit(self, xa: Optional[np.ndarray] = None) -> None:
-        """Under a memory limit, start from the largest micro-batch (halving, as an OOM would)
-        that the planner says fits next to what is already allocated. A fit on a GPU has copied
+        """Under a memory limit, start from the largest micro-batch that the planner says fits
+        next to what is already allocated (the fewest of a step). A fit on a GPU has copied
         its data set xa to the device: where the step would fit a larger micro-batch without it
         (or, without auto_microbatch, only without it), the copy goes and the batches are staged
         from host memory, so that the data set never costs the step its room."""
@@ -330,16 +330,42 @@ class Trainer:
             return (reserved > limit and with_data == resident and
                     _cmlp.cache_serves(device, [n for what, n in p._requests if what not in held + ("data",)]))
 
+        # the rows of a step this rank computes (batch_size is per rank), cut into micro-batches
+        step_rows = self.batch_size * self.accumulation_steps
+        if rows:
+            step_rows = min(step_rows, rows)
+
+        def shrunk(b: int) -> int:
+            """Twice as many micro-batches of the step, as equal as they come, as an OOM makes
+            them (csrc/train.c shrunk_micro): 2667 of 8000 shrink to 1334, not 1333."""
+            n = -(-step_rows // b) if step_rows > b else 1
+            m = -(-step_rows // (2 * n))
+            return m if 1 <= m < b else b // 2
+
         def largest(with_data: bool) -> Tuple[int, Any, bool]:
-            """The largest micro-batch (halving from the one in use) whose plan fits."""
-            b = self.microbatch_size
+            """The largest micro-batch whose plan fits: shrinking from the one in use as an OOM
+            would, then, between the size that fits and the one that did not, the fewest equal
+            micro-batches of the step that fit (a step of 8000 in 3 of 2667, not 4 of 2000), as
+            `python -m cmlp plan --budget` offers."""
+            b = failed = self.microbatch_size
             while True:
                 p = planned(b, with_data)
                 if p is not None and fits(p, with_data):
-                    return b, p, True
+                    break
                 if b == 1 or not self.auto_microbatch:
                     return b, p, False  # not even one sample: the step will try, in micro-batches of 1
-                b //= 2
+                b, failed = shrunk(b), b
+            top = min(failed - 1, step_rows)
+            k = -(-step_rows // top) if b < top else step_rows + 1
+            while k <= step_rows:  # each k once it gives a smaller micro-batch: at most ~sqrt(2 * rows) plans
+                c = -(-step_rows // k)
+                if c <= b:
+                    break
+                q = planned(c, with_data)
+                if q is not None and fits(q, with_data):
+                    return c, q, True
+                k = max(k + 1, -(-step_rows // (c - 1)))
+            return b, p, True
 
         b, p, fits_one = largest(resident)
         if resident and not (fits_one and b == self.microbatch_size):
@@ -367,7 +393,7 @@ class Trainer:
                                                             "half_weights"))
                         state = f" (the parameters, gradients and optimizer state take {memory._fmt(kept)})"
                     fits = f"fits no micro-batch, not even of 1 sample{state}: the step will try, in micro-batches of 1"
-                warnings.warn(f"under the memory limit of {limit} bytes the planner {fits}",
+                warnings.warn(f"under the memory limit of {memory._fmt(limit)} the planner {fits}",
                               memory.MemoryWarning, stacklevel=6)  # fit -> _fit -> lambda -> _together -> here
 
     def _warn_if_split(self, before: int) -> None:
