@@ -643,7 +643,7 @@ static void memory_users(cmlp_allocator *a, char *out, size_t cap) {
 }
 
 static cmlp_status oom(cmlp_allocator *a, size_t nbytes, size_t size) {
-    char req[32], rnd[32], alc[32], res[32], cap[32], fre[32], big[32], unalloc[32], sg[32], seg_note[160] = "";
+    char req[32], rnd[32], alc[32], res[32], cap[32], fre[32], big[32], unalloc[32], sg[32], seg_note[400] = "";
     char users[320];
     memory_users(a, users, sizeof users);
     int64_t r = reserved(a), al = a->stats.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].current;
@@ -666,10 +666,20 @@ static cmlp_status oom(cmlp_allocator *a, size_t nbytes, size_t size) {
         char lsg[32];
         cmlp_format_bytes(sg, sizeof sg, (int64_t)seg);
         cmlp_format_bytes(lsg, sizeof lsg, a->cfg.large_segment_size);
+        const int64_t room = total > r ? total - r : 0;
         snprintf(seg_note, sizeof seg_note,
                  " It needs a new segment of %s (requests up to 1 MiB share 2 MiB segments, up to 10 MiB %s "
-                 "ones).", sg, lsg);
+                 "ones).%s", sg, lsg,
+                 room >= (int64_t)size && room < (int64_t)seg
+                     ? " The request fits in what is free, its segment does not: expandable_segments:True "
+                       "(cmlp.memory.configure, or CMLP_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF in the environment) "
+                       "maps 2 MiB pages instead of whole segments."
+                     : "");
     }
+    /* the model's own buffers do not shrink with the batch: micro-batches would not help */
+    const char *what = a->what ? a->what : "";
+    const bool model_state = !strcmp(what, "parameters") || !strcmp(what, "gradients") ||
+                             !strcmp(what, "optimizer state");
     const char *frag_hint = frag <= 20.0             ? ""
                             : a->cfg.expandable_segments ? " Reserved but unallocated memory is large: "
                                                            "empty_cache() returns free segments and tails."
@@ -679,12 +689,17 @@ static cmlp_status oom(cmlp_allocator *a, size_t nbytes, size_t size) {
     return CMLP_FAIL(CMLP_ERR_OOM,
                      "%s out of memory. Tried to allocate %s (%zu bytes requested, rounded to %zu). %s %s is %s "
                      "of which %s is free. Of the %s reserved, %s is allocated by cmlp and %s is reserved but "
-                     "unallocated; the largest free block is %s (fragmentation %.1f%%).%s%s Try micro-batches "
-                     "(Trainer(auto_microbatch=True) or a smaller batch_size with accumulation_steps), "
-                     "amp=\"fp16\" or \"bf16\", or for deep networks recompute=True (cmlp.memory.plan says "
-                     "whether it saves memory).%s",
+                     "unallocated; the largest free block is %s (fragmentation %.1f%%).%s%s%s%s",
                      a->name, rnd, nbytes, size, a->name, a->limit >= 0 ? "memory limit" : "total capacity", cap, fre,
-                     res, alc, unalloc, big, frag, seg_note, frag_hint, users);
+                     res, alc, unalloc, big, frag, seg_note, frag_hint,
+                     model_state ? " The model's parameters, gradients and optimizer state do not shrink with the "
+                                   "batch: only a larger limit, a smaller model or less optimizer state (SGD without "
+                                   "momentum keeps none; data-parallel, ZeroRedundancyOptimizer shards it) make "
+                                   "them fit."
+                                 : " Try micro-batches (Trainer(auto_microbatch=True) or a smaller batch_size with "
+                                   "accumulation_steps), amp=\"fp16\" or \"bf16\", or for deep networks recompute=True "
+                                   "(cmlp.memory.plan says whether it saves memory).",
+                     users);
 }
 
 static void refresh_config(cmlp_allocator *a);
