@@ -78,9 +78,13 @@ def test_train_reports_each_epoch(trained):
 def test_train_progress_bars_count_the_runs_epochs(tmp_path):
     # the command fits one epoch at a time: each bar still says which of the run's epochs it is
     pytest.importorskip("tqdm")
-    r = run_cli(["train", "--epochs", "2", "--layers", "784,16,10", "--batch-size", "1024"], tmp_path)
+    r = run_cli(["train", "--epochs", "2", "--layers", "784,16,10", "--batch-size", "1024", "--recompute"], tmp_path)
     assert r.returncode == 0, r.stderr
     assert "epoch 1/2" in r.stderr and "epoch 2/2" in r.stderr and "epoch 1/1" not in r.stderr, r.stderr
+    # stderr is a pipe here, as a log is: whole lines, no carriage returns
+    assert "\r" not in r.stderr and r.stderr.count("\n") == 2, r.stderr
+    # --recompute reaches the trainer, which recomputes in the backward pass
+    assert ", 2 epochs, fp32, activations recomputed, fashion-mnist" in r.stdout, r.stdout
 
 
 @needs_fashion
@@ -204,8 +208,33 @@ def test_train_writes_its_memory_history(tmp_path, limit):
 def test_train_without_data_says_where_it_looked(tmp_path):
     r = run_cli(["train", "--dataset", "mnist", "--data-dir", str(tmp_path / "none"), "--epochs", "1"], tmp_path)
     assert r.returncode != 0
-    assert "not found" in r.stderr and str(tmp_path / "none") in r.stderr
+    assert "not found" in r.stderr and f"{tmp_path / 'none'} (no such directory)" in r.stderr
     assert "Traceback" not in r.stderr
+    (tmp_path / "file").write_bytes(b"")
+    r = run_cli(["train", "--dataset", "mnist", "--data-dir", str(tmp_path / "file"), "--epochs", "1"], tmp_path)
+    assert r.returncode != 0 and f"{tmp_path / 'file'} (not a directory)" in r.stderr, r.stderr
+
+
+def test_output_to_a_reader_that_goes_away_ends_quietly(tmp_path):
+    """`python -m cmlp plan ... | head -1`: the pipe's reader leaves; the command stops without a
+    message or a traceback, with the status of a program SIGPIPE ended (128 + 13)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_PYTHON + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    p = subprocess.Popen([sys.executable, "-m", "cmlp", "plan", "--batch-size", "8000", "--budget", "40MB"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path, env=env)
+    p.stdout.close()  # before the interpreter has started: its first write finds no reader
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 141 and err == "", err
+    if not have_fashion():
+        return
+    # training: the memory history is still written, and nothing says it was not
+    p = subprocess.Popen([sys.executable, "-m", "cmlp", "train", "--layers", "784,16,10", "--epochs", "1",
+                          "--batch-size", "1024", "--no-progress", "--memory-history", "h.pickle"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path, env=env)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141 and err == "", err
+    assert pickle.loads((tmp_path / "h.pickle").read_bytes())["device_traces"]
 
 
 def test_help(tmp_path):
@@ -214,7 +243,14 @@ def test_help(tmp_path):
     for flag in ("--epochs", "--batch-size", "--accumulation-steps", "--amp", "--device", "--optimizer", "--lr",
                  "--layers", "--memory-limit", "--max-grad-norm", "--seed", "--save", "--memory-history"):
         assert flag in r.stdout, flag
-
+    text = " ".join(r.stdout.split())  # the help wraps its lines
+    for said in ("passes over the training set (default: 5)", "(default: 32)", "(default: 784,512,256,10)",
+                 "(default: fp32)", "cpu, cuda or cuda:N (default: cpu)", "the shuffle's seed (default: 0)",
+                 "default: 1e-3 for adam, 0.01 for sgd"):
+        assert said in text, said
+    assert "(default: None)" not in text and "(default: False)" not in text
+    r = run_cli(["plan", "--help"], tmp_path)
+    assert r.returncode == 0 and "--accumulation-steps" in r.stdout and "--recompute" in r.stdout
 
 
 def test_a_failed_run_reports_its_own_error_when_the_history_cannot_be_written(tmp_path, monkeypatch, capsys):

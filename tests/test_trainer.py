@@ -4,6 +4,7 @@ big batch, uint8 normalisation, and the micro-batch size it reports.
 """
 
 import math
+import re
 import sys
 
 import numpy as np
@@ -208,8 +209,9 @@ def test_a_micro_batch_is_at_most_the_rows_of_a_step():
 
 # ---- progress ----
 
-def test_progress_with_tqdm(capsys):
+def test_progress_with_tqdm(capsys, monkeypatch):
     pytest.importorskip("tqdm")
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a terminal: tqdm draws there
     x, y = teacher_data(64)
     _, _, trainer = make(batch_size=16)
     trainer.fit(x, y, epochs=2, progress=True)
@@ -219,7 +221,38 @@ def test_progress_with_tqdm(capsys):
     assert "step" in err, "tqdm's unit is the optimizer step"
 
 
+def test_progress_to_a_log_writes_whole_lines(capsys, monkeypatch):
+    """stderr not a terminal (a file, a pipe): no carriage returns, one line when each epoch ends
+    and one every LOG_INTERVAL seconds before (0 here: after each step but the last)."""
+    from cmlp import _progress
+    x, y = teacher_data(64)
+    _, _, trainer = make(batch_size=16)
+    trainer.fit(x, y, epochs=2, progress=True)
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = err.splitlines()
+    assert [ln.split(" [")[0] for ln in lines] == ["epoch 1/2", "epoch 2/2"], err
+    assert all(re.search(r"\] 4/4 steps [\d.]+s loss [\d.]+$", ln) for ln in lines), err
+    monkeypatch.setattr(_progress, "LOG_INTERVAL", 0.0)
+    trainer.fit(x, y, epochs=1, progress=True)
+    err = capsys.readouterr().err
+    assert [re.search(r"\] (\d)/4 steps", ln).group(1) for ln in err.splitlines()] == ["1", "2", "3", "4"], err
+
+
+def test_progress_in_a_notebook_redraws_its_line(capsys, monkeypatch):
+    # a notebook's stderr is no terminal, yet it redraws (and tqdm.auto draws its widget there)
+    import types
+    monkeypatch.setitem(sys.modules, "ipykernel", types.ModuleType("ipykernel"))
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    x, y = teacher_data(64)
+    _, _, trainer = make(batch_size=16)
+    trainer.fit(x, y, epochs=1, progress=True)
+    assert "\r" in capsys.readouterr().err
+
+
 def test_progress_without_tqdm(capsys, monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     monkeypatch.setitem(sys.modules, "tqdm", None)
     monkeypatch.setitem(sys.modules, "tqdm.auto", None)
     with pytest.raises(ImportError):

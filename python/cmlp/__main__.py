@@ -92,26 +92,46 @@ def _size(text: str) -> int:
     return n
 
 
+class _Help(argparse.HelpFormatter):
+    """Help that shows each option's default where it has one and the text does not say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is not None and action.default is not False and action.default != argparse.SUPPRESS \
+                and "default" not in text:
+            shown = ",".join(map(str, action.default)) if isinstance(action.default, list) else action.default
+            text += f" (default: {shown})"
+        return text
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m cmlp", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train an MLP on (Fashion-)MNIST and report each epoch")
-    t.add_argument("--dataset", choices=["fashion-mnist", "mnist"], default="fashion-mnist")
-    t.add_argument("--data-dir", default=None, help="directory with the four IDX files")
-    t.add_argument("--epochs", type=_count, default=5)
-    t.add_argument("--batch-size", type=_count, default=32)
-    t.add_argument("--accumulation-steps", type=_count, default=1)
-    t.add_argument("--amp", choices=["fp16", "bf16"], default=None)
-    t.add_argument("--device", type=_device, default="cpu")
-    t.add_argument("--optimizer", choices=["adam", "adamw", "sgd"], default="adam")
+    t = sub.add_parser("train", help="train an MLP on (Fashion-)MNIST and report each epoch", formatter_class=_Help)
+    t.add_argument("--dataset", choices=["fashion-mnist", "mnist"], default="fashion-mnist", help="the data set")
+    t.add_argument("--data-dir", default=None,
+                   help="directory with the four IDX files (default: fashion-mnist in $CMLP_DATA_DIR, ./data or "
+                        "~/.cache/cmlp, then where Debian's dataset-fashion-mnist puts it; mnist: ./data)")
+    t.add_argument("--epochs", type=_count, default=5, help="passes over the training set")
+    t.add_argument("--batch-size", type=_count, default=32, help="samples computed at once (the micro-batch)")
+    t.add_argument("--accumulation-steps", type=_count, default=1,
+                   help="micro-batches (each of distinct samples) whose gradients add up to one optimizer step")
+    t.add_argument("--amp", choices=["fp16", "bf16"], default=None,
+                   help="mixed precision with fp32 master weights (fp16: with dynamic loss scaling) (default: fp32)")
+    t.add_argument("--recompute", action="store_true",
+                   help="keep no hidden activations for the backward pass: recompute them (less memory, more time)")
+    t.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N")
+    t.add_argument("--optimizer", choices=["adam", "adamw", "sgd"], default="adam", help="the optimizer")
     t.add_argument("--weight-decay", type=_rate, default=None, help="default: 0, and 1e-2 for adamw")
     t.add_argument("--no-bias-decay", action="store_true",
                    help="weight decay on the weights only: the biases in a param group of their own without it")
     t.add_argument("--lr", type=_rate, default=None, help="default: 1e-3 for adam, 0.01 for sgd")
-    t.add_argument("--momentum", type=_rate, default=0.0, help="sgd only")
+    t.add_argument("--momentum", type=_rate, default=0.0, help="sgd only (default: 0)")
     t.add_argument("--amsgrad", action="store_true", help="adam and adamw: AMSGrad (torch's amsgrad=True)")
-    t.add_argument("--layers", type=_layers, default=[784, 512, 256, 10])
-    t.add_argument("--memory-limit", type=_size, default=None, help="e.g. 256MB")
+    t.add_argument("--layers", type=_layers, default=[784, 512, 256, 10], help="the layer sizes, input first")
+    t.add_argument("--memory-limit", type=_size, default=None,
+                   help="cap the memory the device's allocator may reserve, e.g. 256MB (the trainer fits its steps "
+                        "under it in micro-batches)")
     t.add_argument("--max-grad-norm", type=_positive, default=None,
                    help="clip each step's gradients to this L2 norm (torch's clip_grad_norm_)")
     t.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
@@ -119,7 +139,8 @@ def _parser() -> argparse.ArgumentParser:
                         "(CosineAnnealingLR over the steps after the warm-up: 0 once the last step is taken)")
     t.add_argument("--warmup-steps", type=_steps, default=0,
                    help="raise the rate linearly over this many first steps (from lr / N to lr)")
-    t.add_argument("--seed", type=_bounded(int, "an int in [0, 2**64)", lambda v: 0 <= v < 2**64), default=0)
+    t.add_argument("--seed", type=_bounded(int, "an int in [0, 2**64)", lambda v: 0 <= v < 2**64), default=0,
+                   help="the initial weights' and the shuffle's seed")
     t.add_argument("--save", type=_output("--save", "model.npz"), default=None,
                    help="write the trained model here (.npz)")
     t.add_argument("--memory-history", type=_output("--memory-history", "snapshot.pickle"), default=None,
@@ -127,21 +148,27 @@ def _parser() -> argparse.ArgumentParser:
                    help="record what the device's allocator does and write the snapshot with its history here "
                         "when training ends or fails (PyTorch's format: open it at https://pytorch.org/memory_viz); "
                         "data-parallel, each rank writes PATH with .rankN before its extension")
-    t.add_argument("--no-progress", action="store_true")
+    t.add_argument("--no-progress", action="store_true",
+                   help="no progress bars (to a file or a pipe, the bars are whole lines: each 30 s and at each "
+                        "epoch's end)")
     t.add_argument("--distributed", action="store_true",
                    help="data-parallel over the ranks mpirun started (MPI on the CPU, NCCL on GPUs: --device cuda "
                         "takes the GPU of the rank's place on its machine); --batch-size is per rank")
     t.add_argument("--zero", action="store_true",
                    help="with --distributed: each rank keeps the optimizer's state for its part of the parameters "
                         "only (cmlp.distributed.optim.ZeroRedundancyOptimizer, ZeRO stage 1)")
-    pl = sub.add_parser("plan", help="predict a training run's memory, by category, before allocating anything")
-    pl.add_argument("--layers", type=_layers, default=[784, 512, 256, 10])
+    pl = sub.add_parser("plan", help="predict a training run's memory, by category, before allocating anything",
+                        formatter_class=_Help)
+    pl.add_argument("--layers", type=_layers, default=[784, 512, 256, 10], help="the layer sizes, input first")
     pl.add_argument("--batch-size", type=_count, default=32, help="rows computed at once (the micro-batch)")
-    pl.add_argument("--amp", choices=["fp16", "bf16"], default=None)
-    pl.add_argument("--optimizer", choices=["adam", "adamw", "sgd"], default="adam")
-    pl.add_argument("--momentum", type=_rate, default=0.0, help="sgd only: a momentum buffer when not 0")
+    pl.add_argument("--accumulation-steps", type=_count, default=1,
+                    help="micro-batches of --batch-size a step accumulates (train's --accumulation-steps)")
+    pl.add_argument("--amp", choices=["fp16", "bf16"], default=None, help="mixed precision (default: fp32)")
+    pl.add_argument("--recompute", action="store_true", help="activations recomputed in the backward pass")
+    pl.add_argument("--optimizer", choices=["adam", "adamw", "sgd"], default="adam", help="the optimizer")
+    pl.add_argument("--momentum", type=_rate, default=0.0, help="sgd only: a momentum buffer when not 0 (default: 0)")
     pl.add_argument("--amsgrad", action="store_true", help="adam and adamw: AMSGrad's third state buffer")
-    pl.add_argument("--device", type=_device, default="cpu")
+    pl.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N")
     pl.add_argument("--optimizer-shards", type=_count, default=1, metavar="RANKS",
                     help="the optimizer's state sharded over this many ranks (train --distributed --zero)")
     pl.add_argument("--validation-rows", type=_steps, default=0, metavar="N",
@@ -155,7 +182,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="e.g. 2GB, as a --memory-limit would be: also print the largest batch whose run fits "
                          "(beside what the device holds once open)")
     sn = sub.add_parser("snapshot", help="describe a memory snapshot (--memory-history, cmlp.memory._dump_snapshot, "
-                                         "or PyTorch's): its peak, what held it, what ran out of memory")
+                                         "or PyTorch's): its peak, what held it, what ran out of memory",
+                        formatter_class=_Help)
     sn.add_argument("path", help="the pickled snapshot")
     sn.add_argument("--device", type=_steps, default=None, help="the device index (default: the longest history)")
     sn.add_argument("--top", type=_steps, default=5, help="blocks and failed requests shown (default 5)")
@@ -204,6 +232,8 @@ def _train(a: argparse.Namespace) -> int:
     except BaseException:  # the run's own error is the one to report; the snapshot is a help
         try:
             _write_history(path, a.device)
+        except BrokenPipeError:  # written; only the line that says so found no reader
+            pass
         except Exception as e:
             print(f"warning: the memory history could not be written to {path}: {e}", file=sys.stderr)
         raise
@@ -248,22 +278,22 @@ def _run(a: argparse.Namespace, rank: int, ranks: int) -> int:
                               {"params": [n for n in names if n.endswith(".bias")], "weight_decay": 0.0}]
     opt: optim.Optimizer = distributed.optim.ZeroRedundancyOptimizer(model, kind, **kw) if a.zero else kind(model, **kw)
     trainer = Trainer(model, opt, batch_size=a.batch_size, accumulation_steps=a.accumulation_steps, amp=a.amp,
-                      seed=a.seed, distributed=a.distributed, max_grad_norm=a.max_grad_norm)
+                      seed=a.seed, distributed=a.distributed, max_grad_norm=a.max_grad_norm, recompute=a.recompute)
     steps = a.epochs * -(-len(xtr) // (a.batch_size * a.accumulation_steps * ranks))
     sched = _schedule(opt, a.lr_schedule, a.warmup_steps, steps)
-    group = f" x {ranks} ranks ({distributed.library_version()})" if a.distributed else ""
+    group = f" x {_count_of(ranks, 'rank')} ({distributed.library_version()})" if a.distributed else ""
     if a.zero:
         group += ", optimizer state sharded over the ranks"
-    clip = f", gradient norm clipped to {a.max_grad_norm:g}" if a.max_grad_norm else ""
+    clip = ", activations recomputed" if a.recompute else ""
+    clip += f", gradient norm clipped to {a.max_grad_norm:g}" if a.max_grad_norm else ""
     if a.no_bias_decay:
         clip += f", weight decay {kw['weight_decay']:g} on the weights only"
     if sched is not None:
         clip += f", {a.lr_schedule} schedule" + (f" after {a.warmup_steps} warm-up steps" if a.warmup_steps else "")
     say(f"cmlp {build_info()['version']}: MLP {'-'.join(map(str, a.layers))} ({model.num_parameters():,} "
         f"parameters) on {model.device}, {a.optimizer}{' (AMSGrad)' if a.amsgrad else ''} lr {kw['lr']:g}, "
-        f"batch {a.batch_size} x "
-        f"{a.accumulation_steps}{group}, {a.epochs} epochs, {a.amp or 'fp32'}{clip}, {a.dataset} {len(xtr):,} train / "
-        f"{len(xte):,} test")
+        f"batch {a.batch_size} x {a.accumulation_steps}{group}, {_count_of(a.epochs, 'epoch')}, "
+        f"{a.amp or 'fp32'}{clip}, {a.dataset} {len(xtr):,} train / {len(xte):,} test")
     history = []
     for epoch in range(1, a.epochs + 1):
         trainer._bar_epochs = (epoch, a.epochs)  # each fit's bar says which of the run's epochs it is
@@ -284,6 +314,10 @@ def _run(a: argparse.Namespace, rank: int, ranks: int) -> int:
     return 0
 
 
+def _count_of(n: int, thing: str) -> str:
+    return f"{n} {thing}" + ("" if n == 1 else "s")
+
+
 def _momentum_is_sgds(a: argparse.Namespace) -> None:
     if a.momentum and a.optimizer != "sgd":
         raise ValueError(f"--momentum is SGD's; {a.optimizer} has betas (--optimizer sgd to use it)")
@@ -295,28 +329,32 @@ def _plan(a: argparse.Namespace) -> int:
     _momentum_is_sgds(a)
     optimizer = "sgd_momentum" if a.optimizer == "sgd" and a.momentum else a.optimizer
     optimizer += "_amsgrad" if a.amsgrad else ""
-    p = memory.plan(a.layers, a.batch_size, optimizer, a.amp, device=a.device, optimizer_shards=a.optimizer_shards,
+    p = memory.plan(a.layers, a.batch_size, optimizer, a.amp, a.recompute, device=a.device,
+                    accumulation_steps=a.accumulation_steps, optimizer_shards=a.optimizer_shards,
                     validation_rows=a.validation_rows, epochs=a.epochs)
-    print(p)
+    text = str(p)
+    if a.accumulation_steps > 1:  # the plan is of a micro-batch: say how many make a step
+        text = text.replace(f", batch {a.batch_size},", f", batch {a.batch_size} x {a.accumulation_steps},", 1)
+    print(text)
     if a.budget is not None:
         # the budget counts all the device reserves, as a memory limit does: what it holds from
         # the moment it opens (on CUDA, the GEMM workspace) and the run on top, which the plan counts
         held = memory.memory_reserved(a.device)
         room = a.budget - held
-        n = memory.max_batch_size(a.layers, room, optimizer, a.amp, device=a.device,
-                                  optimizer_shards=a.optimizer_shards,
+        n = memory.max_batch_size(a.layers, room, optimizer, a.amp, a.recompute, device=a.device,
+                                  accumulation_steps=a.accumulation_steps, optimizer_shards=a.optimizer_shards,
                                   validation_rows=a.validation_rows) if room > 0 else 0
-        why = f" ({p.device} holds {memory._fmt(held)} of it once open)" if held else ""
+        why = f" (as a micro-batch, {a.accumulation_steps} to a step)" if a.accumulation_steps > 1 else ""
+        why += f" ({p.device} holds {memory._fmt(held)} of it once open)" if held else ""
         if n == 0:
-            one = memory.plan(a.layers, 1, optimizer, a.amp, device=a.device, optimizer_shards=a.optimizer_shards,
-                              validation_rows=a.validation_rows, epochs=1)
-            why += f" (one sample needs {memory._fmt(one.reserved_bytes)} reserved on top)"
+            one = _reserved(a, optimizer, a.amp, a.recompute, 1, a.accumulation_steps)
+            why += f" (one sample needs {memory._fmt(one)} reserved on top)"
         if n >= 1 << 24:  # max_batch_size's search ends there
             why += " (or more: the search stops at 2**24)"
-        if 0 < a.batch_size < n and _reserved(a, optimizer, a.amp, False, a.batch_size, 1) > room:
+        mine = _reserved(a, optimizer, a.amp, a.recompute, a.batch_size, a.accumulation_steps)
+        if 0 < a.batch_size < n and mine > room:
             # reserved memory is in whole segments: a smaller batch can need one more
-            why += (f" (not every smaller one: batch {a.batch_size} reserves "
-                    f"{memory._fmt(_reserved(a, optimizer, a.amp, False, a.batch_size, 1))}, in its segments)")
+            why += f" (not every smaller one: batch {a.batch_size} reserves {memory._fmt(mine)}, in its segments)"
         print(f"largest batch that fits in {memory._fmt(a.budget)}: {n}{why}")
         if room > 0:
             _options(a, optimizer, room)
@@ -324,17 +362,18 @@ def _plan(a: argparse.Namespace) -> int:
 
 
 def _options(a: argparse.Namespace, optimizer: str, room: int) -> None:
-    """What each way of saving memory lets a step of --batch-size do in the budget: the largest
-    micro-batch, and how many of them a step of the batch takes (what auto_microbatch or
-    accumulation_steps would run)."""
+    """What each way of saving memory lets a step (--batch-size x --accumulation-steps samples)
+    do in the budget: the largest micro-batch, and how many of them the step takes (what the
+    trainer's automatic micro-batching starts from under that memory limit)."""
     rows = [(amp, recompute, *_split(a, optimizer, amp, recompute, room))
             for recompute in (False, True) for amp in (None, "fp16", "bf16")]
     if not any(k for *_, k in rows):
         return
-    print(f"ways to train steps of {a.batch_size} samples in it (micro-batches accumulate to the same update):")
+    print(f"ways to train steps of {a.batch_size * a.accumulation_steps} samples in it (micro-batches accumulate to "
+          "the same update):")
     print(f"  {'precision':<10}{'recompute':<11}{'micro-batch':>12}{'micro-batches a step':>22}")
     for amp, recompute, micro, k in rows:
-        mark = "  <- as planned above" if amp == a.amp and not recompute else ""
+        mark = "  <- as planned above" if amp == a.amp and recompute == a.recompute else ""
         print(f"  {amp or 'fp32':<10}{'yes' if recompute else 'no':<11}{micro or 'none fits':>12}{k or '-':>22}{mark}")
     if not all(k for *_, k in rows) and not memory.get_config()["expandable_segments"]:
         large = memory.get_config()["large_segment_size_mb"]
@@ -344,31 +383,34 @@ def _options(a: argparse.Namespace, optimizer: str, room: int) -> None:
 
 
 def _split(a: argparse.Namespace, optimizer: str, amp: Optional[str], recompute: bool, room: int) -> Tuple[int, int]:
-    """The fewest micro-batches k a step of --batch-size can be cut into within room, and their
-    size: a step of k > 1 micro-batches needs more memory than one of the same size alone, so
-    the largest micro-batch is asked for k at a time. Reserved memory comes in whole segments
-    and does not grow steadily with the batch (a smaller one can take a segment more), so each
-    answer is planned itself. (0, 0) when none fits."""
-    batch = a.batch_size
+    """The fewest equal micro-batches, each of at most --batch-size (the trainer never runs
+    larger ones), that a step of --batch-size x --accumulation-steps samples can be cut into
+    within room: their size and count. A step of several micro-batches needs more memory than
+    one of the same size alone, so the largest micro-batch is asked for k at a time. Reserved
+    memory comes in whole segments and does not grow steadily with the batch (a smaller one can
+    take a segment more), so each answer is planned itself. (0, 0) when none fits."""
+    step = a.batch_size * a.accumulation_steps
 
     def largest(k: int) -> int:
         return memory.max_batch_size(a.layers, room, optimizer, amp, recompute, device=a.device,
                                      accumulation_steps=k, optimizer_shards=a.optimizer_shards,
                                      validation_rows=a.validation_rows)
 
-    def fits(micro: int, k: int) -> bool:
-        return _reserved(a, optimizer, amp, recompute, micro, k) <= room
+    def fits(micro: int) -> bool:  # in as many micro-batches as that size makes of the step
+        return _reserved(a, optimizer, amp, recompute, micro, -(-step // micro)) <= room
 
-    if fits(batch, 1):
-        return batch, 1
-    k = 2
-    while k <= batch:  # the largest micro-batch shrinks with k only a little, if at all
+    k = a.accumulation_steps
+    if fits(a.batch_size):
+        return a.batch_size, k
+    k += 1
+    while k <= step:  # the largest micro-batch shrinks with k only a little, if at all
         n = largest(k)
         if n == 0:
             return 0, 0
-        k = max(k, -(-batch // n))
-        if fits(-(-batch // k), k):
-            return -(-batch // k), k
+        k = max(k, -(-step // n))
+        micro = -(-step // k)
+        if fits(micro):
+            return micro, -(-step // micro)
         k += 1
     return 0, 0
 
@@ -401,6 +443,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(memory.snapshot_report(a.path, device=a.device, top=a.top), end="")
             return 0
         return _plan(a) if a.command == "plan" else _info()
+    except BrokenPipeError:  # the reader went away (| head): stop, as a program killed by SIGPIPE would
+        try:  # and let nothing write to the pipe again, not even the interpreter's last flush
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+        _end_the_group(141)
+        return 141
     except (ValueError, TypeError, OSError, RuntimeError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         _end_the_group(2)

@@ -139,7 +139,9 @@ def _find_dir(dirs):
                 missing.append(name)
         if not missing:
             return d, found
-        if not os.path.isdir(d):
+        if os.path.exists(d) and not os.path.isdir(d):
+            report.append(f"  {d} (not a directory)")
+        elif not os.path.isdir(d):
             report.append(f"  {d} (no such directory)")
         elif found:
             report.append(f"  {d} (missing {', '.join(missing)})")
