@@ -588,13 +588,14 @@ CMLP_API cmlp_status cmlp_trainer_epoch_run_rates(cmlp_trainer *t, const double 
                                                   cmlp_epoch_state *st);
 /* The parts of the trainer's optimizer's parameter groups (0 without them): a row of scales. */
 CMLP_API int cmlp_trainer_optim_parts(const cmlp_trainer *t);
-/* What automatic micro-batching moves: the micro-batch in use, the one it grows back to, and
- * the good steps counted toward the next doubling (a checkpoint keeps them; set checks
- * 1 <= size <= target <= 2**62 and good_steps >= 0). */
+/* What automatic micro-batching moves: the micro-batch in use, the one it grows back to, the
+ * good steps counted toward the next growth, and the micro-batch the last growth started from
+ * (0: none), which an out-of-memory on the grown size goes back to (a checkpoint keeps them; set
+ * checks 1 <= size <= target <= 2**62, good_steps >= 0 and 0 <= grown_from < size). */
 CMLP_API void cmlp_trainer_get_microbatch_state(const cmlp_trainer *t, int64_t *size, int64_t *target,
-                                                int64_t *good_steps);
+                                                int64_t *good_steps, int64_t *grown_from);
 CMLP_API cmlp_status cmlp_trainer_set_microbatch_state(cmlp_trainer *t, int64_t size, int64_t target,
-                                                       int64_t good_steps);
+                                                       int64_t good_steps, int64_t grown_from);
 /* Epochs begun (each draws its order from the seed and this count); set to resume a run from a
  * checkpoint so that the next epoch shuffles as the original run's did (an epoch left unfinished
  * by a failure is abandoned). */

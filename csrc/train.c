@@ -985,13 +985,15 @@ static cmlp_status epoch_run(cmlp_trainer *t, int64_t max_steps, const double *l
 }
 
 void cmlp_trainer_get_microbatch_state(const cmlp_trainer *t, int64_t *size, int64_t *target,
-                                       int64_t *good_steps) {
+                                       int64_t *good_steps, int64_t *grown_from) {
     *size = t->micro;
     *target = t->target_micro;
     *good_steps = t->good_steps;
+    *grown_from = t->grown_from;
 }
 
-cmlp_status cmlp_trainer_set_microbatch_state(cmlp_trainer *t, int64_t size, int64_t target, int64_t good_steps) {
+cmlp_status cmlp_trainer_set_microbatch_state(cmlp_trainer *t, int64_t size, int64_t target, int64_t good_steps,
+                                              int64_t grown_from) {
     if (!t) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
     if (target < 1 || target > CMLP_MAX_STEP_SAMPLES)
         return CMLP_FAIL(CMLP_ERR_INVALID, "the micro-batch target must be in [1, 2**62], got %lld", (long long)target);
@@ -1000,10 +1002,13 @@ cmlp_status cmlp_trainer_set_microbatch_state(cmlp_trainer *t, int64_t size, int
                          (long long)target, (long long)size);
     if (good_steps < 0)
         return CMLP_FAIL(CMLP_ERR_INVALID, "good_steps must be >= 0, got %lld", (long long)good_steps);
+    if (grown_from < 0 || grown_from >= size)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "the micro-batch grown from must be 0 (none) or in [1, %lld), got %lld",
+                         (long long)size, (long long)grown_from);
     t->micro = size;
     t->target_micro = target;
     t->good_steps = good_steps;
-    t->grown_from = 0;
+    t->grown_from = grown_from;
     return CMLP_OK;
 }
 

@@ -133,18 +133,15 @@ def test_half_the_planned_peak_gives_the_same_weights(half_limit):
     assert all(h["peak_memory_bytes"] <= limited["limit"] for h in limited["history"])
     assert limited["max_reserved"] <= limited["limit"]
     assert len(limited["warnings"]) == 1, [str(w.message) for w in limited["warnings"]]
-    # the automatic run is exactly the micro-batched computation ...
-    assert same(limited["weights"], split["weights"])
-    # ... which is the unsplit step up to summation order
-    assert rel_err(limited["first"], unlimited["first"]) <= TOL
+    # the automatic run is exactly the micro-batched computation, which is the unsplit step
+    # (test_accumulation checks that against a float64 reference) ...
+    assert same(limited["first"], split["first"]) and same(limited["weights"], split["weights"])
+    # ... up to summation order: the loss agrees. The weights are not compared with the unsplit
+    # run's: with 8192 x 768 ReLU pre-activations a step can have one within rounding of zero
+    # that changes side between the two orders (the GEMM kernels OpenBLAS picks for the CPU
+    # decide which), changing one sample's gradient; Adam's first step turns that into
+    # updates of up to 2 lr (measured: 6.6e-4 norm-wise on one machine, 0 on another).
     assert limited["history"][0]["loss"] == pytest.approx(unlimited["history"][0]["loss"], rel=1e-5)
-    # After two steps 1e-5 cannot hold in general: the second step starts from weights
-    # that differ in the last bits, and with 8192 x 768 ReLU pre-activations a step often has
-    # one within rounding of zero that changes side (here one in layer 2); Adam turns that
-    # gradient change into an update change of up to lr. Measured: 8e-5 with these data,
-    # 7e-7 to 2e-4 over six seeds, for micro-batches of 2048 versus 8192 computed directly
-    # (no memory limit), so it is not the OOM handling.
-    assert rel_err(limited["weights"], unlimited["weights"]) <= 1e-3
 
 
 def test_start_under_limit_warning_names_the_batch_it_replaced(half_limit):
@@ -231,7 +228,6 @@ def test_an_oom_at_every_device_allocation_rolls_back_or_retries(amp):
     want_loss = trainer.step(x, y)
     count, growth = raw_calls() - before, M.memory_reserved(DEV) - r0
     assert count >= 2 and growth % (2 * MIB) == 0
-    want = trainer.model.state_dict()
     nparams = trainer.model.num_parameters()
 
     def attempt(extra, auto):
@@ -279,14 +275,14 @@ def test_an_oom_at_every_device_allocation_rolls_back_or_retries(amp):
             error, position, saved, kept, loss = attempt(extra, True)
             where = f"limit +{extra >> 20} MiB"
             if error is None:
-                assert trainer.microbatch_size < WIDE_BATCH, where
-                # the unsplit step up to summation order, through Adam's first step, which moves
-                # every weight by about lr whatever its gradient's size: under fp16 a few hundred
-                # gradients of the first layer are below 1e-7 (half products underflow), and
-                # where such a one changes (or its sign does) its weight moves by up to 2 lr.
-                # Measured: 2.5e-5 for micro-batches of 44 (gradients within 8e-6 of unsplit)
-                assert rel_err(trainer.model.state_dict(), want) <= (TOL if amp is None else 1e-4), where
-                assert loss == pytest.approx(want_loss, rel=1e-5), where  # a failed attempt's loss is taken back
+                micro = trainer.microbatch_size
+                assert micro < WIDE_BATCH, where
+                # the step of the micro-batches it ended with, bit for bit (which is the unsplit
+                # step up to summation order: test_accumulation), and the loss of the unsplit
+                # step: a failed attempt's loss is taken back
+                got, trainer = trainer.model.state_dict(), None
+                assert same(got, _replay(WIDE, WIDE_BATCH, [(x, y)], [micro], amp=amp)), where
+                assert loss == pytest.approx(want_loss, rel=1e-5), where
             else:
                 assert "1 sample" in error, (where, error)
                 assert same(state(trainer), saved), where
@@ -374,10 +370,10 @@ def test_a_fit_whose_first_step_runs_out_begins_no_epoch():
 # ---- the micro-batch grows back ----
 
 
-def _replay(layers, batch, batches, used):
+def _replay(layers, batch, batches, used, **kw):
     """The same steps with the micro-batch of each set by hand and no limit: what the automatic
-    run must equal bitwise."""
-    trainer = fresh(layers, batch, microbatch_size=used[0])
+    run must equal bitwise (kw: the trainer's other arguments)."""
+    trainer = fresh(layers, batch, microbatch_size=used[0], **kw)
     for (xb, yb), micro in zip(batches, used):
         trainer.microbatch_size = micro
         trainer.step(xb, yb)
@@ -501,18 +497,34 @@ def test_a_growth_that_runs_out_of_memory_goes_back_to_the_size_that_worked():
     finally:
         M.set_memory_limit(None, DEV)
     got = trainer.model.state_dict()
+    checkpoint = (got, trainer.optimizer.state_dict(), trainer.state_dict())
+    assert checkpoint[2]["microbatch_grown_from"] == 2667
     trainer = None
     assert same(got, _replay(layers, batch, batches, [2667] * 4))
+
+    # a run resumed from the checkpoint goes back to 2667 too when 4000 runs out (not 4000 / 2)
+    trainer = fresh(layers, batch, grow_interval=2)
+    trainer.model.load_state_dict(checkpoint[0])
+    trainer.optimizer.load_state_dict(checkpoint[1])
+    trainer.load_state_dict(checkpoint[2])
+    M.set_memory_limit((fits + more) // 2, DEV)
+    try:
+        with pytest.warns(cmlp.MemoryWarning, match="micro-batches of 2667"):
+            trainer.step(*batches[0])
+    finally:
+        M.set_memory_limit(None, DEV)
+    assert trainer.microbatch_size == 2667 and trainer._c.oom_retries() == 1
+    got = trainer.model.state_dict()
+    trainer = None
+    assert same(got, _replay(layers, batch, batches + batches[:1], [2667] * 5))
 
 
 def test_an_oom_makes_twice_as_many_equal_micro_batches():
     """Out of memory in micro-batches of 2667 (3 of a step of 8000): the retry runs 6 of 1334,
-    not 7 of 1333 (the last of 2 rows), and the update is that of the step computed whole."""
+    not 7 of 1333 (the last of 2 rows), and the update is that of the micro-batches set by
+    hand."""
     layers, batch = [784, 512, 256, 10], 8000
     x, y = data(layers, batch)
-    want = fresh(layers, batch)
-    want.step(x, y)
-    want = want.model.state_dict()
     trainer = fresh(layers, batch)
     trainer._c.start_microbatch(2667)
     fits = M.plan(layers, 1334, trainer.optimizer, accumulation_steps=6).reserved_bytes  # 20 MiB
@@ -525,7 +537,9 @@ def test_an_oom_makes_twice_as_many_equal_micro_batches():
     finally:
         M.set_memory_limit(None, DEV)
     assert trainer.microbatch_size == 1334 and trainer._c.oom_retries() == 1
-    assert rel_err(trainer.model.state_dict(), want) <= TOL
+    got = trainer.model.state_dict()
+    trainer = None
+    assert same(got, _replay(layers, batch, [(x, y)], [1334]))
 
 
 def test_growth_on_a_short_last_step_is_sized_for_a_whole_step():
@@ -551,7 +565,6 @@ def test_recompute_with_auto_microbatch():
     r0 = M.memory_reserved(DEV)
     trainer.step(x, y)
     growth = M.memory_reserved(DEV) - r0
-    want = trainer.model.state_dict()
     trainer = None
     trainer = fresh(WIDE, WIDE_BATCH, recompute=True)
     M.set_memory_limit(M.memory_reserved(DEV) + growth - 2 * MIB, DEV)
@@ -560,8 +573,10 @@ def test_recompute_with_auto_microbatch():
             trainer.step(x, y)
     finally:
         M.set_memory_limit(None, DEV)
-    assert trainer.microbatch_size < WIDE_BATCH
-    assert rel_err(trainer.model.state_dict(), want) <= TOL
+    micro = trainer.microbatch_size
+    assert micro < WIDE_BATCH
+    got, trainer = trainer.model.state_dict(), None
+    assert same(got, _replay(WIDE, WIDE_BATCH, [(x, y)], [micro], recompute=True))
 
 
 def _limit_run(epochs, validation):

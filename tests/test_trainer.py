@@ -172,7 +172,7 @@ def test_a_bad_trainer_state_dict_raises_and_changes_nothing():
     trainer._c.start_microbatch(8)
     good = trainer.state_dict()
     assert good == {"epochs": 1, "microbatch_size": 8, "microbatch_target": 16, "microbatch_good_steps": 0,
-                    "scaler": good["scaler"]} and good["scaler"]["scale"] == 65536.0
+                    "microbatch_grown_from": 0, "scaler": good["scaler"]} and good["scaler"]["scale"] == 65536.0
     for bad, pattern in ((dict(good, epochs=-1), "epochs"), (dict(good, epochs=1.5), "epochs"),
                          (dict(good, epochs=2**70, microbatch_size=2), "epochs"),
                          (dict(good, microbatch_size=17), "at most batch_size"),
@@ -180,6 +180,9 @@ def test_a_bad_trainer_state_dict_raises_and_changes_nothing():
                          (dict(good, microbatch_size=0), "microbatch_size"),
                          (dict(good, microbatch_target=2**63), "microbatch_target"),
                          (dict(good, microbatch_good_steps=-1), "good_steps"),
+                         (dict(good, microbatch_grown_from=-1), "grown_from"),
+                         (dict(good, microbatch_grown_from=8), "grown from"),
+                         (dict(good, microbatch_grown_from=2.0), "grown_from"),
                          (dict(good, scaler=None), "loss scaler"), ({"epochs": 1}, "keys"), ([], "keys"),
                          (dict(good, microbatch_size=2, scaler={"scale": -1.0}), "scale")):
         with pytest.raises((ValueError, TypeError, KeyError), match=pattern):
@@ -192,6 +195,12 @@ def test_a_bad_trainer_state_dict_raises_and_changes_nothing():
     _, _, other = make("adam", batch_size=16, amp="fp16")
     other.load_state_dict(dict(good, microbatch_size=4, microbatch_target=12))
     assert other.microbatch_size == 4 and other.state_dict()["microbatch_target"] == 12
+    # a state_dict of an earlier cmlp, without the micro-batch the last growth started from, loads
+    earlier = {k: v for k, v in dict(good, microbatch_grown_from=4).items() if k != "microbatch_grown_from"}
+    other.load_state_dict(dict(good, microbatch_grown_from=4))
+    assert other.state_dict()["microbatch_grown_from"] == 4
+    other.load_state_dict(earlier)
+    assert other.state_dict() == dict(earlier, microbatch_grown_from=0)
 
 
 def test_a_micro_batch_is_at_most_the_rows_of_a_step():

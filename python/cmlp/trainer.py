@@ -203,27 +203,31 @@ class Trainer:
         """What a checkpoint needs beside the model's, optimizer's and schedule's state_dicts so
         that a run resumed from it trains as the uninterrupted run would, bit for bit: the epochs
         begun (the next epoch's order), what automatic micro-batching moves (the micro-batch in
-        use, the one it grows back to, the good steps toward the next growth) and the loss
-        scaler's state."""
+        use, the one it grows back to, the good steps toward the next growth, the micro-batch the
+        last growth started from, which an out-of-memory goes back to) and the loss scaler's
+        state."""
         if self._lost:
             raise RuntimeError(_LOST)
-        size, target, good = self._c.microbatch_state()
+        size, target, good, grown_from = self._c.microbatch_state()
         return {"epochs": self._c.epochs, "microbatch_size": size, "microbatch_target": target,
-                "microbatch_good_steps": good,
+                "microbatch_good_steps": good, "microbatch_grown_from": grown_from,
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
-    _STATE_KEYS = {"epochs", "microbatch_size", "microbatch_target", "microbatch_good_steps", "scaler"}
+    _STATE_KEYS = {"epochs", "microbatch_size", "microbatch_target", "microbatch_good_steps",
+                   "microbatch_grown_from", "scaler"}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restores what state_dict() gave, into a trainer made with the same arguments; a bad
-        dict raises and changes nothing."""
+        dict raises and changes nothing. A state_dict without "microbatch_grown_from" (of an
+        earlier cmlp) loads as one whose last growth is not known."""
         if self._lost:
             raise RuntimeError(_LOST)
-        if not isinstance(state_dict, dict) or set(state_dict) != self._STATE_KEYS:
+        keys = set(state_dict) if isinstance(state_dict, dict) else None
+        if keys not in (self._STATE_KEYS, self._STATE_KEYS - {"microbatch_grown_from"}):
             raise ValueError(f"a trainer state_dict is a dict with the keys {sorted(self._STATE_KEYS)}")
         counts = {}
-        for key in ("epochs", "microbatch_good_steps"):
-            v = state_dict[key]
+        for key in ("epochs", "microbatch_good_steps", "microbatch_grown_from"):
+            v = state_dict.get(key, 0)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v <= MAX_STEP_SAMPLES:
                 raise ValueError(f"state_dict[{key!r}] must be an int in [0, 2**62], got {v!r}")
             counts[key] = int(v)
@@ -231,6 +235,9 @@ class Trainer:
         size = self._micro_of("state_dict['microbatch_size']", state_dict["microbatch_size"])
         if size > target:
             raise ValueError(f"state_dict's micro-batch in use ({size}) is larger than its target ({target})")
+        if counts["microbatch_grown_from"] >= size:
+            raise ValueError(f"state_dict's micro-batch grown from ({counts['microbatch_grown_from']}) must be "
+                             f"smaller than the one in use ({size}), or 0 (none)")
         scaler = state_dict["scaler"]
         if (scaler is None) != (self.scaler is None):
             raise ValueError("the state_dict's loss scaler does not match this trainer's: "
@@ -241,7 +248,8 @@ class Trainer:
                 before = self.scaler.state_dict()
                 self.scaler.load_state_dict(scaler)
             try:
-                self._c.set_microbatch_state(size, target, counts["microbatch_good_steps"])
+                self._c.set_microbatch_state(size, target, counts["microbatch_good_steps"],
+                                             counts["microbatch_grown_from"])
             except BaseException:
                 if scaler is not None:
                     self.scaler.load_state_dict(before)
