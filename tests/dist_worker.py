@@ -29,6 +29,12 @@ def params(model):
     return model._c.get_params()
 
 
+def update_err(p, q, q0):
+    """The norm-wise relative error of parameters p against q, both trained from q0: of the
+    change, which is what training computes (see check_fit in test_distributed.py)."""
+    return float(np.linalg.norm(p - q) / np.linalg.norm(q - q0))
+
+
 def spread(a):
     """max over ranks minus min over ranks, elementwise max: 0 when every rank holds the same."""
     hi, lo = a.astype(np.float64), a.astype(np.float64)
@@ -76,10 +82,12 @@ def fit_case(opts):
     ref_model = cmlp.MLP(SIZES, seed=10, device=device)
     ref = cmlp.Trainer(ref_model, optimizer(ref_model, opts.get("opt")), batch_size=batch * w, distributed=False,
                        scaler=scaler(), **kw)
+    q0 = params(ref_model)
     ref_hist = ref.fit(x, y, epochs=epochs, progress=False, validation_data=val)
     p, q = params(model), params(ref_model)
     return dict(world=w, distributed=trainer.distributed, max_diff=float(np.abs(p - q).max()),
                 scale=float(np.abs(q).max()), rank_spread=spread(p),
+                update_err=update_err(p, q, q0),
                 loss=[h["loss"] for h in hist], ref_loss=[h["loss"] for h in ref_hist],
                 skipped=[h["skipped_steps"] for h in hist], ref_skipped=[h["skipped_steps"] for h in ref_hist],
                 micro=[h["microbatch_size"] for h in hist], micro_spread=spread(np.array([trainer.microbatch_size])),
@@ -121,9 +129,10 @@ def step_case(opts):
     trainer = cmlp.Trainer(model, optimizer(model, "adam"), batch_size=8)
     losses = [trainer.step(x[lo:lo + sizes[r]], y[lo:lo + sizes[r]]) for _ in range(3)]
     ref_model = cmlp.MLP(SIZES, seed=1)
+    q0 = params(ref_model)
     ref = cmlp.Trainer(ref_model, optimizer(ref_model, "adam"), batch_size=8, distributed=False)
     ref_losses = [ref.step(x[:sum(sizes)], y[:sum(sizes)]) for _ in range(3)]
-    return dict(losses=losses, ref_losses=ref_losses, max_diff=float(np.abs(params(model) - params(ref_model)).max()),
+    return dict(losses=losses, ref_losses=ref_losses, update_err=update_err(params(model), params(ref_model), q0),
                 rank_spread=spread(params(model)))
 
 
@@ -333,11 +342,11 @@ def regroup_case(opts):
     D.init_process_group(opts.get("backend", "nccl"))
     hist += trainer.fit(x, y, epochs=1, progress=False)
     ref_model = cmlp.MLP(SIZES, seed=4, device=opts["device"])
+    q0 = params(ref_model)
     cmlp.Trainer(ref_model, optimizer(ref_model, "adam"), batch_size=16 * w, distributed=False).fit(
         x, y, epochs=2, progress=False)
     p, q = params(model), params(ref_model)
-    return dict(rank_spread=spread(p), epochs=len(hist), max_diff=float(np.abs(p - q).max()),
-                scale=float(np.abs(q).max()))
+    return dict(rank_spread=spread(p), epochs=len(hist), update_err=update_err(p, q, q0))
 
 
 def state_bytes():

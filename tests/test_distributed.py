@@ -109,9 +109,14 @@ def test_collectives():
 
 
 def check_fit(out, ranks, tol, loss_rtol):
+    """tol: the norm-wise relative error of the parameters' change against one process's. An
+    element-wise bound would not hold: where a gradient element nearly cancels over the samples,
+    or a ReLU input is within rounding of 0, the order of the sums decides it, and Adam's first
+    steps move such an element by up to lr whatever its size (measured in fp32: 1e-5 of the
+    largest parameter on one CPU, 2e-6 on another; norm-wise 1.5e-7 to 2.4e-6 on both)."""
     assert out["world"] == ranks and out["distributed"]
     assert out["rank_spread"] == 0.0  # every rank holds the same parameters, bit for bit
-    assert out["max_diff"] <= tol * out["scale"], out
+    assert out["update_err"] <= tol, out
     np.testing.assert_allclose(out["loss"], out["ref_loss"], rtol=loss_rtol)
     assert out["skipped"] == out["ref_skipped"]
 
@@ -148,11 +153,10 @@ def test_accumulation_sgd_momentum_and_no_shuffle():
 @pytest.mark.parametrize("amp", [None, "fp16", "bf16"])
 def test_gradient_clipping_sees_the_groups_summed_gradients(amp):
     # every rank clips the all-reduced (and unscaled) gradients by their norm: the update of one
-    # process. Measured parameter differences against it, relative to the largest: fp32 1e-5
-    # (as one process computing in micro-batches of 16 instead of 32), bf16 1e-6, fp16 2e-5 after
-    # one epoch (a second epoch of fp16 rounding drifts to 2e-3, as unclipped runs can)
+    # process. Measured update differences against it: fp32 9e-7, bf16 7e-8, fp16 6e-6 after one
+    # epoch (a second epoch of fp16 rounding drifts further, as unclipped runs can)
     out = run_job(2, "fit", {"clip": 0.05, "amp": amp, "accum": 2, "epochs": 1 if amp == "fp16" else 2})
-    check_fit(out, 2, 5e-5 if amp is None else 2e-3, 1e-6 if amp is None else 1e-3)
+    check_fit(out, 2, 1e-5 if amp is None else 2e-3, 1e-6 if amp is None else 1e-3)
     np.testing.assert_allclose(out["grad_norm"], out["ref_grad_norm"], rtol=1e-5 if amp is None else 1e-4)
     assert all(g > 0.05 for g in out["grad_norm"])  # the clipping was active
 
@@ -170,7 +174,7 @@ def test_every_rank_skips_the_same_fp16_steps():
     out = run_job(2, "fit", {"amp": "fp16", "init_scale": 2.0**24})
     # fp16 gradients summed over two ranks part from one process's in their last bits; Adam's
     # normalised step turns that into up to lr (1e-3) per step on an element whose gradient is
-    # near 0: 5e-3 of the largest parameter (0.16) is under one such step
+    # near 0 (measured: 1.8e-5 of the update)
     check_fit(out, 2, 5e-3, 1e-3)
     assert out["skipped"][0] > 0 and sum(out["skipped"]) < 2 * 19
 
@@ -186,7 +190,7 @@ def test_one_rank_under_a_memory_limit_micro_batches_alone():
     # micro-batches its room fits (3 of 8; halving would give 4 of 6)
     out = run_job(2, "fit", {"limit_rank": 1, "batch": 24, "room": 8})
     assert out["micro_least"] == 8, out
-    check_fit(out, 2, 3e-5, 1e-6)  # measured 1.2e-5 of the largest parameter: the reference sums 48 rows at once
+    check_fit(out, 2, 1e-5, 1e-6)  # measured 2.4e-6: the reference sums 48 rows at once
 
 
 @needs_mpi
@@ -204,7 +208,7 @@ def test_under_a_limit_a_rank_plans_its_share_of_a_small_data_set(ranks, rows):
 def test_step_takes_each_ranks_own_batch():
     out = run_job(3, "step")  # batches of 5, 8 and 11 samples: one step on all 24
     np.testing.assert_allclose(out["losses"], out["ref_losses"], rtol=1e-6)
-    assert out["max_diff"] < 1e-5 and out["rank_spread"] == 0.0
+    assert out["update_err"] <= 1e-5 and out["rank_spread"] == 0.0, out
 
 
 @needs_mpi
@@ -396,7 +400,7 @@ def test_an_nccl_too_old_for_graph_capture_is_refused_with_its_version(emulator,
 @needs_emulated_nccl
 def test_on_gpus_a_group_made_again_gives_the_trainer_a_new_communicator(emulator):
     out = run_job(2, "regroup", {"device": "cuda", "backend": "nccl"}, timeout=300, emulated_gpu=True)
-    assert out["rank_spread"] == 0.0 and out["epochs"] == 2 and out["max_diff"] <= 1e-5 * out["scale"]
+    assert out["rank_spread"] == 0.0 and out["epochs"] == 2 and out["update_err"] <= 1e-5, out
 
 
 def _have_fashion():
