@@ -151,6 +151,9 @@ typedef struct {
      * preferences say (they cover A, B, C and D only): a bias on a smaller alignment is copied
      * here first, in the first stream's order (the last BIAS_SLOT bytes of its workspace) */
     void *bias_slot;
+    /* the loss kernel's scratch, so that a loss total has the same bits in every run (before
+     * the bias slot; used in the first stream's order; NULL: its counter could not be zeroed) */
+    void *xent_slot;
     /* pinned staging for host data: a ring of slots, each reused once the copy that last read
      * it has finished (its event), so that staging waits for the GPU only when it is behind */
     void *h_stage[STAGE_SLOTS];
@@ -170,6 +173,7 @@ typedef struct {
 #define SIDE_WORKSPACE ((size_t)1 << 20)
 #define GEMM_WORKSPACE (((size_t)8 << 20) + 2 * SIDE_WORKSPACE)
 #define BIAS_SLOT ((size_t)256 << 10) /* 64Ki fp32 or 128Ki half values */
+#define XENT_SLOT (((size_t)CMLP_K_XENT_SCRATCH + 255) & ~(size_t)255)
 
 /* ---- graph capture ----
  * A thread captures on a stream of its own (made for the capture), so that other threads'
@@ -417,7 +421,7 @@ static void cu_set_workspace(void *ctx, void *d_ptr, size_t nbytes) {
     cuda_ctx *c = ctx;
     c->ws = d_ptr;
     c->ws_bytes = d_ptr ? nbytes : 0;
-    c->ws_side = c->ws_graph_side = c->bias_slot = NULL;
+    c->ws_side = c->ws_graph_side = c->bias_slot = c->xent_slot = NULL;
     c->ws_side_bytes = 0;
     if (d_ptr && nbytes >= 4 * SIDE_WORKSPACE) {
         c->ws_bytes = nbytes - 2 * SIDE_WORKSPACE;
@@ -426,6 +430,14 @@ static void cu_set_workspace(void *ctx, void *d_ptr, size_t nbytes) {
         c->ws_side_bytes = SIDE_WORKSPACE;
         c->ws_bytes -= BIAS_SLOT;
         c->bias_slot = (char *)d_ptr + c->ws_bytes;
+        c->ws_bytes -= XENT_SLOT;
+        /* the blocks-done counter starts at 0 (the allocator's memory is not cleared); where
+         * that cannot be queued, the loss kernel totals by atomics instead */
+        void *slot = (char *)d_ptr + c->ws_bytes;
+        if (use(c) == CMLP_OK && cudaMemsetAsync(slot, 0, XENT_SLOT, c->stream) == cudaSuccess)
+            c->xent_slot = slot;
+        else
+            (void)cudaGetLastError();
     }
 }
 
@@ -836,6 +848,10 @@ static cmlp_status cu_bias_grad(void *ctx, float *d_db, const float *d_dy, int64
     return bias_grad_locked(ctx, (void *)d_dy, NULL, NULL, 0, d_db, rows, cols, overwrite);
 }
 
+/* The loss kernel's scratch on the first stream (a capture's replays run there too); a loss on
+ * the second stream, which does not occur, would be totalled by atomics. */
+static void *xent_scratch(const cuda_ctx *c) { return on_side(c) ? NULL : c->xent_slot; }
+
 static cmlp_status cu_softmax_xent(void *ctx, const float *d_logits, const int32_t *d_labels, int64_t rows,
                                    int64_t cols, float smoothing, cmlp_loss_weight w, float *d_dlogits,
                                    double *d_loss_sum, int64_t *d_correct) {
@@ -843,7 +859,7 @@ static cmlp_status cu_softmax_xent(void *ctx, const float *d_logits, const int32
     CMLP_TRY_USE(c);
     return KERNEL(c, cmlp_k_softmax_xent(d_logits, d_labels, rows, cols, smoothing, w.value, w.d_scale, w.count,
                                          w.d_found_inf, d_dlogits, d_loss_sum, (unsigned long long *)d_correct,
-                                         stream_of(c)));
+                                         xent_scratch(c), stream_of(c)));
 }
 
 static cmlp_status cu_softmax_xent_half(void *ctx, const float *d_logits, const int32_t *d_labels, int64_t rows,
@@ -853,7 +869,7 @@ static cmlp_status cu_softmax_xent_half(void *ctx, const float *d_logits, const 
     CMLP_TRY_USE(c);
     return KERNEL(c, cmlp_k_softmax_xent_half(d_logits, d_labels, rows, cols, smoothing, w.value, w.d_scale, w.count,
                                               w.d_found_inf, d_dlogits, half == CMLP_DTYPE_BF16, d_loss_sum,
-                                              (unsigned long long *)d_correct, stream_of(c)));
+                                              (unsigned long long *)d_correct, xent_scratch(c), stream_of(c)));
 }
 
 /* The next staging slot with room for nbytes, once the copy that last read it is done. Called

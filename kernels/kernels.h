@@ -61,11 +61,20 @@ cudaError_t cmlp_k_relu_backward_bias_grad(void *dy, const void *h, void *out, i
 
 /* ---- loss.cu ---- */
 
+/* The scratch of a softmax cross-entropy launch that totals its loss in a fixed order: a
+ * double per block, then the counter of the blocks done (0 between launches: zero it once). */
+#define CMLP_K_XENT_BLOCKS 4096
+#define CMLP_K_XENT_SCRATCH (CMLP_K_XENT_BLOCKS * 8 + 64)
+
 /* Fused, numerically stable softmax cross-entropy over logits [rows, cols], labels int32 in
  * [0, cols). With q = (1 - smoothing) * onehot(label) + smoothing / cols and
  * p = softmax(logits row), the row loss is -sum_c q_c log p_c (computed as
  * logsumexp - sum_c q_c * logit_c, with the max subtracted).
- *   - *loss_sum (double) += the sum of the row losses (device atomics; may be NULL).
+ *   - *loss_sum (double) += the sum of the row losses (may be NULL). With scratch
+ *     (CMLP_K_XENT_SCRATCH bytes, 8-byte aligned, its counter 0; launches sharing it run one
+ *     after another) the rows' losses are summed in an order fixed by rows alone, so the total
+ *     has the same bits in every run; with scratch NULL each block adds its part atomically,
+ *     in the order the blocks finish.
  *   - dlogits (may be NULL, may equal logits): dlogits[r, c] = w * (p_c - q_c), where w is
  *     grad_weight, or (float)((double)*scale / count) when scale is not NULL (the weight of a
  *     loss-scaled step, from the scale on the device).
@@ -76,13 +85,13 @@ cudaError_t cmlp_k_relu_backward_bias_grad(void *dy, const void *h, void *out, i
  * outside [0, cols) reads nothing out of bounds: its row counts no hit and q has no one-hot. */
 cudaError_t cmlp_k_softmax_xent(const float *logits, const int32_t *labels, int64_t rows, int64_t cols, float smoothing,
                                 float grad_weight, const float *scale, double count, float *found_inf, float *dlogits,
-                                double *loss_sum, unsigned long long *correct, cudaStream_t stream);
+                                double *loss_sum, unsigned long long *correct, void *scratch, cudaStream_t stream);
 /* The same with the gradient stored in fp16 (bf16 == 0) or bf16, each value rounded once from the
  * float above (dlogits may not alias logits here). */
 cudaError_t cmlp_k_softmax_xent_half(const float *logits, const int32_t *labels, int64_t rows, int64_t cols,
                                      float smoothing, float grad_weight, const float *scale, double count,
                                      float *found_inf, uint16_t *dlogits, int bf16, double *loss_sum, unsigned long long *correct,
-                                     cudaStream_t stream);
+                                     void *scratch, cudaStream_t stream);
 
 /* ---- data.cu ---- */
 

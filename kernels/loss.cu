@@ -7,7 +7,10 @@
  * wins), the sums of exp and of the logits and the loss are in double, and
  * p_c = expf(x_c - max) * (float)(1 / sum) in float, expf evaluated in double and rounded once
  * (glibc's expf is within 0.502 ulp of exact; CUDA's expf is within 2). What differs is the
- * order of the two row sums (a warp tree instead of left to right) and of the loss total.
+ * order of the two row sums (a warp tree instead of left to right) and of the loss total, which
+ * with scratch is still the same in every run: the blocks leave their parts there and the last
+ * one to finish joins them in block order (a fixed tree), instead of adding them atomically in
+ * the order they finish.
  */
 #include <math.h>
 
@@ -39,6 +42,8 @@ struct xent_args {
     void *dlogits;                /* float, or fp16 / bf16 bits (OUT 1, 2) */
     double *loss_sum;
     unsigned long long *correct;
+    double *part;             /* with scratch: a part per block, then the blocks done */
+    unsigned int *blocks_done;
 };
 
 /* K > 0: each lane keeps columns lane + 32 k, k < K, in registers (cols <= 32 K).
@@ -154,7 +159,9 @@ __global__ void __launch_bounds__(XENT_THREADS) k_softmax_xent(xent_args a) {
         }
     }
 
-    /* one atomic per block for each total */
+    /* the block's totals: the hits by an atomic (integers add in any order), the loss by an
+     * atomic too without scratch, else left in the block's part */
+    __shared__ bool s_last;
     if (lane == 0) {
         s_loss[warp] = loss;
         s_hits[warp] = hits;
@@ -167,10 +174,35 @@ __global__ void __launch_bounds__(XENT_THREADS) k_softmax_xent(xent_args a) {
             l += s_loss[w];
             h += s_hits[w];
         }
-        if (a.loss_sum) atomicAdd(a.loss_sum, l);
         if (a.correct && h) atomicAdd(a.correct, h);
+        if (a.loss_sum && !a.part) atomicAdd(a.loss_sum, l);
+        if (a.loss_sum && a.part) {
+            a.part[blockIdx.x] = l;
+            __threadfence();
+            s_last = atomicAdd(a.blocks_done, 1u) == gridDim.x - 1;
+        }
+    }
+    if (!a.loss_sum || !a.part) return;
+    __syncthreads();
+    if (!s_last) return;
+    /* the last block joins the parts: thread t those at t, t + 256, ... in order, then the warp
+     * tree, then the warps in order */
+    __threadfence();
+    const volatile double *vpart = a.part; /* written by other blocks */
+    double s = 0.0;
+    for (unsigned int k = threadIdx.x; k < gridDim.x; k += XENT_THREADS) s += vpart[k];
+    s = cmlp_warp_sum(s);
+    if (lane == 0) s_loss[warp] = s;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double l = 0.0;
+        for (int w = 0; w < XENT_WARPS; w++) l += s_loss[w];
+        *a.loss_sum += l;
+        *a.blocks_done = 0; /* for the next launch */
     }
 }
+
+static_assert(CMLP_K_XENT_BLOCKS == CMLP_K_MAX_BLOCKS, "a part of the scratch for every block");
 
 template <int OUT>
 static void launch_xent(const xent_args &a, cudaStream_t stream) {
@@ -184,13 +216,15 @@ static void launch_xent(const xent_args &a, cudaStream_t stream) {
 /* dlogits_kind: 0 float, 1 fp16, 2 bf16 */
 static cudaError_t softmax_xent(const float *logits, const int32_t *labels, int64_t rows, int64_t cols, float smoothing,
                                 float grad_weight, const float *scale, double count, float *found_inf, void *dlogits,
-                                int dlogits_kind,
-                                double *loss_sum, unsigned long long *correct, cudaStream_t stream) {
+                                int dlogits_kind, double *loss_sum, unsigned long long *correct, void *scratch,
+                                cudaStream_t stream) {
     if (rows < 0 || cols < 0 || dlogits_kind < 0 || dlogits_kind > 2) return cudaErrorInvalidValue;
     if (rows == 0) return cudaSuccess;
     if (cols == 0) return cudaErrorInvalidValue;
-    const xent_args a = {logits, labels,    rows,      cols,    smoothing, grad_weight,
-                         scale,  count,     found_inf, dlogits, loss_sum,  correct};
+    double *part = static_cast<double *>(scratch);
+    unsigned int *done = scratch ? reinterpret_cast<unsigned int *>(part + CMLP_K_XENT_BLOCKS) : nullptr;
+    const xent_args a = {logits,    labels,  rows,     cols,    smoothing, grad_weight, scale, count,
+                         found_inf, dlogits, loss_sum, correct, part,      done};
     if (dlogits_kind == 0) launch_xent<0>(a, stream);
     else if (dlogits_kind == 1) launch_xent<1>(a, stream);
     else launch_xent<2>(a, stream);
@@ -200,15 +234,16 @@ static cudaError_t softmax_xent(const float *logits, const int32_t *labels, int6
 extern "C" cudaError_t cmlp_k_softmax_xent(const float *logits, const int32_t *labels, int64_t rows, int64_t cols,
                                            float smoothing, float grad_weight, const float *scale, double count,
                                            float *found_inf, float *dlogits, double *loss_sum,
-                                           unsigned long long *correct, cudaStream_t stream) {
+                                           unsigned long long *correct, void *scratch, cudaStream_t stream) {
     return softmax_xent(logits, labels, rows, cols, smoothing, grad_weight, scale, count, found_inf, dlogits, 0,
-                        loss_sum, correct, stream);
+                        loss_sum, correct, scratch, stream);
 }
 
 extern "C" cudaError_t cmlp_k_softmax_xent_half(const float *logits, const int32_t *labels, int64_t rows, int64_t cols,
                                                 float smoothing, float grad_weight, const float *scale,
                                                 double count, float *found_inf, uint16_t *dlogits, int bf16,
-                                                double *loss_sum, unsigned long long *correct, cudaStream_t stream) {
+                                                double *loss_sum, unsigned long long *correct, void *scratch,
+                                                cudaStream_t stream) {
     return softmax_xent(logits, labels, rows, cols, smoothing, grad_weight, scale, count, found_inf, dlogits,
-                        bf16 ? 2 : 1, loss_sum, correct, stream);
+                        bf16 ? 2 : 1, loss_sum, correct, scratch, stream);
 }

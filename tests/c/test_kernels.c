@@ -319,6 +319,11 @@ static void test_relu_backward_bias_grad(void) {
 
 /* ---- loss.cu ---- */
 
+/* The loss kernel's scratch: static, so its blocks-done counter starts at 0. */
+static double xent_scratch[CMLP_K_XENT_SCRATCH / 8];
+#define XS ((void *)xent_scratch)
+static unsigned int xent_blocks_done(void) { return *(unsigned int *)(xent_scratch + CMLP_K_XENT_BLOCKS); }
+
 static void test_softmax_xent(void) {
     static const int64_t R[] = {1, 2, 7, 8, 9, 33}, C[] = {1, 2, 5, 10, 31, 32, 33, 64, 65, 100, 128, 129, 300};
     for (int ri = 0; ri < 6; ri++)
@@ -356,12 +361,12 @@ static void test_softmax_xent(void) {
                         unsigned long long h2 = 0;
                         float hfi = 1.0f; /* reset by the loss scale's launch, as in fp32 */
                         KOK(cmlp_k_softmax_xent_half(F(x), lab.p, rows, cols, smoothing, gw, sdev, count,
-                                                     mode == 1 ? &hfi : NULL, dh.p, bf, &l2, &h2, S));
+                                                     mode == 1 ? &hfi : NULL, dh.p, bf, &l2, &h2, XS, S));
                         CHECK((hfi == 0.0f) == (mode == 1), "xent_half mode %d: found_inf %g", mode, hfi);
                         double lref = 0.0;
                         unsigned long long href_hits = 0;
                         KOK(cmlp_k_softmax_xent(F(x), lab.p, rows, cols, smoothing, gw, sdev, count, NULL, F(dref),
-                                                &lref, &href_hits, S));
+                                                &lref, &href_hits, XS, S));
                         KOK(cmlp_k_to_half(href.p, F(dref), n, bf, S));
                         CHECK(same_bits(dh.p, href.p, (size_t)n * 2) && l2 == lref && h2 == href_hits,
                               "xent_half %lldx%lld bf16 %d: gradient bits, loss %.17g vs %.17g, hits %llu vs %llu",
@@ -370,7 +375,10 @@ static void test_softmax_xent(void) {
                     }
                 }
                 float *fip = mode == 1 ? &fi : NULL, *cfip = mode == 1 ? &cfi : NULL;
-                KOK(cmlp_k_softmax_xent(F(x), lab.p, rows, cols, smoothing, gw, sdev, count, fip, d, &loss, &hits, S));
+                /* the loss totalled in a fixed order (mode 0, 1) or by atomics (mode 2, 3) */
+                KOK(cmlp_k_softmax_xent(F(x), lab.p, rows, cols, smoothing, gw, sdev, count, fip, d, &loss, &hits,
+                                        mode < 2 ? XS : NULL, S));
+                CHECK(xent_blocks_done() == 0, "xent: the blocks-done counter is %u after a launch", xent_blocks_done());
                 CPU_CALL(cpu->softmax_xent(NULL, F(cx), lab.p, rows, cols, smoothing,
                                            (cmlp_loss_weight){gw, sdev, count, cfip}, cd, &closs, &chits));
                 CHECK((int64_t)hits == chits, "xent %lldx%lld mode %d: hits %llu vs %lld", (long long)rows,
@@ -399,7 +407,7 @@ static void test_softmax_xent(void) {
     memcpy(lab.p, bad, sizeof bad);
     double loss = 0.0;
     unsigned long long hits = 0;
-    KOK(cmlp_k_softmax_xent(F(x), lab.p, rows, cols, 0.0f, 1.0f, NULL, 0.0, NULL, F(dl), &loss, &hits, S));
+    KOK(cmlp_k_softmax_xent(F(x), lab.p, rows, cols, 0.0f, 1.0f, NULL, 0.0, NULL, F(dl), &loss, &hits, XS, S));
     CHECK(hits == 0 && isfinite(loss), "xent with labels out of range: hits %llu loss %g", hits, loss);
     { /* the CPU backend too (its caller checks labels, but they may change while it runs) */
         buf cdl = make(rows * cols, 4, 0);
@@ -411,20 +419,64 @@ static void test_softmax_xent(void) {
               "loss %.17g vs %.17g", (long long)chits, closs, loss);
         free(cdl.block);
     }
-    KOK(cmlp_k_softmax_xent(F(x), lab.p, 0, cols, 0.0f, 1.0f, NULL, 0.0, NULL, F(dl), &loss, &hits, S));
-    CHECK(cmlp_k_softmax_xent(F(x), lab.p, rows, 0, 0.0f, 1.0f, NULL, 0.0, NULL, F(dl), &loss, &hits, S) ==
+    KOK(cmlp_k_softmax_xent(F(x), lab.p, 0, cols, 0.0f, 1.0f, NULL, 0.0, NULL, F(dl), &loss, &hits, XS, S));
+    CHECK(cmlp_k_softmax_xent(F(x), lab.p, rows, 0, 0.0f, 1.0f, NULL, 0.0, NULL, F(dl), &loss, &hits, NULL, S) ==
               cudaErrorInvalidValue,
           "xent with no columns");
     /* a loss scale's weight, exactly: two equal logits give p = 1/2, so dlogits = -w/2, w/2 */
     float s = 1000.0f, fi = 1.0f, cfi = 1.0f, two[2] = {0.0f, 0.0f}, ctwo[2] = {0.0f, 0.0f};
     const int32_t zero = 0;
-    KOK(cmlp_k_softmax_xent(two, &zero, 1, 2, 0.0f, 0.0f, &s, 96.0, &fi, two, NULL, NULL, S));
+    KOK(cmlp_k_softmax_xent(two, &zero, 1, 2, 0.0f, 0.0f, &s, 96.0, &fi, two, NULL, NULL, XS, S));
     CPU_CALL(cpu->softmax_xent(NULL, ctwo, &zero, 1, 2, 0.0f, (cmlp_loss_weight){0.0f, &s, 96.0, &cfi}, ctwo, NULL,
                                NULL));
     const float half_w = 0.5f * (float)(1000.0 / 96.0);
     CHECK(same_bits(two, ctwo, sizeof two) && two[1] == half_w && two[0] == -half_w && fi == 0.0f && cfi == 0.0f,
           "xent with a loss scale: %.9g %.9g vs %.9g %.9g, found_inf %g %g", two[0], two[1], ctwo[0], ctwo[1], fi, cfi);
     free(x.block), free(lab.block), free(dl.block);
+}
+
+/* The emulator's block order (tests/emu/cuda_emu.cpp): 0 first to last, 1 last first. */
+int cmlp_emu_block_order(int order);
+
+/* With scratch the loss total has the same bits whatever order the blocks finish in (on a GPU,
+ * any): 301 blocks (more parts than the joining block's threads) and 4096 blocks striding over
+ * 33,000 rows, each run with the blocks first to last and last to first. By atomics the two
+ * orders give other bits, which is what the scratch is for. */
+static void test_softmax_xent_total_is_fixed(void) {
+    static const int64_t R[] = {8 * 300 + 5, 33000};
+    const int64_t cols = 10;
+    const int before = cmlp_emu_block_order(-1);
+    int atomics_differ = 0;
+    for (int ri = 0; ri < 2; ri++) {
+        const int64_t rows = R[ri], n = rows * cols;
+        buf x = make(n, 4, 0), lab = make(rows, 4, 0);
+        for (int64_t k = 0; k < n; k++) F(x)[k] = uniform(-8.0f, 8.0f);
+        for (int64_t r = 0; r < rows; r++) ((int32_t *)lab.p)[r] = (int32_t)(next_u64() % (uint64_t)cols);
+        double fixed[2], atomic[2];
+        unsigned long long hits[2];
+        for (int order = 0; order < 2; order++) {
+            cmlp_emu_block_order(order);
+            fixed[order] = atomic[order] = 0.25;
+            hits[order] = 0;
+            KOK(cmlp_k_softmax_xent(F(x), lab.p, rows, cols, 0.0f, 1.0f, NULL, 0.0, NULL, NULL, &fixed[order],
+                                    &hits[order], XS, S));
+            CHECK(xent_blocks_done() == 0, "xent total: counter %u", xent_blocks_done());
+            KOK(cmlp_k_softmax_xent(F(x), lab.p, rows, cols, 0.0f, 1.0f, NULL, 0.0, NULL, NULL, &atomic[order], NULL,
+                                    NULL, S));
+        }
+        double closs = 0.25;
+        int64_t chits = 0;
+        CPU_CALL(cpu->softmax_xent(NULL, F(x), lab.p, rows, cols, 0.0f, (cmlp_loss_weight){1.0f}, NULL, &closs, &chits));
+        CHECK(same_bits(&fixed[0], &fixed[1], sizeof(double)) && hits[0] == hits[1] && (int64_t)hits[0] == chits,
+              "xent total of %lld rows by block order: %.17g vs %.17g, hits %llu %llu vs %lld", (long long)rows,
+              fixed[0], fixed[1], hits[0], hits[1], (long long)chits);
+        CHECK(fabs(fixed[0] - closs) <= 1e-12 * fabs(closs) && fabs(atomic[0] - closs) <= 1e-12 * fabs(closs),
+              "xent total of %lld rows: %.17g and %.17g vs %.17g", (long long)rows, fixed[0], atomic[0], closs);
+        atomics_differ += !same_bits(&atomic[0], &atomic[1], sizeof(double));
+        free(x.block), free(lab.block);
+    }
+    CHECK(atomics_differ > 0, "the atomics' totals came out the same in both block orders");
+    cmlp_emu_block_order(before);
 }
 
 /* ---- data.cu ---- */
@@ -988,6 +1040,7 @@ int main(void) {
     test_relu_backward_half();
     test_relu_backward_bias_grad();
     test_softmax_xent();
+    test_softmax_xent_total_is_fixed();
     test_rows_half();
     test_gather();
     test_adam();

@@ -32,6 +32,21 @@ extern "C" cudaError_t cudaGetLastError(void) {
 
 extern "C" cudaError_t cudaPeekAtLastError(void) { return last_error; }
 
+/* The order of a grid's blocks: 0 first to last, 1 last first (a kernel whose result depends on
+ * the order of its blocks, a race on a GPU, gives other bits then); CMLP_EMU_BLOCK_ORDER=reverse
+ * starts at 1. cmlp_emu_block_order(order) sets it and returns the one before; -1 only reads it. */
+static int block_order = -1;
+
+extern "C" int cmlp_emu_block_order(int order) {
+    if (block_order < 0) {
+        const char *v = getenv("CMLP_EMU_BLOCK_ORDER");
+        block_order = v && std::strcmp(v, "reverse") == 0;
+    }
+    const int before = block_order;
+    if (order == 0 || order == 1) block_order = order;
+    return before;
+}
+
 namespace cmlp_emu {
 
 submit_fn submit_hook;
@@ -243,12 +258,7 @@ void run_grid(dim3 grid, dim3 block, const std::function<void()> &body, const ch
     R.published.assign(R.nthreads, 0);
     for (unsigned t = 0; t < R.nthreads; t++)
         R.fibers[t].tid = make_uint3(t % block.x, t / block.x % block.y, t / (block.x * block.y));
-    /* CMLP_EMU_BLOCK_ORDER=reverse runs the last block first: a kernel whose result depends on
-     * the order of its blocks (a race on a GPU) gives other bits then */
-    static const bool reverse = [] {
-        const char *v = getenv("CMLP_EMU_BLOCK_ORDER");
-        return v && std::strcmp(v, "reverse") == 0;
-    }();
+    const bool reverse = cmlp_emu_block_order(-1) == 1;
     const uint64_t nblocks = (uint64_t)grid.x * grid.y * grid.z;
     for (uint64_t i = 0; i < nblocks; i++) {
         const uint64_t b = reverse ? nblocks - 1 - i : i;

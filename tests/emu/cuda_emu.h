@@ -43,6 +43,10 @@ using std::isnan;
 extern uint3 threadIdx, blockIdx;
 extern dim3 blockDim, gridDim;
 
+/* The order the blocks of a grid run in: 0 first to last, 1 last first; -1 reads it. Returns
+ * the order before (C linkage: tests/c/test_kernels.c sets it). */
+extern "C" int cmlp_emu_block_order(int order);
+
 namespace cmlp_emu {
 
 /* Runs body once per thread of every block (grid and block already validated). A kernel (by
