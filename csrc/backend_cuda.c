@@ -1357,6 +1357,12 @@ static cmlp_status cu_comm_init(void *ctx, const void *id, int rank, int size, v
     nccl_id uid;
     memcpy(&uid, id, sizeof uid);
     *comm = NULL;
+    /* NCCL registers the buffers of collectives captured in a graph where they come from a
+     * qualified allocation (ncclMemAlloc's kind); the gradients here come from the caching
+     * allocator, with expandable segments from many 2 MiB VMM pages, which such registration
+     * is known to hang on. Off unless the environment says otherwise (read at the first
+     * communicator; the gradients are small enough that the copy it saves does not matter). */
+    setenv("NCCL_GRAPH_REGISTER", "0", 0);
     NCCL_TRY(nccl.comm_init_rank(comm, size, uid, rank), "ncclCommInitRank");
     return CMLP_OK;
 }

@@ -3,6 +3,7 @@
 Every rank runs the scenario; rank 0 prints one JSON object (the facts the test checks) on the
 last line of its output. Facts that hold on every rank are gathered with the collectives under
 test, so a rank that disagrees shows up in rank 0's report."""
+import ctypes
 import json
 import sys
 
@@ -94,7 +95,16 @@ def fit_case(opts):
                 micro_least=float(least[0]),
                 grad_norm=[h["grad_norm"] for h in hist], ref_grad_norm=[h["grad_norm"] for h in ref_hist],
                 val=[[h["val_loss"], h["val_accuracy"]] for h in hist],
-                ref_val=[[h["val_loss"], h["val_accuracy"]] for h in ref_hist])
+                ref_val=[[h["val_loss"], h["val_accuracy"]] for h in ref_hist],
+                nccl_graph_register=c_getenv("NCCL_GRAPH_REGISTER"))
+
+
+def c_getenv(name):
+    """The process environment as C sees it (os.environ is a copy taken at start)."""
+    getenv = ctypes.CDLL(None).getenv
+    getenv.restype = ctypes.c_char_p
+    v = getenv(name.encode())
+    return v.decode() if v is not None else None
 
 
 def small_data_case(opts):

@@ -284,6 +284,7 @@ def test_on_gpus_nccl_sums_the_gradients_inside_the_captured_step(emulator, opts
     # 2 ranks on the emulated CUDA backend: full steps replay a graph holding the all-reduce
     out = run_job(2, "fit", dict(opts, backend="nccl", device="cuda", n=300), timeout=300, emulated_gpu=True)
     check_fit(out, 2, 1e-5 if "amp" not in opts else 2e-3, 1e-6 if "amp" not in opts else 1e-3)
+    assert out["nccl_graph_register"] == "0"  # the caching allocator's buffers are not NCCL's to register
 
 
 @needs_emulated_nccl
