@@ -9,7 +9,7 @@
  * (glibc's expf is within 0.502 ulp of exact; CUDA's expf is within 2). What differs is the
  * order of the two row sums (a warp tree instead of left to right) and of the loss total, which
  * with scratch is still the same in every run: the blocks leave their parts there and the last
- * one to finish joins them in block order (a fixed tree), instead of adding them atomically in
+ * one to finish joins them by a tree fixed by their number, instead of adding them atomically in
  * the order they finish.
  */
 #include <math.h>
