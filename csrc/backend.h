@@ -298,7 +298,7 @@ extern const cmlp_backend_i cmlp_backend_cpu;
  * recorder and returns the module below. */
 typedef cmlp_status (*cmlp_error_fn)(cmlp_status s, const char *file, int line, const char *fmt, ...);
 
-#define CMLP_CUDA_ABI 12
+#define CMLP_CUDA_ABI 13
 
 /* Why a process forked after CUDA was started cannot use it (the core's words and the backend's). */
 #define CMLP_CUDA_FORKED_TEXT                                                                                  \
@@ -313,6 +313,10 @@ typedef struct cmlp_cuda_module {
     int (*device_count)(char *why, size_t cap);
     int (*runtime_version)(void); /* e.g. 13000 */
     cmlp_status (*device_properties)(int index, cmlp_device_props *out); /* CUDA's words on failure */
+    /* The calling thread's current driver context (NULL: none), and putting it back when a
+     * call left another current: cmlp_cuda_ctx_save / _restore. */
+    void *(*ctx_save)(void);
+    void (*ctx_restore)(void *saved);
 } cmlp_cuda_module;
 
 typedef const cmlp_cuda_module *(*cmlp_cuda_entry_fn)(cmlp_error_fn set_error);

@@ -15,6 +15,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <dlfcn.h>
+#include <errno.h>
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -100,6 +101,33 @@ static void vmm_load(void) {
              vmm.granularity;
 }
 
+/* The driver's current context of the calling thread: what a call from Python finds is put
+ * back after it (ctx_save / ctx_restore, as torch's device guards put the device back), and
+ * use() checks it, since a context another library made current on the thread (the same device
+ * or not) is not the one this backend's streams and memory belong to. */
+typedef CUresult (*fn_ctx_get)(CUcontext *);
+typedef CUresult (*fn_ctx_set)(CUcontext);
+static fn_ctx_get ctx_get;
+static fn_ctx_set ctx_set;
+static pthread_once_t ctx_once = PTHREAD_ONCE_INIT;
+
+static void ctx_load(void) {
+    fn_ctx_get get = (fn_ctx_get)driver_symbol("cuCtxGetCurrent");
+    fn_ctx_set set = (fn_ctx_set)driver_symbol("cuCtxSetCurrent");
+    if (get && set) {
+        ctx_get = get;
+        ctx_set = set;
+    }
+}
+
+/* The thread's current context, NULL when it has none or that cannot be told. */
+static CUcontext ctx_current(void) {
+    pthread_once(&ctx_once, ctx_load);
+    CUcontext c = NULL;
+    if (!ctx_get || ctx_get(&c) != CUDA_SUCCESS) return NULL;
+    return c;
+}
+
 static cmlp_status drv_fail(CUresult r, const char *what, const char *file, int line) {
     const char *msg = NULL;
     if (!vmm.error_string || vmm.error_string(r, &msg) != CUDA_SUCCESS || !msg) msg = "unknown driver error";
@@ -166,14 +194,20 @@ typedef struct {
     int tf32;
     gemm_plan plans[NPLANS];
     int next_plan;
+    size_t first_ws; /* the first stream's share of the workspace block, slots included */
+    CUcontext cuctx; /* the device's primary context (NULL: not known, use() goes by the device) */
 } cuda_ctx;
 
-/* The workspace block: 8 MiB for the first stream, then the second stream's two shares (its
- * GEMMs have few rows to sum, CMLP_SIDE_ROWS, and its bias gradients few partial sums). */
+/* The workspace block: the first stream's share (first_ws: 8 MiB, 32 MiB on compute
+ * capability 9.x, 10.x and 12.x, as torch sizes cuBLAS's; CUBLASLT_WORKSPACE_SIZE in KiB sets
+ * it), the last BIAS_SLOT + XENT_SLOT of it the kernels' slots, then the second stream's two
+ * shares (its GEMMs have few rows to sum, CMLP_SIDE_ROWS, and its bias gradients few partial
+ * sums). */
 #define SIDE_WORKSPACE ((size_t)1 << 20)
-#define GEMM_WORKSPACE (((size_t)8 << 20) + 2 * SIDE_WORKSPACE)
 #define BIAS_SLOT ((size_t)256 << 10) /* 64Ki fp32 or 128Ki half values */
 #define XENT_SLOT (((size_t)CMLP_K_XENT_SCRATCH + 255) & ~(size_t)255)
+#define FIRST_WS_MIN_KIB 1024
+#define FIRST_WS_MAX_KIB (4 << 20) /* 4 GiB */
 
 /* ---- graph capture ----
  * A thread captures on a stream of its own (made for the capture), so that other threads'
@@ -242,6 +276,13 @@ static __thread int bound_device = -1;
 
 static cmlp_status use(cuda_ctx *c) {
     if (forked) return FAIL(CMLP_ERR_DEVICE, "cuda:%d: " CMLP_CUDA_FORKED_TEXT, c->index);
+    if (c->cuctx) { /* the device's primary context, or it is made current */
+        if (ctx_current() == c->cuctx) return CMLP_OK;
+        CU_TRY(cudaSetDevice(c->index));
+        bound_device = c->index;
+        if (ctx_current() != c->cuctx) DRV_TRY(ctx_set(c->cuctx));
+        return CMLP_OK;
+    }
     int cur = -1;
     if (cudaGetDevice(&cur) != cudaSuccess) (void)cudaGetLastError();
     if (cur != c->index || bound_device != c->index) {
@@ -283,6 +324,31 @@ static void cu_close(void *ctx) {
     free(c);
 }
 
+/* The first stream's share of the workspace block: CUBLASLT_WORKSPACE_SIZE KiB when set (a
+ * whole number from FIRST_WS_MIN_KIB to FIRST_WS_MAX_KIB, else the device does not open), or
+ * torch's size for cuBLAS on this architecture. */
+static cmlp_status first_workspace(int index, size_t *out) {
+    const char *env = getenv("CUBLASLT_WORKSPACE_SIZE");
+    if (env && env[0]) {
+        char *end = NULL;
+        errno = 0;
+        long long kib = strtoll(env, &end, 10);
+        while (end && (*end == ' ' || *end == '\t')) end++;
+        if (errno || !end || *end || end == env || kib < FIRST_WS_MIN_KIB || kib > FIRST_WS_MAX_KIB)
+            return FAIL(CMLP_ERR_INVALID,
+                        "CUBLASLT_WORKSPACE_SIZE=%.40s: expected the first stream's GEMM workspace in KiB, a whole "
+                        "number from %d to %d",
+                        env, FIRST_WS_MIN_KIB, FIRST_WS_MAX_KIB);
+        *out = (size_t)kib << 10;
+        return CMLP_OK;
+    }
+    struct cudaDeviceProp p;
+    CU_TRY(cudaGetDeviceProperties(&p, index));
+    bool large = p.major == 9 || p.major == 10 || p.major == 12; /* Hopper and Blackwell */
+    *out = (size_t)(large ? 32 : 8) << 20;
+    return CMLP_OK;
+}
+
 static cmlp_status cu_open(int index, void **out) {
     cuda_ctx *c = calloc(1, sizeof *c);
     if (!c) return FAIL(CMLP_ERR_OOM, "out of host memory opening cuda:%d", index);
@@ -302,6 +368,8 @@ static cmlp_status cu_open(int index, void **out) {
         if (s != CUBLAS_STATUS_SUCCESS)
             st = FAIL(CMLP_ERR_DEVICE, "cublasLtCreate failed on cuda:%d: %s", index, cublasLtGetStatusString(s));
     }
+    if (st == CMLP_OK) st = first_workspace(index, &c->first_ws);
+    if (st == CMLP_OK) c->cuctx = ctx_current(); /* current since cudaSetDevice made the stream */
     if (st == CMLP_OK) {
         pthread_once(&vmm_once, vmm_load);
         size_t gran = 0;
@@ -413,8 +481,8 @@ static int64_t cu_free_memory(void *ctx) {
 }
 
 static size_t cu_workspace_bytes(void *ctx) {
-    (void)ctx;
-    return GEMM_WORKSPACE;
+    cuda_ctx *c = ctx;
+    return c->first_ws + 2 * SIDE_WORKSPACE;
 }
 
 static void cu_set_workspace(void *ctx, void *d_ptr, size_t nbytes) {
@@ -423,7 +491,7 @@ static void cu_set_workspace(void *ctx, void *d_ptr, size_t nbytes) {
     c->ws_bytes = d_ptr ? nbytes : 0;
     c->ws_side = c->ws_graph_side = c->bias_slot = c->xent_slot = NULL;
     c->ws_side_bytes = 0;
-    if (d_ptr && nbytes >= 4 * SIDE_WORKSPACE) {
+    if (d_ptr && nbytes >= 2 * SIDE_WORKSPACE + BIAS_SLOT + XENT_SLOT) {
         c->ws_bytes = nbytes - 2 * SIDE_WORKSPACE;
         c->ws_side = (char *)d_ptr + c->ws_bytes;
         c->ws_graph_side = (char *)c->ws_side + SIDE_WORKSPACE;
@@ -1513,6 +1581,13 @@ static cmlp_status cu_device_properties(int index, cmlp_device_props *out) {
     return CMLP_OK;
 }
 
+static void *cu_ctx_save(void) { return forked ? NULL : ctx_current(); }
+
+static void cu_ctx_restore(void *saved) {
+    if (forked || !saved || ctx_current() == saved) return;
+    (void)ctx_set((CUcontext)saved);
+}
+
 static int cu_runtime_version(void) {
     int v = 0;
     if (cudaRuntimeGetVersion(&v) != cudaSuccess) (void)cudaGetLastError();
@@ -1525,6 +1600,8 @@ static const cmlp_cuda_module module = {
     .device_count = cu_device_count,
     .runtime_version = cu_runtime_version,
     .device_properties = cu_device_properties,
+    .ctx_save = cu_ctx_save,
+    .ctx_restore = cu_ctx_restore,
 };
 
 __attribute__((visibility("default"))) const cmlp_cuda_module *cmlp_cuda_entry(cmlp_error_fn set_error) {

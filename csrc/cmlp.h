@@ -103,6 +103,13 @@ CMLP_API int cmlp_nvml_devices(const char **uuids, int cap);
 /* 1 in a process forked from one that had started CUDA: CUDA cannot be used in it (every use
  * fails and says to start processes with 'spawn'). */
 CMLP_API int cmlp_cuda_forked(void);
+/* Around a call that may use a GPU: the calling thread's current CUDA context before it (NULL
+ * when CUDA was not started, or the thread has none), and putting that context back after it
+ * when the call left another one current (a device's work makes its context current), so that
+ * the thread's current device is what it was for other CUDA libraries, as torch's device guards
+ * do. A thread with no context before keeps the one the call left. Starts nothing. */
+CMLP_API void *cmlp_cuda_ctx_save(void);
+CMLP_API void cmlp_cuda_ctx_restore(void *saved);
 CMLP_API const char *cmlp_cuda_version(void);           /* toolkit built with, e.g. "13.0"; NULL */
 CMLP_API int cmlp_cuda_runtime_version(void);           /* e.g. 13000; 0 when not loaded */
 /* Waits for the device's queued work. */

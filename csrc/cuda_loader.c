@@ -56,7 +56,7 @@ static void load(void) {
 static void start(void) {
     pthread_once(&load_once, load);
     if (!module) return;
-    started = true;
+    __atomic_store_n(&started, true, __ATOMIC_RELEASE);
     ndevices = module->device_count(why, sizeof why);
 }
 
@@ -68,6 +68,17 @@ int cmlp_cuda_loadable(void) {
 int cmlp_cuda_started(void) { return started; }
 
 int cmlp_cuda_forked(void) { return forked; }
+
+/* Read without starting CUDA: before it starts (other threads may start it meanwhile) a thread
+ * has no context of this process to put back. */
+void *cmlp_cuda_ctx_save(void) {
+    if (!__atomic_load_n(&started, __ATOMIC_ACQUIRE) || forked || !module) return NULL;
+    return module->ctx_save();
+}
+
+void cmlp_cuda_ctx_restore(void *saved) {
+    if (saved && !forked && module) module->ctx_restore(saved);
+}
 
 int cmlp_cuda_device_count(void) {
     pthread_once(&start_once, start);
@@ -148,6 +159,8 @@ int cmlp_cuda_device_count(void) { return 0; }
 int cmlp_cuda_loadable(void) { return 0; }
 int cmlp_cuda_started(void) { return 0; }
 int cmlp_cuda_forked(void) { return 0; }
+void *cmlp_cuda_ctx_save(void) { return NULL; }
+void cmlp_cuda_ctx_restore(void *saved) { (void)saved; }
 int cmlp_nvml_devices(const char **uuids, int cap) {
     (void)uuids;
     (void)cap;

@@ -1511,6 +1511,118 @@ def test_torch_cuda_memory_stats_of_a_gpu_not_used_once_another_is_open():
     assert nested["limit"] == unused["limit"] and nested["reserved_bytes_by_private_pools"] == {}
 
 
+_WORKSPACE_SCRIPT = """
+import gc, json, os, sys, numpy as np, cmlp
+out = {}
+try:
+    cmlp.MLP([8, 4], device="cuda")
+except ValueError as e:
+    out["error"] = str(e)
+    os.environ["CUBLASLT_WORKSPACE_SIZE"] = sys.argv[1]  # the device opens once the value is good
+del_me = cmlp.MLP([8, 4], device="cuda")
+del del_me
+gc.collect()
+out["workspace"] = cmlp.memory.memory_allocated("cuda")  # what the device holds once open
+model = cmlp.MLP([784, 512, 256, 10], device="cuda")
+out["capability"] = cmlp.cuda.get_device_capability()
+rng = np.random.default_rng(0)
+x = rng.standard_normal((257, 784)).astype(np.float32)
+y = rng.integers(0, 10, 257)
+t = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=257)
+out["losses"] = [t.step(x, y) for _ in range(3)]
+print(json.dumps(out))
+"""
+
+
+@needs_cuda
+@pytest.mark.parametrize("value", [None, "1024", "1500 ", "65536", "abc", "512", "-8", "99999999999", "1e4"])
+def test_cublaslt_workspace_size_sets_the_first_streams_workspace(value):
+    """The first stream's GEMM workspace is 8 MiB, 32 MiB on compute capability 9.x, 10.x and
+    12.x (torch's cuBLAS sizes); CUBLASLT_WORKSPACE_SIZE (KiB, 1024 to 4194304) sets it, the
+    second stream's 2 MiB on top. A bad value fails the device's opening with a ValueError naming
+    it, and the device opens once it is good; every size trains alike (the slots at its end
+    leave cuBLASLt 735 KiB at the least)."""
+    env = {k: v for k, v in os.environ.items() if k != "CUBLASLT_WORKSPACE_SIZE"}
+    if value is not None:
+        env["CUBLASLT_WORKSPACE_SIZE"] = value
+    r = subprocess.run([sys.executable, "-c", _WORKSPACE_SCRIPT, "2048"], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    bad = value in ("abc", "512", "-8", "99999999999", "1e4")
+    if bad:
+        assert "CUBLASLT_WORKSPACE_SIZE=" + value in out["error"] and "1024 to 4194304" in out["error"], out
+        kib = 2048
+    elif value is None:
+        kib = 32768 if out["capability"][0] in (9, 10, 12) else 8192
+    else:
+        kib = int(value)
+    assert out["workspace"] == (kib << 10) + 2 * MIB, out
+    assert np.isfinite(out["losses"]).all() and out["losses"][2] < out["losses"][0], out
+
+
+_CONTEXT_SCRIPT = """
+import ctypes, gc, json, os, sys, numpy as np, cmlp
+emu = os.environ.get("CMLP_CUDA_LIBRARY", "")
+if emu:  # the emulated driver's contexts
+    lib = ctypes.CDLL(emu)
+    lib.cmlp_emu_ctx_create.restype = lib.cmlp_emu_ctx_current.restype = ctypes.c_void_p
+    create, current = lib.cmlp_emu_ctx_create, lib.cmlp_emu_ctx_current
+else:
+    cu = ctypes.CDLL("libcuda.so.1")
+    assert cu.cuInit(0) == 0
+
+    def create(index):
+        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+        assert cu.cuDeviceGet(ctypes.byref(dev), index) == 0
+        assert cu.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev) == 0
+        return ctx.value
+
+    def current():
+        ctx = ctypes.c_void_p()
+        assert cu.cuCtxGetCurrent(ctypes.byref(ctx)) == 0
+        return ctx.value
+assert cmlp.cuda.is_available()
+last = "cuda:%d" % (cmlp.cuda.device_count() - 1)
+mine = create(0)  # the caller's own context, current on this thread
+kept = []
+def check(what):
+    kept.append([what, current() == mine])
+rng = np.random.default_rng(0)
+x = rng.standard_normal((64, 20)).astype(np.float32)
+y = rng.integers(0, 3, 64)
+for device in dict.fromkeys([last, "cuda:0"]):
+    model = cmlp.MLP([20, 16, 3], device=device, seed=0); check("MLP on " + device)
+    t = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=8, shuffle=False)
+    loss = t.step(x[:8], y[:8]); check("step")
+    h = t.fit(x, y, epochs=3, progress=False); check("fit")
+    p = model.predict(x); check("predict")
+    cmlp.memory.memory_stats(device); check("memory_stats")
+    cmlp.memory.empty_cache(device); check("empty_cache")
+    cmlp.cuda.synchronize(device); check("synchronize")
+    model.to("cpu"); check("to cpu")
+    model.to(device); check("to " + device)
+    del t, model
+    gc.collect(); check("freed")
+print(json.dumps([kept, bool(np.isfinite(loss)), bool((p == p).all())]))
+"""
+
+
+@needs_cuda
+def test_a_call_puts_back_the_callers_cuda_context():
+    """The thread's current CUDA context is what it was before each call (another library's
+    context, on the same device as the model or another: torch's device guards put the current
+    device back), and the model, whose work runs in its device's primary context, trains in
+    between. The emulated backend makes two GPUs and refuses work queued from another context."""
+    env = dict(os.environ, CMLP_EMU_DEVICES="2")
+    r = subprocess.run([sys.executable, "-c", _CONTEXT_SCRIPT], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    kept, finite, predicted = json.loads(r.stdout.strip().splitlines()[-1])
+    assert [what for what, same_ctx in kept if not same_ctx] == [], kept
+    assert finite and predicted
+
+
 @needs_gpu
 def test_out_of_memory_under_a_limit_is_detailed_and_the_gpu_keeps_working():
     M.empty_cache(CUDA)

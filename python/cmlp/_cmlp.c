@@ -161,13 +161,32 @@ static int64_t stack_number(void) {
     return number;
 }
 
+/* The GIL released around a call into the core, and the thread's current CUDA context put back
+ * after it (cmlp_cuda_ctx_save), as torch's device guards put back the current device. */
+#define NOGIL_BEGIN                                                                                            \
+    {                                                                                                          \
+        void *cuctx_ = cmlp_cuda_ctx_save();                                                                   \
+        Py_BEGIN_ALLOW_THREADS
+#define NOGIL_END                                                                                              \
+    Py_END_ALLOW_THREADS                                                                                       \
+    cmlp_cuda_ctx_restore(cuctx_);                                                                             \
+    }
+
+/* A call made with the GIL held that may use a GPU, with the same care for the caller's context. */
+#define GUARDED(stmt)                                                                                          \
+    do {                                                                                                       \
+        void *gctx_ = cmlp_cuda_ctx_save();                                                                    \
+        stmt;                                                                                                  \
+        cmlp_cuda_ctx_restore(gctx_);                                                                          \
+    } while (0)
+
 /* A call into the core with the GIL released, noted with the caller's Python stack. */
 #define CALL_CORE(stmt)                             \
     do {                                            \
         cmlp_memory_set_context(stack_number());    \
-        Py_BEGIN_ALLOW_THREADS                      \
+        NOGIL_BEGIN                      \
         stmt;                                       \
-        Py_END_ALLOW_THREADS                        \
+        NOGIL_END                        \
         cmlp_memory_set_context(0);                 \
     } while (0)
 
@@ -196,11 +215,11 @@ static ModelObject *live_models;
             break;                                           \
         }                                                    \
         cmlp_memory_set_context(stack_number());             \
-        Py_BEGIN_ALLOW_THREADS                               \
+        NOGIL_BEGIN                               \
         PyThread_acquire_lock((model)->lock, WAIT_LOCK);     \
         (st) = call;                                         \
         PyThread_release_lock((model)->lock);                \
-        Py_END_ALLOW_THREADS                                 \
+        NOGIL_END                                 \
         cmlp_memory_set_context(0);                          \
     } while (0)
 
@@ -208,11 +227,11 @@ static ModelObject *live_models;
     do {                                                     \
         if ((model)->lost) break;                            \
         cmlp_memory_set_context(stack_number());             \
-        Py_BEGIN_ALLOW_THREADS                               \
+        NOGIL_BEGIN                               \
         PyThread_acquire_lock((model)->lock, WAIT_LOCK);     \
         call;                                                \
         PyThread_release_lock((model)->lock);                \
-        Py_END_ALLOW_THREADS                                 \
+        NOGIL_END                                 \
         cmlp_memory_set_context(0);                          \
     } while (0)
 
@@ -340,7 +359,7 @@ static void Model_dealloc(ModelObject *self) {
     if (self->next) self->next->prev = self->prev;
     if (!self->lost) { /* a lost model's state is left as the lost call left it */
         cmlp_memory_set_context(stack_number());
-        cmlp_model_free(self->m);
+        GUARDED(cmlp_model_free(self->m));
         cmlp_memory_set_context(0);
     }
     if (self->lock) PyThread_free_lock(self->lock);
@@ -740,12 +759,12 @@ static int Optim_init(OptimObject *self, PyObject *args, PyObject *kw) {
     if (strcmp(kind, "adam") == 0) {
         ac.lr = lr;
         ac.weight_decay = wd;
-        st = cmlp_optim_init_adam(&self->o, mo->m, &ac);
+        GUARDED(st = cmlp_optim_init_adam(&self->o, mo->m, &ac));
     } else if (strcmp(kind, "sgd") == 0) {
         sc.lr = lr;
         sc.weight_decay = wd;
         sc.nesterov = nesterov;
-        st = cmlp_optim_init_sgd(&self->o, mo->m, &sc);
+        GUARDED(st = cmlp_optim_init_sgd(&self->o, mo->m, &sc));
     } else {
         PyErr_Format(PyExc_ValueError, "unknown optimizer kind \"%s\": expected \"adam\" or \"sgd\"", kind);
         return -1;
@@ -763,7 +782,7 @@ static void Optim_dealloc(OptimObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
     if (!self->model || !self->model->lost) {
         cmlp_memory_set_context(stack_number());
-        cmlp_optim_free(self->o);
+        GUARDED(cmlp_optim_free(self->o));
         cmlp_memory_set_context(0);
     }
     Py_XDECREF(self->model);
@@ -843,7 +862,8 @@ static cmlp_status read_state(cmlp_optim *o, int nb, PyObject *bufs, int64_t *st
     *changed = cmlp_optim_num_buffers(o) != nb;
     if (*changed) return CMLP_OK;
     for (int i = 0; i < nb; i++) { /* the arrays' data, made by the caller: no Python call here */
-        cmlp_status st = cmlp_optim_get_buffer(o, i, PyArray_DATA((PyArrayObject *)PyList_GET_ITEM(bufs, i)));
+        cmlp_status st;
+        GUARDED(st = cmlp_optim_get_buffer(o, i, PyArray_DATA((PyArrayObject *)PyList_GET_ITEM(bufs, i))));
         if (st != CMLP_OK) return st;
     }
     *step = cmlp_optim_get_step(o);
@@ -1078,7 +1098,8 @@ static int Trainer_init(TrainerObject *self, PyObject *args, PyObject *kw) {
                            .shuffle = shuffle, .seed = seed, .label_smoothing = smoothing, .amp = (cmlp_amp)amp,
                            .auto_microbatch = automb, .grow_interval = grow, .recompute = recompute,
                            .max_grad_norm = max_grad_norm};
-    cmlp_status st = cmlp_trainer_init(&self->t, o->model->m, o->o, &c);
+    cmlp_status st;
+    GUARDED(st = cmlp_trainer_init(&self->t, o->model->m, o->o, &c));
     if (st != CMLP_OK) {
         raise_status(ms, st);
         return -1;
@@ -1092,7 +1113,7 @@ static void Trainer_dealloc(TrainerObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
     if (!self->optim || !self->optim->model || !self->optim->model->lost) {
         cmlp_memory_set_context(stack_number());
-        cmlp_trainer_free(self->t);
+        GUARDED(cmlp_trainer_free(self->t));
         cmlp_memory_set_context(0);
     }
     Py_XDECREF(self->epoch_x);
@@ -1502,9 +1523,9 @@ static PyObject *mod_mem_get_info(PyObject *mod, PyObject *arg) {
     if (parse_device(state_of(mod), arg, &d) < 0) return NULL;
     int64_t free_bytes = -1, total = 0;
     cmlp_status st;
-    Py_BEGIN_ALLOW_THREADS
+    NOGIL_BEGIN
     st = cmlp_memory_get_info(d, &free_bytes, &total);
-    Py_END_ALLOW_THREADS
+    NOGIL_END
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
     return Py_BuildValue("(LL)", (long long)free_bytes, (long long)total);
 }
@@ -1513,7 +1534,8 @@ static PyObject *mod_memory_stats(PyObject *mod, PyObject *arg) {
     cmlp_device d;
     if (parse_device(state_of(mod), arg, &d) < 0) return NULL;
     cmlp_memory_stats s;
-    cmlp_status st = cmlp_memory_stats_get(d, &s);
+    cmlp_status st;
+    GUARDED(st = cmlp_memory_stats_get(d, &s));
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
     PyObject *dict = PyDict_New();
     if (!dict) return NULL;
@@ -1548,9 +1570,9 @@ static PyObject *call_device_fn(PyObject *mod, PyObject *arg, device_fn fn) {
     cmlp_device d;
     if (parse_device(state_of(mod), arg, &d) < 0) return NULL;
     cmlp_status st;
-    Py_BEGIN_ALLOW_THREADS
+    NOGIL_BEGIN
     st = fn(d);
-    Py_END_ALLOW_THREADS
+    NOGIL_END
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
     Py_RETURN_NONE;
 }
@@ -1568,7 +1590,8 @@ static PyObject *mod_window_peak(PyObject *mod, PyObject *args) {
     cmlp_device d;
     if (parse_device(state_of(mod), dev, &d) < 0) return NULL;
     int64_t peak = 0;
-    cmlp_status st = cmlp_memory_window_peak(d, restart, &peak);
+    cmlp_status st;
+    GUARDED(st = cmlp_memory_window_peak(d, restart, &peak));
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
     return PyLong_FromLongLong(peak);
 }
@@ -1590,7 +1613,8 @@ static PyObject *mod_cache_serves(PyObject *mod, PyObject *args) {
         req[i] = v;
     }
     int served = 0;
-    cmlp_status st = cmlp_memory_cache_serves(d, req, (int)n, &served);
+    cmlp_status st;
+    GUARDED(st = cmlp_memory_cache_serves(d, req, (int)n, &served));
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
     return PyBool_FromLong(served);
 }
@@ -1601,7 +1625,8 @@ static PyObject *mod_set_memory_limit(PyObject *mod, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OL", &dev, &limit)) return NULL;
     cmlp_device d;
     if (parse_device(state_of(mod), dev, &d) < 0) return NULL;
-    cmlp_status st = cmlp_memory_set_limit(d, limit);
+    cmlp_status st;
+    GUARDED(st = cmlp_memory_set_limit(d, limit));
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
     Py_RETURN_NONE;
 }
@@ -1631,7 +1656,8 @@ static PyObject *mod_free(PyObject *mod, PyObject *args) {
     void *p = PyLong_AsVoidPtr(ptr);
     if (!p && PyErr_Occurred()) return NULL;
     cmlp_memory_set_context(stack_number());
-    cmlp_status st = cmlp_memory_free(d, p);
+    cmlp_status st;
+    GUARDED(st = cmlp_memory_free(d, p));
     cmlp_memory_set_context(0);
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
     Py_RETURN_NONE;
@@ -1672,7 +1698,8 @@ static PyObject *mod_snapshot(PyObject *mod, PyObject *arg) {
     cmlp_segment_info *segs = NULL;
     cmlp_block_info *blks = NULL;
     int64_t ns = 0, nb = 0;
-    cmlp_status st = cmlp_memory_snapshot(d, &segs, &ns, &blks, &nb);
+    cmlp_status st;
+    GUARDED(st = cmlp_memory_snapshot(d, &segs, &ns, &blks, &nb));
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
     PyObject *list = segments_list(d, segs, ns, blks);
     cmlp_memory_snapshot_free(segs, blks);
@@ -1687,7 +1714,8 @@ static PyObject *mod_snapshot_history(PyObject *mod, PyObject *arg) {
     cmlp_block_info *blks = NULL;
     cmlp_trace_entry *e = NULL;
     int64_t ns = 0, nb = 0, ne = 0;
-    cmlp_status st = cmlp_memory_snapshot_history(d, &segs, &ns, &blks, &nb, &e, &ne);
+    cmlp_status st;
+    GUARDED(st = cmlp_memory_snapshot_history(d, &segs, &ns, &blks, &nb, &e, &ne));
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
     PyObject *list = segments_list(d, segs, ns, blks);
     cmlp_memory_snapshot_free(segs, blks);
@@ -1708,8 +1736,9 @@ static PyObject *mod_record_history(PyObject *mod, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OiiLIp", &dev, &mode, &context, &max_entries, &skip, &clear)) return NULL;
     cmlp_device d;
     if (parse_device(state_of(mod), dev, &d) < 0) return NULL;
-    cmlp_status st = cmlp_memory_record_history(d, (cmlp_history_mode)mode, (cmlp_context_mode)context,
-                                                (int64_t)max_entries, (uint32_t)skip, clear);
+    cmlp_status st;
+    GUARDED(st = cmlp_memory_record_history(d, (cmlp_history_mode)mode, (cmlp_context_mode)context,
+                                                (int64_t)max_entries, (uint32_t)skip, clear));
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
     Py_RETURN_NONE;
 }
@@ -1780,7 +1809,8 @@ static PyObject *mod_configure(PyObject *mod, PyObject *arg) {
     }
     const char *s = c_text(arg, "the allocator configuration");
     if (!s) return NULL;
-    cmlp_status st = cmlp_memory_configure(s);
+    cmlp_status st;
+    GUARDED(st = cmlp_memory_configure(s));
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
     Py_RETURN_NONE;
 }
@@ -1820,7 +1850,8 @@ static PyObject *mod_fail_raw_alloc(PyObject *mod, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OL", &dev, &k)) return NULL;
     cmlp_device d;
     if (parse_device(state_of(mod), dev, &d) < 0) return NULL;
-    cmlp_status st = cmlp_memory_fail_raw_alloc(d, k);
+    cmlp_status st;
+    GUARDED(st = cmlp_memory_fail_raw_alloc(d, k));
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
     Py_RETURN_NONE;
 }
@@ -1853,9 +1884,9 @@ static PyObject *convert(PyObject *args, int to_half) {
     int64_t n = (int64_t)PyArray_SIZE(src);
     void *d = PyArray_DATA((PyArrayObject *)dst), *s = PyArray_DATA(src);
     cmlp_status st;
-    Py_BEGIN_ALLOW_THREADS
+    NOGIL_BEGIN
     st = to_half ? cmlp_convert_to_half(d, s, n, dt) : cmlp_convert_from_half(d, s, n, dt);
-    Py_END_ALLOW_THREADS
+    NOGIL_END
     Py_DECREF(src);
     if (st != CMLP_OK) {
         Py_DECREF(dst);
@@ -1889,10 +1920,10 @@ static PyObject *mod_plan(PyObject *mod, PyObject *args) {
     if (parse_sizes(sizes_obj, sizes, &n) < 0) return NULL;
     cmlp_plan p;
     cmlp_status st;
-    Py_BEGIN_ALLOW_THREADS
+    NOGIL_BEGIN
     st = cmlp_plan_compute(sizes, n, batch, nbuf, shards, parts, (cmlp_amp)amp, recompute, scaling, solo, data_rows,
                            row_bytes, shuffled, eval_rows, eval_staged, epochs, d, &p);
-    Py_END_ALLOW_THREADS
+    NOGIL_END
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
     static const char *const held_names[] = {"model", "optimizer_state", "half_weights", "data", "step"};
     PyObject *requests = PyList_New(p.nrequests);
@@ -1938,9 +1969,9 @@ static PyObject *mod_synchronize(PyObject *mod, PyObject *arg) {
     cmlp_device d;
     if (parse_device(state_of(mod), arg, &d) < 0) return NULL;
     cmlp_status st;
-    Py_BEGIN_ALLOW_THREADS
+    NOGIL_BEGIN
     st = cmlp_device_synchronize(d);
-    Py_END_ALLOW_THREADS
+    NOGIL_END
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
     Py_RETURN_NONE;
 }
@@ -1960,9 +1991,9 @@ static PyObject *mod_gpu_processes(PyObject *mod, PyObject *arg) {
     if (!pids) return PyErr_NoMemory();
     int n = -1;
     cmlp_status st;
-    Py_BEGIN_ALLOW_THREADS
+    NOGIL_BEGIN
     st = cmlp_device_processes(d, pids, bytes, CAP, &n);
-    Py_END_ALLOW_THREADS
+    NOGIL_END
     PyObject *list = NULL;
     if (st != CMLP_OK) raise_status(state_of(mod), st);
     else if (n < 0) {
@@ -1986,9 +2017,9 @@ static PyObject *mod_cuda_device_properties(PyObject *mod, PyObject *arg) {
     const int index = v < 0 || v > INT_MAX ? -1 : (int)v; /* -1: refused by the core, as not a device */
     cmlp_device_props p;
     cmlp_status st;
-    Py_BEGIN_ALLOW_THREADS
+    NOGIL_BEGIN
     st = cmlp_cuda_device_properties(index, &p);
-    Py_END_ALLOW_THREADS
+    NOGIL_END
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
     return Py_BuildValue("{s:s,s:i,s:i,s:L,s:i,s:i,s:i,s:L,s:s}", "name", p.name, "major", p.major, "minor", p.minor,
                          "total_memory", (long long)p.total_memory, "multi_processor_count", p.multi_processor_count,
@@ -2021,9 +2052,9 @@ static PyObject *mod_nvml_devices(PyObject *mod, PyObject *unused) {
     (void)unused;
     const char *uuids[CMLP_NVML_MAX_DEVICES];
     int n;
-    Py_BEGIN_ALLOW_THREADS
+    NOGIL_BEGIN
     n = cmlp_nvml_devices(uuids, CMLP_NVML_MAX_DEVICES);
-    Py_END_ALLOW_THREADS
+    NOGIL_END
     if (n < 0) Py_RETURN_NONE;
     PyObject *list = PyList_New(n);
     for (int i = 0; list && i < n; i++) {
@@ -2047,9 +2078,9 @@ static PyObject *mod_dist_init(PyObject *mod, PyObject *arg) {
     if (backend == -1 && PyErr_Occurred()) return NULL;
     int rank = 0, size = 1;
     cmlp_status st;
-    Py_BEGIN_ALLOW_THREADS
+    NOGIL_BEGIN
     st = cmlp_dist_init((int)backend, &rank, &size);
-    Py_END_ALLOW_THREADS
+    NOGIL_END
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
     return Py_BuildValue("(ii)", rank, size);
 }
@@ -2097,9 +2128,9 @@ static PyObject *mod_dist_all_reduce(PyObject *mod, PyObject *args) {
     void *data = PyArray_DATA(a);
     int64_t n = (int64_t)PyArray_SIZE(a);
     cmlp_status st;
-    Py_BEGIN_ALLOW_THREADS
+    NOGIL_BEGIN
     st = cmlp_dist_all_reduce(data, n, type, op);
-    Py_END_ALLOW_THREADS
+    NOGIL_END
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
     Py_RETURN_NONE;
 }
@@ -2113,9 +2144,9 @@ static PyObject *mod_dist_broadcast(PyObject *mod, PyObject *args) {
     void *data = PyArray_DATA(a);
     int64_t bytes = (int64_t)PyArray_NBYTES(a);
     cmlp_status st;
-    Py_BEGIN_ALLOW_THREADS
+    NOGIL_BEGIN
     st = cmlp_dist_broadcast(data, bytes, root);
-    Py_END_ALLOW_THREADS
+    NOGIL_END
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
     Py_RETURN_NONE;
 }
@@ -2123,9 +2154,9 @@ static PyObject *mod_dist_broadcast(PyObject *mod, PyObject *args) {
 static PyObject *mod_dist_barrier(PyObject *mod, PyObject *unused) {
     (void)unused;
     cmlp_status st;
-    Py_BEGIN_ALLOW_THREADS
+    NOGIL_BEGIN
     st = cmlp_dist_barrier();
-    Py_END_ALLOW_THREADS
+    NOGIL_END
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
     Py_RETURN_NONE;
 }
@@ -2133,16 +2164,16 @@ static PyObject *mod_dist_barrier(PyObject *mod, PyObject *unused) {
 static PyObject *mod_dist_destroy(PyObject *mod, PyObject *unused) {
     (void)mod;
     (void)unused;
-    cmlp_dist_destroy();
+    GUARDED(cmlp_dist_destroy());
     Py_RETURN_NONE;
 }
 
 static PyObject *mod_dist_finalize(PyObject *mod, PyObject *unused) {
     (void)mod;
     (void)unused;
-    Py_BEGIN_ALLOW_THREADS
+    NOGIL_BEGIN
     cmlp_dist_finalize();
-    Py_END_ALLOW_THREADS
+    NOGIL_END
     Py_RETURN_NONE;
 }
 

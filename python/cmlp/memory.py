@@ -397,7 +397,8 @@ class Plan:
     """What a training run will hold. breakdown: requested bytes per category; peak_bytes: what the
     run adds to max_memory_allocated (allocator rounding included); reserved_bytes: what it adds
     to max_memory_reserved, from an empty cache. Both are on top of what a device holds from the
-    moment it opens (on CUDA, the 10 MiB GEMM workspace), whose place the plan takes into account."""
+    moment it opens (on CUDA, the GEMM workspace: 10 MiB, 34 MiB on compute capability 9.x, 10.x
+    and 12.x), whose place the plan takes into account."""
 
     def __init__(self, layer_sizes: List[int], batch_size: int, optimizer: str, amp: Optional[str],
                  recompute: bool, device: str, raw: Dict[str, int], optimizer_shards: int = 1) -> None:
@@ -407,7 +408,7 @@ class Plan:
         self.breakdown: Dict[str, int] = {k: raw[k] for k in _CATEGORIES}
         self.peak_bytes: int = raw["peak_allocated"]
         self.reserved_bytes: int = raw["peak_reserved"]
-        # what the device reserves from the moment it opens (CUDA's 10 MiB GEMM workspace), under
+        # what the device reserves from the moment it opens (CUDA's GEMM workspace), under
         # the run: a memory limit counts it and reserved_bytes
         self.standing_reserved_bytes: int = raw["standing_reserved"]
         # bytes of the step's buffers that live in the gradient buffer (in no category above):

@@ -22,6 +22,9 @@
  *    reserved addresses are inaccessible until a page is mapped and access is set, and again
  *    after it is unmapped, so a use after unmapping faults.
  *  - CMLP_EMU_DEVICES (default 1) devices share the host's memory.
+ *  - A thread's current context (cudaSetDevice's primary one, or a test's: cmlp_emu_ctx_create)
+ *    decides its device, and work queued to a stream made in another context fails, as CUDA's
+ *    "invalid resource handle" does.
  *  - NVML (nvml* below) reports CMLP_EMU_NVML_DEVICES GPUs (default: CMLP_EMU_DEVICES), whose
  *    UUIDs share the prefix "GPU-7e57"; CMLP_EMU_NVML_FAIL=1 makes nvmlInit_v2 fail as without a
  *    driver. NVML starts nothing: a forked child may use CUDA after its parent asked NVML. The
@@ -126,6 +129,7 @@ struct CUstream_st {
      * stream, and its branch in the graph */
     CUstream_st *cap_origin = nullptr;
     int cap_lane = 0;
+    CUctx_st *ctx = nullptr; /* made in (the legacy stream: none, any context's) */
 };
 struct CUevent_st {
     CUstream_st *stream = nullptr; /* recorded outside a capture: after op `id` of `stream` */
@@ -140,11 +144,30 @@ struct CUgraph_st {
 struct CUgraphExec_st {
     graph_t g;
 };
+struct CUctx_st {
+    int device;
+    bool primary;
+};
 
 namespace {
 
 CUstream_st legacy_stream;
 thread_local int current_device = 0;
+
+/* Contexts (CUctx_st above): each device's primary context (what cudaSetDevice makes current) and those a test
+ * makes (cmlp_emu_ctx_create, as cuCtxCreate). A thread's current context, when it has one,
+ * decides its device, as the runtime takes the context the driver API made current. */
+CUctx_st *primary_ctx(int d) {
+    static CUctx_st primaries[64];
+    CUctx_st *c = &primaries[d & 63];
+    c->device = d;
+    c->primary = true;
+    return c;
+}
+thread_local CUctx_st *current_ctx;
+int cur_dev() { return current_ctx ? current_ctx->device : current_device; }
+/* the context the runtime works in on this thread */
+CUctx_st *work_ctx() { return current_ctx ? current_ctx : primary_ctx(current_device); }
 thread_local CUstream_st *capturing_here; /* the stream this thread captures on */
 
 size_t env_size(const char *name, size_t dflt) {
@@ -235,6 +258,12 @@ cudaError_t submit(cudaStream_t stream, std::function<void()> run, const char *n
     fork_guard("submit");
     std::lock_guard<std::recursive_mutex> g(gpu);
     CUstream_st *s = resolve(stream);
+    if (s->ctx && s->ctx != work_ctx()) { /* CUDA's "invalid resource handle" */
+        std::fprintf(stderr, "cuda_emu: %s queued to a stream of another context (device %d) than the current one "
+                     "(device %d%s)\n", name, s->ctx->device, work_ctx()->device,
+                     work_ctx()->primary ? "" : ", not its primary context");
+        return cudaErrorInvalidResourceHandle;
+    }
     op o{std::make_shared<std::function<void()>>(std::move(run)), name, 0};
     if (s->capturing) {
         CUstream_st *cs = origin(s);
@@ -321,11 +350,12 @@ cudaError_t cudaSetDevice(int d) {
     fork_guard("cudaSetDevice");
     if (d < 0 || d >= device_count()) return fail(cudaErrorInvalidDevice);
     current_device = d;
+    current_ctx = primary_ctx(d);
     return cudaSuccess;
 }
 cudaError_t cudaGetDevice(int *d) {
     fork_guard("cudaGetDevice");
-    *d = current_device;
+    *d = cur_dev();
     return cudaSuccess;
 }
 cudaError_t cudaRuntimeGetVersion(int *v) {
@@ -372,12 +402,12 @@ cudaError_t cudaMalloc(void **p, size_t n) {
     if (refused_while_capturing("cudaMalloc")) return fail(cudaErrorStreamCaptureUnsupported);
     if (n == 0) return cudaSuccess;
     const size_t sz = page_round(n);
-    if (sz > capacity() - std::min(capacity(), used[current_device])) return fail(cudaErrorMemoryAllocation);
+    if (sz > capacity() - std::min(capacity(), used[cur_dev()])) return fail(cudaErrorMemoryAllocation);
     void *m = mmap(nullptr, sz, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (m == MAP_FAILED) return fail(cudaErrorMemoryAllocation);
     memset(m, 0xFF, sz); /* poison: a read before the first write gives NaN (and -1 as an integer) */
-    regions[(uintptr_t)m] = region{sz, current_device, 0};
-    used[current_device] += sz;
+    regions[(uintptr_t)m] = region{sz, cur_dev(), 0};
+    used[cur_dev()] += sz;
     *p = m;
     return cudaSuccess;
 }
@@ -404,7 +434,7 @@ cudaError_t cudaMallocHost(void **p, size_t n) {
     const size_t sz = page_round(n ? n : 1);
     void *m = mmap(nullptr, sz, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (m == MAP_FAILED) return fail(cudaErrorMemoryAllocation);
-    regions[(uintptr_t)m] = region{sz, current_device, 1};
+    regions[(uintptr_t)m] = region{sz, cur_dev(), 1};
     *p = m;
     return cudaSuccess;
 }
@@ -426,7 +456,7 @@ cudaError_t cudaMemGetInfo(size_t *free_b, size_t *total) {
     fork_guard("cudaMemGetInfo");
     std::lock_guard<std::recursive_mutex> g(gpu);
     *total = capacity();
-    *free_b = capacity() - std::min(capacity(), used[current_device]);
+    *free_b = capacity() - std::min(capacity(), used[cur_dev()]);
     return cudaSuccess;
 }
 
@@ -449,6 +479,7 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned int) {
     fork_guard("cudaStreamCreateWithFlags");
     std::lock_guard<std::recursive_mutex> g(gpu);
     *s = new CUstream_st;
+    (*s)->ctx = work_ctx();
     streams.push_back(*s);
     return cudaSuccess;
 }
@@ -850,7 +881,7 @@ CUresult CUDAAPI mem_reserve(CUdeviceptr *ptr, size_t size, size_t alignment, CU
     uintptr_t a = ((uintptr_t)m + al - 1) / al * al;
     if (a > (uintptr_t)m) munmap(m, a - (uintptr_t)m);
     if ((uintptr_t)m + size + al > a + size) munmap((void *)(a + size), (uintptr_t)m + size + al - (a + size));
-    regions[a] = region{size, current_device, 2};
+    regions[a] = region{size, cur_dev(), 2};
     *ptr = a;
     return CUDA_SUCCESS;
 }
@@ -870,6 +901,15 @@ CUresult CUDAAPI mem_free_range(CUdeviceptr ptr, size_t size) {
 CUresult CUDAAPI mem_granularity(size_t *gran, const CUmemAllocationProp *, CUmemAllocationGranularity_flags) {
     fork_guard("mem_granularity");
     *gran = (size_t)2 << 20;
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI ctx_get_current(CUcontext *c) {
+    *c = current_ctx;
+    return CUDA_SUCCESS;
+}
+CUresult CUDAAPI ctx_set_current(CUcontext c) {
+    current_ctx = c;
     return CUDA_SUCCESS;
 }
 
@@ -894,6 +934,8 @@ extern "C" cudaError_t cudaGetDriverEntryPointByVersion(const char *symbol, void
         {"cuMemAddressFree", (void *)mem_free_range},
         {"cuMemGetAllocationGranularity", (void *)mem_granularity},
         {"cuGetErrorString", (void *)error_string},
+        {"cuCtxGetCurrent", (void *)ctx_get_current},
+        {"cuCtxSetCurrent", (void *)ctx_set_current},
     };
     auto it = table.find(symbol);
     *fn = it == table.end() ? nullptr : it->second;
@@ -1560,3 +1602,14 @@ __attribute__((visibility("default"))) int nvmlDeviceGetUUID(void *device, char 
 }
 
 } /* extern "C" */
+
+/* ---- for tests: contexts of the driver API ---- */
+
+/* A new context on device d, made current (as cuCtxCreate); contexts live as long as the process. */
+extern "C" __attribute__((visibility("default"))) void *cmlp_emu_ctx_create(int d) {
+    CUctx_st *c = new CUctx_st{d, false};
+    current_ctx = c;
+    return c;
+}
+extern "C" __attribute__((visibility("default"))) void *cmlp_emu_ctx_current(void) { return current_ctx; }
+extern "C" __attribute__((visibility("default"))) void cmlp_emu_ctx_set(void *c) { current_ctx = static_cast<CUctx_st *>(c); }
