@@ -69,7 +69,7 @@ def _record(enabled: Optional[str] = "all", context: Optional[str] = "all", stac
         if action not in _ACTIONS:
             raise ValueError(f"skip_actions: unknown action {action!r}; the actions are {', '.join(_ACTIONS)}")
         skip |= 1 << _ACTIONS.index(action)
-    from .memory import _device
+    from ._args import _device
 
     dev = _device(device)
     if enabled is None:
@@ -188,7 +188,7 @@ def snapshot(device: Optional[str] = None) -> Dict[str, Any]:
     index, stream, segment_type, is_expandable, blocks with frames); device_traces has one list per
     device index up to this device's, the others empty. On "cpu" the index is 0. Entries and
     blocks with the same frames share one list of them."""
-    from .memory import _device
+    from ._args import _device
 
     dev = _device(device)
     with _lock:

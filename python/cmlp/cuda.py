@@ -130,7 +130,7 @@ def _device_index(device: "Optional[str | int]") -> int:
     if device is None:
         return 0
     if not isinstance(device, (str, int, np.integer)) and hasattr(device, "type"):  # a torch.device
-        from .memory import _device_text
+        from ._args import _device_text
 
         device = _device_text(device)
     if isinstance(device, (int, np.integer)) and not isinstance(device, bool):
@@ -183,7 +183,7 @@ def list_gpu_processes(device: "Optional[str | int]" = None) -> str:
 
 def synchronize(device: Optional[str] = None) -> None:
     """Waits for the device's queued work. Raises RuntimeError when CUDA is unavailable."""
-    from .memory import _device_text
+    from ._args import _device_text
 
     _cmlp.synchronize("cuda" if device is None else _device_text(device))
 

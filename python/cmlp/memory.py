@@ -2,15 +2,16 @@
 ("cpu" included). All numbers come from the device's allocator, which owns every byte."""
 import numbers
 import os
-import re
 import threading
 import warnings
-from fractions import Fraction
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
-import numpy as np
+from . import _args, _cmlp, _history, _plan, _snapshot_report
+from ._args import _device, _fmt, _numpy_int
 
-from . import _cmlp, _history, _snapshot_report
+parse_size = _args.parse_size
+Plan, plan, max_batch_size = _plan.Plan, _plan.plan, _plan.max_batch_size  # the planner
+
 
 class MemoryWarning(UserWarning):
     """Issued (once per trainer) when memory ran out and the trainer changed how it computes."""
@@ -27,34 +28,6 @@ def _new_lock_in_child() -> None:  # a thread the forked child lacks may have he
 
 
 os.register_at_fork(after_in_child=_new_lock_in_child)
-
-
-def _device_text(device: Any) -> Any:
-    """torch's other ways of naming a device, as a string: an int N is "cuda:N" (as torch.cuda's
-    functions take it), a torch.device (anything with a str .type and an int or None .index) its
-    "type[:index]". Anything else is returned as it is."""
-    if isinstance(device, (int, np.integer)) and not isinstance(device, (bool, np.bool_)):
-        return f"cuda:{int(device)}" if device >= 0 else device
-    kind, index = getattr(device, "type", None), getattr(device, "index", 0)
-    if not isinstance(device, str) and isinstance(kind, str) and (index is None or isinstance(index, int)):
-        return kind if index is None else f"{kind}:{index}"
-    return device
-
-
-def _numpy_int(value: Any) -> Any:
-    """A NumPy integer as the int it holds (as torch takes them); anything else as it is."""
-    return int(value) if isinstance(value, np.integer) else value
-
-
-def _device(device: Any) -> str:
-    if device is None:
-        # a child forked after CUDA started cannot use it: its default is the CPU
-        return "cuda:0" if _cmlp.cuda_device_count() > 0 and not _cmlp.cuda_forked() else "cpu"
-    device = _device_text(device)
-    if not isinstance(device, str):
-        raise TypeError(f"device must be a str such as 'cpu' or 'cuda:0' (or an index, or a torch.device), "
-                        f"got {device!r}")
-    return _cmlp.parse_device(device)
 
 
 def memory_stats(device: Optional[str] = None) -> Dict[str, int]:
@@ -389,268 +362,6 @@ def _fail_raw_alloc(k: int, device: Optional[str] = None) -> None:
     _cmlp.fail_raw_alloc(_device(device), int(k))
 
 
-_CATEGORIES = ("parameters", "gradients", "optimizer_state", "half_weights", "activations", "workspace", "data",
-               "evaluation")
-
-
-class Plan:
-    """What a training run will hold. breakdown: requested bytes per category; peak_bytes: what the
-    run adds to max_memory_allocated (allocator rounding included); reserved_bytes: what it adds
-    to max_memory_reserved, from an empty cache. Both are on top of what a device holds from the
-    moment it opens (on CUDA, the GEMM workspace: 10 MiB, 34 MiB on compute capability 9.x, 10.x
-    and 12.x), whose place the plan takes into account."""
-
-    def __init__(self, layer_sizes: List[int], batch_size: int, optimizer: str, amp: Optional[str],
-                 recompute: bool, device: str, raw: Dict[str, int], optimizer_shards: int = 1) -> None:
-        self.layer_sizes, self.batch_size, self.optimizer = list(layer_sizes), batch_size, optimizer
-        self.optimizer_shards = optimizer_shards
-        self.amp, self.recompute, self.device = amp, recompute, device
-        self.breakdown: Dict[str, int] = {k: raw[k] for k in _CATEGORIES}
-        self.peak_bytes: int = raw["peak_allocated"]
-        self.reserved_bytes: int = raw["peak_reserved"]
-        # what the device reserves from the moment it opens (CUDA's GEMM workspace), under
-        # the run: a memory limit counts it and reserved_bytes
-        self.standing_reserved_bytes: int = raw["standing_reserved"]
-        # bytes of the step's buffers that live in the gradient buffer (in no category above):
-        # with one micro-batch per optimizer step, the first layer's weight gradient, written
-        # last, holds the half weights and every buffer the step is done with before that
-        self.in_gradients: int = raw["in_gradients"]
-        # the blocks that stay between steps as the allocator hands them out (rounded): what a run
-        # at another micro-batch keeps of what is allocated now (Trainer's planned start)
-        self._allocated: Dict[str, int] = {"model": raw["allocated_model"], "optimizer_state": raw["allocated_state"],
-                                           "half_weights": raw["allocated_half"], "data": raw["allocated_data"]}
-        # the run's requests up to its first step's buffers, in order: (what it holds, bytes)
-        self._requests: List[Tuple[str, int]] = raw["requests"]
-
-    def __repr__(self) -> str:
-        return (f"Plan(layers={self.layer_sizes}, batch_size={self.batch_size}, peak_bytes={self.peak_bytes}, "
-                f"reserved_bytes={self.reserved_bytes})")
-
-    def __str__(self) -> str:
-        sharded = self.optimizer_shards > 1 and self.breakdown["optimizer_state"] > 0
-        shards = f" (state sharded over {self.optimizer_shards} ranks)" if sharded else ""
-        head = (f"MLP {'-'.join(map(str, self.layer_sizes))}, batch {self.batch_size}, {self.optimizer}{shards}, "
-                f"{self.amp or 'fp32'}{', recompute' if self.recompute else ''}, {self.device}")
-        rows = [(k.replace("_", " "), v) for k, v in self.breakdown.items()]
-        if self.in_gradients:
-            rows.append(("(in the gradients)", self.in_gradients))
-        rows += [("peak allocated", self.peak_bytes), ("peak reserved", self.reserved_bytes)]
-        width = max(len(r[0]) for r in rows)
-        lines = [head] + [f"  {name:<{width}}  {_fmt(v):>12}" for name, v in rows]
-        return "\n".join(lines)
-
-
-def _optimizer_buffers(optimizer: Any) -> Tuple[str, int]:
-    from .optim import SGD, Adam
-
-    if isinstance(optimizer, (Adam, SGD)):  # the buffers it holds and those its next step makes
-        return ("adam" if isinstance(optimizer, Adam) else "sgd"), optimizer._c.buffers_planned()
-    names = {"adam": 2, "adamw": 2, "adam_amsgrad": 3, "adamw_amsgrad": 3, "sgd": 0, "sgd_momentum": 1}
-    if optimizer not in names:
-        raise ValueError(f"optimizer must be one of {', '.join(map(repr, names))} or a cmlp optimizer, got "
-                         f"{optimizer!r}")
-    return optimizer.replace("adamw", "adam"), names[optimizer]
-
-
-def _check_accumulation(accumulation_steps: Any) -> int:
-    accumulation_steps = _numpy_int(accumulation_steps)
-    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
-        raise ValueError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
-    return accumulation_steps
-
-
-def plan(layer_sizes: List[int], batch_size: int = 32, optimizer: Any = "adam", amp: Optional[str] = None,
-         recompute: bool = False, device: str = "cpu", scaler: Optional[bool] = None,
-         accumulation_steps: int = 1, optimizer_shards: Optional[int] = None, validation_rows: int = 0,
-         validation_dtype: str = "uint8", data_rows: int = 0, data_dtype: str = "uint8", shuffle: bool = True,
-         epochs: int = 5) -> Plan:
-    """Predicts a training run's memory before anything is allocated (batch_size: rows computed at
-    once, i.e. the micro-batch; accumulation_steps: micro-batches per optimizer step). With one
-    micro-batch per step (the default) a step keeps most of its buffers in the first layer's
-    weight gradient where they fit (in_gradients); a run that accumulates cannot, so plan it
-    with its accumulation_steps. scaler defaults to amp == "fp16". optimizer_shards: the ranks a
-    cmlp.distributed.optim.ZeroRedundancyOptimizer shards the optimizer's state over (default:
-    a ZeroRedundancyOptimizer given as optimizer says, else 1); the plan is then the first rank's,
-    whose part is the largest. validation_rows: the validation samples Trainer.fit evaluates
-    after each epoch (a rank's share, data-parallel; 0: none), in chunks of up to 1000 rows after
-    the step's buffers went back; validation_dtype: theirs ("uint8" images are normalised into a
-    buffer, as any input on a GPU; "float32" ones are read in place on the CPU). The plan is then
-    the whole run's, validation included (breakdown["evaluation"]: its buffers), over `epochs`
-    epochs (Trainer.fit's default, 5): each gives the step's buffers back for the validation and
-    takes them again after it, which reserves new segments each time where a new segment for a
-    request below max_split_size is at or above it (which no smaller request may take), as a
-    20 MiB one is with max_split_size_mb:20 (reserved_bytes is then at most the device's
-    memory, where the allocator empties its cache; under a memory limit it gives those cached
-    segments back when it reaches the limit, which is why max_batch_size counts one epoch's).
-    data_rows: the
-    training samples of a fit, which on a GPU it copies to the device for the run (uint8 images
-    as uint8, floats as float32; with their labels and, when shuffle, their order;
-    breakdown["data"]), 0 on the CPU, where they stay in host memory (a fit whose data set would
-    leave its step no room under a memory limit stages its batches from host memory instead: plan
-    that one without data_rows). No more of them than batch_size make every step one micro-batch
-    of them all, which the plan is then of (its batch_size; accumulation_steps then do not
-    apply). An optimizer given as an
-    object is planned as it is: the state buffers it holds or will make at its next step, and on
-    a GPU its param groups' settings (kept on the device once the groups' settings differ, as
-    they may come to under a schedule: plan such an optimizer after its groups have parted)."""
-    from .model import _as_sizes
-
-    sizes = _as_sizes(layer_sizes)
-    batch_size = _numpy_int(batch_size)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size < 2**63:
-        raise ValueError(f"batch_size must be an int in [1, 2**63), got {batch_size!r}")
-    name, _ = _optimizer_buffers(optimizer)
-    dev = _device(device)
-    args = _plan_args(optimizer, amp, recompute, scaler, accumulation_steps, optimizer_shards)
-    data = _data_args(data_rows, data_dtype, shuffle, sizes[0])
-    if 0 < data[0] <= batch_size:  # each step is the whole data set, in one micro-batch
-        batch_size = data[0]
-        args = _plan_args(optimizer, amp, recompute, scaler, 1, optimizer_shards)
-    evaluation = _evaluation_args(validation_rows, validation_dtype, dev, epochs)
-    raw = _cmlp.plan(list(sizes), batch_size, *args, *data, *evaluation, dev)
-    return Plan(list(sizes), batch_size, name, amp, recompute, dev, raw, args[1])
-
-
-def _rows_of(what: str, rows: Any, dtype: Any) -> Tuple[int, np.dtype]:
-    """A data set's rows (an int in [0, 2**56)) and images' dtype ('uint8' or a float), checked;
-    what: the arguments' prefix ("data", "validation")."""
-    rows = _numpy_int(rows)
-    if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows < 2**56:
-        raise ValueError(f"{what}_rows must be an int in [0, 2**56), got {rows!r}")
-    try:
-        if dtype is None:  # (which NumPy reads as float64)
-            raise TypeError
-        kind = np.dtype(dtype)
-    except TypeError:
-        raise ValueError(f"{what}_dtype must be 'uint8' or a float dtype, got {dtype!r}") from None
-    if kind != np.uint8 and kind.kind != "f":
-        raise ValueError(f"{what}_dtype must be 'uint8' or a float dtype, got {dtype!r}")
-    return rows, kind
-
-
-def _data_args(rows: Any, dtype: Any, shuffle: Any, features: int) -> Tuple[int, int, bool]:
-    """(rows, bytes per row, shuffled) of a data set a fit keeps on a device."""
-    from ._arrays import as_flag
-
-    rows, kind = _rows_of("data", rows, dtype)
-    return rows, features * (1 if kind == np.uint8 else 4), as_flag("shuffle", shuffle)
-
-
-def _evaluation_args(rows: Any, dtype: Any, device: str, epochs: Any) -> Tuple[int, bool, int]:
-    """(rows of an evaluation chunk, whether its input is staged, epochs) for a validation of
-    `rows` after each of `epochs` epochs."""
-    from .trainer import EVALUATION_ROWS
-
-    rows, kind = _rows_of("validation", rows, dtype)
-    epochs = _numpy_int(epochs)
-    if isinstance(epochs, bool) or not isinstance(epochs, int) or not 1 <= epochs < 2**31:
-        raise ValueError(f"epochs must be an int in [1, 2**31), got {epochs!r}")
-    # floats are converted to float32 on the host, then read in place (CPU) or copied (GPU)
-    return min(rows, EVALUATION_ROWS), kind == np.uint8 or device != "cpu", epochs
-
-
-def _optimizer_shards(optimizer: Any, optimizer_shards: Optional[int]) -> int:
-    from .optim import Optimizer
-
-    own = optimizer._c.shards()[0] if isinstance(optimizer, Optimizer) else 0
-    if optimizer_shards is None:
-        return own or 1
-    optimizer_shards = _numpy_int(optimizer_shards)
-    if isinstance(optimizer_shards, bool) or not isinstance(optimizer_shards, int) \
-            or not 1 <= optimizer_shards <= 2**20:
-        raise ValueError(f"optimizer_shards must be an int in [1, 2**20], got {optimizer_shards!r}")
-    if own and optimizer_shards != own:
-        raise ValueError(f"optimizer_shards={optimizer_shards}, and the optimizer given is sharded over {own} ranks")
-    return optimizer_shards
-
-
-def _plan_args(optimizer: Any, amp: Optional[str], recompute: bool, scaler: Optional[bool],
-               accumulation_steps: int, optimizer_shards: Optional[int]) -> Tuple[int, int, int, int, bool, bool, bool]:
-    """The C planner's arguments between the batch size and the device, checked."""
-    from ._arrays import as_flag, check_amp
-    from .optim import Optimizer
-
-    solo = _check_accumulation(accumulation_steps) == 1
-    amp_code = check_amp(amp)
-    if isinstance(optimizer, Optimizer):
-        optimizer._sync_parts(optimizer._rates()[1])  # its groups' parts, as its next step has them
-    _, nbuf = _optimizer_buffers(optimizer)
-    shards = _optimizer_shards(optimizer, optimizer_shards)
-    scaling = amp == "fp16" if scaler is None else as_flag("scaler", scaler)
-    parts = len(optimizer._c_parts or ()) if isinstance(optimizer, Optimizer) else 0  # its param groups' parts
-    return nbuf, shards, parts, amp_code, as_flag("recompute", recompute), scaling, solo
-
-
-def max_batch_size(layer_sizes: List[int], budget_bytes: int, optimizer: Any = "adam", amp: Optional[str] = None,
-                   recompute: bool = False, device: str = "cpu", limit: int = 1 << 24,
-                   accumulation_steps: int = 1, optimizer_shards: Optional[int] = None, validation_rows: int = 0,
-                   validation_dtype: str = "uint8", data_rows: int = 0, data_dtype: str = "uint8",
-                   shuffle: bool = True) -> int:
-    """The largest micro-batch whose planned reserved memory fits in budget_bytes (0 if none),
-    for runs of accumulation_steps micro-batches per optimizer step (see plan: with more than
-    one, a step needs more memory for the same micro-batch), the optimizer's state sharded
-    over optimizer_shards ranks, a validation of validation_rows after each epoch and, on a GPU,
-    a fit's data set of data_rows kept on the device (see plan); at most data_rows, where given
-    (a larger batch is the whole data set). The budget is a memory limit's: the segments that
-    later epochs could add to the cache (see plan's epochs) would be given back at the limit,
-    so the plan is of one epoch."""
-    budget_bytes = _numpy_int(budget_bytes)
-    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float, str, np.floating)):
-        raise TypeError(f"budget_bytes must be a number of bytes or a size such as '2GB', got {budget_bytes!r}")
-    try:
-        budget = parse_size(budget_bytes)
-    except ValueError as e:
-        raise ValueError(f"budget_bytes: {e}") from None
-    _check_accumulation(accumulation_steps)
-    limit = _numpy_int(limit)
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit < 2**62:
-        raise ValueError(f"limit must be an int in [1, 2**62), got {limit!r}")
-    rows = _data_args(data_rows, data_dtype, shuffle, 1)[0]
-    if rows > 0:
-        limit = min(limit, rows)
-
-    def planned(b: int) -> Plan:
-        return plan(layer_sizes, b, optimizer, amp, recompute, device, accumulation_steps=accumulation_steps,
-                    optimizer_shards=optimizer_shards, validation_rows=validation_rows,
-                    validation_dtype=validation_dtype, data_rows=data_rows, data_dtype=data_dtype, shuffle=shuffle,
-                    epochs=1)
-
-    # Reserved memory is at least the peak allocated, which grows with the batch: the largest
-    # batch whose allocated peak fits bounds the answer from above (a search).
-    if planned(1).peak_bytes > budget:
-        return 0
-    lo, hi = 1, 2
-    while hi <= limit and planned(hi).peak_bytes <= budget:
-        lo, hi = hi, hi * 2
-    hi = min(hi, limit + 1)
-    while hi - lo > 1:  # peak(lo) fits, peak(hi) does not
-        mid = (lo + hi) // 2
-        if planned(mid).peak_bytes <= budget:
-            lo = mid
-        else:
-            hi = mid
-    # Reserved memory itself does not grow steadily with the batch (a request that reaches
-    # 10 MiB takes a segment of its own size instead of a 20 MiB one, so a larger batch can
-    # reserve less), so the batches below that bound are tried from the top down.
-    first = planned(lo)
-    args = _plan_args(optimizer, amp, recompute, None, accumulation_steps, optimizer_shards)
-    raw = [list(first.layer_sizes), 0, *args, *_data_args(data_rows, data_dtype, shuffle, first.layer_sizes[0]),
-           *_evaluation_args(validation_rows, validation_dtype, first.device, 1), first.device]
-    for b in range(lo, 0, -1):
-        raw[1] = b
-        if _cmlp.plan(*raw)["peak_reserved"] <= budget:
-            return b
-    return 0
-
-
-def _fmt(n: int) -> str:
-    units = ["B", "KiB", "MiB", "GiB", "TiB"]
-    v, u = float(n), 0
-    while u < 4 and abs(v) >= 1024.0:
-        v, u = v / 1024.0, u + 1
-    return f"{v:.2f} {units[u]}"
-
-
 def _summary_size(v: int, row_first: int) -> str:
     """A byte count in PyTorch's summary style: an int of 6 digits and a unit chosen from the
     row's first value (so the pools below a metric share its unit)."""
@@ -723,24 +434,3 @@ def memory_summary(device: Optional[str] = None, abbreviated: bool = False) -> s
         lines += [f"   {what:<40} {_fmt(n):>12}" for what, n in held.items()]
     lines.append(double)
     return "\n".join(f"|{line:<{width}}|" for line in lines) + "\n"
-
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-
-
-def parse_size(text: Union[str, int]) -> int:
-    """'256MB', '1.5GiB', '4096' -> bytes (K/M/G/T are powers of 1024, as for memory), exactly:
-    a fraction of a unit rounds down to whole bytes; a fraction of a byte is refused."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        if text < 0:
-            raise ValueError(f"a size must be >= 0, got {text}")
-        return text
-    m = _SIZE.match(str(text))
-    if not m:
-        raise ValueError(f"cannot read {text!r} as a size: use e.g. 512MB, 2GB or a number of bytes")
-    unit = (m.group(2) or "B").upper()
-    scale = 1 if unit == "B" else 1024 ** ("KMGT".index(unit[0]) + 1)
-    value = Fraction(m.group(1)) * scale
-    if scale == 1 and value.denominator != 1:
-        raise ValueError(f"cannot read {text!r} as a size: a number of bytes is a whole number")
-    return int(value)

@@ -130,7 +130,7 @@ class MLP:
 
     def __init__(self, layer_sizes: Sequence[int], device: str = "cpu", seed: int = 0,
                  normalize: Tuple[float, float] = (0.5, 0.5)) -> None:
-        from .memory import _device_text
+        from ._args import _device_text
 
         sizes = _as_sizes(layer_sizes)
         seed = check_seed(seed)
@@ -403,7 +403,7 @@ class MLP:
 
     def cuda(self, device: Any = None) -> "MLP":
         """to("cuda"), or to the GPU given as torch's cuda() takes it (an index, a torch.device)."""
-        from .memory import _device_text
+        from ._args import _device_text
 
         return self.to("cuda" if device is None else _device_text(device))
 
@@ -413,7 +413,7 @@ class MLP:
     def to(self, device: str) -> "MLP":
         """Moves parameters, gradients and the state of every optimizer of this model, all or
         nothing: when one cannot move (out of memory there), what has moved goes back."""
-        from .memory import _device_text
+        from ._args import _device_text
 
         device = _device_text(device)
         before = self.device

@@ -388,7 +388,7 @@ class Trainer:
             self._c.start_microbatch(b)
             if not self._warned:
                 self._warned = True
-                fits = f"fits micro-batches of {b}, not {asked}: the trainer accumulates them (the update is the same)"
+                said = f"fits micro-batches of {b}, not {asked}: the trainer accumulates them (the update is the same)"
                 if not fits_one:
                     state = ""
                     own = None if p is None else p.peak_bytes - sum(p._allocated[k] for k in held + ("data",))
@@ -400,8 +400,8 @@ class Trainer:
                         kept = sum(p.breakdown[k] for k in ("parameters", "gradients", "optimizer_state",
                                                             "half_weights"))
                         state = f" (the parameters, gradients and optimizer state take {memory._fmt(kept)})"
-                    fits = f"fits no micro-batch, not even of 1 sample{state}: the step will try, in micro-batches of 1"
-                warnings.warn(f"under the memory limit of {memory._fmt(limit)} the planner {fits}",
+                    said = f"fits no micro-batch, not even of 1 sample{state}: the step will try, in micro-batches of 1"
+                warnings.warn(f"under the memory limit of {memory._fmt(limit)} the planner {said}",
                               memory.MemoryWarning, stacklevel=6)  # fit -> _fit -> lambda -> _together -> here
 
     def _warn_if_split(self, before: int) -> None:
