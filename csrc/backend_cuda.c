@@ -199,14 +199,13 @@ typedef struct {
 } cuda_ctx;
 
 /* The workspace block: the first stream's share (first_ws: 8 MiB, 32 MiB on compute
- * capability 9.x, 10.x and 12.x, as torch sizes cuBLAS's; CUBLASLT_WORKSPACE_SIZE in KiB sets
- * it), the last BIAS_SLOT + XENT_SLOT of it the kernels' slots, then the second stream's two
- * shares (its GEMMs have few rows to sum, CMLP_SIDE_ROWS, and its bias gradients few partial
+ * capability 9.x to 12.x, as torch sizes cuBLAS's; with CUBLASLT_WORKSPACE_SIZE, that many KiB
+ * plus the slots), the last BIAS_SLOT + XENT_SLOT of it the kernels' slots, then the second
+ * stream's two shares (its GEMMs have few rows to sum, CMLP_SIDE_ROWS, and its bias gradients few partial
  * sums). */
 #define SIDE_WORKSPACE ((size_t)1 << 20)
 #define BIAS_SLOT ((size_t)256 << 10) /* 64Ki fp32 or 128Ki half values */
 #define XENT_SLOT (((size_t)CMLP_K_XENT_SCRATCH + 255) & ~(size_t)255)
-#define FIRST_WS_MIN_KIB 1024
 #define FIRST_WS_MAX_KIB (4 << 20) /* 4 GiB */
 
 /* ---- graph capture ----
@@ -324,27 +323,36 @@ static void cu_close(void *ctx) {
     free(c);
 }
 
-/* The first stream's share of the workspace block: CUBLASLT_WORKSPACE_SIZE KiB when set (a
- * whole number from FIRST_WS_MIN_KIB to FIRST_WS_MAX_KIB, else the device does not open), or
- * torch's size for cuBLAS on this architecture. */
-static cmlp_status first_workspace(int index, size_t *out) {
+/* CUBLASLT_WORKSPACE_SIZE, the KiB cuBLASLt gets on the first stream (torch's variable): -1 when
+ * it is not set, else a whole number from 0 to FIRST_WS_MAX_KIB (any other value fails the
+ * device's opening, before it touches the GPU). */
+static cmlp_status workspace_env(long long *kib) {
     const char *env = getenv("CUBLASLT_WORKSPACE_SIZE");
-    if (env && env[0]) {
-        char *end = NULL;
-        errno = 0;
-        long long kib = strtoll(env, &end, 10);
-        while (end && (*end == ' ' || *end == '\t')) end++;
-        if (errno || !end || *end || end == env || kib < FIRST_WS_MIN_KIB || kib > FIRST_WS_MAX_KIB)
-            return FAIL(CMLP_ERR_INVALID,
-                        "CUBLASLT_WORKSPACE_SIZE=%.40s: expected the first stream's GEMM workspace in KiB, a whole "
-                        "number from %d to %d",
-                        env, FIRST_WS_MIN_KIB, FIRST_WS_MAX_KIB);
-        *out = (size_t)kib << 10;
+    *kib = -1;
+    if (!env || !env[0]) return CMLP_OK;
+    char *end = NULL;
+    errno = 0;
+    long long v = strtoll(env, &end, 10);
+    while (end && (*end == ' ' || *end == '\t')) end++;
+    if (errno || !end || *end || end == env || v < 0 || v > FIRST_WS_MAX_KIB)
+        return FAIL(CMLP_ERR_INVALID,
+                    "CUBLASLT_WORKSPACE_SIZE=%.40s: expected the KiB of cuBLASLt's workspace on the first stream, a "
+                    "whole number from 0 to %d",
+                    env, FIRST_WS_MAX_KIB);
+    *kib = v;
+    return CMLP_OK;
+}
+
+/* The first stream's share of the workspace block: the KiB asked for plus the kernels' slots,
+ * or torch's size for cuBLAS on this architecture (the slots inside it). */
+static cmlp_status first_workspace(int index, long long kib, size_t *out) {
+    if (kib >= 0) {
+        *out = ((size_t)kib << 10) + BIAS_SLOT + XENT_SLOT;
         return CMLP_OK;
     }
     struct cudaDeviceProp p;
     CU_TRY(cudaGetDeviceProperties(&p, index));
-    bool large = p.major == 9 || p.major == 10 || p.major == 12; /* Hopper and Blackwell */
+    bool large = p.major >= 9 && p.major <= 12; /* Hopper, Blackwell and Thor */
     *out = (size_t)(large ? 32 : 8) << 20;
     return CMLP_OK;
 }
@@ -358,7 +366,12 @@ static cmlp_status cu_open(int index, void **out) {
     c->tf32 = env_flag("CMLP_ALLOW_TF32");
     const char *streams = getenv("CMLP_CUDA_STREAMS");
     c->two_streams = !(streams && strcmp(streams, "1") == 0);
-    cmlp_status st = CMLP_OK;
+    long long ws_kib = -1;
+    cmlp_status st = workspace_env(&ws_kib);
+    if (st != CMLP_OK) {
+        cu_close(c);
+        return st;
+    }
     cudaError_t e = cudaSetDevice(index);
     if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking);
     if (e != cudaSuccess) {
@@ -368,7 +381,7 @@ static cmlp_status cu_open(int index, void **out) {
         if (s != CUBLAS_STATUS_SUCCESS)
             st = FAIL(CMLP_ERR_DEVICE, "cublasLtCreate failed on cuda:%d: %s", index, cublasLtGetStatusString(s));
     }
-    if (st == CMLP_OK) st = first_workspace(index, &c->first_ws);
+    if (st == CMLP_OK) st = first_workspace(index, ws_kib, &c->first_ws);
     if (st == CMLP_OK) c->cuctx = ctx_current(); /* current since cudaSetDevice made the stream */
     if (st == CMLP_OK) {
         pthread_once(&vmm_once, vmm_load);
@@ -1254,6 +1267,7 @@ static cmlp_status cu_capture_end(void *ctx, void **graph) {
     cuda_ctx *c = ctx;
     *graph = NULL;
     if (!capturing(c)) return FAIL(CMLP_ERR_DEVICE, "no graph is being captured on cuda:%d by this thread", c->index);
+    (void)use(c); /* the capture's context (begin and end come in one call from Python); it ends either way */
     /* a capture ends with its second stream joined, also after an error left it forked */
     cmlp_status joined = cap_forked ? cu_stream_join(c) : CMLP_OK;
     side_ctx = NULL;

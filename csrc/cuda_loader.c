@@ -69,8 +69,9 @@ int cmlp_cuda_started(void) { return started; }
 
 int cmlp_cuda_forked(void) { return forked; }
 
-/* Read without starting CUDA: before it starts (other threads may start it meanwhile) a thread
- * has no context of this process to put back. */
+/* Nothing is saved before cmlp has started CUDA: asking the driver would start it, which a
+ * process that forks later must not do. A call that names a GPU has it parsed first, which
+ * starts CUDA, so every call that can make a context current finds CUDA started. */
 void *cmlp_cuda_ctx_save(void) {
     if (!__atomic_load_n(&started, __ATOMIC_ACQUIRE) || forked || !module) return NULL;
     return module->ctx_save();

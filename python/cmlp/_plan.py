@@ -16,8 +16,8 @@ class Plan:
     """What a training run will hold. breakdown: requested bytes per category; peak_bytes: what the
     run adds to max_memory_allocated (allocator rounding included); reserved_bytes: what it adds
     to max_memory_reserved, from an empty cache. Both are on top of what a device holds from the
-    moment it opens (on CUDA, the GEMM workspace: 10 MiB, 34 MiB on compute capability 9.x, 10.x
-    and 12.x), whose place the plan takes into account."""
+    moment it opens (on CUDA, the GEMM workspace: 10 MiB, 34 MiB on compute capability 9.x to
+    12.x), whose place the plan takes into account."""
 
     def __init__(self, layer_sizes: List[int], batch_size: int, optimizer: str, amp: Optional[str],
                  recompute: bool, device: str, raw: Dict[str, int], optimizer_shards: int = 1) -> None:

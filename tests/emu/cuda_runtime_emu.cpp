@@ -24,7 +24,8 @@
  *  - CMLP_EMU_DEVICES (default 1) devices share the host's memory.
  *  - A thread's current context (cudaSetDevice's primary one, or a test's: cmlp_emu_ctx_create)
  *    decides its device, and work queued to a stream made in another context fails, as CUDA's
- *    "invalid resource handle" does.
+ *    "invalid resource handle" does. With CMLP_EMU_SET_DEVICE_KEEPS_CONTEXT=1, cudaSetDevice of
+ *    the device already current keeps another context of it current.
  *  - NVML (nvml* below) reports CMLP_EMU_NVML_DEVICES GPUs (default: CMLP_EMU_DEVICES), whose
  *    UUIDs share the prefix "GPU-7e57"; CMLP_EMU_NVML_FAIL=1 makes nvmlInit_v2 fail as without a
  *    driver. NVML starts nothing: a forked child may use CUDA after its parent asked NVML. The
@@ -349,6 +350,10 @@ cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *prop, int d) {
 cudaError_t cudaSetDevice(int d) {
     fork_guard("cudaSetDevice");
     if (d < 0 || d >= device_count()) return fail(cudaErrorInvalidDevice);
+    /* CMLP_EMU_SET_DEVICE_KEEPS_CONTEXT=1: a runtime that leaves another context of the device
+     * it takes as current in place (CUDA's makes the primary context current every time) */
+    static const bool keeps = env_size("CMLP_EMU_SET_DEVICE_KEEPS_CONTEXT", 0) != 0;
+    if (keeps && current_ctx && current_ctx->device == d && current_device == d) return cudaSuccess;
     current_device = d;
     current_ctx = primary_ctx(d);
     return cudaSuccess;
@@ -387,6 +392,7 @@ const char *cudaGetErrorString(cudaError_t e) {
     case cudaErrorInvalidConfiguration: return "invalid configuration argument";
     case cudaErrorLaunchOutOfResources: return "too many resources requested for launch";
     case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorInvalidResourceHandle: return "invalid resource handle";
     case cudaErrorStreamCaptureUnsupported: return "operation not permitted when stream is capturing";
     case cudaErrorStreamCaptureInvalidated: return "operation failed due to a previous error during capture";
     default: return "unknown error (emulated)";
