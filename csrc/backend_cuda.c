@@ -201,8 +201,8 @@ typedef struct {
 /* The workspace block: the first stream's share (first_ws: 8 MiB, 32 MiB on compute
  * capability 9.x to 12.x, as torch sizes cuBLAS's; with CUBLASLT_WORKSPACE_SIZE, that many KiB
  * plus the slots), the last BIAS_SLOT + XENT_SLOT of it the kernels' slots, then the second
- * stream's two shares (its GEMMs have few rows to sum, CMLP_SIDE_ROWS, and its bias gradients few partial
- * sums). */
+ * stream's two shares (its GEMMs have few rows to sum, CMLP_SIDE_ROWS, and its bias gradients
+ * few partial sums). */
 #define SIDE_WORKSPACE ((size_t)1 << 20)
 #define BIAS_SLOT ((size_t)256 << 10) /* 64Ki fp32 or 128Ki half values */
 #define XENT_SLOT (((size_t)CMLP_K_XENT_SCRATCH + 255) & ~(size_t)255)

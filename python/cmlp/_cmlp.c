@@ -184,9 +184,9 @@ static int64_t stack_number(void) {
 #define CALL_CORE(stmt)                             \
     do {                                            \
         cmlp_memory_set_context(stack_number());    \
-        NOGIL_BEGIN                      \
+        NOGIL_BEGIN                                 \
         stmt;                                       \
-        NOGIL_END                        \
+        NOGIL_END                                   \
         cmlp_memory_set_context(0);                 \
     } while (0)
 
@@ -215,11 +215,11 @@ static ModelObject *live_models;
             break;                                           \
         }                                                    \
         cmlp_memory_set_context(stack_number());             \
-        NOGIL_BEGIN                               \
+        NOGIL_BEGIN                                          \
         PyThread_acquire_lock((model)->lock, WAIT_LOCK);     \
         (st) = call;                                         \
         PyThread_release_lock((model)->lock);                \
-        NOGIL_END                                 \
+        NOGIL_END                                            \
         cmlp_memory_set_context(0);                          \
     } while (0)
 
@@ -227,11 +227,11 @@ static ModelObject *live_models;
     do {                                                     \
         if ((model)->lost) break;                            \
         cmlp_memory_set_context(stack_number());             \
-        NOGIL_BEGIN                               \
+        NOGIL_BEGIN                                          \
         PyThread_acquire_lock((model)->lock, WAIT_LOCK);     \
         call;                                                \
         PyThread_release_lock((model)->lock);                \
-        NOGIL_END                                 \
+        NOGIL_END                                            \
         cmlp_memory_set_context(0);                          \
     } while (0)
 

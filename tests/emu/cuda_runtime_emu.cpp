@@ -1618,4 +1618,3 @@ extern "C" __attribute__((visibility("default"))) void *cmlp_emu_ctx_create(int 
     return c;
 }
 extern "C" __attribute__((visibility("default"))) void *cmlp_emu_ctx_current(void) { return current_ctx; }
-extern "C" __attribute__((visibility("default"))) void cmlp_emu_ctx_set(void *c) { current_ctx = static_cast<CUctx_st *>(c); }
