@@ -173,7 +173,7 @@ if os.environ.get("CMLP_PORTABLE") != "1":
 
 # the CUDA backend and the MPI module are libraries of their own (above)
 sources = sorted(f for f in glob.glob("csrc/*.c") if not f.endswith(("backend_cuda.c", "comm_mpi.c"))) + \
-    ["python/cmlp/_cmlp.c"]
+    sorted(glob.glob("python/cmlp/_cmlp*.c"))
 cuda_macros = [("CMLP_WITH_CUDA", "1"), ("CMLP_CUDA_VERSION", f'"{cuda["version"]}"')] if cuda else \
     [("CMLP_WITH_CUDA", "0")]
 ext = Extension(
@@ -185,7 +185,7 @@ ext = Extension(
     runtime_library_dirs=blas["runtime_library_dirs"],
     define_macros=blas["define_macros"] + cuda_macros + [("CMLP_VERSION", f'"{VERSION}"'), ("_GNU_SOURCE", "1")],
     extra_compile_args=cflags,
-    depends=sorted(glob.glob("csrc/*.h")),
+    depends=sorted(glob.glob("csrc/*.h")) + ["python/cmlp/_cmlp.h"],
 )
 
 setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt}, package_dir={"": "python"}, packages=["cmlp", "cmlp.distributed", "cmlp.nn", "cmlp.optim"],

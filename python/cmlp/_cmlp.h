@@ -1,0 +1,143 @@
+/* _cmlp.h - what the extension module's files share: the module's state, the one mapping from
+ * cmlp_status to a Python exception, the macros that call into the core with the GIL released,
+ * and the Model and Optimizer objects that the optimizer and the trainer hold.
+ */
+#ifndef CMLP_EXT_H
+#define CMLP_EXT_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <pythread.h>
+
+/* NumPy's API table lives in _cmlp.c (which imports it); the other files use it from there. */
+#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
+#define PY_ARRAY_UNIQUE_SYMBOL cmlp_ARRAY_API
+#ifndef CMLP_EXT_MAIN
+#define NO_IMPORT_ARRAY
+#endif
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wundef"
+#include <numpy/arrayobject.h>
+#pragma GCC diagnostic pop
+
+#include "cmlp.h"
+
+typedef struct {
+    PyObject *oom_error;
+    PyTypeObject *model_type, *optim_type, *trainer_type;
+} module_state;
+
+static inline module_state *state_of(PyObject *module) { return (module_state *)PyModule_GetState(module); }
+
+/* This module's own status: a model lost to fork (ModelObject.lost). */
+#define STATUS_LOST ((cmlp_status)-1)
+#define LOST_TEXT                                                                                              \
+    "this model, its optimizer and its trainer cannot be used in this process: another thread was using "     \
+    "them when the process was forked, and that thread's call never finishes in the child, so their state "   \
+    "here is incomplete (fork while no thread uses them, or start processes with 'spawn')"
+
+/* Sets the Python exception for status s (cmlp_last_error's text, or LOST_TEXT) and returns NULL. */
+PyObject *raise_status(module_state *ms, cmlp_status s);
+
+/* The number of the calling Python stack for the allocators' history, 0 when none is kept
+ * (_cmlp_stacks.c); stacks_init makes its tables, at the module's start. */
+int64_t stack_number(void);
+int stacks_init(void);
+
+/* The GIL released around a call into the core, and the thread's current CUDA context put back
+ * after it (cmlp_cuda_ctx_save), as torch's device guards put back the current device. */
+#define NOGIL_BEGIN                                                                                            \
+    {                                                                                                          \
+        void *cuctx_ = cmlp_cuda_ctx_save();                                                                   \
+        Py_BEGIN_ALLOW_THREADS
+#define NOGIL_END                                                                                              \
+    Py_END_ALLOW_THREADS                                                                                       \
+    cmlp_cuda_ctx_restore(cuctx_);                                                                             \
+    }
+
+/* A call made with the GIL held that may use a GPU, with the same care for the caller's context. */
+#define GUARDED(stmt)                                                                                          \
+    do {                                                                                                       \
+        void *gctx_ = cmlp_cuda_ctx_save();                                                                    \
+        stmt;                                                                                                  \
+        cmlp_cuda_ctx_restore(gctx_);                                                                          \
+    } while (0)
+
+/* A call into the core with the GIL released, noted with the caller's Python stack. */
+#define CALL_CORE(stmt)                             \
+    do {                                            \
+        cmlp_memory_set_context(stack_number());    \
+        NOGIL_BEGIN                                 \
+        stmt;                                       \
+        NOGIL_END                                   \
+        cmlp_memory_set_context(0);                 \
+    } while (0)
+
+/* ---- the model object; its lock serialises every C call on the model, its optimizer and
+ * its trainer (taken with the GIL released, so waiting never blocks other threads) ---- */
+
+typedef struct ModelObject {
+    PyObject_HEAD
+    cmlp_model *m;
+    PyThread_type_lock lock;
+    module_state *ms;
+    /* lost: another thread was inside a call on the model when this process was forked from
+     * its parent; the call never ends here, so the model's state in this child is unusable */
+    int lost;
+    struct ModelObject *prev, *next; /* the live models (under the GIL), for after_fork_child */
+} ModelObject;
+
+/* st = call, under the model's lock with the GIL released; a model lost to fork (STATUS_LOST)
+ * runs nothing. */
+#define RUN_LOCKED(model, st, call)                          \
+    do {                                                     \
+        if ((model)->lost) {                                 \
+            (st) = STATUS_LOST;                              \
+            break;                                           \
+        }                                                    \
+        cmlp_memory_set_context(stack_number());             \
+        NOGIL_BEGIN                                          \
+        PyThread_acquire_lock((model)->lock, WAIT_LOCK);     \
+        (st) = call;                                         \
+        PyThread_release_lock((model)->lock);                \
+        NOGIL_END                                            \
+        cmlp_memory_set_context(0);                          \
+    } while (0)
+
+#define RUN_LOCKED_VOID(model, call)                         \
+    do {                                                     \
+        if ((model)->lost) break;                            \
+        cmlp_memory_set_context(stack_number());             \
+        NOGIL_BEGIN                                          \
+        PyThread_acquire_lock((model)->lock, WAIT_LOCK);     \
+        call;                                                \
+        PyThread_release_lock((model)->lock);                \
+        NOGIL_END                                            \
+        cmlp_memory_set_context(0);                          \
+    } while (0)
+
+typedef struct {
+    PyObject_HEAD
+    cmlp_optim *o;
+    ModelObject *model; /* strong reference: the optimizer points into it */
+} OptimObject;
+
+/* Arguments (_cmlp.c): each fails with the Python exception set (NULL or -1). */
+const char *c_text(PyObject *obj, const char *what);
+PyObject *items_of(PyObject *obj, const char *msg);
+int parse_sizes(PyObject *obj, int sizes[CMLP_MAX_LAYERS + 1], int *n);
+int parse_device(module_state *ms, PyObject *obj, cmlp_device *out);
+PyObject *device_str(cmlp_device d);
+
+/* The objects' checks (_cmlp_model.c, _cmlp_optim.c), and of the arrays given to a model. */
+int model_ready(ModelObject *self);
+int optim_ready(OptimObject *self);
+int as_data(PyObject *x, PyObject *y, int64_t features, float mean, float std, cmlp_data *out);
+int as_flat(PyObject *obj, int64_t n, const float **out);
+
+/* Each file's types and module functions, put together by module_exec. */
+extern PyType_Spec Model_spec, Optim_spec, Trainer_spec;
+extern PyMethodDef cmlp_py_model_methods[], cmlp_py_memory_methods[], cmlp_py_stack_methods[],
+    cmlp_py_dist_methods[];
+
+#endif
