@@ -4,7 +4,8 @@ PYTHON ?= $(shell [ -x .venv/bin/python ] && echo .venv/bin/python || echo pytho
 CC ?= cc
 BLAS_INC := $(shell $(PYTHON) -c "import scipy_openblas32 as s; print(s.get_include_dir())" 2>/dev/null)
 BLAS_LIB := $(shell $(PYTHON) -c "import scipy_openblas32 as s; print(s.get_lib_dir())" 2>/dev/null)
-CORE_SRC := $(filter-out csrc/backend_cuda.c csrc/comm_mpi.c,$(wildcard csrc/*.c))
+CUDA_BACKEND_SRC := $(wildcard csrc/backend_cuda*.c)
+CORE_SRC := $(filter-out $(CUDA_BACKEND_SRC) csrc/comm_mpi.c,$(wildcard csrc/*.c))
 CORE_HDR := $(wildcard csrc/*.h)
 WARN := -Wall -Wextra -Wundef -Werror -Wno-missing-field-initializers
 DEFS := -DCMLP_BLAS_SCIPY=1 -DCMLP_WITH_CUDA=0 -D_GNU_SOURCE=1
@@ -59,7 +60,7 @@ EMU_DIR ?= build/emu/so
 EMU_SO ?= build/emu/_cmlp_cuda_emu.so
 EMU_OPT ?= -O2
 EMU_SO_OBJ := $(patsubst kernels/%.cu,$(EMU_DIR)/%.o,$(wildcard kernels/*.cu)) \
-    $(EMU_DIR)/cuda_emu.o $(EMU_DIR)/cuda_runtime_emu.o $(EMU_DIR)/backend_cuda.o
+    $(EMU_DIR)/cuda_emu.o $(EMU_DIR)/cuda_runtime_emu.o $(patsubst csrc/%.c,$(EMU_DIR)/%.o,$(CUDA_BACKEND_SRC))
 EMU_SO_CXX := $(CXX) -std=c++17 -g $(EMU_OPT) -fPIC -fvisibility=hidden $(WARN) -Wno-unknown-pragmas -DCMLP_EMU \
     -isystem $(CUDA_INC)
 # with Open MPI, the emulated runtime is NCCL too (over MPI), for data-parallel tests on it
@@ -81,7 +82,8 @@ $(EMU_DIR)/cuda_runtime_emu.o: tests/emu/cuda_runtime_emu.cpp tests/emu/cuda_emu
 	@mkdir -p $(EMU_DIR)
 	$(EMU_SO_CXX) $(EMU_MPI_FLAGS) -c $< -o $@
 
-$(EMU_DIR)/backend_cuda.o: csrc/backend_cuda.c csrc/backend.h csrc/cmlp.h kernels/kernels.h
+$(patsubst csrc/%.c,$(EMU_DIR)/%.o,$(CUDA_BACKEND_SRC)): $(EMU_DIR)/%.o: csrc/%.c csrc/backend_cuda.h csrc/backend.h \
+    csrc/cmlp.h kernels/kernels.h
 	@mkdir -p $(EMU_DIR)
 	$(CC) -std=c11 -g $(EMU_OPT) -fPIC -fvisibility=hidden $(WARN) -D_GNU_SOURCE=1 -Icsrc -Ikernels \
 	    -isystem $(CUDA_INC) -c $< -o $@

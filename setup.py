@@ -24,6 +24,7 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy
 from setuptools import Extension, setup
@@ -124,8 +125,9 @@ class BuildExt(build_ext):
     def build_cuda_library(self):
         out = os.path.join(os.path.dirname(self.get_ext_fullpath("cmlp._cmlp")), "_cmlp_cuda.so")
         cu = sorted(glob.glob("kernels/*.cu"))
-        deps = cu + glob.glob("kernels/*.h") + glob.glob("kernels/*.cuh") + ["csrc/backend_cuda.c", "csrc/backend.h",
-                                                                             "csrc/cmlp.h", "setup.py"]
+        backend = sorted(glob.glob("csrc/backend_cuda*.c"))
+        deps = cu + backend + glob.glob("kernels/*.h") + glob.glob("kernels/*.cuh") + \
+            ["csrc/backend_cuda.h", "csrc/backend.h", "csrc/cmlp.h", "setup.py"]
         if not self.force and os.path.exists(out) and all(os.path.getmtime(d) <= os.path.getmtime(out) for d in deps):
             return
         tmp = os.path.join(self.build_temp, "cuda")
@@ -133,18 +135,20 @@ class BuildExt(build_ext):
         gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in cuda["archs"]]
         top = cuda["archs"][-1]
         gencode.append(f"-gencode=arch=compute_{top},code=compute_{top}")
-        objs = []
+        cc = os.environ.get("CC", "cc")
+        jobs = []  # (command, object), compiled on every core
         for src in cu:
             obj = os.path.join(tmp, os.path.basename(src) + ".o")
-            run([cuda["nvcc"], "-std=c++17", "-O3", "-Xcompiler", "-fPIC,-Wall,-Wextra,-fvisibility=hidden",
-                 "-Ikernels", *gencode, "-c", src, "-o", obj])
-            objs.append(obj)
-        obj = os.path.join(tmp, "backend_cuda.o")
-        cc = os.environ.get("CC", "cc")
-        run([cc, "-std=c11", "-O2", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wextra", "-Wundef",
-             "-Wno-missing-field-initializers", "-D_GNU_SOURCE=1", "-Icsrc", "-Ikernels", "-isystem",
-             os.path.join(cuda["home"], "include"), "-c", "csrc/backend_cuda.c", "-o", obj])
-        objs.append(obj)
+            jobs.append(([cuda["nvcc"], "-std=c++17", "-O3", "-Xcompiler", "-fPIC,-Wall,-Wextra,-fvisibility=hidden",
+                          "-Ikernels", *gencode, "-c", src, "-o", obj], obj))
+        for src in backend:
+            obj = os.path.join(tmp, os.path.basename(src)[:-2] + ".o")
+            jobs.append(([cc, "-std=c11", "-O2", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wextra", "-Wundef",
+                          "-Wno-missing-field-initializers", "-D_GNU_SOURCE=1", "-Icsrc", "-Ikernels", "-isystem",
+                          os.path.join(cuda["home"], "include"), "-c", src, "-o", obj], obj))
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            list(pool.map(run, [cmd for cmd, _ in jobs]))  # the first failure raises here
+        objs = [obj for _, obj in jobs]
         os.makedirs(os.path.dirname(out), exist_ok=True)
         run([cuda["nvcc"], "-shared", "-cudart", "static", *gencode, "-o", out, *objs, "-L" + cuda["libdir"],
              "-lcublasLt", "-Xlinker", "-rpath=" + cuda["libdir"], "-lpthread", "-ldl", "-lrt"])
@@ -172,7 +176,8 @@ if os.environ.get("CMLP_PORTABLE") != "1":
     cflags.append("-march=native")
 
 # the CUDA backend and the MPI module are libraries of their own (above)
-sources = sorted(f for f in glob.glob("csrc/*.c") if not f.endswith(("backend_cuda.c", "comm_mpi.c"))) + \
+sources = sorted(f for f in glob.glob("csrc/*.c")
+                 if not os.path.basename(f).startswith("backend_cuda") and not f.endswith("comm_mpi.c")) + \
     sorted(glob.glob("python/cmlp/_cmlp*.c"))
 cuda_macros = [("CMLP_WITH_CUDA", "1"), ("CMLP_CUDA_VERSION", f'"{cuda["version"]}"')] if cuda else \
     [("CMLP_WITH_CUDA", "0")]

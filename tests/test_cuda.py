@@ -1576,7 +1576,8 @@ emu = os.environ.get("CMLP_CUDA_LIBRARY", "")
 if emu:  # the emulated driver's contexts
     lib = ctypes.CDLL(emu)
     lib.cmlp_emu_ctx_create.restype = lib.cmlp_emu_ctx_current.restype = ctypes.c_void_p
-    create, current = lib.cmlp_emu_ctx_create, lib.cmlp_emu_ctx_current
+    lib.cmlp_emu_ctx_destroy.argtypes = [ctypes.c_void_p]
+    create, current, destroy = lib.cmlp_emu_ctx_create, lib.cmlp_emu_ctx_current, lib.cmlp_emu_ctx_destroy
 else:
     cu = ctypes.CDLL("libcuda.so.1")
     assert cu.cuInit(0) == 0
@@ -1591,6 +1592,9 @@ else:
         ctx = ctypes.c_void_p()
         assert cu.cuCtxGetCurrent(ctypes.byref(ctx)) == 0
         return ctx.value
+
+    def destroy(ctx):
+        assert cu.cuCtxDestroy_v2(ctypes.c_void_p(ctx)) == 0
 assert cmlp.cuda.is_available()
 last = "cuda:%d" % (cmlp.cuda.device_count() - 1)
 mine = create(0)  # the caller's own context, current on this thread
@@ -1600,7 +1604,8 @@ def check(what):
 rng = np.random.default_rng(0)
 x = rng.standard_normal((64, 20)).astype(np.float32)
 y = rng.integers(0, 3, 64)
-for device in dict.fromkeys([last, "cuda:0"]):
+devices = list(dict.fromkeys(["cuda:0", last]))  # cuda:0 opened while the caller's context is current
+for device in devices:
     model = cmlp.MLP([20, 16, 3], device=device, seed=0); check("MLP on " + device)
     t = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=8, shuffle=False)
     loss = t.step(x[:8], y[:8]); check("step")
@@ -1613,6 +1618,12 @@ for device in dict.fromkeys([last, "cuda:0"]):
     model.to(device); check("to " + device)
     del t, model
     gc.collect(); check("freed")
+destroy(mine)  # the devices' streams and memory were never the caller's
+for device in devices:
+    model = cmlp.MLP([20, 16, 3], device=device, seed=1)
+    t = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=8, shuffle=False)
+    t.fit(x, y, epochs=2, progress=False)
+    loss = t.step(x[:8], y[:8])
 print(json.dumps([kept, bool(np.isfinite(loss)), bool((p == p).all())]))
 """
 
@@ -1623,9 +1634,10 @@ def test_a_call_puts_back_the_callers_cuda_context(keeps):
     """The thread's current CUDA context is what it was before each call (another library's
     context, on the same device as the model or another: torch's device guards put the current
     device back), and the model, whose work runs in its device's primary context, trains in
-    between. The emulated backend makes two GPUs and refuses work queued from another context;
-    keeps="1" makes its cudaSetDevice leave another context of the same device current, so the
-    backend makes the primary context current itself."""
+    between; once the caller destroys its context, the model still trains. The emulated backend
+    makes two GPUs and refuses work queued from another context or a destroyed one; keeps="1"
+    makes its cudaSetDevice leave another context of the same device current, so the backend
+    makes the primary context current itself, also when it first opens the device."""
     env = dict(os.environ, CMLP_EMU_DEVICES="2", CMLP_EMU_SET_DEVICE_KEEPS_CONTEXT=keeps)
     r = subprocess.run([sys.executable, "-c", _CONTEXT_SCRIPT], env=env, capture_output=True, text=True,
                        timeout=300)

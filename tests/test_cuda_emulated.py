@@ -1,4 +1,4 @@
-"""tests/test_cuda.py against the real CUDA backend (csrc/backend_cuda.c and the kernels), built over
+"""tests/test_cuda.py against the real CUDA backend (csrc/backend_cuda*.c and the kernels), built over
 an emulated CUDA runtime and cuBLASLt that run on the CPU (tests/emu/cuda_runtime_emu.cpp, built
 by `make emu-cuda` into build/emu/_cmlp_cuda_emu.so and loaded through CMLP_CUDA_LIBRARY).
 
@@ -98,7 +98,7 @@ def test_the_gpu_tests_pass_under_address_and_undefined_behaviour_sanitizers():
     """The same tests with cmlp's extension (the core: model, trainer, allocator, planner), the
     CUDA backend and the emulator built with -fsanitize=address,undefined (`make asan-emu`), the
     sanitizers' runtimes preloaded into Python: an access outside a buffer or undefined behaviour
-    on the GPU paths of the core or in backend_cuda.c ends the run with a report."""
+    on the GPU paths of the core or in backend_cuda*.c ends the run with a report."""
     runtimes = [_sanitizer_runtime("libasan.so"), _sanitizer_runtime("libubsan.so")]
     assert all(runtimes), f"the compiler's sanitizer runtimes are missing: {runtimes}"
     build = subprocess.run(["make", "-s", "asan-emu", f"PYTHON={sys.executable}"], cwd=ROOT, capture_output=True,
@@ -146,7 +146,7 @@ def test_the_device_check_script_runs_on_the_emulated_cuda_backend():
     every phase passes and the summary holds the test count, the benchmark's table and the
     profile's verdict (torch sees no GPU here, so nothing is profiled)."""
     env = dict(_emulated_env(), BENCH_FLAGS="--smoke", PYTEST_FLAGS="-q -k planned_peak_is", SMOKE_LIMIT="600",
-               TEST_LIMIT="900", BENCH_LIMIT="600", PYTHON=sys.executable)
+               TEST_LIMIT="900", BENCH_LIMIT="600", DEADLINE="3000", PYTHON=sys.executable)
     env.pop("OUT", None)
     r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "device_check.sh")], env=env, capture_output=True,
                        text=True, timeout=1800)

@@ -1,5 +1,5 @@
 /* cuda_runtime_emu.cpp - the CUDA runtime, the driver's virtual memory API and cuBLASLt, as far
- * as csrc/backend_cuda.c uses them, on the CPU. Linked with backend_cuda.c and the kernels under
+ * as csrc/backend_cuda*.c use them, on the CPU. Linked with backend_cuda*.c and the kernels under
  * cuda_emu.h it makes build/emu/_cmlp_cuda_emu.so: a CUDA backend that cmlp loads through
  * CMLP_CUDA_LIBRARY, so that the GPU tests run against the backend's own host code on a machine
  * without a GPU.
@@ -148,6 +148,7 @@ struct CUgraphExec_st {
 struct CUctx_st {
     int device;
     bool primary;
+    bool destroyed; /* a test's context, destroyed (cmlp_emu_ctx_destroy) */
 };
 
 namespace {
@@ -259,6 +260,11 @@ cudaError_t submit(cudaStream_t stream, std::function<void()> run, const char *n
     fork_guard("submit");
     std::lock_guard<std::recursive_mutex> g(gpu);
     CUstream_st *s = resolve(stream);
+    if (s->ctx && s->ctx->destroyed) {
+        std::fprintf(stderr, "cuda_emu: %s queued to a stream of a destroyed context (device %d)\n", name,
+                     s->ctx->device);
+        return cudaErrorContextIsDestroyed;
+    }
     if (s->ctx && s->ctx != work_ctx()) { /* CUDA's "invalid resource handle" */
         std::fprintf(stderr, "cuda_emu: %s queued to a stream of another context (device %d) than the current one "
                      "(device %d%s)\n", name, s->ctx->device, work_ctx()->device,
@@ -915,8 +921,24 @@ CUresult CUDAAPI ctx_get_current(CUcontext *c) {
     return CUDA_SUCCESS;
 }
 CUresult CUDAAPI ctx_set_current(CUcontext c) {
+    if (c && c->destroyed) return CUDA_ERROR_INVALID_CONTEXT;
     current_ctx = c;
     return CUDA_SUCCESS;
+}
+CUresult CUDAAPI device_get(CUdevice *dev, int ordinal) {
+    if (ordinal < 0 || ordinal >= device_count()) return CUDA_ERROR_INVALID_DEVICE;
+    *dev = ordinal;
+    return CUDA_SUCCESS;
+}
+/* The primary context is the one cudaSetDevice makes current; retaining it is counted nowhere,
+ * since it lives as long as the process. */
+CUresult CUDAAPI primary_ctx_retain(CUcontext *c, CUdevice dev) {
+    if (dev < 0 || dev >= device_count()) return CUDA_ERROR_INVALID_DEVICE;
+    *c = primary_ctx(dev);
+    return CUDA_SUCCESS;
+}
+CUresult CUDAAPI primary_ctx_release(CUdevice dev) {
+    return dev < 0 || dev >= device_count() ? CUDA_ERROR_INVALID_DEVICE : CUDA_SUCCESS;
 }
 
 CUresult CUDAAPI error_string(CUresult r, const char **s) {
@@ -942,6 +964,9 @@ extern "C" cudaError_t cudaGetDriverEntryPointByVersion(const char *symbol, void
         {"cuGetErrorString", (void *)error_string},
         {"cuCtxGetCurrent", (void *)ctx_get_current},
         {"cuCtxSetCurrent", (void *)ctx_set_current},
+        {"cuDeviceGet", (void *)device_get},
+        {"cuDevicePrimaryCtxRetain", (void *)primary_ctx_retain},
+        {"cuDevicePrimaryCtxRelease", (void *)primary_ctx_release},
     };
     auto it = table.find(symbol);
     *fn = it == table.end() ? nullptr : it->second;
@@ -1611,10 +1636,19 @@ __attribute__((visibility("default"))) int nvmlDeviceGetUUID(void *device, char 
 
 /* ---- for tests: contexts of the driver API ---- */
 
-/* A new context on device d, made current (as cuCtxCreate); contexts live as long as the process. */
+/* A new context on device d, made current (as cuCtxCreate); its memory lives as long as the
+ * process, so that a destroyed one is still known as such. */
 extern "C" __attribute__((visibility("default"))) void *cmlp_emu_ctx_create(int d) {
-    CUctx_st *c = new CUctx_st{d, false};
+    CUctx_st *c = new CUctx_st{d, false, false};
     current_ctx = c;
     return c;
+}
+/* Destroys a context of cmlp_emu_ctx_create (as cuCtxDestroy): no longer current on this thread,
+ * and its streams refuse work. */
+extern "C" __attribute__((visibility("default"))) void cmlp_emu_ctx_destroy(void *ctx) {
+    CUctx_st *c = (CUctx_st *)ctx;
+    if (!c || c->primary) return;
+    c->destroyed = true;
+    if (current_ctx == c) current_ctx = nullptr;
 }
 extern "C" __attribute__((visibility("default"))) void *cmlp_emu_ctx_current(void) { return current_ctx; }

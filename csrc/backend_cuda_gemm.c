@@ -1,0 +1,219 @@
+/* backend_cuda_gemm.c - GEMMs through cuBLASLt: fp32 (TF32 where asked for), fp16 and
+ * bf16 with fp32 accumulation, fused bias and ReLU epilogues, and a cache of plans per shape,
+ * layout and alignment.
+ */
+#include "backend_cuda.h"
+
+/* ---- GEMM: cuBLASLt, with a cache of plans per shape, layout and alignment ---- */
+
+static unsigned align_of(const void *p) {
+    uintptr_t a = (uintptr_t)p;
+    unsigned al = 256;
+    while (al > 1 && (a & (al - 1))) al >>= 1; /* half-precision views may be 2-byte aligned */
+    return al;
+}
+
+static void plan_free(gemm_plan *p) {
+    if (!p->used) return;
+    if (p->op) cublasLtMatmulDescDestroy(p->op);
+    if (p->a) cublasLtMatrixLayoutDestroy(p->a);
+    if (p->b) cublasLtMatrixLayoutDestroy(p->b);
+    if (p->c) cublasLtMatrixLayoutDestroy(p->c);
+    memset(p, 0, sizeof *p);
+}
+
+/* One GEMM as cuBLASLt sees it: row-major C[m,n] = op(A) op(B) is column-major
+ * C^T[n,m] = op(B)^T op(A)^T, so cuBLASLt's "A" is our B and its "B" is our A. */
+typedef struct {
+    int ta, tb;
+    int64_t m, n, k, lda, ldb, ldc;
+    cudaDataType_t ab, cd;          /* A and B; C and D */
+    cublasLtEpilogue_t epilogue;    /* DEFAULT, BIAS or RELU_BIAS (bias: cd elements, [n]) */
+} gemm_desc;
+
+static cmlp_status plan_make(cuda_ctx *c, gemm_plan *p, const uint64_t key[8], const gemm_desc *g, unsigned al_a,
+                             unsigned al_b, unsigned al_c, const void *d_bias, size_t ws, bool *no_algo) {
+    /* TF32 only where A and B are float and it was asked for */
+    cublasComputeType_t ct = c->tf32 && g->ab == CUDA_R_32F ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    cublasOperation_t op_l = g->tb ? CUBLAS_OP_T : CUBLAS_OP_N, op_r = g->ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+    uint64_t m = (uint64_t)g->m, n = (uint64_t)g->n, k = (uint64_t)g->k;
+    memset(p, 0, sizeof *p);
+    LT_TRY(cublasLtMatmulDescCreate(&p->op, ct, CUDA_R_32F));
+    p->used = true; /* from here plan_free releases what exists; the rest are NULL */
+    LT_TRY(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &op_l, sizeof op_l));
+    LT_TRY(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &op_r, sizeof op_r));
+    LT_TRY(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &g->epilogue, sizeof g->epilogue));
+    /* the heuristic reads the bias pointer's alignment from the pointer itself (the key has it) */
+    if (g->epilogue != CUBLASLT_EPILOGUE_DEFAULT)
+        LT_TRY(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &d_bias, sizeof d_bias));
+    /* stored shapes (before op), column-major */
+    LT_TRY(cublasLtMatrixLayoutCreate(&p->a, g->ab, g->tb ? k : n, g->tb ? n : k, g->ldb));
+    LT_TRY(cublasLtMatrixLayoutCreate(&p->b, g->ab, g->ta ? m : k, g->ta ? k : m, g->lda));
+    LT_TRY(cublasLtMatrixLayoutCreate(&p->c, g->cd, n, m, g->ldc));
+    cublasLtMatmulPreference_t pref = NULL;
+    LT_TRY(cublasLtMatmulPreferenceCreate(&pref));
+    uint32_t aa = al_b, ab = al_a, ac = al_c; /* cuBLASLt's A is our B */
+    cublasStatus_t s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
+    if (s == CUBLAS_STATUS_SUCCESS)
+        s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &aa, sizeof aa);
+    if (s == CUBLAS_STATUS_SUCCESS)
+        s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ab, sizeof ab);
+    if (s == CUBLAS_STATUS_SUCCESS)
+        s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ac, sizeof ac);
+    if (s == CUBLAS_STATUS_SUCCESS)
+        s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ac, sizeof ac);
+    cublasLtMatmulHeuristicResult_t h;
+    int found = 0;
+    if (s == CUBLAS_STATUS_SUCCESS)
+        s = cublasLtMatmulAlgoGetHeuristic(c->lt, p->op, p->a, p->b, p->c, p->c, pref, 1, &h, &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    if (s != CUBLAS_STATUS_SUCCESS || found == 0) {
+        *no_algo = found == 0 && (s == CUBLAS_STATUS_SUCCESS || s == CUBLAS_STATUS_NOT_SUPPORTED);
+        plan_free(p);
+        return FAIL(CMLP_ERR_DEVICE, "cuBLASLt has no algorithm for a GEMM of %lld x %lld x %lld (%s)", (long long)g->m,
+                    (long long)g->n, (long long)g->k,
+                    s == CUBLAS_STATUS_SUCCESS ? "none found" : cublasLtGetStatusString(s));
+    }
+    p->algo = h.algo;
+    memcpy(p->key, key, sizeof p->key);
+    return CMLP_OK;
+}
+
+/* no_algo (may be NULL): set when cuBLASLt has no algorithm for this GEMM (then nothing ran). */
+static cmlp_status lt_gemm(cuda_ctx *c, const gemm_desc *g, float alpha, const void *d_a, const void *d_b, float beta,
+                           void *d_c, const void *d_bias, bool *no_algo) {
+    bool none = false;
+    if (no_algo) *no_algo = false;
+    if (g->m == 0 || g->n == 0) return CMLP_OK;
+    if (g->k <= 0) return FAIL(CMLP_ERR_INVALID, "GEMM with k = %lld", (long long)g->k);
+    CMLP_TRY_USE(c);
+    /* a bias aligned to less than 16 bytes is read from the aligned slot (see bias_slot) */
+    const void *bias_src = NULL;
+    size_t bias_bytes = 0;
+    if (d_bias && align_of(d_bias) < 16) {
+        bias_bytes = (size_t)g->n * (g->cd == CUDA_R_32F ? 4 : 2);
+        if (on_side(c) || !c->bias_slot || bias_bytes > BIAS_SLOT) { /* no fusing it: see gemm_bias */
+            if (no_algo) *no_algo = true;
+            return FAIL(CMLP_ERR_DEVICE,
+                        "a fused bias of %lld values at an address aligned to %u bytes: cuBLASLt reads it 16 bytes "
+                        "at a time, and the aligned slot holds %zu bytes",
+                        (long long)g->n, align_of(d_bias), BIAS_SLOT);
+        }
+        bias_src = d_bias;
+        d_bias = c->bias_slot;
+    }
+    unsigned al_a = align_of(d_a), al_b = align_of(d_b), al_c = align_of(d_c), al_bias = d_bias ? align_of(d_bias) : 0;
+    size_t ws_bytes;
+    void *ws = ws_of(c, &ws_bytes); /* the plan is chosen for the workspace it gets */
+    uint64_t key[8] = {(uint64_t)g->m, (uint64_t)g->n, (uint64_t)g->k, (uint64_t)g->lda, (uint64_t)g->ldb,
+                       (uint64_t)g->ldc,
+                       (uint64_t)(g->ta != 0) | (uint64_t)(g->tb != 0) << 1 | (uint64_t)c->tf32 << 2 |
+                           (uint64_t)on_side(c) << 3 |
+                           (uint64_t)g->ab << 8 | (uint64_t)g->cd << 24 | (uint64_t)g->epilogue << 40,
+                       (uint64_t)al_a | (uint64_t)al_b << 16 | (uint64_t)al_c << 32 | (uint64_t)al_bias << 48};
+    pthread_mutex_lock(&c->lock);
+    gemm_plan *p = NULL;
+    for (int i = 0; i < NPLANS && !p; i++)
+        if (c->plans[i].used && memcmp(c->plans[i].key, key, sizeof key) == 0) p = &c->plans[i];
+    cmlp_status st = CMLP_OK;
+    if (!p) { /* made aside, so that a key with no algorithm evicts no plan but one entry noting that */
+        gemm_plan made;
+        st = plan_make(c, &made, key, g, al_a, al_b, al_c, d_bias, ws_bytes, &none);
+        if (st == CMLP_OK || none) {
+            p = &c->plans[c->next_plan];
+            c->next_plan = (c->next_plan + 1) % NPLANS;
+            plan_free(p);
+            if (st == CMLP_OK) *p = made;
+            else *p = (gemm_plan){.used = true, .none = true};
+            memcpy(p->key, key, sizeof key);
+        } else {
+            plan_free(&made); /* what a failed descriptor call left */
+        }
+    } else if (p->none) {
+        none = true;
+        st = FAIL(CMLP_ERR_DEVICE, "cuBLASLt has no algorithm for a GEMM of %lld x %lld x %lld", (long long)g->m,
+                  (long long)g->n, (long long)g->k);
+    }
+    if (no_algo) *no_algo = none;
+    if (st == CMLP_OK && bias_src) { /* in stream order under the lock: no other GEMM's copy comes between */
+        cudaError_t e = cudaMemcpyAsync(c->bias_slot, bias_src, bias_bytes, cudaMemcpyDeviceToDevice, stream_of(c));
+        if (e != cudaSuccess) st = cuda_fail(e, "copying a bias to its aligned slot", __FILE__, __LINE__);
+    }
+    if (st == CMLP_OK && g->epilogue != CUBLASLT_EPILOGUE_DEFAULT) {
+        cublasStatus_t s = cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &d_bias,
+                                                          sizeof d_bias);
+        if (s != CUBLAS_STATUS_SUCCESS)
+            st = FAIL(CMLP_ERR_DEVICE, "setting a GEMM's bias failed: %s", cublasLtGetStatusString(s));
+    }
+    if (st == CMLP_OK) {
+        cublasStatus_t s = cublasLtMatmul(c->lt, p->op, &alpha, d_b, p->a, d_a, p->b, &beta, d_c, p->c, d_c, p->c,
+                                          &p->algo, ws, ws_bytes, stream_of(c));
+        if (s != CUBLAS_STATUS_SUCCESS) {
+            (void)cudaGetLastError();
+            st = FAIL(CMLP_ERR_DEVICE, "cublasLtMatmul (%lld x %lld x %lld) failed: %s", (long long)g->m,
+                      (long long)g->n, (long long)g->k, cublasLtGetStatusString(s));
+        }
+    }
+    pthread_mutex_unlock(&c->lock);
+    if (st == CMLP_OK && c->sync_each) st = done(c, cudaSuccess, "cublasLtMatmul");
+    return st;
+}
+
+static cmlp_status cu_gemm(void *ctx, int ta, int tb, int64_t m, int64_t n, int64_t k, float alpha, const float *d_a,
+                           int64_t lda, const float *d_b, int64_t ldb, float beta, float *d_c, int64_t ldc) {
+    gemm_desc g = {ta, tb, m, n, k, lda, ldb, ldc, CUDA_R_32F, CUDA_R_32F, CUBLASLT_EPILOGUE_DEFAULT};
+    return lt_gemm(ctx, &g, alpha, d_a, d_b, beta, d_c, NULL, NULL);
+}
+
+/* C = alpha op(A) op(B) with the bias (and ReLU) fused where cuBLASLt has an algorithm for
+ * that. Where it has none (rows of C contiguous): in fp32 the GEMM, then the bias kernel; in
+ * half precision C's rows set to the bias, the GEMM adding to them, then the ReLU, which gives
+ * the fused epilogue's values (the sum in fp32, rounded once). */
+static cmlp_status gemm_bias(cuda_ctx *c, gemm_desc *g, float alpha, const void *d_a, const void *d_b, void *d_c,
+                             const void *d_bias, int relu) {
+    bool none;
+    cmlp_status st = lt_gemm(c, g, alpha, d_a, d_b, 0.0f, d_c, d_bias, &none);
+    if (st == CMLP_OK || !none || g->ldc != g->n) return st;
+    g->epilogue = CUBLASLT_EPILOGUE_DEFAULT;
+    if (g->cd == CUDA_R_32F) {
+        st = lt_gemm(c, g, alpha, d_a, d_b, 0.0f, d_c, NULL, NULL);
+        return st != CMLP_OK ? st : KERNEL(c, cmlp_k_bias_act(d_c, d_bias, g->m, g->n, relu, stream_of(c)));
+    }
+    const int bf16 = g->cd == CUDA_R_16BF;
+    st = KERNEL(c, cmlp_k_rows_half(d_c, d_bias, g->m, g->n, bf16, stream_of(c)));
+    if (st == CMLP_OK) st = lt_gemm(c, g, alpha, d_a, d_b, 1.0f, d_c, NULL, NULL);
+    if (st == CMLP_OK && relu) st = KERNEL(c, cmlp_k_rows_half(d_c, NULL, g->m, g->n, bf16, stream_of(c)));
+    return st;
+}
+
+static cmlp_status cu_gemm_bias_act(void *ctx, int ta, int tb, int64_t m, int64_t n, int64_t k, const float *d_a,
+                                    int64_t lda, const float *d_b, int64_t ldb, float *d_c, int64_t ldc,
+                                    const float *d_bias, int relu) {
+    gemm_desc g = {ta, tb, m, n, k, lda, ldb, ldc, CUDA_R_32F, CUDA_R_32F,
+                   relu ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_BIAS};
+    return gemm_bias(ctx, &g, 1.0f, d_a, d_b, d_c, d_bias, relu);
+}
+
+static cudaDataType_t cuda_type(cmlp_dtype t) {
+    return t == CMLP_DTYPE_F16 ? CUDA_R_16F : t == CMLP_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_32F;
+}
+
+static cmlp_status cu_gemm_half(void *ctx, int ta, int tb, int64_t m, int64_t n, int64_t k, float alpha,
+                                const uint16_t *d_a, int64_t lda, const uint16_t *d_b, int64_t ldb, cmlp_dtype ab,
+                                float beta, void *d_c, cmlp_dtype c_type, int64_t ldc, const void *d_bias, int relu) {
+    gemm_desc g = {ta, tb, m, n, k, lda, ldb, ldc, cuda_type(ab), cuda_type(c_type),
+                   !d_bias ? CUBLASLT_EPILOGUE_DEFAULT : relu ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_BIAS};
+    if (relu && !d_bias) return FAIL(CMLP_ERR_INVALID, "a GEMM's ReLU epilogue comes with its bias");
+    if (d_bias && beta == 0.0f) return gemm_bias(ctx, &g, alpha, d_a, d_b, d_c, d_bias, relu);
+    return lt_gemm(ctx, &g, alpha, d_a, d_b, beta, d_c, d_bias, NULL);
+}
+
+void cuda_plans_free(cuda_ctx *c) {
+    for (int i = 0; i < NPLANS; i++) plan_free(&c->plans[i]);
+}
+
+void cuda_gemm_ops(cmlp_backend_i *b) {
+    b->gemm = cu_gemm;
+    b->gemm_bias_act = cu_gemm_bias_act;
+    b->gemm_half = cu_gemm_half;
+}
