@@ -1,34 +1,38 @@
 #!/usr/bin/env bash
 # The device check: on a GPU machine with python3, numpy, pytest and torch (and no network), builds
 # cmlp in place with the CUDA backend, makes a first synchronised pass over the main GPU paths
-# (scripts/gpu_smoke.py), runs the GPU tests (tests/test_cuda.py, plus the allocator's
-# tests/test_allocator.py), the GPU benchmark (bench/bench_gpu.py) and a profile of the kernels
-# of a batch-32 step (bench/profile_gpu.py), and ends with a summary: build seconds, test counts,
-# the benchmark's table and targets, each side's kernel time per step. Under 8 minutes: each phase runs
-# under `timeout`; a phase that fails or times out is reported and the later phases still run.
+# (scripts/gpu_smoke.py), the GPU benchmark (bench/bench_gpu.py), the GPU tests
+# (tests/test_cuda.py) and a profile of the kernels of a batch-32 step (bench/profile_gpu.py), and
+# ends with a summary: build seconds, test counts, the benchmark's table and targets, each side's
+# kernel time per step. Each phase runs under `timeout`, within its own limit and what is left of
+# DEADLINE (seconds from the start, 480 by default, so that the summary is printed within a
+# 10-minute call); a phase that fails or times out is reported and the later phases still run.
 #
 #   bash scripts/fetch_device_wheels.sh      # with network, once: the BLAS wheel into .whl/ (git-ignored)
 #   bash scripts/device_check.sh             # on the GPU machine, from the repository root, with .whl/
+#                                            # (the device tool: run(..., carry=[".whl"]))
 #
 # Without a GPU, the same script runs over the emulated CUDA backend (tests/test_cuda_emulated.py),
 # which checks the script itself (about 3 minutes on 2 cores):
 #   make emu-cuda && CMLP_CUDA_LIBRARY=$PWD/build/emu/_cmlp_cuda_emu.so BENCH_FLAGS=--smoke \
-#       SMOKE_LIMIT=600 TEST_LIMIT=900 bash scripts/device_check.sh
+#       SMOKE_LIMIT=600 TEST_LIMIT=900 DEADLINE=3000 bash scripts/device_check.sh
 #
 # Wheels in .whl/ (scipy-openblas32, which the build links, and setuptools if the machine lacks
 # it) are installed offline into /tmp/site. Everything is also written to $OUT/device_check.log
 # when $OUT is set. Limits (seconds) can be changed with BUILD_LIMIT, SMOKE_LIMIT, TEST_LIMIT,
 # BENCH_LIMIT, PROFILE_LIMIT; PYTEST_FLAGS (default: every test, one line each, stopping after 30
-# failures, so that one run shows as much as it can) and BENCH_FLAGS (e.g. --quick) are passed on. Exit status: 0 when
-# every phase passed (benchmark targets missed do not count), else 1.
+# failures, so that one run shows as much as it can; each test at most 120 s where pytest-timeout
+# is installed) and BENCH_FLAGS (e.g. --quick) are passed on. Exit status: 0 when every phase
+# passed (benchmark targets missed do not count), else 1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-BUILD_LIMIT=${BUILD_LIMIT:-100} # measured: about 15 s on 2 cores
+DEADLINE=${DEADLINE:-480}
+BUILD_LIMIT=${BUILD_LIMIT:-150} # the kernels compiled in parallel: about 60 s on 2 cores
 SMOKE_LIMIT=${SMOKE_LIMIT:-60}  # about 25 s on 2 cores with the CPU standing in
-TEST_LIMIT=${TEST_LIMIT:-150}
 BENCH_LIMIT=${BENCH_LIMIT:-150}
-PROFILE_LIMIT=${PROFILE_LIMIT:-45}
+TEST_LIMIT=${TEST_LIMIT:-200}
+PROFILE_LIMIT=${PROFILE_LIMIT:-90}
 SMALL_LIMIT=30 # wheels, probe
 PYTEST_FLAGS=${PYTEST_FLAGS:--v --maxfail=30 --durations=8}
 BENCH_FLAGS=${BENCH_FLAGS:-}
@@ -39,14 +43,22 @@ declare -A STATUS SECONDS_TAKEN
 PHASES=()
 
 # run_phase NAME LIMIT COMMAND...: runs it under timeout (a shell function through bash -c,
-# exported), records its status and duration.
+# exported), within what is left of DEADLINE, and records its status and duration.
 run_phase() {
-    local name=$1 limit=$2 rc=0 start=$SECONDS
+    local name=$1 limit=$2 rc=0 start=$SECONDS left
     shift 2
     PHASES+=("$name")
+    left=$((DEADLINE - SECONDS - 15))
+    if [ "$left" -lt 10 ]; then
+        STATUS[$name]="SKIPPED (the deadline of ${DEADLINE}s is reached)"
+        SECONDS_TAKEN[$name]=0
+        echo "=== $name: ${STATUS[$name]}"
+        return
+    fi
+    [ "$limit" -le "$left" ] || limit=$left
     echo
     echo "=== $name (limit ${limit}s): $*"
-    timeout --kill-after=10 "$limit" "$@" || rc=$?
+    timeout --kill-after=5 "$limit" "$@" || rc=$?
     SECONDS_TAKEN[$name]=$((SECONDS - start))
     case $rc in
         0) STATUS[$name]=ok ;;
@@ -105,8 +117,15 @@ EOF
 }
 export -f probe
 
+# A digest of the sources, which names the code checked where the checkout travels without .git.
+source_digest() {
+    find csrc kernels python tests bench scripts setup.py -type f \( -name '*.c' -o -name '*.h' -o -name '*.cu' \
+        -o -name '*.cuh' -o -name '*.cpp' -o -name '*.py' -o -name '*.sh' \) -print0 2>/dev/null | sort -z \
+        | xargs -0 sha1sum | sha1sum | cut -c1-12
+}
+
 main() {
-    echo "device check of cmlp $(git rev-parse --short HEAD 2>/dev/null || echo '(no git)'), $(date -u '+%Y-%m-%d %H:%M UTC')"
+    echo "device check of cmlp $(git rev-parse --short HEAD 2>/dev/null || echo '(no git)') (sources $(source_digest)), $(date -u '+%Y-%m-%d %H:%M UTC')"
     nvidia-smi -L || echo "nvidia-smi: not available"
     if ! command -v nvcc >/dev/null 2>&1 && [ -z "${CUDA_HOME:-}" ]; then
         for d in /usr/local/cuda /usr/local/cuda-*; do
@@ -119,24 +138,31 @@ main() {
     local nvcc=${CUDA_HOME:+$CUDA_HOME/bin/}nvcc
     "$nvcc" --version | tail -n 2 || echo "nvcc: not found (set CUDA_HOME)"
     "$PY" --version
-    "$PY" -c "import numpy, torch; print('numpy', numpy.__version__, 'torch', torch.__version__)" || true
+    timeout 30 "$PY" -c "from importlib.metadata import version as v; print('numpy', v('numpy'), 'torch', v('torch'))" \
+        || true
 
     export PYTHONPATH="$PWD/python:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
     export PYTHONUNBUFFERED=1
-    unset CMLP_ALLOW_TF32 CMLP_CUDA_SYNC CMLP_ALLOC_CONF PYTORCH_CUDA_ALLOC_CONF
+    # settings that would change what is measured, on either side
+    unset CMLP_ALLOW_TF32 CMLP_CUDA_SYNC CMLP_CUDA_STREAMS CMLP_ALLOC_CONF PYTORCH_CUDA_ALLOC_CONF \
+        TORCH_ALLOW_TF32_CUBLAS_OVERRIDE NVIDIA_TF32_OVERRIDE CUDA_LAUNCH_BLOCKING CUBLAS_WORKSPACE_CONFIG \
+        CUBLASLT_WORKSPACE_SIZE
+    env | grep -E '^(CUDA|NVIDIA|TORCH|CUBLAS|NCCL)' || true
     [ -z "${CMLP_CUDA_LIBRARY:-}" ] || echo "CUDA backend: $CMLP_CUDA_LIBRARY (CMLP_CUDA_LIBRARY)"
 
     run_phase wheels "$SMALL_LIMIT" bash -c install_wheels
-    run_phase build "$BUILD_LIMIT" env CMLP_CUDA=1 CMLP_CUDA_ARCH=90 "$PY" setup.py build_ext --inplace
+    run_phase build "$BUILD_LIMIT" env CMLP_CUDA=1 CMLP_CUDA_ARCH=90 CMLP_MPI=0 "$PY" setup.py build_ext --inplace
     run_phase probe "$SMALL_LIMIT" bash -c "set -o pipefail; probe | tee '$TMP/probe.log'"
     # every operation synchronised, one line per path: where a crash stops it is where to look
     run_phase smoke "$SMOKE_LIMIT" env CMLP_CUDA_SYNC=1 "$PY" -X faulthandler scripts/gpu_smoke.py
-    # shellcheck disable=SC2086 # PYTEST_FLAGS and BENCH_FLAGS are word lists
-    run_phase tests "$TEST_LIMIT" bash -c "set -o pipefail; '$PY' -m pytest -rfEs $PYTEST_FLAGS \
-        tests/test_cuda.py tests/test_allocator.py 2>&1 | tee '$TMP/pytest.log'"
-    # shellcheck disable=SC2086
+    # shellcheck disable=SC2086 # BENCH_FLAGS and PYTEST_FLAGS are word lists
     run_phase bench "$BENCH_LIMIT" bash -c "set -o pipefail; '$PY' bench/bench_gpu.py $BENCH_FLAGS \
         | tee '$TMP/bench.log'"
+    local per_test=""
+    "$PY" -c "import pytest_timeout" 2>/dev/null && per_test="-p pytest_timeout --timeout=120"
+    # shellcheck disable=SC2086
+    run_phase tests "$TEST_LIMIT" bash -c "set -o pipefail; '$PY' -m pytest -rfEs $per_test $PYTEST_FLAGS \
+        tests/test_cuda.py 2>&1 | tee '$TMP/pytest.log'"
     # every kernel of a batch-32 step, cmlp's and PyTorch's, from the CUDA profiler
     run_phase profile "$PROFILE_LIMIT" bash -c "set -o pipefail; '$PY' bench/profile_gpu.py \
         | tee '$TMP/profile.log'"
@@ -145,6 +171,10 @@ main() {
     if [ -f "$TMP/pytest.log" ]; then
         counts=$(grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|error|errors|deselected)' "$TMP/pytest.log" \
             | tail -n 1 | sed -E 's/^=+ //; s/ =+$//') || true
+        if [ -z "$counts" ]; then # cut short: the verbose lines' verdicts so far
+            counts="so far $(grep -cE ' PASSED' "$TMP/pytest.log") passed, $(grep -cE ' (FAILED|ERROR)' \
+                "$TMP/pytest.log") failed"
+        fi
     fi
     echo
     echo "================ device check summary ================"
