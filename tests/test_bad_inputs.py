@@ -151,6 +151,8 @@ def _cases():
                              ("none", None, TypeError), ("int", 784, TypeError)]:
         add(f"layer_sizes-{name}", lambda c, s=sizes: cmlp.MLP(s), exc, r"layer")
     add("seed-negative", lambda c: cmlp.MLP(SIZES, seed=-1), ValueError, r"seed")
+    for name, seed in [("none", None), ("float", 1.5), ("str", "0"), ("bool", True)]:
+        add(f"seed-{name}", lambda c, s=seed: cmlp.MLP(SIZES, seed=s), TypeError, r"seed must be an int")
 
     Adam, SGD = cmlp.optim.Adam, cmlp.optim.SGD
     for name, make, exc, match in [
@@ -196,6 +198,7 @@ def _cases():
         ("trainer-not-optimizer", lambda c: T(c.model, object()), TypeError, r"optimizer"),
         ("trainer-not-model", lambda c: T(object(), c.opt), TypeError, r"model"),
         ("trainer-seed-negative", lambda c: T(c.model, c.opt, seed=-1), ValueError, r"seed"),
+        ("trainer-seed-none", lambda c: T(c.model, c.opt, seed=None), TypeError, r"seed must be an int"),
         ("trainer-normalize-std-0", lambda c: T(c.model, c.opt, normalize=(0.5, 0.0)), ValueError, r"normalize"),
         ("trainer-normalize-scalar", lambda c: T(c.model, c.opt, normalize=0.5), TypeError, r"normalize"),
         ("fit-epochs-0", lambda c: c.trainer.fit(c.x, c.y, epochs=0, progress=False), ValueError, r"epochs"),

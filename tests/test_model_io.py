@@ -502,3 +502,14 @@ def test_a_damaged_compressed_file_is_a_value_error(tmp_path, how):
     path.write_bytes(bytes(bad))
     with pytest.raises(ValueError, match="not a readable cmlp model file"):
         cmlp.MLP.load(path)
+
+
+@pytest.mark.parametrize("content", [b"junk", b"", b"\x93NUMPY", b"\x80\x04K\x01."])
+def test_a_file_that_is_no_zip_is_named_as_such(tmp_path, content):
+    """Text, an empty file, an .npy array or a pickle: not read by NumPy (which would call a
+    non-archive a refused pickle), but refused as no zip archive."""
+    path = tmp_path / "model.npz"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=r"model.npz is not a readable cmlp model file \(.npz\): it is not a zip "
+                                         "archive"):
+        cmlp.MLP.load(path)

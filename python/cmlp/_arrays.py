@@ -91,7 +91,9 @@ def as_normalize(normalize: Any) -> Tuple[float, float]:
 
 def check_seed(seed: Any) -> int:
     """A seed as torch.manual_seed takes one, non-negative here: an int in [0, 2**64)."""
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**64:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"seed must be an int in [0, 2**64), got {seed!r}")
+    if not 0 <= seed < 2**64:
         raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
     return int(seed)
 

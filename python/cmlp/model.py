@@ -321,6 +321,10 @@ class MLP:
         """Reads a file written by save()."""
         path = os.fsdecode(path)  # str, bytes or os.PathLike
         try:
+            with open(path, "rb") as f:  # NumPy would read any other file as a refused pickle
+                magic = f.read(4)
+            if magic not in (b"PK\x03\x04", b"PK\x05\x06"):  # a zip's first entry, or an empty zip
+                raise ValueError("it is not a zip archive, which an .npz file is")
             loaded = np.load(path, allow_pickle=False)
             if not isinstance(loaded, np.lib.npyio.NpzFile):
                 raise ValueError("it holds a single array, not an .npz archive")
