@@ -13,6 +13,7 @@ import numpy as np
 from . import _cmlp, memory
 from . import distributed as _dist
 from ._arrays import as_flag, as_inputs, as_labels, as_normalize, as_number, check_amp, check_seed
+from ._fit_limit import start_under_limit
 from ._progress import make_bar
 from .model import MLP
 from .optim import Optimizer
@@ -280,130 +281,6 @@ class Trainer:
         s.load_state_dict(d)
         s._note_underflow(5)  # backed off in the C loop: fit -> _fit -> _pull_scaler -> here
 
-    def _start_under_limit(self, xa: Optional[np.ndarray] = None) -> None:
-        """Under a memory limit, start from the largest micro-batch that the planner says fits
-        next to what is already allocated (the fewest of a step). A fit on a GPU has copied
-        its data set xa to the device: where the step would fit a larger micro-batch without it
-        (or, without auto_microbatch, only without it), the copy goes and the batches are staged
-        from host memory, so that the data set never costs the step its room."""
-        device = self.model.device
-        limit = memory.get_memory_limit(device)
-        if limit is None:
-            return
-        step, buffers = self.optimizer._c.get_state()
-        stepped = step > 0 or bool(buffers)
-        held = ("model",) + (("optimizer_state",) if stepped else ())  # the parameters and gradients, ...
-        if stepped and self.amp is not None:
-            held += ("half_weights",)
-        self.model._c.release_workspace()  # the plan counts the workspace; it goes back to the cache
-        resident = xa is not None and self._c.data_resident()
-        room = limit - memory.memory_allocated(device)
-        # the limit caps reserved memory, and new segments come rounded up, which can decide it:
-        # the segments a run reserves from an empty cache (those that hold the model now among
-        # them), on top of what the device holds from its start, must fit under the limit, or
-        # under what is reserved already where that is more (then no new segment can be made)
-        reserved = memory.memory_reserved(device)
-        cap = max(limit, reserved)
-
-        # a data set smaller than a micro-batch is each step's one micro-batch; data-parallel,
-        # every rank has the whole data set and a step of it is shared out, the first ranks
-        # taking one sample more: a rank computes at most ceil(rows / world_size) of a step
-        rows = xa.shape[0] if xa is not None else 0
-        if self.distributed:
-            rows = -(-rows // _dist.get_world_size())
-
-        def planned(b: int, with_data: bool) -> Any:
-            if 0 < rows < b:
-                b = rows
-            try:
-                return memory.plan(list(self.model.layer_sizes), b, self.optimizer, self.amp, self.recompute,
-                                   scaler=self.scaler is not None and self.scaler.is_enabled(), device=device,
-                                   accumulation_steps=-(-self.batch_size * self.accumulation_steps // b)
-                                   if b != rows else 1,
-                                   data_rows=xa.shape[0] if with_data else 0,
-                                   data_dtype=xa.dtype if with_data else "uint8", shuffle=self.shuffle)
-            except ValueError:  # too large to plan: it does not fit either
-                return None
-
-        data = planned(1, True)._allocated["data"] if resident else 0  # the device copy's bytes
-
-        def fits(p: Any, with_data: bool) -> bool:
-            # allocated (their blocks as the allocator rounds them, as memory_allocated counts
-            # them): the data set is in memory_allocated already while it is on the device
-            own = p.peak_bytes - sum(p._allocated[k] for k in held) - p._allocated["data"]
-            if own <= room + (0 if with_data else data) and p.reserved_bytes + p.standing_reserved_bytes <= cap:
-                return True
-            # a limit set below what the cache holds already: the cache's free blocks may serve the
-            # step's requests as they are, where no new segment is allowed (tried, not taken)
-            return (reserved > limit and with_data == resident and
-                    _cmlp.cache_serves(device, [n for what, n in p._requests if what not in held + ("data",)]))
-
-        # the rows of a step this rank computes (batch_size is per rank), cut into micro-batches
-        step_rows = self.batch_size * self.accumulation_steps
-        if rows:
-            step_rows = min(step_rows, rows)
-
-        def shrunk(b: int) -> int:
-            """Twice as many micro-batches of the step, as equal as they come, as an OOM makes
-            them (csrc/train.c shrunk_micro): 2667 of 8000 shrink to 1334, not 1333."""
-            n = -(-step_rows // b) if step_rows > b else 1
-            m = -(-step_rows // (2 * n))
-            return m if 1 <= m < b else b // 2
-
-        def largest(with_data: bool) -> Tuple[int, Any, bool]:
-            """The largest micro-batch whose plan fits: shrinking from the one in use as an OOM
-            would, then, between the size that fits and the one that did not, the fewest equal
-            micro-batches of the step that fit (a step of 8000 in 3 of 2667, not 4 of 2000), as
-            `python -m cmlp plan --budget` offers."""
-            b = failed = self.microbatch_size
-            while True:
-                p = planned(b, with_data)
-                if p is not None and fits(p, with_data):
-                    break
-                if b == 1 or not self.auto_microbatch:
-                    return b, p, False  # not even one sample: the step will try, in micro-batches of 1
-                b, failed = shrunk(b), b
-            top = min(failed - 1, step_rows)
-            k = -(-step_rows // top) if b < top else step_rows + 1
-            while k <= step_rows:  # each k once it gives a smaller micro-batch: at most ~sqrt(2 * rows) plans
-                c = -(-step_rows // k)
-                if c <= b:
-                    break
-                q = planned(c, with_data)
-                if q is not None and fits(q, with_data):
-                    return c, q, True
-                k = max(k + 1, -(-step_rows // (c - 1)))
-            return b, p, True
-
-        b, p, fits_one = largest(resident)
-        if resident and not (fits_one and b == self.microbatch_size):
-            b_host, p_host, fits_host = largest(False)
-            if fits_host and (not fits_one or b_host > b):
-                self._c.set_host_data(True)  # the batches come from host memory for the rest of this fit
-                b, p, fits_one = b_host, p_host, fits_host
-        if not self.auto_microbatch:
-            return
-        asked = self.microbatch_size
-        if b < asked:
-            self._c.start_microbatch(b)
-            if not self._warned:
-                self._warned = True
-                said = f"fits micro-batches of {b}, not {asked}: the trainer accumulates them (the update is the same)"
-                if not fits_one:
-                    state = ""
-                    own = None if p is None else p.peak_bytes - sum(p._allocated[k] for k in held + ("data",))
-                    if own is not None and own <= room:
-                        # the bytes may fit where the segments that hold them do not
-                        state = (f" (its segments would reserve {memory._fmt(p.reserved_bytes)}: memory is reserved "
-                                 "in whole segments, which configure('expandable_segments:True') makes pages)")
-                    elif p is not None:
-                        kept = sum(p.breakdown[k] for k in ("parameters", "gradients", "optimizer_state",
-                                                            "half_weights"))
-                        state = f" (the parameters, gradients and optimizer state take {memory._fmt(kept)})"
-                    said = f"fits no micro-batch, not even of 1 sample{state}: the step will try, in micro-batches of 1"
-                warnings.warn(f"under the memory limit of {memory._fmt(limit)} the planner {said}",
-                              memory.MemoryWarning, stacklevel=6)  # fit -> _fit -> lambda -> _together -> here
-
     def _warn_if_split(self, before: int) -> None:
         if self._c.oom_retries() > before and not self._warned:
             self._warned = True
@@ -645,7 +522,7 @@ class Trainer:
              progress: bool, scheduler: Any = None, per_step: bool = False) -> List[Dict[str, Any]]:
         device = self.model.device
         history: List[Dict[str, Any]] = []
-        self._c.set_host_data(False)  # each fit copies its data set to a GPU, where it has room (_start_under_limit)
+        self._c.set_host_data(False)  # each fit copies its data set to a GPU, where it has room (start_under_limit)
         self._parts_kept = False  # _run_scheduled's
         try:
             for epoch in range(1, epochs + 1):
@@ -666,7 +543,7 @@ class Trainer:
                     self.optimizer._sync_parts(self.optimizer._rates()[1], parts=self._parts_kept)  # as in step()
                     start = time.perf_counter()
                     if epoch == 1:
-                        self._together(lambda: self._start_under_limit(xa))
+                        self._together(lambda: start_under_limit(self, xa))
                     self.optimizer._opt_called = True  # its schedule steps after the optimizer's
                     retries = self._c.oom_retries()
                     try:
