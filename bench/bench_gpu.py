@@ -312,6 +312,12 @@ def environment_lines(device, have_torch):
         lines.append(f"torch {torch.__version__} (CUDA {torch.version.cuda}){gpu}"
                      + ("" if have_torch else ", not used"))
     lines.append(f"device: {device}; TF32 off in PyTorch; times are the best of the repeats")
+    try:  # which cuBLASLt this process loaded (PyTorch's wheel brings its own)
+        with open("/proc/self/maps") as f:
+            libs = sorted({line.split()[-1] for line in f if "libcublasLt" in line})
+        lines.append(f"cuBLASLt loaded: {', '.join(libs) or 'none'}")
+    except OSError:
+        pass
     return lines
 
 

@@ -190,11 +190,12 @@ main() {
     [ -f "$TMP/probe.log" ] && grep -E '^fused ReLU' "$TMP/probe.log" || true
     if [ -f "$TMP/bench.log" ]; then
         echo
-        grep -E '^\||^targets|: .*\((met|MISSED)\)$|^FAILED|^cmlp |^torch |^bench_gpu' "$TMP/bench.log" || true
+        grep -E '^\||^targets|: .*\((met|MISSED)\)$|^FAILED|^cmlp |^torch |^cuBLASLt |^bench_gpu' "$TMP/bench.log" \
+            || true
     fi
     if [ -f "$TMP/profile.log" ]; then
         echo
-        grep -E 'per step; wall|^profile_gpu: nothing' "$TMP/profile.log" || true
+        grep -E 'per step; wall|^profile_gpu: nothing|^profile_gpu: no kernels' "$TMP/profile.log" || true
     fi
     echo "total: ${SECONDS}s"
     return $failed
