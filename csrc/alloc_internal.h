@@ -1,5 +1,6 @@
 /* alloc_internal.h - the caching allocator's private structures, shared by alloc.c (pools,
- * the allocation ladder, statistics), alloc_tree.c (best fit) and alloc_config.c (settings).
+ * the allocation ladder, statistics), alloc_inspect.c (history, snapshot, validation),
+ * alloc_tree.c (best fit) and alloc_config.c (settings).
  */
 #ifndef CMLP_ALLOC_INTERNAL_H
 #define CMLP_ALLOC_INTERNAL_H
@@ -63,6 +64,78 @@ typedef struct alloc_pool {
     size_t bytes;
     alloc_segment *expandable; /* the pool's growing segment, when enabled */
 } alloc_pool;
+
+/* An allocated block in the allocator's table, by address. */
+typedef struct {
+    uintptr_t key; /* 0: empty */
+    alloc_block *block;
+} table_slot;
+
+/* The history: a ring of up to `max` entries, `n` of them noted, the oldest at `head`. It grows
+ * by doubling until it holds `max` (or host memory runs out: then it wraps where it is). */
+typedef struct {
+    cmlp_history_mode mode;
+    cmlp_context_mode context;
+    uint32_t skip;
+    cmlp_trace_entry *ring;
+    int64_t cap, max, n, head;
+} alloc_history;
+
+/* The allocator (alloc.c); its history, snapshot and checks are alloc_inspect.c's. */
+struct cmlp_allocator {
+    pthread_mutex_t lock;
+    const cmlp_backend_i *backend;
+    void *bctx;
+    char name[32];
+    int64_t limit; /* -1: none */
+    int64_t total_memory;
+    cmlp_memory_stats stats;
+    int64_t window_peak; /* the allocated bytes' peak since cmlp_allocator_window restarted it */
+    alloc_pool pools[NPOOLS];
+    alloc_segment *segments;
+    table_slot *table; /* allocated blocks by address: open addressing, linear probing */
+    size_t cap, count;
+    uint64_t tick;
+    int64_t fail_in; /* test hook: the fail_in-th raw call from now fails; 0: off */
+    uint64_t config_gen;
+    cmlp_alloc_settings cfg;
+    bool pytorch_ladder; /* benchmarks only: no second cache search after releasing */
+    bool dry_run;        /* cmlp_allocator_cache_serves: take only what is there, map nothing */
+    cmlp_status device_error; /* a device call failed for a reason other than memory (recorded) */
+    alloc_history hist;
+    const char *what; /* the request being served: what its memory will hold */
+};
+
+/* Notes one history entry (alloc.c). */
+CMLP_HIDDEN void alloc_note_entry(cmlp_allocator *a, cmlp_trace_action action, const void *addr, size_t size,
+                                  const char *what, int64_t context, int64_t device_free);
+/* Notes an action while the history is kept (one predictable branch otherwise). */
+static inline void note(cmlp_allocator *a, cmlp_trace_action action, const void *addr, size_t size, const char *what,
+                        int64_t context, int64_t device_free) {
+    if (__builtin_expect(a->hist.mode == CMLP_HISTORY_ALL, 0))
+        alloc_note_entry(a, action, addr, size, what, context, device_free);
+}
+
+static inline int spool(int pool) { return pool == POOL_SMALL ? CMLP_POOL_SMALL : CMLP_POOL_LARGE; }
+
+/* A block with a neighbour in its segment. */
+static inline bool is_split(const alloc_block *b) { return b->prev || b->next; }
+
+/* Pages of expandable segments: page i is mapped; the page of p, and the first at or after it. */
+#define PAGE K_ROUND_LARGE
+
+static inline bool pg_on(const alloc_segment *s, size_t i) { return i < s->hi && (s->map[i >> 6] >> (i & 63) & 1u); }
+static inline size_t pg_down(const alloc_segment *s, const char *p) { return (size_t)(p - s->base) / PAGE; }
+static inline size_t pg_up(const alloc_segment *s, const char *p) { return ((size_t)(p - s->base) + PAGE - 1) / PAGE; }
+
+typedef struct {
+    size_t bytes, largest, split_bytes;
+    uint32_t runs, split_runs;
+} span_info;
+
+/* The mapped bytes of [lo, hi) in a segment, as maximal runs of mapped pages; "split" runs are
+ * those that reach outside [lo, hi) (their pages hold other blocks too). */
+CMLP_HIDDEN span_info alloc_mapped_span(const alloc_segment *s, const char *lo, const char *hi);
 
 CMLP_HIDDEN void alloc_config_current(cmlp_alloc_settings *out);
 /* Tells every allocator to re-read the settings before its next request. */
