@@ -38,10 +38,12 @@ cmlp_status cmlp_device_check(cmlp_device d) {
 cmlp_status cmlp_device_parse(const char *s, cmlp_device *out) {
     if (!s) return CMLP_FAIL(CMLP_ERR_INVALID, "device must be a string such as \"cpu\" or \"cuda:0\"");
     cmlp_device d = {CMLP_DEVICE_CPU, 0};
-    if (strcmp(s, "cpu") == 0) {
+    if (strcmp(s, "cpu") == 0 || strcmp(s, "cpu:0") == 0) { /* torch's CPU takes index 0 only */
         *out = d;
         return CMLP_OK;
     }
+    if (strncmp(s, "cpu:", 4) == 0 && s[4] >= '0' && s[4] <= '9' && strspn(s + 4, "0123456789") == strlen(s + 4))
+        return CMLP_FAIL(CMLP_ERR_INVALID, "unknown device \"%.64s\": the CPU's device index is 0", s);
     if (strncmp(s, "cuda", 4) != 0) goto bad;
     d.type = CMLP_DEVICE_CUDA;
     if (s[4] == ':') {

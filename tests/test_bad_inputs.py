@@ -558,6 +558,21 @@ def test_labels_changed_by_another_thread_during_fit_are_not_seen(tmp_path):
     assert r.returncode == 0, f"rc={r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
     assert "unchanged" in r.stdout
 
+def test_cpu_0_names_the_cpu_as_in_torch(ctx, tmp_path):
+    # torch.device("cpu:0") is the CPU; any other index of it is refused (above)
+    m = cmlp.MLP(SIZES, device="cpu:0")
+    assert m.device == "cpu"
+    assert ctx.model.to("cpu:0").device == "cpu"
+    assert cmlp.memory.memory_allocated("cpu:0") == cmlp.memory.memory_allocated("cpu")
+    assert cmlp.amp.GradScaler("cpu:0").get_scale() == 65536.0
+    path = tmp_path / "m.npz"
+    m.save(path)
+    assert cmlp.MLP.load(path, device="cpu:0").device == "cpu"
+    with pytest.raises(ValueError, match=r"unknown device \"cpu:1\": the CPU's device index is 0"):
+        cmlp.MLP(SIZES, device="cpu:1")
+    assert_still_works(ctx)
+
+
 @pytest.mark.skipif(cmlp.cuda.is_available(), reason="CUDA is available here")
 @pytest.mark.parametrize("dev", ["cuda", "cuda:0", "cuda:3"])
 def test_cuda_without_gpu_is_runtime_error_saying_why(ctx, dev):

@@ -31,8 +31,9 @@ def _layers(text: str) -> List[int]:
 
 
 def _device(text: str) -> str:
-    """"cpu", "cuda" or "cuda:N", checked as written (whether the GPU is there is said when it is opened)."""
-    if not re.fullmatch(r"cpu|cuda(:\d{1,2})?", text):
+    """"cpu" (or "cpu:0"), "cuda" or "cuda:N", checked as written (whether the GPU is there is said
+    when it is opened)."""
+    if not re.fullmatch(r"cpu(:0)?|cuda(:\d{1,2})?", text):
         raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
     return text
 

@@ -82,7 +82,7 @@ def _device_name(device: Any) -> str:
     if not isinstance(device, str):
         raise TypeError(f"device must be a string such as 'cuda' or 'cpu', got {device!r}")
     kind, _, index = device.partition(":")
-    if kind not in ("cpu", "cuda") or (index and not (index.isdigit() and kind == "cuda")):
+    if kind not in ("cpu", "cuda") or (index and not (index.isdigit() and (kind == "cuda" or index == "0"))):
         raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
     return device
 
