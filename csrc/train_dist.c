@@ -1,0 +1,146 @@
+/* train_dist.c - a data-parallel trainer: every rank makes the same calls with the same settings
+ * on the same data set (checked, collectively), and the model's device joins the process group's
+ * device collectives.
+ */
+#include "train_internal.h"
+#include "comm.h"
+
+#include <string.h>
+
+/* Data-parallel, every rank must run the same loop: the values each gives must be equal. */
+#define MAX_COMPARED 20
+cmlp_status cmlp_train_same_on_every_rank(const char *const *names, const int64_t *v, int n) {
+    int64_t hi[MAX_COMPARED], lo[MAX_COMPARED];
+    if (n > MAX_COMPARED) return CMLP_FAIL(CMLP_ERR_INTERNAL, "%d values to compare", n);
+    for (int i = 0; i < n; i++) {
+        hi[i] = v[i];
+        lo[i] = ~v[i]; /* the maximum of ~v is ~(the minimum of v), for every v */
+    }
+    CMLP_TRY(cmlp_dist_all_reduce(hi, n, CMLP_COMM_I64, CMLP_REDUCE_MAX));
+    CMLP_TRY(cmlp_dist_all_reduce(lo, n, CMLP_COMM_I64, CMLP_REDUCE_MAX));
+    for (int i = 0; i < n; i++)
+        if (hi[i] != ~lo[i])
+            return CMLP_FAIL(CMLP_ERR_INVALID,
+                             "the ranks of the process group differ in %s (from %lld to %lld): every rank must make "
+                             "the same calls with the same settings on the same data set",
+                             names[i], (long long)~lo[i], (long long)hi[i]);
+    return CMLP_OK;
+}
+
+static int64_t bits_of(double v) {
+    int64_t b;
+    memcpy(&b, &v, sizeof b);
+    return b;
+}
+
+/* The settings that decide which samples a step takes and how it is computed, the call being
+ * made (an epoch on one rank and a step on another would mix), and for a call with data its
+ * normalisation (xy, or NULL). */
+cmlp_status cmlp_train_same_settings(const cmlp_trainer *t, int call, const cmlp_data *xy) {
+    static const char *const names[] = {"the call (1 Trainer, 2 fit's epoch, 3 step)",
+                                        "batch_size",
+                                        "accumulation_steps",
+                                        "shuffle",
+                                        "seed",
+                                        "amp",
+                                        "label_smoothing (its bits)",
+                                        "the loss scaler (on, scale, growth and backoff factors, interval, tracker)",
+                                        "the model's layer sizes",
+                                        "the optimizer (kind, settings, step count)",
+                                        "the kind of device the model is on",
+                                        "the epoch count",
+                                        "the normalisation's mean (its bits)",
+                                        "the normalisation's std (its bits)",
+                                        "max_grad_norm (its bits)",
+                                        "fit's epochs",
+                                        "fit's validation samples (-1: none)",
+                                        "fit's schedule per step (scheduler_interval='step')"};
+    const cmlp_train_config *c = &t->cfg;
+    const cmlp_model *m = t->model;
+    const cmlp_scaler_state *sc = &t->scaler;
+    uint64_t scaler = 0, layers = (uint64_t)m->nlayers; /* hashes (unsigned: wrapping is defined) */
+    if (sc->enabled)
+        scaler = (uint64_t)bits_of(sc->scale) ^ (uint64_t)bits_of(sc->growth_factor) * 3u ^
+                 (uint64_t)bits_of(sc->backoff_factor) * 5u ^ (uint64_t)sc->growth_interval * 7u ^
+                 (uint64_t)sc->growth_tracker * 11u ^ 1u;
+    for (int i = 0; i <= m->nlayers; i++) layers = layers * 1000003u + (uint64_t)m->sizes[i];
+    int64_t v[18] = {call,
+                     c->batch_size,
+                     c->accumulation_steps,
+                     c->shuffle,
+                     (int64_t)c->seed,
+                     (int64_t)c->amp,
+                     bits_of(c->label_smoothing),
+                     (int64_t)scaler,
+                     (int64_t)layers,
+                     (int64_t)cmlp_optim_fingerprint(t->optim),
+                     (int64_t)m->dev->device.type,
+                     t->epoch,
+                     xy ? bits_of(xy->mean) : 0,
+                     xy ? bits_of(xy->std) : 0,
+                     bits_of(c->max_grad_norm),
+                     call == CALL_EPOCH ? t->fit_call[0] : 0,
+                     call == CALL_EPOCH ? t->fit_call[1] : 0,
+                     call == CALL_EPOCH ? t->fit_call[2] : 0};
+    return cmlp_train_same_on_every_rank(names, v, 18);
+}
+
+/* Off the host, the model's device joins the group's device collectives (every rank at once:
+ * after same_settings, so that all are on devices of one kind). */
+cmlp_status cmlp_train_join_group(cmlp_trainer *t) {
+    cmlp_device_ctx *dev = t->model->dev;
+    if (dev->device.type == CMLP_DEVICE_CPU) return CMLP_OK;
+    void *comm;
+    CMLP_TRY(cmlp_dist_device_comm(dev, &comm)); /* collective: every rank asks every time */
+    if (t->dcomm != comm) cmlp_train_drop_graph(t); /* a capture holds the communicator it was made with */
+    t->dcomm = comm;
+    t->dcomm_dev = dev;
+    t->dgen = cmlp_dist_generation();
+    return CMLP_OK;
+}
+
+/* A data-parallel step takes the effective batch on every rank: the group's samples must count. */
+cmlp_status cmlp_train_group_batch_fits(const cmlp_trainer *t) {
+    if (cmlp_train_effective_batch(t) <= CMLP_MAX_STEP_SAMPLES / cmlp_train_group_size(t)) return CMLP_OK;
+    return CMLP_FAIL(CMLP_ERR_INVALID,
+                     "batch_size x accumulation_steps = %lld on each of %lld ranks is over 2**62 samples a step",
+                     (long long)cmlp_train_effective_batch(t), (long long)cmlp_train_group_size(t));
+}
+
+cmlp_status cmlp_trainer_set_distributed(cmlp_trainer *t, int on) {
+    if (!t) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
+    if (on && !cmlp_dist_initialized())
+        return CMLP_FAIL(CMLP_ERR_STATE, "no process group: call cmlp.distributed.init_process_group() first");
+    cmlp_train_drop_graph(t);
+    t->warm = false;
+    t->dist = false;
+    t->dcomm = NULL;
+    t->dcomm_dev = NULL;
+    if (!on) return CMLP_OK;
+    t->dist = true; /* collectives from here: every rank makes its trainer data-parallel */
+    cmlp_status st = cmlp_train_same_settings(t, CALL_TRAINER, NULL);
+    if (st == CMLP_OK) st = cmlp_train_group_batch_fits(t); /* the same on every rank, as the settings are */
+    if (st == CMLP_OK) st = cmlp_train_join_group(t);
+    if (st != CMLP_OK) t->dist = false;
+    return st;
+}
+
+/* Data-parallel, the group is still there (and the trainer's device collectives are its
+ * model's device's: where the model moved, epoch_begin and step join the group again). */
+cmlp_status cmlp_train_check_group(cmlp_trainer *t, bool joined) {
+    if (!t->dist && cmlp_optim_shards(t->optim, NULL, NULL, NULL))
+        return CMLP_FAIL(CMLP_ERR_STATE, "this optimizer's state is sharded over the process group: it steps from "
+                                         "gradients summed over the ranks, in a data-parallel trainer");
+    if (!t->dist) return CMLP_OK;
+    if (!cmlp_dist_initialized())
+        return CMLP_FAIL(CMLP_ERR_STATE, "this trainer is data-parallel, and the process group was destroyed");
+    if (t->dcomm && t->dgen != cmlp_dist_generation()) { /* the group was made again: its old communicator is gone */
+        if (joined) return CMLP_FAIL(CMLP_ERR_STATE, "the process group was made again during the epoch");
+        cmlp_train_drop_graph(t);
+        t->dcomm = NULL;
+        t->dcomm_dev = NULL;
+    }
+    if (joined && t->model->dev->device.type != CMLP_DEVICE_CPU && t->dcomm_dev != t->model->dev)
+        return CMLP_FAIL(CMLP_ERR_STATE, "the model moved to another device during the epoch");
+    return CMLP_OK;
+}

@@ -1,0 +1,103 @@
+/* train_internal.h - the trainer's state, shared by the training loop (train.c), the optimizer
+ * step with its retries and graph capture (train_step.c) and the data-parallel agreement
+ * (train_dist.c). Nothing outside these three files includes it.
+ */
+#ifndef CMLP_TRAIN_INTERNAL_H
+#define CMLP_TRAIN_INTERNAL_H
+
+#include "internal.h"
+
+/* Everything a captured step bakes in: pointers, sizes and settings. A step with another key
+ * cannot replay the graph. */
+typedef struct step_key {
+    const void *model, *dev, *x, *y, *order, *ws, *wsa, *wsr, *params, *grads, *params_h;
+    int64_t n, n_all, start, micro, growth_interval; /* this rank's samples of n_all, from start */
+    int64_t ws_rows, wsa_rows, wsa_chunk, wsr_rows; /* a workspace's layout follows its rows */
+    float mean, std;                                /* the normalisation the gather applies */
+    int x_dtype, wsa_recompute;
+    bool ws_compact, ws_forward, wsa_compact; /* where the workspaces' pieces lie */
+    uint64_t optim_version;
+    double growth_factor, backoff_factor;
+    float smoothing;
+    int amp, recompute, scaled;
+    double max_grad_norm;
+    bool rates; /* the step reads its rate and momentum from the call's list (moving on), not ds->rates[0..1] */
+    bool step_scales; /* and its param groups' scales from the optimizer's table of the call's steps */
+} step_key;
+
+struct cmlp_trainer {
+    cmlp_model *model;
+    cmlp_optim *optim;
+    cmlp_train_config cfg;
+    int64_t micro;
+    int64_t fit_call[3]; /* the fit in progress: its epochs, validation samples (-1: none), per-step schedule */
+    /* the epoch in progress */
+    cmlp_data data;
+    int64_t *order; /* host [data.n] sample order; NULL when not shuffling */
+    int64_t order_cap;
+    /* on a device that is not the host: the epoch's data set and order in its memory */
+    cmlp_allocator *d_alloc; /* whose memory they are (the model may move) */
+    /* a captured full step (device data, a device with graphs) and what it baked in */
+    void *graph;
+    cmlp_device_ctx *graph_dev;
+    step_key graph_key, warm_key; /* warm_key: the last full step run eagerly */
+    bool warm, graphs_off;        /* graphs_off: a capture failed; eager from then on */
+    bool epoch_open;              /* between epoch_begin and the epoch's last step */
+    void *d_x;
+    int32_t *d_y;
+    int64_t *d_order;
+    int64_t epoch;
+    int64_t pos;
+    cmlp_scaler_state scaler;
+    int64_t skipped;
+    int64_t oom_retries, good_steps;
+    int64_t target_micro; /* the micro-batch asked for; auto micro-batching grows back to it */
+    int64_t grown_from;   /* the micro-batch before the last growth, which worked (0: none) */
+    int64_t whole_rows;   /* this rank's rows of a whole step of the call (growth sizes for it, not
+                           * for a short last step) */
+    bool dist;            /* data-parallel over the process group */
+    void *dcomm;          /* off the host: dcomm_dev's member of the group's device collectives */
+    cmlp_device_ctx *dcomm_dev;
+    uint64_t dgen;        /* the process group dcomm (and a captured step using it) belongs to */
+    double last_norm;     /* the last step's gradient norm (clipping), when has_norm */
+    bool has_norm;
+    bool rates;           /* the call in progress has a rate per step (cmlp_trainer_epoch_run_rates) */
+    bool step_scales;     /* and param-group scales per step (in the optimizer's table, on its device) */
+    const double *scales_row; /* the step in progress's param-group scales, for a step on the host */
+    const double *momenta_row; /* and their momenta (NULL: the parts' own) */
+    bool host_data;       /* keep the data set in host memory (cmlp_trainer_set_host_data) */
+};
+
+/* Off the CPU the optimizer's step count and bias corrections live on the device too, so that a
+ * step bakes no host value that changes from step to step (a captured step can replay). */
+CMLP_HIDDEN bool cmlp_train_device_steps(const cmlp_trainer *t);
+/* The captured step goes (a step with another key captures again). */
+CMLP_HIDDEN void cmlp_train_drop_graph(cmlp_trainer *t);
+
+/* Samples of one optimizer step on one rank. */
+static inline int64_t cmlp_train_effective_batch(const cmlp_trainer *t) {
+    return t->cfg.batch_size * t->cfg.accumulation_steps;
+}
+/* Ranks taking part in a step: the process group's, when data-parallel. */
+static inline int64_t cmlp_train_group_size(const cmlp_trainer *t) { return t->dist ? cmlp_dist_size() : 1; }
+
+/* train_step.c: one optimizer step of this rank's k samples of n_all (all ranks), rows idx[0..k)
+ * of xy or rows [start, start + k), surviving out-of-memory by smaller micro-batches where the
+ * trainer allows; graph_step runs it captured or replayed where the device has graphs (eligible:
+ * a full step on device data). */
+CMLP_HIDDEN cmlp_status cmlp_train_robust_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_data *xy,
+                                               const int64_t *idx, int64_t start, int64_t k, int64_t n_all);
+CMLP_HIDDEN cmlp_status cmlp_train_graph_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_data *xy,
+                                              const int64_t *idx, int64_t start, int64_t n, int64_t n_all,
+                                              bool eligible);
+
+/* train_dist.c: data-parallel, the calls whose collectives must pair up, and the checks that the
+ * ranks make them alike (each is a collective: every rank calls it). */
+enum { CALL_TRAINER = 1, CALL_EPOCH = 2, CALL_STEP = 3 };
+CMLP_HIDDEN cmlp_status cmlp_train_same_on_every_rank(const char *const *names, const int64_t *v, int n);
+CMLP_HIDDEN cmlp_status cmlp_train_same_settings(const cmlp_trainer *t, int call, const cmlp_data *xy);
+CMLP_HIDDEN cmlp_status cmlp_train_join_group(cmlp_trainer *t);
+CMLP_HIDDEN cmlp_status cmlp_train_group_batch_fits(const cmlp_trainer *t);
+CMLP_HIDDEN cmlp_status cmlp_train_check_group(cmlp_trainer *t, bool joined);
+
+#endif
