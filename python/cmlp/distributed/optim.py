@@ -28,7 +28,8 @@ import numpy as np
 
 from .._arrays import as_flag
 from ..model import MLP
-from ..optim import _UNSTARTED, Optimizer
+from ..optim import Optimizer
+from ..optim._groups import _UNSTARTED
 from . import all_reduce, broadcast, get_rank, get_world_size, is_initialized
 
 __all__ = ["ZeroRedundancyOptimizer"]

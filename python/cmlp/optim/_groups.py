@@ -1,0 +1,198 @@
+"""The param groups of cmlp.optim's optimizers as torch shows them (one dict-like view of each
+group's settings), and the checks of the values a group or a constructor takes."""
+import copy
+import weakref
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, MutableMapping, Tuple
+
+import numpy as np
+
+from .._arrays import as_flag as _flag
+from .._arrays import as_number as _num
+
+if TYPE_CHECKING:
+    from .optimizer import Optimizer
+
+
+def _implementation_flag(name: str, value: Any) -> Any:
+    """torch's foreach, fused (None or a bool) and capturable (a bool): how torch runs a step,
+    taken and kept for the param group; cmlp's step is always one fused pass over the flat
+    buffers, captured with the training step where the device has graphs."""
+    if value is None and name != "capturable":
+        return None
+    return _flag(name, value)
+
+
+def _implementation_flags(names: Tuple[str, ...], given: Dict[str, Any]) -> Dict[str, Any]:
+    """The flags checked, in torch's order; fused and foreach not both True, as torch."""
+    flags = {name: _implementation_flag(name, given[name]) for name in names}
+    if flags.get("fused") and flags.get("foreach"):
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+    return flags
+
+
+def _unsupported_flag(name: str, value: Any) -> bool:
+    """torch's differentiable (a step that autograd can differentiate through): only False, its
+    default, is supported."""
+    if _flag(name, value):
+        raise ValueError(f"{name}=True is not supported by cmlp's optimizers")
+    return False
+
+
+def _bool_setting(group: Mapping, key: str, default: bool) -> bool:
+    """A param group's boolean setting (nesterov, amsgrad, maximize, ...): a bool, else default."""
+    value = group.get(key, default)
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{key} must be a bool, got {value!r}")
+    return bool(value)
+
+
+def _initial_lr_of(value: Any) -> float:
+    """torch's 'initial_lr' (the rate a schedule starts from): a finite number >= 0, as a rate."""
+    v = _num("initial_lr", value)
+    if not 0.0 <= v < float("inf"):
+        raise ValueError(f"initial_lr must be a finite number >= 0, got {value!r}")
+    return v
+
+
+def _setting(key: str, doc: str) -> Any:
+    """A hyperparameter as an attribute: read (the first param group's), or set (checked, and
+    applied from the next step on) as torch's param_groups[i][key] = value sets it, for every
+    group."""
+
+    def get(self: "Optimizer") -> Any:
+        return self._owns[0][key] if key in self._per_group else self._settings[key]
+
+    def set(self: "Optimizer", value: Any) -> None:
+        if key in self._per_group:
+            own = self._own_from({key: value}, self._owns[0])[key]
+            self._push_groups(owns=[{**o, key: own} for o in self._owns])
+        else:
+            self._apply(self._group_config({key: value}))
+
+    return property(get, set, doc=doc)
+
+
+def _unnamed(p: Any) -> Any:
+    """A parameter from a (name, copy) pair of named_parameters(), as torch takes them; else p."""
+    if isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], np.ndarray):
+        return p[1]
+    return p
+
+
+def _rate(name: str, value: Any) -> float:
+    """A learning rate or weight decay as the step takes it: a number >= 0, finite in float32."""
+    v = _num(name, value)
+    if not 0.0 <= v <= _FLT_MAX:
+        what = "learning rate" if name == "lr" else f"{name} value"
+        raise ValueError(f"Invalid {what}: {value!r} (must be >= 0 and finite in float32)")
+    return v
+
+
+_FLT_MAX = float(np.finfo(np.float32).max)
+# a state buffer's value where it has not started (torch's state has none there): SGD's momentum
+# buffer NaN, AMSGrad's maximum negative (a maximum of squares; a step takes its exp_avg_sq there)
+_UNSTARTED = {"momentum_buffer": np.nan, "max_exp_avg_sq": -1.0}
+_INHERIT = float("nan")  # a part's setting that is the C configuration's (one object: tuples of it compare equal)
+
+
+class _ParamGroup(MutableMapping):
+    """One of torch's param_groups: a dict of the group's settings. Its "lr", "weight_decay",
+    "initial_lr" and hyperparameters (Adam's betas, eps, amsgrad and maximize; SGD's momentum,
+    dampening, nesterov and maximize) are the group's own; Adam's decoupled_weight_decay is shared
+    by every group, and setting it in any group sets it for all. Setting a key checks it
+    and applies it from the next step on (as torch reads its groups at each step); other keys are
+    kept as given, as torch keeps them. "params" is the group's parameter tensors (indices, as in
+    state_dict()) and cannot change."""
+
+    def __init__(self, opt: "Optimizer", index: int, names: List[str]) -> None:
+        self._ref = weakref.ref(opt)  # not a cycle: a deleted optimizer (and model) is freed at once
+        self._index = index
+        self._names = names  # the group's parameter tensors, in its order
+        self._extra: Dict[Any, Any] = {}
+
+    @property
+    def _opt(self) -> "Optimizer":
+        opt = self._ref()
+        if opt is None:
+            raise ReferenceError("the optimizer of this param group no longer exists")
+        return opt
+
+    def _known(self) -> Dict[str, Any]:
+        opt = self._opt
+        group = opt._group(self._index)
+        first = sum(len(g._names) for g in opt._param_groups[:self._index])
+        group["params"] = list(range(first, first + len(self._names)))
+        return group
+
+    def __getitem__(self, key: Any) -> Any:
+        known = self._known()
+        return known[key] if key in known else self._extra[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        opt, i = self._opt, self._index
+        if key == "params":
+            raise ValueError("a cmlp optimizer's param groups are set when it is made: 'params' cannot change")
+        if key == "lr":
+            opt._set_group_lrs([value if k == i else lr for k, lr in enumerate(opt._lrs)])
+        elif key == "weight_decay":
+            opt._set_group_wds([value if k == i else wd for k, wd in enumerate(opt._wds)])
+        elif key in opt._flags:  # foreach, fused (and Adam's capturable)
+            opt._flags[key] = _implementation_flag(key, value)
+        elif key == "initial_lr":
+            opt._initial_lrs[i] = _initial_lr_of(value)
+        elif key in opt._per_group:
+            own = opt._own_from({key: value}, opt._owns[i])
+            opt._push_groups(owns=[own if k == i else o for k, o in enumerate(opt._owns)])
+        elif key in opt._settings:
+            setattr(opt, key, value)
+        elif key in opt._group(i):  # differentiable: only its default
+            _unsupported_flag(key, value)
+        elif key in opt._foreign_keys:
+            raise ValueError(f"{type(opt).__name__} has no {key!r} setting")
+        else:
+            self._extra[key] = value
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        """dict.update, all or nothing: a refused key leaves every setting as it was."""
+        opt = self._opt
+        before = opt._snapshot()
+        extra = dict(self._extra)
+        try:
+            for key, value in dict(*args, **kwargs).items():
+                self[key] = value
+        except BaseException:
+            opt._restore(before)
+            self._extra = extra
+            raise
+
+    def __delitem__(self, key: Any) -> None:
+        if key in self._extra:
+            del self._extra[key]
+        elif key == "initial_lr" and self._opt._initial_lrs[self._index] is not None:
+            self._opt._initial_lrs[self._index] = None
+        else:
+            raise KeyError(f"{key!r} cannot be removed from a cmlp optimizer's param group")
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(list(self._known()) + list(self._extra))
+
+    def __len__(self) -> int:
+        return len(self._known()) + len(self._extra)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+    # a copy is a plain dict of the settings, as copying torch's groups gives (editing it changes no
+    # optimizer; torch's way back is param_groups[i][key] = saved[i][key]); so is a pickled one
+    def __copy__(self) -> Dict[Any, Any]:
+        return dict(self)
+
+    def copy(self) -> Dict[Any, Any]:
+        """A plain dict of the group's settings, as dict.copy() of torch's group."""
+        return dict(self)
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> Dict[Any, Any]:
+        return copy.deepcopy(dict(self), memo)
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        return dict, (dict(self),)
