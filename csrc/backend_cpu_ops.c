@@ -1,0 +1,247 @@
+/* backend_cpu_ops.c - the CPU backend's passes of a layer (bias and ReLU, their gradients, the
+ * fused softmax cross-entropy) and the staging of a batch (rows gathered, normalised, cast).
+ * Loops over large buffers run on cmlp's thread pool.
+ */
+#include "backend_cpu.h"
+#include "cpu_pool.h"
+#include "half.h"
+
+#include <math.h>
+#include <string.h>
+
+typedef struct {
+    float *y, *out; /* out: where a masked gradient goes (the gradient itself, or h) */
+    const float *mdy; /* the gradient to mask */
+    const float *bias, *h, *dy;
+    int64_t rows, cols;
+    int relu, overwrite;
+} rows_args;
+
+static void bias_act_rows(void *a, int64_t lo, int64_t hi) {
+    const rows_args *r = a;
+    const float *restrict bias = r->bias;
+    for (int64_t i = lo; i < hi; i++) {
+        float *restrict row = r->y + i * r->cols;
+        if (r->relu)
+            for (int64_t c = 0; c < r->cols; c++) { /* torch's ReLU: a NaN stays NaN, -0 becomes 0 */
+                float v = row[c] + bias[c];
+                row[c] = !(v <= 0.0f) ? v : 0.0f;
+            }
+        else
+            for (int64_t c = 0; c < r->cols; c++) row[c] += bias[c];
+    }
+}
+
+cmlp_status cpu_bias_act(void *ctx, float *y, const float *bias, int64_t rows, int64_t cols,
+                                int relu) {
+    (void)ctx;
+    rows_args a = {.y = y, .bias = bias, .cols = cols, .relu = relu};
+    cmlp_pool_for(rows, 1, cols > 0 ? MIN_PER_THREAD / cols + 1 : rows, bias_act_rows, &a);
+    return CMLP_OK;
+}
+
+static void relu_backward_range(void *a, int64_t lo, int64_t hi) {
+    const rows_args *r = a;
+    float *restrict dy = r->y;
+    const float *restrict h = r->h;
+    for (int64_t i = lo; i < hi; i++) dy[i] = !(h[i] <= 0.0f) ? dy[i] : 0.0f; /* torch's: passes at a NaN h */
+}
+
+cmlp_status cpu_relu_backward(void *ctx, float *dy, const float *h, int64_t count) {
+    (void)ctx;
+    rows_args a = {.y = dy, .h = h};
+    cmlp_pool_for(count, 16, MIN_PER_THREAD, relu_backward_range, &a);
+    return CMLP_OK;
+}
+
+/* Columns [lo, hi) of db, each summed over the rows in order: the same sums on any number of
+ * threads. With h (the ReLU's output), each row goes through the ReLU's backward first and is
+ * written to out: the bits of relu_backward followed by bias_grad, in one pass. out may be the
+ * gradient or h (each element is read before it is written, by the same thread). */
+static void bias_grad_cols(void *a, int64_t lo, int64_t hi) {
+    const rows_args *r = a;
+    float *restrict db = r->y;
+    if (r->overwrite)
+        for (int64_t c = lo; c < hi; c++) db[c] = 0.0f;
+    for (int64_t i = 0; i < r->rows; i++) {
+        if (!r->h) {
+            const float *restrict row = r->dy + i * r->cols;
+            for (int64_t c = lo; c < hi; c++) db[c] += row[c];
+            continue;
+        }
+        const float *row = r->mdy + i * r->cols, *h = r->h + i * r->cols;
+        float *out = r->out + i * r->cols;
+        for (int64_t c = lo; c < hi; c++) {
+            float v = !(h[c] <= 0.0f) ? row[c] : 0.0f;
+            out[c] = v;
+            db[c] += v;
+        }
+    }
+}
+
+static void bias_grad_run(rows_args *a) {
+    cmlp_pool_for(a->cols, 16, a->rows > 0 ? MIN_PER_THREAD / a->rows + 1 : a->cols, bias_grad_cols, a);
+}
+
+cmlp_status cpu_bias_grad(void *ctx, float *db, const float *dy, int64_t rows, int64_t cols, int overwrite) {
+    (void)ctx;
+    rows_args a = {.y = db, .dy = dy, .rows = rows, .cols = cols, .overwrite = overwrite};
+    bias_grad_run(&a);
+    return CMLP_OK;
+}
+
+cmlp_status cpu_relu_backward_bias_grad(void *ctx, void *dy, const void *h, void *out, cmlp_dtype dtype,
+                                               float *db, int64_t rows, int64_t cols, int overwrite) {
+    (void)ctx;
+    if (dtype != CMLP_DTYPE_F32)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "the CPU backend keeps no gradients in half precision");
+    if (out != dy && out != h) return CMLP_FAIL(CMLP_ERR_INVALID, "the masked gradient goes to dy or h");
+    rows_args a = {.y = db, .out = out, .mdy = dy, .h = h, .rows = rows, .cols = cols, .overwrite = overwrite};
+    bias_grad_run(&a);
+    return CMLP_OK;
+}
+
+cmlp_status cpu_softmax_xent(void *ctx, const float *logits, const int32_t *labels, int64_t rows,
+                                    int64_t cols, float smoothing, cmlp_loss_weight w, float *dlogits,
+                                    double *loss_sum, int64_t *correct) {
+    (void)ctx;
+    const float grad_weight = w.d_scale ? (float)((double)*w.d_scale / w.count) : w.value;
+    if (w.d_found_inf) *w.d_found_inf = 0.0f;
+    double total = 0.0;
+    int64_t hits = 0;
+    const float off = smoothing / (float)cols, on = 1.0f - smoothing + off;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *x = logits + r * cols;
+        int32_t y = labels[r];
+        float mx = x[0];
+        int64_t arg = 0;
+        for (int64_t c = 1; c < cols; c++)
+            if (x[c] > mx) {
+                mx = x[c];
+                arg = c;
+            }
+        double sum = 0.0, xsum = 0.0;
+        for (int64_t c = 0; c < cols; c++) {
+            sum += exp((double)x[c] - mx);
+            xsum += x[c];
+        }
+        double lse = mx + log(sum);
+        /* -sum_c q_c log p_c with q = (1 - e) onehot + e / C */
+        /* a label outside [0, cols) (checked before, but the caller's array may change while the
+         * GIL is released) reads nothing outside the row: no one-hot, as on the GPU */
+        const float xy = y >= 0 && y < cols ? x[y] : 0.0f;
+        total += lse - (1.0 - smoothing) * xy - (double)smoothing / (double)cols * xsum;
+        hits += arg == y;
+        if (dlogits) {
+            float *d = dlogits + r * cols;
+            float inv = (float)(1.0 / sum);
+            for (int64_t c = 0; c < cols; c++) {
+                float p = expf(x[c] - mx) * inv;
+                d[c] = grad_weight * (p - (c == y ? on : off));
+            }
+        }
+    }
+    if (loss_sum) *loss_sum += total;
+    if (correct) *correct += hits;
+    return CMLP_OK;
+}
+
+typedef struct {
+    float *dst;
+    const void *src;
+    cmlp_dtype dtype;
+    int64_t cols, start;
+    const int64_t *idx;
+    float scale, shift;
+    uint16_t *hdst; /* when set, rows go here in half storage of type half instead */
+    cmlp_dtype half;
+    int32_t *ldst; /* when set, the rows' labels too, from lsrc */
+    const int32_t *lsrc;
+} stage_args;
+
+/* Source row s into half storage, through a float block at a time. */
+static void stage_row_half(const stage_args *g, int64_t s, uint16_t *d) {
+    float buf[256];
+    for (int64_t c0 = 0; c0 < g->cols; c0 += 256) {
+        int64_t k = g->cols - c0 < 256 ? g->cols - c0 : 256;
+        if (g->dtype == CMLP_DTYPE_U8) {
+            const uint8_t *u = (const uint8_t *)g->src + s * g->cols + c0;
+            for (int64_t c = 0; c < k; c++) buf[c] = (float)u[c] * g->scale + g->shift;
+        } else {
+            memcpy(buf, (const float *)g->src + s * g->cols + c0, (size_t)k * sizeof(float));
+        }
+        if (g->half == CMLP_DTYPE_BF16) cmlp_f32_to_bf16(d + c0, buf, k);
+        else cmlp_f32_to_f16(d + c0, buf, k);
+    }
+}
+
+static void stage_range(void *a, int64_t lo, int64_t hi) {
+    const stage_args *g = a;
+    for (int64_t r = lo; r < hi; r++) {
+        int64_t s = g->idx ? g->idx[r] : g->start + r;
+        if (g->ldst) g->ldst[r] = g->lsrc[s];
+        if (g->hdst) {
+            stage_row_half(g, s, g->hdst + r * g->cols);
+            continue;
+        }
+        float *restrict d = g->dst + r * g->cols;
+        if (g->dtype == CMLP_DTYPE_U8) {
+            const uint8_t *restrict u = (const uint8_t *)g->src + s * g->cols;
+            for (int64_t c = 0; c < g->cols; c++) d[c] = (float)u[c] * g->scale + g->shift;
+        } else {
+            memcpy(d, (const float *)g->src + s * g->cols, (size_t)g->cols * sizeof(float));
+        }
+    }
+}
+
+cmlp_status cpu_stage_rows(void *ctx, float *dst, const void *src, cmlp_dtype dtype, int64_t cols,
+                                  const int64_t *idx, int64_t start, int64_t rows, float scale,
+                                  float shift) {
+    (void)ctx;
+    stage_args a = {dst, src, dtype, cols, start, idx, scale, shift, NULL, CMLP_DTYPE_F32, NULL, NULL};
+    cmlp_pool_for(rows, 1, cols > 0 ? MIN_PER_THREAD / cols + 1 : rows, stage_range, &a);
+    return CMLP_OK;
+}
+
+cmlp_status cpu_stage_labels(void *ctx, int32_t *dst, const int32_t *src, const int64_t *idx,
+                                    int64_t start, int64_t rows) {
+    (void)ctx;
+    for (int64_t r = 0; r < rows; r++) dst[r] = src[idx ? idx[r] : start + r];
+    return CMLP_OK;
+}
+
+/* Device memory is host memory: gathering is staging, moved by the position. */
+cmlp_status cpu_gather_rows(void *ctx, float *dst, const void *src, cmlp_dtype dtype, int64_t cols,
+                                   const int64_t *idx, int64_t start, const int64_t *pos, int64_t rows, float scale,
+                                   float shift, int32_t *ldst, const int32_t *lsrc) {
+    (void)ctx;
+    if (pos) {
+        if (idx) idx += *pos;
+        else start += *pos;
+    }
+    stage_args a = {dst, src, dtype, cols, start, idx, scale, shift, NULL, CMLP_DTYPE_F32, ldst, lsrc};
+    cmlp_pool_for(rows, 1, cols > 0 ? MIN_PER_THREAD / cols + 1 : rows, stage_range, &a);
+    return CMLP_OK;
+}
+
+cmlp_status cpu_gather_rows_half(void *ctx, uint16_t *dst, cmlp_dtype half, const void *src, cmlp_dtype dtype,
+                                        int64_t cols, const int64_t *idx, int64_t start, const int64_t *pos,
+                                        int64_t rows, float scale, float shift, int32_t *ldst, const int32_t *lsrc) {
+    (void)ctx;
+    if (pos) {
+        if (idx) idx += *pos;
+        else start += *pos;
+    }
+    stage_args a = {NULL, src, dtype, cols, start, idx, scale, shift, dst, half, ldst, lsrc};
+    cmlp_pool_for(rows, 1, cols > 0 ? MIN_PER_THREAD / cols + 1 : rows, stage_range, &a);
+    return CMLP_OK;
+}
+
+cmlp_status cpu_gather_labels(void *ctx, int32_t *dst, const int32_t *src, const int64_t *idx, int64_t start,
+                                     const int64_t *pos, int64_t rows) {
+    if (pos) {
+        if (idx) idx += *pos;
+        else start += *pos;
+    }
+    return cpu_stage_labels(ctx, dst, src, idx, start, rows);
+}
