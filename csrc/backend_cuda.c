@@ -29,11 +29,18 @@ cuda_vmm vmm;
 
 static pthread_once_t vmm_once = PTHREAD_ONCE_INIT;
 
+/* The entry point of the driver's function `name` as CUDA 12.0 defines it. The call that takes a
+ * version came with CUDA 12.5 (and the one without it went in 13.0); before it, the version is
+ * the runtime's own, 12.x, whose signatures of these functions are 12.0's. */
 static void *driver_symbol(const char *name) {
     void *fn = NULL;
     enum cudaDriverEntryPointQueryResult q;
-    if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess) {
+#if CUDART_VERSION >= 12050
+    cudaError_t e = cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &q);
+#else
+    cudaError_t e = cudaGetDriverEntryPoint(name, &fn, cudaEnableDefault, &q);
+#endif
+    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess) {
         (void)cudaGetLastError();
         return NULL;
     }
@@ -150,6 +157,16 @@ static void cu_close(void *ctx) {
     if (!c) return;
     cuda_plans_free(c);
     if (c->lt) cublasLtDestroy(c->lt);
+    /* (a device closes when its opening fails: what later steps make is closed too, should
+     * a device ever close after use) */
+    for (int i = 0; i < STAGE_SLOTS; i++) {
+        if (c->h_stage_done[i]) (void)cudaEventSynchronize(c->h_stage_done[i]);
+        if (c->h_stage[i]) (void)cudaFreeHost(c->h_stage[i]);
+        if (c->h_stage_done[i]) (void)cudaEventDestroy(c->h_stage_done[i]);
+    }
+    if (c->side_fork) (void)cudaEventDestroy(c->side_fork);
+    if (c->side_done) (void)cudaEventDestroy(c->side_done);
+    if (c->side) (void)cudaStreamDestroy(c->side);
     if (c->stream) cudaStreamDestroy(c->stream);
     if (c->retained && !forked) (void)primary_release(c->cudev);
     pthread_mutex_destroy(&c->lock);

@@ -140,7 +140,7 @@ __device__ __forceinline__ float load_dy(const void *p, int64_t i) {
 }
 
 /* With MASK, dy goes through the ReLU's backward first (dy = !(h <= 0) ? dy : 0, as the ReLU
- * backward kernels decide it: under DAZ for float, on the converted value for half) and the
+ * backward kernels decide it: under DAZ, as the CPU does, for half on the converted value) and the
  * result is written to out: when out is dy only the zeros are, when it is another buffer (h
  * itself, whose element each thread reads before it writes it) every element is. The sums are
  * of the masked values, in the same order. */
@@ -150,7 +150,7 @@ __device__ __forceinline__ float take_dy(void *dy, const void *h, void *out, int
     if constexpr (MASK) {
         bool keep;
         if constexpr (KIND == 0) keep = f_gtu(static_cast<const float *>(h)[i], 0.0f);
-        else keep = !(load_dy<KIND>(h, i) <= 0.0f);
+        else keep = f_gtu(load_dy<KIND>(h, i), 0.0f); /* a bf16 subnormal converts to one */
         if (!keep || out != dy) {
             if constexpr (KIND == 0) static_cast<float *>(out)[i] = keep ? static_cast<const float *>(dy)[i] : 0.0f;
             else static_cast<uint16_t *>(out)[i] = keep ? static_cast<const uint16_t *>(dy)[i] : 0;
@@ -289,12 +289,13 @@ extern "C" cudaError_t cmlp_k_relu_backward_bias_grad(void *dy, const void *h, v
     return bias_grad(db, dy, h, out, kind, rows, cols, overwrite, scratch, scratch_bytes, stream);
 }
 
-/* ---- ReLU backward in half precision: dy[i] = !(h[i] <= 0) ? dy[i] : 0 on fp16 / bf16 bits ---- */
+/* ---- ReLU backward in half precision: dy[i] = !(h[i] <= 0) ? dy[i] : 0 on fp16 / bf16 bits, h
+ * converted to float and compared under DAZ ---- */
 
 template <int KIND>
 __global__ void __launch_bounds__(CMLP_K_THREADS) k_relu_backward_half(uint16_t *dy, const uint16_t *h, int64_t n) {
     for (int64_t i = cmlp_tid(); i < n; i += cmlp_nthreads())
-        if (load_dy<KIND>(h, i) <= 0.0f) dy[i] = 0;
+        if (!f_gtu(load_dy<KIND>(h, i), 0.0f)) dy[i] = 0;
 }
 
 extern "C" cudaError_t cmlp_k_relu_backward_half(uint16_t *dy, const uint16_t *h, int64_t n, int bf16,
