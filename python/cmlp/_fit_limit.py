@@ -74,7 +74,7 @@ def start_under_limit(trainer: Any, xa: Optional[np.ndarray] = None) -> None:
 
     def shrunk(b: int) -> int:
         """Twice as many micro-batches of the step, as equal as they come, as an OOM makes
-        them (csrc/train.c shrunk_micro): 2667 of 8000 shrink to 1334, not 1333."""
+        them (csrc/train_step.c shrunk_micro): 2667 of 8000 shrink to 1334, not 1333."""
         n = -(-step_rows // b) if step_rows > b else 1
         m = -(-step_rows // (2 * n))
         return m if 1 <= m < b else b // 2
