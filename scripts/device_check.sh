@@ -2,10 +2,11 @@
 # The device check: on a GPU machine with python3, numpy, pytest and torch (and no network), builds
 # cmlp in place with the CUDA backend, makes a first synchronised pass over the main GPU paths
 # (scripts/gpu_smoke.py), the GPU benchmark (bench/bench_gpu.py), the GPU tests
-# (tests/test_cuda.py) and a profile of the kernels of a batch-32 step (bench/profile_gpu.py), and
+# (tests/test_cuda.py), every kind of kernel under compute-sanitizer's memcheck and racecheck
+# (scripts/gpu_sanitize.py) and a profile of the kernels of a batch-32 step (bench/profile_gpu.py), and
 # ends with a summary: build seconds, test counts, the benchmark's table and targets, each side's
 # kernel time per step. Each phase runs under `timeout`, within its own limit and what is left of
-# DEADLINE (seconds from the start, 480 by default, so that the summary is printed within a
+# DEADLINE (seconds from the start, 540 by default, so that the summary is printed within a
 # 10-minute call); a phase that fails or times out is reported and the later phases still run.
 #
 #   bash scripts/fetch_device_wheels.sh      # with network, once: the BLAS wheel into .whl/ (git-ignored)
@@ -20,19 +21,22 @@
 # Wheels in .whl/ (scipy-openblas32, which the build links, and setuptools if the machine lacks
 # it) are installed offline into /tmp/site. Everything is also written to $OUT/device_check.log
 # when $OUT is set. Limits (seconds) can be changed with BUILD_LIMIT, SMOKE_LIMIT, TEST_LIMIT,
-# BENCH_LIMIT, PROFILE_LIMIT; PYTEST_FLAGS (default: every test, one line each, stopping after 30
-# failures, so that one run shows as much as it can; each test at most 120 s where pytest-timeout
-# is installed) and BENCH_FLAGS (e.g. --quick) are passed on. Exit status: 0 when every phase
-# passed (benchmark targets missed do not count), else 1.
+# BENCH_LIMIT, SANITIZE_LIMIT, PROFILE_LIMIT; PYTEST_FLAGS (default: every test, one line each,
+# stopping after 30 failures, so that one run shows as much as it can; each test at most 120 s
+# where pytest-timeout is installed) and BENCH_FLAGS (e.g. --quick) are passed on. Exit status: 0
+# when every phase passed (benchmark targets missed do not count), else 1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-DEADLINE=${DEADLINE:-480}
+DEADLINE=${DEADLINE:-540}
 BUILD_LIMIT=${BUILD_LIMIT:-150} # the kernels compiled in parallel: about 60 s on 2 cores
 SMOKE_LIMIT=${SMOKE_LIMIT:-60}  # about 25 s on 2 cores with the CPU standing in
 BENCH_LIMIT=${BENCH_LIMIT:-150}
 TEST_LIMIT=${TEST_LIMIT:-200}
 PROFILE_LIMIT=${PROFILE_LIMIT:-90}
+SANITIZE_LIMIT=${SANITIZE_LIMIT:-60} # each of memcheck and racecheck
+SANITIZER=$(command -v compute-sanitizer || true)
+[ -n "$SANITIZER" ] || [ ! -x /usr/local/cuda/bin/compute-sanitizer ] || SANITIZER=/usr/local/cuda/bin/compute-sanitizer
 SMALL_LIMIT=30 # wheels, probe
 PYTEST_FLAGS=${PYTEST_FLAGS:--v --maxfail=30 --durations=8}
 BENCH_FLAGS=${BENCH_FLAGS:-}
@@ -163,6 +167,20 @@ main() {
     # shellcheck disable=SC2086
     run_phase tests "$TEST_LIMIT" bash -c "set -o pipefail; '$PY' -m pytest -rfEs $per_test $PYTEST_FLAGS \
         tests/test_cuda.py 2>&1 | tee '$TMP/pytest.log'"
+    # every kind of kernel once, under compute-sanitizer's memcheck (out-of-bounds and misaligned
+    # accesses) and racecheck (shared-memory hazards); over the emulated backend, which no sanitizer
+    # watches, the script alone
+    if [ -n "${CMLP_CUDA_LIBRARY:-}" ]; then
+        run_phase sanitize "$SANITIZE_LIMIT" "$PY" scripts/gpu_sanitize.py
+    elif [ -n "$SANITIZER" ]; then
+        local tool
+        for tool in memcheck racecheck; do
+            run_phase "$tool" "$SANITIZE_LIMIT" "$SANITIZER" --tool "$tool" --error-exitcode 86 --print-limit 20 \
+                "$PY" scripts/gpu_sanitize.py
+        done
+    else
+        echo "=== memcheck, racecheck: no compute-sanitizer on PATH or in /usr/local/cuda/bin: not run"
+    fi
     # every kernel of a batch-32 step, cmlp's and PyTorch's, from the CUDA profiler
     run_phase profile "$PROFILE_LIMIT" bash -c "set -o pipefail; '$PY' bench/profile_gpu.py \
         | tee '$TMP/profile.log'"

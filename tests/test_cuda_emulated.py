@@ -153,7 +153,7 @@ def test_the_device_check_script_runs_on_the_emulated_cuda_backend():
     tail = r.stdout[-5000:] + r.stderr[-2000:]
     assert r.returncode == 0, tail
     summary = r.stdout.split("device check summary", 1)[1]
-    for phase in ("wheels", "build", "probe", "smoke", "tests", "bench", "profile"):
+    for phase in ("wheels", "build", "probe", "smoke", "tests", "bench", "sanitize", "profile"):
         assert f"| {phase} | ok" in summary, tail
     assert "| tests | ok: 1 passed" in summary and "| 32 | fp16 |" in summary, tail
     assert "profile_gpu: nothing profiled" in summary, tail
