@@ -157,8 +157,8 @@ static void cu_close(void *ctx) {
     if (!c) return;
     cuda_plans_free(c);
     if (c->lt) cublasLtDestroy(c->lt);
-    /* (a device closes when its opening fails: what later steps make is closed too, should
-     * a device ever close after use) */
+    /* a device closes only when its opening fails, before any of these exist; they go too,
+     * should one ever close after use */
     for (int i = 0; i < STAGE_SLOTS; i++) {
         if (c->h_stage_done[i]) (void)cudaEventSynchronize(c->h_stage_done[i]);
         if (c->h_stage[i]) (void)cudaFreeHost(c->h_stage[i]);
