@@ -33,7 +33,7 @@ static void bias_act_rows(void *a, int64_t lo, int64_t hi) {
 }
 
 cmlp_status cpu_bias_act(void *ctx, float *y, const float *bias, int64_t rows, int64_t cols,
-                                int relu) {
+                         int relu) {
     (void)ctx;
     rows_args a = {.y = y, .bias = bias, .cols = cols, .relu = relu};
     cmlp_pool_for(rows, 1, cols > 0 ? MIN_PER_THREAD / cols + 1 : rows, bias_act_rows, &a);
@@ -91,7 +91,7 @@ cmlp_status cpu_bias_grad(void *ctx, float *db, const float *dy, int64_t rows, i
 }
 
 cmlp_status cpu_relu_backward_bias_grad(void *ctx, void *dy, const void *h, void *out, cmlp_dtype dtype,
-                                               float *db, int64_t rows, int64_t cols, int overwrite) {
+                                        float *db, int64_t rows, int64_t cols, int overwrite) {
     (void)ctx;
     if (dtype != CMLP_DTYPE_F32)
         return CMLP_FAIL(CMLP_ERR_INVALID, "the CPU backend keeps no gradients in half precision");
@@ -102,8 +102,8 @@ cmlp_status cpu_relu_backward_bias_grad(void *ctx, void *dy, const void *h, void
 }
 
 cmlp_status cpu_softmax_xent(void *ctx, const float *logits, const int32_t *labels, int64_t rows,
-                                    int64_t cols, float smoothing, cmlp_loss_weight w, float *dlogits,
-                                    double *loss_sum, int64_t *correct) {
+                             int64_t cols, float smoothing, cmlp_loss_weight w, float *dlogits,
+                             double *loss_sum, int64_t *correct) {
     (void)ctx;
     const float grad_weight = w.d_scale ? (float)((double)*w.d_scale / w.count) : w.value;
     if (w.d_found_inf) *w.d_found_inf = 0.0f;
@@ -194,54 +194,55 @@ static void stage_range(void *a, int64_t lo, int64_t hi) {
     }
 }
 
-cmlp_status cpu_stage_rows(void *ctx, float *dst, const void *src, cmlp_dtype dtype, int64_t cols,
-                                  const int64_t *idx, int64_t start, int64_t rows, float scale,
-                                  float shift) {
-    (void)ctx;
-    stage_args a = {dst, src, dtype, cols, start, idx, scale, shift, NULL, CMLP_DTYPE_F32, NULL, NULL};
-    cmlp_pool_for(rows, 1, cols > 0 ? MIN_PER_THREAD / cols + 1 : rows, stage_range, &a);
+/* The rows staged on the pool's threads, a share of rows each (one thread for a small batch). */
+static cmlp_status stage_all(stage_args *a, int64_t rows) {
+    cmlp_pool_for(rows, 1, a->cols > 0 ? MIN_PER_THREAD / a->cols + 1 : rows, stage_range, a);
     return CMLP_OK;
 }
 
+cmlp_status cpu_stage_rows(void *ctx, float *dst, const void *src, cmlp_dtype dtype, int64_t cols,
+                           const int64_t *idx, int64_t start, int64_t rows, float scale,
+                           float shift) {
+    (void)ctx;
+    stage_args a = {dst, src, dtype, cols, start, idx, scale, shift, NULL, CMLP_DTYPE_F32, NULL, NULL};
+    return stage_all(&a, rows);
+}
+
 cmlp_status cpu_stage_labels(void *ctx, int32_t *dst, const int32_t *src, const int64_t *idx,
-                                    int64_t start, int64_t rows) {
+                             int64_t start, int64_t rows) {
     (void)ctx;
     for (int64_t r = 0; r < rows; r++) dst[r] = src[idx ? idx[r] : start + r];
     return CMLP_OK;
 }
 
-/* Device memory is host memory: gathering is staging, moved by the position. */
+/* Device memory is host memory: gathering is staging, from the rows the position moves to (the
+ * order's, or the data set's from start). */
+static void at_pos(const int64_t **idx, int64_t *start, const int64_t *pos) {
+    if (!pos) return;
+    if (*idx) *idx += *pos;
+    else *start += *pos;
+}
+
 cmlp_status cpu_gather_rows(void *ctx, float *dst, const void *src, cmlp_dtype dtype, int64_t cols,
-                                   const int64_t *idx, int64_t start, const int64_t *pos, int64_t rows, float scale,
-                                   float shift, int32_t *ldst, const int32_t *lsrc) {
+                            const int64_t *idx, int64_t start, const int64_t *pos, int64_t rows, float scale,
+                            float shift, int32_t *ldst, const int32_t *lsrc) {
     (void)ctx;
-    if (pos) {
-        if (idx) idx += *pos;
-        else start += *pos;
-    }
+    at_pos(&idx, &start, pos);
     stage_args a = {dst, src, dtype, cols, start, idx, scale, shift, NULL, CMLP_DTYPE_F32, ldst, lsrc};
-    cmlp_pool_for(rows, 1, cols > 0 ? MIN_PER_THREAD / cols + 1 : rows, stage_range, &a);
-    return CMLP_OK;
+    return stage_all(&a, rows);
 }
 
 cmlp_status cpu_gather_rows_half(void *ctx, uint16_t *dst, cmlp_dtype half, const void *src, cmlp_dtype dtype,
-                                        int64_t cols, const int64_t *idx, int64_t start, const int64_t *pos,
-                                        int64_t rows, float scale, float shift, int32_t *ldst, const int32_t *lsrc) {
+                                 int64_t cols, const int64_t *idx, int64_t start, const int64_t *pos,
+                                 int64_t rows, float scale, float shift, int32_t *ldst, const int32_t *lsrc) {
     (void)ctx;
-    if (pos) {
-        if (idx) idx += *pos;
-        else start += *pos;
-    }
+    at_pos(&idx, &start, pos);
     stage_args a = {NULL, src, dtype, cols, start, idx, scale, shift, dst, half, ldst, lsrc};
-    cmlp_pool_for(rows, 1, cols > 0 ? MIN_PER_THREAD / cols + 1 : rows, stage_range, &a);
-    return CMLP_OK;
+    return stage_all(&a, rows);
 }
 
 cmlp_status cpu_gather_labels(void *ctx, int32_t *dst, const int32_t *src, const int64_t *idx, int64_t start,
-                                     const int64_t *pos, int64_t rows) {
-    if (pos) {
-        if (idx) idx += *pos;
-        else start += *pos;
-    }
+                              const int64_t *pos, int64_t rows) {
+    at_pos(&idx, &start, pos);
     return cpu_stage_labels(ctx, dst, src, idx, start, rows);
 }

@@ -42,9 +42,9 @@ static void adam_range(void *arg, int64_t lo, int64_t hi) {
 }
 
 cmlp_status cpu_adam(void *ctx, float *restrict p, const float *restrict g, float *restrict m,
-                            float *restrict v, float *restrict vmax, int64_t n, float step_size, float beta1,
-                            float beta2, float one_b1, float one_b2, float bc2_sqrt, float eps, float wd, float decay,
-                            int maximize, const float *found_inf, const float *coef) {
+                     float *restrict v, float *restrict vmax, int64_t n, float step_size, float beta1,
+                     float beta2, float one_b1, float one_b2, float bc2_sqrt, float eps, float wd, float decay,
+                     int maximize, const float *found_inf, const float *coef) {
     (void)ctx;
     if (found_inf && *found_inf != 0.0f) return CMLP_OK;
     if (coef) {
@@ -81,8 +81,8 @@ static void sgd_range(void *arg, int64_t lo, int64_t hi) {
 }
 
 cmlp_status cpu_sgd(void *ctx, float *restrict p, const float *restrict g, float *restrict buf,
-                           int64_t n, float lr, float momentum, float keep, int nesterov, float wd, int maximize,
-                           const float *found_inf, const float *coef) {
+                    int64_t n, float lr, float momentum, float keep, int nesterov, float wd, int maximize,
+                    const float *found_inf, const float *coef) {
     (void)ctx;
     if (found_inf && *found_inf != 0.0f) return CMLP_OK;
     if (coef) {
@@ -164,8 +164,8 @@ static void step_coef(int64_t t, double lr, double momentum, double beta2, doubl
 }
 
 cmlp_status cpu_optim_prepare(void *ctx, int64_t *step, float *coef, const float *found_inf,
-                                     const cmlp_rate_src *rate, double beta2, int adam, int64_t *pos, int64_t pos_add,
-                                     const cmlp_scale_step *scale) {
+                              const cmlp_rate_src *rate, double beta2, int adam, int64_t *pos, int64_t pos_add,
+                              const cmlp_scale_step *scale) {
     (void)ctx;
     if (pos) *pos += pos_add;
     const int64_t k = rate->d_next ? *rate->d_next : 0;
@@ -238,7 +238,7 @@ static void unscale_factor(float given, const float *scale, float *inv, float *p
 }
 
 cmlp_status cpu_unscale(void *ctx, float *restrict g, int64_t n, float inv, const float *scale,
-                               float *found_inf) {
+                        float *found_inf) {
     (void)ctx;
     unscale_args a = {.g = g};
     unscale_factor(inv, scale, &a.inv, &a.post);
@@ -325,7 +325,7 @@ static void norm_threads(void *arg, int64_t lo, int64_t hi) {
 }
 
 cmlp_status cpu_grad_norm(void *ctx, const float *g, int64_t n, double norm_type, float *out, double *part,
-                                 uint32_t *blocks_done) {
+                          uint32_t *blocks_done) {
     (void)ctx;
     (void)blocks_done;
     if (n <= 0 || norm_type == 0.0 || isnan(norm_type))
@@ -394,7 +394,7 @@ static double f32_subnormal(double x) {
 }
 
 cmlp_status cpu_clip_by_norm(void *ctx, float *g, int64_t n, const float *norm, float max_norm,
-                                    double *norm_sum, int64_t *norm_steps) {
+                             double *norm_sum, int64_t *norm_steps) {
     (void)ctx;
     const float total = *norm;
     if (norm_sum && isfinite(total)) {

@@ -101,7 +101,9 @@ static inline int part_amsgrad(const cmlp_optim *o, const optim_part *p) {
 /* Adam's weight decay as the backends take it: L2 (added to the gradient), or with decoupled
  * weight decay none (the parameters are first multiplied by torch's AdamW factor,
  * 1 - lr * weight_decay, formed in double and applied in float). */
-static inline float adam_l2(const cmlp_adam_config *c) { return c->decoupled_weight_decay ? 0.0f : (float)c->weight_decay; }
+static inline float adam_l2(const cmlp_adam_config *c) {
+    return c->decoupled_weight_decay ? 0.0f : (float)c->weight_decay;
+}
 
 /* The same weight decay as a step on the device takes it (cmlp_rate_src: 0 for none). */
 static inline double adam_decoupled_wd(const cmlp_adam_config *c) {

@@ -86,7 +86,7 @@ cmlp_status cmlp_train_same_settings(const cmlp_trainer *t, int call, const cmlp
 }
 
 /* Off the host, the model's device joins the group's device collectives (every rank at once:
- * after same_settings, so that all are on devices of one kind). */
+ * after cmlp_train_same_settings, so that all are on devices of one kind). */
 cmlp_status cmlp_train_join_group(cmlp_trainer *t) {
     cmlp_device_ctx *dev = t->model->dev;
     if (dev->device.type == CMLP_DEVICE_CPU) return CMLP_OK;

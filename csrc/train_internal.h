@@ -83,7 +83,7 @@ static inline int64_t cmlp_train_group_size(const cmlp_trainer *t) { return t->d
 
 /* train_step.c: one optimizer step of this rank's k samples of n_all (all ranks), rows idx[0..k)
  * of xy or rows [start, start + k), surviving out-of-memory by smaller micro-batches where the
- * trainer allows; graph_step runs it captured or replayed where the device has graphs (eligible:
+ * trainer allows; cmlp_train_graph_step runs it captured or replayed where the device has graphs (eligible:
  * a full step on device data). */
 CMLP_HIDDEN cmlp_status cmlp_train_robust_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_data *xy,
                                                const int64_t *idx, int64_t start, int64_t k, int64_t n_all);

@@ -134,7 +134,7 @@ static cmlp_status step_update(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_da
 }
 
 /* One optimizer step as a capture records it: this rank's k samples of n_all (see step_grads),
- * then the update (the ranks agree on it after the capture: see graph_step). */
+ * then the update (the ranks agree on it after the capture: see cmlp_train_graph_step). */
 static cmlp_status effective_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_data *xy, const int64_t *idx,
                                   int64_t start, int64_t k, int64_t n_all) {
     CMLP_TRY(step_grads(t, ds, xy, idx, start, k, n_all));
@@ -213,7 +213,7 @@ static int64_t shrunk_micro(int64_t micro, int64_t rows) {
  * of a step (a step fails before). Data-parallel, a rank retries its share alone, before the
  * ranks agree on the step; once they have, nothing is retried. */
 cmlp_status cmlp_train_robust_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_data *xy, const int64_t *idx,
-                               int64_t start, int64_t k, int64_t n_all) {
+                                   int64_t start, int64_t k, int64_t n_all) {
     const int64_t micro_before = t->micro;
     /* micro-batches are sized for a whole step of this rank's, not for a short last one */
     const int64_t whole = t->whole_rows > k ? t->whole_rows : k;
@@ -314,7 +314,7 @@ enum { PATH_EAGER = 0, PATH_CAPTURE = 1, PATH_REPLAY = 2 };
  * again when another can only capture). A capture that failed on any rank turns graphs off on
  * all. */
 cmlp_status cmlp_train_graph_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_data *xy, const int64_t *idx,
-                              int64_t start, int64_t n, int64_t n_all, bool eligible) {
+                                  int64_t start, int64_t n, int64_t n_all, bool eligible) {
     cmlp_device_ctx *dev = t->model->dev;
     const cmlp_backend_i *b = dev->backend;
     step_key key;
