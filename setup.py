@@ -193,5 +193,5 @@ ext = Extension(
     depends=sorted(glob.glob("csrc/*.h")) + ["python/cmlp/_cmlp.h"],
 )
 
-setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt}, package_dir={"": "python"}, packages=["cmlp", "cmlp.distributed", "cmlp.nn", "cmlp.optim"],
+setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt}, package_dir={"": "python"}, packages=["cmlp", "cmlp.distributed", "cmlp.nn", "cmlp.optim", "cmlp.optim.lr_scheduler"],
       package_data={"cmlp": ["py.typed", "*.pyi"]})

@@ -1,0 +1,192 @@
+"""The base of every schedule (LRScheduler: last_epoch, base_lrs, the all-or-nothing step, state_dict)
+and the argument checks the schedules share."""
+import functools
+import math
+import numbers
+import types
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Union
+
+
+def _optimizer(optimizer: Any) -> Any:
+    from .. import Optimizer
+
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(f"{type(optimizer).__name__} is not a cmlp optimizer")
+    return optimizer
+
+
+def _is_int(value: Any) -> bool:
+    """An int (NumPy's too, as torch takes them), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _deprecated_epoch(epoch: Any) -> Union[int, float]:
+    """step(epoch)'s epoch (an int, or a float as torch takes it: last_epoch then is that float),
+    with torch's warning that the argument is going away."""
+    if isinstance(epoch, bool) or not isinstance(epoch, numbers.Real) or not 0 <= epoch < math.inf:
+        raise ValueError(f"epoch must be a finite number >= 0, got {epoch!r}")
+    warnings.warn("step(epoch) is deprecated, as in torch: call step() to move the schedule on (with an epoch "
+                  "the rate is the schedule's closed form for it where there is one, else its next form)",
+                  UserWarning, stacklevel=3)
+    return int(epoch) if _is_int(epoch) else float(epoch)
+
+
+def _warn_outside_step(get_lr: Callable[[Any], List[float]]) -> Callable[[Any], List[float]]:
+    @functools.wraps(get_lr)
+    def checked(self: Any) -> List[float]:
+        if not getattr(self, "_get_lr_called_within_step", True):
+            warnings.warn("To get the last learning rate computed by the scheduler, please use `get_last_lr()`.",
+                          UserWarning, stacklevel=2)
+        return get_lr(self)
+
+    return checked
+
+
+def _length(name: str, value: Any, lo: int) -> Any:
+    """A schedule's length (step_size, T_max, total_iters): an int >= lo, or as torch takes it too,
+    a finite float >= lo (T_max=total_steps / 2), kept as given so that the formulas are torch's."""
+    if _is_int(value):
+        return _int(name, value, lo)
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and lo <= float(value) < math.inf:
+        return float(value)
+    raise ValueError(f"{name} must be a number >= {lo}, got {value!r}")
+
+
+def _int(name: str, value: Any, lo: int) -> int:
+    if not _is_int(value) or value < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+    return int(value)
+
+
+def _per_group(name: str, value: Any, optimizer: Any) -> List[float]:
+    """A per-group argument (torch's _format_param): a number for every group, or a list or
+    tuple with one per param group."""
+    n = len(optimizer.param_groups)
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name} must have the same length as optimizer.param_groups. {name} has "
+                             f"{len(value)} values, param_groups has {n}.")
+        values = list(value)
+    else:
+        values = [value] * n
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise TypeError(f"{name} must be a number, got {v!r}")
+    return [float(v) for v in values]
+
+
+class LRScheduler:
+    """Base: last_epoch counts step() calls (-1 before the first, which the constructor makes);
+    base_lrs holds each param group's rate when the schedule began (torch's 'initial_lr')."""
+
+    def __init__(self, optimizer: Any, last_epoch: int = -1) -> None:
+        self.optimizer = _optimizer(optimizer)
+        # an int, or a float as a deprecated step(epoch) can leave it (torch takes it back too)
+        if isinstance(last_epoch, bool) or not isinstance(last_epoch, numbers.Real) \
+                or not -1 <= last_epoch < math.inf:
+            raise ValueError(f"last_epoch must be an int >= -1 (or a float one, as step(epoch) can leave it), got "
+                             f"{last_epoch!r}")
+        last_epoch = int(last_epoch) if _is_int(last_epoch) else float(last_epoch)
+        if last_epoch == -1:  # the first schedule of the optimizer sets them (torch's setdefault)
+            optimizer._initial_lrs = [lr if initial is None else initial
+                                      for initial, lr in zip(optimizer._initial_lrs, optimizer._group_lrs())]
+        else:
+            for i, initial in enumerate(optimizer._initial_lrs):
+                if initial is None:
+                    raise KeyError(f"param 'initial_lr' is not specified in param_groups[{i}] when resuming an "
+                                   "optimizer")
+        self.base_lrs: List[float] = list(optimizer._initial_lrs)
+        self.last_epoch = last_epoch
+        self._get_lr_called_within_step = False
+        self._initial_step()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """The schedules of this module warn, as torch's, when get_lr() is called outside step()
+        (it computes the next rate from the current one: get_last_lr() is what was set)."""
+        super().__init_subclass__(**kwargs)
+        if cls.__module__.startswith(__package__ + ".") and "get_lr" in cls.__dict__:
+            cls.get_lr = _warn_outside_step(cls.__dict__["get_lr"])
+
+    def _initial_step(self) -> None:
+        """The constructor's step (torch's): the step count starts again from it."""
+        self._step_count = 0
+        self._is_initial = True
+        try:
+            self.step()
+        finally:
+            self._is_initial = False
+
+    def get_lr(self) -> List[float]:
+        raise NotImplementedError
+
+    def get_last_lr(self) -> List[float]:
+        """The rates the last step() set, one per param group."""
+        return self._last_lr
+
+    def step(self, epoch: Optional[float] = None) -> None:
+        """Moves the schedule one epoch (or step) on and sets every param group's rate. A rate
+        the optimizer refuses (negative, not finite) raises and leaves the schedule and every
+        group's rate where they were.
+        epoch (deprecated, as in torch, which warns): that epoch's rate instead, from the
+        schedule's closed form where it has one; a float (2.5) is last_epoch from there on, as
+        torch keeps it."""
+        if self._step_count == 1 and not getattr(self.optimizer, "_opt_called", False):
+            warnings.warn("Detected call of `lr_scheduler.step()` before `optimizer.step()`: call them in the "
+                          "opposite order, optimizer.step() and then lr_scheduler.step(), or the first value of "
+                          "the schedule is skipped (as in torch)", UserWarning, stacklevel=2)
+        if epoch is not None:
+            epoch = _deprecated_epoch(epoch)
+        self._step_count += 1
+        try:
+            self._update_lr(epoch)
+        except BaseException:
+            self._step_count -= 1
+            raise
+
+    def _update_lr(self, epoch: Optional[float]) -> None:
+        """The next epoch's rate (torch's recursive form), or with epoch that epoch's (the closed
+        form where there is one): what SequentialLR asks of a schedule at its milestone."""
+        before, momentum = self.last_epoch, self.optimizer._momenta()
+        self._get_lr_called_within_step = True
+        try:
+            if epoch is None:
+                self.last_epoch += 1
+                lrs = self.get_lr()
+            else:
+                self.last_epoch = epoch
+                closed = getattr(self, "_get_closed_form_lr", None)
+                lrs = closed() if closed is not None else self.get_lr()
+            self.optimizer._set_group_lrs(lrs)  # all or nothing
+        except BaseException as e:  # the optimizer as it was: get_lr may have moved the momentum
+            self.last_epoch = before
+            self.optimizer._set_momentum(momentum)
+            if isinstance(e, (ZeroDivisionError, OverflowError)):
+                at = before + 1 if epoch is None else epoch
+                raise ValueError(f"{type(self).__name__} cannot compute the rate of epoch {at} with these "
+                                 f"arguments ({type(e).__name__}: {e})") from e
+            raise
+        finally:
+            self._get_lr_called_within_step = False
+        self._last_lr = self.optimizer._group_lrs()
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Everything but the optimizer; as in torch, of a LambdaLR's or MultiplicativeLR's
+        function only the attributes of a callable object that is not a plain function (the
+        state it keeps), None for a function."""
+        state = {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "lr_lambdas")}
+        if "lr_lambdas" in self.__dict__:
+            state["lr_lambdas"] = [None if isinstance(fn, types.FunctionType) else dict(fn.__dict__)
+                                   for fn in self.lr_lambdas]
+        return state
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.__dict__.update({k: v for k, v in state_dict.items() if k != "lr_lambdas"})
+        for fn, saved in zip(getattr(self, "lr_lambdas", ()), state_dict.get("lr_lambdas") or ()):
+            if saved is not None:
+                fn.__dict__.update(saved)
+
+    def _lrs(self) -> List[float]:
+        """Every param group's rate."""
+        return self.optimizer._group_lrs()
+

@@ -1,0 +1,112 @@
+"""ReduceLROnPlateau: the rate cut once a metric stops improving."""
+from math import inf
+from typing import Any, Dict, Optional
+
+from ..._arrays import as_number
+from ._base import LRScheduler, _deprecated_epoch, _int, _optimizer
+
+
+class ReduceLROnPlateau(LRScheduler):
+    """The rate times factor once the metric given to step() has not improved (by threshold,
+    relative or absolute) for more than patience epochs, then cooldown epochs of rest; each
+    param group's rate never below its min_lr (a number, or a list with one per group), and not
+    by less than eps. Trainer.fit steps it with each epoch's val_loss
+    (the training loss without validation data)."""
+
+    def __init__(self, optimizer: Any, mode: str = "min", factor: float = 0.1, patience: int = 10,
+                 threshold: float = 1e-4, threshold_mode: str = "rel", cooldown: int = 0, min_lr: Any = 0,
+                 eps: float = 1e-8) -> None:
+        if not factor < 1.0:  # NaN too
+            raise ValueError("Factor should be < 1.0.")
+        self.optimizer = _optimizer(optimizer)
+        n = len(optimizer.param_groups)
+        if isinstance(min_lr, (list, tuple)):
+            if len(min_lr) != n:
+                raise ValueError(f"expected {n} min_lrs, got {len(min_lr)}")
+            min_lrs = list(min_lr)
+        else:
+            min_lrs = [min_lr] * n
+        for lo in min_lrs:
+            if not 0.0 <= as_number("min_lr", lo) < inf:
+                raise ValueError(f"min_lr must be a finite number >= 0 (a rate), got {lo!r}")
+        self.factor, self.min_lrs = as_number("factor", factor), [float(lo) for lo in min_lrs]
+        # torch's: the min_lr every group takes when the optimizer's groups change (None for a list)
+        self.default_min_lr = None if isinstance(min_lr, (list, tuple)) else float(min_lr)
+        self.patience = _int("patience", patience, 0)
+        self.cooldown = _int("cooldown", cooldown, 0)
+        self.eps = as_number("eps", eps)
+        self.last_epoch = 0
+        self._last_lr = optimizer._group_lrs()
+        self._init_is_better(mode, threshold, threshold_mode)
+        self._reset()
+
+    def _init_is_better(self, mode: str, threshold: float, threshold_mode: str) -> None:
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode {mode} is unknown!")
+        if threshold_mode not in ("rel", "abs"):
+            raise ValueError(f"threshold mode {threshold_mode} is unknown!")
+        self.mode_worse = inf if mode == "min" else -inf
+        self.mode, self.threshold, self.threshold_mode = mode, as_number("threshold", threshold), threshold_mode
+
+    def _reset(self) -> None:
+        self.best = self.mode_worse
+        self.cooldown_counter = 0
+        self.num_bad_epochs = 0
+
+    def _is_better(self, a: float, best: float) -> bool:
+        if self.mode == "min" and self.threshold_mode == "rel":
+            return a < best * (1.0 - self.threshold)
+        if self.mode == "min":
+            return a < best - self.threshold
+        if self.threshold_mode == "rel":
+            return a > best * (self.threshold + 1.0)
+        return a > best + self.threshold
+
+    @property
+    def in_cooldown(self) -> bool:
+        return self.cooldown_counter > 0
+
+    def step(self, metrics: Any, epoch: Optional[int] = None) -> None:  # type: ignore[override]
+        """A rate the optimizer refuses raises and leaves the schedule where it was. epoch
+        (deprecated, as in torch): the epoch this one counts as."""
+        current = float(metrics)
+        if epoch is not None:
+            epoch = _deprecated_epoch(epoch)
+        saved = {k: v for k, v in self.__dict__.items() if k != "optimizer"}
+        try:
+            self._step(current, epoch)
+        except BaseException:
+            self.__dict__.update(saved)
+            raise
+
+    def _step(self, current: float, epoch: Optional[int] = None) -> None:
+        self.last_epoch = self.last_epoch + 1 if epoch is None else epoch
+        if self._is_better(current, self.best):
+            self.best = current
+            self.num_bad_epochs = 0
+        else:
+            self.num_bad_epochs += 1
+        if self.in_cooldown:
+            self.cooldown_counter -= 1
+            self.num_bad_epochs = 0
+        if self.num_bad_epochs > self.patience:
+            self._reduce_lr()
+            self.cooldown_counter = self.cooldown
+            self.num_bad_epochs = 0
+        self._last_lr = self.optimizer._group_lrs()
+
+    def _reduce_lr(self) -> None:
+        """Each group's rate times factor, not below its min_lr; a group whose rate would fall by
+        eps or less keeps it."""
+        lrs = self.optimizer._group_lrs()
+        reduced = []
+        for old, lo in zip(lrs, self.min_lrs):
+            old = float(old)
+            new = max(old * self.factor, lo)
+            reduced.append(new if old - new > self.eps else old)
+        if reduced != lrs:
+            self.optimizer._set_group_lrs(reduced)
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.__dict__.update(state_dict)
+        self._init_is_better(self.mode, self.threshold, self.threshold_mode)
