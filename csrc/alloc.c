@@ -5,7 +5,7 @@
  * to where a request needs them before more is reserved), and the allocation ladder (which,
  * unlike PyTorch's, searches the cache again after each release). With the history on, it notes
  * what it does (PyTorch's _record_memory_history): each block remembers what it holds and the
- * caller's context.
+ * caller's context. Segments and the pages of expandable segments come from alloc_segments.c.
  */
 #include "alloc_internal.h"
 
@@ -63,7 +63,7 @@ __attribute__((noinline)) void alloc_note_entry(cmlp_allocator *a, cmlp_trace_ac
 }
 
 /* A segment's entry, on behalf of the request being served (if any). */
-static void note_segment(cmlp_allocator *a, cmlp_trace_action action, const void *addr, size_t size) {
+void alloc_note_segment(cmlp_allocator *a, cmlp_trace_action action, const void *addr, size_t size) {
     bool grows = action == CMLP_TRACE_SEGMENT_ALLOC || action == CMLP_TRACE_SEGMENT_MAP;
     const char *what = grows ? a->what : NULL;
     note(a, action, addr, size, what, what ? context_for(a, CMLP_CONTEXT_ALLOC) : 0, 0);
@@ -78,17 +78,11 @@ static void stat_add(cmlp_stat *s, int64_t d) {
     if (s->current > s->peak) s->peak = s->current;
 }
 
-static void stat(cmlp_allocator *a, cmlp_stat_kind k, int pool, int64_t d) {
+void alloc_stat(cmlp_allocator *a, cmlp_stat_kind k, int pool, int64_t d) {
     stat_add(&a->stats.stat[k][CMLP_POOL_ALL], d);
     if (k == CMLP_STAT_ALLOCATED_BYTES && a->stats.stat[k][CMLP_POOL_ALL].current > a->window_peak)
         a->window_peak = a->stats.stat[k][CMLP_POOL_ALL].current;
     if (k != CMLP_STAT_OVERSIZE_ALLOCATIONS && k != CMLP_STAT_OVERSIZE_SEGMENTS) stat_add(&a->stats.stat[k][spool(pool)], d);
-}
-
-static int64_t reserved(const cmlp_allocator *a) { return a->stats.stat[CMLP_STAT_RESERVED_BYTES][CMLP_POOL_ALL].current; }
-
-static bool oversize(const cmlp_allocator *a, size_t size) {
-    return a->cfg.max_split_size >= 0 && size >= (size_t)a->cfg.max_split_size;
 }
 
 /* ---- the table of allocated blocks ---- */
@@ -138,57 +132,6 @@ static alloc_block *table_take(cmlp_allocator *a, uintptr_t key) {
     return b;
 }
 
-/* ---- pages of expandable segments ---- */
-
-/* The first page in [i, end) that is mapped (or, with mapped false, unmapped); end if none.
- * A word of the bitmap at a time (no page at or above hi is mapped, so its bits are 0). */
-static size_t next_page(const alloc_segment *s, size_t i, size_t end, bool mapped) {
-    while (i < end) {
-        uint64_t w = s->map[i >> 6];
-        w = (mapped ? w : ~w) >> (i & 63);
-        if (w) {
-            size_t k = i + (size_t)__builtin_ctzll(w);
-            return k < end ? k : end;
-        }
-        i = (i | 63) + 1;
-    }
-    return end;
-}
-
-/* The mapped bytes of [lo, hi) in a segment, as maximal runs of mapped pages; "split" runs are
- * those that reach outside [lo, hi) (their pages hold other blocks too). */
-span_info alloc_mapped_span(const alloc_segment *s, const char *lo, const char *hi) {
-    span_info r = {0, 0, 0, 0, 0};
-    size_t end = pg_up(s, hi);
-    if (end > s->hi) end = s->hi;
-    for (size_t i = next_page(s, pg_down(s, lo), end, true); i < end; i = next_page(s, i, end, true)) {
-        size_t j = next_page(s, i, end, false);
-        const char *a = s->base + i * PAGE, *b = s->base + j * PAGE;
-        size_t n = (size_t)((b < hi ? b : hi) - (a > lo ? a : lo));
-        r.bytes += n;
-        r.runs++;
-        if (n > r.largest) r.largest = n;
-        if (a < lo || b > hi || (i > 0 && pg_on(s, i - 1)) || pg_on(s, j)) {
-            r.split_runs++;
-            r.split_bytes += n;
-        }
-        i = j;
-    }
-    return r;
-}
-
-static size_t unmapped_pages(const alloc_segment *s, size_t i, size_t j) {
-    size_t n = 0;
-    while (i < j) {
-        size_t bit = i & 63, take = 64 - bit < j - i ? 64 - bit : j - i;
-        uint64_t w = s->map[i >> 6] >> bit;
-        if (take < 64) w &= ((uint64_t)1 << take) - 1;
-        n += take - (size_t)__builtin_popcountll(w);
-        i += take;
-    }
-    return n;
-}
-
 /* ---- free blocks: the pools' trees, with inactive_split accounting ---- */
 
 /* inactive_split: free blocks with a neighbour. An expandable segment is seen (as in the
@@ -202,11 +145,11 @@ static void split_stat(cmlp_allocator *a, const alloc_block *b, int sign) {
     } else if (!is_split(b)) {
         return;
     }
-    stat(a, CMLP_STAT_INACTIVE_SPLIT, b->seg->pool, sign * n);
-    stat(a, CMLP_STAT_INACTIVE_SPLIT_BYTES, b->seg->pool, sign * bytes);
+    alloc_stat(a, CMLP_STAT_INACTIVE_SPLIT, b->seg->pool, sign * n);
+    alloc_stat(a, CMLP_STAT_INACTIVE_SPLIT_BYTES, b->seg->pool, sign * bytes);
 }
 
-static void pool_put(cmlp_allocator *a, alloc_block *b) {
+void alloc_pool_put(cmlp_allocator *a, alloc_block *b) {
     b->tick = ++a->tick;
     if (b->seg->expandable) {
         span_info m = alloc_mapped_span(b->seg, b->ptr, b->ptr + b->size);
@@ -219,262 +162,24 @@ static void pool_put(cmlp_allocator *a, alloc_block *b) {
 }
 
 /* Must be called before the block's size, neighbours or mapped pages change. */
-static void pool_take(cmlp_allocator *a, alloc_block *b) {
+void alloc_pool_take(cmlp_allocator *a, alloc_block *b) {
     alloc_tree_remove(&a->pools[b->seg->pool], b);
     split_stat(a, b, -1);
 }
 
 /* Back into its pool with its age kept. */
-static void pool_return(cmlp_allocator *a, alloc_block *b) {
+void alloc_pool_return(cmlp_allocator *a, alloc_block *b) {
     uint64_t t = b->tick;
-    pool_put(a, b);
+    alloc_pool_put(a, b);
     b->tick = t;
 }
 
-/* ---- raw memory ---- */
+/* ---- the ladder ---- */
 
 /* The allocator this thread is capturing a graph with, if any (cmlp_allocator_capturing). */
 static __thread const cmlp_allocator *capturing_with;
 
 void cmlp_allocator_capturing(cmlp_allocator *a, bool on) { capturing_with = on ? a : NULL; }
-
-/* A device call's status: true when it succeeded. Out of memory is the ladder's to handle;
- * any other failure (recorded by the backend) ends the request with that error. */
-static bool device_ok(cmlp_allocator *a, cmlp_status st) {
-    if (st != CMLP_OK && st != CMLP_ERR_OOM && a->device_error == CMLP_OK) a->device_error = st;
-    return st == CMLP_OK;
-}
-
-static bool hook_fires(cmlp_allocator *a) {
-    a->stats.num_raw_alloc_calls++;
-    return a->fail_in > 0 && --a->fail_in == 0;
-}
-
-static alloc_segment *segment_new(cmlp_allocator *a, char *base, size_t size, size_t vsize, int pool, bool expandable) {
-    alloc_segment *s = calloc(1, sizeof *s);
-    if (!s) return NULL;
-    *s = (alloc_segment){.base = base, .size = size, .vsize = vsize, .pool = pool, .expandable = expandable};
-    s->next = a->segments;
-    if (a->segments) a->segments->prev = s;
-    a->segments = s;
-    return s;
-}
-
-static void segment_unlink(cmlp_allocator *a, alloc_segment *s) {
-    if (s->prev) s->prev->next = s->next;
-    else a->segments = s->next;
-    if (s->next) s->next->prev = s->prev;
-}
-
-static void account_segment(cmlp_allocator *a, alloc_segment *s, int sign) {
-    stat(a, CMLP_STAT_SEGMENT, s->pool, sign);
-    stat(a, CMLP_STAT_RESERVED_BYTES, s->pool, sign * (int64_t)s->size);
-    if (s->oversize) stat(a, CMLP_STAT_OVERSIZE_SEGMENTS, s->pool, sign);
-}
-
-/* A new segment for a rounded request: NULL when the limit or the device says no. */
-static alloc_block *new_segment(cmlp_allocator *a, int pool, size_t size) {
-    size_t seg_size = alloc_segment_size(&a->cfg, size);
-    if (a->limit >= 0 && reserved(a) + (int64_t)seg_size > a->limit) return NULL;
-    if (hook_fires(a)) return NULL;
-    void *p = NULL;
-    if (!device_ok(a, a->backend->raw_alloc(a->bctx, seg_size, &p)) || !p) return NULL;
-    alloc_segment *s = segment_new(a, p, seg_size, seg_size, pool, false);
-    alloc_block *b = s ? calloc(1, sizeof *b) : NULL;
-    if (!b) {
-        if (s) {
-            segment_unlink(a, s);
-            free(s);
-        }
-        a->backend->raw_free(a->bctx, p, seg_size);
-        return NULL;
-    }
-    *b = (alloc_block){.ptr = p, .size = seg_size, .seg = s};
-    s->first = b;
-    s->oversize = oversize(a, seg_size);
-    a->stats.num_device_alloc++;
-    account_segment(a, s, +1);
-    note_segment(a, CMLP_TRACE_SEGMENT_ALLOC, p, seg_size);
-    return b;
-}
-
-/* Maps the unmapped pages among [i, j) of an expandable segment, one device call per run. */
-static bool map_pages(cmlp_allocator *a, alloc_segment *s, size_t i, size_t j) {
-    while (i < j) {
-        if (pg_on(s, i)) {
-            i++;
-            continue;
-        }
-        size_t k = i;
-        while (k < j && !pg_on(s, k)) k++;
-        if (hook_fires(a) || !device_ok(a, a->backend->vm_map(a->bctx, s->base + i * PAGE, (k - i) * PAGE)))
-            return false;
-        a->stats.num_device_alloc++;
-        note_segment(a, CMLP_TRACE_SEGMENT_MAP, s->base + i * PAGE, (k - i) * PAGE);
-        int64_t runs = 1 - (i > 0 && pg_on(s, i - 1)) - pg_on(s, k);
-        for (size_t g = i; g < k; g++) s->map[g >> 6] |= (uint64_t)1 << (g & 63);
-        if (k > s->hi) s->hi = k;
-        s->size += (k - i) * PAGE;
-        stat(a, CMLP_STAT_RESERVED_BYTES, s->pool, (int64_t)((k - i) * PAGE));
-        stat(a, CMLP_STAT_SEGMENT, s->pool, runs);
-        i = k;
-    }
-    return true;
-}
-
-/* Unmaps pages [i, j), all mapped and inside free blocks. */
-static void unmap_pages(cmlp_allocator *a, alloc_segment *s, size_t i, size_t j) {
-    a->backend->vm_unmap(a->bctx, s->base + i * PAGE, (j - i) * PAGE);
-    a->stats.num_device_free++;
-    note_segment(a, CMLP_TRACE_SEGMENT_UNMAP, s->base + i * PAGE, (j - i) * PAGE);
-    int64_t runs = (int64_t)(i > 0 && pg_on(s, i - 1)) + pg_on(s, j) - 1;
-    for (size_t g = i; g < j; g++) s->map[g >> 6] &= ~((uint64_t)1 << (g & 63));
-    while (s->hi > 0 && !pg_on(s, s->hi - 1)) s->hi--; /* pg_on reads below hi only */
-    s->size -= (j - i) * PAGE;
-    stat(a, CMLP_STAT_RESERVED_BYTES, s->pool, -(int64_t)((j - i) * PAGE));
-    stat(a, CMLP_STAT_SEGMENT, s->pool, runs);
-}
-
-/* Whole mapped pages of free blocks in expandable segments, highest address first, up to
- * `want` pages, are unmapped (or, when `dry`, only counted). `held` is a free block taken out of
- * its pool for a request whose pages start at its first page and end before page `keep_hi`:
- * only its pages from keep_hi on may go. Returns the number of pages. */
-static size_t reclaim_pages(cmlp_allocator *a, size_t want, const alloc_block *held, size_t keep_hi, bool dry) {
-    size_t got = 0;
-    for (alloc_segment *s = a->segments; s && got < want; s = s->next) {
-        if (!s->expandable || s->size == 0) continue;
-        alloc_block *c = s->first;
-        while (c->next) c = c->next;
-        for (; c && got < want; c = c->prev) {
-            if (c->allocated) continue;
-            size_t lo = pg_up(s, c->ptr), hi = pg_down(s, c->ptr + c->size);
-            if (c == held && lo < keep_hi) lo = keep_hi;
-            if (hi > s->hi) hi = s->hi;
-            if (lo >= hi) continue;
-            bool taken = false;
-            for (size_t j = hi; j > lo && got < want;) {
-                if (!pg_on(s, j - 1)) {
-                    j--;
-                    continue;
-                }
-                size_t i = j;
-                while (i > lo && pg_on(s, i - 1) && got + (j - i) < want) i--;
-                got += j - i;
-                if (!dry) {
-                    if (!taken && c != held) pool_take(a, c);
-                    taken = c != held;
-                    unmap_pages(a, s, i, j);
-                }
-                j = i;
-            }
-            if (taken) pool_return(a, c);
-        }
-    }
-    return got;
-}
-
-/* Makes the pages under the first `size` bytes of a free block of an expandable segment
- * mapped. The physical memory comes from free pages elsewhere first (which are unmapped), so
- * reserved memory grows only when no free page is left to give; the limit is checked first. */
-static bool map_block(cmlp_allocator *a, alloc_block *b, size_t size) {
-    alloc_segment *s = b->seg;
-    size_t i = pg_down(s, b->ptr), j = pg_up(s, b->ptr + size);
-    size_t need = unmapped_pages(s, i, j);
-    if (need == 0) return true;
-    size_t give = reclaim_pages(a, need, b, j, true);
-    if (a->limit >= 0 && reserved(a) + (int64_t)((need - give) * PAGE) > a->limit) return false;
-    if (give) reclaim_pages(a, give, b, j, false);
-    return map_pages(a, s, i, j);
-}
-
-/* The pool's expandable segment: a virtual range the size of the device's memory, one free
- * block with nothing mapped. */
-static bool new_expandable(cmlp_allocator *a, int pool) {
-    const cmlp_backend_i *be = a->backend;
-    size_t vsize = ((size_t)a->total_memory + PAGE - 1) / PAGE * PAGE;
-    void *base = NULL;
-    if (vsize == 0 || !device_ok(a, be->vm_reserve(a->bctx, vsize, &base))) return false;
-    size_t npages = vsize / PAGE;
-    uint64_t *map = calloc((npages + 63) / 64, sizeof *map);
-    alloc_block *b = map ? calloc(1, sizeof *b) : NULL;
-    alloc_segment *s = b ? segment_new(a, base, 0, vsize, pool, true) : NULL;
-    if (!s) {
-        free(b);
-        free(map);
-        be->vm_release(a->bctx, base, vsize);
-        return false;
-    }
-    s->map = map;
-    s->npages = npages;
-    *b = (alloc_block){.ptr = base, .size = vsize, .seg = s};
-    s->first = b;
-    a->pools[pool].expandable = s;
-    pool_put(a, b);
-    return true;
-}
-
-static bool whole_and_free(const alloc_segment *s) {
-    return !s->expandable && s->first && !s->first->allocated && !s->first->next;
-}
-
-static size_t release_segment(cmlp_allocator *a, alloc_segment *s) {
-    size_t size = s->size;
-    pool_take(a, s->first);
-    account_segment(a, s, -1);
-    segment_unlink(a, s);
-    a->backend->raw_free(a->bctx, s->base, s->size);
-    a->stats.num_device_free++;
-    note_segment(a, CMLP_TRACE_SEGMENT_FREE, s->base, size);
-    free(s->first);
-    free(s);
-    return size;
-}
-
-/* Every whole free segment and every free page of an expandable segment goes back. */
-static size_t release_cached(cmlp_allocator *a) {
-    size_t freed = 0;
-    for (alloc_segment *s = a->segments, *next; s; s = next) {
-        next = s->next;
-        if (whole_and_free(s)) freed += release_segment(a, s);
-    }
-    return freed + reclaim_pages(a, SIZE_MAX, NULL, 0, false) * PAGE;
-}
-
-/* Oversize cached blocks first (PyTorch's release_available_cached_blocks): the smallest that
- * covers the request, else the largest ones until the request is covered. */
-static size_t release_oversize(cmlp_allocator *a, size_t size) {
-    if (a->cfg.max_split_size < 0) return 0;
-    size_t freed = 0;
-    while (freed < size) {
-        alloc_segment *best = NULL, *largest = NULL;
-        for (alloc_segment *s = a->segments; s; s = s->next) {
-            if (!whole_and_free(s) || s->size < (size_t)a->cfg.max_split_size) continue;
-            if (s->size >= size && (!best || s->size < best->size)) best = s;
-            if (!largest || s->size > largest->size) largest = s;
-        }
-        if (!largest) break;
-        freed += release_segment(a, best ? best : largest);
-        if (best) break;
-    }
-    return freed;
-}
-
-/* Garbage collection under a limit: whole free large-pool segments unused longest go first,
- * until reserved memory plus the coming segment fits under threshold x limit. */
-static void collect_garbage(cmlp_allocator *a, size_t coming) {
-    if (a->cfg.garbage_collection_threshold <= 0.0 || a->limit < 0) return;
-    double target = a->cfg.garbage_collection_threshold * (double)a->limit;
-    while ((double)(reserved(a) + (int64_t)coming) > target) {
-        alloc_segment *oldest = NULL;
-        for (alloc_segment *s = a->segments; s; s = s->next)
-            if (whole_and_free(s) && s->pool == POOL_LARGE && (!oldest || s->first->tick < oldest->first->tick))
-                oldest = s;
-        if (!oldest) break;
-        release_segment(a, oldest);
-    }
-}
-
-/* ---- the ladder ---- */
 
 static alloc_block *cached_block(cmlp_allocator *a, int pool, size_t size) {
     alloc_block *b = alloc_tree_lower_bound(&a->pools[pool], size);
@@ -484,16 +189,16 @@ static alloc_block *cached_block(cmlp_allocator *a, int pool, size_t size) {
          * candidates is; else the best fit, mapped on demand (only while the setting is on) */
         alloc_block *pick = NULL, *c = b;
         for (int k = 0; c && c->seg->expandable && k < 8; k++, c = alloc_tree_next(&a->pools[pool], c))
-            if (unmapped_pages(c->seg, pg_down(c->seg, c->ptr), pg_up(c->seg, c->ptr + size)) == 0) {
+            if (alloc_unmapped_pages(c->seg, pg_down(c->seg, c->ptr), pg_up(c->seg, c->ptr + size)) == 0) {
                 pick = c;
                 break;
             }
         if (!pick && a->cfg.expandable_segments && capturing_with != a && !a->dry_run)
             pick = b; /* mapping: not in a capture, nor in a dry run (pages it maps are new memory) */
         if (pick) {
-            pool_take(a, pick);
-            if (!map_block(a, pick, size)) {
-                pool_return(a, pick);
+            alloc_pool_take(a, pick);
+            if (!alloc_map_block(a, pick, size)) {
+                alloc_pool_return(a, pick);
                 return NULL;
             }
             return pick;
@@ -507,18 +212,18 @@ static alloc_block *cached_block(cmlp_allocator *a, int pool, size_t size) {
         if (size < msz && b->size >= msz) return NULL;            /* no oversize block for a small request */
         if (size >= msz && b->size >= size + (size_t)a->cfg.max_non_split_rounding) return NULL; /* nor one far larger */
     }
-    pool_take(a, b);
+    alloc_pool_take(a, b);
     return b;
 }
 
 static alloc_block *new_memory(cmlp_allocator *a, int pool, size_t size) {
     if (a->cfg.expandable_segments && a->backend->vm_reserve) {
         /* the pool's range is made once; after that the cache search has seen all of it */
-        if (a->pools[pool].expandable || !new_expandable(a, pool)) return NULL;
+        if (a->pools[pool].expandable || !alloc_new_expandable(a, pool)) return NULL;
         return cached_block(a, pool, size);
     }
-    collect_garbage(a, alloc_segment_size(&a->cfg, size));
-    return new_segment(a, pool, size);
+    alloc_collect_garbage(a, alloc_segment_size(&a->cfg, size));
+    return alloc_new_segment(a, pool, size);
 }
 
 static bool should_split(const cmlp_allocator *a, const alloc_block *b, size_t size) {
@@ -651,7 +356,7 @@ static void split_off(cmlp_allocator *a, alloc_block *b, size_t size) {
     if (b->next) b->next->prev = rest;
     b->next = rest;
     b->size = size;
-    pool_put(a, rest);
+    alloc_pool_put(a, rest);
 }
 
 
@@ -667,13 +372,13 @@ static cmlp_status allocate(cmlp_allocator *a, size_t nbytes, const char *what, 
                                           "being captured as a graph",
                          a->name, nbytes);
     if (!b && !a->device_error) b = new_memory(a, pool, size);
-    if (!b && !a->device_error && release_oversize(a, size)) {
+    if (!b && !a->device_error && alloc_release_oversize(a, size)) {
         if (!a->pytorch_ladder) b = cached_block(a, pool, size);
         if (!b && !a->device_error) b = new_memory(a, pool, size);
     }
     if (!b && !a->device_error) {
         a->stats.num_alloc_retries++;
-        release_cached(a);
+        alloc_release_cached(a);
         if (!a->pytorch_ladder) b = cached_block(a, pool, size);
         if (!b && !a->device_error) b = new_memory(a, pool, size);
     }
@@ -687,13 +392,13 @@ static cmlp_status allocate(cmlp_allocator *a, size_t nbytes, const char *what, 
     note(a, CMLP_TRACE_ALLOC, b->ptr, nbytes, what, context_for(a, CMLP_CONTEXT_ALLOC), 0);
     table_put(a, b);
     int p = b->seg->pool;
-    stat(a, CMLP_STAT_ALLOCATION, p, 1);
-    stat(a, CMLP_STAT_ACTIVE, p, 1);
-    stat(a, CMLP_STAT_ALLOCATED_BYTES, p, (int64_t)b->size);
-    stat(a, CMLP_STAT_ACTIVE_BYTES, p, (int64_t)b->size);
-    stat(a, CMLP_STAT_REQUESTED_BYTES, p, (int64_t)nbytes);
+    alloc_stat(a, CMLP_STAT_ALLOCATION, p, 1);
+    alloc_stat(a, CMLP_STAT_ACTIVE, p, 1);
+    alloc_stat(a, CMLP_STAT_ALLOCATED_BYTES, p, (int64_t)b->size);
+    alloc_stat(a, CMLP_STAT_ACTIVE_BYTES, p, (int64_t)b->size);
+    alloc_stat(a, CMLP_STAT_REQUESTED_BYTES, p, (int64_t)nbytes);
     b->oversize = oversize(a, b->size); /* remembered: the setting may change before the free */
-    if (b->oversize) stat(a, CMLP_STAT_OVERSIZE_ALLOCATIONS, p, 1);
+    if (b->oversize) alloc_stat(a, CMLP_STAT_OVERSIZE_ALLOCATIONS, p, 1);
     *out = b->ptr;
     return CMLP_OK;
 }
@@ -702,7 +407,7 @@ static cmlp_status allocate(cmlp_allocator *a, size_t nbytes, const char *what, 
 static alloc_block *merge_free(cmlp_allocator *a, alloc_block *b) {
     alloc_block *prev = b->prev, *next = b->next;
     if (prev && !prev->allocated) { /* absorb b into its free predecessor */
-        pool_take(a, prev);
+        alloc_pool_take(a, prev);
         prev->size += b->size;
         prev->next = next;
         if (next) next->prev = prev;
@@ -711,13 +416,13 @@ static alloc_block *merge_free(cmlp_allocator *a, alloc_block *b) {
     }
     next = b->next;
     if (next && !next->allocated) {
-        pool_take(a, next);
+        alloc_pool_take(a, next);
         b->size += next->size;
         b->next = next->next;
         if (next->next) next->next->prev = b;
         free(next);
     }
-    pool_put(a, b);
+    alloc_pool_put(a, b);
     return b;
 }
 
@@ -728,12 +433,12 @@ static void release_block(cmlp_allocator *a, alloc_block *b) {
         alloc_note_entry(a, CMLP_TRACE_FREE_REQUESTED, b->ptr, b->requested, b->what, context, 0);
         alloc_note_entry(a, CMLP_TRACE_FREE_COMPLETED, b->ptr, b->requested, b->what, context, 0);
     }
-    stat(a, CMLP_STAT_ALLOCATION, p, -1);
-    stat(a, CMLP_STAT_ACTIVE, p, -1);
-    stat(a, CMLP_STAT_ALLOCATED_BYTES, p, -(int64_t)b->size);
-    stat(a, CMLP_STAT_ACTIVE_BYTES, p, -(int64_t)b->size);
-    stat(a, CMLP_STAT_REQUESTED_BYTES, p, -(int64_t)b->requested);
-    if (b->oversize) stat(a, CMLP_STAT_OVERSIZE_ALLOCATIONS, p, -1);
+    alloc_stat(a, CMLP_STAT_ALLOCATION, p, -1);
+    alloc_stat(a, CMLP_STAT_ACTIVE, p, -1);
+    alloc_stat(a, CMLP_STAT_ALLOCATED_BYTES, p, -(int64_t)b->size);
+    alloc_stat(a, CMLP_STAT_ACTIVE_BYTES, p, -(int64_t)b->size);
+    alloc_stat(a, CMLP_STAT_REQUESTED_BYTES, p, -(int64_t)b->requested);
+    if (b->oversize) alloc_stat(a, CMLP_STAT_OVERSIZE_ALLOCATIONS, p, -1);
     b->allocated = false;
     b->oversize = false;
     b->requested = 0;
@@ -919,7 +624,7 @@ void cmlp_allocator_reset_accumulated(cmlp_allocator *a) {
 
 void cmlp_allocator_empty_cache(cmlp_allocator *a) {
     pthread_mutex_lock(&a->lock);
-    release_cached(a);
+    alloc_release_cached(a);
     pthread_mutex_unlock(&a->lock);
 }
 

@@ -1,6 +1,7 @@
 /* alloc_internal.h - the caching allocator's private structures, shared by alloc.c (pools,
- * the allocation ladder, statistics), alloc_inspect.c (history, snapshot, validation),
- * alloc_tree.c (best fit) and alloc_config.c (settings).
+ * the allocation ladder, statistics), alloc_segments.c (segments and pages from the device),
+ * alloc_inspect.c (history, snapshot, validation), alloc_tree.c (best fit) and alloc_config.c
+ * (settings).
  */
 #ifndef CMLP_ALLOC_INTERNAL_H
 #define CMLP_ALLOC_INTERNAL_H
@@ -136,6 +137,42 @@ typedef struct {
 /* The mapped bytes of [lo, hi) in a segment, as maximal runs of mapped pages; "split" runs are
  * those that reach outside [lo, hi) (their pages hold other blocks too). */
 CMLP_HIDDEN span_info alloc_mapped_span(const alloc_segment *s, const char *lo, const char *hi);
+/* The unmapped pages among [i, j) of an expandable segment. */
+CMLP_HIDDEN size_t alloc_unmapped_pages(const alloc_segment *s, size_t i, size_t j);
+
+static inline int64_t reserved(const cmlp_allocator *a) {
+    return a->stats.stat[CMLP_STAT_RESERVED_BYTES][CMLP_POOL_ALL].current;
+}
+
+/* A block (or segment) of this size is oversize: never split, released first under pressure. */
+static inline bool oversize(const cmlp_allocator *a, size_t size) {
+    return a->cfg.max_split_size >= 0 && size >= (size_t)a->cfg.max_split_size;
+}
+
+/* Statistics, the history and the pools (alloc.c). */
+CMLP_HIDDEN void alloc_stat(cmlp_allocator *a, cmlp_stat_kind k, int pool, int64_t d);
+/* A segment's history entry, on behalf of the request being served (if any). */
+CMLP_HIDDEN void alloc_note_segment(cmlp_allocator *a, cmlp_trace_action action, const void *addr, size_t size);
+CMLP_HIDDEN void alloc_pool_put(cmlp_allocator *a, alloc_block *b);
+/* Must be called before the block's size, neighbours or mapped pages change. */
+CMLP_HIDDEN void alloc_pool_take(cmlp_allocator *a, alloc_block *b);
+/* Back into its pool with its age kept. */
+CMLP_HIDDEN void alloc_pool_return(cmlp_allocator *a, alloc_block *b);
+
+/* Raw memory (alloc_segments.c). A new segment for a rounded request: NULL when the limit or
+ * the device says no. */
+CMLP_HIDDEN alloc_block *alloc_new_segment(cmlp_allocator *a, int pool, size_t size);
+/* Maps the pages under the first `size` bytes of a free block of an expandable segment, taking
+ * free pages from elsewhere first; false when the limit or the device says no. */
+CMLP_HIDDEN bool alloc_map_block(cmlp_allocator *a, alloc_block *b, size_t size);
+/* The pool's expandable segment: a virtual range the size of the device, nothing mapped. */
+CMLP_HIDDEN bool alloc_new_expandable(cmlp_allocator *a, int pool);
+/* Every whole free segment and free page goes back to the device; returns the bytes. */
+CMLP_HIDDEN size_t alloc_release_cached(cmlp_allocator *a);
+/* Whole free oversize segments go back until `size` bytes are covered; returns the bytes. */
+CMLP_HIDDEN size_t alloc_release_oversize(cmlp_allocator *a, size_t size);
+/* Under a limit with a gc threshold: whole free large-pool segments, oldest first. */
+CMLP_HIDDEN void alloc_collect_garbage(cmlp_allocator *a, size_t coming);
 
 CMLP_HIDDEN void alloc_config_current(cmlp_alloc_settings *out);
 /* Tells every allocator to re-read the settings before its next request. */
