@@ -59,17 +59,22 @@ def _int(name: str, value: Any, lo: int) -> int:
     return int(value)
 
 
+def _one_per_group(value: Any, n: int, mismatch: Callable[[int], str]) -> List[Any]:
+    """value for each of n param groups, or a list or tuple of one per group (a ValueError with
+    mismatch(its length) otherwise)."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(mismatch(len(value)))
+        return list(value)
+    return [value] * n
+
+
 def _per_group(name: str, value: Any, optimizer: Any) -> List[float]:
     """A per-group argument (torch's _format_param): a number for every group, or a list or
     tuple with one per param group."""
     n = len(optimizer.param_groups)
-    if isinstance(value, (list, tuple)):
-        if len(value) != n:
-            raise ValueError(f"{name} must have the same length as optimizer.param_groups. {name} has "
-                             f"{len(value)} values, param_groups has {n}.")
-        values = list(value)
-    else:
-        values = [value] * n
+    values = _one_per_group(value, n, lambda k: f"{name} must have the same length as optimizer.param_groups. "
+                                                f"{name} has {k} values, param_groups has {n}.")
     for v in values:
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise TypeError(f"{name} must be a number, got {v!r}")

@@ -3,10 +3,25 @@ CyclicLR."""
 import math
 import numbers
 import types
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..._arrays import as_flag, as_number
 from ._base import LRScheduler, _is_int, _optimizer, _per_group
+
+
+def _settings(optimizer: Any) -> Tuple[Any, ...]:
+    """What a cyclic schedule's constructor changes in the optimizer (its initial rates, rates,
+    momentum and the values kept in its groups), for _restore when the constructor fails."""
+    return (list(optimizer._initial_lrs), optimizer._group_lrs(), optimizer._momenta(),
+            [dict(g._extra) for g in optimizer.param_groups])
+
+
+def _restore(optimizer: Any, before: Tuple[Any, ...]) -> None:
+    optimizer._initial_lrs = before[0]
+    optimizer._set_group_lrs(before[1])
+    optimizer._set_momentum(before[2])
+    for group, extra in zip(optimizer.param_groups, before[3]):
+        group._extra = extra
 
 
 class OneCycleLR(LRScheduler):
@@ -84,8 +99,7 @@ class OneCycleLR(LRScheduler):
             for group, top, bottom in zip(self._groups, tops, bottoms):
                 group["max_momentum"], group["base_momentum"] = top, bottom
         # the optimizer changes only once everything is checked, and goes back when the first step fails
-        before = (list(optimizer._initial_lrs), optimizer._group_lrs(), optimizer._momenta(),
-                  [dict(g._extra) for g in optimizer.param_groups])
+        before = _settings(optimizer)
         try:
             if self.cycle_momentum:
                 for key in ("base_momentum", "max_momentum"):  # refused here if the optimizer cannot take them
@@ -96,11 +110,7 @@ class OneCycleLR(LRScheduler):
             super().__init__(optimizer, last_epoch)
             self._mirror()
         except BaseException:
-            optimizer._initial_lrs = before[0]
-            optimizer._set_group_lrs(before[1])
-            optimizer._set_momentum(before[2])
-            for g, extra in zip(optimizer.param_groups, before[3]):
-                g._extra = extra
+            _restore(optimizer, before)
             raise
 
     def _mirror(self, optimizer: Any = None, only_unchanged: bool = False) -> None:
@@ -232,8 +242,7 @@ class CyclicLR(LRScheduler):
             self.base_momentums = _per_group("base_momentum", base_momentum, optimizer)
             self.max_momentums = _per_group("max_momentum", max_momentum, optimizer)
         # the optimizer changes only once everything is checked, and goes back when the first step fails
-        before = (list(optimizer._initial_lrs), optimizer._group_lrs(), optimizer._momenta(),
-                  [dict(g._extra) for g in optimizer.param_groups])
+        before = _settings(optimizer)
         try:
             if self.cycle_momentum:
                 for ms in (self.base_momentums, self.max_momentums):
@@ -245,11 +254,7 @@ class CyclicLR(LRScheduler):
                         group["max_momentum"], group["base_momentum"] = top, bottom
             super().__init__(optimizer, last_epoch)
         except BaseException:
-            optimizer._initial_lrs = before[0]
-            optimizer._set_group_lrs(before[1])
-            optimizer._set_momentum(before[2])
-            for group, extra in zip(optimizer.param_groups, before[3]):
-                group._extra = extra
+            _restore(optimizer, before)
             raise
         self.base_lrs = lows  # after the first step, as in torch (which takes initial_lr for it)
 

@@ -3,7 +3,7 @@ from math import inf
 from typing import Any, Dict, Optional
 
 from ..._arrays import as_number
-from ._base import LRScheduler, _deprecated_epoch, _int, _optimizer
+from ._base import LRScheduler, _deprecated_epoch, _int, _one_per_group, _optimizer
 
 
 class ReduceLROnPlateau(LRScheduler):
@@ -20,12 +20,7 @@ class ReduceLROnPlateau(LRScheduler):
             raise ValueError("Factor should be < 1.0.")
         self.optimizer = _optimizer(optimizer)
         n = len(optimizer.param_groups)
-        if isinstance(min_lr, (list, tuple)):
-            if len(min_lr) != n:
-                raise ValueError(f"expected {n} min_lrs, got {len(min_lr)}")
-            min_lrs = list(min_lr)
-        else:
-            min_lrs = [min_lr] * n
+        min_lrs = _one_per_group(min_lr, n, lambda k: f"expected {n} min_lrs, got {k}")
         for lo in min_lrs:
             if not 0.0 <= as_number("min_lr", lo) < inf:
                 raise ValueError(f"min_lr must be a finite number >= 0 (a rate), got {lo!r}")

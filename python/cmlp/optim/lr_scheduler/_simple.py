@@ -7,7 +7,7 @@ from bisect import bisect_right
 from typing import Any, Dict, Iterable, List, Optional
 
 from ..._arrays import as_number
-from ._base import LRScheduler, _int, _is_int, _length, _optimizer
+from ._base import LRScheduler, _int, _is_int, _length, _one_per_group, _optimizer
 
 
 class _LambdaSchedule(LRScheduler):
@@ -16,12 +16,7 @@ class _LambdaSchedule(LRScheduler):
 
     def __init__(self, optimizer: Any, lr_lambda: Any, last_epoch: int = -1) -> None:
         n = len(_optimizer(optimizer).param_groups)
-        if isinstance(lr_lambda, (list, tuple)):
-            if len(lr_lambda) != n:
-                raise ValueError(f"Expected {n} lr_lambdas, but got {len(lr_lambda)}")
-            lambdas = list(lr_lambda)
-        else:
-            lambdas = [lr_lambda] * n
+        lambdas = _one_per_group(lr_lambda, n, lambda k: f"Expected {n} lr_lambdas, but got {k}")
         for fn in lambdas:
             if not callable(fn):
                 raise TypeError(f"lr_lambda must be callable, got {fn!r}")
