@@ -573,6 +573,30 @@ def test_cpu_0_names_the_cpu_as_in_torch(ctx, tmp_path):
     assert_still_works(ctx)
 
 
+def test_messages_from_the_core_say_what_happened_without_where(ctx):
+    """As torch's: the text starts with what happened, not with the C file and line that found it
+    (which only a bug's RuntimeError keeps)."""
+    with pytest.raises(ValueError) as e:
+        cmlp.optim.Adam(ctx.model.parameters(), lr=-1)
+    assert str(e.value).startswith("Invalid learning rate: -1")
+    with pytest.raises(ValueError) as e:
+        cmlp.nn.utils.clip_grad_norm_(ctx.model.parameters(), -1.0)
+    assert str(e.value).startswith("max_norm must be a number >= 0, got -1"), str(e.value)
+    big = cmlp.MLP([784, 4096, 10])
+    cmlp.memory.set_memory_limit(cmlp.memory.memory_reserved() + 2**20)
+    try:
+        with pytest.raises(cmlp.OutOfMemoryError) as e:
+            big(np.zeros((5000, 784), np.float32))
+    finally:
+        cmlp.memory.set_memory_limit(None)
+    assert str(e.value).startswith("cpu out of memory. Tried to allocate "), str(e.value)[:80]
+    if not cmlp.cuda.is_available():
+        with pytest.raises(RuntimeError) as e:
+            cmlp.MLP(SIZES, device="cuda")
+        assert str(e.value).startswith("CUDA is not available: "), str(e.value)
+    assert_still_works(ctx)
+
+
 @pytest.mark.skipif(cmlp.cuda.is_available(), reason="CUDA is available here")
 @pytest.mark.parametrize("dev", ["cuda", "cuda:0", "cuda:3"])
 def test_cuda_without_gpu_is_runtime_error_saying_why(ctx, dev):

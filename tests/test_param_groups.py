@@ -460,6 +460,23 @@ def test_generators_in_torchs_form_and_copies_of_the_groups_are_plain():
     assert pickle.loads(pickle.dumps(opt.param_groups)) == [dict(g) for g in opt.param_groups]
 
 
+def test_the_list_of_groups_refuses_to_change_rather_than_lose_the_change():
+    """torch lets code append or replace a group; here the groups are given when the optimizer is
+    made, so such a change is refused with a TypeError saying so, and nothing changes."""
+    model, opt = make("sgd", groups=[{"params": WEIGHTS}, {"params": BIASES, "lr": 0.5}])
+    groups = opt.param_groups
+    for change in (lambda: groups.append({"params": [0], "lr": 1.0}),
+                   lambda: groups.__setitem__(0, {"params": WEIGHTS, "lr": 0.7}),
+                   lambda: groups.__delitem__(1), lambda: groups.pop(), lambda: groups.extend([{}]),
+                   lambda: groups.insert(0, {}), lambda: groups.clear(), lambda: groups.reverse()):
+        with pytest.raises(TypeError, match=r"param_groups cannot be changed.*param_groups\[0\]\['lr'\]"):
+            change()
+    assert [g["lr"] for g in opt.param_groups] == [opt.lr, 0.5] and len(groups) == 2
+    groups[1]["lr"] = 0.25  # a group's settings are set through it, as in torch
+    assert opt.param_groups[1]["lr"] == 0.25
+    assert type(copy.copy(groups)) is list and copy.copy(groups) == groups
+
+
 def test_a_frozen_group_under_a_cosine_schedule_with_eta_min_stays_at_0_or_above():
     """torch's recursive form rounds the frozen group's rate to -6.5e-19 at some steps; the
     optimizer takes no negative rate, so the schedule gives 0 there."""
@@ -526,7 +543,7 @@ def test_named_parameters_pairs_are_taken_as_torch_takes_them():
 @pytest.mark.parametrize("kind", ["adam", "sgd"])
 def test_a_loaded_group_without_a_rate_or_weight_decay_keeps_its_own(kind):
     """load_state_dict fills a key a loaded group lacks from that group's setting (never from the
-    first group's), and param_groups is a new list each time: changing it changes no optimizer."""
+    first group's); the list of groups refuses to change, and changes nothing."""
     _, opt = make(kind)
     before = [(g["lr"], g["weight_decay"]) for g in opt.param_groups]
     saved = opt.state_dict()
@@ -535,8 +552,10 @@ def test_a_loaded_group_without_a_rate_or_weight_decay_keeps_its_own(kind):
     opt.load_state_dict(saved)
     assert [(g["lr"], g["weight_decay"]) for g in opt.param_groups] == before
     groups = opt.param_groups
-    groups.append({"params": [], "lr": 1.0})
-    groups.pop(0)
+    with pytest.raises(TypeError, match="param_groups cannot be changed"):
+        groups.append({"params": [], "lr": 1.0})
+    with pytest.raises(TypeError, match="param_groups cannot be changed"):
+        groups.pop(0)
     assert len(opt.param_groups) == 3 and opt.param_groups[0]["params"] == [0, 1]
     copied = opt.param_groups[2].copy()
     assert type(copied) is dict and copied == dict(opt.param_groups[2])

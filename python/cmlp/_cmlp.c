@@ -12,8 +12,19 @@
 
 /* ---- errors: the one mapping from cmlp_status to Python ---- */
 
+const char *user_error(void) {
+    const char *msg = cmlp_last_error(), *p = msg;
+    while ((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') || *p == '_' ||
+           *p == '.' || *p == '/')
+        p++;
+    if (p - msg < 3 || p[-2] != '.' || (p[-1] != 'c' && p[-1] != 'h') || *p++ != ':') return msg;
+    if (*p < '0' || *p > '9') return msg;
+    while (*p >= '0' && *p <= '9') p++;
+    return p[0] == ':' && p[1] == ' ' ? p + 2 : msg;
+}
+
 PyObject *raise_status(module_state *ms, cmlp_status s) {
-    const char *msg = cmlp_last_error();
+    const char *msg = s == CMLP_ERR_INTERNAL ? cmlp_last_error() : user_error();
     if (s == STATUS_LOST) msg = LOST_TEXT;
     switch (s) {
     case CMLP_ERR_INVALID:
@@ -133,7 +144,7 @@ static PyObject *convert(PyObject *args, int to_half) {
     Py_DECREF(src);
     if (st != CMLP_OK) {
         Py_DECREF(dst);
-        PyErr_SetString(PyExc_ValueError, cmlp_last_error());
+        PyErr_SetString(PyExc_ValueError, user_error());
         return NULL;
     }
     return dst;

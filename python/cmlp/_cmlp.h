@@ -36,8 +36,13 @@ static inline module_state *state_of(PyObject *module) { return (module_state *)
     "them when the process was forked, and that thread's call never finishes in the child, so their state "   \
     "here is incomplete (fork while no thread uses them, or start processes with 'spawn')"
 
-/* Sets the Python exception for status s (cmlp_last_error's text, or LOST_TEXT) and returns NULL. */
+/* Sets the Python exception for status s and returns NULL: a ValueError for bad input, an
+ * OutOfMemoryError, or a RuntimeError (a device, a call out of order, a bug). Its text says what
+ * happened, as torch's do (user_error); only a bug's (CMLP_ERR_INTERNAL) also says where, with
+ * cmlp_last_error's "file:line: ". LOST_TEXT for a model lost in a fork. */
 PyObject *raise_status(module_state *ms, cmlp_status s);
+/* cmlp_last_error()'s text without its "file.c:line: " prefix. */
+const char *user_error(void);
 
 /* The number of the calling Python stack for the allocators' history, 0 when none is kept
  * (_cmlp_stacks.c); stacks_init makes its tables, at the module's start. */

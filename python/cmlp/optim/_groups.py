@@ -95,6 +95,23 @@ _UNSTARTED = {"momentum_buffer": np.nan, "max_exp_avg_sq": -1.0}
 _INHERIT = float("nan")  # a part's setting that is the C configuration's (one object: tuples of it compare equal)
 
 
+class _GroupList(list):
+    """optimizer.param_groups: the groups, whose keys the caller sets (the next step uses them),
+    in a list that refuses to change: a cmlp optimizer's groups are given when it is made, and a
+    group added to or replaced in a copy would be silently lost."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("optimizer.param_groups cannot be changed: its groups are given when the optimizer is made "
+                        "(param_groups=[{'params': [...], 'lr': ...}, ...]); set a group's settings instead, e.g. "
+                        "optimizer.param_groups[0]['lr'] = 1e-4")
+
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _refuse
+    append = extend = insert = pop = remove = clear = sort = reverse = _refuse
+
+    def __reduce_ex__(self, protocol: Any) -> Tuple[Any, ...]:
+        return (list, (list(self),))  # a copy is a plain list of the same groups
+
+
 class _ParamGroup(MutableMapping):
     """One of torch's param_groups: a dict of the group's settings. Its "lr", "weight_decay",
     "initial_lr" and hyperparameters (Adam's betas, eps, amsgrad and maximize; SGD's momentum,

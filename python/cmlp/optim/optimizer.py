@@ -8,7 +8,7 @@ import numpy as np
 from .. import _cmlp
 from .._arrays import as_number as _num
 from ..model import MLP, Parameters, model_of, parameter_of
-from ._groups import _FLT_MAX, _INHERIT, _ParamGroup, _initial_lr_of, _rate, _unnamed, _unsupported_flag
+from ._groups import _FLT_MAX, _INHERIT, _GroupList, _ParamGroup, _initial_lr_of, _rate, _unnamed, _unsupported_flag
 from ._state import _StateDict
 
 
@@ -212,8 +212,8 @@ class Optimizer(_StateDict):
     def param_groups(self) -> List[MutableMapping]:
         """torch's param_groups (see _ParamGroup): by default one group, the model's parameters;
         e.g. opt.param_groups[0]["lr"] = 1e-4, or ["weight_decay"], which the next step uses. The
-        list is a new one each time (the groups are given when the optimizer is made)."""
-        return list(self._param_groups)
+        groups are given when the optimizer is made: the list refuses to change (TypeError)."""
+        return _GroupList(self._param_groups)
 
     def add_param_group(self, param_group: Any) -> None:
         """torch's add_param_group: every parameter tensor of the model is in a group from the
