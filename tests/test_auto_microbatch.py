@@ -628,6 +628,31 @@ def test_a_validation_chunk_that_runs_out_of_memory_halves():
     assert loss_sum / 2000 == pytest.approx(want["loss"], rel=1e-6) and correct / 2000 == want["accuracy"]
 
 
+def test_forward_and_evaluate_halve_their_chunk_under_a_limit_as_validation_does():
+    """model(x), predict and evaluate run out of memory under a limit at their first chunk (1024
+    rows; evaluate's batch_size), then halve it and start again: the same logits and the same loss
+    and accuracy, and the buffers go back to the cache."""
+    x, y = data([200, 256, 10], 2000)
+    model = cmlp.MLP([200, 8192, 10], seed=0)  # 7 MB of parameters in a 20 MB segment
+    want_logits, want = model(x), model.evaluate(x, y)
+    gc.collect()
+    M.empty_cache("cpu")
+    held = M.memory_allocated("cpu")
+    M.set_memory_limit(M.memory_reserved("cpu"), "cpu")  # 13 MB free: 1000 rows' hidden units are 32 MB
+    try:
+        with pytest.raises(cmlp.OutOfMemoryError):
+            model._c.forward(x, *model.normalize, 1024)
+        model._c.release_workspace()
+        logits = model(x)  # the BLAS may sum in another order for fewer rows: float32's rounding apart
+        np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-6)
+        assert np.array_equal(model.predict(x), logits.argmax(1))
+        got = model.evaluate(x, y)
+        assert M.memory_allocated("cpu") == held
+    finally:
+        M.set_memory_limit(None, "cpu")
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-6) and got["accuracy"] == want["accuracy"]
+
+
 def test_the_one_sample_plan_counts_the_momentum_buffer_to_come():
     sizes = [200, 1024, 1024, 10]
     rng = np.random.default_rng(0)

@@ -164,14 +164,29 @@ class MLP:
         return f"MLP({list(self._sizes)}, device={self.device!r})"
 
     # ---- compute ----
-    def forward(self, x: Any) -> np.ndarray:
-        """Logits, float32 [N, classes]. The buffers it used go back to the cache afterwards, as
-        torch frees an inference's tensors: allocated memory is the model's again."""
-        xa = as_inputs(x, self._sizes[0])
+    def _in_chunks(self, run: Any, rows: int, n: int) -> Any:
+        """run(rows): a pass over n rows, `rows` at a time. Out of memory, the chunk halves and
+        the pass starts again, down to one row (as fit's validation). The buffers go back to the
+        cache afterwards, as torch frees an inference's tensors: allocated memory is the model's
+        again."""
+        rows = max(1, min(rows, n))
         try:
-            return self._c.forward(xa, *self.normalize, 1024)
+            while True:
+                try:
+                    return run(rows)
+                except _cmlp.OutOfMemoryError:
+                    if rows == 1:
+                        raise
+                    self._c.release_workspace()
+                    rows //= 2
         finally:
             self._c.release_workspace()
+
+    def forward(self, x: Any) -> np.ndarray:
+        """Logits, float32 [N, classes], computed 1024 rows at a time (fewer where memory is short:
+        see _in_chunks)."""
+        xa = as_inputs(x, self._sizes[0])
+        return self._in_chunks(lambda rows: self._c.forward(xa, *self.normalize, rows), 1024, xa.shape[0])
 
     __call__ = forward
 
@@ -180,17 +195,15 @@ class MLP:
         return np.argmax(self.forward(x), axis=1).astype(np.int64)
 
     def evaluate(self, x: Any, y: Any, batch_size: int = 1000) -> Dict[str, float]:
-        """Mean cross-entropy and accuracy over (x, y), computed batch_size rows at a time (its
-        buffers go back to the cache afterwards)."""
+        """Mean cross-entropy and accuracy over (x, y), computed batch_size rows at a time (fewer
+        where memory is short: see _in_chunks)."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or not 1 <= batch_size < 2**63:
             raise ValueError(f"batch_size must be an int in [1, 2**63), got {batch_size!r}")
         xa = as_inputs(x, self._sizes[0])
         ya = as_labels(y, xa.shape[0], self._sizes[-1])
-        try:
-            loss_sum, correct = self._c.evaluate(xa, ya, *self.normalize, int(batch_size))
-        finally:
-            self._c.release_workspace()  # as forward's
         n = xa.shape[0]
+        loss_sum, correct = self._in_chunks(lambda rows: self._c.evaluate(xa, ya, *self.normalize, rows),
+                                            int(batch_size), n)
         return {"loss": loss_sum / n, "accuracy": correct / n}
 
     def forward_backward(self, x: Any, y: Any, loss_scale: float = _DEFAULT_SCALE, amp: Optional[str] = None,
