@@ -315,7 +315,10 @@ def collectives_case(opts):
     for call in (lambda: D.all_reduce(np.arange(6.0)[::2]), lambda: D.all_reduce(np.arange(3, dtype=np.int32)),
                  lambda: D.all_reduce(np.zeros(3), "prod"), lambda: D.broadcast(np.zeros(3), src=w),
                  lambda: D.all_reduce([1.0, 2.0]), lambda: D.init_process_group(),
-                 lambda: D.all_reduce(np.arange(2, dtype=">f8"))):
+                 lambda: D.all_reduce(np.arange(2, dtype=">f8")),
+                 # objects: their bytes are pointers into the sender's process
+                 lambda: D.broadcast(np.array([object()] * 4 if r == 0 else [None] * 4, dtype=object), src=0),
+                 lambda: D.broadcast(np.zeros(2, dtype=[("a", "f8"), ("b", object)]), src=0)):
         try:
             call()
             errors.append(None)

@@ -101,9 +101,9 @@ def test_collectives():
     for dt in ("float32", "float64", "int64"):
         assert out[dt] == [[1, 3, 5, 7, 9], [0, 2, 4, 6, 8], [-1, 0, 1, 2, 3]]
     assert out["broadcast"] == [[1.0] * 3] * 2  # rank 1's
-    # non-contiguous, int32, an unknown op, src out of range, a list, a second init, big-endian
+    # non-contiguous, int32, an unknown op, src out of range, a list, a second init, big-endian, objects
     assert out["errors"] == ["ValueError", "TypeError", "ValueError", "ValueError", "TypeError", "RuntimeError",
-                             "ValueError"]
+                             "ValueError", "TypeError", "TypeError"]
     assert out["longlong"] == [0, 2, 4]
     assert (out["rank"], out["world"]) == (0, 2)
 

@@ -3,9 +3,12 @@
  */
 #include "_cmlp.h"
 
+#include <limits.h>
+
 static PyObject *mod_dist_init(PyObject *mod, PyObject *arg) {
     long backend = PyLong_AsLong(arg);
     if (backend == -1 && PyErr_Occurred()) return NULL;
+    if (backend != 0 && backend != 1) return PyErr_Format(PyExc_ValueError, "backend must be 0 (MPI) or 1 (NCCL)");
     int rank = 0, size = 1;
     cmlp_status st;
     NOGIL_BEGIN
@@ -37,6 +40,11 @@ static PyArrayObject *collective_array(PyObject *obj, const char *what) {
     }
     if (!PyArray_ISNOTSWAPPED(a)) {
         PyErr_Format(PyExc_ValueError, "%s must be in the machine's byte order", what);
+        return NULL;
+    }
+    if (PyDataType_REFCHK(PyArray_DESCR(a))) { /* its bytes are one process's pointers */
+        PyErr_Format(PyExc_TypeError, "%s must hold numbers, not Python objects (dtype %R)", what,
+                     (PyObject *)PyArray_DESCR(a));
         return NULL;
     }
     return a;
@@ -111,6 +119,7 @@ static PyObject *mod_dist_abort(PyObject *mod, PyObject *arg) {
     (void)mod;
     long code = PyLong_AsLong(arg);
     if (code == -1 && PyErr_Occurred()) return NULL;
+    if (code < INT_MIN || code > INT_MAX) return PyErr_Format(PyExc_ValueError, "an exit code must fit in a C int");
     cmlp_dist_abort((int)code);
     Py_RETURN_NONE;
 }
