@@ -149,10 +149,18 @@ static int64_t cpu_free_memory(void *ctx) {
     return avail;
 }
 
+/* More than the machine can give now: the kernel would grant the address range and end the
+ * process when its pages are touched, where a device's allocation fails. Read at each
+ * segment (the cache serves the rest). */
+static bool beyond_available(size_t nbytes) {
+    int64_t avail = cpu_free_memory(NULL);
+    return avail >= 0 && nbytes > (uint64_t)avail;
+}
+
 static cmlp_status cpu_raw_alloc(void *ctx, size_t nbytes, void **out) {
     (void)ctx;
     void *p = NULL;
-    if (posix_memalign(&p, 64, nbytes) != 0) return CMLP_ERR_OOM;
+    if (beyond_available(nbytes) || posix_memalign(&p, 64, nbytes) != 0) return CMLP_ERR_OOM;
     *out = p;
     return CMLP_OK;
 }
@@ -175,6 +183,7 @@ static cmlp_status cpu_vm_reserve(void *ctx, size_t nbytes, void **out) {
 
 static cmlp_status cpu_vm_map(void *ctx, void *ptr, size_t nbytes) {
     (void)ctx;
+    if (beyond_available(nbytes)) return CMLP_ERR_OOM;
     return mprotect(ptr, nbytes, PROT_READ | PROT_WRITE) == 0 ? CMLP_OK : CMLP_ERR_OOM;
 }
 

@@ -143,6 +143,23 @@ def test_limit_gives_a_detailed_out_of_memory_error_and_the_allocator_recovers()
     assert_stats_match_snapshot(DEV)
 
 
+def test_a_model_larger_than_the_machine_is_an_out_of_memory_error_not_a_killed_process():
+    """Without a limit the CPU's capacity is the machine's memory: a model whose parameters and
+    gradients pass it is refused up front (the kernel would grant the address range, then end
+    the process as the pages are touched), and nothing of it stays allocated."""
+    M.empty_cache(DEV)
+    gc.collect()
+    base, total = M.memory_allocated(DEV), M.mem_get_info(DEV)[1]
+    width = int((0.15 * total) ** 0.5)  # parameters of 0.6 x the memory, the same again in gradients
+    with pytest.raises(cmlp.OutOfMemoryError) as info:
+        cmlp.MLP([width, width, 2])
+    assert str(info.value).startswith("cpu out of memory. Tried to allocate "), str(info.value)[:200]
+    assert "total capacity" in str(info.value)
+    assert M.memory_allocated(DEV) == base
+    M.empty_cache(DEV)
+    assert_stats_match_snapshot(DEV)
+
+
 def test_a_request_that_fits_where_its_segment_does_not_names_expandable_segments():
     M.empty_cache(DEV)
     gc.collect()

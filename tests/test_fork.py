@@ -191,6 +191,52 @@ def test_a_trainer_running_fit_when_the_process_forks_is_refused_in_the_child():
     assert child["snapshot"] and child["other"]
 
 
+_OWN_FORK_SCRIPT = r"""
+import json, os
+import numpy as np
+import cmlp
+
+rng = np.random.default_rng(0)
+x, y = rng.random((64, 16), dtype=np.float32), rng.integers(0, 4, 64)
+model = cmlp.MLP([16, 32, 4], seed=1)
+opt = cmlp.optim.SGD(model, lr=0.1)
+trainer = cmlp.Trainer(model, opt, batch_size=8)
+child = []
+
+def rate(epoch):  # inside fit, in the thread running it
+    if epoch == 1 and not child:
+        pid = os.fork()
+        child.append(pid == 0)
+        if pid:
+            os.waitpid(pid, 0)
+    return 1.0
+
+scheduler = cmlp.optim.lr_scheduler.LambdaLR(opt, rate)
+history = trainer.fit(x, y, epochs=2, progress=False, scheduler=scheduler)
+after = trainer.step(x[:8], y[:8])
+said = {"epochs": len(history), "step": after, "params": model._c.get_params().tolist()}
+if child[0]:
+    with open(os.environ["CHILD_OUT"], "w") as f:
+        json.dump(said, f)
+    os._exit(0)
+print(json.dumps(said))
+"""
+
+
+def test_a_fork_from_inside_fit_lets_the_forking_threads_fit_go_on_in_the_child(tmp_path):
+    # the thread that forked is the one running fit: in the child its call goes on and ends as in
+    # the parent, and the trainer works afterwards
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_PYTHON + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["CHILD_OUT"] = str(tmp_path / "child.json")
+    r = subprocess.run([sys.executable, "-c", _OWN_FORK_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    parent = json.loads(r.stdout.strip().splitlines()[-1])
+    with open(env["CHILD_OUT"]) as f:
+        child = json.load(f)
+    assert parent["epochs"] == 2 and child == parent
+
+
 _GEMM_SCRIPT = r"""
 import faulthandler, os, threading, time
 import numpy as np

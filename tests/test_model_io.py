@@ -323,6 +323,34 @@ def test_save_is_atomic(tmp_path, monkeypatch, target, fake):
     assert sorted(os.listdir(tmp_path)) == ["m.npz"]
 
 
+def test_ctrl_c_anywhere_in_a_save_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
+    """A KeyboardInterrupt right after the temporary file is created (before its descriptor is
+    even returned), or at any later call of the save, leaves the old file and nothing else."""
+    import cmlp._files as files
+
+    path = tmp_path / "m.npz"
+    old = cmlp.MLP([8, 4], seed=1)
+    old.save(path)
+    old_bytes = path.read_bytes()
+    real_open = os.open
+
+    def open_then_interrupt(*args, **kwargs):
+        real_open(*args, **kwargs)  # created (its descriptor lost with the interrupt)
+        raise KeyboardInterrupt
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    for target, fake in ((files.os, ("open", open_then_interrupt)), (files.os, ("fchmod", interrupt)),
+                         (files.os, ("fsync", interrupt)), (files.os, ("replace", interrupt))):
+        with monkeypatch.context() as mp:
+            mp.setattr(target, *fake)
+            with pytest.raises(KeyboardInterrupt):
+                cmlp.MLP([8, 4], seed=2).save(path)
+        assert sorted(os.listdir(tmp_path)) == ["m.npz"], fake[0]
+        assert path.read_bytes() == old_bytes
+
+
 # ---- determinism of training ----
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,8 @@
 import errno
 import os
 import stat
-import tempfile
-from typing import IO, Callable
+import secrets
+from typing import IO, Callable, List
 
 
 def _umask() -> int:
@@ -41,11 +41,9 @@ def atomic_write(path: "os.PathLike[str] | str", write: Callable[[IO[bytes]], No
             write(f)
         return
     directory = os.path.dirname(target)
+    made: List[str] = []  # the temporary file's name, known before the file exists
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".cmlp-", suffix=".tmp", dir=directory)
-    except OSError as e:  # said of the caller's path, not of the temporary file's
-        raise type(e)(e.errno, f"cannot save to {path!r}: {e.strerror} (directory {directory!r})") from None
-    try:
+        fd = _open_temporary(path, directory, made)
         try:
             os.fchmod(fd, mode & 0o777 if mode is not None else 0o666 & ~_umask())  # never set-id bits
         except BaseException:
@@ -55,10 +53,27 @@ def atomic_write(path: "os.PathLike[str] | str", write: Callable[[IO[bytes]], No
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        os.replace(made[0], target)
+    except BaseException:  # Ctrl-C too, wherever it comes: no temporary file stays behind
+        for name in made:
+            try:
+                os.unlink(name)
+            except OSError:
+                pass
         raise
+
+
+def _open_temporary(path: str, directory: str, made: List[str]) -> int:
+    """A new file of a random name in directory, opened for writing; its name goes into `made`
+    before it is created. Errors name the caller's path, not the temporary file."""
+    for _ in range(100):
+        name = os.path.join(directory, f".cmlp-{secrets.token_hex(8)}.tmp")
+        made[:] = [name]
+        try:
+            return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+        except FileExistsError:
+            made.clear()  # another's file
+        except OSError as e:
+            made.clear()
+            raise type(e)(e.errno, f"cannot save to {path!r}: {e.strerror} (directory {directory!r})") from None
+    raise FileExistsError(errno.EEXIST, f"cannot save to {path!r}: no free temporary name in {directory!r}")

@@ -36,7 +36,8 @@ _LOST = ("this Trainer was running fit or step in another thread when the proces
 
 def _after_fork_in_child() -> None:
     for trainer in list(_live):
-        if trainer._busy.locked():
+        # the call of the thread that forked (from a callback inside fit, say) goes on in the child
+        if trainer._busy.locked() and getattr(trainer, "_owner", None) != threading.get_ident():
             trainer._busy = threading.Lock()
             trainer._lost = True
 
@@ -178,7 +179,7 @@ class Trainer:
         try:
             self._c.microbatch_size = value
         finally:
-            self._busy.release()
+            self._release()
 
     @property
     def epochs(self) -> int:
@@ -257,7 +258,7 @@ class Trainer:
                 raise
             self._c.epochs = counts["epochs"]
         finally:
-            self._busy.release()
+            self._release()
 
     def _push_scaler(self) -> None:
         """The scaler's state into the C loop, which scales, checks, skips and updates."""
@@ -307,6 +308,10 @@ class Trainer:
             raise self._busy_error(what)
         self._owner = threading.get_ident()
 
+    def _release(self) -> None:
+        self._owner = None
+        self._busy.release()
+
     def _agree(self, error: Optional[Exception]) -> None:
         """Raises error if there is one; data-parallel, first every rank learns whether some
         rank refused its arguments, so that all raise rather than wait for it."""
@@ -332,7 +337,7 @@ class Trainer:
             self._agree(error)
         except BaseException:
             if claimed:
-                self._busy.release()
+                self._release()
             raise
 
     def _together(self, fn: Any) -> Any:
@@ -363,7 +368,7 @@ class Trainer:
             self.model._grads_none = False  # the step's gradients are in the buffer, as after torch's loop
             return loss
         finally:
-            self._busy.release()
+            self._release()
 
     def _step(self, xa: np.ndarray, ya: np.ndarray) -> float:
         self._push_scaler()
@@ -410,7 +415,7 @@ class Trainer:
             self._c.set_fit_call(epochs, -1 if val is None else val[0].shape[0], per_step)
             return self._fit(xa, ya, epochs, val, progress, scheduler, per_step)
         finally:
-            self._busy.release()
+            self._release()
 
     def _evaluate(self, val: Tuple[np.ndarray, np.ndarray]) -> Tuple[float, int]:
         """(loss sum, correct) over the validation set; data-parallel, each rank evaluates its
