@@ -534,17 +534,27 @@ cmlp_status cmlp_allocator_malloc(cmlp_allocator *a, size_t nbytes, const char *
     return st;
 }
 
-cmlp_status cmlp_allocator_free(cmlp_allocator *a, void *ptr) {
+static cmlp_status free_of(cmlp_allocator *a, void *ptr, const char *what) {
     if (!ptr) return CMLP_OK;
     pthread_mutex_lock(&a->lock);
     alloc_block *b = table_take(a, (uintptr_t)ptr);
-    if (b) release_block(a, b);
+    bool other = b && what && b->what != what;
+    const char *held = other ? b->what : NULL; /* (b may be freed by its owner once unlocked) */
+    if (other) table_put(a, b);                /* (the slot it left is free: no growth needed) */
+    else if (b) release_block(a, b);
     pthread_mutex_unlock(&a->lock);
+    if (other)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "pointer %p holds %s, not a block from %s: it stays allocated", ptr,
+                         held ? held : "memory of cmlp's", what);
     if (!b)
         return CMLP_FAIL(CMLP_ERR_INVALID, "pointer %p was not allocated by the %s allocator (or was already freed)",
                          ptr, a->name);
     return CMLP_OK;
 }
+
+cmlp_status cmlp_allocator_free(cmlp_allocator *a, void *ptr) { return free_of(a, ptr, NULL); }
+
+cmlp_status cmlp_allocator_free_of(cmlp_allocator *a, void *ptr, const char *what) { return free_of(a, ptr, what); }
 
 cmlp_status cmlp_allocator_cache_serves(cmlp_allocator *a, const size_t *nbytes, int n, bool *served) {
     enum { MAX_REQUESTS = 16 };

@@ -25,6 +25,10 @@ cmlp_status cmlp_allocator_malloc(cmlp_allocator *a, size_t nbytes, const char *
 /* NULL is a no-op; a pointer this allocator did not hand out is CMLP_ERR_INVALID. */
 __attribute__((visibility("hidden")))
 cmlp_status cmlp_allocator_free(cmlp_allocator *a, void *ptr);
+/* As cmlp_allocator_free, for a block handed out with this `what` (the same pointer) only: any
+ * other block (a model's parameters, say) is CMLP_ERR_INVALID and stays allocated. */
+__attribute__((visibility("hidden")))
+cmlp_status cmlp_allocator_free_of(cmlp_allocator *a, void *ptr, const char *what);
 __attribute__((visibility("hidden")))
 /* Whether the cache could serve the n requests (bytes, in this order, none freed between them)
  * from the free blocks it holds, without reserving memory; tried and undone, so that nothing

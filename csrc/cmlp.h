@@ -234,7 +234,8 @@ CMLP_API cmlp_status cmlp_memory_fail_raw_alloc(cmlp_device d, int64_t k);
 
 /* A raw block from the device's allocator (PyTorch's caching_allocator_alloc). */
 CMLP_API cmlp_status cmlp_memory_alloc(cmlp_device d, size_t nbytes, void **out);
-CMLP_API cmlp_status cmlp_memory_free(cmlp_device d, void *ptr); /* INVALID if not ours */
+/* INVALID for a pointer cmlp_memory_alloc did not give (a model's memory among them). */
+CMLP_API cmlp_status cmlp_memory_free(cmlp_device d, void *ptr);
 
 /* Memory history, PyTorch's _record_memory_history: the allocator notes what it does, oldest
  * first, in a ring of up to max_entries entries (the oldest are overwritten). */

@@ -279,16 +279,19 @@ cmlp_status cmlp_memory_fail_raw_alloc(cmlp_device d, int64_t k) {
     return CMLP_OK;
 }
 
+/* The raw blocks' `what`: cmlp_memory_free frees these only. */
+static const char raw_block[] = "caching_allocator_alloc";
+
 cmlp_status cmlp_memory_alloc(cmlp_device d, size_t nbytes, void **out) {
     cmlp_device_ctx *c;
     CMLP_TRY(cmlp_device_get(d, &c));
-    return cmlp_allocator_malloc(c->alloc, nbytes, "caching_allocator_alloc", out);
+    return cmlp_allocator_malloc(c->alloc, nbytes, raw_block, out);
 }
 
 cmlp_status cmlp_memory_free(cmlp_device d, void *ptr) {
     cmlp_device_ctx *c;
     CMLP_TRY(cmlp_device_get(d, &c));
-    return cmlp_allocator_free(c->alloc, ptr);
+    return cmlp_allocator_free_of(c->alloc, ptr, raw_block);
 }
 
 cmlp_status cmlp_memory_record_history(cmlp_device d, cmlp_history_mode mode, cmlp_context_mode context,

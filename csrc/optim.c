@@ -374,6 +374,10 @@ cmlp_status cmlp_optim_set_state(cmlp_optim *o, int64_t step, int nbuffers, cons
             if (adam ? !isfinite(host[i][j]) : isinf(host[i][j]))
                 return CMLP_FAIL(CMLP_ERR_NONFINITE, "optimizer state buffer %d holds %s at %zu", i,
                                  adam ? "NaN or inf" : "inf", j);
+            else if (adam && i == 1 && host[i][j] < 0.0f) /* squares, whose root is taken (AMSGrad's maximum:
+                                                             < 0 marks a group not started) */
+                return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer state buffer 1 (exp_avg_sq) holds %g < 0 at %zu",
+                                 (double)host[i][j], j);
     float *s = NULL, *x = NULL;
     const int arena = nbuffers < arena_buffers(o) ? nbuffers : arena_buffers(o);
     cmlp_status st = CMLP_OK;

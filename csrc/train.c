@@ -301,7 +301,7 @@ cmlp_status cmlp_trainer_epoch_begin(cmlp_trainer *t, const cmlp_data *xy, int s
         CMLP_TRY(cmlp_train_join_group(t));
         static const char *const names[2] = {"the data set's sample count", "the data set's image type"};
         int64_t shape[2] = {xy->n, (int64_t)xy->x_dtype};
-        CMLP_TRY(cmlp_train_same_on_every_rank(names, shape, 2));
+        CMLP_TRY(cmlp_train_same_on_every_rank(names, shape, 2, 0));
     }
     CMLP_TRY(valid);
     int64_t n = xy->n;
@@ -456,7 +456,8 @@ int64_t cmlp_trainer_epochs(const cmlp_trainer *t) { return t ? t->epoch : 0; }
 
 cmlp_status cmlp_trainer_set_epochs(cmlp_trainer *t, int64_t epochs) {
     if (!t) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
-    if (epochs < 0) return CMLP_FAIL(CMLP_ERR_INVALID, "epochs must be >= 0, got %lld", (long long)epochs);
+    if (epochs < 0 || epochs > ((int64_t)1 << 62)) /* room to count on, as the state_dict's bound */
+        return CMLP_FAIL(CMLP_ERR_INVALID, "epochs must be in [0, 2**62], got %lld", (long long)epochs);
     t->epoch_open = false; /* an epoch left unfinished (by a failure) is abandoned */
     t->epoch = epochs;
     return CMLP_OK;

@@ -94,7 +94,9 @@ CMLP_HIDDEN cmlp_status cmlp_train_graph_step(cmlp_trainer *t, cmlp_dscalars *ds
 /* train_dist.c: data-parallel, the calls whose collectives must pair up, and the checks that the
  * ranks make them alike (each is a collective: every rank calls it). */
 enum { CALL_TRAINER = 1, CALL_EPOCH = 2, CALL_STEP = 3 };
-CMLP_HIDDEN cmlp_status cmlp_train_same_on_every_rank(const char *const *names, const int64_t *v, int n);
+/* (hashes: bit i set where v[i] is a hash, whose values the error does not show) */
+CMLP_HIDDEN cmlp_status cmlp_train_same_on_every_rank(const char *const *names, const int64_t *v, int n,
+                                                      uint32_t hashes);
 CMLP_HIDDEN cmlp_status cmlp_train_same_settings(const cmlp_trainer *t, int call, const cmlp_data *xy);
 CMLP_HIDDEN cmlp_status cmlp_train_join_group(cmlp_trainer *t);
 CMLP_HIDDEN cmlp_status cmlp_train_group_batch_fits(const cmlp_trainer *t);

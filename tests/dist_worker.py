@@ -229,6 +229,11 @@ def mismatch_case(opts):
             cmlp.Trainer(m2, opt, batch_size=8, **kw).fit(x, y, epochs=1, progress=False)
         except ValueError as e:
             out[name] = str(e)
+    try:  # another model on one rank
+        m3 = cmlp.MLP([SIZES[0], 16 + r, SIZES[-1]], seed=0)
+        cmlp.Trainer(m3, cmlp.optim.Adam(m3), batch_size=8)
+    except ValueError as e:
+        out["layers"] = str(e)
     for name, kw in (("epochs", dict(epochs=1 + r)), ("validation", dict(validation_data=(x, y) if r else None))):
         try:  # fit's own arguments, one rank different
             trainer.fit(x, y, progress=False, **{"epochs": 1, **kw})

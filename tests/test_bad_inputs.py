@@ -597,6 +597,55 @@ def test_messages_from_the_core_say_what_happened_without_where(ctx):
     assert_still_works(ctx)
 
 
+def test_the_extension_checks_again_what_the_python_layer_checks():
+    """cmlp._cmlp, under the Python layer, refuses what that layer refuses, so that no call of it
+    loses memory or state: a model's block freed as a raw one, arrays in the other byte order,
+    seeds and counts past their range, a negative mean of squares."""
+    from cmlp import _cmlp
+
+    m = cmlp.MLP([4, 8, 3], seed=0)
+    opt = cmlp.optim.Adam(m, lr=0.01)
+    before = m._c.get_params().copy()
+    params = [b for s in cmlp.memory.memory_snapshot("cpu") for b in s["blocks"]
+              if b["state"] == "active_allocated" and b["frames"] and b["frames"][0]["name"] == "parameters"]
+    allocated = cmlp.memory.memory_allocated("cpu")
+    with pytest.raises(ValueError, match="not a block from caching_allocator_alloc: it stays allocated"):
+        _cmlp.free("cpu", params[0]["address"])
+    assert cmlp.memory.memory_allocated("cpu") == allocated
+    with pytest.raises(TypeError, match="byte order"):
+        m._c.forward(np.zeros((2, 4), ">f4"), 0.5, 0.5, 16)
+    with pytest.raises(TypeError, match="byte order"):
+        m._c.set_params(before.astype(">f4"))
+    for seed in (-1, 2**64):
+        with pytest.raises(ValueError, match=r"seed must be in \[0, 2\*\*64\)"):
+            _cmlp.Model((4, 8, 3), "cpu", seed)
+    trainer = cmlp.Trainer(m, opt, batch_size=4)
+    with pytest.raises(ValueError, match=r"epochs must be in \[0, 2\*\*62\]"):
+        trainer._c.epochs = 2**63 - 1
+    n = m.num_parameters()
+    with pytest.raises(ValueError, match="exp_avg_sq"):
+        opt._c.set_state(1, [np.zeros(n, np.float32), np.full(n, -1.0, np.float32)])
+    for backend in (2**32, -1, 2):
+        with pytest.raises((ValueError, OverflowError)):
+            _cmlp.dist_init(backend)
+    assert not cmlp.distributed.is_initialized()
+    assert np.array_equal(m._c.get_params(), before) and opt.state_dict()["state"] == {}
+    _cmlp.validate("cpu")
+
+
+def test_small_arguments_torch_would_refuse_are_refused():
+    model = cmlp.MLP([4, 8, 3], seed=0)
+    with pytest.raises(TypeError, match="tensors must be"):
+        cmlp.nn.utils.get_total_norm(b"x")
+    with pytest.raises(TypeError, match="error_if_nonfinite must be a bool"):
+        cmlp.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite="x")
+    with pytest.raises(TypeError, match="error_if_nonfinite must be a bool"):
+        cmlp.nn.utils.get_total_norm(model, error_if_nonfinite="yes")
+    for reader in (cmlp.cuda.memory_allocated, cmlp.cuda.memory_reserved, cmlp.cuda.memory_stats):
+        with pytest.raises(ValueError, match="Invalid device index"):
+            reader(2**63)
+
+
 @pytest.mark.skipif(cmlp.cuda.is_available(), reason="CUDA is available here")
 @pytest.mark.parametrize("dev", ["cuda", "cuda:0", "cuda:3"])
 def test_cuda_without_gpu_is_runtime_error_saying_why(ctx, dev):

@@ -583,6 +583,19 @@ def test_a_refused_rate_leaves_the_schedule_where_it_was():
     assert (sched.last_epoch, sched._step_count, sched.get_last_lr(), opt.lr) == (1, 2, [0.1], 0.1)
 
 
+def test_a_schedule_refused_at_its_first_rate_leaves_the_optimizer_without_initial_lr():
+    """The constructor's own step is refused (a NaN rate): torch would have set every group's
+    'initial_lr' already; here the optimizer is as before, so a later schedule starts afresh."""
+    model = cmlp.MLP([4, 8, 3], seed=0)
+    opt = cmlp.optim.SGD(model, lr=0.1)
+    before = [dict(g) for g in opt.param_groups]
+    with pytest.raises(ValueError, match="learning rate"):
+        S.LambdaLR(opt, lambda e: float("nan"))
+    assert [dict(g) for g in opt.param_groups] == before and "initial_lr" not in opt.param_groups[0]
+    opt.lr = 0.2
+    assert S.StepLR(opt, step_size=1).base_lrs == [0.2]
+
+
 def test_a_refused_rate_leaves_a_chain_and_every_schedule_in_it_where_they_were():
     model = cmlp.MLP([2, 2])
     opt = cmlp.optim.SGD(model, lr=0.1)

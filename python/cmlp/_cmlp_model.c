@@ -7,9 +7,17 @@ static ModelObject *live_models;
 
 static int Model_init(ModelObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"sizes", "device", "seed", NULL};
-    PyObject *sizes_obj, *dev_obj;
-    unsigned long long seed = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOK", kwlist, &sizes_obj, &dev_obj, &seed)) return -1;
+    PyObject *sizes_obj, *dev_obj, *seed_obj;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO", kwlist, &sizes_obj, &dev_obj, &seed_obj)) return -1;
+    if (!PyLong_Check(seed_obj)) {
+        PyErr_Format(PyExc_TypeError, "seed must be an int, got %.100s", Py_TYPE(seed_obj)->tp_name);
+        return -1;
+    }
+    unsigned long long seed = PyLong_AsUnsignedLongLong(seed_obj); /* in [0, 2**64): no wrapping */
+    if (seed == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Format(PyExc_ValueError, "seed must be in [0, 2**64), got %R", seed_obj);
+        return -1;
+    }
     if (self->m) {
         PyErr_SetString(PyExc_RuntimeError, "Model is already initialised");
         return -1;
@@ -101,9 +109,10 @@ int as_data(PyObject *x, PyObject *y, int64_t features, float mean, float std, c
     }
     PyArrayObject *a = (PyArrayObject *)x;
     int t = PyArray_TYPE(a);
-    if (PyArray_NDIM(a) != 2 || !PyArray_IS_C_CONTIGUOUS(a) || !PyArray_ISALIGNED(a) ||
+    if (PyArray_NDIM(a) != 2 || !PyArray_IS_C_CONTIGUOUS(a) || !PyArray_ISALIGNED(a) || !PyArray_ISNOTSWAPPED(a) ||
         (t != NPY_FLOAT32 && t != NPY_UINT8)) {
-        PyErr_SetString(PyExc_TypeError, "x must be a C-contiguous 2-D float32 or uint8 array");
+        PyErr_SetString(PyExc_TypeError,
+                        "x must be a C-contiguous 2-D float32 or uint8 array in the machine's byte order");
         return -1;
     }
     if (PyArray_DIM(a, 1) != features) {
@@ -116,8 +125,8 @@ int as_data(PyObject *x, PyObject *y, int64_t features, float mean, float std, c
     if (y && y != Py_None) {
         PyArrayObject *b = (PyArrayObject *)y;
         if (!PyArray_Check(y) || PyArray_NDIM(b) != 1 || PyArray_TYPE(b) != NPY_INT32 ||
-            !PyArray_IS_C_CONTIGUOUS(b) || !PyArray_ISALIGNED(b)) {
-            PyErr_SetString(PyExc_TypeError, "y must be a C-contiguous 1-D int32 array");
+            !PyArray_IS_C_CONTIGUOUS(b) || !PyArray_ISALIGNED(b) || !PyArray_ISNOTSWAPPED(b)) {
+            PyErr_SetString(PyExc_TypeError, "y must be a C-contiguous 1-D int32 array in the machine's byte order");
             return -1;
         }
         if (PyArray_DIM(b, 0) != out->n) {
@@ -197,9 +206,11 @@ static PyObject *Model_get_grads(ModelObject *self, PyObject *unused) {
 
 int as_flat(PyObject *obj, int64_t n, const float **out) {
     PyArrayObject *a = (PyArrayObject *)obj;
-    if (!PyArray_Check(obj) || PyArray_NDIM(a) != 1 || PyArray_TYPE(a) != NPY_FLOAT32 ||
-        !PyArray_IS_C_CONTIGUOUS(a) || !PyArray_ISALIGNED(a) || PyArray_DIM(a, 0) != n) {
-        PyErr_Format(PyExc_TypeError, "expected a contiguous 1-D float32 array of %lld values", (long long)n);
+    if (!PyArray_Check(obj) || PyArray_NDIM(a) != 1 || PyArray_TYPE(a) != NPY_FLOAT32 || !PyArray_IS_C_CONTIGUOUS(a) ||
+        !PyArray_ISALIGNED(a) || !PyArray_ISNOTSWAPPED(a) || PyArray_DIM(a, 0) != n) {
+        PyErr_Format(PyExc_TypeError,
+                     "expected a contiguous 1-D float32 array of %lld values in the machine's byte order",
+                     (long long)n);
         return -1;
     }
     *out = PyArray_DATA(a);

@@ -134,13 +134,17 @@ def _device_index(device: "Optional[str | int]") -> int:
 
         device = _device_text(device)
     if isinstance(device, (int, np.integer)) and not isinstance(device, bool):
-        return int(device)
-    if isinstance(device, str):
-        kind, sep, index = device.partition(":")
-        if kind == "cuda" and (not sep or (index.isdigit() and index.isascii())):
-            return int(index) if sep else 0
-        raise ValueError(f"Expected a cuda device, but got: {device}")
-    raise TypeError(f"device must be an int, a str such as 'cuda:0' or None, got {device!r}")
+        index = int(device)
+    elif isinstance(device, str):
+        kind, sep, text = device.partition(":")
+        if kind != "cuda" or (sep and not (text.isdigit() and text.isascii())):
+            raise ValueError(f"Expected a cuda device, but got: {device}")
+        index = int(text) if sep else 0
+    else:
+        raise TypeError(f"device must be an int, a str such as 'cuda:0' or None, got {device!r}")
+    if not -2**31 <= index < 2**31:  # no GPU has it, and C's int does not hold it
+        raise ValueError(f"Invalid device index {index}: no GPU has an index that large")
+    return index
 
 
 def get_device_properties(device: "Optional[str | int]" = None) -> _CudaDeviceProperties:

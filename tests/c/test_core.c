@@ -346,6 +346,25 @@ static void test_allocator(void) {
     OK(cmlp_memory_alloc(cmlp_cpu(), 4 << 20, &big));
     OK(cmlp_memory_free(cmlp_cpu(), big));
     OK(cmlp_memory_validate(cmlp_cpu()));
+    /* a model's block is not a raw block: refused, and it stays the model's */
+    OK(cmlp_model_init(&m, sizes, 4, cmlp_cpu(), 0));
+    int64_t with_model = allocated_now(), nseg = 0, nblk = 0;
+    cmlp_segment_info *segs = NULL;
+    cmlp_block_info *blks = NULL;
+    OK(cmlp_memory_snapshot(cmlp_cpu(), &segs, &nseg, &blks, &nblk));
+    void *held = NULL;
+    for (int64_t i = 0; i < nblk && !held; i++)
+        if (blks[i].allocated && blks[i].what && strcmp(blks[i].what, "caching_allocator_alloc") != 0)
+            held = (void *)(uintptr_t)blks[i].address;
+    cmlp_memory_snapshot_free(segs, blks);
+    CHECK(held != NULL, "no model block in the snapshot");
+    CHECK(cmlp_memory_free(cmlp_cpu(), held) == CMLP_ERR_INVALID && strstr(cmlp_last_error(), "stays allocated"),
+          "a model's block freed as a raw one: %s", cmlp_last_error());
+    CHECK(allocated_now() == with_model, "the model's block was released");
+    OK(cmlp_memory_validate(cmlp_cpu()));
+    cmlp_model_free(m);
+    m = NULL;
+    CHECK(allocated_now() == base, "leak after the model: %lld", (long long)(allocated_now() - base));
     OK(cmlp_memory_reset_peak(cmlp_cpu()));
     OK(cmlp_memory_stats_get(cmlp_cpu(), &s));
     CHECK(s.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].peak == s.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].current,

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .._arrays import as_number
+from .._arrays import as_flag, as_number
 from ..model import MLP, Parameters, model_of
 
 
@@ -41,7 +41,7 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: Any = 2.0, erro
     accepted for compatibility (one fused pass either way)."""
     model = model_of(parameters, "parameters")
     max_norm = as_number("max_norm", max_norm)
-    return model._c.clip_grad_norm(max_norm, _norm_type(norm_type), bool(error_if_nonfinite))
+    return model._c.clip_grad_norm(max_norm, _norm_type(norm_type), as_flag("error_if_nonfinite", error_if_nonfinite))
 
 
 def _nonfinite(norm_type: float, total: float) -> RuntimeError:
@@ -72,6 +72,9 @@ def get_total_norm(tensors: Any, norm_type: Any = 2.0, error_if_nonfinite: bool 
     model.grads().values()), each array's norm computed in float64. With error_if_nonfinite a
     NaN or inf norm raises RuntimeError."""
     p = _norm_type(norm_type)
+    error_if_nonfinite = as_flag("error_if_nonfinite", error_if_nonfinite)
+    if isinstance(tensors, (str, bytes, bytearray)):  # (whose items would read as numbers)
+        raise TypeError(f"tensors must be a cmlp.MLP, its parameters() or arrays, got {type(tensors).__name__}")
     if isinstance(tensors, (MLP, Parameters)):
         total = model_of(tensors, "tensors")._c.grad_norm(p)
     else:

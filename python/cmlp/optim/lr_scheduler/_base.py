@@ -93,6 +93,7 @@ class LRScheduler:
             raise ValueError(f"last_epoch must be an int >= -1 (or a float one, as step(epoch) can leave it), got "
                              f"{last_epoch!r}")
         last_epoch = int(last_epoch) if _is_int(last_epoch) else float(last_epoch)
+        initial_before = list(optimizer._initial_lrs)
         if last_epoch == -1:  # the first schedule of the optimizer sets them (torch's setdefault)
             optimizer._initial_lrs = [lr if initial is None else initial
                                       for initial, lr in zip(optimizer._initial_lrs, optimizer._group_lrs())]
@@ -104,7 +105,11 @@ class LRScheduler:
         self.base_lrs: List[float] = list(optimizer._initial_lrs)
         self.last_epoch = last_epoch
         self._get_lr_called_within_step = False
-        self._initial_step()
+        try:
+            self._initial_step()
+        except BaseException:  # a schedule refused at its first rate leaves the optimizer as it was
+            optimizer._initial_lrs = initial_before
+            raise
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """The schedules of this module warn, as torch's, when get_lr() is called outside step()
