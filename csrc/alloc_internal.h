@@ -144,13 +144,9 @@ static inline int64_t reserved(const cmlp_allocator *a) {
     return a->stats.stat[CMLP_STAT_RESERVED_BYTES][CMLP_POOL_ALL].current;
 }
 
-/* Reserving `more` bytes would pass the memory limit, or the device's whole capacity (which a
- * device's allocation fails at anyway; on the CPU, where the kernel would grant more than there
- * is and then end the process as it touches it, this is the allocator's own check). */
-static inline bool over_capacity(const cmlp_allocator *a, size_t more) {
-    if (more > (size_t)(INT64_MAX - reserved(a))) return true;
-    int64_t after = reserved(a) + (int64_t)more;
-    return (a->limit >= 0 && after > a->limit) || (a->total_memory > 0 && after > a->total_memory);
+/* Reserving `more` bytes would pass the memory limit. */
+static inline bool over_limit(const cmlp_allocator *a, size_t more) {
+    return a->limit >= 0 && (more > (size_t)(INT64_MAX - reserved(a)) || reserved(a) + (int64_t)more > a->limit);
 }
 
 /* A block (or segment) of this size is oversize: never split, released first under pressure. */

@@ -96,7 +96,7 @@ static void account_segment(cmlp_allocator *a, alloc_segment *s, int sign) {
 /* A new segment for a rounded request: NULL when the limit or the device says no. */
 alloc_block *alloc_new_segment(cmlp_allocator *a, int pool, size_t size) {
     size_t seg_size = alloc_segment_size(&a->cfg, size);
-    if (over_capacity(a, seg_size)) return NULL;
+    if (over_limit(a, seg_size)) return NULL;
     if (hook_fires(a)) return NULL;
     void *p = NULL;
     if (!device_ok(a, a->backend->raw_alloc(a->bctx, seg_size, &p)) || !p) return NULL;
@@ -203,7 +203,7 @@ bool alloc_map_block(cmlp_allocator *a, alloc_block *b, size_t size) {
     size_t need = alloc_unmapped_pages(s, i, j);
     if (need == 0) return true;
     size_t give = reclaim_pages(a, need, b, j, true);
-    if (over_capacity(a, (need - give) * PAGE)) return false;
+    if (over_limit(a, (need - give) * PAGE)) return false;
     if (give) reclaim_pages(a, give, b, j, false);
     return map_pages(a, s, i, j);
 }

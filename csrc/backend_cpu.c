@@ -8,6 +8,7 @@
 
 #include <limits.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -149,26 +150,40 @@ static int64_t cpu_free_memory(void *ctx) {
     return avail;
 }
 
-/* More than the machine can give now: the kernel would grant the address range and end the
- * process when its pages are touched, where a device's allocation fails. Read at each
- * segment (the cache serves the rest). */
-static bool beyond_available(size_t nbytes) {
-    int64_t avail = cpu_free_memory(NULL);
-    return avail >= 0 && nbytes > (uint64_t)avail;
+/* The bytes the CPU's allocator holds (segments and mapped pages). */
+static _Atomic int64_t held_bytes;
+
+/* Takes nbytes more for the allocator, or refuses (false) what the machine cannot give: the
+ * kernel would grant the address range and end the process as its pages are touched, where a
+ * device's allocation fails. So the allocator holds no more than the machine's memory, and no
+ * segment more than is available now (read at each segment; the cache serves the rest). */
+static bool take_bytes(size_t nbytes) {
+    int64_t total = cpu_total_memory(NULL), avail = cpu_free_memory(NULL);
+    if (nbytes > (size_t)INT64_MAX / 2 || (avail >= 0 && (int64_t)nbytes > avail)) return false;
+    int64_t after = atomic_fetch_add(&held_bytes, (int64_t)nbytes) + (int64_t)nbytes;
+    if (total > 0 && after > total) {
+        atomic_fetch_sub(&held_bytes, (int64_t)nbytes);
+        return false;
+    }
+    return true;
 }
 
 static cmlp_status cpu_raw_alloc(void *ctx, size_t nbytes, void **out) {
     (void)ctx;
     void *p = NULL;
-    if (beyond_available(nbytes) || posix_memalign(&p, 64, nbytes) != 0) return CMLP_ERR_OOM;
+    if (!take_bytes(nbytes)) return CMLP_ERR_OOM;
+    if (posix_memalign(&p, 64, nbytes) != 0) {
+        atomic_fetch_sub(&held_bytes, (int64_t)nbytes);
+        return CMLP_ERR_OOM;
+    }
     *out = p;
     return CMLP_OK;
 }
 
 static void cpu_raw_free(void *ctx, void *ptr, size_t nbytes) {
     (void)ctx;
-    (void)nbytes;
     free(ptr);
+    atomic_fetch_sub(&held_bytes, (int64_t)nbytes);
 }
 
 /* Expandable segments on the CPU: an address range reserved without access, pages made
@@ -183,14 +198,17 @@ static cmlp_status cpu_vm_reserve(void *ctx, size_t nbytes, void **out) {
 
 static cmlp_status cpu_vm_map(void *ctx, void *ptr, size_t nbytes) {
     (void)ctx;
-    if (beyond_available(nbytes)) return CMLP_ERR_OOM;
-    return mprotect(ptr, nbytes, PROT_READ | PROT_WRITE) == 0 ? CMLP_OK : CMLP_ERR_OOM;
+    if (!take_bytes(nbytes)) return CMLP_ERR_OOM;
+    if (mprotect(ptr, nbytes, PROT_READ | PROT_WRITE) == 0) return CMLP_OK;
+    atomic_fetch_sub(&held_bytes, (int64_t)nbytes);
+    return CMLP_ERR_OOM;
 }
 
 static void cpu_vm_unmap(void *ctx, void *ptr, size_t nbytes) {
     (void)ctx;
     (void)madvise(ptr, nbytes, MADV_DONTNEED);
     (void)mprotect(ptr, nbytes, PROT_NONE);
+    atomic_fetch_sub(&held_bytes, (int64_t)nbytes);
 }
 
 static void cpu_vm_release(void *ctx, void *ptr, size_t nbytes) {

@@ -444,6 +444,18 @@ def test_load_empty_state_dict():
     assert s._get_state() == (65536.0, 0)
 
 
+def test_a_factor_out_of_range_is_a_value_error_and_torchs_assertion_error():
+    for kw in (dict(growth_factor=0.5), dict(growth_factor=float("inf")), dict(backoff_factor=2.0),
+               dict(backoff_factor=0.0)):
+        with pytest.raises(ValueError, match=r"The (growth|backoff) factor must be") as info:
+            amp.GradScaler(**kw)
+        assert isinstance(info.value, AssertionError)  # what torch's raises: code written for it catches this
+    s = amp.GradScaler()
+    with pytest.raises(AssertionError, match="growth_factor=1.0"):
+        s.set_growth_factor(1.0)
+    assert s.get_growth_factor() == 2.0
+
+
 def test_load_bad_state_dict():
     s = amp.GradScaler()
     good = amp.GradScaler(init_scale=2.0).state_dict()

@@ -50,13 +50,18 @@ def underflow_message(scale: float) -> str:
             "load a checkpoint")
 
 
+class _FactorError(ValueError, AssertionError):
+    """A growth or backoff factor out of range: a ValueError, and the AssertionError torch's
+    GradScaler raises for it, so that code written for torch catches it too."""
+
+
 def _check_factors(growth_factor: Any, backoff_factor: Any) -> Tuple[float, float]:
     g = _real("growth_factor", growth_factor)
     b = _real("backoff_factor", backoff_factor)
     if not (np.isfinite(g) and g > 1.0):
-        raise ValueError(f"growth_factor must be a finite number > 1.0, got {growth_factor!r}")
+        raise _FactorError(f"The growth factor must be > 1.0 and finite: growth_factor={growth_factor!r}")
     if not 0.0 < b < 1.0:
-        raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
+        raise _FactorError(f"The backoff factor must be < 1.0 and > 0: backoff_factor={backoff_factor!r}")
     return g, b
 
 
