@@ -5,6 +5,7 @@ side: every array layout and dtype the API allows is accepted, gives the same re
 C-contiguous float32 equivalent, and is never modified.
 """
 
+import gc
 import os
 import subprocess
 import sys
@@ -582,10 +583,12 @@ def test_messages_from_the_core_say_what_happened_without_where(ctx):
     with pytest.raises(ValueError) as e:
         cmlp.nn.utils.clip_grad_norm_(ctx.model.parameters(), -1.0)
     assert str(e.value).startswith("max_norm must be a number >= 0, got -1"), str(e.value)
+    gc.collect()
+    cmlp.memory.empty_cache()
     cmlp.memory.set_memory_limit(cmlp.memory.memory_reserved() + 2**20)
     try:
         with pytest.raises(cmlp.OutOfMemoryError) as e:
-            cmlp.MLP([4096, 1024, 10])  # 16 MiB of parameters
+            cmlp.MLP([16384, 4096, 10])  # 256 MiB of parameters: more than any block the cache holds
     finally:
         cmlp.memory.set_memory_limit(None)
     assert str(e.value).startswith("cpu out of memory. Tried to allocate "), str(e.value)[:80]
