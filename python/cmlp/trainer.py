@@ -27,6 +27,7 @@ MAX_STEP_SAMPLES = 2**62
 # A trainer running fit or step in another thread when the process forks never finishes that call
 # in the child: there it is marked lost (its busy lock is held for good).
 _live: "weakref.WeakSet[Trainer]" = weakref.WeakSet()
+CALL_SECONDS = 0.1  # what one of fit's calls into the epoch loop aims to last (progress, Ctrl-C)
 EVALUATION_ROWS = 1000  # fit's validation chunk (cmlp.memory.plan's too)
 
 _LOST = ("this Trainer was running fit or step in another thread when the process was forked; that call "
@@ -43,6 +44,16 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _paced(chunk: int, seconds: float) -> int:
+    """The next call's steps: twice as many after a call shorter than half of CALL_SECONDS,
+    half as many after one longer than four times it (a step that slowed: micro-batching)."""
+    if seconds < CALL_SECONDS / 2:
+        return 2 * chunk
+    if seconds > 4 * CALL_SECONDS:
+        return max(1, chunk // 2)
+    return chunk
 
 
 def _positive_int(name: str, value: Any, limit: int = MAX_STEP_SAMPLES) -> int:
@@ -542,7 +553,10 @@ class Trainer:
                     show = progress and (not self.distributed or _dist.get_rank() == 0)
                     first, of = self._bar_epochs or (1, epochs)
                     bar = make_bar(total, f"epoch {first + epoch - 1}/{of}", show)
-                    chunk = max(1, total // 200)
+                    # a call's steps run without the host; each call begins and ends with a wait
+                    # (its scalars), so a call of short steps (a GPU's, at a small batch) grows
+                    # towards CALL_SECONDS. Data-parallel, every rank makes the same calls.
+                    chunk, adapt = max(1, total // 200), not (per_step or self.distributed)
                     samples, loss_sum, skipped, norm_sum, norm_steps, steps_done = 0, 0.0, 0, 0.0, 0, 0
                     first_lr = self.optimizer.lr
                     self.optimizer._sync_parts(self.optimizer._rates()[1], parts=self._parts_kept)  # as in step()
@@ -558,7 +572,10 @@ class Trainer:
                                 steps, n, loss, done, k, norms, counted = self._run_scheduled(
                                     scheduler, min(chunk, total - steps_done))
                             else:
+                                called = time.perf_counter()
                                 steps, n, loss, done, k, norms, counted = self._c.epoch_run(chunk)
+                                if adapt:
+                                    chunk = _paced(chunk, time.perf_counter() - called)
                             steps_done += steps
                             if steps:
                                 self.model._grads_none = False  # the steps' gradients are in the buffer
