@@ -481,7 +481,7 @@ def test_one_trainer_runs_one_call_at_a_time():
     runner = threading.Thread(target=lambda: t.fit(x, y, epochs=3, progress=False))
     runner.start()
     try:
-        while not t._busy.locked() and runner.is_alive():
+        while t._owner() is None and runner.is_alive():
             pass
         for call in (lambda: t.step(x[:8], y[:8]), lambda: t.fit(x, y, epochs=1, progress=False),
                      lambda: setattr(t, "microbatch_size", 1)):

@@ -8,7 +8,11 @@
 #include "_cmlp.h"
 
 #include <limits.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* ---- errors: the one mapping from cmlp_status to Python ---- */
 
@@ -23,9 +27,48 @@ const char *user_error(void) {
     return p[0] == ':' && p[1] == ' ' ? p + 2 : msg;
 }
 
+/* ---- the model calls under way, waited for at exit (core_enter in _cmlp.h) ---- */
+static _Atomic int core_calls, core_exiting;
+
+int core_enter(void) {
+    atomic_fetch_add(&core_calls, 1);
+    if (!atomic_load(&core_exiting)) return 1; /* seq_cst both sides: the exit handler sees this call */
+    atomic_fetch_sub(&core_calls, 1);
+    return 0;
+}
+
+void core_leave(void) { atomic_fetch_sub(&core_calls, 1); }
+
+/* At most EXIT_WAIT_MS: a call that never ends (a collective whose peers are gone) does not hold
+ * the exit for good. */
+#define EXIT_WAIT_MS 30000
+
+static void core_wait_at_exit(void) {
+    atomic_store(&core_exiting, 1);
+    for (int ms = 0; ms < EXIT_WAIT_MS && atomic_load(&core_calls) > 0; ms++) {
+        struct timespec ts = {0, 1000000};
+        nanosleep(&ts, NULL);
+    }
+}
+
+/* a forked child has only the forking thread, which was in no call */
+static void core_after_fork_child(void) { atomic_store(&core_calls, 0); }
+
+int core_exit_init(void) {
+    static int done;
+    if (done) return 0;
+    if (atexit(core_wait_at_exit) != 0 || pthread_atfork(NULL, NULL, core_after_fork_child) != 0) {
+        PyErr_SetString(PyExc_RuntimeError, "cmlp: could not register its exit and fork handlers");
+        return -1;
+    }
+    done = 1;
+    return 0;
+}
+
 PyObject *raise_status(module_state *ms, cmlp_status s) {
     const char *msg = s == CMLP_ERR_INTERNAL ? cmlp_last_error() : user_error();
     if (s == STATUS_LOST) msg = LOST_TEXT;
+    if (s == STATUS_EXITING) msg = "cmlp: the process is exiting";
     switch (s) {
     case CMLP_ERR_INVALID:
     case CMLP_ERR_NONFINITE: PyErr_SetString(PyExc_ValueError, msg); break;
@@ -348,6 +391,7 @@ static PyMethodDef module_methods[] = {
 static int module_exec(PyObject *mod) {
     module_state *ms = state_of(mod);
     if (_import_array() < 0) return -1;
+    if (core_exit_init() < 0) return -1;
     ms->oom_error = PyErr_NewExceptionWithDoc("cmlp.OutOfMemoryError",
                                               "A device ran out of memory (a RuntimeError, like PyTorch's).",
                                               PyExc_RuntimeError, NULL);

@@ -29,6 +29,18 @@ typedef struct {
 
 static inline module_state *state_of(PyObject *module) { return (module_state *)PyModule_GetState(module); }
 
+/* The process is exiting (core_enter refused the call): never seen in Python, as the thread
+ * that made the call cannot take the GIL back during finalization. */
+#define STATUS_EXITING ((cmlp_status)-2)
+/* A model's computation (GEMMs through OpenBLAS, on cmlp's pool) runs between core_enter and
+ * core_leave. At exit() (after Py_Finalize, which leaves threads that released the GIL
+ * running) cmlp's handler refuses new ones and waits for those under way (30 s at most), before the shared
+ * libraries' destructors run: OpenBLAS's unmaps its buffers and joins its threads, and a GEMM of
+ * a daemon thread still going there crashes or hangs the exit. */
+int core_enter(void);
+void core_leave(void);
+int core_exit_init(void);
+
 /* This module's own status: a model lost to fork (ModelObject.lost). */
 #define STATUS_LOST ((cmlp_status)-1)
 #define LOST_TEXT                                                                                              \
@@ -103,7 +115,12 @@ typedef struct ModelObject {
         cmlp_memory_set_context(stack_number());             \
         NOGIL_BEGIN                                          \
         PyThread_acquire_lock((model)->lock, WAIT_LOCK);     \
-        (st) = call;                                         \
+        if (core_enter()) {                                  \
+            (st) = call;                                     \
+            core_leave();                                    \
+        } else {                                             \
+            (st) = STATUS_EXITING;                           \
+        }                                                    \
         PyThread_release_lock((model)->lock);                \
         NOGIL_END                                            \
         cmlp_memory_set_context(0);                          \
@@ -115,7 +132,10 @@ typedef struct ModelObject {
         cmlp_memory_set_context(stack_number());             \
         NOGIL_BEGIN                                          \
         PyThread_acquire_lock((model)->lock, WAIT_LOCK);     \
-        call;                                                \
+        if (core_enter()) {                                  \
+            call;                                            \
+            core_leave();                                    \
+        }                                                    \
         PyThread_release_lock((model)->lock);                \
         NOGIL_END                                            \
         cmlp_memory_set_context(0);                          \

@@ -38,8 +38,11 @@ _LOST = ("this Trainer was running fit or step in another thread when the proces
 def _after_fork_in_child() -> None:
     for trainer in list(_live):
         # the call of the thread that forked (from a callback inside fit, say) goes on in the child
-        if trainer._busy.locked() and getattr(trainer, "_owner", None) != threading.get_ident():
-            trainer._busy = threading.Lock()
+        me, owner = threading.get_ident(), trainer._owner()
+        for call, thread in list(trainer._claims.items()):
+            if thread != me:  # the other threads' calls are not in the child
+                del trainer._claims[call]
+        if owner is not None and owner != me:
             trainer._lost = True
 
 
@@ -151,8 +154,8 @@ class Trainer:
             if not max_grad_norm > 0.0:
                 raise ValueError(f"max_grad_norm must be a number > 0 or None, got {max_grad_norm!r}")
         self.max_grad_norm = max_grad_norm
-        # fit and step use the C trainer's state from start to end: one call at a time
-        self._busy = threading.Lock()
+        # fit and step use the C trainer's state from start to end: one call at a time (_claim)
+        self._claims: Dict[object, int] = {}
         self._lost = False
         _live.add(self)
         self._eval_rows = EVALUATION_ROWS  # validation's chunk of rows (halved when it runs out of memory)
@@ -186,11 +189,12 @@ class Trainer:
     @microbatch_size.setter
     def microbatch_size(self, value: int) -> None:
         value = self._micro_of("microbatch_size", value)
-        self._claim("setting microbatch_size")
+        call = object()
         try:
+            self._claim(call, "setting microbatch_size")
             self._c.microbatch_size = value
         finally:
-            self._release()
+            self._claims.pop(call, None)
 
     @property
     def epochs(self) -> int:
@@ -255,8 +259,9 @@ class Trainer:
         if (scaler is None) != (self.scaler is None):
             raise ValueError("the state_dict's loss scaler does not match this trainer's: "
                              + ("it has none" if scaler is None else "this trainer has none"))
-        self._claim("load_state_dict")
+        call = object()
         try:
+            self._claim(call, "load_state_dict")
             if scaler is not None:
                 before = self.scaler.state_dict()
                 self.scaler.load_state_dict(scaler)
@@ -269,7 +274,7 @@ class Trainer:
                 raise
             self._c.epochs = counts["epochs"]
         finally:
-            self._release()
+            self._claims.pop(call, None)
 
     def _push_scaler(self) -> None:
         """The scaler's state into the C loop, which scales, checks, skips and updates."""
@@ -306,22 +311,27 @@ class Trainer:
         return xa, as_labels(y, xa.shape[0], sizes[-1], f"{what} y")
 
     def _busy_error(self, what: str) -> RuntimeError:
-        if getattr(self, "_owner", None) == threading.get_ident():
+        if self._owner() == threading.get_ident():
             return RuntimeError(f"this Trainer's fit or step is still running: {what} was called from inside it (a "
                                 "schedule's function, a callback or a progress bar), which cannot be done")
         return RuntimeError(f"this Trainer is already running fit or step in another thread; {what} must wait "
                             "for it (or use a Trainer per thread)")
 
-    def _claim(self, what: str) -> None:
+    def _claim(self, call: object, what: str) -> None:
+        """Claims the trainer for a call, named by a new object: the call's key enters the claims
+        in one step (with its thread), and the call has the trainer when its key is the first.
+        Called inside the call's try, whose finally gives it back with self._claims.pop(call,
+        None), one step too: a KeyboardInterrupt between any two lines leaves no claim behind."""
         if self._lost:
             raise RuntimeError(_LOST)
-        if not self._busy.acquire(blocking=False):
+        self._claims[call] = threading.get_ident()
+        if list(self._claims)[0] is not call:
             raise self._busy_error(what)
-        self._owner = threading.get_ident()
 
-    def _release(self) -> None:
-        self._owner = None
-        self._busy.release()
+    def _owner(self) -> Optional[int]:
+        """The thread of the call that has the trainer, None when none has."""
+        owners = list(self._claims.values())
+        return owners[0] if owners else None
 
     def _agree(self, error: Optional[Exception]) -> None:
         """Raises error if there is one; data-parallel, first every rank learns whether some
@@ -335,21 +345,14 @@ class Trainer:
         if error is not None:
             raise error
 
-    def _claim_agreed(self, what: str, error: Optional[Exception]) -> None:
+    def _claim_agreed(self, call: object, what: str, error: Optional[Exception]) -> None:
         """_claim, then (data-parallel) every rank learns whether all could start the call."""
-        if error is None and self._lost:
-            error = RuntimeError(_LOST)
-        claimed = error is None and self._busy.acquire(blocking=False)
-        if claimed:
-            self._owner = threading.get_ident()
-        if error is None and not claimed:
-            error = self._busy_error(what)
-        try:
-            self._agree(error)
-        except BaseException:
-            if claimed:
-                self._release()
-            raise
+        if error is None:
+            try:
+                self._claim(call, what)
+            except RuntimeError as e:
+                error = e
+        self._agree(error)
 
     def _together(self, fn: Any) -> Any:
         """Runs fn (work of this rank alone); data-parallel, an exception there is raised on every
@@ -373,13 +376,14 @@ class Trainer:
             xa, ya = self._data(x_batch, y_batch, "batch")
         except (TypeError, ValueError) as e:
             error = e
-        self._claim_agreed("step", error)
+        call = object()
         try:
+            self._claim_agreed(call, "step", error)
             loss = self._step(xa, ya)
             self.model._grads_none = False  # the step's gradients are in the buffer, as after torch's loop
             return loss
         finally:
-            self._release()
+            self._claims.pop(call, None)
 
     def _step(self, xa: np.ndarray, ya: np.ndarray) -> float:
         self._push_scaler()
@@ -419,14 +423,15 @@ class Trainer:
                                      "use scheduler_interval='epoch'")
         except (TypeError, ValueError) as e:
             error = e
-        self._claim_agreed("fit", error)
+        call = object()
         try:
+            self._claim_agreed(call, "fit", error)
             per_step = scheduler is not None and scheduler_interval == "step"
             # data-parallel, each epoch's start compares these over the ranks with the settings
             self._c.set_fit_call(epochs, -1 if val is None else val[0].shape[0], per_step)
             return self._fit(xa, ya, epochs, val, progress, scheduler, per_step)
         finally:
-            self._release()
+            self._claims.pop(call, None)
 
     def _evaluate(self, val: Tuple[np.ndarray, np.ndarray]) -> Tuple[float, int]:
         """(loss sum, correct) over the validation set; data-parallel, each rank evaluates its

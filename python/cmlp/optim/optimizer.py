@@ -236,12 +236,16 @@ class Optimizer(_StateDict):
         base, scales = self._split_rates(lrs)
         own_parts = self._own_parts if same_owns and self._own_parts is not None else self._part_settings(owns)
         before = (self._c.lr, self._c_wd, self._c_parts, self._c_own)
+        python_before = (self._lrs, self._wds, self._owns, self._own_parts)
         try:
             if wds[0] != self._c_wd or owns[0] != self._c_own:
                 self._configure_first(wds[0], owns[0])
             self._sync_parts(scales, wds, own=own_parts)
             self._c.lr = base
+            # in the try: a KeyboardInterrupt before it takes the C side back too
+            self._lrs, self._wds, self._owns, self._own_parts = lrs, wds, owns, own_parts
         except BaseException:
+            self._lrs, self._wds, self._owns, self._own_parts = python_before
             self._c.lr = before[0]
             if self._c_wd != before[1] or self._c_own != before[3]:
                 self._configure_first(before[1], before[3])
@@ -250,7 +254,6 @@ class Optimizer(_StateDict):
                 self._c_parts = before[2]
                 self._synced = None
             raise
-        self._lrs, self._wds, self._owns, self._own_parts = lrs, wds, owns, own_parts
 
     def _sync_parts(self, scales: Any, wds: Any = None, parts: bool = False, own: Any = None) -> None:
         """Gives the C optimizer each group's rate scale, weight decay and settings (own:

@@ -1,0 +1,163 @@
+"""Threads and interrupts: daemon threads still training when the interpreter exits, a
+KeyboardInterrupt at any line of a Trainer's claim and release of its busy lock, and one
+inside the optimizer's push of its groups' settings.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import cmlp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+EXIT_SCRIPT = textwrap.dedent("""
+    import threading, time
+    import numpy as np
+    import cmlp
+    rng = np.random.default_rng(0)
+    x, y = rng.random((20000, 784), dtype=np.float32), rng.integers(0, 10, 20000)
+
+    def train(seed):
+        m = cmlp.MLP([784, 256, 10], seed=seed)
+        t = cmlp.Trainer(m, cmlp.optim.Adam(m), batch_size=32)
+        while True:
+            t.fit(x, y, epochs=1, progress=False)
+
+    def churn():
+        while True:
+            m = cmlp.MLP([784, 32, 10], seed=7)
+            cmlp.Trainer(m, cmlp.optim.Adam(m), batch_size=32).step(x[:32], y[:32])
+            cmlp.memory.empty_cache("cpu")
+
+    for seed in range(3):
+        threading.Thread(target=train, args=(seed,), daemon=True).start()
+    threading.Thread(target=churn, daemon=True).start()
+    time.sleep(0.05)
+    print("end of script")
+""")
+
+
+def test_daemon_threads_training_when_the_interpreter_exits_let_it_exit(tmp_path):
+    """After Python's finalisation, threads that released the GIL go on with their GEMMs while
+    the shared libraries' destructors run (OpenBLAS unmaps its buffers and joins its threads):
+    the exit crashed or hung about one run in four. cmlp's exit handler now waits for the calls
+    under way and refuses new ones."""
+    script = tmp_path / "exit_with_daemons.py"
+    script.write_text(EXIT_SCRIPT)
+    paths = [os.path.join(ROOT, "python")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    for run in range(6):
+        try:
+            done = subprocess.run([sys.executable, "-X", "faulthandler", str(script)], env=env,
+                                  capture_output=True, text=True, timeout=90)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"run {run}: the exit hung")
+        assert done.returncode == 0 and "end of script" in done.stdout, (run, done.returncode, done.stderr[-3000:])
+
+
+# ---- a KeyboardInterrupt at any line of a call's claim, and of the optimizer's settings ----
+
+def _injectable_lines(functions):
+    """(file, line) of every line the functions run, but those of their except and finally
+    blocks: a signal is delivered where the interpreter checks for one (a call's return, a loop's
+    jump back), and the first thing such a block does (the claim's pop, the rollback) is a call."""
+    import inspect
+    lines = set()
+    for fn in functions:
+        source, first = inspect.getsourcelines(fn)
+        handler_indent = None
+        for k, text in enumerate(source):
+            stripped, indent = text.strip(), len(text) - len(text.lstrip())
+            if handler_indent is not None and stripped and indent <= handler_indent:
+                handler_indent = None
+            if stripped.startswith(("except", "finally:")):
+                handler_indent = indent
+                continue
+            if handler_indent is None and stripped and not stripped.startswith(("#", "def ", '"""', "@")):
+                lines.add((fn.__code__.co_filename, first + k))
+    return lines
+
+
+class _Interrupt(KeyboardInterrupt):
+    pass
+
+
+def _fit_interrupted_at(where, build, x, y):
+    """Runs fit with a KeyboardInterrupt raised at the where-th time any of `where`'s lines runs
+    (where: ((file, line), hit)); returns the model, optimizer, scheduler and trainer."""
+    (target, hit) = where
+    m, o, s, t = build()
+    seen = [0]
+
+    def tracer(frame, event, arg):
+        if frame.f_code.co_filename != target[0]:
+            return None
+
+        def local(fr, ev, a):
+            if ev == "line" and (fr.f_code.co_filename, fr.f_lineno) == target:
+                seen[0] += 1
+                if seen[0] == hit:
+                    raise _Interrupt()
+            return local
+        return local
+
+    sys.settrace(tracer)
+    try:
+        t.fit(x, y, epochs=2, progress=False, scheduler=s)
+    except _Interrupt:
+        pass
+    finally:
+        sys.settrace(None)
+    return m, o, s, t
+
+
+def test_an_interrupt_at_any_line_of_fit_s_claim_or_of_the_optimizer_s_settings_loses_nothing():
+    """Ctrl-C just after fit took the trainer left it taken for good ("already running fit in
+    another thread" ever after), and one inside the push of a schedule's rate left the C optimizer
+    at another rate than the Python one. At every line (first and last time it runs) of the
+    claim, of fit and of the push, an interrupt now leaves the trainer free, the two rates equal,
+    and the next fit training."""
+    from cmlp import trainer as trainer_module
+    from cmlp.optim import optimizer as optimizer_module
+
+    rng = np.random.default_rng(0)
+    x, y = rng.random((64, 20), dtype=np.float32), rng.integers(0, 4, 64)
+
+    def build():
+        m = cmlp.MLP([20, 16, 4], seed=1)
+        o = cmlp.optim.Adam(m, lr=1e-3)
+        return m, o, cmlp.optim.lr_scheduler.StepLR(o, 1, 0.5), cmlp.Trainer(m, o, batch_size=32)
+
+    T = trainer_module.Trainer
+    lines = _injectable_lines([T.fit, T._claim_agreed, T._claim, T._owner, T._agree,
+                               optimizer_module.Optimizer._push_groups])
+    hits = {}
+
+    def count(frame, event, arg):
+        def local(fr, ev, a):
+            key = (fr.f_code.co_filename, fr.f_lineno)
+            if ev == "line" and key in lines:
+                hits[key] = hits.get(key, 0) + 1
+            return local
+        return local
+
+    m, o, s, t = build()
+    sys.settrace(count)
+    try:
+        t.fit(x, y, epochs=2, progress=False, scheduler=s)
+    finally:
+        sys.settrace(None)
+    assert len(hits) > 20, hits
+    for key, n in sorted(hits.items()):
+        for hit in sorted({1, n}):
+            m, o, s, t = _fit_interrupted_at((key, hit), build, x, y)
+            where = f"{os.path.basename(key[0])}:{key[1]} (time {hit})"
+            assert t._owner() is None and not t._claims, where
+            assert o._c.lr == o._rates()[0] and o.lr == o.param_groups[0]["lr"], where
+            history = t.fit(x, y, epochs=1, progress=False, scheduler=s)
+            assert np.isfinite(history[-1]["loss"]), where
