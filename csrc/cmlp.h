@@ -538,7 +538,7 @@ typedef struct cmlp_scaler_state {
 typedef struct cmlp_epoch_state {
     int64_t steps;       /* optimizer steps done this epoch */
     int64_t samples;     /* samples consumed this epoch */
-    double loss_sum;     /* sum of per-sample losses this epoch */
+    double loss_sum;     /* sum of per-sample losses this epoch, added in step order whatever the calls */
     int64_t total_steps; /* optimizer steps in the whole epoch */
     int64_t skipped;     /* steps skipped for inf/NaN gradients this epoch */
     int done;

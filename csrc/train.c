@@ -173,12 +173,17 @@ cmlp_status cmlp_trainer_set_microbatch_size(cmlp_trainer *t, int64_t size) {
 }
 
 /* Reads the call's results back: the loss sum and the skipped steps are returned, the scaler
- * and the optimizer's step count taken over (after a failure too: they hold the steps done). */
-static cmlp_status run_end(cmlp_trainer *t, cmlp_dscalars *ds, bool stepped, double *loss_sum, int64_t *skipped,
-                           double *norm_sum, int64_t *norm_steps) {
+ * and the optimizer's step count taken over (after a failure too: they hold the steps done).
+ * With carry (an epoch's call) the loss and norm sums are the epoch's so far (run_begin). */
+static cmlp_status run_end(cmlp_trainer *t, cmlp_dscalars *ds, bool carry, bool stepped, double *loss_sum,
+                           int64_t *skipped, double *norm_sum, int64_t *norm_steps) {
     cmlp_model *m = t->model;
     cmlp_dscalars h;
     CMLP_TRY(m->dev->backend->copy_d2h(m->dev->bctx, &h, ds, sizeof h));
+    if (carry) {
+        t->epoch_loss = h.loss;
+        t->epoch_norms = h.norm_sum;
+    }
     /* the group's loss (every rank skips the same steps: they check the same summed gradients) */
     if (t->dist) CMLP_TRY(cmlp_dist_all_reduce(&h.loss, 1, CMLP_COMM_F64, CMLP_REDUCE_SUM));
     if (t->scaler.enabled) {
@@ -211,14 +216,18 @@ static void share_of(const cmlp_trainer *t, int64_t n, int64_t *off, int64_t *k)
  * ends. In between, every step runs on the device without the host waiting: the loss adds up
  * there, and under loss scaling the check, the skip, the optimizer's step count and the scale
  * update happen there too. */
-static cmlp_status run_begin(cmlp_trainer *t, cmlp_dscalars **out, const double *lr, const double *momentum,
-                             const double *scales, const double *part_momenta, int64_t nlr) {
+static cmlp_status run_begin(cmlp_trainer *t, cmlp_dscalars **out, bool carry, const double *lr,
+                             const double *momentum, const double *scales, const double *part_momenta, int64_t nlr) {
     cmlp_model *m = t->model;
     CMLP_TRY(cmlp_model_scalars(m, out));
     /* the param groups' scales and momenta of each step, where a step on the device reads them */
     if (scales && lr) CMLP_TRY(cmlp_optim_load_step_scales(t->optim, scales, part_momenta, nlr));
     t->step_scales = scales && lr;
     cmlp_dscalars h = {0};
+    if (carry) {
+        h.loss = t->epoch_loss;
+        h.norm_sum = t->epoch_norms;
+    }
     h.step = cmlp_optim_get_step(t->optim);
     /* the rates and momenta of the call's steps: the optimizer's, or one each (a step on the device
      * reads them there, so one that changes does not change what a capture baked in) */
@@ -260,7 +269,7 @@ cmlp_status cmlp_trainer_step(cmlp_trainer *t, const cmlp_data *xy, double *loss
     }
     CMLP_TRY(st);
     cmlp_dscalars *ds;
-    st = run_begin(t, &ds, NULL, NULL, NULL, NULL, 0); /* it may allocate: data-parallel, the ranks agree on it */
+    st = run_begin(t, &ds, false, NULL, NULL, NULL, NULL, 0); /* it may allocate: data-parallel, the ranks agree */
     CMLP_TRY(t->dist ? cmlp_dist_agree(st) : st);
     const bool had_state = cmlp_optim_has_state(t->optim);
     cmlp_fpenv fe;
@@ -271,7 +280,7 @@ cmlp_status cmlp_trainer_step(cmlp_trainer *t, const cmlp_data *xy, double *loss
     if (st != CMLP_OK) cmlp_optim_drop_unused(t->optim, !had_state); /* the memory as it was */
     double loss = 0.0, norm_sum;
     int64_t skipped, norm_steps;
-    cmlp_status end = run_end(t, ds, st == CMLP_OK, &loss, &skipped, &norm_sum, &norm_steps);
+    cmlp_status end = run_end(t, ds, false, st == CMLP_OK, &loss, &skipped, &norm_sum, &norm_steps);
     if (st == CMLP_OK) st = end;
     if (st == CMLP_OK) *loss_mean = loss / (double)n_all;
     return st;
@@ -329,6 +338,7 @@ cmlp_status cmlp_trainer_epoch_begin(cmlp_trainer *t, const cmlp_data *xy, int s
     }
     t->data = *xy;
     t->epoch_open = true;
+    t->epoch_loss = t->epoch_norms = 0.0;
     t->epoch++;
     t->pos = 0;
     int64_t eb = cmlp_train_effective_batch(t) * cmlp_train_group_size(t);
@@ -355,7 +365,7 @@ static cmlp_status epoch_run(cmlp_trainer *t, int64_t max_steps, const double *l
         ahead = ahead || (!isnan(part_momenta[i]) && part_momenta[i] != 0.0);
     cmlp_optim_expect_momentum(t->optim, ahead);
     /* run_begin may allocate: data-parallel, the ranks agree */
-    cmlp_status s = run_begin(t, &ds, lr, momentum, scales, part_momenta, nlr);
+    cmlp_status s = run_begin(t, &ds, true, lr, momentum, scales, part_momenta, nlr);
     const int np = scales ? cmlp_optim_num_parts(t->optim) : 0;
     s = t->dist ? cmlp_dist_agree(s) : s;
     if (s != CMLP_OK) {
@@ -411,12 +421,12 @@ static cmlp_status epoch_run(cmlp_trainer *t, int64_t max_steps, const double *l
     t->scales_row = t->momenta_row = NULL;
     double loss = 0.0, norm_sum = 0.0;
     int64_t skipped = 0, norm_steps = 0;
-    cmlp_status end = run_end(t, ds, st->steps > steps_before, &loss, &skipped, &norm_sum, &norm_steps);
+    cmlp_status end = run_end(t, ds, true, st->steps > steps_before, &loss, &skipped, &norm_sum, &norm_steps);
     if (s == CMLP_OK) s = end;
-    if (end == CMLP_OK) {
-        st->loss_sum += loss;
+    if (end == CMLP_OK) { /* the sums are the epoch's so far */
+        st->loss_sum = loss;
         st->skipped += skipped;
-        st->grad_norm_sum += norm_sum;
+        st->grad_norm_sum = norm_sum;
         st->grad_norm_steps += norm_steps;
     }
     st->done = t->pos >= n;

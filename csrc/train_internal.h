@@ -43,6 +43,9 @@ struct cmlp_trainer {
     step_key graph_key, warm_key; /* warm_key: the last full step run eagerly */
     bool warm, graphs_off;        /* graphs_off: a capture failed; eager from then on */
     bool epoch_open;              /* between epoch_begin and the epoch's last step */
+    /* the open epoch's loss and clipping norms so far on this rank: each call's device scalars
+     * start from them, so that the steps add up in their order whatever the calls' lengths */
+    double epoch_loss, epoch_norms;
     void *d_x;
     int32_t *d_y;
     int64_t *d_order;

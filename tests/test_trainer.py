@@ -352,6 +352,31 @@ def test_fit_calls_the_epoch_loop_less_often_when_its_steps_are_short():
     assert trainer_module._paced(8, trainer_module.CALL_SECONDS) == 8
 
 
+class _FixedCalls(_CountedCalls):
+    """Every epoch_run call asked for the same number of steps."""
+
+    def __init__(self, c, steps):
+        super().__init__(c)
+        self.steps = steps
+
+    def epoch_run(self, steps, *args):
+        return super().epoch_run(self.steps, *args)
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0])
+def test_an_epoch_s_loss_is_the_same_to_the_bit_whatever_the_calls_into_the_epoch_loop(max_grad_norm):
+    """The epoch's loss (and clipping's mean norm) add up on the device in step order from one
+    call to the next, so how fit splits an epoch into calls (it depends on their time) changes no
+    bit of the history."""
+    x, y = teacher_data(1000)
+    histories = []
+    for steps in (1, 3, 0):  # 0: the whole epoch in one call
+        _, _, trainer = make("adam", batch_size=8, max_grad_norm=max_grad_norm)
+        trainer._c = _FixedCalls(trainer._c, steps)
+        histories.append([(h["loss"], h["grad_norm"]) for h in trainer.fit(x, y, epochs=2, progress=False)])
+    assert histories[0] == histories[1] == histories[2]
+
+
 def test_adam_counts_one_step_per_batch():
     x, y = teacher_data(100)
     _, opt, trainer = make("adam", batch_size=32)

@@ -585,9 +585,8 @@ class Trainer:
                             if steps:
                                 self.model._grads_none = False  # the steps' gradients are in the buffer
                             samples += n
-                            loss_sum += loss
+                            loss_sum, norm_sum = loss, norms  # the epoch's so far, added up in step order
                             skipped += k
-                            norm_sum += norms
                             norm_steps += counted
                             if bar is not None:
                                 bar.set_postfix_str(f"loss {loss_sum / max(samples, 1):.4f}")
