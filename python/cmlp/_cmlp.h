@@ -34,9 +34,9 @@ static inline module_state *state_of(PyObject *module) { return (module_state *)
 #define STATUS_EXITING ((cmlp_status)-2)
 /* A model's computation (GEMMs through OpenBLAS, on cmlp's pool) runs between core_enter and
  * core_leave. At exit() (after Py_Finalize, which leaves threads that released the GIL
- * running) cmlp's handler refuses new ones and waits for those under way (30 s at most), before the shared
- * libraries' destructors run: OpenBLAS's unmaps its buffers and joins its threads, and a GEMM of
- * a daemon thread still going there crashes or hangs the exit. */
+ * running) cmlp's handler refuses new ones and waits for those under way (30 s at most),
+ * before the shared libraries' destructors run: OpenBLAS's unmaps its buffers and joins its
+ * threads, and a GEMM of a daemon thread still going there crashes or hangs the exit. */
 int core_enter(void);
 void core_leave(void);
 int core_exit_init(void);

@@ -392,9 +392,9 @@ static PyMethodDef Trainer_methods[] = {
      "validate and shuffle; returns the epoch's step count"},
     {"epoch_run", (PyCFunction)Trainer_epoch_run, METH_VARARGS,
      "(max_steps, rates=None, momenta=None, scales=None, part_momenta=None) -> (steps, samples, loss_sum, done, "
-     "skipped, grad_norm_sum, grad_norm_steps), the two sums the epoch's so far; with rates (at most MAX_RATES), one step at each (and at each "
-     "momentum; with scales, each step's parts' multiples of its rate, and with part_momenta their momenta, "
-     "NaN: the part's own)"},
+     "skipped, grad_norm_sum, grad_norm_steps), the two sums the epoch's so far; with rates (at most "
+     "MAX_RATES), one step at each (and at each momentum; with scales, each step's parts' multiples of its "
+     "rate, and with part_momenta their momenta, NaN: the part's own)"},
     {"release_data", (PyCFunction)Trainer_release_data, METH_NOARGS, "free the device copy of the data set"},
     {"set_host_data", (PyCFunction)Trainer_set_host_data, METH_O,
      "True: keep the data set in host memory (and free a device copy); False: copy it to the device"},

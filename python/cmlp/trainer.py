@@ -25,7 +25,7 @@ MAX_STEP_SAMPLES = 2**62
 
 
 # A trainer running fit or step in another thread when the process forks never finishes that call
-# in the child: there it is marked lost (its busy lock is held for good).
+# in the child: there it is marked lost (the call's state is half there).
 _live: "weakref.WeakSet[Trainer]" = weakref.WeakSet()
 CALL_SECONDS = 0.1  # what one of fit's calls into the epoch loop aims to last (progress, Ctrl-C)
 EVALUATION_ROWS = 1000  # fit's validation chunk (cmlp.memory.plan's too)
