@@ -332,7 +332,7 @@ class _CountedCalls:
 
 def test_fit_calls_the_epoch_loop_less_often_when_its_steps_are_short():
     """Each call into the C loop ends with a wait for the device: quick calls double their steps
-    (1, 2, 4, ... for 480 steps of batch 1: 9 calls, not 480 // 2 = 240), slow ones halve, and
+    (2, 4, 8, ... for 480 steps of batch 1: 8 calls, not 480 // 2 = 240), slow ones halve, and
     the parameters are those of a step at a time."""
     x, y = teacher_data(480)
     model, _, trainer = make(batch_size=1, shuffle=False)
