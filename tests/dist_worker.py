@@ -6,6 +6,7 @@ test, so a rank that disagrees shows up in rank 0's report."""
 import ctypes
 import json
 import sys
+import time
 
 import numpy as np
 
@@ -127,6 +128,40 @@ def small_data_case(opts):
     D.all_reduce(micro, "min")
     return dict(world=w, share_rows=share.batch_size, share_reserved=share.reserved_bytes,
                 whole_reserved=whole.reserved_bytes, ooms=float(ooms[0]), micro=float(micro[0]))
+
+
+class _PacedCalls:
+    """A trainer's C object recording the steps each epoch_run call is asked for; on rank 1 the
+    call numbered `slow_call` lasts `slow_seconds` longer after its steps (a rank held up where
+    the others do not wait for it: they time their call without it)."""
+
+    def __init__(self, c, slow_call, slow_seconds):
+        self._inner, self.asked, self.slow = c, [], (slow_call, slow_seconds)
+
+    def epoch_run(self, steps, *args):
+        self.asked.append(steps)
+        out = self._inner.epoch_run(steps, *args)
+        if len(self.asked) == self.slow[0] and D.get_rank() == 1:
+            time.sleep(self.slow[1])
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def calls_case(opts):
+    """The ranks' calls into the epoch loop grow while they are quick and shrink after one that
+    was slow on any rank: every rank asks for the same steps in every call."""
+    w = D.get_world_size()
+    x, y = data(opts.get("n", 4800))
+    model = cmlp.MLP(SIZES, seed=1)
+    trainer = cmlp.Trainer(model, optimizer(model, "adam"), batch_size=4)
+    trainer._c = _PacedCalls(trainer._c, opts["slow_call"], opts["slow_seconds"])
+    trainer.fit(x, y, epochs=1, progress=False)
+    asked = np.array(trainer._c.asked, dtype=np.float64)
+    count_spread = spread(np.array([len(asked)], dtype=np.float64))
+    return dict(world=w, asked=asked.tolist(), count_spread=count_spread,
+                asked_spread=spread(asked) if count_spread == 0 else None, rank_spread=spread(params(model)))
 
 
 def step_case(opts):
@@ -661,7 +696,7 @@ def fork_case(opts):
 
 
 CASES = {"zero_partial_inf": zero_partial_inf_case, "fork": fork_case, "zero": zero_case, "zero_errors": zero_errors_case, "zero_plan": zero_plan_case, "regroup": regroup_case, "backend": backend_case,
-         "evaluation": evaluation_case, "uncaught": uncaught_case, "fit": fit_case, "step": step_case,
+         "evaluation": evaluation_case, "uncaught": uncaught_case, "fit": fit_case, "step": step_case, "calls": calls_case,
          "small_data": small_data_case,
          "failure": failure_case, "mismatch": mismatch_case, "collectives": collectives_case}
 

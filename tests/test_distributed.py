@@ -145,6 +145,17 @@ def test_ranks_without_a_sample_in_the_last_step_add_nothing():
 
 
 @needs_mpi
+def test_the_ranks_calls_into_the_epoch_loop_grow_together_and_shrink_after_one_slow_rank():
+    # 600 steps a rank: the calls start at 600 // 200 = 3 steps and double while quick; the 4th
+    # call (24 steps) lasts over 0.4 s on rank 1 alone, and every rank halves the 5th
+    out = run_job(2, "calls", {"slow_call": 4, "slow_seconds": 0.5})
+    assert out["count_spread"] == out["asked_spread"] == out["rank_spread"] == 0.0, out  # the same calls
+    asked = out["asked"]
+    assert asked[:5] == [3, 6, 12, 24, 12], asked
+    assert sum(asked) >= 600 and len(asked) < 200 // 2, asked
+
+
+@needs_mpi
 def test_accumulation_sgd_momentum_and_no_shuffle():
     check_fit(run_job(2, "fit", {"accum": 3, "opt": "sgd", "shuffle": False, "n": 500}), 2, 1e-5, 1e-6)
 
@@ -307,7 +318,9 @@ def test_on_gpus_short_steps_and_ranks_without_samples(emulator):
 def test_on_gpus_a_rank_that_micro_batches_makes_every_rank_run_eagerly(emulator):
     # rank 1 computes micro-batches, which no graph holds: NCCL's all-reduce must be captured on
     # every rank or on none (the emulated NCCL aborts the job on a mix), so the ranks agree on the
-    # path of each step and all run eagerly; the update is the same
+    # path of each step and all run eagerly; the update is the same. The epoch's calls grow to
+    # several steps, with a collective still queued on one rank's stream when it enters the next
+    # step's host collective (the emulator runs a collective when queued, as a GPU does)
     out = run_job(2, "fit", {"backend": "nccl", "device": "cuda", "n": 200, "limit_rank": 1},
                   timeout=300, emulated_gpu=True)
     check_fit(out, 2, 1e-5, 1e-6)

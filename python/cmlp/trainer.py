@@ -354,6 +354,15 @@ class Trainer:
                 error = e
         self._agree(error)
 
+    def _slowest(self, seconds: float) -> float:
+        """The longest of the ranks' times for the call just made (this one's, alone): the ranks
+        must make the same calls into the epoch loop, so they pace them on the same time."""
+        if not self.distributed:
+            return seconds
+        longest = np.array([seconds])
+        _cmlp.dist_all_reduce(longest, 1)  # max
+        return float(longest[0])
+
     def _together(self, fn: Any) -> Any:
         """Runs fn (work of this rank alone); data-parallel, an exception there is raised on every
         rank, so that none waits for the others in the next collective."""
@@ -560,8 +569,8 @@ class Trainer:
                     bar = make_bar(total, f"epoch {first + epoch - 1}/{of}", show)
                     # a call's steps run without the host; each call begins and ends with a wait
                     # (its scalars), so a call of short steps (a GPU's, at a small batch) grows
-                    # towards CALL_SECONDS. Data-parallel, every rank makes the same calls.
-                    chunk, adapt = max(1, total // 200), not (per_step or self.distributed)
+                    # towards CALL_SECONDS (per-step schedules: up to MAX_RATES steps)
+                    chunk = max(1, total // 200)
                     samples, loss_sum, skipped, norm_sum, norm_steps, steps_done = 0, 0.0, 0, 0.0, 0, 0
                     first_lr = self.optimizer.lr
                     self.optimizer._sync_parts(self.optimizer._rates()[1], parts=self._parts_kept)  # as in step()
@@ -579,8 +588,8 @@ class Trainer:
                             else:
                                 called = time.perf_counter()
                                 steps, n, loss, done, k, norms, counted = self._c.epoch_run(chunk)
-                                if adapt:
-                                    chunk = _paced(chunk, time.perf_counter() - called)
+                                if not done:
+                                    chunk = _paced(chunk, self._slowest(time.perf_counter() - called))
                             steps_done += steps
                             if steps:
                                 self.model._grads_none = False  # the steps' gradients are in the buffer

@@ -9,7 +9,10 @@
  *    synchronises with it (stream or event), so a result read before its synchronisation is
  *    always stale, and a pinned host buffer reused before its copy ran is always read late.
  *    Copies to pageable host memory wait for the stream, and copies from it take the source
- *    at the call, as CUDA does.
+ *    at the call, as CUDA does. A collective (nccl*, or a graph launch holding one) runs its
+ *    stream's queue through it when queued: on a GPU it progresses without the host, and left
+ *    queued it would wait for this rank's next synchronisation, behind host collectives (MPI)
+ *    that the other ranks are already in: a deadlock that hardware does not have.
  *  - Kernels and GEMMs take their arguments at launch; a graph replays exactly those.
  *  - Capture follows cudaStreamCaptureModeThreadLocal: while a thread captures, its calls that
  *    would allocate or wait fail and invalidate the capture; the capturing stream records.
@@ -745,8 +748,10 @@ cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream) {
     /* one stream in an order the graph's edges allow: the first branch in its order, every other
      * branch's ops as late as they can run, where the first waits for them */
     std::map<int, std::deque<const op *>> later;
-    auto queue = [s](const op &o) {
+    bool collective = false; /* runs without the host: as queue_collective */
+    auto queue = [s, &collective](const op &o) {
         auto run = o.run;
+        collective = collective || strncmp(o.name, "nccl", 4) == 0;
         (void)submit(s, [run] { (*run)(); }, o.name); /* s is not capturing: cannot fail */
     };
     for (const op &o : exec->g.ops) {
@@ -764,6 +769,7 @@ cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream) {
     }
     for (auto &kv : later) /* none: a capture ends joined */
         for (const op *o : kv.second) queue(*o);
+    if (collective) flush(s);
     return cudaSuccess;
 }
 
@@ -1462,6 +1468,7 @@ static int queue_collective(const char *name, const void *send, void *recv, size
         }
         mpi_work(mc);
     }, name);
+    if (e == cudaSuccess && !in_graph) flush(resolve(stream)); /* it runs without the host */
     return e == cudaSuccess ? NCCL_OK : NCCL_INVALID_USAGE;
 }
 
