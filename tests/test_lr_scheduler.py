@@ -524,6 +524,42 @@ def test_a_schedule_per_step_fills_calls_of_at_most_max_rates_steps():
     assert params[0][1:] == params[1][1:] and params[0][2] == 17 * 200 + 5
 
 
+class _CountedCalls:
+    """A trainer's C object, recording the steps each epoch_run call is asked for."""
+
+    def __init__(self, c):
+        self._inner, self.asked = c, []
+
+    def epoch_run(self, steps, *args):
+        self.asked.append(steps)
+        return self._inner.epoch_run(steps, *args)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def test_a_schedule_per_step_grows_its_calls_up_to_max_rates_steps():
+    """600 steps: the calls start at 600 // 200 = 3 steps, double while quick and stop at
+    MAX_RATES (the rates a call takes); the run is the hand loop's."""
+    x, y = data(600)
+    params = []
+    for by_fit in (True, False):
+        model = cmlp.MLP(SIZES, seed=4)
+        opt = cmlp.optim.SGD(model, lr=1e-2, momentum=0.9)
+        sched = S.OneCycleLR(opt, max_lr=0.05, total_steps=600)
+        trainer = cmlp.Trainer(model, opt, batch_size=1, shuffle=False)
+        if by_fit:
+            trainer._c = _CountedCalls(trainer._c)
+            trainer.fit(x, y, epochs=1, progress=False, scheduler=sched, scheduler_interval="step")
+            asked = trainer._c.asked
+        else:
+            hand_loop(trainer, sched, x, y, 1, 1)
+        params.append((model._c.get_params(), opt.lr, opt.param_groups[0]["momentum"], sched.last_epoch))
+    assert asked[:4] == [3, 6, 12, cmlp._cmlp.MAX_RATES] and max(asked) == cmlp._cmlp.MAX_RATES, asked
+    np.testing.assert_array_equal(params[0][0], params[1][0])
+    assert params[0][1:] == params[1][1:] and params[0][3] == 600
+
+
 def test_fit_per_step_refusals_and_a_failed_call_leave_the_schedule_alone():
     x, y = data()
     model = cmlp.MLP(SIZES)

@@ -569,7 +569,7 @@ class Trainer:
                     bar = make_bar(total, f"epoch {first + epoch - 1}/{of}", show)
                     # a call's steps run without the host; each call begins and ends with a wait
                     # (its scalars), so a call of short steps (a GPU's, at a small batch) grows
-                    # towards CALL_SECONDS (per-step schedules: up to MAX_RATES steps)
+                    # towards CALL_SECONDS (a per-step schedule's, up to MAX_RATES steps)
                     chunk = max(1, total // 200)
                     samples, loss_sum, skipped, norm_sum, norm_steps, steps_done = 0, 0.0, 0, 0.0, 0, 0
                     first_lr = self.optimizer.lr
@@ -582,14 +582,15 @@ class Trainer:
                     try:
                         done = False
                         while not done:
+                            called = time.perf_counter()
                             if per_step:
                                 steps, n, loss, done, k, norms, counted = self._run_scheduled(
                                     scheduler, min(chunk, total - steps_done))
                             else:
-                                called = time.perf_counter()
                                 steps, n, loss, done, k, norms, counted = self._c.epoch_run(chunk)
-                                if not done:
-                                    chunk = _paced(chunk, self._slowest(time.perf_counter() - called))
+                            if not done:
+                                chunk = _paced(chunk, self._slowest(time.perf_counter() - called))
+                                chunk = min(chunk, _cmlp.MAX_RATES) if per_step else chunk
                             steps_done += steps
                             if steps:
                                 self.model._grads_none = False  # the steps' gradients are in the buffer
