@@ -75,7 +75,15 @@ def fit_case(opts):
     if opts.get("limit_rank") == r:
         filler = leave_room(trainer, opts.get("room", batch // 2), device)
     val = data(opts["val"], seed=7) if "val" in opts else None
-    hist = trainer.fit(x, y, epochs=epochs, progress=False, validation_data=val)
+
+    def schedule(opt):  # with "sched": OneCycleLR stepped with every optimizer step
+        if not opts.get("sched"):
+            return {}
+        steps = epochs * -(-n // (batch * w * kw["accumulation_steps"]))
+        return dict(scheduler=cmlp.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=steps),
+                    scheduler_interval="step")
+
+    hist = trainer.fit(x, y, epochs=epochs, progress=False, validation_data=val, **schedule(trainer.optimizer))
     least = np.array([min(h["microbatch_size"] for h in hist)], dtype=np.float64)
     D.all_reduce(least, "min")
     cmlp.memory.set_memory_limit(None, device)
@@ -85,7 +93,7 @@ def fit_case(opts):
     ref = cmlp.Trainer(ref_model, optimizer(ref_model, opts.get("opt")), batch_size=batch * w, distributed=False,
                        scaler=scaler(), **kw)
     q0 = params(ref_model)
-    ref_hist = ref.fit(x, y, epochs=epochs, progress=False, validation_data=val)
+    ref_hist = ref.fit(x, y, epochs=epochs, progress=False, validation_data=val, **schedule(ref.optimizer))
     p, q = params(model), params(ref_model)
     return dict(world=w, distributed=trainer.distributed, max_diff=float(np.abs(p - q).max()),
                 scale=float(np.abs(q).max()), rank_spread=spread(p),

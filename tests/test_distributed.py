@@ -156,6 +156,15 @@ def test_the_ranks_calls_into_the_epoch_loop_grow_together_and_shrink_after_one_
 
 
 @needs_mpi
+@pytest.mark.parametrize("opt", ["adam", "sgd"])
+def test_a_per_step_schedule_steps_every_rank_alike(opt):
+    # OneCycleLR moves the rate (and Adam's beta1, SGD's momentum) at every step; 2400 samples in
+    # steps of 2 * 4 make calls that grow from 1 step to MAX_RATES on every rank alike
+    out = run_job(2, "fit", {"sched": True, "opt": opt, "batch": 4, "n": 2400, "epochs": 1})
+    check_fit(out, 2, 1e-5, 1e-6)
+
+
+@needs_mpi
 def test_accumulation_sgd_momentum_and_no_shuffle():
     check_fit(run_job(2, "fit", {"accum": 3, "opt": "sgd", "shuffle": False, "n": 500}), 2, 1e-5, 1e-6)
 
@@ -312,6 +321,14 @@ def test_on_gpus_short_steps_and_ranks_without_samples(emulator):
     out = run_job(3, "fit", {"backend": "nccl", "device": "cuda", "n": 10, "batch": 1, "epochs": 1}, timeout=300,
                   emulated_gpu=True)
     check_fit(out, 3, 1e-5, 1e-6)
+
+
+@needs_emulated_nccl
+def test_on_gpus_a_per_step_schedule_steps_every_rank_alike(emulator):
+    # each step's rate from the call's table on the device, in the captured step with NCCL's sum
+    out = run_job(2, "fit", {"sched": True, "batch": 4, "n": 2400, "epochs": 1, "backend": "nccl", "device": "cuda"},
+                  timeout=300, emulated_gpu=True)
+    check_fit(out, 2, 1e-5, 1e-6)
 
 
 @needs_emulated_nccl
