@@ -145,8 +145,17 @@ static void split_stat(cmlp_allocator *a, const alloc_block *b, int sign) {
     } else if (!is_split(b)) {
         return;
     }
-    alloc_stat(a, CMLP_STAT_INACTIVE_SPLIT, b->seg->pool, sign * n);
-    alloc_stat(a, CMLP_STAT_INACTIVE_SPLIT_BYTES, b->seg->pool, sign * bytes);
+    a->split_net[b->seg->pool][0] += sign * n;
+    a->split_net[b->seg->pool][1] += sign * bytes;
+}
+
+/* The operation's net change of inactive_split into the statistics (before they are read). */
+static void split_settle(cmlp_allocator *a) {
+    for (int p = 0; p < NPOOLS; p++) {
+        if (a->split_net[p][0]) alloc_stat(a, CMLP_STAT_INACTIVE_SPLIT, p, a->split_net[p][0]);
+        if (a->split_net[p][1]) alloc_stat(a, CMLP_STAT_INACTIVE_SPLIT_BYTES, p, a->split_net[p][1]);
+        a->split_net[p][0] = a->split_net[p][1] = 0;
+    }
 }
 
 void alloc_pool_put(cmlp_allocator *a, alloc_block *b) {
@@ -530,6 +539,7 @@ cmlp_status cmlp_allocator_malloc(cmlp_allocator *a, size_t nbytes, const char *
     a->what = what;
     cmlp_status st = allocate(a, nbytes, what, out);
     a->what = NULL;
+    split_settle(a);
     pthread_mutex_unlock(&a->lock);
     return st;
 }
@@ -542,6 +552,7 @@ static cmlp_status free_of(cmlp_allocator *a, void *ptr, const char *what) {
     const char *held = other ? b->what : NULL; /* (b may be freed by its owner once unlocked) */
     if (other) table_put(a, b);                /* (the slot it left is free: no growth needed) */
     else if (b) release_block(a, b);
+    split_settle(a);
     pthread_mutex_unlock(&a->lock);
     if (other)
         return CMLP_FAIL(CMLP_ERR_INVALID, "pointer %p holds %s, not a block from %s: it stays allocated", ptr,
@@ -587,6 +598,7 @@ cmlp_status cmlp_allocator_cache_serves(cmlp_allocator *a, const size_t *nbytes,
         merge_free(a, b)->tick = age[k];
     }
     a->stats = stats;
+    memset(a->split_net, 0, sizeof a->split_net);
     a->window_peak = window_peak;
     a->dry_run = false;
     pthread_mutex_unlock(&a->lock);
@@ -635,6 +647,7 @@ void cmlp_allocator_reset_accumulated(cmlp_allocator *a) {
 void cmlp_allocator_empty_cache(cmlp_allocator *a) {
     pthread_mutex_lock(&a->lock);
     alloc_release_cached(a);
+    split_settle(a);
     pthread_mutex_unlock(&a->lock);
 }
 

@@ -92,6 +92,10 @@ struct cmlp_allocator {
     int64_t total_memory;
     cmlp_memory_stats stats;
     int64_t window_peak; /* the allocated bytes' peak since cmlp_allocator_window restarted it */
+    /* inactive_split's change (blocks, bytes) in the operation under way: the statistics take each
+     * operation's net change, as PyTorch's do (a block taken from its pool and put back in pieces
+     * is one change, not a free and an allocation) */
+    int64_t split_net[NPOOLS][2];
     alloc_pool pools[NPOOLS];
     alloc_segment *segments;
     table_slot *table; /* allocated blocks by address: open addressing, linear probing */

@@ -251,9 +251,11 @@ static size_t release_segment(cmlp_allocator *a, alloc_segment *s) {
     return size;
 }
 
-/* Every whole free segment and every free page of an expandable segment goes back. */
+/* Every whole free segment and every free page of an expandable segment goes back (after the
+ * device's work, which PyTorch counts in num_sync_all_streams). */
 size_t alloc_release_cached(cmlp_allocator *a) {
     size_t freed = 0;
+    a->stats.num_sync_all_streams++;
     for (alloc_segment *s = a->segments, *next; s; s = next) {
         next = s->next;
         if (whole_and_free(s)) freed += release_segment(a, s);

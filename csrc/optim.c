@@ -360,7 +360,9 @@ cmlp_status cmlp_optim_get_buffer(const cmlp_optim *o, int i, float *host_out) {
 void cmlp_optim_set_step(cmlp_optim *o, int64_t step) { o->step = step; }
 
 cmlp_status cmlp_optim_set_state(cmlp_optim *o, int64_t step, int nbuffers, const float *const *host) {
-    if (step < 0) return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer step count must be >= 0, got %lld", (long long)step);
+    /* below 2**53: a float64 holds the count exactly (the state_dict's), and no step can overflow it */
+    if (step < 0 || step >= ((int64_t)1 << 53))
+        return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer step count must be in [0, 2**53), got %lld", (long long)step);
     /* Adam: exp_avg and exp_avg_sq, and max_exp_avg_sq (AMSGrad's, kept when it is turned off);
      * SGD: its momentum buffer, kept at momentum 0 too */
     const bool adam = o->kind == CMLP_OPTIM_ADAM;

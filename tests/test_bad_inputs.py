@@ -202,6 +202,11 @@ def _cases():
         ("trainer-seed-none", lambda c: T(c.model, c.opt, seed=None), TypeError, r"seed must be an int"),
         ("trainer-normalize-std-0", lambda c: T(c.model, c.opt, normalize=(0.5, 0.0)), ValueError, r"normalize"),
         ("trainer-normalize-scalar", lambda c: T(c.model, c.opt, normalize=0.5), TypeError, r"normalize"),
+        ("trainer-normalize-text", lambda c: T(c.model, c.opt, normalize="12"), TypeError, r"normalize"),
+        ("mlp-normalize-bytes", lambda c: cmlp.MLP(SIZES, normalize=b"\x01\x02"), TypeError, r"normalize"),
+        ("mlp-normalize-bool", lambda c: cmlp.MLP(SIZES, normalize=(True, 2)), TypeError, r"normalize"),
+        ("mlp-normalize-three", lambda c: cmlp.MLP(SIZES, normalize=(0.5, 0.5, 0.5)), TypeError, r"normalize"),
+        ("mlp-normalize-overflow", lambda c: cmlp.MLP(SIZES, normalize=(10**400, 1.0)), ValueError, r"normalize"),
         ("fit-epochs-0", lambda c: c.trainer.fit(c.x, c.y, epochs=0, progress=False), ValueError, r"epochs"),
         ("fit-validation-not-pair", lambda c: c.trainer.fit(c.x, c.y, validation_data=c.x[:3], progress=False),
          TypeError, r"validation_data"),
@@ -756,6 +761,9 @@ def test_load_truncated_is_value_error(saved, fraction):
     pytest.param({"fc1.weight": np.zeros((F, H), np.float32)}, r"fc1.weight.*shape", id="weight-transposed"),
     pytest.param({"__layer_sizes__": np.asarray([F, H + 1, C])}, r"shape", id="sizes-disagree"),
     pytest.param({"__layer_sizes__": np.asarray([F, -H, C])}, r"layer size", id="sizes-negative"),
+    # refused before a model of 2**24 x 2**24 floats is made (a 64 TiB claim in a file of kilobytes)
+    pytest.param({"__layer_sizes__": np.asarray([2**24, 2**24])}, r"unexpected keys \['fc2.weight', 'fc2.bias'\]", id="sizes-huge"),
+    pytest.param({"__layer_sizes__": np.asarray([2**22, 64, C])}, r"fc1.weight.*shape", id="sizes-large"),
     pytest.param({"__layer_sizes__": np.asarray([[F, H, C]])}, r"1-D integer", id="sizes-2d"),
     pytest.param({"__layer_sizes__": np.asarray([F, H, C], dtype=np.float64)}, r"1-D integer", id="sizes-float"),
     pytest.param({"fc1.bias": np.full(H, np.nan, np.float32)}, r"NaN or inf", id="nan-parameter"),
@@ -774,6 +782,13 @@ def test_load_plain_npy_is_value_error(tmp_path):
     path = tmp_path / "weights.npy"
     np.save(path, np.zeros(10, np.float32))
     with pytest.raises(ValueError, match=r"weights\.npy"):
+        cmlp.MLP.load(path)
+
+
+def test_load_of_a_fifo_is_value_error_without_waiting_for_a_writer(tmp_path):
+    path = tmp_path / "m.npz"
+    os.mkfifo(path)
+    with pytest.raises(ValueError, match=r"not a regular file"):
         cmlp.MLP.load(path)
 
 
@@ -1056,3 +1071,23 @@ def test_a_model_file_whose_array_claims_more_than_memory_is_refused(tmp_path):
         z.writestr("fc1.weight.npy", b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + b"\0" * 16)
     with pytest.raises(ValueError, match="not a readable cmlp model file"):
         cmlp.MLP.load(path)
+
+
+def test_private_calls_hold_their_list_items_while_they_run():
+    """An item's __index__ that empties the list of requests, and the buffers of set_state, are
+    read from a copy of the list the call holds (a borrowed item was read after it was freed)."""
+    requests = []
+
+    class Emptying:
+        def __index__(self):
+            requests.clear()
+            return 8
+
+    requests.extend([Emptying()] + [1] * 15)
+    assert cmlp._cmlp.cache_serves("cpu", requests) in (True, False)
+    model = cmlp.MLP(SIZES)
+    opt = cmlp.optim.Adam(model, lr=1e-3)
+    n = model._c.get_params().size
+    with pytest.raises(ValueError, match=r"2\*\*53"):  # a count that the steps could overflow
+        opt._c.set_state(2**63 - 1, [np.zeros(n, np.float32)] * 2)
+    opt._c.set_state(2**53 - 1, [np.zeros(n, np.float32), np.ones(n, np.float32)])

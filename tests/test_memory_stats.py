@@ -550,3 +550,34 @@ def test_deleting_a_model_its_optimizer_trainer_and_schedule_frees_their_memory_
             assert M.memory_allocated(DEV) == base, kind
     finally:
         gc.enable()
+
+
+def test_inactive_split_totals_take_each_operation_s_net_change_and_releases_count_syncs():
+    """PyTorch's totals of inactive_split: a block split off a split block, or freed back into its
+    free neighbour, changes the bytes by its own size, not by a free and an allocation of the whole
+    remainder. 1000 bytes from a new 2 MiB small segment leave a split remainder (1 block,
+    2 MiB - 1024 bytes); 5000 bytes from it shrink it by 5120; freeing them grows it back. Each
+    release of the cache counts in num_sync_all_streams, as torch's does. (A process of its own:
+    the cache starts empty.)"""
+    code = ("import json, cmlp\n"
+            "M = cmlp.memory\n"
+            "a = M.caching_allocator_alloc(1000, 'cpu')\n"
+            "c = M.caching_allocator_alloc(5000, 'cpu')\n"
+            "M.caching_allocator_delete(c)\n"
+            "s = M.memory_stats('cpu')\n"
+            "M.caching_allocator_delete(a)\n"
+            "M.empty_cache('cpu')\n"
+            "M.empty_cache('cpu')\n"
+            "print(json.dumps([s, M.memory_stats('cpu')['num_sync_all_streams']]))\n")
+    import json
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    s, syncs = json.loads(r.stdout)
+    remainder = (2 << 20) - 1024
+    split = {m: s[f"inactive_split_bytes.small_pool.{m}"] for m in METRICS}
+    assert split == {"current": remainder, "peak": remainder, "allocated": remainder + 5120, "freed": 5120}
+    count = {m: s[f"inactive_split.small_pool.{m}"] for m in METRICS}
+    assert count == {"current": 1, "peak": 1, "allocated": 1, "freed": 0}
+    assert s["num_sync_all_streams"] == 0 and syncs == 2

@@ -70,10 +70,16 @@ def _check_labels(arr: np.ndarray, classes: int, name: str) -> None:
 
 
 def as_normalize(normalize: Any) -> Tuple[float, float]:
+    refused = TypeError(f"normalize must be a pair (mean, std) of numbers, got {normalize!r}")
+    if isinstance(normalize, (str, bytes, bytearray)):  # sequences, of characters and of ints
+        raise refused
     try:
-        mean, std = (float(v) for v in normalize)
-    except (TypeError, ValueError):
-        raise TypeError(f"normalize must be a pair (mean, std) of numbers, got {normalize!r}") from None
+        pair = tuple(normalize)
+        if len(pair) != 2:
+            raise refused
+        mean, std = (as_number("normalize", v) for v in pair)  # (a number too large: its ValueError)
+    except TypeError:
+        raise refused from None
     with np.errstate(over="ignore"):
         m32, s32 = np.float32(mean), np.float32(std)
     if not (np.isfinite(m32) and np.isfinite(s32)) or s32 == 0.0:

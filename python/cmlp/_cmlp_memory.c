@@ -110,17 +110,24 @@ static PyObject *mod_cache_serves(PyObject *mod, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OO!", &dev, &PyList_Type, &list)) return NULL;
     cmlp_device d;
     if (parse_device(state_of(mod), dev, &d) < 0) return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(list);
+    PyObject *items = items_of(list, "requests must be a list of ints"); /* (an __index__ may change the list) */
+    if (!items) return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(items);
     if (n > 16) {
+        Py_DECREF(items);
         PyErr_Format(PyExc_ValueError, "at most 16 requests can be tried, got %zd", n);
         return NULL;
     }
     int64_t req[16];
     for (Py_ssize_t i = 0; i < n; i++) {
-        long long v = PyLong_AsLongLong(PyList_GET_ITEM(list, i));
-        if (v == -1 && PyErr_Occurred()) return NULL;
+        long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(items, i));
+        if (v == -1 && PyErr_Occurred()) {
+            Py_DECREF(items);
+            return NULL;
+        }
         req[i] = v;
     }
+    Py_DECREF(items);
     int served = 0;
     cmlp_status st;
     GUARDED(st = cmlp_memory_cache_serves(d, req, (int)n, &served));

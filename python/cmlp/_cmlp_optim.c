@@ -177,16 +177,25 @@ static PyObject *Optim_set_state(OptimObject *self, PyObject *args) {
     PyObject *bufs;
     if (!PyArg_ParseTuple(args, "LO!", &step, &PyList_Type, &bufs)) return NULL;
     if (optim_ready(self) < 0) return NULL;
-    Py_ssize_t nb = PyList_GET_SIZE(bufs);
+    /* the buffers are held by a tuple of ours while the call runs without the GIL (the list may
+     * change meanwhile) */
+    PyObject *held = items_of(bufs, "buffers must be a list of arrays");
+    if (!held) return NULL;
+    Py_ssize_t nb = PyTuple_GET_SIZE(held);
     if (nb > 3) {
+        Py_DECREF(held);
         PyErr_SetString(PyExc_ValueError, "optimizer state has at most 3 buffers");
         return NULL;
     }
     const float *ptrs[3] = {NULL, NULL, NULL};
     for (Py_ssize_t i = 0; i < nb; i++)
-        if (as_flat(PyList_GET_ITEM(bufs, i), cmlp_model_num_parameters(self->model->m), &ptrs[i]) < 0) return NULL;
+        if (as_flat(PyTuple_GET_ITEM(held, i), cmlp_model_num_parameters(self->model->m), &ptrs[i]) < 0) {
+            Py_DECREF(held);
+            return NULL;
+        }
     cmlp_status st;
     RUN_LOCKED(self->model, st, cmlp_optim_set_state(self->o, step, (int)nb, ptrs));
+    Py_DECREF(held);
     if (st != CMLP_OK) return raise_status(self->model->ms, st);
     Py_RETURN_NONE;
 }

@@ -2,6 +2,7 @@
 validates and converts inputs, names tensors as PyTorch does, and saves atomically."""
 import copy
 import os
+import stat
 import weakref
 import zipfile
 import zlib
@@ -334,6 +335,8 @@ class MLP:
         """Reads a file written by save()."""
         path = os.fsdecode(path)  # str, bytes or os.PathLike
         try:
+            if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO's open would wait for a writer
+                raise ValueError("it is not a regular file")
             with open(path, "rb") as f:  # NumPy would read any other file as a refused pickle
                 magic = f.read(4)
             if magic not in (b"PK\x03\x04", b"PK\x05\x06"):  # a zip's first entry, or an empty zip
@@ -359,7 +362,22 @@ class MLP:
         normalize = arrays.pop(_NORMALIZE_KEY, np.array([0.5, 0.5]))
         if normalize.shape != (2,) or normalize.dtype.kind != "f":
             raise ValueError(f"{path}: {_NORMALIZE_KEY!r} must hold two floats (mean, std)")
-        model = cls([int(s) for s in sizes], device=device, normalize=(float(normalize[0]), float(normalize[1])))
+        claimed = [int(s) for s in sizes]
+        shapes = {}
+        for i, (n_in, n_out) in enumerate(zip(claimed, claimed[1:])):
+            shapes[f"fc{i + 1}.weight"], shapes[f"fc{i + 1}.bias"] = (n_out, n_in), (n_out,)
+        if min(claimed, default=0) >= 1 and any(k in shapes for k in arrays):
+            # the file's arrays against its layer sizes before a model of those sizes is made (they
+            # may claim more memory than there is)
+            missing, unexpected = [k for k in shapes if k not in arrays], [k for k in arrays if k not in shapes]
+            if missing or unexpected:
+                raise StateDictMismatch(f"{path}: state_dict does not match the model {claimed}: missing keys "
+                                        f"{missing}, unexpected keys {unexpected}")
+            for k, shape in shapes.items():
+                if arrays[k].shape != shape:
+                    raise StateDictMismatch(f"{path}: {k!r} has shape {arrays[k].shape}; layer sizes {claimed} "
+                                            f"need {shape}")
+        model = cls(claimed, device=device, normalize=(float(normalize[0]), float(normalize[1])))
         try:
             model.load_state_dict(arrays)
         except TypeError as e:  # an array of bools, strings or records
