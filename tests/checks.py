@@ -133,3 +133,18 @@ def fill_cache_but(device, room):
 def room_for(plan, kinds=("model", "optimizer_state", "step")):
     """The bytes a plan's requests of those kinds take as the allocator rounds them (512)."""
     return sum(-(-n // 512) * 512 for what, n in plan._requests if what in kinds)
+
+
+class CountedCalls:
+    """A trainer's C object (trainer._c = CountedCalls(trainer._c)), recording the steps each
+    epoch_run call is asked for."""
+
+    def __init__(self, c):
+        self._inner, self.asked = c, []
+
+    def epoch_run(self, steps, *args):
+        self.asked.append(steps)
+        return self._inner.epoch_run(steps, *args)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)

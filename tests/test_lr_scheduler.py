@@ -4,6 +4,8 @@ scheduler_interval="step", one per optimizer step.
 """
 import gc
 import math
+import os
+import sys
 import warnings
 
 import numpy as np
@@ -11,6 +13,9 @@ import pytest
 
 import cmlp
 from cmlp.optim import lr_scheduler as S
+
+sys.path.insert(0, os.path.dirname(__file__))
+from checks import CountedCalls  # noqa: E402
 
 SIZES = [12, 16, 3]
 
@@ -524,18 +529,6 @@ def test_a_schedule_per_step_fills_calls_of_at_most_max_rates_steps():
     assert params[0][1:] == params[1][1:] and params[0][2] == 17 * 200 + 5
 
 
-class _CountedCalls:
-    """A trainer's C object, recording the steps each epoch_run call is asked for."""
-
-    def __init__(self, c):
-        self._inner, self.asked = c, []
-
-    def epoch_run(self, steps, *args):
-        self.asked.append(steps)
-        return self._inner.epoch_run(steps, *args)
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
 
 
 def test_a_schedule_per_step_grows_its_calls_up_to_max_rates_steps():
@@ -549,7 +542,7 @@ def test_a_schedule_per_step_grows_its_calls_up_to_max_rates_steps():
         sched = S.OneCycleLR(opt, max_lr=0.05, total_steps=600)
         trainer = cmlp.Trainer(model, opt, batch_size=1, shuffle=False)
         if by_fit:
-            trainer._c = _CountedCalls(trainer._c)
+            trainer._c = CountedCalls(trainer._c)
             trainer.fit(x, y, epochs=1, progress=False, scheduler=sched, scheduler_interval="step")
             asked = trainer._c.asked
         else:

@@ -5,6 +5,9 @@ Every test restores the memory limit, so other tests are unaffected.
 """
 
 import gc
+import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -22,6 +25,13 @@ POOLS = ["all", "large_pool", "small_pool"]
 METRICS = ["current", "peak", "allocated", "freed"]
 SCALARS = ["num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free",
            "max_split_size"]
+
+
+def in_a_process_of_its_own(code):
+    """The standard output of Python running code in a new process (whose cache starts empty)."""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
 
 
 def rounded(n):
@@ -159,11 +169,7 @@ def test_a_model_that_does_not_fit_fails_before_drawing_its_parameters():
             "except cmlp.OutOfMemoryError:\n"
             "    print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024,"
             " cmlp.memory.memory_allocated('cpu'))\n")
-    import subprocess
-    import sys
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    grown_mib, allocated = map(int, r.stdout.split())
+    grown_mib, allocated = map(int, in_a_process_of_its_own(code).split())
     assert grown_mib < 64 and allocated == 0
 
 
@@ -569,12 +575,7 @@ def test_inactive_split_totals_take_each_operation_s_net_change_and_releases_cou
             "M.empty_cache('cpu')\n"
             "M.empty_cache('cpu')\n"
             "print(json.dumps([s, M.memory_stats('cpu')['num_sync_all_streams']]))\n")
-    import json
-    import subprocess
-    import sys
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    s, syncs = json.loads(r.stdout)
+    s, syncs = json.loads(in_a_process_of_its_own(code))
     remainder = (2 << 20) - 1024
     split = {m: s[f"inactive_split_bytes.small_pool.{m}"] for m in METRICS}
     assert split == {"current": remainder, "peak": remainder, "allocated": remainder + 5120, "freed": 5120}

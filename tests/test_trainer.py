@@ -4,6 +4,7 @@ big batch, uint8 normalisation, and the micro-batch size it reports.
 """
 
 import math
+import os
 import re
 import sys
 
@@ -11,6 +12,9 @@ import numpy as np
 import pytest
 
 import cmlp
+
+sys.path.insert(0, os.path.dirname(__file__))
+from checks import CountedCalls  # noqa: E402
 
 KEYS = {"loss", "val_loss", "val_accuracy", "seconds", "samples_per_second", "peak_memory_bytes",
         "microbatch_size", "skipped_steps", "grad_norm", "lr"}
@@ -316,18 +320,6 @@ def test_short_last_batch_is_its_own_step_normalised_by_its_size():
     assert rel_err(params(wrong), params(model)) > 1e-4
 
 
-class _CountedCalls:
-    """A trainer's C object, recording the steps each epoch_run call is asked for."""
-
-    def __init__(self, c):
-        self._inner, self.asked = c, []
-
-    def epoch_run(self, steps, *args):
-        self.asked.append(steps)
-        return self._inner.epoch_run(steps, *args)
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
 
 
 def test_fit_calls_the_epoch_loop_less_often_when_its_steps_are_short():
@@ -336,7 +328,7 @@ def test_fit_calls_the_epoch_loop_less_often_when_its_steps_are_short():
     the parameters are those of a step at a time."""
     x, y = teacher_data(480)
     model, _, trainer = make(batch_size=1, shuffle=False)
-    trainer._c = _CountedCalls(trainer._c)
+    trainer._c = CountedCalls(trainer._c)
     trainer.fit(x, y, epochs=1, progress=False)
     asked = trainer._c.asked
     assert asked[0] == 2 and len(asked) < 240
@@ -352,7 +344,7 @@ def test_fit_calls_the_epoch_loop_less_often_when_its_steps_are_short():
     assert trainer_module._paced(8, trainer_module.CALL_SECONDS) == 8
 
 
-class _FixedCalls(_CountedCalls):
+class _FixedCalls(CountedCalls):
     """Every epoch_run call asked for the same number of steps."""
 
     def __init__(self, c, steps):
