@@ -127,6 +127,8 @@ def as_flag(name: str, value: Any) -> bool:
 def as_number(name: str, value: Any) -> float:
     """A number, or a 0-d array or tensor holding one (torch.optim may keep lr as a tensor), as a
     float; the C core checks its range."""
+    if type(value) is float:  # (a schedule's rates, each step: the common case first)
+        return value
     scalar = (getattr(value, "ndim", None) == 0 and hasattr(value, "__float__")
               and getattr(getattr(value, "dtype", None), "kind", "f") in "iuf")
     if isinstance(value, bool) or not (isinstance(value, (int, float, np.integer, np.floating)) or scalar):

@@ -135,8 +135,9 @@ class OneCycleLR(LRScheduler):
             found = {k: group._extra[k] for k in self._GROUP_KEYS if k in mine and k in group._extra}
             if initial is not None:
                 found["initial_lr"] = initial
-            for key, value in found.items():
-                if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
+            for key, value in found.items():  # (a float first: the values the schedule wrote there)
+                if (type(value) is not float and (isinstance(value, bool) or not isinstance(value, numbers.Real))
+                        or not 0 <= value < math.inf):
                     raise ValueError(f"param_groups[{i}][{key!r}] must be a finite number >= 0, got {value!r}")
             taken.append({k: float(v) for k, v in found.items()})
         for mine, found in zip(self._groups, taken):
