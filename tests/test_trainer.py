@@ -338,10 +338,10 @@ def test_fit_calls_the_epoch_loop_less_often_when_its_steps_are_short():
         mt.step(x[i:i + 1], y[i:i + 1])
     assert_params_equal(model, manual)
     # calls that take long halve the next one's steps, down to one
-    from cmlp import trainer as trainer_module
-    assert trainer_module._paced(8, 4.1 * trainer_module.CALL_SECONDS) == 4
-    assert trainer_module._paced(1, 10.0) == 1
-    assert trainer_module._paced(8, trainer_module.CALL_SECONDS) == 8
+    from cmlp import _fit_loop
+    assert _fit_loop._paced(8, 4.1 * _fit_loop.CALL_SECONDS) == 4
+    assert _fit_loop._paced(1, 10.0) == 1
+    assert _fit_loop._paced(8, _fit_loop.CALL_SECONDS) == 8
 
 
 class _FixedCalls(CountedCalls):
