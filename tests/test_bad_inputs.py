@@ -6,6 +6,7 @@ C-contiguous float32 equivalent, and is never modified.
 """
 
 import gc
+import itertools
 import os
 import subprocess
 import sys
@@ -207,6 +208,9 @@ def _cases():
         ("mlp-normalize-bool", lambda c: cmlp.MLP(SIZES, normalize=(True, 2)), TypeError, r"normalize"),
         ("mlp-normalize-three", lambda c: cmlp.MLP(SIZES, normalize=(0.5, 0.5, 0.5)), TypeError, r"normalize"),
         ("mlp-normalize-overflow", lambda c: cmlp.MLP(SIZES, normalize=(10**400, 1.0)), ValueError, r"normalize"),
+        ("mlp-normalize-no-repr", lambda c: cmlp.MLP(SIZES, normalize=(10**5000, 1.0)), ValueError,
+         r"normalize must be finite in float32, got an int of 16610 bits"),
+        ("mlp-normalize-endless", lambda c: cmlp.MLP(SIZES, normalize=itertools.count()), TypeError, r"normalize"),
         ("fit-epochs-0", lambda c: c.trainer.fit(c.x, c.y, epochs=0, progress=False), ValueError, r"epochs"),
         ("fit-validation-not-pair", lambda c: c.trainer.fit(c.x, c.y, validation_data=c.x[:3], progress=False),
          TypeError, r"validation_data"),

@@ -146,13 +146,14 @@ def test_ranks_without_a_sample_in_the_last_step_add_nothing():
 
 @needs_mpi
 def test_the_ranks_calls_into_the_epoch_loop_grow_together_and_shrink_after_one_slow_rank():
-    # 600 steps a rank: the calls start at 600 // 200 = 3 steps and double while quick; the 4th
-    # call (24 steps) lasts over 0.4 s on rank 1 alone, and every rank halves the 5th
+    # 600 steps a rank: the calls start at 600 // 200 = 3 steps and double while quick (under
+    # 0.05 s: 24 steps by the 4th call, unless the machine is very busy); the 4th call lasts over
+    # 0.4 s on rank 1 alone, and every rank halves the 5th
     out = run_job(2, "calls", {"slow_call": 4, "slow_seconds": 0.5})
     assert out["count_spread"] == out["asked_spread"] == out["rank_spread"] == 0.0, out  # the same calls
     asked = out["asked"]
-    assert asked[:5] == [3, 6, 12, 24, 12], asked
-    assert sum(asked) >= 600 and len(asked) < 200 // 2, asked
+    assert asked[0] == 3 and max(asked[:4]) > 3 and asked[4] == asked[3] // 2, asked
+    assert sum(asked[:-1]) < 600 <= sum(asked), asked
 
 
 @needs_mpi

@@ -529,11 +529,10 @@ def test_a_schedule_per_step_fills_calls_of_at_most_max_rates_steps():
     assert params[0][1:] == params[1][1:] and params[0][2] == 17 * 200 + 5
 
 
-
-
 def test_a_schedule_per_step_grows_its_calls_up_to_max_rates_steps():
-    """600 steps: the calls start at 600 // 200 = 3 steps, double while quick and stop at
-    MAX_RATES (the rates a call takes); the run is the hand loop's."""
+    """600 steps: the calls start at 600 // 200 = 3 steps, double while quick (3, 6, 12, 16 unless
+    the machine is very busy) and stop at MAX_RATES (the rates a call takes); the run is the hand
+    loop's."""
     x, y = data(600)
     params = []
     for by_fit in (True, False):
@@ -548,7 +547,7 @@ def test_a_schedule_per_step_grows_its_calls_up_to_max_rates_steps():
         else:
             hand_loop(trainer, sched, x, y, 1, 1)
         params.append((model._c.get_params(), opt.lr, opt.param_groups[0]["momentum"], sched.last_epoch))
-    assert asked[:4] == [3, 6, 12, cmlp._cmlp.MAX_RATES] and max(asked) == cmlp._cmlp.MAX_RATES, asked
+    assert asked[0] == 3 and max(asked) == cmlp._cmlp.MAX_RATES and sum(asked[:-1]) < 600 <= sum(asked), asked
     np.testing.assert_array_equal(params[0][0], params[1][0])
     assert params[0][1:] == params[1][1:] and params[0][3] == 600
 

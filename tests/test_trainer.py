@@ -320,8 +320,6 @@ def test_short_last_batch_is_its_own_step_normalised_by_its_size():
     assert rel_err(params(wrong), params(model)) > 1e-4
 
 
-
-
 def test_fit_calls_the_epoch_loop_less_often_when_its_steps_are_short():
     """Each call into the C loop ends with a wait for the device: quick calls double their steps
     (2, 4, 8, ... for 480 steps of batch 1: 8 calls, not 480 // 2 = 240), slow ones halve, and

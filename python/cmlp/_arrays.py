@@ -1,5 +1,7 @@
 """Input conversion at the API boundary: any array-like in, a C-contiguous float32 or uint8
 matrix and int32 labels out, copying only when needed, with errors that name the argument."""
+import itertools
+import reprlib
 from typing import Any, Tuple
 
 import numpy as np
@@ -69,17 +71,30 @@ def _check_labels(arr: np.ndarray, classes: int, name: str) -> None:
             raise ValueError(f"{name} holds label {bad}, outside [0, {classes}): labels must be class indices")
 
 
-def as_normalize(normalize: Any) -> Tuple[float, float]:
-    refused = TypeError(f"normalize must be a pair (mean, std) of numbers, got {normalize!r}")
-    if isinstance(normalize, (str, bytes, bytearray)):  # sequences, of characters and of ints
-        raise refused
+def _shown(value: Any) -> str:
+    """repr(value) for a message, short (an int of 5000 digits has no repr in Python 3.11)."""
     try:
-        pair = tuple(normalize)
-        if len(pair) != 2:
-            raise refused
+        return reprlib.repr(value)
+    except ValueError:
+        return f"an int of {value.bit_length()} bits" if isinstance(value, int) else type(value).__name__
+
+
+def as_normalize(normalize: Any) -> Tuple[float, float]:
+    def refused() -> TypeError:
+        return TypeError(f"normalize must be a pair (mean, std) of numbers, got {_shown(normalize)}")
+
+    if isinstance(normalize, (str, bytes, bytearray)):  # sequences, of characters and of ints
+        raise refused()
+    try:
+        pair = tuple(itertools.islice(iter(normalize), 3))  # (an endless iterator: refused too)
+    except TypeError:
+        raise refused() from None
+    if len(pair) != 2:
+        raise refused()
+    try:
         mean, std = (as_number("normalize", v) for v in pair)  # (a number too large: its ValueError)
     except TypeError:
-        raise refused from None
+        raise refused() from None
     with np.errstate(over="ignore"):
         m32, s32 = np.float32(mean), np.float32(std)
     if not (np.isfinite(m32) and np.isfinite(s32)) or s32 == 0.0:
@@ -136,4 +151,4 @@ def as_number(name: str, value: Any) -> float:
     try:
         return float(value)
     except OverflowError:
-        raise ValueError(f"{name} must be finite in float32, got {value!r}") from None
+        raise ValueError(f"{name} must be finite in float32, got {_shown(value)}") from None

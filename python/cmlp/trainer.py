@@ -46,8 +46,6 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-
-
 def _positive_int(name: str, value: Any, limit: int = MAX_STEP_SAMPLES) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= value <= limit:
         bound = f"2**{limit.bit_length() - 1}" if limit & (limit - 1) == 0 else str(limit)
