@@ -297,12 +297,15 @@ def test_a_failed_step_holds_nothing_once_the_model_is_gone():
     M.empty_cache(DEV)
     start = M.memory_allocated(DEV)
     trainer = fresh(WIDE, WIDE_BATCH, "fp16", auto_microbatch=False)
+    taken = fill_cache_but(DEV, 0)
     M.set_memory_limit(M.memory_reserved(DEV), DEV)
     try:
         with pytest.raises(cmlp.OutOfMemoryError):
             trainer.step(x, y)
     finally:
         M.set_memory_limit(None, DEV)
+        for ptr in taken:
+            M.caching_allocator_delete(ptr)
     trainer = None
     gc.collect()
     assert M.memory_allocated(DEV) == start
@@ -316,6 +319,7 @@ def test_when_one_sample_does_not_fit_the_oom_says_so(how):
     x, y = data(WIDE, 64)
     trainer = fresh(WIDE, 64)
     saved = state(trainer)
+    taken = fill_cache_but(DEV, 0)  # other tests' free blocks would hold the optimizer state
     M.set_memory_limit(M.memory_reserved(DEV) + 4096, DEV)  # the optimizer state cannot be made
     try:
         with warnings.catch_warnings():
@@ -327,6 +331,8 @@ def test_when_one_sample_does_not_fit_the_oom_says_so(how):
                     trainer.fit(x, y, epochs=1, progress=False)
     finally:
         M.set_memory_limit(None, DEV)
+        for ptr in taken:
+            M.caching_allocator_delete(ptr)
     msg = str(info.value)
     assert isinstance(info.value, RuntimeError)
     for needle in ("out of memory", "1 sample", "parameters", "gradients", "optimizer state", "activations",
