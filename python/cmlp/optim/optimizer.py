@@ -227,6 +227,10 @@ class Optimizer(_StateDict):
         """Sets the groups' rates, weight decays and hyperparameters (checked first: all or
         nothing): the C optimizer is configured as the first group, its rate is the largest one,
         and each group's part steps at its multiple of it with its own settings."""
+        if lrs is not None and wds is None and owns is None and self._own_parts is not None:
+            lrs = [_rate("lr", v) for v in lrs]
+            if self._new_rates_only(lrs):  # (a schedule's step: what follows would change nothing else)
+                return
         lrs = [_rate("lr", v) for v in (self._lrs if lrs is None else lrs)]
         wds = [_rate("weight_decay", v) for v in (self._wds if wds is None else wds)]
         same_owns = owns is None  # (a schedule's rates: the groups' other settings as they are)
@@ -254,6 +258,19 @@ class Optimizer(_StateDict):
                 self._c_parts = before[2]
                 self._synced = None
             raise
+
+    def _new_rates_only(self, lrs: List[float]) -> bool:
+        """Sets the groups' rates (checked) where that changes the base rate alone: the C
+        configuration is the first group's and the parts it has are those of these rates' multiples
+        (False, and nothing set, where it is not so)."""
+        if len(lrs) != len(self._lrs) or self._wds[0] != self._c_wd or self._owns[0] != self._c_own:
+            return False
+        base, scales = self._split_rates(lrs)
+        if self._synced != (tuple(scales), tuple(self._wds), tuple(self._own_parts), False):
+            return False
+        self._c.lr = base
+        self._lrs = lrs
+        return True
 
     def _sync_parts(self, scales: Any, wds: Any = None, parts: bool = False, own: Any = None) -> None:
         """Gives the C optimizer each group's rate scale, weight decay and settings (own:
@@ -315,7 +332,7 @@ class Optimizer(_StateDict):
             scales = kept if kept is not None else [1.0] * len(lrs)
         else:
             scales = [v / base for v in lrs]
-            if kept is not None and all(abs(s - k) <= 1e-12 * k for s, k in zip(scales, kept)):
+            if kept is not None and (scales == kept or all(abs(s - k) <= 1e-12 * k for s, k in zip(scales, kept))):
                 scales = kept
         self._scales = scales
         self._split_memo = (list(lrs), base, scales)
@@ -509,7 +526,8 @@ class Optimizer(_StateDict):
         self._c.momentum = values[0]
         self._c_own = self._with_momentum(self._c_own, self._c.momentum)
         self._owns = [self._with_momentum(own, v) for own, v in zip(self._owns, values)]
-        self._own_parts = None  # the parts get them before the next step (_sync_parts)
+        if len(self._owns) > 1:  # (one group's part takes the configuration's settings whatever they are)
+            self._own_parts = None  # the parts get them before the next step (_sync_parts)
 
 
 def _unpickled(cls: type, model: MLP, args: Dict[str, Any]) -> Optimizer:

@@ -85,6 +85,8 @@ class LRScheduler:
     """Base: last_epoch counts step() calls (-1 before the first, which the constructor makes);
     base_lrs holds each param group's rate when the schedule began (torch's 'initial_lr')."""
 
+    _MOVES_MOMENTUM = False  # whether get_lr sets the optimizer's momenta too (put back when a step fails)
+
     def __init__(self, optimizer: Any, last_epoch: int = -1) -> None:
         self.optimizer = _optimizer(optimizer)
         # an int, or a float as a deprecated step(epoch) can leave it (torch takes it back too)
@@ -157,7 +159,8 @@ class LRScheduler:
     def _update_lr(self, epoch: Optional[float]) -> None:
         """The next epoch's rate (torch's recursive form), or with epoch that epoch's (the closed
         form where there is one): what SequentialLR asks of a schedule at its milestone."""
-        before, momentum = self.last_epoch, self.optimizer._momenta()
+        before = self.last_epoch
+        momentum = self.optimizer._momenta() if self._MOVES_MOMENTUM else None
         self._get_lr_called_within_step = True
         try:
             if epoch is None:
@@ -170,7 +173,8 @@ class LRScheduler:
             self.optimizer._set_group_lrs(lrs)  # all or nothing
         except BaseException as e:  # the optimizer as it was: get_lr may have moved the momentum
             self.last_epoch = before
-            self.optimizer._set_momentum(momentum)
+            if momentum is not None:
+                self.optimizer._set_momentum(momentum)
             if isinstance(e, (ZeroDivisionError, OverflowError)):
                 at = before + 1 if epoch is None else epoch
                 raise ValueError(f"{type(self).__name__} cannot compute the rate of epoch {at} with these "

@@ -24,6 +24,9 @@ def _restore(optimizer: Any, before: Tuple[Any, ...]) -> None:
         group._extra = extra
 
 
+_ABSENT = object()  # a key a group does not hold
+
+
 class OneCycleLR(LRScheduler):
     """The 1cycle policy, stepped after every optimizer step: the rate rises from
     max_lr / div_factor to max_lr over pct_start of total_steps, then anneals to
@@ -36,6 +39,7 @@ class OneCycleLR(LRScheduler):
     takes."""
 
     _GROUP_KEYS = ("max_lr", "min_lr", "max_momentum", "base_momentum")
+    _MOVES_MOMENTUM = True
 
     def __init__(self, optimizer: Any, max_lr: Any, total_steps: Optional[int] = None, epochs: Optional[int] = None,
                  steps_per_epoch: Optional[int] = None, pct_start: float = 0.3, anneal_strategy: str = "cos",
@@ -129,6 +133,8 @@ class OneCycleLR(LRScheduler):
     def _adopt(self) -> None:
         """The param groups' values, where code set or loaded them there (torch reads them from the
         groups at each step), checked all together before any is taken."""
+        if self._as_noted():
+            return
         taken = []
         for i, (group, mine) in enumerate(zip(self.optimizer.param_groups, self._groups)):
             initial = self.optimizer._initial_lrs[i]
@@ -143,6 +149,26 @@ class OneCycleLR(LRScheduler):
         for mine, found in zip(self._groups, taken):
             mine.update(found)
         self._note_seen(self.optimizer)
+
+    def _as_noted(self) -> bool:
+        """Whether the groups hold the very values last noted, each a valid float this schedule
+        holds too: then _adopt would change nothing (the common case: each step, a few checks)."""
+        seen = getattr(self, "_seen", None)
+        if seen is None or len(seen) != len(self._groups):
+            return False
+        initials = self.optimizer._initial_lrs
+        for group, mine, was, initial in zip(self.optimizer.param_groups, self._groups, seen, initials):
+            if initial is not None and (type(initial) is not float or mine.get("initial_lr") != initial
+                                        or not 0 <= initial < math.inf):
+                return False
+            extra = group._extra
+            for k in self._GROUP_KEYS:
+                v = extra.get(k, _ABSENT)
+                if v is not was.get(k, _ABSENT):
+                    return False
+                if v is not _ABSENT and k in mine and (type(v) is not float or v != mine[k] or not 0 <= v < math.inf):
+                    return False
+        return True
 
     def _note_seen(self, optimizer: Any) -> None:
         """What the groups hold now of the keys this schedule keeps there (see _mirror)."""
@@ -217,6 +243,8 @@ class CyclicLR(LRScheduler):
     the step), in every param group (base_lr, max_lr: a number, or a list with one per group);
     with cycle_momentum the momentum (Adam's beta1, SGD's momentum) moves the other way, between
     max_momentum and base_momentum (each a number, or a list with one per group)."""
+
+    _MOVES_MOMENTUM = True
 
     def __init__(self, optimizer: Any, base_lr: Any, max_lr: Any, step_size_up: int = 2000,
                  step_size_down: Optional[int] = None, mode: str = "triangular", gamma: float = 1.0,
