@@ -294,31 +294,40 @@ static void memory_users(cmlp_allocator *a, char *out, size_t cap) {
     }
 }
 
+/* PyTorch's message first (on a GPU its very words: code and people search for them), with what
+ * the allocator tried to get from the device (the segment); then the request as made, the largest
+ * free block and what would make the run fit. */
 static cmlp_status oom(cmlp_allocator *a, size_t nbytes, size_t size) {
-    char req[32], rnd[32], alc[32], res[32], cap[32], fre[32], big[32], unalloc[32], sg[32], seg_note[400] = "";
+    char tried[32], req[32], alc[32], cap[32], fre[32], big[32], unalloc[32], lim[128] = "", sg[32], seg_note[400] = "";
     char users[320];
     memory_users(a, users, sizeof users);
     int64_t r = reserved(a), al = a->stats.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].current;
-    int64_t total = a->limit >= 0 ? a->limit : a->total_memory;
+    int64_t device_free = a->backend->free_memory ? a->backend->free_memory(a->bctx) : -1;
+    if (device_free < 0) device_free = a->total_memory > r ? a->total_memory - r : 0;
     int64_t largest = largest_free(a);
     double frag = r > 0 ? 100.0 * (double)(r - al) / (double)r : 0.0;
     a->stats.num_ooms++;
-    cmlp_format_bytes(req, sizeof req, (int64_t)nbytes);
-    cmlp_format_bytes(rnd, sizeof rnd, (int64_t)size);
-    cmlp_format_bytes(alc, sizeof alc, al);
-    cmlp_format_bytes(res, sizeof res, r);
-    cmlp_format_bytes(unalloc, sizeof unalloc, r - al);
-    cmlp_format_bytes(cap, sizeof cap, total);
-    cmlp_format_bytes(fre, sizeof fre, total > r ? total - r : 0);
-    cmlp_format_bytes(big, sizeof big, largest);
-    note_oom(a, nbytes, a->what);
     /* a small request that fits in what is free can still need a whole new segment */
-    size_t seg = alloc_segment_size(&a->cfg, size);
-    if (!a->cfg.expandable_segments && seg > size) {
+    size_t seg = a->cfg.expandable_segments ? size : alloc_segment_size(&a->cfg, size);
+    cmlp_format_bytes(tried, sizeof tried, (int64_t)seg);
+    cmlp_format_bytes(req, sizeof req, (int64_t)nbytes);
+    cmlp_format_bytes(alc, sizeof alc, al);
+    cmlp_format_bytes(unalloc, sizeof unalloc, r - al);
+    cmlp_format_bytes(cap, sizeof cap, a->total_memory);
+    cmlp_format_bytes(fre, sizeof fre, device_free);
+    cmlp_format_bytes(big, sizeof big, largest);
+    if (a->limit >= 0) {
+        char l[32], lf[32];
+        cmlp_format_bytes(l, sizeof l, a->limit);
+        cmlp_format_bytes(lf, sizeof lf, a->limit > r ? a->limit - r : 0);
+        snprintf(lim, sizeof lim, " %s allowed (the memory limit, of which %s is free);", l, lf);
+    }
+    note_oom(a, nbytes, a->what);
+    if (seg > size) {
         char lsg[32];
         cmlp_format_bytes(sg, sizeof sg, (int64_t)seg);
         cmlp_format_bytes(lsg, sizeof lsg, a->cfg.large_segment_size);
-        const int64_t room = total > r ? total - r : 0;
+        const int64_t room = a->limit >= 0 ? (a->limit > r ? a->limit - r : 0) : device_free;
         snprintf(seg_note, sizeof seg_note,
                  " It needs a new segment of %s (requests up to 1 MiB share 2 MiB segments, up to 10 MiB %s "
                  "ones).%s", sg, lsg,
@@ -335,23 +344,26 @@ static cmlp_status oom(cmlp_allocator *a, size_t nbytes, size_t size) {
     const char *frag_hint = frag <= 20.0             ? ""
                             : a->cfg.expandable_segments ? " Reserved but unallocated memory is large: "
                                                            "empty_cache() returns free segments and tails."
-                                                         : " Reserved but unallocated memory is large: try "
-                                                           "configure(\"expandable_segments:True\") or a "
+                                                         : " If reserved but unallocated memory is large try setting "
+                                                           "expandable_segments:True (cmlp.memory.configure) or a "
                                                            "max_split_size_mb to avoid fragmentation.";
+    char head[192];
+    if (!strncmp(a->name, "cuda:", 5))
+        snprintf(head, sizeof head, "CUDA out of memory. Tried to allocate %s. GPU %s", tried, a->name + 5);
+    else
+        snprintf(head, sizeof head, "%s out of memory. Tried to allocate %s. The %s", a->name, tried, a->name);
     return CMLP_FAIL(CMLP_ERR_OOM,
-                     "%s out of memory. Tried to allocate %s (%zu bytes requested, rounded to %zu). %s %s is %s "
-                     "of which %s is free. Of the %s reserved, %s is allocated by cmlp and %s is reserved but "
-                     "unallocated; the largest free block is %s (fragmentation %.1f%%).%s%s%s%s",
-                     a->name, rnd, nbytes, size, a->name, a->limit >= 0 ? "memory limit" : "total capacity", cap, fre,
-                     res, alc, unalloc, big, frag, seg_note, frag_hint,
+                     "%s has a total capacity of %s of which %s is free.%s%s Of the allocated memory %s is "
+                     "allocated by cmlp, and %s is reserved by cmlp but unallocated. The request was %s (%zu "
+                     "bytes requested, rounded to %zu); the largest free block is %s (fragmentation %.1f%%).%s%s%s",
+                     head, cap, fre, users, lim, alc, unalloc, req, nbytes, size, big, frag, seg_note, frag_hint,
                      model_state ? " The model's parameters, gradients and optimizer state do not shrink with the "
                                    "batch: only a larger limit, a smaller model or less optimizer state (SGD without "
                                    "momentum keeps none; data-parallel, ZeroRedundancyOptimizer shards it) make "
                                    "them fit."
                                  : " Try micro-batches (Trainer(auto_microbatch=True) or a smaller batch_size with "
                                    "accumulation_steps), amp=\"fp16\" or \"bf16\", or for deep networks recompute=True "
-                                   "(cmlp.memory.plan says whether it saves memory).",
-                     users);
+                                   "(cmlp.memory.plan says whether it saves memory).");
 }
 
 static void refresh_config(cmlp_allocator *a);

@@ -1661,7 +1661,12 @@ def test_out_of_memory_under_a_limit_is_detailed_and_the_gpu_keeps_working():
             cmlp.MLP([4096, 1024, 10], device=CUDA)  # 16 MiB of parameters
         msg = str(info.value)
         assert isinstance(info.value, RuntimeError)
-        for needle in ("out of memory", "bytes requested", "memory limit"):
+        # PyTorch's words first: code and people search for them
+        head = ("cpu out of memory. Tried to allocate 18.00 MiB. The cpu" if CUDA == "cpu" else
+                f"CUDA out of memory. Tried to allocate 18.00 MiB. GPU {cmlp.cuda._device_index(CUDA)}")
+        assert msg.startswith(head + " has a total capacity of "), msg
+        for needle in ("bytes requested", "allowed (the memory limit", "Of the allocated memory", "is allocated by cmlp",
+                       "is reserved by cmlp but unallocated"):
             assert needle in msg, (needle, msg)
         s = M.memory_stats(CUDA)
         assert s["num_ooms"] == ooms + 1
@@ -2159,7 +2164,7 @@ def test_out_of_memory_names_the_processes_that_hold_the_gpu_as_torch():
     if out["listing"].startswith("NVML"):
         pytest.skip("NVML (libnvidia-ml.so.1) is not on this machine")
     lines = out["listing"].splitlines()
-    # the advice (for parameters: what the batch does not change) is whole, before any processes
+    # the advice (for parameters: what the batch does not change) is whole
     assert out["oom"].count("ZeroRedundancyOptimizer shards it) make them fit.") == 1, out["oom"]
     assert lines[0].startswith("GPU:")
     if lines[1:] == ["no processes are running"]:  # NVML may show a container no process at all
@@ -2169,7 +2174,8 @@ def test_out_of_memory_names_the_processes_that_hold_the_gpu_as_torch():
     if out["name"].startswith("cmlp emulated GPU"):
         assert f"process {4242:>10d} uses     1024.000 MB GPU memory" in lines
         assert any(line.startswith(f"process {out['pid']:>10d} uses") for line in lines)
-        assert "make them fit. Process 4242 has 1.00 GiB memory in use. Including memory outside " \
+        # where PyTorch's message has them: after the device's free memory
+        assert " is free. Process 4242 has 1.00 GiB memory in use. Including memory outside " \
                "cmlp's allocator, this process has" in out["oom"], out["oom"]
 
 
