@@ -5,7 +5,8 @@
  * to where a request needs them before more is reserved), and the allocation ladder (which,
  * unlike PyTorch's, searches the cache again after each release). With the history on, it notes
  * what it does (PyTorch's _record_memory_history): each block remembers what it holds and the
- * caller's context. Segments and the pages of expandable segments come from alloc_segments.c.
+ * caller's context. Segments and the pages of expandable segments come from alloc_segments.c,
+ * the out-of-memory error from alloc_oom.c.
  */
 #include "alloc_internal.h"
 
@@ -14,7 +15,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include <unistd.h>
 
 /* ---- history ---- */
 
@@ -28,8 +28,7 @@ static int64_t now_us(void) {
     return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
 }
 
-/* The caller's context for an entry that keeps it from mode `need` on. */
-static int64_t context_for(const cmlp_allocator *a, cmlp_context_mode need) {
+int64_t alloc_context_for(const cmlp_allocator *a, cmlp_context_mode need) {
     return a->hist.mode != CMLP_HISTORY_OFF && a->hist.context >= need ? current_context : 0;
 }
 
@@ -66,7 +65,7 @@ __attribute__((noinline)) void alloc_note_entry(cmlp_allocator *a, cmlp_trace_ac
 void alloc_note_segment(cmlp_allocator *a, cmlp_trace_action action, const void *addr, size_t size) {
     bool grows = action == CMLP_TRACE_SEGMENT_ALLOC || action == CMLP_TRACE_SEGMENT_MAP;
     const char *what = grows ? a->what : NULL;
-    note(a, action, addr, size, what, what ? context_for(a, CMLP_CONTEXT_ALLOC) : 0, 0);
+    note(a, action, addr, size, what, what ? alloc_context_for(a, CMLP_CONTEXT_ALLOC) : 0, 0);
 }
 
 /* ---- statistics ---- */
@@ -241,131 +240,6 @@ static bool should_split(const cmlp_allocator *a, const alloc_block *b, size_t s
     return !oversize(a, size) && rest > K_SMALL_SIZE;
 }
 
-/* The largest free block, counting the mapped pieces of an expandable segment's blocks. */
-static int64_t largest_free(const cmlp_allocator *a) {
-    size_t m = 0;
-    for (const alloc_segment *s = a->segments; s; s = s->next)
-        for (const alloc_block *b = s->first; b; b = b->next) {
-            size_t n = b->allocated ? 0 : s->expandable ? b->pmax : b->size;
-            if (n > m) m = n;
-        }
-    return (int64_t)m;
-}
-
-/* A request that failed; what was free: under the limit when there is one, else what the device
- * says it has (its driver's free memory), else its total less what is reserved. */
-static void note_oom(cmlp_allocator *a, size_t nbytes, const char *what) {
-    if (a->hist.mode != CMLP_HISTORY_ALL || (a->hist.skip >> CMLP_TRACE_OOM & 1u)) return;
-    int64_t r = reserved(a), free_bytes = -1;
-    if (a->limit >= 0) free_bytes = a->limit > r ? a->limit - r : 0;
-    else if (a->backend->free_memory) free_bytes = a->backend->free_memory(a->bctx);
-    if (free_bytes < 0) free_bytes = a->total_memory > r ? a->total_memory - r : 0;
-    note(a, CMLP_TRACE_OOM, NULL, nbytes, what, context_for(a, CMLP_CONTEXT_ALLOC), free_bytes);
-}
-
-/* torch's lines on who holds the device's memory: the other processes, then this one's whole use
- * (its CUDA context and anything outside the allocator too); "" where the device cannot tell. */
-static void memory_users(cmlp_allocator *a, char *out, size_t cap) {
-    out[0] = '\0';
-    enum { ASKED = 64, SHOWN = 4 };
-    int64_t pids[ASKED], bytes[ASKED], self = -2;
-    int n = a->backend->gpu_processes ? a->backend->gpu_processes(a->bctx, pids, bytes, ASKED) : -1;
-    size_t at = 0;
-    int shown = 0;
-    char b[32];
-    for (int i = 0; i < n && i < ASKED; i++) {
-        if (pids[i] == (int64_t)getpid()) {
-            self = bytes[i];
-        } else if (shown < SHOWN && at < cap) {
-            shown++;
-            cmlp_format_bytes(b, sizeof b, bytes[i]);
-            at += (size_t)(bytes[i] < 0 ? snprintf(out + at, cap - at, " Process %lld has memory in use.",
-                                                   (long long)pids[i])
-                                        : snprintf(out + at, cap - at, " Process %lld has %s memory in use.",
-                                                   (long long)pids[i], b));
-        }
-    }
-    /* past the first ASKED, this process (which holds a context here) is among the rest */
-    const int others = n - (self != -2 || n > ASKED);
-    if (others > shown && at < cap) at += (size_t)snprintf(out + at, cap - at, " (%d other processes.)", others);
-    if (self >= 0 && at < cap) {
-        cmlp_format_bytes(b, sizeof b, self);
-        snprintf(out + at, cap - at, " Including memory outside cmlp's allocator, this process has %s in use.", b);
-    }
-}
-
-/* PyTorch's message first (on a GPU its very words: code and people search for them), with what
- * the allocator tried to get from the device (the segment); then the request as made, the largest
- * free block and what would make the run fit. */
-static cmlp_status oom(cmlp_allocator *a, size_t nbytes, size_t size) {
-    char tried[32], req[32], alc[32], cap[32], fre[32], big[32], unalloc[32], lim[128] = "", sg[32], seg_note[400] = "";
-    char users[320];
-    memory_users(a, users, sizeof users);
-    int64_t r = reserved(a), al = a->stats.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].current;
-    int64_t device_free = a->backend->free_memory ? a->backend->free_memory(a->bctx) : -1;
-    if (device_free < 0) device_free = a->total_memory > r ? a->total_memory - r : 0;
-    int64_t largest = largest_free(a);
-    double frag = r > 0 ? 100.0 * (double)(r - al) / (double)r : 0.0;
-    a->stats.num_ooms++;
-    /* a small request that fits in what is free can still need a whole new segment */
-    size_t seg = a->cfg.expandable_segments ? size : alloc_segment_size(&a->cfg, size);
-    cmlp_format_bytes(tried, sizeof tried, (int64_t)seg);
-    cmlp_format_bytes(req, sizeof req, (int64_t)nbytes);
-    cmlp_format_bytes(alc, sizeof alc, al);
-    cmlp_format_bytes(unalloc, sizeof unalloc, r - al);
-    cmlp_format_bytes(cap, sizeof cap, a->total_memory);
-    cmlp_format_bytes(fre, sizeof fre, device_free);
-    cmlp_format_bytes(big, sizeof big, largest);
-    if (a->limit >= 0) {
-        char l[32], lf[32];
-        cmlp_format_bytes(l, sizeof l, a->limit);
-        cmlp_format_bytes(lf, sizeof lf, a->limit > r ? a->limit - r : 0);
-        snprintf(lim, sizeof lim, " %s allowed (the memory limit, of which %s is free);", l, lf);
-    }
-    note_oom(a, nbytes, a->what);
-    if (seg > size) {
-        char lsg[32];
-        cmlp_format_bytes(sg, sizeof sg, (int64_t)seg);
-        cmlp_format_bytes(lsg, sizeof lsg, a->cfg.large_segment_size);
-        const int64_t room = a->limit >= 0 ? (a->limit > r ? a->limit - r : 0) : device_free;
-        snprintf(seg_note, sizeof seg_note,
-                 " It needs a new segment of %s (requests up to 1 MiB share 2 MiB segments, up to 10 MiB %s "
-                 "ones).%s", sg, lsg,
-                 room >= (int64_t)size && room < (int64_t)seg
-                     ? " The request fits in what is free, its segment does not: expandable_segments:True "
-                       "(cmlp.memory.configure, or CMLP_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF in the environment) "
-                       "maps 2 MiB pages instead of whole segments."
-                     : "");
-    }
-    /* the model's own buffers do not shrink with the batch: micro-batches would not help */
-    const char *what = a->what ? a->what : "";
-    const bool model_state = !strcmp(what, "parameters") || !strcmp(what, "gradients") ||
-                             !strcmp(what, "optimizer state");
-    const char *frag_hint = frag <= 20.0             ? ""
-                            : a->cfg.expandable_segments ? " Reserved but unallocated memory is large: "
-                                                           "empty_cache() returns free segments and tails."
-                                                         : " If reserved but unallocated memory is large try setting "
-                                                           "expandable_segments:True (cmlp.memory.configure) or a "
-                                                           "max_split_size_mb to avoid fragmentation.";
-    char head[192];
-    if (!strncmp(a->name, "cuda:", 5))
-        snprintf(head, sizeof head, "CUDA out of memory. Tried to allocate %s. GPU %s", tried, a->name + 5);
-    else
-        snprintf(head, sizeof head, "%s out of memory. Tried to allocate %s. The %s", a->name, tried, a->name);
-    return CMLP_FAIL(CMLP_ERR_OOM,
-                     "%s has a total capacity of %s of which %s is free.%s%s Of the allocated memory %s is "
-                     "allocated by cmlp, and %s is reserved by cmlp but unallocated. The request was %s (%zu "
-                     "bytes requested, rounded to %zu); the largest free block is %s (fragmentation %.1f%%).%s%s%s",
-                     head, cap, fre, users, lim, alc, unalloc, req, nbytes, size, big, frag, seg_note, frag_hint,
-                     model_state ? " The model's parameters, gradients and optimizer state do not shrink with the "
-                                   "batch: only a larger limit, a smaller model or less optimizer state (SGD without "
-                                   "momentum keeps none; data-parallel, ZeroRedundancyOptimizer shards it) make "
-                                   "them fit."
-                                 : " Try micro-batches (Trainer(auto_microbatch=True) or a smaller batch_size with "
-                                   "accumulation_steps), amp=\"fp16\" or \"bf16\", or for deep networks recompute=True "
-                                   "(cmlp.memory.plan says whether it saves memory).");
-}
-
 static void refresh_config(cmlp_allocator *a);
 
 /* The rest of a block taken for `size` bytes goes back to the pool where the rules split it. */
@@ -404,13 +278,13 @@ static cmlp_status allocate(cmlp_allocator *a, size_t nbytes, const char *what, 
         if (!b && !a->device_error) b = new_memory(a, pool, size);
     }
     if (!b && a->device_error) return a->device_error; /* the backend said why */
-    if (!b) return oom(a, nbytes, size);
+    if (!b) return alloc_oom(a, nbytes, size);
     split_off(a, b, size);
     b->allocated = true;
     b->requested = nbytes;
     b->what = what;
-    b->context = context_for(a, CMLP_CONTEXT_STATE);
-    note(a, CMLP_TRACE_ALLOC, b->ptr, nbytes, what, context_for(a, CMLP_CONTEXT_ALLOC), 0);
+    b->context = alloc_context_for(a, CMLP_CONTEXT_STATE);
+    note(a, CMLP_TRACE_ALLOC, b->ptr, nbytes, what, alloc_context_for(a, CMLP_CONTEXT_ALLOC), 0);
     table_put(a, b);
     int p = b->seg->pool;
     alloc_stat(a, CMLP_STAT_ALLOCATION, p, 1);
@@ -450,7 +324,7 @@ static alloc_block *merge_free(cmlp_allocator *a, alloc_block *b) {
 static void release_block(cmlp_allocator *a, alloc_block *b) {
     int p = b->seg->pool;
     if (__builtin_expect(a->hist.mode == CMLP_HISTORY_ALL, 0)) {
-        int64_t context = context_for(a, CMLP_CONTEXT_ALL);
+        int64_t context = alloc_context_for(a, CMLP_CONTEXT_ALL);
         alloc_note_entry(a, CMLP_TRACE_FREE_REQUESTED, b->ptr, b->requested, b->what, context, 0);
         alloc_note_entry(a, CMLP_TRACE_FREE_COMPLETED, b->ptr, b->requested, b->what, context, 0);
     }
@@ -543,7 +417,7 @@ cmlp_status cmlp_allocator_malloc(cmlp_allocator *a, size_t nbytes, const char *
     if (nbytes > ((size_t)1 << 56)) {
         pthread_mutex_lock(&a->lock);
         a->stats.num_ooms++;
-        note_oom(a, nbytes, what);
+        alloc_note_oom(a, nbytes, what);
         pthread_mutex_unlock(&a->lock);
         return CMLP_FAIL(CMLP_ERR_OOM, "%s out of memory: a request of %zu bytes is impossibly large", a->name, nbytes);
     }
@@ -623,7 +497,7 @@ void cmlp_allocator_stats(cmlp_allocator *a, cmlp_memory_stats *out) {
     *out = a->stats;
     out->limit = a->limit;
     out->total_memory = a->total_memory;
-    out->largest_free_block = largest_free(a);
+    out->largest_free_block = alloc_largest_free(a);
     pthread_mutex_unlock(&a->lock);
 }
 

@@ -114,6 +114,13 @@ struct cmlp_allocator {
 /* Notes one history entry (alloc.c). */
 CMLP_HIDDEN void alloc_note_entry(cmlp_allocator *a, cmlp_trace_action action, const void *addr, size_t size,
                                   const char *what, int64_t context, int64_t device_free);
+/* The caller's context for an entry that keeps it from mode `need` on (alloc.c). */
+CMLP_HIDDEN int64_t alloc_context_for(const cmlp_allocator *a, cmlp_context_mode need);
+/* alloc_oom.c: the largest free block (the mapped pieces of an expandable segment's blocks); a
+ * failed request's history entry; the out-of-memory error for a request of nbytes (size rounded). */
+CMLP_HIDDEN int64_t alloc_largest_free(const cmlp_allocator *a);
+CMLP_HIDDEN void alloc_note_oom(cmlp_allocator *a, size_t nbytes, const char *what);
+CMLP_HIDDEN cmlp_status alloc_oom(cmlp_allocator *a, size_t nbytes, size_t size);
 /* Notes an action while the history is kept (one predictable branch otherwise). */
 static inline void note(cmlp_allocator *a, cmlp_trace_action action, const void *addr, size_t size, const char *what,
                         int64_t context, int64_t device_free) {
