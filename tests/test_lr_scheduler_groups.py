@@ -573,6 +573,54 @@ def test_one_cycle_keeps_its_settings_in_the_groups_and_torch_resumes_from_a_cml
     assert (sched.last_epoch, group_lrs(opt)) == before
 
 
+def test_a_refused_step_puts_back_the_momenta_a_schedule_of_the_callers_moved():
+    """A step whose rate the optimizer refuses leaves it as it was, the momenta too, where the
+    schedule's own code moved them first: a subclass's get_lr, a LambdaLR's function."""
+
+    class Warmup(S.LRScheduler):
+        def get_lr(self):
+            for g in self.optimizer.param_groups:
+                g["betas"] = (0.5, g["betas"][1])
+            return [-1.0] if self.last_epoch == 2 else [g["lr"] for g in self.optimizer.param_groups]
+
+    adam = cmlp.optim.Adam(cmlp.MLP([4, 3, 2]), lr=0.1)
+    sched = Warmup(adam)
+    adam.param_groups[0]["betas"] = (0.9, 0.999)
+    sched.step()
+    adam.param_groups[0]["betas"] = (0.9, 0.999)
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        sched.step()
+    assert sched.last_epoch == 1 and adam.param_groups[0]["betas"] == (0.9, 0.999) and adam._c.momentum == 0.9
+    sgd = cmlp_optimizer(3)
+
+    def slower(epoch):
+        sgd.param_groups[1]["momentum"] = 0.3
+        return -1.0 if epoch == 1 else 1.0
+
+    lam = S.LambdaLR(sgd, slower)
+    sgd.param_groups[1]["momentum"] = 0.9
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        lam.step()
+    assert lam.last_epoch == 0 and [g["momentum"] for g in sgd.param_groups] == [0.9] * 3
+
+
+def test_one_cycle_takes_a_groups_value_that_equals_its_own_but_is_not_the_same_float():
+    """OneCycleLR reads the groups' values at each step and keeps them as floats (float() of
+    them, -0.0 apart from 0.0): a value set in a group, kept over a loaded state's equal one (an
+    int, the other zero), is the one its state holds after the next step."""
+    opt = cmlp_optimizer(2)
+    sched = S.OneCycleLR(opt, max_lr=[0.5, 0.5], total_steps=STEPS)
+    sched.step()
+    saved = sched.state_dict()
+    saved["_groups"][0]["min_lr"], saved["_groups"][1]["max_lr"] = 0.0, 1
+    opt.param_groups[0]["min_lr"], opt.param_groups[1]["max_lr"] = -0.0, 1.0  # set since: kept (torch reads them)
+    sched.load_state_dict(saved)
+    sched.step()
+    held = sched.state_dict()["_groups"]
+    assert type(held[1]["max_lr"]) is float and held[1]["max_lr"] == 1.0, held
+    assert math.copysign(1.0, held[0]["min_lr"]) == -1.0, held
+
+
 def test_one_cycle_refuses_a_negative_max_lr_in_any_group_and_changes_nothing():
     opt = cmlp_optimizer(3)
     before = unchanged(opt)

@@ -85,7 +85,9 @@ class LRScheduler:
     """Base: last_epoch counts step() calls (-1 before the first, which the constructor makes);
     base_lrs holds each param group's rate when the schedule began (torch's 'initial_lr')."""
 
-    _MOVES_MOMENTUM = False  # whether get_lr sets the optimizer's momenta too (put back when a step fails)
+    # whether get_lr may set the optimizer's momenta too (put back when a step fails): this module's
+    # schedules that cycle them, and any defined elsewhere (__init_subclass__)
+    _MOVES_MOMENTUM = False
 
     def __init__(self, optimizer: Any, last_epoch: int = -1) -> None:
         self.optimizer = _optimizer(optimizer)
@@ -119,6 +121,8 @@ class LRScheduler:
         super().__init_subclass__(**kwargs)
         if cls.__module__.startswith(__package__ + ".") and "get_lr" in cls.__dict__:
             cls.get_lr = _warn_outside_step(cls.__dict__["get_lr"])
+        if not cls.__module__.startswith(__package__ + ".") and "_MOVES_MOMENTUM" not in cls.__dict__:
+            cls._MOVES_MOMENTUM = True  # a schedule of the caller's may set momenta in its get_lr
 
     def _initial_step(self) -> None:
         """The constructor's step (torch's): the step count starts again from it."""

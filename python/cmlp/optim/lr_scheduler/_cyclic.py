@@ -151,14 +151,15 @@ class OneCycleLR(LRScheduler):
         self._note_seen(self.optimizer)
 
     def _as_noted(self) -> bool:
-        """Whether the groups hold the very values last noted, each a valid float this schedule
-        holds too: then _adopt would change nothing (the common case: each step, a few checks)."""
+        """Whether the groups hold the very values last noted, each a valid float that this
+        schedule holds too (the same object: what _adopt's float() would give, -0.0 kept apart from
+        0.0): then _adopt would change nothing (the common case: each step, a few checks)."""
         seen = getattr(self, "_seen", None)
         if seen is None or len(seen) != len(self._groups):
             return False
         initials = self.optimizer._initial_lrs
         for group, mine, was, initial in zip(self.optimizer.param_groups, self._groups, seen, initials):
-            if initial is not None and (type(initial) is not float or mine.get("initial_lr") != initial
+            if initial is not None and (type(initial) is not float or mine.get("initial_lr") is not initial
                                         or not 0 <= initial < math.inf):
                 return False
             extra = group._extra
@@ -166,7 +167,7 @@ class OneCycleLR(LRScheduler):
                 v = extra.get(k, _ABSENT)
                 if v is not was.get(k, _ABSENT):
                     return False
-                if v is not _ABSENT and k in mine and (type(v) is not float or v != mine[k] or not 0 <= v < math.inf):
+                if v is not _ABSENT and k in mine and (type(v) is not float or v is not mine[k] or not 0 <= v < math.inf):
                     return False
         return True
 

@@ -14,6 +14,8 @@ class _LambdaSchedule(LRScheduler):
     """A schedule of a function of the epoch: one for every param group, or a list or tuple
     with one per group."""
 
+    _MOVES_MOMENTUM = True  # the caller's functions may set momenta in the param groups
+
     def __init__(self, optimizer: Any, lr_lambda: Any, last_epoch: int = -1) -> None:
         n = len(_optimizer(optimizer).param_groups)
         lambdas = _one_per_group(lr_lambda, n, lambda k: f"Expected {n} lr_lambdas, but got {k}")
