@@ -22,6 +22,8 @@ Measured in one process on one GPU, for batch 32, 8192 and 65536, in fp32 and fp
     3 layers; weight gradients [out,B]x[B,in] for 3 layers; input gradients [B,out]x[out,in]
     for layers 2 and 3) through torch.mm (cuBLAS), fp16 in and out, timed with CUDA events;
     the share is (FLOP of a step / cmlp step time) / (the same FLOP / cuBLAS time);
+  - a per-step schedule: cmlp ms/step at the smallest batch in fp32 with a OneCycleLR stepped
+    after every step (fit's scheduler_interval="step"), against the same fit without it;
   - one stream: cmlp ms/step at the smallest batch with CMLP_CUDA_STREAMS=1 (a child process:
     the setting is read when a device opens), where a step otherwise makes its weight gradients on
     a second stream beside the input-gradient chain; the gain is one stream's time over two's.
@@ -116,6 +118,22 @@ class CmlpBench:
         del trainer
         gc.collect()
         return 1e3 * loop / steps, 1e3 * (end - start) / steps, step_ms, micro
+
+    def scheduled_ms(self, x, y, batch, amp, epochs):
+        """ms/step by the loop's clock of the same fit with a OneCycleLR stepped after every step
+        (scheduler_interval="step": the rates and momenta travel with each call's scalars)."""
+        trainer = self.trainer(batch, amp)
+        steps = x.shape[0] // batch
+        sched = cmlp.optim.lr_scheduler.OneCycleLR(trainer.optimizer, max_lr=1e-3, total_steps=(epochs + 1) * steps)
+        trainer.fit(x, y, epochs=1, progress=False, scheduler=sched, scheduler_interval="step")  # warm-up
+        self.sync()
+        history = trainer.fit(x, y, epochs=epochs, progress=False, scheduler=sched, scheduler_interval="step")
+        returned = time.perf_counter()
+        self.sync()
+        loop = sum(h["seconds"] for h in history) + (time.perf_counter() - returned)
+        del trainer, sched
+        gc.collect()
+        return 1e3 * loop / (epochs * steps)
 
     def peak_bytes(self, x, y, batch, amp):
         gc.collect()
@@ -446,9 +464,22 @@ def main():
         print("targets not checked: they need PyTorch on a GPU")
     for what, value, met in checks:
         print(f"{what}: {value} ({'met' if met else 'MISSED'})")
+    small = min(plan)
+    if (small, None) in results:  # what a schedule stepped with every step adds (Python per step)
+        steps, epochs, _ = plan[small]
+        try:
+            ms = min(ours.scheduled_ms(x[:steps * small], y[:steps * small], small, None, epochs)
+                     for _ in range(repeats))
+            plain = results[(small, None)]["ms"]
+            print()
+            print("| batch | precision | cmlp ms/step | with OneCycleLR per step | added per step |")
+            print("|---:|---|---:|---:|---:|")
+            print(f"| {small} | fp32 | {plain:.4f} | {ms:.4f} | {1e3 * (ms - plain):+.1f} us |")
+        except Exception as e:  # noqa: BLE001 - reported, and the exit status says so
+            failures.append(f"per-step schedule: {type(e).__name__}: {e}")
+            log(f"bench_gpu: FAILED {failures[-1]}")
     # last, in a child process that a time limit may cut short: the results above are printed
     one = one_stream(args, device, failures)
-    small = min(plan)
     if one:
         print()
         print("| batch | precision | cmlp ms/step, two streams | one stream | gain of two |")

@@ -136,6 +136,7 @@ def test_the_gpu_benchmark_runs_on_the_emulated_cuda_backend():
     tail = r.stdout[-3000:] + r.stderr[-3000:]
     assert r.returncode == 0, tail
     assert "device: cuda" in r.stdout and "| 1024 | fp16 |" in r.stdout, tail
+    assert "| with OneCycleLR per step |" in r.stdout, tail  # the per-step schedule's row
     assert "FAILED" not in r.stdout + r.stderr, tail
 
 
@@ -181,6 +182,7 @@ def test_the_gpu_benchmark_runs_on_the_cpu():
     tail = r.stdout[-3000:] + r.stderr[-3000:]
     assert r.returncode == 0, tail
     assert "device: cpu" in r.stdout and "| 1024 | fp16 |" in r.stdout and "FAILED" not in r.stdout, tail
+    assert "| with OneCycleLR per step |" in r.stdout, tail
 
 
 _SCHEDULE_SCRIPT = r"""
