@@ -92,18 +92,23 @@ class CmlpBench:
         model = cmlp.MLP(SIZES, device=self.device, seed=0)
         return cmlp.Trainer(model, cmlp.optim.Adam(model, lr=1e-3), batch_size=batch, amp=amp, seed=0)
 
-    def fit_ms(self, x, y, batch, amp, epochs):
-        """(ms/step by the loop's clock, ms/step wall, ms/step of Trainer.step, micro-batch)."""
-        trainer = self.trainer(batch, amp)
-        trainer.fit(x, y, epochs=1, progress=False)  # warm-up: first use, captures, uploads
+    def timed_fit(self, trainer, x, y, epochs, **options):
+        """One warm-up epoch (first use, captures, uploads), then `epochs` timed: (history, seconds by
+        the loop's clock plus the wait for the queued work after it returns, seconds wall)."""
+        trainer.fit(x, y, epochs=1, progress=False, **options)
         self.sync()
         start = time.perf_counter()
-        history = trainer.fit(x, y, epochs=epochs, progress=False)
+        history = trainer.fit(x, y, epochs=epochs, progress=False, **options)
         returned = time.perf_counter()
         self.sync()
         end = time.perf_counter()
+        return history, sum(h["seconds"] for h in history) + (end - returned), end - start
+
+    def fit_ms(self, x, y, batch, amp, epochs):
+        """(ms/step by the loop's clock, ms/step wall, ms/step of Trainer.step, micro-batch)."""
+        trainer = self.trainer(batch, amp)
+        history, loop, wall = self.timed_fit(trainer, x, y, epochs)
         steps = epochs * (x.shape[0] // batch)
-        loop = sum(h["seconds"] for h in history) + (end - returned)
         calls = self.step_calls.get(batch, 3)
         rows = x.shape[0] // batch
         trainer.step(x[:batch], y[:batch])
@@ -117,7 +122,7 @@ class CmlpBench:
         micro = min(h["microbatch_size"] for h in history)
         del trainer
         gc.collect()
-        return 1e3 * loop / steps, 1e3 * (end - start) / steps, step_ms, micro
+        return 1e3 * loop / steps, 1e3 * wall / steps, step_ms, micro
 
     def scheduled_ms(self, x, y, batch, amp, epochs):
         """ms/step by the loop's clock of the same fit with a OneCycleLR stepped after every step
@@ -125,12 +130,7 @@ class CmlpBench:
         trainer = self.trainer(batch, amp)
         steps = x.shape[0] // batch
         sched = cmlp.optim.lr_scheduler.OneCycleLR(trainer.optimizer, max_lr=1e-3, total_steps=(epochs + 1) * steps)
-        trainer.fit(x, y, epochs=1, progress=False, scheduler=sched, scheduler_interval="step")  # warm-up
-        self.sync()
-        history = trainer.fit(x, y, epochs=epochs, progress=False, scheduler=sched, scheduler_interval="step")
-        returned = time.perf_counter()
-        self.sync()
-        loop = sum(h["seconds"] for h in history) + (time.perf_counter() - returned)
+        _, loop, _ = self.timed_fit(trainer, x, y, epochs, scheduler=sched, scheduler_interval="step")
         del trainer, sched
         gc.collect()
         return 1e3 * loop / (epochs * steps)
