@@ -1371,8 +1371,13 @@ def test_torch_cuda_memory_functions_port_to_cmlp_cuda():
                      cmlp.cuda.get_per_process_memory_fraction):  # these say why
             with pytest.raises(RuntimeError, match="CUDA is not available"):
                 call()
-        with pytest.raises(ValueError, match="Expected a cuda device"):
-            cmlp.cuda.memory_allocated("cpu")
+        for call in (cmlp.cuda.memory_allocated, cmlp.cuda.memory_summary, cmlp.cuda.mem_get_info,
+                     cmlp.cuda.synchronize):  # the CPU is no GPU: torch.cuda's words
+            with pytest.raises(ValueError, match="Expected a cuda device"):
+                call("cpu")
+        with pytest.raises(ValueError, match="Expected a cuda device"):  # not the CPU's limit, silently
+            cmlp.cuda.set_per_process_memory_fraction(0.0, "cpu")
+        assert M.get_memory_limit("cpu") is None
         return
     model = cmlp.MLP([784, 64, 10], device="cuda", seed=0)
     assert cmlp.cuda.memory_allocated() == M.memory_allocated("cuda") >= 4 * model.num_parameters()

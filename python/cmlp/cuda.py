@@ -187,9 +187,7 @@ def list_gpu_processes(device: "Optional[str | int]" = None) -> str:
 
 def synchronize(device: Optional[str] = None) -> None:
     """Waits for the device's queued work. Raises RuntimeError when CUDA is unavailable."""
-    from ._args import _device_text
-
-    _cmlp.synchronize("cuda" if device is None else _device_text(device))
+    _cmlp.synchronize(f"cuda:{_device_index(device)}")
 
 
 def mem_get_info(device: "Optional[str | int]" = None) -> Tuple[int, int]:
@@ -198,7 +196,7 @@ def mem_get_info(device: "Optional[str | int]" = None) -> Tuple[int, int]:
     is unavailable."""
     from .memory import mem_get_info as info
 
-    return info("cuda" if device is None else device)
+    return info(f"cuda:{_device_index(device)}")
 
 
 # torch.cuda's memory functions, as cmlp.memory's for a GPU: device None is "cuda" (the current
@@ -303,7 +301,7 @@ def memory_summary(device: "Optional[str | int]" = None, abbreviated: bool = Fal
     """cmlp.memory.memory_summary of a GPU (default: "cuda"), as torch.cuda.memory_summary."""
     from . import memory
 
-    return memory.memory_summary("cuda" if device is None else device, abbreviated=abbreviated)
+    return memory.memory_summary(f"cuda:{_device_index(device)}", abbreviated=abbreviated)
 
 
 def empty_cache() -> None:
@@ -319,4 +317,4 @@ def set_per_process_memory_fraction(fraction: float, device: "Optional[str | int
     """cmlp.memory.set_per_process_memory_fraction of a GPU (default: "cuda")."""
     from . import memory
 
-    memory.set_per_process_memory_fraction(fraction, "cuda" if device is None else device)
+    memory.set_per_process_memory_fraction(fraction, f"cuda:{_device_index(device)}")
