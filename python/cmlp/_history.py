@@ -18,6 +18,7 @@ import threading
 from typing import Any, Dict, List, Optional, Tuple
 
 from . import _cmlp
+from ._arrays import as_flag
 from ._files import atomic_write
 
 _ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "segment_map",
@@ -62,8 +63,13 @@ def _record(enabled: Optional[str] = "all", context: Optional[str] = "all", stac
     max_entries = max(1, min(max_entries, sys.maxsize))  # stopping reads none of it
     if isinstance(skip_actions, (str, bytes)):
         raise TypeError(f"skip_actions must be a list of action names, got the string {skip_actions!r}")
+    try:
+        skipped = list(skip_actions or ())
+    except TypeError:
+        raise TypeError(f"skip_actions must be a list of action names, got {skip_actions!r}") from None
+    clear_history = as_flag("clear_history", clear_history)
     skip = 0
-    for action in skip_actions or ():
+    for action in skipped:
         if action == "annotate":  # torch's, for annotations cmlp does not make
             continue
         if action not in _ACTIONS:
@@ -75,8 +81,7 @@ def _record(enabled: Optional[str] = "all", context: Optional[str] = "all", stac
     if enabled is None:
         context = None
     with _lock:
-        _cmlp.record_history(dev, _MODES[enabled], _CONTEXTS[context], max_entries, skip,
-                             bool(clear_history))
+        _cmlp.record_history(dev, _MODES[enabled], _CONTEXTS[context], max_entries, skip, clear_history)
         if enabled is None:
             _settings.pop(dev, None)
         else:
