@@ -122,6 +122,8 @@ def test_train_save_writes_a_loadable_model(trained):
     (["train", "--memory-history", "."], r"--memory-history '\.' is a directory"),
     (["train", "--memory-history", "nowhere/h.pickle"], r"the directory .*nowhere' does not exist"),
     (["train", "--save", "a.npz/"], r"names a directory"),
+    # a directory where nothing can be made, even by root (whom os.access lets write anywhere)
+    (["train", "--save", "/proc/x.npz"], r"--save '/proc/x.npz': cannot write in the directory '/proc'"),
     (["train", "--memory-history", "x" * 300 + ".pickle"], r"too long"),
     (["train", "--memory-limit", "0.5B"], r"a number of bytes is a whole number"),
     (["train", "--memory-limit", "1iB"], r"cannot read '1iB' as a size"),

@@ -10,6 +10,7 @@ import math
 import os
 import re
 import sys
+import tempfile
 from typing import Any, Callable, List, Optional, Tuple
 
 from . import MLP, Trainer, _cmlp, build_info, cuda, datasets, distributed, memory, optim
@@ -76,8 +77,13 @@ def _output(flag: str, example: str) -> Callable[[str], str]:
             raise argparse.ArgumentTypeError(f"{flag}: the file name {os.path.basename(text)!r} is too long")
         if not os.path.isdir(parent):
             raise argparse.ArgumentTypeError(f"{flag} {text!r}: the directory {parent!r} does not exist")
-        if not os.access(parent, os.W_OK):
-            raise argparse.ArgumentTypeError(f"{flag} {text!r}: the directory {parent!r} is not writable")
+        try:  # a file made there and removed, as the save makes its own: os.access says yes to root anywhere
+            fd, trial = tempfile.mkstemp(prefix=".cmlp-trial-", dir=parent)
+            os.close(fd)
+            os.unlink(trial)
+        except OSError as e:
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: cannot write in the directory {parent!r} "
+                                             f"({e.strerror or e})") from None
         return text
     return check
 
