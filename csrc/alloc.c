@@ -68,22 +68,6 @@ void alloc_note_segment(cmlp_allocator *a, cmlp_trace_action action, const void 
     note(a, action, addr, size, what, what ? alloc_context_for(a, CMLP_CONTEXT_ALLOC) : 0, 0);
 }
 
-/* ---- statistics ---- */
-
-static void stat_add(cmlp_stat *s, int64_t d) {
-    s->current += d;
-    if (d > 0) s->allocated += d;
-    else s->freed -= d;
-    if (s->current > s->peak) s->peak = s->current;
-}
-
-void alloc_stat(cmlp_allocator *a, cmlp_stat_kind k, int pool, int64_t d) {
-    stat_add(&a->stats.stat[k][CMLP_POOL_ALL], d);
-    if (k == CMLP_STAT_ALLOCATED_BYTES && a->stats.stat[k][CMLP_POOL_ALL].current > a->window_peak)
-        a->window_peak = a->stats.stat[k][CMLP_POOL_ALL].current;
-    if (k != CMLP_STAT_OVERSIZE_ALLOCATIONS && k != CMLP_STAT_OVERSIZE_SEGMENTS) stat_add(&a->stats.stat[k][spool(pool)], d);
-}
-
 /* ---- the table of allocated blocks ---- */
 
 static size_t slot_of(uintptr_t p, size_t cap) { return (size_t)(((uint64_t)p * 0x9E3779B97F4A7C15ull) >> 20) & (cap - 1); }
@@ -157,7 +141,8 @@ static void split_settle(cmlp_allocator *a) {
     }
 }
 
-void alloc_pool_put(cmlp_allocator *a, alloc_block *b) {
+/* (inline: the external definitions serve the other files; split and merge here get copies) */
+inline void alloc_pool_put(cmlp_allocator *a, alloc_block *b) {
     b->tick = ++a->tick;
     if (b->seg->expandable) {
         span_info m = alloc_mapped_span(b->seg, b->ptr, b->ptr + b->size);
@@ -170,7 +155,7 @@ void alloc_pool_put(cmlp_allocator *a, alloc_block *b) {
 }
 
 /* Must be called before the block's size, neighbours or mapped pages change. */
-void alloc_pool_take(cmlp_allocator *a, alloc_block *b) {
+inline void alloc_pool_take(cmlp_allocator *a, alloc_block *b) {
     alloc_tree_remove(&a->pools[b->seg->pool], b);
     split_stat(a, b, -1);
 }
@@ -245,7 +230,7 @@ static void refresh_config(cmlp_allocator *a);
 /* The rest of a block taken for `size` bytes goes back to the pool where the rules split it. */
 static void split_off(cmlp_allocator *a, alloc_block *b, size_t size) {
     if (!should_split(a, b, size)) return;
-    alloc_block *rest = calloc(1, sizeof *rest);
+    alloc_block *rest = alloc_block_new(a);
     if (!rest) return; /* without host memory for the split the whole block is handed out: still correct */
     *rest = (alloc_block){.ptr = b->ptr + size, .size = b->size - size, .seg = b->seg, .prev = b, .next = b->next};
     if (b->next) b->next->prev = rest;
@@ -306,7 +291,7 @@ static alloc_block *merge_free(cmlp_allocator *a, alloc_block *b) {
         prev->size += b->size;
         prev->next = next;
         if (next) next->prev = prev;
-        free(b);
+        alloc_block_drop(a, b);
         b = prev;
     }
     next = b->next;
@@ -315,7 +300,7 @@ static alloc_block *merge_free(cmlp_allocator *a, alloc_block *b) {
         b->size += next->size;
         b->next = next->next;
         if (next->next) next->next->prev = b;
-        free(next);
+        alloc_block_drop(a, next);
     }
     alloc_pool_put(a, b);
     return b;
@@ -404,6 +389,10 @@ void cmlp_allocator_destroy(cmlp_allocator *a) {
             a->backend->raw_free(a->bctx, s->base, s->size);
         }
         free(s);
+    }
+    for (alloc_block *b = a->spare, *bn; b; b = bn) {
+        bn = b->next;
+        free(b);
     }
     free(a->table);
     free(a->hist.ring);

@@ -12,14 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int floor_log2(size_t v) {
-    int r = -1;
-    while (v) {
-        v >>= 1;
-        r++;
-    }
-    return r;
-}
+static int floor_log2(size_t v) { return v ? 63 - __builtin_clzll((unsigned long long)v) : -1; }
 
 /* Interval i covers [2^i MiB, 2^(i+1) MiB); interval 0 also everything below 1 MiB. */
 static int roundup_interval(size_t size) {

@@ -10,6 +10,7 @@
 
 #include <pthread.h>
 #include <stdbool.h>
+#include <stdlib.h>
 
 #define MIB ((size_t)1 << 20)
 #define K_MIN_BLOCK ((size_t)512)    /* every request is rounded to this */
@@ -109,6 +110,8 @@ struct cmlp_allocator {
     cmlp_status device_error; /* a device call failed for a reason other than memory (recorded) */
     alloc_history hist;
     const char *what; /* the request being served: what its memory will hold */
+    alloc_block *spare; /* block structs that merges gave up, linked by `next`, for splits to reuse */
+    int nspare;
 };
 
 /* Notes one history entry (alloc.c). */
@@ -165,8 +168,45 @@ static inline bool oversize(const cmlp_allocator *a, size_t size) {
     return a->cfg.max_split_size >= 0 && size >= (size_t)a->cfg.max_split_size;
 }
 
-/* Statistics, the history and the pools (alloc.c). */
-CMLP_HIDDEN void alloc_stat(cmlp_allocator *a, cmlp_stat_kind k, int pool, int64_t d);
+/* Statistics: stat k moves by d, with its peak and totals, for all pools and (but for the
+ * oversize counts) for `pool`; allocated bytes also move the window's peak. Inline, so that the
+ * hot path's calls, with k constant, reduce to the stores they make. */
+static inline void stat_add(cmlp_stat *s, int64_t d) {
+    s->current += d;
+    if (d > 0) s->allocated += d;
+    else s->freed -= d;
+    if (s->current > s->peak) s->peak = s->current;
+}
+
+static inline void alloc_stat(cmlp_allocator *a, cmlp_stat_kind k, int pool, int64_t d) {
+    stat_add(&a->stats.stat[k][CMLP_POOL_ALL], d);
+    if (k == CMLP_STAT_ALLOCATED_BYTES && a->stats.stat[k][CMLP_POOL_ALL].current > a->window_peak)
+        a->window_peak = a->stats.stat[k][CMLP_POOL_ALL].current;
+    if (k != CMLP_STAT_OVERSIZE_ALLOCATIONS && k != CMLP_STAT_OVERSIZE_SEGMENTS) stat_add(&a->stats.stat[k][spool(pool)], d);
+}
+
+/* Block structs for splits, spares first: an allocation and its free make no heap call. Every
+ * field is the caller's to set; NULL without host memory. */
+#define MAX_SPARE_BLOCKS 64
+static inline alloc_block *alloc_block_new(cmlp_allocator *a) {
+    alloc_block *b = a->spare;
+    if (!b) return malloc(sizeof *b);
+    a->spare = b->next;
+    a->nspare--;
+    return b;
+}
+
+static inline void alloc_block_drop(cmlp_allocator *a, alloc_block *b) {
+    if (a->nspare == MAX_SPARE_BLOCKS) {
+        free(b);
+        return;
+    }
+    b->next = a->spare;
+    a->spare = b;
+    a->nspare++;
+}
+
+/* The history and the pools (alloc.c). */
 /* A segment's history entry, on behalf of the request being served (if any). */
 CMLP_HIDDEN void alloc_note_segment(cmlp_allocator *a, cmlp_trace_action action, const void *addr, size_t size);
 CMLP_HIDDEN void alloc_pool_put(cmlp_allocator *a, alloc_block *b);

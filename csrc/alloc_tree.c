@@ -8,66 +8,56 @@ static int key_less(const alloc_block *a, const alloc_block *b) {
     return (uintptr_t)a->ptr < (uintptr_t)b->ptr;
 }
 
-/* Splits t into (< key) and (>= key). */
-static void split(alloc_block *t, const alloc_block *key, alloc_block **lo, alloc_block **hi) {
-    if (!t) {
-        *lo = *hi = NULL;
-        return;
-    }
-    if (key_less(t, key)) {
-        split(t->right, key, &t->right, hi);
-        *lo = t;
-    } else {
-        split(t->left, key, lo, &t->left);
-        *hi = t;
-    }
-}
-
-static alloc_block *merge(alloc_block *a, alloc_block *b) {
-    if (!a) return b;
-    if (!b) return a;
-    if (a->prio > b->prio) {
-        a->right = merge(a->right, b);
-        return a;
-    }
-    b->left = merge(a, b->left);
-    return b;
-}
-
+/* Inserts b below the last node of higher priority on its search path; the subtree it replaces
+ * is split by b's key into b's two children. */
 void alloc_tree_insert(alloc_pool *p, alloc_block *b) {
     /* xorshift priorities: deterministic, well spread */
     p->seed ^= p->seed << 13;
     p->seed ^= p->seed >> 7;
     p->seed ^= p->seed << 17;
     b->prio = p->seed;
-    b->left = b->right = NULL;
-    alloc_block *lo, *hi;
-    split(p->root, b, &lo, &hi);
-    p->root = merge(merge(lo, b), hi);
+    alloc_block **link = &p->root;
+    while (*link && (*link)->prio > b->prio) link = key_less(*link, b) ? &(*link)->right : &(*link)->left;
+    alloc_block *t = *link, **lo = &b->left, **hi = &b->right;
+    while (t) {
+        if (key_less(t, b)) {
+            *lo = t;
+            lo = &t->right;
+            t = t->right;
+        } else {
+            *hi = t;
+            hi = &t->left;
+            t = t->left;
+        }
+    }
+    *lo = *hi = NULL;
+    *link = b;
     p->count++;
     p->bytes += b->size;
 }
 
-static alloc_block *erase(alloc_block *t, const alloc_block *b, int *found) {
-    if (!t) return NULL;
-    if (t == b) {
-        *found = 1;
-        return merge(t->left, t->right);
-    }
-    if (key_less(b, t)) t->left = erase(t->left, b, found);
-    else t->right = erase(t->right, b, found);
-    return t;
-}
-
+/* Unlinks b; its two subtrees merge in its place by priority. */
 int alloc_tree_remove(alloc_pool *p, alloc_block *b) {
-    int found = 0;
-    p->root = erase(p->root, b, &found);
-    if (found) {
-        p->count--;
-        p->bytes -= b->size;
-        b->left = b->right = NULL;
+    alloc_block **link = &p->root;
+    while (*link && *link != b) link = key_less(b, *link) ? &(*link)->left : &(*link)->right;
+    if (!*link) return 0;
+    alloc_block *l = b->left, *r = b->right;
+    while (l && r) {
+        if (l->prio > r->prio) {
+            *link = l;
+            link = &l->right;
+            l = l->right;
+        } else {
+            *link = r;
+            link = &r->left;
+            r = r->left;
+        }
     }
-    return found;
+    *link = l ? l : r;
+    p->count--;
+    p->bytes -= b->size;
+    b->left = b->right = NULL;
+    return 1;
 }
 
 alloc_block *alloc_tree_lower_bound(const alloc_pool *p, size_t size) {
