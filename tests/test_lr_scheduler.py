@@ -603,6 +603,25 @@ def test_a_schedule_resumes_on_an_optimizer_loaded_from_a_checkpoint():
         fresh.load_state_dict(bad)
 
 
+@pytest.mark.parametrize("bad", [None, [1, 2], {"last_epoch": "3"}, {"base_lrs": 0.1}, {"base_lrs": ["x"]},
+                                 {"_is_initial": 1}, {"_schedulers": [{"last_epoch": "3"}, {}]}, {"_schedulers": [{}]}],
+                         ids=["none", "list", "text-epoch", "number-for-list", "text-rate", "int-for-bool",
+                              "a-part's", "too-few-parts"])
+def test_a_state_dict_of_the_wrong_kind_is_refused_and_loads_nothing(bad):
+    def made():
+        opt = cmlp.optim.SGD(cmlp.MLP(SIZES), lr=0.1)
+        warmup = S.LinearLR(opt, start_factor=0.1, total_iters=4)
+        sched = S.SequentialLR(opt, [warmup, S.StepLR(opt, step_size=2, gamma=0.5)], milestones=[4]) \
+            if "_schedulers" in (bad or ()) else warmup
+        sched.step()
+        return sched
+
+    sched, twin = made(), made()
+    with pytest.raises((TypeError, ValueError), match="state_dict|schedules"):
+        sched.load_state_dict(bad)
+    assert rates(sched, 6) == rates(twin, 6)  # from where it was
+
+
 def test_a_refused_rate_leaves_the_schedule_where_it_was():
     opt, sched = make("LambdaLR", dict(lr_lambda=lambda e: 1.0 if e < 2 else -1.0))
     sched.step()

@@ -5,7 +5,9 @@ import math
 import numbers
 import types
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+
+import numpy as np
 
 
 def _optimizer(optimizer: Any) -> Any:
@@ -79,6 +81,38 @@ def _per_group(name: str, value: Any, optimizer: Any) -> List[float]:
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise TypeError(f"{name} must be a number, got {v!r}")
     return [float(v) for v in values]
+
+
+def _mismatch(was: Any, new: Any) -> bool:
+    """Whether a loaded value cannot stand where `was` stands: another kind of value (a number's
+    place takes a number, a text's a text, a list's a list, a dict's a mapping, of matching items
+    as far as both go); None stands where None stood, and replaces a value (torch's
+    ReduceLROnPlateau holds default_min_lr, or None with one min_lr per group)."""
+    if was is None or new is None:
+        return False
+    if isinstance(was, (bool, np.bool_)):
+        return not isinstance(new, (bool, np.bool_))
+    if isinstance(was, numbers.Real):
+        return isinstance(new, bool) or not isinstance(new, numbers.Real)
+    if isinstance(was, str):
+        return not isinstance(new, str)
+    if isinstance(was, (list, tuple)):
+        return not isinstance(new, (list, tuple)) or any(_mismatch(a, b) for a, b in zip(was, new))
+    if isinstance(was, dict):
+        return not isinstance(new, Mapping) or any(_mismatch(was[k], new[k]) for k in was if k in new)
+    return False
+
+
+def _check_state(schedule: Any, state_dict: Any) -> None:
+    """A state_dict as load_state_dict takes it: a mapping whose values are of the kinds this
+    schedule holds under the same names (checked before any is taken: a refused one loads nothing,
+    and the schedule goes on as it was, rather than failing at its next step)."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a dict (a schedule's state_dict()), got {type(state_dict).__name__}")
+    for key, value in state_dict.items():
+        if key in schedule.__dict__ and _mismatch(schedule.__dict__[key], value):
+            raise TypeError(f"state_dict[{key!r}] must be like {schedule.__dict__[key]!r} (this "
+                            f"{type(schedule).__name__}'s), got {value!r}")
 
 
 class LRScheduler:
@@ -164,7 +198,9 @@ class LRScheduler:
         """The next epoch's rate (torch's recursive form), or with epoch that epoch's (the closed
         form where there is one): what SequentialLR asks of a schedule at its milestone."""
         before = self.last_epoch
-        momentum = self.optimizer._momenta() if self._MOVES_MOMENTUM else None
+        # the groups' settings as they are (each change makes a new list of new dicts): their
+        # momenta are read from it only when the step fails
+        owns = self.optimizer._owns if self._MOVES_MOMENTUM else None
         self._get_lr_called_within_step = True
         try:
             if epoch is None:
@@ -177,8 +213,8 @@ class LRScheduler:
             self.optimizer._set_group_lrs(lrs)  # all or nothing
         except BaseException as e:  # the optimizer as it was: get_lr may have moved the momentum
             self.last_epoch = before
-            if momentum is not None:
-                self.optimizer._set_momentum(momentum)
+            if owns is not None:
+                self.optimizer._set_momentum([self.optimizer._part_fields(own)[0] for own in owns])
             if isinstance(e, (ZeroDivisionError, OverflowError)):
                 at = before + 1 if epoch is None else epoch
                 raise ValueError(f"{type(self).__name__} cannot compute the rate of epoch {at} with these "
@@ -199,6 +235,7 @@ class LRScheduler:
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        _check_state(self, state_dict)
         self.__dict__.update({k: v for k, v in state_dict.items() if k != "lr_lambdas"})
         for fn, saved in zip(getattr(self, "lr_lambdas", ()), state_dict.get("lr_lambdas") or ()):
             if saved is not None:

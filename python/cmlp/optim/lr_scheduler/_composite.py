@@ -2,7 +2,7 @@
 together)."""
 from bisect import bisect_right
 from typing import Any, Dict, List, Optional, Sequence
-from ._base import LRScheduler, _int, _optimizer
+from ._base import LRScheduler, _check_state, _int, _optimizer
 from ._plateau import ReduceLROnPlateau
 
 
@@ -35,10 +35,13 @@ class _Composite(LRScheduler):
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        parts = state_dict["_schedulers"]
-        if len(parts) != len(self._schedulers):
-            raise ValueError(f"the state_dict holds {len(parts)} schedules; this one is made of "
-                             f"{len(self._schedulers)}")
+        _check_state(self, state_dict)
+        parts = state_dict.get("_schedulers")
+        if not isinstance(parts, (list, tuple)) or len(parts) != len(self._schedulers):
+            raise ValueError(f"the state_dict holds {len(parts) if isinstance(parts, (list, tuple)) else 'no'} "
+                             f"schedules; this one is made of {len(self._schedulers)}")
+        for s, part in zip(self._schedulers, parts):  # all checked before any is loaded
+            _check_state(s, part)
         self.__dict__.update({k: v for k, v in state_dict.items() if k != "_schedulers"})
         for s, part in zip(self._schedulers, parts):
             s.load_state_dict(part)

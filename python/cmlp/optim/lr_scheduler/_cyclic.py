@@ -2,11 +2,12 @@
 CyclicLR."""
 import math
 import numbers
+import operator
 import types
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..._arrays import as_flag, as_number
-from ._base import LRScheduler, _is_int, _optimizer, _per_group
+from ._base import LRScheduler, _check_state, _is_int, _optimizer, _per_group
 
 
 def _settings(optimizer: Any) -> Tuple[Any, ...]:
@@ -151,29 +152,39 @@ class OneCycleLR(LRScheduler):
         self._note_seen(self.optimizer)
 
     def _as_noted(self) -> bool:
-        """Whether the groups hold the very values last noted, each a valid float that this
-        schedule holds too (the same object: what _adopt's float() would give, -0.0 kept apart from
-        0.0): then _adopt would change nothing (the common case: each step, a few checks)."""
-        seen = getattr(self, "_seen", None)
-        if seen is None or len(seen) != len(self._groups):
+        """Whether the groups hold the very objects last noted (see _note_seen): then _adopt would
+        change nothing (the common case: each step, one look at each value)."""
+        noted = getattr(self, "_noted", None)
+        if noted is None:
             return False
-        initials = self.optimizer._initial_lrs
-        for group, mine, was, initial in zip(self.optimizer.param_groups, self._groups, seen, initials):
-            if initial is not None and (type(initial) is not float or mine.get("initial_lr") is not initial
-                                        or not 0 <= initial < math.inf):
-                return False
+        held = []
+        for group, initial in zip(self.optimizer.param_groups, self.optimizer._initial_lrs):
             extra = group._extra
-            for k in self._GROUP_KEYS:
-                v = extra.get(k, _ABSENT)
-                if v is not was.get(k, _ABSENT):
-                    return False
-                if v is not _ABSENT and k in mine and (type(v) is not float or v is not mine[k] or not 0 <= v < math.inf):
-                    return False
-        return True
+            held.append(initial)
+            held += [extra.get(k, _ABSENT) for k in self._GROUP_KEYS]
+        return len(held) == len(noted) and all(map(operator.is_, held, noted))
 
     def _note_seen(self, optimizer: Any) -> None:
-        """What the groups hold now of the keys this schedule keeps there (see _mirror)."""
+        """What the groups hold now of the keys this schedule keeps there (see _mirror); and where
+        each is a valid float that this schedule holds too (the same object: what _adopt's float()
+        gives, -0.0 kept apart from 0.0), those objects with each group's initial rate, for
+        _as_noted."""
         self._seen = [{k: g._extra[k] for k in self._GROUP_KEYS if k in g._extra} for g in optimizer.param_groups]
+        self._noted: Optional[List[Any]] = None
+        if len(optimizer.param_groups) != len(self._groups):
+            return
+        noted = []
+        for group, mine, initial in zip(optimizer.param_groups, self._groups, optimizer._initial_lrs):
+            if initial is not None and (type(initial) is not float or mine.get("initial_lr") is not initial
+                                        or not 0 <= initial < math.inf):
+                return
+            noted.append(initial)
+            for k in self._GROUP_KEYS:
+                v = group._extra.get(k, _ABSENT)
+                if v is not _ABSENT and k in mine and (type(v) is not float or v is not mine[k] or not 0 <= v < math.inf):
+                    return
+                noted.append(v)
+        self._noted = noted
 
     @staticmethod
     def _annealing_cos(start: float, end: float, pct: float) -> float:
@@ -212,15 +223,16 @@ class OneCycleLR(LRScheduler):
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Also takes the state_dict of an older one-group schedule, which kept "_group"."""
+        _check_state(self, state_dict)
         if "_group" in state_dict and "_groups" not in state_dict:
             state_dict = {**{k: v for k, v in state_dict.items() if k != "_group"}, "_groups": [state_dict["_group"]]}
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != "_seen"})
+        super().load_state_dict({k: v for k, v in state_dict.items() if k not in ("_seen", "_noted")})
         # the loaded values go into the groups where they hold what this schedule put there; a value
         # set in a group since, or loaded with the optimizer's state_dict, wins, as torch reads the groups
         self._mirror(only_unchanged=True)
 
     def state_dict(self) -> Dict[str, Any]:
-        return {k: v for k, v in super().state_dict().items() if k != "_seen"}
+        return {k: v for k, v in super().state_dict().items() if k not in ("_seen", "_noted")}
 
 
 def _steps(name: str, value: Any) -> float:
@@ -320,6 +332,7 @@ class CyclicLR(LRScheduler):
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        _check_state(self, state_dict)
         saved = state_dict.get("_scale_fn_custom")
         self.__dict__.update({k: v for k, v in state_dict.items() if k != "_scale_fn_custom"})
         if saved is not None and self._scale_fn_custom is not None:

@@ -3,7 +3,7 @@ from math import inf
 from typing import Any, Dict, Optional
 
 from ..._arrays import as_number
-from ._base import LRScheduler, _deprecated_epoch, _int, _one_per_group, _optimizer
+from ._base import LRScheduler, _check_state, _deprecated_epoch, _int, _one_per_group, _optimizer
 
 
 class ReduceLROnPlateau(LRScheduler):
@@ -103,5 +103,6 @@ class ReduceLROnPlateau(LRScheduler):
             self.optimizer._set_group_lrs(reduced)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        _check_state(self, state_dict)
         self.__dict__.update(state_dict)
         self._init_is_better(self.mode, self.threshold, self.threshold_mode)
