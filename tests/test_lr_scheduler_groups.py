@@ -621,6 +621,47 @@ def test_one_cycle_takes_a_groups_value_that_equals_its_own_but_is_not_the_same_
     assert math.copysign(1.0, held[0]["min_lr"]) == -1.0, held
 
 
+def test_a_one_cycle_resumed_from_a_state_goes_on_apart_from_the_schedule_it_was_taken_from():
+    """Two runs forked from one in-memory checkpoint: a value set in the first run's group moves
+    the first schedule only, and the state taken before does not change with it."""
+    def one_group():
+        return cmlp.optim.SGD(cmlp.MLP(SIZES, seed=0), lr=LR, momentum=0.9)
+
+    first = one_group()
+    s1 = S.OneCycleLR(first, max_lr=0.5, total_steps=STEPS)
+    s1.step()
+    ckpt = {"opt": first.state_dict(), "sched": s1.state_dict()}
+    second = one_group()
+    s2 = S.OneCycleLR(second, max_lr=0.5, total_steps=STEPS)
+    second.load_state_dict(ckpt["opt"])
+    s2.load_state_dict(ckpt["sched"])
+    alone = one_group()  # the same resume, with no other run beside it
+    s3 = S.OneCycleLR(alone, max_lr=0.5, total_steps=STEPS)
+    alone.load_state_dict(ckpt["opt"])
+    s3.load_state_dict(ckpt["sched"])
+    first.param_groups[0]["max_lr"] = 2.0  # the first run only
+    for _ in range(3):
+        s1.step()
+        s2.step()
+        s3.step()
+        assert s2.get_last_lr() == s3.get_last_lr() != s1.get_last_lr()
+        assert momenta(second, "sgd") == momenta(alone, "sgd")
+    assert second.param_groups[0]["max_lr"] == 0.5 and ckpt["sched"]["_groups"][0]["max_lr"] == 0.5
+
+
+def test_a_schedules_state_with_rates_as_0d_arrays_loads_as_torchs_with_tensor_rates():
+    opt = cmlp_optimizer(2)
+    sched = S.StepLR(opt, step_size=2, gamma=0.5)
+    state = sched.state_dict()
+    state["base_lrs"] = [np.array(v) for v in state["base_lrs"]]  # torch keeps a tensor lr's as tensors
+    twin = S.StepLR(cmlp_optimizer(2), step_size=2, gamma=0.5)
+    twin.load_state_dict(state)
+    for _ in range(3):
+        sched.step()
+        twin.step()
+    assert twin.get_last_lr() == sched.get_last_lr()
+
+
 def test_one_cycle_refuses_a_negative_max_lr_in_any_group_and_changes_nothing():
     opt = cmlp_optimizer(3)
     before = unchanged(opt)

@@ -199,7 +199,7 @@ def test_max_entries_keeps_the_newest_and_skip_actions_leaves_out():
     ({"stacks": "cpp"}, ValueError), ({"max_entries": 0}, ValueError), ({"max_entries": 2.5}, TypeError),
     ({"max_entries": True}, TypeError), ({"skip_actions": ["malloc"]}, ValueError),
     ({"skip_actions": "alloc"}, TypeError), ({"skip_actions": 5}, TypeError), ({"clear_history": "yes"}, TypeError),
-    ({"clear_history": 2}, TypeError), ({"device": "gpu"}, ValueError), ({"device": 0.5}, TypeError),
+    ({"clear_history": [True]}, TypeError), ({"device": "gpu"}, ValueError), ({"device": 0.5}, TypeError),
 ])
 def test_bad_settings_raise_and_change_nothing(kwargs, error):
     M._record_memory_history(max_entries=100, device=DEV, context=None, skip_actions=["snapshot"])

@@ -11,14 +11,16 @@ Differences from torch, on purpose: enabled="state" keeps no history at all (tor
 entry), and cmlp's own first frame is there with stacks="all" whatever the older form's
 record_context_cpp says."""
 import inspect
+import numbers
 import os
 import pickle
 import sys
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
+import numpy as np
+
 from . import _cmlp
-from ._arrays import as_flag
 from ._files import atomic_write
 
 _ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "segment_map",
@@ -67,7 +69,10 @@ def _record(enabled: Optional[str] = "all", context: Optional[str] = "all", stac
         skipped = list(skip_actions or ())
     except TypeError:
         raise TypeError(f"skip_actions must be a list of action names, got {skip_actions!r}") from None
-    clear_history = as_flag("clear_history", clear_history)
+    # torch's takes what a C++ bool takes: None (False), a bool or a number's truth; not a text
+    if clear_history is not None and not isinstance(clear_history, (bool, np.bool_, numbers.Number)):
+        raise TypeError(f"clear_history must be a bool, got {clear_history!r}")
+    clear_history = bool(clear_history)
     skip = 0
     for action in skipped:
         if action == "annotate":  # torch's, for annotations cmlp does not make

@@ -158,17 +158,19 @@ class OneCycleLR(LRScheduler):
         if noted is None:
             return False
         held = []
-        for group, initial in zip(self.optimizer.param_groups, self.optimizer._initial_lrs):
+        for group, mine, initial in zip(self.optimizer.param_groups, self._groups, self.optimizer._initial_lrs):
             extra = group._extra
-            held.append(initial)
-            held += [extra.get(k, _ABSENT) for k in self._GROUP_KEYS]
+            held += [initial, mine.get("initial_lr", _ABSENT)]
+            for k in self._GROUP_KEYS:
+                held += [extra.get(k, _ABSENT), mine.get(k, _ABSENT)]
         return len(held) == len(noted) and all(map(operator.is_, held, noted))
 
     def _note_seen(self, optimizer: Any) -> None:
         """What the groups hold now of the keys this schedule keeps there (see _mirror); and where
         each is a valid float that this schedule holds too (the same object: what _adopt's float()
-        gives, -0.0 kept apart from 0.0), those objects with each group's initial rate, for
-        _as_noted."""
+        gives, -0.0 kept apart from 0.0), those objects and this schedule's, with each group's
+        initial rate, for _as_noted (this schedule's too: a value of its own that changed, however,
+        is seen)."""
         self._seen = [{k: g._extra[k] for k in self._GROUP_KEYS if k in g._extra} for g in optimizer.param_groups]
         self._noted: Optional[List[Any]] = None
         if len(optimizer.param_groups) != len(self._groups):
@@ -178,12 +180,12 @@ class OneCycleLR(LRScheduler):
             if initial is not None and (type(initial) is not float or mine.get("initial_lr") is not initial
                                         or not 0 <= initial < math.inf):
                 return
-            noted.append(initial)
+            noted += [initial, mine.get("initial_lr", _ABSENT)]
             for k in self._GROUP_KEYS:
                 v = group._extra.get(k, _ABSENT)
                 if v is not _ABSENT and k in mine and (type(v) is not float or v is not mine[k] or not 0 <= v < math.inf):
                     return
-                noted.append(v)
+                noted += [v, mine.get(k, _ABSENT)]
         self._noted = noted
 
     @staticmethod
@@ -226,13 +228,21 @@ class OneCycleLR(LRScheduler):
         _check_state(self, state_dict)
         if "_group" in state_dict and "_groups" not in state_dict:
             state_dict = {**{k: v for k, v in state_dict.items() if k != "_group"}, "_groups": [state_dict["_group"]]}
-        super().load_state_dict({k: v for k, v in state_dict.items() if k not in ("_seen", "_noted")})
+        state = {k: v for k, v in state_dict.items() if k not in ("_seen", "_noted")}
+        if "_groups" in state:  # its own dicts: the schedule it came from goes on with its own
+            state["_groups"] = [dict(g) for g in state["_groups"]]
+        self._noted = None  # (read again at the next step, however far the load gets)
+        super().load_state_dict(state)
         # the loaded values go into the groups where they hold what this schedule put there; a value
         # set in a group since, or loaded with the optimizer's state_dict, wins, as torch reads the groups
         self._mirror(only_unchanged=True)
 
     def state_dict(self) -> Dict[str, Any]:
-        return {k: v for k, v in super().state_dict().items() if k not in ("_seen", "_noted")}
+        """The schedule's state; its groups' values as copies (the state does not change when
+        the schedule later takes a value set in a group)."""
+        state = {k: v for k, v in super().state_dict().items() if k not in ("_seen", "_noted")}
+        state["_groups"] = [dict(g) for g in state["_groups"]]
+        return state
 
 
 def _steps(name: str, value: Any) -> float:
