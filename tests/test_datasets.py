@@ -200,6 +200,20 @@ def test_not_a_regular_file_is_refused_without_opening_it(tmp_path):
             datasets.load_idx(p)
 
 
+@pytest.mark.parametrize("gz", [False, True], ids=["raw", "gz"])
+def test_an_empty_shape_too_large_for_an_array_names_the_file(tmp_path, gz):
+    head = bytes([0, 0, 0x08, 3]) + struct.pack(">III", 0, 0xFFFFFFFF, 0xFFFFFFFF)  # no data, an impossible shape
+    p = write(tmp_path / "empty-huge", head, gz=gz)
+    with pytest.raises(ValueError, match="empty-huge: IDX header gives shape .* too large for an array"):
+        datasets.load_idx(p)
+
+
+@pytest.mark.parametrize("loader", ["mnist", "fashion_mnist"])
+def test_a_root_that_is_no_path_is_named(loader):
+    with pytest.raises(TypeError, match="root must be a directory's path"):
+        getattr(datasets, loader)(root=3)
+
+
 def test_more_dimensions_than_numpy_takes(tmp_path):
     p = write(tmp_path / "deep", bytes([0, 0, 0x08, 40]) + struct.pack(">" + "I" * 40, *([1] * 40)) + b"\x07")
     with pytest.raises(ValueError, match=r"deep: IDX header gives 40 dimensions \(at most 32"):

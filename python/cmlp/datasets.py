@@ -5,6 +5,7 @@ cached; every call reads the files again."""
 import gzip
 import math
 import os
+import sys
 import zlib
 
 import numpy as np
@@ -86,6 +87,8 @@ def _parse_idx(f, path, stored_size, compressed):
             f"{path}: IDX header claims shape {dims} of {dtype.name} ({expected} bytes of "
             f"data), more than a {stored_size}-byte gzip file can hold")
 
+    if math.prod(d for d in dims if d) * dtype.itemsize > sys.maxsize:  # (NumPy refuses such a shape, even empty)
+        raise ValueError(f"{path}: IDX header gives shape {dims}, too large for an array")
     payload = _read_exact(f, expected)
     if len(payload) < expected:
         raise ValueError(
@@ -185,6 +188,8 @@ def _load_set(title, dirs, how_to_get, download):
 
 
 def _candidate_dirs(root, subdirs):
+    if not isinstance(root, (str, bytes, os.PathLike)):
+        raise TypeError(f"root must be a directory's path (str, bytes or os.PathLike), got {root!r}")
     root = os.fsdecode(root)
     return [root] + [os.path.join(root, s) for s in subdirs]
 
