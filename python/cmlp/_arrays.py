@@ -139,14 +139,18 @@ def as_flag(name: str, value: Any) -> bool:
     raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
+def is_scalar(value: Any) -> bool:
+    """A 0-d array or tensor holding a real number."""
+    return (getattr(value, "ndim", None) == 0 and hasattr(value, "__float__")
+            and getattr(getattr(value, "dtype", None), "kind", "f") in "iuf")
+
+
 def as_number(name: str, value: Any) -> float:
     """A number, or a 0-d array or tensor holding one (torch.optim may keep lr as a tensor), as a
     float; the C core checks its range."""
     if type(value) is float:  # (a schedule's rates, each step: the common case first)
         return value
-    scalar = (getattr(value, "ndim", None) == 0 and hasattr(value, "__float__")
-              and getattr(getattr(value, "dtype", None), "kind", "f") in "iuf")
-    if isinstance(value, bool) or not (isinstance(value, (int, float, np.integer, np.floating)) or scalar):
+    if isinstance(value, bool) or not (isinstance(value, (int, float, np.integer, np.floating)) or is_scalar(value)):
         raise TypeError(f"{name} must be a number, got {value!r}")
     try:
         return float(value)

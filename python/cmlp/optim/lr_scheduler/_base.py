@@ -9,6 +9,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 
 import numpy as np
 
+from ..._arrays import is_scalar
+
 
 def _optimizer(optimizer: Any) -> Any:
     from .. import Optimizer
@@ -83,12 +85,6 @@ def _per_group(name: str, value: Any, optimizer: Any) -> List[float]:
     return [float(v) for v in values]
 
 
-def _scalar(value: Any) -> bool:
-    """A 0-d array or tensor of a real number."""
-    return (getattr(value, "ndim", None) == 0 and hasattr(value, "__float__")
-            and getattr(getattr(value, "dtype", None), "kind", "f") in "iuf")
-
-
 def _mismatch(was: Any, new: Any) -> bool:
     """Whether a loaded value cannot stand where `was` stands: another kind of value (a number's
     place takes a number, a text's a text, a list's a list, a dict's a mapping, of matching items
@@ -99,7 +95,7 @@ def _mismatch(was: Any, new: Any) -> bool:
     if isinstance(was, (bool, np.bool_)):
         return not isinstance(new, (bool, np.bool_))
     if isinstance(was, numbers.Real):  # (or a 0-d array or tensor: torch's rates may be tensors)
-        return isinstance(new, bool) or not (isinstance(new, numbers.Real) or _scalar(new))
+        return isinstance(new, bool) or not (isinstance(new, numbers.Real) or is_scalar(new))
     if isinstance(was, str):
         return not isinstance(new, str)
     if isinstance(was, (list, tuple)):
