@@ -649,6 +649,24 @@ def test_a_one_cycle_resumed_from_a_state_goes_on_apart_from_the_schedule_it_was
     assert second.param_groups[0]["max_lr"] == 0.5 and ckpt["sched"]["_groups"][0]["max_lr"] == 0.5
 
 
+def test_a_one_cycle_takes_the_values_another_schedule_of_its_optimizer_writes_into_the_groups():
+    """Two OneCycleLR schedules of one optimizer read the groups at each step, as torch's: a value
+    one of them writes there (its constructor, its loaded state) is the one the other's next step
+    takes."""
+    opt = cmlp_optimizer(2)
+    first = S.OneCycleLR(opt, max_lr=[0.5, 0.4], total_steps=STEPS)
+    first.step()
+    second = S.OneCycleLR(opt, max_lr=[0.3, 0.2], total_steps=STEPS)  # writes its values into the groups
+    first.step()
+    assert [g["max_lr"] for g in first.state_dict()["_groups"]] == [0.3, 0.2]
+    state = second.state_dict()
+    state["_groups"][0]["max_lr"] = 0.9
+    second.load_state_dict(state)  # into the groups, where they hold what it wrote there
+    assert opt.param_groups[0]["max_lr"] == 0.9
+    first.step()
+    assert [g["max_lr"] for g in first.state_dict()["_groups"]] == [0.9, 0.2]
+
+
 def test_a_schedules_state_with_rates_as_0d_arrays_loads_as_torchs_with_tensor_rates():
     opt = cmlp_optimizer(2)
     sched = S.StepLR(opt, step_size=2, gamma=0.5)

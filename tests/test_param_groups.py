@@ -744,3 +744,37 @@ def test_sgd_momentum_that_starts_within_a_call_starts_from_the_gradient(bounds,
     got = model.state_dict()
     for k in params:
         assert rel_err(got[k], params[k]) < 1e-5, k
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("kind", ["adam", "sgd"])
+def test_settings_changed_between_a_schedules_steps_are_the_ones_the_next_step_takes(kind, grouped):
+    """A schedule's step moves only the base rate while the groups' other settings stay as they
+    were; set between its steps (weight decay, momentum, eps, one group's rate alone), they are the
+    settings of the next optimizer step, as torch's."""
+    torch = pytest.importorskip("torch")
+    model, opt = make(kind, groups=GROUPS if grouped else None)
+    tensors = {k: torch.nn.Parameter(torch.from_numpy(v.copy())) for k, v in model.state_dict().items()}
+    tgroups = [{**g, "params": [tensors[k] for k in g["params"]]} for g in GROUPS] if grouped else \
+        list(tensors.values())
+    if kind == "sgd":
+        topt = torch.optim.SGD(tgroups, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.1)
+    else:
+        topt = torch.optim.Adam(tgroups, lr=1e-3, weight_decay=0.1)
+    sched = S.CosineAnnealingLR(opt, T_max=7, eta_min=1e-3)
+    tsched = torch.optim.lr_scheduler.CosineAnnealingLR(topt, T_max=7, eta_min=1e-3)
+    last = len(topt.param_groups) - 1
+    changes = {3: (last, "weight_decay", 0.02), 6: (0, "momentum", 0.5) if kind == "sgd" else (0, "betas", (0.7, 0.9)),
+               9: (0, "lr", 2e-3), 12: (last, "weight_decay", 0.0) if kind == "sgd" else (last, "eps", 1e-4)}
+    for i, (x, y) in enumerate(batches(8, 16)):
+        if i in changes:
+            g, key, value = changes[i]
+            for groups in (opt.param_groups, topt.param_groups):
+                groups[g][key] = value
+        step_with_torch(tensors, model, opt, topt, x, y)
+        sched.step()
+        tsched.step()
+        assert sched.get_last_lr() == tsched.get_last_lr() == [g["lr"] for g in opt.param_groups], i
+        got = model.state_dict()
+        for k, t in tensors.items():
+            assert rel_err(got[k], t.detach().numpy()) < 1e-6, (i, k)

@@ -125,7 +125,23 @@ class _ParamGroup(MutableMapping):
         self._ref = weakref.ref(opt)  # not a cycle: a deleted optimizer (and model) is freed at once
         self._index = index
         self._names = names  # the group's parameter tensors, in its order
-        self._extra: Dict[Any, Any] = {}
+        self._extra = {}
+
+    @property
+    def _extra(self) -> Dict[Any, Any]:
+        """The keys the caller (or a schedule) keeps in the group, as given; assigning it, like
+        setting or removing a key, marks the group as changed (_changed)."""
+        return self._kept
+
+    @_extra.setter
+    def _extra(self, kept: Dict[Any, Any]) -> None:
+        self._kept = kept
+        self._changed()
+
+    def _changed(self) -> None:
+        """A new stamp: code that noted the group's values under the one before (OneCycleLR) reads
+        them again. A new object each time, never the stamp of another group, nor of a copy."""
+        self._stamp = object()
 
     @property
     def _opt(self) -> "Optimizer":
@@ -147,6 +163,7 @@ class _ParamGroup(MutableMapping):
 
     def __setitem__(self, key: Any, value: Any) -> None:
         opt, i = self._opt, self._index
+        self._changed()
         if key == "params":
             raise ValueError("a cmlp optimizer's param groups are set when it is made: 'params' cannot change")
         if key == "lr":
@@ -183,6 +200,7 @@ class _ParamGroup(MutableMapping):
             raise
 
     def __delitem__(self, key: Any) -> None:
+        self._changed()
         if key in self._extra:
             del self._extra[key]
         elif key == "initial_lr" and self._opt._initial_lrs[self._index] is not None:

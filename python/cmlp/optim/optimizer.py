@@ -37,6 +37,7 @@ class Optimizer(_StateDict):
         self._synced: Any = None  # the (scales, weight decays) they were made of
         self._scales: Any = None  # the groups' multiples of the base rate last used
         self._split_memo: Any = None  # (rates, base, scales) of the last split
+        self._rates_only: Any = None  # what _new_rates_only last found in step (see there)
         self._runs_made: Any = None  # _runs()
         self._c = _cmlp.Optimizer(model._c, kind, **{**config, "weight_decay": self._c_wd})
         if not hasattr(self, "_settings"):  # the hyperparameters every group shares, as _apply last set them
@@ -227,10 +228,6 @@ class Optimizer(_StateDict):
         """Sets the groups' rates, weight decays and hyperparameters (checked first: all or
         nothing): the C optimizer is configured as the first group, its rate is the largest one,
         and each group's part steps at its multiple of it with its own settings."""
-        if lrs is not None and wds is None and owns is None and self._own_parts is not None:
-            lrs = [_rate("lr", v) for v in lrs]
-            if self._new_rates_only(lrs):  # (a schedule's step: what follows would change nothing else)
-                return
         lrs = [_rate("lr", v) for v in (self._lrs if lrs is None else lrs)]
         wds = [_rate("weight_decay", v) for v in (self._wds if wds is None else wds)]
         same_owns = owns is None  # (a schedule's rates: the groups' other settings as they are)
@@ -260,14 +257,20 @@ class Optimizer(_StateDict):
             raise
 
     def _new_rates_only(self, lrs: List[float]) -> bool:
-        """Sets the groups' rates (checked) where that changes the base rate alone: the C
+        """Sets the groups' rates (checked by the caller) where that changes the base rate alone: the C
         configuration is the first group's and the parts it has are those of these rates' multiples
         (False, and nothing set, where it is not so)."""
-        if len(lrs) != len(self._lrs) or self._wds[0] != self._c_wd or self._owns[0] != self._c_own:
+        if len(lrs) != len(self._lrs):
             return False
         base, scales = self._split_rates(lrs)
-        if self._synced != (tuple(scales), tuple(self._wds), tuple(self._own_parts), False):
-            return False
+        # the check depends on these values alone: made once for them, it holds while they are equal
+        # (each step of a schedule: the same objects, which the comparison finds equal at once)
+        seen = (self._synced, scales, self._wds, self._own_parts, self._owns, self._c_own, self._c_wd)
+        if seen != self._rates_only:
+            if self._wds[0] != self._c_wd or self._owns[0] != self._c_own \
+                    or self._synced != (tuple(scales), tuple(self._wds), tuple(self._own_parts), False):
+                return False
+            self._rates_only = seen
         self._c.lr = base
         self._lrs = lrs
         return True
@@ -321,6 +324,8 @@ class Optimizer(_StateDict):
         their proportions to 1e-12 (a schedule's rates, base * f(t) for each group, divide to
         multiples that move in the last bits only): a step then rounds the same rates to float,
         and a captured step goes on replaying with them."""
+        if len(lrs) == 1 and self._scales is not None:  # one group: its multiple is 1 (v / v), kept where v is 0
+            return lrs[0], self._scales
         memo = self._split_memo
         if memo is not None and memo[0] == lrs:  # asked again for the same rates (each step, several times)
             return memo[1], memo[2]
@@ -373,7 +378,10 @@ class Optimizer(_StateDict):
 
     def _set_group_lrs(self, lrs: Any) -> None:
         """Every group's rate at once (checked: a refused one changes none)."""
-        self._push_groups(lrs=list(lrs))
+        lrs = [v if type(v) is float and 0.0 <= v <= _FLT_MAX else _rate("lr", v) for v in lrs]
+        # (a schedule's step: where only the base rate moves, what _push_groups does would change nothing else)
+        if self._own_parts is None or not self._new_rates_only(lrs):
+            self._push_groups(lrs=lrs)
 
     def _set_group_wds(self, wds: Any) -> None:
         self._push_groups(wds=list(wds))
@@ -516,18 +524,26 @@ class Optimizer(_StateDict):
         to its own of a list (a schedule's per-group momenta, or _momenta()'s): the first group's is
         the configuration's, the others' go with their parts where they differ from it. A step on a
         device reads them there, so, like the rates, they change no captured step."""
-        values = [_num("momentum", v) for v in (value if isinstance(value, list) else [value] * len(self._owns))]
-        if len(values) != len(self._owns):
-            raise ValueError(f"expected {len(self._owns)} momenta, one per param group, got {len(values)}")
-        for v in values[1:]:  # as the C optimizer checks the first (and the parts, when they get them)
-            if not (0.0 <= v < 1.0 if self._kind == "adam" else 0.0 <= v <= _FLT_MAX):
-                raise ValueError(f"Invalid beta parameter at index 0: {v}" if self._kind == "adam" else
-                                 f"Invalid momentum value: {v} (must be >= 0 and finite in float32)")
-        self._c.momentum = values[0]
-        self._c_own = self._with_momentum(self._c_own, self._c.momentum)
-        self._owns = [self._with_momentum(own, v) for own, v in zip(self._owns, values)]
-        if len(self._owns) > 1:  # (one group's part takes the configuration's settings whatever they are)
-            self._own_parts = None  # the parts get them before the next step (_sync_parts)
+        owns, c, with_momentum = self._owns, self._c, self._with_momentum
+        if len(owns) == 1 and type(value) is list and len(value) == 1 and type(value[0]) is float:
+            values = value  # (a schedule's step with one group: the C optimizer checks it)
+        else:
+            values = [v if type(v) is float else _num("momentum", v)
+                      for v in (value if isinstance(value, list) else [value] * len(owns))]
+            if len(values) != len(owns):
+                raise ValueError(f"expected {len(owns)} momenta, one per param group, got {len(values)}")
+            for v in values[1:]:  # as the C optimizer checks the first (and the parts, when they get them)
+                if not (0.0 <= v < 1.0 if self._kind == "adam" else 0.0 <= v <= _FLT_MAX):
+                    raise ValueError(f"Invalid beta parameter at index 0: {v}" if self._kind == "adam" else
+                                     f"Invalid momentum value: {v} (must be >= 0 and finite in float32)")
+        c.momentum = values[0]
+        self._c_own = with_momentum(self._c_own, c.momentum)
+        if len(owns) == 1:
+            self._owns = [with_momentum(owns[0], values[0])]
+        else:
+            self._owns = [with_momentum(own, v) for own, v in zip(owns, values)]
+            self._own_parts = None  # the parts get them before the next step (_sync_parts); one group's
+            # part takes the configuration's settings whatever they are
 
 
 def _unpickled(cls: type, model: MLP, args: Dict[str, Any]) -> Optimizer:

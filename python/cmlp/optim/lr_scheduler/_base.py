@@ -199,10 +199,10 @@ class LRScheduler:
     def _update_lr(self, epoch: Optional[float]) -> None:
         """The next epoch's rate (torch's recursive form), or with epoch that epoch's (the closed
         form where there is one): what SequentialLR asks of a schedule at its milestone."""
-        before = self.last_epoch
+        before, optimizer = self.last_epoch, self.optimizer
         # the groups' settings as they are (each change makes a new list of new dicts): their
         # momenta are read from it only when the step fails
-        owns = self.optimizer._owns if self._MOVES_MOMENTUM else None
+        owns = optimizer._owns if self._MOVES_MOMENTUM else None
         self._get_lr_called_within_step = True
         try:
             if epoch is None:
@@ -212,11 +212,11 @@ class LRScheduler:
                 self.last_epoch = epoch
                 closed = getattr(self, "_get_closed_form_lr", None)
                 lrs = closed() if closed is not None else self.get_lr()
-            self.optimizer._set_group_lrs(lrs)  # all or nothing
+            optimizer._set_group_lrs(lrs)  # all or nothing
         except BaseException as e:  # the optimizer as it was: get_lr may have moved the momentum
             self.last_epoch = before
             if owns is not None:
-                self.optimizer._set_momentum([self.optimizer._part_fields(own)[0] for own in owns])
+                optimizer._set_momentum([optimizer._part_fields(own)[0] for own in owns])
             if isinstance(e, (ZeroDivisionError, OverflowError)):
                 at = before + 1 if epoch is None else epoch
                 raise ValueError(f"{type(self).__name__} cannot compute the rate of epoch {at} with these "
@@ -224,7 +224,7 @@ class LRScheduler:
             raise
         finally:
             self._get_lr_called_within_step = False
-        self._last_lr = self.optimizer._group_lrs()
+        self._last_lr = list(optimizer._lrs)  # (what _group_lrs() gives, without the call)
 
     def state_dict(self) -> Dict[str, Any]:
         """Everything but the optimizer; as in torch, of a LambdaLR's or MultiplicativeLR's

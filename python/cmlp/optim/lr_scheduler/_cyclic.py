@@ -26,6 +26,7 @@ def _restore(optimizer: Any, before: Tuple[Any, ...]) -> None:
 
 
 _ABSENT = object()  # a key a group does not hold
+_STAMP = operator.attrgetter("_stamp")  # a param group's (see _ParamGroup._changed)
 
 
 class OneCycleLR(LRScheduler):
@@ -129,6 +130,7 @@ class OneCycleLR(LRScheduler):
                 if k not in mine or (only_unchanged and seen and group._extra.get(k, mine[k]) != seen[i].get(k)):
                     continue
                 group._extra[k] = mine[k]
+            group._changed()  # (other schedules of the optimizer read them again)
         self._note_seen(optimizer)
 
     def _adopt(self) -> None:
@@ -152,41 +154,36 @@ class OneCycleLR(LRScheduler):
         self._note_seen(self.optimizer)
 
     def _as_noted(self) -> bool:
-        """Whether the groups hold the very objects last noted (see _note_seen): then _adopt would
-        change nothing (the common case: each step, one look at each value)."""
+        """Whether the groups and this schedule hold what was last noted (see _note_seen): then
+        _adopt would change nothing (the common case: each step, one look at each stamp)."""
         noted = getattr(self, "_noted", None)
         if noted is None:
             return False
-        held = []
-        for group, mine, initial in zip(self.optimizer.param_groups, self._groups, self.optimizer._initial_lrs):
-            extra = group._extra
-            held += [initial, mine.get("initial_lr", _ABSENT)]
-            for k in self._GROUP_KEYS:
-                held += [extra.get(k, _ABSENT), mine.get(k, _ABSENT)]
-        return len(held) == len(noted) and all(map(operator.is_, held, noted))
+        optimizer = self.optimizer
+        return noted[0] is optimizer._initial_lrs and noted[1] == self._groups \
+            and noted[2] == list(map(_STAMP, optimizer._param_groups))
 
     def _note_seen(self, optimizer: Any) -> None:
         """What the groups hold now of the keys this schedule keeps there (see _mirror); and where
         each is a valid float that this schedule holds too (the same object: what _adopt's float()
-        gives, -0.0 kept apart from 0.0), those objects and this schedule's, with each group's
-        initial rate, for _as_noted (this schedule's too: a value of its own that changed, however,
-        is seen)."""
+        gives, -0.0 kept apart from 0.0), as is each group's initial rate: the list of initial
+        rates (replaced where they are, or changed in place through a group), a copy of this
+        schedule's values (one that changed, however, is seen) and each group's stamp (a key of it
+        set, removed or loaded since makes a new one; see _ParamGroup._changed), for _as_noted."""
         self._seen = [{k: g._extra[k] for k in self._GROUP_KEYS if k in g._extra} for g in optimizer.param_groups]
-        self._noted: Optional[List[Any]] = None
+        self._noted: Optional[Tuple[Any, ...]] = None
         if len(optimizer.param_groups) != len(self._groups):
             return
-        noted = []
         for group, mine, initial in zip(optimizer.param_groups, self._groups, optimizer._initial_lrs):
             if initial is not None and (type(initial) is not float or mine.get("initial_lr") is not initial
                                         or not 0 <= initial < math.inf):
                 return
-            noted += [initial, mine.get("initial_lr", _ABSENT)]
             for k in self._GROUP_KEYS:
                 v = group._extra.get(k, _ABSENT)
                 if v is not _ABSENT and k in mine and (type(v) is not float or v is not mine[k] or not 0 <= v < math.inf):
                     return
-                noted += [v, mine.get(k, _ABSENT)]
-        self._noted = noted
+        self._noted = (optimizer._initial_lrs, [dict(mine) for mine in self._groups],
+                       list(map(_STAMP, optimizer._param_groups)))
 
     @staticmethod
     def _annealing_cos(start: float, end: float, pct: float) -> float:
@@ -202,24 +199,28 @@ class OneCycleLR(LRScheduler):
             raise ValueError(f"Tried to step {step} times. The specified number of total steps is {self.total_steps}")
         anneal = self._annealing_cos if self._anneal_func_type == "cos" else self._annealing_linear
         self._adopt()
-        start = 0.0
-        for i, phase in enumerate(self._schedule_phases):
+        phases = self._schedule_phases
+        start, last = 0.0, len(phases) - 1
+        for i, phase in enumerate(phases):
             end = phase["end_step"]
-            if step <= end or i == len(self._schedule_phases) - 1:
+            if step <= end or i == last:
                 pct = (step - start) / (end - start)
                 break
-            start = phase["end_step"]
+            start = end
         # one step past the last (total_steps: the step torch code takes after its last optimizer
         # step) the linear strategy extrapolates below 0, which torch sets and never trains with;
         # the optimizer here takes no negative rate, so that step's rate is 0
-        lrs = [max(anneal(g[phase["start_lr"]], g[phase["end_lr"]], pct), 0.0) for g in self._groups]
+        lo, hi = phase["start_lr"], phase["end_lr"]
+        lrs = [max(anneal(g[lo], g[hi], pct), 0.0) for g in self._groups]
         if self.cycle_momentum:
+            lo, hi = phase["start_momentum"], phase["end_momentum"]
             momenta = []
             for g in self._groups:
-                a, b = g[phase["start_momentum"]], g[phase["end_momentum"]]
+                a, b = g[lo], g[hi]
                 # likewise, that step's linear momentum goes past the phase's end (Adam's beta1 to 1
                 # and over, which Adam refuses): it stays at the end's value
-                momenta.append(min(max(anneal(a, b, pct), min(a, b)), max(a, b)))
+                m = anneal(a, b, pct)
+                momenta.append(m if min(a, b) <= m <= max(a, b) else min(max(m, min(a, b)), max(a, b)))
             self.optimizer._set_momentum(momenta)
         return lrs
 

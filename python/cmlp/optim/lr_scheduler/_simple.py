@@ -97,19 +97,22 @@ class CosineAnnealingLR(LRScheduler):
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> List[float]:
-        t, T, lo, lrs = self.last_epoch, self.T_max, self.eta_min, self._lrs()
+        t, T, lo = self.last_epoch, self.T_max, self.eta_min
         if self._is_initial:
-            return lrs
+            return self._lrs()
         if self._step_count == 1 and t > 0:
             return [lo + (base - lo) * (1 + math.cos(t * math.pi / T)) / 2 for base in self.base_lrs]
+        lrs = self.optimizer._lrs  # (read only)
         if (t - 1 - T) % (2 * T) == 0:
             new = [lr + (base - lo) * (1 - math.cos(math.pi / T)) / 2 for base, lr in zip(self.base_lrs, lrs)]
         else:
-            new = [(1 + math.cos(math.pi * t / T)) / (1 + math.cos(math.pi * (t - 1) / T)) * (lr - lo) + lo
-                   for lr in lrs]
+            ratio = (1 + math.cos(math.pi * t / T)) / (1 + math.cos(math.pi * (t - 1) / T))  # (torch's order)
+            new = [ratio * (lr - lo) + lo for lr in lrs]
         # between two rates >= 0 the curve never goes below 0: a group frozen at 0 under an eta_min
         # > 0 rounds to -1e-19 in torch's form, taken as 0 here (the optimizer takes no negative rate)
-        return [0.0 if v < 0.0 and lo >= 0.0 and base >= 0.0 else v for v, base in zip(new, self.base_lrs)]
+        if lo >= 0.0 and not min(new) >= 0.0:  # (a NaN as well: the list as it is then)
+            new = [0.0 if v < 0.0 and base >= 0.0 else v for v, base in zip(new, self.base_lrs)]
+        return new
 
     def _get_closed_form_lr(self) -> List[float]:
         lo = self.eta_min
