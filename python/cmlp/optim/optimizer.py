@@ -263,11 +263,18 @@ class Optimizer(_StateDict):
         if len(lrs) != len(self._lrs):
             return False
         base, scales = self._split_rates(lrs)
-        # the check depends on these values alone: made once for them, it holds while they are equal
+        # the first group's settings are the C configuration's (found equal, they become one object:
+        # dicts of settings never change in place), and the parts are of these multiples: the
+        # check depends on these values alone, so made once for them it holds while they are equal
         # (each step of a schedule: the same objects, which the comparison finds equal at once)
-        seen = (self._synced, scales, self._wds, self._own_parts, self._owns, self._c_own, self._c_wd)
+        own = self._owns[0]
+        if own is not self._c_own:
+            if own != self._c_own:
+                return False
+            self._c_own = own
+        seen = (self._synced, scales, self._wds, self._own_parts, self._c_wd)
         if seen != self._rates_only:
-            if self._wds[0] != self._c_wd or self._owns[0] != self._c_own \
+            if self._wds[0] != self._c_wd \
                     or self._synced != (tuple(scales), tuple(self._wds), tuple(self._own_parts), False):
                 return False
             self._rates_only = seen
@@ -536,10 +543,11 @@ class Optimizer(_StateDict):
                 if not (0.0 <= v < 1.0 if self._kind == "adam" else 0.0 <= v <= _FLT_MAX):
                     raise ValueError(f"Invalid beta parameter at index 0: {v}" if self._kind == "adam" else
                                      f"Invalid momentum value: {v} (must be >= 0 and finite in float32)")
-        c.momentum = values[0]
-        self._c_own = with_momentum(self._c_own, c.momentum)
-        if len(owns) == 1:
-            self._owns = [with_momentum(owns[0], values[0])]
+        before, c.momentum = self._c_own, values[0]
+        self._c_own = with_momentum(before, c.momentum)
+        if len(owns) == 1:  # (where it held the configuration's, it holds the new one: see _new_rates_only)
+            self._owns = [self._c_own if owns[0] is before and c.momentum == values[0] else
+                          with_momentum(owns[0], values[0])]
         else:
             self._owns = [with_momentum(own, v) for own, v in zip(owns, values)]
             self._own_parts = None  # the parts get them before the next step (_sync_parts); one group's

@@ -135,8 +135,12 @@ class OneCycleLR(LRScheduler):
 
     def _adopt(self) -> None:
         """The param groups' values, where code set or loaded them there (torch reads them from the
-        groups at each step), checked all together before any is taken."""
-        if self._as_noted():
+        groups at each step), checked all together before any is taken; nothing to do where the
+        groups and this schedule hold what was last noted (see _note_seen: the common case, each
+        step one look at each stamp)."""
+        noted, optimizer = getattr(self, "_noted", None), self.optimizer
+        if noted is not None and noted[0] is optimizer._initial_lrs and noted[1] == self._groups \
+                and noted[2] == list(map(_STAMP, optimizer._param_groups)):
             return
         taken = []
         for i, (group, mine) in enumerate(zip(self.optimizer.param_groups, self._groups)):
@@ -153,23 +157,13 @@ class OneCycleLR(LRScheduler):
             mine.update(found)
         self._note_seen(self.optimizer)
 
-    def _as_noted(self) -> bool:
-        """Whether the groups and this schedule hold what was last noted (see _note_seen): then
-        _adopt would change nothing (the common case: each step, one look at each stamp)."""
-        noted = getattr(self, "_noted", None)
-        if noted is None:
-            return False
-        optimizer = self.optimizer
-        return noted[0] is optimizer._initial_lrs and noted[1] == self._groups \
-            and noted[2] == list(map(_STAMP, optimizer._param_groups))
-
     def _note_seen(self, optimizer: Any) -> None:
         """What the groups hold now of the keys this schedule keeps there (see _mirror); and where
         each is a valid float that this schedule holds too (the same object: what _adopt's float()
         gives, -0.0 kept apart from 0.0), as is each group's initial rate: the list of initial
         rates (replaced where they are, or changed in place through a group), a copy of this
         schedule's values (one that changed, however, is seen) and each group's stamp (a key of it
-        set, removed or loaded since makes a new one; see _ParamGroup._changed), for _as_noted."""
+        set, removed or loaded since makes a new one; see _ParamGroup._changed), for _adopt."""
         self._seen = [{k: g._extra[k] for k in self._GROUP_KEYS if k in g._extra} for g in optimizer.param_groups]
         self._noted: Optional[Tuple[Any, ...]] = None
         if len(optimizer.param_groups) != len(self._groups):
@@ -220,7 +214,7 @@ class OneCycleLR(LRScheduler):
                 # likewise, that step's linear momentum goes past the phase's end (Adam's beta1 to 1
                 # and over, which Adam refuses): it stays at the end's value
                 m = anneal(a, b, pct)
-                momenta.append(m if min(a, b) <= m <= max(a, b) else min(max(m, min(a, b)), max(a, b)))
+                momenta.append(m if a <= m <= b or b <= m <= a else min(max(m, min(a, b)), max(a, b)))
             self.optimizer._set_momentum(momenta)
         return lrs
 
