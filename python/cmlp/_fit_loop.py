@@ -164,10 +164,11 @@ class FitLoop:
         try:
             for _ in range(k):
                 base, now = opt._rates()
+                each = opt._momenta()
                 rates.append(base)
-                momenta.append(opt._momentum())
+                momenta.append(each[0])  # (the first group's: opt._momentum())
                 rows.append(now)
-                mrows.append(opt._momenta())
+                mrows.append(each)
                 scheduler.step()
         except Exception as e:  # torch's loop has taken this step when the schedule raises
             raised = e
