@@ -38,6 +38,7 @@ class Optimizer(_StateDict):
         self._scales: Any = None  # the groups' multiples of the base rate last used
         self._split_memo: Any = None  # (rates, base, scales) of the last split
         self._rates_only: Any = None  # what _new_rates_only last found in step (see there)
+        self._momenta_memo: Any = None  # (the groups' settings, their momenta) of _momenta()
         self._runs_made: Any = None  # _runs()
         self._c = _cmlp.Optimizer(model._c, kind, **{**config, "weight_decay": self._c_wd})
         if not hasattr(self, "_settings"):  # the hyperparameters every group shares, as _apply last set them
@@ -520,8 +521,12 @@ class Optimizer(_StateDict):
         return self._part_fields(self._owns[0])[0]
 
     def _momenta(self) -> List[float]:
-        """Every group's momentum, for _set_momentum to put back."""
-        return [self._part_fields(own)[0] for own in self._owns]
+        """Every group's momentum, for _set_momentum to put back (read once for each list of the
+        groups' settings: a change makes a new one; fit asks at every step)."""
+        owns, memo = self._owns, self._momenta_memo
+        if memo is None or memo[0] is not owns:
+            memo = self._momenta_memo = (owns, [self._part_fields(own)[0] for own in owns])
+        return list(memo[1])
 
     def _with_momentum(self, own: Dict[str, Any], value: float) -> Dict[str, Any]:
         raise NotImplementedError
