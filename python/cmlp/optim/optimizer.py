@@ -518,7 +518,7 @@ class Optimizer(_StateDict):
     def _momentum(self) -> float:
         """The momentum a schedule cycles (OneCycleLR): Adam's beta1, SGD's momentum (the first
         group's, which the steps of groups that have no other take)."""
-        return self._part_fields(self._owns[0])[0]
+        return self._momenta()[0]
 
     def _momenta(self) -> List[float]:
         """Every group's momentum, for _set_momentum to put back (read once for each list of the
@@ -537,17 +537,14 @@ class Optimizer(_StateDict):
         the configuration's, the others' go with their parts where they differ from it. A step on a
         device reads them there, so, like the rates, they change no captured step."""
         owns, c, with_momentum = self._owns, self._c, self._with_momentum
-        if len(owns) == 1 and type(value) is list and len(value) == 1 and type(value[0]) is float:
-            values = value  # (a schedule's step with one group: the C optimizer checks it)
-        else:
-            values = [v if type(v) is float else _num("momentum", v)
-                      for v in (value if isinstance(value, list) else [value] * len(owns))]
-            if len(values) != len(owns):
-                raise ValueError(f"expected {len(owns)} momenta, one per param group, got {len(values)}")
-            for v in values[1:]:  # as the C optimizer checks the first (and the parts, when they get them)
-                if not (0.0 <= v < 1.0 if self._kind == "adam" else 0.0 <= v <= _FLT_MAX):
-                    raise ValueError(f"Invalid beta parameter at index 0: {v}" if self._kind == "adam" else
-                                     f"Invalid momentum value: {v} (must be >= 0 and finite in float32)")
+        values = [v if type(v) is float else _num("momentum", v)
+                  for v in (value if isinstance(value, list) else [value] * len(owns))]
+        if len(values) != len(owns):
+            raise ValueError(f"expected {len(owns)} momenta, one per param group, got {len(values)}")
+        for v in values[1:]:  # as the C optimizer checks the first (and the parts, when they get them)
+            if not (0.0 <= v < 1.0 if self._kind == "adam" else 0.0 <= v <= _FLT_MAX):
+                raise ValueError(f"Invalid beta parameter at index 0: {v}" if self._kind == "adam" else
+                                 f"Invalid momentum value: {v} (must be >= 0 and finite in float32)")
         before, c.momentum = self._c_own, values[0]
         self._c_own = with_momentum(before, c.momentum)
         if len(owns) == 1:  # (where it held the configuration's, it holds the new one: see _new_rates_only)

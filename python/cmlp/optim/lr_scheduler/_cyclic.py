@@ -143,8 +143,8 @@ class OneCycleLR(LRScheduler):
                 and noted[2] == list(map(_STAMP, optimizer._param_groups)):
             return
         taken = []
-        for i, (group, mine) in enumerate(zip(self.optimizer.param_groups, self._groups)):
-            initial = self.optimizer._initial_lrs[i]
+        for i, (group, mine) in enumerate(zip(optimizer.param_groups, self._groups)):
+            initial = optimizer._initial_lrs[i]
             found = {k: group._extra[k] for k in self._GROUP_KEYS if k in mine and k in group._extra}
             if initial is not None:
                 found["initial_lr"] = initial
@@ -155,7 +155,7 @@ class OneCycleLR(LRScheduler):
             taken.append({k: float(v) for k, v in found.items()})
         for mine, found in zip(self._groups, taken):
             mine.update(found)
-        self._note_seen(self.optimizer)
+        self._note_seen(optimizer)
 
     def _note_seen(self, optimizer: Any) -> None:
         """What the groups hold now of the keys this schedule keeps there (see _mirror); and where
