@@ -536,7 +536,7 @@ class Optimizer(_StateDict):
         to its own of a list (a schedule's per-group momenta, or _momenta()'s): the first group's is
         the configuration's, the others' go with their parts where they differ from it. A step on a
         device reads them there, so, like the rates, they change no captured step."""
-        owns, c, with_momentum = self._owns, self._c, self._with_momentum
+        owns, with_momentum = self._owns, self._with_momentum
         values = [v if type(v) is float else _num("momentum", v)
                   for v in (value if isinstance(value, list) else [value] * len(owns))]
         if len(values) != len(owns):
@@ -545,11 +545,11 @@ class Optimizer(_StateDict):
             if not (0.0 <= v < 1.0 if self._kind == "adam" else 0.0 <= v <= _FLT_MAX):
                 raise ValueError(f"Invalid beta parameter at index 0: {v}" if self._kind == "adam" else
                                  f"Invalid momentum value: {v} (must be >= 0 and finite in float32)")
-        before, c.momentum = self._c_own, values[0]
-        self._c_own = with_momentum(before, c.momentum)
+        before, first = self._c_own, values[0]
+        self._c.momentum = first  # (kept as given: a float's double)
+        own = self._c_own = with_momentum(before, first)
         if len(owns) == 1:  # (where it held the configuration's, it holds the new one: see _new_rates_only)
-            self._owns = [self._c_own if owns[0] is before and c.momentum == values[0] else
-                          with_momentum(owns[0], values[0])]
+            self._owns = [own if owns[0] is before else with_momentum(owns[0], first)]
         else:
             self._owns = [with_momentum(own, v) for own, v in zip(owns, values)]
             self._own_parts = None  # the parts get them before the next step (_sync_parts); one group's

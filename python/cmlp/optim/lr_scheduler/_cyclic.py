@@ -41,6 +41,7 @@ class OneCycleLR(LRScheduler):
     takes."""
 
     _GROUP_KEYS = ("max_lr", "min_lr", "max_momentum", "base_momentum")
+    _noted: Optional[Tuple[Any, ...]] = None  # what the groups held at the last step (_note_seen)
     _MOVES_MOMENTUM = True
 
     def __init__(self, optimizer: Any, max_lr: Any, total_steps: Optional[int] = None, epochs: Optional[int] = None,
@@ -138,7 +139,7 @@ class OneCycleLR(LRScheduler):
         groups at each step), checked all together before any is taken; nothing to do where the
         groups and this schedule hold what was last noted (see _note_seen: the common case, each
         step one look at each stamp)."""
-        noted, optimizer = getattr(self, "_noted", None), self.optimizer
+        noted, optimizer = self._noted, self.optimizer
         if noted is not None and noted[0] is optimizer._initial_lrs and noted[1] == self._groups \
                 and noted[2] == list(map(_STAMP, optimizer._param_groups)):
             return
@@ -165,7 +166,7 @@ class OneCycleLR(LRScheduler):
         schedule's values (one that changed, however, is seen) and each group's stamp (a key of it
         set, removed or loaded since makes a new one; see _ParamGroup._changed), for _adopt."""
         self._seen = [{k: g._extra[k] for k in self._GROUP_KEYS if k in g._extra} for g in optimizer.param_groups]
-        self._noted: Optional[Tuple[Any, ...]] = None
+        self._noted = None
         if len(optimizer.param_groups) != len(self._groups):
             return
         for group, mine, initial in zip(optimizer.param_groups, self._groups, optimizer._initial_lrs):
