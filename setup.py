@@ -74,14 +74,29 @@ def cuda_config():
     m = re.search(r"release (\d+\.\d+)", out)
     if not m:
         sys.exit(f"cannot read the CUDA version from {nvcc} --version")
-    libdir = next((d for d in (os.path.join(home, "lib64"), os.path.join(home, "targets", "x86_64-linux", "lib"))
-                   if os.path.exists(os.path.join(d, "libcublasLt.so"))), None)
-    if libdir is None:
-        sys.exit(f"the CUDA toolkit at {home} has no libcublasLt.so")
+    libdir, cublaslt = cublaslt_library(home)
     archs = [a.strip() for a in re.split(r"[;, ]+", os.environ.get("CMLP_CUDA_ARCH", "80;90")) if a.strip()]
     if not archs or not all(a.isdigit() for a in archs):
         sys.exit(f"CMLP_CUDA_ARCH={os.environ.get('CMLP_CUDA_ARCH')!r}: expected numbers such as 80;90")
-    return dict(nvcc=nvcc, home=home, version=m.group(1), libdir=libdir, archs=sorted(set(archs), key=int))
+    return dict(nvcc=nvcc, home=home, version=m.group(1), libdir=libdir, cublaslt=cublaslt,
+                archs=sorted(set(archs), key=int))
+
+
+def cublaslt_library(home):
+    """(folder, -l argument) of the toolkit's cuBLASLt: libcublasLt.so in a toolkit's lib64 (or
+    its targets' lib), else a versioned libcublasLt.so.N alone, as in a toolkit of pip's wheels
+    (nvidia/cuNN, whose lib holds no development link)."""
+    folders = [os.path.join(home, "lib64"), os.path.join(home, "targets", "x86_64-linux", "lib"),
+               os.path.join(home, "lib")]
+    for d in folders:
+        if os.path.exists(os.path.join(d, "libcublasLt.so")):
+            return d, "-lcublasLt"
+    for d in folders:
+        versioned = sorted(f for f in glob.glob(os.path.join(d, "libcublasLt.so.*"))
+                           if re.fullmatch(r"libcublasLt\.so\.\d+", os.path.basename(f)))
+        if versioned:
+            return d, "-l:" + os.path.basename(versioned[-1])
+    sys.exit(f"the CUDA toolkit at {home} has no libcublasLt.so (looked in {', '.join(folders)})")
 
 
 def mpi_config():
@@ -151,7 +166,7 @@ class BuildExt(build_ext):
         objs = [obj for _, obj in jobs]
         os.makedirs(os.path.dirname(out), exist_ok=True)
         run([cuda["nvcc"], "-shared", "-cudart", "static", *gencode, "-o", out, *objs, "-L" + cuda["libdir"],
-             "-lcublasLt", "-Xlinker", "-rpath=" + cuda["libdir"], "-lpthread", "-ldl", "-lrt"])
+             cuda["cublaslt"], "-Xlinker", "-rpath=" + cuda["libdir"], "-lpthread", "-ldl", "-lrt"])
 
     def get_outputs(self):
         outs = super().get_outputs()

@@ -169,3 +169,30 @@ def test_device_properties_need_a_gpu_and_a_cuda_device():
                        (True, TypeError)):
         with pytest.raises(error):
             cmlp.cuda.get_device_capability(bad)
+
+
+def _setup_function(name):
+    """A function of setup.py, alone (importing setup.py would run the build)."""
+    import ast
+    import glob as glob_module
+    source = (Path(__file__).parent.parent / "setup.py").read_text()
+    tree = ast.parse(source)
+    found = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == name]
+    scope = {"os": os, "re": re, "sys": sys, "glob": glob_module}
+    exec(compile(ast.Module(body=found, type_ignores=[]), "setup.py", "exec"), scope)
+    return scope[name]
+
+
+def test_the_build_finds_cublaslt_in_a_toolkit_and_in_a_toolkit_of_wheels(tmp_path):
+    find = _setup_function("cublaslt_library")
+    with pytest.raises(SystemExit, match="has no libcublasLt.so"):
+        find(str(tmp_path))
+    wheels = tmp_path / "lib"  # pip's nvidia/cu13: versioned names only
+    wheels.mkdir()
+    for name in ("libcublasLt.so.13.0.2.14", "libcublasLt.so.13"):
+        (wheels / name).write_bytes(b"")
+    assert find(str(tmp_path)) == (str(wheels), "-l:libcublasLt.so.13")
+    toolkit = tmp_path / "lib64"  # /usr/local/cuda: the development link, found first
+    toolkit.mkdir()
+    (toolkit / "libcublasLt.so").write_bytes(b"")
+    assert find(str(tmp_path)) == (str(toolkit), "-lcublasLt")

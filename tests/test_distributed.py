@@ -63,6 +63,22 @@ def test_the_mpi_module_is_built_where_mpi_is_installed():
         assert D.is_available() and D.is_mpi_available()
 
 
+def test_nccl_is_looked_for_in_the_wheels_layouts(tmp_path, monkeypatch):
+    monkeypatch.delenv("CMLP_NCCL_LIBRARY", raising=False)
+    monkeypatch.setattr(sys, "path", [str(tmp_path)])
+    assert D._nccl_library() == "libnccl.so.2"  # none there: by name
+    later = tmp_path / "nvidia" / "cu13" / "lib"
+    later.mkdir(parents=True)
+    (later / "libnccl.so.2").write_bytes(b"")
+    assert D._nccl_library() == str(later / "libnccl.so.2")
+    first = tmp_path / "nvidia" / "nccl" / "lib"
+    first.mkdir(parents=True)
+    (first / "libnccl.so.2").write_bytes(b"")
+    assert D._nccl_library() == str(first / "libnccl.so.2")
+    monkeypatch.setenv("CMLP_NCCL_LIBRARY", "/where/it/is.so")
+    assert D._nccl_library() == "/where/it/is.so"
+
+
 def test_without_a_process_group_every_call_says_what_to_do():
     assert not D.is_initialized()
     for call in (D.get_rank, D.get_world_size, D.get_local_rank, D.get_backend, D.barrier, D.destroy_process_group,

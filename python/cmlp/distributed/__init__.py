@@ -40,6 +40,7 @@ optim.ZeroRedundancyOptimizer shards the optimizer's state over the ranks (ZeRO 
 """
 import atexit
 import ctypes
+import glob
 import os
 import sys
 from typing import Any, Optional
@@ -94,7 +95,8 @@ def is_mpi_available() -> bool:
 
 
 def _nccl_library() -> Optional[str]:
-    """Where NCCL is: $CMLP_NCCL_LIBRARY, an nvidia-nccl wheel's, or libnccl.so.2 by name."""
+    """Where NCCL is: $CMLP_NCCL_LIBRARY, an nvidia-nccl wheel's (nvidia/nccl/lib, or another
+    folder of nvidia/ in a later layout), or libnccl.so.2 by name."""
     env = os.environ.get("CMLP_NCCL_LIBRARY")
     if env:
         return env
@@ -102,6 +104,10 @@ def _nccl_library() -> Optional[str]:
         path = os.path.join(base or ".", "nvidia", "nccl", "lib", "libnccl.so.2")
         if os.path.exists(path):
             return path
+    for base in sys.path:
+        found = sorted(glob.glob(os.path.join(base or ".", "nvidia", "*", "lib", "libnccl.so.2")))
+        if found:
+            return found[0]
     return "libnccl.so.2"
 
 
