@@ -132,7 +132,10 @@ main() {
     echo "device check of cmlp $(git rev-parse --short HEAD 2>/dev/null || echo '(no git)') (sources $(source_digest)), $(date -u '+%Y-%m-%d %H:%M UTC')"
     nvidia-smi -L || echo "nvidia-smi: not available"
     if ! command -v nvcc >/dev/null 2>&1 && [ -z "${CUDA_HOME:-}" ]; then
-        for d in /usr/local/cuda /usr/local/cuda-*; do
+        # a toolkit in /usr/local, else one of pip's wheels (nvidia/cuNN/bin/nvcc beside the Python)
+        for d in /usr/local/cuda /usr/local/cuda-* $("$PY" -c 'import glob, os, sys
+print(" ".join(os.path.dirname(os.path.dirname(f)) for p in sys.path for f in glob.glob(p + "/nvidia/*/bin/nvcc")))' \
+            2>/dev/null); do
             if [ -x "$d/bin/nvcc" ]; then
                 export CUDA_HOME=$d
                 break
