@@ -124,10 +124,11 @@ static cmlp_status to_double(const char *key, const char *val, double *out) {
     return CMLP_OK;
 }
 
+/* PyTorch's spelling alone: a setting written here also works there (PyTorch refuses "true"). */
 static cmlp_status to_bool(const char *key, const char *val, int *out) {
-    if (!strcmp(val, "True") || !strcmp(val, "true") || !strcmp(val, "1")) *out = 1;
-    else if (!strcmp(val, "False") || !strcmp(val, "false") || !strcmp(val, "0")) *out = 0;
-    else return bad(key, val, "expected True or False");
+    if (!strcmp(val, "True")) *out = 1;
+    else if (!strcmp(val, "False")) *out = 0;
+    else return bad(key, val, "expected True or False, as PyTorch spells them");
     return CMLP_OK;
 }
 

@@ -234,6 +234,8 @@ def test_configure_round_trips_and_resets_other_keys():
     ("roundup_power2_divisions:[256:3]", "power of 2"),
     ("roundup_power2_divisions:[300:2]", "powers of 2"),
     ("expandable_segments:maybe", "expandable_segments"),
+    ("expandable_segments:true", "expected True or False, as PyTorch spells them"),  # PyTorch refuses it too
+    ("release_lock_on_cudamalloc:1", "release_lock_on_cudamalloc: invalid value '1'"),
     ("max_split_size_mb", "max_split_size_mb: expected ':'"),
     ("max_split_size_mb:", "max_split_size_mb"),
     ("backend:cudaMallocAsync2", "backend"),
