@@ -8,6 +8,7 @@
 #include <ctype.h>
 #include <errno.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -50,12 +51,13 @@ size_t alloc_segment_size(const cmlp_alloc_settings *c, size_t rounded) {
 
 #define DEFAULTS                                                                                                   \
     {.max_split_size = -1, .large_segment_size = K_LARGE_BUFFER, .max_non_split_rounding = K_LARGE_BUFFER,          \
-     .per_process_memory_fraction = -1.0}
+     .per_process_memory_fraction = -1.0, .pinned_num_register_threads = 1}
 
 static const cmlp_alloc_settings defaults = DEFAULTS;
 
 static pthread_mutex_t config_lock = PTHREAD_MUTEX_INITIALIZER;
 static cmlp_alloc_settings current = DEFAULTS;
+static char *current_text; /* what current was parsed from; NULL: "" */
 
 void alloc_config_current(cmlp_alloc_settings *out) {
     pthread_mutex_lock(&config_lock);
@@ -64,6 +66,13 @@ void alloc_config_current(cmlp_alloc_settings *out) {
 }
 
 void cmlp_memory_get_settings(cmlp_alloc_settings *out) { alloc_config_current(out); }
+
+char *cmlp_memory_settings_text(void) {
+    pthread_mutex_lock(&config_lock);
+    char *copy = strdup(current_text ? current_text : "");
+    pthread_mutex_unlock(&config_lock);
+    return copy;
+}
 
 /* The text cut into tokens as PyTorch's parser cuts it: ',', ':', '[' and ']' alone, the runs
  * between them with their spaces dropped ("1 28" is "128"). */
@@ -191,19 +200,29 @@ static cmlp_status parse_roundup(const tokens *t, size_t *i, cmlp_alloc_settings
 
 /* PyTorch's options with no effect on cmlp's allocator (pinned host memory, its other CUDA
  * backend's details, graph capture's stream reuse): checked as PyTorch checks them, so that a
- * PYTORCH_CUDA_ALLOC_CONF written for PyTorch works here too, and otherwise ignored. */
+ * PYTORCH_CUDA_ALLOC_CONF written for PyTorch works here too, and otherwise ignored; those a
+ * PyTorch snapshot lists among its settings are kept (at `field`, an int; -1: not kept). */
+#define KEPT(f) offsetof(cmlp_alloc_settings, f)
 static const struct {
     const char *key;
     char kind; /* 'b': True/False, 'n': an integer >= 0, 'p': > 0, '2': a power of 2 up to 128, 'v': any one value */
+    ptrdiff_t field;
 } accepted[] = {
-    {"pinned_use_background_threads", 'b'}, {"release_lock_on_cudamalloc", 'b'},
-    {"release_lock_on_hipmalloc", 'b'},     {"pinned_use_cuda_host_register", 'b'},
-    {"pinned_use_hip_host_register", 'b'},  {"graph_capture_record_stream_reuse", 'b'},
-    {"pinned_free_catch_all", 'b'},         {"throw_on_cudamalloc_oom", 'b'},
-    {"pinned_num_register_threads", '2'},   {"pinned_reserve_segment_size_mb", 'p'},
-    {"pinned_max_round_threshold_mb", 'n'}, {"pinned_max_cached_size_mb", 'n'},
-    {"expandable_segments_handle_type", 'v'},
+    {"pinned_use_background_threads", 'b', -1},
+    {"release_lock_on_cudamalloc", 'b', KEPT(release_lock_on_cudamalloc)},
+    {"release_lock_on_hipmalloc", 'b', KEPT(release_lock_on_cudamalloc)},
+    {"pinned_use_cuda_host_register", 'b', KEPT(pinned_use_host_register)},
+    {"pinned_use_hip_host_register", 'b', KEPT(pinned_use_host_register)},
+    {"graph_capture_record_stream_reuse", 'b', KEPT(graph_capture_record_stream_reuse)},
+    {"pinned_free_catch_all", 'b', -1},
+    {"throw_on_cudamalloc_oom", 'b', -1},
+    {"pinned_num_register_threads", '2', KEPT(pinned_num_register_threads)},
+    {"pinned_reserve_segment_size_mb", 'p', -1},
+    {"pinned_max_round_threshold_mb", 'n', -1},
+    {"pinned_max_cached_size_mb", 'n', -1},
+    {"expandable_segments_handle_type", 'v', -1},
 };
+#undef KEPT
 
 static const char *const own_keys[] = {
     "large_segment_size_mb", "max_split_size_mb", "max_non_split_rounding_mb", "garbage_collection_threshold",
@@ -249,15 +268,16 @@ static cmlp_status parse_key(const tokens *t, size_t *i, cmlp_alloc_settings *c)
     } else {
         for (size_t k = 0; k < sizeof accepted / sizeof accepted[0]; k++) {
             if (strcmp(key, accepted[k].key) != 0) continue;
-            int flag;
-            long v;
-            if (accepted[k].kind == 'b') return to_bool(key, val, &flag);
-            if (accepted[k].kind == 'n') return to_long(key, val, 0, &v);
-            if (accepted[k].kind == 'p') return to_long(key, val, 1, &v);
+            int flag = 0;
+            long v = 0;
+            if (accepted[k].kind == 'b') CMLP_TRY(to_bool(key, val, &flag));
+            if (accepted[k].kind == 'n') CMLP_TRY(to_long(key, val, 0, &v));
+            if (accepted[k].kind == 'p') CMLP_TRY(to_long(key, val, 1, &v));
             if (accepted[k].kind == '2') {
                 CMLP_TRY(to_long(key, val, 0, &v));
-                return is_pow2(v) && v <= 128 ? CMLP_OK : bad(key, val, "a power of 2 up to 128");
+                if (!(is_pow2(v) && v <= 128)) return bad(key, val, "a power of 2 up to 128");
             }
+            if (accepted[k].field >= 0) *(int *)((char *)c + accepted[k].field) = accepted[k].kind == 'b' ? flag : (int)v;
         }
     }
     return CMLP_OK;
@@ -309,8 +329,12 @@ static bool configured_by_call, env_rechecked;
 static cmlp_status apply(const char *conf, bool by_call) {
     cmlp_alloc_settings c;
     CMLP_TRY(cmlp_memory_parse_settings(conf, &c));
+    char *text = strdup(conf);
+    if (!text) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory keeping the allocator's settings");
     pthread_mutex_lock(&config_lock);
     current = c;
+    free(current_text);
+    current_text = text;
     if (by_call) configured_by_call = true;
     pthread_mutex_unlock(&config_lock);
     alloc_config_changed();

@@ -186,6 +186,9 @@ typedef struct cmlp_alloc_settings {
     int64_t max_non_split_rounding;       /* bytes an oversize block may exceed the request it serves by */
     double per_process_memory_fraction;   /* of each GPU's memory, set as its limit when it opens; -1: none */
     int backend_async;                    /* backend:cudaMallocAsync was asked for (and is not used) */
+    /* PyTorch's options that change nothing here, kept as given for the snapshot's settings */
+    int release_lock_on_cudamalloc, pinned_use_host_register, graph_capture_record_stream_reuse;
+    int pinned_num_register_threads;
 } cmlp_alloc_settings;
 
 /* Parses "key:value,..." in PYTORCH_CUDA_ALLOC_CONF's syntax and replaces every setting (keys
@@ -200,6 +203,8 @@ CMLP_API cmlp_status cmlp_memory_configure(const char *conf);
 CMLP_API cmlp_status cmlp_memory_note_env(const char *applied);
 CMLP_API cmlp_status cmlp_memory_parse_settings(const char *conf, cmlp_alloc_settings *out);
 CMLP_API void cmlp_memory_get_settings(cmlp_alloc_settings *out);
+/* The text the settings in force were parsed from ("" before any), malloc'd (NULL: no memory). */
+CMLP_API char *cmlp_memory_settings_text(void);
 
 /* A snapshot: segments sorted by address, each owning blocks [first_block, first_block +
  * nblocks) of the block array, in address order. Free both arrays with

@@ -200,6 +200,8 @@ def test_max_entries_keeps_the_newest_and_skip_actions_leaves_out():
     ({"max_entries": True}, TypeError), ({"skip_actions": ["malloc"]}, ValueError),
     ({"skip_actions": "alloc"}, TypeError), ({"skip_actions": 5}, TypeError), ({"clear_history": "yes"}, TypeError),
     ({"clear_history": [True]}, TypeError), ({"device": "gpu"}, ValueError), ({"device": 0.5}, TypeError),
+    ({"compile_context": "no"}, TypeError), ({"global_record_annotations": []}, TypeError),
+    ({"record_pinned_host_memory": "True"}, TypeError), ({"record_cuda": "False"}, TypeError),
 ])
 def test_bad_settings_raise_and_change_nothing(kwargs, error):
     M._record_memory_history(max_entries=100, device=DEV, context=None, skip_actions=["snapshot"])
@@ -210,6 +212,47 @@ def test_bad_settings_raise_and_change_nothing(kwargs, error):
     trace = M._snapshot(DEV)["device_traces"][0]
     assert [e["action"] for e in trace] == ["alloc", "free_requested", "free_completed"]
     assert all(f["filename"] == "cmlp" for e in trace for f in e["frames"]), "still no Python stacks"
+
+
+def test_torchs_whole_signature_is_taken_in_its_order():
+    # (enabled, context, stacks, max_entries, device, clear_history, compile_context,
+    #  global_record_annotations, skip_actions, record_pinned_host_memory, record_cuda)
+    M._record_memory_history("all", "all", "all", 100, DEV, True, False, False, ["snapshot"], False, True)
+    M.caching_allocator_delete(M.caching_allocator_alloc(512, DEV))
+    assert [e["action"] for e in M._snapshot(DEV)["device_traces"][0]] == ["alloc", "free_requested", "free_completed"]
+    # record_cuda=False (torch's: pinned host memory alone) leaves the device's recording as it is
+    M._record_memory_history(None, device=DEV, record_cuda=False, record_pinned_host_memory=True)
+    M.caching_allocator_delete(M.caching_allocator_alloc(512, DEV))
+    assert len(M._snapshot(DEV)["device_traces"][0]) == 6, "still recording"
+    # the older form, enabled a bool, with the same tail
+    M._record_memory_history(True, True, 10, False, DEV, False, True, True, False, ["snapshot"], False, True)
+    M.caching_allocator_delete(M.caching_allocator_alloc(512, DEV))
+    assert [e["action"] for e in M._snapshot(DEV)["device_traces"][0]][-3:] == \
+        ["alloc", "free_requested", "free_completed"]
+
+
+def test_the_snapshot_lists_the_allocators_settings_as_torchs():
+    text = "max_split_size_mb:64, roundup_power2_divisions:[256:1,>:4],pinned_num_register_threads:4," \
+           "release_lock_on_cudamalloc:True,garbage_collection_threshold:0.5"
+    M.configure(text)
+    snap = M._snapshot(DEV, augment_with_fx_traces=False)
+    assert sorted(snap) == ["allocator_settings", "device_traces", "external_annotations", "segments"]
+    assert snap["external_annotations"] == []
+    settings = snap["allocator_settings"]
+    assert settings == {
+        "PYTORCH_CUDA_ALLOC_CONF": text, "max_split_size": 64 << 20, "garbage_collection_threshold": 0.5,
+        "expandable_segments": False, "pinned_num_register_threads": 4, "release_lock_on_cudamalloc": True,
+        "pinned_use_cuda_host_register": False, "graph_capture_record_stream_reuse": False,
+        "roundup_power2_divisions": {str(1 << i): 1 if i <= 8 else 4 for i in range(16)}}
+    M.configure({"expandable_segments": True})  # a dict is read as the text it makes
+    settings = M._snapshot(DEV)["allocator_settings"]
+    assert settings["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True" and settings["expandable_segments"]
+    M.configure("")
+    settings = M._snapshot(DEV)["allocator_settings"]
+    assert settings["PYTORCH_CUDA_ALLOC_CONF"] == "" and settings["max_split_size"] == -1
+    assert settings["pinned_num_register_threads"] == 1 and set(settings["roundup_power2_divisions"].values()) == {0}
+    with pytest.raises(TypeError, match="augment_with_fx_traces"):
+        M._snapshot(DEV, "yes")
 
 
 def test_threads_note_their_own_stacks():
@@ -274,7 +317,7 @@ def test_dump_snapshot_writes_a_pickle_pytorchs_viewer_reads(tmp_path):
     raw = path.read_bytes()
     assert raw[:2] == b"\x80\x04", "protocol 4: the viewer reads protocols 2 to 4"
     data = pickle.loads(raw)
-    assert plain(data) and set(data) == {"segments", "device_traces"}
+    assert plain(data) and set(data) == {"segments", "device_traces", "allocator_settings", "external_annotations"}
     entries = data["device_traces"][0]
     allocs = [e for e in entries if e["action"] == "alloc" and e["frames"][0]["name"] == "activations"]
     assert len(allocs) >= 1 and all(e["frames"] is allocs[0]["frames"] for e in allocs), "one list, shared"

@@ -318,12 +318,24 @@ static PyObject *mod_get_settings(PyObject *mod, PyObject *unused) {
     PyObject *div = PyList_New(CMLP_ROUNDUP_INTERVALS);
     if (!div) return NULL;
     for (int i = 0; i < CMLP_ROUNDUP_INTERVALS; i++) PyList_SET_ITEM(div, i, PyLong_FromLong(c.roundup_power2_divisions[i]));
-    return Py_BuildValue("{s:L,s:d,s:N,s:O,s:L,s:L,s:d,s:O}", "max_split_size", (long long)c.max_split_size,
-                         "garbage_collection_threshold", c.garbage_collection_threshold, "roundup_power2_divisions", div,
-                         "expandable_segments", c.expandable_segments ? Py_True : Py_False, "large_segment_size",
-                         (long long)c.large_segment_size, "max_non_split_rounding", (long long)c.max_non_split_rounding,
-                         "per_process_memory_fraction", c.per_process_memory_fraction, "backend_async",
-                         c.backend_async ? Py_True : Py_False);
+    char *text = cmlp_memory_settings_text();
+    if (!text) {
+        Py_DECREF(div);
+        return PyErr_NoMemory();
+    }
+    PyObject *out = Py_BuildValue(
+        "{s:L,s:d,s:N,s:O,s:L,s:L,s:d,s:O,s:O,s:O,s:O,s:i,s:s}", "max_split_size", (long long)c.max_split_size,
+        "garbage_collection_threshold", c.garbage_collection_threshold, "roundup_power2_divisions", div,
+        "expandable_segments", c.expandable_segments ? Py_True : Py_False, "large_segment_size",
+        (long long)c.large_segment_size, "max_non_split_rounding", (long long)c.max_non_split_rounding,
+        "per_process_memory_fraction", c.per_process_memory_fraction, "backend_async",
+        c.backend_async ? Py_True : Py_False, "release_lock_on_cudamalloc",
+        c.release_lock_on_cudamalloc ? Py_True : Py_False, "pinned_use_host_register",
+        c.pinned_use_host_register ? Py_True : Py_False, "graph_capture_record_stream_reuse",
+        c.graph_capture_record_stream_reuse ? Py_True : Py_False, "pinned_num_register_threads",
+        c.pinned_num_register_threads, "text", text);
+    free(text);
+    return out;
 }
 
 static PyObject *mod_validate(PyObject *mod, PyObject *arg) {

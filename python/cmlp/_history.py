@@ -52,9 +52,18 @@ def _choice(name: str, value: Any, allowed: Any) -> Any:
     return value
 
 
+def _cpp_bool(name: str, value: Any) -> bool:
+    """What a C++ bool of torch's takes: None (False), a bool or a number's truth; not a text."""
+    if value is not None and not isinstance(value, (bool, np.bool_, numbers.Number)):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
+
+
 def _record(enabled: Optional[str] = "all", context: Optional[str] = "all", stacks: str = "all",
             max_entries: int = sys.maxsize, device: Optional[str] = None, clear_history: bool = False,
-            skip_actions: Optional[List[str]] = None) -> None:
+            compile_context: bool = False, global_record_annotations: bool = False,
+            skip_actions: Optional[List[str]] = None, record_pinned_host_memory: bool = False,
+            record_cuda: bool = True) -> None:
     _choice("enabled", enabled, tuple(_MODES))
     _choice("context", context, tuple(_CONTEXTS))
     _choice("stacks", stacks, _STACKS)
@@ -69,10 +78,11 @@ def _record(enabled: Optional[str] = "all", context: Optional[str] = "all", stac
         skipped = list(skip_actions or ())
     except TypeError:
         raise TypeError(f"skip_actions must be a list of action names, got {skip_actions!r}") from None
-    # torch's takes what a C++ bool takes: None (False), a bool or a number's truth; not a text
-    if clear_history is not None and not isinstance(clear_history, (bool, np.bool_, numbers.Number)):
-        raise TypeError(f"clear_history must be a bool, got {clear_history!r}")
-    clear_history = bool(clear_history)
+    clear_history = _cpp_bool("clear_history", clear_history)
+    # torch.compile's frames, annotations and pinned host memory: cmlp has none of them to record
+    for name, value in (("compile_context", compile_context), ("global_record_annotations", global_record_annotations),
+                        ("record_pinned_host_memory", record_pinned_host_memory)):
+        _cpp_bool(name, value)
     skip = 0
     for action in skipped:
         if action == "annotate":  # torch's, for annotations cmlp does not make
@@ -83,6 +93,8 @@ def _record(enabled: Optional[str] = "all", context: Optional[str] = "all", stac
     from ._args import _device
 
     dev = _device(device)
+    if not _cpp_bool("record_cuda", record_cuda):  # as torch's: the device's recording stays as it is
+        return
     if enabled is None:
         context = None
     with _lock:
@@ -96,19 +108,23 @@ def _record(enabled: Optional[str] = "all", context: Optional[str] = "all", stac
 
 def _record_legacy(enabled: bool, record_context: bool = True, trace_alloc_max_entries: int = 1,
                    trace_alloc_record_context: bool = False, device: Optional[str] = None,
-                   record_context_cpp: bool = False, clear_history: bool = False, *,
-                   skip_actions: Optional[List[str]] = None) -> None:
+                   record_context_cpp: bool = False, clear_history: bool = False, compile_context: bool = False,
+                   global_record_annotations: bool = False, skip_actions: Optional[List[str]] = None,
+                   record_pinned_host_memory: bool = False, record_cuda: bool = True) -> None:
     """torch's older form, enabled a bool: a history of trace_alloc_max_entries actions (1 by
     default), stacks for live blocks with record_context and for allocations too with
     trace_alloc_record_context. (record_context_cpp: cmlp's own first frame is always there.)"""
     context = ("alloc" if trace_alloc_record_context else "state") if record_context else None
-    _record("all" if enabled else None, context, "all", trace_alloc_max_entries, device, clear_history, skip_actions)
+    _record("all" if enabled else None, context, "all", trace_alloc_max_entries, device, clear_history,
+            compile_context, global_record_annotations, skip_actions, record_pinned_host_memory, record_cuda)
 
 
 def record_memory_history(enabled: Any = "all", *args: Any, **kwargs: Any) -> None:
     """Starts (or changes, or with enabled=None stops) recording what the device's allocator does,
     as torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="all",
-    max_entries=sys.maxsize, device=None, clear_history=False, skip_actions=None).
+    max_entries=sys.maxsize, device=None, clear_history=False, compile_context=False,
+    global_record_annotations=False, skip_actions=None, record_pinned_host_memory=False,
+    record_cuda=True).
 
     enabled: None (stop; the history is dropped), "state" (live blocks keep the stack that
     allocated them; no history) or "all" (also a history of every action: alloc, free_requested,
@@ -119,7 +135,10 @@ def record_memory_history(enabled: Any = "all", *args: Any, **kwargs: Any) -> No
     allocations), "all" (+ frees). stacks: "python" (the Python frames only) or "all" (also a
     first frame naming what the memory holds). max_entries: the history keeps the newest
     max_entries actions. skip_actions: actions not to record. device: None means the current
-    device, as everywhere in cmlp.memory."""
+    device, as everywhere in cmlp.memory. record_cuda=False leaves the device's recording as it
+    is (torch's records only pinned host memory then). compile_context, global_record_annotations
+    and record_pinned_host_memory are checked and change nothing: cmlp has no torch.compile
+    frames, annotations or pool of pinned host memory to record."""
     if isinstance(enabled, bool):
         _record_legacy(enabled, *args, **kwargs)
     else:
@@ -192,14 +211,33 @@ def _entry(e: Tuple[str, int, int, int, Optional[str], int, int], stacks: str, s
     return out
 
 
-def snapshot(device: Optional[str] = None) -> Dict[str, Any]:
-    """torch.cuda.memory._snapshot(): {"segments": [...], "device_traces": [[...], ...]}, the
-    segments and the history taken at one instant. Segments carry PyTorch's keys (device as an
+def allocator_settings() -> Dict[str, Any]:
+    """The settings in force as a PyTorch snapshot lists them: the text they were read from
+    (under "PYTORCH_CUDA_ALLOC_CONF", as torch names it, whatever gave it), max_split_size in
+    bytes (-1: none), the flags and roundup_power2_divisions by each interval's first MiB ("1",
+    "2", "4", ...)."""
+    c = _cmlp.get_settings()
+    return {"PYTORCH_CUDA_ALLOC_CONF": c["text"], "max_split_size": c["max_split_size"],
+            "garbage_collection_threshold": c["garbage_collection_threshold"],
+            "expandable_segments": c["expandable_segments"],
+            "pinned_num_register_threads": c["pinned_num_register_threads"],
+            "release_lock_on_cudamalloc": c["release_lock_on_cudamalloc"],
+            "pinned_use_cuda_host_register": c["pinned_use_host_register"],
+            "graph_capture_record_stream_reuse": c["graph_capture_record_stream_reuse"],
+            "roundup_power2_divisions": {str(1 << i): d for i, d in enumerate(c["roundup_power2_divisions"])}}
+
+
+def snapshot(device: Optional[str] = None, augment_with_fx_traces: bool = False) -> Dict[str, Any]:
+    """torch.cuda.memory._snapshot(): {"segments": [...], "device_traces": [[...], ...],
+    "allocator_settings": {...}, "external_annotations": []}, the segments and the history taken
+    at one instant, with the allocator's settings. Segments carry PyTorch's keys (device as an
     index, stream, segment_type, is_expandable, blocks with frames); device_traces has one list per
     device index up to this device's, the others empty. On "cpu" the index is 0. Entries and
-    blocks with the same frames share one list of them."""
+    blocks with the same frames share one list of them. augment_with_fx_traces is checked and
+    changes nothing (cmlp has no torch.fx graphs)."""
     from ._args import _device
 
+    _cpp_bool("augment_with_fx_traces", augment_with_fx_traces)
     dev = _device(device)
     with _lock:
         raw, history = _cmlp.snapshot_history(dev)
@@ -207,11 +245,13 @@ def snapshot(device: Optional[str] = None) -> Dict[str, Any]:
         index = _device_index(dev)
         segments = torch_segments(dev, raw, shared)
         trace = [_entry(e, stacks, shared) for e in history]
-    return {"segments": segments, "device_traces": [[] for _ in range(index)] + [trace]}
+    return {"segments": segments, "device_traces": [[] for _ in range(index)] + [trace],
+            "allocator_settings": allocator_settings(), "external_annotations": []}
 
 
-def dump_snapshot(filename: "os.PathLike[str] | str" = "dump_snapshot.pickle", device: Optional[str] = None) -> None:
+def dump_snapshot(filename: "os.PathLike[str] | str" = "dump_snapshot.pickle", device: Optional[str] = None,
+                  augment_with_fx_traces: bool = False) -> None:
     """torch.cuda.memory._dump_snapshot(): the snapshot, pickled (protocol 4, which PyTorch's
     viewer reads) into filename, atomically."""
-    data = snapshot(device)
+    data = snapshot(device, augment_with_fx_traces)
     atomic_write(filename, lambda f: pickle.dump(data, f, protocol=4))
