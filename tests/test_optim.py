@@ -881,3 +881,26 @@ def test_a_step_that_runs_out_of_memory_after_amsgrad_is_turned_on_leaves_no_max
         runs.append(model._c.get_params())
         assert "max_exp_avg_sq" in opt.state[0]
     np.testing.assert_array_equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("kind,kwargs", [("Adam", {"weight_decay": 0.0}), ("AdamW", {"amsgrad": True}),
+                                         ("SGD", {"lr": 0.1, "momentum": 0.9, "dampening": 0.0, "weight_decay": 0.0})])
+def test_repr_lists_each_groups_settings_as_torchs(kind, kwargs):
+    model = cmlp.MLP(SIZES, seed=0)
+    mine = repr(getattr(cmlp.optim, kind)(model, **kwargs))
+    assert mine.startswith(f"{kind} (\nParameter Group 0\n") and mine.endswith("\n)") and "params" not in mine
+    torch = pytest.importorskip("torch")
+    layers, _ = torch_twin(torch, model)
+    # (the settings given as floats: torch keeps its defaults' int zeros, cmlp floats)
+    assert mine == repr(getattr(torch.optim, kind)([p for layer in layers for p in layer.parameters()], **kwargs))
+
+
+def test_repr_of_groups_apart():
+    model = cmlp.MLP(SIZES, seed=0)
+    opt = cmlp.optim.SGD(model, lr=0.1, param_groups=[{"params": ["fc1.weight", "fc1.bias"], "lr": 0.5},
+                                                      {"params": ["fc2.weight", "fc2.bias", "fc3.weight",
+                                                                  "fc3.bias"]}])
+    lines = repr(opt).splitlines()
+    assert lines[0] == "SGD (" and lines[-1] == ")"
+    assert lines.index("Parameter Group 1") > lines.index("Parameter Group 0") == 1
+    assert "    lr: 0.5" in lines and "    lr: 0.1" in lines

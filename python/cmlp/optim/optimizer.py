@@ -499,6 +499,14 @@ class Optimizer(_StateDict):
         step and buffers, as in state_dict()["state"]; empty before the first step."""
         return self.state_dict()["state"]
 
+    def __repr__(self) -> str:
+        """As torch's: the class, then each param group's settings by key ("params" left out)."""
+        lines = [f"{type(self).__name__} ("]
+        for i, group in enumerate(self.param_groups):
+            lines.append(f"Parameter Group {i}")
+            lines += [f"    {key}: {group[key]}" for key in sorted(group) if key != "params"]
+        return "\n".join(lines) + "\n)"
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.model.zero_grad(set_to_none)
 
