@@ -159,6 +159,15 @@ print(" ".join(os.path.dirname(os.path.dirname(f)) for p in sys.path for f in gl
 
     run_phase wheels "$SMALL_LIMIT" bash -c install_wheels
     run_phase build "$BUILD_LIMIT" env CMLP_CUDA=1 CMLP_CUDA_ARCH=90 CMLP_MPI=0 "$PY" setup.py build_ext --inplace
+    # what the backend links and finds (a toolkit newer than the driver, or a cuBLASLt not found,
+    # shows here rather than as every later phase failing)
+    nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | sed 's/^/driver: /' || true
+    if [ -f python/cmlp/_cmlp_cuda.so ]; then
+        ldd python/cmlp/_cmlp_cuda.so 2>&1 | grep -E 'cublas|not found' || true
+    else
+        ls "${CUDA_HOME:-/usr/local/cuda}"/lib64/libcublasLt* "${CUDA_HOME:-/usr/local/cuda}"/lib/libcublasLt* 2>&1 \
+            | head -n 4 || true
+    fi
     run_phase probe "$SMALL_LIMIT" bash -c "set -o pipefail; probe | tee '$TMP/probe.log'"
     # every operation synchronised, one line per path: where a crash stops it is where to look
     run_phase smoke "$SMOKE_LIMIT" env CMLP_CUDA_SYNC=1 "$PY" -X faulthandler scripts/gpu_smoke.py
