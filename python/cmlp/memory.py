@@ -402,8 +402,12 @@ def memory_summary(device: Optional[str] = None, abbreviated: bool = False) -> s
     width = 75
     gpu = dev != "cpu"  # PyTorch's names say "GPU"; on the CPU they go without it
     rule, double = "-" * width, "=" * width
-    lines = [double, f"{'cmlp memory summary, device ' + dev:^{width}}", rule,
-             f"{'OOMs: ' + str(s['num_ooms']):^37}|{'alloc retries: ' + str(s['num_alloc_retries']):^37}", double,
+    # on a GPU the heading and the counts read as torch's ("CUDA OOMs", "cudaMalloc retries")
+    title = f"cmlp CUDA memory summary, device ID {_history._device_index(dev)}" if gpu else \
+        "cmlp memory summary, device cpu"
+    ooms, retries = ("CUDA OOMs: ", "cudaMalloc retries: ") if gpu else ("OOMs: ", "alloc retries: ")
+    lines = [double, f"{title:^{width}}", rule,
+             f"{ooms + str(s['num_ooms']):^37}|{retries + str(s['num_alloc_retries']):^37}", double,
              f"{'Metric':^23}| Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  "]
     for key, name, is_bytes in _SUMMARY_METRICS:
         lines.append(rule)
