@@ -3,6 +3,7 @@ tqdm, the short last batch (its own step, normalised by its own size), accumulat
 big batch, uint8 normalisation, and the micro-batch size it reports.
 """
 
+import gc
 import math
 import os
 import re
@@ -414,6 +415,26 @@ def test_step_equals_fit_on_one_batch():
 
 # ---- uint8 ----
 
+def test_the_trainers_normalisation_is_the_models_so_evaluate_sees_what_fit_saw(tmp_path):
+    rng = np.random.default_rng(6)
+    xu, y = rng.integers(0, 256, (96, 784), dtype=np.uint8), rng.integers(0, 10, 96)
+    model, _, trainer = make(sizes=[784, 32, 10], batch_size=16, normalize=(0.2860, 0.3530))
+    assert model.normalize == trainer.normalize == (0.2860, 0.3530)
+    h = trainer.fit(xu, y, epochs=1, validation_data=(xu, y), progress=False)
+    assert model.evaluate(xu, y)["loss"] == pytest.approx(h[0]["val_loss"], rel=1e-6)
+    model.save(tmp_path / "m.npz")
+    assert cmlp.MLP.load(tmp_path / "m.npz").normalize == (0.2860, 0.3530)
+    trainer.normalize = (0.1307, 0.3081)  # one normalisation: setting either sets both
+    assert model.normalize == (0.1307, 0.3081)
+    model.normalize = (0.5, 0.5)
+    assert trainer.normalize == (0.5, 0.5)
+    kept, _, kept_trainer = make(sizes=[784, 32, 10])  # none given: the model's, as it was
+    assert kept.normalize == kept_trainer.normalize == (0.5, 0.5)
+    with pytest.raises(ValueError, match="accumulation_steps"):  # a refused trainer changes nothing
+        cmlp.Trainer(kept, cmlp.optim.SGD(kept), accumulation_steps=0, normalize=(0.2, 0.3))
+    assert kept.normalize == (0.5, 0.5)
+
+
 @pytest.mark.parametrize("normalize", [(0.5, 0.5), (0.2860, 0.3530)])
 def test_uint8_equals_float_normalised_by_hand(normalize):
     rng = np.random.default_rng(5)
@@ -452,17 +473,25 @@ def test_microbatch_size_defaults_to_batch_size(bs, acc):
 
 
 def _fill_cache():
-    """Every cached free block taken, so that new memory needs a new segment."""
+    """Every cached free block that a request can use taken, so that new memory needs a new
+    segment. A request over 1 MiB goes to the large pool: a small segment's free block is taken
+    1 MiB at a time, and a large segment's block of 1 MiB or less serves no request."""
     M = cmlp.memory
+    gc.collect()  # (memory that cycles of earlier tests' objects hold would come back into the cache later)
     M.empty_cache("cpu")
     blocks = []
-    while (largest := M.memory_stats("cpu")["largest_free_block"]) > 0:
+    while True:
+        usable = [b["size"] if s["segment_type"] == "large" else min(b["size"], 2**20)
+                  for s in M.memory_snapshot("cpu") for b in s["blocks"]
+                  if b["state"] == "inactive" and (s["segment_type"] == "small" or b["size"] > 2**20)]
+        if not usable:
+            return blocks
         before = M.memory_reserved("cpu")
-        blocks.append(M.caching_allocator_alloc(largest, "cpu"))
-        if M.memory_reserved("cpu") > before:
+        blocks.append(M.caching_allocator_alloc(max(usable), "cpu"))
+        if M.memory_reserved("cpu") > before:  # (not expected: then give back what it reserved)
             M.caching_allocator_delete(blocks.pop())
-            break
-    return blocks
+            M.empty_cache("cpu")
+            return blocks
 
 
 @pytest.mark.parametrize("accumulated", [False, True])

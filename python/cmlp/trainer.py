@@ -63,6 +63,10 @@ class Trainer(FitLoop):
     Data-parallel, batch_size is per rank and a step takes batch_size * accumulation_steps *
     world_size samples (see cmlp.distributed).
 
+    normalize: the (mean, std) of uint8 images; given, it becomes the model's too (model.normalize,
+    which None keeps), so that the model's evaluate, predict and save see images as training did.
+    trainer.normalize is the model's.
+
     max_grad_norm: when set, before each update the L2 norm of the step's gradients (summed
     over its micro-batches and ranks, unscaled) is clipped to it, as
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm) would do, on the device
@@ -89,6 +93,8 @@ class Trainer(FitLoop):
         except (TypeError, ValueError) as e:
             error = e
         self._agree(error)  # data-parallel, a rank whose arguments were refused makes all raise
+        if self._given_normalize is not None:  # (once every argument is taken: a refused one changes nothing)
+            model.normalize = self._given_normalize
         if self.distributed:
             self._c.set_distributed(True)
             _dist._sync_parameters(model)  # every rank starts from rank 0's parameters
@@ -146,11 +152,20 @@ class Trainer(FitLoop):
         self._lost = False
         _live.add(self)
         self._eval_rows = EVALUATION_ROWS  # validation's chunk of rows (halved when it runs out of memory)
-        # uint8 images: the model's normalisation unless the trainer is given its own
-        self.normalize = model.normalize if normalize is None else as_normalize(normalize)
+        self._given_normalize = None if normalize is None else as_normalize(normalize)
         self._c = _cmlp.Trainer(optimizer._c, self.batch_size, self.accumulation_steps, micro, shuffle,
                                 self.seed, label_smoothing, amp_code, auto_microbatch, int(grow_interval),
                                 recompute, 0.0 if max_grad_norm is None else max_grad_norm)
+
+    @property
+    def normalize(self) -> Tuple[float, float]:
+        """The (mean, std) uint8 images are normalised with: the model's (one normalisation for
+        training, evaluate, predict and save)."""
+        return self.model.normalize
+
+    @normalize.setter
+    def normalize(self, value: Tuple[float, float]) -> None:
+        self.model.normalize = as_normalize(value)
 
     @property
     def last_grad_norm(self) -> Optional[float]:
