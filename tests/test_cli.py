@@ -9,6 +9,7 @@ import math
 import os
 import pickle
 import re
+import signal
 import subprocess
 import sys
 
@@ -133,6 +134,7 @@ def test_train_save_writes_a_loadable_model(trained):
     (["train", "--optimizer", "adamw", "--momentum", "0.9"], r"--momentum is SGD's; adamw has betas"),
     (["train", "--optimizer", "sgd", "--amsgrad"], r"--amsgrad is Adam's and AdamW's"),
     (["train", "--zero"], r"--zero shards the optimizer's state over the ranks of a --distributed run"),
+    (["train", "--save", "a.pickle", "--memory-history", "./a.pickle"], r"--save and --memory-history name the same"),
     (["train", "--memory-limit", "lots"], r"lots"),
     (["train", "--max-grad-norm", "0"], r"--max-grad-norm: expected a number > 0"),
     (["train", "--weight-decay", "-1"], r"--weight-decay: expected a finite number >= 0"),
@@ -236,6 +238,26 @@ def test_output_to_a_reader_that_goes_away_ends_quietly(tmp_path):
     p.stdout.close()
     err = p.stderr.read().decode()
     assert p.wait(timeout=120) == 141 and err == "", err
+    assert pickle.loads((tmp_path / "h.pickle").read_bytes())["device_traces"]
+
+
+@needs_fashion
+def test_ctrl_c_ends_training_with_a_line_and_saves_no_model(tmp_path):
+    """SIGINT during training: "interrupted" and the status of a program SIGINT ended (128 + 2), no
+    traceback; --save writes nothing, and the memory history is still written."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_PYTHON + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    p = subprocess.Popen([sys.executable, "-m", "cmlp", "train", "--layers", "784,64,10", "--epochs", "50",
+                          "--batch-size", "32", "--no-progress", "--save", "m.npz", "--memory-history", "h.pickle"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path, env=env, text=True,
+                         # (as a terminal's: a job run in the background of a script inherits SIGINT ignored)
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    p.stdout.readline()  # the banner: the data set is read and training starts
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130, (out, err)
+    assert "interrupted" in err and "Traceback" not in err, err
+    assert not (tmp_path / "m.npz").exists() and [f for f in os.listdir(tmp_path) if f != "h.pickle"] == []
     assert pickle.loads((tmp_path / "h.pickle").read_bytes())["device_traces"]
 
 

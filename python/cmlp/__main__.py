@@ -132,7 +132,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--weight-decay", type=_rate, default=None, help="default: 0, and 1e-2 for adamw")
     t.add_argument("--no-bias-decay", action="store_true",
                    help="weight decay on the weights only: the biases in a param group of their own without it")
-    t.add_argument("--lr", type=_rate, default=None, help="default: 1e-3 for adam, 0.01 for sgd")
+    t.add_argument("--lr", type=_rate, default=None, help="default: 1e-3 for adam and adamw, 0.01 for sgd")
     t.add_argument("--momentum", type=_rate, default=0.0, help="sgd only (default: 0)")
     t.add_argument("--amsgrad", action="store_true", help="adam and adamw: AMSGrad (torch's amsgrad=True)")
     t.add_argument("--layers", type=_layers, default=[784, 512, 256, 10], help="the layer sizes, input first")
@@ -219,6 +219,9 @@ _HISTORY_ENTRIES = 100_000  # --memory-history keeps the newest actions (a fit m
 def _train(a: argparse.Namespace) -> int:
     rank, ranks = 0, 1
     _momentum_is_sgds(a)
+    if a.save and a.memory_history and os.path.realpath(a.save) == os.path.realpath(a.memory_history):
+        raise ValueError(f"--save and --memory-history name the same file ({a.save}): the snapshot would "
+                         "replace the model")
     if a.zero and not a.distributed:
         raise ValueError("--zero shards the optimizer's state over the ranks of a --distributed run")
     if a.distributed:  # on GPUs, NCCL sums the gradients, one GPU per rank of a machine
@@ -461,6 +464,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         _end_the_group(2)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: a line, and the status of a program SIGINT ended (--save wrote nothing)
+        print("interrupted", file=sys.stderr)
+        _end_the_group(130)
+        return 130
 
 
 def _end_the_group(code: int) -> None:
