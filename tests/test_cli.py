@@ -270,7 +270,7 @@ def test_help(tmp_path):
     text = " ".join(r.stdout.split())  # the help wraps its lines
     for said in ("passes over the training set (default: 5)", "(default: 32)", "(default: 784,512,256,10)",
                  "(default: fp32)", "cpu, cuda or cuda:N (default: cpu)", "the shuffle's seed (default: 0)",
-                 "default: 1e-3 for adam, 0.01 for sgd"):
+                 "default: 1e-3 for adam and adamw, 0.01 for sgd"):
         assert said in text, said
     assert "(default: None)" not in text and "(default: False)" not in text
     r = run_cli(["plan", "--help"], tmp_path)
