@@ -402,6 +402,18 @@ def test_wrong_shapes_or_types(tmp_path, name, arr, pattern):
         datasets.mnist(root=tmp_path)
 
 
+def test_fashion_mnist_with_a_root_that_lacks_it_points_to_the_installed_copy(fashion_env):
+    t = fashion_env
+    with pytest.raises(FileNotFoundError, match="apt-get install dataset-fashion-mnist"):
+        datasets.fashion_mnist(root=t / "empty")
+    fake_set(t / "system")
+    with pytest.raises(FileNotFoundError) as e:
+        datasets.fashion_mnist(root=t / "empty")
+    msg = str(e.value)
+    assert f"It is installed in {t / 'system'}" in msg and "root=None" in msg and "apt-get" not in msg
+    assert datasets.fashion_mnist()[0][0].shape == (5, 784)  # where root=None finds it
+
+
 def test_corrupt_file_in_set_raises_value_error(tmp_path):
     fake_set(tmp_path)
     data = (tmp_path / NAMES[2]).read_bytes()

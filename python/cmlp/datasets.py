@@ -222,7 +222,12 @@ def fashion_mnist(root=None, download=False):
             os.path.join(os.path.expanduser("~"), ".cache", "cmlp", "fashion-mnist"),
             _FASHION_SYSTEM_DIR,
         ]
-    how = (f"To get it: apt-get install dataset-fashion-mnist (installs into "
-           f"{_FASHION_SYSTEM_DIR}), or place the four IDX files ({', '.join(_MNIST_FILES)}, "
-           f"raw or .gz) in one of the directories above.")
+    if root is not None and _find_dir([_FASHION_SYSTEM_DIR])[0] is not None:
+        how = (f"It is installed in {_FASHION_SYSTEM_DIR} (Debian's dataset-fashion-mnist), where root=None looks "
+               f"(or root={_FASHION_SYSTEM_DIR!r}); or place the four IDX files ({', '.join(_MNIST_FILES)}, raw or "
+               f".gz) in one of the directories above.")
+    else:
+        how = (f"To get it: apt-get install dataset-fashion-mnist (installs into "
+               f"{_FASHION_SYSTEM_DIR}), or place the four IDX files ({', '.join(_MNIST_FILES)}, "
+               f"raw or .gz) in one of the directories above.")
     return _load_set("Fashion-MNIST", dirs, how, download)
