@@ -277,7 +277,9 @@ static cmlp_status parse_key(const tokens *t, size_t *i, cmlp_alloc_settings *c)
                 CMLP_TRY(to_long(key, val, 0, &v));
                 if (!(is_pow2(v) && v <= 128)) return bad(key, val, "a power of 2 up to 128");
             }
-            if (accepted[k].field >= 0) *(int *)((char *)c + accepted[k].field) = accepted[k].kind == 'b' ? flag : (int)v;
+            int *kept = accepted[k].field >= 0 ? (int *)((char *)c + accepted[k].field) : NULL;
+            if (kept) *kept = accepted[k].kind == 'b' ? flag : (int)v;
+            break;
         }
     }
     return CMLP_OK;

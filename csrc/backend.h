@@ -306,6 +306,11 @@ typedef cmlp_status (*cmlp_error_fn)(cmlp_status s, const char *file, int line, 
     "does not survive fork); start worker processes with the 'spawn' or 'forkserver' method, e.g. "          \
     "multiprocessing.get_context(\"spawn\")"
 
+/* Why a CUDA build finds no GPU here, around the reason (%s). */
+#define CMLP_CUDA_NONE_TEXT                                                                                    \
+    "CUDA is not available: cmlp was built with CUDA but no usable GPU or CUDA driver was found on this "     \
+    "machine (%s)"
+
 typedef struct cmlp_cuda_module {
     int abi; /* CMLP_CUDA_ABI of the library */
     const cmlp_backend_i *backend;

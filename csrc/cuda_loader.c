@@ -58,6 +58,16 @@ static void start(void) {
     if (!module) return;
     __atomic_store_n(&started, true, __ATOMIC_RELEASE);
     ndevices = module->device_count(why, sizeof why);
+    if (ndevices > 0) return;
+    /* without the driver's library CUDA says its version is insufficient: say there is none */
+    void *driver = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL);
+    if (driver) {
+        dlclose(driver);
+    } else {
+        char cuda[sizeof why];
+        snprintf(cuda, sizeof cuda, "%s", why);
+        snprintf(why, sizeof why, "no NVIDIA driver: libcuda.so.1 cannot be loaded; CUDA says %.300s", cuda);
+    }
 }
 
 int cmlp_cuda_loadable(void) {
@@ -104,7 +114,7 @@ int cmlp_cuda_runtime_version(void) {
 cmlp_status cmlp_cuda_device_properties(int index, cmlp_device_props *out) {
     pthread_once(&start_once, start);
     if (forked) return CMLP_FAIL(CMLP_ERR_DEVICE, "cuda:%d: " CMLP_CUDA_FORKED_TEXT, index);
-    if (ndevices <= 0) return CMLP_FAIL(CMLP_ERR_DEVICE, "CUDA is not available: %s", why);
+    if (ndevices <= 0) return CMLP_FAIL(CMLP_ERR_DEVICE, CMLP_CUDA_NONE_TEXT, why);
     if (index < 0 || index >= ndevices)
         return CMLP_FAIL(CMLP_ERR_DEVICE, "cuda:%d is not a device here (%d found)", index, ndevices);
     return module->device_properties(index, out);

@@ -26,9 +26,7 @@ cmlp_status cmlp_device_check(cmlp_device d) {
                                           "(rebuild with the CUDA toolkit installed, CMLP_CUDA=1)");
     int count = cmlp_cuda_device_count();
     if (count == 0)
-        return CMLP_FAIL(CMLP_ERR_DEVICE, "CUDA is not available: cmlp was built with CUDA but no usable "
-                                          "GPU or CUDA driver was found on this machine (%s)",
-                         cmlp_cuda_unavailable_reason());
+        return CMLP_FAIL(CMLP_ERR_DEVICE, CMLP_CUDA_NONE_TEXT, cmlp_cuda_unavailable_reason());
     if (d.index < 0 || d.index >= count)
         return CMLP_FAIL(CMLP_ERR_DEVICE, "cuda:%d does not exist: %d CUDA device(s) found", d.index, count);
     if (cmlp_cuda_forked()) return CMLP_FAIL(CMLP_ERR_DEVICE, "cuda:%d: " CMLP_CUDA_FORKED_TEXT, d.index);

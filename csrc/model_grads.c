@@ -104,8 +104,8 @@ cmlp_status cmlp_model_clip_grad_norm(cmlp_model *m, double max_norm, double nor
     cmlp_status st = grad_norm(m, norm_type, total_norm);
     if (st == CMLP_OK && error_if_nonfinite && !isfinite(*total_norm))
         st = CMLP_FAIL(CMLP_ERR_NONFINITE,
-                       "the total norm of order %g of the gradients is %g, so they cannot be clipped; pass "
-                       "error_if_nonfinite=False to scale them by it anyway",
+                       "The total norm of order %g of the gradients is non-finite (%g), so it cannot be clipped; "
+                       "set error_if_nonfinite=False to scale the gradients by it anyway",
                        norm_type, *total_norm);
     if (st == CMLP_OK)
         st = B(m)->clip_by_norm(CTX(m), m->grads, m->nparams, &m->ds->grad_norm, (float)max_norm, NULL, NULL);

@@ -104,7 +104,8 @@ def nan_grads():
 def test_a_non_finite_norm_raises_only_when_asked_and_then_changes_nothing():
     model = nan_grads()
     g = flat_grads(model)
-    with pytest.raises(RuntimeError, match="error_if_nonfinite=False"):
+    with pytest.raises(RuntimeError, match=r"of order 2 of the gradients is non-finite \(nan\), so it cannot be "
+                                           r"clipped; set error_if_nonfinite=False"):  # (torch's words in it)
         clip_grad_norm_(model, 1.0, error_if_nonfinite=True)
     np.testing.assert_array_equal(flat_grads(model), g)
     total = clip_grad_norm_(model, 1.0)  # torch scales by the non-finite norm: all NaN or zero
@@ -432,7 +433,7 @@ def test_get_total_norm_and_clip_grads_with_norm_are_clip_grad_norm_in_two_steps
         norms = [reference_norm(a.ravel(), p) if p else np.count_nonzero(a) for a in grads]
         want = reference_norm(np.asarray(norms), p) if p else np.count_nonzero(norms)
         assert cmlp.nn.utils.get_total_norm(grads, p) == pytest.approx(want, rel=1e-12)
-    with pytest.raises(RuntimeError, match="error_if_nonfinite"):
+    with pytest.raises(RuntimeError, match=r"is non-finite \(nan\), so it cannot be clipped; set error_if_nonfinite=False"):
         cmlp.nn.utils.get_total_norm([np.array([1.0, np.nan])], error_if_nonfinite=True)
     model = nan_grads()
     g = flat_grads(model)

@@ -1363,6 +1363,15 @@ def test_caching_allocator_on_the_gpu_reuses_blocks_without_a_device_call():
     assert_stats_match_snapshot(CUDA)
 
 
+def test_torch_cuda_names_a_port_meets():
+    assert cmlp.cuda.OutOfMemoryError is cmlp.OutOfMemoryError  # `except torch.cuda.OutOfMemoryError` ports
+    # every GPU cmlp's kernels run on (sm_80 and later) computes in bfloat16
+    assert cmlp.cuda.is_bf16_supported() is cmlp.cuda.is_available()
+    assert cmlp.cuda.is_bf16_supported(including_emulation=False) is cmlp.cuda.is_available()
+    with pytest.raises(TypeError, match="including_emulation"):
+        cmlp.cuda.is_bf16_supported("yes")
+
+
 def test_torch_cuda_memory_functions_port_to_cmlp_cuda():
     if not cmlp.cuda.is_available():  # as torch's before CUDA starts: nothing to read, nothing cached
         cmlp.cuda.empty_cache()

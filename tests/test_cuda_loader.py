@@ -1,5 +1,6 @@
 """The CUDA backend is a library of its own, loaded on first use: a CUDA build imports and runs
 everything on the CPU where there is no GPU or driver, and says why CUDA is unavailable."""
+import ctypes
 import os
 import re
 import subprocess
@@ -50,9 +51,16 @@ def test_a_missing_backend_library_is_explained_and_the_cpu_still_works():
 def test_without_a_gpu_the_error_gives_cudas_reason():
     with pytest.raises(RuntimeError, match=r"no usable GPU or CUDA driver was found on this machine \(.+\)") as e:
         cmlp.MLP([2, 2], device="cuda")
-    assert "cannot load" not in str(e.value)  # the library loaded; CUDA itself said no
+    assert "cannot load the CUDA backend" not in str(e.value)  # the library loaded; CUDA itself said no
+    try:  # no driver's library at all: said so, not CUDA's "driver version is insufficient" alone
+        ctypes.CDLL("libcuda.so.1")
+        assert "no NVIDIA driver" not in str(e.value)
+    except OSError:
+        assert "(no NVIDIA driver: libcuda.so.1 cannot be loaded; CUDA says " in str(e.value)
     with pytest.raises(RuntimeError, match="CUDA"):
         cmlp.cuda.synchronize()
+    with pytest.raises(RuntimeError, match=r"cmlp was built with CUDA but no usable GPU"):  # the same words
+        cmlp.cuda.get_device_properties()
 
 
 # ---- counting the GPUs without starting CUDA (NVML), as torch.cuda.device_count() ----

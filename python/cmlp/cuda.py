@@ -11,6 +11,10 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 import numpy as np
 
 from . import _cmlp
+from ._arrays import as_flag
+
+
+OutOfMemoryError = _cmlp.OutOfMemoryError  # torch.cuda's name too: `except cmlp.cuda.OutOfMemoryError` ports
 
 
 def is_available() -> bool:
@@ -156,6 +160,14 @@ def get_device_properties(device: "Optional[str | int]" = None) -> _CudaDevicePr
     if count > 0 and not 0 <= index < count:
         raise AssertionError("Invalid device id")
     return _CudaDeviceProperties(**_cmlp.cuda_device_properties(index if 0 <= index < 2**31 else -1))
+
+
+def is_bf16_supported(including_emulation: bool = True) -> bool:
+    """torch.cuda's: whether the first GPU computes in bfloat16 (amp="bf16"): compute capability
+    8.0 or later, which every GPU cmlp's kernels are built for has; False where CUDA is not
+    available. (including_emulation: torch's, for older GPUs, on which cmlp does not run.)"""
+    as_flag("including_emulation", including_emulation)
+    return is_available() and get_device_properties(0).major >= 8
 
 
 def get_device_name(device: "Optional[str | int]" = None) -> str:

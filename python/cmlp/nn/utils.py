@@ -45,8 +45,9 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: Any = 2.0, erro
 
 
 def _nonfinite(norm_type: float, total: float) -> RuntimeError:
-    return RuntimeError(f"the total norm of order {norm_type:g} of the gradients is {total}, so they cannot be "
-                        "clipped; pass error_if_nonfinite=False to scale them by it anyway")
+    # (torch's words where code may look for them: "is non-finite", "error_if_nonfinite=False")
+    return RuntimeError(f"The total norm of order {norm_type:g} of the gradients is non-finite ({total}), so it "
+                        "cannot be clipped; set error_if_nonfinite=False to scale the gradients by it anyway")
 
 
 def _array_norm(a: np.ndarray, p: float) -> float:
