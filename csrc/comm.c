@@ -91,6 +91,20 @@ static bool launched(void) {
     return false;
 }
 
+/* A process that a launcher of torch's kind (torchrun) started as one of several: MPI would make
+ * it a group of one, and each would train alone. */
+static cmlp_status not_torchrun(void) {
+    const char *ws = getenv("WORLD_SIZE");
+    char *end;
+    long n = ws ? strtol(ws, &end, 10) : 1;
+    if (!ws || *end || n <= 1 || launched()) return CMLP_OK;
+    return CMLP_FAIL(CMLP_ERR_STATE,
+                     "WORLD_SIZE=%ld says this process is one of %ld that a launcher such as torchrun started, but "
+                     "cmlp's process group is MPI's and no MPI launcher started it: each process would train "
+                     "alone; start the job with mpirun -np %ld python ... instead",
+                     n, n, n);
+}
+
 static cmlp_status load(void) {
     if (mpi) return CMLP_OK;
     char path[4096];
@@ -131,7 +145,8 @@ cmlp_status cmlp_dist_init(int backend, int *rank, int *size) {
     take_lock();
     cmlp_status st = orphan  ? ORPHANED()
                      : group ? CMLP_FAIL(CMLP_ERR_STATE, "the process group is initialised already")
-                             : load();
+                             : not_torchrun();
+    if (st == CMLP_OK) st = load();
     if (st == CMLP_OK) {
         mpi_started = mpi_started || mpi != &solo; /* before: a fork while MPI starts makes an orphan too */
         st = mpi->init(&rank_, &size_, &local_rank_, &local_size_);

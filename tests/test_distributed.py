@@ -79,6 +79,25 @@ def test_nccl_is_looked_for_in_the_wheels_layouts(tmp_path, monkeypatch):
     assert D._nccl_library() == "/where/it/is.so"
 
 
+def test_processes_torchrun_started_are_told_to_use_mpirun():
+    """torchrun's WORLD_SIZE > 1 with no MPI launcher: MPI would make each process a group of one,
+    training alone; init_process_group refuses and says how to start the job."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI", "MPI_"))}
+    env.update(WORLD_SIZE="2", RANK="1", LOCAL_RANK="1", PYTHONPATH=REPO_PYTHON)
+    code = ("import cmlp\n"
+            "try:\n    cmlp.distributed.init_process_group()\nexcept RuntimeError as e:\n    print(e)\n"
+            "print(cmlp.distributed.is_initialized())")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "WORLD_SIZE=2 says this process is one of 2" in r.stdout and "mpirun -np 2" in r.stdout, r.stdout
+    assert r.stdout.strip().endswith("False")
+    env["WORLD_SIZE"] = "1"  # a group of one is one
+    r = subprocess.run([sys.executable, "-c", "import cmlp; cmlp.distributed.init_process_group(); "
+                        "print(cmlp.distributed.get_world_size())"], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "1", r.stderr
+
+
 def test_without_a_process_group_every_call_says_what_to_do():
     assert not D.is_initialized()
     for call in (D.get_rank, D.get_world_size, D.get_local_rank, D.get_backend, D.barrier, D.destroy_process_group,
