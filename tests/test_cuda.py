@@ -1395,7 +1395,7 @@ def test_torch_cuda_memory_functions_port_to_cmlp_cuda():
     assert cmlp.cuda.max_memory_reserved() == M.max_memory_reserved("cuda")
     summary = cmlp.cuda.memory_summary()
     assert "CUDA memory summary, device ID 0" in summary and "GPU reserved memory" in summary
-    assert re.search(r"CUDA OOMs: 0 .*\| +cudaMalloc retries: 0 ", summary), "torch's words: scripts read them"
+    assert re.search(r"CUDA OOMs: \d+ .*\| +cudaMalloc retries: \d+ ", summary), "torch's words: scripts read them"
     del model
     cmlp.cuda.empty_cache()
     assert M.memory_reserved("cuda") == M.memory_stats("cuda")["reserved_bytes.all.current"]
