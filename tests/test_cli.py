@@ -117,6 +117,7 @@ def test_train_save_writes_a_loadable_model(trained):
     (["train", "--epochs", "-3"], r"--epochs: expected an int >= 1"),
     (["train", "--accumulation-steps", "x"], r"--accumulation-steps: expected an int >= 1"),
     (["train", "--lr", "nan"], r"--lr: expected a finite number >= 0"),
+    (["train", "--lr", "1e300"], r"--lr: expected a finite number >= 0 \(in float32's range\), got '1e300'"),
     (["train", "--save", ""], r"--save needs a file name"),
     (["train", "--save", "."], r"--save '\.' is a directory"),
     (["train", "--save", "nowhere/x.npz"], r"the directory .*nowhere' does not exist"),
