@@ -6,7 +6,6 @@ what this build is made of. Under mpirun, `python -m cmlp train --distributed` t
 data-parallel, one rank per process."""
 import argparse
 import json
-import math
 import os
 import re
 import sys
