@@ -14,6 +14,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 from . import MLP, Trainer, _cmlp, build_info, cuda, datasets, distributed, memory, optim
 from .optim import lr_scheduler
+from .optim._groups import _FLT_MAX
 
 
 def _layers(text: str) -> List[int]:
@@ -53,8 +54,8 @@ def _bounded(convert: Callable[[str], float], what: str, ok: Callable[[float], b
 
 _count = _bounded(int, "an int >= 1", lambda v: v >= 1)  # epochs, batch size, accumulation steps
 _steps = _bounded(int, "an int >= 0", lambda v: v >= 0)  # warm-up steps
-_FLT_MAX = 3.4028234663852886e38  # the optimizers take rates, momenta and decays finite in float32
-_rate = _bounded(float, "a finite number >= 0 (in float32's range)", lambda v: 0.0 <= v <= _FLT_MAX)  # lr, momentum
+# lr, momentum, weight decay: the optimizers take them finite in float32
+_rate = _bounded(float, "a finite number >= 0 (in float32's range)", lambda v: 0.0 <= v <= _FLT_MAX)
 _positive = _bounded(float, "a number > 0", lambda v: v > 0.0)  # max grad norm
 
 
