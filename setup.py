@@ -92,10 +92,10 @@ def cublaslt_library(home):
         if os.path.exists(os.path.join(d, "libcublasLt.so")):
             return d, "-lcublasLt"
     for d in folders:
-        versioned = sorted(f for f in glob.glob(os.path.join(d, "libcublasLt.so.*"))
-                           if re.fullmatch(r"libcublasLt\.so\.\d+", os.path.basename(f)))
-        if versioned:
-            return d, "-l:" + os.path.basename(versioned[-1])
+        versioned = [os.path.basename(f) for f in glob.glob(os.path.join(d, "libcublasLt.so.*"))
+                     if re.fullmatch(r"libcublasLt\.so\.\d+", os.path.basename(f))]
+        if versioned:  # the newest by number (13 after 9)
+            return d, "-l:" + max(versioned, key=lambda name: int(name.rsplit(".", 1)[1]))
     sys.exit(f"the CUDA toolkit at {home} has no libcublasLt.so (looked in {', '.join(folders)})")
 
 

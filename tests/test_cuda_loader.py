@@ -197,7 +197,7 @@ def test_the_build_finds_cublaslt_in_a_toolkit_and_in_a_toolkit_of_wheels(tmp_pa
         find(str(tmp_path))
     wheels = tmp_path / "lib"  # pip's nvidia/cu13: versioned names only
     wheels.mkdir()
-    for name in ("libcublasLt.so.13.0.2.14", "libcublasLt.so.13"):
+    for name in ("libcublasLt.so.13.0.2.14", "libcublasLt.so.13", "libcublasLt.so.9"):
         (wheels / name).write_bytes(b"")
     assert find(str(tmp_path)) == (str(wheels), "-l:libcublasLt.so.13")
     toolkit = tmp_path / "lib64"  # /usr/local/cuda: the development link, found first
