@@ -386,7 +386,10 @@ class Optimizer(_StateDict):
 
     def _set_group_lrs(self, lrs: Any) -> None:
         """Every group's rate at once (checked: a refused one changes none)."""
-        lrs = [v if type(v) is float and 0.0 <= v <= _FLT_MAX else _rate("lr", v) for v in lrs]
+        if type(lrs) is list and len(lrs) == 1 and type(lrs[0]) is float and 0.0 <= lrs[0] <= _FLT_MAX:
+            lrs = lrs[:]  # (one group's rate, as a schedule's step gives it: nothing to convert)
+        else:
+            lrs = [v if type(v) is float and 0.0 <= v <= _FLT_MAX else _rate("lr", v) for v in lrs]
         # (a schedule's step: where only the base rate moves, what _push_groups does would change nothing else)
         if self._own_parts is None or not self._new_rates_only(lrs):
             self._push_groups(lrs=lrs)
@@ -545,14 +548,17 @@ class Optimizer(_StateDict):
         the configuration's, the others' go with their parts where they differ from it. A step on a
         device reads them there, so, like the rates, they change no captured step."""
         owns, with_momentum = self._owns, self._with_momentum
-        values = [v if type(v) is float else _num("momentum", v)
-                  for v in (value if isinstance(value, list) else [value] * len(owns))]
-        if len(values) != len(owns):
-            raise ValueError(f"expected {len(owns)} momenta, one per param group, got {len(values)}")
-        for v in values[1:]:  # as the C optimizer checks the first (and the parts, when they get them)
-            if not (0.0 <= v < 1.0 if self._kind == "adam" else 0.0 <= v <= _FLT_MAX):
-                raise ValueError(f"Invalid beta parameter at index 0: {v}" if self._kind == "adam" else
-                                 f"Invalid momentum value: {v} (must be >= 0 and finite in float32)")
+        if type(value) is list and len(value) == 1 == len(owns) and type(value[0]) is float:
+            values = value  # (a one-group schedule's step: nothing to convert, and no other to check)
+        else:
+            values = [v if type(v) is float else _num("momentum", v)
+                      for v in (value if isinstance(value, list) else [value] * len(owns))]
+            if len(values) != len(owns):
+                raise ValueError(f"expected {len(owns)} momenta, one per param group, got {len(values)}")
+            for v in values[1:]:  # as the C optimizer checks the first (and the parts, when they get them)
+                if not (0.0 <= v < 1.0 if self._kind == "adam" else 0.0 <= v <= _FLT_MAX):
+                    raise ValueError(f"Invalid beta parameter at index 0: {v}" if self._kind == "adam" else
+                                     f"Invalid momentum value: {v} (must be >= 0 and finite in float32)")
         before, first = self._c_own, values[0]
         self._c.momentum = first  # (kept as given: a float's double)
         own = self._c_own = with_momentum(before, first)

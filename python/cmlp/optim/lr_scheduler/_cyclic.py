@@ -140,9 +140,11 @@ class OneCycleLR(LRScheduler):
         groups and this schedule hold what was last noted (see _note_seen: the common case, each
         step one look at each stamp)."""
         noted, optimizer = self._noted, self.optimizer
-        if noted is not None and noted[0] is optimizer._initial_lrs and noted[1] == self._groups \
-                and noted[2] == list(map(_STAMP, optimizer._param_groups)):
-            return
+        if noted is not None and noted[0] is optimizer._initial_lrs and noted[1] == self._groups:
+            groups, stamps = optimizer._param_groups, noted[2]
+            if (stamps[0] is groups[0]._stamp if len(groups) == 1 == len(stamps)
+                    else stamps == list(map(_STAMP, groups))):
+                return
         taken = []
         for i, (group, mine) in enumerate(zip(optimizer.param_groups, self._groups)):
             initial = optimizer._initial_lrs[i]
@@ -192,21 +194,27 @@ class OneCycleLR(LRScheduler):
         step = self.last_epoch
         if step > self.total_steps:
             raise ValueError(f"Tried to step {step} times. The specified number of total steps is {self.total_steps}")
-        anneal = self._annealing_cos if self._anneal_func_type == "cos" else self._annealing_linear
         self._adopt()
-        phases = self._schedule_phases
-        start, last = 0.0, len(phases) - 1
-        for i, phase in enumerate(phases):
+        start, phases = 0.0, self._schedule_phases
+        for phase in phases:
             end = phase["end_step"]
-            if step <= end or i == last:
-                pct = (step - start) / (end - start)
+            if step <= end or phase is phases[-1]:
                 break
             start = end
+        pct = (step - start) / (end - start)
+        # _annealing_cos and _annealing_linear written out, with the same operations in the same
+        # order (the same floats): each step calls this, for the rate and the momentum of each group
+        cos = self._anneal_func_type == "cos"
+        weight = math.cos(math.pi * pct) + 1 if cos else pct
         # one step past the last (total_steps: the step torch code takes after its last optimizer
         # step) the linear strategy extrapolates below 0, which torch sets and never trains with;
         # the optimizer here takes no negative rate, so that step's rate is 0
         lo, hi = phase["start_lr"], phase["end_lr"]
-        lrs = [max(anneal(g[lo], g[hi], pct), 0.0) for g in self._groups]
+        lrs = []
+        for g in self._groups:
+            a, b = g[lo], g[hi]
+            lr = b + (a - b) / 2.0 * weight if cos else (b - a) * weight + a
+            lrs.append(lr if lr >= 0.0 else 0.0)
         if self.cycle_momentum:
             lo, hi = phase["start_momentum"], phase["end_momentum"]
             momenta = []
@@ -214,7 +222,7 @@ class OneCycleLR(LRScheduler):
                 a, b = g[lo], g[hi]
                 # likewise, that step's linear momentum goes past the phase's end (Adam's beta1 to 1
                 # and over, which Adam refuses): it stays at the end's value
-                m = anneal(a, b, pct)
+                m = b + (a - b) / 2.0 * weight if cos else (b - a) * weight + a
                 momenta.append(m if a <= m <= b or b <= m <= a else min(max(m, min(a, b)), max(a, b)))
             self.optimizer._set_momentum(momenta)
         return lrs
