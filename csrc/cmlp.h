@@ -71,6 +71,12 @@ CMLP_API cmlp_device cmlp_cpu(void);
  * CUDA or the machine lacks a GPU). */
 CMLP_API cmlp_status cmlp_device_parse(const char *s, cmlp_device *out);
 CMLP_API cmlp_status cmlp_device_check(cmlp_device d); /* same checks for a parsed device */
+/* The calling thread's current GPU: the one "cuda" without an index names (0 until set, in each
+ * thread, as CUDA's current device is). Setting it checks that the GPU is there (which starts the
+ * driver); reading it starts nothing. It is cmlp's own: CUDA's current device, which other
+ * libraries read, is not changed. */
+CMLP_API int cmlp_cuda_current_device(void);
+CMLP_API cmlp_status cmlp_cuda_set_device(int index);
 CMLP_API int cmlp_cuda_compiled(void);                  /* 1 when built with the CUDA backend */
 /* The devices the CUDA driver reports (0 without a usable driver/GPU). The first call starts the
  * driver, which a process forked after it cannot use. */

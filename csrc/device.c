@@ -12,8 +12,17 @@ static pthread_mutex_t registry_lock = PTHREAD_MUTEX_INITIALIZER;
 static cmlp_device_ctx *cpu_ctx;
 static cmlp_device_ctx *cuda_ctx[CMLP_MAX_CUDA_DEVICES];
 
+static _Thread_local int current_cuda; /* what "cuda" names in this thread */
+
 cmlp_device cmlp_cpu(void) { return (cmlp_device){CMLP_DEVICE_CPU, 0}; }
 
+int cmlp_cuda_current_device(void) { return current_cuda; }
+
+cmlp_status cmlp_cuda_set_device(int index) {
+    CMLP_TRY(cmlp_device_check((cmlp_device){CMLP_DEVICE_CUDA, index}));
+    current_cuda = index;
+    return CMLP_OK;
+}
 
 cmlp_status cmlp_device_check(cmlp_device d) {
     if (d.type == CMLP_DEVICE_CPU) {
@@ -44,6 +53,7 @@ cmlp_status cmlp_device_parse(const char *s, cmlp_device *out) {
         return CMLP_FAIL(CMLP_ERR_INVALID, "unknown device \"%.64s\": the CPU's device index is 0", s);
     if (strncmp(s, "cuda", 4) != 0) goto bad;
     d.type = CMLP_DEVICE_CUDA;
+    d.index = current_cuda;
     if (s[4] == ':') {
         const char *p = s + 5;
         if (*p < '0' || *p > '9') goto bad;

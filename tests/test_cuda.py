@@ -1501,6 +1501,45 @@ def test_torch_cuda_readers_open_no_gpu():
 
 
 @needs_cuda
+def test_set_device_makes_cuda_name_that_gpu_in_this_thread():
+    """As torch.cuda.set_device: "cuda", device None and model.cuda() name the current GPU; a
+    `device` block puts the one before back; another thread starts at GPU 0; empty_cache returns
+    every GPU's cache (what stays reserved is in use: the GEMM workspace). (Two GPUs; the emulated
+    backend makes two.)"""
+    code = ("import json, threading, cmlp; c = cmlp.cuda; m = cmlp.memory\n"
+            "if c.device_count() < 2:\n    print(json.dumps(None)); raise SystemExit\n"
+            "said = [c.current_device()]\n"
+            "c.set_device(1)\n"
+            "model = cmlp.MLP([8, 4], device='cuda')\n"
+            "said += [c.current_device(), model.device, cmlp.MLP([8, 4]).cuda().device,\n"
+            "         m.memory_allocated() == m.memory_allocated('cuda:1') > 0, c.memory_allocated(0)]\n"
+            "with c.device(0):\n"
+            "    said += [c.current_device(), cmlp.MLP([8, 4], device='cuda').device]\n"
+            "    with c.device_of(model):\n"
+            "        said.append(c.current_device())\n"
+            "    said.append(c.current_device())\n"
+            "said.append(c.current_device())\n"
+            "other = []\n"
+            "t = threading.Thread(target=lambda: other.append(c.current_device())); t.start(); t.join()\n"
+            "del model\n"
+            "c.empty_cache()\n"
+            "said += [other] + [m.memory_reserved(d) - m.memory_allocated(d) for d in ('cuda:0', 'cuda:1')]\n"
+            "try:\n    c.set_device(2)\nexcept RuntimeError as e:\n    said.append(str(e))\n"
+            "said.append(c.current_device())\n"
+            "print(json.dumps(said))")
+    env = dict(os.environ, CMLP_EMU_DEVICES="2")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    said = json.loads(r.stdout.strip().splitlines()[-1])
+    if said is None:
+        pytest.skip("needs two GPUs")
+    assert said[:6] == [0, 1, "cuda:1", "cuda:1", True, 0], said
+    assert said[6:11] == [0, "cuda:0", 1, 0, 1], said
+    assert said[11] == [0] and said[12:14] == [0, 0], said
+    assert "cuda:2 does not exist" in said[14] and said[15] == 1, said
+
+
+@needs_cuda
 def test_torch_cuda_memory_stats_of_a_gpu_not_used_once_another_is_open():
     """As torch's once CUDA has started, memory_stats of a GPU not used yet has every key, all 0,
     with the settings it will open with; reading it opens nothing. (Two GPUs; the emulated

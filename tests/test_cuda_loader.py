@@ -179,6 +179,25 @@ def test_device_properties_need_a_gpu_and_a_cuda_device():
             cmlp.cuda.get_device_capability(bad)
 
 
+def test_the_current_device_needs_a_gpu_and_its_arguments_are_torchs():
+    """current_device, set_device and the device blocks, where there is no GPU: RuntimeError
+    saying why, as asking for "cuda" does; what torch does nothing with does nothing here too."""
+    c = cmlp.cuda
+    if not c.is_available():
+        for call in (c.current_device, lambda: c.set_device(0), lambda: c.device(0).__enter__()):
+            with pytest.raises(RuntimeError, match="CUDA is not available"):
+                call()
+        assert cmlp.memory.memory_allocated() == cmlp.memory.memory_allocated("cpu")  # device None: the CPU
+        c.empty_cache()  # nothing opened: a no-op
+    c.set_device(-1)  # a negative index: nothing, as in torch
+    with c.device(None), c.device(-1), c.device_of(cmlp.MLP([2, 2])):
+        pass
+    for bad, error in (("cuda", ValueError), (None, ValueError), ("cpu", ValueError), ("cuda:x", ValueError),
+                       (1.5, TypeError), (2**40, ValueError)):
+        with pytest.raises(error):
+            c.set_device(bad)
+
+
 def _setup_function(name):
     """A function of setup.py, alone (importing setup.py would run the build)."""
     import ast

@@ -29,7 +29,9 @@ def _numpy_int(value: Any) -> Any:
 def _device(device: Any) -> str:
     if device is None:
         # a child forked after CUDA started cannot use it: its default is the CPU
-        return "cuda:0" if _cmlp.cuda_device_count() > 0 and not _cmlp.cuda_forked() else "cpu"
+        if _cmlp.cuda_device_count() > 0 and not _cmlp.cuda_forked():
+            return f"cuda:{_cmlp.cuda_current_device()}"  # (cmlp.cuda.set_device's, 0 by default)
+        return "cpu"
     device = _device_text(device)
     if not isinstance(device, str):
         raise TypeError(f"device must be a str such as 'cpu' or 'cuda:0' (or an index, or a torch.device), "

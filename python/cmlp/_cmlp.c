@@ -362,6 +362,25 @@ static PyObject *mod_nvml_devices(PyObject *mod, PyObject *unused) {
     return list;
 }
 
+static PyObject *mod_cuda_current_device(PyObject *mod, PyObject *unused) {
+    (void)mod;
+    (void)unused;
+    return PyLong_FromLong(cmlp_cuda_current_device());
+}
+
+static PyObject *mod_cuda_set_device(PyObject *mod, PyObject *arg) {
+    int overflow = 0;
+    long index = PyLong_AsLongAndOverflow(arg, &overflow);
+    if (index == -1 && PyErr_Occurred()) return NULL;
+    if (overflow || index < INT_MIN || index > INT_MAX) index = CMLP_MAX_CUDA_DEVICES; /* no GPU has it */
+    cmlp_status st;
+    NOGIL_BEGIN
+    st = cmlp_cuda_set_device((int)index);
+    NOGIL_END
+    if (st != CMLP_OK) return raise_status(state_of(mod), st);
+    Py_RETURN_NONE;
+}
+
 static PyObject *mod_cuda_forked(PyObject *mod, PyObject *unused) {
     (void)mod;
     (void)unused;
@@ -383,6 +402,8 @@ static PyMethodDef module_methods[] = {
     {"cuda_started", mod_cuda_started, METH_NOARGS, "whether the CUDA driver was asked for the devices"},
     {"cuda_device_opened", mod_cuda_device_opened, METH_O, "whether GPU N was opened here (opens nothing)"},
     {"nvml_devices", mod_nvml_devices, METH_NOARGS, "NVML's GPUs' UUIDs (None: no NVML), without starting CUDA"},
+    {"cuda_current_device", mod_cuda_current_device, METH_NOARGS, "the GPU \"cuda\" names in this thread"},
+    {"cuda_set_device", mod_cuda_set_device, METH_O, "cuda_set_device(N): \"cuda\" names GPU N in this thread"},
     {"cuda_forked", mod_cuda_forked, METH_NOARGS, "whether this process was forked after CUDA was started"},
     {"synchronize", mod_synchronize, METH_O, "synchronize(device): waits for the device's queued work"},
     {NULL, NULL, 0, NULL},

@@ -130,9 +130,10 @@ class _CudaDeviceProperties(NamedTuple):
 
 
 def _device_index(device: "Optional[str | int]") -> int:
-    """torch.cuda's device argument: None (the first GPU), an index, "cuda" or "cuda:N"."""
+    """torch.cuda's device argument: None or "cuda" (the current GPU: see set_device), an index,
+    "cuda:N" or a torch.device."""
     if device is None:
-        return 0
+        return _cmlp.cuda_current_device()
     if not isinstance(device, (str, int, np.integer)) and hasattr(device, "type"):  # a torch.device
         from ._args import _device_text
 
@@ -143,12 +144,67 @@ def _device_index(device: "Optional[str | int]") -> int:
         kind, sep, text = device.partition(":")
         if kind != "cuda" or (sep and not (text.isdigit() and text.isascii())):
             raise ValueError(f"Expected a cuda device, but got: {device}")
-        index = int(text) if sep else 0
+        index = int(text) if sep else _cmlp.cuda_current_device()
     else:
         raise TypeError(f"device must be an int, a str such as 'cuda:0' or None, got {device!r}")
     if not -2**31 <= index < 2**31:  # no GPU has it, and C's int does not hold it
         raise ValueError(f"Invalid device index {index}: no GPU has an index that large")
     return index
+
+
+def current_device() -> int:
+    """The index of the current GPU, as torch.cuda.current_device(): the one "cuda" (and device
+    None) names in this thread; 0 until set_device or a `device` block changes it. RuntimeError
+    saying why where CUDA is not available."""
+    _cmlp.parse_device("cuda")  # (raises where there is no GPU)
+    return _cmlp.cuda_current_device()
+
+
+def set_device(device: "str | int") -> None:
+    """Makes GPU `device` (an index, "cuda:N" or a torch.device) the current one in this thread, as
+    torch.cuda.set_device: "cuda" and device None then name it, in cmlp's calls (MLP(device="cuda"),
+    model.cuda(), cmlp.memory's and cmlp.cuda's functions). A negative index does nothing, as in
+    torch. RuntimeError where that GPU is not there. CUDA's own current device, which other
+    libraries read, stays as it is (cmlp's calls make the device they use current and put the
+    caller's back)."""
+    if device is None or (isinstance(device, str) and device == "cuda") \
+            or (getattr(device, "type", None) == "cuda" and getattr(device, "index", 0) is None):
+        raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+    index = _device_index(device)
+    if index >= 0:
+        _cmlp.cuda_set_device(index)
+
+
+class device:
+    """Context manager that makes a GPU the current one inside its block (see set_device) and puts
+    the one before back after it, as torch.cuda.device; None or a negative index changes nothing."""
+
+    def __init__(self, device: "Optional[str | int]") -> None:
+        self.idx = -1 if device is None else _device_index(device)
+        self.prev_idx = -1
+
+    def __enter__(self) -> None:
+        self.prev_idx = -1
+        if self.idx >= 0:
+            before = _cmlp.cuda_current_device()
+            _cmlp.cuda_set_device(self.idx)
+            self.prev_idx = before
+
+    def __exit__(self, *exc: Any) -> bool:
+        if self.prev_idx >= 0:
+            _cmlp.cuda_set_device(self.prev_idx)
+        return False
+
+
+class device_of(device):
+    """torch.cuda.device_of: the `device` block of the GPU an object is on (a cmlp model, or anything
+    with a .device such as "cuda:1" or a torch.device); a no-op for one on the CPU."""
+
+    def __init__(self, obj: Any) -> None:
+        from ._args import _device_text
+
+        where = _device_text(getattr(obj, "device", None))
+        super().__init__(_device_index(where) if isinstance(where, str) and where.startswith("cuda") else None)
 
 
 def get_device_properties(device: "Optional[str | int]" = None) -> _CudaDeviceProperties:
@@ -163,11 +219,11 @@ def get_device_properties(device: "Optional[str | int]" = None) -> _CudaDevicePr
 
 
 def is_bf16_supported(including_emulation: bool = True) -> bool:
-    """torch.cuda's: whether the first GPU computes in bfloat16 (amp="bf16"): compute capability
+    """torch.cuda's: whether the current GPU computes in bfloat16 (amp="bf16"): compute capability
     8.0 or later, which every GPU cmlp's kernels are built for has; False where CUDA is not
     available. (including_emulation: torch's, for older GPUs, on which cmlp does not run.)"""
     as_flag("including_emulation", including_emulation)
-    return is_available() and get_device_properties(0).major >= 8
+    return is_available() and get_device_properties().major >= 8
 
 
 def get_device_name(device: "Optional[str | int]" = None) -> str:
@@ -317,12 +373,15 @@ def memory_summary(device: "Optional[str | int]" = None, abbreviated: bool = Fal
 
 
 def empty_cache() -> None:
-    """Returns the GPU's cached, unused segments (torch.cuda.empty_cache, of "cuda"); a no-op
-    where it was not opened here (without CUDA too), as torch's is before CUDA starts."""
+    """Returns every GPU's cached, unused segments, as torch.cuda.empty_cache; a no-op for the
+    GPUs not opened here (without CUDA, for all), as torch's is before CUDA starts, and in a child
+    forked after it started (which cannot use it)."""
     from . import memory
 
-    if _cmlp.cuda_device_opened(0):
-        memory.empty_cache("cuda")
+    count = _cmlp.cuda_device_count() if _cmlp.cuda_started() and not _cmlp.cuda_forked() else 0
+    for index in range(count):
+        if _cmlp.cuda_device_opened(index):
+            memory.empty_cache(f"cuda:{index}")
 
 
 def set_per_process_memory_fraction(fraction: float, device: "Optional[str | int]" = None) -> None:
