@@ -133,10 +133,32 @@ def test_load_state_dict_takes_any_modules_linear_layers_in_order(prefix):
     result = m.load_state_dict(renamed)
     assert result.missing_keys == [] and result.unexpected_keys == [] and repr(result) == "<All keys matched successfully>"
     assert_params_equal(m.state_dict(), src)
-    # out of order, or a shape that is not the layer's: nothing is guessed
-    shuffled = dict(reversed(list(renamed.items())))
+    # keys sorted (each bias before its weight), or in reverse: the modules' numbers order them
+    for keys in (sorted(renamed), list(reversed(renamed))):
+        m = cmlp.MLP(SIZES, seed=3)
+        m.load_state_dict({k: renamed[k] for k in keys})
+        assert_params_equal(m.state_dict(), src)
+    # names that do not order the layers, out of order: nothing is guessed
+    unordered = {f"{name}.{kind}": src[f"fc{i}.{kind}"] for i, name in ((3, "a"), (2, "b"), (1, "c"))
+                 for kind in ("weight", "bias")}
     with pytest.raises(ValueError, match="missing keys"):
-        m.load_state_dict(shuffled)
+        m.load_state_dict(unordered)
+    # a layer without its bias, or a weight of another shape
+    with pytest.raises(ValueError, match="missing keys"):
+        m.load_state_dict({**{k: v for k, v in renamed.items() if not k.endswith("5.bias")}, "x.weight": src["fc3.bias"]})
+    with pytest.raises(ValueError, match="missing keys"):
+        m.load_state_dict({k: v.T if k.endswith("3.weight") else v for k, v in renamed.items()})
+
+
+def test_load_state_dict_orders_numbered_modules_by_number():
+    # twelve layers named 0, 2, ..., 22 (an nn.Sequential's), keys sorted as text: "10" before "2"
+    sizes = [20] + [9 + i for i in range(11)] + [3]
+    src = cmlp.MLP(sizes, seed=4).state_dict()
+    renamed = {f"{2 * (int(name.split('.')[0][2:]) - 1)}.{name.split('.')[1]}": arr for name, arr in src.items()}
+    assert sorted(renamed)[:4] == ["0.bias", "0.weight", "10.bias", "10.weight"]
+    m = cmlp.MLP(sizes, seed=3)
+    m.load_state_dict(dict(sorted(renamed.items())))
+    assert_params_equal(m.state_dict(), src)
 
 
 def test_load_state_dict_reads_its_own_names_as_themselves():

@@ -2,6 +2,7 @@
 validates and converts inputs, names tensors as PyTorch does, and saves atomically."""
 import copy
 import os
+import re
 import stat
 import weakref
 import zipfile
@@ -267,8 +268,8 @@ class MLP:
         """Replaces the parameters from a mapping of names to arrays, as torch's: with the names of
         state_dict() ("fc1.weight", ..., a PyTorch SimpleMLP's converted with .numpy()), or those
         of any module whose Linear layers are this model's in order (an nn.Sequential's "0.weight",
-        "2.weight", ...: no key one of this model's names, every key a weight or a bias, each
-        layer's pair in turn, every shape right). strict=False loads the names present and reports
+        "2.weight", ...: no key one of this model's names, every key a weight or a bias, a
+        weight and a bias for each layer, every shape right; see _linear_names). strict=False loads the names present and reports
         the rest. Returns the missing
         and unexpected keys (torch's result); a wrong shape, or any key off with strict, raises
         ValueError (a RuntimeError too, which torch's raises) and changes nothing."""
@@ -304,22 +305,37 @@ class MLP:
         return IncompatibleKeys(missing, unexpected)
 
     def _linear_names(self, state: Any, views: "OrderedDict[str, np.ndarray]") -> Optional[Dict[str, Any]]:
-        """state under this model's names when it holds exactly its layers' weights and biases in
-        order under other names (module.weight then module.bias, layer by layer), else None."""
+        """state under this model's names when it holds exactly its layers' weights and biases
+        under other names, a module's weight and bias for each layer ("0.weight", "0.bias", ...),
+        the modules in order (as they come, or as they sort with their numbers read as numbers,
+        "2" before "10": a dict whose keys were sorted), every shape right; else None."""
         keys = list(state.keys())
         if len(keys) != len(views) or not all(isinstance(k, str) for k in keys):
             return None
-        n = len(self._sizes) - 1
-        out: Dict[str, Any] = {}
-        for i in range(n):
-            w, b = keys[2 * i], keys[2 * i + 1]
-            if not (w.endswith(".weight") and b == w[:-len("weight")] + "bias"):
+        modules: Dict[str, Dict[str, str]] = {}  # module -> {"weight": its key, "bias": its key}, in order
+        for key in keys:
+            module, _, kind = key.rpartition(".")
+            if kind not in ("weight", "bias"):
                 return None
-            for key, name in ((w, f"fc{i + 1}.weight"), (b, f"fc{i + 1}.bias")):
-                if np.shape(state[key]) != views[name].shape:
-                    return None
-                out[name] = state[key]
-        return out
+            modules.setdefault(module, {})[kind] = key
+        if len(modules) != len(self._sizes) - 1 or any(len(pair) != 2 for pair in modules.values()):
+            return None
+
+        def natural(module: str) -> List[Tuple[int, int, str]]:
+            return [(0, int(part), "") if part.isascii() and part.isdigit() else (1, 0, part)
+                    for part in re.split(r"([0-9]+)", module)]
+
+        def renamed(order: List[str]) -> Optional[Dict[str, Any]]:
+            out: Dict[str, Any] = {}
+            for i, module in enumerate(order):
+                for kind in ("weight", "bias"):
+                    name, key = f"fc{i + 1}.{kind}", modules[module][kind]
+                    if np.shape(state[key]) != views[name].shape:
+                        return None
+                    out[name] = state[key]
+            return out
+
+        return renamed(list(modules)) or renamed(sorted(modules, key=natural))
 
     # ---- files ----
     def save(self, path: "os.PathLike[str] | str") -> None:
