@@ -210,6 +210,7 @@ static alloc_block *cached_block(cmlp_allocator *a, int pool, size_t size) {
 }
 
 static alloc_block *new_memory(cmlp_allocator *a, int pool, size_t size) {
+    if (a->uncached) return alloc_new_segment(a, pool, size);
     if (a->cfg.expandable_segments && a->backend->vm_reserve) {
         /* the pool's range is made once; after that the cache search has seen all of it */
         if (a->pools[pool].expandable || !alloc_new_expandable(a, pool)) return NULL;
@@ -242,11 +243,11 @@ static void split_off(cmlp_allocator *a, alloc_block *b, size_t size) {
 
 static cmlp_status allocate(cmlp_allocator *a, size_t nbytes, const char *what, void **out) {
     refresh_config(a);
-    size_t size = alloc_round_size(&a->cfg, nbytes);
+    size_t size = a->uncached ? nbytes : alloc_round_size(&a->cfg, nbytes); /* (uncached: no free block to find) */
     int pool = size <= K_SMALL_SIZE ? POOL_SMALL : POOL_LARGE;
     if (!table_reserve(a)) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory for the allocator's block table");
     a->device_error = CMLP_OK;
-    alloc_block *b = cached_block(a, pool, size);
+    alloc_block *b = a->uncached ? NULL : cached_block(a, pool, size);
     if (!b && capturing_with == a)
         return CMLP_FAIL(CMLP_ERR_DEVICE, "%s: a request of %zu bytes that the cache cannot serve while a step is "
                                           "being captured as a graph",
@@ -279,6 +280,8 @@ static cmlp_status allocate(cmlp_allocator *a, size_t nbytes, const char *what, 
     alloc_stat(a, CMLP_STAT_REQUESTED_BYTES, p, (int64_t)nbytes);
     b->oversize = oversize(a, b->size); /* remembered: the setting may change before the free */
     if (b->oversize) alloc_stat(a, CMLP_STAT_OVERSIZE_ALLOCATIONS, p, 1);
+    alloc_unpoison(a, b->ptr, nbytes);
+    alloc_poison(a, b->ptr + nbytes, b->size - nbytes);
     *out = b->ptr;
     return CMLP_OK;
 }
@@ -324,7 +327,9 @@ static void release_block(cmlp_allocator *a, alloc_block *b) {
     b->requested = 0;
     b->what = NULL;
     b->context = 0;
-    merge_free(a, b);
+    alloc_poison(a, b->ptr, b->size);
+    b = merge_free(a, b);
+    if (a->uncached) alloc_release_if_free(a, b->seg);
 }
 
 /* ---- configuration and the public face ---- */
@@ -363,6 +368,10 @@ cmlp_status cmlp_allocator_create(const cmlp_backend_i *b, void *bctx, const cha
     a->total_memory = b->total_memory(bctx);
     a->pools[POOL_LARGE].seed = 0x2545F491u;
     a->pools[POOL_SMALL].seed = 0x9E3779B9u;
+    a->uncached = cmlp_memory_caching_disabled();
+#ifdef ALLOC_ASAN
+    a->poison = b->host_memory;
+#endif
     refresh_config(a);
     *out = a;
     return CMLP_OK;
@@ -383,9 +392,11 @@ void cmlp_allocator_destroy(cmlp_allocator *a) {
                 if (j > i) a->backend->vm_unmap(a->bctx, s->base + i * PAGE, (j - i) * PAGE);
                 i = j + 1;
             }
+            alloc_unpoison(a, s->base, s->poisoned_hi * PAGE);
             a->backend->vm_release(a->bctx, s->base, s->vsize);
             free(s->map);
         } else {
+            alloc_unpoison(a, s->base, s->size);
             a->backend->raw_free(a->bctx, s->base, s->size);
         }
         free(s);
@@ -535,6 +546,12 @@ void cmlp_allocator_set_limit(cmlp_allocator *a, int64_t limit) {
 void cmlp_allocator_pytorch_ladder(cmlp_allocator *a, bool on) {
     pthread_mutex_lock(&a->lock);
     a->pytorch_ladder = on;
+    pthread_mutex_unlock(&a->lock);
+}
+
+void cmlp_allocator_set_caching(cmlp_allocator *a, bool on) {
+    pthread_mutex_lock(&a->lock);
+    a->uncached = !on;
     pthread_mutex_unlock(&a->lock);
 }
 

@@ -55,6 +55,10 @@ __attribute__((visibility("hidden")))
 void cmlp_allocator_set_limit(cmlp_allocator *a, int64_t limit);
 __attribute__((visibility("hidden")))
 void cmlp_allocator_destroy(cmlp_allocator *a);
+/* Test hook: caching on or off for this allocator, which must hold nothing (it starts as
+ * cmlp_memory_caching_disabled says). */
+__attribute__((visibility("hidden")))
+void cmlp_allocator_set_caching(cmlp_allocator *a, bool on);
 /* Test hook: the k-th raw device call (allocation or mapping) from now fails; 0 disables. */
 __attribute__((visibility("hidden")))
 void cmlp_allocator_fail_raw(cmlp_allocator *a, int64_t k);

@@ -41,6 +41,22 @@ size_t alloc_round_size(const cmlp_alloc_settings *c, size_t n) {
     return (n + K_MIN_BLOCK - 1) / K_MIN_BLOCK * K_MIN_BLOCK;
 }
 
+/* Read once, as PyTorch reads its variable: CMLP_NO_MEMORY_CACHING where it is set, else
+ * PYTORCH_NO_CUDA_MEMORY_CACHING; "1" turns caching off. */
+static int caching_disabled = -1;
+
+static void read_caching_env(void) {
+    const char *v = getenv("CMLP_NO_MEMORY_CACHING");
+    if (!v) v = getenv("PYTORCH_NO_CUDA_MEMORY_CACHING");
+    caching_disabled = v && strcmp(v, "1") == 0;
+}
+
+int cmlp_memory_caching_disabled(void) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, read_caching_env);
+    return caching_disabled;
+}
+
 size_t alloc_segment_size(const cmlp_alloc_settings *c, size_t rounded) {
     if (rounded <= K_SMALL_SIZE) return K_SMALL_BUFFER;
     if (rounded < K_MIN_LARGE) return (size_t)c->large_segment_size;

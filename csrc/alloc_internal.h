@@ -22,6 +22,23 @@
 
 enum { POOL_LARGE = 0, POOL_SMALL = 1, NPOOLS = 2 };
 
+/* Poisoning for AddressSanitizer (see cmlp_backend_i.host_memory); nothing in other builds. */
+#if defined(__SANITIZE_ADDRESS__)
+#define ALLOC_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define ALLOC_ASAN 1
+#endif
+#endif
+#ifdef ALLOC_ASAN
+#include <sanitizer/asan_interface.h>
+#define alloc_poison(a, p, n) ((a)->poison ? ASAN_POISON_MEMORY_REGION(p, n) : (void)0)
+#define alloc_unpoison(a, p, n) ((a)->poison ? ASAN_UNPOISON_MEMORY_REGION(p, n) : (void)0)
+#else
+#define alloc_poison(a, p, n) ((void)(a), (void)(p), (void)(n))
+#define alloc_unpoison(a, p, n) ((void)(a), (void)(p), (void)(n))
+#endif
+
 typedef struct alloc_segment alloc_segment;
 
 typedef struct alloc_block {
@@ -55,6 +72,7 @@ struct alloc_segment {
     uint64_t *map;
     size_t npages, hi;
     bool oversize;    /* created for a request >= max_split_size */
+    size_t poisoned_hi; /* expandable, with poisoning: pages below this were mapped once (and poisoned) */
     alloc_block *first;
     alloc_segment *prev, *next; /* all segments of the allocator */
 };
@@ -106,6 +124,8 @@ struct cmlp_allocator {
     uint64_t config_gen;
     cmlp_alloc_settings cfg;
     bool pytorch_ladder; /* benchmarks only: no second cache search after releasing */
+    bool uncached;       /* caching off (cmlp_memory_caching_disabled): a segment per request, freed with it */
+    bool poison;         /* AddressSanitizer build over host memory: what no caller holds is poisoned */
     bool dry_run;        /* cmlp_allocator_cache_serves: take only what is there, map nothing */
     cmlp_status device_error; /* a device call failed for a reason other than memory (recorded) */
     alloc_history hist;
@@ -215,9 +235,11 @@ CMLP_HIDDEN void alloc_pool_take(cmlp_allocator *a, alloc_block *b);
 /* Back into its pool with its age kept. */
 CMLP_HIDDEN void alloc_pool_return(cmlp_allocator *a, alloc_block *b);
 
-/* Raw memory (alloc_segments.c). A new segment for a rounded request: NULL when the limit or
- * the device says no. */
+/* Raw memory (alloc_segments.c). A new segment for a rounded request (with caching off, of
+ * exactly that size): NULL when the limit or the device says no. */
 CMLP_HIDDEN alloc_block *alloc_new_segment(cmlp_allocator *a, int pool, size_t size);
+/* A segment that is one free block goes back to the device (caching off: at each free). */
+CMLP_HIDDEN void alloc_release_if_free(cmlp_allocator *a, alloc_segment *s);
 /* Maps the pages under the first `size` bytes of a free block of an expandable segment, taking
  * free pages from elsewhere first; false when the limit or the device says no. */
 CMLP_HIDDEN bool alloc_map_block(cmlp_allocator *a, alloc_block *b, size_t size);

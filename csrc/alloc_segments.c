@@ -95,7 +95,7 @@ static void account_segment(cmlp_allocator *a, alloc_segment *s, int sign) {
 
 /* A new segment for a rounded request: NULL when the limit or the device says no. */
 alloc_block *alloc_new_segment(cmlp_allocator *a, int pool, size_t size) {
-    size_t seg_size = alloc_segment_size(&a->cfg, size);
+    size_t seg_size = a->uncached ? size : alloc_segment_size(&a->cfg, size);
     if (over_limit(a, seg_size)) return NULL;
     if (hook_fires(a)) return NULL;
     void *p = NULL;
@@ -116,6 +116,7 @@ alloc_block *alloc_new_segment(cmlp_allocator *a, int pool, size_t size) {
     a->stats.num_device_alloc++;
     account_segment(a, s, +1);
     alloc_note_segment(a, CMLP_TRACE_SEGMENT_ALLOC, p, seg_size);
+    alloc_poison(a, p, seg_size); /* (a free block until the request takes its part) */
     return b;
 }
 
@@ -132,6 +133,8 @@ static bool map_pages(cmlp_allocator *a, alloc_segment *s, size_t i, size_t j) {
             return false;
         a->stats.num_device_alloc++;
         alloc_note_segment(a, CMLP_TRACE_SEGMENT_MAP, s->base + i * PAGE, (k - i) * PAGE);
+        alloc_poison(a, s->base + i * PAGE, (k - i) * PAGE); /* free until a request takes its part */
+        if (k > s->poisoned_hi) s->poisoned_hi = k;
         int64_t runs = 1 - (i > 0 && pg_on(s, i - 1)) - pg_on(s, k);
         for (size_t g = i; g < k; g++) s->map[g >> 6] |= (uint64_t)1 << (g & 63);
         if (k > s->hi) s->hi = k;
@@ -243,12 +246,17 @@ static size_t release_segment(cmlp_allocator *a, alloc_segment *s) {
     alloc_pool_take(a, s->first);
     account_segment(a, s, -1);
     segment_unlink(a, s);
+    alloc_unpoison(a, s->base, s->size);
     a->backend->raw_free(a->bctx, s->base, s->size);
     a->stats.num_device_free++;
     alloc_note_segment(a, CMLP_TRACE_SEGMENT_FREE, s->base, size);
     free(s->first);
     free(s);
     return size;
+}
+
+void alloc_release_if_free(cmlp_allocator *a, alloc_segment *s) {
+    if (whole_and_free(s)) release_segment(a, s);
 }
 
 /* Every whole free segment and every free page of an expandable segment goes back (after the

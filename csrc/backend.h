@@ -7,6 +7,8 @@
 
 #include "cmlp.h"
 
+#include <stdbool.h>
+
 #ifndef CMLP_WITH_CUDA
 #define CMLP_WITH_CUDA 0
 #endif
@@ -60,6 +62,10 @@ typedef struct cmlp_loss_weight {
 
 typedef struct cmlp_backend_i {
     const char *name;
+    /* Its memory is the process's own, and its work is done when a call returns (the CPU): in a
+     * build with AddressSanitizer the allocator then poisons every byte no caller holds (free
+     * blocks, and each block past the bytes requested), so that an access there is reported. */
+    bool host_memory;
 
     /* Per-device instance (streams, handles); NULL is fine for the CPU. */
     cmlp_status (*open)(int index, void **ctx);

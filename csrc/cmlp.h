@@ -211,6 +211,13 @@ CMLP_API cmlp_status cmlp_memory_parse_settings(const char *conf, cmlp_alloc_set
 CMLP_API void cmlp_memory_get_settings(cmlp_alloc_settings *out);
 /* The text the settings in force were parsed from ("" before any), malloc'd (NULL: no memory). */
 CMLP_API char *cmlp_memory_settings_text(void);
+/* 1 where caching is off for this process: CMLP_NO_MEMORY_CACHING=1 (or, where that is unset,
+ * PYTORCH_NO_CUDA_MEMORY_CACHING=1, PyTorch's switch), read once. Every device's allocator then
+ * reserves a segment of exactly the bytes of each request and returns it to the device when the
+ * block is freed, keeping its statistics and limit: a memory checker (AddressSanitizer on the
+ * CPU, compute-sanitizer on a GPU) sees each buffer's own bounds. Slow; for debugging. A trainer
+ * then runs its steps eagerly (no CUDA graph). */
+CMLP_API int cmlp_memory_caching_disabled(void);
 
 /* A snapshot: segments sorted by address, each owning blocks [first_block, first_block +
  * nblocks) of the block array, in address order. Free both arrays with

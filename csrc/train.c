@@ -53,7 +53,8 @@ cmlp_status cmlp_trainer_init(cmlp_trainer **out, cmlp_model *m, cmlp_optim *o, 
     if (!t->cfg.grow_interval) t->cfg.grow_interval = 100;
     t->target_micro = t->micro;
     const char *graphs = getenv("CMLP_CUDA_GRAPHS"); /* "0": every step eagerly */
-    t->graphs_off = graphs && strcmp(graphs, "0") == 0;
+    /* (with caching off a step's frees go to the device, which a capture may not call) */
+    t->graphs_off = (graphs && strcmp(graphs, "0") == 0) || cmlp_memory_caching_disabled();
     *out = t;
     return CMLP_OK;
 }

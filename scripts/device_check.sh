@@ -181,14 +181,16 @@ print(" ".join(os.path.dirname(os.path.dirname(f)) for p in sys.path for f in gl
         tests/test_cuda.py 2>&1 | tee '$TMP/pytest.log'"
     # every kind of kernel once, under compute-sanitizer's memcheck (out-of-bounds and misaligned
     # accesses) and racecheck (shared-memory hazards); over the emulated backend, which no sanitizer
-    # watches, the script alone
+    # watches, the script alone. memcheck runs with cmlp's caching off (CMLP_NO_MEMORY_CACHING=1):
+    # each buffer is then a cudaMalloc of exactly its bytes, so that an access past a buffer's end
+    # is out of bounds, not in the next block of a cached segment
     if [ -n "${CMLP_CUDA_LIBRARY:-}" ]; then
         run_phase sanitize "$SANITIZE_LIMIT" "$PY" scripts/gpu_sanitize.py
     elif [ -n "$SANITIZER" ]; then
         local tool
         for tool in memcheck racecheck; do
-            run_phase "$tool" "$SANITIZE_LIMIT" "$SANITIZER" --tool "$tool" --error-exitcode 86 --print-limit 20 \
-                "$PY" scripts/gpu_sanitize.py
+            run_phase "$tool" "$SANITIZE_LIMIT" env CMLP_NO_MEMORY_CACHING="$([ $tool = memcheck ] && echo 1 || echo 0)" \
+                "$SANITIZER" --tool "$tool" --error-exitcode 86 --print-limit 20 "$PY" scripts/gpu_sanitize.py
         done
     else
         echo "=== memcheck, racecheck: no compute-sanitizer on PATH or in /usr/local/cuda/bin: not run"

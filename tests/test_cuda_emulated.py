@@ -92,13 +92,9 @@ def _sanitizer_runtime(name):
     return path if r.returncode == 0 and os.path.isabs(path) and os.path.exists(path) else None
 
 
-@needs_emulator[0]
-@needs_emulator[1]
-def test_the_gpu_tests_pass_under_address_and_undefined_behaviour_sanitizers():
-    """The same tests with cmlp's extension (the core: model, trainer, allocator, planner), the
-    CUDA backend and the emulator built with -fsanitize=address,undefined (`make asan-emu`), the
-    sanitizers' runtimes preloaded into Python: an access outside a buffer or undefined behaviour
-    on the GPU paths of the core or in backend_cuda*.c ends the run with a report."""
+def _sanitized_env():
+    """The environment of a Python whose cmlp (the extension, the CUDA backend and the emulator) is
+    built with -fsanitize=address,undefined (`make asan-emu`), the sanitizers' runtimes preloaded."""
     runtimes = [_sanitizer_runtime("libasan.so"), _sanitizer_runtime("libubsan.so")]
     assert all(runtimes), f"the compiler's sanitizer runtimes are missing: {runtimes}"
     build = subprocess.run(["make", "-s", "asan-emu", f"PYTHON={sys.executable}"], cwd=ROOT, capture_output=True,
@@ -114,16 +110,63 @@ def test_the_gpu_tests_pass_under_address_and_undefined_behaviour_sanitizers():
                             "'libasan' in open('/proc/self/maps').read())"],
                            env=env, capture_output=True, text=True, timeout=120)
     assert probe.returncode == 0 and "build/asan/lib" in probe.stdout and "True True" in probe.stdout, probe
+    return env
+
+
+def _sanitized_pytest(env, *args):
+    """tests/test_cuda.py (args: pytest's selection) in that Python: no sanitizer report, no failure."""
     # --capture=sys: a sanitizer's report (written to file descriptor 2 as the process ends)
     # reaches stderr here instead of pytest's capture
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--capture=sys",
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--capture=sys", *args,
                         os.path.join(HERE, "test_cuda.py")], env=env, capture_output=True, text=True, timeout=2400)
     found = [line for line in r.stderr.splitlines() if "runtime error" in line or "ERROR: AddressSanitizer" in line]
     tail = "\n".join(found[:10]) + "\n" + r.stdout[-4000:] + "\n" + r.stderr[-4000:]
     assert r.returncode == 0 and not found, tail
     summary = r.stdout.strip().splitlines()[-1]
     assert " failed" not in summary and " error" not in summary, tail
-    assert int(summary.split(" passed")[0].split()[-1]) >= 165, tail
+    return int(summary.split(" passed")[0].split()[-1]), tail
+
+
+@needs_emulator[0]
+@needs_emulator[1]
+def test_the_gpu_tests_pass_under_address_and_undefined_behaviour_sanitizers():
+    """The same tests with cmlp's extension (the core: model, trainer, allocator, planner), the
+    CUDA backend and the emulator built with -fsanitize=address,undefined (`make asan-emu`), the
+    sanitizers' runtimes preloaded into Python: an access outside a buffer or undefined behaviour
+    on the GPU paths of the core or in backend_cuda*.c ends the run with a report. On the CPU the
+    allocator poisons the bytes no caller holds (past each request, and free blocks), so the CPU
+    side is checked to each buffer's own end."""
+    passed, tail = _sanitized_pytest(_sanitized_env())
+    assert passed >= 165, tail
+
+
+# what runs on the GPU with every kind of kernel and copy, from the sweeps of shapes
+_KERNEL_TESTS = ("forward_matches_the_cpu or uint8_inputs or forward_backward_matches or optimizer_steps_match or "
+                 "amp_forward_backward or trainer_steps_leave or clip_grad_norm_on_the_gpu or second_stream or "
+                 "recompute_on_the_gpu or move_that_runs_out")
+
+
+@needs_emulator[0]
+@needs_emulator[1]
+def test_with_caching_off_every_gpu_buffer_is_checked_to_its_own_end():
+    """With CMLP_NO_MEMORY_CACHING=1 each GPU buffer is a cudaMalloc of exactly its bytes, whose
+    pages past them the sanitized emulator poisons: a kernel or copy that reads or writes past a
+    buffer's end is reported, as compute-sanitizer's memcheck reports it on a GPU, rather than
+    landing in a neighbouring block of a cached segment. First a write one byte past a buffer,
+    which must be reported (on the GPU with caching off; on the CPU with it on), then the tests
+    that run every kind of kernel over the sweeps of odd shapes."""
+    env = _sanitized_env()
+    env["ASAN_OPTIONS"] = "detect_leaks=0:abort_on_error=0:exitcode=23"
+    for device, caching_off in (("cuda", "1"), ("cpu", "0")):
+        code = ("import ctypes, cmlp\n"
+                f"p = cmlp.memory.caching_allocator_alloc(1000, {device!r})\n"
+                "ctypes.memset(p, 7, 1000)\nprint('inside', flush=True)\nctypes.memset(p + 1000, 7, 1)\n")
+        r = subprocess.run([sys.executable, "-c", code], env=dict(env, CMLP_NO_MEMORY_CACHING=caching_off),
+                           capture_output=True, text=True, timeout=120)
+        assert r.stdout.strip() == "inside" and r.returncode == 23, (device, r.stdout, r.stderr[-2000:])
+        assert "ERROR: AddressSanitizer: use-after-poison" in r.stderr, (device, r.stderr[-2000:])
+    passed, tail = _sanitized_pytest(dict(env, CMLP_NO_MEMORY_CACHING="1"), "-k", _KERNEL_TESTS)
+    assert passed >= 150, tail
 
 
 @needs_emulator[0]

@@ -324,7 +324,7 @@ static PyObject *mod_get_settings(PyObject *mod, PyObject *unused) {
         return PyErr_NoMemory();
     }
     PyObject *out = Py_BuildValue(
-        "{s:L,s:d,s:N,s:O,s:L,s:L,s:d,s:O,s:O,s:O,s:O,s:i,s:s}", "max_split_size", (long long)c.max_split_size,
+        "{s:L,s:d,s:N,s:O,s:L,s:L,s:d,s:O,s:O,s:O,s:O,s:i,s:s,s:O}", "max_split_size", (long long)c.max_split_size,
         "garbage_collection_threshold", c.garbage_collection_threshold, "roundup_power2_divisions", div,
         "expandable_segments", c.expandable_segments ? Py_True : Py_False, "large_segment_size",
         (long long)c.large_segment_size, "max_non_split_rounding", (long long)c.max_non_split_rounding,
@@ -333,7 +333,8 @@ static PyObject *mod_get_settings(PyObject *mod, PyObject *unused) {
         c.release_lock_on_cudamalloc ? Py_True : Py_False, "pinned_use_host_register",
         c.pinned_use_host_register ? Py_True : Py_False, "graph_capture_record_stream_reuse",
         c.graph_capture_record_stream_reuse ? Py_True : Py_False, "pinned_num_register_threads",
-        c.pinned_num_register_threads, "text", text);
+        c.pinned_num_register_threads, "text", text, "caching_disabled",
+        cmlp_memory_caching_disabled() ? Py_True : Py_False);
     free(text);
     return out;
 }

@@ -254,7 +254,10 @@ def get_config() -> Dict[str, Any]:
     expandable_segments, large_segment_size_mb (the segment of a request over 1 MiB and under
     10 MiB), max_non_split_rounding_mb (how much larger than a request at or over
     max_split_size_mb a cached block that serves it whole may be), per_process_memory_fraction
-    (None, or the fraction of each GPU's memory set as its limit when it opens)."""
+    (None, or the fraction of each GPU's memory set as its limit when it opens); and
+    memory_caching, False where CMLP_NO_MEMORY_CACHING=1 (or PyTorch's
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1) turned caching off for this process: each request then gets
+    a segment of its exact size, returned to the device at its free (for memory checkers)."""
     s = _cmlp.get_settings()
     fraction = s["per_process_memory_fraction"]
     return {
@@ -265,6 +268,7 @@ def get_config() -> Dict[str, Any]:
         "large_segment_size_mb": s["large_segment_size"] >> 20,
         "max_non_split_rounding_mb": s["max_non_split_rounding"] >> 20,
         "per_process_memory_fraction": None if fraction < 0 else fraction,
+        "memory_caching": not s["caching_disabled"],
     }
 
 

@@ -10,6 +10,7 @@
  * with ASan + UBSan; exits non-zero when any check fails.
  */
 #include "alloc.h"
+#include "alloc_internal.h" /* ALLOC_ASAN */
 #include "internal.h"
 
 #include <inttypes.h>
@@ -59,6 +60,7 @@ typedef struct fake_dev {
     int fail_next;    /* the next N raw_alloc / vm_map calls fail with CMLP_ERR_OOM */
     int fail_reserve; /* while set, vm_reserve fails */
     int fail_device;  /* the next N raw_alloc / vm_map calls fail as a broken device would */
+    bool any_size;    /* raw_alloc of any size (caching off); else of multiples of 512 bytes only */
     int64_t n_raw_alloc, n_raw_ok, n_raw_free, n_map, n_unmap, n_reserve, n_release;
     int64_t violations;
     char violation[256];
@@ -85,7 +87,7 @@ static cmlp_status fake_raw_alloc(void *ctx, size_t n, void **out) {
     cmlp_status st = CMLP_ERR_OOM;
     pthread_mutex_lock(&d->lock);
     d->n_raw_alloc++;
-    if (n == 0 || n % 512) violate(d, "raw_alloc of %zu bytes", n);
+    if (n == 0 || (n % 512 && !d->any_size)) violate(d, "raw_alloc of %zu bytes", n);
     if (d->fail_device > 0) {
         d->fail_device--;
         st = CMLP_FAIL(CMLP_ERR_DEVICE, "fake device lost");
@@ -236,6 +238,7 @@ static void fake_vm_release(void *ctx, void *ptr, size_t n) {
 
 static const cmlp_backend_i fake_backend = {
     .name = "fake",
+    .host_memory = true,
     .total_memory = fake_total_memory,
     .raw_alloc = fake_raw_alloc,
     .raw_free = fake_raw_free,
@@ -255,6 +258,7 @@ static void fake_init(fake_dev *d, int64_t total) {
 /* ---- helpers ------------------------------------------------------------------------------- */
 
 #define CUR(s, k, p) ((s).stat[CMLP_STAT_##k][CMLP_POOL_##p].current)
+#define PEAK(s, k, p) ((s).stat[CMLP_STAT_##k][CMLP_POOL_##p].peak)
 
 static cmlp_memory_stats stats_of(cmlp_allocator *a) {
     cmlp_memory_stats s;
@@ -929,6 +933,68 @@ static void test_roundup(void) {
     OK(cmlp_memory_configure(""));
     CHECK((r = rounded(a, 4097)) == 4608, "4097 after configure(\"\") -> %" PRId64, r);
     fin(a, &d);
+}
+
+/* Caching off (PYTORCH_NO_CUDA_MEMORY_CACHING's): a segment of exactly each request, in the pool
+ * its size picks, handed back at its free; the statistics, the limit and the ladder as ever. */
+static void test_uncached(void) {
+    fake_dev d;
+    cmlp_allocator *a = mk(&d, "expandable_segments:True", (int64_t)GB(2));
+    cmlp_allocator_set_caching(a, false);
+    d.any_size = true;
+    void *p = al(a, 1000), *q = al(a, MB(3) + 5);
+    cmlp_memory_stats s = stats_of(a);
+    CHECK(CUR(s, RESERVED_BYTES, SMALL) == 1000 && CUR(s, RESERVED_BYTES, LARGE) == (int64_t)(MB(3) + 5) &&
+              CUR(s, ALLOCATED_BYTES, ALL) == CUR(s, RESERVED_BYTES, ALL) && CUR(s, SEGMENT, ALL) == 2 &&
+              s.num_device_alloc == 2 && d.raw_bytes == (int64_t)(MB(3) + 1005) && d.nvm == 0,
+          "uncached: reserved %" PRId64 " in %" PRId64 " segments, device %" PRId64, CUR(s, RESERVED_BYTES, ALL),
+          CUR(s, SEGMENT, ALL), d.raw_bytes);
+    CHECK(block_size(a, p, NULL, NULL) == 1000 && has_segment(a, 1000), "uncached: a block of %" PRId64,
+          block_size(a, p, NULL, NULL));
+    fr(a, p);
+    s = stats_of(a);
+    CHECK(CUR(s, RESERVED_BYTES, ALL) == (int64_t)(MB(3) + 5) && s.num_device_free == 1 && d.raw_bytes == (int64_t)(MB(3) + 5),
+          "uncached free: reserved %" PRId64 ", %" PRId64 " device frees", CUR(s, RESERVED_BYTES, ALL), s.num_device_free);
+    cmlp_allocator_set_limit(a, (int64_t)MB(4));
+    oom(a, MB(1)); /* 3 MiB + 5 held: no cache to release */
+    s = stats_of(a);
+    CHECK(s.num_ooms == 1 && s.num_alloc_retries == 1, "uncached OOM: %" PRId64 " OOMs, %" PRId64 " retries",
+          s.num_ooms, s.num_alloc_retries);
+    void *r = al(a, MB(1) - 5);
+    fr(a, q);
+    fr(a, r);
+    s = stats_of(a);
+    CHECK(CUR(s, RESERVED_BYTES, ALL) == 0 && s.num_device_free == 3 && d.raw_bytes == 0 && PEAK(s, RESERVED_BYTES, ALL) == (int64_t)MB(4),
+          "uncached: reserved %" PRId64 ", peak %" PRId64, CUR(s, RESERVED_BYTES, ALL), PEAK(s, RESERVED_BYTES, ALL));
+    fin(a, &d);
+}
+
+/* In a build with AddressSanitizer, over host memory: a block's bytes past the request, and a
+ * freed block's, are poisoned (an access there is reported); cached, expandable and uncached. */
+static void test_poisoning(void) {
+#ifdef ALLOC_ASAN
+    const char *confs[] = {"", "expandable_segments:True", NULL};
+    for (int k = 0; k < 3; k++) {
+        fake_dev d;
+        cmlp_allocator *a = mk(&d, confs[k] ? confs[k] : "", (int64_t)GB(2));
+        if (!confs[k]) cmlp_allocator_set_caching(a, false);
+        d.any_size = !confs[k];
+        char *p = al(a, 1000), *q = al(a, MB(3) + 3);
+        memset(p, 1, 1000);
+        memset(q, 1, MB(3) + 3);
+        CHECK(!__asan_address_is_poisoned(p + 999) && __asan_address_is_poisoned(p + 1000) &&
+                  !__asan_address_is_poisoned(q + MB(3) + 2) && __asan_address_is_poisoned(q + MB(3) + 3),
+              "conf %d: the ends of the requests", k);
+        CHECK(confs[k] == NULL || __asan_address_is_poisoned(p + 1023), "conf %d: the block's rounding", k);
+        fr(a, p);
+        p = al(a, 16);
+        CHECK(!__asan_address_is_poisoned(p + 15) && __asan_address_is_poisoned(p + 16), "conf %d: a smaller request", k);
+        fr(a, p);
+        if (confs[k]) CHECK(__asan_address_is_poisoned(p), "conf %d: a free block", k);
+        fr(a, q);
+        fin(a, &d);
+    }
+#endif
 }
 
 static void test_empty_cache(void) {
@@ -2275,6 +2341,8 @@ int main(void) {
     test_capturing();
     test_history();
     test_cache_serves();
+    test_uncached();
+    test_poisoning();
     printf("  unit tests %.1f s\n", now() - t0);
     test_stress();
     double t1 = now();

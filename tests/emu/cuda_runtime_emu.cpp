@@ -23,7 +23,9 @@
  *    cuMemCreate fail with out-of-memory beyond it. New memory is poisoned (every byte 0xFF: NaN
  *    as a float, -1 as an integer), so a read before the first write shows. Expandable segments are real mappings:
  *    reserved addresses are inaccessible until a page is mapped and access is set, and again
- *    after it is unmapped, so a use after unmapping faults.
+ *    after it is unmapped, so a use after unmapping faults. Built with AddressSanitizer, the bytes
+ *    of cudaMalloc's pages past the size asked for are poisoned, as compute-sanitizer's memcheck
+ *    holds an access to each allocation's own bytes (with cmlp's caching off, each buffer is one).
  *  - CMLP_EMU_DEVICES (default 1) devices share the host's memory.
  *  - A thread's current context (cudaSetDevice's primary one, or a test's: cmlp_emu_ctx_create)
  *    decides its device, and work queued to a stream made in another context fails, as CUDA's
@@ -53,6 +55,14 @@
 #include <xmmintrin.h>
 #endif
 #include <sys/mman.h>
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#define EMU_POISON(p, n) ASAN_POISON_MEMORY_REGION(p, n)
+#define EMU_UNPOISON(p, n) ASAN_UNPOISON_MEMORY_REGION(p, n)
+#else
+#define EMU_POISON(p, n) ((void)(p), (void)(n))
+#define EMU_UNPOISON(p, n) ((void)(p), (void)(n))
+#endif
 #include <unistd.h>
 
 #include <algorithm>
@@ -421,6 +431,7 @@ cudaError_t cudaMalloc(void **p, size_t n) {
     void *m = mmap(nullptr, sz, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (m == MAP_FAILED) return fail(cudaErrorMemoryAllocation);
     memset(m, 0xFF, sz); /* poison: a read before the first write gives NaN (and -1 as an integer) */
+    EMU_POISON((char *)m + n, sz - n);
     regions[(uintptr_t)m] = region{sz, cur_dev(), 0};
     used[cur_dev()] += sz;
     *p = m;
@@ -436,6 +447,7 @@ cudaError_t cudaFree(void *p) {
     if (it == regions.end() || it->second.kind != 0) return fail(cudaErrorInvalidValue);
     flush_all(); /* cudaFree waits for the device */
     used[it->second.device] -= it->second.size;
+    EMU_UNPOISON(p, it->second.size);
     munmap(p, it->second.size);
     regions.erase(it);
     return cudaSuccess;
