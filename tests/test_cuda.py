@@ -1503,6 +1503,18 @@ def test_torch_cuda_readers_open_no_gpu():
     assert after == [True, True, True, True, "FutureWarning"], after
 
 
+def _on_two_gpus(code):
+    """What `code`, run in a new process with two GPUs (the emulated backend makes two), printed
+    last as JSON; skips where there are fewer (the code prints null then)."""
+    env = dict(os.environ, CMLP_EMU_DEVICES="2")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    said = json.loads(r.stdout.strip().splitlines()[-1])
+    if said is None:
+        pytest.skip("needs two GPUs")
+    return said
+
+
 @needs_cuda
 def test_set_device_makes_cuda_name_that_gpu_in_this_thread():
     """As torch.cuda.set_device: "cuda", device None and model.cuda() name the current GPU; a
@@ -1530,12 +1542,7 @@ def test_set_device_makes_cuda_name_that_gpu_in_this_thread():
             "try:\n    c.set_device(2)\nexcept RuntimeError as e:\n    said.append(str(e))\n"
             "said.append(c.current_device())\n"
             "print(json.dumps(said))")
-    env = dict(os.environ, CMLP_EMU_DEVICES="2")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0, r.stderr
-    said = json.loads(r.stdout.strip().splitlines()[-1])
-    if said is None:
-        pytest.skip("needs two GPUs")
+    said = _on_two_gpus(code)
     assert said[:6] == [0, 1, "cuda:1", "cuda:1", True, 0], said
     assert said[6:11] == [0, "cuda:0", 1, 0, 1], said
     assert said[11] == [0] and said[12:14] == [0, 0], said
@@ -1555,12 +1562,7 @@ def test_torch_cuda_memory_stats_of_a_gpu_not_used_once_another_is_open():
             "opened = cmlp._cmlp.cuda_device_opened(1)\n"
             "now = m.memory_stats('cuda:1')\n"
             "print(json.dumps([unused, nested, opened, now]))")
-    env = dict(os.environ, CMLP_EMU_DEVICES="2")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0, r.stderr
-    said = json.loads(r.stdout.strip().splitlines()[-1])
-    if said is None:
-        pytest.skip("needs two GPUs")
+    said = _on_two_gpus(code)
     unused, nested, opened, now = said
     settings = ("max_split_size", "limit", "total_memory")
     assert not opened and set(unused) == set(now) and len(unused) > 100

@@ -14,6 +14,7 @@ _RUN = r'''
 import gc, json, numpy as np, cmlp
 M = cmlp.memory
 out = {"caching": M.get_config()["memory_caching"]}
+M.configure(M.get_config())  # the dict comes back, in either mode
 gc.collect()
 s0 = M.memory_stats("cpu")
 p = M.caching_allocator_alloc(1000, "cpu")

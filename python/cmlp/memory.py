@@ -274,10 +274,14 @@ def get_config() -> Dict[str, Any]:
 
 def _config_text(config: Mapping[str, Any]) -> str:
     known = {"max_split_size_mb", "garbage_collection_threshold", "roundup_power2_divisions", "expandable_segments",
-             "large_segment_size_mb", "max_non_split_rounding_mb", "per_process_memory_fraction"}
+             "large_segment_size_mb", "max_non_split_rounding_mb", "per_process_memory_fraction", "memory_caching"}
     unknown = sorted(set(config) - known)
     if unknown:
         raise ValueError(f"Unrecognized CachingAllocator option: {unknown[0]}")
+    caching, on = config.get("memory_caching"), not _cmlp.get_settings()["caching_disabled"]
+    if caching is not None and caching is not on:  # (get_config's, so that its dict comes back)
+        raise ValueError(f"memory_caching is {on} in this process (CMLP_NO_MEMORY_CACHING, read at start) and "
+                         f"cannot be set to {caching!r}")
     def flag(key: str) -> bool:  # a bool (NumPy's too), 0 or 1, or the text configure() reads ("True", ...)
         v = config.get(key)
         if v is None or isinstance(v, bool) or getattr(getattr(v, "dtype", None), "kind", "") == "b":
@@ -340,7 +344,8 @@ def _config_text(config: Mapping[str, Any]) -> str:
 def configure(config: Union[str, Mapping[str, Any]]) -> None:
     """Sets the allocator options from PYTORCH_CUDA_ALLOC_CONF's syntax, e.g.
     "max_split_size_mb:128,garbage_collection_threshold:0.8,expandable_segments:True", or from a
-    dict as get_config() returns. Options not given return to their defaults. An unknown key
+    dict as get_config() returns (whose memory_caching must be the process's: see get_config).
+    Options not given return to their defaults. An unknown key
     or bad value raises ValueError naming it, and nothing changes. PyTorch's options for pinned
     host memory and its other CUDA backends' details are checked and have no effect.
     per_process_memory_fraction sets the limit of every GPU in use and of each one opened later
