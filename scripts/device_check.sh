@@ -187,10 +187,12 @@ print(" ".join(os.path.dirname(os.path.dirname(f)) for p in sys.path for f in gl
     if [ -n "${CMLP_CUDA_LIBRARY:-}" ]; then
         run_phase sanitize "$SANITIZE_LIMIT" "$PY" scripts/gpu_sanitize.py
     elif [ -n "$SANITIZER" ]; then
-        local tool
+        local tool uncached
         for tool in memcheck racecheck; do
-            run_phase "$tool" "$SANITIZE_LIMIT" env CMLP_NO_MEMORY_CACHING="$([ $tool = memcheck ] && echo 1 || echo 0)" \
-                "$SANITIZER" --tool "$tool" --error-exitcode 86 --print-limit 20 "$PY" scripts/gpu_sanitize.py
+            uncached=0
+            [ "$tool" != memcheck ] || uncached=1
+            run_phase "$tool" "$SANITIZE_LIMIT" env CMLP_NO_MEMORY_CACHING=$uncached "$SANITIZER" --tool "$tool" \
+                --error-exitcode 86 --print-limit 20 "$PY" scripts/gpu_sanitize.py
         done
     else
         echo "=== memcheck, racecheck: no compute-sanitizer on PATH or in /usr/local/cuda/bin: not run"

@@ -268,11 +268,11 @@ class MLP:
         """Replaces the parameters from a mapping of names to arrays, as torch's: with the names of
         state_dict() ("fc1.weight", ..., a PyTorch SimpleMLP's converted with .numpy()), or those
         of any module whose Linear layers are this model's in order (an nn.Sequential's "0.weight",
-        "2.weight", ...: no key one of this model's names, every key a weight or a bias, a
-        weight and a bias for each layer, every shape right; see _linear_names). strict=False loads the names present and reports
-        the rest. Returns the missing
-        and unexpected keys (torch's result); a wrong shape, or any key off with strict, raises
-        ValueError (a RuntimeError too, which torch's raises) and changes nothing."""
+        "2.weight", ...: no key one of this model's names, every key a weight or a bias, a weight
+        and a bias for each layer, every shape right; see _linear_names). strict=False loads the
+        names present and reports the rest. Returns the missing and unexpected keys (torch's
+        result); a wrong shape, or any key off with strict, raises ValueError (a RuntimeError too,
+        which torch's raises) and changes nothing."""
         if not hasattr(state, "keys"):
             raise TypeError(f"state_dict must be a mapping of names to arrays, got {type(state).__name__}")
         strict = as_flag("strict", strict)
