@@ -1523,6 +1523,7 @@ def test_set_device_makes_cuda_name_that_gpu_in_this_thread():
     backend makes two.)"""
     code = ("import json, threading, cmlp; c = cmlp.cuda; m = cmlp.memory\n"
             "if c.device_count() < 2:\n    print(json.dumps(None)); raise SystemExit\n"
+            "c.init()\n"
             "said = [c.current_device()]\n"
             "c.set_device(1)\n"
             "model = cmlp.MLP([8, 4], device='cuda')\n"
@@ -1540,13 +1541,14 @@ def test_set_device_makes_cuda_name_that_gpu_in_this_thread():
             "c.empty_cache()\n"
             "said += [other] + [m.memory_reserved(d) - m.memory_allocated(d) for d in ('cuda:0', 'cuda:1')]\n"
             "try:\n    c.set_device(2)\nexcept RuntimeError as e:\n    said.append(str(e))\n"
-            "said.append(c.current_device())\n"
+            "said += [c.current_device(), c.is_initialized()]\n"
             "print(json.dumps(said))")
     said = _on_two_gpus(code)
     assert said[:6] == [0, 1, "cuda:1", "cuda:1", True, 0], said
     assert said[6:11] == [0, "cuda:0", 1, 0, 1], said
     assert said[11] == [0] and said[12:14] == [0, 0], said
     assert "cuda:2 does not exist" in said[14] and said[15] == 1, said
+    assert said[16] is True, said  # is_initialized
 
 
 @needs_cuda

@@ -184,7 +184,8 @@ def test_the_current_device_needs_a_gpu_and_its_arguments_are_torchs():
     saying why, as asking for "cuda" does; what torch does nothing with does nothing here too."""
     c = cmlp.cuda
     if not c.is_available():
-        for call in (c.current_device, lambda: c.set_device(0), lambda: c.device(0).__enter__()):
+        assert not c.is_initialized()
+        for call in (c.init, c.current_device, lambda: c.set_device(0), lambda: c.device(0).__enter__()):
             with pytest.raises(RuntimeError, match="CUDA is not available"):
                 call()
         assert cmlp.memory.memory_allocated() == cmlp.memory.memory_allocated("cpu")  # device None: the CPU

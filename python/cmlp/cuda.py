@@ -152,6 +152,19 @@ def _device_index(device: "Optional[str | int]") -> int:
     return index
 
 
+def is_initialized() -> bool:
+    """Whether CUDA was started in this process and can be used here (torch.cuda.is_initialized):
+    False before anything asked CUDA for its GPUs, where it found none, and in a child forked
+    after it started."""
+    return _cmlp.cuda_started() and not _cmlp.cuda_forked() and _cmlp.cuda_device_count() > 0
+
+
+def init() -> None:
+    """Starts CUDA now rather than at its first use (torch.cuda.init); nothing where it was started.
+    RuntimeError saying why where CUDA is not available."""
+    _cmlp.parse_device("cuda")
+
+
 def current_device() -> int:
     """The index of the current GPU, as torch.cuda.current_device(): the one "cuda" (and device
     None) names in this thread; 0 until set_device or a `device` block changes it. RuntimeError

@@ -36,6 +36,13 @@ static void test_status_and_devices(void) {
     cmlp_status s = cmlp_device_parse("cuda", &d);
     CHECK(cmlp_cuda_compiled() ? (s == CMLP_OK || s == CMLP_ERR_DEVICE) : s == CMLP_ERR_DEVICE,
           "cuda gave %s", cmlp_status_name(s));
+    /* the current GPU ("cuda"): 0 until set, and set only to a GPU that is there */
+    CHECK(cmlp_cuda_current_device() == 0, "current device %d", cmlp_cuda_current_device());
+    s = cmlp_cuda_set_device(0);
+    CHECK(s == CMLP_OK || s == CMLP_ERR_DEVICE, "set_device(0) gave %s", cmlp_status_name(s));
+    CHECK(cmlp_cuda_set_device(-1) == CMLP_ERR_DEVICE && cmlp_cuda_set_device(CMLP_MAX_CUDA_DEVICES) == CMLP_ERR_DEVICE,
+          "set_device out of range accepted");
+    CHECK(cmlp_cuda_current_device() == 0, "current device %d after refusals", cmlp_cuda_current_device());
     CHECK(strcmp(cmlp_status_name(CMLP_ERR_OOM), "CMLP_ERR_OOM") == 0, "status name");
     cmlp_model_free(NULL);
     cmlp_optim_free(NULL);
