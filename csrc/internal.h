@@ -161,6 +161,9 @@ CMLP_HIDDEN int cmlp_ws_layout(const int *sizes, int L, int64_t rows, size_t *sz
  * input when it is staged, the two buffers the layers' outputs alternate between (odd layers in
  * the first), the labels. Fills sz[] (4 entries), returns their count. */
 CMLP_HIDDEN int cmlp_fwd_layout(const int *sizes, int L, int64_t rows, bool input, size_t *sz);
+/* Makes the workspace serve a forward pass (forward, predict, evaluate) over `rows` samples,
+ * the input staged in it when `input`. */
+CMLP_HIDDEN cmlp_status cmlp_forward_reserve(cmlp_model *m, int64_t rows, bool input);
 /* Bit i of a mask of pieces (cmlp_ws_layout's *inside); a mask holds the first 64 pieces, and
  * cmlp_compact_place refuses a layout with more. */
 static inline bool cmlp_piece_in(uint64_t mask, int i) { return i < 64 && (mask >> i & 1); }

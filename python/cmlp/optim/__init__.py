@@ -3,7 +3,8 @@ by one fused pass over the model's flat buffers. state_dict() mirrors torch.opti
 one entry per parameter tensor in the model's state_dict order. lr_scheduler holds torch's
 learning-rate schedules."""
 from .adam import Adam, AdamW
-from .optimizer import Optimizer, _unpickled
+from ._copying import _unpickled
+from .optimizer import Optimizer
 from .sgd import SGD
 
 # pickles name them here, where they are public (and where pickles of earlier versions found them)

@@ -1,6 +1,5 @@
 """The base of cmlp.optim's optimizers: a C optimizer bound to one model, stepping its flat
 buffers in one fused pass, with torch's param groups over it."""
-import copy
 from typing import Any, Dict, Iterable, List, Mapping, MutableMapping, Tuple
 
 import numpy as np
@@ -9,10 +8,11 @@ from .. import _cmlp
 from .._arrays import as_number as _num
 from ..model import MLP, Parameters, model_of, parameter_of
 from ._groups import _FLT_MAX, _INHERIT, _GroupList, _ParamGroup, _initial_lr_of, _rate, _unnamed, _unsupported_flag
+from ._copying import _Copying
 from ._state import _StateDict
 
 
-class Optimizer(_StateDict):
+class Optimizer(_Copying, _StateDict):
     """Base: holds the C optimizer bound to one model. The param groups' own rates, weight decays
     and hyperparameters are kept here; the C optimizer is configured as the first group and steps
     at a base rate (the largest group rate), and each group's part of the parameters at its
@@ -425,56 +425,12 @@ class Optimizer(_StateDict):
     def lr(self, value: float) -> None:
         self._set_group_lrs([value] + self._lrs[1:])
 
-    def __deepcopy__(self, memo: Dict[int, Any]) -> "Optimizer":
-        """copy.deepcopy (alone, or with its model, as torch's): the same kind of optimizer, with
-        the same settings and state, on a deep copy of the model (the one copied alongside)."""
-        twin = type(self).__new__(type(self))
-        memo[id(self)] = twin  # before the model, which may refer to this optimizer
-        model = copy.deepcopy(self.model, memo)
-        self._init_like(twin, model)
-        twin.load_state_dict(self.state_dict())
-        for mine, theirs in zip(self._param_groups, twin._param_groups):
-            theirs._extra = copy.deepcopy(mine._extra, memo)
-        twin.defaults = copy.deepcopy(self.defaults, memo)
-        return twin
-
     def _groups_spec(self) -> Any:
         """The param_groups argument that makes these groups again (None: the default one)."""
         if len(self._param_groups) == 1:
             return None
         return [{"params": list(g._names), "lr": lr, "weight_decay": wd, **own}
                 for g, lr, wd, own in zip(self._param_groups, self._lrs, self._wds, self._owns)]
-
-    def _init_like(self, twin: "Optimizer", model: MLP) -> None:
-        """Runs the constructor of this kind of optimizer on twin, with this one's settings."""
-        self._construct(twin, model, self._init_args())
-
-    def _init_args(self) -> Dict[str, Any]:
-        """The constructor's arguments that make this optimizer's settings and groups again."""
-        raise NotImplementedError
-
-    @staticmethod
-    def _construct(twin: "Optimizer", model: MLP, args: Dict[str, Any]) -> None:
-        raise NotImplementedError
-
-    def __copy__(self) -> "Optimizer":
-        """copy.copy: another Python object of the same optimizer (as before pickling was defined)."""
-        twin = type(self).__new__(type(self))
-        twin.__dict__.update(self.__dict__)
-        return twin
-
-    def __reduce__(self) -> Tuple[Any, ...]:
-        """pickle (torch.save of a whole optimizer): the same kind of optimizer, with the same
-        settings, groups and state, on the model pickled with it (or alongside it)."""
-        return (_unpickled, (type(self), self.model, self._init_args()),
-                {"state_dict": self.state_dict(), "extras": [dict(g._extra) for g in self._param_groups],
-                 "defaults": self.defaults})
-
-    def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.load_state_dict(state["state_dict"])
-        for group, extra in zip(self._param_groups, state["extras"]):
-            group._extra = extra
-        self.defaults = state["defaults"]
 
     def step(self, closure: Any = None) -> Any:
         """One update from the gradients accumulated in the model. Without gradients (none
@@ -568,11 +524,3 @@ class Optimizer(_StateDict):
             self._owns = [with_momentum(own, v) for own, v in zip(owns, values)]
             self._own_parts = None  # the parts get them before the next step (_sync_parts); one group's
             # part takes the configuration's settings whatever they are
-
-
-def _unpickled(cls: type, model: MLP, args: Dict[str, Any]) -> Optimizer:
-    """An optimizer of class cls made on model with args (Optimizer.__reduce__'s); its state
-    follows (__setstate__)."""
-    twin = cls.__new__(cls)
-    cls._construct(twin, model, args)
-    return twin

@@ -1,0 +1,95 @@
+/* train_state.c - the trainer's state as its callers read and set it: the micro-batch sizes,
+ * the loss scaler, the counters and the epoch count. A setter checks every value first and
+ * changes nothing when it refuses one.
+ */
+#include "train_internal.h"
+
+#include <math.h>
+
+int64_t cmlp_trainer_microbatch_size(const cmlp_trainer *t) { return t->micro; }
+
+void cmlp_trainer_set_fit_call(cmlp_trainer *t, int64_t epochs, int64_t validation_samples, int per_step_schedule) {
+    t->fit_call[0] = epochs;
+    t->fit_call[1] = validation_samples;
+    t->fit_call[2] = per_step_schedule != 0;
+}
+int64_t cmlp_trainer_skipped_steps(const cmlp_trainer *t) { return t->skipped; }
+int64_t cmlp_trainer_oom_retries(const cmlp_trainer *t) { return t->oom_retries; }
+int cmlp_trainer_last_grad_norm(const cmlp_trainer *t, double *norm) {
+    if (t->has_norm) *norm = t->last_norm;
+    return t->has_norm;
+}
+void cmlp_trainer_get_scaler(const cmlp_trainer *t, cmlp_scaler_state *out) { *out = t->scaler; }
+
+cmlp_status cmlp_trainer_set_scaler(cmlp_trainer *t, const cmlp_scaler_state *s) {
+    if (s->enabled) {
+        if (!(s->scale > 0.0 && isfinite(s->scale)))
+            return CMLP_FAIL(CMLP_ERR_INVALID, "loss scale must be finite and > 0, got %g", s->scale);
+        if (!(s->growth_factor > 1.0)) return CMLP_FAIL(CMLP_ERR_INVALID, "growth_factor should be > 1");
+        if (!(s->backoff_factor > 0.0 && s->backoff_factor < 1.0))
+            return CMLP_FAIL(CMLP_ERR_INVALID, "backoff_factor should be in (0, 1)");
+        if (s->growth_interval < 1 || s->growth_tracker < 0)
+            return CMLP_FAIL(CMLP_ERR_INVALID, "growth_interval must be >= 1 and the tracker >= 0");
+    }
+    t->scaler = *s;
+    t->scaler.scale = (float)s->scale;
+    return CMLP_OK;
+}
+
+cmlp_status cmlp_trainer_start_microbatch(cmlp_trainer *t, int64_t size) {
+    if (size < 1 || size > t->target_micro)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "a starting micro-batch must be in [1, %lld], got %lld",
+                         (long long)t->target_micro, (long long)size);
+    t->micro = size;
+    t->good_steps = t->grown_from = 0;
+    return CMLP_OK;
+}
+
+cmlp_status cmlp_trainer_set_microbatch_size(cmlp_trainer *t, int64_t size) {
+    if (size < 1 || size > CMLP_MAX_STEP_SAMPLES)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "microbatch_size must be in [1, 2**62], got %lld", (long long)size);
+    t->micro = t->target_micro = size;
+    t->good_steps = t->grown_from = 0;
+    return CMLP_OK;
+}
+
+void cmlp_trainer_get_microbatch_state(const cmlp_trainer *t, int64_t *size, int64_t *target,
+                                       int64_t *good_steps, int64_t *grown_from) {
+    *size = t->micro;
+    *target = t->target_micro;
+    *good_steps = t->good_steps;
+    *grown_from = t->grown_from;
+}
+
+cmlp_status cmlp_trainer_set_microbatch_state(cmlp_trainer *t, int64_t size, int64_t target, int64_t good_steps,
+                                              int64_t grown_from) {
+    if (!t) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
+    if (target < 1 || target > CMLP_MAX_STEP_SAMPLES)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "the micro-batch target must be in [1, 2**62], got %lld", (long long)target);
+    if (size < 1 || size > target)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "the micro-batch in use must be in [1, %lld] (its target), got %lld",
+                         (long long)target, (long long)size);
+    if (good_steps < 0)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "good_steps must be >= 0, got %lld", (long long)good_steps);
+    if (grown_from < 0 || grown_from >= size)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "the micro-batch grown from must be 0 (none) or in [1, %lld), got %lld",
+                         (long long)size, (long long)grown_from);
+    t->micro = size;
+    t->target_micro = target;
+    t->good_steps = good_steps;
+    t->grown_from = grown_from;
+    return CMLP_OK;
+}
+
+int64_t cmlp_trainer_epochs(const cmlp_trainer *t) { return t ? t->epoch : 0; }
+
+cmlp_status cmlp_trainer_set_epochs(cmlp_trainer *t, int64_t epochs) {
+    if (!t) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
+    if (epochs < 0 || epochs > ((int64_t)1 << 62)) /* room to count on, as the state_dict's bound */
+        return CMLP_FAIL(CMLP_ERR_INVALID, "epochs must be in [0, 2**62], got %lld", (long long)epochs);
+    t->epoch_open = false; /* an epoch left unfinished (by a failure) is abandoned */
+    t->epoch = epochs;
+    return CMLP_OK;
+}
+
+int cmlp_trainer_optim_parts(const cmlp_trainer *t) { return cmlp_optim_num_parts(t->optim); }
