@@ -630,6 +630,25 @@ def test_a_refused_rate_leaves_the_schedule_where_it_was():
     assert (sched.last_epoch, sched._step_count, sched.get_last_lr(), opt.lr) == (1, 2, [0.1], 0.1)
 
 
+@pytest.mark.parametrize("name,kw", [
+    ("StepLR", dict(step_size=2, gamma=-1.0)), ("StepLR", dict(step_size=2, gamma=math.nan)),
+    ("MultiStepLR", dict(milestones=[2], gamma=math.inf)), ("ExponentialLR", dict(gamma=-0.5)),
+    ("CosineAnnealingLR", dict(T_max=5, eta_min=-1e-3)), ("CosineAnnealingLR", dict(T_max=5, eta_min=math.nan)),
+    ("CosineAnnealingWarmRestarts", dict(T_0=5, eta_min=-1.0)), ("PolynomialLR", dict(power=-1.0)),
+    ("CyclicLR", dict(base_lr=0.01, max_lr=math.inf)), ("CyclicLR", dict(base_lr=0.01, max_lr=[-0.1])),
+    ("CyclicLR", dict(base_lr=0.01, max_lr=0.1, mode="exp_range", gamma=-0.9))])
+def test_an_argument_that_makes_rates_the_optimizer_refuses_is_refused_by_name_at_once(name, kw):
+    """Rates made of a negative or non-finite gamma, eta_min, power or max_lr are refused by the
+    optimizer at some step well into a run (Trainer.fit would train epochs first): the schedule
+    refuses the argument itself, naming it, and the optimizer is as it was."""
+    opt = cmlp.optim.SGD(cmlp.MLP(SIZES), lr=0.1, momentum=0.9)
+    before = [dict(g) for g in opt.param_groups]
+    arg = next(k for k in ("gamma", "eta_min", "power", "max_lr") if k in kw)
+    with pytest.raises(ValueError, match=rf"{arg} must be a finite number >= 0"):
+        getattr(S, name)(opt, **kw)
+    assert [dict(g) for g in opt.param_groups] == before
+
+
 def test_a_schedule_refused_at_its_first_rate_leaves_the_optimizer_without_initial_lr():
     """The constructor's own step is refused (a NaN rate): torch would have set every group's
     'initial_lr' already; here the optimizer is as before, so a later schedule starts afresh."""

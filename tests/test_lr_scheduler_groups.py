@@ -429,7 +429,7 @@ def test_a_refused_rate_in_any_group_leaves_the_schedule_and_every_group_as_they
     assert (sched.last_epoch, sched.get_last_lr(), opt._group_lrs()) == before
     # CyclicLR moves the momentum before the rates are refused: it goes back too
     opt = cmlp_optimizer(3, momentum=0.5)
-    sched = S.CyclicLR(opt, [0.01, 0.02, 0.03], [0.1, 0.1, -1.0], step_size_up=2)
+    sched = S.CyclicLR(opt, [0.01, 0.02, 0.03], 0.1, step_size_up=2, scale_fn=lambda x: -100.0)
     before = (sched.last_epoch, opt._group_lrs(), opt._momentum())
     with pytest.raises(ValueError, match="Invalid learning rate"):
         sched.step()

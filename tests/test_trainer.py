@@ -591,3 +591,24 @@ def test_fit_steps_amsgrad_and_maximize_as_the_optimizer_steps_alone(kind, kwarg
             np.testing.assert_array_equal(mine[i][key], theirs[i][key], err_msg=f"{i} {key}")
     if kwargs.get("maximize"):
         assert history[-1]["loss"] > history[0]["loss"]
+
+
+SETTINGS = {"model": None, "optimizer": None, "batch_size": 64, "accumulation_steps": 2, "amp": "bf16",
+            "scaler": None, "auto_microbatch": False, "recompute": True, "shuffle": False, "seed": 3,
+            "label_smoothing": 0.1, "grow_interval": 5, "max_grad_norm": 1.0, "distributed": True}
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_a_setting_reads_back_as_made_and_refuses_assignment(name):
+    """What reads back is what trains: a setting the trainer is made with cannot be assigned
+    (the C trainer follows the constructor's), and the refusal says how to get the new value."""
+    model, opt, t = make(batch_size=8, shuffle=True, label_smoothing=0.05, grow_interval=7, max_grad_norm=2.0)
+    made = {"model": model, "optimizer": opt, "batch_size": 8, "accumulation_steps": 1, "amp": None, "scaler": None,
+            "auto_microbatch": True, "recompute": False, "shuffle": True, "seed": 0, "label_smoothing": 0.05,
+            "grow_interval": 7, "max_grad_norm": 2.0, "distributed": False}
+    assert getattr(t, name) is made[name] or getattr(t, name) == made[name]
+    with pytest.raises(AttributeError, match=rf"Trainer\.{name} is fixed when the trainer is made.*cmlp\.Trainer"):
+        setattr(t, name, SETTINGS[name])
+    assert getattr(t, name) is made[name] or getattr(t, name) == made[name]
+    x, y = teacher_data(64)
+    assert math.isfinite(t.fit(x, y, epochs=1, progress=False)[0]["loss"])

@@ -46,6 +46,21 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _fixed(name: str, doc: str) -> property:
+    """A setting the trainer is made with: readable, and refused when assigned (the C trainer's
+    buffers, schedule and state follow it), so that what reads back is what trains."""
+    key = "_" + name
+
+    def get(self: "Trainer") -> Any:
+        return self.__dict__[key]
+
+    def refuse(self: "Trainer", value: Any) -> None:
+        raise AttributeError(f"Trainer.{name} is fixed when the trainer is made: make a new cmlp.Trainer with "
+                             f"{name}={value!r} (trainer.state_dict() carries this one's progress over)")
+
+    return property(get, refuse, doc=doc)
+
+
 def _positive_int(name: str, value: Any, limit: int = MAX_STEP_SAMPLES) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= value <= limit:
         bound = f"2**{limit.bit_length() - 1}" if limit & (limit - 1) == 0 else str(limit)
@@ -85,7 +100,7 @@ class Trainer(FitLoop):
         if group and not _dist.is_initialized():
             raise RuntimeError("distributed=True needs a process group: call cmlp.distributed.init_process_group() "
                                "first")
-        self.distributed = bool(group)
+        self._distributed = bool(group)
         error: Optional[Exception] = None
         try:
             self._setup(model, optimizer, batch_size, accumulation_steps, amp, scaler, auto_microbatch, recompute,
@@ -125,9 +140,9 @@ class Trainer(FitLoop):
         self._warned = False
         self._bar_epochs: Optional[Tuple[int, int]] = None  # (first, total): a loop of fits that draws one run's bars
         self._parts_kept = False  # a fit's param-group parts kept for the rest of it (_run_scheduled)
-        self.model, self.optimizer = model, optimizer
-        self.batch_size = _positive_int("batch_size", batch_size)
-        self.accumulation_steps = _positive_int("accumulation_steps", accumulation_steps)
+        self._model, self._optimizer = model, optimizer
+        self._batch_size = _positive_int("batch_size", batch_size)
+        self._accumulation_steps = _positive_int("accumulation_steps", accumulation_steps)
         if self.batch_size * self.accumulation_steps > MAX_STEP_SAMPLES:
             raise ValueError(f"batch_size * accumulation_steps must be at most 2**62, got {self.batch_size} * "
                              f"{self.accumulation_steps}")
@@ -136,17 +151,17 @@ class Trainer(FitLoop):
         label_smoothing = as_number("label_smoothing", label_smoothing)
         if not 0.0 <= label_smoothing <= 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-        self.amp, self.scaler = amp, scaler
+        self._amp, self._scaler, self._label_smoothing = amp, scaler, label_smoothing
         auto_microbatch, recompute = as_flag("auto_microbatch", auto_microbatch), as_flag("recompute", recompute)
         shuffle = as_flag("shuffle", shuffle)
-        self.auto_microbatch, self.recompute, self.shuffle = auto_microbatch, recompute, shuffle
-        self.seed = seed
-        grow_interval = _positive_int("grow_interval", grow_interval)
+        self._auto_microbatch, self._recompute, self._shuffle = auto_microbatch, recompute, shuffle
+        self._seed = seed
+        self._grow_interval = grow_interval = _positive_int("grow_interval", grow_interval)
         if max_grad_norm is not None:
             max_grad_norm = as_number("max_grad_norm", max_grad_norm)
             if not max_grad_norm > 0.0:
                 raise ValueError(f"max_grad_norm must be a number > 0 or None, got {max_grad_norm!r}")
-        self.max_grad_norm = max_grad_norm
+        self._max_grad_norm = max_grad_norm
         # fit and step use the C trainer's state from start to end: one call at a time (_claim)
         self._claims: Dict[object, int] = {}
         self._lost = False
@@ -156,6 +171,21 @@ class Trainer(FitLoop):
         self._c = _cmlp.Trainer(optimizer._c, self.batch_size, self.accumulation_steps, micro, shuffle,
                                 self.seed, label_smoothing, amp_code, auto_microbatch, int(grow_interval),
                                 recompute, 0.0 if max_grad_norm is None else max_grad_norm)
+
+    model = _fixed("model", "The model it trains.")
+    optimizer = _fixed("optimizer", "The optimizer that steps it.")
+    batch_size = _fixed("batch_size", "Samples a micro-batch of a step takes (per rank, data-parallel).")
+    accumulation_steps = _fixed("accumulation_steps", "Micro-batches a step accumulates.")
+    amp = _fixed("amp", 'None, "fp16" or "bf16".')
+    scaler = _fixed("scaler", "The GradScaler of an fp16 run (None without one).")
+    auto_microbatch = _fixed("auto_microbatch", "Whether an out-of-memory step is retried in smaller micro-batches.")
+    recompute = _fixed("recompute", "Whether backward recomputes activations instead of keeping them.")
+    shuffle = _fixed("shuffle", "Whether each epoch takes the samples in a new seeded order.")
+    seed = _fixed("seed", "The seed of the epochs' orders.")
+    label_smoothing = _fixed("label_smoothing", "The cross-entropy's label smoothing.")
+    grow_interval = _fixed("grow_interval", "Good steps before automatic micro-batching tries a larger micro-batch.")
+    max_grad_norm = _fixed("max_grad_norm", "The L2 norm gradients are clipped to (None: no clipping).")
+    distributed = _fixed("distributed", "Whether it trains data-parallel over the process group.")
 
     @property
     def normalize(self) -> Tuple[float, float]:

@@ -2,9 +2,11 @@
 formulas (the same recursive forms, so the rates are torch's to the last bit; the exceptions are
 rates torch goes below 0 with, which the optimizer here refuses: one step past its end
 OneCycleLR's linear strategy gives torch a negative rate (never trained with) and a momentum past
-its range, here 0 and the range's end; a group at rate 0 under CosineAnnealingLR's eta_min > 0
-rounds to about -1e-15 in torch's form, 0 here, and its later rates then differ from torch's in
-the last bits) and state_dict, over a cmlp optimizer's learning rates.
+its range, here 0 and the range's end; CosineAnnealingLR's recursive form takes a rate below its
+eta_min > 0 (a group at rate 0, or one a chained StepLR took there) below 0 in torch, to 0 here,
+and the rates it makes from it later differ from torch's, in the last bits for a group at 0 and
+more for a chain) and state_dict, over a cmlp optimizer's learning rates. A gamma, eta_min,
+power or max_lr that is negative or not finite, which torch takes, is refused.
 
     opt = cmlp.optim.Adam(model.parameters(), lr=1e-3)
     sched = cmlp.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=5)

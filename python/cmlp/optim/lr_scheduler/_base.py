@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 
 import numpy as np
 
-from ..._arrays import is_scalar
+from ..._arrays import as_number, is_scalar
 
 
 def _optimizer(optimizer: Any) -> Any:
@@ -71,6 +71,16 @@ def _one_per_group(value: Any, n: int, mismatch: Callable[[int], str]) -> List[A
             raise ValueError(mismatch(len(value)))
         return list(value)
     return [value] * n
+
+
+def _non_negative(name: str, value: Any) -> float:
+    """A factor or bound a schedule's rates are made of (gamma, eta_min, power, max_lr): finite
+    and >= 0, since the rates it would make otherwise are ones the optimizer refuses, at some
+    step well into a run (torch takes them, and trains with a negative or NaN rate)."""
+    number = as_number(name, value)
+    if not 0.0 <= number < math.inf:
+        raise ValueError(f"{name} must be a finite number >= 0 (the rates it makes must be rates), got {value!r}")
+    return number
 
 
 def _per_group(name: str, value: Any, optimizer: Any) -> List[float]:

@@ -7,7 +7,7 @@ import types
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..._arrays import as_flag, as_number
-from ._base import LRScheduler, _check_state, _is_int, _optimizer, _per_group
+from ._base import LRScheduler, _check_state, _is_int, _non_negative, _optimizer, _per_group
 
 
 def _settings(optimizer: Any) -> Tuple[Any, ...]:
@@ -280,6 +280,8 @@ class CyclicLR(LRScheduler):
                  last_epoch: int = -1) -> None:
         optimizer = _optimizer(optimizer)
         lows, self.max_lrs = _per_group("base_lr", base_lr, optimizer), _per_group("max_lr", max_lr, optimizer)
+        for top in self.max_lrs:
+            _non_negative("max_lr", top)
         up = _steps("step_size_up", step_size_up)
         down = _steps("step_size_down", step_size_down) if step_size_down is not None else up
         if up == 0:
@@ -290,7 +292,7 @@ class CyclicLR(LRScheduler):
             raise ValueError("mode is invalid and scale_fn is None")
         if scale_fn is not None and not callable(scale_fn):
             raise TypeError(f"scale_fn must be callable, got {type(scale_fn).__name__}")
-        self.mode, self.gamma, self._scale_fn_custom = mode, as_number("gamma", gamma), scale_fn
+        self.mode, self.gamma, self._scale_fn_custom = mode, _non_negative("gamma", gamma), scale_fn
         self.scale_mode = scale_mode if scale_fn is not None else "iterations" if mode == "exp_range" else "cycle"
         self.cycle_momentum = as_flag("cycle_momentum", cycle_momentum)
         if self.cycle_momentum:

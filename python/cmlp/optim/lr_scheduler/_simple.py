@@ -7,7 +7,7 @@ from bisect import bisect_right
 from typing import Any, Dict, Iterable, List, Optional
 
 from ..._arrays import as_number
-from ._base import LRScheduler, _int, _is_int, _length, _one_per_group, _optimizer
+from ._base import LRScheduler, _int, _is_int, _length, _non_negative, _one_per_group, _optimizer
 
 
 class _LambdaSchedule(LRScheduler):
@@ -38,7 +38,7 @@ class StepLR(LRScheduler):
 
     def __init__(self, optimizer: Any, step_size: int, gamma: float = 0.1, last_epoch: int = -1) -> None:
         self.step_size = _length("step_size", step_size, 1)
-        self.gamma = as_number("gamma", gamma)
+        self.gamma = _non_negative("gamma", gamma)
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> List[float]:
@@ -59,7 +59,7 @@ class MultiStepLR(LRScheduler):
             m = _int("milestones", m, 0)
             counts[m] = counts.get(m, 0) + 1
         self.milestones = dict(sorted(counts.items()))
-        self.gamma = as_number("gamma", gamma)
+        self.gamma = _non_negative("gamma", gamma)
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> List[float]:
@@ -76,7 +76,7 @@ class ExponentialLR(LRScheduler):
     """The rate times gamma every epoch."""
 
     def __init__(self, optimizer: Any, gamma: float, last_epoch: int = -1) -> None:
-        self.gamma = as_number("gamma", gamma)
+        self.gamma = _non_negative("gamma", gamma)
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> List[float]:
@@ -93,7 +93,7 @@ class CosineAnnealingLR(LRScheduler):
 
     def __init__(self, optimizer: Any, T_max: int, eta_min: float = 0.0, last_epoch: int = -1) -> None:
         self.T_max = _length("T_max", T_max, 1)
-        self.eta_min = as_number("eta_min", eta_min)
+        self.eta_min = _non_negative("eta_min", eta_min)
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> List[float]:
@@ -110,7 +110,7 @@ class CosineAnnealingLR(LRScheduler):
             new = [ratio * (lr - lo) + lo for lr in lrs]
         # between two rates >= 0 the curve never goes below 0: a group frozen at 0 under an eta_min
         # > 0 rounds to -1e-19 in torch's form, taken as 0 here (the optimizer takes no negative rate)
-        if lo >= 0.0 and not min(new) >= 0.0:  # (a NaN as well: the list as it is then)
+        if not min(new) >= 0.0:  # (a NaN as well: the list as it is then; eta_min is >= 0)
             new = [0.0 if v < 0.0 and base >= 0.0 else v for v, base in zip(new, self.base_lrs)]
         return new
 
@@ -190,7 +190,7 @@ class PolynomialLR(LRScheduler):
 
     def __init__(self, optimizer: Any, total_iters: int = 5, power: float = 1.0, last_epoch: int = -1) -> None:
         self.total_iters = _length("total_iters", total_iters, 1)
-        self.power = as_number("power", power)
+        self.power = _non_negative("power", power)
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> List[float]:
@@ -217,6 +217,7 @@ class CosineAnnealingWarmRestarts(LRScheduler):
         T_0, T_mult = int(T_0), int(T_mult)
         if isinstance(eta_min, bool) or not isinstance(eta_min, numbers.Real):
             raise ValueError(f"Expected float or int eta_min, but got {eta_min} of type {type(eta_min)}")
+        _non_negative("eta_min", eta_min)
         self.T_0, self.T_i, self.T_mult, self.eta_min = T_0, T_0, T_mult, eta_min
         self.T_cur: Any = last_epoch
         super().__init__(optimizer, last_epoch)
