@@ -116,6 +116,15 @@ def test_without_a_process_group_every_call_says_what_to_do():
         D.optim.ZeroRedundancyOptimizer(model, cmlp.optim.Adam)
 
 
+@pytest.mark.skipif(cmlp.cuda.device_count() > 0, reason="a GPU is here: NCCL may be used")
+def test_nccl_is_refused_without_a_gpu_and_says_why():
+    """As torch's ProcessGroupNCCL: a group that would sum gradients on GPUs where there is none
+    is refused at once, with CUDA's reason, and no group is made."""
+    with pytest.raises(RuntimeError, match=r"backend 'nccl' (sums gradients on GPUs|needs cmlp's CUDA backend)"):
+        D.init_process_group("nccl")
+    assert not D.is_initialized()
+
+
 @needs_mpi
 def test_a_child_forked_from_a_rank_takes_part_in_no_collective_and_leaves_mpi_alone():
     # the child's collectives (its own, a trainer's) and a new group are refused instead of

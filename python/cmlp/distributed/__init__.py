@@ -147,6 +147,11 @@ def init_process_group(backend: Optional[str] = None) -> None:
     if backend == "nccl":
         if not _cmlp.build_info()["cuda_compiled"]:
             raise RuntimeError("backend 'nccl' needs cmlp's CUDA backend, and this build has none")
+        try:  # as torch's, which refuses it without a GPU
+            _cmlp.parse_device("cuda")
+        except RuntimeError as e:
+            raise RuntimeError(f"backend 'nccl' sums gradients on GPUs, and there is none here: {e} (backend "
+                               "'mpi' trains models on the CPU)") from None
         if not os.environ.get("CMLP_NCCL_LIBRARY"):
             os.environ["CMLP_NCCL_LIBRARY"] = _nccl_library() or "libnccl.so.2"
             try:  # NCCL is loaded when a device first joins the group: the variable stays set
