@@ -84,6 +84,9 @@ static cmlp_status check_max_norm(double max_norm) {
 cmlp_status cmlp_model_clip_grads_with_norm(cmlp_model *m, double max_norm, double total_norm) {
     if (!m) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
     CMLP_TRY(check_max_norm(max_norm));
+    if (total_norm < 0.0) /* a norm never is: its scale would turn every gradient round */
+        return CMLP_FAIL(CMLP_ERR_INVALID, "total_norm must be >= 0 (a norm; NaN and inf scale as torch's), got %g",
+                         total_norm);
     const float norm = (float)total_norm;
     cmlp_fpenv fe;
     cmlp_fpenv_enter(&fe);

@@ -444,6 +444,8 @@ def test_get_total_norm_and_clip_grads_with_norm_are_clip_grad_norm_in_two_steps
         cmlp.nn.utils.clip_grads_with_norm_(model, -1.0, 2.0)
     with pytest.raises(TypeError, match="total_norm"):
         cmlp.nn.utils.clip_grads_with_norm_(model, 1.0, "2")
+    with pytest.raises(ValueError, match=r"total_norm must be >= 0"):
+        cmlp.nn.utils.clip_grads_with_norm_(model, 1.0, -1.0)
     np.testing.assert_array_equal(flat_grads(model), g)
     with pytest.warns(FutureWarning, match="clip_grad_norm_"):
         assert np.isnan(cmlp.nn.utils.clip_grad_norm(model, 1.0))

@@ -95,7 +95,8 @@ def get_total_norm(tensors: Any, norm_type: Any = 2.0, error_if_nonfinite: bool 
 def clip_grads_with_norm_(parameters: Any, max_norm: float, total_norm: Any, foreach: Optional[bool] = None) -> None:
     """torch.nn.utils.clip_grads_with_norm_: every gradient multiplied by
     min(1, max_norm / (total_norm + 1e-6)) in float32, as torch rounds it (total_norm from
-    get_total_norm, or any number; a NaN or inf one scales by it, as torch's)."""
+    get_total_norm, or any number >= 0; a NaN or inf one scales by it, as torch's; a negative
+    one, which torch takes and turns every gradient round with, is refused)."""
     model = model_of(parameters, "parameters")
     model._c.clip_grads_with_norm(as_number("max_norm", max_norm), as_number("total_norm", total_norm))
 
