@@ -264,6 +264,30 @@ def test_torch_state_dict_gives_torch_logits():
     np.testing.assert_allclose(m64(x), want, rtol=0, atol=1e-5)
 
 
+
+def test_torch_tensors_load_and_compute_as_their_values_whatever_torch_converts():
+    """Tensors as they come: a state_dict in bfloat16 (NumPy has no such type: float32 holds
+    each value), parameters that require grad, and inputs that do; a complex one is refused by
+    name."""
+    torch = pytest.importorskip("torch")
+    m = cmlp.MLP([4, 8, 3], seed=0)
+    sd = m.state_dict()
+    bf16 = {k: torch.from_numpy(v.copy()).bfloat16() for k, v in sd.items()}
+    m.load_state_dict(bf16)
+    for k, v in m.state_dict().items():
+        np.testing.assert_array_equal(v, bf16[k].float().numpy())
+    m.load_state_dict({k: torch.from_numpy(v.copy()).requires_grad_() for k, v in sd.items()})
+    for k, v in m.state_dict().items():
+        np.testing.assert_array_equal(v, sd[k])
+    x = torch.randn(5, 4, requires_grad=True)
+    np.testing.assert_array_equal(m(x), m(x.detach().numpy()))
+    np.testing.assert_array_equal(m.predict(x.bfloat16()), m.predict(x.detach().bfloat16().float().numpy()))
+    with pytest.raises(TypeError, match=r"state_dict\['fc1.weight'\] must be numeric"):
+        m.load_state_dict({k: torch.from_numpy(v.copy()).to(torch.complex64) for k, v in sd.items()})
+    for k, v in m.state_dict().items():
+        np.testing.assert_array_equal(v, sd[k])
+
+
 # ---- files ----
 
 @pytest.mark.parametrize("as_str", [False, True])

@@ -38,9 +38,23 @@ def as_inputs(x: Any, features: int, name: str = "x") -> np.ndarray:
                          f"{big:.4g}; float32's largest is {float(np.finfo(np.float32).max):.8g})") from None
 
 
+def _tensor_as_array(t: Any, name: str) -> np.ndarray:
+    """A torch tensor's values, whatever torch's own conversion refuses: one that requires
+    grad, on a GPU, or of bfloat16 (which NumPy lacks: float32 holds every value of it)."""
+    t = t.detach().cpu()
+    if str(t.dtype) == "torch.bfloat16":
+        t = t.float()
+    try:
+        return np.asarray(t.numpy())
+    except (TypeError, RuntimeError) as e:
+        raise TypeError(f"{name} must be an array of numbers; the tensor given cannot be one ({e})") from None
+
+
 def _as_array(x: Any, name: str, shape: str = "[N, features]") -> np.ndarray:
     if isinstance(x, np.ndarray):
         return x
+    if type(x).__module__.startswith("torch") and callable(getattr(x, "detach", None)):
+        return _tensor_as_array(x, name)
     try:
         return np.asarray(x)
     except ValueError as e:  # a ragged nested list
