@@ -778,3 +778,24 @@ def test_settings_changed_between_a_schedules_steps_are_the_ones_the_next_step_t
         got = model.state_dict()
         for k, t in tensors.items():
             assert rel_err(got[k], t.detach().numpy()) < 1e-6, (i, k)
+
+
+def test_a_group_refuses_clear_whole_and_a_state_dict_with_unhashable_ids_by_name():
+    """clear() would empty a dict; a group keeps its params and settings, so it refuses at once
+    (not after removing some keys). A loaded group's params are the ids of its parameters: a
+    list there is refused as such, and nothing changes."""
+    model = cmlp.MLP([4, 8, 3], seed=0)
+    opt = cmlp.optim.Adam(model, lr=1e-3)
+    group = opt.param_groups[0]
+    group["note"] = "mine"
+    before = dict(group)
+    with pytest.raises(KeyError, match="cannot be cleared"):
+        group.clear()
+    assert dict(group) == before
+    model.forward_backward(np.ones((2, 4), np.float32), np.array([0, 1]))
+    opt.step()
+    sd = opt.state_dict()
+    bad = {**sd, "param_groups": [{**sd["param_groups"][0], "params": [[0], [1], [2], [3]]}]}
+    with pytest.raises(ValueError, match=r"param group 0 must list its parameters' ids.*got \[0\]"):
+        opt.load_state_dict(bad)
+    assert np.array_equal(opt.state_dict()["state"][0]["exp_avg"], sd["state"][0]["exp_avg"])

@@ -208,6 +208,11 @@ class _ParamGroup(MutableMapping):
         else:
             raise KeyError(f"{key!r} cannot be removed from a cmlp optimizer's param group")
 
+    def clear(self) -> None:
+        """Refused whole (MutableMapping's would stop, silently, at the first setting)."""
+        raise KeyError("a cmlp optimizer's param group cannot be cleared: its params, lr and settings stay (del "
+                       "removes a key of your own)")
+
     def __iter__(self) -> Iterator[Any]:
         return iter(list(self._known()) + list(self._extra))
 

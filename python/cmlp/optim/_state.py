@@ -60,6 +60,12 @@ class _StateDict:
             if not isinstance(ids, (list, tuple)) or len(ids) != len(g._names):
                 raise ValueError(f"loaded state dict contains a parameter group that doesn't match the size of "
                                  f"optimizer's group: param group {gi} must have {len(g._names)} parameters")
+            for i in ids:  # torch pairs them with the parameters in a dict: any hashable id
+                try:
+                    hash(i)
+                except TypeError:
+                    raise ValueError(f"loaded state dict's param group {gi} must list its parameters' ids (ints, as "
+                                     f"state_dict() gives), got {i!r}") from None
             order += list(ids)
             foreign = sorted(set(group) & set(self._foreign_keys))
             if foreign:
