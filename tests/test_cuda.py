@@ -1366,6 +1366,26 @@ def test_caching_allocator_on_the_gpu_reuses_blocks_without_a_device_call():
     assert_stats_match_snapshot(CUDA)
 
 
+@pytest.mark.skipif(DRY_RUN or not GPU, reason=f"needs a GPU; cmlp.cuda.is_available() is False: {_WHY}")
+def test_torch_cuda_memory_names_serve_the_current_gpu():
+    """torch.cuda.caching_allocator_alloc/delete and torch.cuda.memory (where torch keeps
+    _record_memory_history and _snapshot) port: on the current GPU by default."""
+    c = cmlp.cuda
+    assert c.memory is M and c.get_allocator_backend() == "native"
+    before = M.memory_allocated("cuda:0")
+    p = c.caching_allocator_alloc(3 * MIB)
+    assert M.memory_allocated("cuda:0") == before + 3 * MIB == c.memory.memory_allocated()
+    c.memory._record_memory_history(max_entries=100)
+    try:
+        c.caching_allocator_delete(p)
+        trace = c.memory._snapshot()["device_traces"][0]
+        frees = [e for e in trace if e["action"].startswith("free")]
+        assert [e["action"] for e in frees] == ["free_requested", "free_completed"] and frees[0]["addr"] == p
+    finally:
+        c.memory._record_memory_history(None)
+    assert M.memory_allocated("cuda:0") == before
+
+
 def test_torch_cuda_names_a_port_meets():
     assert cmlp.cuda.OutOfMemoryError is cmlp.OutOfMemoryError  # `except torch.cuda.OutOfMemoryError` ports
     # every GPU cmlp's kernels run on (sm_80 and later) computes in bfloat16

@@ -190,6 +190,11 @@ def test_the_current_device_needs_a_gpu_and_its_arguments_are_torchs():
                 call()
         assert cmlp.memory.memory_allocated() == cmlp.memory.memory_allocated("cpu")  # device None: the CPU
         c.empty_cache()  # nothing opened: a no-op
+        with pytest.raises(RuntimeError, match="CUDA is not available"):
+            c.caching_allocator_alloc(512)
+    assert c.memory is cmlp.memory and c.get_allocator_backend() == "native"  # torch.cuda.memory's place
+    with pytest.raises(AttributeError, match="has no attribute 'Stream'"):
+        c.Stream
     c.set_device(-1)  # a negative index: nothing, as in torch
     with c.device(None), c.device(-1), c.device_of(cmlp.MLP([2, 2])):
         pass

@@ -402,3 +402,33 @@ def set_per_process_memory_fraction(fraction: float, device: "Optional[str | int
     from . import memory
 
     memory.set_per_process_memory_fraction(fraction, f"cuda:{_device_index(device)}")
+
+
+def caching_allocator_alloc(size: Any, device: "Optional[str | int]" = None, stream: Any = None) -> int:
+    """cmlp.memory.caching_allocator_alloc on a GPU (default: "cuda"), as torch.cuda's."""
+    from . import memory
+
+    return memory.caching_allocator_alloc(size, f"cuda:{_device_index(device)}", stream)
+
+
+def caching_allocator_delete(ptr: int) -> None:
+    """Gives back a block of caching_allocator_alloc, as torch.cuda's."""
+    from . import memory
+
+    memory.caching_allocator_delete(ptr)
+
+
+def get_allocator_backend() -> str:
+    """torch.cuda's name for the allocator in use: "native" (the caching allocator)."""
+    return "native"
+
+
+def __getattr__(name: str) -> Any:
+    """cmlp.cuda.memory is cmlp.memory (torch.cuda.memory, where torch keeps
+    _record_memory_history, _snapshot and _dump_snapshot): its device=None is the current GPU
+    wherever there is one."""
+    if name == "memory":
+        from . import memory
+
+        return memory
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
