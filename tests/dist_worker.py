@@ -80,7 +80,7 @@ def fit_case(opts):
         if not opts.get("sched"):
             return {}
         steps = epochs * -(-n // (batch * w * kw["accumulation_steps"]))
-        return dict(scheduler=cmlp.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=steps),
+        return dict(scheduler=cmlp.optim.lr_scheduler.OneCycleLR(opt, max_lr=opts.get("max_lr", 1e-2), total_steps=steps),
                     scheduler_interval="step")
 
     hist = trainer.fit(x, y, epochs=epochs, progress=False, validation_data=val, **schedule(trainer.optimizer))

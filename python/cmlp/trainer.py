@@ -174,7 +174,7 @@ class Trainer(FitLoop):
 
     model = _fixed("model", "The model it trains.")
     optimizer = _fixed("optimizer", "The optimizer that steps it.")
-    batch_size = _fixed("batch_size", "Samples a micro-batch of a step takes (per rank, data-parallel).")
+    batch_size = _fixed("batch_size", "Samples in each of a step's accumulation_steps batches (per rank).")
     accumulation_steps = _fixed("accumulation_steps", "Micro-batches a step accumulates.")
     amp = _fixed("amp", 'None, "fp16" or "bf16".')
     scaler = _fixed("scaler", "The GradScaler of an fp16 run (None without one).")
