@@ -35,13 +35,15 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: Any = 2.0, erro
     norm_type is any number but NaN, as torch's: inf is max |g|, -inf min |g|, a negative p with
     a zero gradient gives 0, and 0 (torch's norm of the per-tensor norms) counts the weight and
     bias tensors whose gradient is not all zeros.
-    Returns the total norm before clipping, as a float (torch returns a 0-d tensor). A NaN or
+    Returns the total norm before clipping, as a NumPy float64: a Python float that has torch's
+    0-d tensor's .item(), for code that logs clip_grad_norm_(...).item(). A NaN or
     inf norm scales the gradients by it, unless error_if_nonfinite=True, which raises
     RuntimeError and changes nothing. parameters: a cmlp.MLP or its parameters(); foreach is
     accepted for compatibility (one fused pass either way)."""
     model = model_of(parameters, "parameters")
     max_norm = as_number("max_norm", max_norm)
-    return model._c.clip_grad_norm(max_norm, _norm_type(norm_type), as_flag("error_if_nonfinite", error_if_nonfinite))
+    return np.float64(model._c.clip_grad_norm(max_norm, _norm_type(norm_type),
+                                              as_flag("error_if_nonfinite", error_if_nonfinite)))
 
 
 def _nonfinite(norm_type: float, total: float) -> RuntimeError:
@@ -68,7 +70,7 @@ def _array_norm(a: np.ndarray, p: float) -> float:
 def get_total_norm(tensors: Any, norm_type: Any = 2.0, error_if_nonfinite: bool = False,
                    foreach: Optional[bool] = None) -> float:
     """torch.nn.utils.get_total_norm: the norm of order norm_type of the norms of tensors, as a
-    float, nothing changed. tensors: a cmlp.MLP or its parameters() (their gradients, as
+    NumPy float64 (a float with .item(), as clip_grad_norm_'s), nothing changed. tensors: a cmlp.MLP or its parameters() (their gradients, as
     clip_grad_norm_ computes the norm, on the model's device), or arrays (e.g.
     model.grads().values()), each array's norm computed in float64. With error_if_nonfinite a
     NaN or inf norm raises RuntimeError."""
@@ -89,7 +91,7 @@ def get_total_norm(tensors: Any, norm_type: Any = 2.0, error_if_nonfinite: bool 
         total = _array_norm(np.asarray(norms, dtype=np.float64), p) if norms else 0.0
     if error_if_nonfinite and not math.isfinite(total):
         raise _nonfinite(p, total)
-    return float(total)
+    return np.float64(total)
 
 
 def clip_grads_with_norm_(parameters: Any, max_norm: float, total_norm: Any, foreach: Optional[bool] = None) -> None:
