@@ -4,6 +4,7 @@ an allocation into cmlp.OutOfMemoryError without leaking; memory stays flat over
 Every test restores the memory limit, so other tests are unaffected.
 """
 
+import collections
 import gc
 import json
 import subprocess
@@ -204,6 +205,7 @@ def test_memory_stats_keys_and_consistency():
         missing = [k for k in expected if k not in stats]
         assert not missing, f"memory_stats lacks {missing}"
         assert all(isinstance(v, int) for v in stats.values())
+        assert isinstance(stats, collections.OrderedDict) and list(stats) == sorted(stats)  # as torch's
         for s in STATS:
             for m in ("current", "allocated", "freed"):
                 assert stats[f"{s}.all.{m}"] == stats[f"{s}.large_pool.{m}"] + stats[f"{s}.small_pool.{m}"], (s, m)

@@ -5,6 +5,7 @@ cannot use CUDA. As torch.cuda's, device_count() asks NVML, which starts nothing
 process starts CUDA (and asks CUDA where NVML is not there); is_available() asks CUDA itself,
 unless CMLP_NVML_BASED_CUDA_CHECK (or, where that is unset, PYTORCH_NVML_BASED_CUDA_CHECK) is "1".
 """
+import collections
 import os
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
@@ -320,10 +321,10 @@ def _unused_stats(index: int) -> Dict[str, int]:
     it would open with (max_split_size, the limit per_process_memory_fraction makes, its memory)."""
     count = _cmlp.cuda_device_count() if _cmlp.cuda_started() else 0
     if not any(_cmlp.cuda_device_opened(i) for i in range(count)):
-        return {}
+        return collections.OrderedDict()
     from . import memory
 
-    stats = {key: 0 for key in memory.memory_stats("cpu")}  # the same keys on every device
+    stats = collections.OrderedDict((key, 0) for key in memory.memory_stats("cpu"))  # every device's keys
     settings = _cmlp.get_settings()
     total = get_device_properties(index).total_memory
     fraction = settings["per_process_memory_fraction"]

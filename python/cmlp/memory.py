@@ -1,5 +1,6 @@
 """Memory statistics and controls, with torch.cuda's names and meanings, for every device
 ("cpu" included). All numbers come from the device's allocator, which owns every byte."""
+import collections
 import numbers
 import os
 import threading
@@ -31,9 +32,10 @@ os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 def memory_stats(device: Optional[str] = None) -> Dict[str, int]:
-    """PyTorch's keys: "<stat>.<pool>.<metric>" plus num_alloc_retries, num_ooms, ..."""
+    """PyTorch's keys: "<stat>.<pool>.<metric>" plus num_alloc_retries, num_ooms, ..., sorted,
+    in an OrderedDict (as torch's)."""
     stats = _cmlp.memory_stats(_device(device))
-    return dict(sorted(stats.items()))
+    return collections.OrderedDict(sorted(stats.items()))
 
 
 def mem_get_info(device: Optional[str] = None) -> Tuple[int, int]:
