@@ -649,6 +649,16 @@ def test_an_argument_that_makes_rates_the_optimizer_refuses_is_refused_by_name_a
     assert [dict(g) for g in opt.param_groups] == before
 
 
+def test_a_sequence_refuses_a_composite_it_would_start_at_a_milestone_when_it_is_made():
+    """torch's SequentialLR fails at the milestone, epochs into a run; the part is refused at once."""
+    opt = cmlp.optim.SGD(cmlp.MLP(SIZES), lr=0.1)
+    chain = S.ChainedScheduler([S.StepLR(opt, 2), S.ExponentialLR(opt, 0.9)])
+    with pytest.raises(TypeError, match=r"schedulers\[1\] .* a ChainedScheduler cannot be placed at an epoch"):
+        S.SequentialLR(opt, [S.ConstantLR(opt, 0.5), chain], milestones=[3])
+    first = S.SequentialLR(opt, [chain, S.ConstantLR(opt, 0.5)], milestones=[3])  # first, it only steps
+    assert len(rates(first, 5)) == 6
+
+
 def test_a_schedule_refused_at_its_first_rate_leaves_the_optimizer_without_initial_lr():
     """The constructor's own step is refused (a NaN rate): torch would have set every group's
     'initial_lr' already; here the optimizer is as before, so a later schedule starts afresh."""

@@ -58,6 +58,10 @@ class SequentialLR(_Composite):
         optimizer = _optimizer(optimizer)
         schedulers = list(schedulers)
         _check_parts("SequentialLR", optimizer, schedulers)
+        for i, s in enumerate(schedulers[1:], 1):  # refused now, not at its milestone (torch's: an epoch in)
+            if isinstance(s, _Composite):
+                raise TypeError(f"SequentialLR starts schedulers[{i}] afresh, at epoch 0, at its milestone, and a "
+                                f"{type(s).__name__} cannot be placed at an epoch: only the first scheduler may be one")
         milestones = [_int("milestones", m, 0) for m in milestones]
         if len(milestones) != len(schedulers) - 1:
             raise ValueError("Sequential Schedulers expects number of schedulers provided to be one more than the "
