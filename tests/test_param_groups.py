@@ -5,6 +5,7 @@ hand loop and in Trainer.fit (to the bit), with state_dicts in torch's layout an
 refused.
 """
 import copy
+import weakref
 
 import numpy as np
 import pytest
@@ -799,3 +800,22 @@ def test_a_group_refuses_clear_whole_and_a_state_dict_with_unhashable_ids_by_nam
     with pytest.raises(ValueError, match=r"param group 0 must list its parameters' ids.*got \[0\]"):
         opt.load_state_dict(bad)
     assert np.array_equal(opt.state_dict()["state"][0]["exp_avg"], sd["state"][0]["exp_avg"])
+
+
+def test_groups_outlive_their_optimizer_with_the_settings_it_ended_with():
+    """A torch group is a dict that outlives its optimizer (a list of param_groups a logger
+    kept); here it keeps the settings the optimizer ended with, to be read, and refuses a new
+    one, which has no optimizer to apply to. The optimizer (and its state) is freed at once."""
+    model = cmlp.MLP([4, 8, 3], seed=0)
+    opt = cmlp.optim.SGD(model, lr=0.1, momentum=0.9)
+    groups = opt.param_groups
+    groups[0]["lr"] = 0.05
+    groups[0]["note"] = "mine"
+    expected = dict(groups[0])
+    ref = weakref.ref(opt)
+    del opt
+    assert ref() is None
+    assert dict(groups[0]) == expected and groups[0]["lr"] == 0.05 and repr(groups[0])
+    with pytest.raises(ReferenceError, match="can be read, not changed"):
+        groups[0]["lr"] = 0.2
+    assert cmlp.optim.Adam(model, lr=1e-3).param_groups[0]["lr"] == 1e-3  # a temporary optimizer's too

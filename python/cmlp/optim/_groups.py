@@ -2,7 +2,7 @@
 group's settings), and the checks of the values a group or a constructor takes."""
 import copy
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, MutableMapping, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, MutableMapping, Optional, Tuple
 
 import numpy as np
 
@@ -126,6 +126,13 @@ class _ParamGroup(MutableMapping):
         self._index = index
         self._names = names  # the group's parameter tensors, in its order
         self._extra = {}
+        self._last: Optional[Dict[str, Any]] = None  # the settings its optimizer ended with (_orphan)
+
+    def _orphan(self) -> None:
+        """Called as its optimizer ends: the group keeps the settings it had, to be read as a
+        torch group outlives its optimizer (a list of param_groups kept by a logger); setting
+        one then has no optimizer to apply to and raises."""
+        self._last = self._known()
 
     @property
     def _extra(self) -> Dict[Any, Any]:
@@ -147,10 +154,13 @@ class _ParamGroup(MutableMapping):
     def _opt(self) -> "Optimizer":
         opt = self._ref()
         if opt is None:
-            raise ReferenceError("the optimizer of this param group no longer exists")
+            raise ReferenceError("the optimizer of this param group no longer exists: its settings can be read, "
+                                 "not changed")
         return opt
 
     def _known(self) -> Dict[str, Any]:
+        if self._last is not None and self._ref() is None:
+            return dict(self._last)
         opt = self._opt
         group = opt._group(self._index)
         first = sum(len(g._names) for g in opt._param_groups[:self._index])

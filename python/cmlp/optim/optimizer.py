@@ -210,6 +210,13 @@ class Optimizer(_Copying, _StateDict):
         except (TypeError, ValueError):
             return False
 
+    def __del__(self) -> None:
+        for group in self.__dict__.get("_param_groups", ()):  # (none where the constructor failed)
+            try:
+                group._orphan()
+            except Exception:  # (at interpreter exit, what it reads may be gone: it is no matter then)
+                pass
+
     @property
     def param_groups(self) -> List[MutableMapping]:
         """torch's param_groups (see _ParamGroup): by default one group, the model's parameters;
