@@ -56,7 +56,7 @@ def _fixed(name: str, doc: str) -> property:
 
     def refuse(self: "Trainer", value: Any) -> None:
         raise AttributeError(f"Trainer.{name} is fixed when the trainer is made: make a new cmlp.Trainer with "
-                             f"{name}={value!r} (trainer.state_dict() carries this one's progress over)")
+                             f"{name}={value!r}")
 
     return property(get, refuse, doc=doc)
 
