@@ -420,8 +420,10 @@ def caching_allocator_delete(ptr: int) -> None:
 
 
 def get_allocator_backend() -> str:
-    """torch.cuda's name for the allocator in use: "native" (the caching allocator)."""
-    return "native"
+    """cmlp.memory.get_allocator_backend, as torch.cuda's."""
+    from . import memory
+
+    return memory.get_allocator_backend()
 
 
 def __getattr__(name: str) -> Any:
