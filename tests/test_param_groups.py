@@ -360,13 +360,17 @@ def test_attributes_are_the_first_groups_and_shared_settings_are_everyones():
     assert [g["momentum"] for g in opt.param_groups] == [0.8] * 3
     with pytest.raises(ValueError, match="Invalid momentum value"):
         opt.param_groups[1]["momentum"] = -0.5
-    with pytest.raises(ValueError, match="nesterov must be a bool"):
+    with pytest.raises(TypeError, match="nesterov must be a bool"):  # as the constructor refuses it
         opt.param_groups[1]["nesterov"] = "yes"
     _, adam = make("adam")
     with pytest.raises(ValueError, match="Invalid beta parameter at index 1"):
         adam.param_groups[2]["betas"] = (0.9, 1.0)
     with pytest.raises(ValueError, match="Invalid epsilon value"):
         adam.param_groups[0].update({"lr": 0.5, "eps": -1.0})  # all or nothing
+    with pytest.raises(TypeError, match="amsgrad must be a bool"):  # as Adam(amsgrad="yes")
+        adam.param_groups[1]["amsgrad"] = "yes"
+    adam.param_groups[1]["amsgrad"] = 1  # as Adam(amsgrad=1) takes it
+    assert adam.param_groups[1]["amsgrad"] is True
     adam.param_groups[1]["amsgrad"] = True  # that group's own
     assert [(g["lr"], g["betas"], g["eps"], g["amsgrad"]) for g in adam.param_groups] == \
            [(3e-3, (0.9, 0.999), 1e-8, False), (1e-3, (0.9, 0.999), 1e-8, True), (5e-3, (0.9, 0.999), 1e-8, False)]
@@ -393,7 +397,7 @@ def test_attributes_are_the_first_groups_and_shared_settings_are_everyones():
     ({"params": WEIGHTS + BIASES}, TypeError, "list of dicts"),
     ([{"lr": 0.1}], TypeError, "with 'params'"),
     ([{"params": WEIGHTS}, {"params": BIASES, "momentum": -0.5}], ValueError, "Invalid momentum value"),
-    ([{"params": WEIGHTS}, {"params": BIASES, "nesterov": 1}], ValueError,
+    ([{"params": WEIGHTS}, {"params": BIASES, "nesterov": "yes"}], TypeError,
      r"param_groups\[1\]: nesterov must be a bool"),
     ([{"params": WEIGHTS}, {"params": BIASES, "lr": -0.1}], ValueError, "Invalid learning rate"),
     ([{"params": WEIGHTS}, {"params": BIASES, "betas": (0.9, 0.99)}], ValueError, "no 'betas' setting"),

@@ -39,11 +39,9 @@ def _unsupported_flag(name: str, value: Any) -> bool:
 
 
 def _bool_setting(group: Mapping, key: str, default: bool) -> bool:
-    """A param group's boolean setting (nesterov, amsgrad, maximize, ...): a bool, else default."""
-    value = group.get(key, default)
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{key} must be a bool, got {value!r}")
-    return bool(value)
+    """A param group's boolean setting (nesterov, amsgrad, maximize, ...), else default: taken
+    as the constructor takes it (a bool, or 0 or 1), and refused with the same TypeError."""
+    return _flag(key, group.get(key, default))
 
 
 def _initial_lr_of(value: Any) -> float:
