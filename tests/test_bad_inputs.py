@@ -1096,3 +1096,55 @@ def test_private_calls_hold_their_list_items_while_they_run():
     with pytest.raises(ValueError, match=r"2\*\*53"):  # a count that the steps could overflow
         opt._c.set_state(2**63 - 1, [np.zeros(n, np.float32)] * 2)
     opt._c.set_state(2**53 - 1, [np.zeros(n, np.float32), np.ones(n, np.float32)])
+
+
+@pytest.mark.parametrize("call", [
+    lambda: cmlp.memory.memory_stats("€" * 30),  # quoted back cut to 64 bytes: inside a character
+    lambda: cmlp.MLP(SIZES, device="€" * 30),
+    lambda: cmlp.memory.configure("é" * 1500),  # a message cut to its buffer's size
+], ids=["device", "model-device", "configure"])
+def test_a_message_cut_inside_a_character_is_still_the_value_error(call):
+    before = cmlp.memory.get_config()
+    with pytest.raises(ValueError) as e:
+        call()
+    assert not isinstance(e.value, UnicodeError) and ("unknown device" in str(e.value) or
+                                                      "Unrecognized CachingAllocator option" in str(e.value))
+    assert cmlp.memory.get_config() == before
+
+
+@pytest.mark.parametrize("call,what", [
+    (lambda: cmlp.memory.memory_stats("\ud800"), "device"),
+    (lambda: cmlp.memory.configure("expandable_segments:\ud800"), "the allocator configuration"),
+])
+def test_text_without_a_utf8_form_is_a_value_error_naming_it(call, what):
+    with pytest.raises(ValueError, match=f"{what} must be text that UTF-8 can encode"):
+        call()
+
+
+def test_ints_beyond_every_float_are_value_errors_naming_the_argument(ctx):
+    S, big = cmlp.optim.lr_scheduler, 10 ** 400
+    for call, match in [
+        (lambda: cmlp.memory.configure({"garbage_collection_threshold": big}), "garbage_collection_threshold"),
+        (lambda: cmlp.amp.GradScaler(init_scale=big), "init_scale must be finite"),
+        (lambda: cmlp.amp.GradScaler(growth_factor=big), "growth_factor must be finite"),
+        (lambda: cmlp.amp.GradScaler(backoff_factor=-big), "backoff_factor must be finite"),
+        (lambda: S.OneCycleLR(ctx.opt, max_lr=big, total_steps=10), "max_lr must be finite"),
+        (lambda: S.OneCycleLR(ctx.opt, max_lr=0.1, total_steps=big), "total_steps must be below 2\\*\\*63"),
+        (lambda: S.OneCycleLR(ctx.opt, max_lr=0.1, epochs=big, steps_per_epoch=2), "total_steps must be below"),
+        (lambda: S.CyclicLR(ctx.opt, 0.01, big), "max_lr must be finite"),
+        (lambda: S.CyclicLR(ctx.opt, big, 0.1), "base_lr must be finite"),
+        (lambda: S.CosineAnnealingWarmRestarts(ctx.opt, big), "T_0 and T_mult must be below 2\\*\\*63"),
+        (lambda: S.CosineAnnealingWarmRestarts(ctx.opt, 10, T_mult=big), "T_0 and T_mult must be below"),
+    ]:
+        lr = ctx.opt.lr
+        with pytest.raises(ValueError, match=match):
+            call()
+        assert ctx.opt.lr == lr
+
+
+def test_a_plateau_metric_beyond_every_float_compares_as_an_infinity(ctx):
+    s = cmlp.optim.lr_scheduler.ReduceLROnPlateau(ctx.opt, patience=0)
+    s.step(10 ** 400)  # worse than anything: the rate is cut at once
+    assert s.best == float("inf") and ctx.opt.lr == pytest.approx(1e-3)
+    s.step(-10 ** 400)  # better than anything
+    assert s.best == -float("inf") and ctx.opt.lr == pytest.approx(1e-3)

@@ -65,15 +65,25 @@ int core_exit_init(void) {
     return 0;
 }
 
+/* The C core's message as the exception: its text is UTF-8 cut to a size in bytes, which can
+ * end inside a character (a long device name or setting quoted back), so it is decoded with
+ * that character replaced, never refused. */
+void set_error_text(PyObject *type, const char *msg) {
+    PyObject *text = PyUnicode_DecodeUTF8(msg, (Py_ssize_t)strlen(msg), "replace");
+    if (!text) return;
+    PyErr_SetObject(type, text);
+    Py_DECREF(text);
+}
+
 PyObject *raise_status(module_state *ms, cmlp_status s) {
     const char *msg = s == CMLP_ERR_INTERNAL ? cmlp_last_error() : user_error();
     if (s == STATUS_LOST) msg = LOST_TEXT;
     if (s == STATUS_EXITING) msg = "cmlp: the process is exiting";
     switch (s) {
     case CMLP_ERR_INVALID:
-    case CMLP_ERR_NONFINITE: PyErr_SetString(PyExc_ValueError, msg); break;
-    case CMLP_ERR_OOM: PyErr_SetString(ms->oom_error, msg); break;
-    default: PyErr_SetString(PyExc_RuntimeError, msg); break;
+    case CMLP_ERR_NONFINITE: set_error_text(PyExc_ValueError, msg); break;
+    case CMLP_ERR_OOM: set_error_text(ms->oom_error, msg); break;
+    default: set_error_text(PyExc_RuntimeError, msg); break;
     }
     return NULL;
 }
@@ -83,6 +93,11 @@ PyObject *raise_status(module_state *ms, cmlp_status s) {
 const char *c_text(PyObject *obj, const char *what) {
     Py_ssize_t len;
     const char *s = PyUnicode_AsUTF8AndSize(obj, &len);
+    if (!s && PyErr_ExceptionMatches(PyExc_UnicodeEncodeError)) { /* a lone surrogate: no UTF-8 */
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s must be text that UTF-8 can encode, got %R", what, obj);
+        return NULL;
+    }
     if (s && strlen(s) != (size_t)len) {
         PyErr_Format(PyExc_ValueError, "%s must not contain a NUL character, got %R", what, obj);
         return NULL;
@@ -187,7 +202,7 @@ static PyObject *convert(PyObject *args, int to_half) {
     Py_DECREF(src);
     if (st != CMLP_OK) {
         Py_DECREF(dst);
-        PyErr_SetString(PyExc_ValueError, user_error());
+        set_error_text(PyExc_ValueError, user_error());
         return NULL;
     }
     return dst;

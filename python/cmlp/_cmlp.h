@@ -53,6 +53,8 @@ int core_exit_init(void);
  * happened, as torch's do (user_error); only a bug's (CMLP_ERR_INTERNAL) also says where, with
  * cmlp_last_error's "file:line: ". LOST_TEXT for a model lost in a fork. */
 PyObject *raise_status(module_state *ms, cmlp_status s);
+/* msg (UTF-8, perhaps cut inside a character) as an exception of type `type`. */
+void set_error_text(PyObject *type, const char *msg);
 /* cmlp_last_error()'s text without its "file.c:line: " prefix. */
 const char *user_error(void);
 

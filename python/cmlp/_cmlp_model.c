@@ -340,7 +340,7 @@ static PyObject *Model_clip_grad_norm(ModelObject *self, PyObject *args) {
     cmlp_status st;
     RUN_LOCKED(self, st, cmlp_model_clip_grad_norm(self->m, max_norm, norm_type, error_if_nonfinite, &total));
     if (st == CMLP_ERR_NONFINITE) { /* torch raises RuntimeError here */
-        PyErr_SetString(PyExc_RuntimeError, user_error());
+        set_error_text(PyExc_RuntimeError, user_error());
         return NULL;
     }
     if (st != CMLP_OK) return raise_status(self->ms, st);

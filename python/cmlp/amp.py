@@ -7,7 +7,7 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 
 from . import _cmlp
-from ._arrays import as_flag
+from ._arrays import as_flag, as_number
 from .optim import Optimizer
 
 _STATE_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
@@ -23,7 +23,7 @@ def _f32(value: float) -> float:
 def _real(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a number, got {value!r}")
-    return float(value)
+    return as_number(name, value)  # (an int beyond every float: a ValueError)
 
 
 # The smallest scale a scaler is given: float32's smallest normal number (compute that flushes

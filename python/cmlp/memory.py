@@ -318,7 +318,7 @@ def _config_text(config: Mapping[str, Any]) -> str:
     if gc is not None:
         try:
             gc = float(gc)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ValueError(f"garbage_collection_threshold must be a number in (0, 1), or 0 for off, got {gc!r}") \
                 from None
         if gc:

@@ -92,7 +92,7 @@ def _per_group(name: str, value: Any, optimizer: Any) -> List[float]:
     for v in values:
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise TypeError(f"{name} must be a number, got {v!r}")
-    return [float(v) for v in values]
+    return [as_number(name, v) for v in values]  # (an int beyond every float: a ValueError)
 
 
 def _mismatch(was: Any, new: Any) -> bool:

@@ -63,6 +63,8 @@ class OneCycleLR(LRScheduler):
         else:
             raise ValueError("You must define either total_steps OR (epochs AND steps_per_epoch)")
         n = self.total_steps
+        if n >= 1 << 63:  # (the phases' ends are floats)
+            raise ValueError(f"total_steps must be below 2**63, got {n}")
         if three_phase:
             self._schedule_phases = [
                 {"end_step": float(pct_start * n) - 1, "start_lr": "initial_lr", "end_lr": "max_lr",

@@ -64,7 +64,10 @@ class ReduceLROnPlateau(LRScheduler):
     def step(self, metrics: Any, epoch: Optional[int] = None) -> None:  # type: ignore[override]
         """A rate the optimizer refuses raises and leaves the schedule where it was. epoch
         (deprecated, as in torch): the epoch this one counts as."""
-        current = float(metrics)
+        try:
+            current = float(metrics)
+        except OverflowError:  # an int beyond every float compares as an infinity of its sign
+            current = inf if metrics > 0 else -inf
         if epoch is not None:
             epoch = _deprecated_epoch(epoch)
         saved = {k: v for k, v in self.__dict__.items() if k != "optimizer"}

@@ -215,6 +215,8 @@ class CosineAnnealingWarmRestarts(LRScheduler):
         if not _is_int(T_mult) or T_mult < 1:
             raise ValueError(f"Expected integer T_mult >= 1, but got {T_mult}")
         T_0, T_mult = int(T_0), int(T_mult)
+        if max(T_0, T_mult) >= 1 << 63:  # (the periods' ratios are floats)
+            raise ValueError(f"T_0 and T_mult must be below 2**63, got {T_0} and {T_mult}")
         if isinstance(eta_min, bool) or not isinstance(eta_min, numbers.Real):
             raise ValueError(f"Expected float or int eta_min, but got {eta_min} of type {type(eta_min)}")
         _non_negative("eta_min", eta_min)
