@@ -478,6 +478,10 @@ CMLP_API cmlp_status cmlp_optim_get_buffer(const cmlp_optim *o, int i, float *ho
  * not started; AMSGrad's maximum is negative where it has not). */
 CMLP_API cmlp_status cmlp_optim_set_state(cmlp_optim *o, int64_t step, int nbuffers,
                                           const float *const *host_buffers);
+/* set_state without the check of the values: another optimizer's state as it is (a copy of one
+ * whose run diverged keeps its NaNs and infinities). */
+CMLP_API cmlp_status cmlp_optim_copy_state(cmlp_optim *o, int64_t step, int nbuffers,
+                                           const float *const *host_buffers);
 CMLP_API cmlp_status cmlp_optim_to(cmlp_optim *o, cmlp_device d);
 /* A parameter group's own hyperparameters (torch's per-group settings): a value of its own, or
  * NaN (for the integers, -1) where the part takes the optimizer's configuration (which a

@@ -359,7 +359,8 @@ cmlp_status cmlp_optim_get_buffer(const cmlp_optim *o, int i, float *host_out) {
 
 void cmlp_optim_set_step(cmlp_optim *o, int64_t step) { o->step = step; }
 
-cmlp_status cmlp_optim_set_state(cmlp_optim *o, int64_t step, int nbuffers, const float *const *host) {
+/* set_state, and copy_state (checked false: the values as they are) */
+static cmlp_status put_state(cmlp_optim *o, int64_t step, int nbuffers, const float *const *host, bool checked) {
     /* below 2**53: a float64 holds the count exactly (the state_dict's), and no step can overflow it */
     if (step < 0 || step >= ((int64_t)1 << 53))
         return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer step count must be in [0, 2**53), got %lld", (long long)step);
@@ -371,7 +372,7 @@ cmlp_status cmlp_optim_set_state(cmlp_optim *o, int64_t step, int nbuffers, cons
                          adam ? "2 (3 with AMSGrad)" : "1");
     CMLP_TRY(cmlp_optim_check_model(o));
     size_t all = (size_t)o->model->nparams, n = (size_t)span(o), at = (size_t)first_of(o);
-    for (int i = 0; i < nbuffers; i++) /* SGD's NaN: a buffer not started there */
+    for (int i = 0; i < nbuffers && checked; i++) /* SGD's NaN: a buffer not started there */
         for (size_t j = 0; j < all; j++)
             if (adam ? !isfinite(host[i][j]) : isinf(host[i][j]))
                 return CMLP_FAIL(CMLP_ERR_NONFINITE, "optimizer state buffer %d holds %s at %zu", i,
@@ -404,6 +405,14 @@ cmlp_status cmlp_optim_set_state(cmlp_optim *o, int64_t step, int nbuffers, cons
     o->step = o->kind == CMLP_OPTIM_SGD && nbuffers && step == 0 ? 1 : step;
     o->version++;
     return CMLP_OK;
+}
+
+cmlp_status cmlp_optim_set_state(cmlp_optim *o, int64_t step, int nbuffers, const float *const *host) {
+    return put_state(o, step, nbuffers, host, true);
+}
+
+cmlp_status cmlp_optim_copy_state(cmlp_optim *o, int64_t step, int nbuffers, const float *const *host) {
+    return put_state(o, step, nbuffers, host, false);
 }
 
 cmlp_status cmlp_optim_to(cmlp_optim *o, cmlp_device d) {

@@ -161,6 +161,16 @@ def test_load_state_dict_orders_numbered_modules_by_number():
     assert_params_equal(m.state_dict(), src)
 
 
+def test_numbered_modules_of_one_width_sorted_as_text_load_by_number():
+    # layers of one width fit their shapes in any order: only the numbers say which is which
+    sizes = [8] * 7
+    src = cmlp.MLP(sizes, seed=4).state_dict()
+    renamed = {f"{2 * (int(name.split('.')[0][2:]) - 1)}.{name.split('.')[1]}": arr for name, arr in src.items()}
+    m = cmlp.MLP(sizes, seed=3)
+    m.load_state_dict(dict(sorted(renamed.items())))  # "0", "10", "2", ...
+    assert_params_equal(m.state_dict(), src)
+
+
 def test_load_state_dict_reads_its_own_names_as_themselves():
     # fc2 and fc3 of this model under their names, beside two other keys: never shifted by position
     m = cmlp.MLP([8, 8, 8, 8], seed=3)
@@ -489,6 +499,63 @@ def test_deepcopy_of_a_diverged_model_keeps_its_nans():
     p = model._c.get_params()
     assert not np.isfinite(p).all()
     assert np.array_equal(copy.deepcopy(model)._c.get_params(), p, equal_nan=True)
+
+
+def diverged(kind):
+    """A model and optimizer whose run went to NaN and inf: parameters and state."""
+    model = cmlp.MLP([8, 4, 3], seed=0)
+    opt = cmlp.optim.SGD(model, lr=1e38, momentum=0.9) if kind == "sgd" else \
+        cmlp.optim.Adam(model, lr=1e38, amsgrad=kind == "amsgrad")
+    x, y = np.random.default_rng(0).random((16, 8), dtype=np.float32), np.arange(16) % 3
+    for _ in range(30):
+        model.zero_grad()
+        model.forward_backward(x, y)
+        opt.step()
+    assert not np.isfinite(model._c.get_params()).all()
+    assert not all(np.isfinite(b).all() for b in opt._c.get_state()[1])
+    return model, opt
+
+
+@pytest.mark.parametrize("kind", ["adam", "amsgrad", "sgd"])
+def test_copies_and_pickles_of_a_diverged_optimizer_are_it_as_it_was(kind):
+    import copy
+    import pickle
+
+    model, opt = diverged(kind)
+    step, bufs = opt._c.get_state()
+    model2, opt2 = pickle.loads(pickle.dumps((model, opt)))
+    for twin in (opt2, copy.deepcopy(opt)):
+        assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(twin._c.get_state()[1], bufs))
+    assert np.array_equal(model2._c.get_params(), model._c.get_params(), equal_nan=True)
+    with pytest.raises(ValueError, match="holds inf or NaN"):  # a state_dict given to load: checked
+        opt.load_state_dict(opt.state_dict())
+    assert opt._c.get_state()[0] == step
+    assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(opt._c.get_state()[1], bufs))
+
+
+def test_a_saved_diverged_model_loads_as_it_was(tmp_path):
+    model, _ = diverged("adam")
+    model.save(tmp_path / "m.npz")
+    back = cmlp.MLP.load(tmp_path / "m.npz")
+    assert np.array_equal(back._c.get_params(), model._c.get_params(), equal_nan=True)
+    with pytest.raises(ValueError, match="holds NaN or inf"):  # a state_dict given to load: checked
+        cmlp.MLP([8, 4, 3]).load_state_dict(model.state_dict())
+
+
+def test_a_file_claiming_layers_it_does_not_hold_is_refused_before_the_model_is_made(tmp_path):
+    np.savez(tmp_path / "big.npz", __layer_sizes__=np.array([2**24, 16]))  # 1 GiB of weights claimed in 300 bytes
+    np.savez(tmp_path / "other.npz", __layer_sizes__=np.array([2**24, 16]),
+             **{"0.weight": np.zeros((16, 3), np.float32), "0.bias": np.zeros(16, np.float32)})
+    cmlp.memory.reset_peak_memory_stats("cpu")
+    for name in ("big.npz", "other.npz"):
+        # (a ValueError, and a RuntimeError as torch's mismatch is)
+        with pytest.raises(ValueError, match=f"{name}: its arrays .* are not the weights and biases") as e:
+            cmlp.MLP.load(tmp_path / name)
+        assert isinstance(e.value, RuntimeError)
+    assert cmlp.memory.max_memory_allocated("cpu") < 2**24  # no model of 2**24 inputs was made
+    np.savez(tmp_path / "seq.npz", __layer_sizes__=np.array([3, 16]),  # a module's names that fit: loaded
+             **{"0.weight": np.ones((16, 3), np.float32), "0.bias": np.zeros(16, np.float32)})
+    assert cmlp.MLP.load(tmp_path / "seq.npz").state_dict()["fc1.weight"].sum() == 48
 
 
 def test_pickle_makes_models_optimizers_and_schedules_again_as_torch_save_does():

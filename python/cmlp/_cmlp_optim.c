@@ -175,7 +175,8 @@ static PyObject *Optim_get_state(OptimObject *self, PyObject *unused) {
 static PyObject *Optim_set_state(OptimObject *self, PyObject *args) {
     long long step;
     PyObject *bufs;
-    if (!PyArg_ParseTuple(args, "LO!", &step, &PyList_Type, &bufs)) return NULL;
+    int checked = 1; /* 0: the values as they are (a copy's: NaN and inf too) */
+    if (!PyArg_ParseTuple(args, "LO!|p", &step, &PyList_Type, &bufs, &checked)) return NULL;
     if (optim_ready(self) < 0) return NULL;
     /* the buffers are held by a tuple of ours while the call runs without the GIL (the list may
      * change meanwhile) */
@@ -194,7 +195,9 @@ static PyObject *Optim_set_state(OptimObject *self, PyObject *args) {
             return NULL;
         }
     cmlp_status st;
-    RUN_LOCKED(self->model, st, cmlp_optim_set_state(self->o, step, (int)nb, ptrs));
+    RUN_LOCKED(self->model, st,
+               checked ? cmlp_optim_set_state(self->o, step, (int)nb, ptrs)
+                       : cmlp_optim_copy_state(self->o, step, (int)nb, ptrs));
     Py_DECREF(held);
     if (st != CMLP_OK) return raise_status(self->model->ms, st);
     Py_RETURN_NONE;
@@ -311,7 +314,7 @@ static PyObject *Optim_buffers_planned(OptimObject *self, PyObject *Py_UNUSED(un
 static PyMethodDef Optim_methods[] = {
     {"step", (PyCFunction)Optim_step, METH_NOARGS, "one update from the model's gradients"},
     {"get_state", (PyCFunction)Optim_get_state, METH_NOARGS, "(step, [flat float32 buffers])"},
-    {"set_state", (PyCFunction)Optim_set_state, METH_VARARGS, "set_state(step, [buffers])"},
+    {"set_state", (PyCFunction)Optim_set_state, METH_VARARGS, "set_state(step, [buffers], checked=True)"},
     {"to", (PyCFunction)Optim_to, METH_O, "move the state to a device (after the model)"},
     {"set_parts", (PyCFunction)Optim_set_parts, METH_O,
      "set_parts([" PART_FORMAT ", ...]): parameter groups' parts of the flat parameters (a setting NaN "

@@ -273,6 +273,11 @@ class MLP:
         names present and reports the rest. Returns the missing and unexpected keys (torch's
         result); a wrong shape, or any key off with strict, raises ValueError (a RuntimeError too,
         which torch's raises) and changes nothing."""
+        return self._load_state(state, strict, finite=True)
+
+    def _load_state(self, state: Dict[str, Any], strict: Any, finite: bool) -> "IncompatibleKeys":
+        """load_state_dict; finite=False takes NaN and inf as they are (a file this library wrote
+        of a model that diverged: load gives it back as it was)."""
         if not hasattr(state, "keys"):
             raise TypeError(f"state_dict must be a mapping of names to arrays, got {type(state).__name__}")
         strict = as_flag("strict", strict)
@@ -298,17 +303,22 @@ class MLP:
                                         f"{view.shape}")
             with np.errstate(over="ignore", invalid="ignore"):
                 view[...] = arr
-            if not np.isfinite(view).all():
-                what = "NaN or inf" if not np.isfinite(arr).all() else "values outside float32's range"
+            lost = ~np.isfinite(view)
+            if not finite:
+                lost &= np.isfinite(arr)  # NaN and inf as they are; a value float32 cannot hold still refused
+            if lost.any():
+                what = "values outside float32's range" if np.isfinite(arr)[lost].all() else "NaN or inf"
                 raise ValueError(f"state_dict[{name!r}] holds {what}: parameters must be finite in float32")
-        self._c.set_params(flat)
+        self._c.set_params(flat, finite)
         return IncompatibleKeys(missing, unexpected)
 
     def _linear_names(self, state: Any, views: "OrderedDict[str, np.ndarray]") -> Optional[Dict[str, Any]]:
         """state under this model's names when it holds exactly its layers' weights and biases
         under other names, a module's weight and bias for each layer ("0.weight", "0.bias", ...),
-        the modules in order (as they come, or as they sort with their numbers read as numbers,
-        "2" before "10": a dict whose keys were sorted), every shape right; else None."""
+        the modules in order (as they sort with their numbers read as numbers, "2" before "10",
+        else as they come), every shape right; else None. The numbers' order comes first: a dict
+        whose keys were sorted as text ("0", "10", "2") can fit the shapes in that order too
+        (layers of one width), and only the numbers say which layer is which."""
         keys = list(state.keys())
         if len(keys) != len(views) or not all(isinstance(k, str) for k in keys):
             return None
@@ -335,7 +345,7 @@ class MLP:
                     out[name] = state[key]
             return out
 
-        return renamed(list(modules)) or renamed(sorted(modules, key=natural))
+        return renamed(sorted(modules, key=natural)) or renamed(list(modules))
 
     # ---- files ----
     def save(self, path: "os.PathLike[str] | str") -> None:
@@ -382,7 +392,13 @@ class MLP:
         shapes = {}
         for i, (n_in, n_out) in enumerate(zip(claimed, claimed[1:])):
             shapes[f"fc{i + 1}.weight"], shapes[f"fc{i + 1}.bias"] = (n_out, n_in), (n_out,)
-        if min(claimed, default=0) >= 1 and any(k in shapes for k in arrays):
+        if min(claimed, default=0) >= 1 and not any(k in shapes for k in arrays):
+            # other names (a module's, "0.weight"): what the model needs, in some order, before
+            # a model of the sizes claimed is made (they may claim more memory than there is)
+            if sorted(np.shape(a) for a in arrays.values()) != sorted(shapes.values()):
+                raise StateDictMismatch(f"{path}: its arrays {sorted(np.shape(a) for a in arrays.values())} are not "
+                                        f"the weights and biases of layer sizes {claimed}")
+        elif min(claimed, default=0) >= 1:
             # the file's arrays against its layer sizes before a model of those sizes is made (they
             # may claim more memory than there is)
             missing, unexpected = [k for k in shapes if k not in arrays], [k for k in arrays if k not in shapes]
@@ -395,7 +411,7 @@ class MLP:
                                             f"need {shape}")
         model = cls(claimed, device=device, normalize=(float(normalize[0]), float(normalize[1])))
         try:
-            model.load_state_dict(arrays)
+            model._load_state(arrays, True, finite=False)  # a diverged model's NaNs too, as saved
         except TypeError as e:  # an array of bools, strings or records
             raise ValueError(f"{path} is not a readable cmlp model file (.npz): {e}") from None
         return model

@@ -296,6 +296,14 @@ static void test_amsgrad_buffers(void) {
     CHECK(cmlp_optim_set_state(o, 5, 1, three) == CMLP_ERR_INVALID, "Adam state of 1 buffer accepted");
     OK(cmlp_optim_set_state(o, 5, 3, three));
     CHECK(cmlp_optim_num_buffers(o) == 3 && cmlp_optim_get_step(o) == 5, "3 buffers loaded");
+    b[0][1] = NAN, b[1][2] = INFINITY; /* a run that diverged: a copy keeps it, a load refuses it */
+    CHECK(cmlp_optim_set_state(o, 6, 3, three) == CMLP_ERR_NONFINITE && cmlp_optim_get_step(o) == 5,
+          "NaN state loaded");
+    OK(cmlp_optim_copy_state(o, 6, 3, three));
+    OK(cmlp_optim_get_buffer(o, 0, after[0]));
+    OK(cmlp_optim_get_buffer(o, 1, after[1]));
+    CHECK(cmlp_optim_get_step(o) == 6 && isnan(after[0][1]) && isinf(after[1][2]) && after[0][0] == b[0][0],
+          "a copied state is not the state as it was");
     for (int i = 0; i < 3; i++) free(b[i]), free(after[i]);
     cmlp_optim_free(o);
     cmlp_model_free(m);

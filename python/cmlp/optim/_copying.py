@@ -18,11 +18,19 @@ class _Copying:
         memo[id(self)] = twin  # before the model, which may refer to this optimizer
         model = copy.deepcopy(self.model, memo)
         self._init_like(twin, model)
-        twin.load_state_dict(self.state_dict())
+        twin._load_own(self.state_dict())
         for mine, theirs in zip(self._param_groups, twin._param_groups):
             theirs._extra = copy.deepcopy(mine._extra, memo)
         twin.defaults = copy.deepcopy(self.defaults, memo)
         return twin
+
+    def _load_own(self, state_dict: Dict[str, Any]) -> None:
+        """load_state_dict of a state this library's optimizer gave: as it was, NaN and inf too."""
+        self._take_nonfinite = True
+        try:
+            self.load_state_dict(state_dict)
+        finally:
+            del self._take_nonfinite
 
     def _init_like(self, twin: "_Copying", model: MLP) -> None:
         """Runs the constructor of this kind of optimizer on twin, with this one's settings."""
@@ -50,7 +58,7 @@ class _Copying:
                  "defaults": self.defaults})
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.load_state_dict(state["state_dict"])
+        self._load_own(state["state_dict"])
         for group, extra in zip(self._param_groups, state["extras"]):
             group._extra = extra
         self.defaults = state["defaults"]

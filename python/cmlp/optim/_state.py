@@ -11,6 +11,10 @@ class _StateDict:
     """Optimizer's state_dict and load_state_dict, over the attributes Optimizer keeps (the C
     optimizer, the param groups, their settings)."""
 
+    # loading takes NaN and inf in the state as they are: set while a copy of this library's own
+    # optimizer loads its original's state (a diverged run's, copied or pickled, comes back as it was)
+    _take_nonfinite = False
+
     def state_dict(self) -> Dict[str, Any]:
         return self._state_dict_of(*self._c.get_state())
 
@@ -103,10 +107,10 @@ class _StateDict:
         try:
             self._apply_config({**config, "lr": self._c.lr, "weight_decay": self._c_wd})  # the shared settings
             self._push_groups(lrs, wds, owns)  # and every group's, at once
-            self._c.set_state(step, bufs)
+            self._c.set_state(step, bufs, not self._take_nonfinite)
         except BaseException:
             self._restore(before)
-            self._c.set_state(*before_state)
+            self._c.set_state(*before_state, False)  # as it was, NaN and all
             raise
         self._initial_lrs = initial
         self._flags.update(flags)
@@ -176,9 +180,9 @@ class _StateDict:
                 if arr.shape != views[name].shape:
                     raise ValueError(f"optimizer state {bname} of {name} has shape {arr.shape}, "
                                      f"expected {views[name].shape}")
-                if not np.isfinite(arr).all():
+                if not self._take_nonfinite and not np.isfinite(arr).all():
                     raise ValueError(f"optimizer state {bname} holds inf or NaN")
-                if bname in ("exp_avg_sq", "max_exp_avg_sq") and not (arr >= 0).all():
+                if bname in ("exp_avg_sq", "max_exp_avg_sq") and not ((arr >= 0) | np.isnan(arr)).all():
                     raise ValueError(f"optimizer state {bname} must be >= 0 everywhere (a running mean of squares)")
                 views[name][...] = arr
             bufs.append(flat)
