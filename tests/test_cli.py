@@ -155,6 +155,13 @@ def test_bad_arguments_exit_nonzero_with_a_message(tmp_path, args, pattern):
     assert "Traceback" not in r.stderr
 
 
+def test_save_through_a_link_checks_the_links_target_before_training(tmp_path):
+    os.symlink(tmp_path / "gone" / "model.npz", tmp_path / "dangling.npz")  # into a directory that is not there
+    r = run_cli(["train", "--save", "dangling.npz"], tmp_path)
+    assert r.returncode == 2 and re.search(r"--save 'dangling.npz': the directory .*gone' does not exist", r.stderr), \
+        r.stderr
+
+
 @needs_fashion
 def test_train_with_adamw_clips_gradients_and_reports_their_norm(tmp_path):
     r = run_cli(["train", "--epochs", "1", "--layers", "784,32,10", "--batch-size", "256", "--no-progress",

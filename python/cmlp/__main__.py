@@ -69,13 +69,14 @@ def _output(flag: str, example: str) -> Callable[[str], str]:
             what = "is a directory" if os.path.isdir(text) else "names a directory"
             raise argparse.ArgumentTypeError(f"{flag} {text!r} {what}; give a file name in it, e.g. "
                                              f"{os.path.join(text, example)}")
-        parent = os.path.dirname(os.path.abspath(text))
+        target = os.path.realpath(text)  # what the save writes: a link's target, in its directory
+        parent = os.path.dirname(target)
         try:
-            too_long = len(os.fsencode(os.path.basename(text))) > os.pathconf(parent, "PC_NAME_MAX")
+            too_long = len(os.fsencode(os.path.basename(target))) > os.pathconf(parent, "PC_NAME_MAX")
         except (OSError, ValueError):
             too_long = False
         if too_long:
-            raise argparse.ArgumentTypeError(f"{flag}: the file name {os.path.basename(text)!r} is too long")
+            raise argparse.ArgumentTypeError(f"{flag}: the file name {os.path.basename(target)!r} is too long")
         if not os.path.isdir(parent):
             raise argparse.ArgumentTypeError(f"{flag} {text!r}: the directory {parent!r} does not exist")
         try:  # a file made there and removed, as the save makes its own: os.access says yes to root anywhere
