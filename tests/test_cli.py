@@ -162,6 +162,28 @@ def test_save_through_a_link_checks_the_links_target_before_training(tmp_path):
         r.stderr
 
 
+@pytest.mark.parametrize("args,pattern", [
+    (["--layers", "100,10"], r"--layers 100,10: mnist needs 784 inputs \(28x28 pixels\) and at least 10 outputs"),
+    (["--layers", "784,32,5"], r"--layers 784,32,5: mnist needs 784 inputs"),
+    (["--memory-limit", "1KB"], r"out of memory"),
+] + ([] if cmlp.cuda.is_available() else [(["--device", "cuda"], r"CUDA")]))
+def test_options_that_cannot_train_fail_before_the_data_set_is_read(tmp_path, args, pattern):
+    # (no data set where it looks: a check made after reading would report the missing files)
+    r = run_cli(["train", "--dataset", "mnist", "--data-dir", str(tmp_path), *args], tmp_path)
+    assert r.returncode == 2 and re.search(pattern, r.stderr) and "not found" not in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@needs_fashion
+def test_a_warning_is_one_line_as_the_other_messages(tmp_path):
+    r = run_cli(["train", "--epochs", "1", "--layers", "784,256,10", "--batch-size", "20000", "--no-progress",
+                 "--memory-limit", "60MB"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("warning: under the memory limit of 60.00 MiB the planner fits "
+                                                   "micro-batches of"), r.stderr
+
+
 @needs_fashion
 def test_train_with_adamw_clips_gradients_and_reports_their_norm(tmp_path):
     r = run_cli(["train", "--epochs", "1", "--layers", "784,32,10", "--batch-size", "256", "--no-progress",

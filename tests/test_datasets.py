@@ -360,11 +360,20 @@ def test_mnist_missing_lists_every_dir(tmp_path):
 
 
 @pytest.mark.parametrize("loader", ["mnist", "fashion_mnist"])
-def test_download_is_refused(tmp_path, loader):
-    fake_set(tmp_path)
+def test_download_reads_the_files_that_are_there_and_fetches_none(tmp_path, loader):
+    # torchvision's download=True with the files in place reads them: ported code runs as it is
+    fake_set(tmp_path / "here")
+    (x, y), _ = getattr(datasets, loader)(root=tmp_path / "here", download=True)
+    assert x.shape == (5, 784) and y.shape == (5,)
     with pytest.raises(RuntimeError, match="not supported") as e:
-        getattr(datasets, loader)(root=tmp_path, download=True)
-    assert str(tmp_path) in str(e.value)
+        getattr(datasets, loader)(root=tmp_path / "empty", download=True)
+    assert str(tmp_path / "empty") in str(e.value)
+
+
+def test_a_bytes_root_is_named_as_text(tmp_path):
+    with pytest.raises(FileNotFoundError) as e:
+        datasets.mnist(root=os.fsencode(tmp_path / "nowhere"))
+    assert f"in {tmp_path / 'nowhere'}." in str(e.value) and "b'" not in str(e.value)
 
 
 @pytest.mark.parametrize("kw, pattern", [

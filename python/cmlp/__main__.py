@@ -10,6 +10,7 @@ import os
 import re
 import sys
 import tempfile
+import warnings
 from typing import Any, Callable, List, Optional, Tuple
 
 from . import MLP, Trainer, _cmlp, build_info, cuda, datasets, distributed, memory, optim
@@ -215,6 +216,7 @@ def _schedule(opt: optim.Optimizer, kind: str, warmup: int, steps: int) -> Optio
     return lr_scheduler.SequentialLR(opt, parts, milestones=milestones)
 
 
+_PIXELS, _CLASSES = 28 * 28, 10  # both data sets' images and classes
 _HISTORY_ENTRIES = 100_000  # --memory-history keeps the newest actions (a fit makes a few dozen)
 
 
@@ -268,10 +270,10 @@ def _run(a: argparse.Namespace, rank: int, ranks: int) -> int:
         if rank == 0:
             print(text, flush=True)
 
-    if a.dataset == "fashion-mnist":
-        (xtr, ytr), (xte, yte) = datasets.fashion_mnist(root=a.data_dir)
-    else:
-        (xtr, ytr), (xte, yte) = datasets.mnist(root=a.data_dir or "data")
+    # the options first (the layers against the data's shapes, the device, the memory limit), then the data
+    if a.layers[0] != _PIXELS or a.layers[-1] < _CLASSES:
+        raise ValueError(f"--layers {','.join(map(str, a.layers))}: {a.dataset} needs {_PIXELS} inputs (28x28 pixels) "
+                         f"and at least {_CLASSES} outputs (one per class), e.g. {_PIXELS},512,256,{_CLASSES}")
     if a.memory_limit is not None:
         memory.set_memory_limit(a.memory_limit, a.device)
     model = MLP(a.layers, device=a.device, seed=a.seed)
@@ -291,6 +293,10 @@ def _run(a: argparse.Namespace, rank: int, ranks: int) -> int:
     opt: optim.Optimizer = distributed.optim.ZeroRedundancyOptimizer(model, kind, **kw) if a.zero else kind(model, **kw)
     trainer = Trainer(model, opt, batch_size=a.batch_size, accumulation_steps=a.accumulation_steps, amp=a.amp,
                       seed=a.seed, distributed=a.distributed, max_grad_norm=a.max_grad_norm, recompute=a.recompute)
+    if a.dataset == "fashion-mnist":
+        (xtr, ytr), (xte, yte) = datasets.fashion_mnist(root=a.data_dir)
+    else:
+        (xtr, ytr), (xte, yte) = datasets.mnist(root=a.data_dir or "data")
     steps = a.epochs * -(-len(xtr) // (a.batch_size * a.accumulation_steps * ranks))
     sched = _schedule(opt, a.lr_schedule, a.warmup_steps, steps)
     group = f" x {_count_of(ranks, 'rank')} ({distributed.library_version()})" if a.distributed else ""
@@ -446,8 +452,22 @@ def _info() -> int:
     return 0
 
 
+def _warning_line(message: Any, category: type, filename: str, lineno: int, file: Any = None,
+                  line: Optional[str] = None) -> None:
+    """A warning as the command line's other messages are: one line, without the source."""
+    print(f"warning: {message}", file=sys.stderr if file is None else file, flush=True)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     a = _parser().parse_args(argv)
+    shown, warnings.showwarning = warnings.showwarning, _warning_line
+    try:
+        return _command(a)
+    finally:
+        warnings.showwarning = shown
+
+
+def _command(a: argparse.Namespace) -> int:
     try:
         if a.command == "train":
             return _train(a)

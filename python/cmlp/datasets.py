@@ -155,12 +155,12 @@ def _find_dir(dirs):
 
 def _load_set(title, dirs, how_to_get, download):
     dirs = [os.path.abspath(d) for d in dirs]
-    if download:
+    d, found = _find_dir(dirs)
+    if d is None and download:  # (where the files are, download=True reads them, as torchvision's)
         raise RuntimeError(
             f"{title}: download=True is not supported; cmlp never fetches data from the "
             f"internet. Searched, in order:\n" + "\n".join(f"  {d}" for d in dirs)
             + f"\n{how_to_get}")
-    d, found = _find_dir(dirs)
     if d is None:
         raise FileNotFoundError(
             f"{title} not found. Looked for {', '.join(_MNIST_FILES)} (each raw or .gz) "
@@ -197,10 +197,11 @@ def _candidate_dirs(root, subdirs):
 def mnist(root="data", download=False):
     """Loads MNIST from root, root/mnist or root/MNIST/raw (the first holding all four
     IDX files, raw or .gz). Returns (x_train, y_train), (x_test, y_test): images uint8
-    [N, 784], labels uint8 [N]. download=True raises RuntimeError (never fetches)."""
+    [N, 784], labels uint8 [N]. download=True reads the files where they are, and raises
+    RuntimeError where they are not (nothing is fetched)."""
     dirs = _candidate_dirs(root, ["mnist", os.path.join("MNIST", "raw")])
     how = (f"Place the four MNIST IDX files ({', '.join(_MNIST_FILES)}, raw or .gz) "
-           f"in {os.path.abspath(root)}.")
+           f"in {os.path.abspath(dirs[0])}.")
     return _load_set("MNIST", dirs, how, download)
 
 
