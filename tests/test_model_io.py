@@ -654,3 +654,24 @@ def test_a_file_that_is_no_zip_is_named_as_such(tmp_path, content):
     with pytest.raises(ValueError, match=r"model.npz is not a readable cmlp model file \(.npz\): it is not a zip "
                                          "archive"):
         cmlp.MLP.load(path)
+
+
+def test_state_dict_takes_torchs_keywords():
+    model = cmlp.MLP([4, 3, 2], seed=0)
+    plain = model.state_dict()
+    named = model.state_dict(prefix="net.")
+    assert list(named) == ["net." + k for k in plain] and all(np.array_equal(named["net." + k], v)
+                                                               for k, v in plain.items())
+    into = {"step": 3}
+    assert model.state_dict(destination=into, prefix="m.", keep_vars=True) is into
+    assert list(into) == ["step"] + ["m." + k for k in plain]
+    with pytest.raises(TypeError, match="prefix must be a str"):
+        model.state_dict(prefix=1)
+    with pytest.raises(TypeError, match="keep_vars must be a bool"):
+        model.state_dict(keep_vars="yes")
+    other = cmlp.MLP([4, 3, 2], seed=1)
+    result = other.load_state_dict(plain, assign=True)  # copied in, as without assign
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    assert_params_equal(other.state_dict(), plain)
+    with pytest.raises(TypeError, match="assign must be a bool"):
+        other.load_state_dict(plain, assign="yes")

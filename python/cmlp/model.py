@@ -8,7 +8,7 @@ import weakref
 import zipfile
 import zlib
 from collections import OrderedDict
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, MutableMapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -256,15 +256,28 @@ class MLP:
             out[f"fc{i + 1}.bias"] = flat[b:b + fan_out]
         return out
 
-    def state_dict(self) -> "OrderedDict[str, np.ndarray]":
-        """Copies of the parameters: "fc1.weight" [out, in], "fc1.bias" [out], ..."""
-        return self._split(self._c.get_params())
+    def state_dict(self, *, destination: Optional[Dict[str, Any]] = None, prefix: str = "",
+                   keep_vars: bool = False) -> "OrderedDict[str, np.ndarray]":
+        """Copies of the parameters: "fc1.weight" [out, in], "fc1.bias" [out], ... Torch's
+        keywords: each name after prefix, put in destination (and it returned) when given;
+        keep_vars is taken (copies either way: the parameters live in the model's memory)."""
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a str, got {prefix!r}")
+        as_flag("keep_vars", keep_vars)
+        if destination is not None and not isinstance(destination, MutableMapping):
+            raise TypeError(f"destination must be a dict, got {type(destination).__name__}")
+        own = self._split(self._c.get_params())
+        named = OrderedDict((prefix + k, v) for k, v in own.items()) if prefix else own
+        if destination is None:
+            return named
+        destination.update(named)
+        return destination  # type: ignore[return-value]
 
     def grads(self) -> "OrderedDict[str, np.ndarray]":
         """Copies of the gradients, with state_dict's names and shapes."""
         return self._split(self._c.get_grads())
 
-    def load_state_dict(self, state: Dict[str, Any], strict: bool = True) -> "IncompatibleKeys":
+    def load_state_dict(self, state: Dict[str, Any], strict: bool = True, assign: bool = False) -> "IncompatibleKeys":
         """Replaces the parameters from a mapping of names to arrays, as torch's: with the names of
         state_dict() ("fc1.weight", ..., a PyTorch SimpleMLP's converted with .numpy()), or those
         of any module whose Linear layers are this model's in order (an nn.Sequential's "0.weight",
@@ -272,7 +285,9 @@ class MLP:
         and a bias for each layer, every shape right; see _linear_names). strict=False loads the
         names present and reports the rest. Returns the missing and unexpected keys (torch's
         result); a wrong shape, or any key off with strict, raises ValueError (a RuntimeError too,
-        which torch's raises) and changes nothing."""
+        which torch's raises) and changes nothing. assign (torch's: the module takes the tensors
+        themselves) is taken; the values are copied either way, into the model's own memory."""
+        as_flag("assign", assign)
         return self._load_state(state, strict, finite=True)
 
     def _load_state(self, state: Dict[str, Any], strict: Any, finite: bool) -> "IncompatibleKeys":
