@@ -940,3 +940,24 @@ def test_one_cycle_linear_one_step_past_its_end_keeps_adams_beta1_below_1():
     history = cmlp.Trainer(model, opt, batch_size=40).fit(x, y, epochs=4, progress=False, scheduler=sched)
     assert len(history) == 4 and opt.betas[0] == 0.99
 
+
+
+def test_an_error_of_the_callers_function_is_raised_as_it_is_and_the_schedule_stays():
+    # torch raises a LambdaLR function's own error; the rate and the count stay where they were
+    opt = cmlp.optim.SGD(cmlp.MLP(SIZES), lr=0.1)
+
+    def rate(epoch):
+        if epoch == 2:
+            raise ZeroDivisionError("the caller's")
+        return 0.5 ** epoch
+
+    sched = S.LambdaLR(opt, rate)
+    opt.step()
+    sched.step()
+    with pytest.raises(ZeroDivisionError, match="the caller's"):
+        sched.step()
+    assert sched.last_epoch == 1 and opt.lr == pytest.approx(0.05)
+    big = S.LambdaLR(opt, lambda e: 10 ** 400 if e else 1.0)
+    opt.step()
+    with pytest.raises(ValueError, match="LambdaLR cannot compute the rate of epoch 1"):  # its own product
+        big.step()

@@ -3,6 +3,7 @@ and the argument checks the schedules share."""
 import functools
 import math
 import numbers
+import os
 import types
 import warnings
 from typing import Any, Callable, Dict, List, Mapping, Optional, Union
@@ -45,6 +46,19 @@ def _warn_outside_step(get_lr: Callable[[Any], List[float]]) -> Callable[[Any], 
         return get_lr(self)
 
     return checked
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # cmlp's own files
+
+
+def _raised_here(e: BaseException) -> bool:
+    """Whether e comes from this package's own code (a schedule's formula), not from a function
+    of the caller's that it called (a LambdaLR's: its error is the caller's, raised as it is, as
+    torch's)."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_PACKAGE + os.sep)
 
 
 def _length(name: str, value: Any, lo: int) -> Any:
@@ -227,7 +241,7 @@ class LRScheduler:
             self.last_epoch = before
             if owns is not None:
                 optimizer._set_momentum([optimizer._part_fields(own)[0] for own in owns])
-            if isinstance(e, (ZeroDivisionError, OverflowError)):
+            if isinstance(e, (ZeroDivisionError, OverflowError)) and _raised_here(e):
                 at = before + 1 if epoch is None else epoch
                 raise ValueError(f"{type(self).__name__} cannot compute the rate of epoch {at} with these "
                                  f"arguments ({type(e).__name__}: {e})") from e
