@@ -58,11 +58,15 @@ cmlp_status cmlp_device_parse(const char *s, cmlp_device *out) {
         const char *p = s + 5;
         if (*p < '0' || *p > '9') goto bad;
         long v = 0;
-        for (; *p >= '0' && *p <= '9'; p++) {
-            v = v * 10 + (*p - '0');
-            if (v >= CMLP_MAX_CUDA_DEVICES) goto bad;
-        }
+        for (; *p >= '0' && *p <= '9'; p++)
+            if (v < CMLP_MAX_CUDA_DEVICES) v = v * 10 + (*p - '0'); /* (then only read on) */
         if (*p) goto bad;
+        if (v >= CMLP_MAX_CUDA_DEVICES) { /* a GPU this machine cannot have: torch's invalid ordinal */
+            const cmlp_device first = {CMLP_DEVICE_CUDA, 0};
+            CMLP_TRY(cmlp_device_check(first)); /* where there is no GPU, why not */
+            return CMLP_FAIL(CMLP_ERR_DEVICE, "%.64s does not exist: %d CUDA device(s) found", s,
+                             cmlp_cuda_device_count());
+        }
         d.index = (int)v;
     } else if (s[4] != '\0') {
         goto bad;
@@ -71,8 +75,7 @@ cmlp_status cmlp_device_parse(const char *s, cmlp_device *out) {
     *out = d;
     return CMLP_OK;
 bad:
-    return CMLP_FAIL(CMLP_ERR_INVALID, "unknown device \"%.64s\": expected \"cpu\", \"cuda\" or \"cuda:N\" (N < %d)",
-                     s, CMLP_MAX_CUDA_DEVICES);
+    return CMLP_FAIL(CMLP_ERR_INVALID, "unknown device \"%.64s\": expected \"cpu\", \"cuda\" or \"cuda:N\"", s);
 }
 
 /* per_process_memory_fraction of the settings, on a GPU: the limit it makes (as torch's, of the

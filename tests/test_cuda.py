@@ -208,8 +208,13 @@ def test_asking_for_cuda_without_a_gpu_raises_and_says_why():
 
 
 def test_unknown_device_strings_are_value_errors():
-    for device in ("gpu", "cuda:x", "cuda:-1", "cuda:99", "CUDA"):
+    for device in ("gpu", "cuda:x", "cuda:-1", "CUDA"):
         with pytest.raises(ValueError, match="device"):
+            cmlp.MLP([2, 2], device=device)
+    # a GPU that is not there is torch's RuntimeError (an invalid ordinal), however large its index
+    for device in ("cuda:16", "cuda:99", "cuda:" + "9" * 30):
+        with pytest.raises(RuntimeError, match="does not exist: .* CUDA device" if cmlp.cuda.is_available()
+                           else "CUDA is not available"):
             cmlp.MLP([2, 2], device=device)
 
 

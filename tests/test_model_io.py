@@ -675,3 +675,22 @@ def test_state_dict_takes_torchs_keywords():
     assert_params_equal(other.state_dict(), plain)
     with pytest.raises(TypeError, match="assign must be a bool"):
         other.load_state_dict(plain, assign="yes")
+
+
+def test_to_and_cuda_take_torchs_arguments():
+    torch = pytest.importorskip("torch")
+    model = cmlp.MLP([4, 3, 2], seed=0)
+    before = model.state_dict()
+    for call in (lambda: model.to("cpu", non_blocking=True), lambda: model.to(torch.float32),
+                 lambda: model.to("cpu", np.float32), lambda: model.to(dtype=torch.float32), lambda: model.to()):
+        assert call() is model and model.device == "cpu"
+    with pytest.raises(TypeError, match="dtype float32 only"):
+        model.to("cpu", torch.float64)
+    with pytest.raises(TypeError, match="dtype float32 only"):
+        model.to(np.float16)
+    with pytest.raises(TypeError, match="non_blocking must be a bool"):
+        model.to("cpu", non_blocking="yes")
+    with pytest.raises(RuntimeError, match="Invalid device, must be cuda device"):  # torch's words
+        model.cuda("cpu")
+    assert model.device == "cpu"
+    assert_params_equal(model.state_dict(), before)

@@ -483,20 +483,33 @@ class MLP:
     def eval(self) -> "MLP":
         return self.train(False)
 
-    def cuda(self, device: Any = None) -> "MLP":
-        """to("cuda"), or to the GPU given as torch's cuda() takes it (an index, a torch.device)."""
+    def cuda(self, device: Any = None, non_blocking: bool = False) -> "MLP":
+        """to("cuda"), or to the GPU given as torch's cuda() takes it (an index, a torch.device);
+        as torch's, a device that is not a GPU is refused."""
         from ._args import _device_text
 
-        return self.to("cuda" if device is None else _device_text(device))
+        device = "cuda" if device is None else _device_text(device)
+        if not device.startswith("cuda"):
+            raise RuntimeError(f"Invalid device, must be cuda device (got {device!r})")
+        return self.to(device, non_blocking=non_blocking)
 
     def cpu(self) -> "MLP":
         return self.to("cpu")
 
-    def to(self, device: str) -> "MLP":
+    def to(self, device: Any = None, dtype: Any = None, non_blocking: bool = False) -> "MLP":
         """Moves parameters, gradients and the state of every optimizer of this model, all or
-        nothing: when one cannot move (out of memory there), what has moved goes back."""
+        nothing: when one cannot move (out of memory there), what has moved goes back. Torch's
+        other arguments: dtype float32 (the model's; another is refused), non_blocking (taken:
+        the move is done when this returns)."""
         from ._args import _device_text
 
+        as_flag("non_blocking", non_blocking)
+        if dtype is None and device is not None and _is_dtype(device):  # to(torch.float32)
+            device, dtype = None, device
+        if dtype is not None and not _is_dtype(dtype, float32_only=True):
+            raise TypeError(f"cmlp's models hold float32 parameters: to() takes dtype float32 only, got {dtype!r}")
+        if device is None:
+            return self
         device = _device_text(device)
         before = self.device
         self._c.to(device)
@@ -514,6 +527,20 @@ class MLP:
                 pass
             raise
         return self
+
+
+def _is_dtype(value: Any, float32_only: bool = False) -> bool:
+    """Whether value names a dtype (torch's or NumPy's, as to() takes one); float32's only, with
+    float32_only."""
+    if type(value).__module__.startswith("torch") and type(value).__name__ == "dtype":
+        return not float32_only or str(value) == "torch.float32"
+    if isinstance(value, str) or not isinstance(value, (type, np.dtype)):
+        return False
+    try:
+        dt = np.dtype(value)
+    except TypeError:
+        return False
+    return not float32_only or dt == np.float32
 
 
 def _unpickled(cls: type, sizes: List[int], device: str, normalize: Tuple[float, float], params: np.ndarray,

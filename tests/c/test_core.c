@@ -33,6 +33,11 @@ static void test_status_and_devices(void) {
     CHECK(strstr(cmlp_last_error(), "unknown device") != NULL, "message: %s", cmlp_last_error());
     CHECK(cmlp_device_parse("cuda:x", &d) == CMLP_ERR_INVALID, "cuda:x accepted");
     CHECK(cmlp_device_parse(NULL, &d) == CMLP_ERR_INVALID, "NULL accepted");
+    /* a GPU index no machine has here: a device error (torch's invalid ordinal), not a bad spelling */
+    CHECK(cmlp_device_parse("cuda:99999999999999999999", &d) == CMLP_ERR_DEVICE, "cuda:huge accepted");
+    CHECK(!cmlp_cuda_compiled() || cmlp_cuda_device_count() == 0 ||
+              strstr(cmlp_last_error(), "cuda:99999999999999999999 does not exist") != NULL,
+          "message: %s", cmlp_last_error());
     cmlp_status s = cmlp_device_parse("cuda", &d);
     CHECK(cmlp_cuda_compiled() ? (s == CMLP_OK || s == CMLP_ERR_DEVICE) : s == CMLP_ERR_DEVICE,
           "cuda gave %s", cmlp_status_name(s));
