@@ -263,9 +263,7 @@ cmlp_status cmlp_trainer_epoch_begin(cmlp_trainer *t, const cmlp_data *xy, int s
         CMLP_TRY(cmlp_train_same_settings(t, CALL_EPOCH, xy));
         CMLP_TRY(cmlp_train_group_batch_fits(t));
         CMLP_TRY(cmlp_train_join_group(t));
-        static const char *const names[2] = {"the data set's sample count", "the data set's image type"};
-        int64_t shape[2] = {xy->n, (int64_t)xy->x_dtype};
-        CMLP_TRY(cmlp_train_same_on_every_rank(names, shape, 2, 0));
+        CMLP_TRY(cmlp_train_same_data(t, xy));
     }
     CMLP_TRY(valid);
     int64_t n = xy->n;

@@ -101,6 +101,9 @@ enum { CALL_TRAINER = 1, CALL_EPOCH = 2, CALL_STEP = 3 };
 CMLP_HIDDEN cmlp_status cmlp_train_same_on_every_rank(const char *const *names, const int64_t *v, int n,
                                                       uint32_t hashes);
 CMLP_HIDDEN cmlp_status cmlp_train_same_settings(const cmlp_trainer *t, int call, const cmlp_data *xy);
+/* Data-parallel, fit's ranks train on one data set: its sample count, image type and contents
+ * (a hash of its labels and of rows spread over it) are compared. */
+CMLP_HIDDEN cmlp_status cmlp_train_same_data(const cmlp_trainer *t, const cmlp_data *xy);
 CMLP_HIDDEN cmlp_status cmlp_train_join_group(cmlp_trainer *t);
 CMLP_HIDDEN cmlp_status cmlp_train_group_batch_fits(const cmlp_trainer *t);
 CMLP_HIDDEN cmlp_status cmlp_train_check_group(cmlp_trainer *t, bool joined);

@@ -298,6 +298,26 @@ def mismatch_case(opts):
     cmlp.Trainer(m2, cmlp.optim.Adam(m2), batch_size=8, label_smoothing=-0.0, normalize=(-0.0, 0.5)).fit(
         (x > 0).astype(np.uint8), y, epochs=1, progress=False)
     out["negative_zero"] = "trained"
+    try:  # another data set of the same size on one rank
+        xr, yr = data(64, seed=r)
+        trainer.fit(xr, yr, epochs=1, progress=False)
+    except ValueError as e:
+        out["contents"] = str(e)
+    # per-step schedules: rates of one rank's own (in the middle of an epoch), and one that raises
+    for name, rate in (("rates", lambda s: 10.0 if r == 1 and 3 <= s <= 5 else 1.0),
+                       ("raised", lambda s: 1 / 0 if r == 1 and s == 5 else 1.0)):
+        m2 = cmlp.MLP(SIZES, seed=0)
+        opt = cmlp.optim.SGD(m2, lr=0.1)
+        sched = cmlp.optim.lr_scheduler.LambdaLR(opt, rate)
+        try:
+            cmlp.Trainer(m2, opt, batch_size=2).fit(x, y, epochs=1, progress=False, scheduler=sched,
+                                                    scheduler_interval="step")
+        except (ValueError, RuntimeError, ZeroDivisionError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+        # every rank where the others are: the steps taken, the schedule's count, the parameters
+        state = np.concatenate([[opt._c.get_state()[0], sched.last_epoch], params(m2)])
+        out[name + "_spread"] = float(spread(state))
+        out[name + "_steps"] = int(state[0])
     flags = np.array([len(out)], dtype=np.int64)
     D.all_reduce(flags, "min")
     out["min_errors"] = int(flags[0])

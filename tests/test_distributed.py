@@ -293,7 +293,14 @@ def test_a_rank_out_of_memory_fails_the_step_everywhere_and_nothing_hangs():
 @needs_mpi
 def test_ranks_that_disagree_all_raise():
     out = run_job(2, "mismatch")
-    assert out["min_errors"] == 14  # on both ranks, thirteen errors and a run, no hang
+    assert out["min_errors"] == 21  # on both ranks, sixteen errors, a run and four readings, no hang
+    assert "data set's contents" in out["contents"]
+    assert out["rates"].startswith("ValueError: the ranks' schedules give different rates or momenta for the "
+                                   "epoch's step 4"), out["rates"]
+    assert out["rates_steps"] <= 3 and out["rates_spread"] == 0.0  # no step at rates that differ, on any rank
+    # rank 1's own error there; on rank 0 (the one reported), the error that names rank 1
+    assert out["raised"].startswith("RuntimeError: rank 1's schedule raised after the epoch's step 5"), out["raised"]
+    assert out["raised_steps"] == 5 and out["raised_spread"] == 0.0
     assert "over 2**62 samples a step" in out["group_batch"]
     assert out["negative_zero"] == "trained"
     assert "fit's epochs (from 1 to 2)" in out["epochs"]

@@ -65,7 +65,7 @@ class FitLoop:
                             called = time.perf_counter()
                             if per_step:
                                 steps, n, loss, done, k, norms, counted = self._run_scheduled(
-                                    scheduler, min(chunk, total - steps_done))
+                                    scheduler, min(chunk, total - steps_done), steps_done)
                             else:
                                 steps, n, loss, done, k, norms, counted = self._c.epoch_run(chunk)
                             if not done:
@@ -136,14 +136,15 @@ class FitLoop:
             self.model._c.release_workspace()
         return history
 
-    def _run_scheduled(self, scheduler: Any, steps: int) -> Tuple[int, int, float, bool, int, float, int]:
+    def _run_scheduled(self, scheduler: Any, steps: int, first: int) -> Tuple[int, int, float, bool, int, float, int]:
         """epoch_run for up to `steps` steps, each at the rate (and momentum: OneCycleLR) the
         schedule gives it, as torch's loop takes them (optimizer.step(), then scheduler.step()):
         the schedule is stepped once per step ahead of the call and its values reach the device
         with it. When the schedule raises, the steps before are taken, then the error is raised;
         when the call fails after j steps, the schedule is where it would be after j steps.
         With param groups each step's base rate comes with each group's multiple of it (the
-        same for every step while the groups keep their proportions, else one row per step)."""
+        same for every step while the groups keep their proportions, else one row per step).
+        first: the epoch's steps before these."""
         opt = self.optimizer
         k = min(steps, _cmlp.MAX_RATES)
         saved, lrs, momentum = scheduler.state_dict(), opt._group_lrs(), opt._momenta()
@@ -175,6 +176,8 @@ class FitLoop:
         except BaseException:
             rewind(0)
             raise
+        if self.distributed:  # every rank takes as many steps, at the same rates
+            raised = _same_steps_on_every_rank(rates, momenta, rows, mrows, raised, rewind, first)
         apart = any(row != scales for row in rows)
         # without a table of momenta a step's groups take the momentum of its first group, or the
         # one of their own they hold now (the schedule has moved them on): a table where that is not theirs
@@ -236,3 +239,49 @@ class FitLoop:
         longest = np.array([seconds])
         _cmlp.dist_all_reduce(longest, 1)  # max
         return float(longest[0])
+
+
+_NO_RANK = 1 << 20  # (more ranks than a group has)
+
+
+def _same_steps_on_every_rank(rates: List[float], momenta: List[float], rows: List[Tuple[float, ...]],
+                              mrows: List[List[float]], raised: Optional[Exception], rewind: Any,
+                              first: int) -> Optional[Exception]:
+    """Data-parallel, a call's per-step rates as every rank takes them (a collective). Where a
+    rank's schedule raised, every rank takes the steps before and its step, then raises (that
+    rank its own error, the others one that names it), with the schedule where that rank's is:
+    the steps were made and the one that raised was not. Rates that differ between the ranks
+    (a schedule of the rank's own) raise on every rank before any step. Returns the error to
+    raise after the steps, trimming the lists to the steps that all take. first: the epoch's
+    steps before these (for the messages)."""
+    rank, count = _dist.get_rank(), len(rates)
+    groups, moments = len(rows[0]) if rows else 0, len(mrows[0]) if mrows else 0
+    # the fewest steps, and the lowest rank that raised at that step; the groups' counts, both ways
+    key = np.array([count * _NO_RANK + (rank if raised is not None else _NO_RANK - 1), groups, -groups, moments,
+                    -moments], dtype=np.int64)
+    _cmlp.dist_all_reduce(key, 2)
+    if key[1] != -key[2] or key[3] != -key[4]:  # (the optimizers' settings agree: a safeguard)
+        rewind(0)
+        raise ValueError("the ranks' optimizers have different numbers of param groups")
+    n, who = divmod(int(key[0]), _NO_RANK)
+    if who != _NO_RANK - 1 and not (who == rank or (raised is not None and count == n)):
+        del rates[n:], momenta[n:], rows[n:], mrows[n:]
+        rewind(n - 1)  # as the rank that raised holds it: its n-th step of the schedule undone
+        raised = RuntimeError(f"rank {who}'s schedule raised after the epoch's step {first + n} (its own error says "
+                              "why): every rank took the steps up to it, then stopped")
+    # each step's rates and momenta, bit for bit (their largest and, through ~, smallest on any rank)
+    bits = np.array(rates + momenta + [v for row in rows for v in row] + [v for m in mrows for v in m],
+                    dtype=np.float64).view(np.int64)
+    hi, lo = bits.copy(), ~bits
+    _cmlp.dist_all_reduce(hi, 1)
+    _cmlp.dist_all_reduce(lo, 1)
+    differ = np.flatnonzero(hi != ~lo)
+    if differ.size:
+        rewind(0)
+        i = int(differ[0])  # in the rates, the momenta, the groups' rates or their momenta
+        at = i % n if i < 2 * n else (i - 2 * n) // groups if i < (2 + groups) * n else \
+            (i - (2 + groups) * n) // moments
+        raise ValueError(f"the ranks' schedules give different rates or momenta for the epoch's step {first + at + 1}: "
+                         "every rank must step the same schedule (a per-step schedule of the rank's own would "
+                         "leave the ranks' parameters apart)")
+    return raised
