@@ -659,7 +659,10 @@ CMLP_API cmlp_status cmlp_dist_all_reduce(void *buf, int64_t count, int type, in
 CMLP_API cmlp_status cmlp_dist_broadcast(void *buf, int64_t bytes, int root);
 CMLP_API cmlp_status cmlp_dist_barrier(void);
 CMLP_API void cmlp_dist_destroy(void);  /* the group ends; MPI stays initialised */
-CMLP_API void cmlp_dist_finalize(void); /* at the end of the process: MPI_Finalize if cmlp initialised MPI */
+/* At the end of the process: MPI_Finalize if cmlp initialised MPI, once every rank is at its end;
+ * timeout > 0: after that many seconds of waiting for them, MPI_Abort (a rank that waits for this
+ * one in a collective would wait forever, and this one for it). */
+CMLP_API void cmlp_dist_finalize(double timeout);
 CMLP_API void cmlp_dist_abort(int code); /* MPI_Abort: every rank's process ends */
 CMLP_API void cmlp_dist_library_version(char *out, size_t cap);
 /* on != 0: the trainer's steps are data-parallel over the process group (which must exist

@@ -44,7 +44,7 @@ static cmlp_status solo_broadcast(void *buf, int64_t bytes, int root) {
     return CMLP_OK;
 }
 static cmlp_status solo_barrier(void) { return CMLP_OK; }
-static void solo_finalize(void) {}
+static void solo_finalize(double timeout) { (void)timeout; }
 static void solo_abort(int code) { _exit(code); }
 static void solo_version(char *out, size_t cap) { snprintf(out, cap, "none (a group of one, without MPI)"); }
 static cmlp_status solo_all_gather(void *buf, int64_t count, int64_t chunk, cmlp_comm_type type) {
@@ -345,10 +345,10 @@ void cmlp_dist_destroy(void) {
     pthread_mutex_unlock(&lock);
 }
 
-void cmlp_dist_finalize(void) {
+void cmlp_dist_finalize(double timeout) {
     take_lock();
     group = false;
-    if (mpi && !orphan) mpi->finalize();
+    if (mpi && !orphan) mpi->finalize(timeout);
     pthread_mutex_unlock(&lock);
 }
 

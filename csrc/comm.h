@@ -9,7 +9,7 @@
 
 #include "backend.h"
 
-#define CMLP_MPI_ABI 3
+#define CMLP_MPI_ABI 4
 
 typedef enum cmlp_reduce_op { CMLP_REDUCE_SUM = 0, CMLP_REDUCE_MAX = 1, CMLP_REDUCE_MIN = 2 } cmlp_reduce_op;
 
@@ -25,8 +25,10 @@ typedef struct cmlp_mpi_module {
     cmlp_status (*all_reduce)(void *buf, int64_t count, cmlp_comm_type type, cmlp_reduce_op op);
     cmlp_status (*broadcast)(void *buf, int64_t bytes, int root);
     cmlp_status (*barrier)(void);
-    /* MPI_Finalize where init initialised MPI; once, at the end of the process. */
-    void (*finalize)(void);
+    /* MPI_Finalize where init initialised MPI; once, at the end of the process, after every rank
+     * got there: waiting for them, with a word on stderr when that takes a while, and for at
+     * most timeout seconds (> 0) before MPI_Abort ends the job. */
+    void (*finalize)(double timeout);
     /* MPI_Abort on MPI_COMM_WORLD: every rank's process ends (a rank that fails alone would
      * otherwise leave the others waiting in a collective). */
     void (*abort)(int code);

@@ -4,12 +4,15 @@
  * then as cmlp errors with MPI's message, so that a failing collective raises instead of
  * aborting the job.
  */
+#define _POSIX_C_SOURCE 200809L /* nanosleep */
 #include "comm.h"
 
 #include <mpi.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define CMLP_EXPORT __attribute__((visibility("default")))
 
@@ -143,9 +146,38 @@ static cmlp_status barrier(void) {
     return rc == MPI_SUCCESS ? CMLP_OK : MPI_FAIL(rc, "MPI_Barrier");
 }
 
-static void finalize(void) {
-    int finished = 0;
-    if (initialised_here && MPI_Finalized(&finished) == MPI_SUCCESS && !finished) (void)MPI_Finalize();
+static void finalize(double timeout) {
+    enum { NOTICE_SECONDS = 10 };
+    int finished = 0, rank = 0, done = 0;
+    if (!initialised_here || MPI_Finalized(&finished) != MPI_SUCCESS || finished) return;
+    /* MPI_Finalize waits for every rank: first an MPI_Ibarrier, watched, so that a rank that ended
+     * while another waits for it in a collective (sys.exit on one rank) is told, and ended */
+    MPI_Request all;
+    if (MPI_Ibarrier(MPI_COMM_WORLD, &all) == MPI_SUCCESS) {
+        (void)MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+        const double start = MPI_Wtime();
+        bool told = false;
+        while (MPI_Test(&all, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && !done) {
+            const double waited = MPI_Wtime() - start;
+            if (timeout > 0 && waited > timeout) {
+                fprintf(stderr, "cmlp.distributed: rank %d waited %.0f s at its end for the other ranks (the process "
+                        "group's timeout): one waits for a rank that has ended, or fails; ending the job "
+                        "(MPI_Abort)\n", rank, waited);
+                fflush(stderr);
+                (void)MPI_Abort(MPI_COMM_WORLD, 1);
+            }
+            if (!told && waited > NOTICE_SECONDS) {
+                fprintf(stderr, "cmlp.distributed: rank %d has ended and waits for the other ranks to end; if one "
+                        "waits for it in a collective (it ended early: sys.exit), neither will: end the job "
+                        "(Ctrl-C), or give init_process_group a timeout\n", rank);
+                fflush(stderr);
+                told = true;
+            }
+            const struct timespec nap = {0, 1000000}; /* 1 ms */
+            nanosleep(&nap, NULL);
+        }
+    }
+    (void)MPI_Finalize();
 }
 
 static void abort_all(int code) { (void)MPI_Abort(MPI_COMM_WORLD, code); }

@@ -4,6 +4,7 @@ Every rank runs the scenario; rank 0 prints one JSON object (the facts the test 
 last line of its output. Facts that hold on every rank are gathered with the collectives under
 test, so a rank that disagrees shows up in rank 0's report."""
 import ctypes
+import datetime
 import json
 import sys
 import time
@@ -362,6 +363,15 @@ def uncaught_case(opts):
     return {}
 
 
+def exit_early_case(opts):
+    """sys.exit on rank 1 while rank 0 waits for it in a barrier: rank 1 waits at its end for
+    rank 0, which waits for rank 1; the group's timeout ends the job."""
+    if D.get_rank() == 1:
+        sys.exit(3)
+    D.barrier()
+    return {}
+
+
 def collectives_case(opts):
     w, r = D.get_world_size(), D.get_rank()
     out = {}
@@ -395,6 +405,14 @@ def collectives_case(opts):
     out["errors"] = errors
     D.barrier()
     out["rank"], out["world"] = r, w
+    D.destroy_process_group()  # made again with torch's arguments: the launcher's ranks, or refused
+    out["launcher"] = []
+    for kw in (dict(world_size=w + 1), dict(rank=(r + 1) % w)):
+        try:
+            D.init_process_group(**kw)
+        except ValueError as e:
+            out["launcher"].append(str(e))
+    D.init_process_group("mpi", "env://", datetime.timedelta(minutes=30), world_size=w, rank=r)
     return out
 
 
@@ -726,18 +744,23 @@ def fork_case(opts):
 CASES = {"zero_partial_inf": zero_partial_inf_case, "fork": fork_case, "zero": zero_case, "zero_errors": zero_errors_case, "zero_plan": zero_plan_case, "regroup": regroup_case, "backend": backend_case,
          "evaluation": evaluation_case, "uncaught": uncaught_case, "fit": fit_case, "step": step_case, "calls": calls_case,
          "small_data": small_data_case,
-         "failure": failure_case, "mismatch": mismatch_case, "collectives": collectives_case}
+         "failure": failure_case, "mismatch": mismatch_case, "collectives": collectives_case,
+         "exit_early": exit_early_case}
 
 
 def main():
     name = sys.argv[1]
     opts = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
-    D.init_process_group(opts.get("backend", "mpi"))
+    timeout = datetime.timedelta(seconds=opts["timeout"]) if "timeout" in opts else None
+    D.init_process_group(opts.get("backend", "mpi"), timeout=timeout)
     out = CASES[name](opts)
     D.barrier()
-    if D.get_rank() == 0:
+    rank = D.get_rank()
+    if rank == 0:
         print(json.dumps(out), flush=True)
     D.destroy_process_group()
+    if rank == 0:  # the other ranks end first, and wait for this one at their end
+        time.sleep(opts.get("linger", 0))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -150,6 +151,22 @@ def test_collectives():
                              "ValueError", "TypeError", "TypeError"]
     assert out["longlong"] == [0, 2, 4]
     assert (out["rank"], out["world"]) == (0, 2)
+    assert out["launcher"] == ["world_size=3, but the launcher made this process rank 0 of 2: cmlp's ranks are the "
+                               "launcher's", "rank=1, but the launcher made this process rank 0 of 2: cmlp's ranks "
+                               "are the launcher's"]
+
+
+def test_init_process_group_refuses_torchs_arguments_it_cannot_honour_before_it_starts_anything():
+    import datetime
+
+    for kw, error, match in ((dict(init_method="tcp://10.0.0.1:23456"), ValueError, "init_method must be None"),
+                             (dict(timeout=30), TypeError, "timeout must be a datetime.timedelta"),
+                             (dict(timeout=datetime.timedelta(0)), ValueError, "timeout must be longer than 0"),
+                             (dict(world_size=-2), ValueError, "world_size must be an int >= 0"),
+                             (dict(rank="0"), ValueError, "rank must be an int >= 0")):
+        with pytest.raises(error, match=match):
+            D.init_process_group(**kw)
+        assert not D.is_initialized()
 
 
 def check_fit(out, ranks, tol, loss_rtol):
@@ -330,6 +347,26 @@ def test_an_uncaught_exception_on_one_rank_ends_the_job():
     p = subprocess.run(cmd, capture_output=True, text=True, env=job_env(), timeout=120)
     assert p.returncode != 0
     assert "rank 1 fails alone" in p.stderr and "ends the job" in p.stderr
+
+
+@needs_mpi
+def test_a_rank_that_exits_while_another_waits_for_it_ends_the_job_at_the_groups_timeout():
+    # sys.exit skips the excepthook: rank 1 waits at its end for rank 0, which waits for rank 1
+    cmd = [MPIRUN, "-np", "2", sys.executable, os.path.join(HERE, "dist_worker.py"), "exit_early",
+           json.dumps({"timeout": 2})]
+    start = time.monotonic()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=job_env(), timeout=120)
+    assert p.returncode != 0 and time.monotonic() - start < 60
+    assert "rank 1 waited 2 s at its end for the other ranks (the process group's timeout)" in p.stderr, p.stderr
+
+
+@needs_mpi
+def test_a_rank_that_ends_first_waits_for_the_others_and_says_so():
+    cmd = [MPIRUN, "-np", "2", sys.executable, os.path.join(HERE, "dist_worker.py"), "collectives",
+           json.dumps({"linger": 11, "timeout": 60})]  # rank 0 ends 11 s after rank 1, within the timeout
+    p = subprocess.run(cmd, capture_output=True, text=True, env=job_env(), timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "rank 1 has ended and waits for the other ranks to end" in p.stderr, p.stderr
 
 
 @needs_mpi

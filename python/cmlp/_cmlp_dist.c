@@ -106,11 +106,12 @@ static PyObject *mod_dist_destroy(PyObject *mod, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-static PyObject *mod_dist_finalize(PyObject *mod, PyObject *unused) {
+static PyObject *mod_dist_finalize(PyObject *mod, PyObject *args) {
     (void)mod;
-    (void)unused;
+    double timeout = 0.0; /* seconds; 0: as long as the other ranks take */
+    if (!PyArg_ParseTuple(args, "|d", &timeout)) return NULL;
     NOGIL_BEGIN
-    cmlp_dist_finalize();
+    cmlp_dist_finalize(timeout);
     NOGIL_END
     Py_RETURN_NONE;
 }
@@ -141,7 +142,8 @@ PyMethodDef cmlp_py_dist_methods[] = {
     {"dist_broadcast", mod_dist_broadcast, METH_VARARGS, "dist_broadcast(array, root): in place"},
     {"dist_barrier", mod_dist_barrier, METH_NOARGS, "waits for every rank"},
     {"dist_destroy", mod_dist_destroy, METH_NOARGS, "ends the process group"},
-    {"dist_finalize", mod_dist_finalize, METH_NOARGS, "finalizes MPI where cmlp initialised it (at exit)"},
+    {"dist_finalize", mod_dist_finalize, METH_VARARGS,
+     "dist_finalize(timeout=0): finalizes MPI where cmlp initialised it (at exit), waiting up to timeout s"},
     {"dist_abort", mod_dist_abort, METH_O, "ends every rank's process (MPI_Abort)"},
     {"dist_library_version", mod_dist_library_version, METH_NOARGS, "the MPI library's version, once loaded"},
     {NULL, NULL, 0, NULL},

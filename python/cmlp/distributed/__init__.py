@@ -40,6 +40,7 @@ optim.ZeroRedundancyOptimizer shards the optimizer's state over the ranks (ZeRO 
 """
 import atexit
 import ctypes
+import datetime
 import glob
 import os
 import sys
@@ -66,6 +67,11 @@ class ReduceOp:
 _OPS = {ReduceOp.SUM: 0, ReduceOp.MAX: 1, ReduceOp.MIN: 2}
 _finalize_registered = False
 _previous_excepthook = None
+_exit_timeout = 0.0  # seconds a rank at its end waits for the others (0: as long as they take)
+
+
+def _finalize_at_exit() -> None:
+    _cmlp.dist_finalize(_exit_timeout)
 
 
 def _abort_on_uncaught(exc_type: Any, exc: Any, tb: Any) -> None:
@@ -130,16 +136,29 @@ def is_nccl_available() -> bool:
     return version.value >= _NCCL_MIN_VERSION
 
 
-def init_process_group(backend: Optional[str] = None) -> None:
+def init_process_group(backend: Optional[str] = None, init_method: Optional[str] = None, timeout: Any = None,
+                       world_size: int = -1, rank: int = -1) -> None:
     """Makes the process group: MPI_COMM_WORLD of the job mpirun started (MPI is initialised
     here unless something else did it first, and then finalised at exit). backend: "mpi" (the
-    default: models on the CPU) or "nccl" (models on CUDA devices too)."""
-    global _finalize_registered
+    default: models on the CPU) or "nccl" (models on CUDA devices too). Torch's other arguments:
+    the launcher gives the ranks, so init_method is None or "env://", and world_size and rank,
+    where given, must be the launcher's; timeout (a datetime.timedelta) bounds the wait of a
+    rank at its end for the others: past it, the job ends (MPI_Abort), as when a rank ended
+    (sys.exit) while another waits for it in a collective. Without it, a rank that waits there
+    longer than 10 s says so on stderr, and waits on."""
+    global _finalize_registered, _exit_timeout
     if backend is None:
         backend = "mpi"
     if not isinstance(backend, str) or backend.lower() not in BACKENDS:
         raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
     backend = backend.lower()
+    if init_method not in (None, "env://"):
+        raise ValueError(f"cmlp's ranks are the MPI launcher's (mpirun): init_method must be None or 'env://', got "
+                         f"{init_method!r}")
+    seconds = _timeout_seconds(timeout)
+    for name, value in (("world_size", world_size), ("rank", rank)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < -1:
+            raise ValueError(f"{name} must be an int >= 0 (the launcher's), or -1, got {value!r}")
     if _cmlp.dist_state()[6]:  # forked from a rank: the core says why this process cannot
         _cmlp.dist_init(BACKENDS[backend])
     if is_initialized():
@@ -163,9 +182,16 @@ def init_process_group(backend: Optional[str] = None) -> None:
             _cmlp.dist_init(BACKENDS[backend])
     else:
         _cmlp.dist_init(BACKENDS[backend])
+    state = _cmlp.dist_state()
+    for name, value, mine in (("world_size", world_size, state[2]), ("rank", rank, state[1])):
+        if value != -1 and value != mine:
+            _cmlp.dist_destroy()
+            raise ValueError(f"{name}={value}, but the launcher made this process rank {state[1]} of {state[2]}: "
+                             f"cmlp's ranks are the launcher's")
+    _exit_timeout = seconds
     global _previous_excepthook
     if not _finalize_registered:
-        atexit.register(_cmlp.dist_finalize)
+        atexit.register(_finalize_at_exit)
         _finalize_registered = True
         _previous_excepthook = sys.excepthook
         sys.excepthook = _abort_on_uncaught
@@ -234,6 +260,18 @@ def broadcast(tensor: np.ndarray, src: int = 0) -> None:
 def barrier() -> None:
     _require()
     _cmlp.dist_barrier()
+
+
+def _timeout_seconds(timeout: Any) -> float:
+    """init_process_group's timeout (a datetime.timedelta, as torch's) in seconds; 0 for None."""
+    if timeout is None:
+        return 0.0
+    if not isinstance(timeout, datetime.timedelta):
+        raise TypeError(f"timeout must be a datetime.timedelta, got {timeout!r}")
+    seconds = timeout.total_seconds()
+    if not seconds > 0:
+        raise ValueError(f"timeout must be longer than 0, got {timeout!r}")
+    return seconds
 
 
 def destroy_process_group() -> None:
