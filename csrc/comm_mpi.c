@@ -167,9 +167,9 @@ static void finalize(double timeout) {
                 (void)MPI_Abort(MPI_COMM_WORLD, 1);
             }
             if (!told && waited > NOTICE_SECONDS) {
-                fprintf(stderr, "cmlp.distributed: rank %d has ended and waits for the other ranks to end; if one "
-                        "waits for it in a collective (it ended early: sys.exit), neither will: end the job "
-                        "(Ctrl-C), or give init_process_group a timeout\n", rank);
+                fprintf(stderr, "cmlp.distributed: rank %d has ended and waits for the other ranks to end; should one "
+                        "wait for it in a collective (a rank that ended early, by sys.exit), both wait forever: end "
+                        "the job (Ctrl-C), or give init_process_group a timeout\n", rank);
                 fflush(stderr);
                 told = true;
             }

@@ -991,7 +991,7 @@ SURVIVOR = textwrap.dedent(r"""
         lambda: t.step(nan, y), lambda: t.step(x, y[:2]), lambda: t.fit(nan, y, progress=False),
         lambda: t.fit(x, y, epochs=0, progress=False), lambda: t.fit(x, y, epochs=-1, progress=False),
         lambda: m.load_state_dict({}), lambda: m.load_state_dict({"fc1.weight": np.zeros(3)}),
-        lambda: m.load_state_dict(None), lambda: m.to("gpu"), lambda: m.to(None),
+        lambda: m.load_state_dict(None), lambda: m.to("gpu"), lambda: m.to(3.5),  # (to(None): torch's no-op)
         lambda: cmlp.MLP([]), lambda: cmlp.MLP([20, 0, 5]), lambda: cmlp.MLP([20, 2**40, 5]),
         lambda: cmlp.MLP([20, -3]), lambda: cmlp.MLP([20, 2.5, 5]), lambda: cmlp.MLP("20,5"),
         lambda: cmlp.MLP([20, 5], device=""), lambda: cmlp.MLP([20, 5], device=b"cpu"),
