@@ -48,6 +48,7 @@ def fresh():
     """A new model and optimizer (same seed every time) on an allocator with nothing cached."""
     gc.collect()
     M.empty_cache(DEV)
+    M.reset_peak_memory_stats(DEV)  # each part's peaks its own
     model = cmlp.MLP(LAYERS, device=DEV, seed=0)
     return model, cmlp.optim.Adam(model, lr=1e-3)
 
