@@ -403,6 +403,19 @@ def collectives_case(opts):
         except (TypeError, ValueError, RuntimeError) as e:
             errors.append(type(e).__name__)
     out["errors"] = errors
+    # arguments that differ between the ranks: every rank raises, none waits or reads garbage
+    out["differ"] = []
+    for call in (lambda: D.all_reduce(np.ones(4 + r)), lambda: D.all_reduce(np.ones(4, np.float64 if r else np.float32)),
+                 lambda: D.all_reduce(np.ones(4), "max" if r else "sum"), lambda: D.broadcast(np.ones((2, 2 + r))),
+                 lambda: D.broadcast(np.ones(4), src=r), lambda: D.all_reduce(np.ones(8)[::1 + r])):
+        try:
+            call()
+            out["differ"].append(None)
+        except ValueError as e:
+            out["differ"].append(str(e))
+    agreed = np.ones(3)
+    D.all_reduce(agreed)  # and the group goes on
+    out["after_differ"] = agreed.tolist()
     D.barrier()
     out["rank"], out["world"] = r, w
     D.destroy_process_group()  # made again with torch's arguments: the launcher's ranks, or refused

@@ -151,6 +151,10 @@ def test_collectives():
                              "ValueError", "TypeError", "TypeError"]
     assert out["longlong"] == [0, 2, 4]
     assert (out["rank"], out["world"]) == (0, 2)
+    fields = ["element count, shape", "dtype", "op or src", "element count, shape", "op or src",
+              "element count, shape, C-contiguity"]
+    assert [e and e.split("differ in their ")[1].split(":")[0] for e in out["differ"]] == fields, out["differ"]
+    assert out["after_differ"] == [2.0, 2.0, 2.0]
     assert out["launcher"] == ["world_size=3, but the launcher made this process rank 0 of 2: cmlp's ranks are the "
                                "launcher's", "rank=1, but the launcher made this process rank 0 of 2: cmlp's ranks "
                                "are the launcher's"]

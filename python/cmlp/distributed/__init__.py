@@ -44,6 +44,7 @@ import datetime
 import glob
 import os
 import sys
+import zlib
 from typing import Any, Optional
 
 import numpy as np
@@ -240,21 +241,47 @@ def library_version() -> str:
 
 def all_reduce(tensor: np.ndarray, op: str = ReduceOp.SUM) -> None:
     """Reduces a float32, float64 or int64 array over all ranks, in place (the array must be
-    writable and C-contiguous, with the same shape on every rank)."""
+    writable and C-contiguous, with the same shape on every rank: checked first, collectively)."""
     _require()
-    if op not in _OPS:
+    code = _OPS.get(op, -1) if isinstance(op, str) else -1
+    _same_array_on_every_rank("all_reduce", tensor, code)
+    if code < 0:
         raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
-    _cmlp.dist_all_reduce(tensor, _OPS[op])
+    _cmlp.dist_all_reduce(tensor, code)
 
 
 def broadcast(tensor: np.ndarray, src: int = 0) -> None:
-    """Copies rank src's array into every rank's (in place; same shape and dtype everywhere)."""
+    """Copies rank src's array into every rank's (in place; same shape and dtype everywhere:
+    checked first, collectively)."""
     _require()
-    if isinstance(src, bool) or not isinstance(src, (int, np.integer)):
+    whole = not isinstance(src, bool) and isinstance(src, (int, np.integer))
+    _same_array_on_every_rank("broadcast", tensor, int(src) if whole and -2**62 < src < 2**62 else -1)
+    if not whole:
         raise TypeError(f"src must be an int, got {src!r}")
     if not 0 <= src < get_world_size():
         raise ValueError(f"src must be a rank in [0, {get_world_size()}), got {src}")
     _cmlp.dist_broadcast(tensor, int(src))
+
+
+_ARRAY_FIELDS = ("being an array", "dtype", "element count", "shape", "C-contiguity", "writability", "op or src")
+
+
+def _same_array_on_every_rank(what: str, tensor: Any, code: int) -> None:
+    """A collective's arguments, the same on every rank (a collective): an array of other sizes
+    would pair the wrong elements (one rank's MPI error, another's garbage), and a refusal on
+    one rank alone would leave the others waiting in it. Every rank raises where they differ."""
+    is_array = isinstance(tensor, np.ndarray)
+    dtype = zlib.crc32(tensor.dtype.str.encode()) if is_array else 0
+    shape = zlib.crc32(repr(tensor.shape).encode()) if is_array else 0
+    flags = tensor.flags if is_array else None
+    v = np.array([is_array, dtype, tensor.size if is_array else 0, shape, bool(flags and flags.c_contiguous),
+                  bool(flags and flags.writeable), code], dtype=np.int64)
+    both = np.concatenate([v, ~v])  # the largest of each, and through ~ the smallest
+    _cmlp.dist_all_reduce(both, 1)
+    differ = [name for name, hi, lo in zip(_ARRAY_FIELDS, both[:v.size], both[v.size:]) if hi != ~lo]
+    if differ:
+        raise ValueError(f"{what}: the ranks' arguments differ in their {', '.join(differ)}: every rank must give an "
+                         "array of the same shape and dtype (and the same op or src)")
 
 
 def barrier() -> None:
