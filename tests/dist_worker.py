@@ -416,6 +416,28 @@ def collectives_case(opts):
     agreed = np.ones(3)
     D.all_reduce(agreed)  # and the group goes on
     out["after_differ"] = agreed.tolist()
+    # torch's gathering collectives: arrays, objects; and what one rank alone cannot do
+    parts = [np.zeros((2, 2), np.float32) for _ in range(w)]
+    D.all_gather(parts, np.full((2, 2), r + 0.5, np.float32))
+    out["all_gather"] = [p[0, 0].item() for p in parts]
+    objects = [None] * w
+    D.all_gather_object(objects, {"rank": r, "name": f"r{r}"})
+    out["all_gather_object"] = objects
+    sent = [{"lr": 0.1}, "text", 3] if r == w - 1 else [None] * 3
+    D.broadcast_object_list(sent, src=w - 1)
+    out["broadcast_object_list"] = sent
+    out["gather_errors"] = []
+    for call in (lambda: D.all_gather_object([None] * (w + r), 1),
+                 lambda: D.all_gather_object([None] * w, (lambda: 0) if r == 1 else 1),
+                 lambda: D.broadcast_object_list([lambda: 0] if r == 0 else [None], src=0),
+                 lambda: D.all_gather([np.zeros(2)] * w if r else [np.zeros(3)] * w, np.zeros(2))):
+        try:
+            call()
+            out["gather_errors"].append(None)
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            out["gather_errors"].append(f"{type(e).__name__}: {e}"[:90])
+    D.all_reduce(agreed)
+    out["after_gather"] = agreed.tolist()
     D.barrier()
     out["rank"], out["world"] = r, w
     D.destroy_process_group()  # made again with torch's arguments: the launcher's ranks, or refused

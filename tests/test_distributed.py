@@ -151,10 +151,19 @@ def test_collectives():
                              "ValueError", "TypeError", "TypeError"]
     assert out["longlong"] == [0, 2, 4]
     assert (out["rank"], out["world"]) == (0, 2)
-    fields = ["element count, shape", "dtype", "op or src", "element count, shape", "op or src",
-              "element count, shape, C-contiguity"]
+    other = "other arguments (op, src, an output list)"
+    fields = ["element count, shape", "dtype", other, "element count, shape", other, "element count, shape, C-contiguity"]
     assert [e and e.split("differ in their ")[1].split(":")[0] for e in out["differ"]] == fields, out["differ"]
     assert out["after_differ"] == [2.0, 2.0, 2.0]
+    assert out["all_gather"] == [0.5, 1.5]
+    assert out["all_gather_object"] == [{"rank": 0, "name": "r0"}, {"rank": 1, "name": "r1"}]
+    assert out["broadcast_object_list"] == [{"lr": 0.1}, "text", 3]
+    errors = out["gather_errors"]  # rank 0's: every rank raised, and none waits
+    assert errors[0].startswith("ValueError: all_gather_object: the ranks' arguments differ"), errors
+    assert errors[1].startswith("RuntimeError: all_gather_object: rank 1 could not pickle its object"), errors
+    assert errors[2].startswith(("PicklingError", "AttributeError")), errors  # rank 0's own pickling error
+    assert errors[3].startswith("ValueError: all_gather: the ranks' arguments differ"), errors
+    assert out["after_gather"] == [4.0, 4.0, 4.0]
     assert out["launcher"] == ["world_size=3, but the launcher made this process rank 0 of 2: cmlp's ranks are the "
                                "launcher's", "rank=1, but the launcher made this process rank 0 of 2: cmlp's ranks "
                                "are the launcher's"]

@@ -24,7 +24,8 @@ checks the summed gradients, so all ranks skip the same steps. Out of memory on 
 handled there (automatic micro-batching) before the ranks agree on the step; a rank that cannot
 compute its share makes every rank raise for that step instead of hanging.
 
-Collectives (`all_reduce`, `broadcast`, `barrier`, and every call of a data-parallel Trainer,
+Collectives (`all_reduce`, `broadcast`, `barrier`, `all_gather`, `all_gather_object`,
+`broadcast_object_list`, and every call of a data-parallel Trainer,
 its construction included) must be made by every rank in the same order, as MPI requires, and
 from one thread at a time per process. A Trainer for one rank alone takes distributed=False. An
 exception that nothing catches on one rank ends the whole job (MPI_Abort, after its traceback),
@@ -53,7 +54,8 @@ from .. import _cmlp
 
 __all__ = ["ReduceOp", "is_available", "is_mpi_available", "is_nccl_available", "init_process_group",
            "is_initialized", "get_rank", "get_world_size", "get_backend", "all_reduce", "broadcast", "barrier",
-           "destroy_process_group", "library_version", "get_local_rank", "get_local_world_size", "optim"]
+           "destroy_process_group", "library_version", "get_local_rank", "get_local_world_size", "optim",
+           "all_gather", "all_gather_object", "broadcast_object_list"]
 
 BACKENDS = {"mpi": 0, "nccl": 1}
 
@@ -263,7 +265,8 @@ def broadcast(tensor: np.ndarray, src: int = 0) -> None:
     _cmlp.dist_broadcast(tensor, int(src))
 
 
-_ARRAY_FIELDS = ("being an array", "dtype", "element count", "shape", "C-contiguity", "writability", "op or src")
+_ARRAY_FIELDS = ("being an array", "dtype", "element count", "shape", "C-contiguity", "writability",
+                 "other arguments (op, src, an output list)")
 
 
 def _same_array_on_every_rank(what: str, tensor: Any, code: int) -> None:
@@ -280,13 +283,16 @@ def _same_array_on_every_rank(what: str, tensor: Any, code: int) -> None:
     _cmlp.dist_all_reduce(both, 1)
     differ = [name for name, hi, lo in zip(_ARRAY_FIELDS, both[:v.size], both[v.size:]) if hi != ~lo]
     if differ:
-        raise ValueError(f"{what}: the ranks' arguments differ in their {', '.join(differ)}: every rank must give an "
-                         "array of the same shape and dtype (and the same op or src)")
+        raise ValueError(f"{what}: the ranks' arguments differ in their {', '.join(differ)}: every rank must give "
+                         "alike arguments (arrays of the same shape and dtype, the same op or src)")
 
 
 def barrier() -> None:
     _require()
     _cmlp.dist_barrier()
+
+
+from ._gather import all_gather, all_gather_object, broadcast_object_list  # noqa: E402 (they use the above)
 
 
 def _timeout_seconds(timeout: Any) -> float:
