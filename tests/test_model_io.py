@@ -694,3 +694,23 @@ def test_to_and_cuda_take_torchs_arguments():
         model.cuda("cpu")
     assert model.device == "cpu"
     assert_params_equal(model.state_dict(), before)
+
+
+def test_save_and_load_take_binary_file_objects_as_torch_save_does(tmp_path):
+    import io
+
+    model = cmlp.MLP([4, 3, 2], seed=0, normalize=(0.25, 0.75))
+    buf = io.BytesIO()
+    model.save(buf)
+    buf.seek(0)
+    back = cmlp.MLP.load(buf)
+    assert_params_equal(back.state_dict(), model.state_dict())
+    assert back.normalize == (0.25, 0.75)
+    with open(tmp_path / "m.npz", "wb") as f:
+        model.save(f)
+    with open(tmp_path / "m.npz", "rb") as f:
+        assert_params_equal(cmlp.MLP.load(f).state_dict(), model.state_dict())
+    with pytest.raises(ValueError, match="BytesIO.* is not a readable cmlp model file .*not a zip archive"):
+        cmlp.MLP.load(io.BytesIO(b"not a model"))
+    with pytest.raises(TypeError, match="binary file object"):
+        cmlp.MLP.load(io.StringIO("text"))

@@ -1,6 +1,7 @@
 """cmlp.MLP: the model users hold. Parameters live in the C core's flat buffer; this class
 validates and converts inputs, names tensors as PyTorch does, and saves atomically."""
 import copy
+import io
 import os
 import re
 import stat
@@ -8,7 +9,7 @@ import weakref
 import zipfile
 import zlib
 from collections import OrderedDict
-from typing import Any, Dict, Iterable, Iterator, List, MutableMapping, Optional, Sequence, Tuple
+from typing import IO, Any, Dict, Iterable, Iterator, List, MutableMapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -363,26 +364,39 @@ class MLP:
         return renamed(sorted(modules, key=natural)) or renamed(list(modules))
 
     # ---- files ----
-    def save(self, path: "os.PathLike[str] | str") -> None:
+    def save(self, path: "os.PathLike[str] | str | IO[bytes]") -> None:
         """Writes an .npz of the state_dict, the layer sizes and normalize; atomic: a crash leaves
-        the old file."""
+        the old file. A binary file object (as torch.save takes one) is written as it stands."""
         arrays = dict(self.state_dict())
         arrays[_SIZES_KEY] = np.asarray(self._sizes, dtype=np.int64)
         arrays[_NORMALIZE_KEY] = np.asarray(self.normalize, dtype=np.float64)
-        atomic_write(path, lambda f: np.savez(f, **arrays))
+        if hasattr(path, "write") and not isinstance(path, (str, bytes, os.PathLike)):
+            np.savez(path, **arrays)
+        else:
+            atomic_write(path, lambda f: np.savez(f, **arrays))
 
     @classmethod
-    def load(cls, path: "os.PathLike[str] | str", device: str = "cpu") -> "MLP":
-        """Reads a file written by save()."""
-        path = os.fsdecode(path)  # str, bytes or os.PathLike
+    def load(cls, path: "os.PathLike[str] | str | IO[bytes]", device: str = "cpu") -> "MLP":
+        """Reads a file written by save(): a path, or a binary file object (as torch.load takes
+        one), read from where it stands."""
+        source: Any
+        if hasattr(path, "read") and not isinstance(path, (str, bytes, os.PathLike)):
+            raw = path.read()
+            if not isinstance(raw, (bytes, bytearray)):
+                raise TypeError(f"load reads a binary file object (opened 'rb'), got one that gives "
+                                f"{type(raw).__name__}")
+            path, source, magic = repr(getattr(path, "name", path)), io.BytesIO(raw), bytes(raw[:4])
+        else:
+            path = source = os.fsdecode(path)  # str, bytes or os.PathLike
         try:
-            if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO's open would wait for a writer
-                raise ValueError("it is not a regular file")
-            with open(path, "rb") as f:  # NumPy would read any other file as a refused pickle
-                magic = f.read(4)
+            if isinstance(source, str):
+                if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO's open would wait for a writer
+                    raise ValueError("it is not a regular file")
+                with open(path, "rb") as f:  # NumPy would read any other file as a refused pickle
+                    magic = f.read(4)
             if magic not in (b"PK\x03\x04", b"PK\x05\x06"):  # a zip's first entry, or an empty zip
                 raise ValueError("it is not a zip archive, which an .npz file is")
-            loaded = np.load(path, allow_pickle=False)
+            loaded = np.load(source, allow_pickle=False)
             if not isinstance(loaded, np.lib.npyio.NpzFile):
                 raise ValueError("it holds a single array, not an .npz archive")
             with loaded as z:
