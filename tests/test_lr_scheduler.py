@@ -961,3 +961,13 @@ def test_an_error_of_the_callers_function_is_raised_as_it_is_and_the_schedule_st
     opt.step()
     with pytest.raises(ValueError, match="LambdaLR cannot compute the rate of epoch 1"):  # its own product
         big.step()
+
+
+def test_rates_given_as_any_real_number_are_taken():
+    from fractions import Fraction
+
+    opt = cmlp.optim.SGD(cmlp.MLP(SIZES), lr=0.1)
+    S.CyclicLR(opt, Fraction(1, 100), 0.1)  # torch takes any real number
+    assert opt.lr == pytest.approx(0.01)
+    with pytest.raises(ValueError, match="max_lr must be finite"):
+        S.OneCycleLR(opt, max_lr=10 ** 400, total_steps=10)

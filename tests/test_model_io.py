@@ -171,6 +171,17 @@ def test_numbered_modules_of_one_width_sorted_as_text_load_by_number():
     assert_params_equal(m.state_dict(), src)
 
 
+@pytest.mark.parametrize("names", [["layers.0", "layers.2", "head"], ["input", "hidden", "output"]])
+def test_modules_named_otherwise_than_by_number_load_as_they_come(names):
+    # layers of one width fit in any order: names that are not numbers keep the order given
+    sd = {}
+    for i, name in enumerate(names):
+        sd[f"{name}.weight"], sd[f"{name}.bias"] = np.full((8, 8), i, np.float32), np.full(8, i, np.float32)
+    m = cmlp.MLP([8, 8, 8, 8])
+    m.load_state_dict(sd)
+    assert [float(v[0, 0]) for k, v in m.state_dict().items() if k.endswith("weight")] == [0.0, 1.0, 2.0]
+
+
 def test_load_state_dict_reads_its_own_names_as_themselves():
     # fc2 and fc3 of this model under their names, beside two other keys: never shifted by position
     m = cmlp.MLP([8, 8, 8, 8], seed=3)
@@ -692,6 +703,9 @@ def test_to_and_cuda_take_torchs_arguments():
         model.to("cpu", non_blocking="yes")
     with pytest.raises(RuntimeError, match="Invalid device, must be cuda device"):  # torch's words
         model.cuda("cpu")
+    for bad in (-1, 1.5):
+        with pytest.raises(TypeError, match="device must be a str"):
+            model.cuda(bad)
     assert model.device == "cpu"
     assert_params_equal(model.state_dict(), before)
 

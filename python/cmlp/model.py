@@ -331,9 +331,10 @@ class MLP:
     def _linear_names(self, state: Any, views: "OrderedDict[str, np.ndarray]") -> Optional[Dict[str, Any]]:
         """state under this model's names when it holds exactly its layers' weights and biases
         under other names, a module's weight and bias for each layer ("0.weight", "0.bias", ...),
-        the modules in order (as they sort with their numbers read as numbers, "2" before "10",
-        else as they come), every shape right; else None. The numbers' order comes first: a dict
-        whose keys were sorted as text ("0", "10", "2") can fit the shapes in that order too
+        the modules in order (modules whose names differ only in their numbers, an nn.Sequential's,
+        as they sort with their numbers read as numbers, "2" before "10"; others as they come),
+        every shape right; else None. The numbers' order comes first where they name the modules:
+        a dict whose keys were sorted as text ("0", "10", "2") can fit the shapes in that order too
         (layers of one width), and only the numbers say which layer is which."""
         keys = list(state.keys())
         if len(keys) != len(views) or not all(isinstance(k, str) for k in keys):
@@ -361,7 +362,10 @@ class MLP:
                     out[name] = state[key]
             return out
 
-        return renamed(sorted(modules, key=natural)) or renamed(list(modules))
+        by_number = sorted(modules, key=natural)
+        if len({re.sub(r"[0-9]+", "#", m) for m in modules}) == 1:  # "0", "2", ...; "layers.0", "layers.2", ...
+            return renamed(by_number) or renamed(list(modules))
+        return renamed(list(modules)) or renamed(by_number)
 
     # ---- files ----
     def save(self, path: "os.PathLike[str] | str | IO[bytes]") -> None:
@@ -503,7 +507,7 @@ class MLP:
         from ._args import _device_text
 
         device = "cuda" if device is None else _device_text(device)
-        if not device.startswith("cuda"):
+        if isinstance(device, str) and not device.startswith("cuda"):
             raise RuntimeError(f"Invalid device, must be cuda device (got {device!r})")
         return self.to(device, non_blocking=non_blocking)
 

@@ -106,7 +106,10 @@ def _per_group(name: str, value: Any, optimizer: Any) -> List[float]:
     for v in values:
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise TypeError(f"{name} must be a number, got {v!r}")
-    return [as_number(name, v) for v in values]  # (an int beyond every float: a ValueError)
+    try:
+        return [float(v) for v in values]
+    except OverflowError:  # an int beyond every float
+        raise ValueError(f"{name} must be finite in float32, got {values!r:.60}") from None
 
 
 def _mismatch(was: Any, new: Any) -> bool:
