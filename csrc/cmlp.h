@@ -659,10 +659,13 @@ CMLP_API cmlp_status cmlp_dist_all_reduce(void *buf, int64_t count, int type, in
 CMLP_API cmlp_status cmlp_dist_broadcast(void *buf, int64_t bytes, int root);
 CMLP_API cmlp_status cmlp_dist_barrier(void);
 CMLP_API void cmlp_dist_destroy(void);  /* the group ends; MPI stays initialised */
-/* At the end of the process: MPI_Finalize if cmlp initialised MPI, once every rank is at its end;
- * timeout > 0: after that many seconds of waiting for them, MPI_Abort (a rank that waits for this
- * one in a collective would wait forever, and this one for it). */
-CMLP_API void cmlp_dist_finalize(double timeout);
+/* seconds > 0: an MPI collective that waits longer for the other ranks ends the job (MPI_Abort),
+ * as torch's process-group timeout (a rank that ended, or hangs, would keep the others waiting
+ * forever); 0 (the default): collectives wait as long as they take. */
+CMLP_API void cmlp_dist_set_timeout(double seconds);
+/* At the end of the process: MPI_Finalize if cmlp initialised MPI (it waits for every rank to get
+ * there; where the group is still there, saying so on stderr after 10 s). */
+CMLP_API void cmlp_dist_finalize(void);
 CMLP_API void cmlp_dist_abort(int code); /* MPI_Abort: every rank's process ends */
 CMLP_API void cmlp_dist_library_version(char *out, size_t cap);
 /* on != 0: the trainer's steps are data-parallel over the process group (which must exist

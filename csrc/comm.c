@@ -44,7 +44,7 @@ static cmlp_status solo_broadcast(void *buf, int64_t bytes, int root) {
     return CMLP_OK;
 }
 static cmlp_status solo_barrier(void) { return CMLP_OK; }
-static void solo_finalize(double timeout) { (void)timeout; }
+static void solo_finalize(int live) { (void)live; }
 static void solo_abort(int code) { _exit(code); }
 static void solo_version(char *out, size_t cap) { snprintf(out, cap, "none (a group of one, without MPI)"); }
 static cmlp_status solo_all_gather(void *buf, int64_t count, int64_t chunk, cmlp_comm_type type) {
@@ -55,8 +55,10 @@ static cmlp_status solo_reduce_scatter(float *buf, int64_t count, int64_t chunk)
     (void)buf, (void)count, (void)chunk;
     return CMLP_OK;
 }
-static const cmlp_mpi_module solo = {CMLP_MPI_ABI,  solo_init,  solo_all_reduce, solo_broadcast, solo_barrier,
-                                     solo_finalize, solo_abort, solo_version,    solo_all_gather, solo_reduce_scatter};
+static void solo_set_timeout(double seconds) { (void)seconds; }
+static const cmlp_mpi_module solo = {CMLP_MPI_ABI,        solo_init,       solo_all_reduce, solo_broadcast,
+                                     solo_barrier,        solo_finalize,   solo_abort,      solo_version,
+                                     solo_all_gather,     solo_reduce_scatter, solo_set_timeout};
 
 /* orphan: this process was forked from one that had started MPI. MPI and the group's
  * collectives belong to the parent: the child takes part in none and never finalizes MPI. */
@@ -345,10 +347,17 @@ void cmlp_dist_destroy(void) {
     pthread_mutex_unlock(&lock);
 }
 
-void cmlp_dist_finalize(double timeout) {
+void cmlp_dist_set_timeout(double seconds) {
     take_lock();
+    if (mpi && !orphan) mpi->set_timeout(seconds);
+    pthread_mutex_unlock(&lock);
+}
+
+void cmlp_dist_finalize(void) {
+    take_lock();
+    const bool live = group;
     group = false;
-    if (mpi && !orphan) mpi->finalize(timeout);
+    if (mpi && !orphan) mpi->finalize(live);
     pthread_mutex_unlock(&lock);
 }
 

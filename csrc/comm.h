@@ -25,10 +25,10 @@ typedef struct cmlp_mpi_module {
     cmlp_status (*all_reduce)(void *buf, int64_t count, cmlp_comm_type type, cmlp_reduce_op op);
     cmlp_status (*broadcast)(void *buf, int64_t bytes, int root);
     cmlp_status (*barrier)(void);
-    /* MPI_Finalize where init initialised MPI; once, at the end of the process, after every rank
-     * got there: waiting for them, with a word on stderr when that takes a while, and for at
-     * most timeout seconds (> 0) before MPI_Abort ends the job. */
-    void (*finalize)(double timeout);
+    /* MPI_Finalize where init initialised MPI; once, at the end of the process. It waits for every
+     * rank to get there: with live (the group was not destroyed), a word on stderr when that takes
+     * a while (a rank that waits for this one in a collective would wait forever). */
+    void (*finalize)(int live);
     /* MPI_Abort on MPI_COMM_WORLD: every rank's process ends (a rank that fails alone would
      * otherwise leave the others waiting in a collective). */
     void (*abort)(int code);
@@ -40,6 +40,9 @@ typedef struct cmlp_mpi_module {
     /* In place, on host floats cut into parts as all_gather's: the sum over the ranks of rank
      * r's part ends in rank r's part of buf; what the other parts of buf hold is undefined. */
     cmlp_status (*reduce_scatter)(float *buf, int64_t count, int64_t chunk);
+    /* seconds > 0: a collective that waits longer for the other ranks ends the job (MPI_Abort),
+     * as torch's process-group timeout; 0: collectives wait as long as they take. */
+    void (*set_timeout)(double seconds);
 } cmlp_mpi_module;
 
 typedef const cmlp_mpi_module *(*cmlp_mpi_entry_fn)(cmlp_error_fn set_error);

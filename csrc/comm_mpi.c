@@ -18,6 +18,7 @@
 
 static cmlp_error_fn fail;
 static int initialised_here;
+static double timeout_seconds; /* > 0: how long a collective may wait (set_timeout) */
 static int *gather_counts; /* all_gather's counts and offsets (2 ints a rank), made by init: a rank
                             * that lacked them would leave the others waiting in a collective */
 
@@ -67,6 +68,34 @@ static cmlp_status init(int *rank, int *size, int *local_rank, int *local_size) 
 
 static const int CHUNK = 1 << 30; /* elements per call: within MPI's int counts */
 
+static void set_timeout(double seconds) { timeout_seconds = seconds > 0 ? seconds : 0; }
+
+/* A non-blocking collective's end, watched: past the timeout, the job ends (MPI cannot cancel a
+ * collective, and the ranks that wait in it would wait forever). MPI's return code. */
+static int await(int started, MPI_Request *req, const char *what) {
+    if (started != MPI_SUCCESS) return started;
+    const double until = MPI_Wtime() + timeout_seconds;
+    for (unsigned i = 1;; i++) {
+        int done = 0, rc = MPI_Test(req, &done, MPI_STATUS_IGNORE);
+        if (rc != MPI_SUCCESS || done) return rc;
+        if (i % 1024 == 0 && MPI_Wtime() > until) {
+            int rank = 0;
+            (void)MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+            fprintf(stderr, "cmlp.distributed: rank %d waited %.0f s in %s for the other ranks (the process group's "
+                    "timeout): one has ended or is stuck; ending the job (MPI_Abort)\n", rank, timeout_seconds, what);
+            fflush(stderr);
+            (void)MPI_Abort(MPI_COMM_WORLD, 1);
+        }
+    }
+}
+
+/* each collective as MPI's blocking call, or with a timeout its non-blocking one, watched */
+#define COLLECTIVE(rc, blocking, nonblocking, what)                                                                \
+    do {                                                                                                           \
+        MPI_Request req_;                                                                                          \
+        (rc) = timeout_seconds > 0 ? await(MPI_I##nonblocking, &req_, (what)) : MPI_##blocking;                     \
+    } while (0)
+
 /* The parts of all_gather and reduce_scatter: rank r's [*lo, *lo + *n) of count. */
 static void part_of(int r, int64_t count, int64_t chunk, int64_t *lo, int64_t *n) {
     *lo = (int64_t)r * chunk < count ? (int64_t)r * chunk : count;
@@ -79,7 +108,10 @@ static cmlp_status all_reduce(void *buf, int64_t count, cmlp_comm_type type, cml
     MPI_Op o = op == CMLP_REDUCE_SUM ? MPI_SUM : op == CMLP_REDUCE_MAX ? MPI_MAX : MPI_MIN;
     for (int64_t off = 0; off < count; off += CHUNK) {
         int n = count - off < CHUNK ? (int)(count - off) : CHUNK;
-        int rc = MPI_Allreduce(MPI_IN_PLACE, (char *)buf + (size_t)off * width, n, t, o, MPI_COMM_WORLD);
+        void *at = (char *)buf + (size_t)off * width;
+        int rc;
+        COLLECTIVE(rc, Allreduce(MPI_IN_PLACE, at, n, t, o, MPI_COMM_WORLD),
+                   allreduce(MPI_IN_PLACE, at, n, t, o, MPI_COMM_WORLD, &req_), "MPI_Allreduce");
         if (rc != MPI_SUCCESS) return MPI_FAIL(rc, "MPI_Allreduce");
     }
     return CMLP_OK;
@@ -88,7 +120,9 @@ static cmlp_status all_reduce(void *buf, int64_t count, cmlp_comm_type type, cml
 static cmlp_status broadcast(void *buf, int64_t bytes, int root) {
     for (int64_t off = 0; off < bytes; off += CHUNK) {
         int n = bytes - off < CHUNK ? (int)(bytes - off) : CHUNK;
-        int rc = MPI_Bcast((char *)buf + off, n, MPI_BYTE, root, MPI_COMM_WORLD);
+        int rc;
+        COLLECTIVE(rc, Bcast((char *)buf + off, n, MPI_BYTE, root, MPI_COMM_WORLD),
+                   bcast((char *)buf + off, n, MPI_BYTE, root, MPI_COMM_WORLD, &req_), "MPI_Bcast");
         if (rc != MPI_SUCCESS) return MPI_FAIL(rc, "MPI_Bcast");
     }
     return CMLP_OK;
@@ -107,7 +141,9 @@ static cmlp_status all_gather(void *buf, int64_t count, int64_t chunk, cmlp_comm
             offsets[r] = (int)lo;
             counts[r] = (int)n;
         }
-        rc = MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, counts, offsets, t, MPI_COMM_WORLD);
+        COLLECTIVE(rc, Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, counts, offsets, t, MPI_COMM_WORLD),
+                   allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, counts, offsets, t, MPI_COMM_WORLD, &req_),
+                   "MPI_Allgatherv");
         return rc == MPI_SUCCESS ? CMLP_OK : MPI_FAIL(rc, "MPI_Allgatherv");
     }
     /* beyond ints: each part from its owner */
@@ -133,8 +169,10 @@ static cmlp_status reduce_scatter(float *buf, int64_t count, int64_t chunk) {
             int piece = k - off < CHUNK ? (int)(k - off) : CHUNK;
             float *at = buf + lo + off;
             /* the owner sums in place; the others send (their receive buffer is not read) */
-            rc = r == rank ? MPI_Reduce(MPI_IN_PLACE, at, piece, MPI_FLOAT, MPI_SUM, r, MPI_COMM_WORLD)
-                           : MPI_Reduce(at, NULL, piece, MPI_FLOAT, MPI_SUM, r, MPI_COMM_WORLD);
+            const void *from = r == rank ? MPI_IN_PLACE : at;
+            void *to = r == rank ? at : NULL;
+            COLLECTIVE(rc, Reduce(from, to, piece, MPI_FLOAT, MPI_SUM, r, MPI_COMM_WORLD),
+                       reduce(from, to, piece, MPI_FLOAT, MPI_SUM, r, MPI_COMM_WORLD, &req_), "MPI_Reduce");
             if (rc != MPI_SUCCESS) return MPI_FAIL(rc, "MPI_Reduce");
         }
     }
@@ -142,34 +180,29 @@ static cmlp_status reduce_scatter(float *buf, int64_t count, int64_t chunk) {
 }
 
 static cmlp_status barrier(void) {
-    int rc = MPI_Barrier(MPI_COMM_WORLD);
+    int rc;
+    COLLECTIVE(rc, Barrier(MPI_COMM_WORLD), barrier(MPI_COMM_WORLD, &req_), "MPI_Barrier");
     return rc == MPI_SUCCESS ? CMLP_OK : MPI_FAIL(rc, "MPI_Barrier");
 }
 
-static void finalize(double timeout) {
+static void finalize(int live) {
     enum { NOTICE_SECONDS = 10 };
     int finished = 0, rank = 0, done = 0;
     if (!initialised_here || MPI_Finalized(&finished) != MPI_SUCCESS || finished) return;
-    /* MPI_Finalize waits for every rank: first an MPI_Ibarrier, watched, so that a rank that ended
-     * while another waits for it in a collective (sys.exit on one rank) is told, and ended */
+    /* MPI_Finalize waits for every rank. Where the group is still there, first an MPI_Ibarrier,
+     * watched: a rank that ended while another waits for it in a collective (sys.exit on one
+     * rank) leaves both waiting, and says so (the other's timeout, where it has one, ends the job) */
     MPI_Request all;
-    if (MPI_Ibarrier(MPI_COMM_WORLD, &all) == MPI_SUCCESS) {
+    if (live && MPI_Ibarrier(MPI_COMM_WORLD, &all) == MPI_SUCCESS) {
         (void)MPI_Comm_rank(MPI_COMM_WORLD, &rank);
         const double start = MPI_Wtime();
         bool told = false;
         while (MPI_Test(&all, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && !done) {
-            const double waited = MPI_Wtime() - start;
-            if (timeout > 0 && waited > timeout) {
-                fprintf(stderr, "cmlp.distributed: rank %d waited %.0f s at its end for the other ranks (the process "
-                        "group's timeout): one waits for a rank that has ended, or fails; ending the job "
-                        "(MPI_Abort)\n", rank, waited);
-                fflush(stderr);
-                (void)MPI_Abort(MPI_COMM_WORLD, 1);
-            }
-            if (!told && waited > NOTICE_SECONDS) {
+            if (!told && MPI_Wtime() - start > NOTICE_SECONDS) {
                 fprintf(stderr, "cmlp.distributed: rank %d has ended and waits for the other ranks to end; should one "
                         "wait for it in a collective (a rank that ended early, by sys.exit), both wait forever: end "
-                        "the job (Ctrl-C), or give init_process_group a timeout\n", rank);
+                        "the job (Ctrl-C), or give init_process_group a timeout, which ends a collective that waits "
+                        "longer\n", rank);
                 fflush(stderr);
                 told = true;
             }
@@ -190,8 +223,9 @@ static void version(char *out, size_t cap) {
     snprintf(out, cap, "%s", v);
 }
 
-static const cmlp_mpi_module module = {CMLP_MPI_ABI, init,      all_reduce, broadcast, barrier,
-                                       finalize,     abort_all, version,    all_gather, reduce_scatter};
+static const cmlp_mpi_module module = {CMLP_MPI_ABI, init,       all_reduce,     broadcast,  barrier,
+                                       finalize,     abort_all,  version,        all_gather, reduce_scatter,
+                                       set_timeout};
 
 CMLP_EXPORT const cmlp_mpi_module *cmlp_mpi_entry(cmlp_error_fn set_error) {
     fail = set_error;

@@ -442,7 +442,7 @@ def collectives_case(opts):
     out["rank"], out["world"] = r, w
     D.destroy_process_group()  # made again with torch's arguments: the launcher's ranks, or refused
     out["launcher"] = []
-    for kw in (dict(world_size=w + 1), dict(rank=(r + 1) % w)):
+    for kw in (dict(world_size=w + 1), dict(rank=(r + 1) % w), dict(rank=0)):
         try:
             D.init_process_group(**kw)
         except ValueError as e:
@@ -793,7 +793,8 @@ def main():
     rank = D.get_rank()
     if rank == 0:
         print(json.dumps(out), flush=True)
-    D.destroy_process_group()
+    if not opts.get("keep_group"):
+        D.destroy_process_group()
     if rank == 0:  # the other ranks end first, and wait for this one at their end
         time.sleep(opts.get("linger", 0))
 

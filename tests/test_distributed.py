@@ -166,7 +166,9 @@ def test_collectives():
     assert out["after_gather"] == [4.0, 4.0, 4.0]
     assert out["launcher"] == ["world_size=3, but the launcher made this process rank 0 of 2: cmlp's ranks are the "
                                "launcher's", "rank=1, but the launcher made this process rank 0 of 2: cmlp's ranks "
-                               "are the launcher's"]
+                               "are the launcher's",  # and rank=0 everywhere: rank 1's is wrong, and rank 0 raises too
+                               "another rank was given a world_size or rank that is not the launcher's, so no rank "
+                               "made the group: cmlp's ranks are the launcher's"]
 
 
 def test_init_process_group_refuses_torchs_arguments_it_cannot_honour_before_it_starts_anything():
@@ -364,22 +366,26 @@ def test_an_uncaught_exception_on_one_rank_ends_the_job():
 
 @needs_mpi
 def test_a_rank_that_exits_while_another_waits_for_it_ends_the_job_at_the_groups_timeout():
-    # sys.exit skips the excepthook: rank 1 waits at its end for rank 0, which waits for rank 1
+    # sys.exit skips the excepthook: rank 1 waits at its end for rank 0, which waits in a barrier
+    # for rank 1 until the group's timeout (torch's: it bounds a collective's wait) ends the job
     cmd = [MPIRUN, "-np", "2", sys.executable, os.path.join(HERE, "dist_worker.py"), "exit_early",
            json.dumps({"timeout": 2})]
     start = time.monotonic()
     p = subprocess.run(cmd, capture_output=True, text=True, env=job_env(), timeout=120)
     assert p.returncode != 0 and time.monotonic() - start < 60
-    assert "rank 1 waited 2 s at its end for the other ranks (the process group's timeout)" in p.stderr, p.stderr
+    assert "rank 0 waited 2 s in MPI_Barrier for the other ranks (the process group's timeout)" in p.stderr, p.stderr
 
 
 @needs_mpi
-def test_a_rank_that_ends_first_waits_for_the_others_and_says_so():
+@pytest.mark.parametrize("keep_group", [True, False])
+def test_a_rank_that_ends_first_waits_for_the_others_whatever_the_timeout(keep_group):
+    # rank 0 ends 11 s after rank 1, beyond the timeout, in no collective: nothing ends the job;
+    # where the group is still there, rank 1 says that it waits
     cmd = [MPIRUN, "-np", "2", sys.executable, os.path.join(HERE, "dist_worker.py"), "collectives",
-           json.dumps({"linger": 11, "timeout": 60})]  # rank 0 ends 11 s after rank 1, within the timeout
+           json.dumps({"linger": 11, "timeout": 2, "keep_group": keep_group})]
     p = subprocess.run(cmd, capture_output=True, text=True, env=job_env(), timeout=120)
     assert p.returncode == 0, p.stderr
-    assert "rank 1 has ended and waits for the other ranks to end" in p.stderr, p.stderr
+    assert ("rank 1 has ended and waits for the other ranks to end" in p.stderr) == keep_group, p.stderr
 
 
 @needs_mpi

@@ -106,13 +106,20 @@ static PyObject *mod_dist_destroy(PyObject *mod, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-static PyObject *mod_dist_finalize(PyObject *mod, PyObject *args) {
+static PyObject *mod_dist_finalize(PyObject *mod, PyObject *unused) {
     (void)mod;
-    double timeout = 0.0; /* seconds; 0: as long as the other ranks take */
-    if (!PyArg_ParseTuple(args, "|d", &timeout)) return NULL;
+    (void)unused;
     NOGIL_BEGIN
-    cmlp_dist_finalize(timeout);
+    cmlp_dist_finalize();
     NOGIL_END
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_dist_set_timeout(PyObject *mod, PyObject *arg) {
+    (void)mod;
+    const double seconds = PyFloat_AsDouble(arg);
+    if (seconds == -1.0 && PyErr_Occurred()) return NULL;
+    cmlp_dist_set_timeout(seconds);
     Py_RETURN_NONE;
 }
 
@@ -142,8 +149,9 @@ PyMethodDef cmlp_py_dist_methods[] = {
     {"dist_broadcast", mod_dist_broadcast, METH_VARARGS, "dist_broadcast(array, root): in place"},
     {"dist_barrier", mod_dist_barrier, METH_NOARGS, "waits for every rank"},
     {"dist_destroy", mod_dist_destroy, METH_NOARGS, "ends the process group"},
-    {"dist_finalize", mod_dist_finalize, METH_VARARGS,
-     "dist_finalize(timeout=0): finalizes MPI where cmlp initialised it (at exit), waiting up to timeout s"},
+    {"dist_finalize", mod_dist_finalize, METH_NOARGS, "finalizes MPI where cmlp initialised it (at exit)"},
+    {"dist_set_timeout", mod_dist_set_timeout, METH_O,
+     "dist_set_timeout(seconds): > 0, an MPI collective waiting longer ends the job; 0, none"},
     {"dist_abort", mod_dist_abort, METH_O, "ends every rank's process (MPI_Abort)"},
     {"dist_library_version", mod_dist_library_version, METH_NOARGS, "the MPI library's version, once loaded"},
     {NULL, NULL, 0, NULL},

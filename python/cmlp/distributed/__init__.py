@@ -70,11 +70,6 @@ class ReduceOp:
 _OPS = {ReduceOp.SUM: 0, ReduceOp.MAX: 1, ReduceOp.MIN: 2}
 _finalize_registered = False
 _previous_excepthook = None
-_exit_timeout = 0.0  # seconds a rank at its end waits for the others (0: as long as they take)
-
-
-def _finalize_at_exit() -> None:
-    _cmlp.dist_finalize(_exit_timeout)
 
 
 def _abort_on_uncaught(exc_type: Any, exc: Any, tb: Any) -> None:
@@ -145,11 +140,11 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
     here unless something else did it first, and then finalised at exit). backend: "mpi" (the
     default: models on the CPU) or "nccl" (models on CUDA devices too). Torch's other arguments:
     the launcher gives the ranks, so init_method is None or "env://", and world_size and rank,
-    where given, must be the launcher's; timeout (a datetime.timedelta) bounds the wait of a
-    rank at its end for the others: past it, the job ends (MPI_Abort), as when a rank ended
-    (sys.exit) while another waits for it in a collective. Without it, a rank that waits there
-    longer than 10 s says so on stderr, and waits on."""
-    global _finalize_registered, _exit_timeout
+    where given, must be the launcher's; timeout (a datetime.timedelta), as torch's, bounds how
+    long an MPI collective waits for the other ranks: past it, the job ends (MPI_Abort), as when
+    a rank ended (sys.exit) while the others wait for it. Without it, they wait as long as it
+    takes (a rank that ended while the group is there says so on stderr after 10 s)."""
+    global _finalize_registered
     if backend is None:
         backend = "mpi"
     if not isinstance(backend, str) or backend.lower() not in BACKENDS:
@@ -185,19 +180,27 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
             _cmlp.dist_init(BACKENDS[backend])
     else:
         _cmlp.dist_init(BACKENDS[backend])
-    state = _cmlp.dist_state()
-    for name, value, mine in (("world_size", world_size, state[2]), ("rank", rank, state[1])):
-        if value != -1 and value != mine:
-            _cmlp.dist_destroy()
-            raise ValueError(f"{name}={value}, but the launcher made this process rank {state[1]} of {state[2]}: "
-                             f"cmlp's ranks are the launcher's")
-    _exit_timeout = seconds
     global _previous_excepthook
     if not _finalize_registered:
-        atexit.register(_finalize_at_exit)
+        atexit.register(_cmlp.dist_finalize)
         _finalize_registered = True
         _previous_excepthook = sys.excepthook
         sys.excepthook = _abort_on_uncaught
+    _cmlp.dist_set_timeout(seconds)
+    # the launcher's ranks, or every rank refuses (one alone would leave the others in the group)
+    state = _cmlp.dist_state()
+    wrong = [f"{name}={value}" for name, value, mine in (("world_size", world_size, state[2]), ("rank", rank, state[1]))
+             if value != -1 and value != mine]
+    anyone = np.array([len(wrong)], dtype=np.int64)
+    _cmlp.dist_all_reduce(anyone, 1)
+    if anyone[0]:
+        _cmlp.dist_set_timeout(0.0)
+        _cmlp.dist_destroy()
+        if not wrong:
+            raise ValueError("another rank was given a world_size or rank that is not the launcher's, so no rank "
+                             "made the group: cmlp's ranks are the launcher's")
+        raise ValueError(f"{', '.join(wrong)}, but the launcher made this process rank {state[1]} of {state[2]}: "
+                         "cmlp's ranks are the launcher's")
 
 
 def is_initialized() -> bool:
