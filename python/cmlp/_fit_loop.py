@@ -269,13 +269,10 @@ def _same_steps_on_every_rank(rates: List[float], momenta: List[float], rows: Li
         rewind(n - 1)  # as the rank that raised holds it: its n-th step of the schedule undone
         raised = RuntimeError(f"rank {who}'s schedule raised after the epoch's step {first + n} (its own error says "
                               "why): every rank took the steps up to it, then stopped")
-    # each step's rates and momenta, bit for bit (their largest and, through ~, smallest on any rank)
+    # each step's rates and momenta, bit for bit
     bits = np.array(rates + momenta + [v for row in rows for v in row] + [v for m in mrows for v in m],
                     dtype=np.float64).view(np.int64)
-    hi, lo = bits.copy(), ~bits
-    _cmlp.dist_all_reduce(hi, 1)
-    _cmlp.dist_all_reduce(lo, 1)
-    differ = np.flatnonzero(hi != ~lo)
+    differ = _dist._where_ranks_differ(bits)
     if differ.size:
         rewind(0)
         i = int(differ[0])  # in the rates, the momenta, the groups' rates or their momenta

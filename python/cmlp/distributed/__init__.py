@@ -272,6 +272,14 @@ _ARRAY_FIELDS = ("being an array", "dtype", "element count", "shape", "C-contigu
                  "other arguments (op, src, an output list)")
 
 
+def _where_ranks_differ(values: np.ndarray) -> np.ndarray:
+    """The indices where the ranks' int64 values differ (a collective: one all-reduce of the
+    values' largest and, through ~, smallest on any rank)."""
+    both = np.concatenate([values, ~values])
+    _cmlp.dist_all_reduce(both, 1)
+    return np.flatnonzero(both[:values.size] != ~both[values.size:])
+
+
 def _same_array_on_every_rank(what: str, tensor: Any, code: int) -> None:
     """A collective's arguments, the same on every rank (a collective): an array of other sizes
     would pair the wrong elements (one rank's MPI error, another's garbage), and a refusal on
@@ -282,9 +290,7 @@ def _same_array_on_every_rank(what: str, tensor: Any, code: int) -> None:
     flags = tensor.flags if is_array else None
     v = np.array([is_array, dtype, tensor.size if is_array else 0, shape, bool(flags and flags.c_contiguous),
                   bool(flags and flags.writeable), code], dtype=np.int64)
-    both = np.concatenate([v, ~v])  # the largest of each, and through ~ the smallest
-    _cmlp.dist_all_reduce(both, 1)
-    differ = [name for name, hi, lo in zip(_ARRAY_FIELDS, both[:v.size], both[v.size:]) if hi != ~lo]
+    differ = [_ARRAY_FIELDS[i] for i in _where_ranks_differ(v)]
     if differ:
         raise ValueError(f"{what}: the ranks' arguments differ in their {', '.join(differ)}: every rank must give "
                          "alike arguments (arrays of the same shape and dtype, the same op or src)")
