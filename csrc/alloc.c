@@ -179,10 +179,13 @@ static alloc_block *cached_block(cmlp_allocator *a, int pool, size_t size) {
     if (!b) return NULL;
     if (b->seg->expandable) {
         /* in an expandable segment, a fit whose pages are all mapped if one of the next few
-         * candidates is; else the best fit, mapped on demand (only while the setting is on) */
+         * candidates has one (at its start, or further in: a free block may begin on pages given
+         * back and go on over mapped ones); else the best fit, mapped on demand (only while the
+         * setting is on) */
         alloc_block *pick = NULL, *c = b;
+        char *at = NULL;
         for (int k = 0; c && c->seg->expandable && k < 8; k++, c = alloc_tree_next(&a->pools[pool], c))
-            if (alloc_unmapped_pages(c->seg, pg_down(c->seg, c->ptr), pg_up(c->seg, c->ptr + size)) == 0) {
+            if ((at = alloc_mapped_fit(c, size))) {
                 pick = c;
                 break;
             }
@@ -190,6 +193,7 @@ static alloc_block *cached_block(cmlp_allocator *a, int pool, size_t size) {
             pick = b; /* mapping: not in a capture, nor in a dry run (pages it maps are new memory) */
         if (pick) {
             alloc_pool_take(a, pick);
+            if (at && at > pick->ptr) alloc_carve_head(a, pick, at);
             if (!alloc_map_block(a, pick, size)) {
                 alloc_pool_return(a, pick);
                 return NULL;

@@ -171,6 +171,13 @@ typedef struct {
 /* The mapped bytes of [lo, hi) in a segment, as maximal runs of mapped pages; "split" runs are
  * those that reach outside [lo, hi) (their pages hold other blocks too). */
 CMLP_HIDDEN span_info alloc_mapped_span(const alloc_segment *s, const char *lo, const char *hi);
+/* Where `size` bytes of a free block of an expandable segment lie on mapped pages only: the
+ * start of the first of its mapped pieces that holds them (its own start when it can); NULL when
+ * none does (pmax must be current). */
+CMLP_HIDDEN char *alloc_mapped_fit(const alloc_block *b, size_t size);
+/* A free block taken out of its pool starts at `at` from here (alloc_mapped_fit's answer): what
+ * lies before goes back to the pool as a free block of its own. */
+CMLP_HIDDEN void alloc_carve_head(cmlp_allocator *a, alloc_block *b, char *at);
 /* The unmapped pages among [i, j) of an expandable segment. */
 CMLP_HIDDEN size_t alloc_unmapped_pages(const alloc_segment *s, size_t i, size_t j);
 

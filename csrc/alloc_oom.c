@@ -89,7 +89,7 @@ cmlp_status alloc_oom(cmlp_allocator *a, size_t nbytes, size_t size) {
         cmlp_format_bytes(lf, sizeof lf, a->limit > r ? a->limit - r : 0);
         snprintf(lim, sizeof lim, " %s allowed (the memory limit, of which %s is free);", l, lf);
     }
-    alloc_note_oom(a, nbytes, a->what);
+    alloc_note_oom(a, size, a->what); /* the rounded size, as PyTorch's trace has it */
     if (seg > size) {
         char lsg[32];
         cmlp_format_bytes(sg, sizeof sg, (int64_t)seg);

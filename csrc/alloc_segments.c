@@ -45,6 +45,38 @@ span_info alloc_mapped_span(const alloc_segment *s, const char *lo, const char *
     return r;
 }
 
+char *alloc_mapped_fit(const alloc_block *b, size_t size) {
+    const alloc_segment *s = b->seg;
+    const char *end = b->ptr + b->size;
+    if (size > b->size || b->pmax < size) return NULL;
+    size_t last = pg_up(s, end);
+    if (last > s->hi) last = s->hi;
+    for (size_t i = next_page(s, pg_down(s, b->ptr), last, true); i < last; i = next_page(s, i, last, true)) {
+        size_t j = next_page(s, i, last, false);
+        char *lo = s->base + i * PAGE, *hi = s->base + j * PAGE;
+        if (lo < b->ptr) lo = b->ptr;
+        if ((size_t)((hi < end ? hi : end) - lo) >= size) return lo;
+        i = j;
+    }
+    return NULL;
+}
+
+/* A free block taken out of its pool starts at `at` from here: what lies before goes back to
+ * the pool as a free block of its own, with the block's age. Without host memory for it the
+ * block stays whole (then its first pages are mapped on demand: still correct). */
+void alloc_carve_head(cmlp_allocator *a, alloc_block *b, char *at) {
+    alloc_block *head = alloc_block_new(a);
+    if (!head) return;
+    *head = (alloc_block){.ptr = b->ptr, .size = (size_t)(at - b->ptr), .seg = b->seg, .prev = b->prev, .next = b,
+                          .tick = b->tick};
+    if (b->prev) b->prev->next = head;
+    else b->seg->first = head;
+    b->prev = head;
+    b->ptr = at;
+    b->size -= head->size;
+    alloc_pool_return(a, head);
+}
+
 size_t alloc_unmapped_pages(const alloc_segment *s, size_t i, size_t j) {
     size_t n = 0;
     while (i < j) {
