@@ -8,7 +8,7 @@ results), graph capture and replay (kernels keep the arguments of their capture)
 on cudaMalloc and on expandable segments (unmapped pages fault), device out-of-memory, cuBLASLt
 layouts, epilogues and alignments, and every kernel launch (a host pointer as a kernel argument
 fails), on poisoned memory (new device memory reads as NaN until written) with the blocks of a
-kernel run last first. The emulator computes GEMMs in float64 and rounds once, so GPU-vs-CPU
+kernel, and a block's threads between barriers, run last first. The emulator computes GEMMs in float64 and rounds once, so GPU-vs-CPU
 comparisons are made at a real distance, not bit for bit. Skipped only where the CUDA toolkit's
 headers are missing."""
 import importlib.util
@@ -40,7 +40,7 @@ def _emulated_env():
     build = subprocess.run(["make", "-s", "emu-cuda", f"PYTHON={sys.executable}"], cwd=ROOT, capture_output=True,
                            text=True, timeout=900)
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
-    # blocks run last first (test_kernels runs both orders): a race between blocks gives other bits
+    # blocks (and threads) run last first (test_kernels runs both orders): a race gives other bits
     # the emulated runtime is NVML too (the GPUs it counts without starting CUDA)
     env = dict(os.environ, CMLP_CUDA_LIBRARY=LIBRARY, CMLP_NVML_LIBRARY=LIBRARY, OPENBLAS_NUM_THREADS="1",
                CMLP_EMU_BLOCK_ORDER="reverse")
@@ -66,6 +66,56 @@ def test_the_gpu_tests_pass_on_the_emulated_cuda_backend(alloc_conf):
     # the backend really ran: every test but the one about having no GPU
     passed = int(summary.split(" passed")[0].split()[-1])
     assert passed >= 165, tail
+
+
+EXIT_SCRIPT = """
+import threading, time
+import numpy as np
+import cmlp
+rng = np.random.default_rng(0)
+x, y = rng.random((4000, 64), dtype=np.float32), rng.integers(0, 10, 4000)
+
+def train(seed):
+    m = cmlp.MLP([64, 256, 10], seed=seed, device="cuda")
+    t = cmlp.Trainer(m, cmlp.optim.Adam(m), batch_size=32, amp="bf16" if seed % 2 else None)
+    while True:
+        t.fit(x, y, epochs=1, progress=False)
+
+def churn():
+    while True:
+        m = cmlp.MLP([64, 32, 10], seed=7, device="cuda")
+        cmlp.Trainer(m, cmlp.optim.Adam(m), batch_size=32).step(x[:32], y[:32])
+        m.predict(x[:100])
+        cmlp.memory.memory_snapshot("cuda")
+        cmlp.memory.empty_cache("cuda")
+
+for seed in range(3):
+    threading.Thread(target=train, args=(seed,), daemon=True).start()
+threading.Thread(target=churn, daemon=True).start()
+time.sleep(0.3)
+print("end of script")
+"""
+
+
+@needs_emulator[0]
+@needs_emulator[1]
+def test_daemon_threads_using_a_gpu_when_the_interpreter_exits_let_it_exit(tmp_path):
+    """The CUDA runtime is loaded at the first use of a GPU, after cmlp's C exit handler was
+    registered, so its teardown (the emulator's, here) ran first, under the daemon threads'
+    copies, kernels and frees: half the exits crashed. The package's Python exit hook now waits
+    for every call made without the GIL, before any C exit handler."""
+    script = tmp_path / "exit_with_gpu_daemons.py"
+    script.write_text(EXIT_SCRIPT)
+    env = _emulated_env()
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "python")] + [
+        p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    for run in range(8):
+        try:
+            done = subprocess.run([sys.executable, "-X", "faulthandler", str(script)], env=env,
+                                  capture_output=True, text=True, timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"run {run}: the exit hung")
+        assert done.returncode == 0 and "end of script" in done.stdout, (run, done.returncode, done.stderr[-3000:])
 
 
 @needs_emulator[0]

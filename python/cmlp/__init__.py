@@ -11,6 +11,11 @@ from ._blas import preload as _preload
 _preload()
 
 from . import _cmlp  # noqa: E402
+import atexit as _atexit  # noqa: E402
+
+# At exit, the calls other threads have under way end before the C libraries' own exit handlers
+# run (the CUDA runtime's among them); cmlp's C handler waits again after them.
+_atexit.register(_cmlp.wait_for_calls)
 from ._cmlp import OutOfMemoryError  # noqa: E402
 from . import amp, cuda, datasets, distributed, memory, nn, optim  # noqa: E402
 from .memory import MemoryWarning, empty_cache  # noqa: E402

@@ -39,6 +39,8 @@ int core_enter(void) {
 
 void core_leave(void) { atomic_fetch_sub(&core_calls, 1); }
 
+void core_busy(int delta) { atomic_fetch_add(&core_calls, delta); }
+
 /* At most EXIT_WAIT_MS: a call that never ends (a collective whose peers are gone) does not hold
  * the exit for good. */
 #define EXIT_WAIT_MS 30000
@@ -49,6 +51,16 @@ static void core_wait_at_exit(void) {
         struct timespec ts = {0, 1000000};
         nanosleep(&ts, NULL);
     }
+}
+
+/* From the package's Python exit hook: the wait, with the GIL held (a call under way ends
+ * without it; one that ends waits for the GIL, after its count is gone), before the C
+ * libraries' exit handlers run. Refused calls from here on raise no exception anyone sees. */
+static PyObject *mod_wait_for_calls(PyObject *mod, PyObject *unused) {
+    (void)mod;
+    (void)unused;
+    core_wait_at_exit();
+    Py_RETURN_NONE;
 }
 
 /* a forked child has only the forking thread, which was in no call */
@@ -421,6 +433,8 @@ static PyMethodDef module_methods[] = {
     {"cuda_set_device", mod_cuda_set_device, METH_O, "cuda_set_device(N): \"cuda\" names GPU N in this thread"},
     {"cuda_forked", mod_cuda_forked, METH_NOARGS, "whether this process was forked after CUDA was started"},
     {"synchronize", mod_synchronize, METH_O, "synchronize(device): waits for the device's queued work"},
+    {"wait_for_calls", mod_wait_for_calls, METH_NOARGS,
+     "at exit: refuses new calls and waits (30 s at most) for those under way in other threads"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -40,6 +40,13 @@ static inline module_state *state_of(PyObject *module) { return (module_state *)
 int core_enter(void);
 void core_leave(void);
 int core_exit_init(void);
+/* Every call made with the GIL released (NOGIL_BEGIN .. NOGIL_END) is counted too, refused or
+ * not, so that the exit waits for it: a daemon thread may be copying to a GPU or freeing its
+ * memory when the process ends. The wait is made first from a Python exit hook
+ * (_cmlp.wait_for_calls, registered by the package), before any C exit handler: the CUDA
+ * runtime, loaded at the first use of a GPU, registers its teardown after cmlp's handler, so it
+ * would run first. */
+void core_busy(int delta);
 
 /* This module's own status: a model lost to fork (ModelObject.lost). */
 #define STATUS_LOST ((cmlp_status)-1)
@@ -68,8 +75,10 @@ int stacks_init(void);
 #define NOGIL_BEGIN                                                                                            \
     {                                                                                                          \
         void *cuctx_ = cmlp_cuda_ctx_save();                                                                   \
+        core_busy(1);                                                                                          \
         Py_BEGIN_ALLOW_THREADS
 #define NOGIL_END                                                                                              \
+    core_busy(-1);                                                                                             \
     Py_END_ALLOW_THREADS                                                                                       \
     cmlp_cuda_ctx_restore(cuctx_);                                                                             \
     }
