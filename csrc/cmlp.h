@@ -483,6 +483,10 @@ CMLP_API cmlp_status cmlp_optim_set_state(cmlp_optim *o, int64_t step, int nbuff
 CMLP_API cmlp_status cmlp_optim_copy_state(cmlp_optim *o, int64_t step, int nbuffers,
                                            const float *const *host_buffers);
 CMLP_API cmlp_status cmlp_optim_to(cmlp_optim *o, cmlp_device d);
+/* The model and the optimizers given (all of this model) move to d together, all or nothing:
+ * when one cannot (out of memory there), what moved goes back and the first failure is reported.
+ * Made under one hold of the caller's lock, no step in another thread sees them apart. */
+CMLP_API cmlp_status cmlp_model_move(cmlp_model *m, cmlp_optim *const *opts, int nopts, cmlp_device d);
 /* A parameter group's own hyperparameters (torch's per-group settings): a value of its own, or
  * NaN (for the integers, -1) where the part takes the optimizer's configuration (which a
  * schedule may move: OneCycleLR's momentum). momentum is Adam's beta1 or SGD's momentum; beta2,

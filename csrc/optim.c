@@ -8,6 +8,7 @@
 
 #include <float.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -451,4 +452,22 @@ cmlp_status cmlp_optim_to(cmlp_optim *o, cmlp_device d) {
     o->dev = to;
     o->version++;
     return CMLP_OK;
+}
+
+cmlp_status cmlp_model_move(cmlp_model *m, cmlp_optim *const *opts, int nopts, cmlp_device d) {
+    for (int i = 0; i < nopts; i++)
+        if (!opts[i] || opts[i]->model != m) return CMLP_FAIL(CMLP_ERR_INVALID, "an optimizer of another model");
+    const cmlp_device from = cmlp_model_device(m);
+    CMLP_TRY(cmlp_model_to(m, d));
+    int moved = 0;
+    cmlp_status st = CMLP_OK;
+    while (moved < nopts && (st = cmlp_optim_to(opts[moved], d)) == CMLP_OK) moved++;
+    if (st == CMLP_OK) return CMLP_OK;
+    /* what moved goes back (it fits there: it was there), with the first failure's message */
+    char why[2048];
+    snprintf(why, sizeof why, "%s", cmlp_last_error());
+    while (moved > 0) (void)cmlp_optim_to(opts[--moved], from);
+    (void)cmlp_model_to(m, from);
+    cmlp_restore_error(why);
+    return st;
 }

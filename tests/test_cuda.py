@@ -47,6 +47,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import warnings
 
 import numpy as np
@@ -336,6 +337,38 @@ def test_a_move_that_runs_out_of_memory_leaves_everything_where_it_was(short_of)
     assert M.memory_allocated("cpu") == before[2]
     assert model.to(CUDA) is model and model.device == DEVICE_NAME
     trainer.step(x, y)
+
+
+@needs_gpu
+@pytest.mark.skipif(CUDA == "cpu", reason="moves between two devices")
+def test_steps_in_another_thread_never_find_the_model_moved_without_its_optimizer():
+    """model.to moved the model, then (in another call, the lock let go between) each of its
+    optimizers: a step in another thread got in between all but every time and failed with
+    "moved to another device without its optimizer", blaming a move made as the API says. The
+    model and its optimizers now move in one call under the model's lock."""
+    sizes = [16, 32, 4]
+    model = cmlp.MLP(sizes, seed=0, device=CUDA)
+    opt = cmlp.optim.Adam(model)
+    trainer = cmlp.Trainer(model, opt, batch_size=32)
+    x, y = margin_batch(sizes, 32)[1:]
+    stop = threading.Event()
+    moves = []
+
+    def mover():
+        while not stop.is_set():
+            model.to("cpu")
+            model.to(CUDA)
+            moves.append(1)
+
+    thread = threading.Thread(target=mover)
+    thread.start()
+    try:
+        losses = [trainer.step(x, y) for _ in range(60)]
+    finally:
+        stop.set()
+        thread.join()
+    assert moves and all(np.isfinite(losses))
+    assert opt.state_dict()["state"][0]["step"] == 60 and model.device == DEVICE_NAME
 
 
 @needs_gpu

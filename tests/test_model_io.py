@@ -150,6 +150,29 @@ def test_load_state_dict_takes_any_modules_linear_layers_in_order(prefix):
         m.load_state_dict({k: v.T if k.endswith("3.weight") else v for k, v in renamed.items()})
 
 
+def test_a_mismatch_says_why_a_modules_layers_were_not_taken():
+    """torch's Linear(bias=False), or another number of layers: the error says so beside the
+    keys (it listed them alone, which left the reason to be guessed)."""
+    src = cmlp.MLP(SIZES, seed=4).state_dict()
+    layers = len(SIZES) - 1
+    no_bias = {f"{2 * i}.weight": src[f"fc{i + 1}.weight"] for i in range(layers)}
+    m = cmlp.MLP(SIZES, seed=3)
+    before = m.state_dict()
+    names = ", ".join(repr(str(2 * i)) for i in range(layers))
+    with pytest.raises(ValueError, match=f"modules {names} have a weight and no bias"):
+        m.load_state_dict(no_bias)
+    one_bias = {**no_bias, **{f"{2 * i}.bias": src[f"fc{i + 1}.bias"] for i in range(1, layers)}}
+    with pytest.raises(ValueError, match="module '0' has a weight and no bias"):
+        m.load_state_dict(one_bias)
+    fewer = {f"{2 * i}.{kind}": src[f"fc{i + 1}.{kind}"] for i in range(layers - 1) for kind in ("weight", "bias")}
+    with pytest.raises(ValueError, match=f"holds {layers - 1} layers' weights; the model has {layers} layers"):
+        m.load_state_dict(fewer)
+    assert_params_equal(m.state_dict(), before)
+    # this model's own names, one missing: the keys alone say it
+    with pytest.raises(ValueError, match=r"missing keys \['fc1.bias'\], unexpected keys \[\]$"):
+        m.load_state_dict({k: v for k, v in src.items() if k != "fc1.bias"})
+
+
 def test_load_state_dict_orders_numbered_modules_by_number():
     # twelve layers named 0, 2, ..., 22 (an nn.Sequential's), keys sorted as text: "10" before "2"
     sizes = [20] + [9 + i for i in range(11)] + [3]

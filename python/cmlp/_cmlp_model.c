@@ -378,12 +378,32 @@ static PyObject *Model_clip_grad_value(ModelObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-static PyObject *Model_to(ModelObject *self, PyObject *arg) {
+/* to(device, optimizers=()): the model and those of its optimizers, in one call under the lock */
+static PyObject *Model_to(ModelObject *self, PyObject *args) {
+    PyObject *dev, *opts_obj = NULL;
+    if (!PyArg_ParseTuple(args, "O|O!:to", &dev, &PyTuple_Type, &opts_obj)) return NULL;
     if (model_ready(self) < 0) return NULL;
     cmlp_device d;
-    if (parse_device(self->ms, arg, &d) < 0) return NULL;
+    if (parse_device(self->ms, dev, &d) < 0) return NULL;
+    Py_ssize_t n = opts_obj ? PyTuple_GET_SIZE(opts_obj) : 0;
+    if (n > INT_MAX) return PyErr_Format(PyExc_ValueError, "too many optimizers: %zd", n);
+    cmlp_optim **opts = PyMem_Calloc(n ? (size_t)n : 1, sizeof *opts);
+    if (!opts) return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = PyTuple_GET_ITEM(opts_obj, i);
+        if (!PyObject_TypeCheck(o, self->ms->optim_type) || ((OptimObject *)o)->model != self) {
+            PyMem_Free(opts);
+            return PyErr_Format(PyExc_TypeError, "to() moves optimizers of this model only, got %R", o);
+        }
+        if (optim_ready((OptimObject *)o) < 0) {
+            PyMem_Free(opts);
+            return NULL;
+        }
+        opts[i] = ((OptimObject *)o)->o;
+    }
     cmlp_status st;
-    RUN_LOCKED(self, st, cmlp_model_to(self->m, d));
+    RUN_LOCKED(self, st, cmlp_model_move(self->m, opts, (int)n, d)); /* the tuple keeps them alive */
+    PyMem_Free(opts);
     if (st != CMLP_OK) return raise_status(self->ms, st);
     Py_RETURN_NONE;
 }
@@ -404,7 +424,8 @@ static PyMethodDef Model_methods[] = {
     {"evaluate", (PyCFunction)(void (*)(void))Model_evaluate, METH_VARARGS | METH_KEYWORDS, "(loss_sum, correct)"},
     {"forward_backward", (PyCFunction)(void (*)(void))Model_forward_backward, METH_VARARGS | METH_KEYWORDS,
      "loss sum; adds grad_weight * per-sample gradient sums"},
-    {"to", (PyCFunction)Model_to, METH_O, "move to a device"},
+    {"to", (PyCFunction)Model_to, METH_VARARGS,
+     "to(device, optimizers=()): moves the model and those optimizers of it, all or nothing"},
     {"unscale_grads", (PyCFunction)Model_unscale_grads, METH_O,
      "multiply every gradient by inv_scale (a float32); True when any is inf or NaN"},
     {"clip_grad_norm", (PyCFunction)Model_clip_grad_norm, METH_VARARGS,

@@ -307,7 +307,7 @@ class MLP:
         unexpected = [k for k in state.keys() if k not in views]
         if strict and (missing or unexpected):
             raise StateDictMismatch(f"state_dict does not match the model {list(self._sizes)}: missing keys {missing}, "
-                             f"unexpected keys {unexpected}")
+                                    f"unexpected keys {unexpected}{self._why_not_layers(state, views)}")
         for name, view in views.items():
             if name not in state:
                 continue
@@ -366,6 +366,24 @@ class MLP:
         if len({re.sub(r"[0-9]+", "#", m) for m in modules}) == 1:  # "0", "2", ...; "layers.0", "layers.2", ...
             return renamed(by_number) or renamed(list(modules))
         return renamed(list(modules)) or renamed(by_number)
+
+    def _why_not_layers(self, state: Any, views: "OrderedDict[str, np.ndarray]") -> str:
+        """Why a module's weights and biases (none of this model's names) were not read as its
+        layers, where the keys say: a module with a weight and no bias (torch's
+        Linear(bias=False)), or another number of layers; else ""."""
+        keys = [k for k in state.keys() if isinstance(k, str)]
+        if any(k in views for k in keys) or not keys or not all(k.endswith((".weight", ".bias")) for k in keys):
+            return ""
+        weights = [k[:-len(".weight")] for k in keys if k.endswith(".weight")]
+        biased = {k[:-len(".bias")] for k in keys if k.endswith(".bias")}
+        unbiased = [m for m in weights if m not in biased]
+        if unbiased:
+            return (f" (module{'s' if len(unbiased) > 1 else ''} {', '.join(repr(m) for m in unbiased)} "
+                    f"{'have' if len(unbiased) > 1 else 'has'} a weight and no bias: every layer of an MLP here "
+                    "has a bias, as torch's Linear(bias=True))")
+        if len(weights) != len(self._sizes) - 1:
+            return f" (the state_dict holds {len(weights)} layers' weights; the model has {len(self._sizes) - 1} layers)"
+        return ""
 
     # ---- files ----
     def save(self, path: "os.PathLike[str] | str | IO[bytes]") -> None:
@@ -528,22 +546,8 @@ class MLP:
             raise TypeError(f"cmlp's models hold float32 parameters: to() takes dtype float32 only, got {dtype!r}")
         if device is None:
             return self
-        device = _device_text(device)
-        before = self.device
-        self._c.to(device)
-        moved = []
-        try:
-            for opt in list(self._optimizers):
-                opt._c.to(device)
-                moved.append(opt)
-        except BaseException:
-            try:
-                for opt in reversed(moved):
-                    opt._c.to(before)
-                self._c.to(before)
-            except BaseException:  # noqa: BLE001 - the first error is the one to report
-                pass
-            raise
+        # one call, under the model's lock: a step in another thread never finds them apart
+        self._c.to(_device_text(device), tuple(opt._c for opt in self._optimizers))
         return self
 
 

@@ -914,6 +914,31 @@ static void test_group_of_one(void) {
     cmlp_model_free(m0);
 }
 
+/* cmlp_model_move takes the model's own optimizers only, and moves them with it */
+static void test_model_move(void) {
+    int sizes[] = {3, 4, 2};
+    cmlp_model *m, *other;
+    OK(cmlp_model_init(&m, sizes, 3, cmlp_cpu(), 5));
+    OK(cmlp_model_init(&other, sizes, 3, cmlp_cpu(), 6));
+    cmlp_adam_config ac = cmlp_adam_defaults();
+    cmlp_optim *o[2];
+    OK(cmlp_optim_init_adam(&o[0], m, &ac));
+    OK(cmlp_optim_init_adam(&o[1], other, &ac));
+    CHECK(cmlp_model_move(m, o, 2, cmlp_cpu()) == CMLP_ERR_INVALID, "an optimizer of another model moved");
+    CHECK(strstr(cmlp_last_error(), "another model") != NULL, "message: %s", cmlp_last_error());
+    cmlp_optim *none[1] = {NULL};
+    CHECK(cmlp_model_move(m, none, 1, cmlp_cpu()) == CMLP_ERR_INVALID, "a NULL optimizer taken");
+    OK(cmlp_model_move(m, o, 1, cmlp_cpu()));
+    OK(cmlp_model_move(m, NULL, 0, cmlp_cpu()));
+    cmlp_device gpu = {.type = CMLP_DEVICE_CUDA, .index = 0};
+    CHECK(cmlp_model_move(m, o, 1, gpu) != CMLP_OK && cmlp_model_device(m).type == CMLP_DEVICE_CPU,
+          "a move to a GPU this build cannot open");
+    cmlp_optim_free(o[0]);
+    cmlp_optim_free(o[1]);
+    cmlp_model_free(m);
+    cmlp_model_free(other);
+}
+
 int main(void) {
     int64_t base = allocated_now();
     test_status_and_devices();
@@ -929,6 +954,7 @@ int main(void) {
     test_parts();
     test_part_settings();
     test_group_of_one();
+    test_model_move();
     CHECK(allocated_now() == base, "bytes left allocated: %lld", (long long)(allocated_now() - base));
     return check_summary();
 }
