@@ -113,8 +113,8 @@ $(filter-out build/tests/test_kernels,$(C_TESTS)): build/tests/%: tests/c/%.c te
 	$(CC) -std=c11 -g -O1 $(SAN) $(WARN) $(DEFS) -fno-math-errno -ffp-contract=off -Icsrc -I$(BLAS_INC) \
 	    $< $(CORE_SRC) -o $@ -L$(BLAS_LIB) -lscipy_openblas -Wl,-rpath,$(BLAS_LIB) -lm -lpthread
 
-# test_kernels runs twice: blocks in order, then the last block first (a result that depends on
-# the order of blocks is a race on a GPU)
+# test_kernels runs twice: blocks in order, then the last block first and a block's threads last
+# first between barriers (a result that depends on either order is a race on a GPU)
 test-c: $(C_TESTS)
 	@for t in $(C_TESTS); do \
 	    echo "== $$t"; \

@@ -213,13 +213,18 @@ static void launch_xent(const xent_args &a, cudaStream_t stream) {
     else k_softmax_xent<0, OUT><<<blocks, XENT_THREADS, 0, stream>>>(a);
 }
 
+__global__ void k_reset_flag(float *flag) { *flag = 0.0f; }
+
 /* dlogits_kind: 0 float, 1 fp16, 2 bf16 */
 static cudaError_t softmax_xent(const float *logits, const int32_t *labels, int64_t rows, int64_t cols, float smoothing,
                                 float grad_weight, const float *scale, double count, float *found_inf, void *dlogits,
                                 int dlogits_kind, double *loss_sum, unsigned long long *correct, void *scratch,
                                 cudaStream_t stream) {
     if (rows < 0 || cols < 0 || dlogits_kind < 0 || dlogits_kind > 2) return cudaErrorInvalidValue;
-    if (rows == 0) return cudaSuccess;
+    if (rows == 0) { /* nothing to add; the non-finite flag is reset all the same, as on the CPU */
+        if (found_inf) k_reset_flag<<<1, 1, 0, stream>>>(found_inf);
+        return cudaGetLastError();
+    }
     if (cols == 0) return cudaErrorInvalidValue;
     double *part = static_cast<double *>(scratch);
     unsigned int *done = scratch ? reinterpret_cast<unsigned int *>(part + CMLP_K_XENT_BLOCKS) : nullptr;

@@ -422,6 +422,16 @@ static void test_softmax_xent(void) {
         free(cdl.block);
     }
     KOK(cmlp_k_softmax_xent(F(x), lab.p, 0, cols, 0.0f, 1.0f, NULL, 0.0, NULL, F(dl), &loss, &hits, XS, S));
+    { /* no rows: the non-finite flag is reset all the same, as the CPU backend does */
+        buf flag = make(1, 4, 0);
+        F(flag)[0] = 1.0f;
+        float one = 1.0f, cflag = 1.0f;
+        KOK(cmlp_k_softmax_xent(F(x), lab.p, 0, cols, 0.0f, 0.0f, &one, 1.0, F(flag), F(dl), &loss, &hits, XS, S));
+        CPU_CALL(cpu->softmax_xent(NULL, F(x), lab.p, 0, cols, 0.0f, (cmlp_loss_weight){0.0f, &one, 1.0, &cflag},
+                                   F(dl), NULL, NULL));
+        CHECK(F(flag)[0] == 0.0f && cflag == 0.0f, "xent of no rows: found_inf %g, CPU %g", F(flag)[0], cflag);
+        free(flag.block);
+    }
     CHECK(cmlp_k_softmax_xent(F(x), lab.p, rows, 0, 0.0f, 1.0f, NULL, 0.0, NULL, F(dl), &loss, &hits, NULL, S) ==
               cudaErrorInvalidValue,
           "xent with no columns");
@@ -437,7 +447,8 @@ static void test_softmax_xent(void) {
     free(x.block), free(lab.block), free(dl.block);
 }
 
-/* The emulator's block order (tests/emu/cuda_emu.cpp): 0 first to last, 1 last first. */
+/* The emulator's block order (tests/emu/cuda_emu.cpp): 0 first to last, 1 last first (and a
+ * block's threads last first between barriers). */
 int cmlp_emu_block_order(int order);
 
 /* With scratch the loss total has the same bits whatever order the blocks finish in (on a GPU,

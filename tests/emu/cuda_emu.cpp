@@ -33,8 +33,10 @@ extern "C" cudaError_t cudaGetLastError(void) {
 extern "C" cudaError_t cudaPeekAtLastError(void) { return last_error; }
 
 /* The order of a grid's blocks: 0 first to last, 1 last first (a kernel whose result depends on
- * the order of its blocks, a race on a GPU, gives other bits then); CMLP_EMU_BLOCK_ORDER=reverse
- * starts at 1. cmlp_emu_block_order(order) sets it and returns the one before; -1 only reads it. */
+ * the order of its blocks, a race on a GPU, gives other bits then), and with them the order of a
+ * block's threads between two barriers (a thread that reads what a higher one writes, with no
+ * barrier between, reads it written then); CMLP_EMU_BLOCK_ORDER=reverse starts at 1.
+ * cmlp_emu_block_order(order) sets it and returns the one before; -1 only reads it. */
 static int block_order = -1;
 
 extern "C" int cmlp_emu_block_order(int order) {
@@ -235,12 +237,14 @@ bool release() {
     return true;
 }
 
-void run_block(const std::function<void()> &body) {
+void run_block(const std::function<void()> &body, bool reverse) {
     R.body = &body;
     for (unsigned t = 0; t < R.nthreads; t++) start(t);
     do {
-        for (unsigned t = 0; t < R.nthreads; t++)
+        for (unsigned k = 0; k < R.nthreads; k++) {
+            const unsigned t = reverse ? R.nthreads - 1 - k : k;
             if (R.fibers[t].st == READY) resume(t);
+        }
     } while (release());
 }
 
@@ -265,10 +269,11 @@ void run_grid(dim3 grid, dim3 block, const std::function<void()> &body, const ch
         blockIdx = make_uint3((unsigned)(b % grid.x), (unsigned)(b / grid.x % grid.y),
                               (unsigned)(b / ((uint64_t)grid.x * grid.y)));
         if (!R.direct) {
-            run_block(body);
+            run_block(body, reverse);
             continue;
         }
-        for (unsigned t = 0; t < R.nthreads; t++) {
+        for (unsigned k = 0; k < R.nthreads; k++) {
+            const unsigned t = reverse ? R.nthreads - 1 - k : k;
             R.current = (int)t;
             threadIdx = R.fibers[t].tid;
             body();
