@@ -1,6 +1,10 @@
-"""Checks shared by the test files: the allocator's statistics against its snapshot, and deep
-bitwise equality of state dicts."""
+"""Checks shared by the test files: the allocator's statistics against its snapshot, deep
+bitwise equality of state dicts, and an interpreter's exit with daemon threads still training."""
 import gc
+import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 
@@ -148,3 +152,52 @@ class CountedCalls:
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
+
+
+# Daemon threads training (one model in bf16) and one making models, stepping, predicting and
+# taking snapshots, while the script ends: argv is the device, the inputs' width and rows, and
+# how long the threads run before the end.
+EXIT_SCRIPT = textwrap.dedent("""
+    import sys, threading, time
+    import numpy as np
+    import cmlp
+    device, features, rows, wait = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+    rng = np.random.default_rng(0)
+    x, y = rng.random((rows, features), dtype=np.float32), rng.integers(0, 10, rows)
+
+    def train(seed):
+        m = cmlp.MLP([features, 256, 10], seed=seed, device=device)
+        t = cmlp.Trainer(m, cmlp.optim.Adam(m), batch_size=32, amp="bf16" if seed % 2 else None)
+        while True:
+            t.fit(x, y, epochs=1, progress=False)
+
+    def churn():
+        while True:
+            m = cmlp.MLP([features, 32, 10], seed=7, device=device)
+            cmlp.Trainer(m, cmlp.optim.Adam(m), batch_size=32).step(x[:32], y[:32])
+            m.predict(x[:100])
+            cmlp.memory.memory_snapshot(device)
+            cmlp.memory.empty_cache(device)
+
+    for seed in range(3):
+        threading.Thread(target=train, args=(seed,), daemon=True).start()
+    threading.Thread(target=churn, daemon=True).start()
+    time.sleep(wait)
+    print("end of script")
+""")
+
+
+def assert_exits_with_daemon_threads(tmp_path, env, device, features, rows, wait, runs):
+    """EXIT_SCRIPT, runs times: every exit clean (status 0, the last line printed), none hung."""
+    script = tmp_path / "exit_with_daemons.py"
+    script.write_text(EXIT_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = [os.path.join(root, "python")] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(env, PYTHONPATH=os.pathsep.join(paths))
+    for run in range(runs):
+        try:
+            done = subprocess.run([sys.executable, "-X", "faulthandler", str(script), device, str(features), str(rows),
+                                   str(wait)], env=env, capture_output=True, text=True, timeout=120)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"run {run}: the exit hung")
+        assert done.returncode == 0 and "end of script" in done.stdout, (run, done.returncode, done.stderr[-3000:])

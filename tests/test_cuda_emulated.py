@@ -20,6 +20,9 @@ import pytest
 
 import cmlp
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checks import assert_exits_with_daemon_threads  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 LIBRARY = os.path.join(ROOT, "build", "emu", "_cmlp_cuda_emu.so")
@@ -68,35 +71,6 @@ def test_the_gpu_tests_pass_on_the_emulated_cuda_backend(alloc_conf):
     assert passed >= 165, tail
 
 
-EXIT_SCRIPT = """
-import threading, time
-import numpy as np
-import cmlp
-rng = np.random.default_rng(0)
-x, y = rng.random((4000, 64), dtype=np.float32), rng.integers(0, 10, 4000)
-
-def train(seed):
-    m = cmlp.MLP([64, 256, 10], seed=seed, device="cuda")
-    t = cmlp.Trainer(m, cmlp.optim.Adam(m), batch_size=32, amp="bf16" if seed % 2 else None)
-    while True:
-        t.fit(x, y, epochs=1, progress=False)
-
-def churn():
-    while True:
-        m = cmlp.MLP([64, 32, 10], seed=7, device="cuda")
-        cmlp.Trainer(m, cmlp.optim.Adam(m), batch_size=32).step(x[:32], y[:32])
-        m.predict(x[:100])
-        cmlp.memory.memory_snapshot("cuda")
-        cmlp.memory.empty_cache("cuda")
-
-for seed in range(3):
-    threading.Thread(target=train, args=(seed,), daemon=True).start()
-threading.Thread(target=churn, daemon=True).start()
-time.sleep(0.3)
-print("end of script")
-"""
-
-
 @needs_emulator[0]
 @needs_emulator[1]
 def test_daemon_threads_using_a_gpu_when_the_interpreter_exits_let_it_exit(tmp_path):
@@ -104,18 +78,7 @@ def test_daemon_threads_using_a_gpu_when_the_interpreter_exits_let_it_exit(tmp_p
     registered, so its teardown (the emulator's, here) ran first, under the daemon threads'
     copies, kernels and frees: half the exits crashed. The package's Python exit hook now waits
     for every call made without the GIL, before any C exit handler."""
-    script = tmp_path / "exit_with_gpu_daemons.py"
-    script.write_text(EXIT_SCRIPT)
-    env = _emulated_env()
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "python")] + [
-        p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
-    for run in range(8):
-        try:
-            done = subprocess.run([sys.executable, "-X", "faulthandler", str(script)], env=env,
-                                  capture_output=True, text=True, timeout=120)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"run {run}: the exit hung")
-        assert done.returncode == 0 and "end of script" in done.stdout, (run, done.returncode, done.stderr[-3000:])
+    assert_exits_with_daemon_threads(tmp_path, _emulated_env(), "cuda", 64, 4000, 0.3, runs=8)
 
 
 @needs_emulator[0]

@@ -4,42 +4,14 @@ inside the optimizer's push of its groups' settings.
 """
 
 import os
-import subprocess
 import sys
-import textwrap
 
 import numpy as np
-import pytest
 
 import cmlp
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-EXIT_SCRIPT = textwrap.dedent("""
-    import threading, time
-    import numpy as np
-    import cmlp
-    rng = np.random.default_rng(0)
-    x, y = rng.random((20000, 784), dtype=np.float32), rng.integers(0, 10, 20000)
-
-    def train(seed):
-        m = cmlp.MLP([784, 256, 10], seed=seed)
-        t = cmlp.Trainer(m, cmlp.optim.Adam(m), batch_size=32)
-        while True:
-            t.fit(x, y, epochs=1, progress=False)
-
-    def churn():
-        while True:
-            m = cmlp.MLP([784, 32, 10], seed=7)
-            cmlp.Trainer(m, cmlp.optim.Adam(m), batch_size=32).step(x[:32], y[:32])
-            cmlp.memory.empty_cache("cpu")
-
-    for seed in range(3):
-        threading.Thread(target=train, args=(seed,), daemon=True).start()
-    threading.Thread(target=churn, daemon=True).start()
-    time.sleep(0.05)
-    print("end of script")
-""")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checks import assert_exits_with_daemon_threads  # noqa: E402
 
 
 def test_daemon_threads_training_when_the_interpreter_exits_let_it_exit(tmp_path):
@@ -47,17 +19,7 @@ def test_daemon_threads_training_when_the_interpreter_exits_let_it_exit(tmp_path
     the shared libraries' destructors run (OpenBLAS unmaps its buffers and joins its threads):
     the exit crashed or hung about one run in four. cmlp's exit handler now waits for the calls
     under way and refuses new ones."""
-    script = tmp_path / "exit_with_daemons.py"
-    script.write_text(EXIT_SCRIPT)
-    paths = [os.path.join(ROOT, "python")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
-    for run in range(6):
-        try:
-            done = subprocess.run([sys.executable, "-X", "faulthandler", str(script)], env=env,
-                                  capture_output=True, text=True, timeout=90)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"run {run}: the exit hung")
-        assert done.returncode == 0 and "end of script" in done.stdout, (run, done.returncode, done.stderr[-3000:])
+    assert_exits_with_daemon_threads(tmp_path, os.environ, "cpu", 784, 20000, 0.05, runs=6)
 
 
 # ---- a KeyboardInterrupt at any line of a call's claim, and of the optimizer's settings ----
