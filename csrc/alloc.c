@@ -178,13 +178,13 @@ static alloc_block *cached_block(cmlp_allocator *a, int pool, size_t size) {
     alloc_block *b = alloc_tree_lower_bound(&a->pools[pool], size);
     if (!b) return NULL;
     if (b->seg->expandable) {
-        /* in an expandable segment, a fit whose pages are all mapped if one of the next few
-         * candidates has one (at its start, or further in: a free block may begin on pages given
-         * back and go on over mapped ones); else the best fit, mapped on demand (only while the
-         * setting is on) */
+        /* in an expandable segment, the best fit whose pages are all mapped (at its start, or
+         * further in: a free block may begin on pages given back and go on over mapped ones;
+         * the largest mapped piece, pmax, passes over the others at once); else the best fit,
+         * mapped on demand (only while the setting is on) */
         alloc_block *pick = NULL, *c = b;
         char *at = NULL;
-        for (int k = 0; c && c->seg->expandable && k < 8; k++, c = alloc_tree_next(&a->pools[pool], c))
+        for (; c && c->seg->expandable; c = alloc_tree_next(&a->pools[pool], c))
             if ((at = alloc_mapped_fit(c, size))) {
                 pick = c;
                 break;

@@ -957,6 +957,8 @@ static void test_uncached(void) {
           "uncached free: reserved %" PRId64 ", %" PRId64 " device frees", CUR(s, RESERVED_BYTES, ALL), s.num_device_free);
     cmlp_allocator_set_limit(a, (int64_t)MB(4));
     oom(a, MB(1)); /* 3 MiB + 5 held: no cache to release */
+    CHECK(strstr(cmlp_last_error(), "Tried to allocate 1.00 MiB.") != NULL, "uncached OOM: the segment asked for is the "
+          "request's own size: %.120s", cmlp_last_error());
     s = stats_of(a);
     CHECK(s.num_ooms == 1 && s.num_alloc_retries == 1, "uncached OOM: %" PRId64 " OOMs, %" PRId64 " retries",
           s.num_ooms, s.num_alloc_retries);
@@ -1320,6 +1322,46 @@ static void test_expandable_mapped_inside(void) {
     if (q) fr(a, q);
     fr(a, p1);
     fr(a, p4);
+    ec(a);
+    fin(a, &d);
+}
+
+/* The best fit with a mapped piece large enough is found however many better fits come first:
+ * nine free blocks of 2.5 MiB, each with its middle page given back, before a free 3 MiB block
+ * on mapped pages only (both its pages hold neighbours). Only the first 8 candidates were looked
+ * at: under a limit the request failed, without one it mapped a page more. */
+static void test_expandable_mapped_far(void) {
+    fake_dev d;
+    cmlp_allocator *a = mk(&d, "expandable_segments:True", (int64_t)GB(2));
+    enum { HOLES = 9 };
+    void *keep[HOLES + 3], *holes[HOLES];
+    int nk = 0;
+    void *first = keep[nk++] = al(a, MB(3) / 2);
+    size_t at = MB(3) / 2;
+    for (int k = 0; k <= HOLES; k++) { /* a spacer (large pool: over 1 MiB), then a hole */
+        const size_t target = k < HOLES ? MB(7) / 4 : MB(1) / 2, gap = (target + MB(2) - at % MB(2)) % MB(2);
+        keep[nk++] = al(a, gap <= MB(1) ? gap + MB(2) : gap);
+        at += gap <= MB(1) ? gap + MB(2) : gap;
+        if (k < HOLES) holes[k] = al(a, MB(5) / 2), at += MB(5) / 2; /* [1.75, 4.25) MiB of its pages */
+    }
+    void *g = al(a, MB(3)); /* [0.5, 3.5) MiB of its pages */
+    keep[nk++] = al(a, MB(3) / 2);
+    CHECK(g == addr(first, at), "layout: g at +%td, not +%zu", (char *)g - (char *)first, at);
+    for (int k = 0; k < HOLES; k++) fr(a, holes[k]);
+    fr(a, g);
+    ec(a);
+    const int64_t reserved = CUR(stats_of(a), RESERVED_BYTES, ALL), maps = d.n_map;
+    cmlp_allocator_set_limit(a, reserved);
+    void *q = NULL;
+    cmlp_status st = cmlp_allocator_malloc(a, MB(2) + 200 * 1024, "test", &q);
+    cmlp_memory_stats s = stats_of(a);
+    CHECK(st == CMLP_OK && q == g && d.n_map == maps && CUR(s, RESERVED_BYTES, ALL) == reserved,
+          "the mapped 3 MiB block behind %d better fits not served: %p (g %p), %" PRId64 " maps, reserved %" PRId64,
+          HOLES, q, g, d.n_map - maps, CUR(s, RESERVED_BYTES, ALL));
+    STEP(a);
+    cmlp_allocator_set_limit(a, -1);
+    if (q) fr(a, q);
+    for (int k = 0; k < nk; k++) fr(a, keep[k]);
     ec(a);
     fin(a, &d);
 }
@@ -2365,6 +2407,7 @@ int main(void) {
     test_expandable_max_split();
     test_expandable_holes();
     test_expandable_mapped_inside();
+    test_expandable_mapped_far();
     test_ladder_plain();
     test_ladder_oversize();
     test_ladder_expandable();
