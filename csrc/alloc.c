@@ -193,8 +193,8 @@ static alloc_block *cached_block(cmlp_allocator *a, int pool, size_t size) {
             pick = b; /* mapping: not in a capture, nor in a dry run (pages it maps are new memory) */
         if (pick) {
             alloc_pool_take(a, pick);
-            if (at && at > pick->ptr) alloc_carve_head(a, pick, at);
-            if (!alloc_map_block(a, pick, size)) {
+            /* no host memory to carve with: no block (its start may not be mapped here) */
+            if ((at && at > pick->ptr && !alloc_carve_head(a, pick, at)) || !alloc_map_block(a, pick, size)) {
                 alloc_pool_return(a, pick);
                 return NULL;
             }

@@ -176,8 +176,9 @@ CMLP_HIDDEN span_info alloc_mapped_span(const alloc_segment *s, const char *lo, 
  * none does (pmax must be current). */
 CMLP_HIDDEN char *alloc_mapped_fit(const alloc_block *b, size_t size);
 /* A free block taken out of its pool starts at `at` from here (alloc_mapped_fit's answer): what
- * lies before goes back to the pool as a free block of its own. */
-CMLP_HIDDEN void alloc_carve_head(cmlp_allocator *a, alloc_block *b, char *at);
+ * lies before goes back to the pool as a free block of its own. False (nothing changed) without
+ * host memory for that block. */
+CMLP_HIDDEN bool alloc_carve_head(cmlp_allocator *a, alloc_block *b, char *at);
 /* The unmapped pages among [i, j) of an expandable segment. */
 CMLP_HIDDEN size_t alloc_unmapped_pages(const alloc_segment *s, size_t i, size_t j);
 

@@ -62,11 +62,11 @@ char *alloc_mapped_fit(const alloc_block *b, size_t size) {
 }
 
 /* A free block taken out of its pool starts at `at` from here: what lies before goes back to
- * the pool as a free block of its own, with the block's age. Without host memory for it the
- * block stays whole (then its first pages are mapped on demand: still correct). */
-void alloc_carve_head(cmlp_allocator *a, alloc_block *b, char *at) {
+ * the pool as a free block of its own, with the block's age. False, the block unchanged, without
+ * host memory for it. */
+bool alloc_carve_head(cmlp_allocator *a, alloc_block *b, char *at) {
     alloc_block *head = alloc_block_new(a);
-    if (!head) return;
+    if (!head) return false;
     *head = (alloc_block){.ptr = b->ptr, .size = (size_t)(at - b->ptr), .seg = b->seg, .prev = b->prev, .next = b,
                           .tick = b->tick};
     if (b->prev) b->prev->next = head;
@@ -75,6 +75,7 @@ void alloc_carve_head(cmlp_allocator *a, alloc_block *b, char *at) {
     b->ptr = at;
     b->size -= head->size;
     alloc_pool_return(a, head);
+    return true;
 }
 
 size_t alloc_unmapped_pages(const alloc_segment *s, size_t i, size_t j) {

@@ -463,11 +463,21 @@ cmlp_status cmlp_model_move(cmlp_model *m, cmlp_optim *const *opts, int nopts, c
     cmlp_status st = CMLP_OK;
     while (moved < nopts && (st = cmlp_optim_to(opts[moved], d)) == CMLP_OK) moved++;
     if (st == CMLP_OK) return CMLP_OK;
-    /* what moved goes back (it fits there: it was there), with the first failure's message */
+    /* what moved goes back, with the first failure's message; the memory it left there may have
+     * been taken meanwhile (by another model, or another process): then say where each one is */
     char why[2048];
     snprintf(why, sizeof why, "%s", cmlp_last_error());
-    while (moved > 0) (void)cmlp_optim_to(opts[--moved], from);
-    (void)cmlp_model_to(m, from);
-    cmlp_restore_error(why);
-    return st;
+    int stuck = 0;
+    while (moved > 0) stuck += cmlp_optim_to(opts[--moved], from) != CMLP_OK;
+    stuck += cmlp_model_to(m, from) != CMLP_OK;
+    if (!stuck) {
+        cmlp_restore_error(why);
+        return st;
+    }
+    char where[128];
+    int at = snprintf(where, sizeof where, "the model on %s, its optimizers on",
+                      cmlp_model_device(m).type == CMLP_DEVICE_CUDA ? "cuda" : "cpu");
+    for (int i = 0; i < nopts && at > 0 && (size_t)at < sizeof where; i++)
+        at += snprintf(where + at, sizeof where - (size_t)at, " %s", opts[i]->dev == m->dev ? "the same" : "another");
+    return CMLP_FAIL(CMLP_ERR_STATE, "%.1500s; and moving back failed too, which left %s: move them again", why, where);
 }

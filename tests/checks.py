@@ -156,12 +156,21 @@ class CountedCalls:
 
 # Daemon threads training (one model in bf16) and one making models, stepping, predicting and
 # taking snapshots, while the script ends: argv is the device, the inputs' width and rows, and
-# how long the threads run before the end.
+# how long the threads run before the end. An exit callback registered before cmlp's own (so run
+# after it) saves a model, and logging's (which lets go of the GIL) lets the threads run on.
 EXIT_SCRIPT = textwrap.dedent("""
-    import sys, threading, time
+    import atexit, os, sys, tempfile, threading, time
+    device, features, rows, wait = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+
+    def save_at_exit():
+        path = os.path.join(tempfile.mkdtemp(), "late.npz")
+        cmlp.MLP([4, 8, 2], seed=0, device=device).save(path)
+        print("saved at exit:", os.path.getsize(path) > 0, flush=True)
+
+    atexit.register(save_at_exit)
+    import logging  # noqa: F401
     import numpy as np
     import cmlp
-    device, features, rows, wait = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
     rng = np.random.default_rng(0)
     x, y = rng.random((rows, features), dtype=np.float32), rng.integers(0, 10, rows)
 
@@ -188,7 +197,8 @@ EXIT_SCRIPT = textwrap.dedent("""
 
 
 def assert_exits_with_daemon_threads(tmp_path, env, device, features, rows, wait, runs):
-    """EXIT_SCRIPT, runs times: every exit clean (status 0, the last line printed), none hung."""
+    """EXIT_SCRIPT, runs times: every exit clean (status 0, the last lines printed, no thread's
+    traceback), none hung."""
     script = tmp_path / "exit_with_daemons.py"
     script.write_text(EXIT_SCRIPT)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -201,3 +211,5 @@ def assert_exits_with_daemon_threads(tmp_path, env, device, features, rows, wait
         except subprocess.TimeoutExpired:
             raise AssertionError(f"run {run}: the exit hung")
         assert done.returncode == 0 and "end of script" in done.stdout, (run, done.returncode, done.stderr[-3000:])
+        assert "saved at exit: True" in done.stdout and "Traceback" not in done.stderr, (run, done.stdout[-500:],
+                                                                                         done.stderr[-3000:])

@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 /* ---- errors: the one mapping from cmlp_status to Python ---- */
 
@@ -29,10 +30,20 @@ const char *user_error(void) {
 
 /* ---- the model calls under way, waited for at exit (core_enter in _cmlp.h) ---- */
 static _Atomic int core_calls, core_exiting;
+static pthread_t exit_thread; /* the thread that runs the exit (set before core_exiting) */
+
+/* A call of another thread than the exiting one, once the exit has begun. */
+static int held_back(void) { return atomic_load(&core_exiting) && !pthread_equal(pthread_self(), exit_thread); }
+
+/* Never returns: a daemon thread's work after the exit began waits here, without the GIL and
+ * without an exception, until the process ends. */
+static void park(void) {
+    for (;;) pause();
+}
 
 int core_enter(void) {
     atomic_fetch_add(&core_calls, 1);
-    if (!atomic_load(&core_exiting)) return 1; /* seq_cst both sides: the exit handler sees this call */
+    if (!held_back()) return 1; /* seq_cst both sides: the exit's wait sees this call */
     atomic_fetch_sub(&core_calls, 1);
     return 0;
 }
@@ -41,21 +52,40 @@ void core_leave(void) { atomic_fetch_sub(&core_calls, 1); }
 
 void core_busy(int delta) { atomic_fetch_add(&core_calls, delta); }
 
-/* At most EXIT_WAIT_MS: a call that never ends (a collective whose peers are gone) does not hold
- * the exit for good. */
+void core_gate(int delta) {
+    if (delta < 0) atomic_fetch_add(&core_calls, delta);
+    if (!held_back()) return;
+    if (delta > 0) atomic_fetch_sub(&core_calls, delta);
+    park();
+}
+
+/* One wait of EXIT_WAIT_MS at most for the whole exit (the Python hook's and the C handler's): a
+ * call that never ends (a collective whose peers are gone) does not hold the exit for good. */
 #define EXIT_WAIT_MS 30000
 
 static void core_wait_at_exit(void) {
-    atomic_store(&core_exiting, 1);
-    for (int ms = 0; ms < EXIT_WAIT_MS && atomic_load(&core_calls) > 0; ms++) {
-        struct timespec ts = {0, 1000000};
+    static struct timespec deadline;
+    if (!atomic_load(&core_exiting)) {
+        exit_thread = pthread_self();
+        atomic_store(&core_exiting, 1);
+        clock_gettime(CLOCK_MONOTONIC, &deadline);
+        deadline.tv_sec += EXIT_WAIT_MS / 1000;
+    }
+    for (;;) {
+        struct timespec now, ts = {0, 1000000};
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        if (atomic_load(&core_calls) <= 0 || now.tv_sec > deadline.tv_sec ||
+            (now.tv_sec == deadline.tv_sec && now.tv_nsec >= deadline.tv_nsec))
+            return;
         nanosleep(&ts, NULL);
     }
 }
 
-/* From the package's Python exit hook: the wait, with the GIL held (a call under way ends
- * without it; one that ends waits for the GIL, after its count is gone), before the C
- * libraries' exit handlers run. Refused calls from here on raise no exception anyone sees. */
+/* From the package's Python exit hook, before any C library's exit handler (the CUDA runtime's
+ * is registered after cmlp's own, at the first use of a GPU, so it would run first): the wait,
+ * with the GIL held (a call under way ends without it, its count gone before it asks for the
+ * GIL). From here on this thread's calls (the exit callbacks') run as ever; another thread's new
+ * call waits for the process's end, parked without the GIL, and raises nothing. */
 static PyObject *mod_wait_for_calls(PyObject *mod, PyObject *unused) {
     (void)mod;
     (void)unused;

@@ -29,8 +29,8 @@ typedef struct {
 
 static inline module_state *state_of(PyObject *module) { return (module_state *)PyModule_GetState(module); }
 
-/* The process is exiting (core_enter refused the call): never seen in Python, as the thread
- * that made the call cannot take the GIL back during finalization. */
+/* The process is exiting (core_enter refused another thread's call): never seen in Python, as
+ * that thread parks at the call's end (core_gate) and never takes the GIL back. */
 #define STATUS_EXITING ((cmlp_status)-2)
 /* A model's computation (GEMMs through OpenBLAS, on cmlp's pool) runs between core_enter and
  * core_leave. At exit() (after Py_Finalize, which leaves threads that released the GIL
@@ -40,13 +40,16 @@ static inline module_state *state_of(PyObject *module) { return (module_state *)
 int core_enter(void);
 void core_leave(void);
 int core_exit_init(void);
-/* Every call made with the GIL released (NOGIL_BEGIN .. NOGIL_END) is counted too, refused or
- * not, so that the exit waits for it: a daemon thread may be copying to a GPU or freeing its
- * memory when the process ends. The wait is made first from a Python exit hook
- * (_cmlp.wait_for_calls, registered by the package), before any C exit handler: the CUDA
- * runtime, loaded at the first use of a GPU, registers its teardown after cmlp's handler, so it
- * would run first. */
+/* Every call made with the GIL released (NOGIL_BEGIN .. NOGIL_END) is counted too, so that the
+ * exit waits for it: a daemon thread may be copying to a GPU or freeing its memory when the
+ * process ends. The wait is made first from a Python exit hook (_cmlp.wait_for_calls, registered
+ * by the package), before any C exit handler: the CUDA runtime, loaded at the first use of a
+ * GPU, registers its teardown after cmlp's handler, so it would run first. core_busy(1) counts a
+ * call (the GIL held); core_gate(+1), once the GIL is let go, and core_gate(-1), at the call's
+ * end, park a thread that is not the exiting one for good once the exit has begun (it raises
+ * nothing; its refused model call, STATUS_EXITING, is never seen). */
 void core_busy(int delta);
+void core_gate(int delta);
 
 /* This module's own status: a model lost to fork (ModelObject.lost). */
 #define STATUS_LOST ((cmlp_status)-1)
@@ -76,9 +79,10 @@ int stacks_init(void);
     {                                                                                                          \
         void *cuctx_ = cmlp_cuda_ctx_save();                                                                   \
         core_busy(1);                                                                                          \
-        Py_BEGIN_ALLOW_THREADS
+        Py_BEGIN_ALLOW_THREADS                                                                                 \
+        core_gate(1);
 #define NOGIL_END                                                                                              \
-    core_busy(-1);                                                                                             \
+    core_gate(-1);                                                                                             \
     Py_END_ALLOW_THREADS                                                                                       \
     cmlp_cuda_ctx_restore(cuctx_);                                                                             \
     }
