@@ -201,8 +201,9 @@ def assert_exits_with_daemon_threads(tmp_path, env, device, features, rows, wait
     traceback), none hung."""
     script = tmp_path / "exit_with_daemons.py"
     script.write_text(EXIT_SCRIPT)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    paths = [os.path.join(root, "python")] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    # the package this process imported (the source tree's build, or an installed copy)
+    paths = [os.path.dirname(os.path.dirname(os.path.abspath(cmlp.__file__)))] + [
+        p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = dict(env, PYTHONPATH=os.pathsep.join(paths))
     for run in range(runs):
         try:
