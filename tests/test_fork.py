@@ -15,8 +15,9 @@ import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO_PYTHON = os.path.join(os.path.dirname(HERE), "python")
+import cmlp
+
+REPO_PYTHON = os.path.dirname(os.path.dirname(os.path.abspath(cmlp.__file__)))  # the package imported here
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
 
