@@ -464,7 +464,7 @@ static PyMethodDef module_methods[] = {
     {"cuda_forked", mod_cuda_forked, METH_NOARGS, "whether this process was forked after CUDA was started"},
     {"synchronize", mod_synchronize, METH_O, "synchronize(device): waits for the device's queued work"},
     {"wait_for_calls", mod_wait_for_calls, METH_NOARGS,
-     "at exit: refuses new calls and waits (30 s at most) for those under way in other threads"},
+     "at exit: waits (30 s at most) for other threads' calls under way; their new ones wait for the end"},
     {NULL, NULL, 0, NULL},
 };
 
