@@ -208,11 +208,14 @@ cmlp_status cmlp_optim_configure_sgd(cmlp_optim *o, const cmlp_sgd_config *c) {
     return CMLP_OK;
 }
 
-cmlp_status cmlp_optim_check_model(const cmlp_optim *o) {
-    if (o->model->dev != o->dev)
-        return CMLP_FAIL(CMLP_ERR_STATE, "the model was moved to another device without its optimizer: "
-                                         "use model.to(device) through the optimizer (optimizer.to(device))");
-    return CMLP_OK;
+/* An optimizer made while its model moved (in another thread) may be on the device the model
+ * left; one that holds no state yet follows the model there (its parameter groups' settings,
+ * all it has, go with it). One with state was left behind by a move made around it. */
+cmlp_status cmlp_optim_check_model(cmlp_optim *o) {
+    if (o->model->dev == o->dev) return CMLP_OK;
+    if (!o->state && !o->vmax) return cmlp_optim_to(o, cmlp_model_device(o->model));
+    return CMLP_FAIL(CMLP_ERR_STATE, "the model was moved to another device without its optimizer: "
+                                     "use model.to(device) through the optimizer (optimizer.to(device))");
 }
 
 /* A buffer of nb state buffers, new: Adam's arena zeros; SGD's momentum buffer all NaN and

@@ -119,7 +119,7 @@ static inline float *amsgrad_max(const cmlp_optim *o, bool on, int64_t k) { retu
  * computes with it: an inf or overflowing value would only turn the parameters into inf or NaN. */
 CMLP_HIDDEN cmlp_status cmlp_optim_check_real(const char *what, double v);
 /* The model is still on the optimizer's device. */
-CMLP_HIDDEN cmlp_status cmlp_optim_check_model(const cmlp_optim *o);
+CMLP_HIDDEN cmlp_status cmlp_optim_check_model(cmlp_optim *o);
 /* The state a step needs is there (made now where missing); sharded, checked as a collective. */
 CMLP_HIDDEN cmlp_status cmlp_optim_ready(cmlp_optim *o, const void *dcomm);
 

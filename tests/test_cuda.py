@@ -372,6 +372,38 @@ def test_steps_in_another_thread_never_find_the_model_moved_without_its_optimize
 
 
 @needs_gpu
+def test_an_optimizer_made_during_a_move_follows_the_model_at_its_first_step():
+    """An optimizer made in one thread while another moved the model was made on the device the
+    model left and registered after the move had taken its optimizers: its first step failed
+    with "moved to another device without its optimizer". With no state yet, it now follows the
+    model (its groups' settings with it) and steps as one made after the move; one that holds
+    state and was left behind still says so."""
+    sizes = [16, 32, 4]
+    x, y = margin_batch(sizes, 32)[1:]
+    groups = [{"params": ["fc1.weight", "fc1.bias"], "lr": 1e-2}, {"params": ["fc2.weight", "fc2.bias"]}]
+    results = []
+    for late in (True, False):
+        model = cmlp.MLP(sizes, seed=0)
+        opt = cmlp.optim.Adam(model, lr=1e-3, param_groups=groups)
+        if late:  # made before the move and registered after it, as in the race
+            model._optimizers.discard(opt)
+        model.to(CUDA)
+        model._optimizers.add(opt)
+        trainer = cmlp.Trainer(model, opt, batch_size=32)
+        results.append(([trainer.step(x, y) for _ in range(3)], model.state_dict()))
+    assert results[0][0] == results[1][0] and same(results[0][1], results[1][1])
+    if DRY_RUN:  # no move between two devices
+        return
+    model = cmlp.MLP(sizes, seed=0)
+    opt = cmlp.optim.Adam(model)
+    cmlp.Trainer(model, opt, batch_size=32).step(x, y)
+    model._optimizers.discard(opt)
+    model.to(CUDA)
+    with pytest.raises(RuntimeError, match="without its optimizer"):
+        opt.step()
+
+
+@needs_gpu
 def test_save_and_load_onto_the_gpu(tmp_path):
     cpu = cmlp.MLP([3, 5, 2], seed=4)
     path = tmp_path / "m.npz"
@@ -2101,11 +2133,13 @@ def test_cli_budget_counts_what_the_device_holds_once_open(capsys):
     from cmlp.__main__ import main
 
     layers, budget = [784, 16, 10], 12 * 2**20
-    assert main(["plan", "--device", "cuda", "--layers", ",".join(map(str, layers)), "--budget", "12MB"]) == 0
+    status = main(["plan", "--device", "cuda", "--layers", ",".join(map(str, layers)), "--budget", "12MB"])
     out = capsys.readouterr().out
     held = cmlp.memory.memory_reserved("cuda")
     n = cmlp.memory.max_batch_size(layers, budget - held, device="cuda") if budget > held else 0
     assert f"largest batch that fits in 12.00 MiB: {n}" in out
+    run = cmlp.memory.plan(layers, 32, device="cuda", epochs=1).reserved_bytes  # --batch-size's default
+    assert status == (0 if held + run <= budget else 1) and ("does not fit" in out) == bool(status)
     if held:
         assert f"cuda:0 holds {cmlp.memory._fmt(held)} of it once open" in out
 

@@ -50,6 +50,13 @@ def _python(code, args=(), timeout=300):
     return r.stdout
 
 
+def _status(layers, batch, budget, optimizer="adam", amp=None, recompute=False, accumulation_steps=1, **kw):
+    """plan --budget's exit status: 0 where the run as planned fits the budget (one epoch's
+    reserved memory, a limit's view), 1 where it does not."""
+    return int(M.plan(layers, batch, optimizer, amp, recompute, accumulation_steps=accumulation_steps, epochs=1,
+                      **kw).reserved_bytes > budget)
+
+
 def _cli(args, cwd, timeout=60):
     return subprocess.run([sys.executable, "-m", "cmlp", "plan", *args], capture_output=True, text=True, cwd=cwd,
                           env=_env(), timeout=timeout)
@@ -353,7 +360,9 @@ def test_cli_plan_prints_the_breakdown(tmp_path):
     assert r.stdout.strip() == str(M.plan([784, 512, 256, 10], 4096)).strip()
     assert "largest batch" not in r.stdout
     r = _cli(["--batch-size", "32", "--validation-rows", "10000", "--budget", "20MB"], tmp_path)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 1, r.stderr  # batch 32 itself reserves more (see below)
+    assert r.stdout.splitlines()[-1] == "the run as planned (batch 32) does not fit in 20.00 MiB: it reserves " + \
+        M._fmt(M.plan([784, 512, 256, 10], 32, validation_rows=10000, epochs=1).reserved_bytes)
     whole = M.plan([784, 512, 256, 10], 32, validation_rows=10000)
     assert r.stdout.startswith(str(whole)) and whole.breakdown["evaluation"] > 0
     fits = M.max_batch_size([784, 512, 256, 10], 20 << 20, validation_rows=10000)
@@ -383,7 +392,7 @@ def test_cli_plan_with_a_budget_lists_the_ways_to_fit_a_step(tmp_path):
     for layers, batch, budget in (([784, 512, 256, 10], 65536, 256 << 20), ([784, 4096, 4096, 10], 4096, 160 << 20)):
         r = _cli(["--layers", ",".join(map(str, layers)), "--batch-size", str(batch), "--budget", str(budget),
                   "--optimizer", "sgd"], tmp_path)
-        assert r.returncode == 0, r.stderr
+        assert r.returncode == _status(layers, batch, budget, "sgd") == 1, r.stderr
         rows = {}
         for line in r.stdout.splitlines():
             m = re.match(r"  (fp32|fp16|bf16)\s+(no|yes)\s+(\d+|none fits)\s+(\d+|-)", line)
@@ -406,7 +415,7 @@ def test_cli_plan_with_a_budget_lists_the_ways_to_fit_a_step(tmp_path):
                 fewer = M.max_batch_size(layers, budget, "sgd", amp, recompute, accumulation_steps=k - 1)
                 assert (k - 1) * fewer < batch or reserved(k - 1) > budget, (prec, rc, k)
     r = _cli(["--batch-size", "64", "--budget", "1MB"], tmp_path)
-    assert r.returncode == 0 and "ways to train" not in r.stdout, "nothing fits: no table"
+    assert r.returncode == 1 and "ways to train" not in r.stdout, "nothing fits: no table"
 
 
 def test_cli_plan_says_a_batch_below_the_largest_may_not_fit(tmp_path):
@@ -416,7 +425,7 @@ def test_cli_plan_says_a_batch_below_the_largest_may_not_fit(tmp_path):
     setting that maps pages instead."""
     layers, budget = [784, 512, 256, 10], 20 << 20
     r = _cli(["--batch-size", "32", "--budget", "20MB"], tmp_path)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 1, r.stderr
     n = M.max_batch_size(layers, budget)
     assert M.plan(layers, 32, epochs=1).reserved_bytes > budget and n > 32
     assert f"largest batch that fits in 20.00 MiB: {n} (not every smaller one: batch 32 reserves 22.00 MiB" in r.stdout
@@ -434,7 +443,7 @@ def test_cli_plan_of_accumulated_and_recomputed_steps(tmp_path):
     batch x k samples, the row of recomputation in fp32 marked as the one planned."""
     layers, batch, k, budget = [784, 512, 256, 10], 2000, 4, 46 << 20
     r = _cli(["--batch-size", str(batch), "--accumulation-steps", str(k), "--recompute", "--budget", "46MB"], tmp_path)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == _status(layers, batch, budget, recompute=True, accumulation_steps=k), r.stderr
     want = M.plan(layers, batch, recompute=True, accumulation_steps=k)
     assert r.stdout.startswith(str(want).replace(f"batch {batch},", f"batch {batch} x {k},")), r.stdout
     n = M.max_batch_size(layers, budget, recompute=True, accumulation_steps=k)
@@ -473,7 +482,7 @@ def test_the_trainer_under_a_limit_runs_the_micro_batches_plan_offers(tmp_path, 
     without recomputation, and no step runs out of memory."""
     layers = [784, 512, 256, 10]
     r = _cli(["--batch-size", str(batch), "--accumulation-steps", str(acc), "--budget", f"{budget}MB"], tmp_path)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == _status(layers, batch, budget << 20, accumulation_steps=acc) == 1, r.stderr
     rows = re.findall(r"  (fp32|fp16|bf16)\s+(no|yes)\s+(\d+)\s+(\d+)", r.stdout)
     assert len(rows) == 6, r.stdout
     assert any(int(k) in (3, 5, 6) for *_, k in rows), "a case halving would not find"
@@ -495,13 +504,13 @@ def test_cli_plan_ways_to_fit_a_step_count_the_validation(tmp_path):
     layers, budget, rows = [784, 64, 10], 8 << 20, 10000
     args = ["--layers", "784,64,10", "--batch-size", "1024", "--budget", str(budget), "--optimizer", "sgd"]
     r = _cli(args, tmp_path)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 1, r.stderr
     alone = M.max_batch_size(layers, budget, "sgd")
     assert 0 < alone < 1024 and f"largest batch that fits in 8.00 MiB: {alone}" in r.stdout
     assert "ways to train steps of 1024" in r.stdout
     assert M.max_batch_size(layers, budget, "sgd", validation_rows=rows) == 0
     r = _cli([*args, "--validation-rows", str(rows)], tmp_path)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 1, r.stderr
     assert "largest batch that fits in 8.00 MiB: 0" in r.stdout and "ways to train" not in r.stdout
     for amp in (None, "fp16", "bf16"):
         for recompute in (False, True):
@@ -518,16 +527,21 @@ def test_cli_plan_ways_to_fit_a_step_count_the_validation(tmp_path):
 ])
 def test_cli_plan_options(tmp_path, args, layers, batch, opt, amp):
     r = _cli([*args, "--budget", "64MB"], tmp_path)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == _status(layers, batch, 64 * MIB, opt, amp), r.stderr
     assert str(M.plan(layers, batch, opt, amp)) in r.stdout
     n = M.max_batch_size(layers, 64 * MIB, opt, amp)
     assert f"largest batch that fits in 64.00 MiB: {n}" in r.stdout
 
 
 def test_cli_plan_when_nothing_fits(tmp_path):
+    """The exit status says whether the run as planned fits: 1 where not (a script tests it
+    before training), 0 where it does."""
     r = _cli(["--budget", "1MB"], tmp_path)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 1, r.stderr
     assert "largest batch that fits in 1.00 MiB: 0" in r.stdout
+    assert r.stdout.splitlines()[-1].startswith("the run as planned (batch 32) does not fit in 1.00 MiB: it reserves ")
+    r = _cli(["--budget", "64MB"], tmp_path)
+    assert r.returncode == 0 and "does not fit" not in r.stdout, (r.stdout, r.stderr)
 
 
 @pytest.mark.parametrize("args, needle", [

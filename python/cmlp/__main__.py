@@ -190,7 +190,8 @@ def _parser() -> argparse.ArgumentParser:
                          "later epochs add to the cache is given back)")
     pl.add_argument("--budget", type=_size, default=None,
                     help="e.g. 2GB, as a --memory-limit would be: also print the largest batch whose run fits "
-                         "(beside what the device holds once open)")
+                         "(beside what the device holds once open); the exit status is 1 where the run as planned does "
+                         "not fit")
     sn = sub.add_parser("snapshot", help="describe a memory snapshot (--memory-history, cmlp.memory._dump_snapshot, "
                                          "or PyTorch's): its peak, what held it, what ran out of memory",
                         formatter_class=_Help)
@@ -376,6 +377,10 @@ def _plan(a: argparse.Namespace) -> int:
         print(f"largest batch that fits in {memory._fmt(a.budget)}: {n}{why}")
         if room > 0:
             _options(a, optimizer, room)
+        if mine > room:  # the status a script tests before it trains
+            print(f"the run as planned (batch {a.batch_size}) does not fit in {memory._fmt(a.budget)}: it reserves "
+                  f"{memory._fmt(mine + held)}")
+            return 1
     return 0
 
 

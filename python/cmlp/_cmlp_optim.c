@@ -33,12 +33,12 @@ static int Optim_init(OptimObject *self, PyObject *args, PyObject *kw) {
     if (strcmp(kind, "adam") == 0) {
         ac.lr = lr;
         ac.weight_decay = wd;
-        GUARDED(st = cmlp_optim_init_adam(&self->o, mo->m, &ac));
+        RUN_LOCKED(mo, st, cmlp_optim_init_adam(&self->o, mo->m, &ac)); /* the model's device, not moving */
     } else if (strcmp(kind, "sgd") == 0) {
         sc.lr = lr;
         sc.weight_decay = wd;
         sc.nesterov = nesterov;
-        GUARDED(st = cmlp_optim_init_sgd(&self->o, mo->m, &sc));
+        RUN_LOCKED(mo, st, cmlp_optim_init_sgd(&self->o, mo->m, &sc));
     } else {
         PyErr_Format(PyExc_ValueError, "unknown optimizer kind \"%s\": expected \"adam\" or \"sgd\"", kind);
         return -1;
