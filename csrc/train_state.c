@@ -53,6 +53,8 @@ cmlp_status cmlp_trainer_set_microbatch_size(cmlp_trainer *t, int64_t size) {
     return CMLP_OK;
 }
 
+int64_t cmlp_trainer_last_microbatch(const cmlp_trainer *t) { return t->ran_micro; }
+
 void cmlp_trainer_get_microbatch_state(const cmlp_trainer *t, int64_t *size, int64_t *target,
                                        int64_t *good_steps, int64_t *grown_from) {
     *size = t->micro;

@@ -230,6 +230,7 @@ cmlp_status cmlp_train_robust_step(cmlp_trainer *t, cmlp_dscalars *ds, const cml
         }
         if (st == CMLP_OK) st = step_update(t, ds, xy, n_all);
         if (st == CMLP_OK) {
+            t->ran_micro = t->micro;
             if (t->micro < t->target_micro && ++t->good_steps >= t->cfg.grow_interval) {
                 t->grown_from = t->micro;
                 t->micro = grown_micro(t->micro, t->target_micro, whole);
@@ -327,7 +328,10 @@ cmlp_status cmlp_train_graph_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp
                    : warm ? PATH_CAPTURE
                           : PATH_EAGER;
     if (t->dist) CMLP_TRY(cmlp_dist_all_reduce(&path, 1, CMLP_COMM_I64, CMLP_REDUCE_MIN));
-    if (path == PATH_REPLAY) return b->graph_launch(dev->bctx, t->graph);
+    if (path == PATH_REPLAY) {
+        t->ran_micro = t->micro; /* a replay's steps are whole micro-batches asked for (eligible) */
+        return b->graph_launch(dev->bctx, t->graph);
+    }
     if (path == PATH_EAGER) {
         CMLP_TRY(cmlp_train_robust_step(t, ds, xy, idx, start, n, n_all));
         if (eligible && !warm) {
@@ -351,6 +355,7 @@ cmlp_status cmlp_train_graph_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp
         t->graph = g;
         t->graph_dev = dev;
         t->graph_key = key;
+        t->ran_micro = t->micro;
         return b->graph_launch(dev->bctx, g);
     }
     if (g) b->graph_free(dev->bctx, g);

@@ -15,7 +15,7 @@ import pytest
 import cmlp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from checks import fill_cache_but, room_for, same  # noqa: E402
+from checks import fill_cache_but, room_for, same, unplanned  # noqa: E402
 
 M = cmlp.memory
 DEV = "cpu"
@@ -397,9 +397,10 @@ def test_the_microbatch_grows_back_after_a_real_oom():
     trainer = None
     trainer = fresh(WIDE, WIDE_BATCH, grow_interval=2)
     M.set_memory_limit(M.memory_reserved(DEV) + growth - 2 * MIB, DEV)
+    unplanned(trainer, WIDE_BATCH)
     try:
         with pytest.warns(cmlp.MemoryWarning, match="out of memory inside a training step"):
-            trainer.step(*batches[0])  # Trainer.step has no planned start: a real OOM, then halving
+            trainer.step(*batches[0])  # a real OOM, then halving
     finally:
         M.set_memory_limit(None, DEV)
     used = [trainer.microbatch_size]
@@ -514,6 +515,7 @@ def test_a_growth_that_runs_out_of_memory_goes_back_to_the_size_that_worked():
     trainer.optimizer.load_state_dict(checkpoint[1])
     trainer.load_state_dict(checkpoint[2])
     M.set_memory_limit((fits + more) // 2, DEV)
+    unplanned(trainer, batch)
     try:
         with pytest.warns(cmlp.MemoryWarning, match="micro-batches of 2667"):
             trainer.step(*batches[0])
@@ -523,6 +525,39 @@ def test_a_growth_that_runs_out_of_memory_goes_back_to_the_size_that_worked():
     got = trainer.model.state_dict()
     trainer = None
     assert same(got, _replay(layers, batch, batches + batches[:1], [2667] * 5))
+
+
+def test_a_step_under_a_limit_starts_from_the_planners_micro_batch_as_fit_does():
+    """Trainer.step under a memory limit ran out of memory first and halved (4 of 2000 for a step
+    of 8000), where fit starts from the planner's 3 of 2667; it now starts there too, once for
+    each limit and batch size (later steps grow back from there), and says so where it is
+    called. A fit whose last step made the micro-batch grow reports the size its steps ran
+    with, not the one the next step will try."""
+    layers, batch = [784, 512, 256, 10], 8000
+    x, y = data(layers, 2 * batch)
+    trainer = fresh(layers, batch, grow_interval=2)
+    fits = M.plan(layers, 2667, trainer.optimizer, accumulation_steps=3).reserved_bytes
+    more = M.plan(layers, 4000, trainer.optimizer, accumulation_steps=2).reserved_bytes
+    M.set_memory_limit((fits + more) // 2, DEV)
+    ooms = M.memory_stats(DEV)["num_ooms"]
+    try:
+        with pytest.warns(cmlp.MemoryWarning, match="the planner fits micro-batches of 2667, not 8000") as said:
+            trainer.step(x[:batch], y[:batch])
+        assert [w.filename for w in said] == [__file__]
+        assert trainer.microbatch_size == 2667 and trainer._c.oom_retries() == 0
+        assert M.memory_stats(DEV)["num_ooms"] == ooms
+        got = trainer.model.state_dict()
+        trainer = None
+        assert same(got, _replay(layers, batch, [(x[:batch], y[:batch])], [2667]))
+
+        trainer = fresh(layers, batch, grow_interval=2)
+        with pytest.warns(cmlp.MemoryWarning, match="fits micro-batches of 2667"):
+            history = trainer.fit(x, y, epochs=1, progress=False)
+        # the second good step made it grow: the next step tries 4000, the epoch's ran at 2667
+        assert history[0]["microbatch_size"] == 2667 and trainer.microbatch_size == 4000
+        assert M.memory_stats(DEV)["num_ooms"] == ooms
+    finally:
+        M.set_memory_limit(None, DEV)
 
 
 def test_an_oom_makes_twice_as_many_equal_micro_batches():
@@ -537,6 +572,7 @@ def test_an_oom_makes_twice_as_many_equal_micro_batches():
     more = M.plan(layers, 2667, trainer.optimizer, accumulation_steps=3).reserved_bytes  # 42 MiB
     assert fits < more  # from an empty cache, the model's segment among them
     M.set_memory_limit((fits + more) // 2, DEV)
+    unplanned(trainer, batch)
     try:
         with pytest.warns(cmlp.MemoryWarning, match="micro-batches of 1334"):
             trainer.step(x, y)

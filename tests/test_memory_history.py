@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import cmlp
-from checks import assert_history_explains
+from checks import assert_history_explains, unplanned
 
 M = cmlp.memory
 DEV = "cpu"
@@ -100,6 +100,7 @@ def test_an_oom_survived_by_micro_batches_is_in_the_history():
     model._c.release_workspace()
     start = begin()
     M.set_memory_limit(M.memory_reserved(DEV) + M.plan(layers, 4096, opt).breakdown["activations"] // 3, DEV)
+    unplanned(trainer, 4096)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", cmlp.MemoryWarning)
         trainer.step(x, y)  # runs out of memory, then splits the step

@@ -347,6 +347,12 @@ static PyObject *Trainer_microbatch_state(TrainerObject *self, PyObject *unused)
     return Py_BuildValue("(LLLL)", (long long)size, (long long)target, (long long)good, (long long)grown_from);
 }
 
+static PyObject *Trainer_last_microbatch(TrainerObject *self, PyObject *unused) {
+    (void)unused;
+    if (trainer_ready(self) < 0) return NULL;
+    return PyLong_FromLongLong(cmlp_trainer_last_microbatch(self->t));
+}
+
 static PyObject *Trainer_set_microbatch_state(TrainerObject *self, PyObject *args) {
     long long size, target, good, grown_from;
     if (!PyArg_ParseTuple(args, "LLLL", &size, &target, &good, &grown_from)) return NULL;
@@ -409,6 +415,8 @@ static PyMethodDef Trainer_methods[] = {
     {"start_microbatch", (PyCFunction)Trainer_start_microbatch, METH_O, "compute with a smaller micro-batch for now"},
     {"microbatch_state", (PyCFunction)Trainer_microbatch_state, METH_NOARGS, "(size, target, good_steps, grown_from)"},
     {"run_steps", (PyCFunction)Trainer_run_steps, METH_NOARGS, "the steps the last epoch_run took (failed or not)"},
+    {"last_microbatch", (PyCFunction)Trainer_last_microbatch, METH_NOARGS,
+     "the micro-batch the last step that completed ran with (0: none yet)"},
     {"set_microbatch_state", (PyCFunction)Trainer_set_microbatch_state, METH_VARARGS,
      "set_microbatch_state(size, target, good_steps, grown_from)"},
     {NULL, NULL, 0, NULL},

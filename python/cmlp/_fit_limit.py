@@ -9,12 +9,14 @@ from . import _cmlp, memory
 from . import distributed as _dist
 
 
-def start_under_limit(trainer: Any, xa: Optional[np.ndarray] = None) -> None:
+def start_under_limit(trainer: Any, xa: Optional[np.ndarray] = None, batch_rows: int = 0,
+                      stacklevel: int = 6) -> None:
     """Under a memory limit, start from the largest micro-batch that the planner says fits
     next to what is already allocated (the fewest of a step). A fit on a GPU has copied
     its data set xa to the device: where the step would fit a larger micro-batch without it
     (or, without auto_microbatch, only without it), the copy goes and the batches are staged
-    from host memory, so that the data set never costs the step its room."""
+    from host memory, so that the data set never costs the step its room. trainer.step gives
+    batch_rows instead of xa: the rows of its one step, this rank's, staged from host memory."""
     device = trainer.model.device
     limit = memory.get_memory_limit(device)
     if limit is None:
@@ -37,8 +39,8 @@ def start_under_limit(trainer: Any, xa: Optional[np.ndarray] = None) -> None:
     # a data set smaller than a micro-batch is each step's one micro-batch; data-parallel,
     # every rank has the whole data set and a step of it is shared out, the first ranks
     # taking one sample more: a rank computes at most ceil(rows / world_size) of a step
-    rows = xa.shape[0] if xa is not None else 0
-    if trainer.distributed:
+    rows = xa.shape[0] if xa is not None else batch_rows
+    if trainer.distributed and xa is not None:
         rows = -(-rows // _dist.get_world_size())
 
     def planned(b: int, with_data: bool) -> Any:
@@ -47,8 +49,8 @@ def start_under_limit(trainer: Any, xa: Optional[np.ndarray] = None) -> None:
         try:
             return memory.plan(list(trainer.model.layer_sizes), b, trainer.optimizer, trainer.amp, trainer.recompute,
                                scaler=trainer.scaler is not None and trainer.scaler.is_enabled(), device=device,
-                               accumulation_steps=-(-trainer.batch_size * trainer.accumulation_steps // b)
-                               if b != rows else 1,
+                               accumulation_steps=-(-(batch_rows or trainer.batch_size * trainer.accumulation_steps)
+                                                    // b) if b != rows else 1,
                                data_rows=xa.shape[0] if with_data else 0,
                                data_dtype=xa.dtype if with_data else "uint8", shuffle=trainer.shuffle)
         except ValueError:  # too large to plan: it does not fit either
@@ -70,7 +72,7 @@ def start_under_limit(trainer: Any, xa: Optional[np.ndarray] = None) -> None:
     # the rows of a step this rank computes (batch_size is per rank), cut into micro-batches
     step_rows = trainer.batch_size * trainer.accumulation_steps
     if rows:
-        step_rows = min(step_rows, rows)
+        step_rows = rows if batch_rows else min(step_rows, rows)  # trainer.step's step is its batch
 
     def shrunk(b: int) -> int:
         """Twice as many micro-batches of the step, as equal as they come, as an OOM makes
@@ -131,4 +133,4 @@ def start_under_limit(trainer: Any, xa: Optional[np.ndarray] = None) -> None:
                     state = f" (the parameters, gradients and optimizer state take {memory._fmt(kept)})"
                 said = f"fits no micro-batch, not even of 1 sample{state}: the step will try, in micro-batches of 1"
             warnings.warn(f"under the memory limit of {memory._fmt(limit)} the planner {said}",
-                          memory.MemoryWarning, stacklevel=6)  # fit -> _fit -> lambda -> _together -> here
+                          memory.MemoryWarning, stacklevel=stacklevel)  # the user's call of fit or step

@@ -107,7 +107,9 @@ class FitLoop:
                     "samples_per_second": samples / seconds if seconds > 0 else float("inf"),
                     # the epoch's training peak (what cmlp.memory.plan predicts), without validation
                     "peak_memory_bytes": _cmlp.memory_window_peak(device, False),
-                    "microbatch_size": self.microbatch_size,
+                    # the micro-batch the epoch's last step ran with (a growth may be pending: the
+                    # next step tries it, and trainer.microbatch_size says so)
+                    "microbatch_size": self._c.last_microbatch() or self.microbatch_size,
                     "skipped_steps": skipped,
                     # with max_grad_norm: the mean L2 norm of the epoch's gradients before clipping
                     # (steps whose norm was inf or NaN left out)

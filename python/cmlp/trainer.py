@@ -12,6 +12,7 @@ import numpy as np
 from . import _cmlp, memory
 from . import distributed as _dist
 from ._arrays import as_flag, as_inputs, as_labels, as_normalize, as_number, check_amp, check_seed
+from ._fit_limit import start_under_limit
 from ._fit_loop import FitLoop
 from .model import MLP
 from .optim import Optimizer
@@ -138,6 +139,7 @@ class Trainer(FitLoop):
         if scaler is not None and not isinstance(scaler, GradScaler):
             raise TypeError(f"scaler must be a cmlp.amp.GradScaler or None, got {type(scaler).__name__}")
         self._warned = False
+        self._step_planned: Any = None  # (memory limit, rows) of the last step that planned its start
         self._bar_epochs: Optional[Tuple[int, int]] = None  # (first, total): a loop of fits that draws one run's bars
         self._parts_kept = False  # a fit's param-group parts kept for the rest of it (_run_scheduled)
         self._model, self._optimizer = model, optimizer
@@ -377,12 +379,18 @@ class Trainer(FitLoop):
         if error is not None:
             raise error
 
-    def _claim_agreed(self, call: object, what: str, error: Optional[Exception]) -> None:
-        """_claim, then (data-parallel) every rank learns whether all could start the call."""
+    def _claim_agreed(self, call: object, what: str, error: Optional[Exception], then: Any = None) -> None:
+        """_claim and then() (this rank's work before the call), then (data-parallel) every rank
+        learns whether all could start the call."""
         if error is None:
             try:
                 self._claim(call, what)
             except RuntimeError as e:
+                error = e
+        if error is None and then is not None:
+            try:
+                then()
+            except Exception as e:  # noqa: BLE001 - raised again on every rank by _agree
                 error = e
         self._agree(error)
 
@@ -409,13 +417,35 @@ class Trainer(FitLoop):
         except (TypeError, ValueError) as e:
             error = e
         call = object()
+        before = None
+
+        def start() -> None:
+            nonlocal before
+            before = self._c.microbatch_state(), self._step_planned
+            self._start_step(xa.shape[0])
+
         try:
-            self._claim_agreed(call, "step", error)
-            loss = self._step(xa, ya)
+            try:
+                self._claim_agreed(call, "step", error, start)
+                loss = self._step(xa, ya)
+            except BaseException:
+                if before is not None:  # a step that failed keeps not the micro-batch it started from
+                    self._c.set_microbatch_state(*before[0])
+                    self._step_planned = before[1]
+                raise
             self.model._grads_none = False  # the step's gradients are in the buffer, as after torch's loop
             return loss
         finally:
             self._claims.pop(call, None)
+
+    def _start_step(self, rows: int) -> None:
+        """Under a memory limit, a step of rows starts from the planner's micro-batch, as fit's
+        epochs do (once for each limit and batch size: later steps grow back from there)."""
+        limit = memory.get_memory_limit(self.model.device)
+        if limit is None or (limit, rows) == self._step_planned:
+            return
+        start_under_limit(self, batch_rows=rows)
+        self._step_planned = (limit, rows)
 
     def _step(self, xa: np.ndarray, ya: np.ndarray) -> float:
         self._push_scaler()
