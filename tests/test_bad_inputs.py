@@ -211,6 +211,11 @@ def _cases():
         ("mlp-normalize-no-repr", lambda c: cmlp.MLP(SIZES, normalize=(10**5000, 1.0)), ValueError,
          r"normalize must be finite in float32, got an int of 16610 bits"),
         ("mlp-normalize-endless", lambda c: cmlp.MLP(SIZES, normalize=itertools.count()), TypeError, r"normalize"),
+        # set on the model: checked as the constructor's (a bad pair made every forward and load fail)
+        ("mlp-normalize-set-three", lambda c: setattr(c.model, "normalize", (0.5, 0.5, 0.5)), TypeError,
+         r"normalize must be a pair"),
+        ("mlp-normalize-set-none", lambda c: setattr(c.model, "normalize", None), TypeError, r"normalize"),
+        ("mlp-normalize-set-std-0", lambda c: setattr(c.model, "normalize", (0.5, 0)), ValueError, r"normalize"),
         ("fit-epochs-0", lambda c: c.trainer.fit(c.x, c.y, epochs=0, progress=False), ValueError, r"epochs"),
         ("fit-validation-not-pair", lambda c: c.trainer.fit(c.x, c.y, validation_data=c.x[:3], progress=False),
          TypeError, r"validation_data"),

@@ -5,6 +5,7 @@ scheduler_interval="step", one per optimizer step.
 import gc
 import math
 import os
+import re
 import sys
 import warnings
 
@@ -620,6 +621,70 @@ def test_a_state_dict_of_the_wrong_kind_is_refused_and_loads_nothing(bad):
     with pytest.raises((TypeError, ValueError), match="state_dict|schedules"):
         sched.load_state_dict(bad)
     assert rates(sched, 6) == rates(twin, 6)  # from where it was
+
+
+@pytest.mark.parametrize("name,kw,key,value,match", [
+    ("OneCycleLR", dict(max_lr=0.1, total_steps=10), "_schedule_phases", [], "empty"),
+    ("OneCycleLR", dict(max_lr=0.1, total_steps=10), "_schedule_phases", [{}], "without 'end_step'"),
+    ("OneCycleLR", dict(max_lr=0.1, total_steps=10), "_groups", [{}], "without 'initial_lr'"),
+    ("OneCycleLR", dict(max_lr=0.1, total_steps=10), "total_steps", 0, ">= 1"),
+    ("CosineAnnealingWarmRestarts", dict(T_0=3), "T_i", 0, ">= 1"),
+    ("CosineAnnealingWarmRestarts", dict(T_0=3), "T_mult", 0, ">= 1"),
+    ("CosineAnnealingWarmRestarts", dict(T_0=3), "T_i", 2**1100, "beyond every float"),
+    ("CosineAnnealingWarmRestarts", dict(T_0=3), "last_epoch", math.inf, "not a finite number"),
+    ("CosineAnnealingWarmRestarts", dict(T_0=3), "eta_min", math.nan, "not a finite number"),
+    ("ReduceLROnPlateau", dict(), "best", 2**1100, "beyond every float"),
+    ("ReduceLROnPlateau", dict(), "patience", -1, ">= 0"),
+    ("StepLR", dict(step_size=2), "gamma", None, "None"),
+    ("StepLR", dict(step_size=2), "last_epoch", None, "None"),
+    ("StepLR", dict(step_size=2), "step_size", 0, ">= 1"),
+    ("CosineAnnealingLR", dict(T_max=5), "T_max", 0, ">= 1"),
+    ("LinearLR", dict(), "start_factor", 0, "> 0"),
+    ("CyclicLR", dict(base_lr=0.01, max_lr=0.1), "total_size", 0, "> 0"),
+    ("CyclicLR", dict(base_lr=0.01, max_lr=0.1), "max_lrs", None, "None"),
+])
+def test_a_state_dict_whose_values_would_fail_the_next_step_is_refused_and_loads_nothing(name, kw, key, value, match):
+    """A state_dict of the right kinds of values that no step can use (an empty list of phases, a
+    dict without its keys, a period of 0, a number beyond every float, None for a number) was
+    taken, and the next step failed (ZeroDivisionError, UnboundLocalError, KeyError,
+    OverflowError); it is refused by name, as the constructor refuses such arguments, and the
+    schedule goes on as it was."""
+    def made():
+        opt, sched = make(name, kw, kind="sgd")
+        sched.step(1.0) if name == "ReduceLROnPlateau" else sched.step()
+        return sched
+
+    sched, twin = made(), made()
+    bad = {**sched.state_dict(), key: value}
+    with pytest.raises(ValueError, match=re.escape(f"state_dict[{key!r}]") + ".*" + re.escape(match)):
+        sched.load_state_dict(bad)
+    if name == "ReduceLROnPlateau":
+        sched.step(1.0), twin.step(1.0)
+        assert sched.state_dict() == twin.state_dict()
+    else:
+        assert rates(sched, 6) == rates(twin, 6)  # from where it was
+
+
+def test_loaded_values_a_schedule_may_hold_are_taken():
+    """What a real schedule's state holds stays loadable: a finished OneCycleLR (its next step
+    raises, as torch's), three phases into a schedule of two, ReduceLROnPlateau's infinite best
+    and None for one min_lr per group, a LambdaLR's None for its function."""
+    opt, done = make("OneCycleLR", dict(max_lr=0.1, total_steps=4), kind="sgd")
+    for _ in range(3):
+        done.step()
+    opt, sched = make("OneCycleLR", dict(max_lr=0.1, total_steps=4), kind="sgd")
+    sched.load_state_dict(done.state_dict())
+    assert sched.last_epoch == 3
+    three = make("OneCycleLR", dict(max_lr=0.1, total_steps=10, three_phase=True), kind="sgd")[1]
+    opt, sched = make("OneCycleLR", dict(max_lr=0.1, total_steps=10), kind="sgd")
+    sched.load_state_dict(three.state_dict())
+    assert len(sched._schedule_phases) == 3 and rates(sched, 9) == rates(three, 9)
+    opt, plateau = make("ReduceLROnPlateau", dict(min_lr=[0.0]), kind="sgd")
+    opt, sched = make("ReduceLROnPlateau", dict(), kind="sgd")
+    sched.load_state_dict(plateau.state_dict())
+    assert sched.best == math.inf and sched.default_min_lr is None
+    opt, sched = make("LambdaLR", dict(lr_lambda=lambda e: 0.5 ** e), kind="sgd")
+    sched.load_state_dict(sched.state_dict())
 
 
 def test_a_refused_rate_leaves_the_schedule_where_it_was():

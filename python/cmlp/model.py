@@ -152,6 +152,17 @@ class MLP:
         self.training = True
 
     # ---- facts ----
+
+    @property
+    def normalize(self) -> Tuple[float, float]:
+        """The (mean, std) that uint8 inputs are normalised with, after scaling to [0, 1]; set,
+        it is checked as the constructor's normalize is."""
+        return self._normalize
+
+    @normalize.setter
+    def normalize(self, value: Any) -> None:
+        self._normalize = as_normalize(value)
+
     @property
     def layer_sizes(self) -> Tuple[int, ...]:
         return self._sizes

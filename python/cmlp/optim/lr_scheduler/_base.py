@@ -132,21 +132,85 @@ def _mismatch(was: Any, new: Any) -> bool:
     return False
 
 
+def _unfit(key: str, was: Any, new: Any, none_ok: frozenset, inf_ok: frozenset) -> Optional[str]:
+    """Why a loaded value of the right kind (_mismatch) still cannot stand where `was` stands, or
+    None: None for a number, list or dict (only where the schedule may hold None there; a
+    function's place takes None, as state_dict() gives for one); a number beyond every
+    float, NaN, or infinite where the schedule's is finite (only where it may hold an infinity);
+    an empty list for a list of some; a dict (of settings, text keys) without one of the keys the
+    schedule's has; each item of a list of dicts as its first, others pairwise."""
+    held = isinstance(was, (numbers.Real, list, tuple, dict)) and not isinstance(was, (bool, np.bool_))
+    if new is None:
+        return "None where the schedule holds a value" if held and key not in none_ok else None
+    if was is None:
+        return None
+    if isinstance(was, numbers.Real) and not isinstance(was, (bool, np.bool_)):
+        try:
+            f = float(new)
+        except (OverflowError, TypeError, ValueError):
+            return "a number beyond every float"
+        if math.isnan(f) or (math.isinf(f) and math.isfinite(float(was)) and key not in inf_ok):
+            return "not a finite number"
+        return None
+    if isinstance(was, (list, tuple)) and isinstance(new, (list, tuple)):
+        if was and not new:
+            return "empty, where the schedule holds some"
+        pairs = [(was[0], item) for item in new] if was and all(isinstance(w, dict) for w in was) \
+            else list(zip(was, new))
+        for a, b in pairs:
+            why = _unfit(key, a, b, none_ok, inf_ok)
+            if why:
+                return why
+        return None
+    if isinstance(was, dict) and not isinstance(new, Mapping):
+        return "not a dict"
+    if isinstance(was, dict):
+        missing = [k for k in was if isinstance(k, str) and k not in new]
+        if missing:
+            return f"without {missing[0]!r}"
+        for k in was:
+            why = _unfit(key, was[k], new[k], none_ok, inf_ok) if k in new else None
+            if why:
+                return why
+    return None
+
+
 def _check_state(schedule: Any, state_dict: Any) -> None:
     """A state_dict as load_state_dict takes it: a mapping whose values are of the kinds this
-    schedule holds under the same names (checked before any is taken: a refused one loads nothing,
-    and the schedule goes on as it was, rather than failing at its next step)."""
+    schedule holds under the same names, usable where they stand (_unfit) and within the ranges
+    its constructor checks (_LOADED_AT_LEAST). Checked before any is taken: a refused one loads
+    nothing, and the schedule goes on as it was, rather than failing at its next step."""
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a dict (a schedule's state_dict()), got {type(state_dict).__name__}")
+    name = type(schedule).__name__
     for key, value in state_dict.items():
-        if key in schedule.__dict__ and _mismatch(schedule.__dict__[key], value):
-            raise TypeError(f"state_dict[{key!r}] must be like {schedule.__dict__[key]!r} (this "
-                            f"{type(schedule).__name__}'s), got {value!r}")
+        if key not in schedule.__dict__:
+            continue
+        was = schedule.__dict__[key]
+        if _mismatch(was, value):
+            raise TypeError(f"state_dict[{key!r}] must be like {was!r} (this {name}'s), got {value!r}")
+        why = _unfit(key, was, value, schedule._LOADED_NONE_OK, schedule._LOADED_INF_OK)
+        if why:
+            raise ValueError(f"state_dict[{key!r}] cannot stand for this {name}'s {was!r:.200}: {why}, got "
+                             f"{value!r:.200}")
+        lo = schedule._LOADED_AT_LEAST.get(key)
+        if lo is not None and value is not None and not float(value) >= lo:
+            raise ValueError(f"state_dict[{key!r}] must be {'> 0' if lo == _ABOVE_ZERO else f'>= {lo}'} (as this "
+                             f"{name}'s constructor takes it), got {value!r}")
+
+
+_ABOVE_ZERO = 5e-324  # the least float above 0: a lower bound "> 0" in _LOADED_AT_LEAST
 
 
 class LRScheduler:
     """Base: last_epoch counts step() calls (-1 before the first, which the constructor makes);
     base_lrs holds each param group's rate when the schedule began (torch's 'initial_lr')."""
+
+    # what a loaded state_dict is held to (_check_state): the least value of each number the
+    # constructor bounds, and the names under which None, or an infinity, may replace a number
+    _LOADED_AT_LEAST: Dict[str, float] = {"last_epoch": -1}
+    _LOADED_NONE_OK: frozenset = frozenset()
+    _LOADED_INF_OK: frozenset = frozenset()
 
     # whether get_lr may set the optimizer's momenta too (put back when a step fails): this module's
     # schedules that cycle them, and any defined elsewhere (__init_subclass__)

@@ -7,7 +7,7 @@ import types
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..._arrays import as_flag, as_number
-from ._base import LRScheduler, _check_state, _is_int, _non_negative, _optimizer, _per_group
+from ._base import _ABOVE_ZERO, LRScheduler, _check_state, _is_int, _non_negative, _optimizer, _per_group
 
 
 def _settings(optimizer: Any) -> Tuple[Any, ...]:
@@ -39,6 +39,8 @@ class OneCycleLR(LRScheduler):
     the momenta in each param group too (optimizer.param_groups[i]["max_lr"], ...), so that the
     optimizer's state_dict carries them: a value set or loaded there is the one the next step
     takes."""
+
+    _LOADED_AT_LEAST = {**LRScheduler._LOADED_AT_LEAST, "total_steps": 1}
 
     _GROUP_KEYS = ("max_lr", "min_lr", "max_momentum", "base_momentum")
     _noted: Optional[Tuple[Any, ...]] = None  # what the groups held at the last step (_note_seen)
@@ -272,6 +274,8 @@ class CyclicLR(LRScheduler):
     the step), in every param group (base_lr, max_lr: a number, or a list with one per group);
     with cycle_momentum the momentum (Adam's beta1, SGD's momentum) moves the other way, between
     max_momentum and base_momentum (each a number, or a list with one per group)."""
+
+    _LOADED_AT_LEAST = {**LRScheduler._LOADED_AT_LEAST, "total_size": _ABOVE_ZERO}
 
     _MOVES_MOMENTUM = True
 

@@ -13,6 +13,10 @@ class ReduceLROnPlateau(LRScheduler):
     by less than eps. Trainer.fit steps it with each epoch's val_loss
     (the training loss without validation data)."""
 
+    _LOADED_AT_LEAST = {**LRScheduler._LOADED_AT_LEAST, "patience": 0, "cooldown": 0}
+    _LOADED_NONE_OK = frozenset({"default_min_lr"})  # None with one min_lr per group
+    _LOADED_INF_OK = frozenset({"best", "mode_worse"})  # the worst value, where no epoch was seen
+
     def __init__(self, optimizer: Any, mode: str = "min", factor: float = 0.1, patience: int = 10,
                  threshold: float = 1e-4, threshold_mode: str = "rel", cooldown: int = 0, min_lr: Any = 0,
                  eps: float = 1e-8) -> None:

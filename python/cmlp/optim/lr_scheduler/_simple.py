@@ -7,7 +7,7 @@ from bisect import bisect_right
 from typing import Any, Dict, Iterable, List, Optional
 
 from ..._arrays import as_number
-from ._base import LRScheduler, _int, _is_int, _length, _non_negative, _one_per_group, _optimizer
+from ._base import _ABOVE_ZERO, LRScheduler, _int, _is_int, _length, _non_negative, _one_per_group, _optimizer
 
 
 class _LambdaSchedule(LRScheduler):
@@ -35,6 +35,8 @@ class LambdaLR(_LambdaSchedule):
 
 class StepLR(LRScheduler):
     """The rate times gamma every step_size epochs."""
+
+    _LOADED_AT_LEAST = {**LRScheduler._LOADED_AT_LEAST, "step_size": 1}
 
     def __init__(self, optimizer: Any, step_size: int, gamma: float = 0.1, last_epoch: int = -1) -> None:
         self.step_size = _length("step_size", step_size, 1)
@@ -91,6 +93,8 @@ class ExponentialLR(LRScheduler):
 class CosineAnnealingLR(LRScheduler):
     """eta_min + (base_lr - eta_min) (1 + cos(pi t / T_max)) / 2, in torch's recursive form."""
 
+    _LOADED_AT_LEAST = {**LRScheduler._LOADED_AT_LEAST, "T_max": 1}
+
     def __init__(self, optimizer: Any, T_max: int, eta_min: float = 0.0, last_epoch: int = -1) -> None:
         self.T_max = _length("T_max", T_max, 1)
         self.eta_min = _non_negative("eta_min", eta_min)
@@ -123,6 +127,8 @@ class CosineAnnealingLR(LRScheduler):
 class LinearLR(LRScheduler):
     """The rate's factor moves linearly from start_factor to end_factor over total_iters
     epochs (a warm-up with the defaults)."""
+
+    _LOADED_AT_LEAST = {**LRScheduler._LOADED_AT_LEAST, "total_iters": 1, "start_factor": _ABOVE_ZERO}
 
     def __init__(self, optimizer: Any, start_factor: float = 1.0 / 3, end_factor: float = 1.0, total_iters: int = 5,
                  last_epoch: int = -1) -> None:
@@ -164,6 +170,8 @@ class MultiplicativeLR(_LambdaSchedule):
 class ConstantLR(LRScheduler):
     """The rate times factor for the first total_iters epochs, then the rate itself."""
 
+    _LOADED_AT_LEAST = {**LRScheduler._LOADED_AT_LEAST, "total_iters": 0}
+
     def __init__(self, optimizer: Any, factor: float = 1.0 / 3, total_iters: int = 5, last_epoch: int = -1) -> None:
         if not 0 <= factor <= 1:
             raise ValueError("Constant multiplicative factor expected to be between 0 and 1.")
@@ -188,6 +196,8 @@ class ConstantLR(LRScheduler):
 class PolynomialLR(LRScheduler):
     """base_lr (1 - t / total_iters)^power, reaching 0 at total_iters, in torch's recursive form."""
 
+    _LOADED_AT_LEAST = {**LRScheduler._LOADED_AT_LEAST, "total_iters": 1}
+
     def __init__(self, optimizer: Any, total_iters: int = 5, power: float = 1.0, last_epoch: int = -1) -> None:
         self.total_iters = _length("total_iters", total_iters, 1)
         self.power = _non_negative("power", power)
@@ -208,6 +218,8 @@ class PolynomialLR(LRScheduler):
 class CosineAnnealingWarmRestarts(LRScheduler):
     """Cosine annealing from base_lr to eta_min over T_i epochs, then again (a warm restart),
     each period T_mult times the last (SGDR)."""
+
+    _LOADED_AT_LEAST = {**LRScheduler._LOADED_AT_LEAST, "T_0": 1, "T_i": 1, "T_mult": 1}
 
     def __init__(self, optimizer: Any, T_0: int, T_mult: int = 1, eta_min: float = 0.0, last_epoch: int = -1) -> None:
         if not _is_int(T_0) or T_0 <= 0:
