@@ -630,8 +630,9 @@ CMLP_API void cmlp_trainer_get_microbatch_state(const cmlp_trainer *t, int64_t *
                                                 int64_t *good_steps, int64_t *grown_from);
 CMLP_API cmlp_status cmlp_trainer_set_microbatch_state(cmlp_trainer *t, int64_t size, int64_t target,
                                                        int64_t good_steps, int64_t grown_from);
-/* The micro-batch the last step that completed ran with (0: none yet). The one in use may be
- * larger already: a growth is tried at the next step. */
+/* The micro-batch the last step that completed ran with (0: none yet), of the steps with at least
+ * its rows (an epoch's short last step runs one smaller micro-batch, whatever the size in use).
+ * The one in use may be larger already: a growth is tried at the next step. */
 CMLP_API int64_t cmlp_trainer_last_microbatch(const cmlp_trainer *t);
 /* Epochs begun (each draws its order from the seed and this count); set to resume a run from a
  * checkpoint so that the next epoch shuffles as the original run's did (an epoch left unfinished

@@ -56,7 +56,8 @@ struct cmlp_trainer {
     int64_t oom_retries, good_steps;
     int64_t target_micro; /* the micro-batch asked for; auto micro-batching grows back to it */
     int64_t grown_from;   /* the micro-batch before the last growth, which worked (0: none) */
-    int64_t ran_micro;    /* the micro-batch the last step that completed ran with (0: none yet) */
+    int64_t ran_micro;    /* the micro-batch the last step that completed ran with, of those with at
+                           * least its rows (a short last step runs one smaller one; 0: none yet) */
     int64_t whole_rows;   /* this rank's rows of a whole step of the call (growth sizes for it, not
                            * for a short last step) */
     bool dist;            /* data-parallel over the process group */

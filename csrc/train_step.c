@@ -230,7 +230,7 @@ cmlp_status cmlp_train_robust_step(cmlp_trainer *t, cmlp_dscalars *ds, const cml
         }
         if (st == CMLP_OK) st = step_update(t, ds, xy, n_all);
         if (st == CMLP_OK) {
-            t->ran_micro = t->micro;
+            if (k >= t->micro || !t->ran_micro) t->ran_micro = t->micro; /* not a short last step's */
             if (t->micro < t->target_micro && ++t->good_steps >= t->cfg.grow_interval) {
                 t->grown_from = t->micro;
                 t->micro = grown_micro(t->micro, t->target_micro, whole);

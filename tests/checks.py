@@ -53,7 +53,7 @@ def unplanned(trainer, rows):
     a real out-of-memory inside a step, mark a step of rows under the limit set now as planned."""
     import cmlp
 
-    trainer._step_planned = (cmlp.memory.get_memory_limit(trainer.model.device), rows)
+    trainer._step_planned = (cmlp.memory.get_memory_limit(trainer.model.device), frozenset({rows}))
 
 
 def same(a, b):

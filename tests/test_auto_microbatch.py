@@ -534,7 +534,7 @@ def test_a_step_under_a_limit_starts_from_the_planners_micro_batch_as_fit_does()
     called. A fit whose last step made the micro-batch grow reports the size its steps ran
     with, not the one the next step will try."""
     layers, batch = [784, 512, 256, 10], 8000
-    x, y = data(layers, 2 * batch)
+    x, y = data(layers, 2 * batch + 123)  # a short last step runs one micro-batch of its 123 rows
     trainer = fresh(layers, batch, grow_interval=2)
     fits = M.plan(layers, 2667, trainer.optimizer, accumulation_steps=3).reserved_bytes
     more = M.plan(layers, 4000, trainer.optimizer, accumulation_steps=2).reserved_bytes

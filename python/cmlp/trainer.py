@@ -139,7 +139,7 @@ class Trainer(FitLoop):
         if scaler is not None and not isinstance(scaler, GradScaler):
             raise TypeError(f"scaler must be a cmlp.amp.GradScaler or None, got {type(scaler).__name__}")
         self._warned = False
-        self._step_planned: Any = None  # (memory limit, rows) of the last step that planned its start
+        self._step_planned: Any = None  # (memory limit, the batch sizes of steps that planned their start under it)
         self._bar_epochs: Optional[Tuple[int, int]] = None  # (first, total): a loop of fits that draws one run's bars
         self._parts_kept = False  # a fit's param-group parts kept for the rest of it (_run_scheduled)
         self._model, self._optimizer = model, optimizer
@@ -442,10 +442,12 @@ class Trainer(FitLoop):
         """Under a memory limit, a step of rows starts from the planner's micro-batch, as fit's
         epochs do (once for each limit and batch size: later steps grow back from there)."""
         limit = memory.get_memory_limit(self.model.device)
-        if limit is None or (limit, rows) == self._step_planned:
+        planned = self._step_planned
+        if limit is None or (planned is not None and planned[0] == limit and rows in planned[1]):
             return
         start_under_limit(self, batch_rows=rows)
-        self._step_planned = (limit, rows)
+        sizes = planned[1] if planned is not None and planned[0] == limit else frozenset()
+        self._step_planned = (limit, sizes | {rows})
 
     def _step(self, xa: np.ndarray, ya: np.ndarray) -> float:
         self._push_scaler()

@@ -137,8 +137,8 @@ def _unfit(key: str, was: Any, new: Any, none_ok: frozenset, inf_ok: frozenset) 
     None: None for a number, list or dict (only where the schedule may hold None there; a
     function's place takes None, as state_dict() gives for one); a number beyond every
     float, NaN, or infinite where the schedule's is finite (only where it may hold an infinity);
-    an empty list for a list of some; a dict (of settings, text keys) without one of the keys the
-    schedule's has; each item of a list of dicts as its first, others pairwise."""
+    an empty list for a list of some; each item of a list of dicts as its first, others pairwise
+    (the keys a dict must have are the schedule's to say: _check_loaded)."""
     held = isinstance(was, (numbers.Real, list, tuple, dict)) and not isinstance(was, (bool, np.bool_))
     if new is None:
         return "None where the schedule holds a value" if held and key not in none_ok else None
@@ -165,9 +165,6 @@ def _unfit(key: str, was: Any, new: Any, none_ok: frozenset, inf_ok: frozenset) 
     if isinstance(was, dict) and not isinstance(new, Mapping):
         return "not a dict"
     if isinstance(was, dict):
-        missing = [k for k in was if isinstance(k, str) and k not in new]
-        if missing:
-            return f"without {missing[0]!r}"
         for k in was:
             why = _unfit(key, was[k], new[k], none_ok, inf_ok) if k in new else None
             if why:
@@ -177,18 +174,24 @@ def _unfit(key: str, was: Any, new: Any, none_ok: frozenset, inf_ok: frozenset) 
 
 def _check_state(schedule: Any, state_dict: Any) -> None:
     """A state_dict as load_state_dict takes it: a mapping whose values are of the kinds this
-    schedule holds under the same names, usable where they stand (_unfit) and within the ranges
-    its constructor checks (_LOADED_AT_LEAST). Checked before any is taken: a refused one loads
-    nothing, and the schedule goes on as it was, rather than failing at its next step."""
+    schedule holds under the same names and, for this module's schedules, usable where they
+    stand (_unfit), within the ranges the constructor checks (_LOADED_AT_LEAST) and whole
+    (_check_loaded); a schedule defined elsewhere may hold None or an infinity at one step and a
+    number at another, and is held to the kinds only. Checked before any is taken: a refused one
+    loads nothing, and the schedule goes on as it was, rather than failing at its next step."""
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a dict (a schedule's state_dict()), got {type(state_dict).__name__}")
     name = type(schedule).__name__
+    home = type(schedule).__module__  # (this package's schedules are shown as its own)
+    ours = home == __package__ or home.startswith(__package__ + ".")
     for key, value in state_dict.items():
         if key not in schedule.__dict__:
             continue
         was = schedule.__dict__[key]
         if _mismatch(was, value):
             raise TypeError(f"state_dict[{key!r}] must be like {was!r} (this {name}'s), got {value!r}")
+        if not ours:
+            continue
         why = _unfit(key, was, value, schedule._LOADED_NONE_OK, schedule._LOADED_INF_OK)
         if why:
             raise ValueError(f"state_dict[{key!r}] cannot stand for this {name}'s {was!r:.200}: {why}, got "
@@ -197,6 +200,8 @@ def _check_state(schedule: Any, state_dict: Any) -> None:
         if lo is not None and value is not None and not float(value) >= lo:
             raise ValueError(f"state_dict[{key!r}] must be {'> 0' if lo == _ABOVE_ZERO else f'>= {lo}'} (as this "
                              f"{name}'s constructor takes it), got {value!r}")
+    if ours:
+        schedule._check_loaded(state_dict)
 
 
 _ABOVE_ZERO = 5e-324  # the least float above 0: a lower bound "> 0" in _LOADED_AT_LEAST
@@ -250,6 +255,9 @@ class LRScheduler:
             cls.get_lr = _warn_outside_step(cls.__dict__["get_lr"])
         if not cls.__module__.startswith(__package__ + ".") and "_MOVES_MOMENTUM" not in cls.__dict__:
             cls._MOVES_MOMENTUM = True  # a schedule of the caller's may set momenta in its get_lr
+
+    def _check_loaded(self, state_dict: Mapping) -> None:
+        """What this schedule's own state needs beyond _check_state's rules (dicts' keys)."""
 
     def _initial_step(self) -> None:
         """The constructor's step (torch's): the step count starts again from it."""

@@ -231,6 +231,23 @@ class OneCycleLR(LRScheduler):
             self.optimizer._set_momentum(momenta)
         return lrs
 
+    def _check_loaded(self, state_dict: Any) -> None:
+        """Each phase names its end and the group keys its rates (and, cycling momentum, its
+        momenta) run between; each group holds every key a phase names."""
+        cycle = state_dict.get("cycle_momentum", self.cycle_momentum)
+        phases = state_dict.get("_schedule_phases", self._schedule_phases)
+        groups = state_dict.get("_groups", [state_dict["_group"]] if "_group" in state_dict else self._groups)
+        needs = ("end_step", "start_lr", "end_lr") + (("start_momentum", "end_momentum") if cycle else ())
+        for i, phase in enumerate(phases):
+            missing = [k for k in needs if k not in phase]
+            if missing:
+                raise ValueError(f"state_dict['_schedule_phases'][{i}] has no {missing[0]!r}")
+            for k in needs[1:]:
+                for j, group in enumerate(groups):
+                    if not isinstance(phase[k], str) or phase[k] not in group:
+                        raise ValueError(f"state_dict['_schedule_phases'][{i}][{k!r}] names {phase[k]!r}, which "
+                                         f"the schedule's group {j} does not hold")
+
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Also takes the state_dict of an older one-group schedule, which kept "_group"."""
         _check_state(self, state_dict)
