@@ -306,6 +306,22 @@ static PyObject *Optim_shards(OptimObject *self, PyObject *Py_UNUSED(unused)) {
     return Py_BuildValue("(iLLL)", n, (long long)lo, (long long)hi, (long long)chunk);
 }
 
+static cmlp_status counts_of(const cmlp_optim *o, int64_t *step, int *nbuffers) {
+    *step = cmlp_optim_get_step(o);
+    *nbuffers = cmlp_optim_num_buffers(o);
+    return CMLP_OK;
+}
+
+static PyObject *Optim_state_counts(OptimObject *self, PyObject *Py_UNUSED(unused)) {
+    if (optim_ready(self) < 0) return NULL;
+    int64_t step = 0;
+    int nb = 0;
+    cmlp_status st;
+    RUN_LOCKED(self->model, st, counts_of(self->o, &step, &nb));
+    if (st != CMLP_OK) return raise_status(self->model->ms, st);
+    return Py_BuildValue("(Li)", (long long)step, nb);
+}
+
 static PyObject *Optim_buffers_planned(OptimObject *self, PyObject *Py_UNUSED(unused)) {
     if (optim_ready(self) < 0) return NULL;
     return PyLong_FromLong(cmlp_optim_buffers_planned(self->o));
@@ -314,6 +330,8 @@ static PyObject *Optim_buffers_planned(OptimObject *self, PyObject *Py_UNUSED(un
 static PyMethodDef Optim_methods[] = {
     {"step", (PyCFunction)Optim_step, METH_NOARGS, "one update from the model's gradients"},
     {"get_state", (PyCFunction)Optim_get_state, METH_NOARGS, "(step, [flat float32 buffers])"},
+    {"state_counts", (PyCFunction)Optim_state_counts, METH_NOARGS,
+     "(step, number of state buffers): get_state's without copying the buffers"},
     {"set_state", (PyCFunction)Optim_set_state, METH_VARARGS, "set_state(step, [buffers], checked=True)"},
     {"to", (PyCFunction)Optim_to, METH_O, "move the state to a device (after the model)"},
     {"set_parts", (PyCFunction)Optim_set_parts, METH_O,

@@ -21,8 +21,8 @@ def start_under_limit(trainer: Any, xa: Optional[np.ndarray] = None, batch_rows:
     limit = memory.get_memory_limit(device)
     if limit is None:
         return
-    step, buffers = trainer.optimizer._c.get_state()
-    stepped = step > 0 or bool(buffers)
+    step, buffers = trainer.optimizer._c.state_counts()
+    stepped = step > 0 or buffers > 0
     held = ("model",) + (("optimizer_state",) if stepped else ())  # the parameters and gradients, ...
     if stepped and trainer.amp is not None:
         held += ("half_weights",)
