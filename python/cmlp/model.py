@@ -516,8 +516,10 @@ class MLP:
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.training = state.get("training", True)
         self._unscaled_grads = state.get("_unscaled_grads", False)
-        for key, value in state.items():  # attributes of its own (a subclass's, a user's)
-            if key not in self.__dict__:
+        # attributes of its own (a subclass's, a user's); an older pickle's plain "normalize" is
+        # the property's now, which _unpickled set
+        for key, value in state.items():
+            if key not in self.__dict__ and key != "normalize":
                 self.__dict__[key] = value
 
     # ---- devices ----

@@ -430,8 +430,11 @@ class Trainer(FitLoop):
                 loss = self._step(xa, ya)
             except BaseException:
                 if before is not None:  # a step that failed keeps not the micro-batch it started from
-                    self._c.set_microbatch_state(*before[0])
                     self._step_planned = before[1]
+                    try:
+                        self._c.set_microbatch_state(*before[0])
+                    except Exception:  # noqa: BLE001 - (a lost model refuses it) the step's error is the one raised
+                        pass
                 raise
             self.model._grads_none = False  # the step's gradients are in the buffer, as after torch's loop
             return loss
