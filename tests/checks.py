@@ -51,8 +51,6 @@ def assert_stats_match_snapshot(device):
 def unplanned(trainer, rows):
     """Trainer.step starts from the planner's micro-batch under a memory limit, as fit does; for
     a real out-of-memory inside a step, mark a step of rows under the limit set now as planned."""
-    import cmlp
-
     trainer._step_planned = (cmlp.memory.get_memory_limit(trainer.model.device), frozenset({rows}))
 
 

@@ -172,6 +172,12 @@ def _unfit(key: str, was: Any, new: Any, none_ok: frozenset, inf_ok: frozenset) 
     return None
 
 
+def _ours(module: str) -> bool:
+    """Whether a class of this module is this package's own schedule (its submodules' classes are
+    shown as the package's once it is imported), not one defined elsewhere."""
+    return module == __package__ or module.startswith(__package__ + ".")
+
+
 def _check_state(schedule: Any, state_dict: Any) -> None:
     """A state_dict as load_state_dict takes it: a mapping whose values are of the kinds this
     schedule holds under the same names and, for this module's schedules, usable where they
@@ -182,8 +188,7 @@ def _check_state(schedule: Any, state_dict: Any) -> None:
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a dict (a schedule's state_dict()), got {type(state_dict).__name__}")
     name = type(schedule).__name__
-    home = type(schedule).__module__  # (this package's schedules are shown as its own)
-    ours = home == __package__ or home.startswith(__package__ + ".")
+    ours = _ours(type(schedule).__module__)
     for key, value in state_dict.items():
         if key not in schedule.__dict__:
             continue
@@ -251,9 +256,9 @@ class LRScheduler:
         """The schedules of this module warn, as torch's, when get_lr() is called outside step()
         (it computes the next rate from the current one: get_last_lr() is what was set)."""
         super().__init_subclass__(**kwargs)
-        if cls.__module__.startswith(__package__ + ".") and "get_lr" in cls.__dict__:
+        if _ours(cls.__module__) and "get_lr" in cls.__dict__:
             cls.get_lr = _warn_outside_step(cls.__dict__["get_lr"])
-        if not cls.__module__.startswith(__package__ + ".") and "_MOVES_MOMENTUM" not in cls.__dict__:
+        if not _ours(cls.__module__) and "_MOVES_MOMENTUM" not in cls.__dict__:
             cls._MOVES_MOMENTUM = True  # a schedule of the caller's may set momenta in its get_lr
 
     def _check_loaded(self, state_dict: Mapping) -> None:
