@@ -541,7 +541,8 @@ typedef struct cmlp_train_config {
     /* On out of memory inside a step: roll the step back, release cached memory, halve the
      * micro-batch (twice as many, equal) and retry the same effective batch (the update does
      * not change). After grow_interval good steps half as many (up to batch_size) are tried
-     * again, and on out of memory the size that worked before. */
+     * again, and on out of memory the size that worked before, whose next growth then waits
+     * twice as many good steps. */
     int auto_microbatch;
     int64_t grow_interval; /* 0: 100 */
     /* Keep only each micro-batch's input and recompute layer outputs in backward. */
@@ -623,13 +624,15 @@ CMLP_API cmlp_status cmlp_trainer_epoch_run_rates(cmlp_trainer *t, const double 
 /* The parts of the trainer's optimizer's parameter groups (0 without them): a row of scales. */
 CMLP_API int cmlp_trainer_optim_parts(const cmlp_trainer *t);
 /* What automatic micro-batching moves: the micro-batch in use, the one it grows back to, the
- * good steps counted toward the next growth, and the micro-batch the last growth started from
- * (0: none), which an out-of-memory on the grown size goes back to (a checkpoint keeps them; set
- * checks 1 <= size <= target <= 2**62, good_steps >= 0 and 0 <= grown_from < size). */
+ * good steps counted since the last change of size (up to 1 at the target), the micro-batch the last growth started from
+ * (0: none), which an out-of-memory on the grown size goes back to, and the good steps the next
+ * growth waits for (grow_interval, doubled by each growth that ran out of memory at its first
+ * step). A checkpoint keeps them; set checks 1 <= size <= target <= 2**62, good_steps >= 0,
+ * 0 <= grown_from < size and grow_wait >= 0 (0: grow_interval). */
 CMLP_API void cmlp_trainer_get_microbatch_state(const cmlp_trainer *t, int64_t *size, int64_t *target,
-                                                int64_t *good_steps, int64_t *grown_from);
+                                                int64_t *good_steps, int64_t *grown_from, int64_t *grow_wait);
 CMLP_API cmlp_status cmlp_trainer_set_microbatch_state(cmlp_trainer *t, int64_t size, int64_t target,
-                                                       int64_t good_steps, int64_t grown_from);
+                                                       int64_t good_steps, int64_t grown_from, int64_t grow_wait);
 /* The micro-batch the last step that completed ran with (0: none yet), of the steps with at least
  * its rows (an epoch's short last step runs one smaller micro-batch, whatever the size in use).
  * The one in use may be larger already: a growth is tried at the next step. */

@@ -56,6 +56,8 @@ struct cmlp_trainer {
     int64_t oom_retries, good_steps;
     int64_t target_micro; /* the micro-batch asked for; auto micro-batching grows back to it */
     int64_t grown_from;   /* the micro-batch before the last growth, which worked (0: none) */
+    int64_t grow_wait;    /* the good steps before the next growth: cfg.grow_interval, doubled by each
+                           * growth that ran out of memory at its first step */
     int64_t ran_micro;    /* the micro-batch the last step that completed ran with, of those with at
                            * least its rows (a short last step runs one smaller one; 0: none yet) */
     int64_t whole_rows;   /* this rank's rows of a whole step of the call (growth sizes for it, not
@@ -86,6 +88,8 @@ static inline int64_t cmlp_train_effective_batch(const cmlp_trainer *t) {
 /* Ranks taking part in a step: the process group's, when data-parallel. */
 static inline int64_t cmlp_train_group_size(const cmlp_trainer *t) { return t->dist ? cmlp_dist_size() : 1; }
 
+/* The bookkeeping of a step that completed (train_step.c): good steps, growth back. */
+CMLP_HIDDEN void cmlp_train_good_step(cmlp_trainer *t, bool whole_micro, int64_t rows);
 /* train_step.c: one optimizer step of this rank's k samples of n_all (all ranks), rows idx[0..k)
  * of xy or rows [start, start + k), surviving out-of-memory by smaller micro-batches where the
  * trainer allows; cmlp_train_graph_step runs it captured or replayed where the device has graphs (eligible:

@@ -42,6 +42,7 @@ cmlp_status cmlp_trainer_start_microbatch(cmlp_trainer *t, int64_t size) {
                          (long long)t->target_micro, (long long)size);
     t->micro = size;
     t->good_steps = t->grown_from = 0;
+    t->grow_wait = t->cfg.grow_interval;
     return CMLP_OK;
 }
 
@@ -50,21 +51,23 @@ cmlp_status cmlp_trainer_set_microbatch_size(cmlp_trainer *t, int64_t size) {
         return CMLP_FAIL(CMLP_ERR_INVALID, "microbatch_size must be in [1, 2**62], got %lld", (long long)size);
     t->micro = t->target_micro = size;
     t->good_steps = t->grown_from = 0;
+    t->grow_wait = t->cfg.grow_interval;
     return CMLP_OK;
 }
 
 int64_t cmlp_trainer_last_microbatch(const cmlp_trainer *t) { return t->ran_micro; }
 
 void cmlp_trainer_get_microbatch_state(const cmlp_trainer *t, int64_t *size, int64_t *target,
-                                       int64_t *good_steps, int64_t *grown_from) {
+                                       int64_t *good_steps, int64_t *grown_from, int64_t *grow_wait) {
     *size = t->micro;
     *target = t->target_micro;
     *good_steps = t->good_steps;
     *grown_from = t->grown_from;
+    *grow_wait = t->grow_wait;
 }
 
 cmlp_status cmlp_trainer_set_microbatch_state(cmlp_trainer *t, int64_t size, int64_t target, int64_t good_steps,
-                                              int64_t grown_from) {
+                                              int64_t grown_from, int64_t grow_wait) {
     if (!t) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
     if (target < 1 || target > CMLP_MAX_STEP_SAMPLES)
         return CMLP_FAIL(CMLP_ERR_INVALID, "the micro-batch target must be in [1, 2**62], got %lld", (long long)target);
@@ -76,10 +79,13 @@ cmlp_status cmlp_trainer_set_microbatch_state(cmlp_trainer *t, int64_t size, int
     if (grown_from < 0 || grown_from >= size)
         return CMLP_FAIL(CMLP_ERR_INVALID, "the micro-batch grown from must be 0 (none) or in [1, %lld), got %lld",
                          (long long)size, (long long)grown_from);
+    if (grow_wait < 0)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "grow_wait must be >= 0 (0: grow_interval), got %lld", (long long)grow_wait);
     t->micro = size;
     t->target_micro = target;
     t->good_steps = good_steps;
     t->grown_from = grown_from;
+    t->grow_wait = grow_wait ? grow_wait : t->cfg.grow_interval;
     return CMLP_OK;
 }
 

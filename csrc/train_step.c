@@ -207,6 +207,22 @@ static int64_t shrunk_micro(int64_t micro, int64_t rows) {
     return m >= 1 && m < micro ? m : micro / 2;
 }
 
+/* A step that completed, at the micro-batch in use (whole: it ran micro-batches of that size; a
+ * short last step's one smaller micro-batch says nothing of a size just grown to). Good steps
+ * count from each change of size (at the target, where no growth is due, up to 1); the first
+ * after a growth shows it worked, and the next growth waits grow_interval good steps. */
+void cmlp_train_good_step(cmlp_trainer *t, bool whole_micro, int64_t rows) {
+    const bool trial = t->grown_from && !t->good_steps;
+    if (trial && !whole_micro) return;
+    if (trial) t->grow_wait = t->cfg.grow_interval;
+    if (t->micro < t->target_micro ? t->good_steps < INT64_MAX : !t->good_steps) t->good_steps++;
+    if (t->micro < t->target_micro && t->good_steps >= t->grow_wait) {
+        t->grown_from = t->micro;
+        t->micro = grown_micro(t->micro, t->target_micro, rows);
+        t->good_steps = 0;
+    }
+}
+
 /* effective_step, surviving out-of-memory by smaller micro-batches when allowed. A failed
  * attempt changed nothing that matters: the retry's first micro-batch writes the gradients
  * afresh, the loss it added is taken back, and the optimizer and the scaler move only at the end
@@ -223,22 +239,25 @@ cmlp_status cmlp_train_robust_step(cmlp_trainer *t, cmlp_dscalars *ds, const cml
         CMLP_TRY(b->copy_d2d(ctx, &ds->loss_mark, &ds->loss, sizeof ds->loss));
     for (;;) {
         cmlp_status st = step_grads(t, ds, xy, idx, start, k, n_all);
-        bool agreed = false;
+        bool agreed = false, late = false;
         if (st == CMLP_OK && t->dist) {
             st = cmlp_dist_agree(CMLP_OK);
             agreed = true;
         }
-        if (st == CMLP_OK) st = step_update(t, ds, xy, n_all);
+        if (st == CMLP_OK) {
+            const int64_t ooms = cmlp_allocator_ooms_ever(t->model->dev->alloc);
+            st = step_update(t, ds, xy, n_all);
+            /* out of memory in the update, not the allocator's (a launch's, which loads its
+             * kernel then): the update's bookkeeping (step count, loss scale, data position) may
+             * have moved, and a retry would move it again */
+            late = st == CMLP_ERR_OOM && cmlp_allocator_ooms_ever(t->model->dev->alloc) == ooms;
+        }
         if (st == CMLP_OK) {
             if (k >= t->micro || !t->ran_micro) t->ran_micro = t->micro; /* not a short last step's */
-            if (t->micro < t->target_micro && ++t->good_steps >= t->cfg.grow_interval) {
-                t->grown_from = t->micro;
-                t->micro = grown_micro(t->micro, t->target_micro, whole);
-                t->good_steps = 0;
-            }
+            cmlp_train_good_step(t, k >= t->micro || k >= whole, whole);
             return CMLP_OK;
         }
-        if (st != CMLP_ERR_OOM || !t->cfg.auto_microbatch || agreed)
+        if (st != CMLP_ERR_OOM || !t->cfg.auto_microbatch || agreed || late)
             return t->dist && !agreed ? cmlp_dist_agree(st) : st;
         CMLP_TRY(b->copy_d2d(ctx, &ds->loss, &ds->loss_mark, sizeof ds->loss));
         cmlp_model_release_workspace(t->model);
@@ -249,8 +268,14 @@ cmlp_status cmlp_train_robust_step(cmlp_trainer *t, cmlp_dscalars *ds, const cml
             return t->dist ? cmlp_dist_agree(st) : st;
         }
         /* back to the size that worked before the last growth (2667, not 4000 / 2), else
-         * twice as many micro-batches */
-        t->micro = t->grown_from && t->grown_from < t->micro ? t->grown_from : shrunk_micro(t->micro, whole);
+         * twice as many micro-batches. A growth that fails at its first step is tried again
+         * after twice as many good steps as it waited for (not every grow_interval steps, each
+         * an out-of-memory, a rollback and the cache emptied); a failure of a size that had
+         * worked starts the wait afresh. */
+        const bool back = t->grown_from && t->grown_from < t->micro, failed_growth = back && !t->good_steps;
+        t->micro = back ? t->grown_from : shrunk_micro(t->micro, whole);
+        t->grow_wait = !failed_growth ? t->cfg.grow_interval
+                       : t->grow_wait <= INT64_MAX / 2 ? 2 * t->grow_wait : INT64_MAX;
         t->good_steps = t->grown_from = 0;
         t->oom_retries++;
     }
@@ -330,7 +355,9 @@ cmlp_status cmlp_train_graph_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp
     if (t->dist) CMLP_TRY(cmlp_dist_all_reduce(&path, 1, CMLP_COMM_I64, CMLP_REDUCE_MIN));
     if (path == PATH_REPLAY) {
         t->ran_micro = t->micro; /* a replay's steps are whole micro-batches asked for (eligible) */
-        return b->graph_launch(dev->bctx, t->graph);
+        CMLP_TRY(b->graph_launch(dev->bctx, t->graph));
+        cmlp_train_good_step(t, true, n);
+        return CMLP_OK;
     }
     if (path == PATH_EAGER) {
         CMLP_TRY(cmlp_train_robust_step(t, ds, xy, idx, start, n, n_all));
@@ -356,7 +383,9 @@ cmlp_status cmlp_train_graph_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp
         t->graph_dev = dev;
         t->graph_key = key;
         t->ran_micro = t->micro;
-        return b->graph_launch(dev->bctx, g);
+        CMLP_TRY(b->graph_launch(dev->bctx, g));
+        cmlp_train_good_step(t, true, n);
+        return CMLP_OK;
     }
     if (g) b->graph_free(dev->bctx, g);
     t->graphs_off = true; /* nothing captured ran: the step runs eagerly */

@@ -478,38 +478,45 @@ def test_a_growth_that_runs_out_of_memory_goes_back_to_the_size_that_worked():
     """Under a limit that fits a step of 8000 in 3 micro-batches of 2667 and not in 2 of 4000: the
     planned start is 2667 (the fewest equal micro-batches, not halving's 2000); after
     grow_interval good steps the trainer tries half as many (2 of 4000, not 5334 + 2666), runs
-    out of memory and goes back to 2667, which worked (not 4000 / 2). The updates are those of
-    the micro-batches set by hand."""
+    out of memory and goes back to 2667, which worked (not 4000 / 2), and tries again after
+    twice as many good steps (each failed try is an out-of-memory, a rollback and the cache
+    emptied); a growth that works makes the next wait grow_interval again. The updates are
+    those of the micro-batches set by hand."""
     layers, batch = [784, 512, 256, 10], 8000
     x, y = data(layers, 4 * batch)
     batches = [(x[i:i + batch], y[i:i + batch]) for i in range(0, len(x), batch)]
+    steps = [batches[i % 4] for i in range(8)]
     trainer = fresh(layers, batch, grow_interval=2)
     # reserved memory decides here (42 MiB from an empty cache for 3 of 2667, 52 for 2 of 4000)
     fits = M.plan(layers, 2667, trainer.optimizer, accumulation_steps=3).reserved_bytes
     more = M.plan(layers, 4000, trainer.optimizer, accumulation_steps=2).reserved_bytes
     assert fits < more and M.memory_reserved(DEV) < fits
     M.set_memory_limit((fits + more) // 2, DEV)
-    used = []
+    used, waits = [], []
     try:
         with pytest.warns(cmlp.MemoryWarning, match="fits micro-batches of 2667, not 8000"):
-            first = trainer.fit(*batches[0], epochs=1, progress=False)
+            first = trainer.fit(*steps[0], epochs=1, progress=False)
         assert first[0]["microbatch_size"] == 2667
         retries = trainer._c.oom_retries()
-        for xb, yb in batches[1:]:
+        for xb, yb in steps[1:6]:
             used.append(trainer.microbatch_size)  # the size the step starts with
             trainer.step(xb, yb)
-        # steps 2 to 4: 2667 (the second good step: grows), 4000 (out of memory: 2667 again), 2667
-        assert used == [2667, 4000, 2667] and trainer._c.oom_retries() == retries + 1, used
-        assert trainer.microbatch_size == 4000  # the fourth step was the second good one: it tries again
+            waits.append(trainer.state_dict()["microbatch_grow_wait"])
+        # steps 2 to 6: 2667 (the second good step: grows), 4000 (out of memory: 2667 again, and
+        # the next growth waits 4 good steps), 2667, 2667, 2667 (the fourth: grows)
+        assert used == [2667, 4000, 2667, 2667, 2667] and trainer._c.oom_retries() == retries + 1, used
+        assert waits == [2, 4, 4, 4, 4], waits
+        assert trainer.microbatch_size == 4000
     finally:
         M.set_memory_limit(None, DEV)
     got = trainer.model.state_dict()
     checkpoint = (got, trainer.optimizer.state_dict(), trainer.state_dict())
-    assert checkpoint[2]["microbatch_grown_from"] == 2667
+    assert checkpoint[2]["microbatch_grown_from"] == 2667 and checkpoint[2]["microbatch_good_steps"] == 0
     trainer = None
-    assert same(got, _replay(layers, batch, batches, [2667] * 4))
+    assert same(got, _replay(layers, batch, steps[:6], [2667] * 6))
 
-    # a run resumed from the checkpoint goes back to 2667 too when 4000 runs out (not 4000 / 2)
+    # a run resumed from the checkpoint goes back to 2667 too when 4000 runs out (not 4000 / 2),
+    # and waits twice as long again
     trainer = fresh(layers, batch, grow_interval=2)
     trainer.model.load_state_dict(checkpoint[0])
     trainer.optimizer.load_state_dict(checkpoint[1])
@@ -518,13 +525,40 @@ def test_a_growth_that_runs_out_of_memory_goes_back_to_the_size_that_worked():
     unplanned(trainer, batch)
     try:
         with pytest.warns(cmlp.MemoryWarning, match="micro-batches of 2667"):
-            trainer.step(*batches[0])
+            trainer.step(*steps[6])
+        assert trainer.microbatch_size == 2667 and trainer._c.oom_retries() == 1
+        assert trainer.state_dict()["microbatch_grow_wait"] == 8
+        trainer.step(*steps[7])  # a good step: 2 of the 8 the next growth waits for
+        assert trainer.state_dict()["microbatch_good_steps"] == 2
+        # a size that had worked runs out of memory (its workspace given back, as a fit's
+        # evaluation does, under a lower limit): twice as many micro-batches, and the next
+        # growth waits grow_interval good steps again
+        fewer = M.plan(layers, 1334, trainer.optimizer, accumulation_steps=6).reserved_bytes
+        assert fewer < fits
+        trainer.model._c.release_workspace()
+        M.empty_cache(DEV)
+        M.set_memory_limit((fewer + fits) // 2, DEV)
+        unplanned(trainer, batch)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", cmlp.MemoryWarning)
+            trainer.step(*steps[0])
+        assert trainer.microbatch_size == 1334 and trainer._c.oom_retries() == 2
+        assert trainer.state_dict()["microbatch_grow_wait"] == 2
     finally:
         M.set_memory_limit(None, DEV)
-    assert trainer.microbatch_size == 2667 and trainer._c.oom_retries() == 1
     got = trainer.model.state_dict()
     trainer = None
-    assert same(got, _replay(layers, batch, batches + batches[:1], [2667] * 5))
+    assert same(got, _replay(layers, batch, steps + steps[:1], [2667] * 8 + [1334]))
+
+    # from the same checkpoint with no limit the growth works: the next one waits grow_interval
+    trainer = fresh(layers, batch, grow_interval=2)
+    trainer.model.load_state_dict(checkpoint[0])
+    trainer.optimizer.load_state_dict(checkpoint[1])
+    trainer.load_state_dict(checkpoint[2])
+    trainer.step(*steps[6])
+    state = trainer.state_dict()
+    assert trainer._c.oom_retries() == 0 and state["microbatch_size"] == 4000
+    assert state["microbatch_good_steps"] == 1 and state["microbatch_grow_wait"] == 2
 
 
 def test_a_step_under_a_limit_starts_from_the_planners_micro_batch_as_fit_does():

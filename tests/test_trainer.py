@@ -154,7 +154,8 @@ def test_a_run_resumed_from_a_checkpoint_equals_the_uninterrupted_run(case, tmp_
         sched3.load_state_dict(state["scheduler"])
     # the checkpoint comes 38 steps in: the micro-batch is 8, with 8 good steps toward 16
     assert trainer3.epochs == 2 and trainer3.microbatch_size == (8 if "micro" in case else 16)
-    assert trainer3.state_dict()["microbatch_good_steps"] == (8 if "micro" in case else 0)
+    # (at the target, where no growth is due, the count stops at 1)
+    assert trainer3.state_dict()["microbatch_good_steps"] == (8 if "micro" in case else 1)
     third = trainer3.fit(x, y, epochs=1, progress=False, scheduler=sched3, scheduler_interval=interval)
     assert_params_equal(model, model3)
     assert third[0]["loss"] == straight[2]["loss"] and third[0]["lr"] == straight[2]["lr"]
@@ -177,7 +178,8 @@ def test_a_bad_trainer_state_dict_raises_and_changes_nothing():
     trainer._c.start_microbatch(8)
     good = trainer.state_dict()
     assert good == {"epochs": 1, "microbatch_size": 8, "microbatch_target": 16, "microbatch_good_steps": 0,
-                    "microbatch_grown_from": 0, "scaler": good["scaler"]} and good["scaler"]["scale"] == 65536.0
+                    "microbatch_grown_from": 0, "microbatch_grow_wait": 100,
+                    "scaler": good["scaler"]} and good["scaler"]["scale"] == 65536.0
     for bad, pattern in ((dict(good, epochs=-1), "epochs"), (dict(good, epochs=1.5), "epochs"),
                          (dict(good, epochs=2**70, microbatch_size=2), "epochs"),
                          (dict(good, microbatch_size=17), "at most batch_size"),
@@ -188,6 +190,10 @@ def test_a_bad_trainer_state_dict_raises_and_changes_nothing():
                          (dict(good, microbatch_grown_from=-1), "grown_from"),
                          (dict(good, microbatch_grown_from=8), "grown from"),
                          (dict(good, microbatch_grown_from=2.0), "grown_from"),
+                         (dict(good, microbatch_grow_wait=-1), "grow_wait"),
+                         (dict(good, microbatch_grow_wait=2**63), "grow_wait"),
+                         (dict(good, microbatch_grow_wait=True), "grow_wait"),
+                         (dict(good, unknown=1), "keys"),
                          (dict(good, scaler=None), "loss scaler"), ({"epochs": 1}, "keys"), ([], "keys"),
                          (dict(good, microbatch_size=2, scaler={"scale": -1.0}), "scale")):
         with pytest.raises((ValueError, TypeError, KeyError), match=pattern):
@@ -200,12 +206,16 @@ def test_a_bad_trainer_state_dict_raises_and_changes_nothing():
     _, _, other = make("adam", batch_size=16, amp="fp16")
     other.load_state_dict(dict(good, microbatch_size=4, microbatch_target=12))
     assert other.microbatch_size == 4 and other.state_dict()["microbatch_target"] == 12
-    # a state_dict of an earlier cmlp, without the micro-batch the last growth started from, loads
-    earlier = {k: v for k, v in dict(good, microbatch_grown_from=4).items() if k != "microbatch_grown_from"}
-    other.load_state_dict(dict(good, microbatch_grown_from=4))
+    # a state_dict of an earlier cmlp, without the micro-batch the last growth started from or the
+    # good steps the next growth waits for, loads (the wait: grow_interval)
+    other.load_state_dict(dict(good, microbatch_grown_from=4, microbatch_grow_wait=2**63 - 1))
     assert other.state_dict()["microbatch_grown_from"] == 4
-    other.load_state_dict(earlier)
-    assert other.state_dict() == dict(earlier, microbatch_grown_from=0)
+    assert other.state_dict()["microbatch_grow_wait"] == 2**63 - 1
+    defaults = {"microbatch_grown_from": 0, "microbatch_grow_wait": 100}
+    full = dict(good, microbatch_grown_from=4, microbatch_grow_wait=800)
+    for missing in (("microbatch_grown_from",), ("microbatch_grow_wait",), tuple(defaults)):
+        other.load_state_dict({k: v for k, v in full.items() if k not in missing})
+        assert other.state_dict() == dict(full, **{k: defaults[k] for k in missing})
 
 
 def test_a_micro_batch_is_at_most_the_rows_of_a_step():

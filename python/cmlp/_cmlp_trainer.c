@@ -342,9 +342,10 @@ static PyObject *Trainer_run_steps(TrainerObject *self, PyObject *unused) {
 static PyObject *Trainer_microbatch_state(TrainerObject *self, PyObject *unused) {
     (void)unused;
     if (trainer_ready(self) < 0) return NULL;
-    int64_t size, target, good, grown_from;
-    cmlp_trainer_get_microbatch_state(self->t, &size, &target, &good, &grown_from);
-    return Py_BuildValue("(LLLL)", (long long)size, (long long)target, (long long)good, (long long)grown_from);
+    int64_t size, target, good, grown_from, wait;
+    cmlp_trainer_get_microbatch_state(self->t, &size, &target, &good, &grown_from, &wait);
+    return Py_BuildValue("(LLLLL)", (long long)size, (long long)target, (long long)good, (long long)grown_from,
+                         (long long)wait);
 }
 
 static PyObject *Trainer_last_microbatch(TrainerObject *self, PyObject *unused) {
@@ -354,12 +355,12 @@ static PyObject *Trainer_last_microbatch(TrainerObject *self, PyObject *unused) 
 }
 
 static PyObject *Trainer_set_microbatch_state(TrainerObject *self, PyObject *args) {
-    long long size, target, good, grown_from;
-    if (!PyArg_ParseTuple(args, "LLLL", &size, &target, &good, &grown_from)) return NULL;
+    long long size, target, good, grown_from, wait;
+    if (!PyArg_ParseTuple(args, "LLLLL", &size, &target, &good, &grown_from, &wait)) return NULL;
     if (trainer_ready(self) < 0) return NULL;
     ModelObject *mo = self->optim->model;
     cmlp_status st;
-    RUN_LOCKED(mo, st, cmlp_trainer_set_microbatch_state(self->t, size, target, good, grown_from));
+    RUN_LOCKED(mo, st, cmlp_trainer_set_microbatch_state(self->t, size, target, good, grown_from, wait));
     if (st != CMLP_OK) return raise_status(mo->ms, st);
     Py_RETURN_NONE;
 }
@@ -413,12 +414,12 @@ static PyMethodDef Trainer_methods[] = {
      "the last step's gradient norm before clipping (None without clipping)"},
     {"oom_retries", (PyCFunction)Trainer_oom_retries, METH_NOARGS, "steps retried with a smaller micro-batch"},
     {"start_microbatch", (PyCFunction)Trainer_start_microbatch, METH_O, "compute with a smaller micro-batch for now"},
-    {"microbatch_state", (PyCFunction)Trainer_microbatch_state, METH_NOARGS, "(size, target, good_steps, grown_from)"},
+    {"microbatch_state", (PyCFunction)Trainer_microbatch_state, METH_NOARGS, "(size, target, good_steps, grown_from, grow_wait)"},
     {"run_steps", (PyCFunction)Trainer_run_steps, METH_NOARGS, "the steps the last epoch_run took (failed or not)"},
     {"last_microbatch", (PyCFunction)Trainer_last_microbatch, METH_NOARGS,
      "the micro-batch the last step that completed ran with (0: none yet)"},
     {"set_microbatch_state", (PyCFunction)Trainer_set_microbatch_state, METH_VARARGS,
-     "set_microbatch_state(size, target, good_steps, grown_from)"},
+     "set_microbatch_state(size, target, good_steps, grown_from, grow_wait)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -185,7 +185,8 @@ class Trainer(FitLoop):
     shuffle = _fixed("shuffle", "Whether each epoch takes the samples in a new seeded order.")
     seed = _fixed("seed", "The seed of the epochs' orders.")
     label_smoothing = _fixed("label_smoothing", "The cross-entropy's label smoothing.")
-    grow_interval = _fixed("grow_interval", "Good steps before automatic micro-batching tries a larger micro-batch.")
+    grow_interval = _fixed("grow_interval", "Good steps before automatic micro-batching tries a larger micro-batch "
+                           "(twice as many after each try that ran out of memory).")
     max_grad_norm = _fixed("max_grad_norm", "The L2 norm gradients are clipped to (None: no clipping).")
     distributed = _fixed("distributed", "Whether it trains data-parallel over the process group.")
 
@@ -255,32 +256,36 @@ class Trainer(FitLoop):
         that a run resumed from it trains as the uninterrupted run would, bit for bit: the epochs
         begun (the next epoch's order), what automatic micro-batching moves (the micro-batch in
         use, the one it grows back to, the good steps toward the next growth, the micro-batch the
-        last growth started from, which an out-of-memory goes back to) and the loss scaler's
-        state."""
+        last growth started from, which an out-of-memory goes back to, the good steps the next
+        growth waits for) and the loss scaler's state."""
         if self._lost:
             raise RuntimeError(_LOST)
-        size, target, good, grown_from = self._c.microbatch_state()
+        size, target, good, grown_from, wait = self._c.microbatch_state()
         return {"epochs": self._c.epochs, "microbatch_size": size, "microbatch_target": target,
-                "microbatch_good_steps": good, "microbatch_grown_from": grown_from,
+                "microbatch_good_steps": good, "microbatch_grown_from": grown_from, "microbatch_grow_wait": wait,
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
     _STATE_KEYS = {"epochs", "microbatch_size", "microbatch_target", "microbatch_good_steps",
-                   "microbatch_grown_from", "scaler"}
+                   "microbatch_grown_from", "microbatch_grow_wait", "scaler"}
+    _OPTIONAL_STATE_KEYS = ("microbatch_grown_from", "microbatch_grow_wait")  # newer than the rest
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restores what state_dict() gave, into a trainer made with the same arguments; a bad
-        dict raises and changes nothing. A state_dict without "microbatch_grown_from" (of an
-        earlier cmlp) loads as one whose last growth is not known."""
+        dict raises and changes nothing. A state_dict without "microbatch_grown_from" or
+        "microbatch_grow_wait" (of an earlier cmlp) loads as one whose last growth is not known,
+        and whose next growth waits grow_interval good steps."""
         if self._lost:
             raise RuntimeError(_LOST)
         keys = set(state_dict) if isinstance(state_dict, dict) else None
-        if keys not in (self._STATE_KEYS, self._STATE_KEYS - {"microbatch_grown_from"}):
+        if keys is None or not self._STATE_KEYS - set(self._OPTIONAL_STATE_KEYS) <= keys <= self._STATE_KEYS:
             raise ValueError(f"a trainer state_dict is a dict with the keys {sorted(self._STATE_KEYS)}")
         counts = {}
-        for key in ("epochs", "microbatch_good_steps", "microbatch_grown_from"):
+        for key in ("epochs", "microbatch_good_steps", "microbatch_grown_from", "microbatch_grow_wait"):
             v = state_dict.get(key, 0)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v <= MAX_STEP_SAMPLES:
-                raise ValueError(f"state_dict[{key!r}] must be an int in [0, 2**62], got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v <= 2**63 - 1 or (
+                    v > MAX_STEP_SAMPLES and key != "microbatch_grow_wait"):
+                bound = "2**63 - 1" if key == "microbatch_grow_wait" else "2**62"
+                raise ValueError(f"state_dict[{key!r}] must be an int in [0, {bound}], got {v!r}")
             counts[key] = int(v)
         target = self._micro_of("state_dict['microbatch_target']", state_dict["microbatch_target"])
         size = self._micro_of("state_dict['microbatch_size']", state_dict["microbatch_size"])
@@ -301,7 +306,7 @@ class Trainer(FitLoop):
                 self.scaler.load_state_dict(scaler)
             try:
                 self._c.set_microbatch_state(size, target, counts["microbatch_good_steps"],
-                                             counts["microbatch_grown_from"])
+                                             counts["microbatch_grown_from"], counts["microbatch_grow_wait"])
             except BaseException:
                 if scaler is not None:
                     self.scaler.load_state_dict(before)
