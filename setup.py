@@ -74,29 +74,30 @@ def cuda_config():
     m = re.search(r"release (\d+\.\d+)", out)
     if not m:
         sys.exit(f"cannot read the CUDA version from {nvcc} --version")
-    libdir, cublaslt = cublaslt_library(home)
+    libdir, cublaslt = cuda_library(home, "cublasLt")
+    blasdir, cublas = cuda_library(home, "cublas")
     archs = [a.strip() for a in re.split(r"[;, ]+", os.environ.get("CMLP_CUDA_ARCH", "80;90")) if a.strip()]
     if not archs or not all(a.isdigit() for a in archs):
         sys.exit(f"CMLP_CUDA_ARCH={os.environ.get('CMLP_CUDA_ARCH')!r}: expected numbers such as 80;90")
-    return dict(nvcc=nvcc, home=home, version=m.group(1), libdir=libdir, cublaslt=cublaslt,
-                archs=sorted(set(archs), key=int))
+    return dict(nvcc=nvcc, home=home, version=m.group(1), libdirs=sorted({libdir, blasdir}), cublaslt=cublaslt,
+                cublas=cublas, archs=sorted(set(archs), key=int))
 
 
-def cublaslt_library(home):
-    """(folder, -l argument) of the toolkit's cuBLASLt: libcublasLt.so in a toolkit's lib64 (or
-    its targets' lib), else a versioned libcublasLt.so.N alone, as in a toolkit of pip's wheels
-    (nvidia/cuNN, whose lib holds no development link)."""
+def cuda_library(home, name):
+    """(folder, -l argument) of the toolkit's library lib<name>.so (cublasLt, cublas): lib<name>.so
+    in a toolkit's lib64 (or its targets' lib), else a versioned lib<name>.so.N alone, as in a
+    toolkit of pip's wheels (nvidia/cuNN, whose lib holds no development link)."""
     folders = [os.path.join(home, "lib64"), os.path.join(home, "targets", "x86_64-linux", "lib"),
                os.path.join(home, "lib")]
     for d in folders:
-        if os.path.exists(os.path.join(d, "libcublasLt.so")):
-            return d, "-lcublasLt"
+        if os.path.exists(os.path.join(d, f"lib{name}.so")):
+            return d, f"-l{name}"
     for d in folders:
-        versioned = [os.path.basename(f) for f in glob.glob(os.path.join(d, "libcublasLt.so.*"))
-                     if re.fullmatch(r"libcublasLt\.so\.\d+", os.path.basename(f))]
+        versioned = [os.path.basename(f) for f in glob.glob(os.path.join(d, f"lib{name}.so.*"))
+                     if re.fullmatch(rf"lib{re.escape(name)}\.so\.\d+", os.path.basename(f))]
         if versioned:  # the newest by number (13 after 9)
-            return d, "-l:" + max(versioned, key=lambda name: int(name.rsplit(".", 1)[1]))
-    sys.exit(f"the CUDA toolkit at {home} has no libcublasLt.so (looked in {', '.join(folders)})")
+            return d, "-l:" + max(versioned, key=lambda lib: int(lib.rsplit(".", 1)[1]))
+    sys.exit(f"the CUDA toolkit at {home} has no lib{name}.so (looked in {', '.join(folders)})")
 
 
 def mpi_config():
@@ -154,8 +155,9 @@ class BuildExt(build_ext):
         jobs = []  # (command, object), compiled on every core
         for src in cu:
             obj = os.path.join(tmp, os.path.basename(src) + ".o")
-            jobs.append(([cuda["nvcc"], "-std=c++17", "-O3", "-Xcompiler", "-fPIC,-Wall,-Wextra,-fvisibility=hidden",
-                          "-Ikernels", *gencode, "-c", src, "-o", obj], obj))
+            # -lineinfo: compute-sanitizer's reports name source lines (the code is the same)
+            jobs.append(([cuda["nvcc"], "-std=c++17", "-O3", "-lineinfo", "-Xcompiler",
+                          "-fPIC,-Wall,-Wextra,-fvisibility=hidden", "-Ikernels", *gencode, "-c", src, "-o", obj], obj))
         for src in backend:
             obj = os.path.join(tmp, os.path.basename(src)[:-2] + ".o")
             jobs.append(([cc, "-std=c11", "-O2", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wextra", "-Wundef",
@@ -165,8 +167,9 @@ class BuildExt(build_ext):
             list(pool.map(run, [cmd for cmd, _ in jobs]))  # the first failure raises here
         objs = [obj for _, obj in jobs]
         os.makedirs(os.path.dirname(out), exist_ok=True)
-        run([cuda["nvcc"], "-shared", "-cudart", "static", *gencode, "-o", out, *objs, "-L" + cuda["libdir"],
-             cuda["cublaslt"], "-Xlinker", "-rpath=" + cuda["libdir"], "-lpthread", "-ldl", "-lrt"])
+        libdirs = [arg for d in cuda["libdirs"] for arg in ("-L" + d, "-Xlinker", "-rpath=" + d)]
+        run([cuda["nvcc"], "-shared", "-cudart", "static", *gencode, "-o", out, *objs, *libdirs, cuda["cublaslt"],
+             cuda["cublas"], "-lpthread", "-ldl", "-lrt"])
 
     def get_outputs(self):
         outs = super().get_outputs()

@@ -421,6 +421,7 @@ cmlp_status cmlp_allocator_malloc(cmlp_allocator *a, size_t nbytes, const char *
     if (nbytes > ((size_t)1 << 56)) {
         pthread_mutex_lock(&a->lock);
         a->stats.num_ooms++;
+        a->ooms_ever++;
         alloc_note_oom(a, nbytes, what);
         pthread_mutex_unlock(&a->lock);
         return CMLP_FAIL(CMLP_ERR_OOM, "%s out of memory: a request of %zu bytes is impossibly large", a->name, nbytes);
@@ -493,6 +494,13 @@ cmlp_status cmlp_allocator_cache_serves(cmlp_allocator *a, const size_t *nbytes,
     a->dry_run = false;
     pthread_mutex_unlock(&a->lock);
     return CMLP_OK;
+}
+
+int64_t cmlp_allocator_ooms_ever(cmlp_allocator *a) {
+    pthread_mutex_lock(&a->lock);
+    const int64_t n = a->ooms_ever;
+    pthread_mutex_unlock(&a->lock);
+    return n;
 }
 
 void cmlp_allocator_stats(cmlp_allocator *a, cmlp_memory_stats *out) {

@@ -36,6 +36,9 @@ __attribute__((visibility("hidden")))
  * segments says no (its requests may map pages). */
 cmlp_status cmlp_allocator_cache_serves(cmlp_allocator *a, const size_t *nbytes, int n, bool *served);
 void cmlp_allocator_stats(cmlp_allocator *a, cmlp_memory_stats *out);
+/* The out-of-memory errors the allocator has raised, which no reset of the statistics clears. */
+__attribute__((visibility("hidden")))
+int64_t cmlp_allocator_ooms_ever(cmlp_allocator *a);
 __attribute__((visibility("hidden")))
 void cmlp_allocator_reset_peak(cmlp_allocator *a);
 /* The peak of the allocated bytes since the last restart (a second peak, beside the statistics'

@@ -110,6 +110,7 @@ struct cmlp_allocator {
     int64_t limit; /* -1: none */
     int64_t total_memory;
     cmlp_memory_stats stats;
+    int64_t ooms_ever; /* the out-of-memory errors raised, never reset (cmlp_allocator_ooms_ever) */
     int64_t window_peak; /* the allocated bytes' peak since cmlp_allocator_window restarted it */
     /* inactive_split's change (blocks, bytes) in the operation under way: the statistics take each
      * operation's net change, as PyTorch's do (a block taken from its pool and put back in pieces

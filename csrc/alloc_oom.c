@@ -74,6 +74,7 @@ cmlp_status alloc_oom(cmlp_allocator *a, size_t nbytes, size_t size) {
     int64_t largest = alloc_largest_free(a);
     double frag = r > 0 ? 100.0 * (double)(r - al) / (double)r : 0.0;
     a->stats.num_ooms++;
+    a->ooms_ever++;
     /* a small request that fits in what is free can still need a whole new segment (caching off,
      * the request's own size) */
     size_t seg = a->cfg.expandable_segments || a->uncached ? size : alloc_segment_size(&a->cfg, size);

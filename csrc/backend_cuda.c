@@ -6,8 +6,9 @@
  * cmlp imports where there is no CUDA at all.
  *
  * It calls nothing of the core but the error recorder handed to cmlp_cuda_entry. Every CUDA,
- * driver and cuBLASLt call is checked; a failure becomes CMLP_ERR_DEVICE carrying CUDA's
- * message (or CMLP_ERR_OOM, with nothing recorded, where the allocator expects that).
+ * driver and cuBLAS(Lt) call is checked; a failure becomes CMLP_ERR_DEVICE carrying CUDA's
+ * message (CMLP_ERR_OOM where a launch or cuBLAS ran out of device memory; with nothing recorded
+ * where the allocator expects that).
  * CMLP_CUDA_SYNC=1 synchronises after every operation, so that an error names its operation.
  */
 #include "backend_cuda.h"
@@ -139,6 +140,15 @@ cmlp_status use(cuda_ctx *c) {
 }
 
 cmlp_status done(cuda_ctx *c, cudaError_t launch, const char *what) {
+    /* out of device memory at a launch: the kernel's module loads on its first launch (CUDA's
+     * lazy loading) into memory the cache may hold */
+    if (launch == cudaErrorMemoryAllocation) {
+        (void)cudaGetLastError();
+        return FAIL(CMLP_ERR_OOM,
+                    "CUDA out of memory at a kernel's first launch: CUDA loads its code then, into device memory "
+                    "outside the caching allocator. Release cached memory (cmlp.cuda.empty_cache()) and retry. "
+                    "The launch: %s (cudaErrorMemoryAllocation)", what);
+    }
     if (launch != cudaSuccess) return cuda_fail(launch, what, __FILE__, __LINE__);
     if (c->sync_each && !thread_capturing()) {
         cudaError_t e = cudaStreamSynchronize(stream_of(c));
@@ -157,6 +167,7 @@ static void cu_close(void *ctx) {
     if (!c) return;
     cuda_plans_free(c);
     if (c->lt) cublasLtDestroy(c->lt);
+    if (c->blas) cublasDestroy(c->blas);
     /* a device closes only when its opening fails, before any of these exist; they go too,
      * should one ever close after use */
     for (int i = 0; i < STAGE_SLOTS; i++) {

@@ -1,5 +1,5 @@
 /* backend_cuda.h - what the CUDA backend's files share (not a public header): the per-device
- * context, the checks that turn CUDA, driver and cuBLASLt failures into statuses, the thread's
+ * context, the checks that turn CUDA, driver and cuBLAS(Lt) failures into statuses, the thread's
  * capture and second-stream state that decides where work is queued, and each file's part of
  * the backend's table.
  */
@@ -10,6 +10,7 @@
 #include "kernels.h"
 
 #include <cublasLt.h>
+#include <cublas_v2.h>
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <pthread.h>
@@ -105,6 +106,9 @@ typedef struct {
     cudaEvent_t side_fork, side_done;
     int two_streams;
     cublasLtHandle_t lt;
+    /* cuBLAS, for a GEMM cuBLASLt has no algorithm for (made then, outside a capture: under
+     * the lock, with the stream's workspace at each call) */
+    cublasHandle_t blas;
     pthread_mutex_t lock; /* the scratch, the staging buffers, the plan cache, the second stream */
     void *ws;             /* the GEMM workspace of the first stream, from the allocator */
     size_t ws_bytes;

@@ -1,6 +1,6 @@
 /* backend_cuda_gemm.c - GEMMs through cuBLASLt: fp32 (TF32 where asked for), fp16 and
  * bf16 with fp32 accumulation, fused bias and ReLU epilogues, and a cache of plans per shape,
- * layout and alignment.
+ * layout and alignment; cuBLAS for a GEMM cuBLASLt has no algorithm for.
  */
 #include "backend_cuda.h"
 
@@ -79,7 +79,64 @@ static cmlp_status plan_make(cuda_ctx *c, gemm_plan *p, const uint64_t key[8], c
     return CMLP_OK;
 }
 
-/* no_algo (may be NULL): set when cuBLASLt has no algorithm for this GEMM (then nothing ran). */
+/* A GEMM call's failure; out of device memory (ALLOC_FAILED: what cuBLAS loads or makes on first
+ * use, outside the caching allocator) is CMLP_ERR_OOM, as CUDA's (cuda_fail). */
+static cmlp_status blas_fail(cublasStatus_t s, const char *what, const gemm_desc *g) {
+    if (s == CUBLAS_STATUS_ALLOC_FAILED)
+        return FAIL(CMLP_ERR_OOM, "CUDA out of memory in cuBLAS: what it loads or makes on first use needs device "
+                    "memory outside the caching allocator. Release cached memory (cmlp.cuda.empty_cache()) and "
+                    "retry. The call: %s (%lld x %lld x %lld): %s", what, (long long)g->m, (long long)g->n,
+                    (long long)g->k, cublasLtGetStatusString(s));
+    return FAIL(CMLP_ERR_DEVICE, "%s (%lld x %lld x %lld) failed: %s", what, (long long)g->m, (long long)g->n,
+                (long long)g->k, cublasLtGetStatusString(s));
+}
+
+/* A GEMM without an epilogue that cuBLASLt has no algorithm for goes to cuBLAS's cublasGemmEx,
+ * which takes any alignment the elements have (as torch's plain matrix products do): the same
+ * types and compute type, fp32 accumulation (no reduction in half precision). The handle is
+ * made on the first such GEMM, outside a capture (making it allocates); it runs on the stream
+ * this thread queues to, with that stream's workspace. Under c->lock. */
+static cmlp_status blas_gemm(cuda_ctx *c, const gemm_desc *g, float alpha, const void *d_a, const void *d_b,
+                             float beta, void *d_c, void *ws, size_t ws_bytes) {
+    const int64_t dims[6] = {g->m, g->n, g->k, g->lda, g->ldb, g->ldc};
+    for (int i = 0; i < 6; i++)
+        if (dims[i] > INT32_MAX)
+            return FAIL(CMLP_ERR_DEVICE, "cuBLASLt has no algorithm for a GEMM of %lld x %lld x %lld, too large for "
+                        "cuBLAS's cublasGemmEx", (long long)g->m, (long long)g->n, (long long)g->k);
+    if (!c->blas) {
+        if (thread_capturing())
+            return FAIL(CMLP_ERR_DEVICE, "cuBLASLt has no algorithm for a GEMM of %lld x %lld x %lld, and cuBLAS "
+                        "cannot start while a training step is being captured as a graph", (long long)g->m,
+                        (long long)g->n, (long long)g->k);
+        cublasHandle_t h = NULL;
+        cublasStatus_t s = cublasCreate(&h);
+        if (s == CUBLAS_STATUS_SUCCESS)
+            s = cublasSetMathMode(h, CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION);
+        if (s != CUBLAS_STATUS_SUCCESS) {
+            if (h) cublasDestroy(h);
+            (void)cudaGetLastError();
+            return blas_fail(s, "cublasCreate (for a GEMM cuBLASLt has no algorithm for)", g);
+        }
+        c->blas = h;
+    }
+    if ((uintptr_t)ws % 256) ws = NULL, ws_bytes = 0; /* cuBLAS's rule; without one it picks another kernel */
+    const cublasComputeType_t ct =
+        c->tf32 && g->ab == CUDA_R_32F ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    const cublasOperation_t op_l = g->tb ? CUBLAS_OP_T : CUBLAS_OP_N, op_r = g->ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+    cublasStatus_t s = cublasSetStream(c->blas, stream_of(c));
+    if (s == CUBLAS_STATUS_SUCCESS) s = cublasSetWorkspace(c->blas, ws, ws_bytes);
+    if (s == CUBLAS_STATUS_SUCCESS) /* column-major, as in plan_make: cuBLAS's A is our B */
+        s = cublasGemmEx(c->blas, op_l, op_r, (int)g->n, (int)g->m, (int)g->k, &alpha, d_b, g->ab, (int)g->ldb, d_a,
+                         g->ab, (int)g->lda, &beta, d_c, g->cd, (int)g->ldc, ct, CUBLAS_GEMM_DEFAULT);
+    if (s != CUBLAS_STATUS_SUCCESS) {
+        (void)cudaGetLastError();
+        return blas_fail(s, "cublasGemmEx (for a GEMM cuBLASLt has no algorithm for)", g);
+    }
+    return CMLP_OK;
+}
+
+/* no_algo (may be NULL): set when cuBLASLt has no algorithm for this GEMM's epilogue (then
+ * nothing ran); one without an epilogue goes to cuBLAS (blas_gemm). */
 static cmlp_status lt_gemm(cuda_ctx *c, const gemm_desc *g, float alpha, const void *d_a, const void *d_b, float beta,
                            void *d_c, const void *d_bias, bool *no_algo) {
     bool none = false;
@@ -131,8 +188,16 @@ static cmlp_status lt_gemm(cuda_ctx *c, const gemm_desc *g, float alpha, const v
         }
     } else if (p->none) {
         none = true;
-        st = FAIL(CMLP_ERR_DEVICE, "cuBLASLt has no algorithm for a GEMM of %lld x %lld x %lld", (long long)g->m,
+        if (g->epilogue != CUBLASLT_EPILOGUE_DEFAULT) /* (a plain GEMM goes to cuBLAS below) */
+            st = FAIL(CMLP_ERR_DEVICE, "cuBLASLt has no algorithm for a GEMM of %lld x %lld x %lld", (long long)g->m,
                   (long long)g->n, (long long)g->k);
+    }
+    if (none && g->epilogue == CUBLASLT_EPILOGUE_DEFAULT) {
+        none = false;
+        st = blas_gemm(c, g, alpha, d_a, d_b, beta, d_c, ws, ws_bytes);
+        pthread_mutex_unlock(&c->lock);
+        if (st == CMLP_OK && c->sync_each) st = done(c, cudaSuccess, "cublasGemmEx");
+        return st;
     }
     if (no_algo) *no_algo = none;
     if (st == CMLP_OK && bias_src) { /* in stream order under the lock: no other GEMM's copy comes between */
@@ -150,8 +215,7 @@ static cmlp_status lt_gemm(cuda_ctx *c, const gemm_desc *g, float alpha, const v
                                           &p->algo, ws, ws_bytes, stream_of(c));
         if (s != CUBLAS_STATUS_SUCCESS) {
             (void)cudaGetLastError();
-            st = FAIL(CMLP_ERR_DEVICE, "cublasLtMatmul (%lld x %lld x %lld) failed: %s", (long long)g->m,
-                      (long long)g->n, (long long)g->k, cublasLtGetStatusString(s));
+            st = blas_fail(s, "cublasLtMatmul", g);
         }
     }
     pthread_mutex_unlock(&c->lock);
@@ -165,15 +229,22 @@ static cmlp_status cu_gemm(void *ctx, int ta, int tb, int64_t m, int64_t n, int6
     return lt_gemm(ctx, &g, alpha, d_a, d_b, beta, d_c, NULL, NULL);
 }
 
+/* cuBLASLt's bias epilogue has failed to run (CUBLAS_STATUS_EXECUTION_FAILED) on GEMMs with a
+ * side of 65535 x 32 or more, which torch's addmm therefore does without: so does gemm_bias. */
+#define TALL_GEMM ((int64_t)65535 * 32)
+
 /* C = alpha op(A) op(B) with the bias (and ReLU) fused where cuBLASLt has an algorithm for
- * that. Where it has none (rows of C contiguous): in fp32 the GEMM, then the bias kernel; in
- * half precision C's rows set to the bias, the GEMM adding to them, then the ReLU, which gives
- * the fused epilogue's values (the sum in fp32, rounded once). */
+ * that. Where it has none, or a side is TALL_GEMM or more (rows of C contiguous): in fp32 the
+ * GEMM, then the bias kernel; in half precision C's rows set to the bias, the GEMM adding to
+ * them, then the ReLU, which gives the fused epilogue's values (the sum in fp32, rounded once). */
 static cmlp_status gemm_bias(cuda_ctx *c, gemm_desc *g, float alpha, const void *d_a, const void *d_b, void *d_c,
                              const void *d_bias, int relu) {
-    bool none;
-    cmlp_status st = lt_gemm(c, g, alpha, d_a, d_b, 0.0f, d_c, d_bias, &none);
-    if (st == CMLP_OK || !none || g->ldc != g->n) return st;
+    cmlp_status st;
+    if (g->ldc != g->n || (g->m < TALL_GEMM && g->n < TALL_GEMM && g->k < TALL_GEMM)) {
+        bool none;
+        st = lt_gemm(c, g, alpha, d_a, d_b, 0.0f, d_c, d_bias, &none);
+        if (st == CMLP_OK || !none || g->ldc != g->n) return st;
+    }
     g->epilogue = CUBLASLT_EPILOGUE_DEFAULT;
     if (g->cd == CUDA_R_32F) {
         st = lt_gemm(c, g, alpha, d_a, d_b, 0.0f, d_c, NULL, NULL);

@@ -180,6 +180,7 @@ __global__ void __launch_bounds__(XENT_THREADS) k_softmax_xent(xent_args a) {
             a.part[blockIdx.x] = l;
             __threadfence();
             s_last = atomicAdd(a.blocks_done, 1u) == gridDim.x - 1;
+            __threadfence(); /* what the count saw comes before what the block reads next */
         }
     }
     if (!a.loss_sum || !a.part) return;

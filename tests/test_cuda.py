@@ -547,6 +547,27 @@ def test_optimizer_steps_match_the_cpu(sizes, opt):
                 assert_close(got["state"][i][name], value, 1e-4, f"optimizer state {i} {name}", elementwise=False)
 
 
+@needs_gpu
+@pytest.mark.parametrize("amp", [None, "fp16"])
+def test_a_gemm_with_a_side_of_65535_x_32_or_more_runs_without_the_fused_bias(amp):
+    """cuBLASLt's bias epilogue has failed to run on GEMMs with a side of 65535 x 32 or more
+    (torch's addmm does without it there; the emulated cuBLASLt fails so): a forward and backward
+    pass through a first layer of 2**21 inputs, whose GEMM sums that many products before its
+    bias and ReLU, gives the CPU's loss and gradients."""
+    sizes, n = [2**21, 3, 2], 4
+    rng = np.random.default_rng(21)
+    x = rng.standard_normal((n, sizes[0])).astype(np.float32)
+    y = rng.integers(0, 2, n)
+    cpu, gpu = pair(sizes)
+    scale = 1024.0 if amp else 1.0
+    loss = gpu.forward_backward(x, y, amp=amp, loss_scale=scale)
+    loss_cpu = cpu.forward_backward(x, y, amp=amp, loss_scale=scale)
+    tol = AMP_TOL[amp] if amp else 1e-5
+    assert_loss_close(loss, loss_cpu, tol, "loss vs cpu")
+    assert_dicts_close(gpu.grads(), cpu.grads(), tol, "grads vs cpu", elementwise=False)
+    assert_close(gpu(x), cpu(x), tol, "logits vs cpu")
+
+
 # ---------------------------------------------------------------- mixed precision
 
 @needs_gpu

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import cmlp
@@ -83,13 +84,15 @@ def test_daemon_threads_using_a_gpu_when_the_interpreter_exits_let_it_exit(tmp_p
 
 @needs_emulator[0]
 @needs_emulator[1]
-def test_gemms_without_a_fused_bias_epilogue_give_the_same_results():
+@pytest.mark.parametrize("knob", ["CMLP_EMU_LT_NO_EPILOGUE", "CMLP_EMU_LT_NO_ALGO"])
+def test_gemms_without_a_cublaslt_algorithm_give_the_same_results(knob):
     """Where cuBLASLt has no algorithm for a fused bias (and ReLU) epilogue, which it may answer
-    for some mixes of types, layouts and alignments, the backend does without it: the forward
-    and backward tests (every sweep shape, fp32, fp16, bf16) and graph replay against eager
-    execution pass with the emulated cuBLASLt offering no such algorithm
-    (CMLP_EMU_LT_NO_EPILOGUE=1)."""
-    env = dict(_emulated_env(), CMLP_EMU_LT_NO_EPILOGUE="1")
+    for some mixes of types, layouts and alignments, the backend does without it, and where it
+    has none for a GEMM at all, cuBLAS's cublasGemmEx runs it: the forward and backward tests
+    (every sweep shape, fp32, fp16, bf16) and graph replay against eager execution pass with the
+    emulated cuBLASLt offering no such algorithm (CMLP_EMU_LT_NO_EPILOGUE=1) or none at all
+    (CMLP_EMU_LT_NO_ALGO=1)."""
+    env = dict(_emulated_env(), **{knob: "1"})
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
                         "forward and not graph or graph_replay_equals",
                         os.path.join(HERE, "test_cuda.py")], env=env, capture_output=True, text=True, timeout=900)
@@ -97,6 +100,168 @@ def test_gemms_without_a_fused_bias_epilogue_give_the_same_results():
     assert r.returncode == 0, tail
     summary = r.stdout.strip().splitlines()[-1]
     assert " failed" not in summary and int(summary.split(" passed")[0].split()[-1]) >= 90, tail
+
+
+_CUBLAS_FIT = r"""
+import sys
+import numpy as np
+import cmlp
+rng = np.random.default_rng(0)
+x = rng.random((64, 13), dtype=np.float32)
+y = rng.integers(0, 7, 64)
+out = []
+for amp in (None, "fp16", "bf16"):
+    m = cmlp.MLP([13, 9, 7], seed=1).to("cuda")
+    t = cmlp.Trainer(m, cmlp.optim.Adam(m.parameters(), lr=1e-2), amp=amp, batch_size=16)
+    t.fit(x, y, epochs=2, progress=False)
+    out.append(np.concatenate([v.ravel() for v in m.state_dict().values()]))
+np.save(sys.argv[1], np.concatenate(out))
+"""
+
+
+@needs_emulator[0]
+@needs_emulator[1]
+def test_a_fit_with_every_gemm_in_cublas_equals_one_in_cublaslt(tmp_path):
+    """With no cuBLASLt algorithm for any GEMM, the layers' GEMMs run in cuBLAS, the bias and
+    ReLU by the kernels (fp32) or the bias rows and ReLU around the GEMM (half precision): the
+    emulated libraries round as the fused epilogue does, so a fit's parameters come out the same
+    bits in fp32, fp16 and bf16, eager and replayed."""
+    env = _emulated_env()
+    runs = []
+    for knob in ("0", "1"):
+        path = tmp_path / f"params{knob}.npy"
+        r = subprocess.run([sys.executable, "-c", _CUBLAS_FIT, str(path)], env=dict(env, CMLP_EMU_LT_NO_ALGO=knob),
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        runs.append(np.load(path))
+    assert runs[0].shape == (3 * (13 * 9 + 9 + 9 * 7 + 7),)
+    np.testing.assert_array_equal(runs[0], runs[1])
+
+
+_LAZY_LOADING = r"""
+import numpy as np
+import cmlp
+M = cmlp.memory
+rng = np.random.default_rng(0)
+x = rng.standard_normal((256, 20)).astype(np.float32)
+y = rng.integers(0, 5, 256)
+
+
+def fill_the_device():
+    # every byte the device has left taken into cmlp's cache, then given back to it: the cache
+    # holds it, CUDA sees none free
+    blocks = []
+    for size in (16 << 20, 1 << 20, 512):
+        try:
+            while True:
+                blocks.append(M.caching_allocator_alloc(size, "cuda"))
+        except cmlp.OutOfMemoryError:
+            pass
+    for b in blocks:
+        M.caching_allocator_delete(b)
+
+
+cpu = cmlp.MLP([20, 64, 5], seed=0)
+gpu = cmlp.MLP([20, 64, 5], device="cuda", seed=0)
+fill_the_device()
+try:
+    gpu.forward_backward(x, y)  # its kernels' first launches
+    print("no error")
+except cmlp.OutOfMemoryError as e:
+    print("raised:", " ".join(str(e).split()))
+cmlp.cuda.empty_cache()
+loss, want = gpu.forward_backward(x, y), cpu.forward_backward(x, y)
+print("after empty_cache:", abs(loss - want) <= 1e-5 * want)
+
+# a trainer with automatic micro-batching empties the cache itself and goes on
+model = cmlp.MLP([20, 64, 5], device="cuda", seed=0)
+trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=64, shuffle=False)
+fill_the_device()
+history = trainer.fit(x, y, epochs=2, progress=False)
+print("fit:", trainer._c.oom_retries(), len(history), np.isfinite(history[-1]["loss"]))
+"""
+
+
+@needs_emulator[0]
+@needs_emulator[1]
+def test_a_launch_that_cannot_load_its_kernel_raises_out_of_memory():
+    """CUDA loads a kernel's module on its first launch, into device memory outside cmlp's
+    allocator; where cmlp's cache holds all of it, the launch fails with out-of-memory (the
+    emulated runtime loads modules so: CMLP_EMU_MODULE_BYTES). That is cmlp.OutOfMemoryError,
+    which says to empty the cache (not a device error), and automatic micro-batching, which
+    empties it, survives it."""
+    env = dict(_emulated_env(), CMLP_EMU_MEMORY=str(64 << 20), CMLP_EMU_MODULE_BYTES=str(2 << 20))
+    r = subprocess.run([sys.executable, "-c", _LAZY_LOADING], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("raised: CUDA out of memory at a kernel's first launch"), r.stdout
+    assert "cmlp.cuda.empty_cache()" in lines[0] and "cudaErrorMemoryAllocation" in lines[0], r.stdout
+    assert lines[1] == "after empty_cache: True", r.stdout
+    retries, epochs, finite = lines[2].split()[1:]
+    assert int(retries) >= 1 and epochs == "2" and finite == "True", r.stdout
+
+
+_UPDATE_OOM = r"""
+import numpy as np
+import cmlp
+M = cmlp.memory
+rng = np.random.default_rng(0)
+x = rng.standard_normal((64, 20)).astype(np.float32)
+y = rng.integers(0, 5, 64)
+
+
+def fill_the_device():
+    blocks = []
+    for size in (16 << 20, 1 << 20, 512):
+        try:
+            while True:
+                blocks.append(M.caching_allocator_alloc(size, "cuda"))
+        except cmlp.OutOfMemoryError:
+            pass
+    for b in blocks:
+        M.caching_allocator_delete(b)
+
+
+# a step of SGD loads the kernels of the forward and backward passes; Adam's are not loaded yet
+warm = cmlp.MLP([20, 64, 5], device="cuda", seed=1)
+cmlp.Trainer(warm, cmlp.optim.SGD(warm, lr=0.1), batch_size=64).step(x, y)
+model = cmlp.MLP([20, 64, 5], device="cuda", seed=0)
+trainer = cmlp.Trainer(model, cmlp.optim.Adam(model, lr=1e-2), batch_size=64)
+before = model.state_dict()
+fill_the_device()
+try:
+    trainer.step(x, y)
+    print("no error")
+except cmlp.OutOfMemoryError as e:
+    print("raised:", " ".join(str(e).split()))
+state = trainer.optimizer.state_dict()["state"]
+print("unchanged:", all(np.array_equal(v, before[k]) for k, v in model.state_dict().items()),
+      trainer._c.oom_retries(), trainer.microbatch_size, sorted(s.get("step", 0) for s in state.values()))
+cmlp.cuda.empty_cache()
+trainer.step(x, y)
+cpu = cmlp.MLP([20, 64, 5], seed=0)
+cmlp.Trainer(cpu, cmlp.optim.Adam(cpu, lr=1e-2), batch_size=64).step(x, y)
+err = max(float(np.abs(model.state_dict()[k] - v).max()) for k, v in cpu.state_dict().items())
+steps = sorted(int(s["step"]) for s in trainer.optimizer.state_dict()["state"].values())
+print("then:", err < 1e-5, steps)
+"""
+
+
+@needs_emulator[0]
+@needs_emulator[1]
+def test_an_update_whose_kernel_cannot_load_raises_and_is_not_retried():
+    """An out-of-memory at a launch inside the optimizer's update is not retried with smaller
+    micro-batches: the update's bookkeeping on the device (step count, loss scale, data position)
+    may have moved, and a retry would move it twice. The step raises cmlp.OutOfMemoryError with
+    the model and optimizer as they were; after empty_cache() the same step gives the CPU's
+    update, counted once."""
+    env = dict(_emulated_env(), CMLP_EMU_MEMORY=str(64 << 20), CMLP_EMU_MODULE_BYTES=str(2 << 20))
+    r = subprocess.run([sys.executable, "-c", _UPDATE_OOM], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("raised: CUDA out of memory at a kernel's first launch"), r.stdout
+    assert lines[1].startswith("unchanged: True 0 64 "), r.stdout
+    assert lines[2].startswith("then: True [1, 1"), r.stdout
 
 
 def _sanitizer_runtime(name):

@@ -216,16 +216,22 @@ def _setup_function(name):
     return scope[name]
 
 
-def test_the_build_finds_cublaslt_in_a_toolkit_and_in_a_toolkit_of_wheels(tmp_path):
-    find = _setup_function("cublaslt_library")
+def test_the_build_finds_cublaslt_and_cublas_in_a_toolkit_and_in_a_toolkit_of_wheels(tmp_path):
+    find = _setup_function("cuda_library")
     with pytest.raises(SystemExit, match="has no libcublasLt.so"):
-        find(str(tmp_path))
+        find(str(tmp_path), "cublasLt")
     wheels = tmp_path / "lib"  # pip's nvidia/cu13: versioned names only
     wheels.mkdir()
     for name in ("libcublasLt.so.13.0.2.14", "libcublasLt.so.13", "libcublasLt.so.9"):
         (wheels / name).write_bytes(b"")
-    assert find(str(tmp_path)) == (str(wheels), "-l:libcublasLt.so.13")
+    assert find(str(tmp_path), "cublasLt") == (str(wheels), "-l:libcublasLt.so.13")
+    with pytest.raises(SystemExit, match="has no libcublas.so"):  # cuBLASLt's files are not cuBLAS's
+        find(str(tmp_path), "cublas")
+    for name in ("libcublas.so.12", "libcublas.so.13"):
+        (wheels / name).write_bytes(b"")
+    assert find(str(tmp_path), "cublas") == (str(wheels), "-l:libcublas.so.13")
     toolkit = tmp_path / "lib64"  # /usr/local/cuda: the development link, found first
     toolkit.mkdir()
     (toolkit / "libcublasLt.so").write_bytes(b"")
-    assert find(str(tmp_path)) == (str(toolkit), "-lcublasLt")
+    assert find(str(tmp_path), "cublasLt") == (str(toolkit), "-lcublasLt")
+    assert find(str(tmp_path), "cublas") == (str(wheels), "-l:libcublas.so.13")

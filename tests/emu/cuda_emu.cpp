@@ -53,6 +53,7 @@ namespace cmlp_emu {
 
 submit_fn submit_hook;
 pointer_check_fn pointer_hook;
+load_fn load_hook;
 void set_last_error(cudaError_t e) { last_error = e; }
 
 namespace {

@@ -72,6 +72,10 @@ extern submit_fn submit_hook;
  * neither null nor device memory, which on a GPU is an illegal address. */
 using pointer_check_fn = bool (*)(const void *p, const char *kernel, int index);
 extern pointer_check_fn pointer_hook;
+/* Set by the emulated runtime: loads a kernel's code on its first launch (each instantiation
+ * its own, as CUDA's lazy loading); an error fails the launch. */
+using load_fn = cudaError_t (*)(const void *kernel, const char *name);
+extern load_fn load_hook;
 void set_last_error(cudaError_t e);
 
 template <class Tuple, size_t... I>
@@ -104,6 +108,11 @@ struct launcher {
             set_last_error(cudaErrorInvalidValue);
             return;
         }
+        if (load_hook)
+            if (cudaError_t e = load_hook((const void *)kernel, name)) {
+                set_last_error(e);
+                return;
+            }
         const dim3 g = grid, b = block;
         const char *n = name;
         std::function<void()> run = [g, b, kernel, params, n] {

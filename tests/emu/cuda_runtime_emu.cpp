@@ -26,6 +26,8 @@
  *    after it is unmapped, so a use after unmapping faults. Built with AddressSanitizer, the bytes
  *    of cudaMalloc's pages past the size asked for are poisoned, as compute-sanitizer's memcheck
  *    holds an access to each allocation's own bytes (with cmlp's caching off, each buffer is one).
+ *  - CMLP_EMU_MODULE_BYTES=n: a kernel's first launch on a device loads its module into n bytes
+ *    of device memory, and fails with out-of-memory where they are not free (lazy loading).
  *  - CMLP_EMU_DEVICES (default 1) devices share the host's memory.
  *  - A thread's current context (cudaSetDevice's primary one, or a test's: cmlp_emu_ctx_create)
  *    decides its device, and work queued to a stream made in another context fails, as CUDA's
@@ -48,6 +50,7 @@
 #include "cuda_emu.h"
 
 #include <cublasLt.h>
+#include <cublas_v2.h>
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <pthread.h>
@@ -307,6 +310,22 @@ bool kernel_pointer_ok(const void *p, const char *kernel, int index) {
     return false;
 }
 
+/* With CMLP_EMU_MODULE_BYTES=n, a kernel (each template instantiation) loads on its first launch
+ * on a device (CUDA's lazy loading) and keeps n bytes of the device's memory; where they are not
+ * free, the launch fails with out-of-memory (and loads nothing). */
+cudaError_t load_kernel(const void *kernel, const char *) {
+    static const size_t bytes = env_size("CMLP_EMU_MODULE_BYTES", 0);
+    if (!bytes) return cudaSuccess;
+    std::lock_guard<std::recursive_mutex> g(gpu);
+    static std::set<std::pair<int, const void *>> loaded;
+    const int d = cur_dev();
+    if (loaded.count({d, kernel})) return cudaSuccess;
+    if (bytes > capacity() - std::min(capacity(), used[d])) return cudaErrorMemoryAllocation;
+    used[d] += bytes;
+    loaded.insert({d, kernel});
+    return cudaSuccess;
+}
+
 /* A kernel launch, then with CMLP_EMU_LAUNCH_DELAY_US=n a pause of n microseconds, with no lock
  * held: other threads' work then lands between a thread's launches as often as it may on a GPU. */
 cudaError_t launch(cudaStream_t stream, std::function<void()> run, const char *name) {
@@ -321,6 +340,7 @@ struct install {
     install() {
         cmlp_emu::submit_hook = launch;
         cmlp_emu::pointer_hook = kernel_pointer_ok;
+        cmlp_emu::load_hook = load_kernel;
     }
 } installed;
 
@@ -1276,6 +1296,12 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDe
         return v && std::strcmp(v, "1") == 0;
     }();
     if (no_epilogue && D(op)->epilogue != CUBLASLT_EPILOGUE_DEFAULT) return CUBLAS_STATUS_SUCCESS;
+    /* CMLP_EMU_LT_NO_ALGO=1: no algorithm for any GEMM (the caller turns to cuBLAS) */
+    static const bool no_algo = [] {
+        const char *v = std::getenv("CMLP_EMU_LT_NO_ALGO");
+        return v && std::strcmp(v, "1") == 0;
+    }();
+    if (no_algo) return CUBLAS_STATUS_SUCCESS;
     /* an algorithm may use vector accesses up to 16 bytes where the alignments allow them */
     lt_algo al{ALGO_MAGIC, {}, 0};
     for (int i = 0; i < 4; i++) al.align[i] = std::min<uint32_t>(P(pref)->align[i], 16);
@@ -1294,27 +1320,33 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDe
     return CUBLAS_STATUS_SUCCESS;
 }
 
-cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t op, const void *alpha, const void *A,
-                              cublasLtMatrixLayout_t a, const void *B, cublasLtMatrixLayout_t b, const void *beta,
-                              const void *C, cublasLtMatrixLayout_t c, void *Dp, cublasLtMatrixLayout_t d,
-                              const cublasLtMatmulAlgo_t *algo, void *ws, size_t ws_bytes, cudaStream_t stream) {
-    fork_guard("cublasLtMatmul");
+} /* extern "C" */
+
+namespace {
+
+/* D = alpha op(A) op(B) + beta C (+ bias, ReLU) as one algorithm al runs it, queued on the
+ * stream: cublasLtMatmul's and cublasGemmEx's work (who: which of them, for messages) */
+cublasStatus_t matmul(const char *who, const lt_desc &desc, const lt_layout &la, const lt_layout &lb,
+                      const lt_layout &lc, const lt_layout &ld, const lt_algo &al, const void *alpha, const void *A,
+                      const void *B, const void *beta, const void *C, void *Dp, void *ws, size_t ws_bytes,
+                      cudaStream_t stream) {
     std::lock_guard<std::recursive_mutex> g(gpu);
-    const lt_desc desc = *D(op);
-    const lt_layout la = *L(a), lb = *L(b), lc = *L(c), ld = *L(d);
     uint64_t M, N, K;
     cublasStatus_t s = check_shapes(desc, la, lb, lc, ld, &M, &N, &K);
     if (s != CUBLAS_STATUS_SUCCESS) return s;
-    lt_algo al;
-    memcpy(&al, algo->data, sizeof al);
-    if (al.magic != ALGO_MAGIC) return CUBLAS_STATUS_INVALID_VALUE;
     const bool has_bias = desc.epilogue & CUBLASLT_EPILOGUE_BIAS;
+    /* the bias epilogue fails to run on a GEMM with a side of 65535 x 32 or more, as reported of
+     * the hardware (torch's addmm does without it there) */
+    if (has_bias && std::max({M, N, K}) >= (uint64_t)65535 * 32) {
+        std::fprintf(stderr, "cuda_emu: %s's bias epilogue on a side of 65535 x 32 or more\n", who);
+        return CUBLAS_STATUS_EXECUTION_FAILED;
+    }
     const void *ptrs[5] = {A, B, C, Dp, has_bias ? desc.bias : nullptr};
     const char *names[5] = {"A", "B", "C", "D", "bias"};
     for (int i = 0; i < 5; i++) {
         if (i == 4 && !has_bias) continue;
         if (!ptrs[i] || alignment(ptrs[i]) < al.align[i]) {
-            std::fprintf(stderr, "cuda_emu: cublasLtMatmul's %s (%p) is aligned to less than its algorithm assumes (%u)\n",
+            std::fprintf(stderr, "cuda_emu: %s's %s (%p) is aligned to less than its algorithm assumes (%u)\n", who,
                          names[i], ptrs[i], al.align[i]);
             return CUBLAS_STATUS_INVALID_VALUE;
         }
@@ -1327,7 +1359,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t op, const v
     const bool reads_c = be_v != 0.0f;
     if (!device_range(A, extent(la)) || !device_range(B, extent(lb)) || (reads_c && !device_range(C, extent(lc))) ||
         !device_range(Dp, extent(ld)) || (has_bias && !device_range(desc.bias, M * type_size(ld.type)))) {
-        std::fprintf(stderr, "cuda_emu: cublasLtMatmul on memory that is not the device's\n");
+        std::fprintf(stderr, "cuda_emu: %s on memory that is not the device's\n", who);
         return CUBLAS_STATUS_INVALID_VALUE;
     }
     if (C != Dp && reads_c) return CUBLAS_STATUS_NOT_SUPPORTED; /* not used: C is D */
@@ -1339,12 +1371,12 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t op, const v
     };
     if (overlaps(A, extent(la)) || overlaps(B, extent(lb)) ||
         (has_bias && overlaps(desc.bias, M * type_size(ld.type)))) {
-        std::fprintf(stderr, "cuda_emu: cublasLtMatmul's D overlaps an operand it reads\n");
+        std::fprintf(stderr, "cuda_emu: %s's D overlaps an operand it reads\n", who);
         return CUBLAS_STATUS_INVALID_VALUE;
     }
     const size_t ws_need = al.workspace;
     if (ws_need && (ws_bytes < ws_need || !device_range(ws, ws_need))) {
-        std::fprintf(stderr, "cuda_emu: cublasLtMatmul's workspace (%p, %zu bytes) is not %zu bytes of device memory\n",
+        std::fprintf(stderr, "cuda_emu: %s's workspace (%p, %zu bytes) is not %zu bytes of device memory\n", who,
                      ws, ws_bytes, (size_t)ws_need);
         return CUBLAS_STATUS_INVALID_VALUE;
     }
@@ -1366,12 +1398,90 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t op, const v
                 if (desc.epilogue & CUBLASLT_EPILOGUE_RELU) v = std::fmax(v, 0.0f);
                 store(Dp, ld.type, at, v);
             }
-    }, "cublasLtMatmul");
+    }, who);
     if (queued != cudaSuccess) {
         cmlp_emu::set_last_error(queued);
         return CUBLAS_STATUS_EXECUTION_FAILED;
     }
     return CUBLAS_STATUS_SUCCESS;
+}
+
+} /* namespace */
+
+extern "C" {
+
+cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t op, const void *alpha, const void *A,
+                              cublasLtMatrixLayout_t a, const void *B, cublasLtMatrixLayout_t b, const void *beta,
+                              const void *C, cublasLtMatrixLayout_t c, void *Dp, cublasLtMatrixLayout_t d,
+                              const cublasLtMatmulAlgo_t *algo, void *ws, size_t ws_bytes, cudaStream_t stream) {
+    fork_guard("cublasLtMatmul");
+    lt_algo al;
+    memcpy(&al, algo->data, sizeof al);
+    if (al.magic != ALGO_MAGIC) return CUBLAS_STATUS_INVALID_VALUE;
+    return matmul("cublasLtMatmul", *D(op), *L(a), *L(b), *L(c), *L(d), al, alpha, A, B, beta, C, Dp, ws, ws_bytes,
+                  stream);
+}
+
+/* cuBLAS: a handle holds its stream and workspace; cublasGemmEx runs as a cuBLASLt GEMM with
+ * no epilogue whose algorithm assumes no alignment beyond the elements' and takes up to 1 MiB
+ * of the workspace set (which must be aligned to 256 bytes, as cuBLAS requires). */
+struct blas_handle {
+    cudaStream_t stream = nullptr;
+    void *ws = nullptr;
+    size_t ws_bytes = 0;
+};
+
+const char *cublasGetStatusString(cublasStatus_t s) { return cublasLtGetStatusString(s); }
+
+cublasStatus_t cublasCreate_v2(cublasHandle_t *h) {
+    fork_guard("cublasCreate");
+    if (!h) return CUBLAS_STATUS_INVALID_VALUE;
+    *h = (cublasHandle_t) new blas_handle;
+    return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasDestroy_v2(cublasHandle_t h) {
+    fork_guard("cublasDestroy");
+    delete (blas_handle *)h;
+    return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasSetStream_v2(cublasHandle_t h, cudaStream_t s) {
+    fork_guard("cublasSetStream");
+    if (!h) return CUBLAS_STATUS_NOT_INITIALIZED;
+    ((blas_handle *)h)->stream = s;
+    return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasSetWorkspace_v2(cublasHandle_t h, void *ws, size_t bytes) {
+    fork_guard("cublasSetWorkspace");
+    if (!h) return CUBLAS_STATUS_NOT_INITIALIZED;
+    if ((uintptr_t)ws % 256 || (bytes && !device_range(ws, bytes))) return CUBLAS_STATUS_INVALID_VALUE;
+    ((blas_handle *)h)->ws = ws, ((blas_handle *)h)->ws_bytes = bytes;
+    return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasSetMathMode(cublasHandle_t h, cublasMath_t) {
+    fork_guard("cublasSetMathMode");
+    return h ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_NOT_INITIALIZED;
+}
+
+cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t transa, cublasOperation_t transb, int m, int n, int k,
+                            const void *alpha, const void *A, cudaDataType Atype, int lda, const void *B,
+                            cudaDataType Btype, int ldb, const void *beta, void *C, cudaDataType Ctype, int ldc,
+                            cublasComputeType_t compute, cublasGemmAlgo_t) {
+    fork_guard("cublasGemmEx");
+    if (!h) return CUBLAS_STATUS_NOT_INITIALIZED;
+    const blas_handle &bh = *(const blas_handle *)h;
+    if (m < 0 || n < 0 || k < 0) return CUBLAS_STATUS_INVALID_VALUE;
+    const uint64_t ar = transa == CUBLAS_OP_N ? m : k, br = transb == CUBLAS_OP_N ? k : n;
+    if (lda < (int64_t)std::max<uint64_t>(ar, 1) || ldb < (int64_t)std::max<uint64_t>(br, 1) ||
+        ldc < std::max(m, 1) || !type_size(Atype) || !type_size(Ctype))
+        return CUBLAS_STATUS_INVALID_VALUE;
+    if (m == 0 || n == 0) return CUBLAS_STATUS_SUCCESS;
+    lt_desc desc;
+    desc.compute = compute, desc.scale = CUDA_R_32F, desc.transa = transa, desc.transb = transb;
+    const lt_layout la{Atype, ar, transa == CUBLAS_OP_N ? (uint64_t)k : (uint64_t)m, lda};
+    const lt_layout lb{Btype, br, transb == CUBLAS_OP_N ? (uint64_t)n : (uint64_t)k, ldb};
+    const lt_layout lc{Ctype, (uint64_t)m, (uint64_t)n, ldc};
+    lt_algo al{ALGO_MAGIC, {1, 1, 1, 1, 1}, std::min<uint64_t>(bh.ws_bytes, (uint64_t)1 << 20)};
+    return matmul("cublasGemmEx", desc, la, lb, lc, lc, al, alpha, A, B, beta, C, C, bh.ws, bh.ws_bytes, bh.stream);
 }
 
 } /* extern "C" */
