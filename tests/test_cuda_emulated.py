@@ -138,13 +138,11 @@ def test_a_fit_with_every_gemm_in_cublas_equals_one_in_cublaslt(tmp_path):
     np.testing.assert_array_equal(runs[0], runs[1])
 
 
-_LAZY_LOADING = r"""
+# the scripts' start: a device whose every free byte cmlp's cache holds (fill_the_device)
+_FULL_DEVICE = r"""
 import numpy as np
 import cmlp
 M = cmlp.memory
-rng = np.random.default_rng(0)
-x = rng.standard_normal((256, 20)).astype(np.float32)
-y = rng.integers(0, 5, 256)
 
 
 def fill_the_device():
@@ -159,8 +157,12 @@ def fill_the_device():
             pass
     for b in blocks:
         M.caching_allocator_delete(b)
+"""
 
-
+_LAZY_LOADING = _FULL_DEVICE + r"""
+rng = np.random.default_rng(0)
+x = rng.standard_normal((256, 20)).astype(np.float32)
+y = rng.integers(0, 5, 256)
 cpu = cmlp.MLP([20, 64, 5], seed=0)
 gpu = cmlp.MLP([20, 64, 5], device="cuda", seed=0)
 fill_the_device()
@@ -201,27 +203,10 @@ def test_a_launch_that_cannot_load_its_kernel_raises_out_of_memory():
     assert int(retries) >= 1 and epochs == "2" and finite == "True", r.stdout
 
 
-_UPDATE_OOM = r"""
-import numpy as np
-import cmlp
-M = cmlp.memory
+_UPDATE_OOM = _FULL_DEVICE + r"""
 rng = np.random.default_rng(0)
 x = rng.standard_normal((64, 20)).astype(np.float32)
 y = rng.integers(0, 5, 64)
-
-
-def fill_the_device():
-    blocks = []
-    for size in (16 << 20, 1 << 20, 512):
-        try:
-            while True:
-                blocks.append(M.caching_allocator_alloc(size, "cuda"))
-        except cmlp.OutOfMemoryError:
-            pass
-    for b in blocks:
-        M.caching_allocator_delete(b)
-
-
 # a step of SGD loads the kernels of the forward and backward passes; Adam's are not loaded yet
 warm = cmlp.MLP([20, 64, 5], device="cuda", seed=1)
 cmlp.Trainer(warm, cmlp.optim.SGD(warm, lr=0.1), batch_size=64).step(x, y)
