@@ -72,6 +72,11 @@ typedef struct cmlp_backend_i {
     /* Undoes open, for a device whose setup failed after it (contexts of devices in use live as
      * long as the process). NULL where open is. */
     void (*close)(void *ctx);
+    /* Where a launch runs out of device memory (CUDA loads a kernel's code at its first launch,
+     * into memory the caching allocator may hold), the backend may call reclaim(arg), which
+     * gives the allocator's cached, unused memory back to the device, and launch once more.
+     * NULL where launches take no memory (the CPU). */
+    void (*set_reclaim)(void *ctx, void (*reclaim)(void *arg), void *arg);
     /* Physical memory of the device in bytes. */
     int64_t (*total_memory)(void *ctx);
     /* Memory the device could still give (the driver's free memory; on the CPU, what the

@@ -140,14 +140,16 @@ cmlp_status use(cuda_ctx *c) {
 }
 
 cmlp_status done(cuda_ctx *c, cudaError_t launch, const char *what) {
-    /* out of device memory at a launch: the kernel's module loads on its first launch (CUDA's
-     * lazy loading) into memory the cache may hold */
+    /* out of device memory at a launch: CUDA loads a kernel's code at its first launch (lazy
+     * loading), into memory outside the caching allocator (KERNEL gave the cache back first,
+     * where it could) */
     if (launch == cudaErrorMemoryAllocation) {
         (void)cudaGetLastError();
         return FAIL(CMLP_ERR_OOM,
-                    "CUDA out of memory at a kernel's first launch: CUDA loads its code then, into device memory "
-                    "outside the caching allocator. Release cached memory (cmlp.cuda.empty_cache()) and retry. "
-                    "The launch: %s (cudaErrorMemoryAllocation)", what);
+                    "CUDA out of memory at a launch: CUDA loads a kernel's code at its first launch, into device "
+                    "memory outside the caching allocator, and the memory in use leaves none. Free tensors or "
+                    "release cached memory (cmlp.cuda.empty_cache()) and retry. The launch: %.200s "
+                    "(cudaErrorMemoryAllocation)", what);
     }
     if (launch != cudaSuccess) return cuda_fail(launch, what, __FILE__, __LINE__);
     if (c->sync_each && !thread_capturing()) {
@@ -376,6 +378,25 @@ static size_t cu_workspace_bytes(void *ctx) {
     return c->first_ws + 2 * SIDE_WORKSPACE;
 }
 
+static void cu_set_reclaim(void *ctx, void (*reclaim)(void *arg), void *arg) {
+    cuda_ctx *c = ctx;
+    c->reclaim = reclaim;
+    c->reclaim_arg = arg;
+}
+
+__thread cudaError_t kernel_err;
+
+bool relaunch(cuda_ctx *c) {
+    (void)cudaGetLastError(); /* the failed launch's */
+    if (!c->reclaim || thread_capturing()) return false;
+    /* giving memory back may need the lock (unmapping expandable pages): not where this thread
+     * holds it (nor while another does) */
+    if (pthread_mutex_trylock(&c->lock) != 0) return false;
+    pthread_mutex_unlock(&c->lock);
+    c->reclaim(c->reclaim_arg);
+    return true;
+}
+
 static void cu_set_workspace(void *ctx, void *d_ptr, size_t nbytes) {
     cuda_ctx *c = ctx;
     c->ws = d_ptr;
@@ -409,6 +430,7 @@ static cmlp_backend_i backend = {
     .gpu_processes = cu_gpu_processes,
     .workspace_bytes = cu_workspace_bytes,
     .set_workspace = cu_set_workspace,
+    .set_reclaim = cu_set_reclaim,
 };
 
 /* ---- the library's entry ---- */

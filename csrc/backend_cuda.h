@@ -109,6 +109,9 @@ typedef struct {
     /* cuBLAS, for a GEMM cuBLASLt has no algorithm for (made then, outside a capture: under
      * the lock, with the stream's workspace at each call) */
     cublasHandle_t blas;
+    /* gives the allocator's cache back to the device, for a launch out of memory (set_reclaim) */
+    void (*reclaim)(void *arg);
+    void *reclaim_arg;
     pthread_mutex_t lock; /* the scratch, the staging buffers, the plan cache, the second stream */
     void *ws;             /* the GEMM workspace of the first stream, from the allocator */
     size_t ws_bytes;
@@ -202,7 +205,14 @@ cmlp_status use(cuda_ctx *c);
 /* After enqueuing work: the launch error, or with CMLP_CUDA_SYNC=1 the execution error too. */
 cmlp_status done(cuda_ctx *c, cudaError_t launch, const char *what);
 
-#define KERNEL(c, call) done((c), (call), #call)
+/* A kernel launch: out of memory (its code loads at its first launch, into memory the cache may
+ * hold), the cache goes back to the device and the launch is made once more (relaunch). */
+extern __thread cudaError_t kernel_err;
+bool relaunch(cuda_ctx *c);
+#define KERNEL(c, call)                                                                                       \
+    (kernel_err = (call),                                                                                      \
+     kernel_err == cudaErrorMemoryAllocation && relaunch(c) ? (void)(kernel_err = (call)) : (void)0,         \
+     done((c), kernel_err, #call))
 
 /* Memory given back (backend_cuda_memory.c), also by a capture's end for what it deferred. */
 void cu_raw_free(void *ctx, void *ptr, size_t nbytes);

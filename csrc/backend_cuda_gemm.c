@@ -70,6 +70,7 @@ static cmlp_status plan_make(cuda_ctx *c, gemm_plan *p, const uint64_t key[8], c
     if (s != CUBLAS_STATUS_SUCCESS || found == 0) {
         *no_algo = found == 0 && (s == CUBLAS_STATUS_SUCCESS || s == CUBLAS_STATUS_NOT_SUPPORTED);
         plan_free(p);
+        if (*no_algo && g->epilogue == CUBLASLT_EPILOGUE_DEFAULT) return CMLP_ERR_DEVICE; /* cuBLAS runs it */
         return FAIL(CMLP_ERR_DEVICE, "cuBLASLt has no algorithm for a GEMM of %lld x %lld x %lld (%s)", (long long)g->m,
                     (long long)g->n, (long long)g->k,
                     s == CUBLAS_STATUS_SUCCESS ? "none found" : cublasLtGetStatusString(s));

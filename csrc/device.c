@@ -94,6 +94,10 @@ void cmlp_devices_apply_fraction(const cmlp_alloc_settings *s) {
     pthread_mutex_unlock(&registry_lock);
 }
 
+/* The allocator's cache given back to the device, for a launch that ran out of memory (see
+ * cmlp_backend_i.set_reclaim). */
+static void reclaim_cache(void *alloc) { cmlp_allocator_empty_cache(alloc); }
+
 static cmlp_status ctx_create(cmlp_device d, cmlp_device_ctx **out) {
     cmlp_device_ctx *c = calloc(1, sizeof *c);
     if (!c) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory creating a device context");
@@ -110,6 +114,7 @@ static cmlp_status ctx_create(cmlp_device d, cmlp_device_ctx **out) {
     cmlp_status st = c->backend->open ? c->backend->open(d.index, &bctx) : CMLP_OK;
     c->bctx = bctx;
     if (st == CMLP_OK) st = cmlp_allocator_create(c->backend, bctx, name, &c->alloc);
+    if (st == CMLP_OK && c->backend->set_reclaim) c->backend->set_reclaim(bctx, reclaim_cache, c->alloc);
     if (st == CMLP_OK && d.type == CMLP_DEVICE_CUDA) {
         cmlp_alloc_settings s;
         cmlp_memory_get_settings(&s);

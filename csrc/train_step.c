@@ -230,7 +230,9 @@ void cmlp_train_good_step(cmlp_trainer *t, bool whole_micro, int64_t rows) {
  * ranks agree on the step; once they have, nothing is retried. */
 cmlp_status cmlp_train_robust_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_data *xy, const int64_t *idx,
                                    int64_t start, int64_t k, int64_t n_all) {
-    const int64_t micro_before = t->micro;
+    const int64_t micro_before = t->micro, grown_before = t->grown_from, good_before = t->good_steps,
+                  wait_before = t->grow_wait;
+    bool reclaimed = false;
     /* micro-batches are sized for a whole step of this rank's, not for a short last one */
     const int64_t whole = t->whole_rows > k ? t->whole_rows : k;
     const cmlp_backend_i *b = t->model->dev->backend;
@@ -238,18 +240,20 @@ cmlp_status cmlp_train_robust_step(cmlp_trainer *t, cmlp_dscalars *ds, const cml
     if (t->cfg.auto_microbatch) /* only a retry takes the loss back */
         CMLP_TRY(b->copy_d2d(ctx, &ds->loss_mark, &ds->loss, sizeof ds->loss));
     for (;;) {
+        /* an out-of-memory that is not the allocator's is a launch's (its kernel loads then, see
+         * KERNEL in backend_cuda.h): the size of the micro-batch is not the cause */
+        const int64_t ooms = cmlp_allocator_ooms_ever(t->model->dev->alloc);
         cmlp_status st = step_grads(t, ds, xy, idx, start, k, n_all);
-        bool agreed = false, late = false;
+        bool agreed = false, late = false, not_size = false;
+        if (st == CMLP_ERR_OOM) not_size = cmlp_allocator_ooms_ever(t->model->dev->alloc) == ooms;
         if (st == CMLP_OK && t->dist) {
             st = cmlp_dist_agree(CMLP_OK);
             agreed = true;
         }
         if (st == CMLP_OK) {
-            const int64_t ooms = cmlp_allocator_ooms_ever(t->model->dev->alloc);
             st = step_update(t, ds, xy, n_all);
-            /* out of memory in the update, not the allocator's (a launch's, which loads its
-             * kernel then): the update's bookkeeping (step count, loss scale, data position) may
-             * have moved, and a retry would move it again */
+            /* a launch's in the update: its bookkeeping (step count, loss scale, data position)
+             * may have moved, and a retry would move it again */
             late = st == CMLP_ERR_OOM && cmlp_allocator_ooms_ever(t->model->dev->alloc) == ooms;
         }
         if (st == CMLP_OK) {
@@ -262,8 +266,13 @@ cmlp_status cmlp_train_robust_step(cmlp_trainer *t, cmlp_dscalars *ds, const cml
         CMLP_TRY(b->copy_d2d(ctx, &ds->loss, &ds->loss_mark, sizeof ds->loss));
         cmlp_model_release_workspace(t->model);
         cmlp_allocator_empty_cache(t->model->dev->alloc);
-        if (t->micro == 1) {
-            t->micro = micro_before; /* nothing worked: the next step starts where this one did */
+        if (not_size && !reclaimed) { /* once, at the same size, on the emptied cache */
+            reclaimed = true;
+            continue;
+        }
+        if (t->micro == 1) { /* nothing worked: the next step starts where this one did */
+            t->micro = micro_before;
+            t->grown_from = grown_before, t->good_steps = good_before, t->grow_wait = wait_before;
             st = one_sample_oom(t, cmlp_last_error());
             return t->dist ? cmlp_dist_agree(st) : st;
         }

@@ -138,23 +138,33 @@ def test_a_fit_with_every_gemm_in_cublas_equals_one_in_cublaslt(tmp_path):
     np.testing.assert_array_equal(runs[0], runs[1])
 
 
-# the scripts' start: a device whose every free byte cmlp's cache holds (fill_the_device)
+# the scripts' start: a device whose every free byte cmlp holds (fill_the_device)
 _FULL_DEVICE = r"""
 import numpy as np
 import cmlp
 M = cmlp.memory
 
 
-def fill_the_device():
-    # every byte the device has left taken into cmlp's cache, then given back to it: the cache
-    # holds it, CUDA sees none free
-    blocks = []
+def fill_the_device(keep=0):
+    # every byte the device has left taken by cmlp's allocator: given back to its cache (the
+    # cache holds it, CUDA sees none free), or with keep, all in use but the last keep blocks
+    # of 512 bytes (room for a small step's buffers in the last small segment, which the rest
+    # of its blocks keep in use)
+    blocks = {}
     for size in (16 << 20, 1 << 20, 512):
+        blocks[size] = []
         try:
             while True:
-                blocks.append(M.caching_allocator_alloc(size, "cuda"))
+                blocks[size].append(M.caching_allocator_alloc(size, "cuda"))
         except cmlp.OutOfMemoryError:
             pass
+    free = [b for size in blocks for b in blocks[size]] if not keep else blocks[512][-keep:]
+    for b in free:
+        M.caching_allocator_delete(b)
+    return [b for size in blocks for b in blocks[size] if b not in free]
+
+
+def give_back(blocks):
     for b in blocks:
         M.caching_allocator_delete(b)
 """
@@ -165,88 +175,115 @@ x = rng.standard_normal((256, 20)).astype(np.float32)
 y = rng.integers(0, 5, 256)
 cpu = cmlp.MLP([20, 64, 5], seed=0)
 gpu = cmlp.MLP([20, 64, 5], device="cuda", seed=0)
-fill_the_device()
+held = fill_the_device(keep=2000)
 try:
-    gpu.forward_backward(x, y)  # its kernels' first launches
+    gpu.forward_backward(x, y)  # its kernels' first launches, with no memory to load them
     print("no error")
 except cmlp.OutOfMemoryError as e:
     print("raised:", " ".join(str(e).split()))
-cmlp.cuda.empty_cache()
+give_back(held)  # to the cache: the launch gives it back to CUDA and goes on
+reserved = M.memory_reserved("cuda")
+gpu.zero_grad()
 loss, want = gpu.forward_backward(x, y), cpu.forward_backward(x, y)
-print("after empty_cache:", abs(loss - want) <= 1e-5 * want)
+print("cached:", abs(loss - want) <= 1e-5 * want, M.memory_reserved("cuda") < reserved)
 
-# a trainer with automatic micro-batching empties the cache itself and goes on
+# a trainer's first steps on a device whose cache holds every byte: the same, no micro-batching
 model = cmlp.MLP([20, 64, 5], device="cuda", seed=0)
 trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=64, shuffle=False)
 fill_the_device()
 history = trainer.fit(x, y, epochs=2, progress=False)
-print("fit:", trainer._c.oom_retries(), len(history), np.isfinite(history[-1]["loss"]))
+print("fit:", trainer._c.oom_retries(), trainer.microbatch_size, history[-1]["microbatch_size"],
+      np.isfinite(history[-1]["loss"]))
 """
 
 
 @needs_emulator[0]
 @needs_emulator[1]
-def test_a_launch_that_cannot_load_its_kernel_raises_out_of_memory():
-    """CUDA loads a kernel's module on its first launch, into device memory outside cmlp's
-    allocator; where cmlp's cache holds all of it, the launch fails with out-of-memory (the
-    emulated runtime loads modules so: CMLP_EMU_MODULE_BYTES). That is cmlp.OutOfMemoryError,
-    which says to empty the cache (not a device error), and automatic micro-batching, which
-    empties it, survives it."""
-    env = dict(_emulated_env(), CMLP_EMU_MEMORY=str(64 << 20), CMLP_EMU_MODULE_BYTES=str(2 << 20))
+def test_a_launch_that_cannot_load_its_kernel_gives_the_cache_back_or_raises_out_of_memory():
+    """CUDA loads a kernel's code on its first launch, into device memory outside cmlp's
+    allocator (the emulated runtime loads kernels so: CMLP_EMU_MODULE_BYTES). Where cmlp's cache
+    holds that memory, the launch gives the cache back to the device and is made again: the
+    call, and a fit, go on as if nothing happened (no micro-batching). Where memory in use
+    leaves none, it is cmlp.OutOfMemoryError, which says so (not a device error)."""
+    env = dict(_emulated_env(), CMLP_EMU_MEMORY=str(256 << 20), CMLP_EMU_MODULE_BYTES=str(4 << 20))
     r = subprocess.run([sys.executable, "-c", _LAZY_LOADING], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     lines = r.stdout.splitlines()
-    assert lines[0].startswith("raised: CUDA out of memory at a kernel's first launch"), r.stdout
+    assert lines[0].startswith("raised: CUDA out of memory at a launch: CUDA loads a kernel's code"), r.stdout
     assert "cmlp.cuda.empty_cache()" in lines[0] and "cudaErrorMemoryAllocation" in lines[0], r.stdout
-    assert lines[1] == "after empty_cache: True", r.stdout
-    retries, epochs, finite = lines[2].split()[1:]
-    assert int(retries) >= 1 and epochs == "2" and finite == "True", r.stdout
+    assert lines[1] == "cached: True True", r.stdout
+    assert lines[2] == "fit: 0 64 64 True", r.stdout
 
 
 _UPDATE_OOM = _FULL_DEVICE + r"""
 rng = np.random.default_rng(0)
 x = rng.standard_normal((64, 20)).astype(np.float32)
 y = rng.integers(0, 5, 64)
-# a step of SGD loads the kernels of the forward and backward passes; Adam's are not loaded yet
+GROUPS = [{"params": ["fc1.weight", "fc1.bias"]}, {"params": ["fc2.weight", "fc2.bias"], "lr": 3e-3}]
+
+
+def cpu_step(**kw):
+    cpu = cmlp.MLP([20, 64, 5], seed=0)
+    cmlp.Trainer(cpu, cmlp.optim.Adam(cpu, lr=1e-2, **kw), batch_size=64).step(x, y)
+    return cpu.state_dict()
+
+
+def close(model, want):
+    return max(float(np.abs(model.state_dict()[k] - v).max()) for k, v in want.items()) < 1e-5
+
+
+def steps(trainer):
+    return sorted(int(s.get("step", 0)) for s in trainer.optimizer.state_dict()["state"].values())
+
+
+# a step of SGD with param groups loads the forward and backward passes' kernels and the
+# update's bookkeeping (a launch before the update's own)
 warm = cmlp.MLP([20, 64, 5], device="cuda", seed=1)
-cmlp.Trainer(warm, cmlp.optim.SGD(warm, lr=0.1), batch_size=64).step(x, y)
+cmlp.Trainer(warm, cmlp.optim.SGD(warm, lr=0.1, momentum=0.9, param_groups=GROUPS), batch_size=64).step(x, y)
+
+# Adam's update with param groups: its bookkeeping launched, then its own kernel, which cannot
+# load until the cache is given back
+model = cmlp.MLP([20, 64, 5], device="cuda", seed=0)
+trainer = cmlp.Trainer(model, cmlp.optim.Adam(model, lr=1e-2, param_groups=GROUPS), batch_size=64)
+fill_the_device()
+trainer.step(x, y)
+print("groups:", close(model, cpu_step(param_groups=GROUPS)), trainer._c.oom_retries(), steps(trainer))
+
+# Adam without groups (one launch, not loaded yet) where memory in use leaves none: raised
 model = cmlp.MLP([20, 64, 5], device="cuda", seed=0)
 trainer = cmlp.Trainer(model, cmlp.optim.Adam(model, lr=1e-2), batch_size=64)
 before = model.state_dict()
-fill_the_device()
+held = fill_the_device(keep=2000)
 try:
     trainer.step(x, y)
     print("no error")
 except cmlp.OutOfMemoryError as e:
     print("raised:", " ".join(str(e).split()))
-state = trainer.optimizer.state_dict()["state"]
 print("unchanged:", all(np.array_equal(v, before[k]) for k, v in model.state_dict().items()),
-      trainer._c.oom_retries(), trainer.microbatch_size, sorted(s.get("step", 0) for s in state.values()))
-cmlp.cuda.empty_cache()
+      trainer._c.oom_retries(), trainer.microbatch_size, steps(trainer))
+give_back(held)
 trainer.step(x, y)
-cpu = cmlp.MLP([20, 64, 5], seed=0)
-cmlp.Trainer(cpu, cmlp.optim.Adam(cpu, lr=1e-2), batch_size=64).step(x, y)
-err = max(float(np.abs(model.state_dict()[k] - v).max()) for k, v in cpu.state_dict().items())
-steps = sorted(int(s["step"]) for s in trainer.optimizer.state_dict()["state"].values())
-print("then:", err < 1e-5, steps)
+print("then:", close(model, cpu_step()), steps(trainer))
 """
 
 
 @needs_emulator[0]
 @needs_emulator[1]
-def test_an_update_whose_kernel_cannot_load_raises_and_is_not_retried():
-    """An out-of-memory at a launch inside the optimizer's update is not retried with smaller
-    micro-batches: the update's bookkeeping on the device (step count, loss scale, data position)
-    may have moved, and a retry would move it twice. The step raises cmlp.OutOfMemoryError with
-    the model and optimizer as they were; after empty_cache() the same step gives the CPU's
-    update, counted once."""
-    env = dict(_emulated_env(), CMLP_EMU_MEMORY=str(64 << 20), CMLP_EMU_MODULE_BYTES=str(2 << 20))
+def test_an_update_whose_kernel_cannot_load_is_made_once():
+    """Out of memory at a launch inside the optimizer's update: where the cache can give memory
+    back, the launch is made again and the step completes, its bookkeeping (step count, loss
+    scale, data position, already moved by an earlier launch with param groups) moved once.
+    Where memory in use leaves none, the step is not retried with smaller micro-batches (that
+    would move the bookkeeping twice): it raises cmlp.OutOfMemoryError with the model and
+    optimizer as they were, and once memory is free the same step gives the CPU's update."""
+    env = dict(_emulated_env(), CMLP_EMU_MEMORY=str(256 << 20), CMLP_EMU_MODULE_BYTES=str(4 << 20))
     r = subprocess.run([sys.executable, "-c", _UPDATE_OOM], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     lines = r.stdout.splitlines()
-    assert lines[0].startswith("raised: CUDA out of memory at a kernel's first launch"), r.stdout
-    assert lines[1].startswith("unchanged: True 0 64 "), r.stdout
-    assert lines[2].startswith("then: True [1, 1"), r.stdout
+    assert lines[0] == "groups: True 0 [1, 1, 1, 1]", r.stdout
+    assert lines[1].startswith("raised: CUDA out of memory at a launch"), r.stdout
+    assert lines[2].startswith("unchanged: True 0 64 "), r.stdout
+    assert lines[3] == "then: True [1, 1, 1, 1]", r.stdout
 
 
 def _sanitizer_runtime(name):
