@@ -52,7 +52,7 @@ cmlp_status cmlp_trainer_init(cmlp_trainer **out, cmlp_model *m, cmlp_optim *o, 
     t->cfg = *c;
     t->micro = c->microbatch_size ? c->microbatch_size : c->batch_size;
     if (!t->cfg.grow_interval) t->cfg.grow_interval = 100;
-    t->grow_wait = t->cfg.grow_interval;
+    cmlp_train_restart_growth(t);
     t->target_micro = t->micro;
     const char *graphs = getenv("CMLP_CUDA_GRAPHS"); /* "0": every step eagerly */
     /* (with caching off a step's frees go to the device, which a capture may not call) */

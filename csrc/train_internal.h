@@ -88,6 +88,12 @@ static inline int64_t cmlp_train_effective_batch(const cmlp_trainer *t) {
 /* Ranks taking part in a step: the process group's, when data-parallel. */
 static inline int64_t cmlp_train_group_size(const cmlp_trainer *t) { return t->dist ? cmlp_dist_size() : 1; }
 
+/* Growth starts afresh at the micro-batch in use: no good steps, no size to go back to, the
+ * wait at grow_interval. */
+static inline void cmlp_train_restart_growth(cmlp_trainer *t) {
+    t->good_steps = t->grown_from = 0;
+    t->grow_wait = t->cfg.grow_interval;
+}
 /* The bookkeeping of a step that completed (train_step.c): good steps, growth back. */
 CMLP_HIDDEN void cmlp_train_good_step(cmlp_trainer *t, bool whole_micro, int64_t rows);
 /* train_step.c: one optimizer step of this rank's k samples of n_all (all ranks), rows idx[0..k)

@@ -41,8 +41,7 @@ cmlp_status cmlp_trainer_start_microbatch(cmlp_trainer *t, int64_t size) {
         return CMLP_FAIL(CMLP_ERR_INVALID, "a starting micro-batch must be in [1, %lld], got %lld",
                          (long long)t->target_micro, (long long)size);
     t->micro = size;
-    t->good_steps = t->grown_from = 0;
-    t->grow_wait = t->cfg.grow_interval;
+    cmlp_train_restart_growth(t);
     return CMLP_OK;
 }
 
@@ -50,8 +49,7 @@ cmlp_status cmlp_trainer_set_microbatch_size(cmlp_trainer *t, int64_t size) {
     if (size < 1 || size > CMLP_MAX_STEP_SAMPLES)
         return CMLP_FAIL(CMLP_ERR_INVALID, "microbatch_size must be in [1, 2**62], got %lld", (long long)size);
     t->micro = t->target_micro = size;
-    t->good_steps = t->grown_from = 0;
-    t->grow_wait = t->cfg.grow_interval;
+    cmlp_train_restart_growth(t);
     return CMLP_OK;
 }
 

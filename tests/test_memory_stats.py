@@ -277,7 +277,7 @@ def test_memory_limit_oom_is_clean_and_recoverable():
     big_params = 4096 * 4096 + 4096 + 4096 * 10 + 10
     base = allocated()
     ooms = M.memory_stats(DEV)["num_ooms"]
-    limit = M.memory_reserved(DEV) + (1 << 20) + 12345
+    limit = M.memory_reserved(DEV) + (4 << 20) + 12345  # room for a new 2 MiB segment, run alone too
     M.set_memory_limit(limit, DEV)
     assert M.get_memory_limit(DEV) == limit
     with pytest.raises(cmlp.OutOfMemoryError) as info:

@@ -220,24 +220,16 @@ class FitLoop:
 
     def _evaluate_rows(self, x: np.ndarray, y: np.ndarray) -> Tuple[float, int]:
         """(loss sum, correct) in chunks of up to 1000 rows, after the step's buffers went back.
-        Out of memory (under a limit that training survives by micro-batching), the evaluation
-        starts again once on an emptied cache (a GPU loads a kernel's code at its first launch,
-        into memory the cache may hold), then with the chunk halved each time, down to one row,
-        and the smaller chunk is kept for the next epochs. Nothing but the sums comes out."""
+        Out of memory (under a limit that training survives by micro-batching), the chunk
+        shrinks as MLP._shrinking says, and the smaller chunk is kept for the next epochs.
+        Nothing but the sums comes out."""
         self.model._c.release_workspace()
-        emptied = False
-        while True:
-            try:
-                return self.model._c.evaluate(x, y, *self.normalize, self._eval_rows)
-            except _cmlp.OutOfMemoryError:
-                self.model._c.release_workspace()
-                if not emptied:
-                    emptied = True
-                    _cmlp.empty_cache(self.model.device)
-                    continue
-                if self._eval_rows == 1:
-                    raise
-                self._eval_rows //= 2
+
+        def run(rows: int) -> Tuple[float, int]:
+            return self.model._c.evaluate(x, y, *self.normalize, rows)
+
+        sums, self._eval_rows = self.model._shrinking(run, self._eval_rows)
+        return sums
 
     def _slowest(self, seconds: float) -> float:
         """The longest of the ranks' times for the call just made (this one's, alone): the ranks

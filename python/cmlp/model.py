@@ -179,28 +179,31 @@ class MLP:
 
     # ---- compute ----
     def _in_chunks(self, run: Any, rows: int, n: int) -> Any:
-        """run(rows): a pass over n rows, `rows` at a time. Out of memory, the pass starts again
-        once on an emptied cache (a GPU loads a kernel's code at its first launch, into memory
-        the cache may hold), then with the chunk halved each time, down to one row (as fit's
-        validation). The buffers go back to the cache afterwards, as torch frees an inference's
+        """run(rows): a pass over n rows, `rows` at a time, fewer where memory is short (see
+        _shrinking). The buffers go back to the cache afterwards, as torch frees an inference's
         tensors: allocated memory is the model's again."""
-        rows = max(1, min(rows, n))
-        emptied = False
         try:
-            while True:
-                try:
-                    return run(rows)
-                except _cmlp.OutOfMemoryError:
-                    self._c.release_workspace()
-                    if not emptied:
-                        emptied = True
-                        _cmlp.empty_cache(self.device)
-                        continue
-                    if rows == 1:
-                        raise
-                    rows //= 2
+            return self._shrinking(run, max(1, min(rows, n)))[0]
         finally:
             self._c.release_workspace()
+
+    def _shrinking(self, run: Any, rows: int) -> Tuple[Any, int]:
+        """(run(rows), the rows it ran with). Out of memory, the pass starts again once on an
+        emptied cache (a GPU loads a kernel's code at its first launch, into memory the cache may
+        hold), then with the chunk halved each time, down to one row (as fit's validation)."""
+        emptied = False
+        while True:
+            try:
+                return run(rows), rows
+            except _cmlp.OutOfMemoryError:
+                self._c.release_workspace()
+                if not emptied:
+                    emptied = True
+                    _cmlp.empty_cache(self.device)
+                    continue
+                if rows == 1:
+                    raise
+                rows //= 2
 
     def forward(self, x: Any) -> np.ndarray:
         """Logits, float32 [N, classes], computed 1024 rows at a time (fewer where memory is short:
