@@ -221,7 +221,8 @@ static cmlp_status parse_roundup(const tokens *t, size_t *i, cmlp_alloc_settings
 #define KEPT(f) offsetof(cmlp_alloc_settings, f)
 static const struct {
     const char *key;
-    char kind; /* 'b': True/False, 'n': an integer >= 0, 'p': > 0, '2': a power of 2 up to 128, 'v': any one value */
+    char kind; /* 'b': True/False, 'n': an integer >= 0, 'p': > 0, '2': a power of 2 up to 128, 'v': any one value,
+                * 'l': a list [name:value, ...] */
     ptrdiff_t field;
 } accepted[] = {
     {"pinned_use_background_threads", 'b', -1},
@@ -237,6 +238,8 @@ static const struct {
     {"pinned_max_round_threshold_mb", 'n', -1},
     {"pinned_max_cached_size_mb", 'n', -1},
     {"expandable_segments_handle_type", 'v', -1},
+    {"expandable_segments_reserve", 'v', -1}, /* (expandable segments here reserve as they need) */
+    {"expandable_segments_reserve_by_class", 'l', -1},
 };
 #undef KEPT
 
@@ -245,12 +248,35 @@ static const char *const own_keys[] = {
     "roundup_power2_divisions", "expandable_segments", "per_process_memory_fraction", "backend",
 };
 
+/* A list of name:value pairs, [] or [a:0.5,b:40G], at *i (its "["); *i ends at its "]". */
+static cmlp_status skip_pairs(const tokens *t, size_t *i, const char *key) {
+    CMLP_TRY(expect(t, *i, "[", key));
+    if (!strcmp(at(t, *i + 1), "]")) {
+        ++*i;
+        return CMLP_OK;
+    }
+    for (;;) {
+        const char *name = at(t, ++*i);
+        if (*i >= t->n || strchr(",:[]", name[0])) return bad(key, name, "expected name:value in the list");
+        CMLP_TRY(expect(t, ++*i, ":", key));
+        const char *val = at(t, ++*i);
+        if (*i >= t->n || strchr(",:[]", val[0])) return bad(key, val, "expected name:value in the list");
+        const char *next = at(t, ++*i);
+        if (!strcmp(next, "]")) return CMLP_OK;
+        CMLP_TRY(expect(t, *i, ",", key));
+    }
+}
+
+static char kind_of(const char *key) {
+    for (size_t k = 0; k < sizeof accepted / sizeof accepted[0]; k++)
+        if (!strcmp(key, accepted[k].key)) return accepted[k].kind;
+    return 0;
+}
+
 static bool known(const char *key) {
     for (size_t k = 0; k < sizeof own_keys / sizeof own_keys[0]; k++)
         if (!strcmp(key, own_keys[k])) return true;
-    for (size_t k = 0; k < sizeof accepted / sizeof accepted[0]; k++)
-        if (!strcmp(key, accepted[k].key)) return true;
-    return false;
+    return kind_of(key) != 0;
 }
 
 static cmlp_status parse_key(const tokens *t, size_t *i, cmlp_alloc_settings *c) {
@@ -258,6 +284,10 @@ static cmlp_status parse_key(const tokens *t, size_t *i, cmlp_alloc_settings *c)
     if (!known(key)) return CMLP_FAIL(CMLP_ERR_INVALID, "Unrecognized CachingAllocator option: %s", key);
     CMLP_TRY(expect(t, ++*i, ":", key));
     if (!strcmp(key, "roundup_power2_divisions")) return parse_roundup(t, i, c);
+    if (kind_of(key) == 'l') {
+        ++*i;
+        return skip_pairs(t, i, key);
+    }
     const char *val = at(t, ++*i);
     if (*i >= t->n || strchr(",:[]", val[0])) return bad(key, val, "a value must follow the key");
     if (!strcmp(key, "large_segment_size_mb")) {

@@ -51,7 +51,8 @@ def assert_stats_match_snapshot(device):
 def unplanned(trainer, rows):
     """Trainer.step starts from the planner's micro-batch under a memory limit, as fit does; for
     a real out-of-memory inside a step, mark a step of rows under the limit set now as planned."""
-    trainer._step_planned = (cmlp.memory.get_memory_limit(trainer.model.device), frozenset({rows}))
+    device = trainer.model.device
+    trainer._step_planned = ((device, cmlp.memory.get_memory_limit(device)), frozenset({rows}))
 
 
 def same(a, b):

@@ -265,6 +265,16 @@ def test_pytorch_only_host_options_are_accepted():
     c = M.get_config()
     assert c["max_split_size_mb"] == 20
     assert c["roundup_power2_divisions"] == [4] * 6 + [2] + [4] * 3 + [0] * 6  # the first fills below it
+    # the reserve of expandable segments (cmlp reserves as they grow): a fraction, GiB, a list by class
+    M.configure("expandable_segments_reserve:0.5,expandable_segments_handle_type:fabric_handle,"
+                "expandable_segments_reserve_by_class:[a:0.5,b:40G],max_split_size_mb:30")
+    assert M.get_config()["max_split_size_mb"] == 30
+    M.configure("expandable_segments_reserve_by_class:[],expandable_segments_reserve:40G")
+    for bad in ("expandable_segments_reserve_by_class:0.5", "expandable_segments_reserve_by_class:[a]",
+                "expandable_segments_reserve_by_class:[a:1", "expandable_segments_reserve_by_class:[a:1,]",
+                "expandable_segments_reserve_by_class:[a:1 b:2]", "expandable_segments_reserve:"):
+        with pytest.raises(ValueError, match="expandable_segments_reserve"):
+            M.configure(bad)
     M.configure(" max_split _size_mb : 1 28 , release_lock_on_hipmalloc:True")  # spaces are dropped, as PyTorch's
     assert M.get_config()["max_split_size_mb"] == 128
     M.configure("roundup_power2_divisions:[" + ",".join(["64:2"] * 300) + "]")  # no limit on the length

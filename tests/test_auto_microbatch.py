@@ -416,6 +416,28 @@ def test_the_microbatch_grows_back_after_a_real_oom():
     assert same(got, _replay(WIDE, WIDE_BATCH, batches, used))
 
 
+def test_the_split_warning_names_the_size_that_ran_not_the_growth_to_try():
+    """With grow_interval=1 the step that halved also reaches its wait: microbatch_size is the
+    growth the next step tries, the warning (as the history) says the size the step ran at."""
+    x, y = data(WIDE, WIDE_BATCH)
+    trainer = fresh(WIDE, WIDE_BATCH)
+    r0 = M.memory_reserved(DEV)
+    trainer.step(x, y)
+    growth = M.memory_reserved(DEV) - r0
+    trainer = None
+    trainer = fresh(WIDE, WIDE_BATCH, grow_interval=1)
+    M.set_memory_limit(M.memory_reserved(DEV) + growth - 2 * MIB, DEV)
+    unplanned(trainer, WIDE_BATCH)
+    try:
+        with pytest.warns(cmlp.MemoryWarning, match="out of memory inside a training step") as caught:
+            trainer.step(x, y)
+    finally:
+        M.set_memory_limit(None, DEV)
+    ran = trainer._c.last_microbatch()
+    assert ran < WIDE_BATCH == trainer.microbatch_size, (ran, trainer.microbatch_size)
+    assert f"micro-batches of {ran} " in str(caught[0].message), str(caught[0].message)
+
+
 @pytest.mark.filterwarnings("error::cmlp.MemoryWarning")
 def test_the_batch_max_batch_size_gives_starts_whole_under_that_budget():
     """The planned start counts what is allocated now as the allocator holds it (its blocks

@@ -173,6 +173,9 @@ def _cases():
         ("adam-beta2-one", lambda m: Adam(m, betas=(0.9, 1.0)), ValueError, r"beta parameter at index 1"),
         ("adam-betas-scalar", lambda m: Adam(m, betas=0.9), TypeError, r"betas"),
         ("adam-betas-triple", lambda m: Adam(m, betas=(0.9, 0.99, 0.999)), TypeError, r"betas"),
+        ("adam-betas-set", lambda m: Adam(m, betas={0.9, 0.99}), TypeError, r"betas"),  # no order
+        ("adam-betas-iterator", lambda m: Adam(m, betas=iter((0.9, 0.99))), TypeError, r"betas"),
+        ("adam-betas-dict", lambda m: Adam(m, betas={0: 0.9, 1: 0.99}), TypeError, r"betas"),
         ("adam-weight_decay-negative", lambda m: Adam(m, weight_decay=-0.1), ValueError, r"weight_decay"),
         ("adam-not-a-model", lambda m: Adam(object()), TypeError, r"cmlp.MLP"),
         ("sgd-lr-negative", lambda m: SGD(m, lr=-0.1), ValueError, r"learning rate"),
@@ -454,6 +457,10 @@ def test_raw_blocks_take_ints_only():
             cmlp.memory.caching_allocator_delete(bad)
     with pytest.raises(ValueError, match=r"nbytes must be in \[0, 2\*\*63\)"):
         cmlp.memory.caching_allocator_alloc(2**63)
+    ptr = cmlp.memory.caching_allocator_alloc(512, "cpu")
+    cmlp.memory.caching_allocator_delete(mem_ptr=ptr)  # torch's keyword
+    with pytest.raises(ValueError, match="already deleted"):
+        cmlp.cuda.caching_allocator_delete(mem_ptr=ptr)
 
 
 def test_save_errors_name_the_callers_path(ctx, tmp_path):

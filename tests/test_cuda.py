@@ -1510,6 +1510,10 @@ def test_torch_cuda_memory_functions_port_to_cmlp_cuda():
     summary = cmlp.cuda.memory_summary()
     assert "CUDA memory summary, device ID 0" in summary and "GPU reserved memory" in summary
     assert re.search(r"CUDA OOMs: \d+ .*\| +cudaMalloc retries: \d+ ", summary), "torch's words: scripts read them"
+    stats = cmlp.cuda.memory_stats()
+    counts = "  {_:9} CUDA OOMs: {num_ooms:<12d} | {_:6} cudaMalloc retries: {num_alloc_retries:<8d}  ".format(
+        _="", **stats)  # torch's line, at its columns
+    assert f"|{counts}|" in summary.splitlines(), summary
     del model
     cmlp.cuda.empty_cache()
     assert M.memory_reserved("cuda") == M.memory_stats("cuda")["reserved_bytes.all.current"]
@@ -1683,6 +1687,30 @@ def test_torch_cuda_memory_stats_of_a_gpu_not_used_once_another_is_open():
     assert unused["max_split_size"] == 20 << 20 and unused["limit"] == now["total_memory"] // 2
     assert nested["allocated_bytes"]["all"] == {"allocated": 0, "current": 0, "freed": 0, "peak": 0}
     assert nested["limit"] == unused["limit"] and nested["reserved_bytes_by_private_pools"] == {}
+
+
+@needs_cuda
+def test_torch_cuda_memory_snapshot_gives_every_open_gpus_segments():
+    """torch.cuda.memory_snapshot(mempool_id=None, include_traces=True) covers every device:
+    cmlp.cuda's gives the segments of each GPU opened here, device 0's first; cmlp.memory's
+    gives one device's. A pool id other than (0, 0) (the only pool) gives none. (Two GPUs; the
+    emulated backend makes two.)"""
+    code = ("import json, cmlp; c = cmlp.cuda; m = cmlp.memory\n"
+            "if c.device_count() < 2:\n    print(json.dumps(None)); raise SystemExit\n"
+            "a = cmlp.MLP([8, 4], device='cuda:1'); b = cmlp.MLP([300, 4], device='cuda:0')\n"
+            "every = c.memory_snapshot()\n"
+            "ones = m.memory_snapshot('cuda:0') + m.memory_snapshot('cuda:1')\n"
+            "said = [[s['device'] for s in every], every == ones, c.memory_snapshot((0, 0), False) == every,\n"
+            "        c.memory_snapshot(mempool_id=(1, 2)), sum(s['allocated_size'] for s in every),\n"
+            "        m.memory_allocated('cuda:0') + m.memory_allocated('cuda:1')]\n"
+            "for bad in ('cuda:1', 0, (0,), (0.0, 0)):\n"
+            "    try:\n        c.memory_snapshot(bad)\n    except TypeError as e:\n        said.append(str(e)[:10])\n"
+            "print(json.dumps(said))")
+    said = _on_two_gpus(code)
+    devices = said[0]
+    assert devices == sorted(devices) and set(devices) == {0, 1}, said
+    assert said[1:4] == [True, True, []] and said[4] == said[5] > 0, said
+    assert said[6:] == ["mempool_id"] * 4, said
 
 
 _WORKSPACE_SCRIPT = """

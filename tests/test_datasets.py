@@ -368,6 +368,8 @@ def test_download_reads_the_files_that_are_there_and_fetches_none(tmp_path, load
     with pytest.raises(RuntimeError, match="not supported") as e:
         getattr(datasets, loader)(root=tmp_path / "empty", download=True)
     assert str(tmp_path / "empty") in str(e.value)
+    with pytest.raises(TypeError, match="download must be a bool"):
+        getattr(datasets, loader)(root=tmp_path / "here", download="yes")
 
 
 def test_a_bytes_root_is_named_as_text(tmp_path):

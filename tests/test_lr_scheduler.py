@@ -407,6 +407,29 @@ def test_a_state_dict_resumes_the_schedule(case):
     assert rates(sched2, 8) == rest
 
 
+def test_multistep_milestones_are_a_counter_that_torch_can_resume():
+    """MultiStepLR.milestones is a collections.Counter, as torch's: torch's scheduler, given
+    cmlp's state_dict, takes .elements() of it; a state_dict with a plain dict loads as a Counter."""
+    from collections import Counter
+
+    opt, sched = make("MultiStepLR", dict(milestones=[5, 2, 5], gamma=0.5), lr=1.0)
+    assert type(sched.milestones) is Counter and sched.milestones == Counter({2: 1, 5: 2})
+    saved = sched.state_dict()
+    saved["milestones"] = dict(saved["milestones"])
+    sched.load_state_dict(saved)
+    assert type(sched.milestones) is Counter
+    sched.step(7)  # the closed form
+    assert opt.lr == 0.125
+    torch = pytest.importorskip("torch")
+    topt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    ts = torch.optim.lr_scheduler.MultiStepLR(topt, milestones=[1])
+    ts.load_state_dict(sched.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's step(epoch) is deprecated
+        ts.step(7)
+    assert topt.param_groups[0]["lr"] == 0.125
+
+
 def test_resuming_needs_the_initial_rate_and_arguments_are_checked():
     model = cmlp.MLP(SIZES)
     opt = cmlp.optim.SGD(model, lr=0.1)

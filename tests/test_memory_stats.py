@@ -385,6 +385,12 @@ def test_memory_summary():
     allocs = next(line for line in text.splitlines() if line.startswith("| Allocations"))
     assert [len(c) for c in oversize.split("|")[2:6]] == [len(c) for c in allocs.split("|")[2:6]] == [12] * 4
     assert oversize.split("|")[2] == f" {M.memory_stats(DEV)['oversize_allocations.current']:7d}    "
+    # the counts at torch's columns, whatever their width (on the CPU without "CUDA", "cudaMalloc")
+    stats = M.memory_stats(DEV)
+    counts = text.splitlines()[3]
+    ooms, retries = stats["num_ooms"], stats["num_alloc_retries"]
+    assert counts == f"|{'OOMs: ':>23}{ooms:<12d} | {'alloc retries: ':>27}{retries:<8d}  |"
+    assert counts.index("|", 1) == 37, counts
     short = M.memory_summary(DEV, abbreviated=True)  # torch's: without the pool rows
     assert "from large pool" in text and "from small pool" in text
     assert short.splitlines() == [line for line in text.splitlines() if "      from " not in line]

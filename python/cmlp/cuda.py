@@ -344,17 +344,33 @@ def _zero(index: int) -> int:
     return 0
 
 
-def _no_segments(index: int) -> List[Any]:
-    return []
-
-
 memory_allocated = _on_gpu("memory_allocated", _zero)
 max_memory_allocated = _on_gpu("max_memory_allocated", _zero)
 memory_reserved = _on_gpu("memory_reserved", _zero)
 max_memory_reserved = _on_gpu("max_memory_reserved", _zero)
 memory_stats = _on_gpu("memory_stats", _unused_stats)
 memory_stats_as_nested_dict = _on_gpu("memory_stats_as_nested_dict", _unused_nested)
-memory_snapshot = _on_gpu("memory_snapshot", _no_segments)
+
+
+def memory_snapshot(mempool_id: Any = None, include_traces: bool = True) -> List[Dict[str, Any]]:
+    """torch.cuda.memory_snapshot(): the segments of every GPU opened here, by device index, then
+    address (cmlp.memory.memory_snapshot(device) gives one device's). Each GPU has one pool,
+    (0, 0): mempool_id None or (0, 0) gives them all, another id none. include_traces is checked
+    and changes nothing (the segments carry no history; _snapshot() gives it)."""
+    from . import memory
+
+    as_flag("include_traces", include_traces)
+    if mempool_id is not None:
+        if (not isinstance(mempool_id, (tuple, list)) or len(mempool_id) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in mempool_id)):
+            raise TypeError(f"mempool_id must be None or a pair of ints (a pool's id), got {mempool_id!r}; "
+                            "cmlp.memory.memory_snapshot(device) gives one device's segments")
+        if tuple(mempool_id) != (0, 0):
+            return []
+    count = _cmlp.cuda_device_count() if _cmlp.cuda_started() else 0
+    return [seg for i in range(count) if _cmlp.cuda_device_opened(i) for seg in memory.memory_snapshot(f"cuda:{i}")]
+
+
 reset_peak_memory_stats = _on_gpu("reset_peak_memory_stats")
 reset_accumulated_memory_stats = _on_gpu("reset_accumulated_memory_stats")
 get_per_process_memory_fraction = _on_gpu("get_per_process_memory_fraction")
@@ -412,11 +428,11 @@ def caching_allocator_alloc(size: Any, device: "Optional[str | int]" = None, str
     return memory.caching_allocator_alloc(size, f"cuda:{_device_index(device)}", stream)
 
 
-def caching_allocator_delete(ptr: int) -> None:
+def caching_allocator_delete(mem_ptr: int) -> None:
     """Gives back a block of caching_allocator_alloc, as torch.cuda's."""
     from . import memory
 
-    memory.caching_allocator_delete(ptr)
+    memory.caching_allocator_delete(mem_ptr)
 
 
 def get_allocator_backend() -> str:

@@ -10,6 +10,8 @@ import zlib
 
 import numpy as np
 
+from ._arrays import as_flag
+
 __all__ = ["load_idx", "mnist", "fashion_mnist"]
 
 # IDX type code -> big-endian dtype of the payload.
@@ -154,6 +156,7 @@ def _find_dir(dirs):
 
 
 def _load_set(title, dirs, how_to_get, download):
+    download = as_flag("download", download)
     dirs = [os.path.abspath(d) for d in dirs]
     d, found = _find_dir(dirs)
     if d is None and download:  # (where the files are, download=True reads them, as torchvision's)

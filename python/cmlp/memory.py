@@ -183,16 +183,17 @@ def caching_allocator_alloc(nbytes: Any = None, device: Optional[str] = None, st
     return ptr
 
 
-def caching_allocator_delete(ptr: int) -> None:
-    if isinstance(ptr, bool) or not isinstance(ptr, int):
-        raise TypeError(f"ptr must be an int from caching_allocator_alloc, got {type(ptr).__name__}")
+def caching_allocator_delete(mem_ptr: int) -> None:
+    """Gives back a block of caching_allocator_alloc (mem_ptr: torch's name); 0 does nothing."""
+    if isinstance(mem_ptr, bool) or not isinstance(mem_ptr, int):
+        raise TypeError(f"mem_ptr must be an int from caching_allocator_alloc, got {type(mem_ptr).__name__}")
     with _raw_lock:
-        dev = _raw_blocks.pop(ptr, None)
+        dev = _raw_blocks.pop(mem_ptr, None)
     if dev is None:
-        if ptr == 0:
+        if mem_ptr == 0:
             return
-        raise ValueError(f"pointer {ptr:#x} was not returned by caching_allocator_alloc (or was already deleted)")
-    _cmlp.free(dev, ptr)
+        raise ValueError(f"pointer {mem_ptr:#x} was not returned by caching_allocator_alloc (or was already deleted)")
+    _cmlp.free(dev, mem_ptr)
 
 
 def memory_snapshot(device: Optional[str] = None) -> List[Dict[str, Any]]:
@@ -413,12 +414,13 @@ def memory_summary(device: Optional[str] = None, abbreviated: bool = False) -> s
     width = 75
     gpu = dev != "cpu"  # PyTorch's names say "GPU"; on the CPU they go without it
     rule, double = "-" * width, "=" * width
-    # on a GPU the heading and the counts read as torch's ("CUDA OOMs", "cudaMalloc retries")
+    # on a GPU the heading and the counts read as torch's ("CUDA OOMs", "cudaMalloc retries"), the
+    # counts at torch's columns
     title = f"cmlp CUDA memory summary, device ID {_history._device_index(dev)}" if gpu else \
         "cmlp memory summary, device cpu"
     ooms, retries = ("CUDA OOMs: ", "cudaMalloc retries: ") if gpu else ("OOMs: ", "alloc retries: ")
     lines = [double, f"{title:^{width}}", rule,
-             f"{ooms + str(s['num_ooms']):^37}|{retries + str(s['num_alloc_retries']):^37}", double,
+             f"{ooms:>23}{s['num_ooms']:<12d} | {retries:>27}{s['num_alloc_retries']:<8d}  ", double,
              f"{'Metric':^23}| Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  "]
     for key, name, is_bytes in _SUMMARY_METRICS:
         lines.append(rule)

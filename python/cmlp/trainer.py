@@ -139,7 +139,7 @@ class Trainer(FitLoop):
         if scaler is not None and not isinstance(scaler, GradScaler):
             raise TypeError(f"scaler must be a cmlp.amp.GradScaler or None, got {type(scaler).__name__}")
         self._warned = False
-        self._step_planned: Any = None  # (memory limit, the batch sizes of steps that planned their start under it)
+        self._step_planned: Any = None  # ((device, limit), the batch sizes of steps that planned under it)
         self._bar_epochs: Optional[Tuple[int, int]] = None  # (first, total): a loop of fits that draws one run's bars
         self._parts_kept = False  # a fit's param-group parts kept for the rest of it (_run_scheduled)
         self._model, self._optimizer = model, optimizer
@@ -340,8 +340,10 @@ class Trainer(FitLoop):
     def _warn_if_split(self, before: int) -> None:
         if self._c.oom_retries() > before and not self._warned:
             self._warned = True
+            # the size the steps ran at (microbatch_size may be a growth, not tried yet)
+            ran = self._c.last_microbatch() or self.microbatch_size
             warnings.warn(f"out of memory inside a training step: the trainer now computes it in micro-batches of "
-                          f"{self.microbatch_size} (the update is the same; see cmlp.memory.plan)",
+                          f"{ran} (the update is the same; see cmlp.memory.plan)",
                           memory.MemoryWarning, stacklevel=4)
 
     def _data(self, x: Any, y: Any, what: str) -> Tuple[np.ndarray, np.ndarray]:
@@ -450,12 +452,13 @@ class Trainer(FitLoop):
         """Under a memory limit, a step of rows starts from the planner's micro-batch, as fit's
         epochs do (once for each limit and batch size: later steps grow back from there)."""
         limit = memory.get_memory_limit(self.model.device)
+        key = (self.model.device, limit)  # (a model moved to a GPU with the same limit plans again)
         planned = self._step_planned
-        if limit is None or (planned is not None and planned[0] == limit and rows in planned[1]):
+        if limit is None or (planned is not None and planned[0] == key and rows in planned[1]):
             return
         start_under_limit(self, batch_rows=rows)
-        sizes = planned[1] if planned is not None and planned[0] == limit else frozenset()
-        self._step_planned = (limit, sizes | {rows})
+        sizes = planned[1] if planned is not None and planned[0] == key else frozenset()
+        self._step_planned = (key, sizes | {rows})
 
     def _step(self, xa: np.ndarray, ya: np.ndarray) -> float:
         self._push_scaler()

@@ -61,7 +61,9 @@ class Adam(Optimizer):
 
     @staticmethod
     def _betas(betas: Any) -> Tuple[float, float]:
-        try:
+        try:  # a sequence (torch reads betas[0], betas[1]): a set's order is no order
+            if isinstance(betas, (set, frozenset, Mapping)) or not hasattr(type(betas), "__getitem__"):
+                raise TypeError
             b1, b2 = betas
         except (TypeError, ValueError):
             raise TypeError(f"betas must be a pair of floats, got {betas!r}") from None

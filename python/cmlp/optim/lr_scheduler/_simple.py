@@ -4,6 +4,7 @@ ConstantLR, PolynomialLR."""
 import math
 import numbers
 from bisect import bisect_right
+from collections import Counter
 from typing import Any, Dict, Iterable, List, Optional
 
 from ..._arrays import as_number
@@ -56,13 +57,14 @@ class MultiStepLR(LRScheduler):
     """The rate times gamma at each milestone (gamma**k at a milestone given k times)."""
 
     def __init__(self, optimizer: Any, milestones: Iterable[int], gamma: float = 0.1, last_epoch: int = -1) -> None:
-        counts: Dict[int, int] = {}
-        for m in milestones:
-            m = _int("milestones", m, 0)
-            counts[m] = counts.get(m, 0) + 1
-        self.milestones = dict(sorted(counts.items()))
+        # a Counter, as torch's (whose scheduler, given this state_dict, calls .elements())
+        self.milestones = Counter(sorted(_int("milestones", m, 0) for m in milestones))
         self.gamma = _non_negative("gamma", gamma)
         super().__init__(optimizer, last_epoch)
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.milestones = Counter(self.milestones)  # (also from a state_dict with a plain dict)
 
     def get_lr(self) -> List[float]:
         if self.last_epoch not in self.milestones:
