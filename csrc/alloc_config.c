@@ -238,7 +238,7 @@ static const struct {
     {"pinned_max_round_threshold_mb", 'n', -1},
     {"pinned_max_cached_size_mb", 'n', -1},
     {"expandable_segments_handle_type", 'v', -1},
-    {"expandable_segments_reserve", 'v', -1}, /* (expandable segments here reserve as they need) */
+    {"expandable_segments_reserve", 'v', -1}, /* (a pool's segment spans the device) */
     {"expandable_segments_reserve_by_class", 'l', -1},
 };
 #undef KEPT
