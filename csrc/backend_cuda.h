@@ -112,6 +112,9 @@ typedef struct {
     /* gives the allocator's cache back to the device, for a launch out of memory (set_reclaim) */
     void (*reclaim)(void *arg);
     void *reclaim_arg;
+    /* the update's kernel (SGD's, Adam's) loaded before the launch that moves a step's
+     * bookkeeping (cu_optim_prepare), so that a step cannot fail between the two */
+    _Atomic bool update_loaded[2];
     pthread_mutex_t lock; /* the scratch, the staging buffers, the plan cache, the second stream */
     void *ws;             /* the GEMM workspace of the first stream, from the allocator */
     size_t ws_bytes;

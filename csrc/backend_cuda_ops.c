@@ -226,6 +226,14 @@ static cmlp_status cu_optim_prepare(void *ctx, int64_t *d_step, float *d_coef, c
                                     const cmlp_scale_step *scale) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
+    /* CUDA loads a kernel at its first launch (or reference), into device memory that may be
+     * short: the update's own kernel is loaded first, so that where it cannot be the step fails
+     * with its bookkeeping (step count, data position, loss scale) where it was */
+    if (!c->update_loaded[adam != 0]) {
+        cmlp_status st = KERNEL(c, cmlp_k_update_load(adam));
+        if (st != CMLP_OK) return st;
+        c->update_loaded[adam != 0] = true;
+    }
     const cmlp_k_scaler k = k_scaler(scale);
     return KERNEL(c, cmlp_k_optim_prepare(d_step, d_coef, d_found_inf, k_rate(rate), beta2, adam, d_pos, pos_add,
                                           scale ? &k : NULL, stream_of(c)));

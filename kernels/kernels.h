@@ -187,6 +187,10 @@ typedef struct cmlp_k_rate {
 cudaError_t cmlp_k_optim_prepare(int64_t *step, float *coef, const float *found_inf, cmlp_k_rate rate, double beta2,
                                  int adam, int64_t *pos, int64_t pos_add, const cmlp_k_scaler *scaler,
                                  cudaStream_t stream);
+/* Loads the kernel of cmlp_k_adam (adam != 0) or cmlp_k_sgd without launching it (CUDA loads a
+ * kernel's code at its first launch or reference): cudaErrorMemoryAllocation where the device
+ * has no room for it. */
+cudaError_t cmlp_k_update_load(int adam);
 /* cmlp_k_optim_prepare for Adam, then cmlp_k_adam (its coefficients from it), in one launch
  * with the same results: every block derives the step size, bias correction, decay and beta1 from
  * *step and the rate itself, and the block that finishes last does the bookkeeping and resets

@@ -241,8 +241,8 @@ def steps(trainer):
 warm = cmlp.MLP([20, 64, 5], device="cuda", seed=1)
 cmlp.Trainer(warm, cmlp.optim.SGD(warm, lr=0.1, momentum=0.9, param_groups=GROUPS), batch_size=64).step(x, y)
 
-# Adam's update with param groups: its bookkeeping launched, then its own kernel, which cannot
-# load until the cache is given back
+# Adam's update with param groups: its own kernel, loaded before the launch of its bookkeeping,
+# cannot load until the cache is given back
 model = cmlp.MLP([20, 64, 5], device="cuda", seed=0)
 trainer = cmlp.Trainer(model, cmlp.optim.Adam(model, lr=1e-2, param_groups=GROUPS), batch_size=64)
 fill_the_device()
@@ -272,7 +272,7 @@ print("then:", close(model, cpu_step()), steps(trainer))
 def test_an_update_whose_kernel_cannot_load_is_made_once():
     """Out of memory at a launch inside the optimizer's update: where the cache can give memory
     back, the launch is made again and the step completes, its bookkeeping (step count, loss
-    scale, data position, already moved by an earlier launch with param groups) moved once.
+    scale, data position) moved once.
     Where memory in use leaves none, the step is not retried with smaller micro-batches (that
     would move the bookkeeping twice): it raises cmlp.OutOfMemoryError with the model and
     optimizer as they were, and once memory is free the same step gives the CPU's update."""
@@ -284,6 +284,57 @@ def test_an_update_whose_kernel_cannot_load_is_made_once():
     assert lines[1].startswith("raised: CUDA out of memory at a launch"), r.stdout
     assert lines[2].startswith("unchanged: True 0 64 "), r.stdout
     assert lines[3] == "then: True [1, 1, 1, 1]", r.stdout
+
+
+_UPDATE_LOAD = _FULL_DEVICE + r"""
+rng = np.random.default_rng(0)
+x = rng.standard_normal((64, 20)).astype(np.float32)
+y = rng.integers(0, 5, 64)
+GROUPS = [{"params": ["fc1.weight", "fc1.bias"]}, {"params": ["fc2.weight", "fc2.bias"], "lr": 3e-3}]
+cpu = cmlp.MLP([20, 64, 5], seed=0)
+cmlp.Trainer(cpu, cmlp.optim.Adam(cpu, lr=1e-2, param_groups=GROUPS), batch_size=64).step(x, y)
+want = cpu.state_dict()
+
+
+def steps(trainer):
+    return sorted(int(s.get("step", 0)) for s in trainer.optimizer.state_dict()["state"].values())
+
+
+# a step of SGD loads the forward and backward passes' kernels and the bookkeeping's (the launch
+# before the update's own with param groups), not Adam's update
+warm = cmlp.MLP([20, 64, 5], device="cuda", seed=1)
+cmlp.Trainer(warm, cmlp.optim.SGD(warm, lr=0.1), batch_size=64).step(x, y)
+model = cmlp.MLP([20, 64, 5], device="cuda", seed=0)
+trainer = cmlp.Trainer(model, cmlp.optim.Adam(model, lr=1e-2, param_groups=GROUPS), batch_size=64)
+before = model.state_dict()
+held = fill_the_device(keep=2000)
+try:
+    trainer.step(x, y)
+    print("no error")
+except cmlp.OutOfMemoryError as e:
+    print("raised:", " ".join(str(e).split()))
+print("unchanged:", all(np.array_equal(v, before[k]) for k, v in model.state_dict().items()), steps(trainer))
+give_back(held)
+trainer.step(x, y)
+print("then:", max(float(np.abs(model.state_dict()[k] - v).max()) for k, v in want.items()) < 1e-5, steps(trainer))
+"""
+
+
+@needs_emulator[0]
+@needs_emulator[1]
+def test_an_update_whose_kernel_cannot_load_moves_no_bookkeeping():
+    """With param groups (and for SGD) an update is two launches: the bookkeeping (step count,
+    loss scale, data position), then the update's own kernel. That kernel is loaded before the
+    first: where memory in use leaves it no room, the step raises with the optimizer's steps
+    where they were (not one step on, with the parameters not updated), and the same step,
+    once memory is free, gives the CPU's first step."""
+    env = dict(_emulated_env(), CMLP_EMU_MEMORY=str(256 << 20), CMLP_EMU_MODULE_BYTES=str(4 << 20))
+    r = subprocess.run([sys.executable, "-c", _UPDATE_LOAD], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("raised: CUDA out of memory at a launch"), r.stdout
+    assert lines[1] == "unchanged: True []", r.stdout
+    assert lines[2] == "then: True [1, 1, 1, 1]", r.stdout
 
 
 def _sanitizer_runtime(name):

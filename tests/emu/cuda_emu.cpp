@@ -32,6 +32,24 @@ extern "C" cudaError_t cudaGetLastError(void) {
 
 extern "C" cudaError_t cudaPeekAtLastError(void) { return last_error; }
 
+namespace cmlp_emu {
+extern load_fn load_hook;
+}
+
+/* A reference to a kernel loads it, as under CUDA's lazy loading (the emulated runtime's
+ * load_hook: out of memory where the device has no room); the attributes are those of a small
+ * kernel on sm_90. */
+extern "C" cudaError_t cudaFuncGetAttributes(cudaFuncAttributes *attr, const void *func) {
+    if (!attr || !func) return cudaErrorInvalidValue;
+    if (cmlp_emu::load_hook)
+        if (cudaError_t e = cmlp_emu::load_hook(func, "cudaFuncGetAttributes")) return e;
+    std::memset(attr, 0, sizeof *attr);
+    attr->maxThreadsPerBlock = 1024;
+    attr->numRegs = 32;
+    attr->ptxVersion = attr->binaryVersion = 90;
+    return cudaSuccess;
+}
+
 /* The order of a grid's blocks: 0 first to last, 1 last first (a kernel whose result depends on
  * the order of its blocks, a race on a GPU, gives other bits then), and with them the order of a
  * block's threads between two barriers (a thread that reads what a higher one writes, with no
