@@ -319,6 +319,16 @@ def mismatch_case(opts):
         state = np.concatenate([[opt._c.get_state()[0], sched.last_epoch], params(m2)])
         out[name + "_spread"] = float(spread(state))
         out[name + "_steps"] = int(state[0])
+    # a per-epoch schedule that raises on one rank after the first epoch: every rank raises there
+    m2 = cmlp.MLP(SIZES, seed=0)
+    opt = cmlp.optim.SGD(m2, lr=0.1)
+    sched = cmlp.optim.lr_scheduler.LambdaLR(opt, lambda e: 1 / 0 if r == 1 and e == 1 else 1.0)
+    trainer2 = cmlp.Trainer(m2, opt, batch_size=8)
+    try:
+        trainer2.fit(x, y, epochs=3, progress=False, scheduler=sched)
+    except (RuntimeError, ZeroDivisionError) as e:
+        out["epoch_raised"] = f"{type(e).__name__}: {e}"
+    out["epoch_raised_epochs"] = trainer2.epochs
     flags = np.array([len(out)], dtype=np.int64)
     D.all_reduce(flags, "min")
     out["min_errors"] = int(flags[0])

@@ -167,6 +167,25 @@ def fill_the_device(keep=0):
 def give_back(blocks):
     for b in blocks:
         M.caching_allocator_delete(b)
+
+
+def steps(trainer):
+    return sorted(int(s.get("step", 0)) for s in trainer.optimizer.state_dict()["state"].values())
+
+
+def step_on_a_full_device(trainer, x, y):
+    # a step with every byte of the device in use but a small step's buffers: what it raised,
+    # and whether the model, the micro-batch and the optimizer's steps are as they were
+    before = trainer.model.state_dict()
+    held = fill_the_device(keep=2000)
+    try:
+        trainer.step(x, y)
+        print("no error")
+    except cmlp.OutOfMemoryError as e:
+        print("raised:", " ".join(str(e).split()))
+    print("unchanged:", all(np.array_equal(v, before[k]) for k, v in trainer.model.state_dict().items()),
+          trainer._c.oom_retries(), trainer.microbatch_size, steps(trainer))
+    give_back(held)
 """
 
 _LAZY_LOADING = _FULL_DEVICE + r"""
@@ -232,10 +251,6 @@ def close(model, want):
     return max(float(np.abs(model.state_dict()[k] - v).max()) for k, v in want.items()) < 1e-5
 
 
-def steps(trainer):
-    return sorted(int(s.get("step", 0)) for s in trainer.optimizer.state_dict()["state"].values())
-
-
 # a step of SGD with param groups loads the forward and backward passes' kernels and the
 # update's bookkeeping (a launch before the update's own)
 warm = cmlp.MLP([20, 64, 5], device="cuda", seed=1)
@@ -252,16 +267,7 @@ print("groups:", close(model, cpu_step(param_groups=GROUPS)), trainer._c.oom_ret
 # Adam without groups (one launch, not loaded yet) where memory in use leaves none: raised
 model = cmlp.MLP([20, 64, 5], device="cuda", seed=0)
 trainer = cmlp.Trainer(model, cmlp.optim.Adam(model, lr=1e-2), batch_size=64)
-before = model.state_dict()
-held = fill_the_device(keep=2000)
-try:
-    trainer.step(x, y)
-    print("no error")
-except cmlp.OutOfMemoryError as e:
-    print("raised:", " ".join(str(e).split()))
-print("unchanged:", all(np.array_equal(v, before[k]) for k, v in model.state_dict().items()),
-      trainer._c.oom_retries(), trainer.microbatch_size, steps(trainer))
-give_back(held)
+step_on_a_full_device(trainer, x, y)
 trainer.step(x, y)
 print("then:", close(model, cpu_step()), steps(trainer))
 """
@@ -295,26 +301,13 @@ cpu = cmlp.MLP([20, 64, 5], seed=0)
 cmlp.Trainer(cpu, cmlp.optim.Adam(cpu, lr=1e-2, param_groups=GROUPS), batch_size=64).step(x, y)
 want = cpu.state_dict()
 
-
-def steps(trainer):
-    return sorted(int(s.get("step", 0)) for s in trainer.optimizer.state_dict()["state"].values())
-
-
 # a step of SGD loads the forward and backward passes' kernels and the bookkeeping's (the launch
 # before the update's own with param groups), not Adam's update
 warm = cmlp.MLP([20, 64, 5], device="cuda", seed=1)
 cmlp.Trainer(warm, cmlp.optim.SGD(warm, lr=0.1), batch_size=64).step(x, y)
 model = cmlp.MLP([20, 64, 5], device="cuda", seed=0)
 trainer = cmlp.Trainer(model, cmlp.optim.Adam(model, lr=1e-2, param_groups=GROUPS), batch_size=64)
-before = model.state_dict()
-held = fill_the_device(keep=2000)
-try:
-    trainer.step(x, y)
-    print("no error")
-except cmlp.OutOfMemoryError as e:
-    print("raised:", " ".join(str(e).split()))
-print("unchanged:", all(np.array_equal(v, before[k]) for k, v in model.state_dict().items()), steps(trainer))
-give_back(held)
+step_on_a_full_device(trainer, x, y)
 trainer.step(x, y)
 print("then:", max(float(np.abs(model.state_dict()[k] - v).max()) for k, v in want.items()) < 1e-5, steps(trainer))
 """
@@ -333,7 +326,7 @@ def test_an_update_whose_kernel_cannot_load_moves_no_bookkeeping():
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     lines = r.stdout.splitlines()
     assert lines[0].startswith("raised: CUDA out of memory at a launch"), r.stdout
-    assert lines[1] == "unchanged: True []", r.stdout
+    assert lines[1] == "unchanged: True 0 64 []", r.stdout
     assert lines[2] == "then: True [1, 1, 1, 1]", r.stdout
 
 

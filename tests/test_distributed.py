@@ -325,7 +325,10 @@ def test_a_rank_out_of_memory_fails_the_step_everywhere_and_nothing_hangs():
 @needs_mpi
 def test_ranks_that_disagree_all_raise():
     out = run_job(2, "mismatch")
-    assert out["min_errors"] == 21  # on both ranks, sixteen errors, a run and four readings, no hang
+    assert out["min_errors"] == 23  # on both ranks, seventeen errors, a run and five readings, no hang
+    assert out["epoch_raised"].startswith("RuntimeError: rank 1 of the process group raised in its schedule's "
+                                          "step after the epoch"), out["epoch_raised"]
+    assert out["epoch_raised_epochs"] == 1  # no rank went on to a second epoch
     assert "data set's contents" in out["contents"]
     assert out["rates"].startswith("ValueError: the ranks' schedules give different rates or momenta for the "
                                    "epoch's step 4"), out["rates"]

@@ -127,10 +127,13 @@ class FitLoop:
                     record["val_loss"] = loss_sum / val[0].shape[0]
                     record["val_accuracy"] = correct / val[0].shape[0]
                 history.append(record)
+                # the schedule is this rank's own work between collectives: where it raises on
+                # one rank, every rank raises (none waits in the next epoch's first collective)
                 if isinstance(scheduler, ReduceLROnPlateau):
-                    scheduler.step(record["val_loss"] if val is not None else record["loss"])
+                    metric = record["val_loss"] if val is not None else record["loss"]
+                    self._together(lambda: scheduler.step(metric), "raised in its schedule's step after the epoch")
                 elif scheduler is not None and not per_step:
-                    scheduler.step()
+                    self._together(scheduler.step, "raised in its schedule's step after the epoch")
         finally:
             self._c.release_data()  # the device copy of the data set, kept between epochs
             # the activations go back to the cache, as torch frees them after backward: what stays

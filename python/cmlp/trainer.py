@@ -374,13 +374,15 @@ class Trainer(FitLoop):
         owners = list(self._claims.values())
         return owners[0] if owners else None
 
-    def _agree(self, error: Optional[Exception]) -> None:
+    def _agree(self, error: Optional[Exception], what: Optional[str] = None) -> None:
         """Raises error if there is one; data-parallel, first every rank learns whether some
-        rank refused its arguments, so that all raise rather than wait for it."""
+        rank refused its arguments (or failed `what`), so that all raise rather than wait for it."""
         if self.distributed:
             first = np.array([_dist.get_rank() if error is not None else MAX_STEP_SAMPLES], dtype=np.int64)
             _cmlp.dist_all_reduce(first, 2)  # the lowest rank that refused
             if error is None and first[0] != MAX_STEP_SAMPLES:
+                if what is not None:
+                    raise RuntimeError(f"rank {first[0]} of the process group {what} (its own error says why)")
                 raise RuntimeError(f"rank {first[0]} of the process group refused its arguments to this call (its "
                                    "own error says why), so no rank ran it")
         if error is not None:
@@ -401,9 +403,10 @@ class Trainer(FitLoop):
                 error = e
         self._agree(error)
 
-    def _together(self, fn: Any) -> Any:
+    def _together(self, fn: Any, what: Optional[str] = None) -> Any:
         """Runs fn (work of this rank alone); data-parallel, an exception there is raised on every
-        rank, so that none waits for the others in the next collective."""
+        rank, so that none waits for the others in the next collective (what: what the others'
+        error says that rank failed)."""
         if not self.distributed:
             return fn()
         error: Optional[Exception] = None
@@ -412,7 +415,7 @@ class Trainer(FitLoop):
             result = fn()
         except Exception as e:  # noqa: BLE001 - raised again on every rank by _agree
             error = e
-        self._agree(error)
+        self._agree(error, what)
         return result
 
     def step(self, x_batch: Any, y_batch: Any) -> float:
