@@ -579,11 +579,12 @@ CMLP_API cmlp_status cmlp_trainer_init(cmlp_trainer **out, cmlp_model *m, cmlp_o
 CMLP_API void cmlp_trainer_free(cmlp_trainer *t);
 CMLP_API int64_t cmlp_trainer_microbatch_size(const cmlp_trainer *t);
 /* What the fit whose epochs follow will do beyond its epochs (its epoch count, validation samples
- * or -1, whether a schedule steps after each step): data-parallel, every epoch's start compares
- * them over the ranks with the other settings, since each is a collective another rank would
- * wait for. */
+ * or -1, a hash of the validation set's contents, whether a schedule steps after each step):
+ * data-parallel, every epoch's start compares them over the ranks with the other settings, since
+ * each is a collective another rank would wait for (or, the validation set, a share of a whole
+ * that every rank must have alike). */
 CMLP_API void cmlp_trainer_set_fit_call(cmlp_trainer *t, int64_t epochs, int64_t validation_samples,
-                                        int per_step_schedule);
+                                        uint64_t validation_hash, int per_step_schedule);
 /* The loss scaler the trainer applies (disabled by default); validated like GradScaler. */
 CMLP_API cmlp_status cmlp_trainer_set_scaler(cmlp_trainer *t, const cmlp_scaler_state *s);
 CMLP_API void cmlp_trainer_get_scaler(const cmlp_trainer *t, cmlp_scaler_state *out);

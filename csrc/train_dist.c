@@ -59,7 +59,8 @@ cmlp_status cmlp_train_same_settings(const cmlp_trainer *t, int call, const cmlp
                                         "max_grad_norm (its bits)",
                                         "fit's epochs",
                                         "fit's validation samples (-1: none)",
-                                        "fit's schedule per step (scheduler_interval='step')"};
+                                        "fit's schedule per step (scheduler_interval='step')",
+                                        "fit's validation set (its labels, and rows spread over it)"};
     const cmlp_train_config *c = &t->cfg;
     const cmlp_model *m = t->model;
     const cmlp_scaler_state *sc = &t->scaler;
@@ -69,7 +70,7 @@ cmlp_status cmlp_train_same_settings(const cmlp_trainer *t, int call, const cmlp
                  (uint64_t)bits_of(sc->backoff_factor) * 5u ^ (uint64_t)sc->growth_interval * 7u ^
                  (uint64_t)sc->growth_tracker * 11u ^ 1u;
     for (int i = 0; i <= m->nlayers; i++) layers = layers * 1000003u + (uint64_t)m->sizes[i];
-    int64_t v[18] = {call,
+    int64_t v[19] = {call,
                      c->batch_size,
                      c->accumulation_steps,
                      c->shuffle,
@@ -86,8 +87,10 @@ cmlp_status cmlp_train_same_settings(const cmlp_trainer *t, int call, const cmlp
                      bits_of(c->max_grad_norm),
                      call == CALL_EPOCH ? t->fit_call[0] : 0,
                      call == CALL_EPOCH ? t->fit_call[1] : 0,
-                     call == CALL_EPOCH ? t->fit_call[2] : 0};
-    return cmlp_train_same_on_every_rank(names, v, 18, 1u << 7 | 1u << 8 | 1u << 9); /* scaler, layers, optim */
+                     call == CALL_EPOCH ? t->fit_call[2] : 0,
+                     call == CALL_EPOCH ? t->fit_call[3] : 0};
+    /* hashes: the scaler, the layers, the optimizer, the validation set */
+    return cmlp_train_same_on_every_rank(names, v, 19, 1u << 7 | 1u << 8 | 1u << 9 | 1u << 18);
 }
 
 /* FNV-1a over n bytes, from h */

@@ -30,7 +30,9 @@ struct cmlp_trainer {
     cmlp_optim *optim;
     cmlp_train_config cfg;
     int64_t micro;
-    int64_t fit_call[3]; /* the fit in progress: its epochs, validation samples (-1: none), per-step schedule */
+    /* the fit in progress: its epochs, validation samples (-1: none), per-step schedule, and a
+     * hash of the validation set */
+    int64_t fit_call[4];
     /* the epoch in progress */
     cmlp_data data;
     int64_t *order; /* host [data.n] sample order; NULL when not shuffling */

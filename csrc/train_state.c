@@ -8,10 +8,12 @@
 
 int64_t cmlp_trainer_microbatch_size(const cmlp_trainer *t) { return t->micro; }
 
-void cmlp_trainer_set_fit_call(cmlp_trainer *t, int64_t epochs, int64_t validation_samples, int per_step_schedule) {
+void cmlp_trainer_set_fit_call(cmlp_trainer *t, int64_t epochs, int64_t validation_samples, uint64_t validation_hash,
+                               int per_step_schedule) {
     t->fit_call[0] = epochs;
     t->fit_call[1] = validation_samples;
     t->fit_call[2] = per_step_schedule != 0;
+    t->fit_call[3] = (int64_t)validation_hash;
 }
 int64_t cmlp_trainer_skipped_steps(const cmlp_trainer *t) { return t->skipped; }
 int64_t cmlp_trainer_oom_retries(const cmlp_trainer *t) { return t->oom_retries; }

@@ -304,6 +304,10 @@ def mismatch_case(opts):
         trainer.fit(xr, yr, epochs=1, progress=False)
     except ValueError as e:
         out["contents"] = str(e)
+    try:  # another validation set of the same size on one rank: each rank evaluates a share of one
+        trainer.fit(x, y, epochs=1, progress=False, validation_data=data(16, seed=r))
+    except ValueError as e:
+        out["validation_contents"] = str(e)
     # per-step schedules: rates of one rank's own (in the middle of an epoch), and one that raises
     for name, rate in (("rates", lambda s: 10.0 if r == 1 and 3 <= s <= 5 else 1.0),
                        ("raised", lambda s: 1 / 0 if r == 1 and s == 5 else 1.0)):

@@ -274,10 +274,11 @@ static PyObject *Trainer_start_microbatch(TrainerObject *self, PyObject *arg) {
 
 static PyObject *Trainer_set_fit_call(TrainerObject *self, PyObject *args) {
     long long epochs, validation;
+    unsigned long long validation_hash;
     int per_step;
-    if (!PyArg_ParseTuple(args, "LLp", &epochs, &validation, &per_step)) return NULL;
+    if (!PyArg_ParseTuple(args, "LLKp", &epochs, &validation, &validation_hash, &per_step)) return NULL;
     if (trainer_ready(self) < 0) return NULL;
-    cmlp_trainer_set_fit_call(self->t, epochs, validation, per_step);
+    cmlp_trainer_set_fit_call(self->t, epochs, validation, validation_hash, per_step);
     Py_RETURN_NONE;
 }
 
