@@ -268,6 +268,7 @@ static cmlp_status allocate(cmlp_allocator *a, size_t nbytes, const char *what, 
         if (!b && !a->device_error) b = new_memory(a, pool, size);
     }
     if (!b && a->device_error) return a->device_error; /* the backend said why */
+    if (!b && a->quiet_oom) return CMLP_FAIL(CMLP_ERR_OOM, "%s: no room for %zu bytes (tried)", a->name, nbytes);
     if (!b) return alloc_oom(a, nbytes, size);
     split_off(a, b, size);
     b->allocated = true;
@@ -429,6 +430,21 @@ cmlp_status cmlp_allocator_malloc(cmlp_allocator *a, size_t nbytes, const char *
     pthread_mutex_lock(&a->lock);
     a->what = what;
     cmlp_status st = allocate(a, nbytes, what, out);
+    a->what = NULL;
+    split_settle(a);
+    pthread_mutex_unlock(&a->lock);
+    return st;
+}
+
+cmlp_status cmlp_allocator_try_malloc(cmlp_allocator *a, size_t nbytes, const char *what, void **out) {
+    *out = NULL;
+    if (nbytes == 0) return CMLP_OK;
+    if (nbytes > ((size_t)1 << 56)) return CMLP_FAIL(CMLP_ERR_OOM, "%s: %zu bytes is impossibly large", a->name, nbytes);
+    pthread_mutex_lock(&a->lock);
+    a->what = what;
+    a->quiet_oom = true;
+    cmlp_status st = allocate(a, nbytes, what, out);
+    a->quiet_oom = false;
     a->what = NULL;
     split_settle(a);
     pthread_mutex_unlock(&a->lock);

@@ -22,6 +22,11 @@ cmlp_status cmlp_allocator_create(const cmlp_backend_i *b, void *bctx, const cha
  * history show it). */
 __attribute__((visibility("hidden")))
 cmlp_status cmlp_allocator_malloc(cmlp_allocator *a, size_t nbytes, const char *what, void **out);
+/* As cmlp_allocator_malloc, for memory the caller can do without (a copy of data it can read
+ * from the host instead): where even the cache given back leaves no room, CMLP_ERR_OOM that is
+ * not counted as the allocator's out-of-memory (no num_ooms, no history entry, no advice). */
+__attribute__((visibility("hidden")))
+cmlp_status cmlp_allocator_try_malloc(cmlp_allocator *a, size_t nbytes, const char *what, void **out);
 /* NULL is a no-op; a pointer this allocator did not hand out is CMLP_ERR_INVALID. */
 __attribute__((visibility("hidden")))
 cmlp_status cmlp_allocator_free(cmlp_allocator *a, void *ptr);

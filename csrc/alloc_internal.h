@@ -128,6 +128,7 @@ struct cmlp_allocator {
     bool uncached;       /* caching off (cmlp_memory_caching_disabled): a segment per request, freed with it */
     bool poison;         /* AddressSanitizer build over host memory: what no caller holds is poisoned */
     bool dry_run;        /* cmlp_allocator_cache_serves: take only what is there, map nothing */
+    bool quiet_oom;      /* cmlp_allocator_try_malloc: out of memory is no error of the allocator's */
     cmlp_status device_error; /* a device call failed for a reason other than memory (recorded) */
     alloc_history hist;
     const char *what; /* the request being served: what its memory will hold */

@@ -84,8 +84,9 @@ void cmlp_resident_sizes(int64_t n, size_t row_bytes, int shuffled, size_t out[3
  * copied there once, and every batch is gathered on the device. Without room for them, or when
  * the trainer was told to keep the data in host memory (cmlp_trainer_set_host_data), the batches
  * are staged from host memory instead, as for a single step; a copy that the device's memory
- * limit cannot take is not tried (it would only run the allocator out of memory, and empty its
- * cache), and one that failed is not tried again until the trainer is told to (a new fit). */
+ * limit cannot take as allocated bytes is not tried, one that finds no room is not the
+ * allocator's out-of-memory (no num_ooms), and one that failed is not tried again until the
+ * trainer is told to (a new fit). */
 static void upload_epoch(cmlp_trainer *t, const cmlp_data *xy) {
     cmlp_device_ctx *dev = t->model->dev;
     if (!cmlp_train_device_steps(t) || t->host_data) return;
@@ -102,9 +103,11 @@ static void upload_epoch(cmlp_trainer *t, const cmlp_data *xy) {
         return;
     }
     t->d_alloc = dev->alloc;
-    cmlp_status st = cmlp_allocator_malloc(dev->alloc, nx, "data set", &t->d_x);
-    if (st == CMLP_OK) st = cmlp_allocator_malloc(dev->alloc, ny, "data set labels", (void **)&t->d_y);
-    if (st == CMLP_OK && t->cfg.shuffle) st = cmlp_allocator_malloc(dev->alloc, no, "data set order", (void **)&t->d_order);
+    /* where it finds no room the batches come from host memory: not an out-of-memory */
+    cmlp_status st = cmlp_allocator_try_malloc(dev->alloc, nx, "data set", &t->d_x);
+    if (st == CMLP_OK) st = cmlp_allocator_try_malloc(dev->alloc, ny, "data set labels", (void **)&t->d_y);
+    if (st == CMLP_OK && t->cfg.shuffle)
+        st = cmlp_allocator_try_malloc(dev->alloc, no, "data set order", (void **)&t->d_order);
     if (st == CMLP_OK) st = b->copy_h2d(dev->bctx, t->d_x, xy->x, nx);
     if (st == CMLP_OK) st = b->copy_h2d(dev->bctx, t->d_y, xy->y, ny);
     if (st == CMLP_OK && t->cfg.shuffle) st = b->copy_h2d(dev->bctx, t->d_order, t->order, no);

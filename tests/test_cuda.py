@@ -2159,6 +2159,19 @@ def test_plans_of_param_groups_a_resident_data_set_and_a_limit_hold_on_the_gpu()
         trainer.fit(big, rng.integers(0, 50, 4000), epochs=2, progress=False)
         assert not trainer._c.data_resident() and M.memory_stats(CUDA)["num_ooms"] == ooms
         del model, trainer
+        # nor one whose allocated bytes fit but whose new segment does not: tried, no out-of-memory
+        gc.collect()
+        M.empty_cache(CUDA)
+        mid = rng.standard_normal((16384, 100)).astype(np.float32)  # 6.25 MiB: a new 20 MiB segment
+        model = cmlp.MLP([100, 300, 10], device=CUDA, seed=0)
+        M.set_memory_limit(M.memory_reserved(CUDA) + 18 * 2**20, CUDA)
+        trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=8192)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", cmlp.MemoryWarning)
+            h = trainer.fit(mid, rng.integers(0, 10, len(mid)), epochs=1, progress=False)
+        assert not trainer._c.data_resident() and trainer._c.oom_retries() == 0 and np.isfinite(h[0]["loss"])
+        assert M.memory_stats(CUDA)["num_ooms"] == ooms
+        del model, trainer
         # a first micro-batch whose reserved memory fits beside the device's own, not beside nothing
         layers, batch, acc = [8, 264], 1845, 4
         x = rng.integers(0, 256, (batch * acc, 8), dtype=np.uint8)

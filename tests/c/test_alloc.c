@@ -1030,6 +1030,32 @@ static void test_empty_cache(void) {
     fin(a, &d);
 }
 
+/* Memory the caller can do without (cmlp_allocator_try_malloc): served as any request, cache
+ * given back included, and where there is no room an error that is not the allocator's
+ * out-of-memory (no num_ooms, no history entry). */
+static void test_try_malloc(void) {
+    fake_dev d;
+    cmlp_allocator *a = mk(&d, "", (int64_t)GB(2));
+    cmlp_allocator_set_limit(a, (int64_t)MB(50));
+    void *p = al(a, MB(30)), *q = al(a, MB(12));
+    fr(a, q);
+    int dummy;
+    void *tried = &dummy;
+    CHECK(cmlp_allocator_try_malloc(a, MB(24), "optional", &tried) == CMLP_ERR_OOM && tried == NULL,
+          "try_malloc over the limit");
+    cmlp_memory_stats s = stats_of(a);
+    CHECK(s.num_ooms == 0 && s.num_alloc_retries == 1 && CUR(s, ALLOCATED_BYTES, ALL) == (int64_t)MB(30) &&
+              CUR(s, RESERVED_BYTES, ALL) == (int64_t)MB(30),
+          "a tried request counted or kept: ooms %" PRId64 " retries %" PRId64, s.num_ooms, s.num_alloc_retries);
+    CHECK(cmlp_allocator_try_malloc(a, MB(16), "optional", &tried) == CMLP_OK && tried != NULL, "try_malloc under the limit");
+    CHECK(stats_of(a).num_ooms == 0, "a served try counted");
+    fr(a, tried);
+    oom(a, MB(24)); /* the same request, not tried: the allocator's out-of-memory */
+    CHECK(stats_of(a).num_ooms == 1, "ooms %" PRId64, stats_of(a).num_ooms);
+    fr(a, p);
+    fin(a, &d);
+}
+
 static void test_limit(void) {
     fake_dev d;
     cmlp_allocator *a = mk(&d, "", (int64_t)GB(2));
@@ -2401,6 +2427,7 @@ int main(void) {
     test_oversize_reconfigure();
     test_roundup();
     test_empty_cache();
+    test_try_malloc();
     test_limit();
     test_gc();
     test_expandable();
