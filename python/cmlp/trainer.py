@@ -64,9 +64,9 @@ def _fixed(name: str, doc: str) -> property:
 
 
 def _contents_hash(xy: Optional[Tuple[np.ndarray, np.ndarray]]) -> int:
-    """A hash of a data set's labels and of up to 256 rows spread over it (first, last and evenly
-    between), as the C core hashes the training set; 0 for none. Data-parallel, fit compares
-    it over the ranks: each evaluates its share of one validation set."""
+    """A hash of a data set's type, labels and up to 256 rows spread over it (first, last and
+    evenly between; the C core samples the training set so), never 0; 0 for none. Data-parallel,
+    fit compares it over the ranks: each evaluates its share of one validation set."""
     if xy is None:
         return 0
     x, y = xy
