@@ -386,18 +386,25 @@ def _replay(layers, batch, batches, used, **kw):
     return trainer.model.state_dict()
 
 
+def _short_of_a_step(xb, yb, **kw):
+    """A new trainer (kw: its arguments) under a limit 2 MiB short of what a whole step of
+    (xb, yb) reserves, its start not planned: its step runs out of memory inside. The caller
+    lifts the limit."""
+    trainer = fresh(WIDE, WIDE_BATCH)
+    r0 = M.memory_reserved(DEV)
+    trainer.step(xb, yb)
+    growth = M.memory_reserved(DEV) - r0
+    trainer = None
+    trainer = fresh(WIDE, WIDE_BATCH, **kw)
+    M.set_memory_limit(M.memory_reserved(DEV) + growth - 2 * MIB, DEV)
+    unplanned(trainer, WIDE_BATCH)
+    return trainer
+
+
 def test_the_microbatch_grows_back_after_a_real_oom():
     x, y = data(WIDE, 6 * WIDE_BATCH)
     batches = [(x[i:i + WIDE_BATCH], y[i:i + WIDE_BATCH]) for i in range(0, len(x), WIDE_BATCH)]
-    trainer = fresh(WIDE, WIDE_BATCH)
-    r0 = M.memory_reserved(DEV)
-    trainer.step(*batches[0])
-    growth = M.memory_reserved(DEV) - r0
-
-    trainer = None
-    trainer = fresh(WIDE, WIDE_BATCH, grow_interval=2)
-    M.set_memory_limit(M.memory_reserved(DEV) + growth - 2 * MIB, DEV)
-    unplanned(trainer, WIDE_BATCH)
+    trainer = _short_of_a_step(*batches[0], grow_interval=2)
     try:
         with pytest.warns(cmlp.MemoryWarning, match="out of memory inside a training step"):
             trainer.step(*batches[0])  # a real OOM, then halving
@@ -420,14 +427,7 @@ def test_the_split_warning_names_the_size_that_ran_not_the_growth_to_try():
     """With grow_interval=1 the step that halved also reaches its wait: microbatch_size is the
     growth the next step tries, the warning (as the history) says the size the step ran at."""
     x, y = data(WIDE, WIDE_BATCH)
-    trainer = fresh(WIDE, WIDE_BATCH)
-    r0 = M.memory_reserved(DEV)
-    trainer.step(x, y)
-    growth = M.memory_reserved(DEV) - r0
-    trainer = None
-    trainer = fresh(WIDE, WIDE_BATCH, grow_interval=1)
-    M.set_memory_limit(M.memory_reserved(DEV) + growth - 2 * MIB, DEV)
-    unplanned(trainer, WIDE_BATCH)
+    trainer = _short_of_a_step(x, y, grow_interval=1)
     try:
         with pytest.warns(cmlp.MemoryWarning, match="out of memory inside a training step") as caught:
             trainer.step(x, y)
