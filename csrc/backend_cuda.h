@@ -115,6 +115,9 @@ typedef struct {
     /* the update's kernel (SGD's, Adam's) loaded before the launch that moves a step's
      * bookkeeping (cu_optim_prepare), so that a step cannot fail between the two */
     _Atomic bool update_loaded[2];
+    /* the bias gradients' kernels (by kind, masked or not) loaded before the lock they are
+     * launched under is taken: a load out of memory there could not give the cache back */
+    _Atomic bool bias_grad_loaded[3][2];
     pthread_mutex_t lock; /* the scratch, the staging buffers, the plan cache, the second stream */
     void *ws;             /* the GEMM workspace of the first stream, from the allocator */
     size_t ws_bytes;

@@ -10,6 +10,12 @@
 static cmlp_status bias_grad_locked(cuda_ctx *c, void *dy, const void *h, void *out, int kind, float *db,
                                     int64_t rows, int64_t cols, int overwrite) {
     CMLP_TRY_USE(c);
+    const bool mask = h != NULL;
+    if (!c->bias_grad_loaded[kind][mask]) { /* where the cache can give memory back: not under the lock */
+        cmlp_status st = KERNEL(c, cmlp_k_bias_grad_load(kind, mask));
+        if (st != CMLP_OK) return st;
+        c->bias_grad_loaded[kind][mask] = true;
+    }
     pthread_mutex_lock(&c->lock);
     size_t nb;
     void *ws = ws_of(c, &nb);
@@ -19,7 +25,7 @@ static cmlp_status bias_grad_locked(cuda_ctx *c, void *dy, const void *h, void *
                                 : cmlp_k_bias_grad_half(db, dy, rows, cols, kind == 2, overwrite, ws, nb,
                                                         stream_of(c));
     pthread_mutex_unlock(&c->lock);
-    return KERNEL(c, e);
+    return done(c, e, "the bias gradient's kernels");
 }
 
 static int half_kind(cmlp_dtype dtype) { return dtype == CMLP_DTYPE_F32 ? 0 : dtype == CMLP_DTYPE_F16 ? 1 : 2; }

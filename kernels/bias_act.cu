@@ -289,6 +289,21 @@ extern "C" cudaError_t cmlp_k_relu_backward_bias_grad(void *dy, const void *h, v
     return bias_grad(db, dy, h, out, kind, rows, cols, overwrite, scratch, scratch_bytes, stream);
 }
 
+template <int KIND, bool MASK>
+static const void *bias_grad_kernel() {
+    return (const void *)k_bias_grad<KIND, MASK>;
+}
+
+extern "C" cudaError_t cmlp_k_bias_grad_load(int kind, int mask) {
+    static const void *const kernels[3][2] = {{bias_grad_kernel<0, false>(), bias_grad_kernel<0, true>()},
+                                              {bias_grad_kernel<1, false>(), bias_grad_kernel<1, true>()},
+                                              {bias_grad_kernel<2, false>(), bias_grad_kernel<2, true>()}};
+    if (kind < 0 || kind > 2) return cudaErrorInvalidValue;
+    cudaFuncAttributes attr;
+    const cudaError_t e = cudaFuncGetAttributes(&attr, kernels[kind][mask != 0]);
+    return e != cudaSuccess ? e : cudaFuncGetAttributes(&attr, (const void *)k_bias_grad_combine);
+}
+
 /* ---- ReLU backward in half precision: dy[i] = !(h[i] <= 0) ? dy[i] : 0 on fp16 / bf16 bits, h
  * converted to float and compared under DAZ ---- */
 

@@ -58,6 +58,10 @@ cudaError_t cmlp_k_relu_backward_half(uint16_t *dy, const uint16_t *h, int64_t n
 cudaError_t cmlp_k_relu_backward_bias_grad(void *dy, const void *h, void *out, int kind, float *db, int64_t rows,
                                            int64_t cols, int overwrite, float *scratch, size_t scratch_bytes,
                                            cudaStream_t stream);
+/* Loads the kernels of the bias gradients of kind 0, 1 or 2 (masked through the ReLU first when
+ * mask != 0) without launching them, as cmlp_k_update_load: the backend launches them under a
+ * lock, where a launch that finds no room for its code cannot have the cache given back. */
+cudaError_t cmlp_k_bias_grad_load(int kind, int mask);
 
 /* ---- loss.cu ---- */
 

@@ -234,6 +234,36 @@ def test_a_launch_that_cannot_load_its_kernel_gives_the_cache_back_or_raises_out
     assert lines[2] == "fit: 0 64 64 True", r.stdout
 
 
+_BIAS_GRAD_LOAD = _FULL_DEVICE + r"""
+rng = np.random.default_rng(0)
+x = rng.standard_normal((256, 20)).astype(np.float32)
+y = rng.integers(0, 5, 256)
+warm = cmlp.MLP([20, 64, 5], device="cuda", seed=1)
+warm.evaluate(x, y)  # the forward pass's and the loss's kernels, not the bias gradients'
+cpu = cmlp.MLP([20, 64, 5], seed=0)
+gpu = cmlp.MLP([20, 64, 5], device="cuda", seed=0)
+fill_the_device()
+ooms = M.memory_stats("cuda")["num_ooms"]
+loss, want = gpu.forward_backward(x, y), cpu.forward_backward(x, y)
+grads = all(np.allclose(g, cpu.grads()[k], rtol=1e-4, atol=1e-6) for k, g in gpu.grads().items())
+print("backward:", abs(loss - want) <= 1e-5 * want, grads, M.memory_stats("cuda")["num_ooms"] - ooms)
+"""
+
+
+@needs_emulator[0]
+@needs_emulator[1]
+def test_bias_gradients_whose_kernels_cannot_load_give_the_cache_back():
+    """The bias gradients are launched under the backend's lock, where a launch out of memory
+    cannot have the cache given back: their kernels are loaded before it is taken. A backward
+    pass whose first new kernels are theirs, on a device whose cache holds every byte, goes on
+    as if nothing happened (before, it raised an out-of-memory that told the user to empty the
+    cache)."""
+    env = dict(_emulated_env(), CMLP_EMU_MEMORY=str(256 << 20), CMLP_EMU_MODULE_BYTES=str(4 << 20))
+    r = subprocess.run([sys.executable, "-c", _BIAS_GRAD_LOAD], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert r.stdout.splitlines() == ["backward: True True 0"], r.stdout
+
+
 # the update scripts' start: a batch, two param groups, the CPU's first Adam step to compare with
 _UPDATE_START = _FULL_DEVICE + r"""
 rng = np.random.default_rng(0)
