@@ -8,6 +8,7 @@ import datetime
 import json
 import sys
 import time
+import warnings
 
 import numpy as np
 
@@ -153,6 +154,21 @@ class _PacedCalls:
         if len(self.asked) == self.slow[0] and D.get_rank() == 1:
             time.sleep(self.slow[1])
         return out
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class _SplitSteps:
+    """A trainer's C object whose count of steps retried in micro-batches grows at each reading,
+    as after an out-of-memory inside each step (the steps themselves are as ever)."""
+
+    def __init__(self, c):
+        self._inner, self.extra = c, 0
+
+    def oom_retries(self):
+        self.extra += 1
+        return self._inner.oom_retries() + self.extra
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -333,6 +349,19 @@ def mismatch_case(opts):
     except (RuntimeError, ZeroDivisionError) as e:
         out["epoch_raised"] = f"{type(e).__name__}: {e}"
     out["epoch_raised_epochs"] = trainer2.epochs
+    # rank 1 alone computes its steps in micro-batches (as if it ran out of memory), its warning
+    # an error there: every rank raises after the first epoch, none waits for rank 1
+    m3 = cmlp.MLP(SIZES, seed=0)
+    trainer3 = cmlp.Trainer(m3, cmlp.optim.SGD(m3, lr=0.1), batch_size=8)
+    if r == 1:
+        trainer3._c = _SplitSteps(trainer3._c)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error" if r == 1 else "ignore", cmlp.memory.MemoryWarning)
+        try:
+            trainer3.fit(x, y, epochs=3, progress=False)
+        except (RuntimeError, cmlp.memory.MemoryWarning) as e:
+            out["split_warned"] = f"{type(e).__name__}: {e}"
+    out["split_warned_epochs"] = trainer3.epochs
     flags = np.array([len(out)], dtype=np.int64)
     D.all_reduce(flags, "min")
     out["min_errors"] = int(flags[0])

@@ -325,11 +325,14 @@ def test_a_rank_out_of_memory_fails_the_step_everywhere_and_nothing_hangs():
 @needs_mpi
 def test_ranks_that_disagree_all_raise():
     out = run_job(2, "mismatch")
-    assert out["min_errors"] == 24  # on both ranks, eighteen errors, a run and five readings, no hang
+    assert out["min_errors"] == 26  # on both ranks, nineteen errors, a run and six readings, no hang
     assert "fit's validation set (its labels, and rows spread over it)" in out["validation_contents"], out
     assert out["epoch_raised"].startswith("RuntimeError: rank 1 of the process group raised in its schedule's "
                                           "step after the epoch"), out["epoch_raised"]
     assert out["epoch_raised_epochs"] == 1  # no rank went on to a second epoch
+    assert out["split_warned"].startswith("RuntimeError: rank 1 of the process group raised in its warning that it "
+                                          "computes its steps in micro-batches"), out["split_warned"]
+    assert out["split_warned_epochs"] == 1
     assert "data set's contents" in out["contents"]
     assert out["rates"].startswith("ValueError: the ranks' schedules give different rates or momenta for the "
                                    "epoch's step 4"), out["rates"]

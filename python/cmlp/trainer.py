@@ -352,14 +352,14 @@ class Trainer(FitLoop):
         s.load_state_dict(d)
         s._note_underflow(5)  # backed off in the C loop: fit -> _fit -> _pull_scaler -> here
 
-    def _warn_if_split(self, before: int) -> None:
+    def _warn_if_split(self, before: int, stacklevel: int = 4) -> None:
         if self._c.oom_retries() > before and not self._warned:
             self._warned = True
             # the size the steps ran at (microbatch_size may be a growth, not tried yet)
             ran = self._c.last_microbatch() or self.microbatch_size
             warnings.warn(f"out of memory inside a training step: the trainer now computes it in micro-batches of "
                           f"{ran} (the update is the same; see cmlp.memory.plan)",
-                          memory.MemoryWarning, stacklevel=4)
+                          memory.MemoryWarning, stacklevel=stacklevel)
 
     def _data(self, x: Any, y: Any, what: str) -> Tuple[np.ndarray, np.ndarray]:
         sizes = self.model.layer_sizes
