@@ -220,6 +220,36 @@ static cmlp_status first_workspace(int index, long long kib, size_t *out) {
     return CMLP_OK;
 }
 
+#ifndef CMLP_CUDA_ARCHS
+#define CMLP_CUDA_ARCHS "other architectures" /* (setup.py names those built for) */
+#endif
+
+/* Whether this build's kernels have code the GPU runs (machine code for its architecture, or
+ * PTX its driver compiles): asked of an empty kernel as the device opens, so that a GPU the
+ * build was not made for is refused there, in words, not at the first launch of a step. Out of
+ * memory for its code is left to the launches. */
+static cmlp_status kernels_runnable(int index) {
+    const cudaError_t e = cmlp_k_probe();
+    if (e == cudaSuccess) return CMLP_OK;
+    (void)cudaGetLastError();
+    if (e != cudaErrorNoKernelImageForDevice && e != cudaErrorInvalidDeviceFunction &&
+        e != cudaErrorUnsupportedPtxVersion)
+        return CMLP_OK;
+    struct cudaDeviceProp p;
+    CU_TRY(cudaGetDeviceProperties(&p, index));
+    if (e == cudaErrorUnsupportedPtxVersion)
+        return FAIL(CMLP_ERR_DEVICE,
+                    "cuda:%d (%.100s) cannot run cmlp's kernels: this build has no machine code for its compute "
+                    "capability %d.%d, and its PTX is from a CUDA toolkit (%d.%d) newer than the GPU's driver "
+                    "supports. Update the driver, or reinstall cmlp with CMLP_CUDA_ARCH=%d%d set (%s)", index, p.name,
+                    p.major, p.minor, CUDART_VERSION / 1000, CUDART_VERSION % 1000 / 10, p.major, p.minor,
+                    cudaGetErrorName(e));
+    return FAIL(CMLP_ERR_DEVICE,
+                "cuda:%d (%.100s, compute capability %d.%d) cannot run cmlp's kernels: this build has code for %s "
+                "only (CMLP_CUDA_ARCH). Reinstall cmlp with CMLP_CUDA_ARCH=%d%d set (%s)", index,
+                p.name, p.major, p.minor, CMLP_CUDA_ARCHS, p.major, p.minor, cudaGetErrorName(e));
+}
+
 /* Makes the device's primary context current on this thread, retained for as long as the device
  * is open: a context another library made current there (cuCtxCreate's, of the same device) is
  * left to it, whatever cudaSetDevice does with it, so the streams and memory made next are the
@@ -262,6 +292,7 @@ static cmlp_status cu_open(int index, void **out) {
             st = FAIL(CMLP_ERR_DEVICE, "cublasLtCreate failed on cuda:%d: %s", index, cublasLtGetStatusString(s));
     }
     if (st == CMLP_OK) st = first_workspace(index, ws_kib, &c->first_ws);
+    if (st == CMLP_OK) st = kernels_runnable(index);
     if (st == CMLP_OK) c->cuctx = ctx_current(); /* the one the stream was made in (enter_primary) */
     if (st == CMLP_OK) {
         pthread_once(&vmm_once, vmm_load);
@@ -298,7 +329,7 @@ typedef struct {
     unsigned int pid;
     unsigned long long used; /* bytes; all ones where NVML may not say */
     unsigned int gpu_instance, compute_instance;
-} nvml_process; /* nvmlProcessInfo_v2_t, which the _v3 query fills */
+} nvml_process; /* nvmlProcessInfo_v2_t (24 bytes), which the _v2 query fills on every driver */
 
 static pthread_once_t nvml_once = PTHREAD_ONCE_INIT;
 static int (*nvml_by_uuid)(const char *uuid, void **device);
@@ -310,7 +341,13 @@ static void nvml_load(void) {
     int (*init)(void) = h ? (int (*)(void))dlsym(h, "nvmlInit_v2") : NULL;
     if (!init || init() != 0) return;
     nvml_by_uuid = (int (*)(const char *, void **))dlsym(h, "nvmlDeviceGetHandleByUUID");
-    nvml_processes = (int (*)(void *, unsigned int *, nvml_process *))dlsym(h, "nvmlDeviceGetComputeRunningProcesses_v3");
+    /* not _v3 where _v2 is: _v3's entries grew to 32 bytes (usedGpuCcProtectedMemory) with the
+     * R535 drivers and shrank back later, under the same name; read as 24, every entry after the
+     * first would be garbage, and the driver would write past the array */
+    nvml_processes = (int (*)(void *, unsigned int *, nvml_process *))dlsym(h, "nvmlDeviceGetComputeRunningProcesses_v2");
+    if (!nvml_processes)
+        nvml_processes =
+            (int (*)(void *, unsigned int *, nvml_process *))dlsym(h, "nvmlDeviceGetComputeRunningProcesses_v3");
 }
 
 /* A GPU's UUID as NVML writes it, without its "GPU-" prefix (torch's device property). */

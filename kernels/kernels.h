@@ -195,6 +195,9 @@ cudaError_t cmlp_k_optim_prepare(int64_t *step, float *coef, const float *found_
  * kernel's code at its first launch or reference): cudaErrorMemoryAllocation where the device
  * has no room for it. */
 cudaError_t cmlp_k_update_load(int adam);
+/* Loads an empty kernel: cudaErrorNoKernelImageForDevice (or cudaErrorUnsupportedPtxVersion)
+ * where this build has no code the device runs. */
+cudaError_t cmlp_k_probe(void);
 /* cmlp_k_optim_prepare for Adam, then cmlp_k_adam (its coefficients from it), in one launch
  * with the same results: every block derives the step size, bias correction, decay and beta1 from
  * *step and the rate itself, and the block that finishes last does the bookkeeping and resets

@@ -264,6 +264,40 @@ def test_bias_gradients_whose_kernels_cannot_load_give_the_cache_back():
     assert r.stdout.splitlines() == ["backward: True True 0"], r.stdout
 
 
+_NO_KERNEL_IMAGE = r"""
+import numpy as np
+import cmlp
+print("available:", cmlp.cuda.is_available())
+try:
+    cmlp.MLP([4, 3, 2], device="cuda")
+    print("opened")
+except RuntimeError as e:
+    print("raised:", e)
+cpu = cmlp.MLP([4, 3, 2], seed=0)
+print("cpu:", np.isfinite(cpu.forward_backward(np.ones((2, 4), np.float32), [0, 1])))
+"""
+
+
+@needs_emulator[0]
+@needs_emulator[1]
+@pytest.mark.parametrize("image, why", [
+    ("none", "cannot run cmlp's kernels: this build has code for other architectures only (CMLP_CUDA_ARCH). "
+             "Reinstall cmlp with CMLP_CUDA_ARCH=90 set (cudaErrorNoKernelImageForDevice)"),
+    ("ptx_too_new", "cannot run cmlp's kernels: this build has no machine code for its compute capability 9.0, and "
+                    "its PTX is from a CUDA toolkit"),
+])
+def test_a_gpu_the_build_has_no_code_for_is_refused_when_it_opens(image, why):
+    """A build whose kernels have no code the GPU runs (made for other architectures, or PTX of a
+    toolkit newer than the driver) is refused as the device opens, with what to do, not at the
+    first launch of a step; the CPU goes on working."""
+    env = dict(_emulated_env(), CMLP_EMU_KERNEL_IMAGE=image)
+    r = subprocess.run([sys.executable, "-c", _NO_KERNEL_IMAGE], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert lines[0] == "available: True" and lines[2] == "cpu: True", r.stdout
+    assert lines[1].startswith("raised: cuda:0 (cmlp emulated GPU 0") and why in lines[1], r.stdout
+
+
 # the update scripts' start: a batch, two param groups, the CPU's first Adam step to compare with
 _UPDATE_START = _FULL_DEVICE + r"""
 rng = np.random.default_rng(0)

@@ -28,6 +28,9 @@
  *    holds an access to each allocation's own bytes (with cmlp's caching off, each buffer is one).
  *  - CMLP_EMU_MODULE_BYTES=n: a kernel's first launch on a device loads its module into n bytes
  *    of device memory, and fails with out-of-memory where they are not free (lazy loading).
+ *  - CMLP_EMU_KERNEL_IMAGE=none: no kernel has code for the device (a build for other
+ *    architectures): a launch, or cudaFuncGetAttributes, fails with cudaErrorNoKernelImageForDevice;
+ *    =ptx_too_new: with cudaErrorUnsupportedPtxVersion (PTX of a toolkit newer than the driver).
  *  - CMLP_EMU_DEVICES (default 1) devices share the host's memory.
  *  - A thread's current context (cudaSetDevice's primary one, or a test's: cmlp_emu_ctx_create)
  *    decides its device, and work queued to a stream made in another context fails, as CUDA's
@@ -314,6 +317,11 @@ bool kernel_pointer_ok(const void *p, const char *kernel, int index) {
  * on a device (CUDA's lazy loading) and keeps n bytes of the device's memory; where they are not
  * free, the launch fails with out-of-memory (and loads nothing). */
 cudaError_t load_kernel(const void *kernel, const char *) {
+    /* CMLP_EMU_KERNEL_IMAGE=none: the build has no code for this GPU's architecture; =ptx_too_new:
+     * only PTX of a toolkit newer than the driver */
+    static const char *const image = getenv("CMLP_EMU_KERNEL_IMAGE");
+    if (image && std::strcmp(image, "none") == 0) return cudaErrorNoKernelImageForDevice;
+    if (image && std::strcmp(image, "ptx_too_new") == 0) return cudaErrorUnsupportedPtxVersion;
     static const size_t bytes = env_size("CMLP_EMU_MODULE_BYTES", 0);
     if (!bytes) return cudaSuccess;
     std::lock_guard<std::recursive_mutex> g(gpu);
@@ -420,6 +428,8 @@ const char *cudaGetErrorName(cudaError_t e) {
     case cudaErrorStreamCaptureUnsupported: return "cudaErrorStreamCaptureUnsupported";
     case cudaErrorStreamCaptureInvalidated: return "cudaErrorStreamCaptureInvalidated";
     case cudaErrorIllegalState: return "cudaErrorIllegalState";
+    case cudaErrorNoKernelImageForDevice: return "cudaErrorNoKernelImageForDevice";
+    case cudaErrorUnsupportedPtxVersion: return "cudaErrorUnsupportedPtxVersion";
     default: return "cudaErrorUnknown";
     }
 }
@@ -1729,7 +1739,7 @@ struct nvml_process_emu {
     unsigned long long used;
     unsigned int gpu_instance, compute_instance;
 };
-__attribute__((visibility("default"))) int nvmlDeviceGetComputeRunningProcesses_v3(void *device, unsigned *count,
+__attribute__((visibility("default"))) int nvmlDeviceGetComputeRunningProcesses_v2(void *device, unsigned *count,
                                                                                   nvml_process_emu *infos) {
     if (!device || !count) return 2;
     const int d = (int)(reinterpret_cast<uintptr_t>(device) - 1);
@@ -1752,6 +1762,11 @@ __attribute__((visibility("default"))) int nvmlDeviceGetComputeRunningProcesses_
     if (room < all.size()) return 7; /* NVML_ERROR_INSUFFICIENT_SIZE */
     if (!all.empty()) std::memcpy(infos, all.data(), all.size() * sizeof all[0]);
     return 0;
+}
+/* as the drivers after R535 fill it (R535's own entries were 32 bytes) */
+__attribute__((visibility("default"))) int nvmlDeviceGetComputeRunningProcesses_v3(void *device, unsigned *count,
+                                                                                  nvml_process_emu *infos) {
+    return nvmlDeviceGetComputeRunningProcesses_v2(device, count, infos);
 }
 __attribute__((visibility("default"))) int nvmlDeviceGetUUID(void *device, char *uuid, unsigned length) {
     if (!device || !uuid) return 2;
