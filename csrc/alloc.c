@@ -351,15 +351,15 @@ static void refresh_config(cmlp_allocator *a) {
     a->stats.max_split_size = a->cfg.max_split_size;
 }
 
+/* As torch's messages write sizes: up to 1024 in bytes, then with two decimals in the largest
+ * unit it does not exceed (1 MiB is "1024.00 KiB"), GiB at most. */
 void cmlp_format_bytes(char *buf, size_t cap, int64_t n) {
-    static const char *units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-    double v = (double)n;
-    int u = 0;
-    while (u < 4 && (v >= 1024.0 || v <= -1024.0)) {
-        v /= 1024.0;
-        u++;
-    }
-    snprintf(buf, cap, "%.2f %s", v, units[u]);
+    const uint64_t m = n < 0 ? 0 - (uint64_t)n : (uint64_t)n;
+    const char *sign = n < 0 ? "-" : "";
+    if (m <= 1024) snprintf(buf, cap, "%s%llu bytes", sign, (unsigned long long)m);
+    else if (m <= (1u << 20)) snprintf(buf, cap, "%s%.2f KiB", sign, (double)m / 1024.0);
+    else if (m <= (1u << 30)) snprintf(buf, cap, "%s%.2f MiB", sign, (double)m / 1048576.0);
+    else snprintf(buf, cap, "%s%.2f GiB", sign, (double)m / 1073741824.0);
 }
 
 cmlp_status cmlp_allocator_create(const cmlp_backend_i *b, void *bctx, const char *device_name, cmlp_allocator **out) {

@@ -94,7 +94,7 @@ void cmlp_allocator_pytorch_ladder(cmlp_allocator *a, bool on);
  * Other threads allocate as usual. */
 __attribute__((visibility("hidden")))
 void cmlp_allocator_capturing(cmlp_allocator *a, bool on);
-/* Formats n bytes as PyTorch does: "158.00 MiB". */
+/* Formats n bytes as PyTorch's messages do: "512 bytes", "1024.00 KiB", "158.00 MiB". */
 __attribute__((visibility("hidden")))
 void cmlp_format_bytes(char *buf, size_t cap, int64_t n);
 

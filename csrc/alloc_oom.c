@@ -72,7 +72,10 @@ cmlp_status alloc_oom(cmlp_allocator *a, size_t nbytes, size_t size) {
     int64_t device_free = a->backend->free_memory ? a->backend->free_memory(a->bctx) : -1;
     if (device_free < 0) device_free = a->total_memory > r ? a->total_memory - r : 0;
     int64_t largest = alloc_largest_free(a);
-    double frag = r > 0 ? 100.0 * (double)(r - al) / (double)r : 0.0;
+    /* fragmentation: the free bytes inside segments that hold allocations (torch's non-releasable
+     * memory); a whole free segment is cache, which the ladder gives back */
+    const int64_t split_free = a->stats.stat[CMLP_STAT_INACTIVE_SPLIT_BYTES][CMLP_POOL_ALL].current;
+    double frag = r > 0 ? 100.0 * (double)split_free / (double)r : 0.0;
     a->stats.num_ooms++;
     a->ooms_ever++;
     /* a small request that fits in what is free can still need a whole new segment (caching off,
@@ -124,7 +127,7 @@ cmlp_status alloc_oom(cmlp_allocator *a, size_t nbytes, size_t size) {
     return CMLP_FAIL(CMLP_ERR_OOM,
                      "%s has a total capacity of %s of which %s is free.%s%s Of the allocated memory %s is "
                      "allocated by cmlp, and %s is reserved by cmlp but unallocated. The request was %s (%zu "
-                     "bytes requested, rounded to %zu); the largest free block is %s (fragmentation %.1f%%).%s%s%s",
+                     "bytes requested, rounded to %zu); the largest free block is %s (fragmentation %.1f%%: the share of reserved memory free inside segments in use).%s%s%s",
                      head, cap, fre, users, lim, alc, unalloc, req, nbytes, size, big, frag, seg_note, frag_hint,
                      model_state ? " The model's parameters, gradients and optimizer state do not shrink with the "
                                    "batch: only a larger limit, a smaller model or less optimizer state (SGD without "

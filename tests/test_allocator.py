@@ -288,7 +288,7 @@ def test_a_segment_size_past_any_device_is_taken_as_the_largest():
         assert M.get_config()["large_segment_size_mb"] == 2**36
         M.empty_cache(DEV)
         M.set_memory_limit(M.memory_reserved(DEV) + (1 << 30), DEV)
-        with pytest.raises(cmlp.OutOfMemoryError, match="a new segment of 65536.00 TiB"):
+        with pytest.raises(cmlp.OutOfMemoryError, match="a new segment of 67108864.00 GiB"):
             p = M.caching_allocator_alloc(5 << 20, DEV)  # a segment of 2**36 MiB cannot fit
             M.caching_allocator_delete(p)
     finally:
@@ -447,7 +447,21 @@ def test_summary_reports_fragmentation_and_largest_free_block():
     text = M.memory_summary(DEV)
     assert "Fragmentation" in text and "Largest free block" in text and "Non-releasable memory" in text
     assert M.memory_stats(DEV)["largest_free_block"] >= 16 * MIB
+
+    def fragmentation():
+        line = [x for x in M.memory_summary(DEV).splitlines() if "Fragmentation" in x][0]
+        s = M.memory_stats(DEV)
+        want = 100.0 * s["inactive_split_bytes.all.current"] / s["reserved_bytes.all.current"]
+        assert line.startswith(f"| Fragmentation (free inside segments in use): {want:.1f}% "), line
+        return want
+
+    assert fragmentation() > 0  # the segment's free rest beside the block
     M.caching_allocator_delete(p)
+    M.empty_cache(DEV)
+    q = M.caching_allocator_alloc(20 * MIB, DEV)  # a whole segment, then a whole free one: no fragmentation
+    M.caching_allocator_delete(q)
+    assert M.memory_stats(DEV)["reserved_bytes.all.current"] > 0 and fragmentation() == 0.0
+    M.empty_cache(DEV)
 
 
 def test_configure_from_a_dict_reads_flags_and_thresholds_as_text_too():

@@ -2392,7 +2392,7 @@ def test_out_of_memory_names_the_processes_that_hold_the_gpu_as_torch():
         assert f"process {4242:>10d} uses     1024.000 MB GPU memory" in lines
         assert any(line.startswith(f"process {out['pid']:>10d} uses") for line in lines)
         # where PyTorch's message has them: after the device's free memory
-        assert " is free. Process 4242 has 1.00 GiB memory in use. Including memory outside " \
+        assert " is free. Process 4242 has 1024.00 MiB memory in use. Including memory outside " \
                "cmlp's allocator, this process has" in out["oom"], out["oom"]
 
 

@@ -50,7 +50,7 @@ def segment(n):
 
 
 def fmt(n):
-    """PyTorch's size format: two decimals in B/KiB/MiB/GiB."""
+    """Two decimals in the largest unit (the messages' other way of writing a size)."""
     v, units = float(n), ["B", "KiB", "MiB", "GiB", "TiB"]
     u = 0
     while u < 4 and v >= 1024.0:

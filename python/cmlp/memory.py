@@ -439,11 +439,13 @@ def memory_summary(device: Optional[str] = None, abbreviated: bool = False) -> s
         vals = [s[f"{key}.{m}"] for m in ("current", "peak", "allocated", "freed")]
         lines.append(f" {name:<21} | " + " | ".join(_summary_count(v, v) for v in vals) + " ")
     limit = s["limit"]
-    reserved, allocated = s["reserved_bytes.all.current"], s["allocated_bytes.all.current"]
-    frag = 100.0 * (reserved - allocated) / reserved if reserved else 0.0
+    reserved = s["reserved_bytes.all.current"]
+    # the free bytes inside segments that hold allocations (whole free segments are cache, which
+    # empty_cache gives back)
+    frag = 100.0 * s["inactive_split_bytes.all.current"] / reserved if reserved else 0.0
     lines += [rule, f" Memory limit: {'none' if limit < 0 else _fmt(limit)}",
               f" Largest free block: {_fmt(s['largest_free_block'])}",
-              f" Fragmentation (reserved but unallocated): {frag:.1f}%",
+              f" Fragmentation (free inside segments in use): {frag:.1f}%",
               f" Device allocs/frees: {s['num_device_alloc']}/{s['num_device_free']}"]
     held = memory_breakdown(dev)
     if held:
