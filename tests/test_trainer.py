@@ -178,8 +178,8 @@ def test_a_bad_trainer_state_dict_raises_and_changes_nothing():
     trainer._c.start_microbatch(8)
     good = trainer.state_dict()
     assert good == {"epochs": 1, "microbatch_size": 8, "microbatch_target": 16, "microbatch_good_steps": 0,
-                    "microbatch_grown_from": 0, "microbatch_grow_wait": 100,
-                    "scaler": good["scaler"]} and good["scaler"]["scale"] == 65536.0
+                    "microbatch_grown_from": 0, "microbatch_grow_wait": 100, "scaler": good["scaler"],
+                    "batch_size": 16, "accumulation_steps": 1} and good["scaler"]["scale"] == 65536.0
     for bad, pattern in ((dict(good, epochs=-1), "epochs"), (dict(good, epochs=1.5), "epochs"),
                          (dict(good, epochs=2**70, microbatch_size=2), "epochs"),
                          (dict(good, microbatch_size=17), "at most batch_size"),
@@ -193,7 +193,9 @@ def test_a_bad_trainer_state_dict_raises_and_changes_nothing():
                          (dict(good, microbatch_grow_wait=-1), "grow_wait"),
                          (dict(good, microbatch_grow_wait=2**63), "grow_wait"),
                          (dict(good, microbatch_grow_wait=True), "grow_wait"),
-                         (dict(good, unknown=1), "keys"),
+                         (dict(good, unknown=1), "keys"), (dict(good, batch_size=0), "batch_size"),
+                         (dict(good, accumulation_steps=1.0), "accumulation_steps"),
+                         (dict(good, batch_size=32, microbatch_size=0), "microbatch_size"),
                          (dict(good, scaler=None), "loss scaler"), ({"epochs": 1}, "keys"), ([], "keys"),
                          (dict(good, microbatch_size=2, scaler={"scale": -1.0}), "scale")):
         with pytest.raises((ValueError, TypeError, KeyError), match=pattern):
@@ -216,6 +218,30 @@ def test_a_bad_trainer_state_dict_raises_and_changes_nothing():
     for missing in (("microbatch_grown_from",), ("microbatch_grow_wait",), tuple(defaults)):
         other.load_state_dict({k: v for k, v in full.items() if k not in missing})
         assert other.state_dict() == dict(full, **{k: defaults[k] for k in missing})
+
+
+def test_a_state_dict_of_another_batch_gives_its_epochs_and_scaler_and_micro_batching_starts_afresh():
+    """A run resumed with another batch_size or accumulation_steps: the checkpoint's epochs and
+    loss scaler are taken; its micro-batches were those of its own steps (here 2 of 16, and a
+    target larger than the new step), and the new trainer's start as a new trainer's would."""
+    x, y = teacher_data(64)
+    _, _, trainer = make("adam", batch_size=32, amp="fp16")
+    trainer.fit(x, y, epochs=1, progress=False)
+    trainer._c.start_microbatch(16)
+    state = trainer.state_dict()
+    for kw in (dict(batch_size=16), dict(batch_size=64), dict(batch_size=32, accumulation_steps=2)):
+        _, _, resumed = make("adam", amp="fp16", **kw)
+        fresh = resumed.state_dict()
+        resumed.load_state_dict(state)
+        assert resumed.state_dict() == dict(fresh, epochs=1, scaler=state["scaler"]), kw
+        assert resumed.microbatch_size == kw["batch_size"]
+    # the same batch: its micro-batches too
+    _, _, same = make("adam", batch_size=32, amp="fp16")
+    same.load_state_dict(state)
+    assert same.state_dict() == state and same.microbatch_size == 16
+    # a state_dict of an earlier cmlp, without the batch, loads as of this trainer's batch
+    same.load_state_dict({k: v for k, v in state.items() if k not in ("batch_size", "accumulation_steps")})
+    assert same.state_dict() == state
 
 
 def test_a_micro_batch_is_at_most_the_rows_of_a_step():

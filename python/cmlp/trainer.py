@@ -188,6 +188,7 @@ class Trainer(FitLoop):
         self._c = _cmlp.Trainer(optimizer._c, self.batch_size, self.accumulation_steps, micro, shuffle,
                                 self.seed, label_smoothing, amp_code, auto_microbatch, int(grow_interval),
                                 recompute, 0.0 if max_grad_norm is None else max_grad_norm)
+        self._fresh_microbatch = self._c.microbatch_state()  # a new trainer's (load_state_dict of another batch)
 
     model = _fixed("model", "The model it trains.")
     optimizer = _fixed("optimizer", "The optimizer that steps it.")
@@ -278,17 +279,22 @@ class Trainer(FitLoop):
         size, target, good, grown_from, wait = self._c.microbatch_state()
         return {"epochs": self._c.epochs, "microbatch_size": size, "microbatch_target": target,
                 "microbatch_good_steps": good, "microbatch_grown_from": grown_from, "microbatch_grow_wait": wait,
-                "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                "batch_size": self.batch_size, "accumulation_steps": self.accumulation_steps}
 
     _STATE_KEYS = {"epochs", "microbatch_size", "microbatch_target", "microbatch_good_steps",
-                   "microbatch_grown_from", "microbatch_grow_wait", "scaler"}
-    _OPTIONAL_STATE_KEYS = ("microbatch_grown_from", "microbatch_grow_wait")  # newer than the rest
+                   "microbatch_grown_from", "microbatch_grow_wait", "scaler", "batch_size", "accumulation_steps"}
+    _OPTIONAL_STATE_KEYS = ("microbatch_grown_from", "microbatch_grow_wait", "batch_size",
+                            "accumulation_steps")  # newer than the rest
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restores what state_dict() gave, into a trainer made with the same arguments; a bad
         dict raises and changes nothing. A state_dict without "microbatch_grown_from" or
         "microbatch_grow_wait" (of an earlier cmlp) loads as one whose last growth is not known,
-        and whose next growth waits grow_interval good steps."""
+        and whose next growth waits grow_interval good steps. The state_dict of a trainer with
+        another batch_size or accumulation_steps (a run resumed with a new batch) gives its
+        epochs and loss scaler; its micro-batches were those of its own steps, and this
+        trainer's start afresh, as a new trainer's would."""
         if self._lost:
             raise RuntimeError(_LOST)
         keys = set(state_dict) if isinstance(state_dict, dict) else None
@@ -302,8 +308,12 @@ class Trainer(FitLoop):
                 bound = "2**63 - 1" if key == "microbatch_grow_wait" else "2**62"
                 raise ValueError(f"state_dict[{key!r}] must be an int in [0, {bound}], got {v!r}")
             counts[key] = int(v)
-        target = self._micro_of("state_dict['microbatch_target']", state_dict["microbatch_target"])
-        size = self._micro_of("state_dict['microbatch_size']", state_dict["microbatch_size"])
+        batch = {key: _positive_int(f"state_dict[{key!r}]", state_dict[key]) for key in ("batch_size",
+                 "accumulation_steps") if key in state_dict}
+        own = all(v == getattr(self, key) for key, v in batch.items())  # its micro-batches are this trainer's
+        micro = self._micro_of if own else _positive_int
+        target = micro("state_dict['microbatch_target']", state_dict["microbatch_target"])
+        size = micro("state_dict['microbatch_size']", state_dict["microbatch_size"])
         if size > target:
             raise ValueError(f"state_dict's micro-batch in use ({size}) is larger than its target ({target})")
         if counts["microbatch_grown_from"] >= size:
@@ -320,8 +330,11 @@ class Trainer(FitLoop):
                 before = self.scaler.state_dict()
                 self.scaler.load_state_dict(scaler)
             try:
-                self._c.set_microbatch_state(size, target, counts["microbatch_good_steps"],
-                                             counts["microbatch_grown_from"], counts["microbatch_grow_wait"])
+                if own:
+                    self._c.set_microbatch_state(size, target, counts["microbatch_good_steps"],
+                                                 counts["microbatch_grown_from"], counts["microbatch_grow_wait"])
+                else:
+                    self._c.set_microbatch_state(*self._fresh_microbatch)
             except BaseException:
                 if scaler is not None:
                     self.scaler.load_state_dict(before)
