@@ -438,6 +438,54 @@ def test_the_split_warning_names_the_size_that_ran_not_the_growth_to_try():
     assert f"micro-batches of {ran} " in str(caught[0].message), str(caught[0].message)
 
 
+def test_the_planned_start_counts_the_segments_of_other_allocations():
+    """Under a limit, a segment of the user's (or another model's) lies beside the run's: the
+    step's new segments come on top of it, and its free rest is no room for them. The planner's
+    micro-batch trains without an out-of-memory, and its one warning names the size that ran
+    (before, the plan took 2048 rows, the step ran out of memory, fell to 1024, and the warning
+    named 2048)."""
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 256, (8192, 784)).astype(np.uint8), rng.integers(0, 10, 8192)
+    model = cmlp.MLP([784, 512, 256, 10], seed=0)
+    trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=4096, shuffle=False)
+    block = None
+    try:
+        M.set_memory_limit(100 << 20, DEV)
+        trainer.fit(x[:4096], y[:4096], epochs=1, progress=False)
+        M.empty_cache(DEV)
+        block = M.caching_allocator_alloc(64 << 20, DEV)  # a segment of its own, most of the limit
+        ooms = M.memory_stats(DEV)["num_ooms"]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            history = trainer.fit(x[4096:], y[4096:], epochs=1, progress=False)
+    finally:
+        if block is not None:
+            M.caching_allocator_delete(block)
+        M.set_memory_limit(None, DEV)
+    said = [str(w.message) for w in caught if issubclass(w.category, cmlp.MemoryWarning)]
+    micro = history[0]["microbatch_size"]
+    assert M.memory_stats(DEV)["num_ooms"] == ooms and micro < 2048, (micro, said)
+    assert len(said) == 1 and f"fits micro-batches of {micro}, not 4096" in said[0], said
+
+
+def test_a_smaller_micro_batch_than_the_one_announced_is_announced_again():
+    """One MemoryWarning for each size the steps fall to: where a step runs out of memory at
+    the micro-batch the planner's warning named, the split warning names the smaller one."""
+    x, y = data(WIDE, WIDE_BATCH)
+    trainer = _short_of_a_step(x, y)
+    trainer._warned = WIDE_BATCH  # as if the planner had named the whole batch
+    try:
+        with pytest.warns(cmlp.MemoryWarning, match="out of memory inside a training step") as caught:
+            trainer.step(x, y)
+        ran = trainer._c.last_microbatch()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", cmlp.MemoryWarning)  # the same size: said already
+            trainer.step(x, y)
+    finally:
+        M.set_memory_limit(None, DEV)
+    assert f"micro-batches of {ran} " in str(caught[0].message) and trainer._warned == ran
+
+
 @pytest.mark.filterwarnings("error::cmlp.MemoryWarning")
 def test_the_batch_max_batch_size_gives_starts_whole_under_that_budget():
     """The planned start counts what is allocated now as the allocator holds it (its blocks

@@ -9,6 +9,23 @@ from . import _cmlp, memory
 from . import distributed as _dist
 
 
+# what a training run's own blocks hold (csrc's names): the plan counts the segments they lie in
+_OWN = frozenset(("parameters", "gradients", "optimizer state", "optimizer param groups", "half-precision weights",
+                  "GEMM workspace", "data set", "data set labels", "data set order"))
+
+
+def _foreign_reserved(device: str) -> int:
+    """The bytes of the segments that hold allocations and none of a run's own: another model's
+    activations, tensors of the user's (caching_allocator_alloc). The plan's segments, counted
+    from an empty cache, come on top of them: a step's new segment cannot use their free rest."""
+    total = 0
+    for seg in memory.memory_snapshot(device):
+        used = [b for b in seg["blocks"] if b["state"] == "active_allocated"]
+        if used and not any(b["frames"] and b["frames"][0].get("name") in _OWN for b in used):
+            total += seg["total_size"]
+    return total
+
+
 def start_under_limit(trainer: Any, xa: Optional[np.ndarray] = None, batch_rows: int = 0,
                       stacklevel: int = 6) -> None:
     """Under a memory limit, start from the largest micro-batch that the planner says fits
@@ -35,6 +52,7 @@ def start_under_limit(trainer: Any, xa: Optional[np.ndarray] = None, batch_rows:
     # under what is reserved already where that is more (then no new segment can be made)
     reserved = memory.memory_reserved(device)
     cap = max(limit, reserved)
+    foreign = _foreign_reserved(device)  # other segments, which the run's come on top of
 
     # a data set smaller than a micro-batch is each step's one micro-batch; data-parallel,
     # every rank has the whole data set and a step of it is shared out, the first ranks
@@ -62,7 +80,8 @@ def start_under_limit(trainer: Any, xa: Optional[np.ndarray] = None, batch_rows:
         # allocated (their blocks as the allocator rounds them, as memory_allocated counts
         # them): the data set is in memory_allocated already while it is on the device
         own = p.peak_bytes - sum(p._allocated[k] for k in held) - p._allocated["data"]
-        if own <= room + (0 if with_data else data) and p.reserved_bytes + p.standing_reserved_bytes <= cap:
+        if own <= room + (0 if with_data else data) and \
+                p.reserved_bytes + p.standing_reserved_bytes + foreign <= cap:
             return True
         # a limit set below what the cache holds already: the cache's free blocks may serve the
         # step's requests as they are, where no new segment is allowed (tried, not taken)
@@ -117,8 +136,8 @@ def start_under_limit(trainer: Any, xa: Optional[np.ndarray] = None, batch_rows:
     asked = trainer.microbatch_size
     if b < asked:
         trainer._c.start_microbatch(b)
-        if not trainer._warned:
-            trainer._warned = True
+        if trainer._warned is None or b < trainer._warned:  # said once, and again for a smaller one
+            trainer._warned = b
             said = f"fits micro-batches of {b}, not {asked}: the trainer accumulates them (the update is the same)"
             if not fits_one:
                 state = ""

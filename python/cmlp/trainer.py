@@ -153,7 +153,7 @@ class Trainer(FitLoop):
             scaler = GradScaler()
         if scaler is not None and not isinstance(scaler, GradScaler):
             raise TypeError(f"scaler must be a cmlp.amp.GradScaler or None, got {type(scaler).__name__}")
-        self._warned = False
+        self._warned: Optional[int] = None  # the micro-batch the last MemoryWarning named (each is smaller)
         self._step_planned: Any = None  # ((device, limit), the batch sizes of steps that planned under it)
         self._bar_epochs: Optional[Tuple[int, int]] = None  # (first, total): a loop of fits that draws one run's bars
         self._parts_kept = False  # a fit's param-group parts kept for the rest of it (_run_scheduled)
@@ -366,10 +366,10 @@ class Trainer(FitLoop):
         s._note_underflow(5)  # backed off in the C loop: fit -> _fit -> _pull_scaler -> here
 
     def _warn_if_split(self, before: int, stacklevel: int = 4) -> None:
-        if self._c.oom_retries() > before and not self._warned:
-            self._warned = True
-            # the size the steps ran at (microbatch_size may be a growth, not tried yet)
-            ran = self._c.last_microbatch() or self.microbatch_size
+        # the size the steps ran at (microbatch_size may be a growth, not tried yet)
+        ran = self._c.last_microbatch() or self.microbatch_size
+        if self._c.oom_retries() > before and (self._warned is None or ran < self._warned):
+            self._warned = ran
             warnings.warn(f"out of memory inside a training step: the trainer now computes it in micro-batches of "
                           f"{ran} (the update is the same; see cmlp.memory.plan)",
                           memory.MemoryWarning, stacklevel=stacklevel)
