@@ -365,9 +365,10 @@ def test_download_reads_the_files_that_are_there_and_fetches_none(tmp_path, load
     fake_set(tmp_path / "here")
     (x, y), _ = getattr(datasets, loader)(root=tmp_path / "here", download=True)
     assert x.shape == (5, 784) and y.shape == (5,)
-    with pytest.raises(RuntimeError, match="not supported") as e:
+    with pytest.raises(FileNotFoundError, match="not supported") as e:  # missing, as API.md says
         getattr(datasets, loader)(root=tmp_path / "empty", download=True)
     assert str(tmp_path / "empty") in str(e.value)
+    assert isinstance(e.value, RuntimeError)  # and as torchvision's download that fails
     with pytest.raises(TypeError, match="download must be a bool"):
         getattr(datasets, loader)(root=tmp_path / "here", download="yes")
 

@@ -155,12 +155,17 @@ def _find_dir(dirs):
     return None, report
 
 
+class _NotDownloaded(FileNotFoundError, RuntimeError):
+    """download=True with no files to read: a FileNotFoundError as every missing set's, and a
+    RuntimeError as torchvision's failed download (code written for either catches it)."""
+
+
 def _load_set(title, dirs, how_to_get, download):
     download = as_flag("download", download)
     dirs = [os.path.abspath(d) for d in dirs]
     d, found = _find_dir(dirs)
     if d is None and download:  # (where the files are, download=True reads them, as torchvision's)
-        raise RuntimeError(
+        raise _NotDownloaded(
             f"{title}: download=True is not supported; cmlp never fetches data from the "
             f"internet. Searched, in order:\n" + "\n".join(f"  {d}" for d in dirs)
             + f"\n{how_to_get}")
