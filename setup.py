@@ -162,7 +162,8 @@ class BuildExt(build_ext):
             obj = os.path.join(tmp, os.path.basename(src)[:-2] + ".o")
             jobs.append(([cc, "-std=c11", "-O2", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wextra", "-Wundef",
                           "-Wno-missing-field-initializers", "-D_GNU_SOURCE=1",
-                          f"-DCMLP_CUDA_ARCHS=\"{', '.join('sm_' + a for a in cuda['archs'])}\"", "-Icsrc", "-Ikernels", "-isystem",
+                          "-DCMLP_CUDA_ARCHS=\"%s\"" % ", ".join("sm_" + a for a in cuda["archs"]),
+                          "-Icsrc", "-Ikernels", "-isystem",
                           os.path.join(cuda["home"], "include"), "-c", src, "-o", obj], obj))
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             list(pool.map(run, [cmd for cmd, _ in jobs]))  # the first failure raises here

@@ -127,7 +127,8 @@ cmlp_status alloc_oom(cmlp_allocator *a, size_t nbytes, size_t size) {
     return CMLP_FAIL(CMLP_ERR_OOM,
                      "%s has a total capacity of %s of which %s is free.%s%s Of the allocated memory %s is "
                      "allocated by cmlp, and %s is reserved by cmlp but unallocated. The request was %s (%zu "
-                     "bytes requested, rounded to %zu); the largest free block is %s (fragmentation %.1f%%: the share of reserved memory free inside segments in use).%s%s%s",
+                     "bytes requested, rounded to %zu); the largest free block is %s (fragmentation %.1f%%: the "
+                     "share of reserved memory free inside segments in use).%s%s%s",
                      head, cap, fre, users, lim, alc, unalloc, req, nbytes, size, big, frag, seg_note, frag_hint,
                      model_state ? " The model's parameters, gradients and optimizer state do not shrink with the "
                                    "batch: only a larger limit, a smaller model or less optimizer state (SGD without "

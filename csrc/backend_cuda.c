@@ -344,10 +344,9 @@ static void nvml_load(void) {
     /* not _v3 where _v2 is: _v3's entries grew to 32 bytes (usedGpuCcProtectedMemory) with the
      * R535 drivers and shrank back later, under the same name; read as 24, every entry after the
      * first would be garbage, and the driver would write past the array */
-    nvml_processes = (int (*)(void *, unsigned int *, nvml_process *))dlsym(h, "nvmlDeviceGetComputeRunningProcesses_v2");
-    if (!nvml_processes)
-        nvml_processes =
-            (int (*)(void *, unsigned int *, nvml_process *))dlsym(h, "nvmlDeviceGetComputeRunningProcesses_v3");
+    typedef int (*processes_fn)(void *, unsigned int *, nvml_process *);
+    nvml_processes = (processes_fn)dlsym(h, "nvmlDeviceGetComputeRunningProcesses_v2");
+    if (!nvml_processes) nvml_processes = (processes_fn)dlsym(h, "nvmlDeviceGetComputeRunningProcesses_v3");
 }
 
 /* A GPU's UUID as NVML writes it, without its "GPU-" prefix (torch's device property). */

@@ -97,8 +97,8 @@ class FitLoop:
                     raise
                 # the warning is this rank's own (a rank retries its share alone): where it raises
                 # (warnings as errors), every rank raises before the next collective
-                self._together(lambda: self._warn_if_split(retries, stacklevel=6), "raised in its warning that it computes its "
-                               "steps in micro-batches")
+                self._together(lambda: self._warn_if_split(retries, stacklevel=6),
+                               "raised in its warning that it computes its steps in micro-batches")
                 seconds = time.perf_counter() - start
                 record: Dict[str, Any] = {
                     "epoch": epochs_before + 1,  # the trainer's count (trainer.epochs), across fits and resumes
