@@ -48,10 +48,11 @@ def start_under_limit(trainer: Any, xa: Optional[np.ndarray] = None, batch_rows:
     room = limit - memory.memory_allocated(device)
     # the limit caps reserved memory, and new segments come rounded up, which can decide it:
     # the segments a run reserves from an empty cache (those that hold the model now among
-    # them), on top of what the device holds from its start, must fit under the limit, or
-    # under what is reserved already where that is more (then no new segment can be made)
+    # them), on top of what the device holds from its start, must fit under the limit; where
+    # more is reserved already, no new segment can be made, and the cache's free blocks are
+    # tried as they are (cache_serves: a free large segment serves no small request)
     reserved = memory.memory_reserved(device)
-    cap = max(limit, reserved)
+    cap = limit
     foreign = _foreign_reserved(device)  # other segments, which the run's come on top of
 
     # a data set smaller than a micro-batch is each step's one micro-batch; data-parallel,
