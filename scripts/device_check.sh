@@ -91,7 +91,7 @@ install_wheels() {
         return 0
     fi
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        "${wheels[@]}"
+        "${wheels[@]}" || return 1
     ls /tmp/site
 }
 export -f install_wheels
@@ -130,7 +130,8 @@ source_digest() {
 
 main() {
     echo "device check of cmlp $(git rev-parse --short HEAD 2>/dev/null || echo '(no git)') (sources $(source_digest)), $(date -u '+%Y-%m-%d %H:%M UTC')"
-    nvidia-smi -L || echo "nvidia-smi: not available"
+    timeout 20 nvidia-smi --query-gpu=index,name,driver_version,compute_cap,memory.total --format=csv,noheader \
+        || echo "nvidia-smi: not available"
     if ! command -v nvcc >/dev/null 2>&1 && [ -z "${CUDA_HOME:-}" ]; then
         # a toolkit in /usr/local, else one of pip's wheels (nvidia/cuNN/bin/nvcc beside the Python)
         for d in /usr/local/cuda /usr/local/cuda-* $("$PY" -c 'import glob, os, sys
@@ -153,15 +154,14 @@ print(" ".join(os.path.dirname(os.path.dirname(f)) for p in sys.path for f in gl
     # settings that would change what is measured, on either side
     unset CMLP_ALLOW_TF32 CMLP_CUDA_SYNC CMLP_CUDA_STREAMS CMLP_ALLOC_CONF PYTORCH_CUDA_ALLOC_CONF \
         TORCH_ALLOW_TF32_CUBLAS_OVERRIDE NVIDIA_TF32_OVERRIDE CUDA_LAUNCH_BLOCKING CUBLAS_WORKSPACE_CONFIG \
-        CUBLASLT_WORKSPACE_SIZE
-    env | grep -E '^(CUDA|NVIDIA|TORCH|CUBLAS|NCCL)' || true
+        CUBLASLT_WORKSPACE_SIZE CMLP_NO_MEMORY_CACHING PYTORCH_NO_CUDA_MEMORY_CACHING CMLP_TEST_CUDA_DEVICE
+    env | grep -E '^(CUDA|NVIDIA|TORCH|PYTORCH|CMLP|CUBLAS|NCCL|PYTEST)' || true
     [ -z "${CMLP_CUDA_LIBRARY:-}" ] || echo "CUDA backend: $CMLP_CUDA_LIBRARY (CMLP_CUDA_LIBRARY)"
 
     run_phase wheels "$SMALL_LIMIT" bash -c install_wheels
     run_phase build "$BUILD_LIMIT" env CMLP_CUDA=1 CMLP_CUDA_ARCH=90 CMLP_MPI=0 "$PY" setup.py build_ext --inplace
     # what the backend links and finds (a toolkit newer than the driver, or a cuBLASLt not found,
     # shows here rather than as every later phase failing)
-    nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | sed 's/^/driver: /' || true
     if [ -f python/cmlp/_cmlp_cuda.so ]; then
         ldd python/cmlp/_cmlp_cuda.so 2>&1 | grep -E 'cublas|not found' || true
     else
@@ -172,10 +172,15 @@ print(" ".join(os.path.dirname(os.path.dirname(f)) for p in sys.path for f in gl
     # every operation synchronised, one line per path: where a crash stops it is where to look
     run_phase smoke "$SMOKE_LIMIT" env CMLP_CUDA_SYNC=1 "$PY" -X faulthandler scripts/gpu_smoke.py
     # shellcheck disable=SC2086 # BENCH_FLAGS and PYTEST_FLAGS are word lists
-    run_phase bench "$BENCH_LIMIT" bash -c "set -o pipefail; '$PY' bench/bench_gpu.py $BENCH_FLAGS \
+    run_phase bench "$BENCH_LIMIT" bash -c "set -o pipefail; '$PY' bench/bench_gpu.py $BENCH_FLAGS 2>&1 \
         | tee '$TMP/bench.log'"
     local per_test=""
-    "$PY" -c "import pytest_timeout" 2>/dev/null && per_test="-p pytest_timeout --timeout=120"
+    # pytest-timeout is loaded through its entry point ("timeout"): `-p pytest_timeout` would register it
+    # a second time and stop pytest before any test ("Plugin already registered under a different name")
+    if "$PY" -c "import pytest_timeout" 2>/dev/null; then
+        per_test="--timeout=120"
+        [ -z "${PYTEST_DISABLE_PLUGIN_AUTOLOAD:-}" ] || per_test="-p pytest_timeout $per_test"
+    fi
     # shellcheck disable=SC2086
     run_phase tests "$TEST_LIMIT" bash -c "set -o pipefail; '$PY' -m pytest -rfEs $per_test $PYTEST_FLAGS \
         tests/test_cuda.py 2>&1 | tee '$TMP/pytest.log'"
@@ -226,6 +231,9 @@ print(" ".join(os.path.dirname(os.path.dirname(f)) for p in sys.path for f in gl
         echo
         grep -E '^\||^targets|: .*\((met|MISSED)\)$|^FAILED|^cmlp |^torch |^cuBLASLt |^bench_gpu' "$TMP/bench.log" \
             || true
+        # cut short before its tables: the configurations measured so far (its progress lines)
+        grep -q '^| batch' "$TMP/bench.log" \
+            || grep -E '^batch [0-9]+ fp(32|16): |^cuBLAS alone' "$TMP/bench.log" || true
     fi
     if [ -f "$TMP/profile.log" ]; then
         echo
