@@ -72,7 +72,7 @@ void alloc_note_segment(cmlp_allocator *a, cmlp_trace_action action, const void 
 
 static size_t slot_of(uintptr_t p, size_t cap) { return (size_t)(((uint64_t)p * 0x9E3779B97F4A7C15ull) >> 20) & (cap - 1); }
 
-static bool table_reserve(cmlp_allocator *a) {
+bool alloc_table_reserve(cmlp_allocator *a) {
     if (a->count + 1 <= a->cap / 2) return true;
     size_t ncap = a->cap ? a->cap * 2 : 256;
     table_slot *nt = calloc(ncap, sizeof *nt);
@@ -89,7 +89,7 @@ static bool table_reserve(cmlp_allocator *a) {
     return true;
 }
 
-static void table_put(cmlp_allocator *a, alloc_block *b) {
+void alloc_table_put(cmlp_allocator *a, alloc_block *b) {
     size_t j = slot_of((uintptr_t)b->ptr, a->cap);
     while (a->table[j].key) j = (j + 1) & (a->cap - 1);
     a->table[j] = (table_slot){(uintptr_t)b->ptr, b};
@@ -189,8 +189,8 @@ static alloc_block *cached_block(cmlp_allocator *a, int pool, size_t size) {
                 pick = c;
                 break;
             }
-        if (!pick && a->cfg.expandable_segments && capturing_with != a && !a->dry_run)
-            pick = b; /* mapping: not in a capture, nor in a dry run (pages it maps are new memory) */
+        if (!pick && a->cfg.expandable_segments && capturing_with != a)
+            pick = b; /* mapping: not in a capture (pages it maps are new memory) */
         if (pick) {
             alloc_pool_take(a, pick);
             /* no host memory to carve with: no block (its start may not be mapped here) */
@@ -249,7 +249,7 @@ static cmlp_status allocate(cmlp_allocator *a, size_t nbytes, const char *what, 
     refresh_config(a);
     size_t size = a->uncached ? nbytes : alloc_round_size(&a->cfg, nbytes); /* (uncached: no free block to find) */
     int pool = size <= K_SMALL_SIZE ? POOL_SMALL : POOL_LARGE;
-    if (!table_reserve(a)) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory for the allocator's block table");
+    if (!alloc_table_reserve(a)) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory for the allocator's block table");
     a->device_error = CMLP_OK;
     alloc_block *b = a->uncached ? NULL : cached_block(a, pool, size);
     if (!b && capturing_with == a)
@@ -276,7 +276,7 @@ static cmlp_status allocate(cmlp_allocator *a, size_t nbytes, const char *what, 
     b->what = what;
     b->context = alloc_context_for(a, CMLP_CONTEXT_STATE);
     note(a, CMLP_TRACE_ALLOC, b->ptr, nbytes, what, alloc_context_for(a, CMLP_CONTEXT_ALLOC), 0);
-    table_put(a, b);
+    alloc_table_put(a, b);
     int p = b->seg->pool;
     alloc_stat(a, CMLP_STAT_ALLOCATION, p, 1);
     alloc_stat(a, CMLP_STAT_ACTIVE, p, 1);
@@ -457,7 +457,7 @@ static cmlp_status free_of(cmlp_allocator *a, void *ptr, const char *what) {
     alloc_block *b = table_take(a, (uintptr_t)ptr);
     bool other = b && what && b->what != what;
     const char *held = other ? b->what : NULL; /* (b may be freed by its owner once unlocked) */
-    if (other) table_put(a, b);                /* (the slot it left is free: no growth needed) */
+    if (other) alloc_table_put(a, b);          /* (the slot it left is free: no growth needed) */
     else if (b) release_block(a, b);
     split_settle(a);
     pthread_mutex_unlock(&a->lock);
@@ -473,44 +473,6 @@ static cmlp_status free_of(cmlp_allocator *a, void *ptr, const char *what) {
 cmlp_status cmlp_allocator_free(cmlp_allocator *a, void *ptr) { return free_of(a, ptr, NULL); }
 
 cmlp_status cmlp_allocator_free_of(cmlp_allocator *a, void *ptr, const char *what) { return free_of(a, ptr, what); }
-
-cmlp_status cmlp_allocator_cache_serves(cmlp_allocator *a, const size_t *nbytes, int n, bool *served) {
-    enum { MAX_REQUESTS = 16 };
-    *served = false;
-    if (n < 0 || n > MAX_REQUESTS)
-        return CMLP_FAIL(CMLP_ERR_INVALID, "at most %d requests can be tried on the cache, got %d", MAX_REQUESTS, n);
-    pthread_mutex_lock(&a->lock);
-    refresh_config(a);
-    a->dry_run = true; /* pages an expandable segment would map are new memory: only mapped ones serve */
-    const cmlp_memory_stats stats = a->stats;
-    const int64_t window_peak = a->window_peak;
-    alloc_block *taken[MAX_REQUESTS];
-    uint64_t age[MAX_REQUESTS];
-    int k = 0;
-    for (; k < n; k++) {
-        if (nbytes[k] == 0 || nbytes[k] > ((size_t)1 << 56)) break;
-        size_t size = alloc_round_size(&a->cfg, nbytes[k]);
-        alloc_block *b = cached_block(a, size <= K_SMALL_SIZE ? POOL_SMALL : POOL_LARGE, size);
-        if (!b) break;
-        age[k] = b->tick;
-        split_off(a, b, size);
-        b->allocated = true;
-        taken[k] = b;
-    }
-    *served = k == n;
-    /* each block back, the last first: they merge into the blocks the cache held, of their ages */
-    while (k > 0) {
-        alloc_block *b = taken[--k];
-        b->allocated = false;
-        merge_free(a, b)->tick = age[k];
-    }
-    a->stats = stats;
-    memset(a->split_net, 0, sizeof a->split_net);
-    a->window_peak = window_peak;
-    a->dry_run = false;
-    pthread_mutex_unlock(&a->lock);
-    return CMLP_OK;
-}
 
 int64_t cmlp_allocator_ooms_ever(cmlp_allocator *a) {
     pthread_mutex_lock(&a->lock);

@@ -34,12 +34,12 @@ cmlp_status cmlp_allocator_free(cmlp_allocator *a, void *ptr);
  * other block (a model's parameters, say) is CMLP_ERR_INVALID and stays allocated. */
 __attribute__((visibility("hidden")))
 cmlp_status cmlp_allocator_free_of(cmlp_allocator *a, void *ptr, const char *what);
+/* A copy of the allocator (segments and blocks at the same addresses, settings, limit, statistics;
+ * not its history) over backend b, which reserves memory for the copy's new segments and pages:
+ * requests on the copy are served or refused as the allocator would serve them now. Destroy it
+ * with cmlp_allocator_destroy, which gives every segment back to b. */
 __attribute__((visibility("hidden")))
-/* Whether the cache could serve the n requests (bytes, in this order, none freed between them)
- * from the free blocks it holds, without reserving memory; tried and undone, so that nothing
- * changes (statistics, history, the blocks and their ages). An allocator with expandable
- * segments says no (its requests may map pages). */
-cmlp_status cmlp_allocator_cache_serves(cmlp_allocator *a, const size_t *nbytes, int n, bool *served);
+cmlp_status cmlp_allocator_copy(cmlp_allocator *a, const cmlp_backend_i *b, void *bctx, cmlp_allocator **out);
 void cmlp_allocator_stats(cmlp_allocator *a, cmlp_memory_stats *out);
 /* The out-of-memory errors the allocator has raised, which no reset of the statistics clears. */
 __attribute__((visibility("hidden")))

@@ -127,7 +127,6 @@ struct cmlp_allocator {
     bool pytorch_ladder; /* benchmarks only: no second cache search after releasing */
     bool uncached;       /* caching off (cmlp_memory_caching_disabled): a segment per request, freed with it */
     bool poison;         /* AddressSanitizer build over host memory: what no caller holds is poisoned */
-    bool dry_run;        /* cmlp_allocator_cache_serves: take only what is there, map nothing */
     bool quiet_oom;      /* cmlp_allocator_try_malloc: out of memory is no error of the allocator's */
     cmlp_status device_error; /* a device call failed for a reason other than memory (recorded) */
     alloc_history hist;
@@ -235,6 +234,11 @@ static inline void alloc_block_drop(cmlp_allocator *a, alloc_block *b) {
     a->spare = b;
     a->nspare++;
 }
+
+/* The table of allocated blocks by address (alloc.c): room for one more (false without host
+ * memory), and a block into it. */
+CMLP_HIDDEN bool alloc_table_reserve(cmlp_allocator *a);
+CMLP_HIDDEN void alloc_table_put(cmlp_allocator *a, alloc_block *b);
 
 /* The history and the pools (alloc.c). */
 /* A segment's history entry, on behalf of the request being served (if any). */

@@ -174,10 +174,10 @@ CMLP_API cmlp_status cmlp_memory_reset_accumulated(cmlp_device d);
  * memory) and its total; free is -1 when the device cannot say. */
 CMLP_API cmlp_status cmlp_memory_get_info(cmlp_device d, int64_t *free_bytes, int64_t *total_bytes);
 CMLP_API cmlp_status cmlp_memory_empty_cache(cmlp_device d);
-/* Whether the device's cache could serve the n requests (bytes each, in order, none freed
- * between) from its free blocks without reserving memory (*served 1), trying nothing for real:
- * nothing changes. n <= 16; expandable segments say 0. */
-CMLP_API cmlp_status cmlp_memory_cache_serves(cmlp_device d, const int64_t *nbytes, int n, int *served);
+/* Whether the n requests (bytes each, in this order, none freed between) would be served on the
+ * device now (*served 1): tried on a copy of its allocator, with its limit, settings, cache and
+ * the memory the device has free, so that nothing changes. n <= 16. */
+CMLP_API cmlp_status cmlp_memory_try_requests(cmlp_device d, const int64_t *nbytes, int n, int *served);
 /* limit < 0 removes the limit. A limit below what is reserved now is allowed: later
  * requests fail until enough is released. */
 CMLP_API cmlp_status cmlp_memory_set_limit(cmlp_device d, int64_t limit);
@@ -754,6 +754,10 @@ CMLP_API cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t bat
 CMLP_API void cmlp_trainer_set_host_data(cmlp_trainer *t, int on);
 /* Whether the current epoch's data set is on the device. */
 CMLP_API int cmlp_trainer_data_resident(const cmlp_trainer *t);
+/* As cmlp_memory_try_requests on the trainer's device, with its copy of the data set freed first
+ * where drop_data is 1 (what the requests would find were the batches staged from the host). */
+CMLP_API cmlp_status cmlp_trainer_try_requests(cmlp_trainer *t, const int64_t *nbytes, int n, int drop_data,
+                                               int *served);
 
 /* ---- build ------------------------------------------------------------------------------- */
 

@@ -239,18 +239,26 @@ cmlp_status cmlp_memory_empty_cache(cmlp_device d) {
     return CMLP_OK;
 }
 
-cmlp_status cmlp_memory_cache_serves(cmlp_device d, const int64_t *nbytes, int n, int *served) {
-    if (!served || (n > 0 && !nbytes)) return CMLP_FAIL(CMLP_ERR_INVALID, "nbytes and served must not be NULL");
-    size_t req[16];
-    if (n < 0 || n > 16) return CMLP_FAIL(CMLP_ERR_INVALID, "at most 16 requests can be tried, got %d", n);
+/* The n requests as sizes, checked (bytes >= 0, n <= CMLP_TRY_REQUESTS). */
+cmlp_status cmlp_requests_check(const int64_t *nbytes, int n, size_t *out) {
+    if (n > 0 && !nbytes) return CMLP_FAIL(CMLP_ERR_INVALID, "nbytes must not be NULL");
+    if (n < 0 || n > CMLP_TRY_REQUESTS)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "at most %d requests can be tried, got %d", CMLP_TRY_REQUESTS, n);
     for (int i = 0; i < n; i++) {
         if (nbytes[i] < 0) return CMLP_FAIL(CMLP_ERR_INVALID, "a request's bytes must be >= 0, got %lld", (long long)nbytes[i]);
-        req[i] = (size_t)nbytes[i];
+        out[i] = (size_t)nbytes[i];
     }
+    return CMLP_OK;
+}
+
+cmlp_status cmlp_memory_try_requests(cmlp_device d, const int64_t *nbytes, int n, int *served) {
+    if (!served) return CMLP_FAIL(CMLP_ERR_INVALID, "served must not be NULL");
+    size_t req[CMLP_TRY_REQUESTS];
+    CMLP_TRY(cmlp_requests_check(nbytes, n, req));
     cmlp_device_ctx *c;
     CMLP_TRY(cmlp_device_get(d, &c));
     bool ok;
-    CMLP_TRY(cmlp_allocator_cache_serves(c->alloc, req, n, &ok));
+    CMLP_TRY(cmlp_plan_try(c, req, n, NULL, 0, &ok));
     *served = ok;
     return CMLP_OK;
 }

@@ -53,6 +53,14 @@ CMLP_HIDDEN cmlp_status cmlp_device_get(cmlp_device d, cmlp_device_ctx **out);
 CMLP_HIDDEN cmlp_status cmlp_buffer_copy(cmlp_device_ctx *from, cmlp_device_ctx *to, const void *buf, size_t nbytes,
                                          const char *what, void **dst);
 
+/* The most requests cmlp_memory_try_requests tries; n of them checked (>= 0 bytes) into out. */
+#define CMLP_TRY_REQUESTS 16
+CMLP_HIDDEN cmlp_status cmlp_requests_check(const int64_t *nbytes, int n, size_t *out);
+/* Whether n requests, made in order on the device now, would be served once the blocks at
+ * drop[0..ndrop) are freed: tried on a copy of its allocator (plan.c); nothing changes. */
+CMLP_HIDDEN cmlp_status cmlp_plan_try(cmlp_device_ctx *dev, const size_t *nbytes, int n, void *const *drop, int ndrop,
+                                      bool *served);
+
 /* ---- model ---- */
 
 /* The most samples one optimizer step (batch_size * accumulation_steps) may have: sample

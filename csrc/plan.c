@@ -12,27 +12,37 @@
 typedef struct {
     uintptr_t next;
     int64_t total;
+    int64_t room; /* what it can still give: memory reserved (segments, mapped pages) takes from it */
 } paper_device;
 
 static int64_t paper_total(void *ctx) { return ((paper_device *)ctx)->total; }
 
-static cmlp_status paper_alloc(void *ctx, size_t n, void **out) {
+static cmlp_status paper_reserve(void *ctx, size_t n, void **out) {
     paper_device *d = ctx;
     *out = (void *)d->next;
     d->next += (n + ((size_t)4 << 20)) & ~(((size_t)2 << 20) - 1); /* a gap between segments */
     return CMLP_OK;
 }
 
-static void paper_free(void *ctx, void *p, size_t n) {
-    (void)ctx, (void)p, (void)n;
-}
-
 static cmlp_status paper_map(void *ctx, void *p, size_t n) {
-    (void)ctx, (void)p, (void)n;
+    paper_device *d = ctx;
+    (void)p;
+    if (n > (size_t)d->room) return CMLP_ERR_OOM;
+    d->room -= (int64_t)n;
     return CMLP_OK;
 }
 
 static void paper_unmap(void *ctx, void *p, size_t n) {
+    (void)p;
+    ((paper_device *)ctx)->room += (int64_t)n;
+}
+
+static cmlp_status paper_alloc(void *ctx, size_t n, void **out) {
+    CMLP_TRY(paper_map(ctx, NULL, n));
+    return paper_reserve(ctx, n, out);
+}
+
+static void paper_release(void *ctx, void *p, size_t n) {
     (void)ctx, (void)p, (void)n;
 }
 
@@ -40,12 +50,36 @@ static const cmlp_backend_i paper_backend = {
     .name = "plan",
     .total_memory = paper_total,
     .raw_alloc = paper_alloc,
-    .raw_free = paper_free,
-    .vm_reserve = paper_alloc,
+    .raw_free = paper_unmap,
+    .vm_reserve = paper_reserve,
     .vm_map = paper_map,
     .vm_unmap = paper_unmap,
-    .vm_release = paper_free,
+    .vm_release = paper_release,
 };
+
+/* Whether the n requests, made in this order on the device now (none freed), would be served
+ * once the blocks at drop[0..ndrop) (allocated on it) are freed: tried on a copy of its allocator
+ * over a device of addresses with the memory the device has free (off the host: there the
+ * operating system decides), so that the limit, the pools, max_split_size, garbage collection,
+ * expandable segments and the release ladder apply as they will. Nothing of the device's changes. */
+cmlp_status cmlp_plan_try(cmlp_device_ctx *dev, const size_t *nbytes, int n, void *const *drop, int ndrop,
+                          bool *served) {
+    *served = false;
+    const cmlp_backend_i *be = dev->backend;
+    int64_t free_now = !be->host_memory && be->free_memory ? be->free_memory(dev->bctx) : -1;
+    paper_device pd = {.next = (uintptr_t)1 << 62, .total = be->total_memory(dev->bctx),
+                       .room = free_now >= 0 ? free_now : INT64_MAX / 4};
+    cmlp_allocator *a;
+    CMLP_TRY(cmlp_allocator_copy(dev->alloc, &paper_backend, &pd, &a));
+    cmlp_status st = CMLP_OK;
+    for (int i = 0; i < ndrop && st == CMLP_OK; i++) st = cmlp_allocator_free(a, drop[i]);
+    void *p;
+    int k = 0;
+    while (st == CMLP_OK && k < n && cmlp_allocator_try_malloc(a, nbytes[k], "planned", &p) == CMLP_OK) k++;
+    cmlp_allocator_destroy(a);
+    if (st == CMLP_OK) *served = k == n;
+    return st;
+}
 
 static int64_t reserved_now(cmlp_allocator *a) {
     cmlp_memory_stats s;
@@ -185,7 +219,8 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
     int64_t *held[] = {&out->allocated_model, &out->allocated_state, &out->allocated_half, &out->allocated_data, NULL};
     out->nrequests = nreq;
     for (int i = 0; i < nreq; i++) out->request_bytes[i] = (int64_t)req[i], out->request_held[i] = kind[i];
-    paper_device pd = {.next = (uintptr_t)1 << 44, .total = dev->backend->total_memory(dev->bctx)};
+    paper_device pd = {.next = (uintptr_t)1 << 44, .total = dev->backend->total_memory(dev->bctx),
+                       .room = INT64_MAX / 4};
     if (pd.total <= 0) pd.total = INT64_MAX / 4;
     cmlp_allocator *a;
     CMLP_TRY(cmlp_allocator_create(&paper_backend, &pd, "plan", &a));

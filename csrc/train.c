@@ -442,6 +442,23 @@ void cmlp_trainer_set_host_data(cmlp_trainer *t, int on) {
 
 int cmlp_trainer_data_resident(const cmlp_trainer *t) { return t->d_x != NULL; }
 
+cmlp_status cmlp_trainer_try_requests(cmlp_trainer *t, const int64_t *nbytes, int n, int drop_data, int *served) {
+    if (!t || !served) return CMLP_FAIL(CMLP_ERR_INVALID, "trainer and served must not be NULL");
+    size_t req[CMLP_TRY_REQUESTS];
+    CMLP_TRY(cmlp_requests_check(nbytes, n, req));
+    void *drop[3];
+    int ndrop = 0;
+    if (drop_data && t->d_alloc == t->model->dev->alloc) {
+        if (t->d_x) drop[ndrop++] = t->d_x;
+        if (t->d_y) drop[ndrop++] = t->d_y;
+        if (t->d_order) drop[ndrop++] = t->d_order;
+    }
+    bool ok;
+    CMLP_TRY(cmlp_plan_try(t->model->dev, req, n, drop, ndrop, &ok));
+    *served = ok;
+    return CMLP_OK;
+}
+
 void cmlp_trainer_release_data(cmlp_trainer *t) {
     if (!t) return;
     drop_device_data(t);

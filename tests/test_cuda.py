@@ -2173,6 +2173,9 @@ def test_plans_of_param_groups_a_resident_data_set_and_a_limit_hold_on_the_gpu()
         assert M.memory_stats(CUDA)["num_ooms"] == ooms
         del model, trainer
         # a first micro-batch whose reserved memory fits beside the device's own, not beside nothing
+        # (the cache emptied: a free segment left by the cases above would serve the step whole)
+        gc.collect()
+        M.empty_cache(CUDA)
         layers, batch, acc = [8, 264], 1845, 4
         x = rng.integers(0, 256, (batch * acc, 8), dtype=np.uint8)
         y = rng.integers(0, 264, len(x))

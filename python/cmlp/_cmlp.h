@@ -165,6 +165,8 @@ typedef struct {
 /* Arguments (_cmlp.c): each fails with the Python exception set (NULL or -1). */
 const char *c_text(PyObject *obj, const char *what);
 PyObject *items_of(PyObject *obj, const char *msg);
+/* A list of at most 16 request sizes into out (_cmlp_memory.c): its length, or -1 with an error. */
+Py_ssize_t request_list(PyObject *list, int64_t *out);
 int parse_sizes(PyObject *obj, int sizes[CMLP_MAX_LAYERS + 1], int *n);
 int parse_device(module_state *ms, PyObject *obj, cmlp_device *out);
 PyObject *device_str(cmlp_device d);

@@ -105,32 +105,39 @@ static PyObject *mod_window_peak(PyObject *mod, PyObject *args) {
     return PyLong_FromLongLong(peak);
 }
 
-static PyObject *mod_cache_serves(PyObject *mod, PyObject *args) {
-    PyObject *dev, *list;
-    if (!PyArg_ParseTuple(args, "OO!", &dev, &PyList_Type, &list)) return NULL;
-    cmlp_device d;
-    if (parse_device(state_of(mod), dev, &d) < 0) return NULL;
+/* A list of request sizes (at most CMLP_TRY_REQUESTS ints) into out; its length, or -1. */
+Py_ssize_t request_list(PyObject *list, int64_t *out) {
     PyObject *items = items_of(list, "requests must be a list of ints"); /* (an __index__ may change the list) */
-    if (!items) return NULL;
+    if (!items) return -1;
     Py_ssize_t n = PyTuple_GET_SIZE(items);
     if (n > 16) {
         Py_DECREF(items);
         PyErr_Format(PyExc_ValueError, "at most 16 requests can be tried, got %zd", n);
-        return NULL;
+        return -1;
     }
-    int64_t req[16];
     for (Py_ssize_t i = 0; i < n; i++) {
         long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(items, i));
         if (v == -1 && PyErr_Occurred()) {
             Py_DECREF(items);
-            return NULL;
+            return -1;
         }
-        req[i] = v;
+        out[i] = v;
     }
     Py_DECREF(items);
+    return n;
+}
+
+static PyObject *mod_try_requests(PyObject *mod, PyObject *args) {
+    PyObject *dev, *list;
+    if (!PyArg_ParseTuple(args, "OO!", &dev, &PyList_Type, &list)) return NULL;
+    cmlp_device d;
+    if (parse_device(state_of(mod), dev, &d) < 0) return NULL;
+    int64_t req[16];
+    Py_ssize_t n = request_list(list, req);
+    if (n < 0) return NULL;
     int served = 0;
     cmlp_status st;
-    GUARDED(st = cmlp_memory_cache_serves(d, req, (int)n, &served));
+    GUARDED(st = cmlp_memory_try_requests(d, req, (int)n, &served));
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
     return PyBool_FromLong(served);
 }
@@ -376,7 +383,8 @@ PyMethodDef cmlp_py_memory_methods[] = {
     {"note_env", mod_note_env, METH_O, "note_env('VAR=value' or None): the settings the environment gave at import"},
     {"validate", mod_validate, METH_O, "check the allocator's invariants"},
     {"fail_raw_alloc", mod_fail_raw_alloc, METH_VARARGS, "test hook: fail the k-th raw device call from now"},
-    {"cache_serves", mod_cache_serves, METH_VARARGS,
-     "cache_serves(device, [bytes, ...]): whether the cache's free blocks serve those requests (tries nothing)"},
+    {"try_requests", mod_try_requests, METH_VARARGS,
+     "try_requests(device, [bytes, ...]): whether those requests, made in order now, would be served (tried on a "
+     "copy of the allocator: nothing changes)"},
     {NULL, NULL, 0, NULL},
 };

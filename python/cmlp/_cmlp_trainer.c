@@ -229,6 +229,21 @@ static PyObject *Trainer_data_resident(TrainerObject *self, PyObject *unused) {
     return PyBool_FromLong(cmlp_trainer_data_resident(self->t));
 }
 
+static PyObject *Trainer_try_requests(TrainerObject *self, PyObject *args) {
+    PyObject *list;
+    int drop_data;
+    if (!PyArg_ParseTuple(args, "O!p", &PyList_Type, &list, &drop_data) || trainer_ready(self) < 0) return NULL;
+    int64_t req[16];
+    Py_ssize_t n = request_list(list, req);
+    if (n < 0) return NULL;
+    ModelObject *mo = self->optim->model;
+    int served = 0;
+    cmlp_status st;
+    RUN_LOCKED(mo, st, cmlp_trainer_try_requests(self->t, req, (int)n, drop_data, &served));
+    if (st != CMLP_OK) return raise_status(mo->ms, st);
+    return PyBool_FromLong(served);
+}
+
 static PyObject *Trainer_release_data(TrainerObject *self, PyObject *unused) {
     (void)unused;
     if (trainer_ready(self) < 0) return NULL;
@@ -407,6 +422,9 @@ static PyMethodDef Trainer_methods[] = {
     {"set_host_data", (PyCFunction)Trainer_set_host_data, METH_O,
      "True: keep the data set in host memory (and free a device copy); False: copy it to the device"},
     {"data_resident", (PyCFunction)Trainer_data_resident, METH_NOARGS, "whether the data set is on the device"},
+    {"try_requests", (PyCFunction)Trainer_try_requests, METH_VARARGS,
+     "try_requests([bytes, ...], drop_data): whether those requests, made in order now on the model's device, would "
+     "be served, its copy of the data set freed first where drop_data (tried on a copy of the allocator)"},
     {"set_scaler", (PyCFunction)Trainer_set_scaler, METH_VARARGS,
      "set_scaler(enabled, scale, growth_factor, backoff_factor, growth_interval, growth_tracker)"},
     {"get_scaler", (PyCFunction)Trainer_get_scaler, METH_NOARGS, "(scale, growth_tracker)"},

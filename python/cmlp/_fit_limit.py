@@ -5,25 +5,8 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
-from . import _cmlp, memory
+from . import memory
 from . import distributed as _dist
-
-
-# what a training run's own blocks hold (csrc's names): the plan counts the segments they lie in
-_OWN = frozenset(("parameters", "gradients", "optimizer state", "optimizer param groups", "half-precision weights",
-                  "GEMM workspace", "data set", "data set labels", "data set order"))
-
-
-def _foreign_reserved(device: str) -> int:
-    """The bytes of the segments that hold allocations and none of a run's own: another model's
-    activations, tensors of the user's (caching_allocator_alloc). The plan's segments, counted
-    from an empty cache, come on top of them: a step's new segment cannot use their free rest."""
-    total = 0
-    for seg in memory.memory_snapshot(device):
-        used = [b for b in seg["blocks"] if b["state"] == "active_allocated"]
-        if used and not any(b["frames"] and b["frames"][0].get("name") in _OWN for b in used):
-            total += seg["total_size"]
-    return total
 
 
 def start_under_limit(trainer: Any, xa: Optional[np.ndarray] = None, batch_rows: int = 0,
@@ -46,14 +29,6 @@ def start_under_limit(trainer: Any, xa: Optional[np.ndarray] = None, batch_rows:
     trainer.model._c.release_workspace()  # the plan counts the workspace; it goes back to the cache
     resident = xa is not None and trainer._c.data_resident()
     room = limit - memory.memory_allocated(device)
-    # the limit caps reserved memory, and new segments come rounded up, which can decide it:
-    # the segments a run reserves from an empty cache (those that hold the model now among
-    # them), on top of what the device holds from its start, must fit under the limit; where
-    # more is reserved already, no new segment can be made, and the cache's free blocks are
-    # tried as they are (cache_serves: a free large segment serves no small request)
-    reserved = memory.memory_reserved(device)
-    cap = limit
-    foreign = _foreign_reserved(device)  # other segments, which the run's come on top of
 
     # a data set smaller than a micro-batch is each step's one micro-batch; data-parallel,
     # every rank has the whole data set and a step of it is shared out, the first ranks
@@ -75,19 +50,17 @@ def start_under_limit(trainer: Any, xa: Optional[np.ndarray] = None, batch_rows:
         except ValueError:  # too large to plan: it does not fit either
             return None
 
-    data = planned(1, True)._allocated["data"] if resident else 0  # the device copy's bytes
-
     def fits(p: Any, with_data: bool) -> bool:
-        # allocated (their blocks as the allocator rounds them, as memory_allocated counts
-        # them): the data set is in memory_allocated already while it is on the device
-        own = p.peak_bytes - sum(p._allocated[k] for k in held) - p._allocated["data"]
-        if own <= room + (0 if with_data else data) and \
-                p.reserved_bytes + p.standing_reserved_bytes + foreign <= cap:
-            return True
-        # a limit set below what the cache holds already: the cache's free blocks may serve the
-        # step's requests as they are, where no new segment is allowed (tried, not taken)
-        return (reserved > limit and with_data == resident and
-                _cmlp.cache_serves(device, [n for what, n in p._requests if what not in held + ("data",)]))
+        """Whether the run's requests still to come (the plan's, but for what is held already
+        and the data set, which is on the device or never will be) are served now, in their
+        order: tried on a copy of the device's allocator, with its cache, settings and limit,
+        and the device copy of the data set freed first where the batches would come from the
+        host instead. The limit caps reserved memory, whatever else (another model, a user's
+        tensors) holds it, and new segments come rounded up: the copy decides as the step will."""
+        if p is None:
+            return False
+        return trainer._c.try_requests([n for what, n in p._requests if what not in held + ("data",)],
+                                       resident and not with_data)
 
     # the rows of a step this rank computes (batch_size is per rank), cut into micro-batches
     step_rows = trainer.batch_size * trainer.accumulation_steps
@@ -109,7 +82,7 @@ def start_under_limit(trainer: Any, xa: Optional[np.ndarray] = None, batch_rows:
         b = failed = trainer.microbatch_size
         while True:
             p = planned(b, with_data)
-            if p is not None and fits(p, with_data):
+            if fits(p, with_data):
                 break
             if b == 1 or not trainer.auto_microbatch:
                 return b, p, False  # not even one sample: the step will try, in micro-batches of 1
@@ -121,7 +94,7 @@ def start_under_limit(trainer: Any, xa: Optional[np.ndarray] = None, batch_rows:
             if c <= b:
                 break
             q = planned(c, with_data)
-            if q is not None and fits(q, with_data):
+            if fits(q, with_data):
                 return c, q, True
             k = max(k + 1, -(-step_rows // (c - 1)))
         return b, p, True

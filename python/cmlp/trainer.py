@@ -366,9 +366,11 @@ class Trainer(FitLoop):
         s._note_underflow(5)  # backed off in the C loop: fit -> _fit -> _pull_scaler -> here
 
     def _warn_if_split(self, before: int, stacklevel: int = 4) -> None:
+        if self._c.oom_retries() <= before:  # (a step's only call where nothing ran out of memory)
+            return
         # the size the steps ran at (microbatch_size may be a growth, not tried yet)
         ran = self._c.last_microbatch() or self.microbatch_size
-        if self._c.oom_retries() > before and (self._warned is None or ran < self._warned):
+        if self._warned is None or ran < self._warned:
             self._warned = ran
             warnings.warn(f"out of memory inside a training step: the trainer now computes it in micro-batches of "
                           f"{ran} (the update is the same; see cmlp.memory.plan)",

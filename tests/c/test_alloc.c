@@ -1894,10 +1894,10 @@ static void test_stress(void) {
     for (size_t i = 0; i < sizeof cfgs / sizeof *cfgs; i++) stress(&cfgs[i], 0x9E3779B97F4A7C15ull + i);
 }
 
-/* ---- cache_serves: a dry run of requests on the cache ------------------------------------------ */
+/* ---- copies: requests tried on a copy of the allocator ---------------------------------------- */
 
-/* A hash of the snapshot (segments, blocks, their sizes and states): equal before and after a
- * dry run, which must change nothing. */
+/* A hash of the snapshot (segments, blocks, their sizes and states): equal in a copy, and before
+ * and after one is made and used, which must change nothing of the allocator's. */
 static uint64_t layout_hash(cmlp_allocator *a) {
     cmlp_segment_info *segs = NULL;
     cmlp_block_info *blks = NULL;
@@ -1913,67 +1913,117 @@ static uint64_t layout_hash(cmlp_allocator *a) {
     return h;
 }
 
-/* Random live blocks; at each point a dry run of 1-4 requests must leave the allocator as it was
- * (layout, statistics), and say yes exactly where making them for real reserves nothing: in an
- * expandable segment, where they find their pages mapped. The last case turns the setting off
- * half way: the pools keep their expandable segments, whose mapped pages still serve. */
-static void test_cache_serves(void) {
+/* A device of addresses for copies: it has `room` bytes to give (segments and mapped pages take
+ * from it), and hands out addresses far from the fake device's. */
+typedef struct {
+    uintptr_t next;
+    int64_t total, room;
+} paper_dev;
+
+static int64_t paper_total(void *ctx) { return ((paper_dev *)ctx)->total; }
+static cmlp_status paper_reserve(void *ctx, size_t n, void **out) {
+    paper_dev *d = ctx;
+    *out = (void *)d->next;
+    d->next += (n + MB(4)) & ~(MB(2) - 1);
+    return CMLP_OK;
+}
+static cmlp_status paper_map(void *ctx, void *p, size_t n) {
+    paper_dev *d = ctx;
+    (void)p;
+    if ((int64_t)n > d->room) return CMLP_ERR_OOM;
+    d->room -= (int64_t)n;
+    return CMLP_OK;
+}
+static void paper_unmap(void *ctx, void *p, size_t n) {
+    (void)p;
+    ((paper_dev *)ctx)->room += (int64_t)n;
+}
+static cmlp_status paper_alloc(void *ctx, size_t n, void **out) {
+    cmlp_status st = paper_map(ctx, NULL, n);
+    return st == CMLP_OK ? paper_reserve(ctx, n, out) : st;
+}
+static void paper_release(void *ctx, void *p, size_t n) { (void)ctx, (void)p, (void)n; }
+static const cmlp_backend_i paper_backend = {
+    .name = "paper", .total_memory = paper_total, .raw_alloc = paper_alloc, .raw_free = paper_unmap,
+    .vm_reserve = paper_reserve, .vm_map = paper_map, .vm_unmap = paper_unmap, .vm_release = paper_release,
+};
+
+/* Random live blocks under a limit; at points a copy is made, which must look as the allocator
+ * does (layout, statistics), and 1-4 requests are made on both: each must be served or refused
+ * on the copy as on the allocator, with the same bytes allocated and reserved after it (the
+ * limit, the ladder's release of cached segments, the pools' rules, expandable pages), and
+ * making the copy and using it must leave the allocator as it was. The last case turns the
+ * setting off half way: the pools keep their expandable segments. */
+static void test_copy(void) {
     static const char *const confs[] = {"", "max_split_size_mb:40", "roundup_power2_divisions:4",
                                         "max_split_size_mb:20,max_non_split_rounding_mb:64",
+                                        "garbage_collection_threshold:0.6",
                                         "expandable_segments:True", "expandable_segments:True"};
     const size_t ncases = sizeof confs / sizeof *confs;
     for (size_t c = 0; c < ncases; c++) {
         fake_dev d;
         cmlp_allocator *a = mk(&d, confs[c], (int64_t)GB(4));
-        uint64_t r = 0x51CE + c;
+        d.capacity = (int64_t)MB(650); /* the device runs out too, below the limit at times */
+        cmlp_allocator_set_limit(a, (int64_t)MB(600));
+        uint64_t r = 0xC0B1 + c;
         void *live[64];
         int n = 0, yes = 0, no = 0;
-        for (int op = 0; op < 3000; op++) {
-            if (c == ncases - 1 && op == 1500) OK(cmlp_memory_configure("")); /* the setting off */
+        for (int op = 0; op < 2000; op++) {
+            if (c == ncases - 1 && op == 1000) OK(cmlp_memory_configure("")); /* the setting off */
+            if (op % 500 == 250) cmlp_allocator_set_limit(a, op % 1000 == 250 ? (int64_t)MB(250) : (int64_t)MB(600));
             if (n == 0 || (rnd(&r) % 2 && n < 64)) {
                 void *p = NULL;
-                OK(cmlp_allocator_malloc(a, rand_size(&r), "test", &p));
-                live[n++] = p;
+                if (cmlp_allocator_try_malloc(a, rand_size(&r), "test", &p) == CMLP_OK) live[n++] = p;
             } else {
                 int i = (int)(rnd(&r) % (uint64_t)n);
                 OK(cmlp_allocator_free(a, live[i]));
                 live[i] = live[--n];
             }
-            if (op % 40 == 0) cmlp_allocator_empty_cache(a); /* a cache as tight as the live blocks */
             if (op % 7) continue;
-            size_t req[4];
-            int k = 1 + (int)(rnd(&r) % 4);
-            for (int i = 0; i < k; i++) req[i] = rand_size(&r) * (rnd(&r) % 2 ? 1 : 4);
             uint64_t before = layout_hash(a);
             cmlp_memory_stats s0 = stats_of(a);
-            bool served = false;
-            OK(cmlp_allocator_cache_serves(a, req, k, &served));
-            cmlp_memory_stats s1 = stats_of(a);
-            CHECK(layout_hash(a) == before && !memcmp(&s0, &s1, sizeof s0), "%s op %d: a dry run changed the allocator",
-                  confs[c], op);
+            paper_dev pd = {.next = (uintptr_t)1 << 60, .total = d.total,
+                            .room = d.capacity - d.raw_bytes - d.mapped_bytes};
+            cmlp_allocator *c2 = NULL;
+            OK(cmlp_allocator_copy(a, &paper_backend, &pd, &c2));
+            cmlp_memory_stats s2 = stats_of(c2);
+            CHECK(layout_hash(c2) == before && !memcmp(&s0, &s2, sizeof s0), "%s op %d: the copy differs", confs[c], op);
+            size_t req[4];
+            int k = 1 + (int)(rnd(&r) % 4);
+            for (int i = 0; i < k; i++) req[i] = rand_size(&r) * (rnd(&r) % 2 ? 1 : 8);
+            void *on_copy[4] = {0}, *got[4] = {0};
+            bool all = true;
+            for (int i = 0; i < k; i++) {
+                bool copied = cmlp_allocator_try_malloc(c2, req[i], "test", &on_copy[i]) == CMLP_OK;
+                CHECK(layout_hash(a) == before, "%s op %d: using the copy changed the allocator", confs[c], op);
+                bool real = cmlp_allocator_try_malloc(a, req[i], "test", &got[i]) == CMLP_OK;
+                cmlp_memory_stats sa = stats_of(a), sc = stats_of(c2);
+                CHECK(copied == real, "%s op %d: request %d of %zu bytes: the copy %s it, the allocator %s it", confs[c],
+                      op, i, req[i], copied ? "served" : "refused", real ? "served" : "refused");
+                for (int q = 0; q < CMLP_POOL_COUNT; q++)
+                    CHECK(sa.stat[CMLP_STAT_RESERVED_BYTES][q].current == sc.stat[CMLP_STAT_RESERVED_BYTES][q].current &&
+                              sa.stat[CMLP_STAT_ALLOCATED_BYTES][q].current ==
+                                  sc.stat[CMLP_STAT_ALLOCATED_BYTES][q].current,
+                          "%s op %d: request %d: reserved %" PRId64 " / %" PRId64 ", allocated %" PRId64 " / %" PRId64
+                          " (allocator / copy)", confs[c], op, i, sa.stat[CMLP_STAT_RESERVED_BYTES][q].current,
+                          sc.stat[CMLP_STAT_RESERVED_BYTES][q].current, sa.stat[CMLP_STAT_ALLOCATED_BYTES][q].current,
+                          sc.stat[CMLP_STAT_ALLOCATED_BYTES][q].current);
+                all &= real;
+                before = layout_hash(a);
+            }
+            cmlp_allocator_destroy(c2);
+            CHECK(layout_hash(a) == before, "%s op %d: destroying the copy changed the allocator", confs[c], op);
             STEP(a);
-            int64_t raw = d.n_raw_alloc + d.n_map;
-            void *got[4];
-            for (int i = 0; i < k; i++) OK(cmlp_allocator_malloc(a, req[i], "test", &got[i]));
-            bool reserved_none = d.n_raw_alloc + d.n_map == raw;
-            CHECK(served == reserved_none, "%s op %d: dry run said %d, the requests reserved %s", confs[c], op, served,
-                  reserved_none ? "nothing" : "memory");
             for (int i = k - 1; i >= 0; i--) OK(cmlp_allocator_free(a, got[i]));
-            served ? yes++ : no++;
+            all ? yes++ : no++;
         }
         CHECK(yes > 20 && no > 20, "%s: %d served, %d not: the cases are not both tried", confs[c], yes, no);
         while (n) OK(cmlp_allocator_free(a, live[--n]));
+        cmlp_allocator_set_limit(a, -1);
         ec(a);
         fin(a, &d);
     }
-    bool served = true;
-    fake_dev d;
-    cmlp_allocator *a = mk(&d, "", (int64_t)GB(4));
-    size_t none[1] = {0};
-    OK(cmlp_allocator_cache_serves(a, none, 0, &served));
-    CHECK(served, "no requests: served");
     OK(cmlp_memory_configure(""));
-    fin(a, &d);
 }
 
 /* ---- 4. threads ------------------------------------------------------------------------------- */
@@ -2441,7 +2491,7 @@ int main(void) {
     test_device_error();
     test_capturing();
     test_history();
-    test_cache_serves();
+    test_copy();
     test_uncached();
     test_poisoning();
     printf("  unit tests %.1f s\n", now() - t0);
