@@ -77,13 +77,28 @@ static cmlp_status plan_make(cuda_ctx *c, gemm_plan *p, const uint64_t key[8], c
     }
     p->algo = h.algo;
     memcpy(p->key, key, sizeof p->key);
+    uint32_t splitk = 0, scheme = CUBLASLT_REDUCTION_SCHEME_INPLACE; /* (unknown: not safe) */
+    size_t w;
+    if (cublasLtMatmulAlgoConfigGetAttribute(&p->algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splitk, sizeof splitk, &w) ||
+        cublasLtMatmulAlgoConfigGetAttribute(&p->algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme, sizeof scheme,
+                                             &w))
+        splitk = 0, scheme = CUBLASLT_REDUCTION_SCHEME_INPLACE;
+    p->rerun_safe = (splitk == 1 || scheme != CUBLASLT_REDUCTION_SCHEME_INPLACE) && splitk != 0;
     return CMLP_OK;
 }
 
-/* A GEMM call's failure; out of device memory (ALLOC_FAILED: what cuBLAS loads or makes on first
- * use, outside the caching allocator) is CMLP_ERR_OOM, as CUDA's (cuda_fail). */
-static cmlp_status blas_fail(cublasStatus_t s, const char *what, const gemm_desc *g) {
-    if (s == CUBLAS_STATUS_ALLOC_FAILED)
+/* A GEMM call's failure; out of device memory (ALLOC_FAILED, or the launch's error: what cuBLAS
+ * loads or makes on first use, outside the caching allocator) is CMLP_ERR_OOM, as CUDA's
+ * (cuda_fail). So is a plan's first run that failed to execute: cuBLAS loads its kernels then
+ * (lazy loading), and takes the launch's error where they find no room, as done() words it. */
+static cmlp_status blas_fail(cublasStatus_t s, cudaError_t e, bool first, const char *what, const gemm_desc *g) {
+    if (s == CUBLAS_STATUS_EXECUTION_FAILED && first && e != cudaErrorMemoryAllocation)
+        return FAIL(CMLP_ERR_OOM, "CUDA out of memory at a launch: CUDA loads a kernel's code at its first launch, "
+                    "into device memory outside the caching allocator, and the memory in use leaves none. Free "
+                    "tensors or release cached memory (cmlp.cuda.empty_cache()) and retry. The launch: %s (%lld x "
+                    "%lld x %lld), the first of its plan, which failed to execute (%s)", what, (long long)g->m,
+                    (long long)g->n, (long long)g->k, cublasLtGetStatusString(s));
+    if (s == CUBLAS_STATUS_ALLOC_FAILED || e == cudaErrorMemoryAllocation)
         return FAIL(CMLP_ERR_OOM, "CUDA out of memory in cuBLAS: what it loads or makes on first use needs device "
                     "memory outside the caching allocator. Release cached memory (cmlp.cuda.empty_cache()) and "
                     "retry. The call: %s (%lld x %lld x %lld): %s", what, (long long)g->m, (long long)g->n,
@@ -115,8 +130,8 @@ static cmlp_status blas_gemm(cuda_ctx *c, const gemm_desc *g, float alpha, const
             s = cublasSetMathMode(h, CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION);
         if (s != CUBLAS_STATUS_SUCCESS) {
             if (h) cublasDestroy(h);
-            (void)cudaGetLastError();
-            return blas_fail(s, "cublasCreate (for a GEMM cuBLASLt has no algorithm for)", g);
+            return blas_fail(s, cudaGetLastError(), false, "cublasCreate (for a GEMM cuBLASLt has no algorithm for)",
+                             g);
         }
         c->blas = h;
     }
@@ -129,17 +144,18 @@ static cmlp_status blas_gemm(cuda_ctx *c, const gemm_desc *g, float alpha, const
     if (s == CUBLAS_STATUS_SUCCESS) /* column-major, as in plan_make: cuBLAS's A is our B */
         s = cublasGemmEx(c->blas, op_l, op_r, (int)g->n, (int)g->m, (int)g->k, &alpha, d_b, g->ab, (int)g->ldb, d_a,
                          g->ab, (int)g->lda, &beta, d_c, g->cd, (int)g->ldc, ct, CUBLAS_GEMM_DEFAULT);
-    if (s != CUBLAS_STATUS_SUCCESS) {
-        (void)cudaGetLastError();
-        return blas_fail(s, "cublasGemmEx (for a GEMM cuBLASLt has no algorithm for)", g);
-    }
+    if (s != CUBLAS_STATUS_SUCCESS)
+        return blas_fail(s, cudaGetLastError(), false, "cublasGemmEx (for a GEMM cuBLASLt has no algorithm for)", g);
     return CMLP_OK;
 }
 
 /* no_algo (may be NULL): set when cuBLASLt has no algorithm for this GEMM's epilogue (then
- * nothing ran); one without an epilogue goes to cuBLAS (blas_gemm). */
-static cmlp_status lt_gemm(cuda_ctx *c, const gemm_desc *g, float alpha, const void *d_a, const void *d_b, float beta,
-                           void *d_c, const void *d_bias, bool *no_algo) {
+ * nothing ran); one without an epilogue goes to cuBLAS (blas_gemm). again (may be NULL): where
+ * a plan's first run failed as one whose kernels found no room to load does, RERUN where running
+ * it once more gives what one run would (beta 0, or rerun_safe), else GIVE_BACK. */
+enum { RERUN = 1, GIVE_BACK = 2 };
+static cmlp_status lt_gemm_once(cuda_ctx *c, const gemm_desc *g, float alpha, const void *d_a, const void *d_b,
+                                float beta, void *d_c, const void *d_bias, bool *no_algo, int *again) {
     bool none = false;
     if (no_algo) *no_algo = false;
     if (g->m == 0 || g->n == 0) return CMLP_OK;
@@ -215,12 +231,31 @@ static cmlp_status lt_gemm(cuda_ctx *c, const gemm_desc *g, float alpha, const v
         cublasStatus_t s = cublasLtMatmul(c->lt, p->op, &alpha, d_b, p->a, d_a, p->b, &beta, d_c, p->c, d_c, p->c,
                                           &p->algo, ws, ws_bytes, stream_of(c));
         if (s != CUBLAS_STATUS_SUCCESS) {
-            (void)cudaGetLastError();
-            st = blas_fail(s, "cublasLtMatmul", g);
+            cudaError_t e = cudaGetLastError();
+            bool loading = s == CUBLAS_STATUS_EXECUTION_FAILED || s == CUBLAS_STATUS_ALLOC_FAILED ||
+                           e == cudaErrorMemoryAllocation;
+            if (again && loading && !p->ran) *again = beta == 0.0f || p->rerun_safe ? RERUN : GIVE_BACK;
+            st = blas_fail(s, e, !p->ran, "cublasLtMatmul", g);
+        } else {
+            p->ran = true;
         }
     }
     pthread_mutex_unlock(&c->lock);
     if (st == CMLP_OK && c->sync_each) st = done(c, cudaSuccess, "cublasLtMatmul");
+    return st;
+}
+
+/* cuBLASLt loads a plan's kernels at its first run (lazy loading), into device memory the
+ * caching allocator may hold: as a kernel's launch does (KERNEL), a first run that found no room
+ * has the cache given back to the device (outside the lock) and is made once more. Where a pass
+ * may have added to C already (an in-place split-K with beta != 0), it is not: the out-of-memory
+ * stands, and the caller's retry (a training step's, in smaller micro-batches) finds the room. */
+static cmlp_status lt_gemm(cuda_ctx *c, const gemm_desc *g, float alpha, const void *d_a, const void *d_b, float beta,
+                           void *d_c, const void *d_bias, bool *no_algo) {
+    int again = 0;
+    cmlp_status st = lt_gemm_once(c, g, alpha, d_a, d_b, beta, d_c, d_bias, no_algo, &again);
+    if (again && relaunch(c) && again == RERUN)
+        st = lt_gemm_once(c, g, alpha, d_a, d_b, beta, d_c, d_bias, no_algo, NULL);
     return st;
 }
 

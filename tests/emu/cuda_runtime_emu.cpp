@@ -42,6 +42,10 @@
  *    processes on a GPU are this one (its device memory plus a 256 MiB context) and those of
  *    CMLP_EMU_NVML_PROCESSES ("pid:bytes,pid:bytes").
  *  - CMLP_EMU_TRACE_GRAPHS=1 prints the launches of every graph instantiated, by name.
+ *  - cublasLtMatmul loads its algorithm's kernels on their first run too (CMLP_EMU_MODULE_BYTES,
+ *    one module per epilogue, types and power of two of the largest side), and fails with CUBLAS_STATUS_EXECUTION_FAILED (the
+ *    launch's error taken) where they find no room. Its split-K algorithms reduce through the
+ *    workspace; CMLP_EMU_LT_INPLACE=1 has them report an in-place reduction instead.
  *  - CMLP_EMU_LAUNCH_DELAY_US=n pauses n microseconds after each kernel launch (no lock held),
  *    so that threads interleave their launches on a shared stream.
  *
@@ -1287,6 +1291,33 @@ cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p
     }
 }
 
+/* An algorithm's configuration: split-K keeps its partial sums in the workspace (reduced into D
+ * by a last pass, which writes nothing of D before it); CMLP_EMU_LT_INPLACE=1 says they are
+ * summed in D itself instead (a pass before them may have written D). Other attributes: not
+ * emulated. */
+cublasStatus_t cublasLtMatmulAlgoConfigGetAttribute(const cublasLtMatmulAlgo_t *algo,
+                                                    cublasLtMatmulAlgoConfigAttributes_t attr, void *buf, size_t size,
+                                                    size_t *written) {
+    fork_guard("cublasLtMatmulAlgoConfigGetAttribute");
+    lt_algo al;
+    memcpy(&al, algo->data, sizeof al);
+    if (al.magic != ALGO_MAGIC || !buf || size != sizeof(uint32_t)) return CUBLAS_STATUS_INVALID_VALUE;
+    static const bool inplace = [] {
+        const char *v = std::getenv("CMLP_EMU_LT_INPLACE");
+        return v && std::strcmp(v, "1") == 0;
+    }();
+    uint32_t v;
+    if (attr == CUBLASLT_ALGO_CONFIG_SPLITK_NUM) v = al.workspace ? 4 : 1;
+    else if (attr == CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME)
+        v = !al.workspace ? CUBLASLT_REDUCTION_SCHEME_NONE
+            : inplace     ? CUBLASLT_REDUCTION_SCHEME_INPLACE
+                          : CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+    else return CUBLAS_STATUS_NOT_SUPPORTED;
+    memcpy(buf, &v, sizeof v);
+    if (written) *written = sizeof v;
+    return CUBLAS_STATUS_SUCCESS;
+}
+
 cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t a,
                                               cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c,
                                               cublasLtMatrixLayout_t d, cublasLtMatmulPreference_t pref, int requested,
@@ -1428,6 +1459,14 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t op, const v
     lt_algo al;
     memcpy(&al, algo->data, sizeof al);
     if (al.magic != ALGO_MAGIC) return CUBLAS_STATUS_INVALID_VALUE;
+    /* the algorithm's kernels load on its first run on a device (lazy loading, with
+     * CMLP_EMU_MODULE_BYTES): one module for each epilogue, types and size class (a power of
+     * two of the largest side: tiles differ); where its memory is not free, the call fails to
+     * execute, and cuBLAS has taken the launch's error */
+    const uint64_t side = std::max({L(a)->rows, L(a)->cols, L(d)->rows, L(d)->cols, (uint64_t)1});
+    const uintptr_t module = 1 + ((uintptr_t)(63 - __builtin_clzll(side)) << 24 | (uintptr_t)D(op)->epilogue << 16 |
+                                  (uintptr_t)L(a)->type << 8 | L(d)->type);
+    if (load_kernel((const void *)module, "cublasLtMatmul") != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
     return matmul("cublasLtMatmul", *D(op), *L(a), *L(b), *L(c), *L(d), al, alpha, A, B, beta, C, Dp, ws, ws_bytes,
                   stream);
 }
