@@ -295,26 +295,59 @@ print("then:", abs(gpu.forward_backward(x, y, amp="fp16") - want) < 1e-2 * want)
 
 @needs_emulator[0]
 @needs_emulator[1]
-@pytest.mark.parametrize("inplace", ["0", "1"])
-def test_a_gemm_whose_kernels_cannot_load_gives_the_cache_back(inplace):
-    """cuBLASLt loads a GEMM plan's kernels at its first run, into device memory the cache may
-    hold (the emulated runtime does so per epilogue, types and size class). The first run that
-    fails so has the cache given back and is made again, as a kernel's launch is. Here the
-    forward GEMMs add to C (beta 1: a half-precision bias set first, the fused epilogue unused):
-    where a split-K algorithm reduces in C itself (CMLP_EMU_LT_INPLACE=1), a part of it may have
-    run, and it is not made again: an out-of-memory, the cache given back, and the call, made
-    again, runs. Before, either was a device error."""
+@pytest.mark.parametrize("gemms", ["cuBLASLt", "cuBLASLt, split-K in place", "cuBLAS"])
+def test_a_gemm_whose_kernels_cannot_load_gives_the_cache_back(gemms):
+    """cuBLASLt (and cuBLAS) load a GEMM plan's kernels at its first run, into device memory the
+    cache may hold (the emulated runtime does so per epilogue, types and size class). The first
+    run that fails so has the cache given back and is made again, as a kernel's launch is. Here
+    the forward GEMMs add to C (beta 1: a half-precision bias set first, the fused epilogue
+    unused): where a part of the GEMM may have run (a split-K algorithm that reduces in C itself,
+    CMLP_EMU_LT_INPLACE=1, or cuBLAS's, whose algorithm is not known), it is not made again: an
+    out-of-memory, the cache given back, and the call, made again, runs. Before, each was a
+    device error."""
     env = dict(_emulated_env(), CMLP_EMU_MEMORY=str(256 << 20), CMLP_EMU_MODULE_BYTES=str(4 << 20),
-               CMLP_EMU_LT_NO_EPILOGUE="1", CMLP_EMU_LT_INPLACE=inplace)
+               CMLP_EMU_LT_NO_EPILOGUE="1", CMLP_EMU_LT_INPLACE="1" if "in place" in gemms else "0",
+               CMLP_EMU_LT_NO_ALGO="1" if gemms == "cuBLAS" else "0")
     r = subprocess.run([sys.executable, "-c", _GEMM_LOAD], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     lines = r.stdout.splitlines()
-    if inplace == "0":
+    if gemms == "cuBLASLt":
         assert lines == ["ran: True", "given back: True", "then: True"], r.stdout
     else:
+        call = "cublasGemmEx (for a GEMM cuBLASLt has no algorithm for)" if gemms == "cuBLAS" else "cublasLtMatmul"
         assert lines[0].startswith("raised: CUDA out of memory at a launch: CUDA loads a kernel's code"), r.stdout
-        assert "cublasLtMatmul (1500 x 128 x 300), the first of its plan" in lines[0], r.stdout
+        assert f"{call} (1500 x 128 x 300), the first of its plan" in lines[0], r.stdout
         assert lines[1:] == ["given back: True", "then: True"], r.stdout
+
+
+_GEMM_FAULT = r"""
+import numpy as np
+import cmlp
+rng = np.random.default_rng(0)
+x, y = rng.standard_normal((256, 20)).astype(np.float32), rng.integers(0, 5, 256)
+model = cmlp.MLP([20, 64, 5], device="cuda", seed=0)
+trainer = cmlp.Trainer(model, cmlp.optim.SGD(model, lr=0.1), batch_size=256)
+try:
+    trainer.step(x, y)
+    print("no error")
+except RuntimeError as e:
+    print(type(e).__name__ + ":", " ".join(str(e).split())[:200])
+print("retries:", trainer._c.oom_retries(), cmlp.memory.memory_stats("cuda")["num_ooms"])
+"""
+
+
+@needs_emulator[0]
+@needs_emulator[1]
+def test_a_gemm_that_fails_with_memory_free_is_a_device_error():
+    """A GEMM that fails to execute with most of the device's memory free (CMLP_EMU_LT_FAIL=1)
+    did not fail for want of room to load its kernels: it is the device error it says, not an
+    out-of-memory that a training step would retry in ever smaller micro-batches."""
+    env = dict(_emulated_env(), CMLP_EMU_LT_FAIL="1")
+    r = subprocess.run([sys.executable, "-c", _GEMM_FAULT], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("RuntimeError: cublasLtMatmul (256 x 64 x 20) failed: the GPU program failed"), r.stdout
+    assert lines[1] == "retries: 0 0", r.stdout
 
 
 _NO_KERNEL_IMAGE = r"""

@@ -42,10 +42,12 @@
  *    processes on a GPU are this one (its device memory plus a 256 MiB context) and those of
  *    CMLP_EMU_NVML_PROCESSES ("pid:bytes,pid:bytes").
  *  - CMLP_EMU_TRACE_GRAPHS=1 prints the launches of every graph instantiated, by name.
- *  - cublasLtMatmul loads its algorithm's kernels on their first run too (CMLP_EMU_MODULE_BYTES,
- *    one module per epilogue, types and power of two of the largest side), and fails with CUBLAS_STATUS_EXECUTION_FAILED (the
+ *  - cublasLtMatmul and cublasGemmEx load their kernels on their first run too
+ *    (CMLP_EMU_MODULE_BYTES, one module per epilogue, types and power of two of the largest side;
+ *    CMLP_EMU_KERNEL_IMAGE does not touch them), and fail with CUBLAS_STATUS_EXECUTION_FAILED (the
  *    launch's error taken) where they find no room. Its split-K algorithms reduce through the
  *    workspace; CMLP_EMU_LT_INPLACE=1 has them report an in-place reduction instead.
+ *    CMLP_EMU_LT_FAIL=1: every cublasLtMatmul fails to execute (a fault, not for memory).
  *  - CMLP_EMU_LAUNCH_DELAY_US=n pauses n microseconds after each kernel launch (no lock held),
  *    so that threads interleave their launches on a shared stream.
  *
@@ -320,12 +322,20 @@ bool kernel_pointer_ok(const void *p, const char *kernel, int index) {
 /* With CMLP_EMU_MODULE_BYTES=n, a kernel (each template instantiation) loads on its first launch
  * on a device (CUDA's lazy loading) and keeps n bytes of the device's memory; where they are not
  * free, the launch fails with out-of-memory (and loads nothing). */
+cudaError_t load_module(const void *kernel);
+
 cudaError_t load_kernel(const void *kernel, const char *) {
     /* CMLP_EMU_KERNEL_IMAGE=none: the build has no code for this GPU's architecture; =ptx_too_new:
      * only PTX of a toolkit newer than the driver */
     static const char *const image = getenv("CMLP_EMU_KERNEL_IMAGE");
     if (image && std::strcmp(image, "none") == 0) return cudaErrorNoKernelImageForDevice;
     if (image && std::strcmp(image, "ptx_too_new") == 0) return cudaErrorUnsupportedPtxVersion;
+    return load_module(kernel);
+}
+
+/* A module's first use on a device (cuBLAS's kernels too, which CMLP_EMU_KERNEL_IMAGE, a build
+ * of cmlp's, does not touch), with CMLP_EMU_MODULE_BYTES. */
+cudaError_t load_module(const void *kernel) {
     static const size_t bytes = env_size("CMLP_EMU_MODULE_BYTES", 0);
     if (!bytes) return cudaSuccess;
     std::lock_guard<std::recursive_mutex> g(gpu);
@@ -1365,6 +1375,14 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDe
 
 namespace {
 
+/* The module of cuBLAS (blas 1) or cuBLASLt (0) kernels a GEMM loads: one per epilogue, types and
+ * size class (a power of two of the largest side: tiles differ). */
+const void *blas_module(uint32_t epilogue, const lt_layout &a, const lt_layout &d, int blas) {
+    const uint64_t side = std::max({a.rows, a.cols, d.rows, d.cols, (uint64_t)1});
+    return (const void *)(1 + ((uintptr_t)blas << 32 | (uintptr_t)(63 - __builtin_clzll(side)) << 24 |
+                               (uintptr_t)epilogue << 16 | (uintptr_t)a.type << 8 | d.type));
+}
+
 /* D = alpha op(A) op(B) + beta C (+ bias, ReLU) as one algorithm al runs it, queued on the
  * stream: cublasLtMatmul's and cublasGemmEx's work (who: which of them, for messages) */
 cublasStatus_t matmul(const char *who, const lt_desc &desc, const lt_layout &la, const lt_layout &lb,
@@ -1463,10 +1481,14 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t op, const v
      * CMLP_EMU_MODULE_BYTES): one module for each epilogue, types and size class (a power of
      * two of the largest side: tiles differ); where its memory is not free, the call fails to
      * execute, and cuBLAS has taken the launch's error */
-    const uint64_t side = std::max({L(a)->rows, L(a)->cols, L(d)->rows, L(d)->cols, (uint64_t)1});
-    const uintptr_t module = 1 + ((uintptr_t)(63 - __builtin_clzll(side)) << 24 | (uintptr_t)D(op)->epilogue << 16 |
-                                  (uintptr_t)L(a)->type << 8 | L(d)->type);
-    if (load_kernel((const void *)module, "cublasLtMatmul") != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
+    if (load_module(blas_module(D(op)->epilogue, *L(a), *L(d), 0)) != cudaSuccess)
+        return CUBLAS_STATUS_EXECUTION_FAILED;
+    /* CMLP_EMU_LT_FAIL=1: every call fails to execute, as on a device fault (not for memory) */
+    static const bool fails = [] {
+        const char *v = std::getenv("CMLP_EMU_LT_FAIL");
+        return v && std::strcmp(v, "1") == 0;
+    }();
+    if (fails) return CUBLAS_STATUS_EXECUTION_FAILED;
     return matmul("cublasLtMatmul", *D(op), *L(a), *L(b), *L(c), *L(d), al, alpha, A, B, beta, C, Dp, ws, ws_bytes,
                   stream);
 }
@@ -1530,6 +1552,8 @@ cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t transa, cublasOp
     const lt_layout lb{Btype, br, transb == CUBLAS_OP_N ? (uint64_t)n : (uint64_t)k, ldb};
     const lt_layout lc{Ctype, (uint64_t)m, (uint64_t)n, ldc};
     lt_algo al{ALGO_MAGIC, {1, 1, 1, 1, 1}, std::min<uint64_t>(bh.ws_bytes, (uint64_t)1 << 20)};
+    if (load_module(blas_module(CUBLASLT_EPILOGUE_DEFAULT, la, lc, 1)) != cudaSuccess)
+        return CUBLAS_STATUS_EXECUTION_FAILED; /* (as cublasLtMatmul's) */
     return matmul("cublasGemmEx", desc, la, lb, lc, lc, al, alpha, A, B, beta, C, C, bh.ws, bh.ws_bytes, bh.stream);
 }
 
