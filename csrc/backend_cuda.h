@@ -91,7 +91,6 @@ typedef struct {
     cublasLtMatmulAlgo_t algo;
     bool used;
     bool none; /* cuBLASLt has no algorithm for this key (a fused epilogue's caller does without it) */
-    bool ran;  /* it has run: its kernels are loaded */
     /* a failed first run may be made again whatever beta is: no pass writes D before the last
      * (no split-K, or one reduced through the workspace) */
     bool rerun_safe;

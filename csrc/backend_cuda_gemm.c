@@ -91,14 +91,14 @@ static cmlp_status plan_make(cuda_ctx *c, gemm_plan *p, const uint64_t key[8], c
 
 /* A GEMM call's failure; out of device memory (ALLOC_FAILED, or the launch's error: what cuBLAS
  * loads or makes on first use, outside the caching allocator) is CMLP_ERR_OOM, as CUDA's
- * (cuda_fail). So is a first run that failed to execute where it was loading its kernels (see
+ * (cuda_fail). So is one that failed to execute where it was loading its kernels (see
  * gemm_failed), as done() words it. */
 static cmlp_status blas_fail(cublasStatus_t s, cudaError_t e, bool loading, const char *what, const gemm_desc *g) {
     if (s == CUBLAS_STATUS_EXECUTION_FAILED && loading && e != cudaErrorMemoryAllocation)
         return FAIL(CMLP_ERR_OOM, "CUDA out of memory at a launch: CUDA loads a kernel's code at its first launch, "
                     "into device memory outside the caching allocator, and the memory in use leaves none. Free "
                     "tensors or release cached memory (cmlp.cuda.empty_cache()) and retry. The launch: %s (%lld x "
-                    "%lld x %lld), the first of its plan, which failed to execute (%s)", what, (long long)g->m,
+                    "%lld x %lld), which failed to execute with little device memory free (%s)", what, (long long)g->m,
                     (long long)g->n, (long long)g->k, cublasLtGetStatusString(s));
     if (s == CUBLAS_STATUS_ALLOC_FAILED || e == cudaErrorMemoryAllocation)
         return FAIL(CMLP_ERR_OOM, "CUDA out of memory in cuBLAS: what it loads or makes on first use needs device "
@@ -112,23 +112,24 @@ static cmlp_status blas_fail(cublasStatus_t s, cudaError_t e, bool loading, cons
 /* What again (lt_gemm_once) says: give the cache back and run once more, or give it back only. */
 enum { RERUN = 1, GIVE_BACK = 2 };
 
-/* Below this much free device memory, a plan's first run that failed to execute (the launch's
- * error taken by cuBLAS, none pending) is taken for kernels that found no room to load: the
- * modules cuBLAS loads take some MiB. With more free, it is the device error it says. */
+/* Below this much free device memory, a GEMM that failed to execute (the launch's error taken
+ * by cuBLAS, none pending) is taken for kernels that found no room to load: the modules cuBLAS
+ * loads take some MiB. With more free, it is the device error it says. */
 #define LOAD_ROOM ((size_t)256 << 20)
 
-/* A GEMM that failed (s), by cuBLASLt or cuBLAS under plan p: its error. Where p's first run
- * failed as one whose kernels found no room to load does (out of memory, or failing to execute
- * with little memory free and no other launch error pending), *again (when given) says to give
- * the cache back, and to run once more where that gives what one run would (beta 0, or
- * rerun_safe: nothing written to C before the last pass). */
-static cmlp_status gemm_failed(gemm_plan *p, cublasStatus_t s, float beta, bool rerun_safe, const char *what,
-                               const gemm_desc *g, int *again) {
+/* A GEMM that failed (s), by cuBLASLt or cuBLAS: its error. Where it failed as one whose kernels
+ * found no room to load does (out of memory, or failing to execute with little memory free and
+ * no other launch error pending: a plan's first run, or a kernel of its not launched before, as
+ * for another beta), *again (when given) says to give the cache back, and to run once more where
+ * that gives what one run would (beta 0, or rerun_safe: nothing written to C before the last
+ * pass). */
+static cmlp_status gemm_failed(cublasStatus_t s, float beta, bool rerun_safe, const char *what, const gemm_desc *g,
+                               int *again) {
     cudaError_t e = cudaGetLastError();
     size_t free_b = 0, total = 0;
-    bool loading = !p->ran && (s == CUBLAS_STATUS_ALLOC_FAILED || e == cudaErrorMemoryAllocation ||
-                               (s == CUBLAS_STATUS_EXECUTION_FAILED && e == cudaSuccess &&
-                                cudaMemGetInfo(&free_b, &total) == cudaSuccess && free_b < LOAD_ROOM));
+    bool loading = s == CUBLAS_STATUS_ALLOC_FAILED || e == cudaErrorMemoryAllocation ||
+                   (s == CUBLAS_STATUS_EXECUTION_FAILED && e == cudaSuccess &&
+                    cudaMemGetInfo(&free_b, &total) == cudaSuccess && free_b < LOAD_ROOM);
     (void)cudaGetLastError(); /* (cudaMemGetInfo's, if it failed) */
     if (loading && again) *again = beta == 0.0f || rerun_safe ? RERUN : GIVE_BACK;
     return blas_fail(s, e, loading, what, g);
@@ -139,8 +140,8 @@ static cmlp_status gemm_failed(gemm_plan *p, cublasStatus_t s, float beta, bool 
  * types and compute type, fp32 accumulation (no reduction in half precision). The handle is
  * made on the first such GEMM, outside a capture (making it allocates); it runs on the stream
  * this thread queues to, with that stream's workspace. Under c->lock. */
-static cmlp_status blas_gemm(cuda_ctx *c, gemm_plan *p, const gemm_desc *g, float alpha, const void *d_a,
-                             const void *d_b, float beta, void *d_c, void *ws, size_t ws_bytes, int *again) {
+static cmlp_status blas_gemm(cuda_ctx *c, const gemm_desc *g, float alpha, const void *d_a, const void *d_b,
+                             float beta, void *d_c, void *ws, size_t ws_bytes, int *again) {
     const int64_t dims[6] = {g->m, g->n, g->k, g->lda, g->ldb, g->ldc};
     for (int i = 0; i < 6; i++)
         if (dims[i] > INT32_MAX)
@@ -173,15 +174,13 @@ static cmlp_status blas_gemm(cuda_ctx *c, gemm_plan *p, const gemm_desc *g, floa
                          g->ab, (int)g->lda, &beta, d_c, g->cd, (int)g->ldc, ct, CUBLAS_GEMM_DEFAULT);
     /* (its algorithm unknown: a split-K of its own may have added to C) */
     if (s != CUBLAS_STATUS_SUCCESS)
-        return gemm_failed(p, s, beta, false, "cublasGemmEx (for a GEMM cuBLASLt has no algorithm for)", g, again);
-    p->ran = true;
+        return gemm_failed(s, beta, false, "cublasGemmEx (for a GEMM cuBLASLt has no algorithm for)", g, again);
     return CMLP_OK;
 }
 
 /* no_algo (may be NULL): set when cuBLASLt has no algorithm for this GEMM's epilogue (then
- * nothing ran); one without an epilogue goes to cuBLAS (blas_gemm). again (may be NULL): where
- * a plan's first run failed as one whose kernels found no room to load does, RERUN where running
- * it once more gives what one run would (beta 0, or rerun_safe), else GIVE_BACK. */
+ * nothing ran); one without an epilogue goes to cuBLAS (blas_gemm). again (may be NULL): see
+ * gemm_failed. */
 static cmlp_status lt_gemm_once(cuda_ctx *c, const gemm_desc *g, float alpha, const void *d_a, const void *d_b,
                                 float beta, void *d_c, const void *d_bias, bool *no_algo, int *again) {
     bool none = false;
@@ -239,7 +238,7 @@ static cmlp_status lt_gemm_once(cuda_ctx *c, const gemm_desc *g, float alpha, co
     }
     if (none && g->epilogue == CUBLASLT_EPILOGUE_DEFAULT) {
         none = false;
-        st = blas_gemm(c, p, g, alpha, d_a, d_b, beta, d_c, ws, ws_bytes, again);
+        st = blas_gemm(c, g, alpha, d_a, d_b, beta, d_c, ws, ws_bytes, again);
         pthread_mutex_unlock(&c->lock);
         if (st == CMLP_OK && c->sync_each) st = done(c, cudaSuccess, "cublasGemmEx");
         return st;
@@ -258,19 +257,19 @@ static cmlp_status lt_gemm_once(cuda_ctx *c, const gemm_desc *g, float alpha, co
     if (st == CMLP_OK) {
         cublasStatus_t s = cublasLtMatmul(c->lt, p->op, &alpha, d_b, p->a, d_a, p->b, &beta, d_c, p->c, d_c, p->c,
                                           &p->algo, ws, ws_bytes, stream_of(c));
-        if (s != CUBLAS_STATUS_SUCCESS) st = gemm_failed(p, s, beta, p->rerun_safe, "cublasLtMatmul", g, again);
-        else p->ran = true;
+        if (s != CUBLAS_STATUS_SUCCESS) st = gemm_failed(s, beta, p->rerun_safe, "cublasLtMatmul", g, again);
     }
     pthread_mutex_unlock(&c->lock);
     if (st == CMLP_OK && c->sync_each) st = done(c, cudaSuccess, "cublasLtMatmul");
     return st;
 }
 
-/* cuBLASLt (and cuBLAS) load a plan's kernels at its first run (lazy loading), into device memory
- * the caching allocator may hold: as a kernel's launch does (KERNEL), a first run that found no room
- * has the cache given back to the device (outside the lock) and is made once more. Where a pass
- * may have added to C already (an in-place split-K with beta != 0), it is not: the out-of-memory
- * stands, and the caller's retry (a training step's, in smaller micro-batches) finds the room. */
+/* cuBLASLt (and cuBLAS) load a GEMM's kernels at their first launch (lazy loading), into device
+ * memory the caching allocator may hold: as a kernel's launch does (KERNEL), a GEMM that found no
+ * room has the cache given back to the device (outside the lock) and is made once more. Where a
+ * pass may have added to C already (beta != 0 with an in-place split-K, or cuBLAS's algorithm),
+ * it is not: the out-of-memory stands, and the caller's retry (a training step's, in smaller
+ * micro-batches) finds the room. */
 static cmlp_status lt_gemm(cuda_ctx *c, const gemm_desc *g, float alpha, const void *d_a, const void *d_b, float beta,
                            void *d_c, const void *d_bias, bool *no_algo) {
     int again = 0;
