@@ -472,6 +472,9 @@ CMLP_API int cmlp_optim_num_buffers(const cmlp_optim *o);
 /* The buffers it holds once its next step is taken (those held, and those that step makes): what a
  * plan of that step counts (cmlp_plan_compute's optimizer_buffers). */
 CMLP_API int cmlp_optim_buffers_planned(const cmlp_optim *o);
+/* Whether its param groups' settings are in its device's memory now (a plan's "optimizer_parts"
+ * request, made as the groups are given to it, is held). */
+CMLP_API int cmlp_optim_parts_on_device(const cmlp_optim *o);
 CMLP_API cmlp_status cmlp_optim_get_buffer(const cmlp_optim *o, int i, float *host_out);
 /* Replaces the state: step count and nbuffers host buffers of num_parameters floats each
  * (nbuffers: 0, or 1 for SGD, 2 or 3 for Adam), finite (but for SGD's NaN where its buffer has
@@ -696,13 +699,15 @@ CMLP_API cmlp_status cmlp_trainer_set_distributed(cmlp_trainer *t, int on);
  * fit keeps on a device other than the host (data_rows > 0), 0 on the CPU, where it stays in
  * host memory. */
 /* What a planned request's block holds: the parameters and gradients, the optimizer's state,
- * the half-precision weights, a fit's data set, the step's buffers. */
+ * the half-precision weights, a fit's data set, the step's buffers, the optimizer's param groups'
+ * settings (counted in allocated_state; on a device, made as the groups are given to it). */
 typedef enum {
     CMLP_HELD_MODEL,
     CMLP_HELD_STATE,
     CMLP_HELD_HALF,
     CMLP_HELD_DATA,
     CMLP_HELD_STEP,
+    CMLP_HELD_PARTS,
 } cmlp_plan_held;
 enum { CMLP_PLAN_REQUESTS = 12 };
 

@@ -175,6 +175,10 @@ int cmlp_optim_buffers_planned(const cmlp_optim *o) { return buffers_of(o); }
 
 int cmlp_optim_num_parts(const cmlp_optim *o) { return o->nparts; }
 
+int cmlp_optim_parts_on_device(const cmlp_optim *o) {
+    return o->d_parts && o->d_parts_dev == o->dev && o->dev->device.type != CMLP_DEVICE_CPU;
+}
+
 void cmlp_optim_expect_momentum(cmlp_optim *o, bool on) { o->momentum_ahead = on; }
 
 cmlp_status cmlp_optim_configure_adam(cmlp_optim *o, const cmlp_adam_config *c) {

@@ -205,7 +205,7 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
     int nreq = 0;
     kind[nreq] = CMLP_HELD_MODEL, req[nreq++] = (size_t)out->parameters;
     kind[nreq] = CMLP_HELD_MODEL, req[nreq++] = grads_bytes;
-    if (parts) kind[nreq] = CMLP_HELD_STATE, req[nreq++] = parts;
+    if (parts) kind[nreq] = CMLP_HELD_PARTS, req[nreq++] = parts;
     for (int i = 0; i < 3; i++)
         if (data[i]) kind[nreq] = CMLP_HELD_DATA, req[nreq++] = data[i];
     if (optimizer_buffers) { /* before the first gradients: the arena, and AMSGrad's maximum apart */
@@ -216,7 +216,8 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
     }
     if (out->half_weights) kind[nreq] = CMLP_HELD_HALF, req[nreq++] = (size_t)out->half_weights;
     kind[nreq] = CMLP_HELD_STEP, req[nreq++] = ws;
-    int64_t *held[] = {&out->allocated_model, &out->allocated_state, &out->allocated_half, &out->allocated_data, NULL};
+    int64_t *held[] = {&out->allocated_model, &out->allocated_state, &out->allocated_half, &out->allocated_data, NULL,
+                       &out->allocated_state};
     out->nrequests = nreq;
     for (int i = 0; i < nreq; i++) out->request_bytes[i] = (int64_t)req[i], out->request_held[i] = kind[i];
     paper_device pd = {.next = (uintptr_t)1 << 44, .total = dev->backend->total_memory(dev->bctx),

@@ -141,7 +141,7 @@ def fill_cache_but(device, room):
     return taken
 
 
-def room_for(plan, kinds=("model", "optimizer_state", "step")):
+def room_for(plan, kinds=("model", "optimizer_state", "optimizer_parts", "step")):
     """The bytes a plan's requests of those kinds take as the allocator rounds them (512)."""
     return sum(-(-n // 512) * 512 for what, n in plan._requests if what in kinds)
 

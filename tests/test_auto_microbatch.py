@@ -483,6 +483,11 @@ if case == "another model":  # its parameters and gradients in segments of their
     M.empty_cache("cpu")
     kept.append(other)
     layers, batch, optim, room = [100, 64, 64, 10], 8192, "adam", 4 << 20
+elif case == "a step of 1-10 MiB takes a 20 MiB segment":  # what fits is not monotonic in the size
+    layers, batch, optim, room = [256, 1024, 1024, 10], 4096, "sgd", 12 << 20
+elif case == "the small pool full":  # 1.5 MiB free in a large segment, no room for a new small one
+    kept += [M.caching_allocator_alloc(1 << 20, "cpu") for _ in range(2)]
+    layers, batch, optim, room = [512, 512, 512], 1000, "sgd", 1 << 20
 else:  # a user's 5 MiB block first: the model's parameters and gradients share its segment
     if case == "a user's block, expandable segments":
         M.configure("expandable_segments:True")
@@ -492,6 +497,9 @@ else:  # a user's 5 MiB block first: the model's parameters and gradients share 
                                   "a user's block, expandable segments": ([784, 1024, 10], 4096, "adam", 10 << 20)}[case]
 model = cmlp.MLP(layers, seed=0)
 opt = cmlp.optim.Adam(model) if optim == "adam" else cmlp.optim.SGD(model, lr=1e-2, momentum=0.9)
+if case == "the small pool full":  # room in the model's segment for the momentum and 1.5 MiB more
+    free = max(b["size"] for s in M.memory_snapshot("cpu") for b in s["blocks"] if b["state"] == "inactive")
+    kept.append(M.caching_allocator_alloc(free - 4 * model.num_parameters() - (3 << 19), "cpu"))
 x, y = rng.standard_normal((batch, layers[0])).astype(np.float32), rng.integers(0, layers[-1], batch)
 M.set_memory_limit(M.memory_reserved("cpu") + room, "cpu")
 # a micro-batch of its own: steps of that many micro-batches, as the trainer would accumulate them
@@ -520,16 +528,21 @@ def _beside(case, micro):
 
 
 @pytest.mark.parametrize("case", ["another model", "a user's block, Adam", "a user's block, SGD",
-                                  "a user's block, expandable segments"])
+                                  "a user's block, expandable segments", "a step of 1-10 MiB takes a 20 MiB segment",
+                                  "the small pool full"])
 def test_the_planned_start_is_the_largest_micro_batch_that_fits_beside_other_allocations(case):
     """Under a limit, beside another model's segments or a user's block (which may share a
-    segment with the model): the planner's micro-batch trains without an out-of-memory, and the
-    next larger one it could have taken (one micro-batch fewer in the step) runs out of memory.
+    segment with the model): the planner's micro-batch trains without an out-of-memory, and every
+    larger one it could have taken (fewer equal micro-batches of the step) runs out of memory.
     The planner tries the run's requests on a copy of the allocator. Before, it told the run's
     segments from others by what their blocks held and counted its own from an empty cache:
     beside another model it planned 4096, ran out of memory three times and ended at 512 (now
     820); beside a user's block with Adam, 342, one out-of-memory, 171 (now 205); with SGD, 158
-    where 2048 trains. Each case in a process of its own: the cache as it starts."""
+    where 2048 trains. Whether a size fits is not monotonic in it (a step's buffers of 1 to 10
+    MiB take a 20 MiB segment where 11 MiB take 12; those of at most 1 MiB a new small segment
+    where a larger one fits a cached block): every size is tried from the largest down. Before,
+    the search halved and stopped: 373 where 820 trains, and "fits no micro-batch" where 167
+    trains. Each case in a process of its own: the cache as it starts."""
     run = _beside(case, 0)
     micro, batch = run["micro"], run["batch"]
     assert run["ooms"] == 0 and micro, run
@@ -537,8 +550,38 @@ def test_the_planned_start_is_the_largest_micro_batch_that_fits_beside_other_all
         assert micro == batch and not run["said"], run  # it fits whole
         return
     assert micro < batch and len(run["said"]) == 1 and f"micro-batches of {micro}," in run["said"][0], run
-    larger = -(-batch // (-(-batch // micro) - 1))
-    assert _beside(case, larger)["micro"] is None  # an out-of-memory
+    for k in range(1, -(-batch // micro)):  # each larger one, of fewer micro-batches: an out-of-memory
+        larger = -(-batch // k)
+        assert _beside(case, larger)["micro"] is None, (micro, larger)
+
+
+_SECOND_FIT = r"""
+import numpy as np
+import cmlp
+M = cmlp.memory
+rng = np.random.default_rng(0)
+x, y = rng.standard_normal((4096, 256)).astype(np.float32), rng.integers(0, 10, 4096)
+model = cmlp.MLP([256, 1024, 1024, 10], seed=0)
+trainer = cmlp.Trainer(model, cmlp.optim.SGD(model, lr=0.01, momentum=0.9), batch_size=4096)
+M.set_memory_limit(M.memory_reserved("cpu") + (12 << 20), "cpu")
+first = trainer.fit(x, y, epochs=1, progress=False)[0]["microbatch_size"]
+M.set_memory_limit(M.memory_reserved("cpu") + (1 << 30), "cpu")
+ooms = M.memory_stats("cpu")["num_ooms"]
+second = trainer.fit(x, y, epochs=1, progress=False)[0]["microbatch_size"]
+print(first, second, trainer.microbatch_size, M.memory_stats("cpu")["num_ooms"] - ooms)
+"""
+
+
+def test_a_later_fit_with_more_room_starts_from_the_micro_batch_asked_for():
+    """The planned start tries from the micro-batch asked for, not the one an earlier fit under a
+    tighter limit ended with: after the limit rises, the next fit trains whole (before, it kept
+    the smaller micro-batch). In a process of its own: the cache as it starts."""
+    import subprocess
+    r = subprocess.run([sys.executable, "-W", "ignore", "-c", _SECOND_FIT], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="", CMLP_ALLOC_CONF=""))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    first, second, now, ooms = map(int, r.stdout.split())
+    assert first < 4096 and (second, now, ooms) == (4096, 4096, 0), r.stdout
 
 
 _BELOW_RESERVED = r"""

@@ -320,6 +320,39 @@ def test_a_gemm_whose_kernels_cannot_load_gives_the_cache_back(gemms):
         assert lines[1:] == ["given back: True", "then: True"], r.stdout
 
 
+_PARTS_HELD = r"""
+import numpy as np
+import cmlp
+M = cmlp.memory
+model = cmlp.MLP([512, 512, 512], device="cuda", seed=0)
+groups = [{"params": ["fc1.weight"], "lr": 2e-3}, {"params": ["fc1.bias", "fc2.weight", "fc2.bias"]}]
+opt = cmlp.optim.SGD(model, lr=0.01, momentum=0.9, param_groups=groups)
+opt._sync_parts(opt._rates()[1])  # the groups' settings on the device, as fit puts them before planning
+free = [b["size"] for s in M.memory_snapshot("cuda") if s["segment_type"] == "small" for b in s["blocks"]
+        if b["state"] == "inactive"]
+kept = [M.caching_allocator_alloc(1 << 20, "cuda"), M.caching_allocator_alloc(free[0] - (1 << 20), "cuda")]
+M.set_memory_limit(M.memory_reserved("cuda") + (1 << 20), "cuda")  # no room for another small segment
+rng = np.random.default_rng(0)
+x, y = rng.standard_normal((1000, 512)).astype(np.float32), rng.integers(0, 512, 1000)
+history = cmlp.Trainer(model, opt, batch_size=1000).fit(x, y, epochs=1, progress=False)
+print(history[0]["microbatch_size"], M.memory_stats("cuda")["num_ooms"])
+"""
+
+
+@needs_emulator[0]
+@needs_emulator[1]
+def test_the_planned_start_counts_the_param_groups_settings_it_holds():
+    """The optimizer's param groups' settings are put on the device as they are given (before a
+    fit plans its start): the planned start counts them as held, not as a request still to come.
+    Before, with the small pool full, each size failed on that request alone and the fit ran out
+    of memory, where the whole batch trains."""
+    env = dict(_emulated_env(), CMLP_EMU_MEMORY=str(1 << 30))
+    r = subprocess.run([sys.executable, "-W", "ignore", "-c", _PARTS_HELD], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert r.stdout.split() == ["1000", "0"], r.stdout
+
+
 _GEMM_FAULT = r"""
 import numpy as np
 import cmlp

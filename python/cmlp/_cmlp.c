@@ -279,7 +279,8 @@ static PyObject *mod_plan(PyObject *mod, PyObject *args) {
                            row_bytes, shuffled, eval_rows, eval_staged, epochs, d, &p);
     NOGIL_END
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
-    static const char *const held_names[] = {"model", "optimizer_state", "half_weights", "data", "step"};
+    static const char *const held_names[] = {"model", "optimizer_state", "half_weights", "data", "step",
+                                             "optimizer_parts"};
     PyObject *requests = PyList_New(p.nrequests);
     if (!requests) return NULL;
     for (int i = 0; i < p.nrequests; i++) {

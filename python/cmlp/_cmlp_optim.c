@@ -322,6 +322,11 @@ static PyObject *Optim_state_counts(OptimObject *self, PyObject *Py_UNUSED(unuse
     return Py_BuildValue("(Li)", (long long)step, nb);
 }
 
+static PyObject *Optim_parts_on_device(OptimObject *self, PyObject *Py_UNUSED(unused)) {
+    if (optim_ready(self) < 0) return NULL;
+    return PyBool_FromLong(cmlp_optim_parts_on_device(self->o));
+}
+
 static PyObject *Optim_buffers_planned(OptimObject *self, PyObject *Py_UNUSED(unused)) {
     if (optim_ready(self) < 0) return NULL;
     return PyLong_FromLong(cmlp_optim_buffers_planned(self->o));
@@ -330,6 +335,8 @@ static PyObject *Optim_buffers_planned(OptimObject *self, PyObject *Py_UNUSED(un
 static PyMethodDef Optim_methods[] = {
     {"step", (PyCFunction)Optim_step, METH_NOARGS, "one update from the model's gradients"},
     {"get_state", (PyCFunction)Optim_get_state, METH_NOARGS, "(step, [flat float32 buffers])"},
+    {"parts_on_device", (PyCFunction)Optim_parts_on_device, METH_NOARGS,
+     "whether the param groups' settings are in the device's memory (a plan's optimizer_parts request is held)"},
     {"state_counts", (PyCFunction)Optim_state_counts, METH_NOARGS,
      "(step, number of state buffers): get_state's without copying the buffers"},
     {"set_state", (PyCFunction)Optim_set_state, METH_VARARGS, "set_state(step, [buffers], checked=True)"},

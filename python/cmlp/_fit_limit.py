@@ -11,8 +11,8 @@ from . import distributed as _dist
 
 def start_under_limit(trainer: Any, xa: Optional[np.ndarray] = None, batch_rows: int = 0,
                       stacklevel: int = 6) -> None:
-    """Under a memory limit, start from the largest micro-batch that the planner says fits
-    next to what is already allocated (the fewest of a step). A fit on a GPU has copied
+    """Under a memory limit, start from the largest micro-batch (the fewest of a step) that fits
+    next to what is allocated now, up to the one asked for. A fit on a GPU has copied
     its data set xa to the device: where the step would fit a larger micro-batch without it
     (or, without auto_microbatch, only without it), the copy goes and the batches are staged
     from host memory, so that the data set never costs the step its room. trainer.step gives
@@ -26,6 +26,8 @@ def start_under_limit(trainer: Any, xa: Optional[np.ndarray] = None, batch_rows:
     held = ("model",) + (("optimizer_state",) if stepped else ())  # the parameters and gradients, ...
     if stepped and trainer.amp is not None:
         held += ("half_weights",)
+    if trainer.optimizer._c.parts_on_device():  # the param groups' settings, made as they were given
+        held += ("optimizer_parts",)
     trainer.model._c.release_workspace()  # the plan counts the workspace; it goes back to the cache
     resident = xa is not None and trainer._c.data_resident()
     room = limit - memory.memory_allocated(device)
@@ -67,55 +69,50 @@ def start_under_limit(trainer: Any, xa: Optional[np.ndarray] = None, batch_rows:
     if rows:
         step_rows = rows if batch_rows else min(step_rows, rows)  # trainer.step's step is its batch
 
-    def shrunk(b: int) -> int:
-        """Twice as many micro-batches of the step, as equal as they come, as an OOM makes
-        them (csrc/train_step.c shrunk_micro): 2667 of 8000 shrink to 1334, not 1333."""
-        n = -(-step_rows // b) if step_rows > b else 1
-        m = -(-step_rows // (2 * n))
-        return m if 1 <= m < b else b // 2
+    # the micro-batch asked for (trainer.microbatch_size may be one a limit or an OOM made smaller):
+    # each planned start tries from it, so that a fit after the limit rose or memory was freed
+    # takes what fits now; without auto_microbatch only the one in use is tried
+    target = trainer._c.microbatch_state()[1]
+    first = min(target, step_rows) if trainer.auto_microbatch else trainer.microbatch_size
 
     def largest(with_data: bool) -> Tuple[int, Any, bool]:
-        """The largest micro-batch whose plan fits: shrinking from the one in use as an OOM
-        would, then, between the size that fits and the one that did not, the fewest equal
-        micro-batches of the step that fit (a step of 8000 in 3 of 2667, not 4 of 2000), as
-        `python -m cmlp plan --budget` offers."""
-        b = failed = trainer.microbatch_size
-        while True:
-            p = planned(b, with_data)
-            if fits(p, with_data):
-                break
-            if b == 1 or not trainer.auto_microbatch:
-                return b, p, False  # not even one sample: the step will try, in micro-batches of 1
-            b, failed = shrunk(b), b
-        top = min(failed - 1, step_rows)
-        k = -(-step_rows // top) if b < top else step_rows + 1
-        while k <= step_rows:  # each k once it gives a smaller micro-batch: at most ~sqrt(2 * rows) plans
+        """The largest micro-batch that fits, of the fewest equal micro-batches of the step (a
+        step of 8000 in 3 of 2667, not 4 of 2000), as `python -m cmlp plan --budget` offers,
+        with its plan and whether it fits. Each size from `first` down is tried, for whether one
+        fits is not monotonic in its size: a step's buffers of 1 to 10 MiB take a 20 MiB segment
+        where 11 MiB take 12, those of at most 1 MiB the small pool's segments, and a free block
+        in the cache may hold one and not a smaller one of the other pool (about 2 sqrt(rows)
+        tries). Where none fits, 1: the step will try, in micro-batches of 1."""
+        if not trainer.auto_microbatch:
+            p = planned(first, with_data)
+            return first, p, fits(p, with_data)
+        k = -(-step_rows // first)
+        while k <= step_rows:
             c = -(-step_rows // k)
-            if c <= b:
-                break
-            q = planned(c, with_data)
-            if fits(q, with_data):
-                return c, q, True
-            k = max(k + 1, -(-step_rows // (c - 1)))
-        return b, p, True
+            p = planned(c, with_data)
+            if fits(p, with_data):
+                return c, p, True
+            k = max(k + 1, -(-step_rows // (c - 1))) if c > 1 else step_rows + 1
+        return 1, planned(1, with_data), False
 
     b, p, fits_one = largest(resident)
-    if resident and not (fits_one and b == trainer.microbatch_size):
+    if resident and not (fits_one and b == first):
         b_host, p_host, fits_host = largest(False)
         if fits_host and (not fits_one or b_host > b):
             trainer._c.set_host_data(True)  # the batches come from host memory for the rest of this fit
             b, p, fits_one = b_host, p_host, fits_host
     if not trainer.auto_microbatch:
         return
-    asked = trainer.microbatch_size
-    if b < asked:
-        trainer._c.start_microbatch(b)
+    start = target if b == first else b  # (all the step fits: the micro-batch asked for, as without a limit)
+    if start != trainer.microbatch_size:
+        trainer._c.start_microbatch(start)
+    if b < first:
         if trainer._warned is None or b < trainer._warned:  # said once, and again for a smaller one
             trainer._warned = b
-            said = f"fits micro-batches of {b}, not {asked}: the trainer accumulates them (the update is the same)"
+            said = f"fits micro-batches of {b}, not {first}: the trainer accumulates them (the update is the same)"
             if not fits_one:
                 state = ""
-                own = None if p is None else p.peak_bytes - sum(p._allocated[k] for k in held + ("data",))
+                own = None if p is None else p.peak_bytes - sum(p._allocated.get(k, 0) for k in held + ("data",))
                 if own is not None and own <= room:
                     # the bytes may fit where the segments that hold them do not
                     state = (f" (its segments would reserve {memory._fmt(p.reserved_bytes)}: memory is reserved "
