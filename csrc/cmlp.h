@@ -176,7 +176,8 @@ CMLP_API cmlp_status cmlp_memory_get_info(cmlp_device d, int64_t *free_bytes, in
 CMLP_API cmlp_status cmlp_memory_empty_cache(cmlp_device d);
 /* Whether the n requests (bytes each, in this order, none freed between) would be served on the
  * device now (*served 1): tried on a copy of its allocator, with its limit, settings, cache and
- * the memory the device has free, so that nothing changes. n <= 16. */
+ * the memory the device has free, so that nothing changes. n <= CMLP_TRY_REQUESTS. */
+#define CMLP_TRY_REQUESTS 16
 CMLP_API cmlp_status cmlp_memory_try_requests(cmlp_device d, const int64_t *nbytes, int n, int *served);
 /* limit < 0 removes the limit. A limit below what is reserved now is allowed: later
  * requests fail until enough is released. */

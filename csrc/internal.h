@@ -53,8 +53,15 @@ CMLP_HIDDEN cmlp_status cmlp_device_get(cmlp_device d, cmlp_device_ctx **out);
 CMLP_HIDDEN cmlp_status cmlp_buffer_copy(cmlp_device_ctx *from, cmlp_device_ctx *to, const void *buf, size_t nbytes,
                                          const char *what, void **dst);
 
-/* The most requests cmlp_memory_try_requests tries; n of them checked (>= 0 bytes) into out. */
-#define CMLP_TRY_REQUESTS 16
+/* A device of addresses (plan.c): it hands out addresses from `next` and touches nothing;
+ * segments and mapped pages take from `room`, and give back to it when released. */
+typedef struct {
+    uintptr_t next;
+    int64_t total;
+    int64_t room;
+} cmlp_paper_device;
+CMLP_HIDDEN extern const cmlp_backend_i cmlp_paper_backend; /* its context: a cmlp_paper_device */
+/* n requests (at most CMLP_TRY_REQUESTS) checked (>= 0 bytes) into out. */
 CMLP_HIDDEN cmlp_status cmlp_requests_check(const int64_t *nbytes, int n, size_t *out);
 /* Whether n requests, made in order on the device now, would be served once the blocks at
  * drop[0..ndrop) are freed: tried on a copy of its allocator (plan.c); nothing changes. */

@@ -9,23 +9,17 @@
 
 /* ---- a device of addresses: nothing is touched, so any size can be planned ---- */
 
-typedef struct {
-    uintptr_t next;
-    int64_t total;
-    int64_t room; /* what it can still give: memory reserved (segments, mapped pages) takes from it */
-} paper_device;
-
-static int64_t paper_total(void *ctx) { return ((paper_device *)ctx)->total; }
+static int64_t paper_total(void *ctx) { return ((cmlp_paper_device *)ctx)->total; }
 
 static cmlp_status paper_reserve(void *ctx, size_t n, void **out) {
-    paper_device *d = ctx;
+    cmlp_paper_device *d = ctx;
     *out = (void *)d->next;
     d->next += (n + ((size_t)4 << 20)) & ~(((size_t)2 << 20) - 1); /* a gap between segments */
     return CMLP_OK;
 }
 
 static cmlp_status paper_map(void *ctx, void *p, size_t n) {
-    paper_device *d = ctx;
+    cmlp_paper_device *d = ctx;
     (void)p;
     if (n > (size_t)d->room) return CMLP_ERR_OOM;
     d->room -= (int64_t)n;
@@ -34,7 +28,7 @@ static cmlp_status paper_map(void *ctx, void *p, size_t n) {
 
 static void paper_unmap(void *ctx, void *p, size_t n) {
     (void)p;
-    ((paper_device *)ctx)->room += (int64_t)n;
+    ((cmlp_paper_device *)ctx)->room += (int64_t)n;
 }
 
 static cmlp_status paper_alloc(void *ctx, size_t n, void **out) {
@@ -46,7 +40,7 @@ static void paper_release(void *ctx, void *p, size_t n) {
     (void)ctx, (void)p, (void)n;
 }
 
-static const cmlp_backend_i paper_backend = {
+const cmlp_backend_i cmlp_paper_backend = {
     .name = "plan",
     .total_memory = paper_total,
     .raw_alloc = paper_alloc,
@@ -67,10 +61,10 @@ cmlp_status cmlp_plan_try(cmlp_device_ctx *dev, const size_t *nbytes, int n, voi
     *served = false;
     const cmlp_backend_i *be = dev->backend;
     int64_t free_now = !be->host_memory && be->free_memory ? be->free_memory(dev->bctx) : -1;
-    paper_device pd = {.next = (uintptr_t)1 << 62, .total = be->total_memory(dev->bctx),
+    cmlp_paper_device pd = {.next = (uintptr_t)1 << 62, .total = be->total_memory(dev->bctx),
                        .room = free_now >= 0 ? free_now : INT64_MAX / 4};
     cmlp_allocator *a;
-    CMLP_TRY(cmlp_allocator_copy(dev->alloc, &paper_backend, &pd, &a));
+    CMLP_TRY(cmlp_allocator_copy(dev->alloc, &cmlp_paper_backend, &pd, &a));
     cmlp_status st = CMLP_OK;
     for (int i = 0; i < ndrop && st == CMLP_OK; i++) st = cmlp_allocator_free(a, drop[i]);
     void *p;
@@ -220,11 +214,11 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
                        &out->allocated_state};
     out->nrequests = nreq;
     for (int i = 0; i < nreq; i++) out->request_bytes[i] = (int64_t)req[i], out->request_held[i] = kind[i];
-    paper_device pd = {.next = (uintptr_t)1 << 44, .total = dev->backend->total_memory(dev->bctx),
+    cmlp_paper_device pd = {.next = (uintptr_t)1 << 44, .total = dev->backend->total_memory(dev->bctx),
                        .room = INT64_MAX / 4};
     if (pd.total <= 0) pd.total = INT64_MAX / 4;
     cmlp_allocator *a;
-    CMLP_TRY(cmlp_allocator_create(&paper_backend, &pd, "plan", &a));
+    CMLP_TRY(cmlp_allocator_create(&cmlp_paper_backend, &pd, "plan", &a));
     cmlp_status st = CMLP_OK;
     /* A device with a standing workspace (CUDA's GEMM workspace) allocated it when it opened:
      * it comes first here too, so that the run's blocks land beside it as they will, and the

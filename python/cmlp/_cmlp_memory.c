@@ -110,9 +110,9 @@ Py_ssize_t request_list(PyObject *list, int64_t *out) {
     PyObject *items = items_of(list, "requests must be a list of ints"); /* (an __index__ may change the list) */
     if (!items) return -1;
     Py_ssize_t n = PyTuple_GET_SIZE(items);
-    if (n > 16) {
+    if (n > CMLP_TRY_REQUESTS) {
         Py_DECREF(items);
-        PyErr_Format(PyExc_ValueError, "at most 16 requests can be tried, got %zd", n);
+        PyErr_Format(PyExc_ValueError, "at most %d requests can be tried, got %zd", CMLP_TRY_REQUESTS, n);
         return -1;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -132,7 +132,7 @@ static PyObject *mod_try_requests(PyObject *mod, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OO!", &dev, &PyList_Type, &list)) return NULL;
     cmlp_device d;
     if (parse_device(state_of(mod), dev, &d) < 0) return NULL;
-    int64_t req[16];
+    int64_t req[CMLP_TRY_REQUESTS];
     Py_ssize_t n = request_list(list, req);
     if (n < 0) return NULL;
     int served = 0;

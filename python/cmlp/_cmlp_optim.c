@@ -322,9 +322,19 @@ static PyObject *Optim_state_counts(OptimObject *self, PyObject *Py_UNUSED(unuse
     return Py_BuildValue("(Li)", (long long)step, nb);
 }
 
+static cmlp_status parts_of(const cmlp_optim *o, int *on_device) {
+    *on_device = cmlp_optim_parts_on_device(o);
+    return CMLP_OK;
+}
+
+/* Under the model's lock: a step or a move on another thread sets what it reads. */
 static PyObject *Optim_parts_on_device(OptimObject *self, PyObject *Py_UNUSED(unused)) {
     if (optim_ready(self) < 0) return NULL;
-    return PyBool_FromLong(cmlp_optim_parts_on_device(self->o));
+    int on = 0;
+    cmlp_status st;
+    RUN_LOCKED(self->model, st, parts_of(self->o, &on));
+    if (st != CMLP_OK) return raise_status(self->model->ms, st);
+    return PyBool_FromLong(on);
 }
 
 static PyObject *Optim_buffers_planned(OptimObject *self, PyObject *Py_UNUSED(unused)) {

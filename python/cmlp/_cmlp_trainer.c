@@ -233,7 +233,7 @@ static PyObject *Trainer_try_requests(TrainerObject *self, PyObject *args) {
     PyObject *list;
     int drop_data;
     if (!PyArg_ParseTuple(args, "O!p", &PyList_Type, &list, &drop_data) || trainer_ready(self) < 0) return NULL;
-    int64_t req[16];
+    int64_t req[CMLP_TRY_REQUESTS];
     Py_ssize_t n = request_list(list, req);
     if (n < 0) return NULL;
     ModelObject *mo = self->optim->model;

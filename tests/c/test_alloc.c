@@ -1913,41 +1913,6 @@ static uint64_t layout_hash(cmlp_allocator *a) {
     return h;
 }
 
-/* A device of addresses for copies: it has `room` bytes to give (segments and mapped pages take
- * from it), and hands out addresses far from the fake device's. */
-typedef struct {
-    uintptr_t next;
-    int64_t total, room;
-} paper_dev;
-
-static int64_t paper_total(void *ctx) { return ((paper_dev *)ctx)->total; }
-static cmlp_status paper_reserve(void *ctx, size_t n, void **out) {
-    paper_dev *d = ctx;
-    *out = (void *)d->next;
-    d->next += (n + MB(4)) & ~(MB(2) - 1);
-    return CMLP_OK;
-}
-static cmlp_status paper_map(void *ctx, void *p, size_t n) {
-    paper_dev *d = ctx;
-    (void)p;
-    if ((int64_t)n > d->room) return CMLP_ERR_OOM;
-    d->room -= (int64_t)n;
-    return CMLP_OK;
-}
-static void paper_unmap(void *ctx, void *p, size_t n) {
-    (void)p;
-    ((paper_dev *)ctx)->room += (int64_t)n;
-}
-static cmlp_status paper_alloc(void *ctx, size_t n, void **out) {
-    cmlp_status st = paper_map(ctx, NULL, n);
-    return st == CMLP_OK ? paper_reserve(ctx, n, out) : st;
-}
-static void paper_release(void *ctx, void *p, size_t n) { (void)ctx, (void)p, (void)n; }
-static const cmlp_backend_i paper_backend = {
-    .name = "paper", .total_memory = paper_total, .raw_alloc = paper_alloc, .raw_free = paper_unmap,
-    .vm_reserve = paper_reserve, .vm_map = paper_map, .vm_unmap = paper_unmap, .vm_release = paper_release,
-};
-
 /* Random live blocks under a limit; at points a copy is made, which must look as the allocator
  * does (layout, statistics), and 1-4 requests are made on both: each must be served or refused
  * on the copy as on the allocator, with the same bytes allocated and reserved after it (the
@@ -1982,10 +1947,10 @@ static void test_copy(void) {
             if (op % 7) continue;
             uint64_t before = layout_hash(a);
             cmlp_memory_stats s0 = stats_of(a);
-            paper_dev pd = {.next = (uintptr_t)1 << 60, .total = d.total,
+            cmlp_paper_device pd = {.next = (uintptr_t)1 << 60, .total = d.total,
                             .room = d.capacity - d.raw_bytes - d.mapped_bytes};
             cmlp_allocator *c2 = NULL;
-            OK(cmlp_allocator_copy(a, &paper_backend, &pd, &c2));
+            OK(cmlp_allocator_copy(a, &cmlp_paper_backend, &pd, &c2));
             cmlp_memory_stats s2 = stats_of(c2);
             CHECK(layout_hash(c2) == before && !memcmp(&s0, &s2, sizeof s0), "%s op %d: the copy differs", confs[c], op);
             size_t req[4];
