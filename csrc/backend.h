@@ -286,6 +286,14 @@ typedef struct cmlp_backend_i {
      * rank r's part; the other parts of d_buf are left undefined. Queued as comm_all_reduce is. */
     cmlp_status (*comm_reduce_scatter)(void *ctx, void *comm, float *d_buf, int64_t n, int64_t chunk);
     void (*comm_free)(void *ctx, void *comm);
+    /* Fences (NULL where the device has none), for the process group's timeout: fence_record
+     * makes a mark after the work this thread has queued on the device (*fence NULL while it
+     * captures: nothing runs then); fence_passed, from any thread: 1 once the device has run
+     * everything before it, 0 while it has not, -1 where it cannot say (a device error, which
+     * the thread that waits for the device gets); fence_free, from any thread. */
+    cmlp_status (*fence_record)(void *ctx, void **fence);
+    int (*fence_passed)(void *ctx, void *fence);
+    void (*fence_free)(void *ctx, void *fence);
 } cmlp_backend_i;
 
 #define CMLP_COMM_ID_BYTES 128

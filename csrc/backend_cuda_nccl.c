@@ -189,7 +189,45 @@ static void cu_comm_free(void *ctx, void *comm) {
     if (comm && nccl.ok && use(c) == CMLP_OK) (void)nccl.comm_destroy(comm);
 }
 
+/* ---- fences: what the process group's timeout watches (comm_watch.c) ---- */
+
+static cmlp_status cu_fence_record(void *ctx, void **fence) {
+    cuda_ctx *c = ctx;
+    *fence = NULL;
+    if (thread_capturing()) return CMLP_OK; /* recorded, not run */
+    CMLP_TRY_USE(c);
+    cudaEvent_t e;
+    CU_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    pthread_mutex_lock(&c->lock); /* in stream order with what other threads queue */
+    cudaError_t r = cudaEventRecord(e, stream_of(c));
+    pthread_mutex_unlock(&c->lock);
+    if (r != cudaSuccess) {
+        (void)cudaEventDestroy(e);
+        return cuda_fail(r, "cudaEventRecord", __FILE__, __LINE__);
+    }
+    *fence = e;
+    return CMLP_OK;
+}
+
+/* On the watcher's thread: its errors are its own (CUDA's last error is per thread). */
+static int cu_fence_passed(void *ctx, void *fence) {
+    cuda_ctx *c = ctx;
+    if (forked || use(c) != CMLP_OK) return -1;
+    cudaError_t r = cudaEventQuery((cudaEvent_t)fence);
+    if (r == cudaSuccess) return 1;
+    (void)cudaGetLastError();
+    return r == cudaErrorNotReady ? 0 : -1;
+}
+
+static void cu_fence_free(void *ctx, void *fence) {
+    cuda_ctx *c = ctx;
+    if (!forked && fence && use(c) == CMLP_OK) (void)cudaEventDestroy((cudaEvent_t)fence);
+}
+
 void cuda_comm_ops(cmlp_backend_i *b) {
+    b->fence_record = cu_fence_record;
+    b->fence_passed = cu_fence_passed;
+    b->fence_free = cu_fence_free;
     b->comm_prepare = cu_comm_prepare;
     b->comm_id = cu_comm_id;
     b->comm_init = cu_comm_init;

@@ -350,10 +350,12 @@ void cmlp_dist_destroy(void) {
 void cmlp_dist_set_timeout(double seconds) {
     take_lock();
     if (mpi && !orphan) mpi->set_timeout(seconds);
+    cmlp_dist_watch_configure(orphan ? 0.0 : seconds, rank_); /* the devices' collectives */
     pthread_mutex_unlock(&lock);
 }
 
 void cmlp_dist_finalize(void) {
+    cmlp_dist_watch_stop(); /* not under the lock: the watcher may be ending the job */
     take_lock();
     const bool live = group;
     group = false;

@@ -57,5 +57,5 @@ cmlp_status cmlp_optim_gather(cmlp_optim *o, void *dcomm) {
     if (!o->shards) return CMLP_OK;
     cmlp_model *m = o->model;
     if (o->dev->device.type == CMLP_DEVICE_CPU) return cmlp_dist_all_gather(m->params, m->nparams, o->chunk, CMLP_COMM_F32);
-    return o->dev->backend->comm_all_gather(o->dev->bctx, dcomm, m->params, m->nparams, o->chunk);
+    return cmlp_dcomm_all_gather(o->dev, dcomm, m->params, m->nparams, o->chunk);
 }

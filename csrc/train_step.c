@@ -72,7 +72,7 @@ static cmlp_status clip_part(cmlp_trainer *t, cmlp_dscalars *ds, int64_t lo, int
     float *scratch = m->grads + norm_scratch(m->nparams, chunk, parts, r);
     CMLP_TRY(b->grad_norm(ctx, m->grads + lo, hi - lo, 2.0, scratch + r, ds->norm_part, &ds->norm_blocks));
     CMLP_TRY(m->dev->device.type == CMLP_DEVICE_CPU ? cmlp_dist_all_gather(scratch, parts, 1, CMLP_COMM_F32)
-                                                     : b->comm_all_gather(ctx, t->dcomm, scratch, parts, 1));
+                                                     : cmlp_dcomm_all_gather(m->dev, t->dcomm, scratch, parts, 1));
     CMLP_TRY(b->grad_norm(ctx, scratch, parts, 2.0, &ds->grad_norm, ds->norm_part, &ds->norm_blocks));
     return b->clip_by_norm(ctx, m->grads + lo, hi - lo, &ds->grad_norm, (float)t->cfg.max_grad_norm, &ds->norm_sum,
                            &ds->norm_steps);
@@ -106,8 +106,8 @@ static cmlp_status step_update(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_da
         CMLP_TRY(scatter ? cmlp_dist_reduce_scatter(m->grads, m->nparams, chunk)
                          : cmlp_dist_all_reduce(m->grads, m->nparams, CMLP_COMM_F32, CMLP_REDUCE_SUM));
     else if (t->dist) /* on the device's stream, in a capture too */
-        CMLP_TRY(scatter ? b->comm_reduce_scatter(ctx, t->dcomm, m->grads, m->nparams, chunk)
-                         : b->comm_all_reduce(ctx, t->dcomm, m->grads, m->nparams));
+        CMLP_TRY(scatter ? cmlp_dcomm_reduce_scatter(m->dev, t->dcomm, m->grads, m->nparams, chunk)
+                         : cmlp_dcomm_all_reduce(m->dev, t->dcomm, m->grads, m->nparams));
     if (!t->scaler.enabled && !cmlp_train_device_steps(t)) {
         if (clip) CMLP_TRY(scatter ? clip_part(t, ds, lo, hi, chunk, parts) : clip_grads(t, ds));
         return cmlp_optim_step_summed_at(t->optim, t->scales_row, t->momenta_row);
@@ -117,7 +117,7 @@ static cmlp_status step_update(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_da
         if (hi > lo) CMLP_TRY(b->unscale(ctx, m->grads + lo, hi - lo, 0.0f, &ds->scale, &ds->found_inf));
         if (scatter) /* every rank checked its part: all skip or take the step together */
             CMLP_TRY(cpu ? cmlp_dist_all_reduce(&ds->found_inf, 1, CMLP_COMM_F32, CMLP_REDUCE_MAX)
-                         : b->comm_all_reduce(ctx, t->dcomm, &ds->found_inf, 1));
+                         : cmlp_dcomm_all_reduce(m->dev, t->dcomm, &ds->found_inf, 1));
         found_inf = &ds->found_inf;
     }
     if (clip) CMLP_TRY(scatter ? clip_part(t, ds, lo, hi, chunk, parts) : clip_grads(t, ds));
@@ -364,7 +364,7 @@ cmlp_status cmlp_train_graph_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp
     if (t->dist) CMLP_TRY(cmlp_dist_all_reduce(&path, 1, CMLP_COMM_I64, CMLP_REDUCE_MIN));
     if (path == PATH_REPLAY) {
         t->ran_micro = t->micro; /* a replay's steps are whole micro-batches asked for (eligible) */
-        CMLP_TRY(b->graph_launch(dev->bctx, t->graph));
+        CMLP_TRY(t->dist ? cmlp_dcomm_graph_launch(dev, t->graph) : b->graph_launch(dev->bctx, t->graph));
         cmlp_train_good_step(t, true, n);
         return CMLP_OK;
     }
@@ -392,7 +392,7 @@ cmlp_status cmlp_train_graph_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp
         t->graph_dev = dev;
         t->graph_key = key;
         t->ran_micro = t->micro;
-        CMLP_TRY(b->graph_launch(dev->bctx, g));
+        CMLP_TRY(t->dist ? cmlp_dcomm_graph_launch(dev, g) : b->graph_launch(dev->bctx, g));
         cmlp_train_good_step(t, true, n);
         return CMLP_OK;
     }

@@ -8,6 +8,7 @@ summed in another order than one process sums them); fp16 within 2e-3 (each rank
 round their half-precision activations differently); losses within 1e-6 relative (fp32)."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -416,11 +417,13 @@ def emulator():
 
 
 @needs_emulated_nccl
-@pytest.mark.parametrize("opts", [{}, {"amp": "fp16", "accum": 2, "opt": "sgd"}, {"amp": "bf16", "shuffle": False},
-                                  {"clip": 0.05}],
-                         ids=["fp32", "fp16-accumulation-sgd", "bf16", "fp32-clipping"])
+@pytest.mark.parametrize("opts", [{"timeout": 10, "idle": 11}, {"amp": "fp16", "accum": 2, "opt": "sgd"},
+                                  {"amp": "bf16", "shuffle": False}, {"clip": 0.05}],
+                         ids=["fp32-watched", "fp16-accumulation-sgd", "bf16", "fp32-clipping"])
 def test_on_gpus_nccl_sums_the_gradients_inside_the_captured_step(emulator, opts):
-    # 2 ranks on the emulated CUDA backend: full steps replay a graph holding the all-reduce
+    # 2 ranks on the emulated CUDA backend: full steps replay a graph holding the all-reduce. With
+    # the group's timeout the device collectives are watched, and the ranks then idle past it:
+    # each watch ended when its collective passed (one left would end the job)
     out = run_job(2, "fit", dict(opts, backend="nccl", device="cuda", n=300), timeout=300, emulated_gpu=True)
     check_fit(out, 2, 1e-5 if "amp" not in opts else 2e-3, 1e-6 if "amp" not in opts else 1e-3)
     assert out["nccl_graph_register"] == "0"  # the caching allocator's buffers are not NCCL's to register
@@ -428,10 +431,32 @@ def test_on_gpus_nccl_sums_the_gradients_inside_the_captured_step(emulator, opts
 
 @needs_emulated_nccl
 def test_on_gpus_a_sharded_optimizer_steps_the_param_groups_parts_of_its_part(emulator):
-    # 3 ranks' parts cut across the param groups' parts of the flat parameters, on the device
-    out = run_job(3, "zero", {"opt": "adamw-groups", "device": "cuda", "backend": "nccl"}, timeout=300,
-                  emulated_gpu=True)
+    # 3 ranks' parts cut across the param groups' parts of the flat parameters, on the device; with
+    # the group's timeout the device collectives are watched, and each one passed ends its watch
+    out = run_job(3, "zero", {"opt": "adamw-groups", "device": "cuda", "backend": "nccl", "timeout": 10},
+                  timeout=300, emulated_gpu=True)
     check_zero(out, 3, emulated=True)
+
+
+@needs_emulated_nccl
+@pytest.mark.parametrize("stall, what", [("1:1", "an all-reduce (NCCL)"),
+                                         ("0:2", "a captured training step's collectives (NCCL, in a CUDA graph)")],
+                         ids=["first-sum-on-rank-1", "captured-sum-on-rank-0"])
+def test_on_gpus_a_collective_that_never_ends_ends_the_job_at_the_groups_timeout(emulator, stall, what):
+    # a rank's device stuck in NCCL's sum (the emulated NCCL's n-th collective on rank r never
+    # ends): the host queued it and went on, so no host collective's wait sees it; the watch of
+    # the device's collectives ends the job at the group's timeout, on the stuck rank or the one
+    # that waits for it, naming what it waited for (the second sum is recorded in a graph: the
+    # first step runs eagerly, the second is captured, and the graph's launch runs it)
+    cmd = [MPIRUN, "-np", "2", sys.executable, os.path.join(HERE, "dist_worker.py"), "fit",
+           json.dumps({"backend": "nccl", "device": "cuda", "n": 300, "timeout": 3})]
+    env = dict(job_env(emulated_gpu=True), CMLP_EMU_NCCL_STALL=stall)
+    start = time.monotonic()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode != 0 and time.monotonic() - start < 120, (p.returncode, p.stderr[-3000:])
+    said = re.findall(r"rank [01] waited 3 s for (.+?) on cuda:0 for the other ranks \(the process group's timeout\): "
+                      r"one has ended or is stuck; ending the job \(MPI_Abort\)", p.stderr)
+    assert said and set(said) == {what}, p.stderr[-3000:]
 
 
 @needs_emulated_nccl

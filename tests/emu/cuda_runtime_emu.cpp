@@ -48,6 +48,10 @@
  *    launch's error taken) where they find no room. Its split-K algorithms reduce through the
  *    workspace; CMLP_EMU_LT_INPLACE=1 has them report an in-place reduction instead.
  *    CMLP_EMU_LT_FAIL=1: every cublasLtMatmul fails to execute (a fault, not for memory).
+ *  - cudaEventQuery, from any thread, runs the event's stream up to it where no other thread
+ *    holds the runtime (a GPU's work goes on without the host), and says not ready where one does.
+ *  - CMLP_EMU_NCCL_STALL=r:n: rank r's n-th collective never ends, as on a device stuck in it
+ *    (one recorded in a graph: at the graph's launch).
  *  - CMLP_EMU_LAUNCH_DELAY_US=n pauses n microseconds after each kernel launch (no lock held),
  *    so that threads interleave their launches on a shared stream.
  *
@@ -245,7 +249,7 @@ void run_op(CUstream_st *s, op &o) {
 #if defined(__SSE__)
     _mm_setcsr(saved);
 #endif
-    s->done_id = o.id;
+    __atomic_store_n(&s->done_id, o.id, __ATOMIC_RELEASE); /* cudaEventQuery reads it without the lock */
 }
 
 /* Runs the stream's queued work, all of it or up to the op `until`. */
@@ -603,10 +607,12 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t stream) {
         e->cap_pos = cs->cap.graph->lane_ops[(size_t)s->cap_lane];
         return cudaSuccess;
     }
+    const bool idle = s->queue.empty();
     if (cudaError_t err = submit(s, [] {}, "event")) return fail(err);
     e->stream = s;
     e->id = s->next_id - 1;
     e->cap_graph = nullptr;
+    if (idle) flush(s); /* on an idle stream it is reached at once */
     return cudaSuccess;
 }
 
@@ -663,6 +669,20 @@ cudaError_t cudaEventSynchronize(cudaEvent_t e) {
     fork_guard("cudaEventSynchronize");
     std::lock_guard<std::recursive_mutex> g(gpu);
     if (refused_while_capturing("cudaEventSynchronize")) return fail(cudaErrorStreamCaptureUnsupported);
+    if (e->stream) flush(e->stream, e->id);
+    return cudaSuccess;
+}
+
+/* From any thread, as on a GPU whose work goes on without the host: where the runtime is free,
+ * the stream runs up to the event; where another thread holds it (running work, or in a
+ * collective that waits for another rank) the event is not reached yet. */
+cudaError_t cudaEventQuery(cudaEvent_t e) {
+    fork_guard("cudaEventQuery");
+    if (!e) return cudaErrorInvalidResourceHandle;
+    /* recorded before the call (the caller ordered it); the stream lives on */
+    if (!e->stream || __atomic_load_n(&e->stream->done_id, __ATOMIC_ACQUIRE) >= e->id) return cudaSuccess;
+    std::unique_lock<std::recursive_mutex> g(gpu, std::try_to_lock);
+    if (!g.owns_lock()) return cudaErrorNotReady; /* not an error: the last error stays */
     if (e->stream) flush(e->stream, e->id);
     return cudaSuccess;
 }
@@ -1630,6 +1650,17 @@ NCCL_EMU_API int ncclCommInitRank(void **comm, int nranks, nccl_uid id, int rank
     return NCCL_OK;
 }
 
+/* CMLP_EMU_NCCL_STALL=r:n: on world rank r, the n-th collective queued or recorded (from 1) never ends. */
+static bool stalls_here() {
+    static int queued;
+    int rank = -1, n = 0, me = 0, on = 0;
+    const char *v = getenv("CMLP_EMU_NCCL_STALL");
+    ++queued;
+    if (!v || sscanf(v, "%d:%d", &rank, &n) != 2) return false;
+    if (MPI_Initialized(&on) == MPI_SUCCESS && on) MPI_Comm_rank(MPI_COMM_WORLD, &me);
+    return me == rank && queued == n;
+}
+
 /* Queues a collective's MPI work on the stream, after the checks every collective makes. */
 template <class F>
 static int queue_collective(const char *name, const void *send, void *recv, size_t count, void *comm,
@@ -1646,11 +1677,13 @@ static int queue_collective(const char *name, const void *send, void *recv, size
     }
     MPI_Comm mc = nc->comm;
     const int in_graph = resolve(stream)->capturing;
+    const bool stall = stalls_here();
     cudaError_t e = submit(stream, [=] {
         if (!live_comms.count(nc)) { /* a graph replayed after its communicator was destroyed */
             fprintf(stderr, "nccl_emu: %s replayed on a destroyed communicator\n", name);
             abort();
         }
+        while (stall) pause(); /* a device stuck in it: nothing it holds is let go */
         if (mc == MPI_COMM_NULL) {
             memmove(recv, send, count * 4);
             return;

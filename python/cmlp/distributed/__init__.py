@@ -141,8 +141,9 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
     default: models on the CPU) or "nccl" (models on CUDA devices too). Torch's other arguments:
     the launcher gives the ranks, so init_method is None or "env://", and world_size and rank,
     where given, must be the launcher's; timeout (a datetime.timedelta), as torch's, bounds how
-    long an MPI collective waits for the other ranks: past it, the job ends (MPI_Abort), as when
-    a rank ended (sys.exit) while the others wait for it. Without it, they wait as long as it
+    long a collective waits for the other ranks, MPI's on the host and NCCL's on a GPU (watched
+    from when it is queued): past it, the job ends (MPI_Abort), as when a rank ended (sys.exit)
+    while the others wait for it. Without it, they wait as long as it
     takes (a rank that ended while the group is there says so on stderr after 10 s)."""
     global _finalize_registered
     if backend is None:
