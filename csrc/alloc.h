@@ -37,9 +37,11 @@ cmlp_status cmlp_allocator_free_of(cmlp_allocator *a, void *ptr, const char *wha
 /* A copy of the allocator (segments and blocks at the same addresses, settings, limit, statistics;
  * not its history) over backend b, which reserves memory for the copy's new segments and pages:
  * requests on the copy are served or refused as the allocator would serve them now. Destroy it
- * with cmlp_allocator_destroy, which gives every segment back to b. */
+ * with cmlp_allocator_destroy, which gives every segment back to b. at_copy (may be NULL) is
+ * called with bctx while a cannot change, before it is copied: to read what b may give then. */
 __attribute__((visibility("hidden")))
-cmlp_status cmlp_allocator_copy(cmlp_allocator *a, const cmlp_backend_i *b, void *bctx, cmlp_allocator **out);
+cmlp_status cmlp_allocator_copy(cmlp_allocator *a, const cmlp_backend_i *b, void *bctx, void (*at_copy)(void *bctx),
+                                cmlp_allocator **out);
 void cmlp_allocator_stats(cmlp_allocator *a, cmlp_memory_stats *out);
 /* The out-of-memory errors the allocator has raised, which no reset of the statistics clears. */
 __attribute__((visibility("hidden")))

@@ -41,11 +41,13 @@ static bool copy_segment(cmlp_allocator *c, const cmlp_allocator *a, const alloc
     return true;
 }
 
-cmlp_status cmlp_allocator_copy(cmlp_allocator *a, const cmlp_backend_i *b, void *bctx, cmlp_allocator **out) {
+cmlp_status cmlp_allocator_copy(cmlp_allocator *a, const cmlp_backend_i *b, void *bctx, void (*at_copy)(void *bctx),
+                                cmlp_allocator **out) {
     *out = NULL;
     cmlp_allocator *c;
     CMLP_TRY(cmlp_allocator_create(b, bctx, a->name, &c));
     pthread_mutex_lock(&a->lock);
+    if (at_copy) at_copy(bctx);
     c->limit = a->limit;
     c->total_memory = a->total_memory;
     c->cfg = a->cfg;

@@ -218,8 +218,9 @@ cmlp_status cmlp_optim_configure_sgd(cmlp_optim *o, const cmlp_sgd_config *c) {
 cmlp_status cmlp_optim_check_model(cmlp_optim *o) {
     if (o->model->dev == o->dev) return CMLP_OK;
     if (!o->state && !o->vmax) return cmlp_optim_to(o, cmlp_model_device(o->model));
-    return CMLP_FAIL(CMLP_ERR_STATE, "the model was moved to another device without its optimizer: "
-                                     "use model.to(device) through the optimizer (optimizer.to(device))");
+    return CMLP_FAIL(CMLP_ERR_STATE, "the model was moved to another device without its optimizer, whose state "
+                                     "stayed on the device it left (model.to(device) moves every optimizer made "
+                                     "for the model along)");
 }
 
 /* A buffer of nb state buffers, new: Adam's arena zeros; SGD's momentum buffer all NaN and

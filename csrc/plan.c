@@ -51,6 +51,20 @@ const cmlp_backend_i cmlp_paper_backend = {
     .vm_release = paper_release,
 };
 
+/* A device of addresses standing for a real one: its room is what the real one has free. */
+typedef struct {
+    cmlp_paper_device pd; /* first: the paper backend's context */
+    cmlp_device_ctx *of;
+} paper_of;
+
+/* Called as the allocator is copied, under its lock: the device's free memory then, which the
+ * copy's segments are counted against. */
+static void read_room(void *ctx) {
+    paper_of *p = ctx;
+    int64_t free_now = p->of->backend->free_memory(p->of->bctx);
+    if (free_now >= 0) p->pd.room = free_now;
+}
+
 /* Whether the n requests, made in this order on the device now (none freed), would be served
  * once the blocks at drop[0..ndrop) (allocated on it) are freed: tried on a copy of its allocator
  * over a device of addresses with the memory the device has free (off the host: there the
@@ -60,11 +74,11 @@ cmlp_status cmlp_plan_try(cmlp_device_ctx *dev, const size_t *nbytes, int n, voi
                           bool *served) {
     *served = false;
     const cmlp_backend_i *be = dev->backend;
-    int64_t free_now = !be->host_memory && be->free_memory ? be->free_memory(dev->bctx) : -1;
-    cmlp_paper_device pd = {.next = (uintptr_t)1 << 62, .total = be->total_memory(dev->bctx),
-                       .room = free_now >= 0 ? free_now : INT64_MAX / 4};
+    paper_of po = {.pd = {.next = (uintptr_t)1 << 62, .total = be->total_memory(dev->bctx), .room = INT64_MAX / 4},
+                   .of = dev};
+    const bool device_room = !be->host_memory && be->free_memory;
     cmlp_allocator *a;
-    CMLP_TRY(cmlp_allocator_copy(dev->alloc, &cmlp_paper_backend, &pd, &a));
+    CMLP_TRY(cmlp_allocator_copy(dev->alloc, &cmlp_paper_backend, &po.pd, device_room ? read_room : NULL, &a));
     cmlp_status st = CMLP_OK;
     for (int i = 0; i < ndrop && st == CMLP_OK; i++) st = cmlp_allocator_free(a, drop[i]);
     void *p;
@@ -215,7 +229,7 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
     out->nrequests = nreq;
     for (int i = 0; i < nreq; i++) out->request_bytes[i] = (int64_t)req[i], out->request_held[i] = kind[i];
     cmlp_paper_device pd = {.next = (uintptr_t)1 << 44, .total = dev->backend->total_memory(dev->bctx),
-                       .room = INT64_MAX / 4};
+                            .room = INT64_MAX / 4};
     if (pd.total <= 0) pd.total = INT64_MAX / 4;
     cmlp_allocator *a;
     CMLP_TRY(cmlp_allocator_create(&cmlp_paper_backend, &pd, "plan", &a));

@@ -48,6 +48,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 import warnings
 
 import numpy as np
@@ -400,6 +401,50 @@ def test_an_optimizer_made_during_a_move_follows_the_model_at_its_first_step():
     model._optimizers.discard(opt)
     model.to(CUDA)
     with pytest.raises(RuntimeError, match="without its optimizer"):
+        opt.step()
+
+
+@needs_gpu
+@pytest.mark.skipif(CUDA == "cpu", reason="moves between two devices")
+def test_optimizers_made_and_stepped_while_another_thread_moves_the_model_move_with_it():
+    """model.to took the optimizers it moves from the model's set while another thread made one:
+    the set changed size during the iteration (the move raised), or an optimizer made and stepped
+    between the set's reading and the move stayed behind with its state, and failed at every
+    step after. Making an optimizer and moving the model now take turns."""
+    sizes = [8, 6, 3]
+    x, y = margin_batch(sizes, 16)[1:]
+    model = cmlp.MLP(sizes, seed=1)
+    stop, made, errors = threading.Event(), [], []
+    switch = sys.getswitchinterval()
+
+    def mover():
+        while not stop.is_set():
+            try:
+                model.to(CUDA if model.device == "cpu" else "cpu")
+            except RuntimeError as e:  # pragma: no cover - the failure this test is for
+                errors.append(str(e))
+
+    def maker():
+        while not stop.is_set():
+            opt = cmlp.optim.Adam(model, lr=1e-3)
+            model.forward_backward(x, y)
+            opt.step()
+            made.append(opt)
+
+    sys.setswitchinterval(1e-6)
+    threads = [threading.Thread(target=mover), threading.Thread(target=maker)]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(3)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        sys.setswitchinterval(switch)
+    assert made and not errors
+    for opt in made:  # each is where the model is
+        model.forward_backward(x, y)
         opt.step()
 
 

@@ -687,3 +687,57 @@ def test_one_cycle_refuses_a_negative_max_lr_in_any_group_and_changes_nothing():
         with pytest.raises(ValueError, match="max_lr must be a finite rate >= 0"):
             S.OneCycleLR(opt, max_lr=max_lr, total_steps=10)
         assert unchanged(opt) == before
+
+
+PER_GROUP_SCHEDULES = {
+    "StepLR": lambda o: S.StepLR(o, step_size=2), "LambdaLR": lambda o: S.LambdaLR(o, lambda e: 0.9 ** e),
+    "OneCycleLR": lambda o: S.OneCycleLR(o, max_lr=0.5, total_steps=50),
+    "CyclicLR": lambda o: S.CyclicLR(o, 0.01, 0.1), "CosineAnnealingWarmRestarts": lambda o: S.CosineAnnealingWarmRestarts(o, 5),
+    "ReduceLROnPlateau(min_lr per group)": lambda o: S.ReduceLROnPlateau(o, min_lr=[0.0] * len(o.param_groups)),
+    "SequentialLR": lambda o: S.SequentialLR(o, [S.ConstantLR(o), S.ExponentialLR(o, 0.9)], [3]),
+}
+
+
+def stepped(sched):
+    sched.optimizer.step()
+    sched.step(*((1.0,) if isinstance(sched, S.ReduceLROnPlateau) else ()))
+
+
+@pytest.mark.parametrize("name", PER_GROUP_SCHEDULES)
+@pytest.mark.parametrize("saved, loaded", [(2, 3), (3, 2)])
+def test_a_schedules_state_from_an_optimizer_with_other_param_groups_is_refused_and_loads_nothing(name, saved, loaded):
+    # torch takes it, and fails at the next step (a list of one value per group, of the wrong length)
+    source = PER_GROUP_SCHEDULES[name](cmlp_optimizer(saved))
+    stepped(source)
+    sched = PER_GROUP_SCHEDULES[name](cmlp_optimizer(loaded))
+    before = sched.state_dict()
+    with pytest.raises(ValueError, match=rf"has {saved} entries, one per param group of the optimizer it was saved "
+                                         rf"with; this \w+'s optimizer has {loaded} param groups"):
+        sched.load_state_dict(source.state_dict())
+    assert sched.state_dict() == before
+    stepped(sched)  # and it goes on
+
+
+@pytest.mark.parametrize("saved, loaded", [(2, 3), (3, 2)])
+def test_a_plateau_schedule_made_with_one_min_lr_takes_it_for_each_group_of_another_optimizer(saved, loaded):
+    # torch's default_min_lr: the min_lr of each group when the groups changed
+    source = S.ReduceLROnPlateau(cmlp_optimizer(saved), min_lr=1e-4, patience=0)
+    stepped(source)
+    opt = cmlp_optimizer(loaded)
+    sched = S.ReduceLROnPlateau(opt, min_lr=0.0)
+    sched.load_state_dict(source.state_dict())
+    assert sched.min_lrs == [1e-4] * loaded and sched.get_last_lr() == group_lrs(opt)
+    for _ in range(40):
+        stepped(sched)
+    assert group_lrs(opt) == pytest.approx([1e-4] * loaded)
+
+
+def test_a_plateau_schedule_refuses_an_unknown_mode_before_taking_anything():
+    sched = S.ReduceLROnPlateau(cmlp_optimizer(2), patience=1)
+    before = sched.state_dict()
+    cyclic = S.CyclicLR(cmlp_optimizer(2), 0.01, 0.1, step_size_up=3).state_dict()
+    for state, why in ((cyclic, "mode triangular is unknown!"), (dict(before, threshold_mode="log"),
+                                                                "threshold mode log is unknown!")):
+        with pytest.raises(ValueError, match=why):
+            sched.load_state_dict(state)
+        assert sched.state_dict() == before

@@ -823,3 +823,47 @@ def test_groups_outlive_their_optimizer_with_the_settings_it_ended_with():
     with pytest.raises(ReferenceError, match="can be read, not changed"):
         groups[0]["lr"] = 0.2
     assert cmlp.optim.Adam(model, lr=1e-3).param_groups[0]["lr"] == 1e-3  # a temporary optimizer's too
+
+
+def test_two_threads_setting_their_own_groups_both_take_and_the_steps_are_a_twins():
+    # each group's value was set by rebuilding the list of every group's from the optimizer's and
+    # pushing it, without a lock: a thread setting group 1 while another set group 0 lost its
+    # writes, and the C configuration could keep settings the groups no longer held (a twin made
+    # from the state_dict then stepped otherwise). Torch's groups are dicts of their own.
+    import sys
+    import threading
+    model = cmlp.MLP([8, 6, 5, 3], seed=1)
+    opt = cmlp.optim.Adam(model, lr=0.01, param_groups=[{"params": [0, 1]}, {"params": [2, 3]}, {"params": [4, 5]}])
+    last = {}
+
+    def setter(i):
+        r = np.random.default_rng(i)
+        for j in range(3000):
+            lr, beta1, wd = float(r.uniform(1e-4, 1e-2)), float(r.uniform(0.0, 0.9)), float(r.uniform(0, 1e-2))
+            group = opt.param_groups[i]
+            group["lr"], group["betas"], group["weight_decay"] = lr, (beta1, 0.999), wd
+            last[i] = (lr, (beta1, 0.999), wd)
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=setter, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert [(g["lr"], g["betas"], g["weight_decay"]) for g in opt.param_groups] == [last[i] for i in range(3)]
+    twin_model = copy.deepcopy(model)
+    twin = cmlp.optim.Adam(twin_model, lr=0.01, param_groups=[{"params": [0, 1]}, {"params": [2, 3]},
+                                                              {"params": [4, 5]}])
+    twin.load_state_dict(opt.state_dict())
+    x = np.random.default_rng(0).standard_normal((16, 8)).astype(np.float32)
+    y = np.arange(16) % 3
+    for m, o in ((model, opt), (twin_model, twin)):
+        for _ in range(3):
+            m.zero_grad()
+            m.forward_backward(x, y)
+            o.step()
+    assert np.array_equal(model._c.get_params(), twin_model._c.get_params())

@@ -5,6 +5,7 @@ import io
 import os
 import re
 import stat
+import threading
 import weakref
 import zipfile
 import zlib
@@ -145,6 +146,9 @@ class MLP:
         self._sizes = self._c.sizes()
         self._offsets = self._c.offsets()
         self._optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        # held while an optimizer is made and while the model moves: a move in another thread
+        # takes every optimizer along, the one being made too
+        self._optimizers_lock = threading.RLock()
         # no gradient yet (torch's .grad is None until a backward, and again after
         # zero_grad(set_to_none=True)): an optimizer's step() then changes nothing
         self._grads_none = True
@@ -520,7 +524,7 @@ class MLP:
         are pickled too."""
         grads = None if self._grads_none else self._c.get_grads()
         return (_unpickled, (type(self), list(self._sizes), self.device, self.normalize, self._c.get_params(), grads),
-                {k: v for k, v in self.__dict__.items() if k not in ("_c", "_optimizers")})
+                {k: v for k, v in self.__dict__.items() if k not in ("_c", "_optimizers", "_optimizers_lock")})
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.training = state.get("training", True)
@@ -569,7 +573,8 @@ class MLP:
         if device is None:
             return self
         # one call, under the model's lock: a step in another thread never finds them apart
-        self._c.to(_device_text(device), tuple(opt._c for opt in self._optimizers))
+        with self._optimizers_lock:
+            self._c.to(_device_text(device), tuple(opt._c for opt in self._optimizers))
         return self
 
 

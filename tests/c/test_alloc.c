@@ -1950,7 +1950,7 @@ static void test_copy(void) {
             cmlp_paper_device pd = {.next = (uintptr_t)1 << 60, .total = d.total,
                             .room = d.capacity - d.raw_bytes - d.mapped_bytes};
             cmlp_allocator *c2 = NULL;
-            OK(cmlp_allocator_copy(a, &cmlp_paper_backend, &pd, &c2));
+            OK(cmlp_allocator_copy(a, &cmlp_paper_backend, &pd, NULL, &c2));
             cmlp_memory_stats s2 = stats_of(c2);
             CHECK(layout_hash(c2) == before && !memcmp(&s0, &s2, sizeof s0), "%s op %d: the copy differs", confs[c], op);
             size_t req[4];

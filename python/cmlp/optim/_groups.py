@@ -1,8 +1,10 @@
 """The param groups of cmlp.optim's optimizers as torch shows them (one dict-like view of each
 group's settings), and the checks of the values a group or a constructor takes."""
+import contextlib
 import copy
+import functools
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, MutableMapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, MutableMapping, Optional, Tuple, TypeVar
 
 import numpy as np
 
@@ -110,6 +112,21 @@ class _GroupList(list):
         return (list, (list(self),))  # a copy is a plain list of the same groups
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _group_locked(method: _F) -> _F:
+    """A change to a param group made under its optimizer's lock (Optimizer's _locked): it reads
+    the other groups' settings to set them all at once (a group whose optimizer is gone has no
+    lock to take, and no setting of its own to change)."""
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        opt = self._ref()
+        with opt._lock if opt is not None else contextlib.nullcontext():
+            return method(self, *args, **kwargs)
+    return run  # type: ignore[return-value]
+
+
 class _ParamGroup(MutableMapping):
     """One of torch's param_groups: a dict of the group's settings. Its "lr", "weight_decay",
     "initial_lr" and hyperparameters (Adam's betas, eps, amsgrad and maximize; SGD's momentum,
@@ -169,6 +186,7 @@ class _ParamGroup(MutableMapping):
         known = self._known()
         return known[key] if key in known else self._extra[key]
 
+    @_group_locked
     def __setitem__(self, key: Any, value: Any) -> None:
         opt, i = self._opt, self._index
         self._changed()
@@ -194,6 +212,7 @@ class _ParamGroup(MutableMapping):
         else:
             self._extra[key] = value
 
+    @_group_locked
     def update(self, *args: Any, **kwargs: Any) -> None:
         """dict.update, all or nothing: a refused key leaves every setting as it was."""
         opt = self._opt
@@ -207,6 +226,7 @@ class _ParamGroup(MutableMapping):
             self._extra = extra
             raise
 
+    @_group_locked
     def __delitem__(self, key: Any) -> None:
         self._changed()
         if key in self._extra:

@@ -47,6 +47,10 @@ class _StateDict:
         """Takes over a state_dict of the same kind of optimizer (this library's or torch.optim's
         layout). Everything is checked before anything changes: a ValueError leaves the
         optimizer as it was."""
+        with self._lock:  # (the groups' settings: Optimizer's _locked)
+            self._load_state_dict(state_dict)
+
+    def _load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError("optimizer state_dict must be a dict with 'state' and 'param_groups'")
         state, groups = state_dict["state"], state_dict["param_groups"]

@@ -1,6 +1,8 @@
 """The base of cmlp.optim's optimizers: a C optimizer bound to one model, stepping its flat
 buffers in one fused pass, with torch's param groups over it."""
-from typing import Any, Dict, Iterable, List, Mapping, MutableMapping, Tuple
+import functools
+import threading
+from typing import Any, Callable, Dict, Iterable, List, Mapping, MutableMapping, Tuple, TypeVar
 
 import numpy as np
 
@@ -10,6 +12,20 @@ from ..model import MLP, Parameters, model_of, parameter_of
 from ._groups import _FLT_MAX, _INHERIT, _GroupList, _ParamGroup, _initial_lr_of, _rate, _unnamed, _unsupported_flag
 from ._copying import _Copying
 from ._state import _StateDict
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _locked(method: _F) -> _F:
+    """A method run under the optimizer's lock: what it reads of the groups' settings, and what it
+    sets of them and of the C optimizer, is not another thread's half-made change (torch's groups
+    are dicts of their own: two threads that set two groups' values both take)."""
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return run  # type: ignore[return-value]
 
 
 class Optimizer(_Copying, _StateDict):
@@ -24,6 +40,7 @@ class Optimizer(_Copying, _StateDict):
     _per_group: Tuple[str, ...] = ()
 
     def __init__(self, model: MLP, kind: str, flags: Dict[str, Any], param_groups: Any = None, **config: Any) -> None:
+        self._lock = threading.RLock()  # the groups' settings, read, changed and given to C as one (_locked)
         model, param_groups = self._model_and_groups(model, param_groups)
         self.model = model
         self._kind = kind
@@ -40,19 +57,20 @@ class Optimizer(_Copying, _StateDict):
         self._rates_only: Any = None  # what _new_rates_only last found in step (see there)
         self._momenta_memo: Any = None  # (the groups' settings, their momenta) of _momenta()
         self._runs_made: Any = None  # _runs()
-        self._c = _cmlp.Optimizer(model._c, kind, **{**config, "weight_decay": self._c_wd})
-        if not hasattr(self, "_settings"):  # the hyperparameters every group shares, as _apply last set them
-            self._settings: Dict[str, Any] = {}
-        self._flags = flags  # torch's foreach, capturable and fused, as given
-        self._param_groups = [_ParamGroup(self, i, spec["names"]) for i, spec in enumerate(specs)]
-        for group, spec in zip(self._param_groups, specs):
-            group._extra = spec["extra"]
-        self._lrs = [spec["lr"] for spec in specs]
-        self._wds = [spec["weight_decay"] for spec in specs]
-        # torch's 'initial_lr' of each group: set by the first lr_scheduler made for the optimizer
-        self._initial_lrs: List[Any] = [spec["initial_lr"] for spec in specs]
-        self._push_groups()
-        model._optimizers.add(self)
+        with model._optimizers_lock:  # made and known to the model as one (a move elsewhere takes it along)
+            self._c = _cmlp.Optimizer(model._c, kind, **{**config, "weight_decay": self._c_wd})
+            if not hasattr(self, "_settings"):  # the hyperparameters every group shares, as _apply last set them
+                self._settings: Dict[str, Any] = {}
+            self._flags = flags  # torch's foreach, capturable and fused, as given
+            self._param_groups = [_ParamGroup(self, i, spec["names"]) for i, spec in enumerate(specs)]
+            for group, spec in zip(self._param_groups, specs):
+                group._extra = spec["extra"]
+            self._lrs = [spec["lr"] for spec in specs]
+            self._wds = [spec["weight_decay"] for spec in specs]
+            # torch's 'initial_lr' of each group: set by the first lr_scheduler made for the optimizer
+            self._initial_lrs: List[Any] = [spec["initial_lr"] for spec in specs]
+            self._push_groups()
+            model._optimizers.add(self)
 
     @staticmethod
     def _model_and_groups(first: Any, param_groups: Any) -> Tuple[MLP, Any]:
@@ -232,6 +250,7 @@ class Optimizer(_Copying, _StateDict):
 
     # the groups' rates and weight decays, and how the C optimizer steps them
 
+    @_locked
     def _push_groups(self, lrs: Any = None, wds: Any = None, owns: Any = None) -> None:
         """Sets the groups' rates, weight decays and hyperparameters (checked first: all or
         nothing): the C optimizer is configured as the first group, its rate is the largest one,
@@ -290,6 +309,7 @@ class Optimizer(_Copying, _StateDict):
         self._lrs = lrs
         return True
 
+    @_locked
     def _sync_parts(self, scales: Any, wds: Any = None, parts: bool = False, own: Any = None) -> None:
         """Gives the C optimizer each group's rate scale, weight decay and settings (own:
         _part_settings'), as parts of the flat parameters (none where every group has the same
@@ -369,6 +389,7 @@ class Optimizer(_Copying, _StateDict):
         self._apply_config({**self._group_config(own), "lr": self._c.lr, "weight_decay": wd})
         self._c_wd = wd
 
+    @_locked
     def _apply(self, config: Dict[str, Any]) -> None:
         """Sets the shared hyperparameters from a configuration (_group_config's), and its rate
         and weight decay as the first group's."""
@@ -385,12 +406,14 @@ class Optimizer(_Copying, _StateDict):
         return self._wds[0]
 
     @weight_decay.setter
+    @_locked
     def weight_decay(self, value: float) -> None:
         self._set_group_wds([value] + self._wds[1:])
 
     def _group_lrs(self) -> List[float]:
         return list(self._lrs)
 
+    @_locked
     def _set_group_lrs(self, lrs: Any) -> None:
         """Every group's rate at once (checked: a refused one changes none)."""
         if type(lrs) is list and len(lrs) == 1 and type(lrs[0]) is float and 0.0 <= lrs[0] <= _FLT_MAX:
@@ -401,6 +424,7 @@ class Optimizer(_Copying, _StateDict):
         if self._own_parts is None or not self._new_rates_only(lrs):
             self._push_groups(lrs=lrs)
 
+    @_locked
     def _set_group_wds(self, wds: Any) -> None:
         self._push_groups(wds=list(wds))
 
@@ -414,6 +438,7 @@ class Optimizer(_Copying, _StateDict):
         return (self._group_config(self._group(0)), list(self._lrs), list(self._wds), list(self._initial_lrs),
                 dict(self._flags), [dict(o) for o in self._owns])
 
+    @_locked
     def _restore(self, saved: Tuple[Any, ...]) -> None:
         config, lrs, wds, initial, flags, owns = saved
         self._apply(config)
@@ -429,6 +454,7 @@ class Optimizer(_Copying, _StateDict):
         return self._lrs[0]
 
     @lr.setter
+    @_locked
     def lr(self, value: float) -> None:
         self._set_group_lrs([value] + self._lrs[1:])
 
@@ -439,6 +465,7 @@ class Optimizer(_Copying, _StateDict):
         return [{"params": list(g._names), "lr": lr, "weight_decay": wd, **own}
                 for g, lr, wd, own in zip(self._param_groups, self._lrs, self._wds, self._owns)]
 
+    @_locked
     def step(self, closure: Any = None) -> Any:
         """One update from the gradients accumulated in the model. Without gradients (none
         since the model was made, or since zero_grad() with set_to_none) nothing changes, no state
@@ -505,6 +532,7 @@ class Optimizer(_Copying, _StateDict):
     def _with_momentum(self, own: Dict[str, Any], value: float) -> Dict[str, Any]:
         raise NotImplementedError
 
+    @_locked
     def _set_momentum(self, value: Any) -> None:
         """Sets every group's momentum to value (as a schedule does at each step), or each group's
         to its own of a list (a schedule's per-group momenta, or _momenta()'s): the first group's is

@@ -182,8 +182,9 @@ def _check_state(schedule: Any, state_dict: Any) -> None:
     """A state_dict as load_state_dict takes it: a mapping whose values are of the kinds this
     schedule holds under the same names and, for this module's schedules, usable where they
     stand (_unfit), within the ranges the constructor checks (_LOADED_AT_LEAST) and whole
-    (_check_loaded); a schedule defined elsewhere may hold None or an infinity at one step and a
-    number at another, and is held to the kinds only. Checked before any is taken: a refused one
+    (_check_loaded), with one value per param group where it holds one per group (_PER_GROUP); a
+    schedule defined elsewhere may hold None or an infinity at one step and a number at another,
+    and is held to the kinds only. Checked before any is taken: a refused one
     loads nothing, and the schedule goes on as it was, rather than failing at its next step."""
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a dict (a schedule's state_dict()), got {type(state_dict).__name__}")
@@ -206,8 +207,19 @@ def _check_state(schedule: Any, state_dict: Any) -> None:
             raise ValueError(f"state_dict[{key!r}] must be {'> 0' if lo == _ABOVE_ZERO else f'>= {lo}'} (as this "
                              f"{name}'s constructor takes it), got {value!r}")
     if ours:
+        groups = len(schedule.optimizer.param_groups)
+        for key in sorted(_PER_GROUP & state_dict.keys() & schedule.__dict__.keys()):
+            value = state_dict[key]
+            if isinstance(value, (list, tuple)) and len(value) != groups:
+                raise ValueError(f"state_dict[{key!r}] has {len(value)} entries, one per param group of the optimizer "
+                                 f"it was saved with; this {name}'s optimizer has {groups} param groups")
         schedule._check_loaded(state_dict)
 
+
+# what a schedule holds one of per param group: a state saved with another optimizer's groups
+# would fail at the next step
+_PER_GROUP = frozenset({"base_lrs", "_last_lr", "lr_lambdas", "_groups", "max_lrs", "base_momentums",
+                        "max_momentums", "min_lrs"})
 
 _ABOVE_ZERO = 5e-324  # the least float above 0: a lower bound "> 0" in _LOADED_AT_LEAST
 

@@ -109,7 +109,23 @@ class ReduceLROnPlateau(LRScheduler):
         if reduced != lrs:
             self.optimizer._set_group_lrs(reduced)
 
+    def _check_loaded(self, state_dict: Any) -> None:
+        """The modes it compares by (checked before anything is taken)."""
+        mode, threshold_mode = state_dict.get("mode", self.mode), state_dict.get("threshold_mode", self.threshold_mode)
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode {mode} is unknown!")
+        if threshold_mode not in ("rel", "abs"):
+            raise ValueError(f"threshold mode {threshold_mode} is unknown!")
+
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """A state saved with another optimizer's param groups takes its min_lr for each of this
+        one's groups where it was made with one for all (torch's default_min_lr); its last rates
+        are this optimizer's own. With one min_lr per group it is refused."""
+        n = len(self.optimizer.param_groups)
+        default = state_dict.get("default_min_lr", self.default_min_lr) if isinstance(state_dict, dict) else None
+        lows = state_dict.get("min_lrs") if isinstance(state_dict, dict) else None
+        if default is not None and isinstance(lows, (list, tuple)) and len(lows) != n:
+            state_dict = dict(state_dict, min_lrs=[default] * n, _last_lr=self.optimizer._group_lrs())
         _check_state(self, state_dict)
         self.__dict__.update(state_dict)
         self._init_is_better(self.mode, self.threshold, self.threshold_mode)
