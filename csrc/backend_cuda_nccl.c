@@ -209,9 +209,16 @@ static cmlp_status cu_fence_record(void *ctx, void **fence) {
     return CMLP_OK;
 }
 
-/* On the watcher's thread: its errors are its own (CUDA's last error is per thread). */
+/* On the watcher's thread: its errors are its own (CUDA's last error is per thread), and its calls
+ * are relaxed about captures (in the default, global mode they would break another thread's). */
 static int cu_fence_passed(void *ctx, void *fence) {
     cuda_ctx *c = ctx;
+    static __thread bool relaxed;
+    if (!relaxed) {
+        enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+        relaxed = cudaThreadExchangeStreamCaptureMode(&mode) == cudaSuccess;
+        if (!relaxed) (void)cudaGetLastError();
+    }
     if (forked || use(c) != CMLP_OK) return -1;
     cudaError_t r = cudaEventQuery((cudaEvent_t)fence);
     if (r == cudaSuccess) return 1;

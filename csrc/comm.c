@@ -329,7 +329,7 @@ cmlp_status cmlp_dist_device_comm(cmlp_device_ctx *dev, void **comm) {
     if (st == CMLP_OK) st = sent;
     if (st == CMLP_OK && !id[0])
         st = CMLP_FAIL(CMLP_ERR_DEVICE, "rank 0 of the process group could not make a NCCL id (its own error says why)");
-    if (st == CMLP_OK) st = dev->backend->comm_init(dev->bctx, id + 1, rank_, size_, comm);
+    if (st == CMLP_OK) st = cmlp_dcomm_init(dev, id + 1, rank_, size_, comm);
     if (st == CMLP_OK) {
         dcomms[ndcomms].dev = dev;
         dcomms[ndcomms].comm = *comm;

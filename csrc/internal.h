@@ -326,19 +326,23 @@ CMLP_HIDDEN cmlp_status cmlp_dist_all_gather(void *buf, int64_t count, int64_t c
  * rank's part ends in its part of buf; the other parts of buf are left undefined. */
 CMLP_HIDDEN cmlp_status cmlp_dist_reduce_scatter(float *buf, int64_t count, int64_t chunk);
 /* The group's timeout for device collectives (comm_watch.c): each is armed before it is queued
- * and watched until the device has passed it; one still pending once `seconds` (0: none) have run
- * since ends the job (cmlp_dist_abort), as a host collective that waits that long does. */
+ * (a ticket, 0 where it is not watched) and watched until the device has passed it; one still
+ * pending once `seconds` (0: none) have run since ends the job (cmlp_dist_abort), as a host
+ * collective that waits that long does. watch_end: queued, a fence is made after it (else the
+ * watch ends there); watch_stop: for good, at the group's end (finalize). */
 CMLP_HIDDEN void cmlp_dist_watch_configure(double seconds, int rank);
-CMLP_HIDDEN int cmlp_dist_watch_begin(cmlp_device_ctx *dev, const char *what); /* a slot, or -1: unwatched */
-CMLP_HIDDEN void cmlp_dist_watch_end(int slot);                                 /* after the collective is queued */
-CMLP_HIDDEN void cmlp_dist_watch_stop(void);                                    /* at the group's end (finalize) */
-/* The device's collectives and the launch of a graph holding them, watched so. */
+CMLP_HIDDEN uint64_t cmlp_dist_watch_begin(cmlp_device_ctx *dev, const char *what);
+CMLP_HIDDEN void cmlp_dist_watch_end(uint64_t ticket, bool queued);
+CMLP_HIDDEN void cmlp_dist_watch_stop(void);
+/* The device's collectives, the launch of a graph holding them and the making of its member of
+ * the group (comm_init, which waits for every rank on the host), watched so. */
 CMLP_HIDDEN cmlp_status cmlp_dcomm_all_reduce(cmlp_device_ctx *dev, void *comm, float *d_buf, int64_t n);
 CMLP_HIDDEN cmlp_status cmlp_dcomm_all_gather(cmlp_device_ctx *dev, void *comm, float *d_buf, int64_t n,
                                               int64_t chunk);
 CMLP_HIDDEN cmlp_status cmlp_dcomm_reduce_scatter(cmlp_device_ctx *dev, void *comm, float *d_buf, int64_t n,
                                                   int64_t chunk);
 CMLP_HIDDEN cmlp_status cmlp_dcomm_graph_launch(cmlp_device_ctx *dev, void *graph);
+CMLP_HIDDEN cmlp_status cmlp_dcomm_init(cmlp_device_ctx *dev, const void *id, int rank, int size, void **comm);
 /* Moves with every process group made (a trainer's communicator from an older one is gone). */
 CMLP_HIDDEN uint64_t cmlp_dist_generation(void);
 /* Makes the optimizer's state now if it has none (zeros; its first step still treats it as new). */

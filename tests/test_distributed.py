@@ -460,6 +460,21 @@ def test_on_gpus_a_collective_that_never_ends_ends_the_job_at_the_groups_timeout
 
 
 @needs_emulated_nccl
+def test_on_gpus_a_collective_queued_on_a_stuck_device_ends_the_job_at_the_groups_timeout(emulator):
+    # as on a GPU: the collective is queued and the host goes on (to its next wait for the device,
+    # which never ends); its fence never passes, and the watch's monitor ends the job at the
+    # timeout, whatever the thread asking the device about fences is stuck in
+    cmd = [MPIRUN, "-np", "1", sys.executable, os.path.join(HERE, "dist_worker.py"), "fit",
+           json.dumps({"backend": "nccl", "device": "cuda", "n": 300, "timeout": 2})]
+    env = dict(job_env(emulated_gpu=True), CMLP_EMU_NCCL_STALL="0:1:queued")
+    start = time.monotonic()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode != 0 and time.monotonic() - start < 120, (p.returncode, p.stderr[-3000:])
+    assert ("rank 0 waited 2 s for an all-reduce (NCCL) on cuda:0 for the other ranks (the process group's timeout): "
+            "one has ended or is stuck; ending the job (MPI_Abort)") in p.stderr, p.stderr[-3000:]
+
+
+@needs_emulated_nccl
 def test_on_gpus_short_steps_and_ranks_without_samples(emulator):
     out = run_job(3, "fit", {"backend": "nccl", "device": "cuda", "n": 10, "batch": 1, "epochs": 1}, timeout=300,
                   emulated_gpu=True)

@@ -48,10 +48,11 @@
  *    launch's error taken) where they find no room. Its split-K algorithms reduce through the
  *    workspace; CMLP_EMU_LT_INPLACE=1 has them report an in-place reduction instead.
  *    CMLP_EMU_LT_FAIL=1: every cublasLtMatmul fails to execute (a fault, not for memory).
- *  - cudaEventQuery, from any thread, runs the event's stream up to it where no other thread
- *    holds the runtime (a GPU's work goes on without the host), and says not ready where one does.
+ *  - cudaEventQuery, from any thread, says whether the stream has run up to the event; an event
+ *    recorded on an idle stream (after a collective, which ran it) is reached at once.
  *  - CMLP_EMU_NCCL_STALL=r:n: rank r's n-th collective never ends, as on a device stuck in it
- *    (one recorded in a graph: at the graph's launch).
+ *    (one recorded in a graph: at the graph's launch); r:n:queued leaves it in the stream's
+ *    queue, where the host's wait for it never ends.
  *  - CMLP_EMU_LAUNCH_DELAY_US=n pauses n microseconds after each kernel launch (no lock held),
  *    so that threads interleave their launches on a shared stream.
  *
@@ -673,17 +674,23 @@ cudaError_t cudaEventSynchronize(cudaEvent_t e) {
     return cudaSuccess;
 }
 
-/* From any thread, as on a GPU whose work goes on without the host: where the runtime is free,
- * the stream runs up to the event; where another thread holds it (running work, or in a
- * collective that waits for another rank) the event is not reached yet. */
+/* From any thread, without the runtime's lock (a thread may hold it for good, stuck in a
+ * collective): whether the stream has run up to the event. Work runs when the host waits for
+ * it, and a collective runs its stream's queue when queued, so an event recorded after one is
+ * reached at once (cudaEventRecord on an idle stream). */
 cudaError_t cudaEventQuery(cudaEvent_t e) {
     fork_guard("cudaEventQuery");
     if (!e) return cudaErrorInvalidResourceHandle;
     /* recorded before the call (the caller ordered it); the stream lives on */
     if (!e->stream || __atomic_load_n(&e->stream->done_id, __ATOMIC_ACQUIRE) >= e->id) return cudaSuccess;
-    std::unique_lock<std::recursive_mutex> g(gpu, std::try_to_lock);
-    if (!g.owns_lock()) return cudaErrorNotReady; /* not an error: the last error stays */
-    if (e->stream) flush(e->stream, e->id);
+    return cudaErrorNotReady; /* not an error: the last error stays */
+}
+
+/* The emulated capture is per thread whatever the mode: the mode is kept, and given back. */
+cudaError_t cudaThreadExchangeStreamCaptureMode(enum cudaStreamCaptureMode *mode) {
+    static thread_local enum cudaStreamCaptureMode current = cudaStreamCaptureModeGlobal;
+    if (!mode) return fail(cudaErrorInvalidValue);
+    std::swap(*mode, current);
     return cudaSuccess;
 }
 
@@ -1650,15 +1657,18 @@ NCCL_EMU_API int ncclCommInitRank(void **comm, int nranks, nccl_uid id, int rank
     return NCCL_OK;
 }
 
-/* CMLP_EMU_NCCL_STALL=r:n: on world rank r, the n-th collective queued or recorded (from 1) never ends. */
-static bool stalls_here() {
+/* CMLP_EMU_NCCL_STALL=r:n[:queued]: on world rank r, the n-th collective queued or recorded (from
+ * 1) never ends; with :queued it is left in the stream's queue (the host goes on, as on a GPU,
+ * and a wait for it never ends), else the call that runs it never returns. */
+static int stalls_here() {
     static int queued;
     int rank = -1, n = 0, me = 0, on = 0;
+    char how[16] = "";
     const char *v = getenv("CMLP_EMU_NCCL_STALL");
     ++queued;
-    if (!v || sscanf(v, "%d:%d", &rank, &n) != 2) return false;
+    if (!v || sscanf(v, "%d:%d:%15s", &rank, &n, how) < 2) return 0;
     if (MPI_Initialized(&on) == MPI_SUCCESS && on) MPI_Comm_rank(MPI_COMM_WORLD, &me);
-    return me == rank && queued == n;
+    return me == rank && queued == n ? (strcmp(how, "queued") == 0 ? 2 : 1) : 0;
 }
 
 /* Queues a collective's MPI work on the stream, after the checks every collective makes. */
@@ -1677,7 +1687,7 @@ static int queue_collective(const char *name, const void *send, void *recv, size
     }
     MPI_Comm mc = nc->comm;
     const int in_graph = resolve(stream)->capturing;
-    const bool stall = stalls_here();
+    const int stall = stalls_here();
     cudaError_t e = submit(stream, [=] {
         if (!live_comms.count(nc)) { /* a graph replayed after its communicator was destroyed */
             fprintf(stderr, "nccl_emu: %s replayed on a destroyed communicator\n", name);
@@ -1696,7 +1706,7 @@ static int queue_collective(const char *name, const void *send, void *recv, size
         }
         mpi_work(mc);
     }, name);
-    if (e == cudaSuccess && !in_graph) flush(resolve(stream)); /* it runs without the host */
+    if (e == cudaSuccess && !in_graph && stall != 2) flush(resolve(stream)); /* it runs without the host */
     return e == cudaSuccess ? NCCL_OK : NCCL_INVALID_USAGE;
 }
 
