@@ -419,13 +419,22 @@ void cmlp_allocator_destroy(cmlp_allocator *a) {
 cmlp_status cmlp_allocator_malloc(cmlp_allocator *a, size_t nbytes, const char *what, void **out) {
     *out = NULL;
     if (nbytes == 0) return CMLP_OK;
-    if (nbytes > ((size_t)1 << 56)) {
+    if (nbytes > ((size_t)1 << 56)) { /* beyond any device: refused as such, in PyTorch's words */
         pthread_mutex_lock(&a->lock);
-        a->stats.num_ooms++;
-        a->ooms_ever++;
-        alloc_note_oom(a, nbytes, what);
+        a->what = what;
+        cmlp_status st = CMLP_ERR_OOM;
+        if (nbytes <= ((size_t)1 << 62)) {
+            st = alloc_oom(a, nbytes, nbytes);
+        } else { /* (no segment size to say: it would overflow) */
+            a->stats.num_ooms++;
+            a->ooms_ever++;
+            alloc_note_oom(a, nbytes, what);
+            CMLP_FAIL(CMLP_ERR_OOM, "%s out of memory. Tried to allocate %zu bytes, which no device holds", a->name,
+                      nbytes);
+        }
+        a->what = NULL;
         pthread_mutex_unlock(&a->lock);
-        return CMLP_FAIL(CMLP_ERR_OOM, "%s out of memory: a request of %zu bytes is impossibly large", a->name, nbytes);
+        return st;
     }
     pthread_mutex_lock(&a->lock);
     a->what = what;

@@ -115,16 +115,18 @@ static cmlp_status ctx_create(cmlp_device d, cmlp_device_ctx **out) {
     c->bctx = bctx;
     if (st == CMLP_OK) st = cmlp_allocator_create(c->backend, bctx, name, &c->alloc);
     if (st == CMLP_OK && c->backend->set_reclaim) c->backend->set_reclaim(bctx, reclaim_cache, c->alloc);
-    if (st == CMLP_OK && d.type == CMLP_DEVICE_CUDA) {
-        cmlp_alloc_settings s;
-        cmlp_memory_get_settings(&s);
-        apply_fraction(c, &s);
-    }
     if (st == CMLP_OK && c->backend->workspace_bytes) {
         size_t n = c->backend->workspace_bytes(bctx);
         void *ws = NULL;
         st = cmlp_allocator_malloc(c->alloc, n, "GEMM workspace", &ws);
         if (st == CMLP_OK) c->backend->set_workspace(bctx, ws, n);
+    }
+    /* after the workspace, which the device needs to open at all: a fraction below it (0, as
+     * torch takes) leaves the device open, its statistics readable, and its requests refused */
+    if (st == CMLP_OK && d.type == CMLP_DEVICE_CUDA) {
+        cmlp_alloc_settings s;
+        cmlp_memory_get_settings(&s);
+        apply_fraction(c, &s);
     }
     if (st != CMLP_OK) {
         if (c->alloc) cmlp_allocator_destroy(c->alloc);

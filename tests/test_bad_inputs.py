@@ -506,14 +506,14 @@ def test_one_trainer_runs_one_call_at_a_time():
         while t._owner() is None and runner.is_alive():
             pass
         for call in (lambda: t.step(x[:8], y[:8]), lambda: t.fit(x, y, epochs=1, progress=False),
-                     lambda: setattr(t, "microbatch_size", 1)):
+                     lambda: setattr(t, "microbatch_size", 1), t.state_dict):  # (half an epoch's state)
             try:
                 call()
             except RuntimeError as e:
                 errors.append(str(e))
     finally:
         runner.join()
-    assert len(errors) == 3 and all("already running fit or step in another thread" in e for e in errors), errors
+    assert len(errors) == 4 and all("already running fit or step in another thread" in e for e in errors), errors
     assert t.microbatch_size == 1
     assert np.isfinite(t.step(x[:8], y[:8]))  # free again
 
@@ -687,10 +687,20 @@ def test_nan_in_validation_data_is_rejected_before_training(ctx):
     # checked before the epoch trains, so nothing is applied and lost
     vx = with_value(np.nan, row=3, col=3)
     before = snapshot(ctx)
-    with pytest.raises(ValueError, match=r"NaN or inf"):
+    with pytest.raises(ValueError, match=r"validation x contains NaN or inf \(first at sample 3, feature 3\)"):
         fit(ctx, ctx.x, ctx.y, validation_data=(vx, ctx.y))
     assert_same_state(before, snapshot(ctx))
     assert_still_works(ctx)
+
+
+def test_nan_in_a_trainers_x_names_the_argument_and_where(ctx):
+    # as every other check of the trainer's arguments names them ("training x", "batch x")
+    x = with_value(np.inf, row=2, col=5)
+    before = snapshot(ctx)
+    for call, what in ((lambda: fit(ctx, x, ctx.y[:len(x)]), "training"), (lambda: ctx.trainer.step(x, Y), "batch")):
+        with pytest.raises(ValueError, match=rf"^{what} x contains NaN or inf \(first at sample 2, feature 5\)$"):
+            call()
+        assert_same_state(before, snapshot(ctx))
 
 
 def test_float64_that_overflows_float32_is_rejected(ctx):

@@ -1636,6 +1636,20 @@ def test_per_process_memory_fraction_in_the_settings_limits_each_gpu():
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["True", "0.25"], r.stdout
+    # a fraction below the GEMM workspace the GPU opens with (0, as torch takes) leaves it open:
+    # its statistics are read, its requests refused, and a larger fraction set afterwards serves
+    code = ("import cmlp; m = cmlp.memory\n"
+            "free, total = cmlp.cuda.mem_get_info()\n"
+            "s = m.memory_stats('cuda'); ws = s['reserved_bytes.all.current']\n"
+            "try:\n    m.caching_allocator_alloc(1 << 20, 'cuda'); print('served')\n"
+            "except cmlp.OutOfMemoryError as e:\n    print('refused', str(e).startswith('CUDA out of memory. Tried to allocate'))\n"
+            "m.set_per_process_memory_fraction(0.5, 'cuda')\n"
+            "m.caching_allocator_delete(m.caching_allocator_alloc(1 << 20, 'cuda'))\n"
+            "print(ws > 0, m.get_memory_limit('cuda') == int(0.5 * total))")
+    env["PYTORCH_CUDA_ALLOC_CONF"] = "per_process_memory_fraction:0.0"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["refused", "True", "True", "True"], r.stdout
 
 
 @needs_cuda

@@ -449,3 +449,12 @@ def test_real_fashion_mnist(monkeypatch, tmp_path):
     for y, per_class in ((y_tr, 6000), (y_te, 1000)):
         np.testing.assert_array_equal(np.bincount(y, minlength=10), [per_class] * 10)
     assert x_tr.max() == 255 and x_tr.min() == 0
+
+
+def test_a_gzip_file_with_bytes_after_its_stream_says_so(tmp_path):
+    # the data is whole (gunzip reads it, warning of the rest): not "corrupt or truncated"
+    arr = np.arange(60, dtype=np.uint8).reshape(3, 4, 5)
+    p = write(tmp_path / "t.gz", gzip.compress(idx_bytes(arr, 0x08)) + b"garbage")
+    with pytest.raises(ValueError, match=r"bytes that are not gzip data follow its gzip stream") as e:
+        datasets.load_idx(p)
+    assert str(p) in str(e.value) and "truncated" not in str(e.value)

@@ -170,7 +170,7 @@ def test_state_mode_keeps_stacks_and_no_history():
 
 
 def test_max_entries_keeps_the_newest_and_skip_actions_leaves_out():
-    M._record_memory_history(max_entries=3, device=DEV, skip_actions=["snapshot"])
+    M._record_memory_history(max_entries=np.int64(3), device=DEV, skip_actions=["snapshot"])  # a NumPy int too
     ptrs = [M.caching_allocator_alloc(100 * (i + 1), DEV) for i in range(5)]
     trace = M._snapshot(DEV)["device_traces"][0]
     assert [(e["action"], e["size"]) for e in trace] == [("alloc", 300), ("alloc", 400), ("alloc", 500)]

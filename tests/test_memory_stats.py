@@ -349,9 +349,19 @@ def test_set_per_process_memory_fraction_validation():
     total = M.memory_stats(DEV)["total_memory"]
     assert total > 0
     assert M.get_memory_limit(DEV) == int(0.5 * total)
+    M.set_per_process_memory_fraction(np.float64(0.25), DEV)  # a NumPy float is a float
+    assert type(M.get_per_process_memory_fraction(DEV)) is float and M.get_per_process_memory_fraction(DEV) == 0.25
     M.set_per_process_memory_fraction(0.0, DEV)
     with pytest.raises(cmlp.OutOfMemoryError):
         cmlp.MLP([4096, 4096, 10])  # larger than anything the cache can hold
+
+
+def test_a_request_beyond_any_device_is_refused_in_torchs_words_and_counted():
+    before = M.memory_stats(DEV)["num_ooms"]
+    with pytest.raises(cmlp.OutOfMemoryError, match=r"out of memory\. Tried to allocate 67108864\.00 GiB\. .* The "
+                                                    r"request was 67108864\.00 GiB \(72057594037927937 bytes requested"):
+        M.caching_allocator_alloc(2**56 + 1, DEV)
+    assert M.memory_stats(DEV)["num_ooms"] == before + 1
 
 
 def test_set_memory_limit_validation():

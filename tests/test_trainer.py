@@ -319,6 +319,25 @@ def test_progress_without_tqdm(capsys, monkeypatch):
     assert "loss" in err
 
 
+def test_a_tqdm_bar_shows_each_loss_with_the_step_count_it_belongs_to(monkeypatch):
+    # the loss was set (which tqdm draws at once) before the count moved: each drawing showed a
+    # chunk's loss beside the count before it
+    tqdm_auto = pytest.importorskip("tqdm.auto")
+    drawn = []
+
+    class Recording(tqdm_auto.tqdm):
+        def display(self, *args, **kwargs):
+            drawn.append((self.n, self.postfix))
+            return True
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    monkeypatch.setattr(tqdm_auto, "tqdm", Recording)
+    x, y = teacher_data(64)
+    _, _, trainer = make(batch_size=16)
+    trainer.fit(x, y, epochs=1, progress=True)
+    assert drawn and all(n > 0 for n, post in drawn if post), drawn  # no loss beside the count 0
+
+
 def test_no_progress_writes_nothing(capsys):
     x, y = teacher_data(64)
     _, _, trainer = make(batch_size=16)

@@ -123,7 +123,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="directory with the four IDX files (default: fashion-mnist in $CMLP_DATA_DIR, ./data or "
                         "~/.cache/cmlp, then where Debian's dataset-fashion-mnist puts it; mnist: ./data)")
     t.add_argument("--epochs", type=_count, default=5, help="passes over the training set")
-    t.add_argument("--batch-size", type=_count, default=32, help="samples computed at once (the micro-batch)")
+    t.add_argument("--batch-size", type=_count, default=32,
+                   help="samples computed at once (the micro-batch; split further where --memory-limit needs it)")
     t.add_argument("--accumulation-steps", type=_count, default=1,
                    help="micro-batches (each of distinct samples) whose gradients add up to one optimizer step")
     t.add_argument("--amp", choices=["fp16", "bf16"], default=None,

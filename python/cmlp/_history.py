@@ -67,8 +67,9 @@ def _record(enabled: Optional[str] = "all", context: Optional[str] = "all", stac
     _choice("enabled", enabled, tuple(_MODES))
     _choice("context", context, tuple(_CONTEXTS))
     _choice("stacks", stacks, _STACKS)
-    if isinstance(max_entries, bool) or not isinstance(max_entries, int):
+    if isinstance(max_entries, (bool, np.bool_)) or not isinstance(max_entries, numbers.Integral):
         raise TypeError(f"max_entries must be an int, got {type(max_entries).__name__}")
+    max_entries = int(max_entries)  # (a NumPy int as well, as the other memory functions take)
     if enabled is not None and not 1 <= max_entries <= sys.maxsize:
         raise ValueError(f"max_entries must be between 1 and sys.maxsize, got {max_entries}")
     max_entries = max(1, min(max_entries, sys.maxsize))  # stopping reads none of it

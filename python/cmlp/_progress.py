@@ -28,8 +28,8 @@ class _PlainBar:
             self._last = now
             self._draw()
 
-    def set_postfix_str(self, s: str) -> None:
-        self.post = s
+    def set_postfix_str(self, s: str, refresh: bool = True) -> None:
+        self.post = s  # drawn at the next update (which the loop makes next)
 
     def _draw(self) -> None:
         frac = self.n / self.total if self.total else 1.0
@@ -68,7 +68,8 @@ class _Guarded:
         self._call("update", k)
 
     def set_postfix_str(self, s: str) -> None:
-        self._call("set_postfix_str", s)
+        """Drawn with the next update: tqdm's redraw now would show it beside the old count."""
+        self._call("set_postfix_str", s, False)
 
     def close(self) -> None:
         self._call("close")

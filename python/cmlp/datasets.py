@@ -87,7 +87,7 @@ def _parse_idx(f, path, stored_size, compressed):
     if compressed and expected > _GZIP_MAX_RATIO * stored_size + 1024:
         raise ValueError(
             f"{path}: IDX header claims shape {dims} of {dtype.name} ({expected} bytes of "
-            f"data), more than a {stored_size}-byte gzip file can hold")
+            f"data), more than a {stored_size}-byte gzip file can hold: truncated, or not an IDX file")
 
     if math.prod(d for d in dims if d) * dtype.itemsize > sys.maxsize:  # (NumPy refuses such a shape, even empty)
         raise ValueError(f"{path}: IDX header gives shape {dims}, too large for an array")
@@ -125,6 +125,10 @@ def load_idx(path):
             with gzip.GzipFile(fileobj=f, mode="rb") as gz:
                 return _parse_idx(gz, path, stored_size, compressed=True)
         except (OSError, EOFError, zlib.error) as e:
+            if isinstance(e, gzip.BadGzipFile) and str(e).startswith("Not a gzipped file"):
+                # (the file starts as gzip: this is what follows its stream)
+                raise ValueError(f"{path}: bytes that are not gzip data follow its gzip stream ({e}); gunzip "
+                                 "drops them with a warning") from e
             raise ValueError(f"{path}: corrupt or truncated gzip data: {e}") from e
 
 

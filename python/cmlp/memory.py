@@ -150,7 +150,7 @@ def set_per_process_memory_fraction(fraction: float, device: Optional[str] = Non
     dev = _device(device)
     total = _cmlp.memory_stats(dev)["total_memory"]
     _cmlp.set_memory_limit(dev, int(fraction * total))
-    _fractions[dev] = (fraction, int(fraction * total))
+    _fractions[dev] = (float(fraction), int(fraction * total))  # (a NumPy float is read back as a float)
 
 
 def get_memory_limit(device: Optional[str] = None) -> Optional[int]:

@@ -273,9 +273,14 @@ class Trainer(FitLoop):
         begun (the next epoch's order), what automatic micro-batching moves (the micro-batch in
         use, the one it grows back to, the good steps toward the next growth, the micro-batch the
         last growth started from, which an out-of-memory goes back to, the good steps the next
-        growth waits for) and the loss scaler's state."""
+        growth waits for) and the loss scaler's state. Not while another thread's fit or step runs
+        on the trainer (its state then is half an epoch's, which no run resumes from exactly);
+        from inside it (a callback between epochs), it is the state of the epochs done."""
         if self._lost:
             raise RuntimeError(_LOST)
+        owner = self._owner()
+        if owner is not None and owner != threading.get_ident():
+            raise self._busy_error("state_dict")
         size, target, good, grown_from, wait = self._c.microbatch_state()
         return {"epochs": self._c.epochs, "microbatch_size": size, "microbatch_target": target,
                 "microbatch_good_steps": good, "microbatch_grown_from": grown_from, "microbatch_grow_wait": wait,
@@ -377,8 +382,13 @@ class Trainer(FitLoop):
                           memory.MemoryWarning, stacklevel=stacklevel)
 
     def _data(self, x: Any, y: Any, what: str) -> Tuple[np.ndarray, np.ndarray]:
+        """The arrays as the core takes them, checked, with what they are for named in errors
+        (a float x's NaN or inf too, before any step)."""
         sizes = self.model.layer_sizes
         xa = as_inputs(x, sizes[0], f"{what} x")
+        if xa.dtype == np.float32 and xa.size and not np.isfinite(xa).all():
+            sample, feature = np.argwhere(~np.isfinite(xa.reshape(xa.shape[0], -1)))[0]
+            raise ValueError(f"{what} x contains NaN or inf (first at sample {sample}, feature {feature})")
         return xa, as_labels(y, xa.shape[0], sizes[-1], f"{what} y")
 
     def _busy_error(self, what: str) -> RuntimeError:
@@ -552,6 +562,4 @@ class Trainer(FitLoop):
             except (TypeError, ValueError):
                 raise TypeError("validation_data must be a pair (x, y)") from None
             val = self._data(vx, vy, "validation")
-            if val[0].dtype == np.float32 and not np.isfinite(val[0]).all():
-                raise ValueError("validation x contains NaN or inf")
         return epochs, xa, ya, val
