@@ -1642,7 +1642,8 @@ def test_per_process_memory_fraction_in_the_settings_limits_each_gpu():
             "free, total = cmlp.cuda.mem_get_info()\n"
             "s = m.memory_stats('cuda'); ws = s['reserved_bytes.all.current']\n"
             "try:\n    m.caching_allocator_alloc(1 << 20, 'cuda'); print('served')\n"
-            "except cmlp.OutOfMemoryError as e:\n    print('refused', str(e).startswith('CUDA out of memory. Tried to allocate'))\n"
+            "except cmlp.OutOfMemoryError as e:\n"
+            "    print('refused', str(e).startswith('CUDA out of memory. Tried to allocate'))\n"
             "m.set_per_process_memory_fraction(0.5, 'cuda')\n"
             "m.caching_allocator_delete(m.caching_allocator_alloc(1 << 20, 'cuda'))\n"
             "print(ws > 0, m.get_memory_limit('cuda') == int(0.5 * total))")

@@ -275,3 +275,85 @@ def test_a_fork_while_another_thread_runs_gemms_returns():
     env["PYTHONPATH"] = REPO_PYTHON + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     r = subprocess.run([sys.executable, "-c", _GEMM_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "all forks returned" in r.stdout, r.stderr[-3000:]
+
+
+_SETTINGS_SCRIPT = r"""
+import json, os, signal, sys, threading
+import numpy as np
+import cmlp
+
+model = cmlp.MLP([16, 64, 4], seed=1)
+opt = cmlp.optim.Adam(model, lr=1e-3, param_groups=[{"params": [0, 1]}, {"params": [2, 3]}])
+x, y = np.ones((8, 16), np.float32), np.arange(8) % 4
+stop = False
+def work():  # the optimizer's lock (and the model's move lock) held nearly all the time
+    i = 0
+    while not stop:
+        i += 1
+        opt.param_groups[i % 2]["betas"] = (0.5 + (i % 7) / 100, 0.999)
+        opt.eps = 1e-8 * (1 + i % 3)
+        model.to("cpu")
+t = threading.Thread(target=work, daemon=True)
+t.start()
+
+def in_child():
+    signal.alarm(20)  # a wait that does not end fails the test
+    said = {}
+    for name, call in (("lr", lambda: setattr(opt, "lr", 0.5)), ("group", lambda: opt.param_groups[0].update(lr=0.1)),
+                       ("step", opt.step), ("load", lambda: opt.load_state_dict(opt.state_dict())),
+                       ("move", lambda: model.to("cpu")), ("new", lambda: cmlp.optim.SGD(model, lr=0.1))):
+        try:
+            call()
+            said[name] = "ran"
+        except RuntimeError as e:
+            said[name] = str(e)
+    other = cmlp.MLP([16, 8, 4], seed=2)
+    o2 = cmlp.optim.SGD(other, lr=0.1)
+    other.forward_backward(x, y)
+    o2.step()
+    said["other"] = "ran"
+    return said
+
+said, torn = [], 0
+for attempt in range(40):
+    sys.stdout.flush()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            os.write(w, json.dumps(in_child()).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        text = f.read()
+    _, status = os.waitpid(pid, 0)
+    child = json.loads(text) if text else {"exit": status}
+    said.append(child)
+    if any("were being changed by another thread when the process was forked" in str(v) for v in child.values()):
+        torn += 1
+        if torn >= 2:
+            break
+stop = True
+t.join()
+model.forward_backward(x, y)
+opt.step()
+print(json.dumps({"said": said, "torn": torn}))
+"""
+
+
+def test_an_optimizer_whose_settings_another_thread_changes_at_the_fork_is_refused_in_the_child():
+    # its lock (held for good by a thread the child lacks) would make every setting, step or load
+    # wait for ever there; the child refuses that optimizer, and the rest works
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_PYTHON + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    r = subprocess.run([sys.executable, "-c", _SETTINGS_SCRIPT], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["torn"] >= 1, out
+    for child in out["said"]:
+        assert child.get("other") == "ran", child  # no child hung (the alarm) or failed elsewhere
+        for name, said in child.items():
+            assert said == "ran" or "cannot be used in this process" in said, (name, said)

@@ -689,12 +689,22 @@ def test_one_cycle_refuses_a_negative_max_lr_in_any_group_and_changes_nothing():
         assert unchanged(opt) == before
 
 
+# schedules whose steps read a list of one value per param group (torch's next step fails on a
+# state saved with another number of groups, its lists cut short)
 PER_GROUP_SCHEDULES = {
-    "StepLR": lambda o: S.StepLR(o, step_size=2), "LambdaLR": lambda o: S.LambdaLR(o, lambda e: 0.9 ** e),
+    "LambdaLR": lambda o: S.LambdaLR(o, lambda e: 0.9 ** e),
     "OneCycleLR": lambda o: S.OneCycleLR(o, max_lr=0.5, total_steps=50),
-    "CyclicLR": lambda o: S.CyclicLR(o, 0.01, 0.1), "CosineAnnealingWarmRestarts": lambda o: S.CosineAnnealingWarmRestarts(o, 5),
+    "CyclicLR": lambda o: S.CyclicLR(o, 0.01, 0.1), "CosineAnnealingLR": lambda o: S.CosineAnnealingLR(o, 2),
+    "CosineAnnealingWarmRestarts": lambda o: S.CosineAnnealingWarmRestarts(o, 5),
     "ReduceLROnPlateau(min_lr per group)": lambda o: S.ReduceLROnPlateau(o, min_lr=[0.0] * len(o.param_groups)),
-    "SequentialLR": lambda o: S.SequentialLR(o, [S.ConstantLR(o), S.ExponentialLR(o, 0.9)], [3]),
+    "SequentialLR": lambda o: S.SequentialLR(o, [S.ConstantLR(o), S.CosineAnnealingLR(o, 2)], [3]),
+}
+# schedules whose steps read each group's rate only: torch loads such a state and steps on
+CHAINED_SCHEDULES = {
+    "StepLR": lambda S, o: S.StepLR(o, step_size=2, gamma=0.5), "MultiStepLR": lambda S, o: S.MultiStepLR(o, [1, 3]),
+    "ExponentialLR": lambda S, o: S.ExponentialLR(o, 0.9), "ConstantLR": lambda S, o: S.ConstantLR(o),
+    "LinearLR": lambda S, o: S.LinearLR(o), "PolynomialLR": lambda S, o: S.PolynomialLR(o),
+    "MultiplicativeLR": lambda S, o: S.MultiplicativeLR(o, lambda e: 0.95),
 }
 
 
@@ -706,7 +716,6 @@ def stepped(sched):
 @pytest.mark.parametrize("name", PER_GROUP_SCHEDULES)
 @pytest.mark.parametrize("saved, loaded", [(2, 3), (3, 2)])
 def test_a_schedules_state_from_an_optimizer_with_other_param_groups_is_refused_and_loads_nothing(name, saved, loaded):
-    # torch takes it, and fails at the next step (a list of one value per group, of the wrong length)
     source = PER_GROUP_SCHEDULES[name](cmlp_optimizer(saved))
     stepped(source)
     sched = PER_GROUP_SCHEDULES[name](cmlp_optimizer(loaded))
@@ -716,6 +725,28 @@ def test_a_schedules_state_from_an_optimizer_with_other_param_groups_is_refused_
         sched.load_state_dict(source.state_dict())
     assert sched.state_dict() == before
     stepped(sched)  # and it goes on
+
+
+@pytest.mark.parametrize("name", CHAINED_SCHEDULES)
+@pytest.mark.parametrize("saved, loaded", [(2, 3), (3, 2)])
+def test_a_chained_schedules_state_from_other_param_groups_loads_and_steps_as_torchs(name, saved, loaded):
+    # its last rates are this optimizer's own (torch's next step rewrites the saved ones)
+    torch, opt, topt = pair(loaded)
+    source, tsource = CHAINED_SCHEDULES[name](S, cmlp_optimizer(saved)), CHAINED_SCHEDULES[name](
+        torch.optim.lr_scheduler, torch_optimizer(torch, saved))
+    for _ in range(2):
+        stepped(source)
+        tsource.optimizer.step()
+        tsource.step()
+    sched, tsched = CHAINED_SCHEDULES[name](S, opt), CHAINED_SCHEDULES[name](torch.optim.lr_scheduler, topt)
+    sched.load_state_dict(source.state_dict())
+    tsched.load_state_dict(tsource.state_dict())
+    assert sched.get_last_lr() == group_lrs(opt) and sched.last_epoch == tsched.last_epoch == 2
+    for _ in range(4):
+        stepped(sched)
+        topt.step()
+        tsched.step()
+        assert group_lrs(opt) == pytest.approx(group_lrs(topt), rel=1e-12)
 
 
 @pytest.mark.parametrize("saved, loaded", [(2, 3), (3, 2)])

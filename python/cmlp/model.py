@@ -129,6 +129,21 @@ class IncompatibleKeys(tuple):
         return f"IncompatibleKeys(missing_keys={self.missing_keys}, unexpected_keys={self.unexpected_keys})"
 
 
+
+# The models of this process: in a forked child each takes a new _optimizers_lock (a thread the
+# child does not have may have held it; a move it was making in C leaves the model lost there).
+_live: "weakref.WeakSet[MLP]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for model in list(_live):
+        if "_optimizers_lock" in model.__dict__:
+            model._optimizers_lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class MLP:
     """Linear layers with ReLU between them, initialised like nn.Linear from `seed`."""
 
@@ -149,6 +164,7 @@ class MLP:
         # held while an optimizer is made and while the model moves: a move in another thread
         # takes every optimizer along, the one being made too
         self._optimizers_lock = threading.RLock()
+        _live.add(self)
         # no gradient yet (torch's .grad is None until a backward, and again after
         # zero_grad(set_to_none=True)): an optimizer's step() then changes nothing
         self._grads_none = True

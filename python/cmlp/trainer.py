@@ -386,9 +386,14 @@ class Trainer(FitLoop):
         (a float x's NaN or inf too, before any step)."""
         sizes = self.model.layer_sizes
         xa = as_inputs(x, sizes[0], f"{what} x")
-        if xa.dtype == np.float32 and xa.size and not np.isfinite(xa).all():
-            sample, feature = np.argwhere(~np.isfinite(xa.reshape(xa.shape[0], -1)))[0]
-            raise ValueError(f"{what} x contains NaN or inf (first at sample {sample}, feature {feature})")
+        if xa.dtype == np.float32:
+            rows = max(1, (1 << 22) // max(1, sizes[0]))  # in blocks: no temporary the size of the data
+            for start in range(0, xa.shape[0], rows):
+                bad = ~np.isfinite(xa[start:start + rows])
+                if bad.any():
+                    sample, feature = np.argwhere(bad)[0]
+                    raise ValueError(f"{what} x contains NaN or inf (first at sample {start + sample}, feature "
+                                     f"{feature})")
         return xa, as_labels(y, xa.shape[0], sizes[-1], f"{what} y")
 
     def _busy_error(self, what: str) -> RuntimeError:

@@ -63,11 +63,14 @@ def _setting(key: str, doc: str) -> Any:
         return self._owns[0][key] if key in self._per_group else self._settings[key]
 
     def set(self: "Optimizer", value: Any) -> None:
-        if key in self._per_group:
-            own = self._own_from({key: value}, self._owns[0])[key]
-            self._push_groups(owns=[{**o, key: own} for o in self._owns])
-        else:
-            self._apply(self._group_config({key: value}))
+        from .optimizer import _holding
+
+        with _holding(self):  # (Optimizer's _locked: the groups' settings are read and set as one)
+            if key in self._per_group:
+                own = self._own_from({key: value}, self._owns[0])[key]
+                self._push_groups(owns=[{**o, key: own} for o in self._owns])
+            else:
+                self._apply(self._group_config({key: value}))
 
     return property(get, set, doc=doc)
 
@@ -121,8 +124,10 @@ def _group_locked(method: _F) -> _F:
     lock to take, and no setting of its own to change)."""
     @functools.wraps(method)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from .optimizer import _holding
+
         opt = self._ref()
-        with opt._lock if opt is not None else contextlib.nullcontext():
+        with _holding(opt) if opt is not None else contextlib.nullcontext():
             return method(self, *args, **kwargs)
     return run  # type: ignore[return-value]
 

@@ -47,7 +47,9 @@ class _StateDict:
         """Takes over a state_dict of the same kind of optimizer (this library's or torch.optim's
         layout). Everything is checked before anything changes: a ValueError leaves the
         optimizer as it was."""
-        with self._lock:  # (the groups' settings: Optimizer's _locked)
+        from .optimizer import _holding
+
+        with _holding(self):  # (the groups' settings: Optimizer's _locked)
             self._load_state_dict(state_dict)
 
     def _load_state_dict(self, state_dict: Dict[str, Any]) -> None:

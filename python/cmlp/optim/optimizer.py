@@ -1,8 +1,11 @@
 """The base of cmlp.optim's optimizers: a C optimizer bound to one model, stepping its flat
 buffers in one fused pass, with torch's param groups over it."""
+import contextlib
 import functools
+import os
 import threading
-from typing import Any, Callable, Dict, Iterable, List, Mapping, MutableMapping, Tuple, TypeVar
+import weakref
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, MutableMapping, Tuple, TypeVar
 
 import numpy as np
 
@@ -16,14 +19,46 @@ from ._state import _StateDict
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
+# An optimizer whose settings another thread was changing when the process forked is half changed
+# in the child: there it is refused, rather than waiting for ever for that thread's lock.
+_live: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()
+_TORN = ("this optimizer's settings were being changed by another thread when the process was forked; the change "
+         "never finishes in the child, so the optimizer cannot be used in this process (fork while no thread "
+         "changes it, or start processes with 'spawn')")
+
+
+def _after_fork_in_child() -> None:
+    for opt in list(_live):
+        lock = opt.__dict__.get("_lock")
+        if lock is None:
+            continue
+        if lock.acquire(blocking=False):  # free, or this thread's
+            lock.release()
+        else:  # a thread the child does not have holds it
+            opt._torn = True
+        opt._lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+@contextlib.contextmanager
+def _holding(opt: Any) -> Iterator[None]:
+    """The optimizer's lock, held (an optimizer torn by a fork raises)."""
+    with opt._lock:
+        if opt.__dict__.get("_torn"):
+            raise RuntimeError(_TORN)
+        yield
+
 
 def _locked(method: _F) -> _F:
     """A method run under the optimizer's lock: what it reads of the groups' settings, and what it
     sets of them and of the C optimizer, is not another thread's half-made change (torch's groups
-    are dicts of their own: two threads that set two groups' values both take)."""
+    are dicts of their own: two threads that set two groups' values both take). No code of the
+    caller's runs under it (a closure, a schedule's function)."""
     @functools.wraps(method)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
+        with _holding(self):
             return method(self, *args, **kwargs)
     return run  # type: ignore[return-value]
 
@@ -41,6 +76,7 @@ class Optimizer(_Copying, _StateDict):
 
     def __init__(self, model: MLP, kind: str, flags: Dict[str, Any], param_groups: Any = None, **config: Any) -> None:
         self._lock = threading.RLock()  # the groups' settings, read, changed and given to C as one (_locked)
+        _live.add(self)
         model, param_groups = self._model_and_groups(model, param_groups)
         self.model = model
         self._kind = kind
@@ -465,7 +501,6 @@ class Optimizer(_Copying, _StateDict):
         return [{"params": list(g._names), "lr": lr, "weight_decay": wd, **own}
                 for g, lr, wd, own in zip(self._param_groups, self._lrs, self._wds, self._owns)]
 
-    @_locked
     def step(self, closure: Any = None) -> Any:
         """One update from the gradients accumulated in the model. Without gradients (none
         since the model was made, or since zero_grad() with set_to_none) nothing changes, no state
@@ -476,13 +511,14 @@ class Optimizer(_Copying, _StateDict):
         if closure is not None:
             if not callable(closure):
                 raise TypeError(f"closure must be callable, got {type(closure).__name__}")
-            loss = closure()
-        self._opt_called = True  # torch's mark, which a schedule's first step looks for
-        self._sync_parts(self._rates()[1])  # as the groups' rates say (a no-op unless a call failed midway)
-        if self.model._grads_none:
-            self._c.lr  # noqa: B018 - refuses, as every call, where the model was lost to a fork
-            return loss
-        self._c.step()
+            loss = closure()  # (not under the lock: it may wait for another thread that sets a rate)
+        with _holding(self):
+            self._opt_called = True  # torch's mark, which a schedule's first step looks for
+            self._sync_parts(self._rates()[1])  # as the groups' rates say (a no-op unless a call failed midway)
+            if self.model._grads_none:
+                self._c.lr  # noqa: B018 - refuses, as every call, where the model was lost to a fork
+                return loss
+            self._c.step()
         return loss
 
     @property

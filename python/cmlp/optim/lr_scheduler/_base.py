@@ -178,18 +178,21 @@ def _ours(module: str) -> bool:
     return module == __package__ or module.startswith(__package__ + ".")
 
 
-def _check_state(schedule: Any, state_dict: Any) -> None:
-    """A state_dict as load_state_dict takes it: a mapping whose values are of the kinds this
-    schedule holds under the same names and, for this module's schedules, usable where they
-    stand (_unfit), within the ranges the constructor checks (_LOADED_AT_LEAST) and whole
-    (_check_loaded), with one value per param group where it holds one per group (_PER_GROUP); a
-    schedule defined elsewhere may hold None or an infinity at one step and a number at another,
-    and is held to the kinds only. Checked before any is taken: a refused one
-    loads nothing, and the schedule goes on as it was, rather than failing at its next step."""
+def _check_state(schedule: Any, state_dict: Any) -> Mapping:
+    """A state_dict as load_state_dict takes it, and what it loads of it: a mapping whose values are
+    of the kinds this schedule holds under the same names and, for this module's schedules, usable
+    where they stand (_unfit), within the ranges the constructor checks (_LOADED_AT_LEAST) and
+    whole (_check_loaded); a schedule defined elsewhere may hold None or an infinity at one step
+    and a number at another, and is held to the kinds only. Checked before any is taken: a
+    refused one loads nothing, and the schedule goes on as it was, rather than failing at its next
+    step. A state saved with an optimizer of other param groups loads as torch's does where
+    torch's steps on (_for_these_groups), and is refused where they would fail."""
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a dict (a schedule's state_dict()), got {type(state_dict).__name__}")
     name = type(schedule).__name__
     ours = _ours(type(schedule).__module__)
+    if ours:
+        state_dict = _for_these_groups(schedule, state_dict)
     for key, value in state_dict.items():
         if key not in schedule.__dict__:
             continue
@@ -207,19 +210,33 @@ def _check_state(schedule: Any, state_dict: Any) -> None:
             raise ValueError(f"state_dict[{key!r}] must be {'> 0' if lo == _ABOVE_ZERO else f'>= {lo}'} (as this "
                              f"{name}'s constructor takes it), got {value!r}")
     if ours:
-        groups = len(schedule.optimizer.param_groups)
-        for key in sorted(_PER_GROUP & state_dict.keys() & schedule.__dict__.keys()):
-            value = state_dict[key]
-            if isinstance(value, (list, tuple)) and len(value) != groups:
-                raise ValueError(f"state_dict[{key!r}] has {len(value)} entries, one per param group of the optimizer "
-                                 f"it was saved with; this {name}'s optimizer has {groups} param groups")
         schedule._check_loaded(state_dict)
+    return state_dict
 
 
-# what a schedule holds one of per param group: a state saved with another optimizer's groups
-# would fail at the next step
-_PER_GROUP = frozenset({"base_lrs", "_last_lr", "lr_lambdas", "_groups", "max_lrs", "base_momentums",
-                        "max_momentums", "min_lrs"})
+def _for_these_groups(schedule: Any, state_dict: Mapping) -> Mapping:
+    """A state saved with an optimizer of another number of param groups: what the schedule's steps
+    read of one value per group (_LOADED_PER_GROUP) is refused, as torch's next step would fail
+    (its lists are cut short); its last rates, and its base rates where only step(epoch)'s closed
+    form reads them, are this optimizer's own (torch keeps the saved ones, which its next step
+    rewrites, and its closed form cuts short)."""
+    groups = len(schedule.optimizer.param_groups)
+    name = type(schedule).__name__
+    wrong = [key for key in state_dict if key in schedule.__dict__ and isinstance(state_dict[key], (list, tuple))
+             and isinstance(schedule.__dict__[key], (list, tuple)) and len(schedule.__dict__[key]) == groups
+             and len(state_dict[key]) != groups]
+    for key in sorted(wrong):
+        if key in schedule._LOADED_PER_GROUP:
+            raise ValueError(f"state_dict[{key!r}] has {len(state_dict[key])} entries, one per param group of the "
+                             f"optimizer it was saved with; this {name}'s optimizer has {groups} param groups")
+    own = {}
+    if "_last_lr" in wrong:
+        own["_last_lr"] = schedule.optimizer._group_lrs()
+    if "base_lrs" in wrong:
+        initial = list(schedule.optimizer._initial_lrs)
+        own["base_lrs"] = initial if None not in initial else schedule.optimizer._group_lrs()
+    return {**state_dict, **own} if own else state_dict
+
 
 _ABOVE_ZERO = 5e-324  # the least float above 0: a lower bound "> 0" in _LOADED_AT_LEAST
 
@@ -233,6 +250,8 @@ class LRScheduler:
     _LOADED_AT_LEAST: Dict[str, float] = {"last_epoch": -1}
     _LOADED_NONE_OK: frozenset = frozenset()
     _LOADED_INF_OK: frozenset = frozenset()
+    # the lists of one value per param group that its steps read (_for_these_groups)
+    _LOADED_PER_GROUP: frozenset = frozenset()
 
     # whether get_lr may set the optimizer's momenta too (put back when a step fails): this module's
     # schedules that cycle them, and any defined elsewhere (__init_subclass__)
@@ -353,7 +372,7 @@ class LRScheduler:
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        _check_state(self, state_dict)
+        state_dict = _check_state(self, state_dict)
         self.__dict__.update({k: v for k, v in state_dict.items() if k != "lr_lambdas"})
         for fn, saved in zip(getattr(self, "lr_lambdas", ()), state_dict.get("lr_lambdas") or ()):
             if saved is not None:

@@ -35,12 +35,12 @@ class _Composite(LRScheduler):
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        _check_state(self, state_dict)
+        state_dict = _check_state(self, state_dict)
         parts = state_dict.get("_schedulers")
         if not isinstance(parts, (list, tuple)) or len(parts) != len(self._schedulers):
             raise ValueError(f"the state_dict holds {len(parts) if isinstance(parts, (list, tuple)) else 'no'} "
                              f"schedules; this one is made of {len(self._schedulers)}")
-        for s, part in zip(self._schedulers, parts):  # all checked before any is loaded
+        for s, part in zip(self._schedulers, parts):  # all checked before any is loaded (and again as loaded)
             _check_state(s, part)
         self.__dict__.update({k: v for k, v in state_dict.items() if k != "_schedulers"})
         for s, part in zip(self._schedulers, parts):

@@ -41,6 +41,7 @@ class OneCycleLR(LRScheduler):
     takes."""
 
     _LOADED_AT_LEAST = {**LRScheduler._LOADED_AT_LEAST, "total_steps": 1}
+    _LOADED_PER_GROUP = frozenset({"_groups"})
 
     _GROUP_KEYS = ("max_lr", "min_lr", "max_momentum", "base_momentum")
     _noted: Optional[Tuple[Any, ...]] = None  # what the groups held at the last step (_note_seen)
@@ -250,7 +251,7 @@ class OneCycleLR(LRScheduler):
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Also takes the state_dict of an older one-group schedule, which kept "_group"."""
-        _check_state(self, state_dict)
+        state_dict = _check_state(self, state_dict)
         if "_group" in state_dict and "_groups" not in state_dict:
             state_dict = {**{k: v for k, v in state_dict.items() if k != "_group"}, "_groups": [state_dict["_group"]]}
         state = {k: v for k, v in state_dict.items() if k not in ("_seen", "_noted")}
@@ -293,6 +294,7 @@ class CyclicLR(LRScheduler):
     max_momentum and base_momentum (each a number, or a list with one per group)."""
 
     _LOADED_AT_LEAST = {**LRScheduler._LOADED_AT_LEAST, "total_size": _ABOVE_ZERO}
+    _LOADED_PER_GROUP = frozenset({"base_lrs", "max_lrs", "base_momentums", "max_momentums"})
 
     _MOVES_MOMENTUM = True
 
@@ -371,7 +373,7 @@ class CyclicLR(LRScheduler):
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        _check_state(self, state_dict)
+        state_dict = _check_state(self, state_dict)
         saved = state_dict.get("_scale_fn_custom")
         self.__dict__.update({k: v for k, v in state_dict.items() if k != "_scale_fn_custom"})
         if saved is not None and self._scale_fn_custom is not None:

@@ -1,6 +1,6 @@
 """ReduceLROnPlateau: the rate cut once a metric stops improving."""
 from math import inf
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional
 
 from ..._arrays import as_number
 from ._base import LRScheduler, _check_state, _deprecated_epoch, _int, _one_per_group, _optimizer
@@ -16,6 +16,7 @@ class ReduceLROnPlateau(LRScheduler):
     _LOADED_AT_LEAST = {**LRScheduler._LOADED_AT_LEAST, "patience": 0, "cooldown": 0}
     _LOADED_NONE_OK = frozenset({"default_min_lr"})  # None with one min_lr per group
     _LOADED_INF_OK = frozenset({"best", "mode_worse"})  # the worst value, where no epoch was seen
+    _LOADED_PER_GROUP = frozenset({"min_lrs"})
 
     def __init__(self, optimizer: Any, mode: str = "min", factor: float = 0.1, patience: int = 10,
                  threshold: float = 1e-4, threshold_mode: str = "rel", cooldown: int = 0, min_lr: Any = 0,
@@ -121,11 +122,11 @@ class ReduceLROnPlateau(LRScheduler):
         """A state saved with another optimizer's param groups takes its min_lr for each of this
         one's groups where it was made with one for all (torch's default_min_lr); its last rates
         are this optimizer's own. With one min_lr per group it is refused."""
-        n = len(self.optimizer.param_groups)
-        default = state_dict.get("default_min_lr", self.default_min_lr) if isinstance(state_dict, dict) else None
-        lows = state_dict.get("min_lrs") if isinstance(state_dict, dict) else None
-        if default is not None and isinstance(lows, (list, tuple)) and len(lows) != n:
-            state_dict = dict(state_dict, min_lrs=[default] * n, _last_lr=self.optimizer._group_lrs())
-        _check_state(self, state_dict)
+        if isinstance(state_dict, Mapping):
+            n = len(self.optimizer.param_groups)
+            default, lows = state_dict.get("default_min_lr", self.default_min_lr), state_dict.get("min_lrs")
+            if default is not None and isinstance(lows, (list, tuple)) and len(lows) != n:
+                state_dict = {**state_dict, "min_lrs": [default] * n}
+        state_dict = _check_state(self, state_dict)
         self.__dict__.update(state_dict)
         self._init_is_better(self.mode, self.threshold, self.threshold_mode)

@@ -28,6 +28,8 @@ class _LambdaSchedule(LRScheduler):
 
 
 class LambdaLR(_LambdaSchedule):
+    _LOADED_PER_GROUP = frozenset({"base_lrs"})  # each step's rates are made of them
+
     """lr = base_lr * lr_lambda(last_epoch)."""
 
     def get_lr(self) -> List[float]:
@@ -96,6 +98,7 @@ class CosineAnnealingLR(LRScheduler):
     """eta_min + (base_lr - eta_min) (1 + cos(pi t / T_max)) / 2, in torch's recursive form."""
 
     _LOADED_AT_LEAST = {**LRScheduler._LOADED_AT_LEAST, "T_max": 1}
+    _LOADED_PER_GROUP = frozenset({"base_lrs"})  # read at each restart of the cosine
 
     def __init__(self, optimizer: Any, T_max: int, eta_min: float = 0.0, last_epoch: int = -1) -> None:
         self.T_max = _length("T_max", T_max, 1)
@@ -222,6 +225,7 @@ class CosineAnnealingWarmRestarts(LRScheduler):
     each period T_mult times the last (SGDR)."""
 
     _LOADED_AT_LEAST = {**LRScheduler._LOADED_AT_LEAST, "T_0": 1, "T_i": 1, "T_mult": 1}
+    _LOADED_PER_GROUP = frozenset({"base_lrs"})
 
     def __init__(self, optimizer: Any, T_0: int, T_mult: int = 1, eta_min: float = 0.0, last_epoch: int = -1) -> None:
         if not _is_int(T_0) or T_0 <= 0:
