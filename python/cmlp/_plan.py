@@ -208,7 +208,9 @@ def max_batch_size(layer_sizes: List[int], budget_bytes: int, optimizer: Any = "
     """The largest micro-batch whose planned reserved memory fits in budget_bytes (0 if none),
     for runs of accumulation_steps micro-batches per optimizer step (see plan: with more than
     one, a step needs more memory for the same micro-batch), the optimizer's state sharded
-    over optimizer_shards ranks, a validation of validation_rows after each epoch and, on a GPU,
+    over optimizer_shards ranks, a validation of validation_rows after each epoch (in fit's
+    chunks of up to 1000 rows, as planned: fit halves a chunk that runs out of memory, but a
+    batch that needs it, out of memory first, is not one that fits) and, on a GPU,
     a fit's data set of data_rows kept on the device (see plan); at most data_rows, where given
     (a larger batch is the whole data set). The budget is a memory limit's: the segments that
     later epochs could add to the cache (see plan's epochs) would be given back at the limit,
