@@ -64,11 +64,16 @@ static cmlp_status plan_make(cuda_ctx *c, gemm_plan *p, const uint64_t key[8], c
         s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ac, sizeof ac);
     cublasLtMatmulHeuristicResult_t h;
     int found = 0;
-    if (s == CUBLAS_STATUS_SUCCESS)
+    bool asked = false;
+    if (s == CUBLAS_STATUS_SUCCESS) {
+        asked = true;
         s = cublasLtMatmulAlgoGetHeuristic(c->lt, p->op, p->a, p->b, p->c, p->c, pref, 1, &h, &found);
+    }
     cublasLtMatmulPreferenceDestroy(pref);
     if (s != CUBLAS_STATUS_SUCCESS || found == 0) {
-        *no_algo = found == 0 && (s == CUBLAS_STATUS_SUCCESS || s == CUBLAS_STATUS_NOT_SUPPORTED);
+        /* a heuristic that fails is no algorithm too (INVALID_VALUE for an epilogue on a GEMM with
+         * a side of 1, as PyTorch has seen): the GEMM goes without it, as where none is found */
+        *no_algo = asked;
         plan_free(p);
         if (*no_algo && g->epilogue == CUBLASLT_EPILOGUE_DEFAULT) return CMLP_ERR_DEVICE; /* cuBLAS runs it */
         return FAIL(CMLP_ERR_DEVICE, "cuBLASLt has no algorithm for a GEMM of %lld x %lld x %lld (%s)", (long long)g->m,
@@ -286,17 +291,19 @@ static cmlp_status cu_gemm(void *ctx, int ta, int tb, int64_t m, int64_t n, int6
 }
 
 /* cuBLASLt's bias epilogue has failed to run (CUBLAS_STATUS_EXECUTION_FAILED) on GEMMs with a
- * side of 65535 x 32 or more, which torch's addmm therefore does without: so does gemm_bias. */
+ * side of 65535 x 32 or more, and its heuristic fails (INVALID_VALUE) for one with a side of 1,
+ * which torch's addmm therefore does without: so does gemm_bias. */
 #define TALL_GEMM ((int64_t)65535 * 32)
 
 /* C = alpha op(A) op(B) with the bias (and ReLU) fused where cuBLASLt has an algorithm for
- * that. Where it has none, or a side is TALL_GEMM or more (rows of C contiguous): in fp32 the
+ * that. Where it has none, or a side is TALL_GEMM or more or 1 (rows of C contiguous): in fp32 the
  * GEMM, then the bias kernel; in half precision C's rows set to the bias, the GEMM adding to
  * them, then the ReLU, which gives the fused epilogue's values (the sum in fp32, rounded once). */
 static cmlp_status gemm_bias(cuda_ctx *c, gemm_desc *g, float alpha, const void *d_a, const void *d_b, void *d_c,
                              const void *d_bias, int relu) {
     cmlp_status st;
-    if (g->ldc != g->n || (g->m < TALL_GEMM && g->n < TALL_GEMM && g->k < TALL_GEMM)) {
+    const bool fused = g->m < TALL_GEMM && g->n < TALL_GEMM && g->k < TALL_GEMM && g->m > 1 && g->n > 1 && g->k > 1;
+    if (g->ldc != g->n || fused) {
         bool none;
         st = lt_gemm(c, g, alpha, d_a, d_b, 0.0f, d_c, d_bias, &none);
         if (st == CMLP_OK || !none || g->ldc != g->n) return st;

@@ -50,6 +50,13 @@ static void nccl_version_text(int code, char *out, size_t cap) {
 }
 
 static void nccl_load(void) {
+    /* NCCL registers the buffers of collectives captured in a graph where they come from a
+     * qualified allocation (ncclMemAlloc's kind); the gradients here come from the caching
+     * allocator, with expandable segments from many 2 MiB VMM pages, which such registration
+     * is known to hang on. Off unless the environment says otherwise (the gradients are small
+     * enough that the copy it saves does not matter); set once, here, before any communicator
+     * reads it (setenv is not safe beside other threads' getenv). */
+    setenv("NCCL_GRAPH_REGISTER", "0", 0);
     const char *env = getenv("CMLP_NCCL_LIBRARY");
     const char *path = env && env[0] ? env : "libnccl.so.2";
     void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
@@ -125,12 +132,7 @@ static cmlp_status cu_comm_init(void *ctx, const void *id, int rank, int size, v
     nccl_id uid;
     memcpy(&uid, id, sizeof uid);
     *comm = NULL;
-    /* NCCL registers the buffers of collectives captured in a graph where they come from a
-     * qualified allocation (ncclMemAlloc's kind); the gradients here come from the caching
-     * allocator, with expandable segments from many 2 MiB VMM pages, which such registration
-     * is known to hang on. Off unless the environment says otherwise (read at the first
-     * communicator; the gradients are small enough that the copy it saves does not matter). */
-    setenv("NCCL_GRAPH_REGISTER", "0", 0);
+    /* (NCCL_GRAPH_REGISTER is off: nccl_load) */
     NCCL_TRY(nccl.comm_init_rank(comm, size, uid, rank), "ncclCommInitRank");
     return CMLP_OK;
 }
@@ -144,6 +146,7 @@ static cmlp_status cu_comm_all_reduce(void *ctx, void *comm, float *d_buf, int64
     pthread_mutex_lock(&c->lock);
     int r = nccl.all_reduce(d_buf, d_buf, (size_t)n, NCCL_FLOAT32, NCCL_SUM, comm, stream_of(c));
     pthread_mutex_unlock(&c->lock);
+    if (r != 0) (void)cudaGetLastError(); /* a CUDA error NCCL met is its failure's, not the next launch's */
     if (r != 0) return FAIL(CMLP_ERR_DEVICE, "ncclAllReduce of %lld floats failed: %s (NCCL result %d)", (long long)n,
                             nccl.error_string(r), r);
     return done(c, cudaSuccess, "ncclAllReduce");
@@ -169,6 +172,7 @@ static cmlp_status per_part(void *ctx, void *comm, float *d_buf, int64_t n, int6
     int e = nccl.group_end(); /* also after a failed call: the group is closed either way */
     if (r == 0) r = e;
     pthread_mutex_unlock(&c->lock);
+    if (r != 0) (void)cudaGetLastError(); /* (as in cu_comm_all_reduce) */
     if (r != 0)
         return FAIL(CMLP_ERR_DEVICE, "the %s of %lld floats (%s) failed: %s (NCCL result %d)", what, (long long)n,
                     call, nccl.error_string(r), r);

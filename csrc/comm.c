@@ -342,6 +342,7 @@ out:
 
 void cmlp_dist_destroy(void) {
     take_lock();
+    cmlp_train_drop_group_graphs(); /* before the communicators their captured steps hold */
     free_device_comms();
     group = false;
     pthread_mutex_unlock(&lock);

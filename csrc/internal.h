@@ -343,6 +343,9 @@ CMLP_HIDDEN cmlp_status cmlp_dcomm_reduce_scatter(cmlp_device_ctx *dev, void *co
                                                   int64_t chunk);
 CMLP_HIDDEN cmlp_status cmlp_dcomm_graph_launch(cmlp_device_ctx *dev, void *graph);
 CMLP_HIDDEN cmlp_status cmlp_dcomm_init(cmlp_device_ctx *dev, const void *id, int rank, int size, void **comm);
+/* At the group's end, before its device communicators go: every trainer holding one drops it and
+ * its captured step (NCCL's destroy waits for every graph holding a communicator's collectives). */
+CMLP_HIDDEN void cmlp_train_drop_group_graphs(void);
 /* Moves with every process group made (a trainer's communicator from an older one is gone). */
 CMLP_HIDDEN uint64_t cmlp_dist_generation(void);
 /* Makes the optimizer's state now if it has none (zeros; its first step still treats it as new). */

@@ -125,6 +125,7 @@ void cmlp_train_drop_graph(cmlp_trainer *t) {
 
 void cmlp_trainer_free(cmlp_trainer *t) {
     if (!t) return;
+    cmlp_train_leave_group(t);
     cmlp_train_drop_graph(t);
     drop_device_data(t);
     free(t->order);

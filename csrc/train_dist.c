@@ -5,6 +5,7 @@
 #include "train_internal.h"
 #include "comm.h"
 
+#include <pthread.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -116,6 +117,61 @@ cmlp_status cmlp_train_same_data(const cmlp_trainer *t, const cmlp_data *xy) {
     return cmlp_train_same_on_every_rank(names, v, 3, 1u << 2);
 }
 
+/* ---- the trainers holding a device communicator ----
+ * A captured step holds the communicator's collectives, and NCCL's destroy of a communicator
+ * waits until every graph holding it is gone: at the group's end the trainers drop theirs first
+ * (no data-parallel call runs then: destroy_process_group's rule). */
+static pthread_mutex_t joined_lock = PTHREAD_MUTEX_INITIALIZER;
+static cmlp_trainer *joined_head;
+static pthread_once_t joined_once = PTHREAD_ONCE_INIT;
+
+static void joined_after_fork_child(void) { pthread_mutex_init(&joined_lock, NULL); }
+static void joined_register(void) { pthread_atfork(NULL, NULL, joined_after_fork_child); }
+
+static void joined_add(cmlp_trainer *t) {
+    pthread_once(&joined_once, joined_register);
+    pthread_mutex_lock(&joined_lock);
+    if (!t->joined) {
+        t->joined = true;
+        t->joined_prev = NULL;
+        t->joined_next = joined_head;
+        if (joined_head) joined_head->joined_prev = t;
+        joined_head = t;
+    }
+    pthread_mutex_unlock(&joined_lock);
+}
+
+static void joined_remove(cmlp_trainer *t) { /* with joined_lock held */
+    if (!t->joined) return;
+    if (t->joined_prev) t->joined_prev->joined_next = t->joined_next;
+    else joined_head = t->joined_next;
+    if (t->joined_next) t->joined_next->joined_prev = t->joined_prev;
+    t->joined = false;
+    t->joined_prev = t->joined_next = NULL;
+}
+
+void cmlp_train_leave_group(cmlp_trainer *t) {
+    pthread_once(&joined_once, joined_register);
+    pthread_mutex_lock(&joined_lock);
+    joined_remove(t);
+    pthread_mutex_unlock(&joined_lock);
+    t->dcomm = NULL;
+    t->dcomm_dev = NULL;
+}
+
+void cmlp_train_drop_group_graphs(void) {
+    pthread_once(&joined_once, joined_register);
+    pthread_mutex_lock(&joined_lock);
+    while (joined_head) {
+        cmlp_trainer *t = joined_head;
+        joined_remove(t);
+        cmlp_train_drop_graph(t);
+        t->dcomm = NULL;
+        t->dcomm_dev = NULL;
+    }
+    pthread_mutex_unlock(&joined_lock);
+}
+
 /* Off the host, the model's device joins the group's device collectives (every rank at once:
  * after cmlp_train_same_settings, so that all are on devices of one kind). */
 cmlp_status cmlp_train_join_group(cmlp_trainer *t) {
@@ -127,6 +183,7 @@ cmlp_status cmlp_train_join_group(cmlp_trainer *t) {
     t->dcomm = comm;
     t->dcomm_dev = dev;
     t->dgen = cmlp_dist_generation();
+    joined_add(t);
     return CMLP_OK;
 }
 
@@ -145,8 +202,7 @@ cmlp_status cmlp_trainer_set_distributed(cmlp_trainer *t, int on) {
     cmlp_train_drop_graph(t);
     t->warm = false;
     t->dist = false;
-    t->dcomm = NULL;
-    t->dcomm_dev = NULL;
+    cmlp_train_leave_group(t);
     if (!on) return CMLP_OK;
     t->dist = true; /* collectives from here: every rank makes its trainer data-parallel */
     cmlp_status st = cmlp_train_same_settings(t, CALL_TRAINER, NULL);
@@ -168,8 +224,7 @@ cmlp_status cmlp_train_check_group(cmlp_trainer *t, bool joined) {
     if (t->dcomm && t->dgen != cmlp_dist_generation()) { /* the group was made again: its old communicator is gone */
         if (joined) return CMLP_FAIL(CMLP_ERR_STATE, "the process group was made again during the epoch");
         cmlp_train_drop_graph(t);
-        t->dcomm = NULL;
-        t->dcomm_dev = NULL;
+        cmlp_train_leave_group(t);
     }
     if (joined && t->model->dev->device.type != CMLP_DEVICE_CPU && t->dcomm_dev != t->model->dev)
         return CMLP_FAIL(CMLP_ERR_STATE, "the model moved to another device during the epoch");

@@ -68,6 +68,8 @@ struct cmlp_trainer {
     void *dcomm;          /* off the host: dcomm_dev's member of the group's device collectives */
     cmlp_device_ctx *dcomm_dev;
     uint64_t dgen;        /* the process group dcomm (and a captured step using it) belongs to */
+    cmlp_trainer *joined_prev, *joined_next; /* in the list of trainers holding a dcomm (train_dist.c) */
+    bool joined;
     double last_norm;     /* the last step's gradient norm (clipping), when has_norm */
     bool has_norm;
     bool rates;           /* the call in progress has a rate per step (cmlp_trainer_epoch_run_rates) */
@@ -119,6 +121,8 @@ CMLP_HIDDEN cmlp_status cmlp_train_same_settings(const cmlp_trainer *t, int call
  * (a hash of its labels and of rows spread over it) are compared. */
 CMLP_HIDDEN cmlp_status cmlp_train_same_data(const cmlp_trainer *t, const cmlp_data *xy);
 CMLP_HIDDEN cmlp_status cmlp_train_join_group(cmlp_trainer *t);
+/* The trainer holds no device communicator any more (off the list the group's end goes over). */
+CMLP_HIDDEN void cmlp_train_leave_group(cmlp_trainer *t);
 CMLP_HIDDEN cmlp_status cmlp_train_group_batch_fits(const cmlp_trainer *t);
 CMLP_HIDDEN cmlp_status cmlp_train_check_group(cmlp_trainer *t, bool joined);
 

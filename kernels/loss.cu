@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(XENT_THREADS) k_softmax_xent(xent_args a) {
                 const int64_t c = lane + 32 * k;
                 if (c < cols) {
                     const double v = f_to_double(xv[k]);
-                    sum += exp(v - mxd);
+                    sum = __dadd_rn(sum, exp(v - mxd)); /* (no FMA with exp's last product) */
                     xsum += v;
                     if (c == y) xl = xv[k];
                 }
@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(XENT_THREADS) k_softmax_xent(xent_args a) {
             for (int64_t c = lane; c < cols; c += 32) {
                 const float xc = x[c];
                 const double v = f_to_double(xc);
-                sum += exp(v - mxd);
+                sum = __dadd_rn(sum, exp(v - mxd));
                 xsum += v;
                 if (c == y) xl = xc;
             }
@@ -133,7 +133,7 @@ __global__ void __launch_bounds__(XENT_THREADS) k_softmax_xent(xent_args a) {
         xl = __shfl_sync(CMLP_FULL_WARP, xl, valid ? (int)(y & 31) : 0);
         if (!valid) xl = 0.0f;
         /* lse - (1 - e) x_y - e / C sum_c x_c, products kept out of FMAs as on the CPU */
-        const double lse = mxd + log(sum);
+        const double lse = __dadd_rn(mxd, log(sum));
         loss += __dsub_rn(__dsub_rn(lse, __dmul_rn(keep, f_to_double(xl))), __dmul_rn(spread, xsum));
         hits += arg == (int64_t)y;
 

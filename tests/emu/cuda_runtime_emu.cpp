@@ -52,7 +52,8 @@
  *    recorded on an idle stream (after a collective, which ran it) is reached at once.
  *  - CMLP_EMU_NCCL_STALL=r:n: rank r's n-th collective never ends, as on a device stuck in it
  *    (one recorded in a graph: at the graph's launch); r:n:queued leaves it in the stream's
- *    queue, where the host's wait for it never ends.
+ *    queue, where the host's wait for it never ends. ncclCommDestroy of a communicator that an
+ *    instantiated graph (not destroyed) holds collectives of aborts: NCCL's would wait for ever.
  *  - CMLP_EMU_LAUNCH_DELAY_US=n pauses n microseconds after each kernel launch (no lock held),
  *    so that threads interleave their launches on a shared stream.
  *
@@ -139,7 +140,9 @@ struct graph_t {
     std::vector<uint64_t> lane_ops{0};    /* ops (waits aside) per branch */
     std::vector<uint64_t> lane_joined{0}; /* how far the first branch waited for each */
     std::vector<CUstream_st *> lane_streams{nullptr};
+    std::set<void *> comms; /* the NCCL communicators its collectives use */
 };
+std::set<const graph_t *> live_execs; /* instantiated graphs not destroyed (ncclCommDestroy waits for them) */
 
 std::recursive_mutex gpu; /* the runtime's state and the running work */
 
@@ -805,6 +808,8 @@ cudaError_t cudaGraphInstantiateWithFlags(cudaGraphExec_t *exec, cudaGraph_t gra
                      names.c_str());
     }
     *exec = new CUgraphExec_st{graph->g};
+    std::lock_guard<std::recursive_mutex> g(gpu);
+    live_execs.insert(&(*exec)->g);
     return cudaSuccess;
 }
 
@@ -818,6 +823,7 @@ cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
     fork_guard("cudaGraphExecDestroy");
     std::lock_guard<std::recursive_mutex> g(gpu);
     flush_all(); /* launches of it that are queued keep their ops alive anyway (shared) */
+    live_execs.erase(&exec->g);
     delete exec;
     return cudaSuccess;
 }
@@ -1367,6 +1373,10 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDe
     if (s != CUBLAS_STATUS_SUCCESS) return s;
     const bool bias = D(op)->epilogue & CUBLASLT_EPILOGUE_BIAS;
     if (bias && !D(op)->bias) return CUBLAS_STATUS_INVALID_VALUE;
+    /* as PyTorch has seen: a fused epilogue on a GEMM with a side of 1 (a row, a column, a sum of
+     * one term) makes the heuristic fail with INVALID_VALUE, not answer "none" */
+    if (D(op)->epilogue != CUBLASLT_EPILOGUE_DEFAULT && (M == 1 || N == 1 || K == 1))
+        return CUBLAS_STATUS_INVALID_VALUE;
     /* CMLP_EMU_LT_NO_EPILOGUE=1: no algorithm for a fused epilogue, as cuBLASLt may answer for
      * some mixes of types, layouts and alignments (the caller must do without it) */
     static const bool no_epilogue = [] {
@@ -1687,6 +1697,7 @@ static int queue_collective(const char *name, const void *send, void *recv, size
     }
     MPI_Comm mc = nc->comm;
     const int in_graph = resolve(stream)->capturing;
+    if (in_graph) origin(resolve(stream))->cap.graph->comms.insert(nc);
     const int stall = stalls_here();
     cudaError_t e = submit(stream, [=] {
         if (!live_comms.count(nc)) { /* a graph replayed after its communicator was destroyed */
@@ -1789,6 +1800,14 @@ NCCL_EMU_API int ncclCommDestroy(void *comm) {
     if (!comm) return NCCL_INVALID_ARGUMENT;
     flush_all(); /* its queued work runs first, as NCCL's does */
     nccl_comm *c = static_cast<nccl_comm *>(comm);
+    /* NCCL's destroy waits until every graph holding the communicator's collectives is gone: one
+     * still instantiated would make it wait for ever (here the job ends, saying so) */
+    for (const graph_t *gr : live_execs)
+        if (gr->comms.count(c)) {
+            fprintf(stderr, "nccl_emu: ncclCommDestroy of a communicator that a CUDA graph not yet destroyed holds "
+                            "collectives of (NCCL would wait for that graph's end for ever)\n");
+            abort();
+        }
     if (!live_comms.erase(c)) return NCCL_INVALID_ARGUMENT;
     if (c->comm != MPI_COMM_NULL) MPI_Comm_free(&c->comm);
     delete c;
