@@ -9,6 +9,7 @@
 #include "internal.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
@@ -36,6 +37,7 @@ static int rank_of;                 /* for the message */
 static int running;                 /* watcher threads alive */
 static bool closed;                 /* stopped for good (the group's end at exit) */
 static pthread_once_t set_up_once = PTHREAD_ONCE_INIT;
+static atomic_bool watching; /* timeout_ > 0 && !closed, read without the lock by every collective */
 
 static double now(void) {
     struct timespec ts;
@@ -58,6 +60,7 @@ static void after_fork_child(void) {
     head = tail = 1;
     running = 0;
     timeout_ = 0;
+    atomic_store(&watching, false);
 }
 
 static void set_up(void) {
@@ -157,18 +160,22 @@ void cmlp_dist_watch_configure(double seconds, int rank) {
     pthread_mutex_lock(&mu);
     timeout_ = seconds > 0 ? seconds : 0;
     rank_of = rank;
+    atomic_store(&watching, timeout_ > 0 && !closed);
     pthread_cond_broadcast(&work);
     pthread_mutex_unlock(&mu);
 }
 
 uint64_t cmlp_dist_watch_begin(cmlp_device_ctx *dev, const char *what) {
-    if (!dev->backend->fence_record) return 0;
+    if (!dev->backend->fence_record || !atomic_load(&watching)) return 0; /* no timeout: no lock per step */
     pthread_once(&set_up_once, set_up);
     pthread_mutex_lock(&mu);
     uint64_t ticket = 0;
     if (timeout_ > 0 && !closed && tail - head < SLOTS) {
         /* both watchers, started once: a poller alone could hang in a call about a fence */
-        if (running == 0 && !(start(monitor) && start(poller))) closed = true; /* no threads: none watched */
+        if (running == 0 && !(start(monitor) && start(poller))) { /* no threads: none watched */
+            closed = true;
+            atomic_store(&watching, false);
+        }
         if (!closed) {
             ticket = tail++;
             slots[ticket % SLOTS] = (watched){.ticket = ticket, .dev = dev, .what = what, .armed = now(), .state = ARMED};
@@ -208,6 +215,7 @@ void cmlp_dist_watch_stop(void) {
     pthread_mutex_lock(&mu);
     closed = true; /* for good: the process is ending */
     timeout_ = 0;
+    atomic_store(&watching, false);
     pthread_cond_broadcast(&work);
     /* a while for the watchers to end; a poller stuck in a call about a fence ends with the process */
     struct timespec until;

@@ -1,5 +1,6 @@
 """Checks shared by the test files: the allocator's statistics against its snapshot, deep
-bitwise equality of state dicts, and an interpreter's exit with daemon threads still training."""
+bitwise equality of state dicts, an interpreter's exit with daemon threads still training, and
+a fork inside a subprocess script."""
 import gc
 import os
 import subprocess
@@ -159,6 +160,31 @@ class CountedCalls:
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
+
+
+# For a subprocess script that forks: forked(fn) runs fn in a child and returns what it returned
+# (through a pipe and JSON, None where the child wrote nothing) and the child's exit code.
+FORKED = textwrap.dedent("""
+    import json as _json, os as _os, sys as _sys
+
+    def forked(fn):
+        _sys.stdout.flush()  # the child's copy of the buffer is not printed twice
+        r, w = _os.pipe()
+        pid = _os.fork()
+        if pid == 0:
+            try:
+                _os.close(r)
+                data = _json.dumps(fn()).encode()
+                while data:
+                    data = data[_os.write(w, data):]
+            finally:
+                _os._exit(0)
+        _os.close(w)
+        with _os.fdopen(r, "rb") as f:  # to the child's end
+            text = f.read()
+        _, status = _os.waitpid(pid, 0)
+        return (_json.loads(text) if text else None), _os.waitstatus_to_exitcode(status)
+""")
 
 
 # Daemon threads training (one model in bf16) and one making models, stepping, predicting and

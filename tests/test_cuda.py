@@ -55,7 +55,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from checks import assert_history_explains, assert_stats_match_snapshot, same  # noqa: E402
+from checks import FORKED, assert_history_explains, assert_stats_match_snapshot, same  # noqa: E402
 from reference import RefMLP, draw_batch, rel_err  # noqa: E402
 
 import cmlp  # noqa: E402
@@ -2330,7 +2330,7 @@ def test_data_parallel_training_in_a_group_of_one_equals_training_alone():
         assert out[amp]["losses"][0] == out[amp]["losses"][1] == out[amp]["losses"][2]
 
 
-_FORK_SCRIPT = r"""
+_FORK_SCRIPT = FORKED + r"""
 import json, os, sys
 import numpy as np
 import cmlp
@@ -2340,37 +2340,28 @@ model = cmlp.MLP([8, 16, 4], device="cuda", seed=0)
 trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=5)
 trainer.fit(x, y, epochs=2, progress=False)  # a captured step too
 before = model.forward(x)
-sys.stdout.flush()
-r, w = os.pipe()
-pid = os.fork()
-if pid == 0:
-    try:
-        said = {}
-        for name, call in (("forward", lambda: model.forward(x)), ("fit", lambda: trainer.fit(x, y, progress=False)),
-                           ("new", lambda: cmlp.MLP([8, 4], device="cuda")),
-                           ("stats", lambda: cmlp.memory.memory_allocated("cuda")),
-                           ("empty_cache", lambda: cmlp.memory.empty_cache("cuda"))):
-            try:
-                call()
-                said[name] = "ran"
-            except RuntimeError as e:
-                said[name] = str(e)
-        cmlp.empty_cache()  # the default device of a child that cannot use CUDA is the CPU
-        said["default_device"] = cmlp.memory.memory_stats()["allocated_bytes.all.current"] >= 0
-        said["available"] = cmlp.cuda.is_available()
-        said["cpu"] = float(cmlp.MLP([8, 4], seed=0).forward(x).sum())
-        del trainer, model  # what the parent's memory and graphs hold is left alone
-        os.write(w, json.dumps(said).encode())
-    finally:
-        os._exit(0)
-os.close(w)
-with os.fdopen(r, "rb") as f:
-    text = f.read()
-_, status = os.waitpid(pid, 0)
+def in_child():
+    global trainer, model
+    said = {}
+    for name, call in (("forward", lambda: model.forward(x)), ("fit", lambda: trainer.fit(x, y, progress=False)),
+                       ("new", lambda: cmlp.MLP([8, 4], device="cuda")),
+                       ("stats", lambda: cmlp.memory.memory_allocated("cuda")),
+                       ("empty_cache", lambda: cmlp.memory.empty_cache("cuda"))):
+        try:
+            call()
+            said[name] = "ran"
+        except RuntimeError as e:
+            said[name] = str(e)
+    cmlp.empty_cache()  # the default device of a child that cannot use CUDA is the CPU
+    said["default_device"] = cmlp.memory.memory_stats()["allocated_bytes.all.current"] >= 0
+    said["available"] = cmlp.cuda.is_available()
+    said["cpu"] = float(cmlp.MLP([8, 4], seed=0).forward(x).sum())
+    del trainer, model  # what the parent's memory and graphs hold is left alone
+    return said
+child, code = forked(in_child)
 after = model.forward(x)
 trainer.fit(x, y, epochs=1, progress=False)
-print(json.dumps({"child": json.loads(text), "exit": os.waitstatus_to_exitcode(status),
-                  "same": bool(np.array_equal(before, after))}))
+print(json.dumps({"child": child, "exit": code, "same": bool(np.array_equal(before, after))}))
 """
 
 
@@ -2459,7 +2450,7 @@ def test_out_of_memory_names_the_processes_that_hold_the_gpu_as_torch():
                "cmlp's allocator, this process has" in out["oom"], out["oom"]
 
 
-_COUNT_THEN_FORK_SCRIPT = r"""
+_COUNT_THEN_FORK_SCRIPT = FORKED + r"""
 import json, os, sys
 import numpy as np
 import cmlp
@@ -2474,20 +2465,8 @@ def train():
     model = cmlp.MLP([8, 16, 4], device="cuda", seed=0)
     cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=3).fit(x, y, epochs=2, progress=False)
     return model.to("cpu")._c.get_params()
-sys.stdout.flush()
-r, w = os.pipe()
-pid = os.fork()
-if pid == 0:
-    try:
-        os.write(w, json.dumps(train().tolist()).encode())
-    finally:
-        os._exit(0)
-os.close(w)
-with os.fdopen(r, "rb") as f:
-    text = f.read()
-_, status = os.waitpid(pid, 0)
-said["child_exit"] = os.waitstatus_to_exitcode(status)
-said["same"] = text != b"" and json.loads(text) == train().tolist()
+params, said["child_exit"] = forked(lambda: train().tolist())
+said["same"] = params is not None and params == train().tolist()
 said["cuda_count"] = _cmlp.cuda_device_count()
 said["count_after"] = cmlp.cuda.device_count()
 del os.environ["CMLP_NVML_BASED_CUDA_CHECK"]

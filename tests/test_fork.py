@@ -17,11 +17,14 @@ import pytest
 
 import cmlp
 
+sys.path.insert(0, os.path.dirname(__file__))
+from checks import FORKED  # noqa: E402
+
 REPO_PYTHON = os.path.dirname(os.path.dirname(os.path.abspath(cmlp.__file__)))  # the package imported here
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
 
-_SCRIPT = r"""
+_SCRIPT = FORKED + r"""
 import gc, json, os, sys, threading, time
 import numpy as np
 import cmlp
@@ -63,31 +66,21 @@ def in_child():
     trainer.fit(x, y, epochs=2, progress=False)
     said["idle_params"] = idle._c.get_params().tolist()
     return said
+def child():
+    global big, big_opt, big_trainer
+    try:
+        said = in_child()
+        # the lost model, its optimizer and trainer go away without being touched
+        del big, big_opt, big_trainer
+        gc.collect()
+    except BaseException as e:
+        said = {"forward": "failed", "error": repr(e)}
+    return said
 said, attempts = None, 0
 while attempts < 20:
     attempts += 1
-    sys.stdout.flush()
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(r)
-            try:
-                said = in_child()
-                # the lost model, its optimizer and trainer go away without being touched
-                del big, big_opt, big_trainer
-                gc.collect()
-            except BaseException as e:
-                said = {"forward": "failed", "error": repr(e)}
-            os.write(w, json.dumps(said).encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:  # to the child's end
-        text = f.read()
-    _, status = os.waitpid(pid, 0)
-    said = json.loads(text)
-    said["exit"] = os.waitstatus_to_exitcode(status)
+    said, code = forked(child)
+    said["exit"] = code
     if said["forward"] != "ran":  # the fork came while the other thread held the model
         break
 stop = True
@@ -115,7 +108,7 @@ def test_a_model_in_use_when_the_process_forks_is_refused_in_the_child_and_the_o
     assert out["parent_works"]
 
 
-_BUSY_SCRIPT = r"""
+_BUSY_SCRIPT = FORKED + r"""
 import json, os, sys, threading
 import numpy as np
 import cmlp
@@ -146,34 +139,25 @@ def hold():  # another thread inside the memory history's lock
 h = threading.Thread(target=hold)
 h.start()
 holder_has.wait()
-sys.stdout.flush()
-r, w = os.pipe()
-pid = os.fork()
-if pid == 0:
-    try:
-        said = {}
-        for name, call in (("step", lambda: trainer.step(x[:8], y[:8])), ("fit", lambda: trainer.fit(x, y, progress=False)),
-                           ("state_dict", trainer.state_dict)):
-            try:
-                call()
-                said[name] = "ran"
-            except RuntimeError as e:
-                said[name] = str(e)
-        said["forward"] = float(model.forward(x[:2]).sum())  # the model was not inside a call
-        said["snapshot"] = len(cmlp.memory._snapshot("cpu")["segments"]) >= 0
-        said["other"] = bool(cmlp.Trainer(model, opt, batch_size=8).fit(x, y, epochs=1, progress=False))
-        os.write(w, json.dumps(said).encode())
-    finally:
-        os._exit(0)
-os.close(w)
-with os.fdopen(r, "rb") as f:
-    text = f.read()
-_, status = os.waitpid(pid, 0)
+def in_child():
+    said = {}
+    for name, call in (("step", lambda: trainer.step(x[:8], y[:8])), ("fit", lambda: trainer.fit(x, y, progress=False)),
+                       ("state_dict", trainer.state_dict)):
+        try:
+            call()
+            said[name] = "ran"
+        except RuntimeError as e:
+            said[name] = str(e)
+    said["forward"] = float(model.forward(x[:2]).sum())  # the model was not inside a call
+    said["snapshot"] = len(cmlp.memory._snapshot("cpu")["segments"]) >= 0
+    said["other"] = bool(cmlp.Trainer(model, opt, batch_size=8).fit(x, y, epochs=1, progress=False))
+    return said
+child, code = forked(in_child)
 go_on.set()
 holder_go.set()
 t.join()
 h.join()
-print(json.dumps({"child": json.loads(text), "exit": os.waitstatus_to_exitcode(status)}))
+print(json.dumps({"child": child, "exit": code}))
 """
 
 
@@ -277,7 +261,7 @@ def test_a_fork_while_another_thread_runs_gemms_returns():
     assert r.returncode == 0 and "all forks returned" in r.stdout, r.stderr[-3000:]
 
 
-_SETTINGS_SCRIPT = r"""
+_SETTINGS_SCRIPT = FORKED + r"""
 import json, os, signal, sys, threading
 import numpy as np
 import cmlp
@@ -316,20 +300,8 @@ def in_child():
 
 said, torn = [], 0
 for attempt in range(40):
-    sys.stdout.flush()
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(r)
-            os.write(w, json.dumps(in_child()).encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        text = f.read()
-    _, status = os.waitpid(pid, 0)
-    child = json.loads(text) if text else {"exit": status}
+    child, code = forked(in_child)
+    child = child if child is not None else {"exit": code}
     said.append(child)
     if any("were being changed by another thread when the process was forked" in str(v) for v in child.values()):
         torn += 1
