@@ -215,7 +215,7 @@ static alloc_block *cached_block(cmlp_allocator *a, int pool, size_t size) {
 
 static alloc_block *new_memory(cmlp_allocator *a, int pool, size_t size) {
     if (a->uncached) return alloc_new_segment(a, pool, size);
-    if (a->cfg.expandable_segments && a->backend->vm_reserve) {
+    if (a->cfg.expandable_segments) { /* (never on a device without virtual memory: refresh_config) */
         /* the pool's range is made once; after that the cache search has seen all of it */
         if (a->pools[pool].expandable || !alloc_new_expandable(a, pool)) return NULL;
         return cached_block(a, pool, size);
@@ -347,6 +347,7 @@ static void refresh_config(cmlp_allocator *a) {
     uint64_t gen = atomic_load(&config_generation);
     if (gen == a->config_gen) return;
     alloc_config_current(&a->cfg);
+    if (a->no_vm) a->cfg.expandable_segments = false;
     a->config_gen = gen;
     a->stats.max_split_size = a->cfg.max_split_size;
 }
@@ -362,6 +363,10 @@ void cmlp_format_bytes(char *buf, size_t cap, int64_t n) {
     else snprintf(buf, cap, "%s%.2f GiB", sign, (double)m / 1073741824.0);
 }
 
+bool cmlp_backend_has_vm(const cmlp_backend_i *b, void *bctx) {
+    return b->vm_reserve && (!b->vm_supported || b->vm_supported(bctx));
+}
+
 cmlp_status cmlp_allocator_create(const cmlp_backend_i *b, void *bctx, const char *device_name, cmlp_allocator **out) {
     cmlp_allocator *a = calloc(1, sizeof *a);
     if (!a) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory creating the allocator");
@@ -374,6 +379,7 @@ cmlp_status cmlp_allocator_create(const cmlp_backend_i *b, void *bctx, const cha
     a->pools[POOL_LARGE].seed = 0x2545F491u;
     a->pools[POOL_SMALL].seed = 0x9E3779B9u;
     a->uncached = cmlp_memory_caching_disabled();
+    a->no_vm = !cmlp_backend_has_vm(b, bctx);
 #ifdef ALLOC_ASAN
     a->poison = b->host_memory;
 #endif

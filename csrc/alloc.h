@@ -16,6 +16,10 @@ typedef struct cmlp_allocator cmlp_allocator;
 __attribute__((visibility("hidden")))
 cmlp_status cmlp_allocator_create(const cmlp_backend_i *b, void *bctx, const char *device_name,
                                   cmlp_allocator **out);
+/* Whether the device has virtual memory for expandable segments (without it the setting is
+ * taken as off). */
+__attribute__((visibility("hidden")))
+bool cmlp_backend_has_vm(const cmlp_backend_i *b, void *bctx);
 /* nbytes == 0 gives NULL and CMLP_OK. On failure CMLP_ERR_OOM with the full story in the
  * error message: request, rounded request, allocated, reserved, limit, free, hints. `what` names
  * what the memory will hold (a string that lives as long as the program: snapshots and the

@@ -54,6 +54,7 @@ cmlp_status cmlp_allocator_copy(cmlp_allocator *a, const cmlp_backend_i *b, void
     c->config_gen = a->config_gen;
     c->pytorch_ladder = a->pytorch_ladder;
     c->uncached = a->uncached;
+    c->no_vm = a->no_vm;
     c->tick = a->tick;
     bool ok = true;
     alloc_segment **tail = &c->segments, *prev = NULL;

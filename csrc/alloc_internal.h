@@ -125,6 +125,7 @@ struct cmlp_allocator {
     uint64_t config_gen;
     cmlp_alloc_settings cfg;
     bool pytorch_ladder; /* benchmarks only: no second cache search after releasing */
+    bool no_vm;          /* the device has no virtual memory: expandable_segments is taken as off */
     bool uncached;       /* caching off (cmlp_memory_caching_disabled): a segment per request, freed with it */
     bool poison;         /* AddressSanitizer build over host memory: what no caller holds is poisoned */
     bool quiet_oom;      /* cmlp_allocator_try_malloc: out of memory is no error of the allocator's */

@@ -103,7 +103,7 @@ cmlp_status alloc_oom(cmlp_allocator *a, size_t nbytes, size_t size) {
         snprintf(seg_note, sizeof seg_note,
                  " It needs a new segment of %s (requests up to 1 MiB share 2 MiB segments, up to 10 MiB %s "
                  "ones).%s", sg, lsg,
-                 room >= (int64_t)size && room < (int64_t)seg
+                 room >= (int64_t)size && room < (int64_t)seg && !a->no_vm
                      ? " The request fits in what is free, its segment does not: expandable_segments:True "
                        "(cmlp.memory.configure, or CMLP_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF in the environment) "
                        "maps 2 MiB pages instead of whole segments."
@@ -116,9 +116,12 @@ cmlp_status alloc_oom(cmlp_allocator *a, size_t nbytes, size_t size) {
     const char *frag_hint = frag <= 20.0             ? ""
                             : a->cfg.expandable_segments ? " Reserved but unallocated memory is large: "
                                                            "empty_cache() returns free segments and tails."
-                                                         : " If reserved but unallocated memory is large try setting "
-                                                           "expandable_segments:True (cmlp.memory.configure) or a "
-                                                           "max_split_size_mb to avoid fragmentation.";
+                            : a->no_vm ? " If reserved but unallocated memory is large try setting a max_split_size_mb "
+                                         "(cmlp.memory.configure) to avoid fragmentation (this device has no virtual "
+                                         "memory for expandable_segments)."
+                                       : " If reserved but unallocated memory is large try setting "
+                                         "expandable_segments:True (cmlp.memory.configure) or a max_split_size_mb to "
+                                         "avoid fragmentation.";
     char head[192];
     if (!strncmp(a->name, "cuda:", 5))
         snprintf(head, sizeof head, "CUDA out of memory. Tried to allocate %s. GPU %s", tried, a->name + 5);

@@ -104,6 +104,9 @@ typedef struct cmlp_backend_i {
     cmlp_status (*vm_map)(void *ctx, void *ptr, size_t nbytes);
     void (*vm_unmap)(void *ctx, void *ptr, size_t nbytes);
     void (*vm_release)(void *ctx, void *ptr, size_t nbytes);
+    /* Whether this device has them (NULL: it has, where vm_reserve is set); asked once, as the
+     * allocator is made: without them expandable_segments:True is ignored, as PyTorch ignores it */
+    bool (*vm_supported)(void *ctx);
 
     cmlp_status (*copy_h2d)(void *ctx, void *d_dst, const void *h_src, size_t nbytes);
     cmlp_status (*copy_d2h)(void *ctx, void *h_dst, const void *d_src, size_t nbytes);

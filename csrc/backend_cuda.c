@@ -58,8 +58,10 @@ static void vmm_load(void) {
     vmm.free_range = (fn_mem_free_range)driver_symbol("cuMemAddressFree");
     vmm.granularity = (fn_mem_granularity)driver_symbol("cuMemGetAllocationGranularity");
     vmm.error_string = (fn_get_error_string)driver_symbol("cuGetErrorString");
+    vmm.device_of = (fn_device_of)driver_symbol("cuDeviceGet");
+    vmm.attribute = (fn_device_attribute)driver_symbol("cuDeviceGetAttribute");
     vmm.ok = vmm.create && vmm.release && vmm.map && vmm.unmap && vmm.set_access && vmm.reserve && vmm.free_range &&
-             vmm.granularity;
+             vmm.granularity && vmm.device_of && vmm.attribute;
 }
 
 /* The driver's current context of the calling thread: what a call from Python finds is put
@@ -301,8 +303,13 @@ static cmlp_status cu_open(int index, void **out) {
         prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
         prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
         prop.location.id = index;
-        c->vm_ok = vmm.ok && vmm.granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) == CUDA_SUCCESS && gran &&
-                   VM_PAGE % gran == 0;
+        CUdevice cu_dev;
+        int vm_supported = 0; /* the device's word (a vGPU or an old driver may have the entry points without it) */
+        c->vm_ok = vmm.ok && vmm.device_of(&cu_dev, index) == CUDA_SUCCESS &&
+                   vmm.attribute(&vm_supported, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, cu_dev) ==
+                       CUDA_SUCCESS &&
+                   vm_supported == 1 && vmm.granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) == CUDA_SUCCESS &&
+                   gran && VM_PAGE % gran == 0;
     }
     if (st != CMLP_OK) {
         cu_close(c);

@@ -64,6 +64,8 @@ typedef CUresult (*fn_mem_reserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, u
 typedef CUresult (*fn_mem_free_range)(CUdeviceptr, size_t);
 typedef CUresult (*fn_mem_granularity)(size_t *, const CUmemAllocationProp *, CUmemAllocationGranularity_flags);
 typedef CUresult (*fn_get_error_string)(CUresult, const char **);
+typedef CUresult (*fn_device_of)(CUdevice *, int);
+typedef CUresult (*fn_device_attribute)(int *, CUdevice_attribute, CUdevice);
 
 typedef struct {
     fn_mem_create create;
@@ -75,6 +77,8 @@ typedef struct {
     fn_mem_free_range free_range;
     fn_mem_granularity granularity;
     fn_get_error_string error_string;
+    fn_device_of device_of;
+    fn_device_attribute attribute;
     bool ok;
 } cuda_vmm;
 extern cuda_vmm vmm;

@@ -152,6 +152,8 @@ static cmlp_status cu_fill_byte(void *ctx, void *d_dst, int byte, size_t nbytes)
     return done(c, cudaMemsetAsync(d_dst, byte, nbytes, stream_of(c)), "cudaMemsetAsync");
 }
 
+static bool cu_vm_supported(void *ctx) { return ((cuda_ctx *)ctx)->vm_ok; }
+
 void cuda_memory_ops(cmlp_backend_i *b) {
     b->raw_alloc = cu_raw_alloc;
     b->raw_free = cu_raw_free;
@@ -159,6 +161,7 @@ void cuda_memory_ops(cmlp_backend_i *b) {
     b->vm_map = cu_vm_map;
     b->vm_unmap = cu_vm_unmap;
     b->vm_release = cu_vm_release;
+    b->vm_supported = cu_vm_supported;
     b->copy_h2d = cu_copy_h2d;
     b->copy_d2h = cu_copy_d2h;
     b->copy_d2d = cu_copy_d2d;

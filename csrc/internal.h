@@ -59,6 +59,7 @@ typedef struct {
     uintptr_t next;
     int64_t total;
     int64_t room;
+    bool no_vm; /* standing for a device without virtual memory (no expandable segments) */
 } cmlp_paper_device;
 CMLP_HIDDEN extern const cmlp_backend_i cmlp_paper_backend; /* its context: a cmlp_paper_device */
 /* n requests (at most CMLP_TRY_REQUESTS) checked (>= 0 bytes) into out. */

@@ -40,6 +40,8 @@ static void paper_release(void *ctx, void *p, size_t n) {
     (void)ctx, (void)p, (void)n;
 }
 
+static bool paper_has_vm(void *ctx) { return !((cmlp_paper_device *)ctx)->no_vm; }
+
 const cmlp_backend_i cmlp_paper_backend = {
     .name = "plan",
     .total_memory = paper_total,
@@ -49,6 +51,7 @@ const cmlp_backend_i cmlp_paper_backend = {
     .vm_map = paper_map,
     .vm_unmap = paper_unmap,
     .vm_release = paper_release,
+    .vm_supported = paper_has_vm,
 };
 
 /* A device of addresses standing for a real one: its room is what the real one has free. */
@@ -229,7 +232,7 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
     out->nrequests = nreq;
     for (int i = 0; i < nreq; i++) out->request_bytes[i] = (int64_t)req[i], out->request_held[i] = kind[i];
     cmlp_paper_device pd = {.next = (uintptr_t)1 << 44, .total = dev->backend->total_memory(dev->bctx),
-                            .room = INT64_MAX / 4};
+                            .room = INT64_MAX / 4, .no_vm = !cmlp_backend_has_vm(dev->backend, dev->bctx)};
     if (pd.total <= 0) pd.total = INT64_MAX / 4;
     cmlp_allocator *a;
     CMLP_TRY(cmlp_allocator_create(&cmlp_paper_backend, &pd, "plan", &a));

@@ -61,6 +61,7 @@ typedef struct fake_dev {
     int fail_reserve; /* while set, vm_reserve fails */
     int fail_device;  /* the next N raw_alloc / vm_map calls fail as a broken device would */
     bool any_size;    /* raw_alloc of any size (caching off); else of multiples of 512 bytes only */
+    bool no_vm;       /* a device without virtual memory (vm_supported says so; vm_* must not be called) */
     int64_t n_raw_alloc, n_raw_ok, n_raw_free, n_map, n_unmap, n_reserve, n_release;
     int64_t violations;
     char violation[256];
@@ -81,6 +82,7 @@ static void violate(fake_dev *d, const char *fmt, ...) {
 }
 
 static int64_t fake_total_memory(void *ctx) { return ((fake_dev *)ctx)->total; }
+static bool fake_vm_supported(void *ctx) { return !((fake_dev *)ctx)->no_vm; }
 
 static cmlp_status fake_raw_alloc(void *ctx, size_t n, void **out) {
     fake_dev *d = ctx;
@@ -130,6 +132,7 @@ static void fake_raw_free(void *ctx, void *ptr, size_t n) {
 }
 
 static cmlp_status fake_vm_reserve(void *ctx, size_t n, void **out) {
+    if (((fake_dev *)ctx)->no_vm) violate(ctx, "vm_reserve on a device without virtual memory");
     fake_dev *d = ctx;
     cmlp_status st = CMLP_ERR_OOM;
     pthread_mutex_lock(&d->lock);
@@ -246,6 +249,7 @@ static const cmlp_backend_i fake_backend = {
     .vm_map = fake_vm_map,
     .vm_unmap = fake_vm_unmap,
     .vm_release = fake_vm_release,
+    .vm_supported = fake_vm_supported,
 };
 
 static void fake_init(fake_dev *d, int64_t total) {
@@ -1273,6 +1277,41 @@ static void test_expandable(void) {
  * (they are unmapped, the new pages mapped), so reserved memory does not grow; the snapshot
  * shows each run of mapped pages as a segment; a fit with all pages mapped is preferred; with
  * the setting off the range only serves requests from pages already mapped. */
+/* A device without virtual memory: expandable_segments:True is taken as off (ordinary segments,
+ * the OOM advice without it), and so on a copy of its allocator (the planner's). */
+static void test_expandable_without_vm(void) {
+    OK(cmlp_memory_configure("expandable_segments:True"));
+    fake_dev d;
+    fake_init(&d, (int64_t)GB(1));
+    d.no_vm = true;
+    cur_dev = &d;
+    cmlp_allocator *a = NULL;
+    OK(cmlp_allocator_create(&fake_backend, &d, "fake", &a));
+    void *p = al(a, MB(5));
+    cmlp_memory_stats s = stats_of(a);
+    CHECK(d.n_reserve == 0 && CUR(s, SEGMENT, LARGE) == 1 && CUR(s, RESERVED_BYTES, LARGE) == (int64_t)MB(20) &&
+              d.raw_bytes == (int64_t)MB(20),
+          "no vm: 5 MiB reserved %" PRId64 " (want an ordinary 20 MiB segment), reserves %" PRId64,
+          CUR(s, RESERVED_BYTES, LARGE), d.n_reserve);
+    cmlp_paper_device pd = {.next = (uintptr_t)1 << 60, .total = d.total, .room = (int64_t)GB(1)};
+    cmlp_allocator *c = NULL;
+    OK(cmlp_allocator_copy(a, &cmlp_paper_backend, &pd, NULL, &c));
+    void *q = NULL;
+    OK(cmlp_allocator_malloc(c, MB(15), "test", &q)); /* the segment's free rest, then a new one */
+    OK(cmlp_allocator_malloc(c, MB(5), "test", &q));
+    s = stats_of(c);
+    CHECK(CUR(s, RESERVED_BYTES, LARGE) == (int64_t)MB(40), "no vm, the copy: reserved %" PRId64 " (want 40 MiB)",
+          CUR(s, RESERVED_BYTES, LARGE));
+    cmlp_allocator_destroy(c);
+    void *big = NULL;
+    CHECK(cmlp_allocator_malloc(a, GB(2), "test", &big) == CMLP_ERR_OOM, "no vm: 2 GiB of 1 GiB served");
+    CHECK(!strstr(cmlp_last_error(), "expandable_segments:True") && strstr(cmlp_last_error(), "max_split_size_mb"),
+          "no vm: the advice for fragmentation is not max_split_size_mb alone: %s", cmlp_last_error());
+    fr(a, p);
+    fin(a, &d);
+    OK(cmlp_memory_configure(""));
+}
+
 static void test_expandable_holes(void) {
     fake_dev d;
     cmlp_allocator *a = mk(&d, "expandable_segments:True", (int64_t)GB(2));
@@ -2446,6 +2485,7 @@ int main(void) {
     test_limit();
     test_gc();
     test_expandable();
+    test_expandable_without_vm();
     test_expandable_max_split();
     test_expandable_holes();
     test_expandable_mapped_inside();

@@ -1011,6 +1011,16 @@ CUresult CUDAAPI mem_granularity(size_t *gran, const CUmemAllocationProp *, CUme
     return CUDA_SUCCESS;
 }
 
+/* CMLP_EMU_NO_VMM=1: a device without the virtual memory API (as some vGPUs) */
+CUresult CUDAAPI device_attribute(int *v, CUdevice_attribute attr, CUdevice dev) {
+    fork_guard("device_attribute");
+    if (dev < 0 || dev >= device_count()) return CUDA_ERROR_INVALID_DEVICE;
+    if (attr != CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED) return CUDA_ERROR_NOT_SUPPORTED;
+    const char *no = getenv("CMLP_EMU_NO_VMM");
+    *v = no && strcmp(no, "1") == 0 ? 0 : 1;
+    return CUDA_SUCCESS;
+}
+
 CUresult CUDAAPI ctx_get_current(CUcontext *c) {
     *c = current_ctx;
     return CUDA_SUCCESS;
@@ -1060,6 +1070,7 @@ extern "C" cudaError_t cudaGetDriverEntryPointByVersion(const char *symbol, void
         {"cuCtxGetCurrent", (void *)ctx_get_current},
         {"cuCtxSetCurrent", (void *)ctx_set_current},
         {"cuDeviceGet", (void *)device_get},
+        {"cuDeviceGetAttribute", (void *)device_attribute},
         {"cuDevicePrimaryCtxRetain", (void *)primary_ctx_retain},
         {"cuDevicePrimaryCtxRelease", (void *)primary_ctx_release},
     };
