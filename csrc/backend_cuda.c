@@ -303,13 +303,14 @@ static cmlp_status cu_open(int index, void **out) {
         prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
         prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
         prop.location.id = index;
+        /* the device's word (a vGPU or an old driver may have the entry points without it) */
+        const CUdevice_attribute vm_attr = CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED;
         CUdevice cu_dev;
-        int vm_supported = 0; /* the device's word (a vGPU or an old driver may have the entry points without it) */
+        int vm = 0;
         c->vm_ok = vmm.ok && vmm.device_of(&cu_dev, index) == CUDA_SUCCESS &&
-                   vmm.attribute(&vm_supported, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, cu_dev) ==
-                       CUDA_SUCCESS &&
-                   vm_supported == 1 && vmm.granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) == CUDA_SUCCESS &&
-                   gran && VM_PAGE % gran == 0;
+                   vmm.attribute(&vm, vm_attr, cu_dev) == CUDA_SUCCESS && vm == 1 &&
+                   vmm.granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) == CUDA_SUCCESS && gran &&
+                   VM_PAGE % gran == 0;
     }
     if (st != CMLP_OK) {
         cu_close(c);

@@ -105,7 +105,7 @@ static cmlp_status stage_buffer(cuda_ctx *c, size_t nbytes, int *slot, void **ou
 }
 
 static cmlp_status stage_sent(cuda_ctx *c, int slot, cudaError_t copy, const char *what) {
-    if (copy == cudaSuccess) copy = cudaEventRecord(c->h_stage_done[slot], c->stream);
+    if (copy == cudaSuccess) copy = cudaEventRecord(c->h_stage_done[slot], stream_of(c));
     c->h_stage_used[slot] = copy == cudaSuccess;
     return done(c, copy, what);
 }
@@ -133,7 +133,8 @@ static cmlp_status cu_stage_rows(void *ctx, float *d_dst, const void *h_src, cml
                 memcpy(d, (const float *)h_src + s * cols, (size_t)cols * sizeof(float));
             }
         }
-        st = stage_sent(c, slot, cudaMemcpyAsync(d_dst, buf, nbytes, cudaMemcpyHostToDevice, c->stream), "staging rows");
+        cudaError_t e = cudaMemcpyAsync(d_dst, buf, nbytes, cudaMemcpyHostToDevice, stream_of(c));
+        st = stage_sent(c, slot, e, "staging rows");
     }
     pthread_mutex_unlock(&c->lock);
     return st;
@@ -148,13 +149,13 @@ static cmlp_status cu_stage_labels(void *ctx, int32_t *d_dst, const int32_t *h_s
     pthread_mutex_lock(&c->lock);
     void *buf = NULL;
     int slot = 0;
-    cmlp_status st = stage_buffer(c, (size_t)rows * sizeof(int32_t), &slot, &buf);
+    const size_t nbytes = (size_t)rows * sizeof(int32_t);
+    cmlp_status st = stage_buffer(c, nbytes, &slot, &buf);
     if (st == CMLP_OK) {
         int32_t *dst = buf;
         for (int64_t r = 0; r < rows; r++) dst[r] = h_src[h_idx ? h_idx[r] : start + r];
-        st = stage_sent(c, slot,
-                        cudaMemcpyAsync(d_dst, buf, (size_t)rows * sizeof(int32_t), cudaMemcpyHostToDevice, c->stream),
-                        "staging labels");
+        cudaError_t e = cudaMemcpyAsync(d_dst, buf, nbytes, cudaMemcpyHostToDevice, stream_of(c));
+        st = stage_sent(c, slot, e, "staging labels");
     }
     pthread_mutex_unlock(&c->lock);
     return st;
