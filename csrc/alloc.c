@@ -172,7 +172,16 @@ void alloc_pool_return(cmlp_allocator *a, alloc_block *b) {
 /* The allocator this thread is capturing a graph with, if any (cmlp_allocator_capturing). */
 static __thread const cmlp_allocator *capturing_with;
 
-void cmlp_allocator_capturing(cmlp_allocator *a, bool on) { capturing_with = on ? a : NULL; }
+/* Its allocations and frees meanwhile: a block that changes hands during a capture would be the
+ * cache's while the graph still uses it. */
+static __thread int64_t calls_in_capture;
+
+bool cmlp_allocator_capturing(cmlp_allocator *a, bool on) {
+    const bool none = calls_in_capture == 0;
+    capturing_with = on ? a : NULL;
+    calls_in_capture = 0;
+    return on || none;
+}
 
 static alloc_block *cached_block(cmlp_allocator *a, int pool, size_t size) {
     alloc_block *b = alloc_tree_lower_bound(&a->pools[pool], size);
@@ -251,6 +260,7 @@ static cmlp_status allocate(cmlp_allocator *a, size_t nbytes, const char *what, 
     int pool = size <= K_SMALL_SIZE ? POOL_SMALL : POOL_LARGE;
     if (!alloc_table_reserve(a)) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory for the allocator's block table");
     a->device_error = CMLP_OK;
+    calls_in_capture += capturing_with == a;
     alloc_block *b = a->uncached ? NULL : cached_block(a, pool, size);
     if (!b && capturing_with == a)
         return CMLP_FAIL(CMLP_ERR_DEVICE, "%s: a request of %zu bytes that the cache cannot serve while a step is "
@@ -468,6 +478,7 @@ cmlp_status cmlp_allocator_try_malloc(cmlp_allocator *a, size_t nbytes, const ch
 
 static cmlp_status free_of(cmlp_allocator *a, void *ptr, const char *what) {
     if (!ptr) return CMLP_OK;
+    calls_in_capture += capturing_with == a;
     pthread_mutex_lock(&a->lock);
     alloc_block *b = table_take(a, (uintptr_t)ptr);
     bool other = b && what && b->what != what;

@@ -97,9 +97,11 @@ void cmlp_allocator_pytorch_ladder(cmlp_allocator *a, bool on);
 /* While the calling thread captures a graph on a's device (on != 0): its requests are served
  * from cached memory only (already mapped, for expandable segments); a miss fails with
  * CMLP_ERR_DEVICE at once, releasing nothing, since a capture may neither allocate nor wait.
- * Other threads allocate as usual. */
+ * Other threads allocate as usual. Turned off, false where the thread allocated or freed any
+ * block of a's since it was turned on: such a graph must not be kept (a block that changed
+ * hands is the cache's while the graph still uses it). */
 __attribute__((visibility("hidden")))
-void cmlp_allocator_capturing(cmlp_allocator *a, bool on);
+bool cmlp_allocator_capturing(cmlp_allocator *a, bool on);
 /* Formats n bytes as PyTorch's messages do: "512 bytes", "1024.00 KiB", "158.00 MiB". */
 __attribute__((visibility("hidden")))
 void cmlp_format_bytes(char *buf, size_t cap, int64_t n);

@@ -133,7 +133,7 @@ static cmlp_status gemm_failed(cublasStatus_t s, float beta, bool rerun_safe, co
     cudaError_t e = cudaGetLastError();
     size_t free_b = 0, total = 0;
     bool loading = s == CUBLAS_STATUS_ALLOC_FAILED || e == cudaErrorMemoryAllocation ||
-                   (s == CUBLAS_STATUS_EXECUTION_FAILED && e == cudaSuccess &&
+                   (s == CUBLAS_STATUS_EXECUTION_FAILED && e == cudaSuccess && !thread_capturing() &&
                     cudaMemGetInfo(&free_b, &total) == cudaSuccess && free_b < LOAD_ROOM);
     (void)cudaGetLastError(); /* (cudaMemGetInfo's, if it failed) */
     if (loading && again) *again = beta == 0.0f || rerun_safe ? RERUN : GIVE_BACK;

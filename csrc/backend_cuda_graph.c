@@ -166,6 +166,15 @@ static cmlp_status cu_capture_end(void *ctx, void **graph) {
     e = cudaGraphInstantiateWithFlags(&exec, g, 0);
     cudaGraphDestroy(g);
     if (e != cudaSuccess) return cuda_fail(e, "instantiating a training step's graph", __FILE__, __LINE__);
+    /* the graph goes onto the device now, not at its first launch: that needs device memory
+     * outside the caching allocator (the cache goes back for it, as for a kernel's code), and
+     * a graph that cannot have it is no graph (the step runs eagerly, on every rank) */
+    e = cudaGraphUpload(exec, c->stream);
+    if (e == cudaErrorMemoryAllocation && relaunch(c)) e = cudaGraphUpload(exec, c->stream);
+    if (e != cudaSuccess) {
+        (void)cudaGraphExecDestroy(exec);
+        return done(c, e, "uploading a training step's graph (cudaGraphUpload)");
+    }
     *graph = exec;
     return CMLP_OK;
 }
@@ -178,6 +187,11 @@ static cmlp_status cu_graph_launch(void *ctx, void *graph) {
     pthread_mutex_lock(&c->lock);
     cudaError_t e = cudaGraphLaunch((cudaGraphExec_t)graph, c->stream);
     pthread_mutex_unlock(&c->lock);
+    if (e == cudaErrorMemoryAllocation && relaunch(c)) { /* (uploaded when made: nothing ran) */
+        pthread_mutex_lock(&c->lock);
+        e = cudaGraphLaunch((cudaGraphExec_t)graph, c->stream);
+        pthread_mutex_unlock(&c->lock);
+    }
     return done(c, e, "cudaGraphLaunch");
 }
 

@@ -189,7 +189,9 @@ cmlp_status cmlp_dist_all_reduce(void *buf, int64_t count, int type, int op) {
     if (count < 0 || (count > 0 && !buf)) return CMLP_FAIL(CMLP_ERR_INVALID, "all_reduce of %lld elements at %p",
                                                            (long long)count, buf);
     if (type < CMLP_COMM_F32 || type > CMLP_COMM_I64) return CMLP_FAIL(CMLP_ERR_INVALID, "unknown element type %d", type);
-    if (op < CMLP_REDUCE_SUM || op > CMLP_REDUCE_MIN) return CMLP_FAIL(CMLP_ERR_INVALID, "unknown reduction %d", op);
+    if (op < CMLP_REDUCE_SUM || op > CMLP_REDUCE_BXOR) return CMLP_FAIL(CMLP_ERR_INVALID, "unknown reduction %d", op);
+    if (op >= CMLP_REDUCE_BAND && type != CMLP_COMM_I64)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "a bitwise reduction of floating-point elements");
     take_lock();
     cmlp_status st = usable();
     if (st == CMLP_OK) st = mpi->all_reduce(buf, count, (cmlp_comm_type)type, (cmlp_reduce_op)op);

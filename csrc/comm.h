@@ -11,7 +11,15 @@
 
 #define CMLP_MPI_ABI 4
 
-typedef enum cmlp_reduce_op { CMLP_REDUCE_SUM = 0, CMLP_REDUCE_MAX = 1, CMLP_REDUCE_MIN = 2 } cmlp_reduce_op;
+typedef enum cmlp_reduce_op {
+    CMLP_REDUCE_SUM = 0,
+    CMLP_REDUCE_MAX = 1,
+    CMLP_REDUCE_MIN = 2,
+    CMLP_REDUCE_PRODUCT = 3,
+    CMLP_REDUCE_BAND = 4, /* the bitwise ones: of int64 only */
+    CMLP_REDUCE_BOR = 5,
+    CMLP_REDUCE_BXOR = 6
+} cmlp_reduce_op;
 
 /* Element types of host buffers a collective takes. */
 typedef enum cmlp_comm_type { CMLP_COMM_F32 = 0, CMLP_COMM_F64 = 1, CMLP_COMM_I64 = 2 } cmlp_comm_type;

@@ -105,7 +105,9 @@ static void part_of(int r, int64_t count, int64_t chunk, int64_t *lo, int64_t *n
 static cmlp_status all_reduce(void *buf, int64_t count, cmlp_comm_type type, cmlp_reduce_op op) {
     MPI_Datatype t = type == CMLP_COMM_F32 ? MPI_FLOAT : type == CMLP_COMM_F64 ? MPI_DOUBLE : MPI_INT64_T;
     size_t width = type == CMLP_COMM_F32 ? 4 : 8;
-    MPI_Op o = op == CMLP_REDUCE_SUM ? MPI_SUM : op == CMLP_REDUCE_MAX ? MPI_MAX : MPI_MIN;
+    MPI_Op o = op == CMLP_REDUCE_SUM ? MPI_SUM : op == CMLP_REDUCE_MAX ? MPI_MAX : op == CMLP_REDUCE_MIN ? MPI_MIN
+               : op == CMLP_REDUCE_PRODUCT ? MPI_PROD : op == CMLP_REDUCE_BAND ? MPI_BAND
+               : op == CMLP_REDUCE_BOR ? MPI_BOR : MPI_BXOR;
     for (int64_t off = 0; off < count; off += CHUNK) {
         int n = count - off < CHUNK ? (int)(count - off) : CHUNK;
         void *at = (char *)buf + (size_t)off * width;

@@ -353,7 +353,7 @@ static cmlp_status epoch_run(cmlp_trainer *t, int64_t max_steps, const double *l
             on_dev.pos = &ds->pos;
             idx = t->cfg.shuffle ? t->d_order + off : NULL;
             /* with automatic micro-batching, only while no growth back is pending (a replay
-             * allocates nothing, so it cannot run out of memory) */
+             * allocates nothing from the allocator, and its graph was uploaded when made) */
             bool eligible = k == eb && !t->graphs_off && t->micro == t->target_micro;
             if (graphs) /* data-parallel, every step: the ranks agree on the path */
                 s = cmlp_train_graph_step(t, ds, &on_dev, idx, off, mine, k, eligible);

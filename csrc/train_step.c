@@ -380,11 +380,13 @@ cmlp_status cmlp_train_graph_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp
     cmlp_status st = b->capture_begin(dev->bctx);
     void *g = NULL;
     if (st == CMLP_OK) {
-        cmlp_allocator_capturing(dev->alloc, true); /* cached memory only: nothing may allocate */
+        (void)cmlp_allocator_capturing(dev->alloc, true); /* cached memory only: nothing may allocate */
         st = effective_step(t, ds, xy, idx, start, n, n_all);
-        cmlp_allocator_capturing(dev->alloc, false);
+        const bool kept_blocks = cmlp_allocator_capturing(dev->alloc, false);
         cmlp_status end = b->capture_end(dev->bctx, &g);
         if (st == CMLP_OK) st = end;
+        if (st == CMLP_OK && !kept_blocks)
+            st = CMLP_FAIL(CMLP_ERR_DEVICE, "the captured step allocated or freed memory: its graph is not kept");
     }
     if (t->dist) st = cmlp_dist_agree(st); /* every rank captured this step: one failed, all run it eagerly */
     if (st == CMLP_OK) {

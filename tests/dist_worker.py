@@ -445,8 +445,31 @@ def collectives_case(opts):
             call()
             errors.append(None)
         except (TypeError, ValueError, RuntimeError) as e:
-            errors.append(type(e).__name__)
+            errors.append("/".join(k.__name__ for k in (TypeError, ValueError, RuntimeError) if isinstance(e, k)))
     out["errors"] = errors
+    # torch's other reductions, its group and async_op arguments
+    reduced = {}
+    for op in ("avg", "product", "band", "bor", "bxor"):
+        a = np.array([6, 5, 12], dtype=np.int64) + 3 * r if op != "avg" else np.array([1.0, 2.0]) * (r + 1)
+        work = D.all_reduce(a, getattr(D.ReduceOp, op.upper()), group=D.group.WORLD, async_op=True)
+        reduced[op] = [a.tolist(), work.wait(), work.is_completed()]
+    out["reduced"] = reduced
+    out["group_none"] = [D.get_rank(group=None), D.get_world_size(None), D.get_backend(None),
+                         D.all_reduce(np.ones(2), group=None), D.barrier(group=None, device_ids=[0]),
+                         D.broadcast(np.ones(2), 0, None, True).is_completed(),
+                         D.all_gather([np.zeros(1) for _ in range(w)], np.ones(1), group=None, async_op=True).wait()]
+    group_errors = []
+    for call in (lambda: D.all_reduce(np.ones(2), group="other"), lambda: D.broadcast(np.ones(2), group=object()),
+                 lambda: D.get_rank(group="g"), lambda: D.barrier(group=1),
+                 lambda: D.all_reduce(np.ones(2), D.ReduceOp.BAND), lambda: D.all_reduce(np.ones(2, np.int64), "avg"),
+                 lambda: D.all_reduce(np.ones(2), async_op=1), lambda: D.barrier(device_ids="0"),
+                 lambda: D.all_gather_object([None] * w, 1, group="g")):
+        try:
+            call()
+            group_errors.append(None)
+        except (TypeError, ValueError) as e:
+            group_errors.append(f"{type(e).__name__}: {e}")
+    out["group_errors"] = group_errors
     # arguments that differ between the ranks: every rank raises, none waits or reads garbage
     out["differ"] = []
     for call in (lambda: D.all_reduce(np.ones(4 + r)), lambda: D.all_reduce(np.ones(4, np.float64 if r else np.float32)),

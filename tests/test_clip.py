@@ -129,11 +129,42 @@ def test_bad_arguments_raise_and_change_nothing():
         clip_grad_norm_(model, 1.0, norm_type=None)
     with pytest.raises(ValueError, match="clip_value"):
         clip_grad_value_(model, -0.5)
+    with pytest.raises(ValueError, match="2 of the model's 6 parameters"):
+        clip_grad_norm_(list(model.parameters())[:2], 1.0)
     with pytest.raises(TypeError, match="parameters"):
-        clip_grad_norm_(list(model.parameters()), 1.0)
+        clip_grad_norm_([np.ones((8, 16), np.float32)], 1.0)
     with pytest.raises(TypeError, match="parameters"):
         clip_grad_value_(None, 1.0)
     np.testing.assert_array_equal(flat_grads(model), g)
+
+
+def test_torchs_iterables_of_parameters_clip_the_whole_model():
+    """As torch's clip functions take any iterable of parameters: a list, a generator, one array
+    or named_parameters() of all of the model's (the gradients are one buffer, clipped whole:
+    a part of them is refused); none at all is a norm of 0 and changes nothing."""
+    from cmlp.nn.utils import clip_grads_with_norm_
+
+    for make in (lambda m: list(m.parameters()), lambda m: (p for p in m.parameters()), lambda m: m.named_parameters(),
+                 lambda m: tuple(m.parameters())[::-1]):
+        runs = []
+        for arg in (lambda m: m, make):
+            model = cmlp.MLP([16, 8, 4], seed=3)
+            set_flat_grads(model, random_grads(model, 5))
+            norm = clip_grad_norm_(arg(model), 0.5)
+            clip_grad_value_(arg(model), 1e-3)
+            clip_grads_with_norm_(arg(model), 0.5, 10.0)
+            runs.append((norm, flat_grads(model)))
+        assert runs[0][0] == runs[1][0]
+        np.testing.assert_array_equal(runs[0][1], runs[1][1])
+    model = cmlp.MLP([16, 8, 4], seed=3)
+    set_flat_grads(model, random_grads(model, 5))
+    g = flat_grads(model)
+    assert clip_grad_norm_([], 0.5) == 0.0
+    clip_grad_value_(iter(()), 0.5)
+    np.testing.assert_array_equal(flat_grads(model), g)
+    other = cmlp.MLP([16, 8, 4], seed=4)
+    with pytest.raises(ValueError, match="more than one model"):
+        clip_grad_norm_(list(model.parameters())[:3] + list(other.parameters())[3:], 0.5)
 
 
 def set_flat_grads(model, g):

@@ -1273,6 +1273,30 @@ def test_graph_replay_and_eager_steps_train_identically(amp):
     np.testing.assert_allclose(runs[0]["loss"], runs[1]["loss"], rtol=1e-12)
 
 
+@needs_cuda
+def test_a_graph_that_cannot_go_onto_the_gpu_for_lack_of_memory_leaves_the_steps_eager():
+    """A captured step's graph is uploaded as it is made (cudaGraphUpload), not at its first
+    launch: that takes device memory outside the caching allocator. Out of it, the cache goes
+    back and the upload is tried once more; out of it again, the graph is dropped and the steps
+    run eagerly. Either way the fit trains as the eager loop. (CMLP_EMU_GRAPH_UPLOAD_OOM=n: the
+    emulated GPU's next n uploads run out of memory.)"""
+    runs = {}
+    for graphs, ooms in (("0", "0"), ("1", "1"), ("1", "2")):
+        env = dict(os.environ, CMLP_CUDA_GRAPHS=graphs, CMLP_EMU_GRAPH_UPLOAD_OOM=ooms, CMLP_EMU_TRACE_GRAPHS="1")
+        r = subprocess.run([sys.executable, "-c", _GRAPHS_SCRIPT, ""], env=env, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[graphs, ooms] = json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
+    eager = runs["0", "0"][0]
+    for key, (out, err) in runs.items():
+        assert out["w"] == eager["w"], key
+    if "cuda_emu:" not in runs["1", "1"][1]:
+        pytest.skip("the emulated GPU's switch (a real GPU had the memory)")
+    once, twice = runs["1", "1"][1], runs["1", "2"][1]
+    assert once.count("upload ran out of memory") == 1 and once.count("a graph uploaded") == 1, once[-2000:]
+    assert twice.count("upload ran out of memory") == 2 and "a graph uploaded" not in twice, twice[-2000:]
+
+
 _STREAMS_SCRIPT = r"""
 import os, sys
 import numpy as np

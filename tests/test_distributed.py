@@ -148,8 +148,22 @@ def test_collectives():
         assert out[dt] == [[1, 3, 5, 7, 9], [0, 2, 4, 6, 8], [-1, 0, 1, 2, 3]]
     assert out["broadcast"] == [[1.0] * 3] * 2  # rank 1's
     # non-contiguous, int32, an unknown op, src out of range, a list, a second init, big-endian, objects
-    assert out["errors"] == ["ValueError", "TypeError", "ValueError", "ValueError", "TypeError", "RuntimeError",
-                             "ValueError", "TypeError", "TypeError"]
+    # (a second init: torch's ValueError, and the RuntimeError cmlp raised before)
+    assert out["errors"] == ["ValueError", "TypeError", "ValueError", "ValueError", "TypeError",
+                             "ValueError/RuntimeError", "ValueError", "TypeError", "TypeError"]
+    # torch's avg (of floats), product and bitwise reductions (of int64), each with a Work that has completed
+    assert out["reduced"] == {"avg": [[1.5, 3.0], True, True], "product": [[54, 40, 180], True, True],
+                              "band": [[6 & 9, 5 & 8, 12 & 15], True, True],
+                              "bor": [[6 | 9, 5 | 8, 12 | 15], True, True],
+                              "bxor": [[6 ^ 9, 5 ^ 8, 12 ^ 15], True, True]}, out["reduced"]
+    assert out["group_none"] == [0, 2, "mpi", None, None, True, True]
+    errors = out["group_errors"]
+    for e in errors[:4] + errors[-1:]:
+        assert e.startswith("ValueError: ") and "one process group" in e, errors
+    assert errors[4].startswith("TypeError: all_reduce: band is a bitwise reduction, of int64 arrays"), errors
+    assert errors[5].startswith("TypeError: all_reduce: avg of an integer array"), errors
+    assert errors[6].startswith("TypeError: async_op must be a bool"), errors
+    assert errors[7].startswith("TypeError: device_ids must be None or a list"), errors
     assert out["longlong"] == [0, 2, 4]
     assert (out["rank"], out["world"]) == (0, 2)
     other = "other arguments (op, src, an output list)"

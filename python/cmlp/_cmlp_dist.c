@@ -145,7 +145,7 @@ PyMethodDef cmlp_py_dist_methods[] = {
     {"dist_init", mod_dist_init, METH_O, "dist_init(backend: 0 mpi, 1 nccl): the process group -> (rank, size)"},
     {"dist_state", mod_dist_state, METH_NOARGS,
      "(initialized, rank, size, local_rank, local_size, backend, forked from a rank)"},
-    {"dist_all_reduce", mod_dist_all_reduce, METH_VARARGS, "dist_all_reduce(array, op): in place; op 0 sum 1 max 2 min"},
+    {"dist_all_reduce", mod_dist_all_reduce, METH_VARARGS, "dist_all_reduce(array, op): in place; op 0 sum 1 max 2 min 3 product 4 band 5 bor 6 bxor (int64)"},
     {"dist_broadcast", mod_dist_broadcast, METH_VARARGS, "dist_broadcast(array, root): in place"},
     {"dist_barrier", mod_dist_barrier, METH_NOARGS, "waits for every rank"},
     {"dist_destroy", mod_dist_destroy, METH_NOARGS, "ends the process group"},

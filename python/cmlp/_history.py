@@ -250,9 +250,10 @@ def snapshot(device: Optional[str] = None, augment_with_fx_traces: bool = False)
             "allocator_settings": allocator_settings(), "external_annotations": []}
 
 
-def dump_snapshot(filename: "os.PathLike[str] | str" = "dump_snapshot.pickle", device: Optional[str] = None,
-                  augment_with_fx_traces: bool = False) -> None:
+def dump_snapshot(filename: "os.PathLike[str] | str" = "dump_snapshot.pickle", augment_with_fx_traces: bool = False,
+                  *, device: Optional[str] = None) -> None:
     """torch.cuda.memory._dump_snapshot(): the snapshot, pickled (protocol 4, which PyTorch's
-    viewer reads) into filename, atomically."""
+    viewer reads) into filename, atomically; device (by keyword: torch's arguments come first)
+    as _snapshot's."""
     data = snapshot(device, augment_with_fx_traces)
     atomic_write(filename, lambda f: pickle.dump(data, f, protocol=4))

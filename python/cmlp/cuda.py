@@ -252,9 +252,15 @@ def get_device_capability(device: "Optional[str | int]" = None) -> Tuple[int, in
 def list_gpu_processes(device: "Optional[str | int]" = None) -> str:
     """torch.cuda.list_gpu_processes: the processes holding memory on a GPU and how much, from
     NVML ("GPU:N", N NVML's index of the GPU, then a line per process; "?" where NVML does not
-    say how much). This starts CUDA."""
-    index = _device_index(device)
-    procs = _cmlp.gpu_processes(f"cuda:{index}")
+    say how much). This starts CUDA. As torch's, a machine that cannot tell (no GPU, no CUDA
+    driver) gets a line saying why instead."""
+    try:
+        index = _device_index(device)
+        procs = _cmlp.gpu_processes(f"cuda:{index}")
+    except RuntimeError as e:  # (not a bad argument's ValueError or TypeError)
+        if is_available():  # a GPU that is not there, ...
+            raise
+        return f"cannot list the processes on the GPU: {e}"
     if procs is None:
         return "NVML (libnvidia-ml.so.1) is not available here: cannot list the processes on the GPU"
     uuids = _cmlp.nvml_devices() or []

@@ -183,6 +183,11 @@ def caching_allocator_alloc(nbytes: Any = None, device: Optional[str] = None, st
     return ptr
 
 
+class _InvalidPointer(ValueError, RuntimeError):
+    """A pointer caching_allocator_delete does not know: a ValueError, and the RuntimeError
+    torch's raises for it ("invalid device pointer"), for code written for torch."""
+
+
 def caching_allocator_delete(mem_ptr: int) -> None:
     """Gives back a block of caching_allocator_alloc (mem_ptr: torch's name); 0 does nothing."""
     if isinstance(mem_ptr, bool) or not isinstance(mem_ptr, int):
@@ -192,7 +197,8 @@ def caching_allocator_delete(mem_ptr: int) -> None:
     if dev is None:
         if mem_ptr == 0:
             return
-        raise ValueError(f"pointer {mem_ptr:#x} was not returned by caching_allocator_alloc (or was already deleted)")
+        raise _InvalidPointer(f"invalid device pointer {mem_ptr:#x}: it was not returned by caching_allocator_alloc "
+                              "(or was already deleted)")
     _cmlp.free(dev, mem_ptr)
 
 

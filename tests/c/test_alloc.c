@@ -2177,7 +2177,7 @@ static void test_capturing(void) {
         void *p = al(a, MB(30));
         fr(a, p);
         int64_t reserved = CUR(stats_of(a), RESERVED_BYTES, ALL), calls = d.n_raw_alloc + d.n_map + d.n_unmap;
-        cmlp_allocator_capturing(a, true);
+        (void)cmlp_allocator_capturing(a, true);
         void *q = NULL;
         OK(cmlp_allocator_malloc(a, MB(20), "test", &q)); /* from the cache */
         void *r = NULL;
@@ -2191,9 +2191,17 @@ static void test_capturing(void) {
         pthread_create(&th, NULL, other_thread_alloc, a);
         pthread_join(th, &from_other);
         CHECK(from_other != NULL, "expandable %d: another thread could not allocate during a capture", exp);
-        cmlp_allocator_capturing(a, false);
-        fr(a, q);
+        CHECK(!cmlp_allocator_capturing(a, false), "expandable %d: a capture that allocated is not told", exp);
+        CHECK(cmlp_allocator_capturing(a, true), "expandable %d: turning it on again", exp);
+        fr(a, q); /* a free in a capture spoils it too */
+        CHECK(!cmlp_allocator_capturing(a, false), "expandable %d: a capture that freed is not told", exp);
+        (void)cmlp_allocator_capturing(a, true);
+        void *from_other2 = NULL; /* another thread's calls do not */
+        pthread_create(&th, NULL, other_thread_alloc, a);
+        pthread_join(th, &from_other2);
+        CHECK(cmlp_allocator_capturing(a, false), "expandable %d: a capture that took nothing is told it did", exp);
         if (from_other) fr(a, from_other);
+        if (from_other2) fr(a, from_other2);
         fr(a, al(a, MB(100)));
         fin(a, &d);
     }

@@ -177,6 +177,7 @@ struct CUgraph_st {
 };
 struct CUgraphExec_st {
     graph_t g;
+    bool uploaded = false; /* its code and memory on the device: at cudaGraphUpload or its first launch */
 };
 struct CUctx_st {
     int device;
@@ -828,12 +829,39 @@ cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
     return cudaSuccess;
 }
 
+/* A graph's upload needs device memory outside any allocator: CMLP_EMU_GRAPH_UPLOAD_OOM=n makes
+ * the next n uploads (cudaGraphUpload's, or a first launch's) run out of it. */
+static cudaError_t upload(cudaGraphExec_t exec) {
+    static long left = -1;
+    if (left < 0) left = (long)env_size("CMLP_EMU_GRAPH_UPLOAD_OOM", 0);
+    if (exec->uploaded) return cudaSuccess;
+    const bool trace = getenv("CMLP_EMU_TRACE_GRAPHS") != nullptr;
+    if (left > 0) {
+        left--;
+        if (trace) std::fprintf(stderr, "cuda_emu: a graph's upload ran out of memory\n");
+        return fail(cudaErrorMemoryAllocation);
+    }
+    if (trace) std::fprintf(stderr, "cuda_emu: a graph uploaded\n");
+    exec->uploaded = true;
+    return cudaSuccess;
+}
+
+cudaError_t cudaGraphUpload(cudaGraphExec_t exec, cudaStream_t stream) {
+    fork_guard("cudaGraphUpload");
+    std::lock_guard<std::recursive_mutex> g(gpu);
+    CUstream_st *s = resolve(stream);
+    if (!exec) return fail(cudaErrorInvalidValue);
+    if (s->capturing) return fail(cudaErrorStreamCaptureUnsupported);
+    return upload(exec);
+}
+
 cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream) {
     fork_guard("cudaGraphLaunch");
     std::lock_guard<std::recursive_mutex> g(gpu);
     CUstream_st *s = resolve(stream);
     if (!exec) return fail(cudaErrorInvalidValue);
     if (s->capturing) return fail(cudaErrorStreamCaptureUnsupported);
+    if (cudaError_t e = upload(exec)) return e;
     /* one stream in an order the graph's edges allow: the first branch in its order, every other
      * branch's ops as late as they can run, where the first waits for them */
     std::map<int, std::deque<const op *>> later;

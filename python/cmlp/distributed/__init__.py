@@ -52,7 +52,8 @@ import numpy as np
 
 from .. import _cmlp
 
-__all__ = ["ReduceOp", "is_available", "is_mpi_available", "is_nccl_available", "init_process_group",
+__all__ = ["ReduceOp", "group", "GroupMember",
+           "is_available", "is_mpi_available", "is_nccl_available", "init_process_group",
            "is_initialized", "get_rank", "get_world_size", "get_backend", "all_reduce", "broadcast", "barrier",
            "destroy_process_group", "library_version", "get_local_rank", "get_local_world_size", "optim",
            "all_gather", "all_gather_object", "broadcast_object_list"]
@@ -61,13 +62,76 @@ BACKENDS = {"mpi": 0, "nccl": 1}
 
 
 class ReduceOp:
-    """Reductions of all_reduce (torch.distributed.ReduceOp's names)."""
+    """Reductions of all_reduce (torch.distributed.ReduceOp's names): AVG of floating-point
+    arrays (the sum over the ranks, divided by their number), the bitwise ones of int64."""
     SUM = "sum"
+    AVG = "avg"
+    PRODUCT = "product"
     MAX = "max"
     MIN = "min"
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"
 
 
-_OPS = {ReduceOp.SUM: 0, ReduceOp.MAX: 1, ReduceOp.MIN: 2}
+_OPS = {ReduceOp.SUM: 0, ReduceOp.MAX: 1, ReduceOp.MIN: 2, ReduceOp.PRODUCT: 3, ReduceOp.BAND: 4, ReduceOp.BOR: 5,
+        ReduceOp.BXOR: 6, ReduceOp.AVG: 7}
+_BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
+
+
+class _World:
+    def __repr__(self) -> str:
+        return "cmlp.distributed.group.WORLD"
+
+
+class group:  # noqa: N801 - torch.distributed.group's name
+    """torch.distributed.group: WORLD, the one process group cmlp makes (which group=None, the
+    default of every call that takes a group, names too)."""
+    WORLD = _World()
+
+
+GroupMember = group
+
+
+def _one_group(group_: Any) -> bool:
+    return group_ is None or group_ is group.WORLD
+
+
+def _check_group(group_: Any) -> None:
+    if not _one_group(group_):
+        raise ValueError(f"cmlp has one process group, the default: group must be None or group.WORLD, got "
+                         f"{group_!r}")
+
+
+def _check_async(async_op: Any) -> None:
+    if not isinstance(async_op, bool):
+        raise TypeError(f"async_op must be a bool, got {async_op!r}")
+
+
+class _Work:
+    """What a collective called with async_op=True gives (torch's Work): cmlp's collectives have
+    ended when the call returns, so it is complete."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self) -> None:
+        return None
+
+
+def _done(async_op: bool) -> Optional[_Work]:
+    return _Work() if async_op else None
+
+
+class _GroupTwice(ValueError, RuntimeError):
+    """init_process_group while the group exists: torch's ValueError, and the RuntimeError
+    cmlp raised before, so that code written for either catches it."""
 _finalize_registered = False
 _previous_excepthook = None
 
@@ -135,7 +199,7 @@ def is_nccl_available() -> bool:
 
 
 def init_process_group(backend: Optional[str] = None, init_method: Optional[str] = None, timeout: Any = None,
-                       world_size: int = -1, rank: int = -1) -> None:
+                       world_size: int = -1, rank: int = -1, device_id: Any = None) -> None:
     """Makes the process group: MPI_COMM_WORLD of the job mpirun started (MPI is initialised
     here unless something else did it first, and then finalised at exit). backend: "mpi" (the
     default: models on the CPU) or "nccl" (models on CUDA devices too). Torch's other arguments:
@@ -144,7 +208,9 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
     long a collective waits for the other ranks, MPI's on the host and NCCL's on a GPU (watched
     from when it is queued): past it, the job ends (MPI_Abort), as when a rank ended (sys.exit)
     while the others wait for it. Without it, they wait as long as it
-    takes (a rank that ended while the group is there says so on stderr after 10 s)."""
+    takes (a rank that ended while the group is there says so on stderr after 10 s). device_id
+    (torch's: the GPU this rank binds to, an index, "cuda:N" or a torch.device) is checked and
+    changes nothing: a rank's NCCL communicator is made for the device of the model it trains."""
     global _finalize_registered
     if backend is None:
         backend = "mpi"
@@ -155,13 +221,20 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
         raise ValueError(f"cmlp's ranks are the MPI launcher's (mpirun): init_method must be None or 'env://', got "
                          f"{init_method!r}")
     seconds = _timeout_seconds(timeout)
+    if device_id is not None:
+        text = device_id if isinstance(device_id, str) else \
+            f"cuda:{device_id}" if isinstance(device_id, (int, np.integer)) and not isinstance(device_id, bool) else \
+            f"{getattr(device_id, 'type', '')}:{getattr(device_id, 'index', '')}"
+        kind, _, index = text.partition(":")
+        if kind != "cuda" or not (index.isdigit() and index.isascii()):
+            raise ValueError(f"device_id must name one GPU (an index, 'cuda:N' or a torch.device), got {device_id!r}")
     for name, value in (("world_size", world_size), ("rank", rank)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < -1:
             raise ValueError(f"{name} must be an int >= 0 (the launcher's), or -1, got {value!r}")
     if _cmlp.dist_state()[6]:  # forked from a rank: the core says why this process cannot
         _cmlp.dist_init(BACKENDS[backend])
     if is_initialized():
-        raise RuntimeError("trying to initialize the default process group twice")
+        raise _GroupTwice("trying to initialize the default process group twice!")
     if backend == "nccl":
         if not _cmlp.build_info()["cuda_compiled"]:
             raise RuntimeError("backend 'nccl' needs cmlp's CUDA backend, and this build has none")
@@ -214,17 +287,20 @@ def _require() -> None:
                          "cmlp.distributed.init_process_group()")
 
 
-def get_rank() -> int:
+def get_rank(group: Any = None) -> int:
+    _check_group(group)
     _require()
     return _cmlp.dist_state()[1]
 
 
-def get_world_size() -> int:
+def get_world_size(group: Any = None) -> int:
+    _check_group(group)
     _require()
     return _cmlp.dist_state()[2]
 
 
-def get_backend() -> str:
+def get_backend(group: Any = None) -> str:
+    _check_group(group)
     _require()
     return "nccl" if _cmlp.dist_state()[5] == BACKENDS["nccl"] else "mpi"
 
@@ -245,28 +321,46 @@ def library_version() -> str:
     return _cmlp.dist_library_version()
 
 
-def all_reduce(tensor: np.ndarray, op: str = ReduceOp.SUM) -> None:
+def all_reduce(tensor: np.ndarray, op: str = ReduceOp.SUM, group: Any = None,
+               async_op: bool = False) -> Optional[_Work]:
     """Reduces a float32, float64 or int64 array over all ranks, in place (the array must be
-    writable and C-contiguous, with the same shape on every rank: checked first, collectively)."""
+    writable and C-contiguous, with the same shape on every rank: checked first, collectively).
+    group: None (or group.WORLD); async_op=True gives a Work that has completed."""
     _require()
-    code = _OPS.get(op, -1) if isinstance(op, str) else -1
+    _check_async(async_op)
+    code = _OPS.get(op, -1) if isinstance(op, str) and _one_group(group) else -1
     _same_array_on_every_rank("all_reduce", tensor, code)
+    _check_group(group)
     if code < 0:
         raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
-    _cmlp.dist_all_reduce(tensor, code)
+    floating = isinstance(tensor, np.ndarray) and tensor.dtype.kind == "f"  # (not an array: refused below)
+    if op in _BITWISE and floating:  # (the dtype is every rank's: all raise)
+        raise TypeError(f"all_reduce: {op} is a bitwise reduction, of int64 arrays, got {tensor.dtype}")
+    if op == ReduceOp.AVG and isinstance(tensor, np.ndarray) and not floating:
+        raise TypeError(f"all_reduce: avg of an integer array ({tensor.dtype}): use sum, and divide as it should "
+                        "round")
+    _cmlp.dist_all_reduce(tensor, 0 if op == ReduceOp.AVG else code)
+    if op == ReduceOp.AVG:
+        np.divide(tensor, get_world_size(), out=tensor)
+    return _done(async_op)
 
 
-def broadcast(tensor: np.ndarray, src: int = 0) -> None:
+def broadcast(tensor: np.ndarray, src: int = 0, group: Any = None, async_op: bool = False) -> Optional[_Work]:
     """Copies rank src's array into every rank's (in place; same shape and dtype everywhere:
-    checked first, collectively)."""
+    checked first, collectively). group: None (or group.WORLD); async_op=True gives a Work
+    that has completed."""
     _require()
+    _check_async(async_op)
     whole = not isinstance(src, bool) and isinstance(src, (int, np.integer))
-    _same_array_on_every_rank("broadcast", tensor, int(src) if whole and -2**62 < src < 2**62 else -1)
+    _same_array_on_every_rank("broadcast", tensor,
+                              int(src) if whole and -2**62 < src < 2**62 and _one_group(group) else -1)
+    _check_group(group)
     if not whole:
         raise TypeError(f"src must be an int, got {src!r}")
     if not 0 <= src < get_world_size():
         raise ValueError(f"src must be a rank in [0, {get_world_size()}), got {src}")
     _cmlp.dist_broadcast(tensor, int(src))
+    return _done(async_op)
 
 
 _ARRAY_FIELDS = ("being an array", "dtype", "element count", "shape", "C-contiguity", "writability",
@@ -297,9 +391,17 @@ def _same_array_on_every_rank(what: str, tensor: Any, code: int) -> None:
                          "alike arguments (arrays of the same shape and dtype, the same op or src)")
 
 
-def barrier() -> None:
+def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -> Optional[_Work]:
+    """Waits for every rank. group: None (or group.WORLD); device_ids (torch's, for NCCL: the
+    GPUs this rank uses) is checked and changes nothing (the barrier is MPI's, on the host)."""
     _require()
+    _check_group(group)
+    _check_async(async_op)
+    if device_ids is not None and not (isinstance(device_ids, (list, tuple)) and all(
+            isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in device_ids)):
+        raise TypeError(f"device_ids must be None or a list of GPU indices, got {device_ids!r}")
     _cmlp.dist_barrier()
+    return _done(async_op)
 
 
 from ._gather import all_gather, all_gather_object, broadcast_object_list  # noqa: E402 (they use the above)
@@ -317,10 +419,12 @@ def _timeout_seconds(timeout: Any) -> float:
     return seconds
 
 
-def destroy_process_group() -> None:
+def destroy_process_group(group: Any = None) -> None:
     """Ends the process group and its NCCL communicators (MPI stays initialised until the
     process exits). No data-parallel call may be running in another thread; a Trainer that
-    outlives the group joins the next one (made with init_process_group) when it next trains."""
+    outlives the group joins the next one (made with init_process_group) when it next trains.
+    group: None (or group.WORLD)."""
+    _check_group(group)
     _require()
     _cmlp.dist_destroy()
 

@@ -16,13 +16,15 @@ def _group() -> "tuple[int, int]":
     return get_rank(), get_world_size()
 
 
-def all_gather(tensor_list: List[np.ndarray], tensor: np.ndarray) -> None:
+def all_gather(tensor_list: List[np.ndarray], tensor: np.ndarray, group: Any = None, async_op: bool = False) -> Any:
     """Every rank's array into tensor_list (one writable, C-contiguous array of the array's shape
-    and dtype per rank, in rank order), on every rank, as torch.distributed.all_gather."""
-    from . import _same_array_on_every_rank
+    and dtype per rank, in rank order), on every rank, as torch.distributed.all_gather (group:
+    None or group.WORLD; async_op=True gives a Work that has completed)."""
+    from . import _check_async, _check_group, _done, _one_group, _same_array_on_every_rank
 
     rank, size = _group()
-    error = None
+    _check_async(async_op)
+    error = None if _one_group(group) else ValueError("")
     if not isinstance(tensor_list, list) or len(tensor_list) != size:
         error = ValueError(f"all_gather: tensor_list must be a list of {size} arrays (one per rank), got "
                            f"{type(tensor_list).__name__} of {len(tensor_list) if hasattr(tensor_list, '__len__') else '?'}")
@@ -34,6 +36,7 @@ def all_gather(tensor_list: List[np.ndarray], tensor: np.ndarray) -> None:
                                    f"array's shape {tensor.shape} and dtype {tensor.dtype}")
                 break
     _same_array_on_every_rank("all_gather", tensor, 0 if error is None else 1)
+    _check_group(group)
     if error is not None:  # (on every rank: the check above agreed on it)
         raise error
     if not isinstance(tensor, np.ndarray) or not tensor.flags.c_contiguous:
@@ -42,6 +45,7 @@ def all_gather(tensor_list: List[np.ndarray], tensor: np.ndarray) -> None:
         if src == rank:
             tensor_list[src][...] = tensor
         _cmlp.dist_broadcast(tensor_list[src], src)
+    return _done(async_op)
 
 
 def _pickled(obj: Any) -> "tuple[bytes, Exception | None]":
@@ -51,16 +55,18 @@ def _pickled(obj: Any) -> "tuple[bytes, Exception | None]":
         return b"", e
 
 
-def broadcast_object_list(object_list: List[Any], src: int = 0) -> None:
+def broadcast_object_list(object_list: List[Any], src: int = 0, group: Any = None, device: Any = None) -> None:
     """Rank src's objects into every rank's object_list (in place, the same length on every
-    rank), as torch.distributed.broadcast_object_list: pickled on src, unpickled elsewhere."""
-    from . import _same_array_on_every_rank
+    rank), as torch.distributed.broadcast_object_list: pickled on src, unpickled elsewhere
+    (group: None or group.WORLD; device, where torch stages the pickles, changes nothing)."""
+    from . import _check_group, _one_group, _same_array_on_every_rank
 
     rank, size = _group()
     whole = not isinstance(src, bool) and isinstance(src, (int, np.integer)) and 0 <= src < size
     length = len(object_list) if isinstance(object_list, list) else -1
     _same_array_on_every_rank("broadcast_object_list", np.zeros(max(length, 0), np.uint8),
-                              int(src) if whole else -1)
+                              int(src) if whole and _one_group(group) else -1)
+    _check_group(group)
     if length < 0:
         raise TypeError(f"object_list must be a list, got {type(object_list).__name__}")
     if not whole:
@@ -78,14 +84,16 @@ def broadcast_object_list(object_list: List[Any], src: int = 0) -> None:
         object_list[:] = pickle.loads(buf.tobytes())
 
 
-def all_gather_object(object_list: List[Any], obj: Any) -> None:
+def all_gather_object(object_list: List[Any], obj: Any, group: Any = None) -> None:
     """Every rank's obj into object_list (a list of one entry per rank, filled in rank order),
-    on every rank, as torch.distributed.all_gather_object: pickled, then unpickled."""
-    from . import _same_array_on_every_rank
+    on every rank, as torch.distributed.all_gather_object: pickled, then unpickled (group: None
+    or group.WORLD)."""
+    from . import _check_group, _one_group, _same_array_on_every_rank
 
     rank, size = _group()
     good = isinstance(object_list, list) and len(object_list) == size
-    _same_array_on_every_rank("all_gather_object", np.zeros(0, np.uint8), 0 if good else 1)
+    _same_array_on_every_rank("all_gather_object", np.zeros(0, np.uint8), 0 if good and _one_group(group) else 1)
+    _check_group(group)
     if not good:
         raise ValueError(f"all_gather_object: object_list must be a list of {size} entries (one per rank)")
     data, error = _pickled(obj)

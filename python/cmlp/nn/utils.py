@@ -11,12 +11,42 @@ and inf-norms).
 """
 import math
 import warnings
+from collections.abc import Iterable, Mapping
 from typing import Any, Optional
 
 import numpy as np
 
 from .._arrays import as_flag, as_number
-from ..model import MLP, Parameters, model_of
+from ..model import MLP, Parameters, model_of, parameter_of
+
+
+def _clipped(parameters: Any) -> Optional[MLP]:
+    """The model whose gradients a clip covers (None for no parameters, which torch takes): a
+    cmlp.MLP, its parameters(), or torch's parameters as an iterable (or one array) of the copies
+    parameters() or named_parameters() gave out, all of one model's (its gradients are one
+    buffer, clipped whole)."""
+    if isinstance(parameters, (MLP, Parameters)) or isinstance(parameters, (str, bytes, Mapping)) \
+            or not isinstance(parameters, (Iterable, np.ndarray)):
+        return model_of(parameters, "parameters")
+    items = [parameters] if isinstance(parameters, np.ndarray) else list(parameters)
+    if not items:
+        return None
+    owners = []
+    for p in items:  # (named_parameters()' pairs too)
+        p = p[1] if isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) else p
+        owner = parameter_of(p)
+        if owner is None:
+            raise TypeError("parameters must be a cmlp.MLP, its parameters(), or the arrays parameters() gave out "
+                            f"(the model's gradients live in one buffer), got {type(p).__name__} among them")
+        owners.append(owner)
+    model = owners[0][0]
+    if any(m is not model for m, _ in owners):
+        raise ValueError("parameters: the arrays are parameters of more than one model")
+    names, total = {name for _, name in owners}, 2 * (len(model.layer_sizes) - 1)
+    if len(names) != total:
+        raise ValueError(f"parameters: {len(names)} of the model's {total} parameters, but a clip covers all of its "
+                         "gradients (one buffer): pass all of them, or model.parameters()")
+    return model
 
 
 def _norm_type(norm_type: Any) -> float:
@@ -38,10 +68,13 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: Any = 2.0, erro
     Returns the total norm before clipping, as a NumPy float64: a Python float that has torch's
     0-d tensor's .item(), for code that logs clip_grad_norm_(...).item(). A NaN or
     inf norm scales the gradients by it, unless error_if_nonfinite=True, which raises
-    RuntimeError and changes nothing. parameters: a cmlp.MLP or its parameters(); foreach is
-    accepted for compatibility (one fused pass either way)."""
-    model = model_of(parameters, "parameters")
+    RuntimeError and changes nothing. parameters: a cmlp.MLP, its parameters(), or all the
+    arrays parameters() gave out (none: the norm is 0); foreach is accepted for compatibility
+    (one fused pass either way)."""
+    model = _clipped(parameters)
     max_norm = as_number("max_norm", max_norm)
+    if model is None:
+        return np.float64(0.0)
     return np.float64(model._c.clip_grad_norm(max_norm, _norm_type(norm_type),
                                               as_flag("error_if_nonfinite", error_if_nonfinite)))
 
@@ -99,7 +132,10 @@ def clip_grads_with_norm_(parameters: Any, max_norm: float, total_norm: Any, for
     min(1, max_norm / (total_norm + 1e-6)) in float32, as torch rounds it (total_norm from
     get_total_norm, or any number >= 0; a NaN or inf one scales by it, as torch's; a negative
     one, which torch takes and turns every gradient round with, is refused)."""
-    model = model_of(parameters, "parameters")
+    model = _clipped(parameters)
+    if model is None:
+        as_number("max_norm", max_norm), as_number("total_norm", total_norm)
+        return
     model._c.clip_grads_with_norm(as_number("max_norm", max_norm), as_number("total_norm", total_norm))
 
 
@@ -113,7 +149,10 @@ def clip_grad_norm(parameters: Any, max_norm: float, norm_type: Any = 2.0, error
 
 def clip_grad_value_(parameters: Any, clip_value: float, foreach: Optional[bool] = None) -> None:
     """Clamps every gradient to [-clip_value, clip_value] (a NaN stays NaN)."""
-    model = model_of(parameters, "parameters")
+    model = _clipped(parameters)
+    if model is None:
+        as_number("clip_value", clip_value)
+        return
     model._c.clip_grad_value(as_number("clip_value", clip_value))
 
 
