@@ -470,6 +470,21 @@ def collectives_case(opts):
         except (TypeError, ValueError) as e:
             group_errors.append(f"{type(e).__name__}: {e}")
     out["group_errors"] = group_errors
+    # bad on one rank alone: every rank raises, none waits in the collective
+    alone = []
+    for call in (lambda: D.all_reduce(np.ones(2), async_op=1 if r == 0 else True),
+                 lambda: D.barrier(device_ids="0" if r == 0 else [0]), lambda: D.barrier(group="x" if r else None),
+                 lambda: D.all_gather([np.zeros(1) for _ in range(w)], np.ones(1), async_op=None if r else False),
+                 lambda: D.broadcast(np.ones(2), async_op=0 if r else False)):
+        try:
+            call()
+            alone.append(None)
+        except (TypeError, ValueError) as e:
+            alone.append(type(e).__name__)
+    out["alone"] = alone
+    big = np.full(3, 3e38, np.float32)  # avg scales each part first, as NCCL's: no overflow on the way
+    D.all_reduce(big, D.ReduceOp.AVG)
+    out["avg_big"] = big.tolist()
     # arguments that differ between the ranks: every rank raises, none waits or reads garbage
     out["differ"] = []
     for call in (lambda: D.all_reduce(np.ones(4 + r)), lambda: D.all_reduce(np.ones(4, np.float64 if r else np.float32)),
@@ -509,12 +524,13 @@ def collectives_case(opts):
     out["rank"], out["world"] = r, w
     D.destroy_process_group()  # made again with torch's arguments: the launcher's ranks, or refused
     out["launcher"] = []
-    for kw in (dict(world_size=w + 1), dict(rank=(r + 1) % w), dict(rank=0)):
+    for kw in (dict(world_size=w + 1), dict(rank=(r + 1) % w), dict(rank=0),
+               dict(device_id="cpu" if r == 1 else r)):  # each rank's own GPU; a bad one on rank 1 alone
         try:
             D.init_process_group(**kw)
         except ValueError as e:
             out["launcher"].append(str(e))
-    D.init_process_group("mpi", "env://", datetime.timedelta(minutes=30), world_size=w, rank=r)
+    D.init_process_group("mpi", "env://", datetime.timedelta(minutes=30), world_size=w, rank=r, device_id=f"cuda:{r}")
     return out
 
 

@@ -179,11 +179,15 @@ def test_collectives():
     assert errors[2].startswith(("PicklingError", "AttributeError")), errors  # rank 0's own pickling error
     assert errors[3].startswith("ValueError: all_gather: the ranks' arguments differ"), errors
     assert out["after_gather"] == [4.0, 4.0, 4.0]
+    other = ("another rank was given a world_size, rank or device_id it cannot take, so no rank made the group "
+             "(cmlp's ranks are the launcher's)")
     assert out["launcher"] == ["world_size=3, but the launcher made this process rank 0 of 2: cmlp's ranks are the "
                                "launcher's", "rank=1, but the launcher made this process rank 0 of 2: cmlp's ranks "
                                "are the launcher's",  # and rank=0 everywhere: rank 1's is wrong, and rank 0 raises too
-                               "another rank was given a world_size or rank that is not the launcher's, so no rank "
-                               "made the group: cmlp's ranks are the launcher's"]
+                               other, other]  # (device_id="cpu" on rank 1 alone)
+    # rank 0's: arguments that differ, or its own bad device_ids, or the other rank's refused
+    assert out["alone"] == ["ValueError", "TypeError", "ValueError", "ValueError", "ValueError"], out["alone"]
+    assert out["avg_big"] == [float(np.float32(3e38))] * 3
 
 
 def test_init_process_group_refuses_torchs_arguments_it_cannot_honour_before_it_starts_anything():

@@ -103,6 +103,10 @@ def _check_group(group_: Any) -> None:
                          f"{group_!r}")
 
 
+def _good_args(group_: Any, async_op: Any) -> bool:
+    return _one_group(group_) and isinstance(async_op, bool)
+
+
 def _check_async(async_op: Any) -> None:
     if not isinstance(async_op, bool):
         raise TypeError(f"async_op must be a bool, got {async_op!r}")
@@ -221,13 +225,13 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
         raise ValueError(f"cmlp's ranks are the MPI launcher's (mpirun): init_method must be None or 'env://', got "
                          f"{init_method!r}")
     seconds = _timeout_seconds(timeout)
-    if device_id is not None:
+    device_ok = device_id is None
+    if device_id is not None:  # (each rank's own GPU: refused on every rank, once the group is made)
         text = device_id if isinstance(device_id, str) else \
             f"cuda:{device_id}" if isinstance(device_id, (int, np.integer)) and not isinstance(device_id, bool) else \
             f"{getattr(device_id, 'type', '')}:{getattr(device_id, 'index', '')}"
         kind, _, index = text.partition(":")
-        if kind != "cuda" or not (index.isdigit() and index.isascii()):
-            raise ValueError(f"device_id must name one GPU (an index, 'cuda:N' or a torch.device), got {device_id!r}")
+        device_ok = kind == "cuda" and index.isdigit() and index.isascii()
     for name, value in (("world_size", world_size), ("rank", rank)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < -1:
             raise ValueError(f"{name} must be an int >= 0 (the launcher's), or -1, got {value!r}")
@@ -265,16 +269,19 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
     state = _cmlp.dist_state()
     wrong = [f"{name}={value}" for name, value, mine in (("world_size", world_size, state[2]), ("rank", rank, state[1]))
              if value != -1 and value != mine]
-    anyone = np.array([len(wrong)], dtype=np.int64)
+    anyone = np.array([len(wrong) + (not device_ok)], dtype=np.int64)
     _cmlp.dist_all_reduce(anyone, 1)
     if anyone[0]:
         _cmlp.dist_set_timeout(0.0)
         _cmlp.dist_destroy()
-        if not wrong:
-            raise ValueError("another rank was given a world_size or rank that is not the launcher's, so no rank "
-                             "made the group: cmlp's ranks are the launcher's")
-        raise ValueError(f"{', '.join(wrong)}, but the launcher made this process rank {state[1]} of {state[2]}: "
-                         "cmlp's ranks are the launcher's")
+        if wrong:
+            raise ValueError(f"{', '.join(wrong)}, but the launcher made this process rank {state[1]} of {state[2]}: "
+                             "cmlp's ranks are the launcher's")
+        if not device_ok:
+            raise ValueError(f"device_id must name one GPU (an index, 'cuda:N' or a torch.device), got "
+                             f"{device_id!r}")
+        raise ValueError("another rank was given a world_size, rank or device_id it cannot take, so no rank made "
+                         "the group (cmlp's ranks are the launcher's)")
 
 
 def is_initialized() -> bool:
@@ -327,10 +334,10 @@ def all_reduce(tensor: np.ndarray, op: str = ReduceOp.SUM, group: Any = None,
     writable and C-contiguous, with the same shape on every rank: checked first, collectively).
     group: None (or group.WORLD); async_op=True gives a Work that has completed."""
     _require()
-    _check_async(async_op)
-    code = _OPS.get(op, -1) if isinstance(op, str) and _one_group(group) else -1
+    code = _OPS.get(op, -1) if isinstance(op, str) and _good_args(group, async_op) else -1
     _same_array_on_every_rank("all_reduce", tensor, code)
-    _check_group(group)
+    _check_group(group)  # (refusals after the ranks agreed on the arguments: on every rank)
+    _check_async(async_op)
     if code < 0:
         raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
     floating = isinstance(tensor, np.ndarray) and tensor.dtype.kind == "f"  # (not an array: refused below)
@@ -339,9 +346,12 @@ def all_reduce(tensor: np.ndarray, op: str = ReduceOp.SUM, group: Any = None,
     if op == ReduceOp.AVG and isinstance(tensor, np.ndarray) and not floating:
         raise TypeError(f"all_reduce: avg of an integer array ({tensor.dtype}): use sum, and divide as it should "
                         "round")
-    _cmlp.dist_all_reduce(tensor, 0 if op == ReduceOp.AVG else code)
-    if op == ReduceOp.AVG:
-        np.divide(tensor, get_world_size(), out=tensor)
+    if op == ReduceOp.AVG:  # each rank's part scaled first, then summed: as NCCL's, no overflow on the way
+        part = tensor * tensor.dtype.type(1.0 / get_world_size())
+        _cmlp.dist_all_reduce(part, 0)
+        tensor[...] = part
+    else:
+        _cmlp.dist_all_reduce(tensor, code)
     return _done(async_op)
 
 
@@ -350,11 +360,11 @@ def broadcast(tensor: np.ndarray, src: int = 0, group: Any = None, async_op: boo
     checked first, collectively). group: None (or group.WORLD); async_op=True gives a Work
     that has completed."""
     _require()
-    _check_async(async_op)
     whole = not isinstance(src, bool) and isinstance(src, (int, np.integer))
     _same_array_on_every_rank("broadcast", tensor,
-                              int(src) if whole and -2**62 < src < 2**62 and _one_group(group) else -1)
+                              int(src) if whole and -2**62 < src < 2**62 and _good_args(group, async_op) else -1)
     _check_group(group)
+    _check_async(async_op)
     if not whole:
         raise TypeError(f"src must be an int, got {src!r}")
     if not 0 <= src < get_world_size():
@@ -395,12 +405,18 @@ def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -
     """Waits for every rank. group: None (or group.WORLD); device_ids (torch's, for NCCL: the
     GPUs this rank uses) is checked and changes nothing (the barrier is MPI's, on the host)."""
     _require()
+    ids_ok = device_ids is None or (isinstance(device_ids, (list, tuple)) and all(
+        isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in device_ids))
+    # the ranks' word on their arguments is the barrier (a rank that refused alone would leave
+    # the others waiting in it)
+    bad = np.array([0 if _good_args(group, async_op) and ids_ok else 1], dtype=np.int64)
+    _cmlp.dist_all_reduce(bad, 1)
     _check_group(group)
     _check_async(async_op)
-    if device_ids is not None and not (isinstance(device_ids, (list, tuple)) and all(
-            isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in device_ids)):
+    if not ids_ok:
         raise TypeError(f"device_ids must be None or a list of GPU indices, got {device_ids!r}")
-    _cmlp.dist_barrier()
+    if bad[0]:
+        raise ValueError("barrier: another rank's arguments (group, async_op, device_ids) were refused there")
     return _done(async_op)
 
 

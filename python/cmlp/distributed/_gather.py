@@ -20,11 +20,10 @@ def all_gather(tensor_list: List[np.ndarray], tensor: np.ndarray, group: Any = N
     """Every rank's array into tensor_list (one writable, C-contiguous array of the array's shape
     and dtype per rank, in rank order), on every rank, as torch.distributed.all_gather (group:
     None or group.WORLD; async_op=True gives a Work that has completed)."""
-    from . import _check_async, _check_group, _done, _one_group, _same_array_on_every_rank
+    from . import _check_async, _check_group, _done, _good_args, _same_array_on_every_rank
 
     rank, size = _group()
-    _check_async(async_op)
-    error = None if _one_group(group) else ValueError("")
+    error = None if _good_args(group, async_op) else ValueError("")
     if not isinstance(tensor_list, list) or len(tensor_list) != size:
         error = ValueError(f"all_gather: tensor_list must be a list of {size} arrays (one per rank), got "
                            f"{type(tensor_list).__name__} of {len(tensor_list) if hasattr(tensor_list, '__len__') else '?'}")
@@ -37,6 +36,7 @@ def all_gather(tensor_list: List[np.ndarray], tensor: np.ndarray, group: Any = N
                 break
     _same_array_on_every_rank("all_gather", tensor, 0 if error is None else 1)
     _check_group(group)
+    _check_async(async_op)
     if error is not None:  # (on every rank: the check above agreed on it)
         raise error
     if not isinstance(tensor, np.ndarray) or not tensor.flags.c_contiguous:
