@@ -394,12 +394,13 @@ def test_an_uncaught_exception_on_one_rank_ends_the_job():
 def test_a_rank_that_exits_while_another_waits_for_it_ends_the_job_at_the_groups_timeout():
     # sys.exit skips the excepthook: rank 1 waits at its end for rank 0, which waits in a barrier
     # for rank 1 until the group's timeout (torch's: it bounds a collective's wait) ends the job
+    # (the barrier is an all-reduce of the ranks' word on its arguments)
     cmd = [MPIRUN, "-np", "2", sys.executable, os.path.join(HERE, "dist_worker.py"), "exit_early",
            json.dumps({"timeout": 2})]
     start = time.monotonic()
     p = subprocess.run(cmd, capture_output=True, text=True, env=job_env(), timeout=120)
     assert p.returncode != 0 and time.monotonic() - start < 60
-    assert "rank 0 waited 2 s in MPI_Barrier for the other ranks (the process group's timeout)" in p.stderr, p.stderr
+    assert "rank 0 waited 2 s in MPI_Allreduce for the other ranks (the process group's timeout)" in p.stderr, p.stderr
 
 
 @needs_mpi
