@@ -416,6 +416,18 @@ def exit_early_case(opts):
     return {}
 
 
+class _LoadsOnRank0Only:
+    """An object that rank 1 cannot unpickle (as one whose module only some ranks have)."""
+
+    def __init__(self):
+        self.state = 1  # (an object without state is unpickled without __setstate__)
+
+    def __setstate__(self, state):
+        if D.get_rank() == 1:
+            raise ImportError("not on this rank")
+        self.__dict__.update(state)
+
+
 def collectives_case(opts):
     w, r = D.get_world_size(), D.get_rank()
     out = {}
@@ -485,6 +497,31 @@ def collectives_case(opts):
     big = np.full(3, 3e38, np.float32)  # avg scales each part first, as NCCL's: no overflow on the way
     D.all_reduce(big, D.ReduceOp.AVG)
     out["avg_big"] = big.tolist()
+    # what else can differ between the ranks: the arrays' alignment, a structured dtype's fields,
+    # an object list against none, the call itself
+    unaligned = np.zeros(33, np.uint8)[1:].view(np.float64)
+    structured = np.zeros(2, dtype=[("a", "<f8"), ("b", "<i8")] if r else [("x", "<i8"), ("y", "<f8")])
+    differ2 = []
+    for call in (lambda: D.all_reduce(unaligned if r else np.zeros(4)), lambda: D.broadcast(structured, src=0),
+                 lambda: D.broadcast_object_list(None if r == 0 else [], src=0),
+                 lambda: D.all_reduce(np.ones(2), "max") if r else D.broadcast(np.ones(2), src=1),
+                 lambda: D.barrier() if r else D.all_reduce(np.ones(1))):
+        try:
+            call()
+            differ2.append(None)
+        except ValueError as e:
+            differ2.append(str(e).split("differ in their ")[1].split(":")[0])
+    out["differ2"] = differ2
+    # an object rank 1 cannot unpickle: it raises, after every pickle was sent (none waits)
+    objects = [None] * w
+    try:
+        D.all_gather_object(objects, _LoadsOnRank0Only())
+        out["unpickle"] = "ran"
+    except ImportError as e:
+        out["unpickle"] = str(e)
+    flags = np.array([out["unpickle"] == "ran"], dtype=np.int64)
+    D.all_reduce(flags)  # and the group goes on
+    out["unpickled_on"] = int(flags[0])
     # arguments that differ between the ranks: every rank raises, none waits or reads garbage
     out["differ"] = []
     for call in (lambda: D.all_reduce(np.ones(4 + r)), lambda: D.all_reduce(np.ones(4, np.float64 if r else np.float32)),

@@ -161,7 +161,7 @@ def test_collectives():
     for e in errors[:4] + errors[-1:]:
         assert e.startswith("ValueError: ") and "one process group" in e, errors
     assert errors[4].startswith("TypeError: all_reduce: band is a bitwise reduction, of int64 arrays"), errors
-    assert errors[5].startswith("TypeError: all_reduce: avg of an integer array"), errors
+    assert errors[5].startswith("TypeError: all_reduce: avg takes float32 or float64 arrays, got int64"), errors
     assert errors[6].startswith("TypeError: async_op must be a bool"), errors
     assert errors[7].startswith("TypeError: device_ids must be None or a list"), errors
     assert out["longlong"] == [0, 2, 4]
@@ -179,15 +179,20 @@ def test_collectives():
     assert errors[2].startswith(("PicklingError", "AttributeError")), errors  # rank 0's own pickling error
     assert errors[3].startswith("ValueError: all_gather: the ranks' arguments differ"), errors
     assert out["after_gather"] == [4.0, 4.0, 4.0]
+    other_args = "other arguments (op, src, an output list)"
     other = ("another rank was given a world_size, rank or device_id it cannot take, so no rank made the group "
              "(cmlp's ranks are the launcher's)")
     assert out["launcher"] == ["world_size=3, but the launcher made this process rank 0 of 2: cmlp's ranks are the "
                                "launcher's", "rank=1, but the launcher made this process rank 0 of 2: cmlp's ranks "
                                "are the launcher's",  # and rank=0 everywhere: rank 1's is wrong, and rank 0 raises too
                                other, other]  # (device_id="cpu" on rank 1 alone)
-    # rank 0's: arguments that differ, or its own bad device_ids, or the other rank's refused
-    assert out["alone"] == ["ValueError", "TypeError", "ValueError", "ValueError", "ValueError"], out["alone"]
+    # rank 0's: the ranks' arguments differ
+    assert out["alone"] == ["ValueError"] * 5, out["alone"]
     assert out["avg_big"] == [float(np.float32(3e38))] * 3
+    call = "call (all_reduce, broadcast, ...)"
+    assert out["differ2"] == ["alignment", "dtype", other_args, call, "being an array, dtype, element count, shape, "
+                              "C-contiguity, writability, alignment, " + call], out["differ2"]
+    assert out["unpickle"] == "ran" and out["unpickled_on"] == 1  # (rank 0's; rank 1 raised, and the group goes on)
 
 
 def test_init_process_group_refuses_torchs_arguments_it_cannot_honour_before_it_starts_anything():

@@ -344,8 +344,8 @@ def all_reduce(tensor: np.ndarray, op: str = ReduceOp.SUM, group: Any = None,
     if op in _BITWISE and floating:  # (the dtype is every rank's: all raise)
         raise TypeError(f"all_reduce: {op} is a bitwise reduction, of int64 arrays, got {tensor.dtype}")
     if op == ReduceOp.AVG and isinstance(tensor, np.ndarray) and not floating:
-        raise TypeError(f"all_reduce: avg of an integer array ({tensor.dtype}): use sum, and divide as it should "
-                        "round")
+        raise TypeError(f"all_reduce: avg takes float32 or float64 arrays, got {tensor.dtype} (of integers: use "
+                        "sum, and divide as it should round)")
     if op == ReduceOp.AVG:  # each rank's part scaled first, then summed: as NCCL's, no overflow on the way
         part = tensor * tensor.dtype.type(1.0 / get_world_size())
         _cmlp.dist_all_reduce(part, 0)
@@ -374,7 +374,7 @@ def broadcast(tensor: np.ndarray, src: int = 0, group: Any = None, async_op: boo
 
 
 _ARRAY_FIELDS = ("being an array", "dtype", "element count", "shape", "C-contiguity", "writability",
-                 "other arguments (op, src, an output list)")
+                 "other arguments (op, src, an output list)", "alignment", "call (all_reduce, broadcast, ...)")
 
 
 def _where_ranks_differ(values: np.ndarray) -> np.ndarray:
@@ -390,11 +390,13 @@ def _same_array_on_every_rank(what: str, tensor: Any, code: int) -> None:
     would pair the wrong elements (one rank's MPI error, another's garbage), and a refusal on
     one rank alone would leave the others waiting in it. Every rank raises where they differ."""
     is_array = isinstance(tensor, np.ndarray)
-    dtype = zlib.crc32(tensor.dtype.str.encode()) if is_array else 0
+    # (a structured dtype by its fields: two of one size have the same str)
+    dtype = zlib.crc32((tensor.dtype.str + repr(tensor.dtype.descr)).encode()) if is_array else 0
     shape = zlib.crc32(repr(tensor.shape).encode()) if is_array else 0
     flags = tensor.flags if is_array else None
     v = np.array([is_array, dtype, tensor.size if is_array else 0, shape, bool(flags and flags.c_contiguous),
-                  bool(flags and flags.writeable), code], dtype=np.int64)
+                  bool(flags and flags.writeable), code, bool(flags and flags.aligned), zlib.crc32(what.encode())],
+                 dtype=np.int64)
     differ = [_ARRAY_FIELDS[i] for i in _where_ranks_differ(v)]
     if differ:
         raise ValueError(f"{what}: the ranks' arguments differ in their {', '.join(differ)}: every rank must give "
@@ -403,20 +405,17 @@ def _same_array_on_every_rank(what: str, tensor: Any, code: int) -> None:
 
 def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -> Optional[_Work]:
     """Waits for every rank. group: None (or group.WORLD); device_ids (torch's, for NCCL: the
-    GPUs this rank uses) is checked and changes nothing (the barrier is MPI's, on the host)."""
+    GPUs this rank uses) is checked and changes nothing. The barrier is the ranks' word on their
+    arguments (an all-reduce, on the host): a rank that refused alone would leave the others
+    waiting in it."""
     _require()
     ids_ok = device_ids is None or (isinstance(device_ids, (list, tuple)) and all(
         isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in device_ids))
-    # the ranks' word on their arguments is the barrier (a rank that refused alone would leave
-    # the others waiting in it)
-    bad = np.array([0 if _good_args(group, async_op) and ids_ok else 1], dtype=np.int64)
-    _cmlp.dist_all_reduce(bad, 1)
+    _same_array_on_every_rank("barrier", None, 0 if _good_args(group, async_op) and ids_ok else 1)
     _check_group(group)
     _check_async(async_op)
     if not ids_ok:
         raise TypeError(f"device_ids must be None or a list of GPU indices, got {device_ids!r}")
-    if bad[0]:
-        raise ValueError("barrier: another rank's arguments (group, async_op, device_ids) were refused there")
     return _done(async_op)
 
 

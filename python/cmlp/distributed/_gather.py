@@ -30,9 +30,9 @@ def all_gather(tensor_list: List[np.ndarray], tensor: np.ndarray, group: Any = N
     elif isinstance(tensor, np.ndarray):
         for i, out in enumerate(tensor_list):
             if not (isinstance(out, np.ndarray) and out.shape == tensor.shape and out.dtype == tensor.dtype
-                    and out.flags.c_contiguous and out.flags.writeable):
-                error = ValueError(f"all_gather: tensor_list[{i}] must be a writable C-contiguous array of the "
-                                   f"array's shape {tensor.shape} and dtype {tensor.dtype}")
+                    and out.flags.c_contiguous and out.flags.writeable and out.flags.aligned):
+                error = ValueError(f"all_gather: tensor_list[{i}] must be a writable, aligned, C-contiguous array of "
+                                   f"the array's shape {tensor.shape} and dtype {tensor.dtype}")
                 break
     _same_array_on_every_rank("all_gather", tensor, 0 if error is None else 1)
     _check_group(group)
@@ -65,7 +65,7 @@ def broadcast_object_list(object_list: List[Any], src: int = 0, group: Any = Non
     whole = not isinstance(src, bool) and isinstance(src, (int, np.integer)) and 0 <= src < size
     length = len(object_list) if isinstance(object_list, list) else -1
     _same_array_on_every_rank("broadcast_object_list", np.zeros(max(length, 0), np.uint8),
-                              int(src) if whole and _one_group(group) else -1)
+                              int(src) if whole and _one_group(group) and length >= 0 else -1)
     _check_group(group)
     if length < 0:
         raise TypeError(f"object_list must be a list, got {type(object_list).__name__}")
@@ -105,8 +105,11 @@ def all_gather_object(object_list: List[Any], obj: Any, group: Any = None) -> No
             raise error
         raise RuntimeError(f"all_gather_object: rank {int(np.flatnonzero(sizes < 0)[0])} could not pickle its "
                            "object (its own error says why)")
-    for src in range(size):
+    received = []
+    for src in range(size):  # every pickle first: a rank that cannot unpickle one leaves no other waiting
         buf = np.frombuffer(data, dtype=np.uint8).copy() if src == rank else np.empty(int(sizes[src]), np.uint8)
         if buf.size:
             _cmlp.dist_broadcast(buf, src)
-        object_list[src] = pickle.loads(data if src == rank else buf.tobytes())  # a copy of its own too, as torch's
+        received.append(data if src == rank else buf.tobytes())
+    for src in range(size):
+        object_list[src] = pickle.loads(received[src])  # a copy of its own too, as torch's
