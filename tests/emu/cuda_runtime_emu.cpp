@@ -685,6 +685,7 @@ cudaError_t cudaEventSynchronize(cudaEvent_t e) {
 cudaError_t cudaEventQuery(cudaEvent_t e) {
     fork_guard("cudaEventQuery");
     if (!e) return cudaErrorInvalidResourceHandle;
+    if (refused_while_capturing("cudaEventQuery")) return cudaErrorStreamCaptureUnsupported; /* (the capturing thread's) */
     /* recorded before the call (the caller ordered it); the stream lives on */
     if (!e->stream || __atomic_load_n(&e->stream->done_id, __ATOMIC_ACQUIRE) >= e->id) return cudaSuccess;
     return cudaErrorNotReady; /* not an error: the last error stays */
@@ -857,11 +858,9 @@ cudaError_t cudaGraphUpload(cudaGraphExec_t exec, cudaStream_t stream) {
 
 cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream) {
     fork_guard("cudaGraphLaunch");
+    if (cudaError_t e = cudaGraphUpload(exec, stream)) return e; /* its checks, and a first launch's upload */
     std::lock_guard<std::recursive_mutex> g(gpu);
     CUstream_st *s = resolve(stream);
-    if (!exec) return fail(cudaErrorInvalidValue);
-    if (s->capturing) return fail(cudaErrorStreamCaptureUnsupported);
-    if (cudaError_t e = upload(exec)) return e;
     /* one stream in an order the graph's edges allow: the first branch in its order, every other
      * branch's ops as late as they can run, where the first waits for them */
     std::map<int, std::deque<const op *>> later;
@@ -943,6 +942,7 @@ CUresult CUDAAPI mem_create(CUmemGenericAllocationHandle *h, size_t size, const 
 
 CUresult CUDAAPI mem_release(CUmemGenericAllocationHandle h) {
     fork_guard("mem_release");
+    if (refused_while_capturing("cuMemRelease")) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     std::lock_guard<std::recursive_mutex> g(gpu);
     auto it = handles.find(h);
     if (it == handles.end() || it->second.released) return CUDA_ERROR_INVALID_HANDLE;
@@ -954,6 +954,7 @@ CUresult CUDAAPI mem_release(CUmemGenericAllocationHandle h) {
 CUresult CUDAAPI mem_map(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle h,
                          unsigned long long) {
     fork_guard("mem_map");
+    if (refused_while_capturing("cuMemMap")) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     std::lock_guard<std::recursive_mutex> g(gpu);
     auto it = handles.find(h);
     if (it == handles.end() || it->second.released) return CUDA_ERROR_INVALID_HANDLE;
@@ -977,6 +978,7 @@ CUresult CUDAAPI mem_map(CUdeviceptr ptr, size_t size, size_t offset, CUmemGener
 
 CUresult CUDAAPI mem_set_access(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count) {
     fork_guard("mem_set_access");
+    if (refused_while_capturing("cuMemSetAccess")) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     std::lock_guard<std::recursive_mutex> g(gpu);
     if (count != 1 || desc->flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE) return CUDA_ERROR_INVALID_VALUE;
     /* every byte of the range must be mapped */
@@ -993,6 +995,7 @@ CUresult CUDAAPI mem_set_access(CUdeviceptr ptr, size_t size, const CUmemAccessD
 
 CUresult CUDAAPI mem_unmap(CUdeviceptr ptr, size_t size) {
     fork_guard("mem_unmap");
+    if (refused_while_capturing("cuMemUnmap")) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     std::lock_guard<std::recursive_mutex> g(gpu);
     auto it = mappings.find(ptr);
     if (it == mappings.end() || it->second.second != size) return CUDA_ERROR_INVALID_VALUE;
@@ -1008,6 +1011,7 @@ CUresult CUDAAPI mem_unmap(CUdeviceptr ptr, size_t size) {
 CUresult CUDAAPI mem_reserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
                              unsigned long long) {
     fork_guard("mem_reserve");
+    if (refused_while_capturing("cuMemAddressReserve")) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     std::lock_guard<std::recursive_mutex> g(gpu);
     if (addr || !size || size % ((size_t)2 << 20)) return CUDA_ERROR_INVALID_VALUE;
     const size_t al = alignment ? alignment : (size_t)2 << 20;
@@ -1023,6 +1027,7 @@ CUresult CUDAAPI mem_reserve(CUdeviceptr *ptr, size_t size, size_t alignment, CU
 
 CUresult CUDAAPI mem_free_range(CUdeviceptr ptr, size_t size) {
     fork_guard("mem_free_range");
+    if (refused_while_capturing("cuMemAddressFree")) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     std::lock_guard<std::recursive_mutex> g(gpu);
     auto it = regions.find(ptr);
     if (it == regions.end() || it->second.kind != 2 || it->second.size != size) return CUDA_ERROR_INVALID_VALUE;
