@@ -594,6 +594,10 @@ CMLP_API cmlp_status cmlp_trainer_set_scaler(cmlp_trainer *t, const cmlp_scaler_
 CMLP_API void cmlp_trainer_get_scaler(const cmlp_trainer *t, cmlp_scaler_state *out);
 CMLP_API int64_t cmlp_trainer_skipped_steps(const cmlp_trainer *t); /* since creation */
 CMLP_API int64_t cmlp_trainer_oom_retries(const cmlp_trainer *t);   /* steps retried smaller */
+/* Since creation, of the full steps on a device with graphs: out[0] captures kept (each also
+ * ran its step), out[1] replays, out[2] captures dropped (the step ran eagerly, and so do the
+ * trainer's later steps). */
+CMLP_API void cmlp_trainer_graph_counts(const cmlp_trainer *t, int64_t out[3]);
 CMLP_API cmlp_status cmlp_trainer_set_microbatch_size(cmlp_trainer *t, int64_t size);
 /* Computes with a smaller micro-batch for now (auto micro-batching grows back to the set size). */
 CMLP_API cmlp_status cmlp_trainer_start_microbatch(cmlp_trainer *t, int64_t size);

@@ -9,7 +9,7 @@
 
 #include "backend.h"
 
-#define CMLP_MPI_ABI 4
+#define CMLP_MPI_ABI 5
 
 typedef enum cmlp_reduce_op {
     CMLP_REDUCE_SUM = 0,

@@ -44,6 +44,7 @@ struct cmlp_trainer {
     cmlp_device_ctx *graph_dev;
     step_key graph_key, warm_key; /* warm_key: the last full step run eagerly */
     bool warm, graphs_off;        /* graphs_off: a capture failed; eager from then on */
+    int64_t graph_counts[3];      /* captures kept, replays, captures dropped */
     bool epoch_open;              /* between epoch_begin and the epoch's last step */
     /* the open epoch's loss and clipping norms so far on this rank: each call's device scalars
      * start from them, so that the steps add up in their order whatever the calls' lengths */

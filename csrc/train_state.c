@@ -5,6 +5,7 @@
 #include "train_internal.h"
 
 #include <math.h>
+#include <string.h>
 
 int64_t cmlp_trainer_microbatch_size(const cmlp_trainer *t) { return t->micro; }
 
@@ -17,6 +18,9 @@ void cmlp_trainer_set_fit_call(cmlp_trainer *t, int64_t epochs, int64_t validati
 }
 int64_t cmlp_trainer_skipped_steps(const cmlp_trainer *t) { return t->skipped; }
 int64_t cmlp_trainer_oom_retries(const cmlp_trainer *t) { return t->oom_retries; }
+void cmlp_trainer_graph_counts(const cmlp_trainer *t, int64_t out[3]) {
+    memcpy(out, t->graph_counts, sizeof t->graph_counts);
+}
 int cmlp_trainer_last_grad_norm(const cmlp_trainer *t, double *norm) {
     if (t->has_norm) *norm = t->last_norm;
     return t->has_norm;

@@ -365,6 +365,7 @@ cmlp_status cmlp_train_graph_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp
     if (path == PATH_REPLAY) {
         t->ran_micro = t->micro; /* a replay's steps are whole micro-batches asked for (eligible) */
         CMLP_TRY(t->dist ? cmlp_dcomm_graph_launch(dev, t->graph) : b->graph_launch(dev->bctx, t->graph));
+        t->graph_counts[1]++;
         cmlp_train_good_step(t, true, n);
         return CMLP_OK;
     }
@@ -395,9 +396,11 @@ cmlp_status cmlp_train_graph_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp
         t->graph_key = key;
         t->ran_micro = t->micro;
         CMLP_TRY(t->dist ? cmlp_dcomm_graph_launch(dev, g) : b->graph_launch(dev->bctx, g));
+        t->graph_counts[0]++;
         cmlp_train_good_step(t, true, n);
         return CMLP_OK;
     }
+    t->graph_counts[2]++;
     if (g) b->graph_free(dev->bctx, g);
     t->graphs_off = true; /* nothing captured ran: the step runs eagerly */
     return cmlp_train_robust_step(t, ds, xy, idx, start, n, n_all);

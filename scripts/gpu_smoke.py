@@ -69,6 +69,13 @@ def main():
                 loss = trainer.step(x[:64], y[:64])
                 history = trainer.fit(x, y, epochs=2, progress=False)
                 runs.append([loss] + [e["loss"] for e in history])
+                if dev == device and dev.startswith("cuda"):  # fit's steps captured once, then replayed
+                    kept, replays, dropped = trainer._c.graph_counts()
+                    say(f"amp={amp} recompute={recompute}: graphs: {kept} captured, {replays} replays, "
+                        f"{dropped} dropped")
+                    expect(kept >= 1 and replays >= 1 and dropped == 0,
+                           f"amp={amp} recompute={recompute}: graphs {kept} captured, {replays} replays, {dropped} "
+                           "dropped (fit's steps ran eagerly)")
             got, want = np.array(runs[0]), np.array(runs[1])
             say(f"amp={amp} recompute={recompute}: Trainer.step then fit, losses {np.round(got, 5).tolist()} "
                 f"(CPU {np.round(want, 5).tolist()})")

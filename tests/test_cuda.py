@@ -1248,7 +1248,8 @@ model = cmlp.MLP([784, 512, 256, 10], device=os.environ.get("CMLP_TEST_CUDA_DEVI
 trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=64, amp=sys.argv[1] or None, seed=1)
 h = trainer.fit(x, y, epochs=3, progress=False)
 w = b"".join(v.tobytes() for v in model.state_dict().values())
-print(json.dumps({"w": hashlib.sha1(w).hexdigest(), "loss": [e["loss"] for e in h]}))
+print(json.dumps({"w": hashlib.sha1(w).hexdigest(), "loss": [e["loss"] for e in h],
+                  "graphs": trainer._c.graph_counts()}))
 """
 
 
@@ -1271,6 +1272,11 @@ def test_graph_replay_and_eager_steps_train_identically(amp):
         runs.append(json.loads(r.stdout))
     assert runs[0]["w"] == runs[1]["w"]
     np.testing.assert_allclose(runs[0]["loss"], runs[1]["loss"], rtol=1e-12)
+    # 3 epochs of 8 whole steps and a short last one: the first whole step eager, the second
+    # captured, the other 6 replayed, each epoch (a new epoch's order, the same buffers)
+    if not DRY_RUN:
+        assert runs[0]["graphs"] == [1, 22, 0], runs[0]["graphs"]
+    assert runs[1]["graphs"] == [0, 0, 0]
 
 
 @needs_cuda
@@ -1295,6 +1301,7 @@ def test_a_graph_that_cannot_go_onto_the_gpu_for_lack_of_memory_leaves_the_steps
     once, twice = runs["1", "1"][1], runs["1", "2"][1]
     assert once.count("upload ran out of memory") == 1 and once.count("a graph uploaded") == 1, once[-2000:]
     assert twice.count("upload ran out of memory") == 2 and "a graph uploaded" not in twice, twice[-2000:]
+    assert runs["1", "1"][0]["graphs"] == [1, 22, 0] and runs["1", "2"][0]["graphs"] == [0, 0, 1], runs
 
 
 _STREAMS_SCRIPT = r"""

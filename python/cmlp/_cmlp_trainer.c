@@ -303,6 +303,14 @@ static PyObject *Trainer_oom_retries(TrainerObject *self, PyObject *unused) {
     return PyLong_FromLongLong(cmlp_trainer_oom_retries(self->t));
 }
 
+static PyObject *Trainer_graph_counts(TrainerObject *self, PyObject *unused) {
+    (void)unused;
+    if (trainer_ready(self) < 0) return NULL;
+    int64_t n[3];
+    cmlp_trainer_graph_counts(self->t, n);
+    return Py_BuildValue("(LLL)", (long long)n[0], (long long)n[1], (long long)n[2]);
+}
+
 static PyObject *Trainer_last_grad_norm(TrainerObject *self, PyObject *unused) {
     (void)unused;
     if (trainer_ready(self) < 0) return NULL;
@@ -432,6 +440,8 @@ static PyMethodDef Trainer_methods[] = {
     {"last_grad_norm", (PyCFunction)Trainer_last_grad_norm, METH_NOARGS,
      "the last step's gradient norm before clipping (None without clipping)"},
     {"oom_retries", (PyCFunction)Trainer_oom_retries, METH_NOARGS, "steps retried with a smaller micro-batch"},
+    {"graph_counts", (PyCFunction)Trainer_graph_counts, METH_NOARGS,
+     "(captures kept, replays, captures dropped) of full steps on a device with graphs"},
     {"start_microbatch", (PyCFunction)Trainer_start_microbatch, METH_O, "compute with a smaller micro-batch for now"},
     {"microbatch_state", (PyCFunction)Trainer_microbatch_state, METH_NOARGS, "(size, target, good_steps, grown_from, grow_wait)"},
     {"run_steps", (PyCFunction)Trainer_run_steps, METH_NOARGS, "the steps the last epoch_run took (failed or not)"},
