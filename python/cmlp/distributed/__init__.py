@@ -63,7 +63,8 @@ BACKENDS = {"mpi": 0, "nccl": 1}
 
 class ReduceOp:
     """Reductions of all_reduce (torch.distributed.ReduceOp's names): AVG of floating-point
-    arrays (the sum over the ranks, divided by their number), the bitwise ones of int64."""
+    arrays (each rank's part divided by the number of ranks, then summed, as NCCL's), the
+    bitwise ones of int64."""
     SUM = "sum"
     AVG = "avg"
     PRODUCT = "product"
@@ -97,19 +98,17 @@ def _one_group(group_: Any) -> bool:
     return group_ is None or group_ is group.WORLD
 
 
-def _check_group(group_: Any) -> None:
+def _check_args(group_: Any, async_op: bool = False) -> None:
+    """Refuses a group other than the one cmlp makes and an async_op that is not a bool."""
     if not _one_group(group_):
         raise ValueError(f"cmlp has one process group, the default: group must be None or group.WORLD, got "
                          f"{group_!r}")
+    if not isinstance(async_op, bool):
+        raise TypeError(f"async_op must be a bool, got {async_op!r}")
 
 
 def _good_args(group_: Any, async_op: Any) -> bool:
     return _one_group(group_) and isinstance(async_op, bool)
-
-
-def _check_async(async_op: Any) -> None:
-    if not isinstance(async_op, bool):
-        raise TypeError(f"async_op must be a bool, got {async_op!r}")
 
 
 class _Work:
@@ -295,19 +294,19 @@ def _require() -> None:
 
 
 def get_rank(group: Any = None) -> int:
-    _check_group(group)
+    _check_args(group)
     _require()
     return _cmlp.dist_state()[1]
 
 
 def get_world_size(group: Any = None) -> int:
-    _check_group(group)
+    _check_args(group)
     _require()
     return _cmlp.dist_state()[2]
 
 
 def get_backend(group: Any = None) -> str:
-    _check_group(group)
+    _check_args(group)
     _require()
     return "nccl" if _cmlp.dist_state()[5] == BACKENDS["nccl"] else "mpi"
 
@@ -336,8 +335,7 @@ def all_reduce(tensor: np.ndarray, op: str = ReduceOp.SUM, group: Any = None,
     _require()
     code = _OPS.get(op, -1) if isinstance(op, str) and _good_args(group, async_op) else -1
     _same_array_on_every_rank("all_reduce", tensor, code)
-    _check_group(group)  # (refusals after the ranks agreed on the arguments: on every rank)
-    _check_async(async_op)
+    _check_args(group, async_op)  # (refusals after the ranks agreed on the arguments: on every rank)
     if code < 0:
         raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
     floating = isinstance(tensor, np.ndarray) and tensor.dtype.kind == "f"  # (not an array: refused below)
@@ -363,8 +361,7 @@ def broadcast(tensor: np.ndarray, src: int = 0, group: Any = None, async_op: boo
     whole = not isinstance(src, bool) and isinstance(src, (int, np.integer))
     _same_array_on_every_rank("broadcast", tensor,
                               int(src) if whole and -2**62 < src < 2**62 and _good_args(group, async_op) else -1)
-    _check_group(group)
-    _check_async(async_op)
+    _check_args(group, async_op)
     if not whole:
         raise TypeError(f"src must be an int, got {src!r}")
     if not 0 <= src < get_world_size():
@@ -412,8 +409,7 @@ def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -
     ids_ok = device_ids is None or (isinstance(device_ids, (list, tuple)) and all(
         isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in device_ids))
     _same_array_on_every_rank("barrier", None, 0 if _good_args(group, async_op) and ids_ok else 1)
-    _check_group(group)
-    _check_async(async_op)
+    _check_args(group, async_op)
     if not ids_ok:
         raise TypeError(f"device_ids must be None or a list of GPU indices, got {device_ids!r}")
     return _done(async_op)
@@ -439,7 +435,7 @@ def destroy_process_group(group: Any = None) -> None:
     process exits). No data-parallel call may be running in another thread; a Trainer that
     outlives the group joins the next one (made with init_process_group) when it next trains.
     group: None (or group.WORLD)."""
-    _check_group(group)
+    _check_args(group)
     _require()
     _cmlp.dist_destroy()
 

@@ -20,7 +20,7 @@ def all_gather(tensor_list: List[np.ndarray], tensor: np.ndarray, group: Any = N
     """Every rank's array into tensor_list (one writable, C-contiguous array of the array's shape
     and dtype per rank, in rank order), on every rank, as torch.distributed.all_gather (group:
     None or group.WORLD; async_op=True gives a Work that has completed)."""
-    from . import _check_async, _check_group, _done, _good_args, _same_array_on_every_rank
+    from . import _check_args, _done, _good_args, _same_array_on_every_rank
 
     rank, size = _group()
     error = None if _good_args(group, async_op) else ValueError("")
@@ -35,8 +35,7 @@ def all_gather(tensor_list: List[np.ndarray], tensor: np.ndarray, group: Any = N
                                    f"the array's shape {tensor.shape} and dtype {tensor.dtype}")
                 break
     _same_array_on_every_rank("all_gather", tensor, 0 if error is None else 1)
-    _check_group(group)
-    _check_async(async_op)
+    _check_args(group, async_op)
     if error is not None:  # (on every rank: the check above agreed on it)
         raise error
     if not isinstance(tensor, np.ndarray) or not tensor.flags.c_contiguous:
@@ -59,14 +58,14 @@ def broadcast_object_list(object_list: List[Any], src: int = 0, group: Any = Non
     """Rank src's objects into every rank's object_list (in place, the same length on every
     rank), as torch.distributed.broadcast_object_list: pickled on src, unpickled elsewhere
     (group: None or group.WORLD; device, where torch stages the pickles, changes nothing)."""
-    from . import _check_group, _one_group, _same_array_on_every_rank
+    from . import _check_args, _one_group, _same_array_on_every_rank
 
     rank, size = _group()
     whole = not isinstance(src, bool) and isinstance(src, (int, np.integer)) and 0 <= src < size
     length = len(object_list) if isinstance(object_list, list) else -1
     _same_array_on_every_rank("broadcast_object_list", np.zeros(max(length, 0), np.uint8),
                               int(src) if whole and _one_group(group) and length >= 0 else -1)
-    _check_group(group)
+    _check_args(group)
     if length < 0:
         raise TypeError(f"object_list must be a list, got {type(object_list).__name__}")
     if not whole:
@@ -88,12 +87,12 @@ def all_gather_object(object_list: List[Any], obj: Any, group: Any = None) -> No
     """Every rank's obj into object_list (a list of one entry per rank, filled in rank order),
     on every rank, as torch.distributed.all_gather_object: pickled, then unpickled (group: None
     or group.WORLD)."""
-    from . import _check_group, _one_group, _same_array_on_every_rank
+    from . import _check_args, _one_group, _same_array_on_every_rank
 
     rank, size = _group()
     good = isinstance(object_list, list) and len(object_list) == size
     _same_array_on_every_rank("all_gather_object", np.zeros(0, np.uint8), 0 if good and _one_group(group) else 1)
-    _check_group(group)
+    _check_args(group)
     if not good:
         raise ValueError(f"all_gather_object: object_list must be a list of {size} entries (one per rank)")
     data, error = _pickled(obj)
