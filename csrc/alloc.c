@@ -143,7 +143,7 @@ static void split_settle(cmlp_allocator *a) {
 
 /* (inline: the external definitions serve the other files; split and merge here get copies) */
 inline void alloc_pool_put(cmlp_allocator *a, alloc_block *b) {
-    b->tick = ++a->tick;
+    b->tick = a->gc_calls[b->seg->pool];
     if (b->seg->expandable) {
         span_info m = alloc_mapped_span(b->seg, b->ptr, b->ptr + b->size);
         b->pmax = m.largest;
@@ -229,7 +229,7 @@ static alloc_block *new_memory(cmlp_allocator *a, int pool, size_t size) {
         if (a->pools[pool].expandable || !alloc_new_expandable(a, pool)) return NULL;
         return cached_block(a, pool, size);
     }
-    alloc_collect_garbage(a, alloc_segment_size(&a->cfg, size));
+    alloc_collect_garbage(a);
     return alloc_new_segment(a, pool, size);
 }
 
@@ -261,13 +261,14 @@ static cmlp_status allocate(cmlp_allocator *a, size_t nbytes, const char *what, 
     if (!alloc_table_reserve(a)) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory for the allocator's block table");
     a->device_error = CMLP_OK;
     calls_in_capture += capturing_with == a;
+    if (alloc_gc_on(a) && !a->uncached) a->gc_calls[pool]++; /* the blocks' ages, for the gc */
     alloc_block *b = a->uncached ? NULL : cached_block(a, pool, size);
     if (!b && capturing_with == a)
         return CMLP_FAIL(CMLP_ERR_DEVICE, "%s: a request of %zu bytes that the cache cannot serve while a step is "
                                           "being captured as a graph",
                          a->name, nbytes);
     if (!b && !a->device_error) b = new_memory(a, pool, size);
-    if (!b && !a->device_error && alloc_release_oversize(a, size)) {
+    if (!b && !a->device_error && alloc_release_oversize(a, pool, size)) {
         if (!a->pytorch_ladder) b = cached_block(a, pool, size);
         if (!b && !a->device_error) b = new_memory(a, pool, size);
     }

@@ -55,7 +55,7 @@ cmlp_status cmlp_allocator_copy(cmlp_allocator *a, const cmlp_backend_i *b, void
     c->pytorch_ladder = a->pytorch_ladder;
     c->uncached = a->uncached;
     c->no_vm = a->no_vm;
-    c->tick = a->tick;
+    memcpy(c->gc_calls, a->gc_calls, sizeof c->gc_calls);
     bool ok = true;
     alloc_segment **tail = &c->segments, *prev = NULL;
     for (const alloc_segment *s = a->segments; s && ok; s = s->next) {

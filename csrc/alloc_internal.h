@@ -47,7 +47,7 @@ typedef struct alloc_block {
     size_t requested; /* what the caller asked for (allocated blocks) */
     bool allocated;
     bool oversize;    /* counted in oversize_allocations when it was handed out */
-    uint64_t tick;    /* when it last became free: the gc frees the oldest first */
+    uint64_t tick;    /* its pool's cache searches when it entered the pool: its age for the gc */
     const char *what; /* allocated blocks: what the memory holds */
     int64_t context;  /* allocated blocks: the caller's context, when recorded */
     /* free blocks of an expandable segment (computed when the block enters its pool): the
@@ -120,7 +120,7 @@ struct cmlp_allocator {
     alloc_segment *segments;
     table_slot *table; /* allocated blocks by address: open addressing, linear probing */
     size_t cap, count;
-    uint64_t tick;
+    uint64_t gc_calls[NPOOLS]; /* each pool's cache searches while the gc is on (PyTorch's get_free_blocks_call_count) */
     int64_t fail_in; /* test hook: the fail_in-th raw call from now fails; 0: off */
     uint64_t config_gen;
     cmlp_alloc_settings cfg;
@@ -262,10 +262,14 @@ CMLP_HIDDEN bool alloc_map_block(cmlp_allocator *a, alloc_block *b, size_t size)
 CMLP_HIDDEN bool alloc_new_expandable(cmlp_allocator *a, int pool);
 /* Every whole free segment and free page goes back to the device; returns the bytes. */
 CMLP_HIDDEN size_t alloc_release_cached(cmlp_allocator *a);
-/* Whole free oversize segments go back until `size` bytes are covered; returns the bytes. */
-CMLP_HIDDEN size_t alloc_release_oversize(cmlp_allocator *a, size_t size);
-/* Under a limit with a gc threshold: whole free large-pool segments, oldest first. */
-CMLP_HIDDEN void alloc_collect_garbage(cmlp_allocator *a, size_t coming);
+/* Whole free oversize segments go back until the large-pool request is covered; true if it is. */
+CMLP_HIDDEN bool alloc_release_oversize(cmlp_allocator *a, int pool, size_t size);
+/* Under a limit with a gc threshold, past it: whole free large-pool segments, oldest first. */
+CMLP_HIDDEN void alloc_collect_garbage(cmlp_allocator *a);
+/* The gc threshold applies: one is set, and a limit. */
+static inline bool alloc_gc_on(const cmlp_allocator *a) {
+    return a->cfg.garbage_collection_threshold > 0.0 && a->limit >= 0;
+}
 
 CMLP_HIDDEN void alloc_config_current(cmlp_alloc_settings *out);
 /* Tells every allocator to re-read the settings before its next request. */

@@ -304,37 +304,58 @@ size_t alloc_release_cached(cmlp_allocator *a) {
     return freed + reclaim_pages(a, SIZE_MAX, NULL, 0, false) * PAGE;
 }
 
-/* Oversize cached blocks first (PyTorch's release_available_cached_blocks): the smallest that
- * covers the request, else the largest ones until the request is covered. */
-size_t alloc_release_oversize(cmlp_allocator *a, size_t size) {
-    if (a->cfg.max_split_size < 0) return 0;
+/* PyTorch's release_available_cached_blocks, for a large-pool request under max_split_size:
+ * whole free oversize segments go back, the smallest that covers the request (at least
+ * max_split_size), else the largest ones until it is covered. True if it was covered; else the
+ * caller releases the whole cache (what went back stays back). */
+bool alloc_release_oversize(cmlp_allocator *a, int pool, size_t size) {
+    if (a->cfg.max_split_size < 0 || pool != POOL_LARGE) return false;
+    const size_t msz = (size_t)a->cfg.max_split_size, key = size > msz ? size : msz;
     size_t freed = 0;
-    while (freed < size) {
+    while (freed < key) {
         alloc_segment *best = NULL, *largest = NULL;
         for (alloc_segment *s = a->segments; s; s = s->next) {
-            if (!whole_and_free(s) || s->size < (size_t)a->cfg.max_split_size) continue;
-            if (s->size >= size && (!best || s->size < best->size)) best = s;
+            if (!whole_and_free(s) || s->pool != POOL_LARGE || s->size < msz) continue;
+            if (s->size >= key && (!best || s->size < best->size)) best = s;
             if (!largest || s->size > largest->size) largest = s;
         }
         if (!largest) break;
         freed += release_segment(a, best ? best : largest);
         if (best) break;
     }
-    return freed;
+    return freed >= key;
 }
 
-/* Garbage collection under a limit: whole free large-pool segments unused longest go first,
- * until reserved memory plus the coming segment fits under threshold x limit. */
-void alloc_collect_garbage(cmlp_allocator *a, size_t coming) {
-    if (a->cfg.garbage_collection_threshold <= 0.0 || a->limit < 0) return;
-    double target = a->cfg.garbage_collection_threshold * (double)a->limit;
-    while ((double)(reserved(a) + (int64_t)coming) > target) {
-        alloc_segment *oldest = NULL;
-        for (alloc_segment *s = a->segments; s; s = s->next)
-            if (whole_and_free(s) && s->pool == POOL_LARGE && (!oldest || s->first->tick < oldest->first->tick))
-                oldest = s;
-        if (!oldest) break;
-        release_segment(a, oldest);
+/* PyTorch's garbage collection, under a limit with a threshold, before a new segment is made:
+ * once reserved memory is past threshold x limit, whole free segments of the large pool go
+ * back, in passes: each frees every one at least as old as the average (the age of a block is
+ * the number of the pool's cache searches since it entered the pool), not stopping at the
+ * target, until reserved memory is back under the threshold or none is left. */
+void alloc_collect_garbage(cmlp_allocator *a) {
+    if (!alloc_gc_on(a)) return;
+    const double threshold = a->cfg.garbage_collection_threshold * (double)a->limit;
+    const int64_t held = reserved(a);
+    if ((double)held <= threshold) return;
+    const double target = (double)held - threshold;
+    const uint64_t now = a->gc_calls[POOL_LARGE];
+    uint64_t total_age = 0;
+    size_t count = 0;
+    for (alloc_segment *s = a->segments; s; s = s->next)
+        if (whole_and_free(s) && s->pool == POOL_LARGE) {
+            total_age += now - s->first->tick;
+            count++;
+        }
+    double reclaimed = 0;
+    for (bool freed_one = true; freed_one && count > 0 && reclaimed < target;) {
+        const double average = (double)total_age / (double)count;
+        freed_one = false;
+        for (alloc_segment *s = a->segments, *next; s; s = next) {
+            next = s->next;
+            if (!whole_and_free(s) || s->pool != POOL_LARGE || (double)(now - s->first->tick) < average) continue;
+            total_age -= now - s->first->tick;
+            count--;
+            reclaimed += (double)release_segment(a, s);
+            freed_one = true;
+        }
     }
 }
-

@@ -214,6 +214,15 @@ def _cases():
         ("mlp-normalize-no-repr", lambda c: cmlp.MLP(SIZES, normalize=(10**5000, 1.0)), ValueError,
          r"normalize must be finite in float32, got an int of 16610 bits"),
         ("mlp-normalize-endless", lambda c: cmlp.MLP(SIZES, normalize=itertools.count()), TypeError, r"normalize"),
+        # endless iterators where a list is read: refused once they run past what could be valid
+        ("mlp-sizes-endless", lambda c: cmlp.MLP(itertools.count(1)), ValueError, r"at most 65 layer sizes"),
+        ("mlp-sizes-66", lambda c: cmlp.MLP([4] * 66), ValueError, r"at most 65 layer sizes are supported, got 66"),
+        ("configure-divisions-endless",
+         lambda c: cmlp.memory.configure({"roundup_power2_divisions": itertools.repeat(4)}), ValueError,
+         r"roundup_power2_divisions must be an int or 16 ints"),
+        ("history-skip-endless",
+         lambda c: cmlp.memory._record_memory_history("all", skip_actions=itertools.repeat("alloc")), TypeError,
+         r"skip_actions must be a list"),
         # set on the model: checked as the constructor's (a bad pair made every forward and load fail)
         ("mlp-normalize-set-three", lambda c: setattr(c.model, "normalize", (0.5, 0.5, 0.5)), TypeError,
          r"normalize must be a pair"),

@@ -484,6 +484,7 @@ static int module_exec(PyObject *mod) {
     ms->trainer_type = (PyTypeObject *)PyType_FromModuleAndSpec(mod, &Trainer_spec, NULL);
     if (!ms->trainer_type || PyModule_AddType(mod, ms->trainer_type) < 0) return -1;
     if (PyModule_AddIntConstant(mod, "MAX_RATES", CMLP_MAX_RATES) < 0) return -1;
+    if (PyModule_AddIntConstant(mod, "MAX_LAYERS", CMLP_MAX_LAYERS) < 0) return -1;
     PyMethodDef *more[] = {cmlp_py_model_methods, cmlp_py_memory_methods, cmlp_py_stack_methods,
                            cmlp_py_dist_methods};
     for (size_t i = 0; i < sizeof more / sizeof *more; i++)

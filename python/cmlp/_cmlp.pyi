@@ -8,6 +8,7 @@ import numpy.typing as npt
 class OutOfMemoryError(RuntimeError): ...
 
 MAX_RATES: int  # the most rates one epoch_run call takes
+MAX_LAYERS: int  # the most layers a model has (one more sizes)
 
 class Model:
     def __init__(self, sizes: Tuple[int, ...], device: str, seed: int) -> None: ...

@@ -76,6 +76,8 @@ def _record(enabled: Optional[str] = "all", context: Optional[str] = "all", stac
     if isinstance(skip_actions, (str, bytes)):
         raise TypeError(f"skip_actions must be a list of action names, got the string {skip_actions!r}")
     try:
+        if skip_actions is not None and not hasattr(skip_actions, "__len__"):  # a list, as torch's (no iterator)
+            raise TypeError
         skipped = list(skip_actions or ())
     except TypeError:
         raise TypeError(f"skip_actions must be a list of action names, got {skip_actions!r}") from None

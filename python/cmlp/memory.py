@@ -1,6 +1,7 @@
 """Memory statistics and controls, with torch.cuda's names and meanings, for every device
 ("cpu" included). All numbers come from the device's allocator, which owns every byte."""
 import collections
+import itertools
 import numbers
 import os
 import threading
@@ -337,7 +338,7 @@ def _config_text(config: Mapping[str, Any]) -> str:
         if isinstance(div, (str, bytes)) or not hasattr(div, "__iter__"):
             raise ValueError(f"roundup_power2_divisions must be an int or {_INTERVALS} ints (one per interval), "
                              f"got {div!r}")
-        div = [whole("roundup_power2_divisions", d) for d in div]
+        div = [whole("roundup_power2_divisions", d) for d in itertools.islice(div, _INTERVALS + 1)]
         if len(div) != _INTERVALS:
             raise ValueError(f"roundup_power2_divisions must be an int or {_INTERVALS} ints (one per interval)")
         if any(div):

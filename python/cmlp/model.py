@@ -2,6 +2,7 @@
 validates and converts inputs, names tensors as PyTorch does, and saves atomically."""
 import copy
 import io
+import itertools
 import os
 import re
 import stat
@@ -28,7 +29,10 @@ _MAX_WIDTH = 1 << 24  # the C core's widest layer
 def _as_sizes(layer_sizes: Any) -> Tuple[int, ...]:
     if isinstance(layer_sizes, (str, bytes)) or not isinstance(layer_sizes, Iterable):
         raise TypeError(f"layer_sizes must be a sequence of ints such as [784, 512, 256, 10], got {layer_sizes!r}")
-    sizes = tuple(layer_sizes)
+    sizes = tuple(itertools.islice(layer_sizes, _cmlp.MAX_LAYERS + 2))  # (an endless iterator: refused too)
+    if len(sizes) > _cmlp.MAX_LAYERS + 1:
+        got = len(layer_sizes) if hasattr(layer_sizes, "__len__") else "more"
+        raise ValueError(f"at most {_cmlp.MAX_LAYERS + 1} layer sizes are supported, got {got}")
     for s in sizes:
         if isinstance(s, bool) or not isinstance(s, (int, np.integer)):
             raise TypeError(f"layer_sizes must hold ints, got {s!r} in {list(sizes)!r}")

@@ -1119,53 +1119,65 @@ static void test_limit(void) {
     fin(a, &d);
 }
 
-/* live 10 MiB (its own segment) + whole free segments X (12) and Y (14), freed in that order
- * unless y_first (36 MiB reserved); then a 16 MiB request under a 100 MiB limit. */
-static void gc_case(const char *conf, bool limit, bool y_first, int64_t want_free, bool x_left, bool y_left) {
+/* live 10 MiB (its own segment) + whole free segments X (12) and Y (14), 36 MiB reserved: X is
+ * freed (Y if y_first), then `aging` searches of the large pool's cache (the live block freed
+ * and taken back), then the other; then a 16 MiB request under a 100 MiB limit, which no cached
+ * block serves. */
+static void gc_case(const char *conf, bool limit, bool y_first, int aging, int64_t want_free, bool x_left,
+                    bool y_left) {
     fake_dev d;
     cmlp_allocator *a = mk(&d, conf, (int64_t)GB(2));
     if (limit) cmlp_allocator_set_limit(a, (int64_t)MB(100));
     void *live = al(a, MB(10));
     void *x = al(a, MB(12)), *y = al(a, MB(14));
-    if (y_first) {
-        fr(a, y);
-        fr(a, x);
-    } else {
-        fr(a, x);
-        fr(a, y);
+    fr(a, y_first ? y : x);
+    for (int i = 0; i < aging; i++) {
+        fr(a, live);
+        live = al(a, MB(10)); /* its own segment again: the best fit */
     }
+    fr(a, y_first ? x : y);
+    int64_t made = stats_of(a).num_device_alloc;
     void *z = al(a, MB(16));
     cmlp_memory_stats s = stats_of(a);
-    CHECK(s.num_device_free == want_free && s.num_alloc_retries == 0 && s.num_ooms == 0,
-          "gc (%s, limit %d, y first %d): %" PRId64 " released (want %" PRId64 "), retries %" PRId64, conf, limit, y_first,
-          s.num_device_free, want_free, s.num_alloc_retries);
+    CHECK(s.num_device_free == want_free && s.num_device_alloc == made + 1 && s.num_alloc_retries == 0 &&
+              s.num_ooms == 0,
+          "gc (%s, limit %d, y first %d, aging %d): %" PRId64 " released (want %" PRId64 "), retries %" PRId64, conf,
+          limit, y_first, aging, s.num_device_free, want_free, s.num_alloc_retries);
     CHECK(has_segment(a, (int64_t)MB(12)) == x_left && has_segment(a, (int64_t)MB(14)) == y_left,
-          "gc (%s, y first %d): 12 MiB segment left %d (want %d), 14 MiB left %d (want %d)", conf, y_first, has_segment(a, (int64_t)MB(12)),
-          x_left, has_segment(a, (int64_t)MB(14)), y_left);
+          "gc (%s, y first %d, aging %d): 12 MiB segment left %d (want %d), 14 MiB left %d (want %d)", conf, y_first,
+          aging, has_segment(a, (int64_t)MB(12)), x_left, has_segment(a, (int64_t)MB(14)), y_left);
     fr(a, live);
     fr(a, z);
     ec(a);
     fin(a, &d);
 }
 
+/* PyTorch's garbage collection (garbage_collect_cached_blocks): nothing while reserved memory is
+ * at most threshold x limit; past it, passes that each free every whole free large-pool segment
+ * at least as old as the average, not stopping at the target. */
 static void test_gc(void) {
-    /* threshold 0.5 x 100 MiB: 36 + 16 > 50 -> the oldest goes (X: 24 + 16, or Y: 22 + 16, fits) */
-    gc_case("garbage_collection_threshold:0.5", true, false, 1, false, true);
-    gc_case("garbage_collection_threshold:0.5", true, true, 1, true, false);
-    /* 0.3: 30 MiB target: X goes (40 > 30 still), then Y (26 <= 30) */
-    gc_case("garbage_collection_threshold:0.3", true, false, 2, false, false);
+    /* 0.5 x 100 MiB: 36 MiB reserved is not past 50 (36 + 16 is: the request does not count) */
+    gc_case("garbage_collection_threshold:0.5", true, false, 2, 0, true, true);
+    /* 0.3: 36 > 30, 6 MiB to reclaim: the one freed first is the older (3 searches against 1,
+     * average 2) and goes alone */
+    gc_case("garbage_collection_threshold:0.3", true, false, 2, 1, false, true);
+    gc_case("garbage_collection_threshold:0.3", true, true, 2, 1, true, false);
+    /* freed with no search between: equally old, at the average, both go though one is enough */
+    gc_case("garbage_collection_threshold:0.3", true, false, 0, 2, false, false);
+    /* 0.15: 21 MiB to reclaim: the older (12) is not enough, a second pass frees the other */
+    gc_case("garbage_collection_threshold:0.15", true, false, 2, 2, false, false);
     /* no threshold, or no limit: nothing is released */
-    gc_case("", true, false, 0, true, true);
-    gc_case("garbage_collection_threshold:0.5", false, false, 0, true, true);
+    gc_case("", true, false, 2, 0, true, true);
+    gc_case("garbage_collection_threshold:0.3", false, false, 2, 0, true, true);
 
     /* only large-pool segments are collected, and live segments never */
     fake_dev d;
-    cmlp_allocator *a = mk(&d, "garbage_collection_threshold:0.5", (int64_t)GB(2));
+    cmlp_allocator *a = mk(&d, "garbage_collection_threshold:0.1", (int64_t)GB(2));
     cmlp_allocator_set_limit(a, (int64_t)MB(100));
     void *live = al(a, MB(5));
     void *sm = al(a, 100);
     fr(a, sm); /* a whole free small segment */
-    void *big = al(a, MB(40)); /* 22 + 40 > 50: nothing collectable; 62 <= 100 */
+    void *big = al(a, MB(40)); /* 22 > 10: collecting, but nothing is collectable; 62 <= 100 */
     cmlp_memory_stats s = stats_of(a);
     CHECK(s.num_device_free == 0 && CUR(s, SEGMENT, SMALL) == 1 && CUR(s, RESERVED_BYTES, ALL) == (int64_t)MB(62),
           "gc released %" PRId64 " segments (small pool or live)", s.num_device_free);
@@ -1173,6 +1185,40 @@ static void test_gc(void) {
     fr(a, live);
     ec(a);
     fin(a, &d);
+}
+
+/* Under max_split_size, PyTorch's release_available_cached_blocks: cached oversize segments go
+ * back for a large request; if they do not cover it, the whole cache goes too (a retry). */
+static void oversize_case(size_t oversize, size_t limit, size_t request, int64_t want_retries, int64_t want_frees,
+                          size_t want_reserved) {
+    fake_dev d;
+    cmlp_allocator *a = mk(&d, "max_split_size_mb:20", (int64_t)GB(2));
+    const bool large = request > MB(1);
+    void *o = al(a, oversize), *sm = large ? al(a, 1024) : NULL, *h = al(a, MB(12));
+    fr(a, o);
+    if (large) fr(a, sm); /* cached: the oversize segment, and a small one for a large request */
+    cmlp_allocator_set_limit(a, (int64_t)limit);
+    void *p = al(a, request);
+    cmlp_memory_stats s = stats_of(a);
+    CHECK(s.num_alloc_retries == want_retries && s.num_sync_all_streams == want_retries &&
+              s.num_device_free == want_frees && CUR(s, RESERVED_BYTES, ALL) == (int64_t)want_reserved,
+          "oversize %zu MiB, limit %zu MiB, request %zu: retries %" PRId64 " (want %" PRId64 "), frees %" PRId64
+          " (want %" PRId64 "), reserved %" PRId64 " MiB",
+          oversize >> 20, limit >> 20, request, s.num_alloc_retries, want_retries, s.num_device_free, want_frees,
+          CUR(s, RESERVED_BYTES, ALL) >> 20);
+    fr(a, p);
+    fr(a, h);
+    ec(a);
+    fin(a, &d);
+}
+
+static void test_release_oversize(void) {
+    /* 30 MiB of oversize segments do not cover a 50 MiB request: everything cached goes */
+    oversize_case(MB(30), MB(80), MB(50), 1, 2, MB(62));
+    /* a 50 MiB one covers a 30 MiB request (which it may not serve: 50 >= 30 + 20): it alone goes */
+    oversize_case(MB(50), MB(80), MB(30), 0, 1, MB(44));
+    /* a small request releases no oversize segment: the whole cache goes */
+    oversize_case(MB(50), MB(63), 1024, 1, 1, MB(14));
 }
 
 static void test_expandable(void) {
@@ -2492,6 +2538,7 @@ int main(void) {
     test_try_malloc();
     test_limit();
     test_gc();
+    test_release_oversize();
     test_expandable();
     test_expandable_without_vm();
     test_expandable_max_split();
