@@ -363,6 +363,27 @@ def mismatch_case(opts):
         except (RuntimeError, cmlp.memory.MemoryWarning) as e:
             out["split_warned"] = f"{type(e).__name__}: {e}"
     out["split_warned_epochs"] = trainer3.epochs
+    # an interrupt in rank 1's schedule (per epoch, per step), caught there: every rank raises at
+    # that point, and the group goes on in step (a barrier, then an epoch together)
+    for interval, when in (("epoch", lambda e: e == 1), ("step", lambda s: s == 5)):
+        m4 = cmlp.MLP(SIZES, seed=0)
+        opt = cmlp.optim.SGD(m4, lr=0.1)
+
+        def rate(i, when=when):
+            if r == 1 and when(i):
+                raise KeyboardInterrupt
+            return 1.0
+
+        sched = cmlp.optim.lr_scheduler.LambdaLR(opt, rate)
+        trainer4 = cmlp.Trainer(m4, opt, batch_size=2)
+        try:
+            trainer4.fit(x, y, epochs=2, progress=False, scheduler=sched, scheduler_interval=interval)
+        except (KeyboardInterrupt, RuntimeError) as e:
+            out["interrupt_" + interval] = f"{type(e).__name__}: {e}"
+        D.barrier()
+        trainer4.fit(x, y, epochs=1, progress=False)
+        state = np.concatenate([[opt._c.get_state()[0], sched.last_epoch, trainer4.epochs], params(m4)])
+        out["interrupt_" + interval + "_spread"] = float(spread(state))
     flags = np.array([len(out)], dtype=np.int64)
     D.all_reduce(flags, "min")
     out["min_errors"] = int(flags[0])

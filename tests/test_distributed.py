@@ -349,7 +349,7 @@ def test_a_rank_out_of_memory_fails_the_step_everywhere_and_nothing_hangs():
 @needs_mpi
 def test_ranks_that_disagree_all_raise():
     out = run_job(2, "mismatch")
-    assert out["min_errors"] == 26  # on both ranks, nineteen errors, a run and six readings, no hang
+    assert out["min_errors"] == 30  # on both ranks, 21 errors, a run and eight readings, no hang
     assert "fit's validation set (its labels, and rows spread over it)" in out["validation_contents"], out
     assert out["epoch_raised"].startswith("RuntimeError: rank 1 of the process group raised in its schedule's "
                                           "step after the epoch"), out["epoch_raised"]
@@ -357,6 +357,11 @@ def test_ranks_that_disagree_all_raise():
     assert out["split_warned"].startswith("RuntimeError: rank 1 of the process group raised in its warning that it "
                                           "computes its steps in micro-batches"), out["split_warned"]
     assert out["split_warned_epochs"] == 1
+    # rank 1's interrupt, caught there: on rank 0 (the one reported) the error naming rank 1
+    assert out["interrupt_epoch"].startswith("RuntimeError: rank 1 of the process group raised in its schedule's "
+                                             "step after the epoch"), out["interrupt_epoch"]
+    assert out["interrupt_step"].startswith("RuntimeError: rank 1's schedule raised after the epoch's step 5"), out
+    assert out["interrupt_epoch_spread"] == 0.0 and out["interrupt_step_spread"] == 0.0
     assert "data set's contents" in out["contents"]
     assert out["rates"].startswith("ValueError: the ranks' schedules give different rates or momenta for the "
                                    "epoch's step 4"), out["rates"]

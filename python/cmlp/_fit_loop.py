@@ -130,19 +130,42 @@ class FitLoop:
                     record["val_loss"] = loss_sum / val[0].shape[0]
                     record["val_accuracy"] = correct / val[0].shape[0]
                 history.append(record)
-                # the schedule is this rank's own work between collectives: where it raises on
-                # one rank, every rank raises (none waits in the next epoch's first collective)
                 if isinstance(scheduler, ReduceLROnPlateau):
                     metric = record["val_loss"] if val is not None else record["loss"]
-                    self._together(lambda: scheduler.step(metric), "raised in its schedule's step after the epoch")
+                    self._step_schedule(scheduler, lambda: scheduler.step(metric))
                 elif scheduler is not None and not per_step:
-                    self._together(scheduler.step, "raised in its schedule's step after the epoch")
+                    self._step_schedule(scheduler, scheduler.step)
         finally:
             self._c.release_data()  # the device copy of the data set, kept between epochs
             # the activations go back to the cache, as torch frees them after backward: what stays
             # allocated is the model's and the optimizer's state
             self.model._c.release_workspace()
         return history
+
+    def _step_schedule(self, scheduler: Any, step: Any) -> None:
+        """The schedule's step after an epoch. It is this rank's own work between collectives:
+        data-parallel, where it raises on one rank every rank raises (none waits in the next
+        epoch's first collective), with its schedule and rates as they were (a schedule that
+        raises leaves itself so)."""
+        if not self.distributed:
+            step()
+            return
+        opt, stepped = self.optimizer, False
+        saved, lrs, momentum = scheduler.state_dict(), opt._group_lrs(), opt._momenta()
+
+        def stepping() -> None:
+            nonlocal stepped
+            step()
+            stepped = True
+
+        try:
+            self._together(stepping, "raised in its schedule's step after the epoch")
+        except BaseException:
+            if stepped:  # another rank's raised: this one's step is undone, as there
+                scheduler.load_state_dict(saved)
+                opt._set_group_lrs(lrs)
+                opt._set_momentum(momentum)
+            raise
 
     def _run_scheduled(self, scheduler: Any, steps: int, first: int) -> Tuple[int, int, float, bool, int, float, int]:
         """epoch_run for up to `steps` steps, each at the rate (and momentum: OneCycleLR) the
@@ -168,7 +191,7 @@ class FitLoop:
         momenta: List[float] = []
         rows: List[Tuple[float, ...]] = []  # each step's groups' multiples of its base rate
         mrows: List[List[float]] = []  # and their momenta
-        raised: Optional[Exception] = None
+        raised: Optional[BaseException] = None
         base, scales = opt._rates()
         try:
             for _ in range(k):
@@ -181,9 +204,11 @@ class FitLoop:
                 scheduler.step()
         except Exception as e:  # torch's loop has taken this step when the schedule raises
             raised = e
-        except BaseException:
-            rewind(0)
-            raise
+        except BaseException as e:  # an interrupt: no step, but data-parallel the ranks learn of it first
+            if not self.distributed:
+                rewind(0)
+                raise
+            raised = e
         if self.distributed:  # every rank takes as many steps, at the same rates
             raised = _same_steps_on_every_rank(rates, momenta, rows, mrows, raised, rewind, first)
         apart = any(row != scales for row in rows)
@@ -251,8 +276,8 @@ _NO_RANK = 1 << 20  # (more ranks than a group has)
 
 
 def _same_steps_on_every_rank(rates: List[float], momenta: List[float], rows: List[Tuple[float, ...]],
-                              mrows: List[List[float]], raised: Optional[Exception], rewind: Any,
-                              first: int) -> Optional[Exception]:
+                              mrows: List[List[float]], raised: Optional[BaseException], rewind: Any,
+                              first: int) -> Optional[BaseException]:
     """Data-parallel, a call's per-step rates as every rank takes them (a collective). Where a
     rank's schedule raised, every rank takes the steps before and its step, then raises (that
     rank its own error, the others one that names it), with the schedule where that rank's is:

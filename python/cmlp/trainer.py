@@ -419,7 +419,7 @@ class Trainer(FitLoop):
         owners = list(self._claims.values())
         return owners[0] if owners else None
 
-    def _agree(self, error: Optional[Exception], what: Optional[str] = None) -> None:
+    def _agree(self, error: Optional[BaseException], what: Optional[str] = None) -> None:
         """Raises error if there is one; data-parallel, first every rank learns whether some
         rank refused its arguments (or failed `what`), so that all raise rather than wait for it."""
         if self.distributed:
@@ -433,7 +433,7 @@ class Trainer(FitLoop):
         if error is not None:
             raise error
 
-    def _claim_agreed(self, call: object, what: str, error: Optional[Exception], then: Any = None) -> None:
+    def _claim_agreed(self, call: object, what: str, error: Optional[BaseException], then: Any = None) -> None:
         """_claim and then() (this rank's work before the call), then (data-parallel) every rank
         learns whether all could start the call."""
         if error is None:
@@ -444,7 +444,9 @@ class Trainer(FitLoop):
         if error is None and then is not None:
             try:
                 then()
-            except Exception as e:  # noqa: BLE001 - raised again on every rank by _agree
+            except BaseException as e:  # noqa: BLE001 - raised again on every rank by _agree (an interrupt too)
+                if not self.distributed:
+                    raise
                 error = e
         self._agree(error)
 
@@ -454,12 +456,12 @@ class Trainer(FitLoop):
         error says that rank failed)."""
         if not self.distributed:
             return fn()
-        error: Optional[Exception] = None
+        error: Optional[BaseException] = None
         result = None
         try:
             result = fn()
-        except Exception as e:  # noqa: BLE001 - raised again on every rank by _agree
-            error = e
+        except BaseException as e:  # noqa: BLE001 - raised again on every rank by _agree (an interrupt too: a
+            error = e  # rank that caught it would meet the others' next collective with another)
         self._agree(error, what)
         return result
 
