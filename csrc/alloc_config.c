@@ -443,7 +443,7 @@ cmlp_status cmlp_memory_env_recheck(void) {
                 st = note_env(text);
             } else {
                 char why[1300]; /* the parser's message, copied out of the buffer the new one is written to */
-                snprintf(why, sizeof why, "%s", cmlp_last_error());
+                snprintf(why, sizeof why, "%s", cmlp_error_text(cmlp_last_error()));
                 st = CMLP_FAIL(st, "%.200s=\"%.300s\" (set after import; read as the first GPU opens, as PyTorch "
                                    "reads it when CUDA starts): %s", var, value, why);
             }

@@ -120,7 +120,7 @@ struct cmlp_allocator {
     alloc_segment *segments;
     table_slot *table; /* allocated blocks by address: open addressing, linear probing */
     size_t cap, count;
-    uint64_t gc_calls[NPOOLS]; /* each pool's cache searches while the gc is on (PyTorch's get_free_blocks_call_count) */
+    uint64_t gc_calls[NPOOLS]; /* each pool's cache searches with the gc on (get_free_blocks_call_count) */
     int64_t fail_in; /* test hook: the fail_in-th raw call from now fails; 0: off */
     uint64_t config_gen;
     cmlp_alloc_settings cfg;

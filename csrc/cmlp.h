@@ -50,6 +50,8 @@ typedef enum cmlp_status {
 } cmlp_status;
 
 CMLP_API const char *cmlp_last_error(void);           /* thread-local; never NULL */
+/* A message of cmlp_last_error() without the "file.c:line: " before it: what a user reads. */
+CMLP_API const char *cmlp_error_text(const char *msg);
 CMLP_API const char *cmlp_status_name(cmlp_status s); /* "CMLP_ERR_OOM", ... */
 
 /* ---- devices ----------------------------------------------------------------------------- */

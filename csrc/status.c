@@ -25,6 +25,17 @@ cmlp_status cmlp_set_error(cmlp_status s, const char *file, int line, const char
 
 const char *cmlp_last_error(void) { return last_error; }
 
+const char *cmlp_error_text(const char *msg) {
+    const char *p = msg;
+    while ((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') || *p == '_' ||
+           *p == '.' || *p == '/')
+        p++;
+    if (p - msg < 3 || p[-2] != '.' || (p[-1] != 'c' && p[-1] != 'h') || *p++ != ':') return msg;
+    if (*p < '0' || *p > '9') return msg;
+    while (*p >= '0' && *p <= '9') p++;
+    return p[0] == ':' && p[1] == ' ' ? p + 2 : msg;
+}
+
 void cmlp_restore_error(const char *saved) {
     if (saved != last_error) snprintf(last_error, sizeof last_error, "%s", saved);
 }

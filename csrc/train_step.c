@@ -273,7 +273,7 @@ cmlp_status cmlp_train_robust_step(cmlp_trainer *t, cmlp_dscalars *ds, const cml
         if (t->micro == 1) { /* nothing worked: the next step starts where this one did */
             t->micro = micro_before;
             t->grown_from = grown_before, t->good_steps = good_before, t->grow_wait = wait_before;
-            st = one_sample_oom(t, cmlp_last_error());
+            st = one_sample_oom(t, cmlp_error_text(cmlp_last_error()));
             return t->dist ? cmlp_dist_agree(st) : st;
         }
         /* back to the size that worked before the last growth (2667, not 4000 / 2), else

@@ -984,9 +984,13 @@ def test_a_limit_the_bytes_fit_under_but_not_the_segments_says_so():
     try:
         with pytest.warns(M.MemoryWarning, match=r"reserve 22.00 MiB: memory is reserved in whole segments.*"
                                                  "expandable_segments:True") as w, \
-                pytest.raises(cmlp.OutOfMemoryError, match="even with a micro-batch of 1"):
+                pytest.raises(cmlp.OutOfMemoryError, match="even with a micro-batch of 1") as e:
             cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=32).fit(x, y, epochs=1, progress=False)
         assert w[0].filename == __file__
+        message = str(e.value)
+        del e  # (its traceback holds the trainer's frames, and so its memory)
+        # the last failure as a user reads it: no source file and line of the C core's
+        assert "The last failure: cpu out of memory" in message and ".c:" not in message, message
         model = None
         M.configure("expandable_segments:True")
         gc.collect()

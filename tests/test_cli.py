@@ -271,6 +271,38 @@ def test_output_to_a_reader_that_goes_away_ends_quietly(tmp_path):
     assert pickle.loads((tmp_path / "h.pickle").read_bytes())["device_traces"]
 
 
+def test_help_whose_output_fails_says_so(tmp_path):
+    """--help to a reader that went away: 141, as other output; to a full disk: a line and 2 (argparse's own
+    parser drops the error and ends with 0, having written nothing)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_PYTHON + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    for args in (["--help"], ["train", "--help"]):
+        p = subprocess.Popen([sys.executable, "-m", "cmlp", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             cwd=tmp_path, env=env)
+        p.stdout.close()
+        err = p.stderr.read().decode()
+        assert p.wait(timeout=60) == 141 and err == "", (args, err)
+        if os.path.exists("/dev/full"):
+            with open("/dev/full", "w") as full:
+                r = subprocess.run([sys.executable, "-m", "cmlp", *args], stdout=full, stderr=subprocess.PIPE,
+                                   text=True, cwd=tmp_path, env=env, timeout=60)
+            assert r.returncode == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr, r.stderr
+    r = run_cli(["train", "--help"], tmp_path)
+    assert r.returncode == 0 and "--memory-limit" in r.stdout and r.stderr == ""
+
+
+def test_a_bad_allocator_setting_in_the_environment_is_a_line_and_status_2(tmp_path, monkeypatch):
+    """Read as cmlp is imported, before the command line runs: still its one-line error."""
+    monkeypatch.setenv("CMLP_ALLOC_CONF", "foo:1")
+    r = run_cli(["plan"], tmp_path)
+    assert r.returncode == 2 and r.stderr == "error: CMLP_ALLOC_CONF='foo:1': Unrecognized CachingAllocator " \
+        "option: foo\n", r.stderr
+    # imported by a program: the ValueError API.md names
+    r = subprocess.run([sys.executable, "-c", "import cmlp"], capture_output=True, text=True, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": REPO_PYTHON}, timeout=60)
+    assert r.returncode == 1 and "ValueError: CMLP_ALLOC_CONF='foo:1'" in r.stderr
+
+
 @needs_fashion
 def test_ctrl_c_ends_training_with_a_line_and_saves_no_model(tmp_path):
     """SIGINT during training: "interrupted" and the status of a program SIGINT ended (128 + 2), no

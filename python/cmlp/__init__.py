@@ -32,6 +32,15 @@ def _register_fork_handler() -> None:
 _register_fork_handler()
 
 
+def _run_as_command() -> bool:
+    """This import is python -m cmlp's, before its command line runs (while the module is being
+    found, sys.argv[0] is "-m")."""
+    import sys
+
+    argv = getattr(sys, "orig_argv", [])
+    return sys.argv[:1] == ["-m"] and any(a == "-m" and b == "cmlp" for a, b in zip(argv, argv[1:]))
+
+
 def _configure_from_environment() -> None:
     import os
 
@@ -48,7 +57,13 @@ def _configure_from_environment() -> None:
         except ValueError as e:
             hint = ("; set CMLP_ALLOC_CONF (it takes precedence, and may be empty) to give cmlp settings of its "
                     "own" if var != "CMLP_ALLOC_CONF" else "")
-            raise ValueError(f"{var}={conf!r}: {e}{hint}") from None
+            error = f"{var}={conf!r}: {e}{hint}"
+            if _run_as_command():  # python -m cmlp: its errors are a line and status 2, this one too
+                import sys
+
+                print(f"error: {error}", file=sys.stderr)
+                raise SystemExit(2) from None
+            raise ValueError(error) from None
         _cmlp.note_env(f"{var}={conf}")
         return
     _cmlp.note_env(None)

@@ -114,8 +114,16 @@ class _Help(argparse.HelpFormatter):
         return text
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose --help raises where its output fails (argparse's own drops the
+    error: the command would end with status 0 having written nothing)."""
+
+    def print_help(self, file: Any = None) -> None:
+        (file or sys.stdout).write(self.format_help())
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m cmlp", description=__doc__)
+    p = _Parser(prog="python -m cmlp", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train an MLP on (Fashion-)MNIST and report each epoch", formatter_class=_Help)
     t.add_argument("--dataset", choices=["fashion-mnist", "mnist"], default="fashion-mnist", help="the data set")
@@ -465,12 +473,44 @@ def _warning_line(message: Any, category: type, filename: str, lineno: int, file
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    a = _parser().parse_args(argv)
+    try:
+        a = _parser().parse_args(argv)
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise
+        return _flushed()  # --help: what it printed reaches its reader, or the status says why not
+    except BrokenPipeError:
+        return _reader_gone()
+    except OSError as e:  # --help's output failed (a full disk, say)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     shown, warnings.showwarning = warnings.showwarning, _warning_line
     try:
         return _command(a)
     finally:
         warnings.showwarning = shown
+
+
+def _reader_gone() -> int:
+    """The reader went away (| head): stop, as a program killed by SIGPIPE would, and let nothing
+    write to the pipe again, not even the interpreter's last flush."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+    return 141
+
+
+def _flushed() -> int:
+    """0 once what was printed is written; else the status of a command whose output failed."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return _reader_gone()
+    except OSError as e:  # a full disk, say
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _command(a: argparse.Namespace) -> int:
@@ -481,13 +521,9 @@ def _command(a: argparse.Namespace) -> int:
             print(memory.snapshot_report(a.path, device=a.device, top=a.top), end="")
             return 0
         return _plan(a) if a.command == "plan" else _info()
-    except BrokenPipeError:  # the reader went away (| head): stop, as a program killed by SIGPIPE would
-        try:  # and let nothing write to the pipe again, not even the interpreter's last flush
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (OSError, ValueError, AttributeError):
-            pass
+    except BrokenPipeError:
         _end_the_group(141)
-        return 141
+        return _reader_gone()
     except (ValueError, TypeError, OSError, RuntimeError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         _end_the_group(2)

@@ -17,16 +17,7 @@
 
 /* ---- errors: the one mapping from cmlp_status to Python ---- */
 
-const char *user_error(void) {
-    const char *msg = cmlp_last_error(), *p = msg;
-    while ((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') || *p == '_' ||
-           *p == '.' || *p == '/')
-        p++;
-    if (p - msg < 3 || p[-2] != '.' || (p[-1] != 'c' && p[-1] != 'h') || *p++ != ':') return msg;
-    if (*p < '0' || *p > '9') return msg;
-    while (*p >= '0' && *p <= '9') p++;
-    return p[0] == ':' && p[1] == ' ' ? p + 2 : msg;
-}
+const char *user_error(void) { return cmlp_error_text(cmlp_last_error()); }
 
 /* ---- the model calls under way, waited for at exit (core_enter in _cmlp.h) ---- */
 static _Atomic int core_calls, core_exiting;
