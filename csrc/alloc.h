@@ -12,6 +12,10 @@
 
 typedef struct cmlp_allocator cmlp_allocator;
 
+/* Requests up to this many bytes are the small pool's (2 MiB segments); larger ones the large
+ * pool's (PyTorch's kSmallSize). */
+#define CMLP_SMALL_REQUEST ((size_t)1 << 20)
+
 
 __attribute__((visibility("hidden")))
 cmlp_status cmlp_allocator_create(const cmlp_backend_i *b, void *bctx, const char *device_name,

@@ -14,7 +14,7 @@
 
 #define MIB ((size_t)1 << 20)
 #define K_MIN_BLOCK ((size_t)512)    /* every request is rounded to this */
-#define K_SMALL_SIZE MIB             /* largest "small" request */
+#define K_SMALL_SIZE CMLP_SMALL_REQUEST /* largest "small" request */
 #define K_SMALL_BUFFER (2 * MIB)     /* small-pool segment */
 #define K_LARGE_BUFFER (20 * MIB)    /* large_segment_size_mb's default */
 #define K_MIN_LARGE (10 * MIB)

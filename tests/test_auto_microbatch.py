@@ -907,6 +907,31 @@ def test_validation_survives_the_limit_that_training_survives():
     assert hist[-1]["val_accuracy"] == free["accuracy"]
 
 
+def test_a_small_validation_set_fits_where_no_small_segment_can_be_made():
+    """Under the README's 20 MB limit, batch 1500 trains in one micro-batch; a validation set of 100
+    or 7 rows has buffers under 1 MiB, whose pool has no segment and may make none under the limit,
+    and fewer rows would not help: they take a piece of the free block in the large pool that the
+    step's buffers went back to (each epoch's history kept, no out-of-memory error)."""
+    rng = np.random.default_rng(0)
+    xu, y = rng.integers(0, 256, (3000, 784), dtype=np.uint8), rng.integers(0, 10, 3000)
+    gc.collect()
+    M.empty_cache(DEV)
+    assert M.max_batch_size([784, 512, 256, 10], "20MB") == 1500
+    model = cmlp.MLP([784, 512, 256, 10], seed=0)
+    trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=1500)
+    M.set_memory_limit(20 * 2**20, DEV)
+    try:
+        ooms = M.memory_stats(DEV)["num_ooms"]
+        for rows in (100, 7):
+            hist = trainer.fit(xu, y, epochs=1, validation_data=(xu[:rows], y[:rows]), progress=False)
+            assert hist[0]["val_accuracy"] is not None
+        got = model.evaluate(xu[:50], y[:50])
+        assert M.memory_stats(DEV)["num_ooms"] == ooms and M.memory_reserved(DEV) <= 20 * 2**20
+    finally:
+        M.set_memory_limit(None, DEV)
+    assert got == model.evaluate(xu[:50], y[:50])  # as without a limit
+
+
 def test_a_validation_chunk_that_runs_out_of_memory_halves():
     """A chunk too big for the limit halves and the evaluation starts again; the smaller chunk is
     kept for the next epochs."""
