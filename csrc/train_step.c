@@ -233,6 +233,7 @@ cmlp_status cmlp_train_robust_step(cmlp_trainer *t, cmlp_dscalars *ds, const cml
     const int64_t micro_before = t->micro, grown_before = t->grown_from, good_before = t->good_steps,
                   wait_before = t->grow_wait;
     bool reclaimed = false;
+    t->oom_at_one = false;
     /* micro-batches are sized for a whole step of this rank's, not for a short last one */
     const int64_t whole = t->whole_rows > k ? t->whole_rows : k;
     const cmlp_backend_i *b = t->model->dev->backend;
@@ -271,6 +272,7 @@ cmlp_status cmlp_train_robust_step(cmlp_trainer *t, cmlp_dscalars *ds, const cml
             continue;
         }
         if (t->micro == 1) { /* nothing worked: the next step starts where this one did */
+            t->oom_at_one = true;
             t->micro = micro_before;
             t->grown_from = grown_before, t->good_steps = good_before, t->grow_wait = wait_before;
             st = one_sample_oom(t, cmlp_error_text(cmlp_last_error()));

@@ -353,6 +353,33 @@ def test_the_planned_start_counts_the_param_groups_settings_it_holds():
     assert r.stdout.split() == ["1000", "0"], r.stdout
 
 
+_DATA_LEAVES_NO_ROOM = r"""
+import numpy as np
+import cmlp
+M = cmlp.memory
+rng = np.random.default_rng(0)
+x, y = rng.integers(0, 256, (8192, 784), dtype=np.uint8), rng.integers(0, 10, 8192)
+model = cmlp.MLP([784, 1024, 1024, 10], seed=0, device="cuda")
+trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=4096)
+history = trainer.fit(x, y, epochs=1, progress=False)
+print(history[0]["microbatch_size"], trainer._c.data_resident(), np.isfinite(history[0]["loss"]))
+"""
+
+
+@needs_emulator[0]
+@needs_emulator[1]
+def test_a_data_set_that_leaves_no_room_on_a_full_gpu_goes_back_to_the_host():
+    """No memory limit, an 80 MiB GPU: the data set's copy fits, and then not even one sample's
+    step does beside it. The copy goes and the batches are staged from host memory, as they would
+    be under a limit (before, the fit ran out of memory where trainer.step trains)."""
+    env = dict(_emulated_env(), CMLP_EMU_MEMORY=str(80 << 20))
+    r = subprocess.run([sys.executable, "-W", "ignore", "-c", _DATA_LEAVES_NO_ROOM], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    micro, resident, finite = r.stdout.split()
+    assert 1 < int(micro) < 4096 and resident == "False" and finite == "True", r.stdout
+
+
 _GEMM_FAULT = r"""
 import numpy as np
 import cmlp
