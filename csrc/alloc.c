@@ -224,12 +224,12 @@ static alloc_block *cached_block(cmlp_allocator *a, int pool, size_t size) {
 
 static alloc_block *new_memory(cmlp_allocator *a, int pool, size_t size) {
     if (a->uncached) return alloc_new_segment(a, pool, size);
+    alloc_collect_garbage(a);
     if (a->cfg.expandable_segments) { /* (never on a device without virtual memory: refresh_config) */
         /* the pool's range is made once; after that the cache search has seen all of it */
         if (a->pools[pool].expandable || !alloc_new_expandable(a, pool)) return NULL;
         return cached_block(a, pool, size);
     }
-    alloc_collect_garbage(a);
     return alloc_new_segment(a, pool, size);
 }
 
@@ -278,6 +278,8 @@ static cmlp_status allocate(cmlp_allocator *a, size_t nbytes, const char *what, 
         if (!a->pytorch_ladder) b = cached_block(a, pool, size);
         if (!b && !a->device_error) b = new_memory(a, pool, size);
     }
+    /* cmlp_allocator_malloc_lent, last: a piece of a cached large-pool block */
+    if (!b && !a->device_error && a->lend_large && pool == POOL_SMALL) b = cached_block(a, POOL_LARGE, size);
     if (!b && a->device_error) return a->device_error; /* the backend said why */
     if (!b && a->quiet_oom) return CMLP_FAIL(CMLP_ERR_OOM, "%s: no room for %zu bytes (tried)", a->name, nbytes);
     if (!b) return alloc_oom(a, nbytes, size);
@@ -433,7 +435,7 @@ void cmlp_allocator_destroy(cmlp_allocator *a) {
     free(a);
 }
 
-cmlp_status cmlp_allocator_malloc(cmlp_allocator *a, size_t nbytes, const char *what, void **out) {
+static cmlp_status malloc_of(cmlp_allocator *a, size_t nbytes, const char *what, bool lend, void **out) {
     *out = NULL;
     if (nbytes == 0) return CMLP_OK;
     if (nbytes > ((size_t)1 << 56)) { /* beyond any device: refused as such, in PyTorch's words */
@@ -455,11 +457,21 @@ cmlp_status cmlp_allocator_malloc(cmlp_allocator *a, size_t nbytes, const char *
     }
     pthread_mutex_lock(&a->lock);
     a->what = what;
+    a->lend_large = lend;
     cmlp_status st = allocate(a, nbytes, what, out);
+    a->lend_large = false;
     a->what = NULL;
     split_settle(a);
     pthread_mutex_unlock(&a->lock);
     return st;
+}
+
+cmlp_status cmlp_allocator_malloc(cmlp_allocator *a, size_t nbytes, const char *what, void **out) {
+    return malloc_of(a, nbytes, what, false, out);
+}
+
+cmlp_status cmlp_allocator_malloc_lent(cmlp_allocator *a, size_t nbytes, const char *what, void **out) {
+    return malloc_of(a, nbytes, what, true, out);
 }
 
 cmlp_status cmlp_allocator_try_malloc(cmlp_allocator *a, size_t nbytes, const char *what, void **out) {

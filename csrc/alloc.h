@@ -12,10 +12,6 @@
 
 typedef struct cmlp_allocator cmlp_allocator;
 
-/* Requests up to this many bytes are the small pool's (2 MiB segments); larger ones the large
- * pool's (PyTorch's kSmallSize). */
-#define CMLP_SMALL_REQUEST ((size_t)1 << 20)
-
 
 __attribute__((visibility("hidden")))
 cmlp_status cmlp_allocator_create(const cmlp_backend_i *b, void *bctx, const char *device_name,
@@ -30,6 +26,11 @@ bool cmlp_backend_has_vm(const cmlp_backend_i *b, void *bctx);
  * history show it). */
 __attribute__((visibility("hidden")))
 cmlp_status cmlp_allocator_malloc(cmlp_allocator *a, size_t nbytes, const char *what, void **out);
+/* As cmlp_allocator_malloc, but a request of the small pool for which no segment can be made,
+ * even with the cache given back, takes a piece of a cached block of the large pool before it
+ * fails (a forward pass's few rows beside the room a step's buffers left: fewer would not help). */
+__attribute__((visibility("hidden")))
+cmlp_status cmlp_allocator_malloc_lent(cmlp_allocator *a, size_t nbytes, const char *what, void **out);
 /* As cmlp_allocator_malloc, for memory the caller can do without (a copy of data it can read
  * from the host instead): where even the cache given back leaves no room, CMLP_ERR_OOM that is
  * not counted as the allocator's out-of-memory (no num_ooms, no history entry, no advice). */

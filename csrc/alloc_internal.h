@@ -14,7 +14,7 @@
 
 #define MIB ((size_t)1 << 20)
 #define K_MIN_BLOCK ((size_t)512)    /* every request is rounded to this */
-#define K_SMALL_SIZE CMLP_SMALL_REQUEST /* largest "small" request */
+#define K_SMALL_SIZE MIB             /* largest "small" request */
 #define K_SMALL_BUFFER (2 * MIB)     /* small-pool segment */
 #define K_LARGE_BUFFER (20 * MIB)    /* large_segment_size_mb's default */
 #define K_MIN_LARGE (10 * MIB)
@@ -129,6 +129,7 @@ struct cmlp_allocator {
     bool uncached;       /* caching off (cmlp_memory_caching_disabled): a segment per request, freed with it */
     bool poison;         /* AddressSanitizer build over host memory: what no caller holds is poisoned */
     bool quiet_oom;      /* cmlp_allocator_try_malloc: out of memory is no error of the allocator's */
+    bool lend_large;     /* cmlp_allocator_malloc_lent: the large pool may serve a small request */
     cmlp_status device_error; /* a device call failed for a reason other than memory (recorded) */
     alloc_history hist;
     const char *what; /* the request being served: what its memory will hold */

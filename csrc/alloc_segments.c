@@ -326,11 +326,17 @@ bool alloc_release_oversize(cmlp_allocator *a, int pool, size_t size) {
     return freed >= key;
 }
 
+/* A segment whose one block is free (an expandable one's too: PyTorch's unsplit free blocks). */
+static bool one_free_block(const alloc_segment *s) {
+    return s->first && !s->first->allocated && !s->first->next;
+}
+
 /* PyTorch's garbage collection, under a limit with a threshold, before a new segment is made:
  * once reserved memory is past threshold x limit, whole free segments of the large pool go
  * back, in passes: each frees every one at least as old as the average (the age of a block is
- * the number of the pool's cache searches since it entered the pool), not stopping at the
- * target, until reserved memory is back under the threshold or none is left. */
+ * the number of the pool's cache searches since it entered the pool; an expandable segment's
+ * unsplit free block counts in the average, and stays), not stopping at the target, until
+ * reserved memory is back under the threshold or none is left. */
 void alloc_collect_garbage(cmlp_allocator *a) {
     if (!alloc_gc_on(a)) return;
     const double threshold = a->cfg.garbage_collection_threshold * (double)a->limit;
@@ -341,7 +347,7 @@ void alloc_collect_garbage(cmlp_allocator *a) {
     uint64_t total_age = 0;
     size_t count = 0;
     for (alloc_segment *s = a->segments; s; s = s->next)
-        if (whole_and_free(s) && s->pool == POOL_LARGE) {
+        if (one_free_block(s) && s->pool == POOL_LARGE) {
             total_age += now - s->first->tick;
             count++;
         }

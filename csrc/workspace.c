@@ -124,15 +124,9 @@ cmlp_status cmlp_forward_reserve(cmlp_model *m, int64_t rows, bool input) {
     int L = m->nlayers, nv = cmlp_fwd_layout(m->sizes, L, rows, input, sz);
     for (int i = 0; i < nv; i++) total += sz[i];
     char *block;
-    cmlp_allocator *a = m->dev->alloc;
-    cmlp_status st = cmlp_allocator_try_malloc(a, total, "activations", (void **)&block);
-    /* a small request (a few rows) whose pool can make no segment (under a limit, say) asks as a
-     * large one, which a piece of a cached large-pool block may serve (the room a step's buffers
-     * left): fewer rows would not help it */
-    if (st == CMLP_ERR_OOM && total <= CMLP_SMALL_REQUEST)
-        st = cmlp_allocator_try_malloc(a, CMLP_SMALL_REQUEST + 1, "activations", (void **)&block);
-    if (st == CMLP_ERR_OOM) st = cmlp_allocator_malloc(a, total, "activations", (void **)&block); /* its story */
-    CMLP_TRY(st);
+    /* a few rows whose pool can make no segment (under a limit, say) may take a piece of a cached
+     * large-pool block (the room a step's buffers left): fewer rows would not help them */
+    CMLP_TRY(cmlp_allocator_malloc_lent(m->dev->alloc, total, "activations", (void **)&block));
     cmlp_model_release_workspace(m);
     m->ws.block = block;
     m->ws.rows = rows;

@@ -289,6 +289,10 @@ def test_help_whose_output_fails_says_so(tmp_path):
             assert r.returncode == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr, r.stderr
     r = run_cli(["train", "--help"], tmp_path)
     assert r.returncode == 0 and "--memory-limit" in r.stdout and r.stderr == ""
+    # no stdout at all (>&-): nothing to print to, and nothing to say, as argparse's
+    r = subprocess.run([sys.executable, "-m", "cmlp", "--help"], stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                       env=env, timeout=60, preexec_fn=lambda: os.close(1))
+    assert r.returncode == 0 and r.stderr == "", r.stderr
 
 
 def test_a_bad_allocator_setting_in_the_environment_is_a_line_and_status_2(tmp_path, monkeypatch):

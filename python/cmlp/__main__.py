@@ -119,7 +119,9 @@ class _Parser(argparse.ArgumentParser):
     error: the command would end with status 0 having written nothing)."""
 
     def print_help(self, file: Any = None) -> None:
-        (file or sys.stdout).write(self.format_help())
+        file = sys.stdout if file is None else file
+        if file is not None:  # (none: pythonw, or stdout closed with >&-, where argparse prints nothing either)
+            file.write(self.format_help())
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -504,7 +506,8 @@ def _reader_gone() -> int:
 def _flushed() -> int:
     """0 once what was printed is written; else the status of a command whose output failed."""
     try:
-        sys.stdout.flush()
+        if sys.stdout is not None:  # (none: stdout closed with >&-)
+            sys.stdout.flush()
     except BrokenPipeError:
         return _reader_gone()
     except OSError as e:  # a full disk, say

@@ -204,13 +204,21 @@ class FitLoop:
                 scheduler.step()
         except Exception as e:  # torch's loop has taken this step when the schedule raises
             raised = e
-        except BaseException as e:  # an interrupt: no step, but data-parallel the ranks learn of it first
+        except BaseException as e:  # an interrupt: single-process, no step is taken
             if not self.distributed:
                 rewind(0)
                 raise
+            # data-parallel the ranks learn of it first, and take the steps whose rates are all in,
+            # as where the schedule raised (the last one's schedule step undone): it may have come
+            # between the lists' appends, or before the first
+            whole = min(len(rates), len(momenta), len(rows), len(mrows))
+            del rates[whole:], momenta[whole:], rows[whole:], mrows[whole:]
+            rewind(max(whole - 1, 0))
             raised = e
         if self.distributed:  # every rank takes as many steps, at the same rates
             raised = _same_steps_on_every_rank(rates, momenta, rows, mrows, raised, rewind, first)
+            if not rates and raised is not None:  # an interrupt before any step's rates: none is taken
+                raise raised
         apart = any(row != scales for row in rows)
         # without a table of momenta a step's groups take the momentum of its first group, or the
         # one of their own they hold now (the schedule has moved them on): a table where that is not theirs
