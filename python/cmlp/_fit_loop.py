@@ -150,8 +150,7 @@ class FitLoop:
         if not self.distributed:
             step()
             return
-        opt, stepped = self.optimizer, False
-        saved, lrs, momentum = scheduler.state_dict(), opt._group_lrs(), opt._momenta()
+        rewind, stepped = _rewinder(scheduler, self.optimizer), False
 
         def stepping() -> None:
             nonlocal stepped
@@ -162,9 +161,7 @@ class FitLoop:
             self._together(stepping, "raised in its schedule's step after the epoch")
         except BaseException:
             if stepped:  # another rank's raised: this one's step is undone, as there
-                scheduler.load_state_dict(saved)
-                opt._set_group_lrs(lrs)
-                opt._set_momentum(momentum)
+                rewind(0)
             raise
 
     def _run_scheduled(self, scheduler: Any, steps: int, first: int) -> Tuple[int, int, float, bool, int, float, int]:
@@ -178,14 +175,7 @@ class FitLoop:
         first: the epoch's steps before these."""
         opt = self.optimizer
         k = min(steps, _cmlp.MAX_RATES)
-        saved, lrs, momentum = scheduler.state_dict(), opt._group_lrs(), opt._momenta()
-
-        def rewind(done: int) -> None:
-            scheduler.load_state_dict(saved)
-            opt._set_group_lrs(lrs)
-            opt._set_momentum(momentum)
-            for _ in range(done):
-                scheduler.step()
+        rewind = _rewinder(scheduler, opt)
 
         rates: List[float] = []
         momenta: List[float] = []
@@ -278,6 +268,21 @@ class FitLoop:
         longest = np.array([seconds])
         _cmlp.dist_all_reduce(longest, 1)  # max
         return float(longest[0])
+
+
+def _rewinder(scheduler: Any, opt: Any) -> Any:
+    """rewind(done): the schedule and the optimizer's group rates and momenta as they are now,
+    then `done` steps of the schedule on."""
+    saved, lrs, momentum = scheduler.state_dict(), opt._group_lrs(), opt._momenta()
+
+    def rewind(done: int) -> None:
+        scheduler.load_state_dict(saved)
+        opt._set_group_lrs(lrs)
+        opt._set_momentum(momentum)
+        for _ in range(done):
+            scheduler.step()
+
+    return rewind
 
 
 _NO_RANK = 1 << 20  # (more ranks than a group has)
