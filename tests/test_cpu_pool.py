@@ -80,3 +80,19 @@ def test_a_forked_child_trains_and_the_parent_goes_on(reference):
 def test_more_blas_threads_than_the_pool_still_trains():
     out = run("raised", threads=2)
     assert len(out) == 2 and all(len(h) == 40 for h in out)
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-2", "4x", "1.5", "²"])
+def test_a_thread_count_that_is_not_one_is_refused_at_import(value):
+    """The run's bits depend on the count: a bad one is not quietly every CPU."""
+    env = dict(os.environ, CMLP_NUM_THREADS=value)
+    r = subprocess.run([sys.executable, "-c", "import cmlp"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and f"ValueError: CMLP_NUM_THREADS={value!r}: expected a count of CPU threads" in r.stderr
+
+
+def test_a_thread_count_with_spaces_or_empty_is_read():
+    code = "import cmlp, numpy as np; m = cmlp.MLP([3, 2]); print(m.predict(np.ones((4, 3), np.float32)).shape)"
+    for value in (" 2 ", ""):
+        r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, CMLP_NUM_THREADS=value),
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout == "(4,)\n", r.stderr

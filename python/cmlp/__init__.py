@@ -57,16 +57,26 @@ def _configure_from_environment() -> None:
         except ValueError as e:
             hint = ("; set CMLP_ALLOC_CONF (it takes precedence, and may be empty) to give cmlp settings of its "
                     "own" if var != "CMLP_ALLOC_CONF" else "")
-            error = f"{var}={conf!r}: {e}{hint}"
-            if _run_as_command():  # python -m cmlp: its errors are a line and status 2, this one too
-                import sys
-
-                print(f"error: {error}", file=sys.stderr)
-                raise SystemExit(2) from None
-            raise ValueError(error) from None
+            _environment_error(f"{var}={conf!r}: {e}{hint}")
         _cmlp.note_env(f"{var}={conf}")
-        return
-    _cmlp.note_env(None)
+        break
+    else:
+        _cmlp.note_env(None)
+    # the CPU threads (the pool starts with the first parallel call): a count the run's bits depend on
+    threads = os.environ.get("CMLP_NUM_THREADS", "")
+    count = threads.strip()
+    if count and not (count.isascii() and count.isdigit() and int(count) >= 1):
+        _environment_error(f"CMLP_NUM_THREADS={threads!r}: expected a count of CPU threads (an int >= 1), "
+                           "or unset for every CPU the process may run on")
+
+
+def _environment_error(error: str) -> None:
+    if _run_as_command():  # python -m cmlp: its errors are a line and status 2, this one too
+        import sys
+
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    raise ValueError(error) from None
 
 
 _configure_from_environment()

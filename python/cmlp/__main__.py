@@ -195,8 +195,8 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--validation-rows", type=_steps, default=0, metavar="N",
                     help="the run also evaluates N uint8 samples after each epoch (train's 10,000 test images): "
                          "plan their buffers too")
-    pl.add_argument("--epochs", type=_count, default=5,
-                    help="the run's epochs (default 5, as train's): each validation gives the step's buffers back "
+    pl.add_argument("--epochs", type=_count, default=None,
+                    help="with --validation-rows, the run's epochs (default 5, as train's): each validation gives the step's buffers back "
                          "and the next epoch takes them again (the --budget search counts one: at a limit, what "
                          "later epochs add to the cache is given back)")
     pl.add_argument("--budget", type=_size, default=None,
@@ -240,6 +240,10 @@ def _train(a: argparse.Namespace) -> int:
                          "replace the model")
     if a.zero and not a.distributed:
         raise ValueError("--zero shards the optimizer's state over the ranks of a --distributed run")
+    decay = a.weight_decay if a.weight_decay is not None else 1e-2 if a.optimizer == "adamw" else 0.0
+    if a.no_bias_decay and not decay:
+        raise ValueError(f"--no-bias-decay takes the biases out of a weight decay {a.optimizer} does not have here "
+                         "(--weight-decay to give it one)")
     if a.distributed:  # on GPUs, NCCL sums the gradients, one GPU per rank of a machine
         on_gpu = a.device.startswith("cuda")
         distributed.init_process_group("nccl" if on_gpu else "mpi")
@@ -357,6 +361,10 @@ def _momentum_is_sgds(a: argparse.Namespace) -> None:
 
 def _plan(a: argparse.Namespace) -> int:
     _momentum_is_sgds(a)
+    if a.epochs is not None and not a.validation_rows:
+        raise ValueError("--epochs counts the validations after the epochs, which only a plan with --validation-rows "
+                         "has (the steps' memory is the same in each epoch)")
+    a.epochs = 5 if a.epochs is None else a.epochs
     optimizer = "sgd_momentum" if a.optimizer == "sgd" and a.momentum else a.optimizer
     optimizer += "_amsgrad" if a.amsgrad else ""
     p = memory.plan(a.layers, a.batch_size, optimizer, a.amp, a.recompute, device=a.device,
