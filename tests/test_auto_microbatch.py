@@ -584,6 +584,41 @@ def test_a_later_fit_with_more_room_starts_from_the_micro_batch_asked_for():
     assert first < 4096 and (second, now, ooms) == (4096, 4096, 0), r.stdout
 
 
+_LIMIT_REMOVED = r"""
+import numpy as np
+import cmlp
+M = cmlp.memory
+rng = np.random.default_rng(0)
+x, y = rng.standard_normal((4096, 256)).astype(np.float32), rng.integers(0, 10, 4096)
+model = cmlp.MLP([256, 1024, 1024, 10], seed=0)
+trainer = cmlp.Trainer(model, cmlp.optim.SGD(model, lr=0.01, momentum=0.9), batch_size=4096)
+out = []
+for call in ("fit", "step"):
+    M.empty_cache("cpu")
+    M.set_memory_limit(M.memory_reserved("cpu") + (12 << 20), "cpu")
+    run = (lambda: trainer.fit(x, y, epochs=1, progress=False)) if call == "fit" else (lambda: trainer.step(x, y))
+    run()
+    cut = trainer.microbatch_size
+    M.set_memory_limit(None, "cpu")
+    ooms = M.memory_stats("cpu")["num_ooms"]
+    run()
+    out += [cut, trainer._c.last_microbatch(), M.memory_stats("cpu")["num_ooms"] - ooms]
+print(*out)
+"""
+
+
+def test_a_fit_or_step_after_the_limit_is_removed_computes_the_micro_batch_asked_for():
+    """A micro-batch the planner cut for a limit is the one asked for again once the limit is gone
+    (before, it waited grow_interval good steps to grow back, one halving at a time)."""
+    import subprocess
+    r = subprocess.run([sys.executable, "-W", "ignore", "-c", _LIMIT_REMOVED], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="", CMLP_ALLOC_CONF=""))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    fit_cut, fit_ran, fit_ooms, step_cut, step_ran, step_ooms = map(int, r.stdout.split())
+    assert fit_cut < 4096 and step_cut < 4096, r.stdout
+    assert (fit_ran, fit_ooms, step_ran, step_ooms) == (4096, 0, 4096, 0), r.stdout
+
+
 _BELOW_RESERVED = r"""
 import warnings
 import numpy as np
@@ -661,7 +696,7 @@ def test_the_batch_max_batch_size_gives_starts_whole_under_that_budget():
     assert history[0]["microbatch_size"] == n and M.memory_stats(DEV)["num_ooms"] == ooms
 
 
-def test_the_microbatch_grows_back_after_a_planned_start():
+def test_the_microbatch_a_planned_start_cut_is_whole_again_once_the_limit_goes():
     layers, batch = [784, 512, 256, 10], 2048
     x, y = data(layers, 9 * batch)
     batches = [(x[i:i + batch], y[i:i + batch]) for i in range(0, len(x), batch)]
@@ -683,10 +718,11 @@ def test_the_microbatch_grows_back_after_a_planned_start():
     assert first[0]["microbatch_size"] == batch // 8
     used = [batch // 8]
     for xb, yb in batches[1:]:
-        used.append(trainer.microbatch_size)
         trainer.step(xb, yb)
-    # three doublings, two good steps each
-    assert used == [256, 256, 512, 512, 1024, 1024, 2048, 2048, 2048], used
+        used.append(trainer._c.last_microbatch())  # the size the step ran with
+    # the limit gone, the micro-batch it cut is the one asked for again (growth is for an
+    # out-of-memory's: test_the_microbatch_grows_back_after_a_real_oom)
+    assert used == [256] + [2048] * 8, used
     assert trainer.microbatch_size == batch
     rest = trainer.fit(x[:batch], y[:batch], epochs=1, progress=False)
     assert rest[0]["microbatch_size"] == batch

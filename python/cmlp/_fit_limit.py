@@ -20,6 +20,11 @@ def start_under_limit(trainer: Any, xa: Optional[np.ndarray] = None, batch_rows:
     device = trainer.model.device
     limit = memory.get_memory_limit(device)
     if limit is None:
+        # the limit gone: a micro-batch that a planned start cut for it is the one asked for
+        # again (one that an out-of-memory has made smaller since is the device's own: it stays)
+        cut, trainer._limit_micro = trainer._limit_micro, None
+        if cut is not None and trainer.auto_microbatch and trainer.microbatch_size >= cut:
+            trainer._c.start_microbatch(trainer._c.microbatch_state()[1])
         return
     step, buffers = trainer.optimizer._c.state_counts()
     stepped = step > 0 or buffers > 0
@@ -106,6 +111,7 @@ def start_under_limit(trainer: Any, xa: Optional[np.ndarray] = None, batch_rows:
     start = target if b == first else b  # (all the step fits: the micro-batch asked for, as without a limit)
     if start != trainer.microbatch_size:
         trainer._c.start_microbatch(start)
+    trainer._limit_micro = start if start < target else None
     if b < first:
         if trainer._warned is None or b < trainer._warned:  # said once, and again for a smaller one
             trainer._warned = b

@@ -155,6 +155,7 @@ class Trainer(FitLoop):
             raise TypeError(f"scaler must be a cmlp.amp.GradScaler or None, got {type(scaler).__name__}")
         self._warned: Optional[int] = None  # the micro-batch the last MemoryWarning named (each is smaller)
         self._step_planned: Any = None  # ((device, limit), the batch sizes of steps that planned under it)
+        self._limit_micro: Optional[int] = None  # the micro-batch a limit's planned start cut to (_fit_limit)
         self._bar_epochs: Optional[Tuple[int, int]] = None  # (first, total): a loop of fits that draws one run's bars
         self._parts_kept = False  # a fit's param-group parts kept for the rest of it (_run_scheduled)
         self._model, self._optimizer = model, optimizer
@@ -244,6 +245,7 @@ class Trainer(FitLoop):
         try:
             self._claim(call, "setting microbatch_size")
             self._c.microbatch_size = value
+            self._limit_micro = None
         finally:
             self._claims.pop(call, None)
 
@@ -340,6 +342,7 @@ class Trainer(FitLoop):
                                                  counts["microbatch_grown_from"], counts["microbatch_grow_wait"])
                 else:
                     self._c.set_microbatch_state(*self._fresh_microbatch)
+                self._limit_micro = None
             except BaseException:
                 if scaler is not None:
                     self.scaler.load_state_dict(before)
@@ -504,7 +507,11 @@ class Trainer(FitLoop):
         limit = memory.get_memory_limit(self.model.device)
         key = (self.model.device, limit)  # (a model moved to a GPU with the same limit plans again)
         planned = self._step_planned
-        if limit is None or (planned is not None and planned[0] == key and rows in planned[1]):
+        if limit is None:
+            self._step_planned = None
+            start_under_limit(self, batch_rows=rows)  # (a micro-batch the limit cut is the one asked for again)
+            return
+        if planned is not None and planned[0] == key and rows in planned[1]:
             return
         start_under_limit(self, batch_rows=rows)
         sizes = planned[1] if planned is not None and planned[0] == key else frozenset()
