@@ -753,12 +753,16 @@ typedef struct cmlp_plan {
  * accumulation). eval_rows > 0: the step is followed, after its buffers went back, by an
  * evaluation in chunks of eval_rows (a forward pass alone), whose input is staged
  * (eval_staged: uint8 images, or any on a GPU) or read in place, after each of `epochs` epochs (the
- * step's buffers taken again at the next one's start; epochs >= 1). */
+ * step's buffers taken again at the next one's start; epochs >= 1). eval_budget > 0: from the
+ * evaluation on, the run is under a memory limit of that many bytes reserved on top of what the
+ * device holds once open, as a fit under it is (a small evaluation whose pool can make no segment
+ * there takes a piece of a cached large-pool block, cmlp_allocator_malloc_lent); a request that
+ * finds no room under it is made as without it, so that peak_reserved is then over the budget. */
 CMLP_API cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int optimizer_buffers,
                                        int optimizer_shards, int optimizer_parts, cmlp_amp amp, int recompute,
                                        int loss_scaling, int solo, int64_t data_rows, int64_t data_row_bytes,
                                        int data_shuffled, int64_t eval_rows, int eval_staged, int64_t epochs,
-                                       cmlp_device d, cmlp_plan *out);
+                                       int64_t eval_budget, cmlp_device d, cmlp_plan *out);
 
 /* Trainer: on = 1 keeps the data set in host memory on any device (its batches staged from there,
  * as a single step's are) and frees a device copy made already; 0 (the default) copies it to a

@@ -107,6 +107,16 @@ static int64_t reserved_now(cmlp_allocator *a) {
  * found it (each block it took went back before the next request), and so does every later
  * one; two in a row that add the same bytes are the pattern the later ones repeat.
  * *later: the reserved bytes the epochs not replayed add. */
+/* A request of the replay, under the allocator's limit where it has room (past it, the run does
+ * not fit: the request is made without the limit, and the reserved bytes show by how much). */
+static cmlp_status replay_malloc(cmlp_allocator *a, size_t nbytes, bool lent, const char *what, void **p) {
+    /* an evaluation's buffers as cmlp_forward_reserve takes them, the step's as the workspace */
+    cmlp_status st = lent ? cmlp_allocator_malloc_lent(a, nbytes, what, p) : cmlp_allocator_malloc(a, nbytes, what, p);
+    if (st != CMLP_ERR_OOM) return st;
+    cmlp_allocator_set_limit(a, -1);
+    return cmlp_allocator_malloc(a, nbytes, what, p);
+}
+
 static cmlp_status replay_epochs(cmlp_allocator *a, void *ws_block, size_t ws, size_t fwd, int64_t epochs,
                                  int64_t *later) {
     enum { MAX_REPLAYED = 64 };
@@ -115,9 +125,9 @@ static cmlp_status replay_epochs(cmlp_allocator *a, void *ws_block, size_t ws, s
     for (int64_t e = 1; e <= epochs; e++) {
         int64_t before = reserved_now(a);
         void *p;
-        if (e > 1) CMLP_TRY(cmlp_allocator_malloc(a, ws, "planned", &ws_block));
+        if (e > 1) CMLP_TRY(replay_malloc(a, ws, false, "planned", &ws_block));
         CMLP_TRY(cmlp_allocator_free(a, ws_block));
-        CMLP_TRY(cmlp_allocator_malloc(a, fwd, "planned evaluation", &p));
+        CMLP_TRY(replay_malloc(a, fwd, true, "planned evaluation", &p));
         CMLP_TRY(cmlp_allocator_free(a, p));
         if (e == 1) continue; /* its step's buffers were the run's first */
         int64_t grew = reserved_now(a) - before;
@@ -135,7 +145,8 @@ static cmlp_status replay_epochs(cmlp_allocator *a, void *ws_block, size_t ws, s
 cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int optimizer_buffers, int optimizer_shards,
                               int optimizer_parts, cmlp_amp amp, int recompute, int loss_scaling, int solo,
                               int64_t data_rows, int64_t data_row_bytes, int data_shuffled, int64_t eval_rows,
-                              int eval_staged, int64_t epochs, cmlp_device d, cmlp_plan *out) {
+                              int eval_staged, int64_t epochs, int64_t eval_budget, cmlp_device d,
+                              cmlp_plan *out) {
     if (!sizes || !out || nsizes < 2 || nsizes > CMLP_MAX_LAYERS + 1)
         return CMLP_FAIL(CMLP_ERR_INVALID, "layer_sizes must list 2 to %d sizes", CMLP_MAX_LAYERS + 1);
     for (int i = 0; i < nsizes; i++)
@@ -144,6 +155,8 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
                              1 << 24);
     if (batch < 1) return CMLP_FAIL(CMLP_ERR_INVALID, "batch_size must be >= 1, got %lld", (long long)batch);
     if (epochs < 1) return CMLP_FAIL(CMLP_ERR_INVALID, "epochs must be >= 1, got %lld", (long long)epochs);
+    if (eval_budget < 0 || eval_budget > ((int64_t)1 << 62))
+        return CMLP_FAIL(CMLP_ERR_INVALID, "the budget must be in [0, 2**62] bytes, got %lld", (long long)eval_budget);
     /* the byte counts below stay far from overflowing: at most 2**56 activation values */
     int64_t width_sum = 0;
     for (int i = 0; i < nsizes; i++) width_sum += sizes[i];
@@ -266,6 +279,9 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
         int nf = cmlp_fwd_layout(sizes, L, eval_rows, eval_staged != 0, fsz);
         for (int i = 0; i < nf; i++) fwd += fsz[i];
         out->evaluation = (int64_t)fwd;
+        int64_t limit = eval_budget + base_reserved;
+        if (eval_budget > 0 && reserved_now(a) <= limit) /* (past it, the run does not fit anyway) */
+            cmlp_allocator_set_limit(a, limit);
         st = replay_epochs(a, ws_block, ws, fwd, epochs, &later);
     }
     if (st == CMLP_OK) {

@@ -947,12 +947,15 @@ def test_a_small_validation_set_fits_where_no_small_segment_can_be_made():
     """Under the README's 20 MB limit, batch 1500 trains in one micro-batch; a validation set of 100
     or 7 rows has buffers under 1 MiB, whose pool has no segment and may make none under the limit,
     and fewer rows would not help: they take a piece of the free block in the large pool that the
-    step's buffers went back to (each epoch's history kept, no out-of-memory error)."""
+    step's buffers went back to (each epoch's history kept, no out-of-memory error). The planner
+    says so too (it said 0: the small pool's new segment, 22 MiB reserved)."""
     rng = np.random.default_rng(0)
     xu, y = rng.integers(0, 256, (3000, 784), dtype=np.uint8), rng.integers(0, 10, 3000)
     gc.collect()
     M.empty_cache(DEV)
-    assert M.max_batch_size([784, 512, 256, 10], "20MB") == 1500
+    for rows in (0, 100, 7):
+        assert M.max_batch_size([784, 512, 256, 10], "20MB", validation_rows=rows) == 1500, rows
+    assert M.plan([784, 512, 256, 10], 1500, validation_rows=100).reserved_bytes == 22 * 2**20  # without a limit
     model = cmlp.MLP([784, 512, 256, 10], seed=0)
     trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=1500)
     M.set_memory_limit(20 * 2**20, DEV)

@@ -379,6 +379,17 @@ def test_cli_plan_with_a_budget_prints_the_largest_batch(tmp_path):
     assert str(M.plan([784, 512, 256, 10], 4096)) in r.stdout
 
 
+def test_cli_plan_with_a_budget_plans_a_small_validation_under_it(tmp_path):
+    """Under the budget the validation's few rows take a piece of the block the step's buffers
+    went back to, as fit's do: the plan printed is the run under the budget, which fits."""
+    args = ["--batch-size", "1500", "--validation-rows", "100", "--epochs", "1"]
+    r = _cli(args + ["--budget", "20MB"], tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "peak reserved       20.00 MiB" in r.stdout and "largest batch that fits in 20.00 MiB: 1500" in r.stdout
+    r = _cli(args, tmp_path)  # without one, the small pool makes its segment
+    assert r.returncode == 0 and "peak reserved       22.00 MiB" in r.stdout, r.stdout + r.stderr
+
+
 def test_cli_plan_says_when_the_largest_batch_is_the_searchs_end(tmp_path):
     r = _cli(["--layers", "784,10", "--budget", "10TB"], tmp_path)
     assert r.returncode == 0, r.stderr

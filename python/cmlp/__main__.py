@@ -367,29 +367,29 @@ def _plan(a: argparse.Namespace) -> int:
     a.epochs = 5 if a.epochs is None else a.epochs
     optimizer = "sgd_momentum" if a.optimizer == "sgd" and a.momentum else a.optimizer
     optimizer += "_amsgrad" if a.amsgrad else ""
+    # the budget counts all the device reserves, as a memory limit does: what it holds from the
+    # moment it opens (on CUDA, the GEMM workspace) and the run on top, which the plan counts
+    held = memory.memory_reserved(a.device) if a.budget is not None else 0
+    room = a.budget - held if a.budget is not None else 0
     p = memory.plan(a.layers, a.batch_size, optimizer, a.amp, a.recompute, device=a.device,
                     accumulation_steps=a.accumulation_steps, optimizer_shards=a.optimizer_shards,
-                    validation_rows=a.validation_rows, epochs=a.epochs)
+                    validation_rows=a.validation_rows, epochs=a.epochs, _budget=max(0, min(room, 1 << 62)))
     text = str(p)
     if a.accumulation_steps > 1:  # the plan is of a micro-batch: say how many make a step
         text = text.replace(f", batch {a.batch_size},", f", batch {a.batch_size} x {a.accumulation_steps},", 1)
     print(text)
     if a.budget is not None:
-        # the budget counts all the device reserves, as a memory limit does: what it holds from
-        # the moment it opens (on CUDA, the GEMM workspace) and the run on top, which the plan counts
-        held = memory.memory_reserved(a.device)
-        room = a.budget - held
         n = memory.max_batch_size(a.layers, room, optimizer, a.amp, a.recompute, device=a.device,
                                   accumulation_steps=a.accumulation_steps, optimizer_shards=a.optimizer_shards,
                                   validation_rows=a.validation_rows) if room > 0 else 0
         why = f" (as a micro-batch, {a.accumulation_steps} to a step)" if a.accumulation_steps > 1 else ""
         why += f" ({p.device} holds {memory._fmt(held)} of it once open)" if held else ""
         if n == 0:
-            one = _reserved(a, optimizer, a.amp, a.recompute, 1, a.accumulation_steps)
+            one = _reserved(a, optimizer, a.amp, a.recompute, 1, a.accumulation_steps, room)
             why += f" (one sample needs {memory._fmt(one)} reserved on top)"
         if n >= 1 << 24:  # max_batch_size's search ends there
             why += " (or more: the search stops at 2**24)"
-        mine = _reserved(a, optimizer, a.amp, a.recompute, a.batch_size, a.accumulation_steps)
+        mine = _reserved(a, optimizer, a.amp, a.recompute, a.batch_size, a.accumulation_steps, room)
         if 0 < a.batch_size < n and mine > room:
             # reserved memory is in whole segments: a smaller batch can need one more
             why += f" (not every smaller one: batch {a.batch_size} reserves {memory._fmt(mine)}, in its segments)"
@@ -439,7 +439,7 @@ def _split(a: argparse.Namespace, optimizer: str, amp: Optional[str], recompute:
                                      validation_rows=a.validation_rows)
 
     def fits(micro: int) -> bool:  # in as many micro-batches as that size makes of the step
-        return _reserved(a, optimizer, amp, recompute, micro, -(-step // micro)) <= room
+        return _reserved(a, optimizer, amp, recompute, micro, -(-step // micro), room) <= room
 
     k = a.accumulation_steps
     if fits(a.batch_size):
@@ -457,12 +457,13 @@ def _split(a: argparse.Namespace, optimizer: str, amp: Optional[str], recompute:
     return 0, 0
 
 
-def _reserved(a: argparse.Namespace, optimizer: str, amp: Optional[str], recompute: bool, micro: int, k: int) -> int:
-    """What a run in micro-batches of `micro`, k to a step, reserves in one epoch (a memory
-    limit's view, as max_batch_size's)."""
+def _reserved(a: argparse.Namespace, optimizer: str, amp: Optional[str], recompute: bool, micro: int, k: int,
+              room: int) -> int:
+    """What a run in micro-batches of `micro`, k to a step, reserves in one epoch under a memory
+    limit of room (a memory limit's view, as max_batch_size's)."""
     return memory.plan(a.layers, micro, optimizer, amp, recompute, device=a.device, accumulation_steps=k,
                        optimizer_shards=a.optimizer_shards, validation_rows=a.validation_rows,
-                       epochs=1).reserved_bytes
+                       epochs=1, _budget=max(0, min(room, 1 << 62))).reserved_bytes
 
 
 def _info() -> int:

@@ -253,11 +253,11 @@ static PyObject *mod_from_half(PyObject *mod, PyObject *args) {
 
 static PyObject *mod_plan(PyObject *mod, PyObject *args) {
     PyObject *sizes_obj, *dev_obj;
-    long long batch, eval_rows, data_rows, row_bytes, epochs;
+    long long batch, eval_rows, data_rows, row_bytes, epochs, budget;
     int nbuf, shards, parts, amp, recompute, scaling, solo, shuffled, eval_staged;
-    if (!PyArg_ParseTuple(args, "OLiiiipppLLpLpLO", &sizes_obj, &batch, &nbuf, &shards, &parts, &amp, &recompute,
+    if (!PyArg_ParseTuple(args, "OLiiiipppLLpLpLLO", &sizes_obj, &batch, &nbuf, &shards, &parts, &amp, &recompute,
                           &scaling, &solo, &data_rows, &row_bytes, &shuffled, &eval_rows, &eval_staged, &epochs,
-                          &dev_obj))
+                          &budget, &dev_obj))
         return NULL;
     cmlp_device d;
     if (parse_device(state_of(mod), dev_obj, &d) < 0) return NULL;
@@ -267,7 +267,7 @@ static PyObject *mod_plan(PyObject *mod, PyObject *args) {
     cmlp_status st;
     NOGIL_BEGIN
     st = cmlp_plan_compute(sizes, n, batch, nbuf, shards, parts, (cmlp_amp)amp, recompute, scaling, solo, data_rows,
-                           row_bytes, shuffled, eval_rows, eval_staged, epochs, d, &p);
+                           row_bytes, shuffled, eval_rows, eval_staged, epochs, budget, d, &p);
     NOGIL_END
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
     static const char *const held_names[] = {"model", "optimizer_state", "half_weights", "data", "step",

@@ -82,7 +82,7 @@ def plan(layer_sizes: List[int], batch_size: int = 32, optimizer: Any = "adam", 
          recompute: bool = False, device: str = "cpu", scaler: Optional[bool] = None,
          accumulation_steps: int = 1, optimizer_shards: Optional[int] = None, validation_rows: int = 0,
          validation_dtype: str = "uint8", data_rows: int = 0, data_dtype: str = "uint8", shuffle: bool = True,
-         epochs: int = 5) -> Plan:
+         epochs: int = 5, _budget: int = 0) -> Plan:
     """Predicts a training run's memory before anything is allocated (batch_size: rows computed at
     once, i.e. the micro-batch; accumulation_steps: micro-batches per optimizer step). With one
     micro-batch per step (the default) a step keeps most of its buffers in the first layer's
@@ -111,7 +111,9 @@ def plan(layer_sizes: List[int], batch_size: int = 32, optimizer: Any = "adam", 
     apply). An optimizer given as an
     object is planned as it is: the state buffers it holds or will make at its next step, and on
     a GPU its param groups' settings (kept on the device once the groups' settings differ, as
-    they may come to under a schedule: plan such an optimizer after its groups have parted)."""
+    they may come to under a schedule: plan such an optimizer after its groups have parted).
+    _budget (bytes, 0: none): the validation runs under a memory limit of that much on top of
+    what the device holds once open, as a fit's under it does (see max_batch_size)."""
     from .model import _as_sizes
 
     sizes = _as_sizes(layer_sizes)
@@ -126,7 +128,7 @@ def plan(layer_sizes: List[int], batch_size: int = 32, optimizer: Any = "adam", 
         batch_size = data[0]
         args = _plan_args(optimizer, amp, recompute, scaler, 1, optimizer_shards)
     evaluation = _evaluation_args(validation_rows, validation_dtype, dev, epochs)
-    raw = _cmlp.plan(list(sizes), batch_size, *args, *data, *evaluation, dev)
+    raw = _cmlp.plan(list(sizes), batch_size, *args, *data, *evaluation, _budget, dev)
     return Plan(list(sizes), batch_size, name, amp, recompute, dev, raw, args[1])
 
 
@@ -214,7 +216,8 @@ def max_batch_size(layer_sizes: List[int], budget_bytes: int, optimizer: Any = "
     a fit's data set of data_rows kept on the device (see plan); at most data_rows, where given
     (a larger batch is the whole data set). The budget is a memory limit's: the segments that
     later epochs could add to the cache (see plan's epochs) would be given back at the limit,
-    so the plan is of one epoch."""
+    so the plan is of one epoch, and a validation of a few rows whose pool can make no segment
+    under it takes a piece of a cached large-pool block, as fit's does."""
     budget_bytes = _numpy_int(budget_bytes)
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float, str, np.floating)):
         raise TypeError(f"budget_bytes must be a number of bytes or a size such as '2GB', got {budget_bytes!r}")
@@ -256,7 +259,8 @@ def max_batch_size(layer_sizes: List[int], budget_bytes: int, optimizer: Any = "
     first = planned(lo)
     args = _plan_args(optimizer, amp, recompute, None, accumulation_steps, optimizer_shards)
     raw = [list(first.layer_sizes), 0, *args, *_data_args(data_rows, data_dtype, shuffle, first.layer_sizes[0]),
-           *_evaluation_args(validation_rows, validation_dtype, first.device, 1), first.device]
+           *_evaluation_args(validation_rows, validation_dtype, first.device, 1), min(budget, 1 << 62),
+           first.device]
     for b in range(lo, 0, -1):
         raw[1] = b
         if _cmlp.plan(*raw)["peak_reserved"] <= budget:
