@@ -122,12 +122,17 @@ cmlp_status cpu_softmax_xent(void *ctx, const float *logits, const int32_t *labe
         const float *x = logits + r * cols;
         int32_t y = labels[r];
         float mx = x[0];
-        int64_t arg = 0;
-        for (int64_t c = 1; c < cols; c++)
+        int64_t arg = 0, nan_at = isnan(x[0]) ? 0 : -1;
+        for (int64_t c = 1; c < cols; c++) {
             if (x[c] > mx) {
                 mx = x[c];
                 arg = c;
             }
+            if (nan_at < 0 && isnan(x[c])) nan_at = c;
+        }
+        /* the prediction counted is torch.argmax's (and predict's): the first NaN where there is one
+         * (the loss and gradients are NaN either way) */
+        if (nan_at >= 0) arg = nan_at;
         double sum = 0.0, xsum = 0.0;
         for (int64_t c = 0; c < cols; c++) {
             sum += exp((double)x[c] - mx);
@@ -138,7 +143,8 @@ cmlp_status cpu_softmax_xent(void *ctx, const float *logits, const int32_t *labe
         /* a label outside [0, cols) (checked before, but the caller's array may change while the
          * GIL is released) reads nothing outside the row: no one-hot, as on the GPU */
         const float xy = y >= 0 && y < cols ? x[y] : 0.0f;
-        total += lse - (1.0 - smoothing) * xy - (double)smoothing / (double)cols * xsum;
+        /* (without smoothing no sum of the logits: an infinite one would make a NaN of 0 * inf) */
+        total += lse - (1.0 - smoothing) * xy - (smoothing != 0.0f ? (double)smoothing / (double)cols * xsum : 0.0);
         hits += arg == y;
         if (dlogits) {
             float *d = dlogits + r * cols;

@@ -31,7 +31,8 @@ static void adam_range(void *arg, int64_t lo, int64_t hi) {
     const bool decoupled = decay != 1.0f, maximize = a->maximize;
     for (int64_t i = lo; i < hi; i++) {
         const float pi = decoupled ? p[i] * decay : p[i];
-        float gi = (maximize ? -g[i] : g[i]) + wd * pi;
+        float gi = maximize ? -g[i] : g[i];
+        if (wd != 0.0f) gi += wd * pi; /* (as torch: none at 0, where an infinite weight would make NaN) */
         float mi = beta1 * m[i] + one_b1 * gi;
         float vi = beta2 * v[i] + one_b2 * gi * gi;
         m[i] = mi;
@@ -68,12 +69,16 @@ static void sgd_range(void *arg, int64_t lo, int64_t hi) {
     const float lr = a->lr, wd = a->wd, momentum = a->momentum;
     const bool maximize = a->maximize;
     if (momentum == 0.0f) {
-        for (int64_t i = lo; i < hi; i++) p[i] -= lr * ((maximize ? -g[i] : g[i]) + wd * p[i]);
+        if (wd == 0.0f)
+            for (int64_t i = lo; i < hi; i++) p[i] -= lr * (maximize ? -g[i] : g[i]);
+        else
+            for (int64_t i = lo; i < hi; i++) p[i] -= lr * ((maximize ? -g[i] : g[i]) + wd * p[i]);
         return;
     }
     const float keep = a->keep;
     for (int64_t i = lo; i < hi; i++) {
-        float gi = (maximize ? -g[i] : g[i]) + wd * p[i];
+        float gi = maximize ? -g[i] : g[i];
+        if (wd != 0.0f) gi += wd * p[i];
         float b = isnan(buf[i]) ? gi : momentum * buf[i] + keep * gi; /* NaN: not started */
         buf[i] = b;
         p[i] -= lr * (a->nesterov ? gi + momentum * b : b);

@@ -2,9 +2,10 @@
  * the logits, and the count of correct argmaxes. One warp per row; rows up to 128 wide are
  * read once into registers, wider rows are read three times (max, sums, gradient).
  *
- * The arithmetic follows the CPU backend operation for operation: the argmax is the first
- * maximum (a NaN in column 0 makes column 0 the argmax and the max NaN; a NaN elsewhere never
- * wins), the sums of exp and of the logits and the loss are in double, and
+ * The arithmetic follows the CPU backend operation for operation: the max is the first maximum
+ * (a NaN in column 0 makes it NaN; a NaN elsewhere never wins), the argmax counted as correct is
+ * torch.argmax's (the first NaN where there is one, else the first maximum), the sums of exp
+ * and of the logits and the loss are in double, and
  * p_c = expf(x_c - max) * (float)(1 / sum) in float, expf evaluated in double and rounded once
  * (glibc's expf is within 0.502 ulp of exact; CUDA's expf is within 2). What differs is the
  * order of the two row sums (a warp tree instead of left to right) and of the loss total, which
@@ -76,7 +77,7 @@ __global__ void __launch_bounds__(XENT_THREADS) k_softmax_xent(xent_args a) {
 
         /* max and first argmax */
         float bv = -INFINITY;
-        int64_t bi = cols; /* no column yet */
+        int64_t bi = cols, nan_at = cols; /* no column yet; no NaN yet (each lane's first) */
         int nan0 = 0;
         if constexpr (K > 0) {
 #pragma unroll
@@ -84,6 +85,7 @@ __global__ void __launch_bounds__(XENT_THREADS) k_softmax_xent(xent_args a) {
                 const int64_t c = lane + 32 * k;
                 xv[k] = c < cols ? x[c] : 0.0f;
                 if (c < cols) argmax_take(bv, bi, isnan(xv[k]) ? -INFINITY : xv[k], c);
+                if (c < cols && isnan(xv[k]) && nan_at == cols) nan_at = c;
             }
             nan0 = lane == 0 && isnan(xv[0]);
         } else {
@@ -91,17 +93,20 @@ __global__ void __launch_bounds__(XENT_THREADS) k_softmax_xent(xent_args a) {
                 const float v = x[c];
                 if (c == 0) nan0 = isnan(v);
                 argmax_take(bv, bi, isnan(v) ? -INFINITY : v, c);
+                if (isnan(v) && nan_at == cols) nan_at = c;
             }
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
             const float ov = __shfl_xor_sync(CMLP_FULL_WARP, bv, o);
             const int64_t oi = __shfl_xor_sync(CMLP_FULL_WARP, bi, o);
+            const int64_t on = __shfl_xor_sync(CMLP_FULL_WARP, nan_at, o);
             argmax_take(bv, bi, ov, oi);
+            if (on < nan_at) nan_at = on;
         }
         nan0 = __shfl_sync(CMLP_FULL_WARP, nan0, 0);
         const float mx = nan0 ? NAN : bv;
-        const int64_t arg = nan0 ? 0 : bi;
+        const int64_t arg = nan_at < cols ? nan_at : bi;
 
         /* sum of exp(x - max) and of x, in double; the label's logit */
         const double mxd = f_to_double(mx);
@@ -134,7 +139,9 @@ __global__ void __launch_bounds__(XENT_THREADS) k_softmax_xent(xent_args a) {
         if (!valid) xl = 0.0f;
         /* lse - (1 - e) x_y - e / C sum_c x_c, products kept out of FMAs as on the CPU */
         const double lse = __dadd_rn(mxd, log(sum));
-        loss += __dsub_rn(__dsub_rn(lse, __dmul_rn(keep, f_to_double(xl))), __dmul_rn(spread, xsum));
+        /* (without smoothing no sum of the logits: an infinite one would make a NaN of 0 * inf) */
+        const double spread_sum = spread != 0.0 ? __dmul_rn(spread, xsum) : 0.0;
+        loss += __dsub_rn(__dsub_rn(lse, __dmul_rn(keep, f_to_double(xl))), spread_sum);
         hits += arg == (int64_t)y;
 
         /* dlogits = grad_weight * (p - q) */

@@ -38,7 +38,7 @@ struct adam_op {
     __device__ __forceinline__ void update(float &pi, float gi, float &mi, float &vi, float &vmi) const {
         if (decay != 1.0f) pi = f_mul(pi, decay); /* decoupled weight decay (AdamW) */
         if (maximize) gi = -gi;
-        gi = f_add(gi, f_mul(wd, pi));
+        if (wd != 0.0f) gi = f_add(gi, f_mul(wd, pi)); /* (as torch: none at 0, where an infinite weight makes NaN) */
         mi = f_add(f_mul(beta1, mi), f_mul(one_b1, gi));
         vi = f_add(f_mul(beta2, vi), f_mul(f_mul(one_b2, gi), gi));
         float d = vi;
@@ -135,7 +135,7 @@ struct sgd_op {
     /* returns the new momentum buffer value (unused when plain) */
     __device__ __forceinline__ float update(float &pi, float gi, float bi) const {
         if (maximize) gi = -gi;
-        gi = f_add(gi, f_mul(wd, pi));
+        if (wd != 0.0f) gi = f_add(gi, f_mul(wd, pi));
         if (plain) {
             pi = f_sub(pi, f_mul(lr, gi));
             return bi;

@@ -247,3 +247,49 @@ def assert_exits_with_daemon_threads(tmp_path, env, device, features, rows, wait
         assert done.returncode == 0 and "end of script" in done.stdout, (run, done.returncode, done.stderr[-3000:])
         assert "saved at exit: True" in done.stdout and "Traceback" not in done.stderr, (run, done.stdout[-500:],
                                                                                          done.stderr[-3000:])
+
+
+def assert_non_finite_values_as_torch(device):
+    """A model with infinite or NaN values, kept as they were loaded, against torch on `device`:
+    a logit of -inf at the label is an infinite loss (not 0 * inf's NaN, without smoothing); the
+    prediction that evaluate counts is torch.argmax's (a NaN's column), as predict's; and an
+    optimizer without weight decay leaves an infinite weight whose gradient is 0 infinite (torch
+    adds no decay term at 0: 0 * inf would be NaN), its state finite."""
+    import io
+
+    import torch
+
+    def load(state, sizes):
+        buf = io.BytesIO()
+        np.savez(buf, **state, __layer_sizes__=np.array(sizes))
+        buf.seek(0)
+        return cmlp.MLP.load(buf).to(device)
+
+    m = load({"fc1.weight": np.zeros((3, 2), np.float32), "fc1.bias": np.array([-np.inf, 0, 1], np.float32)}, [2, 3])
+    x, y = np.zeros((2, 2), np.float32), np.array([0, 2])
+    want = torch.nn.functional.cross_entropy(torch.from_numpy(m.forward(x)), torch.from_numpy(y)).item()
+    assert want == np.inf and m.evaluate(x, y)["loss"] == want and m.forward_backward(x, y) == want
+    m.zero_grad()
+    assert m.forward_backward(x, y, label_smoothing=0.1) == np.inf
+    m = load({"fc1.weight": np.zeros((3, 2), np.float32), "fc1.bias": np.array([1, np.nan, np.nan], np.float32)},
+             [2, 3])
+    x, y = np.zeros((4, 2), np.float32), np.array([1, 1, 2, 0])
+    assert torch.argmax(torch.from_numpy(m.forward(x)), 1).tolist() == m.predict(x).tolist() == [1, 1, 1, 1]
+    assert m.evaluate(x, y)["accuracy"] == 0.5
+    rng = np.random.default_rng(0)
+    state = {"fc1.weight": rng.standard_normal((2, 2)).astype(np.float32),
+             "fc1.bias": np.array([-np.inf, 0], np.float32),  # unit 0 dead: its gradients are 0
+             "fc2.weight": rng.standard_normal((2, 2)).astype(np.float32), "fc2.bias": np.zeros(2, np.float32)}
+    x, y = rng.standard_normal((4, 2)).astype(np.float32), np.array([0, 1, 0, 1])
+    for make in (lambda m: cmlp.optim.SGD(m, lr=0.1), lambda m: cmlp.optim.SGD(m, lr=0.1, momentum=0.9),
+                 lambda m: cmlp.optim.Adam(m), lambda m: cmlp.optim.Adam(m, amsgrad=True)):
+        m = load(state, [2, 2, 2])
+        opt = make(m)
+        for _ in range(2):
+            m.zero_grad()
+            m.forward_backward(x, y)
+            opt.step()
+        assert m.state_dict()["fc1.bias"][0] == -np.inf, type(opt).__name__
+        assert np.isfinite(m.evaluate(x, y)["loss"])
+        for buffers in opt.state_dict()["state"].values():
+            assert all(np.isfinite(v).all() for v in buffers.values() if isinstance(v, np.ndarray))

@@ -55,7 +55,8 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from checks import FORKED, assert_history_explains, assert_stats_match_snapshot, same  # noqa: E402
+from checks import (FORKED, assert_history_explains, assert_non_finite_values_as_torch,  # noqa: E402
+                    assert_stats_match_snapshot, same)
 from reference import RefMLP, draw_batch, rel_err  # noqa: E402
 
 import cmlp  # noqa: E402
@@ -1235,6 +1236,14 @@ def test_clip_grad_norm_of_order_0_and_negative_on_the_gpu_is_the_cpus():
         a = np.abs(g.astype(np.float64))
         want = a.min() if p == float("-inf") else (a ** p).sum() ** (1 / p)
         assert abs(totals[0] - want) <= 2e-7 * want and abs(totals[1] - totals[0]) <= 1e-6 * want, (p, totals)
+
+
+@needs_gpu
+def test_infinite_and_nan_values_load_and_train_as_in_torch():
+    """The loss kernel's -inf logit and NaN argmax, and the optimizer kernels' weight decay of 0,
+    as the CPU's (tests/test_numerics.py) and torch's."""
+    pytest.importorskip("torch")
+    assert_non_finite_values_as_torch(CUDA)
 
 
 _GRAPHS_SCRIPT = r"""

@@ -268,6 +268,12 @@ def test_a_nan_inside_the_network_reaches_the_loss_as_in_torch():
     assert np.array_equal(np.isnan(theirs), np.isnan(logits))
 
 
+def test_infinite_and_nan_values_load_and_train_as_in_torch():
+    pytest.importorskip("torch")
+    from checks import assert_non_finite_values_as_torch
+    assert_non_finite_values_as_torch("cpu")
+
+
 def test_bias_gradients_of_many_rows_keep_their_precision():
     """A bias gradient sums its column over every row of the step: a running float sum over 2**21
     rows of mixed signs was off by 7.5e-4 of the total (fc1.bias here), where torch's cascade

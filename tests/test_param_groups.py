@@ -407,6 +407,32 @@ def test_bad_groups_raise_clear_errors(groups, error, match):
         make("sgd", groups=groups)
 
 
+NAN = float("nan")
+
+
+@pytest.mark.parametrize("kind,key,value,match", [
+    ("sgd", "momentum", NAN, r"param_groups\[1\]: Invalid momentum value: nan"),
+    ("sgd", "dampening", NAN, r"param_groups\[1\]: Invalid dampening value: nan"),
+    ("adam", "betas", (NAN, 0.999), r"param_groups\[1\]: Invalid beta parameter at index 0: nan"),
+    ("adam", "betas", (0.9, NAN), r"param_groups\[1\]: Invalid beta parameter at index 1: nan"),
+    ("adamw", "eps", NAN, r"param_groups\[1\]: Invalid epsilon value: nan"),
+])
+def test_a_nan_setting_in_a_later_group_is_refused_as_in_the_first(kind, key, value, match):
+    """A NaN there is refused in every way it can come (made so, set, loaded), with nothing
+    changed: it was taken for the first group's setting, which the steps then used."""
+    with pytest.raises(ValueError, match=match):
+        make(kind, groups=[{"params": WEIGHTS}, {"params": BIASES, key: value}])
+    model, opt = make(kind, groups=[{"params": WEIGHTS}, {"params": BIASES}])
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=match):
+        opt.param_groups[1][key] = value
+    bad = copy.deepcopy(before)
+    bad["param_groups"][1][key] = value
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(bad)
+    assert repr(opt.state_dict()) == repr(before)
+
+
 def test_a_schedule_that_keeps_the_groups_proportions_keeps_their_multiples():
     """A captured step replays while the groups' rates are the same multiples of the base rate:
     a schedule's rates (base * f(t) in each group) divide to multiples that differ in the last

@@ -85,6 +85,10 @@ class Adam(Optimizer):
     def _part_fields(self, own: Mapping) -> Tuple[Any, ...]:
         return own["betas"][0], own["betas"][1], own["eps"], None, None, own["maximize"], own["amsgrad"]
 
+    _nan_refused = {0: "Invalid beta parameter at index 0: nan (must be in [0, 1))",
+                    1: "Invalid beta parameter at index 1: nan (must be in [0, 1))",
+                    2: "Invalid epsilon value: nan (must be >= 0 and finite in float32)"}
+
     def _with_momentum(self, own: Dict[str, Any], value: float) -> Dict[str, Any]:
         return {**own, "betas": (value, own["betas"][1])}
 

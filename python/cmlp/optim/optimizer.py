@@ -244,13 +244,18 @@ class Optimizer(_Copying, _StateDict):
         have."""
         raise NotImplementedError
 
+    _nan_refused: Dict[int, str] = {}  # the C configuration's words for a NaN in _part_fields' i-th
+
     def _part_settings(self, owns: List[Dict[str, Any]]) -> List[Tuple[Any, ...]]:
         """Each group's settings for its parts: its own where they differ from the first group's
         (the C configuration's), else _INHERIT (-1 for the flags)."""
         first = self._part_fields(owns[0])
         out = []
-        for own in owns:
+        for g, own in enumerate(owns):
             fields = self._part_fields(own)
+            for i, v in enumerate(fields[:4]):  # NaN is the parts' mark for the first group's setting
+                if v is not None and v != v:
+                    raise ValueError(("" if g == 0 else f"param_groups[{g}]: ") + self._nan_refused[i])
             out.append(tuple((-1 if i >= 4 else _INHERIT) if v is None or v == f else (int(v) if i >= 4 else v)
                              for i, (v, f) in enumerate(zip(fields, first))))
         return out

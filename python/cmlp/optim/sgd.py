@@ -67,6 +67,9 @@ class SGD(Optimizer):
     def _part_fields(self, own: Mapping) -> Tuple[Any, ...]:
         return own["momentum"], None, None, own["dampening"], own["nesterov"], own["maximize"], None
 
+    _nan_refused = {0: "Invalid momentum value: nan (must be >= 0 and finite in float32)",
+                    3: "Invalid dampening value: nan (must be finite in float32)"}
+
     def _with_momentum(self, own: Dict[str, Any], value: float) -> Dict[str, Any]:
         return {**own, "momentum": value}
 
