@@ -527,6 +527,24 @@ def test_one_trainer_runs_one_call_at_a_time():
     assert np.isfinite(t.step(x[:8], y[:8]))  # free again
 
 
+def test_a_refused_call_names_the_thread_that_had_the_trainer_when_it_was_refused():
+    """The owner may give the trainer back between the refusal and its message, leaving the
+    refused call's claim first: the message is still of the owner seen (another thread's call),
+    not of a call from inside the caller's own fit."""
+    import threading
+
+    m = cmlp.MLP(SIZES, seed=0)
+    t = cmlp.Trainer(m, cmlp.optim.SGD(m, lr=0.1), batch_size=8)
+    other = object()
+    t._claims[other] = threading.get_ident() + 1  # another thread's fit has the trainer
+    t._owner = lambda: threading.get_ident()  # what a second look would see once it gave it back
+    with pytest.raises(RuntimeError, match="already running fit or step in another thread"):
+        t.microbatch_size = 4
+    del t._owner
+    t._claims.pop(other)
+    assert t.microbatch_size == 8 and t.state_dict()["microbatch_size"] == 8
+
+
 def test_a_call_from_inside_fit_says_so():
     m = cmlp.MLP(SIZES, seed=0)
     opt = cmlp.optim.Adam(m)

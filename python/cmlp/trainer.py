@@ -282,7 +282,7 @@ class Trainer(FitLoop):
             raise RuntimeError(_LOST)
         owner = self._owner()
         if owner is not None and owner != threading.get_ident():
-            raise self._busy_error("state_dict")
+            raise self._busy_error("state_dict", owner)
         size, target, good, grown_from, wait = self._c.microbatch_state()
         return {"epochs": self._c.epochs, "microbatch_size": size, "microbatch_target": target,
                 "microbatch_good_steps": good, "microbatch_grown_from": grown_from, "microbatch_grow_wait": wait,
@@ -399,8 +399,9 @@ class Trainer(FitLoop):
                                      f"{feature})")
         return xa, as_labels(y, xa.shape[0], sizes[-1], f"{what} y")
 
-    def _busy_error(self, what: str) -> RuntimeError:
-        if self._owner() == threading.get_ident():
+    def _busy_error(self, what: str, owner: Optional[int] = None) -> RuntimeError:
+        """owner: the thread that had the trainer when the call was refused (default: now)."""
+        if (self._owner() if owner is None else owner) == threading.get_ident():
             return RuntimeError(f"this Trainer's fit or step is still running: {what} was called from inside it (a "
                                 "schedule's function, a callback or a progress bar), which cannot be done")
         return RuntimeError(f"this Trainer is already running fit or step in another thread; {what} must wait "
@@ -414,8 +415,9 @@ class Trainer(FitLoop):
         if self._lost:
             raise RuntimeError(_LOST)
         self._claims[call] = threading.get_ident()
-        if list(self._claims)[0] is not call:
-            raise self._busy_error(what)
+        claims = list(self._claims.items())  # one look: the owner may give it back meanwhile
+        if claims[0][0] is not call:
+            raise self._busy_error(what, claims[0][1])
 
     def _owner(self) -> Optional[int]:
         """The thread of the call that has the trainer, None when none has."""
