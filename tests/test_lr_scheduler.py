@@ -628,6 +628,18 @@ def test_a_schedule_resumes_on_an_optimizer_loaded_from_a_checkpoint():
         fresh.load_state_dict(bad)
 
 
+@pytest.mark.parametrize("kw,match", [(dict(factor=-0.5), r"factor must be in \[0, 1\)"),
+                                      (dict(eps=math.nan), "eps must be a finite number >= 0"),
+                                      (dict(threshold=math.nan), "threshold must be a finite number"),
+                                      (dict(threshold=math.inf), "threshold must be a finite number")])
+def test_plateau_settings_that_would_make_no_rate_or_no_change_are_refused(kw, match):
+    """torch takes them: with threshold NaN every epoch is bad (the rate falls however the
+    metric improves), with eps NaN the rate never falls, a negative factor sets min_lr at once."""
+    opt = cmlp.optim.SGD(cmlp.MLP(SIZES), lr=0.1)
+    with pytest.raises(ValueError, match=match):
+        S.ReduceLROnPlateau(opt, **kw)
+
+
 @pytest.mark.parametrize("bad", [None, [1, 2], {"last_epoch": "3"}, {"base_lrs": 0.1}, {"base_lrs": ["x"]},
                                  {"_is_initial": 1}, {"_schedulers": [{"last_epoch": "3"}, {}]}, {"_schedulers": [{}]}],
                          ids=["none", "list", "text-epoch", "number-for-list", "text-rate", "int-for-bool",
@@ -667,6 +679,19 @@ def test_a_state_dict_of_the_wrong_kind_is_refused_and_loads_nothing(bad):
     ("LinearLR", dict(), "start_factor", 0, "> 0"),
     ("CyclicLR", dict(base_lr=0.01, max_lr=0.1), "total_size", 0, "> 0"),
     ("CyclicLR", dict(base_lr=0.01, max_lr=0.1), "max_lrs", None, "None"),
+    # the bounds of the constructor's factors: a rate of 0 at once (eta_min), a step that fails (gamma)
+    ("CosineAnnealingLR", dict(T_max=5), "eta_min", -5.0, ">= 0"),
+    ("CosineAnnealingWarmRestarts", dict(T_0=3), "eta_min", -1.0, ">= 0"),
+    ("StepLR", dict(step_size=2), "gamma", -5.0, ">= 0"),
+    ("MultiStepLR", dict(milestones=[2]), "gamma", -5.0, ">= 0"),
+    ("ExponentialLR", dict(gamma=0.9), "gamma", -0.5, ">= 0"),
+    ("PolynomialLR", dict(), "power", -1.0, ">= 0"),
+    ("CyclicLR", dict(base_lr=0.01, max_lr=0.1), "step_ratio", -5.0, "> 0"),
+    ("CyclicLR", dict(base_lr=0.01, max_lr=0.1, mode="exp_range"), "gamma", -1.0, ">= 0"),
+    ("ReduceLROnPlateau", dict(), "factor", 1.5, "< 1"),
+    ("ReduceLROnPlateau", dict(), "factor", -1.0, ">= 0"),
+    ("ReduceLROnPlateau", dict(), "eps", -1.0, ">= 0"),
+    ("ReduceLROnPlateau", dict(), "threshold", math.nan, "not a finite number"),
 ])
 def test_a_state_dict_whose_values_would_fail_the_next_step_is_refused_and_loads_nothing(name, kw, key, value, match):
     """A state_dict of the right kinds of values that no step can use (an empty list of phases, a

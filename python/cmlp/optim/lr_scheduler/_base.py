@@ -247,7 +247,7 @@ class LRScheduler:
 
     # what a loaded state_dict is held to (_check_state): the least value of each number the
     # constructor bounds, and the names under which None, or an infinity, may replace a number
-    _LOADED_AT_LEAST: Dict[str, float] = {"last_epoch": -1}
+    _LOADED_AT_LEAST: Dict[str, float] = {"last_epoch": -1, "gamma": 0, "eta_min": 0, "power": 0}  # (where held)
     _LOADED_NONE_OK: frozenset = frozenset()
     _LOADED_INF_OK: frozenset = frozenset()
     # the lists of one value per param group that its steps read (_for_these_groups)

@@ -293,7 +293,7 @@ class CyclicLR(LRScheduler):
     with cycle_momentum the momentum (Adam's beta1, SGD's momentum) moves the other way, between
     max_momentum and base_momentum (each a number, or a list with one per group)."""
 
-    _LOADED_AT_LEAST = {**LRScheduler._LOADED_AT_LEAST, "total_size": _ABOVE_ZERO}
+    _LOADED_AT_LEAST = {**LRScheduler._LOADED_AT_LEAST, "total_size": _ABOVE_ZERO, "step_ratio": _ABOVE_ZERO}
     _LOADED_PER_GROUP = frozenset({"base_lrs", "max_lrs", "base_momentums", "max_momentums"})
 
     _MOVES_MOMENTUM = True

@@ -13,7 +13,7 @@ class ReduceLROnPlateau(LRScheduler):
     by less than eps. Trainer.fit steps it with each epoch's val_loss
     (the training loss without validation data)."""
 
-    _LOADED_AT_LEAST = {**LRScheduler._LOADED_AT_LEAST, "patience": 0, "cooldown": 0}
+    _LOADED_AT_LEAST = {**LRScheduler._LOADED_AT_LEAST, "patience": 0, "cooldown": 0, "factor": 0, "eps": 0}
     _LOADED_NONE_OK = frozenset({"default_min_lr"})  # None with one min_lr per group
     _LOADED_INF_OK = frozenset({"best", "mode_worse"})  # the worst value, where no epoch was seen
     _LOADED_PER_GROUP = frozenset({"min_lrs"})
@@ -23,6 +23,8 @@ class ReduceLROnPlateau(LRScheduler):
                  eps: float = 1e-8) -> None:
         if not factor < 1.0:  # NaN too
             raise ValueError("Factor should be < 1.0.")
+        if not as_number("factor", factor) >= 0.0:  # (a rate times a negative one is min_lr's at once)
+            raise ValueError(f"factor must be in [0, 1) (the rates it makes must be rates), got {factor!r}")
         self.optimizer = _optimizer(optimizer)
         n = len(optimizer.param_groups)
         min_lrs = _one_per_group(min_lr, n, lambda k: f"expected {n} min_lrs, got {k}")
@@ -35,6 +37,8 @@ class ReduceLROnPlateau(LRScheduler):
         self.patience = _int("patience", patience, 0)
         self.cooldown = _int("cooldown", cooldown, 0)
         self.eps = as_number("eps", eps)
+        if not 0.0 <= self.eps < inf:  # (NaN: no rate would ever fall)
+            raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
         self.last_epoch = 0
         self._last_lr = optimizer._group_lrs()
         self._init_is_better(mode, threshold, threshold_mode)
@@ -46,7 +50,10 @@ class ReduceLROnPlateau(LRScheduler):
         if threshold_mode not in ("rel", "abs"):
             raise ValueError(f"threshold mode {threshold_mode} is unknown!")
         self.mode_worse = inf if mode == "min" else -inf
-        self.mode, self.threshold, self.threshold_mode = mode, as_number("threshold", threshold), threshold_mode
+        threshold = as_number("threshold", threshold)
+        if not abs(threshold) < inf:  # (NaN: no epoch would ever be better)
+            raise ValueError(f"threshold must be a finite number, got {threshold!r}")
+        self.mode, self.threshold, self.threshold_mode = mode, threshold, threshold_mode
 
     def _reset(self) -> None:
         self.best = self.mode_worse
@@ -111,12 +118,15 @@ class ReduceLROnPlateau(LRScheduler):
             self.optimizer._set_group_lrs(reduced)
 
     def _check_loaded(self, state_dict: Any) -> None:
-        """The modes it compares by (checked before anything is taken)."""
+        """The modes it compares by and its factor below 1 (checked before anything is taken)."""
         mode, threshold_mode = state_dict.get("mode", self.mode), state_dict.get("threshold_mode", self.threshold_mode)
         if mode not in ("min", "max"):
             raise ValueError(f"mode {mode} is unknown!")
         if threshold_mode not in ("rel", "abs"):
             raise ValueError(f"threshold mode {threshold_mode} is unknown!")
+        if "factor" in state_dict and not float(state_dict["factor"]) < 1.0:
+            raise ValueError(f"state_dict['factor'] must be < 1 (as this ReduceLROnPlateau's constructor takes it), "
+                             f"got {state_dict['factor']!r}")
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """A state saved with another optimizer's param groups takes its min_lr for each of this
