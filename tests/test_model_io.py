@@ -205,6 +205,15 @@ def test_modules_named_otherwise_than_by_number_load_as_they_come(names):
     assert [float(v[0, 0]) for k, v in m.state_dict().items() if k.endswith("weight")] == [0.0, 1.0, 2.0]
 
 
+def test_modules_some_of_them_named_as_this_models_load_in_order():
+    """torch's common fc1, fc2 and out: the layers in order, fc1 and fc2 where their names say."""
+    src = cmlp.MLP([6, 5, 4, 3], seed=4).state_dict()
+    theirs = {("out" if k.startswith("fc3") else k.split(".")[0]) + "." + k.split(".")[1]: v for k, v in src.items()}
+    m = cmlp.MLP([6, 5, 4, 3], seed=3)
+    assert tuple(m.load_state_dict(theirs)) == ([], [])
+    assert_params_equal(m.state_dict(), src)
+
+
 def test_load_state_dict_reads_its_own_names_as_themselves():
     # fc2 and fc3 of this model under their names, beside two other keys: never shifted by position
     m = cmlp.MLP([8, 8, 8, 8], seed=3)

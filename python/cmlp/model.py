@@ -343,8 +343,9 @@ class MLP:
         strict = as_flag("strict", strict)
         flat = self._c.get_params()
         views = self._split(flat)
-        # other names are read as a module's Linear layers only when none is one of this model's
-        renamed = self._linear_names(state, views) if not any(k in views for k in state.keys()) else None
+        # other names (any of them: fc1, fc2 and out) are read as a module's Linear layers, where
+        # the dict holds exactly its layers' weights and biases
+        renamed = self._linear_names(state, views) if not all(k in views for k in state.keys()) else None
         if renamed is not None:
             state = renamed
         missing = [k for k in views if k not in state]
@@ -401,7 +402,8 @@ class MLP:
             for i, module in enumerate(order):
                 for kind in ("weight", "bias"):
                     name, key = f"fc{i + 1}.{kind}", modules[module][kind]
-                    if np.shape(state[key]) != views[name].shape:
+                    # (a key of this model's names, among others, names that layer and no other)
+                    if np.shape(state[key]) != views[name].shape or (key in views and key != name):
                         return None
                     out[name] = state[key]
             return out
@@ -412,11 +414,11 @@ class MLP:
         return renamed(list(modules)) or renamed(by_number)
 
     def _why_not_layers(self, state: Any, views: "OrderedDict[str, np.ndarray]") -> str:
-        """Why a module's weights and biases (none of this model's names) were not read as its
+        """Why a module's weights and biases (not all of this model's names) were not read as its
         layers, where the keys say: a module with a weight and no bias (torch's
         Linear(bias=False)), or another number of layers; else ""."""
         keys = [k for k in state.keys() if isinstance(k, str)]
-        if any(k in views for k in keys) or not keys or not all(k.endswith((".weight", ".bias")) for k in keys):
+        if all(k in views for k in keys) or not keys or not all(k.endswith((".weight", ".bias")) for k in keys):
             return ""
         weights = [k[:-len(".weight")] for k in keys if k.endswith(".weight")]
         biased = {k[:-len(".bias")] for k in keys if k.endswith(".bias")}
