@@ -337,6 +337,11 @@ def test_torch_tensors_load_and_compute_as_their_values_whatever_torch_converts(
     np.testing.assert_array_equal(m.predict(x.bfloat16()), m.predict(x.detach().bfloat16().float().numpy()))
     with pytest.raises(TypeError, match=r"state_dict\['fc1.weight'\] must be numeric"):
         m.load_state_dict({k: torch.from_numpy(v.copy()).to(torch.complex64) for k, v in sd.items()})
+    # a meta tensor has no values (torch raises NotImplementedError for them)
+    with pytest.raises(TypeError, match=r"state_dict\['fc2.weight'\] must be an array of numbers.*meta"):
+        m.load_state_dict({**sd, "fc2.weight": torch.empty(3, 8, device="meta")})
+    with pytest.raises(TypeError, match="x must be an array of numbers"):
+        m.predict(torch.empty(5, 4, device="meta"))
     for k, v in m.state_dict().items():
         np.testing.assert_array_equal(v, sd[k])
 
