@@ -22,6 +22,45 @@ def test_daemon_threads_training_when_the_interpreter_exits_let_it_exit(tmp_path
     assert_exits_with_daemon_threads(tmp_path, os.environ, "cpu", 784, 20000, 0.05, runs=6)
 
 
+_EXIT_HOOK_FIRST = r"""
+import atexit, sys, threading, time
+state = {}
+
+def at_exit():  # registered before cmlp's own hook, so it runs after it
+    m, opt = state["model"], state["opt"]
+    m.to("cpu")
+    opt.lr = 1e-3
+    cmlp.memory._record_memory_history(None)
+    print("hook done", m(np.ones((2, 64), np.float32)).shape, opt.lr, flush=True)
+
+atexit.register(at_exit)
+import numpy as np
+import cmlp
+m = cmlp.MLP([64, 256, 10]); opt = cmlp.optim.Adam(m)
+state.update(model=m, opt=opt)
+
+def forever(step):
+    while True:
+        step()
+
+for step in (lambda: m.to("cpu"), lambda: setattr(opt, "lr", 2e-3),
+             lambda: cmlp.memory._record_memory_history("all", device="cpu")):
+    threading.Thread(target=forever, args=(step,), daemon=True).start()
+time.sleep(0.3)
+"""
+
+
+def test_an_exit_callback_takes_the_locks_a_parked_daemon_thread_holds():
+    """Once the exit has begun, a daemon thread's next call into the core waits for the
+    process's end, holding the Python locks its frames hold (a model's move, an optimizer's
+    settings, the memory history's): an exit callback that runs after cmlp's own hook (registered
+    before cmlp was imported) and needs one of them waited for ever. It takes them over."""
+    import subprocess
+    for _ in range(3):
+        r = subprocess.run([sys.executable, "-c", _EXIT_HOOK_FIRST], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout == "hook done (2, 10) 0.001\n", (r.returncode, r.stdout, r.stderr[-2000:])
+
+
 # ---- a KeyboardInterrupt at any line of a call's claim, and of the optimizer's settings ----
 
 def _injectable_lines(functions):

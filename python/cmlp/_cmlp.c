@@ -26,10 +26,30 @@ static pthread_t exit_thread; /* the thread that runs the exit (set before core_
 /* A call of another thread than the exiting one, once the exit has begun. */
 static int held_back(void) { return atomic_load(&core_exiting) && !pthread_equal(pthread_self(), exit_thread); }
 
+/* The threads parked for good (their Python idents: pthread_self's value, as CPython's on
+ * POSIX), which hold whatever Python locks they held: cmlp's own (_locks.CoreLock) are taken
+ * over from them, so that the exit's callbacks do not wait for ever. */
+enum { MAX_PARKED = 256 };
+static _Atomic unsigned long parked_ids[MAX_PARKED];
+static _Atomic int parked_count;
+
 /* Never returns: a daemon thread's work after the exit began waits here, without the GIL and
  * without an exception, until the process ends. */
 static void park(void) {
+    int i = atomic_fetch_add(&parked_count, 1);
+    if (i < MAX_PARKED) atomic_store(&parked_ids[i], (unsigned long)pthread_self());
     for (;;) pause();
+}
+
+/* _cmlp.parked(ident): whether that thread is parked for good (False once MAX_PARKED are). */
+static PyObject *mod_parked(PyObject *mod, PyObject *arg) {
+    (void)mod;
+    unsigned long id = PyLong_AsUnsignedLong(arg);
+    if (id == (unsigned long)-1 && PyErr_Occurred()) return NULL;
+    int n = atomic_load(&parked_count);
+    for (int i = 0; i < n && i < MAX_PARKED; i++)
+        if (atomic_load(&parked_ids[i]) == id) Py_RETURN_TRUE;
+    Py_RETURN_FALSE;
 }
 
 int core_enter(void) {
@@ -85,7 +105,10 @@ static PyObject *mod_wait_for_calls(PyObject *mod, PyObject *unused) {
 }
 
 /* a forked child has only the forking thread, which was in no call */
-static void core_after_fork_child(void) { atomic_store(&core_calls, 0); }
+static void core_after_fork_child(void) {
+    atomic_store(&core_calls, 0);
+    atomic_store(&parked_count, 0); /* (none of them is in the child) */
+}
 
 int core_exit_init(void) {
     static int done;
@@ -455,6 +478,7 @@ static PyMethodDef module_methods[] = {
     {"cuda_set_device", mod_cuda_set_device, METH_O, "cuda_set_device(N): \"cuda\" names GPU N in this thread"},
     {"cuda_forked", mod_cuda_forked, METH_NOARGS, "whether this process was forked after CUDA was started"},
     {"synchronize", mod_synchronize, METH_O, "synchronize(device): waits for the device's queued work"},
+    {"parked", mod_parked, METH_O, "parked(thread ident): whether that thread's call waits for the process's end"},
     {"wait_for_calls", mod_wait_for_calls, METH_NOARGS,
      "at exit: waits (30 s at most) for other threads' calls under way; their new ones wait for the end"},
     {NULL, NULL, 0, NULL},

@@ -15,13 +15,13 @@ import numbers
 import os
 import pickle
 import sys
-import threading
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from . import _cmlp
 from ._files import atomic_write
+from ._locks import CoreLock
 
 _ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "segment_map",
             "segment_unmap", "oom", "snapshot")
@@ -29,12 +29,12 @@ _MODES = {None: 0, "state": 1, "all": 2}
 _CONTEXTS = {None: 0, "state": 1, "alloc": 2, "all": 3}
 _STACKS = ("python", "all")
 
-_lock = threading.Lock()
+_lock = CoreLock()
 
 
 def _new_lock_in_child() -> None:  # a thread the forked child lacks may have held it
     global _lock
-    _lock = threading.Lock()
+    _lock = CoreLock()
 
 
 os.register_at_fork(after_in_child=_new_lock_in_child)

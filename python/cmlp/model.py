@@ -6,7 +6,6 @@ import itertools
 import os
 import re
 import stat
-import threading
 import weakref
 import zipfile
 import zlib
@@ -17,6 +16,7 @@ import numpy as np
 
 from . import _cmlp
 from ._files import atomic_write
+from ._locks import CoreLock
 from ._arrays import _as_array, as_flag, as_inputs, as_labels, as_normalize, as_number, check_amp, check_seed
 
 _SIZES_KEY = "__layer_sizes__"
@@ -142,7 +142,7 @@ _live: "weakref.WeakSet[MLP]" = weakref.WeakSet()
 def _after_fork_in_child() -> None:
     for model in list(_live):
         if "_optimizers_lock" in model.__dict__:
-            model._optimizers_lock = threading.RLock()
+            model._optimizers_lock = CoreLock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -167,7 +167,7 @@ class MLP:
         self._optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()
         # held while an optimizer is made and while the model moves: a move in another thread
         # takes every optimizer along, the one being made too
-        self._optimizers_lock = threading.RLock()
+        self._optimizers_lock = CoreLock()
         _live.add(self)
         # no gradient yet (torch's .grad is None until a backward, and again after
         # zero_grad(set_to_none=True)): an optimizer's step() then changes nothing

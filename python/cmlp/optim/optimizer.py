@@ -3,13 +3,13 @@ buffers in one fused pass, with torch's param groups over it."""
 import contextlib
 import functools
 import os
-import threading
 import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, MutableMapping, Tuple, TypeVar
 
 import numpy as np
 
 from .. import _cmlp
+from .._locks import CoreLock
 from .._arrays import as_number as _num
 from ..model import MLP, Parameters, model_of, parameter_of
 from ._groups import _FLT_MAX, _INHERIT, _GroupList, _ParamGroup, _initial_lr_of, _rate, _unnamed, _unsupported_flag
@@ -36,7 +36,7 @@ def _after_fork_in_child() -> None:
             lock.release()
         else:  # a thread the child does not have holds it
             opt._torn = True
-        opt._lock = threading.RLock()
+        opt._lock = CoreLock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -75,7 +75,7 @@ class Optimizer(_Copying, _StateDict):
     _per_group: Tuple[str, ...] = ()
 
     def __init__(self, model: MLP, kind: str, flags: Dict[str, Any], param_groups: Any = None, **config: Any) -> None:
-        self._lock = threading.RLock()  # the groups' settings, read, changed and given to C as one (_locked)
+        self._lock = CoreLock()  # the groups' settings, read, changed and given to C as one (_locked)
         _live.add(self)
         model, param_groups = self._model_and_groups(model, param_groups)
         self.model = model
