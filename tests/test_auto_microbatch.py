@@ -555,7 +555,7 @@ def test_the_planned_start_is_the_largest_micro_batch_that_fits_beside_other_all
         assert _beside(case, larger)["micro"] is None, (micro, larger)
 
 
-_SECOND_FIT = r"""
+_WIDE_STEP = r"""
 import numpy as np
 import cmlp
 M = cmlp.memory
@@ -563,7 +563,9 @@ rng = np.random.default_rng(0)
 x, y = rng.standard_normal((4096, 256)).astype(np.float32), rng.integers(0, 10, 4096)
 model = cmlp.MLP([256, 1024, 1024, 10], seed=0)
 trainer = cmlp.Trainer(model, cmlp.optim.SGD(model, lr=0.01, momentum=0.9), batch_size=4096)
-M.set_memory_limit(M.memory_reserved("cpu") + (12 << 20), "cpu")
+"""
+
+_SECOND_FIT = _WIDE_STEP + r"""M.set_memory_limit(M.memory_reserved("cpu") + (12 << 20), "cpu")
 first = trainer.fit(x, y, epochs=1, progress=False)[0]["microbatch_size"]
 M.set_memory_limit(M.memory_reserved("cpu") + (1 << 30), "cpu")
 ooms = M.memory_stats("cpu")["num_ooms"]
@@ -584,15 +586,7 @@ def test_a_later_fit_with_more_room_starts_from_the_micro_batch_asked_for():
     assert first < 4096 and (second, now, ooms) == (4096, 4096, 0), r.stdout
 
 
-_LIMIT_REMOVED = r"""
-import numpy as np
-import cmlp
-M = cmlp.memory
-rng = np.random.default_rng(0)
-x, y = rng.standard_normal((4096, 256)).astype(np.float32), rng.integers(0, 10, 4096)
-model = cmlp.MLP([256, 1024, 1024, 10], seed=0)
-trainer = cmlp.Trainer(model, cmlp.optim.SGD(model, lr=0.01, momentum=0.9), batch_size=4096)
-out = []
+_LIMIT_REMOVED = _WIDE_STEP + r"""out = []
 for call in ("fit", "step"):
     M.empty_cache("cpu")
     M.set_memory_limit(M.memory_reserved("cpu") + (12 << 20), "cpu")
