@@ -757,7 +757,8 @@ typedef struct cmlp_plan {
  * evaluation on, the run is under a memory limit of that many bytes reserved on top of what the
  * device holds once open, as a fit under it is (a small evaluation whose pool can make no segment
  * there takes a piece of a cached large-pool block, cmlp_allocator_malloc_lent); a request that
- * finds no room under it is made as without it, so that peak_reserved is then over the budget. */
+ * finds no room under it is made as without it, so that peak_reserved is then over the budget
+ * (and the segments later epochs would add stop at the limit, while it holds). */
 CMLP_API cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int optimizer_buffers,
                                        int optimizer_shards, int optimizer_parts, cmlp_amp amp, int recompute,
                                        int loss_scaling, int solo, int64_t data_rows, int64_t data_row_bytes,

@@ -86,10 +86,19 @@ static void *worker(void *arg) {
     return NULL;
 }
 
+/* A count of threads in the environment variable, as atoi reads it but held to [1, MAX_THREADS]
+ * (a huge one is MAX_THREADS, not atoi's overflow); 0 where it is unset, or has no count. */
+static int env_threads(const char *name) {
+    const char *e = getenv(name);
+    if (!e) return 0;
+    char *end;
+    long long v = strtoll(e, &end, 10);
+    return end == e || v < 1 ? 0 : v > MAX_THREADS ? MAX_THREADS : (int)v;
+}
+
 static int wanted_threads(void) {
-    const char *e = getenv("CMLP_NUM_THREADS");
-    if (!e || !*e) e = getenv("OPENBLAS_NUM_THREADS");
-    int n = e && *e ? atoi(e) : 0;
+    int n = env_threads("CMLP_NUM_THREADS");
+    if (n <= 0) n = env_threads("OPENBLAS_NUM_THREADS");
     if (n <= 0) {
         cpu_set_t set;
         n = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : (int)sysconf(_SC_NPROCESSORS_ONLN);

@@ -109,25 +109,28 @@ static int64_t reserved_now(cmlp_allocator *a) {
  * *later: the reserved bytes the epochs not replayed add. */
 /* A request of the replay, under the allocator's limit where it has room (past it, the run does
  * not fit: the request is made without the limit, and the reserved bytes show by how much). */
-static cmlp_status replay_malloc(cmlp_allocator *a, size_t nbytes, bool lent, const char *what, void **p) {
+static cmlp_status replay_malloc(cmlp_allocator *a, size_t nbytes, bool lent, const char *what, void **p,
+                                 int64_t *limit) {
     /* an evaluation's buffers as cmlp_forward_reserve takes them, the step's as the workspace */
     cmlp_status st = lent ? cmlp_allocator_malloc_lent(a, nbytes, what, p) : cmlp_allocator_malloc(a, nbytes, what, p);
-    if (st != CMLP_ERR_OOM) return st;
+    if (st != CMLP_ERR_OOM || *limit < 0) return st;
+    *limit = -1;
     cmlp_allocator_set_limit(a, -1);
     return cmlp_allocator_malloc(a, nbytes, what, p);
 }
 
+/* *limit: the allocator's limit (-1: none), lifted where a request finds no room under it. */
 static cmlp_status replay_epochs(cmlp_allocator *a, void *ws_block, size_t ws, size_t fwd, int64_t epochs,
-                                 int64_t *later) {
+                                 int64_t *limit, int64_t *later) {
     enum { MAX_REPLAYED = 64 };
     int64_t grew_before = -1;
     *later = 0;
     for (int64_t e = 1; e <= epochs; e++) {
         int64_t before = reserved_now(a);
         void *p;
-        if (e > 1) CMLP_TRY(replay_malloc(a, ws, false, "planned", &ws_block));
+        if (e > 1) CMLP_TRY(replay_malloc(a, ws, false, "planned", &ws_block, limit));
         CMLP_TRY(cmlp_allocator_free(a, ws_block));
-        CMLP_TRY(replay_malloc(a, fwd, true, "planned evaluation", &p));
+        CMLP_TRY(replay_malloc(a, fwd, true, "planned evaluation", &p, limit));
         CMLP_TRY(cmlp_allocator_free(a, p));
         if (e == 1) continue; /* its step's buffers were the run's first */
         int64_t grew = reserved_now(a) - before;
@@ -263,7 +266,7 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
         base_reserved = s.stat[CMLP_STAT_RESERVED_BYTES][CMLP_POOL_ALL].current;
     }
     void *ws_block = NULL;
-    int64_t later = 0; /* reserved bytes the epochs not replayed add */
+    int64_t later = 0, limit = -1; /* reserved bytes the epochs not replayed add; the budget's limit */
     for (int i = 0; i < nreq && st == CMLP_OK; i++) {
         cmlp_memory_stats before, after;
         cmlp_allocator_stats(a, &before);
@@ -279,10 +282,10 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
         int nf = cmlp_fwd_layout(sizes, L, eval_rows, eval_staged != 0, fsz);
         for (int i = 0; i < nf; i++) fwd += fsz[i];
         out->evaluation = (int64_t)fwd;
-        int64_t limit = eval_budget + base_reserved;
-        if (eval_budget > 0 && reserved_now(a) <= limit) /* (past it, the run does not fit anyway) */
-            cmlp_allocator_set_limit(a, limit);
-        st = replay_epochs(a, ws_block, ws, fwd, epochs, &later);
+        limit = eval_budget > 0 ? eval_budget + base_reserved : -1;
+        if (limit >= 0 && reserved_now(a) > limit) limit = -1; /* (past it, the run does not fit anyway) */
+        if (limit >= 0) cmlp_allocator_set_limit(a, limit);
+        st = replay_epochs(a, ws_block, ws, fwd, epochs, &limit, &later);
     }
     if (st == CMLP_OK) {
         cmlp_memory_stats s;
@@ -291,6 +294,9 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
         out->peak_reserved = s.stat[CMLP_STAT_RESERVED_BYTES][CMLP_POOL_ALL].peak - base_reserved;
         /* at most what the device has: there the allocator empties its cache and goes on */
         int64_t room = pd.total - s.stat[CMLP_STAT_RESERVED_BYTES][CMLP_POOL_ALL].peak;
+        /* (under the budget's limit, there: the allocator gives cached segments back when it reaches it) */
+        if (limit >= 0 && limit - s.stat[CMLP_STAT_RESERVED_BYTES][CMLP_POOL_ALL].peak < room)
+            room = limit - s.stat[CMLP_STAT_RESERVED_BYTES][CMLP_POOL_ALL].peak;
         out->peak_reserved += later < room ? later : (room > 0 ? room : 0);
         out->standing_reserved = base_reserved;
     }

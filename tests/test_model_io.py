@@ -223,6 +223,10 @@ def test_load_state_dict_reads_its_own_names_as_themselves():
              "fc3.bias": src["fc3.bias"], "head.weight": src["fc1.weight"], "head.bias": src["fc1.bias"]}
     with pytest.raises(ValueError, match=r"missing keys \['fc1.weight', 'fc1.bias'\]"):
         m.load_state_dict(mixed)
+    # however the other name sorts beside this model's ("encoder" before "fc2")
+    encoder = {("encoder." + k.split(".")[1] if k.startswith("head") else k): v for k, v in mixed.items()}
+    with pytest.raises(ValueError, match=r"missing keys \['fc1.weight', 'fc1.bias'\]"):
+        m.load_state_dict(encoder)
     missing, unexpected = m.load_state_dict(mixed, strict=False)
     assert missing == ["fc1.weight", "fc1.bias"] and unexpected == ["head.weight", "head.bias"]
     after = m.state_dict()

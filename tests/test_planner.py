@@ -823,6 +823,13 @@ def test_cli_plan_takes_the_epochs(tmp_path):
     assert outs[0] == outs[2] != outs[1]
     r = _cli(args + ["--epochs", "0"], tmp_path)
     assert r.returncode == 2 and "--epochs" in r.stderr, r.stderr
+    # under a budget, the segments later epochs would add stop at it (the allocator gives cached
+    # ones back there): 90 epochs plan 3.52 GiB without one, and fit in 150 MiB
+    for budget, reserved in ((None, "3.52 GiB"), ("150MB", "150.00 MiB")):
+        r = subprocess.run([sys.executable, "-m", "cmlp", "plan", *args, "--epochs", "90"] +
+                           (["--budget", budget] if budget else []), capture_output=True, text=True, cwd=tmp_path,
+                           env={**_env(), **env_conf}, timeout=60)
+        assert r.returncode == 0 and re.search(rf"peak reserved +{reserved}\n", r.stdout), r.stdout + r.stderr
 
 
 _SHORT_DATA_RUN = r'''

@@ -61,6 +61,43 @@ def test_an_exit_callback_takes_the_locks_a_parked_daemon_thread_holds():
         assert r.returncode == 0 and r.stdout == "hook done (2, 10) 0.001\n", (r.returncode, r.stdout, r.stderr[-2000:])
 
 
+def test_the_core_lock_is_a_reentrant_lock_as_threading_s():
+    """Outside an exit it is threading.RLock: reentrant, released by its holder alone (a release
+    too many raises and changes nothing), with RLock's timeout and non-blocking acquire."""
+    import threading
+    import time
+
+    import pytest
+    lock = cmlp._cmlp.CoreLock()
+    with lock:
+        with lock:
+            pass
+    with pytest.raises(RuntimeError, match="cannot release un-acquired lock"):
+        lock.release()
+    held, done = threading.Event(), threading.Event()
+
+    def hold():
+        with lock:
+            held.set()
+            done.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait(10)
+    start = time.monotonic()
+    assert lock.acquire(timeout=0.2) is False and time.monotonic() - start >= 0.19
+    assert lock.acquire(False) is False
+    with pytest.raises(RuntimeError, match="cannot release un-acquired lock"):
+        lock.release()
+    done.set()
+    t.join()
+    assert lock.acquire(False) is True
+    lock.release()
+    for bad, match in ((dict(blocking=False, timeout=1), "non-blocking"), (dict(timeout=-2), "non-negative")):
+        with pytest.raises(ValueError, match=match):
+            lock.acquire(**bad)
+
+
 # ---- a KeyboardInterrupt at any line of a call's claim, and of the optimizer's settings ----
 
 def _injectable_lines(functions):

@@ -41,12 +41,15 @@ def as_inputs(x: Any, features: int, name: str = "x") -> np.ndarray:
 def _tensor_as_array(t: Any, name: str) -> np.ndarray:
     """A torch tensor's values, whatever torch's own conversion refuses: one that requires
     grad, on a GPU, or of bfloat16 (which NumPy lacks: float32 holds every value of it)."""
-    try:  # (a meta tensor, which has no values, refuses .cpu() with NotImplementedError)
+    try:
         t = t.detach().cpu()
-        if str(t.dtype) == "torch.bfloat16":
-            t = t.float()
+    except NotImplementedError as e:  # a meta tensor, which has no values (a GPU's error is its own)
+        raise TypeError(f"{name} must be an array of numbers; the tensor given cannot be one ({e})") from None
+    if str(t.dtype) == "torch.bfloat16":
+        t = t.float()
+    try:
         return np.asarray(t.numpy())
-    except (TypeError, RuntimeError, NotImplementedError) as e:
+    except (TypeError, RuntimeError) as e:
         raise TypeError(f"{name} must be an array of numbers; the tensor given cannot be one ({e})") from None
 
 

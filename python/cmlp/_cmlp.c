@@ -27,8 +27,8 @@ static pthread_t exit_thread; /* the thread that runs the exit (set before core_
 static int held_back(void) { return atomic_load(&core_exiting) && !pthread_equal(pthread_self(), exit_thread); }
 
 /* The threads parked for good (their Python idents: pthread_self's value, as CPython's on
- * POSIX), which hold whatever Python locks they held: cmlp's own (_locks.CoreLock) are taken
- * over from them, so that the exit's callbacks do not wait for ever. */
+ * POSIX), which hold whatever Python locks they held: cmlp's own (CoreLock, _cmlp_lock.c) are
+ * taken over from them by the exiting thread, so that the exit's callbacks do not wait for ever. */
 enum { MAX_PARKED = 256 };
 static _Atomic unsigned long parked_ids[MAX_PARKED];
 static _Atomic int parked_count;
@@ -41,16 +41,14 @@ static void park(void) {
     for (;;) pause();
 }
 
-/* _cmlp.parked(ident): whether that thread is parked for good (False once MAX_PARKED are). */
-static PyObject *mod_parked(PyObject *mod, PyObject *arg) {
-    (void)mod;
-    unsigned long id = PyLong_AsUnsignedLong(arg);
-    if (id == (unsigned long)-1 && PyErr_Occurred()) return NULL;
+int core_parked(unsigned long id) {
     int n = atomic_load(&parked_count);
     for (int i = 0; i < n && i < MAX_PARKED; i++)
-        if (atomic_load(&parked_ids[i]) == id) Py_RETURN_TRUE;
-    Py_RETURN_FALSE;
+        if (atomic_load(&parked_ids[i]) == id) return 1;
+    return 0;
 }
+
+int core_exit_thread(void) { return atomic_load(&core_exiting) && pthread_equal(pthread_self(), exit_thread); }
 
 int core_enter(void) {
     atomic_fetch_add(&core_calls, 1);
@@ -478,7 +476,6 @@ static PyMethodDef module_methods[] = {
     {"cuda_set_device", mod_cuda_set_device, METH_O, "cuda_set_device(N): \"cuda\" names GPU N in this thread"},
     {"cuda_forked", mod_cuda_forked, METH_NOARGS, "whether this process was forked after CUDA was started"},
     {"synchronize", mod_synchronize, METH_O, "synchronize(device): waits for the device's queued work"},
-    {"parked", mod_parked, METH_O, "parked(thread ident): whether that thread's call waits for the process's end"},
     {"wait_for_calls", mod_wait_for_calls, METH_NOARGS,
      "at exit: waits (30 s at most) for other threads' calls under way; their new ones wait for the end"},
     {NULL, NULL, 0, NULL},
@@ -498,6 +495,12 @@ static int module_exec(PyObject *mod) {
     if (!ms->optim_type || PyModule_AddType(mod, ms->optim_type) < 0) return -1;
     ms->trainer_type = (PyTypeObject *)PyType_FromModuleAndSpec(mod, &Trainer_spec, NULL);
     if (!ms->trainer_type || PyModule_AddType(mod, ms->trainer_type) < 0) return -1;
+    PyObject *lock_type = PyType_FromModuleAndSpec(mod, &CoreLock_spec, NULL);
+    if (!lock_type || PyModule_AddType(mod, (PyTypeObject *)lock_type) < 0) {
+        Py_XDECREF(lock_type);
+        return -1;
+    }
+    Py_DECREF(lock_type);
     if (PyModule_AddIntConstant(mod, "MAX_RATES", CMLP_MAX_RATES) < 0) return -1;
     if (PyModule_AddIntConstant(mod, "MAX_LAYERS", CMLP_MAX_LAYERS) < 0) return -1;
     PyMethodDef *more[] = {cmlp_py_model_methods, cmlp_py_memory_methods, cmlp_py_stack_methods,

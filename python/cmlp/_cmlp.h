@@ -50,6 +50,9 @@ int core_exit_init(void);
  * nothing; its refused model call, STATUS_EXITING, is never seen). */
 void core_busy(int delta);
 void core_gate(int delta);
+/* Whether thread `id` (its Python ident) is parked for good; whether the caller runs the exit. */
+int core_parked(unsigned long id);
+int core_exit_thread(void);
 
 /* This module's own status: a model lost to fork (ModelObject.lost). */
 #define STATUS_LOST ((cmlp_status)-1)
@@ -178,7 +181,7 @@ int as_data(PyObject *x, PyObject *y, int64_t features, float mean, float std, c
 int as_flat(PyObject *obj, int64_t n, const float **out);
 
 /* Each file's types and module functions, put together by module_exec. */
-extern PyType_Spec Model_spec, Optim_spec, Trainer_spec;
+extern PyType_Spec Model_spec, Optim_spec, Trainer_spec, CoreLock_spec;
 extern PyMethodDef cmlp_py_model_methods[], cmlp_py_memory_methods[], cmlp_py_stack_methods[],
     cmlp_py_dist_methods[];
 

@@ -37,7 +37,7 @@ class FitLoop:
         try:
             for epoch in range(1, epochs + 1):
                 _cmlp.memory_window_peak(device, True)  # the epoch's own peak; the statistics' are the user's
-                epochs_before, micro_before = self._c.epochs, self._c.microbatch_state()
+                epochs_before, micro_before = self._c.epochs, (self._c.microbatch_state(), self._limit_micro)
                 # the later epochs of this call train on the same arrays: a device copy is kept
                 total = self._c.epoch_begin(xa, ya, *self.normalize, same_data=epoch > 1)
                 steps_done = 0
@@ -91,7 +91,8 @@ class FitLoop:
                     # before the call)
                     if steps_done + self._c.run_steps() == 0:
                         self._c.epochs = epochs_before
-                        self._c.set_microbatch_state(*micro_before)
+                        self._c.set_microbatch_state(*micro_before[0])
+                        self._limit_micro = micro_before[1]
                     else:
                         self.model._grads_none = False
                     raise

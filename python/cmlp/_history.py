@@ -21,7 +21,7 @@ import numpy as np
 
 from . import _cmlp
 from ._files import atomic_write
-from ._locks import CoreLock
+from ._cmlp import CoreLock
 
 _ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "segment_map",
             "segment_unmap", "oom", "snapshot")

@@ -16,7 +16,7 @@ import numpy as np
 
 from . import _cmlp
 from ._files import atomic_write
-from ._locks import CoreLock
+from ._cmlp import CoreLock
 from ._arrays import _as_array, as_flag, as_inputs, as_labels, as_normalize, as_number, check_amp, check_seed
 
 _SIZES_KEY = "__layer_sizes__"
@@ -411,6 +411,8 @@ class MLP:
         by_number = sorted(modules, key=natural)
         if len({re.sub(r"[0-9]+", "#", m) for m in modules}) == 1:  # "0", "2", ...; "layers.0", "layers.2", ...
             return renamed(by_number) or renamed(list(modules))
+        if any(key in views for key in keys):  # fc1, fc2 and out: in the order given (never by how out sorts)
+            return renamed(list(modules))
         return renamed(list(modules)) or renamed(by_number)
 
     def _why_not_layers(self, state: Any, views: "OrderedDict[str, np.ndarray]") -> str:

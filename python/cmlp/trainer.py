@@ -483,7 +483,7 @@ class Trainer(FitLoop):
 
         def start() -> None:
             nonlocal before
-            before = self._c.microbatch_state(), self._step_planned
+            before = self._c.microbatch_state(), self._step_planned, self._limit_micro
             self._start_step(xa.shape[0])
 
         try:
@@ -492,7 +492,7 @@ class Trainer(FitLoop):
                 loss = self._step(xa, ya)
             except BaseException:
                 if before is not None:  # a step that failed keeps not the micro-batch it started from
-                    self._step_planned = before[1]
+                    self._step_planned, self._limit_micro = before[1], before[2]
                     try:
                         self._c.set_microbatch_state(*before[0])
                     except Exception:  # noqa: BLE001 - (a lost model refuses it) the step's error is the one raised

@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Mutab
 import numpy as np
 
 from .. import _cmlp
-from .._locks import CoreLock
+from .._cmlp import CoreLock
 from .._arrays import as_number as _num
 from ..model import MLP, Parameters, model_of, parameter_of
 from ._groups import _FLT_MAX, _INHERIT, _GroupList, _ParamGroup, _initial_lr_of, _rate, _unnamed, _unsupported_flag
