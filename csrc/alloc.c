@@ -556,6 +556,7 @@ void cmlp_allocator_reset_accumulated(cmlp_allocator *a) {
         for (int p = 0; p < CMLP_POOL_COUNT; p++) a->stats.stat[k][p].allocated = a->stats.stat[k][p].freed = 0;
     cmlp_memory_stats *s = &a->stats;
     s->num_alloc_retries = s->num_ooms = s->num_sync_all_streams = s->num_device_alloc = s->num_device_free = 0;
+    s->num_raw_alloc_calls = 0;
     pthread_mutex_unlock(&a->lock);
 }
 

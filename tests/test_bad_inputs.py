@@ -145,7 +145,10 @@ def _cases():
     add("device-int", lambda c: cmlp.MLP(SIZES, device=3.5), TypeError, r"device must be a str")
     add("to-int", lambda c: c.model.to(3.5), TypeError, r"device must be a str|unknown device")
     add("memory-device-float", lambda c: cmlp.memory.memory_allocated(3.0), TypeError, r"device must be a str")
-    add("memory-device-negative", lambda c: cmlp.memory.memory_allocated(-1), TypeError, r"device must be a str")
+    add("memory-device-negative", lambda c: cmlp.memory.memory_allocated(-1), ValueError, r"Invalid device argument -1")
+    add("cuda-memory-device-negative", lambda c: cmlp.cuda.memory_stats(-1), ValueError, r"Invalid device argument -1")
+    add("memory-snapshot-pool", lambda c: cmlp.memory.memory_snapshot("cpu", mempool_id=(1, 2)), ValueError,
+        r"mempool_id must be None or \(0, 0\)")
 
     for name, sizes, exc in [("empty", [], ValueError), ("one", [784], ValueError), ("zero", [784, 0, 10], ValueError),
                              ("negative", [784, -1, 10], ValueError), ("float", [784, 2.5, 10], TypeError),

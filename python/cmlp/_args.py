@@ -14,7 +14,12 @@ def _device_text(device: Any) -> Any:
     functions take it), a torch.device (anything with a str .type and an int or None .index) its
     "type[:index]". Anything else is returned as it is."""
     if isinstance(device, (int, np.integer)) and not isinstance(device, (bool, np.bool_)):
-        return f"cuda:{int(device)}" if device >= 0 else device
+        if device < 0:  # (as torch's allocator)
+            raise ValueError(f"Invalid device argument {int(device)}: a GPU's index is >= 0")
+        return f"cuda:{int(device)}"
+    idx = getattr(device, "idx", None)  # a device block (cmlp.cuda.device, torch.cuda.device): its GPU
+    if isinstance(idx, int) and not isinstance(idx, bool) and not hasattr(device, "type"):
+        return _device_text(idx)
     kind, index = getattr(device, "type", None), getattr(device, "index", 0)
     if not isinstance(device, str) and isinstance(kind, str) and (index is None or isinstance(index, int)):
         return kind if index is None else f"{kind}:{index}"

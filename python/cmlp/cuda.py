@@ -135,6 +135,9 @@ def _device_index(device: "Optional[str | int]") -> int:
     "cuda:N" or a torch.device."""
     if device is None:
         return _cmlp.cuda_current_device()
+    idx = getattr(device, "idx", None)  # a device block (this module's or torch.cuda's), as torch takes one
+    if isinstance(idx, int) and not isinstance(idx, bool) and not hasattr(device, "type"):
+        return idx
     if not isinstance(device, (str, int, np.integer)) and hasattr(device, "type"):  # a torch.device
         from ._args import _device_text
 
@@ -310,9 +313,12 @@ def _on_gpu(name: str, unopened: Any = None):  # type: ignore[no-untyped-def]
     def call(device: "Optional[str | int]" = None):  # type: ignore[no-untyped-def]
         from . import memory
 
-        if unopened is not None and not _opened(device):
-            return unopened(_device_index(device))
-        return getattr(memory, name)(f"cuda:{_device_index(device)}")
+        index = _device_index(device)
+        if index < 0:  # (as torch's allocator: no GPU has it)
+            raise ValueError(f"Invalid device argument {index}: a GPU's index is >= 0")
+        if unopened is not None and not _opened(index):
+            return unopened(index)
+        return getattr(memory, name)(f"cuda:{index}")
 
     call.__name__ = call.__qualname__ = name
     call.__doc__ = f"cmlp.memory.{name} of a GPU (default: \"cuda\"), as torch.cuda.{name}" + (

@@ -203,7 +203,8 @@ def caching_allocator_delete(mem_ptr: int) -> None:
     _cmlp.free(dev, mem_ptr)
 
 
-def memory_snapshot(device: Optional[str] = None) -> List[Dict[str, Any]]:
+def memory_snapshot(device: Optional[str] = None, *, mempool_id: Any = None,
+                    include_traces: bool = True) -> List[Dict[str, Any]]:
     """Every segment with its blocks, sorted by address, as torch.cuda.memory_snapshot() gives
     them: {device (the index; 0 for "cpu"), address, total_size, allocated_size, active_size,
     requested_size, stream (0), segment_type "small"/"large", segment_pool_id ((0, 0)),
@@ -212,9 +213,22 @@ def memory_snapshot(device: Optional[str] = None) -> List[Dict[str, Any]]:
     "name": "activations"}, ...) and, while _record_memory_history keeps contexts, the Python
     stack that allocated it, innermost first. An expandable segment appears as one entry per run
     of mapped pages. The statistics always equal what the snapshot adds up to. _snapshot() gives
-    the same with the history, in PyTorch's format."""
+    the same with the history, in PyTorch's format. torch's keywords are taken: mempool_id None or
+    (0, 0) (each device has the one pool), include_traces (the segments have no trace entries)."""
+    from ._arrays import as_flag
+
+    as_flag("include_traces", include_traces)
+    if mempool_id is not None and tuple(mempool_id) != (0, 0):
+        raise ValueError(f"mempool_id must be None or (0, 0): cmlp keeps one memory pool per device, got {mempool_id!r}")
     dev = _device(device)
     return _history.torch_segments(dev, _cmlp.snapshot(dev))
+
+
+def list_gpu_processes(device: Any = None) -> str:
+    """torch.cuda.memory.list_gpu_processes: cmlp.cuda.list_gpu_processes."""
+    from . import cuda
+
+    return cuda.list_gpu_processes(device)
 
 
 def memory_breakdown(device: Optional[str] = None) -> Dict[str, int]:
