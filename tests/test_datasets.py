@@ -414,6 +414,25 @@ def test_wrong_shapes_or_types(tmp_path, name, arr, pattern):
         datasets.mnist(root=tmp_path)
 
 
+def test_a_set_whose_images_claim_another_count_is_refused_before_they_are_read(tmp_path):
+    """A gzip file of about 1 MB can claim 1.4 million images (1 GB): the header is checked
+    against the labels' count first, so that nothing of that size is read."""
+    import gzip
+    import resource
+    fake_set(tmp_path)
+    n = 1 << 20
+    with gzip.open(tmp_path / (NAMES[0] + ".gz"), "wb", 9) as g:
+        g.write(bytes([0, 0, 8, 3]) + np.array([n, 28, 28], ">u4").tobytes())
+        zeros = bytes(784 * 1024)
+        for _ in range(n // 1024):
+            g.write(zeros)
+    (tmp_path / NAMES[0]).unlink()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ValueError, match=f"has {n} images but .* has 5 labels"):
+        datasets.mnist(root=tmp_path)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100 << 10  # KiB: far from 800 MiB
+
+
 def test_fashion_mnist_with_a_root_that_lacks_it_points_to_the_installed_copy(fashion_env):
     t = fashion_env
     with pytest.raises(FileNotFoundError, match="apt-get install dataset-fashion-mnist"):

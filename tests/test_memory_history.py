@@ -438,6 +438,9 @@ class Evil:
     (pickle.dumps({"segments": [], "device_traces": [], "x": Evil()}), "names os.system|names posix.system"),
     (pickle.dumps([1, 2]), "a dict with lists"),
     (b"not a pickle", "not a memory snapshot"),
+    # a few KB naming one block 36 million times (pickle's memo)
+    (pickle.dumps({"segments": [{"device": 0, "total_size": 1, "blocks": [{"address": 1, "size": 1}] * 6000}] * 6000,
+                   "device_traces": [[]]}), "6000 segments of 36000000 blocks .* more than 16777216"),
 ])
 def test_the_report_refuses_what_is_not_a_snapshot(tmp_path, content, needle):
     path = tmp_path / "bad.pickle"

@@ -540,6 +540,10 @@ def _command(a: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         _end_the_group(2)
         return 2
+    except MemoryError as e:  # (host memory: a file's or an array's too large for this process)
+        print(f"error: out of host memory{f' ({e})' if str(e) else ''}", file=sys.stderr)
+        _end_the_group(2)
+        return 2
     except KeyboardInterrupt:  # Ctrl-C: a line, and the status of a program SIGINT ended (--save wrote nothing)
         print("interrupted", file=sys.stderr)
         _end_the_group(130)

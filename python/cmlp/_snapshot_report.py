@@ -34,7 +34,16 @@ def load(source: Union[Snapshot, "os.PathLike[str]", str]) -> Snapshot:
     if not isinstance(data, dict) or not isinstance(data.get("segments"), list) or \
             not isinstance(data.get("device_traces"), list):
         raise ValueError("a memory snapshot is a dict with lists under 'segments' and 'device_traces'")
+    # a pickle can name one object many times over (a few KB of file, 10**8 blocks to go through)
+    blocks = sum(len(s["blocks"]) for s in data["segments"] if isinstance(s, dict) and isinstance(s.get("blocks"), list))
+    entries = sum(len(t) for t in data["device_traces"] if isinstance(t, list))
+    if max(blocks + len(data["segments"]), entries) > _MOST_ITEMS:
+        raise ValueError(f"the snapshot holds {len(data['segments'])} segments of {blocks} blocks and {entries} history "
+                         f"entries, more than {_MOST_ITEMS} of either: not one an allocator's history makes")
     return data
+
+
+_MOST_ITEMS = 1 << 24  # blocks (with their segments), and history entries, of a snapshot read
 
 
 def _fmt(n: float) -> str:

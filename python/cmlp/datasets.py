@@ -50,8 +50,9 @@ def _read_exact(f, n):
     return buf
 
 
-def _parse_idx(f, path, stored_size, compressed):
-    """Reads an IDX stream whose stored (on-disk) size is stored_size bytes."""
+def _parse_idx(f, path, stored_size, compressed, check=None):
+    """Reads an IDX stream whose stored (on-disk) size is stored_size bytes; check(dims, dtype)
+    refuses a header before its payload is read."""
     head = f.read(4)
     if len(head) < 4:
         raise ValueError(
@@ -91,6 +92,8 @@ def _parse_idx(f, path, stored_size, compressed):
 
     if math.prod(d for d in dims if d) * dtype.itemsize > sys.maxsize:  # (NumPy refuses such a shape, even empty)
         raise ValueError(f"{path}: IDX header gives shape {dims}, too large for an array")
+    if check is not None:
+        check(dims, dtype.newbyteorder("="))
     payload = _read_exact(f, expected)
     if len(payload) < expected:
         raise ValueError(
@@ -105,13 +108,14 @@ def _parse_idx(f, path, stored_size, compressed):
     return arr.astype(dtype.newbyteorder("="), copy=False)
 
 
-def load_idx(path):
+def load_idx(path, _check=None):
     """Reads an IDX file (the MNIST format), raw or gzip-compressed (detected by its
     magic bytes, not its name), and returns a native-endian array of the stored shape.
 
     Raises FileNotFoundError if path does not exist and ValueError if the file is not a
     well-formed IDX file: bad magic, unknown type code, no dimensions, a size that does
-    not match the header exactly, or a corrupt gzip stream."""
+    not match the header exactly, or a corrupt gzip stream. (_check(dims, dtype): the caller's
+    own test of the header, made before the payload is read.)"""
     path = os.fsdecode(path)
     if os.path.exists(path) and not os.path.isfile(path):  # a directory, a pipe, a device: not opened
         raise ValueError(f"{path}: not a regular file")
@@ -120,10 +124,10 @@ def load_idx(path):
         compressed = f.read(2) == _GZIP_MAGIC
         f.seek(0)
         if not compressed:
-            return _parse_idx(f, path, stored_size, compressed=False)
+            return _parse_idx(f, path, stored_size, compressed=False, check=_check)
         try:
             with gzip.GzipFile(fileobj=f, mode="rb") as gz:
-                return _parse_idx(gz, path, stored_size, compressed=True)
+                return _parse_idx(gz, path, stored_size, compressed=True, check=_check)
         except (OSError, EOFError, zlib.error) as e:
             if isinstance(e, gzip.BadGzipFile) and str(e).startswith("Not a gzipped file"):
                 # (the file starts as gzip: this is what follows its stream)
@@ -144,6 +148,9 @@ def _find_dir(dirs):
                 if os.path.isfile(p):
                     found[name] = p
                     break
+                if os.path.isdir(d) and not os.access(d, os.X_OK):  # (isfile says False: it cannot look)
+                    raise PermissionError(f"{d}: permission denied: its files cannot be looked up (the "
+                                          "directory lacks search permission)")
             else:
                 missing.append(name)
         if not missing:
@@ -179,19 +186,25 @@ def _load_set(title, dirs, how_to_get, download):
             f"in:\n" + "\n".join(found) + f"\n{how_to_get}")
 
     def pair(images_name, labels_name):
-        x = load_idx(found[images_name])
-        y = load_idx(found[labels_name])
         xp, yp = found[images_name], found[labels_name]
-        if x.dtype != np.uint8 or x.ndim != 3 or x.shape[1:] != (28, 28):
-            raise ValueError(
-                f"{xp}: expected uint8 images of shape [N, 28, 28], "
-                f"found {x.dtype} of shape {x.shape}")
-        if y.dtype != np.uint8 or y.ndim != 1:
-            raise ValueError(
-                f"{yp}: expected uint8 labels of shape [N], found {y.dtype} of shape {y.shape}")
-        if x.shape[0] != y.shape[0]:
-            raise ValueError(
-                f"{title}: {xp} has {x.shape[0]} images but {yp} has {y.shape[0]} labels")
+
+        # each file's header is checked before its payload is read (a gzip file of a few MB can
+        # claim gigabytes): the labels first, whose count the images must have
+        def labels(dims, dtype):
+            if dtype != np.uint8 or len(dims) != 1:
+                raise ValueError(f"{yp}: expected uint8 labels of shape [N], found {dtype} of shape {dims}")
+
+        def images(dims, dtype):
+            if dtype != np.uint8 or len(dims) != 3 or dims[1:] != (28, 28):
+                raise ValueError(
+                    f"{xp}: expected uint8 images of shape [N, 28, 28], "
+                    f"found {dtype} of shape {dims}")
+            if dims[0] != y.shape[0]:
+                raise ValueError(
+                    f"{title}: {xp} has {dims[0]} images but {yp} has {y.shape[0]} labels")
+
+        y = load_idx(yp, _check=labels)
+        x = load_idx(xp, _check=images)
         if y.size and int(y.max()) >= 10:
             raise ValueError(f"{yp}: labels must be in 0..9, found {int(y.max())}")
         return x.reshape(x.shape[0], 28 * 28), y
