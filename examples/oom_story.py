@@ -65,9 +65,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch-size", type=int, default=8192)
     ap.add_argument("--limit", type=M.parse_size, default=M.parse_size("64MB"), help="the memory cap, e.g. 64MB")
-    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=2, help="steps of the run (the first is (a)'s and (b)'s)")
     ap.add_argument("--history", default=None, help="write (a)'s memory snapshot and history here (.pickle)")
     args = ap.parse_args()
+    if args.batch_size < 1 or args.steps < 2:
+        ap.error("--batch-size must be >= 1 and --steps >= 2")
     batch, limit = args.batch_size, args.limit
     x, y, source = load(batch * args.steps)
     started = time.perf_counter()
@@ -142,9 +144,11 @@ def main():
         for w in caught:
             print(f"{w.category.__name__}: {w.message}")
         h = history[0]
+        reserved = M.max_memory_reserved(DEV)
+        where = f"under the limit of {M._fmt(limit)}" if reserved <= limit else \
+            f"over the limit of {M._fmt(limit)}: the model's own segment was reserved before the limit was set"
         print(f"trained {args.steps} steps of {batch} samples in micro-batches of {h['microbatch_size']}; "
-              f"peak allocated {M._fmt(h['peak_memory_bytes'])}, peak reserved {M._fmt(M.max_memory_reserved(DEV))} "
-              f"under the limit of {M._fmt(limit)}")
+              f"peak allocated {M._fmt(h['peak_memory_bytes'])}, peak reserved {M._fmt(reserved)} {where}")
         print(f"max relative difference from the unlimited run: {max_rel_diff(model.state_dict(), reference):.2e} "
               f"(the same update, summed in another order)")
         print("\nwhat the planner says one micro-batch needs:")

@@ -22,6 +22,8 @@ def main():
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--zero", action="store_true", help="shard the optimizer's state over the ranks")
     a = p.parse_args()
+    if a.epochs < 1:
+        p.error("--epochs must be >= 1")
     dist = cmlp.distributed
     dist.init_process_group("nccl" if a.device == "cuda" else "mpi")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -60,6 +60,8 @@ def main():
     ap.add_argument("--manual-samples", type=int, default=6000,
                     help="training samples for the step-by-step loop (it is Python-driven, so slower)")
     args = ap.parse_args()
+    if args.epochs < 1 or args.manual_samples < 1:
+        ap.error("--epochs and --manual-samples must be >= 1")
     (x, y), (xte, yte) = cmlp.datasets.fashion_mnist()
     manual_loop(x[:args.manual_samples], y[:args.manual_samples], xte, yte, args.epochs)
     trainer_loop(x, y, xte, yte, args.epochs)
