@@ -73,8 +73,9 @@ def _optimizer_buffers(optimizer: Any) -> Tuple[str, int]:
 
 def _check_accumulation(accumulation_steps: Any) -> int:
     accumulation_steps = _numpy_int(accumulation_steps)
-    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
-        raise ValueError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
+    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or \
+            not 1 <= accumulation_steps <= 2**62:  # (as the Trainer's)
+        raise ValueError(f"accumulation_steps must be an int in [1, 2**62], got {accumulation_steps!r}")
     return accumulation_steps
 
 
