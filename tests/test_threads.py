@@ -93,9 +93,48 @@ def test_the_core_lock_is_a_reentrant_lock_as_threading_s():
     t.join()
     assert lock.acquire(False) is True
     lock.release()
-    for bad, match in ((dict(blocking=False, timeout=1), "non-blocking"), (dict(timeout=-2), "non-negative")):
+    for bad, match in ((dict(blocking=False, timeout=1), "non-blocking"), (dict(timeout=-2), "non-negative"),
+                       (dict(timeout=float("nan")), "non-negative")):
         with pytest.raises(ValueError, match=match):
             lock.acquire(**bad)
+    with pytest.raises(OverflowError, match="too large"):
+        lock.acquire(timeout=float("inf"))
+
+
+_FORK_TWINS = r"""
+import copy, os, threading
+import cmlp
+m = cmlp.MLP([2, 3, 1]); opt = cmlp.optim.SGD(m, lr=0.1)
+mc, oc = copy.copy(m), copy.copy(opt)
+held = threading.Event()
+def hold():
+    with m._optimizers_lock, opt._lock:
+        held.set(); threading.Event().wait()
+threading.Thread(target=hold, daemon=True).start(); held.wait()
+pid = os.fork()
+if pid == 0:
+    out = [mc._optimizers_lock is m._optimizers_lock, oc._lock is opt._lock]
+    for o in (opt, oc):
+        try:
+            o.lr = 0.2
+            out.append("set")
+        except RuntimeError as e:
+            out.append("torn" if "forked" in str(e) else str(e))
+    m.to("cpu"); mc.to("cpu")
+    print(*out, flush=True)
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print(os.WEXITSTATUS(status))
+"""
+
+
+def test_copy_copy_twins_take_the_same_new_locks_in_a_forked_child():
+    """copy.copy's twin of a model or optimizer shares its locks: in a child forked while another
+    thread held them, it took none (a move or a setting through it waited for ever), and the
+    original took one of its own, so that the two no longer excluded each other."""
+    import subprocess
+    r = subprocess.run([sys.executable, "-c", _FORK_TWINS], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout == "True True torn torn\n0\n", (r.stdout, r.stderr[-2000:])
 
 
 # ---- a KeyboardInterrupt at any line of a call's claim, and of the optimizer's settings ----

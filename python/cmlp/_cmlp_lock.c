@@ -11,6 +11,8 @@
  */
 #include "_cmlp.h"
 
+#include <time.h>
+
 enum { POLL_US = 50000 }; /* how often a waiting exit thread asks whether the holder is parked */
 
 typedef struct {
@@ -44,8 +46,22 @@ static void CoreLock_dealloc(CoreLockObject *self) {
     Py_DECREF(tp);
 }
 
-/* 1: taken; 0: not within the timeout (-1: none); -1: an exception (a signal's handler raised). */
-static int take(CoreLockObject *self, int blocking, double timeout) {
+/* Whether the exiting thread may take the lock over: its holder is parked for good. */
+static int takeover(CoreLockObject *self, unsigned long me) {
+    if (!core_exit_thread() || self->count <= 0 || !core_parked(self->owner)) return 0;
+    self->over_thread = me;
+    self->over = 1;
+    return 1;
+}
+
+static long long now_us(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long long)t.tv_sec * 1000000 + t.tv_nsec / 1000;
+}
+
+/* 1: taken; 0: not within timeout_us (-1: none); -1: an exception (a signal's handler raised). */
+static int take(CoreLockObject *self, int blocking, long long timeout_us) {
     unsigned long me = PyThread_get_thread_ident();
     if (self->count > 0 && self->owner == me) {
         self->count++;
@@ -57,20 +73,21 @@ static int take(CoreLockObject *self, int blocking, double timeout) {
     }
     PyLockStatus got = PyThread_acquire_lock_timed(self->lock, 0, 0);
     if (got != PY_LOCK_ACQUIRED && blocking) {
-        long long left = timeout < 0 ? -1 : timeout * 1e6 < 9e18 ? (long long)(timeout * 1e6) : (long long)9e18;
+        if (takeover(self, me)) return 1;
+        const long long deadline = timeout_us < 0 ? -1 : now_us() + timeout_us; /* (as RLock's: the clock's) */
         for (;;) {
-            long long wait = left < 0 || left > POLL_US ? POLL_US : left;
+            long long wait = POLL_US;
+            if (deadline >= 0) {
+                long long left = deadline - now_us();
+                if (left <= 0) break;
+                if (left < wait) wait = left;
+            }
             Py_BEGIN_ALLOW_THREADS
             got = PyThread_acquire_lock_timed(self->lock, wait, 0);
             Py_END_ALLOW_THREADS
             if (got == PY_LOCK_ACQUIRED) break;
             if (PyErr_CheckSignals() < 0) return -1; /* (as RLock's wait: nothing taken) */
-            if (left >= 0 && (left -= wait) <= 0) break;
-            if (core_exit_thread() && self->count > 0 && core_parked(self->owner)) {
-                self->over_thread = me;
-                self->over = 1;
-                return 1;
-            }
+            if (takeover(self, me)) return 1;
         }
     }
     if (got != PY_LOCK_ACQUIRED) return 0;
@@ -88,11 +105,15 @@ static PyObject *CoreLock_acquire(CoreLockObject *self, PyObject *args, PyObject
         PyErr_SetString(PyExc_ValueError, "can't specify a timeout for a non-blocking call");
         return NULL;
     }
-    if (timeout < 0 && timeout != -1.0) {
+    if (!(timeout >= 0) && timeout != -1.0) { /* (NaN too) */
         PyErr_SetString(PyExc_ValueError, "timeout value must be a non-negative number");
         return NULL;
     }
-    int r = take(self, blocking, timeout);
+    if (timeout > 1e12) { /* (RLock's bound is PY_TIMEOUT_MAX: about 292,000 years) */
+        PyErr_SetString(PyExc_OverflowError, "timeout value is too large");
+        return NULL;
+    }
+    int r = take(self, blocking, timeout < 0 ? -1 : (long long)(timeout * 1e6));
     if (r < 0) return NULL;
     return PyBool_FromLong(r);
 }
@@ -117,7 +138,7 @@ static PyObject *CoreLock_release(CoreLockObject *self, PyObject *unused) {
 
 static PyObject *CoreLock_enter(CoreLockObject *self, PyObject *unused) {
     (void)unused;
-    int r = take(self, 1, -1.0);
+    int r = take(self, 1, -1);
     return r < 0 ? NULL : PyBool_FromLong(r);
 }
 

@@ -134,15 +134,18 @@ class IncompatibleKeys(tuple):
 
 
 
-# The models of this process: in a forked child each takes a new _optimizers_lock (a thread the
-# child does not have may have held it; a move it was making in C leaves the model lost there).
+# The models of this process, copy.copy's twins too: in a forked child each takes a new
+# _optimizers_lock (a thread the child does not have may have held it; a move it was making in C
+# leaves the model lost there), one for the objects that shared one.
 _live: "weakref.WeakSet[MLP]" = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
-    for model in list(_live):
-        if "_optimizers_lock" in model.__dict__:
-            model._optimizers_lock = CoreLock()
+    fresh: Dict[int, Any] = {}
+    old = [model.__dict__.get("_optimizers_lock") for model in list(_live)]  # (alive: their ids stay theirs)
+    for model, lock in zip(list(_live), old):
+        if lock is not None:
+            model._optimizers_lock = fresh.setdefault(id(lock), CoreLock())
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -539,6 +542,7 @@ class MLP:
         """copy.copy: another Python object of the same model (as before pickling was defined)."""
         twin = type(self).__new__(type(self))
         twin.__dict__.update(self.__dict__)
+        _live.add(twin)
         return twin
 
     def __reduce__(self) -> Tuple[Any, ...]:

@@ -28,15 +28,20 @@ _TORN = ("this optimizer's settings were being changed by another thread when th
 
 
 def _after_fork_in_child() -> None:
-    for opt in list(_live):
-        lock = opt.__dict__.get("_lock")
+    fresh: Dict[int, Any] = {}  # id of a lock (copy.copy's twins share one) -> (its new lock, torn)
+    opts = list(_live)
+    old = [opt.__dict__.get("_lock") for opt in opts]  # (alive: their ids stay theirs)
+    for opt, lock in zip(opts, old):
         if lock is None:
             continue
-        if lock.acquire(blocking=False):  # free, or this thread's
-            lock.release()
-        else:  # a thread the child does not have holds it
+        if id(lock) not in fresh:
+            held = not lock.acquire(blocking=False)  # (free, or this thread's: taken)
+            if not held:
+                lock.release()
+            fresh[id(lock)] = (CoreLock(), held)  # held: by a thread the child does not have
+        opt._lock, torn = fresh[id(lock)]
+        if torn:
             opt._torn = True
-        opt._lock = CoreLock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -268,6 +273,11 @@ class Optimizer(_Copying, _StateDict):
             return type(shared)(value) == shared if not isinstance(shared, bool) else value is shared or value == shared
         except (TypeError, ValueError):
             return False
+
+    def __copy__(self) -> "Optimizer":
+        twin = super().__copy__()
+        _live.add(twin)  # (a fork gives it its new lock too)
+        return twin
 
     def __del__(self) -> None:
         for group in self.__dict__.get("_param_groups", ()):  # (none where the constructor failed)
