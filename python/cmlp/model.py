@@ -142,8 +142,9 @@ _live: "weakref.WeakSet[MLP]" = weakref.WeakSet()
 
 def _after_fork_in_child() -> None:
     fresh: Dict[int, Any] = {}
-    old = [model.__dict__.get("_optimizers_lock") for model in list(_live)]  # (alive: their ids stay theirs)
-    for model, lock in zip(list(_live), old):
+    models = list(_live)  # (one list: a collection between two would set the pairs apart)
+    old = [model.__dict__.get("_optimizers_lock") for model in models]  # (alive: their ids stay theirs)
+    for model, lock in zip(models, old):
         if lock is not None:
             model._optimizers_lock = fresh.setdefault(id(lock), CoreLock())
 
