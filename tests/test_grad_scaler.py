@@ -7,6 +7,7 @@ the unscaled one.
 """
 
 import os
+import pickle
 
 import numpy as np
 import pytest
@@ -98,9 +99,44 @@ def test_defaults():
     assert s._get_state() == (65536.0, 0)
 
 
-def test_init_scale_is_float32():
+def test_init_scale_reads_as_given_until_the_scale_is_first_used():
+    # torch keeps init_scale (or a loaded scale) as given until its scale tensor is made
+    f32 = float(np.float32(0.1))
     s = amp.GradScaler(init_scale=0.1)
-    assert s.get_scale() == float(np.float32(0.1)) != 0.1
+    assert s.get_scale() == s.state_dict()["scale"] == 0.1 != f32
+    s.load_state_dict({**s.state_dict(), "scale": 0.3})
+    assert s.get_scale() == 0.3
+    s.load_state_dict({**s.state_dict(), "scale": 0.1})
+    assert s.scale(1.0) == f32                                 # the first use: float32 from now on
+    assert s.get_scale() == s.state_dict()["scale"] == f32
+    s.load_state_dict({**s.state_dict(), "scale": 0.3})
+    assert s.get_scale() == float(np.float32(0.3))
+    assert pickle.loads(pickle.dumps(amp.GradScaler(init_scale=0.1))).get_scale() == 0.1
+    for use in (lambda t: t.update(new_scale=0.1), lambda t: t._get_state()):
+        t = amp.GradScaler(init_scale=0.1)
+        use(t)
+        assert t.get_scale() == f32
+    t = amp.GradScaler(init_scale=0.1)
+    with pytest.raises(TypeError):
+        t.update(new_scale="x")
+    assert t.get_scale() == 0.1                                # a refused call leaves it unused
+
+
+def test_loss_scale_is_used_in_float32_as_torchs():
+    """torch multiplies the loss by the scale in float32: 0.1 scales as float32's 0.1 does, and a
+    scale beyond float32 is refused (an inf there) with the model left as it was."""
+    model, _ = make()
+    x, y = batch(n=5)  # (0.3 / 5 and float32(0.3) / 5 round to different float32 values)
+    grads = []
+    for scale in (0.3, float(np.float32(0.3))):
+        model.zero_grad()
+        model.forward_backward(x, y, loss_scale=scale)
+        grads.append(flat(model.grads()))
+    assert np.array_equal(*grads)
+    before = flat(model.grads())
+    with pytest.raises(ValueError, match="loss_scale must be finite in float32"):
+        model.forward_backward(*batch(), loss_scale=1e39)
+    assert np.array_equal(flat(model.grads()), before)
 
 
 @pytest.mark.parametrize("kwargs, exc, words", [
@@ -226,7 +262,6 @@ def test_pickled_and_copied_only_between_iterations_as_torchs():
     """What unscale_ and step recorded belongs to this process's optimizers: torch refuses to
     pickle it, and so does this scaler; between iterations its copy scales as it does."""
     import copy
-    import pickle
 
     model, opt = make("sgd")
     s = amp.GradScaler(init_scale=1024.0, growth_interval=3)

@@ -1,6 +1,7 @@
 """cmlp.amp: dynamic loss scaling for fp16 training (torch.amp.GradScaler's rules, state and
 errors) and the library's fp16/bf16 conversions. The scale is a float32 value, as PyTorch keeps
-it in a float32 tensor; unscaling and the inf/NaN check are one fused pass in the C core."""
+it in a float32 tensor from its first use on (until then, init_scale as given); unscaling and the
+inf/NaN check are one fused pass in the C core."""
 import warnings
 from typing import Any, Dict, Optional, Tuple
 
@@ -97,6 +98,11 @@ class GradScaler:
     loss_scale=get_scale(), optionally unscale_(opt), step(opt) (skipped when a gradient is inf
     or NaN), update()."""
 
+    # init_scale (or a loaded scale) exactly as given, until the scale is first used (scale(),
+    # unscale_, step, update, a Trainer's run): get_scale() and state_dict() read it as torch's
+    # do before its scale tensor exists; None from the first use on, when _scale (float32) holds
+    _unused_scale: Optional[float] = None
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """GradScaler(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
         growth_interval=2000, enabled=True), and torch.amp.GradScaler's form with a device first
@@ -116,6 +122,7 @@ class GradScaler:
               growth_interval: int = 2000, enabled: bool = True) -> None:
         self._enabled = as_flag("enabled", enabled)
         self._scale = _check_scale("init_scale", init_scale)
+        self._unused_scale = float(init_scale)
         self._growth_factor, self._backoff_factor = _check_factors(growth_factor, backoff_factor)
         self._growth_interval = _check_count("growth_interval", growth_interval, 1)
         self._growth_tracker = 0
@@ -158,8 +165,16 @@ class GradScaler:
         return self._growth_tracker if self._enabled else 0
 
     def get_scale(self) -> float:
-        """The current scale (a float32 value); 1.0 when disabled."""
-        return self._scale if self._enabled else 1.0
+        """The current scale (a float32 value, or init_scale as given before its first use);
+        1.0 when disabled."""
+        if not self._enabled:
+            return 1.0
+        return self._scale if self._unused_scale is None else self._unused_scale
+
+    def _use(self) -> float:
+        """The float32 scale, from now on also what get_scale() reads."""
+        self._unused_scale = None
+        return self._scale
 
     def scale(self, outputs: Any) -> Any:
         """outputs * get_scale() (unchanged when disabled); a list or tuple of them, each scaled,
@@ -168,7 +183,7 @@ class GradScaler:
             return outputs
         if isinstance(outputs, (list, tuple)):
             return type(outputs)(self.scale(o) for o in outputs)
-        return outputs * self._scale
+        return outputs * self._use()
 
     def _state_of(self, optimizer: Any) -> Dict[str, bool]:
         if not isinstance(optimizer, Optimizer):
@@ -191,6 +206,7 @@ class GradScaler:
             raise RuntimeError("unscale_() is being called after step().")
         if state["unscaled"]:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        self._use()
         if optimizer.model._grads_none:  # no gradient: nothing checked (torch: no parameter has a .grad)
             state["found_inf"], state["unscaled"] = None, True
             return
@@ -220,6 +236,7 @@ class GradScaler:
             raise RuntimeError("step() has already been called since the last update().")
         if optimizer.model._grads_none or (state["unscaled"] and state["found_inf"] is None):  # none checked
             raise AssertionError("No inf checks were recorded for this optimizer.")
+        self._use()
         if not state["unscaled"]:
             self.unscale_(optimizer, _stacklevel=3)
         stepped = not state["found_inf"]
@@ -240,6 +257,7 @@ class GradScaler:
             if arr.dtype == np.bool_ or arr.dtype.kind not in "iuf" or arr.size != 1:
                 raise TypeError(f"new_scale must be a number or a 1-element array, got {new_scale!r}")
             self._scale = _check_scale("new_scale", arr.reshape(()).item())
+            self._use()
         else:
             found = [s["found_inf"] for s in self._per_optimizer.values() if s["found_inf"] is not None]
             if not found:  # no unscale_ or step since the last update, or only ones without gradients
@@ -277,7 +295,7 @@ class GradScaler:
         disabled."""
         if not self._enabled:
             return {}
-        return {"scale": self._scale, "growth_factor": self._growth_factor, "backoff_factor": self._backoff_factor,
+        return {"scale": self.get_scale(), "growth_factor": self._growth_factor, "backoff_factor": self._backoff_factor,
                 "growth_interval": self._growth_interval, "_growth_tracker": self._growth_tracker}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -301,13 +319,16 @@ class GradScaler:
         # set_growth_interval takes it here, growing at the next successful step
         tracker = min(tracker, interval - 1)
         self._scale, (self._growth_factor, self._backoff_factor) = scale, factors
+        if self._unused_scale is not None:  # still unused: kept as given, as torch keeps it
+            self._unused_scale = float(state_dict["scale"])
         self._growth_interval, self._growth_tracker = interval, tracker
 
     # ---- for cmlp.Trainer, which runs the scaler's rule inside its C loop ----
     def _get_state(self) -> Tuple[float, int]:
-        return self._scale, self._growth_tracker
+        return self._use(), self._growth_tracker
 
     def _set_state(self, scale: float, growth_tracker: int) -> None:
+        self._use()
         self._scale = _check_scale("scale", scale, underflowed=True)
         self._growth_tracker = _check_count("growth_tracker", growth_tracker, 0)
 

@@ -263,9 +263,10 @@ class MLP:
         the gradient buffer, like loss.backward()."""
         amp_code = check_amp(amp)
         scale_given = loss_scale
-        loss_scale = as_number("loss_scale", loss_scale)
+        with np.errstate(over="ignore"):  # torch multiplies the loss by it in float32
+            loss_scale = float(np.float32(as_number("loss_scale", loss_scale)))
         if not np.isfinite(loss_scale):
-            raise ValueError(f"loss_scale must be finite, got {loss_scale}")
+            raise ValueError(f"loss_scale must be finite in float32, got {scale_given!r}")
         label_smoothing = as_number("label_smoothing", label_smoothing)
         if not 0.0 <= label_smoothing <= 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")

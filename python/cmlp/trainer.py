@@ -361,16 +361,14 @@ class Trainer(FitLoop):
         from .amp import _MIN_SCALE, underflow_message
         if d["scale"] < _MIN_SCALE:  # every step would be skipped
             raise ValueError(underflow_message(d["scale"]))
-        self._c.set_scaler(True, d["scale"], d["growth_factor"], d["backoff_factor"], d["growth_interval"],
-                           d["_growth_tracker"])
+        scale, tracker = s._get_state()  # (the scale's first use: from now on the float32 value)
+        self._c.set_scaler(True, scale, d["growth_factor"], d["backoff_factor"], d["growth_interval"], tracker)
 
     def _pull_scaler(self) -> None:
         s = self.scaler
         if s is None or not s.is_enabled():
             return
-        d = s.state_dict()
-        d["scale"], d["_growth_tracker"] = self._c.get_scaler()
-        s.load_state_dict(d)
+        s._set_state(*self._c.get_scaler())
         s._note_underflow(5)  # backed off in the C loop: fit -> _fit -> _pull_scaler -> here
 
     def _warn_if_split(self, before: int, stacklevel: int = 4) -> None:
