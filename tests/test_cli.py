@@ -113,8 +113,10 @@ def test_train_save_writes_a_loadable_model(trained):
     (["plan", "--device", "cuda:x"], r"--device: expected cpu, cuda or cuda:N, got 'cuda:x'"),
     (["train", "--batch-size", "0", "--layers", "784,10"], r"--batch-size: expected an int >= 1, got '0'"),
     # checked before the data set is read or anything trains
-    (["train", "--epochs", "0"], r"--epochs: expected an int >= 1, got '0'"),
-    (["train", "--epochs", "-3"], r"--epochs: expected an int >= 1"),
+    (["train", "--epochs", "0"], r"--epochs: expected an int in \[1, 2\*\*31 - 1\], got '0'"),
+    (["train", "--epochs", "-3"], r"--epochs: expected an int in \[1, 2\*\*31 - 1\]"),
+    (["train", "--epochs", "2147483648"], r"--epochs: expected an int in \[1, 2\*\*31 - 1\], got .2147483648."),
+    (["plan", "--validation-rows", "10", "--epochs", "2147483648"], r"--epochs: expected an int in \[1, 2\*\*31 - 1\]"),
     (["train", "--accumulation-steps", "x"], r"--accumulation-steps: expected an int >= 1"),
     (["train", "--lr", "nan"], r"--lr: expected a finite number >= 0"),
     (["train", "--lr", "1e300"], r"--lr: expected a finite number >= 0 \(in float32's range\), got '1e300'"),

@@ -54,6 +54,7 @@ def _bounded(convert: Callable[[str], float], what: str, ok: Callable[[float], b
 
 
 _count = _bounded(int, "an int >= 1", lambda v: v >= 1)  # epochs, batch size, accumulation steps
+_epochs = _bounded(int, "an int in [1, 2**31 - 1]", lambda v: 1 <= v <= 2**31 - 1)  # as Trainer.fit's
 _steps = _bounded(int, "an int >= 0", lambda v: v >= 0)  # warm-up steps
 # lr, momentum, weight decay: the optimizers take them finite in float32
 _rate = _bounded(float, "a finite number >= 0 (in float32's range)", lambda v: 0.0 <= v <= _FLT_MAX)
@@ -132,7 +133,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--data-dir", default=None,
                    help="directory with the four IDX files (default: fashion-mnist in $CMLP_DATA_DIR, ./data or "
                         "~/.cache/cmlp, then where Debian's dataset-fashion-mnist puts it; mnist: ./data)")
-    t.add_argument("--epochs", type=_count, default=5, help="passes over the training set")
+    t.add_argument("--epochs", type=_epochs, default=5, help="passes over the training set")
     t.add_argument("--batch-size", type=_count, default=32,
                    help="samples computed at once (the micro-batch; split further where --memory-limit needs it)")
     t.add_argument("--accumulation-steps", type=_count, default=1,
@@ -195,7 +196,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--validation-rows", type=_steps, default=0, metavar="N",
                     help="the run also evaluates N uint8 samples after each epoch (train's 10,000 test images): "
                          "plan their buffers too")
-    pl.add_argument("--epochs", type=_count, default=None,
+    pl.add_argument("--epochs", type=_epochs, default=None,
                     help="with --validation-rows, the run's epochs (default 5, as train's): each validation gives the step's buffers back "
                          "and the next epoch takes them again (the --budget search counts one: at a limit, what "
                          "later epochs add to the cache is given back)")
