@@ -513,6 +513,10 @@ def test_saving_keeps_links_pipes_and_permissions(tmp_path):
     {"segments": [], "device_traces": [[{"action": "oom", "size": 10**400, "time_us": 1}]]},
     {"segments": [{"blocks": [{"state": "active_allocated", "address": 1, "size": 8, "frames": [None]}]}],
      "device_traces": []},
+    # the header would count two blocks and the held lines one
+    {"segments": [{"blocks": [{"state": "active_allocated", "address": 512, "size": 8, "frames": []}]},
+                  {"blocks": [{"state": "active_allocated", "address": 512, "size": 16, "frames": []}]}],
+     "device_traces": []},
 ])
 def test_the_report_says_a_malformed_snapshot_is_one(data):
     with pytest.raises(ValueError, match="not a well-formed memory snapshot"):

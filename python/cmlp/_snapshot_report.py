@@ -6,6 +6,7 @@ by undoing it from the snapshot's blocks, so a history cut short by max_entries 
 import io
 import os
 import pickle
+from collections import Counter
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 Snapshot = Dict[str, Any]
@@ -182,6 +183,10 @@ def _report(data: Snapshot, device: Optional[int], top: int) -> str:
               f"{_count(len(blocks), 'block')}, "
               f"{_fmt(sum(b.get('requested_size', b.get('size', 0)) for b in blocks))} allocated (requested)\n")
     now = {b["address"]: (b.get("requested_size", b.get("size", 0)), b.get("frames", [])) for b in blocks}
+    if len(now) < len(blocks):  # what the header counts and what the held lines group must be the same blocks
+        twice = next(a for a, n in Counter(b["address"] for b in blocks).items() if n > 1)
+        where = f"{twice:#x}" if isinstance(twice, int) else repr(twice)
+        raise LookupError(f"not a well-formed memory snapshot: device {device} has two live blocks at address {where}")
     if not trace:
         out.write("no history (record it with cmlp.memory._record_memory_history()); what is allocated holds:\n")
         _held_lines(now, top, out)
