@@ -265,7 +265,7 @@ typedef struct {
     int64_t n, threads;
     int kind;
     double p;
-    double *acc; /* [threads]: each "thread"'s running value */
+    double *part; /* [blocks]: each block's value */
 } norm_args;
 
 /* |x| in double with a subnormal read as zero (DAZ; a NaN passes), by masks rather than
@@ -300,8 +300,8 @@ static inline double norm_join(double acc, double t, int kind) {
     return kind == NORM_INF ? max_bits(acc, t) : kind == NORM_MIN ? min_nan(acc, t) : acc + t;
 }
 
-/* The "threads" [lo, hi): thread j joins elements j, j + S, j + 2S, ... in order (the rows of
- * an S-wide matrix), one loop per kind so that each vectorises. */
+/* The "threads" [lo, hi) of one block: thread j joins elements j, j + S, j + 2S, ... in order
+ * (the rows of an S-wide matrix) into acc[j - lo], one loop per kind so that each vectorises. */
 #define NORM_ROWS(STMT)                                                     \
     for (int64_t row = 0; row < n; row += S) {                              \
         const int64_t end = n - row < hi ? n - row : hi;                    \
@@ -312,20 +312,40 @@ static inline double norm_join(double acc, double t, int kind) {
         }                                                                   \
     }
 
-static void norm_threads(void *arg, int64_t lo, int64_t hi) {
-    const norm_args *a = arg;
-    double *restrict acc = a->acc;
+static void norm_threads(const norm_args *a, double *restrict acc_of_block, int64_t lo, int64_t hi) {
+    double *restrict acc = acc_of_block; /* indexed j - lo */
     const float *restrict g = a->g;
     const int64_t n = a->n, S = a->threads;
     const double p = a->p;
     const double start = a->kind == NORM_MIN ? INFINITY : 0.0;
-    for (int64_t j = lo; j < hi; j++) acc[j] = start;
+    for (int64_t j = 0; j < hi - lo; j++) acc[j] = start;
     switch (a->kind) {
-    case NORM_L2: NORM_ROWS(acc[j] += d * d); break;
-    case NORM_L1: NORM_ROWS(acc[j] += d); break;
-    case NORM_INF: NORM_ROWS(acc[j] = max_bits(acc[j], d)); break;
-    case NORM_MIN: NORM_ROWS(acc[j] = min_nan(acc[j], d)); break;
-    default: NORM_ROWS(acc[j] += pow(d, p));
+    case NORM_L2: NORM_ROWS(acc[j - lo] += d * d); break;
+    case NORM_L1: NORM_ROWS(acc[j - lo] += d); break;
+    case NORM_INF: NORM_ROWS(acc[j - lo] = max_bits(acc[j - lo], d)); break;
+    case NORM_MIN: NORM_ROWS(acc[j - lo] = min_nan(acc[j - lo], d)); break;
+    default: NORM_ROWS(acc[j - lo] += pow(d, p));
+    }
+}
+
+/* Blocks [lo, hi): each one's threads, then its warps by the butterfly and the warps in order
+ * (the threads' values on the stack: 2 KiB, nothing to allocate). */
+static void norm_blocks(void *arg, int64_t lo, int64_t hi) {
+    const norm_args *a = arg;
+    for (int64_t b = lo; b < hi; b++) {
+        double acc[CMLP_NORM_THREADS], warps[CMLP_NORM_THREADS / 32];
+        norm_threads(a, acc, b * CMLP_NORM_THREADS, (b + 1) * CMLP_NORM_THREADS);
+        for (int w = 0; w < CMLP_NORM_THREADS / 32; w++) {
+            /* the butterfly's lane 0: at each stage it needs only the lanes below o (a join is
+             * commutative, so lane l's join(v[l], v[l ^ o]) is this one's) */
+            double *v = acc + w * 32;
+            for (int o = 16; o > 0; o >>= 1)
+                for (int l = 0; l < o; l++) v[l] = norm_join(v[l], v[l + o], a->kind);
+            warps[w] = v[0];
+        }
+        double blk = warps[0];
+        for (int w = 1; w < CMLP_NORM_THREADS / 32; w++) blk = norm_join(blk, warps[w], a->kind);
+        a->part[b] = blk;
     }
 }
 
@@ -341,29 +361,11 @@ cmlp_status cpu_grad_norm(void *ctx, const float *g, int64_t n, double norm_type
                      : norm_type == INFINITY  ? NORM_INF
                      : norm_type == -INFINITY ? NORM_MIN
                                               : NORM_P;
-    const int64_t blocks = cmlp_norm_blocks(n), threads = blocks * CMLP_NORM_THREADS;
-    double *acc = malloc((size_t)threads * sizeof *acc); /* up to 64 KiB: not on a thread's stack */
-    if (!acc) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory for a gradient norm's %lld partial sums",
-                               (long long)threads);
-    norm_args a = {g, n, threads, kind, norm_type, acc};
-    cmlp_pool_for(threads, 64, MIN_PER_THREAD / 64, norm_threads, &a);
-    double s = 0.0;
-    for (int64_t b = 0; b < blocks; b++) {
-        double warps[CMLP_NORM_THREADS / 32];
-        for (int w = 0; w < CMLP_NORM_THREADS / 32; w++) {
-            /* the butterfly's lane 0: at each stage it needs only the lanes below o (a join is
-             * commutative, so lane l's join(v[l], v[l ^ o]) is this one's) */
-            double *v = acc + b * CMLP_NORM_THREADS + w * 32;
-            for (int o = 16; o > 0; o >>= 1)
-                for (int l = 0; l < o; l++) v[l] = norm_join(v[l], v[l + o], kind);
-            warps[w] = v[0];
-        }
-        double blk = warps[0];
-        for (int w = 1; w < CMLP_NORM_THREADS / 32; w++) blk = norm_join(blk, warps[w], kind);
-        part[b] = blk;
-        s = b == 0 ? blk : norm_join(s, blk, kind);
-    }
-    free(acc);
+    const int64_t blocks = cmlp_norm_blocks(n), per_block = n / blocks + 1;
+    norm_args a = {g, n, blocks * CMLP_NORM_THREADS, kind, norm_type, part};
+    cmlp_pool_for(blocks, 1, MIN_PER_THREAD / per_block + 1, norm_blocks, &a);
+    double s = part[0];
+    for (int64_t b = 1; b < blocks; b++) s = norm_join(s, part[b], kind);
     if (kind == NORM_L2) s = sqrt(s);
     else if (kind == NORM_P) s = pow(s, 1.0 / norm_type);
     float f = (float)s;

@@ -11,7 +11,7 @@
  *     cmlp_data batch = {.x = images, .x_dtype = CMLP_DTYPE_F32, .y = labels, .n = 32};
  *     double loss;
  *     cmlp_model_zero_grad(m);
- *     cmlp_model_forward_backward(m, &batch, 1.0f / 32, 0.0f, &loss);
+ *     cmlp_model_forward_backward(m, &batch, 1.0f / 32, 0.0f, CMLP_AMP_NONE, &loss);
  *     cmlp_optim_step(opt);
  *     cmlp_optim_free(opt);
  *     cmlp_model_free(m);
@@ -20,6 +20,14 @@
  * thread-local "file:line: what happened" message and no output or state was changed unless
  * the function says otherwise. *_free(NULL) is a no-op. Host pointers given to the library are
  * only read during the call. Nothing here prints, exits or aborts.
+ *
+ * What the caller keeps to: a handle (model, optimizer, trainer) and the output and host-buffer
+ * pointers a call writes or reads are valid, not NULL, unless a function says NULL is allowed
+ * (several calls check and return CMLP_ERR_INVALID, but that is a courtesy, not the contract).
+ * A handle is used by one thread at a time: two calls on one model (or on a model and its
+ * optimizer or trainer) at once are a data race; different models train in different threads
+ * freely. An optimizer and a trainer keep pointers to their model (and a trainer to its
+ * optimizer): free the trainer, then the optimizers, then the model.
  */
 #ifndef CMLP_H
 #define CMLP_H
@@ -444,7 +452,10 @@ CMLP_API cmlp_sgd_config cmlp_sgd_defaults(void);   /* lr 0.01, the rest 0 */
 CMLP_API cmlp_status cmlp_optim_init_adam(cmlp_optim **out, cmlp_model *m, const cmlp_adam_config *c);
 CMLP_API cmlp_status cmlp_optim_init_sgd(cmlp_optim **out, cmlp_model *m, const cmlp_sgd_config *c);
 CMLP_API void cmlp_optim_free(cmlp_optim *o);
-/* Replaces the hyperparameters (same validation); the state is kept. */
+/* Replaces the hyperparameters (the same validation, and the rate times each parameter group's
+ * scale finite in float32, but for Nesterov's needs, which, as in torch, only the init checks: a
+ * schedule may take the momentum to 0, and Nesterov steps are then plain SGD's); the state is
+ * kept. */
 CMLP_API cmlp_status cmlp_optim_configure_adam(cmlp_optim *o, const cmlp_adam_config *c);
 CMLP_API cmlp_status cmlp_optim_configure_sgd(cmlp_optim *o, const cmlp_sgd_config *c);
 CMLP_API cmlp_optim_kind cmlp_optim_get_kind(const cmlp_optim *o);
@@ -539,7 +550,7 @@ typedef struct cmlp_trainer cmlp_trainer;
 typedef struct cmlp_train_config {
     int64_t batch_size;         /* samples per micro-batch the user asked for */
     int64_t accumulation_steps; /* micro-batches per optimizer step */
-    int64_t microbatch_size;    /* rows computed at once; <= batch_size; 0 = batch_size */
+    int64_t microbatch_size;    /* rows computed at once; <= batch_size * accumulation_steps; 0 = batch_size */
     int shuffle;
     uint64_t seed;
     float label_smoothing;
@@ -550,7 +561,7 @@ typedef struct cmlp_train_config {
      * again, and on out of memory the size that worked before, whose next growth then waits
      * twice as many good steps. */
     int auto_microbatch;
-    int64_t grow_interval; /* 0: 100 */
+    int64_t grow_interval; /* >= 1; 0: 100 */
     /* Keep only each micro-batch's input and recompute layer outputs in backward. */
     int recompute;
     /* > 0: before each update the gradients' L2 norm (of the whole step, after unscaling) is

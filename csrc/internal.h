@@ -304,6 +304,7 @@ CMLP_HIDDEN cmlp_status cmlp_optim_load_step_scales(cmlp_optim *o, const double 
 /* The environment's allocator settings, read again as the first GPU opens (cmlp_memory_note_env). */
 CMLP_HIDDEN cmlp_status cmlp_memory_env_recheck(void);
 CMLP_HIDDEN uint64_t cmlp_optim_version(const cmlp_optim *o);
+CMLP_HIDDEN const cmlp_model *cmlp_optim_model(const cmlp_optim *o); /* the model it steps */
 /* Whether every parameter group's part steps at a rate finite in float32 when the optimizer's is lr. */
 CMLP_HIDDEN cmlp_status cmlp_optim_check_rate(const cmlp_optim *o, double lr);
 /* A hash of the optimizer's kind, settings and step count (equal settings, equal hash). */

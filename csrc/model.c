@@ -33,8 +33,8 @@ cmlp_status cmlp_model_init(cmlp_model **out, const int *sizes, int nsizes, cmlp
     if (!out) return CMLP_FAIL(CMLP_ERR_INVALID, "out must not be NULL");
     *out = NULL;
     if (!sizes || nsizes < 2 || nsizes > CMLP_MAX_LAYERS + 1)
-        return CMLP_FAIL(CMLP_ERR_INVALID, "layer_sizes must list 2 to %d sizes (input, hidden..., output), got %d",
-                         CMLP_MAX_LAYERS + 1, nsizes);
+        return CMLP_FAIL(CMLP_ERR_INVALID, "layer_sizes must list 2 to %d sizes (input, hidden..., output), got %d%s",
+                         CMLP_MAX_LAYERS + 1, nsizes, sizes ? "" : " (and a NULL array)");
     for (int i = 0; i < nsizes; i++)
         if (sizes[i] < 1 || sizes[i] > MAX_WIDTH)
             return CMLP_FAIL(CMLP_ERR_INVALID, "layer_sizes[%d] = %d: every size must be in [1, %d]", i, sizes[i],
@@ -115,6 +115,9 @@ cmlp_status cmlp_data_validate(const cmlp_model *m, const cmlp_data *xy, bool ne
         return CMLP_FAIL(CMLP_ERR_INVALID, "data in device memory cannot be checked: pass host memory (the trainer "
                                            "keeps a data set on the device itself)");
     int64_t cols = m->sizes[0], classes = m->sizes[m->nlayers];
+    if (xy->n > INT64_MAX / cols)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "%lld samples of %lld features are more values than int64 counts",
+                         (long long)xy->n, (long long)cols);
     if (xy->x_dtype == CMLP_DTYPE_U8) {
         if (!isfinite(xy->mean) || !isfinite(xy->std) || xy->std == 0.0f)
             return CMLP_FAIL(CMLP_ERR_INVALID, "normalize=(mean, std) must be finite with std != 0, got (%g, %g)",
@@ -137,7 +140,8 @@ cmlp_status cmlp_data_validate(const cmlp_model *m, const cmlp_data *xy, bool ne
             return CMLP_FAIL(CMLP_ERR_NONFINITE, "x contains NaN or inf (first at sample %lld, feature %lld)",
                              (long long)(bad / cols), (long long)(bad % cols));
     } else {
-        return CMLP_FAIL(CMLP_ERR_INVALID, "unknown x dtype %d", (int)xy->x_dtype);
+        return CMLP_FAIL(CMLP_ERR_INVALID, "x must be float32 or uint8 data (dtype %d is not an input dtype)",
+                         (int)xy->x_dtype);
     }
     if (need_labels) {
         if (!xy->y) return CMLP_FAIL(CMLP_ERR_INVALID, "labels must not be NULL");

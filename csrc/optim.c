@@ -182,8 +182,10 @@ int cmlp_optim_parts_on_device(const cmlp_optim *o) {
 void cmlp_optim_expect_momentum(cmlp_optim *o, bool on) { o->momentum_ahead = on; }
 
 cmlp_status cmlp_optim_configure_adam(cmlp_optim *o, const cmlp_adam_config *c) {
+    if (!o || !c) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
     if (o->kind != CMLP_OPTIM_ADAM) return CMLP_FAIL(CMLP_ERR_STATE, "this optimizer is not Adam");
     CMLP_TRY(check_adam(c));
+    CMLP_TRY(cmlp_optim_check_rate(o, c->lr));
     cmlp_adam_config before = o->adam;
     o->adam = *c;
     o->version++;
@@ -205,8 +207,10 @@ cmlp_status cmlp_optim_configure_adam(cmlp_optim *o, const cmlp_adam_config *c) 
 }
 
 cmlp_status cmlp_optim_configure_sgd(cmlp_optim *o, const cmlp_sgd_config *c) {
+    if (!o || !c) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
     if (o->kind != CMLP_OPTIM_SGD) return CMLP_FAIL(CMLP_ERR_STATE, "this optimizer is not SGD");
     CMLP_TRY(check_sgd(c));
+    CMLP_TRY(cmlp_optim_check_rate(o, c->lr));
     o->sgd = *c;
     o->version++;
     return CMLP_OK;
@@ -462,9 +466,15 @@ cmlp_status cmlp_optim_to(cmlp_optim *o, cmlp_device d) {
     return CMLP_OK;
 }
 
+const cmlp_model *cmlp_optim_model(const cmlp_optim *o) { return o->model; }
+
 cmlp_status cmlp_model_move(cmlp_model *m, cmlp_optim *const *opts, int nopts, cmlp_device d) {
-    for (int i = 0; i < nopts; i++)
-        if (!opts[i] || opts[i]->model != m) return CMLP_FAIL(CMLP_ERR_INVALID, "an optimizer of another model");
+    if (!m || nopts < 0 || (nopts && !opts))
+        return CMLP_FAIL(CMLP_ERR_INVALID, "a model and nopts >= 0 optimizers are needed, got nopts %d", nopts);
+    for (int i = 0; i < nopts; i++) {
+        if (!opts[i]) return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer %d is NULL", i);
+        if (opts[i]->model != m) return CMLP_FAIL(CMLP_ERR_STATE, "optimizer %d steps another model", i);
+    }
     const cmlp_device from = cmlp_model_device(m);
     CMLP_TRY(cmlp_model_to(m, d));
     int moved = 0;

@@ -150,14 +150,18 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
                               int64_t data_rows, int64_t data_row_bytes, int data_shuffled, int64_t eval_rows,
                               int eval_staged, int64_t epochs, int64_t eval_budget, cmlp_device d,
                               cmlp_plan *out) {
-    if (!sizes || !out || nsizes < 2 || nsizes > CMLP_MAX_LAYERS + 1)
-        return CMLP_FAIL(CMLP_ERR_INVALID, "layer_sizes must list 2 to %d sizes", CMLP_MAX_LAYERS + 1);
+    if (!out) return CMLP_FAIL(CMLP_ERR_INVALID, "out must not be NULL");
+    if (!sizes || nsizes < 2 || nsizes > CMLP_MAX_LAYERS + 1)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "layer_sizes must list 2 to %d sizes, got %d%s", CMLP_MAX_LAYERS + 1, nsizes,
+                         sizes ? "" : " (and a NULL array)");
     for (int i = 0; i < nsizes; i++)
         if (sizes[i] < 1 || sizes[i] > (1 << 24))
             return CMLP_FAIL(CMLP_ERR_INVALID, "layer_sizes[%d] = %d: every size must be in [1, %d]", i, sizes[i],
                              1 << 24);
     if (batch < 1) return CMLP_FAIL(CMLP_ERR_INVALID, "batch_size must be >= 1, got %lld", (long long)batch);
     if (epochs < 1) return CMLP_FAIL(CMLP_ERR_INVALID, "epochs must be >= 1, got %lld", (long long)epochs);
+    if (amp != CMLP_AMP_NONE && amp != CMLP_AMP_FP16 && amp != CMLP_AMP_BF16)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "unknown amp mode %d", (int)amp);
     if (eval_budget < 0 || eval_budget > ((int64_t)1 << 62))
         return CMLP_FAIL(CMLP_ERR_INVALID, "the budget must be in [0, 2**62] bytes, got %lld", (long long)eval_budget);
     /* the byte counts below stay far from overflowing: at most 2**56 activation values */

@@ -29,6 +29,7 @@ bool cmlp_train_device_steps(const cmlp_trainer *t) {
 
 cmlp_status cmlp_trainer_init(cmlp_trainer **out, cmlp_model *m, cmlp_optim *o, const cmlp_train_config *c) {
     if (!out || !m || !o || !c) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
+    if (cmlp_optim_model(o) != m) return CMLP_FAIL(CMLP_ERR_STATE, "the optimizer steps another model");
     if (c->batch_size < 1) return CMLP_FAIL(CMLP_ERR_INVALID, "batch_size must be >= 1, got %lld", (long long)c->batch_size);
     if (c->accumulation_steps < 1)
         return CMLP_FAIL(CMLP_ERR_INVALID, "accumulation_steps must be >= 1, got %lld", (long long)c->accumulation_steps);
@@ -36,9 +37,11 @@ cmlp_status cmlp_trainer_init(cmlp_trainer **out, cmlp_model *m, cmlp_optim *o, 
     if (c->batch_size > CMLP_MAX_STEP_SAMPLES / c->accumulation_steps)
         return CMLP_FAIL(CMLP_ERR_INVALID, "batch_size * accumulation_steps must be at most 2**62, got %lld * %lld",
                          (long long)c->batch_size, (long long)c->accumulation_steps);
-    if (c->microbatch_size < 0 || c->microbatch_size > CMLP_MAX_STEP_SAMPLES)
-        return CMLP_FAIL(CMLP_ERR_INVALID, "microbatch_size must be in [1, 2**62], got %lld",
-                         (long long)c->microbatch_size);
+    if (c->microbatch_size < 0 || c->microbatch_size > c->batch_size * c->accumulation_steps)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "microbatch_size must be 0 or in [1, batch_size * accumulation_steps = %lld], "
+                         "got %lld", (long long)(c->batch_size * c->accumulation_steps), (long long)c->microbatch_size);
+    if (c->grow_interval < 0)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "grow_interval must be >= 1 (0: 100), got %lld", (long long)c->grow_interval);
     if (c->amp != CMLP_AMP_NONE && c->amp != CMLP_AMP_FP16 && c->amp != CMLP_AMP_BF16)
         return CMLP_FAIL(CMLP_ERR_INVALID, "unknown amp mode %d", (int)c->amp);
     if (!(c->label_smoothing >= 0.0f && c->label_smoothing <= 1.0f))
@@ -214,7 +217,7 @@ cmlp_status cmlp_trainer_step(cmlp_trainer *t, const cmlp_data *xy, double *loss
     drop_half_weights(t);
     CMLP_TRY(cmlp_train_check_group(t, false));
     cmlp_status st = cmlp_data_validate(t->model, xy, true);
-    int64_t n_all = xy->n;
+    int64_t n_all = st == CMLP_OK ? xy->n : 0;
     if (t->dist) { /* each rank's own batch: the step is all of them */
         if (st == CMLP_OK && xy->n > CMLP_MAX_STEP_SAMPLES / cmlp_dist_size())
             st = CMLP_FAIL(CMLP_ERR_INVALID, "a batch of %lld samples on each of %d ranks is more than 2**62",

@@ -4,7 +4,9 @@
  */
 #include "train_internal.h"
 
+#include <float.h>
 #include <math.h>
+#include <stdint.h>
 #include <string.h>
 
 int64_t cmlp_trainer_microbatch_size(const cmlp_trainer *t) { return t->micro; }
@@ -28,14 +30,24 @@ int cmlp_trainer_last_grad_norm(const cmlp_trainer *t, double *norm) {
 void cmlp_trainer_get_scaler(const cmlp_trainer *t, cmlp_scaler_state *out) { *out = t->scaler; }
 
 cmlp_status cmlp_trainer_set_scaler(cmlp_trainer *t, const cmlp_scaler_state *s) {
+    if (!t || !s) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
     if (s->enabled) {
-        if (!(s->scale > 0.0 && isfinite(s->scale)))
-            return CMLP_FAIL(CMLP_ERR_INVALID, "loss scale must be finite and > 0, got %g", s->scale);
-        if (!(s->growth_factor > 1.0)) return CMLP_FAIL(CMLP_ERR_INVALID, "growth_factor should be > 1");
+        /* the scale is kept in float32: checked there (a normal number, as GradScaler's) */
+        const float scale = (float)s->scale;
+        if (!(scale >= FLT_MIN && isfinite(scale)))
+            return CMLP_FAIL(CMLP_ERR_INVALID, "loss scale must be finite and >= 2**-126 in float32, got %g",
+                             s->scale);
+        if (!(s->growth_factor > 1.0 && isfinite(s->growth_factor)))
+            return CMLP_FAIL(CMLP_ERR_INVALID, "growth_factor must be finite and > 1, got %g", s->growth_factor);
         if (!(s->backoff_factor > 0.0 && s->backoff_factor < 1.0))
-            return CMLP_FAIL(CMLP_ERR_INVALID, "backoff_factor should be in (0, 1)");
-        if (s->growth_interval < 1 || s->growth_tracker < 0)
-            return CMLP_FAIL(CMLP_ERR_INVALID, "growth_interval must be >= 1 and the tracker >= 0");
+            return CMLP_FAIL(CMLP_ERR_INVALID, "backoff_factor must be in (0, 1), got %g", s->backoff_factor);
+        /* the device keeps the tracker in an int32, as torch does */
+        if (s->growth_interval < 1 || s->growth_interval > INT32_MAX)
+            return CMLP_FAIL(CMLP_ERR_INVALID, "growth_interval must be in [1, 2**31 - 1], got %lld",
+                             (long long)s->growth_interval);
+        if (s->growth_tracker < 0 || s->growth_tracker >= s->growth_interval)
+            return CMLP_FAIL(CMLP_ERR_INVALID, "the growth tracker must be in [0, growth_interval), got %lld of %lld",
+                             (long long)s->growth_tracker, (long long)s->growth_interval);
     }
     t->scaler = *s;
     t->scaler.scale = (float)s->scale;
@@ -43,6 +55,7 @@ cmlp_status cmlp_trainer_set_scaler(cmlp_trainer *t, const cmlp_scaler_state *s)
 }
 
 cmlp_status cmlp_trainer_start_microbatch(cmlp_trainer *t, int64_t size) {
+    if (!t) return CMLP_FAIL(CMLP_ERR_INVALID, "the trainer must not be NULL");
     if (size < 1 || size > t->target_micro)
         return CMLP_FAIL(CMLP_ERR_INVALID, "a starting micro-batch must be in [1, %lld], got %lld",
                          (long long)t->target_micro, (long long)size);
@@ -52,8 +65,11 @@ cmlp_status cmlp_trainer_start_microbatch(cmlp_trainer *t, int64_t size) {
 }
 
 cmlp_status cmlp_trainer_set_microbatch_size(cmlp_trainer *t, int64_t size) {
-    if (size < 1 || size > CMLP_MAX_STEP_SAMPLES)
-        return CMLP_FAIL(CMLP_ERR_INVALID, "microbatch_size must be in [1, 2**62], got %lld", (long long)size);
+    if (!t) return CMLP_FAIL(CMLP_ERR_INVALID, "the trainer must not be NULL");
+    const int64_t most = t->cfg.batch_size * t->cfg.accumulation_steps; /* (at most 2**62) */
+    if (size < 1 || size > most)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "microbatch_size must be in [1, batch_size * accumulation_steps = %lld], "
+                         "got %lld", (long long)most, (long long)size);
     t->micro = t->target_micro = size;
     cmlp_train_restart_growth(t);
     return CMLP_OK;

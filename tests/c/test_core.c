@@ -924,8 +924,9 @@ static void test_model_move(void) {
     cmlp_optim *o[2];
     OK(cmlp_optim_init_adam(&o[0], m, &ac));
     OK(cmlp_optim_init_adam(&o[1], other, &ac));
-    CHECK(cmlp_model_move(m, o, 2, cmlp_cpu()) == CMLP_ERR_INVALID, "an optimizer of another model moved");
+    CHECK(cmlp_model_move(m, o, 2, cmlp_cpu()) == CMLP_ERR_STATE, "an optimizer of another model moved");
     CHECK(strstr(cmlp_last_error(), "another model") != NULL, "message: %s", cmlp_last_error());
+    CHECK(cmlp_model_move(m, o, -1, cmlp_cpu()) == CMLP_ERR_INVALID, "nopts -1 taken");
     cmlp_optim *none[1] = {NULL};
     CHECK(cmlp_model_move(m, none, 1, cmlp_cpu()) == CMLP_ERR_INVALID, "a NULL optimizer taken");
     OK(cmlp_model_move(m, o, 1, cmlp_cpu()));
@@ -935,6 +936,90 @@ static void test_model_move(void) {
           "a move to a GPU this build cannot open");
     cmlp_optim_free(o[0]);
     cmlp_optim_free(o[1]);
+    cmlp_model_free(m);
+    cmlp_model_free(other);
+}
+
+/* The contract's refusals for a C caller: nothing changes, nothing crashes. */
+static void test_misuse_refused(void) {
+    int sizes[] = {3, 4, 2};
+    cmlp_model *m, *other;
+    OK(cmlp_model_init(&m, sizes, 3, cmlp_cpu(), 5));
+    OK(cmlp_model_init(&other, sizes, 3, cmlp_cpu(), 6));
+    cmlp_sgd_config sc = {.lr = 0.5};
+    cmlp_optim *o, *o_other;
+    OK(cmlp_optim_init_sgd(&o, m, &sc));
+    OK(cmlp_optim_init_sgd(&o_other, other, &sc));
+    cmlp_train_config tc = {.batch_size = 4, .accumulation_steps = 2};
+    cmlp_trainer *t = NULL;
+    CHECK(cmlp_trainer_init(&t, m, o_other, &tc) == CMLP_ERR_STATE && !t, "a trainer of another model's optimizer");
+    tc.microbatch_size = 9;
+    CHECK(cmlp_trainer_init(&t, m, o, &tc) == CMLP_ERR_INVALID, "a micro-batch above the step's 8 rows");
+    tc.microbatch_size = 8;
+    tc.grow_interval = -1;
+    CHECK(cmlp_trainer_init(&t, m, o, &tc) == CMLP_ERR_INVALID, "a negative grow_interval");
+    tc.grow_interval = 0;
+    OK(cmlp_trainer_init(&t, m, o, &tc));
+    CHECK(cmlp_trainer_set_microbatch_size(t, 9) == CMLP_ERR_INVALID && cmlp_trainer_microbatch_size(t) == 8,
+          "a micro-batch above the step's rows set");
+    double loss = 0.0;
+    CHECK(cmlp_trainer_step(t, NULL, &loss) == CMLP_ERR_INVALID, "a NULL batch");
+
+    /* the scaler: checked as the float32 and int32 the steps keep */
+    cmlp_scaler_state good = {.enabled = 1, .scale = 1024.0, .growth_factor = 2.0, .backoff_factor = 0.5,
+                              .growth_interval = 3, .growth_tracker = 2};
+    OK(cmlp_trainer_set_scaler(t, &good));
+    const cmlp_scaler_state bad[] = {
+        {1, 1e39, 2.0, 0.5, 3, 0},                              /* inf in float32 */
+        {1, 1e-50, 2.0, 0.5, 3, 0},                             /* 0 in float32 */
+        {1, 1e-40, 2.0, 0.5, 3, 0},                             /* subnormal in float32 */
+        {1, 1024.0, INFINITY, 0.5, 3, 0},                       /* an endless growth */
+        {1, 1024.0, 2.0, 0.5, ((int64_t)1 << 32) + 1, 0},       /* an int32 would read 1 */
+        {1, 1024.0, 2.0, 0.5, INT32_MAX, INT32_MAX},             /* its next step would overflow */
+        {1, 1024.0, 2.0, 0.5, 3, 3},                            /* at the interval */
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        CHECK(cmlp_trainer_set_scaler(t, &bad[i]) == CMLP_ERR_INVALID, "scaler state %zu taken", i);
+        cmlp_scaler_state now;
+        cmlp_trainer_get_scaler(t, &now);
+        CHECK(now.scale == 1024.0 && now.growth_interval == 3 && now.growth_tracker == 2, "state %zu changed it", i);
+    }
+
+    /* a configuration's rate times a parameter group's scale stays finite in float32 */
+    int64_t ends[] = {6, 26}; /* 3*4 + 4 + 4*2 + 2 parameters */
+    double scale[] = {1e30, 1.0}, wd[] = {0.0, 0.0};
+    OK(cmlp_optim_set_parts(o, 2, ends, scale, wd, NULL));
+    cmlp_sgd_config fast = {.lr = 1e10};
+    CHECK(cmlp_optim_configure_sgd(o, &fast) == CMLP_ERR_INVALID && cmlp_optim_get_lr(o) == 0.5,
+          "a rate whose group steps at inf");
+    cmlp_adam_config ac = cmlp_adam_defaults();
+    cmlp_optim *adam;
+    OK(cmlp_optim_init_adam(&adam, m, &ac));
+    OK(cmlp_optim_set_parts(adam, 2, ends, scale, wd, NULL));
+    ac.lr = 1e10;
+    CHECK(cmlp_optim_configure_adam(adam, &ac) == CMLP_ERR_INVALID && cmlp_optim_get_lr(adam) == 1e-3,
+          "an Adam rate whose group steps at inf");
+    cmlp_optim_free(adam);
+
+    /* a sample count whose values int64 cannot count, refused before x is read */
+    float x[3] = {0};
+    int32_t y[1] = {0};
+    cmlp_data huge = {.x = x, .x_dtype = CMLP_DTYPE_F32, .y = y, .n = INT64_MAX / 2};
+    CHECK(cmlp_model_forward_backward(m, &huge, 1.0f, 0.0f, CMLP_AMP_NONE, &loss) == CMLP_ERR_INVALID, "n * features overflowed");
+    cmlp_data half = {.x = x, .x_dtype = CMLP_DTYPE_F16, .y = y, .n = 1};
+    CHECK(cmlp_model_forward_backward(m, &half, 1.0f, 0.0f, CMLP_AMP_NONE, &loss) == CMLP_ERR_INVALID &&
+              strstr(cmlp_last_error(), "float32 or uint8") != NULL,
+          "fp16 input: %s", cmlp_last_error());
+    cmlp_plan plan;
+    CHECK(cmlp_plan_compute(sizes, 3, 4, 2, 0, 0, (cmlp_amp)7, 0, 0, 1, 0, 0, 0, 0, 0, 1, 0, cmlp_cpu(), &plan) ==
+              CMLP_ERR_INVALID,
+          "a plan for amp mode 7");
+    CHECK(cmlp_plan_compute(sizes, 3, 4, 2, 0, 0, CMLP_AMP_NONE, 0, 0, 1, 0, 0, 0, 0, 0, 1, 0, cmlp_cpu(), NULL) ==
+                  CMLP_ERR_INVALID && strstr(cmlp_last_error(), "out must not be NULL") != NULL,
+          "a NULL plan: %s", cmlp_last_error());
+    cmlp_trainer_free(t);
+    cmlp_optim_free(o);
+    cmlp_optim_free(o_other);
     cmlp_model_free(m);
     cmlp_model_free(other);
 }
@@ -955,6 +1040,7 @@ int main(void) {
     test_part_settings();
     test_group_of_one();
     test_model_move();
+    test_misuse_refused();
     CHECK(allocated_now() == base, "bytes left allocated: %lld", (long long)(allocated_now() - base));
     return check_summary();
 }
