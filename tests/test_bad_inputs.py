@@ -805,8 +805,11 @@ def test_load_truncated_is_value_error(saved, fraction):
     path, _ = saved
     raw = path.read_bytes()
     path.write_bytes(raw[:int(len(raw) * fraction)])
-    with pytest.raises(ValueError, match=r"model\.npz"):
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(ValueError, match=r"model\.npz") as refused:
         cmlp.MLP.load(path)
+    # the file is closed at once, not when the error (and the traceback it keeps) goes
+    assert len(os.listdir("/proc/self/fd")) == fds and refused.value is not None
 
 
 @pytest.mark.parametrize("change,match", [

@@ -600,3 +600,29 @@ def test_inactive_split_totals_take_each_operation_s_net_change_and_releases_cou
     count = {m: s[f"inactive_split.small_pool.{m}"] for m in METRICS}
     assert count == {"current": 1, "peak": 1, "allocated": 1, "freed": 0}
     assert s["num_sync_all_streams"] == 0 and syncs == 2
+
+
+def test_python_out_of_memory_in_a_call_raises_and_loses_no_block():
+    """Python's own allocations failing inside a call (one at a time, each in turn): a
+    MemoryError, never a result with an error set behind it (SystemError), and no block of the
+    allocator left that nothing could give back."""
+    testcapi = pytest.importorskip("_testcapi")
+    model = cmlp.MLP([8, 300, 4], seed=0)
+    c = cmlp._cmlp
+    calls = {"sizes": model._c.sizes, "snapshot": lambda: c.snapshot("cpu"),
+             "snapshot_history": lambda: c.snapshot_history("cpu"), "get_settings": c.get_settings,
+             "alloc": lambda: c.free("cpu", c.alloc("cpu", 100))}
+    base = cmlp.memory.memory_allocated("cpu")
+    for name, call in calls.items():
+        for k in range(1, 25):
+            gc.collect()
+            testcapi.set_nomemory(k, k + 1)
+            try:
+                call()
+            except MemoryError:
+                pass
+            except SystemError as e:
+                pytest.fail(f"{name}, Python's allocation {k} failing: {e}")
+            finally:
+                testcapi.remove_mem_hooks()
+        assert cmlp.memory.memory_allocated("cpu") == base, name

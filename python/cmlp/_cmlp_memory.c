@@ -168,7 +168,9 @@ static PyObject *mod_alloc(PyObject *mod, PyObject *args) {
     cmlp_status st;
     CALL_CORE(st = cmlp_memory_alloc(d, (size_t)n, &p));
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
-    return PyLong_FromVoidPtr(p);
+    PyObject *r = PyLong_FromVoidPtr(p);
+    if (!r) GUARDED((void)cmlp_memory_free(d, p)); /* the caller would never learn the address */
+    return r;
 }
 
 static PyObject *mod_free(PyObject *mod, PyObject *args) {
@@ -268,6 +270,7 @@ static PyObject *mod_record_history(PyObject *mod, PyObject *args) {
 
 static PyObject *segments_list(cmlp_device d, const cmlp_segment_info *segs, int64_t ns, const cmlp_block_info *blks) {
     PyObject *list = PyList_New((Py_ssize_t)ns), *dev = device_str(d);
+    if (!dev) Py_CLEAR(list);
     for (int64_t i = 0; list && dev && i < ns; i++) {
         const cmlp_segment_info *s = &segs[i];
         PyObject *blocks = PyList_New((Py_ssize_t)s->nblocks);
@@ -324,7 +327,14 @@ static PyObject *mod_get_settings(PyObject *mod, PyObject *unused) {
     cmlp_memory_get_settings(&c);
     PyObject *div = PyList_New(CMLP_ROUNDUP_INTERVALS);
     if (!div) return NULL;
-    for (int i = 0; i < CMLP_ROUNDUP_INTERVALS; i++) PyList_SET_ITEM(div, i, PyLong_FromLong(c.roundup_power2_divisions[i]));
+    for (int i = 0; i < CMLP_ROUNDUP_INTERVALS; i++) {
+        PyObject *v = PyLong_FromLong(c.roundup_power2_divisions[i]);
+        if (!v) {
+            Py_DECREF(div);
+            return NULL;
+        }
+        PyList_SET_ITEM(div, i, v);
+    }
     char *text = cmlp_memory_settings_text();
     if (!text) {
         Py_DECREF(div);

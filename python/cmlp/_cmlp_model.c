@@ -151,7 +151,14 @@ static PyObject *Model_sizes(ModelObject *self, PyObject *unused) {
     int L = cmlp_model_num_layers(self->m);
     PyObject *t = PyTuple_New(L + 1);
     if (!t) return NULL;
-    for (int i = 0; i <= L; i++) PyTuple_SET_ITEM(t, i, PyLong_FromLong(cmlp_model_size(self->m, i)));
+    for (int i = 0; i <= L; i++) {
+        PyObject *v = PyLong_FromLong(cmlp_model_size(self->m, i));
+        if (!v) {
+            Py_DECREF(t);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(t, i, v);
+    }
     return t;
 }
 

@@ -208,6 +208,7 @@ static PyObject *Trainer_epoch_run(TrainerObject *self, PyObject *args) {
     if (st != CMLP_OK) { /* a finished epoch keeps its arrays: the next may be on the same data */
         Py_CLEAR(self->epoch_x);
         Py_CLEAR(self->epoch_y);
+        RUN_LOCKED_VOID(mo, cmlp_trainer_release_data(self->t)); /* its device copy goes with them */
     }
     if (st != CMLP_OK) return raise_status(mo->ms, st);
     return Py_BuildValue("(LLdOLdL)", (long long)es.steps, (long long)es.samples, es.loss_sum,

@@ -179,8 +179,12 @@ def caching_allocator_alloc(nbytes: Any = None, device: Optional[str] = None, st
     dev = _device(device)
     ptr = _cmlp.alloc(dev, nbytes)
     if ptr:
-        with _raw_lock:
-            _raw_blocks[ptr] = dev
+        try:
+            with _raw_lock:
+                _raw_blocks[ptr] = dev
+        except BaseException:  # (an interrupt before the block is known: it could never be deleted)
+            _cmlp.free(dev, ptr)
+            raise
     return ptr
 
 

@@ -463,12 +463,16 @@ class MLP:
             path, source, magic = repr(getattr(path, "name", path)), io.BytesIO(raw), bytes(raw[:4])
         else:
             path = source = os.fsdecode(path)  # str, bytes or os.PathLike
+        opened = None
         try:
             if isinstance(source, str):
                 if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO's open would wait for a writer
                     raise ValueError("it is not a regular file")
-                with open(path, "rb") as f:  # NumPy would read any other file as a refused pickle
-                    magic = f.read(4)
+                # one handle, closed below whatever happens (NumPy leaves the one it opens open when
+                # the archive is broken); the magic first: NumPy would read any other file as a pickle
+                source = opened = open(path, "rb")
+                magic = opened.read(4)
+                opened.seek(0)
             if magic not in (b"PK\x03\x04", b"PK\x05\x06"):  # a zip's first entry, or an empty zip
                 raise ValueError("it is not a zip archive, which an .npz file is")
             loaded = np.load(source, allow_pickle=False)
@@ -484,6 +488,9 @@ class MLP:
         except MemoryError:  # a member whose header claims more than memory holds
             raise ValueError(f"{path} is not a readable cmlp model file (.npz): an array in it is larger than "
                              "the memory left") from None
+        finally:
+            if opened is not None:
+                opened.close()
         if _SIZES_KEY not in arrays:
             raise ValueError(f"{path} is not a cmlp model file: it has no {_SIZES_KEY!r} entry")
         sizes = arrays.pop(_SIZES_KEY)
