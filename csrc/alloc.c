@@ -356,7 +356,16 @@ static _Atomic uint64_t config_generation = 1;
 
 void alloc_config_changed(void) { atomic_fetch_add(&config_generation, 1); }
 
+/* The process's caching switch, where it moved since this allocator last looked (under its lock). */
+static void refresh_caching(cmlp_allocator *a) {
+    const uint64_t gen = alloc_caching_generation();
+    if (gen == a->caching_gen) return;
+    a->uncached = cmlp_memory_caching_disabled();
+    a->caching_gen = gen;
+}
+
 static void refresh_config(cmlp_allocator *a) {
+    refresh_caching(a);
     uint64_t gen = atomic_load(&config_generation);
     if (gen == a->config_gen) return;
     alloc_config_current(&a->cfg);
@@ -391,6 +400,7 @@ cmlp_status cmlp_allocator_create(const cmlp_backend_i *b, void *bctx, const cha
     a->total_memory = b->total_memory(bctx);
     a->pools[POOL_LARGE].seed = 0x2545F491u;
     a->pools[POOL_SMALL].seed = 0x9E3779B9u;
+    a->caching_gen = alloc_caching_generation();
     a->uncached = cmlp_memory_caching_disabled();
     a->no_vm = !cmlp_backend_has_vm(b, bctx);
 #ifdef ALLOC_ASAN
@@ -493,6 +503,7 @@ static cmlp_status free_of(cmlp_allocator *a, void *ptr, const char *what) {
     if (!ptr) return CMLP_OK;
     calls_in_capture += capturing_with == a;
     pthread_mutex_lock(&a->lock);
+    refresh_caching(a); /* (a block freed after caching went off goes back to the device) */
     alloc_block *b = table_take(a, (uintptr_t)ptr);
     bool other = b && what && b->what != what;
     const char *held = other ? b->what : NULL; /* (b may be freed by its owner once unlocked) */
@@ -581,6 +592,7 @@ void cmlp_allocator_pytorch_ladder(cmlp_allocator *a, bool on) {
 
 void cmlp_allocator_set_caching(cmlp_allocator *a, bool on) {
     pthread_mutex_lock(&a->lock);
+    a->caching_gen = alloc_caching_generation(); /* (until the process's switch moves again) */
     a->uncached = !on;
     pthread_mutex_unlock(&a->lock);
 }

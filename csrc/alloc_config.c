@@ -8,6 +8,7 @@
 #include <ctype.h>
 #include <errno.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -42,20 +43,31 @@ size_t alloc_round_size(const cmlp_alloc_settings *c, size_t n) {
 }
 
 /* Read once, as PyTorch reads its variable: CMLP_NO_MEMORY_CACHING where it is set, else
- * PYTORCH_NO_CUDA_MEMORY_CACHING; "1" turns caching off. */
-static int caching_disabled = -1;
+ * PYTORCH_NO_CUDA_MEMORY_CACHING; "1" turns caching off. cmlp_memory_set_caching switches it
+ * later, each switch a new generation that every allocator takes up at its next call. */
+static _Atomic int caching_disabled = -1;
+static _Atomic uint64_t caching_generation = 1;
 
 static void read_caching_env(void) {
     const char *v = getenv("CMLP_NO_MEMORY_CACHING");
     if (!v) v = getenv("PYTORCH_NO_CUDA_MEMORY_CACHING");
-    caching_disabled = v && strcmp(v, "1") == 0;
+    atomic_store(&caching_disabled, v && strcmp(v, "1") == 0);
 }
 
+static pthread_once_t caching_once = PTHREAD_ONCE_INIT;
+
 int cmlp_memory_caching_disabled(void) {
-    static pthread_once_t once = PTHREAD_ONCE_INIT;
-    pthread_once(&once, read_caching_env);
-    return caching_disabled;
+    pthread_once(&caching_once, read_caching_env);
+    return atomic_load(&caching_disabled);
 }
+
+void cmlp_memory_set_caching(int on) {
+    pthread_once(&caching_once, read_caching_env); /* (the environment read first: this call wins) */
+    atomic_store(&caching_disabled, !on);
+    atomic_fetch_add(&caching_generation, 1);
+}
+
+uint64_t alloc_caching_generation(void) { return atomic_load(&caching_generation); }
 
 size_t alloc_segment_size(const cmlp_alloc_settings *c, size_t rounded) {
     if (rounded <= K_SMALL_SIZE) return K_SMALL_BUFFER;

@@ -123,6 +123,7 @@ struct cmlp_allocator {
     uint64_t gc_calls[NPOOLS]; /* each pool's cache searches with the gc on (get_free_blocks_call_count) */
     int64_t fail_in; /* test hook: the fail_in-th raw call from now fails; 0: off */
     uint64_t config_gen;
+    uint64_t caching_gen; /* the caching switch last taken up (alloc_caching_generation) */
     cmlp_alloc_settings cfg;
     bool pytorch_ladder; /* benchmarks only: no second cache search after releasing */
     bool no_vm;          /* the device has no virtual memory: expandable_segments is taken as off */
@@ -275,6 +276,9 @@ static inline bool alloc_gc_on(const cmlp_allocator *a) {
 CMLP_HIDDEN void alloc_config_current(cmlp_alloc_settings *out);
 /* Tells every allocator to re-read the settings before its next request. */
 CMLP_HIDDEN void alloc_config_changed(void);
+/* Bumped by each cmlp_memory_set_caching: an allocator whose caching_gen differs takes up the
+ * process's switch. */
+CMLP_HIDDEN uint64_t alloc_caching_generation(void);
 CMLP_HIDDEN size_t alloc_round_size(const cmlp_alloc_settings *c, size_t n);
 CMLP_HIDDEN size_t alloc_segment_size(const cmlp_alloc_settings *c, size_t rounded);
 /* Sets each open GPU's memory limit to the settings' per_process_memory_fraction (device.c). */

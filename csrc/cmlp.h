@@ -227,8 +227,13 @@ CMLP_API char *cmlp_memory_settings_text(void);
  * reserves a segment of exactly the bytes of each request and returns it to the device when the
  * block is freed, keeping its statistics and limit: a memory checker (AddressSanitizer on the
  * CPU, compute-sanitizer on a GPU) sees each buffer's own bounds. Slow; for debugging. A trainer
- * then runs its steps eagerly (no CUDA graph). */
+ * then runs its steps eagerly (no CUDA graph). After cmlp_memory_set_caching, what it last set. */
 CMLP_API int cmlp_memory_caching_disabled(void);
+/* Turns caching on (1) or off (0) for every allocator of the process, open or opened later
+ * (torch.cuda.memory.caching_allocator_enable): each takes it up at its next request or free.
+ * Off, requests are served as above; what the cache holds stays until freed blocks empty their
+ * segments or empty_cache gives them back. Thread-safe. */
+CMLP_API void cmlp_memory_set_caching(int on);
 
 /* A snapshot: segments sorted by address, each owning blocks [first_block, first_block +
  * nblocks) of the block array, in address order. Free both arrays with

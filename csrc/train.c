@@ -58,8 +58,9 @@ cmlp_status cmlp_trainer_init(cmlp_trainer **out, cmlp_model *m, cmlp_optim *o, 
     cmlp_train_restart_growth(t);
     t->target_micro = t->micro;
     const char *graphs = getenv("CMLP_CUDA_GRAPHS"); /* "0": every step eagerly */
-    /* (with caching off a step's frees go to the device, which a capture may not call) */
-    t->graphs_off = (graphs && strcmp(graphs, "0") == 0) || cmlp_memory_caching_disabled();
+    /* (so does every step while caching is off: a step's frees would go to the device, which a
+     * capture may not call; see the run loop) */
+    t->graphs_off = graphs && strcmp(graphs, "0") == 0;
     *out = t;
     return CMLP_OK;
 }
@@ -357,7 +358,8 @@ static cmlp_status epoch_run(cmlp_trainer *t, int64_t max_steps, const double *l
             idx = t->cfg.shuffle ? t->d_order + off : NULL;
             /* with automatic micro-batching, only while no growth back is pending (a replay
              * allocates nothing from the allocator, and its graph was uploaded when made) */
-            bool eligible = k == eb && !t->graphs_off && t->micro == t->target_micro;
+            bool eligible = k == eb && !t->graphs_off && t->micro == t->target_micro &&
+                            !cmlp_memory_caching_disabled();
             if (graphs) /* data-parallel, every step: the ranks agree on the path */
                 s = cmlp_train_graph_step(t, ds, &on_dev, idx, off, mine, k, eligible);
             else

@@ -79,3 +79,50 @@ def test_only_1_turns_caching_off_and_cmlps_variable_wins(env):
     """As PyTorch reads its flag: "1" turns it off, anything else leaves caching on."""
     on = _run(**env)
     assert on["caching"] and on["device_calls"][1] == 0
+
+
+def test_caching_allocator_enable_switches_it_while_running():
+    """torch.cuda.memory.caching_allocator_enable: off from the next request on, for every
+    allocator; a cached block freed then goes back to the device with its segment; on again,
+    requests are cached as before. A training run computes the same numbers either way."""
+    import numpy as np
+
+    import cmlp
+    M = cmlp.memory
+    was = M.get_config()["memory_caching"]
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((96, 20)).astype(np.float32), rng.integers(0, 5, 96)
+
+    def losses():
+        model = cmlp.MLP([20, 48, 5], seed=0)
+        return [e["loss"] for e in cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=16).fit(
+            x, y, epochs=2, progress=False)]
+
+    try:
+        M.caching_allocator_enable(True)
+        cached_losses = losses()
+        M.empty_cache("cpu")
+        kept = M.caching_allocator_alloc(12 << 20, "cpu")  # a cached segment of its own
+        M.caching_allocator_enable(False)
+        assert M.get_config()["memory_caching"] is False
+        s0 = M.memory_stats("cpu")
+        p = M.caching_allocator_alloc(1000, "cpu")
+        seg = [s for s in M.memory_snapshot("cpu") if any(b["address"] == p for b in s["blocks"])][0]
+        assert seg["total_size"] == 1000
+        M.caching_allocator_delete(p)
+        M.caching_allocator_delete(kept)  # its segment, now free, goes back too
+        s1 = M.memory_stats("cpu")
+        assert s1["num_device_free"] - s0["num_device_free"] == 2, "both segments went back"
+        assert s1["reserved_bytes.all.current"] == s0["reserved_bytes.all.current"] - (12 << 20)
+        assert losses() == cached_losses
+        assert s1["reserved_bytes.all.current"] == M.memory_stats("cpu")["reserved_bytes.all.current"], \
+            "nothing stays cached after a run with caching off"
+        cmlp.cuda.caching_allocator_enable(True)  # torch.cuda's name too
+        p = M.caching_allocator_alloc(1000, "cpu")
+        seg = [s for s in M.memory_snapshot("cpu") if any(b["address"] == p for b in s["blocks"])][0]
+        assert seg["total_size"] == 2 << 20 and M.get_config()["memory_caching"] is True
+        M.caching_allocator_delete(p)
+        with pytest.raises(TypeError, match="value must be a bool"):
+            M.caching_allocator_enable("no")
+    finally:
+        M.caching_allocator_enable(was)

@@ -320,6 +320,14 @@ static PyObject *mod_note_env(PyObject *mod, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+static PyObject *mod_set_caching(PyObject *mod, PyObject *arg) {
+    (void)mod;
+    int on = PyObject_IsTrue(arg);
+    if (on < 0) return NULL;
+    cmlp_memory_set_caching(on);
+    Py_RETURN_NONE;
+}
+
 static PyObject *mod_get_settings(PyObject *mod, PyObject *unused) {
     (void)mod;
     (void)unused;
@@ -390,6 +398,7 @@ PyMethodDef cmlp_py_memory_methods[] = {
      "record_history(device, mode, context, max_entries, skip_mask, clear)"},
     {"configure", mod_configure, METH_O, "set the allocator options (PyTorch syntax)"},
     {"get_settings", mod_get_settings, METH_NOARGS, "the allocator options in force"},
+    {"set_caching", mod_set_caching, METH_O, "set_caching(on): caching on or off for every allocator"},
     {"note_env", mod_note_env, METH_O, "note_env('VAR=value' or None): the settings the environment gave at import"},
     {"validate", mod_validate, METH_O, "check the allocator's invariants"},
     {"fail_raw_alloc", mod_fail_raw_alloc, METH_VARARGS, "test hook: fail the k-th raw device call from now"},

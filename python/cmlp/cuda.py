@@ -447,6 +447,13 @@ def caching_allocator_delete(mem_ptr: int) -> None:
     memory.caching_allocator_delete(mem_ptr)
 
 
+def caching_allocator_enable(value: bool = True) -> None:
+    """cmlp.memory.caching_allocator_enable, as torch.cuda's (every device's allocator)."""
+    from . import memory
+
+    memory.caching_allocator_enable(value)
+
+
 def get_allocator_backend() -> str:
     """cmlp.memory.get_allocator_backend, as torch.cuda's."""
     from . import memory

@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 from . import _args, _cmlp, _history, _plan, _snapshot_report
 from ._args import _device, _fmt, _numpy_int
+from ._arrays import as_flag
 
 parse_size = _args.parse_size
 Plan, plan, max_batch_size = _plan.Plan, _plan.plan, _plan.max_batch_size  # the planner
@@ -127,6 +128,15 @@ def _deprecated(name: str, instead: str, fn: Any) -> Any:
 def empty_cache(device: Optional[str] = None) -> None:
     """Returns cached, unused memory to the device."""
     _cmlp.empty_cache(_device(device))
+
+
+def caching_allocator_enable(value: bool = True) -> None:
+    """Turns caching on or off for every device's allocator (torch.cuda.memory's switch). Off,
+    each request gets a segment of its exact size, given back to the device when it is freed
+    (what CMLP_NO_MEMORY_CACHING=1 does from the start: for memory checkers); a trainer then runs
+    its steps eagerly. What the cache holds when it goes off stays until its blocks are freed or
+    empty_cache() gives it back. get_config()["memory_caching"] says which is in force."""
+    _cmlp.set_caching(as_flag("value", value))
 
 
 def set_memory_limit(nbytes: Optional[int], device: Optional[str] = None) -> None:
@@ -284,8 +294,9 @@ def get_config() -> Dict[str, Any]:
     max_split_size_mb a cached block that serves it whole may be), per_process_memory_fraction
     (None, or the fraction of each GPU's memory set as its limit when it opens); and
     memory_caching, False where CMLP_NO_MEMORY_CACHING=1 (or PyTorch's
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1) turned caching off for this process: each request then gets
-    a segment of its exact size, returned to the device at its free (for memory checkers)."""
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1) turned caching off for this process, or
+    caching_allocator_enable(False) since: each request then gets a segment of its exact size,
+    returned to the device at its free (for memory checkers)."""
     s = _cmlp.get_settings()
     fraction = s["per_process_memory_fraction"]
     return {
@@ -308,8 +319,8 @@ def _config_text(config: Mapping[str, Any]) -> str:
         raise ValueError(f"Unrecognized CachingAllocator option: {unknown[0]}")
     caching, on = config.get("memory_caching"), not _cmlp.get_settings()["caching_disabled"]
     if caching is not None and caching is not on:  # (get_config's, so that its dict comes back)
-        raise ValueError(f"memory_caching is {on} in this process (CMLP_NO_MEMORY_CACHING, read at start) and "
-                         f"cannot be set to {caching!r}")
+        raise ValueError(f"memory_caching is {on} now: configure() leaves it alone, and it cannot be set to "
+                         f"{caching!r} there (caching_allocator_enable({not on}) switches it)")
     def flag(key: str) -> bool:  # a bool (NumPy's too), 0 or 1, or the text configure() reads ("True", ...)
         v = config.get(key)
         if v is None or isinstance(v, bool) or getattr(getattr(v, "dtype", None), "kind", "") == "b":

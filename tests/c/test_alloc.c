@@ -973,6 +973,29 @@ static void test_uncached(void) {
     CHECK(CUR(s, RESERVED_BYTES, ALL) == 0 && s.num_device_free == 3 && d.raw_bytes == 0 && PEAK(s, RESERVED_BYTES, ALL) == (int64_t)MB(4),
           "uncached: reserved %" PRId64 ", peak %" PRId64, CUR(s, RESERVED_BYTES, ALL), PEAK(s, RESERVED_BYTES, ALL));
     fin(a, &d);
+
+    /* the process's switch (cmlp_memory_set_caching): an open allocator takes it up at its next
+     * call, a block cached before it goes back with its segment when freed after it */
+    a = mk(&d, "", (int64_t)GB(2));
+    d.any_size = true;
+    void *cached = al(a, 1000);
+    cmlp_memory_set_caching(0);
+    CHECK(cmlp_memory_caching_disabled() == 1, "the switch is off");
+    void *own = al(a, 1000);
+    CHECK(block_size(a, own, NULL, NULL) == 1000 && has_segment(a, 1000), "switched off: a block of %" PRId64,
+          block_size(a, own, NULL, NULL));
+    fr(a, cached);
+    fr(a, own);
+    s = stats_of(a);
+    CHECK(CUR(s, RESERVED_BYTES, ALL) == 0 && s.num_device_free == 2, "switched off: reserved %" PRId64
+          ", %" PRId64 " device frees", CUR(s, RESERVED_BYTES, ALL), s.num_device_free);
+    cmlp_memory_set_caching(1);
+    void *again = al(a, 1000);
+    s = stats_of(a);
+    CHECK(CUR(s, RESERVED_BYTES, ALL) == (int64_t)MB(2) && cmlp_memory_caching_disabled() == 0,
+          "switched on: reserved %" PRId64, CUR(s, RESERVED_BYTES, ALL));
+    fr(a, again);
+    fin(a, &d);
 }
 
 /* In a build with AddressSanitizer, over host memory: a block's bytes past the request, and a
