@@ -31,6 +31,7 @@ def main():
 
     (x, y), (xte, yte) = cmlp.datasets.fashion_mnist()
     model = cmlp.MLP([784, 512, 256, 10], device=device, seed=0)
+    opt: cmlp.optim.Optimizer
     if a.zero:
         opt = dist.optim.ZeroRedundancyOptimizer(model, cmlp.optim.Adam, lr=1e-3)
     else:

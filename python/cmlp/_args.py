@@ -2,11 +2,33 @@
 integers, and sizes written as text ("512MB") and for people ("1.50 MiB")."""
 import re
 from fractions import Fraction
-from typing import Any, Union
+from typing import Any, Optional, Protocol, Union
 
 import numpy as np
 
 from . import _cmlp
+
+
+class _NamedDevice(Protocol):
+    """A torch.device: its type ("cpu", "cuda") and index."""
+
+    @property
+    def type(self) -> str: ...
+
+    @property
+    def index(self) -> Optional[int]: ...
+
+
+class _DeviceBlock(Protocol):
+    """A device block (cmlp.cuda.device, torch.cuda.device): its GPU's index."""
+
+    @property
+    def idx(self) -> int: ...
+
+
+# What a device argument may be: "cpu", "cuda", "cuda:N", a GPU's index, a torch.device, a
+# device block
+Device = Union[str, int, _NamedDevice, _DeviceBlock]
 
 
 def _device_text(device: Any) -> Any:

@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from . import _cmlp
+from ._args import Device
 from ._files import atomic_write
 from ._cmlp import CoreLock
 
@@ -60,7 +61,7 @@ def _cpp_bool(name: str, value: Any) -> bool:
 
 
 def _record(enabled: Optional[str] = "all", context: Optional[str] = "all", stacks: str = "all",
-            max_entries: int = sys.maxsize, device: Optional[str] = None, clear_history: bool = False,
+            max_entries: int = sys.maxsize, device: Optional[Device] = None, clear_history: bool = False,
             compile_context: bool = False, global_record_annotations: bool = False,
             skip_actions: Optional[List[str]] = None, record_pinned_host_memory: bool = False,
             record_cuda: bool = True) -> None:
@@ -110,7 +111,7 @@ def _record(enabled: Optional[str] = "all", context: Optional[str] = "all", stac
 
 
 def _record_legacy(enabled: bool, record_context: bool = True, trace_alloc_max_entries: int = 1,
-                   trace_alloc_record_context: bool = False, device: Optional[str] = None,
+                   trace_alloc_record_context: bool = False, device: Optional[Device] = None,
                    record_context_cpp: bool = False, clear_history: bool = False, compile_context: bool = False,
                    global_record_annotations: bool = False, skip_actions: Optional[List[str]] = None,
                    record_pinned_host_memory: bool = False, record_cuda: bool = True) -> None:
@@ -230,7 +231,7 @@ def allocator_settings() -> Dict[str, Any]:
             "roundup_power2_divisions": {str(1 << i): d for i, d in enumerate(c["roundup_power2_divisions"])}}
 
 
-def snapshot(device: Optional[str] = None, augment_with_fx_traces: bool = False) -> Dict[str, Any]:
+def snapshot(device: Optional[Device] = None, augment_with_fx_traces: bool = False) -> Dict[str, Any]:
     """torch.cuda.memory._snapshot(): {"segments": [...], "device_traces": [[...], ...],
     "allocator_settings": {...}, "external_annotations": []}, the segments and the history taken
     at one instant, with the allocator's settings. Segments carry PyTorch's keys (device as an
@@ -253,7 +254,7 @@ def snapshot(device: Optional[str] = None, augment_with_fx_traces: bool = False)
 
 
 def dump_snapshot(filename: "os.PathLike[str] | str" = "dump_snapshot.pickle", augment_with_fx_traces: bool = False,
-                  *, device: Optional[str] = None) -> None:
+                  *, device: Optional[Device] = None) -> None:
     """torch.cuda.memory._dump_snapshot(): the snapshot, pickled (protocol 4, which PyTorch's
     viewer reads) into filename, atomically; device (by keyword: torch's arguments come first)
     as _snapshot's."""

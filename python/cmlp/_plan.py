@@ -1,11 +1,11 @@
 """The planner: what a training run will hold on a device, predicted before it runs by replaying
 its requests on an allocator with the device's rules (cmlp.memory.plan, max_batch_size)."""
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import numpy as np
 
 from . import _cmlp
-from ._args import _device, _fmt, _numpy_int, parse_size
+from ._args import Device, _device, _fmt, _numpy_int, parse_size
 
 
 _CATEGORIES = ("parameters", "gradients", "optimizer_state", "half_weights", "activations", "workspace", "data",
@@ -19,8 +19,8 @@ class Plan:
     moment it opens (on CUDA, the GEMM workspace: 10 MiB, 34 MiB on compute capability 9.x to
     12.x), whose place the plan takes into account."""
 
-    def __init__(self, layer_sizes: List[int], batch_size: int, optimizer: str, amp: Optional[str],
-                 recompute: bool, device: str, raw: Dict[str, int], optimizer_shards: int = 1) -> None:
+    def __init__(self, layer_sizes: Iterable[int], batch_size: int, optimizer: str, amp: Optional[str],
+                 recompute: bool, device: Device, raw: Dict[str, int], optimizer_shards: int = 1) -> None:
         self.layer_sizes, self.batch_size, self.optimizer = list(layer_sizes), batch_size, optimizer
         self.optimizer_shards = optimizer_shards
         self.amp, self.recompute, self.device = amp, recompute, device
@@ -79,8 +79,8 @@ def _check_accumulation(accumulation_steps: Any) -> int:
     return accumulation_steps
 
 
-def plan(layer_sizes: List[int], batch_size: int = 32, optimizer: Any = "adam", amp: Optional[str] = None,
-         recompute: bool = False, device: str = "cpu", scaler: Optional[bool] = None,
+def plan(layer_sizes: Iterable[int], batch_size: int = 32, optimizer: Any = "adam", amp: Optional[str] = None,
+         recompute: bool = False, device: Device = "cpu", scaler: Optional[bool] = None,
          accumulation_steps: int = 1, optimizer_shards: Optional[int] = None, validation_rows: int = 0,
          validation_dtype: str = "uint8", data_rows: int = 0, data_dtype: str = "uint8", shuffle: bool = True,
          epochs: int = 5, _budget: int = 0) -> Plan:
@@ -158,7 +158,7 @@ def _data_args(rows: Any, dtype: Any, shuffle: Any, features: int) -> Tuple[int,
     return rows, features * (1 if kind == np.uint8 else 4), as_flag("shuffle", shuffle)
 
 
-def _evaluation_args(rows: Any, dtype: Any, device: str, epochs: Any) -> Tuple[int, bool, int]:
+def _evaluation_args(rows: Any, dtype: Any, device: Device, epochs: Any) -> Tuple[int, bool, int]:
     """(rows of an evaluation chunk, whether its input is staged, epochs) for a validation of
     `rows` after each of `epochs` epochs."""
     from .trainer import EVALUATION_ROWS
@@ -203,8 +203,8 @@ def _plan_args(optimizer: Any, amp: Optional[str], recompute: bool, scaler: Opti
     return nbuf, shards, parts, amp_code, as_flag("recompute", recompute), scaling, solo
 
 
-def max_batch_size(layer_sizes: List[int], budget_bytes: int, optimizer: Any = "adam", amp: Optional[str] = None,
-                   recompute: bool = False, device: str = "cpu", limit: int = 1 << 24,
+def max_batch_size(layer_sizes: Iterable[int], budget_bytes: Union[int, float, str], optimizer: Any = "adam",
+                   amp: Optional[str] = None, recompute: bool = False, device: Device = "cpu", limit: int = 1 << 24,
                    accumulation_steps: int = 1, optimizer_shards: Optional[int] = None, validation_rows: int = 0,
                    validation_dtype: str = "uint8", data_rows: int = 0, data_dtype: str = "uint8",
                    shuffle: bool = True) -> int:

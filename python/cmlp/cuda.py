@@ -7,7 +7,7 @@ unless CMLP_NVML_BASED_CUDA_CHECK (or, where that is unset, PYTORCH_NVML_BASED_C
 """
 import collections
 import os
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 
@@ -207,10 +207,9 @@ class device:
             _cmlp.cuda_set_device(self.idx)
             self.prev_idx = before
 
-    def __exit__(self, *exc: Any) -> bool:
+    def __exit__(self, *exc: Any) -> None:
         if self.prev_idx >= 0:
             _cmlp.cuda_set_device(self.prev_idx)
-        return False
 
 
 class device_of(device):
@@ -303,22 +302,22 @@ def _opened(device: "Optional[str | int]") -> bool:
         return True
     count = _cmlp.cuda_device_count() if _cmlp.cuda_started() else 0
     if count > 0 and not 0 <= index < count:
-        from . import memory
+        from . import memory as _memory
 
-        memory.memory_allocated(f"cuda:{index}")  # raises: that GPU is not there
+        _memory.memory_allocated(f"cuda:{index}")  # raises: that GPU is not there
     return False
 
 
 def _on_gpu(name: str, unopened: Any = None):  # type: ignore[no-untyped-def]
     def call(device: "Optional[str | int]" = None):  # type: ignore[no-untyped-def]
-        from . import memory
+        from . import memory as _memory
 
         index = _device_index(device)
         if index < 0:  # (as torch's allocator: no GPU has it)
             raise ValueError(f"Invalid device argument {index}: a GPU's index is >= 0")
         if unopened is not None and not _opened(index):
             return unopened(index)
-        return getattr(memory, name)(f"cuda:{index}")
+        return getattr(_memory, name)(f"cuda:{index}")
 
     call.__name__ = call.__qualname__ = name
     call.__doc__ = f"cmlp.memory.{name} of a GPU (default: \"cuda\"), as torch.cuda.{name}" + (
@@ -334,9 +333,9 @@ def _unused_stats(index: int) -> Dict[str, int]:
     count = _cmlp.cuda_device_count() if _cmlp.cuda_started() else 0
     if not any(_cmlp.cuda_device_opened(i) for i in range(count)):
         return collections.OrderedDict()
-    from . import memory
+    from . import memory as _memory
 
-    stats = collections.OrderedDict((key, 0) for key in memory.memory_stats("cpu"))  # every device's keys
+    stats = collections.OrderedDict((key, 0) for key in _memory.memory_stats("cpu"))  # every device's keys
     settings = _cmlp.get_settings()
     total = get_device_properties(index).total_memory
     fraction = settings["per_process_memory_fraction"]
@@ -346,10 +345,10 @@ def _unused_stats(index: int) -> Dict[str, int]:
 
 
 def _unused_nested(index: int) -> Dict[str, Any]:
-    from . import memory
+    from . import memory as _memory
 
     stats = _unused_stats(index)
-    return memory._nested(stats) if stats else {}
+    return _memory._nested(stats) if stats else {}
 
 
 def _zero(index: int) -> int:
@@ -369,7 +368,7 @@ def memory_snapshot(mempool_id: Any = None, include_traces: bool = True) -> List
     address (cmlp.memory.memory_snapshot(device) gives one device's). Each GPU has one pool,
     (0, 0): mempool_id None or (0, 0) gives them all, another id none. include_traces is checked
     and changes nothing (the segments carry no history; _snapshot() gives it)."""
-    from . import memory
+    from . import memory as _memory
 
     as_flag("include_traces", include_traces)
     if mempool_id is not None:
@@ -380,7 +379,7 @@ def memory_snapshot(mempool_id: Any = None, include_traces: bool = True) -> List
         if tuple(mempool_id) != (0, 0):
             return []
     count = _cmlp.cuda_device_count() if _cmlp.cuda_started() else 0
-    return [seg for i in range(count) if _cmlp.cuda_device_opened(i) for seg in memory.memory_snapshot(f"cuda:{i}")]
+    return [seg for i in range(count) if _cmlp.cuda_device_opened(i) for seg in _memory.memory_snapshot(f"cuda:{i}")]
 
 
 reset_peak_memory_stats = _on_gpu("reset_peak_memory_stats")
@@ -409,64 +408,69 @@ reset_max_memory_cached = _deprecated("reset_max_memory_cached", "reset_peak_mem
 
 def memory_summary(device: "Optional[str | int]" = None, abbreviated: bool = False) -> str:
     """cmlp.memory.memory_summary of a GPU (default: "cuda"), as torch.cuda.memory_summary."""
-    from . import memory
+    from . import memory as _memory
 
-    return memory.memory_summary(f"cuda:{_device_index(device)}", abbreviated=abbreviated)
+    return _memory.memory_summary(f"cuda:{_device_index(device)}", abbreviated=abbreviated)
 
 
 def empty_cache() -> None:
     """Returns every GPU's cached, unused segments, as torch.cuda.empty_cache; a no-op for the
     GPUs not opened here (without CUDA, for all), as torch's is before CUDA starts, and in a child
     forked after it started (which cannot use it)."""
-    from . import memory
+    from . import memory as _memory
 
     count = _cmlp.cuda_device_count() if _cmlp.cuda_started() and not _cmlp.cuda_forked() else 0
     for index in range(count):
         if _cmlp.cuda_device_opened(index):
-            memory.empty_cache(f"cuda:{index}")
+            _memory.empty_cache(f"cuda:{index}")
 
 
 def set_per_process_memory_fraction(fraction: float, device: "Optional[str | int]" = None) -> None:
     """cmlp.memory.set_per_process_memory_fraction of a GPU (default: "cuda")."""
-    from . import memory
+    from . import memory as _memory
 
-    memory.set_per_process_memory_fraction(fraction, f"cuda:{_device_index(device)}")
+    _memory.set_per_process_memory_fraction(fraction, f"cuda:{_device_index(device)}")
 
 
 def caching_allocator_alloc(size: Any, device: "Optional[str | int]" = None, stream: Any = None) -> int:
     """cmlp.memory.caching_allocator_alloc on a GPU (default: "cuda"), as torch.cuda's."""
-    from . import memory
+    from . import memory as _memory
 
-    return memory.caching_allocator_alloc(size, f"cuda:{_device_index(device)}", stream)
+    return _memory.caching_allocator_alloc(size, f"cuda:{_device_index(device)}", stream)
 
 
 def caching_allocator_delete(mem_ptr: int) -> None:
     """Gives back a block of caching_allocator_alloc, as torch.cuda's."""
-    from . import memory
+    from . import memory as _memory
 
-    memory.caching_allocator_delete(mem_ptr)
+    _memory.caching_allocator_delete(mem_ptr)
 
 
 def caching_allocator_enable(value: bool = True) -> None:
     """cmlp.memory.caching_allocator_enable, as torch.cuda's (every device's allocator)."""
-    from . import memory
+    from . import memory as _memory
 
-    memory.caching_allocator_enable(value)
+    _memory.caching_allocator_enable(value)
 
 
 def get_allocator_backend() -> str:
     """cmlp.memory.get_allocator_backend, as torch.cuda's."""
-    from . import memory
+    from . import memory as _memory
 
-    return memory.get_allocator_backend()
+    return _memory.get_allocator_backend()
 
 
-def __getattr__(name: str) -> Any:
-    """cmlp.cuda.memory is cmlp.memory (torch.cuda.memory, where torch keeps
-    _record_memory_history, _snapshot and _dump_snapshot): its device=None is the current GPU
-    wherever there is one."""
-    if name == "memory":
-        from . import memory
+if TYPE_CHECKING:  # (a checker sees the submodule; at run time it is imported on first use)
+    from . import memory as memory
 
-        return memory
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    __all_for_checkers__ = (memory,)  # (the import is this module's attribute, not an unused name)
+else:
+    def __getattr__(name: str) -> Any:
+        """cmlp.cuda.memory is cmlp.memory (torch.cuda.memory, where torch keeps
+        _record_memory_history, _snapshot and _dump_snapshot): its device=None is the current GPU
+        wherever there is one."""
+        if name == "memory":
+            from . import memory as _memory
+
+            return _memory
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,12 +7,18 @@ import math
 import os
 import sys
 import zlib
+from typing import Callable, Optional, Tuple, Union
 
 import numpy as np
+import numpy.typing as npt
 
 from ._arrays import as_flag
 
 __all__ = ["load_idx", "mnist", "fashion_mnist"]
+
+# (x_train, y_train), (x_test, y_test): uint8 images [N, 784] and uint8 labels [N]
+Split = Tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]
+Dataset = Tuple[Split, Split]
 
 # IDX type code -> big-endian dtype of the payload.
 _IDX_TYPES = {
@@ -108,7 +114,8 @@ def _parse_idx(f, path, stored_size, compressed, check=None):
     return arr.astype(dtype.newbyteorder("="), copy=False)
 
 
-def load_idx(path, _check=None):
+def load_idx(path: "Union[str, bytes, os.PathLike[str], os.PathLike[bytes]]",
+             _check: Optional[Callable[[Tuple[int, ...], np.dtype], None]] = None) -> np.ndarray:
     """Reads an IDX file (the MNIST format), raw or gzip-compressed (detected by its
     magic bytes, not its name), and returns a native-endian array of the stored shape.
 
@@ -219,7 +226,7 @@ def _candidate_dirs(root, subdirs):
     return [root] + [os.path.join(root, s) for s in subdirs]
 
 
-def mnist(root="data", download=False):
+def mnist(root: "Union[str, bytes, os.PathLike[str]]" = "data", download: bool = False) -> Dataset:
     """Loads MNIST from root, root/mnist or root/MNIST/raw (the first holding all four
     IDX files, raw or .gz). Returns (x_train, y_train), (x_test, y_test): images uint8
     [N, 784], labels uint8 [N]. download=True reads the files where they are, and raises
@@ -230,7 +237,7 @@ def mnist(root="data", download=False):
     return _load_set("MNIST", dirs, how, download)
 
 
-def fashion_mnist(root=None, download=False):
+def fashion_mnist(root: "Optional[Union[str, bytes, os.PathLike[str]]]" = None, download: bool = False) -> Dataset:
     """Loads Fashion-MNIST. With root given, looks in root, root/fashion-mnist and
     root/FashionMNIST/raw; with root=None, in $CMLP_DATA_DIR/fashion-mnist (if set),
     ./data/fashion-mnist, ./data/FashionMNIST/raw, ~/.cache/cmlp/fashion-mnist and

@@ -9,7 +9,7 @@ import warnings
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 from . import _args, _cmlp, _history, _plan, _snapshot_report
-from ._args import _device, _fmt, _numpy_int
+from ._args import Device, _device, _fmt, _numpy_int
 from ._arrays import as_flag
 
 parse_size = _args.parse_size
@@ -33,14 +33,14 @@ def _new_lock_in_child() -> None:  # a thread the forked child lacks may have he
 os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
-def memory_stats(device: Optional[str] = None) -> Dict[str, int]:
+def memory_stats(device: Optional[Device] = None) -> Dict[str, int]:
     """PyTorch's keys: "<stat>.<pool>.<metric>" plus num_alloc_retries, num_ooms, ..., sorted,
     in an OrderedDict (as torch's)."""
     stats = _cmlp.memory_stats(_device(device))
     return collections.OrderedDict(sorted(stats.items()))
 
 
-def mem_get_info(device: Optional[str] = None) -> Tuple[int, int]:
+def mem_get_info(device: Optional[Device] = None) -> Tuple[int, int]:
     """(free, total) bytes of the device, as torch.cuda.mem_get_info: free is what the device's
     driver could still give (memory the caching allocator holds counts as used: see
     memory_reserved; empty_cache() returns what it caches); on "cpu", the memory the operating
@@ -51,33 +51,33 @@ def mem_get_info(device: Optional[str] = None) -> Tuple[int, int]:
     return free, total
 
 
-def memory_allocated(device: Optional[str] = None) -> int:
+def memory_allocated(device: Optional[Device] = None) -> int:
     return memory_stats(device)["allocated_bytes.all.current"]
 
 
-def max_memory_allocated(device: Optional[str] = None) -> int:
+def max_memory_allocated(device: Optional[Device] = None) -> int:
     return memory_stats(device)["allocated_bytes.all.peak"]
 
 
-def memory_reserved(device: Optional[str] = None) -> int:
+def memory_reserved(device: Optional[Device] = None) -> int:
     return memory_stats(device)["reserved_bytes.all.current"]
 
 
-def max_memory_reserved(device: Optional[str] = None) -> int:
+def max_memory_reserved(device: Optional[Device] = None) -> int:
     return memory_stats(device)["reserved_bytes.all.peak"]
 
 
-def reset_peak_memory_stats(device: Optional[str] = None) -> None:
+def reset_peak_memory_stats(device: Optional[Device] = None) -> None:
     _cmlp.reset_peak_memory_stats(_device(device))
 
 
-def reset_accumulated_memory_stats(device: Optional[str] = None) -> None:
+def reset_accumulated_memory_stats(device: Optional[Device] = None) -> None:
     """Every statistic's "allocated" and "freed" totals, and num_alloc_retries, num_ooms,
     num_sync_all_streams, num_device_alloc and num_device_free, back to 0 (torch's)."""
     _cmlp.reset_accumulated_memory_stats(_device(device))
 
 
-def memory_stats_as_nested_dict(device: Optional[str] = None) -> Dict[str, Any]:
+def memory_stats_as_nested_dict(device: Optional[Device] = None) -> Dict[str, Any]:
     """memory_stats() as torch.cuda.memory_stats_as_nested_dict gives it: each key's dotted parts
     as levels ({"allocated_bytes": {"all": {"current": ...}}, "num_ooms": ...})."""
     return _nested(memory_stats(device))
@@ -95,7 +95,7 @@ def _nested(stats: Mapping[str, int]) -> Dict[str, Any]:
     return nested
 
 
-def get_per_process_memory_fraction(device: Optional[str] = None) -> float:
+def get_per_process_memory_fraction(device: Optional[Device] = None) -> float:
     """The fraction of the device's memory the allocator may reserve (torch's): the one set by
     set_per_process_memory_fraction while its limit stands, else the memory limit over the total
     memory, 1.0 without a limit."""
@@ -115,7 +115,7 @@ def get_allocator_backend() -> str:
 
 
 def _deprecated(name: str, instead: str, fn: Any) -> Any:
-    def alias(device: Optional[str] = None) -> Any:
+    def alias(device: Optional[Device] = None) -> Any:
         import warnings
 
         warnings.warn(f"cmlp.memory.{name} is deprecated (as in torch): use {instead}", FutureWarning, stacklevel=2)
@@ -125,7 +125,7 @@ def _deprecated(name: str, instead: str, fn: Any) -> Any:
     return alias
 
 
-def empty_cache(device: Optional[str] = None) -> None:
+def empty_cache(device: Optional[Device] = None) -> None:
     """Returns cached, unused memory to the device."""
     _cmlp.empty_cache(_device(device))
 
@@ -139,7 +139,7 @@ def caching_allocator_enable(value: bool = True) -> None:
     _cmlp.set_caching(as_flag("value", value))
 
 
-def set_memory_limit(nbytes: Optional[int], device: Optional[str] = None) -> None:
+def set_memory_limit(nbytes: Optional[int], device: Optional[Device] = None) -> None:
     """Caps what the device's allocator may reserve (None removes the cap)."""
     if nbytes is None:
         _cmlp.set_memory_limit(_device(device), -1)
@@ -152,7 +152,7 @@ def set_memory_limit(nbytes: Optional[int], device: Optional[str] = None) -> Non
     _cmlp.set_memory_limit(_device(device), min(nbytes, 2**63 - 1))  # more than anything: no cap in effect
 
 
-def set_per_process_memory_fraction(fraction: float, device: Optional[str] = None) -> None:
+def set_per_process_memory_fraction(fraction: float, device: Optional[Device] = None) -> None:
     """Caps reserved memory at fraction x the device's total memory (physical memory for "cpu")."""
     if not isinstance(fraction, float):
         raise TypeError("Invalid type for fraction argument, must be `float`")
@@ -164,12 +164,12 @@ def set_per_process_memory_fraction(fraction: float, device: Optional[str] = Non
     _fractions[dev] = (float(fraction), int(fraction * total))  # (a NumPy float is read back as a float)
 
 
-def get_memory_limit(device: Optional[str] = None) -> Optional[int]:
+def get_memory_limit(device: Optional[Device] = None) -> Optional[int]:
     limit = _cmlp.memory_stats(_device(device))["limit"]
     return None if limit < 0 else limit
 
 
-def caching_allocator_alloc(nbytes: Any = None, device: Optional[str] = None, stream: Any = None, *,
+def caching_allocator_alloc(nbytes: Any = None, device: Optional[Device] = None, stream: Any = None, *,
                             size: Any = None) -> int:
     """A raw block of nbytes from the device's allocator; give it back with caching_allocator_delete.
     size= is torch's name for nbytes; stream is taken for torch's signature (None or 0: cmlp's
@@ -217,7 +217,7 @@ def caching_allocator_delete(mem_ptr: int) -> None:
     _cmlp.free(dev, mem_ptr)
 
 
-def memory_snapshot(device: Optional[str] = None, *, mempool_id: Any = None,
+def memory_snapshot(device: Optional[Device] = None, *, mempool_id: Any = None,
                     include_traces: bool = True) -> List[Dict[str, Any]]:
     """Every segment with its blocks, sorted by address, as torch.cuda.memory_snapshot() gives
     them: {device (the index; 0 for "cpu"), address, total_size, allocated_size, active_size,
@@ -245,7 +245,7 @@ def list_gpu_processes(device: Any = None) -> str:
     return cuda.list_gpu_processes(device)
 
 
-def memory_breakdown(device: Optional[str] = None) -> Dict[str, int]:
+def memory_breakdown(device: Optional[Device] = None) -> Dict[str, int]:
     """The bytes allocated now (as requested, before rounding) by what they hold: "parameters",
     "gradients" (with the step's device scalars), "optimizer state" (on a GPU also "optimizer
     param groups", their settings, where the groups differ), "activations" (also "...
@@ -399,12 +399,12 @@ def configure(config: Union[str, Mapping[str, Any]]) -> None:
                       "(PyTorch's native backend, with its statistics and limits)", MemoryWarning, stacklevel=2)
 
 
-def _validate(device: Optional[str] = None) -> None:
+def _validate(device: Optional[Device] = None) -> None:
     """Checks every invariant of the device's allocator; RuntimeError names the first broken one."""
     _cmlp.validate(_device(device))
 
 
-def _fail_raw_alloc(k: int, device: Optional[str] = None) -> None:
+def _fail_raw_alloc(k: int, device: Optional[Device] = None) -> None:
     """Test hook: the k-th raw device allocation from now fails as if the device were full
     (k = 1: the next one); k <= 0 disables it."""
     _cmlp.fail_raw_alloc(_device(device), int(k))
@@ -437,7 +437,7 @@ _SUMMARY_METRICS = (("allocated_bytes", "Allocated memory", True), ("active_byte
                     ("inactive_split", "Non-releasable allocs", False))
 
 
-def memory_summary(device: Optional[str] = None, abbreviated: bool = False) -> str:
+def memory_summary(device: Optional[Device] = None, abbreviated: bool = False) -> str:
     """A table of current, peak, allocated and freed for each statistic, laid out as PyTorch's
     torch.cuda.memory_summary (75 columns; each row's unit from its "all" value; abbreviated:
     without the large- and small-pool rows), then the limit, the largest free block, the

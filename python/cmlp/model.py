@@ -15,6 +15,7 @@ from typing import IO, Any, Dict, Iterable, Iterator, List, MutableMapping, Opti
 import numpy as np
 
 from . import _cmlp
+from ._args import Device
 from ._files import atomic_write
 from ._cmlp import CoreLock
 from ._arrays import _as_array, as_flag, as_inputs, as_labels, as_normalize, as_number, check_amp, check_seed
@@ -155,7 +156,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 class MLP:
     """Linear layers with ReLU between them, initialised like nn.Linear from `seed`."""
 
-    def __init__(self, layer_sizes: Sequence[int], device: str = "cpu", seed: int = 0,
+    def __init__(self, layer_sizes: Iterable[int], device: Device = "cpu", seed: int = 0,
                  normalize: Tuple[float, float] = (0.5, 0.5)) -> None:
         from ._args import _device_text
 
@@ -451,7 +452,7 @@ class MLP:
             atomic_write(path, lambda f: np.savez(f, **arrays))
 
     @classmethod
-    def load(cls, path: "os.PathLike[str] | str | IO[bytes]", device: str = "cpu") -> "MLP":
+    def load(cls, path: "os.PathLike[str] | str | IO[bytes]", device: Device = "cpu") -> "MLP":
         """Reads a file written by save(): a path, or a binary file object (as torch.load takes
         one), read from where it stands."""
         source: Any

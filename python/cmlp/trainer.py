@@ -223,11 +223,6 @@ class Trainer(FitLoop):
         before the first step, or without clipping)."""
         return self._c.last_grad_norm()
 
-    @property
-    def microbatch_size(self) -> int:
-        """Rows computed at once (batch_size unless set smaller)."""
-        return self._c.microbatch_size
-
     def _micro_of(self, name: str, value: Any) -> int:
         """A micro-batch: at least 1 row and at most a step's rows (batch_size * accumulation_steps,
         which a step may compute at once)."""
@@ -237,6 +232,11 @@ class Trainer(FitLoop):
             raise ValueError(f"{name} must be at most batch_size * accumulation_steps ({most}), the rows of a "
                              f"step, got {value}")
         return value
+
+    @property
+    def microbatch_size(self) -> int:
+        """Rows computed at once (batch_size unless set smaller)."""
+        return self._c.microbatch_size
 
     @microbatch_size.setter
     def microbatch_size(self, value: int) -> None:

@@ -27,8 +27,8 @@ from typing import Any, Dict, List, Optional, Tuple, Type
 import numpy as np
 
 from .._arrays import as_flag
-from ..model import MLP
 from ..optim import Optimizer
+from ..optim.optimizer import Params
 from ..optim._groups import _UNSTARTED
 from . import all_reduce, broadcast, get_rank, get_world_size, is_initialized
 
@@ -44,7 +44,7 @@ class ZeroRedundancyOptimizer(Optimizer):
     group. parameters_as_bucket_view is accepted for torch's signature (cmlp's parameters are one
     flat buffer already); process_group must be None (the group) and overlap_with_ddp False."""
 
-    def __new__(cls, model: MLP, optimizer_class: Optional[Type[Optimizer]] = None, *args: Any,
+    def __new__(cls, model: Params, optimizer_class: Optional[Type[Optimizer]] = None, *args: Any,
                 **kwargs: Any) -> "ZeroRedundancyOptimizer":
         if cls is not ZeroRedundancyOptimizer:
             return super().__new__(cls)
@@ -58,7 +58,7 @@ class ZeroRedundancyOptimizer(Optimizer):
                                              {"__module__": __name__})
         return super().__new__(_classes[optimizer_class])
 
-    def __init__(self, model: MLP, optimizer_class: Type[Optimizer], process_group: Any = None,
+    def __init__(self, model: Params, optimizer_class: Type[Optimizer], process_group: Any = None,
                  parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False, **defaults: Any) -> None:
         if process_group is not None:
             raise ValueError("process_group must be None: cmlp has one process group (init_process_group's)")

@@ -5,7 +5,7 @@ from .._arrays import as_flag as _flag
 from .._arrays import as_number as _num
 from ..model import MLP
 from ._groups import _bool_setting, _implementation_flags, _setting, _unsupported_flag
-from .optimizer import Optimizer
+from .optimizer import Optimizer, Params
 
 
 class Adam(Optimizer):
@@ -23,7 +23,7 @@ class Adam(Optimizer):
     _buffers = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
     _per_group = ("betas", "eps", "amsgrad", "maximize")
 
-    def __init__(self, model: MLP, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+    def __init__(self, model: Params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *, foreach: Any = None,
                  maximize: bool = False, capturable: bool = False, differentiable: bool = False, fused: Any = None,
                  decoupled_weight_decay: bool = False, param_groups: Any = None) -> None:
@@ -122,7 +122,7 @@ class AdamW(Adam):
     """torch.optim.AdamW: Adam with decoupled weight decay (default 1e-2): each update first
     multiplies the parameters by 1 - lr * weight_decay, then takes Adam's step without it."""
 
-    def __init__(self, model: MLP, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+    def __init__(self, model: Params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, foreach: Any = None,
                  maximize: bool = False, capturable: bool = False, differentiable: bool = False,
                  fused: Any = None, param_groups: Any = None) -> None:

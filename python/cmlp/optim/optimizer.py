@@ -4,7 +4,7 @@ import contextlib
 import functools
 import os
 import weakref
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, MutableMapping, Tuple, TypeVar
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, MutableMapping, Tuple, TypeVar, Union
 
 import numpy as np
 
@@ -15,6 +15,10 @@ from ..model import MLP, Parameters, model_of, parameter_of
 from ._groups import _FLT_MAX, _INHERIT, _GroupList, _ParamGroup, _initial_lr_of, _rate, _unnamed, _unsupported_flag
 from ._copying import _Copying
 from ._state import _StateDict
+
+# What an optimizer is given: the model, model.parameters(), or (as torch's) an iterable of its
+# parameters or of param-group dicts
+Params = Union[MLP, Parameters, Iterable[Any]]
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -79,7 +83,7 @@ class Optimizer(_Copying, _StateDict):
     # the hyperparameters a param group holds for itself beside lr and weight_decay (torch's keys)
     _per_group: Tuple[str, ...] = ()
 
-    def __init__(self, model: MLP, kind: str, flags: Dict[str, Any], param_groups: Any = None, **config: Any) -> None:
+    def __init__(self, model: Params, kind: str, flags: Dict[str, Any], param_groups: Any = None, **config: Any) -> None:
         self._lock = CoreLock()  # the groups' settings, read, changed and given to C as one (_locked)
         _live.add(self)
         model, param_groups = self._model_and_groups(model, param_groups)

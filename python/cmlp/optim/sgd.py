@@ -5,7 +5,7 @@ from .._arrays import as_flag as _flag
 from .._arrays import as_number as _num
 from ..model import MLP
 from ._groups import _bool_setting, _implementation_flags, _setting, _unsupported_flag
-from .optimizer import Optimizer
+from .optimizer import Optimizer, Params
 
 
 class SGD(Optimizer):
@@ -18,7 +18,7 @@ class SGD(Optimizer):
     _buffers = ("momentum_buffer",)
     _per_group = ("momentum", "dampening", "nesterov", "maximize")
 
-    def __init__(self, model: MLP, lr: float = 0.01, momentum: float = 0.0, dampening: float = 0.0,
+    def __init__(self, model: Params, lr: float = 0.01, momentum: float = 0.0, dampening: float = 0.0,
                  *args: Any, nesterov: bool = False, weight_decay: float = 0.0, maximize: bool = False,
                  foreach: Any = None, differentiable: bool = False, fused: Any = None,
                  param_groups: Any = None) -> None:

@@ -275,8 +275,8 @@ class LRScheduler:
                     raise KeyError(f"param 'initial_lr' is not specified in param_groups[{i}] when resuming an "
                                    "optimizer")
         self.base_lrs: List[float] = list(optimizer._initial_lrs)
-        self.last_epoch = last_epoch
-        self._get_lr_called_within_step = False
+        self.last_epoch: Union[int, float] = last_epoch
+        self._get_lr_called_within_step: bool = False
         try:
             self._initial_step()
         except BaseException:  # a schedule refused at its first rate leaves the optimizer as it was
