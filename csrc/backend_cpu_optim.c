@@ -312,8 +312,7 @@ static inline double norm_join(double acc, double t, int kind) {
         }                                                                   \
     }
 
-static void norm_threads(const norm_args *a, double *restrict acc_of_block, int64_t lo, int64_t hi) {
-    double *restrict acc = acc_of_block; /* indexed j - lo */
+static void norm_threads(const norm_args *a, double *restrict acc, int64_t lo, int64_t hi) {
     const float *restrict g = a->g;
     const int64_t n = a->n, S = a->threads;
     const double p = a->p;
