@@ -54,6 +54,7 @@ cmlp_status cmlp_allocator_copy(cmlp_allocator *a, const cmlp_backend_i *b, void
     c->config_gen = a->config_gen;
     c->pytorch_ladder = a->pytorch_ladder;
     c->uncached = a->uncached;
+    c->caching_gen = a->caching_gen; /* (a switch it has not taken up yet, the copy takes up as it would) */
     c->no_vm = a->no_vm;
     memcpy(c->gc_calls, a->gc_calls, sizeof c->gc_calls);
     bool ok = true;
