@@ -371,6 +371,9 @@ CMLP_API void cmlp_model_free(cmlp_model *m);
 CMLP_API int cmlp_model_num_layers(const cmlp_model *m);  /* nsizes - 1 */
 CMLP_API int cmlp_model_size(const cmlp_model *m, int i); /* sizes[i] */
 CMLP_API int64_t cmlp_model_num_parameters(const cmlp_model *m);
+/* 1 where the model holds a half-precision copy of its weights now (made by a mixed-precision
+ * pass, kept for the next). */
+CMLP_API int cmlp_model_half_weights_held(const cmlp_model *m);
 CMLP_API cmlp_device cmlp_model_device(const cmlp_model *m);
 /* Offsets into the flat parameter (and gradient) buffer: layer i's weight [out, in] starts at
  * weight_offset(i), its bias [out] at bias_offset(i). Weights of all layers come first. */
@@ -488,6 +491,9 @@ CMLP_API cmlp_status cmlp_optim_set_momentum(cmlp_optim *o, double momentum);
 #define CMLP_VMAX_UNSTARTED (-1.4980391264f) /* the float of bytes 0xBF, as the buffer is filled */
 CMLP_API int64_t cmlp_optim_get_step(const cmlp_optim *o);
 CMLP_API int cmlp_optim_num_buffers(const cmlp_optim *o);
+/* The buffers of state it holds in memory now: also those a step skipped for inf/NaN gradients
+ * made before any step counted (num_buffers is 0 until one does). */
+CMLP_API int cmlp_optim_buffers_held(const cmlp_optim *o);
 /* The buffers it holds once its next step is taken (those held, and those that step makes): what a
  * plan of that step counts (cmlp_plan_compute's optimizer_buffers). */
 CMLP_API int cmlp_optim_buffers_planned(const cmlp_optim *o);

@@ -17,6 +17,7 @@ static void *CTX(const cmlp_model *m) { return m->dev->bctx; }
 int cmlp_model_num_layers(const cmlp_model *m) { return m->nlayers; }
 int cmlp_model_size(const cmlp_model *m, int i) { return (i >= 0 && i <= m->nlayers) ? m->sizes[i] : 0; }
 int64_t cmlp_model_num_parameters(const cmlp_model *m) { return m->nparams; }
+int cmlp_model_half_weights_held(const cmlp_model *m) { return m->params_h != NULL; }
 cmlp_device cmlp_model_device(const cmlp_model *m) { return m->dev->device; }
 int64_t cmlp_model_weight_offset(const cmlp_model *m, int l) { return (l >= 0 && l < m->nlayers) ? m->w_off[l] : -1; }
 int64_t cmlp_model_bias_offset(const cmlp_model *m, int l) { return (l >= 0 && l < m->nlayers) ? m->b_off[l] : -1; }

@@ -147,8 +147,8 @@ static cmlp_status reserve(cmlp_model *m, int64_t rows, int recompute, bool comp
     int L = m->nlayers;
     char *piece[CMLP_MAX_LAYERS + 12], *p;
     total = cmlp_place_pieces(sz, nv, inside, off, NULL, NULL, piece); /* the bytes outside */
+    cmlp_amp_release(m); /* first: see cmlp_workspace_reserve */
     CMLP_TRY(cmlp_allocator_malloc(m->dev->alloc, total, "activations (mixed precision)", (void **)&p));
-    cmlp_amp_release(m);
     cmlp_amp_workspace *w = &m->wsa;
     w->block = p;
     w->rows = rows;

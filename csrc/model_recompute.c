@@ -32,8 +32,8 @@ static cmlp_status reserve(cmlp_model *m, int64_t rows) {
     int nv = cmlp_rc_layout(m->sizes, m->nlayers, rows, sz, &act);
     for (int i = 0; i < nv; i++) total += sz[i];
     char *p;
+    cmlp_rc_release(m); /* first: see cmlp_workspace_reserve */
     CMLP_TRY(cmlp_allocator_malloc(m->dev->alloc, total, "activations (recomputed)", (void **)&p));
-    cmlp_rc_release(m);
     m->wsr.block = p;
     m->wsr.rows = rows;
     m->wsr.input = (float *)p, p += sz[0];

@@ -173,6 +173,8 @@ int cmlp_optim_num_buffers(const cmlp_optim *o) { return o->state && o->step > 0
 
 int cmlp_optim_buffers_planned(const cmlp_optim *o) { return buffers_of(o); }
 
+int cmlp_optim_buffers_held(const cmlp_optim *o) { return held(o); }
+
 int cmlp_optim_num_parts(const cmlp_optim *o) { return o->nparts; }
 
 int cmlp_optim_parts_on_device(const cmlp_optim *o) {

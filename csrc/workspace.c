@@ -85,8 +85,10 @@ cmlp_status cmlp_workspace_reserve(cmlp_model *m, int64_t rows, bool compact) {
         inside = 0, compact = false;
     char *piece[CMLP_MAX_LAYERS + 4], *block;
     total = cmlp_place_pieces(sz, nv, inside, off, NULL, NULL, piece); /* the bytes outside */
-    CMLP_TRY(cmlp_allocator_malloc(m->dev->alloc, total, "activations", (void **)&block));
+    /* the smaller workspace goes first (its contents are a step's, done): the new one may take
+     * its memory, and the peak is the larger one's alone, as the planner counts it */
     cmlp_model_release_workspace(m);
+    CMLP_TRY(cmlp_allocator_malloc(m->dev->alloc, total, "activations", (void **)&block));
     m->ws.block = block;
     m->ws.rows = rows;
     m->ws.compact = compact;
@@ -126,8 +128,8 @@ cmlp_status cmlp_forward_reserve(cmlp_model *m, int64_t rows, bool input) {
     char *block;
     /* a few rows whose pool can make no segment (under a limit, say) may take a piece of a cached
      * large-pool block (the room a step's buffers left): fewer rows would not help them */
+    cmlp_model_release_workspace(m); /* (first, as a step's above) */
     CMLP_TRY(cmlp_allocator_malloc_lent(m->dev->alloc, total, "activations", (void **)&block));
-    cmlp_model_release_workspace(m);
     m->ws.block = block;
     m->ws.rows = rows;
     m->ws.forward = true;

@@ -1158,3 +1158,80 @@ def test_a_limit_below_what_the_cache_holds_lets_its_free_blocks_serve_the_step(
     assert [h["microbatch_size"] for h in history] == [batch, batch]
     assert M.memory_stats(DEV)["num_ooms"] == ooms and M.memory_stats(DEV)["num_device_alloc"] == stats[
         "num_device_alloc"]
+
+
+@pytest.fixture
+def caching_off():
+    """Caching off (caching_allocator_enable): every request its own exact segment, so that a
+    limit can sit a few bytes above a plan."""
+    was = M.get_config()["memory_caching"]
+    M.caching_allocator_enable(False)
+    gc.collect()
+    M.empty_cache(DEV)  # (what was cached before stays reserved until given back)
+    yield
+    M.caching_allocator_enable(was)
+
+
+def test_a_short_step_keeps_the_micro_batch_the_limit_planned(caching_off):
+    """trainer.step under a limit: a short batch that fits whole leaves the micro-batch the full
+    batches were planned at, so that the next full batch runs as planned, without running out of
+    memory (it used to start again from the batch asked for, run out twice and halve below the
+    plan)."""
+    layers, batch = [20, 512, 5], 2048
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((batch, 20), dtype=np.float32), rng.integers(0, 5, batch)
+    model = cmlp.MLP(layers, seed=0)
+    trainer = cmlp.Trainer(model, cmlp.optim.Adam(model, lr=1e-3), batch_size=batch, shuffle=False)
+    p = M.plan(layers, 512, trainer.optimizer, accumulation_steps=4)
+    M.set_memory_limit(M.memory_reserved(DEV) + p.peak_bytes, DEV)
+    ooms = M.memory_stats(DEV)["num_ooms"]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        sizes = []
+        for rows in (batch, batch, 30, batch, batch):
+            trainer.step(x[:rows], y[:rows])
+            sizes.append(trainer.microbatch_size)
+    assert sizes == [512] * 5 and M.memory_stats(DEV)["num_ooms"] == ooms
+    assert len([w for w in seen if issubclass(w.category, cmlp.MemoryWarning)]) == 1
+
+
+@pytest.mark.parametrize("amp", [None, "bf16"])
+def test_a_step_after_a_smaller_one_peaks_as_planned(amp):
+    """A step of more rows than the last gives the smaller buffers back before it takes its own:
+    its peak is the plan's (it used to hold both, 68% above the plan, and run out of memory under
+    a limit that the same step had fit)."""
+    layers = [20, 384, 96, 5]
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((255, 20), dtype=np.float32), rng.integers(0, 5, 255)
+    gc.collect()
+    base = M.memory_allocated(DEV)
+    model = cmlp.MLP(layers, seed=0)
+    opt = cmlp.optim.SGD(model, lr=0.01)
+    trainer = cmlp.Trainer(model, opt, batch_size=255, shuffle=False, amp=amp)
+    for rows in (243, 255):
+        M.reset_peak_memory_stats(DEV)
+        trainer.step(x[:rows], y[:rows])
+        assert M.max_memory_allocated(DEV) - base == M.plan(layers, rows, opt, amp=amp).peak_bytes, rows
+
+
+def test_a_fit_after_skipped_steps_plans_the_optimizer_state_it_holds(caching_off):
+    """fp16 steps all skipped (inf gradients at a high scale) have made Adam's state before any
+    step counts: the next fit under the same limit plans it as held, not a second time, and keeps
+    its micro-batch (it used to cut it to 43 of 64, and warn again)."""
+    layers, batch = [20, 96, 48, 24, 5], 128
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((batch, 20), dtype=np.float32), rng.integers(0, 5, batch)
+    gc.collect()  # (the models of tests before: their memory goes back, with caching off to the device)
+    model = cmlp.MLP(layers, seed=0)
+    opt = cmlp.optim.Adam(model, lr=1e-3)
+    trainer = cmlp.Trainer(model, opt, batch_size=batch, amp="fp16", scaler=cmlp.amp.GradScaler(init_scale=2.0**40),
+                           shuffle=False)
+    full = M.plan(layers, batch, opt, amp="fp16").peak_bytes
+    one = M.plan(layers, 1, opt, amp="fp16", accumulation_steps=batch).peak_bytes
+    M.set_memory_limit(M.memory_reserved(DEV) + (full + one) // 2, DEV)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        runs = [trainer.fit(x, y, epochs=1, progress=False)[0] for _ in range(3)]
+    assert [h["skipped_steps"] for h in runs] == [1, 1, 1]
+    assert runs[0]["microbatch_size"] < batch and len({h["microbatch_size"] for h in runs}) == 1
+    assert len([w for w in seen if issubclass(w.category, cmlp.MemoryWarning)]) == 1

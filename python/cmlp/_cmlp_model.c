@@ -256,6 +256,14 @@ static PyObject *Model_zero_grad(ModelObject *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Model_half_weights_held(ModelObject *self, PyObject *unused) {
+    (void)unused;
+    if (model_ready(self) < 0) return NULL;
+    int held = 0;
+    RUN_LOCKED_VOID(self, held = cmlp_model_half_weights_held(self->m)); /* (a step in another thread sets it) */
+    return PyBool_FromLong(held);
+}
+
 static PyObject *Model_release_workspace(ModelObject *self, PyObject *unused) {
     (void)unused;
     if (model_ready(self) < 0) return NULL;
@@ -427,6 +435,8 @@ static PyMethodDef Model_methods[] = {
     {"set_grads", (PyCFunction)Model_set_grads, METH_O, "replaces the gradients (flat float32)"},
     {"zero_grad", (PyCFunction)Model_zero_grad, METH_NOARGS, "zero the gradient buffer"},
     {"release_workspace", (PyCFunction)Model_release_workspace, METH_NOARGS, "free the activation workspace"},
+    {"half_weights_held", (PyCFunction)Model_half_weights_held, METH_NOARGS,
+     "whether the model holds a half-precision copy of its weights now"},
     {"forward", (PyCFunction)(void (*)(void))Model_forward, METH_VARARGS | METH_KEYWORDS, "logits"},
     {"evaluate", (PyCFunction)(void (*)(void))Model_evaluate, METH_VARARGS | METH_KEYWORDS, "(loss_sum, correct)"},
     {"forward_backward", (PyCFunction)(void (*)(void))Model_forward_backward, METH_VARARGS | METH_KEYWORDS,

@@ -308,18 +308,19 @@ static PyObject *Optim_shards(OptimObject *self, PyObject *Py_UNUSED(unused)) {
 
 static cmlp_status counts_of(const cmlp_optim *o, int64_t *step, int *nbuffers) {
     *step = cmlp_optim_get_step(o);
-    *nbuffers = cmlp_optim_num_buffers(o);
+    nbuffers[0] = cmlp_optim_num_buffers(o);
+    nbuffers[1] = cmlp_optim_buffers_held(o);
     return CMLP_OK;
 }
 
 static PyObject *Optim_state_counts(OptimObject *self, PyObject *Py_UNUSED(unused)) {
     if (optim_ready(self) < 0) return NULL;
     int64_t step = 0;
-    int nb = 0;
+    int nb[2] = {0, 0};
     cmlp_status st;
-    RUN_LOCKED(self->model, st, counts_of(self->o, &step, &nb));
+    RUN_LOCKED(self->model, st, counts_of(self->o, &step, nb));
     if (st != CMLP_OK) return raise_status(self->model->ms, st);
-    return Py_BuildValue("(Li)", (long long)step, nb);
+    return Py_BuildValue("(Lii)", (long long)step, nb[0], nb[1]);
 }
 
 static cmlp_status parts_of(const cmlp_optim *o, int *on_device) {
@@ -348,7 +349,7 @@ static PyMethodDef Optim_methods[] = {
     {"parts_on_device", (PyCFunction)Optim_parts_on_device, METH_NOARGS,
      "whether the param groups' settings are in the device's memory (a plan's optimizer_parts request is held)"},
     {"state_counts", (PyCFunction)Optim_state_counts, METH_NOARGS,
-     "(step, number of state buffers): get_state's without copying the buffers"},
+     "(step, number of state buffers, buffers held in memory): get_state's without copying the buffers"},
     {"set_state", (PyCFunction)Optim_set_state, METH_VARARGS, "set_state(step, [buffers], checked=True)"},
     {"to", (PyCFunction)Optim_to, METH_O, "move the state to a device (after the model)"},
     {"set_parts", (PyCFunction)Optim_set_parts, METH_O,

@@ -26,10 +26,13 @@ def start_under_limit(trainer: Any, xa: Optional[np.ndarray] = None, batch_rows:
         if cut is not None and trainer.auto_microbatch and trainer.microbatch_size >= cut:
             trainer._c.start_microbatch(trainer._c.microbatch_state()[1])
         return
-    step, buffers = trainer.optimizer._c.state_counts()
-    stepped = step > 0 or buffers > 0
-    held = ("model",) + (("optimizer_state",) if stepped else ())  # the parameters and gradients, ...
-    if stepped and trainer.amp is not None:
+    # what is in memory already, the plan's requests not to make again: the parameters and
+    # gradients, the optimizer state where it is (a step skipped for inf/NaN gradients made it
+    # before any step counted), the half-precision weights where a mixed-precision pass made them
+    held: Tuple[str, ...] = ("model",)
+    if trainer.optimizer._c.state_counts()[2] > 0:
+        held += ("optimizer_state",)
+    if trainer.amp is not None and trainer.model._c.half_weights_held():
         held += ("half_weights",)
     if trainer.optimizer._c.parts_on_device():  # the param groups' settings, made as they were given
         held += ("optimizer_parts",)
@@ -107,6 +110,10 @@ def start_under_limit(trainer: Any, xa: Optional[np.ndarray] = None, batch_rows:
             trainer._c.set_host_data(True)  # the batches come from host memory for the rest of this fit
             b, p, fits_one = b_host, p_host, fits_host
     if not trainer.auto_microbatch:
+        return
+    if b == first < target and batch_rows:
+        # trainer.step's batch, shorter than the micro-batch asked for, fits whole: the micro-batch
+        # in use stays (one cut for the full batches serves them; this step computes its rows)
         return
     start = target if b == first else b  # (all the step fits: the micro-batch asked for, as without a limit)
     if start != trainer.microbatch_size:
