@@ -17,7 +17,8 @@ Plan, plan, max_batch_size = _plan.Plan, _plan.plan, _plan.max_batch_size  # the
 
 
 class MemoryWarning(UserWarning):
-    """Issued (once per trainer) when memory ran out and the trainer changed how it computes."""
+    """Issued when memory ran out (or a limit's plan says it would) and a trainer computes its steps
+    in smaller micro-batches: once for each smaller micro-batch it goes to, not at every step."""
 
 
 _raw_blocks: Dict[int, str] = {}
