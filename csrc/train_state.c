@@ -32,9 +32,9 @@ void cmlp_trainer_get_scaler(const cmlp_trainer *t, cmlp_scaler_state *out) { *o
 cmlp_status cmlp_trainer_set_scaler(cmlp_trainer *t, const cmlp_scaler_state *s) {
     if (!t || !s) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
     if (s->enabled) {
-        /* the scale is kept in float32: checked there (a normal number, as GradScaler's) */
-        const float scale = (float)s->scale;
-        if (!(scale >= FLT_MIN && isfinite(scale)))
+        /* the scale is kept in float32: checked there (a normal number, as GradScaler's; the
+         * range first, where converting would overflow) */
+        if (!(s->scale <= FLT_MAX && (float)s->scale >= FLT_MIN))
             return CMLP_FAIL(CMLP_ERR_INVALID, "loss scale must be finite and >= 2**-126 in float32, got %g",
                              s->scale);
         if (!(s->growth_factor > 1.0 && isfinite(s->growth_factor)))
