@@ -217,6 +217,13 @@ typedef struct cmlp_backend_i {
     cmlp_status (*optim_prepare)(void *ctx, int64_t *d_step, float *d_coef, const float *d_found_inf,
                                  const cmlp_rate_src *rate, double beta2, int adam, int64_t *d_pos, int64_t pos_add,
                                  const cmlp_scale_step *scale);
+    /* Optional (NULL where kernels need no loading): loads the code of every kernel an update
+     * launches (optim_prepare's, Adam's (adam != 0) or SGD's, and with `unscale` and `clip` set,
+     * unscale's and gradient clipping's), as CUDA would at their first launch, into device
+     * memory that may be short: called before a step's update, so that its out-of-memory comes
+     * while nothing is decided (data-parallel, before the ranks agree on the step), not from
+     * inside the update on one rank. */
+    cmlp_status (*update_load)(void *ctx, int adam, int unscale, int clip);
     /* Optional (NULL: optim_prepare for Adam, then adam with d_coef): both in one launch, with
      * the same results (d_coef is written too). *d_blocks_done is a device counter that is 0
      * between calls; the kernel's blocks count themselves on it. */

@@ -119,9 +119,10 @@ typedef struct {
     /* gives the allocator's cache back to the device, for a launch out of memory (set_reclaim) */
     void (*reclaim)(void *arg);
     void *reclaim_arg;
-    /* the update's kernel (SGD's, Adam's) loaded before the launch that moves a step's
-     * bookkeeping (cu_optim_prepare), so that a step cannot fail between the two */
-    _Atomic bool update_loaded[2];
+    /* the update's kernels (SGD's, Adam's; unscale's; clipping's) loaded ahead (cu_update_load,
+     * and cu_optim_prepare before the launch that moves a step's bookkeeping), so that a step
+     * cannot fail between the two, nor data-parallel after the ranks agree on it */
+    _Atomic bool update_loaded[2], unscale_loaded, clip_loaded;
     /* the bias gradients' kernels (by kind, masked or not) loaded before the lock they are
      * launched under is taken: a load out of memory there could not give the cache back */
     _Atomic bool bias_grad_loaded[3][2];

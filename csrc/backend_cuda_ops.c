@@ -228,19 +228,34 @@ static cmlp_k_rate k_rate(const cmlp_rate_src *rate) {
                          rate->d_parts,  rate->d_part_coef,         rate->d_step_scales};
 }
 
+/* CUDA loads a kernel at its first launch (or reference), into device memory that may be short:
+ * each group of the update's kernels is loaded once, ahead (see update_load in backend.h). */
+static cmlp_status load_update(cuda_ctx *c, int adam, int unscale, int clip) {
+    const int k = adam != 0;
+    cmlp_status st = CMLP_OK;
+    if (!c->update_loaded[k] && (st = KERNEL(c, cmlp_k_update_load(k))) == CMLP_OK) c->update_loaded[k] = true;
+    if (st == CMLP_OK && unscale && !c->unscale_loaded && (st = KERNEL(c, cmlp_k_unscale_load())) == CMLP_OK)
+        c->unscale_loaded = true;
+    if (st == CMLP_OK && clip && !c->clip_loaded && (st = KERNEL(c, cmlp_k_clip_load())) == CMLP_OK)
+        c->clip_loaded = true;
+    return st;
+}
+
+static cmlp_status cu_update_load(void *ctx, int adam, int unscale, int clip) {
+    cuda_ctx *c = ctx;
+    CMLP_TRY_USE(c);
+    return load_update(c, adam, unscale, clip);
+}
+
 static cmlp_status cu_optim_prepare(void *ctx, int64_t *d_step, float *d_coef, const float *d_found_inf,
                                     const cmlp_rate_src *rate, double beta2, int adam, int64_t *d_pos, int64_t pos_add,
                                     const cmlp_scale_step *scale) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
-    /* CUDA loads a kernel at its first launch (or reference), into device memory that may be
-     * short: the update's own kernel is loaded first, so that where it cannot be the step fails
-     * with its bookkeeping (step count, data position, loss scale) where it was */
-    if (!c->update_loaded[adam != 0]) {
-        cmlp_status st = KERNEL(c, cmlp_k_update_load(adam));
-        if (st != CMLP_OK) return st;
-        c->update_loaded[adam != 0] = true;
-    }
+    /* the update's own kernels first, so that where they cannot be loaded the step fails with its
+     * bookkeeping (step count, data position, loss scale) where it was */
+    cmlp_status st = load_update(c, adam, 0, 0);
+    if (st != CMLP_OK) return st;
     const cmlp_k_scaler k = k_scaler(scale);
     return KERNEL(c, cmlp_k_optim_prepare(d_step, d_coef, d_found_inf, k_rate(rate), beta2, adam, d_pos, pos_add,
                                           scale ? &k : NULL, stream_of(c)));
@@ -329,6 +344,7 @@ void cuda_kernel_ops(cmlp_backend_i *b) {
     b->sgd = cu_sgd;
     b->to_half = cu_to_half;
     b->from_half = cu_from_half;
+    b->update_load = cu_update_load;
     b->optim_prepare = cu_optim_prepare;
     b->adam_prepared = cu_adam_prepared;
     b->unscale = cu_unscale;

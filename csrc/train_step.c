@@ -244,7 +244,14 @@ cmlp_status cmlp_train_robust_step(cmlp_trainer *t, cmlp_dscalars *ds, const cml
         /* an out-of-memory that is not the allocator's is a launch's (its kernel loads then, see
          * KERNEL in backend_cuda.h): the size of the micro-batch is not the cause */
         const int64_t ooms = cmlp_allocator_ooms_ever(t->model->dev->alloc);
-        cmlp_status st = step_grads(t, ds, xy, idx, start, k, n_all);
+        /* the update's kernels loaded first (on a GPU, where a first launch's load finds no room,
+         * the step fails here, with nothing moved: data-parallel, not in the update on one rank
+         * after the ranks agreed on it; no micro-batch's size is the cause: no smaller retry) */
+        cmlp_status st = b->update_load ? b->update_load(ctx, cmlp_optim_get_kind(t->optim) == CMLP_OPTIM_ADAM,
+                                                         t->scaler.enabled, t->cfg.max_grad_norm > 0.0)
+                                        : CMLP_OK;
+        const bool loaded = st == CMLP_OK;
+        if (loaded) st = step_grads(t, ds, xy, idx, start, k, n_all);
         bool agreed = false, late = false, not_size = false;
         if (st == CMLP_ERR_OOM) not_size = cmlp_allocator_ooms_ever(t->model->dev->alloc) == ooms;
         if (st == CMLP_OK && t->dist) {
@@ -262,7 +269,7 @@ cmlp_status cmlp_train_robust_step(cmlp_trainer *t, cmlp_dscalars *ds, const cml
             cmlp_train_good_step(t, k >= t->micro || k >= whole, whole);
             return CMLP_OK;
         }
-        if (st != CMLP_ERR_OOM || !t->cfg.auto_microbatch || agreed || late)
+        if (st != CMLP_ERR_OOM || !t->cfg.auto_microbatch || agreed || late || !loaded)
             return t->dist && !agreed ? cmlp_dist_agree(st) : st;
         CMLP_TRY(b->copy_d2d(ctx, &ds->loss, &ds->loss_mark, sizeof ds->loss));
         cmlp_model_release_workspace(t->model);

@@ -142,3 +142,7 @@ extern "C" cudaError_t cmlp_k_unscale(float *g, int64_t n, float inv_scale, cons
     return cmlp_launch_map(op, n, mis, 1, stream);
 }
 
+extern "C" cudaError_t cmlp_k_unscale_load(void) {
+    cudaFuncAttributes attr;
+    return cudaFuncGetAttributes(&attr, (const void *)cmlp_k_map<unscale_op>);
+}

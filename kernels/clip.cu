@@ -195,3 +195,10 @@ extern "C" cudaError_t cmlp_k_clip_by_value(float *g, int64_t n, float v, cudaSt
     const int mis[1] = {cmlp_misalign(g, 4)};
     return cmlp_launch_map(op, n, mis, 1, stream);
 }
+
+extern "C" cudaError_t cmlp_k_clip_load(void) {
+    cudaFuncAttributes attr;
+    cudaError_t e = cudaFuncGetAttributes(&attr, (const void *)k_grad_norm<NORM_L2>);
+    if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, (const void *)cmlp_k_map<clip_norm_op>);
+    return e;
+}

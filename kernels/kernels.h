@@ -191,10 +191,13 @@ typedef struct cmlp_k_rate {
 cudaError_t cmlp_k_optim_prepare(int64_t *step, float *coef, const float *found_inf, cmlp_k_rate rate, double beta2,
                                  int adam, int64_t *pos, int64_t pos_add, const cmlp_k_scaler *scaler,
                                  cudaStream_t stream);
-/* Loads the kernel of cmlp_k_adam (adam != 0) or cmlp_k_sgd without launching it (CUDA loads a
- * kernel's code at its first launch or reference): cudaErrorMemoryAllocation where the device
- * has no room for it. */
+/* Load kernels without launching them (CUDA loads a kernel's code at its first launch or
+ * reference): cudaErrorMemoryAllocation where the device has no room for it. update_load: the
+ * update's, cmlp_k_optim_prepare's and cmlp_k_adam (with cmlp_k_adam_prepared; adam != 0) or
+ * cmlp_k_sgd; unscale_load: cmlp_k_unscale's; clip_load: clipping's (the L2 norm and scaling). */
 cudaError_t cmlp_k_update_load(int adam);
+cudaError_t cmlp_k_unscale_load(void);
+cudaError_t cmlp_k_clip_load(void);
 /* Loads an empty kernel: cudaErrorNoKernelImageForDevice (or cudaErrorUnsupportedPtxVersion)
  * where this build has no code the device runs. */
 cudaError_t cmlp_k_probe(void);

@@ -197,10 +197,6 @@ extern "C" cudaError_t cmlp_k_probe(void) {
     return cudaFuncGetAttributes(&attr, (const void *)k_probe);
 }
 
-extern "C" cudaError_t cmlp_k_update_load(int adam) {
-    cudaFuncAttributes attr;
-    return cudaFuncGetAttributes(&attr, adam ? (const void *)cmlp_k_map<adam_op> : (const void *)cmlp_k_map<sgd_op>);
-}
 
 /* ---- the step count and Adam's bias corrections, on the device ---- */
 
@@ -349,4 +345,13 @@ extern "C" cudaError_t cmlp_k_adam_prepared(float *p, const float *g, float *m, 
     const unsigned int blocks = cmlp_map_split(n, mis, 5, &head, &nvec);
     k_adam_prepared<<<blocks, CMLP_K_THREADS, 0, stream>>>(op, n, head, nvec, a);
     return cudaGetLastError();
+}
+
+extern "C" cudaError_t cmlp_k_update_load(int adam) {
+    cudaFuncAttributes attr;
+    cudaError_t e = cudaFuncGetAttributes(&attr, (const void *)k_optim_prepare);
+    if (e == cudaSuccess)
+        e = cudaFuncGetAttributes(&attr, adam ? (const void *)cmlp_k_map<adam_op> : (const void *)cmlp_k_map<sgd_op>);
+    if (e == cudaSuccess && adam) e = cudaFuncGetAttributes(&attr, (const void *)k_adam_prepared);
+    return e;
 }

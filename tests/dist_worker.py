@@ -6,6 +6,7 @@ test, so a rank that disagrees shows up in rank 0's report."""
 import ctypes
 import datetime
 import json
+import os
 import sys
 import time
 import warnings
@@ -917,7 +918,54 @@ def fork_case(opts):
     return out
 
 
-CASES = {"zero_partial_inf": zero_partial_inf_case, "fork": fork_case, "zero": zero_case, "zero_errors": zero_errors_case, "zero_plan": zero_plan_case, "regroup": regroup_case, "backend": backend_case,
+def late_launch_case(opts):
+    """On the emulated GPU: rank 1's device memory in use (all but holes in live small-pool
+    segments) when its first data-parallel Adam step (with clipping) needs the update's kernels,
+    which CUDA loads at their first launch (the emulator so, with CMLP_EMU_MODULE_BYTES: read at
+    its first launch, here). Every rank must raise before any takes the step, and once the memory
+    is back every rank takes the next one alike."""
+    w, r = D.get_world_size(), D.get_rank()
+    if r == 1:
+        os.environ.update(CMLP_EMU_MODULE_BYTES=str(8 << 20), CMLP_EMU_MEMORY=str(1 << 30))
+    sizes, b = [20, 48, 5], 16
+    x, y = data(b * w, sizes=sizes)
+    model = cmlp.MLP(sizes, seed=1, device="cuda")
+    warm = cmlp.MLP(sizes, seed=2, device="cuda")  # the forward's and backward's kernels, this rank alone
+    cmlp.Trainer(warm, cmlp.optim.SGD(warm, lr=0.01), batch_size=b, distributed=False).step(x[:b], y[:b])
+    opt = D.optim.ZeroRedundancyOptimizer(model, cmlp.optim.Adam, lr=1e-3) if opts.get("zero") else \
+        cmlp.optim.Adam(model, lr=1e-3)
+    trainer = cmlp.Trainer(model, opt, batch_size=b, max_grad_norm=opts.get("clip"))
+    held = []
+    if r == 1:
+        size = 256 << 20
+        while size >= 512:
+            try:
+                held.append((size, cmlp.memory.caching_allocator_alloc(size, "cuda")))
+            except cmlp.OutOfMemoryError:
+                size //= 2
+        for s, p in [h for h in held if 4096 <= h[0] <= (64 << 10)]:
+            cmlp.memory.caching_allocator_delete(p)
+            held.remove((s, p))
+    before = params(model)
+    error = None
+    try:
+        trainer.step(x[r * b:(r + 1) * b], y[r * b:(r + 1) * b])
+    except (cmlp.OutOfMemoryError, RuntimeError) as e:
+        error = type(e).__name__ + ": " + str(e)
+    errors = [None] * w
+    D.all_gather_object(errors, error)
+    unchanged = np.array_equal(before, params(model))
+    for _, p in held:
+        cmlp.memory.caching_allocator_delete(p)
+    trainer.step(x[r * b:(r + 1) * b], y[r * b:(r + 1) * b])
+    after = params(model)
+    everywhere = np.array([int(unchanged)], np.int64)
+    D.all_reduce(everywhere, "min")
+    return dict(errors=errors, unchanged=bool(everywhere[0]), stepped=not np.array_equal(before, after),
+                rank_spread=spread(after))
+
+
+CASES = {"late_launch": late_launch_case, "zero_partial_inf": zero_partial_inf_case, "fork": fork_case, "zero": zero_case, "zero_errors": zero_errors_case, "zero_plan": zero_plan_case, "regroup": regroup_case, "backend": backend_case,
          "evaluation": evaluation_case, "uncaught": uncaught_case, "fit": fit_case, "step": step_case, "calls": calls_case,
          "small_data": small_data_case,
          "failure": failure_case, "mismatch": mismatch_case, "collectives": collectives_case,

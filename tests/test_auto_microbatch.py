@@ -1235,3 +1235,24 @@ def test_a_fit_after_skipped_steps_plans_the_optimizer_state_it_holds(caching_of
     assert [h["skipped_steps"] for h in runs] == [1, 1, 1]
     assert runs[0]["microbatch_size"] < batch and len({h["microbatch_size"] for h in runs}) == 1
     assert len([w for w in seen if issubclass(w.category, cmlp.MemoryWarning)]) == 1
+
+
+def test_a_step_larger_than_the_batch_keeps_the_micro_batch_where_it_fits():
+    """A Trainer.step of more rows than batch_size computes them in micro-batches of batch_size
+    and the rest (339 as 220 and 119): where that fits the limit, the planned start keeps 220 (it
+    used to try 2 of 170 first, warn that 220 does not fit, and keep 170 for later steps)."""
+    layers, batch = [49, 147, 288, 6], 220
+    plan = lambda rows, steps=1: M.plan(layers, rows, "adam", device=DEV, accumulation_steps=steps)  # noqa: E731
+    gc.collect()
+    M.empty_cache(DEV)
+    M.set_memory_limit(M.memory_reserved(DEV) + max(plan(220).reserved_bytes, plan(220, 2).reserved_bytes), DEV)
+    rng = np.random.default_rng(0)
+    model = cmlp.MLP(layers, seed=0)
+    trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=batch)
+    ooms = M.memory_stats(DEV)["num_ooms"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", cmlp.MemoryWarning)
+        for rows in (220, 339, 220):
+            trainer.step(rng.standard_normal((rows, 49)).astype(np.float32), rng.integers(0, 6, rows))
+            assert trainer.microbatch_size == batch, rows
+    assert M.memory_stats(DEV)["num_ooms"] == ooms

@@ -471,39 +471,41 @@ _UPDATE_OOM = _UPDATE_START + r"""
 warm = cmlp.MLP([20, 64, 5], device="cuda", seed=1)
 cmlp.Trainer(warm, cmlp.optim.SGD(warm, lr=0.1, momentum=0.9, param_groups=GROUPS), batch_size=64).step(x, y)
 
-# Adam's update with param groups: its own kernel, loaded before the launch of its bookkeeping,
-# cannot load until the cache is given back
+# Adam's update (its kernels not loaded yet) where memory in use leaves none: raised
+plain = cmlp.MLP([20, 64, 5], device="cuda", seed=0)
+plain_trainer = cmlp.Trainer(plain, cmlp.optim.Adam(plain, lr=1e-2), batch_size=64)
+step_on_a_full_device(plain_trainer, x, y)
+
+# Adam's update with param groups: its kernels, loaded before the step, cannot load until the
+# cache is given back
 model = cmlp.MLP([20, 64, 5], device="cuda", seed=0)
 trainer = cmlp.Trainer(model, cmlp.optim.Adam(model, lr=1e-2, param_groups=GROUPS), batch_size=64)
 fill_the_device()
 trainer.step(x, y)
 print("groups:", close(model, cpu_step(param_groups=GROUPS)), trainer._c.oom_retries(), steps(trainer))
 
-# Adam without groups (one launch, not loaded yet) where memory in use leaves none: raised
-model = cmlp.MLP([20, 64, 5], device="cuda", seed=0)
-trainer = cmlp.Trainer(model, cmlp.optim.Adam(model, lr=1e-2), batch_size=64)
-step_on_a_full_device(trainer, x, y)
-trainer.step(x, y)
-print("then:", close(model, cpu_step()), steps(trainer))
+# the memory free: the step that raised gives the CPU's update
+plain_trainer.step(x, y)
+print("then:", close(plain, cpu_step()), steps(plain_trainer))
 """
 
 
 @needs_emulator[0]
 @needs_emulator[1]
 def test_an_update_whose_kernel_cannot_load_is_made_once():
-    """Out of memory at a launch inside the optimizer's update: where the cache can give memory
-    back, the launch is made again and the step completes, its bookkeeping (step count, loss
-    scale, data position) moved once.
-    Where memory in use leaves none, the step is not retried with smaller micro-batches (that
-    would move the bookkeeping twice): it raises cmlp.OutOfMemoryError with the model and
-    optimizer as they were, and once memory is free the same step gives the CPU's update."""
+    """Out of memory loading the optimizer update's kernels (loaded before the step, CUDA loading
+    a kernel at its first launch): where memory in use leaves none, the step is not retried with
+    smaller micro-batches (no micro-batch's size is the cause): it raises cmlp.OutOfMemoryError
+    with the model and optimizer as they were, and once memory is free the same step gives the
+    CPU's update. Where the cache can give memory back, the load is made again and the step
+    completes, its bookkeeping (step count, loss scale, data position) moved once."""
     env = dict(_emulated_env(), CMLP_EMU_MEMORY=str(256 << 20), CMLP_EMU_MODULE_BYTES=str(4 << 20))
     r = subprocess.run([sys.executable, "-c", _UPDATE_OOM], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     lines = r.stdout.splitlines()
-    assert lines[0] == "groups: True 0 [1, 1, 1, 1]", r.stdout
-    assert lines[1].startswith("raised: CUDA out of memory at a launch"), r.stdout
-    assert lines[2].startswith("unchanged: True 0 64 "), r.stdout
+    assert lines[0].startswith("raised: CUDA out of memory at a launch"), r.stdout
+    assert lines[1] == "unchanged: True 0 64 []", r.stdout
+    assert lines[2] == "groups: True 0 [1, 1, 1, 1]", r.stdout
     assert lines[3] == "then: True [1, 1, 1, 1]", r.stdout
 
 

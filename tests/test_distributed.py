@@ -532,6 +532,19 @@ def test_on_gpus_a_rank_that_micro_batches_makes_every_rank_run_eagerly(emulator
 
 
 @needs_emulated_nccl
+@pytest.mark.parametrize("opts", [{"clip": 0.05}, {"zero": True}], ids=["adam-clipping", "zero"])
+def test_on_gpus_a_kernel_one_rank_cannot_load_fails_the_step_on_every_rank(emulator, opts):
+    # CUDA loads a kernel at its first launch: rank 1, its memory in use, cannot load the
+    # update's kernels (Adam's, clipping's). They are loaded before the ranks agree on the step,
+    # so every rank raises and none took the step (the update used to fail on rank 1 alone, after
+    # the others had taken it; with ZeRO the job hung); with the memory back, all step alike
+    out = run_job(2, "late_launch", dict(opts, backend="nccl"), timeout=300, emulated_gpu=True)
+    assert all(out["errors"]) and "CUDA out of memory at a launch" in out["errors"][1], out["errors"]
+    assert "rank 1" in out["errors"][0] and out["unchanged"], out
+    assert out["stepped"] and out["rank_spread"] == 0.0
+
+
+@needs_emulated_nccl
 def test_a_gpu_model_in_a_group_made_for_the_cpu_is_refused_by_every_rank(emulator):
     out = run_job(2, "backend", {"device": "cuda"}, timeout=300, emulated_gpu=True)
     assert out["ranks_raising"] == 2 and 'init_process_group("nccl")' in out["error"]

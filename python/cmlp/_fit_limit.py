@@ -90,14 +90,17 @@ def start_under_limit(trainer: Any, xa: Optional[np.ndarray] = None, batch_rows:
         fits is not monotonic in its size: a step's buffers of 1 to 10 MiB take a 20 MiB segment
         where 11 MiB take 12, those of at most 1 MiB the small pool's segments, and a free block
         in the cache may hold one and not a smaller one of the other pool (about 2 sqrt(rows)
-        tries). Where none fits, 1: the step will try, in micro-batches of 1."""
-        if not trainer.auto_microbatch:
-            p = planned(first, with_data)
-            return first, p, fits(p, with_data)
+        tries). The micro-batch asked for comes first, as the step computes it (its rows in
+        micro-batches of it and the rest). Where none fits, 1: the step will try, in micro-batches
+        of 1."""
+        p = planned(first, with_data)
+        ok = fits(p, with_data)
+        if ok or not trainer.auto_microbatch:  # (a step of 339 rows in 220 and 119, where they fit, not 2 of 170)
+            return first, p, ok
         k = -(-step_rows // first)
         while k <= step_rows:
             c = -(-step_rows // k)
-            p = planned(c, with_data)
+            p = planned(c, with_data) if c != first else None
             if fits(p, with_data):
                 return c, p, True
             k = max(k + 1, -(-step_rows // (c - 1))) if c > 1 else step_rows + 1
