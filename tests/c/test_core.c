@@ -1024,6 +1024,28 @@ static void test_misuse_refused(void) {
     cmlp_model_free(other);
 }
 
+/* What a model and its optimizer hold in memory now, as a planned start counts it. */
+static void test_held_in_memory(void) {
+    int sizes[] = {3, 4, 2};
+    cmlp_model *m;
+    OK(cmlp_model_init(&m, sizes, 3, cmlp_cpu(), 5));
+    cmlp_adam_config ac = cmlp_adam_defaults();
+    cmlp_optim *o;
+    OK(cmlp_optim_init_adam(&o, m, &ac));
+    CHECK(cmlp_optim_buffers_held(o) == 0 && cmlp_model_half_weights_held(m) == 0, "held before any step");
+    float x[6] = {0.1f, -0.2f, 0.3f, 0.4f, 0.5f, -0.6f};
+    int32_t y[2] = {0, 1};
+    cmlp_data d = {.x = x, .x_dtype = CMLP_DTYPE_F32, .y = y, .n = 2};
+    double loss;
+    OK(cmlp_model_forward_backward(m, &d, 0.5f, 0.0f, CMLP_AMP_BF16, &loss));
+    CHECK(cmlp_model_half_weights_held(m) == 1, "no half weights after a bf16 pass");
+    OK(cmlp_optim_step(o));
+    CHECK(cmlp_optim_buffers_held(o) == 2 && cmlp_optim_num_buffers(o) == 2, "Adam holds %d buffers",
+          cmlp_optim_buffers_held(o));
+    cmlp_optim_free(o);
+    cmlp_model_free(m);
+}
+
 int main(void) {
     int64_t base = allocated_now();
     test_status_and_devices();
@@ -1041,6 +1063,7 @@ int main(void) {
     test_group_of_one();
     test_model_move();
     test_misuse_refused();
+    test_held_in_memory();
     CHECK(allocated_now() == base, "bytes left allocated: %lld", (long long)(allocated_now() - base));
     return check_summary();
 }
