@@ -255,7 +255,8 @@ CMLP_HIDDEN void alloc_pool_return(cmlp_allocator *a, alloc_block *b);
 /* Raw memory (alloc_segments.c). A new segment for a rounded request (with caching off, of
  * exactly that size): NULL when the limit or the device says no. */
 CMLP_HIDDEN alloc_block *alloc_new_segment(cmlp_allocator *a, int pool, size_t size);
-/* A segment that is one free block goes back to the device (caching off: at each free). */
+/* A segment that is one free block goes back to the device, and an expandable segment's free
+ * pages (caching off: at each free). */
 CMLP_HIDDEN void alloc_release_if_free(cmlp_allocator *a, alloc_segment *s);
 /* Maps the pages under the first `size` bytes of a free block of an expandable segment, taking
  * free pages from elsewhere first; false when the limit or the device says no. */

@@ -289,7 +289,8 @@ static size_t release_segment(cmlp_allocator *a, alloc_segment *s) {
 }
 
 void alloc_release_if_free(cmlp_allocator *a, alloc_segment *s) {
-    if (whole_and_free(s)) release_segment(a, s);
+    if (s->expandable) (void)reclaim_pages(a, SIZE_MAX, NULL, 0, false); /* (its free pages) */
+    else if (whole_and_free(s)) release_segment(a, s);
 }
 
 /* Every whole free segment and every free page of an expandable segment goes back (after the

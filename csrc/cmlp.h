@@ -18,8 +18,10 @@
  *
  * Conventions: every fallible call returns a cmlp_status; on failure cmlp_last_error() holds a
  * thread-local "file:line: what happened" message and no output or state was changed unless
- * the function says otherwise. *_free(NULL) is a no-op. Host pointers given to the library are
- * only read during the call. Nothing here prints, exits or aborts.
+ * the function says otherwise (a model's activation workspace, scratch that the next call makes
+ * again, may have gone back to the cache: a larger one is taken after the smaller one went back,
+ * so that the peak is the larger one's alone). *_free(NULL) is a no-op. Host pointers given to
+ * the library are only read during the call. Nothing here prints, exits or aborts.
  *
  * What the caller keeps to: a handle (model, optimizer, trainer) and the output and host-buffer
  * pointers a call writes or reads are valid, not NULL, unless a function says NULL is allowed
@@ -660,8 +662,9 @@ CMLP_API int cmlp_trainer_optim_parts(const cmlp_trainer *t);
  * good steps counted since the last change of size (up to 1 at the target), the micro-batch the last growth started from
  * (0: none), which an out-of-memory on the grown size goes back to, and the good steps the next
  * growth waits for (grow_interval, doubled by each growth that ran out of memory at its first
- * step). A checkpoint keeps them; set checks 1 <= size <= target <= 2**62, good_steps >= 0,
- * 0 <= grown_from < size and grow_wait >= 0 (0: grow_interval). */
+ * step). A checkpoint keeps them; set checks 1 <= size <= target <= batch_size *
+ * accumulation_steps, good_steps >= 0, 0 <= grown_from < size and grow_wait >= 0 (0:
+ * grow_interval). */
 CMLP_API void cmlp_trainer_get_microbatch_state(const cmlp_trainer *t, int64_t *size, int64_t *target,
                                                 int64_t *good_steps, int64_t *grown_from, int64_t *grow_wait);
 CMLP_API cmlp_status cmlp_trainer_set_microbatch_state(cmlp_trainer *t, int64_t size, int64_t target,

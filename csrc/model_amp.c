@@ -335,7 +335,7 @@ cmlp_status cmlp_amp_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, 
     bool had_half = m->params_h != NULL;
     if (!compact) CMLP_TRY(ensure_half_params(m, dt)); /* before the workspace, as the planner has it */
     cmlp_status reserved = reserve(m, n, recompute, compact);
-    if (reserved != CMLP_OK) { /* a refused step leaves the memory as it found it */
+    if (reserved != CMLP_OK) { /* a refused step leaves the half weights as it found them */
         if (!had_half) drop_half_params(m);
         return reserved;
     }

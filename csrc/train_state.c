@@ -34,7 +34,7 @@ cmlp_status cmlp_trainer_set_scaler(cmlp_trainer *t, const cmlp_scaler_state *s)
     if (s->enabled) {
         /* the scale is kept in float32: checked there (a normal number, as GradScaler's; the
          * range first, where converting would overflow) */
-        if (!(s->scale <= FLT_MAX && (float)s->scale >= FLT_MIN))
+        if (!(s->scale > 0.0 && s->scale <= FLT_MAX) || (float)s->scale < FLT_MIN)
             return CMLP_FAIL(CMLP_ERR_INVALID, "loss scale must be finite and >= 2**-126 in float32, got %g",
                              s->scale);
         if (!(s->growth_factor > 1.0 && isfinite(s->growth_factor)))
@@ -50,7 +50,7 @@ cmlp_status cmlp_trainer_set_scaler(cmlp_trainer *t, const cmlp_scaler_state *s)
                              (long long)s->growth_tracker, (long long)s->growth_interval);
     }
     t->scaler = *s;
-    t->scaler.scale = (float)s->scale;
+    t->scaler.scale = s->enabled ? (float)s->scale : 1.0f; /* (disabled: not read, and not converted) */
     return CMLP_OK;
 }
 
@@ -89,8 +89,10 @@ void cmlp_trainer_get_microbatch_state(const cmlp_trainer *t, int64_t *size, int
 cmlp_status cmlp_trainer_set_microbatch_state(cmlp_trainer *t, int64_t size, int64_t target, int64_t good_steps,
                                               int64_t grown_from, int64_t grow_wait) {
     if (!t) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
-    if (target < 1 || target > CMLP_MAX_STEP_SAMPLES)
-        return CMLP_FAIL(CMLP_ERR_INVALID, "the micro-batch target must be in [1, 2**62], got %lld", (long long)target);
+    const int64_t most = t->cfg.batch_size * t->cfg.accumulation_steps; /* a step's rows (at most 2**62) */
+    if (target < 1 || target > most)
+        return CMLP_FAIL(CMLP_ERR_INVALID, "the micro-batch target must be in [1, batch_size * accumulation_steps = %lld], "
+                         "got %lld", (long long)most, (long long)target);
     if (size < 1 || size > target)
         return CMLP_FAIL(CMLP_ERR_INVALID, "the micro-batch in use must be in [1, %lld] (its target), got %lld",
                          (long long)target, (long long)size);

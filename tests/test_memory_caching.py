@@ -85,6 +85,8 @@ def test_caching_allocator_enable_switches_it_while_running():
     """torch.cuda.memory.caching_allocator_enable: off from the next request on, for every
     allocator; a cached block freed then goes back to the device with its segment; on again,
     requests are cached as before. A training run computes the same numbers either way."""
+    import gc
+
     import numpy as np
 
     import cmlp
@@ -98,11 +100,16 @@ def test_caching_allocator_enable_switches_it_while_running():
         return [e["loss"] for e in cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=16).fit(
             x, y, epochs=2, progress=False)]
 
+    blocks = []
     try:
         M.caching_allocator_enable(True)
         cached_losses = losses()
+        gc.collect()  # (garbage of tests before, collected now, would free blocks inside the counts below)
         M.empty_cache("cpu")
         kept = M.caching_allocator_alloc(12 << 20, "cpu")  # a cached segment of its own
+        blocks.append(kept)
+        seg = [s for s in M.memory_snapshot("cpu") if any(b["address"] == kept for b in s["blocks"])][0]
+        assert seg["total_size"] == 12 << 20
         M.caching_allocator_enable(False)
         assert M.get_config()["memory_caching"] is False
         s0 = M.memory_stats("cpu")
@@ -110,7 +117,7 @@ def test_caching_allocator_enable_switches_it_while_running():
         seg = [s for s in M.memory_snapshot("cpu") if any(b["address"] == p for b in s["blocks"])][0]
         assert seg["total_size"] == 1000
         M.caching_allocator_delete(p)
-        M.caching_allocator_delete(kept)  # its segment, now free, goes back too
+        M.caching_allocator_delete(blocks.pop())  # its segment, now free, goes back too
         s1 = M.memory_stats("cpu")
         assert s1["num_device_free"] - s0["num_device_free"] == 2, "both segments went back"
         assert s1["reserved_bytes.all.current"] == s0["reserved_bytes.all.current"] - (12 << 20)
@@ -125,4 +132,6 @@ def test_caching_allocator_enable_switches_it_while_running():
         with pytest.raises(TypeError, match="value must be a bool"):
             M.caching_allocator_enable("no")
     finally:
+        for b in blocks:
+            M.caching_allocator_delete(b)
         M.caching_allocator_enable(was)

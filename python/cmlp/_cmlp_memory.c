@@ -287,8 +287,7 @@ static PyObject *segments_list(cmlp_device d, const cmlp_segment_info *segs, int
                                                s->pool == CMLP_POOL_SMALL ? "small" : "large", "expandable",
                                                s->expandable ? Py_True : Py_False, "blocks", blocks)
                               : NULL;
-        if (!seg) {
-            Py_XDECREF(blocks);
+        if (!seg) { /* (blocks is NULL, or Py_BuildValue's "N" took it, failing too) */
             Py_CLEAR(list);
             break;
         }

@@ -206,9 +206,9 @@ class GradScaler:
             raise RuntimeError("unscale_() is being called after step().")
         if state["unscaled"]:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
-        self._use()
         if optimizer.model._grads_none:  # no gradient: nothing checked (torch: no parameter has a .grad)
             state["found_inf"], state["unscaled"] = None, True
+            self._use()
             return
         if getattr(optimizer.model, "_unscaled_grads", False) and self._scale != 1.0 \
                 and not getattr(self, "_warned_unscaled", False):
@@ -221,6 +221,7 @@ class GradScaler:
             inv_scale = _f32(1.0 / np.float64(self._scale))   # inf for a scale underflowed to 0
         state["found_inf"] = bool(optimizer.model._c.unscale_grads(inv_scale))
         state["unscaled"] = True
+        self._use()
 
     def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> bool:
         """Unscales (unless unscale_ was called), then runs optimizer.step(*args, **kwargs) unless
@@ -236,8 +237,7 @@ class GradScaler:
             raise RuntimeError("step() has already been called since the last update().")
         if optimizer.model._grads_none or (state["unscaled"] and state["found_inf"] is None):  # none checked
             raise AssertionError("No inf checks were recorded for this optimizer.")
-        self._use()
-        if not state["unscaled"]:
+        if not state["unscaled"]:  # (its first use, where it is)
             self.unscale_(optimizer, _stacklevel=3)
         stepped = not state["found_inf"]
         if stepped:
@@ -328,9 +328,10 @@ class GradScaler:
         return self._use(), self._growth_tracker
 
     def _set_state(self, scale: float, growth_tracker: int) -> None:
-        self._use()
-        self._scale = _check_scale("scale", scale, underflowed=True)
+        checked = _check_scale("scale", scale, underflowed=True)
         self._growth_tracker = _check_count("growth_tracker", growth_tracker, 0)
+        self._scale = checked
+        self._use()
 
 
 def _half_dtype(dtype: Any) -> str:

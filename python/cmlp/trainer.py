@@ -359,10 +359,12 @@ class Trainer(FitLoop):
             return
         d = s.state_dict()
         from .amp import _MIN_SCALE, underflow_message
-        if d["scale"] < _MIN_SCALE:  # every step would be skipped
-            raise ValueError(underflow_message(d["scale"]))
-        scale, tracker = s._get_state()  # (the scale's first use: from now on the float32 value)
-        self._c.set_scaler(True, scale, d["growth_factor"], d["backoff_factor"], d["growth_interval"], tracker)
+        scale = s._scale  # (the float32 value; get_scale() reads it from this first use on)
+        if scale < _MIN_SCALE:  # every step would be skipped
+            raise ValueError(underflow_message(scale))
+        self._c.set_scaler(True, scale, d["growth_factor"], d["backoff_factor"], d["growth_interval"],
+                           d["_growth_tracker"])
+        s._use()
 
     def _pull_scaler(self) -> None:
         s = self.scaler

@@ -996,6 +996,18 @@ static void test_uncached(void) {
           "switched on: reserved %" PRId64, CUR(s, RESERVED_BYTES, ALL));
     fr(a, again);
     fin(a, &d);
+
+    /* an expandable segment's pages, mapped while caching was on, go back as their blocks are freed */
+    a = mk(&d, "expandable_segments:True", (int64_t)GB(2));
+    void *big = al(a, MB(4));
+    const int64_t unmapped = d.n_unmap;
+    cmlp_memory_set_caching(0);
+    fr(a, big);
+    s = stats_of(a);
+    CHECK(CUR(s, RESERVED_BYTES, ALL) == 0 && d.n_unmap > unmapped, "switched off, expandable: reserved %" PRId64
+          ", %" PRId64 " unmaps", CUR(s, RESERVED_BYTES, ALL), d.n_unmap - unmapped);
+    cmlp_memory_set_caching(1);
+    fin(a, &d);
 }
 
 /* In a build with AddressSanitizer, over host memory: a block's bytes past the request, and a
