@@ -356,10 +356,11 @@ static cmlp_status epoch_run(cmlp_trainer *t, int64_t max_steps, const double *l
             on_dev.on_device = 1;
             on_dev.pos = &ds->pos;
             idx = t->cfg.shuffle ? t->d_order + off : NULL;
-            /* with automatic micro-batching, only while no growth back is pending (a replay
-             * allocates nothing from the allocator, and its graph was uploaded when made) */
-            bool eligible = k == eb && !t->graphs_off && t->micro == t->target_micro &&
-                            !cmlp_memory_caching_disabled();
+            /* at a micro-batch below the one asked for too (after an out-of-memory retry, or a
+             * limit's plan): a replay allocates nothing from the allocator, and its graph was
+             * uploaded when made; a growth trial changes the step's key, so it runs eagerly, with
+             * its retries, and a capture follows it at whatever size then holds */
+            bool eligible = k == eb && !t->graphs_off && !cmlp_memory_caching_disabled();
             if (graphs) /* data-parallel, every step: the ranks agree on the path */
                 s = cmlp_train_graph_step(t, ds, &on_dev, idx, off, mine, k, eligible);
             else

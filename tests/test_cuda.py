@@ -1313,6 +1313,50 @@ def test_a_graph_that_cannot_go_onto_the_gpu_for_lack_of_memory_leaves_the_steps
     assert runs["1", "1"][0]["graphs"] == [1, 22, 0] and runs["1", "2"][0]["graphs"] == [0, 0, 1], runs
 
 
+_CUT_GRAPHS_SCRIPT = r"""
+import hashlib, json, os, sys, warnings
+import numpy as np
+import cmlp
+M = cmlp.memory
+dev = os.environ.get("CMLP_TEST_CUDA_DEVICE", "cuda")
+batch = 4096
+rng = np.random.default_rng(3)
+x = rng.integers(0, 256, (2 * batch + 37, 784), dtype=np.uint8)
+y = rng.integers(0, 10, len(x))
+model = cmlp.MLP([784, 512, 256, 10], device=dev, seed=0)
+trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=batch, seed=1, grow_interval=2)
+M.set_memory_limit(M.memory_reserved(dev) + 20 * 2**20, dev)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    h = trainer.fit(x, y, epochs=8, progress=False)
+w = b"".join(v.tobytes() for v in model.state_dict().values())
+print(json.dumps({"w": hashlib.sha1(w).hexdigest(), "loss": [e["loss"] for e in h],
+                  "micro": [e["microbatch_size"] for e in h], "warned": len(caught),
+                  "retries": trainer._c.oom_retries(), "graphs": trainer._c.graph_counts()}))
+"""
+
+
+@needs_cuda
+def test_steps_at_a_micro_batch_a_limit_cut_replay_graphs_as_the_eager_loop():
+    """Under a memory limit whose plan starts the micro-batch below the one asked for, and whose
+    growth trials back to it run out of memory, the steps between the trials are still captured
+    and replayed (a trial changes the step, so it runs eagerly, with its retry), and the fit
+    trains bit for bit as the eager loop."""
+    runs = {}
+    for graphs in ("1", "0"):
+        r = subprocess.run([sys.executable, "-c", _CUT_GRAPHS_SCRIPT], env=dict(os.environ, CMLP_CUDA_GRAPHS=graphs),
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[graphs] = json.loads(r.stdout.strip().splitlines()[-1])
+    on, off = runs["1"], runs["0"]
+    assert on["w"] == off["w"] and on["loss"] == off["loss"], runs
+    assert on["micro"] == off["micro"] and on["retries"] == off["retries"] and on["warned"] == off["warned"] == 1
+    assert max(on["micro"]) < 4096 and on["retries"] >= 1, on  # cut by the plan, and the trials failed
+    assert off["graphs"] == [0, 0, 0]
+    # 16 whole steps: a capture after each failed trial (on a new workspace), the rest replays
+    assert on["graphs"][0] >= 1 and on["graphs"][1] >= 8 and on["graphs"][2] == 0, on
+
+
 _STREAMS_SCRIPT = r"""
 import os, sys
 import numpy as np
