@@ -68,7 +68,7 @@ def fit_case(opts):
     w, r = D.get_world_size(), D.get_rank()
     n, batch, epochs = opts.get("n", 600), opts.get("batch", 16), opts.get("epochs", 2)
     kw = dict(accumulation_steps=opts.get("accum", 1), amp=opts.get("amp"), shuffle=opts.get("shuffle", True), seed=3,
-              max_grad_norm=opts.get("clip"))
+              max_grad_norm=opts.get("clip"), grow_interval=opts.get("grow", 100))
     x, y = data(n)
     device = opts.get("device", "cpu")
     model = cmlp.MLP(SIZES, seed=10 + r, device=device)  # different on every rank: all start from rank 0's
@@ -77,6 +77,8 @@ def fit_case(opts):
     filler = []
     if opts.get("limit_rank") == r:
         filler = leave_room(trainer, opts.get("room", batch // 2), device)
+    if opts.get("start_micro_rank") == r:  # below the micro-batch asked for, as after an out-of-memory retry
+        trainer._c.start_microbatch(opts["start_micro"])
     val = data(opts["val"], seed=7) if "val" in opts else None
 
     def schedule(opt):  # with "sched": OneCycleLR stepped with every optimizer step
@@ -105,7 +107,8 @@ def fit_case(opts):
                 loss=[h["loss"] for h in hist], ref_loss=[h["loss"] for h in ref_hist],
                 skipped=[h["skipped_steps"] for h in hist], ref_skipped=[h["skipped_steps"] for h in ref_hist],
                 micro=[h["microbatch_size"] for h in hist], micro_spread=spread(np.array([trainer.microbatch_size])),
-                micro_least=float(least[0]),
+                micro_least=float(least[0]), graphs=trainer._c.graph_counts(),
+                graph_spread=spread(np.array(trainer._c.graph_counts())),
                 grad_norm=[h["grad_norm"] for h in hist], ref_grad_norm=[h["grad_norm"] for h in ref_hist],
                 val=[[h["val_loss"], h["val_accuracy"]] for h in hist],
                 ref_val=[[h["val_loss"], h["val_accuracy"]] for h in ref_hist],

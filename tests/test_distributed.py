@@ -519,16 +519,28 @@ def test_on_gpus_a_per_step_schedule_steps_every_rank_alike(emulator):
 
 
 @needs_emulated_nccl
-def test_on_gpus_a_rank_that_micro_batches_makes_every_rank_run_eagerly(emulator):
-    # rank 1 computes micro-batches, which no graph holds: NCCL's all-reduce must be captured on
-    # every rank or on none (the emulated NCCL aborts the job on a mix), so the ranks agree on the
-    # path of each step and all run eagerly; the update is the same. The epoch's calls grow to
-    # several steps, with a collective still queued on one rank's stream when it enters the next
-    # step's host collective (the emulator runs a collective when queued, as a GPU does)
+def test_on_gpus_a_rank_that_micro_batches_from_host_memory_makes_every_rank_run_eagerly(emulator):
+    # rank 1 computes micro-batches under a limit that leaves its data set in host memory, whose
+    # steps no graph holds: NCCL's all-reduce must be captured on every rank or on none (the
+    # emulated NCCL aborts the job on a mix), so the ranks agree on the path of each step and all
+    # run eagerly; the update is the same. The epoch's calls grow to several steps, with a
+    # collective still queued on one rank's stream when it enters the next step's host collective
+    # (the emulator runs a collective when queued, as a GPU does)
     out = run_job(2, "fit", {"backend": "nccl", "device": "cuda", "n": 200, "limit_rank": 1},
                   timeout=300, emulated_gpu=True)
     check_fit(out, 2, 1e-5, 1e-6)
-    assert out["micro_spread"] > 0
+    assert out["micro_spread"] > 0 and out["graphs"] == [0, 0, 0]
+
+
+@needs_emulated_nccl
+def test_on_gpus_a_rank_below_its_micro_batch_captures_its_steps_with_every_rank(emulator):
+    # rank 1 starts at micro-batches of 5 of its 16 rows (as after an out-of-memory retry) and
+    # grows back every 2 good steps: its growth trials run every rank's step eagerly, the steps
+    # between are captured and replayed on all, at whatever micro-batch each rank holds
+    out = run_job(2, "fit", {"backend": "nccl", "device": "cuda", "n": 400, "epochs": 3, "start_micro_rank": 1,
+                             "start_micro": 5, "grow": 2}, timeout=300, emulated_gpu=True)
+    check_fit(out, 2, 1e-5, 1e-6)
+    assert out["graphs"][0] >= 3 and out["graphs"][1] > 0 and out["graph_spread"] == 0, out["graphs"]
 
 
 @needs_emulated_nccl
