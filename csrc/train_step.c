@@ -382,6 +382,9 @@ cmlp_status cmlp_train_graph_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp
         CMLP_TRY(cmlp_train_robust_step(t, ds, xy, idx, start, n, n_all));
         if (eligible && !warm) {
             make_key(t, xy, idx, start, n, n_all, &t->warm_key); /* after the step: what it allocated is in */
+            /* at the micro-batch it ran at: a growth its end made due is the next step's trial, which
+             * runs eagerly (a capture of it would ask for a larger workspace, and fail) */
+            t->warm_key.micro = t->ran_micro;
             t->warm = true;
         }
         return CMLP_OK;

@@ -1357,6 +1357,34 @@ def test_steps_at_a_micro_batch_a_limit_cut_replay_graphs_as_the_eager_loop():
     assert on["graphs"][0] >= 1 and on["graphs"][1] >= 8 and on["graphs"][2] == 0, on
 
 
+@needs_cuda
+@pytest.mark.parametrize("batch,rows,room,recompute", [(512, 3000, 0, False), (128, 851, MIB, True)])
+def test_a_growth_trial_due_after_an_eager_step_runs_eagerly_not_in_a_capture(batch, rows, room, recompute):
+    """With growth trials due every good step, the eager step that makes a step's key warm is also
+    the one after which a trial is due: the trial, at a larger micro-batch on the smaller
+    workspace, runs eagerly (captured, it would ask for the larger workspace, and the failed
+    capture would turn graphs off for the trainer), and the steps at the size that holds replay."""
+    rng = np.random.default_rng(1)
+    x, y = rng.standard_normal((rows, 64)).astype(np.float32), rng.integers(0, 10, rows)
+    model = cmlp.MLP([64, 768, 10], device=CUDA, seed=0)
+    trainer = cmlp.Trainer(model, cmlp.optim.SGD(model, lr=0.05), batch_size=batch, grow_interval=1,
+                           recompute=recompute)
+    gc.collect()
+    M.empty_cache(CUDA)
+    M.set_memory_limit(M.memory_reserved(CUDA) + room, CUDA)  # the plan starts smaller; growth trials run out
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", cmlp.MemoryWarning)
+            h = trainer.fit(x, y, epochs=2, progress=False)
+    finally:
+        M.set_memory_limit(None, CUDA)
+    captures, replays, failed = trainer._c.graph_counts()
+    assert max(e["microbatch_size"] for e in h) < batch and trainer._c.oom_retries() >= 2, h
+    assert failed == 0 and captures >= 1 and replays >= 1, trainer._c.graph_counts()
+    h = trainer.fit(x, y, epochs=1, progress=False)  # no limit: the micro-batch asked for, captured
+    assert h[0]["microbatch_size"] == batch and trainer._c.graph_counts()[1] > replays
+
+
 _STREAMS_SCRIPT = r"""
 import os, sys
 import numpy as np
