@@ -353,10 +353,10 @@ enum { PATH_EAGER = 0, PATH_CAPTURE = 1, PATH_REPLAY = 2 };
  * A capture that fails turns graphs off for this trainer and the step runs eagerly.
  * Data-parallel, every rank must take the same path (NCCL requires an operation to be captured
  * on all ranks or on none, and a replay to be of captures made together): each rank says which
- * it could take, and all take the least of them (a rank that halved its micro-batch, or has no
- * device copy of the data, makes every rank run eagerly; a rank that could replay captures
- * again when another can only capture). A capture that failed on any rank turns graphs off on
- * all. */
+ * it could take, and all take the least of them (a rank whose micro-batch changed, a growth
+ * trial among them, or that has no device copy of the data, makes every rank run eagerly; a
+ * rank that could replay captures again when another can only capture). A capture that failed
+ * on any rank turns graphs off on all. */
 cmlp_status cmlp_train_graph_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_data *xy, const int64_t *idx,
                                   int64_t start, int64_t n, int64_t n_all, bool eligible) {
     cmlp_device_ctx *dev = t->model->dev;
