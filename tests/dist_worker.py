@@ -58,7 +58,7 @@ def leave_room(trainer, micro, device):
     lists it): the rank cannot compute larger ones. The blocks taken are returned."""
     p = cmlp.memory.plan(list(trainer.model.layer_sizes), micro, trainer.optimizer, trainer.amp, device=device,
                          accumulation_steps=-(-trainer.batch_size // micro))
-    taken = fill_cache_but(device, room_for(p, ("optimizer_state", "step")))
+    taken = fill_cache_but(device, room_for(p, ("optimizer_state", "half_weights", "step")))  # (made by the first step)
     cmlp.memory.set_memory_limit(cmlp.memory.memory_allocated(device), device)
     return taken
 

@@ -315,6 +315,10 @@ def test_one_rank_under_a_memory_limit_micro_batches_alone():
     out = run_job(2, "fit", {"limit_rank": 1, "batch": 24, "room": 8})
     assert out["micro_least"] == 8, out
     check_fit(out, 2, 1e-5, 1e-6)  # measured 2.4e-6: the reference sums 48 rows at once
+    # under amp the room holds the half-precision weights too, which the first step makes
+    out = run_job(2, "fit", {"limit_rank": 1, "amp": "bf16"})
+    check_fit(out, 2, 2e-3, 1e-3)
+    assert out["micro_spread"] > 0 and out["micro_least"] == 8, out
 
 
 @needs_mpi
