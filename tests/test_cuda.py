@@ -1343,8 +1343,9 @@ def test_steps_at_a_micro_batch_a_limit_cut_replay_graphs_as_the_eager_loop():
     and replayed (a trial changes the step, so it runs eagerly, with its retry), and the fit
     trains bit for bit as the eager loop."""
     runs = {}
-    for graphs in ("1", "0"):
-        r = subprocess.run([sys.executable, "-c", _CUT_GRAPHS_SCRIPT], env=dict(os.environ, CMLP_CUDA_GRAPHS=graphs),
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "CMLP_ALLOC_CONF")}
+    for graphs in ("1", "0"):  # (with the allocator's defaults: expandable segments keep the data set on the host here)
+        r = subprocess.run([sys.executable, "-c", _CUT_GRAPHS_SCRIPT], env=dict(env, CMLP_CUDA_GRAPHS=graphs),
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         runs[graphs] = json.loads(r.stdout.strip().splitlines()[-1])
@@ -1353,8 +1354,8 @@ def test_steps_at_a_micro_batch_a_limit_cut_replay_graphs_as_the_eager_loop():
     assert on["micro"] == off["micro"] and on["retries"] == off["retries"] and on["warned"] == off["warned"] == 1
     assert max(on["micro"]) < 4096 and on["retries"] >= 1, on  # cut by the plan, and the trials failed
     assert off["graphs"] == [0, 0, 0]
-    # 16 whole steps: a capture after each failed trial (on a new workspace), the rest replays
-    assert on["graphs"][0] >= 1 and on["graphs"][1] >= 8 and on["graphs"][2] == 0, on
+    # 16 whole steps: a capture after a failed trial where it left a new workspace, the rest replays
+    assert on["graphs"][0] >= 1 and on["graphs"][1] >= 6 and on["graphs"][2] == 0, on
 
 
 @needs_cuda
