@@ -2364,6 +2364,13 @@ def test_plans_of_param_groups_a_resident_data_set_and_a_limit_hold_on_the_gpu()
     n = M.max_batch_size(layers, budget, "sgd", device=CUDA, accumulation_steps=acc)
     x = rng.standard_normal((2 * n * acc, 3)).astype(np.float32)
     y = rng.integers(0, 15, len(x))
+    # beside the data set that micro-batch does not fit: planned with it, max_batch_size answers it
+    # staged from host memory, as the fits below run
+    if off_host:
+        assert M.plan(layers, n, "sgd", device=CUDA, accumulation_steps=acc, data_rows=len(x),
+                      data_dtype=x.dtype).reserved_bytes > budget
+    assert M.max_batch_size(layers, budget, "sgd", device=CUDA, accumulation_steps=acc, data_rows=len(x),
+                            data_dtype=x.dtype) == n
     gc.collect()
     M.empty_cache(CUDA)
     held = M.memory_reserved(CUDA)
@@ -2380,6 +2387,8 @@ def test_plans_of_param_groups_a_resident_data_set_and_a_limit_hold_on_the_gpu()
         # a data set the limit cannot take is not copied (no out-of-memory at each epoch)
         big = rng.integers(0, 256, (4000, 784), dtype=np.uint8)
         M.set_memory_limit(held + 3 * 2**20, CUDA)
+        staged = M.max_batch_size([784, 50], 3 * 2**20, device=CUDA)  # (the data set alone is 3 MiB)
+        assert staged >= 64 and M.max_batch_size([784, 50], 3 * 2**20, device=CUDA, data_rows=len(big)) == staged
         model = cmlp.MLP([784, 50], device=CUDA, seed=0)
         trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=64)
         trainer.fit(big, rng.integers(0, 50, 4000), epochs=2, progress=False)

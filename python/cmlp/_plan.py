@@ -214,8 +214,9 @@ def max_batch_size(layer_sizes: Iterable[int], budget_bytes: Union[int, float, s
     over optimizer_shards ranks, a validation of validation_rows after each epoch (in fit's
     chunks of up to 1000 rows, as planned: fit halves a chunk that runs out of memory, but a
     batch that needs it, out of memory first, is not one that fits) and, on a GPU,
-    a fit's data set of data_rows kept on the device (see plan); at most data_rows, where given
-    (a larger batch is the whole data set). The budget is a memory limit's: the segments that
+    a fit's data set of data_rows kept on the device (see plan) or, where that leaves the step
+    room for a smaller micro-batch only, staged from host memory batch by batch, as fit does
+    under a memory limit; at most data_rows, where given (a larger batch is the whole data set). The budget is a memory limit's: the segments that
     later epochs could add to the cache (see plan's epochs) would be given back at the limit,
     so the plan is of one epoch, and a validation of a few rows whose pool can make no segment
     under it takes a piece of a cached large-pool block, as fit's does."""
@@ -234,11 +235,34 @@ def max_batch_size(layer_sizes: Iterable[int], budget_bytes: Union[int, float, s
     if rows > 0:
         limit = min(limit, rows)
 
+    def largest(resident: bool) -> int:
+        return _largest_batch(layer_sizes, budget, rows, resident, optimizer, amp, recompute, device, limit,
+                              accumulation_steps, optimizer_shards, validation_rows, validation_dtype, data_dtype,
+                              shuffle)
+
+    best = largest(True)
+    if rows > 0 and _device(device) != "cpu":
+        # a fit whose data set would leave its step less room stages its batches from host memory
+        # instead (see plan): the larger of the two is the micro-batch it runs at
+        best = max(best, largest(False))
+    return best
+
+
+def _largest_batch(layer_sizes: Iterable[int], budget: int, rows: int, resident: bool, optimizer: Any,
+                   amp: Optional[str], recompute: bool, device: Device, limit: int, accumulation_steps: int,
+                   optimizer_shards: Optional[int], validation_rows: int, validation_dtype: str, data_dtype: str,
+                   shuffle: bool) -> int:
+    """max_batch_size's answer for a data set of `rows` (0: none) kept on the device (resident)
+    or staged from host memory batch by batch; limit is at most rows where there are some. A
+    batch of them all is one micro-batch, accumulation_steps or not."""
+    def steps(b: int) -> int:
+        return 1 if 0 < rows <= b else accumulation_steps
+
     def planned(b: int) -> Plan:
-        return plan(layer_sizes, b, optimizer, amp, recompute, device, accumulation_steps=accumulation_steps,
+        return plan(layer_sizes, b, optimizer, amp, recompute, device, accumulation_steps=steps(b),
                     optimizer_shards=optimizer_shards, validation_rows=validation_rows,
-                    validation_dtype=validation_dtype, data_rows=data_rows, data_dtype=data_dtype, shuffle=shuffle,
-                    epochs=1)
+                    validation_dtype=validation_dtype, data_rows=rows if resident else 0, data_dtype=data_dtype,
+                    shuffle=shuffle, epochs=1)
 
     # Reserved memory is at least the peak allocated, which grows with the batch: the largest
     # batch whose allocated peak fits bounds the answer from above (a search).
@@ -258,11 +282,12 @@ def max_batch_size(layer_sizes: Iterable[int], budget_bytes: Union[int, float, s
     # 10 MiB takes a segment of its own size instead of a 20 MiB one, so a larger batch can
     # reserve less), so the batches below that bound are tried from the top down.
     first = planned(lo)
-    args = _plan_args(optimizer, amp, recompute, None, accumulation_steps, optimizer_shards)
-    raw = [list(first.layer_sizes), 0, *args, *_data_args(data_rows, data_dtype, shuffle, first.layer_sizes[0]),
-           *_evaluation_args(validation_rows, validation_dtype, first.device, 1), min(budget, 1 << 62),
-           first.device]
+    tail = [*_data_args(rows if resident else 0, data_dtype, shuffle, first.layer_sizes[0]),
+            *_evaluation_args(validation_rows, validation_dtype, first.device, 1), min(budget, 1 << 62), first.device]
+    raws = {n: [list(first.layer_sizes), 0, *_plan_args(optimizer, amp, recompute, None, n, optimizer_shards), *tail]
+            for n in {steps(lo), steps(1)}}
     for b in range(lo, 0, -1):
+        raw = raws[steps(b)]
         raw[1] = b
         if _cmlp.plan(*raw)["peak_reserved"] <= budget:
             return b
