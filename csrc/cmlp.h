@@ -612,7 +612,8 @@ CMLP_API int64_t cmlp_trainer_microbatch_size(const cmlp_trainer *t);
  * or -1, a hash of the validation set's contents, whether a schedule steps after each step):
  * data-parallel, every epoch's start compares them over the ranks with the other settings, since
  * each is a collective another rank would wait for (or, the validation set, a share of a whole
- * that every rank must have alike). */
+ * that every rank must have alike). A fit call starts here: a CUDA graph capture that failed in
+ * the last one is tried again. */
 CMLP_API void cmlp_trainer_set_fit_call(cmlp_trainer *t, int64_t epochs, int64_t validation_samples,
                                         uint64_t validation_hash, int per_step_schedule);
 /* The loss scaler the trainer applies (disabled by default); validated like GradScaler. */
@@ -622,7 +623,7 @@ CMLP_API int64_t cmlp_trainer_skipped_steps(const cmlp_trainer *t); /* since cre
 CMLP_API int64_t cmlp_trainer_oom_retries(const cmlp_trainer *t);   /* steps retried smaller */
 /* Since creation, of the full steps on a device with graphs: out[0] captures kept (each also
  * ran its step), out[1] replays, out[2] captures dropped (the step ran eagerly, and so do the
- * trainer's later steps). */
+ * later steps of its fit call). */
 CMLP_API void cmlp_trainer_graph_counts(const cmlp_trainer *t, int64_t out[3]);
 CMLP_API cmlp_status cmlp_trainer_set_microbatch_size(cmlp_trainer *t, int64_t size);
 /* Computes with a smaller micro-batch for now (auto micro-batching grows back to the set size). */

@@ -360,7 +360,7 @@ static cmlp_status epoch_run(cmlp_trainer *t, int64_t max_steps, const double *l
              * limit's plan): a replay allocates nothing from the allocator, and its graph was
              * uploaded when made; a growth trial changes the step's key, so it runs eagerly, with
              * its retries, and a capture follows it at whatever size then holds */
-            bool eligible = k == eb && !t->graphs_off && !cmlp_memory_caching_disabled();
+            bool eligible = k == eb && !t->graphs_off && !t->capture_failed && !cmlp_memory_caching_disabled();
             if (graphs) /* data-parallel, every step: the ranks agree on the path */
                 s = cmlp_train_graph_step(t, ds, &on_dev, idx, off, mine, k, eligible);
             else

@@ -43,7 +43,8 @@ struct cmlp_trainer {
     void *graph;
     cmlp_device_ctx *graph_dev;
     step_key graph_key, warm_key; /* warm_key: the last full step run eagerly */
-    bool warm, graphs_off;        /* graphs_off: a capture failed; eager from then on */
+    bool warm, graphs_off;        /* graphs_off: CMLP_CUDA_GRAPHS=0, every step eager */
+    bool capture_failed;          /* a capture failed in this fit call: eager until the next call */
     int64_t graph_counts[3];      /* captures kept, replays, captures dropped */
     bool epoch_open;              /* between epoch_begin and the epoch's last step */
     /* the open epoch's loss and clipping norms so far on this rank: each call's device scalars

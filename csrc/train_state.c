@@ -17,6 +17,7 @@ void cmlp_trainer_set_fit_call(cmlp_trainer *t, int64_t epochs, int64_t validati
     t->fit_call[1] = validation_samples;
     t->fit_call[2] = per_step_schedule != 0;
     t->fit_call[3] = (int64_t)validation_hash;
+    t->capture_failed = false; /* a capture that failed in the last call is tried again */
 }
 int64_t cmlp_trainer_skipped_steps(const cmlp_trainer *t) { return t->skipped; }
 int64_t cmlp_trainer_oom_retries(const cmlp_trainer *t) { return t->oom_retries; }

@@ -350,13 +350,14 @@ enum { PATH_EAGER = 0, PATH_CAPTURE = 1, PATH_REPLAY = 2 };
 /* A step on a device with graphs. A full step on device data (`eligible`) runs as a graph: the
  * first step with a new key runs eagerly (it makes the workspace, the optimizer state and the
  * GEMM plans), the next one with that key is captured, and the ones after it replay the capture.
- * A capture that fails turns graphs off for this trainer and the step runs eagerly.
+ * A capture that fails (its graph's upload out of memory, say) turns graphs off for the rest of
+ * this fit call and the step runs eagerly; the next call tries them again.
  * Data-parallel, every rank must take the same path (NCCL requires an operation to be captured
  * on all ranks or on none, and a replay to be of captures made together): each rank says which
  * it could take, and all take the least of them (a rank whose micro-batch changed, a growth
  * trial among them, or that has no device copy of the data, makes every rank run eagerly; a
  * rank that could replay captures again when another can only capture). A capture that failed
- * on any rank turns graphs off on all. */
+ * on any rank turns graphs off on all (every rank calls fit). */
 cmlp_status cmlp_train_graph_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_data *xy, const int64_t *idx,
                                   int64_t start, int64_t n, int64_t n_all, bool eligible) {
     cmlp_device_ctx *dev = t->model->dev;
@@ -414,6 +415,6 @@ cmlp_status cmlp_train_graph_step(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp
     }
     t->graph_counts[2]++;
     if (g) b->graph_free(dev->bctx, g);
-    t->graphs_off = true; /* nothing captured ran: the step runs eagerly */
+    t->capture_failed = true; /* nothing captured ran: the step runs eagerly */
     return cmlp_train_robust_step(t, ds, xy, idx, start, n, n_all);
 }
