@@ -39,7 +39,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 VPY=.venv/bin/python
 $VPY -m pip install -q --upgrade pip
-$VPY -m pip install -q "numpy>=2.0" "scipy-openblas32>=0.3.27" "setuptools>=64" wheel pytest tqdm
+$VPY -m pip install -q "numpy>=2.0" "scipy-openblas32>=0.3.27" "setuptools>=64" wheel pytest tqdm "mypy==2.4.1"
 if [ -z "${CUDA_HOME:-}" ] && ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
     export CUDA_HOME=/usr/local/cuda
 fi

@@ -217,7 +217,8 @@ def _parser() -> argparse.ArgumentParser:
 def _schedule(opt: optim.Optimizer, kind: str, warmup: int, steps: int) -> Optional[lr_scheduler.LRScheduler]:
     """The rate over `steps` optimizer steps: `warmup` first steps from lr / warmup up to lr,
     then constant or cosine decay to 0 by the last step (None: the rate stays as it is)."""
-    parts, milestones = [], []
+    parts: List[lr_scheduler.LRScheduler] = []
+    milestones: List[int] = []
     if warmup:
         parts.append(lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / warmup)))
     if kind == "cosine":

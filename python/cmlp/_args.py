@@ -69,7 +69,7 @@ def _device(device: Any) -> str:
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 
 
-def parse_size(text: Union[str, int]) -> int:
+def parse_size(text: Union[str, int, float]) -> int:
     """'256MB', '1.5GiB', '4096' -> bytes (K/M/G/T are powers of 1024, as for memory), exactly:
     a fraction of a unit rounds down to whole bytes; a fraction of a byte is refused."""
     if isinstance(text, int) and not isinstance(text, bool):

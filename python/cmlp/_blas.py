@@ -6,7 +6,7 @@ import os
 
 def preload() -> None:
     try:
-        import scipy_openblas32 as sob
+        import scipy_openblas32 as sob  # type: ignore[import-untyped]  # (no stubs)
     except ImportError:  # built against a system BLAS found by the dynamic loader
         return
     path = os.path.join(sob.get_lib_dir(), "lib" + sob.get_library() + ".so")

@@ -1,7 +1,7 @@
 """Where a Trainer's fit starts under a memory limit: the largest micro-batch that the planner
 says fits beside what is allocated already, and whether the data set stays on the device."""
 import warnings
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Tuple, cast
 
 import numpy as np
 
@@ -50,13 +50,14 @@ def start_under_limit(trainer: Any, xa: Optional[np.ndarray] = None, batch_rows:
     def planned(b: int, with_data: bool) -> Any:
         if 0 < rows < b:
             b = rows
+        data = cast(np.ndarray, xa)  # (with_data: the fit's, on the device)
         try:
             return memory.plan(list(trainer.model.layer_sizes), b, trainer.optimizer, trainer.amp, trainer.recompute,
                                scaler=trainer.scaler is not None and trainer.scaler.is_enabled(), device=device,
                                accumulation_steps=-(-(batch_rows or trainer.batch_size * trainer.accumulation_steps)
                                                     // b) if b != rows else 1,
-                               data_rows=xa.shape[0] if with_data else 0,
-                               data_dtype=xa.dtype if with_data else "uint8", shuffle=trainer.shuffle)
+                               data_rows=data.shape[0] if with_data else 0,
+                               data_dtype=data.dtype if with_data else "uint8", shuffle=trainer.shuffle)
         except ValueError:  # too large to plan: it does not fit either
             return None
 

@@ -2,7 +2,7 @@
 with a per-step schedule's rates), the epoch's history and the validation between epochs. A mixin
 of cmlp.Trainer, whose state it uses."""
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -27,6 +27,22 @@ def _paced(chunk: int, seconds: float) -> int:
 
 class FitLoop:
     """Trainer's fit loop (see Trainer.fit)."""
+
+    if TYPE_CHECKING:  # Trainer's
+        model: Any  # (model, optimizer, distributed: Trainer's read-only properties)
+        optimizer: Any
+        distributed: Any
+        normalize: Tuple[float, float]
+        microbatch_size: int
+        _c: _cmlp.Trainer
+        _limit_micro: Optional[int]
+        _bar_epochs: Optional[Tuple[int, int]]
+        _eval_rows: int
+
+        def _push_scaler(self) -> None: ...
+        def _pull_scaler(self) -> None: ...
+        def _warn_if_split(self, before: int, stacklevel: int = 4) -> None: ...
+        def _together(self, fn: Any, what: Optional[str] = None) -> Any: ...
 
     def _fit(self, xa: np.ndarray, ya: np.ndarray, epochs: int, val: Optional[Tuple[np.ndarray, np.ndarray]],
              progress: bool, scheduler: Any = None, per_step: bool = False) -> List[Dict[str, Any]]:

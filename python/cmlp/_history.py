@@ -245,7 +245,8 @@ def snapshot(device: Optional[Device] = None, augment_with_fx_traces: bool = Fal
     dev = _device(device)
     with _lock:
         raw, history = _cmlp.snapshot_history(dev)
-        stacks, shared = _stacks_of(dev), {}
+        stacks = _stacks_of(dev)
+        shared: _Shared = {}
         index = _device_index(dev)
         segments = torch_segments(dev, raw, shared)
         trace = [_entry(e, stacks, shared) for e in history]

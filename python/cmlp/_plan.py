@@ -1,11 +1,14 @@
 """The planner: what a training run will hold on a device, predicted before it runs by replaying
 its requests on an allocator with the device's rules (cmlp.memory.plan, max_batch_size)."""
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import numpy as np
 
 from . import _cmlp
 from ._args import Device, _device, _fmt, _numpy_int, parse_size
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
 
 
 _CATEGORIES = ("parameters", "gradients", "optimizer_state", "half_weights", "activations", "workspace", "data",
@@ -20,7 +23,7 @@ class Plan:
     12.x), whose place the plan takes into account."""
 
     def __init__(self, layer_sizes: Iterable[int], batch_size: int, optimizer: str, amp: Optional[str],
-                 recompute: bool, device: Device, raw: Dict[str, int], optimizer_shards: int = 1) -> None:
+                 recompute: bool, device: Device, raw: Dict[str, Any], optimizer_shards: int = 1) -> None:
         self.layer_sizes, self.batch_size, self.optimizer = list(layer_sizes), batch_size, optimizer
         self.optimizer_shards = optimizer_shards
         self.amp, self.recompute, self.device = amp, recompute, device
@@ -82,7 +85,7 @@ def _check_accumulation(accumulation_steps: Any) -> int:
 def plan(layer_sizes: Iterable[int], batch_size: int = 32, optimizer: Any = "adam", amp: Optional[str] = None,
          recompute: bool = False, device: Device = "cpu", scaler: Optional[bool] = None,
          accumulation_steps: int = 1, optimizer_shards: Optional[int] = None, validation_rows: int = 0,
-         validation_dtype: str = "uint8", data_rows: int = 0, data_dtype: str = "uint8", shuffle: bool = True,
+         validation_dtype: str = "uint8", data_rows: int = 0, data_dtype: "DTypeLike" = "uint8", shuffle: bool = True,
          epochs: int = 5, _budget: int = 0) -> Plan:
     """Predicts a training run's memory before anything is allocated (batch_size: rows computed at
     once, i.e. the micro-batch; accumulation_steps: micro-batches per optimizer step). With one

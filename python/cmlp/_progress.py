@@ -85,7 +85,7 @@ def make_bar(total: int, desc: str, enabled: bool) -> Optional[Any]:
     if not terminal:
         return _Guarded(_PlainBar(total, desc, lines=True))
     try:
-        from tqdm.auto import tqdm
+        from tqdm.auto import tqdm  # type: ignore[import-untyped]  # (an optional dependency without stubs)
     except ImportError:
         return _Guarded(_PlainBar(total, desc))
     try:

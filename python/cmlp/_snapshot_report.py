@@ -118,7 +118,8 @@ def _replay(segments: List[Dict[str, Any]], trace: List[Dict[str, Any]]) -> Tupl
 
 
 def _live_at(start: Dict[int, Block], trace: List[Dict[str, Any]], at: int) -> Dict[int, Block]:
-    live, release = dict(start), _release(trace)
+    live: Dict[Any, Block] = dict(start)  # (an entry without an address pops None: nothing)
+    release = _release(trace)
     for e in trace[:at + 1]:
         if e.get("action") == "alloc":
             live[e["addr"]] = (e.get("size", 0), e.get("frames", []))

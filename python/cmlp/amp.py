@@ -127,7 +127,7 @@ class GradScaler:
         self._growth_interval = _check_count("growth_interval", growth_interval, 1)
         self._growth_tracker = 0
         # id(optimizer) -> {"unscaled", "stepped", "found_inf"}, for the current iteration only
-        self._per_optimizer: Dict[int, Dict[str, bool]] = {}
+        self._per_optimizer: Dict[int, Dict[str, Optional[bool]]] = {}
         self._warned_unscaled = False
         self._warned_underflow = False
 
@@ -185,7 +185,7 @@ class GradScaler:
             return type(outputs)(self.scale(o) for o in outputs)
         return outputs * self._use()
 
-    def _state_of(self, optimizer: Any) -> Dict[str, bool]:
+    def _state_of(self, optimizer: Any) -> Dict[str, Optional[bool]]:
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"optimizer must be a cmlp.optim optimizer, got {type(optimizer).__name__}")
         if optimizer._c.shards()[0]:  # before anything changes (each rank would decide on its own inf)

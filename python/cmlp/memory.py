@@ -411,7 +411,7 @@ def _fail_raw_alloc(k: int, device: Optional[Device] = None) -> None:
     _cmlp.fail_raw_alloc(_device(device), int(k))
 
 
-def _summary_size(v: int, row_first: int) -> str:
+def _summary_size(v: int, row_first: float) -> str:
     """A byte count in PyTorch's summary style: an int of 6 digits and a unit chosen from the
     row's first value (so the pools below a metric share its unit)."""
     unit = "B  "
@@ -422,7 +422,7 @@ def _summary_size(v: int, row_first: int) -> str:
     return f"{v:6d} {unit}"
 
 
-def _summary_count(v: int, row_first: int) -> str:
+def _summary_count(v: int, row_first: float) -> str:
     unit = " "
     for bigger in ("K", "M"):
         if row_first < 750 * 1000:

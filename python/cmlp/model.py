@@ -10,7 +10,7 @@ import weakref
 import zipfile
 import zlib
 from collections import OrderedDict
-from typing import IO, Any, Dict, Iterable, Iterator, List, MutableMapping, Optional, Sequence, Tuple
+from typing import IO, Any, Dict, Iterable, Iterator, List, MutableMapping, Optional, Sequence, Sized, Tuple, Type, cast
 
 import numpy as np
 
@@ -32,7 +32,7 @@ def _as_sizes(layer_sizes: Any) -> Tuple[int, ...]:
         raise TypeError(f"layer_sizes must be a sequence of ints such as [784, 512, 256, 10], got {layer_sizes!r}")
     sizes = tuple(itertools.islice(layer_sizes, _cmlp.MAX_LAYERS + 2))  # (an endless iterator: refused too)
     if len(sizes) > _cmlp.MAX_LAYERS + 1:
-        got = len(layer_sizes) if hasattr(layer_sizes, "__len__") else "more"
+        got = len(cast(Sized, layer_sizes)) if hasattr(layer_sizes, "__len__") else "more"
         raise ValueError(f"at most {_cmlp.MAX_LAYERS + 1} layer sizes are supported, got {got}")
     for s in sizes:
         if isinstance(s, bool) or not isinstance(s, (int, np.integer)):
@@ -78,8 +78,9 @@ def _read_only(model: "MLP", state: Dict[str, np.ndarray]) -> Iterator[Tuple[str
     for name, arr in state.items():
         arr.flags.writeable = False
         key = id(arr)
-        _issued[key] = (weakref.ref(arr, lambda _, key=key, issued=_issued: issued.pop(key, None)), weakref.ref(model),
-                       name)
+        # the callback's defaults bind this key (a lambda with defaults is not inferred as weakref's callback)
+        gone = cast(Any, lambda _, key=key, issued=_issued: issued.pop(key, None))
+        _issued[key] = (weakref.ref(arr, gone), weakref.ref(model), name)
         yield name, arr
 
 
@@ -443,7 +444,7 @@ class MLP:
     def save(self, path: "os.PathLike[str] | str | IO[bytes]") -> None:
         """Writes an .npz of the state_dict, the layer sizes and normalize; atomic: a crash leaves
         the old file. A binary file object (as torch.save takes one) is written as it stands."""
-        arrays = dict(self.state_dict())
+        arrays: Dict[str, Any] = dict(self.state_dict())  # (any values: np.savez's keywords take a bool allow_pickle)
         arrays[_SIZES_KEY] = np.asarray(self._sizes, dtype=np.int64)
         arrays[_NORMALIZE_KEY] = np.asarray(self.normalize, dtype=np.float64)
         if hasattr(path, "write") and not isinstance(path, (str, bytes, os.PathLike)):
@@ -501,7 +502,7 @@ class MLP:
         if normalize.shape != (2,) or normalize.dtype.kind != "f":
             raise ValueError(f"{path}: {_NORMALIZE_KEY!r} must hold two floats (mean, std)")
         claimed = [int(s) for s in sizes]
-        shapes = {}
+        shapes: Dict[str, Tuple[int, ...]] = {}
         for i, (n_in, n_out) in enumerate(zip(claimed, claimed[1:])):
             shapes[f"fc{i + 1}.weight"], shapes[f"fc{i + 1}.bias"] = (n_out, n_in), (n_out,)
         if min(claimed, default=0) >= 1 and not any(k in shapes for k in arrays):
@@ -630,7 +631,7 @@ def _is_dtype(value: Any, float32_only: bool = False) -> bool:
     return not float32_only or dt == np.float32
 
 
-def _unpickled(cls: type, sizes: List[int], device: str, normalize: Tuple[float, float], params: np.ndarray,
+def _unpickled(cls: Type[MLP], sizes: List[int], device: str, normalize: Tuple[float, float], params: np.ndarray,
                grads: Optional[np.ndarray]) -> MLP:
     """A model of class cls made again from what MLP.__reduce__ gave (its attributes follow:
     __setstate__)."""

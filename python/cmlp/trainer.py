@@ -185,7 +185,7 @@ class Trainer(FitLoop):
         self._lost = False
         _live.add(self)
         self._eval_rows = EVALUATION_ROWS  # validation's chunk of rows (halved when it runs out of memory)
-        self._given_normalize = None if normalize is None else as_normalize(normalize)
+        self._given_normalize: Optional[Tuple[float, float]] = None if normalize is None else as_normalize(normalize)
         self._c = _cmlp.Trainer(optimizer._c, self.batch_size, self.accumulation_steps, micro, shuffle,
                                 self.seed, label_smoothing, amp_code, auto_microbatch, int(grow_interval),
                                 recompute, 0.0 if max_grad_norm is None else max_grad_norm)

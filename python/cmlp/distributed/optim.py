@@ -22,7 +22,7 @@ step() refuses (cmlp has no other way to sum them). As in torch, state_dict() gi
 state only on the rank that consolidate_state_dict(to) (called on every rank) sent it to, with
 the current settings; load_state_dict takes a whole state on every rank, and each keeps its part.
 """
-from typing import Any, Dict, List, Optional, Tuple, Type
+from typing import Any, Dict, List, NoReturn, Optional, Tuple, Type
 
 import numpy as np
 
@@ -75,7 +75,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         self.world_size, self.rank = get_world_size(), get_rank()  # as torch's: the group it was cut for
         self._consolidated: Optional[Tuple[int, List[np.ndarray]]] = None
 
-    def __deepcopy__(self, memo: Dict[int, Any]) -> "ZeroRedundancyOptimizer":
+    def __deepcopy__(self, memo: Dict[int, Any]) -> NoReturn:
         raise TypeError("a ZeroRedundancyOptimizer cannot be copied or pickled: its state is sharded over the process "
                         "group (consolidate_state_dict, then load the state_dict into a new optimizer)")
 
@@ -89,7 +89,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         _, lo, hi, _ = self._c.shards()
         return slice(lo, hi)
 
-    def step(self) -> None:
+    def step(self) -> None:  # type: ignore[override]  # takes no closure: it never steps
         raise RuntimeError("a ZeroRedundancyOptimizer steps in a data-parallel cmlp.Trainer (fit or step), which "
                            "sums the gradients over the ranks before each rank updates its part")
 

@@ -2,16 +2,29 @@
 (torch.save of a whole optimizer), each made again by the optimizer's own constructor with its
 settings, groups and state."""
 import copy
-from typing import Any, Dict, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Tuple, Type, TypeVar
 
 from ..model import MLP
+
+if TYPE_CHECKING:
+    from ._groups import _ParamGroup
+
+_T = TypeVar("_T", bound="_Copying")
 
 
 class _Copying:
     """Optimizer's copy and pickle protocols, over its constructor's arguments (_init_args),
     its state_dict and its param groups' extra keys."""
 
-    def __deepcopy__(self, memo: Dict[int, Any]) -> "_Copying":
+    if TYPE_CHECKING:  # Optimizer's
+        model: MLP
+        _param_groups: List[_ParamGroup]
+        _take_nonfinite: bool
+
+        def state_dict(self) -> Dict[str, Any]: ...
+        def load_state_dict(self, state_dict: Dict[str, Any]) -> None: ...
+
+    def __deepcopy__(self: _T, memo: Dict[int, Any]) -> _T:
         """copy.deepcopy (alone, or with its model, as torch's): the same kind of optimizer, with
         the same settings and state, on a deep copy of the model (the one copied alongside)."""
         twin = type(self).__new__(type(self))
@@ -41,10 +54,10 @@ class _Copying:
         raise NotImplementedError
 
     @staticmethod
-    def _construct(twin: "_Copying", model: MLP, args: Dict[str, Any]) -> None:
+    def _construct(twin: Any, model: MLP, args: Dict[str, Any]) -> None:
         raise NotImplementedError
 
-    def __copy__(self) -> "_Copying":
+    def __copy__(self: _T) -> _T:
         """copy.copy: another Python object of the same optimizer (as before pickling was defined)."""
         twin = type(self).__new__(type(self))
         twin.__dict__.update(self.__dict__)
@@ -64,7 +77,7 @@ class _Copying:
         self.defaults = state["defaults"]
 
 
-def _unpickled(cls: type, model: MLP, args: Dict[str, Any]) -> _Copying:
+def _unpickled(cls: Type[_Copying], model: MLP, args: Dict[str, Any]) -> _Copying:
     """An optimizer of class cls made on model with args (Optimizer.__reduce__'s); its state
     follows (__setstate__)."""
     twin = cls.__new__(cls)

@@ -1,10 +1,15 @@
 """An optimizer's state_dict in torch.optim's layout (one entry per parameter tensor, in the
 model's state_dict order) and its loading, checked whole before anything changes."""
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Tuple
 
 import numpy as np
 
 from ._groups import _UNSTARTED, _implementation_flag, _initial_lr_of, _rate
+
+if TYPE_CHECKING:
+    from .. import _cmlp
+    from ..model import MLP
+    from ._groups import _ParamGroup
 
 
 class _StateDict:
@@ -14,6 +19,25 @@ class _StateDict:
     # loading takes NaN and inf in the state as they are: set while a copy of this library's own
     # optimizer loads its original's state (a diverged run's, copied or pickled, comes back as it was)
     _take_nonfinite = False
+
+    if TYPE_CHECKING:  # Optimizer's
+        model: MLP
+        _c: _cmlp.Optimizer
+        _kind: str
+        _param_groups: List[_ParamGroup]
+        _buffers: Tuple[str, ...]
+        _flags: Dict[str, Any]
+        _initial_lrs: List[Any]
+        _c_wd: float
+
+        def _group(self, i: int = 0) -> Dict[str, Any]: ...
+        def _group_config(self, group: Mapping, index: int = 0) -> Dict[str, Any]: ...
+        def _own_of_config(self, config: Mapping) -> Dict[str, Any]: ...
+        def _shared_defaults(self, config: Dict[str, Any]) -> Dict[str, Any]: ...
+        def _apply_config(self, config: Dict[str, Any]) -> None: ...
+        def _push_groups(self, lrs: Any = None, wds: Any = None, owns: Any = None) -> None: ...
+        def _snapshot(self) -> Tuple[Any, ...]: ...
+        def _restore(self, saved: Tuple[Any, ...]) -> None: ...
 
     def state_dict(self) -> Dict[str, Any]:
         return self._state_dict_of(*self._c.get_state())

@@ -80,6 +80,7 @@ class Optimizer(_Copying, _StateDict):
     first group's."""
 
     _buffers: Tuple[str, ...] = ()
+    _torn: bool  # set in a forked child where another thread held the lock (_after_fork_in_child)
     # the hyperparameters a param group holds for itself beside lr and weight_decay (torch's keys)
     _per_group: Tuple[str, ...] = ()
 
@@ -167,7 +168,8 @@ class Optimizer(_Copying, _StateDict):
         if not param_groups:
             raise ValueError("optimizer got an empty parameter list")
         shared = self._shared_defaults(config)
-        specs, seen = [], {}
+        specs: List[Dict[str, Any]] = []
+        seen: Dict[str, int] = {}  # name -> group
         for gi, group in enumerate(param_groups):
             if not isinstance(group, Mapping) or "params" not in group:
                 raise TypeError(f"param_groups[{gi}] must be a dict with 'params', got {group!r}")
@@ -379,12 +381,12 @@ class Optimizer(_Copying, _StateDict):
         if key == self._synced:  # as last given (a call of the trainer's each step)
             return
         if len(set(zip(scales, wds, own))) == 1 and scales[0] == 1.0 and not parts:
-            parts: List[Tuple[Any, ...]] = []
+            c_parts: List[Tuple[Any, ...]] = []
         else:
-            parts = [(end, scales[g], wds[g]) + own[g] for end, g in self._runs()]
-        if parts != self._c_parts:
-            self._c.set_parts(parts)
-            self._c_parts = parts
+            c_parts = [(end, scales[g], wds[g]) + own[g] for end, g in self._runs()]
+        if c_parts != self._c_parts:
+            self._c.set_parts(c_parts)
+            self._c_parts = c_parts
         self._synced = key
 
     def _runs(self) -> List[Tuple[int, int]]:

@@ -6,7 +6,7 @@ import numbers
 import os
 import types
 import warnings
-from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Union, cast
 
 import numpy as np
 
@@ -29,12 +29,12 @@ def _is_int(value: Any) -> bool:
 def _deprecated_epoch(epoch: Any) -> Union[int, float]:
     """step(epoch)'s epoch (an int, or a float as torch takes it: last_epoch then is that float),
     with torch's warning that the argument is going away."""
-    if isinstance(epoch, bool) or not isinstance(epoch, numbers.Real) or not 0 <= epoch < math.inf:
+    if isinstance(epoch, bool) or not isinstance(epoch, numbers.Real) or not 0 <= cast(float, epoch) < math.inf:
         raise ValueError(f"epoch must be a finite number >= 0, got {epoch!r}")
     warnings.warn("step(epoch) is deprecated, as in torch: call step() to move the schedule on (with an epoch "
                   "the rate is the schedule's closed form for it where there is one, else its next form)",
                   UserWarning, stacklevel=3)
-    return int(epoch) if _is_int(epoch) else float(epoch)
+    return int(cast(int, epoch)) if _is_int(epoch) else float(epoch)
 
 
 def _warn_outside_step(get_lr: Callable[[Any], List[float]]) -> Callable[[Any], List[float]]:
@@ -257,6 +257,9 @@ class LRScheduler:
     # schedules that cycle them, and any defined elsewhere (__init_subclass__)
     _MOVES_MOMENTUM = False
 
+    if TYPE_CHECKING:
+        lr_lambdas: List[Any]  # LambdaLR's and MultiplicativeLR's functions
+
     def __init__(self, optimizer: Any, last_epoch: int = -1) -> None:
         self.optimizer = _optimizer(optimizer)
         # an int, or a float as a deprecated step(epoch) can leave it (torch takes it back too)
@@ -288,7 +291,7 @@ class LRScheduler:
         (it computes the next rate from the current one: get_last_lr() is what was set)."""
         super().__init_subclass__(**kwargs)
         if _ours(cls.__module__) and "get_lr" in cls.__dict__:
-            cls.get_lr = _warn_outside_step(cls.__dict__["get_lr"])
+            cast(Any, cls).get_lr = _warn_outside_step(cls.__dict__["get_lr"])  # (its own method, wrapped)
         if not _ours(cls.__module__) and "_MOVES_MOMENTUM" not in cls.__dict__:
             cls._MOVES_MOMENTUM = True  # a schedule of the caller's may set momenta in its get_lr
 
@@ -371,7 +374,7 @@ class LRScheduler:
                                    for fn in self.lr_lambdas]
         return state
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         state_dict = _check_state(self, state_dict)
         self.__dict__.update({k: v for k, v in state_dict.items() if k != "lr_lambdas"})
         for fn, saved in zip(getattr(self, "lr_lambdas", ()), state_dict.get("lr_lambdas") or ()):

@@ -1,7 +1,7 @@
 """Schedules made of schedules: SequentialLR (one after another) and ChainedScheduler (all
 together)."""
 from bisect import bisect_right
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 from ._base import LRScheduler, _check_state, _int, _optimizer
 from ._plateau import ReduceLROnPlateau
 
@@ -34,7 +34,7 @@ class _Composite(LRScheduler):
         state["_schedulers"] = [s.state_dict() for s in self._schedulers]
         return state
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         state_dict = _check_state(self, state_dict)
         parts = state_dict.get("_schedulers")
         if not isinstance(parts, (list, tuple)) or len(parts) != len(self._schedulers):
@@ -87,7 +87,7 @@ class SequentialLR(_Composite):
         elif hasattr(sched, "last_epoch"):
             sched.last_epoch -= 1
 
-    def step(self) -> None:
+    def step(self) -> None:  # type: ignore[override]  # as torch's: no epoch
         self.last_epoch += 1
         i = bisect_right(self._milestones, self.last_epoch)
         sched = self._schedulers[i]
@@ -101,7 +101,7 @@ class SequentialLR(_Composite):
             raise
         self._last_lr = sched.get_last_lr()
 
-    def _update_lr(self, epoch: Optional[int]) -> None:
+    def _update_lr(self, epoch: Optional[float]) -> None:
         raise TypeError("a SequentialLR cannot be placed at an epoch")
 
 
@@ -119,7 +119,7 @@ class ChainedScheduler(_Composite):
         self.optimizer = optimizer
         self._last_lr = optimizer._group_lrs()
 
-    def step(self) -> None:
+    def step(self) -> None:  # type: ignore[override]  # as torch's: no epoch
         """Steps every schedule; one that refuses its rate leaves them all (and the optimizer's
         rates and momentum) where they were."""
         saved = [s.state_dict() for s in self._schedulers]
@@ -135,5 +135,5 @@ class ChainedScheduler(_Composite):
             raise
         self._last_lr = self.optimizer._group_lrs()
 
-    def _update_lr(self, epoch: Optional[int]) -> None:
+    def _update_lr(self, epoch: Optional[float]) -> None:
         raise TypeError("a ChainedScheduler cannot be placed at an epoch")

@@ -4,7 +4,7 @@ import math
 import numbers
 import operator
 import types
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, cast
 
 from ..._arrays import as_flag, as_number
 from ._base import _ABOVE_ZERO, LRScheduler, _check_state, _is_int, _non_negative, _optimizer, _per_group
@@ -69,7 +69,7 @@ class OneCycleLR(LRScheduler):
         if n >= 1 << 63:  # (the phases' ends are floats)
             raise ValueError(f"total_steps must be below 2**63, got {n}")
         if three_phase:
-            self._schedule_phases = [
+            self._schedule_phases: List[Dict[str, Any]] = [
                 {"end_step": float(pct_start * n) - 1, "start_lr": "initial_lr", "end_lr": "max_lr",
                  "start_momentum": "max_momentum", "end_momentum": "base_momentum"},
                 {"end_step": float(2 * pct_start * n) - 2, "start_lr": "max_lr", "end_lr": "initial_lr",
@@ -158,7 +158,7 @@ class OneCycleLR(LRScheduler):
                 found["initial_lr"] = initial
             for key, value in found.items():  # (a float first: the values the schedule wrote there)
                 if (type(value) is not float and (isinstance(value, bool) or not isinstance(value, numbers.Real))
-                        or not 0 <= value < math.inf):
+                        or not 0 <= cast(float, value) < math.inf):
                     raise ValueError(f"param_groups[{i}][{key!r}] must be a finite number >= 0, got {value!r}")
             taken.append({k: float(v) for k, v in found.items()})
         for mine, found in zip(self._groups, taken):
@@ -249,7 +249,7 @@ class OneCycleLR(LRScheduler):
                         raise ValueError(f"state_dict['_schedule_phases'][{i}][{k!r}] names {phase[k]!r}, which "
                                          f"the schedule's group {j} does not hold")
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Also takes the state_dict of an older one-group schedule, which kept "_group"."""
         state_dict = _check_state(self, state_dict)
         if "_group" in state_dict and "_groups" not in state_dict:
@@ -372,7 +372,7 @@ class CyclicLR(LRScheduler):
         state["_scale_fn_custom"] = None if fn is None or isinstance(fn, types.FunctionType) else dict(fn.__dict__)
         return state
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         state_dict = _check_state(self, state_dict)
         saved = state_dict.get("_scale_fn_custom")
         self.__dict__.update({k: v for k, v in state_dict.items() if k != "_scale_fn_custom"})

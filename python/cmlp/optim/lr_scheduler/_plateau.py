@@ -1,6 +1,6 @@
 """ReduceLROnPlateau: the rate cut once a metric stops improving."""
 from math import inf
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from ..._arrays import as_number
 from ._base import LRScheduler, _check_state, _deprecated_epoch, _int, _one_per_group, _optimizer
@@ -73,7 +73,7 @@ class ReduceLROnPlateau(LRScheduler):
     def in_cooldown(self) -> bool:
         return self.cooldown_counter > 0
 
-    def step(self, metrics: Any, epoch: Optional[int] = None) -> None:  # type: ignore[override]
+    def step(self, metrics: Any, epoch: Optional[float] = None) -> None:  # type: ignore[override]
         """A rate the optimizer refuses raises and leaves the schedule where it was. epoch
         (deprecated, as in torch): the epoch this one counts as."""
         try:
@@ -89,7 +89,7 @@ class ReduceLROnPlateau(LRScheduler):
             self.__dict__.update(saved)
             raise
 
-    def _step(self, current: float, epoch: Optional[int] = None) -> None:
+    def _step(self, current: float, epoch: Optional[float] = None) -> None:
         self.last_epoch = self.last_epoch + 1 if epoch is None else epoch
         if self._is_better(current, self.best):
             self.best = current
@@ -128,7 +128,7 @@ class ReduceLROnPlateau(LRScheduler):
             raise ValueError(f"state_dict['factor'] must be < 1 (as this ReduceLROnPlateau's constructor takes it), "
                              f"got {state_dict['factor']!r}")
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """A state saved with another optimizer's param groups takes its min_lr for each of this
         one's groups where it was made with one for all (torch's default_min_lr); its last rates
         are this optimizer's own. With one min_lr per group it is refused."""

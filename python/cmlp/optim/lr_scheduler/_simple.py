@@ -5,7 +5,7 @@ import math
 import numbers
 from bisect import bisect_right
 from collections import Counter
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Iterable, List, Mapping, Optional
 
 from ..._arrays import as_number
 from ._base import _ABOVE_ZERO, LRScheduler, _int, _is_int, _length, _non_negative, _one_per_group, _optimizer
@@ -60,11 +60,11 @@ class MultiStepLR(LRScheduler):
 
     def __init__(self, optimizer: Any, milestones: Iterable[int], gamma: float = 0.1, last_epoch: int = -1) -> None:
         # a Counter, as torch's (whose scheduler, given this state_dict, calls .elements())
-        self.milestones = Counter(sorted(_int("milestones", m, 0) for m in milestones))
+        self.milestones: Counter[float] = Counter(sorted(_int("milestones", m, 0) for m in milestones))
         self.gamma = _non_negative("gamma", gamma)
         super().__init__(optimizer, last_epoch)
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self.milestones = Counter(self.milestones)  # (also from a state_dict with a plain dict)
 
@@ -238,7 +238,10 @@ class CosineAnnealingWarmRestarts(LRScheduler):
         if isinstance(eta_min, bool) or not isinstance(eta_min, numbers.Real):
             raise ValueError(f"Expected float or int eta_min, but got {eta_min} of type {type(eta_min)}")
         _non_negative("eta_min", eta_min)
-        self.T_0, self.T_i, self.T_mult, self.eta_min = T_0, T_0, T_mult, eta_min
+        self.T_0: int = T_0
+        self.T_i: int = T_0
+        self.T_mult: int = T_mult
+        self.eta_min: float = eta_min
         self.T_cur: Any = last_epoch
         super().__init__(optimizer, last_epoch)
 
@@ -246,7 +249,7 @@ class CosineAnnealingWarmRestarts(LRScheduler):
         lo = self.eta_min
         return [lo + (base - lo) * (1 + math.cos(math.pi * self.T_cur / self.T_i)) / 2 for base in self.base_lrs]
 
-    def step(self, epoch: Any = None) -> None:  # type: ignore[override]
+    def step(self, epoch: Optional[float] = None) -> None:
         """The next epoch, or (torch's older form) the given one, fractions allowed."""
         saved = (self.T_cur, self.T_i, self.last_epoch)
         self._get_lr_called_within_step = True
@@ -284,5 +287,5 @@ class CosineAnnealingWarmRestarts(LRScheduler):
             self._get_lr_called_within_step = False
         self._last_lr = self.optimizer._group_lrs()
 
-    def _update_lr(self, epoch: Optional[int]) -> None:
+    def _update_lr(self, epoch: Optional[float]) -> None:
         self.step(epoch)
