@@ -14,7 +14,6 @@
 #include "backend_cuda.h"
 
 #include <dlfcn.h>
-#include <errno.h>
 
 cmlp_error_fn record_error;
 
@@ -188,37 +187,27 @@ static void cu_close(void *ctx) {
     free(c);
 }
 
-/* CUBLASLT_WORKSPACE_SIZE, the KiB cuBLASLt gets on the first stream (torch's variable): -1 when
- * it is not set, else a whole number from 0 to FIRST_WS_MAX_KIB (any other value fails the
- * device's opening, before it touches the GPU). */
+/* CUBLASLT_WORKSPACE_SIZE (cmlp_cuda_workspace_env): a value that is not a whole number from 0
+ * to FIRST_WS_MAX_KIB fails the device's opening, before it touches the GPU. */
 static cmlp_status workspace_env(long long *kib) {
-    const char *env = getenv("CUBLASLT_WORKSPACE_SIZE");
-    *kib = -1;
-    if (!env || !env[0]) return CMLP_OK;
-    char *end = NULL;
-    errno = 0;
-    long long v = strtoll(env, &end, 10);
-    while (end && (*end == ' ' || *end == '\t')) end++;
-    if (errno || !end || *end || end == env || v < 0 || v > FIRST_WS_MAX_KIB)
+    const char *env;
+    if (!cmlp_cuda_workspace_env(kib, &env))
         return FAIL(CMLP_ERR_INVALID,
                     "CUBLASLT_WORKSPACE_SIZE=%.40s: expected the KiB of cuBLASLt's workspace on the first stream, a "
                     "whole number from 0 to %d",
                     env, FIRST_WS_MAX_KIB);
-    *kib = v;
     return CMLP_OK;
 }
 
-/* The first stream's share of the workspace block: the KiB asked for plus the kernels' slots,
- * or torch's size for cuBLAS on this architecture (the slots inside it). */
+/* The first stream's share of the workspace block on this GPU (cmlp_cuda_first_workspace). */
 static cmlp_status first_workspace(int index, long long kib, size_t *out) {
-    if (kib >= 0) {
-        *out = ((size_t)kib << 10) + BIAS_SLOT + XENT_SLOT;
-        return CMLP_OK;
+    int major = 0;
+    if (kib < 0) {
+        struct cudaDeviceProp p;
+        CU_TRY(cudaGetDeviceProperties(&p, index));
+        major = p.major;
     }
-    struct cudaDeviceProp p;
-    CU_TRY(cudaGetDeviceProperties(&p, index));
-    bool large = p.major >= 9 && p.major <= 12; /* Hopper, Blackwell and Thor */
-    *out = (size_t)(large ? 32 : 8) << 20;
+    *out = cmlp_cuda_first_workspace(major, kib);
     return CMLP_OK;
 }
 
@@ -419,7 +408,7 @@ static int64_t cu_free_memory(void *ctx) {
 
 static size_t cu_workspace_bytes(void *ctx) {
     cuda_ctx *c = ctx;
-    return c->first_ws + 2 * SIDE_WORKSPACE;
+    return cmlp_cuda_workspace_bytes(c->first_ws);
 }
 
 static void cu_set_reclaim(void *ctx, void (*reclaim)(void *arg), void *arg) {

@@ -7,6 +7,7 @@
 #define CMLP_BACKEND_CUDA_H
 
 #include "backend.h"
+#include "cuda_workspace.h"
 #include "kernels.h"
 
 #include <cublasLt.h>
@@ -159,15 +160,8 @@ typedef struct {
     bool retained; /* cuctx retained here (cuDevicePrimaryCtxRetain), released on close */
 } cuda_ctx;
 
-/* The workspace block: the first stream's share (first_ws: 8 MiB, 32 MiB on compute
- * capability 9.x to 12.x, as torch sizes cuBLAS's; with CUBLASLT_WORKSPACE_SIZE, that many KiB
- * plus the slots), the last BIAS_SLOT + XENT_SLOT of it the kernels' slots, then the second
- * stream's two shares (its GEMMs have few rows to sum, CMLP_SIDE_ROWS, and its bias gradients
- * few partial sums). */
-#define SIDE_WORKSPACE ((size_t)1 << 20)
-#define BIAS_SLOT ((size_t)256 << 10) /* 64Ki fp32 or 128Ki half values */
-#define XENT_SLOT (((size_t)CMLP_K_XENT_SCRATCH + 255) & ~(size_t)255)
-#define FIRST_WS_MAX_KIB (4 << 20) /* 4 GiB */
+/* The workspace block (first_ws its first stream's share): see cuda_workspace.h. */
+_Static_assert(CMLP_CUDA_XENT_SCRATCH == CMLP_K_XENT_SCRATCH, "the loss kernel's slot in the workspace block");
 
 /* ---- where this thread's work goes (backend_cuda_graph.c) ----
  * cap_ctx: the device this thread is capturing a graph on, if any, with the capture's streams;

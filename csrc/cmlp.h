@@ -768,6 +768,15 @@ typedef struct cmlp_plan {
     cmlp_plan_held request_held[CMLP_PLAN_REQUESTS];
 } cmlp_plan;
 
+/* A GPU to plan for without opening it: its compute capability's major number (which sizes the
+ * workspace block it holds from the moment it opens: see cuda_workspace.h) and its memory in
+ * bytes (0: no bound). It is taken to have the virtual memory API (expandable segments), as a
+ * data-center GPU has, and CUBLASLT_WORKSPACE_SIZE is read as a GPU opened here would. */
+typedef struct {
+    int major;
+    int64_t total_memory;
+} cmlp_gpu_desc;
+
 /* optimizer_buffers: 2 for Adam (3 with AMSGrad), 1 for SGD with momentum, 0 for plain SGD; optimizer_shards: the
  * ranks a ZeroRedundancyOptimizer shards the state over (1: none; the plan is the first rank's,
  * whose part is the largest); optimizer_parts: the parameter groups' parts (cmlp_optim_set_parts'
@@ -784,12 +793,14 @@ typedef struct cmlp_plan {
  * device holds once open, as a fit under it is (a small evaluation whose pool can make no segment
  * there takes a piece of a cached large-pool block, cmlp_allocator_malloc_lent); a request that
  * finds no room under it is made as without it, so that peak_reserved is then over the budget
- * (and the segments later epochs would add stop at the limit, while it holds). */
+ * (and the segments later epochs would add stop at the limit, while it holds). The plan is for
+ * device d, or, where gpu is not NULL, for the GPU it describes, which need not be here (d is
+ * then not read). */
 CMLP_API cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int optimizer_buffers,
                                        int optimizer_shards, int optimizer_parts, cmlp_amp amp, int recompute,
                                        int loss_scaling, int solo, int64_t data_rows, int64_t data_row_bytes,
                                        int data_shuffled, int64_t eval_rows, int eval_staged, int64_t epochs,
-                                       int64_t eval_budget, cmlp_device d, cmlp_plan *out);
+                                       int64_t eval_budget, cmlp_device d, const cmlp_gpu_desc *gpu, cmlp_plan *out);
 
 /* Trainer: on = 1 keeps the data set in host memory on any device (its batches staged from there,
  * as a single step's are) and frees a device copy made already; 0 (the default) copies it to a

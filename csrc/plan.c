@@ -4,6 +4,7 @@
  * and settings over a device that only hands out addresses.
  */
 #include "internal.h"
+#include "cuda_workspace.h"
 
 #include <string.h>
 
@@ -149,7 +150,7 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
                               int optimizer_parts, cmlp_amp amp, int recompute, int loss_scaling, int solo,
                               int64_t data_rows, int64_t data_row_bytes, int data_shuffled, int64_t eval_rows,
                               int eval_staged, int64_t epochs, int64_t eval_budget, cmlp_device d,
-                              cmlp_plan *out) {
+                              const cmlp_gpu_desc *gpu, cmlp_plan *out) {
     if (!out) return CMLP_FAIL(CMLP_ERR_INVALID, "out must not be NULL");
     if (!sizes || nsizes < 2 || nsizes > CMLP_MAX_LAYERS + 1)
         return CMLP_FAIL(CMLP_ERR_INVALID, "layer_sizes must list 2 to %d sizes, got %d%s", CMLP_MAX_LAYERS + 1, nsizes,
@@ -186,14 +187,41 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
         data_rows > ((int64_t)1 << 56) / (data_row_bytes + 12))
         return CMLP_FAIL(CMLP_ERR_INVALID, "a data set of %lld rows of %lld bytes cannot be planned (rows >= 0, at "
                                            "most 2**56 bytes)", (long long)data_rows, (long long)data_row_bytes);
-    cmlp_device_ctx *dev;
-    CMLP_TRY(cmlp_device_get(d, &dev));
+    /* the device planned for: what it holds from the moment it opens, its memory, whether it
+     * multiplies half operands directly and has the virtual memory API */
+    bool on_host = false, no_vm = false;
+    int native = 1; /* (a GPU's backend does) */
+    int64_t total = 0;
+    size_t standing = 0;
+    if (gpu) {
+        if (gpu->major < 1 || gpu->major > 99 || gpu->total_memory < 0)
+            return CMLP_FAIL(CMLP_ERR_INVALID,
+                             "a GPU to plan for needs a compute capability (major) from 1 to 99 and its memory in bytes "
+                             "(>= 0), got %d and %lld",
+                             gpu->major, (long long)gpu->total_memory);
+        long long kib;
+        const char *text;
+        if (!cmlp_cuda_workspace_env(&kib, &text))
+            return CMLP_FAIL(CMLP_ERR_INVALID,
+                             "CUBLASLT_WORKSPACE_SIZE=%.40s: expected the KiB of cuBLASLt's workspace on the first "
+                             "stream, a whole number from 0 to %d",
+                             text, FIRST_WS_MAX_KIB);
+        standing = cmlp_cuda_workspace_bytes(cmlp_cuda_first_workspace(gpu->major, kib));
+        total = gpu->total_memory;
+    } else {
+        cmlp_device_ctx *dev;
+        CMLP_TRY(cmlp_device_get(d, &dev));
+        on_host = dev->device.type == CMLP_DEVICE_CPU;
+        no_vm = !cmlp_backend_has_vm(dev->backend, dev->bctx);
+        native = cmlp_amp_native(dev->backend);
+        total = dev->backend->total_memory(dev->bctx);
+        standing = dev->backend->workspace_bytes ? dev->backend->workspace_bytes(dev->bctx) : 0;
+    }
     int L = nsizes - 1;
     int64_t nparams = 0;
     for (int l = 0; l < L; l++) nparams += (int64_t)sizes[l] * sizes[l + 1] + sizes[l + 1];
     size_t sz[CMLP_MAX_LAYERS + 12], off[CMLP_MAX_LAYERS + 12], act = 0, ws = 0, inside_bytes = 0;
     uint64_t inside = 0;
-    int native = cmlp_amp_native(dev->backend);
     int nv = amp         ? cmlp_amp_layout(sizes, L, batch, recompute, native, sz, &act, &inside)
              : recompute ? cmlp_rc_layout(sizes, L, batch, sz, &act)
                          : cmlp_ws_layout(sizes, L, batch, sz, &act, &inside);
@@ -216,7 +244,6 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
     int64_t kept = optimizer_shards > 1 ? cmlp_shard_chunk(nparams, optimizer_shards) : nparams;
     out->optimizer_state = (int64_t)optimizer_buffers * (kept < nparams ? kept : nparams) * 4;
     /* off the host, the groups' settings and a fit's data set are in the device's memory */
-    const bool on_host = dev->device.type == CMLP_DEVICE_CPU;
     size_t parts = on_host || !optimizer_parts ? 0 : cmlp_optim_parts_bytes(optimizer_parts), data[3] = {0, 0, 0};
     if (!on_host && data_rows > 0) cmlp_resident_sizes(data_rows, (size_t)data_row_bytes, data_shuffled, data);
     out->optimizer_state += (int64_t)parts;
@@ -251,8 +278,7 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
                        &out->allocated_state};
     out->nrequests = nreq;
     for (int i = 0; i < nreq; i++) out->request_bytes[i] = (int64_t)req[i], out->request_held[i] = kind[i];
-    cmlp_paper_device pd = {.next = (uintptr_t)1 << 44, .total = dev->backend->total_memory(dev->bctx),
-                            .room = INT64_MAX / 4, .no_vm = !cmlp_backend_has_vm(dev->backend, dev->bctx)};
+    cmlp_paper_device pd = {.next = (uintptr_t)1 << 44, .total = total, .room = INT64_MAX / 4, .no_vm = no_vm};
     if (pd.total <= 0) pd.total = INT64_MAX / 4;
     cmlp_allocator *a;
     CMLP_TRY(cmlp_allocator_create(&cmlp_paper_backend, &pd, "plan", &a));
@@ -261,9 +287,9 @@ cmlp_status cmlp_plan_compute(const int *sizes, int nsizes, int64_t batch, int o
      * it comes first here too, so that the run's blocks land beside it as they will, and the
      * plan counts what the run adds to it. */
     int64_t base_allocated = 0, base_reserved = 0;
-    if (dev->backend->workspace_bytes) {
+    if (standing) {
         void *p;
-        st = cmlp_allocator_malloc(a, dev->backend->workspace_bytes(dev->bctx), "GEMM workspace", &p);
+        st = cmlp_allocator_malloc(a, standing, "GEMM workspace", &p);
         cmlp_memory_stats s;
         cmlp_allocator_stats(a, &s);
         base_allocated = s.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].current;

@@ -156,7 +156,7 @@ static cmlp_status one_sample_oom(cmlp_trainer *t, const char *cause) {
     int shards = cmlp_optim_shards(t->optim, NULL, NULL, NULL);
     if (cmlp_plan_compute(m->sizes, m->nlayers + 1, 1, optimizer_buffers(t), shards ? shards : 1,
                           cmlp_optim_num_parts(t->optim), t->cfg.amp, t->cfg.recompute, t->scaler.enabled, solo, 0, 0,
-                          0, 0, 0, 1, 0, m->dev->device, &p) != CMLP_OK)
+                          0, 0, 0, 1, 0, m->dev->device, NULL, &p) != CMLP_OK)
         return CMLP_FAIL(CMLP_ERR_OOM, "even a micro-batch of 1 sample does not fit: %s", why);
     int64_t v[8] = {p.parameters, p.gradients, p.optimizer_state, p.half_weights, p.activations, p.workspace,
                     p.peak_allocated, p.peak_reserved};

@@ -151,6 +151,10 @@ def test_train_save_writes_a_loadable_model(trained):
     (["snapshot", "missing.pickle"], r"No such file"),
     (["snapshot", "x.pickle", "--top", "-1"], r"--top: expected an int >= 0"),
     (["frobnicate"], r"frobnicate"),
+    (["plan", "--gpu-capability", "9.0"], r"--gpu-capability describes a GPU to plan for: use it with --device cuda"),
+    (["plan", "--device", "cuda", "--gpu-memory", "8GB"], r"--gpu-memory describes a GPU with --gpu-capability"),
+    (["plan", "--device", "cuda", "--gpu-capability", "nine"], r"expected a compute capability such as 8\.0"),
+    (["plan", "--device", "cuda", "--gpu-capability", "0.5"], r"expected a compute capability such as 8\.0"),
     ([], r"command|usage"),
 ])
 def test_bad_arguments_exit_nonzero_with_a_message(tmp_path, args, pattern):
@@ -377,3 +381,15 @@ def test_plan_with_the_optimizer_state_sharded(tmp_path):
     assert re.search(r"optimizer state\s+2\.04 MiB", r.stdout), r.stdout
     whole = run_cli(["plan"], tmp_path).stdout
     assert re.search(r"optimizer state\s+4\.09 MiB", whole), whole
+
+
+def test_plan_for_a_gpu_that_is_not_here(tmp_path):
+    """plan --gpu-capability describes the GPU (as plan's device_properties): its budget counts the
+    workspace such a GPU holds once open, 34 MiB on compute capability 9.0 and 10 MiB on 8.0."""
+    r = run_cli(["plan", "--batch-size", "4096", "--amp", "fp16", "--device", "cuda", "--gpu-capability", "9.0",
+                 "--gpu-memory", "80GB", "--budget", "2GB"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "MLP 784-512-256-10, batch 4096, adam, fp16, cuda:0" in r.stdout
+    assert "(cuda:0 holds 34.00 MiB of it once open)" in r.stdout, r.stdout
+    r = run_cli(["plan", "--device", "cuda", "--gpu-capability", "8.0", "--budget", "40MB"], tmp_path)
+    assert r.returncode == 0 and "(cuda:0 holds 10.00 MiB of it once open)" in r.stdout, r.stdout + r.stderr

@@ -2339,6 +2339,32 @@ def test_planned_peak_is_the_peak_of_training_steps_to_the_byte_on_the_gpu():
 
 
 @needs_gpu
+def test_a_plan_for_the_gpu_described_equals_the_plan_on_it():
+    """plan's device_properties describe a GPU that need not be here: given this GPU's
+    (cmlp.cuda.get_device_properties, or its major and total_memory as a dict), every plan and
+    max_batch_size's answers are those made on it, opened."""
+    if CUDA == "cpu":
+        pytest.skip("the CPU standing in is no GPU to describe")
+    props = cmlp.cuda.get_device_properties(CUDA)
+    short = {"major": props.major, "total_memory": props.total_memory}
+    model = cmlp.MLP([20, 33, 7], device=CUDA, seed=0)
+    groups = cmlp.optim.Adam(model, param_groups=[{"params": ["fc1.weight"], "lr": 1e-4},
+                                                  {"params": ["fc1.bias", "fc2.weight", "fc2.bias"]}])
+    cases = [([784, 512, 256, 10], 32, dict()), ([784, 512, 256, 10], 4096, dict(amp="fp16")),
+             ([784, 512, 256, 10], 1500, dict(amp="bf16", recompute=True, validation_rows=100, epochs=3)),
+             ([784, 512, 256, 10], 8192, dict(accumulation_steps=3, data_rows=20000)),
+             ([20, 33, 7], 77, dict(optimizer=groups, data_rows=500, data_dtype="float32")),
+             ([784, 100, 10], 1, dict(optimizer="sgd", _budget=20 << 20, validation_rows=1000))]
+    for sizes, batch, kw in cases:
+        here = vars(M.plan(sizes, batch, device=CUDA, **kw))
+        for described in (props, short):
+            assert vars(M.plan(sizes, batch, device=CUDA, device_properties=described, **kw)) == here, (sizes, kw)
+    for budget, kw in (("20MB", dict()), ("64MB", dict(amp="fp16", data_rows=5000)), ("1GB", dict(data_rows=9000))):
+        assert M.max_batch_size([784, 512, 256, 10], budget, device=CUDA, device_properties=props, **kw) == \
+            M.max_batch_size([784, 512, 256, 10], budget, device=CUDA, **kw), (budget, kw)
+
+
+@needs_gpu
 def test_plans_of_param_groups_a_resident_data_set_and_a_limit_hold_on_the_gpu():
     """On a GPU the plan counts the param groups' settings (in the device's memory) and the data
     set a fit copies there; a fit's history peak is that plan on top of what the device holds

@@ -910,3 +910,75 @@ def test_the_batch_max_batch_size_gives_trains_every_epoch_under_that_limit():
     whose plan without a limit reserves far more."""
     b, unlimited, reserved, ooms = json.loads(_python(_BUDGET_EPOCHS_RUN).strip().splitlines()[-1])
     assert b > 0 and reserved <= 64 * MIB < unlimited and ooms == 0
+
+
+_DESCRIBED_GPU = r'''
+import json
+import cmlp
+M = cmlp.memory
+sizes = [784, 512, 256, 10]
+out = {}
+for major in (8, 9, 12, 13):
+    p = M.plan(sizes, 32, device="cuda", device_properties={"major": major, "total_memory": "80GB"})
+    out[major] = [p.standing_reserved_bytes, p.peak_bytes, p.reserved_bytes, p.device]
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.parametrize("kib", [None, "1024", "0"])
+def test_a_gpu_that_is_not_here_is_planned_from_its_compute_capability(kib):
+    """device_properties describe the GPU a plan is for where there is none (or another): its
+    compute capability sizes the GEMM workspace the device holds once open (10 MiB, 34 MiB on 9.x
+    to 12.x; with CUBLASLT_WORKSPACE_SIZE, that many KiB and the kernels' slots, 288.25 KiB, on
+    top of the second stream's 2 MiB), which the run's blocks land beside (standing_reserved_bytes:
+    its segment)."""
+    env = dict(_env())
+    env.pop("CUBLASLT_WORKSPACE_SIZE", None)
+    if kib is not None:
+        env["CUBLASLT_WORKSPACE_SIZE"] = kib
+    r = subprocess.run([sys.executable, "-c", _DESCRIBED_GPU], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = {int(k): v for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}
+    slots = (256 << 10) + 33024
+    for major, (standing, peak, _, device) in out.items():
+        block = (int(kib) << 10) + slots if kib is not None else (32 if 9 <= major <= 12 else 8) * MIB
+        block += 2 * MIB
+        # its segment: of its own size (in 2 MiB) from 10 MiB on, a 20 MiB one below
+        assert standing == (-(-block // (2 * MIB)) * 2 * MIB if block >= 10 * MIB else 20 * MIB), (major, standing)
+        assert device == "cuda:0" and peak == M.plan([784, 512, 256, 10], 32).peak_bytes
+
+
+def test_a_gpu_described_plans_its_data_set_and_half_precision_as_a_gpu_does():
+    """A GPU described plans as one opened: the data set a fit copies to it (the samples, their
+    labels and their order), the param groups' settings kept there, amp's half operands multiplied
+    directly; max_batch_size and plan --budget take it too."""
+    gpu = {"major": 9, "total_memory": 80 << 30}
+    p = M.plan([784, 64, 10], 32, device="cuda", data_rows=640, device_properties=gpu)
+    assert p.breakdown["data"] == 640 * (784 + 4 + 8)
+    assert M.plan([784, 64, 10], 32, data_rows=640).breakdown["data"] == 0  # (the CPU reads it in place)
+    assert M.plan([784, 64, 10], 32, device="cuda:1", device_properties=gpu).device == "cuda:1"
+    model = cmlp.MLP([784, 64, 10], seed=0)
+    opt = cmlp.optim.Adam(model, param_groups=[{"params": ["fc1.weight"], "lr": 1e-4},
+                                               {"params": ["fc1.bias", "fc2.weight", "fc2.bias"]}])
+    on_gpu = M.plan([784, 64, 10], 32, opt, device="cuda", device_properties=gpu)
+    assert on_gpu.breakdown["optimizer_state"] > M.plan([784, 64, 10], 32, opt).breakdown["optimizer_state"]
+    # torch's properties object (the fields read), cmlp.cuda's NamedTuple alike
+    props = type("Props", (), {"major": 9, "minor": 0, "total_memory": 80 << 30})()
+    assert vars(M.plan([784, 64, 10], 4096, "sgd", "fp16", device="cuda", device_properties=props)) == \
+        vars(M.plan([784, 64, 10], 4096, "sgd", "fp16", device="cuda", device_properties=gpu))
+    n = M.max_batch_size([784, 512, 256, 10], "64MB", device="cuda", device_properties=gpu)
+    assert M.plan([784, 512, 256, 10], n, device="cuda", device_properties=gpu, epochs=1).reserved_bytes <= 64 * MIB
+    assert M.plan([784, 512, 256, 10], n + 1, device="cuda", device_properties=gpu, epochs=1).peak_bytes > 64 * MIB \
+        or M.plan([784, 512, 256, 10], n + 1, device="cuda", device_properties=gpu, epochs=1).reserved_bytes > 64 * MIB
+    for bad, match in (({"major": 0}, "major"), ({}, "major"), ({"major": 9.0}, "major"), ({"major": True}, "major"),
+                       ({"major": 9, "total_memory": -1}, "total_memory"), ({"major": 9, "total_memory": "x"}, "total"),
+                       ({"major": 9, "total_memory": 2.5}, "total_memory")):
+        with pytest.raises(ValueError, match=match):
+            M.plan([4, 2], device="cuda", device_properties=bad)
+    with pytest.raises(ValueError, match="device must be 'cuda' or 'cuda:N'"):
+        M.plan([4, 2], device="cpu", device_properties=gpu)
+    with pytest.raises(ValueError, match="device must be 'cuda' or 'cuda:N'"):
+        M.max_batch_size([4, 2], "1MB", device="cpu", device_properties=gpu)
+    if not cmlp.cuda.is_available():  # the GPU named and not described: said where it is missing
+        with pytest.raises(RuntimeError, match="device_properties"):
+            M.plan([4, 2], device="cuda")

@@ -103,6 +103,14 @@ def _size(text: str) -> int:
     return n
 
 
+def _capability(text: str) -> int:
+    """A compute capability such as 9.0 (or 9): its major number."""
+    match = re.fullmatch(r"(\d{1,2})(?:\.\d{1,2})?", text.strip())
+    if not match or int(match.group(1)) < 1:
+        raise argparse.ArgumentTypeError(f"expected a compute capability such as 8.0 or 9.0, got {text!r}")
+    return int(match.group(1))
+
+
 class _Help(argparse.HelpFormatter):
     """Help that shows each option's default where it has one and the text does not say it."""
 
@@ -191,6 +199,12 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--momentum", type=_rate, default=0.0, help="sgd only: a momentum buffer when not 0 (default: 0)")
     pl.add_argument("--amsgrad", action="store_true", help="adam and adamw: AMSGrad's third state buffer")
     pl.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N")
+    pl.add_argument("--gpu-capability", type=_capability, default=None, metavar="MAJOR.MINOR",
+                    help="with --device cuda: plan for a GPU of this compute capability (e.g. 9.0) that need not be "
+                         "here, as cmlp.memory.plan's device_properties (the workspace a GPU holds once open depends "
+                         "on it)")
+    pl.add_argument("--gpu-memory", type=_size, default=None,
+                    help="with --gpu-capability: that GPU's memory, e.g. 80GB (default: no bound)")
     pl.add_argument("--optimizer-shards", type=_count, default=1, metavar="RANKS",
                     help="the optimizer's state sharded over this many ranks (train --distributed --zero)")
     pl.add_argument("--validation-rows", type=_steps, default=0, metavar="N",
@@ -369,13 +383,25 @@ def _plan(a: argparse.Namespace) -> int:
     a.epochs = 5 if a.epochs is None else a.epochs
     optimizer = "sgd_momentum" if a.optimizer == "sgd" and a.momentum else a.optimizer
     optimizer += "_amsgrad" if a.amsgrad else ""
+    if a.gpu_memory is not None and a.gpu_capability is None:
+        raise ValueError("--gpu-memory describes a GPU with --gpu-capability (plan on the GPU that is here without "
+                         "either)")
+    a.gpu = None
+    if a.gpu_capability is not None:  # a GPU described, not opened
+        if not a.device.startswith("cuda"):
+            raise ValueError("--gpu-capability describes a GPU to plan for: use it with --device cuda")
+        a.gpu = {"major": a.gpu_capability, "total_memory": a.gpu_memory or 0}
     # the budget counts all the device reserves, as a memory limit does: what it holds from the
     # moment it opens (on CUDA, the GEMM workspace) and the run on top, which the plan counts
-    held = memory.memory_reserved(a.device) if a.budget is not None else 0
+    held = 0
+    if a.budget is not None:
+        held = memory.memory_reserved(a.device) if a.gpu is None else \
+            memory.plan([1, 1], 1, device=a.device, device_properties=a.gpu).standing_reserved_bytes
     room = a.budget - held if a.budget is not None else 0
     p = memory.plan(a.layers, a.batch_size, optimizer, a.amp, a.recompute, device=a.device,
                     accumulation_steps=a.accumulation_steps, optimizer_shards=a.optimizer_shards,
-                    validation_rows=a.validation_rows, epochs=a.epochs, _budget=max(0, min(room, 1 << 62)))
+                    validation_rows=a.validation_rows, epochs=a.epochs, device_properties=a.gpu,
+                    _budget=max(0, min(room, 1 << 62)))
     text = str(p)
     if a.accumulation_steps > 1:  # the plan is of a micro-batch: say how many make a step
         text = text.replace(f", batch {a.batch_size},", f", batch {a.batch_size} x {a.accumulation_steps},", 1)
@@ -383,7 +409,7 @@ def _plan(a: argparse.Namespace) -> int:
     if a.budget is not None:
         n = memory.max_batch_size(a.layers, room, optimizer, a.amp, a.recompute, device=a.device,
                                   accumulation_steps=a.accumulation_steps, optimizer_shards=a.optimizer_shards,
-                                  validation_rows=a.validation_rows) if room > 0 else 0
+                                  validation_rows=a.validation_rows, device_properties=a.gpu) if room > 0 else 0
         why = f" (as a micro-batch, {a.accumulation_steps} to a step)" if a.accumulation_steps > 1 else ""
         why += f" ({p.device} holds {memory._fmt(held)} of it once open)" if held else ""
         if n == 0:
@@ -438,7 +464,7 @@ def _split(a: argparse.Namespace, optimizer: str, amp: Optional[str], recompute:
     def largest(k: int) -> int:
         return memory.max_batch_size(a.layers, room, optimizer, amp, recompute, device=a.device,
                                      accumulation_steps=k, optimizer_shards=a.optimizer_shards,
-                                     validation_rows=a.validation_rows)
+                                     validation_rows=a.validation_rows, device_properties=a.gpu)
 
     def fits(micro: int) -> bool:  # in as many micro-batches as that size makes of the step
         return _reserved(a, optimizer, amp, recompute, micro, -(-step // micro), room) <= room
@@ -465,7 +491,7 @@ def _reserved(a: argparse.Namespace, optimizer: str, amp: Optional[str], recompu
     limit of room (a memory limit's view, as max_batch_size's)."""
     return memory.plan(a.layers, micro, optimizer, amp, recompute, device=a.device, accumulation_steps=k,
                        optimizer_shards=a.optimizer_shards, validation_rows=a.validation_rows,
-                       epochs=1, _budget=max(0, min(room, 1 << 62))).reserved_bytes
+                       epochs=1, device_properties=a.gpu, _budget=max(0, min(room, 1 << 62))).reserved_bytes
 
 
 def _info() -> int:

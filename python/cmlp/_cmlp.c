@@ -272,23 +272,33 @@ static PyObject *mod_from_half(PyObject *mod, PyObject *args) {
     return convert(args, 0);
 }
 
+/* plan(..., device[, gpu]): gpu, a (major, total_memory) of a GPU to plan for in place of the
+ * device (a CUDA device, which need not be here: its name is not read) */
 static PyObject *mod_plan(PyObject *mod, PyObject *args) {
-    PyObject *sizes_obj, *dev_obj;
+    PyObject *sizes_obj, *dev_obj, *gpu_obj = Py_None;
     long long batch, eval_rows, data_rows, row_bytes, epochs, budget;
     int nbuf, shards, parts, amp, recompute, scaling, solo, shuffled, eval_staged;
-    if (!PyArg_ParseTuple(args, "OLiiiipppLLpLpLLO", &sizes_obj, &batch, &nbuf, &shards, &parts, &amp, &recompute,
+    if (!PyArg_ParseTuple(args, "OLiiiipppLLpLpLLO|O", &sizes_obj, &batch, &nbuf, &shards, &parts, &amp, &recompute,
                           &scaling, &solo, &data_rows, &row_bytes, &shuffled, &eval_rows, &eval_staged, &epochs,
-                          &budget, &dev_obj))
+                          &budget, &dev_obj, &gpu_obj))
         return NULL;
-    cmlp_device d;
-    if (parse_device(state_of(mod), dev_obj, &d) < 0) return NULL;
+    cmlp_device d = {CMLP_DEVICE_CUDA, 0};
+    cmlp_gpu_desc gpu;
+    long long total = 0;
+    if (gpu_obj != Py_None) {
+        if (!PyArg_ParseTuple(gpu_obj, "iL", &gpu.major, &total)) return NULL;
+        gpu.total_memory = total;
+    } else if (parse_device(state_of(mod), dev_obj, &d) < 0) {
+        return NULL;
+    }
     int sizes[CMLP_MAX_LAYERS + 1], n;
     if (parse_sizes(sizes_obj, sizes, &n) < 0) return NULL;
     cmlp_plan p;
     cmlp_status st;
     NOGIL_BEGIN
     st = cmlp_plan_compute(sizes, n, batch, nbuf, shards, parts, (cmlp_amp)amp, recompute, scaling, solo, data_rows,
-                           row_bytes, shuffled, eval_rows, eval_staged, epochs, budget, d, &p);
+                           row_bytes, shuffled, eval_rows, eval_staged, epochs, budget, d,
+                           gpu_obj != Py_None ? &gpu : NULL, &p);
     NOGIL_END
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
     static const char *const held_names[] = {"model", "optimizer_state", "half_weights", "data", "step",

@@ -1,11 +1,12 @@
 """The planner: what a training run will hold on a device, predicted before it runs by replaying
 its requests on an allocator with the device's rules (cmlp.memory.plan, max_batch_size)."""
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple, Union
+import re
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
 
 from . import _cmlp
-from ._args import Device, _device, _fmt, _numpy_int, parse_size
+from ._args import Device, _device, _device_text, _fmt, _numpy_int, parse_size
 
 if TYPE_CHECKING:
     from numpy.typing import DTypeLike
@@ -86,7 +87,7 @@ def plan(layer_sizes: Iterable[int], batch_size: int = 32, optimizer: Any = "ada
          recompute: bool = False, device: Device = "cpu", scaler: Optional[bool] = None,
          accumulation_steps: int = 1, optimizer_shards: Optional[int] = None, validation_rows: int = 0,
          validation_dtype: str = "uint8", data_rows: int = 0, data_dtype: "DTypeLike" = "uint8", shuffle: bool = True,
-         epochs: int = 5, _budget: int = 0) -> Plan:
+         epochs: int = 5, device_properties: Any = None, _budget: int = 0) -> Plan:
     """Predicts a training run's memory before anything is allocated (batch_size: rows computed at
     once, i.e. the micro-batch; accumulation_steps: micro-batches per optimizer step). With one
     micro-batch per step (the default) a step keeps most of its buffers in the first layer's
@@ -116,6 +117,11 @@ def plan(layer_sizes: Iterable[int], batch_size: int = 32, optimizer: Any = "ada
     object is planned as it is: the state buffers it holds or will make at its next step, and on
     a GPU its param groups' settings (kept on the device once the groups' settings differ, as
     they may come to under a schedule: plan such an optimizer after its groups have parted).
+    device_properties: the GPU to plan for where it is not here (or another than the one that is),
+    with device "cuda": cmlp.cuda.get_device_properties(...)'s or torch's, or a dict, of which
+    "major" (the compute capability's, which sizes the GEMM workspace a device holds from the
+    moment it opens) and "total_memory" (bytes or a size such as "80GB"; 0 or absent: no bound)
+    are read; it is taken to have the driver's virtual memory API, as data-center GPUs have.
     _budget (bytes, 0: none): the validation runs under a memory limit of that much on top of
     what the device holds once open, as a fit's under it does (see max_batch_size)."""
     from .model import _as_sizes
@@ -125,14 +131,14 @@ def plan(layer_sizes: Iterable[int], batch_size: int = 32, optimizer: Any = "ada
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size < 2**63:
         raise ValueError(f"batch_size must be an int in [1, 2**63), got {batch_size!r}")
     name, _ = _optimizer_buffers(optimizer)
-    dev = _device(device)
+    dev, gpu = _planned_device(device, device_properties)
     args = _plan_args(optimizer, amp, recompute, scaler, accumulation_steps, optimizer_shards)
     data = _data_args(data_rows, data_dtype, shuffle, sizes[0])
     if 0 < data[0] <= batch_size:  # each step is the whole data set, in one micro-batch
         batch_size = data[0]
         args = _plan_args(optimizer, amp, recompute, scaler, 1, optimizer_shards)
     evaluation = _evaluation_args(validation_rows, validation_dtype, dev, epochs)
-    raw = _cmlp.plan(list(sizes), batch_size, *args, *data, *evaluation, _budget, dev)
+    raw = _cmlp.plan(list(sizes), batch_size, *args, *data, *evaluation, _budget, dev, gpu)
     return Plan(list(sizes), batch_size, name, amp, recompute, dev, raw, args[1])
 
 
@@ -159,6 +165,39 @@ def _data_args(rows: Any, dtype: Any, shuffle: Any, features: int) -> Tuple[int,
 
     rows, kind = _rows_of("data", rows, dtype)
     return rows, features * (1 if kind == np.uint8 else 4), as_flag("shuffle", shuffle)
+
+
+def _planned_device(device: Any, properties: Any) -> Tuple[str, Optional[Tuple[int, int]]]:
+    """The device a plan is for and, where properties describe the GPU (see plan), its compute
+    capability's major and its memory in bytes (0: no bound); else None: the device is opened."""
+    if properties is None:
+        try:
+            return _device(device), None
+        except RuntimeError as e:
+            raise RuntimeError(f"{e} (to plan for a GPU that is not here, describe it: device_properties="
+                               "{'major': 9, 'total_memory': '80GB'})") from None
+    text = _device_text(device)
+    match = re.fullmatch(r"cuda(?::(\d{1,2}))?", text) if isinstance(text, str) else None
+    if match is None:
+        raise ValueError(f"device_properties describe a GPU: device must be 'cuda' or 'cuda:N', got {device!r}")
+    if isinstance(properties, Mapping):
+        major, total = properties.get("major"), properties.get("total_memory")
+    else:
+        major, total = getattr(properties, "major", None), getattr(properties, "total_memory", None)
+    major = _numpy_int(major)
+    if isinstance(major, bool) or not isinstance(major, int) or not 1 <= major <= 99:
+        raise ValueError(f"device_properties' major (the compute capability's, such as 9 for 9.0) must be an int "
+                         f"from 1 to 99, got {major!r}")
+    total = _numpy_int(0 if total is None else total)
+    try:
+        if isinstance(total, bool) or not isinstance(total, (int, str)):
+            raise ValueError(f"expected a number of bytes or a size such as '80GB', got {total!r}")
+        total = parse_size(total)
+    except ValueError as e:
+        raise ValueError(f"device_properties' total_memory: {e}") from None
+    if not 0 <= total < 2**62:
+        raise ValueError(f"device_properties' total_memory must be in [0, 2**62) bytes, got {total}")
+    return f"cuda:{match.group(1) or 0}", (major, total)
 
 
 def _evaluation_args(rows: Any, dtype: Any, device: Device, epochs: Any) -> Tuple[int, bool, int]:
@@ -210,7 +249,7 @@ def max_batch_size(layer_sizes: Iterable[int], budget_bytes: Union[int, float, s
                    amp: Optional[str] = None, recompute: bool = False, device: Device = "cpu", limit: int = 1 << 24,
                    accumulation_steps: int = 1, optimizer_shards: Optional[int] = None, validation_rows: int = 0,
                    validation_dtype: str = "uint8", data_rows: int = 0, data_dtype: str = "uint8",
-                   shuffle: bool = True) -> int:
+                   shuffle: bool = True, device_properties: Any = None) -> int:
     """The largest micro-batch whose planned reserved memory fits in budget_bytes (0 if none),
     for runs of accumulation_steps micro-batches per optimizer step (see plan: with more than
     one, a step needs more memory for the same micro-batch), the optimizer's state sharded
@@ -222,7 +261,8 @@ def max_batch_size(layer_sizes: Iterable[int], budget_bytes: Union[int, float, s
     under a memory limit; at most data_rows, where given (a larger batch is the whole data set). The budget is a memory limit's: the segments that
     later epochs could add to the cache (see plan's epochs) would be given back at the limit,
     so the plan is of one epoch, and a validation of a few rows whose pool can make no segment
-    under it takes a piece of a cached large-pool block, as fit's does."""
+    under it takes a piece of a cached large-pool block, as fit's does. device_properties: a GPU
+    that is not here (see plan)."""
     budget_bytes = _numpy_int(budget_bytes)
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float, str, np.floating)):
         raise TypeError(f"budget_bytes must be a number of bytes or a size such as '2GB', got {budget_bytes!r}")
@@ -241,10 +281,10 @@ def max_batch_size(layer_sizes: Iterable[int], budget_bytes: Union[int, float, s
     def largest(resident: bool) -> int:
         return _largest_batch(layer_sizes, budget, rows, resident, optimizer, amp, recompute, device, limit,
                               accumulation_steps, optimizer_shards, validation_rows, validation_dtype, data_dtype,
-                              shuffle)
+                              shuffle, device_properties)
 
     best = largest(True)
-    if rows > 0 and _device(device) != "cpu":
+    if rows > 0 and _planned_device(device, device_properties)[0] != "cpu":
         # a fit whose data set would leave its step less room stages its batches from host memory
         # instead (see plan): the larger of the two is the micro-batch it runs at
         best = max(best, largest(False))
@@ -254,7 +294,7 @@ def max_batch_size(layer_sizes: Iterable[int], budget_bytes: Union[int, float, s
 def _largest_batch(layer_sizes: Iterable[int], budget: int, rows: int, resident: bool, optimizer: Any,
                    amp: Optional[str], recompute: bool, device: Device, limit: int, accumulation_steps: int,
                    optimizer_shards: Optional[int], validation_rows: int, validation_dtype: str, data_dtype: str,
-                   shuffle: bool) -> int:
+                   shuffle: bool, device_properties: Any) -> int:
     """max_batch_size's answer for a data set of `rows` (0: none) kept on the device (resident)
     or staged from host memory batch by batch; limit is at most rows where there are some. A
     batch of them all is one micro-batch, accumulation_steps or not."""
@@ -265,7 +305,7 @@ def _largest_batch(layer_sizes: Iterable[int], budget: int, rows: int, resident:
         return plan(layer_sizes, b, optimizer, amp, recompute, device, accumulation_steps=steps(b),
                     optimizer_shards=optimizer_shards, validation_rows=validation_rows,
                     validation_dtype=validation_dtype, data_rows=rows if resident else 0, data_dtype=data_dtype,
-                    shuffle=shuffle, epochs=1)
+                    shuffle=shuffle, epochs=1, device_properties=device_properties)
 
     # Reserved memory is at least the peak allocated, which grows with the batch: the largest
     # batch whose allocated peak fits bounds the answer from above (a search).
@@ -286,7 +326,8 @@ def _largest_batch(layer_sizes: Iterable[int], budget: int, rows: int, resident:
     # reserve less), so the batches below that bound are tried from the top down.
     first = planned(lo)
     tail = [*_data_args(rows if resident else 0, data_dtype, shuffle, first.layer_sizes[0]),
-            *_evaluation_args(validation_rows, validation_dtype, first.device, 1), min(budget, 1 << 62), first.device]
+            *_evaluation_args(validation_rows, validation_dtype, first.device, 1), min(budget, 1 << 62), first.device,
+            _planned_device(device, device_properties)[1]]
     raws = {n: [list(first.layer_sizes), 0, *_plan_args(optimizer, amp, recompute, None, n, optimizer_shards), *tail]
             for n in {steps(lo), steps(1)}}
     for b in range(lo, 0, -1):

@@ -1011,12 +1011,22 @@ static void test_misuse_refused(void) {
               strstr(cmlp_last_error(), "float32 or uint8") != NULL,
           "fp16 input: %s", cmlp_last_error());
     cmlp_plan plan;
-    CHECK(cmlp_plan_compute(sizes, 3, 4, 2, 0, 0, (cmlp_amp)7, 0, 0, 1, 0, 0, 0, 0, 0, 1, 0, cmlp_cpu(), &plan) ==
+    CHECK(cmlp_plan_compute(sizes, 3, 4, 2, 0, 0, (cmlp_amp)7, 0, 0, 1, 0, 0, 0, 0, 0, 1, 0, cmlp_cpu(), NULL, &plan) ==
               CMLP_ERR_INVALID,
           "a plan for amp mode 7");
-    CHECK(cmlp_plan_compute(sizes, 3, 4, 2, 0, 0, CMLP_AMP_NONE, 0, 0, 1, 0, 0, 0, 0, 0, 1, 0, cmlp_cpu(), NULL) ==
+    CHECK(cmlp_plan_compute(sizes, 3, 4, 2, 0, 0, CMLP_AMP_NONE, 0, 0, 1, 0, 0, 0, 0, 0, 1, 0, cmlp_cpu(), NULL, NULL) ==
                   CMLP_ERR_INVALID && strstr(cmlp_last_error(), "out must not be NULL") != NULL,
           "a NULL plan: %s", cmlp_last_error());
+    /* a GPU described, not opened: its workspace block (34 MiB on 9.x) is held before the run */
+    cmlp_gpu_desc hopper = {.major = 9, .total_memory = (int64_t)80 << 30}, none = {.major = 0};
+    CHECK(cmlp_plan_compute(sizes, 3, 4, 2, 1, 0, CMLP_AMP_NONE, 0, 0, 1, 0, 0, 0, 0, 0, 1, 0, cmlp_cpu(), &hopper,
+                            &plan) == CMLP_OK &&
+              plan.standing_reserved == (int64_t)34 << 20,
+          "a plan for a GPU described: %s, standing %lld", cmlp_last_error(), (long long)plan.standing_reserved);
+    CHECK(cmlp_plan_compute(sizes, 3, 4, 2, 1, 0, CMLP_AMP_NONE, 0, 0, 1, 0, 0, 0, 0, 0, 1, 0, cmlp_cpu(), &none,
+                            &plan) == CMLP_ERR_INVALID &&
+              strstr(cmlp_last_error(), "compute capability") != NULL,
+          "a GPU of compute capability 0: %s", cmlp_last_error());
     cmlp_trainer_free(t);
     cmlp_optim_free(o);
     cmlp_optim_free(o_other);
