@@ -83,7 +83,7 @@ $(EMU_DIR)/cuda_runtime_emu.o: tests/emu/cuda_runtime_emu.cpp tests/emu/cuda_emu
 	$(EMU_SO_CXX) $(EMU_MPI_FLAGS) -c $< -o $@
 
 $(patsubst csrc/%.c,$(EMU_DIR)/%.o,$(CUDA_BACKEND_SRC)): $(EMU_DIR)/%.o: csrc/%.c csrc/backend_cuda.h csrc/backend.h \
-    csrc/cmlp.h kernels/kernels.h
+    csrc/cuda_workspace.h csrc/cmlp.h kernels/kernels.h
 	@mkdir -p $(EMU_DIR)
 	$(CC) -std=c11 -g $(EMU_OPT) -fPIC -fvisibility=hidden $(WARN) -D_GNU_SOURCE=1 -Icsrc -Ikernels \
 	    -isystem $(CUDA_INC) -c $< -o $@

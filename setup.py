@@ -143,7 +143,7 @@ class BuildExt(build_ext):
         cu = sorted(glob.glob("kernels/*.cu"))
         backend = sorted(glob.glob("csrc/backend_cuda*.c"))
         deps = cu + backend + glob.glob("kernels/*.h") + glob.glob("kernels/*.cuh") + \
-            ["csrc/backend_cuda.h", "csrc/backend.h", "csrc/cmlp.h", "setup.py"]
+            ["csrc/backend_cuda.h", "csrc/cuda_workspace.h", "csrc/backend.h", "csrc/cmlp.h", "setup.py"]
         if not self.force and os.path.exists(out) and all(os.path.getmtime(d) <= os.path.getmtime(out) for d in deps):
             return
         tmp = os.path.join(self.build_temp, "cuda")
