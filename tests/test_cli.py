@@ -389,7 +389,8 @@ def test_plan_for_a_gpu_that_is_not_here(tmp_path):
     r = run_cli(["plan", "--batch-size", "4096", "--amp", "fp16", "--device", "cuda", "--gpu-capability", "9.0",
                  "--gpu-memory", "80GB", "--budget", "2GB"], tmp_path)
     assert r.returncode == 0, r.stderr
-    assert "MLP 784-512-256-10, batch 4096, adam, fp16, cuda:0" in r.stdout
+    assert "MLP 784-512-256-10, batch 4096, adam, fp16, cuda:0 (described: compute capability 9.x, 80.00 GiB)" \
+        in r.stdout
     assert "(cuda:0 holds 34.00 MiB of it once open)" in r.stdout, r.stdout
     r = run_cli(["plan", "--device", "cuda", "--gpu-capability", "8.0", "--budget", "40MB"], tmp_path)
     assert r.returncode == 0 and "(cuda:0 holds 10.00 MiB of it once open)" in r.stdout, r.stdout + r.stderr

@@ -24,8 +24,10 @@ class Plan:
     12.x), whose place the plan takes into account."""
 
     def __init__(self, layer_sizes: Iterable[int], batch_size: int, optimizer: str, amp: Optional[str],
-                 recompute: bool, device: Device, raw: Dict[str, Any], optimizer_shards: int = 1) -> None:
+                 recompute: bool, device: Device, raw: Dict[str, Any], optimizer_shards: int = 1,
+                 described: Optional[Tuple[int, int]] = None) -> None:
         self.layer_sizes, self.batch_size, self.optimizer = list(layer_sizes), batch_size, optimizer
+        self._described = described  # (major, total memory) of a GPU planned for without it
         self.optimizer_shards = optimizer_shards
         self.amp, self.recompute, self.device = amp, recompute, device
         self.breakdown: Dict[str, int] = {k: raw[k] for k in _CATEGORIES}
@@ -54,6 +56,9 @@ class Plan:
         shards = f" (state sharded over {self.optimizer_shards} ranks)" if sharded else ""
         head = (f"MLP {'-'.join(map(str, self.layer_sizes))}, batch {self.batch_size}, {self.optimizer}{shards}, "
                 f"{self.amp or 'fp32'}{', recompute' if self.recompute else ''}, {self.device}")
+        if self._described:
+            major, total = self._described
+            head += f" (described: compute capability {major}.x{f', {_fmt(total)}' if total else ''})"
         rows = [(k.replace("_", " "), v) for k, v in self.breakdown.items()]
         if self.in_gradients:
             rows.append(("(in the gradients)", self.in_gradients))
@@ -139,7 +144,7 @@ def plan(layer_sizes: Iterable[int], batch_size: int = 32, optimizer: Any = "ada
         args = _plan_args(optimizer, amp, recompute, scaler, 1, optimizer_shards)
     evaluation = _evaluation_args(validation_rows, validation_dtype, dev, epochs)
     raw = _cmlp.plan(list(sizes), batch_size, *args, *data, *evaluation, _budget, dev, gpu)
-    return Plan(list(sizes), batch_size, name, amp, recompute, dev, raw, args[1])
+    return Plan(list(sizes), batch_size, name, amp, recompute, dev, raw, args[1], gpu)
 
 
 def _rows_of(what: str, rows: Any, dtype: Any) -> Tuple[int, np.dtype]:
