@@ -139,6 +139,9 @@ def test_train_save_writes_a_loadable_model(trained):
     (["train", "--no-bias-decay"], r"--no-bias-decay takes the biases out of a weight decay adam does not have"),
     (["train", "--optimizer", "adamw", "--weight-decay", "0", "--no-bias-decay"], r"adamw does not have here"),
     (["plan", "--epochs", "3"], r"--epochs counts the validations .* --validation-rows"),
+    (["plan", "--data-dtype", "float32"], r"--data-dtype is the type of --data-rows' samples: give their number"),
+    (["plan", "--data-rows", "-1"], r"--data-rows: expected an int in \[0, 2\*\*56\), got '-1'"),
+    (["plan", "--validation-rows", str(2**56)], r"--validation-rows: expected an int in \[0, 2\*\*56\)"),
     (["train", "--zero"], r"--zero shards the optimizer's state over the ranks of a --distributed run"),
     (["train", "--save", "a.pickle", "--memory-history", "./a.pickle"], r"--save and --memory-history name the same"),
     (["train", "--memory-limit", "lots"], r"lots"),
@@ -394,3 +397,32 @@ def test_plan_for_a_gpu_that_is_not_here(tmp_path):
     assert "(cuda:0 holds 34.00 MiB of it once open)" in r.stdout, r.stdout
     r = run_cli(["plan", "--device", "cuda", "--gpu-capability", "8.0", "--budget", "40MB"], tmp_path)
     assert r.returncode == 0 and "(cuda:0 holds 10.00 MiB of it once open)" in r.stdout, r.stdout + r.stderr
+
+
+def test_plan_with_the_fits_data_set(tmp_path):
+    """plan --data-rows counts the data set a fit keeps on a GPU (uint8 images as uint8, float32
+    ones as float32; the CPU reads it in place); under --budget a fit whose data set leaves its
+    step no room stages it, so the largest batch is max_batch_size's with data_rows, and the
+    ways to train a step are those of the staged run. A data set smaller than the batch is one
+    micro-batch of it all."""
+    gpu = ["--device", "cuda", "--gpu-capability", "9.0"]
+    r = run_cli(["plan", "--batch-size", "8192", "--data-rows", "60000", *gpu], tmp_path)
+    assert r.returncode == 0 and re.search(r"data\s+45\.55 MiB", r.stdout), r.stdout + r.stderr
+    r = run_cli(["plan", "--batch-size", "8192", "--data-rows", "60000", "--data-dtype", "float32", *gpu], tmp_path)
+    assert r.returncode == 0 and re.search(r"data\s+180\.13 MiB", r.stdout), r.stdout + r.stderr
+    r = run_cli(["plan", "--data-rows", "60000"], tmp_path)
+    assert r.returncode == 0 and re.search(r"data\s+0\.00 B", r.stdout), r.stdout + r.stderr
+
+    kept = run_cli(["plan", "--batch-size", "8192", "--data-rows", "60000", *gpu, "--budget", "60MB"], tmp_path)
+    staged = run_cli(["plan", "--batch-size", "8192", *gpu, "--budget", "60MB"], tmp_path)
+    assert kept.returncode == staged.returncode == 1
+    n = cmlp.memory.max_batch_size([784, 512, 256, 10], 26 << 20, device="cuda", data_rows=60000,
+                                   device_properties={"major": 9})
+    assert n > 0 and f"largest batch that fits in 60.00 MiB: {n} " in kept.stdout, kept.stdout
+    table = kept.stdout[kept.stdout.index("largest batch"):]
+    assert table == staged.stdout[staged.stdout.index("largest batch"):]
+
+    r = run_cli(["plan", "--batch-size", "1000", "--data-rows", "100", *gpu, "--budget", "60MB"], tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "batch 100, adam, fp32, cuda:0" in r.stdout and re.search(r"data\s+77\.73 KiB", r.stdout), r.stdout
+    assert "largest batch that fits in 60.00 MiB: 100 " in r.stdout, r.stdout

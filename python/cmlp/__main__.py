@@ -56,6 +56,7 @@ def _bounded(convert: Callable[[str], float], what: str, ok: Callable[[float], b
 _count = _bounded(int, "an int >= 1", lambda v: v >= 1)  # epochs, batch size, accumulation steps
 _epochs = _bounded(int, "an int in [1, 2**31 - 1]", lambda v: 1 <= v <= 2**31 - 1)  # as Trainer.fit's
 _steps = _bounded(int, "an int >= 0", lambda v: v >= 0)  # warm-up steps
+_rows = _bounded(int, "an int in [0, 2**56)", lambda v: 0 <= v < 2**56)  # a data set's samples
 # lr, momentum, weight decay: the optimizers take them finite in float32
 _rate = _bounded(float, "a finite number >= 0 (in float32's range)", lambda v: 0.0 <= v <= _FLT_MAX)
 _positive = _bounded(float, "a number > 0", lambda v: v > 0.0)  # max grad norm
@@ -207,9 +208,15 @@ def _parser() -> argparse.ArgumentParser:
                     help="with --gpu-capability: that GPU's memory, e.g. 80GB (default: no bound)")
     pl.add_argument("--optimizer-shards", type=_count, default=1, metavar="RANKS",
                     help="the optimizer's state sharded over this many ranks (train --distributed --zero)")
-    pl.add_argument("--validation-rows", type=_steps, default=0, metavar="N",
+    pl.add_argument("--validation-rows", type=_rows, default=0, metavar="N",
                     help="the run also evaluates N uint8 samples after each epoch (train's 10,000 test images): "
                          "plan their buffers too")
+    pl.add_argument("--data-rows", type=_rows, default=0, metavar="N",
+                    help="the fit's training samples (train's 60,000), which on a GPU it keeps on the device for the "
+                         "run where the step keeps its room under --budget, or else stages batch by batch: plan them "
+                         "too (the CPU reads them in place)")
+    pl.add_argument("--data-dtype", choices=["uint8", "float32"], default=None,
+                    help="with --data-rows: the samples' type (default uint8, as images)")
     pl.add_argument("--epochs", type=_epochs, default=None,
                     help="with --validation-rows, the run's epochs (default 5, as train's): each validation gives the step's buffers back "
                          "and the next epoch takes them again (the --budget search counts one: at a limit, what "
@@ -381,6 +388,9 @@ def _plan(a: argparse.Namespace) -> int:
         raise ValueError("--epochs counts the validations after the epochs, which only a plan with --validation-rows "
                          "has (the steps' memory is the same in each epoch)")
     a.epochs = 5 if a.epochs is None else a.epochs
+    if a.data_dtype is not None and not a.data_rows:
+        raise ValueError("--data-dtype is the type of --data-rows' samples: give their number too")
+    a.data_dtype = a.data_dtype or "uint8"
     optimizer = "sgd_momentum" if a.optimizer == "sgd" and a.momentum else a.optimizer
     optimizer += "_amsgrad" if a.amsgrad else ""
     if a.gpu_memory is not None and a.gpu_capability is None:
@@ -400,8 +410,8 @@ def _plan(a: argparse.Namespace) -> int:
     room = a.budget - held if a.budget is not None else 0
     p = memory.plan(a.layers, a.batch_size, optimizer, a.amp, a.recompute, device=a.device,
                     accumulation_steps=a.accumulation_steps, optimizer_shards=a.optimizer_shards,
-                    validation_rows=a.validation_rows, epochs=a.epochs, device_properties=a.gpu,
-                    _budget=max(0, min(room, 1 << 62)))
+                    validation_rows=a.validation_rows, epochs=a.epochs, data_rows=a.data_rows,
+                    data_dtype=a.data_dtype, device_properties=a.gpu, _budget=max(0, min(room, 1 << 62)))
     text = str(p)
     if a.accumulation_steps > 1:  # the plan is of a micro-batch: say how many make a step
         text = text.replace(f", batch {a.batch_size},", f", batch {a.batch_size} x {a.accumulation_steps},", 1)
@@ -409,7 +419,8 @@ def _plan(a: argparse.Namespace) -> int:
     if a.budget is not None:
         n = memory.max_batch_size(a.layers, room, optimizer, a.amp, a.recompute, device=a.device,
                                   accumulation_steps=a.accumulation_steps, optimizer_shards=a.optimizer_shards,
-                                  validation_rows=a.validation_rows, device_properties=a.gpu) if room > 0 else 0
+                                  validation_rows=a.validation_rows, data_rows=a.data_rows,
+                                  data_dtype=a.data_dtype, device_properties=a.gpu) if room > 0 else 0
         why = f" (as a micro-batch, {a.accumulation_steps} to a step)" if a.accumulation_steps > 1 else ""
         why += f" ({p.device} holds {memory._fmt(held)} of it once open)" if held else ""
         if n == 0:
@@ -425,7 +436,7 @@ def _plan(a: argparse.Namespace) -> int:
         if room > 0:
             _options(a, optimizer, room)
         if mine > room:  # the status a script tests before it trains
-            print(f"the run as planned (batch {a.batch_size}) does not fit in {memory._fmt(a.budget)}: it reserves "
+            print(f"the run as planned (batch {p.batch_size}) does not fit in {memory._fmt(a.budget)}: it reserves "
                   f"{memory._fmt(mine + held)}")
             return 1
     return 0
@@ -464,7 +475,8 @@ def _split(a: argparse.Namespace, optimizer: str, amp: Optional[str], recompute:
     def largest(k: int) -> int:
         return memory.max_batch_size(a.layers, room, optimizer, amp, recompute, device=a.device,
                                      accumulation_steps=k, optimizer_shards=a.optimizer_shards,
-                                     validation_rows=a.validation_rows, device_properties=a.gpu)
+                                     validation_rows=a.validation_rows, data_rows=a.data_rows,
+                                     data_dtype=a.data_dtype, device_properties=a.gpu)
 
     def fits(micro: int) -> bool:  # in as many micro-batches as that size makes of the step
         return _reserved(a, optimizer, amp, recompute, micro, -(-step // micro), room) <= room
@@ -488,10 +500,17 @@ def _split(a: argparse.Namespace, optimizer: str, amp: Optional[str], recompute:
 def _reserved(a: argparse.Namespace, optimizer: str, amp: Optional[str], recompute: bool, micro: int, k: int,
               room: int) -> int:
     """What a run in micro-batches of `micro`, k to a step, reserves in one epoch under a memory
-    limit of room (a memory limit's view, as max_batch_size's)."""
-    return memory.plan(a.layers, micro, optimizer, amp, recompute, device=a.device, accumulation_steps=k,
-                       optimizer_shards=a.optimizer_shards, validation_rows=a.validation_rows,
-                       epochs=1, device_properties=a.gpu, _budget=max(0, min(room, 1 << 62))).reserved_bytes
+    limit of room (a memory limit's view, as max_batch_size's). A fit on a GPU keeps its data set
+    on the device or, where that leaves the step no room, stages it: the less of the two."""
+    def reserved(rows: int) -> int:
+        b, n = (a.data_rows, 1) if 0 < a.data_rows <= micro else (micro, k)  # a step of the whole data set
+        return memory.plan(a.layers, b, optimizer, amp, recompute, device=a.device, accumulation_steps=n,
+                           optimizer_shards=a.optimizer_shards, validation_rows=a.validation_rows, epochs=1,
+                           data_rows=rows, data_dtype=a.data_dtype, device_properties=a.gpu,
+                           _budget=max(0, min(room, 1 << 62))).reserved_bytes
+
+    kept = reserved(a.data_rows)
+    return min(kept, reserved(0)) if a.data_rows and kept > room else kept
 
 
 def _info() -> int:
