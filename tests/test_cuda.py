@@ -1256,7 +1256,10 @@ y = rng.integers(0, 10, 64 * 8 + 5)
 model = cmlp.MLP([784, 512, 256, 10], device=os.environ.get("CMLP_TEST_CUDA_DEVICE", "cuda"), seed=0)
 trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=64, amp=sys.argv[1] or None, seed=1)
 h, counts = [], []
-for _ in range(int(sys.argv[2]) if len(sys.argv) > 2 else 1):  # fit calls
+fits = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+micros = [int(v) for v in sys.argv[3].split(",")] if len(sys.argv) > 3 else [64] * fits  # each fit's micro-batch
+for micro in micros[:fits]:  # fit calls
+    trainer.microbatch_size = micro
     h += trainer.fit(x, y, epochs=3, progress=False)
     counts.append(trainer._c.graph_counts())
 w = b"".join(v.tobytes() for v in model.state_dict().values())
@@ -1319,6 +1322,31 @@ def test_a_graph_that_cannot_go_onto_the_gpu_for_lack_of_memory_leaves_the_steps
     # first fit leaves its steps eager, and the second fit captures a step again and replays it
     assert runs["1", "1"][0]["graphs_per_fit"] == [[1, 22, 0], [1, 45, 0]], runs
     assert runs["1", "2"][0]["graphs_per_fit"] == [[0, 0, 1], [1, 22, 1]], runs
+
+
+@needs_cuda
+def test_a_capture_that_cannot_go_onto_the_gpu_after_a_graph_was_kept_leaves_its_fit_eager():
+    """A trainer keeps one graph. A fit at another micro-batch drops it and captures its own step;
+    that graph's upload out of memory twice (the try and the retry after the cache went back)
+    leaves the rest of that fit eager, and the next fit captures again and replays. The three
+    fits train bit for bit as the eager loop. (CMLP_EMU_GRAPH_UPLOAD_OOM_AT=2,3: the emulated
+    GPU's second and third uploads run out of memory.)"""
+    runs = {}
+    for graphs in ("0", "1"):
+        env = dict(os.environ, CMLP_CUDA_GRAPHS=graphs, CMLP_EMU_GRAPH_UPLOAD_OOM_AT="2,3", CMLP_EMU_TRACE_GRAPHS="1")
+        r = subprocess.run([sys.executable, "-c", _GRAPHS_SCRIPT, "", "3", "64,32,32"], env=env, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[graphs] = json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
+    (eager, _), (on, err) = runs["0"], runs["1"]
+    assert on["w"] == eager["w"] and on["loss"] == eager["loss"], runs
+    assert eager["graphs"] == [0, 0, 0]
+    if "cuda_emu:" not in err:
+        pytest.skip("the emulated GPU's switch (a real GPU had the memory)")
+    assert err.count("upload ran out of memory") == 2 and err.count("a graph uploaded") == 2, err[-2000:]
+    # fit 1 captures at 64 and replays; fit 2's capture at 32 is dropped, its steps eager; fit 3
+    # captures at 32 again and replays (each fit: one eager step first, then a capture)
+    assert on["graphs_per_fit"] == [[1, 22, 0], [1, 22, 1], [2, 44, 1]], on
 
 
 _CUT_GRAPHS_SCRIPT = r"""

@@ -831,14 +831,24 @@ cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
 }
 
 /* A graph's upload needs device memory outside any allocator: CMLP_EMU_GRAPH_UPLOAD_OOM=n makes
- * the next n uploads (cudaGraphUpload's, or a first launch's) run out of it. */
+ * the process's first n uploads (cudaGraphUpload's, or a first launch's) run out of it, and
+ * CMLP_EMU_GRAPH_UPLOAD_OOM_AT=i,j,... the uploads tried i-th, j-th, ... (counted from 1). */
+static bool upload_fails(long attempt) {
+    static const long first = (long)env_size("CMLP_EMU_GRAPH_UPLOAD_OOM", 0);
+    if (attempt <= first) return true;
+    const char *at = getenv("CMLP_EMU_GRAPH_UPLOAD_OOM_AT");
+    for (char *end; at && *at; at = *end ? end + 1 : end) {
+        if (strtol(at, &end, 10) == attempt) return true;
+        if (end == at) break; /* not a number: the rest is ignored */
+    }
+    return false;
+}
+
 static cudaError_t upload(cudaGraphExec_t exec) {
-    static long left = -1;
-    if (left < 0) left = (long)env_size("CMLP_EMU_GRAPH_UPLOAD_OOM", 0);
+    static long attempts = 0;
     if (exec->uploaded) return cudaSuccess;
     const bool trace = getenv("CMLP_EMU_TRACE_GRAPHS") != nullptr;
-    if (left > 0) {
-        left--;
+    if (upload_fails(++attempts)) {
         if (trace) std::fprintf(stderr, "cuda_emu: a graph's upload ran out of memory\n");
         return fail(cudaErrorMemoryAllocation);
     }
