@@ -61,11 +61,26 @@ __attribute__((noinline)) void alloc_note_entry(cmlp_allocator *a, cmlp_trace_ac
                                 .time_us = now_us(), .what = what, .context = context, .device_free = device_free};
 }
 
-/* A segment's entry, on behalf of the request being served (if any). */
-void alloc_note_segment(cmlp_allocator *a, cmlp_trace_action action, const void *addr, size_t size) {
+alloc_origin alloc_origin_now(const cmlp_allocator *a) {
+    return (alloc_origin){a->what, alloc_context_for(a, CMLP_CONTEXT_STATE)};
+}
+
+/* The context a free's entry keeps: the caller's where frees are recorded with theirs, else (as
+ * torch's) that of the allocation, where entries keep contexts at all. */
+static int64_t context_of_free(const cmlp_allocator *a, int64_t allocated) {
+    int64_t context = alloc_context_for(a, CMLP_CONTEXT_ALL);
+    return context ? context : a->hist.context >= CMLP_CONTEXT_ALLOC ? allocated : 0;
+}
+
+/* A segment's entry: one that grows is made for the request being served (if any); one that
+ * goes back keeps what the memory was made for (its origin), as torch's. */
+void alloc_note_segment(cmlp_allocator *a, cmlp_trace_action action, const void *addr, size_t size,
+                        alloc_origin origin) {
     bool grows = action == CMLP_TRACE_SEGMENT_ALLOC || action == CMLP_TRACE_SEGMENT_MAP;
-    const char *what = grows ? a->what : NULL;
-    note(a, action, addr, size, what, what ? alloc_context_for(a, CMLP_CONTEXT_ALLOC) : 0, 0);
+    if (grows)
+        note(a, action, addr, size, a->what, a->what ? alloc_context_for(a, CMLP_CONTEXT_ALLOC) : 0, 0);
+    else
+        note(a, action, addr, size, origin.what, context_of_free(a, origin.context), 0);
 }
 
 /* ---- the table of allocated blocks ---- */
@@ -330,7 +345,7 @@ static alloc_block *merge_free(cmlp_allocator *a, alloc_block *b) {
 static void release_block(cmlp_allocator *a, alloc_block *b) {
     int p = b->seg->pool;
     if (__builtin_expect(a->hist.mode == CMLP_HISTORY_ALL, 0)) {
-        int64_t context = alloc_context_for(a, CMLP_CONTEXT_ALL);
+        int64_t context = context_of_free(a, b->context);
         alloc_note_entry(a, CMLP_TRACE_FREE_REQUESTED, b->ptr, b->requested, b->what, context, 0);
         alloc_note_entry(a, CMLP_TRACE_FREE_COMPLETED, b->ptr, b->requested, b->what, context, 0);
     }
@@ -429,6 +444,7 @@ void cmlp_allocator_destroy(cmlp_allocator *a) {
             alloc_unpoison(a, s->base, s->poisoned_hi * PAGE);
             a->backend->vm_release(a->bctx, s->base, s->vsize);
             free(s->map);
+            free(s->page_origin);
         } else {
             alloc_unpoison(a, s->base, s->size);
             a->backend->raw_free(a->bctx, s->base, s->size);

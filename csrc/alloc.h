@@ -82,8 +82,8 @@ void cmlp_allocator_set_caching(cmlp_allocator *a, bool on);
 __attribute__((visibility("hidden")))
 void cmlp_allocator_fail_raw(cmlp_allocator *a, int64_t k);
 __attribute__((visibility("hidden")))
-/* With entries != NULL, the history too (taken under the same lock, ending with the snapshot's
- * own entry when it is kept). */
+/* With entries != NULL, the history too (taken under the same lock; the snapshot's own entry,
+ * when it is kept, is noted after it, as torch's: the next snapshot shows it). */
 cmlp_status cmlp_allocator_snapshot(cmlp_allocator *a, cmlp_segment_info **segs, int64_t *nseg,
                                     cmlp_block_info **blks, int64_t *nblk, cmlp_trace_entry **entries,
                                     int64_t *nentries);

@@ -14,7 +14,8 @@ static bool copy_segment(cmlp_allocator *c, const cmlp_allocator *a, const alloc
     alloc_segment *t = calloc(1, sizeof *t);
     if (!t) return false;
     *t = (alloc_segment){.base = s->base, .size = s->size, .vsize = s->vsize, .pool = s->pool,
-                         .expandable = s->expandable, .npages = s->npages, .oversize = s->oversize};
+                         .expandable = s->expandable, .npages = s->npages, .oversize = s->oversize,
+                         .origin = s->origin}; /* (an expandable one's pages: no history is kept of a copy) */
     *out = t;
     if (s->expandable) {
         size_t words = (s->npages + 63) / 64;

@@ -94,9 +94,11 @@ static void snap_piece(snap_out *o, const alloc_segment *s, const alloc_block *b
     bool starts = !s->expandable ? lo == s->base
                                  : (size_t)(lo - s->base) % PAGE == 0 && (lo == s->base || !pg_on(s, pg_down(s, lo) - 1));
     if (starts) {
+        const alloc_origin origin = s->expandable ? alloc_page_origin(s, pg_down(s, lo)) : s->origin;
         if (o->segs)
             o->segs[o->ns] = (cmlp_segment_info){.address = (uint64_t)(uintptr_t)lo, .pool = spool(s->pool),
-                                                 .expandable = s->expandable, .first_block = o->nb};
+                                                 .expandable = s->expandable, .first_block = o->nb,
+                                                 .what = origin.what, .context = origin.context};
         o->ns++;
     }
     if (o->segs) {
@@ -154,9 +156,11 @@ cmlp_status cmlp_allocator_snapshot(cmlp_allocator *a, cmlp_segment_info **segs,
     o.blks = o.segs ? calloc((size_t)(count.nb ? count.nb : 1), sizeof *o.blks) : NULL;
     cmlp_trace_entry *e = NULL;
     if (o.blks) {
-        note(a, CMLP_TRACE_SNAPSHOT, NULL, (size_t)a->stats.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].current,
-             NULL, 0, 0);
+        /* the history up to the snapshot, whose own entry the next one shows (as torch's) */
         if (entries) e = history_copy(a, nentries);
+        if (!entries || e)
+            note(a, CMLP_TRACE_SNAPSHOT, NULL, (size_t)a->stats.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].current,
+                 NULL, 0, 0);
     }
     if (!o.blks || (entries && !e)) {
         pthread_mutex_unlock(&a->lock);

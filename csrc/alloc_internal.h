@@ -41,6 +41,13 @@ enum { POOL_LARGE = 0, POOL_SMALL = 1, NPOOLS = 2 };
 
 typedef struct alloc_segment alloc_segment;
 
+/* What a segment (or an expandable segment's page) was made for: the request's what and the
+ * caller's context (as an allocated block's), which its snapshot entry and its free show. */
+typedef struct {
+    const char *what;
+    int64_t context;
+} alloc_origin;
+
 typedef struct alloc_block {
     char *ptr;
     size_t size;      /* bytes this block spans in its segment */
@@ -72,6 +79,8 @@ struct alloc_segment {
     uint64_t *map;
     size_t npages, hi;
     bool oversize;    /* created for a request >= max_split_size */
+    alloc_origin origin; /* not expandable: the request it was made for */
+    alloc_origin *page_origin; /* expandable: each page's, as it was mapped (NULL until a page is) */
     size_t poisoned_hi; /* expandable, with poisoning: pages below this were mapped once (and poisoned) */
     alloc_block *first;
     alloc_segment *prev, *next; /* all segments of the allocator */
@@ -166,6 +175,10 @@ static inline bool is_split(const alloc_block *b) { return b->prev || b->next; }
 static inline bool pg_on(const alloc_segment *s, size_t i) { return i < s->hi && (s->map[i >> 6] >> (i & 63) & 1u); }
 static inline size_t pg_down(const alloc_segment *s, const char *p) { return (size_t)(p - s->base) / PAGE; }
 static inline size_t pg_up(const alloc_segment *s, const char *p) { return ((size_t)(p - s->base) + PAGE - 1) / PAGE; }
+/* What an expandable segment's mapped page i was mapped for. */
+static inline alloc_origin alloc_page_origin(const alloc_segment *s, size_t i) {
+    return s->page_origin ? s->page_origin[i] : (alloc_origin){NULL, 0};
+}
 
 typedef struct {
     size_t bytes, largest, split_bytes;
@@ -245,7 +258,10 @@ CMLP_HIDDEN void alloc_table_put(cmlp_allocator *a, alloc_block *b);
 
 /* The history and the pools (alloc.c). */
 /* A segment's history entry, on behalf of the request being served (if any). */
-CMLP_HIDDEN void alloc_note_segment(cmlp_allocator *a, cmlp_trace_action action, const void *addr, size_t size);
+CMLP_HIDDEN void alloc_note_segment(cmlp_allocator *a, cmlp_trace_action action, const void *addr, size_t size,
+                                    alloc_origin origin);
+/* The origin of memory a request being served makes now (its what and the caller's context). */
+CMLP_HIDDEN alloc_origin alloc_origin_now(const cmlp_allocator *a);
 CMLP_HIDDEN void alloc_pool_put(cmlp_allocator *a, alloc_block *b);
 /* Must be called before the block's size, neighbours or mapped pages change. */
 CMLP_HIDDEN void alloc_pool_take(cmlp_allocator *a, alloc_block *b);

@@ -19,15 +19,17 @@ int64_t alloc_largest_free(const cmlp_allocator *a) {
     return (int64_t)m;
 }
 
-/* A request that failed; what was free: under the limit when there is one, else what the device
- * says it has (its driver's free memory), else its total less what is reserved. */
+/* What the device has free: its driver's word where it has one (as the out-of-memory message and
+ * torch's trace say, under a memory limit too), else its total less what is reserved. */
+static int64_t device_free_bytes(cmlp_allocator *a) {
+    int64_t r = reserved(a), free_bytes = a->backend->free_memory ? a->backend->free_memory(a->bctx) : -1;
+    return free_bytes >= 0 ? free_bytes : a->total_memory > r ? a->total_memory - r : 0;
+}
+
+/* A request that failed, with what the device had free. */
 void alloc_note_oom(cmlp_allocator *a, size_t nbytes, const char *what) {
     if (a->hist.mode != CMLP_HISTORY_ALL || (a->hist.skip >> CMLP_TRACE_OOM & 1u)) return;
-    int64_t r = reserved(a), free_bytes = -1;
-    if (a->limit >= 0) free_bytes = a->limit > r ? a->limit - r : 0;
-    else if (a->backend->free_memory) free_bytes = a->backend->free_memory(a->bctx);
-    if (free_bytes < 0) free_bytes = a->total_memory > r ? a->total_memory - r : 0;
-    note(a, CMLP_TRACE_OOM, NULL, nbytes, what, alloc_context_for(a, CMLP_CONTEXT_ALLOC), free_bytes);
+    note(a, CMLP_TRACE_OOM, NULL, nbytes, what, alloc_context_for(a, CMLP_CONTEXT_ALLOC), device_free_bytes(a));
 }
 
 /* torch's lines on who holds the device's memory: the other processes, then this one's whole use
@@ -69,8 +71,7 @@ cmlp_status alloc_oom(cmlp_allocator *a, size_t nbytes, size_t size) {
     char users[320];
     memory_users(a, users, sizeof users);
     int64_t r = reserved(a), al = a->stats.stat[CMLP_STAT_ALLOCATED_BYTES][CMLP_POOL_ALL].current;
-    int64_t device_free = a->backend->free_memory ? a->backend->free_memory(a->bctx) : -1;
-    if (device_free < 0) device_free = a->total_memory > r ? a->total_memory - r : 0;
+    int64_t device_free = device_free_bytes(a);
     int64_t largest = alloc_largest_free(a);
     /* fragmentation: the free bytes inside segments that hold allocations (torch's non-releasable
      * memory); a whole free segment is cache, which the ladder gives back */

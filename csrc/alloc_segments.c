@@ -146,9 +146,10 @@ alloc_block *alloc_new_segment(cmlp_allocator *a, int pool, size_t size) {
     *b = (alloc_block){.ptr = p, .size = seg_size, .seg = s};
     s->first = b;
     s->oversize = oversize(a, seg_size);
+    s->origin = alloc_origin_now(a);
     a->stats.num_device_alloc++;
     account_segment(a, s, +1);
-    alloc_note_segment(a, CMLP_TRACE_SEGMENT_ALLOC, p, seg_size);
+    alloc_note_segment(a, CMLP_TRACE_SEGMENT_ALLOC, p, seg_size, s->origin);
     alloc_poison(a, p, seg_size); /* (a free block until the request takes its part) */
     return b;
 }
@@ -165,7 +166,10 @@ static bool map_pages(cmlp_allocator *a, alloc_segment *s, size_t i, size_t j) {
         if (hook_fires(a) || !device_ok(a, a->backend->vm_map(a->bctx, s->base + i * PAGE, (k - i) * PAGE)))
             return false;
         a->stats.num_device_alloc++;
-        alloc_note_segment(a, CMLP_TRACE_SEGMENT_MAP, s->base + i * PAGE, (k - i) * PAGE);
+        const alloc_origin origin = alloc_origin_now(a);
+        alloc_note_segment(a, CMLP_TRACE_SEGMENT_MAP, s->base + i * PAGE, (k - i) * PAGE, origin);
+        if (!s->page_origin) s->page_origin = calloc(s->npages, sizeof *s->page_origin); /* (none: not shown) */
+        for (size_t g = i; s->page_origin && g < k; g++) s->page_origin[g] = origin;
         alloc_poison(a, s->base + i * PAGE, (k - i) * PAGE); /* free until a request takes its part */
         if (k > s->poisoned_hi) s->poisoned_hi = k;
         int64_t runs = 1 - (i > 0 && pg_on(s, i - 1)) - pg_on(s, k);
@@ -183,7 +187,7 @@ static bool map_pages(cmlp_allocator *a, alloc_segment *s, size_t i, size_t j) {
 static void unmap_pages(cmlp_allocator *a, alloc_segment *s, size_t i, size_t j) {
     a->backend->vm_unmap(a->bctx, s->base + i * PAGE, (j - i) * PAGE);
     a->stats.num_device_free++;
-    alloc_note_segment(a, CMLP_TRACE_SEGMENT_UNMAP, s->base + i * PAGE, (j - i) * PAGE);
+    alloc_note_segment(a, CMLP_TRACE_SEGMENT_UNMAP, s->base + i * PAGE, (j - i) * PAGE, alloc_page_origin(s, i));
     int64_t runs = (int64_t)(i > 0 && pg_on(s, i - 1)) + pg_on(s, j) - 1;
     for (size_t g = i; g < j; g++) s->map[g >> 6] &= ~((uint64_t)1 << (g & 63));
     while (s->hi > 0 && !pg_on(s, s->hi - 1)) s->hi--; /* pg_on reads below hi only */
@@ -282,7 +286,7 @@ static size_t release_segment(cmlp_allocator *a, alloc_segment *s) {
     alloc_unpoison(a, s->base, s->size);
     a->backend->raw_free(a->bctx, s->base, s->size);
     a->stats.num_device_free++;
-    alloc_note_segment(a, CMLP_TRACE_SEGMENT_FREE, s->base, size);
+    alloc_note_segment(a, CMLP_TRACE_SEGMENT_FREE, s->base, size, s->origin);
     free(s->first);
     free(s);
     return size;

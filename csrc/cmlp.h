@@ -246,6 +246,8 @@ typedef struct cmlp_segment_info {
     int pool; /* CMLP_POOL_LARGE or CMLP_POOL_SMALL */
     int expandable;
     int64_t first_block, nblocks;
+    const char *what; /* what the segment (an expandable one's run: its first page) was made for, or NULL */
+    int64_t context;  /* and the caller's context then, when recorded (as cmlp_block_info's), else 0 */
 } cmlp_segment_info;
 
 typedef struct cmlp_block_info {
@@ -320,8 +322,8 @@ CMLP_API cmlp_status cmlp_memory_record_history(cmlp_device d, cmlp_history_mode
                                                 int64_t max_entries, uint32_t skip_actions, int clear);
 /* A copy of the entries, oldest first; free it with cmlp_memory_history_free. */
 CMLP_API cmlp_status cmlp_memory_history(cmlp_device d, cmlp_trace_entry **entries, int64_t *n);
-/* cmlp_memory_snapshot and cmlp_memory_history at one instant (the history ends with this
- * snapshot's own entry, when snapshots are noted). */
+/* cmlp_memory_snapshot and cmlp_memory_history at one instant (this snapshot's own entry, when
+ * snapshots are noted, follows that history, as torch's: the next snapshot shows it). */
 CMLP_API cmlp_status cmlp_memory_snapshot_history(cmlp_device d, cmlp_segment_info **segments, int64_t *nsegments,
                                                   cmlp_block_info **blocks, int64_t *nblocks,
                                                   cmlp_trace_entry **entries, int64_t *nentries);

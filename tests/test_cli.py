@@ -236,11 +236,11 @@ def test_train_writes_its_memory_history(tmp_path, limit):
     trace = data["device_traces"][0]
     held = {e["frames"][0]["name"] for e in trace if e["action"] in ("alloc", "oom")}
     if limit:
-        assert "out of memory" in r.stderr and trace[-2]["action"] == "oom"
+        assert "out of memory" in r.stderr and [e["action"] for e in trace].count("oom") == 1
         assert held == {"parameters"}
     else:
         assert {"parameters", "gradients", "activations", "optimizer state"} <= held
-        assert data["segments"] and trace[-1]["action"] == "snapshot"
+        assert data["segments"]
     r = run_cli(["snapshot", "h.pickle", "--top", "2"], tmp_path)
     assert r.returncode == 0, r.stderr
     assert "peak allocated (requested bytes) over the history" in r.stdout
@@ -248,7 +248,8 @@ def test_train_writes_its_memory_history(tmp_path, limit):
     if limit is None:
         assert re.search(r"\d+\.\d\d [KM]iB  parameters  \(1 block\)", r.stdout), r.stdout
     else:
-        assert re.search(r"\d+\.\d\d [KM]iB for parameters; 1.00 MiB was free", r.stdout), r.stdout
+        assert re.search(r"\d+\.\d\d [KM]iB for parameters; \d+\.\d\d [KMG]iB was free on the device", r.stdout), \
+            r.stdout
 
 
 def test_train_without_data_says_where_it_looked(tmp_path):

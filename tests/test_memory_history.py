@@ -151,9 +151,43 @@ def test_context_and_stacks_keep_what_torch_keeps(context, stacks):
     block = next(b for s in snap["segments"] for b in s["blocks"] if b["address"] == alloc["addr"])
     assert bool(python(block["frames"])) == (context is not None)
     assert bool(python(alloc["frames"])) == (context in ("alloc", "all"))
-    assert bool(python(free["frames"])) == (context == "all")
+    # a free has its own stack with context "all", else (torch's) the allocation's where entries keep any
+    assert bool(python(free["frames"])) == (context in ("alloc", "all"))
+    assert (python(free["frames"]) == python(alloc["frames"])) == (context != "all")
     for frames in (alloc["frames"], free["frames"], block["frames"]):
         assert (frames[:1] == [{"filename": "cmlp", "line": 0, "name": "parameters"}]) == (stacks == "all")
+
+
+@pytest.mark.parametrize("context", [None, "state", "alloc", "all"])
+def test_a_segment_keeps_the_frames_of_the_request_it_was_made_for(context):
+    """As torch's: a snapshot's segment has the frames of the request that made it (its stack
+    where any context is kept), and its segment_free entry has them too where the free keeps no
+    stack of its own: with context "all" it has the empty_cache call's."""
+    begin(context=context)
+    M.empty_cache(DEV)
+    ptr = M.caching_allocator_alloc(40 << 20, DEV)  # a segment of its own
+    seg = next(s for s in M._snapshot(DEV)["segments"] if s["address"] == ptr)
+    M.caching_allocator_delete(ptr)
+    M.empty_cache(DEV)
+    trace = M._snapshot(DEV)["device_traces"][0]
+    made = next(e for e in trace if e["action"] == "segment_alloc" and e["addr"] == ptr)
+    freed = next(e for e in trace if e["action"] == "segment_free" and e["addr"] == ptr)
+
+    def python(frames):
+        return [f for f in frames if f["filename"] != "cmlp"]
+
+    def here(frames):  # the line of this function's call
+        return next(f["line"] for f in frames if f["filename"].endswith(HERE))
+
+    mine = python(seg["frames"])
+    assert bool(mine) == (context is not None)
+    for frames in (seg["frames"], made["frames"], freed["frames"]):
+        assert frames[0] == {"filename": "cmlp", "line": 0, "name": "caching_allocator_alloc"}
+    assert python(made["frames"]) == (mine if context in ("alloc", "all") else [])
+    if context == "all":  # the empty_cache call's own stack, a line further on
+        assert here(freed["frames"]) > here(mine) and python(freed["frames"])[0]["name"] == "empty_cache"
+    else:
+        assert python(freed["frames"]) == (mine if context == "alloc" else [])
 
 
 def test_state_mode_keeps_stacks_and_no_history():
@@ -180,16 +214,20 @@ def test_max_entries_keeps_the_newest_and_skip_actions_leaves_out():
     trace = M._snapshot(DEV)["device_traces"][0]
     assert [(e["action"], e["size"]) for e in trace] == [("free_completed", 400), ("free_completed", 500)]
     M._record_memory_history(max_entries=10, device=DEV, clear_history=True)
+    # a snapshot's own entry follows the history it returns (torch's order): the next one shows it
+    assert [e["action"] for e in M._snapshot(DEV)["device_traces"][0]] == []
     assert [e["action"] for e in M._snapshot(DEV)["device_traces"][0]] == ["snapshot"]
     M._record_memory_history(True, device=DEV)  # torch's older form: a history of 1 entry by default
     M.caching_allocator_delete(M.caching_allocator_alloc(512, DEV))
+    assert [e["action"] for e in M._snapshot(DEV)["device_traces"][0]] == ["free_completed"]
     assert [e["action"] for e in M._snapshot(DEV)["device_traces"][0]] == ["snapshot"]
     M._record_memory_history(True, True, 100, True, DEV)  # ... of 100, with stacks for allocations
     M.caching_allocator_delete(M.caching_allocator_alloc(512, DEV))
     trace = M._snapshot(DEV)["device_traces"][0]
-    assert [e["action"] for e in trace][-4:] == ["alloc", "free_requested", "free_completed", "snapshot"]
-    assert any(f["filename"].endswith(HERE) for f in trace[-4]["frames"])
-    assert not any(f["filename"].endswith(HERE) for f in trace[-3]["frames"]), "no stacks for frees"
+    assert [e["action"] for e in trace][-3:] == ["alloc", "free_requested", "free_completed"]
+    assert any(f["filename"].endswith(HERE) for f in trace[-3]["frames"])
+    # a free keeps the allocation's stack (torch's, with stacks for allocations only)
+    assert trace[-2]["frames"] == trace[-1]["frames"] == trace[-3]["frames"]
     M._record_memory_history(False, device=DEV)
     assert M._snapshot(DEV)["device_traces"] == [[]]
     M._record_memory_history(max_entries=10, device=DEV, clear_history=1, skip_actions=["annotate"])

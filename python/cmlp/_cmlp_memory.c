@@ -79,9 +79,7 @@ static PyObject *call_device_fn(PyObject *mod, PyObject *arg, device_fn fn) {
     cmlp_device d;
     if (parse_device(state_of(mod), arg, &d) < 0) return NULL;
     cmlp_status st;
-    NOGIL_BEGIN
-    st = fn(d);
-    NOGIL_END
+    CALL_CORE(st = fn(d)); /* (the segments empty_cache returns are noted with the caller's stack) */
     if (st != CMLP_OK) return raise_status(state_of(mod), st);
     Py_RETURN_NONE;
 }
@@ -279,13 +277,14 @@ static PyObject *segments_list(cmlp_device d, const cmlp_segment_info *segs, int
             if (!b) Py_CLEAR(blocks);
             else PyList_SET_ITEM(blocks, (Py_ssize_t)j, b);
         }
-        PyObject *seg = blocks ? Py_BuildValue("{s:K,s:O,s:L,s:L,s:L,s:L,s:s,s:O,s:N}", "address",
+        PyObject *seg = blocks ? Py_BuildValue("{s:K,s:O,s:L,s:L,s:L,s:L,s:s,s:O,s:z,s:L,s:N}", "address",
                                                (unsigned long long)s->address, "device", dev, "total_size",
                                                (long long)s->total_size, "allocated_size", (long long)s->allocated_size,
                                                "active_size", (long long)s->active_size, "requested_size",
                                                (long long)s->requested_size, "segment_type",
                                                s->pool == CMLP_POOL_SMALL ? "small" : "large", "expandable",
-                                               s->expandable ? Py_True : Py_False, "blocks", blocks)
+                                               s->expandable ? Py_True : Py_False, "what", s->what, "context",
+                                               (long long)s->context, "blocks", blocks)
                               : NULL;
         if (!seg) { /* (blocks is NULL, or Py_BuildValue's "N" took it, failing too) */
             Py_CLEAR(list);

@@ -135,8 +135,11 @@ def record_memory_history(enabled: Any = "all", *args: Any, **kwargs: Any) -> No
     free_completed, segment_alloc, segment_free, segment_map, segment_unmap, oom, snapshot). A
     bool takes torch's older arguments (enabled, record_context=True, trace_alloc_max_entries=1,
     trace_alloc_record_context=False, device=None, record_context_cpp=False, clear_history=False).
-    context: which entries keep a Python stack: None, "state" (live blocks), "alloc" (+
-    allocations), "all" (+ frees). stacks: "python" (the Python frames only) or "all" (also a
+    context: which entries keep a Python stack: None, "state" (live blocks and segments: the
+    request's that made them), "alloc" (+ allocations and segments made; a free, and a segment
+    given back, has the stack of what it frees, as torch's), "all" (+ each free its own caller's,
+    empty_cache's among them). A snapshot's own entry follows the history it returns (torch's
+    order: the next one shows it). stacks: "python" (the Python frames only) or "all" (also a
     first frame naming what the memory holds). max_entries: the history keeps the newest
     max_entries actions. skip_actions: actions not to record. device: None means the current
     device, as everywhere in cmlp.memory. record_cuda=False leaves the device's recording as it
@@ -190,13 +193,15 @@ def blocks_with_frames(dev: str, segments: List[Dict[str, Any]], shared: Optiona
 
 def torch_segments(dev: str, raw: List[Dict[str, Any]], shared: Optional[_Shared] = None) -> List[Dict[str, Any]]:
     """The raw snapshot's segments with PyTorch's keys (torch.cuda.memory_snapshot()'s): device
-    as an index, stream, segment_type, segment_pool_id, is_expandable, frames, and blocks with
+    as an index, stream, segment_type, segment_pool_id, is_expandable, frames (those of the
+    request the segment was made for, an expandable one's run: its first page), and blocks with
     frames."""
-    index = _device_index(dev)
+    index, stacks, shared = _device_index(dev), _stacks_of(dev), {} if shared is None else shared
     return [{"device": index, "address": seg["address"], "total_size": seg["total_size"],
              "allocated_size": seg["allocated_size"], "active_size": seg["active_size"],
              "requested_size": seg["requested_size"], "stream": 0, "segment_type": seg["segment_type"],
-             "segment_pool_id": (0, 0), "is_expandable": seg["expandable"], "frames": [], "blocks": seg["blocks"]}
+             "segment_pool_id": (0, 0), "is_expandable": seg["expandable"],
+             "frames": _frames(seg["what"], seg["context"], stacks, shared), "blocks": seg["blocks"]}
             for seg in blocks_with_frames(dev, raw, shared)]
 
 

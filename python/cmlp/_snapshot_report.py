@@ -210,7 +210,7 @@ def _report(data: Snapshot, device: Optional[int], top: int) -> str:
         out.write(f"out of memory: {_count(len(ooms), 'request')} failed\n")
         for i, e in ooms[:top]:  # as many as the blocks shown (top=0: the count alone)
             frames = e.get("frames", [])
-            free = f"; {_fmt(e['device_free'])} was free" if "device_free" in e else ""
+            free = f"; {_fmt(e['device_free'])} was free on the device" if "device_free" in e else ""
             out.write(f"    entry {i}{when(e)}: {_fmt(e.get('size', 0))} for {_holder(frames)}{free}\n")
             for call in _python_frames(frames, 4):
                 out.write(f"        {call}\n")

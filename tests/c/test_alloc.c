@@ -2443,11 +2443,13 @@ static void test_history(void) {
         HAS(e, 2, CMLP_TRACE_FREE_COMPLETED, p, 1000, 8);
         HAS(e, 3, CMLP_TRACE_SEGMENT_ALLOC, q, MB(30), 8);
         HAS(e, 4, CMLP_TRACE_ALLOC, q, MB(30), 8);
-        /* the ladder returns the free small segment before it gives up */
-        HAS(e, 5, CMLP_TRACE_SEGMENT_FREE, (char *)p - ((uintptr_t)p - e[5].addr), MB(2), 0);
-        CHECK(e[5].addr <= (uint64_t)(uintptr_t)p && e[5].what == NULL, "the small segment held p");
+        /* the ladder returns the free small segment before it gives up: the failing request's
+         * context (frees are recorded with theirs), what the segment was made for */
+        HAS(e, 5, CMLP_TRACE_SEGMENT_FREE, (char *)p - ((uintptr_t)p - e[5].addr), MB(2), 8);
+        CHECK(e[5].addr <= (uint64_t)(uintptr_t)p && e[5].what == e[0].what, "the small segment held p");
         HAS(e, 6, CMLP_TRACE_OOM, NULL, MB(100) - 512, 8);
-        CHECK(e[6].device_free == (int64_t)MB(64) - (int64_t)MB(30), "oom: device_free %" PRId64, e[6].device_free);
+        /* what the device had free, under the limit too (torch's trace, and the message, say so) */
+        CHECK(e[6].device_free == (int64_t)GB(2) - (int64_t)MB(30), "oom: device_free %" PRId64, e[6].device_free);
         CHECK(e[0].what && strcmp(e[0].what, "test") == 0 && e[3].what == e[0].what, "what: %s", e[0].what);
         CHECK(e[0].time_us >= t0 && e[6].time_us >= e[0].time_us && e[6].time_us < t0 + 60000000, "times %" PRId64,
               e[0].time_us);
@@ -2487,7 +2489,8 @@ static void test_history(void) {
         CHECK(n == modes[m].entries, "mode %zu: %" PRId64 " entries", m, n);
         if (n == 3) {
             HAS(e, 0, CMLP_TRACE_ALLOC, r, 4096, modes[m].alloc ? 5 : 0);
-            HAS(e, 1, CMLP_TRACE_FREE_REQUESTED, r, 4096, modes[m].free ? 6 : 0);
+            /* a free not recorded with its context has the allocation's, where entries keep any (torch's) */
+            HAS(e, 1, CMLP_TRACE_FREE_REQUESTED, r, 4096, modes[m].free ? 6 : modes[m].alloc ? 5 : 0);
         }
         free(e);
     }
@@ -2523,23 +2526,33 @@ static void test_history(void) {
     CHECK(n == 2 && e[0].action == CMLP_TRACE_FREE_REQUESTED, "allocations skipped: %" PRId64 " entries", n);
     free(e);
 
-    /* a snapshot notes itself, last, with the bytes allocated; empty_cache returns segments */
+    /* a snapshot notes itself, with the bytes allocated, after the history it returns (torch's
+     * order: the next one shows it); empty_cache returns segments */
     OK(cmlp_allocator_record_history(a, CMLP_HISTORY_ALL, CMLP_CONTEXT_ALL, 1000, 0, true));
     fr(a, q);
     cmlp_segment_info *segs;
     cmlp_block_info *blks;
     int64_t ns, nb;
     OK(cmlp_allocator_snapshot(a, &segs, &ns, &blks, &nb, &e, &n));
-    CHECK(n >= 3 && e[n - 1].action == CMLP_TRACE_SNAPSHOT && e[n - 1].size == 0, "snapshot entry last, %" PRId64 " entries", n);
+    CHECK(n >= 2 && e[0].action == CMLP_TRACE_FREE_REQUESTED && e[1].action == CMLP_TRACE_FREE_COMPLETED,
+          "the snapshot's history: %" PRId64 " entries", n);
     free(segs);
     free(blks);
+    int64_t m;
+    cmlp_trace_entry *after = hist(a, &m);
+    CHECK(m == n + 1 && !memcmp(after, e, (size_t)n * sizeof *e) && after[n].action == CMLP_TRACE_SNAPSHOT &&
+              after[n].size == 0, "the snapshot's entry after its history: %" PRId64 " entries", m);
+    free(after);
     free(e);
     OK(cmlp_allocator_record_history(a, CMLP_HISTORY_ALL, CMLP_CONTEXT_ALL, 1000, SKIP_SNAPSHOTS, true));
     ec(a);
     e = hist(a, &n);
+    /* each with what its segment was made for, and (no context of the call's) that request's */
     CHECK(n == 2 && e[0].action == CMLP_TRACE_SEGMENT_FREE && e[1].action == CMLP_TRACE_SEGMENT_FREE &&
-              e[0].what == NULL,
+              e[0].what && !strcmp(e[0].what, "test") && e[1].what == e[0].what,
           "empty_cache: %" PRId64 " entries", n);
+    CHECK((e[0].size == (int64_t)MB(30) ? e[0] : e[1]).context == 8, "the large segment's free: context %" PRId64,
+          (e[0].size == (int64_t)MB(30) ? e[0] : e[1]).context);
     free(e);
     OK(cmlp_allocator_record_history(a, CMLP_HISTORY_OFF, CMLP_CONTEXT_NONE, 0, 0, false));
     e = hist(a, &n);
@@ -2550,7 +2563,18 @@ static void test_history(void) {
     /* expandable segments: pages mapped and unmapped; a whole run replays */
     a = mk(&d, "expandable_segments:True", (int64_t)GB(2));
     OK(cmlp_allocator_record_history(a, CMLP_HISTORY_ALL, CMLP_CONTEXT_ALL, 1000, SKIP_SNAPSHOTS, false));
-    void *x = al(a, MB(30)), *y = al(a, MB(7));
+    cmlp_memory_set_context(3);
+    void *x = al(a, MB(30));
+    cmlp_memory_set_context(4);
+    void *y = al(a, MB(7));
+    cmlp_memory_set_context(0);
+    /* a snapshot's run of mapped pages shows what its first page was mapped for */
+    OK(cmlp_allocator_snapshot(a, &segs, &ns, &blks, &nb, NULL, NULL));
+    CHECK(ns == 1 && segs[0].address == (uint64_t)(uintptr_t)x && segs[0].context == 3 && segs[0].what &&
+              !strcmp(segs[0].what, "test"), "expandable: %" PRId64 " runs, the first's context %" PRId64, ns,
+          ns ? segs[0].context : 0);
+    free(segs);
+    free(blks);
     fr(a, x);
     void *z = al(a, MB(3));
     CHECK(replay_matches(a, false, why, sizeof why), "expandable: %s", why);
@@ -2561,6 +2585,10 @@ static void test_history(void) {
     e = hist(a, &n);
     CHECK(n > 0 && e[0].action == CMLP_TRACE_SEGMENT_MAP && e[n - 1].action == CMLP_TRACE_SEGMENT_UNMAP,
           "expandable: maps first, unmaps last (%" PRId64 " entries)", n);
+    /* an unmap (by a call with no context) keeps the context its run's first page was mapped with */
+    for (int64_t i = 0; i < n; i++)
+        if (e[i].action == CMLP_TRACE_SEGMENT_UNMAP)
+            CHECK(e[i].context == 3 || e[i].context == 4, "entry %" PRId64 ": unmap context %" PRId64, i, e[i].context);
     free(e);
     fin(a, &d);
 }
