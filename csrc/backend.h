@@ -202,8 +202,8 @@ typedef struct cmlp_backend_i {
                         float step_size, float beta1, float beta2, float one_b1, float one_b2, float bc2_sqrt,
                         float eps, float weight_decay, float decay, int maximize, const float *d_found_inf,
                         const float *d_coef);
-    /* buf = g (momentum's first step) for each element whose buf is NaN (not started: the
-     * buffer is made all NaN). d_buf may be NULL when momentum == 0. */
+    /* buf = g (momentum's first step) for each element whose buf has not started (bits
+     * CMLP_MOMENTUM_UNSTARTED_BITS, as the buffer is made). d_buf may be NULL when momentum == 0. */
     cmlp_status (*sgd)(void *ctx, float *d_p, const float *d_g, float *d_buf, int64_t n, float lr,
                        float momentum, float keep, int nesterov, float weight_decay, int maximize,
                        const float *d_found_inf, const float *d_coef);

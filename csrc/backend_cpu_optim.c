@@ -62,6 +62,13 @@ cmlp_status cpu_adam(void *ctx, float *restrict p, const float *restrict g, floa
     return CMLP_OK;
 }
 
+/* A momentum buffer's element that has not started (not any NaN: one that has stays NaN). */
+static inline bool unstarted(float v) {
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    return u == CMLP_MOMENTUM_UNSTARTED_BITS;
+}
+
 static void sgd_range(void *arg, int64_t lo, int64_t hi) {
     const optim_args *a = arg;
     float *restrict p = a->p, *restrict buf = a->buf;
@@ -79,7 +86,7 @@ static void sgd_range(void *arg, int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; i++) {
         float gi = maximize ? -g[i] : g[i];
         if (wd != 0.0f) gi += wd * p[i];
-        float b = isnan(buf[i]) ? gi : momentum * buf[i] + keep * gi; /* NaN: not started */
+        float b = unstarted(buf[i]) ? gi : momentum * buf[i] + keep * gi;
         buf[i] = b;
         p[i] -= lr * (a->nesterov ? gi + momentum * b : b);
     }

@@ -162,6 +162,7 @@ typedef struct {
 
 /* The workspace block (first_ws its first stream's share): see cuda_workspace.h. */
 _Static_assert(CMLP_CUDA_XENT_SCRATCH == CMLP_K_XENT_SCRATCH, "the loss kernel's slot in the workspace block");
+_Static_assert(CMLP_K_MOMENTUM_UNSTARTED == CMLP_MOMENTUM_UNSTARTED_BITS, "SGD's buffer where it has not started");
 
 /* ---- where this thread's work goes (backend_cuda_graph.c) ----
  * cap_ctx: the device this thread is capturing a graph on, if any, with the capture's streams;

@@ -485,14 +485,19 @@ CMLP_API cmlp_status cmlp_optim_set_momentum(cmlp_optim *o, double momentum);
  * SGD). A buffer once made is kept when the settings stop using it (SGD's at momentum 0, AMSGrad's
  * when amsgrad is turned off), as torch keeps it in its state; one that a new setting needs is
  * made at the next step, from zeros (AMSGrad's maximum then starts from that step's exp_avg_sq).
- * SGD's momentum buffer is NaN where it has not started (torch has none for those parameters: a
- * parameter group without momentum so far): a step with momentum starts it there from the
- * gradient, as torch's first step with momentum does; set_state takes NaN there so too.
+ * SGD's momentum buffer is CMLP_MOMENTUM_UNSTARTED_BITS where it has not started (torch has none
+ * for those parameters: a parameter group without momentum so far): a step with momentum starts
+ * it there from the gradient, as torch's first step with momentum does; set_state takes those bits
+ * there so too. Any other NaN is a buffer that has started and holds a NaN, which stays, as
+ * torch's.
  * AMSGrad's maximum spans every part once one has amsgrad, and is negative where it has not
  * started (CMLP_VMAX_UNSTARTED; torch has none for those parameters: a parameter group without
  * amsgrad so far): its first step there takes that step's exp_avg_sq, as from zeros; set_state
  * takes negative values there so too. */
 #define CMLP_VMAX_UNSTARTED (-1.4980391264f) /* the float of bytes 0xBF, as the buffer is filled */
+/* the bits of bytes 0xFF, as the buffer is filled: a NaN no arithmetic on a GPU makes (its NaNs
+ * are 0x7FFFFFFF) nor on the CPU from numbers (0xFFC00000), only from a NaN of these very bits */
+#define CMLP_MOMENTUM_UNSTARTED_BITS 0xFFFFFFFFu
 CMLP_API int64_t cmlp_optim_get_step(const cmlp_optim *o);
 CMLP_API int cmlp_optim_num_buffers(const cmlp_optim *o);
 /* The buffers of state it holds in memory now: also those a step skipped for inf/NaN gradients
@@ -506,8 +511,8 @@ CMLP_API int cmlp_optim_buffers_planned(const cmlp_optim *o);
 CMLP_API int cmlp_optim_parts_on_device(const cmlp_optim *o);
 CMLP_API cmlp_status cmlp_optim_get_buffer(const cmlp_optim *o, int i, float *host_out);
 /* Replaces the state: step count and nbuffers host buffers of num_parameters floats each
- * (nbuffers: 0, or 1 for SGD, 2 or 3 for Adam), finite (but for SGD's NaN where its buffer has
- * not started; AMSGrad's maximum is negative where it has not). */
+ * (nbuffers: 0, or 1 for SGD, 2 or 3 for Adam), finite (but for SGD's CMLP_MOMENTUM_UNSTARTED_BITS
+ * where its buffer has not started; AMSGrad's maximum is negative where it has not). */
 CMLP_API cmlp_status cmlp_optim_set_state(cmlp_optim *o, int64_t step, int nbuffers,
                                           const float *const *host_buffers);
 /* set_state without the check of the values: another optimizer's state as it is (a copy of one

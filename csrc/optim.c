@@ -229,8 +229,9 @@ cmlp_status cmlp_optim_check_model(cmlp_optim *o) {
                                      "for the model along)");
 }
 
-/* A buffer of nb state buffers, new: Adam's arena zeros; SGD's momentum buffer all NaN and
- * AMSGrad's maximum (vmax) all CMLP_VMAX_UNSTARTED (not started anywhere). */
+/* A buffer of nb state buffers, new: Adam's arena zeros; SGD's momentum buffer all
+ * CMLP_MOMENTUM_UNSTARTED_BITS and AMSGrad's maximum (vmax) all CMLP_VMAX_UNSTARTED (not started
+ * anywhere): bytes 0xFF and 0xBF. */
 static cmlp_status zeros(cmlp_optim *o, int nb, bool vmax, float **out) {
     size_t bytes = state_bytes(o, nb);
     CMLP_TRY(cmlp_allocator_malloc(o->dev->alloc, bytes, "optimizer state", (void **)out));
@@ -387,7 +388,7 @@ static cmlp_status put_state(cmlp_optim *o, int64_t step, int nbuffers, const fl
                          adam ? "2 (3 with AMSGrad)" : "1");
     CMLP_TRY(cmlp_optim_check_model(o));
     size_t all = (size_t)o->model->nparams, n = (size_t)span(o), at = (size_t)first_of(o);
-    for (int i = 0; i < nbuffers && checked; i++) /* SGD's NaN: a buffer not started there */
+    for (int i = 0; i < nbuffers && checked; i++) /* SGD's NaN: a buffer not started there, or holding NaN */
         for (size_t j = 0; j < all; j++)
             if (adam ? !isfinite(host[i][j]) : isinf(host[i][j]))
                 return CMLP_FAIL(CMLP_ERR_NONFINITE, "optimizer state buffer %d holds %s at %zu", i,

@@ -85,7 +85,7 @@ cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int6
                                    const cmlp_scale_step *scale, int step_scales, void *dcomm) {
     CMLP_TRY(cmlp_optim_check_model(o));
     CMLP_TRY(cmlp_optim_ready(o, dcomm));
-    bool first = o->unused; /* the state was made for this step (SGD's buffer all NaN, not started) */
+    bool first = o->unused; /* the state was made for this step (SGD's buffer not started anywhere) */
     cmlp_model *m = o->model;
     const cmlp_backend_i *b = o->dev->backend;
     void *ctx = o->dev->bctx;

@@ -137,11 +137,13 @@ cudaError_t cmlp_k_adam(float *p, const float *g, float *m, float *v, float *vma
                         float weight_decay, float decay, int maximize, const float *found_inf, const float *coef,
                         cudaStream_t stream);
 /* SGD with PyTorch's rule: g' = (maximize ? -g : g) + weight_decay * p; with momentum != 0:
- *   buf = buf NaN ? g' : momentum * buf + keep * g';  d = nesterov ? g' + momentum * buf : buf
- * (a NaN in buf: that element's buffer has not started, as a new buffer everywhere)
+ *   buf = buf unstarted ? g' : momentum * buf + keep * g';  d = nesterov ? g' + momentum * buf : buf
+ * (unstarted: bits 0xFFFFFFFF, CMLP_K_MOMENTUM_UNSTARTED, as a new buffer is filled: that
+ * element's buffer has not started; any other NaN has, and stays NaN, as torch's)
  * (keep = 1 - dampening, computed by the caller in double and rounded)
  * else d = g'; then p -= lr * d (lr = coef[0] and momentum = coef[1] when coef is not NULL). buf
  * may be NULL when the momentum is 0. found_inf as for Adam. */
+#define CMLP_K_MOMENTUM_UNSTARTED 0xFFFFFFFFu /* = cmlp.h's CMLP_MOMENTUM_UNSTARTED_BITS */
 cudaError_t cmlp_k_sgd(float *p, const float *g, float *buf, int64_t n, float lr, float momentum, float keep,
                        int nesterov, float weight_decay, int maximize, const float *found_inf, const float *coef,
                        cudaStream_t stream);

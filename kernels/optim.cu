@@ -140,7 +140,8 @@ struct sgd_op {
             pi = f_sub(pi, f_mul(lr, gi));
             return bi;
         }
-        const float b = bi != bi ? gi : f_add(f_mul(momentum, bi), f_mul(keep, gi)); /* NaN: not started */
+        const float b = __float_as_uint(bi) == CMLP_K_MOMENTUM_UNSTARTED ? gi /* not started */
+                                                                          : f_add(f_mul(momentum, bi), f_mul(keep, gi));
         pi = f_sub(pi, f_mul(lr, nesterov ? f_add(gi, f_mul(momentum, b)) : b));
         return b;
     }

@@ -341,6 +341,32 @@ def test_sgd_state_whose_momentum_buffers_are_none_means_no_buffers_yet():
         opt.load_state_dict({"state": {}, "param_groups": [{"lr": np.array(True), "params": list(range(n))}]})
 
 
+def test_a_momentum_buffer_that_holds_nan_keeps_it_as_torchs():
+    """A buffer that has started and holds NaN (a run that diverged) stays NaN, as torch's: its
+    state_dict and a copy keep it, and finite weights loaded back step to NaN there, where a
+    buffer that starts afresh would hide the divergence. Only a buffer that has not started (a
+    group without momentum so far) starts from the gradient."""
+    model = cmlp.MLP([4, 3], device=DEVICE, seed=0)
+    opt = cmlp.optim.SGD(model, lr=0.1, momentum=0.9)
+    good = model.state_dict()
+    x, y = np.ones((2, 4), np.float32), np.array([0, 1])
+    model.load_state_dict({k: np.full_like(v, 3e38) for k, v in good.items()})  # logits overflow
+    opt.zero_grad()
+    model.forward_backward(x, y)
+    opt.step()
+    state = opt.state_dict()["state"]
+    assert sorted(state) == [0, 1] and np.isnan(state[0]["momentum_buffer"]).any()
+    twin = copy.deepcopy(opt)
+    for o in (opt, twin):
+        o.model.load_state_dict(good)  # finite weights back, the optimizer's state as it is
+        o.zero_grad()
+        o.model.forward_backward(x, y)
+        o.step()
+        w = o.model.state_dict()["fc1.weight"]
+        assert np.isnan(w).any(), w
+        assert np.array_equal(np.isnan(w), np.isnan(state[0]["momentum_buffer"]))
+
+
 def test_a_state_dict_taken_while_another_thread_trains_is_of_one_step():
     # lr 0 and one full batch: every step's state is fixed by its number, so each snapshot taken
     # during fit must be the state of the step it reports, every buffer from that same step

@@ -612,6 +612,14 @@ static void test_adam_amsgrad_rule(void) {
           "amsgrad maximize update: %.9g %.9g %.9g %.9g", p[0], p[1], p[2], p[3]);
 }
 
+/* SGD's momentum buffer where it has not started: bits 0xFFFFFFFF, as a new buffer is filled. */
+static float unstarted_bits(void) {
+    const uint32_t u = CMLP_K_MOMENTUM_UNSTARTED;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
 static void test_sgd(void) {
     for (int i = 0; i < NCOUNTS; i++)
         for (int variant = 0; variant < 48; variant++) {
@@ -626,7 +634,9 @@ static void test_sgd(void) {
             buf cp = make(n, 4, 0), cb = make(n, 4, 0);
             fill(F(p), n, 1), fill(F(g), n, 1), fill(F(b), n, 1);
             for (int64_t j = 0; (fresh || variant % 17 < 6) && j < n; j += fresh ? 1 : 3)
-                F(b)[j] = NAN; /* not started there (fresh: a new buffer, the first step's) */
+                F(b)[j] = unstarted_bits(); /* not started there (fresh: a new buffer, the first step's) */
+            for (int64_t j = 1; !fresh && variant % 5 == 1 && j < n; j += 7)
+                F(b)[j] = NAN; /* started, and NaN: it stays */
             memcpy(F(cp), F(p), (size_t)n * 4), memcpy(F(cb), F(b), (size_t)n * 4);
             const int maximize = variant % 13 < 4;
             KOK(cmlp_k_sgd(F(p), F(g), F(b), n, 0.05f, momentum, keep, nesterov, wd, maximize, NULL, cf, S));
@@ -650,11 +660,12 @@ static void test_sgd(void) {
     const float rate[2] = {0.25f, 0.0f};
     KOK(cmlp_k_sgd(p, g, NULL, 5, 0.5f, 0.0f, 1.0f, 0, 0.0f, 0, NULL, rate, S));
     CHECK(p[0] == 0.25f && p[4] == 4.25f, "sgd at the device's rate: %g %g", p[0], p[4]);
-    /* a NaN in the buffer has not started: there it starts from the gradient (torch's first step) */
-    float q[2] = {1.0f, 1.0f}, h[2] = {2.0f, 2.0f}, mb[2] = {NAN, 4.0f};
-    KOK(cmlp_k_sgd(q, h, mb, 2, 0.5f, 0.5f, 0.25f, 0, 0.0f, 0, NULL, NULL, S));
-    CHECK(mb[0] == 2.0f && mb[1] == 2.5f && q[0] == 0.0f && q[1] == -0.25f,
-          "sgd from a buffer not started: buffer %g %g, parameters %g %g", mb[0], mb[1], q[0], q[1]);
+    /* where the buffer has not started it starts from the gradient (torch's first step); a NaN it
+     * holds otherwise stays, as torch's */
+    float q[3] = {1.0f, 1.0f, 1.0f}, h[3] = {2.0f, 2.0f, 2.0f}, mb[3] = {unstarted_bits(), 4.0f, NAN};
+    KOK(cmlp_k_sgd(q, h, mb, 3, 0.5f, 0.5f, 0.25f, 0, 0.0f, 0, NULL, NULL, S));
+    CHECK(mb[0] == 2.0f && mb[1] == 2.5f && q[0] == 0.0f && q[1] == -0.25f && isnan(mb[2]) && isnan(q[2]),
+          "sgd from a buffer not started: buffer %g %g %g, parameters %g %g %g", mb[0], mb[1], mb[2], q[0], q[1], q[2]);
 }
 
 static void test_optim_prepare(void) {

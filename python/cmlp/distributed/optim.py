@@ -29,7 +29,7 @@ import numpy as np
 from .._arrays import as_flag
 from ..optim import Optimizer
 from ..optim.optimizer import Params
-from ..optim._groups import _UNSTARTED
+from ..optim._groups import _UNSTARTED, _not_started
 from . import all_reduce, broadcast, get_rank, get_world_size, is_initialized
 
 __all__ = ["ZeroRedundancyOptimizer"]
@@ -152,7 +152,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         for entry in state.values():
             if name in entry:  # elements not started (this rank's part of a tensor started elsewhere): zeros
                 started = entry[name]
-                started[np.isnan(started) if self._kind == "sgd" else started < 0] = 0.0
+                started[_not_started(name, started)] = 0.0
         return state
 
     def state_dict(self) -> Dict[str, Any]:

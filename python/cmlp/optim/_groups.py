@@ -93,8 +93,17 @@ def _rate(name: str, value: Any) -> float:
 
 _FLT_MAX = float(np.finfo(np.float32).max)
 # a state buffer's value where it has not started (torch's state has none there): SGD's momentum
-# buffer NaN, AMSGrad's maximum negative (a maximum of squares; a step takes its exp_avg_sq there)
-_UNSTARTED = {"momentum_buffer": np.nan, "max_exp_avg_sq": -1.0}
+# buffer the NaN of bits 0xFFFFFFFF (the C core's CMLP_MOMENTUM_UNSTARTED_BITS, which no other
+# NaN is: one that has started stays NaN, as torch's), AMSGrad's maximum negative (a maximum of
+# squares; a step takes its exp_avg_sq there)
+_UNSTARTED = {"momentum_buffer": np.array(0xFFFFFFFF, np.uint32).view(np.float32)[()], "max_exp_avg_sq": -1.0}
+
+
+def _not_started(bname: str, arr: np.ndarray) -> np.ndarray:
+    """Where a float32 state buffer `bname` has not started (see _UNSTARTED)."""
+    if bname == "momentum_buffer":
+        return arr.view(np.uint32) == np.uint32(0xFFFFFFFF)
+    return arr < 0
 _INHERIT = float("nan")  # a part's setting that is the C configuration's (one object: tuples of it compare equal)
 
 

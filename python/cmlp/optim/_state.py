@@ -4,7 +4,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Tuple
 
 import numpy as np
 
-from ._groups import _UNSTARTED, _implementation_flag, _initial_lr_of, _rate
+from ._groups import _UNSTARTED, _implementation_flag, _initial_lr_of, _not_started, _rate
 
 if TYPE_CHECKING:
     from .. import _cmlp
@@ -54,11 +54,11 @@ class _StateDict:
                     entry["step"] = float(step)
                 for bname, view in zip(self._buffers, views):
                     entry[bname] = view[name].copy()
-                # SGD's buffer not started (NaN: a group that has had no momentum): none in torch's state
-                if self._kind == "sgd" and np.isnan(entry["momentum_buffer"]).all():
+                # SGD's buffer not started (a group that has had no momentum): none in torch's state
+                if self._kind == "sgd" and _not_started("momentum_buffer", entry["momentum_buffer"]).all():
                     continue
-                # likewise AMSGrad's maximum (negative: a group that has had no amsgrad)
-                if "max_exp_avg_sq" in entry and (entry["max_exp_avg_sq"] < 0).all():
+                # likewise AMSGrad's maximum (a group that has had no amsgrad)
+                if "max_exp_avg_sq" in entry and _not_started("max_exp_avg_sq", entry["max_exp_avg_sq"]).all():
                     del entry["max_exp_avg_sq"]
                 state[i] = entry
         groups = []
@@ -215,6 +215,7 @@ class _StateDict:
                 if bname in ("exp_avg_sq", "max_exp_avg_sq") and not ((arr >= 0) | np.isnan(arr)).all():
                     raise ValueError(f"optimizer state {bname} must be >= 0 everywhere (a running mean of squares)")
                 views[name][...] = arr
+                views[name][np.isnan(arr)] = np.nan  # a NaN given has started (one NaN is "not started")
             bufs.append(flat)
             given.append(bname)
         if self._kind == "adam" and given and given[:2] != ["exp_avg", "exp_avg_sq"]:
