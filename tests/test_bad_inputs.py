@@ -1204,3 +1204,50 @@ def test_a_plateau_metric_beyond_every_float_compares_as_an_infinity(ctx):
     assert s.best == float("inf") and ctx.opt.lr == pytest.approx(1e-3)
     s.step(-10 ** 400)  # better than anything
     assert s.best == -float("inf") and ctx.opt.lr == pytest.approx(1e-3)
+
+
+def test_an_array_fit_reads_cannot_be_resized_under_it():
+    """fit reads a float32 x in place across calls, between which Python runs (a schedule): NumPy
+    refuses to resize it (or the array it views) meanwhile, refcheck=False too, which would free
+    the memory the steps read. The refusal raises from the schedule; the trainer trains on."""
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal((2 * 4096, F)).astype(np.float32)
+    y = np.arange(4096) % C
+    for owner in ("x", "base"):
+        x = base[:4096] if owner == "base" else base[:4096].copy()
+        model = cmlp.MLP(SIZES, seed=0)
+        opt = cmlp.optim.SGD(model, lr=0.01)
+        trainer = cmlp.Trainer(model, opt, batch_size=8)
+        target = base if owner == "base" else x
+
+        def rate(step, target=target):
+            if step == 3:
+                target.resize((10, F), refcheck=False)
+            return 1.0
+
+        sched = cmlp.optim.lr_scheduler.LambdaLR(opt, rate)
+        with pytest.raises(ValueError, match="cannot resize"):
+            trainer.fit(x, y, epochs=1, progress=False, scheduler=sched, scheduler_interval="step")
+        assert target.shape[0] >= 4096
+        trainer.fit(x, y, epochs=1, progress=False)
+        target.resize((10, F), refcheck=False)  # once fit returned, the array is the caller's again
+
+
+def test_a_chained_schedule_of_nothing_or_not_schedules_says_so():
+    with pytest.raises(ValueError, match="ChainedScheduler expects at least one scheduler"):
+        cmlp.optim.lr_scheduler.ChainedScheduler([])
+    for item in (5, "StepLR", None):
+        with pytest.raises(TypeError, match="ChainedScheduler at index 0 should be a cmlp.optim.lr_scheduler"):
+            cmlp.optim.lr_scheduler.ChainedScheduler([item])
+
+
+def test_module_names_with_numbers_of_any_length_load_in_their_natural_order():
+    """Keys named as another model's (layerN.weight, ...) load in the numbers' order, however many
+    digits they have (Python's int() refuses more than 4300)."""
+    model = cmlp.MLP(SIZES, seed=0)
+    sd = cmlp.MLP(SIZES, seed=1).state_dict()
+    big = "9" * 5000
+    given = {f"layer{big}.weight": sd["fc2.weight"], f"layer{big}.bias": sd["fc2.bias"],
+             "layer007.weight": sd["fc1.weight"], "layer007.bias": sd["fc1.bias"]}
+    model.load_state_dict(given)
+    assert all(np.array_equal(model.state_dict()[k], v) for k, v in sd.items())

@@ -561,6 +561,36 @@ def test_the_report_says_a_malformed_snapshot_is_one(data):
         M.snapshot_report(data)
 
 
+def test_the_report_says_a_snapshot_nested_too_deep_is_malformed():
+    name: list = []
+    for _ in range(100_000):  # a frame's file name a list in a list in a list ...
+        name = [name]
+    data = {"segments": [{"blocks": [{"state": "active_allocated", "address": 1, "size": 8,
+                                      "frames": [{"filename": name, "line": 1, "name": "f"}]}]}], "device_traces": []}
+    with pytest.raises(ValueError, match="not a well-formed memory snapshot: RecursionError"):
+        M.snapshot_report(data)
+
+
+def test_the_report_reads_entries_that_share_a_long_stack_once_each():
+    """A pickle can name one list of frames from every entry: a history of n frees whose stacks
+    are one list of n frames reads in time linear in n (each list's frames are read once), not
+    n * n; an alarm ends a report that would take minutes."""
+    import signal
+
+    n = 200_000
+    frames = [{"filename": "cmlp", "line": 0, "name": "x"}] + [{"filename": "a.py", "line": i, "name": "f"}
+                                                              for i in range(n)]
+    trace = [{"action": "free_requested", "addr": 512 * i, "size": 512, "frames": frames} for i in range(n)]
+    signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(TimeoutError("the report took 60 s")))
+    signal.alarm(60)
+    try:
+        text = M.snapshot_report({"segments": [], "device_traces": [trace]})
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    assert f"{n * 512 / 2**20:.2f} MiB before its first entry" in text, text
+
+
 def test_the_report_refuses_a_stream_that_claims_too_much(tmp_path):
     path = tmp_path / "huge.pickle"
     path.write_bytes(b"\x80\x04\x95" + (1 << 62).to_bytes(8, "little") + b".")

@@ -587,7 +587,9 @@ def test_a_step_refused_for_the_optimizer_state_leaves_the_gradients_as_they_wer
 
 
 def test_a_progress_bar_that_cannot_draw_does_not_stop_training(monkeypatch):
-    """stderr missing (pythonw, 2>&-), or a pipe whose reader went away: fit trains on."""
+    """stderr missing (pythonw, 2>&-), a pipe whose reader went away, or a binary stream: fit
+    trains on."""
+    import io
     import os
 
     rng = np.random.default_rng(0)
@@ -597,7 +599,7 @@ def test_a_progress_bar_that_cannot_draw_does_not_stop_training(monkeypatch):
     os.close(r)
     broken = os.fdopen(w, "w")
     try:
-        for stream in (None, broken):
+        for stream in (None, broken, io.BytesIO()):  # (a binary stream takes no text)
             model = cmlp.MLP([16, 8, 4], seed=0)
             trainer = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=8)
             monkeypatch.setattr(sys, "stderr", stream)

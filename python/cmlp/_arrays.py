@@ -1,10 +1,28 @@
 """Input conversion at the API boundary: any array-like in, a C-contiguous float32 or uint8
 matrix and int32 labels out, copying only when needed, with errors that name the argument."""
+import contextlib
 import itertools
 import reprlib
-from typing import Any, Tuple
+import weakref
+from typing import Any, Iterator, Tuple
 
 import numpy as np
+
+
+@contextlib.contextmanager
+def pinned(*arrays: np.ndarray) -> Iterator[None]:
+    """While it lasts, NumPy refuses to resize the arrays, and the arrays whose memory they view,
+    even with refcheck=False (an array a weak reference points to is never resized): the core
+    reads them in place across calls, between which Python code runs (a schedule, a callback)."""
+    refs = []
+    for a in arrays:
+        while isinstance(a, np.ndarray):
+            refs.append(weakref.ref(a))
+            a = a.base
+    try:
+        yield
+    finally:
+        del refs
 
 
 def as_inputs(x: Any, features: int, name: str = "x") -> np.ndarray:

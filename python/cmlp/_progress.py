@@ -51,7 +51,7 @@ class _PlainBar:
 
 class _Guarded:
     """A bar whose drawing cannot end the training: where stderr fails (closed, a broken pipe,
-    a full disk), the bar stops drawing and training goes on."""
+    a full disk, a binary stream that takes no text), the bar stops drawing and training goes on."""
 
     def __init__(self, bar: Any) -> None:
         self._bar = bar
@@ -61,7 +61,7 @@ class _Guarded:
             return
         try:
             getattr(self._bar, name)(*args)
-        except (OSError, ValueError, AttributeError):  # ValueError: a closed file
+        except (OSError, ValueError, AttributeError, TypeError):  # ValueError: a closed file; TypeError: bytes only
             self._bar = None
 
     def update(self, k: int) -> None:

@@ -4,6 +4,7 @@ Reads the dict _snapshot() returns, or a file _dump_snapshot() (or PyTorch's
 torch.cuda.memory._dump_snapshot) wrote. The live blocks at the start of the history are found
 by undoing it from the snapshot's blocks, so a history cut short by max_entries reads as well."""
 import io
+import itertools
 import os
 import pickle
 from collections import Counter
@@ -72,12 +73,13 @@ def _holder(frames: List[Dict[str, Any]]) -> str:
 
 
 def _python_frames(frames: List[Dict[str, Any]], depth: int) -> List[str]:
-    return [_where(f) for f in frames if f.get("filename") != "cmlp"][:depth]
+    return [_where(f) for f in itertools.islice((f for f in frames if f.get("filename") != "cmlp"), depth)]
 
 
 Block = Tuple[int, List[Dict[str, Any]]]  # bytes requested, frames
 LIVE = ("active_allocated", "active_pending_free")  # allocated until the free completes
 BEFORE = {"filename": "(history)", "line": 0, "name": "allocated before the history began"}
+_NO_FRAMES: List[Dict[str, Any]] = []
 
 
 def _release(trace: List[Dict[str, Any]]) -> str:
@@ -96,12 +98,16 @@ def _replay(segments: List[Dict[str, Any]], trace: List[Dict[str, Any]]) -> Tupl
             if b.get("state") in LIVE:
                 live[b["address"]] = (b.get("requested_size", b.get("size", 0)), b.get("frames", []))
     release = _release(trace)
+    owns: Dict[int, List[Dict[str, Any]]] = {}  # by the frames list: entries share them (a pickle, any number of times)
     for e in reversed(trace):
         if e.get("action") == "alloc":
             live.pop(e.get("addr"), None)
         elif e.get("action") == release:
-            own = [f for f in e.get("frames", []) if f.get("filename") == "cmlp"]
-            live[e["addr"]] = (e.get("size", 0), own + [BEFORE])
+            frames = e.get("frames", _NO_FRAMES)  # (one object: its id is its own)
+            own = owns.get(id(frames))
+            if own is None:
+                own = owns[id(frames)] = [f for f in frames if f.get("filename") == "cmlp"] + [BEFORE]
+            live[e["addr"]] = (e.get("size", 0), own)
     start = dict(live)
     total = peak = sum(size for size, _ in live.values())
     peak_at = -1
@@ -161,7 +167,7 @@ def report(source: Union[Snapshot, "os.PathLike[str]", str], device: Optional[in
         if type(e) is not LookupError:  # KeyError, IndexError: a malformed snapshot
             raise ValueError(f"not a well-formed memory snapshot: {type(e).__name__}: {e}") from None
         raise ValueError(str(e)) from None
-    except (AttributeError, KeyError, TypeError, IndexError, ValueError, OverflowError) as e:
+    except (AttributeError, KeyError, TypeError, IndexError, ValueError, OverflowError, RecursionError) as e:
         raise ValueError(f"not a well-formed memory snapshot: {type(e).__name__}: {e}") from None
 
 

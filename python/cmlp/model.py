@@ -401,7 +401,8 @@ class MLP:
             return None
 
         def natural(module: str) -> List[Tuple[int, int, str]]:
-            return [(0, int(part), "") if part.isascii() and part.isdigit() else (1, 0, part)
+            # a number by its digits (of any length: no int() of them), shorter first
+            return [(0, len(part.lstrip("0")), part.lstrip("0")) if part.isascii() and part.isdigit() else (1, 0, part)
                     for part in re.split(r"([0-9]+)", module)]
 
         def renamed(order: List[str]) -> Optional[Dict[str, Any]]:

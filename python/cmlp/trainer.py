@@ -12,7 +12,7 @@ import numpy as np
 
 from . import _cmlp, memory
 from . import distributed as _dist
-from ._arrays import as_flag, as_inputs, as_labels, as_normalize, as_number, check_amp, check_seed
+from ._arrays import as_flag, as_inputs, as_labels, as_normalize, as_number, check_amp, check_seed, pinned
 from ._fit_limit import start_under_limit
 from ._fit_loop import FitLoop
 from .model import MLP
@@ -563,7 +563,8 @@ class Trainer(FitLoop):
             per_step = scheduler is not None and scheduler_interval == "step"
             # data-parallel, each epoch's start compares these over the ranks with the settings
             self._c.set_fit_call(epochs, -1 if val is None else val[0].shape[0], _contents_hash(val), per_step)
-            return self._fit(xa, ya, epochs, val, progress, scheduler, per_step)
+            with pinned(xa, *(val or ())):  # read in place by every epoch's steps
+                return self._fit(xa, ya, epochs, val, progress, scheduler, per_step)
         finally:
             self._claims.pop(call, None)
 

@@ -111,8 +111,9 @@ class ChainedScheduler(_Composite):
 
     def __init__(self, schedulers: Sequence[Any], optimizer: Any = None) -> None:
         schedulers = list(schedulers)
-        if schedulers and optimizer is None:
-            optimizer = getattr(schedulers[0], "optimizer", None)
+        if optimizer is None:  # the first schedule's: there must be one
+            _check_parts("ChainedScheduler", None, schedulers[:1])
+            optimizer = schedulers[0].optimizer
         optimizer = _optimizer(optimizer)
         _check_parts("ChainedScheduler", optimizer, schedulers)
         self._schedulers = schedulers
