@@ -16,9 +16,10 @@ def pinned(*arrays: np.ndarray) -> Iterator[None]:
     reads them in place across calls, between which Python code runs (a schedule, a callback)."""
     refs = []
     for a in arrays:
-        while isinstance(a, np.ndarray):
-            refs.append(weakref.ref(a))
-            a = a.base
+        view: Any = a
+        while isinstance(view, np.ndarray):
+            refs.append(weakref.ref(view))
+            view = view.base
     try:
         yield
     finally:

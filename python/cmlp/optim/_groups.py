@@ -96,7 +96,8 @@ _FLT_MAX = float(np.finfo(np.float32).max)
 # buffer the NaN of bits 0xFFFFFFFF (the C core's CMLP_MOMENTUM_UNSTARTED_BITS, which no other
 # NaN is: one that has started stays NaN, as torch's), AMSGrad's maximum negative (a maximum of
 # squares; a step takes its exp_avg_sq there)
-_UNSTARTED = {"momentum_buffer": np.array(0xFFFFFFFF, np.uint32).view(np.float32)[()], "max_exp_avg_sq": -1.0}
+_UNSTARTED: Dict[str, Any] = {"momentum_buffer": np.array(0xFFFFFFFF, np.uint32).view(np.float32)[()],
+                              "max_exp_avg_sq": -1.0}
 
 
 def _not_started(bname: str, arr: np.ndarray) -> np.ndarray:
