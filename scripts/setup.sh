@@ -4,7 +4,7 @@
 #     Python is used, Open MPI (libopenmpi-dev, openmpi-bin: data parallelism and its tests;
 #     CMLP_MPI=0 leaves it out) and Fashion-MNIST (dataset-fashion-mnist);
 #   - a virtual environment in .venv with NumPy, the OpenBLAS build (scipy-openblas32),
-#     pytest and tqdm;
+#     pytest, tqdm and mypy;
 #   - cmlp itself, built from source into that environment, with the CUDA backend when the CUDA
 #     toolkit is found (nvcc on PATH, CUDA_HOME, or /usr/local/cuda); CMLP_CUDA=0 skips it and
 #     CMLP_CUDA=1 makes a missing toolkit an error.
