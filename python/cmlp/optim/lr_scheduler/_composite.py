@@ -112,7 +112,8 @@ class ChainedScheduler(_Composite):
     def __init__(self, schedulers: Sequence[Any], optimizer: Any = None) -> None:
         schedulers = list(schedulers)
         if optimizer is None:  # the first schedule's: there must be one
-            _check_parts("ChainedScheduler", None, schedulers[:1])
+            first = schedulers[0] if schedulers else None
+            _check_parts("ChainedScheduler", getattr(first, "optimizer", None), schedulers[:1])
             optimizer = schedulers[0].optimizer
         optimizer = _optimizer(optimizer)
         _check_parts("ChainedScheduler", optimizer, schedulers)

@@ -133,7 +133,7 @@ class LinearLR(LRScheduler):
     """The rate's factor moves linearly from start_factor to end_factor over total_iters
     epochs (a warm-up with the defaults)."""
 
-    _LOADED_AT_LEAST = {**LRScheduler._LOADED_AT_LEAST, "total_iters": 1, "start_factor": _ABOVE_ZERO}
+    _LOADED_AT_LEAST = {**LRScheduler._LOADED_AT_LEAST, "total_iters": 0, "start_factor": _ABOVE_ZERO}
 
     def __init__(self, optimizer: Any, start_factor: float = 1.0 / 3, end_factor: float = 1.0, total_iters: int = 5,
                  last_epoch: int = -1) -> None:
@@ -143,7 +143,7 @@ class LinearLR(LRScheduler):
             raise ValueError("Ending multiplicative factor expected to be between 0 and 1.")
         self.start_factor = as_number("start_factor", start_factor)
         self.end_factor = as_number("end_factor", end_factor)
-        self.total_iters = _length("total_iters", total_iters, 1)
+        self.total_iters = _length("total_iters", total_iters, 0)  # (0: torch's form stays at start_factor)
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> List[float]:
@@ -159,6 +159,8 @@ class LinearLR(LRScheduler):
 
     def _get_closed_form_lr(self) -> List[float]:
         d = self.end_factor - self.start_factor  # (a factor >= 0, as get_lr's)
+        if not self.total_iters:  # (torch's divides by 0) where get_lr's steps stay: start_factor
+            return [base * self.start_factor for base in self.base_lrs]
         return [max(base * (self.start_factor + d * min(self.total_iters, self.last_epoch) / self.total_iters), 0.0)
                 for base in self.base_lrs]
 
@@ -201,10 +203,10 @@ class ConstantLR(LRScheduler):
 class PolynomialLR(LRScheduler):
     """base_lr (1 - t / total_iters)^power, reaching 0 at total_iters, in torch's recursive form."""
 
-    _LOADED_AT_LEAST = {**LRScheduler._LOADED_AT_LEAST, "total_iters": 1}
+    _LOADED_AT_LEAST = {**LRScheduler._LOADED_AT_LEAST, "total_iters": 0}
 
     def __init__(self, optimizer: Any, total_iters: int = 5, power: float = 1.0, last_epoch: int = -1) -> None:
-        self.total_iters = _length("total_iters", total_iters, 1)
+        self.total_iters = _length("total_iters", total_iters, 0)  # (0: torch's form keeps the rate)
         self.power = _non_negative("power", power)
         super().__init__(optimizer, last_epoch)
 
@@ -216,6 +218,8 @@ class PolynomialLR(LRScheduler):
         return [lr * decay for lr in self._lrs()]
 
     def _get_closed_form_lr(self) -> List[float]:
+        if not self.total_iters:  # (torch's divides by 0) where get_lr's steps stay: the rate
+            return list(self.base_lrs)
         decay = (1.0 - min(self.total_iters, self.last_epoch) / self.total_iters) ** self.power
         return [base * decay for base in self.base_lrs]
 
