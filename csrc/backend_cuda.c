@@ -369,7 +369,10 @@ static int cu_gpu_processes(void *ctx, int64_t *pids, int64_t *bytes, int cap) {
         }
         char uuid[64] = "GPU-";
         uuid_text(&p.uuid, uuid + 4, sizeof uuid - 4);
-        if (nvml_by_uuid(uuid, &dev) != 0 || !dev) return -1;
+        if (nvml_by_uuid(uuid, &dev) != 0 || !dev) {
+            memcpy(uuid, "MIG-", 4); /* a MIG instance: CUDA's UUID is the instance's, which NVML names so */
+            if (nvml_by_uuid(uuid, &dev) != 0 || !dev) return -1;
+        }
         __atomic_store_n(&c->nvml_dev, dev, __ATOMIC_RELEASE);
     }
     /* NVML_ERROR_INSUFFICIENT_SIZE (7) fills nothing and says how many there are: ask again */

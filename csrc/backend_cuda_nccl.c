@@ -25,8 +25,10 @@ typedef int (*fn_nccl_comm_destroy)(void *comm);
 typedef const char *(*fn_nccl_get_error_string)(int);
 typedef int (*fn_nccl_get_version)(int *);
 enum { NCCL_FLOAT32 = 7, NCCL_SUM = 0 };
-/* The first NCCL whose collectives a CUDA graph can capture (the training step is captured). */
-#define NCCL_MIN_VERSION 20906 /* 2.9.6 */
+/* The first NCCL whose collectives a CUDA graph can capture (from 2.9.6) and run beside ones
+ * not captured on the same communicator (NCCL_GRAPH_MIXING_SUPPORT, 2.13): the training step
+ * is captured, and the first step of each shape, a validation's, runs eagerly. */
+#define NCCL_MIN_VERSION 21300 /* 2.13.0 */
 
 static struct {
     pthread_once_t once;
@@ -87,7 +89,8 @@ static void nccl_load(void) {
         nccl_version_text(nccl.version, have, sizeof have);
         nccl_version_text(NCCL_MIN_VERSION, need, sizeof need);
         snprintf(nccl.why, sizeof nccl.why,
-                 "NCCL %s (%.300s) is older than %s, the first whose collectives a CUDA graph can capture; install "
+                 "NCCL %s (%.300s) is older than %s, the first that runs collectives a CUDA graph captured beside "
+                 "ones it did not on one communicator; install "
                  "a newer one (the nvidia-nccl wheel for this CUDA, or libnccl2) or point CMLP_NCCL_LIBRARY at it",
                  have, path, need);
         nccl.ok = false;

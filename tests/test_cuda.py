@@ -2661,11 +2661,13 @@ print(json.dumps({"listing": listing, "oom": message, "pid": os.getpid(), "name"
 
 
 @needs_cuda
-def test_out_of_memory_names_the_processes_that_hold_the_gpu_as_torch():
+@pytest.mark.parametrize("mig", ["", "1"])
+def test_out_of_memory_names_the_processes_that_hold_the_gpu_as_torch(mig):
     """As torch's out-of-memory message: the other processes on the GPU and this process's whole
     use, from NVML; and torch.cuda.list_gpu_processes. The emulated NVML adds a process holding
-    1 GiB (CMLP_EMU_NVML_PROCESSES); on a GPU, NVML reports what runs there."""
-    env = dict(os.environ, CMLP_EMU_NVML_PROCESSES="4242:1073741824")
+    1 GiB (CMLP_EMU_NVML_PROCESSES); on a GPU, NVML reports what runs there. On a MIG instance
+    (CMLP_EMU_MIG=1) NVML knows the device by its "MIG-" UUID."""
+    env = dict(os.environ, CMLP_EMU_NVML_PROCESSES="4242:1073741824", CMLP_EMU_MIG=mig)
     env["PYTHONPATH"] = REPO_PYTHON + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     r = subprocess.run([sys.executable, "-c", _PROCESSES_SCRIPT], env=env, capture_output=True, text=True,
                        timeout=300)

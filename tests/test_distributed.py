@@ -632,16 +632,17 @@ print(json.dumps(out))
 
 
 @needs_emulated_nccl
-@pytest.mark.parametrize("version", [2804, 20905])
+@pytest.mark.parametrize("version", [2804, 20905, 21207])
 def test_an_nccl_too_old_for_graph_capture_is_refused_with_its_version(emulator, version):
-    # the step holds NCCL's collectives inside a CUDA graph, which NCCL supports from 2.9.6 on
+    # the step holds NCCL's collectives inside a CUDA graph, which NCCL supports from 2.9.6 on,
+    # and runs eager ones beside its replays, which it supports from 2.13 on
     env = job_env(emulated_gpu=True)
     env["CMLP_EMU_NCCL_VERSION"] = str(version)
     p = subprocess.run([sys.executable, "-c", _OLD_NCCL_SCRIPT], capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    shown = {2804: "2.8.4", 20905: "2.9.5"}[version]
-    assert f"NCCL {shown} (" in out["error"] and "older than 2.9.6" in out["error"], out
+    shown = {2804: "2.8.4", 20905: "2.9.5", 21207: "2.12.7"}[version]
+    assert f"NCCL {shown} (" in out["error"] and "older than 2.13.0" in out["error"], out
     assert out["unchanged"] and out["available"] is False
 
 

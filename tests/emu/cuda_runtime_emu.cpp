@@ -1904,8 +1904,11 @@ __attribute__((visibility("default"))) int nvmlDeviceGetHandleByUUID(const char 
     unsigned n = 0;
     nvmlDeviceGetCount_v2(&n);
     char mine[96];
+    /* CMLP_EMU_MIG=1: each device is a MIG instance, whose UUID (CUDA's too) NVML names "MIG-..." */
+    const char *mig = getenv("CMLP_EMU_MIG");
+    const char *kind = mig && mig[0] ? "MIG" : "GPU";
     for (unsigned i = 0; uuid && device && i < n; i++) {
-        std::snprintf(mine, sizeof mine, "GPU-7e57%04x-0000-4000-8000-%012x", i, i * 7919u);
+        std::snprintf(mine, sizeof mine, "%s-7e57%04x-0000-4000-8000-%012x", kind, i, i * 7919u);
         if (std::strcmp(mine, uuid) == 0) {
             *device = reinterpret_cast<void *>((uintptr_t)i + 1);
             return 0;

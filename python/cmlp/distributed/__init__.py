@@ -182,12 +182,13 @@ def _nccl_library() -> Optional[str]:
     return "libnccl.so.2"
 
 
-# The first NCCL whose collectives a CUDA graph can capture (the training step is captured).
-_NCCL_MIN_VERSION = 20906  # 2.9.6, NCCL's code: major * 10000 + minor * 100 + patch
+# The first NCCL that runs collectives a CUDA graph captured (the training step) beside ones it did
+# not on one communicator (the C backend's NCCL_MIN_VERSION).
+_NCCL_MIN_VERSION = 21300  # 2.13.0, NCCL's code: major * 10000 + minor * 100 + patch
 
 
 def is_nccl_available() -> bool:
-    """True when this build has the CUDA backend and an NCCL it can use (2.9.6 or later) can be
+    """True when this build has the CUDA backend and an NCCL it can use (2.13 or later) can be
     loaded (with no MPI module, for a group of one)."""
     if not _cmlp.build_info()["cuda_compiled"]:
         return False
