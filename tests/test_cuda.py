@@ -1876,6 +1876,31 @@ def test_set_device_makes_cuda_name_that_gpu_in_this_thread():
 
 
 @needs_cuda
+def test_a_model_trains_on_its_gpu_whichever_is_current():
+    """A model on cuda:1 trains, evaluates and moves with GPU 0 current in the thread (and one on
+    cuda:0 with GPU 1 current): every kernel, GEMM and copy runs on the model's GPU with its
+    memory (the emulated GPU refuses a kernel another GPU's memory is handed to), and the
+    weights are those of the same run on GPU 0 alone."""
+    code = ("import hashlib, json, numpy as np, cmlp; c = cmlp.cuda\n"
+            "if c.device_count() < 2:\n    print(json.dumps(None)); raise SystemExit\n"
+            "x = np.random.default_rng(0).integers(0, 256, (300, 64), dtype=np.uint8); y = np.arange(300) % 5\n"
+            "def run(dev, current):\n"
+            "    c.set_device(current)\n"
+            "    m = cmlp.MLP([64, 32, 5], device=dev, seed=0)\n"
+            "    t = cmlp.Trainer(m, cmlp.optim.Adam(m), batch_size=32, amp='fp16')\n"
+            "    t.fit(x, y, epochs=2, progress=False)\n"
+            "    acc = m.evaluate(x, y)['accuracy']\n"
+            "    m.to('cuda:0' if dev == 'cuda:1' else 'cuda:1')\n"
+            "    t.fit(x, y, epochs=1, progress=False)\n"
+            "    w = b''.join(v.tobytes() for v in m.state_dict().values())\n"
+            "    return [hashlib.sha1(w).hexdigest(), acc, m.device, c.current_device()]\n"
+            "print(json.dumps([run('cuda:1', 0), run('cuda:0', 1)]))")
+    one, zero = _on_two_gpus(code)
+    assert one[0] == zero[0] and one[1] == zero[1], (one, zero)
+    assert one[2:] == ["cuda:0", 0] and zero[2:] == ["cuda:1", 1], (one, zero)
+
+
+@needs_cuda
 def test_torch_cuda_memory_stats_of_a_gpu_not_used_once_another_is_open():
     """As torch's once CUDA has started, memory_stats of a GPU not used yet has every key, all 0,
     with the settings it will open with; reading it opens nothing. (Two GPUs; the emulated

@@ -323,8 +323,16 @@ cudaError_t submit(cudaStream_t stream, std::function<void()> run, const char *n
 bool kernel_pointer_ok(const void *p, const char *kernel, int index) {
     if (!p) return true;
     std::lock_guard<std::recursive_mutex> g(gpu);
-    if (device_range(p, 1)) return true;
-    std::fprintf(stderr, "cuda_emu: argument %d of kernel %s is %p, which is not device memory\n", index, kernel, p);
+    if (!device_range(p, 1)) {
+        std::fprintf(stderr, "cuda_emu: argument %d of kernel %s is %p, which is not device memory\n", index, kernel,
+                     p);
+        return false;
+    }
+    /* another GPU's memory: an illegal address on a GPU without peer access (none is enabled) */
+    const region *r = find_region(p, nullptr);
+    if (r->device == cur_dev()) return true;
+    std::fprintf(stderr, "cuda_emu: argument %d of kernel %s is %p, device %d's memory, launched on device %d\n",
+                 index, kernel, p, r->device, cur_dev());
     return false;
 }
 
