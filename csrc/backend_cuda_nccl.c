@@ -140,6 +140,29 @@ static cmlp_status cu_comm_init(void *ctx, const void *id, int rank, int size, v
     return CMLP_OK;
 }
 
+/* NCCL makes its peers' connections, and their buffers, in device memory outside the caching
+ * allocator, at a communicator's first collectives of each kind (from 2.22; before, as the
+ * communicator is made): a CUDA or system error there with less than this much free is most
+ * likely that. */
+#define NCCL_ROOM ((size_t)1 << 30)
+
+/* What a failed NCCL call's message adds: where it met a CUDA or system error with little device
+ * memory free, that its buffers found no room, and what leaves them some. */
+static void nccl_room_hint(int r, char *out, size_t cap) {
+    size_t free_b = 0, total = 0;
+    out[0] = '\0';
+    if (r != 1 && r != 2) return; /* ncclUnhandledCudaError, ncclSystemError */
+    if (cudaMemGetInfo(&free_b, &total) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return;
+    }
+    if (free_b >= NCCL_ROOM) return;
+    snprintf(out, cap, ". With %.2f MiB of device memory free, this is most likely NCCL's own buffers, which it makes "
+             "outside the caching allocator at a communicator's first collectives: cmlp.cuda.empty_cache() before "
+             "the first step, a lower cmlp.memory.set_memory_limit, or NCCL_RUNTIME_CONNECT=0 in the environment "
+             "(NCCL makes them as the process group is made) leaves them room", (double)free_b / (1 << 20));
+}
+
 static cmlp_status cu_comm_all_reduce(void *ctx, void *comm, float *d_buf, int64_t n) {
     cuda_ctx *c = ctx;
     NCCL_READY();
@@ -149,9 +172,13 @@ static cmlp_status cu_comm_all_reduce(void *ctx, void *comm, float *d_buf, int64
     pthread_mutex_lock(&c->lock);
     int r = nccl.all_reduce(d_buf, d_buf, (size_t)n, NCCL_FLOAT32, NCCL_SUM, comm, stream_of(c));
     pthread_mutex_unlock(&c->lock);
-    if (r != 0) (void)cudaGetLastError(); /* a CUDA error NCCL met is its failure's, not the next launch's */
-    if (r != 0) return FAIL(CMLP_ERR_DEVICE, "ncclAllReduce of %lld floats failed: %s (NCCL result %d)", (long long)n,
-                            nccl.error_string(r), r);
+    if (r != 0) {
+        (void)cudaGetLastError(); /* a CUDA error NCCL met is its failure's, not the next launch's */
+        char hint[400];
+        nccl_room_hint(r, hint, sizeof hint);
+        return FAIL(CMLP_ERR_DEVICE, "ncclAllReduce of %lld floats failed: %s (NCCL result %d)%s", (long long)n,
+                    nccl.error_string(r), r, hint);
+    }
     return done(c, cudaSuccess, "ncclAllReduce");
 }
 
@@ -175,10 +202,13 @@ static cmlp_status per_part(void *ctx, void *comm, float *d_buf, int64_t n, int6
     int e = nccl.group_end(); /* also after a failed call: the group is closed either way */
     if (r == 0) r = e;
     pthread_mutex_unlock(&c->lock);
-    if (r != 0) (void)cudaGetLastError(); /* (as in cu_comm_all_reduce) */
-    if (r != 0)
-        return FAIL(CMLP_ERR_DEVICE, "the %s of %lld floats (%s) failed: %s (NCCL result %d)", what, (long long)n,
-                    call, nccl.error_string(r), r);
+    if (r != 0) {
+        (void)cudaGetLastError(); /* (as in cu_comm_all_reduce) */
+        char hint[400];
+        nccl_room_hint(r, hint, sizeof hint);
+        return FAIL(CMLP_ERR_DEVICE, "the %s of %lld floats (%s) failed: %s (NCCL result %d)%s", what, (long long)n,
+                    call, nccl.error_string(r), r, hint);
+    }
     return done(c, cudaSuccess, call);
 }
 

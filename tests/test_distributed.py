@@ -646,6 +646,47 @@ def test_an_nccl_too_old_for_graph_capture_is_refused_with_its_version(emulator,
     assert out["unchanged"] and out["available"] is False
 
 
+_CONNECT_SCRIPT = r"""
+import json
+import numpy as np
+import cmlp
+D = cmlp.distributed
+D.init_process_group("nccl")
+model = cmlp.MLP([64, 32, 5], device="cuda", seed=0)
+before = model._c.get_params()
+x, y = np.ones((64, 64), np.float32), np.arange(64) % 5
+free = cmlp.memory.mem_get_info("cuda")[0]
+try:
+    cmlp.Trainer(model, cmlp.optim.SGD(model, lr=0.1), batch_size=16).fit(x, y, epochs=1, progress=False)
+    out = {"error": None}
+except RuntimeError as e:
+    out = {"error": str(e)}
+out["unchanged"] = bool(np.array_equal(before, model._c.get_params()))
+out["taken"] = free - cmlp.memory.mem_get_info("cuda")[0]
+print(json.dumps(out))
+"""
+
+
+@needs_emulated_nccl
+@pytest.mark.parametrize("connect", [100 << 20, 1 << 40])
+def test_nccl_buffers_that_find_no_device_memory_are_named_in_the_error(emulator, connect):
+    """NCCL makes its connections' buffers at a communicator's first collectives, in device memory
+    outside the caching allocator (the emulated NCCL: CMLP_EMU_NCCL_CONNECT_BYTES). Where they fit
+    they take that memory; where they do not, the step's all-reduce fails with NCCL's error, which
+    says what it most likely is and what leaves room, and the model is as it was."""
+    env = job_env(emulated_gpu=True)
+    env.update(CMLP_EMU_MEMORY=str(512 << 20), CMLP_EMU_NCCL_CONNECT_BYTES=str(connect))
+    p = subprocess.run([sys.executable, "-c", _CONNECT_SCRIPT], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    if connect == 100 << 20:
+        assert out["error"] is None and out["taken"] == connect and not out["unchanged"], out
+    else:
+        assert out["error"].startswith("ncclAllReduce of ") and "(NCCL result 1)" in out["error"], out
+        assert "most likely NCCL's own buffers" in out["error"] and "NCCL_RUNTIME_CONNECT=0" in out["error"], out
+        assert out["unchanged"] and out["taken"] == 0, out
+
+
 @needs_emulated_nccl
 def test_on_gpus_a_group_made_again_gives_the_trainer_a_new_communicator(emulator):
     out = run_job(2, "regroup", {"device": "cuda", "backend": "nccl"}, timeout=300, emulated_gpu=True)

@@ -1679,6 +1679,8 @@ struct nccl_uid {
 };
 struct nccl_comm {
     MPI_Comm comm;
+    size_t connected = 0; /* device bytes its connections hold (CMLP_EMU_NCCL_CONNECT_BYTES) */
+    int device = 0;
 };
 std::set<nccl_comm *> live_comms; /* a sum queued or replayed on a destroyed one aborts */
 enum { NCCL_OK = 0, NCCL_INTERNAL = 3, NCCL_INVALID_ARGUMENT = 4, NCCL_INVALID_USAGE = 5 };
@@ -1756,6 +1758,17 @@ static int queue_collective(const char *name, const void *send, void *recv, size
     if (!live_comms.count(nc)) {
         fprintf(stderr, "nccl_emu: %s on a destroyed communicator\n", name);
         return NCCL_INVALID_ARGUMENT;
+    }
+    /* CMLP_EMU_NCCL_CONNECT_BYTES=n: a communicator's first collective connects its peers (NCCL's
+     * runtime connection, from 2.22), whose buffers take n bytes of the device's memory outside
+     * any allocator; where they are not free it fails, as NCCL's does (ncclUnhandledCudaError) */
+    static const size_t connect_bytes = env_size("CMLP_EMU_NCCL_CONNECT_BYTES", 0);
+    if (connect_bytes && !nc->connected) {
+        const int d = cur_dev();
+        if (connect_bytes > capacity() - std::min(capacity(), used[d])) return 1;
+        used[d] += connect_bytes;
+        nc->connected = connect_bytes;
+        nc->device = d;
     }
     MPI_Comm mc = nc->comm;
     const int in_graph = resolve(stream)->capturing;
@@ -1871,6 +1884,7 @@ NCCL_EMU_API int ncclCommDestroy(void *comm) {
             abort();
         }
     if (!live_comms.erase(c)) return NCCL_INVALID_ARGUMENT;
+    used[c->device] -= c->connected;
     if (c->comm != MPI_COMM_NULL) MPI_Comm_free(&c->comm);
     delete c;
     return NCCL_OK;
@@ -1879,6 +1893,7 @@ NCCL_EMU_API int ncclCommDestroy(void *comm) {
 NCCL_EMU_API const char *ncclGetErrorString(int r) {
     switch (r) {
     case NCCL_OK: return "no error";
+    case 1: return "unhandled cuda error (emulated NCCL: its connections found no device memory)";
     case NCCL_INTERNAL: return "internal error (emulated NCCL)";
     case NCCL_INVALID_ARGUMENT: return "invalid argument (emulated NCCL)";
     case NCCL_INVALID_USAGE: return "invalid usage (emulated NCCL)";
