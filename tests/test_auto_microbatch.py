@@ -802,15 +802,23 @@ def test_a_growth_that_runs_out_of_memory_goes_back_to_the_size_that_worked():
     trainer = None
     assert same(got, _replay(layers, batch, steps + steps[:1], [2667] * 8 + [1334]))
 
-    # from the same checkpoint with no limit the growth works: the next one waits grow_interval
-    trainer = fresh(layers, batch, grow_interval=2)
-    trainer.model.load_state_dict(checkpoint[0])
-    trainer.optimizer.load_state_dict(checkpoint[1])
-    trainer.load_state_dict(checkpoint[2])
-    trainer.step(*steps[6])
-    state = trainer.state_dict()
-    assert trainer._c.oom_retries() == 0 and state["microbatch_size"] == 4000
-    assert state["microbatch_good_steps"] == 1 and state["microbatch_grow_wait"] == 2
+    # from the same checkpoint with no limit: the micro-batch the limit's plan cut to, which the
+    # checkpoint carries, gives way to the one asked for, as the uninterrupted trainer's would;
+    # without it (an earlier cmlp's checkpoint) the growth works, and the next waits grow_interval
+    assert checkpoint[2]["microbatch_limit_cut"] == 2667
+    for state in (checkpoint[2], {k: v for k, v in checkpoint[2].items() if k != "microbatch_limit_cut"}):
+        trainer = fresh(layers, batch, grow_interval=2)
+        trainer.model.load_state_dict(checkpoint[0])
+        trainer.optimizer.load_state_dict(checkpoint[1])
+        trainer.load_state_dict(state)
+        trainer.step(*steps[6])
+        after = trainer.state_dict()
+        assert trainer._c.oom_retries() == 0
+        if "microbatch_limit_cut" in state:
+            assert after["microbatch_size"] == after["microbatch_target"] == batch, after
+        else:
+            assert after["microbatch_size"] == 4000, after
+            assert after["microbatch_good_steps"] == 1 and after["microbatch_grow_wait"] == 2
 
 
 def test_a_step_under_a_limit_starts_from_the_planners_micro_batch_as_fit_does():

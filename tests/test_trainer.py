@@ -8,6 +8,7 @@ import math
 import os
 import re
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -178,7 +179,8 @@ def test_a_bad_trainer_state_dict_raises_and_changes_nothing():
     trainer._c.start_microbatch(8)
     good = trainer.state_dict()
     assert good == {"epochs": 1, "microbatch_size": 8, "microbatch_target": 16, "microbatch_good_steps": 0,
-                    "microbatch_grown_from": 0, "microbatch_grow_wait": 100, "scaler": good["scaler"],
+                    "microbatch_grown_from": 0, "microbatch_grow_wait": 100, "microbatch_planned": None,
+                    "microbatch_limit_cut": None, "in_fit": False, "scaler": good["scaler"],
                     "batch_size": 16, "accumulation_steps": 1} and good["scaler"]["scale"] == 65536.0
     for bad, pattern in ((dict(good, epochs=-1), "epochs"), (dict(good, epochs=1.5), "epochs"),
                          (dict(good, epochs=2**70, microbatch_size=2), "epochs"),
@@ -193,6 +195,13 @@ def test_a_bad_trainer_state_dict_raises_and_changes_nothing():
                          (dict(good, microbatch_grow_wait=-1), "grow_wait"),
                          (dict(good, microbatch_grow_wait=2**63), "grow_wait"),
                          (dict(good, microbatch_grow_wait=True), "grow_wait"),
+                         (dict(good, microbatch_planned={"limit": 0, "batch_rows": [16]}), "limit"),
+                         (dict(good, microbatch_planned={"limit": 1 << 20, "batch_rows": [0]}), "batch_rows"),
+                         (dict(good, microbatch_planned={"limit": 1 << 20}), "microbatch_planned"),
+                         (dict(good, microbatch_planned=[1 << 20, [16]]), "microbatch_planned"),
+                         (dict(good, microbatch_limit_cut=17), "limit cut"),
+                         (dict(good, microbatch_limit_cut=0), "limit_cut"),
+                         (dict(good, in_fit="yes"), "in_fit"),
                          (dict(good, unknown=1), "keys"), (dict(good, batch_size=0), "batch_size"),
                          (dict(good, accumulation_steps=1.0), "accumulation_steps"),
                          (dict(good, batch_size=32, microbatch_size=0), "microbatch_size"),
@@ -669,3 +678,90 @@ def test_a_setting_reads_back_as_made_and_refuses_assignment(name):
     assert getattr(t, name) is made[name] or getattr(t, name) == made[name]
     x, y = teacher_data(64)
     assert math.isfinite(t.fit(x, y, epochs=1, progress=False)[0]["loss"])
+
+
+def test_under_a_memory_limit_a_resumed_run_goes_on_as_the_uninterrupted_one():
+    """Under a memory limit the planner cuts the step into micro-batches, and growth trials go
+    back up. A checkpoint carries what they depend on: the steps of each batch size plan once
+    (under that limit), so a run of steps resumed from one does not plan again; one taken inside
+    a fit (here from a schedule's function, between epochs) resumes that fit where it was,
+    whereas a new fit call plans afresh. Either way the rest of the run is the uninterrupted
+    one's: losses, micro-batches, weights and the trainer's state. (Each run alone, under a
+    limit of 2 MiB above what the process holds.)"""
+    import pickle
+
+    M = cmlp.memory
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1200, 32)).astype(np.float32)
+    y = np.argmax(x @ np.random.default_rng(1).standard_normal((32, 10)), 1)
+    S = cmlp.optim.lr_scheduler
+
+    gc.collect()
+    M.empty_cache("cpu")
+    limit = M.memory_reserved("cpu") + (2 << 20)
+
+    def build(seed=1, state=None):  # (the last run's objects gone: each starts from the same memory)
+        gc.collect()
+        M.empty_cache("cpu")
+        M.set_memory_limit(limit, "cpu")
+        model = cmlp.MLP([32, 256, 10], seed=seed)
+        opt = cmlp.optim.Adam(model, lr=1e-3)
+        trainer = cmlp.Trainer(model, opt, batch_size=512, grow_interval=2, seed=4, amp="fp16")
+        if state is not None:
+            state = pickle.loads(state)
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            trainer.load_state_dict(state["trainer"])
+        return model, opt, trainer
+
+    def checkpoint(model, opt, trainer):
+        return pickle.dumps({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                             "trainer": trainer.state_dict()})
+
+    def weights(model):
+        return b"".join(v.tobytes() for v in model.state_dict().values())
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", cmlp.MemoryWarning)
+            # steps, every third batch 5 rows short (another batch size, planned once too)
+            batches = [np.random.default_rng(i).permutation(1200)[:512 if i % 3 else 507] for i in range(9)]
+            m, _, t = build()
+            straight = [(t.step(x[b], y[b]), t.microbatch_size) for b in batches]
+            want = weights(m), t.state_dict()
+            del m, t
+            m, o, t = build()
+            for b in batches[:4]:
+                t.step(x[b], y[b])
+            assert t.state_dict()["microbatch_planned"]["batch_rows"] == [507, 512]
+            blob = checkpoint(m, o, t)
+            del m, o, t
+            m, _, t = build(seed=99, state=blob)
+            assert [(t.step(x[b], y[b]), t.microbatch_size) for b in batches[4:]] == straight[4:]
+            assert (weights(m), t.state_dict()) == want and min(size for _, size in straight) < 512
+
+            # a fit of 5 epochs, and a checkpoint taken inside one after its first (when a growth
+            # trial has moved the micro-batch off the plan's start)
+            del m, t
+            m, _, t = build()
+            whole = t.fit(x, y, epochs=5, progress=False)
+            want = weights(m), t.state_dict()
+            del m, t
+            m, o, t = build()
+            taken = []
+
+            def rate(epoch, m=m, o=o, t=t):
+                if epoch == 1:
+                    taken.append(checkpoint(m, o, t))
+                return 1.0
+
+            t.fit(x, y, epochs=5, progress=False, scheduler=S.LambdaLR(o, rate))
+            del m, o, t, rate
+            m, _, t = build(seed=99, state=taken[0])
+            assert t.epochs == 1 and t.microbatch_size != t.state_dict()["microbatch_limit_cut"]
+            rest = t.fit(x, y, epochs=4, progress=False)
+            assert [(h["loss"], h["microbatch_size"]) for h in rest] == \
+                [(h["loss"], h["microbatch_size"]) for h in whole[1:]]
+            assert (weights(m), t.state_dict()) == want
+    finally:
+        M.set_memory_limit(None, "cpu")

@@ -10,15 +10,20 @@ from . import distributed as _dist
 
 
 def start_under_limit(trainer: Any, xa: Optional[np.ndarray] = None, batch_rows: int = 0,
-                      stacklevel: int = 6) -> None:
+                      stacklevel: int = 6, keep_micro: bool = False) -> None:
     """Under a memory limit, start from the largest micro-batch (the fewest of a step) that fits
     next to what is allocated now, up to the one asked for. A fit on a GPU has copied
     its data set xa to the device: where the step would fit a larger micro-batch without it
     (or, without auto_microbatch, only without it), the copy goes and the batches are staged
     from host memory, so that the data set never costs the step its room. trainer.step gives
-    batch_rows instead of xa: the rows of its one step, this rank's, staged from host memory."""
+    batch_rows instead of xa: the rows of its one step, this rank's, staged from host memory.
+    keep_micro: the fit goes on from a checkpoint taken inside one (Trainer.load_state_dict),
+    whose micro-batch state is that of the epochs done: where the data set is is decided, and the
+    micro-batch stays."""
     device = trainer.model.device
     limit = memory.get_memory_limit(device)
+    if limit is None and keep_micro:
+        return
     if limit is None:
         # the limit gone: a micro-batch that a planned start cut for it is the one asked for
         # again (one that an out-of-memory has made smaller since is the device's own: it stays)
@@ -113,7 +118,7 @@ def start_under_limit(trainer: Any, xa: Optional[np.ndarray] = None, batch_rows:
         if fits_host and (not fits_one or b_host > b):
             trainer._c.set_host_data(True)  # the batches come from host memory for the rest of this fit
             b, p, fits_one = b_host, p_host, fits_host
-    if not trainer.auto_microbatch:
+    if not trainer.auto_microbatch or keep_micro:
         return
     if b == first < target and batch_rows:
         # trainer.step's batch, shorter than the micro-batch asked for, fits whole: the micro-batch

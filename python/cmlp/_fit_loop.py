@@ -36,6 +36,7 @@ class FitLoop:
         microbatch_size: int
         _c: _cmlp.Trainer
         _limit_micro: Optional[int]
+        _resume_in_fit: bool
         _bar_epochs: Optional[Tuple[int, int]]
         _eval_rows: int
 
@@ -71,8 +72,9 @@ class FitLoop:
                     first_lr = self.optimizer.lr
                     self.optimizer._sync_parts(self.optimizer._rates()[1], parts=self._parts_kept)  # as in step()
                     start = time.perf_counter()
-                    if epoch == 1:
-                        self._together(lambda: start_under_limit(self, xa))
+                    if epoch == 1:  # (a fit resumed from inside one goes on with its micro-batch)
+                        keep, self._resume_in_fit = self._resume_in_fit, False
+                        self._together(lambda: start_under_limit(self, xa, keep_micro=keep))
                     self.optimizer._opt_called = True  # its schedule steps after the optimizer's
                     retries = self._c.oom_retries()
                     try:

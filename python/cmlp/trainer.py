@@ -156,6 +156,7 @@ class Trainer(FitLoop):
         self._warned: Optional[int] = None  # the micro-batch the last MemoryWarning named (each is smaller)
         self._step_planned: Any = None  # ((device, limit), the batch sizes of steps that planned under it)
         self._limit_micro: Optional[int] = None  # the micro-batch a limit's planned start cut to (_fit_limit)
+        self._resume_in_fit = False  # state loaded from inside a fit: the next fit goes on with its micro-batch
         self._bar_epochs: Optional[Tuple[int, int]] = None  # (first, total): a loop of fits that draws one run's bars
         self._parts_kept = False  # a fit's param-group parts kept for the rest of it (_run_scheduled)
         self._model, self._optimizer = model, optimizer
@@ -275,7 +276,9 @@ class Trainer(FitLoop):
         begun (the next epoch's order), what automatic micro-batching moves (the micro-batch in
         use, the one it grows back to, the good steps toward the next growth, the micro-batch the
         last growth started from, which an out-of-memory goes back to, the good steps the next
-        growth waits for) and the loss scaler's state. Not while another thread's fit or step runs
+        growth waits for; under a memory limit, the limit and the batch sizes whose steps have
+        planned their start under it, which later steps of those sizes do not plan again, and the
+        micro-batch the plan cut to) and the loss scaler's state. Not while another thread's fit or step runs
         on the trainer (its state then is half an epoch's, which no run resumes from exactly);
         from inside it (a callback between epochs), it is the state of the epochs done."""
         if self._lost:
@@ -284,15 +287,22 @@ class Trainer(FitLoop):
         if owner is not None and owner != threading.get_ident():
             raise self._busy_error("state_dict", owner)
         size, target, good, grown_from, wait = self._c.microbatch_state()
+        planned = None
+        if self._step_planned is not None:
+            (_, limit), rows = self._step_planned
+            planned = {"limit": limit, "batch_rows": sorted(rows)}
         return {"epochs": self._c.epochs, "microbatch_size": size, "microbatch_target": target,
                 "microbatch_good_steps": good, "microbatch_grown_from": grown_from, "microbatch_grow_wait": wait,
+                "microbatch_planned": planned, "microbatch_limit_cut": self._limit_micro,
+                "in_fit": owner == threading.get_ident(),
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "batch_size": self.batch_size, "accumulation_steps": self.accumulation_steps}
 
     _STATE_KEYS = {"epochs", "microbatch_size", "microbatch_target", "microbatch_good_steps",
-                   "microbatch_grown_from", "microbatch_grow_wait", "scaler", "batch_size", "accumulation_steps"}
-    _OPTIONAL_STATE_KEYS = ("microbatch_grown_from", "microbatch_grow_wait", "batch_size",
-                            "accumulation_steps")  # newer than the rest
+                   "microbatch_grown_from", "microbatch_grow_wait", "microbatch_planned", "microbatch_limit_cut",
+                   "in_fit", "scaler", "batch_size", "accumulation_steps"}
+    _OPTIONAL_STATE_KEYS = ("microbatch_grown_from", "microbatch_grow_wait", "microbatch_planned",
+                            "microbatch_limit_cut", "in_fit", "batch_size", "accumulation_steps")  # newer than the rest
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restores what state_dict() gave, into a trainer made with the same arguments; a bad
@@ -326,6 +336,9 @@ class Trainer(FitLoop):
         if counts["microbatch_grown_from"] >= size:
             raise ValueError(f"state_dict's micro-batch grown from ({counts['microbatch_grown_from']}) must be "
                              f"smaller than the one in use ({size}), or 0 (none)")
+        planned, cut = self._planned_of(state_dict.get("microbatch_planned"), state_dict.get("microbatch_limit_cut"),
+                                        target)
+        in_fit = as_flag("state_dict['in_fit']", state_dict.get("in_fit", False))
         scaler = state_dict["scaler"]
         if (scaler is None) != (self.scaler is None):
             raise ValueError("the state_dict's loss scaler does not match this trainer's: "
@@ -340,9 +353,11 @@ class Trainer(FitLoop):
                 if own:
                     self._c.set_microbatch_state(size, target, counts["microbatch_good_steps"],
                                                  counts["microbatch_grown_from"], counts["microbatch_grow_wait"])
+                    self._step_planned, self._limit_micro = planned, cut
                 else:
                     self._c.set_microbatch_state(*self._fresh_microbatch)
-                self._limit_micro = None
+                    self._step_planned = self._limit_micro = None
+                self._resume_in_fit = own and in_fit
             except BaseException:
                 if scaler is not None:
                     self.scaler.load_state_dict(before)
@@ -350,6 +365,25 @@ class Trainer(FitLoop):
             self._c.epochs = counts["epochs"]
         finally:
             self._claims.pop(call, None)
+
+    def _planned_of(self, planned: Any, cut: Any, target: int) -> Tuple[Any, Optional[int]]:
+        """A state_dict's "microbatch_planned" ({"limit": bytes, "batch_rows": [...]}, or None) as
+        _step_planned (on this trainer's device), and its "microbatch_limit_cut" (None or a
+        micro-batch up to the target), checked."""
+        if cut is not None:
+            cut = _positive_int("state_dict['microbatch_limit_cut']", cut)
+            if cut > target:
+                raise ValueError(f"state_dict's micro-batch a limit cut to ({cut}) is larger than its target ({target})")
+        if planned is None:
+            return None, cut
+        what = "state_dict['microbatch_planned'] must be None or a dict of a limit in bytes and the batch_rows planned"
+        if not isinstance(planned, dict) or set(planned) != {"limit", "batch_rows"} or \
+                not isinstance(planned["batch_rows"], (list, tuple)):
+            raise ValueError(what)
+        limit = _positive_int("state_dict['microbatch_planned']['limit']", planned["limit"])
+        rows = frozenset(_positive_int("state_dict['microbatch_planned']['batch_rows']", r)
+                         for r in planned["batch_rows"])
+        return ((self.model.device, limit), rows), cut
 
     def _push_scaler(self) -> None:
         """The scaler's state into the C loop, which scales, checks, skips and updates."""
@@ -506,6 +540,7 @@ class Trainer(FitLoop):
     def _start_step(self, rows: int) -> None:
         """Under a memory limit, a step of rows starts from the planner's micro-batch, as fit's
         epochs do (once for each limit and batch size: later steps grow back from there)."""
+        self._resume_in_fit = False  # (a fit's state, loaded, and then a step: the next fit plans)
         limit = memory.get_memory_limit(self.model.device)
         key = (self.model.device, limit)  # (a model moved to a GPU with the same limit plans again)
         planned = self._step_planned
