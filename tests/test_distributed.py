@@ -610,47 +610,12 @@ def test_without_the_mpi_module_a_process_is_a_group_of_one(tmp_path):
     assert "has no MPI support" in json.loads(p.stdout.strip().splitlines()[-1])["error"]
 
 
-_OLD_NCCL_SCRIPT = r"""
+_NCCL_FIT_SCRIPT = r"""
 import json
 import numpy as np
 import cmlp
 D = cmlp.distributed
 available = D.is_nccl_available()
-D.init_process_group("nccl")
-model = cmlp.MLP([8, 4], device="cuda", seed=0)
-before = model._c.get_params()
-x, y = np.ones((8, 8), np.float32), np.arange(8) % 4
-try:
-    cmlp.Trainer(model, cmlp.optim.SGD(model, lr=0.1), batch_size=4).fit(x, y, epochs=1, progress=False)
-    out = {"error": None}
-except RuntimeError as e:
-    out = {"error": str(e)}
-out["unchanged"] = bool(np.array_equal(before, model._c.get_params()))
-out["available"] = available
-print(json.dumps(out))
-"""
-
-
-@needs_emulated_nccl
-@pytest.mark.parametrize("version", [2804, 20905, 21207])
-def test_an_nccl_too_old_for_graph_capture_is_refused_with_its_version(emulator, version):
-    # the step holds NCCL's collectives inside a CUDA graph, which NCCL supports from 2.9.6 on,
-    # and runs eager ones beside its replays, which it supports from 2.13 on
-    env = job_env(emulated_gpu=True)
-    env["CMLP_EMU_NCCL_VERSION"] = str(version)
-    p = subprocess.run([sys.executable, "-c", _OLD_NCCL_SCRIPT], capture_output=True, text=True, env=env, timeout=120)
-    assert p.returncode == 0, p.stderr[-3000:]
-    out = json.loads(p.stdout.strip().splitlines()[-1])
-    shown = {2804: "2.8.4", 20905: "2.9.5", 21207: "2.12.7"}[version]
-    assert f"NCCL {shown} (" in out["error"] and "older than 2.13.0" in out["error"], out
-    assert out["unchanged"] and out["available"] is False
-
-
-_CONNECT_SCRIPT = r"""
-import json
-import numpy as np
-import cmlp
-D = cmlp.distributed
 D.init_process_group("nccl")
 model = cmlp.MLP([64, 32, 5], device="cuda", seed=0)
 before = model._c.get_params()
@@ -662,9 +627,29 @@ try:
 except RuntimeError as e:
     out = {"error": str(e)}
 out["unchanged"] = bool(np.array_equal(before, model._c.get_params()))
-out["taken"] = free - cmlp.memory.mem_get_info("cuda")[0]
+out["available"] = available
+out["taken"] = free - cmlp.memory.mem_get_info("cuda")[0]  # (device memory outside the allocator)
 print(json.dumps(out))
 """
+
+
+def _nccl_fit(**env):
+    """_NCCL_FIT_SCRIPT's report, in a group of one on the emulated GPU and NCCL with env set."""
+    env = dict(job_env(emulated_gpu=True), **env)
+    p = subprocess.run([sys.executable, "-c", _NCCL_FIT_SCRIPT], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@needs_emulated_nccl
+@pytest.mark.parametrize("version", [2804, 20905, 21207])
+def test_an_nccl_too_old_for_graph_capture_is_refused_with_its_version(emulator, version):
+    # the step holds NCCL's collectives inside a CUDA graph, which NCCL supports from 2.9.6 on,
+    # and runs eager ones beside its replays, which it supports from 2.13 on
+    out = _nccl_fit(CMLP_EMU_NCCL_VERSION=str(version))
+    shown = {2804: "2.8.4", 20905: "2.9.5", 21207: "2.12.7"}[version]
+    assert f"NCCL {shown} (" in out["error"] and "older than 2.13.0" in out["error"], out
+    assert out["unchanged"] and out["available"] is False
 
 
 @needs_emulated_nccl
@@ -674,11 +659,7 @@ def test_nccl_buffers_that_find_no_device_memory_are_named_in_the_error(emulator
     outside the caching allocator (the emulated NCCL: CMLP_EMU_NCCL_CONNECT_BYTES). Where they fit
     they take that memory; where they do not, the step's all-reduce fails with NCCL's error, which
     says what it most likely is and what leaves room, and the model is as it was."""
-    env = job_env(emulated_gpu=True)
-    env.update(CMLP_EMU_MEMORY=str(512 << 20), CMLP_EMU_NCCL_CONNECT_BYTES=str(connect))
-    p = subprocess.run([sys.executable, "-c", _CONNECT_SCRIPT], capture_output=True, text=True, env=env, timeout=120)
-    assert p.returncode == 0, p.stderr[-3000:]
-    out = json.loads(p.stdout.strip().splitlines()[-1])
+    out = _nccl_fit(CMLP_EMU_MEMORY=str(512 << 20), CMLP_EMU_NCCL_CONNECT_BYTES=str(connect))
     if connect == 100 << 20:
         assert out["error"] is None and out["taken"] == connect and not out["unchanged"], out
     else:

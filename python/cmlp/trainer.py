@@ -373,7 +373,8 @@ class Trainer(FitLoop):
         if cut is not None:
             cut = _positive_int("state_dict['microbatch_limit_cut']", cut)
             if cut > target:
-                raise ValueError(f"state_dict's micro-batch a limit cut to ({cut}) is larger than its target ({target})")
+                raise ValueError(f"state_dict's micro-batch a limit cut to ({cut}) is larger than its target "
+                                 f"({target})")
         if planned is None:
             return None, cut
         what = "state_dict['microbatch_planned'] must be None or a dict of a limit in bytes and the batch_rows planned"
