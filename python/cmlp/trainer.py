@@ -278,9 +278,11 @@ class Trainer(FitLoop):
         last growth started from, which an out-of-memory goes back to, the good steps the next
         growth waits for; under a memory limit, the limit and the batch sizes whose steps have
         planned their start under it, which later steps of those sizes do not plan again, and the
-        micro-batch the plan cut to) and the loss scaler's state. Not while another thread's fit or step runs
-        on the trainer (its state then is half an epoch's, which no run resumes from exactly);
-        from inside it (a callback between epochs), it is the state of the epochs done."""
+        micro-batch the plan cut to) and the loss scaler's state. Not while another thread's fit
+        or step runs on the trainer (its state then is half an epoch's, which no run resumes from
+        exactly); from inside it (a callback between epochs), it is the state of the epochs done,
+        and says so ("in_fit"): a fit resumed from it goes on with its micro-batch, where a new
+        fit call plans its start afresh."""
         if self._lost:
             raise RuntimeError(_LOST)
         owner = self._owner()
