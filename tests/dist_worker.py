@@ -970,7 +970,88 @@ def late_launch_case(opts):
                 rank_spread=spread(after))
 
 
-CASES = {"late_launch": late_launch_case, "zero_partial_inf": zero_partial_inf_case, "fork": fork_case, "zero": zero_case, "zero_errors": zero_errors_case, "zero_plan": zero_plan_case, "regroup": regroup_case, "backend": backend_case,
+def interrupts_case(opts):
+    """A Ctrl-C (SIGINT) that one rank catches: held until the ranks next agree, where every rank
+    raises (that one KeyboardInterrupt), after the same steps; the group goes on in step. And
+    ranks whose loss scalers differ raise before fit's first step."""
+    import signal
+    from cmlp import _fit_loop
+
+    r = D.get_rank()
+    out = {}
+    x, y = data(1200)
+
+    def trained(**kw):
+        m = cmlp.MLP(SIZES, seed=0)
+        return m, cmlp.Trainer(m, cmlp.optim.Adam(m, lr=1e-3), batch_size=2, **kw)
+
+    def fit_together(m, trainer, key):  # every rank again, in step
+        trainer.fit(x[:400], y[:400], epochs=1, progress=False)
+        out[key + "_spread"] = spread(np.concatenate([params(m), [trainer.epochs]]))
+
+    def interrupted(key, call):
+        try:
+            call()
+            out[key] = "returned"
+        except (KeyboardInterrupt, RuntimeError) as e:
+            out[key] = f"{type(e).__name__}: {e}"
+        errors = [None] * D.get_world_size()
+        D.all_gather_object(errors, out[key])
+        out[key] = errors
+
+    # in fit's steps: rank 1 is interrupted after its third call into the epoch loop
+    paced, calls = _fit_loop._paced, [0]
+
+    def pacing(chunk, seconds):
+        calls[0] += 1
+        if r == 1 and calls[0] == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return paced(chunk, seconds)
+
+    _fit_loop._paced = pacing
+    m, trainer = trained()
+    interrupted("steps", lambda: trainer.fit(x, y, epochs=2, progress=False))
+    _fit_loop._paced = paced
+    out["steps_epochs"] = trainer.epochs
+    out["steps_state"] = spread(np.concatenate([params(m), [trainer.optimizer._c.get_state()[0]]]))
+    fit_together(m, trainer, "steps")
+    # at an epoch's end (in its warning's check, which every rank makes)
+    m, trainer = trained()
+    if r == 1:
+        warn = trainer._warn_if_split
+        trainer._warn_if_split = lambda *a, **k: (os.kill(os.getpid(), signal.SIGINT), warn(*a, **k))
+    interrupted("epoch_end", lambda: trainer.fit(x[:400], y[:400], epochs=2, progress=False))
+    trainer.__dict__.pop("_warn_if_split", None)
+    out["epoch_end_epochs"] = trainer.epochs
+    fit_together(m, trainer, "epoch_end")
+    # in a step: before the ranks agree to take it (none does), and after (all do; rank 1 raises)
+    for key, where in (("step_before", "_start_step"), ("step_after", "_push_scaler")):
+        m, trainer = trained()
+        before = params(m).copy()
+        if r == 1:
+            own = getattr(trainer, where)
+            setattr(trainer, where, lambda *a, own=own: (os.kill(os.getpid(), signal.SIGINT), own(*a))[1])
+        interrupted(key, lambda: trainer.step(x[r * 2:r * 2 + 2], y[r * 2:r * 2 + 2]))
+        trainer.__dict__.pop(where, None)
+        out[key + "_taken"] = not np.array_equal(before, params(m))
+        fit_together(m, trainer, key)
+    # loss scalers that differ (a scale loaded on one rank only): every rank raises before a step
+    for key, scale in (("scaler_init", 2.0**10 * (1 + r)), ("scaler_update", 2.0**10)):
+        scaler = cmlp.amp.GradScaler(init_scale=scale)
+        m, trainer = trained(amp="fp16", scaler=scaler)
+        if key == "scaler_update" and r == 1:
+            scaler.update(4.0)
+        before = params(m).copy()
+        try:
+            trainer.fit(x[:400], y[:400], epochs=1, progress=False)
+            out[key] = "returned"
+        except ValueError as e:
+            out[key] = str(e)
+        out[key + "_unchanged"] = bool(np.array_equal(before, params(m))) and trainer.epochs == 0
+    return out
+
+
+CASES = {"interrupts": interrupts_case, "late_launch": late_launch_case, "zero_partial_inf": zero_partial_inf_case, "fork": fork_case, "zero": zero_case, "zero_errors": zero_errors_case, "zero_plan": zero_plan_case, "regroup": regroup_case, "backend": backend_case,
          "evaluation": evaluation_case, "uncaught": uncaught_case, "fit": fit_case, "step": step_case, "calls": calls_case,
          "small_data": small_data_case,
          "failure": failure_case, "mismatch": mismatch_case, "collectives": collectives_case,

@@ -351,6 +351,22 @@ def test_a_rank_out_of_memory_fails_the_step_everywhere_and_nothing_hangs():
 
 
 @needs_mpi
+def test_a_ctrl_c_on_one_rank_stops_every_rank_at_the_same_step_and_the_group_goes_on():
+    out = run_job(2, "interrupts")
+    other = "RuntimeError: rank 1 of the process group was interrupted (KeyboardInterrupt), so every rank stopped"
+    for key in ("steps", "epoch_end", "step_before"):  # in fit's steps, at an epoch's end, before a step
+        assert out[key][0].startswith(other) and out[key][1] == "KeyboardInterrupt: ", out[key]
+    assert out["steps_epochs"] == 1 and out["epoch_end_epochs"] == 1  # no rank went on to a second epoch
+    assert out["steps_state"] == 0.0  # the same steps taken everywhere
+    assert not out["step_before_taken"] and out["step_after_taken"]
+    assert out["step_after"] == ["returned", "KeyboardInterrupt: "]  # after the ranks agreed: taken, then raised
+    for key in ("steps", "epoch_end", "step_before", "step_after"):  # and the group trains on in step
+        assert out[key + "_spread"] == 0.0, key
+    for key in ("scaler_init", "scaler_update"):  # scalers that differ: found before fit's first step
+        assert "differ in the loss scaler" in out[key] and out[key + "_unchanged"], out
+
+
+@needs_mpi
 def test_ranks_that_disagree_all_raise():
     out = run_job(2, "mismatch")
     assert out["min_errors"] == 30  # on both ranks, 21 errors, a run and eight readings, no hang

@@ -12,6 +12,12 @@ from ._fit_limit import start_under_limit
 from ._progress import make_bar
 from .optim.lr_scheduler import ReduceLROnPlateau
 
+# Data-parallel agreements (Trainer._agree, the C core's cmlp_dist_agree): each rank gives
+# _AGREE_OK (or less: a value to take the least of), its rank where it failed, or _INTERRUPTED plus
+# its rank where it held a Ctrl-C (Trainer._interrupts_held); the least is the group's
+_AGREE_OK = 2**63 - 1
+_INTERRUPTED = 2**32
+_AGREE_RANKS = 2**33  # below: a rank's failure
 CALL_SECONDS = 0.1  # what one of fit's calls into the epoch loop aims to last (progress, Ctrl-C)
 
 
@@ -44,6 +50,7 @@ class FitLoop:
         def _pull_scaler(self) -> None: ...
         def _warn_if_split(self, before: int, stacklevel: int = 4) -> None: ...
         def _together(self, fn: Any, what: Optional[str] = None) -> Any: ...
+        def _agree(self, error: Optional[BaseException], what: Optional[str] = None, ok: int = ...) -> int: ...
 
     def _fit(self, xa: np.ndarray, ya: np.ndarray, epochs: int, val: Optional[Tuple[np.ndarray, np.ndarray]],
              progress: bool, scheduler: Any = None, per_step: bool = False) -> List[Dict[str, Any]]:
@@ -55,11 +62,13 @@ class FitLoop:
             for epoch in range(1, epochs + 1):
                 _cmlp.memory_window_peak(device, True)  # the epoch's own peak; the statistics' are the user's
                 epochs_before, micro_before = self._c.epochs, (self._c.microbatch_state(), self._limit_micro)
+                # the scaler's state first: data-parallel, epoch_begin compares it over the ranks
+                # (it may refuse the scale: before a bar is drawn)
+                self._push_scaler()
                 # the later epochs of this call train on the same arrays: a device copy is kept
                 total = self._c.epoch_begin(xa, ya, *self.normalize, same_data=epoch > 1)
                 steps_done = 0
                 try:
-                    self._push_scaler()  # (which may refuse the scale: before a bar is drawn)
                     # data-parallel, the first rank draws the bar for all
                     show = progress and (not self.distributed or _dist.get_rank() == 0)
                     first, of = self._bar_epochs or (1, epochs)
@@ -284,9 +293,10 @@ class FitLoop:
         must make the same calls into the epoch loop, so they pace them on the same time."""
         if not self.distributed:
             return seconds
-        longest = np.array([seconds])
-        _cmlp.dist_all_reduce(longest, 1)  # max
-        return float(longest[0])
+        # an agreement (the least of _AGREE_OK less each rank's microseconds): a held interrupt
+        # is raised here on every rank, after the same steps
+        micros = min(max(int(seconds * 1e6), 0), 2**40)
+        return (_AGREE_OK - self._agree(None, "was interrupted", ok=_AGREE_OK - micros)) / 1e6
 
 
 def _rewinder(scheduler: Any, opt: Any) -> Any:

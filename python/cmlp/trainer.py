@@ -1,12 +1,14 @@
 """cmlp.Trainer: the training loop users drive. The epoch loop itself runs in C with the GIL
 released (seeded shuffle, micro-batches, exact accumulation, optimizer step); Python only asks
 for a slice of steps at a time to draw the progress bar and collects the history."""
+import contextlib
 import os
+import signal
 import threading
 import warnings
 import weakref
 import zlib
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -14,7 +16,7 @@ from . import _cmlp, memory
 from . import distributed as _dist
 from ._arrays import as_flag, as_inputs, as_labels, as_normalize, as_number, check_amp, check_seed, pinned
 from ._fit_limit import start_under_limit
-from ._fit_loop import FitLoop
+from ._fit_loop import _AGREE_OK, _AGREE_RANKS, _INTERRUPTED, FitLoop
 from .model import MLP
 from .optim import Optimizer
 from .optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
@@ -117,6 +119,7 @@ class Trainer(FitLoop):
             raise RuntimeError("distributed=True needs a process group: call cmlp.distributed.init_process_group() "
                                "first")
         self._distributed = bool(group)
+        self._interrupt_held = False  # (_interrupts_held)
         error: Optional[Exception] = None
         try:
             self._setup(model, optimizer, batch_size, accumulation_steps, amp, scaler, auto_microbatch, recompute,
@@ -461,19 +464,62 @@ class Trainer(FitLoop):
         owners = list(self._claims.values())
         return owners[0] if owners else None
 
-    def _agree(self, error: Optional[BaseException], what: Optional[str] = None) -> None:
+    def _agree(self, error: Optional[BaseException], what: Optional[str] = None, ok: int = _AGREE_OK) -> int:
         """Raises error if there is one; data-parallel, first every rank learns whether some
-        rank refused its arguments (or failed `what`), so that all raise rather than wait for it."""
-        if self.distributed:
-            first = np.array([_dist.get_rank() if error is not None else MAX_STEP_SAMPLES], dtype=np.int64)
-            _cmlp.dist_all_reduce(first, 2)  # the lowest rank that refused
-            if error is None and first[0] != MAX_STEP_SAMPLES:
-                if what is not None:
-                    raise RuntimeError(f"rank {first[0]} of the process group {what} (its own error says why)")
-                raise RuntimeError(f"rank {first[0]} of the process group refused its arguments to this call (its "
-                                   "own error says why), so no rank ran it")
+        rank refused its arguments (or failed `what`), or was interrupted (an interrupt held by
+        _interrupts_held counts as this rank's error), so that all raise rather than wait for it.
+        Returns the least of the ranks' `ok` values (below _AGREE_OK: _slowest's times)."""
+        if not self.distributed:
+            if error is not None:
+                raise error
+            return ok
+        held = error is None and self._interrupt_held
+        if held:
+            self._interrupt_held = False
+            error = KeyboardInterrupt()
+        mine = ok if error is None else _dist.get_rank() + (_INTERRUPTED if held else 0)
+        least = np.array([mine], dtype=np.int64)
+        _cmlp.dist_all_reduce(least, 2)  # the lowest rank that refused (one that failed before one held a Ctrl-C)
+        first = int(least[0])
+        if error is None and first < _AGREE_RANKS:
+            if first >= _INTERRUPTED:
+                raise RuntimeError(f"rank {first - _INTERRUPTED} of the process group was interrupted "
+                                   "(KeyboardInterrupt), so every rank stopped its call there")
+            if what is not None:
+                raise RuntimeError(f"rank {first} of the process group {what} (its own error says why)")
+            raise RuntimeError(f"rank {first} of the process group refused its arguments to this call (its "
+                               "own error says why), so no rank ran it")
         if error is not None:
             raise error
+        return first
+
+    @contextlib.contextmanager
+    def _interrupts_held(self) -> Iterator[None]:
+        """Data-parallel, a Ctrl-C (SIGINT) during a call is held until the ranks next agree
+        (_agree: each of fit's calls into the epoch loop, its epochs' ends), where every rank
+        raises, this one KeyboardInterrupt: an interrupt raised between two collectives on one
+        rank would leave the others waiting in the next. A second Ctrl-C before then is raised
+        at once. One that comes after the call's last agreement is raised as it returns. Only in
+        the main thread (where Python runs signal handlers) and where SIGINT has Python's own handler."""
+        if not self.distributed or threading.current_thread() is not threading.main_thread() or \
+                signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            yield
+            return
+
+        def hold(signum: int, frame: Any) -> None:
+            if self._interrupt_held:  # a second one: now
+                signal.default_int_handler(signum, frame)
+            self._interrupt_held = True
+
+        self._interrupt_held = False
+        signal.signal(signal.SIGINT, hold)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            held, self._interrupt_held = self._interrupt_held, False
+            if held:
+                raise KeyboardInterrupt
 
     def _claim_agreed(self, call: object, what: str, error: Optional[BaseException], then: Any = None) -> None:
         """_claim and then() (this rank's work before the call), then (data-parallel) every rank
@@ -524,19 +570,20 @@ class Trainer(FitLoop):
             self._start_step(xa.shape[0])
 
         try:
-            try:
-                self._claim_agreed(call, "step", error, start)
-                loss = self._step(xa, ya)
-            except BaseException:
-                if before is not None:  # a step that failed keeps not the micro-batch it started from
-                    self._step_planned, self._limit_micro = before[1], before[2]
-                    try:
-                        self._c.set_microbatch_state(*before[0])
-                    except Exception:  # noqa: BLE001 - (a lost model refuses it) the step's error is the one raised
-                        pass
-                raise
-            self.model._grads_none = False  # the step's gradients are in the buffer, as after torch's loop
-            return loss
+            with self._interrupts_held():
+                try:
+                    self._claim_agreed(call, "step", error, start)
+                    loss = self._step(xa, ya)
+                except BaseException:
+                    if before is not None:  # a step that failed keeps not the micro-batch it started from
+                        self._step_planned, self._limit_micro = before[1], before[2]
+                        try:
+                            self._c.set_microbatch_state(*before[0])
+                        except Exception:  # noqa: BLE001 - (a lost model refuses it) the step's error is raised
+                            pass
+                    raise
+                self.model._grads_none = False  # the step's gradients are in the buffer, as after torch's loop
+                return loss
         finally:
             self._claims.pop(call, None)
 
@@ -597,12 +644,13 @@ class Trainer(FitLoop):
             error = e
         call = object()
         try:
-            self._claim_agreed(call, "fit", error)
-            per_step = scheduler is not None and scheduler_interval == "step"
-            # data-parallel, each epoch's start compares these over the ranks with the settings
-            self._c.set_fit_call(epochs, -1 if val is None else val[0].shape[0], _contents_hash(val), per_step)
-            with pinned(xa, *(val or ())):  # read in place by every epoch's steps
-                return self._fit(xa, ya, epochs, val, progress, scheduler, per_step)
+            with self._interrupts_held():
+                self._claim_agreed(call, "fit", error)
+                per_step = scheduler is not None and scheduler_interval == "step"
+                # data-parallel, each epoch's start compares these over the ranks with the settings
+                self._c.set_fit_call(epochs, -1 if val is None else val[0].shape[0], _contents_hash(val), per_step)
+                with pinned(xa, *(val or ())):  # read in place by every epoch's steps
+                    return self._fit(xa, ya, epochs, val, progress, scheduler, per_step)
         finally:
             self._claims.pop(call, None)
 
