@@ -433,7 +433,8 @@ def test_save_is_atomic(tmp_path, monkeypatch, target, fake):
 
 def test_ctrl_c_anywhere_in_a_save_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
     """A KeyboardInterrupt right after the temporary file is created (before its descriptor is
-    even returned), or at any later call of the save, leaves the old file and nothing else."""
+    even returned), or at any later call of the save, leaves the old file and nothing else: no
+    temporary file, and no descriptor open (Linux)."""
     import cmlp._files as files
 
     path = tmp_path / "m.npz"
@@ -457,6 +458,18 @@ def test_ctrl_c_anywhere_in_a_save_leaves_the_old_file_and_no_temporary(tmp_path
                 cmlp.MLP([8, 4], seed=2).save(path)
         assert sorted(os.listdir(tmp_path)) == ["m.npz"], fake[0]
         assert path.read_bytes() == old_bytes
+        assert not [f for f in _open_files() if ".cmlp-" in f], fake[0]
+
+
+def _open_files():
+    """The files this process holds open (Linux; elsewhere none)."""
+    held = []
+    for fd in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else []:
+        try:
+            held.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # (the listing's own)
+            pass
+    return held
 
 
 # ---- determinism of training ----

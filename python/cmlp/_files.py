@@ -54,13 +54,30 @@ def atomic_write(path: "os.PathLike[str] | str", write: Callable[[IO[bytes]], No
             f.flush()
             os.fsync(f.fileno())
         os.replace(made[0], target)
-    except BaseException:  # Ctrl-C too, wherever it comes: no temporary file stays behind
+    except BaseException:  # Ctrl-C too, wherever it comes: no temporary file stays behind, nor its descriptor
         for name in made:
+            _close_descriptors_of(name)
             try:
                 os.unlink(name)
             except OSError:
                 pass
         raise
+
+
+def _close_descriptors_of(name: str) -> None:
+    """Closes this process's descriptors of the file `name`: one that an interrupt left unnamed
+    (it came as os.open returned, before its number was kept) is found by its file (Linux's
+    /proc; elsewhere nothing is done). A file object's descriptor is closed already."""
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") == name:
+                os.close(int(fd))
+        except (OSError, ValueError):
+            pass
 
 
 def _open_temporary(path: str, directory: str, made: List[str]) -> int:
