@@ -168,11 +168,33 @@ static bool take_bytes(size_t nbytes) {
     return true;
 }
 
+/* Segments of 1 MiB and more are mapped from the kernel and unmapped when freed, so that
+ * empty_cache gives their memory back to the system: glibc keeps what is freed to its heap, and
+ * after the first large free it raises its mmap threshold, so that later segments would come from
+ * the heap. Under AddressSanitizer they come from malloc, which checks their bounds. */
+#if defined(__SANITIZE_ADDRESS__)
+#define CPU_SEGMENTS_MAPPED 0
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define CPU_SEGMENTS_MAPPED 0
+#endif
+#endif
+#ifndef CPU_SEGMENTS_MAPPED
+#define CPU_SEGMENTS_MAPPED 1
+#endif
+static bool mapped_segment(size_t nbytes) { return CPU_SEGMENTS_MAPPED && nbytes >= ((size_t)1 << 20); }
+
 static cmlp_status cpu_raw_alloc(void *ctx, size_t nbytes, void **out) {
     (void)ctx;
     void *p = NULL;
     if (!take_bytes(nbytes)) return CMLP_ERR_OOM;
-    if (posix_memalign(&p, 64, nbytes) != 0) {
+    if (mapped_segment(nbytes)) {
+        p = mmap(NULL, nbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) p = NULL;
+    } else if (posix_memalign(&p, 64, nbytes) != 0) {
+        p = NULL;
+    }
+    if (!p) {
         atomic_fetch_sub(&held_bytes, (int64_t)nbytes);
         return CMLP_ERR_OOM;
     }
@@ -182,7 +204,8 @@ static cmlp_status cpu_raw_alloc(void *ctx, size_t nbytes, void **out) {
 
 static void cpu_raw_free(void *ctx, void *ptr, size_t nbytes) {
     (void)ctx;
-    free(ptr);
+    if (mapped_segment(nbytes)) (void)munmap(ptr, nbytes);
+    else free(ptr);
     atomic_fetch_sub(&held_bytes, (int64_t)nbytes);
 }
 

@@ -106,6 +106,27 @@ def test_empty_cache_keeps_only_segments_in_use():
     assert_stats_match_snapshot(DEV)
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the resident set from Linux's /proc")
+def test_empty_cache_gives_the_cpus_segments_back_to_the_system():
+    # (a fresh process: the resident set of this one holds whatever ran before)
+    code = """
+import cmlp
+def resident():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+base = resident()
+for _ in range(4):  # segments made and freed again and again (the heap would keep them)
+    models = [cmlp.MLP([2048, 2048, 10], seed=0) for _ in range(3)]  # 16 MiB of weights each, written
+    del models
+    cmlp.memory.empty_cache("cpu")
+    assert cmlp.memory.memory_reserved("cpu") == 0
+print(resident() - base)
+"""
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="", CMLP_ALLOC_CONF="")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) < 8 * MIB  # 3 x 16 MiB were held each round
+
+
 def test_limit_gives_a_detailed_out_of_memory_error_and_the_allocator_recovers():
     M.empty_cache(DEV)
     gc.collect()
