@@ -134,6 +134,33 @@ def test_frames_name_the_memory_then_the_python_calls_innermost_first():
     del model
 
 
+def test_code_compiled_for_each_call_adds_no_stack_and_is_freed():
+    # a notebook's cells, exec's code: a new code object for each call, at the same lines
+    import weakref
+
+    begin(max_entries=10)
+    model = cmlp.MLP([8, 4], seed=0)
+    x = np.zeros((2, 8), np.float32)
+    codes = []
+
+    def run_cell():
+        code = compile("model.predict(x)\nmodel.predict(x)\n", "<cell>", "exec")
+        codes.append(weakref.ref(code))
+        exec(code, {"model": model, "x": x})
+
+    for i in range(3001):
+        run_cell()
+        before = cmlp._cmlp.stack_tables() if i == 0 else before
+    gc.collect()
+    after = cmlp._cmlp.stack_tables()
+    assert after["stacks"] == before["stacks"] and after["frames"] == before["frames"], (before, after)
+    assert after["entries"] < before["entries"] + 4096 + 10  # (swept as it grows)
+    assert not [r for r in codes if r() is not None]  # no code object kept alive
+    trace = M._snapshot(DEV)["device_traces"][0]
+    cells = [e for e in trace if e["action"] == "alloc" and any(f["filename"] == "<cell>" for f in e["frames"])]
+    assert cells and {f["line"] for e in cells for f in e["frames"] if f["filename"] == "<cell>"} <= {1, 2}
+
+
 @pytest.mark.parametrize("context,stacks", [(None, "all"), ("state", "all"), ("alloc", "python"), ("all", "all")])
 def test_context_and_stacks_keep_what_torch_keeps(context, stacks):
     begin(context=context, stacks=stacks)
