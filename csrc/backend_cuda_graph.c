@@ -152,7 +152,9 @@ static cmlp_status cu_capture_end(void *ctx, void **graph) {
         else if (d.kind == 1) cu_vm_unmap(d.ctx, d.ptr, d.nbytes);
         else cu_vm_release(d.ctx, d.ptr, d.nbytes);
     }
-    ndeferred = 0;
+    free(deferred); /* (a thread's list goes with its capture: none is left at the thread's end) */
+    deferred = NULL;
+    ndeferred = cap_deferred = 0;
     if (e != cudaSuccess) {
         if (g) cudaGraphDestroy(g);
         return cuda_fail(e, "capturing a training step", __FILE__, __LINE__);
