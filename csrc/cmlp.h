@@ -718,6 +718,10 @@ CMLP_API void cmlp_dist_destroy(void);  /* the group ends; MPI stays initialised
  * as torch's process-group timeout (a rank that ended, or hangs, would keep the others waiting
  * forever); 0 (the default): collectives wait as long as they take. */
 CMLP_API void cmlp_dist_set_timeout(double seconds);
+/* Whether every collective first checks that the ranks make the same call (its kind, size,
+ * element type and reduction, parts or root), in a collective of its own: ranks that do not all
+ * get an error naming this rank's call (TORCH_DISTRIBUTED_DEBUG=DETAIL). */
+CMLP_API void cmlp_dist_set_check(int on);
 /* At the end of the process: MPI_Finalize if cmlp initialised MPI (it waits for every rank to get
  * there; where the group is still there, saying so on stderr after 10 s). */
 CMLP_API void cmlp_dist_finalize(void);

@@ -185,6 +185,52 @@ uint64_t cmlp_dist_generation(void) { return generation; }
 /* CMLP_OK when the group can run a collective (under the lock). */
 static cmlp_status usable(void) { return !group ? NO_GROUP() : orphan ? ORPHANED() : CMLP_OK; }
 
+/* ---- checked calls (TORCH_DISTRIBUTED_DEBUG=DETAIL, as torch's): before each collective the
+ * ranks compare what each is calling, in a collective of its own that pairs whatever they call,
+ * so that ranks making different calls all raise, naming this rank's, instead of pairing them
+ * (MPI would mix their buffers, or fail on one rank and leave the others waiting). ---- */
+enum { CALL_ALL_REDUCE = 1, CALL_ALL_GATHER, CALL_REDUCE_SCATTER, CALL_BROADCAST, CALL_BARRIER };
+static bool check_calls;
+
+void cmlp_dist_set_check(int on) {
+    take_lock();
+    check_calls = on != 0;
+    pthread_mutex_unlock(&lock);
+}
+
+static const char *const call_names[] = {"", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier"};
+static const char *const type_names[] = {"float32", "float64", "int64"};
+static const char *const op_names[] = {"sum", "max", "min", "product", "band", "bor", "bxor"};
+
+/* Under the lock, with the group usable: CMLP_OK where every rank makes this call. count: its
+ * elements (bytes: a broadcast), arg: its reduction, part size or root. */
+static cmlp_status same_call(int call, int64_t count, int type, int64_t arg) {
+    if (!check_calls) return CMLP_OK;
+    int64_t v[8] = {call, count, type, arg};
+    for (int i = 0; i < 4; i++) v[4 + i] = ~v[i]; /* the maximum of ~v is ~(the minimum of v) */
+    CMLP_TRY(mpi->all_reduce(v, 8, CMLP_COMM_I64, CMLP_REDUCE_MAX));
+    bool same = true;
+    for (int i = 0; i < 4; i++) same = same && v[i] == ~v[4 + i];
+    if (same) return CMLP_OK;
+    char what[128];
+    if (call == CALL_ALL_REDUCE)
+        snprintf(what, sizeof what, "all_reduce of %lld %s elements (%s)", (long long)count, type_names[type],
+                 op_names[arg]);
+    else if (call == CALL_ALL_GATHER || call == CALL_REDUCE_SCATTER)
+        snprintf(what, sizeof what, "%s of %lld %s elements in parts of %lld", call_names[call], (long long)count,
+                 type_names[type], (long long)arg);
+    else if (call == CALL_BROADCAST)
+        snprintf(what, sizeof what, "broadcast of %lld bytes from rank %lld", (long long)count, (long long)arg);
+    else
+        snprintf(what, sizeof what, "barrier");
+    return CMLP_FAIL(CMLP_ERR_INVALID,
+                     "the ranks of the process group made different collective calls (TORCH_DISTRIBUTED_DEBUG=DETAIL "
+                     "checks them): this rank's is %s, and another rank's differs in its %s; every rank must make "
+                     "the same calls in the same order",
+                     what, v[0] != ~v[4] ? "kind" : v[1] != ~v[5] ? "size" : v[2] != ~v[6] ? "element type"
+                           : call == CALL_ALL_REDUCE ? "reduction" : call == CALL_BROADCAST ? "root" : "parts");
+}
+
 cmlp_status cmlp_dist_all_reduce(void *buf, int64_t count, int type, int op) {
     if (count < 0 || (count > 0 && !buf)) return CMLP_FAIL(CMLP_ERR_INVALID, "all_reduce of %lld elements at %p",
                                                            (long long)count, buf);
@@ -194,6 +240,7 @@ cmlp_status cmlp_dist_all_reduce(void *buf, int64_t count, int type, int op) {
         return CMLP_FAIL(CMLP_ERR_INVALID, "a bitwise reduction of floating-point elements");
     take_lock();
     cmlp_status st = usable();
+    if (st == CMLP_OK) st = same_call(CALL_ALL_REDUCE, count, type, op);
     if (st == CMLP_OK) st = mpi->all_reduce(buf, count, (cmlp_comm_type)type, (cmlp_reduce_op)op);
     pthread_mutex_unlock(&lock);
     return st;
@@ -206,6 +253,7 @@ cmlp_status cmlp_dist_all_gather(void *buf, int64_t count, int64_t chunk, int ty
     if (type < CMLP_COMM_F32 || type > CMLP_COMM_I64) return CMLP_FAIL(CMLP_ERR_INVALID, "unknown element type %d", type);
     take_lock();
     cmlp_status st = usable();
+    if (st == CMLP_OK) st = same_call(CALL_ALL_GATHER, count, type, chunk);
     if (st == CMLP_OK)
         st = count > 0 && chunk < (count + size_ - 1) / size_
                  ? CMLP_FAIL(CMLP_ERR_INVALID, "%d parts of %lld cannot hold %lld elements", size_, (long long)chunk,
@@ -221,6 +269,7 @@ cmlp_status cmlp_dist_reduce_scatter(float *buf, int64_t count, int64_t chunk) {
                          (long long)chunk, (void *)buf);
     take_lock();
     cmlp_status st = usable();
+    if (st == CMLP_OK) st = same_call(CALL_REDUCE_SCATTER, count, CMLP_COMM_F32, chunk);
     if (st == CMLP_OK)
         st = count > 0 && chunk < (count + size_ - 1) / size_
                  ? CMLP_FAIL(CMLP_ERR_INVALID, "%d parts of %lld cannot hold %lld elements", size_, (long long)chunk,
@@ -235,6 +284,7 @@ cmlp_status cmlp_dist_broadcast(void *buf, int64_t bytes, int root) {
                                                            (long long)bytes, buf);
     take_lock();
     cmlp_status st = usable();
+    if (st == CMLP_OK) st = same_call(CALL_BROADCAST, bytes, 0, root);
     if (st == CMLP_OK)
         st = root < 0 || root >= size_
                  ? CMLP_FAIL(CMLP_ERR_INVALID, "src must be a rank in [0, %d), got %d", size_, root)
@@ -264,6 +314,7 @@ cmlp_status cmlp_dist_agree(cmlp_status mine) {
 cmlp_status cmlp_dist_barrier(void) {
     take_lock();
     cmlp_status st = usable();
+    if (st == CMLP_OK) st = same_call(CALL_BARRIER, 0, 0, 0);
     if (st == CMLP_OK) st = mpi->barrier();
     pthread_mutex_unlock(&lock);
     return st;

@@ -1051,7 +1051,35 @@ def interrupts_case(opts):
     return out
 
 
-CASES = {"interrupts": interrupts_case, "late_launch": late_launch_case, "zero_partial_inf": zero_partial_inf_case, "fork": fork_case, "zero": zero_case, "zero_errors": zero_errors_case, "zero_plan": zero_plan_case, "regroup": regroup_case, "backend": backend_case,
+def checked_calls_case(opts):
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL: ranks that make different collective calls all raise,
+    naming their own, and go on in step; a fit trains as without the checks."""
+    r = D.get_rank()
+    out = {}
+    x, y = data(256)
+    m = cmlp.MLP(SIZES, seed=0)
+    trainer = cmlp.Trainer(m, cmlp.optim.Adam(m, lr=1e-3), batch_size=8)
+    before = params(m).copy()
+    for key, call in (("fit_vs_all_reduce", (lambda: trainer.fit(x, y, epochs=1, progress=False)) if r == 0 else
+                       (lambda: D.all_reduce(np.zeros(3)))),
+                      ("broadcast_vs_barrier", (lambda: D.broadcast(np.zeros(4), src=0)) if r == 0 else D.barrier),
+                      ("sizes", lambda: D.all_reduce(np.zeros(3 + r))),
+                      ("ops", lambda: D.all_reduce(np.zeros(3), "max" if r else "sum"))):
+        try:
+            call()
+            error = "returned"
+        except (RuntimeError, ValueError) as e:
+            error = f"{type(e).__name__}: {e}"
+        errors = [None] * D.get_world_size()
+        D.all_gather_object(errors, error)
+        out[key] = errors
+    out["unchanged"] = bool(np.array_equal(before, params(m))) and trainer.epochs == 0
+    trainer.fit(x, y, epochs=1, progress=False)
+    out["spread"] = spread(params(m))
+    return out
+
+
+CASES = {"checked_calls": checked_calls_case, "interrupts": interrupts_case, "late_launch": late_launch_case, "zero_partial_inf": zero_partial_inf_case, "fork": fork_case, "zero": zero_case, "zero_errors": zero_errors_case, "zero_plan": zero_plan_case, "regroup": regroup_case, "backend": backend_case,
          "evaluation": evaluation_case, "uncaught": uncaught_case, "fit": fit_case, "step": step_case, "calls": calls_case,
          "small_data": small_data_case,
          "failure": failure_case, "mismatch": mismatch_case, "collectives": collectives_case,
@@ -1062,6 +1090,8 @@ def main():
     name = sys.argv[1]
     opts = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
     timeout = datetime.timedelta(seconds=opts["timeout"]) if "timeout" in opts else None
+    if "debug" in opts:
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = opts["debug"]
     D.init_process_group(opts.get("backend", "mpi"), timeout=timeout)
     out = CASES[name](opts)
     D.barrier()

@@ -366,6 +366,26 @@ def test_a_ctrl_c_on_one_rank_stops_every_rank_at_the_same_step_and_the_group_go
         assert "differ in the loss scaler" in out[key] and out[key + "_unchanged"], out
 
 
+def test_a_debug_level_torch_does_not_know_is_refused_before_the_group_is_made(monkeypatch):
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "LOUD")
+    with pytest.raises(ValueError, match="TORCH_DISTRIBUTED_DEBUG must be OFF, INFO or DETAIL, got 'LOUD'"):
+        D.init_process_group()
+    assert not D.is_initialized()
+
+
+@needs_mpi
+def test_with_torchs_detail_debug_level_ranks_whose_collectives_differ_all_raise():
+    out = run_job(2, "checked_calls", {"debug": "DETAIL"})
+    # a trainer's call on one rank, a collective of the user's on the other: both raise, naming their own call
+    mine, other = out["fit_vs_all_reduce"]
+    assert mine.startswith("ValueError: the ranks of the process group made different collective calls "
+                           "(TORCH_DISTRIBUTED_DEBUG=DETAIL checks them): this rank's is all_reduce of 1 int64"), mine
+    assert "this rank's is all_reduce of 18 int64 elements (max), and another rank's differs in its size" in other
+    for key in ("broadcast_vs_barrier", "sizes", "ops"):  # the user's collectives: their own check says which
+        assert all(e.startswith("ValueError: ") and "the ranks' arguments differ" in e for e in out[key]), out[key]
+    assert out["unchanged"] and out["spread"] == 0.0  # no step taken, and the group trains on in step
+
+
 @needs_mpi
 def test_ranks_that_disagree_all_raise():
     out = run_job(2, "mismatch")

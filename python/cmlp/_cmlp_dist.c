@@ -123,6 +123,14 @@ static PyObject *mod_dist_set_timeout(PyObject *mod, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+static PyObject *mod_dist_set_check(PyObject *mod, PyObject *arg) {
+    (void)mod;
+    int on = PyObject_IsTrue(arg);
+    if (on < 0) return NULL;
+    cmlp_dist_set_check(on);
+    Py_RETURN_NONE;
+}
+
 static PyObject *mod_dist_abort(PyObject *mod, PyObject *arg) {
     (void)mod;
     long code = PyLong_AsLong(arg);
@@ -152,6 +160,7 @@ PyMethodDef cmlp_py_dist_methods[] = {
     {"dist_finalize", mod_dist_finalize, METH_NOARGS, "finalizes MPI where cmlp initialised it (at exit)"},
     {"dist_set_timeout", mod_dist_set_timeout, METH_O,
      "dist_set_timeout(seconds): > 0, an MPI collective waiting longer ends the job; 0, none"},
+    {"dist_set_check", mod_dist_set_check, METH_O, "whether each collective first checks the ranks' calls agree"},
     {"dist_abort", mod_dist_abort, METH_O, "ends every rank's process (MPI_Abort)"},
     {"dist_library_version", mod_dist_library_version, METH_NOARGS, "the MPI library's version, once loaded"},
     {NULL, NULL, 0, NULL},

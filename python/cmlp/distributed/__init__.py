@@ -225,6 +225,7 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
         raise ValueError(f"cmlp's ranks are the MPI launcher's (mpirun): init_method must be None or 'env://', got "
                          f"{init_method!r}")
     seconds = _timeout_seconds(timeout)
+    check = _debug_level() == "DETAIL"
     device_ok = device_id is None
     if device_id is not None:  # (each rank's own GPU: refused on every rank, once the group is made)
         text = device_id if isinstance(device_id, str) else \
@@ -265,6 +266,7 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
         _previous_excepthook = sys.excepthook
         sys.excepthook = _abort_on_uncaught
     _cmlp.dist_set_timeout(seconds)
+    _cmlp.dist_set_check(check)
     # the launcher's ranks, or every rank refuses (one alone would leave the others in the group)
     state = _cmlp.dist_state()
     wrong = [f"{name}={value}" for name, value, mine in (("world_size", world_size, state[2]), ("rank", rank, state[1]))
@@ -282,6 +284,20 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
                              f"{device_id!r}")
         raise ValueError("another rank was given a world_size, rank or device_id it cannot take, so no rank made "
                          "the group (cmlp's ranks are the launcher's)")
+
+
+def _debug_level() -> str:
+    """TORCH_DISTRIBUTED_DEBUG (CMLP_DISTRIBUTED_DEBUG first, where set), as torch reads it: OFF
+    (the default), INFO or DETAIL, where every collective first checks that the ranks make the
+    same call (the kind, the size, the element type and the reduction, parts or root), so that
+    ranks whose calls differ raise an error naming it instead of pairing them."""
+    for name in ("CMLP_DISTRIBUTED_DEBUG", "TORCH_DISTRIBUTED_DEBUG"):
+        value = os.environ.get(name)
+        if value:
+            if value not in ("OFF", "INFO", "DETAIL"):
+                raise ValueError(f"{name} must be OFF, INFO or DETAIL, got {value!r}")
+            return value
+    return "OFF"
 
 
 def is_initialized() -> bool:
