@@ -184,7 +184,8 @@ static cmlp_status one_sample_oom(cmlp_trainer *t, const char *cause) {
     return CMLP_FAIL(CMLP_ERR_OOM,
                      "out of memory even with a micro-batch of 1 sample. The plan for one sample: parameters %s, "
                      "gradients %s, optimizer state %s, half-precision weights %s, activations %s, workspace %s; "
-                     "peak %s allocated, %s reserved (in whole segments).%s%s The last failure: %s",
+                     "peak %s allocated, %s reserved (in whole segments, or pages where they are expandable).%s%s "
+                     "The last failure: %s",
                      b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], held_note, shard_hint, why);
 }
 

@@ -1048,8 +1048,8 @@ def test_a_limit_the_bytes_fit_under_but_not_the_segments_says_so():
     model = cmlp.MLP([784, 512, 256, 10], seed=0)
     M.set_memory_limit(20 * 2**20, "cpu")
     try:
-        with pytest.warns(M.MemoryWarning, match=r"reserve 22.00 MiB: memory is reserved in whole segments.*"
-                                                 "expandable_segments:True") as w, \
+        with pytest.warns(M.MemoryWarning, match=r"would take 4.10 MiB of the 15.91 MiB left, but memory is reserved "
+                                                 r"in whole segments.*expandable_segments:True.*reserve 22.00 MiB") as w, \
                 pytest.raises(cmlp.OutOfMemoryError, match="even with a micro-batch of 1") as e:
             cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=32).fit(x, y, epochs=1, progress=False)
         assert w[0].filename == __file__
@@ -1066,6 +1066,16 @@ def test_a_limit_the_bytes_fit_under_but_not_the_segments_says_so():
             warnings.simplefilter("error", M.MemoryWarning)
             history = cmlp.Trainer(model, cmlp.optim.Adam(model), batch_size=32).fit(x, y, epochs=1, progress=False)
         assert history[0]["microbatch_size"] == 32 and M.memory_reserved("cpu") <= 20 * 2**20
+        # under expandable segments, one that the pages do not fit under says pages, and offers nothing on
+        model = history = None
+        gc.collect()
+        M.empty_cache("cpu")
+        M.set_memory_limit(M.memory_reserved("cpu") + 13 * 2**20, "cpu")
+        model = cmlp.MLP([784, 1000, 7, 10], seed=0)
+        with pytest.warns(M.MemoryWarning, match=r"memory is reserved in pages of 2 MiB: the run would reserve") as w, \
+                pytest.raises(cmlp.OutOfMemoryError, match=r"reserved \(in whole segments, or pages where"):
+            cmlp.Trainer(model, cmlp.optim.AdamW(model), batch_size=32).fit(x, y, epochs=1, progress=False)
+        assert "configure(" not in str(w[0].message)
     finally:
         M.set_memory_limit(None, "cpu")
         M.configure("")

@@ -136,9 +136,14 @@ def start_under_limit(trainer: Any, xa: Optional[np.ndarray] = None, batch_rows:
                 state = ""
                 own = None if p is None else p.peak_bytes - sum(p._allocated.get(k, 0) for k in held + ("data",))
                 if own is not None and own <= room:
-                    # the bytes may fit where the segments that hold them do not
-                    state = (f" (its segments would reserve {memory._fmt(p.reserved_bytes)}: memory is reserved "
-                             "in whole segments, which configure('expandable_segments:True') makes pages)")
+                    # the bytes may fit where the segments (or pages) that hold them do not
+                    unit = "pages of 2 MiB" if memory.get_config()["expandable_segments"] else \
+                        "whole segments, which configure('expandable_segments:True') makes pages"
+                    standing = f" beside the {memory._fmt(p.standing_reserved_bytes)} the device holds from its " \
+                        "start" if p.standing_reserved_bytes else ""
+                    state = (f" (its requests would take {memory._fmt(own)} of the {memory._fmt(room)} left, but "
+                             f"memory is reserved in {unit}: the run would reserve {memory._fmt(p.reserved_bytes)}"
+                             f"{standing})")
                 elif p is not None:
                     kept = sum(p.breakdown[k] for k in ("parameters", "gradients", "optimizer_state",
                                                         "half_weights"))
