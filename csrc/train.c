@@ -371,9 +371,9 @@ static cmlp_status epoch_run(cmlp_trainer *t, int64_t max_steps, const double *l
             s = cmlp_train_robust_step(t, ds, &t->data, idx, t->pos + off, mine, k);
         }
         if (s == CMLP_ERR_OOM && t->oom_at_one && t->d_x && !t->dist) {
-            /* not even one sample fitted beside the device copy of the data set (a GPU nearly
-             * full): the copy goes, and the step is taken again with its batches staged from
-             * host memory, as every later one of this fit */
+            /* the step did not fit beside the device copy of the data set (a GPU nearly full):
+             * the copy goes, and the step is taken again at its micro-batch with its batches
+             * staged from host memory, as every later one of this fit */
             cmlp_train_drop_graph(t);
             drop_device_data(t);
             t->host_data = true;

@@ -79,7 +79,8 @@ struct cmlp_trainer {
     const double *scales_row; /* the step in progress's param-group scales, for a step on the host */
     const double *momenta_row; /* and their momenta (NULL: the parts' own) */
     bool host_data;       /* keep the data set in host memory (cmlp_trainer_set_host_data) */
-    bool oom_at_one;      /* the last step failed even in micro-batches of 1 sample (train_step.c) */
+    bool oom_at_one;      /* the last step failed even in micro-batches of 1 sample, or (with the data set's
+                           * device copy, which is to go first) at all (train_step.c) */
 };
 
 /* Off the CPU the optimizer's step count and bias corrections live on the device too, so that a

@@ -279,6 +279,15 @@ cmlp_status cmlp_train_robust_step(cmlp_trainer *t, cmlp_dscalars *ds, const cml
             reclaimed = true;
             continue;
         }
+        if (xy->on_device && t->d_x && !t->dist) {
+            /* the device copy of the data set goes before any micro-batch shrinks (as a plan
+             * under a limit prefers the batches from host memory where they leave a larger one):
+             * epoch_run drops it and takes the step again, at this size */
+            t->oom_at_one = true;
+            t->micro = micro_before;
+            t->grown_from = grown_before, t->good_steps = good_before, t->grow_wait = wait_before;
+            return st;
+        }
         if (t->micro == 1) { /* nothing worked: the next step starts where this one did */
             t->oom_at_one = true;
             t->micro = micro_before;

@@ -378,6 +378,29 @@ def test_a_data_set_that_leaves_no_room_on_a_full_gpu_goes_back_to_the_host():
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     micro, resident, finite = r.stdout.split()
     assert 1 < int(micro) < 4096 and resident == "False" and finite == "True", r.stdout
+    # the copy goes first, before any micro-batch shrinks: here the step then fits whole (one
+    # out-of-memory, no split and no warning of one; before, it halved down to 1 sample first)
+    env["CMLP_EMU_MEMORY"] = str(68 << 20)  # 34 MiB of it the GEMM workspace
+    r = subprocess.run([sys.executable, "-W", "error::cmlp.MemoryWarning", "-c", _DATA_GOES_FIRST], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert r.stdout.split() == ["2048", "False", "1", "0", "0"], r.stdout
+
+
+_DATA_GOES_FIRST = r"""
+import numpy as np
+import cmlp
+M = cmlp.memory
+rng = np.random.default_rng(0)
+x, y = rng.standard_normal((4096, 784), dtype=np.float32), rng.integers(0, 10, 4096)
+model = cmlp.MLP([784, 1000, 10], seed=0, device="cuda")
+trainer = cmlp.Trainer(model, cmlp.optim.SGD(model, lr=0.01, momentum=0.9), batch_size=2048, amp="bf16")
+history = trainer.fit(x, y, epochs=1, progress=False)
+ooms = M.memory_stats("cuda")["num_ooms"]
+trainer.fit(x, y, epochs=1, progress=False)
+print(history[0]["microbatch_size"], trainer._c.data_resident(), ooms, trainer._c.oom_retries(),
+      M.memory_stats("cuda")["num_ooms"] - ooms)
+"""
 
 
 _GEMM_FAULT = r"""

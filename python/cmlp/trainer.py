@@ -418,6 +418,8 @@ class Trainer(FitLoop):
             return
         # the size the steps ran at (microbatch_size may be a growth, not tried yet)
         ran = self._c.last_microbatch() or self.microbatch_size
+        if ran >= self._c.microbatch_state()[1]:  # the one asked for: the retry took other room (the data set's)
+            return
         if self._warned is None or ran < self._warned:
             self._warned = ran
             warnings.warn(f"out of memory inside a training step: the trainer now computes it in micro-batches of "
