@@ -127,31 +127,6 @@ print(resident() - base)
     assert int(out.stdout) < 8 * MIB  # 3 x 16 MiB were held each round
 
 
-@pytest.mark.parametrize("how", ["bytes", "fraction"])
-def test_a_limit_lowered_below_the_reserved_memory_gives_the_free_segments_back(how):
-    M.empty_cache(DEV)
-    gc.collect()
-    base = M.memory_reserved(DEV)
-    keep = M.caching_allocator_alloc(4 * MIB, DEV)  # a 20 MiB segment in use
-    for p in [M.caching_allocator_alloc(30 * MIB, DEV) for _ in range(2)]:  # 60 MiB cached, free
-        M.caching_allocator_delete(p)
-    assert M.memory_reserved(DEV) == base + 80 * MIB
-    try:
-        M.set_memory_limit(base + 200 * MIB, DEV)  # above: the cache stays
-        assert M.memory_reserved(DEV) == base + 80 * MIB
-        limit = base + 40 * MIB
-        if how == "bytes":
-            M.set_memory_limit(limit, DEV)
-        else:
-            M.set_per_process_memory_fraction(limit / M.memory_stats(DEV)["total_memory"], DEV)
-        assert M.memory_reserved(DEV) == base + 20 * MIB  # what is in use stays
-        assert M.get_memory_limit(DEV) <= limit
-    finally:
-        M.set_memory_limit(None, DEV)
-        M.caching_allocator_delete(keep)
-    assert_stats_match_snapshot(DEV)
-
-
 def test_limit_gives_a_detailed_out_of_memory_error_and_the_allocator_recovers():
     M.empty_cache(DEV)
     gc.collect()

@@ -141,9 +141,7 @@ def caching_allocator_enable(value: bool = True) -> None:
 
 
 def set_memory_limit(nbytes: Optional[int], device: Optional[Device] = None) -> None:
-    """Caps what the device's allocator may reserve (None removes the cap). A cap below what is
-    reserved now gives the cache's free segments back at once (empty_cache), so that the next
-    run plans under it; what is in use stays reserved until freed."""
+    """Caps what the device's allocator may reserve (None removes the cap)."""
     if nbytes is None:
         _cmlp.set_memory_limit(_device(device), -1)
         return
@@ -152,16 +150,7 @@ def set_memory_limit(nbytes: Optional[int], device: Optional[Device] = None) -> 
         raise TypeError(f"nbytes must be an int or None, got {type(nbytes).__name__}")
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0 or None, got {nbytes}")
-    dev = _device(device)
-    _cmlp.set_memory_limit(dev, min(nbytes, 2**63 - 1))  # more than anything: no cap in effect
-    _within(dev, nbytes)
-
-
-def _within(dev: str, limit: int) -> None:
-    """A limit lowered below the memory reserved: the cache's free segments go back (torch's
-    fraction leaves them, and a run would go on in them, over the limit)."""
-    if memory_reserved(dev) > limit:
-        empty_cache(dev)
+    _cmlp.set_memory_limit(_device(device), min(nbytes, 2**63 - 1))  # more than anything: no cap in effect
 
 
 def set_per_process_memory_fraction(fraction: float, device: Optional[Device] = None) -> None:
@@ -174,7 +163,6 @@ def set_per_process_memory_fraction(fraction: float, device: Optional[Device] = 
     total = _cmlp.memory_stats(dev)["total_memory"]
     _cmlp.set_memory_limit(dev, int(fraction * total))
     _fractions[dev] = (float(fraction), int(fraction * total))  # (a NumPy float is read back as a float)
-    _within(dev, int(fraction * total))
 
 
 def get_memory_limit(device: Optional[Device] = None) -> Optional[int]:
