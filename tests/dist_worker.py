@@ -167,7 +167,8 @@ class _PacedCalls:
 
 class _SplitSteps:
     """A trainer's C object whose count of steps retried in micro-batches grows at each reading,
-    as after an out-of-memory inside each step (the steps themselves are as ever)."""
+    and whose steps say they ran at half the micro-batch asked for, as after an out-of-memory
+    inside each step (the steps themselves are as ever)."""
 
     def __init__(self, c):
         self._inner, self.extra = c, 0
@@ -175,6 +176,9 @@ class _SplitSteps:
     def oom_retries(self):
         self.extra += 1
         return self._inner.oom_retries() + self.extra
+
+    def last_microbatch(self):
+        return max(1, self._inner.microbatch_state()[1] // 2)
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
