@@ -279,10 +279,14 @@ cmlp_status cmlp_train_robust_step(cmlp_trainer *t, cmlp_dscalars *ds, const cml
             reclaimed = true;
             continue;
         }
-        if (xy->on_device && t->d_x && !t->dist) {
-            /* the device copy of the data set goes before any micro-batch shrinks (as a plan
-             * under a limit prefers the batches from host memory where they leave a larger one):
-             * epoch_run drops it and takes the step again, at this size */
+        cmlp_memory_stats ms;
+        cmlp_allocator_stats(t->model->dev->alloc, &ms);
+        if (xy->on_device && t->d_x && !t->dist && ms.limit < 0 && !(t->grown_from && !t->good_steps)) {
+            /* with no limit (under one, the planned start weighed the copy against the
+             * micro-batch already), the device copy of the data set goes before any micro-batch
+             * shrinks, as such a plan prefers the batches from host memory where they leave a
+             * larger one: epoch_run drops it and takes the step again, at this size (a growth
+             * trial that fails goes back to the size that worked, as ever) */
             t->oom_at_one = true;
             t->micro = micro_before;
             t->grown_from = grown_before, t->good_steps = good_before, t->grow_wait = wait_before;
