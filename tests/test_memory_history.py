@@ -148,9 +148,11 @@ def test_code_compiled_for_each_call_adds_no_stack_and_is_freed():
         codes.append(weakref.ref(code))
         exec(code, {"model": model, "x": x})
 
+    before = {}
     for i in range(3001):
         run_cell()
-        before = cmlp._cmlp.stack_tables() if i == 0 else before
+        if i == 0:  # (after a first call from this line)
+            before = cmlp._cmlp.stack_tables()
     gc.collect()
     after = cmlp._cmlp.stack_tables()
     assert after["stacks"] == before["stacks"] and after["frames"] == before["frames"], (before, after)
