@@ -60,8 +60,28 @@ cmlp_status cpu_relu_backward(void *ctx, float *dy, const float *h, int64_t coun
  * of the total; torch sums in a cascade). With h (the ReLU's output), each row goes through the
  * ReLU's backward first and is written to out: the bits of relu_backward followed by bias_grad,
  * in one pass. out may be the gradient or h (each element is read before it is written, by the
- * same thread). Columns go BIAS_TILE at a time, their sums on the stack. */
+ * same thread). Columns go BIAS_TILE at a time, their sums on the stack. The row kernels below
+ * take each buffer once, restrict, so that they vectorise (no branch per element). */
 #define BIAS_TILE 256
+
+static inline void sum_row(double *restrict acc, const float *restrict row, int64_t w) {
+    for (int64_t c = 0; c < w; c++) acc[c] += row[c];
+}
+
+/* the gradient masked where it stands (out is the gradient), then summed: two loops, since GCC
+ * vectorises neither the select nor the sum when they share one */
+static inline void sum_row_masked(double *restrict acc, float *restrict d, const float *restrict h, int64_t w) {
+    for (int64_t c = 0; c < w; c++) d[c] = !(h[c] <= 0.0f) ? d[c] : 0.0f; /* torch's: passes at a NaN h */
+    sum_row(acc, d, w);
+}
+
+/* the masked gradient written over h (out is h), then summed */
+static inline void sum_row_masked_into_h(double *restrict acc, float *restrict h, const float *restrict d,
+                                         int64_t w) {
+    for (int64_t c = 0; c < w; c++) h[c] = !(h[c] <= 0.0f) ? d[c] : 0.0f;
+    sum_row(acc, h, w);
+}
+
 static void bias_grad_cols(void *a, int64_t lo, int64_t hi) {
     const rows_args *r = a;
     float *restrict db = r->y;
@@ -70,18 +90,10 @@ static void bias_grad_cols(void *a, int64_t lo, int64_t hi) {
         const int64_t w = hi - c0 < BIAS_TILE ? hi - c0 : BIAS_TILE;
         for (int64_t c = 0; c < w; c++) acc[c] = r->overwrite ? 0.0 : (double)db[c0 + c];
         for (int64_t i = 0; i < r->rows; i++) {
-            if (!r->h) {
-                const float *restrict row = r->dy + i * r->cols + c0;
-                for (int64_t c = 0; c < w; c++) acc[c] += row[c];
-                continue;
-            }
-            const float *row = r->mdy + i * r->cols + c0, *h = r->h + i * r->cols + c0;
-            float *out = r->out + i * r->cols + c0;
-            for (int64_t c = 0; c < w; c++) {
-                float v = !(h[c] <= 0.0f) ? row[c] : 0.0f;
-                out[c] = v;
-                acc[c] += v;
-            }
+            const int64_t at = i * r->cols + c0;
+            if (!r->h) sum_row(acc, r->dy + at, w);
+            else if (r->out == r->mdy) sum_row_masked(acc, r->out + at, r->h + at, w);
+            else sum_row_masked_into_h(acc, r->out + at, r->mdy + at, w);
         }
         for (int64_t c = 0; c < w; c++) db[c0 + c] = (float)acc[c];
     }
