@@ -37,7 +37,7 @@ elif mode == "raised":  # OpenBLAS told to use more threads than the pool has
     train(1)
     lib = ctypes.CDLL(glob.glob(os.path.join(scipy_openblas32.get_lib_dir(), "libscipy_openblas*.so"))[0])
     lib.scipy_openblas_set_num_threads(4)
-    print(json.dumps([train(1), train(2, "bf16")]))
+    print(json.dumps([train(1), train(2, "bf16"), lib.scipy_openblas_get_num_threads()]))
 elif mode == "fork":
     first = train(1)
     pid = os.fork()
@@ -78,8 +78,10 @@ def test_a_forked_child_trains_and_the_parent_goes_on(reference):
 
 
 def test_more_blas_threads_than_the_pool_still_trains():
-    out = run("raised", threads=2)
-    assert len(out) == 2 and all(len(h) == 40 for h in out)
+    """(the backward pass's weight and input gradients, run side by side one-threaded on a pool of
+    two, put the count back as they found it)"""
+    *out, blas_threads = run("raised", threads=2)
+    assert len(out) == 2 and all(len(h) == 40 for h in out) and blas_threads == 4
 
 
 @pytest.mark.parametrize("value", ["abc", "0", "-2", "4x", "1.5", "²"])
