@@ -10,7 +10,11 @@ runs, since the machine is shared):
     zero_grad(set_to_none=True), 2 threads); the same epochs, after a 50-step warm-up;
   - the sgemm throughput of the OpenBLAS cmlp links (scipy-openblas32) on the 8 GEMM shapes of
     one training step at that batch size, looped for >= 2 s; and the share of it that a whole
-    cmlp step reaches (2,407,424 GEMM FLOP per sample: forward 1,070,080, weight gradients 1,070,080, input gradients of layers 2-3 267,264).
+    cmlp step reaches (2,407,424 GEMM FLOP per sample: forward 1,070,080, weight gradients
+    1,070,080, input gradients of layers 2-3 267,264);
+  - PyTorch's GEMM throughput (its MKL) on the same 8 shapes, looped for >= 2 s, and the share of
+    it that PyTorch's step reaches: with both shares, the ratio a step could reach if each ran at
+    its BLAS's speed is (sgemm / PyTorch GEMM) and what is left is the passes around the GEMMs.
 With --accuracy it also trains 5 epochs at batch 32 (cmlp seed 0, and the PyTorch loop) and
 reports test accuracy.
 
@@ -158,6 +162,34 @@ def sgemm_gflops(sgemm, batch, seconds=2.0):
     return reps * flop / (time.perf_counter() - start) / 1e9
 
 
+def torch_gemm_gflops(batch, seconds=2.0):
+    """PyTorch's GEMMs on the shapes of step_gemms (mm for the products written over, addmm_ for
+    the weight gradients that accumulate)."""
+    gen = torch.Generator().manual_seed(0)
+    calls = []
+    for ta, tb, m, n, k, beta in step_gemms(batch):
+        a = torch.randn(k, m, generator=gen).t() if ta == 112 else torch.randn(m, k, generator=gen)
+        b = torch.randn(n, k, generator=gen).t() if tb == 112 else torch.randn(k, n, generator=gen)
+        c = torch.zeros(m, n)
+        calls.append((a, b, c, beta))
+    flop = sum(2.0 * a.shape[0] * b.shape[1] * a.shape[1] for a, b, _, _ in calls)
+
+    def run(reps):
+        for _ in range(reps):
+            for a, b, c, beta in calls:
+                if beta:
+                    c.addmm_(a, b)
+                else:
+                    torch.mm(a, b, out=c)
+
+    run(10)
+    reps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        run(10)
+        reps += 10
+    return reps * flop / (time.perf_counter() - start) / 1e9
+
+
 # ---------------------------------------------------------------- report
 
 def machine_lines():
@@ -194,32 +226,36 @@ def main():
     sgemm = load_sgemm()
 
     # Best of REPEATS interleaved runs: the machine is shared, and slow outliers are noise.
-    best = {batch: [0.0, 0.0, 0.0] for batch in EPOCHS}  # cmlp, PyTorch, sgemm
+    best = {batch: [0.0, 0.0, 0.0, 0.0] for batch in EPOCHS}  # cmlp, PyTorch, sgemm, PyTorch's GEMMs
     for _ in range(REPEATS):
         for batch, epochs in EPOCHS.items():
             runs = [cmlp_epoch(x, y, batch, epochs)[0],
                     torch_epoch(xt, yt, batch, epochs)[0] if torch is not None else 0.0,
-                    sgemm_gflops(sgemm, batch)]
+                    sgemm_gflops(sgemm, batch),
+                    torch_gemm_gflops(batch) if torch is not None else 0.0]
             best[batch] = [max(a, b) for a, b in zip(best[batch], runs)]
             print(f"batch {batch}: cmlp {runs[0]:,.0f}/s, PyTorch {runs[1] or float('nan'):,.0f}/s, "
-                  f"sgemm {runs[2]:.1f} GFLOP/s", file=sys.stderr, flush=True)
+                  f"sgemm {runs[2]:.1f} GFLOP/s, PyTorch GEMMs {runs[3] or float('nan'):.1f} GFLOP/s",
+                  file=sys.stderr, flush=True)
     rows = [(batch, *best[batch]) for batch in EPOCHS]
 
     print("| batch | cmlp samples/s | PyTorch samples/s | ratio | cmlp step GFLOP/s "
-          "| sgemm GFLOP/s at those shapes | share of sgemm |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
-    for batch, ours, theirs, gemm in rows:
+          "| sgemm GFLOP/s at those shapes | share of sgemm | PyTorch GEMM GFLOP/s | PyTorch's share |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for batch, ours, theirs, gemm, tgemm in rows:
         step = FLOP_PER_SAMPLE * ours / 1e9
         torch_col = f"{theirs:,.0f}" if theirs else "-"
         ratio = f"{ours / theirs:.2f}x" if theirs else "-"
+        tgemm_col = f"{tgemm:.1f}" if tgemm else "-"
+        tshare = f"{100 * FLOP_PER_SAMPLE * theirs / 1e9 / tgemm:.0f}%" if theirs and tgemm else "-"
         print(f"| {batch} | {ours:,.0f} | {torch_col} | {ratio} | {step:.1f} | {gemm:.1f} "
-              f"| {100 * step / gemm:.0f}% |")
+              f"| {100 * step / gemm:.0f}% | {tgemm_col} | {tshare} |")
     print()
     for line in machine_lines():
         print(line)
     print(f"targets: {TARGETS}")
-    ratio = {batch: ours / theirs if theirs else None for batch, ours, theirs, _ in rows}
-    share = {batch: FLOP_PER_SAMPLE * ours / 1e9 / gemm for batch, ours, _, gemm in rows}
+    ratio = {batch: ours / theirs if theirs else None for batch, ours, theirs, _, _ in rows}
+    share = {batch: FLOP_PER_SAMPLE * ours / 1e9 / gemm for batch, ours, _, gemm, _ in rows}
     checks = [("batch 32 vs PyTorch", ratio[32], 2.0), ("batch 512 vs PyTorch", ratio[512], 1.2),
               ("batch 512 share of sgemm", share[512], 0.6)]
     print("; ".join(f"{name}: {value:.2f} ({'met' if value >= goal else 'NOT met'})"
