@@ -293,10 +293,11 @@ static void pair_part(void *a, int part, int nparts) {
 
 /* The pair as a write section of the GEMMs' lock: OpenBLAS's thread count is global, and a GEMM
  * of another thread run one-threaded meanwhile could round differently. Where the pool cannot
- * pair them, they run one after another, threaded. */
+ * pair them, or OpenBLAS was told to use one thread (threadpoolctl's limit), they run one after
+ * the other as OpenBLAS runs them. */
 static void gemm_pair(const gemm_call *pair) {
-    if (cmlp_pool_threads() == 2 && cmlp_pool_hold()) {
-        int was = scipy_openblas_get_num_threads();
+    int was = scipy_openblas_get_num_threads();
+    if (was > 1 && cmlp_pool_threads() == 2 && cmlp_pool_hold()) {
         scipy_openblas_set_num_threads(1);
         cmlp_pool_run_held(pair_part, (void *)pair, 2);
         scipy_openblas_set_num_threads(was);

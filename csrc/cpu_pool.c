@@ -205,11 +205,9 @@ bool cmlp_pool_hold(void) {
 }
 
 void cmlp_pool_run_held(cmlp_pool_fn fn, void *arg, int nparts) {
-    if (nparts <= 1 || pool.nthreads < nparts) {
-        for (int p = 0; p < nparts; p++) fn(arg, p, nparts);
-        return;
-    }
-    dispatch(fn, arg, nparts);
+    if (nparts == 1) fn(arg, 0, 1);
+    else if (nparts > pool.nthreads) run_on_new_threads(fn, arg, nparts);
+    else if (nparts > 1) dispatch(fn, arg, nparts);
 }
 
 void cmlp_pool_release(void) { pthread_mutex_unlock(&pool.busy); }

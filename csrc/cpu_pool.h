@@ -19,8 +19,8 @@ __attribute__((visibility("hidden"))) int cmlp_pool_threads(void);
 __attribute__((visibility("hidden"))) void cmlp_pool_run(cmlp_pool_fn fn, void *arg, int nparts);
 /* The pool for the caller alone, once the thread using it is done (false, nothing held, in a part
  * of a pooled job). While held, cmlp_pool_run_held(fn, arg, nparts) runs the parts as
- * cmlp_pool_run does (one after another where the pool has fewer threads), and a pooled call
- * from inside a part gets threads of its own; cmlp_pool_release ends it. */
+ * cmlp_pool_run does, and a pooled call from inside a part gets threads of its own;
+ * cmlp_pool_release ends it. */
 __attribute__((visibility("hidden"))) bool cmlp_pool_hold(void);
 __attribute__((visibility("hidden"))) void cmlp_pool_run_held(cmlp_pool_fn fn, void *arg, int nparts);
 __attribute__((visibility("hidden"))) void cmlp_pool_release(void);

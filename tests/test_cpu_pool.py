@@ -38,6 +38,13 @@ elif mode == "raised":  # OpenBLAS told to use more threads than the pool has
     lib = ctypes.CDLL(glob.glob(os.path.join(scipy_openblas32.get_lib_dir(), "libscipy_openblas*.so"))[0])
     lib.scipy_openblas_set_num_threads(4)
     print(json.dumps([train(1), train(2, "bf16"), lib.scipy_openblas_get_num_threads()]))
+elif mode == "limited":  # OpenBLAS held to one thread at run time, as threadpoolctl does
+    import ctypes, glob, os
+    import scipy_openblas32
+    train(1)
+    lib = ctypes.CDLL(glob.glob(os.path.join(scipy_openblas32.get_lib_dir(), "libscipy_openblas*.so"))[0])
+    lib.scipy_openblas_set_num_threads(1)
+    print(json.dumps([train(1), train(2, "bf16")]))
 elif mode == "fork":
     first = train(1)
     pid = os.fork()
@@ -82,6 +89,12 @@ def test_more_blas_threads_than_the_pool_still_trains():
     two, put the count back as they found it)"""
     *out, blas_threads = run("raised", threads=2)
     assert len(out) == 2 and all(len(h) == 40 for h in out) and blas_threads == 4
+
+
+def test_openblas_held_to_one_thread_at_run_time_trains_as_on_one_thread():
+    """threadpoolctl's limit: every GEMM runs one-threaded (the backward pass's pair of them, too),
+    so the bits are those of a one-thread run."""
+    assert run("limited", threads=2) == run("plain", threads=1)
 
 
 @pytest.mark.parametrize("value", ["abc", "0", "-2", "4x", "1.5", "²"])
