@@ -79,8 +79,7 @@ static void blas_after_fork(void) { scipy_openblas_set_num_threads(1); }
  * GEMM of another thread under way it waits for ever (OpenBLAS's own hang, NumPy's matmul in a
  * thread shows it too). GEMMs are read sections of this lock, and a pre-fork handler registered
  * after OpenBLAS's (so run before it) takes it to write: the fork waits for the GEMM in flight,
- * and new ones wait for the fork (writers first, or a loop of GEMMs would keep it waiting). Two
- * GEMMs run side by side one-threaded are a write section too (gemm_pair). */
+ * and new ones wait for the fork (writers first, or a loop of GEMMs would keep it waiting). */
 static pthread_rwlock_t gemm_fork_lock;
 
 static void gemm_fork_lock_init(void) {
@@ -260,77 +259,6 @@ static cmlp_status cpu_fill_byte(void *ctx, void *dst, int byte, size_t nbytes) 
     return CMLP_OK;
 }
 
-typedef struct {
-    int ta, tb, m, n, k, lda, ldb, ldc;
-    float alpha, beta;
-    const float *a, *b;
-    float *c;
-} gemm_call;
-
-static void gemm_run(const gemm_call *g) {
-    SGEMM(CblasRowMajor, g->ta ? CblasTrans : CblasNoTrans, g->tb ? CblasTrans : CblasNoTrans, g->m, g->n, g->k,
-          g->alpha, g->a, g->lda, g->b, g->ldb, g->beta, g->c, g->ldc);
-}
-
-#if CMLP_BLAS_SCIPY
-/* The second stream. A GEMM queued on it (a layer's weight gradient) is held until the next GEMM
- * on the first (the input gradient of the same layer, which reads the same gradient and writes
- * elsewhere), and the two run side by side, one thread and one-threaded OpenBLAS each. At the
- * batch sizes a backward pass forks for, OpenBLAS's threads wait for each other much of a GEMM
- * (a weight gradient of 32 rows ran 8% faster on two threads than on one): on two threads the
- * pair made a step 5% faster at batch 32 and 2% at 128 and 512. A larger pool, not measured,
- * keeps its threads for each GEMM. Other work queued on the second stream runs at once, an order
- * the stream allows; the join runs a GEMM still held. */
-static _Thread_local struct {
-    bool on, held;
-    gemm_call g;
-} side;
-
-static void pair_part(void *a, int part, int nparts) {
-    (void)nparts;
-    gemm_run((const gemm_call *)a + part);
-}
-
-/* The pair as a write section of the GEMMs' lock: OpenBLAS's thread count is global, and a GEMM
- * of another thread run one-threaded meanwhile could round differently. Where the pool cannot
- * pair them, or OpenBLAS was told to use one thread (threadpoolctl's limit), they run one after
- * the other as OpenBLAS runs them. */
-static void gemm_pair(const gemm_call *pair) {
-    int was = scipy_openblas_get_num_threads();
-    if (was > 1 && cmlp_pool_threads() == 2 && cmlp_pool_hold()) {
-        scipy_openblas_set_num_threads(1);
-        cmlp_pool_run_held(pair_part, (void *)pair, 2);
-        scipy_openblas_set_num_threads(was);
-        cmlp_pool_release();
-        return;
-    }
-    gemm_run(&pair[0]);
-    gemm_run(&pair[1]);
-}
-
-static void side_flush(void) {
-    if (!side.held) return;
-    side.held = false;
-    pthread_rwlock_rdlock(&gemm_fork_lock);
-    gemm_run(&side.g);
-    pthread_rwlock_unlock(&gemm_fork_lock);
-}
-
-static cmlp_status cpu_stream_side(void *ctx, int on) {
-    (void)ctx;
-    if (on) side_flush(); /* (a fork joins before the next: one GEMM is held at most) */
-    side.on = on;
-    return CMLP_OK;
-}
-
-static cmlp_status cpu_stream_join(void *ctx) {
-    (void)ctx;
-    side_flush();
-    side.on = false;
-    return CMLP_OK;
-}
-#endif
-
 static cmlp_status cpu_gemm(void *ctx, int ta, int tb, int64_t m, int64_t n, int64_t k, float alpha,
                             const float *a, int64_t lda, const float *b, int64_t ldb, float beta,
                             float *c, int64_t ldc) {
@@ -340,24 +268,9 @@ static cmlp_status cpu_gemm(void *ctx, int ta, int tb, int64_t m, int64_t n, int
         return CMLP_FAIL(CMLP_ERR_INVALID, "GEMM of %lld x %lld x %lld exceeds the BLAS's 32-bit sizes",
                          (long long)m, (long long)n, (long long)k);
     if (m == 0 || n == 0) return CMLP_OK;
-    gemm_call g = {ta, tb, (int)m, (int)n, (int)k, (int)lda, (int)ldb, (int)ldc, alpha, beta, a, b, c};
-#if CMLP_BLAS_SCIPY
-    if (side.on) {
-        side_flush();
-        side.g = g;
-        side.held = true;
-        return CMLP_OK;
-    }
-    if (side.held) {
-        side.held = false;
-        pthread_rwlock_wrlock(&gemm_fork_lock);
-        gemm_pair((const gemm_call[2]){g, side.g});
-        pthread_rwlock_unlock(&gemm_fork_lock);
-        return CMLP_OK;
-    }
-#endif
     pthread_rwlock_rdlock(&gemm_fork_lock);
-    gemm_run(&g);
+    SGEMM(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, (int)m, (int)n,
+          (int)k, alpha, a, (int)lda, b, (int)ldb, beta, c, (int)ldc);
     pthread_rwlock_unlock(&gemm_fork_lock);
     return CMLP_OK;
 }
@@ -405,8 +318,4 @@ const cmlp_backend_i cmlp_backend_cpu = {
     .clip_by_norm = cpu_clip_by_norm,
     .clip_by_value = cpu_clip_by_value,
     .synchronize = cpu_synchronize,
-#if CMLP_BLAS_SCIPY
-    .stream_side = cpu_stream_side,
-    .stream_join = cpu_stream_join,
-#endif
 };

@@ -57,14 +57,8 @@ static void futex_wait(_Atomic int *addr, int expected) {
 
 static void futex_wake_all(_Atomic int *addr) { syscall(SYS_futex, (int *)addr, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0); }
 
-/* set while this thread runs a part of a pooled job: a pooled call from inside one gets threads
- * of its own (the pool is busy with the job that called it) */
-static _Thread_local bool in_part;
-
 static void run_parts(const pool_job *j, int thread) {
-    in_part = true;
     for (int p = thread; p < j->nparts; p += pool.nthreads) j->fn(j->arg, p, j->nparts);
-    in_part = false;
 }
 
 static void *worker(void *arg) {
@@ -186,7 +180,7 @@ void cmlp_pool_run(cmlp_pool_fn fn, void *arg, int nparts) {
         fn(arg, 0, 1);
         return;
     }
-    if (nparts > pool.nthreads || in_part) {
+    if (nparts > pool.nthreads) {
         run_on_new_threads(fn, arg, nparts);
         return;
     }
@@ -196,21 +190,6 @@ void cmlp_pool_run(cmlp_pool_fn fn, void *arg, int nparts) {
     dispatch(fn, arg, nparts);
     pthread_mutex_unlock(&pool.busy);
 }
-
-bool cmlp_pool_hold(void) {
-    pthread_once(&pool_once, pool_start);
-    if (in_part) return false;
-    pthread_mutex_lock(&pool.busy);
-    return true;
-}
-
-void cmlp_pool_run_held(cmlp_pool_fn fn, void *arg, int nparts) {
-    if (nparts == 1) fn(arg, 0, 1);
-    else if (nparts > pool.nthreads) run_on_new_threads(fn, arg, nparts);
-    else if (nparts > 1) dispatch(fn, arg, nparts);
-}
-
-void cmlp_pool_release(void) { pthread_mutex_unlock(&pool.busy); }
 
 typedef struct {
     cmlp_range_fn fn;

@@ -5,7 +5,6 @@
 #ifndef CMLP_CPU_POOL_H
 #define CMLP_CPU_POOL_H
 
-#include <stdbool.h>
 #include <stdint.h>
 
 typedef void (*cmlp_pool_fn)(void *arg, int part, int nparts);
@@ -17,13 +16,6 @@ __attribute__((visibility("hidden"))) int cmlp_pool_threads(void);
 /* fn(arg, p, nparts) for every p < nparts (at most cmlp_pool_threads()), each part on a thread of
  * its own at the same time (parts may wait for each other); returns when all are done. */
 __attribute__((visibility("hidden"))) void cmlp_pool_run(cmlp_pool_fn fn, void *arg, int nparts);
-/* The pool for the caller alone, once the thread using it is done (false, nothing held, in a part
- * of a pooled job). While held, cmlp_pool_run_held(fn, arg, nparts) runs the parts as
- * cmlp_pool_run does, and a pooled call from inside a part gets threads of its own;
- * cmlp_pool_release ends it. */
-__attribute__((visibility("hidden"))) bool cmlp_pool_hold(void);
-__attribute__((visibility("hidden"))) void cmlp_pool_run_held(cmlp_pool_fn fn, void *arg, int nparts);
-__attribute__((visibility("hidden"))) void cmlp_pool_release(void);
 /* fn(arg, lo, hi) over [0, n) in at most one range per thread, each a multiple of grain and at
  * least min_per_thread long (smaller work runs on the caller alone). */
 __attribute__((visibility("hidden"))) void cmlp_pool_for(int64_t n, int64_t grain, int64_t min_per_thread,

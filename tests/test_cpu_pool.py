@@ -85,15 +85,15 @@ def test_a_forked_child_trains_and_the_parent_goes_on(reference):
 
 
 def test_more_blas_threads_than_the_pool_still_trains():
-    """(the backward pass's weight and input gradients, run side by side one-threaded on a pool of
-    two, put the count back as they found it)"""
+    """(and the count stays as it was set: cmlp never changes OpenBLAS's process-wide thread count
+    while it trains, which another thread's limit, threadpoolctl's, could read and restore)"""
     *out, blas_threads = run("raised", threads=2)
     assert len(out) == 2 and all(len(h) == 40 for h in out) and blas_threads == 4
 
 
 def test_openblas_held_to_one_thread_at_run_time_trains_as_on_one_thread():
-    """threadpoolctl's limit: every GEMM runs one-threaded (the backward pass's pair of them, too),
-    so the bits are those of a one-thread run."""
+    """threadpoolctl's limit: every GEMM runs one-threaded, so the bits are those of a one-thread
+    run (the pool's own loops give the same bits on any number of threads)."""
     assert run("limited", threads=2) == run("plain", threads=1)
 
 
