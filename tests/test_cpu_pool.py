@@ -31,20 +31,13 @@ elif mode == "threads":
     for t in th: t.start()
     for t in th: t.join()
     print(json.dumps([out[1], out[2]]))
-elif mode == "raised":  # OpenBLAS told to use more threads than the pool has
-    import ctypes, glob, os
+elif mode.startswith("blas="):  # OpenBLAS's count set at run time: above the pool's, or 1 (threadpoolctl's limit)
+    import ctypes, glob
     import scipy_openblas32
     train(1)
     lib = ctypes.CDLL(glob.glob(os.path.join(scipy_openblas32.get_lib_dir(), "libscipy_openblas*.so"))[0])
-    lib.scipy_openblas_set_num_threads(4)
+    lib.scipy_openblas_set_num_threads(int(mode[5:]))
     print(json.dumps([train(1), train(2, "bf16"), lib.scipy_openblas_get_num_threads()]))
-elif mode == "limited":  # OpenBLAS held to one thread at run time, as threadpoolctl does
-    import ctypes, glob, os
-    import scipy_openblas32
-    train(1)
-    lib = ctypes.CDLL(glob.glob(os.path.join(scipy_openblas32.get_lib_dir(), "libscipy_openblas*.so"))[0])
-    lib.scipy_openblas_set_num_threads(1)
-    print(json.dumps([train(1), train(2, "bf16")]))
 elif mode == "fork":
     first = train(1)
     pid = os.fork()
@@ -87,14 +80,15 @@ def test_a_forked_child_trains_and_the_parent_goes_on(reference):
 def test_more_blas_threads_than_the_pool_still_trains():
     """(and the count stays as it was set: cmlp never changes OpenBLAS's process-wide thread count
     while it trains, which another thread's limit, threadpoolctl's, could read and restore)"""
-    *out, blas_threads = run("raised", threads=2)
+    *out, blas_threads = run("blas=4", threads=2)
     assert len(out) == 2 and all(len(h) == 40 for h in out) and blas_threads == 4
 
 
 def test_openblas_held_to_one_thread_at_run_time_trains_as_on_one_thread():
     """threadpoolctl's limit: every GEMM runs one-threaded, so the bits are those of a one-thread
     run (the pool's own loops give the same bits on any number of threads)."""
-    assert run("limited", threads=2) == run("plain", threads=1)
+    *out, blas_threads = run("blas=1", threads=2)
+    assert out == run("plain", threads=1) and blas_threads == 1
 
 
 @pytest.mark.parametrize("value", ["abc", "0", "-2", "4x", "1.5", "²"])

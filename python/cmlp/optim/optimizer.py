@@ -472,19 +472,16 @@ class Optimizer(_Copying, _StateDict):
     def _group_lrs(self) -> List[float]:
         return list(self._lrs)
 
+    @_locked
     def _set_group_lrs(self, lrs: Any) -> None:
-        """Every group's rate at once (checked: a refused one changes none). Under the lock, as
-        _locked runs a method, written out: each step of a schedule comes here."""
-        with self._lock:
-            if self.__dict__.get("_torn"):
-                raise RuntimeError(_TORN)
-            if type(lrs) is list and len(lrs) == 1 and type(lrs[0]) is float and 0.0 <= lrs[0] <= _FLT_MAX:
-                lrs = lrs[:]  # (one group's rate, as a schedule's step gives it: nothing to convert)
-            else:
-                lrs = [v if type(v) is float and 0.0 <= v <= _FLT_MAX else _rate("lr", v) for v in lrs]
-            # (a schedule's step: where only the base rate moves, what _push_groups does would change nothing else)
-            if self._own_parts is None or not self._new_rates_only(lrs):
-                self._push_groups(lrs=lrs)
+        """Every group's rate at once (checked: a refused one changes none)."""
+        if type(lrs) is list and len(lrs) == 1 and type(lrs[0]) is float and 0.0 <= lrs[0] <= _FLT_MAX:
+            lrs = lrs[:]  # (one group's rate, as a schedule's step gives it: nothing to convert)
+        else:
+            lrs = [v if type(v) is float and 0.0 <= v <= _FLT_MAX else _rate("lr", v) for v in lrs]
+        # (a schedule's step: where only the base rate moves, what _push_groups does would change nothing else)
+        if self._own_parts is None or not self._new_rates_only(lrs):
+            self._push_groups(lrs=lrs)
 
     @_locked
     def _set_group_wds(self, wds: Any) -> None:
