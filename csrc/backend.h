@@ -66,6 +66,10 @@ typedef struct cmlp_backend_i {
      * build with AddressSanitizer the allocator then poisons every byte no caller holds (free
      * blocks, and each block past the bytes requested), so that an access there is reported. */
     bool host_memory;
+    /* Its GEMM with beta = 0 zeroes C in a pass of its own before it adds the product (OpenBLAS
+     * does): gradients that adam or sgd zeroed as they read them (zero_g) then take the next
+     * step's first weight gradients with beta = 1 instead, that pass spared. */
+    bool beta_zero_pass;
 
     /* Per-device instance (streams, handles); NULL is fine for the CPU. */
     cmlp_status (*open)(int index, void **ctx);
@@ -197,16 +201,18 @@ typedef struct cmlp_backend_i {
      * formed in double and rounded once, as torch's scalars are (1.0f - (float)0.999 is 1.3e-5 off).
      * maximize != 0: the gradient's sign is flipped first (torch's maximize). Adam's d_vmax, when
      * not NULL, is AMSGrad's running maximum of d_v: d_vmax = max(d_vmax, d_v) (a NaN in either
-     * gives a NaN, as torch.maximum), and the denominator is made of it. */
-    cmlp_status (*adam)(void *ctx, float *d_p, const float *d_g, float *d_m, float *d_v, float *d_vmax, int64_t n,
+     * gives a NaN, as torch.maximum), and the denominator is made of it. zero_g != 0: every
+     * gradient is +0 when the call returns (read first; a skipped step zeroes them too). */
+    cmlp_status (*adam)(void *ctx, float *d_p, float *d_g, float *d_m, float *d_v, float *d_vmax, int64_t n,
                         float step_size, float beta1, float beta2, float one_b1, float one_b2, float bc2_sqrt,
                         float eps, float weight_decay, float decay, int maximize, const float *d_found_inf,
-                        const float *d_coef);
+                        const float *d_coef, int zero_g);
     /* buf = g (momentum's first step) for each element whose buf has not started (bits
-     * CMLP_MOMENTUM_UNSTARTED_BITS, as the buffer is made). d_buf may be NULL when momentum == 0. */
-    cmlp_status (*sgd)(void *ctx, float *d_p, const float *d_g, float *d_buf, int64_t n, float lr,
+     * CMLP_MOMENTUM_UNSTARTED_BITS, as the buffer is made). d_buf may be NULL when momentum == 0.
+     * zero_g as adam's. */
+    cmlp_status (*sgd)(void *ctx, float *d_p, float *d_g, float *d_buf, int64_t n, float lr,
                        float momentum, float keep, int nesterov, float weight_decay, int maximize,
-                       const float *d_found_inf, const float *d_coef);
+                       const float *d_found_inf, const float *d_coef, int zero_g);
     /* Before a step whose skip is decided on the device: *d_pos += pos_add when d_pos is not
      * NULL (the data position, which moves whether or not the step is skipped); the rate and
      * momentum are read from `rate` (which moves on too); when scale is not NULL, the loss scale

@@ -283,6 +283,7 @@ static cmlp_status cpu_synchronize(void *ctx) {
 const cmlp_backend_i cmlp_backend_cpu = {
     .name = "cpu",
     .host_memory = true,
+    .beta_zero_pass = true, /* OpenBLAS's */
     .open = NULL,
     .total_memory = cpu_total_memory,
     .free_memory = cpu_free_memory,

@@ -46,13 +46,13 @@ CMLP_HIDDEN cmlp_status cpu_gather_labels(void *ctx, int32_t *dst, const int32_t
                                           int64_t start, const int64_t *pos, int64_t rows);
 
 /* backend_cpu_optim.c */
-CMLP_HIDDEN cmlp_status cpu_adam(void *ctx, float *restrict p, const float *restrict g, float *restrict m,
+CMLP_HIDDEN cmlp_status cpu_adam(void *ctx, float *restrict p, float *restrict g, float *restrict m,
                                  float *restrict v, float *restrict vmax, int64_t n, float step_size, float beta1,
                                  float beta2, float one_b1, float one_b2, float bc2_sqrt, float eps, float wd,
-                                 float decay, int maximize, const float *found_inf, const float *coef);
-CMLP_HIDDEN cmlp_status cpu_sgd(void *ctx, float *restrict p, const float *restrict g, float *restrict buf, int64_t n,
+                                 float decay, int maximize, const float *found_inf, const float *coef, int zero_g);
+CMLP_HIDDEN cmlp_status cpu_sgd(void *ctx, float *restrict p, float *restrict g, float *restrict buf, int64_t n,
                                 float lr, float momentum, float keep, int nesterov, float wd, int maximize,
-                                const float *found_inf, const float *coef);
+                                const float *found_inf, const float *coef, int zero_g);
 CMLP_HIDDEN cmlp_status cpu_to_half(void *ctx, uint16_t *dst, const float *src, int64_t n, cmlp_dtype dtype);
 CMLP_HIDDEN cmlp_status cpu_from_half(void *ctx, float *dst, const uint16_t *src, int64_t n, cmlp_dtype dtype);
 CMLP_HIDDEN cmlp_status cpu_optim_prepare(void *ctx, int64_t *step, float *coef, const float *found_inf,

@@ -14,16 +14,33 @@
 
 typedef struct {
     float *p, *m, *v, *vmax, *buf;
-    const float *g;
+    float *g;
     float step_size, beta1, beta2, one_b1, one_b2, bc2_sqrt, eps, wd, decay, lr, momentum, keep;
-    int nesterov, maximize;
+    int nesterov, maximize, zero_g;
 } optim_args;
+
+/* Elements of a block an update finishes before it zeroes the block's gradients (zero_g): 8 KiB
+ * of them, still in the first-level cache when they are written over. */
+#define ZERO_BLOCK 2048
+
+/* range(a, lo, hi) over [lo, hi), in blocks whose gradients are zeroed after it with zero_g */
+static void blocks_zeroed(const optim_args *a, int64_t lo, int64_t hi,
+                          void (*range)(const optim_args *, int64_t, int64_t)) {
+    if (!a->zero_g) {
+        range(a, lo, hi);
+        return;
+    }
+    for (int64_t b = lo; b < hi; b += ZERO_BLOCK) {
+        int64_t e = hi - b < ZERO_BLOCK ? hi : b + ZERO_BLOCK;
+        range(a, b, e);
+        memset(a->g + b, 0, (size_t)(e - b) * sizeof(float));
+    }
+}
 
 /* torch.maximum of two floats: a NaN in either gives a NaN */
 static inline float max_nan(float a, float b) { return b > a || b != b ? b : a; }
 
-static void adam_range(void *arg, int64_t lo, int64_t hi) {
-    const optim_args *a = arg;
+static void adam_block(const optim_args *a, int64_t lo, int64_t hi) {
     float *restrict p = a->p, *restrict m = a->m, *restrict v = a->v, *restrict vmax = a->vmax;
     const float *restrict g = a->g;
     const float beta1 = a->beta1, beta2 = a->beta2, one_b1 = a->one_b1, one_b2 = a->one_b2;
@@ -42,12 +59,26 @@ static void adam_range(void *arg, int64_t lo, int64_t hi) {
     }
 }
 
-cmlp_status cpu_adam(void *ctx, float *restrict p, const float *restrict g, float *restrict m,
-                     float *restrict v, float *restrict vmax, int64_t n, float step_size, float beta1,
-                     float beta2, float one_b1, float one_b2, float bc2_sqrt, float eps, float wd, float decay,
-                     int maximize, const float *found_inf, const float *coef) {
+static void adam_range(void *arg, int64_t lo, int64_t hi) { blocks_zeroed(arg, lo, hi, adam_block); }
+
+static void zero_range(void *arg, int64_t lo, int64_t hi) {
+    const optim_args *a = arg;
+    memset(a->g + lo, 0, (size_t)(hi - lo) * sizeof(float));
+}
+
+/* A step skipped for inf/NaN that was to zero the gradients. */
+static cmlp_status skipped(float *g, int64_t n, int zero_g) {
+    optim_args a = {.g = g};
+    if (zero_g) cmlp_pool_for(n, 16, MIN_PER_THREAD, zero_range, &a);
+    return CMLP_OK;
+}
+
+cmlp_status cpu_adam(void *ctx, float *restrict p, float *restrict g, float *restrict m, float *restrict v,
+                     float *restrict vmax, int64_t n, float step_size, float beta1, float beta2, float one_b1,
+                     float one_b2, float bc2_sqrt, float eps, float wd, float decay, int maximize,
+                     const float *found_inf, const float *coef, int zero_g) {
     (void)ctx;
-    if (found_inf && *found_inf != 0.0f) return CMLP_OK;
+    if (found_inf && *found_inf != 0.0f) return skipped(g, n, zero_g);
     if (coef) {
         step_size = coef[0];
         bc2_sqrt = coef[1];
@@ -57,7 +88,7 @@ cmlp_status cpu_adam(void *ctx, float *restrict p, const float *restrict g, floa
     }
     optim_args a = {.p = p, .m = m, .v = v, .vmax = vmax, .g = g, .step_size = step_size, .beta1 = beta1,
                     .beta2 = beta2, .one_b1 = one_b1, .one_b2 = one_b2, .bc2_sqrt = bc2_sqrt, .eps = eps, .wd = wd,
-                    .decay = decay, .maximize = maximize};
+                    .decay = decay, .maximize = maximize, .zero_g = zero_g};
     cmlp_pool_for(n, 16, MIN_PER_THREAD, adam_range, &a);
     return CMLP_OK;
 }
@@ -69,8 +100,7 @@ static inline bool unstarted(float v) {
     return u == CMLP_MOMENTUM_UNSTARTED_BITS;
 }
 
-static void sgd_range(void *arg, int64_t lo, int64_t hi) {
-    const optim_args *a = arg;
+static void sgd_block(const optim_args *a, int64_t lo, int64_t hi) {
     float *restrict p = a->p, *restrict buf = a->buf;
     const float *restrict g = a->g;
     const float lr = a->lr, wd = a->wd, momentum = a->momentum;
@@ -92,18 +122,20 @@ static void sgd_range(void *arg, int64_t lo, int64_t hi) {
     }
 }
 
-cmlp_status cpu_sgd(void *ctx, float *restrict p, const float *restrict g, float *restrict buf,
-                    int64_t n, float lr, float momentum, float keep, int nesterov, float wd, int maximize,
-                    const float *found_inf, const float *coef) {
+static void sgd_range(void *arg, int64_t lo, int64_t hi) { blocks_zeroed(arg, lo, hi, sgd_block); }
+
+cmlp_status cpu_sgd(void *ctx, float *restrict p, float *restrict g, float *restrict buf, int64_t n, float lr,
+                    float momentum, float keep, int nesterov, float wd, int maximize, const float *found_inf,
+                    const float *coef, int zero_g) {
     (void)ctx;
-    if (found_inf && *found_inf != 0.0f) return CMLP_OK;
+    if (found_inf && *found_inf != 0.0f) return skipped(g, n, zero_g);
     if (coef) {
         lr = coef[0];
         momentum = coef[1];
     }
     if (momentum != 0.0f && !buf) return CMLP_FAIL(CMLP_ERR_INTERNAL, "SGD with momentum has no momentum buffer");
     optim_args a = {.p = p, .buf = buf, .g = g, .lr = lr, .momentum = momentum, .keep = keep, .wd = wd,
-                    .nesterov = nesterov, .maximize = maximize};
+                    .nesterov = nesterov, .maximize = maximize, .zero_g = zero_g};
     cmlp_pool_for(n, 16, MIN_PER_THREAD, sgd_range, &a);
     return CMLP_OK;
 }

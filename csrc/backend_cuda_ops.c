@@ -194,23 +194,33 @@ static cmlp_status cu_gather_labels(void *ctx, int32_t *d_dst, const int32_t *d_
 
 /* ---- optimizers and mixed precision ---- */
 
-static cmlp_status cu_adam(void *ctx, float *d_p, const float *d_g, float *d_m, float *d_v, float *d_vmax, int64_t n,
-                           float step_size, float beta1, float beta2, float one_b1, float one_b2, float bc2_sqrt,
-                           float eps, float weight_decay, float decay, int maximize, const float *d_found_inf,
-                           const float *d_coef) {
-    cuda_ctx *c = ctx;
-    CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_adam(d_p, d_g, d_m, d_v, d_vmax, n, step_size, beta1, beta2, one_b1, one_b2, bc2_sqrt,
-                                 eps, weight_decay, decay, maximize, d_found_inf, d_coef, stream_of(c)));
+/* zero_g's zeroing after an update's launch (on the same stream: after it has read them). A GEMM's
+ * beta = 0 costs cuBLAS nothing (no beta_zero_pass), so the core does not ask for it here. */
+static cmlp_status zero_after(cuda_ctx *c, cmlp_status st, float *d_g, int64_t n, int zero_g) {
+    if (st != CMLP_OK || !zero_g || n <= 0) return st;
+    return done(c, cudaMemsetAsync(d_g, 0, (size_t)n * sizeof(float), stream_of(c)), "cudaMemsetAsync");
 }
 
-static cmlp_status cu_sgd(void *ctx, float *d_p, const float *d_g, float *d_buf, int64_t n, float lr, float momentum,
-                          float keep, int nesterov, float weight_decay, int maximize, const float *d_found_inf,
-                          const float *d_coef) {
+static cmlp_status cu_adam(void *ctx, float *d_p, float *d_g, float *d_m, float *d_v, float *d_vmax, int64_t n,
+                           float step_size, float beta1, float beta2, float one_b1, float one_b2, float bc2_sqrt,
+                           float eps, float weight_decay, float decay, int maximize, const float *d_found_inf,
+                           const float *d_coef, int zero_g) {
     cuda_ctx *c = ctx;
     CMLP_TRY_USE(c);
-    return KERNEL(c, cmlp_k_sgd(d_p, d_g, d_buf, n, lr, momentum, keep, nesterov, weight_decay, maximize, d_found_inf,
-                                d_coef, stream_of(c)));
+    cmlp_status st = KERNEL(c, cmlp_k_adam(d_p, d_g, d_m, d_v, d_vmax, n, step_size, beta1, beta2, one_b1, one_b2,
+                                           bc2_sqrt, eps, weight_decay, decay, maximize, d_found_inf, d_coef,
+                                           stream_of(c)));
+    return zero_after(c, st, d_g, n, zero_g);
+}
+
+static cmlp_status cu_sgd(void *ctx, float *d_p, float *d_g, float *d_buf, int64_t n, float lr, float momentum,
+                          float keep, int nesterov, float weight_decay, int maximize, const float *d_found_inf,
+                          const float *d_coef, int zero_g) {
+    cuda_ctx *c = ctx;
+    CMLP_TRY_USE(c);
+    cmlp_status st = KERNEL(c, cmlp_k_sgd(d_p, d_g, d_buf, n, lr, momentum, keep, nesterov, weight_decay, maximize,
+                                          d_found_inf, d_coef, stream_of(c)));
+    return zero_after(c, st, d_g, n, zero_g);
 }
 
 /* The kernels' copy of a loss-scale update (zeros when scale is NULL). */

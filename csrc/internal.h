@@ -81,6 +81,7 @@ typedef struct cmlp_workspace {
     int64_t rows;
     bool compact;                    /* the pieces cmlp_ws_layout marks lie in the first layer's
                                       * weight gradient: for steps alone in their optimizer step */
+    size_t inside_bytes;             /* with compact: those pieces' bytes from that gradient's start */
     bool forward;                    /* cmlp_fwd_layout's: a forward pass's buffers alone */
     float *act[CMLP_MAX_LAYERS + 1]; /* act[0]: input [rows, sizes[0]]; act[i]: layer i output */
     float *dact[2];                  /* ping-pong gradients (cmlp_grad_widths) */
@@ -238,6 +239,11 @@ typedef struct cmlp_gw {
     /* the only micro-batch of its optimizer step (with fresh): nothing in the gradients has to
      * outlive its forward pass, so its buffers may lie in the first layer's weight gradient */
     bool solo;
+    /* (with fresh) the gradients hold +0, zeroed by the last update as it read them (see
+     * beta_zero_pass in backend.h): the weight gradients are added to them, which spares the
+     * GEMM's pass that beta = 0 costs, and gives the same values (OpenBLAS's beta = 0 zeroes C,
+     * then adds); a compact workspace's pieces are zeroed before the first layer's is added */
+    bool zeroed;
 } cmlp_gw;
 
 /* A backward pass of at most CMLP_SIDE_ROWS rows runs each layer's weight-gradient GEMM on the
@@ -292,8 +298,11 @@ CMLP_HIDDEN void cmlp_optim_set_step(cmlp_optim *o, int64_t step);
  * trainer's): a sharded optimizer steps here. */
 CMLP_HIDDEN cmlp_status cmlp_optim_step_summed(cmlp_optim *o);
 /* The same with each part's rate scaled by scales[p] and its momentum momenta[p] (NULL, or a
- * NaN momentum: the parts' own; with parameter groups only). */
-CMLP_HIDDEN cmlp_status cmlp_optim_step_summed_at(cmlp_optim *o, const double *scales, const double *momenta);
+ * NaN momentum: the parts' own; with parameter groups only). With zeroed, the gradients are
+ * zeroed as they are read where the device's GEMM would spend a pass of its own on beta = 0
+ * (beta_zero_pass) and this rank updates every parameter; *zeroed says whether they were. */
+CMLP_HIDDEN cmlp_status cmlp_optim_step_summed_at(cmlp_optim *o, const double *scales, const double *momenta,
+                                                  bool *zeroed);
 /* Writes the scales and momenta of up to CMLP_MAX_RATES steps, nparts each (row k: the step at
  * rate k of a trainer call; momenta NULL, or a NaN in it: the part's own), where a step with
  * step_scales reads them (cmlp_optim_step_device). */

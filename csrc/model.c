@@ -253,14 +253,16 @@ cmlp_status cmlp_side_join(cmlp_model *m, bool use) { return use ? B(m)->stream_
 static cmlp_status backward_rows(cmlp_model *m, const float *input, int64_t n, cmlp_gw w, bool side) {
     int L = m->nlayers;
     float *cur = m->ws.dact[0], *other = m->ws.dact[1];
+    const float beta = w.fresh && !w.zeroed ? 0.0f : 1.0f;
     for (int l = L - 1; l >= 0; l--) {
         int64_t in = m->sizes[l], out = m->sizes[l + 1];
         float *a = l == 0 ? (float *)input : m->ws.act[l];
         bool branch = side && l > 0;
         /* dW [out, in] += dY^T [out, n] . A [n, in];  db += colsum(dY) */
         CMLP_TRY(cmlp_side(m, branch, 1));
-        CMLP_TRY(B(m)->gemm(CTX(m), 1, 0, out, in, n, 1.0f, cur, out, a, in, w.fresh ? 0.0f : 1.0f,
-                            m->grads + m->w_off[l], in));
+        if (l == 0 && w.fresh && w.zeroed && m->ws.compact) /* the pieces, read for the last time */
+            CMLP_TRY(B(m)->fill_zero(CTX(m), m->grads, m->ws.inside_bytes));
+        CMLP_TRY(B(m)->gemm(CTX(m), 1, 0, out, in, n, 1.0f, cur, out, a, in, beta, m->grads + m->w_off[l], in));
         if (l == L - 1) CMLP_TRY(B(m)->bias_grad(CTX(m), m->grads + m->b_off[l], cur, n, out, w.fresh));
         CMLP_TRY(cmlp_side(m, branch, 0));
         if (l == 0) break;

@@ -87,8 +87,8 @@ cmlp_status cmlp_rc_fb(cmlp_model *m, const cmlp_data *xy, const int64_t *idx, i
                 else q = w->buf[i];
             }
         CMLP_TRY(run_layers(m, input, n, l, p, q, NULL, &a)); /* layer l's input, recomputed */
-        CMLP_TRY(B(m)->gemm(CTX(m), 1, 0, out, in, n, 1.0f, cur, out, a, in, gw.fresh ? 0.0f : 1.0f,
-                            m->grads + m->w_off[l], in));
+        CMLP_TRY(B(m)->gemm(CTX(m), 1, 0, out, in, n, 1.0f, cur, out, a, in, gw.fresh && !gw.zeroed ? 0.0f : 1.0f,
+                            m->grads + m->w_off[l], in)); /* (nothing of this workspace's in them) */
         if (l == L - 1) CMLP_TRY(B(m)->bias_grad(CTX(m), m->grads + m->b_off[l], cur, n, out, gw.fresh));
         if (l == 0) break;
         float *dx = a == p ? q : p;

@@ -15,9 +15,10 @@ cmlp_status cmlp_optim_step(cmlp_optim *o) {
     return cmlp_optim_step_summed(o);
 }
 
-cmlp_status cmlp_optim_step_summed(cmlp_optim *o) { return cmlp_optim_step_summed_at(o, NULL, NULL); }
+cmlp_status cmlp_optim_step_summed(cmlp_optim *o) { return cmlp_optim_step_summed_at(o, NULL, NULL, NULL); }
 
-cmlp_status cmlp_optim_step_summed_at(cmlp_optim *o, const double *scales, const double *momenta) {
+cmlp_status cmlp_optim_step_summed_at(cmlp_optim *o, const double *scales, const double *momenta, bool *zeroed) {
+    if (zeroed) *zeroed = false;
     CMLP_TRY(cmlp_optim_check_model(o));
     if (o->dev->device.type != CMLP_DEVICE_CPU) {
         /* as the trainer steps there: the bias corrections computed on the device, so that a
@@ -44,6 +45,10 @@ cmlp_status cmlp_optim_step_summed_at(cmlp_optim *o, const double *scales, const
     const optim_part *parts;
     optim_part one;
     int np = cmlp_optim_parts_of(o, &parts, &one);
+    /* the gradients are zeroed as they are read where every one of them is (not sharded) */
+    int64_t covered = 0;
+    for (int i = 0; i < np; i++) covered += parts[i].end - (i ? parts[i - 1].end : 0);
+    const int zero = zeroed && b->beta_zero_pass && at == 0 && n == m->nparams && covered == n;
     for (int i = 0; i < np && st == CMLP_OK; i++) { /* each part of this rank's at its own rate and decay */
         int64_t lo = i ? parts[i - 1].end : 0, hi = parts[i].end;
         lo = lo > at ? lo : at;
@@ -61,13 +66,13 @@ cmlp_status cmlp_optim_step_summed_at(cmlp_optim *o, const double *scales, const
             st = b->adam(o->dev->bctx, m->params + lo, m->grads + lo, o->state + k, o->state + n + k,
                          amsgrad_max(o, part_amsgrad(o, pt), k), hi - lo, (float)(lr / bc1), (float)mom, (float)beta2, (float)(1.0 - mom),
                          (float)(1.0 - beta2), (float)sqrt(bc2), (float)part_eps(o, pt), dec ? 0.0f : (float)wd,
-                         dec ? (float)(1.0 - lr * wd) : 1.0f, part_maximize(o, pt), NULL, NULL);
+                         dec ? (float)(1.0 - lr * wd) : 1.0f, part_maximize(o, pt), NULL, NULL, zero);
         } else {
             const cmlp_sgd_config *c = &o->sgd;
             st = b->sgd(o->dev->bctx, m->params + lo, m->grads + lo, o->state ? o->state + k : NULL, hi - lo,
                         (float)(c->lr * (scales && o->nparts ? scales[i] : pt->lr_scale)), (float)mom,
                         (float)(1.0 - part_dampening(o, pt)), part_nesterov(o, pt), (float)wd, part_maximize(o, pt),
-                        NULL, NULL);
+                        NULL, NULL, zero);
         }
     }
     if (st == CMLP_OK) st = cmlp_optim_gather(o, NULL);
@@ -76,6 +81,7 @@ cmlp_status cmlp_optim_step_summed_at(cmlp_optim *o, const double *scales, const
     if (st == CMLP_OK) {
         o->step = t;
         o->unused = o->vmax_unused = false;
+        if (zeroed) *zeroed = zero;
     }
     return st;
 }
@@ -91,7 +97,7 @@ cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int6
     void *ctx = o->dev->bctx;
     int64_t n = span(o), at = first_of(o);
     float *p = m->params + at;
-    const float *g = m->grads + at;
+    float *g = m->grads + at;
     bool adam = o->kind == CMLP_OPTIM_ADAM;
     cmlp_dscalars *ds;
     CMLP_TRY(cmlp_model_scalars(m, &ds));
@@ -120,12 +126,12 @@ cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int6
                 st = b->adam(ctx, m->params + lo, m->grads + lo, o->state + k, o->state + n + k,
                              amsgrad_max(o, part_amsgrad(o, pt), k), hi - lo, 0.0f, 0.0f, (float)beta2, 0.0f, (float)(1.0 - beta2), 1.0f,
                              (float)part_eps(o, pt), o->adam.decoupled_weight_decay ? 0.0f : wd, 1.0f,
-                             part_maximize(o, pt), d_found_inf, pc);
+                             part_maximize(o, pt), d_found_inf, pc, 0);
             } else {
                 /* the momentum is the device's (pc); the host's tells the launch whether it may be 0 */
                 st = b->sgd(ctx, m->params + lo, m->grads + lo, o->state ? o->state + k : NULL, hi - lo, 0.0f,
                             (float)part_momentum(o, pt), (float)(1.0 - part_dampening(o, pt)), part_nesterov(o, pt),
-                            wd, part_maximize(o, pt), d_found_inf, pc);
+                            wd, part_maximize(o, pt), d_found_inf, pc, 0);
             }
         }
     } else if (adam && b->adam_prepared && n > 0) { /* the bookkeeping in Adam's launch */
@@ -140,13 +146,13 @@ cmlp_status cmlp_optim_step_device(cmlp_optim *o, const float *d_found_inf, int6
             st = b->adam(ctx, p, g, o->state, o->state + n, amsgrad_max(o, c->amsgrad, 0), n, 0.0f, 0.0f,
                          (float)c->beta2,
                          0.0f, (float)(1.0 - c->beta2), 1.0f, (float)c->eps, adam_l2(c), 1.0f, c->maximize,
-                         d_found_inf, d_coef);
+                         d_found_inf, d_coef, 0);
     } else {
         const cmlp_sgd_config *c = &o->sgd;
         st = b->optim_prepare(ctx, d_step, d_coef, d_found_inf, &rate, 0.0, 0, d_pos, pos_add, scale);
         if (st == CMLP_OK)
             st = b->sgd(ctx, p, g, o->state, n, 0.0f, (float)c->momentum, (float)(1.0 - c->dampening), c->nesterov,
-                        (float)c->weight_decay, c->maximize, d_found_inf, d_coef);
+                        (float)c->weight_decay, c->maximize, d_found_inf, d_coef, 0);
     }
     if (st == CMLP_OK) st = cmlp_optim_gather(o, dcomm);
     if (st == CMLP_OK) st = cmlp_model_refresh_half(m);

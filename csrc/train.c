@@ -346,6 +346,7 @@ static cmlp_status epoch_run(cmlp_trainer *t, int64_t max_steps, const double *l
         t->scales_row = np ? scales + done * np : NULL;
         t->momenta_row = np && part_momenta ? part_momenta + done * np : NULL;
         int64_t k = n - t->pos < eb ? n - t->pos : eb, off, mine;
+        t->more_steps = t->pos + k < n && (max_steps <= 0 || done + 1 < max_steps);
         share_of(t, k, &off, &mine);
         const int64_t *idx = t->cfg.shuffle ? t->order + t->pos + off : NULL;
         if (t->d_x && t->d_alloc != t->model->dev->alloc) drop_device_data(t); /* the model moved */
@@ -387,6 +388,7 @@ static cmlp_status epoch_run(cmlp_trainer *t, int64_t max_steps, const double *l
         st->samples += k;
     }
     cmlp_fpenv_leave(&fe);
+    t->more_steps = t->grads_zeroed = false; /* the gradients are the last step's (or a failed one's) */
     cmlp_optim_expect_momentum(t->optim, false);
     if (s != CMLP_OK) cmlp_optim_drop_unused(t->optim, !had_state); /* no step used it */
     (void)cmlp_optim_set_lr(t->optim, lr_before);

@@ -78,6 +78,10 @@ struct cmlp_trainer {
     bool step_scales;     /* and param-group scales per step (in the optimizer's table, on its device) */
     const double *scales_row; /* the step in progress's param-group scales, for a step on the host */
     const double *momenta_row; /* and their momenta (NULL: the parts' own) */
+    bool more_steps;      /* another step of this call follows the one in progress: nothing outside
+                           * the call sees the gradients in between, which its update may zero */
+    bool grads_zeroed;    /* the last update zeroed the gradients (cmlp_gw's zeroed); the next step's
+                           * first micro-batch adds to them */
     bool host_data;       /* keep the data set in host memory (cmlp_trainer_set_host_data) */
     bool oom_at_one;      /* the last step failed even in micro-batches of 1 sample, or (with the data set's
                            * device copy, which is to go first) at all (train_step.c) */

@@ -19,6 +19,9 @@ static cmlp_status step_grads(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_dat
     /* the state exists before the gradients are written: a step refused for want of memory for
      * it leaves the gradients as they were (and data-parallel, nothing may run out once the
      * ranks agree on the step) */
+    /* zeros the last update left are for this step's first micro-batch only: a retry's writes */
+    const bool zeroed = t->grads_zeroed;
+    t->grads_zeroed = false;
     CMLP_TRY(cmlp_optim_prepare(t->optim));
     /* no zeroing: the first micro-batch writes the gradients, the others add to them */
     cmlp_gw w = {{(float)(1.0 / (double)n_all)}, true};
@@ -29,6 +32,7 @@ static cmlp_status step_grads(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_dat
         int64_t kk = k - off < t->micro ? k - off : t->micro;
         w.fresh = off == 0;
         w.solo = kk == k;
+        w.zeroed = w.fresh && zeroed;
         CMLP_TRY(cmlp_model_fb(m, xy, idx ? idx + off : NULL, start + off, kk, w, t->cfg.label_smoothing, t->cfg.amp,
                                t->cfg.recompute, &ds->loss));
     }
@@ -110,7 +114,10 @@ static cmlp_status step_update(cmlp_trainer *t, cmlp_dscalars *ds, const cmlp_da
                          : cmlp_dcomm_all_reduce(m->dev, t->dcomm, m->grads, m->nparams));
     if (!t->scaler.enabled && !cmlp_train_device_steps(t)) {
         if (clip) CMLP_TRY(scatter ? clip_part(t, ds, lo, hi, chunk, parts) : clip_grads(t, ds));
-        return cmlp_optim_step_summed_at(t->optim, t->scales_row, t->momenta_row);
+        /* where the next step of this call takes the gradients as they are (not amp's, which
+         * writes them afresh), its first weight gradients are added to zeros */
+        const bool zero = t->more_steps && !scatter && t->cfg.amp == CMLP_AMP_NONE;
+        return cmlp_optim_step_summed_at(t->optim, t->scales_row, t->momenta_row, zero ? &t->grads_zeroed : NULL);
     }
     const float *found_inf = NULL;
     if (t->scaler.enabled) {

@@ -92,6 +92,9 @@ cmlp_status cmlp_workspace_reserve(cmlp_model *m, int64_t rows, bool compact) {
     m->ws.block = block;
     m->ws.rows = rows;
     m->ws.compact = compact;
+    m->ws.inside_bytes = 0;
+    for (int i = 0; i < nv; i++)
+        if (cmlp_piece_in(inside, i) && off[i] + sz[i] > m->ws.inside_bytes) m->ws.inside_bytes = off[i] + sz[i];
     cmlp_place_pieces(sz, nv, inside, off, m->grads, block, piece);
     int cur1 = L > 1 ? (L - 2) & 1 : 0, v = 0;
     m->ws.act[0] = (float *)piece[v++];

@@ -622,6 +622,48 @@ def test_a_progress_bar_that_cannot_draw_does_not_stop_training(monkeypatch):
             pass
 
 
+@pytest.mark.parametrize("case", ["adam", "sgd", "accumulate", "groups-clip", "per-step", "short-last", "recompute",
+                                  "amp"])
+def test_a_call_of_many_steps_gives_the_bits_of_calls_of_one(case, monkeypatch):
+    """Inside one call of the epoch loop each update zeroes the gradients as it reads them and the
+    next step adds its first weight gradients to those zeros (with a step's buffers in the first
+    layer's weight gradient, where a step is one micro-batch, zeroed before it is added to): the
+    same bits as calls of one step each, whose steps write their gradients afresh; and the last
+    step's gradients are left for Python."""
+    from cmlp import _fit_loop
+    sizes = [64, 128, 32, C]  # a step of 16 fits in the first weight gradient (compact)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((200 if case == "short-last" else 192, 64)).astype(np.float32)
+    y = np.argmax(x @ rng.standard_normal((64, C)), axis=1)
+    groups = [{"params": ["fc1.weight", "fc2.weight"], "lr": 3e-3},
+              {"params": ["fc3.weight", "fc1.bias", "fc2.bias", "fc3.bias"], "weight_decay": 0.0}]
+
+    def run(chunk):
+        monkeypatch.setattr(_fit_loop, "_paced", lambda c, seconds: chunk)
+        model = cmlp.MLP(sizes, seed=4)
+        if case in ("adam", "groups-clip", "per-step", "amp"):
+            opt = cmlp.optim.Adam(model, lr=1e-2, weight_decay=0.01,
+                                  param_groups=groups if case == "groups-clip" else None)
+        else:
+            opt = cmlp.optim.SGD(model, lr=0.05, momentum=0.9)
+        kw = {"accumulation_steps": 3, "batch_size": 8} if case == "accumulate" else {"batch_size": 16}
+        trainer = cmlp.Trainer(model, opt, shuffle=True, seed=5, amp="bf16" if case == "amp" else None,
+                               recompute=case == "recompute",
+                               max_grad_norm=0.5 if case == "groups-clip" else None, **kw)
+        sched = cmlp.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.02, total_steps=40) if case == "per-step" else None
+        history = trainer.fit(x, y, epochs=3, progress=False, scheduler=sched,
+                              scheduler_interval="step" if sched else "epoch")
+        return model, history
+
+    one, h1 = run(1)
+    many, h2 = run(1000)  # after the first call of each epoch (one step), the rest in one
+    assert_params_equal(many, one)
+    for k, g in one.grads().items():
+        np.testing.assert_array_equal(many.grads()[k], g, err_msg=k)
+        assert np.abs(g).max() > 0, k
+    assert [h["loss"] for h in h2] == [h["loss"] for h in h1]
+
+
 @pytest.mark.parametrize("kind,kwargs,amp", [("Adam", {"amsgrad": True}, None),
                                              ("AdamW", {"amsgrad": True, "maximize": True}, None),
                                              ("Adam", {"amsgrad": True}, "fp16"),

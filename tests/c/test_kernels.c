@@ -588,12 +588,57 @@ static void test_adam(void) {
             KOK(cmlp_k_adam(F(p), F(g), F(m), F(v), ams ? F(x) : NULL, n, 1e-3f, beta1, 0.999f, one_b1, one_b2, 0.05f,
                             1e-8f, wd, decay, maximize, fi, cf, S));
             CPU_CALL(cpu->adam(NULL, F(cp), F(g), F(cm), F(cv), ams ? F(cx) : NULL, n, 1e-3f, beta1, 0.999f, one_b1,
-                               one_b2, 0.05f, 1e-8f, wd, decay, maximize, fi, cf));
+                               one_b2, 0.05f, 1e-8f, wd, decay, maximize, fi, cf, 0));
             CHECK(first_diff(F(p), F(cp), n) < 0 && first_diff(F(m), F(cm), n) < 0 && first_diff(F(v), F(cv), n) < 0 &&
                       first_diff(F(x), F(cx), n) < 0,
                   "adam n %lld variant %d amsgrad %d maximize %d", (long long)n, variant, ams, maximize);
             free(p.block), free(g.block), free(m.block), free(v.block), free(cp.block), free(cm.block), free(cv.block);
             free(x.block), free(cx.block);
+        }
+}
+
+/* Whether every float of a is +0. */
+static bool all_plus_zero(const float *a, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, &a[i], sizeof u);
+        if (u) return false;
+    }
+    return true;
+}
+
+/* The CPU's updates with zero_g: the same parameters and state as without, in blocks and over
+ * the pool's threads at every edge, and every gradient +0 after, a skipped step's too. */
+static void test_update_zero_g(void) {
+    static const int64_t counts[] = {1, 2047, 2048, 2049, 4097, 70001};
+    for (size_t i = 0; i < sizeof counts / sizeof counts[0]; i++)
+        for (int variant = 0; variant < 8; variant++) {
+            const int64_t n = counts[i];
+            const bool adam = variant & 1, ams = variant & 2;
+            const float inf = 1.0f, *fi = variant & 4 ? &inf : NULL;
+            buf p = make(n, 4, 0), g = make(n, 4, 0), m = make(n, 4, 0), v = make(n, 4, 0), x = make(n, 4, 0);
+            buf cp = make(n, 4, 0), cg = make(n, 4, 0), cm = make(n, 4, 0), cv = make(n, 4, 0), cx = make(n, 4, 0);
+            buf og = make(n, 4, 0);
+            fill(F(p), n, 1), fill(F(g), n, 1), fill(F(m), n, 1);
+            for (int64_t k = 0; k < n; k++) F(v)[k] = uniform(0.0f, 1e-3f), F(x)[k] = uniform(0.0f, 1e-3f);
+            F(g)[n / 2] = -0.0f; /* read as -0 first, then +0 */
+            memcpy(F(cp), F(p), (size_t)n * 4), memcpy(F(cg), F(g), (size_t)n * 4), memcpy(F(og), F(g), (size_t)n * 4);
+            memcpy(F(cm), F(m), (size_t)n * 4), memcpy(F(cv), F(v), (size_t)n * 4), memcpy(F(cx), F(x), (size_t)n * 4);
+            if (adam) {
+                CPU_CALL(cpu->adam(NULL, F(p), F(g), F(m), F(v), ams ? F(x) : NULL, n, 1e-3f, 0.9f, 0.999f, 0.1f,
+                                   (float)(1.0 - 0.999), 0.05f, 1e-8f, 0.01f, 1.0f, 0, fi, NULL, 0));
+                CPU_CALL(cpu->adam(NULL, F(cp), F(cg), F(cm), F(cv), ams ? F(cx) : NULL, n, 1e-3f, 0.9f, 0.999f,
+                                   0.1f, (float)(1.0 - 0.999), 0.05f, 1e-8f, 0.01f, 1.0f, 0, fi, NULL, 1));
+            } else { /* m: the momentum buffer (started), with momentum (ams) or without */
+                const float momentum = ams ? 0.9f : 0.0f;
+                CPU_CALL(cpu->sgd(NULL, F(p), F(g), F(m), n, 0.05f, momentum, 1.0f, 0, 1e-2f, 0, fi, NULL, 0));
+                CPU_CALL(cpu->sgd(NULL, F(cp), F(cg), F(cm), n, 0.05f, momentum, 1.0f, 0, 1e-2f, 0, fi, NULL, 1));
+            }
+            CHECK(first_diff(F(p), F(cp), n) < 0 && first_diff(F(m), F(cm), n) < 0 && first_diff(F(v), F(cv), n) < 0 &&
+                      first_diff(F(x), F(cx), n) < 0 && all_plus_zero(F(cg), n) && first_diff(F(g), F(og), n) < 0,
+                  "update with zero_g n %lld variant %d", (long long)n, variant);
+            free(p.block), free(g.block), free(m.block), free(v.block), free(x.block);
+            free(cp.block), free(cg.block), free(cm.block), free(cv.block), free(cx.block), free(og.block);
         }
 }
 
@@ -640,7 +685,7 @@ static void test_sgd(void) {
             memcpy(F(cp), F(p), (size_t)n * 4), memcpy(F(cb), F(b), (size_t)n * 4);
             const int maximize = variant % 13 < 4;
             KOK(cmlp_k_sgd(F(p), F(g), F(b), n, 0.05f, momentum, keep, nesterov, wd, maximize, NULL, cf, S));
-            CPU_CALL(cpu->sgd(NULL, F(cp), F(g), F(cb), n, 0.05f, momentum, keep, nesterov, wd, maximize, NULL, cf));
+            CPU_CALL(cpu->sgd(NULL, F(cp), F(g), F(cb), n, 0.05f, momentum, keep, nesterov, wd, maximize, NULL, cf, 0));
             CHECK(first_diff(F(p), F(cp), n) < 0 && first_diff(F(b), F(cb), n) < 0, "sgd n %lld variant %d",
                   (long long)n, variant);
             float inf = 1.0f;
@@ -1072,6 +1117,7 @@ int main(void) {
     test_optim_prepare();
     test_adam_prepared();
     test_adam_amsgrad_rule();
+    test_update_zero_g();
     test_optim_prepare_parts();
     test_casts();
     test_unscale();
