@@ -201,10 +201,19 @@ static void stage_row_half(const stage_args *g, int64_t s, uint16_t *d) {
     }
 }
 
+/* Shuffled rows are scattered over the data set: each row's cache lines are asked for this
+ * many rows ahead of their conversion, whose loads would otherwise wait on memory. */
+#define PREFETCH_ROWS 2
+
 static void stage_range(void *a, int64_t lo, int64_t hi) {
     const stage_args *g = a;
+    const size_t row_bytes = (size_t)g->cols * (g->dtype == CMLP_DTYPE_U8 ? 1 : sizeof(float));
     for (int64_t r = lo; r < hi; r++) {
         int64_t s = g->idx ? g->idx[r] : g->start + r;
+        if (g->idx && r + PREFETCH_ROWS < hi) {
+            const char *ahead = (const char *)g->src + (size_t)g->idx[r + PREFETCH_ROWS] * row_bytes;
+            for (size_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b);
+        }
         if (g->ldst) g->ldst[r] = g->lsrc[s];
         if (g->hdst) {
             stage_row_half(g, s, g->hdst + r * g->cols);
