@@ -247,7 +247,7 @@ static cmlp_status cpu_copy(void *ctx, void *dst, const void *src, size_t nbytes
 
 static void zero_range(void *a, int64_t lo, int64_t hi) { memset((char *)a + lo, 0, (size_t)(hi - lo)); }
 
-static cmlp_status cpu_fill_zero(void *ctx, void *dst, size_t nbytes) {
+cmlp_status cpu_fill_zero(void *ctx, void *dst, size_t nbytes) {
     (void)ctx;
     cmlp_pool_for((int64_t)nbytes, 64, 4 * MIN_PER_THREAD, zero_range, dst);
     return CMLP_OK;

@@ -45,6 +45,9 @@ CMLP_HIDDEN cmlp_status cpu_gather_rows_half(void *ctx, uint16_t *dst, cmlp_dtyp
 CMLP_HIDDEN cmlp_status cpu_gather_labels(void *ctx, int32_t *dst, const int32_t *src, const int64_t *idx,
                                           int64_t start, const int64_t *pos, int64_t rows);
 
+/* backend_cpu.c: every byte of [dst, dst + nbytes) zeroed, on the pool's threads */
+CMLP_HIDDEN cmlp_status cpu_fill_zero(void *ctx, void *dst, size_t nbytes);
+
 /* backend_cpu_optim.c */
 CMLP_HIDDEN cmlp_status cpu_adam(void *ctx, float *restrict p, float *restrict g, float *restrict m,
                                  float *restrict v, float *restrict vmax, int64_t n, float step_size, float beta1,

@@ -61,24 +61,12 @@ static void adam_block(const optim_args *a, int64_t lo, int64_t hi) {
 
 static void adam_range(void *arg, int64_t lo, int64_t hi) { blocks_zeroed(arg, lo, hi, adam_block); }
 
-static void zero_range(void *arg, int64_t lo, int64_t hi) {
-    const optim_args *a = arg;
-    memset(a->g + lo, 0, (size_t)(hi - lo) * sizeof(float));
-}
-
-/* A step skipped for inf/NaN that was to zero the gradients. */
-static cmlp_status skipped(float *g, int64_t n, int zero_g) {
-    optim_args a = {.g = g};
-    if (zero_g) cmlp_pool_for(n, 16, MIN_PER_THREAD, zero_range, &a);
-    return CMLP_OK;
-}
-
 cmlp_status cpu_adam(void *ctx, float *restrict p, float *restrict g, float *restrict m, float *restrict v,
                      float *restrict vmax, int64_t n, float step_size, float beta1, float beta2, float one_b1,
                      float one_b2, float bc2_sqrt, float eps, float wd, float decay, int maximize,
                      const float *found_inf, const float *coef, int zero_g) {
     (void)ctx;
-    if (found_inf && *found_inf != 0.0f) return skipped(g, n, zero_g);
+    if (found_inf && *found_inf != 0.0f) return zero_g ? cpu_fill_zero(ctx, g, (size_t)n * sizeof(float)) : CMLP_OK;
     if (coef) {
         step_size = coef[0];
         bc2_sqrt = coef[1];
@@ -128,7 +116,7 @@ cmlp_status cpu_sgd(void *ctx, float *restrict p, float *restrict g, float *rest
                     float momentum, float keep, int nesterov, float wd, int maximize, const float *found_inf,
                     const float *coef, int zero_g) {
     (void)ctx;
-    if (found_inf && *found_inf != 0.0f) return skipped(g, n, zero_g);
+    if (found_inf && *found_inf != 0.0f) return zero_g ? cpu_fill_zero(ctx, g, (size_t)n * sizeof(float)) : CMLP_OK;
     if (coef) {
         lr = coef[0];
         momentum = coef[1];

@@ -46,9 +46,7 @@ cmlp_status cmlp_optim_step_summed_at(cmlp_optim *o, const double *scales, const
     optim_part one;
     int np = cmlp_optim_parts_of(o, &parts, &one);
     /* the gradients are zeroed as they are read where every one of them is (not sharded) */
-    int64_t covered = 0;
-    for (int i = 0; i < np; i++) covered += parts[i].end - (i ? parts[i - 1].end : 0);
-    const int zero = zeroed && b->beta_zero_pass && at == 0 && n == m->nparams && covered == n;
+    const int zero = zeroed && b->beta_zero_pass && at == 0 && n == m->nparams && parts[np - 1].end == n;
     for (int i = 0; i < np && st == CMLP_OK; i++) { /* each part of this rank's at its own rate and decay */
         int64_t lo = i ? parts[i - 1].end : 0, hi = parts[i].end;
         lo = lo > at ? lo : at;
