@@ -62,6 +62,12 @@ static cmlp_status plan_make(cuda_ctx *c, gemm_plan *p, const uint64_t key[8], c
         s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ac, sizeof ac);
     if (s == CUBLAS_STATUS_SUCCESS)
         s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ac, sizeof ac);
+    /* a half-precision D: split-K's partial sums are added in fp32 (in the workspace), never in
+     * D's type (in place in D, or in the workspace), as the cuBLAS fallback's math mode asks */
+    const uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+    if (s == CUBLAS_STATUS_SUCCESS && (g->cd == CUDA_R_16F || g->cd == CUDA_R_16BF))
+        s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes,
+                                                 sizeof schemes);
     cublasLtMatmulHeuristicResult_t h;
     int found = 0;
     bool asked = false;

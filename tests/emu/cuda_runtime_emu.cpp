@@ -1151,12 +1151,14 @@ struct lt_layout {
 struct lt_pref {
     uint64_t max_ws = 0;
     uint32_t align[4] = {256, 256, 256, 256}; /* A, B, C, D */
+    uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_MASK; /* the split-K reductions allowed */
 };
 /* what an algorithm was chosen for (kept in cublasLtMatmulAlgo_t's data) */
 struct lt_algo {
     uint32_t magic;
     uint32_t align[5]; /* A, B, C, D, bias: the alignment the algorithm may assume */
     uint64_t workspace; /* the bytes of workspace it needs (and overwrites) */
+    uint32_t scheme;    /* how split-K's partial sums are reduced (NONE: no split) */
 };
 static_assert(sizeof(lt_algo) <= sizeof(cublasLtMatmulAlgo_t), "the algorithm's notes fit its data");
 constexpr uint32_t ALGO_MAGIC = 0xC3A1E0u;
@@ -1392,6 +1394,10 @@ cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p
         memcpy(&x->align[i], buf, n);
         return CUBLAS_STATUS_SUCCESS;
     }
+    case CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK:
+        if (n != sizeof x->schemes) return CUBLAS_STATUS_INVALID_VALUE;
+        memcpy(&x->schemes, buf, n);
+        return CUBLAS_STATUS_SUCCESS;
     default: return CUBLAS_STATUS_NOT_SUPPORTED;
     }
 }
@@ -1407,16 +1413,9 @@ cublasStatus_t cublasLtMatmulAlgoConfigGetAttribute(const cublasLtMatmulAlgo_t *
     lt_algo al;
     memcpy(&al, algo->data, sizeof al);
     if (al.magic != ALGO_MAGIC || !buf || size != sizeof(uint32_t)) return CUBLAS_STATUS_INVALID_VALUE;
-    static const bool inplace = [] {
-        const char *v = std::getenv("CMLP_EMU_LT_INPLACE");
-        return v && std::strcmp(v, "1") == 0;
-    }();
     uint32_t v;
-    if (attr == CUBLASLT_ALGO_CONFIG_SPLITK_NUM) v = al.workspace ? 4 : 1;
-    else if (attr == CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME)
-        v = !al.workspace ? CUBLASLT_REDUCTION_SCHEME_NONE
-            : inplace     ? CUBLASLT_REDUCTION_SCHEME_INPLACE
-                          : CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+    if (attr == CUBLASLT_ALGO_CONFIG_SPLITK_NUM) v = al.scheme != CUBLASLT_REDUCTION_SCHEME_NONE ? 4 : 1;
+    else if (attr == CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME) v = al.scheme;
     else return CUBLAS_STATUS_NOT_SUPPORTED;
     memcpy(buf, &v, sizeof v);
     if (written) *written = sizeof v;
@@ -1453,14 +1452,22 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDe
     }();
     if (no_algo) return CUBLAS_STATUS_SUCCESS;
     /* an algorithm may use vector accesses up to 16 bytes where the alignments allow them */
-    lt_algo al{ALGO_MAGIC, {}, 0};
+    lt_algo al{ALGO_MAGIC, {}, 0, CUBLASLT_REDUCTION_SCHEME_NONE};
     for (int i = 0; i < 4; i++) al.align[i] = std::min<uint32_t>(P(pref)->align[i], 16);
     /* the epilogue's bias is not among the alignment preferences: as on the hardware, a kernel
      * may read it 16 bytes at a time (PyTorch's addmm falls back below 16 bytes) */
     al.align[4] = bias ? 16u : 1u;
     /* a split-K algorithm keeps partial sums in the workspace: take up to 1 MiB of what is
-     * allowed, and overwrite it on every call, so that anything else kept there is lost */
+     * allowed, and overwrite it on every call, so that anything else kept there is lost; with
+     * CMLP_EMU_LT_INPLACE=1 it says it sums them in D instead, where the preference allows that
+     * (else it splits nothing) */
+    static const bool inplace = [] {
+        const char *v = std::getenv("CMLP_EMU_LT_INPLACE");
+        return v && std::strcmp(v, "1") == 0;
+    }();
+    al.scheme = inplace ? CUBLASLT_REDUCTION_SCHEME_INPLACE : CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
     al.workspace = std::min<uint64_t>(P(pref)->max_ws, (uint64_t)1 << 20);
+    if (!al.workspace || !(P(pref)->schemes & al.scheme)) al.scheme = CUBLASLT_REDUCTION_SCHEME_NONE, al.workspace = 0;
     memset(&results[0], 0, sizeof results[0]);
     memcpy(results[0].algo.data, &al, sizeof al);
     results[0].workspaceSize = al.workspace;
@@ -1650,7 +1657,8 @@ cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t transa, cublasOp
     const lt_layout la{Atype, ar, transa == CUBLAS_OP_N ? (uint64_t)k : (uint64_t)m, lda};
     const lt_layout lb{Btype, br, transb == CUBLAS_OP_N ? (uint64_t)n : (uint64_t)k, ldb};
     const lt_layout lc{Ctype, (uint64_t)m, (uint64_t)n, ldc};
-    lt_algo al{ALGO_MAGIC, {1, 1, 1, 1, 1}, std::min<uint64_t>(bh.ws_bytes, (uint64_t)1 << 20)};
+    lt_algo al{ALGO_MAGIC, {1, 1, 1, 1, 1}, std::min<uint64_t>(bh.ws_bytes, (uint64_t)1 << 20),
+               CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE};
     if (load_module(blas_module(CUBLASLT_EPILOGUE_DEFAULT, la, lc, 1)) != cudaSuccess)
         return CUBLAS_STATUS_EXECUTION_FAILED; /* (as cublasLtMatmul's) */
     return matmul("cublasGemmEx", desc, la, lb, lc, lc, al, alpha, A, B, beta, C, C, bh.ws, bh.ws_bytes, bh.stream);
