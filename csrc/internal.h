@@ -52,6 +52,9 @@ CMLP_HIDDEN cmlp_status cmlp_device_get(cmlp_device d, cmlp_device_ctx **out);
  * (the source is kept; nothing is allocated on failure; a NULL buffer copies to NULL). */
 CMLP_HIDDEN cmlp_status cmlp_buffer_copy(cmlp_device_ctx *from, cmlp_device_ctx *to, const void *buf, size_t nbytes,
                                          const char *what, void **dst);
+/* A hash of nbytes of a device buffer (a multiple of 8), carried on from h: equal bytes, equal
+ * hash (read through host memory, a few MiB at a time). */
+CMLP_HIDDEN cmlp_status cmlp_buffer_hash(cmlp_device_ctx *dev, const void *buf, size_t nbytes, uint64_t *h);
 
 /* A device of addresses (plan.c): it hands out addresses from `next` and touches nothing;
  * segments and mapped pages take from `room`, and give back to it when released. */
@@ -163,6 +166,10 @@ struct cmlp_model {
     cmlp_workspace ws;
     cmlp_amp_workspace wsa;
     cmlp_rc_workspace wsr;
+    /* the parameters, or an optimizer's state over them, were changed from outside a trainer's
+     * calls (set_params, an optimizer's step or set_state) since a data-parallel trainer last
+     * found them equal on every rank (cmlp_train_same_settings) */
+    bool written;
 };
 
 /* compact: the step is the only micro-batch of its optimizer step and writes the gradients, so
@@ -318,6 +325,9 @@ CMLP_HIDDEN const cmlp_model *cmlp_optim_model(const cmlp_optim *o); /* the mode
 CMLP_HIDDEN cmlp_status cmlp_optim_check_rate(const cmlp_optim *o, double lr);
 /* A hash of the optimizer's kind, settings and step count (equal settings, equal hash). */
 CMLP_HIDDEN uint64_t cmlp_optim_fingerprint(const cmlp_optim *o);
+/* A hash of the optimizer's state buffers (those held, whether or not in use), carried on from h;
+ * h as it was for a sharded optimizer, whose state is its rank's part. */
+CMLP_HIDDEN cmlp_status cmlp_optim_state_hash(const cmlp_optim *o, uint64_t *h);
 /* The device's member of the process group's device collectives (NCCL); made on first use by
  * every rank at once (comm.c). */
 CMLP_HIDDEN cmlp_status cmlp_dist_device_comm(cmlp_device_ctx *dev, void **comm);

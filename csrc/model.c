@@ -396,6 +396,7 @@ cmlp_status cmlp_model_set_grads(cmlp_model *m, const float *host_in) {
 }
 
 cmlp_status cmlp_model_copy_params(cmlp_model *m, const float *host_in) {
+    m->written = true; /* (a copy that fails may have written some) */
     CMLP_TRY(B(m)->copy_h2d(CTX(m), m->params, host_in, (size_t)m->nparams * sizeof(float)));
     return cmlp_model_refresh_half(m);
 }
@@ -423,6 +424,34 @@ cmlp_status cmlp_buffer_copy(cmlp_device_ctx *from, cmlp_device_ctx *to, const v
     }
     *dst = d;
     return CMLP_OK;
+}
+
+static uint64_t hash_words(uint64_t h, const unsigned char *p, size_t n) {
+    for (size_t i = 0; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, p + i, sizeof w);
+        h = (h ^ w) * 0x9E3779B97F4A7C15ull;
+        h ^= h >> 29;
+    }
+    return h;
+}
+
+cmlp_status cmlp_buffer_hash(cmlp_device_ctx *dev, const void *buf, size_t nbytes, uint64_t *h) {
+    enum { CHUNK = 4 << 20 };
+    if (dev->device.type == CMLP_DEVICE_CPU) {
+        *h = hash_words(*h, buf, nbytes);
+        return CMLP_OK;
+    }
+    unsigned char *host = malloc(nbytes < CHUNK ? nbytes : CHUNK);
+    if (!host && nbytes) return CMLP_FAIL(CMLP_ERR_OOM, "out of host memory reading %zu bytes", nbytes);
+    cmlp_status st = CMLP_OK;
+    for (size_t at = 0; at < nbytes && st == CMLP_OK; at += CHUNK) {
+        const size_t n = nbytes - at < CHUNK ? nbytes - at : CHUNK;
+        st = dev->backend->copy_d2h(dev->bctx, host, (const unsigned char *)buf + at, n);
+        if (st == CMLP_OK) *h = hash_words(*h, host, n);
+    }
+    free(host);
+    return st;
 }
 
 cmlp_status cmlp_model_to(cmlp_model *m, cmlp_device d) {

@@ -361,6 +361,18 @@ uint64_t cmlp_optim_fingerprint(const cmlp_optim *o) {
     return h;
 }
 
+cmlp_status cmlp_optim_state_hash(const cmlp_optim *o, uint64_t *h) {
+    if (o->shards) return CMLP_OK;
+    const int nb = cmlp_optim_num_buffers(o) - (o->vmax && o->vmax_unused); /* (the maximum is last) */
+    const size_t n = (size_t)span(o);
+    *h = (*h ^ (uint64_t)nb) * 0x100000001B3ull;
+    for (int i = 0; i < nb; i++) {
+        const float *buf = i < arena_buffers(o) ? o->state + i * n : o->vmax;
+        CMLP_TRY(cmlp_buffer_hash(o->dev, buf, n * sizeof(float), h));
+    }
+    return CMLP_OK;
+}
+
 cmlp_status cmlp_optim_get_buffer(const cmlp_optim *o, int i, float *host_out) {
     if (i < 0 || i >= cmlp_optim_num_buffers(o))
         return CMLP_FAIL(CMLP_ERR_INVALID, "optimizer buffer %d does not exist (%d kept)", i, cmlp_optim_num_buffers(o));
@@ -420,6 +432,7 @@ static cmlp_status put_state(cmlp_optim *o, int64_t step, int nbuffers, const fl
      * step continues it (a step count of 0 would make the next step its first) */
     o->step = o->kind == CMLP_OPTIM_SGD && nbuffers && step == 0 ? 1 : step;
     o->version++;
+    o->model->written = true;
     return CMLP_OK;
 }
 

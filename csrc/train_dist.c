@@ -11,8 +11,8 @@
 
 /* Data-parallel, every rank must run the same loop: the values each gives must be equal. */
 #define MAX_COMPARED 20
-cmlp_status cmlp_train_same_on_every_rank(const char *const *names, const int64_t *v, int n, uint32_t hashes) {
-    int64_t hi[MAX_COMPARED], lo[MAX_COMPARED];
+/* The values' maxima (hi) and minima (lo) over the ranks: two all-reductions. */
+static cmlp_status extremes(const int64_t *v, int n, int64_t *hi, int64_t *lo) {
     if (n > MAX_COMPARED) return CMLP_FAIL(CMLP_ERR_INTERNAL, "%d values to compare", n);
     for (int i = 0; i < n; i++) {
         hi[i] = v[i];
@@ -20,17 +20,60 @@ cmlp_status cmlp_train_same_on_every_rank(const char *const *names, const int64_
     }
     CMLP_TRY(cmlp_dist_all_reduce(hi, n, CMLP_COMM_I64, CMLP_REDUCE_MAX));
     CMLP_TRY(cmlp_dist_all_reduce(lo, n, CMLP_COMM_I64, CMLP_REDUCE_MAX));
+    for (int i = 0; i < n; i++) lo[i] = ~lo[i];
+    return CMLP_OK;
+}
+
+/* As cmlp_train_same_on_every_rank, but for the values of the `free` bits, whose maxima come
+ * back in v (they may differ). */
+static cmlp_status same_but_free(const char *const *names, int64_t *v, int n, uint32_t hashes, uint32_t free) {
+    int64_t hi[MAX_COMPARED], lo[MAX_COMPARED];
+    CMLP_TRY(extremes(v, n, hi, lo));
     for (int i = 0; i < n; i++) {
-        if (hi[i] == ~lo[i]) continue;
+        if (free >> i & 1u) v[i] = hi[i];
+        if (hi[i] == lo[i] || free >> i & 1u) continue;
         char range[64] = ""; /* a hash's values say nothing */
         if (!(hashes >> i & 1u))
-            snprintf(range, sizeof range, " (from %lld to %lld)", (long long)~lo[i], (long long)hi[i]);
+            snprintf(range, sizeof range, " (from %lld to %lld)", (long long)lo[i], (long long)hi[i]);
         return CMLP_FAIL(CMLP_ERR_INVALID,
                          "the ranks of the process group differ in %s%s: every rank must make the same calls with "
                          "the same settings on the same data set",
                          names[i], range);
     }
     return CMLP_OK;
+}
+
+cmlp_status cmlp_train_same_on_every_rank(const char *const *names, const int64_t *v, int n, uint32_t hashes) {
+    int64_t copy[MAX_COMPARED];
+    if (n > MAX_COMPARED) return CMLP_FAIL(CMLP_ERR_INTERNAL, "%d values to compare", n);
+    memcpy(copy, v, (size_t)n * sizeof *v);
+    return same_but_free(names, copy, n, hashes, 0);
+}
+
+/* Where a rank changed its parameters or optimizer state from outside the trainer (the flag of
+ * any rank: every rank comes here), the ranks compare them bit for bit, a hash of each, and
+ * the flags are cleared once they are found equal. */
+static cmlp_status same_state(const cmlp_trainer *t) {
+    cmlp_model *m = t->model;
+    uint64_t params = 0xCBF29CE484222325ull, state = params;
+    cmlp_status st = cmlp_buffer_hash(m->dev, m->params, (size_t)m->nparams * sizeof(float), &params);
+    if (st == CMLP_OK) st = cmlp_optim_state_hash(t->optim, &state);
+    CMLP_TRY(cmlp_dist_agree(st)); /* (a rank that could not read them: every rank raises) */
+    const int64_t v[3] = {(int64_t)params, (int64_t)state, m->written};
+    int64_t hi[3], lo[3];
+    CMLP_TRY(extremes(v, 3, hi, lo));
+    const bool params_differ = hi[0] != lo[0], state_differs = hi[1] != lo[1];
+    if (!params_differ && !state_differs) {
+        m->written = false;
+        return CMLP_OK;
+    }
+    return CMLP_FAIL(CMLP_ERR_INVALID,
+                     "the ranks' %s differ after a change made outside this data-parallel trainer (load_state_dict, "
+                     "set_params or an optimizer step) %s: every rank must hold the same ones, so make the same "
+                     "change on every rank (a checkpoint: load it on each)",
+                     params_differ ? state_differs ? "parameters and optimizer states" : "parameters"
+                                   : "optimizer states",
+                     lo[2] ? "on every rank, to different values" : "on some ranks only");
 }
 
 static int64_t bits_of(double v) {
@@ -61,7 +104,8 @@ cmlp_status cmlp_train_same_settings(const cmlp_trainer *t, int call, const cmlp
                                         "fit's epochs",
                                         "fit's validation samples (-1: none)",
                                         "fit's schedule per step (scheduler_interval='step')",
-                                        "fit's validation set (its labels, and rows spread over it)"};
+                                        "fit's validation set (its labels, and rows spread over it)",
+                                        "a change of the parameters or the optimizer's state (not compared)"};
     const cmlp_train_config *c = &t->cfg;
     const cmlp_model *m = t->model;
     const cmlp_scaler_state *sc = &t->scaler;
@@ -71,7 +115,7 @@ cmlp_status cmlp_train_same_settings(const cmlp_trainer *t, int call, const cmlp
                  (uint64_t)bits_of(sc->backoff_factor) * 5u ^ (uint64_t)sc->growth_interval * 7u ^
                  (uint64_t)sc->growth_tracker * 11u ^ 1u;
     for (int i = 0; i <= m->nlayers; i++) layers = layers * 1000003u + (uint64_t)m->sizes[i];
-    int64_t v[19] = {call,
+    int64_t v[20] = {call,
                      c->batch_size,
                      c->accumulation_steps,
                      c->shuffle,
@@ -89,9 +133,13 @@ cmlp_status cmlp_train_same_settings(const cmlp_trainer *t, int call, const cmlp
                      call == CALL_EPOCH ? t->fit_call[0] : 0,
                      call == CALL_EPOCH ? t->fit_call[1] : 0,
                      call == CALL_EPOCH ? t->fit_call[2] : 0,
-                     call == CALL_EPOCH ? t->fit_call[3] : 0};
-    /* hashes: the scaler, the layers, the optimizer, the validation set */
-    return cmlp_train_same_on_every_rank(names, v, 19, 1u << 7 | 1u << 8 | 1u << 9 | 1u << 18);
+                     call == CALL_EPOCH ? t->fit_call[3] : 0,
+                     m->written};
+    /* hashes: the scaler, the layers, the optimizer, the validation set; free: the change, whose
+     * maximum says whether any rank made one (the Trainer's own call is followed by rank 0's
+     * parameters going to every rank: they are compared at the next call) */
+    CMLP_TRY(same_but_free(names, v, 20, 1u << 7 | 1u << 8 | 1u << 9 | 1u << 18, 1u << 19));
+    return v[19] && call != CALL_TRAINER ? same_state(t) : CMLP_OK;
 }
 
 /* FNV-1a over n bytes, from h */

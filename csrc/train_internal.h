@@ -124,6 +124,9 @@ enum { CALL_TRAINER = 1, CALL_EPOCH = 2, CALL_STEP = 3 };
 /* (hashes: bit i set where v[i] is a hash, whose values the error does not show) */
 CMLP_HIDDEN cmlp_status cmlp_train_same_on_every_rank(const char *const *names, const int64_t *v, int n,
                                                       uint32_t hashes);
+/* The settings of a call (one of CALL_*) and its data's normalisation (xy, or NULL); and after a
+ * rank changed its parameters or optimizer state from outside the trainer (cmlp_model.written),
+ * but for the Trainer's own call, those too. */
 CMLP_HIDDEN cmlp_status cmlp_train_same_settings(const cmlp_trainer *t, int call, const cmlp_data *xy);
 /* Data-parallel, fit's ranks train on one data set: its sample count, image type and contents
  * (a hash of its labels and of rows spread over it) are compared. */

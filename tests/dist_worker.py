@@ -399,6 +399,75 @@ def mismatch_case(opts):
     return out
 
 
+def changed_case(opts):
+    """Parameters or optimizer state changed from outside the trainer on some ranks only, or to
+    different values on every rank: the trainer's next call raises on every rank, changes
+    nothing, and raises again until every rank holds the same; a change made alike everywhere,
+    or before the Trainer is made (rank 0's parameters go to every rank), trains on."""
+    r = D.get_rank()
+    device = opts.get("device", "cpu")
+    x, y = data(64)
+    out = {}
+
+    def attempt(key, call):
+        try:
+            call()
+            out[key] = "trained"
+        except ValueError as e:
+            out[key] = f"ValueError: {e}"
+
+    def other(seed):
+        return cmlp.MLP(SIZES, seed=seed).state_dict()
+
+    model = cmlp.MLP(SIZES, seed=0, device=device)
+    if r == 0:  # before the Trainer: as DistributedDataParallel, it starts every rank from rank 0's
+        model.load_state_dict(other(7))
+    opt = optimizer(model, "adam")
+    trainer = cmlp.Trainer(model, opt, batch_size=8)
+    attempt("before_trainer", lambda: trainer.fit(x, y, epochs=1, progress=False))
+    out["before_trainer_spread"] = spread(params(model))
+    out["from_rank_0"] = float(spread(np.array([params(model)[0]])))
+    if r == 0:  # one rank loads a checkpoint
+        model.load_state_dict(other(8))
+    before = params(model)
+    attempt("one_rank", lambda: trainer.fit(x, y, epochs=1, progress=False))
+    attempt("one_rank_again", lambda: trainer.step(x[:8], y[:8]))  # (nothing was taken: it raises again)
+    out["one_rank_unchanged"] = bool(np.array_equal(before, params(model))) and trainer.epochs == 1
+    model.load_state_dict(other(8))  # now on every rank
+    attempt("every_rank_same", lambda: trainer.step(x[:8], y[:8]))
+    model.load_state_dict(other(20 + r))  # on every rank, each its own
+    attempt("every_rank_own", lambda: trainer.step(x[:8], y[:8]))
+    model.load_state_dict(other(8))
+    attempt("fixed", lambda: trainer.step(x[:8], y[:8]))
+    saved = opt.state_dict()
+    model.zero_grad()  # a step of every rank's own, outside the trainer: each on its own gradients
+    model.forward_backward(x[8 * r:8 * r + 8], y[8 * r:8 * r + 8])
+    opt.step()
+    attempt("own_step", lambda: trainer.step(x[:8], y[:8]))
+    model.load_state_dict(other(8))
+    opt.load_state_dict(saved)
+    attempt("fixed_again", lambda: trainer.step(x[:8], y[:8]))
+    state = opt.state_dict()  # the optimizer's state alone: the same step count, one moment of rank 1's nudged
+    if r == 1:
+        state["state"][0]["exp_avg"] = state["state"][0]["exp_avg"] * 2.0
+    opt.load_state_dict(state)
+    attempt("state", lambda: trainer.step(x[:8], y[:8]))
+    if r == 1:  # its parameters too
+        model.load_state_dict(other(9))
+    attempt("both", lambda: trainer.fit(x, y, epochs=1, progress=False))
+    attempt("both_again", lambda: trainer.fit(x, y, epochs=1, progress=False))
+    # rank 0's checkpoint (of the last state it trained from), read by every rank
+    box = [dict(model=model.state_dict(), optimizer=opt.state_dict(), trainer=trainer.state_dict()) if r == 0 else None]
+    D.broadcast_object_list(box)
+    model.load_state_dict(box[0]["model"])
+    opt.load_state_dict(box[0]["optimizer"])
+    trainer.load_state_dict(box[0]["trainer"])
+    attempt("checkpoint", lambda: trainer.fit(x, y, epochs=1, progress=False))
+    out["checkpoint_spread"] = spread(np.concatenate([params(model)] + opt._c.get_state()[1]))
+    out["epochs"], out["device"] = trainer.epochs, model.device
+    return out
+
+
 def evaluation_case(opts):
     """Validation that runs out of memory on one rank: that rank evaluates its share in smaller
     chunks, and every rank gets the group's result, the one without a limit."""
@@ -1086,7 +1155,7 @@ def checked_calls_case(opts):
 CASES = {"checked_calls": checked_calls_case, "interrupts": interrupts_case, "late_launch": late_launch_case, "zero_partial_inf": zero_partial_inf_case, "fork": fork_case, "zero": zero_case, "zero_errors": zero_errors_case, "zero_plan": zero_plan_case, "regroup": regroup_case, "backend": backend_case,
          "evaluation": evaluation_case, "uncaught": uncaught_case, "fit": fit_case, "step": step_case, "calls": calls_case,
          "small_data": small_data_case,
-         "failure": failure_case, "mismatch": mismatch_case, "collectives": collectives_case,
+         "failure": failure_case, "mismatch": mismatch_case, "changed": changed_case, "collectives": collectives_case,
          "exit_early": exit_early_case}
 
 

@@ -424,6 +424,37 @@ def test_ranks_that_disagree_all_raise():
     assert "the call" in out["call"]
 
 
+def check_changed(out, device="cpu"):
+    """changed_case's report (see there)."""
+    assert out["device"] == device
+    some, every = "on some ranks only", "on every rank, to different values"
+    # rank 0's load before the Trainer is every rank's start, as DistributedDataParallel's
+    assert out["before_trainer"] == "trained" and out["before_trainer_spread"] == 0.0 and out["from_rank_0"] == 0.0
+    for key, what, how in (("one_rank", "parameters", some), ("one_rank_again", "parameters", some),
+                           ("every_rank_own", "parameters", every),
+                           ("own_step", "parameters and optimizer states", every),
+                           ("state", "optimizer states", every),
+                           ("both", "parameters and optimizer states", every),
+                           ("both_again", "parameters and optimizer states", every)):
+        assert out[key].startswith(f"ValueError: the ranks' {what} differ after a change made outside this "
+                                   f"data-parallel trainer (load_state_dict, set_params or an optimizer step) {how}: "
+                                   "every rank must hold the same ones"), (key, out[key])
+    assert out["one_rank_unchanged"]  # the call that raised took no step, and began no epoch
+    assert out["every_rank_same"] == out["fixed"] == out["fixed_again"] == "trained"
+    assert out["checkpoint"] == "trained" and out["checkpoint_spread"] == 0.0 and out["epochs"] == 2
+
+
+@needs_mpi
+def test_parameters_changed_on_some_ranks_stop_the_next_call_on_every_rank():
+    check_changed(run_job(2, "changed"))
+
+
+@needs_emulated_nccl
+def test_parameters_changed_on_some_gpus_stop_the_next_call_on_every_rank():
+    check_changed(run_job(2, "changed", dict(backend="nccl", device="cuda"), timeout=300, emulated_gpu=True),
+                  "cuda:0")
+
+
 @needs_mpi
 def test_an_evaluation_out_of_memory_on_one_rank_gives_the_groups_result():
     out = run_job(2, "evaluation")
