@@ -52,8 +52,8 @@ CMLP_HIDDEN cmlp_status cmlp_device_get(cmlp_device d, cmlp_device_ctx **out);
  * (the source is kept; nothing is allocated on failure; a NULL buffer copies to NULL). */
 CMLP_HIDDEN cmlp_status cmlp_buffer_copy(cmlp_device_ctx *from, cmlp_device_ctx *to, const void *buf, size_t nbytes,
                                          const char *what, void **dst);
-/* A hash of nbytes of a device buffer (a multiple of 8), carried on from h: equal bytes, equal
- * hash (read through host memory, a few MiB at a time). */
+/* A hash of nbytes of a device buffer, carried on from h: equal bytes, equal hash (read through
+ * host memory, a few MiB at a time). */
 CMLP_HIDDEN cmlp_status cmlp_buffer_hash(cmlp_device_ctx *dev, const void *buf, size_t nbytes, uint64_t *h);
 
 /* A device of addresses (plan.c): it hands out addresses from `next` and touches nothing;

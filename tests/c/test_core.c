@@ -1056,6 +1056,56 @@ static void test_held_in_memory(void) {
     cmlp_model_free(m);
 }
 
+/* The changed flag that a data-parallel trainer's agreement reads, and the hashes it compares
+ * (a model of 13 parameters: the last one's 4 bytes are a short word). */
+static void test_changes_and_hashes(void) {
+    int sizes[] = {2, 3, 1};
+    cmlp_model *a, *b;
+    OK(cmlp_model_init(&a, sizes, 3, cmlp_cpu(), 1));
+    OK(cmlp_model_init(&b, sizes, 3, cmlp_cpu(), 2));
+    CHECK(a->nparams == 13 && !a->written && !b->written, "a new model is not changed");
+    float p[13];
+    OK(cmlp_model_get_params(a, p));
+    OK(cmlp_model_set_params(b, p));
+    CHECK(b->written && !a->written, "set_params marks the model changed");
+    uint64_t ha = 7, hb = 7;
+    OK(cmlp_buffer_hash(a->dev, a->params, 13 * sizeof(float), &ha));
+    OK(cmlp_buffer_hash(b->dev, b->params, 13 * sizeof(float), &hb));
+    CHECK(ha == hb && ha != 7, "equal parameters, equal hashes");
+    p[12] = nextafterf(p[12], INFINITY); /* the last parameter alone */
+    OK(cmlp_model_copy_params(b, p));
+    hb = 7;
+    OK(cmlp_buffer_hash(b->dev, b->params, 13 * sizeof(float), &hb));
+    CHECK(ha != hb, "the last parameter's bit is not in the hash");
+    cmlp_adam_config ac = cmlp_adam_defaults();
+    cmlp_optim *o;
+    OK(cmlp_optim_init_adam(&o, a, &ac));
+    uint64_t none = 7, stepped = 7;
+    OK(cmlp_optim_state_hash(o, &none));
+    float x[2] = {0.5f, -1.0f};
+    int32_t y[1] = {0};
+    cmlp_data d = {.x = x, .x_dtype = CMLP_DTYPE_F32, .y = y, .n = 1};
+    double loss;
+    OK(cmlp_model_forward_backward(a, &d, 1.0f, 0.0f, CMLP_AMP_NONE, &loss));
+    OK(cmlp_optim_step(o));
+    CHECK(a->written, "an optimizer step of the caller's marks its model changed");
+    OK(cmlp_optim_state_hash(o, &stepped));
+    CHECK(none != stepped, "the state's hash does not see the state");
+    a->written = false;
+    float m0[13], v0[13];
+    OK(cmlp_optim_get_buffer(o, 0, m0));
+    OK(cmlp_optim_get_buffer(o, 1, v0));
+    m0[12] = 0.25f;
+    const float *bufs[2] = {m0, v0};
+    OK(cmlp_optim_set_state(o, 1, 2, bufs));
+    uint64_t loaded = 7;
+    OK(cmlp_optim_state_hash(o, &loaded));
+    CHECK(a->written && loaded != stepped, "a loaded state marks the model changed, and hashes apart");
+    cmlp_optim_free(o);
+    cmlp_model_free(a);
+    cmlp_model_free(b);
+}
+
 int main(void) {
     int64_t base = allocated_now();
     test_status_and_devices();
@@ -1074,6 +1124,7 @@ int main(void) {
     test_model_move();
     test_misuse_refused();
     test_held_in_memory();
+    test_changes_and_hashes();
     CHECK(allocated_now() == base, "bytes left allocated: %lld", (long long)(allocated_now() - base));
     return check_summary();
 }
