@@ -53,8 +53,10 @@ CMLP_HIDDEN cmlp_status cmlp_device_get(cmlp_device d, cmlp_device_ctx **out);
 CMLP_HIDDEN cmlp_status cmlp_buffer_copy(cmlp_device_ctx *from, cmlp_device_ctx *to, const void *buf, size_t nbytes,
                                          const char *what, void **dst);
 /* A hash of nbytes of a device buffer, carried on from h: equal bytes, equal hash (read through
- * host memory, a few MiB at a time). */
-CMLP_HIDDEN cmlp_status cmlp_buffer_hash(cmlp_device_ctx *dev, const void *buf, size_t nbytes, uint64_t *h);
+ * host memory, a few MiB at a time). negatives_alike: a buffer of floats whose values < 0 are
+ * one mark (AMSGrad's maximum where it has not started), hashed as one value. */
+CMLP_HIDDEN cmlp_status cmlp_buffer_hash(cmlp_device_ctx *dev, const void *buf, size_t nbytes, bool negatives_alike,
+                                         uint64_t *h);
 
 /* A device of addresses (plan.c): it hands out addresses from `next` and touches nothing;
  * segments and mapped pages take from `room`, and give back to it when released. */
@@ -166,9 +168,9 @@ struct cmlp_model {
     cmlp_workspace ws;
     cmlp_amp_workspace wsa;
     cmlp_rc_workspace wsr;
-    /* the parameters, or an optimizer's state over them, were changed from outside a trainer's
-     * calls (set_params, an optimizer's step or set_state) since a data-parallel trainer last
-     * found them equal on every rank (cmlp_train_same_settings) */
+    /* the parameters were changed from outside a data-parallel trainer's calls (set_params, an
+     * optimizer's step, a trainer's of this rank alone) since such a trainer last found them
+     * equal on every rank (cmlp_train_same_settings) */
     bool written;
 };
 
@@ -325,9 +327,13 @@ CMLP_HIDDEN const cmlp_model *cmlp_optim_model(const cmlp_optim *o); /* the mode
 CMLP_HIDDEN cmlp_status cmlp_optim_check_rate(const cmlp_optim *o, double lr);
 /* A hash of the optimizer's kind, settings and step count (equal settings, equal hash). */
 CMLP_HIDDEN uint64_t cmlp_optim_fingerprint(const cmlp_optim *o);
-/* A hash of the optimizer's state buffers (those held, whether or not in use), carried on from h;
- * h as it was for a sharded optimizer, whose state is its rank's part. */
+/* A hash of the optimizer's state buffers in use, carried on from h; h as it was for a sharded
+ * optimizer, whose state is its rank's part. */
 CMLP_HIDDEN cmlp_status cmlp_optim_state_hash(const cmlp_optim *o, uint64_t *h);
+/* The optimizer's state was changed from outside a data-parallel trainer's calls (set_state, a
+ * step of the caller's or of a trainer of this rank alone) since such a trainer last found it
+ * equal on every rank: the flag, to read and set. */
+CMLP_HIDDEN bool *cmlp_optim_written(cmlp_optim *o);
 /* The device's member of the process group's device collectives (NCCL); made on first use by
  * every rank at once (comm.c). */
 CMLP_HIDDEN cmlp_status cmlp_dist_device_comm(cmlp_device_ctx *dev, void **comm);

@@ -437,9 +437,10 @@ static uint64_t hash_words(uint64_t h, const unsigned char *p, size_t n) {
     return h;
 }
 
-cmlp_status cmlp_buffer_hash(cmlp_device_ctx *dev, const void *buf, size_t nbytes, uint64_t *h) {
+cmlp_status cmlp_buffer_hash(cmlp_device_ctx *dev, const void *buf, size_t nbytes, bool negatives_alike,
+                             uint64_t *h) {
     enum { CHUNK = 4 << 20 }; /* (a multiple of 8: only the last chunk's last word is short) */
-    if (dev->device.type == CMLP_DEVICE_CPU) {
+    if (dev->device.type == CMLP_DEVICE_CPU && !negatives_alike) {
         *h = hash_words(*h, buf, nbytes);
         return CMLP_OK;
     }
@@ -449,6 +450,11 @@ cmlp_status cmlp_buffer_hash(cmlp_device_ctx *dev, const void *buf, size_t nbyte
     for (size_t at = 0; at < nbytes && st == CMLP_OK; at += CHUNK) {
         const size_t n = nbytes - at < CHUNK ? nbytes - at : CHUNK;
         st = dev->backend->copy_d2h(dev->bctx, host, (const unsigned char *)buf + at, n);
+        for (size_t i = 0; negatives_alike && i + sizeof(float) <= n; i += sizeof(float)) {
+            float v;
+            memcpy(&v, host + i, sizeof v);
+            if (v < 0.0f) memcpy(host + i, &(float){-1.0f}, sizeof v);
+        }
         if (st == CMLP_OK) *h = hash_words(*h, host, n);
     }
     free(host);

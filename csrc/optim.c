@@ -361,14 +361,17 @@ uint64_t cmlp_optim_fingerprint(const cmlp_optim *o) {
     return h;
 }
 
+bool *cmlp_optim_written(cmlp_optim *o) { return &o->written; }
+
 cmlp_status cmlp_optim_state_hash(const cmlp_optim *o, uint64_t *h) {
     if (o->shards) return CMLP_OK;
-    const int nb = cmlp_optim_num_buffers(o) - (o->vmax && o->vmax_unused); /* (the maximum is last) */
+    int nb = cmlp_optim_num_buffers(o);
+    if (nb > 0 && o->vmax && o->vmax_unused) nb--; /* (the maximum is last) */
     const size_t n = (size_t)span(o);
     *h = (*h ^ (uint64_t)nb) * 0x100000001B3ull;
-    for (int i = 0; i < nb; i++) {
-        const float *buf = i < arena_buffers(o) ? o->state + i * n : o->vmax;
-        CMLP_TRY(cmlp_buffer_hash(o->dev, buf, n * sizeof(float), h));
+    for (int i = 0; i < nb; i++) { /* AMSGrad's maximum: where a group has not started, any value < 0 */
+        const bool vmax = i >= arena_buffers(o);
+        CMLP_TRY(cmlp_buffer_hash(o->dev, vmax ? o->vmax : o->state + i * n, n * sizeof(float), vmax, h));
     }
     return CMLP_OK;
 }
@@ -432,7 +435,7 @@ static cmlp_status put_state(cmlp_optim *o, int64_t step, int nbuffers, const fl
      * step continues it (a step count of 0 would make the next step its first) */
     o->step = o->kind == CMLP_OPTIM_SGD && nbuffers && step == 0 ? 1 : step;
     o->version++;
-    o->model->written = true;
+    o->written = true;
     return CMLP_OK;
 }
 

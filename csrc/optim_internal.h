@@ -45,6 +45,7 @@ struct cmlp_optim {
     optim_part *parts;
     void *d_parts;
     cmlp_device_ctx *d_parts_dev; /* where d_parts lives (host memory on the CPU) */
+    bool written; /* the state changed from outside a data-parallel trainer (cmlp_optim_written) */
 };
 
 /* The parameters whose state this optimizer keeps: [lo, lo + span). */

@@ -12,7 +12,7 @@ cmlp_status cmlp_optim_step(cmlp_optim *o) {
         return CMLP_FAIL(CMLP_ERR_STATE, "this optimizer's state is sharded over the process group: it steps in a "
                                          "data-parallel trainer (cmlp.Trainer), which sums the gradients over the "
                                          "ranks first");
-    o->model->written = true; /* a step of the caller's, outside a trainer */
+    o->model->written = o->written = true; /* a step of the caller's, outside a trainer */
     return cmlp_optim_step_summed(o);
 }
 

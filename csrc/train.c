@@ -217,6 +217,7 @@ cmlp_status cmlp_trainer_step(cmlp_trainer *t, const cmlp_data *xy, double *loss
     if (!t || !loss_mean) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
     drop_half_weights(t);
     CMLP_TRY(cmlp_train_check_group(t, false));
+    cmlp_train_mark_local(t);
     cmlp_status st = cmlp_data_validate(t->model, xy, true);
     int64_t n_all = st == CMLP_OK ? xy->n : 0;
     if (t->dist) { /* each rank's own batch: the step is all of them */
@@ -266,6 +267,7 @@ cmlp_status cmlp_trainer_epoch_begin(cmlp_trainer *t, const cmlp_data *xy, int s
     if (!t || !st) return CMLP_FAIL(CMLP_ERR_INVALID, "arguments must not be NULL");
     drop_half_weights(t);
     CMLP_TRY(cmlp_train_check_group(t, false));
+    cmlp_train_mark_local(t);
     cmlp_status valid = cmlp_data_validate(t->model, xy, true);
     if (t->dist) {
         CMLP_TRY(cmlp_dist_agree(valid));

@@ -7,6 +7,7 @@
 
 #include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* Data-parallel, every rank must run the same loop: the values each gives must be equal. */
@@ -53,24 +54,25 @@ cmlp_status cmlp_train_same_on_every_rank(const char *const *names, const int64_
 /* Where a rank changed its parameters or optimizer state from outside the trainer (the flag of
  * any rank: every rank comes here), the ranks compare them bit for bit, a hash of each, and
  * the flags are cleared once they are found equal. */
-static cmlp_status same_state(const cmlp_trainer *t) {
+static cmlp_status same_state(cmlp_trainer *t) {
     cmlp_model *m = t->model;
+    bool *state_written = cmlp_optim_written(t->optim);
     uint64_t params = 0xCBF29CE484222325ull, state = params;
-    cmlp_status st = cmlp_buffer_hash(m->dev, m->params, (size_t)m->nparams * sizeof(float), &params);
+    cmlp_status st = cmlp_buffer_hash(m->dev, m->params, (size_t)m->nparams * sizeof(float), false, &params);
     if (st == CMLP_OK) st = cmlp_optim_state_hash(t->optim, &state);
     CMLP_TRY(cmlp_dist_agree(st)); /* (a rank that could not read them: every rank raises) */
-    const int64_t v[3] = {(int64_t)params, (int64_t)state, m->written};
+    const int64_t v[3] = {(int64_t)params, (int64_t)state, m->written || *state_written};
     int64_t hi[3], lo[3];
     CMLP_TRY(extremes(v, 3, hi, lo));
     const bool params_differ = hi[0] != lo[0], state_differs = hi[1] != lo[1];
     if (!params_differ && !state_differs) {
-        m->written = false;
+        m->written = *state_written = false;
         return CMLP_OK;
     }
     return CMLP_FAIL(CMLP_ERR_INVALID,
                      "the ranks' %s differ after a change made outside this data-parallel trainer (load_state_dict, "
-                     "set_params or an optimizer step) %s: every rank must hold the same ones, so make the same "
-                     "change on every rank (a checkpoint: load it on each)",
+                     "set_params, an optimizer step, a trainer of one rank) %s: every rank must hold the same ones, so "
+                     "make the same change on every rank (a checkpoint: load it on each)",
                      params_differ ? state_differs ? "parameters and optimizer states" : "parameters"
                                    : "optimizer states",
                      lo[2] ? "on every rank, to different values" : "on some ranks only");
@@ -85,7 +87,7 @@ static int64_t bits_of(double v) {
 /* The settings that decide which samples a step takes and how it is computed, the call being
  * made (an epoch on one rank and a step on another would mix), and for a call with data its
  * normalisation (xy, or NULL). */
-cmlp_status cmlp_train_same_settings(const cmlp_trainer *t, int call, const cmlp_data *xy) {
+cmlp_status cmlp_train_same_settings(cmlp_trainer *t, int call, const cmlp_data *xy) {
     static const char *const names[] = {"the call (1 Trainer, 2 fit's epoch, 3 step)",
                                         "batch_size",
                                         "accumulation_steps",
@@ -134,10 +136,10 @@ cmlp_status cmlp_train_same_settings(const cmlp_trainer *t, int call, const cmlp
                      call == CALL_EPOCH ? t->fit_call[1] : 0,
                      call == CALL_EPOCH ? t->fit_call[2] : 0,
                      call == CALL_EPOCH ? t->fit_call[3] : 0,
-                     m->written};
+                     m->written || *cmlp_optim_written(t->optim)};
     /* hashes: the scaler, the layers, the optimizer, the validation set; free: the change, whose
-     * maximum says whether any rank made one (the Trainer's own call is followed by rank 0's
-     * parameters going to every rank: they are compared at the next call) */
+     * maximum says whether any rank made one (the Trainer's own call gives every rank rank 0's
+     * parameters after it: its optimizers' states are compared at the next call) */
     CMLP_TRY(same_but_free(names, v, 20, 1u << 7 | 1u << 8 | 1u << 9 | 1u << 18, 1u << 19));
     return v[19] && call != CALL_TRAINER ? same_state(t) : CMLP_OK;
 }
@@ -220,6 +222,25 @@ void cmlp_train_drop_group_graphs(void) {
     pthread_mutex_unlock(&joined_lock);
 }
 
+void cmlp_train_mark_local(cmlp_trainer *t) {
+    if (!t->dist) t->model->written = *cmlp_optim_written(t->optim) = true;
+}
+
+/* Every rank takes rank 0's parameters, as DistributedDataParallel does when it wraps a model:
+ * they are then the same on every rank (no change of one rank's own). */
+static cmlp_status take_rank_0s(cmlp_model *m) {
+    const size_t bytes = (size_t)m->nparams * sizeof(float);
+    float *host = malloc(bytes);
+    cmlp_status st = host ? cmlp_model_get_params(m, host)
+                          : CMLP_FAIL(CMLP_ERR_OOM, "out of host memory for the parameters (%zu bytes)", bytes);
+    st = cmlp_dist_agree(st);
+    if (st == CMLP_OK) st = cmlp_dist_broadcast(host, (int64_t)bytes, 0);
+    if (st == CMLP_OK) st = cmlp_dist_agree(cmlp_model_copy_params(m, host));
+    free(host);
+    if (st == CMLP_OK) m->written = false;
+    return st;
+}
+
 /* Off the host, the model's device joins the group's device collectives (every rank at once:
  * after cmlp_train_same_settings, so that all are on devices of one kind). */
 cmlp_status cmlp_train_join_group(cmlp_trainer *t) {
@@ -256,6 +277,7 @@ cmlp_status cmlp_trainer_set_distributed(cmlp_trainer *t, int on) {
     cmlp_status st = cmlp_train_same_settings(t, CALL_TRAINER, NULL);
     if (st == CMLP_OK) st = cmlp_train_group_batch_fits(t); /* the same on every rank, as the settings are */
     if (st == CMLP_OK) st = cmlp_train_join_group(t);
+    if (st == CMLP_OK) st = take_rank_0s(t->model);
     if (st != CMLP_OK) t->dist = false;
     return st;
 }

@@ -125,9 +125,13 @@ enum { CALL_TRAINER = 1, CALL_EPOCH = 2, CALL_STEP = 3 };
 CMLP_HIDDEN cmlp_status cmlp_train_same_on_every_rank(const char *const *names, const int64_t *v, int n,
                                                       uint32_t hashes);
 /* The settings of a call (one of CALL_*) and its data's normalisation (xy, or NULL); and after a
- * rank changed its parameters or optimizer state from outside the trainer (cmlp_model.written),
- * but for the Trainer's own call, those too. */
-CMLP_HIDDEN cmlp_status cmlp_train_same_settings(const cmlp_trainer *t, int call, const cmlp_data *xy);
+ * rank changed its parameters or optimizer state from outside the trainer (cmlp_model.written,
+ * cmlp_optim_written), but for the Trainer's own call, those too. A trainer of one rank alone
+ * marks them so (cmlp_train_mark_local). */
+CMLP_HIDDEN cmlp_status cmlp_train_same_settings(cmlp_trainer *t, int call, const cmlp_data *xy);
+/* A call of a trainer that is not data-parallel may change its model's parameters and its
+ * optimizer's state: where a data-parallel trainer shares them, its next call compares them. */
+CMLP_HIDDEN void cmlp_train_mark_local(cmlp_trainer *t);
 /* Data-parallel, fit's ranks train on one data set: its sample count, image type and contents
  * (a hash of its labels and of rows spread over it) are compared. */
 CMLP_HIDDEN cmlp_status cmlp_train_same_data(const cmlp_trainer *t, const cmlp_data *xy);

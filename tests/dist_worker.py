@@ -465,6 +465,41 @@ def changed_case(opts):
     attempt("checkpoint", lambda: trainer.fit(x, y, epochs=1, progress=False))
     out["checkpoint_spread"] = spread(np.concatenate([params(model)] + opt._c.get_state()[1]))
     out["epochs"], out["device"] = trainer.epochs, model.device
+    # right after a Trainer is made (rank 0's parameters sent to every rank): one rank's change
+    m2 = cmlp.MLP(SIZES, seed=0, device=device)
+    o2 = optimizer(m2, "sgd")
+    t2 = cmlp.Trainer(m2, o2, batch_size=8)
+    if r == 1:
+        m2.load_state_dict(other(9))
+    attempt("after_trainer", lambda: t2.step(x[:8], y[:8]))
+    m2.load_state_dict(other(9))
+    attempt("sgd", lambda: t2.step(x[:8], y[:8]))
+    # a trainer of each rank's own on the same model and optimizer, each on its own samples
+    cmlp.Trainer(m2, o2, batch_size=8, distributed=False).step(x[8 * r:8 * r + 8], y[8 * r:8 * r + 8])
+    attempt("local", lambda: t2.step(x[:8], y[:8]))
+    # a second data-parallel trainer of the model, with an optimizer of its own: rank 1 changes
+    # that optimizer's state alone, which the first trainer's calls do not compare
+    m2.load_state_dict(other(9))
+    o2.load_state_dict(dict(o2.state_dict(), state={}))
+    o3 = optimizer(m2, "adam")
+    t3 = cmlp.Trainer(m2, o3, batch_size=8)
+    attempt("second", lambda: t3.step(x[:8], y[:8]))
+    state = o3.state_dict()
+    if r == 1:
+        state["state"][1]["exp_avg_sq"] = state["state"][1]["exp_avg_sq"] * 2.0
+    o3.load_state_dict(state)
+    attempt("first_trainer", lambda: t2.step(x[:8], y[:8]))
+    attempt("second_trainer", lambda: t3.step(x[:8], y[:8]))
+    # AMSGrad in one param group: its maximum's "not started" mark, saved and loaded on rank 0
+    m4 = cmlp.MLP(SIZES, seed=0, device=device)
+    o4 = cmlp.optim.Adam(m4, param_groups=[{"params": ["fc1.weight", "fc1.bias"]},
+                                           {"params": ["fc2.weight", "fc2.bias"], "amsgrad": True}])
+    t4 = cmlp.Trainer(m4, o4, batch_size=8)
+    t4.step(x[:8], y[:8])
+    if r == 0:
+        o4.load_state_dict(o4.state_dict())
+    attempt("amsgrad_reloaded", lambda: t4.step(x[:8], y[:8]))
+    out["spread_at_end"] = spread(np.concatenate([params(m2), params(m4)]))
     return out
 
 

@@ -130,8 +130,7 @@ class Trainer(FitLoop):
         if self._given_normalize is not None:  # (once every argument is taken: a refused one changes nothing)
             model.normalize = self._given_normalize
         if self.distributed:
-            self._c.set_distributed(True)
-            _dist._sync_parameters(model)  # every rank starts from rank 0's parameters
+            self._c.set_distributed(True)  # (every rank starts from rank 0's parameters)
 
     def _setup(self, model: MLP, optimizer: Optimizer, batch_size: int, accumulation_steps: int, amp: Optional[str],
                scaler: Any, auto_microbatch: bool, recompute: bool, shuffle: bool, seed: int,

@@ -1069,14 +1069,18 @@ static void test_changes_and_hashes(void) {
     OK(cmlp_model_set_params(b, p));
     CHECK(b->written && !a->written, "set_params marks the model changed");
     uint64_t ha = 7, hb = 7;
-    OK(cmlp_buffer_hash(a->dev, a->params, 13 * sizeof(float), &ha));
-    OK(cmlp_buffer_hash(b->dev, b->params, 13 * sizeof(float), &hb));
+    OK(cmlp_buffer_hash(a->dev, a->params, 13 * sizeof(float), false, &ha));
+    OK(cmlp_buffer_hash(b->dev, b->params, 13 * sizeof(float), false, &hb));
     CHECK(ha == hb && ha != 7, "equal parameters, equal hashes");
     p[12] = nextafterf(p[12], INFINITY); /* the last parameter alone */
     OK(cmlp_model_copy_params(b, p));
     hb = 7;
-    OK(cmlp_buffer_hash(b->dev, b->params, 13 * sizeof(float), &hb));
+    OK(cmlp_buffer_hash(b->dev, b->params, 13 * sizeof(float), false, &hb));
     CHECK(ha != hb, "the last parameter's bit is not in the hash");
+    float marks[2][3] = {{-1.0f, 2.0f, -0.5f}, {-1.4983f, 2.0f, -1.0f}}; /* AMSGrad's "not started", two ways */
+    uint64_t h[4] = {7, 7, 7, 7};
+    for (int i = 0; i < 4; i++) OK(cmlp_buffer_hash(a->dev, marks[i % 2], sizeof marks[0], i < 2, &h[i]));
+    CHECK(h[0] == h[1] && h[2] != h[3], "values < 0 are one mark where asked, and only there");
     cmlp_adam_config ac = cmlp_adam_defaults();
     cmlp_optim *o;
     OK(cmlp_optim_init_adam(&o, a, &ac));
@@ -1088,10 +1092,10 @@ static void test_changes_and_hashes(void) {
     double loss;
     OK(cmlp_model_forward_backward(a, &d, 1.0f, 0.0f, CMLP_AMP_NONE, &loss));
     OK(cmlp_optim_step(o));
-    CHECK(a->written, "an optimizer step of the caller's marks its model changed");
+    CHECK(a->written && *cmlp_optim_written(o), "an optimizer step of the caller's marks its model and state changed");
     OK(cmlp_optim_state_hash(o, &stepped));
     CHECK(none != stepped, "the state's hash does not see the state");
-    a->written = false;
+    a->written = *cmlp_optim_written(o) = false;
     float m0[13], v0[13];
     OK(cmlp_optim_get_buffer(o, 0, m0));
     OK(cmlp_optim_get_buffer(o, 1, v0));
@@ -1100,7 +1104,7 @@ static void test_changes_and_hashes(void) {
     OK(cmlp_optim_set_state(o, 1, 2, bufs));
     uint64_t loaded = 7;
     OK(cmlp_optim_state_hash(o, &loaded));
-    CHECK(a->written && loaded != stepped, "a loaded state marks the model changed, and hashes apart");
+    CHECK(!a->written && *cmlp_optim_written(o) && loaded != stepped, "a loaded state is marked changed, and hashes apart");
     cmlp_optim_free(o);
     cmlp_model_free(a);
     cmlp_model_free(b);

@@ -457,12 +457,4 @@ def destroy_process_group(group: Any = None) -> None:
     _cmlp.dist_destroy()
 
 
-def _sync_parameters(model: Any) -> None:
-    """Every rank takes rank 0's parameters (as DistributedDataParallel does when it wraps a
-    model)."""
-    flat = np.ascontiguousarray(model._c.get_params(), dtype=np.float32)
-    _cmlp.dist_broadcast(flat, 0)
-    model._c.set_params(flat)
-
-
 from . import optim  # noqa: E402 (it needs the functions above)
