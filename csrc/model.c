@@ -450,12 +450,13 @@ cmlp_status cmlp_buffer_hash(cmlp_device_ctx *dev, const void *buf, size_t nbyte
     for (size_t at = 0; at < nbytes && st == CMLP_OK; at += CHUNK) {
         const size_t n = nbytes - at < CHUNK ? nbytes - at : CHUNK;
         st = dev->backend->copy_d2h(dev->bctx, host, (const unsigned char *)buf + at, n);
+        if (st != CMLP_OK) break;
         for (size_t i = 0; negatives_alike && i + sizeof(float) <= n; i += sizeof(float)) {
             float v;
             memcpy(&v, host + i, sizeof v);
             if (v < 0.0f) memcpy(host + i, &(float){-1.0f}, sizeof v);
         }
-        if (st == CMLP_OK) *h = hash_words(*h, host, n);
+        *h = hash_words(*h, host, n);
     }
     free(host);
     return st;
