@@ -325,7 +325,7 @@ CMLP_HIDDEN uint64_t cmlp_optim_version(const cmlp_optim *o);
 CMLP_HIDDEN const cmlp_model *cmlp_optim_model(const cmlp_optim *o); /* the model it steps */
 /* Whether every parameter group's part steps at a rate finite in float32 when the optimizer's is lr. */
 CMLP_HIDDEN cmlp_status cmlp_optim_check_rate(const cmlp_optim *o, double lr);
-/* A hash of the optimizer's kind, settings and step count (equal settings, equal hash). */
+/* A hash of the optimizer's kind, settings and (Adam's) step count (equal settings, equal hash). */
 CMLP_HIDDEN uint64_t cmlp_optim_fingerprint(const cmlp_optim *o);
 /* A hash of the optimizer's state buffers in use, carried on from h; h as it was for a sharded
  * optimizer, whose state is its rank's part. */

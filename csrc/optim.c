@@ -339,7 +339,9 @@ static uint64_t mix(uint64_t h, const void *word) {
 }
 
 uint64_t cmlp_optim_fingerprint(const cmlp_optim *o) {
-    int64_t ints[3] = {(int64_t)o->kind, o->step,
+    /* SGD's count changes no update, and its state_dict keeps none (torch's): a load sets it to 0, or to 1
+     * where a momentum buffer comes with it */
+    int64_t ints[3] = {(int64_t)o->kind, o->kind == CMLP_OPTIM_ADAM ? o->step : 0,
                        (int64_t)o->shards * 32 + (int64_t)o->sgd.maximize * 16 + (int64_t)o->adam.maximize * 8 +
                            (int64_t)o->adam.amsgrad * 4 + (int64_t)o->sgd.nesterov * 2 +
                            (int64_t)o->adam.decoupled_weight_decay};

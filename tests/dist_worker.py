@@ -499,6 +499,12 @@ def changed_case(opts):
     if r == 0:
         o4.load_state_dict(o4.state_dict())
     attempt("amsgrad_reloaded", lambda: t4.step(x[:8], y[:8]))
+    # SGD's state_dict keeps no step count (as torch's): one loaded back on rank 0 alone, after
+    # steps, trains on
+    t2.step(x[:8], y[:8])
+    if r == 0:
+        o2.load_state_dict(o2.state_dict())
+    attempt("sgd_reloaded", lambda: t2.step(x[:8], y[:8]))
     out["spread_at_end"] = spread(np.concatenate([params(m2), params(m4)]))
     return out
 

@@ -447,6 +447,7 @@ def check_changed(out, device="cpu"):
     # a trainer's calls compare its own optimizer's state; AMSGrad's marks of a group not started
     # are one mark however they are written (C's bytes, or -1 from a state_dict)
     assert out["sgd"] == out["second"] == out["first_trainer"] == out["amsgrad_reloaded"] == "trained", out
+    assert out["sgd_reloaded"] == "trained", out
     assert out["spread_at_end"] == 0.0
 
 
