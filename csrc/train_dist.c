@@ -71,8 +71,8 @@ static cmlp_status same_state(cmlp_trainer *t) {
     }
     return CMLP_FAIL(CMLP_ERR_INVALID,
                      "the ranks' %s differ after a change made outside this data-parallel trainer (load_state_dict, "
-                     "set_params, an optimizer step, a trainer of one rank) %s: every rank must hold the same ones, so "
-                     "make the same change on every rank (a checkpoint: load it on each)",
+                     "optimizer.step(), a Trainer of one rank) %s: every rank must hold the same ones, so make the "
+                     "same change on every rank (a checkpoint: load it on each)",
                      params_differ ? state_differs ? "parameters and optimizer states" : "parameters"
                                    : "optimizer states",
                      lo[2] ? "on every rank, to different values" : "on some ranks only");

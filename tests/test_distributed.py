@@ -439,8 +439,8 @@ def check_changed(out, device="cpu"):
                            ("after_trainer", "parameters", some), ("local", "parameters and optimizer states", every),
                            ("second_trainer", "optimizer states", every)):
         assert out[key].startswith(f"ValueError: the ranks' {what} differ after a change made outside this "
-                                   "data-parallel trainer (load_state_dict, set_params, an optimizer step, a trainer "
-                                   f"of one rank) {how}: every rank must hold the same ones"), (key, out[key])
+                                   "data-parallel trainer (load_state_dict, optimizer.step(), a Trainer of one rank) "
+                                   f"{how}: every rank must hold the same ones"), (key, out[key])
     assert out["one_rank_unchanged"]  # the call that raised took no step, and began no epoch
     assert out["every_rank_same"] == out["fixed"] == out["fixed_again"] == "trained"
     assert out["checkpoint"] == "trained" and out["checkpoint_spread"] == 0.0 and out["epochs"] == 2
