@@ -3,7 +3,8 @@
 # cmlp in place with the CUDA backend, makes a first synchronised pass over the main GPU paths
 # (scripts/gpu_smoke.py), the GPU benchmark (bench/bench_gpu.py), the GPU tests
 # (tests/test_cuda.py), every kind of kernel under compute-sanitizer's memcheck and racecheck
-# (scripts/gpu_sanitize.py) and a profile of the kernels of a batch-32 step (bench/profile_gpu.py), and
+# (scripts/gpu_sanitize.py), a profile of the kernels of a batch-32 step (bench/profile_gpu.py) and,
+# in the time left, synccheck, and
 # ends with a summary: build seconds, test counts, the benchmark's table and targets, each side's
 # kernel time per step. Each phase runs under `timeout`, within its own limit and what is left of
 # DEADLINE (seconds from the start, 540 by default, so that the summary is printed within a
@@ -34,7 +35,7 @@ SMOKE_LIMIT=${SMOKE_LIMIT:-60}  # about 25 s on 2 cores with the CPU standing in
 BENCH_LIMIT=${BENCH_LIMIT:-150}
 TEST_LIMIT=${TEST_LIMIT:-200}
 PROFILE_LIMIT=${PROFILE_LIMIT:-90}
-SANITIZE_LIMIT=${SANITIZE_LIMIT:-60} # each of memcheck and racecheck
+SANITIZE_LIMIT=${SANITIZE_LIMIT:-60} # each of memcheck, racecheck and synccheck
 SANITIZER=$(command -v compute-sanitizer || true)
 [ -n "$SANITIZER" ] || [ ! -x /usr/local/cuda/bin/compute-sanitizer ] || SANITIZER=/usr/local/cuda/bin/compute-sanitizer
 SMALL_LIMIT=30 # wheels, probe
@@ -205,6 +206,16 @@ print(" ".join(os.path.dirname(os.path.dirname(f)) for p in sys.path for f in gl
     # every kernel of a batch-32 step, cmlp's and PyTorch's, from the CUDA profiler
     run_phase profile "$PROFILE_LIMIT" bash -c "set -o pipefail; '$PY' bench/profile_gpu.py \
         | tee '$TMP/profile.log'"
+    # synccheck (a barrier or warp shuffle that not every thread it waits for reaches), last, in the
+    # time left (a minute at least: not a phase, and no failure, where there is less)
+    if [ -z "${CMLP_CUDA_LIBRARY:-}" ] && [ -n "$SANITIZER" ]; then
+        if [ $((DEADLINE - SECONDS)) -ge 75 ]; then
+            run_phase synccheck "$SANITIZE_LIMIT" "$SANITIZER" --tool synccheck --error-exitcode 86 \
+                --print-limit 20 "$PY" scripts/gpu_sanitize.py
+        else
+            echo "=== synccheck: not run (under 75 s of the ${DEADLINE}s deadline left)"
+        fi
+    fi
 
     local counts=""
     if [ -f "$TMP/pytest.log" ]; then
