@@ -980,6 +980,41 @@ def test_a_refused_step_leaves_the_momentum_too_and_arithmetic_failures_are_valu
             sched.step()
 
 
+@pytest.mark.filterwarnings("ignore:To get the last learning rate")  # get_lr() outside step(), on purpose
+@pytest.mark.filterwarnings("ignore:Detected call of")
+@pytest.mark.parametrize("kind", ["onecycle", "cyclic"])
+def test_get_lr_outside_step_moves_the_momentum_at_once_as_torchs(kind):
+    """A cyclic schedule's step sets its momenta with its rates, as one; its get_lr() called alone
+    sets them at once, as torch's sets them in the groups (the rate stays), and leaves nothing for
+    the next step to set: the steps after it are torch's, and the state_dict holds torch's keys."""
+    torch = pytest.importorskip("torch")
+
+    def make(lib, opt):
+        if kind == "onecycle":
+            return lib.OneCycleLR(opt, max_lr=0.1, total_steps=20)
+        return lib.CyclicLR(opt, 0.001, 0.1, step_size_up=3)
+
+    opt = cmlp.optim.SGD(cmlp.MLP(SIZES), lr=0.01, momentum=0.9)
+    tnet = torch.nn.Linear(2, 2)
+    topt = torch.optim.SGD(tnet.parameters(), lr=0.01, momentum=0.9)
+    sched, tsched = make(S, opt), make(torch.optim.lr_scheduler, topt)
+    for i in range(6):
+        sched.step()
+        tsched.step()
+        if i in (1, 4):
+            opt.param_groups[0]["momentum"] = topt.param_groups[0]["momentum"] = 0.5  # (get_lr sets it back)
+            lrs, tlrs = sched.get_lr(), tsched.get_lr()
+            assert opt._momenta() != [0.5]
+            assert lrs == tlrs
+            assert opt._momenta() == [g["momentum"] for g in topt.param_groups]
+            assert opt.lr == topt.param_groups[0]["lr"]  # (the rate is the last step's)
+        assert [opt.lr] == sched.get_last_lr() == tsched.get_last_lr()
+        assert opt._momenta() == [g["momentum"] for g in topt.param_groups]
+        assert "_momenta_due" not in sched.state_dict()
+    # (OneCycleLR keeps its groups' values in "_groups" too, for a load without the optimizer's state)
+    assert set(sched.state_dict()) - {"_groups"} == set(tsched.state_dict())
+
+
 @pytest.mark.filterwarnings("ignore:Detected call of")  # torch's: no optimizer step here
 # (torch's closed forms of no steps to go divide by 0: test_closed_forms_without_torch has cmlp's)
 @pytest.mark.parametrize("case", [c for c in CASES if c[1].get("total_iters") != 0], ids=case_id)

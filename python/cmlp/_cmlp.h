@@ -144,6 +144,24 @@ typedef struct ModelObject {
         cmlp_memory_set_context(0);                          \
     } while (0)
 
+/* RUN_LOCKED for a call that only sets a value of the model's C objects (no memory, no device
+ * work, no waiting): where the model's lock is free at once it is taken without letting the GIL
+ * go, which would cost more than the call itself (a schedule's step sets the rate this way); else
+ * (the lock busy, or the interpreter exiting) as RUN_LOCKED. */
+#define RUN_LOCKED_BRIEF(model, st, call)                                              \
+    do {                                                                               \
+        if (!(model)->lost && PyThread_acquire_lock((model)->lock, NOWAIT_LOCK)) {     \
+            int entered_ = core_enter();                                               \
+            if (entered_) {                                                            \
+                (st) = call;                                                           \
+                core_leave();                                                          \
+            }                                                                          \
+            PyThread_release_lock((model)->lock);                                      \
+            if (entered_) break;                                                       \
+        }                                                                              \
+        RUN_LOCKED(model, st, call);                                                   \
+    } while (0)
+
 #define RUN_LOCKED_VOID(model, call)                         \
     do {                                                     \
         if ((model)->lost) break;                            \

@@ -103,7 +103,7 @@ static int Optim_set_momentum(OptimObject *self, PyObject *value, void *closure)
     double m = PyFloat_AsDouble(value);
     if (m == -1.0 && PyErr_Occurred()) return -1;
     cmlp_status st;
-    RUN_LOCKED(self->model, st, cmlp_optim_set_momentum(self->o, m));
+    RUN_LOCKED_BRIEF(self->model, st, cmlp_optim_set_momentum(self->o, m));
     if (st != CMLP_OK) {
         raise_status(self->model->ms, st);
         return -1;
@@ -121,7 +121,7 @@ static int Optim_set_lr(OptimObject *self, PyObject *value, void *closure) {
     double lr = PyFloat_AsDouble(value);
     if (lr == -1.0 && PyErr_Occurred()) return -1;
     cmlp_status st;
-    RUN_LOCKED(self->model, st, cmlp_optim_set_lr(self->o, lr));
+    RUN_LOCKED_BRIEF(self->model, st, cmlp_optim_set_lr(self->o, lr));
     if (st != CMLP_OK) {
         raise_status(self->model->ms, st);
         return -1;

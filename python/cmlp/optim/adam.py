@@ -90,7 +90,9 @@ class Adam(Optimizer):
                     2: "Invalid epsilon value: nan (must be >= 0 and finite in float32)"}
 
     def _with_momentum(self, own: Dict[str, Any], value: float) -> Dict[str, Any]:
-        return {**own, "betas": (value, own["betas"][1])}
+        new = own.copy()  # (a copy and a key set: faster than {**own, ...}, once a step under OneCycleLR)
+        new["betas"] = (value, own["betas"][1])
+        return new
 
     def _group(self, i: int = 0) -> Dict[str, Any]:
         own = self._owns[i]

@@ -55,7 +55,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 def _holding(opt: Any) -> Iterator[None]:
     """The optimizer's lock, held (an optimizer torn by a fork raises)."""
     with opt._lock:
-        if opt.__dict__.get("_torn"):
+        if opt._torn:
             raise RuntimeError(_TORN)
         yield
 
@@ -68,7 +68,7 @@ def _locked(method: _F) -> _F:
     @functools.wraps(method)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
         with self._lock:  # (_holding's, written out: a schedule's step comes here each time)
-            if self.__dict__.get("_torn"):
+            if self._torn:
                 raise RuntimeError(_TORN)
             return method(self, *args, **kwargs)
     return run  # type: ignore[return-value]
@@ -82,7 +82,7 @@ class Optimizer(_Copying, _StateDict):
     first group's."""
 
     _buffers: Tuple[str, ...] = ()
-    _torn: bool  # set in a forked child where another thread held the lock (_after_fork_in_child)
+    _torn = False  # True in a forked child where another thread held the lock (_after_fork_in_child)
     # the hyperparameters a param group holds for itself beside lr and weight_decay (torch's keys)
     _per_group: Tuple[str, ...] = ()
 
@@ -102,7 +102,7 @@ class Optimizer(_Copying, _StateDict):
         self._synced: Any = None  # the (scales, weight decays) they were made of
         self._scales: Any = None  # the groups' multiples of the base rate last used
         self._split_memo: Any = None  # (rates, base, scales) of the last split
-        self._rates_only: Any = None  # what _new_rates_only last found in step (see there)
+        self._rates_only: Any = None  # what _take_lrs last found to move the base rate alone (see there)
         self._momenta_memo: Any = None  # (the groups' settings, their momenta) of _momenta()
         self._runs_made: Any = None  # _runs()
         with model._optimizers_lock:  # made and known to the model as one (a move elsewhere takes it along)
@@ -342,32 +342,6 @@ class Optimizer(_Copying, _StateDict):
                 self._synced = None
             raise
 
-    def _new_rates_only(self, lrs: List[float]) -> bool:
-        """Sets the groups' rates (checked by the caller) where that changes the base rate alone: the C
-        configuration is the first group's and the parts it has are those of these rates' multiples
-        (False, and nothing set, where it is not so)."""
-        if len(lrs) != len(self._lrs):
-            return False
-        base, scales = self._split_rates(lrs)
-        # the first group's settings are the C configuration's (found equal, they become one object:
-        # dicts of settings never change in place), and the parts are of these multiples: the
-        # check depends on these values alone, so made once for them it holds while they are equal
-        # (each step of a schedule: the same objects, which the comparison finds equal at once)
-        own = self._owns[0]
-        if own is not self._c_own:
-            if own != self._c_own:
-                return False
-            self._c_own = own
-        seen = (self._synced, scales, self._wds, self._own_parts, self._c_wd)
-        if seen != self._rates_only:
-            if self._wds[0] != self._c_wd \
-                    or self._synced != (tuple(scales), tuple(self._wds), tuple(self._own_parts), False):
-                return False
-            self._rates_only = seen
-        self._c.lr = base
-        self._lrs = lrs
-        return True
-
     @_locked
     def _sync_parts(self, scales: Any, wds: Any = None, parts: bool = False, own: Any = None) -> None:
         """Gives the C optimizer each group's rate scale, weight decay and settings (own:
@@ -475,13 +449,43 @@ class Optimizer(_Copying, _StateDict):
     @_locked
     def _set_group_lrs(self, lrs: Any) -> None:
         """Every group's rate at once (checked: a refused one changes none)."""
+        self._take_lrs(lrs)
+
+    def _take_lrs(self, lrs: Any) -> None:
+        """_set_group_lrs, with the lock held. Where the new rates move the base rate alone (a
+        schedule's step: the C configuration is the first group's, and the parts it has are those of
+        these rates' multiples), only that is set; else _push_groups sets everything."""
         if type(lrs) is list and len(lrs) == 1 and type(lrs[0]) is float and 0.0 <= lrs[0] <= _FLT_MAX:
             lrs = lrs[:]  # (one group's rate, as a schedule's step gives it: nothing to convert)
         else:
             lrs = [v if type(v) is float and 0.0 <= v <= _FLT_MAX else _rate("lr", v) for v in lrs]
-        # (a schedule's step: where only the base rate moves, what _push_groups does would change nothing else)
-        if self._own_parts is None or not self._new_rates_only(lrs):
+        if self._own_parts is None or len(lrs) != len(self._lrs):
             self._push_groups(lrs=lrs)
+            return
+        scales = self._scales
+        if len(lrs) == 1 and scales is not None:  # (_split_rates' first case, written out: each step comes here)
+            base = lrs[0]
+        else:
+            base, scales = self._split_rates(lrs)
+        # the first group's settings are the C configuration's (found equal, they become one object:
+        # dicts of settings never change in place), and the parts are of these multiples: the
+        # check depends on these values alone, so made once for them it holds while they are equal
+        # (each step of a schedule: the same objects, which the comparison finds equal at once)
+        own = self._owns[0]
+        if own is not self._c_own:
+            if own != self._c_own:
+                self._push_groups(lrs=lrs)
+                return
+            self._c_own = own
+        seen = (self._synced, scales, self._wds, self._own_parts, self._c_wd)
+        if seen != self._rates_only:
+            if self._wds[0] != self._c_wd \
+                    or self._synced != (tuple(scales), tuple(self._wds), tuple(self._own_parts), False):
+                self._push_groups(lrs=lrs)
+                return
+            self._rates_only = seen
+        self._c.lr = base
+        self._lrs = lrs
 
     @_locked
     def _set_group_wds(self, wds: Any) -> None:
@@ -597,6 +601,10 @@ class Optimizer(_Copying, _StateDict):
         to its own of a list (a schedule's per-group momenta, or _momenta()'s): the first group's is
         the configuration's, the others' go with their parts where they differ from it. A step on a
         device reads them there, so, like the rates, they change no captured step."""
+        self._take_momenta(value)
+
+    def _take_momenta(self, value: Any) -> None:
+        """_set_momentum, with the lock held."""
         owns, with_momentum = self._owns, self._with_momentum
         if type(value) is list and len(value) == 1 == len(owns) and type(value[0]) is float:
             values = value  # (a one-group schedule's step: nothing to convert, and no other to check)
@@ -612,9 +620,27 @@ class Optimizer(_Copying, _StateDict):
         before, first = self._c_own, values[0]
         self._c.momentum = first  # (kept as given: a float's double)
         own = self._c_own = with_momentum(before, first)
-        if len(owns) == 1:  # (where it held the configuration's, it holds the new one: see _new_rates_only)
+        if len(owns) == 1:  # (where it held the configuration's, it holds the new one: see _take_lrs)
             self._owns = [own if owns[0] is before else with_momentum(owns[0], first)]
         else:
             self._owns = [with_momentum(own, v) for own, v in zip(owns, values)]
             self._own_parts = None  # the parts get them before the next step (_sync_parts); one group's
             # part takes the configuration's settings whatever they are
+
+    def _take_schedule(self, lrs: Any, momenta: Any = None) -> None:
+        """A schedule's step: every group's new rate and, from one that cycles them, momentum
+        (None: as they are), set as one, under one hold of the lock: a refused value changes
+        nothing."""
+        with self._lock:
+            if self._torn:
+                raise RuntimeError(_TORN)
+            if momenta is None:
+                self._take_lrs(lrs)
+                return
+            owns = self._owns
+            self._take_momenta(momenta)
+            try:
+                self._take_lrs(lrs)
+            except BaseException:
+                self._take_momenta([self._part_fields(own)[0] for own in owns])
+                raise

@@ -40,7 +40,7 @@ def _deprecated_epoch(epoch: Any) -> Union[int, float]:
 def _warn_outside_step(get_lr: Callable[[Any], List[float]]) -> Callable[[Any], List[float]]:
     @functools.wraps(get_lr)
     def checked(self: Any) -> List[float]:
-        if not getattr(self, "_get_lr_called_within_step", True):
+        if not self._get_lr_called_within_step:
             warnings.warn("To get the last learning rate computed by the scheduler, please use `get_last_lr()`.",
                           UserWarning, stacklevel=2)
         return get_lr(self)
@@ -253,9 +253,13 @@ class LRScheduler:
     # the lists of one value per param group that its steps read (_for_these_groups)
     _LOADED_PER_GROUP: frozenset = frozenset()
 
-    # whether get_lr may set the optimizer's momenta too (put back when a step fails): this module's
-    # schedules that cycle them, and any defined elsewhere (__init_subclass__)
+    # whether get_lr may set the optimizer's momenta itself (put back when a step fails): LambdaLR
+    # (its functions may) and any schedule defined elsewhere (__init_subclass__); this module's
+    # cyclic schedules hand theirs to the step, which sets them with the rates (_move_momenta)
     _MOVES_MOMENTUM = False
+    # an instance's is False but within step(), from the constructor on (get_lr warns outside it)
+    _get_lr_called_within_step = True
+    _momenta_due: Optional[List[float]] = None  # get_lr's momenta, for its step to set (_move_momenta)
 
     if TYPE_CHECKING:
         lr_lambdas: List[Any]  # LambdaLR's and MultiplicativeLR's functions
@@ -279,7 +283,7 @@ class LRScheduler:
                                    "optimizer")
         self.base_lrs: List[float] = list(optimizer._initial_lrs)
         self.last_epoch: Union[int, float] = last_epoch
-        self._get_lr_called_within_step: bool = False
+        self._get_lr_called_within_step = False
         try:
             self._initial_step()
         except BaseException:  # a schedule refused at its first rate leaves the optimizer as it was
@@ -350,9 +354,17 @@ class LRScheduler:
                 self.last_epoch = epoch
                 closed = getattr(self, "_get_closed_form_lr", None)
                 lrs = closed() if closed is not None else self.get_lr()
-            optimizer._set_group_lrs(lrs)  # all or nothing
+            # all or nothing, with the momenta that this module's cyclic schedules computed (_move_momenta)
+            due = self._momenta_due
+            if due is None:
+                optimizer._take_schedule(lrs)
+            else:
+                self._momenta_due = None
+                optimizer._take_schedule(lrs, due)
         except BaseException as e:  # the optimizer as it was: get_lr may have moved the momentum
             self.last_epoch = before
+            if self._momenta_due is not None:
+                self._momenta_due = None
             if owns is not None:
                 optimizer._set_momentum([optimizer._part_fields(own)[0] for own in owns])
             if isinstance(e, (ZeroDivisionError, OverflowError)) and _raised_here(e):
@@ -364,11 +376,19 @@ class LRScheduler:
             self._get_lr_called_within_step = False
         self._last_lr = list(optimizer._lrs)  # (what _group_lrs() gives, without the call)
 
+    def _move_momenta(self, momenta: List[float]) -> None:
+        """The momenta get_lr computed: within step() they go to the optimizer with the rates, as
+        one (_update_lr); called alone, get_lr sets them at once, as torch's sets them in the groups."""
+        if self._get_lr_called_within_step:
+            self._momenta_due = momenta
+        else:
+            self.optimizer._set_momentum(momenta)
+
     def state_dict(self) -> Dict[str, Any]:
         """Everything but the optimizer; as in torch, of a LambdaLR's or MultiplicativeLR's
         function only the attributes of a callable object that is not a plain function (the
         state it keeps), None for a function."""
-        state = {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "lr_lambdas")}
+        state = {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "lr_lambdas", "_momenta_due")}
         if "lr_lambdas" in self.__dict__:
             state["lr_lambdas"] = [None if isinstance(fn, types.FunctionType) else dict(fn.__dict__)
                                    for fn in self.lr_lambdas]

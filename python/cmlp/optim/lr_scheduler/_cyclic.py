@@ -45,7 +45,6 @@ class OneCycleLR(LRScheduler):
 
     _GROUP_KEYS = ("max_lr", "min_lr", "max_momentum", "base_momentum")
     _noted: Optional[Tuple[Any, ...]] = None  # what the groups held at the last step (_note_seen)
-    _MOVES_MOMENTUM = True
 
     def __init__(self, optimizer: Any, max_lr: Any, total_steps: Optional[int] = None, epochs: Optional[int] = None,
                  steps_per_epoch: Optional[int] = None, pct_start: float = 0.3, anneal_strategy: str = "cos",
@@ -229,7 +228,10 @@ class OneCycleLR(LRScheduler):
                 # and over, which Adam refuses): it stays at the end's value
                 m = b + (a - b) / 2.0 * weight if cos else (b - a) * weight + a
                 momenta.append(m if a <= m <= b or b <= m <= a else min(max(m, min(a, b)), max(a, b)))
-            self.optimizer._set_momentum(momenta)
+            if self._get_lr_called_within_step:  # (_move_momenta, written out: each step comes here)
+                self._momenta_due = momenta
+            else:
+                self.optimizer._set_momentum(momenta)
         return lrs
 
     def _check_loaded(self, state_dict: Any) -> None:
@@ -296,8 +298,6 @@ class CyclicLR(LRScheduler):
     _LOADED_AT_LEAST = {**LRScheduler._LOADED_AT_LEAST, "total_size": _ABOVE_ZERO, "step_ratio": _ABOVE_ZERO}
     _LOADED_PER_GROUP = frozenset({"base_lrs", "max_lrs", "base_momentums", "max_momentums"})
 
-    _MOVES_MOMENTUM = True
-
     def __init__(self, optimizer: Any, base_lr: Any, max_lr: Any, step_size_up: int = 2000,
                  step_size_down: Optional[int] = None, mode: str = "triangular", gamma: float = 1.0,
                  scale_fn: Optional[Callable[[float], float]] = None, scale_mode: str = "cycle",
@@ -360,14 +360,14 @@ class CyclicLR(LRScheduler):
         at = cycle if self.scale_mode == "cycle" else self.last_epoch
         lrs = [base + (top - base) * scale_factor * self.scale_fn(at) for base, top in zip(self.base_lrs, self.max_lrs)]
         if self.cycle_momentum:
-            self.optimizer._set_momentum([top - (top - bottom) * scale_factor * self.scale_fn(at)
-                                          for top, bottom in zip(self.max_momentums, self.base_momentums)])
+            self._move_momenta([top - (top - bottom) * scale_factor * self.scale_fn(at)
+                                for top, bottom in zip(self.max_momentums, self.base_momentums)])
         return lrs
 
     def state_dict(self) -> Dict[str, Any]:
         """As torch's: scale_fn is kept only as the attributes of a callable object that is not a
         plain function (None otherwise)."""
-        state = {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "_scale_fn_custom")}
+        state = {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "_scale_fn_custom", "_momenta_due")}
         fn = self._scale_fn_custom
         state["_scale_fn_custom"] = None if fn is None or isinstance(fn, types.FunctionType) else dict(fn.__dict__)
         return state
