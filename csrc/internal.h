@@ -422,4 +422,9 @@ CMLP_HIDDEN uint64_t cmlp_rng_next(cmlp_rng *r);
 CMLP_HIDDEN double cmlp_rng_uniform(cmlp_rng *r);              /* [0, 1) with 53 bits */
 CMLP_HIDDEN uint64_t cmlp_rng_below(cmlp_rng *r, uint64_t n); /* uniform in [0, n), unbiased */
 
+/* ---- hashes: the ranks' agreement on values (not cryptographic) ---- */
+
+/* h, then n bytes at p mixed in 8 at a time (the last word's missing bytes taken as 0). */
+CMLP_HIDDEN uint64_t cmlp_hash_bytes(uint64_t h, const void *p, size_t n);
+
 #endif /* CMLP_INTERNAL_H */

@@ -426,22 +426,11 @@ cmlp_status cmlp_buffer_copy(cmlp_device_ctx *from, cmlp_device_ctx *to, const v
     return CMLP_OK;
 }
 
-/* n bytes 8 at a time (the last word's missing bytes taken as 0) */
-static uint64_t hash_words(uint64_t h, const unsigned char *p, size_t n) {
-    for (size_t i = 0; i < n; i += 8) {
-        uint64_t w = 0;
-        memcpy(&w, p + i, n - i < 8 ? n - i : 8);
-        h = (h ^ w) * 0x9E3779B97F4A7C15ull;
-        h ^= h >> 29;
-    }
-    return h;
-}
-
 cmlp_status cmlp_buffer_hash(cmlp_device_ctx *dev, const void *buf, size_t nbytes, bool negatives_alike,
                              uint64_t *h) {
     enum { CHUNK = 4 << 20 }; /* (a multiple of 8: only the last chunk's last word is short) */
     if (dev->device.type == CMLP_DEVICE_CPU && !negatives_alike) {
-        *h = hash_words(*h, buf, nbytes);
+        *h = cmlp_hash_bytes(*h, buf, nbytes);
         return CMLP_OK;
     }
     unsigned char *host = malloc(nbytes < CHUNK ? nbytes : CHUNK);
@@ -456,7 +445,7 @@ cmlp_status cmlp_buffer_hash(cmlp_device_ctx *dev, const void *buf, size_t nbyte
             memcpy(&v, host + i, sizeof v);
             if (v < 0.0f) memcpy(host + i, &(float){-1.0f}, sizeof v);
         }
-        *h = hash_words(*h, host, n);
+        *h = cmlp_hash_bytes(*h, host, n);
     }
     free(host);
     return st;

@@ -331,13 +331,6 @@ void cmlp_optim_drop_unused(cmlp_optim *o, bool arena) {
 
 uint64_t cmlp_optim_version(const cmlp_optim *o) { return o->version; }
 
-/* FNV-1a over 8-byte words. */
-static uint64_t mix(uint64_t h, const void *word) {
-    const unsigned char *b = word;
-    for (int i = 0; i < 8; i++) h = (h ^ b[i]) * 1099511628211ull;
-    return h;
-}
-
 uint64_t cmlp_optim_fingerprint(const cmlp_optim *o) {
     /* SGD's count changes no update, and its state_dict keeps none (torch's): a load sets it to 0, or to 1
      * where a momentum buffer comes with it */
@@ -348,17 +341,17 @@ uint64_t cmlp_optim_fingerprint(const cmlp_optim *o) {
     double reals[10] = {o->adam.lr, o->adam.beta1,       o->adam.beta2,   o->adam.eps,      o->adam.weight_decay,
                         o->sgd.lr,  o->sgd.momentum,     o->sgd.dampening, o->sgd.weight_decay, 0.0};
     uint64_t h = 1469598103934665603ull;
-    for (int i = 0; i < 3; i++) h = mix(h, &ints[i]);
-    for (int i = 0; i < 10; i++) h = mix(h, &reals[i]);
+    h = cmlp_hash_bytes(h, ints, sizeof ints);
+    h = cmlp_hash_bytes(h, reals, sizeof reals);
     for (int i = 0; i < o->nparts; i++) { /* parameter groups */
-        h = mix(h, &o->parts[i].end);
-        h = mix(h, &o->parts[i].lr_scale);
-        h = mix(h, &o->parts[i].weight_decay);
+        h = cmlp_hash_bytes(h, &o->parts[i].end, sizeof o->parts[i].end);
+        h = cmlp_hash_bytes(h, &o->parts[i].lr_scale, sizeof o->parts[i].lr_scale);
+        h = cmlp_hash_bytes(h, &o->parts[i].weight_decay, sizeof o->parts[i].weight_decay);
         const cmlp_part_settings *s = &o->parts[i].s;
         double own[4] = {s->momentum, s->beta2, s->eps, s->dampening};
         int64_t flags = (int64_t)(s->amsgrad + 1) * 16 + (int64_t)(s->nesterov + 1) * 4 + (s->maximize + 1);
-        for (int k = 0; k < 4; k++) h = mix(h, &own[k]);
-        h = mix(h, &flags);
+        h = cmlp_hash_bytes(h, own, sizeof own);
+        h = cmlp_hash_bytes(h, &flags, sizeof flags);
     }
     return h;
 }
@@ -370,7 +363,7 @@ cmlp_status cmlp_optim_state_hash(const cmlp_optim *o, uint64_t *h) {
     int nb = cmlp_optim_num_buffers(o);
     if (nb > 0 && o->vmax && o->vmax_unused) nb--; /* (the maximum is last) */
     const size_t n = (size_t)span(o);
-    *h = (*h ^ (uint64_t)nb) * 0x100000001B3ull;
+    *h = cmlp_hash_bytes(*h, &nb, sizeof nb);
     for (int i = 0; i < nb; i++) { /* AMSGrad's maximum: where a group has not started, any value < 0 */
         const bool vmax = i >= arena_buffers(o);
         CMLP_TRY(cmlp_buffer_hash(o->dev, vmax ? o->vmax : o->state + i * n, n * sizeof(float), vmax, h));

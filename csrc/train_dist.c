@@ -144,13 +144,6 @@ cmlp_status cmlp_train_same_settings(cmlp_trainer *t, int call, const cmlp_data 
     return v[19] && call != CALL_TRAINER ? same_state(t) : CMLP_OK;
 }
 
-/* FNV-1a over n bytes, from h */
-static uint64_t fnv1a(uint64_t h, const void *p, size_t n) {
-    const unsigned char *b = p;
-    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001B3ull;
-    return h;
-}
-
 cmlp_status cmlp_train_same_data(const cmlp_trainer *t, const cmlp_data *xy) {
     static const char *const names[3] = {"the data set's sample count", "the data set's image type",
                                          "the data set's contents (its labels, and rows spread over it)"};
@@ -159,9 +152,11 @@ cmlp_status cmlp_train_same_data(const cmlp_trainer *t, const cmlp_data *xy) {
     if (!xy->on_device && xy->n > 0) {
         const size_t row = (size_t)t->model->sizes[0] * (xy->x_dtype == CMLP_DTYPE_U8 ? 1 : sizeof(float));
         const int64_t rows = xy->n < ROWS ? xy->n : ROWS;
-        for (int64_t k = 0; k < rows; k++) /* the first row, the last, and evenly between */
-            h = fnv1a(h, (const char *)xy->x + (size_t)(rows > 1 ? k * (xy->n - 1) / (rows - 1) : 0) * row, row);
-        h = fnv1a(h, xy->y, (size_t)xy->n * sizeof *xy->y);
+        for (int64_t k = 0; k < rows; k++) { /* the first row, the last, and evenly between */
+            const size_t at = (size_t)(rows > 1 ? k * (xy->n - 1) / (rows - 1) : 0) * row;
+            h = cmlp_hash_bytes(h, (const char *)xy->x + at, row);
+        }
+        h = cmlp_hash_bytes(h, xy->y, (size_t)xy->n * sizeof *xy->y);
     }
     const int64_t v[3] = {xy->n, (int64_t)xy->x_dtype, (int64_t)h};
     return cmlp_train_same_on_every_rank(names, v, 3, 1u << 2);

@@ -1,6 +1,6 @@
 /* util.c - small services of the core: the seeded random generator (xoshiro256** seeded by
- * splitmix64), the floating-point environment (subnormals flushed while cmlp computes) and the
- * path of a library that lives beside this module.
+ * splitmix64), the floating-point environment (subnormals flushed while cmlp computes), the
+ * path of a library that lives beside this module, and the hash the ranks compare values by.
  */
 #include "internal.h"
 
@@ -77,4 +77,15 @@ void cmlp_fpenv_leave(const cmlp_fpenv *e) {
 #else
     (void)e;
 #endif
+}
+
+uint64_t cmlp_hash_bytes(uint64_t h, const void *p, size_t n) {
+    const unsigned char *b = p;
+    for (size_t i = 0; i < n; i += 8) {
+        uint64_t w = 0;
+        memcpy(&w, b + i, n - i < 8 ? n - i : 8);
+        h = (h ^ w) * 0x9E3779B97F4A7C15ull;
+        h ^= h >> 29;
+    }
+    return h;
 }
