@@ -1015,6 +1015,56 @@ def test_get_lr_outside_step_moves_the_momentum_at_once_as_torchs(kind):
     assert set(sched.state_dict()) - {"_groups"} == set(tsched.state_dict())
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of")
+@pytest.mark.parametrize("kind", ["onecycle", "cyclic"])
+def test_subclasses_that_read_or_set_the_momentum_get_lr_set_see_it_as_torchs_do(kind):
+    """A cyclic schedule's own step sets its momenta with its rates; a subclass whose get_lr reads
+    or changes the momentum super().get_lr() just set, or whose own step() calls get_lr as torch's
+    does, sees it set at once, as in torch, and nothing is left behind."""
+    torch = pytest.importorskip("torch")
+
+    def capped(base):
+        class Capped(base):
+            def get_lr(self):
+                lrs = super().get_lr()
+                group = self.optimizer.param_groups[0]
+                self.seen = group["momentum"]  # (the value just computed)
+                group["momentum"] = min(self.seen, 0.88)
+                return lrs
+        return Capped
+
+    def own_step(base):
+        class OwnStep(base):
+            def step(self, epoch=None):  # torch's pattern: the flag around get_lr, then the rates set
+                self._get_lr_called_within_step = True
+                try:
+                    self.last_epoch += 1
+                    lrs = self.get_lr()
+                finally:
+                    self._get_lr_called_within_step = False
+                for group, lr in zip(self.optimizer.param_groups, lrs):
+                    group["lr"] = lr
+                self._last_lr = lrs
+        return OwnStep
+
+    def make(lib, opt, wrap):
+        if kind == "onecycle":
+            return wrap(lib.OneCycleLR)(opt, max_lr=1.0, total_steps=10)
+        return wrap(lib.CyclicLR)(opt, 0.01, 0.1, step_size_up=4)
+
+    for wrap in (capped, own_step):
+        opt = cmlp.optim.SGD(cmlp.MLP(SIZES), lr=0.1, momentum=0.9)
+        topt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1, momentum=0.9)
+        sched, tsched = make(S, opt, wrap), make(torch.optim.lr_scheduler, topt, wrap)
+        for _ in range(5):
+            sched.step()
+            tsched.step()
+            assert getattr(sched, "seen", None) == getattr(tsched, "seen", None)
+            assert opt._momenta() == [topt.param_groups[0]["momentum"]]
+            assert opt.lr == topt.param_groups[0]["lr"]
+            assert "_momenta_due" not in vars(sched)
+
+
 @pytest.mark.filterwarnings("ignore:Detected call of")  # torch's: no optimizer step here
 # (torch's closed forms of no steps to go divide by 0: test_closed_forms_without_torch has cmlp's)
 @pytest.mark.parametrize("case", [c for c in CASES if c[1].get("total_iters") != 0], ids=case_id)

@@ -259,7 +259,12 @@ class LRScheduler:
     _MOVES_MOMENTUM = False
     # an instance's is False but within step(), from the constructor on (get_lr warns outside it)
     _get_lr_called_within_step = True
-    _momenta_due: Optional[List[float]] = None  # get_lr's momenta, for its step to set (_move_momenta)
+    # OneCycleLR's and CyclicLR's: within this module's step() their get_lr leaves its momenta in
+    # _momenta_due (a list there while the step runs, None otherwise), for the step to set with the
+    # rates (_move_momenta); not for a class defined elsewhere that has its own get_lr, step or
+    # _update_lr: its code may read or set what get_lr set, as with torch's (__init_subclass__)
+    _DEFERS_MOMENTA = False
+    _momenta_due: Optional[List[float]] = None
 
     if TYPE_CHECKING:
         lr_lambdas: List[Any]  # LambdaLR's and MultiplicativeLR's functions
@@ -298,6 +303,8 @@ class LRScheduler:
             cast(Any, cls).get_lr = _warn_outside_step(cls.__dict__["get_lr"])  # (its own method, wrapped)
         if not _ours(cls.__module__) and "_MOVES_MOMENTUM" not in cls.__dict__:
             cls._MOVES_MOMENTUM = True  # a schedule of the caller's may set momenta in its get_lr
+        if not _ours(cls.__module__) and any(k in cls.__dict__ for k in ("get_lr", "step", "_update_lr")):
+            cls._DEFERS_MOMENTA = False
 
     def _check_loaded(self, state_dict: Mapping) -> None:
         """What this schedule's own state needs beyond _check_state's rules (dicts' keys)."""
@@ -345,6 +352,9 @@ class LRScheduler:
         # the groups' settings as they are (each change makes a new list of new dicts): their
         # momenta are read from it only when the step fails
         owns = optimizer._owns if self._MOVES_MOMENTUM else None
+        defers = self._DEFERS_MOMENTA
+        if defers:
+            self._momenta_due = []
         self._get_lr_called_within_step = True
         try:
             if epoch is None:
@@ -354,17 +364,10 @@ class LRScheduler:
                 self.last_epoch = epoch
                 closed = getattr(self, "_get_closed_form_lr", None)
                 lrs = closed() if closed is not None else self.get_lr()
-            # all or nothing, with the momenta that this module's cyclic schedules computed (_move_momenta)
-            due = self._momenta_due
-            if due is None:
-                optimizer._take_schedule(lrs)
-            else:
-                self._momenta_due = None
-                optimizer._take_schedule(lrs, due)
+            # all or nothing, with the momenta get_lr left (_DEFERS_MOMENTA)
+            optimizer._take_schedule(lrs, self._momenta_due or None)
         except BaseException as e:  # the optimizer as it was: get_lr may have moved the momentum
             self.last_epoch = before
-            if self._momenta_due is not None:
-                self._momenta_due = None
             if owns is not None:
                 optimizer._set_momentum([optimizer._part_fields(own)[0] for own in owns])
             if isinstance(e, (ZeroDivisionError, OverflowError)) and _raised_here(e):
@@ -374,12 +377,14 @@ class LRScheduler:
             raise
         finally:
             self._get_lr_called_within_step = False
+            if defers:
+                del self._momenta_due
         self._last_lr = list(optimizer._lrs)  # (what _group_lrs() gives, without the call)
 
     def _move_momenta(self, momenta: List[float]) -> None:
         """The momenta get_lr computed: within step() they go to the optimizer with the rates, as
-        one (_update_lr); called alone, get_lr sets them at once, as torch's sets them in the groups."""
-        if self._get_lr_called_within_step:
+        one (_DEFERS_MOMENTA); called alone, get_lr sets them at once, as torch's sets them in the groups."""
+        if self._momenta_due is not None:
             self._momenta_due = momenta
         else:
             self.optimizer._set_momentum(momenta)
@@ -388,7 +393,7 @@ class LRScheduler:
         """Everything but the optimizer; as in torch, of a LambdaLR's or MultiplicativeLR's
         function only the attributes of a callable object that is not a plain function (the
         state it keeps), None for a function."""
-        state = {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "lr_lambdas", "_momenta_due")}
+        state = {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "lr_lambdas")}
         if "lr_lambdas" in self.__dict__:
             state["lr_lambdas"] = [None if isinstance(fn, types.FunctionType) else dict(fn.__dict__)
                                    for fn in self.lr_lambdas]

@@ -45,6 +45,7 @@ class OneCycleLR(LRScheduler):
 
     _GROUP_KEYS = ("max_lr", "min_lr", "max_momentum", "base_momentum")
     _noted: Optional[Tuple[Any, ...]] = None  # what the groups held at the last step (_note_seen)
+    _DEFERS_MOMENTA = True
 
     def __init__(self, optimizer: Any, max_lr: Any, total_steps: Optional[int] = None, epochs: Optional[int] = None,
                  steps_per_epoch: Optional[int] = None, pct_start: float = 0.3, anneal_strategy: str = "cos",
@@ -228,7 +229,7 @@ class OneCycleLR(LRScheduler):
                 # and over, which Adam refuses): it stays at the end's value
                 m = b + (a - b) / 2.0 * weight if cos else (b - a) * weight + a
                 momenta.append(m if a <= m <= b or b <= m <= a else min(max(m, min(a, b)), max(a, b)))
-            if self._get_lr_called_within_step:  # (_move_momenta, written out: each step comes here)
+            if self._momenta_due is not None:  # (_move_momenta, written out: each step comes here)
                 self._momenta_due = momenta
             else:
                 self.optimizer._set_momentum(momenta)
@@ -297,6 +298,7 @@ class CyclicLR(LRScheduler):
 
     _LOADED_AT_LEAST = {**LRScheduler._LOADED_AT_LEAST, "total_size": _ABOVE_ZERO, "step_ratio": _ABOVE_ZERO}
     _LOADED_PER_GROUP = frozenset({"base_lrs", "max_lrs", "base_momentums", "max_momentums"})
+    _DEFERS_MOMENTA = True
 
     def __init__(self, optimizer: Any, base_lr: Any, max_lr: Any, step_size_up: int = 2000,
                  step_size_down: Optional[int] = None, mode: str = "triangular", gamma: float = 1.0,
@@ -367,7 +369,7 @@ class CyclicLR(LRScheduler):
     def state_dict(self) -> Dict[str, Any]:
         """As torch's: scale_fn is kept only as the attributes of a callable object that is not a
         plain function (None otherwise)."""
-        state = {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "_scale_fn_custom", "_momenta_due")}
+        state = {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "_scale_fn_custom")}
         fn = self._scale_fn_custom
         state["_scale_fn_custom"] = None if fn is None or isinstance(fn, types.FunctionType) else dict(fn.__dict__)
         return state
