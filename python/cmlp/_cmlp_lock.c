@@ -142,8 +142,10 @@ static PyObject *CoreLock_enter(CoreLockObject *self, PyObject *unused) {
     return r < 0 ? NULL : PyBool_FromLong(r);
 }
 
-static PyObject *CoreLock_exit(CoreLockObject *self, PyObject *args) {
+/* (fast-call: a with statement's exit passes three arguments, which no tuple need carry) */
+static PyObject *CoreLock_exit(CoreLockObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)args;
+    (void)nargs;
     return CoreLock_release(self, NULL);
 }
 
@@ -152,7 +154,7 @@ static PyMethodDef CoreLock_methods[] = {
      "acquire(blocking=True, timeout=-1): as threading.RLock's"},
     {"release", (PyCFunction)CoreLock_release, METH_NOARGS, "as threading.RLock's"},
     {"__enter__", (PyCFunction)CoreLock_enter, METH_NOARGS, "acquire()"},
-    {"__exit__", (PyCFunction)CoreLock_exit, METH_VARARGS, "release()"},
+    {"__exit__", (PyCFunction)(void (*)(void))CoreLock_exit, METH_FASTCALL, "release()"},
     {NULL, NULL, 0, NULL},
 };
 
