@@ -139,17 +139,10 @@ class OneCycleLR(LRScheduler):
             group._changed()  # (other schedules of the optimizer read them again)
         self._note_seen(optimizer)
 
-    def _adopt(self) -> None:
+    def _adopt(self, optimizer: Any) -> None:
         """The param groups' values, where code set or loaded them there (torch reads them from the
-        groups at each step), checked all together before any is taken; nothing to do where the
-        groups and this schedule hold what was last noted (see _note_seen: the common case, each
-        step one look at each stamp)."""
-        noted, optimizer = self._noted, self.optimizer
-        if noted is not None and noted[0] is optimizer._initial_lrs and noted[1] == self._groups:
-            groups, stamps = optimizer._param_groups, noted[2]
-            if (stamps[0] is groups[0]._stamp if len(groups) == 1 == len(stamps)
-                    else stamps == list(map(_STAMP, groups))):
-                return
+        groups at each step), checked all together before any is taken (get_lr calls it where the
+        groups and this schedule may not hold what was last noted: see _note_seen)."""
         taken = []
         for i, (group, mine) in enumerate(zip(optimizer.param_groups, self._groups)):
             initial = optimizer._initial_lrs[i]
@@ -199,7 +192,14 @@ class OneCycleLR(LRScheduler):
         step = self.last_epoch
         if step > self.total_steps:
             raise ValueError(f"Tried to step {step} times. The specified number of total steps is {self.total_steps}")
-        self._adopt()
+        # nothing to take from the groups where they and this schedule hold what was last noted
+        # (_note_seen: the common case, each step one look at each stamp)
+        noted, optimizer = self._noted, self.optimizer
+        groups = optimizer._param_groups
+        if noted is None or noted[0] is not optimizer._initial_lrs or noted[1] != self._groups \
+                or not (noted[2][0] is groups[0]._stamp if len(groups) == 1 == len(noted[2])
+                        else noted[2] == list(map(_STAMP, groups))):
+            self._adopt(optimizer)
         start, phases = 0.0, self._schedule_phases
         for phase in phases:
             end = phase["end_step"]
