@@ -164,7 +164,7 @@ class OneCycleLR(LRScheduler):
         gives, -0.0 kept apart from 0.0), as is each group's initial rate: the list of initial
         rates (replaced where they are, or changed in place through a group), a copy of this
         schedule's values (one that changed, however, is seen) and each group's stamp (a key of it
-        set, removed or loaded since makes a new one; see _ParamGroup._changed), for _adopt."""
+        set, removed or loaded since makes a new one; see _ParamGroup._changed), for get_lr's look."""
         self._seen = [{k: g._extra[k] for k in self._GROUP_KEYS if k in g._extra} for g in optimizer.param_groups]
         self._noted = None
         if len(optimizer.param_groups) != len(self._groups):
