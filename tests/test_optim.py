@@ -401,6 +401,33 @@ def test_a_state_dict_taken_while_another_thread_trains_is_of_one_step():
     assert seen > 10, seen
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of")  # (the schedule's first step may come before fit's)
+def test_a_schedule_stepped_while_another_thread_trains_sets_its_rates_and_momenta():
+    """The rate and momentum setters take a free model lock without letting the GIL go, and wait
+    for a busy one as every call does (here the training thread's, in its C loop): each step of the
+    schedule lands in the C optimizer, and neither thread waits for the other's end."""
+    import threading
+
+    from cmlp.optim import lr_scheduler
+
+    rng = np.random.default_rng(0)
+    x, y = rng.random((2048, 64), dtype=np.float32), rng.integers(0, 4, 2048)
+    model = cmlp.MLP([64, 128, 4], seed=1)
+    opt = cmlp.optim.SGD(model, lr=0.01, momentum=0.9)
+    trainer = cmlp.Trainer(model, opt, batch_size=8)
+    sched = lr_scheduler.CyclicLR(opt, 0.001, 0.1, step_size_up=5)
+    worker = threading.Thread(target=lambda: trainer.fit(x, y, epochs=20, progress=False))
+    worker.start()
+    steps = 0
+    while worker.is_alive() and steps < 5000:
+        sched.step()
+        steps += 1
+        assert opt._c.lr == opt.lr == sched.get_last_lr()[0]
+        assert opt._c.momentum == opt.param_groups[0]["momentum"]
+    worker.join(timeout=300)
+    assert not worker.is_alive() and steps > 100, steps
+
+
 @pytest.mark.parametrize("make", [lambda m: cmlp.optim.AdamW(m, weight_decay=0.5),
                                   lambda m: cmlp.optim.SGD(m, lr=0.1, momentum=0.9, weight_decay=0.5)],
                          ids=["adamw", "sgd"])
