@@ -279,7 +279,7 @@ def test_memory_limit_oom_is_clean_and_recoverable():
     ooms = M.memory_stats(DEV)["num_ooms"]
     limit = M.memory_reserved(DEV) + (4 << 20) + 12345  # room for a new 2 MiB segment, run alone too
     M.set_memory_limit(limit, DEV)
-    assert M.get_memory_limit(DEV) == limit
+    assert M.get_memory_limit(DEV) == limit == M.memory_stats(DEV)["limit"]  # (read without the statistics)
     with pytest.raises(cmlp.OutOfMemoryError) as info:
         cmlp.MLP(big, seed=0)
     err = info.value

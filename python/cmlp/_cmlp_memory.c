@@ -73,6 +73,17 @@ fail:
     return NULL;
 }
 
+/* memory_stats(device)["limit"] without the dict (a trainer's step asks at each call) */
+static PyObject *mod_memory_limit(PyObject *mod, PyObject *arg) {
+    cmlp_device d;
+    if (parse_device(state_of(mod), arg, &d) < 0) return NULL;
+    cmlp_memory_stats s;
+    cmlp_status st;
+    GUARDED(st = cmlp_memory_stats_get(d, &s));
+    if (st != CMLP_OK) return raise_status(state_of(mod), st);
+    return PyLong_FromLongLong(s.limit);
+}
+
 typedef cmlp_status (*device_fn)(cmlp_device);
 
 static PyObject *call_device_fn(PyObject *mod, PyObject *arg, device_fn fn) {
@@ -381,6 +392,7 @@ static PyObject *mod_fail_raw_alloc(PyObject *mod, PyObject *args) {
 
 PyMethodDef cmlp_py_memory_methods[] = {
     {"memory_stats", mod_memory_stats, METH_O, "memory_stats(device) -> dict"},
+    {"memory_limit", mod_memory_limit, METH_O, "memory_limit(device) -> bytes, or -1 for none"},
     {"mem_get_info", mod_mem_get_info, METH_O, "mem_get_info(device) -> (free bytes or -1, total bytes)"},
     {"reset_peak_memory_stats", mod_reset_peak, METH_O, "reset every peak to its current value"},
     {"memory_window_peak", mod_window_peak, METH_VARARGS,

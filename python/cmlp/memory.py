@@ -166,7 +166,7 @@ def set_per_process_memory_fraction(fraction: float, device: Optional[Device] = 
 
 
 def get_memory_limit(device: Optional[Device] = None) -> Optional[int]:
-    limit = _cmlp.memory_stats(_device(device))["limit"]
+    limit = _cmlp.memory_limit(_device(device))
     return None if limit < 0 else limit
 
 
