@@ -39,13 +39,22 @@ static PyObject *mod_mem_get_info(PyObject *mod, PyObject *arg) {
     return Py_BuildValue("(LL)", (long long)free_bytes, (long long)total);
 }
 
-static PyObject *mod_memory_stats(PyObject *mod, PyObject *arg) {
+/* The statistics of the device named by arg (0), or -1 with the exception set. */
+static int stats_of(PyObject *mod, PyObject *arg, cmlp_memory_stats *s) {
     cmlp_device d;
-    if (parse_device(state_of(mod), arg, &d) < 0) return NULL;
-    cmlp_memory_stats s;
+    if (parse_device(state_of(mod), arg, &d) < 0) return -1;
     cmlp_status st;
-    GUARDED(st = cmlp_memory_stats_get(d, &s));
-    if (st != CMLP_OK) return raise_status(state_of(mod), st);
+    GUARDED(st = cmlp_memory_stats_get(d, s));
+    if (st != CMLP_OK) {
+        raise_status(state_of(mod), st);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *mod_memory_stats(PyObject *mod, PyObject *arg) {
+    cmlp_memory_stats s;
+    if (stats_of(mod, arg, &s) < 0) return NULL;
     PyObject *dict = PyDict_New();
     if (!dict) return NULL;
     char prefix[64];
@@ -75,13 +84,8 @@ fail:
 
 /* memory_stats(device)["limit"] without the dict (a trainer's step asks at each call) */
 static PyObject *mod_memory_limit(PyObject *mod, PyObject *arg) {
-    cmlp_device d;
-    if (parse_device(state_of(mod), arg, &d) < 0) return NULL;
     cmlp_memory_stats s;
-    cmlp_status st;
-    GUARDED(st = cmlp_memory_stats_get(d, &s));
-    if (st != CMLP_OK) return raise_status(state_of(mod), st);
-    return PyLong_FromLongLong(s.limit);
+    return stats_of(mod, arg, &s) < 0 ? NULL : PyLong_FromLongLong(s.limit);
 }
 
 typedef cmlp_status (*device_fn)(cmlp_device);
